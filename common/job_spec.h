@@ -1,0 +1,92 @@
+// JobSpec: the training job description of DESIGN.md section 5. One JSON file feeds
+// `spindle submit`, `spindle plan` and the standalone `spindle-train`. Parsing rejects unknown
+// fields and impossible values with one error that names the field (e.g.
+// "job spec: train.lr: must be > 0, got -1"). Plain data; no thread-safety concerns.
+//
+// Example:
+//   {"name": "recall", "model": {"preset": "tiny"},
+//    "data": {"source": "synthetic:recall"}, "seq_len": 4096,
+//    "parallel": {"cp": 1, "dp": 1, "lightning_mode": "auto", "mla_mode": "auto"},
+//    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
+//              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": false},
+//    "checkpoint": {"dir": "/tmp/ckpt", "every": 50},
+//    "resources": "cpu", "max_restarts": 3, "priority": 0}
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "nlohmann/json.hpp"
+
+namespace spindle {
+
+enum class DataKind { kSynthetic, kTokens, kText };
+
+struct DataSpec {
+  std::string source;  // "synthetic:<task>", "tokens:<path>" or "text:<path>"
+  DataKind kind = DataKind::kSynthetic;
+  std::string task;        // synthetic task name ("recall", "copy")
+  std::string path;        // token or text file
+  int64_t token_bytes = 2; // tokens: 2 (uint16) or 4 (uint32), little-endian
+  int64_t eos_id = -1;     // tokens: required; text and synthetic: fixed by the source
+  // Synthetic recall: pairs per document and the distance (tokens) between the pairs and queries.
+  int64_t recall_pairs = 8;
+  int64_t recall_gap = 1024;
+};
+
+enum class CpMode { kAuto, kAllGather, kAll2All };
+std::string_view CpModeName(CpMode m);
+
+struct ParallelSpec {
+  int64_t cp = 1;
+  int64_t dp = 1;
+  CpMode lightning_mode = CpMode::kAuto;
+  CpMode mla_mode = CpMode::kAuto;
+  int64_t world() const { return cp * dp; }
+};
+
+struct TrainSpec {
+  int64_t steps = 100;
+  int64_t micro_batches = 1;  // sequences per rank per step (gradient accumulation)
+  double lr = 3e-3;
+  double min_lr = 0.0;      // cosine floor
+  int64_t warmup_steps = 0;
+  std::string schedule = "cosine";  // "cosine" | "constant"
+  std::string optimizer = "adamw";  // "adamw" | "sgd"
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double momentum = 0.0;  // sgd
+  double grad_clip = 1.0; // 0 disables clipping
+  uint64_t seed = 1;
+  bool recompute = false;
+};
+
+struct CheckpointSpec {
+  std::string dir;     // empty: no checkpoints
+  int64_t every = 0;   // steps between checkpoints; 0: only at the end
+  int64_t keep = 2;    // complete checkpoints kept
+};
+
+struct JobSpec {
+  std::string name;
+  ModelConfig model;
+  DataSpec data;
+  int64_t seq_len = 4096;
+  ParallelSpec parallel;
+  TrainSpec train;
+  CheckpointSpec checkpoint;
+  std::string resources = "cpu";  // "cpu" | "cuda"
+  int64_t max_restarts = 3;
+  int64_t priority = 0;  // higher runs first
+
+  nlohmann::json ToJson() const;  // canonical form; ParseJobSpec(ToJson()) round-trips
+};
+
+absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text);
+absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j);
+absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);
+
+}  // namespace spindle

@@ -1,0 +1,55 @@
+// ModelConfig: the sizes of the DESIGN.md section 2 hybrid model (Lightning + MLA layers) and the
+// named presets `tiny`, `small` and `1b`. Shared by the engine (to build the model), the
+// coordinator (to plan and estimate memory) and the CLI. Plain data; no thread-safety concerns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace spindle {
+
+struct MlaConfig {
+  int64_t q_lora_rank = 0;  // 0: q = Wq x; otherwise q = Wq_b RMSNorm(Wq_a x)
+  int64_t kv_lora_rank = 32;
+  int64_t qk_nope_dim = 16;
+  int64_t qk_rope_dim = 16;
+  int64_t v_head_dim = 16;
+};
+
+struct ModelConfig {
+  std::string preset;  // empty when every size was given explicitly
+  int64_t vocab = 257;
+  int64_t d_model = 64;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;  // Lightning and MLA heads; Lightning head size is d_model / n_heads
+  int64_t ffn_dim = 176;
+  std::string layer_pattern = "LLLLLLLM";  // repeats over n_layers: L = Lightning, M = MLA
+  MlaConfig mla;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-6;
+
+  int64_t head_dim() const { return d_model / n_heads; }
+  // 'L' or 'M' for layer i.
+  char LayerKind(int64_t i) const { return layer_pattern[i % layer_pattern.size()]; }
+  int64_t NumLayersOfKind(char kind) const;
+  // Total parameter count (embedding and LM head included).
+  int64_t NumParams() const;
+  // Forward+backward FLOPs per token for a sequence of seq_len tokens (6N for the matmuls plus
+  // the attention terms), used for MFU.
+  double TrainFlopsPerToken(int64_t seq_len) const;
+  absl::Status Validate() const;
+  nlohmann::json ToJson() const;
+};
+
+// `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
+absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
+
+// Parses the job spec's "model" object: {"preset": "tiny", ...overrides} or every size given
+// explicitly. Errors name the offending field as "model.<field>".
+absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j);
+
+}  // namespace spindle
