@@ -1,0 +1,251 @@
+// Job spec parsing, validation and canonical JSON (see job_spec.h).
+#include "common/job_spec.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/json_fields.h"
+#include "common/status.h"
+
+namespace spindle {
+namespace {
+
+absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
+  std::string s = "auto";
+  RETURN_IF_ERROR(f.ReadString(key, &s));
+  if (s == "auto") return CpMode::kAuto;
+  if (s == "allgather") return CpMode::kAllGather;
+  if (s == "all2all") return CpMode::kAll2All;
+  return f.Error(key, absl::StrCat("must be \"auto\", \"allgather\" or \"all2all\", got \"", s,
+                                   "\""));
+}
+
+absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
+  JsonFields f(j, "job spec", "data");
+  RETURN_IF_ERROR(f.CheckObject());
+  RETURN_IF_ERROR(f.ReadString("source", &d->source, /*required=*/true));
+  RETURN_IF_ERROR(f.ReadInt("token_bytes", &d->token_bytes));
+  RETURN_IF_ERROR(f.ReadInt("eos_id", &d->eos_id));
+  RETURN_IF_ERROR(f.ReadInt("recall_pairs", &d->recall_pairs));
+  RETURN_IF_ERROR(f.ReadInt("recall_gap", &d->recall_gap));
+  RETURN_IF_ERROR(f.Finish());
+  const std::string& s = d->source;
+  if (absl::StartsWith(s, "synthetic:")) {
+    d->kind = DataKind::kSynthetic;
+    d->task = s.substr(10);
+    if (d->task != "recall" && d->task != "copy")
+      return f.Error("source", absl::StrCat("unknown synthetic task \"", d->task,
+                                            "\" (known: recall, copy)"));
+  } else if (absl::StartsWith(s, "tokens:")) {
+    d->kind = DataKind::kTokens;
+    d->path = s.substr(7);
+    if (!f.Has("eos_id")) return f.Error("eos_id", "is required for a token file");
+  } else if (absl::StartsWith(s, "text:")) {
+    d->kind = DataKind::kText;
+    d->path = s.substr(5);
+  } else {
+    return f.Error("source", absl::StrCat("must start with \"synthetic:\", \"tokens:\" or "
+                                          "\"text:\", got \"", s, "\""));
+  }
+  if (d->kind != DataKind::kSynthetic && d->path.empty())
+    return f.Error("source", "names no file");
+  if (d->token_bytes != 2 && d->token_bytes != 4)
+    return f.Error("token_bytes", absl::StrCat("must be 2 or 4, got ", d->token_bytes));
+  if (d->kind == DataKind::kTokens && d->eos_id < 0)
+    return f.Error("eos_id", absl::StrCat("must be >= 0, got ", d->eos_id));
+  if (d->recall_pairs < 1 || d->recall_pairs > 64)
+    return f.Error("recall_pairs", absl::StrCat("must be in [1, 64], got ", d->recall_pairs));
+  if (d->recall_gap < 0)
+    return f.Error("recall_gap", absl::StrCat("must be >= 0, got ", d->recall_gap));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string_view CpModeName(CpMode m) {
+  switch (m) {
+    case CpMode::kAuto: return "auto";
+    case CpMode::kAllGather: return "allgather";
+    case CpMode::kAll2All: return "all2all";
+  }
+  return "auto";
+}
+
+absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
+  JsonFields f(j, "job spec", "");
+  RETURN_IF_ERROR(f.CheckObject());
+  JobSpec s;
+  RETURN_IF_ERROR(f.ReadString("name", &s.name, /*required=*/true));
+  if (s.name.empty() || s.name.size() > 128) return f.Error("name", "must be 1-128 characters");
+  for (char c : s.name)
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'))
+      return f.Error("name", absl::StrCat("may only hold letters, digits, '-', '_' and '.', got \"",
+                                          s.name, "\""));
+
+  const nlohmann::json* model = f.Sub("model");
+  if (!model) return f.Error("model", "is required");
+  ASSIGN_OR_RETURN(s.model, ModelConfigFromJson(*model));
+
+  const nlohmann::json* data = f.Sub("data");
+  if (!data) return f.Error("data", "is required");
+  RETURN_IF_ERROR(ParseData(*data, &s.data));
+
+  RETURN_IF_ERROR(f.ReadInt("seq_len", &s.seq_len, /*required=*/true));
+  if (s.seq_len < 2 || s.seq_len > (int64_t{1} << 24))
+    return f.Error("seq_len", absl::StrCat("must be in [2, 16777216], got ", s.seq_len));
+
+  if (const nlohmann::json* p = f.Sub("parallel")) {
+    JsonFields pf(*p, "job spec", "parallel");
+    RETURN_IF_ERROR(pf.CheckObject());
+    RETURN_IF_ERROR(pf.ReadInt("cp", &s.parallel.cp));
+    RETURN_IF_ERROR(pf.ReadInt("dp", &s.parallel.dp));
+    ASSIGN_OR_RETURN(s.parallel.lightning_mode, ParseCpMode(pf, "lightning_mode"));
+    ASSIGN_OR_RETURN(s.parallel.mla_mode, ParseCpMode(pf, "mla_mode"));
+    RETURN_IF_ERROR(pf.Finish());
+    if (s.parallel.cp < 1 || s.parallel.cp > 1024)
+      return pf.Error("cp", absl::StrCat("must be in [1, 1024], got ", s.parallel.cp));
+    if (s.parallel.dp < 1 || s.parallel.dp > 4096)
+      return pf.Error("dp", absl::StrCat("must be in [1, 4096], got ", s.parallel.dp));
+  }
+
+  if (const nlohmann::json* t = f.Sub("train")) {
+    JsonFields tf(*t, "job spec", "train");
+    TrainSpec& tr = s.train;
+    RETURN_IF_ERROR(tf.CheckObject());
+    RETURN_IF_ERROR(tf.ReadInt("steps", &tr.steps));
+    RETURN_IF_ERROR(tf.ReadInt("micro_batches", &tr.micro_batches));
+    RETURN_IF_ERROR(tf.ReadDouble("lr", &tr.lr));
+    RETURN_IF_ERROR(tf.ReadDouble("min_lr", &tr.min_lr));
+    RETURN_IF_ERROR(tf.ReadInt("warmup_steps", &tr.warmup_steps));
+    RETURN_IF_ERROR(tf.ReadString("schedule", &tr.schedule));
+    RETURN_IF_ERROR(tf.ReadString("optimizer", &tr.optimizer));
+    RETURN_IF_ERROR(tf.ReadDouble("weight_decay", &tr.weight_decay));
+    RETURN_IF_ERROR(tf.ReadDouble("beta1", &tr.beta1));
+    RETURN_IF_ERROR(tf.ReadDouble("beta2", &tr.beta2));
+    RETURN_IF_ERROR(tf.ReadDouble("eps", &tr.eps));
+    RETURN_IF_ERROR(tf.ReadDouble("momentum", &tr.momentum));
+    RETURN_IF_ERROR(tf.ReadDouble("grad_clip", &tr.grad_clip));
+    RETURN_IF_ERROR(tf.ReadUint("seed", &tr.seed));
+    RETURN_IF_ERROR(tf.ReadBool("recompute", &tr.recompute));
+    RETURN_IF_ERROR(tf.Finish());
+    if (tr.steps < 1) return tf.Error("steps", absl::StrCat("must be >= 1, got ", tr.steps));
+    if (tr.micro_batches < 1)
+      return tf.Error("micro_batches", absl::StrCat("must be >= 1, got ", tr.micro_batches));
+    if (!(tr.lr > 0)) return tf.Error("lr", absl::StrCat("must be > 0, got ", tr.lr));
+    if (tr.min_lr < 0 || tr.min_lr > tr.lr)
+      return tf.Error("min_lr", absl::StrCat("must be in [0, lr], got ", tr.min_lr));
+    if (tr.warmup_steps < 0)
+      return tf.Error("warmup_steps", absl::StrCat("must be >= 0, got ", tr.warmup_steps));
+    if (tr.schedule != "cosine" && tr.schedule != "constant")
+      return tf.Error("schedule",
+                      absl::StrCat("must be \"cosine\" or \"constant\", got \"", tr.schedule, "\""));
+    if (tr.optimizer != "adamw" && tr.optimizer != "sgd")
+      return tf.Error("optimizer",
+                      absl::StrCat("must be \"adamw\" or \"sgd\", got \"", tr.optimizer, "\""));
+    if (tr.weight_decay < 0) return tf.Error("weight_decay", "must be >= 0");
+    if (!(tr.beta1 >= 0 && tr.beta1 < 1)) return tf.Error("beta1", "must be in [0, 1)");
+    if (!(tr.beta2 >= 0 && tr.beta2 < 1)) return tf.Error("beta2", "must be in [0, 1)");
+    if (!(tr.eps > 0)) return tf.Error("eps", "must be > 0");
+    if (!(tr.momentum >= 0 && tr.momentum < 1)) return tf.Error("momentum", "must be in [0, 1)");
+    if (tr.grad_clip < 0) return tf.Error("grad_clip", "must be >= 0 (0 disables clipping)");
+  }
+
+  if (const nlohmann::json* c = f.Sub("checkpoint")) {
+    JsonFields cf(*c, "job spec", "checkpoint");
+    RETURN_IF_ERROR(cf.CheckObject());
+    RETURN_IF_ERROR(cf.ReadString("dir", &s.checkpoint.dir));
+    RETURN_IF_ERROR(cf.ReadInt("every", &s.checkpoint.every));
+    RETURN_IF_ERROR(cf.ReadInt("keep", &s.checkpoint.keep));
+    RETURN_IF_ERROR(cf.Finish());
+    if (s.checkpoint.every < 0)
+      return cf.Error("every", absl::StrCat("must be >= 0, got ", s.checkpoint.every));
+    if (s.checkpoint.keep < 1)
+      return cf.Error("keep", absl::StrCat("must be >= 1, got ", s.checkpoint.keep));
+  }
+
+  RETURN_IF_ERROR(f.ReadString("resources", &s.resources));
+  if (s.resources != "cpu" && s.resources != "cuda")
+    return f.Error("resources",
+                   absl::StrCat("must be \"cpu\" or \"cuda\", got \"", s.resources, "\""));
+  RETURN_IF_ERROR(f.ReadInt("max_restarts", &s.max_restarts));
+  if (s.max_restarts < 0 || s.max_restarts > 1000)
+    return f.Error("max_restarts", absl::StrCat("must be in [0, 1000], got ", s.max_restarts));
+  RETURN_IF_ERROR(f.ReadInt("priority", &s.priority));
+  RETURN_IF_ERROR(f.Finish());
+
+  // Cross-field rules that need no cluster knowledge.
+  if (s.data.kind != DataKind::kTokens && s.model.vocab < 257)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: model.vocab: must be >= 257 for byte-token data (\"", s.data.source,
+        "\"), got ", s.model.vocab));
+  if (s.data.kind == DataKind::kTokens && s.data.eos_id >= s.model.vocab)
+    return absl::InvalidArgumentError(absl::StrCat("job spec: data.eos_id: ", s.data.eos_id,
+                                                   " is outside the vocabulary (model.vocab = ",
+                                                   s.model.vocab, ")"));
+  return s;
+}
+
+absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text) {
+  nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("job spec: not valid JSON");
+  return ParseJobSpecJson(j);
+}
+
+absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("job spec: cannot open \"", path, "\""));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto spec = ParseJobSpec(ss.str());
+  if (!spec.ok())
+    return absl::Status(spec.status().code(),
+                        absl::StrCat(path, ": ", spec.status().message()));
+  return spec;
+}
+
+nlohmann::json JobSpec::ToJson() const {
+  nlohmann::json data_j = {{"source", data.source}};
+  if (data.kind == DataKind::kTokens) {
+    data_j["token_bytes"] = data.token_bytes;
+    data_j["eos_id"] = data.eos_id;
+  }
+  if (data.kind == DataKind::kSynthetic) {
+    data_j["recall_pairs"] = data.recall_pairs;
+    data_j["recall_gap"] = data.recall_gap;
+  }
+  nlohmann::json model_j = model.ToJson();
+  return {{"name", name},
+          {"model", model_j},
+          {"data", data_j},
+          {"seq_len", seq_len},
+          {"parallel",
+           {{"cp", parallel.cp},
+            {"dp", parallel.dp},
+            {"lightning_mode", std::string(CpModeName(parallel.lightning_mode))},
+            {"mla_mode", std::string(CpModeName(parallel.mla_mode))}}},
+          {"train",
+           {{"steps", train.steps},
+            {"micro_batches", train.micro_batches},
+            {"lr", train.lr},
+            {"min_lr", train.min_lr},
+            {"warmup_steps", train.warmup_steps},
+            {"schedule", train.schedule},
+            {"optimizer", train.optimizer},
+            {"weight_decay", train.weight_decay},
+            {"beta1", train.beta1},
+            {"beta2", train.beta2},
+            {"eps", train.eps},
+            {"momentum", train.momentum},
+            {"grad_clip", train.grad_clip},
+            {"seed", train.seed},
+            {"recompute", train.recompute}}},
+          {"checkpoint",
+           {{"dir", checkpoint.dir}, {"every", checkpoint.every}, {"keep", checkpoint.keep}}},
+          {"resources", resources},
+          {"max_restarts", max_restarts},
+          {"priority", priority}};
+}
+
+}  // namespace spindle

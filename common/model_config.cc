@@ -1,0 +1,146 @@
+// Model sizes, presets and their JSON form (see model_config.h).
+#include "common/model_config.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/json_fields.h"
+#include "common/status.h"
+
+namespace spindle {
+
+int64_t ModelConfig::NumLayersOfKind(char kind) const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < n_layers; ++i) n += LayerKind(i) == kind;
+  return n;
+}
+
+int64_t ModelConfig::NumParams() const {
+  const int64_t d = d_model, H = n_heads, Dh = head_dim();
+  int64_t n = 2 * vocab * d + d;  // embedding, LM head, final norm
+  const int64_t common = 2 * d + 3 * d * ffn_dim;
+  const int64_t la = 3 * d * d + d * d + d * d + 2 * Dh + d;
+  const int64_t qk = mla.qk_nope_dim + mla.qk_rope_dim;
+  int64_t ml = d * (mla.kv_lora_rank + mla.qk_rope_dim) + mla.kv_lora_rank +
+               mla.kv_lora_rank * H * (mla.qk_nope_dim + mla.v_head_dim) + H * mla.v_head_dim * d;
+  ml += mla.q_lora_rank > 0 ? d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * H * qk
+                            : d * H * qk;
+  n += n_layers * common + NumLayersOfKind('L') * la + NumLayersOfKind('M') * ml;
+  return n;
+}
+
+double ModelConfig::TrainFlopsPerToken(int64_t seq_len) const {
+  const double non_embed = static_cast<double>(NumParams() - vocab * d_model);
+  const double qk = static_cast<double>(mla.qk_nope_dim + mla.qk_rope_dim);
+  // Causal softmax attention: QK^T and PV over T/2 keys on average, x3 for forward + backward.
+  const double mla_tok = 3.0 * 2.0 * n_heads * seq_len * (qk + mla.v_head_dim) / 2.0;
+  // Chunked Lightning (chunk 64): intra-chunk QK^T, PV and the state read/update, x3.
+  const double Dh = static_cast<double>(head_dim());
+  const double la_tok = 3.0 * 2.0 * n_heads * (64.0 * Dh * 2.0 + Dh * Dh * 2.0);
+  return 6.0 * non_embed + NumLayersOfKind('M') * mla_tok + NumLayersOfKind('L') * la_tok;
+}
+
+absl::Status ModelConfig::Validate() const {
+  auto err = [](const std::string& field, const std::string& msg) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: model.", field, ": ", msg));
+  };
+  if (vocab < 2) return err("vocab", absl::StrCat("must be >= 2, got ", vocab));
+  if (vocab > (int64_t{1} << 31) - 1) return err("vocab", "must fit in int32");
+  if (d_model < 1) return err("d_model", absl::StrCat("must be >= 1, got ", d_model));
+  if (n_layers < 1) return err("n_layers", absl::StrCat("must be >= 1, got ", n_layers));
+  if (n_heads < 1) return err("n_heads", absl::StrCat("must be >= 1, got ", n_heads));
+  if (d_model % n_heads != 0)
+    return err("n_heads", absl::StrCat("must divide d_model (", d_model, "), got ", n_heads));
+  if (head_dim() % 2 != 0)
+    return err("n_heads", absl::StrCat("head size d_model/n_heads must be even for RoPE, got ",
+                                       head_dim()));
+  if (ffn_dim < 1) return err("ffn_dim", absl::StrCat("must be >= 1, got ", ffn_dim));
+  if (layer_pattern.empty()) return err("layer_pattern", "must not be empty");
+  for (char c : layer_pattern)
+    if (c != 'L' && c != 'M')
+      return err("layer_pattern", absl::StrCat("may only hold 'L' and 'M', got \"",
+                                               layer_pattern, "\""));
+  if (NumLayersOfKind('M') > 0) {
+    if (mla.q_lora_rank < 0) return err("mla.q_lora_rank", "must be >= 0");
+    if (mla.kv_lora_rank < 1) return err("mla.kv_lora_rank", "must be >= 1");
+    if (mla.qk_nope_dim < 0) return err("mla.qk_nope_dim", "must be >= 0");
+    if (mla.qk_rope_dim < 2 || mla.qk_rope_dim % 2 != 0)
+      return err("mla.qk_rope_dim", absl::StrCat("must be even and >= 2, got ", mla.qk_rope_dim));
+    if (mla.v_head_dim < 1) return err("mla.v_head_dim", "must be >= 1");
+  }
+  if (!(rope_theta > 1.0)) return err("rope_theta", "must be > 1");
+  if (!(norm_eps > 0.0)) return err("norm_eps", "must be > 0");
+  return absl::OkStatus();
+}
+
+nlohmann::json ModelConfig::ToJson() const {
+  nlohmann::json j = {{"vocab", vocab},     {"d_model", d_model},
+                      {"n_layers", n_layers}, {"n_heads", n_heads},
+                      {"ffn_dim", ffn_dim}, {"layer_pattern", layer_pattern},
+                      {"rope_theta", rope_theta}, {"norm_eps", norm_eps},
+                      {"mla",
+                       {{"q_lora_rank", mla.q_lora_rank},
+                        {"kv_lora_rank", mla.kv_lora_rank},
+                        {"qk_nope_dim", mla.qk_nope_dim},
+                        {"qk_rope_dim", mla.qk_rope_dim},
+                        {"v_head_dim", mla.v_head_dim}}}};
+  if (!preset.empty()) j["preset"] = preset;
+  return j;
+}
+
+absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
+  ModelConfig c;
+  c.preset = std::string(name);
+  if (name == "tiny") {
+    c.vocab = 257, c.d_model = 64, c.n_layers = 4, c.n_heads = 4, c.ffn_dim = 176;
+    c.layer_pattern = "LLLM";
+    c.mla = {0, 32, 16, 16, 16};
+  } else if (name == "small") {  // the CPU peer's default size
+    c.vocab = 257, c.d_model = 256, c.n_layers = 8, c.n_heads = 4, c.ffn_dim = 704;
+    c.layer_pattern = "LLLLLLLM";
+    c.mla = {0, 128, 32, 32, 64};
+  } else if (name == "1b") {  // the GPU peer's default size
+    c.vocab = 32000, c.d_model = 2048, c.n_layers = 16, c.n_heads = 16, c.ffn_dim = 5632;
+    c.layer_pattern = "LLLLLLLM";
+    c.mla = {768, 512, 128, 64, 128};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: model.preset: unknown preset \"", std::string(name), "\" (known: tiny, small, 1b)"));
+  }
+  return c;
+}
+
+absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
+  JsonFields f(j, "job spec", "model");
+  RETURN_IF_ERROR(f.CheckObject());
+  ModelConfig c;
+  std::string preset;
+  RETURN_IF_ERROR(f.ReadString("preset", &preset));
+  if (!preset.empty()) {
+    ASSIGN_OR_RETURN(c, ModelPreset(preset));
+  } else {
+    for (const char* key : {"vocab", "d_model", "n_layers", "n_heads", "ffn_dim"})
+      if (!f.Has(key)) return f.Error(key, "is required when no preset is given");
+  }
+  RETURN_IF_ERROR(f.ReadInt("vocab", &c.vocab));
+  RETURN_IF_ERROR(f.ReadInt("d_model", &c.d_model));
+  RETURN_IF_ERROR(f.ReadInt("n_layers", &c.n_layers));
+  RETURN_IF_ERROR(f.ReadInt("n_heads", &c.n_heads));
+  RETURN_IF_ERROR(f.ReadInt("ffn_dim", &c.ffn_dim));
+  RETURN_IF_ERROR(f.ReadString("layer_pattern", &c.layer_pattern));
+  RETURN_IF_ERROR(f.ReadDouble("rope_theta", &c.rope_theta));
+  RETURN_IF_ERROR(f.ReadDouble("norm_eps", &c.norm_eps));
+  if (const nlohmann::json* m = f.Sub("mla")) {
+    JsonFields mf(*m, "job spec", "model.mla");
+    RETURN_IF_ERROR(mf.CheckObject());
+    RETURN_IF_ERROR(mf.ReadInt("q_lora_rank", &c.mla.q_lora_rank));
+    RETURN_IF_ERROR(mf.ReadInt("kv_lora_rank", &c.mla.kv_lora_rank));
+    RETURN_IF_ERROR(mf.ReadInt("qk_nope_dim", &c.mla.qk_nope_dim));
+    RETURN_IF_ERROR(mf.ReadInt("qk_rope_dim", &c.mla.qk_rope_dim));
+    RETURN_IF_ERROR(mf.ReadInt("v_head_dim", &c.mla.v_head_dim));
+    RETURN_IF_ERROR(mf.Finish());
+  }
+  RETURN_IF_ERROR(f.Finish());
+  RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+}  // namespace spindle
