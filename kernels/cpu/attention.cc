@@ -1,0 +1,321 @@
+// Document-masked causal softmax attention on CPU (the MLA core): a tiled online-softmax forward
+// that saves the log-sum-exp, and a backward that recomputes probabilities from it.
+//
+// Tiles are kBlock queries x kBlock keys. Because positions ascend and document ids never
+// decrease, the keys one query sees are a contiguous run of any key tile, and the keys a query
+// tile can see lie in one contiguous key range found by binary search; tiles outside it are never
+// touched. Forward: one work item per (head, query tile). Backward: one item per (head, key-tile
+// class), owning dk and dv of its key tiles; dq is accumulated per item and, where several items
+// share a head, reduced afterwards. No two threads ever write the same value.
+#include "kernels/cpu/attention.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace spindle::kernels::cpu {
+namespace {
+
+constexpr int64_t kBlock = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// OpenBLAS hands a GEMM to its own thread pool above m*n*k = 64^3; called from inside an OpenMP
+// region that oversubscribes the cores and runs several times slower. Every product here is cut
+// into pieces of at most that size so each piece runs on the calling thread.
+constexpr int64_t kMaxSingleThreadGemm = 64 * 64 * 64;
+
+// C = alpha * op(A) op(B) + beta * C, row-major, op = transpose when the flag is set.
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    }
+    return;
+  }
+  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
+  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
+  if (m * n * k <= kMaxSingleThreadGemm) {
+    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const int64_t mb = std::min<int64_t>(m, 64);
+  const int64_t nb = std::min<int64_t>(n, 64);
+  const int64_t kb = std::max<int64_t>(1, kMaxSingleThreadGemm / (mb * nb));
+  for (int64_t i0 = 0; i0 < m; i0 += mb) {
+    for (int64_t j0 = 0; j0 < n; j0 += nb) {
+      for (int64_t p0 = 0; p0 < k; p0 += kb) {
+        const float* ap = trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0;
+        const float* bp = trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0;
+        cblas_sgemm(CblasRowMajor, ta, tb, std::min(mb, m - i0), std::min(nb, n - j0),
+                    std::min(kb, k - p0), alpha, ap, lda, bp, ldb, p0 == 0 ? beta : 1.0f,
+                    c + i0 * ldc + j0, ldc);
+      }
+    }
+  }
+}
+
+// exp(x) to a few ulp for x <= 88 (Cephes' expf polynomial), exactly 0 for x < -87 (so -inf
+// gives 0). Branch-free so that loops over it vectorise.
+inline float ExpF(float x) {
+  const float xc = std::min(std::max(x, -87.5f), 88.0f);
+  const float shifted = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23 rounds to integer
+  const float n = shifted - 12582912.0f;
+  const uint32_t n_bits = std::bit_cast<uint32_t>(shifted) - 0x4B400000u;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float y = std::bit_cast<float>(std::bit_cast<uint32_t>(p) + (n_bits << 23));
+  return x < -87.0f ? 0.0f : y;
+}
+
+// x[i] = exp(x[i] - shift) for i < n.
+void ExpShifted(float* x, int64_t n, float shift) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = ExpF(x[i] - shift);
+}
+
+enum class TileVisibility { kNone, kPartial, kFull };
+
+// For query rows [i0, i0+mb) and keys [j0, j0+nb): row r sees keys [lo[r], hi[r]) of the tile.
+TileVisibility TileMask(const AttentionMask& mask, int64_t i0, int64_t mb, int64_t j0, int64_t nb,
+                        int32_t* lo, int32_t* hi) {
+  const int32_t* kd = mask.k_doc + j0;
+  const int32_t* kp = mask.k_pos + j0;
+  bool any = false, all = true;
+  for (int64_t r = 0; r < mb; ++r) {
+    const int32_t doc = mask.q_doc[i0 + r], pos = mask.q_pos[i0 + r];
+    const int32_t* d0 = std::lower_bound(kd, kd + nb, doc);
+    const int32_t* d1 = std::upper_bound(d0, kd + nb, doc);
+    const int32_t* p1 = std::upper_bound(kp + (d0 - kd), kp + (d1 - kd), pos);
+    lo[r] = static_cast<int32_t>(d0 - kd);
+    hi[r] = static_cast<int32_t>(p1 - kp);
+    if (hi[r] <= lo[r]) hi[r] = lo[r];
+    any = any || hi[r] > lo[r];
+    all = all && lo[r] == 0 && hi[r] == nb;
+  }
+  if (!any) return TileVisibility::kNone;
+  return all ? TileVisibility::kFull : TileVisibility::kPartial;
+}
+
+// Sets entries of row r outside [lo[r], hi[r]) to -inf (row stride kBlock).
+void MaskScores(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi) {
+  for (int64_t r = 0; r < mb; ++r) {
+    float* row = s + r * kBlock;
+    for (int64_t j = 0; j < lo[r]; ++j) row[j] = kNegInf;
+    for (int64_t j = hi[r]; j < nb; ++j) row[j] = kNegInf;
+  }
+}
+
+struct TileScratch {
+  TileScratch(int64_t dv) : s(kBlock * kBlock), p(kBlock * kBlock), acc(kBlock * dv) {}
+  std::vector<float> s, p, acc;
+  int32_t lo[kBlock], hi[kBlock];
+  float m[kBlock], l[kBlock];
+};
+
+void ForwardTile(const float* q, const float* k, const float* v, const AttentionMask& mask,
+                 float scale, const AttentionDims& d, int64_t h, int64_t i0, float* out, float* lse,
+                 TileScratch& t) {
+  const int64_t H = d.H, dqk = d.Dqk, dv = d.Dv;
+  const int64_t mb = std::min(kBlock, d.Tq - i0);
+  const float* qt = q + (i0 * H + h) * dqk;
+  std::fill(t.acc.begin(), t.acc.begin() + mb * dv, 0.0f);
+  std::fill(t.m, t.m + mb, kNegInf);
+  std::fill(t.l, t.l + mb, 0.0f);
+  // Keys of the first query's document onwards, up to the last query's position.
+  const int64_t jlo = std::lower_bound(mask.k_doc, mask.k_doc + d.Tk, mask.q_doc[i0]) - mask.k_doc;
+  const int64_t jhi =
+      std::upper_bound(mask.k_pos, mask.k_pos + d.Tk, mask.q_pos[i0 + mb - 1]) - mask.k_pos;
+  for (int64_t j0 = jlo; j0 < jhi; j0 += kBlock) {
+    const int64_t nb = std::min(kBlock, jhi - j0);
+    const TileVisibility vis = TileMask(mask, i0, mb, j0, nb, t.lo, t.hi);
+    if (vis == TileVisibility::kNone) continue;
+    Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, k + (j0 * H + h) * dqk, H * dqk, 0.0f,
+         t.s.data(), kBlock);
+    if (vis == TileVisibility::kPartial) MaskScores(t.s.data(), mb, nb, t.lo, t.hi);
+    for (int64_t r = 0; r < mb; ++r) {
+      float* row = t.s.data() + r * kBlock;
+      if (t.hi[r] <= t.lo[r]) {
+        std::fill(row, row + nb, 0.0f);
+        continue;
+      }
+      float row_max = kNegInf;
+      for (int64_t j = t.lo[r]; j < t.hi[r]; ++j) row_max = std::max(row_max, row[j]);
+      const float m_new = std::max(t.m[r], row_max);
+      ExpShifted(row, nb, m_new);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < nb; ++j) sum += row[j];
+      if (m_new > t.m[r] && t.m[r] != kNegInf) {
+        const float corr = std::exp(t.m[r] - m_new);
+        t.l[r] *= corr;
+        float* a = t.acc.data() + r * dv;
+        for (int64_t j = 0; j < dv; ++j) a[j] *= corr;
+      }
+      t.m[r] = m_new;
+      t.l[r] += sum;
+    }
+    Gemm(false, false, mb, dv, nb, 1.0f, t.s.data(), kBlock, v + (j0 * H + h) * dv, H * dv, 1.0f,
+         t.acc.data(), dv);
+  }
+  for (int64_t r = 0; r < mb; ++r) {
+    float* o = out + ((i0 + r) * H + h) * dv;
+    const float* a = t.acc.data() + r * dv;
+    if (t.l[r] > 0.0f) {
+      const float inv = 1.0f / t.l[r];
+      for (int64_t j = 0; j < dv; ++j) o[j] = a[j] * inv;
+      lse[(i0 + r) * H + h] = t.m[r] + std::log(t.l[r]);
+    } else {
+      std::fill(o, o + dv, 0.0f);
+      lse[(i0 + r) * H + h] = kNegInf;
+    }
+  }
+}
+
+// dk, dv of key tile [j0, j0+nb) of head h, and its contribution to dq (accumulated into dq_acc,
+// row stride ld_dq).
+void BackwardKeyTile(const float* q, const float* k, const float* v, const float* lse,
+                     const float* dout, const float* delta, const AttentionMask& mask, float scale,
+                     const AttentionDims& d, int64_t h, int64_t j0, float* dq_acc, int64_t ld_dq,
+                     float* dk, float* dv_out, TileScratch& t) {
+  const int64_t H = d.H, dqk = d.Dqk, dv = d.Dv;
+  const int64_t nb = std::min(kBlock, d.Tk - j0);
+  const float* kt = k + (j0 * H + h) * dqk;
+  const float* vt = v + (j0 * H + h) * dv;
+  float* dkt = dk + (j0 * H + h) * dqk;
+  float* dvt = dv_out + (j0 * H + h) * dv;
+  for (int64_t j = 0; j < nb; ++j) {
+    std::fill(dkt + j * H * dqk, dkt + j * H * dqk + dqk, 0.0f);
+    std::fill(dvt + j * H * dv, dvt + j * H * dv + dv, 0.0f);
+  }
+  // Queries at or after the first key's position, up to the last key's document.
+  const int64_t ilo = std::lower_bound(mask.q_pos, mask.q_pos + d.Tq, mask.k_pos[j0]) - mask.q_pos;
+  const int64_t ihi =
+      std::upper_bound(mask.q_doc, mask.q_doc + d.Tq, mask.k_doc[j0 + nb - 1]) - mask.q_doc;
+  for (int64_t i0 = ilo; i0 < ihi; i0 += kBlock) {
+    const int64_t mb = std::min(kBlock, ihi - i0);
+    const TileVisibility vis = TileMask(mask, i0, mb, j0, nb, t.lo, t.hi);
+    if (vis == TileVisibility::kNone) continue;
+    const float* qt = q + (i0 * H + h) * dqk;
+    const float* gt = dout + (i0 * H + h) * dv;
+    float* p = t.p.data();
+    float* ds = t.s.data();
+    Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, kt, H * dqk, 0.0f, p, kBlock);
+    if (vis == TileVisibility::kPartial) MaskScores(p, mb, nb, t.lo, t.hi);
+    for (int64_t r = 0; r < mb; ++r) {
+      const float l = lse[(i0 + r) * H + h];
+      float* row = p + r * kBlock;
+      if (l == kNegInf || t.hi[r] <= t.lo[r]) {
+        std::fill(row, row + nb, 0.0f);
+      } else {
+        ExpShifted(row, nb, l);
+      }
+    }
+    // dv += P^T dO; dP = dO V^T; dS = P (dP - delta).
+    Gemm(true, false, nb, dv, mb, 1.0f, p, kBlock, gt, H * dv, 1.0f, dvt, H * dv);
+    Gemm(false, true, mb, nb, dv, 1.0f, gt, H * dv, vt, H * dv, 0.0f, ds, kBlock);
+    for (int64_t r = 0; r < mb; ++r) {
+      const float dr = delta[(i0 + r) * H + h];
+      const float* pr = p + r * kBlock;
+      float* sr = ds + r * kBlock;
+#pragma omp simd
+      for (int64_t j = 0; j < nb; ++j) sr[j] = pr[j] * (sr[j] - dr);
+    }
+    Gemm(true, false, nb, dqk, mb, scale, ds, kBlock, qt, H * dqk, 1.0f, dkt, H * dqk);
+    Gemm(false, false, mb, dqk, nb, scale, ds, kBlock, kt, H * dqk, 1.0f, dq_acc + i0 * ld_dq,
+         ld_dq);
+  }
+}
+
+}  // namespace
+
+void AttentionForward(const float* q, const float* k, const float* v, const AttentionMask& mask,
+                      float scale, const AttentionDims& dims, float* out, float* lse) {
+  const int64_t n_qblocks = (dims.Tq + kBlock - 1) / kBlock;
+  const int64_t n_items = dims.H * n_qblocks;
+#pragma omp parallel
+  {
+    TileScratch scratch(dims.Dv);
+    // Later query tiles see more keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; ++item) {
+      const int64_t qb = n_qblocks - 1 - item / dims.H, h = item % dims.H;
+      ForwardTile(q, k, v, mask, scale, dims, h, qb * kBlock, out, lse, scratch);
+    }
+  }
+}
+
+void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                       const float* lse, const float* dout, const AttentionMask& mask, float scale,
+                       const AttentionDims& dims, float* dq, float* dk, float* dv) {
+  const int64_t Tq = dims.Tq, H = dims.H, dqk = dims.Dqk, dvd = dims.Dv;
+  // delta[t, h] = rowsum(dout * out).
+  std::vector<float> delta(Tq * H);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < Tq * H; ++i) {
+    const float* o = out + i * dvd;
+    const float* g = dout + i * dvd;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < dvd; ++j) sum += o[j] * g[j];
+    delta[i] = sum;
+  }
+  // Each head's key tiles are dealt round-robin to `split` items so that H * split is a multiple
+  // of the thread count; with split > 1 each item gets its own dq accumulator.
+  const int64_t n_threads = omp_get_max_threads();
+  const int64_t split = n_threads / std::gcd(H, n_threads);
+  const int64_t n_kblocks = (dims.Tk + kBlock - 1) / kBlock;
+  std::vector<float> dq_parts(split > 1 ? H * split * Tq * dqk : 0);
+  const int64_t n_items = H * split;
+#pragma omp parallel
+  {
+    TileScratch scratch(dvd);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; ++item) {
+      const int64_t h = item / split, part = item % split;
+      float* dq_acc;
+      int64_t ld_dq;
+      if (split > 1) {
+        dq_acc = dq_parts.data() + item * Tq * dqk;
+        ld_dq = dqk;
+        std::fill(dq_acc, dq_acc + Tq * dqk, 0.0f);
+      } else {
+        dq_acc = dq + h * dqk;
+        ld_dq = H * dqk;
+        for (int64_t i = 0; i < Tq; ++i)
+          std::fill(dq_acc + i * ld_dq, dq_acc + i * ld_dq + dqk, 0.0f);
+      }
+      for (int64_t kb = part; kb < n_kblocks; kb += split) {
+        BackwardKeyTile(q, k, v, lse, dout, delta.data(), mask, scale, dims, h, kb * kBlock, dq_acc,
+                        ld_dq, dk, dv, scratch);
+      }
+    }
+    if (split > 1) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < Tq * H; ++i) {
+        const int64_t t = i / H, h = i % H;
+        float* dst = dq + i * dqk;
+        std::fill(dst, dst + dqk, 0.0f);
+        for (int64_t part = 0; part < split; ++part) {
+          const float* src = dq_parts.data() + ((h * split + part) * Tq + t) * dqk;
+          for (int64_t j = 0; j < dqk; ++j) dst[j] += src[j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace spindle::kernels::cpu
