@@ -1,0 +1,102 @@
+// CoordinatorSession: the worker daemon's link to the coordinator (cluster.proto's protocol).
+// It registers, holds one bidirectional Session stream, sends a hello listing the ranks still
+// running (so a restarted coordinator re-adopts them), heartbeats every interval the coordinator
+// asked for, relays the RankRunner's messages, and hands assignments and stops to the runner.
+// When the stream breaks it re-registers with exponential backoff and keeps the trainers running;
+// once the coordinator has been unreachable for longer than `loss_timeout` it stops every trainer
+// (they could not report, and the coordinator has restarted their gangs elsewhere by then).
+//
+// Messages produced while disconnected are queued (rank starts, checkpoints and exits; progress
+// lines are dropped) and sent after the next hello.
+//
+// Thread-safety: thread-safe. Send() never blocks on the network. One session thread plus one
+// reader thread per stream; the runner is called from the reader thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/client_context.h"
+#include "spindle/v1/cluster.grpc.pb.h"
+#include "worker/rank_runner.h"
+#include "worker/worker_metrics.h"
+
+namespace spindle {
+
+struct SessionOptions {
+  std::string coordinator_address;  // host:port
+  std::string tls_ca_file;          // empty: plaintext
+  std::string bearer_token;         // empty: no authorization metadata
+  std::string worker_id;
+  std::string hostname;
+  std::string metrics_address;  // host:port of /metrics, "" when disabled
+  std::string version;
+  std::vector<v1::DeviceGroup> devices;
+  absl::Duration loss_timeout = absl::Seconds(60);
+  absl::Duration min_backoff = absl::Milliseconds(200);
+  absl::Duration max_backoff = absl::Seconds(5);
+  absl::Duration register_timeout = absl::Seconds(5);
+  absl::Duration default_heartbeat = absl::Seconds(1);  // if the coordinator names none
+  absl::Duration stop_grace = absl::Seconds(10);        // Stop without grace_period_ms
+  size_t max_queued_messages = 10000;
+};
+
+class CoordinatorSession : public MessageSink {
+ public:
+  // `metrics` may be null; it must outlive the session.
+  CoordinatorSession(SessionOptions options, WorkerMetrics* metrics);
+  ~CoordinatorSession() override;  // Shutdown(absl::ZeroDuration())
+  CoordinatorSession(const CoordinatorSession&) = delete;
+  CoordinatorSession& operator=(const CoordinatorSession&) = delete;
+
+  // Starts the session thread. `runner` must outlive the session (or its Shutdown()).
+  void Start(RankRunner* runner) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Queues a message for the coordinator.
+  void Send(v1::WorkerMessage message) override ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sends what is queued (waiting up to `flush_timeout`), closes the stream and joins.
+  void Shutdown(absl::Duration flush_timeout) ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool connected() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Streams opened so far (1 after the first connection).
+  int64_t sessions_opened() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Run();
+  // Registers; returns the heartbeat interval.
+  absl::StatusOr<absl::Duration> Register();
+  // Opens and serves one stream until it breaks or the session stops.
+  absl::Status ServeStream(absl::Duration heartbeat);
+  void Handle(const v1::CoordinatorMessage& message);
+  // Sleeps up to `d` (waking early on shutdown) and applies the coordinator-loss rule.
+  void WaitDisconnected(absl::Duration d, absl::Time disconnected_since, bool* loss_fired);
+  bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  const SessionOptions options_;
+  WorkerMetrics* const metrics_;
+  RankRunner* runner_ = nullptr;  // set by Start()
+  std::unique_ptr<v1::ClusterService::Stub> stub_;
+  absl::Status channel_status_;
+
+  mutable absl::Mutex mu_;
+  std::deque<v1::WorkerMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
+  bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);  // of the open stream
+
+  absl::Notification finished_;
+  std::thread thread_;
+};
+
+}  // namespace spindle

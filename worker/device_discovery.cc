@@ -1,0 +1,69 @@
+// Device discovery (see device_discovery.h): CPU slots from /proc, GPUs from
+// device_discovery_cuda.cc when built with CUDA.
+#include "worker/device_discovery.h"
+
+#include <fstream>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace spindle {
+namespace {
+
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "model name")) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) {
+        return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+      }
+    }
+  }
+  return "cpu";
+}
+
+int64_t HostMemoryBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "MemTotal:")) {
+      std::string kb(absl::StripAsciiWhitespace(line.substr(9)));
+      if (absl::EndsWith(kb, "kB")) kb = std::string(absl::StripAsciiWhitespace(kb.substr(0, kb.size() - 2)));
+      int64_t v = 0;
+      if (absl::SimpleAtoi(kb, &v)) return v * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+#ifndef SPINDLE_HAVE_CUDA
+absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices() {
+  return absl::NotFoundError("this build has no CUDA support");
+}
+#endif
+
+absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots) {
+  if (cpu_slots < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--slots must be >= 0, got ", cpu_slots));
+  }
+  if (cpu_slots == 0) {
+    absl::StatusOr<v1::DeviceGroup> gpus = DiscoverCudaDevices();
+    if (gpus.ok()) return gpus;
+    cpu_slots = 1;
+  }
+  v1::DeviceGroup group;
+  group.set_kind("cpu");
+  group.set_name(CpuModelName());
+  group.set_count(cpu_slots);
+  group.set_memory_bytes(HostMemoryBytes() / cpu_slots);
+  return group;
+}
+
+}  // namespace spindle

@@ -1,0 +1,24 @@
+// Device discovery: what the worker offers the coordinator. GPUs (count, model name, memory) come
+// from the CUDA runtime in builds with CUDA (device_discovery_cuda.cc); otherwise, or when the
+// machine has no GPU, or when the operator asks for CPU slots, the worker offers CPU slots.
+//
+// Thread-safety: free functions; safe from any thread.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "spindle/v1/cluster.pb.h"
+
+namespace spindle {
+
+// The GPUs visible to this process. NotFound when there are none or the build has no CUDA;
+// Internal for a CUDA runtime error (its text included).
+absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices();
+
+// `cpu_slots` > 0: that many CPU slots. `cpu_slots` == 0: the GPUs when there are any, else one
+// CPU slot. Each CPU slot is offered an equal share of host memory (MemTotal / slots).
+// InvalidArgument for a negative count.
+absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots);
+
+}  // namespace spindle

@@ -1,0 +1,32 @@
+// GPU discovery through the CUDA runtime API; built only when SPINDLE_HAVE_CUDA. Queries device
+// properties only (no context is created, so the daemon holds no GPU memory).
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+#include "worker/device_discovery.h"
+
+namespace spindle {
+
+absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices() {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver || count == 0) {
+    return absl::NotFoundError("no CUDA device");
+  }
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(err)));
+  }
+  cudaDeviceProp prop;
+  err = cudaGetDeviceProperties(&prop, 0);
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaGetDeviceProperties: ", cudaGetErrorString(err)));
+  }
+  v1::DeviceGroup group;
+  group.set_kind("cuda");
+  group.set_name(prop.name);
+  group.set_count(count);
+  group.set_memory_bytes(static_cast<int64_t>(prop.totalGlobalMem));
+  return group;
+}
+
+}  // namespace spindle

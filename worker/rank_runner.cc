@@ -1,0 +1,337 @@
+// RankRunner (see rank_runner.h).
+#include "worker/rank_runner.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "worker/trainer_event.h"
+
+namespace spindle {
+namespace {
+
+std::string RankName(const v1::RankRef& ref) {
+  return absl::StrCat(ref.job_id(), "/", ref.attempt(), "/", ref.rank());
+}
+
+bool SameRank(const v1::RankRef& a, const v1::RankRef& b) {
+  return a.job_id() == b.job_id() && a.attempt() == b.attempt() && a.rank() == b.rank();
+}
+
+// Writes `contents` to `path` atomically (temporary file in the same directory, then rename).
+absl::Status WriteFileAtomically(const std::filesystem::path& path, const std::string& contents) {
+  const std::filesystem::path tmp =
+      path.parent_path() / absl::StrCat(".", path.filename().string(), ".", ::getpid(), ".",
+                                        reinterpret_cast<uintptr_t>(&contents), ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << contents;
+    out.flush();
+    if (!out) {
+      return absl::InternalError(absl::StrCat("cannot write ", tmp.string()));
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    return absl::InternalError(absl::StrCat("cannot rename to ", path.string(), ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+std::string ExitReason(const ProcessExit& exit) {
+  if (exit.stop_requested) return "stopped";
+  if (exit.term_signal > 0) return "signal";
+  return exit.exit_code == 0 ? "success" : "error";
+}
+
+}  // namespace
+
+std::string CpModeFlag(v1::CpMode mode) {
+  switch (mode) {
+    case v1::CP_MODE_ALL2ALL:
+      return "all2all";
+    case v1::CP_MODE_ALLGATHER:
+      return "allgather";
+    default:
+      return "auto";
+  }
+}
+
+absl::Status ValidateJobIdForPath(const std::string& job_id) {
+  if (job_id.empty() || job_id.size() > 200 || job_id == "." || job_id == "..") {
+    return absl::InvalidArgumentError(absl::StrCat("assignment: job_id: unusable: \"", job_id, "\""));
+  }
+  for (char c : job_id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '_' || c == '.';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("assignment: job_id: \"", job_id, "\" has a character other than [A-Za-z0-9._-]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+RankRunner::RankRunner(RankRunnerOptions options, WorkerMetrics* metrics, MessageSink* sink)
+    : options_(std::move(options)),
+      metrics_(metrics),
+      sink_(sink),
+      supervisor_(std::make_unique<ProcessSupervisor>(options_.supervisor, this)) {}
+
+RankRunner::~RankRunner() { Shutdown(); }
+
+void RankRunner::Shutdown() { supervisor_->Shutdown(); }
+
+absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
+    const v1::Assignment& a, const std::string& spec_path) const {
+  std::vector<std::string> argv = {options_.trainer_binary,
+                                   "--job",
+                                   spec_path,
+                                   "--rank",
+                                   absl::StrCat(a.ref().rank()),
+                                   "--world",
+                                   absl::StrCat(a.world()),
+                                   "--lightning-mode",
+                                   CpModeFlag(a.lightning_mode()),
+                                   "--mla-mode",
+                                   CpModeFlag(a.mla_mode()),
+                                   "--rendezvous",
+                                   a.rendezvous_address(),
+                                   "--job-id",
+                                   a.ref().job_id(),
+                                   "--attempt",
+                                   absl::StrCat(a.ref().attempt())};
+  if (!a.checkpoint_dir().empty()) {
+    argv.push_back("--checkpoint-dir");
+    argv.push_back(a.checkpoint_dir());
+  }
+  if (!options_.token_file.empty()) {
+    argv.push_back("--token-file");
+    argv.push_back(options_.token_file);
+  }
+  for (const std::string& extra : options_.extra_trainer_args) argv.push_back(extra);
+  return argv;
+}
+
+void RankRunner::ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status) {
+  if (metrics_ != nullptr) metrics_->OnTrainerExit("launch_failed");
+  v1::WorkerMessage msg;
+  v1::RankExit* exit = msg.mutable_rank_exit();
+  *exit->mutable_ref() = ref;
+  exit->set_exit_code(127);
+  exit->set_signal(0);
+  exit->add_stderr_tail(absl::StrCat("worker: cannot start trainer: ", status.message()));
+  sink_->Send(std::move(msg));
+}
+
+absl::Status RankRunner::Start(const v1::Assignment& a) {
+  absl::MutexLock start_lock(&start_mu_);
+  const v1::RankRef& ref = a.ref();
+  RETURN_IF_ERROR(ValidateJobIdForPath(ref.job_id()));
+  if (ref.attempt() < 1 || ref.rank() < 0 || a.world() < 1 || ref.rank() >= a.world()) {
+    absl::Status status = absl::InvalidArgumentError(absl::StrCat(
+        "assignment ", RankName(ref), ": bad attempt, rank or world (world ", a.world(), ")"));
+    ReportLaunchFailure(ref, status);
+    return status;
+  }
+  // Already running (a re-sent assignment, e.g. after a reconnect): confirm it again.
+  // Ranks of older attempts of this job are stale: the coordinator has moved on.
+  std::vector<ProcessId> stale;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, rank] : ranks_) {
+      if (SameRank(rank.ref, ref)) {
+        v1::WorkerMessage msg;
+        *msg.mutable_rank_started()->mutable_ref() = ref;
+        msg.mutable_rank_started()->set_pid(rank.pid);
+        sink_->Send(std::move(msg));
+        return absl::OkStatus();
+      }
+      if (rank.ref.job_id() == ref.job_id() && rank.ref.attempt() < ref.attempt()) {
+        stale.push_back(id);
+      }
+    }
+  }
+  for (ProcessId id : stale) supervisor_->Stop(id, absl::ZeroDuration()).IgnoreError();
+
+  const std::filesystem::path dir = std::filesystem::path(options_.work_dir) / ref.job_id() /
+                                    absl::StrCat(ref.attempt());
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    absl::Status status = absl::InternalError(
+        absl::StrCat("cannot create work directory ", dir.string(), ": ", ec.message()));
+    ReportLaunchFailure(ref, status);
+    return status;
+  }
+  const std::filesystem::path spec_path = dir / "job.json";
+  if (absl::Status s = WriteFileAtomically(spec_path, a.spec_json()); !s.ok()) {
+    ReportLaunchFailure(ref, s);
+    return s;
+  }
+  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, spec_path.string());
+  if (!argv.ok()) {
+    ReportLaunchFailure(ref, argv.status());
+    return argv.status();
+  }
+  ProcessSpec spec;
+  spec.argv = *std::move(argv);
+  spec.working_dir = dir.string();
+  spec.stderr_log_path = (dir / absl::StrCat("rank-", ref.rank(), ".stderr.log")).string();
+  spec.extra_env.push_back(absl::StrCat("SPINDLE_RENDEZVOUS_TOKEN=", a.rendezvous_token()));
+  if (!options_.tls_ca_file.empty()) {
+    spec.extra_env.push_back(absl::StrCat("SPINDLE_TLS_CA_FILE=", options_.tls_ca_file));
+  }
+  if (a.device_kind() == "cuda") {
+    spec.extra_env.push_back(absl::StrCat("CUDA_VISIBLE_DEVICES=", a.device_index()));
+  } else if (options_.cpu_threads_per_rank > 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    spec.extra_env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.cpu_threads_per_rank));
+  }
+
+  // The rank is registered (and RankStarted sent) on the supervisor thread before any output or
+  // exit of the trainer can be delivered.
+  absl::StatusOr<LaunchedProcess> launched =
+      supervisor_->Launch(spec, [this, &ref](const LaunchedProcess& p) {
+        {
+          absl::MutexLock lock(&mu_);
+          ranks_[p.id] = Rank{ref, p.pid, 0};
+          UpdateRunningGauge();
+        }
+        if (metrics_ != nullptr) metrics_->OnRankStarted(ref.job_id(), ref.attempt(), ref.rank());
+        v1::WorkerMessage msg;
+        *msg.mutable_rank_started()->mutable_ref() = ref;
+        msg.mutable_rank_started()->set_pid(p.pid);
+        sink_->Send(std::move(msg));
+      });
+  if (!launched.ok()) {
+    ReportLaunchFailure(ref, launched.status());
+    return launched.status();
+  }
+  return absl::OkStatus();
+}
+
+int RankRunner::Stop(const std::string& job_id, int64_t attempt, absl::Duration grace) {
+  std::vector<ProcessId> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, rank] : ranks_) {
+      if (rank.ref.job_id() == job_id && (attempt == 0 || rank.ref.attempt() == attempt)) {
+        ids.push_back(id);
+      }
+    }
+  }
+  int stopped = 0;
+  for (ProcessId id : ids) stopped += supervisor_->Stop(id, grace).ok() ? 1 : 0;
+  return stopped;
+}
+
+int RankRunner::StopAll(absl::Duration grace) {
+  std::vector<ProcessId> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, rank] : ranks_) ids.push_back(id);
+  }
+  int stopped = 0;
+  for (ProcessId id : ids) stopped += supervisor_->Stop(id, grace).ok() ? 1 : 0;
+  return stopped;
+}
+
+std::vector<v1::RunningRank> RankRunner::Running() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::RunningRank> out;
+  for (const auto& [id, rank] : ranks_) {
+    v1::RunningRank r;
+    *r.mutable_ref() = rank.ref;
+    r.set_step(rank.step);
+    r.set_pid(rank.pid);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+size_t RankRunner::running_count() const {
+  absl::MutexLock lock(&mu_);
+  return ranks_.size();
+}
+
+void RankRunner::UpdateRunningGauge() {
+  if (metrics_ != nullptr) metrics_->SetRunningRanks(static_cast<int64_t>(ranks_.size()));
+}
+
+void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
+  absl::StatusOr<TrainerEvent> event = ParseTrainerEvent(line);
+  if (!event.ok()) return;  // not a progress line: the trainer may print other text
+  v1::RankRef ref;
+  pid_t pid = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(id);
+    if (it == ranks_.end()) return;
+    if (event->step && (event->kind == TrainerEventKind::kStep ||
+                        event->kind == TrainerEventKind::kStart ||
+                        event->kind == TrainerEventKind::kDone)) {
+      it->second.step = std::max(it->second.step, *event->step);
+    }
+    ref = it->second.ref;
+    pid = it->second.pid;
+  }
+  if (metrics_ != nullptr) metrics_->OnTrainerEvent(ref.job_id(), ref.rank(), *event, pid);
+  v1::WorkerMessage msg;
+  switch (event->kind) {
+    case TrainerEventKind::kStep: {
+      v1::RankProgress* p = msg.mutable_rank_progress();
+      *p->mutable_ref() = ref;
+      p->set_step(event->step.value_or(0));
+      p->set_total_steps(event->total_steps.value_or(0));
+      p->set_loss(event->loss.value_or(0.0));
+      p->set_tokens_per_s(event->tokens_per_s.value_or(0.0));
+      p->set_lr(event->lr.value_or(0.0));
+      p->set_grad_norm(event->grad_norm.value_or(0.0));
+      p->set_elapsed_s(event->elapsed_s.value_or(0.0));
+      break;
+    }
+    case TrainerEventKind::kCheckpoint: {
+      v1::CheckpointDone* c = msg.mutable_checkpoint_done();
+      *c->mutable_ref() = ref;
+      c->set_step(event->step.value_or(0));
+      c->set_path(event->path);
+      break;
+    }
+    default:
+      return;
+  }
+  sink_->Send(std::move(msg));
+}
+
+void RankRunner::OnExit(ProcessId id, const ProcessExit& exit) {
+  v1::RankRef ref;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(id);
+    if (it == ranks_.end()) return;
+    ref = it->second.ref;
+    ranks_.erase(it);
+    UpdateRunningGauge();
+  }
+  if (metrics_ != nullptr) metrics_->OnTrainerExit(ExitReason(exit));
+  v1::WorkerMessage msg;
+  v1::RankExit* e = msg.mutable_rank_exit();
+  *e->mutable_ref() = ref;
+  e->set_exit_code(exit.term_signal > 0 ? -1 : exit.exit_code);
+  e->set_signal(exit.term_signal);
+  for (const std::string& line : exit.stderr_tail) e->add_stderr_tail(line);
+  e->set_stopped(exit.stop_requested);
+  sink_->Send(std::move(msg));
+}
+
+}  // namespace spindle

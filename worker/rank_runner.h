@@ -1,0 +1,121 @@
+// RankRunner: turns the coordinator's orders into trainer processes and the trainers' output into
+// messages for the coordinator. For each Assignment it writes the job spec to
+// <work_dir>/<job_id>/<attempt>/job.json and starts one `spindle-train` process:
+//
+//   spindle-train --job <work_dir>/<job>/<attempt>/job.json --rank R --world W
+//     --lightning-mode allgather|all2all --mla-mode allgather|all2all --rendezvous HOST:PORT
+//     --job-id ID --attempt N [--checkpoint-dir DIR] [--token-file FILE]
+//
+// with, in its environment: SPINDLE_RENDEZVOUS_TOKEN (the attempt's rendezvous secret, kept off
+// the command line), SPINDLE_TLS_CA_FILE (when the daemon talks TLS to the coordinator),
+// CUDA_VISIBLE_DEVICES=<device_index> for "cuda" ranks, OMP_NUM_THREADS for "cpu" ranks (when
+// configured and not already set). The trainer's stderr is also appended to
+// <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
+//
+// Progress lines become RankProgress / CheckpointDone messages and metrics; the exit becomes one
+// RankExit (exit code or signal, stderr tail, whether a stop caused it). A trainer that cannot be
+// started is reported as a RankExit with exit code 127 and the reason as its stderr tail.
+//
+// Thread-safety: thread-safe. Messages go to the MessageSink from the calling thread (Start) or
+// the supervisor thread (progress, exits); the sink must be thread-safe and must not block.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "spindle/v1/cluster.pb.h"
+#include "worker/process_supervisor.h"
+#include "worker/worker_metrics.h"
+
+namespace spindle {
+
+// Where the runner's messages for the coordinator go (the session, or a test's recorder).
+class MessageSink {
+ public:
+  virtual ~MessageSink() = default;
+  virtual void Send(v1::WorkerMessage message) = 0;
+};
+
+struct RankRunnerOptions {
+  std::string work_dir;        // must exist or be creatable
+  std::string trainer_binary;  // absolute path of spindle-train
+  std::string token_file;      // passed as --token-file when non-empty
+  std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
+  int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
+  // Extra arguments appended to every trainer command line (tests use them for fake trainers).
+  std::vector<std::string> extra_trainer_args;
+  ProcessSupervisorOptions supervisor;
+};
+
+class RankRunner : public ProcessObserver {
+ public:
+  // `metrics` (may be null) and `sink` are not owned and must outlive the runner.
+  RankRunner(RankRunnerOptions options, WorkerMetrics* metrics, MessageSink* sink);
+  // Stops every trainer (SIGTERM, then SIGKILL after the grace period) and waits for them.
+  ~RankRunner() override;
+  RankRunner(const RankRunner&) = delete;
+  RankRunner& operator=(const RankRunner&) = delete;
+
+  // Starts the trainer of one rank and sends RankStarted (or, when it cannot start, RankExit with
+  // exit code 127). A repeated assignment of a rank that is already running only re-sends
+  // RankStarted. Ranks of older attempts of the same job still running here are killed first.
+  // Errors: InvalidArgument for an unusable job id or attempt, or the launch failure.
+  absl::Status Start(const v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Stops every rank of (job_id, attempt) (attempt 0: of every attempt of the job). Returns the
+  // number of ranks asked to stop.
+  int Stop(const std::string& job_id, int64_t attempt, absl::Duration grace)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops every rank (coordinator lost, daemon shutting down).
+  int StopAll(absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ranks whose trainers are alive now, with their last reported step.
+  std::vector<v1::RunningRank> Running() const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t running_count() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Stops everything and waits for every exit to be reported. Idempotent.
+  void Shutdown();
+
+ private:
+  struct Rank {
+    v1::RankRef ref;
+    pid_t pid = 0;
+    int64_t step = 0;
+  };
+
+  // ProcessObserver (called on the supervisor thread).
+  void OnStdoutLine(ProcessId id, std::string_view line) override ABSL_LOCKS_EXCLUDED(mu_);
+  void OnExit(ProcessId id, const ProcessExit& exit) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<std::string>> TrainerArgv(const v1::Assignment& a,
+                                                       const std::string& spec_path) const;
+  void ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status);
+  void UpdateRunningGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const RankRunnerOptions options_;
+  WorkerMetrics* const metrics_;
+  MessageSink* const sink_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<ProcessId, Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  // Serialises Start() so two assignments of one rank cannot both launch.
+  absl::Mutex start_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+
+  // Declared last: destroyed first, so its callbacks never see a half-destroyed runner.
+  std::unique_ptr<ProcessSupervisor> supervisor_;
+};
+
+// "allgather" / "all2all" (the trainer's --lightning-mode / --mla-mode values).
+std::string CpModeFlag(v1::CpMode mode);
+
+// Rejects job ids that are not safe as one path component.
+absl::Status ValidateJobIdForPath(const std::string& job_id);
+
+}  // namespace spindle

@@ -1,0 +1,116 @@
+// ParseTrainerEvent (see trainer_event.h).
+#include "worker/trainer_event.h"
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace spindle {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status NumberField(const Json& obj, const char* name, std::optional<double>* out) {
+  auto it = obj.find(name);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) {
+    return absl::InvalidArgumentError(absl::StrCat("trainer event: ", name, ": not a number"));
+  }
+  *out = it->get<double>();
+  return absl::OkStatus();
+}
+
+absl::Status IntField(const Json& obj, const char* name, std::optional<int64_t>* out) {
+  auto it = obj.find(name);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) {
+    return absl::InvalidArgumentError(absl::StrCat("trainer event: ", name, ": not a number"));
+  }
+  *out = it->is_number_integer() ? it->get<int64_t>() : static_cast<int64_t>(it->get<double>());
+  return absl::OkStatus();
+}
+
+absl::Status StringField(const Json& obj, const char* name, std::string* out) {
+  auto it = obj.find(name);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat("trainer event: ", name, ": not a string"));
+  }
+  *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
+  const size_t first = line.find_first_not_of(" \t");
+  if (first == std::string_view::npos || line[first] != '{') {
+    return absl::InvalidArgumentError("trainer event: not a JSON object");
+  }
+  Json obj = Json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+  if (obj.is_discarded() || !obj.is_object()) {
+    return absl::InvalidArgumentError("trainer event: not a JSON object");
+  }
+  auto ev = obj.find("event");
+  if (ev == obj.end() || !ev->is_string()) {
+    return absl::InvalidArgumentError("trainer event: event: missing or not a string");
+  }
+  TrainerEvent event;
+  event.name = ev->get<std::string>();
+  if (event.name == "start") {
+    event.kind = TrainerEventKind::kStart;
+  } else if (event.name == "step") {
+    event.kind = TrainerEventKind::kStep;
+  } else if (event.name == "checkpoint") {
+    event.kind = TrainerEventKind::kCheckpoint;
+  } else if (event.name == "done") {
+    event.kind = TrainerEventKind::kDone;
+  }
+  absl::Status s;
+  if (!(s = IntField(obj, "step", &event.step)).ok()) return s;
+  if (!(s = IntField(obj, "total_steps", &event.total_steps)).ok()) return s;
+  const std::pair<const char*, std::optional<double>*> numbers[] = {
+      {"loss", &event.loss},
+      {"tokens_per_s", &event.tokens_per_s},
+      {"lr", &event.lr},
+      {"grad_norm", &event.grad_norm},
+      {"elapsed_s", &event.elapsed_s},
+      {"step_time_s", &event.step_time_s},
+      {"mfu", &event.mfu},
+      {"mem_allocated_bytes", &event.mem_allocated_bytes},
+      {"mem_reserved_bytes", &event.mem_reserved_bytes},
+      {"mem_peak_bytes", &event.mem_peak_bytes},
+      {"host_rss_bytes", &event.host_rss_bytes},
+  };
+  for (const auto& [name, out] : numbers) {
+    if (!(s = NumberField(obj, name, out)).ok()) return s;
+  }
+  if (!(s = StringField(obj, "path", &event.path)).ok()) return s;
+  if (!(s = StringField(obj, "message", &event.message)).ok()) return s;
+  auto comm = obj.find("comm");
+  if (comm != obj.end() && !comm->is_null()) {
+    if (!comm->is_array()) return absl::InvalidArgumentError("trainer event: comm: not an array");
+    for (size_t i = 0; i < comm->size(); ++i) {
+      const Json& entry = (*comm)[i];
+      const std::string where = absl::StrCat("trainer event: comm[", i, "]");
+      if (!entry.is_object()) return absl::InvalidArgumentError(where + ": not an object");
+      CommStat stat;
+      std::optional<double> seconds, bytes;
+      if (!StringField(entry, "collective", &stat.collective).ok() ||
+          !StringField(entry, "layer_type", &stat.layer_type).ok() ||
+          !NumberField(entry, "seconds", &seconds).ok() ||
+          !NumberField(entry, "bytes", &bytes).ok()) {
+        return absl::InvalidArgumentError(where + ": bad field type");
+      }
+      if (stat.collective.empty()) {
+        return absl::InvalidArgumentError(where + ": collective: missing");
+      }
+      if (stat.layer_type.empty()) stat.layer_type = "other";
+      stat.seconds = seconds.value_or(0.0);
+      stat.bytes = bytes.value_or(0.0);
+      event.comm.push_back(std::move(stat));
+    }
+  }
+  return event;
+}
+
+}  // namespace spindle

@@ -1,0 +1,74 @@
+// TrainerEvent: one progress line of `spindle-train`'s stdout, parsed. The trainer prints one JSON
+// object per line; lines that are not JSON objects with an "event" field are not events (they are
+// ignored by the daemon, so the trainer may print other text too).
+//
+// Fields the daemon reads (every one optional except "event"; unknown fields are ignored):
+//   "event":            "start" | "step" | "checkpoint" | "done"  (other names: kOther)
+//   "step":             int, the step just completed (checkpoint: the step saved; start: the
+//                       step training starts from, 0 or the resumed checkpoint's step)
+//   "total_steps":      int
+//   "loss":             float
+//   "tokens_per_s":     float, this rank's (or the job's, as the trainer defines) throughput
+//   "lr", "grad_norm":  float
+//   "elapsed_s":        float, seconds since the trainer started
+//   "step_time_s":      float, wall time of this step (when absent the daemon uses the change of
+//                       elapsed_s since the previous step line divided by the steps between them)
+//   "mfu":              float in [0, 1], model FLOP utilisation
+//   "mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes": int, device memory
+//   "host_rss_bytes":   int (when absent the daemon reads the trainer's RSS from /proc)
+//   "comm":             [{"collective": "all_gather", "layer_type": "lightning",
+//                         "seconds": float, "bytes": int}, ...]: communication done during THIS
+//                       step (increments, not running totals), one entry per (collective,
+//                       layer_type); layer_type is e.g. "lightning", "mla", "grad" (gradient
+//                       all-reduce), "other"
+//   "path":             string, checkpoint directory (checkpoint events)
+//   "message":          string, free text
+//
+// Plain data; no thread-safety concerns.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace spindle {
+
+enum class TrainerEventKind { kStart, kStep, kCheckpoint, kDone, kOther };
+
+struct CommStat {
+  std::string collective;
+  std::string layer_type;
+  double seconds = 0.0;
+  double bytes = 0.0;
+};
+
+struct TrainerEvent {
+  TrainerEventKind kind = TrainerEventKind::kOther;
+  std::string name;  // the "event" string as printed
+  std::optional<int64_t> step;
+  std::optional<int64_t> total_steps;
+  std::optional<double> loss;
+  std::optional<double> tokens_per_s;
+  std::optional<double> lr;
+  std::optional<double> grad_norm;
+  std::optional<double> elapsed_s;
+  std::optional<double> step_time_s;
+  std::optional<double> mfu;
+  std::optional<double> mem_allocated_bytes;
+  std::optional<double> mem_reserved_bytes;
+  std::optional<double> mem_peak_bytes;
+  std::optional<double> host_rss_bytes;
+  std::vector<CommStat> comm;
+  std::string path;
+  std::string message;
+};
+
+// Parses one stdout line. InvalidArgument when the line is not a JSON object with a string
+// "event" field, or when a known field has the wrong type (the message names the field).
+absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line);
+
+}  // namespace spindle

@@ -1,0 +1,190 @@
+// spindle-worker: the worker daemon. Registers with the coordinator, keeps the Session stream,
+// runs one spindle-train process per assigned rank and serves Prometheus metrics. See
+// worker/README.md for the flags and the trainer contract.
+#include <limits.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/metrics.h"
+#include "common/metrics_http.h"
+#include "worker/coordinator_session.h"
+#include "worker/device_discovery.h"
+#include "worker/grpc_client.h"
+#include "worker/rank_runner.h"
+#include "worker/shutdown_signal.h"
+#include "worker/worker_log.h"
+#include "worker/worker_metrics.h"
+
+ABSL_FLAG(std::string, coordinator, "", "Coordinator address HOST:PORT (required).");
+ABSL_FLAG(std::string, worker_id, "", "Stable worker id (default: the hostname).");
+ABSL_FLAG(int, slots, 0,
+          "CPU slots to offer (ranks run at once). 0: the GPUs if any are visible, else 1 slot.");
+ABSL_FLAG(std::string, work_dir, "", "Directory for job specs and trainer logs "
+                                     "(default: $TMPDIR/spindle-worker-<worker id>).");
+ABSL_FLAG(int, metrics_port, 9401, "Port of the /metrics endpoint; 0: any free port; -1: off.");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint binds.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Host name the coordinator is told for /metrics (default: the hostname).");
+ABSL_FLAG(std::string, token_file, "", "File holding the cluster's bearer token.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle: talk TLS to the coordinator.");
+ABSL_FLAG(absl::Duration, coordinator_loss_timeout, absl::Seconds(60),
+          "Kill every trainer after the coordinator has been unreachable this long.");
+ABSL_FLAG(absl::Duration, kill_grace, absl::Seconds(10),
+          "Time between SIGTERM and SIGKILL when stopping a trainer (unless the stop names one).");
+ABSL_FLAG(std::string, trainer_binary, "",
+          "Path of spindle-train (default: spindle-train next to this executable).");
+ABSL_FLAG(int, cpu_threads_per_slot, 0,
+          "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
+
+namespace spindle {
+namespace {
+
+std::string Hostname() {
+  char buf[HOST_NAME_MAX + 1] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+std::string DefaultTrainerBinary() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "spindle-train";
+  return (self.parent_path() / "spindle-train").string();
+}
+
+int Main() {
+  // Before any thread exists, so every thread inherits the blocked SIGTERM/SIGINT.
+  absl::StatusOr<ShutdownSignal> shutdown = ShutdownSignal::Create();
+  if (!shutdown.ok()) {
+    std::fprintf(stderr, "spindle-worker: %s\n", shutdown.status().ToString().c_str());
+    return 1;
+  }
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (coordinator.empty()) {
+    std::fprintf(stderr, "spindle-worker: --coordinator HOST:PORT is required\n");
+    return 2;
+  }
+  const std::string hostname = Hostname();
+  std::string worker_id = absl::GetFlag(FLAGS_worker_id);
+  if (worker_id.empty()) worker_id = hostname;
+
+  absl::StatusOr<v1::DeviceGroup> devices = DiscoverDevices(absl::GetFlag(FLAGS_slots));
+  if (!devices.ok()) {
+    std::fprintf(stderr, "spindle-worker: %s\n", devices.status().ToString().c_str());
+    return 2;
+  }
+  absl::StatusOr<std::string> token = ReadTokenFile(absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    std::fprintf(stderr, "spindle-worker: --token-file: %s\n", token.status().ToString().c_str());
+    return 2;
+  }
+  std::string trainer = absl::GetFlag(FLAGS_trainer_binary);
+  if (trainer.empty()) trainer = DefaultTrainerBinary();
+  {
+    std::error_code ec;
+    std::filesystem::path abs = std::filesystem::absolute(trainer, ec);
+    if (!ec) trainer = abs.string();
+  }
+  if (::access(trainer.c_str(), X_OK) != 0) {
+    WorkerLog("warning: trainer binary %s is not executable; ranks will fail to start", trainer);
+  }
+  std::string work_dir = absl::GetFlag(FLAGS_work_dir);
+  if (work_dir.empty()) {
+    work_dir = (std::filesystem::temp_directory_path() / absl::StrCat("spindle-worker-", worker_id))
+                   .string();
+  }
+  {
+    std::error_code ec;
+    std::filesystem::create_directories(work_dir, ec);
+    if (ec) {
+      std::fprintf(stderr, "spindle-worker: --work-dir %s: %s\n", work_dir.c_str(),
+                   ec.message().c_str());
+      return 2;
+    }
+    work_dir = std::filesystem::absolute(work_dir, ec).string();
+  }
+
+  MetricsRegistry registry;
+  absl::StatusOr<std::unique_ptr<WorkerMetrics>> metrics = WorkerMetrics::Create(&registry);
+  if (!metrics.ok()) {
+    std::fprintf(stderr, "spindle-worker: metrics: %s\n", metrics.status().ToString().c_str());
+    return 1;
+  }
+  (*metrics)->SetSlots(devices->count());
+  WorkerMetrics* worker_metrics = metrics->get();
+  MetricsServer metrics_server(&registry, [worker_metrics] { worker_metrics->RefreshSelf(); });
+  std::string metrics_address;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    absl::StatusOr<int> port =
+        metrics_server.Start(absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port));
+    if (!port.ok()) {
+      std::fprintf(stderr, "spindle-worker: --metrics-port: %s\n",
+                   port.status().ToString().c_str());
+      return 2;
+    }
+    std::string advertise = absl::GetFlag(FLAGS_advertise_host);
+    if (advertise.empty()) advertise = hostname;
+    metrics_address = absl::StrCat(advertise, ":", *port);
+    WorkerLog("metrics on %s:%d/metrics", absl::GetFlag(FLAGS_metrics_host), *port);
+  }
+
+  SessionOptions session_options;
+  session_options.coordinator_address = coordinator;
+  session_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  session_options.bearer_token = *token;
+  session_options.worker_id = worker_id;
+  session_options.hostname = hostname;
+  session_options.metrics_address = metrics_address;
+  session_options.version = "spindle-worker 0.1";
+  session_options.devices = {*devices};
+  session_options.loss_timeout = absl::GetFlag(FLAGS_coordinator_loss_timeout);
+  session_options.stop_grace = absl::GetFlag(FLAGS_kill_grace);
+  CoordinatorSession session(session_options, worker_metrics);
+
+  RankRunnerOptions runner_options;
+  runner_options.work_dir = work_dir;
+  runner_options.trainer_binary = trainer;
+  runner_options.token_file = absl::GetFlag(FLAGS_token_file);
+  runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
+  if (threads <= 0 && devices->kind() == "cpu") {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
+  }
+  runner_options.cpu_threads_per_rank = threads;
+  runner_options.supervisor.kill_grace = absl::GetFlag(FLAGS_kill_grace);
+  RankRunner runner(runner_options, worker_metrics, &session);
+
+  WorkerLog("worker %s: %d %s device(s) (%s), work dir %s, trainer %s", worker_id,
+            devices->count(), devices->kind(), devices->name(), work_dir, trainer);
+  session.Start(&runner);
+
+  const int sig = shutdown->Wait();
+  WorkerLog("received signal %d: stopping %d trainer(s)", sig,
+            static_cast<int>(runner.running_count()));
+  runner.Shutdown();  // every exit is queued for the coordinator
+  session.Shutdown(absl::Seconds(5));
+  metrics_server.Stop();
+  WorkerLog("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace spindle
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "spindle-worker --coordinator HOST:PORT [--slots N] [--work-dir DIR] [--metrics-port P]");
+  absl::ParseCommandLine(argc, argv);
+  return spindle::Main();
+}
