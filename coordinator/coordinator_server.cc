@@ -1,0 +1,225 @@
+// Coordinator daemon assembly (see coordinator_server.h).
+#include "coordinator/coordinator_server.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/metrics.h"
+#include "common/metrics_http.h"
+#include "common/status.h"
+#include "coordinator/auth.h"
+#include "coordinator/grpc_services.h"
+#include "coordinator/job_store.h"
+#include "coordinator/rendezvous_store.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+
+namespace spindle {
+
+struct CoordinatorServer::Impl {
+  CoordinatorConfig config;
+  RealClock real_clock;
+  const Clock* clock = nullptr;
+  std::unique_ptr<JobStore> store;
+  RendezvousStore rendezvous;
+  SessionRegistry sessions;
+  MetricsRegistry registry;
+  std::unique_ptr<MetricsServer> metrics_server;
+  std::unique_ptr<TokenAuth> auth;
+  std::unique_ptr<JobManager> manager;
+  std::unique_ptr<JobServiceImpl> job_service;
+  std::unique_ptr<ClusterServiceImpl> cluster_service;
+  std::unique_ptr<RendezvousServiceImpl> rendezvous_service;
+  std::unique_ptr<grpc::Server> client_server;
+  std::unique_ptr<grpc::Server> worker_server;  // null when sharing client_server
+  int client_port = 0;
+  int worker_port = 0;
+  std::thread ticker;
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  bool shut_down = false;
+
+  // Metric families, refreshed from the manager before each scrape.
+  Family<Gauge>* jobs_gauge = nullptr;
+  Family<Gauge>* workers_gauge = nullptr;
+  Family<Gauge>* devices_gauge = nullptr;
+
+  std::shared_ptr<grpc::ServerCredentials> Credentials() const {
+    if (config.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
+    grpc::SslServerCredentialsOptions opts;
+    opts.pem_key_cert_pairs.push_back({config.tls_key_pem, config.tls_cert_pem});
+    return grpc::SslServerCredentials(opts);
+  }
+
+  absl::Status SetUpMetrics(JobManagerMetrics* m) {
+    ASSIGN_OR_RETURN(jobs_gauge, registry.GaugeFamily("spindle_jobs", "Jobs by state.", {"state"}));
+    ASSIGN_OR_RETURN(workers_gauge, registry.GaugeFamily(
+                                        "spindle_workers", "Workers by state.", {"state"}));
+    ASSIGN_OR_RETURN(devices_gauge,
+                     registry.GaugeFamily("spindle_devices",
+                                          "Devices (GPUs or CPU slots) of live workers.",
+                                          {"state"}));
+    ASSIGN_OR_RETURN(auto* latency,
+                     registry.HistogramFamily(
+                         "spindle_scheduling_latency_seconds",
+                         "Time from queueing (or restarting) to the placement of a whole gang.",
+                         {}, ExponentialBuckets(0.01, 2.0, 16)));
+    ASSIGN_OR_RETURN(m->scheduling_latency_seconds, latency->Add({}));
+    ASSIGN_OR_RETURN(auto* restarts,
+                     registry.CounterFamily("spindle_restarts_total",
+                                            "Gang restarts by reason.", {"reason"}));
+    ASSIGN_OR_RETURN(m->restarts_worker_lost, restarts->Add({{"reason", "worker_lost"}}));
+    ASSIGN_OR_RETURN(m->restarts_rank_failed, restarts->Add({{"reason", "rank_failed"}}));
+    ASSIGN_OR_RETURN(m->restarts_hang, restarts->Add({{"reason", "hang"}}));
+    ASSIGN_OR_RETURN(m->restarts_recovery, restarts->Add({{"reason", "coordinator_restart"}}));
+    ASSIGN_OR_RETURN(auto* submitted, registry.CounterFamily("spindle_jobs_submitted_total",
+                                                             "Jobs accepted by Submit."));
+    ASSIGN_OR_RETURN(m->jobs_submitted, submitted->Add({}));
+    return absl::OkStatus();
+  }
+
+  void RefreshGauges() {
+    if (!manager) return;
+    for (const auto& [state, n] : manager->JobCounts()) {
+      auto g = jobs_gauge->Add({{"state", std::string(JobStateName(state))}});
+      if (g.ok()) (*g)->Set(static_cast<double>(n));
+    }
+    for (const auto& [state, n] : manager->WorkerCounts()) {
+      auto g = workers_gauge->Add({{"state", state}});
+      if (g.ok()) (*g)->Set(static_cast<double>(n));
+    }
+    for (const auto& [state, n] : manager->DeviceCounts()) {
+      auto g = devices_gauge->Add({{"state", state}});
+      if (g.ok()) (*g)->Set(static_cast<double>(n));
+    }
+  }
+};
+
+CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    CoordinatorConfig config, const Clock* clock) {
+  auto impl = std::make_unique<Impl>();
+  Impl& s = *impl;
+  s.config = std::move(config);
+  s.clock = clock ? clock : &s.real_clock;
+  if (s.config.tls_cert_pem.empty() != s.config.tls_key_pem.empty())
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key");
+  ASSIGN_OR_RETURN(s.store, JobStore::Open(s.config.db_path));
+  JobManagerMetrics metrics;
+  RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
+  s.auth = std::make_unique<TokenAuth>(s.config.token);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  const bool shared = s.config.worker_listen.empty() || s.config.worker_listen == s.config.listen;
+
+  s.manager = std::make_unique<JobManager>(s.store.get(), s.clock, &s.sessions, &s.rendezvous,
+                                           s.config.manager, metrics);
+  s.job_service = std::make_unique<JobServiceImpl>(s.manager.get(), s.auth.get());
+  s.cluster_service =
+      std::make_unique<ClusterServiceImpl>(s.manager.get(), &s.sessions, s.auth.get());
+  s.rendezvous_service = std::make_unique<RendezvousServiceImpl>(&s.rendezvous, s.auth.get());
+
+  {
+    grpc::ServerBuilder b;
+    b.AddListeningPort(s.config.listen, s.Credentials(), &s.client_port);
+    b.RegisterService(s.job_service.get());
+    if (shared) {
+      b.RegisterService(s.cluster_service.get());
+      b.RegisterService(s.rendezvous_service.get());
+    }
+    s.client_server = b.BuildAndStart();
+    if (!s.client_server || s.client_port == 0)
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", s.config.listen));
+  }
+  if (shared) {
+    s.worker_port = s.client_port;
+  } else {
+    grpc::ServerBuilder b;
+    b.AddListeningPort(s.config.worker_listen, s.Credentials(), &s.worker_port);
+    b.RegisterService(s.cluster_service.get());
+    b.RegisterService(s.rendezvous_service.get());
+    s.worker_server = b.BuildAndStart();
+    if (!s.worker_server || s.worker_port == 0) {
+      s.client_server->Shutdown();
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", s.config.worker_listen));
+    }
+  }
+  if (s.config.manager.rendezvous_address.empty()) {
+    std::string address = s.config.advertise_address;
+    if (address.empty()) {
+      std::string host = "127.0.0.1";
+      const std::string& wl = shared ? s.config.listen : s.config.worker_listen;
+      if (!absl::StartsWith(wl, "127.0.0.1") && !absl::StartsWith(wl, "localhost")) {
+        char name[256] = {0};
+        if (gethostname(name, sizeof(name) - 1) == 0 && name[0]) host = name;
+      }
+      address = absl::StrCat(host, ":", s.worker_port);
+    }
+    s.manager->SetRendezvousAddress(address);
+  }
+  RETURN_IF_ERROR(s.manager->Recover());
+
+  if (s.config.metrics_port >= 0) {
+    Impl* self = &s;
+    s.metrics_server = std::make_unique<MetricsServer>(&s.registry, [self]() {
+      self->RefreshGauges();
+    });
+    absl::StatusOr<int> port = s.metrics_server->Start(s.config.metrics_host, s.config.metrics_port);
+    if (!port.ok()) return port.status();
+  }
+
+  Impl* self = &s;
+  s.ticker = std::thread([self]() {
+    absl::MutexLock l(&self->mu);
+    while (!self->stopping) {
+      auto stop = [self]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->stopping; };
+      if (self->mu.AwaitWithTimeout(absl::Condition(&stop),
+                                    absl::Milliseconds(self->config.tick_ms)))
+        break;
+      self->mu.Unlock();
+      self->manager->Tick();
+      self->mu.Lock();
+    }
+  });
+  return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
+}
+
+void CoordinatorServer::Shutdown() {
+  Impl& s = *impl_;
+  if (s.shut_down) return;
+  s.shut_down = true;
+  {
+    absl::MutexLock l(&s.mu);
+    s.stopping = true;
+  }
+  if (s.ticker.joinable()) s.ticker.join();
+  s.sessions.CloseAll();
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  if (s.worker_server) s.worker_server->Shutdown(deadline);
+  if (s.client_server) s.client_server->Shutdown(deadline);
+  if (s.metrics_server) s.metrics_server->Stop();
+}
+
+void CoordinatorServer::Wait() {
+  absl::MutexLock l(&impl_->mu);
+  auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(impl_->mu) { return impl_->stopping; };
+  impl_->mu.Await(absl::Condition(&stop));
+}
+
+int CoordinatorServer::client_port() const { return impl_->client_port; }
+int CoordinatorServer::worker_port() const { return impl_->worker_port; }
+int CoordinatorServer::metrics_port() const {
+  return impl_->metrics_server ? impl_->metrics_server->port() : 0;
+}
+JobManager* CoordinatorServer::manager() { return impl_->manager.get(); }
+
+}  // namespace spindle

@@ -1,0 +1,59 @@
+// CoordinatorServer: assembles the coordinator daemon: opens the JobStore, recovers the
+// JobManager, serves JobService (client port) and ClusterService + RendezvousService (worker
+// port; the same port unless a separate one is configured), grpc.health.v1 on both, optional
+// bearer-token auth and TLS, Prometheus /metrics, and the periodic Tick thread.
+// Used by main.cc and by in-process tests.
+// Thread-safety: Start/Shutdown from one owner thread; accessors are safe afterwards.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "coordinator/clock.h"
+#include "coordinator/job_manager.h"
+
+namespace spindle {
+
+struct CoordinatorConfig {
+  std::string listen = "0.0.0.0:7070";  // client-facing (JobService)
+  std::string worker_listen;            // empty: workers use `listen` too
+  std::string db_path = "spindle.db";
+  int metrics_port = -1;                // -1: no /metrics; 0: an ephemeral port
+  std::string metrics_host = "0.0.0.0";
+  std::string token;                    // empty: no auth
+  std::string tls_cert_pem;             // both set: TLS on every port
+  std::string tls_key_pem;
+  // Rendezvous address given to workers; empty: derived from the worker port and this host's
+  // name (127.0.0.1 when listening on 127.0.0.1).
+  std::string advertise_address;
+  int64_t tick_ms = 100;
+  JobManagerOptions manager;
+};
+
+class CoordinatorServer {
+ public:
+  // Starts everything; `clock` (not owned; null: a real clock) must outlive the server.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(CoordinatorConfig config,
+                                                                  const Clock* clock = nullptr);
+  ~CoordinatorServer();  // Shutdown()s.
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // Stops serving, ends sessions and watches, stops the tick thread. Idempotent.
+  void Shutdown();
+  // Blocks until Shutdown() is called from another thread.
+  void Wait();
+
+  int client_port() const;
+  int worker_port() const;
+  int metrics_port() const;
+  JobManager* manager();
+
+ private:
+  struct Impl;
+  explicit CoordinatorServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spindle

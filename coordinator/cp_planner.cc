@@ -1,0 +1,159 @@
+// CP mode decisions, memory estimate and preflight problems (see cp_planner.h).
+#include "coordinator/cp_planner.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace spindle {
+namespace {
+
+std::string ModeWord(CpMode m) { return m == CpMode::kAll2All ? "all2all" : "allgather"; }
+
+// Decides the mode of one layer type; appends a problem when a forced mode is impossible.
+LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMode requested,
+                         int64_t cp, int64_t heads, std::vector<std::string>* problems) {
+  LayerModePlan p;
+  p.layer_type = layer_type;
+  p.num_layers = num_layers;
+  const std::string field = absl::StrCat("parallel.", layer_type, "_mode");
+  if (requested != CpMode::kAuto) {
+    p.forced = true;
+    p.mode = requested;
+    if (requested == CpMode::kAll2All && heads % cp != 0) {
+      problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
+                                       heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
+                                       heads % cp, "); use allgather or a cp that divides ",
+                                       heads));
+      p.reason = absl::StrCat("forced by the spec, but n_heads=", heads, " % cp=", cp, " != 0");
+    } else {
+      p.reason = absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")");
+    }
+    return p;
+  }
+  if (cp == 1) {
+    p.mode = CpMode::kAllGather;
+    p.reason = "cp=1: no sequence split, no CP communication";
+  } else if (cp <= heads && heads % cp == 0) {
+    p.mode = CpMode::kAll2All;
+    p.reason = absl::StrCat("default: cp=", cp, " <= n_heads=", heads, " and ", heads, " % ", cp,
+                            " == 0");
+  } else if (cp > heads) {
+    p.mode = CpMode::kAllGather;
+    p.reason = absl::StrCat("default: cp=", cp, " > n_heads=", heads, ", all2all impossible");
+  } else {
+    p.mode = CpMode::kAllGather;
+    p.reason = absl::StrCat("default: n_heads=", heads, " is not divisible by cp=", cp, " (",
+                            heads, " % ", cp, " = ", heads % cp, ")");
+  }
+  return p;
+}
+
+}  // namespace
+
+CpMode CpPlan::ModeOf(const std::string& layer_type) const {
+  for (const LayerModePlan& l : layers)
+    if (l.layer_type == layer_type) return l.mode;
+  return CpMode::kAllGather;
+}
+
+MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers) {
+  const ModelConfig& m = spec.model;
+  const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
+  const int64_t P = m.NumParams();
+  const int64_t T = std::max<int64_t>(1, spec.seq_len / cp);
+  const int64_t B = spec.resources == "cuda" ? 2 : 4;
+  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, Dh = m.head_dim();
+  const MlaConfig& a = m.mla;
+
+  MemoryEstimate e;
+  e.recompute = spec.train.recompute;
+  e.params_bytes = 4 * P;
+  e.grads_bytes = 4 * P;
+  if (spec.train.optimizer == "adamw") {
+    e.optimizer_bytes = 8 * P;
+  } else if (spec.train.momentum != 0.0) {
+    e.optimizer_bytes = 4 * P;
+  }
+
+  bool mla_allgather = false, lightning_allgather = false;
+  for (const LayerModePlan& l : layers) {
+    if (l.layer_type == "mla") mla_allgather = l.mode == CpMode::kAllGather && cp > 1;
+    if (l.layer_type == "lightning") lightning_allgather = l.mode == CpMode::kAllGather && cp > 1;
+  }
+  const int64_t common = 4 * d + 3 * f;
+  const int64_t per_l = common + 9 * d;
+  int64_t per_m = common + H * (a.qk_nope_dim + a.qk_rope_dim) * 2 +
+                  (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
+                  H * a.v_head_dim + 2 * H;
+  if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
+  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
+  int64_t per_token;
+  if (spec.train.recompute) {
+    int64_t max_layer = 0;
+    if (nl > 0) max_layer = std::max(max_layer, per_l);
+    if (nm > 0) max_layer = std::max(max_layer, per_m);
+    per_token = 4 * d + m.n_layers * d + max_layer;
+  } else {
+    per_token = 4 * d + nl * per_l + nm * per_m;
+  }
+  e.activations_bytes = T * B * per_token;
+  e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20);
+  if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
+  e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
+                  e.workspace_bytes;
+  return e;
+}
+
+CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
+  CpPlan plan;
+  const ModelConfig& m = spec.model;
+  plan.cp = spec.parallel.cp;
+  plan.dp = spec.parallel.dp;
+  plan.world = spec.parallel.world();
+  const int64_t cp = std::max<int64_t>(1, plan.cp);
+  plan.tokens_per_rank = spec.seq_len / cp;
+
+  plan.layers.push_back(DecideMode("lightning", m.NumLayersOfKind('L'),
+                                   spec.parallel.lightning_mode, cp, m.n_heads, &plan.problems));
+  plan.layers.push_back(DecideMode("mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, cp,
+                                   m.n_heads, &plan.problems));
+
+  if (cp > 1) {
+    const int64_t chunks = 2 * cp;
+    if (spec.seq_len % chunks != 0) {
+      plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len,
+                                           " is not divisible by 2*cp = ", chunks,
+                                           " (zigzag chunks need equal sizes)"));
+    } else if (spec.seq_len / chunks < kMinTokensPerChunk) {
+      plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len, " gives ",
+                                           spec.seq_len / chunks, " tokens per chunk with cp=", cp,
+                                           "; at least ", kMinTokensPerChunk, " are needed"));
+    }
+  }
+
+  plan.memory = EstimateMemory(spec, plan.layers);
+  plan.memory.device_memory_bytes = device_memory_bytes;
+  if (device_memory_bytes > 0) {
+    if (plan.memory.total_bytes > device_memory_bytes) {
+      std::string hint = spec.train.recompute ? "" : "; train.recompute = true may help";
+      plan.problems.push_back(absl::StrCat(
+          "memory: estimated ", FormatBytes(plan.memory.total_bytes), " per rank exceeds the ",
+          FormatBytes(device_memory_bytes), " of one ", spec.resources, " device", hint));
+    }
+  } else {
+    plan.warnings.push_back("no device known: memory estimate not checked against a device");
+  }
+  return plan;
+}
+
+std::string FormatBytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / (1 << 30));
+  if (bytes >= (int64_t{1} << 20)) return absl::StrFormat("%.1f MiB", b / (1 << 20));
+  if (bytes >= (int64_t{1} << 10)) return absl::StrFormat("%.1f KiB", b / (1 << 10));
+  return absl::StrCat(bytes, " B");
+}
+
+}  // namespace spindle

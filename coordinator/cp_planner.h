@@ -1,0 +1,89 @@
+// CpPlanner: decides, per layer type, how a job runs under context parallelism (DESIGN.md
+// section 3), estimates per-rank memory, and lists every reason the job cannot run. Used by the
+// coordinator at submit time, by the Plan RPC and by `spindle plan` offline.
+//
+// Mode rule per layer type ("lightning", "mla"): when the spec says "auto", All2All if
+// cp <= n_heads and n_heads % cp == 0, else AllGather. cp == 1 needs no communication; the
+// mode is then reported as AllGather ("cp=1: no sequence split"). A forced All2All with
+// n_heads % cp != 0 is a problem naming the layer type, cp and heads.
+//
+// Thread-safety: stateless; Plan() is const and may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/job_spec.h"
+
+namespace spindle {
+
+struct LayerModePlan {
+  std::string layer_type;  // "lightning" or "mla"
+  int64_t num_layers = 0;
+  CpMode mode = CpMode::kAllGather;  // never kAuto
+  std::string reason;                // one line
+  bool forced = false;               // the spec chose the mode
+};
+
+// Per-rank memory estimate in bytes. See EstimateMemory() for the formula.
+struct MemoryEstimate {
+  int64_t params_bytes = 0;
+  int64_t grads_bytes = 0;
+  int64_t optimizer_bytes = 0;
+  int64_t activations_bytes = 0;
+  int64_t workspace_bytes = 0;
+  int64_t total_bytes = 0;
+  int64_t device_memory_bytes = 0;  // what it was checked against; 0: not checked
+  bool recompute = false;
+};
+
+struct CpPlan {
+  int64_t cp = 1;
+  int64_t dp = 1;
+  int64_t world = 1;
+  int64_t tokens_per_rank = 0;
+  std::vector<LayerModePlan> layers;  // "lightning" then "mla"
+  MemoryEstimate memory;
+  std::vector<std::string> problems;  // every reason the job cannot run; empty: it can
+  std::vector<std::string> warnings;
+  bool ok() const { return problems.empty(); }
+  // The decided mode of a layer type ("lightning" or "mla").
+  CpMode ModeOf(const std::string& layer_type) const;
+};
+
+// Per-rank memory, in bytes, of training `spec` (B = 4 bytes per activation element on "cpu",
+// 2 on "cuda"; P = ModelConfig::NumParams(); T = seq_len / cp tokens per rank; d = d_model,
+// H = n_heads, f = ffn_dim):
+//   params      4 P  (fp32 master weights)
+//   grads       4 P  (fp32)
+//   optimizer   8 P  for AdamW (m, v fp32); 4 P for SGD with momentum; 0 for plain SGD
+//   activations T * B * (4 d + sum over layers of a_layer)      without recompute
+//               T * B * (4 d + n_layers * d + max a_layer)      with recompute (layer inputs only,
+//                                                               one layer rebuilt at a time)
+//     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product)
+//     Lightning        += 9 d (qkv, normed q/k, output, normed output, gate, gated output)
+//     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2
+//                         + H (qk_nope + v_head) + H v_head + 2 H (softmax stats, fp32)
+//                         and, in AllGather mode, the gathered latents of the whole sequence:
+//                         cp * T * (kv_lora + qk_rope)
+//   workspace   min(T, 4096) * vocab * 4 (fused cross-entropy chunk, fp32)
+//               + Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4 (forward + backward)
+//               + 64 MiB (allocator slack, communicator buffers)
+MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers);
+
+class CpPlanner {
+ public:
+  // Zigzag chunks (seq_len / (2 cp) tokens) shorter than this are rejected when cp > 1.
+  static constexpr int64_t kMinTokensPerChunk = 16;
+
+  // Plans `spec`. `device_memory_bytes` is the memory of the largest device the job could run
+  // on (GPU memory, or host memory per CPU slot); 0 when unknown (no worker registered): the
+  // memory estimate is then not checked and a warning says so.
+  CpPlan Plan(const JobSpec& spec, int64_t device_memory_bytes) const;
+};
+
+// "1.50 GiB", "12.0 MiB", "512 B".
+std::string FormatBytes(int64_t bytes);
+
+}  // namespace spindle

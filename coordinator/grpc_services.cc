@@ -1,0 +1,252 @@
+// gRPC handlers of the coordinator (see grpc_services.h).
+#include "coordinator/grpc_services.h"
+
+#include <deque>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace spindle {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// Outbound queue of one Session stream.
+class SessionRegistry::Session {
+ public:
+  explicit Session(grpc::ServerContext* ctx) : ctx_(ctx) {}
+
+  bool Push(const v1::CoordinatorMessage& m) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    if (closed_) return false;
+    queue_.push_back(m);
+    return true;
+  }
+  // Blocks until a message is queued or the session closes; false when closed.
+  bool Pop(v1::CoordinatorMessage* m) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_ || !queue_.empty(); };
+    mu_.Await(absl::Condition(&ready));
+    if (queue_.empty()) return false;
+    *m = std::move(queue_.front());
+    queue_.pop_front();
+    return true;
+  }
+  void Close() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    closed_ = true;
+  }
+  // Closes the queue and cancels the stream (a newer session replaced this one).
+  void Cancel() {
+    Close();
+    ctx_->TryCancel();
+  }
+
+ private:
+  grpc::ServerContext* const ctx_;
+  absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+};
+
+bool SessionRegistry::Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) {
+  std::shared_ptr<Session> s;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = sessions_.find(worker_id);
+    if (it == sessions_.end()) return false;
+    s = it->second;
+  }
+  return s->Push(msg);
+}
+
+void SessionRegistry::Attach(const std::string& worker_id, std::shared_ptr<Session> s) {
+  std::shared_ptr<Session> old;
+  {
+    absl::MutexLock l(&mu_);
+    old = std::move(sessions_[worker_id]);
+    sessions_[worker_id] = std::move(s);
+  }
+  if (old) old->Cancel();
+}
+
+void SessionRegistry::Detach(const std::string& worker_id, const Session* s) {
+  absl::MutexLock l(&mu_);
+  auto it = sessions_.find(worker_id);
+  if (it != sessions_.end() && it->second.get() == s) sessions_.erase(it);
+}
+
+void SessionRegistry::CloseAll() {
+  std::map<std::string, std::shared_ptr<Session>> all;
+  {
+    absl::MutexLock l(&mu_);
+    all.swap(sessions_);
+  }
+  for (auto& [id, s] : all) s->Cancel();
+}
+
+// --- JobService ------------------------------------------------------------------------------
+
+grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
+                                    v1::SubmitJobResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (req->dry_run()) return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
+  absl::StatusOr<std::string> id = manager_->Submit(req->spec_json(), resp->mutable_plan());
+  if (!id.ok()) return ToGrpc(id.status());
+  resp->set_job_id(*id);
+  v1::Job job;
+  if (manager_->GetJob(*id, false, &job).ok()) resp->set_state(job.state());
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
+                                  v1::PlanJobResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
+}
+
+grpc::Status JobServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                                 v1::Job* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  return ToGrpc(manager_->GetJob(req->job_id(), true, resp));
+}
+
+grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
+                                  v1::ListJobsResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  std::set<JobState> states;
+  for (int s : req->states()) {
+    if (s < static_cast<int>(JobState::kQueued) || s > static_cast<int>(JobState::kRestarting))
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("list: unknown job state ", s));
+    states.insert(static_cast<JobState>(s));
+  }
+  for (auto& j : manager_->ListJobs(states, req->limit())) resp->add_jobs()->Swap(j.get());
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
+                                    v1::CancelJobResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  return ToGrpc(manager_->Cancel(req->job_id(), req->reason(), resp->mutable_job()));
+}
+
+grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
+                                   grpc::ServerWriter<v1::JobUpdate>* writer) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  const absl::Duration min_interval =
+      absl::Milliseconds(req->min_interval_ms() > 0 ? req->min_interval_ms() : 500);
+  uint64_t version = 0;
+  size_t events_seen = 0;
+  v1::JobState last_state = v1::JOB_STATE_UNSPECIFIED;
+  while (!ctx->IsCancelled()) {
+    v1::JobUpdate update;
+    std::vector<EventRecord> events;
+    const uint64_t before = version;
+    absl::Status st = manager_->WaitJob(req->job_id(), &version, &events_seen, absl::Seconds(1),
+                                        update.mutable_job(), &events);
+    if (!st.ok()) return ToGrpc(st);
+    if (version == before && before != 0) continue;  // nothing new; check for cancellation
+    for (const EventRecord& e : events) {
+      v1::JobEvent* pe = update.add_new_events();
+      pe->set_unix_ms(e.unix_ms);
+      pe->set_attempt(e.attempt);
+      pe->set_state(static_cast<v1::JobState>(e.state));
+      pe->set_message(e.message);
+    }
+    const v1::JobState state = update.job().state();
+    if (!writer->Write(update)) return grpc::Status::OK;  // client went away
+    if (state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+        state == v1::JOB_STATE_CANCELLED)
+      return grpc::Status::OK;
+    // Progress-only updates at most every min_interval; a state change is not delayed further.
+    if (state == last_state) absl::SleepFor(min_interval);
+    last_state = state;
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
+}
+
+// --- ClusterService --------------------------------------------------------------------------
+
+grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                                          v1::RegisterResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  return ToGrpc(manager_->RegisterWorker(*req, resp));
+}
+
+grpc::Status ClusterServiceImpl::Session(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  v1::WorkerMessage first;
+  if (!stream->Read(&first))
+    return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its hello");
+  if (!first.has_hello())
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "session: the first message must be a hello");
+  const std::string worker_id = first.hello().worker_id();
+  uint64_t session_id;
+  {
+    absl::MutexLock l(&mu_);
+    session_id = next_session_id_++;
+  }
+  auto session = std::make_shared<SessionRegistry::Session>(ctx);
+  sessions_->Attach(worker_id, session);
+  absl::Status opened = manager_->SessionOpened(first.hello(), session_id);
+  if (!opened.ok()) {
+    sessions_->Detach(worker_id, session.get());
+    return ToGrpc(opened);
+  }
+  std::thread writer([session, stream]() {
+    v1::CoordinatorMessage m;
+    while (session->Pop(&m)) {
+      if (!stream->Write(m)) break;
+    }
+  });
+  v1::WorkerMessage m;
+  while (stream->Read(&m)) manager_->HandleWorkerMessage(worker_id, m);
+  session->Close();
+  writer.join();
+  sessions_->Detach(worker_id, session.get());
+  manager_->SessionClosed(worker_id, session_id);
+  return grpc::Status::OK;
+}
+
+grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
+                                             const v1::ListWorkersRequest* req,
+                                             v1::ListWorkersResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  for (auto& w : manager_->ListWorkers()) resp->add_workers()->Swap(w.get());
+  return grpc::Status::OK;
+}
+
+// --- RendezvousService -----------------------------------------------------------------------
+
+grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
+                                        v1::SetResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  const v1::RendezvousScope& s = req->scope();
+  return ToGrpc(store_->Set(s.job_id(), s.attempt(), s.token(), req->key(), req->value()));
+}
+
+grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
+                                        v1::GetResponse* resp) {
+  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  const v1::RendezvousScope& s = req->scope();
+  absl::Duration timeout = absl::Milliseconds(std::max(0, req->wait_timeout_ms()));
+  // Never wait past the client's own deadline.
+  const auto deadline = ctx->deadline();
+  const auto now = std::chrono::system_clock::now();
+  if (deadline > now && deadline - now < std::chrono::hours(24 * 365))
+    timeout = std::min(timeout, absl::FromChrono(deadline - now));
+  absl::StatusOr<std::string> v =
+      store_->Get(s.job_id(), s.attempt(), s.token(), req->key(), timeout);
+  if (!v.ok()) return ToGrpc(v.status());
+  resp->set_value(std::move(*v));
+  return grpc::Status::OK;
+}
+
+}  // namespace spindle

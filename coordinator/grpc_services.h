@@ -1,0 +1,105 @@
+// The coordinator's gRPC services (sync API; gRPC's thread pool runs the handlers): JobService
+// for clients, ClusterService (worker sessions) and RendezvousService for workers. They only
+// translate between the wire and JobManager / RendezvousStore; all state lives there.
+//
+// Sessions: each open Session stream has an outbound queue drained by its own writer thread, so
+// JobManager's Send never blocks; the handler thread reads. A new session of the same worker
+// cancels the previous one.
+// Thread-safety: all classes are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/auth.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/rendezvous_store.h"
+#include "coordinator/worker_channel.h"
+#include "spindle/v1/cluster.grpc.pb.h"
+#include "spindle/v1/job.grpc.pb.h"
+#include "spindle/v1/rendezvous.grpc.pb.h"
+
+namespace spindle {
+
+// The open Session streams, as the WorkerChannel the manager sends through.
+class SessionRegistry : public WorkerChannel {
+ public:
+  class Session;  // one open stream's outbound queue
+
+  bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes `s` the worker's session; cancels the one it replaces.
+  void Attach(const std::string& worker_id, std::shared_ptr<Session> s) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets `s` if it is still the worker's session.
+  void Detach(const std::string& worker_id, const Session* s) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes every session (daemon shutdown).
+  void CloseAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+class JobServiceImpl final : public v1::JobService::Service {
+ public:
+  JobServiceImpl(JobManager* manager, const TokenAuth* auth) : manager_(manager), auth_(auth) {}
+  grpc::Status Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
+                      v1::SubmitJobResponse* resp) override;
+  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
+                    v1::PlanJobResponse* resp) override;
+  grpc::Status Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                   v1::Job* resp) override;
+  grpc::Status List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
+                    v1::ListJobsResponse* resp) override;
+  grpc::Status Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
+                      v1::CancelJobResponse* resp) override;
+  grpc::Status Watch(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
+                     grpc::ServerWriter<v1::JobUpdate>* writer) override;
+
+ private:
+  JobManager* const manager_;
+  const TokenAuth* const auth_;
+};
+
+class ClusterServiceImpl final : public v1::ClusterService::Service {
+ public:
+  ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const TokenAuth* auth)
+      : manager_(manager), sessions_(sessions), auth_(auth) {}
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                        v1::RegisterResponse* resp) override;
+  grpc::Status Session(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
+  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
+                           v1::ListWorkersResponse* resp) override;
+
+ private:
+  JobManager* const manager_;
+  SessionRegistry* const sessions_;
+  const TokenAuth* const auth_;
+  absl::Mutex mu_;
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+class RendezvousServiceImpl final : public v1::RendezvousService::Service {
+ public:
+  RendezvousServiceImpl(RendezvousStore* store, const TokenAuth* auth)
+      : store_(store), auth_(auth) {}
+  grpc::Status Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
+                   v1::SetResponse* resp) override;
+  grpc::Status Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
+                   v1::GetResponse* resp) override;
+
+ private:
+  RendezvousStore* const store_;
+  const TokenAuth* const auth_;
+};
+
+// absl::Status -> grpc::Status with the same code and message.
+grpc::Status ToGrpc(const absl::Status& s);
+
+}  // namespace spindle

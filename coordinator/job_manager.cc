@@ -1,0 +1,991 @@
+// Job lifecycle, worker registry, placement and failure handling (see job_manager.h).
+#include "coordinator/job_manager.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <random>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "common/metrics.h"
+#include "common/status.h"
+#include "coordinator/plan_proto.h"
+#include "coordinator/scheduler.h"
+#include "spindle/v1/cluster.pb.h"
+#include "spindle/v1/job.pb.h"
+
+namespace spindle {
+
+struct JobManager::RankRuntime {
+  RankPlacement placement;
+  std::string state = "assigned";  // assigned | running | exited | stopped
+  int64_t step = 0;
+  int64_t total_steps = 0;
+  double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0;
+  int32_t exit_code = 0;
+  int64_t last_report_ms = 0;
+  int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
+  bool adopted = true;           // false while waiting for re-adoption after a restart
+};
+
+struct JobManager::JobRuntime {
+  JobRecord rec;
+  JobSpec spec;
+  CpMode lightning_mode = CpMode::kAllGather;
+  CpMode mla_mode = CpMode::kAllGather;
+  int64_t memory_per_rank = 0;
+  std::vector<RankRuntime> ranks;  // current attempt
+  std::string token;
+  int64_t queued_since_ms = 0;
+  int64_t adopt_deadline_ms = 0;  // > 0 while waiting for re-adoption
+  std::map<int64_t, std::pair<int64_t, std::string>> checkpoints;  // step -> (ranks, path)
+  std::vector<EventRecord> events;
+  uint64_t version = 0;
+  int64_t rate_ref_ms = 0, rate_ref_step = -1;  // for the ETA
+};
+
+struct JobManager::WorkerRuntime {
+  struct Slot {
+    std::string job_id;  // empty: free
+    int64_t attempt = 0;
+    int64_t rank = -1;
+    int64_t drain_deadline_ms = 0;  // > 0: the rank was stopped; freed at exit or deadline
+  };
+  WorkerRecord rec;
+  v1::DeviceGroup group;
+  bool connected = false;
+  bool lost = false;
+  uint64_t session_id = 0;
+  int64_t last_seen_ms = 0;
+  std::vector<Slot> slots;
+};
+
+struct JobManager::Outbox {
+  std::vector<std::pair<std::string, v1::CoordinatorMessage>> messages;
+};
+
+namespace {
+
+void LogLine(const std::string& line) { std::fprintf(stderr, "coordinator: %s\n", line.c_str()); }
+
+std::string RandomToken() {
+  std::random_device rd;
+  uint64_t a = (uint64_t{rd()} << 32) ^ rd(), b = (uint64_t{rd()} << 32) ^ rd();
+  return absl::StrFormat("%016x%016x", a, b);
+}
+
+v1::CpMode ToProtoMode(CpMode m) {
+  return m == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER;
+}
+
+std::string Seconds(int64_t ms) { return absl::StrFormat("%.1f s", ms / 1000.0); }
+
+bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
+
+}  // namespace
+
+JobManager::JobManager(JobStore* store, const Clock* clock, WorkerChannel* channel,
+                       RendezvousStore* rendezvous, JobManagerOptions options,
+                       JobManagerMetrics metrics)
+    : store_(store),
+      clock_(clock),
+      channel_(channel),
+      rendezvous_(rendezvous),
+      options_(std::move(options)),
+      metrics_(metrics),
+      rendezvous_address_(options_.rendezvous_address) {}
+
+void JobManager::SetRendezvousAddress(const std::string& address) {
+  absl::MutexLock l(&mu_);
+  rendezvous_address_ = address;
+}
+
+JobManager::~JobManager() = default;
+
+JobManager::JobRuntime* JobManager::FindJob(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : it->second.get();
+}
+
+void JobManager::Bump(JobRuntime& j) { j.version = next_version_++; }
+
+void JobManager::Flush(Outbox& out) {
+  for (auto& [worker, msg] : out.messages) channel_->Send(worker, msg);
+  out.messages.clear();
+}
+
+absl::Status JobManager::Recover() {
+  ASSIGN_OR_RETURN(std::vector<WorkerRecord> workers, store_->LoadWorkers());
+  ASSIGN_OR_RETURN(std::vector<JobRecord> jobs, store_->LoadJobs());
+  absl::MutexLock l(&mu_);
+  const int64_t now = clock_->NowMs();
+  for (WorkerRecord& rec : workers) {
+    auto w = std::make_unique<WorkerRuntime>();
+    v1::RegisterRequest devices;
+    devices.ParseFromString(rec.devices);
+    if (devices.devices_size() > 0) w->group = devices.devices(0);
+    w->slots.resize(std::max(0, w->group.count()));
+    w->last_seen_ms = now;  // lost unless it reconnects within heartbeat_timeout
+    w->rec = std::move(rec);
+    workers_[w->rec.worker_id] = std::move(w);
+  }
+  for (JobRecord& rec : jobs) {
+    auto j = std::make_unique<JobRuntime>();
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(rec.spec_json);
+    if (!spec.ok()) {
+      LogLine(absl::StrCat("job ", rec.job_id, ": stored spec no longer parses: ",
+                           spec.status().message()));
+    } else {
+      j->spec = *spec;
+      CpPlan plan = planner_.Plan(j->spec, 0);
+      j->lightning_mode = plan.ModeOf("lightning");
+      j->mla_mode = plan.ModeOf("mla");
+      j->memory_per_rank = plan.memory.total_bytes;
+    }
+    ASSIGN_OR_RETURN(j->events, store_->LoadEvents(rec.job_id));
+    j->rec = std::move(rec);
+    j->queued_since_ms = now;
+    if (IsActive(j->rec.state)) {
+      absl::StatusOr<AttemptRecord> a = store_->LoadAttempt(j->rec.job_id, j->rec.attempt);
+      if (a.ok()) {
+        j->token = a->rendezvous_token;
+        rendezvous_->Open(j->rec.job_id, j->rec.attempt, j->token);
+        for (const RankPlacement& p : a->ranks) {
+          RankRuntime r;
+          r.placement = p;
+          r.adopted = false;
+          r.last_progress_ms = now;
+          j->ranks.push_back(r);
+          auto w = workers_.find(p.worker_id);
+          if (w != workers_.end() && p.device_index >= 0 &&
+              p.device_index < static_cast<int32_t>(w->second->slots.size())) {
+            w->second->slots[p.device_index] = {j->rec.job_id, j->rec.attempt, p.rank, 0};
+          }
+        }
+      }
+      j->adopt_deadline_ms = now + options_.recovery_grace_ms;
+    }
+    Bump(*j);
+    jobs_[j->rec.job_id] = std::move(j);
+  }
+  LogLine(absl::StrCat("recovered ", jobs_.size(), " jobs and ", workers_.size(), " workers"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CpPlan> JobManager::PlanLocked(const std::string& spec_json, std::string* kind,
+                                              int64_t* world) {
+  ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
+  int64_t memory = 0;
+  for (const auto& [id, w] : workers_)
+    if (w->group.kind() == spec.resources) memory = std::max(memory, w->group.memory_bytes());
+  if (kind) *kind = spec.resources;
+  if (world) *world = spec.parallel.world();
+  return planner_.Plan(spec, memory);
+}
+
+absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_out) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, nullptr, nullptr));
+  PlanToProto(plan, plan_out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1::Plan* plan_out) {
+  ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
+  Outbox out;
+  std::string job_id;
+  {
+    absl::MutexLock l(&mu_);
+    ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, nullptr, nullptr));
+    if (plan_out) PlanToProto(plan, plan_out);
+    if (!plan.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("job cannot run: ", absl::StrJoin(plan.problems, "; ")));
+    SchedulableJob sj;
+    sj.world = spec.parallel.world();
+    sj.kind = spec.resources;
+    sj.memory_bytes_per_rank = plan.memory.total_bytes;
+    std::vector<SchedulableWorker> registered;
+    for (const auto& [id, w] : workers_) {
+      SchedulableWorker sw;
+      sw.worker_id = id;
+      sw.kind = w->group.kind();
+      sw.device_memory_bytes = w->group.memory_bytes();
+      sw.total_devices = w->group.count();
+      registered.push_back(sw);
+    }
+    RETURN_IF_ERROR(CheckCanEverFit(sj, registered));
+
+    auto j = std::make_unique<JobRuntime>();
+    j->spec = spec;
+    j->lightning_mode = plan.ModeOf("lightning");
+    j->mla_mode = plan.ModeOf("mla");
+    j->memory_per_rank = plan.memory.total_bytes;
+    const int64_t now = clock_->NowMs();
+    JobRecord& rec = j->rec;
+    rec.name = spec.name;
+    rec.state = JobState::kQueued;
+    rec.priority = spec.priority;
+    rec.spec_json = spec.ToJson().dump();
+    v1::Plan p;
+    PlanToProto(plan, &p);
+    rec.plan = p.SerializeAsString();
+    rec.submitted_ms = rec.updated_ms = now;
+    rec.max_restarts = spec.max_restarts;
+    rec.message = absl::StrCat("waiting for ", sj.world, " free ", sj.kind, " device",
+                               sj.world == 1 ? "" : "s");
+    EventRecord ev{"", 0, now, JobState::kQueued, "submitted"};
+    RETURN_IF_ERROR(store_->CreateJob(&rec, ev));
+    ev.job_id = rec.job_id;
+    j->events.push_back(ev);
+    j->queued_since_ms = now;
+    Bump(*j);
+    job_id = rec.job_id;
+    jobs_[job_id] = std::move(j);
+    if (metrics_.jobs_submitted) metrics_.jobs_submitted->Increment();
+    Schedule(&out);
+  }
+  Flush(out);
+  return job_id;
+}
+
+absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::string& message,
+                                    const AttemptRecord* attempt) {
+  const int64_t now = clock_->NowMs();
+  j.rec.state = to;
+  j.rec.message = message;
+  j.rec.updated_ms = now;
+  EventRecord ev{j.rec.job_id, j.rec.attempt, now, to, message};
+  absl::Status st = store_->SaveJob(j.rec, &ev, attempt);
+  if (!st.ok()) LogLine(absl::StrCat("job ", j.rec.job_id, ": ", st.message()));
+  j.events.push_back(std::move(ev));
+  Bump(j);
+  return st;
+}
+
+void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const {
+  const JobRecord& r = j.rec;
+  out->set_job_id(r.job_id);
+  out->set_name(r.name);
+  out->set_state(static_cast<v1::JobState>(r.state));
+  out->set_priority(r.priority);
+  out->set_spec_json(r.spec_json);
+  out->set_submitted_unix_ms(r.submitted_ms);
+  out->set_updated_unix_ms(r.updated_ms);
+  out->set_attempt(r.attempt);
+  out->set_restarts(r.restarts);
+  out->set_max_restarts(r.max_restarts);
+  out->set_message(r.message);
+  out->mutable_plan()->ParseFromString(r.plan);
+  out->set_last_checkpoint_step(r.last_checkpoint_step);
+  out->set_last_checkpoint_path(r.last_checkpoint_path);
+  out->set_total_steps(j.spec.train.steps);
+  int64_t min_step = -1;
+  double tps = 0;
+  for (const RankRuntime& rr : j.ranks) {
+    v1::RankStatus* s = out->add_ranks();
+    s->set_rank(rr.placement.rank);
+    s->set_worker_id(rr.placement.worker_id);
+    s->set_device_index(rr.placement.device_index);
+    s->set_step(rr.step);
+    s->set_loss(rr.loss);
+    s->set_tokens_per_s(rr.tokens_per_s);
+    s->set_lr(rr.lr);
+    s->set_grad_norm(rr.grad_norm);
+    s->set_elapsed_s(rr.elapsed_s);
+    s->set_state(rr.state);
+    s->set_exit_code(rr.exit_code);
+    s->set_last_report_unix_ms(rr.last_report_ms);
+    min_step = min_step < 0 ? rr.step : std::min(min_step, rr.step);
+    if (rr.state == "running") tps += rr.tokens_per_s;
+  }
+  out->set_step(std::max<int64_t>(0, min_step));
+  if (!j.ranks.empty()) out->set_loss(j.ranks[0].loss);
+  out->set_tokens_per_s(tps);
+  double eta = -1;
+  if (r.state == JobState::kSucceeded) {
+    eta = 0;
+  } else if (r.state == JobState::kRunning && j.rate_ref_step >= 0 && min_step > j.rate_ref_step) {
+    const double dt = static_cast<double>(clock_->NowMs() - j.rate_ref_ms) / 1000.0;
+    const double rate = (min_step - j.rate_ref_step) / std::max(dt, 1e-3);
+    eta = (j.spec.train.steps - min_step) / rate;
+  }
+  out->set_eta_s(eta);
+  if (with_events) {
+    for (const EventRecord& e : j.events) {
+      v1::JobEvent* pe = out->add_events();
+      pe->set_unix_ms(e.unix_ms);
+      pe->set_attempt(e.attempt);
+      pe->set_state(static_cast<v1::JobState>(e.state));
+      pe->set_message(e.message);
+    }
+  }
+}
+
+absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, v1::Job* out) {
+  absl::MutexLock l(&mu_);
+  JobRuntime* j = FindJob(job_id);
+  if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  FillJob(*j, with_events, out);
+  return absl::OkStatus();
+}
+
+std::vector<std::unique_ptr<v1::Job>> JobManager::ListJobs(const std::set<JobState>& states,
+                                                           int limit) {
+  absl::MutexLock l(&mu_);
+  std::vector<const JobRuntime*> sel;
+  for (const auto& [id, j] : jobs_)
+    if (states.empty() || states.count(j->rec.state)) sel.push_back(j.get());
+  std::sort(sel.begin(), sel.end(),
+            [](const JobRuntime* a, const JobRuntime* b) { return a->rec.seq > b->rec.seq; });
+  if (limit > 0 && static_cast<int>(sel.size()) > limit) sel.resize(limit);
+  std::vector<std::unique_ptr<v1::Job>> out;
+  for (const JobRuntime* j : sel) {
+    auto p = std::make_unique<v1::Job>();
+    FillJob(*j, false, p.get());
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version,
+                                 size_t* events_seen, absl::Duration max_wait, v1::Job* out,
+                                 std::vector<EventRecord>* new_events) {
+  absl::MutexLock l(&mu_);
+  JobRuntime* j = FindJob(job_id);
+  if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  auto changed = [j, version]() { return j->version != *version; };
+  if (j->version == *version) mu_.AwaitWithTimeout(absl::Condition(&changed), max_wait);
+  FillJob(*j, false, out);
+  *version = j->version;
+  for (size_t i = *events_seen; i < j->events.size(); ++i) new_events->push_back(j->events[i]);
+  *events_seen = j->events.size();
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::Cancel(const std::string& job_id, const std::string& reason,
+                                v1::Job* out) {
+  Outbox box;
+  {
+    absl::MutexLock l(&mu_);
+    JobRuntime* j = FindJob(job_id);
+    if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+    if (!IsTerminal(j->rec.state)) {
+      const std::string msg =
+          reason.empty() ? "cancelled by user" : absl::StrCat("cancelled: ", reason);
+      if (!j->ranks.empty() && j->rec.state != JobState::kQueued &&
+          j->rec.state != JobState::kRestarting)
+        StopAttempt(*j, msg, &box);
+      RETURN_IF_ERROR(Transition(*j, JobState::kCancelled, msg));
+      Schedule(&box);
+    }
+    FillJob(*j, true, out);
+  }
+  Flush(box);
+  return absl::OkStatus();
+}
+
+void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* out) {
+  const int64_t now = clock_->NowMs();
+  std::set<std::string> told;
+  for (RankRuntime& r : j.ranks) {
+    if (r.state == "exited") continue;
+    r.state = "stopped";
+    auto wit = workers_.find(r.placement.worker_id);
+    if (wit == workers_.end()) continue;
+    WorkerRuntime& w = *wit->second;
+    const int32_t d = r.placement.device_index;
+    if (d >= 0 && d < static_cast<int32_t>(w.slots.size()) && w.slots[d].job_id == j.rec.job_id &&
+        w.slots[d].attempt == j.rec.attempt) {
+      if (w.lost) {
+        w.slots[d] = {};
+      } else {
+        w.slots[d].drain_deadline_ms =
+            now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
+      }
+    }
+    if (told.insert(w.rec.worker_id).second && !w.lost) {
+      v1::CoordinatorMessage m;
+      v1::Stop* s = m.mutable_stop();
+      s->set_job_id(j.rec.job_id);
+      s->set_attempt(j.rec.attempt);
+      s->set_reason(reason);
+      s->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
+      out->messages.emplace_back(w.rec.worker_id, std::move(m));
+    }
+  }
+  j.adopt_deadline_ms = 0;
+  rendezvous_->Close(j.rec.job_id, j.rec.attempt);
+}
+
+void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,
+                             Outbox* out) {
+  StopAttempt(j, reason, out);
+  if (fatal) {
+    Transition(j, JobState::kFailed, absl::StrCat(reason, " (invalid input; not restarted)"))
+        .IgnoreError();
+  } else if (j.rec.restarts >= j.rec.max_restarts) {
+    Transition(j, JobState::kFailed,
+               absl::StrCat(reason, "; out of restarts (", j.rec.restarts, "/",
+                            j.rec.max_restarts, ")"))
+        .IgnoreError();
+  } else {
+    ++j.rec.restarts;
+    j.queued_since_ms = clock_->NowMs();
+    if (kind) kind->Increment();
+    Transition(j, JobState::kRestarting,
+               absl::StrCat(reason, "; restart ", j.rec.restarts, "/", j.rec.max_restarts,
+                            j.rec.last_checkpoint_step > 0
+                                ? absl::StrCat(" from checkpoint step ",
+                                               j.rec.last_checkpoint_step)
+                                : std::string(" from scratch")))
+        .IgnoreError();
+  }
+}
+
+void JobManager::Schedule(Outbox* out) {
+  std::vector<SchedulableJob> cands;
+  for (const auto& [id, j] : jobs_) {
+    if (j->rec.state != JobState::kQueued && j->rec.state != JobState::kRestarting) continue;
+    SchedulableJob sj;
+    sj.job_id = id;
+    sj.priority = j->rec.priority;
+    sj.seq = j->rec.seq;
+    sj.world = j->spec.parallel.world();
+    sj.kind = j->spec.resources;
+    sj.memory_bytes_per_rank = j->memory_per_rank;
+    cands.push_back(sj);
+  }
+  if (cands.empty()) return;
+  std::vector<SchedulableWorker> ws;
+  for (const auto& [id, w] : workers_) {
+    if (!w->connected || w->lost) continue;
+    SchedulableWorker sw;
+    sw.worker_id = id;
+    sw.kind = w->group.kind();
+    sw.device_memory_bytes = w->group.memory_bytes();
+    sw.total_devices = static_cast<int32_t>(w->slots.size());
+    for (size_t d = 0; d < w->slots.size(); ++d)
+      if (w->slots[d].job_id.empty()) sw.free_devices.push_back(static_cast<int32_t>(d));
+    ws.push_back(std::move(sw));
+  }
+  for (const GangPlacement& p : ScheduleGangs(std::move(cands), std::move(ws))) {
+    PlaceJob(*jobs_[p.job_id], p.ranks, out);
+  }
+}
+
+void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out) {
+  const int64_t now = clock_->NowMs();
+  AttemptRecord a;
+  a.job_id = j.rec.job_id;
+  a.attempt = j.rec.attempt + 1;
+  a.ranks = ranks;
+  a.rendezvous_token = RandomToken();
+  a.started_ms = now;
+  std::map<std::string, std::vector<int64_t>> by_worker;
+  for (const RankPlacement& p : ranks) by_worker[p.worker_id].push_back(p.rank);
+  std::vector<std::string> parts;
+  for (const auto& [w, rs] : by_worker)
+    parts.push_back(absl::StrCat(w, " (", rs.size(), " rank", rs.size() == 1 ? "" : "s", ")"));
+  j.rec.attempt = a.attempt;
+  if (!Transition(j, JobState::kPlaced,
+                  absl::StrCat("attempt ", a.attempt, " placed on ", absl::StrJoin(parts, ", ")),
+                  &a)
+           .ok()) {
+    return;
+  }
+  if (metrics_.scheduling_latency_seconds)
+    metrics_.scheduling_latency_seconds->Observe((now - j.queued_since_ms) / 1000.0);
+  j.token = a.rendezvous_token;
+  j.checkpoints.clear();
+  j.rate_ref_step = -1;
+  j.adopt_deadline_ms = 0;
+  j.ranks.clear();
+  rendezvous_->Open(j.rec.job_id, j.rec.attempt, j.token);
+  const std::string spec_json = j.rec.spec_json;
+  for (const RankPlacement& p : ranks) {
+    RankRuntime r;
+    r.placement = p;
+    r.last_progress_ms = now;
+    j.ranks.push_back(r);
+    workers_[p.worker_id]->slots[p.device_index] = {j.rec.job_id, j.rec.attempt, p.rank, 0};
+    v1::CoordinatorMessage m;
+    v1::Assignment* as = m.mutable_assignment();
+    as->mutable_ref()->set_job_id(j.rec.job_id);
+    as->mutable_ref()->set_attempt(j.rec.attempt);
+    as->mutable_ref()->set_rank(p.rank);
+    as->set_world(j.spec.parallel.world());
+    as->set_cp(j.spec.parallel.cp);
+    as->set_dp(j.spec.parallel.dp);
+    as->set_lightning_mode(ToProtoMode(j.lightning_mode));
+    as->set_mla_mode(ToProtoMode(j.mla_mode));
+    as->set_spec_json(spec_json);
+    as->set_rendezvous_address(rendezvous_address_);
+    as->set_rendezvous_token(j.token);
+    as->set_checkpoint_dir(j.spec.checkpoint.dir);
+    as->set_resume_step(j.rec.last_checkpoint_step);
+    as->set_resume_path(j.rec.last_checkpoint_path);
+    as->set_device_index(p.device_index);
+    as->set_device_kind(j.spec.resources);
+    out->messages.emplace_back(p.worker_id, std::move(m));
+  }
+}
+
+void JobManager::ReleaseDevice(const std::string& worker_id, int32_t device,
+                               const std::string& job_id, int64_t attempt) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return;
+  auto& slots = it->second->slots;
+  if (device < 0 || device >= static_cast<int32_t>(slots.size())) return;
+  if (slots[device].job_id == job_id && slots[device].attempt == attempt) slots[device] = {};
+}
+
+void JobManager::CheckRunning(JobRuntime& j) {
+  if (j.rec.state != JobState::kPlaced || j.adopt_deadline_ms > 0) return;
+  for (const RankRuntime& r : j.ranks)
+    if (r.state != "running" && r.state != "exited") return;
+  Transition(j, JobState::kRunning, absl::StrCat("attempt ", j.rec.attempt, ": all ",
+                                                 j.ranks.size(), " ranks started"))
+      .IgnoreError();
+}
+
+absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
+                                        v1::RegisterResponse* resp) {
+  if (req.worker_id().empty())
+    return absl::InvalidArgumentError("register: worker_id must not be empty");
+  if (req.devices_size() != 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: worker ", req.worker_id(), " must advertise exactly one device group (GPUs or "
+        "CPU slots), got ", req.devices_size()));
+  const v1::DeviceGroup& g = req.devices(0);
+  if (g.kind() != "cuda" && g.kind() != "cpu")
+    return absl::InvalidArgumentError(absl::StrCat("register: worker ", req.worker_id(),
+                                                   ": device kind must be \"cuda\" or \"cpu\", "
+                                                   "got \"", g.kind(), "\""));
+  if (g.count() < 1 || g.count() > 4096)
+    return absl::InvalidArgumentError(absl::StrCat("register: worker ", req.worker_id(),
+                                                   ": device count must be in [1, 4096], got ",
+                                                   g.count()));
+  Outbox out;
+  {
+    absl::MutexLock l(&mu_);
+    const int64_t now = clock_->NowMs();
+    WorkerRecord rec;
+    rec.worker_id = req.worker_id();
+    rec.hostname = req.hostname();
+    v1::RegisterRequest devices;
+    *devices.add_devices() = g;
+    rec.devices = devices.SerializeAsString();
+    rec.metrics_address = req.metrics_address();
+    rec.registered_ms = now;
+    RETURN_IF_ERROR(store_->SaveWorker(rec));
+    auto& w = workers_[rec.worker_id];
+    if (!w) w = std::make_unique<WorkerRuntime>();
+    w->rec = rec;
+    w->group = g;
+    if (static_cast<int32_t>(w->slots.size()) < g.count()) w->slots.resize(g.count());
+    while (static_cast<int32_t>(w->slots.size()) > g.count() && w->slots.back().job_id.empty())
+      w->slots.pop_back();
+    w->last_seen_ms = now;
+    w->lost = false;
+  }
+  resp->set_worker_id(req.worker_id());
+  resp->set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
+  resp->set_heartbeat_timeout_ms(static_cast<int32_t>(options_.heartbeat_timeout_ms));
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t session_id) {
+  Outbox out;
+  {
+    absl::MutexLock l(&mu_);
+    auto wit = workers_.find(hello.worker_id());
+    if (wit == workers_.end())
+      return absl::NotFoundError(absl::StrCat("worker ", hello.worker_id(),
+                                              " is not registered; call Register first"));
+    WorkerRuntime& w = *wit->second;
+    const int64_t now = clock_->NowMs();
+    w.connected = true;
+    w.lost = false;
+    w.session_id = session_id;
+    w.last_seen_ms = now;
+    std::set<std::pair<std::string, int64_t>> stops;
+    std::set<std::tuple<std::string, int64_t, int64_t>> listed;
+    for (const v1::RunningRank& rr : hello.running()) {
+      const v1::RankRef& ref = rr.ref();
+      listed.insert({ref.job_id(), ref.attempt(), ref.rank()});
+      JobRuntime* j = FindJob(ref.job_id());
+      bool expected = j && IsActive(j->rec.state) && j->rec.attempt == ref.attempt() &&
+                      ref.rank() >= 0 && ref.rank() < static_cast<int64_t>(j->ranks.size()) &&
+                      j->ranks[ref.rank()].placement.worker_id == w.rec.worker_id &&
+                      j->ranks[ref.rank()].state != "exited" &&
+                      j->ranks[ref.rank()].state != "stopped";
+      if (!expected) {
+        stops.insert({ref.job_id(), ref.attempt()});
+        continue;
+      }
+      RankRuntime& r = j->ranks[ref.rank()];
+      r.adopted = true;
+      r.state = "running";
+      r.step = std::max(r.step, rr.step());
+      r.last_progress_ms = now;
+      r.last_report_ms = now;
+    }
+    for (const auto& [job_id, attempt] : stops) {
+      v1::CoordinatorMessage m;
+      m.mutable_stop()->set_job_id(job_id);
+      m.mutable_stop()->set_attempt(attempt);
+      m.mutable_stop()->set_reason("not expected by the coordinator");
+      m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
+      out.messages.emplace_back(w.rec.worker_id, std::move(m));
+    }
+    // Ranks placed on this worker that it no longer runs: the gang restarts.
+    for (auto& [id, jp] : jobs_) {
+      JobRuntime& j = *jp;
+      if (!IsActive(j.rec.state)) continue;
+      std::string missing;
+      for (RankRuntime& r : j.ranks) {
+        if (r.placement.worker_id != w.rec.worker_id || r.state == "exited") continue;
+        if (!listed.count({j.rec.job_id, j.rec.attempt, r.placement.rank})) {
+          missing = absl::StrCat("rank ", r.placement.rank, " was not running on worker ",
+                                 w.rec.worker_id, " when it reconnected");
+          break;
+        }
+      }
+      if (!missing.empty()) {
+        FailAttempt(j, missing, false,
+                    j.adopt_deadline_ms > 0 ? metrics_.restarts_recovery
+                                            : metrics_.restarts_worker_lost,
+                    &out);
+        continue;
+      }
+      if (j.adopt_deadline_ms > 0) {
+        bool all = true;
+        for (const RankRuntime& r : j.ranks) all = all && r.adopted;
+        if (all) {
+          j.adopt_deadline_ms = 0;
+          Bump(j);
+          CheckRunning(j);
+        }
+      }
+    }
+    Schedule(&out);
+  }
+  Flush(out);
+  return absl::OkStatus();
+}
+
+void JobManager::SessionClosed(const std::string& worker_id, uint64_t session_id) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end() || it->second->session_id != session_id) return;
+  it->second->connected = false;
+}
+
+void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& msg) {
+  Outbox out;
+  {
+    absl::MutexLock l(&mu_);
+    auto wit = workers_.find(worker_id);
+    if (wit == workers_.end()) return;
+    WorkerRuntime& w = *wit->second;
+    const int64_t now = clock_->NowMs();
+    w.last_seen_ms = now;
+    // The current rank a message is about, or null (stale attempt, unknown job).
+    auto current = [&](const v1::RankRef& ref) -> std::pair<JobRuntime*, RankRuntime*> {
+      JobRuntime* j = FindJob(ref.job_id());
+      if (!j || !IsActive(j->rec.state) || j->rec.attempt != ref.attempt() || ref.rank() < 0 ||
+          ref.rank() >= static_cast<int64_t>(j->ranks.size()))
+        return {nullptr, nullptr};
+      RankRuntime& r = j->ranks[ref.rank()];
+      if (r.placement.worker_id != worker_id) return {nullptr, nullptr};
+      return {j, &r};
+    };
+    auto stop_stale = [&](const v1::RankRef& ref) {
+      v1::CoordinatorMessage m;
+      m.mutable_stop()->set_job_id(ref.job_id());
+      m.mutable_stop()->set_attempt(ref.attempt());
+      m.mutable_stop()->set_reason("not expected by the coordinator");
+      m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
+      out.messages.emplace_back(worker_id, std::move(m));
+    };
+    switch (msg.kind_case()) {
+      case v1::WorkerMessage::kHeartbeat: {
+        std::set<std::pair<std::string, int64_t>> stopped;
+        for (const v1::RunningRank& rr : msg.heartbeat().running()) {
+          auto [j, r] = current(rr.ref());
+          if (j && r->state != "stopped" && r->state != "exited") continue;
+          // Stopped ranks still draining are told again only when their drain is over due.
+          if (j == nullptr) {
+            JobRuntime* any = FindJob(rr.ref().job_id());
+            bool draining = false;
+            if (any) {
+              for (const auto& s : w.slots)
+                draining |= s.job_id == rr.ref().job_id() && s.attempt == rr.ref().attempt() &&
+                            s.drain_deadline_ms > now;
+            }
+            if (draining) continue;
+          }
+          if (stopped.insert({rr.ref().job_id(), rr.ref().attempt()}).second)
+            stop_stale(rr.ref());
+        }
+        break;
+      }
+      case v1::WorkerMessage::kRankStarted: {
+        auto [j, r] = current(msg.rank_started().ref());
+        if (!j) break;
+        if (r->state == "assigned") r->state = "running";
+        r->last_progress_ms = now;
+        r->last_report_ms = now;
+        Bump(*j);
+        CheckRunning(*j);
+        break;
+      }
+      case v1::WorkerMessage::kRankProgress: {
+        const v1::RankProgress& p = msg.rank_progress();
+        auto [j, r] = current(p.ref());
+        if (!j) {
+          stop_stale(p.ref());
+          break;
+        }
+        if (r->state == "assigned") r->state = "running";
+        r->adopted = true;
+        if (p.step() > r->step) r->last_progress_ms = now;
+        r->step = p.step();
+        r->total_steps = p.total_steps();
+        r->loss = p.loss();
+        r->tokens_per_s = p.tokens_per_s();
+        r->lr = p.lr();
+        r->grad_norm = p.grad_norm();
+        r->elapsed_s = p.elapsed_s();
+        r->last_report_ms = now;
+        if (j->rate_ref_step < 0) {
+          int64_t min_step = r->step;
+          for (const RankRuntime& o : j->ranks) min_step = std::min(min_step, o.step);
+          if (min_step > 0) {
+            j->rate_ref_step = min_step;
+            j->rate_ref_ms = now;
+          }
+        }
+        Bump(*j);
+        CheckRunning(*j);
+        break;
+      }
+      case v1::WorkerMessage::kCheckpointDone: {
+        const v1::CheckpointDone& c = msg.checkpoint_done();
+        auto [j, r] = current(c.ref());
+        if (!j) break;
+        r->last_progress_ms = now;
+        auto& [count, path] = j->checkpoints[c.step()];
+        ++count;
+        if (path.empty() || c.ref().rank() == 0) path = c.path();
+        if (count == static_cast<int64_t>(j->ranks.size()) &&
+            c.step() > j->rec.last_checkpoint_step) {
+          j->rec.last_checkpoint_step = c.step();
+          j->rec.last_checkpoint_path = path;
+          j->rec.updated_ms = now;
+          EventRecord ev{j->rec.job_id, j->rec.attempt, now, j->rec.state,
+                         absl::StrCat("checkpoint at step ", c.step(), " complete: ", path)};
+          absl::Status st = store_->SaveJob(j->rec, &ev);
+          if (!st.ok()) LogLine(std::string(st.message()));
+          j->events.push_back(ev);
+          for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
+            it = it->first <= c.step() ? j->checkpoints.erase(it) : std::next(it);
+        }
+        Bump(*j);
+        break;
+      }
+      case v1::WorkerMessage::kRankExit: {
+        const v1::RankExit& e = msg.rank_exit();
+        const v1::RankRef& ref = e.ref();
+        auto [j, r] = current(ref);
+        if (!j) {
+          // A stopped or stale rank: its device is free now.
+          JobRuntime* any = FindJob(ref.job_id());
+          if (any && any->rec.attempt == ref.attempt() && ref.rank() >= 0 &&
+              ref.rank() < static_cast<int64_t>(any->ranks.size())) {
+            RankRuntime& rr = any->ranks[ref.rank()];
+            if (rr.placement.worker_id == worker_id) {
+              rr.exit_code = e.exit_code();
+              if (rr.state != "exited") rr.state = "stopped";
+              Bump(*any);
+            }
+          }
+          for (size_t d = 0; d < w.slots.size(); ++d)
+            if (w.slots[d].job_id == ref.job_id() && w.slots[d].attempt == ref.attempt() &&
+                w.slots[d].rank == ref.rank())
+              w.slots[d] = {};
+          Schedule(&out);
+          break;
+        }
+        ReleaseDevice(worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
+        r->exit_code = e.exit_code();
+        r->last_report_ms = now;
+        if (e.exit_code() == 0 && e.signal() == 0) {
+          r->state = "exited";
+          bool all = true;
+          for (const RankRuntime& o : j->ranks) all = all && o.state == "exited";
+          if (all) {
+            rendezvous_->Close(j->rec.job_id, j->rec.attempt);
+            Transition(*j, JobState::kSucceeded,
+                       absl::StrCat("all ", j->ranks.size(), " ranks finished"))
+                .IgnoreError();
+          } else {
+            Bump(*j);
+          }
+        } else {
+          r->state = "exited";
+          std::string why = e.signal() != 0
+                                ? absl::StrCat("was killed by signal ", e.signal())
+                                : absl::StrCat("exited with code ", e.exit_code());
+          std::string reason =
+              absl::StrCat("rank ", ref.rank(), " on worker ", worker_id, " ", why);
+          if (e.stderr_tail_size() > 0)
+            absl::StrAppend(&reason, ": ", e.stderr_tail(e.stderr_tail_size() - 1));
+          FailAttempt(*j, reason, e.signal() == 0 && e.exit_code() == 2,
+                      metrics_.restarts_rank_failed, &out);
+        }
+        Schedule(&out);
+        break;
+      }
+      case v1::WorkerMessage::kHello:
+      case v1::WorkerMessage::KIND_NOT_SET:
+        break;
+    }
+  }
+  Flush(out);
+}
+
+void JobManager::MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out) {
+  w.lost = true;
+  w.connected = false;
+  LogLine(absl::StrCat("worker ", w.rec.worker_id, " lost: ", why));
+  for (auto& [id, jp] : jobs_) {
+    JobRuntime& j = *jp;
+    if (!IsActive(j.rec.state)) continue;
+    for (const RankRuntime& r : j.ranks) {
+      if (r.placement.worker_id == w.rec.worker_id && r.state != "exited") {
+        FailAttempt(j,
+                    absl::StrCat("worker ", w.rec.worker_id, " lost (", why, ") with rank ",
+                                 r.placement.rank),
+                    false, metrics_.restarts_worker_lost, out);
+        break;
+      }
+    }
+  }
+  for (auto& s : w.slots) s = {};
+}
+
+void JobManager::Tick() {
+  Outbox out;
+  {
+    absl::MutexLock l(&mu_);
+    const int64_t now = clock_->NowMs();
+    for (auto& [id, w] : workers_) {
+      if (w->lost) continue;
+      if (now - w->last_seen_ms > options_.heartbeat_timeout_ms)
+        MarkWorkerLost(*w, absl::StrCat("no heartbeat for ", Seconds(now - w->last_seen_ms)),
+                       &out);
+      for (auto& s : w->slots)
+        if (s.drain_deadline_ms > 0 && now >= s.drain_deadline_ms) s = {};
+    }
+    for (auto& [id, jp] : jobs_) {
+      JobRuntime& j = *jp;
+      if (!IsActive(j.rec.state)) continue;
+      if (j.adopt_deadline_ms > 0) {
+        if (now < j.adopt_deadline_ms) continue;
+        for (const RankRuntime& r : j.ranks) {
+          if (r.adopted) continue;
+          FailAttempt(j,
+                      absl::StrCat("coordinator restarted and rank ", r.placement.rank,
+                                   " on worker ", r.placement.worker_id,
+                                   " was not re-adopted within ",
+                                   Seconds(options_.recovery_grace_ms)),
+                      false, metrics_.restarts_recovery, &out);
+          break;
+        }
+        if (j.ranks.empty())
+          FailAttempt(j, "coordinator restarted and the attempt's placement was lost", false,
+                      metrics_.restarts_recovery, &out);
+        j.adopt_deadline_ms = 0;
+        continue;
+      }
+      const RankRuntime* hung = nullptr;
+      int64_t max_step = 0;
+      for (const RankRuntime& r : j.ranks) {
+        max_step = std::max(max_step, r.step);
+        if (r.state == "exited") continue;
+        const int64_t limit = r.step > 0 ? options_.hang_timeout_ms : options_.start_timeout_ms;
+        if (now - r.last_progress_ms > limit && (!hung || r.step < hung->step)) hung = &r;
+      }
+      if (hung) {
+        FailAttempt(j,
+                    absl::StrCat("rank ", hung->placement.rank, " on worker ",
+                                 hung->placement.worker_id, " made no progress for ",
+                                 Seconds(now - hung->last_progress_ms), " (step ", hung->step,
+                                 ", furthest rank at step ", max_step, ")"),
+                    false, metrics_.restarts_hang, &out);
+      }
+    }
+    Schedule(&out);
+  }
+  Flush(out);
+}
+
+std::vector<std::unique_ptr<v1::WorkerInfo>> JobManager::ListWorkers() {
+  absl::MutexLock l(&mu_);
+  std::vector<std::unique_ptr<v1::WorkerInfo>> out;
+  for (const auto& [id, w] : workers_) {
+    auto info = std::make_unique<v1::WorkerInfo>();
+    info->set_worker_id(id);
+    info->set_hostname(w->rec.hostname);
+    *info->add_devices() = w->group;
+    info->set_metrics_address(w->rec.metrics_address);
+    info->set_state(w->lost ? "lost" : (w->connected ? "alive" : "disconnected"));
+    info->set_slots(static_cast<int32_t>(w->slots.size()));
+    int32_t used = 0;
+    for (const auto& s : w->slots) {
+      if (s.job_id.empty()) continue;
+      ++used;
+      info->add_ranks(absl::StrCat(s.job_id, "/", s.attempt, "/", s.rank));
+    }
+    info->set_used_slots(used);
+    info->set_last_heartbeat_unix_ms(w->last_seen_ms);
+    info->set_registered_unix_ms(w->rec.registered_ms);
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::map<JobState, int64_t> JobManager::JobCounts() const {
+  absl::MutexLock l(&mu_);
+  std::map<JobState, int64_t> out;
+  for (JobState s : kAllJobStates) out[s] = 0;
+  for (const auto& [id, j] : jobs_) ++out[j->rec.state];
+  return out;
+}
+
+std::map<std::string, int64_t> JobManager::WorkerCounts() const {
+  absl::MutexLock l(&mu_);
+  std::map<std::string, int64_t> out{{"alive", 0}, {"disconnected", 0}, {"lost", 0}};
+  for (const auto& [id, w] : workers_)
+    ++out[w->lost ? "lost" : (w->connected ? "alive" : "disconnected")];
+  return out;
+}
+
+std::map<std::string, int64_t> JobManager::DeviceCounts() const {
+  absl::MutexLock l(&mu_);
+  std::map<std::string, int64_t> out{{"used", 0}, {"free", 0}};
+  for (const auto& [id, w] : workers_) {
+    if (w->lost) continue;
+    for (const auto& s : w->slots) ++out[s.job_id.empty() ? "free" : "used"];
+  }
+  return out;
+}
+
+}  // namespace spindle

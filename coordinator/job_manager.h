@@ -1,0 +1,188 @@
+// JobManager: the coordinator's brain. Owns the job lifecycle, the worker registry, placement,
+// failure detection and recovery; persists every transition in the JobStore before returning.
+// Transport-free: the gRPC services translate RPCs into these calls, and the manager reaches
+// workers only through a WorkerChannel, so the whole state machine is unit-tested with a
+// FakeClock, a fake channel and a real SQLite file.
+//
+// Failure handling (each restart uses one of the job's max_restarts; past it the job FAILS):
+//   - rank exit != 0 (not caused by a stop): exit code 2 (invalid input) fails the job at once;
+//     any other code restarts the gang.
+//   - worker lost: no message for heartbeat_timeout: every gang with a rank on it restarts.
+//   - hung rank: a rank that has not advanced its step for hang_timeout (start_timeout before
+//     its first step) restarts the gang; the reason names the rank with the lowest step.
+//   - coordinator restart: jobs are reloaded; placed ranks are re-adopted when their worker
+//     reconnects and lists them in its hello within recovery_grace, otherwise the gang restarts.
+// A restart stops every rank of the attempt (Stop to each worker), marks the job RESTARTING
+// and re-places it as attempt+1, resuming from the last checkpoint every rank completed.
+//
+// Thread-safety: thread-safe; one mutex guards all state. SQLite writes happen under it (so
+// transitions are ordered and durable before any caller sees them); messages to workers are
+// collected under it and sent after it is released.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/clock.h"
+#include "coordinator/cp_planner.h"
+#include "coordinator/job_store.h"
+#include "coordinator/rendezvous_store.h"
+#include "coordinator/worker_channel.h"
+
+namespace spindle {
+namespace v1 {
+class Job;
+class Plan;
+class RegisterRequest;
+class RegisterResponse;
+class SessionHello;
+class WorkerMessage;
+class WorkerInfo;
+class CoordinatorMessage;
+}  // namespace v1
+
+class Counter;
+class Histogram;
+
+struct JobManagerOptions {
+  int64_t heartbeat_interval_ms = 1000;
+  int64_t heartbeat_timeout_ms = 10000;
+  int64_t hang_timeout_ms = 120000;   // no step progress for this long: hung
+  int64_t start_timeout_ms = 600000;  // placement to first step
+  int64_t stop_grace_ms = 10000;      // Stop: SIGTERM, then SIGKILL after this
+  // After a coordinator restart, how long placed ranks wait for their worker to reconnect.
+  int64_t recovery_grace_ms = 20000;
+  // host:port of the RendezvousService that workers are told to use.
+  std::string rendezvous_address;
+};
+
+// Optional metric children the manager updates (not owned; any may be null).
+struct JobManagerMetrics {
+  Histogram* scheduling_latency_seconds = nullptr;
+  Counter* restarts_worker_lost = nullptr;
+  Counter* restarts_rank_failed = nullptr;
+  Counter* restarts_hang = nullptr;
+  Counter* restarts_recovery = nullptr;
+  Counter* jobs_submitted = nullptr;
+};
+
+class JobManager {
+ public:
+  // `store`, `clock`, `channel` and `rendezvous` are not owned and must outlive the manager.
+  JobManager(JobStore* store, const Clock* clock, WorkerChannel* channel,
+             RendezvousStore* rendezvous, JobManagerOptions options,
+             JobManagerMetrics metrics = {});
+  ~JobManager();
+  JobManager(const JobManager&) = delete;
+  JobManager& operator=(const JobManager&) = delete;
+
+  // Loads workers and jobs from the store (call once, before serving). Live attempts wait
+  // recovery_grace for their workers to re-adopt them.
+  absl::Status Recover() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Client API -------------------------------------------------------------------------
+  // Parses, plans and stores a job. InvalidArgument for a bad spec; FailedPrecondition listing
+  // every plan problem ("job cannot run: <p1>; <p2>") or why it can never fit.
+  absl::StatusOr<std::string> Submit(const std::string& spec_json, v1::Plan* plan_out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Plans against the registered workers. InvalidArgument for a bad spec.
+  absl::Status PlanSpec(const std::string& spec_json, v1::Plan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
+  // NotFound "job j-000009 not found".
+  absl::Status GetJob(const std::string& job_id, bool with_events, v1::Job* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Most recently submitted first; `states` empty = all; limit 0 = all.
+  std::vector<std::unique_ptr<v1::Job>> ListJobs(const std::set<JobState>& states, int limit)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Cancel(const std::string& job_id, const std::string& reason, v1::Job* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until the job's version differs from `*version` or `deadline_ms` (clock time of the
+  // real clock) passes; then fills `out` (events after `*events_seen` in new_events) and
+  // updates both cursors. Returns NotFound for an unknown job.
+  absl::Status WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
+                       absl::Duration max_wait, v1::Job* out, std::vector<EventRecord>* new_events)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::unique_ptr<v1::WorkerInfo>> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Worker API -------------------------------------------------------------------------
+  absl::Status RegisterWorker(const v1::RegisterRequest& req, v1::RegisterResponse* resp)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A Session opened with `hello`. `session_id` distinguishes this stream from earlier ones of
+  // the same worker. NotFound for an unregistered worker.
+  absl::Status SessionOpened(const v1::SessionHello& hello, uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The session ended (the worker is not lost until heartbeat_timeout passes).
+  void SessionClosed(const std::string& worker_id, uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& msg)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sets the rendezvous address given to workers in later assignments (the daemon learns its
+  // bound port after the manager is built).
+  void SetRendezvousAddress(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Periodic work ----------------------------------------------------------------------
+  // Detects lost workers, hung ranks and expired recovery windows, frees drained devices and
+  // places queued jobs. The daemon calls it every ~100 ms; tests call it after moving the clock.
+  void Tick() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // For metrics: jobs per state, workers "alive"/"lost", devices "used"/"free".
+  std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::map<std::string, int64_t> DeviceCounts() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct RankRuntime;
+  struct JobRuntime;
+  struct WorkerRuntime;
+  struct Outbox;
+
+  JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<CpPlan> PlanLocked(const std::string& spec_json, std::string* kind,
+                                    int64_t* world) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Persists j.rec plus an event for its (new) state; bumps the job's version.
+  absl::Status Transition(JobRuntime& j, JobState to, const std::string& message,
+                          const AttemptRecord* attempt = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops every rank of the job's current attempt, ends its rendezvous scope and holds its
+  // devices until the ranks exit (or stop_grace + heartbeat_timeout passes).
+  void StopAttempt(JobRuntime& j, const std::string& reason, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops the attempt and moves the job to RESTARTING, or FAILED when out of restarts or
+  // `fatal`. `kind` picks the restart counter.
+  void FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,
+                   Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Schedule(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseDevice(const std::string& worker_id, int32_t device, const std::string& job_id,
+                     int64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckRunning(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Flush(Outbox& out) ABSL_LOCKS_EXCLUDED(mu_);
+  void Bump(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  JobStore* const store_;
+  const Clock* const clock_;
+  WorkerChannel* const channel_;
+  RendezvousStore* const rendezvous_;
+  const JobManagerOptions options_;
+  const JobManagerMetrics metrics_;
+  const CpPlanner planner_{};
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<WorkerRuntime>> workers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  std::string rendezvous_address_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace spindle

@@ -1,0 +1,386 @@
+// SQLite implementation of JobStore (see job_store.h).
+#include "coordinator/job_store.h"
+
+#include <sqlite3.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+
+namespace spindle {
+namespace {
+
+// Migrations, applied in order; entry i brings the schema to version i + 1. Never edit a
+// released entry: append a new one.
+constexpr const char* kMigrations[] = {
+    R"sql(
+CREATE TABLE jobs (
+  job_id TEXT PRIMARY KEY,
+  seq INTEGER NOT NULL UNIQUE,
+  name TEXT NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  spec_json TEXT NOT NULL,
+  plan BLOB NOT NULL,
+  submitted_ms INTEGER NOT NULL,
+  updated_ms INTEGER NOT NULL,
+  attempt INTEGER NOT NULL,
+  restarts INTEGER NOT NULL,
+  max_restarts INTEGER NOT NULL,
+  message TEXT NOT NULL,
+  last_checkpoint_step INTEGER NOT NULL,
+  last_checkpoint_path TEXT NOT NULL
+);
+CREATE TABLE attempts (
+  job_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  rendezvous_token TEXT NOT NULL,
+  started_ms INTEGER NOT NULL,
+  ended_ms INTEGER NOT NULL,
+  outcome TEXT NOT NULL,
+  PRIMARY KEY (job_id, attempt)
+);
+CREATE TABLE attempt_ranks (
+  job_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  rank INTEGER NOT NULL,
+  worker_id TEXT NOT NULL,
+  device_index INTEGER NOT NULL,
+  PRIMARY KEY (job_id, attempt, rank)
+);
+CREATE TABLE workers (
+  worker_id TEXT PRIMARY KEY,
+  hostname TEXT NOT NULL,
+  devices BLOB NOT NULL,
+  metrics_address TEXT NOT NULL,
+  registered_ms INTEGER NOT NULL
+);
+CREATE TABLE events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  unix_ms INTEGER NOT NULL,
+  state INTEGER NOT NULL,
+  message TEXT NOT NULL
+);
+CREATE INDEX events_by_job ON events (job_id, id);
+)sql",
+};
+static_assert(std::size(kMigrations) == JobStore::kSchemaVersion);
+
+// A prepared statement that finalizes itself.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, const char* sql) : db_(db) {
+    rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr);
+  }
+  ~Stmt() { sqlite3_finalize(stmt_); }
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+
+  absl::Status status() const {
+    if (rc_ == SQLITE_OK) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("job store: prepare: ", sqlite3_errmsg(db_)));
+  }
+  Stmt& Bind(int i, int64_t v) {
+    sqlite3_bind_int64(stmt_, i, v);
+    return *this;
+  }
+  Stmt& Bind(int i, const std::string& v) {
+    sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Stmt& BindBlob(int i, const std::string& v) {
+    sqlite3_bind_blob(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  // SQLITE_ROW, SQLITE_DONE or an error code.
+  int Step() { return sqlite3_step(stmt_); }
+  absl::Status Run() {
+    RETURN_IF_ERROR(status());
+    int rc = Step();
+    if (rc != SQLITE_DONE)
+      return absl::InternalError(absl::StrCat("job store: write: ", sqlite3_errmsg(db_)));
+    return absl::OkStatus();
+  }
+  int64_t Int(int col) { return sqlite3_column_int64(stmt_, col); }
+  std::string Text(int col) {
+    const void* p = sqlite3_column_blob(stmt_, col);
+    int n = sqlite3_column_bytes(stmt_, col);
+    return p ? std::string(static_cast<const char*>(p), n) : std::string();
+  }
+  absl::Status StepError() const {
+    return absl::InternalError(absl::StrCat("job store: read: ", sqlite3_errmsg(db_)));
+  }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_;
+};
+
+constexpr char kJobColumns[] =
+    "job_id, seq, name, state, priority, spec_json, plan, submitted_ms, updated_ms, attempt, "
+    "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path";
+
+JobRecord ReadJob(Stmt& s) {
+  JobRecord j;
+  j.job_id = s.Text(0);
+  j.seq = s.Int(1);
+  j.name = s.Text(2);
+  j.state = static_cast<JobState>(s.Int(3));
+  j.priority = s.Int(4);
+  j.spec_json = s.Text(5);
+  j.plan = s.Text(6);
+  j.submitted_ms = s.Int(7);
+  j.updated_ms = s.Int(8);
+  j.attempt = s.Int(9);
+  j.restarts = s.Int(10);
+  j.max_restarts = s.Int(11);
+  j.message = s.Text(12);
+  j.last_checkpoint_step = s.Int(13);
+  j.last_checkpoint_path = s.Text(14);
+  return j;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+  sqlite3* db = nullptr;
+  int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE,
+                           nullptr);
+  if (rc != SQLITE_OK) {
+    std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+    sqlite3_close(db);
+    return absl::UnavailableError(absl::StrCat("job store: cannot open ", path, ": ", msg));
+  }
+  std::unique_ptr<JobStore> store(new JobStore(db));
+  absl::MutexLock l(&store->mu_);
+  sqlite3_busy_timeout(db, 5000);
+  absl::Status st = store->Exec("PRAGMA journal_mode=WAL");
+  if (st.ok()) st = store->Exec("PRAGMA synchronous=FULL");
+  if (st.ok()) st = store->Exec("PRAGMA foreign_keys=ON");
+  if (!st.ok())
+    return absl::DataLossError(absl::StrCat("job store: ", path, " is not a usable database: ",
+                                            st.message()));
+  RETURN_IF_ERROR(store->Migrate());
+  return store;
+}
+
+JobStore::~JobStore() {
+  absl::MutexLock l(&mu_);
+  sqlite3_close(db_);
+}
+
+absl::Status JobStore::Exec(const char* sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err ? err : sqlite3_errmsg(db_);
+    sqlite3_free(err);
+    return absl::InternalError(absl::StrCat("job store: ", msg));
+  }
+  return absl::OkStatus();
+}
+
+template <typename F>
+absl::Status JobStore::InTransaction(F body) {
+  RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
+  absl::Status st = body();
+  if (st.ok()) st = Exec("COMMIT");
+  if (!st.ok()) Exec("ROLLBACK").IgnoreError();
+  return st;
+}
+
+absl::Status JobStore::Migrate() {
+  RETURN_IF_ERROR(
+      Exec("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
+           "applied_ms INTEGER NOT NULL)"));
+  int current = 0;
+  {
+    Stmt s(db_, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations");
+    RETURN_IF_ERROR(s.status());
+    if (s.Step() != SQLITE_ROW) return s.StepError();
+    current = static_cast<int>(s.Int(0));
+  }
+  if (current > kSchemaVersion)
+    return absl::DataLossError(absl::StrCat("job store: schema version ", current,
+                                            " is newer than this coordinator's ",
+                                            kSchemaVersion));
+  for (int v = current; v < kSchemaVersion; ++v) {
+    RETURN_IF_ERROR(InTransaction([&]() -> absl::Status {
+      RETURN_IF_ERROR(Exec(kMigrations[v]));
+      Stmt s(db_,
+             "INSERT INTO schema_migrations (version, applied_ms) VALUES "
+             "(?, CAST(strftime('%s','now') AS INTEGER) * 1000)");
+      s.Bind(1, int64_t{v + 1});
+      return s.Run();
+    }));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> JobStore::SchemaVersion() {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations");
+  RETURN_IF_ERROR(s.status());
+  if (s.Step() != SQLITE_ROW) return s.StepError();
+  return static_cast<int>(s.Int(0));
+}
+
+absl::Status JobStore::WriteJobRow(const JobRecord& j) {
+  Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO jobs (", kJobColumns,
+                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+                  .c_str());
+  s.Bind(1, j.job_id).Bind(2, j.seq).Bind(3, j.name).Bind(4, static_cast<int64_t>(j.state));
+  s.Bind(5, j.priority).Bind(6, j.spec_json).BindBlob(7, j.plan).Bind(8, j.submitted_ms);
+  s.Bind(9, j.updated_ms).Bind(10, j.attempt).Bind(11, j.restarts).Bind(12, j.max_restarts);
+  s.Bind(13, j.message).Bind(14, j.last_checkpoint_step).Bind(15, j.last_checkpoint_path);
+  return s.Run();
+}
+
+absl::Status JobStore::WriteEvent(const EventRecord& e) {
+  Stmt s(db_, "INSERT INTO events (job_id, attempt, unix_ms, state, message) VALUES (?,?,?,?,?)");
+  s.Bind(1, e.job_id).Bind(2, e.attempt).Bind(3, e.unix_ms);
+  s.Bind(4, static_cast<int64_t>(e.state)).Bind(5, e.message);
+  return s.Run();
+}
+
+absl::Status JobStore::WriteAttempt(const AttemptRecord& a) {
+  {
+    Stmt s(db_,
+           "INSERT OR REPLACE INTO attempts (job_id, attempt, rendezvous_token, started_ms, "
+           "ended_ms, outcome) VALUES (?,?,?,?,?,?)");
+    s.Bind(1, a.job_id).Bind(2, a.attempt).Bind(3, a.rendezvous_token).Bind(4, a.started_ms);
+    s.Bind(5, a.ended_ms).Bind(6, a.outcome);
+    RETURN_IF_ERROR(s.Run());
+  }
+  for (const RankPlacement& r : a.ranks) {
+    Stmt s(db_,
+           "INSERT OR REPLACE INTO attempt_ranks (job_id, attempt, rank, worker_id, device_index) "
+           "VALUES (?,?,?,?,?)");
+    s.Bind(1, a.job_id).Bind(2, a.attempt).Bind(3, r.rank).Bind(4, r.worker_id);
+    s.Bind(5, int64_t{r.device_index});
+    RETURN_IF_ERROR(s.Run());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::CreateJob(JobRecord* job, const EventRecord& event) {
+  absl::MutexLock l(&mu_);
+  return InTransaction([&]() -> absl::Status {
+    Stmt s(db_, "SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs");
+    RETURN_IF_ERROR(s.status());
+    if (s.Step() != SQLITE_ROW) return s.StepError();
+    job->seq = s.Int(0);
+    job->job_id = absl::StrFormat("j-%06d", job->seq);
+    RETURN_IF_ERROR(WriteJobRow(*job));
+    EventRecord e = event;
+    e.job_id = job->job_id;
+    return WriteEvent(e);
+  });
+}
+
+absl::Status JobStore::SaveJob(const JobRecord& job, const EventRecord* event,
+                               const AttemptRecord* attempt) {
+  absl::MutexLock l(&mu_);
+  return InTransaction([&]() -> absl::Status {
+    RETURN_IF_ERROR(WriteJobRow(job));
+    if (event) RETURN_IF_ERROR(WriteEvent(*event));
+    if (attempt) RETURN_IF_ERROR(WriteAttempt(*attempt));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::vector<JobRecord>> JobStore::LoadJobs() {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_, absl::StrCat("SELECT ", kJobColumns, " FROM jobs ORDER BY seq").c_str());
+  RETURN_IF_ERROR(s.status());
+  std::vector<JobRecord> out;
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW) out.push_back(ReadJob(s));
+  if (rc != SQLITE_DONE) return s.StepError();
+  return out;
+}
+
+absl::StatusOr<std::vector<EventRecord>> JobStore::LoadEvents(const std::string& job_id) {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "SELECT job_id, attempt, unix_ms, state, message FROM events WHERE job_id = ? ORDER BY "
+         "id");
+  RETURN_IF_ERROR(s.status());
+  s.Bind(1, job_id);
+  std::vector<EventRecord> out;
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW) {
+    EventRecord e;
+    e.job_id = s.Text(0);
+    e.attempt = s.Int(1);
+    e.unix_ms = s.Int(2);
+    e.state = static_cast<JobState>(s.Int(3));
+    e.message = s.Text(4);
+    out.push_back(std::move(e));
+  }
+  if (rc != SQLITE_DONE) return s.StepError();
+  return out;
+}
+
+absl::StatusOr<AttemptRecord> JobStore::LoadAttempt(const std::string& job_id, int64_t attempt) {
+  absl::MutexLock l(&mu_);
+  AttemptRecord a;
+  {
+    Stmt s(db_,
+           "SELECT rendezvous_token, started_ms, ended_ms, outcome FROM attempts WHERE job_id = ? "
+           "AND attempt = ?");
+    RETURN_IF_ERROR(s.status());
+    s.Bind(1, job_id).Bind(2, attempt);
+    int rc = s.Step();
+    if (rc == SQLITE_DONE)
+      return absl::NotFoundError(
+          absl::StrCat("job store: no attempt ", attempt, " of job ", job_id));
+    if (rc != SQLITE_ROW) return s.StepError();
+    a.job_id = job_id;
+    a.attempt = attempt;
+    a.rendezvous_token = s.Text(0);
+    a.started_ms = s.Int(1);
+    a.ended_ms = s.Int(2);
+    a.outcome = s.Text(3);
+  }
+  Stmt s(db_,
+         "SELECT rank, worker_id, device_index FROM attempt_ranks WHERE job_id = ? AND attempt = "
+         "? ORDER BY rank");
+  RETURN_IF_ERROR(s.status());
+  s.Bind(1, job_id).Bind(2, attempt);
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW)
+    a.ranks.push_back({s.Int(0), s.Text(1), static_cast<int32_t>(s.Int(2))});
+  if (rc != SQLITE_DONE) return s.StepError();
+  return a;
+}
+
+absl::Status JobStore::SaveWorker(const WorkerRecord& w) {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "INSERT OR REPLACE INTO workers (worker_id, hostname, devices, metrics_address, "
+         "registered_ms) VALUES (?,?,?,?,?)");
+  s.Bind(1, w.worker_id).Bind(2, w.hostname).BindBlob(3, w.devices).Bind(4, w.metrics_address);
+  s.Bind(5, w.registered_ms);
+  return s.Run();
+}
+
+absl::StatusOr<std::vector<WorkerRecord>> JobStore::LoadWorkers() {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "SELECT worker_id, hostname, devices, metrics_address, registered_ms FROM workers ORDER "
+         "BY worker_id");
+  RETURN_IF_ERROR(s.status());
+  std::vector<WorkerRecord> out;
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW)
+    out.push_back({s.Text(0), s.Text(1), s.Text(2), s.Text(3), s.Int(4)});
+  if (rc != SQLITE_DONE) return s.StepError();
+  return out;
+}
+
+}  // namespace spindle

@@ -1,0 +1,121 @@
+// JobStore: the coordinator's durable state in one SQLite file (WAL, synchronous=FULL): jobs,
+// attempts with their rank placements, workers and the event history. Every write is one
+// transaction that is on disk when the call returns, so a coordinator killed at any moment
+// reopens with every acknowledged transition. The schema is versioned in `schema_migrations`;
+// Open() applies the missing migrations in order.
+//
+// Thread-safety: thread-safe; one connection serialised by an internal mutex.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/job_state.h"
+
+struct sqlite3;
+
+namespace spindle {
+
+struct JobRecord {
+  std::string job_id;  // "j-000001"; assigned by CreateJob
+  int64_t seq = 0;     // submission order; assigned by CreateJob
+  std::string name;
+  JobState state = JobState::kQueued;
+  int64_t priority = 0;
+  std::string spec_json;  // canonical spec JSON
+  std::string plan;       // serialized spindle.v1.Plan
+  int64_t submitted_ms = 0;
+  int64_t updated_ms = 0;
+  int64_t attempt = 0;  // 0: never placed
+  int64_t restarts = 0;
+  int64_t max_restarts = 0;
+  std::string message;
+  int64_t last_checkpoint_step = 0;
+  std::string last_checkpoint_path;
+};
+
+struct RankPlacement {
+  int64_t rank = 0;
+  std::string worker_id;
+  int32_t device_index = 0;
+};
+
+struct AttemptRecord {
+  std::string job_id;
+  int64_t attempt = 0;
+  std::vector<RankPlacement> ranks;  // indexed by rank
+  std::string rendezvous_token;
+  int64_t started_ms = 0;
+  int64_t ended_ms = 0;  // 0 while live
+  std::string outcome;   // "" while live; then the reason it ended
+};
+
+struct EventRecord {
+  std::string job_id;
+  int64_t attempt = 0;
+  int64_t unix_ms = 0;
+  JobState state = JobState::kQueued;
+  std::string message;
+};
+
+struct WorkerRecord {
+  std::string worker_id;
+  std::string hostname;
+  std::string devices;  // serialized spindle.v1.RegisterRequest holding only `devices`
+  std::string metrics_address;
+  int64_t registered_ms = 0;
+};
+
+class JobStore {
+ public:
+  // The schema version Open() migrates to.
+  static constexpr int kSchemaVersion = 1;
+
+  // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
+  // cannot be opened; DataLoss when it is not a Spindle database or is newer than this binary.
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path);
+  ~JobStore();
+  JobStore(const JobStore&) = delete;
+  JobStore& operator=(const JobStore&) = delete;
+
+  // Inserts a new job with its first event; fills job->job_id and job->seq.
+  absl::Status CreateJob(JobRecord* job, const EventRecord& event) ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes the whole job row, and (if given) an event and an attempt, in one transaction.
+  absl::Status SaveJob(const JobRecord& job, const EventRecord* event = nullptr,
+                       const AttemptRecord* attempt = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<std::vector<JobRecord>> LoadJobs() ABSL_LOCKS_EXCLUDED(mu_);
+  // Events of one job, oldest first.
+  absl::StatusOr<std::vector<EventRecord>> LoadEvents(const std::string& job_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // NotFound when the attempt was never stored.
+  absl::StatusOr<AttemptRecord> LoadAttempt(const std::string& job_id, int64_t attempt)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::Status SaveWorker(const WorkerRecord& worker) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<WorkerRecord>> LoadWorkers() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The schema version recorded in the file.
+  absl::StatusOr<int> SchemaVersion() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  explicit JobStore(sqlite3* db) : db_(db) {}
+  absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Exec(const char* sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteJobRow(const JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteEvent(const EventRecord& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteAttempt(const AttemptRecord& attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `body` inside BEGIN IMMEDIATE / COMMIT, rolling back on error.
+  template <typename F>
+  absl::Status InTransaction(F body) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  sqlite3* const db_ ABSL_PT_GUARDED_BY(mu_);
+};
+
+}  // namespace spindle

@@ -1,0 +1,139 @@
+// spindle-coordinator: the control-plane daemon. Serves the job API to `spindle` clients and the
+// cluster + rendezvous APIs to worker daemons; state lives in one SQLite file.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "coordinator/coordinator_server.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "host:port for clients (JobService)");
+ABSL_FLAG(std::string, worker_listen, "",
+          "host:port for workers (ClusterService, RendezvousService); empty: same as --listen");
+ABSL_FLAG(std::string, advertise, "",
+          "host:port workers use to reach the rendezvous service; empty: <hostname>:<worker port>");
+ABSL_FLAG(std::string, db, "spindle.db", "SQLite database file (created if missing)");
+ABSL_FLAG(int, metrics_port, 9400, "port of the Prometheus /metrics endpoint; -1 disables it");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token every RPC must carry; empty: no authentication");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls-key enables TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key");
+ABSL_FLAG(double, heartbeat_interval, 1.0, "seconds between worker heartbeats");
+ABSL_FLAG(double, heartbeat_timeout, 10.0, "seconds without a worker message before it is lost");
+ABSL_FLAG(double, hang_timeout, 120.0,
+          "seconds without step progress before a rank is declared hung and its gang restarts");
+ABSL_FLAG(double, start_timeout, 600.0, "seconds from placement to a rank's first step");
+ABSL_FLAG(double, stop_grace, 10.0, "seconds a stopped rank gets between SIGTERM and SIGKILL");
+ABSL_FLAG(double, recovery_grace, 20.0,
+          "after a restart, seconds placed ranks wait for their worker to reconnect");
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", what, " file ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int64_t Ms(double seconds) { return static_cast<int64_t>(seconds * 1000.0); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "spindle-coordinator: schedules Spindle training jobs onto worker daemons.\n"
+      "  spindle-coordinator --listen 0.0.0.0:7070 --db /var/lib/spindle/spindle.db");
+  // Accept --flag-name as well as --flag_name (absl spells flags with underscores).
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(a.find('='), a.size());
+    for (size_t k = 2; k < end; ++k)
+      if (a[k] == '-') a[k] = '_';
+  }
+  std::vector<char*> argp;
+  for (std::string& a : args) argp.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+
+  spindle::CoordinatorConfig cfg;
+  cfg.listen = absl::GetFlag(FLAGS_listen);
+  cfg.worker_listen = absl::GetFlag(FLAGS_worker_listen);
+  cfg.advertise_address = absl::GetFlag(FLAGS_advertise);
+  cfg.db_path = absl::GetFlag(FLAGS_db);
+  cfg.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    auto token = ReadFile(absl::GetFlag(FLAGS_token_file), "token");
+    if (!token.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(token.status().message()).c_str());
+      return 2;
+    }
+    cfg.token = std::string(absl::StripAsciiWhitespace(*token));
+    if (cfg.token.empty()) {
+      std::fprintf(stderr, "spindle-coordinator: token file %s is empty\n",
+                   absl::GetFlag(FLAGS_token_file).c_str());
+      return 2;
+    }
+  }
+  if (absl::GetFlag(FLAGS_tls_cert).empty() != absl::GetFlag(FLAGS_tls_key).empty()) {
+    std::fprintf(stderr, "spindle-coordinator: --tls-cert and --tls-key go together\n");
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
+    auto cert = ReadFile(absl::GetFlag(FLAGS_tls_cert), "TLS certificate");
+    auto key = ReadFile(absl::GetFlag(FLAGS_tls_key), "TLS key");
+    if (!cert.ok() || !key.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: %s\n",
+                   std::string((cert.ok() ? key.status() : cert.status()).message()).c_str());
+      return 2;
+    }
+    cfg.tls_cert_pem = *cert;
+    cfg.tls_key_pem = *key;
+  }
+  cfg.manager.heartbeat_interval_ms = Ms(absl::GetFlag(FLAGS_heartbeat_interval));
+  cfg.manager.heartbeat_timeout_ms = Ms(absl::GetFlag(FLAGS_heartbeat_timeout));
+  cfg.manager.hang_timeout_ms = Ms(absl::GetFlag(FLAGS_hang_timeout));
+  cfg.manager.start_timeout_ms = Ms(absl::GetFlag(FLAGS_start_timeout));
+  cfg.manager.stop_grace_ms = Ms(absl::GetFlag(FLAGS_stop_grace));
+  cfg.manager.recovery_grace_ms = Ms(absl::GetFlag(FLAGS_recovery_grace));
+  if (cfg.manager.heartbeat_timeout_ms <= cfg.manager.heartbeat_interval_ms) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --heartbeat-timeout must exceed --heartbeat-interval\n");
+    return 2;
+  }
+
+  // Block SIGINT/SIGTERM in every thread; a dedicated thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = spindle::CoordinatorServer::Start(cfg);
+  if (!server.ok()) {
+    std::fprintf(stderr, "spindle-coordinator: %s\n",
+                 std::string(server.status().message()).c_str());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "spindle-coordinator: serving clients on port %d, workers on port %d, metrics on "
+               "port %d%s%s\n",
+               (*server)->client_port(), (*server)->worker_port(), (*server)->metrics_port(),
+               cfg.token.empty() ? "" : ", token auth", cfg.tls_cert_pem.empty() ? "" : ", TLS");
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "spindle-coordinator: signal %d, shutting down\n", sig);
+  (*server)->Shutdown();
+  return 0;
+}

@@ -1,0 +1,91 @@
+// In-memory rendezvous namespaces (see rendezvous_store.h).
+#include "coordinator/rendezvous_store.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace spindle {
+namespace {
+
+// Constant-time comparison of secrets.
+bool SecretEquals(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char x = i < a.size() ? a[i] : 0, y = i < b.size() ? b[i] : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+void RendezvousStore::Open(const std::string& job_id, int64_t attempt, const std::string& token) {
+  absl::MutexLock l(&mu_);
+  spaces_[{job_id, attempt}].token = token;
+}
+
+void RendezvousStore::Close(const std::string& job_id, int64_t attempt) {
+  absl::MutexLock l(&mu_);
+  spaces_.erase({job_id, attempt});
+}
+
+size_t RendezvousStore::NumOpen() const {
+  absl::MutexLock l(&mu_);
+  return spaces_.size();
+}
+
+absl::Status RendezvousStore::CheckScope(const Key& k, const std::string& token) const {
+  auto it = spaces_.find(k);
+  if (it == spaces_.end())
+    return absl::FailedPreconditionError(
+        absl::StrCat("rendezvous: job ", k.first, " attempt ", k.second, " is not running"));
+  if (!SecretEquals(it->second.token, token))
+    return absl::PermissionDeniedError(absl::StrCat("rendezvous: wrong token for job ", k.first,
+                                                    " attempt ", k.second));
+  return absl::OkStatus();
+}
+
+absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
+                                  const std::string& token, const std::string& key,
+                                  std::string value) {
+  if (key.empty()) return absl::InvalidArgumentError("rendezvous: key must not be empty");
+  if (value.size() > kMaxValueBytes)
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: value of key \"", key, "\" has ",
+                                                   value.size(), " bytes; at most ",
+                                                   kMaxValueBytes, " are allowed"));
+  absl::MutexLock l(&mu_);
+  Key k{job_id, attempt};
+  RETURN_IF_ERROR(CheckScope(k, token));
+  spaces_[k].kv[key] = std::move(value);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RendezvousStore::Get(const std::string& job_id, int64_t attempt,
+                                                 const std::string& token,
+                                                 const std::string& key,
+                                                 absl::Duration timeout) {
+  if (key.empty()) return absl::InvalidArgumentError("rendezvous: key must not be empty");
+  const absl::Time deadline = absl::Now() + timeout;
+  Key k{job_id, attempt};
+  absl::MutexLock l(&mu_);
+  RETURN_IF_ERROR(CheckScope(k, token));
+  auto present_or_closed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = spaces_.find(k);
+    return it == spaces_.end() || it->second.kv.count(key) > 0;
+  };
+  if (timeout > absl::ZeroDuration()) {
+    mu_.AwaitWithDeadline(absl::Condition(&present_or_closed), deadline);
+  }
+  RETURN_IF_ERROR(CheckScope(k, token));
+  auto& kv = spaces_[k].kv;
+  auto it = kv.find(key);
+  if (it != kv.end()) return it->second;
+  if (timeout <= absl::ZeroDuration())
+    return absl::NotFoundError(absl::StrCat("rendezvous: key \"", key, "\" is not set"));
+  return absl::DeadlineExceededError(absl::StrCat("rendezvous: key \"", key,
+                                                  "\" was not set within ",
+                                                  absl::FormatDuration(timeout)));
+}
+
+}  // namespace spindle

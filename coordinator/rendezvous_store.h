@@ -1,0 +1,55 @@
+// RendezvousStore: the in-memory key-value namespaces behind RendezvousService, one per live
+// (job_id, attempt). The job manager opens a namespace when it places an attempt and closes it
+// when the attempt ends; ranks Set and (blocking) Get keys in it with the attempt's token.
+// Not persisted: ranks re-adopted after a coordinator restart have already bootstrapped.
+//
+// Thread-safety: thread-safe. Get() may block its caller up to its timeout (on a condition
+// variable, releasing the mutex); Close() wakes blocked Gets, which then fail.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace spindle {
+
+class RendezvousStore {
+ public:
+  static constexpr size_t kMaxValueBytes = 4 << 20;
+
+  void Open(const std::string& job_id, int64_t attempt, const std::string& token)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Close(const std::string& job_id, int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // FailedPrecondition when the attempt is not open; PermissionDenied for a wrong token;
+  // InvalidArgument for an empty key or a value over kMaxValueBytes.
+  absl::Status Set(const std::string& job_id, int64_t attempt, const std::string& token,
+                   const std::string& key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
+  // As Set; NotFound when absent and timeout is zero; DeadlineExceeded naming the key when it
+  // does not appear within `timeout`.
+  absl::StatusOr<std::string> Get(const std::string& job_id, int64_t attempt,
+                                  const std::string& token, const std::string& key,
+                                  absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t NumOpen() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Space {
+    std::string token;
+    std::map<std::string, std::string> kv;
+  };
+  using Key = std::pair<std::string, int64_t>;
+  absl::Status CheckScope(const Key& k, const std::string& token) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  std::map<Key, Space> spaces_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace spindle
