@@ -83,20 +83,80 @@ inline float ExpF(float x) {
   return x < -87.0f ? 0.0f : y;
 }
 
-// x[i] = exp(x[i] - shift) for i < n.
-void ExpShifted(float* x, int64_t n, float shift) {
+// The element-wise tile loops below are compiled for several instruction sets and picked at load
+// time (the library's baseline is x86-64-v2); they are where the time goes besides the GEMMs.
+#define SPINDLE_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+// Online-softmax step for one tile of scores s [mb, nb] (row stride kBlock): row r sees columns
+// [lo[r], hi[r]). Turns s into exp(s - m_new) (0 where masked), rescales acc [mb, dv] and l by
+// exp(m_old - m_new) and updates the running max m and sum l.
+SPINDLE_VECTOR_CLONES
+void OnlineSoftmaxTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi,
+                       float* m, float* l, float* acc, int64_t dv) {
+  for (int64_t r = 0; r < mb; ++r) {
+    float* row = s + r * kBlock;
+    const int64_t b = lo[r], e = hi[r];
+    std::fill(row, row + b, 0.0f);
+    std::fill(row + std::max(b, e), row + nb, 0.0f);
+    if (e <= b) continue;
+    float row_max = kNegInf;
+#pragma omp simd reduction(max : row_max)
+    for (int64_t j = b; j < e; ++j) row_max = std::max(row_max, row[j]);
+    const float m_new = std::max(m[r], row_max);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = b; j < e; ++j) {
+      row[j] = ExpF(row[j] - m_new);
+      sum += row[j];
+    }
+    if (m_new > m[r] && m[r] != kNegInf) {
+      const float corr = ExpF(m[r] - m_new);
+      l[r] *= corr;
+      float* a = acc + r * dv;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] = ExpF(x[i] - shift);
+      for (int64_t j = 0; j < dv; ++j) a[j] *= corr;
+    }
+    m[r] = m_new;
+    l[r] += sum;
+  }
 }
 
-enum class TileVisibility { kNone, kPartial, kFull };
+// Probabilities of one backward tile: s [mb, nb] scores become exp(s - lse) inside the visible
+// columns and 0 elsewhere; rows with lse = -inf (no visible key at all) become 0.
+SPINDLE_VECTOR_CLONES
+void ProbabilityTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi,
+                     const float* lse) {
+  for (int64_t r = 0; r < mb; ++r) {
+    float* row = s + r * kBlock;
+    const int64_t b = lse[r] == kNegInf ? nb : lo[r], e = std::max(b, int64_t{hi[r]});
+    std::fill(row, row + b, 0.0f);
+    std::fill(row + e, row + nb, 0.0f);
+    const float shift = lse[r];
+#pragma omp simd
+    for (int64_t j = b; j < e; ++j) row[j] = ExpF(row[j] - shift);
+  }
+}
+
+// ds = p * (dp - delta_r), in place over dp (row stride kBlock).
+SPINDLE_VECTOR_CLONES
+void SoftmaxGradTile(const float* p, float* dp, int64_t mb, int64_t nb, const float* delta) {
+  for (int64_t r = 0; r < mb; ++r) {
+    const float* pr = p + r * kBlock;
+    float* dr = dp + r * kBlock;
+    const float d = delta[r];
+#pragma omp simd
+    for (int64_t j = 0; j < nb; ++j) dr[j] = pr[j] * (dr[j] - d);
+  }
+}
 
 // For query rows [i0, i0+mb) and keys [j0, j0+nb): row r sees keys [lo[r], hi[r]) of the tile.
-TileVisibility TileMask(const AttentionMask& mask, int64_t i0, int64_t mb, int64_t j0, int64_t nb,
-                        int32_t* lo, int32_t* hi) {
+// Returns whether any row sees any key.
+bool TileMask(const AttentionMask& mask, int64_t i0, int64_t mb, int64_t j0, int64_t nb,
+              int32_t* lo, int32_t* hi) {
   const int32_t* kd = mask.k_doc + j0;
   const int32_t* kp = mask.k_pos + j0;
-  bool any = false, all = true;
+  bool any = false;
   for (int64_t r = 0; r < mb; ++r) {
     const int32_t doc = mask.q_doc[i0 + r], pos = mask.q_pos[i0 + r];
     const int32_t* d0 = std::lower_bound(kd, kd + nb, doc);
@@ -106,19 +166,8 @@ TileVisibility TileMask(const AttentionMask& mask, int64_t i0, int64_t mb, int64
     hi[r] = static_cast<int32_t>(p1 - kp);
     if (hi[r] <= lo[r]) hi[r] = lo[r];
     any = any || hi[r] > lo[r];
-    all = all && lo[r] == 0 && hi[r] == nb;
   }
-  if (!any) return TileVisibility::kNone;
-  return all ? TileVisibility::kFull : TileVisibility::kPartial;
-}
-
-// Sets entries of row r outside [lo[r], hi[r]) to -inf (row stride kBlock).
-void MaskScores(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi) {
-  for (int64_t r = 0; r < mb; ++r) {
-    float* row = s + r * kBlock;
-    for (int64_t j = 0; j < lo[r]; ++j) row[j] = kNegInf;
-    for (int64_t j = hi[r]; j < nb; ++j) row[j] = kNegInf;
-  }
+  return any;
 }
 
 struct TileScratch {
@@ -126,6 +175,7 @@ struct TileScratch {
   std::vector<float> s, p, acc;
   int32_t lo[kBlock], hi[kBlock];
   float m[kBlock], l[kBlock];
+  float row_lse[kBlock], row_delta[kBlock];
 };
 
 void ForwardTile(const float* q, const float* k, const float* v, const AttentionMask& mask,
@@ -143,32 +193,10 @@ void ForwardTile(const float* q, const float* k, const float* v, const Attention
       std::upper_bound(mask.k_pos, mask.k_pos + d.Tk, mask.q_pos[i0 + mb - 1]) - mask.k_pos;
   for (int64_t j0 = jlo; j0 < jhi; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, jhi - j0);
-    const TileVisibility vis = TileMask(mask, i0, mb, j0, nb, t.lo, t.hi);
-    if (vis == TileVisibility::kNone) continue;
+    if (!TileMask(mask, i0, mb, j0, nb, t.lo, t.hi)) continue;
     Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, k + (j0 * H + h) * dqk, H * dqk, 0.0f,
          t.s.data(), kBlock);
-    if (vis == TileVisibility::kPartial) MaskScores(t.s.data(), mb, nb, t.lo, t.hi);
-    for (int64_t r = 0; r < mb; ++r) {
-      float* row = t.s.data() + r * kBlock;
-      if (t.hi[r] <= t.lo[r]) {
-        std::fill(row, row + nb, 0.0f);
-        continue;
-      }
-      float row_max = kNegInf;
-      for (int64_t j = t.lo[r]; j < t.hi[r]; ++j) row_max = std::max(row_max, row[j]);
-      const float m_new = std::max(t.m[r], row_max);
-      ExpShifted(row, nb, m_new);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < nb; ++j) sum += row[j];
-      if (m_new > t.m[r] && t.m[r] != kNegInf) {
-        const float corr = std::exp(t.m[r] - m_new);
-        t.l[r] *= corr;
-        float* a = t.acc.data() + r * dv;
-        for (int64_t j = 0; j < dv; ++j) a[j] *= corr;
-      }
-      t.m[r] = m_new;
-      t.l[r] += sum;
-    }
+    OnlineSoftmaxTile(t.s.data(), mb, nb, t.lo, t.hi, t.m, t.l, t.acc.data(), dv);
     Gemm(false, false, mb, dv, nb, 1.0f, t.s.data(), kBlock, v + (j0 * H + h) * dv, H * dv, 1.0f,
          t.acc.data(), dv);
   }
@@ -208,33 +236,21 @@ void BackwardKeyTile(const float* q, const float* k, const float* v, const float
       std::upper_bound(mask.q_doc, mask.q_doc + d.Tq, mask.k_doc[j0 + nb - 1]) - mask.q_doc;
   for (int64_t i0 = ilo; i0 < ihi; i0 += kBlock) {
     const int64_t mb = std::min(kBlock, ihi - i0);
-    const TileVisibility vis = TileMask(mask, i0, mb, j0, nb, t.lo, t.hi);
-    if (vis == TileVisibility::kNone) continue;
+    if (!TileMask(mask, i0, mb, j0, nb, t.lo, t.hi)) continue;
     const float* qt = q + (i0 * H + h) * dqk;
     const float* gt = dout + (i0 * H + h) * dv;
     float* p = t.p.data();
     float* ds = t.s.data();
     Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, kt, H * dqk, 0.0f, p, kBlock);
-    if (vis == TileVisibility::kPartial) MaskScores(p, mb, nb, t.lo, t.hi);
     for (int64_t r = 0; r < mb; ++r) {
-      const float l = lse[(i0 + r) * H + h];
-      float* row = p + r * kBlock;
-      if (l == kNegInf || t.hi[r] <= t.lo[r]) {
-        std::fill(row, row + nb, 0.0f);
-      } else {
-        ExpShifted(row, nb, l);
-      }
+      t.row_lse[r] = lse[(i0 + r) * H + h];
+      t.row_delta[r] = delta[(i0 + r) * H + h];
     }
+    ProbabilityTile(p, mb, nb, t.lo, t.hi, t.row_lse);
     // dv += P^T dO; dP = dO V^T; dS = P (dP - delta).
     Gemm(true, false, nb, dv, mb, 1.0f, p, kBlock, gt, H * dv, 1.0f, dvt, H * dv);
     Gemm(false, true, mb, nb, dv, 1.0f, gt, H * dv, vt, H * dv, 0.0f, ds, kBlock);
-    for (int64_t r = 0; r < mb; ++r) {
-      const float dr = delta[(i0 + r) * H + h];
-      const float* pr = p + r * kBlock;
-      float* sr = ds + r * kBlock;
-#pragma omp simd
-      for (int64_t j = 0; j < nb; ++j) sr[j] = pr[j] * (sr[j] - dr);
-    }
+    SoftmaxGradTile(p, ds, mb, nb, t.row_delta);
     Gemm(true, false, nb, dqk, mb, scale, ds, kBlock, qt, H * dqk, 1.0f, dkt, H * dqk);
     Gemm(false, false, mb, dqk, nb, scale, ds, kBlock, kt, H * dqk, 1.0f, dq_acc + i0 * ld_dq,
          ld_dq);
