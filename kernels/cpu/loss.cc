@@ -7,6 +7,39 @@
 #include "kernels/cpu/ops.h"
 
 namespace spindle::kernels::cpu {
+namespace {
+
+using internal::FastExp;
+
+// Loss of one valid row; when dx is non-null (it may alias x) it receives
+// grad_scale * (softmax(x) - onehot(target)).
+SPINDLE_SIMD_CLONES double CrossEntropyRow(const float* x, float* dx, int64_t V, int32_t target,
+                                           float grad_scale) {
+  // Max first (stability). NaN logits are skipped here but reach the sum below.
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
+  // Read before dx (which may alias x) is written.
+  const float x_target = x[target];
+  double sum = 0.0;
+  if (dx != nullptr) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < V; ++j) {
+      const float e = FastExp(x[j] - mx);
+      dx[j] = e;
+      sum += static_cast<double>(e);
+    }
+    const float k = static_cast<float>(static_cast<double>(grad_scale) / sum);
+    for (int64_t j = 0; j < V; ++j) dx[j] *= k;
+    dx[target] -= grad_scale;
+  } else {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < V; ++j) sum += static_cast<double>(FastExp(x[j] - mx));
+  }
+  return std::log(sum) + static_cast<double>(mx) - static_cast<double>(x_target);
+}
+
+}  // namespace
 
 double CrossEntropy(const float* logits, const int32_t* targets, int64_t T, int64_t V,
                     float grad_scale, float* dlogits, int64_t* n_valid) {
@@ -14,35 +47,12 @@ double CrossEntropy(const float* logits, const int32_t* targets, int64_t T, int6
   int64_t count = 0;
 #pragma omp parallel for schedule(static) reduction(+ : loss, count) if (T * V > 16384)
   for (int64_t t = 0; t < T; ++t) {
-    const float* x = logits + t * V;
     float* dx = dlogits != nullptr ? dlogits + t * V : nullptr;
-    const int32_t target = targets[t];
-    if (target < 0) {
+    if (targets[t] < 0) {
       if (dx != nullptr) std::memset(dx, 0, V * sizeof(float));
       continue;
     }
-    // Max first (stability). NaN logits are skipped here but reach the sum below.
-    float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
-    // Read before dx (which may alias x) is written.
-    const float x_target = x[target];
-    double sum = 0.0;
-    if (dx != nullptr) {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < V; ++j) {
-        const float e = internal::FastExp(x[j] - mx);
-        dx[j] = e;
-        sum += static_cast<double>(e);
-      }
-      const float k = static_cast<float>(static_cast<double>(grad_scale) / sum);
-      for (int64_t j = 0; j < V; ++j) dx[j] *= k;
-      dx[target] -= grad_scale;
-    } else {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < V; ++j) sum += static_cast<double>(internal::FastExp(x[j] - mx));
-    }
-    loss += std::log(sum) + static_cast<double>(mx) - static_cast<double>(x_target);
+    loss += CrossEntropyRow(logits + t * V, dx, V, targets[t], grad_scale);
     ++count;
   }
   if (n_valid != nullptr) *n_valid += count;

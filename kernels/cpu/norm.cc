@@ -20,15 +20,92 @@ constexpr int64_t kColBlock = 64;
 // Below this many elements the work stays on the calling thread.
 constexpr int64_t kParallelMin = 16384;
 
-double RowSumSquares(const float* x, int64_t n) {
+// Normalises one row of n values: y = x * rstd * w; returns rstd. x and y may alias.
+SPINDLE_SIMD_CLONES float RmsNormRow(const float* x, const float* w, float* y, int64_t n,
+                                     float eps) {
   double ss = 0.0;
 #pragma omp simd reduction(+ : ss)
   for (int64_t j = 0; j < n; ++j) ss += static_cast<double>(x[j]) * x[j];
-  return ss;
+  const float s = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+  for (int64_t j = 0; j < n; ++j) y[j] = x[j] * s * w[j];
+  return s;
 }
 
-float Rstd(double sum_squares, int64_t n, float eps) {
-  return static_cast<float>(1.0 / std::sqrt(sum_squares / static_cast<double>(n) + eps));
+// dx = s * w * dy - x * s^3 / n * sum_j(dy * w * x) for one row; dx may alias dy.
+SPINDLE_SIMD_CLONES void RmsNormRowBackward(const float* x, const float* w, float s,
+                                            const float* dy, float* dx, int64_t n) {
+  double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t j = 0; j < n; ++j) dot += static_cast<double>(dy[j] * w[j] * x[j]);
+  const float c = static_cast<float>(dot * s * s * s / static_cast<double>(n));
+  for (int64_t j = 0; j < n; ++j) dx[j] = s * w[j] * dy[j] - c * x[j];
+}
+
+// dw[0:n] += sum_r dy[r, 0:n] * x[r, 0:n] * rstd[r * rstd_stride] over `rows` rows of stride ld,
+// with sig(gate[r, 0:n]) as an extra factor when gate is non-null. Sums in fp64, in row order.
+SPINDLE_SIMD_CLONES void AccumulateWeightGrad(const float* x, const float* dy, const float* gate,
+                                              const float* rstd, int64_t rstd_stride, int64_t rows,
+                                              int64_t ld, int64_t n, float* dw) {
+  double acc[kColBlock] = {};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ld;
+    const float* dyr = dy + r * ld;
+    const float s = rstd[r * rstd_stride];
+    if (gate != nullptr) {
+      const float* gr = gate + r * ld;
+      for (int64_t j = 0; j < n; ++j) {
+        acc[j] += static_cast<double>(dyr[j] * (xr[j] * s) * FastSigmoid(gr[j]));
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<double>(dyr[j] * xr[j] * s);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) dw[j] += static_cast<float>(acc[j]);
+}
+
+// One token of the group norm + gate: H heads of Dh values.
+SPINDLE_SIMD_CLONES void GroupNormGateRow(const float* o, const float* w, const float* gate,
+                                          float* y, float* rstd, int64_t H, int64_t Dh, float eps) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float* oh = o + h * Dh;
+    const float* gh = gate + h * Dh;
+    const float* wh = w + h * Dh;
+    float* yh = y + h * Dh;
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < Dh; ++j) ss += static_cast<double>(oh[j]) * oh[j];
+    const float s = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(Dh) + eps));
+    rstd[h] = s;
+    for (int64_t j = 0; j < Dh; ++j) yh[j] = oh[j] * s * wh[j] * FastSigmoid(gh[j]);
+  }
+}
+
+// With dn = dy * w * sig: dgate = dn * n * (1 - sig), do = rstd * dn - o * rstd^3 / Dh *
+// sum_j(dn * o). dn is parked in do_ between the two loops.
+SPINDLE_SIMD_CLONES void GroupNormGateRowBackward(const float* o, const float* w, const float* gate,
+                                                  const float* rstd, const float* dy, float* do_,
+                                                  float* dgate, int64_t H, int64_t Dh) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float* oh = o + h * Dh;
+    const float* gh = gate + h * Dh;
+    const float* dyh = dy + h * Dh;
+    const float* wh = w + h * Dh;
+    float* doh = do_ + h * Dh;
+    float* dgh = dgate + h * Dh;
+    const float s = rstd[h];
+    double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < Dh; ++j) {
+      const float sig = FastSigmoid(gh[j]);
+      const float o_j = oh[j];
+      const float dn = dyh[j] * wh[j] * sig;
+      dgh[j] = dn * (o_j * s) * (1.0f - sig);
+      doh[j] = dn;
+      dot += static_cast<double>(dn * o_j);
+    }
+    const float c = static_cast<float>(dot * s * s * s / static_cast<double>(Dh));
+    for (int64_t j = 0; j < Dh; ++j) doh[j] = s * doh[j] - c * oh[j];
+  }
 }
 
 }  // namespace
@@ -36,13 +113,7 @@ float Rstd(double sum_squares, int64_t n, float eps) {
 void RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64_t rows, int64_t D,
                     float eps) {
 #pragma omp parallel for schedule(static) if (rows * D > kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * D;
-    float* yr = y + r * D;
-    const float s = Rstd(RowSumSquares(xr, D), D, eps);
-    rstd[r] = s;
-    for (int64_t j = 0; j < D; ++j) yr[j] = xr[j] * s * w[j];
-  }
+  for (int64_t r = 0; r < rows; ++r) rstd[r] = RmsNormRow(x + r * D, w, y + r * D, D, eps);
 }
 
 void RmsNormBackward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
@@ -50,32 +121,15 @@ void RmsNormBackward(const float* x, const float* w, const float* rstd, const fl
   const int64_t n_blocks = (D + kColBlock - 1) / kColBlock;
 #pragma omp parallel if (rows * D > kParallelMin)
   {
-    // dw[j] += sum_r dy[r, j] * x[r, j] * rstd[r].
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t j0 = b * kColBlock;
-      const int64_t n = std::min(kColBlock, D - j0);
-      double acc[kColBlock] = {};
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = x + r * D + j0;
-        const float* dyr = dy + r * D + j0;
-        const float s = rstd[r];
-        for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<double>(dyr[j] * xr[j] * s);
-      }
-      for (int64_t j = 0; j < n; ++j) dw[j0 + j] += static_cast<float>(acc[j]);
+      AccumulateWeightGrad(x + j0, dy + j0, nullptr, rstd, 1, rows, D, std::min(kColBlock, D - j0),
+                           dw + j0);
     }
-    // dx = rstd * w * dy - x * rstd^3 / D * sum_j(dy * w * x).
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * D;
-      const float* dyr = dy + r * D;
-      float* dxr = dx + r * D;
-      double dot = 0.0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < D; ++j) dot += static_cast<double>(dyr[j] * w[j] * xr[j]);
-      const float s = rstd[r];
-      const float c = static_cast<float>(dot * s * s * s / static_cast<double>(D));
-      for (int64_t j = 0; j < D; ++j) dxr[j] = s * w[j] * dyr[j] - c * xr[j];
+      RmsNormRowBackward(x + r * D, w, rstd[r], dy + r * D, dx + r * D, D);
     }
   }
 }
@@ -85,16 +139,7 @@ void GroupNormGateForward(const float* o, const float* w, const float* gate, flo
   const int64_t C = H * Dh;
 #pragma omp parallel for schedule(static) if (T * C > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t off = t * C + h * Dh;
-      const float* oh = o + off;
-      const float* gh = gate + off;
-      const float* wh = w + h * Dh;
-      float* yh = y + off;
-      const float s = Rstd(RowSumSquares(oh, Dh), Dh, eps);
-      rstd[t * H + h] = s;
-      for (int64_t j = 0; j < Dh; ++j) yh[j] = oh[j] * s * wh[j] * FastSigmoid(gh[j]);
-    }
+    GroupNormGateRow(o + t * C, w, gate + t * C, y + t * C, rstd + t * H, H, Dh, eps);
   }
 }
 
@@ -112,46 +157,14 @@ void GroupNormGateBackward(const float* o, const float* w, const float* gate, co
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t h = b / blocks_per_head;
       const int64_t j0 = (b % blocks_per_head) * kColBlock;
-      const int64_t n = std::min(kColBlock, Dh - j0);
       const int64_t c0 = h * Dh + j0;
-      double acc[kColBlock] = {};
-      for (int64_t t = 0; t < T; ++t) {
-        const float* ot = o + t * C + c0;
-        const float* gt = gate + t * C + c0;
-        const float* dyt = dy + t * C + c0;
-        const float s = rstd[t * H + h];
-        for (int64_t j = 0; j < n; ++j) {
-          acc[j] += static_cast<double>(dyt[j] * (ot[j] * s) * FastSigmoid(gt[j]));
-        }
-      }
-      for (int64_t j = 0; j < n; ++j) dw[c0 + j] += static_cast<float>(acc[j]);
+      AccumulateWeightGrad(o + c0, dy + c0, gate + c0, rstd + h, H, T, C,
+                           std::min(kColBlock, Dh - j0), dw + c0);
     }
-    // With dn = dy * w * sig: dgate = dn * n * (1 - sig), do = rstd * dn - o * rstd^3 / Dh *
-    // sum_j(dn * o). dn is parked in do_ between the two loops.
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t off = t * C + h * Dh;
-        const float* oh = o + off;
-        const float* gh = gate + off;
-        const float* dyh = dy + off;
-        const float* wh = w + h * Dh;
-        float* doh = do_ + off;
-        float* dgh = dgate + off;
-        const float s = rstd[t * H + h];
-        double dot = 0.0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < Dh; ++j) {
-          const float sig = FastSigmoid(gh[j]);
-          const float o_j = oh[j];
-          const float dn = dyh[j] * wh[j] * sig;
-          dgh[j] = dn * (o_j * s) * (1.0f - sig);
-          doh[j] = dn;
-          dot += static_cast<double>(dn * o_j);
-        }
-        const float c = static_cast<float>(dot * s * s * s / static_cast<double>(Dh));
-        for (int64_t j = 0; j < Dh; ++j) doh[j] = s * doh[j] - c * oh[j];
-      }
+      GroupNormGateRowBackward(o + t * C, w, gate + t * C, rstd + t * H, dy + t * C, do_ + t * C,
+                               dgate + t * C, H, Dh);
     }
   }
 }

@@ -403,9 +403,9 @@ struct RopeShape {
 TEST_F(DenseOpsTest, RopeMatchesFormulaInFusedQkv) {
   SCOPED_TRACE(SeedTrace());
   const float theta = 10000.0f;
-  // d = 130 exercises more than one frequency chunk; the large offset, positions near 1e5.
-  for (const RopeShape s :
-       {RopeShape{17, 3, 10, 0}, RopeShape{23, 2, 130, 0}, RopeShape{9, 3, 64, 100000}}) {
+  // d = 130 exercises more than one frequency chunk; the offsets, positions near 1e5 and 1e6.
+  for (const RopeShape s : {RopeShape{17, 3, 10, 0}, RopeShape{23, 2, 130, 0},
+                            RopeShape{9, 3, 64, 100000}, RopeShape{31, 1, 8, 1000003}}) {
     SCOPED_TRACE("T=" + std::to_string(s.T) + " H=" + std::to_string(s.H) +
                  " d=" + std::to_string(s.d));
     const int64_t C = 3 * s.H * s.d;
