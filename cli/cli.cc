@@ -1,0 +1,644 @@
+// The `spindle` command (see cli.h).
+#include "cli/cli.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "coordinator/cp_planner.h"
+#include "coordinator/plan_proto.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "spindle/v1/cluster.grpc.pb.h"
+#include "spindle/v1/job.grpc.pb.h"
+
+namespace spindle {
+namespace {
+
+constexpr char kUsage[] = R"(usage: spindle [global flags] <command> [args]
+
+commands:
+  submit JOB.json [--wait]        validate, plan and queue a job; prints its id
+                                  (--wait: then watch it until it ends)
+  plan JOB.json [--offline]       print the CP plan: modes per layer type and why, the memory
+                                  estimate per rank and every problem; plans offline when the
+                                  coordinator is unreachable or with --offline
+  list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
+                                  failed, cancelled, restarting; repeatable)
+  status JOB_ID                   one job: state, progress per rank, history
+  watch JOB_ID                    live progress (step, loss, tokens/s, ETA) until the job ends
+  cancel JOB_ID [--reason TEXT]   stop every rank of a job
+  workers                         registered workers, their devices and ranks
+
+global flags:
+  --coordinator HOST:PORT   coordinator address (env SPINDLE_COORDINATOR, default 127.0.0.1:7070)
+  --token TOKEN             bearer token (env SPINDLE_TOKEN)
+  --tls-ca FILE             PEM root certificate: connect with TLS (env SPINDLE_TLS_CA)
+  --output text|json        output format (default text; json: one JSON object per line)
+  --timeout SECONDS         deadline of each call (default 10)
+  -h, --help                this help
+
+exit codes:
+  0  success
+  1  the job failed or was cancelled (watch, submit --wait)
+  2  usage error or bad input (invalid job spec, plan problems, job can never fit)
+  3  coordinator unreachable
+  4  not found, or not authenticated / not allowed
+  5  other coordinator error
+)";
+
+struct Options {
+  std::string command;
+  std::vector<std::string> positional;
+  std::string coordinator = "127.0.0.1:7070";
+  std::string token;
+  std::string tls_ca;
+  std::string output = "text";
+  double timeout_s = 10;
+  std::vector<std::string> states;
+  int limit = 0;
+  std::string reason;
+  bool wait = false;
+  bool offline = false;
+  bool help = false;
+};
+
+struct UsageError {
+  std::string message;
+};
+
+// Parses flags anywhere on the line. Returns an error message or "".
+std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
+  static const char* kValued[] = {"--coordinator", "--token", "--tls-ca", "--output",
+                                  "--timeout",     "--state", "--limit",  "--reason"};
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i];
+    if (a == "-h" || a == "--help") {
+      o->help = true;
+      continue;
+    }
+    if (a == "--wait") {
+      o->wait = true;
+      continue;
+    }
+    if (a == "--offline") {
+      o->offline = true;
+      continue;
+    }
+    if (a.size() > 1 && a[0] == '-') {
+      std::string name = a, value;
+      bool has_value = false;
+      if (size_t eq = a.find('='); eq != std::string::npos) {
+        name = a.substr(0, eq);
+        value = a.substr(eq + 1);
+        has_value = true;
+      }
+      if (std::find(std::begin(kValued), std::end(kValued), name) == std::end(kValued))
+        return absl::StrCat("unknown flag ", name);
+      if (!has_value) {
+        if (i + 1 >= args.size()) return absl::StrCat("flag ", name, " needs a value");
+        value = args[++i];
+      }
+      if (name == "--coordinator") {
+        o->coordinator = value;
+      } else if (name == "--token") {
+        o->token = value;
+      } else if (name == "--tls-ca") {
+        o->tls_ca = value;
+      } else if (name == "--output") {
+        if (value != "text" && value != "json")
+          return absl::StrCat("--output must be text or json, got \"", value, "\"");
+        o->output = value;
+      } else if (name == "--timeout") {
+        if (!absl::SimpleAtod(value, &o->timeout_s) || o->timeout_s <= 0)
+          return absl::StrCat("--timeout must be a positive number of seconds, got \"", value,
+                              "\"");
+      } else if (name == "--state") {
+        o->states.push_back(value);
+      } else if (name == "--limit") {
+        if (!absl::SimpleAtoi(value, &o->limit) || o->limit < 0)
+          return absl::StrCat("--limit must be a non-negative integer, got \"", value, "\"");
+      } else if (name == "--reason") {
+        o->reason = value;
+      }
+      continue;
+    }
+    if (o->command.empty()) {
+      o->command = a;
+    } else {
+      o->positional.push_back(a);
+    }
+  }
+  return "";
+}
+
+int ExitCodeFor(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return kExitUsage;
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return kExitUnreachable;
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return kExitNotFound;
+    default:
+      return kExitServerError;
+  }
+}
+
+std::string StateName(v1::JobState s) {
+  switch (s) {
+    case v1::JOB_STATE_QUEUED: return "queued";
+    case v1::JOB_STATE_PLACED: return "placed";
+    case v1::JOB_STATE_RUNNING: return "running";
+    case v1::JOB_STATE_SUCCEEDED: return "succeeded";
+    case v1::JOB_STATE_FAILED: return "failed";
+    case v1::JOB_STATE_CANCELLED: return "cancelled";
+    case v1::JOB_STATE_RESTARTING: return "restarting";
+    default: return "unknown";
+  }
+}
+
+bool ParseStateName(const std::string& name, v1::JobState* out) {
+  for (int s = v1::JOB_STATE_QUEUED; s <= v1::JOB_STATE_RESTARTING; ++s) {
+    if (StateName(static_cast<v1::JobState>(s)) == name) {
+      *out = static_cast<v1::JobState>(s);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool IsTerminalState(v1::JobState s) {
+  return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED ||
+         s == v1::JOB_STATE_CANCELLED;
+}
+
+std::string ToJsonLine(const google::protobuf::Message& m) {
+  std::string s;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &s, opts);
+  return s;
+}
+
+std::string Duration(double seconds) {
+  if (seconds < 0) return "?";
+  int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
+std::string Rate(double tps) {
+  if (tps >= 1e6) return absl::StrFormat("%.2fM", tps / 1e6);
+  if (tps >= 1e3) return absl::StrFormat("%.1fk", tps / 1e3);
+  return absl::StrFormat("%.0f", tps);
+}
+
+std::string ModeName(v1::CpMode m) {
+  return m == v1::CP_MODE_ALL2ALL ? "all2all" : "allgather";
+}
+
+void PrintPlan(const v1::Plan& p, std::ostream& out) {
+  out << absl::StrFormat("plan: cp=%d dp=%d world=%d, %d tokens per rank\n", p.cp(), p.dp(),
+                         p.world(), p.tokens_per_rank());
+  for (const v1::LayerPlan& l : p.layers()) {
+    out << absl::StrFormat("  %-10s %3d layers  %-9s  %s\n", l.layer_type(), l.num_layers(),
+                           ModeName(l.mode()), l.reason());
+  }
+  const v1::MemoryEstimate& m = p.memory();
+  out << absl::StrFormat("memory per rank (estimate, %s): %s\n",
+                         m.recompute() ? "recompute" : "no recompute",
+                         FormatBytes(m.total_bytes()));
+  out << absl::StrFormat("  params %s, grads %s, optimizer %s, activations %s, workspace %s\n",
+                         FormatBytes(m.params_bytes()), FormatBytes(m.grads_bytes()),
+                         FormatBytes(m.optimizer_bytes()), FormatBytes(m.activations_bytes()),
+                         FormatBytes(m.workspace_bytes()));
+  if (m.device_memory_bytes() > 0)
+    out << "  device memory: " << FormatBytes(m.device_memory_bytes()) << "\n";
+  for (const std::string& w : p.warnings()) out << "note: " << w << "\n";
+  if (p.problems_size() == 0) {
+    out << "ok: the job can run\n";
+  } else {
+    out << "problems (" << p.problems_size() << "):\n";
+    for (const std::string& pr : p.problems()) out << "  - " << pr << "\n";
+  }
+}
+
+std::string ProgressLine(const v1::Job& j, bool bar) {
+  std::string s = absl::StrCat(j.job_id(), " ", StateName(j.state()));
+  if (j.total_steps() > 0) {
+    const double frac =
+        std::clamp(static_cast<double>(j.step()) / static_cast<double>(j.total_steps()), 0.0,
+                   1.0);
+    if (bar) {
+      const int width = 24, fill = static_cast<int>(frac * width + 0.5);
+      absl::StrAppend(&s, " [", std::string(fill, '#'), std::string(width - fill, '.'), "]");
+    }
+    absl::StrAppendFormat(&s, " step %d/%d (%.0f%%)", j.step(), j.total_steps(), frac * 100);
+  }
+  if (j.step() > 0) {
+    absl::StrAppendFormat(&s, " loss %.4f %s tok/s", j.loss(), Rate(j.tokens_per_s()));
+    if (j.state() == v1::JOB_STATE_RUNNING) absl::StrAppend(&s, " ETA ", Duration(j.eta_s()));
+  }
+  if (j.attempt() > 1) absl::StrAppend(&s, " attempt ", j.attempt());
+  return s;
+}
+
+std::string FormatTime(int64_t unix_ms) {
+  return absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(unix_ms), absl::LocalTimeZone());
+}
+
+class Cli {
+ public:
+  Cli(Options o, std::ostream& out, std::ostream& err, bool tty)
+      : o_(std::move(o)), out_(out), err_(err), tty_(tty) {}
+
+  int Run() {
+    const std::string& c = o_.command;
+    if (c == "plan") return Plan();
+    if (c == "submit") return Submit();
+    if (c == "list") return List();
+    if (c == "status") return Status();
+    if (c == "watch") return Watch();
+    if (c == "cancel") return Cancel();
+    if (c == "workers") return Workers();
+    return Fail(kExitUsage,
+                absl::StrCat("unknown command \"", c, "\" (run spindle --help for the list)"));
+  }
+
+ private:
+  int Fail(int code, const std::string& msg) {
+    err_ << "spindle: " << msg << "\n";
+    return code;
+  }
+  int RpcFail(const grpc::Status& st) {
+    std::string msg = st.error_message();
+    switch (st.error_code()) {
+      case grpc::StatusCode::UNAVAILABLE:
+        msg = absl::StrCat("cannot reach the coordinator at ", o_.coordinator, ": ", msg);
+        break;
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        msg = absl::StrCat("the coordinator at ", o_.coordinator, " did not answer within ",
+                           o_.timeout_s, " s");
+        break;
+      case grpc::StatusCode::UNAUTHENTICATED:
+        msg = absl::StrCat("not authenticated: ", msg, " (set --token or SPINDLE_TOKEN)");
+        break;
+      default:
+        break;
+    }
+    return Fail(ExitCodeFor(st.error_code()), absl::StrCat(o_.command, ": ", msg));
+  }
+
+  bool Json() const { return o_.output == "json"; }
+
+  std::shared_ptr<grpc::Channel> Channel() {
+    if (!channel_) {
+      std::shared_ptr<grpc::ChannelCredentials> creds;
+      if (!o_.tls_ca.empty()) {
+        grpc::SslCredentialsOptions opts;
+        std::ifstream f(o_.tls_ca);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        opts.pem_root_certs = ss.str();
+        creds = grpc::SslCredentials(opts);
+      } else {
+        creds = grpc::InsecureChannelCredentials();
+      }
+      channel_ = grpc::CreateChannel(o_.coordinator, creds);
+    }
+    return channel_;
+  }
+  void Prepare(grpc::ClientContext* ctx, bool deadline = true) {
+    if (deadline)
+      ctx->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
+    if (!o_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o_.token);
+  }
+
+  // Reads a job spec file; "" and an exit code on failure.
+  bool ReadSpec(const std::string& path, std::string* text, int* code) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+      *code = Fail(kExitUsage, absl::StrCat(o_.command, ": cannot read job spec ", path));
+      return false;
+    }
+    std::stringstream ss;
+    ss << f.rdbuf();
+    *text = ss.str();
+    return true;
+  }
+
+  bool OnePositional(const char* what, int* code) {
+    if (o_.positional.size() != 1) {
+      *code = Fail(kExitUsage, absl::StrCat(o_.command, ": expected exactly one ", what,
+                                            " (spindle ", o_.command, " ", what, ")"));
+      return false;
+    }
+    return true;
+  }
+
+  int EmitPlan(const v1::Plan& p) {
+    if (Json()) {
+      out_ << ToJsonLine(p) << "\n";
+    } else {
+      PrintPlan(p, out_);
+    }
+    return p.ok() ? kExitOk : kExitUsage;
+  }
+
+  int PlanOffline(const std::string& text) {
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
+    CpPlan plan = CpPlanner().Plan(*spec, 0);
+    v1::Plan p;
+    PlanToProto(plan, &p);
+    return EmitPlan(p);
+  }
+
+  int Plan() {
+    int code;
+    if (!OnePositional("JOB.json", &code)) return code;
+    std::string text;
+    if (!ReadSpec(o_.positional[0], &text, &code)) return code;
+    if (o_.offline) return PlanOffline(text);
+    v1::PlanJobRequest req;
+    req.set_spec_json(text);
+    v1::PlanJobResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::JobService::NewStub(Channel())->Plan(&ctx, req, &resp);
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      err_ << "spindle: plan: coordinator at " << o_.coordinator
+           << " unreachable; planning offline (memory not checked against a device)\n";
+      return PlanOffline(text);
+    }
+    if (!st.ok()) return RpcFail(st);
+    return EmitPlan(resp.plan());
+  }
+
+  int Submit() {
+    int code;
+    if (!OnePositional("JOB.json", &code)) return code;
+    std::string text;
+    if (!ReadSpec(o_.positional[0], &text, &code)) return code;
+    // Reject a bad spec before contacting anyone: the message names the field.
+    if (absl::StatusOr<JobSpec> spec = ParseJobSpec(text); !spec.ok())
+      return Fail(kExitUsage, absl::StrCat("submit: ", spec.status().message()));
+    v1::SubmitJobRequest req;
+    req.set_spec_json(text);
+    v1::SubmitJobResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::JobService::NewStub(Channel())->Submit(&ctx, req, &resp);
+    if (!st.ok()) return RpcFail(st);
+    if (Json()) {
+      out_ << ToJsonLine(resp) << "\n";
+    } else {
+      out_ << "submitted " << resp.job_id() << " (" << StateName(resp.state()) << ")\n";
+      for (const std::string& w : resp.plan().warnings()) out_ << "note: " << w << "\n";
+    }
+    if (!o_.wait) return kExitOk;
+    return WatchJob(resp.job_id());
+  }
+
+  int List() {
+    v1::ListJobsRequest req;
+    for (const std::string& s : o_.states) {
+      v1::JobState st;
+      if (!ParseStateName(s, &st))
+        return Fail(kExitUsage, absl::StrCat("list: unknown state \"", s,
+                                             "\" (queued, placed, running, succeeded, failed, "
+                                             "cancelled, restarting)"));
+      req.add_states(st);
+    }
+    req.set_limit(o_.limit);
+    v1::ListJobsResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::JobService::NewStub(Channel())->List(&ctx, req, &resp);
+    if (!st.ok()) return RpcFail(st);
+    if (Json()) {
+      out_ << ToJsonLine(resp) << "\n";
+      return kExitOk;
+    }
+    out_ << absl::StrFormat("%-10s %-20s %-10s %4s %5s %13s %9s %10s  %s\n", "ID", "NAME", "STATE",
+                            "PRI", "WORLD", "STEP", "LOSS", "TOK/S", "MESSAGE");
+    for (const v1::Job& j : resp.jobs()) {
+      out_ << absl::StrFormat("%-10s %-20s %-10s %4d %5d %13s %9s %10s  %s\n", j.job_id(),
+                              j.name().substr(0, 20), StateName(j.state()), j.priority(),
+                              j.plan().world(),
+                              absl::StrCat(j.step(), "/", j.total_steps()),
+                              j.step() > 0 ? absl::StrFormat("%.4f", j.loss()) : "-",
+                              j.step() > 0 ? Rate(j.tokens_per_s()) : "-", j.message());
+    }
+    return kExitOk;
+  }
+
+  bool GetJob(const std::string& id, v1::Job* job, int* code) {
+    v1::GetJobRequest req;
+    req.set_job_id(id);
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::JobService::NewStub(Channel())->Get(&ctx, req, job);
+    if (!st.ok()) {
+      *code = RpcFail(st);
+      return false;
+    }
+    return true;
+  }
+
+  int Status() {
+    int code;
+    if (!OnePositional("JOB_ID", &code)) return code;
+    v1::Job j;
+    if (!GetJob(o_.positional[0], &j, &code)) return code;
+    if (Json()) {
+      out_ << ToJsonLine(j) << "\n";
+      return kExitOk;
+    }
+    out_ << j.job_id() << "  " << j.name() << "  " << StateName(j.state()) << "\n";
+    if (!j.message().empty()) out_ << "  " << j.message() << "\n";
+    out_ << absl::StrFormat("  priority %d, attempt %d, restarts %d/%d, world %d (cp=%d dp=%d)\n",
+                            j.priority(), j.attempt(), j.restarts(), j.max_restarts(),
+                            j.plan().world(), j.plan().cp(), j.plan().dp());
+    for (const v1::LayerPlan& l : j.plan().layers())
+      out_ << "  " << l.layer_type() << ": " << ModeName(l.mode()) << " (" << l.reason() << ")\n";
+    out_ << "  " << ProgressLine(j, false) << "\n";
+    if (j.last_checkpoint_step() > 0)
+      out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "
+           << j.last_checkpoint_path() << "\n";
+    if (j.ranks_size() > 0) {
+      out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s\n", "RANK", "WORKER", "DEV",
+                              "STATE", "STEP", "LOSS", "TOK/S");
+      for (const v1::RankStatus& r : j.ranks())
+        out_ << absl::StrFormat("  %4d %-16s %3d %-9s %8d %9.4f %10s\n", r.rank(), r.worker_id(),
+                                r.device_index(), r.state(), r.step(), r.loss(),
+                                Rate(r.tokens_per_s()));
+    }
+    if (j.events_size() > 0) out_ << "  events:\n";
+    for (const v1::JobEvent& e : j.events())
+      out_ << "    " << FormatTime(e.unix_ms()) << " " << StateName(e.state()) << ": "
+           << e.message() << "\n";
+    return kExitOk;
+  }
+
+  int WatchJob(const std::string& id) {
+    v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
+    std::string final_message;
+    bool drew_bar = false;
+    int retries_left = 30;  // reconnect for ~30 s when the coordinator restarts
+    while (true) {
+      v1::WatchJobRequest req;
+      req.set_job_id(id);
+      grpc::ClientContext ctx;
+      Prepare(&ctx, /*deadline=*/false);
+      auto reader = v1::JobService::NewStub(Channel())->Watch(&ctx, req);
+      v1::JobUpdate u;
+      bool got_any = false;
+      while (reader->Read(&u)) {
+        got_any = true;
+        retries_left = 30;
+        const v1::Job& j = u.job();
+        if (Json()) {
+          out_ << ToJsonLine(u) << "\n";
+        } else {
+          for (const v1::JobEvent& e : u.new_events()) {
+            if (drew_bar) out_ << "\r\033[K";
+            out_ << FormatTime(e.unix_ms()) << " " << StateName(e.state()) << ": "
+                 << e.message() << "\n";
+            drew_bar = false;
+          }
+          if (tty_) {
+            out_ << "\r\033[K" << ProgressLine(j, true) << std::flush;
+            drew_bar = true;
+          } else if (j.step() > 0 || u.new_events_size() == 0) {
+            out_ << ProgressLine(j, false) << "\n";
+          }
+        }
+        out_.flush();
+        final_state = j.state();
+        final_message = j.message();
+      }
+      grpc::Status st = reader->Finish();
+      if (drew_bar) {
+        out_ << "\n";
+        drew_bar = false;
+      }
+      if (IsTerminalState(final_state)) break;
+      if (st.ok()) break;
+      if (st.error_code() == grpc::StatusCode::UNAVAILABLE && retries_left-- > 0) {
+        (void)got_any;
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        continue;
+      }
+      return RpcFail(st);
+    }
+    if (!Json())
+      out_ << id << " " << StateName(final_state)
+           << (final_message.empty() ? "" : absl::StrCat(": ", final_message)) << "\n";
+    if (final_state == v1::JOB_STATE_SUCCEEDED) return kExitOk;
+    if (final_state == v1::JOB_STATE_FAILED || final_state == v1::JOB_STATE_CANCELLED)
+      return kExitJobFailed;
+    return kExitServerError;
+  }
+
+  int Watch() {
+    int code;
+    if (!OnePositional("JOB_ID", &code)) return code;
+    return WatchJob(o_.positional[0]);
+  }
+
+  int Cancel() {
+    int code;
+    if (!OnePositional("JOB_ID", &code)) return code;
+    v1::CancelJobRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_reason(o_.reason);
+    v1::CancelJobResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::JobService::NewStub(Channel())->Cancel(&ctx, req, &resp);
+    if (!st.ok()) return RpcFail(st);
+    if (Json()) {
+      out_ << ToJsonLine(resp.job()) << "\n";
+    } else {
+      out_ << resp.job().job_id() << " " << StateName(resp.job().state()) << "\n";
+    }
+    return kExitOk;
+  }
+
+  int Workers() {
+    v1::ListWorkersRequest req;
+    v1::ListWorkersResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::ClusterService::NewStub(Channel())->ListWorkers(&ctx, req, &resp);
+    if (!st.ok()) return RpcFail(st);
+    if (Json()) {
+      out_ << ToJsonLine(resp) << "\n";
+      return kExitOk;
+    }
+    out_ << absl::StrFormat("%-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", "WORKER", "HOST",
+                            "STATE", "KIND", "DEVICE", "MEMORY", "USED", "RANKS");
+    for (const v1::WorkerInfo& w : resp.workers()) {
+      const v1::DeviceGroup g = w.devices_size() ? w.devices(0) : v1::DeviceGroup();
+      out_ << absl::StrFormat("%-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", w.worker_id(),
+                              w.hostname(), w.state(), g.kind(), g.name().substr(0, 24),
+                              FormatBytes(g.memory_bytes()),
+                              absl::StrCat(w.used_slots(), "/", w.slots()),
+                              absl::StrJoin(w.ranks(), " "));
+    }
+    return kExitOk;
+  }
+
+  Options o_;
+  std::ostream& out_;
+  std::ostream& err_;
+  bool tty_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+}  // namespace
+
+int RunCli(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+           std::ostream& out, std::ostream& err, bool out_is_tty) {
+  Options o;
+  if (auto it = env.find("SPINDLE_COORDINATOR"); it != env.end() && !it->second.empty())
+    o.coordinator = it->second;
+  if (auto it = env.find("SPINDLE_TOKEN"); it != env.end()) o.token = it->second;
+  if (auto it = env.find("SPINDLE_TLS_CA"); it != env.end()) o.tls_ca = it->second;
+  std::string error = ParseArgs(args, &o);
+  if (o.help) {
+    out << kUsage;
+    return kExitOk;
+  }
+  if (!error.empty()) {
+    err << "spindle: " << error << " (run spindle --help)\n";
+    return kExitUsage;
+  }
+  if (o.command.empty()) {
+    err << kUsage;
+    return kExitUsage;
+  }
+  return Cli(std::move(o), out, err, out_is_tty).Run();
+}
+
+}  // namespace spindle
