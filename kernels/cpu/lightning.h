@@ -31,8 +31,9 @@ void LightningForward(const float* q, const float* k, const float* v, const floa
 
 // Gradients of LightningForward. dout is dense [T, H, Dh]; d_end_state (nullable = zeros) is the
 // gradient flowing into end_state. dq, dk, dv (token stride qkv_stride) are overwritten;
-// d_carry_in (nullable) is overwritten with the gradient of carry_in (zeros when no carry_in was
-// given... it is still the gradient w.r.t. a carry-in of zero, so CP can use it).
+// d_carry_in (nullable) is overwritten with the gradient w.r.t. carry_in. It does not depend on
+// the carry's value, so with carry_in = null it is the gradient w.r.t. a zero carry-in, which CP
+// uses.
 void LightningBackward(const float* q, const float* k, const float* v, const float* log_decay,
                        const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
                        float scale, const LightningDims& dims, const float* dout,

@@ -457,6 +457,37 @@ TEST(LightningBackward, MatchesReferenceOnOddShapes) {
   }
 }
 
+// Head sizes above the chunk size (products split into several BLAS calls), and the nullable
+// outputs: end_state and d_carry_in may be omitted without changing anything else.
+TEST(LightningBackward, WideHeadsAndNullableOutputs) {
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (int64_t Dh : {64, 80}) {
+    const Problem p = MakeProblem(150, 2, Dh, Layout::kInsideChunk, /*with_carry=*/true, rng);
+    SCOPED_TRACE(Describe(p, Layout::kInsideChunk));
+    const std::vector<float> dout = Normal(rng, p.T * p.H * Dh);
+    const std::vector<float> d_end = Normal(rng, p.H * Dh * Dh);
+    const RefGrads want = RefLightningBackward(p, ToDouble(p.qkv), ToDouble(p.carry),
+                                               ToDouble(dout), ToDouble(d_end));
+    const KernelGrads got = RunBackward(p, dout, d_end);
+    ExpectNear(QkvPart(p, got.dqkv), QkvPart(p, want.dqkv), "dqkv");
+    ExpectNear(got.dcarry, want.dcarry, "d_carry_in");
+
+    const KernelForward full = RunForward(p);
+    std::vector<float> out(p.T * p.H * Dh, std::nanf(""));
+    LightningForward(p.q(), p.k(), p.v(), p.log_decay.data(), p.cu.data(), p.segments(),
+                     p.carry_ptr(), p.scale, p.dims(), out.data(), nullptr);
+    EXPECT_EQ(out, full.out);
+    std::vector<float> dqkv(p.qkv.size(), std::nanf(""));
+    float* d = dqkv.data();
+    LightningBackward(p.q(), p.k(), p.v(), p.log_decay.data(), p.cu.data(), p.segments(),
+                      p.carry_ptr(), p.scale, p.dims(), dout.data(), d_end.data(), d, d + p.H * Dh,
+                      d + 2 * p.H * Dh, nullptr);
+    EXPECT_EQ(QkvPart(p, dqkv), QkvPart(p, got.dqkv));
+  }
+}
+
 // ---- splitting a sequence (context parallelism) ------------------------------------------------
 
 // The sub-problem of tokens [begin, end): segments clipped, carry supplied by the caller.
