@@ -27,7 +27,7 @@ void EmbeddingBackward(const int32_t* ids, const float* dout, float* dtable, int
 // x and y may alias.
 void RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64_t rows,
                     int64_t D, float eps);
-// dx overwritten, dw accumulated. x is the forward input, rstd the saved statistic.
+// dx overwritten (may alias dy), dw accumulated. x is the forward input, rstd the saved statistic.
 void RmsNormBackward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
                      float* dw, int64_t rows, int64_t D);
 
@@ -51,7 +51,7 @@ void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 
 // ---- SwiGLU: y = silu(g) * u, elementwise over n values -----------------------------------------
 void SwiGluForward(const float* g, const float* u, float* y, int64_t n);
-// dg, du overwritten.
+// dg, du overwritten. Each may alias an input element for element (dg == g, du == u, ...).
 void SwiGluBackward(const float* g, const float* u, const float* dy, float* dg, float* du,
                     int64_t n);
 
@@ -60,7 +60,7 @@ void SwiGluBackward(const float* g, const float* u, const float* dy, float* dg, 
 // head), y = n * w[h * Dh + j] * sigmoid(gate). rstd is [T * H], saved for the backward.
 void GroupNormGateForward(const float* o, const float* w, const float* gate, float* y, float* rstd,
                           int64_t T, int64_t H, int64_t Dh, float eps);
-// do_, dgate overwritten; dw accumulated.
+// do_, dgate overwritten; dw accumulated. do_ may alias dy and dgate may alias gate.
 void GroupNormGateBackward(const float* o, const float* w, const float* gate, const float* rstd,
                            const float* dy, float* do_, float* dw, float* dgate, int64_t T,
                            int64_t H, int64_t Dh);

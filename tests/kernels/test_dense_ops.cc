@@ -566,6 +566,23 @@ TEST_F(DenseOpsTest, SwiGluLargeParallel) {
   ExpectClose(du, du_ref, kFwdAtol, kFwdRtol, "du");
 }
 
+// Gradients written over the inputs they are computed from, as the engine does to save memory.
+TEST_F(DenseOpsTest, SwiGluBackwardInPlace) {
+  SCOPED_TRACE(SeedTrace());
+  for (const int64_t n : {int64_t{17 * 37}, int64_t{100003}}) {
+    const Vec g = Normal(n, 3.0f), u = Normal(n), dy = Normal(n);
+    Vec dg(n), du(n);
+    SwiGluBackward(g.data(), u.data(), dy.data(), dg.data(), du.data(), n);
+    Vec g2 = g, u2 = u;
+    SwiGluBackward(g2.data(), u2.data(), dy.data(), g2.data(), u2.data(), n);
+    ExpectBitwiseEqual(g2, dg, "dg == g");
+    ExpectBitwiseEqual(u2, du, "du == u");
+    Vec dy2 = dy, du3(n);
+    SwiGluBackward(g.data(), u.data(), dy2.data(), dy2.data(), du3.data(), n);
+    ExpectBitwiseEqual(dy2, dg, "dg == dy");
+  }
+}
+
 // ---- Group RMSNorm + sigmoid gate ---------------------------------------------------------------
 
 TEST_F(DenseOpsTest, GroupNormGateForwardBackward) {
@@ -598,6 +615,33 @@ TEST_F(DenseOpsTest, GroupNormGateForwardBackward) {
     ExpectClose(dw, Add(dw0, dw_ref), kBwdAtol, kBwdRtol, "dw (accumulated)");
     ExpectClose(dgate, dgate_ref, kBwdAtol, kBwdRtol, "dgate");
   }
+}
+
+TEST_F(DenseOpsTest, GroupNormGateBackwardAliasing) {
+  SCOPED_TRACE(SeedTrace());
+  const int64_t T = 301, H = 3, Dh = 37, C = H * Dh;
+  const Vec o = Normal(T * C), w = Uniform(C, 0.5f, 1.5f), gate = Normal(T * C, 2.0f);
+  const Vec dy = Normal(T * C);
+  Vec y(T * C), rstd(T * H);
+  GroupNormGateForward(o.data(), w.data(), gate.data(), y.data(), rstd.data(), T, H, Dh, 1e-6f);
+  Vec do_(T * C), dw(C, 0.0f), dgate(T * C);
+  GroupNormGateBackward(o.data(), w.data(), gate.data(), rstd.data(), dy.data(), do_.data(),
+                        dw.data(), dgate.data(), T, H, Dh);
+  Vec dy2 = dy, gate2 = gate, dw2(C, 0.0f);
+  GroupNormGateBackward(o.data(), w.data(), gate2.data(), rstd.data(), dy2.data(), dy2.data(),
+                        dw2.data(), gate2.data(), T, H, Dh);
+  ExpectBitwiseEqual(dy2, do_, "do == dy");
+  ExpectBitwiseEqual(gate2, dgate, "dgate == gate");
+  ExpectBitwiseEqual(dw2, dw, "dw");
+  // The weight gradient does not depend on the thread count either.
+  Vec dw1(C, 0.0f), do1(T * C), dgate1(T * C);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  GroupNormGateBackward(o.data(), w.data(), gate.data(), rstd.data(), dy.data(), do1.data(),
+                        dw1.data(), dgate1.data(), T, H, Dh);
+  omp_set_num_threads(threads);
+  ExpectBitwiseEqual(dw1, dw, "dw 1 thread vs default");
+  ExpectBitwiseEqual(do1, do_, "do 1 thread vs default");
 }
 
 // ---- Cross-entropy ------------------------------------------------------------------------------
