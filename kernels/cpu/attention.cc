@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -171,7 +170,7 @@ bool TileMask(const AttentionMask& mask, int64_t i0, int64_t mb, int64_t j0, int
 }
 
 struct TileScratch {
-  TileScratch(int64_t dv) : s(kBlock * kBlock), p(kBlock * kBlock), acc(kBlock * dv) {}
+  explicit TileScratch(int64_t dv) : s(kBlock * kBlock), p(kBlock * kBlock), acc(kBlock * dv) {}
   std::vector<float> s, p, acc;
   int32_t lo[kBlock], hi[kBlock];
   float m[kBlock], l[kBlock];
