@@ -4,6 +4,8 @@
 // Backward passes compute the weight gradient first, each thread owning a block of weight
 // columns and summing rows in order (race-free and bitwise independent of the thread count),
 // then the row-local input gradients; that order also lets dx alias dy.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -15,8 +17,17 @@ namespace {
 
 using internal::FastSigmoid;
 
-// Columns of a weight gradient reduced by one thread at a time.
+// Most columns of a weight gradient reduced by one thread at a time.
 constexpr int64_t kColBlock = 64;
+
+// Column block width for a weight gradient of D columns: narrower than kColBlock when D is small
+// (per-head norms: D = Dh), so every thread gets a block. Each column is still summed over rows in
+// order by one thread, so the result does not depend on the width or the thread count.
+int64_t ColumnBlockWidth(int64_t D) {
+  const int64_t threads = omp_get_max_threads();
+  const int64_t per_thread = (D + threads - 1) / threads;
+  return std::clamp<int64_t>((per_thread + 15) / 16 * 16, 16, kColBlock);
+}
 // Below this many elements the work stays on the calling thread.
 constexpr int64_t kParallelMin = 16384;
 
@@ -118,13 +129,14 @@ void RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64
 
 void RmsNormBackward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
                      float* dw, int64_t rows, int64_t D) {
-  const int64_t n_blocks = (D + kColBlock - 1) / kColBlock;
+  const int64_t width = ColumnBlockWidth(D);
+  const int64_t n_blocks = (D + width - 1) / width;
 #pragma omp parallel if (rows * D > kParallelMin)
   {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < n_blocks; ++b) {
-      const int64_t j0 = b * kColBlock;
-      AccumulateWeightGrad(x + j0, dy + j0, nullptr, rstd, 1, rows, D, std::min(kColBlock, D - j0),
+      const int64_t j0 = b * width;
+      AccumulateWeightGrad(x + j0, dy + j0, nullptr, rstd, 1, rows, D, std::min(width, D - j0),
                            dw + j0);
     }
 #pragma omp for schedule(static)

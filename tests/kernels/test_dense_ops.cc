@@ -362,26 +362,30 @@ TEST_F(DenseOpsTest, RmsNormAliasing) {
 // Large enough to run on several threads: results must not depend on the thread count.
 TEST_F(DenseOpsTest, RmsNormBackwardDeterministicAcrossThreads) {
   SCOPED_TRACE(SeedTrace());
-  const int64_t rows = 2053, D = 259;
-  const Vec x = Normal(rows * D), w = Uniform(D, 0.5f, 1.5f), dy = Normal(rows * D);
-  Vec y(rows * D), rstd(rows);
-  RmsNormForward(x.data(), w.data(), y.data(), rstd.data(), rows, D, 1e-6f);
-  Vec dx(rows * D), dw(D, 0.0f), dx1(rows * D), dw1(D, 0.0f);
-  RmsNormBackward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, D);
-  const int threads = omp_get_max_threads();
-  omp_set_num_threads(1);
-  RmsNormBackward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, D);
-  omp_set_num_threads(threads);
-  ExpectBitwiseEqual(dx, dx1, "dx");
-  ExpectBitwiseEqual(dw, dw1, "dw");
-  // And dw agrees with an fp64 sum.
-  DVec dw_ref(D, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < D; ++j) {
-      dw_ref[j] += static_cast<double>(dy[r * D + j]) * x[r * D + j] * rstd[r];
+  // A model-norm shape and a per-head shape (D = Dh = 64: narrower column blocks per thread).
+  for (const NormShape s : {NormShape{2053, 259}, NormShape{8209, 64}}) {
+    SCOPED_TRACE("rows=" + std::to_string(s.rows) + " D=" + std::to_string(s.D));
+    const int64_t rows = s.rows, D = s.D;
+    const Vec x = Normal(rows * D), w = Uniform(D, 0.5f, 1.5f), dy = Normal(rows * D);
+    Vec y(rows * D), rstd(rows);
+    RmsNormForward(x.data(), w.data(), y.data(), rstd.data(), rows, D, 1e-6f);
+    Vec dx(rows * D), dw(D, 0.0f), dx1(rows * D), dw1(D, 0.0f);
+    RmsNormBackward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, D);
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    RmsNormBackward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, D);
+    omp_set_num_threads(threads);
+    ExpectBitwiseEqual(dx, dx1, "dx");
+    ExpectBitwiseEqual(dw, dw1, "dw");
+    // And dw agrees with an fp64 sum.
+    DVec dw_ref(D, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < D; ++j) {
+        dw_ref[j] += static_cast<double>(dy[r * D + j]) * x[r * D + j] * rstd[r];
+      }
     }
+    ExpectClose(dw, dw_ref, 1e-3, 1e-5, "dw vs fp64");
   }
-  ExpectClose(dw, dw_ref, 1e-3, 1e-5, "dw vs fp64");
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------------
