@@ -130,7 +130,9 @@ absl::Status JobManager::Recover() {
     devices.ParseFromString(rec.devices);
     if (devices.devices_size() > 0) w->group = devices.devices(0);
     w->slots.resize(std::max(0, w->group.count()));
-    w->last_seen_ms = now;  // lost unless it reconnects within heartbeat_timeout
+    // Lost unless it reconnects within max(recovery_grace, heartbeat_timeout).
+    w->last_seen_ms =
+        now + std::max<int64_t>(0, options_.recovery_grace_ms - options_.heartbeat_timeout_ms);
     w->rec = std::move(rec);
     workers_[w->rec.worker_id] = std::move(w);
   }
@@ -649,19 +651,23 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       JobRuntime& j = *jp;
       if (!IsActive(j.rec.state)) continue;
       std::string missing;
+      std::vector<int32_t> gone;  // devices of ranks the worker no longer runs
       for (RankRuntime& r : j.ranks) {
         if (r.placement.worker_id != w.rec.worker_id || r.state == "exited") continue;
         if (!listed.count({j.rec.job_id, j.rec.attempt, r.placement.rank})) {
-          missing = absl::StrCat("rank ", r.placement.rank, " was not running on worker ",
-                                 w.rec.worker_id, " when it reconnected");
-          break;
+          if (missing.empty())
+            missing = absl::StrCat("rank ", r.placement.rank, " was not running on worker ",
+                                   w.rec.worker_id, " when it reconnected");
+          gone.push_back(r.placement.device_index);
         }
       }
       if (!missing.empty()) {
+        const int64_t attempt = j.rec.attempt;
         FailAttempt(j, missing, false,
                     j.adopt_deadline_ms > 0 ? metrics_.restarts_recovery
                                             : metrics_.restarts_worker_lost,
                     &out);
+        for (int32_t d : gone) ReleaseDevice(w.rec.worker_id, d, j.rec.job_id, attempt);
         continue;
       }
       if (j.adopt_deadline_ms > 0) {
@@ -886,14 +892,6 @@ void JobManager::Tick() {
   {
     absl::MutexLock l(&mu_);
     const int64_t now = clock_->NowMs();
-    for (auto& [id, w] : workers_) {
-      if (w->lost) continue;
-      if (now - w->last_seen_ms > options_.heartbeat_timeout_ms)
-        MarkWorkerLost(*w, absl::StrCat("no heartbeat for ", Seconds(now - w->last_seen_ms)),
-                       &out);
-      for (auto& s : w->slots)
-        if (s.drain_deadline_ms > 0 && now >= s.drain_deadline_ms) s = {};
-    }
     for (auto& [id, jp] : jobs_) {
       JobRuntime& j = *jp;
       if (!IsActive(j.rec.state)) continue;
@@ -931,6 +929,14 @@ void JobManager::Tick() {
                                  ", furthest rank at step ", max_step, ")"),
                     false, metrics_.restarts_hang, &out);
       }
+    }
+    for (auto& [id, w] : workers_) {
+      if (w->lost) continue;
+      if (now - w->last_seen_ms > options_.heartbeat_timeout_ms)
+        MarkWorkerLost(*w, absl::StrCat("no heartbeat for ", Seconds(now - w->last_seen_ms)),
+                       &out);
+      for (auto& s : w->slots)
+        if (s.drain_deadline_ms > 0 && now >= s.drain_deadline_ms) s = {};
     }
     Schedule(&out);
   }

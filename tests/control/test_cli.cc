@@ -1,0 +1,136 @@
+// The `spindle` CLI: usage errors, bad specs, unreachable coordinator, offline plan and exit
+// codes, end to end against a real coordinator on 127.0.0.1 for submit/list/status/cancel.
+#include "cli/cli.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "coordinator/coordinator_server.h"
+#include "gtest/gtest.h"
+#include "tests/control/test_util.h"
+
+namespace spindle {
+namespace {
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+Result RunSpindle(std::vector<std::string> args, std::map<std::string, std::string> env = {}) {
+  std::ostringstream out, err;
+  int code = RunCli(args, env, out, err, false);
+  return {code, out.str(), err.str()};
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  std::string WriteSpec(const std::string& name, const std::string& text) {
+    std::string path = dir_.File(name);
+    std::ofstream(path) << text;
+    return path;
+  }
+  testing::TempDir dir_;
+};
+
+TEST_F(CliTest, HelpDocumentsExitCodes) {
+  Result r = RunSpindle({"--help"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("3  coordinator unreachable"), std::string::npos);
+  EXPECT_NE(r.out.find("SPINDLE_COORDINATOR"), std::string::npos);
+}
+
+TEST_F(CliTest, UsageErrors) {
+  Result r = RunSpindle({});
+  EXPECT_EQ(r.code, kExitUsage);
+  r = RunSpindle({"frobnicate"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: unknown command \"frobnicate\" (run spindle --help for the list)\n");
+  r = RunSpindle({"list", "--bogus"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: unknown flag --bogus (run spindle --help)\n");
+  r = RunSpindle({"list", "--output", "yaml"});
+  EXPECT_EQ(r.err, "spindle: --output must be text or json, got \"yaml\" (run spindle --help)\n");
+  r = RunSpindle({"status"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: status: expected exactly one JOB_ID (spindle status JOB_ID)\n");
+  r = RunSpindle({"submit", dir_.File("missing.json")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: submit: cannot read job spec " + dir_.File("missing.json") + "\n");
+}
+
+TEST_F(CliTest, BadSpecNamesTheField) {
+  std::string path = WriteSpec("bad.json", R"({"name": "x", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall"}, "seq_len": 256, "train": {"lr": -1}})");
+  Result r = RunSpindle({"submit", path, "--coordinator", "127.0.0.1:1"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err.rfind("spindle: submit: job spec: train.lr", 0), 0u) << r.err;
+}
+
+TEST_F(CliTest, UnreachableCoordinator) {
+  Result r = RunSpindle({"list", "--timeout", "2"}, {{"SPINDLE_COORDINATOR", "127.0.0.1:1"}});
+  EXPECT_EQ(r.code, kExitUnreachable);
+  EXPECT_EQ(r.err.rfind("spindle: list: cannot reach the coordinator at 127.0.0.1:1: ", 0), 0u)
+      << r.err;
+}
+
+TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
+  std::string good = WriteSpec("good.json", testing::SpecJson(2, 1));
+  Result r = RunSpindle({"plan", good, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("  lightning    3 layers  all2all    default: cp=2 <= n_heads=4 and 4 % 2 == 0"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("ok: the job can run"), std::string::npos);
+  std::string bad = WriteSpec("bad.json", testing::SpecJson(8, 1, 0, 3,
+                                                            R"(, "mla_mode": "all2all")"));
+  r = RunSpindle({"plan", bad, "--coordinator", "127.0.0.1:1"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.err.find("unreachable; planning offline"), std::string::npos);
+  EXPECT_NE(r.out.find("problems (1):\n  - parallel.mla_mode: all2all needs n_heads divisible "
+                       "by cp, but n_heads=4 and cp=8"),
+            std::string::npos)
+      << r.out;
+  r = RunSpindle({"plan", bad, "--offline", "--output", "json"});
+  EXPECT_NE(r.out.find("\"ok\":false"), std::string::npos) << r.out;
+}
+
+TEST_F(CliTest, EndToEndAgainstCoordinator) {
+  CoordinatorConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.db_path = dir_.File("cli.db");
+  cfg.token = "tok";
+  auto server = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::map<std::string, std::string> env = {
+      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())},
+      {"SPINDLE_TOKEN", "tok"}};
+  std::string spec = WriteSpec("job.json", testing::SpecJson(2, 1));
+  Result r = RunSpindle({"submit", spec}, env);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.substr(0, 28), "submitted j-000001 (queued)\n");
+  r = RunSpindle({"list"}, env);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("j-000001"), std::string::npos);
+  r = RunSpindle({"status", "j-000001", "--output", "json"}, env);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("\"state\":\"JOB_STATE_QUEUED\""), std::string::npos) << r.out;
+  r = RunSpindle({"status", "j-000042"}, env);
+  EXPECT_EQ(r.code, kExitNotFound);
+  EXPECT_EQ(r.err, "spindle: status: job j-000042 not found\n");
+  r = RunSpindle({"cancel", "j-000001"}, env);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, "j-000001 cancelled\n");
+  r = RunSpindle({"watch", "j-000001"}, env);
+  EXPECT_EQ(r.code, kExitJobFailed);
+  EXPECT_NE(r.out.find("j-000001 cancelled: cancelled by user"), std::string::npos) << r.out;
+  env["SPINDLE_TOKEN"] = "nope";
+  r = RunSpindle({"list"}, env);
+  EXPECT_EQ(r.code, kExitNotFound);
+  EXPECT_EQ(r.err,
+            "spindle: list: not authenticated: invalid bearer token (set --token or "
+            "SPINDLE_TOKEN)\n");
+}
+
+}  // namespace
+}  // namespace spindle

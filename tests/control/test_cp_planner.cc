@@ -1,0 +1,108 @@
+// CpPlanner: default and forced modes, and the exact text of every preflight problem.
+#include "coordinator/cp_planner.h"
+
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+
+namespace spindle {
+namespace {
+
+JobSpec Spec(int64_t cp, int64_t heads, int64_t seq_len) {
+  JobSpec s;
+  s.model.d_model = 64;
+  s.model.n_heads = heads;
+  s.model.n_layers = 8;
+  s.seq_len = seq_len;
+  s.parallel.cp = cp;
+  return s;
+}
+
+TEST(CpPlannerTest, DefaultAll2AllWhenHeadsDivisible) {
+  CpPlan p = CpPlanner().Plan(Spec(4, 8, 1024), 0);
+  ASSERT_TRUE(p.ok());
+  ASSERT_EQ(p.layers.size(), 2u);
+  EXPECT_EQ(p.layers[0].layer_type, "lightning");
+  EXPECT_EQ(p.layers[0].num_layers, 7);
+  EXPECT_EQ(p.layers[0].mode, CpMode::kAll2All);
+  EXPECT_EQ(p.layers[0].reason, "default: cp=4 <= n_heads=8 and 8 % 4 == 0");
+  EXPECT_EQ(p.layers[1].num_layers, 1);
+  EXPECT_EQ(p.layers[1].mode, CpMode::kAll2All);
+  EXPECT_EQ(p.tokens_per_rank, 256);
+  EXPECT_EQ(p.world, 4);
+}
+
+TEST(CpPlannerTest, DefaultAllGatherWhenCpExceedsHeadsOrDoesNotDivide) {
+  CpPlan p = CpPlanner().Plan(Spec(8, 4, 1024), 0);
+  EXPECT_TRUE(p.ok());
+  EXPECT_EQ(p.layers[0].mode, CpMode::kAllGather);
+  EXPECT_EQ(p.layers[0].reason, "default: cp=8 > n_heads=4, all2all impossible");
+  JobSpec s = Spec(4, 8, 1024);
+  s.model.d_model = 96;
+  s.model.n_heads = 6;
+  p = CpPlanner().Plan(s, 0);
+  EXPECT_EQ(p.layers[1].mode, CpMode::kAllGather);
+  EXPECT_EQ(p.layers[1].reason, "default: n_heads=6 is not divisible by cp=4 (6 % 4 = 2)");
+}
+
+TEST(CpPlannerTest, ForcedModeIsKeptAndMarked) {
+  JobSpec s = Spec(2, 4, 1024);
+  s.parallel.mla_mode = CpMode::kAllGather;
+  CpPlan p = CpPlanner().Plan(s, 0);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p.layers[0].mode, CpMode::kAll2All);
+  EXPECT_FALSE(p.layers[0].forced);
+  EXPECT_EQ(p.layers[1].mode, CpMode::kAllGather);
+  EXPECT_TRUE(p.layers[1].forced);
+  EXPECT_EQ(p.layers[1].reason, "forced by the spec (parallel.mla_mode = allgather)");
+}
+
+TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {
+  JobSpec s = Spec(8, 4, 1000);
+  s.parallel.lightning_mode = CpMode::kAll2All;
+  s.parallel.mla_mode = CpMode::kAll2All;
+  CpPlan p = CpPlanner().Plan(s, 1 << 20);  // 1 MiB device: too small
+  ASSERT_EQ(p.problems.size(), 4u) << ::testing::PrintToString(p.problems);
+  EXPECT_EQ(p.problems[0],
+            "parallel.lightning_mode: all2all needs n_heads divisible by cp, but n_heads=4 and "
+            "cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
+  EXPECT_EQ(p.problems[1],
+            "parallel.mla_mode: all2all needs n_heads divisible by cp, but n_heads=4 and cp=8 "
+            "(4 % 8 = 4); use allgather or a cp that divides 4");
+  EXPECT_EQ(p.problems[2],
+            "seq_len: 1000 is not divisible by 2*cp = 16 (zigzag chunks need equal sizes)");
+  EXPECT_EQ(p.problems[3].rfind("memory: estimated ", 0), 0u) << p.problems[3];
+  EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; train.recompute = true "
+                               "may help"),
+            std::string::npos)
+      << p.problems[3];
+  EXPECT_FALSE(p.ok());
+}
+
+TEST(CpPlannerTest, ChunksTooShort) {
+  CpPlan p = CpPlanner().Plan(Spec(4, 4, 64), 0);
+  ASSERT_EQ(p.problems.size(), 1u);
+  EXPECT_EQ(p.problems[0], "seq_len: 64 gives 8 tokens per chunk with cp=4; at least 16 are needed");
+}
+
+TEST(CpPlannerTest, MemoryEstimateComponentsAndRecompute) {
+  JobSpec s = Spec(1, 4, 4096);
+  CpPlan a = CpPlanner().Plan(s, 0);
+  const int64_t P = s.model.NumParams();
+  EXPECT_EQ(a.memory.params_bytes, 4 * P);
+  EXPECT_EQ(a.memory.grads_bytes, 4 * P);
+  EXPECT_EQ(a.memory.optimizer_bytes, 8 * P);  // AdamW
+  EXPECT_EQ(a.memory.total_bytes, a.memory.params_bytes + a.memory.grads_bytes +
+                                      a.memory.optimizer_bytes + a.memory.activations_bytes +
+                                      a.memory.workspace_bytes);
+  s.train.recompute = true;
+  CpPlan b = CpPlanner().Plan(s, 0);
+  EXPECT_LT(b.memory.activations_bytes, a.memory.activations_bytes);
+  // Activations scale with the tokens per rank: cp=2 halves them (All2All, no gathered latents).
+  JobSpec c = Spec(2, 4, 4096);
+  CpPlan pc = CpPlanner().Plan(c, 0);
+  EXPECT_EQ(pc.memory.activations_bytes * 2, a.memory.activations_bytes);
+  EXPECT_EQ(a.warnings.size(), 1u);
+}
+
+}  // namespace
+}  // namespace spindle

@@ -1,0 +1,386 @@
+// JobManager state machine against a FakeClock, a recording worker channel and a real SQLite
+// file: placement, progress, success, restarts (rank exit, lost worker, hang), cancel, fatal
+// exits, running out of restarts and recovery after a coordinator restart.
+#include "coordinator/job_manager.h"
+
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "spindle/v1/cluster.pb.h"
+#include "spindle/v1/job.pb.h"
+#include "tests/control/test_util.h"
+
+namespace spindle {
+namespace {
+
+using testing::FakeWorkerChannel;
+using testing::SpecJson;
+using testing::TempDir;
+
+class JobManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Reopen(); }
+
+  void Reopen() {
+    manager_.reset();
+    store_.reset();
+    auto s = JobStore::Open(dir_.File("c.db"));
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(*s);
+    JobManagerOptions o;
+    o.heartbeat_timeout_ms = 3000;
+    o.hang_timeout_ms = 5000;
+    o.start_timeout_ms = 8000;
+    o.stop_grace_ms = 1000;
+    o.recovery_grace_ms = 4000;
+    o.rendezvous_address = "127.0.0.1:1";
+    manager_ = std::make_unique<JobManager>(store_.get(), &clock_, &channel_, &rendezvous_, o);
+    ASSERT_TRUE(manager_->Recover().ok());
+  }
+
+  void AddWorker(const std::string& id, int slots, bool open_session = true,
+                 std::vector<v1::RankRef> running = {}) {
+    v1::RegisterRequest req;
+    req.set_worker_id(id);
+    req.set_hostname(id + ".local");
+    auto* d = req.add_devices();
+    d->set_kind("cpu");
+    d->set_count(slots);
+    d->set_memory_bytes(int64_t{8} << 30);
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+    if (open_session) Hello(id, running);
+  }
+  void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
+    v1::SessionHello h;
+    h.set_worker_id(id);
+    for (const auto& r : running) {
+      auto* rr = h.add_running();
+      *rr->mutable_ref() = r;
+      rr->set_step(3);
+    }
+    ASSERT_TRUE(manager_->SessionOpened(h, ++session_).ok());
+  }
+
+  std::string Submit(const std::string& spec) {
+    v1::Plan plan;
+    auto id = manager_->Submit(spec, &plan);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
+  }
+
+  v1::Job Get(const std::string& id) {
+    v1::Job j;
+    EXPECT_TRUE(manager_->GetJob(id, true, &j).ok());
+    return j;
+  }
+
+  static v1::RankRef Ref(const std::string& job, int64_t attempt, int64_t rank) {
+    v1::RankRef r;
+    r.set_job_id(job);
+    r.set_attempt(attempt);
+    r.set_rank(rank);
+    return r;
+  }
+  void Progress(const std::string& worker, const v1::RankRef& ref, int64_t step) {
+    v1::WorkerMessage m;
+    auto* p = m.mutable_rank_progress();
+    *p->mutable_ref() = ref;
+    p->set_step(step);
+    p->set_total_steps(10);
+    p->set_loss(5.0 - step * 0.1);
+    p->set_tokens_per_s(1000);
+    manager_->HandleWorkerMessage(worker, m);
+  }
+  void Exit(const std::string& worker, const v1::RankRef& ref, int code, bool stopped = false,
+            const std::string& last_line = "") {
+    v1::WorkerMessage m;
+    auto* e = m.mutable_rank_exit();
+    *e->mutable_ref() = ref;
+    e->set_exit_code(code);
+    e->set_stopped(stopped);
+    if (!last_line.empty()) e->add_stderr_tail(last_line);
+    manager_->HandleWorkerMessage(worker, m);
+  }
+  void Checkpoint(const std::string& worker, const v1::RankRef& ref, int64_t step) {
+    v1::WorkerMessage m;
+    auto* c = m.mutable_checkpoint_done();
+    *c->mutable_ref() = ref;
+    c->set_step(step);
+    c->set_path("/tmp/ck/step-" + std::to_string(step));
+    manager_->HandleWorkerMessage(worker, m);
+  }
+  void Heartbeat(const std::string& worker) {
+    v1::WorkerMessage m;
+    m.mutable_heartbeat()->set_unix_ms(clock_.NowMs());
+    manager_->HandleWorkerMessage(worker, m);
+  }
+
+  // Assignments sent since the last call, as (worker, assignment).
+  std::vector<std::pair<std::string, v1::Assignment>> Assignments(
+      std::vector<std::pair<std::string, v1::Stop>>* stops = nullptr) {
+    std::vector<std::pair<std::string, v1::Assignment>> out;
+    for (auto& [w, m] : channel_.Take()) {
+      if (m.has_assignment()) out.emplace_back(w, m.assignment());
+      if (m.has_stop() && stops) stops->emplace_back(w, m.stop());
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  FakeClock clock_;
+  FakeWorkerChannel channel_;
+  RendezvousStore rendezvous_;
+  std::unique_ptr<JobStore> store_;
+  std::unique_ptr<JobManager> manager_;
+  uint64_t session_ = 0;
+};
+
+TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
+  const std::string id = Submit(SpecJson(2, 1));
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(Get(id).message(), "waiting for 2 free cpu devices");
+  AddWorker("w1", 4);
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  EXPECT_EQ(as[0].first, "w1");
+  const v1::Assignment& a = as[1].second;
+  EXPECT_EQ(a.ref().job_id(), id);
+  EXPECT_EQ(a.ref().attempt(), 1);
+  EXPECT_EQ(a.ref().rank(), 1);
+  EXPECT_EQ(a.world(), 2);
+  EXPECT_EQ(a.cp(), 2);
+  EXPECT_EQ(a.lightning_mode(), v1::CP_MODE_ALL2ALL);
+  EXPECT_EQ(a.rendezvous_address(), "127.0.0.1:1");
+  EXPECT_EQ(a.checkpoint_dir(), "/tmp/ck");
+  EXPECT_EQ(a.device_kind(), "cpu");
+  EXPECT_EQ(rendezvous_.NumOpen(), 1u);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+
+  Progress("w1", Ref(id, 1, 0), 1);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  Progress("w1", Ref(id, 1, 1), 1);
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.ranks(1).state(), "running");
+  EXPECT_DOUBLE_EQ(j.tokens_per_s(), 2000);
+  Exit("w1", Ref(id, 1, 0), 0);
+  Exit("w1", Ref(id, 1, 1), 0);
+  j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(j.message(), "all 2 ranks finished");
+  EXPECT_EQ(rendezvous_.NumOpen(), 0u);
+  EXPECT_EQ(manager_->DeviceCounts()["free"], 4);
+}
+
+TEST_F(JobManagerTest, RankFailureRestartsFromLastCompleteCheckpoint) {
+  AddWorker("w1", 2);
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  Progress("w1", Ref(id, 1, 0), 5);
+  Progress("w1", Ref(id, 1, 1), 5);
+  Checkpoint("w1", Ref(id, 1, 0), 5);
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 0);  // not complete until every rank wrote it
+  Checkpoint("w1", Ref(id, 1, 1), 5);
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 5);
+  Exit("w1", Ref(id, 1, 1), 1, false, "RuntimeError: boom");
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(j.message(),
+            "rank 1 on worker w1 exited with code 1: RuntimeError: boom; restart 1/3 from "
+            "checkpoint step 5");
+  std::vector<std::pair<std::string, v1::Stop>> stops;
+  EXPECT_TRUE(Assignments(&stops).empty());  // rank 0's device is still draining
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].second.attempt(), 1);
+  Exit("w1", Ref(id, 1, 0), -1, true);  // the stopped rank exits: its device frees
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  EXPECT_EQ(as[0].second.ref().attempt(), 2);
+  EXPECT_EQ(as[0].second.resume_step(), 5);
+  EXPECT_EQ(as[0].second.resume_path(), "/tmp/ck/step-5");
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  // Late progress of the old attempt is ignored (and the stale rank told to stop).
+  Progress("w1", Ref(id, 1, 0), 6);
+  EXPECT_EQ(Get(id).ranks(0).step(), 0);
+}
+
+TEST_F(JobManagerTest, ExitCodeTwoFailsWithoutRestart) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  Exit("w1", Ref(id, 1, 0), 2, false, "job spec: data.path: no such file");
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(j.message(),
+            "rank 0 on worker w1 exited with code 2: job spec: data.path: no such file (invalid "
+            "input; not restarted)");
+  EXPECT_EQ(j.restarts(), 0);
+}
+
+TEST_F(JobManagerTest, OutOfRestartsFails) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson(1, 1, 0, /*max_restarts=*/1));
+  Exit("w1", Ref(id, 1, 0), 1);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);  // device freed at exit: re-placed at once
+  EXPECT_EQ(Get(id).attempt(), 2);
+  Exit("w1", Ref(id, 2, 0), 1);
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(j.message(), "rank 0 on worker w1 exited with code 1; out of restarts (1/1)");
+}
+
+TEST_F(JobManagerTest, LostWorkerRestartsGangElsewhere) {
+  AddWorker("w1", 2);
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  AddWorker("w2", 2);
+  clock_.AdvanceMs(2000);
+  Heartbeat("w2");
+  manager_->Tick();
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  clock_.AdvanceMs(1500);  // w1 silent for 3.5 s > 3 s
+  Heartbeat("w2");
+  manager_->Tick();
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.attempt(), 2);
+  EXPECT_EQ(j.ranks(0).worker_id(), "w2");
+  EXPECT_EQ(j.restarts(), 1);
+  ASSERT_GE(j.events_size(), 3);
+  bool found = false;
+  for (const auto& e : j.events())
+    found |= e.message() ==
+             "worker w1 lost (no heartbeat for 3.5 s) with rank 0; restart 1/3 from scratch";
+  EXPECT_TRUE(found) << j.DebugString();
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
+}
+
+TEST_F(JobManagerTest, HungRankIsDetected) {
+  AddWorker("w1", 2);
+  const std::string id = Submit(SpecJson(2, 1));
+  Progress("w1", Ref(id, 1, 0), 1);
+  Progress("w1", Ref(id, 1, 1), 1);
+  for (int i = 2; i <= 7; ++i) {
+    clock_.AdvanceMs(1000);
+    Progress("w1", Ref(id, 1, 0), i);  // rank 1 stays at step 1
+    Heartbeat("w1");
+    manager_->Tick();
+  }
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(Get(id).message(),
+            "rank 1 on worker w1 made no progress for 6.0 s (step 1, furthest rank at step 7); "
+            "restart 1/3 from scratch");
+}
+
+TEST_F(JobManagerTest, CancelStopsEveryRank) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  v1::Job out;
+  ASSERT_TRUE(manager_->Cancel(id, "no longer needed", &out).ok());
+  EXPECT_EQ(out.state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(out.message(), "cancelled: no longer needed");
+  std::vector<std::pair<std::string, v1::Stop>> stops;
+  Assignments(&stops);
+  ASSERT_EQ(stops.size(), 2u);
+  EXPECT_NE(stops[0].first, stops[1].first);
+  // Cancelling again is not an error; unknown ids are.
+  ASSERT_TRUE(manager_->Cancel(id, "", &out).ok());
+  absl::Status st = manager_->Cancel("j-999999", "", &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(st.message(), "job j-999999 not found");
+}
+
+TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
+  v1::Plan plan;
+  auto bad = manager_->Submit("{\"name\": 3}", &plan);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  AddWorker("w1", 4);
+  auto big = manager_->Submit(SpecJson(4, 2), &plan);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(big.status().message(),
+            "job needs 8 cpu devices (world = dp*cp) but the 1 registered cpu worker has 4 in "
+            "total");
+  auto impossible = manager_->Submit(
+      SpecJson(8, 1, 0, 3, R"(, "lightning_mode": "all2all")"), &plan);
+  EXPECT_EQ(impossible.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(impossible.status().message(),
+            "job cannot run: parallel.lightning_mode: all2all needs n_heads divisible by cp, but "
+            "n_heads=4 and cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
+}
+
+TEST_F(JobManagerTest, PriorityOrderWithGangs) {
+  AddWorker("w1", 2);
+  const std::string a = Submit(SpecJson(2, 1, 0));  // placed at once
+  const std::string b = Submit(SpecJson(1, 1, 0));
+  const std::string c = Submit(SpecJson(2, 1, 9));
+  const std::string d = Submit(SpecJson(1, 1, 9));
+  Assignments();
+  Exit("w1", Ref(a, 1, 0), 0);
+  // One device free: c (priority 9, 2 ranks) is first in line and blocks everything after it.
+  EXPECT_EQ(Get(c).state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(Get(d).state(), v1::JOB_STATE_QUEUED);
+  Exit("w1", Ref(a, 1, 1), 0);
+  EXPECT_EQ(Get(c).state(), v1::JOB_STATE_PLACED);
+  Exit("w1", Ref(c, 1, 0), 0);
+  Exit("w1", Ref(c, 1, 1), 0);
+  EXPECT_EQ(Get(d).state(), v1::JOB_STATE_PLACED);
+  EXPECT_EQ(Get(b).state(), v1::JOB_STATE_PLACED);
+}
+
+TEST_F(JobManagerTest, RecoveryReadoptsReportedRanksAndRestartsTheRest) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  const std::string a = Submit(SpecJson(1, 1));
+  const std::string b = Submit(SpecJson(1, 1));
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  const std::string wa = Get(a).ranks(0).worker_id(), wb = Get(b).ranks(0).worker_id();
+  Progress(wa, Ref(a, 1, 0), 3);
+  Progress(wb, Ref(b, 1, 0), 3);
+  EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
+
+  Reopen();  // the coordinator restarts
+  EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Get(a).attempt(), 1);
+  EXPECT_EQ(rendezvous_.NumOpen(), 2u);
+  AddWorker(wa, 1, true, {Ref(a, 1, 0)});  // wa still runs a's rank
+  clock_.AdvanceMs(2000);
+  Heartbeat(wa);
+  manager_->Tick();
+  EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Get(a).ranks(0).step(), 3);
+  clock_.AdvanceMs(2500);  // past the 4 s recovery grace; wb never came back
+  Heartbeat(wa);
+  manager_->Tick();
+  EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Get(a).attempt(), 1);
+  v1::Job jb = Get(b);
+  EXPECT_EQ(jb.restarts(), 1);
+  EXPECT_EQ(jb.state(), v1::JOB_STATE_RESTARTING) << jb.message();
+  EXPECT_EQ(jb.message(),
+            "coordinator restarted and rank 0 on worker " + wb +
+                " was not re-adopted within 4.0 s; restart 1/3 from scratch");
+}
+
+TEST_F(JobManagerTest, ReconnectingWorkerWithoutTheRankRestartsGang) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  Progress("w1", Ref(id, 1, 0), 2);
+  Hello("w1", {});  // the worker restarted and lost its trainer
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.attempt(), 2);
+  EXPECT_EQ(j.restarts(), 1);
+}
+
+TEST_F(JobManagerTest, UnexpectedRunningRankIsStopped) {
+  AddWorker("w1", 1, true, {Ref("j-000077", 4, 0)});
+  std::vector<std::pair<std::string, v1::Stop>> stops;
+  Assignments(&stops);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].second.job_id(), "j-000077");
+  EXPECT_EQ(stops[0].second.attempt(), 4);
+}
+
+}  // namespace
+}  // namespace spindle
