@@ -140,7 +140,7 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank,
     SetGauge(host_rss_, labels, event.host_rss_bytes);
   } else if (trainer_pid > 0) {
     absl::StatusOr<int64_t> rss = ReadRssBytes(trainer_pid);
-    if (rss.ok()) SetGauge(host_rss_, labels, static_cast<double>(*rss));
+    if (rss.ok() && *rss > 0) SetGauge(host_rss_, labels, static_cast<double>(*rss));
   }
   for (const CommStat& c : event.comm) {
     const MetricLabels comm_labels = {{"job", job},

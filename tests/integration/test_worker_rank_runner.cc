@@ -1,0 +1,292 @@
+// RankRunner with fake trainers (/bin/sh scripts): the trainer command line and environment, the
+// job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
+// with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines.
+#include "worker/rank_runner.h"
+
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/worker_test_util.h"
+#include "worker/trainer_event.h"
+#include "worker/worker_metrics.h"
+
+namespace spindle {
+namespace {
+
+using ::spindle::testing::ProcessAlive;
+using ::spindle::testing::ReadFile;
+using ::spindle::testing::ScratchDir;
+using ::spindle::testing::WaitFor;
+using ::spindle::testing::WriteScript;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+class RecordingSink : public MessageSink {
+ public:
+  void Send(v1::WorkerMessage message) override {
+    absl::MutexLock lock(&mu_);
+    messages_.push_back(std::move(message));
+  }
+  std::vector<v1::WorkerMessage> Messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
+  std::vector<v1::WorkerMessage> Of(v1::WorkerMessage::KindCase kind) {
+    std::vector<v1::WorkerMessage> out;
+    for (auto& m : Messages()) {
+      if (m.kind_case() == kind) out.push_back(m);
+    }
+    return out;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::Assignment MakeAssignment(const std::string& job, int64_t attempt, int64_t rank, int64_t world) {
+  v1::Assignment a;
+  a.mutable_ref()->set_job_id(job);
+  a.mutable_ref()->set_attempt(attempt);
+  a.mutable_ref()->set_rank(rank);
+  a.set_world(world);
+  a.set_cp(world);
+  a.set_dp(1);
+  a.set_lightning_mode(v1::CP_MODE_ALLGATHER);
+  a.set_mla_mode(v1::CP_MODE_ALL2ALL);
+  a.set_spec_json(R"({"name":"t","model":{"preset":"tiny"}})");
+  a.set_rendezvous_address("127.0.0.1:7071");
+  a.set_rendezvous_token("secret-token");
+  a.set_checkpoint_dir("/tmp/ckpt-dir");
+  a.set_device_kind("cpu");
+  a.set_device_index(0);
+  return a;
+}
+
+class RankRunnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto m = WorkerMetrics::Create(&registry_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    metrics_ = *std::move(m);
+  }
+  RankRunnerOptions Options(const std::string& trainer) {
+    RankRunnerOptions o;
+    o.work_dir = dir_.File("work");
+    o.trainer_binary = trainer;
+    o.token_file = "/etc/spindle/token";
+    o.cpu_threads_per_rank = 1;
+    o.supervisor.kill_grace = absl::Milliseconds(500);
+    return o;
+  }
+
+  ScratchDir dir_;
+  MetricsRegistry registry_;
+  std::unique_ptr<WorkerMetrics> metrics_;
+  RecordingSink sink_;
+};
+
+TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
+  // Records its argv and environment, then prints progress like spindle-train.
+  const std::string trainer = WriteScript(
+      dir_, "trainer.sh",
+      "for a in \"$@\"; do echo \"$a\"; done > args.txt\n"
+      "echo \"$SPINDLE_RENDEZVOUS_TOKEN $OMP_NUM_THREADS\" > env.txt\n"
+      "echo '{\"event\":\"start\",\"step\":0,\"total_steps\":2,\"elapsed_s\":0.0}'\n"
+      "echo 'some log text'\n"
+      "echo '{\"event\":\"step\",\"step\":1,\"total_steps\":2,\"loss\":5.5,\"tokens_per_s\":1000,"
+      "\"lr\":0.001,\"grad_norm\":1.5,\"elapsed_s\":1.0,\"mfu\":0.25,\"mem_allocated_bytes\":1000,"
+      "\"mem_reserved_bytes\":2000,\"mem_peak_bytes\":1500,"
+      "\"comm\":[{\"collective\":\"all_gather\",\"layer_type\":\"lightning\",\"seconds\":0.5,"
+      "\"bytes\":4096}]}'\n"
+      "echo '{\"event\":\"step\",\"step\":2,\"total_steps\":2,\"loss\":4.25,\"tokens_per_s\":1200,"
+      "\"elapsed_s\":1.75,\"comm\":[{\"collective\":\"all_gather\",\"layer_type\":\"lightning\","
+      "\"seconds\":0.25,\"bytes\":4096}]}'\n"
+      "echo '{\"event\":\"checkpoint\",\"step\":2,\"path\":\"/tmp/ckpt-dir/step-2\"}'\n"
+      "echo '{\"event\":\"done\",\"step\":2,\"loss\":4.25}'\n"
+      "echo 'finished fine' >&2\n");
+  RankRunner runner(Options(trainer), metrics_.get(), &sink_);
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-1", 1, 1, 2)).ok());
+  ASSERT_TRUE(WaitFor([&] { return !sink_.Of(v1::WorkerMessage::kRankExit).empty(); }));
+
+  const std::vector<v1::WorkerMessage> all = sink_.Messages();
+  ASSERT_GE(all.size(), 5u);
+  EXPECT_TRUE(all.front().has_rank_started());
+  EXPECT_EQ(all.front().rank_started().ref().job_id(), "j-1");
+  EXPECT_EQ(all.front().rank_started().ref().rank(), 1);
+  EXPECT_GT(all.front().rank_started().pid(), 0);
+  EXPECT_TRUE(all.back().has_rank_exit());
+
+  auto progress = sink_.Of(v1::WorkerMessage::kRankProgress);
+  ASSERT_EQ(progress.size(), 2u);
+  const v1::RankProgress& p1 = progress[0].rank_progress();
+  EXPECT_EQ(p1.ref().attempt(), 1);
+  EXPECT_EQ(p1.step(), 1);
+  EXPECT_EQ(p1.total_steps(), 2);
+  EXPECT_DOUBLE_EQ(p1.loss(), 5.5);
+  EXPECT_DOUBLE_EQ(p1.tokens_per_s(), 1000);
+  EXPECT_DOUBLE_EQ(p1.lr(), 0.001);
+  EXPECT_DOUBLE_EQ(p1.grad_norm(), 1.5);
+  EXPECT_DOUBLE_EQ(p1.elapsed_s(), 1.0);
+  EXPECT_EQ(progress[1].rank_progress().step(), 2);
+
+  auto ckpt = sink_.Of(v1::WorkerMessage::kCheckpointDone);
+  ASSERT_EQ(ckpt.size(), 1u);
+  EXPECT_EQ(ckpt[0].checkpoint_done().step(), 2);
+  EXPECT_EQ(ckpt[0].checkpoint_done().path(), "/tmp/ckpt-dir/step-2");
+
+  const v1::RankExit exit = sink_.Of(v1::WorkerMessage::kRankExit)[0].rank_exit();
+  EXPECT_EQ(exit.exit_code(), 0);
+  EXPECT_EQ(exit.signal(), 0);
+  EXPECT_FALSE(exit.stopped());
+  EXPECT_THAT(exit.stderr_tail(), ElementsAre("finished fine"));
+
+  // The command line and environment of the trainer, and the spec file it was given.
+  const std::string attempt_dir = dir_.File("work/j-1/1");
+  const std::vector<std::string> args = absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n',
+                                                       absl::SkipEmpty());
+  EXPECT_THAT(args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
+                                "--lightning-mode", "allgather", "--mla-mode", "all2all",
+                                "--rendezvous", "127.0.0.1:7071", "--job-id", "j-1", "--attempt",
+                                "1", "--checkpoint-dir", "/tmp/ckpt-dir", "--token-file",
+                                "/etc/spindle/token"));
+  EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
+  EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
+  EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");
+
+  // Metrics from the step lines.
+  const std::string text = registry_.Serialize();
+  EXPECT_THAT(text, HasSubstr("spindle_loss{job=\"j-1\",rank=\"1\"} 4.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_tokens_per_second{job=\"j-1\",rank=\"1\"} 1200\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_mfu{job=\"j-1\",rank=\"1\"} 0.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_training_step{job=\"j-1\",rank=\"1\"} 2\n"));
+  EXPECT_THAT(text,
+              HasSubstr("spindle_device_memory_bytes{job=\"j-1\",rank=\"1\",kind=\"peak\"} 1500\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_comm_seconds_total{job=\"j-1\",rank=\"1\","
+                              "collective=\"all_gather\",layer_type=\"lightning\"} 0.75\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_comm_bytes_total{job=\"j-1\",rank=\"1\","
+                              "collective=\"all_gather\",layer_type=\"lightning\"} 8192\n"));
+  // Step times derived from elapsed_s: 1.0 and 0.75 seconds.
+  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_count{job=\"j-1\",rank=\"1\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_sum{job=\"j-1\",rank=\"1\"} 1.75\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_worker_trainer_exits_total{reason=\"success\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_worker_running_ranks 0\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_restarts_total{job=\"j-1\",rank=\"1\"} 0\n"));
+  EXPECT_EQ(runner.running_count(), 0u);
+}
+
+TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {
+  const std::string trainer =
+      WriteScript(dir_, "trainer.sh",
+                  "echo '{\"event\":\"step\",\"step\":7,\"loss\":1.0}'\n"
+                  "echo 'working' >&2\n"
+                  "exec sleep 1000\n");
+  RankRunner runner(Options(trainer), metrics_.get(), &sink_);
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 0, 2)).ok());
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 1, 2)).ok());
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-b", 3, 0, 1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankProgress).size() == 3; }));
+  std::vector<v1::RunningRank> running = runner.Running();
+  ASSERT_EQ(running.size(), 3u);
+  for (const auto& r : running) EXPECT_EQ(r.step(), 7);
+  EXPECT_THAT(registry_.Serialize(), HasSubstr("spindle_worker_running_ranks 3\n"));
+  EXPECT_THAT(registry_.Serialize(), HasSubstr("spindle_restarts_total{job=\"j-b\",rank=\"0\"} 1\n"));
+  // The trainer's RSS, read from /proc while it runs.
+  EXPECT_THAT(registry_.Serialize(),
+              ::testing::ContainsRegex("spindle_host_rss_bytes\\{job=\"j-a\",rank=\"0\"\\} [1-9]"));
+
+  // A repeated assignment of a running rank only confirms it.
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 0, 2)).ok());
+  EXPECT_EQ(runner.running_count(), 3u);
+  EXPECT_EQ(sink_.Of(v1::WorkerMessage::kRankStarted).size(), 4u);
+
+  EXPECT_EQ(runner.Stop("j-a", 1, absl::Seconds(5)), 2);
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == 2; }));
+  for (const auto& m : sink_.Of(v1::WorkerMessage::kRankExit)) {
+    EXPECT_EQ(m.rank_exit().ref().job_id(), "j-a");
+    EXPECT_TRUE(m.rank_exit().stopped());
+    EXPECT_EQ(m.rank_exit().signal(), SIGTERM);
+    EXPECT_EQ(m.rank_exit().exit_code(), -1);
+    EXPECT_THAT(m.rank_exit().stderr_tail(), ElementsAre("working"));
+  }
+  ASSERT_EQ(runner.Running().size(), 1u);
+  EXPECT_EQ(runner.Running()[0].ref().job_id(), "j-b");
+  EXPECT_EQ(runner.Stop("j-a", 1, absl::Seconds(5)), 0);
+
+  // A newer attempt of j-b replaces the old one right away.
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-b", 4, 0, 1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == 3; }));
+  EXPECT_EQ(sink_.Of(v1::WorkerMessage::kRankExit)[2].rank_exit().ref().attempt(), 3);
+  ASSERT_EQ(runner.Running().size(), 1u);
+  EXPECT_EQ(runner.Running()[0].ref().attempt(), 4);
+  EXPECT_EQ(runner.StopAll(absl::Seconds(1)), 1);
+  ASSERT_TRUE(WaitFor([&] { return runner.running_count() == 0; }));
+}
+
+TEST_F(RankRunnerTest, CrashIsReportedWithSignalAndStderrTail) {
+  const std::string trainer = WriteScript(dir_, "trainer.sh",
+                                          "echo '{\"event\":\"step\",\"step\":1}'\n"
+                                          "echo 'CUDA error: an illegal memory access' >&2\n"
+                                          "kill -SEGV $$\n");
+  RankRunner runner(Options(trainer), metrics_.get(), &sink_);
+  ASSERT_TRUE(runner.Start(MakeAssignment("j-c", 2, 0, 1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return !sink_.Of(v1::WorkerMessage::kRankExit).empty(); }));
+  const v1::RankExit exit = sink_.Of(v1::WorkerMessage::kRankExit)[0].rank_exit();
+  EXPECT_EQ(exit.signal(), SIGSEGV);
+  EXPECT_EQ(exit.exit_code(), -1);
+  EXPECT_FALSE(exit.stopped());
+  EXPECT_THAT(exit.stderr_tail(), ElementsAre("CUDA error: an illegal memory access"));
+  EXPECT_THAT(registry_.Serialize(),
+              HasSubstr("spindle_worker_trainer_exits_total{reason=\"signal\"} 1\n"));
+}
+
+TEST_F(RankRunnerTest, LaunchFailureIsReportedAsExit127) {
+  RankRunner runner(Options(dir_.File("missing-spindle-train")), metrics_.get(), &sink_);
+  absl::Status s = runner.Start(MakeAssignment("j-d", 1, 0, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  auto exits = sink_.Of(v1::WorkerMessage::kRankExit);
+  ASSERT_EQ(exits.size(), 1u);
+  EXPECT_EQ(exits[0].rank_exit().exit_code(), 127);
+  ASSERT_EQ(exits[0].rank_exit().stderr_tail_size(), 1);
+  EXPECT_THAT(exits[0].rank_exit().stderr_tail(0), HasSubstr("missing-spindle-train"));
+  EXPECT_THAT(registry_.Serialize(),
+              HasSubstr("spindle_worker_trainer_exits_total{reason=\"launch_failed\"} 1\n"));
+
+  // Job ids are path components: anything else is refused before touching the disk.
+  EXPECT_EQ(runner.Start(MakeAssignment("../etc", 1, 0, 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(runner.Start(MakeAssignment("j-e", 1, 3, 2)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TrainerEventTest, ParsesKnownFieldsAndRejectsBadTypes) {
+  absl::StatusOr<TrainerEvent> e = ParseTrainerEvent(
+      R"({"event":"step","step":3,"total_steps":10,"loss":2.5,"step_time_s":0.5,)"
+      R"("comm":[{"collective":"all_reduce","seconds":0.1,"bytes":10}],"extra":"ignored"})");
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->kind, TrainerEventKind::kStep);
+  EXPECT_EQ(*e->step, 3);
+  EXPECT_EQ(*e->total_steps, 10);
+  EXPECT_DOUBLE_EQ(*e->loss, 2.5);
+  EXPECT_DOUBLE_EQ(*e->step_time_s, 0.5);
+  EXPECT_FALSE(e->mfu.has_value());
+  ASSERT_EQ(e->comm.size(), 1u);
+  EXPECT_EQ(e->comm[0].layer_type, "other");
+  EXPECT_EQ(ParseTrainerEvent("plain text").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseTrainerEvent(R"({"step":1})").status().message(),
+            "trainer event: event: missing or not a string");
+  EXPECT_EQ(ParseTrainerEvent(R"({"event":"step","loss":"high"})").status().message(),
+            "trainer event: loss: not a number");
+  EXPECT_EQ(ParseTrainerEvent(R"({"event":"eval"})")->kind, TrainerEventKind::kOther);
+}
+
+}  // namespace
+}  // namespace spindle
