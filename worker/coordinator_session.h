@@ -42,7 +42,7 @@ struct SessionOptions {
   std::vector<v1::DeviceGroup> devices;
   absl::Duration loss_timeout = absl::Seconds(60);
   absl::Duration min_backoff = absl::Milliseconds(200);
-  absl::Duration max_backoff = absl::Seconds(5);
+  absl::Duration max_backoff = absl::Seconds(2);
   absl::Duration register_timeout = absl::Seconds(5);
   absl::Duration default_heartbeat = absl::Seconds(1);  // if the coordinator names none
   absl::Duration stop_grace = absl::Seconds(10);        // Stop without grace_period_ms
