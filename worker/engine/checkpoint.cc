@@ -1,0 +1,281 @@
+// Atomic, verified checkpoints (see checkpoint.h).
+#include "worker/engine/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+#include "worker/engine/safetensors.h"
+
+namespace spindle {
+namespace {
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat("checkpoint: ", what, " \"", path, "\": ", strerror(errno)));
+}
+
+absl::Status WriteFileSynced(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot create", path);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ::close(fd);
+      return Errno("cannot write", path);
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    return Errno("cannot fsync", path);
+  }
+  ::close(fd);
+  return absl::OkStatus();
+}
+
+absl::Status SyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Errno("cannot open directory", dir);
+  ::fsync(fd);
+  ::close(fd);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+  std::string out;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
+
+uint32_t Crc32(const std::string& bytes) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const uInt chunk = static_cast<uInt>(std::min<size_t>(bytes.size() - done, 1u << 30));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + done), chunk);
+    done += chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+void RemoveTree(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") ::unlink((dir + "/" + n).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
+}
+
+std::vector<std::string> StepDirs(const std::string& root) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(root.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n.rfind("step_", 0) == 0) out.push_back(n);
+    }
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string OptimizerName(const Optimizer& opt, int which, const std::string& param) {
+  if (opt.is_adamw()) return (which == 0 ? "exp_avg." : "exp_avg_sq.") + param;
+  return "momentum_buffer." + param;
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  std::string cur;
+  for (size_t i = 0; i <= path.size(); ++i) {
+    if (i == path.size() || path[i] == '/') {
+      if (!cur.empty() && ::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
+        return Errno("cannot create directory", cur);
+    }
+    if (i < path.size()) cur.push_back(path[i]);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
+                                           Optimizer* optimizer, const ModelConfig& config,
+                                           const TrainState& state, int64_t keep) {
+  RETURN_IF_ERROR(MakeDirs(root));
+  const std::string name = absl::StrFormat("step_%08d", state.step);
+  const std::string tmp = absl::StrCat(root, "/.tmp.", name, ".", ::getpid());
+  const std::string final_dir = root + "/" + name;
+  RemoveTree(tmp);
+  if (::mkdir(tmp.c_str(), 0755) != 0) return Errno("cannot create directory", tmp);
+
+  std::map<std::string, SafetensorsEntry> model, opt;
+  for (int i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    model[p.name] = {p.shape, params.data(i), p.numel};
+    if (optimizer && !optimizer->state0().empty()) {
+      opt[OptimizerName(*optimizer, 0, p.name)] = {p.shape, optimizer->state0().f32() + p.offset,
+                                                   p.numel};
+      if (optimizer->is_adamw())
+        opt[OptimizerName(*optimizer, 1, p.name)] = {p.shape,
+                                                     optimizer->state1().f32() + p.offset, p.numel};
+    }
+  }
+  const std::string model_bytes = SerializeSafetensors(model, {{"format", "pt"}});
+  const std::string opt_bytes = SerializeSafetensors(
+      opt, {{"optimizer", optimizer ? optimizer->spec().optimizer : "none"}});
+  nlohmann::json st = {
+      {"format", 1},
+      {"step", state.step},
+      {"data_position", state.data_position},
+      {"seed", state.seed},
+      {"rng_counter", state.rng_counter},
+      {"optimizer_steps", optimizer ? optimizer->steps_taken() : 0},
+      {"model", config.ToJson()},
+      {"files",
+       {{"model.safetensors", {{"bytes", model_bytes.size()}, {"crc32", Crc32(model_bytes)}}},
+        {"optimizer.safetensors", {{"bytes", opt_bytes.size()}, {"crc32", Crc32(opt_bytes)}}}}}};
+  RETURN_IF_ERROR(WriteFileSynced(tmp + "/model.safetensors", model_bytes));
+  RETURN_IF_ERROR(WriteFileSynced(tmp + "/optimizer.safetensors", opt_bytes));
+  RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
+  RETURN_IF_ERROR(SyncDir(tmp));
+  RemoveTree(final_dir);  // an earlier attempt's checkpoint of the same step
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) return Errno("cannot rename", tmp);
+  const std::string latest_tmp = absl::StrCat(root, "/.latest.", ::getpid());
+  RETURN_IF_ERROR(WriteFileSynced(latest_tmp, name + "\n"));
+  if (::rename(latest_tmp.c_str(), (root + "/latest").c_str()) != 0)
+    return Errno("cannot rename", latest_tmp);
+  RETURN_IF_ERROR(SyncDir(root));
+  std::vector<std::string> dirs = StepDirs(root);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)
+    if (dirs[i] != name) RemoveTree(root + "/" + dirs[i]);
+  return final_dir;
+}
+
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
+  auto latest = ReadWholeFile(root + "/latest");
+  if (latest.ok()) {
+    std::string n = *latest;
+    while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
+    struct stat st;
+    if (!n.empty() && ::stat((root + "/" + n + "/state.json").c_str(), &st) == 0)
+      return root + "/" + n;
+  }
+  std::vector<std::string> dirs = StepDirs(root);
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
+    struct stat st;
+    if (::stat((root + "/" + *it + "/state.json").c_str(), &st) == 0) return root + "/" + *it;
+  }
+  return absl::NotFoundError(absl::StrCat("checkpoint: no complete checkpoint under \"", root, "\""));
+}
+
+absl::StatusOr<nlohmann::json> ReadCheckpointState(const std::string& dir) {
+  ASSIGN_OR_RETURN(std::string text, ReadWholeFile(dir + "/state.json"));
+  nlohmann::json st = nlohmann::json::parse(text, nullptr, false);
+  if (st.is_discarded() || !st.is_object() || !st.contains("step") || !st.contains("files") ||
+      !st.contains("model"))
+    return absl::DataLossError(absl::StrCat("checkpoint: \"", dir, "/state.json\" is corrupt"));
+  return st;
+}
+
+absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& params,
+                                          Optimizer* optimizer, const ModelConfig& config) {
+  ASSIGN_OR_RETURN(nlohmann::json st, ReadCheckpointState(dir));
+  // The recorded model must be the one we are loading into.
+  const nlohmann::json want = config.ToJson();
+  for (const char* key : {"vocab", "d_model", "n_layers", "n_heads", "ffn_dim", "layer_pattern", "mla"}) {
+    if (st["model"].value(key, nlohmann::json()) != want[key])
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint: \"", dir, "\" was written for a different model: model.", key,
+                       " is ", st["model"].value(key, nlohmann::json()).dump(), ", the job has ",
+                       want[key].dump()));
+  }
+  std::map<std::string, SafetensorsFile> files;
+  for (const char* fname : {"model.safetensors", "optimizer.safetensors"}) {
+    const std::string path = dir + "/" + fname;
+    ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+    const auto& rec = st["files"].value(fname, nlohmann::json());
+    if (!rec.is_object() || rec.value("bytes", uint64_t{0}) != bytes.size())
+      return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is truncated or has the "
+                                              "wrong size (", bytes.size(), " bytes)"));
+    if (rec.value("crc32", uint32_t{0}) != Crc32(bytes))
+      return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is corrupt: checksum mismatch"));
+    ASSIGN_OR_RETURN(files[fname], ParseSafetensors(std::move(bytes), path));
+  }
+  const SafetensorsFile& model = files["model.safetensors"];
+  const SafetensorsFile& opt = files["optimizer.safetensors"];
+  auto check = [&](const SafetensorsFile& f, const std::string& file, const std::string& name,
+                   const ParamInfo& p) -> absl::Status {
+    auto it = f.tensors.find(name);
+    if (it == f.tensors.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint: \"", dir, "/", file, "\" has no tensor \"", name, "\""));
+    if (it->second.shape != p.shape)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: \"", dir, "/", file, "\": tensor \"", name, "\" has shape [",
+          nlohmann::json(it->second.shape).dump(), "], the model expects ",
+          nlohmann::json(p.shape).dump()));
+    return absl::OkStatus();
+  };
+  const bool want_opt = optimizer && !optimizer->state0().empty();
+  if (want_opt && opt.metadata.count("optimizer") && opt.metadata.at("optimizer") != optimizer->spec().optimizer)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint: \"", dir, "\" holds ", opt.metadata.at("optimizer"),
+        " optimizer state, the job uses ", optimizer->spec().optimizer));
+  // Validate everything before touching anything.
+  for (int i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    RETURN_IF_ERROR(check(model, "model.safetensors", p.name, p));
+    if (want_opt) {
+      RETURN_IF_ERROR(check(opt, "optimizer.safetensors", OptimizerName(*optimizer, 0, p.name), p));
+      if (optimizer->is_adamw())
+        RETURN_IF_ERROR(check(opt, "optimizer.safetensors", OptimizerName(*optimizer, 1, p.name), p));
+    }
+  }
+  if (model.tensors.size() != static_cast<size_t>(params.size()))
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint: \"", dir, "/model.safetensors\" holds ",
+                                                      model.tensors.size(), " tensors, the model has ",
+                                                      params.size()));
+  for (int i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    std::memcpy(params.data(i), model.tensors.at(p.name).data, p.numel * sizeof(float));
+    if (want_opt) {
+      std::memcpy(optimizer->state0().f32() + p.offset,
+                  opt.tensors.at(OptimizerName(*optimizer, 0, p.name)).data, p.numel * sizeof(float));
+      if (optimizer->is_adamw())
+        std::memcpy(optimizer->state1().f32() + p.offset,
+                    opt.tensors.at(OptimizerName(*optimizer, 1, p.name)).data,
+                    p.numel * sizeof(float));
+    }
+  }
+  if (optimizer) optimizer->set_steps_taken(st.value("optimizer_steps", int64_t{0}));
+  TrainState s;
+  s.step = st.value("step", int64_t{0});
+  s.data_position = st.value("data_position", int64_t{0});
+  s.seed = st.value("seed", uint64_t{0});
+  s.rng_counter = st.value("rng_counter", uint64_t{0});
+  return s;
+}
+
+}  // namespace spindle

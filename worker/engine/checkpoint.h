@@ -1,0 +1,48 @@
+// Checkpoints: one directory per step under the job's checkpoint root,
+//   <root>/step_00000120/model.safetensors      parameters, DESIGN.md names, [out, in] layout
+//   <root>/step_00000120/optimizer.safetensors  "exp_avg.<name>", "exp_avg_sq.<name>" (AdamW) or
+//                                               "momentum_buffer.<name>" (SGD with momentum)
+//   <root>/step_00000120/state.json             step, data position, RNG state, model config,
+//                                               size + CRC-32 of both tensor files
+//   <root>/latest                               name of the newest complete checkpoint
+// A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
+// crash leaves either the old or the new checkpoint, never half of one. Loading verifies sizes,
+// checksums, names and shapes and changes nothing on any error. Stateless; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "nlohmann/json.hpp"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/params.h"
+
+namespace spindle {
+
+struct TrainState {
+  int64_t step = 0;           // optimizer steps completed
+  int64_t data_position = 0;  // sequences consumed from the data source (all ranks together)
+  uint64_t seed = 0;
+  uint64_t rng_counter = 0;   // draws taken from the trainer's generator
+};
+
+// Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
+// Returns the checkpoint directory.
+absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
+                                           Optimizer* optimizer, const ModelConfig& config,
+                                           const TrainState& state, int64_t keep);
+
+// The newest complete checkpoint under root: NotFound when there is none.
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
+
+// Loads a checkpoint directory into params (and optimizer when non-null) after validating all of
+// it; on error nothing was modified.
+absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& params,
+                                          Optimizer* optimizer, const ModelConfig& config);
+
+// Reads the model config recorded in a checkpoint (for evaluation without a job spec).
+absl::StatusOr<nlohmann::json> ReadCheckpointState(const std::string& dir);
+
+}  // namespace spindle

@@ -1,0 +1,465 @@
+// The hybrid Lightning/MLA model: parameters, explicit per-layer forward and backward, the LM
+// head with a blocked fused cross-entropy (see model.h and DESIGN.md section 2).
+#include "worker/engine/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/lightning.h"
+#include "kernels/cpu/ops.h"
+
+namespace spindle {
+
+namespace k = kernels::cpu;
+
+struct Model::Layer {
+  char kind = 'L';
+  int index = 0;
+  int attn_norm = -1, ffn_norm = -1, w1 = -1, w2 = -1, w3 = -1;
+  // Lightning
+  int qkv = -1, gate = -1, out = -1, q_norm = -1, k_norm = -1, out_norm = -1;
+  std::vector<float> log_decay;  // [H]
+  // MLA
+  int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
+};
+
+// Saved activations of one layer (the names follow model.h's formulas).
+struct Model::Cache {
+  Tensor h, rstd1, x_mid, h2, rstd2, g, u, a;        // norms and FFN
+  Tensor q_raw, k_raw, qn, kn, v, rstd_q, rstd_k;    // Lightning projections
+  Tensor o, gate, y, rstd_o;                         // Lightning output path
+  Tensor qa, rstd_qa, qa_n, Q, kva, c, c_n, rstd_c;  // MLA projections
+  Tensor kvb, kr, K, V, O, lse;                      // MLA attention
+};
+
+// Gradient scratch, sized for the largest layer and reused by every layer's backward.
+struct Model::Work {
+  Tensor dh, dtmp, dq, dk, dv, dgate, dy, dO, dQ, dK, dV, dkvb, dc, dkva, dqa, dqa_n, da, dg, du;
+  Tensor ones_T;  // unused placeholder kept zero-sized
+};
+
+namespace {
+
+void Ensure(Tensor& t, int64_t rows, int64_t cols) {
+  if (t.numel() != rows * cols) t = Tensor({rows, cols});
+}
+
+// dx (+)= dy[T, out] * W[out, in]; dW[out, in] += dy^T x.
+void LinearBwdAcc(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
+                  int64_t in, int64_t out, bool accumulate_dx) {
+  if (dx) k::Gemm(false, false, T, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+  k::Gemm(true, false, out, in, T, 1.0f, dy, out, x, in, 1.0f, dW, in);
+}
+
+void AddInto(float* dst, const float* src, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+}  // namespace
+
+Model::Model(const ModelConfig& config) : config_(config), work_(std::make_unique<Work>()) {}
+Model::~Model() = default;
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, uint64_t seed) {
+  RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<Model> m(new Model(config));
+  m->Build();
+  m->params_.Allocate(seed);
+  return m;
+}
+
+void Model::Build() {
+  const ModelConfig& c = config_;
+  const int64_t d = c.d_model, H = c.n_heads, Dh = c.head_dim(), F = c.ffn_dim;
+  const float out_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layers));
+  ParamSet& P = params_;
+  embed_ = P.Add("embed.weight", {c.vocab, d}, ParamInit::kNormal, 0.02f);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    auto L = std::make_unique<Layer>();
+    L->kind = c.LayerKind(i);
+    L->index = static_cast<int>(i);
+    const std::string p = absl::StrCat("layers.", i, ".");
+    L->attn_norm = P.Add(p + "attn_norm.weight", {d}, ParamInit::kOnes);
+    if (L->kind == 'L') {
+      L->qkv = P.Add(p + "la.qkv.weight", {3 * d, d}, ParamInit::kNormal);
+      L->gate = P.Add(p + "la.gate.weight", {d, d}, ParamInit::kNormal);
+      L->out = P.Add(p + "la.out.weight", {d, d}, ParamInit::kNormal, out_std);
+      L->q_norm = P.Add(p + "la.q_norm.weight", {Dh}, ParamInit::kOnes);
+      L->k_norm = P.Add(p + "la.k_norm.weight", {Dh}, ParamInit::kOnes);
+      L->out_norm = P.Add(p + "la.out_norm.weight", {d}, ParamInit::kOnes);
+      for (int64_t h = 0; h < H; ++h) {
+        const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
+        L->log_decay.push_back(static_cast<float>(
+            -slope * (1.0 - static_cast<double>(i) / c.n_layers + 1e-5)));
+      }
+    } else {
+      const MlaConfig& m = c.mla;
+      const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
+      if (m.q_lora_rank > 0) {
+        L->q_a = P.Add(p + "mla.q_a.weight", {m.q_lora_rank, d}, ParamInit::kNormal);
+        L->q_a_norm = P.Add(p + "mla.q_a_norm.weight", {m.q_lora_rank}, ParamInit::kOnes);
+        L->q_b = P.Add(p + "mla.q_b.weight", {H * qk, m.q_lora_rank}, ParamInit::kNormal);
+      } else {
+        L->q = P.Add(p + "mla.q.weight", {H * qk, d}, ParamInit::kNormal);
+      }
+      L->kv_a = P.Add(p + "mla.kv_a.weight", {m.kv_lora_rank + m.qk_rope_dim, d}, ParamInit::kNormal);
+      L->kv_norm = P.Add(p + "mla.kv_norm.weight", {m.kv_lora_rank}, ParamInit::kOnes);
+      L->kv_b = P.Add(p + "mla.kv_b.weight", {H * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank},
+                      ParamInit::kNormal);
+      L->mo = P.Add(p + "mla.out.weight", {d, H * m.v_head_dim}, ParamInit::kNormal, out_std);
+    }
+    L->ffn_norm = P.Add(p + "ffn_norm.weight", {d}, ParamInit::kOnes);
+    L->w1 = P.Add(p + "ffn.w1.weight", {F, d}, ParamInit::kNormal);
+    L->w2 = P.Add(p + "ffn.w2.weight", {d, F}, ParamInit::kNormal, out_std);
+    L->w3 = P.Add(p + "ffn.w3.weight", {F, d}, ParamInit::kNormal);
+    layers_.push_back(std::move(L));
+  }
+  final_norm_ = P.Add("final_norm.weight", {d}, ParamInit::kOnes);
+  lm_head_ = P.Add("lm_head.weight", {c.vocab, d}, ParamInit::kNormal);
+}
+
+// ---- One layer ---------------------------------------------------------------------------------
+
+namespace {
+
+struct LayerCtx {
+  const ModelConfig& c;
+  ParamSet& P;
+  const Batch& b;
+};
+
+void LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+  const int64_t T = ctx.b.T, d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  Ensure(C.o, T, d);
+  for (const Piece& p : ctx.b.pieces) {
+    k::LightningDims dims{p.len, H, Dh, d};
+    const int64_t off = p.begin * d;
+    k::LightningForward(C.qn.f32() + off, C.kn.f32() + off, C.v.f32() + off, L.log_decay.data(),
+                        p.cu_seqlens.data(), p.n_segments(), nullptr, scale, dims, C.o.f32() + off,
+                        nullptr);
+  }
+}
+
+void LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                          const float* d_o, float* dq, float* dk, float* dv) {
+  const int64_t d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  for (const Piece& p : ctx.b.pieces) {
+    k::LightningDims dims{p.len, H, Dh, d};
+    const int64_t off = p.begin * d;
+    k::LightningBackward(C.qn.f32() + off, C.kn.f32() + off, C.v.f32() + off, L.log_decay.data(),
+                         p.cu_seqlens.data(), p.n_segments(), nullptr, scale, dims, d_o + off,
+                         nullptr, dq + off, dk + off, dv + off, nullptr);
+  }
+}
+
+// Lightning attention block: x_mid = x + Wo(GroupNormGate(LA(rope(norm(q)), rope(norm(k)), v))).
+void LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+  const ModelConfig& c = ctx.c;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
+  const float* Wqkv = P.data(L.qkv);
+  for (Tensor* t : {&C.q_raw, &C.k_raw, &C.qn, &C.kn, &C.v, &C.gate, &C.y}) Ensure(*t, T, d);
+  Ensure(C.rstd_q, T, H);
+  Ensure(C.rstd_k, T, H);
+  Ensure(C.rstd_o, T, H);
+  k::LinearForward(C.h.f32(), Wqkv, C.q_raw.f32(), T, d, d);
+  k::LinearForward(C.h.f32(), Wqkv + d * d, C.k_raw.f32(), T, d, d);
+  k::LinearForward(C.h.f32(), Wqkv + 2 * d * d, C.v.f32(), T, d, d);
+  k::RmsNormForward(C.q_raw.f32(), P.data(L.q_norm), C.qn.f32(), C.rstd_q.f32(), T * H, Dh, eps);
+  k::RmsNormForward(C.k_raw.f32(), P.data(L.k_norm), C.kn.f32(), C.rstd_k.f32(), T * H, Dh, eps);
+  k::RopeApply(C.qn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
+  k::RopeApply(C.kn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
+  LightningForwardMix(ctx, L, C);
+  k::LinearForward(C.h.f32(), P.data(L.gate), C.gate.f32(), T, d, d);
+  k::GroupNormGateForward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(),
+                          T, H, Dh, eps);
+}
+
+// Given dy_attn = d(attn output before Wo is applied... ) see caller: `dout` is the gradient of the
+// block output [T, d]; adds the gradient w.r.t. the normed input into W.dh (overwritten).
+void LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                           Model::Work& W, const float* dout) {
+  const ModelConfig& c = ctx.c;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const float theta = static_cast<float>(c.rope_theta);
+  for (Tensor* t : {&W.dy, &W.dq, &W.dk, &W.dv, &W.dgate, &W.dtmp}) Ensure(*t, T, d);
+  // y -> Wo
+  LinearBwdAcc(C.y.f32(), P.data(L.out), dout, W.dy.f32(), P.grad(L.out), T, d, d, false);
+  // group norm + gate: dy -> d_o (into dtmp), dgate
+  k::GroupNormGateBackward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.rstd_o.f32(),
+                           W.dy.f32(), W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
+  LinearBwdAcc(C.h.f32(), P.data(L.gate), W.dgate.f32(), W.dh.f32(), P.grad(L.gate), T, d, d,
+               false);
+  LightningBackwardMix(ctx, L, C, W.dtmp.f32(), W.dq.f32(), W.dk.f32(), W.dv.f32());
+  k::RopeApply(W.dq.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
+  k::RopeApply(W.dk.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
+  // per-head norms (in place is not allowed for dx; use dy as the raw-grad buffer)
+  k::RmsNormBackward(C.q_raw.f32(), P.data(L.q_norm), C.rstd_q.f32(), W.dq.f32(), W.dy.f32(),
+                     P.grad(L.q_norm), T * H, Dh);
+  const float* Wqkv = P.data(L.qkv);
+  float* dWqkv = P.grad(L.qkv);
+  LinearBwdAcc(C.h.f32(), Wqkv, W.dy.f32(), W.dh.f32(), dWqkv, T, d, d, true);
+  k::RmsNormBackward(C.k_raw.f32(), P.data(L.k_norm), C.rstd_k.f32(), W.dk.f32(), W.dy.f32(),
+                     P.grad(L.k_norm), T * H, Dh);
+  LinearBwdAcc(C.h.f32(), Wqkv + d * d, W.dy.f32(), W.dh.f32(), dWqkv + d * d, T, d, d, true);
+  LinearBwdAcc(C.h.f32(), Wqkv + 2 * d * d, W.dv.f32(), W.dh.f32(), dWqkv + 2 * d * d, T, d, d,
+               true);
+}
+
+void MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+  const ModelConfig& c = ctx.c;
+  const MlaConfig& m = c.mla;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
+  Ensure(C.Q, T, H * qk);
+  if (m.q_lora_rank > 0) {
+    const int64_t qr = m.q_lora_rank;
+    Ensure(C.qa, T, qr);
+    Ensure(C.qa_n, T, qr);
+    Ensure(C.rstd_qa, T, 1);
+    k::LinearForward(C.h.f32(), P.data(L.q_a), C.qa.f32(), T, d, qr);
+    k::RmsNormForward(C.qa.f32(), P.data(L.q_a_norm), C.qa_n.f32(), C.rstd_qa.f32(), T, qr, eps);
+    k::LinearForward(C.qa_n.f32(), P.data(L.q_b), C.Q.f32(), T, qr, H * qk);
+  } else {
+    k::LinearForward(C.h.f32(), P.data(L.q), C.Q.f32(), T, d, H * qk);
+  }
+  k::RopeApply(C.Q.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, false);
+  Ensure(C.kva, T, kv + rd);
+  Ensure(C.c, T, kv);
+  Ensure(C.c_n, T, kv);
+  Ensure(C.rstd_c, T, 1);
+  Ensure(C.kr, T, rd);
+  k::LinearForward(C.h.f32(), P.data(L.kv_a), C.kva.f32(), T, d, kv + rd);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(C.c.f32() + t * kv, C.kva.f32() + t * (kv + rd), kv * sizeof(float));
+    std::memcpy(C.kr.f32() + t * rd, C.kva.f32() + t * (kv + rd) + kv, rd * sizeof(float));
+  }
+  k::RmsNormForward(C.c.f32(), P.data(L.kv_norm), C.c_n.f32(), C.rstd_c.f32(), T, kv, eps);
+  k::RopeApply(C.kr.f32(), ctx.b.pos.data(), T, 1, rd, rd, rd, theta, false);
+  Ensure(C.kvb, T, H * (nope + vd));
+  k::LinearForward(C.c_n.f32(), P.data(L.kv_b), C.kvb.f32(), T, kv, H * (nope + vd));
+  Ensure(C.K, T, H * qk);
+  Ensure(C.V, T, H * vd);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = C.kvb.f32() + (t * H + h) * (nope + vd);
+      float* kdst = C.K.f32() + (t * H + h) * qk;
+      std::memcpy(kdst, src, nope * sizeof(float));
+      std::memcpy(kdst + nope, C.kr.f32() + t * rd, rd * sizeof(float));
+      std::memcpy(C.V.f32() + (t * H + h) * vd, src + nope, vd * sizeof(float));
+    }
+  }
+  Ensure(C.O, T, H * vd);
+  Ensure(C.lse, T, H);
+  k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
+  k::AttentionForward(C.Q.f32(), C.K.f32(), C.V.f32(), mask,
+                      1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd}, C.O.f32(),
+                      C.lse.f32());
+}
+
+void MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W,
+                     const float* dout) {
+  const ModelConfig& c = ctx.c;
+  const MlaConfig& m = c.mla;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  const float theta = static_cast<float>(c.rope_theta);
+  Ensure(W.dO, T, H * vd);
+  LinearBwdAcc(C.O.f32(), P.data(L.mo), dout, W.dO.f32(), P.grad(L.mo), T, H * vd, d, false);
+  Ensure(W.dQ, T, H * qk);
+  Ensure(W.dK, T, H * qk);
+  Ensure(W.dV, T, H * vd);
+  k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
+  k::AttentionBackward(C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(), C.lse.f32(), W.dO.f32(), mask,
+                       1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd}, W.dQ.f32(),
+                       W.dK.f32(), W.dV.f32());
+  // K, V -> kv_b output and the shared rotated key.
+  Ensure(W.dkvb, T, H * (nope + vd));
+  Ensure(W.dkva, T, kv + rd);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* dkr = W.dkva.f32() + t * (kv + rd) + kv;
+    std::fill(dkr, dkr + rd, 0.0f);
+    for (int64_t h = 0; h < H; ++h) {
+      float* dst = W.dkvb.f32() + (t * H + h) * (nope + vd);
+      const float* dk = W.dK.f32() + (t * H + h) * qk;
+      std::memcpy(dst, dk, nope * sizeof(float));
+      std::memcpy(dst + nope, W.dV.f32() + (t * H + h) * vd, vd * sizeof(float));
+      for (int64_t j = 0; j < rd; ++j) dkr[j] += dk[nope + j];
+    }
+  }
+  k::RopeApply(W.dkva.f32() + kv, ctx.b.pos.data(), T, 1, rd, kv + rd, rd, theta, true);
+  Ensure(W.dc, T, kv);
+  LinearBwdAcc(C.c_n.f32(), P.data(L.kv_b), W.dkvb.f32(), W.dc.f32(), P.grad(L.kv_b), T, kv,
+               H * (nope + vd), false);
+  // kv norm backward writes dc into the first kv columns of dkva, row by row via a dense buffer.
+  Ensure(W.dtmp, T, std::max<int64_t>(kv, d));
+  k::RmsNormBackward(C.c.f32(), P.data(L.kv_norm), C.rstd_c.f32(), W.dc.f32(), W.dtmp.f32(),
+                     P.grad(L.kv_norm), T, kv);
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(W.dkva.f32() + t * (kv + rd), W.dtmp.f32() + t * kv, kv * sizeof(float));
+  LinearBwdAcc(C.h.f32(), P.data(L.kv_a), W.dkva.f32(), W.dh.f32(), P.grad(L.kv_a), T, d, kv + rd,
+               false);
+  // Q -> q projection(s).
+  k::RopeApply(W.dQ.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, true);
+  if (m.q_lora_rank > 0) {
+    const int64_t qr = m.q_lora_rank;
+    Ensure(W.dqa_n, T, qr);
+    Ensure(W.dqa, T, qr);
+    LinearBwdAcc(C.qa_n.f32(), P.data(L.q_b), W.dQ.f32(), W.dqa_n.f32(), P.grad(L.q_b), T, qr,
+                 H * qk, false);
+    k::RmsNormBackward(C.qa.f32(), P.data(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(),
+                       W.dqa.f32(), P.grad(L.q_a_norm), T, qr);
+    LinearBwdAcc(C.h.f32(), P.data(L.q_a), W.dqa.f32(), W.dh.f32(), P.grad(L.q_a), T, d, qr, true);
+  } else {
+    LinearBwdAcc(C.h.f32(), P.data(L.q), W.dQ.f32(), W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
+  }
+}
+
+}  // namespace
+
+// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
+static void LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                         const float* x_in, float* x_out) {
+  const ModelConfig& c = ctx.c;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
+  const float eps = static_cast<float>(c.norm_eps);
+  Ensure(C.h, T, d);
+  Ensure(C.rstd1, T, 1);
+  k::RmsNormForward(x_in, P.data(L.attn_norm), C.h.f32(), C.rstd1.f32(), T, d, eps);
+  Ensure(C.x_mid, T, d);
+  if (L.kind == 'L') {
+    LightningAttnForward(ctx, L, C);
+    k::LinearForward(C.y.f32(), P.data(L.out), C.x_mid.f32(), T, d, d);
+  } else {
+    MlaAttnForward(ctx, L, C);
+    k::LinearForward(C.O.f32(), P.data(L.mo), C.x_mid.f32(), T, c.n_heads * c.mla.v_head_dim, d);
+  }
+  AddInto(C.x_mid.f32(), x_in, T * d);
+  Ensure(C.h2, T, d);
+  Ensure(C.rstd2, T, 1);
+  for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
+  k::RmsNormForward(C.x_mid.f32(), P.data(L.ffn_norm), C.h2.f32(), C.rstd2.f32(), T, d, eps);
+  k::LinearForward(C.h2.f32(), P.data(L.w1), C.g.f32(), T, d, F);
+  k::LinearForward(C.h2.f32(), P.data(L.w3), C.u.f32(), T, d, F);
+  k::SwiGluForward(C.g.f32(), C.u.f32(), C.a.f32(), T * F);
+  k::LinearForward(C.a.f32(), P.data(L.w2), x_out, T, F, d);
+  AddInto(x_out, C.x_mid.f32(), T * d);
+}
+
+// dx: in = gradient of x_out, out = gradient of x_in.
+static void LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                          Model::Work& W, const float* x_in, float* dx) {
+  const ModelConfig& c = ctx.c;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
+  for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, T, F);
+  Ensure(W.dh, T, d);
+  // FFN
+  LinearBwdAcc(C.a.f32(), P.data(L.w2), dx, W.da.f32(), P.grad(L.w2), T, F, d, false);
+  k::SwiGluBackward(C.g.f32(), C.u.f32(), W.da.f32(), W.dg.f32(), W.du.f32(), T * F);
+  LinearBwdAcc(C.h2.f32(), P.data(L.w1), W.dg.f32(), W.dh.f32(), P.grad(L.w1), T, d, F, false);
+  LinearBwdAcc(C.h2.f32(), P.data(L.w3), W.du.f32(), W.dh.f32(), P.grad(L.w3), T, d, F, true);
+  Ensure(W.dtmp, T, d);
+  k::RmsNormBackward(C.x_mid.f32(), P.data(L.ffn_norm), C.rstd2.f32(), W.dh.f32(), W.dtmp.f32(),
+                     P.grad(L.ffn_norm), T, d);
+  AddInto(dx, W.dtmp.f32(), T * d);  // dx is now d x_mid
+  // Attention
+  if (L.kind == 'L') {
+    LightningAttnBackward(ctx, L, C, W, dx);
+  } else {
+    MlaAttnBackward(ctx, L, C, W, dx);
+  }
+  Ensure(W.dtmp, T, d);
+  k::RmsNormBackward(x_in, P.data(L.attn_norm), C.rstd1.f32(), W.dh.f32(), W.dtmp.f32(),
+                     P.grad(L.attn_norm), T, d);
+  AddInto(dx, W.dtmp.f32(), T * d);
+}
+
+// ---- Whole model ---------------------------------------------------------------------------------
+
+LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx) {
+  const int64_t T = b.T, d = config_.d_model, V = config_.vocab;
+  Ensure(hf_, T, d);
+  Ensure(rstd_f_, T, 1);
+  k::RmsNormForward(x, params_.data(final_norm_), hf_.f32(), rstd_f_.f32(), T, d,
+                    static_cast<float>(config_.norm_eps));
+  // Row blocks of about 4M logits keep the fp32 logits small whatever T is.
+  const int64_t block = std::max<int64_t>(16, std::min<int64_t>(T, (int64_t{1} << 22) / V));
+  Ensure(logits_, block, V);
+  if (dx) Ensure(dhf_, T, d);
+  LossStats s;
+  for (int64_t r0 = 0; r0 < T; r0 += block) {
+    const int64_t rows = std::min(block, T - r0);
+    const float* h = hf_.f32() + r0 * d;
+    k::LinearForward(h, params_.data(lm_head_), logits_.f32(), rows, d, V);
+    s.loss_sum += k::CrossEntropy(logits_.f32(), b.targets.data() + r0, rows, V, grad_scale,
+                                  dx ? logits_.f32() : nullptr, &s.n_valid);
+    if (dx)
+      LinearBwdAcc(h, params_.data(lm_head_), logits_.f32(), dhf_.f32() + r0 * d,
+                   params_.grad(lm_head_), rows, d, V, false);
+  }
+  if (dx)
+    k::RmsNormBackward(x, params_.data(final_norm_), rstd_f_.f32(), dhf_.f32(), dx,
+                       params_.grad(final_norm_), T, d);
+  return s;
+}
+
+LossStats Model::ForwardBackward(const Batch& b, float grad_scale, bool recompute) {
+  const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
+  const size_t n_caches = recompute ? 1 : static_cast<size_t>(n);
+  while (caches_.size() < n_caches) caches_.push_back(std::make_unique<Cache>());
+  if (caches_.size() > n_caches) caches_.resize(n_caches);
+  layer_inputs_.resize(n + 1);
+  for (Tensor& t : layer_inputs_) Ensure(t, T, d);
+  LayerCtx ctx{config_, params_, b};
+  k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
+  for (int64_t i = 0; i < n; ++i) {
+    Cache& C = *caches_[recompute ? 0 : i];
+    LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), layer_inputs_[i + 1].f32());
+  }
+  Ensure(dx_, T, d);
+  LossStats s = HeadAndLoss(b, layer_inputs_[n].f32(), grad_scale, dx_.f32());
+  for (int64_t i = n - 1; i >= 0; --i) {
+    Cache& C = *caches_[recompute ? 0 : i];
+    if (recompute) {  // re-run this layer's forward to refill its cache
+      Ensure(dx2_, T, d);
+      LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), dx2_.f32());
+    }
+    LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32());
+  }
+  k::EmbeddingBackward(b.ids.data(), dx_.f32(), params_.grad(embed_), T, d, config_.vocab);
+  return s;
+}
+
+LossStats Model::Forward(const Batch& b) {
+  const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
+  if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
+  layer_inputs_.resize(2);
+  for (Tensor& t : layer_inputs_) Ensure(t, T, d);
+  LayerCtx ctx{config_, params_, b};
+  k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
+  for (int64_t i = 0; i < n; ++i) {
+    LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),
+                 layer_inputs_[(i + 1) % 2].f32());
+  }
+  return HeadAndLoss(b, layer_inputs_[n % 2].f32(), 0.0f, nullptr);
+}
+
+}  // namespace spindle

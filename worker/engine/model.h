@@ -1,0 +1,61 @@
+// Model: the DESIGN.md section 2 hybrid decoder (Lightning and MLA layers, SwiGLU FFN, untied LM
+// head) with an explicit forward and backward per layer, on the CPU kernels.
+//
+// ForwardBackward() runs one sequence (or this rank's share of it), adds the parameter gradients
+// of `grad_scale * sum(token losses)` into params().flat_grad(), and returns the loss sum and the
+// number of valid targets. The LM head and cross-entropy run over row blocks, so full-sequence
+// fp32 logits never exist. With recompute, only each layer's input is kept during the forward
+// and the layer's forward is re-run just before its backward.
+// Not thread-safe (kernels parallelise internally with OpenMP).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "worker/engine/batch.h"
+#include "worker/engine/params.h"
+#include "worker/engine/tensor.h"
+
+namespace spindle {
+
+struct LossStats {
+  double loss_sum = 0.0;  // sum of per-token losses over valid targets
+  int64_t n_valid = 0;
+};
+
+class Model {
+ public:
+  static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config, uint64_t seed);
+  ~Model();
+
+  const ModelConfig& config() const { return config_; }
+  ParamSet& params() { return params_; }
+
+  LossStats ForwardBackward(const Batch& batch, float grad_scale, bool recompute);
+  // Loss only (evaluation); no gradients, no saved activations beyond one layer.
+  LossStats Forward(const Batch& batch);
+
+  struct Layer;  // per-layer parameter indices and decays (model.cc)
+  struct Cache;  // one layer's saved activations (model.cc)
+  struct Work;   // gradient scratch shared by all layers (model.cc)
+
+ private:
+  explicit Model(const ModelConfig& config);
+  void Build();
+  LossStats HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx);
+
+  ModelConfig config_;
+  ParamSet params_;
+  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::unique_ptr<Cache>> caches_;  // one per layer, or one shared when recomputing
+  std::unique_ptr<Work> work_;
+  // The input of every layer, then the final hidden state: [n_layers + 1][T, d].
+  std::vector<Tensor> layer_inputs_;
+  Tensor hf_, rstd_f_, dhf_, logits_, dx_, dx2_;
+};
+
+}  // namespace spindle

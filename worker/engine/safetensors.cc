@@ -1,0 +1,93 @@
+// safetensors serialisation and validated parsing (see safetensors.h).
+#include "worker/engine/safetensors.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace spindle {
+
+std::string SerializeSafetensors(const std::map<std::string, SafetensorsEntry>& tensors,
+                                 const std::map<std::string, std::string>& metadata) {
+  nlohmann::json header = nlohmann::json::object();
+  int64_t offset = 0;
+  for (const auto& [name, e] : tensors) {
+    const int64_t bytes = e.numel * 4;
+    header[name] = {{"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string h = header.dump();
+  while ((h.size() + 8) % 8 != 0) h.push_back(' ');
+  std::string out;
+  out.resize(8 + h.size() + static_cast<size_t>(offset));
+  const uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  std::memcpy(out.data() + 8, h.data(), h.size());
+  char* data = out.data() + 8 + h.size();
+  for (const auto& [name, e] : tensors) {
+    std::memcpy(data, e.data, static_cast<size_t>(e.numel) * 4);
+    data += e.numel * 4;
+  }
+  return out;
+}
+
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string bytes, const std::string& path) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is corrupt: ", why));
+  };
+  if (bytes.size() < 8) return bad("shorter than its 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  if (n > bytes.size() - 8) return bad("header length exceeds the file size");
+  nlohmann::json header =
+      nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(n), nullptr,
+                            /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return bad("header is not a JSON object");
+  SafetensorsFile f;
+  const size_t data_begin = 8 + n;
+  const size_t data_size = bytes.size() - data_begin;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it.value().is_object()) return bad("__metadata__ is not an object");
+      for (auto m = it.value().begin(); m != it.value().end(); ++m)
+        if (m.value().is_string()) f.metadata[m.key()] = m.value().get<std::string>();
+      continue;
+    }
+    const auto& t = it.value();
+    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
+        !t.contains("data_offsets"))
+      return bad(absl::StrCat("tensor \"", it.key(), "\" lacks dtype, shape or data_offsets"));
+    if (t["dtype"] != "F32")
+      return bad(absl::StrCat("tensor \"", it.key(), "\" has dtype ", t["dtype"].dump(),
+                              " (only F32 is supported)"));
+    SafetensorsEntry e;
+    e.numel = 1;
+    for (const auto& s : t["shape"]) {
+      if (!s.is_number_integer() || s.get<int64_t>() < 0)
+        return bad(absl::StrCat("tensor \"", it.key(), "\" has a bad shape"));
+      e.shape.push_back(s.get<int64_t>());
+      e.numel *= e.shape.back();
+    }
+    const auto& off = t["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
+      return bad(absl::StrCat("tensor \"", it.key(), "\" has bad data_offsets"));
+    const uint64_t b = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (b > end || end > data_size || end - b != static_cast<uint64_t>(e.numel) * 4 || b % 4 != 0)
+      return bad(absl::StrCat("tensor \"", it.key(), "\" data_offsets [", b, ", ", end,
+                              "] do not fit the file or the shape"));
+    e.data = reinterpret_cast<const float*>(bytes.data() + data_begin + b);
+    f.tensors[it.key()] = e;
+  }
+  // Re-point entries into the moved-in buffer.
+  const char* old_base = bytes.data();
+  f.bytes = std::move(bytes);
+  for (auto& [name, e] : f.tensors)
+    e.data = reinterpret_cast<const float*>(f.bytes.data() +
+                                            (reinterpret_cast<const char*>(e.data) - old_base));
+  return f;
+}
+
+}  // namespace spindle
