@@ -1,4 +1,4 @@
-// SIMD helpers private to the CPU kernels (elementwise, norm and loss files): a vectorisable
+// SIMD helpers private to the CPU kernels (elementwise, norm, rope and loss files): a vectorisable
 // single-precision exp and sigmoid, and the attribute that compiles a hot loop for several ISAs.
 #pragma once
 
