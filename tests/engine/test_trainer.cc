@@ -1,0 +1,215 @@
+// Trainer-level behaviour: the tiny model learns the recall task far below the loss of
+// predicting token frequencies; resuming from a checkpoint is exact; bad data and checkpoints
+// give one clear error and change nothing.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "worker/engine/batch.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/trainer.h"
+
+namespace spindle {
+namespace {
+
+std::string TempDir(const std::string& tag) {
+  char tmpl[] = "/tmp/spindle-test-XXXXXX";
+  std::string d = mkdtemp(tmpl);
+  return d + "/" + tag;
+}
+
+JobSpec TinyJob(int64_t steps, int64_t seq_len, int64_t gap) {
+  auto spec = ParseJobSpec(R"({"name": "t", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall", "recall_pairs": 6, "recall_gap": )" +
+                           std::to_string(gap) + R"(}, "seq_len": )" + std::to_string(seq_len) +
+                           R"(, "train": {"steps": )" + std::to_string(steps) +
+                           R"(, "lr": 3e-3, "warmup_steps": 5, "seed": 7}})");
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+// Entropy (nats per target) of the unigram distribution of the targets: the loss of a model that
+// predicts token frequencies.
+double UnigramLoss(const DataSource& data, int64_t n) {
+  std::map<int32_t, double> counts;
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Batch b = MakeSequenceBatch(data.Sequence(i), data.eos_id());
+    for (int32_t t : b.targets)
+      if (t >= 0) counts[t] += 1, total += 1;
+  }
+  double h = 0;
+  for (auto& [t, c] : counts) h -= c / total * std::log(c / total);
+  return h;
+}
+
+TEST(TrainerTest, TinyRecallLearnsFarBelowTokenFrequencies) {
+  JobSpec spec = TinyJob(/*steps=*/60, /*seq_len=*/1024, /*gap=*/256);
+  std::vector<double> losses;
+  TrainerOptions o;
+  o.spec = spec;
+  auto t = Trainer::Create(std::move(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Run().ok());
+  auto data = OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed);
+  ASSERT_TRUE(data.ok());
+  const double unigram = UnigramLoss(**data, 8);
+  const auto& l = (*t)->losses();
+  ASSERT_EQ(l.size(), 60u);
+  double last = 0;
+  for (int i = 55; i < 60; ++i) last += l[i] / 5;
+  EXPECT_GT(unigram, 2.5);
+  EXPECT_LT(last, 0.35 * unigram) << "first loss " << l[0] << ", unigram " << unigram;
+  EXPECT_LT(last, 0.5 * l[0]);
+}
+
+TEST(TrainerTest, ResumeIsExact) {
+  JobSpec spec = TinyJob(/*steps=*/6, /*seq_len=*/256, /*gap=*/64);
+  spec.checkpoint.every = 3;
+  // One run of 6 steps.
+  TrainerOptions a;
+  a.spec = spec;
+  a.checkpoint_dir = TempDir("a");
+  auto ta = Trainer::Create(a);
+  ASSERT_TRUE(ta.ok());
+  ASSERT_TRUE((*ta)->Run().ok());
+  // 3 steps, stop, a new trainer resumes from the checkpoint and runs the other 3.
+  TrainerOptions b = a;
+  b.checkpoint_dir = TempDir("b");
+  b.stop_at_step = 3;
+  auto tb = Trainer::Create(b);
+  ASSERT_TRUE(tb.ok());
+  ASSERT_TRUE((*tb)->Run().ok());
+  ASSERT_EQ((*tb)->losses().size(), 3u);
+  b.stop_at_step = -1;
+  auto tc = Trainer::Create(b);
+  ASSERT_TRUE(tc.ok());
+  EXPECT_EQ((*tc)->state().step, 3);
+  ASSERT_TRUE((*tc)->Run().ok());
+  ASSERT_EQ((*tc)->losses().size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ((*ta)->losses()[i], (*tb)->losses()[i]) << "step " << i + 1;
+    EXPECT_EQ((*ta)->losses()[3 + i], (*tc)->losses()[i]) << "step " << i + 4;
+  }
+  ParamSet& pa = (*ta)->model().params();
+  ParamSet& pc = (*tc)->model().params();
+  for (int64_t j = 0; j < pa.numel(); ++j)
+    ASSERT_EQ(pa.flat_data().f32()[j], pc.flat_data().f32()[j]) << "parameter element " << j;
+}
+
+TEST(TrainerTest, CheckpointEvaluatesToTheTrainedModelsLoss) {
+  JobSpec spec = TinyJob(/*steps=*/3, /*seq_len=*/256, /*gap=*/64);
+  TrainerOptions o;
+  o.spec = spec;
+  o.checkpoint_dir = TempDir("eval");
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Run().ok());
+  auto ckpt = LatestCheckpoint(o.checkpoint_dir);
+  ASSERT_TRUE(ckpt.ok());
+  auto r = EvaluateCheckpoint(spec, *ckpt, spec.data, 2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto data = OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed);
+  double sum = 0;
+  int64_t n = 0;
+  for (int i = 0; i < 2; ++i) {
+    LossStats s = (*t)->model().Forward(MakeSequenceBatch((*data)->Sequence(i), (*data)->eos_id()));
+    sum += s.loss_sum;
+    n += s.n_valid;
+  }
+  EXPECT_EQ(r->n_valid, n);
+  EXPECT_NEAR(r->loss, sum / n, 1e-9);
+  EXPECT_GT(r->n_answers, 0);
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(DataErrorsTest, MissingTruncatedAndOutOfVocabularyFiles) {
+  const std::string dir = TempDir("");
+  DataSpec d;
+  d.kind = DataKind::kTokens;
+  d.token_bytes = 2;
+  d.eos_id = 0;
+  d.path = dir + "missing.bin";
+  auto s = OpenDataSource(d, 16, 100, 1);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.status().message().find("missing.bin"), std::string::npos) << s.status();
+  d.path = dir + "odd.bin";
+  WriteBytes(d.path, std::string("\x01\x00\x02", 3));
+  s = OpenDataSource(d, 16, 100, 1);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.status().message().find("truncated"), std::string::npos) << s.status();
+  d.path = dir + "oov.bin";
+  WriteBytes(d.path, std::string("\x01\x00\x02\x00\xc8\x00\x00\x00", 8));  // 200 at index 2
+  s = OpenDataSource(d, 16, 100, 1);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.status().message(),
+            "data: \"" + d.path + "\": token 200 at index 2 is outside the vocabulary (model.vocab = 100)");
+  d.path = dir + "good.bin";
+  WriteBytes(d.path, std::string("\x01\x00\x02\x00\x00\x00\x05\x00", 8));
+  s = OpenDataSource(d, 3, 100, 1);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ((*s)->Sequence(0), (std::vector<int32_t>{1, 2, 0}));
+  EXPECT_EQ((*s)->Sequence(1), (std::vector<int32_t>{5, 1, 2}));  // wraps around
+}
+
+TEST(CheckpointErrorsTest, CorruptTruncatedAndMismatchedChangeNothing) {
+  JobSpec spec = TinyJob(2, 128, 32);
+  TrainerOptions o;
+  o.spec = spec;
+  o.checkpoint_dir = TempDir("ck");
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Run().ok());
+  auto dir = LatestCheckpoint(o.checkpoint_dir);
+  ASSERT_TRUE(dir.ok());
+  auto fresh = Model::Create(spec.model, 99);
+  ASSERT_TRUE(fresh.ok());
+  ParamSet& P = (*fresh)->params();
+  std::vector<float> before(P.flat_data().f32(), P.flat_data().f32() + P.numel());
+  auto unchanged = [&] {
+    for (int64_t j = 0; j < P.numel(); ++j)
+      if (P.flat_data().f32()[j] != before[j]) return false;
+    return true;
+  };
+  // A model of another size.
+  ModelConfig other = spec.model;
+  other.ffn_dim = 128;
+  auto wrong = Model::Create(other, 1);
+  auto r = LoadCheckpoint(*dir, (*wrong)->params(), nullptr, other);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("model.ffn_dim is 176, the job has 128"), std::string::npos)
+      << r.status();
+  // One flipped byte.
+  const std::string model_file = *dir + "/model.safetensors";
+  std::fstream f(model_file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(200);
+  char c;
+  f.seekg(200);
+  f.get(c);
+  f.seekp(200);
+  f.put(static_cast<char>(c ^ 0x40));
+  f.close();
+  r = LoadCheckpoint(*dir, P, nullptr, spec.model);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(r.status().message(),
+            "checkpoint: \"" + model_file + "\" is corrupt: checksum mismatch");
+  EXPECT_TRUE(unchanged());
+  // Truncated.
+  ASSERT_EQ(truncate(model_file.c_str(), 100), 0);
+  r = LoadCheckpoint(*dir, P, nullptr, spec.model);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("truncated"), std::string::npos) << r.status();
+  EXPECT_TRUE(unchanged());
+}
+
+}  // namespace
+}  // namespace spindle
