@@ -129,6 +129,23 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
   v1::WorkerMessage hello;
   hello.mutable_hello()->set_worker_id(options_.worker_id);
   for (v1::RunningRank& r : runner_->Running()) *hello.mutable_hello()->add_running() = std::move(r);
+  {
+    // Ranks that ended while the coordinator was away are listed too: their checkpoints and
+    // RankExit follow right after the hello, so the coordinator adopts them and then learns how
+    // they ended, instead of restarting a gang whose outcome is still in flight.
+    absl::MutexLock lock(&mu_);
+    for (const v1::WorkerMessage& m : outbox_) {
+      if (!m.has_rank_exit()) continue;
+      v1::RunningRank* r = hello.mutable_hello()->add_running();
+      *r->mutable_ref() = m.rank_exit().ref();
+      for (const v1::WorkerMessage& c : outbox_) {
+        if (c.has_checkpoint_done() && c.checkpoint_done().ref().SerializeAsString() ==
+                                           m.rank_exit().ref().SerializeAsString()) {
+          r->set_step(std::max(r->step(), c.checkpoint_done().step()));
+        }
+      }
+    }
+  }
   if (!stream->Write(hello)) {
     return FromGrpcStatus(stream->Finish(), "session hello");
   }

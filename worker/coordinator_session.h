@@ -7,7 +7,9 @@
 // (they could not report, and the coordinator has restarted their gangs elsewhere by then).
 //
 // Messages produced while disconnected are queued (rank starts, checkpoints and exits; progress
-// lines are dropped) and sent after the next hello.
+// lines are dropped) and sent after the next hello. The hello lists the live ranks plus the ranks
+// whose RankExit is among those queued messages (pid 0, step of their last queued checkpoint), so
+// a coordinator that restarted meanwhile re-adopts them and then receives their outcome.
 //
 // Thread-safety: thread-safe. Send() never blocks on the network. One session thread plus one
 // reader thread per stream; the runner is called from the reader thread.

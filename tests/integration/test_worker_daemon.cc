@@ -250,7 +250,11 @@ TEST_F(WorkerDaemonTest, CoordinatorLossKillsTrainersAndTheExitIsReportedLater) 
   ASSERT_TRUE(server2.ok());
   ASSERT_TRUE(WaitFor([&] { return !restarted.Of(v1::WorkerMessage::kRankExit).empty(); }))
       << WorkerLog();
-  EXPECT_EQ(restarted.Of(v1::WorkerMessage::kHello)[0].hello().running_size(), 0);
+  // The hello lists the rank whose exit is still in flight (pid 0), then the exit follows.
+  const v1::SessionHello hello = restarted.Of(v1::WorkerMessage::kHello)[0].hello();
+  ASSERT_EQ(hello.running_size(), 1);
+  EXPECT_EQ(hello.running(0).ref().job_id(), "j-4");
+  EXPECT_EQ(hello.running(0).pid(), 0);
   const v1::RankExit e = restarted.Of(v1::WorkerMessage::kRankExit)[0].rank_exit();
   EXPECT_EQ(e.ref().job_id(), "j-4");
   EXPECT_TRUE(e.stopped());

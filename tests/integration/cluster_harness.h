@@ -1,0 +1,253 @@
+// ClusterHarness: a real Spindle cluster on 127.0.0.1 for integration tests: the
+// spindle-coordinator binary (SQLite file in a scratch directory), any number of spindle-worker
+// daemons, and a JobService client. Processes are killed when the harness is destroyed.
+// Thread-safety: owned and used by one test thread.
+#pragma once
+
+#include <dirent.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/subprocess.h"
+#include "grpcpp/grpcpp.h"
+#include "spindle/v1/cluster.grpc.pb.h"
+#include "spindle/v1/job.grpc.pb.h"
+#include "tests/integration/worker_test_util.h"
+
+namespace spindle::testing {
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+inline int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+inline std::vector<pid_t> ProcessesWithAllArgs(const std::vector<std::string>& args) {
+  std::vector<pid_t> out;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return out;
+  while (dirent* e = ::readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    const std::string cmdline = ReadFile(absl::StrCat("/proc/", pid, "/cmdline"));
+    std::vector<std::string> argv;
+    size_t start = 0;
+    for (size_t i = 0; i < cmdline.size(); ++i) {
+      if (cmdline[i] == '\0') {
+        argv.push_back(cmdline.substr(start, i - start));
+        start = i + 1;
+      }
+    }
+    // `args` are (flag, value) pairs that must appear next to each other.
+    bool all = !argv.empty();
+    for (size_t a = 0; a + 1 < args.size(); a += 2) {
+      bool found = false;
+      for (size_t v = 0; v + 1 < argv.size(); ++v) {
+        found |= argv[v] == args[a] && argv[v + 1] == args[a + 1];
+      }
+      all &= found;
+    }
+    if (all && ProcessAlive(pid)) out.push_back(pid);
+  }
+  ::closedir(proc);
+  return out;
+}
+
+inline pid_t ParentPid(pid_t pid) {
+  const std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return 0;
+  int ppid = 0;
+  std::sscanf(stat.c_str() + paren + 2, "%*c %d", &ppid);
+  return ppid;
+}
+
+// Pids of live processes whose command line has every (flag, value) pair of `args`,
+// leaving out momentary forks (a process whose parent is also in the set).
+inline std::vector<pid_t> ProcessesWithArgs(const std::vector<std::string>& args) {
+  std::vector<pid_t> all = ProcessesWithAllArgs(args);
+  std::vector<pid_t> out;
+  for (pid_t pid : all) {
+    if (std::find(all.begin(), all.end(), ParentPid(pid)) == all.end()) out.push_back(pid);
+  }
+  return out;
+}
+
+class ClusterHarness {
+ public:
+  explicit ClusterHarness(const ScratchDir* dir) : dir_(dir) {}
+  ~ClusterHarness() {
+    for (auto& [id, w] : workers_) {
+      if (w != nullptr) w->Kill().IgnoreError();
+    }
+    if (coordinator_ != nullptr) coordinator_->Kill().IgnoreError();
+  }
+
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+  // Starts (or restarts, same port and database) the coordinator and waits until it answers.
+  bool StartCoordinator(const std::vector<std::string>& extra = {}) {
+    if (port_ == 0) port_ = FreePort();
+    std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY,
+                                     "--listen=" + address(),
+                                     "--advertise=" + address(),
+                                     "--db=" + dir_->File("spindle.db"),
+                                     "--metrics_port=-1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    coordinator_args_ = extra;
+    SubprocessOptions options;
+    options.stderr_path = dir_->File(absl::StrCat("coordinator-", ++coordinator_starts_, ".log"));
+    auto p = Subprocess::Spawn(argv, options);
+    if (!p.ok()) return false;
+    coordinator_ = *std::move(p);
+    channel_ = grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
+    jobs_ = v1::JobService::NewStub(channel_);
+    return WaitFor([&] {
+      v1::ListJobsRequest req;
+      v1::ListJobsResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      return jobs_->List(&ctx, req, &resp).ok();
+    });
+  }
+  void KillCoordinator() {
+    if (coordinator_ != nullptr) coordinator_->Kill().IgnoreError();
+    coordinator_.reset();
+  }
+
+  // Starts worker `id` with `slots` CPU slots running `trainer`; `env` is added to its
+  // environment (inherited by its trainers).
+  bool StartWorker(const std::string& id, int slots, const std::string& trainer,
+                   const std::vector<std::pair<std::string, std::string>>& env = {}) {
+    std::vector<std::string> argv = {SPINDLE_WORKER_BINARY,
+                                     "--coordinator=" + address(),
+                                     "--worker_id=" + id,
+                                     absl::StrCat("--slots=", slots),
+                                     "--work_dir=" + dir_->File("work-" + id),
+                                     "--metrics_port=-1",
+                                     "--kill_grace=2s",
+                                     "--coordinator_loss_timeout=60s",
+                                     "--cpu_threads_per_slot=1",
+                                     "--trainer_binary=" + trainer};
+    SubprocessOptions options;
+    options.stderr_path = dir_->File("worker-" + id + ".log");
+    options.env = env;
+    auto p = Subprocess::Spawn(argv, options);
+    if (!p.ok()) return false;
+    workers_[id] = *std::move(p);
+    return true;
+  }
+  pid_t WorkerPid(const std::string& id) { return workers_[id] ? workers_[id]->pid() : 0; }
+  void KillWorker(const std::string& id) {
+    if (workers_[id] != nullptr) workers_[id]->Kill().IgnoreError();
+    workers_[id].reset();
+  }
+
+  // Waits until `n` workers are registered and alive.
+  bool WaitForWorkers(int n) {
+    return WaitFor(
+        [&] {
+          auto stub = v1::ClusterService::NewStub(channel_);
+          v1::ListWorkersRequest req;
+          v1::ListWorkersResponse resp;
+          grpc::ClientContext ctx;
+          if (!stub->ListWorkers(&ctx, req, &resp).ok()) return false;
+          int alive = 0;
+          for (const auto& w : resp.workers()) alive += w.state() == "alive" ? 1 : 0;
+          return alive >= n;
+        },
+        std::chrono::seconds(20));
+  }
+
+  absl::StatusOr<std::string> Submit(const std::string& spec_json) {
+    v1::SubmitJobRequest req;
+    req.set_spec_json(spec_json);
+    v1::SubmitJobResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = jobs_->Submit(&ctx, req, &resp);
+    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    return resp.job_id();
+  }
+
+  std::optional<v1::Job> Get(const std::string& job_id) {
+    v1::GetJobRequest req;
+    req.set_job_id(job_id);
+    v1::Job job;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (!jobs_->Get(&ctx, req, &job).ok()) return std::nullopt;
+    return job;
+  }
+
+  bool Cancel(const std::string& job_id) {
+    v1::CancelJobRequest req;
+    req.set_job_id(job_id);
+    req.set_reason("test cancel");
+    v1::CancelJobResponse resp;
+    grpc::ClientContext ctx;
+    return jobs_->Cancel(&ctx, req, &resp).ok();
+  }
+
+  // Waits for `pred(job)`; returns the last job seen.
+  std::optional<v1::Job> WaitJob(const std::string& job_id,
+                                 const std::function<bool(const v1::Job&)>& pred,
+                                 std::chrono::seconds timeout) {
+    std::optional<v1::Job> last;
+    WaitFor(
+        [&] {
+          if (auto j = Get(job_id)) last = j;
+          return last.has_value() && pred(*last);
+        },
+        timeout);
+    return last;
+  }
+
+  // Every log written so far, for failure messages.
+  std::string Logs() {
+    std::string out;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_->path())) {
+      if (entry.path().extension() == ".log") {
+        out += "==== " + entry.path().filename().string() + "\n" + ReadFile(entry.path());
+      }
+    }
+    return out;
+  }
+
+  static std::string Events(const v1::Job& job) {
+    std::string out;
+    for (const auto& e : job.events()) absl::StrAppend(&out, e.attempt(), ": ", e.message(), "\n");
+    return out;
+  }
+
+ private:
+  const ScratchDir* dir_;
+  int port_ = 0;
+  int coordinator_starts_ = 0;
+  std::vector<std::string> coordinator_args_;
+  std::unique_ptr<Subprocess> coordinator_;
+  std::map<std::string, std::unique_ptr<Subprocess>> workers_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+};
+
+}  // namespace spindle::testing

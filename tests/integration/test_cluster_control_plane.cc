@@ -1,0 +1,251 @@
+// The real control plane (spindle-coordinator + spindle-worker daemons, gRPC on 127.0.0.1, a
+// SQLite file) with a scripted trainer that behaves like spindle-train: it resumes from the
+// latest checkpoint in --checkpoint-dir, prints start/step/checkpoint/done lines and can be made
+// to hang. Covers submit -> placement -> run -> success, cancel, kill -9 of a trainer and of a
+// worker mid-job (restart from the checkpoint, same final step), kill -9 and restart of the
+// coordinator mid-job (no job lost) and a hung rank restarted within seconds.
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/cluster_harness.h"
+#include "tests/integration/worker_test_util.h"
+
+namespace spindle {
+namespace {
+
+using ::spindle::testing::ClusterHarness;
+using ::spindle::testing::ProcessesWithArgs;
+using ::spindle::testing::ReadFile;
+using ::spindle::testing::ScratchDir;
+using ::spindle::testing::WaitFor;
+using ::spindle::testing::WriteScript;
+
+constexpr int kSteps = 20;
+
+// Environment (inherited from the worker): FAKE_STEP_S seconds per step; FAKE_HANG_FILE: while
+// that file exists, rank 1 of attempt 1 hangs after step 8 (and the other ranks wait for it at
+// the next step's barrier, as they would in a collective).
+constexpr char kScriptedTrainer[] = R"(
+ckpt=""; rank=0; attempt=0; world=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --checkpoint-dir) ckpt=$2; shift ;;
+    --rank) rank=$2; shift ;;
+    --world) world=$2; shift ;;
+    --attempt) attempt=$2; shift ;;
+  esac
+  shift
+done
+mkdir -p "$ckpt"
+step=0
+if [ -f "$ckpt/latest" ]; then step=$(cat "$ckpt/latest"); fi
+echo "attempt $attempt rank $rank start $step" >> "$ckpt/starts.log"
+echo "{\"event\":\"start\",\"step\":$step,\"total_steps\":20}"
+# Every step ends with a barrier over the ranks of this attempt, like a gradient all-reduce.
+barrier() {
+  echo $1 > "$ckpt/a$attempt.r$rank"
+  r=0
+  while [ $r -lt $world ]; do
+    s=$(cat "$ckpt/a$attempt.r$r" 2>/dev/null || echo -1)
+    if [ "${s:--1}" -ge $1 ]; then r=$((r+1)); else sleep 0.01; fi
+  done
+}
+while [ $step -lt 20 ]; do
+  sleep ${FAKE_STEP_S:-0.05}
+  step=$((step+1))
+  if [ -n "$FAKE_HANG_FILE" ] && [ -f "$FAKE_HANG_FILE" ] && [ "$rank" = 1 ] && [ "$attempt" = 1 ] && [ $step -eq 9 ]; then
+    echo "rank 1 hanging" >&2
+    exec sleep 1000
+  fi
+  barrier $step
+  echo "{\"event\":\"step\",\"step\":$step,\"total_steps\":20,\"loss\":$((100-step)).5,\"tokens_per_s\":1000,\"elapsed_s\":$step}"
+  if [ $((step % 5)) -eq 0 ]; then
+    if [ "$rank" = 0 ]; then echo $step > "$ckpt/latest.tmp"; mv "$ckpt/latest.tmp" "$ckpt/latest"; fi
+    echo "{\"event\":\"checkpoint\",\"step\":$step,\"path\":\"$ckpt/step-$step\"}"
+  fi
+done
+echo "{\"event\":\"done\",\"step\":$step}"
+)";
+
+std::string Spec(const std::string& ckpt_dir, int cp) {
+  return absl::StrCat(
+      R"({"name":"fake","model":{"preset":"tiny"},"data":{"source":"synthetic:recall"},)",
+      R"("seq_len":256,"parallel":{"cp":)", cp,
+      R"(,"dp":1},"train":{"steps":20},"checkpoint":{"dir":")", ckpt_dir,
+      R"(","every":5},"resources":"cpu","max_restarts":3})");
+}
+
+class ClusterControlPlaneTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
+        std::string(SPINDLE_WORKER_BINARY).empty()) {
+      GTEST_SKIP() << "spindle-coordinator or spindle-worker not built";
+    }
+    trainer_ = WriteScript(dir_, "fake-train.sh", kScriptedTrainer);
+  }
+
+  void StartCluster(int workers, double step_s, std::vector<std::string> coordinator_flags = {}) {
+    std::vector<std::string> flags = {"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
+                                      "--stop_grace=1", "--recovery_grace=10"};
+    flags.insert(flags.end(), coordinator_flags.begin(), coordinator_flags.end());
+    ASSERT_TRUE(cluster_.StartCoordinator(flags)) << cluster_.Logs();
+    for (int i = 0; i < workers; ++i) {
+      ASSERT_TRUE(cluster_.StartWorker(
+          absl::StrCat("w", i), 1, trainer_,
+          {{"FAKE_STEP_S", absl::StrCat(step_s)}, {"FAKE_HANG_FILE", dir_.File("hang")}}));
+    }
+    ASSERT_TRUE(cluster_.WaitForWorkers(workers)) << cluster_.Logs();
+  }
+
+  std::vector<std::string> Starts(const std::string& ckpt) {
+    return absl::StrSplit(ReadFile(ckpt + "/starts.log"), '\n', absl::SkipEmpty());
+  }
+
+  static bool Terminal(const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+           j.state() == v1::JOB_STATE_CANCELLED;
+  }
+
+  ScratchDir dir_{"spindle-cluster"};
+  ClusterHarness cluster_{&dir_};
+  std::string trainer_;
+};
+
+TEST_F(ClusterControlPlaneTest, SubmitPlaceRunSucceed) {
+  StartCluster(2, 0.02);
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(30));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), kSteps);
+  EXPECT_EQ(job->attempt(), 1);
+  EXPECT_EQ(job->last_checkpoint_step(), 20);
+  ASSERT_EQ(job->ranks_size(), 2);
+  EXPECT_NE(job->ranks(0).worker_id(), job->ranks(1).worker_id());
+  EXPECT_THAT(Starts(ckpt), ::testing::UnorderedElementsAre("attempt 1 rank 0 start 0",
+                                                             "attempt 1 rank 1 start 0"));
+}
+
+TEST_F(ClusterControlPlaneTest, CancelStopsEveryRank) {
+  StartCluster(2, 0.5);
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(dir_.File("ckpt"), 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 1; },
+                               std::chrono::seconds(20)).has_value());
+  ASSERT_EQ(ProcessesWithArgs({"--job-id", *id}).size(), 2u);
+  ASSERT_TRUE(cluster_.Cancel(*id));
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(10));
+  ASSERT_TRUE(job.has_value());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id}).empty(); },
+                      std::chrono::seconds(5)))
+      << cluster_.Logs();
+}
+
+TEST_F(ClusterControlPlaneTest, KilledTrainerRestartsFromCheckpointAndFinishes) {
+  StartCluster(2, 0.15);
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 5; },
+                               std::chrono::seconds(30)).has_value()) << cluster_.Logs();
+  std::vector<pid_t> rank1 = ProcessesWithArgs({"--job-id", *id, "--rank", "1"});
+  std::string seen;
+  for (pid_t p : rank1) {
+    absl::StrAppend(&seen, p, " ppid ", testing::ParentPid(p), ": ",
+                    ReadFile(absl::StrCat("/proc/", p, "/cmdline")), "\n");
+  }
+  ASSERT_EQ(rank1.size(), 1u) << seen;
+  ASSERT_EQ(::kill(rank1[0], SIGKILL), 0);
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), kSteps);
+  EXPECT_EQ(job->attempt(), 2);
+  EXPECT_EQ(job->restarts(), 1);
+  // Attempt 2 resumed from a checkpoint, not from scratch.
+  int resumed = 0;
+  for (const std::string& line : Starts(ckpt)) {
+    if (absl::StartsWith(line, "attempt 2 ")) {
+      EXPECT_THAT(line, ::testing::Not(::testing::EndsWith(" start 0"))) << line;
+      ++resumed;
+    }
+  }
+  EXPECT_EQ(resumed, 2);
+}
+
+TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
+  StartCluster(3, 0.15);
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto running = cluster_.WaitJob(*id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 5; },
+                                  std::chrono::seconds(30));
+  ASSERT_TRUE(running.has_value());
+  const std::string victim = running->ranks(1).worker_id();
+  const std::vector<pid_t> victim_trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "1"});
+  cluster_.KillWorker(victim);
+  // The killed daemon's trainer dies with it.
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id, "--rank", "1", "--attempt", "1"}).empty(); },
+                      std::chrono::seconds(5)));
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), kSteps);
+  EXPECT_GE(job->attempt(), 2);
+  for (const auto& r : job->ranks()) EXPECT_NE(r.worker_id(), victim);
+}
+
+TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
+  StartCluster(2, 0.15);
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 3; },
+                               std::chrono::seconds(30)).has_value());
+  cluster_.KillCoordinator();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
+                                         "--stop_grace=1", "--recovery_grace=10"}))
+      << cluster_.Logs();
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  ASSERT_TRUE(job.has_value()) << cluster_.Logs();
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), kSteps) << ClusterHarness::Events(*job) << ReadFile(ckpt + "/starts.log");
+  // The running gang was re-adopted, not restarted.
+  EXPECT_EQ(job->attempt(), 1) << ClusterHarness::Events(*job);
+}
+
+TEST_F(ClusterControlPlaneTest, HungRankIsDetectedAndRestartedWithinSeconds) {
+  { std::ofstream(dir_.File("hang")) << "1"; }
+  StartCluster(2, 0.05, {"--hang_timeout=2"});
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 8; },
+                               std::chrono::seconds(30)).has_value());
+  const auto hung_at = std::chrono::steady_clock::now();
+  auto restarted = cluster_.WaitJob(*id, [](const v1::Job& j) { return j.attempt() >= 2; },
+                                    std::chrono::seconds(20));
+  ASSERT_TRUE(restarted.has_value());
+  ASSERT_GE(restarted->attempt(), 2) << ClusterHarness::Events(*restarted) << cluster_.Logs();
+  EXPECT_LT(std::chrono::steady_clock::now() - hung_at, std::chrono::seconds(8));
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), kSteps);
+  EXPECT_THAT(ClusterHarness::Events(*job), ::testing::HasSubstr("made no progress"));
+}
+
+}  // namespace
+}  // namespace spindle
