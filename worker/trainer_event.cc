@@ -84,6 +84,8 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
   for (const auto& [name, out] : numbers) {
     if (!(s = NumberField(obj, name, out)).ok()) return s;
   }
+  // spindle-train spells the step time "step_s".
+  if (!event.step_time_s && !(s = NumberField(obj, "step_s", &event.step_time_s)).ok()) return s;
   if (!(s = StringField(obj, "path", &event.path)).ok()) return s;
   if (!(s = StringField(obj, "message", &event.message)).ok()) return s;
   auto comm = obj.find("comm");

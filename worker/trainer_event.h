@@ -11,7 +11,8 @@
 //   "tokens_per_s":     float, this rank's (or the job's, as the trainer defines) throughput
 //   "lr", "grad_norm":  float
 //   "elapsed_s":        float, seconds since the trainer started
-//   "step_time_s":      float, wall time of this step (when absent the daemon uses the change of
+//   "step_time_s" (or "step_s", as spindle-train prints it):
+//                       float, wall time of this step (when absent the daemon uses the change of
 //                       elapsed_s since the previous step line divided by the steps between them)
 //   "mfu":              float in [0, 1], model FLOP utilisation
 //   "mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes": int, device memory
