@@ -834,6 +834,9 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         r->last_report_ms = now;
         if (e.exit_code() == 0 && e.signal() == 0) {
           r->state = "exited";
+          // A trainer exits 0 only after its last step; its final progress line may have been
+          // sent while this coordinator was away.
+          r->step = std::max<int64_t>(r->step, j->spec.train.steps);
           bool all = true;
           for (const RankRuntime& o : j->ranks) all = all && o.state == "exited";
           if (all) {
