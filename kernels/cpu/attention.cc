@@ -9,7 +9,6 @@
 // share a head, reduced afterwards. No two threads ever write the same value.
 #include "kernels/cpu/attention.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -19,48 +18,15 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels/cpu/thread_local_gemm.h"
+
 namespace spindle::kernels::cpu {
 namespace {
 
 constexpr int64_t kBlock = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// OpenBLAS hands a GEMM to its own thread pool above m*n*k = 64^3; called from inside an OpenMP
-// region that oversubscribes the cores and runs several times slower. Every product here is cut
-// into pieces of at most that size so each piece runs on the calling thread.
-constexpr int64_t kMaxSingleThreadGemm = 64 * 64 * 64;
-
-// C = alpha * op(A) op(B) + beta * C, row-major, op = transpose when the flag is set.
-void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m <= 0 || n <= 0) return;
-  if (k <= 0) {
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-    }
-    return;
-  }
-  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
-  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
-  if (m * n * k <= kMaxSingleThreadGemm) {
-    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
-  const int64_t mb = std::min<int64_t>(m, 64);
-  const int64_t nb = std::min<int64_t>(n, 64);
-  const int64_t kb = std::max<int64_t>(1, kMaxSingleThreadGemm / (mb * nb));
-  for (int64_t i0 = 0; i0 < m; i0 += mb) {
-    for (int64_t j0 = 0; j0 < n; j0 += nb) {
-      for (int64_t p0 = 0; p0 < k; p0 += kb) {
-        const float* ap = trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0;
-        const float* bp = trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0;
-        cblas_sgemm(CblasRowMajor, ta, tb, std::min(mb, m - i0), std::min(nb, n - j0),
-                    std::min(kb, k - p0), alpha, ap, lda, bp, ldb, p0 == 0 ? beta : 1.0f,
-                    c + i0 * ldc + j0, ldc);
-      }
-    }
-  }
-}
+using internal::ThreadLocalGemm;
 
 // exp(x) to a few ulp for x <= 88 (Cephes' expf polynomial), exactly 0 for x < -87 (so -inf
 // gives 0). Branch-free so that loops over it vectorise.
@@ -193,11 +159,11 @@ void ForwardTile(const float* q, const float* k, const float* v, const Attention
   for (int64_t j0 = jlo; j0 < jhi; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, jhi - j0);
     if (!TileMask(mask, i0, mb, j0, nb, t.lo, t.hi)) continue;
-    Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, k + (j0 * H + h) * dqk, H * dqk, 0.0f,
-         t.s.data(), kBlock);
+    ThreadLocalGemm(false, true, mb, nb, dqk, scale, qt, H * dqk, k + (j0 * H + h) * dqk, H * dqk,
+                    0.0f, t.s.data(), kBlock);
     OnlineSoftmaxTile(t.s.data(), mb, nb, t.lo, t.hi, t.m, t.l, t.acc.data(), dv);
-    Gemm(false, false, mb, dv, nb, 1.0f, t.s.data(), kBlock, v + (j0 * H + h) * dv, H * dv, 1.0f,
-         t.acc.data(), dv);
+    ThreadLocalGemm(false, false, mb, dv, nb, 1.0f, t.s.data(), kBlock, v + (j0 * H + h) * dv,
+                    H * dv, 1.0f, t.acc.data(), dv);
   }
   for (int64_t r = 0; r < mb; ++r) {
     float* o = out + ((i0 + r) * H + h) * dv;
@@ -240,19 +206,19 @@ void BackwardKeyTile(const float* q, const float* k, const float* v, const float
     const float* gt = dout + (i0 * H + h) * dv;
     float* p = t.p.data();
     float* ds = t.s.data();
-    Gemm(false, true, mb, nb, dqk, scale, qt, H * dqk, kt, H * dqk, 0.0f, p, kBlock);
+    ThreadLocalGemm(false, true, mb, nb, dqk, scale, qt, H * dqk, kt, H * dqk, 0.0f, p, kBlock);
     for (int64_t r = 0; r < mb; ++r) {
       t.row_lse[r] = lse[(i0 + r) * H + h];
       t.row_delta[r] = delta[(i0 + r) * H + h];
     }
     ProbabilityTile(p, mb, nb, t.lo, t.hi, t.row_lse);
     // dv += P^T dO; dP = dO V^T; dS = P (dP - delta).
-    Gemm(true, false, nb, dv, mb, 1.0f, p, kBlock, gt, H * dv, 1.0f, dvt, H * dv);
-    Gemm(false, true, mb, nb, dv, 1.0f, gt, H * dv, vt, H * dv, 0.0f, ds, kBlock);
+    ThreadLocalGemm(true, false, nb, dv, mb, 1.0f, p, kBlock, gt, H * dv, 1.0f, dvt, H * dv);
+    ThreadLocalGemm(false, true, mb, nb, dv, 1.0f, gt, H * dv, vt, H * dv, 0.0f, ds, kBlock);
     SoftmaxGradTile(p, ds, mb, nb, t.row_delta);
-    Gemm(true, false, nb, dqk, mb, scale, ds, kBlock, qt, H * dqk, 1.0f, dkt, H * dqk);
-    Gemm(false, false, mb, dqk, nb, scale, ds, kBlock, kt, H * dqk, 1.0f, dq_acc + i0 * ld_dq,
-         ld_dq);
+    ThreadLocalGemm(true, false, nb, dqk, mb, scale, ds, kBlock, qt, H * dqk, 1.0f, dkt, H * dqk);
+    ThreadLocalGemm(false, false, mb, dqk, nb, scale, ds, kBlock, kt, H * dqk, 1.0f,
+                    dq_acc + i0 * ld_dq, ld_dq);
   }
 }
 

@@ -7,7 +7,6 @@
 // boundary never falls inside a chunk.
 #include "kernels/cpu/lightning.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -15,47 +14,14 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/thread_local_gemm.h"
+
 namespace spindle::kernels::cpu {
 namespace {
 
 constexpr int64_t kChunk = 64;
 
-// OpenBLAS hands a GEMM to its own thread pool above m*n*k = 64^3; called from inside an OpenMP
-// region that oversubscribes the cores and runs several times slower. Every product here is cut
-// into pieces of at most that size so each piece runs on the calling thread.
-constexpr int64_t kMaxSingleThreadGemm = 64 * 64 * 64;
-
-// C = alpha * op(A) op(B) + beta * C, row-major, op = transpose when the flag is set.
-void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m <= 0 || n <= 0) return;
-  if (k <= 0) {
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-    }
-    return;
-  }
-  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
-  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
-  if (m * n * k <= kMaxSingleThreadGemm) {
-    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
-  const int64_t mb = std::min<int64_t>(m, 64);
-  const int64_t nb = std::min<int64_t>(n, 64);
-  const int64_t kb = std::max<int64_t>(1, kMaxSingleThreadGemm / (mb * nb));
-  for (int64_t i0 = 0; i0 < m; i0 += mb) {
-    for (int64_t j0 = 0; j0 < n; j0 += nb) {
-      for (int64_t p0 = 0; p0 < k; p0 += kb) {
-        const float* ap = trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0;
-        const float* bp = trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0;
-        cblas_sgemm(CblasRowMajor, ta, tb, std::min(mb, m - i0), std::min(nb, n - j0),
-                    std::min(kb, k - p0), alpha, ap, lda, bp, ldb, p0 == 0 ? beta : 1.0f,
-                    c + i0 * ldc + j0, ldc);
-      }
-    }
-  }
-}
+using internal::ThreadLocalGemm;
 
 // Per-thread buffers, sized once per call.
 struct ChunkScratch {
@@ -99,8 +65,8 @@ void ApplyCausalDecay(float* m, int64_t len, const float* decay) {
 void AdvanceState(const float* k, const float* v, int64_t ld, int64_t len, int64_t dh,
                   const float* decay, bool have_state, ChunkScratch& s) {
   ScaleRows(k, ld, len, dh, decay, len - 1, -1, 1.0f, s.rows.data());
-  Gemm(true, false, dh, dh, len, 1.0f, s.rows.data(), dh, v, ld, have_state ? decay[len] : 0.0f,
-       s.state.data(), dh);
+  ThreadLocalGemm(true, false, dh, dh, len, 1.0f, s.rows.data(), dh, v, ld,
+                  have_state ? decay[len] : 0.0f, s.state.data(), dh);
 }
 
 struct Segment {
@@ -127,13 +93,14 @@ void ForwardSegment(const float* q, const float* k, const float* v, const float*
     const float* vc = v + c0 * ld;
     float* oc = out + c0 * ldo;
     // Intra-chunk: (scale * Q K^T, decay-masked) V.
-    Gemm(false, true, len, len, dh, scale, qc, ld, kc, ld, 0.0f, s.a.data(), kChunk);
+    ThreadLocalGemm(false, true, len, len, dh, scale, qc, ld, kc, ld, 0.0f, s.a.data(), kChunk);
     ApplyCausalDecay(s.a.data(), len, decay);
-    Gemm(false, false, len, dh, len, 1.0f, s.a.data(), kChunk, vc, ld, 0.0f, oc, ldo);
+    ThreadLocalGemm(false, false, len, dh, len, 1.0f, s.a.data(), kChunk, vc, ld, 0.0f, oc, ldo);
     // Inter-chunk: scale * a^(i+1) q_i S.
     if (have_state) {
       ScaleRows(qc, ld, len, dh, decay, 1, 1, scale, s.rows.data());
-      Gemm(false, false, len, dh, dh, 1.0f, s.rows.data(), dh, s.state.data(), dh, 1.0f, oc, ldo);
+      ThreadLocalGemm(false, false, len, dh, dh, 1.0f, s.rows.data(), dh, s.state.data(), dh, 1.0f,
+                      oc, ldo);
     }
     if (c0 + len < seg.end || end_state != nullptr) {
       AdvanceState(kc, vc, ld, len, dh, decay, have_state, s);
@@ -172,25 +139,27 @@ void BackwardSegment(const float* q, const float* k, const float* v, const float
     float* dkc = dk + c0 * ld;
     float* dvc = dv + c0 * ld;
     // A = Q K^T and B = G V^T, both decay-masked: A[j, i] = a^(j-i) q_j.k_i for j >= i.
-    Gemm(false, true, len, len, dh, 1.0f, qc, ld, kc, ld, 0.0f, s.a.data(), kChunk);
-    Gemm(false, true, len, len, dh, 1.0f, gc, ldo, vc, ld, 0.0f, s.b.data(), kChunk);
+    ThreadLocalGemm(false, true, len, len, dh, 1.0f, qc, ld, kc, ld, 0.0f, s.a.data(), kChunk);
+    ThreadLocalGemm(false, true, len, len, dh, 1.0f, gc, ldo, vc, ld, 0.0f, s.b.data(), kChunk);
     ApplyCausalDecay(s.a.data(), len, decay);
     ApplyCausalDecay(s.b.data(), len, decay);
-    Gemm(false, false, len, dh, len, scale, s.b.data(), kChunk, kc, ld, 0.0f, dqc, ld);
-    Gemm(true, false, len, dh, len, scale, s.b.data(), kChunk, qc, ld, 0.0f, dkc, ld);
-    Gemm(true, false, len, dh, len, scale, s.a.data(), kChunk, gc, ldo, 0.0f, dvc, ld);
+    ThreadLocalGemm(false, false, len, dh, len, scale, s.b.data(), kChunk, kc, ld, 0.0f, dqc, ld);
+    ThreadLocalGemm(true, false, len, dh, len, scale, s.b.data(), kChunk, qc, ld, 0.0f, dkc, ld);
+    ThreadLocalGemm(true, false, len, dh, len, scale, s.a.data(), kChunk, gc, ldo, 0.0f, dvc, ld);
     if (have_dn) {
       // dk_i += a^(len-1-i) v_i dn^T, dv_i += a^(len-1-i) k_i dn.
       ScaleRows(vc, ld, len, dh, decay, len - 1, -1, 1.0f, s.rows.data());
-      Gemm(false, true, len, dh, dh, 1.0f, s.rows.data(), dh, dn.data(), dh, 1.0f, dkc, ld);
+      ThreadLocalGemm(false, true, len, dh, dh, 1.0f, s.rows.data(), dh, dn.data(), dh, 1.0f, dkc,
+                      ld);
       ScaleRows(kc, ld, len, dh, decay, len - 1, -1, 1.0f, s.rows.data());
-      Gemm(false, false, len, dh, dh, 1.0f, s.rows.data(), dh, dn.data(), dh, 1.0f, dvc, ld);
+      ThreadLocalGemm(false, false, len, dh, dh, 1.0f, s.rows.data(), dh, dn.data(), dh, 1.0f, dvc,
+                      ld);
     }
     if (ci > 0 || d_carry != nullptr) {
       // Gradient w.r.t. the state entering this chunk: a^len dn + scale sum_i a^(i+1) q_i^T g_i.
       ScaleRows(qc, ld, len, dh, decay, 1, 1, scale, s.rows.data());
-      Gemm(true, false, dh, dh, len, 1.0f, s.rows.data(), dh, gc, ldo, have_dn ? decay[len] : 0.0f,
-           dn.data(), dh);
+      ThreadLocalGemm(true, false, dh, dh, len, 1.0f, s.rows.data(), dh, gc, ldo,
+                      have_dn ? decay[len] : 0.0f, dn.data(), dh);
       have_dn = true;
     }
   }
@@ -210,8 +179,8 @@ void BackwardSegment(const float* q, const float* k, const float* v, const float
     if (have_state) {
       // dq_i += scale a^(i+1) g_i S^T.
       ScaleRows(dout + c0 * ldo, ldo, len, dh, decay, 1, 1, scale, s.rows.data());
-      Gemm(false, true, len, dh, dh, 1.0f, s.rows.data(), dh, s.state.data(), dh, 1.0f,
-           dq + c0 * ld, ld);
+      ThreadLocalGemm(false, true, len, dh, dh, 1.0f, s.rows.data(), dh, s.state.data(), dh, 1.0f,
+                      dq + c0 * ld, ld);
     }
     if (ci + 1 < n_chunks) {
       AdvanceState(k + c0 * ld, v + c0 * ld, ld, len, dh, decay, have_state, s);
@@ -303,8 +272,8 @@ void LightningCarryCorrection(const float* q, const float* log_decay, const floa
         const float* src = q + (t0 + i) * ld + h * dh;
         for (int64_t j = 0; j < dh; ++j) rows[i * dh + j] = f * src[j];
       }
-      Gemm(false, false, len, dh, dh, 1.0f, rows.data(), dh, P + h * dh * dh, dh, 1.0f,
-           out + t0 * ldo + h * dh, ldo);
+      ThreadLocalGemm(false, false, len, dh, dh, 1.0f, rows.data(), dh, P + h * dh * dh, dh, 1.0f,
+                      out + t0 * ldo + h * dh, ldo);
     }
   }
 }
@@ -326,16 +295,16 @@ void LightningCarryCorrectionBackward(const float* q, const float* log_decay, co
           const float* src = dout + (t0 + i) * ldo + h * dh;
           for (int64_t j = 0; j < dh; ++j) rows[i * dh + j] = f * src[j];
         }
-        Gemm(false, true, len, dh, dh, 1.0f, rows.data(), dh, P + h * dh * dh, dh, 1.0f,
-             dq + t0 * ld + h * dh, ld);
+        ThreadLocalGemm(false, true, len, dh, dh, 1.0f, rows.data(), dh, P + h * dh * dh, dh, 1.0f,
+                        dq + t0 * ld + h * dh, ld);
         // dP += sum_t scale a^(t+1) q_t^T dout_t.
         for (int64_t i = 0; i < len; ++i) {
           const float f = scale * std::exp(static_cast<float>(t0 + i + 1) * log_decay[h]);
           const float* src = q + (t0 + i) * ld + h * dh;
           for (int64_t j = 0; j < dh; ++j) rows[i * dh + j] = f * src[j];
         }
-        Gemm(true, false, dh, dh, len, 1.0f, rows.data(), dh, dout + t0 * ldo + h * dh, ldo, 1.0f,
-             dP + h * dh * dh, dh);
+        ThreadLocalGemm(true, false, dh, dh, len, 1.0f, rows.data(), dh, dout + t0 * ldo + h * dh,
+                        ldo, 1.0f, dP + h * dh * dh, dh);
       }
     }
   }
