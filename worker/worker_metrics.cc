@@ -10,7 +10,7 @@ namespace spindle {
 namespace {
 
 MetricLabels RankLabels(const std::string& job, int64_t rank) {
-  return {{"job", job}, {"rank", absl::StrCat(rank)}};
+  return {{"job_id", job}, {"rank", absl::StrCat(rank)}};
 }
 
 template <typename T>
@@ -30,46 +30,44 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
                                                                      size_t max_jobs) {
   std::unique_ptr<WorkerMetrics> m(new WorkerMetrics());
   m->max_jobs_ = std::max<size_t>(1, max_jobs);
-  const std::vector<std::string> rank_labels = {"job", "rank"};
-  ASSIGN_OR_RETURN(m->tokens_per_second_,
-                   registry->GaugeFamily("spindle_tokens_per_second",
-                                         "Training throughput reported by the rank's trainer.",
-                                         rank_labels));
-  ASSIGN_OR_RETURN(m->step_seconds_,
-                   registry->HistogramFamily("spindle_step_seconds",
-                                             "Wall time of one optimizer step.", rank_labels,
-                                             ExponentialBuckets(0.005, 2.0, 16)));
-  ASSIGN_OR_RETURN(m->loss_, registry->GaugeFamily("spindle_loss", "Training loss of the last step.",
-                                                   rank_labels));
-  ASSIGN_OR_RETURN(m->mfu_, registry->GaugeFamily(
-                                "spindle_mfu", "Model FLOP utilisation (0..1) of the last step.",
-                                rank_labels));
+  const std::vector<std::string> rank_labels = {"job_id", "rank"};
+  ASSIGN_OR_RETURN(
+      m->tokens_per_second_,
+      registry->GaugeFamily("spindle_tokens_per_second",
+                            "Training throughput reported by the rank's trainer.", rank_labels));
+  ASSIGN_OR_RETURN(m->step_seconds_, registry->HistogramFamily(
+                                         "spindle_step_seconds", "Wall time of one optimizer step.",
+                                         rank_labels, ExponentialBuckets(0.005, 2.0, 16)));
+  ASSIGN_OR_RETURN(m->loss_, registry->GaugeFamily("spindle_loss",
+                                                   "Training loss of the last step.", rank_labels));
+  ASSIGN_OR_RETURN(
+      m->mfu_, registry->GaugeFamily(
+                   "spindle_mfu", "Model FLOP utilisation (0..1) of the last step.", rank_labels));
   ASSIGN_OR_RETURN(m->step_, registry->GaugeFamily("spindle_training_step",
                                                    "Last completed optimizer step.", rank_labels));
   ASSIGN_OR_RETURN(m->device_memory_,
                    registry->GaugeFamily("spindle_device_memory_bytes",
                                          "Device memory of the trainer by kind (allocated, "
                                          "reserved, peak).",
-                                         {"job", "rank", "kind"}));
-  ASSIGN_OR_RETURN(m->host_rss_,
-                   registry->GaugeFamily("spindle_host_rss_bytes",
-                                         "Resident host memory of the trainer process.",
-                                         rank_labels));
-  ASSIGN_OR_RETURN(m->comm_seconds_,
-                   registry->CounterFamily("spindle_comm_seconds_total",
-                                           "Time spent in collectives by collective and layer type.",
-                                           {"job", "rank", "collective", "layer_type"}));
-  ASSIGN_OR_RETURN(m->comm_bytes_,
-                   registry->CounterFamily("spindle_comm_bytes_total",
-                                           "Bytes moved by collectives by collective and layer type.",
-                                           {"job", "rank", "collective", "layer_type"}));
+                                         {"job_id", "rank", "kind"}));
+  ASSIGN_OR_RETURN(m->host_rss_, registry->GaugeFamily(
+                                     "spindle_host_rss_bytes",
+                                     "Resident host memory of the trainer process.", rank_labels));
+  ASSIGN_OR_RETURN(m->comm_seconds_, registry->CounterFamily(
+                                         "spindle_comm_seconds_total",
+                                         "Time spent in collectives by collective and layer type.",
+                                         {"job_id", "rank", "collective", "layer_type"}));
+  ASSIGN_OR_RETURN(m->comm_bytes_, registry->CounterFamily(
+                                       "spindle_comm_bytes_total",
+                                       "Bytes moved by collectives by collective and layer type.",
+                                       {"job_id", "rank", "collective", "layer_type"}));
   ASSIGN_OR_RETURN(m->restarts_,
                    registry->CounterFamily("spindle_restarts_total",
                                            "Restarted attempts of the rank started on this worker.",
                                            rank_labels));
-  ASSIGN_OR_RETURN(m->exits_, registry->CounterFamily("spindle_worker_trainer_exits_total",
-                                                      "Trainer process exits by reason.",
-                                                      {"reason"}));
+  ASSIGN_OR_RETURN(m->exits_,
+                   registry->CounterFamily("spindle_worker_trainer_exits_total",
+                                           "Trainer process exits by reason.", {"reason"}));
   for (const char* reason : {"success", "error", "signal", "stopped", "launch_failed"}) {
     RETURN_IF_ERROR(m->exits_->Add({{"reason", reason}}).status());
   }
@@ -103,8 +101,8 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
   return m;
 }
 
-void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank,
-                                   const TrainerEvent& event, pid_t trainer_pid) {
+void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank, const TrainerEvent& event,
+                                   pid_t trainer_pid) {
   const MetricLabels labels = RankLabels(job, rank);
   absl::MutexLock lock(&mu_);
   TouchJob(job);
@@ -134,7 +132,8 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank,
       {"reserved", &event.mem_reserved_bytes},
       {"peak", &event.mem_peak_bytes}};
   for (const auto& [kind, value] : memory) {
-    SetGauge(device_memory_, {{"job", job}, {"rank", absl::StrCat(rank)}, {"kind", kind}}, *value);
+    SetGauge(device_memory_, {{"job_id", job}, {"rank", absl::StrCat(rank)}, {"kind", kind}},
+             *value);
   }
   if (event.host_rss_bytes) {
     SetGauge(host_rss_, labels, event.host_rss_bytes);
@@ -143,7 +142,7 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank,
     if (rss.ok() && *rss > 0) SetGauge(host_rss_, labels, static_cast<double>(*rss));
   }
   for (const CommStat& c : event.comm) {
-    const MetricLabels comm_labels = {{"job", job},
+    const MetricLabels comm_labels = {{"job_id", job},
                                       {"rank", absl::StrCat(rank)},
                                       {"collective", c.collective},
                                       {"layer_type", c.layer_type}};
@@ -202,11 +201,11 @@ void WorkerMetrics::DropJob(const std::string& job) {
     step_seconds_->Remove(labels).IgnoreError();
     restarts_->Remove(labels).IgnoreError();
     for (const char* kind : {"allocated", "reserved", "peak"}) {
-      device_memory_->Remove({{"job", job}, {"rank", rank}, {"kind", kind}}).IgnoreError();
+      device_memory_->Remove({{"job_id", job}, {"rank", rank}, {"kind", kind}}).IgnoreError();
     }
     for (const auto& [collective, layer_type] : it->second.comm_labels) {
       const MetricLabels comm_labels = {
-          {"job", job}, {"rank", rank}, {"collective", collective}, {"layer_type", layer_type}};
+          {"job_id", job}, {"rank", rank}, {"collective", collective}, {"layer_type", layer_type}};
       comm_seconds_->Remove(comm_labels).IgnoreError();
       comm_bytes_->Remove(comm_labels).IgnoreError();
     }

@@ -1,6 +1,7 @@
 // WorkerMetrics: the worker daemon's Prometheus series (DESIGN.md section 6), fed from the
 // trainers' progress lines and from the daemon's own events. Every per-rank series carries the
-// labels {job, rank}:
+// labels {job_id, rank} (not `job`: Prometheus reserves that label for the scrape job and would
+// rename ours to `exported_job`):
 //   spindle_tokens_per_second             gauge
 //   spindle_step_seconds                  histogram
 //   spindle_loss                          gauge

@@ -168,7 +168,7 @@ TEST_F(WorkerDaemonTest, RegistersHeartbeatsRunsAssignmentsAndServesMetrics) {
   auto res = client.Get("/metrics");
   ASSERT_TRUE(res) << "no /metrics response";
   EXPECT_EQ(res->status, 200);
-  EXPECT_THAT(res->body, HasSubstr("spindle_loss{job=\"j-1\",rank=\"0\"} 3.5\n"));
+  EXPECT_THAT(res->body, HasSubstr("spindle_loss{job_id=\"j-1\",rank=\"0\"} 3.5\n"));
   EXPECT_THAT(res->body, HasSubstr("spindle_worker_slots 2\n"));
   EXPECT_THAT(res->body, HasSubstr("spindle_worker_coordinator_connected 1\n"));
   EXPECT_THAT(res->body, HasSubstr("spindle_worker_trainer_exits_total{reason=\"error\"} 1\n"));
@@ -293,7 +293,8 @@ TEST_F(WorkerDaemonTest, MissingTrainerBinaryIsReportedNotFatal) {
   EXPECT_THAT(Exits()[0].stderr_tail(0), HasSubstr("no-such-spindle-train"));
   // Still serving: the next heartbeat arrives.
   const size_t before = coordinator_.Of(v1::WorkerMessage::kHeartbeat).size();
-  EXPECT_TRUE(WaitFor([&] { return coordinator_.Of(v1::WorkerMessage::kHeartbeat).size() > before; }));
+  EXPECT_TRUE(
+      WaitFor([&] { return coordinator_.Of(v1::WorkerMessage::kHeartbeat).size() > before; }));
 }
 
 }  // namespace

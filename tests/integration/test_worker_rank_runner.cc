@@ -1,8 +1,6 @@
 // RankRunner with fake trainers (/bin/sh scripts): the trainer command line and environment, the
 // job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
 // with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines.
-#include "worker/rank_runner.h"
-
 #include <signal.h>
 
 #include <string>
@@ -15,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/worker_test_util.h"
+#include "worker/rank_runner.h"
 #include "worker/trainer_event.h"
 #include "worker/worker_metrics.h"
 
@@ -52,7 +51,8 @@ class RecordingSink : public MessageSink {
   std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
 };
 
-v1::Assignment MakeAssignment(const std::string& job, int64_t attempt, int64_t rank, int64_t world) {
+v1::Assignment MakeAssignment(const std::string& job, int64_t attempt, int64_t rank,
+                              int64_t world) {
   v1::Assignment a;
   a.mutable_ref()->set_job_id(job);
   a.mutable_ref()->set_attempt(attempt);
@@ -151,44 +151,44 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
 
   // The command line and environment of the trainer, and the spec file it was given.
   const std::string attempt_dir = dir_.File("work/j-1/1");
-  const std::vector<std::string> args = absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n',
-                                                       absl::SkipEmpty());
-  EXPECT_THAT(args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
-                                "--lightning-mode", "allgather", "--mla-mode", "all2all",
-                                "--rendezvous", "127.0.0.1:7071", "--job-id", "j-1", "--attempt",
-                                "1", "--checkpoint-dir", "/tmp/ckpt-dir", "--token-file",
-                                "/etc/spindle/token"));
+  const std::vector<std::string> args =
+      absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n', absl::SkipEmpty());
+  EXPECT_THAT(args,
+              ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
+                          "--lightning-mode", "allgather", "--mla-mode", "all2all", "--rendezvous",
+                          "127.0.0.1:7071", "--job-id", "j-1", "--attempt", "1", "--checkpoint-dir",
+                          "/tmp/ckpt-dir", "--token-file", "/etc/spindle/token"));
   EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
   EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
   EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");
 
   // Metrics from the step lines.
   const std::string text = registry_.Serialize();
-  EXPECT_THAT(text, HasSubstr("spindle_loss{job=\"j-1\",rank=\"1\"} 4.25\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_tokens_per_second{job=\"j-1\",rank=\"1\"} 1200\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_mfu{job=\"j-1\",rank=\"1\"} 0.25\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_training_step{job=\"j-1\",rank=\"1\"} 2\n"));
-  EXPECT_THAT(text,
-              HasSubstr("spindle_device_memory_bytes{job=\"j-1\",rank=\"1\",kind=\"peak\"} 1500\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_comm_seconds_total{job=\"j-1\",rank=\"1\","
+  EXPECT_THAT(text, HasSubstr("spindle_loss{job_id=\"j-1\",rank=\"1\"} 4.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_tokens_per_second{job_id=\"j-1\",rank=\"1\"} 1200\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_mfu{job_id=\"j-1\",rank=\"1\"} 0.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_training_step{job_id=\"j-1\",rank=\"1\"} 2\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr("spindle_device_memory_bytes{job_id=\"j-1\",rank=\"1\",kind=\"peak\"} 1500\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_comm_seconds_total{job_id=\"j-1\",rank=\"1\","
                               "collective=\"all_gather\",layer_type=\"lightning\"} 0.75\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_comm_bytes_total{job=\"j-1\",rank=\"1\","
+  EXPECT_THAT(text, HasSubstr("spindle_comm_bytes_total{job_id=\"j-1\",rank=\"1\","
                               "collective=\"all_gather\",layer_type=\"lightning\"} 8192\n"));
   // Step times derived from elapsed_s: 1.0 and 0.75 seconds.
-  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_count{job=\"j-1\",rank=\"1\"} 2\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_sum{job=\"j-1\",rank=\"1\"} 1.75\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_count{job_id=\"j-1\",rank=\"1\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_step_seconds_sum{job_id=\"j-1\",rank=\"1\"} 1.75\n"));
   EXPECT_THAT(text, HasSubstr("spindle_worker_trainer_exits_total{reason=\"success\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("spindle_worker_running_ranks 0\n"));
-  EXPECT_THAT(text, HasSubstr("spindle_restarts_total{job=\"j-1\",rank=\"1\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_restarts_total{job_id=\"j-1\",rank=\"1\"} 0\n"));
   EXPECT_EQ(runner.running_count(), 0u);
 }
 
 TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {
-  const std::string trainer =
-      WriteScript(dir_, "trainer.sh",
-                  "echo '{\"event\":\"step\",\"step\":7,\"loss\":1.0}'\n"
-                  "echo 'working' >&2\n"
-                  "exec sleep 1000\n");
+  const std::string trainer = WriteScript(dir_, "trainer.sh",
+                                          "echo '{\"event\":\"step\",\"step\":7,\"loss\":1.0}'\n"
+                                          "echo 'working' >&2\n"
+                                          "exec sleep 1000\n");
   RankRunner runner(Options(trainer), metrics_.get(), &sink_);
   ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 0, 2)).ok());
   ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 1, 2)).ok());
@@ -198,10 +198,12 @@ TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {
   ASSERT_EQ(running.size(), 3u);
   for (const auto& r : running) EXPECT_EQ(r.step(), 7);
   EXPECT_THAT(registry_.Serialize(), HasSubstr("spindle_worker_running_ranks 3\n"));
-  EXPECT_THAT(registry_.Serialize(), HasSubstr("spindle_restarts_total{job=\"j-b\",rank=\"0\"} 1\n"));
-  // The trainer's RSS, read from /proc while it runs.
   EXPECT_THAT(registry_.Serialize(),
-              ::testing::ContainsRegex("spindle_host_rss_bytes\\{job=\"j-a\",rank=\"0\"\\} [1-9]"));
+              HasSubstr("spindle_restarts_total{job_id=\"j-b\",rank=\"0\"} 1\n"));
+  // The trainer's RSS, read from /proc while it runs.
+  EXPECT_THAT(
+      registry_.Serialize(),
+      ::testing::ContainsRegex("spindle_host_rss_bytes\\{job_id=\"j-a\",rank=\"0\"\\} [1-9]"));
 
   // A repeated assignment of a running rank only confirms it.
   ASSERT_TRUE(runner.Start(MakeAssignment("j-a", 1, 0, 2)).ok());
