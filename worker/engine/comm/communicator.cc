@@ -1,0 +1,164 @@
+// The communicator thread, handles and per-collective accounting (see communicator.h).
+#include "worker/engine/comm/communicator.h"
+
+#include <chrono>
+#include <cstring>
+
+namespace spindle {
+
+const char* CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kAllToAll: return "all_to_all";
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+const char* CommLayerName(CommLayer l) {
+  switch (l) {
+    case CommLayer::kLightning: return "lightning";
+    case CommLayer::kMla: return "mla";
+    case CommLayer::kGrad: return "grad";
+    case CommLayer::kOther: return "other";
+  }
+  return "other";
+}
+
+int64_t CommTypeSize(CommType t) {
+  switch (t) {
+    case CommType::kF64: return 8;
+    case CommType::kByte: return 1;
+    default: return 4;
+  }
+}
+
+absl::Status CommHandle::Wait() {
+  if (!state_) return absl::OkStatus();
+  state_->done.WaitForNotification();
+  return state_->status;
+}
+
+Communicator::Communicator(int rank, int size)
+    : rank_(rank), size_(size), thread_([this] { Loop(); }) {}
+
+Communicator::~Communicator() { Shutdown(); }
+
+void Communicator::Shutdown() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Communicator::Loop() {
+  for (;;) {
+    Task task;
+    {
+      absl::MutexLock l(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Communicator* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
+            return c->stopping_ || !c->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stopping, nothing left
+      task = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = task.fn();
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    {
+      absl::MutexLock l(&mu_);
+      CommAmount& a = stats_[{task.collective, task.layer}];
+      a.seconds += dt;
+      a.bytes += task.bytes;
+      a.calls += 1;
+    }
+    task.state->status = std::move(s);
+    task.state->done.Notify();
+  }
+}
+
+CommHandle Communicator::Enqueue(Collective c, CommLayer layer, int64_t bytes,
+                                 std::function<absl::Status()> fn) {
+  CommHandle h;
+  h.state_ = std::make_shared<CommHandle::State>();
+  absl::MutexLock l(&mu_);
+  if (stopping_) {
+    h.state_->status = absl::FailedPreconditionError("communicator: shut down");
+    h.state_->done.Notify();
+    return h;
+  }
+  queue_.push_back(Task{c, layer, bytes, std::move(fn), h.state_});
+  return h;
+}
+
+CommHandle Communicator::AllGatherAsync(const void* in, int64_t n, CommType type, void* out,
+                                        CommLayer layer) {
+  const int64_t nb = n * CommTypeSize(type);
+  return Enqueue(Collective::kAllGather, layer, (size_ - 1) * nb, [=, this]() {
+    if (size_ == 1) {
+      if (nb) std::memmove(out, in, nb);
+      return absl::OkStatus();
+    }
+    return DoAllGather(in, n, type, out);
+  });
+}
+
+CommHandle Communicator::AllToAllAsync(const void* in, int64_t n, CommType type, void* out,
+                                       CommLayer layer) {
+  const int64_t nb = n * CommTypeSize(type);
+  return Enqueue(Collective::kAllToAll, layer, (size_ - 1) * nb, [=, this]() {
+    if (size_ == 1) {
+      if (nb) std::memmove(out, in, nb);
+      return absl::OkStatus();
+    }
+    return DoAllToAll(in, n, type, out);
+  });
+}
+
+CommHandle Communicator::AllReduceSumAsync(void* buf, int64_t n, CommType type, CommLayer layer) {
+  const int64_t bytes = 2 * (size_ - 1) * n * CommTypeSize(type) / size_;
+  return Enqueue(Collective::kAllReduce, layer, bytes, [=, this]() {
+    return size_ == 1 ? absl::OkStatus() : DoAllReduceSum(buf, n, type);
+  });
+}
+
+CommHandle Communicator::ReduceScatterSumAsync(const float* in, int64_t n, float* out,
+                                               CommLayer layer) {
+  return Enqueue(Collective::kReduceScatter, layer, (size_ - 1) * n * 4, [=, this]() {
+    if (size_ == 1) {
+      if (n) std::memmove(out, in, n * 4);
+      return absl::OkStatus();
+    }
+    return DoReduceScatterSum(in, n, out);
+  });
+}
+
+CommHandle Communicator::BroadcastAsync(void* buf, int64_t n, CommType type, int root,
+                                        CommLayer layer) {
+  const int64_t bytes = rank_ == root ? n * CommTypeSize(type) : 0;
+  return Enqueue(Collective::kBroadcast, layer, size_ > 1 ? bytes : 0, [=, this]() {
+    return size_ == 1 ? absl::OkStatus() : DoBroadcast(buf, n, type, root);
+  });
+}
+
+absl::Status Communicator::Barrier() {
+  return Enqueue(Collective::kBarrier, CommLayer::kOther, 0, [this]() {
+           return size_ == 1 ? absl::OkStatus() : DoBarrier();
+         }).Wait();
+}
+
+CommStats Communicator::TakeStats() {
+  absl::MutexLock l(&mu_);
+  CommStats s = std::move(stats_);
+  stats_.clear();
+  return s;
+}
+
+}  // namespace spindle
