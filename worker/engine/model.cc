@@ -34,6 +34,9 @@ struct Model::Cache {
   Tensor o, gate, y, rstd_o;                         // Lightning output path
   Tensor qa, rstd_qa, qa_n, Q, kva, c, c_n, rstd_c;  // MLA projections
   Tensor kvb, kr, K, V, O, lse;                      // MLA attention
+  Tensor latent;                                     // MLA AllGather: [c_n, RoPE'd k_r]
+  Tensor cp_P;                                       // Lightning AllGather carry-ins
+  std::vector<float> cp_saved;                       // CP mode state kept for the backward
 };
 
 // Gradient scratch, sized for the largest layer and reused by every layer's backward.
@@ -131,12 +134,38 @@ struct LayerCtx {
   const ModelConfig& c;
   ParamSet& P;
   const Batch& b;
+  const CpLayout* layout = nullptr;  // null or cp == 1: single-rank
+  const CpContext* cp = nullptr;
+  CpScratch* scratch = nullptr;
+  bool split() const { return layout && layout->cp > 1; }
+  CpMode lightning() const { return split() ? cp->lightning_mode : CpMode::kAuto; }
+  CpMode mla() const { return split() ? cp->mla_mode : CpMode::kAuto; }
 };
 
-void LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
+  const int64_t H = ctx.c.n_heads, Dh = ctx.c.head_dim();
+  return {C.qn.f32(), C.kn.f32(), C.v.f32(), L.log_decay.data(), H, Dh,
+          1.0f / std::sqrt(static_cast<float>(Dh)), &ctx.b, ctx.layout, ctx.cp->comm};
+}
+
+// The Lightning mixing o = LA(q, k, v). `overlap` is independent work of the caller, run while a
+// CP collective is in flight (or after the local mixing when there is none).
+absl::Status LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                                 const std::function<void()>& overlap) {
   const int64_t T = ctx.b.T, d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   Ensure(C.o, T, d);
+  if (ctx.lightning() == CpMode::kAllGather) {
+    Ensure(C.cp_P, 2 * H, Dh * Dh);
+    return LightningAllGatherForward(LightningArgs(ctx, L, C), *ctx.scratch, overlap, C.o.f32(),
+                                     C.cp_P.f32());
+  }
+  if (ctx.lightning() == CpMode::kAll2All) {
+    RETURN_IF_ERROR(
+        LightningAll2AllForward(LightningArgs(ctx, L, C), *ctx.scratch, C.o.f32(), &C.cp_saved));
+    overlap();
+    return absl::OkStatus();
+  }
   for (const Piece& p : ctx.b.pieces) {
     k::LightningDims dims{p.len, H, Dh, d};
     const int64_t off = p.begin * d;
@@ -144,12 +173,22 @@ void LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cach
                         p.cu_seqlens.data(), p.n_segments(), nullptr, scale, dims, C.o.f32() + off,
                         nullptr);
   }
+  overlap();
+  return absl::OkStatus();
 }
 
-void LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                          const float* d_o, float* dq, float* dk, float* dv) {
+absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                                  const float* d_o, const std::function<void()>& overlap,
+                                  float* dq, float* dk, float* dv) {
   const int64_t d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  if (ctx.lightning() == CpMode::kAllGather)
+    return LightningAllGatherBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(), d_o,
+                                      overlap, dq, dk, dv);
+  overlap();
+  if (ctx.lightning() == CpMode::kAll2All)
+    return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq,
+                                    dk, dv);
   for (const Piece& p : ctx.b.pieces) {
     k::LightningDims dims{p.len, H, Dh, d};
     const int64_t off = p.begin * d;
@@ -157,10 +196,11 @@ void LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cac
                          p.cu_seqlens.data(), p.n_segments(), nullptr, scale, dims, d_o + off,
                          nullptr, dq + off, dk + off, dv + off, nullptr);
   }
+  return absl::OkStatus();
 }
 
 // Lightning attention block: x_mid = x + Wo(GroupNormGate(LA(rope(norm(q)), rope(norm(k)), v))).
-void LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+absl::Status LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
@@ -177,16 +217,19 @@ void LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cac
   k::RmsNormForward(C.k_raw.f32(), P.data(L.k_norm), C.kn.f32(), C.rstd_k.f32(), T * H, Dh, eps);
   k::RopeApply(C.qn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
   k::RopeApply(C.kn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
-  LightningForwardMix(ctx, L, C);
-  k::LinearForward(C.h.f32(), P.data(L.gate), C.gate.f32(), T, d, d);
+  // The gate projection does not depend on the mixing: it overlaps a CP collective.
+  RETURN_IF_ERROR(LightningForwardMix(ctx, L, C, [&] {
+    k::LinearForward(C.h.f32(), P.data(L.gate), C.gate.f32(), T, d, d);
+  }));
   k::GroupNormGateForward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(),
                           T, H, Dh, eps);
+  return absl::OkStatus();
 }
 
 // Given dy_attn = d(attn output before Wo is applied... ) see caller: `dout` is the gradient of the
 // block output [T, d]; adds the gradient w.r.t. the normed input into W.dh (overwritten).
-void LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                           Model::Work& W, const float* dout) {
+absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                                   Model::Work& W, const float* dout) {
   const ModelConfig& c = ctx.c;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
@@ -197,9 +240,13 @@ void LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Ca
   // group norm + gate: dy -> d_o (into dtmp), dgate
   k::GroupNormGateBackward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.rstd_o.f32(),
                            W.dy.f32(), W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
-  LinearBwdAcc(C.h.f32(), P.data(L.gate), W.dgate.f32(), W.dh.f32(), P.grad(L.gate), T, d, d,
-               false);
-  LightningBackwardMix(ctx, L, C, W.dtmp.f32(), W.dq.f32(), W.dk.f32(), W.dv.f32());
+  RETURN_IF_ERROR(LightningBackwardMix(
+      ctx, L, C, W.dtmp.f32(),
+      [&] {
+        LinearBwdAcc(C.h.f32(), P.data(L.gate), W.dgate.f32(), W.dh.f32(), P.grad(L.gate), T, d,
+                     d, false);
+      },
+      W.dq.f32(), W.dk.f32(), W.dv.f32()));
   k::RopeApply(W.dq.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
   k::RopeApply(W.dk.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
   // per-head norms (in place is not allowed for dx; use dy as the raw-grad buffer)
@@ -213,9 +260,17 @@ void LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Ca
   LinearBwdAcc(C.h.f32(), Wqkv + d * d, W.dy.f32(), W.dh.f32(), dWqkv + d * d, T, d, d, true);
   LinearBwdAcc(C.h.f32(), Wqkv + 2 * d * d, W.dv.f32(), W.dh.f32(), dWqkv + 2 * d * d, T, d, d,
                true);
+  return absl::OkStatus();
 }
 
-void MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
+MlaCpArgs MlaArgs(const LayerCtx& ctx) {
+  const MlaConfig& m = ctx.c.mla;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
+  return {ctx.c.n_heads, qk, m.v_head_dim, m.kv_lora_rank, m.qk_rope_dim,
+          1.0f / std::sqrt(static_cast<float>(qk)), &ctx.b, ctx.layout, ctx.cp->comm};
+}
+
+absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
   const MlaConfig& m = c.mla;
   ParamSet& P = ctx.P;
@@ -248,6 +303,17 @@ void MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C)
   }
   k::RmsNormForward(C.c.f32(), P.data(L.kv_norm), C.c_n.f32(), C.rstd_c.f32(), T, kv, eps);
   k::RopeApply(C.kr.f32(), ctx.b.pos.data(), T, 1, rd, rd, rd, theta, false);
+  Ensure(C.O, T, H * vd);
+  Ensure(C.lse, T, H);
+  if (ctx.mla() == CpMode::kAllGather) {  // gather the latent, not K and V
+    Ensure(C.latent, T, kv + rd);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(C.latent.f32() + t * (kv + rd), C.c_n.f32() + t * kv, kv * sizeof(float));
+      std::memcpy(C.latent.f32() + t * (kv + rd) + kv, C.kr.f32() + t * rd, rd * sizeof(float));
+    }
+    return MlaAllGatherForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.latent.f32(),
+                               P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
+  }
   Ensure(C.kvb, T, H * (nope + vd));
   k::LinearForward(C.c_n.f32(), P.data(L.kv_b), C.kvb.f32(), T, kv, H * (nope + vd));
   Ensure(C.K, T, H * qk);
@@ -262,35 +328,68 @@ void MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C)
       std::memcpy(C.V.f32() + (t * H + h) * vd, src + nope, vd * sizeof(float));
     }
   }
-  Ensure(C.O, T, H * vd);
-  Ensure(C.lse, T, H);
+  if (ctx.mla() == CpMode::kAll2All)
+    return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(),
+                             C.O.f32(), &C.cp_saved);
   k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
   k::AttentionForward(C.Q.f32(), C.K.f32(), C.V.f32(), mask,
                       1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd}, C.O.f32(),
                       C.lse.f32());
+  return absl::OkStatus();
 }
 
-void MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W,
-                     const float* dout) {
+void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W);
+void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                       Model::Work& W);
+
+absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                             Model::Work& W, const float* dout) {
   const ModelConfig& c = ctx.c;
   const MlaConfig& m = c.mla;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank;
-  const float theta = static_cast<float>(c.rope_theta);
   Ensure(W.dO, T, H * vd);
   LinearBwdAcc(C.O.f32(), P.data(L.mo), dout, W.dO.f32(), P.grad(L.mo), T, H * vd, d, false);
   Ensure(W.dQ, T, H * qk);
   Ensure(W.dK, T, H * qk);
   Ensure(W.dV, T, H * vd);
-  k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
-  k::AttentionBackward(C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(), C.lse.f32(), W.dO.f32(), mask,
-                       1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd}, W.dQ.f32(),
-                       W.dK.f32(), W.dV.f32());
-  // K, V -> kv_b output and the shared rotated key.
-  Ensure(W.dkvb, T, H * (nope + vd));
   Ensure(W.dkva, T, kv + rd);
+  Ensure(W.dc, T, kv);
+  if (ctx.mla() == CpMode::kAllGather) {
+    // dQ, and the latent gradient [d c_n, d k_r (rotated)] of this rank's tokens.
+    RETURN_IF_ERROR(MlaAllGatherBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
+                                         C.O.f32(), C.lse.f32(), P.data(L.kv_b), W.dO.f32(),
+                                         W.dQ.f32(), W.dkva.f32(), P.grad(L.kv_b)));
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(W.dc.f32() + t * kv, W.dkva.f32() + t * (kv + rd), kv * sizeof(float));
+  } else {
+    if (ctx.mla() == CpMode::kAll2All) {
+      RETURN_IF_ERROR(MlaAll2AllBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, W.dO.f32(),
+                                         W.dQ.f32(), W.dK.f32(), W.dV.f32()));
+    } else {
+      k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(),
+                            ctx.b.idx.data()};
+      k::AttentionBackward(C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(), C.lse.f32(), W.dO.f32(),
+                           mask, 1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd},
+                           W.dQ.f32(), W.dK.f32(), W.dV.f32());
+    }
+    MlaKvBackward(ctx, L, C, W);
+  }
+  MlaLatentBackward(ctx, L, C, W);
+  return absl::OkStatus();
+}
+
+// K, V gradients (W.dK, W.dV) -> kv_b output and the shared rotated key: W.dc = d c_n and the
+// k_r columns of W.dkva (still rotated); dW_kv_b accumulated.
+void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W) {
+  const MlaConfig& m = ctx.c.mla;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, H = ctx.c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  Ensure(W.dkvb, T, H * (nope + vd));
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* dkr = W.dkva.f32() + t * (kv + rd) + kv;
@@ -303,10 +402,21 @@ void MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C
       for (int64_t j = 0; j < rd; ++j) dkr[j] += dk[nope + j];
     }
   }
-  k::RopeApply(W.dkva.f32() + kv, ctx.b.pos.data(), T, 1, rd, kv + rd, rd, theta, true);
-  Ensure(W.dc, T, kv);
   LinearBwdAcc(C.c_n.f32(), P.data(L.kv_b), W.dkvb.f32(), W.dc.f32(), P.grad(L.kv_b), T, kv,
                H * (nope + vd), false);
+}
+
+// W.dc and the rotated k_r gradient in W.dkva -> the kv_a and q projections' gradients, W.dh.
+void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                       Model::Work& W) {
+  const ModelConfig& c = ctx.c;
+  const MlaConfig& m = c.mla;
+  ParamSet& P = ctx.P;
+  const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  const float theta = static_cast<float>(c.rope_theta);
+  k::RopeApply(W.dkva.f32() + kv, ctx.b.pos.data(), T, 1, rd, kv + rd, rd, theta, true);
   // kv norm backward writes dc into the first kv columns of dkva, row by row via a dense buffer.
   Ensure(W.dtmp, T, std::max<int64_t>(kv, d));
   k::RmsNormBackward(C.c.f32(), P.data(L.kv_norm), C.rstd_c.f32(), W.dc.f32(), W.dtmp.f32(),
@@ -334,8 +444,8 @@ void MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C
 }  // namespace
 
 // x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
-static void LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                         const float* x_in, float* x_out) {
+static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                                 const float* x_in, float* x_out) {
   const ModelConfig& c = ctx.c;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
@@ -345,10 +455,10 @@ static void LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cach
   k::RmsNormForward(x_in, P.data(L.attn_norm), C.h.f32(), C.rstd1.f32(), T, d, eps);
   Ensure(C.x_mid, T, d);
   if (L.kind == 'L') {
-    LightningAttnForward(ctx, L, C);
+    RETURN_IF_ERROR(LightningAttnForward(ctx, L, C));
     k::LinearForward(C.y.f32(), P.data(L.out), C.x_mid.f32(), T, d, d);
   } else {
-    MlaAttnForward(ctx, L, C);
+    RETURN_IF_ERROR(MlaAttnForward(ctx, L, C));
     k::LinearForward(C.O.f32(), P.data(L.mo), C.x_mid.f32(), T, c.n_heads * c.mla.v_head_dim, d);
   }
   AddInto(C.x_mid.f32(), x_in, T * d);
@@ -361,11 +471,12 @@ static void LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cach
   k::SwiGluForward(C.g.f32(), C.u.f32(), C.a.f32(), T * F);
   k::LinearForward(C.a.f32(), P.data(L.w2), x_out, T, F, d);
   AddInto(x_out, C.x_mid.f32(), T * d);
+  return absl::OkStatus();
 }
 
 // dx: in = gradient of x_out, out = gradient of x_in.
-static void LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                          Model::Work& W, const float* x_in, float* dx) {
+static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                                  Model::Work& W, const float* x_in, float* dx) {
   const ModelConfig& c = ctx.c;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
@@ -382,14 +493,15 @@ static void LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cac
   AddInto(dx, W.dtmp.f32(), T * d);  // dx is now d x_mid
   // Attention
   if (L.kind == 'L') {
-    LightningAttnBackward(ctx, L, C, W, dx);
+    RETURN_IF_ERROR(LightningAttnBackward(ctx, L, C, W, dx));
   } else {
-    MlaAttnBackward(ctx, L, C, W, dx);
+    RETURN_IF_ERROR(MlaAttnBackward(ctx, L, C, W, dx));
   }
   Ensure(W.dtmp, T, d);
   k::RmsNormBackward(x_in, P.data(L.attn_norm), C.rstd1.f32(), W.dh.f32(), W.dtmp.f32(),
                      P.grad(L.attn_norm), T, d);
   AddInto(dx, W.dtmp.f32(), T * d);
+  return absl::OkStatus();
 }
 
 // ---- Whole model ---------------------------------------------------------------------------------
@@ -422,42 +534,68 @@ LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, f
 }
 
 LossStats Model::ForwardBackward(const Batch& b, float grad_scale, bool recompute) {
+  return *Run(b, nullptr, grad_scale, recompute, nullptr);  // never fails without CP
+}
+
+LossStats Model::Forward(const Batch& b) { return *RunForward(b, nullptr); }
+
+absl::StatusOr<LossStats> Model::ForwardBackward(const CpBatch& b, float grad_scale,
+                                                 bool recompute, const GradReadyFn& on_grad_ready) {
+  if (b.layout.cp > 1 && (!cp_.comm || cp_.comm->size() != b.layout.cp))
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
+  return Run(b.local, &b.layout, grad_scale, recompute, on_grad_ready);
+}
+
+absl::StatusOr<LossStats> Model::Forward(const CpBatch& b) {
+  if (b.layout.cp > 1 && (!cp_.comm || cp_.comm->size() != b.layout.cp))
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
+  return RunForward(b.local, &b.layout);
+}
+
+absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, float grad_scale,
+                                     bool recompute, const GradReadyFn& on_grad_ready) {
   const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
   const size_t n_caches = recompute ? 1 : static_cast<size_t>(n);
   while (caches_.size() < n_caches) caches_.push_back(std::make_unique<Cache>());
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_, params_, b};
+  LayerCtx ctx{config_, params_, b, layout, &cp_, &cp_scratch_};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches_[recompute ? 0 : i];
-    LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), layer_inputs_[i + 1].f32());
+    RETURN_IF_ERROR(
+        LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), layer_inputs_[i + 1].f32()));
   }
   Ensure(dx_, T, d);
   LossStats s = HeadAndLoss(b, layer_inputs_[n].f32(), grad_scale, dx_.f32());
+  if (on_grad_ready) on_grad_ready(params_.info(final_norm_).offset);
   for (int64_t i = n - 1; i >= 0; --i) {
     Cache& C = *caches_[recompute ? 0 : i];
     if (recompute) {  // re-run this layer's forward to refill its cache
       Ensure(dx2_, T, d);
-      LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), dx2_.f32());
+      RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), dx2_.f32()));
     }
-    LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32());
+    RETURN_IF_ERROR(LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32()));
+    if (on_grad_ready) on_grad_ready(params_.info(layers_[i]->attn_norm).offset);
   }
   k::EmbeddingBackward(b.ids.data(), dx_.f32(), params_.grad(embed_), T, d, config_.vocab);
+  if (on_grad_ready) on_grad_ready(0);
   return s;
 }
 
-LossStats Model::Forward(const Batch& b) {
+absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpLayout* layout) {
   const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_, params_, b};
+  LayerCtx ctx{config_, params_, b, layout, &cp_, &cp_scratch_};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
-    LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),
-                 layer_inputs_[(i + 1) % 2].f32());
+    RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),
+                                 layer_inputs_[(i + 1) % 2].f32()));
   }
   return HeadAndLoss(b, layer_inputs_[n % 2].f32(), 0.0f, nullptr);
 }

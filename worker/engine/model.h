@@ -6,16 +6,27 @@
 // number of valid targets. The LM head and cross-entropy run over row blocks, so full-sequence
 // fp32 logits never exist. With recompute, only each layer's input is kept during the forward
 // and the layer's forward is re-run just before its backward.
+//
+// Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
+// rank's zigzag share of a sequence (cp/cp_layout.h); the Lightning and MLA cores then run in the
+// mode chosen per layer type (cp/cp_attention.h) and everything else stays token-local. Losses
+// and gradients are this rank's part: the caller sums them over the group (the trainer's
+// all-reduce). Without SetCp (or cp = 1) the model never communicates.
 // Not thread-safe (kernels parallelise internally with OpenMP).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/job_spec.h"
 #include "common/model_config.h"
 #include "worker/engine/batch.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/cp/cp_attention.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/params.h"
 #include "worker/engine/tensor.h"
 
@@ -25,6 +36,18 @@ struct LossStats {
   double loss_sum = 0.0;  // sum of per-token losses over valid targets
   int64_t n_valid = 0;
 };
+
+// The CP group of this rank and the decided mode per layer type (never kAuto).
+struct CpContext {
+  Communicator* comm = nullptr;  // not owned; size() == cp
+  CpMode lightning_mode = CpMode::kAllGather;
+  CpMode mla_mode = CpMode::kAllGather;
+};
+
+// Called during the backward with an offset into the flat gradient buffer: every gradient in
+// [flat_begin, numel) is final for this call (the head first, then layer by layer down to the
+// embedding at 0), so it can be all-reduced while the backward goes on.
+using GradReadyFn = std::function<void(int64_t flat_begin)>;
 
 class Model {
  public:
@@ -38,6 +61,13 @@ class Model {
   // Loss only (evaluation); no gradients, no saved activations beyond one layer.
   LossStats Forward(const Batch& batch);
 
+  // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).
+  void SetCp(const CpContext& cp) { cp_ = cp; }
+  // This rank's share of a sequence. Errors are the communicator's (a peer failed).
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale, bool recompute,
+                                            const GradReadyFn& on_grad_ready = nullptr);
+  absl::StatusOr<LossStats> Forward(const CpBatch& batch);
+
   struct Layer;  // per-layer parameter indices and decays (model.cc)
   struct Cache;  // one layer's saved activations (model.cc)
   struct Work;   // gradient scratch shared by all layers (model.cc)
@@ -45,6 +75,9 @@ class Model {
  private:
   explicit Model(const ModelConfig& config);
   void Build();
+  absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
+                                bool recompute, const GradReadyFn& on_grad_ready);
+  absl::StatusOr<LossStats> RunForward(const Batch& b, const CpLayout* layout);
   LossStats HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx);
 
   ModelConfig config_;
@@ -56,6 +89,8 @@ class Model {
   // The input of every layer, then the final hidden state: [n_layers + 1][T, d].
   std::vector<Tensor> layer_inputs_;
   Tensor hf_, rstd_f_, dhf_, logits_, dx_, dx2_;
+  CpContext cp_;
+  CpScratch cp_scratch_;
 };
 
 }  // namespace spindle

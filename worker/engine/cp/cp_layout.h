@@ -1,0 +1,65 @@
+// CpLayout: what every rank of a CP group knows about the whole sequence it shares (DESIGN.md
+// section 3): the zigzag chunks in stream order with the flags the Lightning state scan needs,
+// the document id of every stream token (for masks over gathered keys) and the full sequence's
+// document starts (for the full-length varlen kernels of the All2All modes). Built locally from
+// the full sequence, which every CP rank reads: no communication.
+//
+// Also the per-layer-type mode rule shared with the coordinator's planner (coordinator/
+// cp_planner.h): All2All when cp <= heads and heads % cp == 0, else AllGather; a forced All2All
+// with heads % cp != 0 is refused before anything runs.
+// Plain data and pure functions; no thread-safety concerns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "worker/engine/batch.h"
+
+namespace spindle {
+
+// One of the 2*cp chunks, in stream order.
+struct CpChunk {
+  int64_t begin = 0;          // stream index of its first token
+  int64_t len = 0;
+  int64_t first_segment = 0;  // tokens before the first document start after its first token
+  bool continues = false;     // its first token continues a document begun in an earlier chunk
+  bool has_start = false;     // b_c: a document starts at one of its tokens (first included)
+};
+
+struct CpLayout {
+  int64_t cp = 1, rank = 0;
+  int64_t T_full = 0, chunk = 0;   // whole-sequence tokens, tokens per chunk
+  std::vector<int32_t> doc;        // [T_full] document id of every stream token
+  std::vector<int32_t> idx;        // [T_full] 0, 1, ..., T_full - 1
+  std::vector<int32_t> cu_seqlens; // document starts of the whole sequence, then T_full
+  std::vector<CpChunk> chunks;     // [2 cp]
+
+  // Zigzag: rank r holds chunks r (slot 0) and 2cp-1-r (slot 1).
+  int64_t ChunkOf(int64_t rank, int64_t slot) const { return slot == 0 ? rank : 2 * cp - 1 - rank; }
+  int64_t RankOfChunk(int64_t c) const { return c < cp ? c : 2 * cp - 1 - c; }
+  int64_t SlotOfChunk(int64_t c) const { return c < cp ? 0 : 1; }
+};
+
+// This rank's tokens (ShardZigzag) and the shared layout.
+struct CpBatch {
+  Batch local;
+  CpLayout layout;
+};
+
+// InvalidArgument when full.T is not divisible by 2 * cp.
+absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank);
+
+struct CpModes {
+  CpMode lightning = CpMode::kAllGather;
+  CpMode mla = CpMode::kAllGather;
+  std::string lightning_reason, mla_reason;
+};
+
+// Resolves "auto" per layer type and checks forced modes. FailedPrecondition naming the field,
+// cp and heads when All2All is asked for with n_heads % cp != 0 (the planner's wording).
+absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla);
+
+}  // namespace spindle
