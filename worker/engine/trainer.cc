@@ -1,6 +1,7 @@
 // The single-rank step loop, resume and evaluation (see trainer.h).
 #include "worker/engine/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -15,14 +16,40 @@ namespace spindle {
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options) {
   std::unique_ptr<Trainer> t(new Trainer(std::move(options)));
   const JobSpec& spec = t->opt_.spec;
-  if (t->opt_.world != 1 || spec.parallel.world() != 1)
-    return absl::UnimplementedError(
-        absl::StrCat("trainer: this build runs one rank per job; the job asks for cp=",
-                     spec.parallel.cp, " dp=", spec.parallel.dp));
+  TrainerOptions& o = t->opt_;
+  if (o.world != spec.parallel.world())
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer: --world ", o.world, " does not match the job's dp x cp = ",
+                     spec.parallel.dp, " x ", spec.parallel.cp));
+  if (o.rank < 0 || o.rank >= o.world)
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer: rank ", o.rank, " is not in a world of ", o.world));
+  t->cp_ = spec.parallel.cp;
+  t->dp_ = spec.parallel.dp;
+  t->cp_rank_ = o.rank % t->cp_;
+  t->dp_rank_ = o.rank / t->cp_;
+  const CpMode lm = o.lightning_mode != CpMode::kAuto ? o.lightning_mode : spec.parallel.lightning_mode;
+  const CpMode mm = o.mla_mode != CpMode::kAuto ? o.mla_mode : spec.parallel.mla_mode;
+  ASSIGN_OR_RETURN(t->modes_, ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm));
+  if (spec.seq_len % (2 * t->cp_) != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
+  if (o.world > 1) {
+    if (!o.store)
+      return absl::InvalidArgumentError("trainer: world > 1 needs a rendezvous store");
+    const int rank = static_cast<int>(o.rank), world = static_cast<int>(o.world);
+    ASSIGN_OR_RETURN(t->world_comm_, CreateGlooCommunicator(*o.store, "world", rank, world, o.gloo));
+    if (t->cp_ > 1) {
+      const std::string group = absl::StrCat("cp", t->dp_rank_);
+      const int cp_rank = static_cast<int>(t->cp_rank_), cp = static_cast<int>(t->cp_);
+      ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, group, cp_rank, cp, o.gloo));
+    }
+  }
   t->ckpt_dir_ = t->opt_.checkpoint_dir.empty() ? spec.checkpoint.dir : t->opt_.checkpoint_dir;
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
   ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
+  t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, t->model_->params());
   t->state_.seed = spec.train.seed;
   if (!t->ckpt_dir_.empty()) {
@@ -38,7 +65,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
       return latest.status();
     }
   }
+  RETURN_IF_ERROR(t->AgreeOnResume());
   return t;
+}
+
+absl::Status Trainer::AgreeOnResume() {
+  if (!world_comm_) return absl::OkStatus();
+  double step = static_cast<double>(state_.step);
+  RETURN_IF_ERROR(world_comm_->Broadcast(&step, 1, CommType::kF64, 0, CommLayer::kOther));
+  if (static_cast<int64_t>(step) != state_.step)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer: rank ", opt_.rank, " resumed from step ", state_.step, " but rank 0 from step ",
+        static_cast<int64_t>(step), " (checkpoint directories differ between ranks?)"));
+  world_comm_->TakeStats();
+  return absl::OkStatus();
 }
 
 void Trainer::Emit(nlohmann::json event) {
@@ -72,22 +112,49 @@ absl::Status Trainer::Step() {
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
-  std::vector<Batch> batches;
-  int64_t n_valid = 0;
+  // This replica's micro-batches, this CP rank's share of each.
+  std::vector<CpBatch> batches;
+  double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
   for (int64_t m = 0; m < mb; ++m) {
-    batches.push_back(MakeSequenceBatch(data_->Sequence(state_.data_position + m), data_->eos_id()));
-    n_valid += batches.back().NumValidTargets();
+    Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
+                                   data_->eos_id());
+    ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
+    counts[1] += static_cast<double>(b.local.NumValidTargets());
+    batches.push_back(std::move(b));
   }
+  double n_valid = counts[1];
+  if (world_comm_)
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
   ParamSet& P = model_->params();
   P.ZeroGrad();
-  LossStats total;
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
-  for (const Batch& b : batches) {
-    LossStats s = model_->ForwardBackward(b, grad_scale, spec.train.recompute);
-    total.loss_sum += s.loss_sum;
-    total.n_valid += s.n_valid;
+  // Gradient buckets from the end of the flat buffer (the backward finishes the head first),
+  // each all-reduced as soon as the backward has moved below its start.
+  std::vector<CommHandle> pending;
+  const int64_t N = P.numel(), B = std::max<int64_t>(1, opt_.grad_bucket_floats);
+  int64_t launched_to = N;  // [launched_to, N) is in flight
+  auto on_ready = [&](int64_t flat_begin) {
+    while (launched_to > 0 && std::max<int64_t>(0, launched_to - B) >= flat_begin) {
+      const int64_t begin = std::max<int64_t>(0, launched_to - B);
+      pending.push_back(world_comm_->AllReduceSumAsync(P.flat_grad().f32() + begin,
+                                                       launched_to - begin, CommType::kF32,
+                                                       CommLayer::kGrad));
+      launched_to = begin;
+    }
+  };
+  for (int64_t m = 0; m < mb; ++m) {
+    const bool last = m + 1 == mb;
+    const GradReadyFn hook = last && world_comm_ ? GradReadyFn(on_ready) : nullptr;
+    ASSIGN_OR_RETURN(LossStats s, model_->ForwardBackward(batches[m], grad_scale,
+                                                          spec.train.recompute, hook));
+    counts[0] += s.loss_sum;
   }
-  const double loss = total.n_valid ? total.loss_sum / total.n_valid : 0.0;
+  absl::Status comm_status;
+  for (CommHandle& h : pending) comm_status.Update(h.Wait());
+  RETURN_IF_ERROR(comm_status);
+  if (world_comm_)
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
+  const double loss = n_valid > 0 ? counts[0] / n_valid : 0.0;
   if (!std::isfinite(loss))
     return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
   const double grad_norm =
@@ -103,16 +170,27 @@ absl::Status Trainer::Step() {
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   elapsed_s_ += dt;
   const double tokens = static_cast<double>(spec.seq_len * mb * spec.parallel.dp);
-  Emit({{"event", "step"},
-        {"step", state_.step},
-        {"total_steps", spec.train.steps},
-        {"loss", loss},
-        {"tokens_per_s", tokens / dt},
-        {"step_s", dt},
-        {"lr", lr},
-        {"grad_norm", grad_norm},
-        {"elapsed_s", elapsed_s_},
-        {"tflops", model_->config().TrainFlopsPerToken(spec.seq_len) * tokens / dt / 1e12}});
+  nlohmann::json comm = nlohmann::json::array();
+  for (Communicator* c : {world_comm_.get(), cp_comm_.get()}) {
+    if (!c) continue;
+    for (const auto& [key, amount] : c->TakeStats())
+      comm.push_back({{"collective", CollectiveName(key.first)},
+                      {"layer_type", CommLayerName(key.second)},
+                      {"seconds", amount.seconds},
+                      {"bytes", amount.bytes}});
+  }
+  nlohmann::json e = {{"event", "step"},
+                      {"step", state_.step},
+                      {"total_steps", spec.train.steps},
+                      {"loss", loss},
+                      {"tokens_per_s", tokens / dt},
+                      {"step_s", dt},
+                      {"lr", lr},
+                      {"grad_norm", grad_norm},
+                      {"elapsed_s", elapsed_s_},
+                      {"tflops", model_->config().TrainFlopsPerToken(spec.seq_len) * tokens / dt / 1e12}};
+  if (!comm.empty()) e["comm"] = std::move(comm);
+  Emit(std::move(e));
   return absl::OkStatus();
 }
 

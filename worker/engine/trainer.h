@@ -3,7 +3,17 @@
 // step: micro-batches forward+backward, global gradient norm and clipping, the optimizer update
 // at the scheduled learning rate, a progress event, and checkpoints every `checkpoint.every`
 // steps and at the end. Events are JSON objects handed to a callback (spindle-train prints them
-// one per line). Not thread-safe; one trainer per process.
+// one per line). Not thread-safe; one trainer per process (or per thread in tests).
+//
+// Multi-rank (world = dp * cp > 1): rank r is CP rank r % cp of data-parallel replica r / cp.
+// Each replica takes its own micro-batches of the step's sequences; each CP rank its zigzag share
+// of them (cp/cp_layout.h). Communicators are Gloo groups bootstrapped from `store`: the world
+// (gradients, loss) and the replica's CP group (the model's CP collectives). The loss and its
+// token count are summed over the world; gradients are all-reduced over the world in buckets
+// launched while the backward goes on; the norm, clipping and update follow the reduction, so
+// every rank holds the same parameters. Rank 0 writes checkpoints; all ranks resume from the
+// same step or Create() fails. Step events carry "comm": the step's collectives per (collective,
+// layer type) with seconds and bytes.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +26,9 @@
 #include "common/job_spec.h"
 #include "nlohmann/json.hpp"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/kv_store.h"
 #include "worker/engine/data.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -30,6 +43,14 @@ struct TrainerOptions {
   std::function<void(const nlohmann::json&)> on_event;
   // Stop (as if killed) once this many steps are completed; -1 = run to spec.train.steps.
   int64_t stop_at_step = -1;
+  // world > 1: where the communicators rendezvous (not owned; used during Create() only).
+  KvStore* store = nullptr;
+  GlooOptions gloo;
+  // Mode per layer type; kAuto: the spec's (itself resolved by the planner's rule).
+  CpMode lightning_mode = CpMode::kAuto;
+  CpMode mla_mode = CpMode::kAuto;
+  // Gradient all-reduce bucket size, in floats.
+  int64_t grad_bucket_floats = int64_t{1} << 20;
 };
 
 class Trainer {
@@ -41,6 +62,7 @@ class Trainer {
   const TrainState& state() const { return state_; }
   // Loss of every step this process ran.
   const std::vector<double>& losses() const { return losses_; }
+  const CpModes& cp_modes() const { return modes_; }
 
  private:
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
@@ -48,7 +70,12 @@ class Trainer {
   absl::Status Checkpoint();
   void Emit(nlohmann::json event);
 
+  absl::Status AgreeOnResume();
+
   TrainerOptions opt_;
+  int64_t cp_ = 1, dp_ = 1, cp_rank_ = 0, dp_rank_ = 0;
+  CpModes modes_;
+  std::unique_ptr<Communicator> world_comm_, cp_comm_;
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<Model> model_;
