@@ -3,31 +3,44 @@
 //   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
 //                 [--lightning-mode allgather|all2all] [--mla-mode allgather|all2all]
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
-//                 [--threads N] [--stop-at-step K]
+//                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
 // "eval", ...}) and one line "spindle-train: <error>" on stderr when it fails. Exit codes:
-// 0 success, 2 invalid input (job spec, data, checkpoint, flags), 1 runtime failure.
+// 0 success, 2 invalid input (job spec, data, checkpoint, flags, a CP plan that cannot run),
+// 1 runtime failure.
+//
+// Multi-rank runs (world = dp x cp of the job > 1): the ranks rendezvous through the
+// coordinator's rendezvous service (--rendezvous, under the worker daemon) or, standalone, through
+// a directory every rank of one run shares (--file-store DIR; use a fresh one per run). The CP
+// modes come from --lightning-mode / --mla-mode (default: the job spec's, "auto" resolved by the
+// planner's rule); a forced all2all with n_heads % cp != 0 is refused before any rank connects.
+// Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
 #include <omp.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
+#include "worker/engine/comm/kv_stores.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/trainer.h"
+#include "worker/rendezvous_store.h"
 
 namespace {
 
 constexpr char kUsage[] =
     "usage: spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
     "                     [--lightning-mode M --mla-mode M] [--rendezvous HOST:PORT --job-id ID\n"
-    "                     --attempt N --token-file F] [--threads N] [--stop-at-step K]\n"
+    "                     --attempt N --token-file F] [--file-store DIR] [--gloo-host H]\n"
+    "                     [--threads N] [--stop-at-step K]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n";
 
@@ -75,7 +88,8 @@ int main(int argc, char** argv) {
     static const char* kValued[] = {"--job", "--rank", "--world", "--checkpoint-dir",
                                     "--lightning-mode", "--mla-mode", "--rendezvous", "--job-id",
                                     "--attempt", "--token-file", "--threads", "--stop-at-step",
-                                    "--checkpoint", "--data", "--eval-sequences"};
+                                    "--checkpoint", "--data", "--eval-sequences", "--file-store",
+                                    "--gloo-host"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
     if (!known || i + 1 >= argc) {
@@ -143,8 +157,62 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  spindle::CpMode modes[2] = {spindle::CpMode::kAuto, spindle::CpMode::kAuto};
+  const char* mode_flags[2] = {"lightning-mode", "mla-mode"};
+  for (int i = 0; i < 2; ++i) {
+    auto it = flags.find(mode_flags[i]);
+    if (it == flags.end() || it->second == "auto") continue;
+    if (it->second == "allgather") {
+      modes[i] = spindle::CpMode::kAllGather;
+    } else if (it->second == "all2all") {
+      modes[i] = spindle::CpMode::kAll2All;
+    } else {
+      std::fprintf(stderr, "spindle-train: --%s must be allgather, all2all or auto, got \"%s\"\n",
+                   mode_flags[i], it->second.c_str());
+      return 2;
+    }
+  }
+  // The plan check first: a refused mode never waits for peers.
+  {
+    auto plan = spindle::ResolveCpModes(
+        spec->parallel.cp, spec->model.n_heads,
+        modes[0] != spindle::CpMode::kAuto ? modes[0] : spec->parallel.lightning_mode,
+        modes[1] != spindle::CpMode::kAuto ? modes[1] : spec->parallel.mla_mode);
+    if (!plan.ok()) return Fail(plan.status());
+  }
+  std::unique_ptr<spindle::KvStore> store;
+  if (world > 1) {
+    if (flags.count("rendezvous")) {
+      int64_t attempt = 0;
+      if (!int_flag("attempt", 0, &attempt)) return 2;
+      spindle::RendezvousOptions ro;
+      ro.address = flags["rendezvous"];
+      ro.job_id = flags["job-id"];
+      ro.attempt = attempt;
+      ro.bearer_token_file = flags.count("token-file") ? flags["token-file"] : "";
+      auto rs = spindle::RendezvousStore::Connect(spindle::WithTrainerEnvironment(ro));
+      if (!rs.ok()) return Fail(rs.status());
+      store = std::move(*rs);
+    } else if (flags.count("file-store")) {
+      store = std::make_unique<spindle::FileKvStore>(flags["file-store"]);
+    } else {
+      std::fprintf(stderr,
+                   "spindle-train: --world %lld needs --rendezvous HOST:PORT or --file-store DIR\n",
+                   static_cast<long long>(world));
+      return 2;
+    }
+  }
+
   spindle::TrainerOptions options;
   options.spec = *spec;
+  options.store = store.get();
+  options.lightning_mode = modes[0];
+  options.mla_mode = modes[1];
+  if (flags.count("gloo-host")) {
+    options.gloo.hostname = flags["gloo-host"];
+  } else if (const char* h = std::getenv("SPINDLE_GLOO_HOST"); h && *h) {
+    options.gloo.hostname = h;
+  }
   options.rank = rank;
   options.world = world;
   options.checkpoint_dir = flags.count("checkpoint-dir") ? flags["checkpoint-dir"] : "";
