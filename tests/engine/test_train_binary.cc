@@ -1,0 +1,113 @@
+// spindle-train as a user runs it: every bad input (malformed spec, missing, truncated or
+// out-of-vocabulary data, corrupt or mismatched checkpoint, unknown flag) ends with exit code 2,
+// exactly one line on stderr naming the problem, and nothing written to the checkpoint directory.
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
+#include "common/subprocess.h"
+#include "gtest/gtest.h"
+
+#ifndef SPINDLE_TRAIN_BINARY
+#define SPINDLE_TRAIN_BINARY ""
+#endif
+
+namespace spindle {
+namespace {
+
+class TrainBinaryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train is not built";
+    char tmpl[] = "/tmp/spindle-train-test-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+  }
+  std::string Write(const std::string& name, const std::string& text) {
+    const std::string p = dir_ + "/" + name;
+    std::ofstream(p, std::ios::binary) << text;
+    return p;
+  }
+  std::string Job(const std::string& data, const std::string& model = R"({"preset": "tiny"})") {
+    return Write("job.json", R"({"name": "j", "model": )" + model + R"(, "data": )" + data +
+                                 R"(, "seq_len": 64, "train": {"steps": 2},
+                                 "checkpoint": {"dir": ")" + dir_ + R"(/ckpt", "every": 1}})");
+  }
+  CommandResult Run(std::vector<std::string> args) {
+    args.insert(args.begin(), SPINDLE_TRAIN_BINARY);
+    auto r = RunCommand(args, "", absl::Seconds(120));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : CommandResult{};
+  }
+  bool CheckpointDirExists() {
+    struct stat st;
+    return stat((dir_ + "/ckpt").c_str(), &st) == 0;
+  }
+  // One line on stderr, containing `what`; exit code 2; no checkpoint written.
+  void ExpectRejected(const CommandResult& r, const std::string& what) {
+    EXPECT_EQ(r.exit_code, 2) << r.stderr_text;
+    EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find(what), std::string::npos) << r.stderr_text;
+    EXPECT_TRUE(r.stdout_text.empty()) << r.stdout_text;
+  }
+  std::string dir_;
+};
+
+TEST_F(TrainBinaryTest, BadInputsAreRejectedWithOneLineAndWriteNothing) {
+  ExpectRejected(Run({"--job", Write("bad.json", R"({"name": "j", "seq_len": 64})")}),
+                 "job spec: model: is required");
+  ExpectRejected(Run({"--job", Job(R"({"source": "tokens:)" + dir_ + R"(/none.bin", "eos_id": 0})")}),
+                 "none.bin");
+  Write("odd.bin", std::string("\x01\x00\x02", 3));
+  ExpectRejected(Run({"--job", Job(R"({"source": "tokens:)" + dir_ + R"(/odd.bin", "eos_id": 0})")}),
+                 "is truncated");
+  Write("oov.bin", std::string("\x01\x00\xff\x7f", 4));
+  ExpectRejected(Run({"--job", Job(R"({"source": "tokens:)" + dir_ + R"(/oov.bin", "eos_id": 0})")}),
+                 "token 32767 at index 1 is outside the vocabulary (model.vocab = 257)");
+  // A usage mistake names the flag on the first line; the usage text follows it.
+  CommandResult flag = Run({"--job", Job(R"({"source": "synthetic:recall"})"), "--bogus", "1"});
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_EQ(flag.stderr_text.substr(0, flag.stderr_text.find('\n')),
+            "spindle-train: unknown flag --bogus");
+  EXPECT_FALSE(CheckpointDirExists());
+}
+
+TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
+  const std::string job = Job(R"({"source": "synthetic:recall", "recall_gap": 16})");
+  CommandResult ok = Run({"--job", job, "--stop-at-step", "1"});
+  ASSERT_EQ(ok.exit_code, 0) << ok.stderr_text;
+  ASSERT_TRUE(CheckpointDirExists());
+  // Another model size resuming from this checkpoint directory.
+  const std::string other =
+      Job(R"({"source": "synthetic:recall", "recall_gap": 16})", R"({"preset": "tiny", "ffn_dim": 128})");
+  ExpectRejected(Run({"--job", other}), "was written for a different model: model.ffn_dim is 176");
+  // A flipped byte in the model file.
+  const std::string model = dir_ + "/ckpt/step_00000001/model.safetensors";
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x55');
+  }
+  struct stat before;
+  ASSERT_EQ(stat(model.c_str(), &before), 0);
+  ExpectRejected(Run({"--job", Job(R"({"source": "synthetic:recall", "recall_gap": 16})")}),
+                 "model.safetensors\" is corrupt: checksum mismatch");
+  ExpectRejected(Run({"--eval", "--job", job, "--checkpoint", dir_ + "/ckpt"}),
+                 "checksum mismatch");
+  // Nothing new was written: still exactly one checkpoint, the corrupt file untouched.
+  int steps = 0;
+  if (DIR* d = opendir((dir_ + "/ckpt").c_str())) {
+    while (dirent* e = readdir(d)) steps += std::string(e->d_name).rfind("step_", 0) == 0;
+    closedir(d);
+  }
+  EXPECT_EQ(steps, 1);
+  struct stat after;
+  ASSERT_EQ(stat(model.c_str(), &after), 0);
+  EXPECT_EQ(after.st_mtime, before.st_mtime);
+  EXPECT_EQ(after.st_size, before.st_size);
+}
+
+}  // namespace
+}  // namespace spindle
