@@ -1,0 +1,333 @@
+// Per-kernel timings of the CUDA backend: CUDA events around each launch after warm-up, median
+// of the repetitions, printed as one table with bytes moved, the fraction of the measured device
+// copy bandwidth reached, and TFLOP/s where the kernel is compute-bound. Includes Lightning
+// forward + backward at T=32K, H=16, Dh=128 over several launch configurations.
+// Usage: bench_kernels_cuda [--quick]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lightning.h"
+#include "kernels/cuda/ops.h"
+
+namespace cu = spindle::kernels::cuda;
+
+namespace {
+
+constexpr cu::DType kBf16 = cu::DType::kBFloat16;
+
+void Check(const cu::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.message().c_str());
+    std::exit(1);
+  }
+}
+void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// Device buffer of random values (bf16 or fp32), freed at exit of scope.
+struct Buf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  Buf(size_t n, cu::DType t, float sd = 1.0f, float mean = 0.0f) : bytes(n * cu::DTypeSize(t)) {
+    CheckCuda(cudaMalloc(&p, bytes + 256), "cudaMalloc");
+    std::vector<float> h(std::min<size_t>(n, 1 << 20));
+    std::mt19937 rng(1234);
+    std::normal_distribution<float> d(mean, sd);
+    for (auto& e : h) e = d(rng);
+    std::vector<unsigned char> raw(h.size() * cu::DTypeSize(t));
+    if (t == kBf16) {
+      for (size_t i = 0; i < h.size(); ++i) {
+        const __nv_bfloat16 b = __float2bfloat16(h[i]);
+        std::memcpy(&raw[i * 2], &b, 2);
+      }
+    } else {
+      std::memcpy(raw.data(), h.data(), raw.size());
+    }
+    for (size_t off = 0; off < bytes; off += raw.size()) {
+      CheckCuda(cudaMemcpy(static_cast<char*>(p) + off, raw.data(), std::min(raw.size(), bytes - off),
+                           cudaMemcpyHostToDevice),
+                "upload");
+    }
+  }
+  ~Buf() { cudaFree(p); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+// Median milliseconds of fn over reps after warm-up.
+double TimeMs(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    fn();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  CheckCuda(cudaGetLastError(), "timed kernel");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double g_copy_tbps = 0;
+
+void Row(const std::string& name, double ms, double bytes, double flops = 0) {
+  const double tbps = bytes / ms / 1e9;
+  std::printf("| %-52s | %9.4f | %8.1f | %6.1f%% | %8s |\n", name.c_str(), ms, bytes / 1e6,
+              100.0 * tbps / g_copy_tbps,
+              flops > 0 ? std::to_string(static_cast<int>(flops / ms / 1e9)).c_str() : "-");
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+    std::printf("no CUDA device: nothing to benchmark\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  {
+    const size_t n = size_t{1} << 30;
+    void *x, *y;
+    CheckCuda(cudaMalloc(&x, n), "malloc");
+    CheckCuda(cudaMalloc(&y, n), "malloc");
+    const double ms = TimeMs([&] { cudaMemcpyAsync(y, x, n, cudaMemcpyDeviceToDevice); });
+    g_copy_tbps = 2.0 * n / ms / 1e9;
+    cudaFree(x);
+    cudaFree(y);
+  }
+  std::printf("device copy: %.2f TB/s (read + write)\n\n", g_copy_tbps);
+  std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
+  std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(10, '-').c_str(), std::string(9, '-').c_str(),
+              std::string(10, '-').c_str());
+
+  // ---- Lightning, T=32K H=16 Dh=128 ---------------------------------------------------------------
+  for (int64_t T : {int64_t{32768}, int64_t{65536}}) {
+    if (quick && T > 32768) break;
+    const int64_t H = 16, Dh = 128, HD = H * Dh, stride = 3 * HD;
+    Buf qkv(T * stride, kBf16, 0.1f), out(T * HD, kBf16), dout(T * HD, kBf16),
+        grads(T * stride, kBf16);
+    std::vector<float> ld(H);
+    for (int64_t h = 0; h < H; ++h) ld[h] = -(8.0f / H) * h / H - 0.01f;  // the peer's g_gamma
+    Buf d_ld(H, cu::DType::kFloat32);
+    cudaMemcpy(d_ld.p, ld.data(), H * 4, cudaMemcpyHostToDevice);
+    std::vector<int32_t> cu_h{0, static_cast<int32_t>(T)};
+    Buf d_cu(2, cu::DType::kFloat32);
+    cudaMemcpy(d_cu.p, cu_h.data(), 8, cudaMemcpyHostToDevice);
+    auto* q = qkv.as<__nv_bfloat16>();
+    auto* g = grads.as<__nv_bfloat16>();
+    const float scale = 1.0f / std::sqrt(128.0f);
+    const cu::LightningDims dims{T, H, Dh, stride};
+    const double act = static_cast<double>(T) * HD * 2;  // one [T, H, Dh] bf16 tensor
+    const double n_chunks = T / 64.0;
+    const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
+    for (int cpb : {0, 2, 4, 8, 16}) {
+      const cu::LightningConfig cfg{cpb};
+      Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
+      const cu::Workspace w{ws.p, ws.bytes};
+      auto fwd = [&] {
+        Check(cu::LightningForward(q, q + HD, q + 2 * HD, d_ld.as<float>(), d_cu.as<int32_t>(), 1,
+                                   nullptr, scale, dims, out.p, nullptr, kBf16, w, 0, cfg),
+              "LightningForward");
+      };
+      auto bwd = [&] {
+        Check(cu::LightningBackward(q, q + HD, q + 2 * HD, d_ld.as<float>(), d_cu.as<int32_t>(), 1,
+                                    nullptr, scale, dims, dout.p, nullptr, g, g + HD, g + 2 * HD,
+                                    nullptr, kBf16, w, 0, cfg),
+              "LightningBackward");
+      };
+      const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
+                              (cpb == 0 ? std::string("auto") : std::to_string(cpb));
+      const double tf = TimeMs(fwd), tb = TimeMs(bwd);
+      const double tfb = TimeMs([&] {
+        fwd();
+        bwd();
+      });
+      Row(tag + " fwd", tf, 4 * act, fwd_flops);
+      Row(tag + " bwd", tb, 8 * act, 2 * fwd_flops);
+      Row(tag + " fwd+bwd", tfb, 12 * act, 3 * fwd_flops);
+      if (T == 32768) {
+        std::printf("|   fwd+bwd vs FLA chunk_simple_gla 1.90 ms (peer README figure): %.2fx |\n",
+                    1.90 / tfb);
+      }
+      if (quick) break;
+    }
+  }
+
+  // ---- Dense ops at the 1B model's sizes, T = 32K tokens -----------------------------------------------
+  const int64_t T = 32768, D = 2048, H = 16, Dh = 128, F = 5632, V = 32000;
+  {
+    Buf x(T * D, kBf16), w(D, kBf16, 0.1f, 1.0f), y(T * D, kBf16), rstd(T, cu::DType::kFloat32),
+        dw(D, cu::DType::kFloat32), res(T * D, kBf16), h(T * D, kBf16);
+    Buf ws(cu::RmsNormBackwardWorkspaceBytes(T, D) / 4 + 1, cu::DType::kFloat32);
+    const double act = T * D * 2.0;
+    Row("rmsnorm fwd T=32K D=2048", TimeMs([&] {
+          Check(cu::RmsNormForward(x.p, w.p, y.p, rstd.as<float>(), T, D, 1e-6f, kBf16, 0), "rms");
+        }),
+        2 * act);
+    Row("rmsnorm+residual fwd T=32K D=2048", TimeMs([&] {
+          Check(cu::RmsNormResidualForward(x.p, res.p, h.p, w.p, y.p, rstd.as<float>(), T, D, 1e-6f,
+                                           kBf16, 0),
+                "rmsres");
+        }),
+        4 * act);
+    Row("rmsnorm bwd T=32K D=2048", TimeMs([&] {
+          Check(cu::RmsNormBackward(x.p, w.p, rstd.as<float>(), y.p, nullptr, h.p, dw.as<float>(), T,
+                                    D, kBf16, {ws.p, ws.bytes}, 0),
+                "rmsbwd");
+        }),
+        3 * act);
+  }
+  {
+    Buf qkv(T * 3 * H * Dh, kBf16), out(T * 3 * H * Dh, kBf16), w(Dh, kBf16, 0.1f, 1.0f),
+        rq(T * H, cu::DType::kFloat32), rk(T * H, cu::DType::kFloat32),
+        dw(2 * Dh, cu::DType::kFloat32);
+    std::vector<int32_t> pos(T);
+    for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
+    Buf d_pos(T, cu::DType::kFloat32);
+    cudaMemcpy(d_pos.p, pos.data(), T * 4, cudaMemcpyHostToDevice);
+    Buf ws(cu::QkNormRopeBackwardWorkspaceBytes(T, H, Dh) / 4 + 1, cu::DType::kFloat32);
+    const double act = T * 3.0 * H * Dh * 2;
+    Row("qk norm+rope fwd (copies v) T=32K H=16 Dh=128", TimeMs([&] {
+          Check(cu::QkNormRopeForward(qkv.p, w.p, w.p, d_pos.as<int32_t>(), out.p, rq.as<float>(),
+                                      rk.as<float>(), T, H, Dh, 1e-6f, 10000.0f, true, kBf16, 0),
+                "qkfwd");
+        }),
+        2 * act);
+    Row("qk norm+rope bwd (copies dv) T=32K H=16 Dh=128", TimeMs([&] {
+          Check(cu::QkNormRopeBackward(qkv.p, w.p, w.p, rq.as<float>(), rk.as<float>(),
+                                       d_pos.as<int32_t>(), out.p, out.p, dw.as<float>(),
+                                       dw.as<float>() + Dh, T, H, Dh, 10000.0f, true, kBf16,
+                                       {ws.p, ws.bytes}, 0),
+                "qkbwd");
+        }),
+        3 * act);
+  }
+  {
+    const int64_t n = T * F;
+    Buf g(n, kBf16), u(n, kBf16), y(n, kBf16);
+    Row("swiglu fwd T=32K F=5632", TimeMs([&] {
+          Check(cu::SwiGluForward(g.p, u.p, y.p, n, kBf16, 0), "swiglu");
+        }),
+        3.0 * n * 2);
+    Row("swiglu bwd T=32K F=5632 (in place)", TimeMs([&] {
+          Check(cu::SwiGluBackward(g.p, u.p, y.p, g.p, u.p, n, kBf16, 0), "swiglubwd");
+        }),
+        5.0 * n * 2);
+  }
+  {
+    Buf o(T * H * Dh, kBf16), gate(T * H * Dh, kBf16), w(H * Dh, kBf16, 0.1f, 1.0f),
+        y(T * H * Dh, kBf16), rstd(T * H, cu::DType::kFloat32), dw(H * Dh, cu::DType::kFloat32),
+        dgate(T * H * Dh, kBf16);
+    Buf ws(cu::GroupNormGateBackwardWorkspaceBytes(T, H, Dh) / 4 + 1, cu::DType::kFloat32);
+    const double act = T * H * Dh * 2.0;
+    Row("group norm+gate fwd T=32K H=16 Dh=128", TimeMs([&] {
+          Check(cu::GroupNormGateForward(o.p, w.p, gate.p, y.p, rstd.as<float>(), T, H, Dh, 1e-6f,
+                                         kBf16, 0),
+                "gng");
+        }),
+        3 * act);
+    Row("group norm+gate bwd T=32K H=16 Dh=128", TimeMs([&] {
+          Check(cu::GroupNormGateBackward(o.p, w.p, gate.p, rstd.as<float>(), y.p, y.p,
+                                          dw.as<float>(), dgate.p, T, H, Dh, kBf16,
+                                          {ws.p, ws.bytes}, 0),
+                "gngbwd");
+        }),
+        5 * act);
+  }
+  {
+    const int64_t rows = 4096;
+    Buf logits(rows * V, kBf16, 2.0f), loss(rows, cu::DType::kFloat32);
+    std::vector<int32_t> tg(rows);
+    for (int64_t t = 0; t < rows; ++t) tg[t] = static_cast<int32_t>((t * 7919) % V);
+    Buf d_tg(rows, cu::DType::kFloat32);
+    cudaMemcpy(d_tg.p, tg.data(), rows * 4, cudaMemcpyHostToDevice);
+    Row("cross-entropy+grad rows=4096 V=32000 (in place)", TimeMs([&] {
+          Check(cu::CrossEntropy(logits.p, d_tg.as<int32_t>(), rows, V, 1e-4f, loss.as<float>(),
+                                 logits.p, kBf16, 0),
+                "ce");
+        }),
+        3.0 * rows * V * 2);
+  }
+  {
+    Buf ids_f(T, cu::DType::kFloat32), table(V * D, kBf16), out(T * D, kBf16),
+        dtable(V * D, cu::DType::kFloat32);
+    std::vector<int32_t> ids(T);
+    for (int64_t t = 0; t < T; ++t) ids[t] = static_cast<int32_t>((t * 7919) % V);
+    cudaMemcpy(ids_f.p, ids.data(), T * 4, cudaMemcpyHostToDevice);
+    Buf ws(cu::EmbeddingBackwardWorkspaceBytes(T) / 4 + 1, cu::DType::kFloat32);
+    Row("embedding fwd T=32K D=2048", TimeMs([&] {
+          Check(cu::EmbeddingForward(ids_f.as<int32_t>(), table.p, out.p, T, D, kBf16, 0), "emb");
+        }),
+        2.0 * T * D * 2);
+    Row("embedding bwd T=32K D=2048 V=32000", TimeMs([&] {
+          Check(cu::EmbeddingBackward(ids_f.as<int32_t>(), out.p, dtable.as<float>(), T, D, V, kBf16,
+                                      {ws.p, ws.bytes}, 0),
+                "embbwd");
+        }),
+        T * D * 2.0 + 2.0 * T * D * 4);
+  }
+  {
+    const int64_t n = 100'000'000;
+    Buf p(n, cu::DType::kFloat32), g(n, cu::DType::kFloat32, 0.01f), m(n, cu::DType::kFloat32, 0.0f),
+        v(n, cu::DType::kFloat32, 0.0f, 0.0f), pb(n, kBf16);
+    std::vector<cu::AdamWTensor> ts;
+    const int64_t parts = 100;
+    for (int64_t i = 0; i < parts; ++i) {
+      const int64_t off = i * (n / parts);
+      ts.push_back({p.as<float>() + off, g.as<float>() + off, m.as<float>() + off,
+                    v.as<float>() + off, pb.as<__nv_bfloat16>() + off, n / parts, 0.1f});
+    }
+    cu::AdamWHyper hp{1e-4f, 0.9f, 0.95f, 1e-8f, 10, 1.0f};
+    Row("adamw multi-tensor 100 tensors, 100M params", TimeMs([&] {
+          Check(cu::AdamWMultiTensor(ts.data(), parts, hp, 0), "adamw");
+        }),
+        n * (4.0 * 4 + 3 * 4 + 2));
+  }
+  {
+    std::unique_ptr<cu::Blas> blas;
+    Check(cu::Blas::Create(&blas), "blas");
+    for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{8192, 8192, 8192},
+                           {32768, 6144, 2048}, {32768, 2048, 5632}, {4096, 32000, 2048}}) {
+      Buf A(M * K, kBf16), B(K * N, kBf16), C(M * N, kBf16);
+      cu::GemmArgs a;
+      a.trans_b = true, a.M = M, a.N = N, a.K = K, a.A = A.p, a.lda = K, a.B = B.p, a.ldb = K;
+      a.C = C.p, a.ldc = N;
+      Row("gemm bf16 " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K),
+          TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }), 2.0 * (M * K + K * N + M * N),
+          2.0 * M * N * K);
+    }
+  }
+  return 0;
+}

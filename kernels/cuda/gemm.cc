@@ -1,0 +1,147 @@
+// cuBLASLt GEMM wrapper: row-major C = op(A) op(B) is computed as column-major
+// C^T = op(B)^T op(A)^T, i.e. cuBLASLt's A is our B. Algorithms come from the heuristic once per
+// shape and are cached with their layouts.
+#include "kernels/cuda/gemm.h"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <tuple>
+
+namespace spindle::kernels::cuda {
+namespace {
+
+cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return CUDA_R_32F;
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+  }
+  return CUDA_R_32F;
+}
+
+using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                       bool>;
+
+// One cached plan: descriptors and the chosen algorithm.
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+struct Blas::Impl {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::map<Key, std::unique_ptr<Plan>> plans;
+  ~Impl() {
+    plans.clear();
+    if (workspace) cudaFree(workspace);
+    if (handle) cublasLtDestroy(handle);
+  }
+};
+
+Blas::Blas(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Blas::~Blas() = default;
+
+Status Blas::Create(std::unique_ptr<Blas>* out) {
+  auto impl = std::make_unique<Impl>();
+  SPINDLE_CUBLAS_CHECK(cublasLtCreate(&impl->handle));
+  SPINDLE_CUDA_CHECK(cudaMalloc(&impl->workspace, kWorkspaceBytes));
+  out->reset(new Blas(std::move(impl)));
+  return Status::Ok();
+}
+
+Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(g.M >= 0 && g.N >= 0 && g.K >= 0, "Gemm: negative size");
+  if (g.M == 0 || g.N == 0) return Status::Ok();
+  SPINDLE_CHECK_ARG(g.ab_type != DType::kFloat32 || g.c_type == DType::kFloat32,
+                    "Gemm: fp32 inputs need an fp32 output");
+  const bool beta_zero = g.beta == 0.0f;
+  const Key key{g.trans_a, g.trans_b, g.M,  g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.ab_type),
+                static_cast<int>(g.c_type), beta_zero};
+  auto it = impl_->plans.find(key);
+  if (it == impl_->plans.end()) {
+    auto plan = std::make_unique<Plan>();
+    SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // Column-major view: C^T [N x M] = op(B)^T [N x K] * op(A)^T [K x M].
+    const cublasOperation_t ta = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // applied to B^T view
+    const cublasOperation_t tb = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
+                                                        sizeof(ta)));
+    SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
+                                                        sizeof(tb)));
+    const cudaDataType_t ab = CudaType(g.ab_type), ct = CudaType(g.c_type);
+    // Our B in column-major: untransposed row-major [K, N] is col-major [N x K] with ld ldb.
+    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, ab, g.trans_b ? g.K : g.N,
+                                                    g.trans_b ? g.N : g.K, g.ldb));
+    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, ab, g.trans_a ? g.M : g.K,
+                                                    g.trans_a ? g.K : g.M, g.lda));
+    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, ct, g.N, g.M, g.ldc));
+    cublasLtMatmulPreference_t pref = nullptr;
+    SPINDLE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t ws = kWorkspaceBytes;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                         sizeof(ws));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+        impl_->handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    SPINDLE_CUBLAS_CHECK(st);
+    if (found == 0) {
+      return {StatusCode::kCublasError, "Gemm: cuBLASLt found no algorithm for M=" +
+                                            std::to_string(g.M) + " N=" + std::to_string(g.N) +
+                                            " K=" + std::to_string(g.K)};
+    }
+    plan->algo = result.algo;
+    it = impl_->plans.emplace(key, std::move(plan)).first;
+  }
+  const Plan& p = *it->second;
+  SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
+                                      g.C, p.c, g.C, p.c, &p.algo, impl_->workspace,
+                                      kWorkspaceBytes, stream));
+  return Status::Ok();
+}
+
+Status Blas::LinearForward(const void* x, const void* W, void* y, int64_t T, int64_t in,
+                           int64_t out, DType dtype, cudaStream_t stream) {
+  GemmArgs g;
+  g.trans_b = true;
+  g.M = T, g.N = out, g.K = in;
+  g.A = x, g.lda = in, g.B = W, g.ldb = in, g.C = y, g.ldc = out;
+  g.ab_type = dtype, g.c_type = dtype;
+  return Gemm(g, stream);
+}
+
+Status Blas::LinearBackward(const void* x, const void* W, const void* dy, void* dx, float* dW,
+                            int64_t T, int64_t in, int64_t out, DType dtype,
+                            cudaStream_t stream) {
+  if (dx != nullptr) {
+    GemmArgs g;
+    g.M = T, g.N = in, g.K = out;
+    g.A = dy, g.lda = out, g.B = W, g.ldb = in, g.C = dx, g.ldc = in;
+    g.ab_type = dtype, g.c_type = dtype;
+    SPINDLE_RETURN_IF_ERROR(Gemm(g, stream));
+  }
+  GemmArgs g;
+  g.trans_a = true;
+  g.M = out, g.N = in, g.K = T;
+  g.beta = 1.0f;
+  g.A = dy, g.lda = out, g.B = x, g.ldb = in, g.C = dW, g.ldc = in;
+  g.ab_type = dtype, g.c_type = DType::kFloat32;
+  return Gemm(g, stream);
+}
+
+}  // namespace spindle::kernels::cuda

@@ -1,0 +1,263 @@
+// Private building blocks of the CUDA Lightning kernels: the 64-token chunk grid and its masks,
+// shared-memory tile layouts, WMMA tile helpers, and the launchers each .cu file exports to the
+// others (lightning_state.cu, lightning_fwd.cu, lightning_bwd.cu).
+//
+// Chunk c covers tokens [64c, min(64c + 64, T)). Inside a chunk, token i belongs to the segment
+// starting at seg[i] (absolute index). With c0 = 64c:
+//   cond(i) = seg[i] < c0 || seg[i] == 0   the state entering the chunk reaches token i
+//   qw[i]   = cond(i) ? scale * a^(i+1) : 0 weight of q_i S_in in o_i (and of q_i^T do_i in dS_in)
+//   kw[j]   = seg[j] == seg[last] ? a^(last-j) : 0   weight of k_j^T v_j in the chunk's end state
+//   f       = cond(last) ? a^len : 0       S_out = f S_in + sum_j kw[j] k_j^T v_j
+//   M[i,j]  = j <= i && seg[i] <= c0 + j   intra-chunk mask, score weight scale * a^(i-j)
+// (segment 0 counts as continuing from the carry-in, hence seg[i] == 0 in cond).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/lightning.h"
+
+namespace spindle::kernels::cuda::internal::lightning {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kChunk = 64;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
+using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
+using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// Shared-memory pitches (elements). Padding keeps 16-row tile starts 32-byte aligned.
+template <int DH>
+struct Pitch {
+  static constexpr int kRow = DH + 8;        // bf16 [64, DH] and [DH, DH] buffers
+  static constexpr int kScoreB = kChunk + 8;  // bf16 [64, 64]
+  static constexpr int kScoreF = kChunk + 4;  // fp32 [64, 64]
+  static constexpr int kRowsBytes = kChunk * kRow * 2;
+  static constexpr int kStateBytes = DH * kRow * 2;
+  static constexpr int kScoreBBytes = kChunk * kScoreB * 2;
+  static constexpr int kScoreFBytes = kChunk * kScoreF * 4;
+  static constexpr int kScratchBytes = kWarps * 256 * 4;
+  // Tiles per warp: output [64, DH] and state [DH, DH].
+  static constexpr int kOutTiles = DH / 32;
+  static constexpr int kStateTiles = DH * DH / (256 * kWarps);
+};
+
+// Per-chunk quantities (see the file comment), in shared memory.
+struct ChunkInfo {
+  int seg[kChunk];
+  float qw[kChunk];
+  float kw[kChunk];
+  float f;
+  int len;
+};
+constexpr int kInfoBytes = (sizeof(ChunkInfo) + 65 * 4 + 127) / 128 * 128;  // + decay table
+
+// Start of the segment holding token t: the largest cu[s] <= t (0 when cu is null).
+__device__ __forceinline__ int SegmentStart(const int32_t* cu, int n_seg, int t) {
+  if (cu == nullptr) return 0;
+  int lo = 0, hi = n_seg - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return cu[lo];
+}
+
+// dec[n] = a^n for n <= 64. Call once per block (then sync).
+__device__ __forceinline__ void FillDecay(float log_a, float* dec) {
+  if (threadIdx.x <= kChunk) dec[threadIdx.x] = expf(static_cast<float>(threadIdx.x) * log_a);
+}
+
+// Fills `ci` for the chunk starting at c0. Contains one __syncthreads; the caller syncs after.
+__device__ __forceinline__ void SetupChunk(ChunkInfo& ci, const float* dec, const int32_t* cu,
+                                           int n_seg, int c0, int T, float scale) {
+  const int len = min(kChunk, T - c0);
+  const int i = threadIdx.x;
+  if (i < kChunk) ci.seg[i] = i < len ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
+  if (i == 0) ci.len = len;
+  __syncthreads();
+  if (i < kChunk) {
+    const int last = len - 1;
+    const int s = ci.seg[i];
+    const bool in = i < len;
+    const bool cond = in && (s < c0 || s == 0);
+    ci.qw[i] = cond ? scale * dec[i + 1] : 0.0f;
+    ci.kw[i] = in && s == ci.seg[last] ? dec[last - i] : 0.0f;
+    if (i == 0) {
+      const int sl = ci.seg[last];
+      ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
+    }
+  }
+}
+
+// Copies `len` rows of DH bf16 from global (row stride `stride`) into smem rows of pitch kRow;
+// rows >= len are zeroed. 16-byte vectors.
+template <int DH>
+__device__ __forceinline__ void LoadRows(bf16* dst, const bf16* src, int64_t stride, int len) {
+  constexpr int kVec = DH / 8;
+  for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {
+    const int r = idx / kVec, c = (idx % kVec) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < len) val = *reinterpret_cast<const uint4*>(src + r * stride + c);
+    *reinterpret_cast<uint4*>(dst + r * Pitch<DH>::kRow + c) = val;
+  }
+}
+
+// buf[r, :] *= w[r] in place (smem rows of pitch kRow).
+template <int DH>
+__device__ __forceinline__ void ScaleRowsInPlace(bf16* buf, const float* w) {
+  for (int idx = threadIdx.x; idx < kChunk * DH; idx += kThreads) {
+    const int r = idx / DH, c = idx % DH;
+    bf16& e = buf[r * Pitch<DH>::kRow + c];
+    e = __float2bfloat16(__bfloat162float(e) * w[r]);
+  }
+}
+
+// dst[r, :] = w[r] * src[r, :] (smem to smem).
+template <int DH>
+__device__ __forceinline__ void ScaleRowsTo(bf16* dst, const bf16* src, const float* w) {
+  for (int idx = threadIdx.x; idx < kChunk * DH; idx += kThreads) {
+    const int r = idx / DH, c = idx % DH;
+    dst[r * Pitch<DH>::kRow + c] = __float2bfloat16(__bfloat162float(src[r * Pitch<DH>::kRow + c]) * w[r]);
+  }
+}
+
+// Masked, decayed and scaled scores: out[i, j] = M[i, j] * scale * a^(i-j) * in[i, j].
+__device__ __forceinline__ void MaskScores(const float* in, bf16* out, const ChunkInfo& ci,
+                                           const float* dec, int c0, float scale) {
+  for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
+    const int i = idx / kChunk, j = idx % kChunk;
+    const bool keep = j <= i && i < ci.len && ci.seg[i] <= c0 + j;
+    const float val = keep ? in[i * (kChunk + 4) + j] * scale * dec[i - j] : 0.0f;
+    out[i * (kChunk + 8) + j] = __float2bfloat16(val);
+  }
+}
+
+// acc row r (of the 16-row tile starting at chunk row row0) *= w[row0 + r], via a per-warp
+// 16x16 fp32 scratch.
+__device__ __forceinline__ void ScaleAccRows(Acc& acc, float* scratch, const float* w, int row0) {
+  wmma::store_matrix_sync(scratch, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  for (int e = lane; e < 256; e += 32) scratch[e] *= w[row0 + e / 16];
+  __syncwarp();
+  wmma::load_matrix_sync(acc, scratch, 16, wmma::mem_row_major);
+  __syncwarp();
+}
+
+// Writes a 16x16 fp32 tile as bf16 to dst (row pitch ld), rows r with row0 + r < len only;
+// adds the existing values first when `accumulate`.
+__device__ __forceinline__ void StoreAccBf16(const Acc& acc, float* scratch, bf16* dst, int64_t ld,
+                                             int row0, int len, bool accumulate) {
+  wmma::store_matrix_sync(scratch, acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  const int r = lane >> 1, c = (lane & 1) * 8;
+  if (row0 + r < len) {
+    bf16* p = dst + r * ld + c;
+    const float* s = scratch + r * 16 + c;
+    alignas(16) bf16 vals[8];
+    if (accumulate) {
+      const uint4 old = *reinterpret_cast<const uint4*>(p);
+      const bf16* o = reinterpret_cast<const bf16*>(&old);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vals[e] = __float2bfloat16(s[e] + __bfloat162float(o[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vals[e] = __float2bfloat16(s[e]);
+    }
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(vals);
+  }
+  __syncwarp();
+}
+
+// Writes the warp's state tiles as bf16 into the smem state buffer.
+template <int DH>
+__device__ __forceinline__ void StateToSmem(const Acc* S, float* scratch, bf16* Sb) {
+  const int warp = threadIdx.x >> 5;
+  for (int i = 0; i < Pitch<DH>::kStateTiles; ++i) {
+    const int idx = warp * Pitch<DH>::kStateTiles + i;
+    const int tr = idx / (DH / 16), tc = idx % (DH / 16);
+    StoreAccBf16(S[i], scratch, Sb + tr * 16 * Pitch<DH>::kRow + tc * 16, Pitch<DH>::kRow, 0, 16,
+                 false);
+  }
+}
+
+// c += sum over k steps of A(k) B(k); a/b advance by a_step/b_step elements per 16-wide k step.
+template <typename FA, typename FB>
+__device__ __forceinline__ void Mma(Acc& c, const bf16* a, int lda, int a_step, const bf16* b,
+                                    int ldb, int b_step, int k_steps) {
+  FA fa;
+  FB fb;
+  for (int kk = 0; kk < k_steps; ++kk) {
+    wmma::load_matrix_sync(fa, a + kk * a_step, lda);
+    wmma::load_matrix_sync(fb, b + kk * b_step, ldb);
+    wmma::mma_sync(c, fa, fb, c);
+  }
+}
+
+// ---- Launchers shared between the .cu files ---------------------------------------------------------
+
+// Pass 1: per (head, block of chunks), the block's end state from a zero start, S = f S + X^T Y
+// over its chunks (forward: X = kw * k, Y = v, chunks in order; reverse: X = qw * q, Y = dout,
+// chunks in reverse), into U [H, G, Dh, Dh]; F [H, G] (nullable) gets the product of f.
+struct StateArgs {
+  const bf16* x;
+  int64_t x_stride;
+  const bf16* y;
+  int64_t y_stride;
+  const float* log_decay;
+  const int32_t* cu;
+  int n_seg, T, H;
+  float scale;
+  int chunks_per_block, n_chunks, G;
+  float* U;
+  float* F;
+};
+Status LaunchState(int dh, bool reverse, const StateArgs& a, cudaStream_t stream);
+
+// Scan over blocks g of X (element (g, h, e) at g * stride_g + h * stride_h + e, e < E):
+// forward: out_g = carry; carry = in_g + f_g carry (carry starts at init or 0);
+// reverse: the same from g = G-1 down. The final carry goes to final_out (nullable; += when
+// accumulate_final). f_g = F[h * G + g] when F is set, else doc_start[g] ? 0 : a_h^length[g].
+struct ScanArgs {
+  const float* in;
+  float* out;
+  int64_t stride_g, stride_h;
+  int G, H;
+  int64_t E;
+  const float* F;
+  const int32_t* doc_start;
+  const int32_t* length;
+  const float* log_decay;
+  const float* init;
+  float* final_out;
+  bool accumulate_final, reverse;
+};
+Status LaunchScan(const ScanArgs& a, cudaStream_t stream);
+
+// Blocks of chunks and the workspace carve-up shared by forward and backward.
+struct Plan {
+  int n_chunks, chunks_per_block, G;
+  size_t state_bytes;  // one [H, G, Dh, Dh] fp32 buffer, 256-byte aligned
+  size_t f_bytes;      // [H, G] fp32, aligned
+};
+Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config);
+
+Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
+                   DType dtype, const char* op);
+
+}  // namespace spindle::kernels::cuda::internal::lightning

@@ -1,0 +1,296 @@
+// Lightning on CUDA: the forward main pass (per head and block of chunks, state in registers,
+// WMMA tiles), LightningForward, and the CP carry correction with its backward.
+#include "kernels/cuda/lightning_common.cuh"
+
+namespace spindle::kernels::cuda::internal::lightning {
+namespace {
+
+struct FwdArgs {
+  const bf16 *q, *k, *v;
+  int64_t stride;
+  bf16* out;
+  const float* log_decay;
+  const int32_t* cu;
+  int n_seg, T, H;
+  float scale;
+  int chunks_per_block, n_chunks, G;
+  const float* P;  // [H, G, DH, DH] start state of every block
+};
+
+// Per chunk: A = Q K^T (masked, decayed), O = diag(qw) Q S_in + A V, S_out = f S_in + Kd^T V.
+template <int DH>
+__global__ void __launch_bounds__(kThreads) FwdKernel(FwdArgs a) {
+  using P = Pitch<DH>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* p = smem;
+  bf16* qs = reinterpret_cast<bf16*>(p), *ks = qs + kChunk * P::kRow, *vs = ks + kChunk * P::kRow,
+        *kd = vs + kChunk * P::kRow;
+  p += 4 * P::kRowsBytes;
+  bf16* sb = reinterpret_cast<bf16*>(p);
+  p += P::kStateBytes;
+  float* af = reinterpret_cast<float*>(p);
+  p += P::kScoreFBytes;
+  bf16* ab = reinterpret_cast<bf16*>(p);
+  p += P::kScoreBBytes;
+  float* scratch = reinterpret_cast<float*>(p) + (threadIdx.x >> 5) * 256;
+  p += P::kScratchBytes;
+  auto& ci = *reinterpret_cast<ChunkInfo*>(p);
+  float* dec = reinterpret_cast<float*>(p + sizeof(ChunkInfo));
+
+  const int g = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
+  FillDecay(a.log_decay[h], dec);
+  // Start state: registers (fp32) and smem (bf16).
+  Acc S[P::kStateTiles];
+  const float* p0 = a.P + (static_cast<int64_t>(h) * a.G + g) * DH * DH;
+  for (int i = 0; i < P::kStateTiles; ++i) {
+    const int idx = warp * P::kStateTiles + i;
+    const int tr = idx / (DH / 16), tc = idx % (DH / 16);
+    wmma::load_matrix_sync(S[i], p0 + tr * 16 * DH + tc * 16, DH, wmma::mem_row_major);
+  }
+  StateToSmem<DH>(S, scratch, sb);
+
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  const int orow = warp / 2, ocol0 = (warp % 2) * P::kOutTiles;
+  for (int n = 0; n < count; ++n) {
+    const int c0 = (first + n) * kChunk;
+    __syncthreads();
+    SetupChunk(ci, dec, a.cu, a.n_seg, c0, a.T, a.scale);
+    const int64_t base = static_cast<int64_t>(c0) * a.stride + h * DH;
+    LoadRows<DH>(qs, a.q + base, a.stride, ci.len);
+    LoadRows<DH>(ks, a.k + base, a.stride, ci.len);
+    LoadRows<DH>(vs, a.v + base, a.stride, ci.len);
+    __syncthreads();
+    // Scores (two tiles per warp) and the inter-chunk output part.
+    for (int t = 2 * warp; t < 2 * warp + 2; ++t) {
+      const int tr = t / 4, tc = t % 4;
+      Acc s;
+      wmma::fill_fragment(s, 0.0f);
+      Mma<FragA, FragBT>(s, qs + tr * 16 * P::kRow, P::kRow, 16, ks + tc * 16 * P::kRow, P::kRow,
+                         16, DH / 16);
+      wmma::store_matrix_sync(af + tr * 16 * P::kScoreF + tc * 16, s, P::kScoreF,
+                              wmma::mem_row_major);
+    }
+    Acc O[P::kOutTiles];
+    for (int i = 0; i < P::kOutTiles; ++i) {
+      wmma::fill_fragment(O[i], 0.0f);
+      Mma<FragA, FragB>(O[i], qs + orow * 16 * P::kRow, P::kRow, 16, sb + (ocol0 + i) * 16,
+                        P::kRow, 16 * P::kRow, DH / 16);
+    }
+    ScaleRowsTo<DH>(kd, ks, ci.kw);
+    __syncthreads();
+    MaskScores(af, ab, ci, dec, c0, a.scale);
+    for (int i = 0; i < P::kOutTiles; ++i) ScaleAccRows(O[i], scratch, ci.qw, orow * 16);
+    __syncthreads();
+    bf16* out = a.out + static_cast<int64_t>(c0) * a.H * DH + h * DH;
+    for (int i = 0; i < P::kOutTiles; ++i) {
+      Mma<FragA, FragB>(O[i], ab + orow * 16 * P::kScoreB, P::kScoreB, 16,
+                        vs + (ocol0 + i) * 16, P::kRow, 16 * P::kRow, kChunk / 16);
+      StoreAccBf16(O[i], scratch, out + orow * 16 * a.H * DH + (ocol0 + i) * 16, a.H * DH,
+                   orow * 16, ci.len, false);
+    }
+    if (n + 1 < count) {
+      const float f = ci.f;
+      for (int i = 0; i < P::kStateTiles; ++i) {
+        const int idx = warp * P::kStateTiles + i;
+        const int tr = idx / (DH / 16), tc = idx % (DH / 16);
+        for (int e = 0; e < S[i].num_elements; ++e) S[i].x[e] *= f;
+        Mma<FragAT, FragB>(S[i], kd + tr * 16, P::kRow, 16 * P::kRow, vs + tc * 16, P::kRow,
+                           16 * P::kRow, kChunk / 16);
+      }
+      StateToSmem<DH>(S, scratch, sb);
+    }
+  }
+}
+
+// dst rows t < n_tokens (+)= w_t * src_t P (or P^T), w_t = scale * a^(t+1): the CP carry
+// correction (src = q, dst = out, P) and the dq part of its backward (src = dout, dst = dq, P^T).
+struct CarryArgs {
+  const bf16* src;
+  int64_t src_stride;
+  bf16* dst;
+  int64_t dst_stride;
+  const float* P;
+  const float* log_decay;
+  float scale;
+  int n_tokens;
+};
+
+template <int DH, bool kTransposeP>
+__global__ void __launch_bounds__(kThreads) CarryKernel(CarryArgs a) {
+  using Pt = Pitch<DH>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* xs = reinterpret_cast<bf16*>(smem);
+  bf16* pb = reinterpret_cast<bf16*>(smem + Pt::kRowsBytes);
+  float* scratch =
+      reinterpret_cast<float*>(smem + Pt::kRowsBytes + Pt::kStateBytes) + (threadIdx.x >> 5) * 256;
+  float* w = reinterpret_cast<float*>(smem + Pt::kRowsBytes + Pt::kStateBytes + Pt::kScratchBytes);
+  const int h = blockIdx.y, t0 = blockIdx.x * kChunk, warp = threadIdx.x >> 5;
+  const int len = min(kChunk, a.n_tokens - t0);
+  if (threadIdx.x < kChunk) {
+    w[threadIdx.x] = a.scale * expf(static_cast<float>(t0 + threadIdx.x + 1) * a.log_decay[h]);
+  }
+  const float* ph = a.P + static_cast<int64_t>(h) * DH * DH;
+  for (int idx = threadIdx.x; idx < DH * DH; idx += kThreads) {
+    pb[(idx / DH) * Pt::kRow + idx % DH] = __float2bfloat16(ph[idx]);
+  }
+  LoadRows<DH>(xs, a.src + static_cast<int64_t>(t0) * a.src_stride + h * DH, a.src_stride, len);
+  __syncthreads();
+  const int orow = warp / 2, ocol0 = (warp % 2) * Pt::kOutTiles;
+  bf16* dst = a.dst + static_cast<int64_t>(t0) * a.dst_stride + h * DH;
+  for (int i = 0; i < Pt::kOutTiles; ++i) {
+    Acc o;
+    wmma::fill_fragment(o, 0.0f);
+    const int col = (ocol0 + i) * 16;
+    if constexpr (kTransposeP) {
+      Mma<FragA, FragBT>(o, xs + orow * 16 * Pt::kRow, Pt::kRow, 16, pb + col * Pt::kRow,
+                         Pt::kRow, 16, DH / 16);
+    } else {
+      Mma<FragA, FragB>(o, xs + orow * 16 * Pt::kRow, Pt::kRow, 16, pb + col, Pt::kRow,
+                        16 * Pt::kRow, DH / 16);
+    }
+    ScaleAccRows(o, scratch, w, orow * 16);
+    StoreAccBf16(o, scratch, dst + orow * 16 * a.dst_stride + col, a.dst_stride, orow * 16, len,
+                 true);
+  }
+}
+
+template <int DH, bool kTransposeP>
+Status LaunchCarry(const CarryArgs& a, int H, cudaStream_t stream) {
+  using Pt = Pitch<DH>;
+  constexpr int kSmem = Pt::kRowsBytes + Pt::kStateBytes + Pt::kScratchBytes + kChunk * 4;
+  SPINDLE_CUDA_CHECK(cudaFuncSetAttribute(CarryKernel<DH, kTransposeP>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  CarryKernel<DH, kTransposeP>
+      <<<dim3(CeilDiv(a.n_tokens, kChunk), H), kThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <int DH>
+Status LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
+  using P = Pitch<DH>;
+  constexpr int kSmem = 4 * P::kRowsBytes + P::kStateBytes + P::kScoreFBytes + P::kScoreBBytes +
+                        P::kScratchBytes + kInfoBytes;
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(FwdKernel<DH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  FwdKernel<DH><<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace spindle::kernels::cuda::internal::lightning
+
+namespace spindle::kernels::cuda {
+
+using namespace internal::lightning;  // NOLINT: the private pieces of this op
+using internal::bf16;
+
+Status LightningForward(const void* q, const void* k, const void* v, const float* log_decay,
+                        const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
+                        float scale, const LightningDims& dims, void* out, float* end_state,
+                        DType dtype, Workspace ws, cudaStream_t stream,
+                        const LightningConfig& config) {
+  SPINDLE_RETURN_IF_ERROR(CheckCommon(q, k, v, dims, dtype, "LightningForward"));
+  const int64_t H = dims.H, Dh = dims.Dh;
+  if (dims.T == 0 || n_segments == 0) {
+    if (end_state != nullptr) {
+      if (carry_in != nullptr) {
+        SPINDLE_CUDA_CHECK(cudaMemcpyAsync(end_state, carry_in, H * Dh * Dh * 4,
+                                           cudaMemcpyDeviceToDevice, stream));
+      } else {
+        SPINDLE_CUDA_CHECK(cudaMemsetAsync(end_state, 0, H * Dh * Dh * 4, stream));
+      }
+    }
+    return Status::Ok();
+  }
+  const Plan plan = MakePlan(dims.T, H, Dh, config);
+  SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(dims, config),
+                    "LightningForward: workspace too small");
+  float* U = static_cast<float*>(ws.data);
+  float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
+  const int T = static_cast<int>(dims.T);
+
+  StateArgs sa{};
+  sa.x = static_cast<const bf16*>(k), sa.x_stride = dims.qkv_stride;
+  sa.y = static_cast<const bf16*>(v), sa.y_stride = dims.qkv_stride;
+  sa.log_decay = log_decay, sa.cu = cu_seqlens, sa.n_seg = static_cast<int>(n_segments);
+  sa.T = T, sa.H = static_cast<int>(H), sa.scale = scale;
+  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
+  sa.U = U, sa.F = F;
+  SPINDLE_RETURN_IF_ERROR(LaunchState(static_cast<int>(Dh), false, sa, stream));
+
+  ScanArgs sc{};
+  sc.in = U, sc.out = U;
+  sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
+  sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
+  sc.init = carry_in, sc.final_out = end_state;
+  SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
+
+  FwdArgs fa{};
+  fa.q = static_cast<const bf16*>(q), fa.k = static_cast<const bf16*>(k);
+  fa.v = static_cast<const bf16*>(v), fa.stride = dims.qkv_stride;
+  fa.out = static_cast<bf16*>(out), fa.log_decay = log_decay, fa.cu = cu_seqlens;
+  fa.n_seg = static_cast<int>(n_segments), fa.T = T, fa.H = static_cast<int>(H), fa.scale = scale;
+  fa.chunks_per_block = plan.chunks_per_block, fa.n_chunks = plan.n_chunks, fa.G = plan.G;
+  fa.P = U;
+  return Dh == 64 ? LaunchFwd<64>(fa, stream) : LaunchFwd<128>(fa, stream);
+}
+
+Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
+                                float scale, const LightningDims& dims, int64_t n_tokens,
+                                void* out, DType dtype, cudaStream_t stream) {
+  SPINDLE_RETURN_IF_ERROR(CheckCommon(q, q, out, dims, dtype, "LightningCarryCorrection"));
+  SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T, "LightningCarryCorrection: n_tokens");
+  if (n_tokens == 0) return Status::Ok();
+  CarryArgs a{};
+  a.src = static_cast<const bf16*>(q), a.src_stride = dims.qkv_stride;
+  a.dst = static_cast<bf16*>(out), a.dst_stride = dims.H * dims.Dh;
+  a.P = P, a.log_decay = log_decay, a.scale = scale, a.n_tokens = static_cast<int>(n_tokens);
+  const int H = static_cast<int>(dims.H);
+  return dims.Dh == 64 ? LaunchCarry<64, false>(a, H, stream) : LaunchCarry<128, false>(a, H, stream);
+}
+
+Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, const float* P,
+                                        float scale, const LightningDims& dims, int64_t n_tokens,
+                                        const void* dout, void* dq, float* dP, DType dtype,
+                                        Workspace ws, cudaStream_t stream,
+                                        const LightningConfig& config) {
+  SPINDLE_RETURN_IF_ERROR(CheckCommon(q, dout, dq, dims, dtype, "LightningCarryCorrectionBackward"));
+  SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T,
+                    "LightningCarryCorrectionBackward: n_tokens");
+  if (n_tokens == 0) return Status::Ok();
+  const int64_t H = dims.H, Dh = dims.Dh;
+  CarryArgs a{};
+  a.src = static_cast<const bf16*>(dout), a.src_stride = H * Dh;
+  a.dst = static_cast<bf16*>(dq), a.dst_stride = dims.qkv_stride;
+  a.P = P, a.log_decay = log_decay, a.scale = scale, a.n_tokens = static_cast<int>(n_tokens);
+  const Status dq_status = Dh == 64 ? LaunchCarry<64, true>(a, static_cast<int>(H), stream)
+                                    : LaunchCarry<128, true>(a, static_cast<int>(H), stream);
+  SPINDLE_RETURN_IF_ERROR(dq_status);
+  // dP += sum_t scale a^(t+1) q_t^T dout_t: pass 1 in reverse over one segment, then a reverse
+  // scan over blocks whose final carry is the sum.
+  const LightningDims sub{n_tokens, H, Dh, dims.qkv_stride};
+  const Plan plan = MakePlan(n_tokens, H, Dh, config);
+  SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(sub, config),
+                    "LightningCarryCorrectionBackward: workspace too small");
+  float* U = static_cast<float*>(ws.data);
+  float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
+  StateArgs sa{};
+  sa.x = static_cast<const bf16*>(q), sa.x_stride = dims.qkv_stride;
+  sa.y = static_cast<const bf16*>(dout), sa.y_stride = H * Dh;
+  sa.log_decay = log_decay, sa.cu = nullptr, sa.n_seg = 1;
+  sa.T = static_cast<int>(n_tokens), sa.H = static_cast<int>(H), sa.scale = scale;
+  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
+  sa.U = U, sa.F = F;
+  SPINDLE_RETURN_IF_ERROR(LaunchState(static_cast<int>(Dh), true, sa, stream));
+  ScanArgs sc{};
+  sc.in = U, sc.out = U;
+  sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
+  sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
+  sc.final_out = dP, sc.accumulate_final = true, sc.reverse = true;
+  return LaunchScan(sc, stream);
+}
+
+}  // namespace spindle::kernels::cuda

@@ -1,0 +1,132 @@
+// CUDA kernels for every dense op of the model, mirroring kernels/cpu/ops.h (the reference).
+//
+// Conventions shared by every function here:
+//  - Pointers are device pointers; activations are token-major [T, D] or [T, H, Dh], row-major.
+//    Activation tensors are `void*` with a DType (bf16 in training, fp32 accepted); parameter
+//    gradients, optimizer state and saved norm statistics are fp32.
+//  - Forward functions overwrite their outputs. Backward functions overwrite input gradients and
+//    ACCUMULATE (+=) into fp32 parameter gradients, as on CPU. Every reduction runs in a fixed
+//    order for given sizes: results are bitwise reproducible from run to run (no float atomics).
+//  - Work is enqueued on `stream`; nothing synchronises the host. Functions that need scratch
+//    memory take a Workspace of at least the bytes their ...WorkspaceBytes() function returns.
+//  - Errors (bad sizes, unsupported dtype, launch failure) come back as a Status; a failed
+//    launch may leave outputs partly written.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/dtype.h"
+#include "kernels/cuda/status.h"
+
+namespace spindle::kernels::cuda {
+
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// ---- Embedding ------------------------------------------------------------------------------
+// out[t, :] = table[ids[t], :]; table and out share `dtype`. ids must be in [0, vocab).
+Status EmbeddingForward(const int32_t* ids, const void* table, void* out, int64_t T, int64_t D,
+                        DType dtype, cudaStream_t stream);
+// dtable[ids[t], :] += dout[t, :] (dtable fp32). Sorts the ids (CUB radix sort) and sums every
+// id's rows in token order: deterministic for repeated ids.
+size_t EmbeddingBackwardWorkspaceBytes(int64_t T);
+Status EmbeddingBackward(const int32_t* ids, const void* dout, float* dtable, int64_t T, int64_t D,
+                         int64_t vocab, DType dtype, Workspace ws, cudaStream_t stream);
+
+// ---- RMSNorm over the last dimension ----------------------------------------------------------
+// y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps) saved (fp32, size rows). x, w, y share dtype;
+// x and y may alias. rows = T * H with D = Dh gives the per-head q/k norm. D <= 12288.
+Status RmsNormForward(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t D,
+                      float eps, DType dtype, cudaStream_t stream);
+// Fused residual add: h = x + residual (written, may alias x or residual), y = RMSNorm(h).
+Status RmsNormResidualForward(const void* x, const void* residual, void* h, const void* w, void* y,
+                              float* rstd, int64_t rows, int64_t D, float eps, DType dtype,
+                              cudaStream_t stream);
+// dx overwritten (may alias dy); dw (fp32) accumulated. When `dresidual` is non-null its value is
+// added to dx (the gradient flowing past a fused residual add), and may alias dx.
+size_t RmsNormBackwardWorkspaceBytes(int64_t rows, int64_t D);
+Status RmsNormBackward(const void* x, const void* w, const float* rstd, const void* dy,
+                       const void* dresidual, void* dx, float* dw, int64_t rows, int64_t D,
+                       DType dtype, Workspace ws, cudaStream_t stream);
+
+// ---- Rotate-half RoPE on a strided [T, H, d] view, in place (see cpu::RopeApply) -----------------
+Status RopeApply(void* x, const int32_t* pos, int64_t T, int64_t H, int64_t d,
+                 int64_t token_stride, int64_t head_stride, float theta, bool inverse, DType dtype,
+                 cudaStream_t stream);
+
+// ---- Lightning q/k path fused: per-head RMSNorm then RoPE on the split qkv ------------------------
+// qkv_in and qkv_out are dense [T, 3*H*Dh] (q, k, v blocks of H*Dh, head-major). For q and k:
+// out = RoPE(RMSNorm_Dh(in) * w) with w_q, w_k of size Dh; rstd_q, rstd_k [T*H] saved. The v
+// block is copied when copy_v (so qkv_out feeds LightningForward with qkv_stride 3*H*Dh).
+// qkv_in and qkv_out must not alias. Dh even, <= 1024.
+Status QkNormRopeForward(const void* qkv_in, const void* w_q, const void* w_k,
+                         const int32_t* pos, void* qkv_out, float* rstd_q, float* rstd_k,
+                         int64_t T, int64_t H, int64_t Dh, float eps, float theta, bool copy_v,
+                         DType dtype, cudaStream_t stream);
+// Backward: dqkv_out holds the gradients w.r.t. qkv_out; dqkv_in receives those w.r.t. qkv_in
+// (q, k blocks; the v block is copied when copy_v). May alias. dw_q, dw_k accumulated.
+size_t QkNormRopeBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh);
+Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
+                          const float* rstd_q, const float* rstd_k, const int32_t* pos,
+                          const void* dqkv_out, void* dqkv_in, float* dw_q, float* dw_k,
+                          int64_t T, int64_t H, int64_t Dh, float theta, bool copy_v, DType dtype,
+                          Workspace ws, cudaStream_t stream);
+
+// ---- SwiGLU: y = silu(g) * u over n values ---------------------------------------------------------
+Status SwiGluForward(const void* g, const void* u, void* y, int64_t n, DType dtype,
+                     cudaStream_t stream);
+// dg, du overwritten; each may alias an input element for element.
+Status SwiGluBackward(const void* g, const void* u, const void* dy, void* dg, void* du, int64_t n,
+                      DType dtype, cudaStream_t stream);
+
+// ---- Group RMSNorm + sigmoid gate (Lightning output), see cpu::GroupNormGateForward -------------
+// o, gate, y [T, H*Dh], w [H*Dh] share dtype; rstd [T*H] fp32. H*Dh <= 12288.
+Status GroupNormGateForward(const void* o, const void* w, const void* gate, void* y, float* rstd,
+                            int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
+                            cudaStream_t stream);
+// do_ and dgate overwritten (do_ may alias dy, dgate may alias gate); dw (fp32) accumulated.
+size_t GroupNormGateBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh);
+Status GroupNormGateBackward(const void* o, const void* w, const void* gate, const float* rstd,
+                             const void* dy, void* do_, float* dw, void* dgate, int64_t T,
+                             int64_t H, int64_t Dh, DType dtype, Workspace ws,
+                             cudaStream_t stream);
+
+// ---- Cross-entropy over rows of logits, fused with its gradient ------------------------------------
+// One row block of the linear + cross-entropy: logits [T, V] (dtype) for T rows (a block of the
+// sequence, produced by one GEMM). row_loss[t] (fp32) = logsumexp(logits[t]) - logits[t, target]
+// for targets[t] >= 0, 0 for ignored rows. When dlogits is non-null it receives
+// grad_scale * (softmax - onehot) (0 for ignored rows), and may alias logits.
+Status CrossEntropy(const void* logits, const int32_t* targets, int64_t T, int64_t V,
+                    float grad_scale, float* row_loss, void* dlogits, DType dtype,
+                    cudaStream_t stream);
+// *sum = sum of x[0..n) (double, fixed order; one block). For losses and squared norms.
+Status SumRows(const float* x, int64_t n, double* sum, cudaStream_t stream);
+
+// ---- Multi-tensor AdamW ------------------------------------------------------------------------------
+// One parameter tensor: fp32 master p, gradient g, moments m, v (all n values), and an optional
+// bf16 copy of the updated p (p_bf16, nullable) for the forward pass.
+struct AdamWTensor {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  void* p_bf16;
+  int64_t n;
+  float weight_decay;  // per tensor (0 for norms, say)
+};
+struct AdamWHyper {
+  float lr, beta1, beta2, eps;
+  int64_t step;      // 1-based, for bias correction
+  float grad_scale;  // g is multiplied by this first (clipping; 1 for none)
+};
+// Updates every tensor in as few launches as their count allows (tensor table in kernel args).
+// Matches cpu::AdamWStep: p -= lr * (wd * p + mhat / (sqrt(vhat) + eps)).
+Status AdamWMultiTensor(const AdamWTensor* tensors, int64_t n_tensors, const AdamWHyper& hp,
+                        cudaStream_t stream);
+
+}  // namespace spindle::kernels::cuda

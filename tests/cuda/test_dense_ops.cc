@@ -1,0 +1,391 @@
+// CUDA dense ops against the CPU reference (kernels/cpu/ops.h): embedding, RMSNorm (+ residual),
+// RoPE, fused q/k norm + RoPE, SwiGLU, group norm + gate, cross-entropy, AdamW, cuBLASLt GEMMs,
+// and the caching allocator. Odd shapes, fresh random inputs, fp32 and bf16, determinism.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/allocator.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ops.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace spindle::kernels::cuda {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::Download;
+using testing::ExpectClose;
+using testing::ExpectSameBits;
+using testing::Normal;
+using testing::RoundTo;
+using testing::Upload;
+using testing::UploadRaw;
+
+class DenseOps : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override { SPINDLE_REQUIRE_GPU(); }
+  DType dt() const { return GetParam(); }
+  std::vector<float> Rand(int64_t n, float sd = 1.0f, float mean = 0.0f) {
+    auto x = Normal(rng_, n, sd, mean);
+    RoundTo(dt(), x);
+    return x;
+  }
+  std::mt19937 rng_{testing::FreshSeed()};
+};
+
+Workspace Ws(DeviceBuffer& b) { return {b.get(), b.bytes()}; }
+
+TEST_P(DenseOps, EmbeddingForwardBackwardWithRepeatedIds) {
+  const int64_t T = 37, D = 127, V = 17;
+  std::vector<int32_t> ids(T);
+  for (auto& i : ids) i = static_cast<int32_t>(rng_() % V);
+  auto table = Rand(V * D), dout = Rand(T * D);
+  auto dtable0 = Normal(rng_, V * D);
+  auto d_ids = UploadRaw(ids);
+  auto d_table = Upload(table, dt()), d_dout = Upload(dout, dt());
+  DeviceBuffer d_out(T * D * 4);
+  ASSERT_OK(EmbeddingForward(d_ids.as<int32_t>(), d_table.get(), d_out.get(), T, D, dt(), 0));
+  std::vector<float> want(T * D);
+  cpu::EmbeddingForward(ids.data(), table.data(), want.data(), T, D);
+  ExpectClose(Download(d_out.get(), T * D, dt()), want, dt(), "embedding out", 0.0);
+
+  DeviceBuffer ws(EmbeddingBackwardWorkspaceBytes(T));
+  std::vector<std::vector<float>> runs;
+  for (int run = 0; run < 2; ++run) {
+    auto d_dtable = Upload(dtable0, DType::kFloat32);
+    ASSERT_OK(EmbeddingBackward(d_ids.as<int32_t>(), d_dout.get(), d_dtable.as<float>(), T, D, V,
+                                dt(), Ws(ws), 0));
+    runs.push_back(Download(d_dtable.get(), V * D, DType::kFloat32));
+  }
+  auto want_dt = dtable0;
+  cpu::EmbeddingBackward(ids.data(), dout.data(), want_dt.data(), T, D, V);
+  ExpectClose(runs[0], want_dt, DType::kFloat32, "dtable");
+  ExpectSameBits(runs[0], runs[1], "dtable");
+}
+
+TEST_P(DenseOps, RmsNormForwardBackwardOddShapes) {
+  for (int64_t D : {17, 127, 2048}) {
+    for (int64_t rows : {1, 37, 1031}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
+      auto x = Rand(rows * D), w = Rand(D, 0.5f, 1.0f), dy = Rand(rows * D);
+      auto dw0 = Normal(rng_, D);
+      auto d_x = Upload(x, dt()), d_w = Upload(w, dt()), d_dy = Upload(dy, dt());
+      DeviceBuffer d_y(rows * D * 4), d_rstd(rows * 4), d_dx(rows * D * 4);
+      ASSERT_OK(RmsNormForward(d_x.get(), d_w.get(), d_y.get(), d_rstd.as<float>(), rows, D, 1e-5f,
+                               dt(), 0));
+      std::vector<float> y(rows * D), rstd(rows);
+      cpu::RmsNormForward(x.data(), w.data(), y.data(), rstd.data(), rows, D, 1e-5f);
+      ExpectClose(Download(d_y.get(), rows * D, dt()), y, dt(), "y");
+      ExpectClose(Download(d_rstd.get(), rows, DType::kFloat32), rstd, DType::kFloat32, "rstd");
+
+      DeviceBuffer ws(RmsNormBackwardWorkspaceBytes(rows, D));
+      std::vector<std::vector<float>> dws;
+      for (int run = 0; run < 2; ++run) {
+        auto d_dw = Upload(dw0, DType::kFloat32);
+        ASSERT_OK(RmsNormBackward(d_x.get(), d_w.get(), d_rstd.as<float>(), d_dy.get(), nullptr,
+                                  d_dx.get(), d_dw.as<float>(), rows, D, dt(), Ws(ws), 0));
+        dws.push_back(Download(d_dw.get(), D, DType::kFloat32));
+      }
+      std::vector<float> dx(rows * D);
+      auto dw = dw0;
+      cpu::RmsNormBackward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, D);
+      ExpectClose(Download(d_dx.get(), rows * D, dt()), dx, dt(), "dx");
+      ExpectClose(dws[0], dw, dt(), "dw");
+      ExpectSameBits(dws[0], dws[1], "dw");
+    }
+  }
+}
+
+TEST_P(DenseOps, RmsNormResidualFusedMatchesAddThenNorm) {
+  const int64_t rows = 37, D = 300;
+  auto x = Rand(rows * D), r = Rand(rows * D), w = Rand(D, 0.5f, 1.0f), dy = Rand(rows * D),
+       dres = Rand(rows * D);
+  auto d_x = Upload(x, dt()), d_r = Upload(r, dt()), d_w = Upload(w, dt());
+  DeviceBuffer d_h(rows * D * 4), d_y(rows * D * 4), d_rstd(rows * 4);
+  ASSERT_OK(RmsNormResidualForward(d_x.get(), d_r.get(), d_h.get(), d_w.get(), d_y.get(),
+                                   d_rstd.as<float>(), rows, D, 1e-6f, dt(), 0));
+  std::vector<float> h(rows * D), y(rows * D), rstd(rows);
+  for (int64_t i = 0; i < rows * D; ++i) h[i] = x[i] + r[i];
+  RoundTo(dt(), h);
+  cpu::RmsNormForward(h.data(), w.data(), y.data(), rstd.data(), rows, D, 1e-6f);
+  ExpectClose(Download(d_h.get(), rows * D, dt()), h, dt(), "h");
+  ExpectClose(Download(d_y.get(), rows * D, dt()), y, dt(), "y");
+  // Backward with the residual gradient added, dx aliasing dresidual.
+  auto d_dy = Upload(dy, dt()), d_dx = Upload(dres, dt());
+  DeviceBuffer ws(RmsNormBackwardWorkspaceBytes(rows, D));
+  auto d_dw = Upload(std::vector<float>(D, 0.0f), DType::kFloat32);
+  ASSERT_OK(RmsNormBackward(d_h.get(), d_w.get(), d_rstd.as<float>(), d_dy.get(), d_dx.get(),
+                            d_dx.get(), d_dw.as<float>(), rows, D, dt(), Ws(ws), 0));
+  std::vector<float> dx(rows * D), dw(D, 0.0f);
+  cpu::RmsNormBackward(h.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, D);
+  for (int64_t i = 0; i < rows * D; ++i) dx[i] += dres[i];
+  ExpectClose(Download(d_dx.get(), rows * D, dt()), dx, dt(), "dx + dresidual");
+  ExpectClose(Download(d_dw.get(), D, DType::kFloat32), dw, dt(), "dw");
+}
+
+TEST_P(DenseOps, RopeStridedForwardAndInverse) {
+  const int64_t T = 37, H = 3, d = 64, head_stride = 80, token_stride = H * head_stride + 8;
+  auto x = Rand(T * token_stride);
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t < 20 ? t + 70000 : t - 20);
+  auto d_pos = UploadRaw(pos);
+  for (bool inverse : {false, true}) {
+    auto d_x = Upload(x, dt());
+    ASSERT_OK(RopeApply(d_x.get(), d_pos.as<int32_t>(), T, H, d, token_stride, head_stride,
+                        10000.0f, inverse, dt(), 0));
+    auto want = x;
+    cpu::RopeApply(want.data(), pos.data(), T, H, d, token_stride, head_stride, 10000.0f, inverse);
+    ExpectClose(Download(d_x.get(), T * token_stride, dt()), want, dt(), "rope");
+  }
+}
+
+TEST_P(DenseOps, QkNormRopeFusedMatchesNormThenRope) {
+  for (int64_t Dh : {64, 128}) {
+    const int64_t T = 37, H = 3, C = 3 * H * Dh;
+    SCOPED_TRACE("Dh " + std::to_string(Dh));
+    auto qkv = Rand(T * C), wq = Rand(Dh, 0.3f, 1.0f), wk = Rand(Dh, 0.3f, 1.0f),
+         dout = Rand(T * C);
+    std::vector<int32_t> pos(T);
+    for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>((t * 7) % 23);
+    auto d_qkv = Upload(qkv, dt()), d_wq = Upload(wq, dt()), d_wk = Upload(wk, dt());
+    auto d_pos = UploadRaw(pos);
+    DeviceBuffer d_out(T * C * 4), d_rq(T * H * 4), d_rk(T * H * 4);
+    ASSERT_OK(QkNormRopeForward(d_qkv.get(), d_wq.get(), d_wk.get(), d_pos.as<int32_t>(),
+                                d_out.get(), d_rq.as<float>(), d_rk.as<float>(), T, H, Dh, 1e-6f,
+                                10000.0f, true, dt(), 0));
+    // Reference: per block, RMSNorm over rows of Dh, then RoPE on the [T, H, Dh] view.
+    std::vector<float> want(T * C), rstd[2], dwant(T * C), dw[2];
+    for (int b = 0; b < 2; ++b) {
+      std::vector<float> rows(T * H * Dh), y(T * H * Dh), g(T * H * Dh), gx(T * H * Dh);
+      rstd[b].resize(T * H);
+      dw[b].assign(Dh, 0.0f);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(&qkv[t * C + b * H * Dh], H * Dh, &rows[t * H * Dh]);
+        std::copy_n(&dout[t * C + b * H * Dh], H * Dh, &g[t * H * Dh]);
+      }
+      const auto& w = b == 0 ? wq : wk;
+      cpu::RmsNormForward(rows.data(), w.data(), y.data(), rstd[b].data(), T * H, Dh, 1e-6f);
+      cpu::RopeApply(y.data(), pos.data(), T, H, Dh, H * Dh, Dh, 10000.0f, false);
+      cpu::RopeApply(g.data(), pos.data(), T, H, Dh, H * Dh, Dh, 10000.0f, true);
+      cpu::RmsNormBackward(rows.data(), w.data(), rstd[b].data(), g.data(), gx.data(),
+                           dw[b].data(), T * H, Dh);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(&y[t * H * Dh], H * Dh, &want[t * C + b * H * Dh]);
+        std::copy_n(&gx[t * H * Dh], H * Dh, &dwant[t * C + b * H * Dh]);
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy_n(&qkv[t * C + 2 * H * Dh], H * Dh, &want[t * C + 2 * H * Dh]);
+      std::copy_n(&dout[t * C + 2 * H * Dh], H * Dh, &dwant[t * C + 2 * H * Dh]);
+    }
+    ExpectClose(Download(d_out.get(), T * C, dt()), want, dt(), "qkv out");
+    ExpectClose(Download(d_rq.get(), T * H, DType::kFloat32), rstd[0], DType::kFloat32, "rstd q");
+    // Backward in place (dqkv_in == dqkv_out).
+    auto d_g = Upload(dout, dt());
+    auto d_dwq = Upload(std::vector<float>(Dh, 0.0f), DType::kFloat32);
+    auto d_dwk = Upload(std::vector<float>(Dh, 0.0f), DType::kFloat32);
+    DeviceBuffer ws(QkNormRopeBackwardWorkspaceBytes(T, H, Dh));
+    ASSERT_OK(QkNormRopeBackward(d_qkv.get(), d_wq.get(), d_wk.get(), d_rq.as<float>(),
+                                 d_rk.as<float>(), d_pos.as<int32_t>(), d_g.get(), d_g.get(),
+                                 d_dwq.as<float>(), d_dwk.as<float>(), T, H, Dh, 10000.0f, true,
+                                 dt(), Ws(ws), 0));
+    ExpectClose(Download(d_g.get(), T * C, dt()), dwant, dt(), "dqkv");
+    ExpectClose(Download(d_dwq.get(), Dh, DType::kFloat32), dw[0], dt(), "dw_q");
+    ExpectClose(Download(d_dwk.get(), Dh, DType::kFloat32), dw[1], dt(), "dw_k");
+  }
+}
+
+TEST_P(DenseOps, SwiGluForwardBackward) {
+  const int64_t n = 100003;
+  auto g = Rand(n, 2.0f), u = Rand(n), dy = Rand(n);
+  auto d_g = Upload(g, dt()), d_u = Upload(u, dt()), d_dy = Upload(dy, dt());
+  DeviceBuffer d_y(n * 4);
+  ASSERT_OK(SwiGluForward(d_g.get(), d_u.get(), d_y.get(), n, dt(), 0));
+  std::vector<float> y(n), dg(n), du(n);
+  cpu::SwiGluForward(g.data(), u.data(), y.data(), n);
+  ExpectClose(Download(d_y.get(), n, dt()), y, dt(), "y");
+  // In place: dg over g, du over u.
+  ASSERT_OK(SwiGluBackward(d_g.get(), d_u.get(), d_dy.get(), d_g.get(), d_u.get(), n, dt(), 0));
+  cpu::SwiGluBackward(g.data(), u.data(), dy.data(), dg.data(), du.data(), n);
+  ExpectClose(Download(d_g.get(), n, dt()), dg, dt(), "dg");
+  ExpectClose(Download(d_u.get(), n, dt()), du, dt(), "du");
+}
+
+TEST_P(DenseOps, GroupNormGateForwardBackward) {
+  for (int64_t Dh : {17, 64, 128}) {
+    const int64_t T = 37, H = 3, C = H * Dh;
+    SCOPED_TRACE("Dh " + std::to_string(Dh));
+    auto o = Rand(T * C), w = Rand(C, 0.3f, 1.0f), gate = Rand(T * C, 2.0f), dy = Rand(T * C);
+    auto d_o = Upload(o, dt()), d_w = Upload(w, dt()), d_gate = Upload(gate, dt());
+    auto d_dy = Upload(dy, dt());
+    DeviceBuffer d_y(T * C * 4), d_rstd(T * H * 4);
+    ASSERT_OK(GroupNormGateForward(d_o.get(), d_w.get(), d_gate.get(), d_y.get(),
+                                   d_rstd.as<float>(), T, H, Dh, 1e-6f, dt(), 0));
+    std::vector<float> y(T * C), rstd(T * H), do_(T * C), dgate(T * C), dw(C, 0.0f);
+    cpu::GroupNormGateForward(o.data(), w.data(), gate.data(), y.data(), rstd.data(), T, H, Dh,
+                              1e-6f);
+    ExpectClose(Download(d_y.get(), T * C, dt()), y, dt(), "y");
+    auto d_dw = Upload(dw, DType::kFloat32);
+    DeviceBuffer ws(GroupNormGateBackwardWorkspaceBytes(T, H, Dh));
+    // do_ over dy, dgate over gate.
+    ASSERT_OK(GroupNormGateBackward(d_o.get(), d_w.get(), d_gate.get(), d_rstd.as<float>(),
+                                    d_dy.get(), d_dy.get(), d_dw.as<float>(), d_gate.get(), T, H,
+                                    Dh, dt(), Ws(ws), 0));
+    cpu::GroupNormGateBackward(o.data(), w.data(), gate.data(), rstd.data(), dy.data(),
+                               do_.data(), dw.data(), dgate.data(), T, H, Dh);
+    ExpectClose(Download(d_dy.get(), T * C, dt()), do_, dt(), "do");
+    ExpectClose(Download(d_gate.get(), T * C, dt()), dgate, dt(), "dgate");
+    ExpectClose(Download(d_dw.get(), C, DType::kFloat32), dw, dt(), "dw");
+  }
+}
+
+TEST_P(DenseOps, CrossEntropyRowBlockWithIgnoredTargets) {
+  const int64_t T = 37, V = 1031;
+  auto logits = Rand(T * V, 3.0f);
+  std::vector<int32_t> targets(T);
+  for (int64_t t = 0; t < T; ++t) targets[t] = t % 5 == 4 ? -1 : static_cast<int32_t>(rng_() % V);
+  auto d_logits = Upload(logits, dt());
+  auto d_targets = UploadRaw(targets);
+  DeviceBuffer d_loss(T * 4), d_sum(8);
+  const float scale = 1.0f / 29.0f;
+  ASSERT_OK(CrossEntropy(d_logits.get(), d_targets.as<int32_t>(), T, V, scale,
+                         d_loss.as<float>(), d_logits.get(), dt(), 0));
+  ASSERT_OK(SumRows(d_loss.as<float>(), T, d_sum.as<double>(), 0));
+  std::vector<float> dlogits(T * V);
+  int64_t n_valid = 0;
+  const double want = cpu::CrossEntropy(logits.data(), targets.data(), T, V, scale,
+                                        dlogits.data(), &n_valid);
+  double got = 0.0;
+  ASSERT_CUDA(cudaMemcpy(&got, d_sum.get(), 8, cudaMemcpyDeviceToHost));
+  EXPECT_NEAR(got, want, 1e-4 * std::abs(want) + 1e-4);
+  ExpectClose(Download(d_logits.get(), T * V, dt()), dlogits, dt(), "dlogits");
+}
+
+TEST_P(DenseOps, GemmAllTransposesAndLinear) {
+  Blas* blas = nullptr;
+  std::unique_ptr<Blas> owner;
+  ASSERT_OK(Blas::Create(&owner));
+  blas = owner.get();
+  const int64_t M = 37, N = 127, K = 65;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(std::string("ta ") + (ta ? "1" : "0") + " tb " + (tb ? "1" : "0"));
+      auto A = Rand(M * K), B = Rand(K * N), C0 = Rand(M * N);
+      auto d_A = Upload(A, dt()), d_B = Upload(B, dt()), d_C = Upload(C0, dt());
+      GemmArgs g;
+      g.trans_a = ta, g.trans_b = tb, g.M = M, g.N = N, g.K = K, g.alpha = 0.5f, g.beta = 2.0f;
+      g.A = d_A.get(), g.lda = ta ? M : K, g.B = d_B.get(), g.ldb = tb ? K : N;
+      g.C = d_C.get(), g.ldc = N, g.ab_type = dt(), g.c_type = dt();
+      ASSERT_OK(blas->Gemm(g, 0));
+      auto want = C0;
+      cpu::Gemm(ta, tb, M, N, K, 0.5f, A.data(), g.lda, B.data(), g.ldb, 2.0f, want.data(), N);
+      ExpectClose(Download(d_C.get(), M * N, dt()), want, dt(), "C");
+    }
+  }
+  // Linear forward/backward, dW accumulated in fp32.
+  const int64_t T = 37, in = 65, out = 127;
+  auto x = Rand(T * in), W = Rand(out * in, 0.1f), dy = Rand(T * out), dW0 = Normal(rng_, out * in);
+  auto d_x = Upload(x, dt()), d_W = Upload(W, dt()), d_dy = Upload(dy, dt());
+  auto d_dW = Upload(dW0, DType::kFloat32);
+  DeviceBuffer d_y(T * out * 4), d_dx(T * in * 4);
+  ASSERT_OK(blas->LinearForward(d_x.get(), d_W.get(), d_y.get(), T, in, out, dt(), 0));
+  ASSERT_OK(blas->LinearBackward(d_x.get(), d_W.get(), d_dy.get(), d_dx.get(), d_dW.as<float>(), T,
+                                 in, out, dt(), 0));
+  std::vector<float> y(T * out), dx(T * in);
+  auto dW = dW0;
+  cpu::LinearForward(x.data(), W.data(), y.data(), T, in, out);
+  cpu::LinearBackward(x.data(), W.data(), dy.data(), dx.data(), dW.data(), T, in, out);
+  ExpectClose(Download(d_y.get(), T * out, dt()), y, dt(), "y");
+  ExpectClose(Download(d_dx.get(), T * in, dt()), dx, dt(), "dx");
+  ExpectClose(Download(d_dW.get(), out * in, DType::kFloat32), dW, dt(), "dW");
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DenseOps,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+class CudaOnly : public ::testing::Test {
+ protected:
+  void SetUp() override { SPINDLE_REQUIRE_GPU(); }
+};
+
+TEST_F(CudaOnly, AdamWMultiTensorMatchesCpuAcrossLaunches) {
+  std::mt19937 rng(testing::FreshSeed());
+  // 30 tensors (more than one launch's table) and one of 11M values (more than one launch's
+  // blocks), odd sizes.
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 30; ++i) sizes.push_back(1 + static_cast<int64_t>(rng() % 5000));
+  sizes.push_back(11 * 1000 * 1000 + 17);
+  AdamWHyper hp{1e-3f, 0.9f, 0.95f, 1e-8f, 7, 0.5f};
+  std::vector<DeviceBuffer> bufs;
+  std::vector<AdamWTensor> tensors;
+  std::vector<std::vector<float>> p, g, m, v;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    p.push_back(Normal(rng, n));
+    g.push_back(Normal(rng, n));
+    m.push_back(Normal(rng, n, 0.1f));
+    auto vv = Normal(rng, n, 0.1f);
+    for (auto& e : vv) e = e * e;
+    v.push_back(vv);
+    bufs.push_back(Upload(p[i], DType::kFloat32));
+    bufs.push_back(Upload(g[i], DType::kFloat32));
+    bufs.push_back(Upload(m[i], DType::kFloat32));
+    bufs.push_back(Upload(v[i], DType::kFloat32));
+    bufs.emplace_back(n * 2);
+    const size_t b = bufs.size() - 5;
+    tensors.push_back({bufs[b].as<float>(), bufs[b + 1].as<float>(), bufs[b + 2].as<float>(),
+                       bufs[b + 3].as<float>(), bufs[b + 4].get(), n, i % 3 == 0 ? 0.0f : 0.1f});
+  }
+  ASSERT_OK(AdamWMultiTensor(tensors.data(), static_cast<int64_t>(tensors.size()), hp, 0));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto gs = g[i];
+    for (auto& e : gs) e *= hp.grad_scale;
+    cpu::AdamWParams cp{hp.lr, hp.beta1, hp.beta2, hp.eps, tensors[i].weight_decay, hp.step};
+    cpu::AdamWStep(p[i].data(), gs.data(), m[i].data(), v[i].data(), sizes[i], cp);
+    const std::string what = "tensor " + std::to_string(i);
+    ExpectClose(Download(tensors[i].p, sizes[i], DType::kFloat32), p[i], DType::kFloat32, what + " p");
+    ExpectClose(Download(tensors[i].m, sizes[i], DType::kFloat32), m[i], DType::kFloat32, what + " m");
+    ExpectClose(Download(tensors[i].v, sizes[i], DType::kFloat32), v[i], DType::kFloat32, what + " v");
+    ExpectClose(Download(tensors[i].p_bf16, sizes[i], DType::kBFloat16), p[i], DType::kBFloat16,
+                what + " p bf16");
+  }
+}
+
+TEST_F(CudaOnly, CachingAllocatorReusesBlocksAndCounts) {
+  CachingAllocator alloc;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  ASSERT_OK(alloc.Allocate(1000, &a));
+  ASSERT_OK(alloc.Allocate(3u << 20, &b));
+  AllocatorStats s = alloc.Stats();
+  EXPECT_EQ(s.allocated, 1024u + (4u << 20));
+  EXPECT_EQ(s.reserved, s.allocated);
+  EXPECT_EQ(s.cuda_mallocs, 2);
+  ASSERT_OK(alloc.Free(b));
+  EXPECT_EQ(alloc.Stats().allocated, 1024u);
+  ASSERT_OK(alloc.Allocate(3u << 20, &c));  // served from the cache
+  EXPECT_EQ(c, b);
+  EXPECT_EQ(alloc.Stats().cuda_mallocs, 2);
+  EXPECT_EQ(alloc.Stats().peak_allocated, 1024u + (4u << 20));
+  ASSERT_OK(alloc.Free(c));
+  ASSERT_OK(alloc.Free(a));
+  EXPECT_EQ(alloc.Stats().allocated, 0u);
+  ASSERT_OK(alloc.EmptyCache());
+  EXPECT_EQ(alloc.Stats().reserved, 0u);
+  int local = 0;
+  EXPECT_EQ(alloc.Free(&local).code(), StatusCode::kInvalidArgument);
+}
+
+// Needs no GPU: the dtype is refused before any launch.
+TEST(CudaDispatch, UnsupportedDtypeIsNamed) {
+  const Status s = SwiGluForward(nullptr, nullptr, nullptr, 10, DType::kFloat16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("SwiGluForward: unsupported dtype 'float16'"), std::string::npos)
+      << s.message();
+}
+
+}  // namespace
+}  // namespace spindle::kernels::cuda
