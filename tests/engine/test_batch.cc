@@ -1,0 +1,72 @@
+// Sequence batches: targets, RoPE positions, document ids and segments of DESIGN.md section 2,
+// the zigzag share of each CP rank, and synthetic data that is a pure function of (seed, index).
+#include "gtest/gtest.h"
+#include "worker/engine/batch.h"
+#include "worker/engine/data.h"
+
+namespace spindle {
+namespace {
+
+TEST(BatchTest, TargetsPositionsAndDocumentsFollowTheDesign) {
+  // Documents: [5 6 E] [7 E] [8 9 ... cut by the sequence end; E = 0.
+  Batch b = MakeSequenceBatch({5, 6, 0, 7, 0, 8, 9}, 0);
+  EXPECT_EQ(b.targets, (std::vector<int32_t>{6, 0, -1, 0, -1, 9, -1}));
+  EXPECT_EQ(b.pos, (std::vector<int32_t>{0, 1, 2, 0, 1, 0, 1}));
+  EXPECT_EQ(b.doc, (std::vector<int32_t>{0, 0, 0, 1, 1, 2, 2}));
+  ASSERT_EQ(b.pieces.size(), 1u);
+  EXPECT_EQ(b.pieces[0].cu_seqlens, (std::vector<int32_t>{0, 3, 5, 7}));
+  EXPECT_FALSE(b.pieces[0].continues);
+  EXPECT_EQ(b.NumValidTargets(), 4);
+}
+
+TEST(BatchTest, ZigzagSharesCoverTheSequenceOnceWithContinuations) {
+  // 16 tokens, cp = 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+  std::vector<int32_t> t = {1, 2, 3, 4, 5, 0, 6, 7, 8, 9, 10, 11, 12, 0, 13, 14};
+  Batch full = MakeSequenceBatch(t, 0);
+  Batch r0 = ShardZigzag(full, 2, 0), r1 = ShardZigzag(full, 2, 1);
+  EXPECT_EQ(r0.idx, (std::vector<int32_t>{0, 1, 2, 3, 12, 13, 14, 15}));
+  EXPECT_EQ(r1.idx, (std::vector<int32_t>{4, 5, 6, 7, 8, 9, 10, 11}));
+  ASSERT_EQ(r0.pieces.size(), 2u);
+  EXPECT_FALSE(r0.pieces[0].continues);
+  EXPECT_TRUE(r0.pieces[1].continues);  // token 12 continues the document begun at 6
+  EXPECT_EQ(r0.pieces[1].begin, 4);
+  EXPECT_EQ(r0.pieces[1].cu_seqlens, (std::vector<int32_t>{0, 2, 4}));  // a start at 14
+  EXPECT_TRUE(r1.pieces[0].continues);   // token 4 continues the first document
+  EXPECT_EQ(r1.pieces[0].cu_seqlens, (std::vector<int32_t>{0, 2, 4}));   // a start at 6
+  EXPECT_TRUE(r1.pieces[1].continues);
+  for (const Batch* r : {&r0, &r1})
+    for (int64_t i = 0; i < r->T; ++i) {
+      EXPECT_EQ(r->ids[i], t[r->idx[i]]);
+      EXPECT_EQ(r->targets[i], full.targets[r->idx[i]]);
+      EXPECT_EQ(r->pos[i], full.pos[r->idx[i]]);
+    }
+}
+
+TEST(BatchTest, SyntheticDataIsAFunctionOfSeedAndIndex) {
+  DataSpec d;
+  d.task = "recall";
+  d.recall_pairs = 4;
+  d.recall_gap = 100;
+  auto a = OpenDataSource(d, 512, 257, 3), b = OpenDataSource(d, 512, 257, 3),
+       c = OpenDataSource(d, 512, 257, 4);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ((*a)->Sequence(7), (*b)->Sequence(7));
+  EXPECT_NE((*a)->Sequence(7), (*a)->Sequence(8));
+  EXPECT_NE((*a)->Sequence(7), (*c)->Sequence(7));
+  // Every answer follows its key, whose pair appeared more than recall_gap tokens earlier.
+  std::vector<int32_t> s = (*a)->Sequence(0);
+  std::vector<bool> ans = (*a)->AnswerMask(0);
+  int answers = 0;
+  for (size_t i = 1; i < s.size(); ++i) {
+    if (!ans[i]) continue;
+    ++answers;
+    bool found = false;
+    for (size_t j = 0; j + 100 < i && !found; ++j)
+      found = s[j] == s[i - 1] && s[j + 1] == s[i];
+    EXPECT_TRUE(found) << "answer at " << i;
+  }
+  EXPECT_GE(answers, 4);
+}
+
+}  // namespace
+}  // namespace spindle
