@@ -36,6 +36,8 @@ struct CoordinatorServer::Impl {
   std::unique_ptr<JobManager> manager;
   std::unique_ptr<JobServiceImpl> job_service;
   std::unique_ptr<ClusterServiceImpl> cluster_service;
+  // ListWorkers on the client port when workers have a port of their own.
+  std::unique_ptr<ClusterServiceImpl> client_cluster_service;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service;
   std::unique_ptr<grpc::Server> client_server;
   std::unique_ptr<grpc::Server> worker_server;  // null when sharing client_server
@@ -60,21 +62,20 @@ struct CoordinatorServer::Impl {
 
   absl::Status SetUpMetrics(JobManagerMetrics* m) {
     ASSIGN_OR_RETURN(jobs_gauge, registry.GaugeFamily("spindle_jobs", "Jobs by state.", {"state"}));
-    ASSIGN_OR_RETURN(workers_gauge, registry.GaugeFamily(
-                                        "spindle_workers", "Workers by state.", {"state"}));
-    ASSIGN_OR_RETURN(devices_gauge,
-                     registry.GaugeFamily("spindle_devices",
-                                          "Devices (GPUs or CPU slots) of live workers.",
-                                          {"state"}));
+    ASSIGN_OR_RETURN(workers_gauge,
+                     registry.GaugeFamily("spindle_workers", "Workers by state.", {"state"}));
+    ASSIGN_OR_RETURN(devices_gauge, registry.GaugeFamily(
+                                        "spindle_devices",
+                                        "Devices (GPUs or CPU slots) of live workers.", {"state"}));
     ASSIGN_OR_RETURN(auto* latency,
                      registry.HistogramFamily(
                          "spindle_scheduling_latency_seconds",
-                         "Time from queueing (or restarting) to the placement of a whole gang.",
-                         {}, ExponentialBuckets(0.01, 2.0, 16)));
+                         "Time from queueing (or restarting) to the placement of a whole gang.", {},
+                         ExponentialBuckets(0.01, 2.0, 16)));
     ASSIGN_OR_RETURN(m->scheduling_latency_seconds, latency->Add({}));
-    ASSIGN_OR_RETURN(auto* restarts,
-                     registry.CounterFamily("spindle_restarts_total",
-                                            "Gang restarts by reason.", {"reason"}));
+    ASSIGN_OR_RETURN(
+        auto* restarts,
+        registry.CounterFamily("spindle_restarts_total", "Gang restarts by reason.", {"reason"}));
     ASSIGN_OR_RETURN(m->restarts_worker_lost, restarts->Add({{"reason", "worker_lost"}}));
     ASSIGN_OR_RETURN(m->restarts_rank_failed, restarts->Add({{"reason", "rank_failed"}}));
     ASSIGN_OR_RETURN(m->restarts_hang, restarts->Add({{"reason", "hang"}}));
@@ -119,7 +120,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s.auth = std::make_unique<TokenAuth>(s.config.token);
 
   grpc::EnableDefaultHealthCheckService(true);
-  const bool shared = s.config.worker_listen.empty() || s.config.worker_listen == s.config.listen;
+  // The same address means one port, unless it asks for an ephemeral one (two then).
+  const bool shared =
+      s.config.worker_listen.empty() ||
+      (s.config.worker_listen == s.config.listen && !absl::EndsWith(s.config.listen, ":0"));
 
   s.manager = std::make_unique<JobManager>(s.store.get(), s.clock, &s.sessions, &s.rendezvous,
                                            s.config.manager, metrics);
@@ -135,6 +139,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (shared) {
       b.RegisterService(s.cluster_service.get());
       b.RegisterService(s.rendezvous_service.get());
+    } else {
+      s.client_cluster_service = std::make_unique<ClusterServiceImpl>(
+          s.manager.get(), &s.sessions, s.auth.get(), /*accepts_workers=*/false);
+      b.RegisterService(s.client_cluster_service.get());
     }
     s.client_server = b.BuildAndStart();
     if (!s.client_server || s.client_port == 0)
@@ -170,10 +178,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   if (s.config.metrics_port >= 0) {
     Impl* self = &s;
-    s.metrics_server = std::make_unique<MetricsServer>(&s.registry, [self]() {
-      self->RefreshGauges();
-    });
-    absl::StatusOr<int> port = s.metrics_server->Start(s.config.metrics_host, s.config.metrics_port);
+    s.metrics_server =
+        std::make_unique<MetricsServer>(&s.registry, [self]() { self->RefreshGauges(); });
+    absl::StatusOr<int> port =
+        s.metrics_server->Start(s.config.metrics_host, s.config.metrics_port);
     if (!port.ok()) return port.status();
   }
 

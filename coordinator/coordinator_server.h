@@ -1,6 +1,7 @@
 // CoordinatorServer: assembles the coordinator daemon: opens the JobStore, recovers the
 // JobManager, serves JobService (client port) and ClusterService + RendezvousService (worker
-// port; the same port unless a separate one is configured), grpc.health.v1 on both, optional
+// port; the same port unless a separate one is configured, in which case the client port still
+// answers ClusterService.ListWorkers for `spindle workers`), grpc.health.v1 on both, optional
 // bearer-token auth and TLS, Prometheus /metrics, and the periodic Tick thread.
 // Used by main.cc and by in-process tests.
 // Thread-safety: Start/Shutdown from one owner thread; accessors are safe afterwards.
@@ -19,10 +20,10 @@ struct CoordinatorConfig {
   std::string listen = "0.0.0.0:7070";  // client-facing (JobService)
   std::string worker_listen;            // empty: workers use `listen` too
   std::string db_path = "spindle.db";
-  int metrics_port = -1;                // -1: no /metrics; 0: an ephemeral port
+  int metrics_port = -1;  // -1: no /metrics; 0: an ephemeral port
   std::string metrics_host = "0.0.0.0";
-  std::string token;                    // empty: no auth
-  std::string tls_cert_pem;             // both set: TLS on every port
+  std::string token;         // empty: no auth
+  std::string tls_cert_pem;  // both set: TLS on every port
   std::string tls_key_pem;
   // Rendezvous address given to workers; empty: derived from the worker port and this host's
   // name (127.0.0.1 when listening on 127.0.0.1).

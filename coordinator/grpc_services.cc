@@ -14,6 +14,16 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+namespace {
+
+grpc::Status WrongPortStatus() {
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "this is the coordinator's client port; workers connect to its worker port "
+                      "(--worker_listen)");
+}
+
+}  // namespace
+
 // Outbound queue of one Session stream.
 class SessionRegistry::Session {
  public:
@@ -174,6 +184,7 @@ grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobR
 grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                           v1::RegisterResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (!accepts_workers_) return WrongPortStatus();
   return ToGrpc(manager_->RegisterWorker(*req, resp));
 }
 
@@ -181,6 +192,7 @@ grpc::Status ClusterServiceImpl::Session(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (!accepts_workers_) return WrongPortStatus();
   v1::WorkerMessage first;
   if (!stream->Read(&first))
     return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its hello");

@@ -51,8 +51,7 @@ class JobServiceImpl final : public v1::JobService::Service {
                       v1::SubmitJobResponse* resp) override;
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
                     v1::PlanJobResponse* resp) override;
-  grpc::Status Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
-                   v1::Job* resp) override;
+  grpc::Status Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req, v1::Job* resp) override;
   grpc::Status List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                     v1::ListJobsResponse* resp) override;
   grpc::Status Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
@@ -67,8 +66,12 @@ class JobServiceImpl final : public v1::JobService::Service {
 
 class ClusterServiceImpl final : public v1::ClusterService::Service {
  public:
-  ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const TokenAuth* auth)
-      : manager_(manager), sessions_(sessions), auth_(auth) {}
+  // `accepts_workers` false: the instance on a client-only port (the coordinator was given a
+  // separate worker port); it answers ListWorkers (for `spindle workers`) and refuses Register
+  // and Session with FAILED_PRECONDITION naming the worker port.
+  ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const TokenAuth* auth,
+                     bool accepts_workers = true)
+      : manager_(manager), sessions_(sessions), auth_(auth), accepts_workers_(accepts_workers) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override;
   grpc::Status Session(
@@ -81,6 +84,7 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   JobManager* const manager_;
   SessionRegistry* const sessions_;
   const TokenAuth* const auth_;
+  const bool accepts_workers_;
   absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
