@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <ostream>
 #include <sstream>
@@ -188,6 +189,37 @@ bool IsTerminalState(v1::JobState s) {
          s == v1::JOB_STATE_CANCELLED;
 }
 
+// The spec with its relative file paths (checkpoint.dir, the file of a tokens:/text: data source)
+// made absolute against this process's working directory: trainers run in their workers' own
+// directories, so a path means what it means for `spindle-train` only when it is absolute.
+// Anything that is not as expected is left alone for ParseJobSpec to report.
+std::string WithAbsolutePaths(const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return text;
+  bool changed = false;
+  auto absolute = [&changed](const std::string& path) {
+    if (path.empty() || path[0] == '/') return path;
+    changed = true;
+    std::error_code ec;
+    std::filesystem::path p = std::filesystem::absolute(path, ec);
+    return ec ? path : p.lexically_normal().string();
+  };
+  if (auto c = j.find("checkpoint"); c != j.end() && c->is_object()) {
+    if (auto d = c->find("dir"); d != c->end() && d->is_string())
+      *d = absolute(d->get<std::string>());
+  }
+  if (auto d = j.find("data"); d != j.end() && d->is_object()) {
+    if (auto src = d->find("source"); src != d->end() && src->is_string()) {
+      const std::string source = src->get<std::string>();
+      for (const std::string prefix : {"tokens:", "text:"}) {
+        if (source.rfind(prefix, 0) == 0 && source.size() > prefix.size())
+          *src = prefix + absolute(source.substr(prefix.size()));
+      }
+    }
+  }
+  return changed ? j.dump() : text;
+}
+
 std::string ToJsonLine(const google::protobuf::Message& m) {
   std::string s;
   google::protobuf::util::JsonPrintOptions opts;
@@ -271,6 +303,14 @@ class Cli {
       : o_(std::move(o)), out_(out), err_(err), tty_(tty) {}
 
   int Run() {
+    if (!o_.tls_ca.empty()) {
+      std::ifstream f(o_.tls_ca, std::ios::binary);
+      std::stringstream ss;
+      if (f) ss << f.rdbuf();
+      if (!f || ss.str().empty())
+        return Fail(kExitUsage, absl::StrCat("cannot read the --tls-ca file ", o_.tls_ca));
+      tls_ca_pem_ = ss.str();
+    }
     const std::string& c = o_.command;
     if (c == "plan") return Plan();
     if (c == "submit") return Submit();
@@ -314,10 +354,7 @@ class Cli {
       std::shared_ptr<grpc::ChannelCredentials> creds;
       if (!o_.tls_ca.empty()) {
         grpc::SslCredentialsOptions opts;
-        std::ifstream f(o_.tls_ca);
-        std::stringstream ss;
-        ss << f.rdbuf();
-        opts.pem_root_certs = ss.str();
+        opts.pem_root_certs = tls_ca_pem_;
         creds = grpc::SslCredentials(opts);
       } else {
         creds = grpc::InsecureChannelCredentials();
@@ -402,6 +439,7 @@ class Cli {
     // Reject a bad spec before contacting anyone: the message names the field.
     if (absl::StatusOr<JobSpec> spec = ParseJobSpec(text); !spec.ok())
       return Fail(kExitUsage, absl::StrCat("submit: ", spec.status().message()));
+    text = WithAbsolutePaths(text);
     v1::SubmitJobRequest req;
     req.set_spec_json(text);
     v1::SubmitJobResponse resp;
@@ -504,6 +542,9 @@ class Cli {
     v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
     std::string final_message;
     bool drew_bar = false;
+    // On a terminal the bar redraws in place; each tenth of the steps also leaves its line
+    // behind, so the loss curve stays visible.
+    int64_t next_kept_step = 0;
     int retries_left = 30;  // reconnect for ~30 s when the coordinator restarts
     while (true) {
       v1::WatchJobRequest req;
@@ -529,6 +570,13 @@ class Cli {
           if (tty_) {
             out_ << "\r\033[K" << ProgressLine(j, true) << std::flush;
             drew_bar = true;
+            const int64_t tenth = std::max<int64_t>(1, j.total_steps() / 10);
+            if (j.total_steps() > 0 && j.step() > 0 && j.step() >= next_kept_step &&
+                !IsTerminalState(j.state())) {
+              out_ << "\n";
+              drew_bar = false;
+              next_kept_step = (j.step() / tenth + 1) * tenth;
+            }
           } else if (j.step() > 0 || u.new_events_size() == 0) {
             out_ << ProgressLine(j, false) << "\n";
           }
@@ -613,6 +661,7 @@ class Cli {
   std::ostream& out_;
   std::ostream& err_;
   bool tty_;
+  std::string tls_ca_pem_;  // contents of --tls-ca, read once by Run()
   std::shared_ptr<grpc::Channel> channel_;
 };
 

@@ -85,6 +85,23 @@ v1::CpMode ToProtoMode(CpMode m) {
 
 std::string Seconds(int64_t ms) { return absl::StrFormat("%.1f s", ms / 1000.0); }
 
+// Trainers run in their workers' own directories, so a relative path would name a different
+// place for every rank and attempt (and a restart would not find its checkpoint).
+absl::Status CheckAbsolutePaths(const JobSpec& spec) {
+  auto relative = [](const std::string& p) { return !p.empty() && p[0] != '/'; };
+  if (relative(spec.checkpoint.dir))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: checkpoint.dir: must be an absolute path (`spindle submit` makes relative "
+        "paths absolute), got \"",
+        spec.checkpoint.dir, "\""));
+  if (spec.data.kind != DataKind::kSynthetic && relative(spec.data.path))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: data.source: the file must be an absolute path (`spindle submit` makes "
+        "relative paths absolute), got \"",
+        spec.data.source, "\""));
+  return absl::OkStatus();
+}
+
 bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
 
 }  // namespace
@@ -199,6 +216,7 @@ absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_o
 
 absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1::Plan* plan_out) {
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
+  RETURN_IF_ERROR(CheckAbsolutePaths(spec));
   Outbox out;
   std::string job_id;
   {

@@ -2,6 +2,7 @@
 // codes, end to end against a real coordinator on 127.0.0.1 for submit/list/status/cancel.
 #include "cli/cli.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -57,6 +58,9 @@ TEST_F(CliTest, UsageErrors) {
   r = RunSpindle({"submit", dir_.File("missing.json")});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, "spindle: submit: cannot read job spec " + dir_.File("missing.json") + "\n");
+  r = RunSpindle({"list", "--tls-ca", dir_.File("missing.pem")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: cannot read the --tls-ca file " + dir_.File("missing.pem") + "\n");
 }
 
 TEST_F(CliTest, BadSpecNamesTheField) {
@@ -130,6 +134,27 @@ TEST_F(CliTest, EndToEndAgainstCoordinator) {
   EXPECT_EQ(r.err,
             "spindle: list: not authenticated: invalid bearer token (set --token or "
             "SPINDLE_TOKEN)\n");
+}
+
+TEST_F(CliTest, SubmitMakesRelativePathsAbsolute) {
+  CoordinatorConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.db_path = dir_.File("paths.db");
+  auto server = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::map<std::string, std::string> env = {
+      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())}};
+  std::string spec = testing::SpecJson(1, 1);
+  spec.replace(spec.find("/tmp/ck"), 7, "runs/../ck");
+  spec.replace(spec.find("synthetic:recall"), 16, "text:corpus.txt");
+  Result r = RunSpindle({"submit", WriteSpec("rel.json", spec)}, env);
+  ASSERT_EQ(r.code, 0) << r.err;
+  v1::Job job;
+  ASSERT_TRUE((*server)->manager()->GetJob("j-000001", false, &job).ok());
+  const std::string cwd = std::filesystem::current_path().string();
+  auto stored = nlohmann::json::parse(job.spec_json());
+  EXPECT_EQ(stored["checkpoint"]["dir"], cwd + "/ck");
+  EXPECT_EQ(stored["data"]["source"], "text:" + cwd + "/corpus.txt");
 }
 
 }  // namespace

@@ -309,6 +309,25 @@ TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
             "n_heads=4 and cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
 }
 
+TEST_F(JobManagerTest, SubmitRejectsRelativePaths) {
+  v1::Plan plan;
+  std::string spec = SpecJson(1, 1);
+  spec.replace(spec.find("/tmp/ck"), 7, "ck/run1");
+  auto relative_dir = manager_->Submit(spec, &plan);
+  EXPECT_EQ(relative_dir.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(relative_dir.status().message(),
+            "job spec: checkpoint.dir: must be an absolute path (`spindle submit` makes relative "
+            "paths absolute), got \"ck/run1\"");
+  spec = SpecJson(1, 1);
+  spec.replace(spec.find("synthetic:recall"), 16, "text:corpus.txt");
+  auto relative_data = manager_->Submit(spec, &plan);
+  EXPECT_EQ(relative_data.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(relative_data.status().message(),
+            "job spec: data.source: the file must be an absolute path (`spindle submit` makes "
+            "relative paths absolute), got \"text:corpus.txt\"");
+  EXPECT_TRUE(manager_->ListJobs({}, 0).empty());
+}
+
 TEST_F(JobManagerTest, PriorityOrderWithGangs) {
   AddWorker("w1", 2);
   const std::string a = Submit(SpecJson(2, 1, 0));  // placed at once
