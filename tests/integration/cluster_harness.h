@@ -1,6 +1,8 @@
 // ClusterHarness: a real Spindle cluster on 127.0.0.1 for integration tests: the
 // spindle-coordinator binary (SQLite file in a scratch directory), any number of spindle-worker
-// daemons, and a JobService client. Processes are killed when the harness is destroyed.
+// daemons, and a JobService client. Optionally with bearer-token auth, TLS, a separate worker port
+// and /metrics ports (set these before StartCoordinator). Processes are killed when the harness
+// is destroyed.
 // Thread-safety: owned and used by one test thread.
 #pragma once
 
@@ -12,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -103,16 +106,60 @@ class ClusterHarness {
     if (coordinator_ != nullptr) coordinator_->Kill().IgnoreError();
   }
 
+  // Client port (JobService; also the worker services unless UseSeparateWorkerPort()).
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  // The address workers and the rendezvous use.
+  std::string worker_address() const {
+    return absl::StrCat("127.0.0.1:", worker_port_ != 0 ? worker_port_ : port_);
+  }
+
+  // Every daemon and the harness's own client use `token` (written to a file under the scratch
+  // directory and passed with --token_file).
+  void UseToken(const std::string& token) {
+    token_ = token;
+    std::ofstream(dir_->File("token")) << token << "\n";
+  }
+  const std::string& token() const { return token_; }
+  std::string token_file() const { return dir_->File("token"); }
+  // TLS on both coordinator ports with PEM files `cert_file` and `key_file`; workers and the
+  // harness's client trust `ca_file`.
+  void UseTls(const std::string& ca_file, const std::string& cert_file,
+              const std::string& key_file) {
+    tls_ca_file_ = ca_file;
+    tls_cert_file_ = cert_file;
+    tls_key_file_ = key_file;
+  }
+  // Workers (ClusterService, RendezvousService) on a port of their own.
+  void UseSeparateWorkerPort() { separate_worker_port_ = true; }
+  // /metrics of the coordinator on 127.0.0.1:`port` (default: off).
+  void UseCoordinatorMetricsPort(int port) { coordinator_metrics_port_ = port; }
+
+  // Credentials for a client of this cluster (TLS with the CA when UseTls was called).
+  std::shared_ptr<grpc::ChannelCredentials> ClientCredentials() const {
+    if (tls_ca_file_.empty()) return grpc::InsecureChannelCredentials();
+    grpc::SslCredentialsOptions opts;
+    opts.pem_root_certs = ReadFile(tls_ca_file_);
+    return grpc::SslCredentials(opts);
+  }
+  // Adds the bearer token (if any) to a call of the harness's client.
+  void Authorize(grpc::ClientContext* ctx) const {
+    if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+  }
 
   // Starts (or restarts, same port and database) the coordinator and waits until it answers.
   bool StartCoordinator(const std::vector<std::string>& extra = {}) {
     if (port_ == 0) port_ = FreePort();
-    std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY,
-                                     "--listen=" + address(),
-                                     "--advertise=" + address(),
+    if (separate_worker_port_ && worker_port_ == 0) worker_port_ = FreePort();
+    std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY, "--listen=" + address(),
+                                     "--advertise=" + worker_address(),
                                      "--db=" + dir_->File("spindle.db"),
-                                     "--metrics_port=-1"};
+                                     absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
+    if (separate_worker_port_) argv.push_back("--worker_listen=" + worker_address());
+    if (!token_.empty()) argv.push_back("--token_file=" + token_file());
+    if (!tls_cert_file_.empty()) {
+      argv.push_back("--tls_cert=" + tls_cert_file_);
+      argv.push_back("--tls_key=" + tls_key_file_);
+    }
     argv.insert(argv.end(), extra.begin(), extra.end());
     coordinator_args_ = extra;
     SubprocessOptions options;
@@ -120,15 +167,19 @@ class ClusterHarness {
     auto p = Subprocess::Spawn(argv, options);
     if (!p.ok()) return false;
     coordinator_ = *std::move(p);
-    channel_ = grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
+    channel_ = grpc::CreateChannel(address(), ClientCredentials());
+    worker_channel_ = grpc::CreateChannel(worker_address(), ClientCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
-    return WaitFor([&] {
-      v1::ListJobsRequest req;
-      v1::ListJobsResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      return jobs_->List(&ctx, req, &resp).ok();
-    });
+    return WaitFor(
+        [&] {
+          v1::ListJobsRequest req;
+          v1::ListJobsResponse resp;
+          grpc::ClientContext ctx;
+          Authorize(&ctx);
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+          return jobs_->List(&ctx, req, &resp).ok();
+        },
+        std::chrono::seconds(30));
   }
   void KillCoordinator() {
     if (coordinator_ != nullptr) coordinator_->Kill().IgnoreError();
@@ -136,11 +187,12 @@ class ClusterHarness {
   }
 
   // Starts worker `id` with `slots` CPU slots running `trainer`; `env` is added to its
-  // environment (inherited by its trainers).
+  // environment (inherited by its trainers); `extra` flags go last (a repeated flag wins).
   bool StartWorker(const std::string& id, int slots, const std::string& trainer,
-                   const std::vector<std::pair<std::string, std::string>>& env = {}) {
+                   const std::vector<std::pair<std::string, std::string>>& env = {},
+                   const std::vector<std::string>& extra = {}) {
     std::vector<std::string> argv = {SPINDLE_WORKER_BINARY,
-                                     "--coordinator=" + address(),
+                                     "--coordinator=" + worker_address(),
                                      "--worker_id=" + id,
                                      absl::StrCat("--slots=", slots),
                                      "--work_dir=" + dir_->File("work-" + id),
@@ -149,6 +201,9 @@ class ClusterHarness {
                                      "--coordinator_loss_timeout=60s",
                                      "--cpu_threads_per_slot=1",
                                      "--trainer_binary=" + trainer};
+    if (!token_.empty()) argv.push_back("--token_file=" + token_file());
+    if (!tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
+    argv.insert(argv.end(), extra.begin(), extra.end());
     SubprocessOptions options;
     options.stderr_path = dir_->File("worker-" + id + ".log");
     options.env = env;
@@ -167,10 +222,12 @@ class ClusterHarness {
   bool WaitForWorkers(int n) {
     return WaitFor(
         [&] {
-          auto stub = v1::ClusterService::NewStub(channel_);
+          auto stub = v1::ClusterService::NewStub(worker_channel_);
           v1::ListWorkersRequest req;
           v1::ListWorkersResponse resp;
           grpc::ClientContext ctx;
+          Authorize(&ctx);
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
           if (!stub->ListWorkers(&ctx, req, &resp).ok()) return false;
           int alive = 0;
           for (const auto& w : resp.workers()) alive += w.state() == "alive" ? 1 : 0;
@@ -184,8 +241,11 @@ class ClusterHarness {
     req.set_spec_json(spec_json);
     v1::SubmitJobResponse resp;
     grpc::ClientContext ctx;
+    Authorize(&ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     grpc::Status s = jobs_->Submit(&ctx, req, &resp);
-    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    if (!s.ok())
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
     return resp.job_id();
   }
 
@@ -194,6 +254,7 @@ class ClusterHarness {
     req.set_job_id(job_id);
     v1::Job job;
     grpc::ClientContext ctx;
+    Authorize(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (!jobs_->Get(&ctx, req, &job).ok()) return std::nullopt;
     return job;
@@ -205,6 +266,7 @@ class ClusterHarness {
     req.set_reason("test cancel");
     v1::CancelJobResponse resp;
     grpc::ClientContext ctx;
+    Authorize(&ctx);
     return jobs_->Cancel(&ctx, req, &resp).ok();
   }
 
@@ -242,11 +304,17 @@ class ClusterHarness {
  private:
   const ScratchDir* dir_;
   int port_ = 0;
+  int worker_port_ = 0;
+  bool separate_worker_port_ = false;
+  int coordinator_metrics_port_ = -1;
+  std::string token_;
+  std::string tls_ca_file_, tls_cert_file_, tls_key_file_;
   int coordinator_starts_ = 0;
   std::vector<std::string> coordinator_args_;
   std::unique_ptr<Subprocess> coordinator_;
   std::map<std::string, std::unique_ptr<Subprocess>> workers_;
   std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<grpc::Channel> worker_channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
 };
 
