@@ -1,0 +1,132 @@
+// Context parallelism with real processes: two spindle-train processes (cp=2) rendezvous through a
+// file store and track the single-rank run of the same job step by step; and the cluster path:
+// jobs with cp=2 and cp=4 submitted to spindle-coordinator run on CPU spindle-worker slots
+// (rendezvous through the coordinator) to SUCCEEDED with progress, like any job.
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/cluster_harness.h"
+
+namespace spindle {
+namespace {
+
+using ::spindle::testing::ClusterHarness;
+using ::spindle::testing::ScratchDir;
+
+std::string CpSpec(int cp, int steps, const std::string& ckpt) {
+  return absl::StrCat(
+      R"({"name":"cp","model":{"preset":"tiny"},"data":{"source":"synthetic:copy"},)",
+      R"("seq_len":256,"parallel":{"cp":)", cp, R"(,"dp":1},"train":{"steps":)", steps,
+      R"(,"lr":3e-3,"seed":5},"checkpoint":{"dir":")", ckpt,
+      R"(","every":0},"resources":"cpu","max_restarts":0})");
+}
+
+std::vector<double> StepLosses(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<double> out;
+  for (std::string line; std::getline(f, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("event", "") == "step") out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+TEST(StandaloneCpTest, TwoProcessesThroughAFileStoreTrackTheSingleRankRun) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  ScratchDir dir("spindle-cp-standalone");
+  const std::string cp2 = dir.File("cp2.json"), cp1 = dir.File("cp1.json");
+  std::ofstream(cp2) << CpSpec(2, 6, dir.File("ckpt2"));
+  std::ofstream(cp1) << CpSpec(1, 6, dir.File("ckpt1"));
+  const std::string bin = SPINDLE_TRAIN_BINARY;
+  const std::string cmd = absl::StrCat(
+      bin, " --job ", cp1, " --threads 1 > ", dir.File("cp1.out"), " 2>&1 & ",  //
+      bin, " --job ", cp2, " --rank 0 --world 2 --threads 1 --lightning-mode allgather",
+      " --mla-mode allgather --file-store ", dir.File("store"), " > ", dir.File("r0.out"),
+      " 2>&1 & ",  //
+      bin, " --job ", cp2, " --rank 1 --world 2 --threads 1 --lightning-mode allgather",
+      " --mla-mode allgather --file-store ", dir.File("store"), " > ", dir.File("r1.out"),
+      " 2>&1 & wait");
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const auto ref = StepLosses(dir.File("cp1.out")), r0 = StepLosses(dir.File("r0.out")),
+             r1 = StepLosses(dir.File("r1.out"));
+  ASSERT_EQ(ref.size(), 6u);
+  ASSERT_EQ(r0.size(), 6u);
+  EXPECT_EQ(r0, r1);  // both ranks report the world's loss
+  EXPECT_NEAR(r0[0], ref[0], 1e-5 * ref[0]);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(r0[i], ref[i], 2e-3 * ref[i]) << i;
+  // Only rank 0 writes the checkpoint.
+  EXPECT_TRUE(std::filesystem::exists(dir.File("ckpt2")));
+}
+
+TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  ScratchDir dir("spindle-cp-refuse");
+  const std::string job = dir.File("cp3.json");
+  std::string spec = CpSpec(3, 1, dir.File("ckpt"));
+  spec.replace(spec.find("\"seq_len\":256"), 13, "\"seq_len\":192");
+  std::ofstream(job) << spec;
+  const std::string cmd = absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job,
+                                       " --rank 0 --world 3 --lightning-mode all2all --file-store ",
+                                       dir.File("store"), " 2> ", dir.File("err"));
+  const int rc = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 2);
+  std::ifstream f(dir.File("err"));
+  std::string err((std::istreambuf_iterator<char>(f)), {});
+  EXPECT_NE(err.find("parallel.lightning_mode: all2all needs n_heads divisible by cp, but "
+                     "n_heads=4 and cp=3"),
+            std::string::npos)
+      << err;
+}
+
+class ClusterCpTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
+        std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_TRAIN_BINARY).empty()) {
+      GTEST_SKIP() << "spindle-coordinator, spindle-worker or spindle-train not built";
+    }
+    ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
+                                           "--stop_grace=1"}))
+        << cluster_.Logs();
+    // Two CPU workers, so a CP group spans daemons.
+    ASSERT_TRUE(cluster_.StartWorker("w0", GetParam() / 2, SPINDLE_TRAIN_BINARY));
+    ASSERT_TRUE(cluster_.StartWorker("w1", GetParam() / 2, SPINDLE_TRAIN_BINARY));
+    ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
+  }
+
+  static bool Terminal(const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+           j.state() == v1::JOB_STATE_CANCELLED;
+  }
+
+  ScratchDir dir_{"spindle-cluster-cp"};
+  ClusterHarness cluster_{&dir_};
+};
+
+TEST_P(ClusterCpTest, CpJobRunsOnCpuWorkersToSuccessWithProgress) {
+  const int cp = GetParam();
+  absl::StatusOr<std::string> id = cluster_.Submit(CpSpec(cp, 8, dir_.File("ckpt")));
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(180));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->step(), 8);
+  EXPECT_EQ(job->total_steps(), 8);
+  EXPECT_GT(job->loss(), 0.0);
+  EXPECT_LT(job->loss(), 6.0);
+  EXPECT_EQ(job->last_checkpoint_step(), 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(CpSizes, ClusterCpTest, ::testing::Values(2, 4),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return absl::StrCat("cp", i.param);
+                         });
+
+}  // namespace
+}  // namespace spindle
