@@ -194,12 +194,22 @@ absl::Status Trainer::Step() {
   return absl::OkStatus();
 }
 
+// Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as
+// complete when all ranks did), the others only once rank 0 says it is on disk.
 absl::Status Trainer::Checkpoint() {
-  if (opt_.rank != 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(std::string dir,
-                   SaveCheckpoint(ckpt_dir_, model_->params(), optimizer_.get(),
-                                  opt_.spec.model, state_, opt_.spec.checkpoint.keep));
-  Emit({{"event", "checkpoint"}, {"step", state_.step}, {"path", dir}});
+  absl::StatusOr<std::string> dir = ckpt_dir_;
+  if (opt_.rank == 0)
+    dir = SaveCheckpoint(ckpt_dir_, model_->params(), optimizer_.get(), opt_.spec.model, state_,
+                         opt_.spec.checkpoint.keep);
+  if (world_comm_) {
+    int32_t written = dir.ok() ? 1 : 0;
+    RETURN_IF_ERROR(world_comm_->Broadcast(&written, 1, CommType::kI32, 0, CommLayer::kOther));
+    if (!written && opt_.rank != 0)
+      return absl::InternalError(
+          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
+  }
+  if (!dir.ok()) return dir.status();
+  Emit({{"event", "checkpoint"}, {"step", state_.step}, {"path", *dir}});
   return absl::OkStatus();
 }
 
