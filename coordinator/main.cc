@@ -22,6 +22,7 @@ ABSL_FLAG(std::string, advertise, "",
           "host:port workers use to reach the rendezvous service; empty: <hostname>:<worker port>");
 ABSL_FLAG(std::string, db, "spindle.db", "SQLite database file (created if missing)");
 ABSL_FLAG(int, metrics_port, 9400, "port of the Prometheus /metrics endpoint; -1 disables it");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "bind address of the /metrics endpoint");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token every RPC must carry; empty: no authentication");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls-key enables TLS");
@@ -73,10 +74,12 @@ int main(int argc, char** argv) {
   cfg.advertise_address = absl::GetFlag(FLAGS_advertise);
   cfg.db_path = absl::GetFlag(FLAGS_db);
   cfg.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  cfg.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   if (!absl::GetFlag(FLAGS_token_file).empty()) {
     auto token = ReadFile(absl::GetFlag(FLAGS_token_file), "token");
     if (!token.ok()) {
-      std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(token.status().message()).c_str());
+      std::fprintf(stderr, "spindle-coordinator: %s\n",
+                   std::string(token.status().message()).c_str());
       return 2;
     }
     cfg.token = std::string(absl::StripAsciiWhitespace(*token));

@@ -146,7 +146,8 @@ class ClusterHarness {
     if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
   }
 
-  // Starts (or restarts, same port and database) the coordinator and waits until it answers.
+  // Starts (or restarts, same port and database) the coordinator and waits until it answers;
+  // false when it exits first or does not answer within 30 s.
   bool StartCoordinator(const std::vector<std::string>& extra = {}) {
     if (port_ == 0) port_ = FreePort();
     if (separate_worker_port_ && worker_port_ == 0) worker_port_ = FreePort();
@@ -170,8 +171,11 @@ class ClusterHarness {
     channel_ = grpc::CreateChannel(address(), ClientCredentials());
     worker_channel_ = grpc::CreateChannel(worker_address(), ClientCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
-    return WaitFor(
+    bool exited = false;
+    const bool answered = WaitFor(
         [&] {
+          absl::StatusOr<std::optional<int>> status = coordinator_->Poll();
+          if (status.ok() && status->has_value()) return exited = true;
           v1::ListJobsRequest req;
           v1::ListJobsResponse resp;
           grpc::ClientContext ctx;
@@ -180,6 +184,7 @@ class ClusterHarness {
           return jobs_->List(&ctx, req, &resp).ok();
         },
         std::chrono::seconds(30));
+    return answered && !exited;
   }
   void KillCoordinator() {
     if (coordinator_ != nullptr) coordinator_->Kill().IgnoreError();
