@@ -152,8 +152,8 @@ int main(int argc, char** argv) {
     const double act = static_cast<double>(T) * HD * 2;  // one [T, H, Dh] bf16 tensor
     const double n_chunks = T / 64.0;
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
-    for (int cpb : {0, 2, 4, 8, 16}) {
-      const cu::LightningConfig cfg{cpb};
+    for (auto [cpb, stages] : {std::pair{0, 1}, {0, 2}, {16, 1}, {16, 2}, {32, 1}, {32, 2}, {64, 2}}) {
+      const cu::LightningConfig cfg{cpb, stages};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};
       auto fwd = [&] {
@@ -168,15 +168,18 @@ int main(int argc, char** argv) {
               "LightningBackward");
       };
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
-                              (cpb == 0 ? std::string("auto") : std::to_string(cpb));
+                              (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
+                              " st=" + std::to_string(stages);
       const double tf = TimeMs(fwd), tb = TimeMs(bwd);
       const double tfb = TimeMs([&] {
         fwd();
         bwd();
       });
+      // Bytes: the floor's traffic (fwd reads q, k, v and writes o; bwd reads q, k, v, dout and
+      // writes dq, dk, dv), so the copy-bandwidth column is the fraction of the memory-bound floor.
       Row(tag + " fwd", tf, 4 * act, fwd_flops);
-      Row(tag + " bwd", tb, 8 * act, 2 * fwd_flops);
-      Row(tag + " fwd+bwd", tfb, 12 * act, 3 * fwd_flops);
+      Row(tag + " bwd", tb, 7 * act, 2 * fwd_flops);
+      Row(tag + " fwd+bwd", tfb, 11 * act, 3 * fwd_flops);
       if (T == 32768) {
         std::printf("|   fwd+bwd vs FLA chunk_simple_gla 1.90 ms (peer README figure): %.2fx |\n",
                     1.90 / tfb);

@@ -13,9 +13,9 @@
 // inside a chunk: masks handle them); a block owns `chunks_per_block` consecutive chunks of one
 // head. Pass 1 computes each block's end state from a zero start (and the decay through it), a
 // scan over blocks gives every block its start state, and the main pass runs the block's chunks
-// in order on tensor cores (WMMA, bf16 in, fp32 accumulate), the running state in registers.
-// The backward runs the same passes forward (states, for dq) and in reverse (state gradients,
-// for dk and dv). One launch per pass covers all heads and chunks; the result for given sizes
+// in order on tensor cores (mma.sync, bf16 in, fp32 accumulate), the running state in registers.
+// The backward runs pass 1 forward (states) and in reverse (state gradients), then three main
+// sweeps: dq forward, dk and dv in reverse. All are one kernel (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for given sizes
 // and config is bitwise reproducible.
 #pragma once
 
@@ -37,6 +37,9 @@ struct LightningDims {
 
 struct LightningConfig {
   int chunks_per_block = 0;  // 64-token chunks per block; 0 picks from T and H. 1..64.
+  // Main sweeps: 1 = single-buffered chunk tiles (two blocks per SM), 2 = the next chunk's k/v
+  // tiles prefetched into a second buffer (one block per SM at Dh=128); 0 picks.
+  int stages = 0;
 };
 
 // Workspace for LightningForward / LightningBackward (the backward needs more; this covers both).

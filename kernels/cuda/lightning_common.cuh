@@ -211,23 +211,30 @@ __device__ __forceinline__ void Mma(Acc& c, const bf16* a, int lda, int a_step, 
 
 // ---- Launchers shared between the .cu files ---------------------------------------------------------
 
-// Pass 1: per (head, block of chunks), the block's end state from a zero start, S = f S + X^T Y
-// over its chunks (forward: X = kw * k, Y = v, chunks in order; reverse: X = qw * q, Y = dout,
-// chunks in reverse), into U [H, G, Dh, Dh]; F [H, G] (nullable) gets the product of f.
-struct StateArgs {
-  const bf16* x;
-  int64_t x_stride;
-  const bf16* y;
-  int64_t y_stride;
+// The chunk sweep (lightning_sweep.cu): per (head, block of chunks), in chunk order or reversed,
+//   out = diag(rowW) X S + (Mask o X Y^T) Z,   S = f S + (colW o Y)^T Z
+// with rowW, colW = qw, kw (forward) or kw, qw (reverse, transposed mask). Main passes start from
+// start[h, g] (transposed when transpose_start) and write out; the state-only pass starts from
+// zero and writes the block's end state to U [H, G, Dh, Dh] and the product of f to F [H, G]
+// (nullable). X and out are unused by the state-only pass.
+struct SweepArgs {
+  const bf16 *x, *y, *z;
+  int64_t x_stride, y_stride, z_stride;
+  bf16* out;
+  int64_t out_stride;
+  const float* start;
+  bool transpose_start;
+  float* U;
+  float* F;
   const float* log_decay;
   const int32_t* cu;
   int n_seg, T, H;
   float scale;
   int chunks_per_block, n_chunks, G;
-  float* U;
-  float* F;
+  int stages;  // main passes: 2 = Y, Z double-buffered; otherwise single
 };
-Status LaunchState(int dh, bool reverse, const StateArgs& a, cudaStream_t stream);
+Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
+                   cudaStream_t stream);
 
 // Scan over blocks g of X (element (g, h, e) at g * stride_g + h * stride_h + e, e < E):
 // forward: out_g = carry; carry = in_g + f_g carry (carry starts at init or 0);

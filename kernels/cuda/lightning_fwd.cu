@@ -1,107 +1,9 @@
-// Lightning on CUDA: the forward main pass (per head and block of chunks, state in registers,
-// WMMA tiles), LightningForward, and the CP carry correction with its backward.
+// Lightning on CUDA: LightningForward (pass 1, the scan over blocks, the main sweep; see
+// lightning_sweep.cu), and the CP carry correction with its backward (WMMA tiles).
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
 namespace {
-
-struct FwdArgs {
-  const bf16 *q, *k, *v;
-  int64_t stride;
-  bf16* out;
-  const float* log_decay;
-  const int32_t* cu;
-  int n_seg, T, H;
-  float scale;
-  int chunks_per_block, n_chunks, G;
-  const float* P;  // [H, G, DH, DH] start state of every block
-};
-
-// Per chunk: A = Q K^T (masked, decayed), O = diag(qw) Q S_in + A V, S_out = f S_in + Kd^T V.
-template <int DH>
-__global__ void __launch_bounds__(kThreads) FwdKernel(FwdArgs a) {
-  using P = Pitch<DH>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* p = smem;
-  bf16* qs = reinterpret_cast<bf16*>(p), *ks = qs + kChunk * P::kRow, *vs = ks + kChunk * P::kRow,
-        *kd = vs + kChunk * P::kRow;
-  p += 4 * P::kRowsBytes;
-  bf16* sb = reinterpret_cast<bf16*>(p);
-  p += P::kStateBytes;
-  float* af = reinterpret_cast<float*>(p);
-  p += P::kScoreFBytes;
-  bf16* ab = reinterpret_cast<bf16*>(p);
-  p += P::kScoreBBytes;
-  float* scratch = reinterpret_cast<float*>(p) + (threadIdx.x >> 5) * 256;
-  p += P::kScratchBytes;
-  auto& ci = *reinterpret_cast<ChunkInfo*>(p);
-  float* dec = reinterpret_cast<float*>(p + sizeof(ChunkInfo));
-
-  const int g = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
-  FillDecay(a.log_decay[h], dec);
-  // Start state: registers (fp32) and smem (bf16).
-  Acc S[P::kStateTiles];
-  const float* p0 = a.P + (static_cast<int64_t>(h) * a.G + g) * DH * DH;
-  for (int i = 0; i < P::kStateTiles; ++i) {
-    const int idx = warp * P::kStateTiles + i;
-    const int tr = idx / (DH / 16), tc = idx % (DH / 16);
-    wmma::load_matrix_sync(S[i], p0 + tr * 16 * DH + tc * 16, DH, wmma::mem_row_major);
-  }
-  StateToSmem<DH>(S, scratch, sb);
-
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  const int orow = warp / 2, ocol0 = (warp % 2) * P::kOutTiles;
-  for (int n = 0; n < count; ++n) {
-    const int c0 = (first + n) * kChunk;
-    __syncthreads();
-    SetupChunk(ci, dec, a.cu, a.n_seg, c0, a.T, a.scale);
-    const int64_t base = static_cast<int64_t>(c0) * a.stride + h * DH;
-    LoadRows<DH>(qs, a.q + base, a.stride, ci.len);
-    LoadRows<DH>(ks, a.k + base, a.stride, ci.len);
-    LoadRows<DH>(vs, a.v + base, a.stride, ci.len);
-    __syncthreads();
-    // Scores (two tiles per warp) and the inter-chunk output part.
-    for (int t = 2 * warp; t < 2 * warp + 2; ++t) {
-      const int tr = t / 4, tc = t % 4;
-      Acc s;
-      wmma::fill_fragment(s, 0.0f);
-      Mma<FragA, FragBT>(s, qs + tr * 16 * P::kRow, P::kRow, 16, ks + tc * 16 * P::kRow, P::kRow,
-                         16, DH / 16);
-      wmma::store_matrix_sync(af + tr * 16 * P::kScoreF + tc * 16, s, P::kScoreF,
-                              wmma::mem_row_major);
-    }
-    Acc O[P::kOutTiles];
-    for (int i = 0; i < P::kOutTiles; ++i) {
-      wmma::fill_fragment(O[i], 0.0f);
-      Mma<FragA, FragB>(O[i], qs + orow * 16 * P::kRow, P::kRow, 16, sb + (ocol0 + i) * 16,
-                        P::kRow, 16 * P::kRow, DH / 16);
-    }
-    ScaleRowsTo<DH>(kd, ks, ci.kw);
-    __syncthreads();
-    MaskScores(af, ab, ci, dec, c0, a.scale);
-    for (int i = 0; i < P::kOutTiles; ++i) ScaleAccRows(O[i], scratch, ci.qw, orow * 16);
-    __syncthreads();
-    bf16* out = a.out + static_cast<int64_t>(c0) * a.H * DH + h * DH;
-    for (int i = 0; i < P::kOutTiles; ++i) {
-      Mma<FragA, FragB>(O[i], ab + orow * 16 * P::kScoreB, P::kScoreB, 16,
-                        vs + (ocol0 + i) * 16, P::kRow, 16 * P::kRow, kChunk / 16);
-      StoreAccBf16(O[i], scratch, out + orow * 16 * a.H * DH + (ocol0 + i) * 16, a.H * DH,
-                   orow * 16, ci.len, false);
-    }
-    if (n + 1 < count) {
-      const float f = ci.f;
-      for (int i = 0; i < P::kStateTiles; ++i) {
-        const int idx = warp * P::kStateTiles + i;
-        const int tr = idx / (DH / 16), tc = idx % (DH / 16);
-        for (int e = 0; e < S[i].num_elements; ++e) S[i].x[e] *= f;
-        Mma<FragAT, FragB>(S[i], kd + tr * 16, P::kRow, 16 * P::kRow, vs + tc * 16, P::kRow,
-                           16 * P::kRow, kChunk / 16);
-      }
-      StateToSmem<DH>(S, scratch, sb);
-    }
-  }
-}
 
 // dst rows t < n_tokens (+)= w_t * src_t P (or P^T), w_t = scale * a^(t+1): the CP carry
 // correction (src = q, dst = out, P) and the dq part of its backward (src = dout, dst = dq, P^T).
@@ -167,18 +69,6 @@ Status LaunchCarry(const CarryArgs& a, int H, cudaStream_t stream) {
   return Status::Ok();
 }
 
-template <int DH>
-Status LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
-  using P = Pitch<DH>;
-  constexpr int kSmem = 4 * P::kRowsBytes + P::kStateBytes + P::kScoreFBytes + P::kScoreBBytes +
-                        P::kScratchBytes + kInfoBytes;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(FwdKernel<DH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  FwdKernel<DH><<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
 }  // namespace
 }  // namespace spindle::kernels::cuda::internal::lightning
 
@@ -212,14 +102,15 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
   const int T = static_cast<int>(dims.T);
 
-  StateArgs sa{};
-  sa.x = static_cast<const bf16*>(k), sa.x_stride = dims.qkv_stride;
-  sa.y = static_cast<const bf16*>(v), sa.y_stride = dims.qkv_stride;
+  SweepArgs sa{};
+  sa.y = static_cast<const bf16*>(k), sa.y_stride = dims.qkv_stride;
+  sa.z = static_cast<const bf16*>(v), sa.z_stride = dims.qkv_stride;
   sa.log_decay = log_decay, sa.cu = cu_seqlens, sa.n_seg = static_cast<int>(n_segments);
   sa.T = T, sa.H = static_cast<int>(H), sa.scale = scale;
   sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
+  sa.stages = config.stages;
   sa.U = U, sa.F = F;
-  SPINDLE_RETURN_IF_ERROR(LaunchState(static_cast<int>(Dh), false, sa, stream));
+  SPINDLE_RETURN_IF_ERROR(LaunchSweep(static_cast<int>(Dh), false, true, sa, stream));
 
   ScanArgs sc{};
   sc.in = U, sc.out = U;
@@ -228,14 +119,11 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   sc.init = carry_in, sc.final_out = end_state;
   SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
 
-  FwdArgs fa{};
-  fa.q = static_cast<const bf16*>(q), fa.k = static_cast<const bf16*>(k);
-  fa.v = static_cast<const bf16*>(v), fa.stride = dims.qkv_stride;
-  fa.out = static_cast<bf16*>(out), fa.log_decay = log_decay, fa.cu = cu_seqlens;
-  fa.n_seg = static_cast<int>(n_segments), fa.T = T, fa.H = static_cast<int>(H), fa.scale = scale;
-  fa.chunks_per_block = plan.chunks_per_block, fa.n_chunks = plan.n_chunks, fa.G = plan.G;
-  fa.P = U;
-  return Dh == 64 ? LaunchFwd<64>(fa, stream) : LaunchFwd<128>(fa, stream);
+  sa.x = static_cast<const bf16*>(q), sa.x_stride = dims.qkv_stride;
+  sa.out = static_cast<bf16*>(out), sa.out_stride = H * Dh;
+  sa.start = U, sa.transpose_start = false;
+  sa.U = nullptr, sa.F = nullptr;
+  return LaunchSweep(static_cast<int>(Dh), false, false, sa, stream);
 }
 
 Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
@@ -277,14 +165,15 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
                     "LightningCarryCorrectionBackward: workspace too small");
   float* U = static_cast<float*>(ws.data);
   float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
-  StateArgs sa{};
-  sa.x = static_cast<const bf16*>(q), sa.x_stride = dims.qkv_stride;
-  sa.y = static_cast<const bf16*>(dout), sa.y_stride = H * Dh;
+  SweepArgs sa{};
+  sa.y = static_cast<const bf16*>(q), sa.y_stride = dims.qkv_stride;
+  sa.z = static_cast<const bf16*>(dout), sa.z_stride = H * Dh;
   sa.log_decay = log_decay, sa.cu = nullptr, sa.n_seg = 1;
   sa.T = static_cast<int>(n_tokens), sa.H = static_cast<int>(H), sa.scale = scale;
   sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
+  sa.stages = config.stages;
   sa.U = U, sa.F = F;
-  SPINDLE_RETURN_IF_ERROR(LaunchState(static_cast<int>(Dh), true, sa, stream));
+  SPINDLE_RETURN_IF_ERROR(LaunchSweep(static_cast<int>(Dh), true, true, sa, stream));
   ScanArgs sc{};
   sc.in = U, sc.out = U;
   sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;

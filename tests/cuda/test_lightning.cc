@@ -1,6 +1,6 @@
 // CUDA Lightning attention against the CPU reference (kernels/cpu/lightning.h): forward and
 // backward with document resets on and off the 64-token chunk grid, carry-in, end state and its
-// gradient, fused-buffer strides, Dh 64 and 128, several chunks-per-block launch configurations,
+// gradient, fused-buffer strides, Dh 64 and 128, several chunks-per-block and pipeline configurations,
 // bitwise determinism; the CP state scan and carry correction with their backwards.
 #include <gtest/gtest.h>
 
@@ -145,9 +145,11 @@ TEST_F(Lightning, DocumentsOnAndOffTheChunkGridAllLaunchConfigs) {
   // (299); carry-in and end-state gradient; padded fused buffer.
   Build({1000, 3, 64, 8, {0, 37, 128, 299, 300, 640, 1000}, true, true});
   const Result want = Cpu();
-  for (int cpb : {1, 3, 8, 0}) {
-    SCOPED_TRACE("chunks_per_block " + std::to_string(cpb));
-    Compare(Gpu({cpb}), want);
+  for (int stages : {1, 2}) {
+    for (int cpb : {1, 3, 8, 0}) {
+      SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " + std::to_string(stages));
+      Compare(Gpu({cpb, stages}), want);
+    }
   }
 }
 
@@ -160,6 +162,26 @@ TEST_F(Lightning, HeadSize128OneDocumentNoCarry) {
   }
 }
 
+TEST_F(Lightning, ManyShortDocumentsBothHeadSizes) {
+  // Documents of 1..70 tokens, so most chunks hold several starts and the reverse sweeps (dk, dv)
+  // see the transposed mask cut at many places; odd T ends inside a chunk.
+  for (int64_t Dh : {64, 128}) {
+    SCOPED_TRACE("Dh " + std::to_string(Dh));
+    std::vector<int32_t> cu{0};
+    std::mt19937 pick(7);
+    while (cu.back() < 777) cu.push_back(std::min<int32_t>(777, cu.back() + 1 + pick() % 70));
+    Build({777, 2, Dh, 8, cu, true, true});
+    const Result want = Cpu();
+    for (int stages : {1, 2}) {
+      for (int cpb : {1, 5}) {
+        SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " +
+                     std::to_string(stages));
+        Compare(Gpu({cpb, stages}), want);
+      }
+    }
+  }
+}
+
 TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
   Build({127, 3, 128, 8, {0, 5, 64, 127}, true, true});
   Compare(Gpu({}), Cpu());
@@ -167,7 +189,7 @@ TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
 
 TEST_F(Lightning, LongSequenceIsDeterministic) {
   Build({4099, 4, 128, 0, {0, 1000, 1001, 2500, 4099}, true, true});
-  const Result a = Gpu({4}), b = Gpu({4});
+  const Result a = Gpu({4, 2}), b = Gpu({4, 2});
   for (auto [x, y, what] : {std::tuple{&a.out, &b.out, "out"}, {&a.dq, &b.dq, "dq"},
                             {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"},
                             {&a.end, &b.end, "end"}, {&a.dcarry, &b.dcarry, "dcarry"}}) {

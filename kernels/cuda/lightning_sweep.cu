@@ -1,0 +1,412 @@
+// Lightning on CUDA: the one chunk-sweep kernel behind every Lightning pass. A block owns one head
+// and `chunks_per_block` consecutive 64-token chunks and walks them in order (or in reverse),
+// carrying a DH x DH fp32 state in registers. Per chunk, with X, Y, Z three [64, DH] bf16 tiles:
+//
+//   out  = diag(rowW) X S + (Mask o X Y^T) Z        (skipped in the state-only pass)
+//   S    = f S + (colW o Y)^T Z
+//
+// Every Lightning quantity is one instance (see lightning_common.cuh for qw, kw, f and the mask):
+//   forward            X=q,  Y=k,  Z=v,  S,     rowW=qw, colW=kw, causal mask       -> out
+//   dq                 X=dO, Y=v,  Z=k,  S^T,   rowW=qw, colW=kw, causal mask       -> dq
+//   dk   (reverse)     X=v,  Y=dO, Z=q,  dS^T,  rowW=kw, colW=qw, transposed mask   -> dk
+//   dv   (reverse)     X=k,  Y=q,  Z=dO, dS,    rowW=kw, colW=qw, transposed mask   -> dv
+// and the pass-1 end states are the state-only instances (forward: Y=k, Z=v; reverse: Y=q, Z=dO).
+//
+// Implementation: 8 warps, mma.sync m16n8k16 (bf16 in, fp32 accumulate) with operands from padded
+// shared memory through ldmatrix; the scores never leave registers except one bf16 exchange
+// between the two warps sharing 16 rows; chunk tiles arrive by cp.async (X for the next chunk
+// while the current one finishes); three block barriers per chunk; about 98 KB of shared memory
+// at DH=128, so two blocks share an SM. With stages == 2, Y and Z are double-buffered: the next
+// chunk's tiles are fetched at the start of the current one and the third barrier goes (133 KB
+// at DH=128: one block per SM).
+#include "kernels/cuda/lightning_common.cuh"
+
+namespace spindle::kernels::cuda::internal::lightning {
+namespace {
+
+// ---- PTX wrappers ---------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void Ldm4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16-byte async copy; src_bytes 0 writes zeros (rows past the sequence end).
+__device__ __forceinline__ void CpAsync16(bf16* dst, const bf16* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Both bf16 halves of v times w (lo, hi), rounded once, as ScaleRowsTo does.
+__device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_hi) {
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
+  const float2 f = __bfloat1622float2(b);
+  return PackBf16(f.x * w_lo, f.y * w_hi);
+}
+
+// ---- Operand fetches (lane-dependent addresses; `pitch` in elements) ---------------------------------
+// A fragment (16 x 16) of a row-major [m][k] tile at (m0, k0).
+__device__ __forceinline__ void LoadA(uint32_t (&a)[4], const bf16* base, int pitch, int m0,
+                                      int k0, int lane) {
+  Ldm4(a, base + (m0 + (lane & 15)) * pitch + k0 + (lane >> 4) * 8);
+}
+// A fragment of A = T^T where T is stored row-major [k][m].
+__device__ __forceinline__ void LoadAT(uint32_t (&a)[4], const bf16* base, int pitch, int m0,
+                                       int k0, int lane) {
+  Ldm4T(a, base + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * pitch + m0 + ((lane >> 3) & 1) * 8);
+}
+// B fragments of two n-tiles (n0, n0 + 8) x k16 from storage [n][k] (B = stored^T): b[0..1] for
+// the first tile, b[2..3] for the second.
+__device__ __forceinline__ void LoadBNK(uint32_t (&b)[4], const bf16* base, int pitch, int n0,
+                                        int k0, int lane) {
+  Ldm4(b, base + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * pitch + k0 + ((lane >> 3) & 1) * 8);
+}
+// The same from storage [k][n] (B stored as is).
+__device__ __forceinline__ void LoadBKN(uint32_t (&b)[4], const bf16* base, int pitch, int n0,
+                                        int k0, int lane) {
+  Ldm4T(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + ((lane >> 4) & 1) * 8);
+}
+
+// Per-chunk quantities, computed by threads 0..63 without a barrier (see the file comment of
+// lightning_common.cuh).
+struct SweepInfo {
+  int seg[kChunk];
+  float qw[kChunk];
+  float kw[kChunk];
+  float f;
+  int len;
+};
+
+__device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, const int32_t* cu,
+                                            int n_seg, int c0, int T, float scale) {
+  const int i = threadIdx.x;
+  if (i >= kChunk) return;
+  const int len = min(kChunk, T - c0);
+  const int last = len - 1;
+  const bool in = i < len;
+  const int s = in ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
+  const int sl = SegmentStart(cu, n_seg, c0 + last);
+  ci.seg[i] = s;
+  ci.qw[i] = in && (s < c0 || s == 0) ? scale * dec[i + 1] : 0.0f;
+  ci.kw[i] = in && s == sl ? dec[last - i] : 0.0f;
+  if (i == 0) {
+    ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
+    ci.len = len;
+  }
+}
+
+template <int DH, bool kDoubleBuffer>
+struct SweepLayout {
+  static constexpr int kPitch = DH + 8;           // bf16 [64, DH] tiles and the [DH, DH] state
+  static constexpr int kAPitch = kChunk + 8;      // bf16 [64, 64] masked scores
+  static constexpr int kTile = kChunk * kPitch;   // elements
+  // Byte offsets: Y, Z (each twice when double-buffered), info x2, decay table | X, bf16 state,
+  // scores (main passes only).
+  static constexpr int kYZBufs = kDoubleBuffer ? 2 : 1;
+  static constexpr int kY = 0;
+  static constexpr int kZ = kY + kYZBufs * kTile * 2;
+  static constexpr int kInfo = kZ + kYZBufs * kTile * 2;
+  static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
+  static constexpr int kStateOnlyBytes = (kDec + 65 * 4 + 127) / 128 * 128;
+  static constexpr int kX = kStateOnlyBytes;
+  static constexpr int kS = kX + kTile * 2;
+  static constexpr int kA = kS + DH * kPitch * 2;
+  static constexpr int kMainBytes = kA + kChunk * kAPitch * 2;
+  // Warp tiling of the state: 16 rows x kSCols columns per warp.
+  static constexpr int kRowTiles = DH / 16;
+  static constexpr int kColGroups = kWarps / kRowTiles;
+  static constexpr int kSCols = DH / kColGroups;
+  static constexpr int kSNT = kSCols / 8;  // n-tiles of 8
+  // Output tiling: 16 rows x DH/2 columns per warp (two warps per 16-row group).
+  static constexpr int kONT = DH / 16;
+};
+
+// [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros.
+template <int DH>
+__device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride,
+                                              int len) {
+  constexpr int kVec = DH / 8;
+  for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {
+    const int r = idx / kVec, c = (idx % kVec) * 8;
+    const bool in = r < len;
+    CpAsync16(dst + r * (DH + 8) + c, src + (in ? r * stride + c : 0), in ? 16 : 0);
+  }
+}
+
+template <int DH, bool kReverse, bool kStateOnly, bool kDoubleBuffer>
+__global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
+  using L = SweepLayout<DH, kDoubleBuffer>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* ys0 = reinterpret_cast<bf16*>(smem + L::kY);
+  bf16* zs0 = reinterpret_cast<bf16*>(smem + L::kZ);
+  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
+  float* dec = reinterpret_cast<float*>(smem + L::kDec);
+  bf16* xs = reinterpret_cast<bf16*>(smem + L::kX);
+  bf16* sb = reinterpret_cast<bf16*>(smem + L::kS);
+  bf16* ab = reinterpret_cast<bf16*>(smem + L::kA);
+
+  const int g = blockIdx.x, h = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qr = lane >> 2, qc = (lane & 3) * 2;  // fragment row / column within a tile
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
+  const int64_t hoff = static_cast<int64_t>(h) * DH;
+
+  FillDecay(a.log_decay[h], dec);
+  // Chunk 0's tiles.
+  {
+    const int c0 = chunk_of(0) * kChunk, len = min(kChunk, a.T - c0);
+    LoadTileAsync<DH>(ys0, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
+    LoadTileAsync<DH>(zs0, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
+    if constexpr (!kStateOnly) LoadTileAsync<DH>(xs, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
+  }
+
+  // State tile of this warp: rows srow0 + {qr, qr + 8}, columns scol0 + 8 j + qc + {0, 1}.
+  const int srow0 = (warp % L::kRowTiles) * 16, scol0 = (warp / L::kRowTiles) * L::kSCols;
+  float S[L::kSNT][4];
+  const int64_t state_off = (static_cast<int64_t>(h) * a.G + g) * DH * DH;
+  if constexpr (kStateOnly) {
+#pragma unroll
+    for (int j = 0; j < L::kSNT; ++j) S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.0f;
+  } else {
+    const float* p0 = a.start + state_off;
+#pragma unroll
+    for (int j = 0; j < L::kSNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = srow0 + qr + (e >> 1) * 8, c = scol0 + 8 * j + qc + (e & 1);
+        S[j][e] = a.transpose_start ? p0[c * DH + r] : p0[r * DH + c];
+      }
+      const int r = srow0 + qr, c = scol0 + 8 * j + qc;
+      *reinterpret_cast<uint32_t*>(sb + r * L::kPitch + c) = PackBf16(S[j][0], S[j][1]);
+      *reinterpret_cast<uint32_t*>(sb + (r + 8) * L::kPitch + c) = PackBf16(S[j][2], S[j][3]);
+    }
+  }
+  __syncthreads();  // dec
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+  float f_prod = 1.0f;
+
+  // Output tile of this warp: rows orow0 + {qr, qr + 8}, columns ocol0 + 8 j + qc + {0, 1}; its
+  // score half covers columns (tokens) acol0 .. acol0 + 31.
+  const int orow0 = (warp >> 1) * 16, ocol0 = (warp & 1) * (DH / 2), acol0 = (warp & 1) * 32;
+
+  for (int n = 0; n < count; ++n) {
+    const int c0 = chunk_of(n) * kChunk;
+    CpAsyncWaitAll();
+    __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
+    const SweepInfo& ci = infos[n & 1];
+    bf16* ys = ys0 + (kDoubleBuffer ? (n & 1) * L::kTile : 0);
+    bf16* zs = zs0 + (kDoubleBuffer ? (n & 1) * L::kTile : 0);
+    if (n + 1 < count) {
+      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+      if constexpr (kDoubleBuffer) {
+        // The other buffers were last read in chunk n - 1, before this chunk's first barrier.
+        const int c1 = chunk_of(n + 1) * kChunk, len1 = min(kChunk, a.T - c1);
+        const int other = ((n + 1) & 1) * L::kTile;
+        LoadTileAsync<DH>(ys0 + other, a.y + c1 * a.y_stride + hoff, a.y_stride, len1);
+        LoadTileAsync<DH>(zs0 + other, a.z + c1 * a.z_stride + hoff, a.z_stride, len1);
+      }
+    }
+    const float* roww = kReverse ? ci.kw : ci.qw;
+    const float* colw = kReverse ? ci.qw : ci.kw;
+    const int len = ci.len;
+
+    float O[L::kONT][4];
+    if constexpr (!kStateOnly) {
+      // Scores for rows orow0.., tokens acol0..acol0+31: X Y^T over DH.
+      float A[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) A[j][0] = A[j][1] = A[j][2] = A[j][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < DH / 16; ++ks) {
+        uint32_t fa[4];
+        LoadA(fa, xs, L::kPitch, orow0, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t fb[4];
+          LoadBNK(fb, ys, L::kPitch, acol0 + np * 16, ks * 16, lane);
+          Mma(A[2 * np], fa, fb[0], fb[1]);
+          Mma(A[2 * np + 1], fa, fb[2], fb[3]);
+        }
+      }
+      // Mask, decay and scale, then the bf16 exchange tile.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = orow0 + qr + (e >> 1) * 8, c = acol0 + 8 * j + qc + (e & 1);
+          const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r)
+                                     : (c <= r && ci.seg[r] <= c0 + c);
+          A[j][e] = keep ? A[j][e] * a.scale * dec[kReverse ? c - r : r - c] : 0.0f;
+        }
+        const int r = orow0 + qr, c = acol0 + 8 * j + qc;
+        *reinterpret_cast<uint32_t*>(ab + r * L::kAPitch + c) = PackBf16(A[j][0], A[j][1]);
+        *reinterpret_cast<uint32_t*>(ab + (r + 8) * L::kAPitch + c) = PackBf16(A[j][2], A[j][3]);
+      }
+      // Inter-chunk part: diag(rowW) X S.
+#pragma unroll
+      for (int j = 0; j < L::kONT; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < DH / 16; ++ks) {
+        uint32_t fa[4];
+        LoadA(fa, xs, L::kPitch, orow0, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < L::kONT / 2; ++np) {
+          uint32_t fb[4];
+          LoadBKN(fb, sb, L::kPitch, ocol0 + np * 16, ks * 16, lane);
+          Mma(O[2 * np], fa, fb[0], fb[1]);
+          Mma(O[2 * np + 1], fa, fb[2], fb[3]);
+        }
+      }
+      const float w0 = roww[orow0 + qr], w1 = roww[orow0 + qr + 8];
+#pragma unroll
+      for (int j = 0; j < L::kONT; ++j) {
+        O[j][0] *= w0, O[j][1] *= w0, O[j][2] *= w1, O[j][3] *= w1;
+      }
+    }
+    __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
+    if constexpr (!kStateOnly) {
+      if (n + 1 < count) {
+        const int c1 = chunk_of(n + 1) * kChunk;
+        LoadTileAsync<DH>(xs, a.x + c1 * a.x_stride + hoff, a.x_stride, min(kChunk, a.T - c1));
+      }
+      // Intra-chunk part: (masked scores) Z.
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        uint32_t fa[4];
+        LoadA(fa, ab, L::kAPitch, orow0, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < L::kONT / 2; ++np) {
+          uint32_t fb[4];
+          LoadBKN(fb, zs, L::kPitch, ocol0 + np * 16, ks * 16, lane);
+          Mma(O[2 * np], fa, fb[0], fb[1]);
+          Mma(O[2 * np + 1], fa, fb[2], fb[3]);
+        }
+      }
+      bf16* out = a.out + static_cast<int64_t>(c0) * a.out_stride + hoff;
+      const int r0 = orow0 + qr, r1 = r0 + 8;
+#pragma unroll
+      for (int j = 0; j < L::kONT; ++j) {
+        const int c = ocol0 + 8 * j + qc;
+        if (r0 < len) {
+          *reinterpret_cast<uint32_t*>(out + r0 * a.out_stride + c) = PackBf16(O[j][0], O[j][1]);
+        }
+        if (r1 < len) {
+          *reinterpret_cast<uint32_t*>(out + r1 * a.out_stride + c) = PackBf16(O[j][2], O[j][3]);
+        }
+      }
+    }
+    // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
+    if (kStateOnly || n + 1 < count) {
+      const float f = ci.f;
+      f_prod *= f;
+#pragma unroll
+      for (int j = 0; j < L::kSNT; ++j) {
+        S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        uint32_t fa[4];
+        LoadAT(fa, ys, L::kPitch, srow0, ks * 16, lane);
+        // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
+        const int t0 = ks * 16 + qc;
+        const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
+        fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
+        fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
+#pragma unroll
+        for (int np = 0; np < L::kSNT / 2; ++np) {
+          uint32_t fb[4];
+          LoadBKN(fb, zs, L::kPitch, scol0 + np * 16, ks * 16, lane);
+          Mma(S[2 * np], fa, fb[0], fb[1]);
+          Mma(S[2 * np + 1], fa, fb[2], fb[3]);
+        }
+      }
+      if constexpr (!kStateOnly) {
+#pragma unroll
+        for (int j = 0; j < L::kSNT; ++j) {
+          const int r = srow0 + qr, c = scol0 + 8 * j + qc;
+          *reinterpret_cast<uint32_t*>(sb + r * L::kPitch + c) = PackBf16(S[j][0], S[j][1]);
+          *reinterpret_cast<uint32_t*>(sb + (r + 8) * L::kPitch + c) = PackBf16(S[j][2], S[j][3]);
+        }
+      }
+    }
+    if constexpr (!kDoubleBuffer) {
+      __syncthreads();  // B3: every warp is done with Y and Z
+      if (n + 1 < count) {
+        const int c1 = chunk_of(n + 1) * kChunk, len1 = min(kChunk, a.T - c1);
+        LoadTileAsync<DH>(ys0, a.y + c1 * a.y_stride + hoff, a.y_stride, len1);
+        LoadTileAsync<DH>(zs0, a.z + c1 * a.z_stride + hoff, a.z_stride, len1);
+      }
+    }
+  }
+
+  if constexpr (kStateOnly) {
+    float* out = a.U + state_off;
+#pragma unroll
+    for (int j = 0; j < L::kSNT; ++j) {
+      const int r = srow0 + qr, c = scol0 + 8 * j + qc;
+      *reinterpret_cast<float2*>(out + r * DH + c) = make_float2(S[j][0], S[j][1]);
+      *reinterpret_cast<float2*>(out + (r + 8) * DH + c) = make_float2(S[j][2], S[j][3]);
+    }
+    if (threadIdx.x == 0 && a.F != nullptr) a.F[h * a.G + g] = f_prod;
+  }
+}
+
+template <int DH, bool kReverse, bool kStateOnly, bool kDoubleBuffer = false>
+Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
+  using L = SweepLayout<DH, kDoubleBuffer>;
+  constexpr int kSmem = kStateOnly ? L::kStateOnlyBytes : L::kMainBytes;
+  auto* kernel = SweepKernel<DH, kReverse, kStateOnly, kDoubleBuffer>;
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <int DH>
+Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStream_t stream) {
+  if (state_only) {
+    return reverse ? LaunchSweepT<DH, true, true>(a, stream)
+                   : LaunchSweepT<DH, false, true>(a, stream);
+  }
+  if (a.stages == 2) {
+    return reverse ? LaunchSweepT<DH, true, false, true>(a, stream)
+                   : LaunchSweepT<DH, false, false, true>(a, stream);
+  }
+  return reverse ? LaunchSweepT<DH, true, false>(a, stream)
+                 : LaunchSweepT<DH, false, false>(a, stream);
+}
+
+}  // namespace
+
+Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
+                   cudaStream_t stream) {
+  if (dh == 64) return LaunchSweepDh<64>(a, reverse, state_only, stream);
+  if (dh == 128) return LaunchSweepDh<128>(a, reverse, state_only, stream);
+  return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};
+}
+
+}  // namespace spindle::kernels::cuda::internal::lightning
