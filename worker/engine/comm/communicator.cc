@@ -102,7 +102,7 @@ CommHandle Communicator::AllGatherAsync(const void* in, int64_t n, CommType type
                                         CommLayer layer) {
   const int64_t nb = n * CommTypeSize(type);
   return Enqueue(Collective::kAllGather, layer, (size_ - 1) * nb, [=, this]() {
-    if (size_ == 1) {
+    if (size_ == 1 && LocalWhenAlone()) {
       if (nb) std::memmove(out, in, nb);
       return absl::OkStatus();
     }
@@ -114,7 +114,7 @@ CommHandle Communicator::AllToAllAsync(const void* in, int64_t n, CommType type,
                                        CommLayer layer) {
   const int64_t nb = n * CommTypeSize(type);
   return Enqueue(Collective::kAllToAll, layer, (size_ - 1) * nb, [=, this]() {
-    if (size_ == 1) {
+    if (size_ == 1 && LocalWhenAlone()) {
       if (nb) std::memmove(out, in, nb);
       return absl::OkStatus();
     }
@@ -125,14 +125,14 @@ CommHandle Communicator::AllToAllAsync(const void* in, int64_t n, CommType type,
 CommHandle Communicator::AllReduceSumAsync(void* buf, int64_t n, CommType type, CommLayer layer) {
   const int64_t bytes = 2 * (size_ - 1) * n * CommTypeSize(type) / size_;
   return Enqueue(Collective::kAllReduce, layer, bytes, [=, this]() {
-    return size_ == 1 ? absl::OkStatus() : DoAllReduceSum(buf, n, type);
+    return size_ == 1 && LocalWhenAlone() ? absl::OkStatus() : DoAllReduceSum(buf, n, type);
   });
 }
 
 CommHandle Communicator::ReduceScatterSumAsync(const float* in, int64_t n, float* out,
                                                CommLayer layer) {
   return Enqueue(Collective::kReduceScatter, layer, (size_ - 1) * n * 4, [=, this]() {
-    if (size_ == 1) {
+    if (size_ == 1 && LocalWhenAlone()) {
       if (n) std::memmove(out, in, n * 4);
       return absl::OkStatus();
     }
@@ -144,13 +144,13 @@ CommHandle Communicator::BroadcastAsync(void* buf, int64_t n, CommType type, int
                                         CommLayer layer) {
   const int64_t bytes = rank_ == root ? n * CommTypeSize(type) : 0;
   return Enqueue(Collective::kBroadcast, layer, size_ > 1 ? bytes : 0, [=, this]() {
-    return size_ == 1 ? absl::OkStatus() : DoBroadcast(buf, n, type, root);
+    return size_ == 1 && LocalWhenAlone() ? absl::OkStatus() : DoBroadcast(buf, n, type, root);
   });
 }
 
 absl::Status Communicator::Barrier() {
   return Enqueue(Collective::kBarrier, CommLayer::kOther, 0, [this]() {
-           return size_ == 1 ? absl::OkStatus() : DoBarrier();
+           return size_ == 1 && LocalWhenAlone() ? absl::OkStatus() : DoBarrier();
          }).Wait();
 }
 

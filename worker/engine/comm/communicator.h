@@ -119,6 +119,10 @@ class Communicator {
   virtual absl::Status DoReduceScatterSum(const float* in, int64_t n, float* out) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t n, CommType type, int root) = 0;
   virtual absl::Status DoBarrier() = 0;
+  // Whether a group of one is served here without the backend (host memmove for the copying
+  // collectives, nothing for the others). True for host-memory backends; NCCL says false: its
+  // buffers are device memory, and NCCL runs a group of one itself.
+  virtual bool LocalWhenAlone() const { return true; }
 
  private:
   CommHandle Enqueue(Collective c, CommLayer layer, int64_t bytes, std::function<absl::Status()> fn);
