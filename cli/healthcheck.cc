@@ -99,8 +99,7 @@ absl::StatusOr<ServingStatus> CheckGrpcHealth(const GrpcHealthOptions& options) 
   std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options.address, creds);
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   absl::ToChronoMilliseconds(options.timeout));
+  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options.timeout));
   const std::string request_bytes = EncodeHealthCheckRequest(options.service);
   grpc::Slice slice(request_bytes);
   grpc::ByteBuffer request(&slice, 1);
@@ -144,8 +143,7 @@ absl::Status CheckHttpHealth(const std::string& host, int port, const std::strin
   httplib::Result res = client.Get(path);
   const std::string url = absl::StrCat("http://", host, ":", port, path);
   if (!res) {
-    return absl::UnavailableError(
-        absl::StrCat("GET ", url, ": ", httplib::to_string(res.error())));
+    return absl::UnavailableError(absl::StrCat("GET ", url, ": ", httplib::to_string(res.error())));
   }
   if (res->status != 200) {
     return absl::UnavailableError(absl::StrCat("GET ", url, ": HTTP ", res->status));

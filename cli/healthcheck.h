@@ -18,9 +18,9 @@ enum class ServingStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kService
 const char* ServingStatusName(ServingStatus status);
 
 struct GrpcHealthOptions {
-  std::string address;        // host:port
-  std::string service;        // "" asks about the server as a whole
-  std::string tls_ca_pem;     // non-empty: connect with TLS, trusting these roots
+  std::string address;     // host:port
+  std::string service;     // "" asks about the server as a whole
+  std::string tls_ca_pem;  // non-empty: connect with TLS, trusting these roots
   absl::Duration timeout = absl::Seconds(3);
 };
 

@@ -7,7 +7,10 @@
 set -eu
 [ $# -gt 0 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
 libs=$(mktemp)
-trap 'rm -f "$libs"' EXIT
+owners=$(mktemp)
+sorted=$(mktemp)
+found=$(mktemp)
+trap 'rm -f "$libs" "$owners" "$sorted" "$found"' EXIT
 for bin in "$@"; do
   out=$(ldd "$bin") || { echo "runtime-packages: ldd $bin failed" >&2; exit 1; }
   if printf '%s\n' "$out" | grep -q 'not found'; then
@@ -17,16 +20,25 @@ for bin in "$@"; do
   fi
   printf '%s\n' "$out" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' >>"$libs"
 done
-sort -u "$libs" | while read -r lib; do
-  # Merged /usr: dpkg may know the file under /lib or /usr/lib, by its link or its target.
-  real=$(readlink -f "$lib")
+# Merged /usr: dpkg may know a file under /lib or /usr/lib, by its link or its target; ask about
+# every spelling in one dpkg-query call (each call reads the whole package database).
+candidates() {
+  real=$(readlink -f "$1")
+  printf '%s\n' "$1" "$real" "/usr$1" "/usr$real" "${1#/usr}" "${real#/usr}" | sort -u
+}
+sort -u "$libs" >"$sorted"
+while read -r lib; do candidates "$lib"; done <"$sorted" | xargs dpkg-query -S \
+  2>/dev/null | grep -v '^diversion ' >"$owners" || true
+while read -r lib; do
   pkg=""
-  for path in "$lib" "$real" "/usr$lib" "/usr$real" "${lib#/usr}" "${real#/usr}"; do
-    pkg=$(dpkg-query -S "$path" 2>/dev/null | head -n1 | cut -d: -f1) && [ -n "$pkg" ] && break
+  for path in $(candidates "$lib"); do
+    pkg=$(awk -v p="$path" '{ f = $0; sub(/^[^ ]* /, "", f) } f == p { sub(/[:,].*/, "", $1); print $1; exit }' "$owners")
+    [ -n "$pkg" ] && break
   done
   if [ -z "$pkg" ]; then
     echo "runtime-packages: no package owns $lib" >&2
     exit 1
   fi
   echo "$pkg"
-done | sort -u
+done <"$sorted" >"$found"
+sort -u "$found"
