@@ -285,8 +285,12 @@ std::string ProgressLine(const v1::Job& j, bool bar) {
     }
     absl::StrAppendFormat(&s, " step %d/%d (%.0f%%)", j.step(), j.total_steps(), frac * 100);
   }
-  if (j.step() > 0) {
-    absl::StrAppendFormat(&s, " loss %.4f %s tok/s", j.loss(), Rate(j.tokens_per_s()));
+  // A job can be at a step without a loss: a rank that resumed at the last step and exited.
+  bool reported = j.ranks_size() == 0;
+  for (const v1::RankStatus& r : j.ranks()) reported |= r.last_report_unix_ms() > 0;
+  if (j.step() > 0 && reported) {
+    absl::StrAppendFormat(&s, " loss %.4f", j.loss());
+    if (j.tokens_per_s() > 0) absl::StrAppend(&s, " ", Rate(j.tokens_per_s()), " tok/s");
     if (j.state() == v1::JOB_STATE_RUNNING) absl::StrAppend(&s, " ETA ", Duration(j.eta_s()));
   }
   if (j.attempt() > 1) absl::StrAppend(&s, " attempt ", j.attempt());
