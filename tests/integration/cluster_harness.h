@@ -45,7 +45,8 @@ inline int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-inline std::vector<pid_t> ProcessesWithAllArgs(const std::vector<std::string>& args) {
+inline std::vector<pid_t> ProcessesWithAllArgs(const std::vector<std::string>& args,
+                                               const std::string& scope) {
   std::vector<pid_t> out;
   DIR* proc = ::opendir("/proc");
   if (proc == nullptr) return out;
@@ -63,6 +64,11 @@ inline std::vector<pid_t> ProcessesWithAllArgs(const std::vector<std::string>& a
     }
     // `args` are (flag, value) pairs that must appear next to each other.
     bool all = !argv.empty();
+    if (!scope.empty()) {  // some argument must lie under the test's own scratch directory
+      bool in_scope = false;
+      for (const std::string& a : argv) in_scope |= a.find(scope) != std::string::npos;
+      all &= in_scope;
+    }
     for (size_t a = 0; a + 1 < args.size(); a += 2) {
       bool found = false;
       for (size_t v = 0; v + 1 < argv.size(); ++v) {
@@ -85,10 +91,13 @@ inline pid_t ParentPid(pid_t pid) {
   return ppid;
 }
 
-// Pids of live processes whose command line has every (flag, value) pair of `args`,
-// leaving out momentary forks (a process whose parent is also in the set).
-inline std::vector<pid_t> ProcessesWithArgs(const std::vector<std::string>& args) {
-  std::vector<pid_t> all = ProcessesWithAllArgs(args);
+// Pids of live processes whose command line has every (flag, value) pair of `args` and, when
+// `scope` is set, an argument containing it (a test's scratch directory: job ids repeat across
+// clusters that other tests on the machine may be running), leaving out momentary forks (a
+// process whose parent is also in the set).
+inline std::vector<pid_t> ProcessesWithArgs(const std::vector<std::string>& args,
+                                            const std::string& scope = "") {
+  std::vector<pid_t> all = ProcessesWithAllArgs(args, scope);
   std::vector<pid_t> out;
   for (pid_t pid : all) {
     if (std::find(all.begin(), all.end(), ParentPid(pid)) == all.end()) out.push_back(pid);

@@ -142,12 +142,12 @@ TEST_F(ClusterControlPlaneTest, CancelStopsEveryRank) {
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 1; },
                                std::chrono::seconds(20)).has_value());
-  ASSERT_EQ(ProcessesWithArgs({"--job-id", *id}).size(), 2u);
+  ASSERT_EQ(ProcessesWithArgs({"--job-id", *id}, dir_.path()).size(), 2u);
   ASSERT_TRUE(cluster_.Cancel(*id));
   auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(10));
   ASSERT_TRUE(job.has_value());
   EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
-  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id}).empty(); },
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id}, dir_.path()).empty(); },
                       std::chrono::seconds(5)))
       << cluster_.Logs();
 }
@@ -159,7 +159,7 @@ TEST_F(ClusterControlPlaneTest, KilledTrainerRestartsFromCheckpointAndFinishes) 
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 5; },
                                std::chrono::seconds(30)).has_value()) << cluster_.Logs();
-  std::vector<pid_t> rank1 = ProcessesWithArgs({"--job-id", *id, "--rank", "1"});
+  std::vector<pid_t> rank1 = ProcessesWithArgs({"--job-id", *id, "--rank", "1"}, dir_.path());
   std::string seen;
   for (pid_t p : rank1) {
     absl::StrAppend(&seen, p, " ppid ", testing::ParentPid(p), ": ",
@@ -193,10 +193,10 @@ TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
                                   std::chrono::seconds(30));
   ASSERT_TRUE(running.has_value());
   const std::string victim = running->ranks(1).worker_id();
-  const std::vector<pid_t> victim_trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "1"});
+  const std::vector<pid_t> victim_trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "1"}, dir_.path());
   cluster_.KillWorker(victim);
   // The killed daemon's trainer dies with it.
-  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id, "--rank", "1", "--attempt", "1"}).empty(); },
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id, "--rank", "1", "--attempt", "1"}, dir_.path()).empty(); },
                       std::chrono::seconds(5)));
   auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
   ASSERT_TRUE(job.has_value());

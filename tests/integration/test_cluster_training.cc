@@ -70,7 +70,7 @@ TEST_F(ClusterTrainingTest, KilledTrainerResumesFromCheckpointToTheSameFinalStep
   ASSERT_TRUE(mid.has_value());
   ASSERT_GE(mid->last_checkpoint_step(), 25) << ClusterHarness::Events(*mid) << cluster_.Logs();
   if (mid->state() == v1::JOB_STATE_SUCCEEDED) GTEST_SKIP() << "job finished before the kill";
-  std::vector<pid_t> trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "0"});
+  std::vector<pid_t> trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "0"}, dir_.path());
   ASSERT_EQ(trainers.size(), 1u);
   ASSERT_EQ(::kill(trainers[0], SIGKILL), 0);
   auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(180));
