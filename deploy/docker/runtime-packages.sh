@@ -4,6 +4,7 @@
 # binaries and their runtime stages install exactly that list, so a runtime image carries the
 # shared libraries its binaries need and nothing else, on any Debian-based base image.
 # Fails when a library is missing or owned by no package (then the runtime image would break).
+# Libraries of the CUDA toolkit in /usr/local/cuda are left to the CUDA base image.
 set -eu
 [ $# -gt 0 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
 libs=$(mktemp)
@@ -18,7 +19,9 @@ for bin in "$@"; do
     echo "runtime-packages: $bin has unresolved libraries" >&2
     exit 1
   fi
-  printf '%s\n' "$out" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' >>"$libs"
+  # CUDA toolkit libraries (cudart, NCCL, cuBLAS, cuDNN under /usr/local/cuda) come with the
+  # CUDA base image, not from a package; a build without CUDA does not link them at all.
+  printf '%s\n' "$out" | awk '$2 == "=>" && $3 ~ /^\// && $3 !~ /^\/usr\/local\/cuda/ { print $3 }' >>"$libs"
 done
 # Merged /usr: dpkg may know a file under /lib or /usr/lib, by its link or its target; ask about
 # every spelling in one dpkg-query call (each call reads the whole package database).
