@@ -1,11 +1,13 @@
 // Metrics registry, families and the text exposition format 0.0.4. Thread-safety: see metrics.h.
 #include "common/metrics.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <type_traits>
@@ -420,14 +422,20 @@ std::vector<double> LinearBuckets(double start, double width, int count) {
 absl::StatusOr<int64_t> ReadRssBytes(pid_t pid) {
   const std::string path =
       pid == 0 ? std::string("/proc/self/statm") : absl::StrCat("/proc/", pid, "/statm");
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  int64_t size_pages = 0;
-  int64_t resident_pages = 0;
-  if (!(in >> size_pages >> resident_pages)) {
+  // Plain read(2): reading the file of a process that exits meanwhile fails with ESRCH, which
+  // std::filebuf would turn into an exception.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  char buf[256];
+  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  buf[n] = '\0';
+  long long size_pages = 0, resident_pages = 0;
+  if (std::sscanf(buf, "%lld %lld", &size_pages, &resident_pages) != 2) {
     return absl::InternalError(absl::StrCat("cannot parse ", path));
   }
-  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  return static_cast<int64_t>(resident_pages) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 absl::Status UpdateRssGauge(Gauge* gauge) {

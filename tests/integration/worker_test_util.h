@@ -3,6 +3,7 @@
 // Thread-safety: ScratchDir is owned by one test; the free functions are thread-safe.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -49,11 +50,17 @@ inline std::string WriteScript(const ScratchDir& dir, const std::string& name,
   return path;
 }
 
+// The file's contents, or "" when it cannot be read. Plain read(2): a /proc file of a process
+// that exits meanwhile fails with ESRCH, which std::filebuf turns into an exception.
 inline std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return out;
 }
 
 // Polls `cond` every 20 ms until it holds or `timeout` passes; returns its last value.
@@ -70,9 +77,7 @@ inline bool WaitFor(const std::function<bool()>& cond,
 // True while `pid` exists and is not a zombie.
 inline bool ProcessAlive(pid_t pid) {
   if (pid <= 0) return false;
-  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-  if (!in) return false;
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
   const size_t paren = stat.rfind(')');
   if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
   const char state = stat[paren + 2];
