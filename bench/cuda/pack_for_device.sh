@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Packs the CUDA kernel tests and benchmark built here (build-cuda, SPINDLE_KERNELS_ONLY=ON) with
-# the non-system shared libraries they need into .cuda-run/ (listed in .git/info/exclude), for a
-# run on the GPU machine, which lacks OpenBLAS. See kernels/cuda/README.md for the run command.
+# Packs the CUDA tests and benchmarks built here, with the non-system shared libraries they need,
+# into .cuda-run/ (listed in .git/info/exclude) for a run on the GPU machine, which lacks
+# OpenBLAS, Abseil and Gloo. See kernels/cuda/README.md for the run command.
+# Usage: bench/cuda/pack_for_device.sh [build dir, default build-cuda]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+build=${1:-build-cuda}
 out=.cuda-run
 rm -rf "$out" && mkdir -p "$out/lib"
 grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
-for bin in build-cuda/tests/cuda/kernels_cuda_test build-cuda/bench/cuda/bench_kernels_cuda; do
-  strip -o "$out/$(basename "$bin")" "$bin"
+bins=()
+for bin in tests/cuda/kernels_cuda_test tests/cuda/engine_cuda_test bench/cuda/bench_kernels_cuda \
+           bench/cuda/bench_model_cuda worker/spindle-train; do
+  if [ -x "$build/$bin" ]; then
+    strip -o "$out/$(basename "$bin")" "$build/$bin"
+    bins+=("$out/$(basename "$bin")")
+  fi
 done
+[ ${#bins[@]} -gt 0 ] || { echo "pack_for_device: nothing built under $build" >&2; exit 1; }
 # Everything ldd resolves outside libc/libstdc++/libm/libgcc and the CUDA toolkit travels.
-ldd "$out"/kernels_cuda_test "$out"/bench_kernels_cuda | awk '/=> \//{print $3}' | sort -u |
+ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
   grep -Ev '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt)\.so|/usr/local/cuda' |
   while read -r lib; do cp -L "$lib" "$out/lib/"; done
-du -sh "$out" "$out"/lib/*
+du -sh "$out"

@@ -7,7 +7,8 @@
 //
 // Storage: q, k, v, out and their gradients bf16 ([T, H, Dh] views; q, k, v, dq, dk, dv with token
 // stride qkv_stride, out and dout dense); log_decay [H], states [H, Dh, Dh] and their gradients
-// fp32. Dh is 64 or 128. qkv_stride must be a multiple of 8 and pointers 16-byte aligned.
+// fp32. Dh is 64 or 128 (tensor cores), or even and <= 32 (a token-by-token path for small
+// models, lightning_small.cu). qkv_stride must be a multiple of 8 and pointers 16-byte aligned.
 //
 // Algorithm: the sequence is cut into 64-token chunks on a fixed grid (documents may start
 // inside a chunk: masks handle them); a block owns `chunks_per_block` consecutive chunks of one

@@ -28,6 +28,10 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
     }
     return Status::Ok();
   }
+  if (IsSmallHead(Dh))
+    return SmallLightning(q, k, v, log_decay, cu_seqlens, n_segments, carry_in, scale, dims,
+                          dout, d_end_state, nullptr, nullptr, dq, dk, dv, d_carry_in,
+                          /*backward=*/true, stream);
   const Plan plan = MakePlan(dims.T, H, Dh, config);
   SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(dims, config),
                     "LightningBackward: workspace too small");

@@ -264,6 +264,13 @@ struct Plan {
 };
 Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config);
 
+// Small heads (Dh <= 32, even): the token-by-token path of lightning_small.cu.
+bool IsSmallHead(int64_t Dh);
+Status SmallLightning(const void* q, const void* k, const void* v, const float* log_decay,
+                      const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
+                      float scale, const LightningDims& dims, const void* dout,
+                      const float* d_end_state, void* out, float* end_state, void* dq, void* dk,
+                      void* dv, float* d_carry_in, bool backward, cudaStream_t stream);
 Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
                    DType dtype, const char* op);
 

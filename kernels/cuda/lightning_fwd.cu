@@ -95,6 +95,10 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
     }
     return Status::Ok();
   }
+  if (IsSmallHead(Dh))
+    return SmallLightning(q, k, v, log_decay, cu_seqlens, n_segments, carry_in, scale, dims,
+                          nullptr, nullptr, out, end_state, nullptr, nullptr, nullptr, nullptr,
+                          /*backward=*/false, stream);
   const Plan plan = MakePlan(dims.T, H, Dh, config);
   SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(dims, config),
                     "LightningForward: workspace too small");

@@ -88,10 +88,10 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
 Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
                    DType dtype, const char* op) {
   if (dtype != DType::kBFloat16) return UnsupportedDType(dtype, op);
-  if (d.Dh != 64 && d.Dh != 128) {
+  if (d.Dh != 64 && d.Dh != 128 && !IsSmallHead(d.Dh)) {
     return {StatusCode::kUnsupported,
             std::string(op) + ": unsupported head size Dh=" + std::to_string(d.Dh) +
-                " (built for 64 and 128)"};
+                " (built for 64, 128 and even sizes up to 32)"};
   }
   const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };
   if (d.T < 0 || d.H <= 0 || d.qkv_stride % 8 != 0 || misaligned(q) || misaligned(k) ||

@@ -129,4 +129,16 @@ struct AdamWHyper {
 Status AdamWMultiTensor(const AdamWTensor* tensors, int64_t n_tensors, const AdamWHyper& hp,
                         cudaStream_t stream);
 
+// ---- Glue of the model ---------------------------------------------------------------------------
+// out[t, j] = sum_h x[t * token_stride + h * head_stride + j] for j < d (out row stride
+// out_stride): the gradient of a key part shared by all heads (MLA's rotary key).
+Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_stride,
+                int64_t head_stride, void* out, int64_t out_stride, DType dtype,
+                cudaStream_t stream);
+// *out = sum of x[i]^2 (double, fixed order for a given n).
+size_t SquaredNormWorkspaceBytes();
+Status SquaredNorm(const float* x, int64_t n, double* out, Workspace ws, cudaStream_t stream);
+// y[i] = x[i] rounded to dtype (the bf16 copy of fp32 weights).
+Status ConvertFromFloat(const float* x, void* y, int64_t n, DType dtype, cudaStream_t stream);
+
 }  // namespace spindle::kernels::cuda

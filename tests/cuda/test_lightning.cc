@@ -187,6 +187,16 @@ TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
   Compare(Gpu({}), Cpu());
 }
 
+TEST_F(Lightning, SmallHeadsTokenPathMatchesCpu) {
+  // Dh 16 (the tiny preset) and 32 take the token-by-token path: documents, carry-in and the
+  // end-state gradient, padded fused buffer.
+  for (int64_t Dh : {16, 32}) {
+    SCOPED_TRACE("Dh " + std::to_string(Dh));
+    Build({211, 3, Dh, 8, {0, 1, 50, 64, 200, 211}, true, true});
+    Compare(Gpu({}), Cpu());
+  }
+}
+
 TEST_F(Lightning, LongSequenceIsDeterministic) {
   Build({4099, 4, 128, 0, {0, 1000, 1001, 2500, 4099}, true, true});
   const Result a = Gpu({4, 2}), b = Gpu({4, 2});

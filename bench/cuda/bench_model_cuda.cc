@@ -1,0 +1,130 @@
+// Training-step benchmark of the CUDA model (worker/engine/cuda/cuda_model.h): one sequence of T
+// random tokens per step (zero gradients, forward + backward, gradient norm, AdamW), the median of
+// the timed steps after warm-up, printed as a table row per (preset, T, recompute) with tokens/s,
+// model TFLOP/s and memory. Run it beside the peer (bench/cuda/model_vs_peer.sh).
+//
+// Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "worker/engine/batch.h"
+#include "worker/engine/cuda/cuda_model.h"
+
+namespace spindle {
+namespace {
+
+double Gib(int64_t b) { return static_cast<double>(b) / (1 << 30); }
+
+// FLOPs per token of a training step: 6 x GEMM parameters, plus the attention terms the peer's
+// benchmark also counts (causal MLA scores, Lightning intra-chunk and state work).
+double FlopsPerToken(const ModelConfig& c, int64_t T) {
+  const double gemm = static_cast<double>(c.NumParams() - c.vocab * c.d_model - c.d_model);
+  const double H = c.n_heads, Dh = c.head_dim();
+  const double qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
+  const double mla = c.NumLayersOfKind('M') * 3.0 * 2.0 * H * T * (qk + vd) / 2.0;
+  const double la = c.NumLayersOfKind('L') * 3.0 * 2.0 * H * (64.0 * Dh * 2.0 + Dh * Dh * 2.0);
+  return 6.0 * gemm + mla + la;
+}
+
+int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int>& recs,
+        int steps) {
+  auto config = ModelPreset(preset);
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  auto model_or = CudaModel::Create(*config, 1);
+  if (!model_or.ok()) {
+    std::fprintf(stderr, "bench_model_cuda: %s\n", model_or.status().ToString().c_str());
+    return 1;
+  }
+  CudaModel& m = **model_or;
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
+              prop.name, preset.c_str(), config->NumParams() / 1e6);
+  std::printf("| T | recompute | step ms | tokens/s | TFLOP/s | peak act GiB | fixed GiB | "
+              "device used GiB | loss |\n|---|---|---|---|---|---|---|---|---|\n");
+  TrainSpec spec;
+  spec.weight_decay = 0.1;
+  for (int64_t T : Ts) {
+    std::mt19937 gen(7);
+    std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(config->vocab) - 2);
+    std::vector<int32_t> tokens(T);
+    for (auto& t : tokens) t = tok(gen);
+    const Batch b = MakeSequenceBatch(tokens, static_cast<int32_t>(config->vocab) - 1);
+    for (int rec : recs) {
+      m.ResetPeakMemory();
+      std::vector<double> times;
+      double loss = 0;
+      for (int s = 0; s < steps; ++s) {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::Status st = m.ZeroGrads();
+        auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rec != 0);
+        if (!ls.ok()) st = ls.status();
+        if (st.ok()) {
+          auto norm = m.GradSquaredNorm();
+          st = norm.ok() ? m.AdamWStep(spec, 1e-4, 1.0f) : norm.status();
+        }
+        if (st.ok() && cudaStreamSynchronize(m.stream()) != cudaSuccess)
+          st = absl::InternalError("stream sync failed");
+        if (!st.ok()) {
+          std::printf("| %lld | %d | failed: %s |\n", static_cast<long long>(T), rec,
+                      st.ToString().c_str());
+          std::fflush(stdout);
+          break;
+        }
+        times.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        loss = ls->loss_sum / std::max<int64_t>(1, ls->n_valid);
+      }
+      if (static_cast<int>(times.size()) < steps) continue;
+      std::vector<double> timed(times.begin() + std::min(2, steps - 1), times.end());
+      std::sort(timed.begin(), timed.end());
+      const double t = timed[timed.size() / 2];
+      const DeviceMemory mem = m.memory();
+      std::printf("| %lld | %d | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
+                  static_cast<long long>(T), rec, t * 1e3, T / t,
+                  FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated),
+                  Gib(mem.fixed), Gib(mem.device_used), loss);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace spindle
+
+int main(int argc, char** argv) {
+  std::string preset = "1b", rec = "0";
+  std::vector<int64_t> Ts = {8192, 32768};
+  int steps = 6;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--preset") {
+      preset = v;
+    } else if (k == "--T") {
+      Ts.clear();
+      std::stringstream ss(v);
+      for (std::string x; std::getline(ss, x, ',');) Ts.push_back(std::atoll(x.c_str()));
+    } else if (k == "--recompute") {
+      rec = v;
+    } else if (k == "--steps") {
+      steps = std::max(1, std::atoi(v.c_str()));
+    } else {
+      std::fprintf(stderr, "bench_model_cuda: unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  std::vector<int> recs = rec == "both" ? std::vector<int>{0, 1} : std::vector<int>{rec == "1"};
+  return spindle::Run(preset, Ts, recs, steps);
+}

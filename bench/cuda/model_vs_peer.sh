@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: Spindle's training step (bench_model_cuda, preset 1b) and the peer's
+# (ref_model.py: PyTorch + FLA) side by side on the same GPU, at 8K and 32K tokens (the peer eager
+# and with torch.compile at 32K) and at 128K with recompute. Run from the repository root on the GPU
+# machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer carried. Writes the
+# outputs under $OUT when set.
+# Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer]
+set -uo pipefail
+out=${OUT:-/tmp}
+what=${1:-all}
+export LD_LIBRARY_PATH=$PWD/.cuda-run/lib:/usr/local/cuda/lib64
+export PYTHONPATH=$PWD/.peer/fla-src:${PYTHONPATH:-}
+date -u +%Y-%m-%dT%H:%MZ
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+if [ "$what" != peer ]; then
+  echo "== spindle"
+  timeout 240 .cuda-run/bench_model_cuda --preset 1b --T 8192,32768 --recompute 0 2>&1 | tee "$out/spindle_step.txt"
+  timeout 200 .cuda-run/bench_model_cuda --preset 1b --T 131072 --recompute 1 --steps 4 2>&1 | tee -a "$out/spindle_step.txt"
+fi
+if [ "$what" != ours ]; then
+  echo "== peer"
+  for args in "--T 8192" "--T 32768" "--T 32768 --compile" "--T 131072 --ckpt"; do
+    echo "ref_model.py $args"
+    timeout 300 python3 .peer/ref_model.py $args 2>&1 | tail -1 | tee -a "$out/peer_step.txt"
+  done
+fi

@@ -1,0 +1,108 @@
+// Small kernels the model needs between the big ones: the per-head sum of MLA's shared rotary
+// key gradient, a fixed-order squared norm (gradient clipping) and the fp32 -> storage dtype
+// conversion of weights.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace spindle::kernels::cuda {
+namespace {
+
+using internal::FromFloat;
+using internal::ToFloat;
+
+template <typename T>
+__global__ void SumHeadsKernel(const T* x, int64_t T_, int64_t H, int64_t d, int64_t ts,
+                               int64_t hs, T* out, int64_t os) {
+  const int64_t n = T_ * d;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / d, j = i % d;
+    float s = 0.0f;
+    for (int64_t h = 0; h < H; ++h) s += ToFloat(x[t * ts + h * hs + j]);
+    out[t * os + j] = FromFloat<T>(s);
+  }
+}
+
+constexpr int kNormBlocks = 1024;
+constexpr int kNormThreads = 256;
+
+// Block b sums squares of the elements b, b + blocks*threads, ... in a fixed order.
+__global__ void SquaredNormPartialKernel(const float* x, int64_t n, double* partial) {
+  __shared__ double part[kNormThreads];
+  double s = 0.0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kNormThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(kNormBlocks) * kNormThreads) {
+    const double v = x[i];
+    s += v * v;
+  }
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kNormThreads / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = part[0];
+}
+
+__global__ void SumPartialsKernel(const double* partial, double* out) {
+  __shared__ double part[kNormBlocks];
+  part[threadIdx.x] = partial[threadIdx.x];
+  __syncthreads();
+  for (int w = kNormBlocks / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = part[0];
+}
+
+template <typename T>
+__global__ void ConvertKernel(const float* x, T* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = FromFloat<T>(x[i]);
+}
+
+int64_t Blocks(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(internal::CeilDiv(n, 256), 132 * 16)); }
+
+}  // namespace
+
+Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_stride,
+                int64_t head_stride, void* out, int64_t out_stride, DType dtype,
+                cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(T >= 0 && H > 0 && d > 0, "SumHeads: bad sizes");
+  if (T == 0) return Status::Ok();
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SumHeads", {
+    SumHeadsKernel<scalar_t><<<Blocks(T * d), 256, 0, stream>>>(
+        static_cast<const scalar_t*>(x), T, H, d, token_stride, head_stride,
+        static_cast<scalar_t*>(out), out_stride);
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+size_t SquaredNormWorkspaceBytes() { return kNormBlocks * sizeof(double); }
+
+Status SquaredNorm(const float* x, int64_t n, double* out, Workspace ws, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(n >= 0, "SquaredNorm: negative size");
+  SPINDLE_CHECK_ARG(ws.bytes >= SquaredNormWorkspaceBytes(), "SquaredNorm: workspace too small");
+  auto* partial = static_cast<double*>(ws.data);
+  SquaredNormPartialKernel<<<kNormBlocks, kNormThreads, 0, stream>>>(x, n, partial);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  SumPartialsKernel<<<1, kNormBlocks, 0, stream>>>(partial, out);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status ConvertFromFloat(const float* x, void* y, int64_t n, DType dtype, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(n >= 0, "ConvertFromFloat: negative size");
+  if (n == 0) return Status::Ok();
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "ConvertFromFloat", {
+    ConvertKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(x, static_cast<scalar_t*>(y), n);
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace spindle::kernels::cuda

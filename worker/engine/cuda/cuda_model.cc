@@ -1,0 +1,726 @@
+// CudaModel: the hybrid Lightning/MLA model on one GPU (see cuda_model.h). The layer code follows
+// worker/engine/model.cc step for step; the differences are the storage (bf16 activations, fp32
+// master weights and gradients on the device), one [T, 3d] qkv GEMM with the fused q/k norm +
+// RoPE kernel, residual adds folded into the GEMMs (beta = 1), and cuDNN attention for MLA.
+#include "worker/engine/cuda/cuda_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/cuda/allocator.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lightning.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/sdpa.h"
+
+namespace spindle {
+
+namespace kc = kernels::cuda;
+using KDType = kc::DType;
+
+namespace {
+
+constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
+constexpr int64_t kAb = 2;                // bytes per activation element
+
+absl::Status FromKernel(const kc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  switch (s.code()) {
+    case kc::StatusCode::kInvalidArgument:
+      return absl::InvalidArgumentError(s.message());
+    case kc::StatusCode::kUnsupported:
+      return absl::UnimplementedError(s.message());
+    default:
+      return absl::InternalError(s.message());
+  }
+}
+
+absl::Status FromCuda(cudaError_t e, const char* expr) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA: ", expr, ": ", cudaGetErrorString(e)));
+}
+
+#define KC(expr) RETURN_IF_ERROR(FromKernel((expr)))
+#define CUDA(expr) RETURN_IF_ERROR(FromCuda((expr), #expr))
+
+// Element pointer arithmetic on bf16 buffers.
+inline void* At(void* p, int64_t elems) { return static_cast<uint16_t*>(p) + elems; }
+inline const void* At(const void* p, int64_t elems) {
+  return static_cast<const uint16_t*>(p) + elems;
+}
+
+// A block of the caching allocator, grown on demand (contents are not kept when it grows).
+class DevBuf {
+ public:
+  DevBuf() = default;
+  ~DevBuf() { Release(); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+
+  absl::Status Ensure(kc::CachingAllocator* a, int64_t bytes) {
+    if (bytes <= bytes_ && ptr_ != nullptr) return absl::OkStatus();
+    Release();
+    alloc_ = a;
+    void* p = nullptr;
+    KC(a->Allocate(static_cast<size_t>(std::max<int64_t>(bytes, 1)), &p));
+    ptr_ = p;
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void Release() {
+    if (alloc_ && ptr_) (void)alloc_->Free(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* get() const { return ptr_; }
+  float* f32() const { return static_cast<float*>(ptr_); }
+  int32_t* i32() const { return static_cast<int32_t*>(ptr_); }
+
+ private:
+  kc::CachingAllocator* alloc_ = nullptr;
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// One layer's parameter indices (into the host ParamSet) and its decays on the device.
+struct LayerIdx {
+  char kind = 'L';
+  int attn_norm = -1, ffn_norm = -1, w1 = -1, w2 = -1, w3 = -1;
+  int qkv = -1, gate = -1, out = -1, q_norm = -1, k_norm = -1, out_norm = -1;
+  int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
+  float* log_decay = nullptr;  // [H] fp32, device (Lightning)
+};
+
+// Saved activations of one layer (names as in model.cc).
+struct Cache {
+  DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
+  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
+  DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
+};
+
+// Gradient scratch shared by every layer's backward.
+struct Work {
+  DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
+  int64_t ws_bytes = 0;
+};
+
+// The batch on the device.
+struct BatchDev {
+  DevBuf ids, targets, pos, cu;
+  int64_t T = 0;
+  std::vector<int32_t> cu_host;
+  int64_t n_valid = 0;
+};
+
+}  // namespace
+
+struct CudaModel::Impl {
+  ModelConfig c;
+  std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<kc::Blas> blas;
+  std::unique_ptr<kc::Sdpa> sdpa;
+  kc::CachingAllocator alloc;
+  // Fixed device buffers (cudaMalloc): fp32 master, gradients, moments; bf16 working copy.
+  float *p = nullptr, *g = nullptr, *m = nullptr, *v = nullptr;
+  void* w = nullptr;
+  double* scalar = nullptr;  // [2] host-visible results (loss sum, norms)
+  float* log_decays = nullptr;
+  int64_t fixed_bytes = 0;
+  int64_t steps = 0;
+  int embed = -1, final_norm = -1, lm_head = -1;
+  std::vector<LayerIdx> layers;
+  std::vector<std::unique_ptr<Cache>> caches;
+  std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
+  DevBuf hf, rstd_f, dhf, logits, row_loss, dx, dx2;
+  Work W;
+  BatchDev B;
+
+  ~Impl() {
+    caches.clear();
+    layer_in.clear();
+    for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
+    for (DevBuf* b : {&W.dh, &W.da, &W.dg, &W.du, &W.dy, &W.dgate, &W.dqkv, &W.dO, &W.dQ, &W.dK,
+                      &W.dkvb, &W.dc_n, &W.dc, &W.dkva, &W.dqa_n, &W.dqa, &W.ws})
+      b->Release();
+    for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
+    for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
+                    static_cast<void*>(v), w, static_cast<void*>(scalar),
+                    static_cast<void*>(log_decays)})
+      if (q) cudaFree(q);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  ParamSet& P() { return host->params(); }
+  const void* Wb(int i) { return At(w, P().info(i).offset); }
+  float* G(int i) { return g + P().info(i).offset; }
+
+  // ---- GEMMs (row-major; bf16 in, fp32 accumulate) --------------------------------------------
+  // y[T, out] (+)= x[T, in] W[out, in]^T; x rows `ldx` apart.
+  absl::Status Fwd(const void* x, int64_t ldx, const void* Wt, void* y, int64_t T, int64_t in,
+                   int64_t out, bool acc) {
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.M = T, a.N = out, a.K = in, a.beta = acc ? 1.0f : 0.0f;
+    a.A = x, a.lda = ldx, a.B = Wt, a.ldb = in, a.C = y, a.ldc = out;
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
+  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx,
+                   float* dW, int64_t T, int64_t in, int64_t out, bool acc_dx) {
+    if (dx) {
+      kc::GemmArgs a;
+      a.M = T, a.N = in, a.K = out, a.beta = acc_dx ? 1.0f : 0.0f;
+      a.A = dy, a.lda = out, a.B = Wt, a.ldb = in, a.C = dx, a.ldc = in;
+      RETURN_IF_ERROR(FromKernel(blas->Gemm(a, stream)));
+    }
+    kc::GemmArgs b;
+    b.trans_a = true;
+    b.M = out, b.N = in, b.K = T, b.beta = 1.0f;
+    b.A = dy, b.lda = out, b.B = x, b.ldb = ldx, b.C = dW, b.ldc = in;
+    b.c_type = KDType::kFloat32;
+    return FromKernel(blas->Gemm(b, stream));
+  }
+  // dst[rows, width] <- src[rows, width] with row strides (elements).
+  absl::Status Copy2D(void* dst, int64_t dst_stride, const void* src, int64_t src_stride,
+                      int64_t width, int64_t rows) {
+    CUDA(cudaMemcpy2DAsync(dst, dst_stride * kAb, src, src_stride * kAb, width * kAb, rows,
+                           cudaMemcpyDeviceToDevice, stream));
+    return absl::OkStatus();
+  }
+  kc::Workspace Ws() { return {W.ws.get(), static_cast<size_t>(W.ws_bytes)}; }
+  absl::Status Act(DevBuf& b, int64_t rows, int64_t cols) {
+    return b.Ensure(&alloc, rows * cols * kAb);
+  }
+  absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
+
+  absl::Status Upload(const Batch& b);
+  absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
+  absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
+  absl::Status LightningForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
+  absl::Status MlaForward(const LayerIdx& L, Cache& C);
+  absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
+  absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
+  absl::StatusOr<LossStats> Run(const Batch& b, float grad_scale, bool recompute, bool backward);
+};
+
+// ---- Setup -------------------------------------------------------------------------------------
+
+CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaModel::~CudaModel() = default;
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+                                                             uint64_t seed, int device) {
+  auto impl = std::make_unique<Impl>();
+  impl->c = config;
+  impl->device = device;
+  ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed));
+  CUDA(cudaSetDevice(device));
+  CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  KC(kc::Blas::Create(&impl->blas));
+  if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->sdpa));
+  ParamSet& P = impl->P();
+  const int64_t n = P.numel(), H = config.n_heads;
+  for (float** b : {&impl->p, &impl->g, &impl->m, &impl->v}) CUDA(cudaMalloc(b, n * 4));
+  CUDA(cudaMalloc(&impl->w, n * kAb));
+  CUDA(cudaMalloc(&impl->scalar, 2 * sizeof(double)));
+  CUDA(cudaMalloc(&impl->log_decays, std::max<int64_t>(1, config.n_layers * H) * 4));
+  impl->fixed_bytes = n * (16 + kAb);
+  CUDA(cudaMemsetAsync(impl->g, 0, n * 4, impl->stream));
+  CUDA(cudaMemsetAsync(impl->m, 0, n * 4, impl->stream));
+  CUDA(cudaMemsetAsync(impl->v, 0, n * 4, impl->stream));
+
+  auto idx = [&](const std::string& name) { return P.Find(name); };
+  impl->embed = idx("embed.weight");
+  impl->final_norm = idx("final_norm.weight");
+  impl->lm_head = idx("lm_head.weight");
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    LayerIdx L;
+    L.kind = config.LayerKind(i);
+    L.attn_norm = idx(p + "attn_norm.weight");
+    L.ffn_norm = idx(p + "ffn_norm.weight");
+    L.w1 = idx(p + "ffn.w1.weight");
+    L.w2 = idx(p + "ffn.w2.weight");
+    L.w3 = idx(p + "ffn.w3.weight");
+    if (L.kind == 'L') {
+      L.qkv = idx(p + "la.qkv.weight");
+      L.gate = idx(p + "la.gate.weight");
+      L.out = idx(p + "la.out.weight");
+      L.q_norm = idx(p + "la.q_norm.weight");
+      L.k_norm = idx(p + "la.k_norm.weight");
+      L.out_norm = idx(p + "la.out_norm.weight");
+      // The decays of model.cc (Model::Build).
+      std::vector<float> ld(H);
+      for (int64_t h = 0; h < H; ++h) {
+        const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
+        ld[h] = static_cast<float>(
+            -slope * (1.0 - static_cast<double>(i) / config.n_layers + 1e-5));
+      }
+      L.log_decay = impl->log_decays + i * H;
+      CUDA(cudaMemcpy(L.log_decay, ld.data(), H * 4, cudaMemcpyHostToDevice));
+    } else {
+      L.q = idx(p + "mla.q.weight");
+      L.q_a = idx(p + "mla.q_a.weight");
+      L.q_a_norm = idx(p + "mla.q_a_norm.weight");
+      L.q_b = idx(p + "mla.q_b.weight");
+      L.kv_a = idx(p + "mla.kv_a.weight");
+      L.kv_norm = idx(p + "mla.kv_norm.weight");
+      L.kv_b = idx(p + "mla.kv_b.weight");
+      L.mo = idx(p + "mla.out.weight");
+    }
+    impl->layers.push_back(L);
+  }
+  std::unique_ptr<CudaModel> model(new CudaModel(std::move(impl)));
+  RETURN_IF_ERROR(model->UploadParams());
+  return model;
+}
+
+const ModelConfig& CudaModel::config() const { return impl_->c; }
+ParamSet& CudaModel::host_params() { return impl_->P(); }
+cudaStream_t CudaModel::stream() const { return impl_->stream; }
+float* CudaModel::device_params() { return impl_->p; }
+float* CudaModel::device_grads() { return impl_->g; }
+int64_t CudaModel::steps_taken() const { return impl_->steps; }
+
+absl::Status CudaModel::UploadParams() {
+  Impl& I = *impl_;
+  const int64_t n = I.P().numel();
+  CUDA(cudaMemcpyAsync(I.p, I.P().flat_data().f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
+  KC(kc::ConvertFromFloat(I.p, I.w, n, kAct, I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::DownloadParams() {
+  Impl& I = *impl_;
+  CUDA(cudaMemcpyAsync(I.P().flat_data().f32(), I.p, I.P().numel() * 4, cudaMemcpyDeviceToHost,
+                       I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::DownloadGrads() {
+  Impl& I = *impl_;
+  CUDA(cudaMemcpyAsync(I.P().flat_grad().f32(), I.g, I.P().numel() * 4, cudaMemcpyDeviceToHost,
+                       I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::DownloadOptimizerState(Tensor* m, Tensor* v) {
+  Impl& I = *impl_;
+  const int64_t n = I.P().numel();
+  if (m->numel() != n) *m = Tensor({n});
+  if (v->numel() != n) *v = Tensor({n});
+  CUDA(cudaMemcpyAsync(m->f32(), I.m, n * 4, cudaMemcpyDeviceToHost, I.stream));
+  CUDA(cudaMemcpyAsync(v->f32(), I.v, n * 4, cudaMemcpyDeviceToHost, I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
+                                             int64_t steps_taken) {
+  Impl& I = *impl_;
+  const int64_t n = I.P().numel();
+  if (m.numel() != n || v.numel() != n)
+    return absl::InvalidArgumentError(absl::StrCat("optimizer state: expected ", n,
+                                                   " values per moment, got ", m.numel(), " and ",
+                                                   v.numel()));
+  CUDA(cudaMemcpyAsync(I.m, m.f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
+  CUDA(cudaMemcpyAsync(I.v, v.f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  I.steps = steps_taken;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::ZeroGrads() {
+  CUDA(cudaMemsetAsync(impl_->g, 0, impl_->P().numel() * 4, impl_->stream));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> CudaModel::GradSquaredNorm() {
+  Impl& I = *impl_;
+  DevBuf ws;
+  RETURN_IF_ERROR(ws.Ensure(&I.alloc, kc::SquaredNormWorkspaceBytes()));
+  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar,
+                     {ws.get(), kc::SquaredNormWorkspaceBytes()}, I.stream));
+  double out = 0.0;
+  CUDA(cudaMemcpyAsync(&out, I.scalar, sizeof(double), cudaMemcpyDeviceToHost, I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
+  return out;
+}
+
+absl::Status CudaModel::AdamWStep(const TrainSpec& spec, double lr, float grad_scale) {
+  Impl& I = *impl_;
+  ParamSet& P = I.P();
+  std::vector<kc::AdamWTensor> t;
+  for (int i = 0; i < P.size(); ++i) {
+    const ParamInfo& info = P.info(i);
+    const float wd = info.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
+    t.push_back({I.p + info.offset, I.g + info.offset, I.m + info.offset, I.v + info.offset,
+                 At(I.w, info.offset), info.numel, wd});
+  }
+  ++I.steps;
+  kc::AdamWHyper hp{static_cast<float>(lr), static_cast<float>(spec.beta1),
+                    static_cast<float>(spec.beta2), static_cast<float>(spec.eps), I.steps,
+                    grad_scale};
+  KC(kc::AdamWMultiTensor(t.data(), static_cast<int64_t>(t.size()), hp, I.stream));
+  return absl::OkStatus();
+}
+
+DeviceMemory CudaModel::memory() const {
+  const kc::AllocatorStats s = impl_->alloc.Stats();
+  DeviceMemory m;
+  m.allocated = static_cast<int64_t>(s.allocated);
+  m.reserved = static_cast<int64_t>(s.reserved);
+  m.peak_allocated = static_cast<int64_t>(s.peak_allocated);
+  m.fixed = impl_->fixed_bytes;
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+    m.device_used = static_cast<int64_t>(total_b - free_b);
+  return m;
+}
+
+void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
+
+// ---- Batch ---------------------------------------------------------------------------------------
+
+absl::Status CudaModel::Impl::Upload(const Batch& b) {
+  if (b.T < 1) return absl::InvalidArgumentError("cuda model: empty batch");
+  if (b.pieces.size() != 1 || b.pieces[0].begin != 0 || b.pieces[0].len != b.T)
+    return absl::InvalidArgumentError(
+        "cuda model: a batch must be one whole sequence (context parallelism on CUDA is not "
+        "built yet)");
+  for (int32_t id : b.ids)
+    if (id < 0 || id >= c.vocab)
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda model: token id ", id, " outside the vocabulary [0, ", c.vocab, ")"));
+  B.T = b.T;
+  B.cu_host = b.pieces[0].cu_seqlens;
+  B.n_valid = b.NumValidTargets();
+  RETURN_IF_ERROR(B.ids.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.targets.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.pos.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.cu.Ensure(&alloc, static_cast<int64_t>(B.cu_host.size()) * 4));
+  CUDA(cudaMemcpyAsync(B.ids.get(), b.ids.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(B.targets.get(), b.targets.data(), b.T * 4, cudaMemcpyHostToDevice,
+                       stream));
+  CUDA(cudaMemcpyAsync(B.pos.get(), b.pos.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(B.cu.get(), B.cu_host.data(), B.cu_host.size() * 4,
+                       cudaMemcpyHostToDevice, stream));
+  // One workspace for every kernel that needs scratch (they run one after another).
+  const int64_t T = b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t widest = std::max({d, c.mla.kv_lora_rank, std::max<int64_t>(c.mla.q_lora_rank, 1)});
+  const size_t need = std::max(
+      {kc::LightningWorkspaceBytes({T, H, Dh, 3 * d}), kc::RmsNormBackwardWorkspaceBytes(T, widest),
+       kc::QkNormRopeBackwardWorkspaceBytes(T, H, Dh),
+       kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
+       kc::SquaredNormWorkspaceBytes()});
+  RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
+  W.ws_bytes = static_cast<int64_t>(need);
+  return absl::OkStatus();
+}
+
+// ---- Lightning -----------------------------------------------------------------------------------
+
+absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
+  for (DevBuf* b : {&C.qkv_raw, &C.qkv_n}) RETURN_IF_ERROR(Act(*b, T, 3 * d));
+  for (DevBuf* b : {&C.gate, &C.o, &C.y}) RETURN_IF_ERROR(Act(*b, T, d));
+  for (DevBuf* b : {&C.rstd_q, &C.rstd_k, &C.rstd_o}) RETURN_IF_ERROR(F32(*b, T * H));
+  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.qkv), C.qkv_raw.get(), T, d, 3 * d, false));
+  KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(),
+                           C.qkv_n.get(), C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
+                           /*copy_v=*/true, kAct, stream));
+  const void* q = C.qkv_n.get();
+  KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
+                          static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                          1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
+                          C.o.get(), nullptr, kAct, Ws(), stream));
+  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
+  KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
+                              T, H, Dh, eps, kAct, stream));
+  return absl::OkStatus();
+}
+
+// dout: gradient of the block output [T, d]; writes W.dh (gradient of the normed input).
+absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, const void* dout) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const float theta = static_cast<float>(c.rope_theta);
+  for (DevBuf* b : {&W.dy, &W.dgate}) RETURN_IF_ERROR(Act(*b, T, d));
+  RETURN_IF_ERROR(Act(W.dqkv, T, 3 * d));
+  RETURN_IF_ERROR(Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
+  // dy -> d o (in place) and d gate.
+  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(),
+                               W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
+                               kAct, Ws(), stream));
+  const void* q = C.qkv_n.get();
+  void* dq = W.dqkv.get();
+  KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
+                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                           1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
+                           W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct, Ws(),
+                           stream));
+  KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
+                            C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H,
+                            Dh, theta, /*copy_v=*/true, kAct, Ws(), stream));
+  RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.qkv), dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
+  return Bwd(C.h.get(), d, Wb(L.gate), W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
+}
+
+// ---- MLA -----------------------------------------------------------------------------------------
+
+namespace {
+kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t kvw = m.qk_nope_dim + vd;  // one head's row of kv_b's output
+  kc::SdpaDims s;
+  s.T = T, s.H = H, s.Dqk = qk, s.Dv = vd;
+  s.q = {H * qk, qk};
+  s.k = {H * qk, qk};
+  s.v = {H * kvw, kvw};  // a view into kv_b's output, after each head's k_nope
+  s.out = {H * vd, vd};
+  return s;
+}
+}  // namespace
+
+absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
+  RETURN_IF_ERROR(Act(C.Q, T, H * qk));
+  if (m.q_lora_rank > 0) {
+    const int64_t qr = m.q_lora_rank;
+    RETURN_IF_ERROR(Act(C.qa, T, qr));
+    RETURN_IF_ERROR(Act(C.qa_n, T, qr));
+    RETURN_IF_ERROR(F32(C.rstd_qa, T));
+    RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.q_a), C.qa.get(), T, d, qr, false));
+    KC(kc::RmsNormForward(C.qa.get(), Wb(L.q_a_norm), C.qa_n.get(), C.rstd_qa.f32(), T, qr, eps,
+                          kAct, stream));
+    RETURN_IF_ERROR(Fwd(C.qa_n.get(), qr, Wb(L.q_b), C.Q.get(), T, qr, H * qk, false));
+  } else {
+    RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.q), C.Q.get(), T, d, H * qk, false));
+  }
+  KC(kc::RopeApply(At(C.Q.get(), nope), B.pos.i32(), T, H, rd, H * qk, qk, theta, false, kAct,
+                   stream));
+  RETURN_IF_ERROR(Act(C.kva, T, kv + rd));
+  RETURN_IF_ERROR(Act(C.c, T, kv));
+  RETURN_IF_ERROR(Act(C.c_n, T, kv));
+  RETURN_IF_ERROR(F32(C.rstd_c, T));
+  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.kv_a), C.kva.get(), T, d, kv + rd, false));
+  RETURN_IF_ERROR(Copy2D(C.c.get(), kv, C.kva.get(), kv + rd, kv, T));
+  KC(kc::RmsNormForward(C.c.get(), Wb(L.kv_norm), C.c_n.get(), C.rstd_c.f32(), T, kv, eps, kAct,
+                        stream));
+  // The shared rotary key, rotated in place inside kva.
+  KC(kc::RopeApply(At(C.kva.get(), kv), B.pos.i32(), T, 1, rd, kv + rd, rd, theta, false, kAct,
+                   stream));
+  RETURN_IF_ERROR(Act(C.kvb, T, H * (nope + vd)));
+  RETURN_IF_ERROR(Fwd(C.c_n.get(), kv, Wb(L.kv_b), C.kvb.get(), T, kv, H * (nope + vd), false));
+  // K = [k_nope of each head, the shared rotary key].
+  RETURN_IF_ERROR(Act(C.K, T, H * qk));
+  RETURN_IF_ERROR(Copy2D(C.K.get(), qk, C.kvb.get(), nope + vd, nope, T * H));
+  for (int64_t h = 0; h < H; ++h)
+    RETURN_IF_ERROR(Copy2D(At(C.K.get(), h * qk + nope), H * qk, At(C.kva.get(), kv), kv + rd,
+                           rd, T));
+  RETURN_IF_ERROR(Act(C.O, T, H * vd));
+  RETURN_IF_ERROR(F32(C.stats, H * T));
+  const kc::SdpaDims dims = MlaDims(c, T);
+  KC(sdpa->Forward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
+                   B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
+                   1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const void* dout) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank;
+  const float theta = static_cast<float>(c.rope_theta);
+  RETURN_IF_ERROR(Act(W.dO, T, H * vd));
+  RETURN_IF_ERROR(Act(W.dQ, T, H * qk));
+  RETURN_IF_ERROR(Act(W.dK, T, H * qk));
+  RETURN_IF_ERROR(Act(W.dkvb, T, H * (nope + vd)));
+  RETURN_IF_ERROR(Act(W.dkva, T, kv + rd));
+  RETURN_IF_ERROR(Act(W.dc_n, T, kv));
+  RETURN_IF_ERROR(Act(W.dc, T, kv));
+  RETURN_IF_ERROR(Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d,
+                      false));
+  const kc::SdpaDims dims = MlaDims(c, T);
+  KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
+                    W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope), B.cu_host.data(),
+                    static_cast<int64_t>(B.cu_host.size()) - 1,
+                    1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+  // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
+  RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
+  KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd, kAct,
+                  stream));
+  RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T, kv,
+                      H * (nope + vd), false));
+  KC(kc::RmsNormBackward(C.c.get(), Wb(L.kv_norm), C.rstd_c.f32(), W.dc_n.get(), nullptr,
+                         W.dc.get(), G(L.kv_norm), T, kv, kAct, Ws(), stream));
+  RETURN_IF_ERROR(Copy2D(W.dkva.get(), kv + rd, W.dc.get(), kv, kv, T));
+  KC(kc::RopeApply(At(W.dkva.get(), kv), B.pos.i32(), T, 1, rd, kv + rd, rd, theta, true, kAct,
+                   stream));
+  RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.kv_a), W.dkva.get(), W.dh.get(), G(L.kv_a), T, d,
+                      kv + rd, false));
+  KC(kc::RopeApply(At(W.dQ.get(), nope), B.pos.i32(), T, H, rd, H * qk, qk, theta, true, kAct,
+                   stream));
+  if (m.q_lora_rank > 0) {
+    const int64_t qr = m.q_lora_rank;
+    RETURN_IF_ERROR(Act(W.dqa_n, T, qr));
+    RETURN_IF_ERROR(Act(W.dqa, T, qr));
+    RETURN_IF_ERROR(Bwd(C.qa_n.get(), qr, Wb(L.q_b), W.dQ.get(), W.dqa_n.get(), G(L.q_b), T, qr,
+                        H * qk, false));
+    KC(kc::RmsNormBackward(C.qa.get(), Wb(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.get(), nullptr,
+                           W.dqa.get(), G(L.q_a_norm), T, qr, kAct, Ws(), stream));
+    return Bwd(C.h.get(), d, Wb(L.q_a), W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
+  }
+  return Bwd(C.h.get(), d, Wb(L.q), W.dQ.get(), W.dh.get(), G(L.q), T, d, H * qk, true);
+}
+
+// ---- One layer -----------------------------------------------------------------------------------
+
+// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
+absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const void* x_in,
+                                           void* x_out) {
+  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
+  const float eps = static_cast<float>(c.norm_eps);
+  RETURN_IF_ERROR(Act(C.h, T, d));
+  RETURN_IF_ERROR(F32(C.rstd1, T));
+  KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
+                        stream));
+  RETURN_IF_ERROR(Act(C.x_mid, T, d));
+  CUDA(cudaMemcpyAsync(C.x_mid.get(), x_in, T * d * kAb, cudaMemcpyDeviceToDevice, stream));
+  if (L.kind == 'L') {
+    RETURN_IF_ERROR(LightningForward(L, C));
+    RETURN_IF_ERROR(Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true));
+  } else {
+    RETURN_IF_ERROR(MlaForward(L, C));
+    const int64_t hv = c.n_heads * c.mla.v_head_dim;
+    RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true));
+  }
+  RETURN_IF_ERROR(Act(C.h2, T, d));
+  RETURN_IF_ERROR(F32(C.rstd2, T));
+  for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, T, F));
+  KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
+                        stream));
+  RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w1), C.g.get(), T, d, F, false));
+  RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w3), C.u.get(), T, d, F, false));
+  KC(kc::SwiGluForward(C.g.get(), C.u.get(), C.a.get(), T * F, kAct, stream));
+  CUDA(cudaMemcpyAsync(x_out, C.x_mid.get(), T * d * kAb, cudaMemcpyDeviceToDevice, stream));
+  return Fwd(C.a.get(), F, Wb(L.w2), x_out, T, F, d, true);
+}
+
+// dx: in = gradient of x_out, out = gradient of x_in.
+absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const void* x_in,
+                                            void* dx) {
+  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
+  for (DevBuf* b : {&W.da, &W.dg, &W.du}) RETURN_IF_ERROR(Act(*b, T, F));
+  RETURN_IF_ERROR(Act(W.dh, T, d));
+  RETURN_IF_ERROR(Bwd(C.a.get(), F, Wb(L.w2), dx, W.da.get(), G(L.w2), T, F, d, false));
+  KC(kc::SwiGluBackward(C.g.get(), C.u.get(), W.da.get(), W.dg.get(), W.du.get(), T * F, kAct,
+                        stream));
+  RETURN_IF_ERROR(Bwd(C.h2.get(), d, Wb(L.w1), W.dg.get(), W.dh.get(), G(L.w1), T, d, F, false));
+  RETURN_IF_ERROR(Bwd(C.h2.get(), d, Wb(L.w3), W.du.get(), W.dh.get(), G(L.w3), T, d, F, true));
+  // dx = d x_mid = dx + RMSNorm backward of dh.
+  KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
+                         G(L.ffn_norm), T, d, kAct, Ws(), stream));
+  if (L.kind == 'L') {
+    RETURN_IF_ERROR(LightningBackward(L, C, dx));
+  } else {
+    RETURN_IF_ERROR(MlaBackward(L, C, dx));
+  }
+  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx,
+                         G(L.attn_norm), T, d, kAct, Ws(), stream));
+  return absl::OkStatus();
+}
+
+// ---- Whole model ---------------------------------------------------------------------------------
+
+absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad_scale,
+                                                       void* dx) {
+  const int64_t T = B.T, d = c.d_model, V = c.vocab;
+  RETURN_IF_ERROR(Act(hf, T, d));
+  RETURN_IF_ERROR(F32(rstd_f, T));
+  RETURN_IF_ERROR(F32(row_loss, T));
+  KC(kc::RmsNormForward(x, Wb(final_norm), hf.get(), rstd_f.f32(), T, d,
+                        static_cast<float>(c.norm_eps), kAct, stream));
+  // Row blocks of about 64M bf16 logits keep the logits small whatever T is.
+  const int64_t block = std::max<int64_t>(16, std::min<int64_t>(T, (int64_t{1} << 26) / V));
+  RETURN_IF_ERROR(Act(logits, block, V));
+  if (dx) RETURN_IF_ERROR(Act(dhf, T, d));
+  for (int64_t r0 = 0; r0 < T; r0 += block) {
+    const int64_t rows = std::min(block, T - r0);
+    const void* h = At(hf.get(), r0 * d);
+    RETURN_IF_ERROR(Fwd(h, d, Wb(lm_head), logits.get(), rows, d, V, false));
+    KC(kc::CrossEntropy(logits.get(), B.targets.i32() + r0, rows, V, grad_scale,
+                        row_loss.f32() + r0, dx ? logits.get() : nullptr, kAct, stream));
+    if (dx)
+      RETURN_IF_ERROR(Bwd(h, d, Wb(lm_head), logits.get(), At(dhf.get(), r0 * d), G(lm_head),
+                          rows, d, V, false));
+  }
+  KC(kc::SumRows(row_loss.f32(), T, scalar, stream));
+  if (dx)
+    KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx,
+                           G(final_norm), T, d, kAct, Ws(), stream));
+  LossStats s;
+  CUDA(cudaMemcpyAsync(&s.loss_sum, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  s.n_valid = B.n_valid;
+  return s;
+}
+
+absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, float grad_scale, bool recompute,
+                                               bool backward) {
+  RETURN_IF_ERROR(Upload(b));
+  const int64_t T = B.T, d = c.d_model, n = c.n_layers;
+  // Forward only: two residual buffers and one cache. Training: every layer input, and one
+  // cache per layer (or one, refilled per layer, when recomputing).
+  const size_t n_caches = backward && !recompute ? static_cast<size_t>(n) : 1;
+  while (caches.size() < n_caches) caches.push_back(std::make_unique<Cache>());
+  caches.resize(n_caches);
+  const int64_t n_inputs = backward ? n + 1 : 2;
+  if (static_cast<int64_t>(layer_in.size()) != n_inputs) layer_in = std::vector<DevBuf>(n_inputs);
+  for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
+  auto in = [&](int64_t i) { return layer_in[backward ? i : i % 2].get(); };
+  KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
+  for (int64_t i = 0; i < n; ++i)
+    RETURN_IF_ERROR(LayerForward(layers[i], *caches[n_caches == 1 ? 0 : i], in(i), in(i + 1)));
+  if (!backward) return HeadAndLoss(in(n), 0.0f, nullptr);
+  RETURN_IF_ERROR(Act(dx, T, d));
+  ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
+  for (int64_t i = n - 1; i >= 0; --i) {
+    Cache& C = *caches[recompute ? 0 : i];
+    if (recompute) {
+      RETURN_IF_ERROR(Act(dx2, T, d));
+      RETURN_IF_ERROR(LayerForward(layers[i], C, in(i), dx2.get()));
+    }
+    RETURN_IF_ERROR(LayerBackward(layers[i], C, in(i), dx.get()));
+  }
+  KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
+  CUDA(cudaStreamSynchronize(stream));
+  return s;
+}
+
+absl::StatusOr<LossStats> CudaModel::ForwardBackward(const Batch& batch, float grad_scale,
+                                                     bool recompute) {
+  return impl_->Run(batch, grad_scale, recompute, /*backward=*/true);
+}
+
+absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
+  return impl_->Run(batch, 0.0f, false, /*backward=*/false);
+}
+
+}  // namespace spindle

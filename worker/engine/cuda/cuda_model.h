@@ -1,0 +1,95 @@
+// CudaModel: the DESIGN.md section 2 hybrid model (the same layers, parameters and math as
+// worker/engine/model.h) on one GPU, with an explicit forward and backward per layer on the
+// kernels of kernels/cuda: cuBLASLt GEMMs, our Lightning kernels, cuDNN attention for MLA, fused
+// norms, RoPE, SwiGLU, a row-blocked LM head + cross-entropy (fp32 logits never exist for the
+// whole sequence) and a multi-tensor AdamW.
+//
+// Precision: fp32 master weights, gradients and AdamW moments in flat device buffers with the
+// ParamSet layout of the CPU model (so checkpoints are shared with it); a bf16 copy of the
+// weights, refreshed by every optimizer step, feeds the forward. Activations (the residual
+// stream included) are bf16; norm statistics, Lightning states and losses fp32.
+//
+// Initialisation is the CPU model's (same seed, same values), done on the host and uploaded.
+// host_params() is a host mirror of names, shapes and values: Download*/Upload* move values
+// between it and the device (checkpoints, tests).
+//
+// Work runs on one compute stream; the calls that return host values (losses, norms) wait for it.
+// Activation memory comes from a CachingAllocator whose statistics memory() reports. With
+// recompute, only every layer's input is kept and each layer's forward is re-run before its
+// backward. One rank (cp = 1); context parallelism on the GPU is not built yet.
+// Not thread-safe.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+#include "worker/engine/batch.h"
+#include "worker/engine/model.h"
+#include "worker/engine/params.h"
+#include "worker/engine/tensor.h"
+
+namespace spindle {
+
+struct DeviceMemory {
+  int64_t allocated = 0;       // activation bytes handed out now
+  int64_t reserved = 0;        // activation bytes held from the device (allocated + cached)
+  int64_t peak_allocated = 0;  // since creation or ResetPeakMemory()
+  int64_t fixed = 0;           // weights, bf16 copies, gradients, optimizer moments
+  int64_t device_used = 0;     // cudaMemGetInfo: total - free, all users of the device
+};
+
+class CudaModel {
+ public:
+  // Fails (with the CUDA or cuDNN error) when no GPU is usable.
+  static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
+                                                           uint64_t seed, int device = 0);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ModelConfig& config() const;
+  ParamSet& host_params();
+  cudaStream_t stream() const;
+
+  // One whole sequence (no CP). Adds the gradients of grad_scale * sum(token losses) into the
+  // device gradients and returns the loss sum and the number of valid targets.
+  absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale, bool recompute);
+  absl::StatusOr<LossStats> Forward(const Batch& batch);
+
+  absl::Status ZeroGrads();
+  // Sum of squared gradients (fp64, fixed order).
+  absl::StatusOr<double> GradSquaredNorm();
+  // AdamW over every tensor (decay on matrices only, as the CPU optimizer), gradients multiplied
+  // by grad_scale first (clipping, averaging). Increments steps_taken(); refreshes the bf16 copy.
+  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale);
+  int64_t steps_taken() const;
+
+  // Device fp32 buffers in the ParamSet flat layout (numel() floats each), e.g. for NCCL.
+  float* device_params();
+  float* device_grads();
+
+  // host_params() data <-> device master (and bf16 copy); gradients device -> host.
+  absl::Status UploadParams();
+  absl::Status DownloadParams();
+  absl::Status DownloadGrads();
+  // AdamW moments and step count, in the ParamSet flat layout (m, v of numel() floats).
+  absl::Status DownloadOptimizerState(Tensor* m, Tensor* v);
+  absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps_taken);
+
+  DeviceMemory memory() const;
+  void ResetPeakMemory();
+
+  struct Impl;
+
+ private:
+  explicit CudaModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spindle
