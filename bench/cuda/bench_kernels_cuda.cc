@@ -1,12 +1,14 @@
 // Per-kernel timings of the CUDA backend: CUDA events around each launch after warm-up, median
 // of the repetitions, printed as one table with bytes moved, the fraction of the measured device
 // copy bandwidth reached, and TFLOP/s where the kernel is compute-bound. Includes Lightning
-// forward + backward at T=32K, H=16, Dh=128 over several launch configurations.
-// Usage: bench_kernels_cuda [--quick]
+// forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
+// attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
+// Usage: bench_kernels_cuda [--quick] [--sdpa-only]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +21,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sdpa.h"
 
 namespace cu = spindle::kernels::cuda;
 
@@ -107,7 +110,11 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false, sdpa_only = false;
+  for (int i = 1; i < argc; ++i) {
+    quick |= std::strcmp(argv[i], "--quick") == 0;
+    sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
+  }
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
     std::printf("no CUDA device: nothing to benchmark\n");
@@ -134,7 +141,7 @@ int main(int argc, char** argv) {
 
   // ---- Lightning, T=32K H=16 Dh=128 ---------------------------------------------------------------
   for (int64_t T : {int64_t{32768}, int64_t{65536}}) {
-    if (quick && T > 32768) break;
+    if (sdpa_only || (quick && T > 32768)) break;
     const int64_t H = 16, Dh = 128, HD = H * Dh, stride = 3 * HD;
     Buf qkv(T * stride, kBf16, 0.1f), out(T * HD, kBf16), dout(T * HD, kBf16),
         grads(T * stride, kBf16);
@@ -187,6 +194,57 @@ int main(int argc, char** argv) {
       if (quick) break;
     }
   }
+
+  // ---- cuDNN causal attention (MLA core), T=32K H=16 Dqk=192 Dv=128, one document ---------------
+  {
+    const int64_t T = 32768, H = 16, Dqk = 192, Dv = 128;
+    Buf q(T * H * Dqk, kBf16), k(T * H * Dqk, kBf16), v(T * H * Dv, kBf16), o(T * H * Dv, kBf16),
+        dout(T * H * Dv, kBf16), dq(T * H * Dqk, kBf16), dk(T * H * Dqk, kBf16),
+        dv(T * H * Dv, kBf16), stats(T * H, cu::DType::kFloat32);
+    std::unique_ptr<cu::Sdpa> sdpa;
+    Check(cu::Sdpa::Create(&sdpa), "Sdpa::Create");
+    cu::SdpaDims dims;
+    dims.T = T, dims.H = H, dims.Dqk = Dqk, dims.Dv = Dv;  // dense views
+    const int32_t cu_h[2] = {0, static_cast<int32_t>(T)};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+    auto fwd = [&] {
+      Check(sdpa->Forward(q.p, k.p, v.p, o.p, stats.as<float>(), cu_h, 1, scale, dims, kBf16, 0),
+            "Sdpa::Forward");
+    };
+    auto bwd = [&] {
+      Check(sdpa->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p, cu_h,
+                           1, scale, dims, kBf16, 0),
+            "Sdpa::Backward");
+    };
+    // First calls build the plans (heuristics + engine finalize): timed once, on the host.
+    const auto t0 = std::chrono::steady_clock::now();
+    fwd();
+    bwd();
+    CheckCuda(cudaDeviceSynchronize(), "sdpa first calls");
+    const double build_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    // Causal FLOPs: each [T, T] x D matmul counts T^2 D (half of 2 T^2 D). Forward: Q K^T and
+    // P V; backward: S recomputed, dP, dV, dQ, dK.
+    const double tt = static_cast<double>(T) * T * H;
+    const double fwd_flops = tt * (Dqk + Dv), bwd_flops = tt * (3.0 * Dqk + 2.0 * Dv);
+    const double io_fwd = T * H * (2.0 * Dqk + 2.0 * Dv) * 2;
+    const double io_bwd = T * H * (4.0 * Dqk + 6.0 * Dv) * 2;
+    const double tf = TimeMs(fwd, 10, 2), tb = TimeMs(bwd, 10, 2);
+    const double tfb = TimeMs([&] { fwd(); bwd(); }, 10, 2);
+    Row("sdpa cuDNN T=32K H=16 qk192 v128 fwd", tf, io_fwd, fwd_flops);
+    Row("sdpa cuDNN T=32K H=16 qk192 v128 bwd", tb, io_bwd, bwd_flops);
+    Row("sdpa cuDNN T=32K H=16 qk192 v128 fwd+bwd", tfb, io_fwd + io_bwd, fwd_flops + bwd_flops);
+    std::printf("|   sdpa vs PyTorch cuDNN SDPA (peer, H200): fwd %.3f ms = %.2fx of 9.39, "
+                "fwd+bwd %.3f ms = %.2fx of 38.1; first fwd+bwd with plan builds %.0f ms |\n",
+                tf, tf / 9.39, tfb, tfb / 38.1, build_ms);
+    sdpa->SetDeterministic(true);
+    bwd();  // plan build
+    CheckCuda(cudaDeviceSynchronize(), "sdpa deterministic first call");
+    Row("sdpa cuDNN T=32K H=16 qk192 v128 bwd deterministic", TimeMs(bwd, 10, 2), io_bwd,
+        bwd_flops);
+    std::fflush(stdout);
+  }
+  if (sdpa_only) return 0;
 
   // ---- Dense ops at the 1B model's sizes, T = 32K tokens -----------------------------------------------
   const int64_t T = 32768, D = 2048, H = 16, Dh = 128, F = 5632, V = 32000;

@@ -16,6 +16,7 @@ enum class StatusCode {
   kUnsupported,      // a valid value that no kernel is built for (say a head size): dispatch elsewhere
   kCudaError,        // the CUDA runtime reported an error (including out of memory)
   kCublasError,      // cuBLASLt reported an error or found no algorithm
+  kCudnnError,       // cuDNN reported an error or no engine accepted the graph (sdpa.h)
 };
 
 class [[nodiscard]] Status {

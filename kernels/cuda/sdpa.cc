@@ -1,0 +1,1128 @@
+// Causal attention on cuDNN's backend graph API. cuDNN's native SDPA operation has no causal
+// flag in the versions we run (9.14 on the GPU machine), so the graphs here are the decomposed
+// flash-attention graphs that cuDNN's fused attention engine recognizes; the node sequence,
+// virtual-tensor types and strides follow what cudnn_frontend (v1.14 - v1.23) emits for
+// sdpa(causal, generate_stats) and sdpa_backward(causal) on cuDNN 9.10 - 9.20:
+//
+//   forward:  S = Q K^T (fp32) ; S *= scale ; S = select(S, -inf, row >= col) with row, col from
+//             GEN_INDEX ; M = max_j S ; E = exp(S - M) ; Z = sum_j E ; stats = M + log Z ;
+//             P = E / Z (bf16) ; O = P V
+//   backward: Dsum = sum_d dO * O (fp32, kept in the workspace) ; S = Q K^T * scale ;
+//             [padding mask, see below] ; S -= stats ; causal select ; P = exp(S) ;
+//             dV = P^T dO ; dP = dO V^T ; dS = (dP - Dsum) * P * scale ; dK = dS^T Q ;
+//             dQ = dS K into an fp32 accumulator in the workspace, then IDENTITY into dq
+//             (deterministic mode: dQ = dS K written directly, no accumulator)
+//
+// All tensors are [B=1, H, S, D] views: Q [1,H,L,Dqk] with strides (_, head, token, 1); K and V
+// enter transposed ([1,H,D,L], strides (_, head, 1, token)); stats [1,H,L,1] dense. Scalars
+// (scale, -inf, 1) are by-value tensors whose values travel in the variant pack, so the scale is
+// not part of the plan key. cuDNN <= 9.15 needs a padding mask with seq-len tensors (= L) in the
+// backward when L % 128 != 0 (a known bug, worked around the same way by cudnn_frontend); the
+// two int32 lengths live in a small device buffer owned by the plan.
+//
+// Documents: one document is one graph over all T tokens (the fast path). Several documents run
+// one graph per document on sub-views of the caller's buffers (pointer offset by the document's
+// first token, same strides), with plans cached per document length; their stats go through a
+// dense [H, L] staging buffer in the workspace (two strided copies), so every graph sees the
+// stats layout cuDNN is known to accept. A one-token document has out = v, stats = scale q.k,
+// dq = dk = 0, dv = dout: its forward runs the two-token graph on a zero-padded staging copy
+// (the causal mask keeps the padding token out of the first row), its backward is a memset and
+// a copy. Cost of this route: a plan build (heuristics + finalize, tens to hundreds of ms) per
+// new document length and one launch per document.
+//
+// Engines: heuristics mode A, then the fallback list; the first engine config whose execution
+// plan finalizes is kept. If no engine takes a graph, one alternative spelling of it (integer
+// index arithmetic, io-typed K view) is tried before giving up; the error then lists every
+// attempt. SPINDLE_SDPA_LOG=1 prints each plan build (engine, workspace, time, rejections) to
+// stderr.
+#include "kernels/cuda/sdpa.h"
+
+#include <cudnn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace spindle::kernels::cuda {
+namespace {
+
+// ---- errors -----------------------------------------------------------------------------------
+
+std::string LastCudnnMessage() {
+  char buf[2048] = {0};
+  cudnnGetLastErrorString(buf, sizeof(buf));
+  return buf;
+}
+
+Status CudnnStatus(cudnnStatus_t st, const std::string& expr, const char* file, int line) {
+  std::string msg = std::string(cudnnGetErrorString(st)) + " from " + expr + " at " + file + ":" +
+                    std::to_string(line);
+  const std::string detail = LastCudnnMessage();
+  if (!detail.empty()) msg += " (" + detail + ")";
+  return {StatusCode::kCudnnError, msg};
+}
+
+Status Unsupported(const std::string& what) { return {StatusCode::kUnsupported, what}; }
+
+}  // namespace
+}  // namespace spindle::kernels::cuda
+
+// Evaluates a cudnnStatus_t expression; returns a kCudnnError Status naming it, with
+// cudnnGetErrorString and cuDNN's last detailed message, when it is not CUDNN_STATUS_SUCCESS.
+#define SPINDLE_CUDNN_CHECK(expr)                                                              \
+  do {                                                                                         \
+    const cudnnStatus_t spindle_cudnn_st_ = (expr);                                            \
+    if (spindle_cudnn_st_ != CUDNN_STATUS_SUCCESS) {                                           \
+      return ::spindle::kernels::cuda::CudnnStatus(spindle_cudnn_st_, #expr, __FILE__,         \
+                                                   __LINE__);                                  \
+    }                                                                                          \
+  } while (0)
+
+namespace spindle::kernels::cuda {
+namespace {
+
+constexpr int64_t kAlign = 256;
+int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+bool LogEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPINDLE_SDPA_LOG");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }();
+  return on;
+}
+
+// ---- descriptors and the graph builder ------------------------------------------------------------
+
+struct DescDeleter {
+  void operator()(void* d) const {
+    if (d != nullptr) cudnnBackendDestroyDescriptor(static_cast<cudnnBackendDescriptor_t>(d));
+  }
+};
+using DescPtr = std::unique_ptr<void, DescDeleter>;
+
+using Dims = std::vector<int64_t>;
+
+struct TensorRef {
+  cudnnBackendDescriptor_t desc = nullptr;
+  int64_t uid = 0;
+};
+
+// Fixed uids of the tensors the variant pack carries; virtual tensors count up from kUidVirtual.
+enum : int64_t {
+  kUidQ = 1,
+  kUidK,
+  kUidV,
+  kUidO,
+  kUidStats,
+  kUidDO,
+  kUidDQ,
+  kUidDK,
+  kUidDV,
+  kUidDsum,     // workspace: sum_d dO * O, fp32 [1,H,L,1]
+  kUidDqAccum,  // workspace: fp32 dQ accumulator [1,H,L,Dqk]
+  kUidSeqQ,     // plan-owned device int32 (padding workaround)
+  kUidSeqKv,
+  kUidScale,    // by value
+  kUidOne,
+  kUidNegInf,
+  kUidNegInfPad,
+  kUidVirtual = 100,
+};
+
+// Builds backend descriptors, keeping each alive in `keep`. The first failure is recorded with
+// the node and attribute it came from; every later call is then a no-op, so the graph code reads
+// top to bottom without a check per line.
+class GraphBuilder {
+ public:
+  explicit GraphBuilder(std::vector<DescPtr>* keep) : keep_(keep) {}
+
+  const Status& status() const { return status_; }
+  bool ok() const { return status_.ok(); }
+  const std::vector<cudnnBackendDescriptor_t>& ops() const { return ops_; }
+  // Uids of the non-virtual tensors created so far: what the variant pack must carry.
+  const std::vector<int64_t>& io_uids() const { return io_uids_; }
+
+  TensorRef Tensor(const char* name, int64_t uid, const Dims& dims, const Dims& strides,
+                   cudnnDataType_t type, bool is_virtual, bool by_value = false) {
+    TensorRef t;
+    t.uid = uid != 0 ? uid : next_uid_++;
+    cudnnBackendDescriptor_t d = Create(CUDNN_BACKEND_TENSOR_DESCRIPTOR, name);
+    const int64_t alignment = 16;
+    const bool yes = true;
+    Set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type, name,
+        "CUDNN_ATTR_TENSOR_DATA_TYPE");
+    Set(d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, static_cast<int64_t>(dims.size()),
+        dims.data(), name, "CUDNN_ATTR_TENSOR_DIMENSIONS");
+    Set(d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, static_cast<int64_t>(strides.size()),
+        strides.data(), name, "CUDNN_ATTR_TENSOR_STRIDES");
+    Set(d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &t.uid, name,
+        "CUDNN_ATTR_TENSOR_UNIQUE_ID");
+    Set(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment, name,
+        "CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT");
+    if (is_virtual) {
+      Set(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &yes, name,
+          "CUDNN_ATTR_TENSOR_IS_VIRTUAL");
+    }
+    if (by_value) {
+      Set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &yes, name,
+          "CUDNN_ATTR_TENSOR_IS_BY_VALUE");
+    }
+    Finalize(d, name);
+    t.desc = d;
+    if (!is_virtual) io_uids_.push_back(t.uid);
+    return t;
+  }
+
+  TensorRef Virtual(const char* name, const Dims& dims, const Dims& strides, cudnnDataType_t type) {
+    return Tensor(name, 0, dims, strides, type, /*is_virtual=*/true);
+  }
+
+  TensorRef Scalar(const char* name, int64_t uid) {
+    // Rank 4 like every other tensor of the graph (cuDNN rejects rank-mismatched operands).
+    return Tensor(name, uid, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, /*is_virtual=*/false,
+                  /*by_value=*/true);
+  }
+
+  // y = mode(x[, b][, t]); axis only for GEN_INDEX.
+  void Pointwise(const char* name, cudnnPointwiseMode_t mode, cudnnDataType_t compute,
+                 const TensorRef& x, const TensorRef& y, const TensorRef* b = nullptr,
+                 const TensorRef* t = nullptr, int64_t axis = -1) {
+    cudnnBackendDescriptor_t pw = Create(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, name);
+    Set(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, name,
+        "CUDNN_ATTR_POINTWISE_MODE");
+    Set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &compute, name,
+        "CUDNN_ATTR_POINTWISE_MATH_PREC");
+    if (mode == CUDNN_POINTWISE_GEN_INDEX) {
+      Set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, name,
+          "CUDNN_ATTR_POINTWISE_AXIS");
+    }
+    Finalize(pw, name);
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, name);
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &pw,
+        name, "CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR");
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x.desc, name,
+        "CUDNN_ATTR_OPERATION_POINTWISE_XDESC");
+    if (b != nullptr) {
+      Set(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b->desc,
+          name, "CUDNN_ATTR_OPERATION_POINTWISE_BDESC");
+    }
+    if (t != nullptr) {
+      Set(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &t->desc,
+          name, "CUDNN_ATTR_OPERATION_POINTWISE_TDESC");
+    }
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y.desc, name,
+        "CUDNN_ATTR_OPERATION_POINTWISE_YDESC");
+    const float one = 1.0f;
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &one, name,
+        "CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1");
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &one, name,
+        "CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2");
+    Finalize(op, name);
+    AddOp(op);
+  }
+
+  void Reduce(const char* name, cudnnReduceTensorOp_t mode, const TensorRef& x,
+              const TensorRef& y) {
+    cudnnBackendDescriptor_t r = Create(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, name);
+    const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+    Set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute, name,
+        "CUDNN_ATTR_REDUCTION_COMP_TYPE");
+    Set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, name,
+        "CUDNN_ATTR_REDUCTION_OPERATOR");
+    Finalize(r, name);
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, name);
+    Set(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &r, name,
+        "CUDNN_ATTR_OPERATION_REDUCTION_DESC");
+    Set(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x.desc, name,
+        "CUDNN_ATTR_OPERATION_REDUCTION_XDESC");
+    Set(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y.desc, name,
+        "CUDNN_ATTR_OPERATION_REDUCTION_YDESC");
+    Finalize(op, name);
+    AddOp(op);
+  }
+
+  // c = a b over the last two dimensions; optional per-batch M/N/K overrides (int32 tensors).
+  void Matmul(const char* name, const TensorRef& a, const TensorRef& b, const TensorRef& c,
+              const TensorRef* m_override = nullptr, const TensorRef* n_override = nullptr,
+              const TensorRef* k_override = nullptr) {
+    cudnnBackendDescriptor_t mm = Create(CUDNN_BACKEND_MATMUL_DESCRIPTOR, name);
+    const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+    Set(mm, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute, name,
+        "CUDNN_ATTR_MATMUL_COMP_TYPE");
+    Finalize(mm, name);
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, name);
+    Set(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &a.desc, name,
+        "CUDNN_ATTR_OPERATION_MATMUL_ADESC");
+    Set(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b.desc, name,
+        "CUDNN_ATTR_OPERATION_MATMUL_BDESC");
+    Set(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &c.desc, name,
+        "CUDNN_ATTR_OPERATION_MATMUL_CDESC");
+    Set(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &mm, name,
+        "CUDNN_ATTR_OPERATION_MATMUL_DESC");
+    if (m_override != nullptr) {
+      Set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+          &m_override->desc, name, "CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC");
+    }
+    if (n_override != nullptr) {
+      Set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+          &n_override->desc, name, "CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC");
+    }
+    if (k_override != nullptr) {
+      Set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+          &k_override->desc, name, "CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC");
+    }
+    Finalize(op, name);
+    AddOp(op);
+  }
+
+  // A view of x with y's dims and strides (no data movement).
+  void Reshape(const char* name, const TensorRef& x, const TensorRef& y) {
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, name);
+    Set(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x.desc, name,
+        "CUDNN_ATTR_OPERATION_RESHAPE_XDESC");
+    Set(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y.desc, name,
+        "CUDNN_ATTR_OPERATION_RESHAPE_YDESC");
+    Finalize(op, name);
+    AddOp(op);
+  }
+
+  cudnnBackendDescriptor_t Create(cudnnBackendDescriptorType_t type, const char* node) {
+    if (!ok()) return nullptr;
+    cudnnBackendDescriptor_t d = nullptr;
+    const cudnnStatus_t st = cudnnBackendCreateDescriptor(type, &d);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      Fail(st, std::string("cudnnBackendCreateDescriptor(") + std::to_string(type) + ") for '" +
+                   node + "'");
+      return nullptr;
+    }
+    keep_->emplace_back(d);
+    return d;
+  }
+
+  void Set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t attr,
+           cudnnBackendAttributeType_t type, int64_t n, const void* value, const char* node,
+           const char* attr_name) {
+    if (!ok()) return;
+    const cudnnStatus_t st = cudnnBackendSetAttribute(d, attr, type, n, value);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      Fail(st, std::string("cudnnBackendSetAttribute(") + attr_name + ") for '" + node + "'");
+    }
+  }
+
+  void Finalize(cudnnBackendDescriptor_t d, const char* node) {
+    if (!ok()) return;
+    const cudnnStatus_t st = cudnnBackendFinalize(d);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      Fail(st, std::string("cudnnBackendFinalize for '") + node + "'");
+    }
+  }
+
+ private:
+  void AddOp(cudnnBackendDescriptor_t op) {
+    if (ok()) ops_.push_back(op);
+  }
+  void Fail(cudnnStatus_t st, const std::string& what) {
+    std::string msg = std::string(cudnnGetErrorString(st)) + " from " + what;
+    const std::string detail = LastCudnnMessage();
+    if (!detail.empty()) msg += " (" + detail + ")";
+    status_ = Status(StatusCode::kCudnnError, msg);
+  }
+
+  std::vector<DescPtr>* keep_;
+  std::vector<cudnnBackendDescriptor_t> ops_;
+  std::vector<int64_t> io_uids_;
+  int64_t next_uid_ = kUidVirtual;
+  Status status_;
+};
+
+// ---- the two graphs ----------------------------------------------------------------------------
+
+// One graph: direction, sizes and views. L is the sequence (document) length.
+struct GraphSpec {
+  bool backward = false;
+  int64_t L = 0, H = 0, Dqk = 0, Dv = 0;
+  SdpaView q, k, v, o;
+  cudnnDataType_t io = CUDNN_DATA_BFLOAT16;
+  bool deterministic = false;  // backward only
+  bool padding_workaround = false;  // backward only: seq-len padding mask (cuDNN <= 9.15)
+  int variant = 0;  // 0: cudnn_frontend's spelling; 1: the alternative tried when 0 finds no engine
+
+  std::vector<int64_t> Key() const {
+    return {backward,       L,          H,          Dqk,        Dv,
+            q.token_stride, q.head_stride, k.token_stride, k.head_stride, v.token_stride,
+            v.head_stride,  o.token_stride, o.head_stride, static_cast<int64_t>(io),
+            deterministic};
+  }
+};
+
+// Batch stride of a [1, H, L, D] view (one batch: any value past the last element works).
+int64_t BatchStride(const SdpaView& v, int64_t H, int64_t L, int64_t D) {
+  return std::max({L * v.token_stride, H * v.head_stride, D});
+}
+
+// What a finished plan needs at execution time.
+struct Plan {
+  std::vector<DescPtr> keep;  // tensors, operations, graph, engine config, plan
+  cudnnBackendDescriptor_t plan = nullptr;
+  std::vector<int64_t> uids;  // non-virtual tensors of the graph (variant pack order)
+  int64_t engine_ws = 0;      // cuDNN's workspace, at offset 0 of the plan's region
+  int64_t dsum_offset = -1;   // backward: fp32 [H, L] row sums
+  int64_t dq_accum_offset = -1;  // backward, non-deterministic: fp32 [H, L, Dqk]
+  int64_t region_bytes = 0;   // engine workspace + the buffers above
+  int32_t* seqlen_dev = nullptr;  // {L, L} for the padding workaround
+  int64_t engine_index = -1;
+  ~Plan() {
+    keep.clear();
+    if (seqlen_dev != nullptr) cudaFree(seqlen_dev);
+  }
+};
+
+void BuildForward(const GraphSpec& s, GraphBuilder& g) {
+  const int64_t L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const cudnnDataType_t F = CUDNN_DATA_FLOAT;
+  // Index arithmetic: cudnn_frontend leaves GEN_INDEX at the graph's fp32 compute type.
+  const cudnnDataType_t index_compute = s.variant == 0 ? F : CUDNN_DATA_INT32;
+  const TensorRef Q = g.Tensor("Q", kUidQ, {1, H, L, Dqk},
+                               {BatchStride(s.q, H, L, Dqk), s.q.head_stride, s.q.token_stride, 1},
+                               s.io, false);
+  const TensorRef Kt = g.Tensor("K^T", kUidK, {1, H, Dqk, L},
+                                {BatchStride(s.k, H, L, Dqk), s.k.head_stride, 1, s.k.token_stride},
+                                s.io, false);
+  const TensorRef V = g.Tensor("V", kUidV, {1, H, L, Dv},
+                               {BatchStride(s.v, H, L, Dv), s.v.head_stride, s.v.token_stride, 1},
+                               s.io, false);
+  const TensorRef O = g.Tensor("O", kUidO, {1, H, L, Dv},
+                               {BatchStride(s.o, H, L, Dv), s.o.head_stride, s.o.token_stride, 1},
+                               s.io, false);
+  const Dims rows = {1, H, L, 1}, rows_st = {H * L, L, 1, 1};
+  const Dims sq = {1, H, L, L}, sq_st = {H * L * L, L * L, L, 1};
+  const TensorRef stats = g.Tensor("stats", kUidStats, rows, rows_st, F, false);
+  const TensorRef scale = g.Scalar("attn_scale", kUidScale);
+  const TensorRef neg_inf = g.Scalar("-inf", kUidNegInf);
+
+  const TensorRef S = g.Virtual("S", sq, sq_st, F);
+  g.Matmul("bmm1 Q K^T", Q, Kt, S);
+  const TensorRef S1 = g.Virtual("S*scale", sq, sq_st, F);
+  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &scale);
+  const TensorRef row = g.Virtual("row index", sq, sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_row_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S1, row, nullptr, nullptr,
+              2);
+  const TensorRef col = g.Virtual("col index", sq, sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S1, col, nullptr, nullptr,
+              3);
+  const TensorRef keep = g.Virtual("row>=col", sq, sq_st, CUDNN_DATA_BOOLEAN);
+  g.Pointwise("causal row>=col", CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, keep, &col);
+  const TensorRef S2 = g.Virtual("masked S", sq, sq_st, F);
+  g.Pointwise("causal select", CUDNN_POINTWISE_BINARY_SELECT, F, S1, S2, &neg_inf, &keep);
+  const TensorRef M = g.Virtual("row max", rows, rows_st, F);
+  g.Reduce("row max", CUDNN_REDUCE_TENSOR_MAX, S2, M);
+  const TensorRef S3 = g.Virtual("S-max", sq, sq_st, F);
+  g.Pointwise("sub max", CUDNN_POINTWISE_SUB, F, S2, S3, &M);
+  const TensorRef E = g.Virtual("exp", sq, sq_st, F);
+  g.Pointwise("exp", CUDNN_POINTWISE_EXP, F, S3, E);
+  const TensorRef Z = g.Virtual("sum exp", rows, rows_st, F);
+  g.Reduce("sum exp", CUDNN_REDUCE_TENSOR_ADD, E, Z);
+  const TensorRef logZ = g.Virtual("log sum exp", rows, rows_st, F);
+  g.Pointwise("log", CUDNN_POINTWISE_LOG, F, Z, logZ);
+  g.Pointwise("stats = max + log", CUDNN_POINTWISE_ADD, F, M, stats, &logZ);
+  const TensorRef P = g.Virtual("P", sq, sq_st, s.io);
+  g.Pointwise("div", CUDNN_POINTWISE_DIV, F, E, P, &Z);
+  g.Matmul("bmm2 P V", P, V, O);
+}
+
+void BuildBackward(const GraphSpec& s, GraphBuilder& g) {
+  const int64_t L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const cudnnDataType_t F = CUDNN_DATA_FLOAT;
+  const cudnnDataType_t index_compute = s.variant == 0 ? F : CUDNN_DATA_INT32;
+  const Dims qd = {1, H, L, Dqk}, vd = {1, H, L, Dv};
+  const Dims q_st = {BatchStride(s.q, H, L, Dqk), s.q.head_stride, s.q.token_stride, 1};
+  const Dims k_st = {BatchStride(s.k, H, L, Dqk), s.k.head_stride, s.k.token_stride, 1};
+  const Dims v_st = {BatchStride(s.v, H, L, Dv), s.v.head_stride, s.v.token_stride, 1};
+  const Dims o_st = {BatchStride(s.o, H, L, Dv), s.o.head_stride, s.o.token_stride, 1};
+  const TensorRef Q = g.Tensor("Q", kUidQ, qd, q_st, s.io, false);
+  const TensorRef Kt = g.Tensor("K^T", kUidK, {1, H, Dqk, L}, {k_st[0], k_st[1], 1, k_st[2]}, s.io,
+                                false);
+  const TensorRef Vt = g.Tensor("V^T", kUidV, {1, H, Dv, L}, {v_st[0], v_st[1], 1, v_st[2]}, s.io,
+                                false);
+  const TensorRef O = g.Tensor("O", kUidO, vd, o_st, s.io, false);
+  const TensorRef dO = g.Tensor("dO", kUidDO, vd, o_st, s.io, false);
+  const TensorRef dQ = g.Tensor("dQ", kUidDQ, qd, q_st, s.io, false);
+  const TensorRef dK = g.Tensor("dK", kUidDK, qd, k_st, s.io, false);
+  const TensorRef dV = g.Tensor("dV", kUidDV, vd, v_st, s.io, false);
+  const Dims rows = {1, H, L, 1}, rows_st = {H * L, L, 1, 1};
+  const Dims sq = {1, H, L, L}, sq_st = {H * L * L, L * L, L, 1};
+  const Dims sq_t_st = {H * L * L, L * L, 1, L};  // the transposed view of an [L, L] score
+  const TensorRef stats = g.Tensor("stats", kUidStats, rows, rows_st, F, false);
+  const TensorRef scale = g.Scalar("attn_scale", kUidScale);
+  const TensorRef one = g.Scalar("one", kUidOne);
+  const TensorRef neg_inf = g.Scalar("-inf", kUidNegInf);
+  TensorRef seq_q, seq_kv, neg_inf_pad;
+  const TensorRef *mq = nullptr, *mkv = nullptr;
+  if (s.padding_workaround) {
+    seq_q = g.Tensor("seq_len_q", kUidSeqQ, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
+    seq_kv = g.Tensor("seq_len_kv", kUidSeqKv, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
+    neg_inf_pad = g.Scalar("-inf (padding)", kUidNegInfPad);
+    mq = &seq_q;
+    mkv = &seq_kv;
+  }
+
+  // Dsum = sum_d dO * O (times the inverse dropout scale, 1 here), kept in the workspace.
+  const TensorRef dOO = g.Virtual("dO*O", vd, {H * L * Dv, L * Dv, H * Dv, 1}, F);
+  g.Pointwise("mul dO O", CUDNN_POINTWISE_MUL, F, dO, dOO, &O);
+  const TensorRef rowsum = g.Virtual("sum dO*O", rows, rows_st, F);
+  g.Reduce("sum dO*O", CUDNN_REDUCE_TENSOR_ADD, dOO, rowsum);
+  const TensorRef dsum = g.Tensor("Dsum", kUidDsum, rows, rows_st, F, false);
+  g.Pointwise("scale dropout inv", CUDNN_POINTWISE_MUL, F, rowsum, dsum, &one);
+
+  // P recomputed from the saved stats.
+  const TensorRef S = g.Virtual("S", sq, sq_st, F);
+  g.Matmul("Q K^T", Q, Kt, S, mq, mkv);
+  TensorRef S1 = g.Virtual("S*scale", sq, sq_st, F);
+  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &scale);
+  if (s.padding_workaround) {
+    const TensorRef prow = g.Virtual("padding row index", sq, sq_st, CUDNN_DATA_INT32);
+    g.Pointwise("gen_row_idx_padding", CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, S1, prow,
+                nullptr, nullptr, 2);
+    const TensorRef pcol = g.Virtual("padding col index", sq, sq_st, CUDNN_DATA_INT32);
+    g.Pointwise("gen_col_idx_padding", CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, S1, pcol,
+                nullptr, nullptr, 3);
+    const TensorRef rin = g.Virtual("row<seq_q", sq, sq_st, CUDNN_DATA_BOOLEAN);
+    g.Pointwise("lt_row_sq_padding", CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, prow, rin,
+                &seq_q);
+    const TensorRef cin = g.Virtual("col<seq_kv", sq, sq_st, CUDNN_DATA_BOOLEAN);
+    g.Pointwise("lt_col_skv_padding", CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, pcol, cin,
+                &seq_kv);
+    const TensorRef inside = g.Virtual("inside", sq, sq_st, CUDNN_DATA_BOOLEAN);
+    g.Pointwise("and_row_col_padding", CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, rin,
+                inside, &cin);
+    const TensorRef padded = g.Virtual("padding-masked S", sq, sq_st, F);
+    g.Pointwise("select_padding", CUDNN_POINTWISE_BINARY_SELECT, F, S1, padded, &neg_inf_pad,
+                &inside);
+    S1 = padded;
+  }
+  const TensorRef S2 = g.Virtual("S-stats", sq, sq_st, F);
+  g.Pointwise("sub stats", CUDNN_POINTWISE_SUB, F, S1, S2, &stats);
+  const TensorRef row = g.Virtual("row index", sq, sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_row_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S2, row, nullptr, nullptr,
+              2);
+  const TensorRef col = g.Virtual("col index", sq, sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S2, col, nullptr, nullptr,
+              3);
+  const TensorRef keep = g.Virtual("row>=col", sq, sq_st, CUDNN_DATA_BOOLEAN);
+  g.Pointwise("causal row>=col", CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, keep, &col);
+  const TensorRef S3 = g.Virtual("masked S-stats", sq, sq_st, F);
+  g.Pointwise("causal select", CUDNN_POINTWISE_BINARY_SELECT, F, S2, S3, &neg_inf, &keep);
+  const TensorRef P = g.Virtual("P", sq, sq_st, F);
+  g.Pointwise("exp", CUDNN_POINTWISE_EXP, F, S3, P);
+
+  // dV = P^T dO
+  const TensorRef Pt = g.Virtual("P^T", sq, sq_t_st, s.io);
+  g.Reshape("reshape P", P, Pt);
+  g.Matmul("P^T dO", Pt, dO, dV, mkv, nullptr, mq);
+
+  // dS = (dO V^T - Dsum) * P * scale
+  const TensorRef dP = g.Virtual("dP", sq, sq_st, F);
+  g.Matmul("dO V^T", dO, Vt, dP, mq, mkv);
+  const TensorRef dP1 = g.Virtual("dP-Dsum", sq, sq_st, F);
+  g.Pointwise("sub Dsum", CUDNN_POINTWISE_SUB, F, dP, dP1, &dsum);
+  const TensorRef dP2 = g.Virtual("(dP-Dsum)*P", sq, sq_st, F);
+  g.Pointwise("mul P", CUDNN_POINTWISE_MUL, F, dP1, dP2, &P);
+  const TensorRef dS = g.Virtual("dS", sq, sq_st, F);
+  g.Pointwise("dS attn_scale", CUDNN_POINTWISE_MUL, F, dP2, dS, &scale);
+
+  // dK = dS^T Q
+  const TensorRef dSt = g.Virtual("dS^T", sq, sq_t_st, s.io);
+  g.Reshape("reshape dS", dS, dSt);
+  g.Matmul("dS^T Q", dSt, Q, dK, mkv, nullptr, mq);
+
+  // dQ = dS K
+  const TensorRef Kv = g.Virtual("K", qd, k_st, s.variant == 0 ? F : s.io);
+  g.Reshape("reshape K", Kt, Kv);
+  if (s.deterministic) {
+    g.Matmul("dS K", dS, Kv, dQ, mq, nullptr, mkv);
+  } else {
+    const TensorRef acc = g.Tensor("dQ accumulator", kUidDqAccum, qd,
+                                   {H * L * Dqk, L * Dqk, Dqk, 1}, F, false);
+    g.Matmul("dS K", dS, Kv, acc, mq, nullptr, mkv);
+    g.Pointwise("identity dQ", CUDNN_POINTWISE_IDENTITY, F, acc, dQ);
+  }
+}
+
+// Engine global index of an engine config (for the log), -1 when it cannot be read.
+int64_t EngineIndex(cudnnBackendDescriptor_t cfg) {
+  cudnnBackendDescriptor_t engine = nullptr;
+  if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &engine) !=
+      CUDNN_STATUS_SUCCESS) {
+    return -1;
+  }
+  int64_t n = 0, index = -1;
+  if (cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                               &n, &engine) != CUDNN_STATUS_SUCCESS ||
+      cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n,
+                               &index) != CUDNN_STATUS_SUCCESS) {
+    index = -1;
+  }
+  cudnnBackendDestroyDescriptor(engine);
+  return index;
+}
+
+std::string Describe(const GraphSpec& s) {
+  return std::string(s.backward ? "backward" : "forward") + " L=" + std::to_string(s.L) +
+         " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
+         " Dv=" + std::to_string(s.Dv) + (s.deterministic ? " deterministic" : "") +
+         (s.padding_workaround ? " +padding-mask" : "") + " variant " + std::to_string(s.variant);
+}
+
+// Builds the graph of `s`, asks the heuristics for engine configs and keeps the first one whose
+// execution plan finalizes. On failure the Status lists what was tried.
+Status BuildPlan(cudnnHandle_t handle, const GraphSpec& s, std::unique_ptr<Plan>* out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  (void)LastCudnnMessage();  // drop any stale message
+  auto plan = std::make_unique<Plan>();
+  GraphBuilder g(&plan->keep);
+  if (s.backward) {
+    BuildBackward(s, g);
+  } else {
+    BuildForward(s, g);
+  }
+  SPINDLE_RETURN_IF_ERROR(g.status());
+
+  cudnnBackendDescriptor_t graph = g.Create(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "graph");
+  g.Set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "graph",
+        "CUDNN_ATTR_OPERATIONGRAPH_HANDLE");
+  g.Set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        static_cast<int64_t>(g.ops().size()), g.ops().data(), "graph",
+        "CUDNN_ATTR_OPERATIONGRAPH_OPS");
+  g.Finalize(graph, "operation graph");
+  SPINDLE_RETURN_IF_ERROR(g.status());
+
+  std::string tried;
+  for (const cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    const char* mode_name = mode == CUDNN_HEUR_MODE_A ? "heuristics A" : "fallback list";
+    std::vector<DescPtr> heur_keep;
+    GraphBuilder h(&heur_keep);
+    cudnnBackendDescriptor_t heur = h.Create(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, mode_name);
+    h.Set(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph,
+          mode_name, "CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH");
+    h.Set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, mode_name,
+          "CUDNN_ATTR_ENGINEHEUR_MODE");
+    h.Finalize(heur, mode_name);
+    int64_t count = 0;
+    if (h.ok()) {
+      const cudnnStatus_t st = cudnnBackendGetAttribute(
+          heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr);
+      if (st != CUDNN_STATUS_SUCCESS) {
+        tried += std::string("; ") + mode_name + ": result count: " + cudnnGetErrorString(st) +
+                 " " + LastCudnnMessage();
+        continue;
+      }
+    } else {
+      tried += std::string("; ") + mode_name + ": " + h.status().message();
+      continue;
+    }
+    if (count <= 0) {
+      tried += std::string("; ") + mode_name + ": no engine configs";
+      continue;
+    }
+    std::vector<cudnnBackendDescriptor_t> cfgs(count, nullptr);
+    for (auto& c : cfgs) c = h.Create(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine config");
+    SPINDLE_RETURN_IF_ERROR(h.status());
+    int64_t got = 0;
+    SPINDLE_CUDNN_CHECK(cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got,
+                                                 cfgs.data()));
+    for (int64_t i = 0; i < got; ++i) {
+      cudnnBackendDescriptor_t exec = nullptr;
+      SPINDLE_CUDNN_CHECK(
+          cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &exec));
+      DescPtr exec_owner(exec);
+      cudnnStatus_t st = cudnnBackendSetAttribute(exec, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                                                  CUDNN_TYPE_HANDLE, 1, &handle);
+      if (st == CUDNN_STATUS_SUCCESS) {
+        st = cudnnBackendSetAttribute(exec, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                      CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfgs[i]);
+      }
+      if (st == CUDNN_STATUS_SUCCESS) st = cudnnBackendFinalize(exec);
+      const int64_t engine = EngineIndex(cfgs[i]);
+      if (st != CUDNN_STATUS_SUCCESS) {
+        const std::string why = LastCudnnMessage();
+        tried += std::string("; ") + mode_name + " config " + std::to_string(i) + " (engine " +
+                 std::to_string(engine) + "): " + cudnnGetErrorString(st) +
+                 (why.empty() ? "" : " " + why);
+        continue;
+      }
+      int64_t ws = 0, n = 0;
+      SPINDLE_CUDNN_CHECK(cudnnBackendGetAttribute(exec, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                                   CUDNN_TYPE_INT64, 1, &n, &ws));
+      plan->plan = exec;
+      plan->keep.push_back(std::move(exec_owner));
+      for (auto& d : heur_keep) plan->keep.push_back(std::move(d));  // the engine config
+      plan->engine_ws = ws;
+      plan->engine_index = engine;
+      int64_t off = AlignUp(ws);
+      if (s.backward) {
+        plan->dsum_offset = off;
+        off += AlignUp(s.H * s.L * 4);
+        if (!s.deterministic) {
+          plan->dq_accum_offset = off;
+          off += AlignUp(s.H * s.L * s.Dqk * 4);
+        }
+      }
+      plan->region_bytes = off;
+      plan->uids = g.io_uids();
+      if (s.padding_workaround) {
+        const int32_t lens[2] = {static_cast<int32_t>(s.L), static_cast<int32_t>(s.L)};
+        SPINDLE_CUDA_CHECK(cudaMalloc(&plan->seqlen_dev, sizeof(lens)));
+        SPINDLE_CUDA_CHECK(
+            cudaMemcpy(plan->seqlen_dev, lens, sizeof(lens), cudaMemcpyHostToDevice));
+      }
+      if (LogEnabled()) {
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+        std::fprintf(stderr,
+                     "[sdpa] plan %s: %s config %lld of %lld, engine %lld, workspace %lld B, "
+                     "region %lld B, %.1f ms%s\n",
+                     Describe(s).c_str(), mode_name, static_cast<long long>(i),
+                     static_cast<long long>(got), static_cast<long long>(engine),
+                     static_cast<long long>(ws), static_cast<long long>(plan->region_bytes), ms,
+                     tried.empty() ? "" : (", rejected before: " + tried.substr(2)).c_str());
+      }
+      *out = std::move(plan);
+      return Status::Ok();
+    }
+  }
+  return {StatusCode::kCudnnError,
+          "Sdpa: no cuDNN engine accepted the " + Describe(s) + " graph" +
+              (tried.empty() ? std::string() : ": " + tried.substr(2))};
+}
+
+// Device pointers of one graph execution, by uid.
+struct ExecArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const void* stats = nullptr;
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+};
+
+// Resolved, validated arguments of one call.
+struct Call {
+  SdpaDims d;
+  cudnnDataType_t io = CUDNN_DATA_BFLOAT16;
+  int64_t esz = 2;
+};
+
+Status CheckView(const char* what, SdpaView* v, int64_t H, int64_t D) {
+  if (v->token_stride == 0 && v->head_stride == 0) {
+    v->head_stride = D;
+    v->token_stride = H * D;
+  }
+  SPINDLE_CHECK_ARG(v->token_stride > 0 && v->head_stride > 0 && v->token_stride % 8 == 0 &&
+                        v->head_stride % 8 == 0,
+                    std::string("Sdpa: view ") + what + " strides (token " +
+                        std::to_string(v->token_stride) + ", head " +
+                        std::to_string(v->head_stride) +
+                        ") must both be positive multiples of 8 elements, or both 0 (dense)");
+  return Status::Ok();
+}
+
+Status CheckPtr(const char* what, const void* p) {
+  SPINDLE_CHECK_ARG(p != nullptr, std::string("Sdpa: ") + what + " is null");
+  SPINDLE_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                    std::string("Sdpa: ") + what + " is not 16-byte aligned");
+  return Status::Ok();
+}
+
+Status Validate(const SdpaDims& dims, DType dtype, const int32_t* cu, int64_t n_segments,
+                float scale, Call* call) {
+  call->d = dims;
+  SdpaDims& d = call->d;
+  if (dtype == DType::kBFloat16) {
+    call->io = CUDNN_DATA_BFLOAT16;
+  } else if (dtype == DType::kFloat16) {
+    call->io = CUDNN_DATA_HALF;
+  } else {
+    return Unsupported(std::string("Sdpa: dtype ") + DTypeName(dtype) +
+                       " unsupported (bfloat16 or float16)");
+  }
+  if (d.Dqk <= 0 || d.Dqk % 8 != 0 || d.Dqk > 256) {
+    return Unsupported("Sdpa: head size Dqk=" + std::to_string(d.Dqk) +
+                       " unsupported (a multiple of 8, at most 256)");
+  }
+  if (d.Dv <= 0 || d.Dv % 8 != 0 || d.Dv > 256) {
+    return Unsupported("Sdpa: head size Dv=" + std::to_string(d.Dv) +
+                       " unsupported (a multiple of 8, at most 256)");
+  }
+  SPINDLE_CHECK_ARG(d.T >= 0 && d.H >= 1, "Sdpa: T=" + std::to_string(d.T) +
+                                              ", H=" + std::to_string(d.H) + " out of range");
+  SPINDLE_CHECK_ARG(std::isfinite(scale), "Sdpa: scale is not finite");
+  SPINDLE_RETURN_IF_ERROR(CheckView("q", &d.q, d.H, d.Dqk));
+  SPINDLE_RETURN_IF_ERROR(CheckView("k", &d.k, d.H, d.Dqk));
+  SPINDLE_RETURN_IF_ERROR(CheckView("v", &d.v, d.H, d.Dv));
+  SPINDLE_RETURN_IF_ERROR(CheckView("out", &d.out, d.H, d.Dv));
+  SPINDLE_CHECK_ARG(cu != nullptr && n_segments >= 1,
+                    "Sdpa: cu_seqlens must hold n_segments + 1 >= 2 entries (n_segments=" +
+                        std::to_string(n_segments) + ")");
+  SPINDLE_CHECK_ARG(cu[0] == 0, "Sdpa: cu_seqlens[0]=" + std::to_string(cu[0]) + " must be 0");
+  SPINDLE_CHECK_ARG(cu[n_segments] == d.T, "Sdpa: cu_seqlens[n_segments]=" +
+                                               std::to_string(cu[n_segments]) +
+                                               " must equal T=" + std::to_string(d.T));
+  for (int64_t i = 0; i < n_segments; ++i) {
+    SPINDLE_CHECK_ARG(cu[i + 1] >= cu[i], "Sdpa: cu_seqlens must be non-decreasing (entry " +
+                                              std::to_string(i + 1) + ")");
+  }
+  call->esz = 2;
+  return Status::Ok();
+}
+
+const char* Offset(const void* p, int64_t elements, int64_t esz) {
+  return static_cast<const char*>(p) + elements * esz;
+}
+char* Offset(void* p, int64_t elements, int64_t esz) {
+  return static_cast<char*>(p) + elements * esz;
+}
+
+}  // namespace
+
+// ---- Sdpa ---------------------------------------------------------------------------------------
+
+struct Sdpa::Impl {
+  cudnnHandle_t handle = nullptr;
+  std::map<std::vector<int64_t>, std::unique_ptr<Plan>> plans;
+  std::map<std::vector<int64_t>, Status> failed;  // graphs no engine took: not rebuilt per call
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  bool deterministic = false;
+  size_t version = 0;
+
+  ~Impl() {
+    plans.clear();
+    if (workspace != nullptr) cudaFree(workspace);
+    if (handle != nullptr) cudnnDestroy(handle);
+  }
+
+  GraphSpec Spec(bool backward, int64_t L, const Call& c, SdpaView q, SdpaView k, SdpaView v,
+                 SdpaView o) const {
+    GraphSpec s;
+    s.backward = backward;
+    s.L = L;
+    s.H = c.d.H;
+    s.Dqk = c.d.Dqk;
+    s.Dv = c.d.Dv;
+    s.q = q, s.k = k, s.v = v, s.o = o;
+    s.io = c.io;
+    s.deterministic = backward && deterministic;
+    s.padding_workaround = backward && version <= 91500 && L % 128 != 0;
+    return s;
+  }
+
+  // The cached plan of `spec`, built (both spellings tried) on first use.
+  Status GetPlan(GraphSpec spec, Plan** out) {
+    const std::vector<int64_t> key = spec.Key();
+    auto it = plans.find(key);
+    if (it != plans.end()) {
+      *out = it->second.get();
+      return Status::Ok();
+    }
+    auto f = failed.find(key);
+    if (f != failed.end()) return f->second;
+    std::unique_ptr<Plan> plan;
+    Status first = BuildPlan(handle, spec, &plan);
+    if (!first.ok()) {
+      spec.variant = 1;
+      const Status second = BuildPlan(handle, spec, &plan);
+      if (!second.ok()) {
+        Status both(StatusCode::kCudnnError, first.message() + " || " + second.message());
+        if (LogEnabled()) std::fprintf(stderr, "[sdpa] %s\n", both.message().c_str());
+        failed.emplace(key, both);
+        return both;
+      }
+      if (LogEnabled()) {
+        std::fprintf(stderr, "[sdpa] first spelling failed (%s); variant 1 built\n",
+                     first.message().c_str());
+      }
+    }
+    *out = plan.get();
+    plans.emplace(key, std::move(plan));
+    return Status::Ok();
+  }
+
+  Status EnsureWorkspace(int64_t bytes, cudaStream_t stream) {
+    if (bytes <= workspace_bytes) return Status::Ok();
+    if (workspace != nullptr) {
+      SPINDLE_CUDA_CHECK(cudaStreamSynchronize(stream));  // queued work may still read it
+      SPINDLE_CUDA_CHECK(cudaFree(workspace));
+      workspace = nullptr;
+      workspace_bytes = 0;
+    }
+    const int64_t want = (bytes + (1 << 20) - 1) / (1 << 20) * (1 << 20);
+    SPINDLE_CUDA_CHECK(cudaMalloc(&workspace, want));
+    workspace_bytes = want;
+    return Status::Ok();
+  }
+
+  // Runs one plan; `region` is the plan's part of the workspace (region_bytes long).
+  Status Execute(const Plan& p, char* region, const ExecArgs& a, float scale,
+                 cudaStream_t stream) {
+    float scale_v = scale, one_v = 1.0f, neg_inf_v = -INFINITY;
+    std::vector<void*> ptrs;
+    ptrs.reserve(p.uids.size());
+    for (const int64_t uid : p.uids) {
+      void* ptr = nullptr;
+      switch (uid) {
+        case kUidQ: ptr = const_cast<void*>(a.q); break;
+        case kUidK: ptr = const_cast<void*>(a.k); break;
+        case kUidV: ptr = const_cast<void*>(a.v); break;
+        case kUidO: ptr = const_cast<void*>(a.o); break;
+        case kUidStats: ptr = const_cast<void*>(a.stats); break;
+        case kUidDO: ptr = const_cast<void*>(a.dout); break;
+        case kUidDQ: ptr = a.dq; break;
+        case kUidDK: ptr = a.dk; break;
+        case kUidDV: ptr = a.dv; break;
+        case kUidDsum: ptr = region + p.dsum_offset; break;
+        case kUidDqAccum: ptr = region + p.dq_accum_offset; break;
+        case kUidSeqQ: ptr = p.seqlen_dev; break;
+        case kUidSeqKv: ptr = p.seqlen_dev + 1; break;
+        case kUidScale: ptr = &scale_v; break;
+        case kUidOne: ptr = &one_v; break;
+        case kUidNegInf:
+        case kUidNegInfPad: ptr = &neg_inf_v; break;
+        default: break;
+      }
+      ptrs.push_back(ptr);
+    }
+    cudnnBackendDescriptor_t vp = nullptr;
+    SPINDLE_CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp));
+    DescPtr vp_owner(vp);
+    void* ws = region;
+    SPINDLE_CUDNN_CHECK(cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+                                                 CUDNN_TYPE_INT64,
+                                                 static_cast<int64_t>(p.uids.size()),
+                                                 p.uids.data()));
+    SPINDLE_CUDNN_CHECK(cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+                                                 CUDNN_TYPE_VOID_PTR,
+                                                 static_cast<int64_t>(ptrs.size()), ptrs.data()));
+    SPINDLE_CUDNN_CHECK(cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+                                                 CUDNN_TYPE_VOID_PTR, 1, &ws));
+    SPINDLE_CUDNN_CHECK(cudnnBackendFinalize(vp));
+    if (p.dq_accum_offset >= 0 && version < 90600) {
+      // cuDNN before 9.6 expects a zeroed dQ accumulator (cudnn_frontend clears it likewise);
+      // later versions clear it inside the engine.
+      SPINDLE_CUDA_CHECK(cudaMemsetAsync(region + p.dq_accum_offset, 0,
+                                         p.region_bytes - p.dq_accum_offset, stream));
+    }
+    SPINDLE_CUDNN_CHECK(cudnnBackendExecute(handle, p.plan, vp));
+    return Status::Ok();
+  }
+};
+
+Sdpa::Sdpa(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Sdpa::~Sdpa() = default;
+
+void Sdpa::SetDeterministic(bool on) { impl_->deterministic = on; }
+
+Status Sdpa::Create(std::unique_ptr<Sdpa>* out) {
+  const size_t version = cudnnGetVersion();
+  if (version < 90000) {
+    return Unsupported("Sdpa: cuDNN " + std::to_string(version) +
+                       " is older than 9.0 (the graph API this code uses)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->version = version;
+  SPINDLE_CUDNN_CHECK(cudnnCreate(&impl->handle));
+  out->reset(new Sdpa(std::move(impl)));
+  return Status::Ok();
+}
+
+Status Sdpa::Forward(const void* q, const void* k, const void* v, void* out, float* stats,
+                     const int32_t* cu_seqlens, int64_t n_segments, float scale,
+                     const SdpaDims& dims, DType dtype, cudaStream_t stream) {
+  Call c;
+  SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("q", q));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("k", k));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("v", v));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("out", out));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("stats", stats));
+  const SdpaDims& d = c.d;
+  const int64_t T = d.T, H = d.H, esz = c.esz;
+  if (T == 0) return Status::Ok();
+  Impl& m = *impl_;
+  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
+
+  if (n_segments == 1) {
+    Plan* p = nullptr;
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, T, c, d.q, d.k, d.v, d.out), &p));
+    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(p->region_bytes, stream));
+    ExecArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats;
+    return m.Execute(*p, static_cast<char*>(m.workspace), a, scale, stream);
+  }
+
+  // Several documents: plans first (host only), then one workspace size, then the launches.
+  // Workspace: [stats staging H x max L fp32 | one-token scratch | graph region].
+  std::vector<Plan*> doc_plan(n_segments, nullptr);
+  int64_t max_len = 0, region = 0;
+  bool any_single = false;
+  Plan* pair_plan = nullptr;
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const int64_t L = cu_seqlens[i + 1] - cu_seqlens[i];
+    if (L == 1) any_single = true;
+    if (L < 2) continue;
+    max_len = std::max(max_len, L);
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, L, c, d.q, d.k, d.v, d.out), &doc_plan[i]));
+    region = std::max(region, doc_plan[i]->region_bytes);
+  }
+  // One-token documents: the two-token graph on dense zero-padded copies.
+  const SdpaView pq{H * d.Dqk, d.Dqk}, pv{H * d.Dv, d.Dv};
+  const int64_t sq_bytes = AlignUp(2 * H * d.Dqk * esz), sv_bytes = AlignUp(2 * H * d.Dv * esz);
+  int64_t single_bytes = 0;
+  if (any_single) {
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, 2, c, pq, pq, pv, pv), &pair_plan));
+    region = std::max(region, pair_plan->region_bytes);
+    single_bytes = 2 * sq_bytes + 2 * sv_bytes + AlignUp(H * 2 * 4);
+    max_len = std::max<int64_t>(max_len, 2);
+  }
+  const int64_t staging = AlignUp(H * max_len * 4);
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(staging + single_bytes + region, stream));
+  char* ws = static_cast<char*>(m.workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  char* single = ws + staging;
+  char* graph_region = ws + staging + single_bytes;
+
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const int64_t s0 = cu_seqlens[i], L = cu_seqlens[i + 1] - s0;
+    if (L == 0) continue;
+    if (L >= 2) {
+      ExecArgs a;
+      a.q = Offset(q, s0 * d.q.token_stride, esz);
+      a.k = Offset(k, s0 * d.k.token_stride, esz);
+      a.v = Offset(v, s0 * d.v.token_stride, esz);
+      a.o = Offset(out, s0 * d.out.token_stride, esz);
+      a.stats = stage;
+      SPINDLE_RETURN_IF_ERROR(m.Execute(*doc_plan[i], graph_region, a, scale, stream));
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, stage, L * 4, L * 4, H,
+                                           cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    // L == 1: token 0 of the scratch is the document's token, token 1 zeros (masked out).
+    char* sq = single;
+    char* sk = sq + sq_bytes;
+    char* sv = sk + sq_bytes;
+    char* so = sv + sv_bytes;
+    float* sst = reinterpret_cast<float*>(so + sv_bytes);
+    SPINDLE_CUDA_CHECK(cudaMemsetAsync(single, 0, 2 * sq_bytes + sv_bytes, stream));
+    const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sq, rq, Offset(q, s0 * d.q.token_stride, esz),
+                                         d.q.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sk, rq, Offset(k, s0 * d.k.token_stride, esz),
+                                         d.k.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sv, rv, Offset(v, s0 * d.v.token_stride, esz),
+                                         d.v.head_stride * esz, rv, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    ExecArgs a;
+    a.q = sq, a.k = sk, a.v = sv, a.o = so, a.stats = sst;
+    SPINDLE_RETURN_IF_ERROR(m.Execute(*pair_plan, graph_region, a, scale, stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(Offset(out, s0 * d.out.token_stride, esz),
+                                         d.out.head_stride * esz, so, rv, rv, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, sst, 2 * 4, 4, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+  }
+  return Status::Ok();
+}
+
+Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* out,
+                      const float* stats, const void* dout, void* dq, void* dk, void* dv,
+                      const int32_t* cu_seqlens, int64_t n_segments, float scale,
+                      const SdpaDims& dims, DType dtype, cudaStream_t stream) {
+  Call c;
+  SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("q", q));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("k", k));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("v", v));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("out", out));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("stats", stats));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("dout", dout));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("dq", dq));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("dk", dk));
+  SPINDLE_RETURN_IF_ERROR(CheckPtr("dv", dv));
+  const SdpaDims& d = c.d;
+  const int64_t T = d.T, H = d.H, esz = c.esz;
+  if (T == 0) return Status::Ok();
+  Impl& m = *impl_;
+  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
+
+  if (n_segments == 1) {
+    Plan* p = nullptr;
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(true, T, c, d.q, d.k, d.v, d.out), &p));
+    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(p->region_bytes, stream));
+    ExecArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats, a.dout = dout;
+    a.dq = dq, a.dk = dk, a.dv = dv;
+    return m.Execute(*p, static_cast<char*>(m.workspace), a, scale, stream);
+  }
+
+  std::vector<Plan*> doc_plan(n_segments, nullptr);
+  int64_t max_len = 0, region = 0;
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const int64_t L = cu_seqlens[i + 1] - cu_seqlens[i];
+    if (L < 2) continue;
+    max_len = std::max(max_len, L);
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(true, L, c, d.q, d.k, d.v, d.out), &doc_plan[i]));
+    region = std::max(region, doc_plan[i]->region_bytes);
+  }
+  const int64_t staging = AlignUp(H * std::max<int64_t>(max_len, 1) * 4);
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(staging + region, stream));
+  char* ws = static_cast<char*>(m.workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  char* graph_region = ws + staging;
+
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const int64_t s0 = cu_seqlens[i], L = cu_seqlens[i + 1] - s0;
+    if (L == 0) continue;
+    if (L == 1) {  // p = 1: dv = dout, dq = dk = 0
+      const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
+      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(dq, s0 * d.q.token_stride, esz),
+                                           d.q.head_stride * esz, 0, rq, H, stream));
+      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(dk, s0 * d.k.token_stride, esz),
+                                           d.k.head_stride * esz, 0, rq, H, stream));
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(Offset(dv, s0 * d.v.token_stride, esz),
+                                           d.v.head_stride * esz,
+                                           Offset(dout, s0 * d.out.token_stride, esz),
+                                           d.out.head_stride * esz, rv, H,
+                                           cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stage, L * 4, stats + s0, T * 4, L * 4, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+    ExecArgs a;
+    a.q = Offset(q, s0 * d.q.token_stride, esz);
+    a.k = Offset(k, s0 * d.k.token_stride, esz);
+    a.v = Offset(v, s0 * d.v.token_stride, esz);
+    a.o = Offset(out, s0 * d.out.token_stride, esz);
+    a.dout = Offset(dout, s0 * d.out.token_stride, esz);
+    a.dq = Offset(dq, s0 * d.q.token_stride, esz);
+    a.dk = Offset(dk, s0 * d.k.token_stride, esz);
+    a.dv = Offset(dv, s0 * d.v.token_stride, esz);
+    a.stats = stage;
+    SPINDLE_RETURN_IF_ERROR(m.Execute(*doc_plan[i], graph_region, a, scale, stream));
+  }
+  return Status::Ok();
+}
+
+}  // namespace spindle::kernels::cuda

@@ -1,0 +1,362 @@
+// cuDNN causal attention (kernels/cuda/sdpa.h) against the CPU reference (kernels/cpu/attention.h):
+// forward out and log-sum-exp, backward dq/dk/dv, on fresh random inputs rounded to the storage
+// dtype. Shapes: the tiny model (H=4, Dqk=32, Dv=16; T odd, a multiple of 128, and not), the 1B
+// MLA head (H=16, Dqk=192, Dv=128), strided views inside larger buffers (fused q/k rows, V at an
+// offset with head stride 256, head-major out) whose bytes outside the view must stay untouched,
+// several documents (one-token and empty ones included), fp16, the deterministic backward, and
+// argument errors.
+//
+// Tolerances (|got - want| <= abs * peak + rel * |want|, peak = max |want|): out 1% + 1% (bf16
+// output rounding plus P rounded to bf16 before P V), dq/dk/dv 2% + 2% (P and dS enter the
+// gradient matmuls in bf16), stats 1e-3 + 1e-3 (fp32 throughout). Each comparison prints how much
+// of its tolerance it used.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cuda/sdpa.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace spindle::kernels::cuda {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::FreshSeed;
+
+constexpr DType kBf16 = DType::kBFloat16;
+constexpr DType kFp16 = DType::kFloat16;
+
+uint16_t ToBits(float x, DType t) {
+  if (t == kFp16) return static_cast<__half_raw>(__float2half(x)).x;
+  return static_cast<__nv_bfloat16_raw>(__float2bfloat16(x)).x;
+}
+
+float FromBits(uint16_t b, DType t) {
+  if (t == kFp16) {
+    __half_raw r;
+    r.x = b;
+    return __half2float(__half(r));
+  }
+  __nv_bfloat16_raw r;
+  r.x = b;
+  return __bfloat162float(__nv_bfloat16(r));
+}
+
+std::vector<float> RandomRounded(std::mt19937& rng, int64_t n, DType t) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (float& e : x) e = FromBits(ToBits(dist(rng), t), t);
+  return x;
+}
+
+// A [T, H, D] tensor stored as a strided view (token stride, head stride, element offset) inside
+// a larger device buffer whose other elements hold random background bits.
+class StridedTensor {
+ public:
+  StridedTensor(int64_t T, int64_t H, int64_t D, SdpaView view, int64_t offset, DType t,
+                std::mt19937& rng)
+      : T_(T), H_(H), D_(D), t_(t), offset_(offset) {
+    view_ = view;
+    if (view_.token_stride == 0 && view_.head_stride == 0) view_ = {H * D, D};
+    size_ = offset + std::max<int64_t>(T - 1, 0) * view_.token_stride +
+            (H - 1) * view_.head_stride + D + 8;
+    raw_.resize(size_);
+    in_view_.assign(size_, 0);
+    std::uniform_int_distribution<int> bg(0, 0xFFFF);
+    for (auto& r : raw_) r = ToBits(static_cast<float>(bg(rng) % 2000) / 100.0f - 10.0f, t);
+    for (int64_t i = 0; i < T; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t d = 0; d < D; ++d) in_view_[Pos(i, h, d)] = 1;
+      }
+    }
+    buf_ = DeviceBuffer(size_ * 2);
+  }
+
+  void Set(const std::vector<float>& dense) {
+    for (int64_t i = 0; i < T_; ++i) {
+      for (int64_t h = 0; h < H_; ++h) {
+        for (int64_t d = 0; d < D_; ++d) {
+          raw_[Pos(i, h, d)] = ToBits(dense[(i * H_ + h) * D_ + d], t_);
+        }
+      }
+    }
+    Upload();
+  }
+  void Upload() { cudaMemcpy(buf_.get(), raw_.data(), size_ * 2, cudaMemcpyHostToDevice); }
+
+  // The view's values, dense [T, H, D]; counts background elements that changed.
+  std::vector<float> Get(int64_t* background_changed = nullptr) const {
+    cudaDeviceSynchronize();
+    std::vector<uint16_t> now(size_);
+    cudaMemcpy(now.data(), buf_.get(), size_ * 2, cudaMemcpyDeviceToHost);
+    std::vector<float> dense(T_ * H_ * D_);
+    for (int64_t i = 0; i < T_; ++i) {
+      for (int64_t h = 0; h < H_; ++h) {
+        for (int64_t d = 0; d < D_; ++d) {
+          dense[(i * H_ + h) * D_ + d] = FromBits(now[Pos(i, h, d)], t_);
+        }
+      }
+    }
+    if (background_changed != nullptr) {
+      *background_changed = 0;
+      for (int64_t e = 0; e < size_; ++e) {
+        *background_changed += !in_view_[e] && now[e] != raw_[e];
+      }
+    }
+    return dense;
+  }
+
+  void* ptr() const { return static_cast<char*>(buf_.get()) + offset_ * 2; }
+  const SdpaView& view() const { return view_; }
+
+ private:
+  int64_t Pos(int64_t i, int64_t h, int64_t d) const {
+    return offset_ + i * view_.token_stride + h * view_.head_stride + d;
+  }
+  int64_t T_, H_, D_;
+  DType t_;
+  int64_t offset_;
+  SdpaView view_;
+  int64_t size_ = 0;
+  std::vector<uint16_t> raw_;
+  std::vector<uint8_t> in_view_;
+  DeviceBuffer buf_;
+};
+
+// Fails unless |got - want| <= abs * peak + rel * |want| everywhere; prints the share of the
+// tolerance used.
+void Compare(const std::vector<float>& got, const std::vector<float>& want, double abs_tol,
+             double rel_tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double peak = 0.0;
+  for (float w : want) peak = std::max(peak, static_cast<double>(std::abs(w)));
+  if (peak == 0.0) peak = 1.0;
+  int64_t bad = 0;
+  double worst = 0.0, max_err = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = abs_tol * peak + rel_tol * std::abs(want[i]);
+    if (std::isnan(err)) {
+      worst = err;
+    } else {
+      worst = std::max(worst, err / allowed);
+      max_err = std::max(max_err, err);
+    }
+    if (!(err <= allowed) && ++bad <= 5) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i]
+                    << " (peak " << peak << ")";
+    }
+  }
+  std::printf("[  sdpa    ] %-34s max|err|/peak %.2e, %.0f%% of tolerance\n", what.c_str(),
+              max_err / peak, 100.0 * worst);
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements off, worst "
+                    << worst << "x the tolerance";
+}
+
+struct Case {
+  std::string name;
+  int64_t H = 4, Dqk = 32, Dv = 16;
+  std::vector<int32_t> cu;  // cu.back() == T
+  SdpaView q, k, v, o;      // zero: dense
+  int64_t q_off = 0, k_off = 0, v_off = 0, o_off = 0;
+  DType dtype = kBf16;
+  bool deterministic = false;
+};
+
+class SdpaCudnn : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SPINDLE_REQUIRE_GPU();
+    const Status s = cuda::Sdpa::Create(&sdpa_);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+
+  void Run(const Case& c) {
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE(c.name + ", seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    const int64_t T = c.cu.back(), H = c.H, Dqk = c.Dqk, Dv = c.Dv;
+    const int64_t n_seg = static_cast<int64_t>(c.cu.size()) - 1;
+    const DType t = c.dtype;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+    sdpa_->SetDeterministic(c.deterministic);
+
+    const std::vector<float> q = RandomRounded(rng, T * H * Dqk, t);
+    const std::vector<float> k = RandomRounded(rng, T * H * Dqk, t);
+    const std::vector<float> v = RandomRounded(rng, T * H * Dv, t);
+    const std::vector<float> dout = RandomRounded(rng, T * H * Dv, t);
+    StridedTensor dq_(T, H, Dqk, c.q, c.q_off, t, rng), q_(T, H, Dqk, c.q, c.q_off, t, rng);
+    StridedTensor dk_(T, H, Dqk, c.k, c.k_off, t, rng), k_(T, H, Dqk, c.k, c.k_off, t, rng);
+    StridedTensor dv_(T, H, Dv, c.v, c.v_off, t, rng), v_(T, H, Dv, c.v, c.v_off, t, rng);
+    StridedTensor out_(T, H, Dv, c.o, c.o_off, t, rng), dout_(T, H, Dv, c.o, c.o_off, t, rng);
+    q_.Set(q), k_.Set(k), v_.Set(v), dout_.Set(dout);
+    dq_.Upload(), dk_.Upload(), dv_.Upload(), out_.Upload();
+    DeviceBuffer stats(std::max<int64_t>(H * T, 1) * 4);
+    cudaMemset(stats.get(), 0xFF, std::max<int64_t>(H * T, 1) * 4);  // NaN until written
+
+    SdpaDims dims;
+    dims.T = T, dims.H = H, dims.Dqk = Dqk, dims.Dv = Dv;
+    dims.q = c.q, dims.k = c.k, dims.v = c.v, dims.out = c.o;
+    ASSERT_OK(sdpa_->Forward(q_.ptr(), k_.ptr(), v_.ptr(), out_.ptr(), stats.as<float>(),
+                             c.cu.data(), n_seg, scale, dims, t, 0));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    int64_t out_bg = 0;
+    const std::vector<float> out = out_.Get(&out_bg);
+    std::vector<float> stats_h(H * T);
+    cudaMemcpy(stats_h.data(), stats.get(), H * T * 4, cudaMemcpyDeviceToHost);
+
+    // CPU reference: documents from cu_seqlens, positions 0..T-1.
+    std::vector<int32_t> doc(T), pos(T);
+    for (int64_t s = 0; s < n_seg; ++s) {
+      for (int32_t i = c.cu[s]; i < c.cu[s + 1]; ++i) doc[i] = static_cast<int32_t>(s);
+    }
+    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(i);
+    const cpu::AttentionMask mask{doc.data(), pos.data(), doc.data(), pos.data()};
+    const cpu::AttentionDims ad{T, T, H, Dqk, Dv};
+    std::vector<float> out_ref(T * H * Dv), lse_ref(T * H);
+    cpu::AttentionForward(q.data(), k.data(), v.data(), mask, scale, ad, out_ref.data(),
+                          lse_ref.data());
+    std::vector<float> stats_ref(H * T);
+    for (int64_t i = 0; i < T; ++i) {
+      for (int64_t h = 0; h < H; ++h) stats_ref[h * T + i] = lse_ref[i * H + h];
+    }
+    Compare(out, out_ref, 1e-2, 1e-2, c.name + " out");
+    Compare(stats_h, stats_ref, 1e-3, 1e-3, c.name + " stats");
+    EXPECT_EQ(out_bg, 0) << "forward wrote outside the out view";
+
+    // A second forward (cached plan) gives the same bits.
+    ASSERT_OK(sdpa_->Forward(q_.ptr(), k_.ptr(), v_.ptr(), out_.ptr(), stats.as<float>(),
+                             c.cu.data(), n_seg, scale, dims, t, 0));
+    EXPECT_EQ(out_.Get(), out) << "second forward differs";
+
+    ASSERT_OK(sdpa_->Backward(q_.ptr(), k_.ptr(), v_.ptr(), out_.ptr(), stats.as<float>(),
+                              dout_.ptr(), dq_.ptr(), dk_.ptr(), dv_.ptr(), c.cu.data(), n_seg,
+                              scale, dims, t, 0));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    int64_t dq_bg = 0, dk_bg = 0, dv_bg = 0;
+    const std::vector<float> dq = dq_.Get(&dq_bg), dk = dk_.Get(&dk_bg), dv = dv_.Get(&dv_bg);
+    std::vector<float> dq_ref(T * H * Dqk), dk_ref(T * H * Dqk), dv_ref(T * H * Dv);
+    cpu::AttentionBackward(q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(),
+                           dout.data(), mask, scale, ad, dq_ref.data(), dk_ref.data(),
+                           dv_ref.data());
+    Compare(dq, dq_ref, 2e-2, 2e-2, c.name + " dq");
+    Compare(dk, dk_ref, 2e-2, 2e-2, c.name + " dk");
+    Compare(dv, dv_ref, 2e-2, 2e-2, c.name + " dv");
+    EXPECT_EQ(dq_bg + dk_bg + dv_bg, 0) << "backward wrote outside the dq/dk/dv views";
+
+    if (c.deterministic) {
+      ASSERT_OK(sdpa_->Backward(q_.ptr(), k_.ptr(), v_.ptr(), out_.ptr(), stats.as<float>(),
+                                dout_.ptr(), dq_.ptr(), dk_.ptr(), dv_.ptr(), c.cu.data(),
+                                n_seg, scale, dims, t, 0));
+      testing::ExpectSameBits(dq_.Get(), dq, c.name + " dq, second run");
+      testing::ExpectSameBits(dk_.Get(), dk, c.name + " dk, second run");
+      testing::ExpectSameBits(dv_.Get(), dv, c.name + " dv, second run");
+    }
+  }
+
+  std::unique_ptr<cuda::Sdpa> sdpa_;
+};
+
+Case Tiny(const std::string& name, std::vector<int32_t> cu) {
+  Case c;
+  c.name = name;
+  c.cu = std::move(cu);
+  return c;
+}
+
+Case Mla(const std::string& name, std::vector<int32_t> cu) {
+  Case c = Tiny(name, std::move(cu));
+  c.H = 16, c.Dqk = 192, c.Dv = 128;
+  return c;
+}
+
+TEST_F(SdpaCudnn, TinyOddLength) { Run(Tiny("tiny T=77", {0, 77})); }
+TEST_F(SdpaCudnn, TinyT200) { Run(Tiny("tiny T=200", {0, 200})); }
+TEST_F(SdpaCudnn, TinyMultipleOf128) { Run(Tiny("tiny T=256", {0, 256})); }
+TEST_F(SdpaCudnn, Mla1000) { Run(Mla("mla T=1000", {0, 1000})); }
+
+// q and k rows of a fused [T, H, 384] buffer (k at offset 192), V a view into [T, H, 256] at
+// offset 128 with head stride 256, out (and dout) head-major [H, T, 128].
+TEST_F(SdpaCudnn, MlaStridedViews) {
+  Case c = Mla("mla strided T=300", {0, 300});
+  const int64_t T = 300, H = 16;
+  c.q = {H * 384, 384};
+  c.k = {H * 384, 384}, c.k_off = 192;
+  c.v = {H * 256, 256}, c.v_off = 128;
+  c.o = {128, T * 128};
+  Run(c);
+}
+
+TEST_F(SdpaCudnn, TinyDocuments) {
+  Run(Tiny("tiny docs 1,2,37,1,129,130", {0, 1, 3, 40, 41, 170, 300}));
+}
+TEST_F(SdpaCudnn, TinyEmptyDocuments) { Run(Tiny("tiny docs 0,50,0,50", {0, 0, 50, 50, 100})); }
+TEST_F(SdpaCudnn, MlaDocuments) { Run(Mla("mla docs 130,1,369", {0, 130, 131, 500})); }
+
+TEST_F(SdpaCudnn, TinyFp16) {
+  Case c = Tiny("tiny fp16 T=77", {0, 77});
+  c.dtype = kFp16;
+  Run(c);
+}
+
+TEST_F(SdpaCudnn, DeterministicBackward) {
+  Case c = Tiny("tiny deterministic T=200", {0, 200});
+  c.deterministic = true;
+  Run(c);
+  Case m = Mla("mla deterministic T=1000", {0, 1000});
+  m.deterministic = true;
+  Run(m);
+}
+
+TEST_F(SdpaCudnn, BadArguments) {
+  const int64_t T = 64, H = 4;
+  DeviceBuffer q(T * H * 48 * 2), o(T * H * 16 * 2), stats(T * H * 4);
+  SdpaDims d;
+  d.T = T, d.H = H, d.Dqk = 20, d.Dv = 16;
+  const std::vector<int32_t> cu{0, static_cast<int32_t>(T)};
+  Status s = sdpa_->Forward(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), cu.data(), 1,
+                            0.1f, d, kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.message();
+  EXPECT_NE(s.message().find("Dqk=20"), std::string::npos) << s.message();
+
+  d.Dqk = 32;
+  const std::vector<int32_t> short_cu{0, static_cast<int32_t>(T - 1)};
+  s = sdpa_->Forward(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), short_cu.data(), 1,
+                     0.1f, d, kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("cu_seqlens"), std::string::npos) << s.message();
+
+  s = sdpa_->Backward(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), o.get(), q.get(),
+                      q.get(), o.get(), short_cu.data(), 1, 0.1f, d, kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("cu_seqlens"), std::string::npos) << s.message();
+
+  d.q = {H * 32 + 4, 32};  // token stride not a multiple of 8
+  s = sdpa_->Forward(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), cu.data(), 1, 0.1f, d,
+                     kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("view q"), std::string::npos) << s.message();
+
+  d.q = {};
+  s = sdpa_->Forward(static_cast<char*>(q.get()) + 2, q.get(), o.get(), o.get(),
+                     stats.as<float>(), cu.data(), 1, 0.1f, d, kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("q is not 16-byte aligned"), std::string::npos) << s.message();
+
+  s = sdpa_->Forward(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), cu.data(), 1, 0.1f, d,
+                     DType::kFloat32, 0);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.message();
+}
+
+}  // namespace
+}  // namespace spindle::kernels::cuda
