@@ -1,13 +1,81 @@
-// SwiGLU forward and backward on CUDA: y = silu(g) * u, element for element.
+// SwiGLU forward and backward on CUDA: y = silu(g) * u, element for element. When every pointer
+// is 16-byte aligned, one thread per 16-byte vector (8 bf16 or 4 fp32) plus a scalar tail;
+// otherwise the scalar grid-stride kernels.
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/vec.cuh"
 
 namespace spindle::kernels::cuda {
 namespace {
 
+using internal::Aligned16;
 using internal::FromFloat;
+using internal::kVec;
+using internal::Load16;
+using internal::Pack;
 using internal::Sigmoid;
+using internal::Store16;
 using internal::ToFloat;
+using internal::Unpack;
+
+constexpr int kVecThreads = 256;
+
+// Thread i: vector i (< n_vec), then element n_vec * V + i of the tail (< n % V).
+template <typename T>
+__global__ void __launch_bounds__(kVecThreads)
+    SwiGluFwdVecKernel(const T* g, const T* u, T* y, int64_t n_vec, int64_t n) {
+  constexpr int V = kVec<T>;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kVecThreads) + threadIdx.x;
+  if (i < n_vec) {
+    float gv[V], uv[V], yv[V];
+    Unpack<T>(Load16(g + i * V), gv);
+    Unpack<T>(Load16(u + i * V), uv);
+#pragma unroll
+    for (int e = 0; e < V; ++e) yv[e] = gv[e] * Sigmoid(gv[e]) * uv[e];
+    Store16(y + i * V, Pack<T>(yv));
+  }
+  if (i < n - n_vec * V) {
+    const int64_t j = n_vec * V + i;
+    const float gv = ToFloat(g[j]);
+    y[j] = FromFloat<T>(gv * Sigmoid(gv) * ToFloat(u[j]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kVecThreads)
+    SwiGluBwdVecKernel(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n_vec,
+                       int64_t n) {
+  constexpr int V = kVec<T>;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kVecThreads) + threadIdx.x;
+  if (i < n_vec) {
+    float gv[V], uv[V], dv[V], dgv[V], duv[V];
+    Unpack<T>(Load16(g + i * V), gv);
+    Unpack<T>(Load16(u + i * V), uv);
+    Unpack<T>(Load16(dy + i * V), dv);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float sig = Sigmoid(gv[e]);
+      dgv[e] = dv[e] * uv[e] * sig * (1.0f + gv[e] * (1.0f - sig));
+      duv[e] = dv[e] * gv[e] * sig;
+    }
+    Store16(dg + i * V, Pack<T>(dgv));  // every load above precedes both stores (aliasing)
+    Store16(du + i * V, Pack<T>(duv));
+  }
+  if (i < n - n_vec * V) {
+    const int64_t j = n_vec * V + i;
+    const float gv = ToFloat(g[j]), uv = ToFloat(u[j]), d = ToFloat(dy[j]);
+    const float sig = Sigmoid(gv);
+    dg[j] = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
+    du[j] = FromFloat<T>(d * gv * sig);
+  }
+}
+
+// Blocks of the vector kernels: enough threads for the vectors and for the tail.
+int64_t VecBlocks(int64_t n_vec, int vec) {
+  return std::max<int64_t>(internal::CeilDiv(std::max<int64_t>(n_vec, vec), kVecThreads), 1);
+}
 
 template <typename T>
 __global__ void SwiGluFwdKernel(const T* g, const T* u, T* y, int64_t n) {
@@ -38,10 +106,19 @@ Status SwiGluForward(const void* g, const void* u, void* y, int64_t n, DType dty
                      cudaStream_t stream) {
   SPINDLE_CHECK_ARG(n >= 0, "SwiGluForward: negative size");
   if (n == 0) return Status::Ok();
+  const bool aligned = Aligned16(g) && Aligned16(u) && Aligned16(y);
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluForward", {
-    SwiGluFwdKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(
-        static_cast<const scalar_t*>(g), static_cast<const scalar_t*>(u),
-        static_cast<scalar_t*>(y), n);
+    const auto* gt = static_cast<const scalar_t*>(g);
+    const auto* ut = static_cast<const scalar_t*>(u);
+    auto* yt = static_cast<scalar_t*>(y);
+    constexpr int V = kVec<scalar_t>;
+    if (aligned) {
+      const int64_t n_vec = n / V;
+      SwiGluFwdVecKernel<scalar_t><<<VecBlocks(n_vec, V), kVecThreads, 0, stream>>>(gt, ut, yt,
+                                                                                    n_vec, n);
+    } else {
+      SwiGluFwdKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(gt, ut, yt, n);
+    }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -51,11 +128,22 @@ Status SwiGluBackward(const void* g, const void* u, const void* dy, void* dg, vo
                       DType dtype, cudaStream_t stream) {
   SPINDLE_CHECK_ARG(n >= 0, "SwiGluBackward: negative size");
   if (n == 0) return Status::Ok();
+  const bool aligned =
+      Aligned16(g) && Aligned16(u) && Aligned16(dy) && Aligned16(dg) && Aligned16(du);
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluBackward", {
-    SwiGluBwdKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(
-        static_cast<const scalar_t*>(g), static_cast<const scalar_t*>(u),
-        static_cast<const scalar_t*>(dy), static_cast<scalar_t*>(dg), static_cast<scalar_t*>(du),
-        n);
+    const auto* gt = static_cast<const scalar_t*>(g);
+    const auto* ut = static_cast<const scalar_t*>(u);
+    const auto* dyt = static_cast<const scalar_t*>(dy);
+    auto* dgt = static_cast<scalar_t*>(dg);
+    auto* dut = static_cast<scalar_t*>(du);
+    constexpr int V = kVec<scalar_t>;
+    if (aligned) {
+      const int64_t n_vec = n / V;
+      SwiGluBwdVecKernel<scalar_t><<<VecBlocks(n_vec, V), kVecThreads, 0, stream>>>(
+          gt, ut, dyt, dgt, dut, n_vec, n);
+    } else {
+      SwiGluBwdKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(gt, ut, dyt, dgt, dut, n);
+    }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();

@@ -1,6 +1,7 @@
 // CUDA dense ops against the CPU reference (kernels/cpu/ops.h): embedding, RMSNorm (+ residual),
 // RoPE, fused q/k norm + RoPE, SwiGLU, group norm + gate, cross-entropy, AdamW, cuBLASLt GEMMs,
-// and the caching allocator. Odd shapes, fresh random inputs, fp32 and bf16, determinism.
+// and the caching allocator. Odd shapes, fresh random inputs, fp32 and bf16, determinism; the
+// vector paths of the memory-bound kernels and their scalar fallbacks (misaligned pointers).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -24,6 +25,22 @@ using testing::RoundTo;
 using testing::Upload;
 using testing::UploadRaw;
 
+Workspace Ws(DeviceBuffer& b) { return {b.get(), b.bytes()}; }
+
+// Device copy of x placed `offset` elements into its buffer: offset 1 is not 16-byte aligned, so
+// the kernels take their scalar paths.
+struct OffsetBuf {
+  DeviceBuffer buf;
+  void* ptr;
+};
+OffsetBuf UploadAt(const std::vector<float>& x, DType t, int offset) {
+  std::vector<float> padded(offset, 0.0f);
+  padded.insert(padded.end(), x.begin(), x.end());
+  DeviceBuffer b = Upload(padded, t);
+  void* p = static_cast<char*>(b.get()) + offset * DTypeSize(t);
+  return {std::move(b), p};
+}
+
 class DenseOps : public ::testing::TestWithParam<DType> {
  protected:
   void SetUp() override { SPINDLE_REQUIRE_GPU(); }
@@ -33,10 +50,84 @@ class DenseOps : public ::testing::TestWithParam<DType> {
     RoundTo(dt(), x);
     return x;
   }
+  // Fused q/k norm + RoPE forward and backward against RMSNorm then RoPE on CPU, per block.
+  // offset: elements by which qkv_in, qkv_out and the gradients are shifted (1: scalar path).
+  void CheckQkNormRope(int64_t T, int64_t H, int64_t Dh, float theta,
+                       const std::vector<int32_t>& pos, bool copy_v, int offset) {
+    SCOPED_TRACE("T " + std::to_string(T) + " H " + std::to_string(H) + " Dh " +
+                 std::to_string(Dh) + " theta " + std::to_string(theta) + " copy_v " +
+                 std::to_string(copy_v) + " offset " + std::to_string(offset));
+    const int64_t C = 3 * H * Dh;
+    auto qkv = Rand(T * C), wq = Rand(Dh, 0.3f, 1.0f), wk = Rand(Dh, 0.3f, 1.0f),
+         dout = Rand(T * C);
+    auto dw0 = Normal(rng_, 2 * Dh);
+    auto d_qkv = UploadAt(qkv, dt(), offset);
+    auto d_wq = Upload(wq, dt()), d_wk = Upload(wk, dt());
+    auto d_pos = UploadRaw(pos);
+    const std::vector<float> sentinel(T * C, 7.0f);
+    auto d_out = UploadAt(sentinel, dt(), offset);
+    DeviceBuffer d_rq(T * H * 4), d_rk(T * H * 4);
+    ASSERT_OK(QkNormRopeForward(d_qkv.ptr, d_wq.get(), d_wk.get(), d_pos.as<int32_t>(),
+                                d_out.ptr, d_rq.as<float>(), d_rk.as<float>(), T, H, Dh, 1e-6f,
+                                theta, copy_v, dt(), 0));
+    std::vector<float> want(T * C), rstd[2], dwant(T * C), dw[2];
+    for (int b = 0; b < 2; ++b) {
+      std::vector<float> rows(T * H * Dh), y(T * H * Dh), g(T * H * Dh), gx(T * H * Dh);
+      rstd[b].resize(T * H);
+      dw[b].assign(dw0.begin() + b * Dh, dw0.begin() + (b + 1) * Dh);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(&qkv[t * C + b * H * Dh], H * Dh, &rows[t * H * Dh]);
+        std::copy_n(&dout[t * C + b * H * Dh], H * Dh, &g[t * H * Dh]);
+      }
+      const auto& w = b == 0 ? wq : wk;
+      cpu::RmsNormForward(rows.data(), w.data(), y.data(), rstd[b].data(), T * H, Dh, 1e-6f);
+      cpu::RopeApply(y.data(), pos.data(), T, H, Dh, H * Dh, Dh, theta, false);
+      cpu::RopeApply(g.data(), pos.data(), T, H, Dh, H * Dh, Dh, theta, true);
+      cpu::RmsNormBackward(rows.data(), w.data(), rstd[b].data(), g.data(), gx.data(),
+                           dw[b].data(), T * H, Dh);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(&y[t * H * Dh], H * Dh, &want[t * C + b * H * Dh]);
+        std::copy_n(&gx[t * H * Dh], H * Dh, &dwant[t * C + b * H * Dh]);
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      // Without copy_v the v block of qkv_out is left alone; in place, dqkv's v block is dout's.
+      std::copy_n(copy_v ? &qkv[t * C + 2 * H * Dh] : &sentinel[0], H * Dh,
+                  &want[t * C + 2 * H * Dh]);
+      std::copy_n(&dout[t * C + 2 * H * Dh], H * Dh, &dwant[t * C + 2 * H * Dh]);
+    }
+    ExpectClose(Download(d_out.ptr, T * C, dt()), want, dt(), "qkv out");
+    ExpectClose(Download(d_rq.get(), T * H, DType::kFloat32), rstd[0], DType::kFloat32, "rstd q");
+    ExpectClose(Download(d_rk.get(), T * H, DType::kFloat32), rstd[1], DType::kFloat32, "rstd k");
+    // Backward twice: in place, then out of place from a fresh copy; dw must match bit for bit.
+    DeviceBuffer ws(QkNormRopeBackwardWorkspaceBytes(T, H, Dh));
+    std::vector<std::vector<float>> dws;
+    for (int run = 0; run < 2; ++run) {
+      auto d_g = UploadAt(dout, dt(), offset);
+      auto d_din = UploadAt(std::vector<float>(T * C, 0.0f), dt(), offset);
+      void* din = run == 0 ? d_g.ptr : d_din.ptr;
+      auto d_dw = Upload(dw0, DType::kFloat32);
+      ASSERT_OK(QkNormRopeBackward(d_qkv.ptr, d_wq.get(), d_wk.get(), d_rq.as<float>(),
+                                   d_rk.as<float>(), d_pos.as<int32_t>(), d_g.ptr, din,
+                                   d_dw.as<float>(), d_dw.as<float>() + Dh, T, H, Dh, theta,
+                                   copy_v, dt(), Ws(ws), 0));
+      auto got = Download(din, T * C, dt());
+      if (!copy_v && run == 1) {  // the v block of dqkv_in was not written
+        for (int64_t t = 0; t < T; ++t) {
+          std::copy_n(&dout[t * C + 2 * H * Dh], H * Dh, &got[t * C + 2 * H * Dh]);
+        }
+      }
+      ExpectClose(got, dwant, dt(), "dqkv run " + std::to_string(run));
+      dws.push_back(Download(d_dw.get(), 2 * Dh, DType::kFloat32));
+    }
+    ExpectClose(std::vector<float>(dws[0].begin(), dws[0].begin() + Dh), dw[0], dt(), "dw_q");
+    ExpectClose(std::vector<float>(dws[0].begin() + Dh, dws[0].end()), dw[1], dt(), "dw_k");
+    ExpectSameBits(dws[0], dws[1], "dw_q, dw_k");
+  }
+
   std::mt19937 rng_{testing::FreshSeed()};
 };
 
-Workspace Ws(DeviceBuffer& b) { return {b.get(), b.bytes()}; }
 
 TEST_P(DenseOps, EmbeddingForwardBackwardWithRepeatedIds) {
   const int64_t T = 37, D = 127, V = 17;
@@ -198,6 +289,168 @@ TEST_P(DenseOps, QkNormRopeFusedMatchesNormThenRope) {
   }
 }
 
+TEST_P(DenseOps, QkNormRopeShapesPositionsAndFallbacks) {
+  const int64_t T = 41;
+  std::vector<int32_t> small(T), large(T);
+  for (int64_t t = 0; t < T; ++t) {
+    small[t] = static_cast<int32_t>(t);
+    large[t] = static_cast<int32_t>(t % 3 == 0 ? t : 1048576 - 977 * t);  // up to ~1M
+  }
+  // Vector path (G = 2, 4, 8, 16 values of Dh), model shape, no v copy, misaligned (scalar path),
+  // heads the vector path does not take (Dh 96), large positions with theta 1e6.
+  CheckQkNormRope(T, 3, 32, 10000.0f, small, true, 0);
+  CheckQkNormRope(T, 16, 128, 10000.0f, small, false, 0);
+  CheckQkNormRope(T, 2, 128, 10000.0f, small, true, 1);
+  CheckQkNormRope(T, 2, 96, 10000.0f, small, true, 0);
+  CheckQkNormRope(T, 2, 256, 10000.0f, small, true, 0);
+  CheckQkNormRope(T, 4, 128, 1e6f, large, true, 0);
+  CheckQkNormRope(T, 4, 64, 500000.0f, large, false, 1);
+}
+
+TEST_P(DenseOps, RopeLargePositionsWideHeadsAndMlaView) {
+  const int64_t T = 23;
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t < 5 ? t : 1000003 - 7919 * t);
+  auto d_pos = UploadRaw(pos);
+  struct Case {
+    int64_t H, d, head_stride, token_stride;
+    float theta;
+  };
+  // MLA's rotary part of q (H heads of 192, rotary 64 at the end), one shared head, a head wider
+  // than the block (d/2 = 640 frequencies).
+  for (const Case& c : {Case{16, 64, 192, 16 * 192, 10000.0f}, Case{1, 64, 64, 576, 1e6f},
+                        Case{2, 1280, 1280, 2560, 1e6f}}) {
+    SCOPED_TRACE("H " + std::to_string(c.H) + " d " + std::to_string(c.d));
+    auto x = Rand(T * c.token_stride);
+    for (bool inverse : {false, true}) {
+      auto d_x = Upload(x, dt());
+      ASSERT_OK(RopeApply(d_x.get(), d_pos.as<int32_t>(), T, c.H, c.d, c.token_stride,
+                          c.head_stride, c.theta, inverse, dt(), 0));
+      auto want = x;
+      cpu::RopeApply(want.data(), pos.data(), T, c.H, c.d, c.token_stride, c.head_stride, c.theta,
+                     inverse);
+      ExpectClose(Download(d_x.get(), T * c.token_stride, dt()), want, dt(), "rope");
+    }
+  }
+}
+
+TEST_P(DenseOps, RmsNormVectorPathsResidualAndMisaligned) {
+  // D: one vector per lane, several, above the forward's register cache (4096: scalar forward,
+  // vector backward in bf16); offset 1: scalar paths. Residual fused, dresidual aliasing dx.
+  for (int64_t D : {256, 1024, 2048, 4096}) {
+    for (int offset : {0, 1}) {
+      const int64_t rows = 67;
+      SCOPED_TRACE("D " + std::to_string(D) + " offset " + std::to_string(offset));
+      auto x = Rand(rows * D), r = Rand(rows * D), w = Rand(D, 0.5f, 1.0f), dy = Rand(rows * D),
+           dres = Rand(rows * D);
+      auto dw0 = Normal(rng_, D);
+      auto d_x = UploadAt(x, dt(), offset), d_r = UploadAt(r, dt(), offset);
+      auto d_w = Upload(w, dt());
+      auto d_h = UploadAt(std::vector<float>(rows * D), dt(), offset);
+      auto d_y = UploadAt(std::vector<float>(rows * D), dt(), offset);
+      DeviceBuffer d_rstd(rows * 4);
+      ASSERT_OK(RmsNormResidualForward(d_x.ptr, d_r.ptr, d_h.ptr, d_w.get(), d_y.ptr,
+                                       d_rstd.as<float>(), rows, D, 1e-6f, dt(), 0));
+      std::vector<float> h(rows * D), y(rows * D), rstd(rows);
+      for (int64_t i = 0; i < rows * D; ++i) h[i] = x[i] + r[i];
+      RoundTo(dt(), h);
+      cpu::RmsNormForward(h.data(), w.data(), y.data(), rstd.data(), rows, D, 1e-6f);
+      ExpectClose(Download(d_h.ptr, rows * D, dt()), h, dt(), "h");
+      ExpectClose(Download(d_y.ptr, rows * D, dt()), y, dt(), "y");
+      ExpectClose(Download(d_rstd.get(), rows, DType::kFloat32), rstd, DType::kFloat32, "rstd");
+      // Plain forward in place (y over x).
+      auto d_x2 = UploadAt(h, dt(), offset);
+      DeviceBuffer d_rstd2(rows * 4);
+      ASSERT_OK(RmsNormForward(d_x2.ptr, d_w.get(), d_x2.ptr, d_rstd2.as<float>(), rows, D, 1e-6f,
+                               dt(), 0));
+      ExpectClose(Download(d_x2.ptr, rows * D, dt()), y, dt(), "y in place");
+
+      auto d_dy = UploadAt(dy, dt(), offset);
+      DeviceBuffer ws(RmsNormBackwardWorkspaceBytes(rows, D));
+      std::vector<std::vector<float>> dws;
+      for (int run = 0; run < 2; ++run) {
+        auto d_dx = UploadAt(dres, dt(), offset);
+        auto d_dw = Upload(dw0, DType::kFloat32);
+        ASSERT_OK(RmsNormBackward(d_h.ptr, d_w.get(), d_rstd.as<float>(), d_dy.ptr, d_dx.ptr,
+                                  d_dx.ptr, d_dw.as<float>(), rows, D, dt(), Ws(ws), 0));
+        if (run == 0) {
+          std::vector<float> dx(rows * D);
+          auto dw = dw0;
+          cpu::RmsNormBackward(h.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(),
+                               rows, D);
+          for (int64_t i = 0; i < rows * D; ++i) dx[i] += dres[i];
+          ExpectClose(Download(d_dx.ptr, rows * D, dt()), dx, dt(), "dx + dresidual");
+          ExpectClose(Download(d_dw.get(), D, DType::kFloat32), dw, dt(), "dw");
+        }
+        dws.push_back(Download(d_dw.get(), D, DType::kFloat32));
+      }
+      ExpectSameBits(dws[0], dws[1], "dw");
+    }
+  }
+}
+
+TEST_P(DenseOps, GroupNormGateVectorShapesAndMisaligned) {
+  // (H, Dh, offset): model shape, Dh 96 (bf16: idle lanes forward, scalar backward), Dh 32,
+  // misaligned (scalar paths).
+  struct Case {
+    int64_t H, Dh;
+    int offset;
+  };
+  for (const Case& c : {Case{16, 128, 0}, Case{5, 96, 0}, Case{7, 32, 0}, Case{4, 64, 1}}) {
+    const int64_t T = 45, H = c.H, Dh = c.Dh, C = H * Dh;
+    SCOPED_TRACE("H " + std::to_string(H) + " Dh " + std::to_string(Dh) + " offset " +
+                 std::to_string(c.offset));
+    auto o = Rand(T * C), w = Rand(C, 0.3f, 1.0f), gate = Rand(T * C, 2.0f), dy = Rand(T * C);
+    auto d_o = UploadAt(o, dt(), c.offset), d_gate = UploadAt(gate, dt(), c.offset);
+    auto d_w = Upload(w, dt());
+    auto d_y = UploadAt(std::vector<float>(T * C), dt(), c.offset);
+    DeviceBuffer d_rstd(T * H * 4);
+    ASSERT_OK(GroupNormGateForward(d_o.ptr, d_w.get(), d_gate.ptr, d_y.ptr, d_rstd.as<float>(), T,
+                                   H, Dh, 1e-6f, dt(), 0));
+    std::vector<float> y(T * C), rstd(T * H), do_(T * C), dgate(T * C), dw(C, 0.5f);
+    cpu::GroupNormGateForward(o.data(), w.data(), gate.data(), y.data(), rstd.data(), T, H, Dh,
+                              1e-6f);
+    ExpectClose(Download(d_y.ptr, T * C, dt()), y, dt(), "y");
+    ExpectClose(Download(d_rstd.get(), T * H, DType::kFloat32), rstd, DType::kFloat32, "rstd");
+    cpu::GroupNormGateBackward(o.data(), w.data(), gate.data(), rstd.data(), dy.data(),
+                               do_.data(), dw.data(), dgate.data(), T, H, Dh);
+    DeviceBuffer ws(GroupNormGateBackwardWorkspaceBytes(T, H, Dh));
+    std::vector<std::vector<float>> dws;
+    for (int run = 0; run < 2; ++run) {
+      // do_ over dy, dgate over a copy of gate.
+      auto d_dy = UploadAt(dy, dt(), c.offset), d_g2 = UploadAt(gate, dt(), c.offset);
+      auto d_dw = Upload(std::vector<float>(C, 0.5f), DType::kFloat32);
+      ASSERT_OK(GroupNormGateBackward(d_o.ptr, d_w.get(), d_g2.ptr, d_rstd.as<float>(), d_dy.ptr,
+                                      d_dy.ptr, d_dw.as<float>(), d_g2.ptr, T, H, Dh, dt(), Ws(ws),
+                                      0));
+      ExpectClose(Download(d_dy.ptr, T * C, dt()), do_, dt(), "do");
+      ExpectClose(Download(d_g2.ptr, T * C, dt()), dgate, dt(), "dgate");
+      dws.push_back(Download(d_dw.get(), C, DType::kFloat32));
+    }
+    ExpectClose(dws[0], dw, dt(), "dw");
+    ExpectSameBits(dws[0], dws[1], "dw");
+  }
+}
+
+TEST_P(DenseOps, SwiGluTailsAndMisaligned) {
+  for (int64_t n : {1, 5, 8, 4099}) {
+    for (int offset : {0, 1}) {
+      SCOPED_TRACE("n " + std::to_string(n) + " offset " + std::to_string(offset));
+      auto g = Rand(n, 2.0f), u = Rand(n), dy = Rand(n);
+      auto d_g = UploadAt(g, dt(), offset), d_u = UploadAt(u, dt(), offset);
+      auto d_dy = UploadAt(dy, dt(), offset), d_y = UploadAt(std::vector<float>(n), dt(), offset);
+      ASSERT_OK(SwiGluForward(d_g.ptr, d_u.ptr, d_y.ptr, n, dt(), 0));
+      std::vector<float> y(n), dg(n), du(n);
+      cpu::SwiGluForward(g.data(), u.data(), y.data(), n);
+      ExpectClose(Download(d_y.ptr, n, dt()), y, dt(), "y");
+      ASSERT_OK(SwiGluBackward(d_g.ptr, d_u.ptr, d_dy.ptr, d_g.ptr, d_u.ptr, n, dt(), 0));
+      cpu::SwiGluBackward(g.data(), u.data(), dy.data(), dg.data(), du.data(), n);
+      ExpectClose(Download(d_g.ptr, n, dt()), dg, dt(), "dg");
+      ExpectClose(Download(d_u.ptr, n, dt()), du, dt(), "du");
+    }
+  }
+}
+
 TEST_P(DenseOps, SwiGluForwardBackward) {
   const int64_t n = 100003;
   auto g = Rand(n, 2.0f), u = Rand(n), dy = Rand(n);
@@ -352,6 +605,56 @@ TEST_F(CudaOnly, AdamWMultiTensorMatchesCpuAcrossLaunches) {
     ExpectClose(Download(tensors[i].v, sizes[i], DType::kFloat32), v[i], DType::kFloat32, what + " v");
     ExpectClose(Download(tensors[i].p_bf16, sizes[i], DType::kBFloat16), p[i], DType::kBFloat16,
                 what + " p bf16");
+  }
+}
+
+TEST_F(CudaOnly, AdamWManyTensorsMisalignedAndWithoutBf16Copy) {
+  std::mt19937 rng(testing::FreshSeed());
+  // 130 tensors (several launches), every third shifted by one float (scalar path), every fifth
+  // without a bf16 copy, odd sizes around the per-block chunk.
+  const int64_t n_t = 130;
+  AdamWHyper hp{3e-4f, 0.9f, 0.999f, 1e-8f, 3, 1.0f};
+  std::vector<DeviceBuffer> bufs;
+  std::vector<AdamWTensor> tensors;
+  std::vector<std::vector<float>> p, g, m, v;
+  std::vector<int64_t> sizes;
+  for (int64_t i = 0; i < n_t; ++i) {
+    const int64_t n = i % 17 == 0 ? 8192 * 3 + 5 : 1 + static_cast<int64_t>(rng() % 3000);
+    sizes.push_back(n);
+    const int off = i % 3 == 1 ? 1 : 0;
+    p.push_back(Normal(rng, n));
+    g.push_back(Normal(rng, n));
+    m.push_back(Normal(rng, n, 0.1f));
+    auto vv = Normal(rng, n, 0.1f);
+    for (auto& e : vv) e = e * e;
+    v.push_back(vv);
+    float* ptr[4];
+    int k = 0;
+    for (const auto* src : {&p[i], &g[i], &m[i], &v[i]}) {
+      std::vector<float> padded(off, 0.0f);
+      padded.insert(padded.end(), src->begin(), src->end());
+      bufs.push_back(Upload(padded, DType::kFloat32));
+      ptr[k++] = bufs.back().as<float>() + off;
+    }
+    void* pb = nullptr;
+    if (i % 5 != 0) {
+      bufs.emplace_back((n + off) * 2 + 16);
+      pb = static_cast<char*>(bufs.back().get()) + 2 * off;
+    }
+    tensors.push_back({ptr[0], ptr[1], ptr[2], ptr[3], pb, n, i % 4 == 0 ? 0.0f : 0.1f});
+  }
+  ASSERT_OK(AdamWMultiTensor(tensors.data(), n_t, hp, 0));
+  for (int64_t i = 0; i < n_t; ++i) {
+    cpu::AdamWParams cp{hp.lr, hp.beta1, hp.beta2, hp.eps, tensors[i].weight_decay, hp.step};
+    cpu::AdamWStep(p[i].data(), g[i].data(), m[i].data(), v[i].data(), sizes[i], cp);
+    const std::string what = "tensor " + std::to_string(i);
+    ExpectClose(Download(tensors[i].p, sizes[i], DType::kFloat32), p[i], DType::kFloat32, what + " p");
+    ExpectClose(Download(tensors[i].m, sizes[i], DType::kFloat32), m[i], DType::kFloat32, what + " m");
+    ExpectClose(Download(tensors[i].v, sizes[i], DType::kFloat32), v[i], DType::kFloat32, what + " v");
+    if (tensors[i].p_bf16 != nullptr) {
+      ExpectClose(Download(tensors[i].p_bf16, sizes[i], DType::kBFloat16), p[i], DType::kBFloat16,
+                  what + " p bf16");
+    }
   }
 }
 
