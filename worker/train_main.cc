@@ -17,6 +17,12 @@
 // modes come from --lightning-mode / --mla-mode (default: the job spec's, "auto" resolved by the
 // planner's rule); a forced all2all with n_heads % cp != 0 is refused before any rank connects.
 // Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
+//
+// Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
+// CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
+// for what the GPU path does not run yet (cp > 1, SGD), they fail at start with exit code 2, and
+// with exit code 1 where no GPU is usable. --eval of such a job runs on the GPU too when built
+// with it, else on the CPU (checkpoints are shared).
 #include <omp.h>
 
 #include <cstdio>
@@ -33,6 +39,9 @@
 #include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/trainer.h"
 #include "worker/rendezvous_store.h"
+#ifdef SPINDLE_HAVE_CUDA_ENGINE
+#include "worker/engine/cuda/trainer_cuda.h"
+#endif
 
 namespace {
 
@@ -62,6 +71,13 @@ int Fail(const absl::Status& s) {
   std::fprintf(stderr, "spindle-train: %s\n", std::string(s.message()).c_str());
   return ExitCodeFor(s);
 }
+
+// The GPU model factory of this build (null without the CUDA engine).
+#ifdef SPINDLE_HAVE_CUDA_ENGINE
+constexpr spindle::StepBackendFactory kCudaBackend = spindle::CreateCudaStepBackend;
+#else
+constexpr spindle::StepBackendFactory kCudaBackend = nullptr;
+#endif
 
 void PrintEvent(const nlohmann::json& e) {
   std::string line = e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -141,7 +157,8 @@ int main(int argc, char** argv) {
     }
     std::string ckpt = flags["checkpoint"];
     if (auto latest = spindle::LatestCheckpoint(ckpt); latest.ok()) ckpt = *latest;
-    auto r = spindle::EvaluateCheckpoint(*spec, ckpt, data, eval_sequences);
+    auto r = spindle::EvaluateCheckpoint(*spec, ckpt, data, eval_sequences,
+                                         spec->resources == "cuda" ? kCudaBackend : nullptr);
     if (!r.ok()) return Fail(r.status());
     nlohmann::json e = {{"event", "eval"},
                         {"checkpoint", ckpt},
@@ -218,6 +235,7 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = flags.count("checkpoint-dir") ? flags["checkpoint-dir"] : "";
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
+  options.cuda_backend = kCudaBackend;
   auto trainer = spindle::Trainer::Create(std::move(options));
   if (!trainer.ok()) return Fail(trainer.status());
   absl::Status s = (*trainer)->Run();

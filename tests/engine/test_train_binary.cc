@@ -1,6 +1,8 @@
 // spindle-train as a user runs it: every bad input (malformed spec, missing, truncated or
 // out-of-vocabulary data, corrupt or mismatched checkpoint, unknown flag) ends with exit code 2,
 // exactly one line on stderr naming the problem, and nothing written to the checkpoint directory.
+// Jobs with resources "cuda" run only where they can: without the CUDA engine, or at cp > 1, they
+// are rejected the same way; on a CUDA build without a GPU they fail with one line (exit 1).
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
 
@@ -107,6 +110,44 @@ TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
   ASSERT_EQ(stat(model.c_str(), &after), 0);
   EXPECT_EQ(after.st_mtime, before.st_mtime);
   EXPECT_EQ(after.st_size, before.st_size);
+}
+
+TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
+  auto cuda_job = [&](int cp) {
+    return Write("cuda.json", absl::StrCat(R"({"name": "j", "model": {"preset": "tiny"},
+        "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 128,
+        "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
+        "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
+  };
+  CommandResult cp2 = Run({"--job", cuda_job(2), "--rank", "0", "--world", "2", "--file-store",
+                           dir_ + "/store"});
+#ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
+  ExpectRejected(cp2, "spindle-train: trainer: context parallelism on CUDA is not built yet");
+#else
+  ExpectRejected(cp2, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
+                      "build has no CUDA engine");
+#endif
+  EXPECT_FALSE(CheckpointDirExists());
+  CommandResult one = Run({"--job", cuda_job(1)});
+#ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
+  if (one.exit_code == 0) {
+    // A GPU is present: the job trained, with device memory in its step events.
+    EXPECT_NE(one.stdout_text.find("\"mem_peak_bytes\""), std::string::npos) << one.stdout_text;
+    EXPECT_TRUE(CheckpointDirExists());
+  } else {
+    EXPECT_EQ(one.exit_code, 1) << one.stderr_text;
+    EXPECT_EQ(std::count(one.stderr_text.begin(), one.stderr_text.end(), '\n'), 1)
+        << one.stderr_text;
+    EXPECT_NE(one.stderr_text.find("but no CUDA device is usable here"), std::string::npos)
+        << one.stderr_text;
+    EXPECT_TRUE(one.stdout_text.empty()) << one.stdout_text;
+    EXPECT_FALSE(CheckpointDirExists());
+  }
+#else
+  ExpectRejected(one, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
+                      "build has no CUDA engine");
+  EXPECT_FALSE(CheckpointDirExists());
+#endif
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The single-rank step loop, resume and evaluation (see trainer.h).
+// The step loop (CPU model or a device StepBackend), resume and evaluation (see trainer.h).
 #include "worker/engine/trainer.h"
 
 #include <algorithm>
@@ -24,6 +24,23 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   if (o.rank < 0 || o.rank >= o.world)
     return absl::InvalidArgumentError(
         absl::StrCat("trainer: rank ", o.rank, " is not in a world of ", o.world));
+  // GPU jobs: what the CUDA engine cannot run is refused before any peer is waited for.
+  const bool on_device = spec.resources == "cuda";
+  if (on_device) {
+    if (!o.cuda_backend)
+      return absl::FailedPreconditionError(
+          "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine "
+          "(build with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
+          "resources \"cpu\")");
+    if (spec.parallel.cp > 1)
+      return absl::UnimplementedError(absl::StrCat(
+          "trainer: context parallelism on CUDA is not built yet (the job has parallel.cp = ",
+          spec.parallel.cp, "; run it with cp = 1 or with resources \"cpu\")"));
+    if (spec.train.optimizer != "adamw")
+      return absl::UnimplementedError(absl::StrCat(
+          "trainer: train.optimizer \"", spec.train.optimizer,
+          "\" on CUDA is not built yet (the CUDA engine has AdamW only)"));
+  }
   t->cp_ = spec.parallel.cp;
   t->dp_ = spec.parallel.dp;
   t->cp_rank_ = o.rank % t->cp_;
@@ -48,19 +65,28 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   t->ckpt_dir_ = t->opt_.checkpoint_dir.empty() ? spec.checkpoint.dir : t->opt_.checkpoint_dir;
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
-  ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
-  t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
-  t->optimizer_ = std::make_unique<Optimizer>(spec.train, t->model_->params());
+  if (on_device) {
+    ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed));
+  } else {
+    ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
+    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
+  }
+  ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
+  t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
   t->state_.seed = spec.train.seed;
   if (!t->ckpt_dir_.empty()) {
     auto latest = LatestCheckpoint(t->ckpt_dir_);
     if (latest.ok()) {
-      ASSIGN_OR_RETURN(t->state_, LoadCheckpoint(*latest, t->model_->params(),
-                                                 t->optimizer_.get(), spec.model));
+      ASSIGN_OR_RETURN(t->state_, LoadCheckpoint(*latest, params, t->optimizer_.get(), spec.model));
       if (t->state_.seed != spec.train.seed)
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint: \"", *latest, "\" was written with seed ", t->state_.seed,
             ", the job has train.seed = ", spec.train.seed));
+      if (on_device) {
+        RETURN_IF_ERROR(t->backend_->UploadParams());
+        RETURN_IF_ERROR(t->backend_->UploadOptimizerState(
+            t->optimizer_->state0(), t->optimizer_->state1(), t->optimizer_->steps_taken()));
+      }
     } else if (latest.status().code() != absl::StatusCode::kNotFound) {
       return latest.status();
     }
@@ -93,7 +119,7 @@ absl::Status Trainer::Run() {
         {"world", opt_.world},
         {"resumed_from_step", state_.step},
         {"total_steps", spec.train.steps},
-        {"params", model_->config().NumParams()},
+        {"params", spec.model.NumParams()},
         {"seq_len", spec.seq_len}});
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
@@ -108,7 +134,17 @@ absl::Status Trainer::Run() {
   return absl::OkStatus();
 }
 
+namespace {
+// The factor the averaged gradients are multiplied by before the update: 1 unless clipping.
+float ClipScale(const TrainSpec& t, double grad_norm) {
+  return t.grad_clip > 0 && grad_norm > t.grad_clip
+             ? static_cast<float>(t.grad_clip / (grad_norm + 1e-6))
+             : 1.0f;
+}
+}  // namespace
+
 absl::Status Trainer::Step() {
+  if (backend_) return DeviceStep();
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
@@ -160,10 +196,59 @@ absl::Status Trainer::Step() {
   const double grad_norm =
       std::sqrt(kernels::cpu::SumSquares(P.flat_grad().f32(), P.flat_grad().numel()));
   if (spec.train.grad_clip > 0 && grad_norm > spec.train.grad_clip)
-    kernels::cpu::Scale(P.flat_grad().f32(), P.flat_grad().numel(),
-                        static_cast<float>(spec.train.grad_clip / (grad_norm + 1e-6)));
+    kernels::cpu::Scale(P.flat_grad().f32(), P.flat_grad().numel(), ClipScale(spec.train, grad_norm));
   const double lr = ScheduledLr(spec.train, state_.step);
   optimizer_->Step(lr);
+  FinishStep(t0, loss, lr, grad_norm);
+  return absl::OkStatus();
+}
+
+// The CPU step's arithmetic on the backend, cp = 1: every rank's gradients are those of
+// (1 / the world's valid targets) x its loss sum, summed over the world on the host; the norm of
+// the sum decides the clip factor, which AdamW applies to the gradients before its update.
+absl::Status Trainer::DeviceStep() {
+  const JobSpec& spec = opt_.spec;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t mb = spec.train.micro_batches;
+  std::vector<Batch> batches;
+  double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
+  for (int64_t m = 0; m < mb; ++m) {
+    batches.push_back(MakeSequenceBatch(
+        data_->Sequence(state_.data_position + dp_rank_ * mb + m), data_->eos_id()));
+    counts[1] += static_cast<double>(batches.back().NumValidTargets());
+  }
+  double n_valid = counts[1];
+  if (world_comm_)
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
+  RETURN_IF_ERROR(backend_->ZeroGrads());
+  const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
+  for (int64_t m = 0; m < mb; ++m) {
+    ASSIGN_OR_RETURN(LossStats s,
+                     backend_->ForwardBackward(batches[m], grad_scale, spec.train.recompute));
+    counts[0] += s.loss_sum;
+  }
+  if (world_comm_) {
+    Tensor& g = backend_->host_params().flat_grad();
+    RETURN_IF_ERROR(backend_->DownloadGrads());
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad));
+    RETURN_IF_ERROR(backend_->UploadGrads());
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
+  }
+  const double loss = n_valid > 0 ? counts[0] / n_valid : 0.0;
+  if (!std::isfinite(loss))
+    return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
+  ASSIGN_OR_RETURN(const double sum_squares, backend_->GradSquaredNorm());
+  const double grad_norm = std::sqrt(sum_squares);
+  const double lr = ScheduledLr(spec.train, state_.step);
+  RETURN_IF_ERROR(backend_->AdamWStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
+  FinishStep(t0, loss, lr, grad_norm);
+  return absl::OkStatus();
+}
+
+void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
+                         double grad_norm) {
+  const JobSpec& spec = opt_.spec;
+  const int64_t mb = spec.train.micro_batches;
   state_.step += 1;
   state_.data_position += mb * spec.parallel.dp;
   losses_.push_back(loss);
@@ -188,19 +273,26 @@ absl::Status Trainer::Step() {
                       {"lr", lr},
                       {"grad_norm", grad_norm},
                       {"elapsed_s", elapsed_s_},
-                      {"tflops", model_->config().TrainFlopsPerToken(spec.seq_len) * tokens / dt / 1e12}};
+                      {"tflops", spec.model.TrainFlopsPerToken(spec.seq_len) * tokens / dt / 1e12}};
   if (!comm.empty()) e["comm"] = std::move(comm);
+  if (backend_) e.update(backend_->StepEventFields());
   Emit(std::move(e));
-  return absl::OkStatus();
 }
 
 // Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as
 // complete when all ranks did), the others only once rank 0 says it is on disk.
 absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
-  if (opt_.rank == 0)
-    dir = SaveCheckpoint(ckpt_dir_, model_->params(), optimizer_.get(), opt_.spec.model, state_,
-                         opt_.spec.checkpoint.keep);
+  if (opt_.rank == 0 && backend_) {
+    // The device's parameters and AdamW state into the host copies the checkpoint code writes.
+    absl::Status s = backend_->DownloadParams();
+    if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
+    optimizer_->set_steps_taken(backend_->steps_taken());
+    if (!s.ok()) dir = s;
+  }
+  if (opt_.rank == 0 && dir.ok())
+    dir = SaveCheckpoint(ckpt_dir_, backend_ ? backend_->host_params() : model_->params(),
+                         optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep);
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;
     RETURN_IF_ERROR(world_comm_->Broadcast(&written, 1, CommType::kI32, 0, CommLayer::kOther));
@@ -214,15 +306,29 @@ absl::Status Trainer::Checkpoint() {
 }
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::string& checkpoint,
-                                              const DataSpec& data, int64_t n_sequences) {
+                                              const DataSpec& data, int64_t n_sequences,
+                                              StepBackendFactory device) {
   ASSIGN_OR_RETURN(auto source, OpenDataSource(data, spec.seq_len, spec.model.vocab, spec.train.seed));
-  ASSIGN_OR_RETURN(auto model, Model::Create(spec.model, spec.train.seed));
-  RETURN_IF_ERROR(LoadCheckpoint(checkpoint, model->params(), nullptr, spec.model).status());
+  std::unique_ptr<Model> model;
+  std::unique_ptr<StepBackend> backend;
+  if (device) {
+    ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed));
+    RETURN_IF_ERROR(
+        LoadCheckpoint(checkpoint, backend->host_params(), nullptr, spec.model).status());
+    RETURN_IF_ERROR(backend->UploadParams());
+  } else {
+    ASSIGN_OR_RETURN(model, Model::Create(spec.model, spec.train.seed));
+    RETURN_IF_ERROR(LoadCheckpoint(checkpoint, model->params(), nullptr, spec.model).status());
+  }
+  auto forward = [&](const Batch& b) -> absl::StatusOr<LossStats> {
+    if (backend) return backend->Forward(b);
+    return model->Forward(b);
+  };
   EvalResult r;
   double sum = 0.0, ans_sum = 0.0;
   for (int64_t n = 0; n < n_sequences; ++n) {
     Batch b = MakeSequenceBatch(source->Sequence(n), source->eos_id());
-    LossStats s = model->Forward(b);
+    ASSIGN_OR_RETURN(LossStats s, forward(b));
     sum += s.loss_sum;
     r.n_valid += s.n_valid;
     // Answer tokens: keep only targets that are answers, and run again (cheap at eval sizes).
@@ -231,7 +337,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
       Batch a = b;
       for (int64_t i = 0; i < a.T; ++i)
         a.targets[i] = (i + 1 < a.T && mask[i + 1]) ? a.targets[i] : -1;
-      LossStats sa = model->Forward(a);
+      ASSIGN_OR_RETURN(LossStats sa, forward(a));
       ans_sum += sa.loss_sum;
       r.n_answers += sa.n_valid;
     }

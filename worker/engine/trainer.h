@@ -14,8 +14,20 @@
 // every rank holds the same parameters. Rank 0 writes checkpoints; all ranks resume from the
 // same step or Create() fails. Step events carry "comm": the step's collectives per (collective,
 // layer type) with seconds and bytes.
+//
+// GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
+// TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
+// weights). The step's arithmetic is the CPU path's: gradients of (1 / the step's valid targets) x
+// the loss sum, the norm of those, the same clip factor, AdamW at the scheduled rate. With dp > 1
+// the gradients are all-reduced on the host (download, Gloo, upload). Checkpoints download the
+// parameters and AdamW moments into the host ParamSet and use the same format, so CPU and GPU
+// runs resume each other's; a resume uploads them. Step events add the device memory
+// ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes"). Not built for the GPU, each
+// refused at Create() with one error: cp > 1, an optimizer other than AdamW, and no factory (a
+// build without the CUDA engine).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -32,6 +44,7 @@
 #include "worker/engine/data.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/step_backend.h"
 
 namespace spindle {
 
@@ -51,6 +64,10 @@ struct TrainerOptions {
   CpMode mla_mode = CpMode::kAuto;
   // Gradient all-reduce bucket size, in floats.
   int64_t grad_bucket_floats = int64_t{1} << 20;
+  // Builds the model of resources "cuda" jobs: CreateCudaStepBackend
+  // (worker/engine/cuda/trainer_cuda.h) in binaries linked with the CUDA engine. Null: such jobs
+  // fail at Create() ("this build has no CUDA engine").
+  StepBackendFactory cuda_backend = nullptr;
 };
 
 class Trainer {
@@ -58,7 +75,10 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options);
   absl::Status Run();
 
+  // The CPU model (resources "cpu").
   Model& model() { return *model_; }
+  // The device model (resources "cuda"), else null.
+  StepBackend* backend() { return backend_.get(); }
   const TrainState& state() const { return state_; }
   // Loss of every step this process ran.
   const std::vector<double>& losses() const { return losses_; }
@@ -67,6 +87,10 @@ class Trainer {
  private:
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
   absl::Status Step();
+  absl::Status DeviceStep();
+  // After the update: counters, the loss history and the step event.
+  void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
+                  double grad_norm);
   absl::Status Checkpoint();
   void Emit(nlohmann::json event);
 
@@ -78,7 +102,9 @@ class Trainer {
   std::unique_ptr<Communicator> world_comm_, cp_comm_;
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
-  std::unique_ptr<Model> model_;
+  std::unique_ptr<Model> model_;          // resources "cpu"
+  std::unique_ptr<StepBackend> backend_;  // resources "cuda"
+  // On the backend's host ParamSet for "cuda": the AdamW state as of the last checkpoint/resume.
   std::unique_ptr<Optimizer> optimizer_;
   TrainState state_;
   std::vector<double> losses_;
@@ -86,7 +112,8 @@ class Trainer {
 };
 
 // Loss of a checkpoint on `n_sequences` sequences of `data` (sequences 0..n-1), without
-// training. Also reports the loss on answer tokens for synthetic tasks.
+// training. Also reports the loss on answer tokens for synthetic tasks. On the CPU model, or on
+// the backend `device` builds when non-null (checkpoints are the same for both).
 struct EvalResult {
   double loss = 0.0;
   int64_t n_valid = 0;
@@ -94,6 +121,7 @@ struct EvalResult {
   int64_t n_answers = 0;
 };
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::string& checkpoint,
-                                              const DataSpec& data, int64_t n_sequences);
+                                              const DataSpec& data, int64_t n_sequences,
+                                              StepBackendFactory device = nullptr);
 
 }  // namespace spindle

@@ -1,0 +1,325 @@
+// The trainer's device path (resources "cuda", worker/engine/step_backend.h) without a GPU: a
+// StepBackend that runs the CPU Model as its "device", with a separate host mirror, stands in for
+// CudaModel. With it the device path must reproduce the CPU path bit for bit (averaging, norm,
+// clipping, AdamW, data parallel on the host), download before every checkpoint and upload on
+// every resume, so checkpoints cross between the engines; evaluation on the device equals the
+// CPU's. Also: what the GPU path does not run fails at Create() with one error and writes nothing.
+#include <omp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/ops.h"
+#include "tests/engine/cp_test_util.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/trainer.h"
+
+namespace spindle {
+namespace {
+
+// The CPU Model as a device: its ParamSet is device memory, a second ParamSet (same layout) the
+// host mirror, AdamW the CPU Optimizer's loop.
+class CpuDeviceBackend final : public StepBackend {
+ public:
+  static absl::StatusOr<std::unique_ptr<StepBackend>> Create(const ModelConfig& config,
+                                                             uint64_t seed) {
+    auto dev = Model::Create(config, seed);
+    if (!dev.ok()) return dev.status();
+    auto host = Model::Create(config, seed);
+    if (!host.ok()) return host.status();
+    return std::unique_ptr<StepBackend>(new CpuDeviceBackend(std::move(*dev), std::move(*host)));
+  }
+
+  const ModelConfig& config() const override { return dev_->config(); }
+  ParamSet& host_params() override { return host_->params(); }
+  absl::Status ZeroGrads() override {
+    dev_->params().ZeroGrad();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<LossStats> ForwardBackward(const Batch& b, float grad_scale,
+                                            bool recompute) override {
+    return dev_->ForwardBackward(b, grad_scale, recompute);
+  }
+  absl::StatusOr<LossStats> Forward(const Batch& b) override { return dev_->Forward(b); }
+  absl::StatusOr<double> GradSquaredNorm() override {
+    Tensor& g = dev_->params().flat_grad();
+    return kernels::cpu::SumSquares(g.f32(), g.numel());
+  }
+  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) override {
+    ParamSet& P = dev_->params();
+    if (grad_scale != 1.0f) kernels::cpu::Scale(P.flat_grad().f32(), P.numel(), grad_scale);
+    ++steps_;
+    for (int i = 0; i < P.size(); ++i) {
+      const ParamInfo& p = P.info(i);
+      const float wd = p.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
+      kernels::cpu::AdamWParams hp{static_cast<float>(lr),
+                                   static_cast<float>(spec.beta1),
+                                   static_cast<float>(spec.beta2),
+                                   static_cast<float>(spec.eps),
+                                   wd,
+                                   steps_};
+      kernels::cpu::AdamWStep(P.data(i), P.grad(i), m_.f32() + p.offset, v_.f32() + p.offset,
+                              p.numel, hp);
+    }
+    return absl::OkStatus();
+  }
+  int64_t steps_taken() const override { return steps_; }
+  absl::Status DownloadGrads() override {
+    return Copy(dev_->params().flat_grad(), host_->params().flat_grad());
+  }
+  absl::Status UploadGrads() override {
+    return Copy(host_->params().flat_grad(), dev_->params().flat_grad());
+  }
+  absl::Status DownloadParams() override {
+    return Copy(dev_->params().flat_data(), host_->params().flat_data());
+  }
+  absl::Status UploadParams() override {
+    return Copy(host_->params().flat_data(), dev_->params().flat_data());
+  }
+  absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override {
+    RETURN_IF_ERROR(Copy(m_, *m));
+    return Copy(v_, *v);
+  }
+  absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps) override {
+    RETURN_IF_ERROR(Copy(m, m_));
+    RETURN_IF_ERROR(Copy(v, v_));
+    steps_ = steps;
+    return absl::OkStatus();
+  }
+  nlohmann::json StepEventFields() override {
+    return {{"mem_allocated_bytes", 1}, {"mem_reserved_bytes", 2}, {"mem_peak_bytes", 3}};
+  }
+
+ private:
+  CpuDeviceBackend(std::unique_ptr<Model> dev, std::unique_ptr<Model> host)
+      : dev_(std::move(dev)), host_(std::move(host)) {
+    m_ = Tensor::Zeros({dev_->params().numel()});
+    v_ = Tensor::Zeros({dev_->params().numel()});
+    // The host mirror starts out different from the device, so a missing transfer shows.
+    host_->params().flat_data().SetZero();
+  }
+  static absl::Status Copy(const Tensor& from, Tensor& to) {
+    if (from.numel() != to.numel())
+      return absl::InternalError(absl::StrCat("copy of ", from.numel(), " into ", to.numel()));
+    std::memcpy(to.f32(), from.f32(), static_cast<size_t>(from.bytes()));
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<Model> dev_, host_;
+  Tensor m_, v_;
+  int64_t steps_ = 0;
+};
+
+std::string TempDir(const std::string& tag) {
+  char tmpl[] = "/tmp/spindle-device-test-XXXXXX";
+  std::string d = mkdtemp(tmpl);
+  return d + "/" + tag;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+// grad_clip 0.5: several of the first steps clip (their norms are 1..6).
+JobSpec Job(int64_t steps, const std::string& resources, int64_t dp = 1, int64_t micro = 1) {
+  auto spec = ParseJobSpec(absl::StrCat(
+      R"({"name": "d", "model": {"preset": "tiny"},
+          "data": {"source": "synthetic:recall", "recall_pairs": 4, "recall_gap": 48},
+          "seq_len": 192, "parallel": {"dp": )",
+      dp, R"(}, "train": {"steps": )", steps,
+      R"(, "lr": 3e-3, "warmup_steps": 2, "seed": 11, "grad_clip": 0.5, "weight_decay": 0.1,
+          "micro_batches": )",
+      micro, R"(}, "resources": ")", resources, R"("})"));
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<float> params;
+  std::vector<nlohmann::json> steps;  // step events
+};
+
+absl::StatusOr<RunResult> Train(const JobSpec& spec, const std::string& ckpt_dir = "",
+                                int64_t stop_at = -1) {
+  TrainerOptions o;
+  o.spec = spec;
+  o.checkpoint_dir = ckpt_dir;
+  o.stop_at_step = stop_at;
+  o.cuda_backend = CpuDeviceBackend::Create;
+  RunResult r;
+  o.on_event = [&](const nlohmann::json& e) {
+    if (e["event"] == "step") r.steps.push_back(e);
+  };
+  auto t = Trainer::Create(std::move(o));
+  if (!t.ok()) return t.status();
+  RETURN_IF_ERROR((*t)->Run());
+  r.losses = (*t)->losses();
+  ParamSet* P = nullptr;
+  if (StepBackend* b = (*t)->backend()) {
+    RETURN_IF_ERROR(b->DownloadParams());
+    P = &b->host_params();
+  } else {
+    P = &(*t)->model().params();
+  }
+  r.params.assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+  return r;
+}
+
+TEST(DeviceTrainerTest, StepsMatchTheCpuPathBitForBit) {
+  omp_set_num_threads(2);
+  auto cpu = Train(Job(6, "cpu", 1, 2));
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto dev = Train(Job(6, "cuda", 1, 2));
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  ASSERT_EQ(dev->losses.size(), 6u);
+  EXPECT_EQ(dev->losses, cpu->losses);
+  EXPECT_EQ(dev->params, cpu->params);
+  int clipped = 0;
+  for (size_t i = 0; i < dev->steps.size(); ++i) {
+    const nlohmann::json& e = dev->steps[i];
+    EXPECT_EQ(e["grad_norm"], cpu->steps[i]["grad_norm"]) << "step " << i + 1;
+    EXPECT_EQ(e["lr"], cpu->steps[i]["lr"]);
+    clipped += e["grad_norm"].get<double>() > 0.5;
+    EXPECT_EQ(e["mem_allocated_bytes"], 1) << e.dump();
+    EXPECT_EQ(e["mem_peak_bytes"], 3) << e.dump();
+    EXPECT_FALSE(cpu->steps[i].contains("mem_allocated_bytes"));
+  }
+  EXPECT_GE(clipped, 2) << "the clipping branch was not exercised";
+}
+
+TEST(DeviceTrainerTest, CheckpointsResumeAcrossEnginesExactly) {
+  omp_set_num_threads(2);
+  JobSpec cpu_spec = Job(6, "cpu"), dev_spec = Job(6, "cuda");
+  cpu_spec.checkpoint.every = dev_spec.checkpoint.every = 3;
+  auto whole = Train(cpu_spec);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  for (const bool device_first : {true, false}) {
+    SCOPED_TRACE(device_first ? "device, then CPU" : "CPU, then device");
+    const std::string dir = TempDir("ck");
+    auto first = Train(device_first ? dev_spec : cpu_spec, dir, 3);
+    ASSERT_TRUE(first.ok()) << first.status();
+    auto rest = Train(device_first ? cpu_spec : dev_spec, dir);
+    ASSERT_TRUE(rest.ok()) << rest.status();
+    ASSERT_EQ(first->losses.size(), 3u);
+    ASSERT_EQ(rest->losses.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(first->losses[i], whole->losses[i]) << "step " << i + 1;
+      EXPECT_EQ(rest->losses[i], whole->losses[3 + i]) << "step " << i + 4;
+    }
+    EXPECT_EQ(rest->params, whole->params);
+  }
+}
+
+TEST(DeviceTrainerTest, DataParallelMatchesTheCpuDataParallelRun) {
+  omp_set_num_threads(1);
+  auto world_run = [](const std::string& resources) -> absl::StatusOr<RunResult> {
+    JobSpec spec = Job(4, resources, /*dp=*/2);
+    MemoryKvStore store;
+    RunResult out;
+    std::vector<std::vector<float>> params(2);
+    absl::Status s = testing::RunRanks(2, [&](int rank) -> absl::Status {
+      TrainerOptions o;
+      o.spec = spec;
+      o.rank = rank;
+      o.world = 2;
+      o.store = &store;
+      o.gloo = testing::TestGloo();
+      o.cuda_backend = CpuDeviceBackend::Create;
+      auto t = Trainer::Create(std::move(o));
+      if (!t.ok()) return t.status();
+      RETURN_IF_ERROR((*t)->Run());
+      ParamSet* P = &(*t)->model().params();
+      if (StepBackend* b = (*t)->backend()) {
+        RETURN_IF_ERROR(b->DownloadParams());
+        P = &b->host_params();
+      }
+      params[rank].assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+      if (rank == 0) out.losses = (*t)->losses();
+      return absl::OkStatus();
+    });
+    if (!s.ok()) return s;
+    if (params[0] != params[1]) return absl::InternalError("the ranks' parameters differ");
+    out.params = std::move(params[0]);
+    return out;
+  };
+  auto cpu = world_run("cpu");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto dev = world_run("cuda");
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  ASSERT_EQ(dev->losses.size(), 4u);
+  EXPECT_EQ(dev->losses, cpu->losses);
+  EXPECT_EQ(dev->params, cpu->params);
+}
+
+TEST(DeviceTrainerTest, EvaluationOnTheDeviceEqualsTheCpus) {
+  omp_set_num_threads(2);
+  JobSpec spec = Job(2, "cuda");
+  const std::string dir = TempDir("ev");
+  ASSERT_TRUE(Train(spec, dir).ok());
+  auto ckpt = LatestCheckpoint(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto on_cpu = EvaluateCheckpoint(spec, *ckpt, spec.data, 2);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  auto on_dev = EvaluateCheckpoint(spec, *ckpt, spec.data, 2, CpuDeviceBackend::Create);
+  ASSERT_TRUE(on_dev.ok()) << on_dev.status();
+  EXPECT_EQ(on_dev->loss, on_cpu->loss);
+  EXPECT_EQ(on_dev->n_valid, on_cpu->n_valid);
+  EXPECT_EQ(on_dev->answer_loss, on_cpu->answer_loss);
+  EXPECT_GT(on_dev->n_answers, 0);
+}
+
+// resources "cuda" that this build or the GPU path cannot run: one error at Create(), no
+// checkpoint directory.
+TEST(DeviceTrainerTest, WhatTheGpuPathCannotRunFailsAtCreateAndWritesNothing) {
+  struct Case {
+    std::string name;
+    std::function<void(TrainerOptions&)> edit;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"no CUDA engine", [](TrainerOptions& o) { o.cuda_backend = nullptr; },
+       absl::StatusCode::kFailedPrecondition,
+       "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine (build "
+       "with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
+       "resources \"cpu\")"},
+      {"cp = 2",
+       [](TrainerOptions& o) {
+         o.spec.parallel.cp = 2;
+         o.world = 2;
+       },
+       absl::StatusCode::kUnimplemented,
+       "trainer: context parallelism on CUDA is not built yet (the job has parallel.cp = 2; run "
+       "it with cp = 1 or with resources \"cpu\")"},
+      {"sgd", [](TrainerOptions& o) { o.spec.train.optimizer = "sgd"; },
+       absl::StatusCode::kUnimplemented,
+       "trainer: train.optimizer \"sgd\" on CUDA is not built yet (the CUDA engine has AdamW "
+       "only)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TrainerOptions o;
+    o.spec = Job(2, "cuda");
+    o.checkpoint_dir = TempDir("refused");
+    o.cuda_backend = CpuDeviceBackend::Create;
+    c.edit(o);
+    const std::string dir = o.checkpoint_dir;
+    auto t = Trainer::Create(std::move(o));
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), c.code);
+    EXPECT_EQ(t.status().message(), c.message);
+    EXPECT_FALSE(Exists(dir));
+  }
+}
+
+}  // namespace
+}  // namespace spindle

@@ -1,0 +1,89 @@
+// CudaStepBackend: the StepBackend of resources "cuda" jobs, a thin adapter over CudaModel (see
+// trainer_cuda.h). Gradients go back to the device with a copy into device_grads() on the
+// model's stream (the data-parallel all-reduce on the host needs it; CudaModel has no upload of
+// gradients of its own).
+#include "worker/engine/cuda/trainer_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/cuda_model.h"
+
+namespace spindle {
+namespace {
+
+absl::Status CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cuda trainer: ", what, ": ", cudaGetErrorString(err)));
+}
+
+class CudaStepBackend final : public StepBackend {
+ public:
+  explicit CudaStepBackend(std::unique_ptr<CudaModel> model) : m_(std::move(model)) {}
+
+  const ModelConfig& config() const override { return m_->config(); }
+  ParamSet& host_params() override { return m_->host_params(); }
+  absl::Status ZeroGrads() override { return m_->ZeroGrads(); }
+  absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
+                                            bool recompute) override {
+    return m_->ForwardBackward(batch, grad_scale, recompute);
+  }
+  absl::StatusOr<LossStats> Forward(const Batch& batch) override { return m_->Forward(batch); }
+  absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
+  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) override {
+    return m_->AdamWStep(spec, lr, grad_scale);
+  }
+  int64_t steps_taken() const override { return m_->steps_taken(); }
+
+  absl::Status DownloadGrads() override { return m_->DownloadGrads(); }
+  absl::Status UploadGrads() override {
+    Tensor& g = m_->host_params().flat_grad();
+    RETURN_IF_ERROR(CudaError(
+        cudaMemcpyAsync(m_->device_grads(), g.f32(), static_cast<size_t>(g.numel()) * sizeof(float),
+                        cudaMemcpyHostToDevice, m_->stream()),
+        "gradient upload"));
+    return CudaError(cudaStreamSynchronize(m_->stream()), "gradient upload");
+  }
+  absl::Status DownloadParams() override { return m_->DownloadParams(); }
+  absl::Status UploadParams() override { return m_->UploadParams(); }
+  absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override {
+    return m_->DownloadOptimizerState(m, v);
+  }
+  absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
+                                    int64_t steps_taken) override {
+    return m_->UploadOptimizerState(m, v, steps_taken);
+  }
+
+  // Everything this trainer holds on the device: the fixed buffers (weights, bf16 copies,
+  // gradients, moments) plus the activation allocator's figures.
+  nlohmann::json StepEventFields() override {
+    const DeviceMemory mem = m_->memory();
+    return {{"mem_allocated_bytes", mem.fixed + mem.allocated},
+            {"mem_reserved_bytes", mem.fixed + mem.reserved},
+            {"mem_peak_bytes", mem.fixed + mem.peak_allocated}};
+  }
+
+ private:
+  std::unique_ptr<CudaModel> m_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
+                                                                   uint64_t seed) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat(
+        "trainer: the job asks for resources \"cuda\" but no CUDA device is usable here (",
+        err != cudaSuccess ? cudaGetErrorString(err) : "no device", ")"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, seed, 0));
+  return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model)));
+}
+
+}  // namespace spindle

@@ -1,0 +1,67 @@
+// StepBackend: a model on an accelerator that the trainer drives in place of the CPU Model (jobs
+// with resources "cuda"). The trainer keeps the step's arithmetic (averaging over the step's
+// targets, gradient norm, clipping, learning-rate schedule), the data-parallel all-reduce and the
+// checkpoint format; a backend runs the per-sequence passes, the gradient norm and the AdamW
+// update on its device and moves parameters, gradients and optimizer state between the device
+// and a host ParamSet with the CPU model's names, shapes and flat layout, so a checkpoint written
+// from one engine resumes on the other.
+//
+// The CUDA implementation is worker/engine/cuda/trainer_cuda.h (library spindle_engine_cuda,
+// which depends on spindle_engine, never the reverse): a binary linked with it passes its factory
+// in TrainerOptions::cuda_backend. Whole sequences only (cp = 1). Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+#include "nlohmann/json.hpp"
+#include "worker/engine/batch.h"
+#include "worker/engine/model.h"
+#include "worker/engine/params.h"
+#include "worker/engine/tensor.h"
+
+namespace spindle {
+
+class StepBackend {
+ public:
+  virtual ~StepBackend() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  // The host mirror: values as of the last Download*/Upload* (or the initial values).
+  virtual ParamSet& host_params() = 0;
+
+  virtual absl::Status ZeroGrads() = 0;
+  // Adds the gradients of grad_scale * sum(token losses) into the device gradients.
+  virtual absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
+                                                    bool recompute) = 0;
+  virtual absl::StatusOr<LossStats> Forward(const Batch& batch) = 0;
+  // Sum of squared device gradients.
+  virtual absl::StatusOr<double> GradSquaredNorm() = 0;
+  // AdamW (decay on matrices only, as the CPU Optimizer) with the device gradients multiplied by
+  // grad_scale first. Increments steps_taken().
+  virtual absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) = 0;
+  virtual int64_t steps_taken() const = 0;
+
+  // Gradients device <-> host_params().flat_grad() (the data-parallel all-reduce runs on the host).
+  virtual absl::Status DownloadGrads() = 0;
+  virtual absl::Status UploadGrads() = 0;
+  // Parameters device <-> host_params().flat_data().
+  virtual absl::Status DownloadParams() = 0;
+  virtual absl::Status UploadParams() = 0;
+  // AdamW moments (ParamSet flat layout, numel() floats each) and the step count.
+  virtual absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) = 0;
+  virtual absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
+                                            int64_t steps_taken) = 0;
+
+  // Fields added to every step event (device memory: "mem_allocated_bytes", ...).
+  virtual nlohmann::json StepEventFields() = 0;
+};
+
+// Builds a backend holding a model initialised from `seed` exactly as Model::Create does.
+using StepBackendFactory =
+    absl::StatusOr<std::unique_ptr<StepBackend>> (*)(const ModelConfig& config, uint64_t seed);
+
+}  // namespace spindle
