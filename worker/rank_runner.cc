@@ -10,8 +10,10 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "worker/trainer_event.h"
 
@@ -91,6 +93,17 @@ RankRunner::RankRunner(RankRunnerOptions options, WorkerMetrics* metrics, Messag
 RankRunner::~RankRunner() { Shutdown(); }
 
 void RankRunner::Shutdown() { supervisor_->Shutdown(); }
+
+std::string TrainerVisibleDevice(int64_t device_index, const char* daemon_visible) {
+  if (daemon_visible != nullptr && *daemon_visible != '\0') {
+    const std::vector<std::string> ids = absl::StrSplit(daemon_visible, ',');
+    if (device_index >= 0 && device_index < static_cast<int64_t>(ids.size())) {
+      const std::string id(absl::StripAsciiWhitespace(ids[device_index]));
+      if (!id.empty()) return id;
+    }
+  }
+  return absl::StrCat(device_index);
+}
 
 absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
     const v1::Assignment& a, const std::string& spec_path) const {
@@ -193,7 +206,9 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
     spec.extra_env.push_back(absl::StrCat("SPINDLE_TLS_CA_FILE=", options_.tls_ca_file));
   }
   if (a.device_kind() == "cuda") {
-    spec.extra_env.push_back(absl::StrCat("CUDA_VISIBLE_DEVICES=", a.device_index()));
+    spec.extra_env.push_back(absl::StrCat(
+        "CUDA_VISIBLE_DEVICES=",
+        TrainerVisibleDevice(a.device_index(), std::getenv("CUDA_VISIBLE_DEVICES"))));
   } else if (options_.cpu_threads_per_rank > 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
     spec.extra_env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.cpu_threads_per_rank));
   }

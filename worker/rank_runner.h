@@ -8,7 +8,9 @@
 //
 // with, in its environment: SPINDLE_RENDEZVOUS_TOKEN (the attempt's rendezvous secret, kept off
 // the command line), SPINDLE_TLS_CA_FILE (when the daemon talks TLS to the coordinator),
-// CUDA_VISIBLE_DEVICES=<device_index> for "cuda" ranks, OMP_NUM_THREADS for "cpu" ranks (when
+// CUDA_VISIBLE_DEVICES=<the device_index-th GPU this daemon sees> for "cuda" ranks (the index
+// itself, or the entry at that position of the daemon's own CUDA_VISIBLE_DEVICES when that is
+// set: the daemon discovered its GPUs through it), OMP_NUM_THREADS for "cpu" ranks (when
 // configured and not already set). The trainer's stderr is also appended to
 // <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
 //
@@ -54,6 +56,11 @@ struct RankRunnerOptions {
   std::vector<std::string> extra_trainer_args;
   ProcessSupervisorOptions supervisor;
 };
+
+// The CUDA_VISIBLE_DEVICES value naming the daemon's `device_index`-th GPU for a trainer:
+// entry `device_index` of `daemon_visible` (the daemon's own CUDA_VISIBLE_DEVICES, a comma
+// separated list of indices or UUIDs) when that is set and long enough, else the index.
+std::string TrainerVisibleDevice(int64_t device_index, const char* daemon_visible);
 
 class RankRunner : public ProcessObserver {
  public:

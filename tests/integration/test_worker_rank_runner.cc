@@ -1,6 +1,7 @@
 // RankRunner with fake trainers (/bin/sh scripts): the trainer command line and environment, the
 // job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
-// with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines.
+// with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines;
+// the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES.
 #include <signal.h>
 
 #include <string>
@@ -267,6 +268,17 @@ TEST_F(RankRunnerTest, LaunchFailureIsReportedAsExit127) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(runner.Start(MakeAssignment("j-e", 1, 3, 2)).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A daemon started with CUDA_VISIBLE_DEVICES=4,5 sees those GPUs as 0 and 1: its rank on GPU 1
+// must get CUDA_VISIBLE_DEVICES=5, not 1 (another daemon's GPU).
+TEST(TrainerVisibleDeviceTest, MapsThroughTheDaemonsOwnVisibleDevices) {
+  EXPECT_EQ(TrainerVisibleDevice(1, nullptr), "1");
+  EXPECT_EQ(TrainerVisibleDevice(1, ""), "1");
+  EXPECT_EQ(TrainerVisibleDevice(0, "4,5"), "4");
+  EXPECT_EQ(TrainerVisibleDevice(1, "4,5"), "5");
+  EXPECT_EQ(TrainerVisibleDevice(1, "GPU-aaaa, GPU-bbbb"), "GPU-bbbb");
+  EXPECT_EQ(TrainerVisibleDevice(2, "4,5"), "2");  // out of range: the index as is
 }
 
 TEST(TrainerEventTest, ParsesKnownFieldsAndRejectsBadTypes) {
