@@ -947,24 +947,17 @@ Status LaunchRmsNormFwd(const void* x, const void* residual, void* h, const void
   return Status::Ok();
 }
 
-// Workspace rows (blocks) of the RMSNorm backward: the larger of the scalar and vector plans.
-int64_t RmsBwdBlocks(int64_t rows, int64_t D) {
-  return std::max({PlanBwd(rows, D).blocks, PlanRmsBwdVec<float>(rows, D).blocks,
-                   PlanRmsBwdVec<bf16>(rows, D).blocks});
+// The vector paths' grids never exceed the scalar plans' block counts, so the workspace sizes are
+// those of the scalar plans (unchanged, and monotonic in the sizes: callers size one workspace for
+// their widest call).
+int64_t RmsBwdVecBlocks(const RmsBwdVecPlan& p, int64_t rows, int64_t D) {
+  return std::min(p.blocks, PlanBwd(rows, D).blocks);
 }
-int64_t QkBwdBlocks(int64_t T, int64_t H, int64_t Dh) {
-  int64_t b = PlanBwd(T * H * 3, 2 * Dh).blocks;
-  for (int threads : {PlanQkVec<float>(H, Dh).threads, PlanQkVec<bf16>(H, Dh).threads}) {
-    if (threads > 0) b = std::max(b, VecBwdBlocks(T, threads));
-  }
-  return b;
+int64_t QkBwdVecBlocks(int threads, int64_t T, int64_t H, int64_t Dh) {
+  return std::min(VecBwdBlocks(T, threads), PlanBwd(T * H * 3, 2 * Dh).blocks);
 }
-int64_t GroupBwdBlocks(int64_t T, int64_t H, int64_t Dh) {
-  int64_t b = PlanBwd(T, H * Dh).blocks;
-  for (int G : {GroupBwdVecG<float>(H, Dh), GroupBwdVecG<bf16>(H, Dh)}) {
-    if (G > 0) b = std::max(b, GroupBwdVecBlocks(T, H, Dh, G));
-  }
-  return b;
+int64_t GroupBwdVecBlocksCapped(int64_t T, int64_t H, int64_t Dh, int G) {
+  return std::min(GroupBwdVecBlocks(T, H, Dh, G), PlanBwd(T, H * Dh).blocks);
 }
 
 }  // namespace
@@ -992,7 +985,7 @@ Status RmsNormResidualForward(const void* x, const void* residual, void* h, cons
 }
 
 size_t RmsNormBackwardWorkspaceBytes(int64_t rows, int64_t D) {
-  return static_cast<size_t>(RmsBwdBlocks(rows, D) * D * 4);
+  return static_cast<size_t>(PlanBwd(rows, D).blocks * D * 4);
 }
 
 Status RmsNormBackward(const void* x, const void* w, const float* rstd, const void* dy,
@@ -1014,7 +1007,7 @@ Status RmsNormBackward(const void* x, const void* w, const float* rstd, const vo
     auto* dxt = static_cast<scalar_t*>(dx);
     const RmsBwdVecPlan vp = PlanRmsBwdVec<scalar_t>(rows, D);
     if (vp.nv > 0 && aligned) {
-      blocks = vp.blocks;
+      blocks = RmsBwdVecBlocks(vp, rows, D);
       if (vp.nv == 1) {
         RmsNormBwdVecKernel<scalar_t, 1, RmsBwdRowsPerIter<scalar_t>(1)>
             <<<blocks, vp.threads, 0, stream>>>(
@@ -1066,7 +1059,7 @@ Status QkNormRopeForward(const void* qkv_in, const void* w_q, const void* w_k,
 }
 
 size_t QkNormRopeBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh) {
-  return static_cast<size_t>(QkBwdBlocks(T, H, Dh) * 2 * Dh * 4);
+  return static_cast<size_t>(PlanBwd(T * H * 3, 2 * Dh).blocks * 2 * Dh * 4);
 }
 
 Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
@@ -1091,7 +1084,7 @@ Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
     auto* din = static_cast<scalar_t*>(dqkv_in);
     const QkVecPlan vp = PlanQkVec<scalar_t>(H, Dh);
     if (vp.G > 0 && aligned) {
-      blocks = VecBwdBlocks(T, vp.threads);
+      blocks = QkBwdVecBlocks(vp.threads, T, H, Dh);
       QkNormRopeBwdVecKernel<scalar_t><<<blocks, vp.threads, vp.smem_bwd, stream>>>(
           in, wq, wk, rstd_q, rstd_k, pos, dout, din, T, static_cast<int>(H),
           static_cast<int>(Dh), vp.G, theta, copy_v, part);
@@ -1135,7 +1128,7 @@ Status GroupNormGateForward(const void* o, const void* w, const void* gate, void
 }
 
 size_t GroupNormGateBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh) {
-  return static_cast<size_t>(GroupBwdBlocks(T, H, Dh) * H * Dh * 4);
+  return static_cast<size_t>(PlanBwd(T, H * Dh).blocks * H * Dh * 4);
 }
 
 Status GroupNormGateBackward(const void* o, const void* w, const void* gate, const float* rstd,
@@ -1160,7 +1153,7 @@ Status GroupNormGateBackward(const void* o, const void* w, const void* gate, con
     auto* dgt = static_cast<scalar_t*>(dgate);
     const int G = GroupBwdVecG<scalar_t>(H, Dh);
     if (G > 0 && aligned) {
-      blocks = GroupBwdVecBlocks(T, H, Dh, G);
+      blocks = GroupBwdVecBlocksCapped(T, H, Dh, G);
       const int threads = static_cast<int>(RoundUp(H * G, 32));
       GroupNormGateBwdVecKernel<scalar_t, kGroupBwdTokens><<<blocks, threads, 0, stream>>>(
           ot, wt, gt, rstd, dyt, dot, dgt, T, static_cast<int>(H), static_cast<int>(Dh), G, part);
