@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -243,6 +244,39 @@ int main(int argc, char** argv) {
     Row("sdpa cuDNN T=32K H=16 qk192 v128 bwd deterministic", TimeMs(bwd, 10, 2), io_bwd,
         bwd_flops);
     std::fflush(stdout);
+
+    // 16 documents over the same 32K tokens: one ragged graph, and one graph per document.
+    std::vector<int32_t> cu_docs{0};
+    for (int32_t len : {4096, 1024, 8192, 512, 2048, 3000, 1500, 6000, 777, 1223, 900, 1100, 600,
+                        400, 200, 1196}) {
+      cu_docs.push_back(cu_docs.back() + len);
+    }
+    double doc_tt = 0;
+    for (size_t i = 0; i + 1 < cu_docs.size(); ++i) {
+      const double len = cu_docs[i + 1] - cu_docs[i];
+      doc_tt += len * len * H;
+    }
+    const int64_t n_docs = static_cast<int64_t>(cu_docs.size()) - 1;
+    for (const bool per_doc : {false, true}) {
+      if (per_doc) setenv("SPINDLE_SDPA_PER_DOCUMENT", "1", 1);
+      std::unique_ptr<cu::Sdpa> s;
+      Check(cu::Sdpa::Create(&s), "Sdpa::Create");
+      unsetenv("SPINDLE_SDPA_PER_DOCUMENT");
+      auto dfwd = [&] {
+        Check(s->Forward(q.p, k.p, v.p, o.p, stats.as<float>(), cu_docs.data(), n_docs, scale,
+                         dims, kBf16, 0),
+              "Sdpa::Forward docs");
+      };
+      auto dbwd = [&] {
+        Check(s->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p,
+                          cu_docs.data(), n_docs, scale, dims, kBf16, 0),
+              "Sdpa::Backward docs");
+      };
+      const std::string tag = std::string("sdpa 32K, 16 docs, ") + (per_doc ? "per-doc" : "ragged");
+      Row(tag + " fwd", TimeMs(dfwd, 10, 2), io_fwd, doc_tt * (Dqk + Dv));
+      Row(tag + " fwd+bwd", TimeMs([&] { dfwd(); dbwd(); }, 10, 2), io_fwd + io_bwd,
+          doc_tt * (4.0 * Dqk + 3.0 * Dv));
+    }
   }
   if (sdpa_only) return 0;
 

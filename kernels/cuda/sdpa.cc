@@ -11,24 +11,34 @@
 //             [padding mask, see below] ; S -= stats ; causal select ; P = exp(S) ;
 //             dV = P^T dO ; dP = dO V^T ; dS = (dP - Dsum) * P * scale ; dK = dS^T Q ;
 //             dQ = dS K into an fp32 accumulator in the workspace, then IDENTITY into dq
-//             (deterministic mode: dQ = dS K written directly, no accumulator)
+//             (deterministic mode: dQ = dS K written directly, no accumulator; cuDNN then keeps
+//             dP in its workspace, H L^2 bf16 per batch: 34 GB at L = 32K, H = 16)
 //
-// All tensors are [B=1, H, S, D] views: Q [1,H,L,Dqk] with strides (_, head, token, 1); K and V
-// enter transposed ([1,H,D,L], strides (_, head, 1, token)); stats [1,H,L,1] dense. Scalars
-// (scale, -inf, 1) are by-value tensors whose values travel in the variant pack, so the scale is
-// not part of the plan key. cuDNN <= 9.15 needs a padding mask with seq-len tensors (= L) in the
-// backward when L % 128 != 0 (a known bug, worked around the same way by cudnn_frontend); the
-// two int32 lengths live in a small device buffer owned by the plan.
+// Tensors are [B, H, S, D] views: Q with strides (_, head, token, 1); K and V enter transposed
+// ([B,H,D,S], strides (_, head, 1, token)). Scalars (scale, -inf, 1) are by-value tensors whose
+// values travel in the variant pack, so the scale is not part of the plan key. cuDNN <= 9.15
+// needs a padding mask with seq-len tensors (= L) in a dense backward when L % 128 != 0 (a known
+// bug, worked around the same way by cudnn_frontend); the two int32 lengths live in a small
+// device buffer owned by the plan.
 //
-// Documents: one document is one graph over all T tokens (the fast path). Several documents run
-// one graph per document on sub-views of the caller's buffers (pointer offset by the document's
-// first token, same strides), with plans cached per document length; their stats go through a
-// dense [H, L] staging buffer in the workspace (two strided copies), so every graph sees the
-// stats layout cuDNN is known to accept. A one-token document has out = v, stats = scale q.k,
-// dq = dk = 0, dv = dout: its forward runs the two-token graph on a zero-padded staging copy
-// (the causal mask keeps the padding token out of the first row), its backward is a memset and
-// a copy. Cost of this route: a plan build (heuristics + finalize, tens to hundreds of ms) per
-// new document length and one launch per document.
+// Documents. One document (empty ones aside) is one dense graph over all T tokens, B = 1, stats
+// [1,H,T,1] written in place: the fast path. Several documents take one of two routes:
+//  - ragged (the default; cuDNN >= 9.6, Dqk and Dv multiples of 16, not the deterministic
+//    backward): one graph with B = documents rounded up to a power of two (the extra ones empty)
+//    and S = the longest document rounded up to a power of two (at least 64), as PyTorch's
+//    nested-tensor path builds it: int32 ragged offsets (document start * token stride) on every
+//    q/k/v/out-shaped tensor, per-document lengths feeding a padding mask and the matmul
+//    overrides. Offsets and lengths are run-time data in a small device buffer, uploaded only
+//    when cu_seqlens changes, so a handful of plans serve every batch. cuDNN takes ragged stats
+//    only token-major ([T, H]), so they go through a workspace copy, transposed to and from the
+//    caller's [H, T] with one strided copy per head; the backward's row sums and dQ accumulator
+//    are ragged too (cudnn_frontend's max_total_seq_len layout), sized by T, not B * S.
+//  - per document (otherwise, or with SPINDLE_SDPA_PER_DOCUMENT=1): one dense graph per document
+//    on sub-views of the caller's buffers, a plan per distinct length (~50 ms to build once
+//    cuDNN has compiled the kernel), stats through a dense [H, L] staging buffer. A one-token
+//    document has out = v, stats = scale q.k, dq = dk = 0, dv = dout: its forward runs the
+//    two-token graph on a zero-padded staging copy (the causal mask keeps the padding token out
+//    of the first row), its backward is a memset and a copy.
 //
 // Engines: heuristics mode A, then the fallback list; the first engine config whose execution
 // plan finalizes is kept. If no engine takes a graph, one alternative spelling of it (integer
@@ -133,6 +143,11 @@ enum : int64_t {
   kUidOne,
   kUidNegInf,
   kUidNegInfPad,
+  kUidRaggedQ,  // ragged path: int32 [B+1] element offsets of each document's first token
+  kUidRaggedK,
+  kUidRaggedV,
+  kUidRaggedO,
+  kUidRaggedStats,
   kUidVirtual = 100,
 };
 
@@ -150,7 +165,8 @@ class GraphBuilder {
   const std::vector<int64_t>& io_uids() const { return io_uids_; }
 
   TensorRef Tensor(const char* name, int64_t uid, const Dims& dims, const Dims& strides,
-                   cudnnDataType_t type, bool is_virtual, bool by_value = false) {
+                   cudnnDataType_t type, bool is_virtual, bool by_value = false,
+                   const TensorRef* ragged = nullptr) {
     TensorRef t;
     t.uid = uid != 0 ? uid : next_uid_++;
     cudnnBackendDescriptor_t d = Create(CUDNN_BACKEND_TENSOR_DESCRIPTOR, name);
@@ -174,14 +190,19 @@ class GraphBuilder {
       Set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &yes, name,
           "CUDNN_ATTR_TENSOR_IS_BY_VALUE");
     }
+    if (ragged != nullptr) {
+      Set(d, CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ragged->desc,
+          name, "CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC");
+    }
     Finalize(d, name);
     t.desc = d;
     if (!is_virtual) io_uids_.push_back(t.uid);
     return t;
   }
 
-  TensorRef Virtual(const char* name, const Dims& dims, const Dims& strides, cudnnDataType_t type) {
-    return Tensor(name, 0, dims, strides, type, /*is_virtual=*/true);
+  TensorRef Virtual(const char* name, const Dims& dims, const Dims& strides, cudnnDataType_t type,
+                    const TensorRef* ragged = nullptr) {
+    return Tensor(name, 0, dims, strides, type, /*is_virtual=*/true, false, ragged);
   }
 
   TensorRef Scalar(const char* name, int64_t uid) {
@@ -344,27 +365,33 @@ class GraphBuilder {
 
 // ---- the two graphs ----------------------------------------------------------------------------
 
-// One graph: direction, sizes and views. L is the sequence (document) length.
+// One graph: direction, sizes and views. Dense graphs (B = 1) cover one sequence of L tokens;
+// ragged graphs cover B documents of at most L tokens each, placed by per-document offsets and
+// lengths that are run-time data (so one plan serves every document mix with the same B and L).
 struct GraphSpec {
   bool backward = false;
-  int64_t L = 0, H = 0, Dqk = 0, Dv = 0;
+  bool ragged = false;
+  int64_t B = 1, L = 0, H = 0, Dqk = 0, Dv = 0;
   SdpaView q, k, v, o;
   cudnnDataType_t io = CUDNN_DATA_BFLOAT16;
-  bool deterministic = false;  // backward only
-  bool padding_workaround = false;  // backward only: seq-len padding mask (cuDNN <= 9.15)
+  bool deterministic = false;       // backward only
+  bool padding_workaround = false;  // dense backward only: seq-len padding mask (cuDNN <= 9.15)
   int variant = 0;  // 0: cudnn_frontend's spelling; 1: the alternative tried when 0 finds no engine
 
   std::vector<int64_t> Key() const {
-    return {backward,       L,          H,          Dqk,        Dv,
-            q.token_stride, q.head_stride, k.token_stride, k.head_stride, v.token_stride,
-            v.head_stride,  o.token_stride, o.head_stride, static_cast<int64_t>(io),
+    return {backward,       ragged,         B,              L,
+            H,              Dqk,            Dv,             q.token_stride,
+            q.head_stride,  k.token_stride, k.head_stride,  v.token_stride,
+            v.head_stride,  o.token_stride, o.head_stride,  static_cast<int64_t>(io),
             deterministic};
   }
 };
 
-// Batch stride of a [1, H, L, D] view (one batch: any value past the last element works).
-int64_t BatchStride(const SdpaView& v, int64_t H, int64_t L, int64_t D) {
-  return std::max({L * v.token_stride, H * v.head_stride, D});
+// Batch stride of a [1, H, L, D] view (one batch: any value past the last element works); ragged
+// tensors take their batch offsets from the offset tensor, so their batch stride is a placeholder.
+int64_t BatchStride(const GraphSpec& s, const SdpaView& v, int64_t D) {
+  if (s.ragged) return INT32_MAX;
+  return std::max({s.L * v.token_stride, s.H * v.head_stride, D});
 }
 
 // What a finished plan needs at execution time.
@@ -372,11 +399,9 @@ struct Plan {
   std::vector<DescPtr> keep;  // tensors, operations, graph, engine config, plan
   cudnnBackendDescriptor_t plan = nullptr;
   std::vector<int64_t> uids;  // non-virtual tensors of the graph (variant pack order)
-  int64_t engine_ws = 0;      // cuDNN's workspace, at offset 0 of the plan's region
-  int64_t dsum_offset = -1;   // backward: fp32 [H, L] row sums
-  int64_t dq_accum_offset = -1;  // backward, non-deterministic: fp32 [H, L, Dqk]
-  int64_t region_bytes = 0;   // engine workspace + the buffers above
-  int32_t* seqlen_dev = nullptr;  // {L, L} for the padding workaround
+  int64_t engine_ws = 0;      // cuDNN's own workspace
+  GraphSpec spec;             // what was built (variant included)
+  int32_t* seqlen_dev = nullptr;  // {L, L} for the dense padding workaround
   int64_t engine_index = -1;
   ~Plan() {
     keep.clear();
@@ -384,173 +409,188 @@ struct Plan {
   }
 };
 
-void BuildForward(const GraphSpec& s, GraphBuilder& g) {
-  const int64_t L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
-  const cudnnDataType_t F = CUDNN_DATA_FLOAT;
-  // Index arithmetic: cudnn_frontend leaves GEN_INDEX at the graph's fp32 compute type.
-  const cudnnDataType_t index_compute = s.variant == 0 ? F : CUDNN_DATA_INT32;
-  const TensorRef Q = g.Tensor("Q", kUidQ, {1, H, L, Dqk},
-                               {BatchStride(s.q, H, L, Dqk), s.q.head_stride, s.q.token_stride, 1},
-                               s.io, false);
-  const TensorRef Kt = g.Tensor("K^T", kUidK, {1, H, Dqk, L},
-                                {BatchStride(s.k, H, L, Dqk), s.k.head_stride, 1, s.k.token_stride},
-                                s.io, false);
-  const TensorRef V = g.Tensor("V", kUidV, {1, H, L, Dv},
-                               {BatchStride(s.v, H, L, Dv), s.v.head_stride, s.v.token_stride, 1},
-                               s.io, false);
-  const TensorRef O = g.Tensor("O", kUidO, {1, H, L, Dv},
-                               {BatchStride(s.o, H, L, Dv), s.o.head_stride, s.o.token_stride, 1},
-                               s.io, false);
-  const Dims rows = {1, H, L, 1}, rows_st = {H * L, L, 1, 1};
-  const Dims sq = {1, H, L, L}, sq_st = {H * L * L, L * L, L, 1};
-  const TensorRef stats = g.Tensor("stats", kUidStats, rows, rows_st, F, false);
-  const TensorRef scale = g.Scalar("attn_scale", kUidScale);
-  const TensorRef neg_inf = g.Scalar("-inf", kUidNegInf);
+// Tensors the two graphs share: inputs, scalars, and for ragged graphs the offsets and lengths.
+struct Common {
+  TensorRef Q, Kt, V, O, stats, scale, neg_inf, seq_q, seq_kv, neg_inf_pad;
+  TensorRef rag_q, rag_k, rag_v, rag_o, rag_stats;
+  const TensorRef *mq = nullptr, *mkv = nullptr;  // matmul M/N/K overrides (seq lengths)
+  const TensorRef *rq = nullptr, *rk = nullptr, *rv = nullptr, *ro = nullptr, *rs = nullptr;
+  Dims rows, rows_st, sq, sq_st, q_st, k_st, v_st, o_st;
+};
 
-  const TensorRef S = g.Virtual("S", sq, sq_st, F);
-  g.Matmul("bmm1 Q K^T", Q, Kt, S);
-  const TensorRef S1 = g.Virtual("S*scale", sq, sq_st, F);
-  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &scale);
-  const TensorRef row = g.Virtual("row index", sq, sq_st, CUDNN_DATA_INT32);
-  g.Pointwise("gen_row_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S1, row, nullptr, nullptr,
+void BuildCommon(const GraphSpec& s, GraphBuilder& g, Common& c, bool v_transposed) {
+  const int64_t B = s.B, L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const cudnnDataType_t F = CUDNN_DATA_FLOAT, I = CUDNN_DATA_INT32;
+  if (s.ragged) {
+    const Dims od = {B + 1, 1, 1, 1}, os = {1, 1, 1, 1};
+    c.rag_q = g.Tensor("ragged offsets q", kUidRaggedQ, od, os, I, false);
+    c.rag_k = g.Tensor("ragged offsets k", kUidRaggedK, od, os, I, false);
+    c.rag_v = g.Tensor("ragged offsets v", kUidRaggedV, od, os, I, false);
+    c.rag_o = g.Tensor("ragged offsets o", kUidRaggedO, od, os, I, false);
+    c.rag_stats = g.Tensor("ragged offsets stats", kUidRaggedStats, od, os, I, false);
+    c.rq = &c.rag_q, c.rk = &c.rag_k, c.rv = &c.rag_v, c.ro = &c.rag_o, c.rs = &c.rag_stats;
+  }
+  c.q_st = {BatchStride(s, s.q, Dqk), s.q.head_stride, s.q.token_stride, 1};
+  c.k_st = {BatchStride(s, s.k, Dqk), s.k.head_stride, s.k.token_stride, 1};
+  c.v_st = {BatchStride(s, s.v, Dv), s.v.head_stride, s.v.token_stride, 1};
+  c.o_st = {BatchStride(s, s.o, Dv), s.o.head_stride, s.o.token_stride, 1};
+  c.Q = g.Tensor("Q", kUidQ, {B, H, L, Dqk}, c.q_st, s.io, false, false, c.rq);
+  c.Kt = g.Tensor("K^T", kUidK, {B, H, Dqk, L}, {c.k_st[0], c.k_st[1], 1, c.k_st[2]}, s.io, false,
+                  false, c.rk);
+  if (v_transposed) {
+    c.V = g.Tensor("V^T", kUidV, {B, H, Dv, L}, {c.v_st[0], c.v_st[1], 1, c.v_st[2]}, s.io, false,
+                   false, c.rv);
+  } else {
+    c.V = g.Tensor("V", kUidV, {B, H, L, Dv}, c.v_st, s.io, false, false, c.rv);
+  }
+  c.O = g.Tensor("O", kUidO, {B, H, L, Dv}, c.o_st, s.io, false, false, c.ro);
+  c.rows = {B, H, L, 1};
+  // Dense stats: [H, L] per batch. Ragged stats: token-major [T, H] (what cuDNN supports with
+  // ragged offsets), transposed to and from the caller's [H, T] around the graph.
+  c.rows_st = s.ragged ? Dims{L * H, 1, H, 1} : Dims{H * L, L, 1, 1};
+  c.sq = {B, H, L, L};
+  c.sq_st = {H * L * L, L * L, L, 1};
+  c.stats = g.Tensor("stats", kUidStats, c.rows, c.rows_st, F, false, false, c.rs);
+  c.scale = g.Scalar("attn_scale", kUidScale);
+  c.neg_inf = g.Scalar("-inf", kUidNegInf);
+  if (s.ragged || s.padding_workaround) {
+    c.seq_q = g.Tensor("seq_len_q", kUidSeqQ, {B, 1, 1, 1}, {1, 1, 1, 1}, I, false);
+    c.seq_kv = g.Tensor("seq_len_kv", kUidSeqKv, {B, 1, 1, 1}, {1, 1, 1, 1}, I, false);
+    c.neg_inf_pad = g.Scalar("-inf (padding)", kUidNegInfPad);
+    c.mq = &c.seq_q;
+    c.mkv = &c.seq_kv;
+  }
+}
+
+// select(x, -inf, row < seq_q && col < seq_kv): cudnn_frontend's padding mask.
+TensorRef PaddingMask(GraphBuilder& g, const Common& c, const TensorRef& x) {
+  const cudnnDataType_t I = CUDNN_DATA_INT32, Bo = CUDNN_DATA_BOOLEAN;
+  const TensorRef row = g.Virtual("padding row index", c.sq, c.sq_st, I);
+  g.Pointwise("gen_row_idx_padding", CUDNN_POINTWISE_GEN_INDEX, I, x, row, nullptr, nullptr, 2);
+  const TensorRef col = g.Virtual("padding col index", c.sq, c.sq_st, I);
+  g.Pointwise("gen_col_idx_padding", CUDNN_POINTWISE_GEN_INDEX, I, x, col, nullptr, nullptr, 3);
+  const TensorRef rin = g.Virtual("row<seq_q", c.sq, c.sq_st, Bo);
+  g.Pointwise("lt_row_sq_padding", CUDNN_POINTWISE_CMP_LT, Bo, row, rin, &c.seq_q);
+  const TensorRef cin = g.Virtual("col<seq_kv", c.sq, c.sq_st, Bo);
+  g.Pointwise("lt_col_skv_padding", CUDNN_POINTWISE_CMP_LT, Bo, col, cin, &c.seq_kv);
+  const TensorRef inside = g.Virtual("inside", c.sq, c.sq_st, Bo);
+  g.Pointwise("and_row_col_padding", CUDNN_POINTWISE_LOGICAL_AND, Bo, rin, inside, &cin);
+  const TensorRef y = g.Virtual("padding-masked S", c.sq, c.sq_st, CUDNN_DATA_FLOAT);
+  g.Pointwise("select_padding", CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, x, y,
+              &c.neg_inf_pad, &inside);
+  return y;
+}
+
+// select(x, -inf, row >= col): the causal (top-left diagonal) mask.
+TensorRef CausalMask(const GraphSpec& s, GraphBuilder& g, const Common& c, const TensorRef& x) {
+  // Index arithmetic: cudnn_frontend leaves GEN_INDEX at the graph's fp32 compute type.
+  const cudnnDataType_t index_compute = s.variant == 0 ? CUDNN_DATA_FLOAT : CUDNN_DATA_INT32;
+  const TensorRef row = g.Virtual("row index", c.sq, c.sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_row_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, x, row, nullptr, nullptr,
               2);
-  const TensorRef col = g.Virtual("col index", sq, sq_st, CUDNN_DATA_INT32);
-  g.Pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S1, col, nullptr, nullptr,
+  const TensorRef col = g.Virtual("col index", c.sq, c.sq_st, CUDNN_DATA_INT32);
+  g.Pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, x, col, nullptr, nullptr,
               3);
-  const TensorRef keep = g.Virtual("row>=col", sq, sq_st, CUDNN_DATA_BOOLEAN);
+  const TensorRef keep = g.Virtual("row>=col", c.sq, c.sq_st, CUDNN_DATA_BOOLEAN);
   g.Pointwise("causal row>=col", CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, keep, &col);
-  const TensorRef S2 = g.Virtual("masked S", sq, sq_st, F);
-  g.Pointwise("causal select", CUDNN_POINTWISE_BINARY_SELECT, F, S1, S2, &neg_inf, &keep);
-  const TensorRef M = g.Virtual("row max", rows, rows_st, F);
+  const TensorRef y = g.Virtual("causal-masked S", c.sq, c.sq_st, CUDNN_DATA_FLOAT);
+  g.Pointwise("causal select", CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, x, y, &c.neg_inf,
+              &keep);
+  return y;
+}
+
+void BuildForward(const GraphSpec& s, GraphBuilder& g) {
+  const cudnnDataType_t F = CUDNN_DATA_FLOAT;
+  Common c;
+  BuildCommon(s, g, c, /*v_transposed=*/false);
+  const TensorRef S = g.Virtual("S", c.sq, c.sq_st, F);
+  g.Matmul("bmm1 Q K^T", c.Q, c.Kt, S, c.mq, c.mkv);
+  TensorRef S1 = g.Virtual("S*scale", c.sq, c.sq_st, F);
+  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &c.scale);
+  if (s.ragged) S1 = PaddingMask(g, c, S1);
+  const TensorRef S2 = CausalMask(s, g, c, S1);
+  // Row statistics inside the graph are [H, L] per batch even when the stats output is ragged.
+  const Dims rows_st = {s.H * s.L, s.L, 1, 1};
+  const TensorRef M = g.Virtual("row max", c.rows, rows_st, F);
   g.Reduce("row max", CUDNN_REDUCE_TENSOR_MAX, S2, M);
-  const TensorRef S3 = g.Virtual("S-max", sq, sq_st, F);
+  const TensorRef S3 = g.Virtual("S-max", c.sq, c.sq_st, F);
   g.Pointwise("sub max", CUDNN_POINTWISE_SUB, F, S2, S3, &M);
-  const TensorRef E = g.Virtual("exp", sq, sq_st, F);
+  const TensorRef E = g.Virtual("exp", c.sq, c.sq_st, F);
   g.Pointwise("exp", CUDNN_POINTWISE_EXP, F, S3, E);
-  const TensorRef Z = g.Virtual("sum exp", rows, rows_st, F);
+  const TensorRef Z = g.Virtual("sum exp", c.rows, rows_st, F);
   g.Reduce("sum exp", CUDNN_REDUCE_TENSOR_ADD, E, Z);
-  const TensorRef logZ = g.Virtual("log sum exp", rows, rows_st, F);
+  const TensorRef logZ = g.Virtual("log sum exp", c.rows, rows_st, F);
   g.Pointwise("log", CUDNN_POINTWISE_LOG, F, Z, logZ);
-  g.Pointwise("stats = max + log", CUDNN_POINTWISE_ADD, F, M, stats, &logZ);
-  const TensorRef P = g.Virtual("P", sq, sq_st, s.io);
+  g.Pointwise("stats = max + log", CUDNN_POINTWISE_ADD, F, M, c.stats, &logZ);
+  const TensorRef P = g.Virtual("P", c.sq, c.sq_st, s.io);
   g.Pointwise("div", CUDNN_POINTWISE_DIV, F, E, P, &Z);
-  g.Matmul("bmm2 P V", P, V, O);
+  g.Matmul("bmm2 P V", P, c.V, c.O, c.mq, nullptr, c.mkv);
 }
 
 void BuildBackward(const GraphSpec& s, GraphBuilder& g) {
-  const int64_t L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const int64_t B = s.B, L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
   const cudnnDataType_t F = CUDNN_DATA_FLOAT;
-  const cudnnDataType_t index_compute = s.variant == 0 ? F : CUDNN_DATA_INT32;
-  const Dims qd = {1, H, L, Dqk}, vd = {1, H, L, Dv};
-  const Dims q_st = {BatchStride(s.q, H, L, Dqk), s.q.head_stride, s.q.token_stride, 1};
-  const Dims k_st = {BatchStride(s.k, H, L, Dqk), s.k.head_stride, s.k.token_stride, 1};
-  const Dims v_st = {BatchStride(s.v, H, L, Dv), s.v.head_stride, s.v.token_stride, 1};
-  const Dims o_st = {BatchStride(s.o, H, L, Dv), s.o.head_stride, s.o.token_stride, 1};
-  const TensorRef Q = g.Tensor("Q", kUidQ, qd, q_st, s.io, false);
-  const TensorRef Kt = g.Tensor("K^T", kUidK, {1, H, Dqk, L}, {k_st[0], k_st[1], 1, k_st[2]}, s.io,
-                                false);
-  const TensorRef Vt = g.Tensor("V^T", kUidV, {1, H, Dv, L}, {v_st[0], v_st[1], 1, v_st[2]}, s.io,
-                                false);
-  const TensorRef O = g.Tensor("O", kUidO, vd, o_st, s.io, false);
-  const TensorRef dO = g.Tensor("dO", kUidDO, vd, o_st, s.io, false);
-  const TensorRef dQ = g.Tensor("dQ", kUidDQ, qd, q_st, s.io, false);
-  const TensorRef dK = g.Tensor("dK", kUidDK, qd, k_st, s.io, false);
-  const TensorRef dV = g.Tensor("dV", kUidDV, vd, v_st, s.io, false);
-  const Dims rows = {1, H, L, 1}, rows_st = {H * L, L, 1, 1};
-  const Dims sq = {1, H, L, L}, sq_st = {H * L * L, L * L, L, 1};
+  Common c;
+  BuildCommon(s, g, c, /*v_transposed=*/true);
+  const Dims qd = {B, H, L, Dqk}, vd = {B, H, L, Dv};
   const Dims sq_t_st = {H * L * L, L * L, 1, L};  // the transposed view of an [L, L] score
-  const TensorRef stats = g.Tensor("stats", kUidStats, rows, rows_st, F, false);
-  const TensorRef scale = g.Scalar("attn_scale", kUidScale);
+  const TensorRef dO = g.Tensor("dO", kUidDO, vd, c.o_st, s.io, false, false, c.ro);
+  const TensorRef dQ = g.Tensor("dQ", kUidDQ, qd, c.q_st, s.io, false, false, c.rq);
+  const TensorRef dK = g.Tensor("dK", kUidDK, qd, c.k_st, s.io, false, false, c.rk);
+  const TensorRef dV = g.Tensor("dV", kUidDV, vd, c.v_st, s.io, false, false, c.rv);
   const TensorRef one = g.Scalar("one", kUidOne);
-  const TensorRef neg_inf = g.Scalar("-inf", kUidNegInf);
-  TensorRef seq_q, seq_kv, neg_inf_pad;
-  const TensorRef *mq = nullptr, *mkv = nullptr;
-  if (s.padding_workaround) {
-    seq_q = g.Tensor("seq_len_q", kUidSeqQ, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
-    seq_kv = g.Tensor("seq_len_kv", kUidSeqKv, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
-    neg_inf_pad = g.Scalar("-inf (padding)", kUidNegInfPad);
-    mq = &seq_q;
-    mkv = &seq_kv;
-  }
 
-  // Dsum = sum_d dO * O (times the inverse dropout scale, 1 here), kept in the workspace.
+  // Dsum = sum_d dO * O (times the inverse dropout scale, 1 here), kept in the workspace with
+  // the stats' layout.
   const TensorRef dOO = g.Virtual("dO*O", vd, {H * L * Dv, L * Dv, H * Dv, 1}, F);
-  g.Pointwise("mul dO O", CUDNN_POINTWISE_MUL, F, dO, dOO, &O);
-  const TensorRef rowsum = g.Virtual("sum dO*O", rows, rows_st, F);
+  g.Pointwise("mul dO O", CUDNN_POINTWISE_MUL, F, dO, dOO, &c.O);
+  const TensorRef rowsum = g.Virtual("sum dO*O", c.rows, {H * L, L, 1, 1}, F);
   g.Reduce("sum dO*O", CUDNN_REDUCE_TENSOR_ADD, dOO, rowsum);
-  const TensorRef dsum = g.Tensor("Dsum", kUidDsum, rows, rows_st, F, false);
+  const TensorRef dsum = g.Tensor("Dsum", kUidDsum, c.rows, c.rows_st, F, false, false, c.rs);
   g.Pointwise("scale dropout inv", CUDNN_POINTWISE_MUL, F, rowsum, dsum, &one);
 
   // P recomputed from the saved stats.
-  const TensorRef S = g.Virtual("S", sq, sq_st, F);
-  g.Matmul("Q K^T", Q, Kt, S, mq, mkv);
-  TensorRef S1 = g.Virtual("S*scale", sq, sq_st, F);
-  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &scale);
-  if (s.padding_workaround) {
-    const TensorRef prow = g.Virtual("padding row index", sq, sq_st, CUDNN_DATA_INT32);
-    g.Pointwise("gen_row_idx_padding", CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, S1, prow,
-                nullptr, nullptr, 2);
-    const TensorRef pcol = g.Virtual("padding col index", sq, sq_st, CUDNN_DATA_INT32);
-    g.Pointwise("gen_col_idx_padding", CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, S1, pcol,
-                nullptr, nullptr, 3);
-    const TensorRef rin = g.Virtual("row<seq_q", sq, sq_st, CUDNN_DATA_BOOLEAN);
-    g.Pointwise("lt_row_sq_padding", CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, prow, rin,
-                &seq_q);
-    const TensorRef cin = g.Virtual("col<seq_kv", sq, sq_st, CUDNN_DATA_BOOLEAN);
-    g.Pointwise("lt_col_skv_padding", CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, pcol, cin,
-                &seq_kv);
-    const TensorRef inside = g.Virtual("inside", sq, sq_st, CUDNN_DATA_BOOLEAN);
-    g.Pointwise("and_row_col_padding", CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, rin,
-                inside, &cin);
-    const TensorRef padded = g.Virtual("padding-masked S", sq, sq_st, F);
-    g.Pointwise("select_padding", CUDNN_POINTWISE_BINARY_SELECT, F, S1, padded, &neg_inf_pad,
-                &inside);
-    S1 = padded;
-  }
-  const TensorRef S2 = g.Virtual("S-stats", sq, sq_st, F);
-  g.Pointwise("sub stats", CUDNN_POINTWISE_SUB, F, S1, S2, &stats);
-  const TensorRef row = g.Virtual("row index", sq, sq_st, CUDNN_DATA_INT32);
-  g.Pointwise("gen_row_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S2, row, nullptr, nullptr,
-              2);
-  const TensorRef col = g.Virtual("col index", sq, sq_st, CUDNN_DATA_INT32);
-  g.Pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, index_compute, S2, col, nullptr, nullptr,
-              3);
-  const TensorRef keep = g.Virtual("row>=col", sq, sq_st, CUDNN_DATA_BOOLEAN);
-  g.Pointwise("causal row>=col", CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, keep, &col);
-  const TensorRef S3 = g.Virtual("masked S-stats", sq, sq_st, F);
-  g.Pointwise("causal select", CUDNN_POINTWISE_BINARY_SELECT, F, S2, S3, &neg_inf, &keep);
-  const TensorRef P = g.Virtual("P", sq, sq_st, F);
+  const TensorRef S = g.Virtual("S", c.sq, c.sq_st, F);
+  g.Matmul("Q K^T", c.Q, c.Kt, S, c.mq, c.mkv);
+  TensorRef S1 = g.Virtual("S*scale", c.sq, c.sq_st, F);
+  g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &c.scale);
+  if (s.ragged || s.padding_workaround) S1 = PaddingMask(g, c, S1);
+  const TensorRef S2 = g.Virtual("S-stats", c.sq, c.sq_st, F);
+  g.Pointwise("sub stats", CUDNN_POINTWISE_SUB, F, S1, S2, &c.stats);
+  const TensorRef S3 = CausalMask(s, g, c, S2);
+  const TensorRef P = g.Virtual("P", c.sq, c.sq_st, F);
   g.Pointwise("exp", CUDNN_POINTWISE_EXP, F, S3, P);
 
   // dV = P^T dO
-  const TensorRef Pt = g.Virtual("P^T", sq, sq_t_st, s.io);
+  const TensorRef Pt = g.Virtual("P^T", c.sq, sq_t_st, s.io);
   g.Reshape("reshape P", P, Pt);
-  g.Matmul("P^T dO", Pt, dO, dV, mkv, nullptr, mq);
+  g.Matmul("P^T dO", Pt, dO, dV, c.mkv, nullptr, c.mq);
 
   // dS = (dO V^T - Dsum) * P * scale
-  const TensorRef dP = g.Virtual("dP", sq, sq_st, F);
-  g.Matmul("dO V^T", dO, Vt, dP, mq, mkv);
-  const TensorRef dP1 = g.Virtual("dP-Dsum", sq, sq_st, F);
+  const TensorRef dP = g.Virtual("dP", c.sq, c.sq_st, F);
+  g.Matmul("dO V^T", dO, c.V, dP, c.mq, c.mkv);
+  const TensorRef dP1 = g.Virtual("dP-Dsum", c.sq, c.sq_st, F);
   g.Pointwise("sub Dsum", CUDNN_POINTWISE_SUB, F, dP, dP1, &dsum);
-  const TensorRef dP2 = g.Virtual("(dP-Dsum)*P", sq, sq_st, F);
+  const TensorRef dP2 = g.Virtual("(dP-Dsum)*P", c.sq, c.sq_st, F);
   g.Pointwise("mul P", CUDNN_POINTWISE_MUL, F, dP1, dP2, &P);
-  const TensorRef dS = g.Virtual("dS", sq, sq_st, F);
-  g.Pointwise("dS attn_scale", CUDNN_POINTWISE_MUL, F, dP2, dS, &scale);
+  const TensorRef dS = g.Virtual("dS", c.sq, c.sq_st, F);
+  g.Pointwise("dS attn_scale", CUDNN_POINTWISE_MUL, F, dP2, dS, &c.scale);
 
   // dK = dS^T Q
-  const TensorRef dSt = g.Virtual("dS^T", sq, sq_t_st, s.io);
+  const TensorRef dSt = g.Virtual("dS^T", c.sq, sq_t_st, s.io);
   g.Reshape("reshape dS", dS, dSt);
-  g.Matmul("dS^T Q", dSt, Q, dK, mkv, nullptr, mq);
+  g.Matmul("dS^T Q", dSt, c.Q, dK, c.mkv, nullptr, c.mq);
 
   // dQ = dS K
-  const TensorRef Kv = g.Virtual("K", qd, k_st, s.variant == 0 ? F : s.io);
-  g.Reshape("reshape K", Kt, Kv);
+  const TensorRef Kv = g.Virtual("K", qd, c.k_st, s.variant == 0 ? F : s.io, c.rk);
+  g.Reshape("reshape K", c.Kt, Kv);
   if (s.deterministic) {
-    g.Matmul("dS K", dS, Kv, dQ, mq, nullptr, mkv);
+    g.Matmul("dS K", dS, Kv, dQ, c.mq, nullptr, c.mkv);
   } else {
-    const TensorRef acc = g.Tensor("dQ accumulator", kUidDqAccum, qd,
-                                   {H * L * Dqk, L * Dqk, Dqk, 1}, F, false);
-    g.Matmul("dS K", dS, Kv, acc, mq, nullptr, mkv);
+    // The fp32 accumulator: dense [H, L, Dqk]; ragged: dQ's own layout and offsets.
+    const Dims acc_st = s.ragged ? c.q_st : Dims{H * L * Dqk, L * Dqk, Dqk, 1};
+    const TensorRef acc = g.Tensor("dQ accumulator", kUidDqAccum, qd, acc_st, F, false, false, c.rq);
+    g.Matmul("dS K", dS, Kv, acc, c.mq, nullptr, c.mkv);
     g.Pointwise("identity dQ", CUDNN_POINTWISE_IDENTITY, F, acc, dQ);
   }
 }
@@ -574,7 +614,9 @@ int64_t EngineIndex(cudnnBackendDescriptor_t cfg) {
 }
 
 std::string Describe(const GraphSpec& s) {
-  return std::string(s.backward ? "backward" : "forward") + " L=" + std::to_string(s.L) +
+  return std::string(s.backward ? "backward" : "forward") +
+         (s.ragged ? " ragged B=" + std::to_string(s.B) : std::string()) +
+         " L=" + std::to_string(s.L) +
          " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
          " Dv=" + std::to_string(s.Dv) + (s.deterministic ? " deterministic" : "") +
          (s.padding_workaround ? " +padding-mask" : "") + " variant " + std::to_string(s.variant);
@@ -666,16 +708,7 @@ Status BuildPlan(cudnnHandle_t handle, const GraphSpec& s, std::unique_ptr<Plan>
       for (auto& d : heur_keep) plan->keep.push_back(std::move(d));  // the engine config
       plan->engine_ws = ws;
       plan->engine_index = engine;
-      int64_t off = AlignUp(ws);
-      if (s.backward) {
-        plan->dsum_offset = off;
-        off += AlignUp(s.H * s.L * 4);
-        if (!s.deterministic) {
-          plan->dq_accum_offset = off;
-          off += AlignUp(s.H * s.L * s.Dqk * 4);
-        }
-      }
-      plan->region_bytes = off;
+      plan->spec = s;
       plan->uids = g.io_uids();
       if (s.padding_workaround) {
         const int32_t lens[2] = {static_cast<int32_t>(s.L), static_cast<int32_t>(s.L)};
@@ -689,10 +722,10 @@ Status BuildPlan(cudnnHandle_t handle, const GraphSpec& s, std::unique_ptr<Plan>
                 .count();
         std::fprintf(stderr,
                      "[sdpa] plan %s: %s config %lld of %lld, engine %lld, workspace %lld B, "
-                     "region %lld B, %.1f ms%s\n",
+                     "%.1f ms%s\n",
                      Describe(s).c_str(), mode_name, static_cast<long long>(i),
                      static_cast<long long>(got), static_cast<long long>(engine),
-                     static_cast<long long>(ws), static_cast<long long>(plan->region_bytes), ms,
+                     static_cast<long long>(ws), ms,
                      tried.empty() ? "" : (", rejected before: " + tried.substr(2)).c_str());
       }
       *out = std::move(plan);
@@ -715,6 +748,20 @@ struct ExecArgs {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  void* dsum = nullptr;      // backward: fp32 row sums, the stats' layout
+  void* dq_accum = nullptr;  // backward, non-deterministic: fp32 dQ accumulator
+  void* engine_ws = nullptr;
+  const int32_t* meta = nullptr;  // ragged: seq lengths, then offsets (RaggedMeta)
+};
+
+// Where the ragged graphs' run-time data sits in the metadata buffer (int32 elements; every
+// piece 64-byte aligned): seq lengths [B], then offsets [B+1] of q, k, v, out and stats.
+struct RaggedMeta {
+  int64_t seq = 0, q = 0, k = 0, v = 0, o = 0, stats = 0, total = 0;
+  explicit RaggedMeta(int64_t B) {
+    const int64_t lens = (B + 15) / 16 * 16, offs = (B + 1 + 15) / 16 * 16;
+    q = lens, k = q + offs, v = k + offs, o = v + offs, stats = o + offs, total = stats + offs;
+  }
 };
 
 // Resolved, validated arguments of one call.
@@ -794,6 +841,39 @@ char* Offset(void* p, int64_t elements, int64_t esz) {
   return static_cast<char*>(p) + elements * esz;
 }
 
+int64_t NextPow2(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// Elements from a view's first element to one past its last one, over T tokens.
+int64_t Span(const SdpaView& v, int64_t T, int64_t H, int64_t D) {
+  return (T - 1) * v.token_stride + (H - 1) * v.head_stride + D;
+}
+
+// Bytes of the fp32 buffers a dense backward graph over L tokens keeps in the workspace.
+int64_t DenseAuxBytes(const GraphSpec& s) {
+  if (!s.backward) return 0;
+  return AlignUp(s.H * s.L * 4) + (s.deterministic ? 0 : AlignUp(s.H * s.L * s.Dqk * 4));
+}
+
+// A dense graph's workspace region: [engine workspace | Dsum | dQ accumulator].
+int64_t DenseRegionBytes(const Plan& p) { return AlignUp(p.engine_ws) + DenseAuxBytes(p.spec); }
+
+void SetDenseRegion(const Plan& p, char* region, ExecArgs* a) {
+  a->engine_ws = region;
+  if (!p.spec.backward) return;
+  char* aux = region + AlignUp(p.engine_ws);
+  a->dsum = aux;
+  if (!p.spec.deterministic) a->dq_accum = aux + AlignUp(p.spec.H * p.spec.L * 4);
+}
+
+// One document of a call: first token and length.
+struct Doc {
+  int64_t start, len;
+};
+
 }  // namespace
 
 // ---- Sdpa ---------------------------------------------------------------------------------------
@@ -804,17 +884,22 @@ struct Sdpa::Impl {
   std::map<std::vector<int64_t>, Status> failed;  // graphs no engine took: not rebuilt per call
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  int32_t* meta = nullptr;  // ragged metadata on the device, and what it holds
+  int64_t meta_capacity = 0;
+  std::vector<int32_t> meta_host;
   bool deterministic = false;
+  bool ragged = true;  // several documents: one ragged graph (else one graph per document)
   size_t version = 0;
 
   ~Impl() {
     plans.clear();
     if (workspace != nullptr) cudaFree(workspace);
+    if (meta != nullptr) cudaFree(meta);
     if (handle != nullptr) cudnnDestroy(handle);
   }
 
-  GraphSpec Spec(bool backward, int64_t L, const Call& c, SdpaView q, SdpaView k, SdpaView v,
-                 SdpaView o) const {
+  GraphSpec Dense(bool backward, int64_t L, const Call& c, SdpaView q, SdpaView k, SdpaView v,
+                  SdpaView o) const {
     GraphSpec s;
     s.backward = backward;
     s.L = L;
@@ -826,6 +911,26 @@ struct Sdpa::Impl {
     s.deterministic = backward && deterministic;
     s.padding_workaround = backward && version <= 91500 && L % 128 != 0;
     return s;
+  }
+
+  GraphSpec Ragged(bool backward, int64_t B, int64_t L, const Call& c) const {
+    GraphSpec s = Dense(backward, L, c, c.d.q, c.d.k, c.d.v, c.d.out);
+    s.ragged = true;
+    s.B = B;
+    s.padding_workaround = false;  // the ragged graphs always carry the padding mask
+    return s;
+  }
+
+  // Several documents go through one ragged graph when cuDNN has what that needs: ragged stats
+  // and accumulators (9.6), head sizes that are multiples of 16 (cudnn_frontend's condition for
+  // ragged accumulators), int32 offsets, and a non-deterministic backward (the deterministic
+  // one keeps an O(B H L^2) workspace).
+  bool UseRagged(const Call& c, bool backward) const {
+    const SdpaDims& d = c.d;
+    return ragged && version >= 90600 && d.Dqk % 16 == 0 && d.Dv % 16 == 0 &&
+           !(backward && deterministic) && Span(d.q, d.T, d.H, d.Dqk) < INT32_MAX &&
+           Span(d.k, d.T, d.H, d.Dqk) < INT32_MAX && Span(d.v, d.T, d.H, d.Dv) < INT32_MAX &&
+           Span(d.out, d.T, d.H, d.Dv) < INT32_MAX && d.T * d.H < INT32_MAX;
   }
 
   // The cached plan of `spec`, built (both spellings tried) on first use.
@@ -873,10 +978,49 @@ struct Sdpa::Impl {
     return Status::Ok();
   }
 
-  // Runs one plan; `region` is the plan's part of the workspace (region_bytes long).
-  Status Execute(const Plan& p, char* region, const ExecArgs& a, float scale,
-                 cudaStream_t stream) {
+  // Uploads the ragged metadata of `docs` (padded to B documents) unless the device already
+  // holds exactly that. Stream-ordered: earlier graphs on the stream read the old contents first.
+  Status UploadMeta(const std::vector<Doc>& docs, int64_t B, const Call& c, cudaStream_t stream) {
+    const RaggedMeta rm(B);
+    std::vector<int32_t> h(rm.total, 0);
+    const SdpaDims& d = c.d;
+    const int64_t end = docs.back().start + docs.back().len;
+    for (int64_t b = 0; b <= B; ++b) {
+      const int64_t t = b < static_cast<int64_t>(docs.size()) ? docs[b].start : end;
+      if (b < B) {
+        h[rm.seq + b] = b < static_cast<int64_t>(docs.size()) ? static_cast<int32_t>(docs[b].len)
+                                                              : 0;
+      }
+      h[rm.q + b] = static_cast<int32_t>(t * d.q.token_stride);
+      h[rm.k + b] = static_cast<int32_t>(t * d.k.token_stride);
+      h[rm.v + b] = static_cast<int32_t>(t * d.v.token_stride);
+      h[rm.o + b] = static_cast<int32_t>(t * d.out.token_stride);
+      h[rm.stats + b] = static_cast<int32_t>(t * d.H);
+    }
+    if (h == meta_host) return Status::Ok();
+    if (rm.total > meta_capacity) {
+      if (meta != nullptr) {
+        SPINDLE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        SPINDLE_CUDA_CHECK(cudaFree(meta));
+        meta = nullptr;
+        meta_capacity = 0;
+      }
+      const int64_t want = std::max<int64_t>(rm.total, 1024);
+      SPINDLE_CUDA_CHECK(cudaMalloc(&meta, want * 4));
+      meta_capacity = want;
+    }
+    // Pageable source: the copy is staged before the call returns, so `h` may go away.
+    SPINDLE_CUDA_CHECK(
+        cudaMemcpyAsync(meta, h.data(), rm.total * 4, cudaMemcpyHostToDevice, stream));
+    meta_host = std::move(h);
+    return Status::Ok();
+  }
+
+  // Runs one plan.
+  Status Execute(const Plan& p, const ExecArgs& a, float scale, cudaStream_t stream) {
     float scale_v = scale, one_v = 1.0f, neg_inf_v = -INFINITY;
+    const RaggedMeta rm(p.spec.B);
+    auto meta_at = [&](int64_t off) { return const_cast<int32_t*>(a.meta + off); };
     std::vector<void*> ptrs;
     ptrs.reserve(p.uids.size());
     for (const int64_t uid : p.uids) {
@@ -891,10 +1035,15 @@ struct Sdpa::Impl {
         case kUidDQ: ptr = a.dq; break;
         case kUidDK: ptr = a.dk; break;
         case kUidDV: ptr = a.dv; break;
-        case kUidDsum: ptr = region + p.dsum_offset; break;
-        case kUidDqAccum: ptr = region + p.dq_accum_offset; break;
-        case kUidSeqQ: ptr = p.seqlen_dev; break;
-        case kUidSeqKv: ptr = p.seqlen_dev + 1; break;
+        case kUidDsum: ptr = a.dsum; break;
+        case kUidDqAccum: ptr = a.dq_accum; break;
+        case kUidSeqQ:
+        case kUidSeqKv: ptr = p.spec.ragged ? meta_at(rm.seq) : p.seqlen_dev + (uid - kUidSeqQ); break;
+        case kUidRaggedQ: ptr = meta_at(rm.q); break;
+        case kUidRaggedK: ptr = meta_at(rm.k); break;
+        case kUidRaggedV: ptr = meta_at(rm.v); break;
+        case kUidRaggedO: ptr = meta_at(rm.o); break;
+        case kUidRaggedStats: ptr = meta_at(rm.stats); break;
         case kUidScale: ptr = &scale_v; break;
         case kUidOne: ptr = &one_v; break;
         case kUidNegInf:
@@ -906,7 +1055,7 @@ struct Sdpa::Impl {
     cudnnBackendDescriptor_t vp = nullptr;
     SPINDLE_CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp));
     DescPtr vp_owner(vp);
-    void* ws = region;
+    void* ws = a.engine_ws;
     SPINDLE_CUDNN_CHECK(cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
                                                  CUDNN_TYPE_INT64,
                                                  static_cast<int64_t>(p.uids.size()),
@@ -917,16 +1066,228 @@ struct Sdpa::Impl {
     SPINDLE_CUDNN_CHECK(cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
                                                  CUDNN_TYPE_VOID_PTR, 1, &ws));
     SPINDLE_CUDNN_CHECK(cudnnBackendFinalize(vp));
-    if (p.dq_accum_offset >= 0 && version < 90600) {
+    if (a.dq_accum != nullptr && version < 90600) {
       // cuDNN before 9.6 expects a zeroed dQ accumulator (cudnn_frontend clears it likewise);
-      // later versions clear it inside the engine.
-      SPINDLE_CUDA_CHECK(cudaMemsetAsync(region + p.dq_accum_offset, 0,
-                                         p.region_bytes - p.dq_accum_offset, stream));
+      // later versions clear it inside the engine. Only dense graphs get here.
+      SPINDLE_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, p.spec.H * p.spec.L * p.spec.Dqk * 4,
+                                         stream));
     }
     SPINDLE_CUDNN_CHECK(cudnnBackendExecute(handle, p.plan, vp));
     return Status::Ok();
   }
+
+  // [T, H] <-> [H, T] fp32, one strided copy per head.
+  static Status StatsToHeadMajor(float* dst, const float* src, int64_t T, int64_t H,
+                                 cudaStream_t stream) {
+    for (int64_t h = 0; h < H; ++h) {
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(dst + h * T, 4, src + h, H * 4, 4, T,
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+    return Status::Ok();
+  }
+  static Status StatsToTokenMajor(float* dst, const float* src, int64_t T, int64_t H,
+                                  cudaStream_t stream) {
+    for (int64_t h = 0; h < H; ++h) {
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(dst + h, H * 4, src + h * T, 4, 4, T,
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+    return Status::Ok();
+  }
+
+  Status RaggedForward(const ExecArgs& user, const std::vector<Doc>& docs, int64_t max_len,
+                       float scale, const Call& c, cudaStream_t stream);
+  Status RaggedBackward(const ExecArgs& user, const std::vector<Doc>& docs, int64_t max_len,
+                        float scale, const Call& c, cudaStream_t stream);
+  Status PerDocumentForward(const ExecArgs& user, const std::vector<Doc>& docs, float scale,
+                            const Call& c, cudaStream_t stream);
+  Status PerDocumentBackward(const ExecArgs& user, const std::vector<Doc>& docs, float scale,
+                             const Call& c, cudaStream_t stream);
 };
+
+// Ragged: B = documents rounded up to a power of two (the extra ones empty), L = the longest
+// document rounded up to a power of two (at least 64), so a few plans serve every batch.
+// Workspace: [stats [T, H] | engine workspace].
+Status Sdpa::Impl::RaggedForward(const ExecArgs& user, const std::vector<Doc>& docs,
+                                 int64_t max_len, float scale, const Call& c,
+                                 cudaStream_t stream) {
+  const int64_t T = c.d.T, H = c.d.H;
+  const int64_t B = NextPow2(static_cast<int64_t>(docs.size()));
+  Plan* p = nullptr;
+  SPINDLE_RETURN_IF_ERROR(GetPlan(Ragged(false, B, std::max<int64_t>(64, NextPow2(max_len)), c), &p));
+  const int64_t stats_bytes = AlignUp(T * H * 4);
+  SPINDLE_RETURN_IF_ERROR(EnsureWorkspace(stats_bytes + AlignUp(p->engine_ws), stream));
+  SPINDLE_RETURN_IF_ERROR(UploadMeta(docs, B, c, stream));
+  char* ws = static_cast<char*>(workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  ExecArgs a = user;
+  a.stats = stage;
+  a.engine_ws = ws + stats_bytes;
+  a.meta = meta;
+  SPINDLE_RETURN_IF_ERROR(Execute(*p, a, scale, stream));
+  return StatsToHeadMajor(const_cast<float*>(static_cast<const float*>(user.stats)), stage, T, H,
+                          stream);
+}
+
+// Workspace: [stats [T, H] | Dsum [T, H] | dQ accumulator (q's layout, fp32) | engine workspace].
+Status Sdpa::Impl::RaggedBackward(const ExecArgs& user, const std::vector<Doc>& docs,
+                                  int64_t max_len, float scale, const Call& c,
+                                  cudaStream_t stream) {
+  const int64_t T = c.d.T, H = c.d.H;
+  const int64_t B = NextPow2(static_cast<int64_t>(docs.size()));
+  Plan* p = nullptr;
+  SPINDLE_RETURN_IF_ERROR(GetPlan(Ragged(true, B, std::max<int64_t>(64, NextPow2(max_len)), c), &p));
+  const int64_t stats_bytes = AlignUp(T * H * 4);
+  const int64_t acc_bytes = AlignUp(Span(c.d.q, T, H, c.d.Dqk) * 4);
+  SPINDLE_RETURN_IF_ERROR(
+      EnsureWorkspace(2 * stats_bytes + acc_bytes + AlignUp(p->engine_ws), stream));
+  SPINDLE_RETURN_IF_ERROR(UploadMeta(docs, B, c, stream));
+  char* ws = static_cast<char*>(workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  SPINDLE_RETURN_IF_ERROR(
+      StatsToTokenMajor(stage, static_cast<const float*>(user.stats), T, H, stream));
+  ExecArgs a = user;
+  a.stats = stage;
+  a.dsum = ws + stats_bytes;
+  a.dq_accum = ws + 2 * stats_bytes;
+  a.engine_ws = ws + 2 * stats_bytes + acc_bytes;
+  a.meta = meta;
+  return Execute(*p, a, scale, stream);
+}
+
+// One dense graph per document on sub-views; stats through a dense [H, L] staging buffer.
+// One-token documents: the two-token graph on zero-padded dense copies (the causal mask keeps
+// the padding token out of the first row). Workspace: [staging | one-token scratch | region].
+Status Sdpa::Impl::PerDocumentForward(const ExecArgs& user, const std::vector<Doc>& docs,
+                                      float scale, const Call& c, cudaStream_t stream) {
+  const SdpaDims& d = c.d;
+  const int64_t T = d.T, H = d.H, esz = c.esz;
+  std::vector<Plan*> doc_plan(docs.size(), nullptr);
+  int64_t max_len = 2, region = 0;
+  bool any_single = false;
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (docs[i].len == 1) {
+      any_single = true;
+      continue;
+    }
+    max_len = std::max(max_len, docs[i].len);
+    SPINDLE_RETURN_IF_ERROR(GetPlan(Dense(false, docs[i].len, c, d.q, d.k, d.v, d.out),
+                                    &doc_plan[i]));
+    region = std::max(region, DenseRegionBytes(*doc_plan[i]));
+  }
+  const SdpaView pq{H * d.Dqk, d.Dqk}, pv{H * d.Dv, d.Dv};
+  const int64_t sq_bytes = AlignUp(2 * H * d.Dqk * esz), sv_bytes = AlignUp(2 * H * d.Dv * esz);
+  int64_t single_bytes = 0;
+  Plan* pair_plan = nullptr;
+  if (any_single) {
+    SPINDLE_RETURN_IF_ERROR(GetPlan(Dense(false, 2, c, pq, pq, pv, pv), &pair_plan));
+    region = std::max(region, DenseRegionBytes(*pair_plan));
+    single_bytes = 2 * sq_bytes + 2 * sv_bytes + AlignUp(H * 2 * 4);
+  }
+  const int64_t staging = AlignUp(H * max_len * 4);
+  SPINDLE_RETURN_IF_ERROR(EnsureWorkspace(staging + single_bytes + region, stream));
+  char* ws = static_cast<char*>(workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  char* single = ws + staging;
+  char* graph_region = ws + staging + single_bytes;
+  float* stats = const_cast<float*>(static_cast<const float*>(user.stats));
+
+  for (size_t i = 0; i < docs.size(); ++i) {
+    const int64_t s0 = docs[i].start, L = docs[i].len;
+    if (L >= 2) {
+      ExecArgs a;
+      a.q = Offset(user.q, s0 * d.q.token_stride, esz);
+      a.k = Offset(user.k, s0 * d.k.token_stride, esz);
+      a.v = Offset(user.v, s0 * d.v.token_stride, esz);
+      a.o = Offset(user.o, s0 * d.out.token_stride, esz);
+      a.stats = stage;
+      SetDenseRegion(*doc_plan[i], graph_region, &a);
+      SPINDLE_RETURN_IF_ERROR(Execute(*doc_plan[i], a, scale, stream));
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, stage, L * 4, L * 4, H,
+                                           cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    char* sq = single;
+    char* sk = sq + sq_bytes;
+    char* sv = sk + sq_bytes;
+    char* so = sv + sv_bytes;
+    float* sst = reinterpret_cast<float*>(so + sv_bytes);
+    SPINDLE_CUDA_CHECK(cudaMemsetAsync(single, 0, 2 * sq_bytes + sv_bytes, stream));
+    const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sq, rq, Offset(user.q, s0 * d.q.token_stride, esz),
+                                         d.q.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sk, rq, Offset(user.k, s0 * d.k.token_stride, esz),
+                                         d.k.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sv, rv, Offset(user.v, s0 * d.v.token_stride, esz),
+                                         d.v.head_stride * esz, rv, H, cudaMemcpyDeviceToDevice,
+                                         stream));
+    ExecArgs a;
+    a.q = sq, a.k = sk, a.v = sv, a.o = so, a.stats = sst;
+    SetDenseRegion(*pair_plan, graph_region, &a);
+    SPINDLE_RETURN_IF_ERROR(Execute(*pair_plan, a, scale, stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(const_cast<char*>(Offset(user.o, s0 * d.out.token_stride, esz)),
+                                         d.out.head_stride * esz, so, rv, rv, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, sst, 2 * 4, 4, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+  }
+  return Status::Ok();
+}
+
+// One dense graph per document; a one-token document has p = 1: dv = dout, dq = dk = 0.
+Status Sdpa::Impl::PerDocumentBackward(const ExecArgs& user, const std::vector<Doc>& docs,
+                                       float scale, const Call& c, cudaStream_t stream) {
+  const SdpaDims& d = c.d;
+  const int64_t T = d.T, H = d.H, esz = c.esz;
+  std::vector<Plan*> doc_plan(docs.size(), nullptr);
+  int64_t max_len = 1, region = 0;
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (docs[i].len < 2) continue;
+    max_len = std::max(max_len, docs[i].len);
+    SPINDLE_RETURN_IF_ERROR(GetPlan(Dense(true, docs[i].len, c, d.q, d.k, d.v, d.out),
+                                    &doc_plan[i]));
+    region = std::max(region, DenseRegionBytes(*doc_plan[i]));
+  }
+  const int64_t staging = AlignUp(H * max_len * 4);
+  SPINDLE_RETURN_IF_ERROR(EnsureWorkspace(staging + region, stream));
+  char* ws = static_cast<char*>(workspace);
+  float* stage = reinterpret_cast<float*>(ws);
+  char* graph_region = ws + staging;
+  const float* stats = static_cast<const float*>(user.stats);
+
+  for (size_t i = 0; i < docs.size(); ++i) {
+    const int64_t s0 = docs[i].start, L = docs[i].len;
+    if (L == 1) {
+      const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
+      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(user.dq, s0 * d.q.token_stride, esz),
+                                           d.q.head_stride * esz, 0, rq, H, stream));
+      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(user.dk, s0 * d.k.token_stride, esz),
+                                           d.k.head_stride * esz, 0, rq, H, stream));
+      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(Offset(user.dv, s0 * d.v.token_stride, esz),
+                                           d.v.head_stride * esz,
+                                           Offset(user.dout, s0 * d.out.token_stride, esz),
+                                           d.out.head_stride * esz, rv, H,
+                                           cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stage, L * 4, stats + s0, T * 4, L * 4, H,
+                                         cudaMemcpyDeviceToDevice, stream));
+    ExecArgs a;
+    a.q = Offset(user.q, s0 * d.q.token_stride, esz);
+    a.k = Offset(user.k, s0 * d.k.token_stride, esz);
+    a.v = Offset(user.v, s0 * d.v.token_stride, esz);
+    a.o = Offset(user.o, s0 * d.out.token_stride, esz);
+    a.dout = Offset(user.dout, s0 * d.out.token_stride, esz);
+    a.dq = Offset(user.dq, s0 * d.q.token_stride, esz);
+    a.dk = Offset(user.dk, s0 * d.k.token_stride, esz);
+    a.dv = Offset(user.dv, s0 * d.v.token_stride, esz);
+    a.stats = stage;
+    SetDenseRegion(*doc_plan[i], graph_region, &a);
+    SPINDLE_RETURN_IF_ERROR(Execute(*doc_plan[i], a, scale, stream));
+  }
+  return Status::Ok();
+}
 
 Sdpa::Sdpa(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Sdpa::~Sdpa() = default;
@@ -941,10 +1302,31 @@ Status Sdpa::Create(std::unique_ptr<Sdpa>* out) {
   }
   auto impl = std::make_unique<Impl>();
   impl->version = version;
+  // SPINDLE_SDPA_PER_DOCUMENT=1: several documents always take the one-graph-per-document route
+  // (tests compare both routes).
+  const char* per_doc = std::getenv("SPINDLE_SDPA_PER_DOCUMENT");
+  impl->ragged = per_doc == nullptr || per_doc[0] == '\0' || per_doc[0] == '0';
   SPINDLE_CUDNN_CHECK(cudnnCreate(&impl->handle));
   out->reset(new Sdpa(std::move(impl)));
   return Status::Ok();
 }
+
+namespace {
+
+// The non-empty documents of cu_seqlens and the longest length.
+std::vector<Doc> Documents(const int32_t* cu, int64_t n_segments, int64_t* max_len) {
+  std::vector<Doc> docs;
+  *max_len = 0;
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const int64_t len = cu[i + 1] - cu[i];
+    if (len == 0) continue;
+    docs.push_back({cu[i], len});
+    *max_len = std::max(*max_len, len);
+  }
+  return docs;
+}
+
+}  // namespace
 
 Status Sdpa::Forward(const void* q, const void* k, const void* v, void* out, float* stats,
                      const int32_t* cu_seqlens, int64_t n_segments, float scale,
@@ -957,93 +1339,22 @@ Status Sdpa::Forward(const void* q, const void* k, const void* v, void* out, flo
   SPINDLE_RETURN_IF_ERROR(CheckPtr("out", out));
   SPINDLE_RETURN_IF_ERROR(CheckPtr("stats", stats));
   const SdpaDims& d = c.d;
-  const int64_t T = d.T, H = d.H, esz = c.esz;
-  if (T == 0) return Status::Ok();
+  if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
   SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
-
-  if (n_segments == 1) {
+  ExecArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats;
+  int64_t max_len = 0;
+  const std::vector<Doc> docs = Documents(cu_seqlens, n_segments, &max_len);
+  if (docs.size() == 1) {  // one document spanning all T tokens: the fast path
     Plan* p = nullptr;
-    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, T, c, d.q, d.k, d.v, d.out), &p));
-    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(p->region_bytes, stream));
-    ExecArgs a;
-    a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats;
-    return m.Execute(*p, static_cast<char*>(m.workspace), a, scale, stream);
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Dense(false, d.T, c, d.q, d.k, d.v, d.out), &p));
+    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
+    SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
+    return m.Execute(*p, a, scale, stream);
   }
-
-  // Several documents: plans first (host only), then one workspace size, then the launches.
-  // Workspace: [stats staging H x max L fp32 | one-token scratch | graph region].
-  std::vector<Plan*> doc_plan(n_segments, nullptr);
-  int64_t max_len = 0, region = 0;
-  bool any_single = false;
-  Plan* pair_plan = nullptr;
-  for (int64_t i = 0; i < n_segments; ++i) {
-    const int64_t L = cu_seqlens[i + 1] - cu_seqlens[i];
-    if (L == 1) any_single = true;
-    if (L < 2) continue;
-    max_len = std::max(max_len, L);
-    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, L, c, d.q, d.k, d.v, d.out), &doc_plan[i]));
-    region = std::max(region, doc_plan[i]->region_bytes);
-  }
-  // One-token documents: the two-token graph on dense zero-padded copies.
-  const SdpaView pq{H * d.Dqk, d.Dqk}, pv{H * d.Dv, d.Dv};
-  const int64_t sq_bytes = AlignUp(2 * H * d.Dqk * esz), sv_bytes = AlignUp(2 * H * d.Dv * esz);
-  int64_t single_bytes = 0;
-  if (any_single) {
-    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(false, 2, c, pq, pq, pv, pv), &pair_plan));
-    region = std::max(region, pair_plan->region_bytes);
-    single_bytes = 2 * sq_bytes + 2 * sv_bytes + AlignUp(H * 2 * 4);
-    max_len = std::max<int64_t>(max_len, 2);
-  }
-  const int64_t staging = AlignUp(H * max_len * 4);
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(staging + single_bytes + region, stream));
-  char* ws = static_cast<char*>(m.workspace);
-  float* stage = reinterpret_cast<float*>(ws);
-  char* single = ws + staging;
-  char* graph_region = ws + staging + single_bytes;
-
-  for (int64_t i = 0; i < n_segments; ++i) {
-    const int64_t s0 = cu_seqlens[i], L = cu_seqlens[i + 1] - s0;
-    if (L == 0) continue;
-    if (L >= 2) {
-      ExecArgs a;
-      a.q = Offset(q, s0 * d.q.token_stride, esz);
-      a.k = Offset(k, s0 * d.k.token_stride, esz);
-      a.v = Offset(v, s0 * d.v.token_stride, esz);
-      a.o = Offset(out, s0 * d.out.token_stride, esz);
-      a.stats = stage;
-      SPINDLE_RETURN_IF_ERROR(m.Execute(*doc_plan[i], graph_region, a, scale, stream));
-      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, stage, L * 4, L * 4, H,
-                                           cudaMemcpyDeviceToDevice, stream));
-      continue;
-    }
-    // L == 1: token 0 of the scratch is the document's token, token 1 zeros (masked out).
-    char* sq = single;
-    char* sk = sq + sq_bytes;
-    char* sv = sk + sq_bytes;
-    char* so = sv + sv_bytes;
-    float* sst = reinterpret_cast<float*>(so + sv_bytes);
-    SPINDLE_CUDA_CHECK(cudaMemsetAsync(single, 0, 2 * sq_bytes + sv_bytes, stream));
-    const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sq, rq, Offset(q, s0 * d.q.token_stride, esz),
-                                         d.q.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
-                                         stream));
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sk, rq, Offset(k, s0 * d.k.token_stride, esz),
-                                         d.k.head_stride * esz, rq, H, cudaMemcpyDeviceToDevice,
-                                         stream));
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(sv, rv, Offset(v, s0 * d.v.token_stride, esz),
-                                         d.v.head_stride * esz, rv, H, cudaMemcpyDeviceToDevice,
-                                         stream));
-    ExecArgs a;
-    a.q = sq, a.k = sk, a.v = sv, a.o = so, a.stats = sst;
-    SPINDLE_RETURN_IF_ERROR(m.Execute(*pair_plan, graph_region, a, scale, stream));
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(Offset(out, s0 * d.out.token_stride, esz),
-                                         d.out.head_stride * esz, so, rv, rv, H,
-                                         cudaMemcpyDeviceToDevice, stream));
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats + s0, T * 4, sst, 2 * 4, 4, H,
-                                         cudaMemcpyDeviceToDevice, stream));
-  }
-  return Status::Ok();
+  if (m.UseRagged(c, false)) return m.RaggedForward(a, docs, max_len, scale, c, stream);
+  return m.PerDocumentForward(a, docs, scale, c, stream);
 }
 
 Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* out,
@@ -1062,67 +1373,23 @@ Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* o
   SPINDLE_RETURN_IF_ERROR(CheckPtr("dk", dk));
   SPINDLE_RETURN_IF_ERROR(CheckPtr("dv", dv));
   const SdpaDims& d = c.d;
-  const int64_t T = d.T, H = d.H, esz = c.esz;
-  if (T == 0) return Status::Ok();
+  if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
   SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
-
-  if (n_segments == 1) {
+  ExecArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats, a.dout = dout;
+  a.dq = dq, a.dk = dk, a.dv = dv;
+  int64_t max_len = 0;
+  const std::vector<Doc> docs = Documents(cu_seqlens, n_segments, &max_len);
+  if (docs.size() == 1) {
     Plan* p = nullptr;
-    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(true, T, c, d.q, d.k, d.v, d.out), &p));
-    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(p->region_bytes, stream));
-    ExecArgs a;
-    a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats, a.dout = dout;
-    a.dq = dq, a.dk = dk, a.dv = dv;
-    return m.Execute(*p, static_cast<char*>(m.workspace), a, scale, stream);
+    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Dense(true, d.T, c, d.q, d.k, d.v, d.out), &p));
+    SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
+    SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
+    return m.Execute(*p, a, scale, stream);
   }
-
-  std::vector<Plan*> doc_plan(n_segments, nullptr);
-  int64_t max_len = 0, region = 0;
-  for (int64_t i = 0; i < n_segments; ++i) {
-    const int64_t L = cu_seqlens[i + 1] - cu_seqlens[i];
-    if (L < 2) continue;
-    max_len = std::max(max_len, L);
-    SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Spec(true, L, c, d.q, d.k, d.v, d.out), &doc_plan[i]));
-    region = std::max(region, doc_plan[i]->region_bytes);
-  }
-  const int64_t staging = AlignUp(H * std::max<int64_t>(max_len, 1) * 4);
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(staging + region, stream));
-  char* ws = static_cast<char*>(m.workspace);
-  float* stage = reinterpret_cast<float*>(ws);
-  char* graph_region = ws + staging;
-
-  for (int64_t i = 0; i < n_segments; ++i) {
-    const int64_t s0 = cu_seqlens[i], L = cu_seqlens[i + 1] - s0;
-    if (L == 0) continue;
-    if (L == 1) {  // p = 1: dv = dout, dq = dk = 0
-      const int64_t rq = d.Dqk * esz, rv = d.Dv * esz;
-      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(dq, s0 * d.q.token_stride, esz),
-                                           d.q.head_stride * esz, 0, rq, H, stream));
-      SPINDLE_CUDA_CHECK(cudaMemset2DAsync(Offset(dk, s0 * d.k.token_stride, esz),
-                                           d.k.head_stride * esz, 0, rq, H, stream));
-      SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(Offset(dv, s0 * d.v.token_stride, esz),
-                                           d.v.head_stride * esz,
-                                           Offset(dout, s0 * d.out.token_stride, esz),
-                                           d.out.head_stride * esz, rv, H,
-                                           cudaMemcpyDeviceToDevice, stream));
-      continue;
-    }
-    SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stage, L * 4, stats + s0, T * 4, L * 4, H,
-                                         cudaMemcpyDeviceToDevice, stream));
-    ExecArgs a;
-    a.q = Offset(q, s0 * d.q.token_stride, esz);
-    a.k = Offset(k, s0 * d.k.token_stride, esz);
-    a.v = Offset(v, s0 * d.v.token_stride, esz);
-    a.o = Offset(out, s0 * d.out.token_stride, esz);
-    a.dout = Offset(dout, s0 * d.out.token_stride, esz);
-    a.dq = Offset(dq, s0 * d.q.token_stride, esz);
-    a.dk = Offset(dk, s0 * d.k.token_stride, esz);
-    a.dv = Offset(dv, s0 * d.v.token_stride, esz);
-    a.stats = stage;
-    SPINDLE_RETURN_IF_ERROR(m.Execute(*doc_plan[i], graph_region, a, scale, stream));
-  }
-  return Status::Ok();
+  if (m.UseRagged(c, true)) return m.RaggedBackward(a, docs, max_len, scale, c, stream);
+  return m.PerDocumentBackward(a, docs, scale, c, stream);
 }
 
 }  // namespace spindle::kernels::cuda

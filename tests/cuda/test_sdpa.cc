@@ -3,8 +3,8 @@
 // dtype. Shapes: the tiny model (H=4, Dqk=32, Dv=16; T odd, a multiple of 128, and not), the 1B
 // MLA head (H=16, Dqk=192, Dv=128), strided views inside larger buffers (fused q/k rows, V at an
 // offset with head stride 256, head-major out) whose bytes outside the view must stay untouched,
-// several documents (one-token and empty ones included), fp16, the deterministic backward, and
-// argument errors.
+// several documents (one-token and empty ones included) through both routes (one ragged graph;
+// one graph per document), fp16, the deterministic backward, and argument errors.
 //
 // Tolerances (|got - want| <= abs * peak + rel * |want|, peak = max |want|): out 1% + 1% (bf16
 // output rounding plus P rounded to bf16 before P V), dq/dk/dv 2% + 2% (P and dS enter the
@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -171,14 +172,20 @@ struct Case {
   int64_t q_off = 0, k_off = 0, v_off = 0, o_off = 0;
   DType dtype = kBf16;
   bool deterministic = false;
+  bool per_document = false;  // several documents: one graph per document instead of ragged
 };
 
 class SdpaCudnn : public ::testing::Test {
  protected:
   void SetUp() override {
     SPINDLE_REQUIRE_GPU();
-    const Status s = cuda::Sdpa::Create(&sdpa_);
+    Status s = cuda::Sdpa::Create(&ragged_);
     ASSERT_TRUE(s.ok()) << s.message();
+    setenv("SPINDLE_SDPA_PER_DOCUMENT", "1", 1);
+    s = cuda::Sdpa::Create(&per_document_);
+    unsetenv("SPINDLE_SDPA_PER_DOCUMENT");
+    ASSERT_TRUE(s.ok()) << s.message();
+    sdpa_ = ragged_.get();
   }
 
   void Run(const Case& c) {
@@ -189,6 +196,7 @@ class SdpaCudnn : public ::testing::Test {
     const int64_t n_seg = static_cast<int64_t>(c.cu.size()) - 1;
     const DType t = c.dtype;
     const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+    sdpa_ = c.per_document ? per_document_.get() : ragged_.get();
     sdpa_->SetDeterministic(c.deterministic);
 
     const std::vector<float> q = RandomRounded(rng, T * H * Dqk, t);
@@ -264,7 +272,8 @@ class SdpaCudnn : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<cuda::Sdpa> sdpa_;
+  std::unique_ptr<cuda::Sdpa> ragged_, per_document_;
+  cuda::Sdpa* sdpa_ = nullptr;
 };
 
 Case Tiny(const std::string& name, std::vector<int32_t> cu) {
@@ -297,11 +306,52 @@ TEST_F(SdpaCudnn, MlaStridedViews) {
   Run(c);
 }
 
+// Several documents, through the ragged graph and through one graph per document.
 TEST_F(SdpaCudnn, TinyDocuments) {
-  Run(Tiny("tiny docs 1,2,37,1,129,130", {0, 1, 3, 40, 41, 170, 300}));
+  Case c = Tiny("tiny docs 1,2,37,1,129,130", {0, 1, 3, 40, 41, 170, 300});
+  Run(c);
+  c.name += " per-document", c.per_document = true;
+  Run(c);
 }
-TEST_F(SdpaCudnn, TinyEmptyDocuments) { Run(Tiny("tiny docs 0,50,0,50", {0, 0, 50, 50, 100})); }
-TEST_F(SdpaCudnn, MlaDocuments) { Run(Mla("mla docs 130,1,369", {0, 130, 131, 500})); }
+
+TEST_F(SdpaCudnn, TinyEmptyDocuments) {
+  Case c = Tiny("tiny docs 0,50,0,50", {0, 0, 50, 50, 100});
+  Run(c);
+  c.name += " per-document", c.per_document = true;
+  Run(c);
+}
+
+// 37 random documents (one-token ones likely) over 1000 tokens: 64 ragged batches.
+TEST_F(SdpaCudnn, TinyManyDocuments) {
+  const uint32_t seed = FreshSeed();
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> cut(1, 999);
+  std::vector<int32_t> cu{0};
+  for (int i = 0; i < 36; ++i) cu.push_back(cut(rng));
+  cu.push_back(1000);
+  std::sort(cu.begin(), cu.end());
+  Run(Tiny("tiny 37 random docs T=1000 (cuts seed " + std::to_string(seed) + ")", cu));
+}
+
+TEST_F(SdpaCudnn, MlaDocuments) {
+  Case c = Mla("mla docs 130,1,369", {0, 130, 131, 500});
+  Run(c);
+  c.name += " per-document", c.per_document = true;
+  Run(c);
+}
+
+// The model's layout with documents: fused q/k rows, V inside kv_b's output, head-major out.
+TEST_F(SdpaCudnn, MlaDocumentsStridedViews) {
+  const int64_t T = 600, H = 16;
+  Case c = Mla("mla strided docs 100,1,249,250", {0, 100, 101, 350, 600});
+  c.q = {H * 384, 384};
+  c.k = {H * 384, 384}, c.k_off = 192;
+  c.v = {H * 256, 256}, c.v_off = 128;
+  c.o = {128, T * 128};
+  Run(c);
+  c.name += " per-document", c.per_document = true;
+  Run(c);
+}
 
 TEST_F(SdpaCudnn, TinyFp16) {
   Case c = Tiny("tiny fp16 T=77", {0, 77});
@@ -316,6 +366,9 @@ TEST_F(SdpaCudnn, DeterministicBackward) {
   Case m = Mla("mla deterministic T=1000", {0, 1000});
   m.deterministic = true;
   Run(m);
+  Case d = Tiny("tiny deterministic docs 1,59,140", {0, 1, 60, 200});
+  d.deterministic = true;
+  Run(d);
 }
 
 TEST_F(SdpaCudnn, BadArguments) {
