@@ -120,6 +120,11 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
   plan.layers.push_back(DecideMode("mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, cp,
                                    m.n_heads, &plan.problems));
 
+  if (cp > 1 && spec.resources == "cuda") {
+    plan.problems.push_back(absl::StrCat(
+        "parallel.cp: ", cp, " on resources \"cuda\": context parallelism on CUDA is not built "
+        "yet (use cp = 1 on cuda, or resources \"cpu\")"));
+  }
   if (cp > 1) {
     const int64_t chunks = 2 * cp;
     if (spec.seq_len % chunks != 0) {

@@ -56,6 +56,19 @@ TEST(CpPlannerTest, ForcedModeIsKeptAndMarked) {
   EXPECT_EQ(p.layers[1].reason, "forced by the spec (parallel.mla_mode = allgather)");
 }
 
+TEST(CpPlannerTest, CpOnCudaIsRefusedUntilBuilt) {
+  JobSpec s = Spec(2, 4, 1024);
+  s.resources = "cuda";
+  CpPlan p = CpPlanner().Plan(s, 0);
+  ASSERT_FALSE(p.ok());
+  ASSERT_EQ(p.problems.size(), 1u);
+  EXPECT_EQ(p.problems[0],
+            "parallel.cp: 2 on resources \"cuda\": context parallelism on CUDA is not built yet "
+            "(use cp = 1 on cuda, or resources \"cpu\")");
+  s.parallel.cp = 1;
+  EXPECT_TRUE(CpPlanner().Plan(s, 0).ok());
+}
+
 TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {
   JobSpec s = Spec(8, 4, 1000);
   s.parallel.lightning_mode = CpMode::kAll2All;
