@@ -22,4 +22,8 @@ done
 ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
   grep -Ev '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt)\.so|/usr/local/cuda' |
   while read -r lib; do cp -L "$lib" "$out/lib/"; done
+# One xz archive keeps the carried folder small (OpenBLAS alone is 36 MB); the device side unpacks
+# it with: tar -C .cuda-run -xJf .cuda-run/run.tar.xz
+tar -C "$out" -cf - . | xz -T2 -6 > /tmp/spindle-run.tar.xz
+rm -rf "$out" && mkdir -p "$out" && mv /tmp/spindle-run.tar.xz "$out/run.tar.xz"
 du -sh "$out"

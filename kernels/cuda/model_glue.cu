@@ -1,7 +1,9 @@
-// Small kernels the model needs between the big ones: the per-head sum of MLA's shared rotary
-// key gradient, a fixed-order squared norm (gradient clipping) and the fp32 -> storage dtype
-// conversion of weights.
+// Small kernels the model needs between the big ones: strided row copies (MLA's key assembly and
+// latent split; a copy engine moves rows of a few hundred bytes slowly), the per-head sum of MLA's
+// shared rotary key gradient, a fixed-order squared norm (gradient clipping) and the fp32 ->
+// storage dtype conversion of weights.
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -22,6 +24,19 @@ __global__ void SumHeadsKernel(const T* x, int64_t T_, int64_t H, int64_t d, int
     float s = 0.0f;
     for (int64_t h = 0; h < H; ++h) s += ToFloat(x[t * ts + h * hs + j]);
     out[t * os + j] = FromFloat<T>(s);
+  }
+}
+
+// One thread per 16-byte vector (8 bf16) of a row when every stride, width and pointer allows it,
+// else per element.
+template <typename V>
+__global__ void CopyRowsKernel(V* dst, int64_t dts, int64_t dhs, const V* src, int64_t sts,
+                               int64_t shs, int64_t T, int64_t H, int64_t width) {
+  const int64_t n = T * H * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = i % width, r = i / width, h = r % H, t = r / H;
+    dst[t * dts + h * dhs + j] = src[t * sts + h * shs + j];
   }
 }
 
@@ -78,6 +93,37 @@ Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_st
         static_cast<const scalar_t*>(x), T, H, d, token_stride, head_stride,
         static_cast<scalar_t*>(out), out_stride);
   });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status CopyRows(void* dst, int64_t dst_token_stride, int64_t dst_head_stride, const void* src,
+                int64_t src_token_stride, int64_t src_head_stride, int64_t T, int64_t H,
+                int64_t width, DType dtype, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(T >= 0 && H > 0 && width >= 0, "CopyRows: bad sizes");
+  if (T == 0 || width == 0) return Status::Ok();
+  const int64_t es = DTypeSize(dtype);
+  const auto fits = [&](int64_t x) { return (x * es) % 16 == 0; };
+  const bool vec = fits(dst_token_stride) && fits(dst_head_stride) && fits(src_token_stride) &&
+                   fits(src_head_stride) && fits(width) &&
+                   (reinterpret_cast<uintptr_t>(dst) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  if (vec) {
+    const int64_t k = 16 / es;  // elements per vector
+    const int64_t n = T * H * width / k;
+    CopyRowsKernel<uint4><<<Blocks(n), 256, 0, stream>>>(
+        static_cast<uint4*>(dst), dst_token_stride / k, dst_head_stride / k,
+        static_cast<const uint4*>(src), src_token_stride / k, src_head_stride / k, T, H,
+        width / k);
+  } else if (es == 2) {
+    CopyRowsKernel<uint16_t><<<Blocks(T * H * width), 256, 0, stream>>>(
+        static_cast<uint16_t*>(dst), dst_token_stride, dst_head_stride,
+        static_cast<const uint16_t*>(src), src_token_stride, src_head_stride, T, H, width);
+  } else {
+    CopyRowsKernel<uint32_t><<<Blocks(T * H * width), 256, 0, stream>>>(
+        static_cast<uint32_t*>(dst), dst_token_stride, dst_head_stride,
+        static_cast<const uint32_t*>(src), src_token_stride, src_head_stride, T, H, width);
+  }
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -130,6 +130,11 @@ Status AdamWMultiTensor(const AdamWTensor* tensors, int64_t n_tensors, const Ada
                         cudaStream_t stream);
 
 // ---- Glue of the model ---------------------------------------------------------------------------
+// dst[t, h, j] = src[t, h, j] for j < width over [T, H] rows of strided views (token and head
+// strides in elements; a source head stride of 0 broadcasts one row to every head).
+Status CopyRows(void* dst, int64_t dst_token_stride, int64_t dst_head_stride, const void* src,
+                int64_t src_token_stride, int64_t src_head_stride, int64_t T, int64_t H,
+                int64_t width, DType dtype, cudaStream_t stream);
 // out[t, j] = sum_h x[t * token_stride + h * head_stride + j] for j < d (out row stride
 // out_stride): the gradient of a key part shared by all heads (MLA's rotary key).
 Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_stride,

@@ -692,3 +692,50 @@ TEST(CudaDispatch, UnsupportedDtypeIsNamed) {
 
 }  // namespace
 }  // namespace spindle::kernels::cuda
+
+namespace spindle::kernels::cuda {
+namespace {
+
+// CopyRows (MLA key assembly: strided, broadcast over heads; vector and element paths) and
+// SumHeads (the shared rotary key's gradient) against host loops.
+TEST(ModelGlue, CopyRowsAndSumHeadsMatchHostLoops) {
+  SPINDLE_REQUIRE_GPU();
+  std::mt19937 rng(testing::FreshSeed());
+  const DType bf = DType::kBFloat16;
+  // (T, H, width, src token stride, src head stride, dst token stride, dst head stride)
+  struct C { int64_t T, H, w, sts, shs, dts, dhs; };
+  for (const C c : {C{37, 5, 64, 576, 0, 5 * 192, 192}, C{29, 3, 16, 48, 0, 3 * 32, 32},
+                    C{41, 4, 7, 4 * 9, 9, 4 * 11, 11}, C{50, 1, 512, 576, 0, 512, 0}}) {
+    const int64_t src_n = (c.T - 1) * c.sts + (c.H - 1) * c.shs + c.w;
+    const int64_t dst_n = (c.T - 1) * c.dts + (c.H - 1) * c.dhs + c.w;
+    auto src = Normal(rng, src_n);
+    RoundTo(bf, src);
+    std::vector<float> dst0(dst_n, -7.0f), want = dst0;
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t j = 0; j < c.w; ++j)
+          want[t * c.dts + h * c.dhs + j] = src[t * c.sts + h * c.shs + j];
+    auto d_src = Upload(src, bf);
+    auto d_dst = Upload(dst0, bf);
+    ASSERT_OK(CopyRows(d_dst.get(), c.dts, c.dhs, d_src.get(), c.sts, c.shs, c.T, c.H, c.w, bf,
+                       0));
+    ExpectSameBits(Download(d_dst.get(), dst_n, bf), want, "CopyRows");
+  }
+  const int64_t T = 33, H = 6, d = 24, ts = H * 40, hs = 40, os = 30;
+  auto x = Normal(rng, T * ts);
+  RoundTo(bf, x);
+  std::vector<float> want(T * os, 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < d; ++j) {
+      float s = 0.0f;
+      for (int64_t h = 0; h < H; ++h) s += x[t * ts + h * hs + j];
+      want[t * os + j] = s;
+    }
+  auto d_x = Upload(x, bf);
+  auto d_out = Upload(std::vector<float>(T * os, 0.0f), bf);
+  ASSERT_OK(SumHeads(d_x.get(), T, H, d, ts, hs, d_out.get(), os, bf, 0));
+  ExpectClose(Download(d_out.get(), T * os, bf), want, bf, "SumHeads");
+}
+
+}  // namespace
+}  // namespace spindle::kernels::cuda

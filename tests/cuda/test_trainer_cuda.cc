@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -179,9 +180,17 @@ std::vector<double> StepLosses(const std::string& out) {
   return l;
 }
 
+// The trainer binary: $SPINDLE_TRAIN_BINARY (binaries moved to another machine), else the one
+// built beside this test.
+std::string TrainBinary() {
+  const char* env = std::getenv("SPINDLE_TRAIN_BINARY");
+  return env && *env ? env : SPINDLE_TRAIN_BINARY;
+}
+
 TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
   SPINDLE_REQUIRE_GPU();
-  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train is not built";
+  const std::string train = TrainBinary();
+  if (train.empty()) GTEST_SKIP() << "spindle-train is not built";
   const int64_t steps = 6;
   JobSpec spec = TinyJob(steps, /*seq_len=*/512, /*gap=*/128);
   // Rank r of dp = 2 takes sequence 2s + r at step s; one rank with two micro-batches the same two.
@@ -191,11 +200,11 @@ TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
   std::ofstream(job) << spec.ToJson().dump();
   const std::string store = dir + "store";
   auto rank1 = Subprocess::Spawn(
-      {SPINDLE_TRAIN_BINARY, "--job", job, "--rank", "1", "--world", "2", "--file-store", store},
+      {train, "--job", job, "--rank", "1", "--world", "2", "--file-store", store},
       {.stdout_path = dir + "rank1.out", .stderr_path = dir + "rank1.err"});
   ASSERT_TRUE(rank1.ok()) << rank1.status();
   auto rank0 = RunCommand(
-      {SPINDLE_TRAIN_BINARY, "--job", job, "--rank", "0", "--world", "2", "--file-store", store},
+      {train, "--job", job, "--rank", "0", "--world", "2", "--file-store", store},
       "", absl::Seconds(300));
   ASSERT_TRUE(rank0.ok()) << rank0.status();
   auto code1 = (*rank1)->Wait();

@@ -129,7 +129,8 @@ struct CudaModel::Impl {
   // Fixed device buffers (cudaMalloc): fp32 master, gradients, moments; bf16 working copy.
   float *p = nullptr, *g = nullptr, *m = nullptr, *v = nullptr;
   void* w = nullptr;
-  double* scalar = nullptr;  // [2] host-visible results (loss sum, norms)
+  double* scalar = nullptr;     // [2] device results (loss sum, norms)
+  double* loss_host = nullptr;  // pinned host copy of the loss sum
   float* log_decays = nullptr;
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
@@ -153,6 +154,7 @@ struct CudaModel::Impl {
                     static_cast<void*>(v), w, static_cast<void*>(scalar),
                     static_cast<void*>(log_decays)})
       if (q) cudaFree(q);
+    if (loss_host) cudaFreeHost(loss_host);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -189,9 +191,8 @@ struct CudaModel::Impl {
   // dst[rows, width] <- src[rows, width] with row strides (elements).
   absl::Status Copy2D(void* dst, int64_t dst_stride, const void* src, int64_t src_stride,
                       int64_t width, int64_t rows) {
-    CUDA(cudaMemcpy2DAsync(dst, dst_stride * kAb, src, src_stride * kAb, width * kAb, rows,
-                           cudaMemcpyDeviceToDevice, stream));
-    return absl::OkStatus();
+    return FromKernel(
+        kc::CopyRows(dst, dst_stride, 0, src, src_stride, 0, rows, 1, width, kAct, stream));
   }
   kc::Workspace Ws() { return {W.ws.get(), static_cast<size_t>(W.ws_bytes)}; }
   absl::Status Act(DevBuf& b, int64_t rows, int64_t cols) {
@@ -230,6 +231,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   for (float** b : {&impl->p, &impl->g, &impl->m, &impl->v}) CUDA(cudaMalloc(b, n * 4));
   CUDA(cudaMalloc(&impl->w, n * kAb));
   CUDA(cudaMalloc(&impl->scalar, 2 * sizeof(double)));
+  CUDA(cudaMallocHost(&impl->loss_host, sizeof(double)));
   CUDA(cudaMalloc(&impl->log_decays, std::max<int64_t>(1, config.n_layers * H) * 4));
   impl->fixed_bytes = n * (16 + kAb);
   CUDA(cudaMemsetAsync(impl->g, 0, n * 4, impl->stream));
@@ -530,9 +532,8 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
   // K = [k_nope of each head, the shared rotary key].
   RETURN_IF_ERROR(Act(C.K, T, H * qk));
   RETURN_IF_ERROR(Copy2D(C.K.get(), qk, C.kvb.get(), nope + vd, nope, T * H));
-  for (int64_t h = 0; h < H; ++h)
-    RETURN_IF_ERROR(Copy2D(At(C.K.get(), h * qk + nope), H * qk, At(C.kva.get(), kv), kv + rd,
-                           rd, T));
+  KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd,
+                  kAct, stream));
   RETURN_IF_ERROR(Act(C.O, T, H * vd));
   RETURN_IF_ERROR(F32(C.stats, H * T));
   const kc::SdpaDims dims = MlaDims(c, T);
@@ -657,8 +658,10 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   RETURN_IF_ERROR(F32(row_loss, T));
   KC(kc::RmsNormForward(x, Wb(final_norm), hf.get(), rstd_f.f32(), T, d,
                         static_cast<float>(c.norm_eps), kAct, stream));
-  // Row blocks of about 64M bf16 logits keep the logits small whatever T is.
-  const int64_t block = std::max<int64_t>(16, std::min<int64_t>(T, (int64_t{1} << 26) / V));
+  // Row blocks of about 64M bf16 logits (a multiple of 128 rows: whole GEMM tiles) keep the
+  // logits small whatever T is.
+  const int64_t block =
+      std::min<int64_t>(T, std::max<int64_t>(128, (int64_t{1} << 26) / V / 128 * 128));
   RETURN_IF_ERROR(Act(logits, block, V));
   if (dx) RETURN_IF_ERROR(Act(dhf, T, d));
   for (int64_t r0 = 0; r0 < T; r0 += block) {
@@ -675,9 +678,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   if (dx)
     KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx,
                            G(final_norm), T, d, kAct, Ws(), stream));
+  // Read by the host after the step's final synchronisation (pinned: no implicit sync here).
+  CUDA(cudaMemcpyAsync(loss_host, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
   LossStats s;
-  CUDA(cudaMemcpyAsync(&s.loss_sum, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  CUDA(cudaStreamSynchronize(stream));
   s.n_valid = B.n_valid;
   return s;
 }
@@ -698,7 +701,12 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, float grad_scale,
   KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
   for (int64_t i = 0; i < n; ++i)
     RETURN_IF_ERROR(LayerForward(layers[i], *caches[n_caches == 1 ? 0 : i], in(i), in(i + 1)));
-  if (!backward) return HeadAndLoss(in(n), 0.0f, nullptr);
+  if (!backward) {
+    ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
+    CUDA(cudaStreamSynchronize(stream));
+    s.loss_sum = *loss_host;
+    return s;
+  }
   RETURN_IF_ERROR(Act(dx, T, d));
   ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
   for (int64_t i = n - 1; i >= 0; --i) {
@@ -711,6 +719,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, float grad_scale,
   }
   KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
   CUDA(cudaStreamSynchronize(stream));
+  s.loss_sum = *loss_host;
   return s;
 }
 
