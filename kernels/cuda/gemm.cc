@@ -9,6 +9,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -32,7 +33,15 @@ cudaDataType_t CudaType(DType t) {
 }
 
 using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                       bool>;
+                       bool, int, int, int>;
+
+// The largest power of two up to 256 that divides the address.
+int Alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && a % align != 0) align >>= 1;
+  return align;
+}
 
 // One cached plan: descriptors and the chosen algorithm.
 struct Plan {
@@ -124,8 +133,11 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
   SPINDLE_CHECK_ARG(g.ab_type != DType::kFloat32 || g.c_type == DType::kFloat32,
                     "Gemm: fp32 inputs need an fp32 output");
   const bool beta_zero = g.beta == 0.0f;
+  // Without alignment hints cuBLASLt assumes 256-byte aligned pointers and may pick an algorithm
+  // that reads wrong data from a less aligned one (weights at odd offsets of the flat buffers).
+  const int align_a = Alignment(g.A), align_b = Alignment(g.B), align_c = Alignment(g.C);
   const Key key{g.trans_a, g.trans_b, g.M,  g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.ab_type),
-                static_cast<int>(g.c_type), beta_zero};
+                static_cast<int>(g.c_type), beta_zero, align_a, align_b, align_c};
   auto it = impl_->plans.find(key);
   if (it == impl_->plans.end()) {
     auto plan = std::make_unique<Plan>();
@@ -149,6 +161,16 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     const size_t ws = kWorkspaceBytes;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                          sizeof(ws));
+    // cuBLASLt's A is our B (column-major view); C and D are both our C.
+    const uint32_t lt_a = align_b, lt_b = align_a, lt_c = align_c;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &lt_a,
+                                         sizeof(lt_a));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &lt_b,
+                                         sizeof(lt_b));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &lt_c,
+                                         sizeof(lt_c));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &lt_c,
+                                         sizeof(lt_c));
     cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates] = {};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
