@@ -69,7 +69,8 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
 
   MemoryEstimate e;
   e.recompute = spec.train.recompute;
-  e.params_bytes = 4 * P;
+  // fp32 master weights; the CUDA engine also keeps a bf16 working copy.
+  e.params_bytes = (spec.resources == "cuda" ? 6 : 4) * P;
   e.grads_bytes = 4 * P;
   if (spec.train.optimizer == "adamw") {
     e.optimizer_bytes = 8 * P;
@@ -99,7 +100,10 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     per_token = 4 * d + nl * per_l + nm * per_m;
   }
   e.activations_bytes = T * B * per_token;
-  e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20);
+  // Logit blocks, plus the backward's gradient scratch shared by all layers (the FFN's three
+  // [T, F] and about a dozen [T, d] buffers).
+  e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
+                      T * B * (3 * f + 12 * d);
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes;

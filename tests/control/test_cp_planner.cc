@@ -2,6 +2,7 @@
 #include "coordinator/cp_planner.h"
 
 #include "common/job_spec.h"
+#include "common/model_config.h"
 #include "gtest/gtest.h"
 
 namespace spindle {
@@ -115,6 +116,24 @@ TEST(CpPlannerTest, MemoryEstimateComponentsAndRecompute) {
   CpPlan pc = CpPlanner().Plan(c, 0);
   EXPECT_EQ(pc.memory.activations_bytes * 2, a.memory.activations_bytes);
   EXPECT_EQ(a.warnings.size(), 1u);
+}
+
+// The CUDA estimate against the 1b step measured on an H200 (bench/RESULTS_GPU.md): at T = 32K,
+// weights + gradients + AdamW state + bf16 copy 16.78 GiB and a peak of 45.97 GiB of activation
+// and scratch memory from the caching allocator (62.75 GiB); at T = 128K with recompute
+// 16.78 + 35.50 GiB. The estimate must stay within 10% of both.
+TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bStep) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.resources = "cuda";
+  s.seq_len = 32768;
+  const double gib = double(int64_t{1} << 30);
+  const double est32 = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
+  EXPECT_NEAR(est32 / (16.78 + 45.97), 1.0, 0.10) << est32 << " GiB";
+  s.seq_len = 131072;
+  s.train.recompute = true;
+  const double est128 = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
+  EXPECT_NEAR(est128 / (16.78 + 35.50), 1.0, 0.10) << est128 << " GiB";
 }
 
 }  // namespace
