@@ -2,6 +2,13 @@
 // worker/engine/model.cc step for step; the differences are the storage (bf16 activations, fp32
 // master weights and gradients on the device), one [T, 3d] qkv GEMM with the fused q/k norm +
 // RoPE kernel, residual adds folded into the GEMMs (beta = 1), and cuDNN attention for MLA.
+//
+// Context parallelism (All2All only, see cuda_model.h) follows cp/cp_attention.cc's
+// LightningAll2All* and MlaAll2All* with device buffers. The blocks exchanged with rank j are
+// token-major: [T local tokens][the views' H/cp heads, view after view], so a block received from
+// rank i is rank i's two zigzag chunks of whole rows: putting them in stream order is 2 copies per
+// rank, and the Lightning rows [q | k | v] of H/cp heads are exactly the kernel's strided layout
+// (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's strided views.
 #include "worker/engine/cuda/cuda_model.h"
 
 #include <algorithm>
@@ -100,20 +107,38 @@ struct Cache {
   DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
   DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
+  // CP (All2All): the core's head-split inputs over the whole sequence in stream order,
+  // [T_full, 3 * H/cp * Dh] (Lightning q | k | v) or [T_full, H/cp * (2 qk + vd)] (MLA Q | K | V),
+  // and MLA's head-split output [T_full, H/cp * vd] (its backward reads it).
+  DevBuf cp_full, cp_out;
 };
 
 // Gradient scratch shared by every layer's backward.
 struct Work {
   DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
   int64_t ws_bytes = 0;
+  // CP (All2All) scratch, sized by Upload: the all-to-all's device send and receive blocks, a
+  // whole-sequence [T_full, H/cp * width] output or output gradient, and the core's input
+  // gradients in cp_full's layout.
+  DevBuf cp_send, cp_recv, cp_tmp, cp_dfull;
 };
 
 // The batch on the device.
 struct BatchDev {
   DevBuf ids, targets, pos, cu;
-  int64_t T = 0;
+  int64_t T = 0;  // local tokens
+  // The attention core's documents: the batch's own (cp = 1) or, under CP, those of the whole
+  // sequence (T_full tokens in stream order).
   std::vector<int32_t> cu_host;
   int64_t n_valid = 0;
+  int64_t cp = 1, rank = 0, T_full = 0, chunk = 0;  // chunk: tokens per zigzag chunk (cp > 1)
+};
+
+// One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
+// all-to-all packing.
+struct HeadView {
+  void* p;
+  int64_t token_stride, head_stride, width;
 };
 
 }  // namespace
@@ -141,13 +166,21 @@ struct CudaModel::Impl {
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx, dx2;
   Work W;
   BatchDev B;
+  // Context parallelism: the context of SetCp, whether its collectives take device buffers
+  // (NCCL) rather than host ones, and the pinned host staging blocks for the latter.
+  CpContext cp;
+  bool cp_device_buffers = false;
+  void* cp_host_send = nullptr;
+  void* cp_host_recv = nullptr;
+  int64_t cp_host_bytes = 0;
 
   ~Impl() {
     caches.clear();
     layer_in.clear();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
     for (DevBuf* b : {&W.dh, &W.da, &W.dg, &W.du, &W.dy, &W.dgate, &W.dqkv, &W.dO, &W.dQ, &W.dK,
-                      &W.dkvb, &W.dc_n, &W.dc, &W.dkva, &W.dqa_n, &W.dqa, &W.ws})
+                      &W.dkvb, &W.dc_n, &W.dc, &W.dkva, &W.dqa_n, &W.dqa, &W.ws, &W.cp_send,
+                      &W.cp_recv, &W.cp_tmp, &W.cp_dfull})
       b->Release();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
@@ -155,6 +188,8 @@ struct CudaModel::Impl {
                     static_cast<void*>(log_decays)})
       if (q) cudaFree(q);
     if (loss_host) cudaFreeHost(loss_host);
+    for (void* h : {cp_host_send, cp_host_recv})
+      if (h) cudaFreeHost(h);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -200,7 +235,8 @@ struct CudaModel::Impl {
   }
   absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
 
-  absl::Status Upload(const Batch& b);
+  // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
+  absl::Status Upload(const Batch& b, const CpLayout* layout);
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
   absl::Status LightningForward(const LayerIdx& L, Cache& C);
@@ -208,7 +244,26 @@ struct CudaModel::Impl {
   absl::Status MlaForward(const LayerIdx& L, Cache& C);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
-  absl::StatusOr<LossStats> Run(const Batch& b, float grad_scale, bool recompute, bool backward);
+  absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
+                                bool recompute, bool backward);
+
+  // ---- Context parallelism (All2All) ----------------------------------------------------------
+  absl::Status CheckCpContext() const;
+  absl::Status CheckCpBatch(const CpBatch& b) const;
+  // Local tokens -> W.cp_send: block j = [T][the views' heads of rank j, view after view].
+  absl::Status PackByHeads(const std::vector<HeadView>& views);
+  // W.cp_recv (block j = [T][the views' heads of rank j]) -> the local views.
+  absl::Status UnpackToTokens(const std::vector<HeadView>& views);
+  // W.cp_recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream
+  // order; and the inverse, full -> W.cp_send.
+  absl::Status RecvToStream(void* full, int64_t width);
+  absl::Status StreamToSend(const void* full, int64_t width);
+  // All-to-all W.cp_send -> W.cp_recv of `block_elems` activations per rank.
+  absl::Status Exchange(int64_t block_elems, CommLayer layer);
+  absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
+  absl::Status MlaCoreForward(Cache& C);
+  absl::Status MlaCoreBackward(Cache& C);
 };
 
 // ---- Setup -------------------------------------------------------------------------------------
@@ -394,18 +449,46 @@ void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
 
 // ---- Batch ---------------------------------------------------------------------------------------
 
-absl::Status CudaModel::Impl::Upload(const Batch& b) {
+absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
   if (b.T < 1) return absl::InvalidArgumentError("cuda model: empty batch");
-  if (b.pieces.size() != 1 || b.pieces[0].begin != 0 || b.pieces[0].len != b.T)
+  const bool split = layout != nullptr && layout->cp > 1;
+  if (!split && (b.pieces.size() != 1 || b.pieces[0].begin != 0 || b.pieces[0].len != b.T))
     return absl::InvalidArgumentError(
-        "cuda model: a batch must be one whole sequence (context parallelism on CUDA is not "
-        "built yet)");
+        "cuda model: a batch must be one whole sequence (a share of a sequence needs context "
+        "parallelism: SetCp and the CpBatch forms)");
+  if (static_cast<int64_t>(b.ids.size()) != b.T || static_cast<int64_t>(b.targets.size()) != b.T ||
+      static_cast<int64_t>(b.pos.size()) != b.T)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: a batch of ", b.T, " tokens has ", b.ids.size(), " ids, ",
+                     b.targets.size(), " targets and ", b.pos.size(), " positions"));
+  if (split) {
+    // This rank's two zigzag chunks of the layout's sequence, in that order (ShardForCp).
+    const CpLayout& L = *layout;
+    const int64_t ch = L.chunk;
+    bool ok = ch > 0 && L.rank >= 0 && L.rank < L.cp && L.T_full == 2 * L.cp * ch &&
+              b.T == 2 * ch && b.pieces.size() == 2 &&
+              static_cast<int64_t>(b.idx.size()) == b.T && L.cu_seqlens.size() >= 2 &&
+              L.cu_seqlens.front() == 0 && L.cu_seqlens.back() == L.T_full;
+    for (int64_t s = 0; ok && s < 2; ++s)
+      ok = b.pieces[s].begin == s * ch && b.pieces[s].len == ch;
+    for (int64_t t = 0; ok && t < b.T; ++t)
+      ok = b.idx[t] == L.ChunkOf(L.rank, t / ch) * ch + t % ch;
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: the batch (", b.T, " tokens, ", b.pieces.size(), " pieces) is not rank ",
+          L.rank, "'s zigzag share of its cp=", L.cp, " layout (", L.T_full,
+          " tokens in chunks of ", ch, "); build both with ShardForCp"));
+  }
   for (int32_t id : b.ids)
     if (id < 0 || id >= c.vocab)
       return absl::InvalidArgumentError(
           absl::StrCat("cuda model: token id ", id, " outside the vocabulary [0, ", c.vocab, ")"));
   B.T = b.T;
-  B.cu_host = b.pieces[0].cu_seqlens;
+  B.cp = split ? layout->cp : 1;
+  B.rank = split ? layout->rank : 0;
+  B.T_full = split ? layout->T_full : b.T;
+  B.chunk = split ? layout->chunk : 0;
+  B.cu_host = split ? layout->cu_seqlens : b.pieces[0].cu_seqlens;
   B.n_valid = b.NumValidTargets();
   RETURN_IF_ERROR(B.ids.Ensure(&alloc, b.T * 4));
   RETURN_IF_ERROR(B.targets.Ensure(&alloc, b.T * 4));
@@ -420,14 +503,275 @@ absl::Status CudaModel::Impl::Upload(const Batch& b) {
   // One workspace for every kernel that needs scratch (they run one after another).
   const int64_t T = b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const int64_t widest = std::max({d, c.mla.kv_lora_rank, std::max<int64_t>(c.mla.q_lora_rank, 1)});
-  const size_t need = std::max(
+  size_t need = std::max(
       {kc::LightningWorkspaceBytes({T, H, Dh, 3 * d}), kc::RmsNormBackwardWorkspaceBytes(T, widest),
        kc::QkNormRopeBackwardWorkspaceBytes(T, H, Dh),
        kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
        kc::SquaredNormWorkspaceBytes()});
+  if (split) {
+    // The whole-sequence Lightning core over H/cp heads, and the CP buffers. Per rank the widest
+    // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
+    const int64_t Hl = H / B.cp, Tf = B.T_full;
+    const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
+    const bool has_l = c.NumLayersOfKind('L') > 0, has_m = c.NumLayersOfKind('M') > 0;
+    if (has_l) need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
+    const int64_t in_elems =
+        std::max(has_l ? T * 3 * d : int64_t{0}, has_m ? T * H * (2 * qk + vd) : int64_t{0});
+    const int64_t out_elems = std::max(has_l ? T * d : int64_t{0}, has_m ? T * H * vd : int64_t{0});
+    for (DevBuf* x : {&W.cp_send, &W.cp_recv, &W.cp_dfull})
+      RETURN_IF_ERROR(x->Ensure(&alloc, in_elems * kAb));
+    RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
+    if (!cp_device_buffers && cp_host_bytes < in_elems * kAb) {
+      // The previous step ended with a stream sync: no copy still reads the old blocks.
+      for (void** h : {&cp_host_send, &cp_host_recv}) {
+        if (*h) CUDA(cudaFreeHost(*h));
+        *h = nullptr;
+      }
+      cp_host_bytes = 0;
+      CUDA(cudaMallocHost(&cp_host_send, in_elems * kAb));
+      CUDA(cudaMallocHost(&cp_host_recv, in_elems * kAb));
+      cp_host_bytes = in_elems * kAb;
+    }
+  }
   RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
   W.ws_bytes = static_cast<int64_t>(need);
   return absl::OkStatus();
+}
+
+// ---- Context parallelism: the all-to-all data movement -------------------------------------------
+
+absl::Status CudaModel::Impl::CheckCpContext() const {
+  if (cp.comm == nullptr || cp.comm->size() <= 1) return absl::OkStatus();
+  const int64_t n = cp.comm->size();
+  struct Kind {
+    char kind;
+    const char* field;
+    CpMode mode;
+  };
+  for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
+                        Kind{'M', "mla_mode", cp.mla_mode}}) {
+    if (c.NumLayersOfKind(k.kind) == 0) continue;
+    if (k.mode == CpMode::kAllGather)
+      return absl::UnimplementedError(absl::StrCat("cuda model: ", k.field,
+                                                   " allgather is not built on CUDA yet (use "
+                                                   "all2all)"));
+    if (k.mode != CpMode::kAll2All)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
+          " must be resolved to a mode (ResolveCpModes) before SetCp; CUDA runs all2all"));
+  }
+  if (c.n_heads % n != 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
+        n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::CheckCpBatch(const CpBatch& b) const {
+  if (b.layout.cp <= 1) return absl::OkStatus();
+  if (cp.comm == nullptr || cp.comm->size() != b.layout.cp)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
+  if (cp.comm->rank() != b.layout.rank)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda model: the batch is rank ", b.layout.rank,
+                     "'s share but this model's CP group rank is ", cp.comm->rank()));
+  return CheckCpContext();
+}
+
+absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
+  const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
+  int64_t row = 0;  // one token's row in a block
+  for (const HeadView& v : views) row += Hl * v.width;
+  int64_t off = 0;
+  for (const HeadView& v : views) {
+    void* dst = At(W.cp_send.get(), off);
+    if (v.head_stride == v.width) {
+      // Every rank's heads are one run of the token's row: one copy for all ranks, with the rank
+      // as the "head" index (the source's head stride is Hl heads, the block's T rows).
+      KC(kc::CopyRows(dst, row, T * row, v.p, v.token_stride, Hl * v.width, T, cp_n,
+                      Hl * v.width, kAct, stream));
+    } else {
+      for (int64_t j = 0; j < cp_n; ++j)
+        KC(kc::CopyRows(At(dst, j * T * row), row, v.width, At(v.p, j * Hl * v.head_stride),
+                        v.token_stride, v.head_stride, T, Hl, v.width, kAct, stream));
+    }
+    off += Hl * v.width;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::UnpackToTokens(const std::vector<HeadView>& views) {
+  const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
+  int64_t row = 0;
+  for (const HeadView& v : views) row += Hl * v.width;
+  int64_t off = 0;
+  for (const HeadView& v : views) {
+    const void* src = At(W.cp_recv.get(), off);
+    if (v.head_stride == v.width) {
+      KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, cp_n,
+                      Hl * v.width, kAct, stream));
+    } else {
+      for (int64_t j = 0; j < cp_n; ++j)
+        KC(kc::CopyRows(At(v.p, j * Hl * v.head_stride), v.token_stride, v.head_stride,
+                        At(src, j * T * row), row, v.width, T, Hl, v.width, kAct, stream));
+    }
+    off += Hl * v.width;
+  }
+  return absl::OkStatus();
+}
+
+// Rank i's local tokens are its chunks i (slot 0) and 2cp-1-i (slot 1): CpLayout::ChunkOf.
+absl::Status CudaModel::Impl::RecvToStream(void* full, int64_t width) {
+  const int64_t T = B.T, ch = B.chunk;
+  for (int64_t i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
+      CUDA(cudaMemcpyAsync(At(full, chunk_index * ch * width),
+                           At(W.cp_recv.get(), (i * T + s * ch) * width), ch * width * kAb,
+                           cudaMemcpyDeviceToDevice, stream));
+    }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::StreamToSend(const void* full, int64_t width) {
+  const int64_t T = B.T, ch = B.chunk;
+  for (int64_t i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
+      CUDA(cudaMemcpyAsync(At(W.cp_send.get(), (i * T + s * ch) * width),
+                           At(full, chunk_index * ch * width), ch * width * kAb,
+                           cudaMemcpyDeviceToDevice, stream));
+    }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Exchange(int64_t block_elems, CommLayer layer) {
+  const int64_t block_bytes = block_elems * kAb, bytes = block_bytes * B.cp;
+  if (cp_device_buffers) {
+    // NCCL runs on its own stream: the send blocks must be complete before it starts; its Wait()
+    // returns once the receive blocks are in place.
+    CUDA(cudaStreamSynchronize(stream));
+    return cp.comm->AllToAll(W.cp_send.get(), block_bytes, CommType::kByte, W.cp_recv.get(),
+                             layer);
+  }
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP exchange of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  CUDA(cudaMemcpyAsync(cp_host_send, W.cp_send.get(), bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(
+      cp.comm->AllToAll(cp_host_send, block_bytes, CommType::kByte, cp_host_recv, layer));
+  // Pinned, so asynchronous: the next exchange writes cp_host_recv only after a stream sync.
+  CUDA(cudaMemcpyAsync(W.cp_recv.get(), cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+// q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
+// the Lightning core with the whole sequence's documents -> outputs back into C.o.
+absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
+  RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
+  void* q = C.qkv_n.get();
+  RETURN_IF_ERROR(PackByHeads(
+      {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
+  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kLightning));
+  RETURN_IF_ERROR(RecvToStream(C.cp_full.get(), w));
+  const void* f = C.cp_full.get();
+  KC(kc::LightningForward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
+                          static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                          1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
+                          W.cp_tmp.get(), nullptr, kAct, Ws(), stream));
+  RETURN_IF_ERROR(StreamToSend(W.cp_tmp.get(), hw));
+  RETURN_IF_ERROR(Exchange(T * hw, CommLayer::kLightning));
+  return UnpackToTokens({{C.o.get(), d, Dh, Dh}});
+}
+
+// d o of this rank's tokens (W.dy) -> the whole sequence for H/cp heads -> the core's backward ->
+// dq, dk, dv of this rank's tokens into W.dqkv.
+absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
+  RETURN_IF_ERROR(PackByHeads({{W.dy.get(), d, Dh, Dh}}));
+  RETURN_IF_ERROR(Exchange(T * hw, CommLayer::kLightning));
+  RETURN_IF_ERROR(RecvToStream(W.cp_tmp.get(), hw));
+  const void* f = C.cp_full.get();
+  void* df = W.cp_dfull.get();
+  KC(kc::LightningBackward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
+                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                           1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
+                           W.cp_tmp.get(), nullptr, df, At(df, hw), At(df, 2 * hw), nullptr,
+                           kAct, Ws(), stream));
+  RETURN_IF_ERROR(StreamToSend(df, w));
+  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kLightning));
+  void* dq = W.dqkv.get();
+  return UnpackToTokens(
+      {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
+}
+
+namespace {
+// The head-split whole sequence of MLA's core: rows [Q | K | V] of H/cp heads, output [O].
+kc::SdpaDims MlaCpDims(const ModelConfig& c, int64_t Tf, int64_t Hl) {
+  const MlaConfig& m = c.mla;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim, w = Hl * (2 * qk + vd);
+  kc::SdpaDims s;
+  s.T = Tf, s.H = Hl, s.Dqk = qk, s.Dv = vd;
+  s.q = {w, qk};
+  s.k = {w, qk};
+  s.v = {w, vd};
+  s.out = {Hl * vd, vd};
+  return s;
+}
+}  // namespace
+
+// Q, K (C.Q, C.K) and V (a view into C.kvb) of this rank's tokens -> the whole sequence for H/cp
+// heads -> causal document attention -> O back into C.O.
+absl::Status CudaModel::Impl::MlaCoreForward(Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
+  RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
+  RETURN_IF_ERROR(Act(C.cp_out, Tf, ow));
+  RETURN_IF_ERROR(F32(C.stats, Hl * Tf));
+  RETURN_IF_ERROR(PackByHeads({{C.Q.get(), H * qk, qk, qk},
+                               {C.K.get(), H * qk, qk, qk},
+                               {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
+  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
+  RETURN_IF_ERROR(RecvToStream(C.cp_full.get(), w));
+  const void* f = C.cp_full.get();
+  KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
+                   B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
+                   1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct, stream));
+  RETURN_IF_ERROR(StreamToSend(C.cp_out.get(), ow));
+  RETURN_IF_ERROR(Exchange(T * ow, CommLayer::kMla));
+  return UnpackToTokens({{C.O.get(), H * vd, vd, vd}});
+}
+
+// dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward ->
+// dQ, dK into W.dQ, W.dK and dV into W.dkvb's V columns (as the single-rank Sdpa backward).
+absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
+  RETURN_IF_ERROR(PackByHeads({{W.dO.get(), H * vd, vd, vd}}));
+  RETURN_IF_ERROR(Exchange(T * ow, CommLayer::kMla));
+  RETURN_IF_ERROR(RecvToStream(W.cp_tmp.get(), ow));
+  const void* f = C.cp_full.get();
+  void* df = W.cp_dfull.get();
+  KC(sdpa->Backward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
+                    W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host.data(),
+                    static_cast<int64_t>(B.cu_host.size()) - 1,
+                    1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct,
+                    stream));
+  RETURN_IF_ERROR(StreamToSend(df, w));
+  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
+  return UnpackToTokens({{W.dQ.get(), H * qk, qk, qk},
+                         {W.dK.get(), H * qk, qk, qk},
+                         {At(W.dkvb.get(), nope), H * (nope + vd), nope + vd, vd}});
 }
 
 // ---- Lightning -----------------------------------------------------------------------------------
@@ -442,11 +786,15 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
   KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(),
                            C.qkv_n.get(), C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
                            /*copy_v=*/true, kAct, stream));
-  const void* q = C.qkv_n.get();
-  KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
-                          static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                          1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                          C.o.get(), nullptr, kAct, Ws(), stream));
+  if (B.cp > 1) {
+    RETURN_IF_ERROR(LightningCoreForward(L, C));
+  } else {
+    const void* q = C.qkv_n.get();
+    KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
+                            static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
+                            C.o.get(), nullptr, kAct, Ws(), stream));
+  }
   RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
   KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
                               T, H, Dh, eps, kAct, stream));
@@ -464,13 +812,17 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(),
                                W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
                                kAct, Ws(), stream));
-  const void* q = C.qkv_n.get();
   void* dq = W.dqkv.get();
-  KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
-                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                           1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                           W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct, Ws(),
-                           stream));
+  if (B.cp > 1) {
+    RETURN_IF_ERROR(LightningCoreBackward(L, C));
+  } else {
+    const void* q = C.qkv_n.get();
+    KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
+                             static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                             1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
+                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct,
+                             Ws(), stream));
+  }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
                             C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H,
                             Dh, theta, /*copy_v=*/true, kAct, Ws(), stream));
@@ -535,6 +887,7 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
   KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd,
                   kAct, stream));
   RETURN_IF_ERROR(Act(C.O, T, H * vd));
+  if (B.cp > 1) return MlaCoreForward(C);
   RETURN_IF_ERROR(F32(C.stats, H * T));
   const kc::SdpaDims dims = MlaDims(c, T);
   KC(sdpa->Forward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
@@ -558,11 +911,15 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   RETURN_IF_ERROR(Act(W.dc, T, kv));
   RETURN_IF_ERROR(Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d,
                       false));
-  const kc::SdpaDims dims = MlaDims(c, T);
-  KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
-                    W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope), B.cu_host.data(),
-                    static_cast<int64_t>(B.cu_host.size()) - 1,
-                    1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+  if (B.cp > 1) {
+    RETURN_IF_ERROR(MlaCoreBackward(C));
+  } else {
+    const kc::SdpaDims dims = MlaDims(c, T);
+    KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
+                      W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope),
+                      B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
+                      1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+  }
   // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
   RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
   KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd, kAct,
@@ -685,9 +1042,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   return s;
 }
 
-absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, float grad_scale, bool recompute,
-                                               bool backward) {
-  RETURN_IF_ERROR(Upload(b));
+absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* layout,
+                                               float grad_scale, bool recompute, bool backward) {
+  RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
   // Forward only: two residual buffers and one cache. Training: every layer input, and one
   // cache per layer (or one, refilled per layer, when recomputing).
@@ -725,11 +1082,31 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, float grad_scale,
 
 absl::StatusOr<LossStats> CudaModel::ForwardBackward(const Batch& batch, float grad_scale,
                                                      bool recompute) {
-  return impl_->Run(batch, grad_scale, recompute, /*backward=*/true);
+  return impl_->Run(batch, nullptr, grad_scale, recompute, /*backward=*/true);
 }
 
 absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
-  return impl_->Run(batch, 0.0f, false, /*backward=*/false);
+  return impl_->Run(batch, nullptr, 0.0f, false, /*backward=*/false);
+}
+
+absl::Status CudaModel::SetCp(const CpContext& cp) {
+  Impl& I = *impl_;
+  I.cp = cp;
+  I.cp_device_buffers = cp.comm != nullptr && cp.comm->backend() == "nccl";
+  return I.CheckCpContext();
+}
+
+absl::StatusOr<LossStats> CudaModel::ForwardBackward(const CpBatch& batch, float grad_scale,
+                                                     bool recompute) {
+  RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
+  const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
+  return impl_->Run(batch.local, layout, grad_scale, recompute, /*backward=*/true);
+}
+
+absl::StatusOr<LossStats> CudaModel::Forward(const CpBatch& batch) {
+  RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
+  const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
+  return impl_->Run(batch.local, layout, 0.0f, false, /*backward=*/false);
 }
 
 }  // namespace spindle

@@ -16,8 +16,21 @@
 // Work runs on one compute stream; the calls that return host values (losses, norms) wait for it.
 // Activation memory comes from a CachingAllocator whose statistics memory() reports. With
 // recompute, only every layer's input is kept and each layer's forward is re-run before its
-// backward. One rank (cp = 1); context parallelism on the GPU is not built yet.
-// Not thread-safe.
+// backward.
+//
+// Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
+// rank's zigzag share of a sequence (worker/engine/cp/cp_layout.h), as the CPU model does. Only
+// the All2All (Ulysses) mode is built, for both layer types: the attention core's inputs (the
+// Lightning q, k, v; MLA's Q, K, V) go by all-to-all from "this rank's tokens, all heads" to
+// "the whole sequence in stream order, H/cp heads", the core runs over the whole sequence with
+// its documents, and its output (and, in the backward, the gradients) go back the inverse way.
+// Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
+// token-local. A context asking for AllGather for a layer type the model has is refused, as is
+// n_heads % cp != 0. Collectives take device buffers for NCCL and pinned host copies for host
+// backends (Gloo); each one waits for the compute stream first. Losses and gradients are this
+// rank's part: the caller sums them over the group. The CP path has not yet run on a GPU
+// (tests/cuda/test_cuda_cp.cc is its check).
+// Not thread-safe (several models, one per thread, may share a device).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +43,7 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "worker/engine/batch.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/model.h"
 #include "worker/engine/params.h"
 #include "worker/engine/tensor.h"
@@ -61,6 +75,18 @@ class CudaModel {
   // device gradients and returns the loss sum and the number of valid targets.
   absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale, bool recompute);
   absl::StatusOr<LossStats> Forward(const Batch& batch);
+
+  // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it). With a
+  // group of size > 1: Unimplemented when a layer type the model has asks for AllGather ("cuda
+  // model: lightning_mode allgather is not built on CUDA yet (use all2all)"), InvalidArgument for
+  // an undecided (auto) mode, FailedPrecondition when n_heads % cp != 0. The context is kept even
+  // when refused, and the CpBatch forms refuse it again with the same error.
+  absl::Status SetCp(const CpContext& cp);
+  // This rank's share of a sequence (a cp = 1 batch runs as the whole-sequence forms). Errors are
+  // the context's (see SetCp), the batch's, or the communicator's (a peer failed).
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
+                                            bool recompute);
+  absl::StatusOr<LossStats> Forward(const CpBatch& batch);
 
   absl::Status ZeroGrads();
   // Sum of squared gradients (fp64, fixed order).
