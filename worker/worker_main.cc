@@ -122,6 +122,7 @@ int Main() {
     return 1;
   }
   (*metrics)->SetSlots(devices->count());
+  (*metrics)->SetDeviceMemory(devices->memory_bytes());
   WorkerMetrics* worker_metrics = metrics->get();
   MetricsServer metrics_server(&registry, [worker_metrics] { worker_metrics->RefreshSelf(); });
   std::string metrics_address;

@@ -77,6 +77,11 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
   ASSIGN_OR_RETURN(auto* slots, registry->GaugeFamily("spindle_worker_slots",
                                                       "GPUs or CPU slots this worker offers."));
   ASSIGN_OR_RETURN(m->slots_, slots->Add({}));
+  ASSIGN_OR_RETURN(auto* capacity,
+                   registry->GaugeFamily("spindle_worker_device_memory_bytes",
+                                         "Memory of one device this worker offers (a GPU's, or "
+                                         "one CPU slot's share of host memory)."));
+  ASSIGN_OR_RETURN(m->device_capacity_, capacity->Add({}));
   ASSIGN_OR_RETURN(auto* heartbeats,
                    registry->CounterFamily("spindle_worker_heartbeats_total",
                                            "Heartbeats sent to the coordinator."));

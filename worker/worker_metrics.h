@@ -62,6 +62,7 @@ class WorkerMetrics {
 
   void SetRunningRanks(int64_t n) { running_ranks_->Set(static_cast<double>(n)); }
   void SetSlots(int64_t n) { slots_->Set(static_cast<double>(n)); }
+  void SetDeviceMemory(int64_t bytes) { device_capacity_->Set(static_cast<double>(bytes)); }
   void OnHeartbeat() { heartbeats_->Increment(); }
   void SetConnected(bool connected) { connected_->Set(connected ? 1.0 : 0.0); }
   void OnReconnect() { reconnects_->Increment(); }
@@ -94,6 +95,7 @@ class WorkerMetrics {
   Family<Counter>* exits_ = nullptr;
   Gauge* running_ranks_ = nullptr;
   Gauge* slots_ = nullptr;
+  Gauge* device_capacity_ = nullptr;
   Counter* heartbeats_ = nullptr;
   Gauge* connected_ = nullptr;
   Counter* reconnects_ = nullptr;

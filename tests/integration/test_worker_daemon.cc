@@ -174,6 +174,8 @@ TEST_F(WorkerDaemonTest, RegistersHeartbeatsRunsAssignmentsAndServesMetrics) {
   EXPECT_THAT(res->body, HasSubstr("spindle_worker_trainer_exits_total{reason=\"error\"} 1\n"));
   EXPECT_THAT(res->body, ::testing::ContainsRegex("spindle_worker_heartbeats_total [1-9]"));
   EXPECT_THAT(res->body, ::testing::ContainsRegex("spindle_worker_resident_memory_bytes [1-9]"));
+  // One CPU slot's share of host memory (two slots): the device-memory alert's denominator.
+  EXPECT_THAT(res->body, ::testing::ContainsRegex("spindle_worker_device_memory_bytes [1-9]"));
 }
 
 TEST_F(WorkerDaemonTest, StopFromTheCoordinatorKillsTheRank) {
