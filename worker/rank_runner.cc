@@ -132,6 +132,10 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
     argv.push_back("--token-file");
     argv.push_back(options_.token_file);
   }
+  if (!options_.gloo_host.empty()) {
+    argv.push_back("--gloo-host");
+    argv.push_back(options_.gloo_host);
+  }
   for (const std::string& extra : options_.extra_trainer_args) argv.push_back(extra);
   return argv;
 }

@@ -50,6 +50,9 @@ struct RankRunnerOptions {
   std::string work_dir;        // must exist or be creatable
   std::string trainer_binary;  // absolute path of spindle-train
   std::string token_file;      // passed as --token-file when non-empty
+  // Passed as --gloo-host when non-empty: the address trainers bind for Gloo and publish to their
+  // peers (empty: the trainer's default, 127.0.0.1, which only reaches ranks on this host).
+  std::string gloo_host;
   std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
   int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
   // Extra arguments appended to every trainer command line (tests use them for fake trainers).

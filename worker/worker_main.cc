@@ -36,6 +36,10 @@ ABSL_FLAG(int, metrics_port, 9401, "Port of the /metrics endpoint; 0: any free p
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint binds.");
 ABSL_FLAG(std::string, advertise_host, "",
           "Host name the coordinator is told for /metrics (default: the hostname).");
+ABSL_FLAG(std::string, gloo_host, "",
+          "Address this worker's trainers bind for Gloo and give their peers (default: "
+          "--advertise_host when set, else the trainer's 127.0.0.1, which reaches only ranks on "
+          "this host).");
 ABSL_FLAG(std::string, token_file, "", "File holding the cluster's bearer token.");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle: talk TLS to the coordinator.");
 ABSL_FLAG(absl::Duration, coordinator_loss_timeout, absl::Seconds(60),
@@ -157,6 +161,8 @@ int Main() {
   runner_options.work_dir = work_dir;
   runner_options.trainer_binary = trainer;
   runner_options.token_file = absl::GetFlag(FLAGS_token_file);
+  runner_options.gloo_host = absl::GetFlag(FLAGS_gloo_host);
+  if (runner_options.gloo_host.empty()) runner_options.gloo_host = absl::GetFlag(FLAGS_advertise_host);
   runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
   if (threads <= 0 && devices->kind() == "cpu") {

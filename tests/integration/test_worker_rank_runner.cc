@@ -84,6 +84,7 @@ class RankRunnerTest : public ::testing::Test {
     o.work_dir = dir_.File("work");
     o.trainer_binary = trainer;
     o.token_file = "/etc/spindle/token";
+    o.gloo_host = "10.1.2.3";
     o.cpu_threads_per_rank = 1;
     o.supervisor.kill_grace = absl::Milliseconds(500);
     return o;
@@ -158,7 +159,8 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
               ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
                           "--lightning-mode", "allgather", "--mla-mode", "all2all", "--rendezvous",
                           "127.0.0.1:7071", "--job-id", "j-1", "--attempt", "1", "--checkpoint-dir",
-                          "/tmp/ckpt-dir", "--token-file", "/etc/spindle/token"));
+                          "/tmp/ckpt-dir", "--token-file", "/etc/spindle/token", "--gloo-host",
+                          "10.1.2.3"));
   EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
   EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
   EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");
