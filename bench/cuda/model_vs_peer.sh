@@ -8,6 +8,7 @@
 set -uo pipefail
 out=${OUT:-/tmp}
 what=${1:-all}
+[ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
 export LD_LIBRARY_PATH=$PWD/.cuda-run/lib:/usr/local/cuda/lib64
 export PYTHONPATH=$PWD/.peer/fla-src:${PYTHONPATH:-}
 date -u +%Y-%m-%dT%H:%MZ
