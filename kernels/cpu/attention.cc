@@ -18,6 +18,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/thread_local_gemm.h"
 
 namespace spindle::kernels::cpu {
@@ -28,8 +29,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using internal::ThreadLocalGemm;
 
-// exp(x) to a few ulp for x <= 88 (Cephes' expf polynomial), exactly 0 for x < -87 (so -inf
-// gives 0). Branch-free so that loops over it vectorise.
+// exp(x) to a few ulp for x <= 88 (Cephes' expf polynomial, as internal::FastExp), but exactly 0
+// for x < -87, so masked scores (-inf) get probability 0 exactly (FastExp gives ~1e-38 there).
+// Branch-free so that loops over it vectorise.
 inline float ExpF(float x) {
   const float xc = std::min(std::max(x, -87.5f), 88.0f);
   const float shifted = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23 rounds to integer
@@ -48,15 +50,13 @@ inline float ExpF(float x) {
   return x < -87.0f ? 0.0f : y;
 }
 
-// The element-wise tile loops below are compiled for several instruction sets and picked at load
-// time (the library's baseline is x86-64-v2); they are where the time goes besides the GEMMs.
-#define SPINDLE_VECTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// The element-wise tile loops below (SPINDLE_SIMD_CLONES, fast_math.h) are compiled for several
+// instruction sets and picked at load time; they are where the time goes besides the GEMMs.
 
 // Online-softmax step for one tile of scores s [mb, nb] (row stride kBlock): row r sees columns
 // [lo[r], hi[r]). Turns s into exp(s - m_new) (0 where masked), rescales acc [mb, dv] and l by
 // exp(m_old - m_new) and updates the running max m and sum l.
-SPINDLE_VECTOR_CLONES
+SPINDLE_SIMD_CLONES
 void OnlineSoftmaxTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi,
                        float* m, float* l, float* acc, int64_t dv) {
   for (int64_t r = 0; r < mb; ++r) {
@@ -89,7 +89,7 @@ void OnlineSoftmaxTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, cons
 
 // Probabilities of one backward tile: s [mb, nb] scores become exp(s - lse) inside the visible
 // columns and 0 elsewhere; rows with lse = -inf (no visible key at all) become 0.
-SPINDLE_VECTOR_CLONES
+SPINDLE_SIMD_CLONES
 void ProbabilityTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, const int32_t* hi,
                      const float* lse) {
   for (int64_t r = 0; r < mb; ++r) {
@@ -104,7 +104,7 @@ void ProbabilityTile(float* s, int64_t mb, int64_t nb, const int32_t* lo, const 
 }
 
 // ds = p * (dp - delta_r), in place over dp (row stride kBlock).
-SPINDLE_VECTOR_CLONES
+SPINDLE_SIMD_CLONES
 void SoftmaxGradTile(const float* p, float* dp, int64_t mb, int64_t nb, const float* delta) {
   for (int64_t r = 0; r < mb; ++r) {
     const float* pr = p + r * kBlock;
