@@ -11,7 +11,7 @@ rm -rf "$out" && mkdir -p "$out/lib"
 grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
 bins=()
 for bin in tests/cuda/kernels_cuda_test tests/cuda/engine_cuda_test bench/cuda/bench_kernels_cuda \
-           bench/cuda/bench_model_cuda worker/spindle-train; do
+           bench/cuda/bench_model_cuda bench/cuda/bench_cp_cuda worker/spindle-train; do
   if [ -x "$build/$bin" ]; then
     strip -o "$out/$(basename "$bin")" "$build/$bin"
     bins+=("$out/$(basename "$bin")")
