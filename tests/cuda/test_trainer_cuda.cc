@@ -237,8 +237,8 @@ TEST(CudaTrainerTest, ContextParallelAndSgdAreRefusedAtCreate) {
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(t.status().message(),
-            "trainer: context parallelism on CUDA is not built yet (the job has parallel.cp = 2; "
-            "run it with cp = 1 or with resources \"cpu\")");
+            "trainer: context parallelism on CUDA is not enabled yet: its GPU test "
+            "(engine_cuda_test CudaCp.*) has not passed");
   struct stat st;
   EXPECT_NE(stat(o.checkpoint_dir.c_str(), &st), 0);
 

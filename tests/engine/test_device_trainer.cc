@@ -3,11 +3,14 @@
 // CudaModel. With it the device path must reproduce the CPU path bit for bit (averaging, norm,
 // clipping, AdamW, data parallel on the host), download before every checkpoint and upload on
 // every resume, so checkpoints cross between the engines; evaluation on the device equals the
-// CPU's. Also: what the GPU path does not run fails at Create() with one error and writes nothing.
+// CPU's; context parallelism (cp = 2, and dp = 2 x cp = 2) through the backend's SetCp and CpBatch
+// forms equals the CPU trainer's CP run. Also: what the GPU path does not run fails at Create()
+// with one error and writes nothing.
 #include <omp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -25,11 +28,16 @@ namespace spindle {
 namespace {
 
 // The CPU Model as a device: its ParamSet is device memory, a second ParamSet (same layout) the
-// host mirror, AdamW the CPU Optimizer's loop.
+// host mirror, AdamW the CPU Optimizer's loop. The counters (all instances, all threads) show
+// that the trainer drove CP through the backend.
 class CpuDeviceBackend final : public StepBackend {
  public:
+  static std::atomic<int64_t> cp_groups_set;      // SetCp calls with a group of size > 1
+  static std::atomic<int64_t> cp_passes;          // CpBatch passes of a share (layout.cp > 1)
+  static std::atomic<int64_t> cp_share_targets;   // valid targets of those shares
+
   static absl::StatusOr<std::unique_ptr<StepBackend>> Create(const ModelConfig& config,
-                                                             uint64_t seed) {
+                                                             uint64_t seed, int64_t /*cp*/) {
     auto dev = Model::Create(config, seed);
     if (!dev.ok()) return dev.status();
     auto host = Model::Create(config, seed);
@@ -48,6 +56,20 @@ class CpuDeviceBackend final : public StepBackend {
     return dev_->ForwardBackward(b, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& b) override { return dev_->Forward(b); }
+  absl::Status SetCp(const CpContext& cp) override {
+    if (cp.comm != nullptr && cp.comm->size() > 1) ++cp_groups_set;
+    dev_->SetCp(cp);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& b, float grad_scale,
+                                            bool recompute) override {
+    Count(b);
+    return dev_->ForwardBackward(b, grad_scale, recompute);
+  }
+  absl::StatusOr<LossStats> Forward(const CpBatch& b) override {
+    Count(b);
+    return dev_->Forward(b);
+  }
   absl::StatusOr<double> GradSquaredNorm() override {
     Tensor& g = dev_->params().flat_grad();
     return kernels::cpu::SumSquares(g.f32(), g.numel());
@@ -105,6 +127,11 @@ class CpuDeviceBackend final : public StepBackend {
     // The host mirror starts out different from the device, so a missing transfer shows.
     host_->params().flat_data().SetZero();
   }
+  static void Count(const CpBatch& b) {
+    if (b.layout.cp <= 1) return;
+    ++cp_passes;
+    cp_share_targets += b.local.NumValidTargets();
+  }
   static absl::Status Copy(const Tensor& from, Tensor& to) {
     if (from.numel() != to.numel())
       return absl::InternalError(absl::StrCat("copy of ", from.numel(), " into ", to.numel()));
@@ -116,6 +143,9 @@ class CpuDeviceBackend final : public StepBackend {
   Tensor m_, v_;
   int64_t steps_ = 0;
 };
+std::atomic<int64_t> CpuDeviceBackend::cp_groups_set{0};
+std::atomic<int64_t> CpuDeviceBackend::cp_passes{0};
+std::atomic<int64_t> CpuDeviceBackend::cp_share_targets{0};
 
 std::string TempDir(const std::string& tag) {
   char tmpl[] = "/tmp/spindle-device-test-XXXXXX";
@@ -129,12 +159,13 @@ bool Exists(const std::string& path) {
 }
 
 // grad_clip 0.5: several of the first steps clip (their norms are 1..6).
-JobSpec Job(int64_t steps, const std::string& resources, int64_t dp = 1, int64_t micro = 1) {
+JobSpec Job(int64_t steps, const std::string& resources, int64_t dp = 1, int64_t micro = 1,
+            int64_t cp = 1) {
   auto spec = ParseJobSpec(absl::StrCat(
       R"({"name": "d", "model": {"preset": "tiny"},
           "data": {"source": "synthetic:recall", "recall_pairs": 4, "recall_gap": 48},
           "seq_len": 192, "parallel": {"dp": )",
-      dp, R"(}, "train": {"steps": )", steps,
+      dp, R"(, "cp": )", cp, R"(}, "train": {"steps": )", steps,
       R"(, "lr": 3e-3, "warmup_steps": 2, "seed": 11, "grad_clip": 0.5, "weight_decay": 0.1,
           "micro_batches": )",
       micro, R"(}, "resources": ")", resources, R"("})"));
@@ -219,6 +250,70 @@ TEST(DeviceTrainerTest, CheckpointsResumeAcrossEnginesExactly) {
   }
 }
 
+// Every rank of spec's world as a thread; rank 0's losses, the parameters (equal on every rank).
+absl::StatusOr<RunResult> WorldTrain(const JobSpec& spec) {
+  const int world = static_cast<int>(spec.parallel.world());
+  MemoryKvStore store;
+  RunResult out;
+  std::vector<std::vector<float>> params(world);
+  absl::Status s = testing::RunRanks(world, [&](int rank) -> absl::Status {
+    omp_set_num_threads(1);
+    TrainerOptions o;
+    o.spec = spec;
+    o.rank = rank;
+    o.world = world;
+    o.store = &store;
+    o.gloo = testing::TestGloo();
+    o.cuda_backend = CpuDeviceBackend::Create;
+    auto t = Trainer::Create(std::move(o));
+    if (!t.ok()) return t.status();
+    RETURN_IF_ERROR((*t)->Run());
+    ParamSet* P = nullptr;
+    if (StepBackend* b = (*t)->backend()) {
+      RETURN_IF_ERROR(b->DownloadParams());
+      P = &b->host_params();
+    } else {
+      P = &(*t)->model().params();
+    }
+    params[rank].assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+    if (rank == 0) out.losses = (*t)->losses();
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  for (int r = 1; r < world; ++r)
+    if (params[r] != params[0]) return absl::InternalError(absl::StrCat("rank ", r, "'s parameters differ"));
+  out.params = std::move(params[0]);
+  return out;
+}
+
+// cp = 2 and dp = 2 x cp = 2 through the backend: the CPU trainer's CP run exactly, with every
+// rank's SetCp given its group and every pass a CpBatch share (together the sequences' targets).
+TEST(DeviceTrainerTest, ContextParallelMatchesTheCpuContextParallelRun) {
+  for (const int64_t dp : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("dp = ", dp, ", cp = 2"));
+    const int64_t steps = 3, micro = 2, world = dp * 2;
+    auto cpu = WorldTrain(Job(steps, "cpu", dp, micro, /*cp=*/2));
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    CpuDeviceBackend::cp_groups_set = 0;
+    CpuDeviceBackend::cp_passes = 0;
+    CpuDeviceBackend::cp_share_targets = 0;
+    const JobSpec spec = Job(steps, "cuda", dp, micro, /*cp=*/2);
+    auto dev = WorldTrain(spec);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ASSERT_EQ(dev->losses.size(), static_cast<size_t>(steps));
+    EXPECT_EQ(dev->losses, cpu->losses);
+    EXPECT_EQ(dev->params, cpu->params);
+    EXPECT_EQ(CpuDeviceBackend::cp_groups_set, world);
+    EXPECT_EQ(CpuDeviceBackend::cp_passes, steps * micro * world);
+    auto data = OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed);
+    ASSERT_TRUE(data.ok()) << data.status();
+    int64_t targets = 0;  // of the sequences the steps took (each replica its own)
+    for (int64_t n = 0; n < steps * micro * dp; ++n)
+      targets += MakeSequenceBatch((*data)->Sequence(n), (*data)->eos_id()).NumValidTargets();
+    EXPECT_EQ(CpuDeviceBackend::cp_share_targets, targets);
+  }
+}
+
 TEST(DeviceTrainerTest, DataParallelMatchesTheCpuDataParallelRun) {
   omp_set_num_threads(1);
   auto world_run = [](const std::string& resources) -> absl::StatusOr<RunResult> {
@@ -292,14 +387,6 @@ TEST(DeviceTrainerTest, WhatTheGpuPathCannotRunFailsAtCreateAndWritesNothing) {
        "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine (build "
        "with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
        "resources \"cpu\")"},
-      {"cp = 2",
-       [](TrainerOptions& o) {
-         o.spec.parallel.cp = 2;
-         o.world = 2;
-       },
-       absl::StatusCode::kUnimplemented,
-       "trainer: context parallelism on CUDA is not built yet (the job has parallel.cp = 2; run "
-       "it with cp = 1 or with resources \"cpu\")"},
       {"sgd", [](TrainerOptions& o) { o.spec.train.optimizer = "sgd"; },
        absl::StatusCode::kUnimplemented,
        "trainer: train.optimizer \"sgd\" on CUDA is not built yet (the CUDA engine has AdamW "

@@ -122,7 +122,8 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
   CommandResult cp2 = Run({"--job", cuda_job(2), "--rank", "0", "--world", "2", "--file-store",
                            dir_ + "/store"});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(cp2, "spindle-train: trainer: context parallelism on CUDA is not built yet");
+  ExpectRejected(cp2, "spindle-train: trainer: context parallelism on CUDA is not enabled yet: "
+                      "its GPU test (engine_cuda_test CudaCp.*) has not passed");
 #else
   ExpectRejected(cp2, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
                       "build has no CUDA engine");

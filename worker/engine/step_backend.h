@@ -8,7 +8,13 @@
 //
 // The CUDA implementation is worker/engine/cuda/trainer_cuda.h (library spindle_engine_cuda,
 // which depends on spindle_engine, never the reverse): a binary linked with it passes its factory
-// in TrainerOptions::cuda_backend. Whole sequences only (cp = 1). Not thread-safe.
+// in TrainerOptions::cuda_backend.
+//
+// Context parallelism (cp > 1): the trainer builds the CP group, passes it with the decided modes
+// to SetCp(), and feeds the rank's share of each sequence through the CpBatch forms; losses and
+// gradients are the rank's part, summed over the world by the trainer on the host. A backend that
+// does not run CP refuses it in its factory (before any device work or rendezvous) and in SetCp().
+// At cp = 1 the trainer uses the whole-sequence forms only. Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +44,14 @@ class StepBackend {
   virtual absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
                                                     bool recompute) = 0;
   virtual absl::StatusOr<LossStats> Forward(const Batch& batch) = 0;
+
+  // The CP group of this rank and the decided modes (see Model::SetCp); called once before the
+  // first CpBatch pass when cp > 1. An error refuses the job.
+  virtual absl::Status SetCp(const CpContext& cp) = 0;
+  // This rank's share of a sequence (after SetCp): as the Batch forms, on the share.
+  virtual absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
+                                                    bool recompute) = 0;
+  virtual absl::StatusOr<LossStats> Forward(const CpBatch& batch) = 0;
   // Sum of squared device gradients.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
   // AdamW (decay on matrices only, as the CPU Optimizer) with the device gradients multiplied by
@@ -60,8 +74,10 @@ class StepBackend {
   virtual nlohmann::json StepEventFields() = 0;
 };
 
-// Builds a backend holding a model initialised from `seed` exactly as Model::Create does.
-using StepBackendFactory =
-    absl::StatusOr<std::unique_ptr<StepBackend>> (*)(const ModelConfig& config, uint64_t seed);
+// Builds a backend holding a model initialised from `seed` exactly as Model::Create does, for a
+// job whose CP group has `cp` ranks (1: whole sequences); a factory refuses a cp its backend does
+// not run here, before any device work.
+using StepBackendFactory = absl::StatusOr<std::unique_ptr<StepBackend>> (*)(
+    const ModelConfig& config, uint64_t seed, int64_t cp);
 
 }  // namespace spindle

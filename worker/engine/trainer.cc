@@ -32,10 +32,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
           "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine "
           "(build with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
           "resources \"cpu\")");
-    if (spec.parallel.cp > 1)
-      return absl::UnimplementedError(absl::StrCat(
-          "trainer: context parallelism on CUDA is not built yet (the job has parallel.cp = ",
-          spec.parallel.cp, "; run it with cp = 1 or with resources \"cpu\")"));
     if (spec.train.optimizer != "adamw")
       return absl::UnimplementedError(absl::StrCat(
           "trainer: train.optimizer \"", spec.train.optimizer,
@@ -51,6 +47,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
+  // The device model first: a factory refuses what its backend does not run (and fails where no
+  // device is usable) before any peer is waited for.
+  if (on_device) {
+    ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
+  }
   if (o.world > 1) {
     if (!o.store)
       return absl::InvalidArgumentError("trainer: world > 1 needs a rendezvous store");
@@ -66,7 +67,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
   if (on_device) {
-    ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed));
+    if (t->cp_ > 1)
+      RETURN_IF_ERROR(t->backend_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla}));
   } else {
     ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
     t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
@@ -203,19 +205,28 @@ absl::Status Trainer::Step() {
   return absl::OkStatus();
 }
 
-// The CPU step's arithmetic on the backend, cp = 1: every rank's gradients are those of
-// (1 / the world's valid targets) x its loss sum, summed over the world on the host; the norm of
-// the sum decides the clip factor, which AdamW applies to the gradients before its update.
+// The CPU step's arithmetic on the backend: every rank's gradients are those of
+// (1 / the world's valid targets) x its loss sum (over its CP share of each sequence when cp > 1),
+// summed over the world on the host; the norm of the sum decides the clip factor, which AdamW
+// applies to the gradients before its update. At cp = 1 the whole-sequence forms run.
 absl::Status Trainer::DeviceStep() {
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
-  std::vector<Batch> batches;
+  std::vector<Batch> batches;      // cp = 1
+  std::vector<CpBatch> shares;     // cp > 1: this CP rank's share of each
   double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
   for (int64_t m = 0; m < mb; ++m) {
-    batches.push_back(MakeSequenceBatch(
-        data_->Sequence(state_.data_position + dp_rank_ * mb + m), data_->eos_id()));
-    counts[1] += static_cast<double>(batches.back().NumValidTargets());
+    Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
+                                   data_->eos_id());
+    if (cp_ > 1) {
+      ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
+      counts[1] += static_cast<double>(b.local.NumValidTargets());
+      shares.push_back(std::move(b));
+    } else {
+      counts[1] += static_cast<double>(full.NumValidTargets());
+      batches.push_back(std::move(full));
+    }
   }
   double n_valid = counts[1];
   if (world_comm_)
@@ -224,7 +235,8 @@ absl::Status Trainer::DeviceStep() {
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
   for (int64_t m = 0; m < mb; ++m) {
     ASSIGN_OR_RETURN(LossStats s,
-                     backend_->ForwardBackward(batches[m], grad_scale, spec.train.recompute));
+                     cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, spec.train.recompute)
+                             : backend_->ForwardBackward(batches[m], grad_scale, spec.train.recompute));
     counts[0] += s.loss_sum;
   }
   if (world_comm_) {
@@ -312,7 +324,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
   std::unique_ptr<Model> model;
   std::unique_ptr<StepBackend> backend;
   if (device) {
-    ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed));
+    ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed, /*cp=*/1));
     RETURN_IF_ERROR(
         LoadCheckpoint(checkpoint, backend->host_params(), nullptr, spec.model).status());
     RETURN_IF_ERROR(backend->UploadParams());

@@ -19,12 +19,16 @@
 // TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
 // weights). The step's arithmetic is the CPU path's: gradients of (1 / the step's valid targets) x
 // the loss sum, the norm of those, the same clip factor, AdamW at the scheduled rate. With dp > 1
-// the gradients are all-reduced on the host (download, Gloo, upload). Checkpoints download the
+// the gradients are all-reduced on the host (download, Gloo, upload). With cp > 1 the CP groups are
+// built as on the CPU, the backend gets this rank's group and the decided modes (SetCp) and runs
+// the rank's CpBatch shares; losses, token counts and gradients are summed over the world as with
+// dp. The backend is built before any peer is waited for, so a factory that does not run the
+// job's cp (the CUDA one, for now) refuses it there. Checkpoints download the
 // parameters and AdamW moments into the host ParamSet and use the same format, so CPU and GPU
 // runs resume each other's; a resume uploads them. Step events add the device memory
 // ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes"). Not built for the GPU, each
-// refused at Create() with one error: cp > 1, an optimizer other than AdamW, and no factory (a
-// build without the CUDA engine).
+// refused at Create() with one error: an optimizer other than AdamW, and no factory (a build
+// without the CUDA engine).
 #pragma once
 
 #include <chrono>

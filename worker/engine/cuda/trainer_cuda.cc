@@ -32,6 +32,18 @@ class CudaStepBackend final : public StepBackend {
     return m_->ForwardBackward(batch, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& batch) override { return m_->Forward(batch); }
+  // CP stays refused here until engine_cuda_test CudaCp.* has passed on a GPU; then this forwards
+  // to CudaModel::SetCp (and the factory's refusal goes).
+  absl::Status SetCp(const CpContext& cp) override {
+    if (cp.comm != nullptr && cp.comm->size() > 1)
+      return absl::UnimplementedError(kCudaCpNotEnabled);
+    return m_->SetCp(cp);
+  }
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
+                                            bool recompute) override {
+    return m_->ForwardBackward(batch, grad_scale, recompute);
+  }
+  absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
   absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) override {
     return m_->AdamWStep(spec, lr, grad_scale);
@@ -72,8 +84,13 @@ class CudaStepBackend final : public StepBackend {
 
 }  // namespace
 
+const char kCudaCpNotEnabled[] =
+    "trainer: context parallelism on CUDA is not enabled yet: its GPU test (engine_cuda_test "
+    "CudaCp.*) has not passed";
+
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
-                                                                   uint64_t seed) {
+                                                                   uint64_t seed, int64_t cp) {
+  if (cp > 1) return absl::UnimplementedError(kCudaCpNotEnabled);
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

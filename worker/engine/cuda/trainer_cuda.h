@@ -13,9 +13,13 @@
 
 namespace spindle {
 
-// Unavailable when no CUDA device is usable (no GPU, no driver); otherwise CudaModel::Create's
-// errors.
+// The refusal of context parallelism (cp > 1) until CudaModel's CP passes have run on a GPU; the
+// factory (before any device work) and SetCp() return it as Unimplemented.
+extern const char kCudaCpNotEnabled[];
+
+// Unimplemented for cp > 1 (kCudaCpNotEnabled); Unavailable when no CUDA device is usable (no GPU,
+// no driver); otherwise CudaModel::Create's errors.
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
-                                                                   uint64_t seed);
+                                                                   uint64_t seed, int64_t cp);
 
 }  // namespace spindle
