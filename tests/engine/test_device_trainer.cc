@@ -281,7 +281,8 @@ absl::StatusOr<RunResult> WorldTrain(const JobSpec& spec) {
   });
   if (!s.ok()) return s;
   for (int r = 1; r < world; ++r)
-    if (params[r] != params[0]) return absl::InternalError(absl::StrCat("rank ", r, "'s parameters differ"));
+    if (params[r] != params[0])
+      return absl::InternalError(absl::StrCat("rank ", r, "'s parameters differ"));
   out.params = std::move(params[0]);
   return out;
 }

@@ -234,9 +234,9 @@ absl::Status Trainer::DeviceStep() {
   RETURN_IF_ERROR(backend_->ZeroGrads());
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
   for (int64_t m = 0; m < mb; ++m) {
-    ASSIGN_OR_RETURN(LossStats s,
-                     cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, spec.train.recompute)
-                             : backend_->ForwardBackward(batches[m], grad_scale, spec.train.recompute));
+    const bool rc = spec.train.recompute;
+    ASSIGN_OR_RETURN(LossStats s, cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, rc)
+                                          : backend_->ForwardBackward(batches[m], grad_scale, rc));
     counts[0] += s.loss_sum;
   }
   if (world_comm_) {
