@@ -51,10 +51,8 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
-#include "worker/engine/cuda/cuda_model.h"
-#ifdef SPINDLE_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
-#endif
+#include "worker/engine/cuda/cuda_model.h"
 
 namespace spindle {
 namespace {
@@ -207,15 +205,10 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
                       std::unique_ptr<Communicator>& comm, std::unique_ptr<CudaModel>& model) {
   BENCH_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(rank), "cudaSetDevice"));
   if (cp > 1) {
-#ifdef SPINDLE_HAVE_NCCL
     auto c = CreateNcclCommunicator(*store, absl::StrCat("bench_cp/cp", cp), rank, cp, rank,
                                     absl::Seconds(opt.timeout_s));
     if (!c.ok()) return c.status();
     comm = std::move(*c);
-#else
-    (void)store;
-    return absl::UnimplementedError("built without NCCL");
-#endif
   }
   auto model_or = CudaModel::Create(config, opt.seed, rank);
   if (!model_or.ok()) return model_or.status();
@@ -343,12 +336,6 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
 }
 
 int Run(const Options& opt) {
-#ifndef SPINDLE_HAVE_NCCL
-  std::fprintf(stderr,
-               "bench_cp_cuda: built without NCCL (nccl.h / libnccl not found when configuring): "
-               "cp > 1 cannot run\n");
-  return 1;
-#endif
   auto config = ModelPreset(opt.preset);
   if (!config.ok()) {
     std::fprintf(stderr, "bench_cp_cuda: %s\n", config.status().ToString().c_str());

@@ -33,6 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda_test_util.h"
+#include "model_test_util.h"
 #include "tests/engine/cp_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/comm/communicator.h"
@@ -46,6 +47,7 @@ namespace {
 
 using kernels::cuda::testing::FreshSeed;
 using kernels::cuda::testing::HaveGpu;
+using testing::RandomBatch;
 
 #define REQUIRE_GPU()                                                          \
   do {                                                                         \
@@ -56,23 +58,6 @@ constexpr double kTolLoss = 1e-2;
 constexpr double kTolMatrix = 0.05;
 constexpr double kNormFactor = 3.0;  // norm weights: 3 x kTolMatrix
 constexpr double kMinCos = 0.995;
-
-// Random tokens in [0, vocab - 1) with an end-of-document token (vocab - 1) every ~doc tokens.
-Batch RandomBatch(const ModelConfig& c, int64_t T, int64_t doc, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.vocab) - 2);
-  std::uniform_int_distribution<int64_t> len(doc / 2, doc + doc / 2);
-  std::vector<int32_t> t(T);
-  int64_t next_eos = len(gen);
-  for (int64_t i = 0; i < T; ++i) {
-    t[i] = tok(gen);
-    if (i == next_eos) {
-      t[i] = static_cast<int32_t>(c.vocab) - 1;
-      next_eos += len(gen);
-    }
-  }
-  return MakeSequenceBatch(t, static_cast<int32_t>(c.vocab) - 1);
-}
 
 // Head size 64 (tensor-core Lightning), MLA qk = 64, v = 32 (multiples of 16: cuDNN's ragged
 // multi-document graph).
@@ -150,24 +135,13 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
   ASSERT_EQ(want.size(), got.size());
   double worst_rel = 0.0, worst_cos = 1.0;
   std::string worst_name;
-  for (int i = 0; i < P.size(); ++i) {
-    const ParamInfo& p = P.info(i);
-    double dd = 0, aa = 0, bb = 0, ab = 0;
-    for (int64_t j = p.offset; j < p.offset + p.numel; ++j) {
-      const double a = want[j], b = got[j];
-      dd += (a - b) * (a - b);
-      aa += a * a;
-      bb += b * b;
-      ab += a * b;
-    }
-    const bool norm = p.shape.size() == 1;
-    const double rel = std::sqrt(dd / std::max(aa, 1e-30)) / (norm ? kNormFactor : 1.0);
-    const double cos = ab / std::sqrt(std::max(aa * bb, 1e-60));
-    EXPECT_GT(aa, 0.0) << p.name << ": zero reference gradient";
-    EXPECT_LT(rel, kTolMatrix) << p.name << (norm ? " (norm weight, counted at 1/3)" : "");
-    EXPECT_GT(cos, kMinCos) << p.name;
-    if (rel > worst_rel) worst_rel = rel, worst_name = p.name;
-    worst_cos = std::min(worst_cos, cos);
+  for (const testing::GradAgreement& g : testing::CompareGradients(P, want.data(), got.data())) {
+    const double rel = g.rel / (g.norm ? kNormFactor : 1.0);
+    EXPECT_GT(g.want_sq, 0.0) << g.name << ": zero reference gradient";
+    EXPECT_LT(rel, kTolMatrix) << g.name << (g.norm ? " (norm weight, counted at 1/3)" : "");
+    EXPECT_GT(g.cos, kMinCos) << g.name;
+    if (rel > worst_rel) worst_rel = rel, worst_name = g.name;
+    worst_cos = std::min(worst_cos, g.cos);
   }
   std::printf("[ cuda cp ] worst relative L2 %.4f (%s), worst cosine %.6f\n", worst_rel,
               worst_name.c_str(), worst_cos);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "model_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/cuda/cuda_model.h"
 #include "worker/engine/model.h"
@@ -26,28 +27,12 @@ namespace {
 
 using kernels::cuda::testing::FreshSeed;
 using kernels::cuda::testing::HaveGpu;
+using testing::RandomBatch;
 
 #define REQUIRE_GPU()                                                        \
   do {                                                                       \
     if (!HaveGpu()) GTEST_SKIP() << "no CUDA device: CUDA model tests skipped"; \
   } while (0)
-
-// Random tokens in [0, vocab - 1) with an end-of-document token (vocab - 1) every ~doc tokens.
-Batch RandomBatch(const ModelConfig& c, int64_t T, int64_t doc, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.vocab) - 2);
-  std::uniform_int_distribution<int64_t> len(doc / 2, doc + doc / 2);
-  std::vector<int32_t> t(T);
-  int64_t next_eos = len(gen);
-  for (int64_t i = 0; i < T; ++i) {
-    t[i] = tok(gen);
-    if (i == next_eos) {
-      t[i] = static_cast<int32_t>(c.vocab) - 1;
-      next_eos += len(gen);
-    }
-  }
-  return MakeSequenceBatch(t, static_cast<int32_t>(c.vocab) - 1);
-}
 
 ModelConfig Tiny() { return *ModelPreset("tiny"); }
 
@@ -56,34 +41,23 @@ struct Compared {
   std::string worst_name;
 };
 
-// Relative L2 error and cosine similarity of every parameter's gradient.
+// The worst tensor's relative L2 error and the lowest cosine similarity. Norm weights' gradients
+// sum T * H products with heavy cancellation: their relative error is counted at a third (so 18%
+// for them, 6% for every matrix).
 Compared CompareGrads(ParamSet& cpu, ParamSet& gpu) {
   Compared r;
-  for (int i = 0; i < cpu.size(); ++i) {
-    const int64_t n = cpu.info(i).numel;
-    const float* a = cpu.grad(i);
-    const float* b = gpu.grad(i);
-    double dd = 0, aa = 0, bb = 0, ab = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      dd += (double(a[j]) - b[j]) * (double(a[j]) - b[j]);
-      aa += double(a[j]) * a[j];
-      bb += double(b[j]) * b[j];
-      ab += double(a[j]) * b[j];
-    }
-    // Norm weights' gradients sum T * H products with heavy cancellation: their relative error
-    // is counted at a third (so 18% for them, 6% for every matrix).
-    const bool norm = cpu.info(i).shape.size() == 1;
-    const double rel = std::sqrt(dd / std::max(aa, 1e-30)) / (norm ? 3.0 : 1.0);
-    const double cos = ab / std::sqrt(std::max(aa * bb, 1e-60));
-    if (rel > r.worst_rel) r.worst_rel = rel, r.worst_name = cpu.info(i).name;
-    r.worst_cos = std::min(r.worst_cos, cos);
+  for (const testing::GradAgreement& g : testing::CompareGradients(
+           cpu, cpu.flat_grad().f32(), gpu.flat_grad().f32())) {
+    const double rel = g.rel / (g.norm ? 3.0 : 1.0);
+    if (rel > r.worst_rel) r.worst_rel = rel, r.worst_name = g.name;
+    r.worst_cos = std::min(r.worst_cos, g.cos);
   }
   return r;
 }
 
 void ExpectStepMatchesCpu(const ModelConfig& c, int64_t T, int64_t doc) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed << " T " << T);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T);
   const Batch b = RandomBatch(c, T, doc, seed);
   const float scale = 1.0f / static_cast<float>(b.NumValidTargets());
   auto cpu = *Model::Create(c, seed);

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -236,6 +238,8 @@ struct CudaModel::Impl {
   absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
 
   // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
+  absl::Status CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
+                        cudaMemcpyKind kind);
   absl::Status Upload(const Batch& b, const CpLayout* layout);
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
@@ -346,29 +350,37 @@ float* CudaModel::device_params() { return impl_->p; }
 float* CudaModel::device_grads() { return impl_->g; }
 int64_t CudaModel::steps_taken() const { return impl_->steps; }
 
+// Copies flat fp32 buffers (numel() floats each) between host and device in order on the stream,
+// then waits for them (and for everything enqueued before).
+absl::Status CudaModel::Impl::CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
+                                       cudaMemcpyKind kind) {
+  for (const auto& [dst, src] : copies)
+    CUDA(cudaMemcpyAsync(dst, src, P().numel() * 4, kind, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::UploadParams() {
   Impl& I = *impl_;
-  const int64_t n = I.P().numel();
-  CUDA(cudaMemcpyAsync(I.p, I.P().flat_data().f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
-  KC(kc::ConvertFromFloat(I.p, I.w, n, kAct, I.stream));
+  RETURN_IF_ERROR(I.CopyFlat({{I.p, I.P().flat_data().f32()}}, cudaMemcpyHostToDevice));
+  KC(kc::ConvertFromFloat(I.p, I.w, I.P().numel(), kAct, I.stream));
   CUDA(cudaStreamSynchronize(I.stream));
   return absl::OkStatus();
 }
 
 absl::Status CudaModel::DownloadParams() {
   Impl& I = *impl_;
-  CUDA(cudaMemcpyAsync(I.P().flat_data().f32(), I.p, I.P().numel() * 4, cudaMemcpyDeviceToHost,
-                       I.stream));
-  CUDA(cudaStreamSynchronize(I.stream));
-  return absl::OkStatus();
+  return I.CopyFlat({{I.P().flat_data().f32(), I.p}}, cudaMemcpyDeviceToHost);
 }
 
 absl::Status CudaModel::DownloadGrads() {
   Impl& I = *impl_;
-  CUDA(cudaMemcpyAsync(I.P().flat_grad().f32(), I.g, I.P().numel() * 4, cudaMemcpyDeviceToHost,
-                       I.stream));
-  CUDA(cudaStreamSynchronize(I.stream));
-  return absl::OkStatus();
+  return I.CopyFlat({{I.P().flat_grad().f32(), I.g}}, cudaMemcpyDeviceToHost);
+}
+
+absl::Status CudaModel::UploadGrads() {
+  Impl& I = *impl_;
+  return I.CopyFlat({{I.g, I.P().flat_grad().f32()}}, cudaMemcpyHostToDevice);
 }
 
 absl::Status CudaModel::DownloadOptimizerState(Tensor* m, Tensor* v) {
@@ -376,10 +388,7 @@ absl::Status CudaModel::DownloadOptimizerState(Tensor* m, Tensor* v) {
   const int64_t n = I.P().numel();
   if (m->numel() != n) *m = Tensor({n});
   if (v->numel() != n) *v = Tensor({n});
-  CUDA(cudaMemcpyAsync(m->f32(), I.m, n * 4, cudaMemcpyDeviceToHost, I.stream));
-  CUDA(cudaMemcpyAsync(v->f32(), I.v, n * 4, cudaMemcpyDeviceToHost, I.stream));
-  CUDA(cudaStreamSynchronize(I.stream));
-  return absl::OkStatus();
+  return I.CopyFlat({{m->f32(), I.m}, {v->f32(), I.v}}, cudaMemcpyDeviceToHost);
 }
 
 absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
@@ -390,9 +399,7 @@ absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
     return absl::InvalidArgumentError(absl::StrCat("optimizer state: expected ", n,
                                                    " values per moment, got ", m.numel(), " and ",
                                                    v.numel()));
-  CUDA(cudaMemcpyAsync(I.m, m.f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
-  CUDA(cudaMemcpyAsync(I.v, v.f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
-  CUDA(cudaStreamSynchronize(I.stream));
+  RETURN_IF_ERROR(I.CopyFlat({{I.m, m.f32()}, {I.v, v.f32()}}, cudaMemcpyHostToDevice));
   I.steps = steps_taken;
   return absl::OkStatus();
 }

@@ -100,10 +100,12 @@ class CudaModel {
   float* device_params();
   float* device_grads();
 
-  // host_params() data <-> device master (and bf16 copy); gradients device -> host.
+  // host_params() data <-> device master (and bf16 copy); gradients both ways (a data-parallel
+  // all-reduce runs on the host).
   absl::Status UploadParams();
   absl::Status DownloadParams();
   absl::Status DownloadGrads();
+  absl::Status UploadGrads();
   // AdamW moments and step count, in the ParamSet flat layout (m, v of numel() floats).
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v);
   absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps_taken);

@@ -1,7 +1,5 @@
 // CudaStepBackend: the StepBackend of resources "cuda" jobs, a thin adapter over CudaModel (see
-// trainer_cuda.h). Gradients go back to the device with a copy into device_grads() on the
-// model's stream (the data-parallel all-reduce on the host needs it; CudaModel has no upload of
-// gradients of its own).
+// trainer_cuda.h).
 #include "worker/engine/cuda/trainer_cuda.h"
 
 #include <cuda_runtime.h>
@@ -14,11 +12,6 @@
 
 namespace spindle {
 namespace {
-
-absl::Status CudaError(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuda trainer: ", what, ": ", cudaGetErrorString(err)));
-}
 
 class CudaStepBackend final : public StepBackend {
  public:
@@ -51,14 +44,7 @@ class CudaStepBackend final : public StepBackend {
   int64_t steps_taken() const override { return m_->steps_taken(); }
 
   absl::Status DownloadGrads() override { return m_->DownloadGrads(); }
-  absl::Status UploadGrads() override {
-    Tensor& g = m_->host_params().flat_grad();
-    RETURN_IF_ERROR(CudaError(
-        cudaMemcpyAsync(m_->device_grads(), g.f32(), static_cast<size_t>(g.numel()) * sizeof(float),
-                        cudaMemcpyHostToDevice, m_->stream()),
-        "gradient upload"));
-    return CudaError(cudaStreamSynchronize(m_->stream()), "gradient upload");
-  }
+  absl::Status UploadGrads() override { return m_->UploadGrads(); }
   absl::Status DownloadParams() override { return m_->DownloadParams(); }
   absl::Status UploadParams() override { return m_->UploadParams(); }
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override {
