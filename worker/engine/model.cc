@@ -45,6 +45,17 @@ struct Model::Work {
   Tensor ones_T;  // unused placeholder kept zero-sized
 };
 
+std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer) {
+  const int64_t H = c.n_heads;
+  std::vector<float> ld;
+  for (int64_t h = 0; h < H; ++h) {
+    const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
+    ld.push_back(static_cast<float>(
+        -slope * (1.0 - static_cast<double>(layer) / c.n_layers + 1e-5)));
+  }
+  return ld;
+}
+
 namespace {
 
 void Ensure(Tensor& t, int64_t rows, int64_t cols) {
@@ -95,11 +106,7 @@ void Model::Build() {
       L->q_norm = P.Add(p + "la.q_norm.weight", {Dh}, ParamInit::kOnes);
       L->k_norm = P.Add(p + "la.k_norm.weight", {Dh}, ParamInit::kOnes);
       L->out_norm = P.Add(p + "la.out_norm.weight", {d}, ParamInit::kOnes);
-      for (int64_t h = 0; h < H; ++h) {
-        const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
-        L->log_decay.push_back(static_cast<float>(
-            -slope * (1.0 - static_cast<double>(i) / c.n_layers + 1e-5)));
-      }
+      L->log_decay = LightningLogDecays(c, i);
     } else {
       const MlaConfig& m = c.mla;
       const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;

@@ -49,6 +49,10 @@ struct CpContext {
 // embedding at 0), so it can be all-reduced while the backward goes on.
 using GradReadyFn = std::function<void(int64_t flat_begin)>;
 
+// log a_h of every head of Lightning layer `layer` (DESIGN.md section 2):
+// -2^(-8(h+1)/H) * (1 - layer/n_layers + 1e-5).
+std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer);
+
 class Model {
  public:
   static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config, uint64_t seed);

@@ -317,13 +317,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
       L.q_norm = idx(p + "la.q_norm.weight");
       L.k_norm = idx(p + "la.k_norm.weight");
       L.out_norm = idx(p + "la.out_norm.weight");
-      // The decays of model.cc (Model::Build).
-      std::vector<float> ld(H);
-      for (int64_t h = 0; h < H; ++h) {
-        const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
-        ld[h] = static_cast<float>(
-            -slope * (1.0 - static_cast<double>(i) / config.n_layers + 1e-5));
-      }
+      const std::vector<float> ld = LightningLogDecays(config, i);
       L.log_decay = impl->log_decays + i * H;
       CUDA(cudaMemcpy(L.log_decay, ld.data(), H * 4, cudaMemcpyHostToDevice));
     } else {
