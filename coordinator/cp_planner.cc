@@ -125,9 +125,14 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
                                    m.n_heads, &plan.problems));
 
   if (cp > 1 && spec.resources == "cuda") {
-    plan.problems.push_back(absl::StrCat(
-        "parallel.cp: ", cp, " on resources \"cuda\": context parallelism on CUDA is not built "
-        "yet (use cp = 1 on cuda, or resources \"cpu\")"));
+    // The CUDA engine runs CP in the all2all mode only.
+    for (const LayerModePlan& l : plan.layers) {
+      if (l.num_layers == 0 || l.mode != CpMode::kAllGather) continue;
+      plan.problems.push_back(absl::StrCat(
+          "parallel.", l.layer_type, "_mode: allgather (", l.reason,
+          ") is not built on resources \"cuda\" yet: use a cp that divides n_heads=", m.n_heads,
+          " (all2all), or resources \"cpu\""));
+    }
   }
   if (cp > 1) {
     const int64_t chunks = 2 * cp;

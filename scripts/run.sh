@@ -134,18 +134,12 @@ done
 
 SPEC=$JOB
 if [ "$RESOURCES" != cpu ]; then
-  # On the GPUs: the CUDA engine has no context parallelism yet, so a cp > 1 job runs at cp = 1
-  # (the same sequences and the same math per step; its checkpoints stay interchangeable).
+  # On the GPUs: the same job with resources "cuda" (its ranks share the GPUs the workers offer).
   SPEC=$RUNTIME/job.json
   python3 - "$JOB" "$SPEC" "$RESOURCES" <<'EOF'
 import json, sys
 spec = json.load(open(sys.argv[1]))
 spec["resources"] = sys.argv[3]
-p = spec.setdefault("parallel", {})
-if p.get("cp", 1) > 1:
-    print(f"run: context parallelism on CUDA is not built yet: running the job at cp = 1 "
-          f"(it asks for cp = {p['cp']})")
-    p["cp"] = 1
 json.dump(spec, open(sys.argv[2], "w"), indent=2)
 EOF
 fi

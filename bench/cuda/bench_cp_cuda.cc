@@ -24,8 +24,6 @@
 // no cp > 1 of --cp fits the visible GPUs, else 2 for bad flags or a cp the model refuses
 // (n_heads or T not divisible by it; the other cp values still run).
 //
-// Not yet run on GPUs (the CUDA CP path itself has only been compiled so far).
-//
 // Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--warmup 2]
 //                      [--steps 5] [--doc 0] [--timeout 120]
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).

@@ -2,8 +2,16 @@
 // random tokens per step (zero gradients, forward + backward, gradient norm, AdamW), the median of
 // the timed steps after warm-up, printed as a table row per (preset, T, recompute) with tokens/s,
 // model TFLOP/s and memory. Run it beside the peer (bench/cuda/model_vs_peer.sh).
+// The last timed step of each row runs between cudaProfilerStart and cudaProfilerStop, so
+// `ncu --profile-from-start off` records exactly the kernels of those steps.
+// --head_start_ms N: each step's work queues behind a host callback that holds the stream for
+// N ms, so the host has enqueued (most of) the step before the GPU starts; the row's step time is
+// then wall time - N, the GPU's own time without launch gaps (a diagnostic: if it is well below
+// the plain step time, the host, not the GPU, paces the step).
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
+//                         [--head_start_ms 0]
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <thread>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -34,8 +43,12 @@ double FlopsPerToken(const ModelConfig& c, int64_t T) {
   return 6.0 * gemm + mla + la;
 }
 
+void CUDART_CB HoldStream(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
+}
+
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int>& recs,
-        int steps) {
+        int steps, int head_start_ms) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -67,7 +80,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       std::vector<double> times;
       double loss = 0;
       for (int s = 0; s < steps; ++s) {
+        const bool profiled = s == steps - 1;
+        if (profiled) cudaProfilerStart();
         const auto t0 = std::chrono::steady_clock::now();
+        if (head_start_ms > 0) cudaLaunchHostFunc(m.stream(), HoldStream, &head_start_ms);
         absl::Status st = m.ZeroGrads();
         auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rec != 0);
         if (!ls.ok()) st = ls.status();
@@ -77,6 +93,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
         }
         if (st.ok() && cudaStreamSynchronize(m.stream()) != cudaSuccess)
           st = absl::InternalError("stream sync failed");
+        if (profiled) cudaProfilerStop();
         if (!st.ok()) {
           std::printf("| %lld | %d | failed: %s |\n", static_cast<long long>(T), rec,
                       st.ToString().c_str());
@@ -84,7 +101,8 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
           break;
         }
         times.push_back(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
+            head_start_ms * 1e-3);
         loss = ls->loss_sum / std::max<int64_t>(1, ls->n_valid);
       }
       if (static_cast<int>(times.size()) < steps) continue;
@@ -122,7 +140,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
 int main(int argc, char** argv) {
   std::string preset = "1b", rec = "0";
   std::vector<int64_t> Ts = {8192, 32768};
-  int steps = 6;
+  int steps = 6, head_start_ms = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset") {
@@ -135,11 +153,13 @@ int main(int argc, char** argv) {
       rec = v;
     } else if (k == "--steps") {
       steps = std::max(1, std::atoi(v.c_str()));
+    } else if (k == "--head_start_ms") {
+      head_start_ms = std::max(0, std::atoi(v.c_str()));
     } else {
       std::fprintf(stderr, "bench_model_cuda: unknown flag %s\n", k.c_str());
       return 2;
     }
   }
   std::vector<int> recs = rec == "both" ? std::vector<int>{0, 1} : std::vector<int>{rec == "1"};
-  return spindle::Run(preset, Ts, recs, steps);
+  return spindle::Run(preset, Ts, recs, steps, head_start_ms);
 }

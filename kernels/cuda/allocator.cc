@@ -51,6 +51,12 @@ Status CachingAllocator::Allocate(size_t bytes, void** ptr) {
     *ptr = p;
   }
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+  if (poison_) {
+    // A cached block may still be read by work queued on any stream: wait for it first.
+    SPINDLE_CUDA_CHECK(cudaDeviceSynchronize());
+    SPINDLE_CUDA_CHECK(cudaMemset(*ptr, 0xFF, size));
+    SPINDLE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   return Status::Ok();
 }
 
@@ -84,6 +90,11 @@ Status CachingAllocator::EmptyCache() {
 AllocatorStats CachingAllocator::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
+}
+
+void CachingAllocator::SetPoison(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  poison_ = on;
 }
 
 void CachingAllocator::ResetPeak() {

@@ -41,6 +41,10 @@ class CachingAllocator {
   Status EmptyCache();
   AllocatorStats Stats() const;
   void ResetPeak();
+  // While on, every block handed out is first filled with 0xFF bytes (NaN in fp32 and bf16) and
+  // the device synchronised, so a kernel that reads memory no kernel wrote shows as NaN instead of
+  // as stale values of an earlier use. For tests; off by default.
+  void SetPoison(bool on);
 
   static size_t RoundSize(size_t bytes);
 
@@ -51,6 +55,7 @@ class CachingAllocator {
   std::multimap<size_t, void*> free_;           // rounded size -> cached block
   std::unordered_map<void*, size_t> in_use_;    // block -> rounded size
   AllocatorStats stats_;
+  bool poison_ = false;
 };
 
 }  // namespace spindle::kernels::cuda

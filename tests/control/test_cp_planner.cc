@@ -57,16 +57,35 @@ TEST(CpPlannerTest, ForcedModeIsKeptAndMarked) {
   EXPECT_EQ(p.layers[1].reason, "forced by the spec (parallel.mla_mode = allgather)");
 }
 
-TEST(CpPlannerTest, CpOnCudaIsRefusedUntilBuilt) {
+TEST(CpPlannerTest, CpOnCudaRunsAll2AllAndRefusesAllGather) {
   JobSpec s = Spec(2, 4, 1024);
   s.resources = "cuda";
   CpPlan p = CpPlanner().Plan(s, 0);
-  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(p.ok()) << (p.problems.empty() ? "" : p.problems[0]);
+  EXPECT_EQ(p.ModeOf("lightning"), CpMode::kAll2All);
+  EXPECT_EQ(p.ModeOf("mla"), CpMode::kAll2All);
+
+  s.parallel.cp = 8;  // > n_heads = 4: allgather for both layer types
+  p = CpPlanner().Plan(s, 0);
+  ASSERT_EQ(p.problems.size(), 2u);
+  EXPECT_EQ(p.problems[0],
+            "parallel.lightning_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) is "
+            "not built on resources \"cuda\" yet: use a cp that divides n_heads=4 (all2all), or "
+            "resources \"cpu\"");
+  EXPECT_EQ(p.problems[1],
+            "parallel.mla_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) is not "
+            "built on resources \"cuda\" yet: use a cp that divides n_heads=4 (all2all), or "
+            "resources \"cpu\"");
+
+  s.parallel.cp = 2;
+  s.parallel.mla_mode = CpMode::kAllGather;  // forced
+  p = CpPlanner().Plan(s, 0);
   ASSERT_EQ(p.problems.size(), 1u);
   EXPECT_EQ(p.problems[0],
-            "parallel.cp: 2 on resources \"cuda\": context parallelism on CUDA is not built yet "
-            "(use cp = 1 on cuda, or resources \"cpu\")");
-  s.parallel.cp = 1;
+            "parallel.mla_mode: allgather (forced by the spec (parallel.mla_mode = allgather)) is "
+            "not built on resources \"cuda\" yet: use a cp that divides n_heads=4 (all2all), or "
+            "resources \"cpu\"");
+  s.resources = "cpu";
   EXPECT_TRUE(CpPlanner().Plan(s, 0).ok());
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -56,7 +57,12 @@ inline Tolerance TolFor(DType t) {
   }
 }
 
-inline uint32_t FreshSeed() { return std::random_device{}(); }
+// A new seed per call; SPINDLE_TEST_SEED=N replays a failure's printed seed instead.
+inline uint32_t FreshSeed() {
+  if (const char* s = std::getenv("SPINDLE_TEST_SEED"))
+    return static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
 
 inline std::vector<float> Normal(std::mt19937& rng, int64_t n, float sd = 1.0f, float mean = 0.0f) {
   std::normal_distribution<float> dist(mean, sd);

@@ -39,6 +39,7 @@ ModelConfig Tiny() { return *ModelPreset("tiny"); }
 struct Compared {
   double worst_rel = 0.0, worst_cos = 1.0;
   std::string worst_name;
+  std::string report;  // every tensor off by more than a tenth of the tolerance
 };
 
 // The worst tensor's relative L2 error and the lowest cosine similarity. Norm weights' gradients
@@ -51,11 +52,23 @@ Compared CompareGrads(ParamSet& cpu, ParamSet& gpu) {
     const double rel = g.rel / (g.norm ? 3.0 : 1.0);
     if (rel > r.worst_rel) r.worst_rel = rel, r.worst_name = g.name;
     r.worst_cos = std::min(r.worst_cos, g.cos);
+    if (rel > 0.006 || g.cos < 0.9995) {
+      r.report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " +
+                  std::to_string(g.cos);
+    }
   }
   return r;
 }
 
-void ExpectStepMatchesCpu(const ModelConfig& c, int64_t T, int64_t doc) {
+// The comparison runs with norm_eps = 1e-2 instead of the presets' 1e-6. At random
+// initialisation a norm's input row can be nearly zero (a document's first token, where the
+// Lightning output is (q.k) v with q.k close to 0, and the group norm rescales it to unit size),
+// and with eps = 1e-6 such a row amplifies bf16 rounding without bound: on the CPU alone, rounding
+// the weights to bf16 moved some tensor's gradient by 20-100% for 1 seed in 4 of the tiny preset.
+// With eps = 1e-2 the same perturbation stays under 2% over 40 seeds, so a difference beyond
+// the tolerances below is the GPU's and not the problem's.
+void ExpectStepMatchesCpu(ModelConfig c, int64_t T, int64_t doc) {
+  c.norm_eps = 1e-2;
   const uint32_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T);
   const Batch b = RandomBatch(c, T, doc, seed);
@@ -65,19 +78,52 @@ void ExpectStepMatchesCpu(const ModelConfig& c, int64_t T, int64_t doc) {
   auto gpu_or = CudaModel::Create(c, seed);
   ASSERT_TRUE(gpu_or.ok()) << gpu_or.status();
   auto& gpu = *gpu_or;
+  gpu->SetPoisonActivations(true);  // a read of unwritten activation memory turns into NaN
   auto got = gpu->ForwardBackward(b, scale, false);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->n_valid, want.n_valid);
   EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, 1e-2);
   ASSERT_TRUE(gpu->DownloadGrads().ok());
   const Compared r = CompareGrads(cpu->params(), gpu->host_params());
-  EXPECT_LT(r.worst_rel, 0.06) << "worst tensor " << r.worst_name;
-  EXPECT_GT(r.worst_cos, 0.995);
+  EXPECT_LT(r.worst_rel, 0.06) << "worst tensor " << r.worst_name << r.report;
+  EXPECT_GT(r.worst_cos, 0.995) << r.report;
 }
 
 TEST(CudaModel, TinyStepMatchesCpuEngine) {
   REQUIRE_GPU();
   ExpectStepMatchesCpu(Tiny(), 203, 60);
+}
+
+TEST(CudaModel, TinyStepOneDocumentMatchesCpuEngine) {
+  REQUIRE_GPU();
+  ExpectStepMatchesCpu(Tiny(), 256, 1000);
+}
+
+// Two fresh models, one batch: the GPU's step must repeat itself (a race or a read of stale
+// memory shows as a difference far above reduction-order noise).
+TEST(CudaModel, TinyStepRepeatsOnAFreshModel) {
+  REQUIRE_GPU();
+  const ModelConfig c = Tiny();
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Batch b = RandomBatch(c, 203, 60, seed);
+  std::vector<std::vector<float>> grads;
+  std::unique_ptr<CudaModel> first;
+  for (int run = 0; run < 2; ++run) {
+    auto m = CudaModel::Create(c, seed);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE((*m)->ForwardBackward(b, 0.01f, false).ok());
+    ASSERT_TRUE((*m)->DownloadGrads().ok());
+    ParamSet& P = (*m)->host_params();
+    grads.emplace_back(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
+    if (run == 0) first = std::move(*m);
+  }
+  std::string report;
+  for (const testing::GradAgreement& g : testing::CompareGradients(
+           first->host_params(), grads[0].data(), grads[1].data())) {
+    if (g.rel > 1e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
+  }
+  EXPECT_TRUE(report.empty()) << "gradients differ between two runs:" << report;
 }
 
 TEST(CudaModel, QLoraMlaStepMatchesCpuEngine) {

@@ -296,9 +296,10 @@ TEST_P(DenseOps, QkNormRopeShapesPositionsAndFallbacks) {
     small[t] = static_cast<int32_t>(t);
     large[t] = static_cast<int32_t>(t % 3 == 0 ? t : 1048576 - 977 * t);  // up to ~1M
   }
-  // Vector path (G = 2, 4, 8, 16 values of Dh), model shape, no v copy, misaligned (scalar path),
+  // Vector path (G = 1, 2, 4, 8, 16 values of Dh), model shape, no v copy, misaligned (scalar path),
   // heads the vector path does not take (Dh 96), large positions with theta 1e6.
   CheckQkNormRope(T, 3, 32, 10000.0f, small, true, 0);
+  CheckQkNormRope(T, 4, 16, 10000.0f, small, true, 0);  // the tiny preset: one vector per half
   CheckQkNormRope(T, 16, 128, 10000.0f, small, false, 0);
   CheckQkNormRope(T, 2, 128, 10000.0f, small, true, 1);
   CheckQkNormRope(T, 2, 96, 10000.0f, small, true, 0);
@@ -335,9 +336,10 @@ TEST_P(DenseOps, RopeLargePositionsWideHeadsAndMlaView) {
 }
 
 TEST_P(DenseOps, RmsNormVectorPathsResidualAndMisaligned) {
-  // D: one vector per lane, several, above the forward's register cache (4096: scalar forward,
-  // vector backward in bf16); offset 1: scalar paths. Residual fused, dresidual aliasing dx.
-  for (int64_t D : {256, 1024, 2048, 4096}) {
+  // D: 64 (the tiny preset: fewer vectors than lanes), one vector per lane, several, above the
+  // forward's register cache (4096: scalar forward, vector backward in bf16); offset 1: scalar
+  // paths. Residual fused, dresidual aliasing dx.
+  for (int64_t D : {64, 256, 1024, 2048, 4096}) {
     for (int offset : {0, 1}) {
       const int64_t rows = 67;
       SCOPED_TRACE("D " + std::to_string(D) + " offset " + std::to_string(offset));
@@ -390,13 +392,14 @@ TEST_P(DenseOps, RmsNormVectorPathsResidualAndMisaligned) {
 }
 
 TEST_P(DenseOps, GroupNormGateVectorShapesAndMisaligned) {
-  // (H, Dh, offset): model shape, Dh 96 (bf16: idle lanes forward, scalar backward), Dh 32,
-  // misaligned (scalar paths).
+  // (H, Dh, offset): model shape, Dh 96 (bf16: idle lanes forward, scalar backward), Dh 32, Dh 16
+  // (the tiny preset), misaligned (scalar paths).
   struct Case {
     int64_t H, Dh;
     int offset;
   };
-  for (const Case& c : {Case{16, 128, 0}, Case{5, 96, 0}, Case{7, 32, 0}, Case{4, 64, 1}}) {
+  for (const Case& c :
+       {Case{16, 128, 0}, Case{5, 96, 0}, Case{7, 32, 0}, Case{4, 16, 0}, Case{4, 64, 1}}) {
     const int64_t T = 45, H = c.H, Dh = c.Dh, C = H * Dh;
     SCOPED_TRACE("H " + std::to_string(H) + " Dh " + std::to_string(Dh) + " offset " +
                  std::to_string(c.offset));

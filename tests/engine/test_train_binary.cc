@@ -1,8 +1,9 @@
 // spindle-train as a user runs it: every bad input (malformed spec, missing, truncated or
 // out-of-vocabulary data, corrupt or mismatched checkpoint, unknown flag) ends with exit code 2,
 // exactly one line on stderr naming the problem, and nothing written to the checkpoint directory.
-// Jobs with resources "cuda" run only where they can: without the CUDA engine, or at cp > 1, they
-// are rejected the same way; on a CUDA build without a GPU they fail with one line (exit 1).
+// Jobs with resources "cuda" run only where they can: without the CUDA engine, or at a cp > 1 that
+// does not divide n_heads (only all2all is built on CUDA), they are rejected the same way; on a
+// CUDA build without a GPU they fail with one line (exit 1).
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -115,17 +116,19 @@ TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
 TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
   auto cuda_job = [&](int cp) {
     return Write("cuda.json", absl::StrCat(R"({"name": "j", "model": {"preset": "tiny"},
-        "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 128,
+        "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 192,
         "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
         "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
   };
-  CommandResult cp2 = Run({"--job", cuda_job(2), "--rank", "0", "--world", "2", "--file-store",
+  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run.
+  CommandResult cp3 = Run({"--job", cuda_job(3), "--rank", "0", "--world", "3", "--file-store",
                            dir_ + "/store"});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(cp2, "spindle-train: trainer: context parallelism on CUDA is not enabled yet: "
-                      "its GPU test (engine_cuda_test CudaCp.*) has not passed");
+  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (only "
+                      "the all2all mode is built on CUDA; use a cp that divides 4, or resources "
+                      "\"cpu\")");
 #else
-  ExpectRejected(cp2, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
+  ExpectRejected(cp3, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
                       "build has no CUDA engine");
 #endif
   EXPECT_FALSE(CheckpointDirExists());

@@ -447,6 +447,7 @@ DeviceMemory CudaModel::memory() const {
 }
 
 void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
+void CudaModel::SetPoisonActivations(bool on) { impl_->alloc.SetPoison(on); }
 
 // ---- Batch ---------------------------------------------------------------------------------------
 

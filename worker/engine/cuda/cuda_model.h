@@ -28,8 +28,8 @@
 // token-local. A context asking for AllGather for a layer type the model has is refused, as is
 // n_heads % cp != 0. Collectives take device buffers for NCCL and pinned host copies for host
 // backends (Gloo); each one waits for the compute stream first. Losses and gradients are this
-// rank's part: the caller sums them over the group. The CP path has not yet run on a GPU
-// (tests/cuda/test_cuda_cp.cc is its check).
+// rank's part: the caller sums them over the group (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks
+// sharing one GPU over Gloo against one rank; bench_cp_cuda: NCCL ranks on separate GPUs).
 // Not thread-safe (several models, one per thread, may share a device).
 #pragma once
 
@@ -112,6 +112,10 @@ class CudaModel {
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
+  // Fills activation memory with NaN whenever the allocator hands a block out (see
+  // kernels::cuda::CachingAllocator::SetPoison): a read of memory no kernel wrote then shows in
+  // the loss or the gradients. Slow; for tests.
+  void SetPoisonActivations(bool on);
 
   struct Impl;
 

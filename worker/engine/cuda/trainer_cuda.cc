@@ -25,13 +25,7 @@ class CudaStepBackend final : public StepBackend {
     return m_->ForwardBackward(batch, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& batch) override { return m_->Forward(batch); }
-  // CP stays refused here until engine_cuda_test CudaCp.* has passed on a GPU; then this forwards
-  // to CudaModel::SetCp (and the factory's refusal goes).
-  absl::Status SetCp(const CpContext& cp) override {
-    if (cp.comm != nullptr && cp.comm->size() > 1)
-      return absl::UnimplementedError(kCudaCpNotEnabled);
-    return m_->SetCp(cp);
-  }
+  absl::Status SetCp(const CpContext& cp) override { return m_->SetCp(cp); }
   absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
                                             bool recompute) override {
     return m_->ForwardBackward(batch, grad_scale, recompute);
@@ -70,13 +64,16 @@ class CudaStepBackend final : public StepBackend {
 
 }  // namespace
 
-const char kCudaCpNotEnabled[] =
-    "trainer: context parallelism on CUDA is not enabled yet: its GPU test (engine_cuda_test "
-    "CudaCp.*) has not passed";
-
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp) {
-  if (cp > 1) return absl::UnimplementedError(kCudaCpNotEnabled);
+  // Only the all2all mode is built on CUDA: refuse a cp it cannot run before any device work and
+  // before the ranks meet.
+  if (cp > 1 && config.n_heads % cp != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads,
+        " divisible by cp (only the all2all mode is built on CUDA; use a cp that divides ",
+        config.n_heads, ", or resources \"cpu\")"));
+  }
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

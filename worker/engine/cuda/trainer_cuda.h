@@ -13,12 +13,9 @@
 
 namespace spindle {
 
-// The refusal of context parallelism (cp > 1) until CudaModel's CP passes have run on a GPU; the
-// factory (before any device work) and SetCp() return it as Unimplemented.
-extern const char kCudaCpNotEnabled[];
-
-// Unimplemented for cp > 1 (kCudaCpNotEnabled); Unavailable when no CUDA device is usable (no GPU,
-// no driver); otherwise CudaModel::Create's errors.
+// FailedPrecondition for a cp > 1 that does not divide n_heads (only the all2all mode of context
+// parallelism is built on CUDA; CudaModel::SetCp refuses a forced allgather); Unavailable when no
+// CUDA device is usable (no GPU, no driver); otherwise CudaModel::Create's errors.
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp);
 
