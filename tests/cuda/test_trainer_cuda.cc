@@ -45,6 +45,8 @@
 namespace spindle {
 namespace {
 
+using namespace std::string_literals;
+
 std::string TempDir(const std::string& tag) {
   char tmpl[] = "/tmp/spindle-cuda-trainer-XXXXXX";
   std::string d = mkdtemp(tmpl);
@@ -188,20 +190,31 @@ std::string TrainBinary() {
 }
 
 // Runs the two ranks of `spec` (world 2) as spindle-train processes that meet in a file store;
-// *stdout_text is rank 0's output. Fails the calling test if either rank fails.
-void RunTwoRanks(const JobSpec& spec, std::string* stdout_text) {
+// *stdout_text is rank 0's output. With own_gpus, rank r sees only GPU r (CUDA_VISIBLE_DEVICES),
+// else both share the first. Fails the calling test if either rank fails.
+void RunTwoRanks(const JobSpec& spec, std::string* stdout_text, bool own_gpus = false) {
+  auto argv = [&](int rank) {
+    std::vector<std::string> a;
+    if (own_gpus)
+      a = {"/usr/bin/env", "CUDA_VISIBLE_DEVICES=" + std::to_string(rank), "NCCL_NVLS_ENABLE=0"};
+    return a;
+  };
   const std::string train = TrainBinary();
   const std::string dir = TempDir("");
   const std::string job = dir + "job.json";
   std::ofstream(job) << spec.ToJson().dump();
   const std::string store = dir + "store";
-  auto rank1 = Subprocess::Spawn(
-      {train, "--job", job, "--rank", "1", "--world", "2", "--file-store", store},
-      {.stdout_path = dir + "rank1.out", .stderr_path = dir + "rank1.err"});
+  std::vector<std::string> a1 = argv(1), a0 = argv(0);
+  for (const std::string& x : {train, "--job"s, job, "--world"s, "2"s, "--file-store"s, store}) {
+    a1.push_back(x);
+    a0.push_back(x);
+  }
+  a1.insert(a1.end(), {"--rank", "1"});
+  a0.insert(a0.end(), {"--rank", "0"});
+  auto rank1 = Subprocess::Spawn(a1, {.stdout_path = dir + "rank1.out",
+                                      .stderr_path = dir + "rank1.err"});
   ASSERT_TRUE(rank1.ok()) << rank1.status();
-  auto rank0 = RunCommand(
-      {train, "--job", job, "--rank", "0", "--world", "2", "--file-store", store},
-      "", absl::Seconds(300));
+  auto rank0 = RunCommand(a0, "", absl::Seconds(300));
   ASSERT_TRUE(rank0.ok()) << rank0.status();
   auto code1 = (*rank1)->Wait();
   ASSERT_TRUE(code1.ok()) << code1.status();
@@ -260,6 +273,39 @@ TEST(CudaTrainerTest, ContextParallelTwoProcessesTrackOneRank) {
   ASSERT_EQ(ref->losses.size(), static_cast<size_t>(steps));
   for (int64_t i = 0; i < steps; ++i)
     EXPECT_NEAR(cp[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
+}
+
+// With a GPU per rank the trainer's collectives run on NCCL (gradient sum in place on the device,
+// CP's all-to-alls on device buffers): dp = 2 and cp = 2 track one rank as over Gloo.
+TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {
+  SPINDLE_REQUIRE_GPU();
+  int gpus = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpus << " visible";
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  const int64_t steps = 6;
+  for (const char* kind : {"dp", "cp"}) {
+    SCOPED_TRACE(kind);
+    JobSpec spec = TinyJob(steps, /*seq_len=*/512, /*gap=*/128);
+    JobSpec one = spec;
+    if (std::string(kind) == "dp") {
+      spec.parallel.dp = 2;
+      one.train.micro_batches = 2;
+    } else {
+      spec.parallel.cp = 2;
+    }
+    std::string out;
+    RunTwoRanks(spec, &out, /*own_gpus=*/true);
+    if (::testing::Test::HasFatalFailure()) return;
+    EXPECT_NE(out.find("\"collectives\":\"nccl\""), std::string::npos) << out;
+    const std::vector<double> got = StepLosses(out);
+    ASSERT_EQ(got.size(), static_cast<size_t>(steps)) << out;
+    auto ref = Train(one);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ASSERT_EQ(ref->losses.size(), static_cast<size_t>(steps));
+    for (int64_t i = 0; i < steps; ++i)
+      EXPECT_NEAR(got[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
+  }
 }
 
 // Refused before any GPU work: runs without a GPU too.

@@ -115,6 +115,15 @@ class CpuDeviceBackend final : public StepBackend {
     steps_ = steps;
     return absl::OkStatus();
   }
+  // No device communicators: the trainer falls back to Gloo through host copies.
+  std::string DeviceId() override { return ""; }
+  absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
+      KvStore&, const std::string&, int, int, absl::Duration) override {
+    return absl::UnimplementedError("stand-in: no device communicators");
+  }
+  absl::Status AllReduceGrads(Communicator&) override {
+    return absl::UnimplementedError("stand-in: no device communicators");
+  }
   nlohmann::json StepEventFields() override {
     return {{"mem_allocated_bytes", 1}, {"mem_reserved_bytes", 2}, {"mem_peak_bytes", 3}};
   }

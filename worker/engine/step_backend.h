@@ -14,17 +14,25 @@
 // to SetCp(), and feeds the rank's share of each sequence through the CpBatch forms; losses and
 // gradients are the rank's part, summed over the world by the trainer on the host. A backend that
 // does not run CP refuses it in its factory (before any device work or rendezvous) and in SetCp().
-// At cp = 1 the trainer uses the whole-sequence forms only. Not thread-safe.
+// At cp = 1 the trainer uses the whole-sequence forms only.
+//
+// Device collectives: when every rank of the world reports a DeviceId() of its own (no two ranks
+// share a GPU, and the build has NCCL), the trainer builds its data- and context-parallel
+// collectives with CreateDeviceCommunicator() instead of Gloo: the gradient sum runs in place on
+// the device (AllReduceGrads), and CP's all-to-alls on device buffers. Not thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "nlohmann/json.hpp"
 #include "worker/engine/batch.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
 #include "worker/engine/params.h"
 #include "worker/engine/tensor.h"
@@ -72,6 +80,16 @@ class StepBackend {
 
   // Fields added to every step event (device memory: "mem_allocated_bytes", ...).
   virtual nlohmann::json StepEventFields() = 0;
+
+  // The identity of this rank's device (a GPU's UUID) when the backend can build device
+  // communicators, else "" (the trainer then uses Gloo through host copies).
+  virtual std::string DeviceId() = 0;
+  // Joins `size` ranks calling this with the same `prefix` over `store` in a communicator over
+  // this backend's device buffers; `timeout` bounds the rendezvous and each collective.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
+      KvStore& store, const std::string& prefix, int rank, int size, absl::Duration timeout) = 0;
+  // Sums the device gradients over `comm` (from CreateDeviceCommunicator) in place.
+  virtual absl::Status AllReduceGrads(Communicator& comm) = 0;
 };
 
 // Builds a backend holding a model initialised from `seed` exactly as Model::Create does, for a

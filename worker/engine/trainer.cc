@@ -67,8 +67,26 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
   if (on_device) {
-    if (t->cp_ > 1)
-      RETURN_IF_ERROR(t->backend_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla}));
+    if (o.world > 1) {
+      ASSIGN_OR_RETURN(const bool own, t->RanksHaveOwnDevices());
+      if (own) {
+        const int rank = static_cast<int>(o.rank), world = static_cast<int>(o.world);
+        ASSIGN_OR_RETURN(t->device_world_comm_, t->backend_->CreateDeviceCommunicator(
+                                                    *o.store, "world/device", rank, world,
+                                                    o.gloo.timeout));
+        if (t->cp_ > 1) {
+          ASSIGN_OR_RETURN(t->device_cp_comm_,
+                           t->backend_->CreateDeviceCommunicator(
+                               *o.store, absl::StrCat("cp", t->dp_rank_, "/device"),
+                               static_cast<int>(t->cp_rank_), static_cast<int>(t->cp_),
+                               o.gloo.timeout));
+        }
+      }
+    }
+    if (t->cp_ > 1) {
+      Communicator* cp = t->device_cp_comm_ ? t->device_cp_comm_.get() : t->cp_comm_.get();
+      RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla}));
+    }
   } else {
     ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
     t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
@@ -109,6 +127,25 @@ absl::Status Trainer::AgreeOnResume() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Trainer::RanksHaveOwnDevices() {
+  constexpr int64_t kIdBytes = 64;
+  const std::string id = backend_->DeviceId();
+  std::vector<char> mine(kIdBytes, 0), all(kIdBytes * opt_.world, 0);
+  std::copy_n(id.begin(), std::min<int64_t>(kIdBytes, static_cast<int64_t>(id.size())),
+              mine.begin());
+  RETURN_IF_ERROR(
+      world_comm_->AllGather(mine.data(), kIdBytes, CommType::kByte, all.data(), CommLayer::kOther));
+  world_comm_->TakeStats();
+  std::vector<std::string> ids;
+  for (int64_t r = 0; r < opt_.world; ++r) {
+    const char* p = all.data() + r * kIdBytes;
+    ids.emplace_back(p, std::find(p, p + kIdBytes, '\0'));
+    if (ids.back().empty()) return false;  // some rank cannot build device communicators
+  }
+  std::sort(ids.begin(), ids.end());
+  return std::adjacent_find(ids.begin(), ids.end()) == ids.end();
+}
+
 void Trainer::Emit(nlohmann::json event) {
   if (opt_.on_event) opt_.on_event(event);
 }
@@ -122,7 +159,10 @@ absl::Status Trainer::Run() {
         {"resumed_from_step", state_.step},
         {"total_steps", spec.train.steps},
         {"params", spec.model.NumParams()},
-        {"seq_len", spec.seq_len}});
+        {"seq_len", spec.seq_len},
+        {"collectives", device_world_comm_ ? device_world_comm_->backend()
+                        : world_comm_     ? world_comm_->backend()
+                                          : "none"}});
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
     RETURN_IF_ERROR(Step());
@@ -207,8 +247,9 @@ absl::Status Trainer::Step() {
 
 // The CPU step's arithmetic on the backend: every rank's gradients are those of
 // (1 / the world's valid targets) x its loss sum (over its CP share of each sequence when cp > 1),
-// summed over the world on the host; the norm of the sum decides the clip factor, which AdamW
-// applies to the gradients before its update. At cp = 1 the whole-sequence forms run.
+// summed over the world (in place on the device with device communicators, else on the host);
+// the norm of the sum decides the clip factor, which AdamW applies to the gradients before its
+// update. At cp = 1 the whole-sequence forms run.
 absl::Status Trainer::DeviceStep() {
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
@@ -239,13 +280,16 @@ absl::Status Trainer::DeviceStep() {
                                           : backend_->ForwardBackward(batches[m], grad_scale, rc));
     counts[0] += s.loss_sum;
   }
-  if (world_comm_) {
+  if (device_world_comm_) {
+    RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_));
+  } else if (world_comm_) {
     Tensor& g = backend_->host_params().flat_grad();
     RETURN_IF_ERROR(backend_->DownloadGrads());
     RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad));
     RETURN_IF_ERROR(backend_->UploadGrads());
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
   }
+  if (world_comm_)
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
   const double loss = n_valid > 0 ? counts[0] / n_valid : 0.0;
   if (!std::isfinite(loss))
     return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
@@ -268,7 +312,8 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   elapsed_s_ += dt;
   const double tokens = static_cast<double>(spec.seq_len * mb * spec.parallel.dp);
   nlohmann::json comm = nlohmann::json::array();
-  for (Communicator* c : {world_comm_.get(), cp_comm_.get()}) {
+  for (Communicator* c :
+       {world_comm_.get(), cp_comm_.get(), device_world_comm_.get(), device_cp_comm_.get()}) {
     if (!c) continue;
     for (const auto& [key, amount] : c->TakeStats())
       comm.push_back({{"collective", CollectiveName(key.first)},

@@ -99,11 +99,16 @@ class Trainer {
   void Emit(nlohmann::json event);
 
   absl::Status AgreeOnResume();
+  // Device jobs with world > 1: whether every rank has a device of its own that the backend can
+  // build communicators on (DeviceIds gathered over the Gloo world).
+  absl::StatusOr<bool> RanksHaveOwnDevices();
 
   TrainerOptions opt_;
   int64_t cp_ = 1, dp_ = 1, cp_rank_ = 0, dp_rank_ = 0;
   CpModes modes_;
-  std::unique_ptr<Communicator> world_comm_, cp_comm_;
+  // Gloo: the world (scalars, broadcasts, and the gradient sum of host copies) and the CP group.
+  // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP.
+  std::unique_ptr<Communicator> world_comm_, cp_comm_, device_world_comm_, device_cp_comm_;
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<Model> model_;          // resources "cpu"

@@ -9,6 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "worker/engine/cuda/cuda_model.h"
+#ifdef SPINDLE_HAVE_NCCL
+#include "worker/engine/comm/nccl_communicator.h"
+#endif
 
 namespace spindle {
 namespace {
@@ -51,6 +54,38 @@ class CudaStepBackend final : public StepBackend {
 
   // Everything this trainer holds on the device: the fixed buffers (weights, bf16 copies,
   // gradients, moments) plus the activation allocator's figures.
+  std::string DeviceId() override {
+#ifdef SPINDLE_HAVE_NCCL
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "";
+    }
+    std::string id = "gpu-";
+    for (unsigned char b : prop.uuid.bytes) absl::StrAppend(&id, absl::Hex(b, absl::kZeroPad2));
+    return id;
+#else
+    return "";  // no NCCL in this build: Gloo through host copies
+#endif
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
+      KvStore& store, const std::string& prefix, int rank, int size,
+      absl::Duration timeout) override {
+#ifdef SPINDLE_HAVE_NCCL
+    return CreateNcclCommunicator(store, prefix, rank, size, /*device=*/0, timeout);
+#else
+    return absl::UnimplementedError("trainer: this build has no NCCL");
+#endif
+  }
+  absl::Status AllReduceGrads(Communicator& comm) override {
+    // The communicator runs on its own stream: the backward must be done first.
+    if (const cudaError_t e = cudaStreamSynchronize(m_->stream()); e != cudaSuccess)
+      return absl::InternalError(
+          absl::StrCat("trainer: cudaStreamSynchronize: ", cudaGetErrorString(e)));
+    return comm.AllReduceSum(m_->device_grads(), m_->host_params().numel(), CommType::kF32,
+                             CommLayer::kGrad);
+  }
+
   nlohmann::json StepEventFields() override {
     const DeviceMemory mem = m_->memory();
     return {{"mem_allocated_bytes", mem.fixed + mem.allocated},
