@@ -9,7 +9,7 @@
 // GradSquaredNorm, AdamWStep, stream sync. Steps start together (a host barrier) and a step's
 // time is the longest rank's; the table gives the median of the timed steps after the warm-up.
 // Grad scale is 1 / (valid targets of the whole sequence), so cp = N sums to cp = 1's gradient
-// and the last step's loss of every row should agree (a cheap check that the ranks did the same
+// and the first step's loss of every row should agree (a cheap check that the ranks did the same
 // training). The cp = 1 row has no all-reduce (it has no group).
 //
 // Failures. Each configuration's ranks share an abort flag; a rank that fails records its error
@@ -167,7 +167,8 @@ class RunControl {
 struct RankResult {
   absl::Status status;
   std::vector<double> step_s;  // every step, warm-up included
-  double loss_sum = 0.0;       // last step
+  double first_loss_sum = 0.0;  // first step (before any update)
+  double loss_sum = 0.0;        // last step
   int64_t n_valid = 0;
   DeviceMemory mem;
   double a2a_s = 0.0, grad_s = 0.0;  // communicator seconds over the timed steps
@@ -178,7 +179,7 @@ struct RunResult {
   bool ok = false;
   std::string error;  // the first failing rank's status
   double step_s = 0.0;
-  double loss = 0.0;
+  double first_loss = 0.0, loss = 0.0;
   int64_t peak_act = 0, fixed = 0, device_used = 0;  // max over ranks
   double a2a_s = 0.0, grad_s = 0.0;                  // per timed step, max over ranks
   double a2a_gb = 0.0, grad_gb = 0.0;                // sent per rank per timed step
@@ -244,6 +245,7 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
     if (!norm.ok()) return norm.status();
     BENCH_RETURN_IF_ERROR(m.AdamWStep(spec, 1e-4, 1.0f));
     BENCH_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(m.stream()), "cudaStreamSynchronize"));
+    if (res.step_s.empty()) res.first_loss_sum = ls->loss_sum;
     res.loss_sum = ls->loss_sum;
     res.n_valid = ls->n_valid;
     if (!ctl.Arrive()) return absl::CancelledError("another rank failed");
@@ -315,10 +317,11 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
     timed.push_back(worst);
   }
   out.step_s = Median(timed);
-  double loss_sum = 0.0;
+  double first_loss_sum = 0.0, loss_sum = 0.0;
   int64_t n_valid = 0;
   for (int r = 0; r < cp; ++r) {
     const RankResult& x = res[r];
+    first_loss_sum += x.first_loss_sum;
     loss_sum += x.loss_sum;
     n_valid += x.n_valid;
     out.peak_act = std::max(out.peak_act, x.mem.peak_allocated);
@@ -329,6 +332,7 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
     out.a2a_gb = std::max(out.a2a_gb, x.a2a_bytes / 1e9 / opt.steps);
     out.grad_gb = std::max(out.grad_gb, x.grad_bytes / 1e9 / opt.steps);
   }
+  out.first_loss = first_loss_sum / static_cast<double>(std::max<int64_t>(1, n_valid));
   out.loss = loss_sum / static_cast<double>(std::max<int64_t>(1, n_valid));
   return out;
 }
@@ -389,7 +393,7 @@ int Run(const Options& opt) {
               nvls ? nvls : "(unset)");
   std::printf("| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
               "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | all-to-all s/step | "
-              "grad all-reduce s/step | all-to-all GB/step/rank | loss (last step) |\n"
+              "grad all-reduce s/step | all-to-all GB/step/rank | loss (first / last step) |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
@@ -418,9 +422,10 @@ int Run(const Options& opt) {
     };
     const std::string a2a = comm_col(r.a2a_s), grad = comm_col(r.grad_s),
                       a2a_gb = comm_col(r.a2a_gb);
-    std::printf("| %d | %d | %.3f | %.0f | %.0f | %s | %.2f | %.2f | %.2f | %s | %s | %s | %.4f |\n",
-                cp, cp, r.step_s, tps, tps / cp, eff.c_str(), Gib(r.peak_act), Gib(r.fixed),
-                Gib(r.device_used), a2a.c_str(), grad.c_str(), a2a_gb.c_str(), r.loss);
+    std::printf(
+        "| %d | %d | %.3f | %.0f | %.0f | %s | %.2f | %.2f | %.2f | %s | %s | %s | %.4f / %.4f |\n",
+        cp, cp, r.step_s, tps, tps / cp, eff.c_str(), Gib(r.peak_act), Gib(r.fixed),
+        Gib(r.device_used), a2a.c_str(), grad.c_str(), a2a_gb.c_str(), r.first_loss, r.loss);
     std::fflush(stdout);
   }
   std::printf(
@@ -430,7 +435,9 @@ int Run(const Options& opt) {
       "device_grads()); cp = 1 has none. Communicator seconds are the collectives' time on the "
       "communicator thread (waiting for slower peers included), max over ranks. Memory: "
       "CudaModel::memory() at the end, max over ranks (device used counts NCCL's buffers too). "
-      "The last step's loss should agree across rows (same data, seed and summed gradients).\n");
+      "The first step's loss (before any update) should agree across rows to bf16 rounding (same "
+      "data, seed and summed gradients); the last may drift further, since AdamW's first steps "
+      "magnify small gradient differences.\n");
   return failed ? 1 : refused ? 2 : 0;
 }
 
