@@ -223,56 +223,61 @@ void RunTwoRanks(const JobSpec& spec, std::string* stdout_text, bool own_gpus = 
   *stdout_text = rank0->stdout_text;
 }
 
-TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
-  SPINDLE_REQUIRE_GPU();
-  const std::string train = TrainBinary();
-  if (train.empty()) GTEST_SKIP() << "spindle-train is not built";
-  const int64_t steps = 6;
-  JobSpec spec = TinyJob(steps, /*seq_len=*/512, /*gap=*/128);
-  // Rank r of dp = 2 takes sequence 2s + r at step s; one rank with two micro-batches the same two.
-  spec.parallel.dp = 2;
-  std::string out;
-  RunTwoRanks(spec, &out);
+// Runs `spec`'s two ranks (RunTwoRanks) and `one`, the same training on one rank, in this
+// process: the step losses agree to bf16 rounding, the first one (before any update) to
+// first_rel. *out: rank 0's output.
+void ExpectTwoRanksTrackOneRank(const JobSpec& spec, const JobSpec& one, bool own_gpus,
+                                double first_rel, std::string* out) {
+  RunTwoRanks(spec, out, own_gpus);
   if (::testing::Test::HasFatalFailure()) return;
-  const std::vector<double> dp = StepLosses(out);
-  ASSERT_EQ(dp.size(), static_cast<size_t>(steps)) << out;
-
-  JobSpec one = spec;
-  one.parallel.dp = 1;
-  one.train.micro_batches = 2;
+  const std::vector<double> got = StepLosses(*out);
+  const auto steps = static_cast<size_t>(spec.train.steps);
+  ASSERT_EQ(got.size(), steps) << *out;
   auto ref = Train(one);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  ASSERT_EQ(ref->losses.size(), static_cast<size_t>(steps));
-  EXPECT_NEAR(dp[0], ref->losses[0], 1e-6 * ref->losses[0]);
-  for (int64_t i = 0; i < steps; ++i)
-    EXPECT_NEAR(dp[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
+  ASSERT_EQ(ref->losses.size(), steps);
+  EXPECT_NEAR(got[0], ref->losses[0], first_rel * ref->losses[0]);
+  for (size_t i = 0; i < steps; ++i)
+    EXPECT_NEAR(got[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
+}
+
+// Rank r of dp = 2 takes sequence 2s + r at step s; one rank with two micro-batches the same two.
+void DataParallelJobs(JobSpec* spec, JobSpec* one) {
+  *spec = TinyJob(6, /*seq_len=*/512, /*gap=*/128);
+  spec->parallel.dp = 2;
+  *one = *spec;
+  one->parallel.dp = 1;
+  one->train.micro_batches = 2;
+}
+
+// cp = 2 and cp = 1 see the same sequences.
+void ContextParallelJobs(JobSpec* spec, JobSpec* one) {
+  *spec = TinyJob(6, /*seq_len=*/512, /*gap=*/128);
+  spec->parallel.cp = 2;
+  *one = *spec;
+  one->parallel.cp = 1;
+}
+
+TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
+  SPINDLE_REQUIRE_GPU();
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  JobSpec spec, one;
+  DataParallelJobs(&spec, &one);
+  std::string out;
+  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 1e-6, &out);
 }
 
 // Context parallelism over two processes sharing the GPU (All2All for both layer types, Gloo
-// through pinned host copies): the same sequences at cp = 2 as at cp = 1, so the losses agree to
-// bf16 rounding.
+// through pinned host copies).
 TEST(CudaTrainerTest, ContextParallelTwoProcessesTrackOneRank) {
   SPINDLE_REQUIRE_GPU();
-  const std::string train = TrainBinary();
-  if (train.empty()) GTEST_SKIP() << "spindle-train is not built";
-  const int64_t steps = 6;
-  JobSpec spec = TinyJob(steps, /*seq_len=*/512, /*gap=*/128);
-  spec.parallel.cp = 2;
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  JobSpec spec, one;
+  ContextParallelJobs(&spec, &one);
   std::string out;
-  RunTwoRanks(spec, &out);
-  if (::testing::Test::HasFatalFailure()) return;
-  const std::vector<double> cp = StepLosses(out);
-  ASSERT_EQ(cp.size(), static_cast<size_t>(steps)) << out;
+  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_NE(out.find("\"all_to_all\""), std::string::npos)
       << "no all-to-all in the step events: " << out;
-
-  JobSpec one = spec;
-  one.parallel.cp = 1;
-  auto ref = Train(one);
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  ASSERT_EQ(ref->losses.size(), static_cast<size_t>(steps));
-  for (int64_t i = 0; i < steps; ++i)
-    EXPECT_NEAR(cp[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
 }
 
 // With a GPU per rank the trainer's collectives run on NCCL (gradient sum in place on the device,
@@ -283,28 +288,13 @@ TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {
   ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
   if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpus << " visible";
   if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
-  const int64_t steps = 6;
-  for (const char* kind : {"dp", "cp"}) {
-    SCOPED_TRACE(kind);
-    JobSpec spec = TinyJob(steps, /*seq_len=*/512, /*gap=*/128);
-    JobSpec one = spec;
-    if (std::string(kind) == "dp") {
-      spec.parallel.dp = 2;
-      one.train.micro_batches = 2;
-    } else {
-      spec.parallel.cp = 2;
-    }
+  for (bool dp : {true, false}) {
+    SCOPED_TRACE(dp ? "dp = 2" : "cp = 2");
+    JobSpec spec, one;
+    (dp ? DataParallelJobs : ContextParallelJobs)(&spec, &one);
     std::string out;
-    RunTwoRanks(spec, &out, /*own_gpus=*/true);
-    if (::testing::Test::HasFatalFailure()) return;
+    ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/true, dp ? 1e-6 : 2e-3, &out);
     EXPECT_NE(out.find("\"collectives\":\"nccl\""), std::string::npos) << out;
-    const std::vector<double> got = StepLosses(out);
-    ASSERT_EQ(got.size(), static_cast<size_t>(steps)) << out;
-    auto ref = Train(one);
-    ASSERT_TRUE(ref.ok()) << ref.status();
-    ASSERT_EQ(ref->losses.size(), static_cast<size_t>(steps));
-    for (int64_t i = 0; i < steps; ++i)
-      EXPECT_NEAR(got[i], ref->losses[i], 2e-3 * ref->losses[i]) << "step " << i + 1;
   }
 }
 
