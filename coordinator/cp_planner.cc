@@ -125,13 +125,20 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
                                    m.n_heads, &plan.problems));
 
   if (cp > 1 && spec.resources == "cuda") {
-    // The CUDA engine runs CP in the all2all mode only.
+    // The CUDA engine runs all2all for both layer types, and allgather for Lightning layers of
+    // head size 64 or 128 (its carry-correction kernels' sizes); MLA's allgather is not built.
+    const int64_t head_dim = m.head_dim();
     for (const LayerModePlan& l : plan.layers) {
       if (l.num_layers == 0 || l.mode != CpMode::kAllGather) continue;
+      const bool lightning = l.layer_type == "lightning";
+      if (lightning && (head_dim == 64 || head_dim == 128)) continue;
       plan.problems.push_back(absl::StrCat(
-          "parallel.", l.layer_type, "_mode: allgather (", l.reason,
-          ") is not built on resources \"cuda\" yet: use a cp that divides n_heads=", m.n_heads,
-          " (all2all), or resources \"cpu\""));
+          "parallel.", l.layer_type, "_mode: allgather (", l.reason, ") ",
+          lightning ? absl::StrCat("needs a head size of 64 or 128 on resources \"cuda\" (this "
+                                   "model's is ",
+                                   head_dim, ")")
+                    : "is not built on resources \"cuda\" yet",
+          ": use a cp that divides n_heads=", m.n_heads, " (all2all), or resources \"cpu\""));
     }
   }
   if (cp > 1) {

@@ -3,7 +3,9 @@
 // on one GPU (cp = 1, the whole sequence, no communicator), then for each cp = N of --cp that the
 // visible GPUs allow, as N ranks that are threads of this process, rank r on GPU r with its own
 // CudaModel and its own NCCL communicator (bootstrapped over an in-process MemoryKvStore), set as
-// the model's CP group with All2All for both layer types. A step on every rank: ZeroGrads,
+// the model's CP group with All2All for MLA and --lightning_mode for Lightning (all2all, the
+// planner's default while cp <= n_heads, or allgather: chunk states gathered and scanned). A step
+// on every rank: ZeroGrads,
 // ForwardBackward on the rank's zigzag share (ShardForCp), the all-reduce of the gradients over
 // the group (the trainer's job, done here on device_grads() with the same NCCL communicator),
 // GradSquaredNorm, AdamWStep, stream sync. Steps start together (a host barrier) and a step's
@@ -25,7 +27,7 @@
 // (n_heads or T not divisible by it; the other cp values still run).
 //
 // Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--warmup 2]
-//                      [--steps 5] [--doc 0] [--timeout 120]
+//                      [--steps 5] [--doc 0] [--timeout 120] [--lightning_mode all2all]
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).
 #include <cuda_runtime.h>
 
@@ -65,6 +67,7 @@ struct Options {
   int64_t doc = 0;
   int timeout_s = 120;
   uint64_t seed = 1;
+  CpMode lightning = CpMode::kAll2All;
 };
 
 double Gib(int64_t b) { return static_cast<double>(b) / (1 << 30); }
@@ -215,7 +218,7 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
   CudaModel& m = *model;
   CpBatch share;
   if (cp > 1) {
-    BENCH_RETURN_IF_ERROR(m.SetCp({comm.get(), CpMode::kAll2All, CpMode::kAll2All}));
+    BENCH_RETURN_IF_ERROR(m.SetCp({comm.get(), opt.lightning, CpMode::kAll2All}));
     auto s = ShardForCp(full, cp, rank);
     if (!s.ok()) return s.status();
     share = std::move(*s);
@@ -255,7 +258,7 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
   res.mem = m.memory();
   if (comm) {
     for (const auto& [key, amount] : comm->TakeStats()) {
-      if (key.first == Collective::kAllToAll) {
+      if (key.second != CommLayer::kGrad) {  // CP: all-to-alls, or AllGather's state gathers
         res.a2a_s += amount.seconds;
         res.a2a_bytes += amount.bytes;
       } else if (key.first == Collective::kAllReduce && key.second == CommLayer::kGrad) {
@@ -358,7 +361,7 @@ int Run(const Options& opt) {
       std::printf("# cp=%d skipped: needs %d GPUs (one rank per GPU), %d visible\n", cp, cp, gpus);
       continue;
     }
-    if (auto modes = ResolveCpModes(cp, config->n_heads, CpMode::kAll2All, CpMode::kAll2All);
+    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, CpMode::kAll2All);
         !modes.ok()) {
       std::fprintf(stderr, "bench_cp_cuda: cp=%d refused: %s\n", cp,
                    std::string(modes.status().message()).c_str());
@@ -386,14 +389,15 @@ int Run(const Options& opt) {
       opt.doc > 0 ? absl::StrCat("documents of ~", opt.doc, " tokens") : "one document";
   const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
   std::printf("# %s x %d visible, preset %s (%.0fM parameters, %lld heads), T=%lld (%s), "
-              "recompute %d, median of %d steps after %d warm-up, NCCL_NVLS_ENABLE=%s\n",
+              "recompute %d, Lightning %s, median of %d steps after %d warm-up, "
+              "NCCL_NVLS_ENABLE=%s\n",
               prop.name, gpus, opt.preset.c_str(), config->NumParams() / 1e6,
               static_cast<long long>(config->n_heads), static_cast<long long>(opt.T),
-              docs.c_str(), opt.recompute ? 1 : 0, opt.steps, opt.warmup,
-              nvls ? nvls : "(unset)");
+              docs.c_str(), opt.recompute ? 1 : 0, std::string(CpModeName(opt.lightning)).c_str(),
+              opt.steps, opt.warmup, nvls ? nvls : "(unset)");
   std::printf("| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
-              "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | all-to-all s/step | "
-              "grad all-reduce s/step | all-to-all GB/step/rank | loss (first / last step) |\n"
+              "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | CP comm s/step | "
+              "grad all-reduce s/step | CP comm GB/step/rank | loss (first / last step) |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
@@ -433,7 +437,8 @@ int Run(const Options& opt) {
       "AdamW; tokens/s counts the whole sequence (T) per step. Scaling eff = t_1 / (cp * t_cp). "
       "cp > 1 steps include the gradient all-reduce over the group (NCCL, fp32, on "
       "device_grads()); cp = 1 has none. Communicator seconds are the collectives' time on the "
-      "communicator thread (waiting for slower peers included), max over ranks. Memory: "
+      "communicator thread (waiting for slower peers included), max over ranks; CP comm is the "
+      "layers' collectives (all-to-alls, and Lightning AllGather's state gathers). Memory: "
       "CudaModel::memory() at the end, max over ranks (device used counts NCCL's buffers too). "
       "The first step's loss (before any update) should agree across rows to bf16 rounding (same "
       "data, seed and summed gradients); the last may drift further, since AdamW's first steps "
@@ -497,6 +502,9 @@ int main(int argc, char** argv) {
     } else if (k == "--timeout") {
       ok = spindle::ParseInt64(v, 1, &n) && n <= 86400;
       opt.timeout_s = static_cast<int>(n);
+    } else if (k == "--lightning_mode") {
+      ok = v == "all2all" || v == "allgather";
+      opt.lightning = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
     } else {
       std::fprintf(stderr, "bench_cp_cuda: unknown flag %s\n", k.c_str());
       return 2;

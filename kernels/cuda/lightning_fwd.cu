@@ -130,10 +130,14 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   return LaunchSweep(static_cast<int>(Dh), false, false, sa, stream);
 }
 
+bool LightningCarrySupportsHeadDim(int64_t Dh) { return Dh == 64 || Dh == 128; }
+
 Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
                                 float scale, const LightningDims& dims, int64_t n_tokens,
                                 void* out, DType dtype, cudaStream_t stream) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, q, out, dims, dtype, "LightningCarryCorrection"));
+  SPINDLE_CHECK_ARG(LightningCarrySupportsHeadDim(dims.Dh),
+                    "LightningCarryCorrection: Dh must be 64 or 128");
   SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T, "LightningCarryCorrection: n_tokens");
   if (n_tokens == 0) return Status::Ok();
   CarryArgs a{};
@@ -150,6 +154,8 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
                                         Workspace ws, cudaStream_t stream,
                                         const LightningConfig& config) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, dout, dq, dims, dtype, "LightningCarryCorrectionBackward"));
+  SPINDLE_CHECK_ARG(LightningCarrySupportsHeadDim(dims.Dh),
+                    "LightningCarryCorrectionBackward: Dh must be 64 or 128");
   SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T,
                     "LightningCarryCorrectionBackward: n_tokens");
   if (n_tokens == 0) return Status::Ok();

@@ -57,7 +57,7 @@ TEST(CpPlannerTest, ForcedModeIsKeptAndMarked) {
   EXPECT_EQ(p.layers[1].reason, "forced by the spec (parallel.mla_mode = allgather)");
 }
 
-TEST(CpPlannerTest, CpOnCudaRunsAll2AllAndRefusesAllGather) {
+TEST(CpPlannerTest, CpOnCudaRunsAll2AllAndLightningAllGatherOnly) {
   JobSpec s = Spec(2, 4, 1024);
   s.resources = "cuda";
   CpPlan p = CpPlanner().Plan(s, 0);
@@ -69,9 +69,9 @@ TEST(CpPlannerTest, CpOnCudaRunsAll2AllAndRefusesAllGather) {
   p = CpPlanner().Plan(s, 0);
   ASSERT_EQ(p.problems.size(), 2u);
   EXPECT_EQ(p.problems[0],
-            "parallel.lightning_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) is "
-            "not built on resources \"cuda\" yet: use a cp that divides n_heads=4 (all2all), or "
-            "resources \"cpu\"");
+            "parallel.lightning_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) "
+            "needs a head size of 64 or 128 on resources \"cuda\" (this model's is 16): use a cp "
+            "that divides n_heads=4 (all2all), or resources \"cpu\"");
   EXPECT_EQ(p.problems[1],
             "parallel.mla_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) is not "
             "built on resources \"cuda\" yet: use a cp that divides n_heads=4 (all2all), or "
@@ -87,6 +87,20 @@ TEST(CpPlannerTest, CpOnCudaRunsAll2AllAndRefusesAllGather) {
             "resources \"cpu\"");
   s.resources = "cpu";
   EXPECT_TRUE(CpPlanner().Plan(s, 0).ok());
+
+  // Head size 64: Lightning's allgather runs on CUDA, forced or because cp > n_heads.
+  s = Spec(2, 4, 1024);
+  s.resources = "cuda";
+  s.model.d_model = 256;
+  s.parallel.lightning_mode = CpMode::kAllGather;
+  p = CpPlanner().Plan(s, 0);
+  EXPECT_TRUE(p.ok()) << (p.problems.empty() ? "" : p.problems[0]);
+  EXPECT_EQ(p.ModeOf("lightning"), CpMode::kAllGather);
+  s.parallel.lightning_mode = CpMode::kAuto;
+  s.parallel.cp = 8;
+  p = CpPlanner().Plan(s, 0);
+  ASSERT_EQ(p.problems.size(), 1u);  // MLA's only
+  EXPECT_EQ(p.problems[0].rfind("parallel.mla_mode: allgather", 0), 0u) << p.problems[0];
 }
 
 TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {

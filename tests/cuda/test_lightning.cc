@@ -219,6 +219,14 @@ TEST_F(Lightning, UnsupportedHeadSizeAndDtypeAreNamed) {
   s = LightningForward(buf.get(), buf.get(), buf.get(), nullptr, nullptr, 1, nullptr, 1.0f, d,
                        buf.get(), nullptr, DType::kFloat32, {}, 0);
   EXPECT_NE(s.message().find("unsupported dtype 'float32'"), std::string::npos) << s.message();
+  // The CP carry correction runs on the tensor-core sizes only (the token path has none).
+  d.Dh = 32;
+  EXPECT_FALSE(LightningCarrySupportsHeadDim(32));
+  s = LightningCarryCorrection(buf.get(), nullptr, nullptr, 1.0f, d, 8, buf.get(), kBf16, 0);
+  EXPECT_NE(s.message().find("Dh must be 64 or 128"), std::string::npos) << s.message();
+  s = LightningCarryCorrectionBackward(buf.get(), nullptr, nullptr, 1.0f, d, 8, buf.get(),
+                                       buf.get(), nullptr, kBf16, {}, 0);
+  EXPECT_NE(s.message().find("Dh must be 64 or 128"), std::string::npos) << s.message();
 }
 
 TEST_F(Lightning, CpStateScanAndBackwardMatchLoop) {

@@ -310,7 +310,7 @@ TEST(CudaTrainerTest, CpThatAll2AllCannotRunAndSgdAreRefusedAtCreate) {
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.status().message(),
-            "trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (only the all2all mode is "
+            "trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (MLA's allgather mode is not "
             "built on CUDA; use a cp that divides 4, or resources \"cpu\")");
   struct stat st;
   EXPECT_NE(stat(o.checkpoint_dir.c_str(), &st), 0);

@@ -2,8 +2,8 @@
 // out-of-vocabulary data, corrupt or mismatched checkpoint, unknown flag) ends with exit code 2,
 // exactly one line on stderr naming the problem, and nothing written to the checkpoint directory.
 // Jobs with resources "cuda" run only where they can: without the CUDA engine, or at a cp > 1 that
-// does not divide n_heads (only all2all is built on CUDA), they are rejected the same way; on a
-// CUDA build without a GPU they fail with one line (exit 1).
+// does not divide n_heads (MLA has no allgather mode on CUDA), they are rejected the same way; on
+// a CUDA build without a GPU they fail with one line (exit 1).
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -120,12 +120,12 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
         "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
         "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
   };
-  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run.
+  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run for MLA.
   CommandResult cp3 = Run({"--job", cuda_job(3), "--rank", "0", "--world", "3", "--file-store",
                            dir_ + "/store"});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (only "
-                      "the all2all mode is built on CUDA; use a cp that divides 4, or resources "
+  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (MLA's "
+                      "allgather mode is not built on CUDA; use a cp that divides 4, or resources "
                       "\"cpu\")");
 #else
   ExpectRejected(cp3, "spindle-train: trainer: the job asks for resources \"cuda\" but this "

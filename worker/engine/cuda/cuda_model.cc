@@ -113,6 +113,8 @@ struct Cache {
   // [T_full, 3 * H/cp * Dh] (Lightning q | k | v) or [T_full, H/cp * (2 qk + vd)] (MLA Q | K | V),
   // and MLA's head-split output [T_full, H/cp * vd] (its backward reads it).
   DevBuf cp_full, cp_out;
+  // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
+  DevBuf cp_P;
 };
 
 // Gradient scratch shared by every layer's backward.
@@ -123,6 +125,9 @@ struct Work {
   // whole-sequence [T_full, H/cp * width] output or output gradient, and the core's input
   // gradients in cp_full's layout.
   DevBuf cp_send, cp_recv, cp_tmp, cp_dfull;
+  // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
+  // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
+  DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
 };
 
 // The batch on the device.
@@ -134,6 +139,14 @@ struct BatchDev {
   std::vector<int32_t> cu_host;
   int64_t n_valid = 0;
   int64_t cp = 1, rank = 0, T_full = 0, chunk = 0;  // chunk: tokens per zigzag chunk (cp > 1)
+  // Lightning AllGather under CP, per local slot (chunk ChunkOf(rank, slot)): its document starts
+  // relative to its first token (host and device), its stream chunk index, whether its first
+  // token continues an earlier document and, if so, the tokens before its first start; and the
+  // 2cp chunks' b_c flags and lengths for the state scans (device).
+  std::vector<int32_t> piece_cu_host[2], chunk_has_start_host, chunk_len_host;
+  DevBuf piece_cu[2], chunk_has_start, chunk_len;
+  int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0};
+  bool continues[2] = {false, false};
 };
 
 // One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
@@ -266,6 +279,12 @@ struct CudaModel::Impl {
   absl::Status Exchange(int64_t block_elems, CommLayer layer);
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
+  // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
+  bool LightningAllGather() const { return B.cp > 1 && cp.lightning_mode == CpMode::kAllGather; }
+  // send: this rank's two [H, Dh, Dh] fp32 blocks -> W.cp_state_stream: all 2cp in stream order.
+  absl::Status GatherStates(const float* send);
+  absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
   absl::Status MlaCoreForward(Cache& C);
   absl::Status MlaCoreBackward(Cache& C);
 };
@@ -515,7 +534,9 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
     const int64_t Hl = H / B.cp, Tf = B.T_full;
     const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
-    const bool has_l = c.NumLayersOfKind('L') > 0, has_m = c.NumLayersOfKind('M') > 0;
+    // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only).
+    const bool has_l = c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAll2All;
+    const bool has_m = c.NumLayersOfKind('M') > 0;
     if (has_l) need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
     const int64_t in_elems =
         std::max(has_l ? T * 3 * d : int64_t{0}, has_m ? T * H * (2 * qk + vd) : int64_t{0});
@@ -523,16 +544,47 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     for (DevBuf* x : {&W.cp_send, &W.cp_recv, &W.cp_dfull})
       RETURN_IF_ERROR(x->Ensure(&alloc, in_elems * kAb));
     RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
-    if (!cp_device_buffers && cp_host_bytes < in_elems * kAb) {
+    // Lightning AllGather: the pieces' documents, the chunks' flags, the state blocks.
+    const CpLayout& L = *layout;
+    const int64_t n_chunks = 2 * B.cp, SZ = H * Dh * Dh;
+    std::vector<int32_t>& has_start = B.chunk_has_start_host;
+    std::vector<int32_t>& len = B.chunk_len_host;
+    has_start.assign(n_chunks, 0);
+    len.assign(n_chunks, 0);
+    for (int64_t ci = 0; ci < n_chunks; ++ci) {
+      has_start[ci] = L.chunks[ci].has_start ? 1 : 0;
+      len[ci] = static_cast<int32_t>(L.chunks[ci].len);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
+      B.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
+      B.continues[slot] = chunk.continues;
+      B.first_segment[slot] = chunk.first_segment;
+      B.piece_cu_host[slot] = b.pieces[slot].cu_seqlens;
+      RETURN_IF_ERROR(B.piece_cu[slot].Ensure(&alloc, B.piece_cu_host[slot].size() * 4));
+      CUDA(cudaMemcpyAsync(B.piece_cu[slot].get(), B.piece_cu_host[slot].data(),
+                           B.piece_cu_host[slot].size() * 4, cudaMemcpyHostToDevice, stream));
+    }
+    RETURN_IF_ERROR(B.chunk_has_start.Ensure(&alloc, n_chunks * 4));
+    RETURN_IF_ERROR(B.chunk_len.Ensure(&alloc, n_chunks * 4));
+    CUDA(cudaMemcpyAsync(B.chunk_has_start.get(), has_start.data(), n_chunks * 4,
+                         cudaMemcpyHostToDevice, stream));
+    CUDA(cudaMemcpyAsync(B.chunk_len.get(), len.data(), n_chunks * 4, cudaMemcpyHostToDevice,
+                         stream));
+    RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
+    for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
+      RETURN_IF_ERROR(F32(*x, n_chunks * SZ));
+    const int64_t staging = std::max(in_elems * kAb, n_chunks * SZ * 4);
+    if (!cp_device_buffers && cp_host_bytes < staging) {
       // The previous step ended with a stream sync: no copy still reads the old blocks.
       for (void** h : {&cp_host_send, &cp_host_recv}) {
         if (*h) CUDA(cudaFreeHost(*h));
         *h = nullptr;
       }
       cp_host_bytes = 0;
-      CUDA(cudaMallocHost(&cp_host_send, in_elems * kAb));
-      CUDA(cudaMallocHost(&cp_host_recv, in_elems * kAb));
-      cp_host_bytes = in_elems * kAb;
+      CUDA(cudaMallocHost(&cp_host_send, staging));
+      CUDA(cudaMallocHost(&cp_host_recv, staging));
+      cp_host_bytes = staging;
     }
   }
   RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
@@ -550,19 +602,24 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     const char* field;
     CpMode mode;
   };
+  bool all2all = false;
   for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
                         Kind{'M', "mla_mode", cp.mla_mode}}) {
     if (c.NumLayersOfKind(k.kind) == 0) continue;
-    if (k.mode == CpMode::kAllGather)
-      return absl::UnimplementedError(absl::StrCat("cuda model: ", k.field,
-                                                   " allgather is not built on CUDA yet (use "
-                                                   "all2all)"));
-    if (k.mode != CpMode::kAll2All)
+    if (k.mode == CpMode::kAllGather && k.kind == 'M')
+      return absl::UnimplementedError(
+          "cuda model: mla_mode allgather is not built on CUDA yet (use all2all)");
+    if (k.mode == CpMode::kAllGather && !kc::LightningCarrySupportsHeadDim(c.head_dim()))
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda model: lightning_mode allgather on CUDA needs a head size of 64 or 128, not ",
+          c.head_dim(), " (use all2all)"));
+    if (k.mode != CpMode::kAll2All && k.mode != CpMode::kAllGather)
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
-          " must be resolved to a mode (ResolveCpModes) before SetCp; CUDA runs all2all"));
+          " must be resolved to a mode (ResolveCpModes) before SetCp"));
+    all2all |= k.mode == CpMode::kAll2All;
   }
-  if (c.n_heads % n != 0)
+  if (all2all && c.n_heads % n != 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
         n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
@@ -713,6 +770,103 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
       {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
 }
 
+// ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
+
+absl::Status CudaModel::Impl::GatherStates(const float* send) {
+  const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
+  float* recv = W.cp_state_recv.f32();
+  if (cp_device_buffers) {
+    CUDA(cudaStreamSynchronize(stream));  // NCCL runs on its own stream
+    RETURN_IF_ERROR(cp.comm->AllGather(send, n, CommType::kF32, recv, CommLayer::kLightning));
+  } else {
+    const int64_t bytes = n * 4 * B.cp;
+    if (bytes > cp_host_bytes)
+      return absl::InternalError(absl::StrCat("cuda model: a CP state gather of ", bytes,
+                                              " bytes exceeds its ", cp_host_bytes,
+                                              "-byte host staging"));
+    CUDA(cudaMemcpyAsync(cp_host_send, send, n * 4, cudaMemcpyDeviceToHost, stream));
+    CUDA(cudaStreamSynchronize(stream));
+    RETURN_IF_ERROR(
+        cp.comm->AllGather(cp_host_send, n, CommType::kF32, cp_host_recv, CommLayer::kLightning));
+    CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  }
+  // Rank r's block s is chunk ChunkOf(r, s): into stream order.
+  for (int64_t r = 0; r < B.cp; ++r)
+    for (int64_t slot = 0; slot < 2; ++slot) {
+      const int64_t chunk = slot == 0 ? r : 2 * B.cp - 1 - r;
+      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + chunk * SZ, recv + (2 * r + slot) * SZ,
+                           SZ * 4, cudaMemcpyDeviceToDevice, stream));
+    }
+  return absl::OkStatus();
+}
+
+// Each local chunk runs from a zero state (its output and its end state S_c); the 2cp states are
+// gathered and scanned into every chunk's carry-in P_c; a chunk that continues a document adds
+// the carry's part to the tokens before its first document start. P is kept for the backward.
+absl::Status CudaModel::Impl::LightningAllGatherForward(const LayerIdx& L, Cache& C) {
+  const int64_t ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim(), SZ = H * Dh * Dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  RETURN_IF_ERROR(F32(C.cp_P, 2 * SZ));
+  float* S = W.cp_state_send.f32();
+  for (int slot = 0; slot < 2; ++slot) {
+    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
+    KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
+                            static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, nullptr, scale,
+                            {ch, H, Dh, 3 * d}, At(C.o.get(), slot * ch * d), S + slot * SZ, kAct,
+                            Ws(), stream));
+  }
+  RETURN_IF_ERROR(GatherStates(S));
+  KC(kc::LightningStateScan(W.cp_state_stream.f32(), B.chunk_has_start.i32(), B.chunk_len.i32(),
+                            L.log_decay, 2 * B.cp, H, Dh, W.cp_state_scan.f32(), stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    float* P = C.cp_P.f32() + slot * SZ;
+    CUDA(cudaMemcpyAsync(P, W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, SZ * 4,
+                         cudaMemcpyDeviceToDevice, stream));
+    if (!B.continues[slot]) continue;
+    KC(kc::LightningCarryCorrection(At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, P, scale,
+                                    {ch, H, Dh, 3 * d}, B.first_segment[slot],
+                                    At(C.o.get(), slot * ch * d), kAct, stream));
+  }
+  return absl::OkStatus();
+}
+
+// The carry-ins' gradients from the corrected tokens (dP_c, zero for a chunk that does not
+// continue a document) are gathered and reverse-scanned into every chunk's end-state gradient;
+// each local chunk's backward then runs with its carry-in and that end-state gradient. Reads
+// d o from W.dy, writes dq, dk, dv into W.dqkv.
+absl::Status CudaModel::Impl::LightningAllGatherBackward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t SZ = H * Dh * Dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  float* dP = W.cp_state_send.f32();
+  CUDA(cudaMemsetAsync(dP, 0, 2 * SZ * 4, stream));
+  // The correction's backward also adds its dq part into W.dqkv, which the chunk backward below
+  // overwrites (its carry-in accounts for that part): start from zeros so nothing stale is read.
+  CUDA(cudaMemsetAsync(W.dqkv.get(), 0, T * 3 * d * kAb, stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    if (!B.continues[slot]) continue;
+    KC(kc::LightningCarryCorrectionBackward(
+        At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, C.cp_P.f32() + slot * SZ, scale,
+        {ch, H, Dh, 3 * d}, B.first_segment[slot], At(W.dy.get(), slot * ch * d),
+        At(W.dqkv.get(), slot * ch * 3 * d), dP + slot * SZ, kAct, Ws(), stream));
+  }
+  RETURN_IF_ERROR(GatherStates(dP));
+  KC(kc::LightningStateScanBackward(W.cp_state_stream.f32(), B.chunk_has_start.i32(),
+                                    B.chunk_len.i32(), L.log_decay, 2 * B.cp, H, Dh,
+                                    W.cp_state_scan.f32(), stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
+    void* dq = At(W.dqkv.get(), slot * ch * 3 * d);
+    KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
+                             static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1,
+                             B.continues[slot] ? C.cp_P.f32() + slot * SZ : nullptr, scale,
+                             {ch, H, Dh, 3 * d}, At(W.dy.get(), slot * ch * d),
+                             W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, dq, At(dq, d),
+                             At(dq, 2 * d), nullptr, kAct, Ws(), stream));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 // The head-split whole sequence of MLA's core: rows [Q | K | V] of H/cp heads, output [O].
 kc::SdpaDims MlaCpDims(const ModelConfig& c, int64_t Tf, int64_t Hl) {
@@ -788,7 +942,9 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
   KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(),
                            C.qkv_n.get(), C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
                            /*copy_v=*/true, kAct, stream));
-  if (B.cp > 1) {
+  if (LightningAllGather()) {
+    RETURN_IF_ERROR(LightningAllGatherForward(L, C));
+  } else if (B.cp > 1) {
     RETURN_IF_ERROR(LightningCoreForward(L, C));
   } else {
     const void* q = C.qkv_n.get();
@@ -815,7 +971,9 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
                                W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
                                kAct, Ws(), stream));
   void* dq = W.dqkv.get();
-  if (B.cp > 1) {
+  if (LightningAllGather()) {
+    RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
+  } else if (B.cp > 1) {
     RETURN_IF_ERROR(LightningCoreBackward(L, C));
   } else {
     const void* q = C.qkv_n.get();

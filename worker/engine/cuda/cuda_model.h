@@ -19,17 +19,20 @@
 // backward.
 //
 // Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
-// rank's zigzag share of a sequence (worker/engine/cp/cp_layout.h), as the CPU model does. Only
-// the All2All (Ulysses) mode is built, for both layer types: the attention core's inputs (the
-// Lightning q, k, v; MLA's Q, K, V) go by all-to-all from "this rank's tokens, all heads" to
-// "the whole sequence in stream order, H/cp heads", the core runs over the whole sequence with
-// its documents, and its output (and, in the backward, the gradients) go back the inverse way.
+// rank's zigzag share of a sequence (worker/engine/cp/cp_layout.h), as the CPU model does.
+// All2All (Ulysses), for both layer types: the attention core's inputs (the Lightning q, k, v;
+// MLA's Q, K, V) go by all-to-all from "this rank's tokens, all heads" to "the whole sequence in
+// stream order, H/cp heads", the core runs over the whole sequence with its documents, and its
+// output (and, in the backward, the gradients) go back the inverse way; needs n_heads % cp == 0.
+// AllGather, for Lightning layers of head size 64 or 128: each local chunk runs from a zero state,
+// the 2cp chunk end states ([H, Dh, Dh] fp32 each) are gathered and scanned into carry-ins, and
+// the tokens that continue an earlier document get the carry's part (DESIGN.md section 3); the
+// backward gathers the carry-ins' gradients the same way. MLA's AllGather is not built (refused).
 // Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
-// token-local. A context asking for AllGather for a layer type the model has is refused, as is
-// n_heads % cp != 0. Collectives take device buffers for NCCL and pinned host copies for host
-// backends (Gloo); each one waits for the compute stream first. Losses and gradients are this
-// rank's part: the caller sums them over the group (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks
-// sharing one GPU over Gloo against one rank; bench_cp_cuda: NCCL ranks on separate GPUs).
+// token-local. Collectives take device buffers for NCCL and pinned host copies for host backends
+// (Gloo); each one waits for the compute stream first. Losses and gradients are this rank's part:
+// the caller sums them over the group (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks sharing one GPU
+// over Gloo against one rank; bench_cp_cuda: NCCL ranks on separate GPUs).
 // Not thread-safe (several models, one per thread, may share a device).
 #pragma once
 
@@ -77,10 +80,11 @@ class CudaModel {
   absl::StatusOr<LossStats> Forward(const Batch& batch);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it). With a
-  // group of size > 1: Unimplemented when a layer type the model has asks for AllGather ("cuda
-  // model: lightning_mode allgather is not built on CUDA yet (use all2all)"), InvalidArgument for
-  // an undecided (auto) mode, FailedPrecondition when n_heads % cp != 0. The context is kept even
-  // when refused, and the CpBatch forms refuse it again with the same error.
+  // group of size > 1: Unimplemented when MLA layers ask for AllGather ("cuda model: mla_mode
+  // allgather is not built on CUDA yet (use all2all)") or Lightning layers of a head size other
+  // than 64 or 128 do, InvalidArgument for an undecided (auto) mode, FailedPrecondition when a
+  // layer type runs All2All and n_heads % cp != 0. The context is kept even when refused, and the
+  // CpBatch forms refuse it again with the same error.
   absl::Status SetCp(const CpContext& cp);
   // This rank's share of a sequence (a cp = 1 batch runs as the whole-sequence forms). Errors are
   // the context's (see SetCp), the batch's, or the communicator's (a peer failed).

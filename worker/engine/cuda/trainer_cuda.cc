@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/cuda/lightning.h"
 #include "worker/engine/cuda/cuda_model.h"
 #ifdef SPINDLE_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -101,13 +102,21 @@ class CudaStepBackend final : public StepBackend {
 
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp) {
-  // Only the all2all mode is built on CUDA: refuse a cp it cannot run before any device work and
-  // before the ranks meet.
+  // A cp that does not divide n_heads needs allgather for every layer type: refuse it before any
+  // device work and before the ranks meet where CUDA has no allgather for a layer type the model
+  // has (MLA; Lightning of a head size other than 64 or 128).
   if (cp > 1 && config.n_heads % cp != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads,
-        " divisible by cp (only the all2all mode is built on CUDA; use a cp that divides ",
-        config.n_heads, ", or resources \"cpu\")"));
+    std::string why;
+    if (config.NumLayersOfKind('M') > 0) {
+      why = "MLA's allgather mode is not built on CUDA";
+    } else if (!kernels::cuda::LightningCarrySupportsHeadDim(config.head_dim())) {
+      why = absl::StrCat("Lightning's allgather mode on CUDA needs a head size of 64 or 128, not ",
+                         config.head_dim());
+    }
+    if (!why.empty())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads, " divisible by cp (",
+          why, "; use a cp that divides ", config.n_heads, ", or resources \"cpu\")"));
   }
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
