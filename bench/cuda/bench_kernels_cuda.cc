@@ -164,33 +164,45 @@ int main(int argc, char** argv) {
       const cu::LightningConfig cfg{cpb, stages};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};
-      auto fwd = [&] {
+      // kept: the forward keeps its block states for the backward (as the model runs it).
+      Buf saved(cu::LightningSavedBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
+      auto fwd = [&](bool kept) {
         Check(cu::LightningForward(q, q + HD, q + 2 * HD, d_ld.as<float>(), d_cu.as<int32_t>(), 1,
-                                   nullptr, scale, dims, out.p, nullptr, kBf16, w, 0, cfg),
+                                   nullptr, scale, dims, out.p, nullptr, kBf16, w, 0, cfg,
+                                   kept ? saved.as<float>() : nullptr),
               "LightningForward");
       };
-      auto bwd = [&] {
+      auto bwd = [&](bool kept) {
         Check(cu::LightningBackward(q, q + HD, q + 2 * HD, d_ld.as<float>(), d_cu.as<int32_t>(), 1,
                                     nullptr, scale, dims, dout.p, nullptr, g, g + HD, g + 2 * HD,
-                                    nullptr, kBf16, w, 0, cfg),
+                                    nullptr, kBf16, w, 0, cfg, kept ? saved.as<float>() : nullptr),
               "LightningBackward");
       };
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
                               " st=" + std::to_string(stages);
-      const double tf = TimeMs(fwd), tb = TimeMs(bwd);
+      const double tf = TimeMs([&] { fwd(false); }), tb = TimeMs([&] { bwd(false); });
       const double tfb = TimeMs([&] {
-        fwd();
-        bwd();
+        fwd(false);
+        bwd(false);
+      });
+      fwd(true);
+      const double tb_kept = TimeMs([&] { bwd(true); });
+      const double tfb_kept = TimeMs([&] {
+        fwd(true);
+        bwd(true);
       });
       // Bytes: the floor's traffic (fwd reads q, k, v and writes o; bwd reads q, k, v, dout and
       // writes dq, dk, dv), so the copy-bandwidth column is the fraction of the memory-bound floor.
       Row(tag + " fwd", tf, 4 * act, fwd_flops);
       Row(tag + " bwd", tb, 7 * act, 2 * fwd_flops);
       Row(tag + " fwd+bwd", tfb, 11 * act, 3 * fwd_flops);
+      Row(tag + " bwd, fwd states kept", tb_kept, 7 * act, 2 * fwd_flops);
+      Row(tag + " fwd+bwd, states kept", tfb_kept, 11 * act, 3 * fwd_flops);
       if (T == 32768) {
-        std::printf("|   fwd+bwd vs FLA chunk_simple_gla 1.90 ms (peer README figure): %.2fx |\n",
-                    1.90 / tfb);
+        std::printf("|   fwd+bwd (states kept) vs FLA chunk_simple_gla 1.90 ms (peer README figure): "
+                    "%.2fx |\n",
+                    1.90 / tfb_kept);
       }
       if (quick) break;
     }

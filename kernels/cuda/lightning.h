@@ -45,22 +45,27 @@ struct LightningConfig {
 
 // Workspace for LightningForward / LightningBackward (the backward needs more; this covers both).
 size_t LightningWorkspaceBytes(const LightningDims& dims, const LightningConfig& config = {});
+// The forward's block start states and block decays, kept for the backward so it skips its own
+// pass 1 forward and scan (`saved` below); 0 on the token path (Dh <= 32), which keeps none.
+size_t LightningSavedBytes(const LightningDims& dims, const LightningConfig& config = {});
 
 // All pointers are device pointers; cu_seqlens has n_segments + 1 entries (0 ... T).
 Status LightningForward(const void* q, const void* k, const void* v, const float* log_decay,
                         const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
                         float scale, const LightningDims& dims, void* out, float* end_state,
                         DType dtype, Workspace ws, cudaStream_t stream,
-                        const LightningConfig& config = {});
+                        const LightningConfig& config = {}, float* saved = nullptr);
 
 // dq, dk, dv overwritten; d_carry_in (nullable) overwritten with the gradient w.r.t. the carry-in
-// (independent of its value, as on CPU); d_end_state nullable = zeros.
+// (independent of its value, as on CPU); d_end_state nullable = zeros. saved (nullable): what the
+// LightningForward of the same q, k, v, documents, carry-in and config kept (same results, less
+// work); ignored on the token path.
 Status LightningBackward(const void* q, const void* k, const void* v, const float* log_decay,
                          const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
                          float scale, const LightningDims& dims, const void* dout,
                          const float* d_end_state, void* dq, void* dk, void* dv,
                          float* d_carry_in, DType dtype, Workspace ws, cudaStream_t stream,
-                         const LightningConfig& config = {});
+                         const LightningConfig& config = {}, const float* saved = nullptr);
 
 // ---- Context parallelism (AllGather mode) ---------------------------------------------------------
 // Prefix scan over the 2*cp gathered chunk states, all heads in one launch:

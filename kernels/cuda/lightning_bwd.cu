@@ -13,7 +13,7 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
                          float scale, const LightningDims& dims, const void* dout,
                          const float* d_end_state, void* dq, void* dk, void* dv,
                          float* d_carry_in, DType dtype, Workspace ws, cudaStream_t stream,
-                         const LightningConfig& config) {
+                         const LightningConfig& config, const float* saved) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, k, v, dims, dtype, "LightningBackward"));
   SPINDLE_RETURN_IF_ERROR(CheckCommon(dq, dk, dv, dims, dtype, "LightningBackward"));
   const int64_t H = dims.H, Dh = dims.Dh;
@@ -35,9 +35,11 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   const Plan plan = MakePlan(dims.T, H, Dh, config);
   SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(dims, config),
                     "LightningBackward: workspace too small");
-  float* U = static_cast<float*>(ws.data);
+  // With `saved`, the forward's block start states and decays (read only below).
+  float* U = saved ? const_cast<float*>(saved) : static_cast<float*>(ws.data);
   float* dU = reinterpret_cast<float*>(static_cast<char*>(ws.data) + plan.state_bytes);
-  float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
+  float* F = saved ? reinterpret_cast<float*>(reinterpret_cast<char*>(U) + plan.state_bytes)
+                   : reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
   const int T = static_cast<int>(dims.T);
 
   SweepArgs sa{};
@@ -51,17 +53,22 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   const auto* bv = static_cast<const bf16*>(v);
   const auto* bo = static_cast<const bf16*>(dout);
   const int dh = static_cast<int>(Dh);
-  // Pass 1: block end states S (Y=k, Z=v) and block state gradients (Y=q, Z=dout, reversed).
-  sa.y = bk, sa.y_stride = qs, sa.z = bv, sa.z_stride = qs, sa.U = U, sa.F = F;
-  SPINDLE_RETURN_IF_ERROR(LaunchSweep(dh, false, true, sa, stream));
+  // Pass 1: block end states S (Y=k, Z=v; unless saved) and block state gradients (Y=q, Z=dout,
+  // reversed).
+  if (!saved) {
+    sa.y = bk, sa.y_stride = qs, sa.z = bv, sa.z_stride = qs, sa.U = U, sa.F = F;
+    SPINDLE_RETURN_IF_ERROR(LaunchSweep(dh, false, true, sa, stream));
+  }
   sa.y = bq, sa.y_stride = qs, sa.z = bo, sa.z_stride = os, sa.U = dU, sa.F = nullptr;
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(dh, true, true, sa, stream));
 
   ScanArgs sc{};
   sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
   sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
-  sc.in = U, sc.out = U, sc.init = carry_in;
-  SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
+  if (!saved) {
+    sc.in = U, sc.out = U, sc.init = carry_in;
+    SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
+  }
   sc.in = dU, sc.out = dU, sc.init = d_end_state, sc.final_out = d_carry_in, sc.reverse = true;
   SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
 

@@ -81,7 +81,7 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
                         const int32_t* cu_seqlens, int64_t n_segments, const float* carry_in,
                         float scale, const LightningDims& dims, void* out, float* end_state,
                         DType dtype, Workspace ws, cudaStream_t stream,
-                        const LightningConfig& config) {
+                        const LightningConfig& config, float* saved) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, k, v, dims, dtype, "LightningForward"));
   const int64_t H = dims.H, Dh = dims.Dh;
   if (dims.T == 0 || n_segments == 0) {
@@ -102,8 +102,10 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   const Plan plan = MakePlan(dims.T, H, Dh, config);
   SPINDLE_CHECK_ARG(ws.data != nullptr && ws.bytes >= LightningWorkspaceBytes(dims, config),
                     "LightningForward: workspace too small");
-  float* U = static_cast<float*>(ws.data);
-  float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
+  // The block states and decays go to `saved` when the backward will want them.
+  float* U = saved ? saved : static_cast<float*>(ws.data);
+  float* F = reinterpret_cast<float*>(saved ? reinterpret_cast<char*>(saved) + plan.state_bytes
+                                            : static_cast<char*>(ws.data) + 2 * plan.state_bytes);
   const int T = static_cast<int>(dims.T);
 
   SweepArgs sa{};

@@ -116,6 +116,12 @@ size_t LightningWorkspaceBytes(const LightningDims& dims, const LightningConfig&
   return 2 * p.state_bytes + p.f_bytes;
 }
 
+size_t LightningSavedBytes(const LightningDims& dims, const LightningConfig& config) {
+  if (internal::lightning::IsSmallHead(dims.Dh)) return 0;
+  const auto p = internal::lightning::MakePlan(dims.T, dims.H, dims.Dh, config);
+  return p.state_bytes + p.f_bytes;
+}
+
 Status LightningStateScan(const float* S, const int32_t* doc_start, const int32_t* length,
                           const float* log_decay, int64_t C, int64_t H, int64_t Dh, float* P,
                           cudaStream_t stream) {

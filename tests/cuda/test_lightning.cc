@@ -83,7 +83,8 @@ class Lightning : public ::testing::Test {
     return r;
   }
 
-  Result Gpu(const LightningConfig& cfg) const {
+  // keep_states: the forward keeps its block states for the backward (LightningSavedBytes).
+  Result Gpu(const LightningConfig& cfg, bool keep_states = false) const {
     const int64_t HD = c_.H * c_.Dh, S = c_.H * c_.Dh * c_.Dh;
     LightningDims d{c_.T, c_.H, c_.Dh, stride_};
     auto qkv = Upload(qkv_, kBf16), dout = Upload(dout_, kBf16), ld = Upload(ld_, DType::kFloat32);
@@ -91,7 +92,8 @@ class Lightning : public ::testing::Test {
     DeviceBuffer carry = carry_.empty() ? DeviceBuffer() : Upload(carry_, DType::kFloat32);
     DeviceBuffer dend = dend_.empty() ? DeviceBuffer() : Upload(dend_, DType::kFloat32);
     DeviceBuffer out(c_.T * HD * 2 + 16), end(S * 4), grads(c_.T * stride_ * 2 + 16),
-        dcarry(S * 4), ws(LightningWorkspaceBytes(d, cfg));
+        dcarry(S * 4), ws(LightningWorkspaceBytes(d, cfg)),
+        saved(keep_states ? LightningSavedBytes(d, cfg) : 0);
     cudaMemset(grads.get(), 0, grads.bytes());
     auto* base = qkv.as<__nv_bfloat16>();
     auto* g = grads.as<__nv_bfloat16>();
@@ -99,11 +101,15 @@ class Lightning : public ::testing::Test {
     Result r;
     Status s = LightningForward(base, base + HD, base + 2 * HD, ld.as<float>(), cu.as<int32_t>(),
                                 n_seg, carry.as<float>(), scale_, d, out.get(), end.as<float>(),
-                                kBf16, {ws.get(), ws.bytes()}, 0, cfg);
+                                kBf16, {ws.get(), ws.bytes()}, 0, cfg, saved.as<float>());
     EXPECT_TRUE(s.ok()) << s.message();
+    // Scribble over the workspace: with kept states the backward must not need what the forward
+    // left there.
+    cudaMemset(ws.get(), 0xFF, ws.bytes());
     s = LightningBackward(base, base + HD, base + 2 * HD, ld.as<float>(), cu.as<int32_t>(), n_seg,
                           carry.as<float>(), scale_, d, dout.get(), dend.as<float>(), g, g + HD,
-                          g + 2 * HD, dcarry.as<float>(), kBf16, {ws.get(), ws.bytes()}, 0, cfg);
+                          g + 2 * HD, dcarry.as<float>(), kBf16, {ws.get(), ws.bytes()}, 0, cfg,
+                          saved.as<float>());
     EXPECT_TRUE(s.ok()) << s.message();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     r.out = Download(out.get(), c_.T * HD, kBf16);
@@ -206,6 +212,27 @@ TEST_F(Lightning, LongSequenceIsDeterministic) {
     ExpectSameBits(*x, *y, what);
   }
   Compare(a, Cpu());
+}
+
+TEST_F(Lightning, BackwardFromTheForwardsKeptStatesIsBitwiseTheSame) {
+  // Documents on and off the chunk grid, carry-in and end-state gradient, both head sizes, a
+  // small block size (many blocks: a real scan) and the automatic one.
+  for (int64_t Dh : {64, 128}) {
+    for (int cpb : {0, 2}) {
+      SCOPED_TRACE("Dh " + std::to_string(Dh) + " cpb " + std::to_string(cpb));
+      Build({1000, 3, Dh, 8, {0, 1, 64, 300, 513, 1000}, true, true});
+      LightningConfig cfg;
+      cfg.chunks_per_block = cpb;
+      const Result plain = Gpu(cfg), kept = Gpu(cfg, /*keep_states=*/true);
+      for (const auto& [x, y, what] :
+           {std::tuple{&plain.out, &kept.out, "out"}, {&plain.end, &kept.end, "end"},
+            {&plain.dq, &kept.dq, "dq"}, {&plain.dk, &kept.dk, "dk"}, {&plain.dv, &kept.dv, "dv"},
+            {&plain.dcarry, &kept.dcarry, "dcarry"}}) {
+        ExpectSameBits(*x, *y, what);
+      }
+      Compare(kept, Cpu());
+    }
+  }
 }
 
 TEST_F(Lightning, UnsupportedHeadSizeAndDtypeAreNamed) {

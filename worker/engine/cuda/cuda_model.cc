@@ -108,6 +108,7 @@ struct LayerIdx {
 struct Cache {
   DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
   DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
+  DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
   // CP (All2All): the core's head-split inputs over the whole sequence in stream order,
   // [T_full, 3 * H/cp * Dh] (Lightning q | k | v) or [T_full, H/cp * (2 qk + vd)] (MLA Q | K | V),
@@ -948,10 +949,13 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
     RETURN_IF_ERROR(LightningCoreForward(L, C));
   } else {
     const void* q = C.qkv_n.get();
+    const int64_t kept = static_cast<int64_t>(kc::LightningSavedBytes({T, H, Dh, 3 * d}));
+    if (kept > 0) RETURN_IF_ERROR(C.lstates.Ensure(&alloc, kept));
     KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                             static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                             1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                            C.o.get(), nullptr, kAct, Ws(), stream));
+                            C.o.get(), nullptr, kAct, Ws(), stream, {},
+                            kept > 0 ? C.lstates.f32() : nullptr));
   }
   RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
   KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
@@ -977,11 +981,12 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
     RETURN_IF_ERROR(LightningCoreBackward(L, C));
   } else {
     const void* q = C.qkv_n.get();
+    const bool kept = kc::LightningSavedBytes({T, H, Dh, 3 * d}) > 0;
     KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                              static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                              1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
                              W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct,
-                             Ws(), stream));
+                             Ws(), stream, {}, kept ? C.lstates.f32() : nullptr));
   }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
                             C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H,
