@@ -15,9 +15,10 @@
 // head. Pass 1 computes each block's end state from a zero start (and the decay through it), a
 // scan over blocks gives every block its start state, and the main pass runs the block's chunks
 // in order on tensor cores (mma.sync, bf16 in, fp32 accumulate), the running state in registers.
-// The backward runs pass 1 forward (states) and in reverse (state gradients), then three main
-// sweeps: dq forward, dk and dv in reverse. All are one kernel (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for given sizes
-// and config is bitwise reproducible.
+// The backward runs pass 1 forward (states; skipped when the forward kept them for it) and in
+// reverse (state gradients), then three main sweeps: dq forward, dk and dv in reverse. All are
+// one kernel (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for
+// given sizes and config is bitwise reproducible.
 #pragma once
 
 #include <cuda_runtime.h>
