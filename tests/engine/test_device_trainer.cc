@@ -4,8 +4,11 @@
 // clipping, AdamW, data parallel on the host), download before every checkpoint and upload on
 // every resume, so checkpoints cross between the engines; evaluation on the device equals the
 // CPU's; context parallelism (cp = 2, and dp = 2 x cp = 2) through the backend's SetCp and CpBatch
-// forms equals the CPU trainer's CP run. Also: what the GPU path does not run fails at Create()
-// with one error and writes nothing.
+// forms equals the CPU trainer's CP run. Device collectives: when every rank reports a device of
+// its own, the trainer sums gradients with the backend's AllReduceGrads and hands its device CP
+// group to SetCp (the stand-in's "device communicator" is Gloo); ranks that share a device, or
+// report none, keep the host path. Also: what the GPU path does not run fails at Create() with one
+// error and writes nothing.
 #include <omp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -35,6 +38,11 @@ class CpuDeviceBackend final : public StepBackend {
   static std::atomic<int64_t> cp_groups_set;      // SetCp calls with a group of size > 1
   static std::atomic<int64_t> cp_passes;          // CpBatch passes of a share (layout.cp > 1)
   static std::atomic<int64_t> cp_share_targets;   // valid targets of those shares
+  // What DeviceId() reports: none (no device communicators), a device per instance, or one
+  // device for all; and the device collectives the trainer asked for.
+  enum class Devices { kNone, kOwn, kShared };
+  static std::atomic<Devices> devices;
+  static std::atomic<int64_t> device_comms_created, device_grad_sums;
 
   static absl::StatusOr<std::unique_ptr<StepBackend>> Create(const ModelConfig& config,
                                                              uint64_t seed, int64_t /*cp*/) {
@@ -115,14 +123,30 @@ class CpuDeviceBackend final : public StepBackend {
     steps_ = steps;
     return absl::OkStatus();
   }
-  // No device communicators: the trainer falls back to Gloo through host copies.
-  std::string DeviceId() override { return ""; }
-  absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
-      KvStore&, const std::string&, int, int, absl::Duration) override {
-    return absl::UnimplementedError("stand-in: no device communicators");
+  std::string DeviceId() override {
+    switch (devices.load()) {
+      case Devices::kOwn: return absl::StrCat("cpu-device-", instance_);
+      case Devices::kShared: return "cpu-device-shared";
+      case Devices::kNone: break;
+    }
+    return "";
   }
-  absl::Status AllReduceGrads(Communicator&) override {
-    return absl::UnimplementedError("stand-in: no device communicators");
+  // The stand-in's device communicator is Gloo over the same store (its buffers are host memory,
+  // like the stand-in's device).
+  absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
+      KvStore& store, const std::string& prefix, int rank, int size,
+      absl::Duration timeout) override {
+    if (devices.load() != Devices::kOwn)
+      return absl::InternalError("stand-in: device communicator asked for without own devices");
+    ++device_comms_created;
+    GlooOptions o = testing::TestGloo();
+    o.timeout = timeout;
+    return CreateGlooCommunicator(store, prefix, rank, size, o);
+  }
+  absl::Status AllReduceGrads(Communicator& comm) override {
+    ++device_grad_sums;
+    Tensor& g = dev_->params().flat_grad();
+    return comm.AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad);
   }
   nlohmann::json StepEventFields() override {
     return {{"mem_allocated_bytes", 1}, {"mem_reserved_bytes", 2}, {"mem_peak_bytes", 3}};
@@ -151,7 +175,13 @@ class CpuDeviceBackend final : public StepBackend {
   std::unique_ptr<Model> dev_, host_;
   Tensor m_, v_;
   int64_t steps_ = 0;
+  const int64_t instance_ = next_instance++;
+  static std::atomic<int64_t> next_instance;
 };
+std::atomic<int64_t> CpuDeviceBackend::next_instance{0};
+std::atomic<CpuDeviceBackend::Devices> CpuDeviceBackend::devices{CpuDeviceBackend::Devices::kNone};
+std::atomic<int64_t> CpuDeviceBackend::device_comms_created{0};
+std::atomic<int64_t> CpuDeviceBackend::device_grad_sums{0};
 std::atomic<int64_t> CpuDeviceBackend::cp_groups_set{0};
 std::atomic<int64_t> CpuDeviceBackend::cp_passes{0};
 std::atomic<int64_t> CpuDeviceBackend::cp_share_targets{0};
@@ -321,6 +351,34 @@ TEST(DeviceTrainerTest, ContextParallelMatchesTheCpuContextParallelRun) {
     for (int64_t n = 0; n < steps * micro * dp; ++n)
       targets += MakeSequenceBatch((*data)->Sequence(n), (*data)->eos_id()).NumValidTargets();
     EXPECT_EQ(CpuDeviceBackend::cp_share_targets, targets);
+  }
+}
+
+// A device per rank: the gradient sums and the CP group go through the backend's device
+// communicators, with the CPU run's results; a shared device keeps the host path.
+TEST(DeviceTrainerTest, RanksWithDevicesOfTheirOwnUseDeviceCollectives) {
+  const int64_t steps = 3, micro = 2, dp = 2, world = 4;
+  auto cpu = WorldTrain(Job(steps, "cpu", dp, micro, /*cp=*/2));
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  struct Case {
+    CpuDeviceBackend::Devices devices;
+    int64_t comms, grad_sums;  // expected: world + CP groups' ranks; a sum per rank and step
+  };
+  for (const Case& c : {Case{CpuDeviceBackend::Devices::kOwn, 2 * world, steps * world},
+                        Case{CpuDeviceBackend::Devices::kShared, 0, 0}}) {
+    SCOPED_TRACE(c.devices == CpuDeviceBackend::Devices::kOwn ? "own devices" : "shared device");
+    CpuDeviceBackend::devices = c.devices;
+    CpuDeviceBackend::device_comms_created = 0;
+    CpuDeviceBackend::device_grad_sums = 0;
+    CpuDeviceBackend::cp_groups_set = 0;
+    auto dev = WorldTrain(Job(steps, "cuda", dp, micro, /*cp=*/2));
+    CpuDeviceBackend::devices = CpuDeviceBackend::Devices::kNone;
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    EXPECT_EQ(dev->losses, cpu->losses);
+    EXPECT_EQ(dev->params, cpu->params);
+    EXPECT_EQ(CpuDeviceBackend::device_comms_created, c.comms);
+    EXPECT_EQ(CpuDeviceBackend::device_grad_sums, c.grad_sums);
+    EXPECT_EQ(CpuDeviceBackend::cp_groups_set, world);
   }
 }
 
