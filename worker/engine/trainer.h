@@ -18,12 +18,15 @@
 // GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
 // TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
 // weights). The step's arithmetic is the CPU path's: gradients of (1 / the step's valid targets) x
-// the loss sum, the norm of those, the same clip factor, AdamW at the scheduled rate. With dp > 1
-// the gradients are all-reduced on the host (download, Gloo, upload). With cp > 1 the CP groups are
-// built as on the CPU, the backend gets this rank's group and the decided modes (SetCp) and runs
-// the rank's CpBatch shares; losses, token counts and gradients are summed over the world as with
-// dp. The backend is built before any peer is waited for, so a factory that does not run the
-// job's cp (the CUDA one, for now) refuses it there. Checkpoints download the
+// the loss sum, the norm of those, the same clip factor, AdamW at the scheduled rate. With cp > 1
+// the backend gets this rank's CP group and the decided modes (SetCp) and runs the rank's CpBatch
+// shares; losses, token counts and gradients are summed over the world as with dp. Collectives:
+// when every rank reports a device of its own (StepBackend::DeviceId, gathered over the Gloo
+// world), the gradient sum runs on the device (AllReduceGrads) and the CP group is a device
+// communicator (NCCL for CUDA), both from CreateDeviceCommunicator; otherwise the gradients are
+// all-reduced on the host (download, Gloo, upload) and the CP group is Gloo. The start event's
+// "collectives" names the gradient sum's backend. The backend is built before any peer is waited
+// for, so a factory that does not run the job's cp refuses it there. Checkpoints download the
 // parameters and AdamW moments into the host ParamSet and use the same format, so CPU and GPU
 // runs resume each other's; a resume uploads them. Step events add the device memory
 // ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes"). Not built for the GPU, each
