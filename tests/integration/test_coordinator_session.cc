@@ -47,6 +47,18 @@ pid_t StartCoordinator(const std::string& db, int port) {
   return pid;
 }
 
+// Kills and reaps the coordinator child if the test ends early (a failed ASSERT): an orphaned
+// daemon would hold the test's output open and stall the test runner.
+struct ReapOnExit {
+  pid_t* pid;
+  ~ReapOnExit() {
+    if (*pid > 0 && waitpid(*pid, nullptr, WNOHANG) == 0) {
+      kill(*pid, SIGKILL);
+      waitpid(*pid, nullptr, 0);
+    }
+  }
+};
+
 // A worker daemon stand-in: registers, holds a Session, records what the coordinator sends.
 class FakeWorker {
  public:
@@ -65,6 +77,9 @@ class FakeWorker {
     v1::RegisterResponse resp;
     grpc::ClientContext rctx;
     rctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    // Right after a coordinator restart the channel may still be noticing that the old
+    // connection died: wait for it to be ready instead of failing fast.
+    rctx.set_wait_for_ready(true);
     if (!stub->Register(&rctx, req, &resp).ok()) return false;
     ctx_ = std::make_unique<grpc::ClientContext>();
     stub_ = std::move(stub);
@@ -169,6 +184,7 @@ TEST(CoordinatorSessionTest, RunsJobAndReadoptsRanksAfterSigkill) {
   const std::string db = dir + "/c.db";
   const int port = FreePort();
   pid_t coord = StartCoordinator(db, port);
+  ReapOnExit reap{&coord};
   auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
                                 grpc::InsecureChannelCredentials());
   ASSERT_TRUE(ch->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
@@ -247,6 +263,7 @@ TEST(CoordinatorSessionTest, RunsJobAndReadoptsRanksAfterSigkill) {
   kill(coord, SIGTERM);
   int status = 0;
   waitpid(coord, &status, 0);
+  coord = 0;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   std::filesystem::remove_all(dir);
 }
