@@ -80,10 +80,12 @@ constexpr spindle::StepBackendFactory kCudaBackend = spindle::CreateCudaStepBack
 constexpr spindle::StepBackendFactory kCudaBackend = nullptr;
 #endif
 
+// One write per event line: libraries that print to stdout from their own threads (NCCL's
+// warnings) can then only land between lines, never inside one.
 void PrintEvent(const nlohmann::json& e) {
   std::string line = e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  line.push_back('\n');
   std::fwrite(line.data(), 1, line.size(), stdout);
-  std::fputc('\n', stdout);
   std::fflush(stdout);
 }
 
