@@ -30,7 +30,7 @@ inline bool HaveGpu() {
   do {                                                                           \
     if (!::spindle::kernels::cuda::testing::HaveGpu()) {                         \
       (void)cudaGetLastError();                                                  \
-      GTEST_SKIP() << "no CUDA device on this machine: CUDA kernel tests skipped"; \
+      GTEST_SKIP() << "no CUDA device on this machine: CUDA tests skipped";        \
     }                                                                            \
   } while (0)
 

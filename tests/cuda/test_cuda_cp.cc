@@ -53,13 +53,7 @@ namespace spindle {
 namespace {
 
 using kernels::cuda::testing::FreshSeed;
-using kernels::cuda::testing::HaveGpu;
 using testing::RandomBatch;
-
-#define REQUIRE_GPU()                                                          \
-  do {                                                                         \
-    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device: CUDA CP model tests skipped"; \
-  } while (0)
 
 constexpr double kTolLoss = 1e-2;
 constexpr double kTolMatrix = 0.05;
@@ -176,12 +170,12 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Head64(), 384, 70, 2, false);  // chunks of 96 tokens
 }
 
 TEST(CudaCp, Head64Cp2RecomputeMatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Head64(), 520, 150, 2, true);  // chunks of 130: off the 64-token grid
 }
 
@@ -192,19 +186,19 @@ ModelConfig Head64WellConditioned() {
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp2MatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   // Chunks of 96 tokens: documents start inside chunks, cross them and span whole ones.
   ExpectCpMatchesOneRank(Head64WellConditioned(), 384, 70, 2, false, CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp2RecomputeOneDocument) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   // One document: every chunk but the first continues it, no chunk has a start of its own.
   ExpectCpMatchesOneRank(Head64WellConditioned(), 520, 100000, 2, true, CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   // cp = 4 > n_heads = 2: only AllGather can split the sequence here, so Lightning layers only
   // (CUDA has no AllGather for MLA).
   ModelConfig c = Head64WellConditioned();
@@ -213,17 +207,17 @@ TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
 }
 
 TEST(CudaCp, TinyCp2MatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 256, 60, 2, false);
 }
 
 TEST(CudaCp, TinyCp2RecomputeMatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 200, 45, 2, true);  // chunks of 50
 }
 
 TEST(CudaCp, TinyCp4MatchesOneRank) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, false);  // one head per rank, chunks of 40
 }
 
@@ -247,7 +241,7 @@ class RefusingComm : public Communicator {
 };
 
 TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();  // Lightning and MLA layers, 4 heads
   auto m_or = CudaModel::Create(c, 3);
   ASSERT_TRUE(m_or.ok()) << m_or.status();
@@ -313,7 +307,7 @@ TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
 
 // A share of a sequence still needs the CpBatch form: the plain form refuses two pieces.
 TEST(CudaCp, PlainFormRefusesAShareEvenWithCpSet) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   auto m = *CudaModel::Create(c, 5);
   RefusingComm two(0, 2);

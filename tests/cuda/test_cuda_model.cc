@@ -26,13 +26,7 @@ namespace spindle {
 namespace {
 
 using kernels::cuda::testing::FreshSeed;
-using kernels::cuda::testing::HaveGpu;
 using testing::RandomBatch;
-
-#define REQUIRE_GPU()                                                        \
-  do {                                                                       \
-    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device: CUDA model tests skipped"; \
-  } while (0)
 
 ModelConfig Tiny() { return *ModelPreset("tiny"); }
 
@@ -90,19 +84,19 @@ void ExpectStepMatchesCpu(ModelConfig c, int64_t T, int64_t doc) {
 }
 
 TEST(CudaModel, TinyStepMatchesCpuEngine) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectStepMatchesCpu(Tiny(), 203, 60);
 }
 
 TEST(CudaModel, TinyStepOneDocumentMatchesCpuEngine) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ExpectStepMatchesCpu(Tiny(), 256, 1000);
 }
 
 // Two fresh models, one batch: the GPU's step must repeat itself (a race or a read of stale
 // memory shows as a difference far above reduction-order noise).
 TEST(CudaModel, TinyStepRepeatsOnAFreshModel) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   const uint32_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
@@ -127,7 +121,7 @@ TEST(CudaModel, TinyStepRepeatsOnAFreshModel) {
 }
 
 TEST(CudaModel, QLoraMlaStepMatchesCpuEngine) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ModelConfig c = Tiny();
   c.mla.q_lora_rank = 24;
   c.layer_pattern = "LMLM";
@@ -135,7 +129,7 @@ TEST(CudaModel, QLoraMlaStepMatchesCpuEngine) {
 }
 
 TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   ModelConfig c = Tiny();
   c.d_model = 256, c.n_heads = 2, c.n_layers = 2, c.layer_pattern = "LM", c.ffn_dim = 320;
   c.mla = {64, 64, 32, 32, 32};
@@ -143,7 +137,7 @@ TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
 }
 
 TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   const uint32_t seed = FreshSeed();
   const Batch b = RandomBatch(c, 150, 50, seed);
@@ -174,7 +168,7 @@ TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
 }
 
 TEST(CudaModel, AdamWMatchesTheCpuOptimizer) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   const uint32_t seed = FreshSeed();
   const Batch b = RandomBatch(c, 120, 40, seed);
@@ -206,7 +200,7 @@ TEST(CudaModel, AdamWMatchesTheCpuOptimizer) {
 }
 
 TEST(CudaModel, BadBatchesAreRefused) {
-  REQUIRE_GPU();
+  SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   auto m = *CudaModel::Create(c, 7);
   Batch b = RandomBatch(c, 64, 30, 7);
