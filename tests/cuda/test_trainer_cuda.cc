@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
-#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -33,6 +32,7 @@
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/engine/train_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/cuda/trainer_cuda.h"
@@ -89,18 +89,7 @@ absl::StatusOr<RunResult> Train(const JobSpec& spec, const std::string& ckpt_dir
   return r;
 }
 
-double UnigramLoss(const DataSource& data, int64_t n) {
-  std::map<int32_t, double> counts;
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    Batch b = MakeSequenceBatch(data.Sequence(i), data.eos_id());
-    for (int32_t t : b.targets)
-      if (t >= 0) counts[t] += 1, total += 1;
-  }
-  double h = 0;
-  for (auto& [t, c] : counts) h -= c / total * std::log(c / total);
-  return h;
-}
+using testing::UnigramLoss;
 
 TEST(CudaTrainerTest, TinyRecallLearnsOnTheGpu) {
   SPINDLE_REQUIRE_GPU();

@@ -218,6 +218,14 @@ struct RunResult {
   std::vector<nlohmann::json> steps;  // step events
 };
 
+// The trained parameters: the device's, downloaded into the host mirror, or the CPU model's.
+absl::StatusOr<std::vector<float>> TrainedParams(Trainer& t) {
+  StepBackend* b = t.backend();
+  if (b) RETURN_IF_ERROR(b->DownloadParams());
+  ParamSet* P = b ? &b->host_params() : &t.model().params();
+  return std::vector<float>(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+}
+
 absl::StatusOr<RunResult> Train(const JobSpec& spec, const std::string& ckpt_dir = "",
                                 int64_t stop_at = -1) {
   TrainerOptions o;
@@ -233,14 +241,7 @@ absl::StatusOr<RunResult> Train(const JobSpec& spec, const std::string& ckpt_dir
   if (!t.ok()) return t.status();
   RETURN_IF_ERROR((*t)->Run());
   r.losses = (*t)->losses();
-  ParamSet* P = nullptr;
-  if (StepBackend* b = (*t)->backend()) {
-    RETURN_IF_ERROR(b->DownloadParams());
-    P = &b->host_params();
-  } else {
-    P = &(*t)->model().params();
-  }
-  r.params.assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+  ASSIGN_OR_RETURN(r.params, TrainedParams(**t));
   return r;
 }
 
@@ -307,14 +308,7 @@ absl::StatusOr<RunResult> WorldTrain(const JobSpec& spec) {
     auto t = Trainer::Create(std::move(o));
     if (!t.ok()) return t.status();
     RETURN_IF_ERROR((*t)->Run());
-    ParamSet* P = nullptr;
-    if (StepBackend* b = (*t)->backend()) {
-      RETURN_IF_ERROR(b->DownloadParams());
-      P = &b->host_params();
-    } else {
-      P = &(*t)->model().params();
-    }
-    params[rank].assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
+    ASSIGN_OR_RETURN(params[rank], TrainedParams(**t));
     if (rank == 0) out.losses = (*t)->losses();
     return absl::OkStatus();
   });
@@ -383,40 +377,9 @@ TEST(DeviceTrainerTest, RanksWithDevicesOfTheirOwnUseDeviceCollectives) {
 }
 
 TEST(DeviceTrainerTest, DataParallelMatchesTheCpuDataParallelRun) {
-  omp_set_num_threads(1);
-  auto world_run = [](const std::string& resources) -> absl::StatusOr<RunResult> {
-    JobSpec spec = Job(4, resources, /*dp=*/2);
-    MemoryKvStore store;
-    RunResult out;
-    std::vector<std::vector<float>> params(2);
-    absl::Status s = testing::RunRanks(2, [&](int rank) -> absl::Status {
-      TrainerOptions o;
-      o.spec = spec;
-      o.rank = rank;
-      o.world = 2;
-      o.store = &store;
-      o.gloo = testing::TestGloo();
-      o.cuda_backend = CpuDeviceBackend::Create;
-      auto t = Trainer::Create(std::move(o));
-      if (!t.ok()) return t.status();
-      RETURN_IF_ERROR((*t)->Run());
-      ParamSet* P = &(*t)->model().params();
-      if (StepBackend* b = (*t)->backend()) {
-        RETURN_IF_ERROR(b->DownloadParams());
-        P = &b->host_params();
-      }
-      params[rank].assign(P->flat_data().f32(), P->flat_data().f32() + P->numel());
-      if (rank == 0) out.losses = (*t)->losses();
-      return absl::OkStatus();
-    });
-    if (!s.ok()) return s;
-    if (params[0] != params[1]) return absl::InternalError("the ranks' parameters differ");
-    out.params = std::move(params[0]);
-    return out;
-  };
-  auto cpu = world_run("cpu");
+  auto cpu = WorldTrain(Job(4, "cpu", /*dp=*/2));
   ASSERT_TRUE(cpu.ok()) << cpu.status();
-  auto dev = world_run("cuda");
+  auto dev = WorldTrain(Job(4, "cuda", /*dp=*/2));
   ASSERT_TRUE(dev.ok()) << dev.status();
   ASSERT_EQ(dev->losses.size(), 4u);
   EXPECT_EQ(dev->losses, cpu->losses);

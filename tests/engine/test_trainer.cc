@@ -7,10 +7,10 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <map>
 #include <random>
 
 #include "gtest/gtest.h"
+#include "tests/engine/train_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/trainer.h"
@@ -34,20 +34,7 @@ JobSpec TinyJob(int64_t steps, int64_t seq_len, int64_t gap) {
   return *spec;
 }
 
-// Entropy (nats per target) of the unigram distribution of the targets: the loss of a model that
-// predicts token frequencies.
-double UnigramLoss(const DataSource& data, int64_t n) {
-  std::map<int32_t, double> counts;
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    Batch b = MakeSequenceBatch(data.Sequence(i), data.eos_id());
-    for (int32_t t : b.targets)
-      if (t >= 0) counts[t] += 1, total += 1;
-  }
-  double h = 0;
-  for (auto& [t, c] : counts) h -= c / total * std::log(c / total);
-  return h;
-}
+using testing::UnigramLoss;
 
 TEST(TrainerTest, TinyRecallLearnsFarBelowTokenFrequencies) {
   JobSpec spec = TinyJob(/*steps=*/60, /*seq_len=*/1024, /*gap=*/256);
