@@ -56,33 +56,32 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     if (!o.store)
       return absl::InvalidArgumentError("trainer: world > 1 needs a rendezvous store");
     const int rank = static_cast<int>(o.rank), world = static_cast<int>(o.world);
+    const std::string cp_group = absl::StrCat("cp", t->dp_rank_);
+    const int cp_rank = static_cast<int>(t->cp_rank_), cp = static_cast<int>(t->cp_);
     ASSIGN_OR_RETURN(t->world_comm_, CreateGlooCommunicator(*o.store, "world", rank, world, o.gloo));
-    if (t->cp_ > 1) {
-      const std::string group = absl::StrCat("cp", t->dp_rank_);
-      const int cp_rank = static_cast<int>(t->cp_rank_), cp = static_cast<int>(t->cp_);
-      ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, group, cp_rank, cp, o.gloo));
+    // Device jobs whose ranks each have a device: the gradient sum and the CP group on device
+    // communicators; otherwise the CP group is Gloo.
+    bool own_devices = false;
+    if (on_device) {
+      ASSIGN_OR_RETURN(own_devices, t->RanksHaveOwnDevices());
+    }
+    if (own_devices) {
+      ASSIGN_OR_RETURN(t->device_world_comm_,
+                       t->backend_->CreateDeviceCommunicator(*o.store, "world/device", rank,
+                                                             world, o.gloo.timeout));
+      if (t->cp_ > 1) {
+        ASSIGN_OR_RETURN(t->device_cp_comm_, t->backend_->CreateDeviceCommunicator(
+                                                 *o.store, cp_group + "/device", cp_rank, cp,
+                                                 o.gloo.timeout));
+      }
+    } else if (t->cp_ > 1) {
+      ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, cp_group, cp_rank, cp, o.gloo));
     }
   }
   t->ckpt_dir_ = t->opt_.checkpoint_dir.empty() ? spec.checkpoint.dir : t->opt_.checkpoint_dir;
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
   if (on_device) {
-    if (o.world > 1) {
-      ASSIGN_OR_RETURN(const bool own, t->RanksHaveOwnDevices());
-      if (own) {
-        const int rank = static_cast<int>(o.rank), world = static_cast<int>(o.world);
-        ASSIGN_OR_RETURN(t->device_world_comm_, t->backend_->CreateDeviceCommunicator(
-                                                    *o.store, "world/device", rank, world,
-                                                    o.gloo.timeout));
-        if (t->cp_ > 1) {
-          ASSIGN_OR_RETURN(t->device_cp_comm_,
-                           t->backend_->CreateDeviceCommunicator(
-                               *o.store, absl::StrCat("cp", t->dp_rank_, "/device"),
-                               static_cast<int>(t->cp_rank_), static_cast<int>(t->cp_),
-                               o.gloo.timeout));
-        }
-      }
-    }
     if (t->cp_ > 1) {
       Communicator* cp = t->device_cp_comm_ ? t->device_cp_comm_.get() : t->cp_comm_.get();
       RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla}));
