@@ -3,7 +3,9 @@
 // copy bandwidth reached, and TFLOP/s where the kernel is compute-bound. Includes Lightning
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
-// Usage: bench_kernels_cuda [--quick] [--sdpa-only]
+// Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only]
+//   --quick: the first Lightning configuration only; --lightning-only: every Lightning
+//   configuration at T=32K, nothing else.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -111,10 +113,11 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sdpa_only = false;
+  bool quick = false, sdpa_only = false, lightning_only = false;
   for (int i = 1; i < argc; ++i) {
     quick |= std::strcmp(argv[i], "--quick") == 0;
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
+    lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
@@ -142,7 +145,7 @@ int main(int argc, char** argv) {
 
   // ---- Lightning, T=32K H=16 Dh=128 ---------------------------------------------------------------
   for (int64_t T : {int64_t{32768}, int64_t{65536}}) {
-    if (sdpa_only || (quick && T > 32768)) break;
+    if (sdpa_only || ((quick || lightning_only) && T > 32768)) break;
     const int64_t H = 16, Dh = 128, HD = H * Dh, stride = 3 * HD;
     Buf qkv(T * stride, kBf16, 0.1f), out(T * HD, kBf16), dout(T * HD, kBf16),
         grads(T * stride, kBf16);
@@ -207,6 +210,8 @@ int main(int argc, char** argv) {
       if (quick) break;
     }
   }
+
+  if (lightning_only) return 0;
 
   // ---- cuDNN causal attention (MLA core), T=32K H=16 Dqk=192 Dv=128, one document ---------------
   {
