@@ -163,8 +163,11 @@ int main(int argc, char** argv) {
     const double act = static_cast<double>(T) * HD * 2;  // one [T, H, Dh] bf16 tensor
     const double n_chunks = T / 64.0;
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
-    for (auto [cpb, stages] : {std::pair{0, 1}, {0, 2}, {16, 1}, {16, 2}, {32, 1}, {32, 2}, {64, 2}}) {
-      const cu::LightningConfig cfg{cpb, stages};
+    // (chunks per block, stages, separate dk and dv sweeps); 0 = automatic.
+    for (auto [cpb, stages, separate] :
+         {std::tuple{0, 1, false}, {0, 1, true}, {0, 2, false}, {16, 1, false}, {32, 2, false},
+          {64, 1, false}}) {
+      const cu::LightningConfig cfg{cpb, stages, separate};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};
       // kept: the forward keeps its block states for the backward (as the model runs it).
@@ -183,7 +186,7 @@ int main(int argc, char** argv) {
       };
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
-                              " st=" + std::to_string(stages);
+                              " st=" + std::to_string(stages) + (separate ? " dk|dv" : "");
       const double tf = TimeMs([&] { fwd(false); }), tb = TimeMs([&] { bwd(false); });
       const double tfb = TimeMs([&] {
         fwd(false);

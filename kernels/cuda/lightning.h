@@ -16,8 +16,8 @@
 // scan over blocks gives every block its start state, and the main pass runs the block's chunks
 // in order on tensor cores (mma.sync, bf16 in, fp32 accumulate), the running state in registers.
 // The backward runs pass 1 forward (states; skipped when the forward kept them for it) and in
-// reverse (state gradients), then three main sweeps: dq forward, dk and dv in reverse. All are
-// one kernel (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for
+// reverse (state gradients), then two main sweeps: dq forward, and dk with dv in one reverse
+// sweep (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for
 // given sizes and config is bitwise reproducible.
 #pragma once
 
@@ -42,6 +42,8 @@ struct LightningConfig {
   // Main sweeps: 1 = single-buffered chunk tiles (two blocks per SM), 2 = the next chunk's k/v
   // tiles prefetched into a second buffer (one block per SM at Dh=128); 0 picks.
   int stages = 0;
+  // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
+  bool separate_dk_dv = false;
 };
 
 // Workspace for LightningForward / LightningBackward (the backward needs more; this covers both).

@@ -1,6 +1,7 @@
 // Lightning on CUDA: LightningBackward. Pass 1 forward (block end states) and reverse (block state
-// gradients), both scans over blocks, then three main sweeps (lightning_sweep.cu): dq forward
-// from S^T, dk and dv in reverse from dS^T and dS.
+// gradients), both scans over blocks, then the main sweeps (lightning_sweep.cu): dq forward from
+// S^T, and dk with dv in one fused reverse sweep from dS (or two, dS^T and dS, when the config
+// asks for separate sweeps).
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda {
@@ -77,6 +78,15 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   sa.x = bo, sa.x_stride = os, sa.y = bv, sa.y_stride = qs, sa.z = bk, sa.z_stride = qs;
   sa.start = U, sa.transpose_start = true, sa.out = static_cast<bf16*>(dq);
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(dh, false, false, sa, stream));
+  if (!config.separate_dk_dv) {
+    DkDvArgs da{};
+    da.q = bq, da.k = bk, da.v = bv, da.dout = bo, da.qkv_stride = qs, da.dout_stride = os;
+    da.dk = static_cast<bf16*>(dk), da.dv = static_cast<bf16*>(dv), da.dS = dU;
+    da.log_decay = log_decay, da.cu = cu_seqlens, da.n_seg = static_cast<int>(n_segments);
+    da.T = T, da.H = static_cast<int>(H), da.scale = scale;
+    da.chunks_per_block = plan.chunks_per_block, da.n_chunks = plan.n_chunks, da.G = plan.G;
+    return LaunchDkDv(dh, da, stream);
+  }
   // dk = diag(kw) V dS^T + mask(dO V^T)^T Q.
   sa.x = bv, sa.x_stride = qs, sa.y = bo, sa.y_stride = os, sa.z = bq, sa.z_stride = qs;
   sa.start = dU, sa.transpose_start = true, sa.out = static_cast<bf16*>(dk);

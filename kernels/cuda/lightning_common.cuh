@@ -236,6 +236,21 @@ struct SweepArgs {
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream);
 
+// The fused dk / dv reverse sweep (lightning_sweep.cu): per (head, block of chunks), from the
+// block's state gradient dS [H, G, Dh, Dh] (as the dv sweep carries it), writes dk and dv.
+struct DkDvArgs {
+  const bf16 *q, *k, *v, *dout;
+  int64_t qkv_stride, dout_stride;  // dk, dv have q's stride
+  bf16 *dk, *dv;
+  const float* dS;
+  const float* log_decay;
+  const int32_t* cu;
+  int n_seg, T, H;
+  float scale;
+  int chunks_per_block, n_chunks, G;
+};
+Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream);
+
 // Scan over blocks g of X (element (g, h, e) at g * stride_g + h * stride_h + e, e < E):
 // forward: out_g = carry; carry = in_g + f_g carry (carry starts at init or 0);
 // reverse: the same from g = G-1 down. The final carry goes to final_out (nullable; += when

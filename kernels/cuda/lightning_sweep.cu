@@ -18,7 +18,9 @@
 // while the current one finishes); three block barriers per chunk; about 98 KB of shared memory
 // at DH=128, so two blocks share an SM. With stages == 2, Y and Z are double-buffered: the next
 // chunk's tiles are fetched at the start of the current one and the third barrier goes (133 KB
-// at DH=128: one block per SM).
+// at DH=128: one block per SM). The per-warp steps (scores, X S, scores x Z, the state update)
+// are device functions shared with the second kernel here, the fused dk / dv reverse sweep, which
+// walks the dk and dv instances of one chunk together over one dS.
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
@@ -154,6 +156,179 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
   }
 }
 
+// ---- Per-warp pieces of a chunk step ----------------------------------------------------------------
+// A warp owns output rows orow0 + {qr, qr + 8} and columns ocol0 + 8 j + qc + {0, 1} (16 rows x
+// DH/2 columns), the score half of those rows over tokens acol0 .. acol0 + 31, and state rows
+// srow0 + {qr, qr + 8}, columns scol0 + 8 j + qc + {0, 1}.
+template <int DH>
+struct WarpPlace {
+  using L = SweepLayout<DH, false>;
+  int lane, qr, qc, orow0, ocol0, acol0, srow0, scol0;
+  __device__ WarpPlace() {
+    const int warp = threadIdx.x >> 5;
+    lane = threadIdx.x & 31, qr = lane >> 2, qc = (lane & 3) * 2;
+    orow0 = (warp >> 1) * 16, ocol0 = (warp & 1) * (DH / 2), acol0 = (warp & 1) * 32;
+    srow0 = (warp % L::kRowTiles) * 16, scol0 = (warp / L::kRowTiles) * L::kSCols;
+  }
+};
+
+// The warp's part of Mask o X Y^T (decayed, scaled; transposed mask when kReverse), as bf16 into
+// the exchange tile ab.
+template <int DH, bool kReverse>
+__device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16* xs,
+                                             const bf16* ys, bf16* ab, const SweepInfo& ci,
+                                             const float* dec, int c0, float scale) {
+  using L = SweepLayout<DH, false>;
+  float A[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) A[j][0] = A[j][1] = A[j][2] = A[j][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < DH / 16; ++ks) {
+    uint32_t fa[4];
+    LoadA(fa, xs, L::kPitch, w.orow0, ks * 16, w.lane);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t fb[4];
+      LoadBNK(fb, ys, L::kPitch, w.acol0 + np * 16, ks * 16, w.lane);
+      Mma(A[2 * np], fa, fb[0], fb[1]);
+      Mma(A[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = w.orow0 + w.qr + (e >> 1) * 8, c = w.acol0 + 8 * j + w.qc + (e & 1);
+      const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r) : (c <= r && ci.seg[r] <= c0 + c);
+      A[j][e] = keep ? A[j][e] * scale * dec[kReverse ? c - r : r - c] : 0.0f;
+    }
+    const int r = w.orow0 + w.qr, c = w.acol0 + 8 * j + w.qc;
+    *reinterpret_cast<uint32_t*>(ab + r * L::kAPitch + c) = PackBf16(A[j][0], A[j][1]);
+    *reinterpret_cast<uint32_t*>(ab + (r + 8) * L::kAPitch + c) = PackBf16(A[j][2], A[j][3]);
+  }
+}
+
+// O = diag(roww) X S with the bf16 state sb as stored ([DH, DH], S[i][j] at row i), or X S^T
+// when kStateT.
+template <int DH, bool kStateT>
+__device__ __forceinline__ void InterChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
+                                           const bf16* xs, const bf16* sb, const float* roww) {
+  using L = SweepLayout<DH, false>;
+#pragma unroll
+  for (int j = 0; j < L::kONT; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < DH / 16; ++ks) {
+    uint32_t fa[4];
+    LoadA(fa, xs, L::kPitch, w.orow0, ks * 16, w.lane);
+#pragma unroll
+    for (int np = 0; np < L::kONT / 2; ++np) {
+      uint32_t fb[4];
+      if constexpr (kStateT) {
+        LoadBNK(fb, sb, L::kPitch, w.ocol0 + np * 16, ks * 16, w.lane);
+      } else {
+        LoadBKN(fb, sb, L::kPitch, w.ocol0 + np * 16, ks * 16, w.lane);
+      }
+      Mma(O[2 * np], fa, fb[0], fb[1]);
+      Mma(O[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+  const float w0 = roww[w.orow0 + w.qr], w1 = roww[w.orow0 + w.qr + 8];
+#pragma unroll
+  for (int j = 0; j < L::kONT; ++j) O[j][0] *= w0, O[j][1] *= w0, O[j][2] *= w1, O[j][3] *= w1;
+}
+
+// O += (masked scores) Z, the scores from the exchange tile.
+template <int DH>
+__device__ __forceinline__ void IntraChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
+                                           const bf16* ab, const bf16* zs) {
+  using L = SweepLayout<DH, false>;
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    uint32_t fa[4];
+    LoadA(fa, ab, L::kAPitch, w.orow0, ks * 16, w.lane);
+#pragma unroll
+    for (int np = 0; np < L::kONT / 2; ++np) {
+      uint32_t fb[4];
+      LoadBKN(fb, zs, L::kPitch, w.ocol0 + np * 16, ks * 16, w.lane);
+      Mma(O[2 * np], fa, fb[0], fb[1]);
+      Mma(O[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+
+// The chunk's output rows below len as bf16 (out points at the chunk's first row of the head).
+template <int DH>
+__device__ __forceinline__ void StoreOut(const WarpPlace<DH>& w, const float (&O)[DH / 16][4],
+                                         bf16* out, int64_t stride, int len) {
+  const int r0 = w.orow0 + w.qr, r1 = r0 + 8;
+#pragma unroll
+  for (int j = 0; j < DH / 16; ++j) {
+    const int c = w.ocol0 + 8 * j + w.qc;
+    if (r0 < len) *reinterpret_cast<uint32_t*>(out + r0 * stride + c) = PackBf16(O[j][0], O[j][1]);
+    if (r1 < len) *reinterpret_cast<uint32_t*>(out + r1 * stride + c) = PackBf16(O[j][2], O[j][3]);
+  }
+}
+
+// S = f S + (colw o Y)^T Z on the warp's state tile.
+template <int DH>
+__device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
+                                            float (&S)[SweepLayout<DH, false>::kSNT][4],
+                                            const bf16* ys, const bf16* zs, const float* colw,
+                                            float f) {
+  using L = SweepLayout<DH, false>;
+#pragma unroll
+  for (int j = 0; j < L::kSNT; ++j) S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    uint32_t fa[4];
+    LoadAT(fa, ys, L::kPitch, w.srow0, ks * 16, w.lane);
+    // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
+    const int t0 = ks * 16 + w.qc;
+    const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
+    fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
+    fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
+#pragma unroll
+    for (int np = 0; np < L::kSNT / 2; ++np) {
+      uint32_t fb[4];
+      LoadBKN(fb, zs, L::kPitch, w.scol0 + np * 16, ks * 16, w.lane);
+      Mma(S[2 * np], fa, fb[0], fb[1]);
+      Mma(S[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+
+// The warp's state tile as bf16 into sb.
+template <int DH>
+__device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
+                                            const float (&S)[SweepLayout<DH, false>::kSNT][4],
+                                            bf16* sb) {
+  using L = SweepLayout<DH, false>;
+#pragma unroll
+  for (int j = 0; j < L::kSNT; ++j) {
+    const int r = w.srow0 + w.qr, c = w.scol0 + 8 * j + w.qc;
+    *reinterpret_cast<uint32_t*>(sb + r * L::kPitch + c) = PackBf16(S[j][0], S[j][1]);
+    *reinterpret_cast<uint32_t*>(sb + (r + 8) * L::kPitch + c) = PackBf16(S[j][2], S[j][3]);
+  }
+}
+
+// The warp's state tile from a [DH, DH] fp32 start state (read transposed when `transpose`),
+// and its bf16 copy into sb.
+template <int DH>
+__device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
+                                               float (&S)[SweepLayout<DH, false>::kSNT][4],
+                                               const float* p0, bool transpose, bf16* sb) {
+  using L = SweepLayout<DH, false>;
+#pragma unroll
+  for (int j = 0; j < L::kSNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = w.srow0 + w.qr + (e >> 1) * 8, c = w.scol0 + 8 * j + w.qc + (e & 1);
+      S[j][e] = transpose ? p0[c * DH + r] : p0[r * DH + c];
+    }
+  }
+  StateToTile<DH>(w, S, sb);
+}
+
 template <int DH, bool kReverse, bool kStateOnly, bool kDoubleBuffer>
 __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   using L = SweepLayout<DH, kDoubleBuffer>;
@@ -167,8 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   bf16* ab = reinterpret_cast<bf16*>(smem + L::kA);
 
   const int g = blockIdx.x, h = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int qr = lane >> 2, qc = (lane & 3) * 2;  // fragment row / column within a tile
+  const WarpPlace<DH> w;
   const int first = g * a.chunks_per_block;
   const int count = min(a.chunks_per_block, a.n_chunks - first);
   auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
@@ -183,34 +357,17 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     if constexpr (!kStateOnly) LoadTileAsync<DH>(xs, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
   }
 
-  // State tile of this warp: rows srow0 + {qr, qr + 8}, columns scol0 + 8 j + qc + {0, 1}.
-  const int srow0 = (warp % L::kRowTiles) * 16, scol0 = (warp / L::kRowTiles) * L::kSCols;
   float S[L::kSNT][4];
   const int64_t state_off = (static_cast<int64_t>(h) * a.G + g) * DH * DH;
   if constexpr (kStateOnly) {
 #pragma unroll
     for (int j = 0; j < L::kSNT; ++j) S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.0f;
   } else {
-    const float* p0 = a.start + state_off;
-#pragma unroll
-    for (int j = 0; j < L::kSNT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = srow0 + qr + (e >> 1) * 8, c = scol0 + 8 * j + qc + (e & 1);
-        S[j][e] = a.transpose_start ? p0[c * DH + r] : p0[r * DH + c];
-      }
-      const int r = srow0 + qr, c = scol0 + 8 * j + qc;
-      *reinterpret_cast<uint32_t*>(sb + r * L::kPitch + c) = PackBf16(S[j][0], S[j][1]);
-      *reinterpret_cast<uint32_t*>(sb + (r + 8) * L::kPitch + c) = PackBf16(S[j][2], S[j][3]);
-    }
+    LoadStartState<DH>(w, S, a.start + state_off, a.transpose_start, sb);
   }
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
   float f_prod = 1.0f;
-
-  // Output tile of this warp: rows orow0 + {qr, qr + 8}, columns ocol0 + 8 j + qc + {0, 1}; its
-  // score half covers columns (tokens) acol0 .. acol0 + 31.
-  const int orow0 = (warp >> 1) * 16, ocol0 = (warp & 1) * (DH / 2), acol0 = (warp & 1) * 32;
 
   for (int n = 0; n < count; ++n) {
     const int c0 = chunk_of(n) * kChunk;
@@ -231,60 +388,11 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     }
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
-    const int len = ci.len;
 
     float O[L::kONT][4];
     if constexpr (!kStateOnly) {
-      // Scores for rows orow0.., tokens acol0..acol0+31: X Y^T over DH.
-      float A[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) A[j][0] = A[j][1] = A[j][2] = A[j][3] = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < DH / 16; ++ks) {
-        uint32_t fa[4];
-        LoadA(fa, xs, L::kPitch, orow0, ks * 16, lane);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t fb[4];
-          LoadBNK(fb, ys, L::kPitch, acol0 + np * 16, ks * 16, lane);
-          Mma(A[2 * np], fa, fb[0], fb[1]);
-          Mma(A[2 * np + 1], fa, fb[2], fb[3]);
-        }
-      }
-      // Mask, decay and scale, then the bf16 exchange tile.
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = orow0 + qr + (e >> 1) * 8, c = acol0 + 8 * j + qc + (e & 1);
-          const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r)
-                                     : (c <= r && ci.seg[r] <= c0 + c);
-          A[j][e] = keep ? A[j][e] * a.scale * dec[kReverse ? c - r : r - c] : 0.0f;
-        }
-        const int r = orow0 + qr, c = acol0 + 8 * j + qc;
-        *reinterpret_cast<uint32_t*>(ab + r * L::kAPitch + c) = PackBf16(A[j][0], A[j][1]);
-        *reinterpret_cast<uint32_t*>(ab + (r + 8) * L::kAPitch + c) = PackBf16(A[j][2], A[j][3]);
-      }
-      // Inter-chunk part: diag(rowW) X S.
-#pragma unroll
-      for (int j = 0; j < L::kONT; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < DH / 16; ++ks) {
-        uint32_t fa[4];
-        LoadA(fa, xs, L::kPitch, orow0, ks * 16, lane);
-#pragma unroll
-        for (int np = 0; np < L::kONT / 2; ++np) {
-          uint32_t fb[4];
-          LoadBKN(fb, sb, L::kPitch, ocol0 + np * 16, ks * 16, lane);
-          Mma(O[2 * np], fa, fb[0], fb[1]);
-          Mma(O[2 * np + 1], fa, fb[2], fb[3]);
-        }
-      }
-      const float w0 = roww[orow0 + qr], w1 = roww[orow0 + qr + 8];
-#pragma unroll
-      for (int j = 0; j < L::kONT; ++j) {
-        O[j][0] *= w0, O[j][1] *= w0, O[j][2] *= w1, O[j][3] *= w1;
-      }
+      ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
+      InterChunk<DH, false>(w, O, xs, sb, roww);
     }
     __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
     if constexpr (!kStateOnly) {
@@ -292,65 +400,15 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
         const int c1 = chunk_of(n + 1) * kChunk;
         LoadTileAsync<DH>(xs, a.x + c1 * a.x_stride + hoff, a.x_stride, min(kChunk, a.T - c1));
       }
-      // Intra-chunk part: (masked scores) Z.
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        uint32_t fa[4];
-        LoadA(fa, ab, L::kAPitch, orow0, ks * 16, lane);
-#pragma unroll
-        for (int np = 0; np < L::kONT / 2; ++np) {
-          uint32_t fb[4];
-          LoadBKN(fb, zs, L::kPitch, ocol0 + np * 16, ks * 16, lane);
-          Mma(O[2 * np], fa, fb[0], fb[1]);
-          Mma(O[2 * np + 1], fa, fb[2], fb[3]);
-        }
-      }
-      bf16* out = a.out + static_cast<int64_t>(c0) * a.out_stride + hoff;
-      const int r0 = orow0 + qr, r1 = r0 + 8;
-#pragma unroll
-      for (int j = 0; j < L::kONT; ++j) {
-        const int c = ocol0 + 8 * j + qc;
-        if (r0 < len) {
-          *reinterpret_cast<uint32_t*>(out + r0 * a.out_stride + c) = PackBf16(O[j][0], O[j][1]);
-        }
-        if (r1 < len) {
-          *reinterpret_cast<uint32_t*>(out + r1 * a.out_stride + c) = PackBf16(O[j][2], O[j][3]);
-        }
-      }
+      IntraChunk<DH>(w, O, ab, zs);
+      StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + hoff, a.out_stride,
+                   ci.len);
     }
     // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
     if (kStateOnly || n + 1 < count) {
-      const float f = ci.f;
-      f_prod *= f;
-#pragma unroll
-      for (int j = 0; j < L::kSNT; ++j) {
-        S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
-      }
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        uint32_t fa[4];
-        LoadAT(fa, ys, L::kPitch, srow0, ks * 16, lane);
-        // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
-        const int t0 = ks * 16 + qc;
-        const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-        fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
-        fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
-#pragma unroll
-        for (int np = 0; np < L::kSNT / 2; ++np) {
-          uint32_t fb[4];
-          LoadBKN(fb, zs, L::kPitch, scol0 + np * 16, ks * 16, lane);
-          Mma(S[2 * np], fa, fb[0], fb[1]);
-          Mma(S[2 * np + 1], fa, fb[2], fb[3]);
-        }
-      }
-      if constexpr (!kStateOnly) {
-#pragma unroll
-        for (int j = 0; j < L::kSNT; ++j) {
-          const int r = srow0 + qr, c = scol0 + 8 * j + qc;
-          *reinterpret_cast<uint32_t*>(sb + r * L::kPitch + c) = PackBf16(S[j][0], S[j][1]);
-          *reinterpret_cast<uint32_t*>(sb + (r + 8) * L::kPitch + c) = PackBf16(S[j][2], S[j][3]);
-        }
-      }
+      f_prod *= ci.f;
+      UpdateState<DH>(w, S, ys, zs, colw, ci.f);
+      if constexpr (!kStateOnly) StateToTile<DH>(w, S, sb);
     }
     if constexpr (!kDoubleBuffer) {
       __syncthreads();  // B3: every warp is done with Y and Z
@@ -366,11 +424,99 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     float* out = a.U + state_off;
 #pragma unroll
     for (int j = 0; j < L::kSNT; ++j) {
-      const int r = srow0 + qr, c = scol0 + 8 * j + qc;
+      const int r = w.srow0 + w.qr, c = w.scol0 + 8 * j + w.qc;
       *reinterpret_cast<float2*>(out + r * DH + c) = make_float2(S[j][0], S[j][1]);
       *reinterpret_cast<float2*>(out + (r + 8) * DH + c) = make_float2(S[j][2], S[j][3]);
     }
     if (threadIdx.x == 0 && a.F != nullptr) a.F[h * a.G + g] = f_prod;
+  }
+}
+
+// ---- The fused dk / dv reverse sweep ----------------------------------------------------------------
+// One reverse pass over a block's chunks carrying dS (the state gradient, as the dv sweep does):
+//   dk = diag(kw) V dS^T + (Mask^T o V dO^T) Q
+//   dv = diag(kw) K dS   + (Mask^T o K Q^T) dO,       dS = f dS + (qw o Q)^T dO
+// Four tiles per chunk (q, k, v, dO) instead of six, one state update instead of two. Shared
+// memory at DH=128: 4 tiles, the bf16 state, the score tile, info: 115,476 bytes, so two blocks
+// still share an SM. Five barriers per chunk; v and k for the next chunk are fetched as soon as
+// their half is done, q and dO after the state update.
+template <int DH>
+struct DkDvLayout {
+  using L = SweepLayout<DH, false>;
+  static constexpr int kQ = 0;
+  static constexpr int kO = kQ + L::kTile * 2;
+  static constexpr int kV = kO + L::kTile * 2;
+  static constexpr int kK = kV + L::kTile * 2;
+  static constexpr int kS = kK + L::kTile * 2;
+  static constexpr int kA = kS + DH * L::kPitch * 2;
+  static constexpr int kInfo = kA + kChunk * L::kAPitch * 2;
+  static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
+  static constexpr int kBytes = kDec + 65 * 4;
+};
+
+template <int DH>
+__global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
+  using L = SweepLayout<DH, false>;
+  using D = DkDvLayout<DH>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
+  bf16* os = reinterpret_cast<bf16*>(smem + D::kO);
+  bf16* vs = reinterpret_cast<bf16*>(smem + D::kV);
+  bf16* ks = reinterpret_cast<bf16*>(smem + D::kK);
+  bf16* sb = reinterpret_cast<bf16*>(smem + D::kS);
+  bf16* ab = reinterpret_cast<bf16*>(smem + D::kA);
+  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
+  float* dec = reinterpret_cast<float*>(smem + D::kDec);
+
+  const int g = blockIdx.x, h = blockIdx.y;
+  const WarpPlace<DH> w;
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  auto chunk_of = [&](int n) { return first + count - 1 - n; };
+  const int64_t hoff = static_cast<int64_t>(h) * DH;
+  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
+    const int c = chunk_of(n) * kChunk;
+    LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
+  };
+
+  FillDecay(a.log_decay[h], dec);
+  load(qs, a.q, a.qkv_stride, 0), load(os, a.dout, a.dout_stride, 0);
+  load(vs, a.v, a.qkv_stride, 0), load(ks, a.k, a.qkv_stride, 0);
+  float S[L::kSNT][4];
+  LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false, sb);
+  __syncthreads();  // dec
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+
+  for (int n = 0; n < count; ++n) {
+    const int c0 = chunk_of(n) * kChunk;
+    const bool more = n + 1 < count;
+    CpAsyncWaitAll();
+    __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
+    const SweepInfo& ci = infos[n & 1];
+    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+    const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + hoff;
+    float O[L::kONT][4];
+    // dk (X = v, Y = dO, Z = q, state dS^T).
+    ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
+    InterChunk<DH, true>(w, O, vs, sb, ci.kw);
+    __syncthreads();  // B2: scores exchanged; v done
+    if (more) load(vs, a.v, a.qkv_stride, n + 1);
+    IntraChunk<DH>(w, O, ab, qs);
+    StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
+    __syncthreads();  // B3: every warp is done with the score tile
+    // dv (X = k, Y = q, Z = dO, state dS).
+    ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
+    InterChunk<DH, false>(w, O, ks, sb, ci.kw);
+    __syncthreads();  // B4: scores exchanged; k and the bf16 state done
+    if (more) load(ks, a.k, a.qkv_stride, n + 1);
+    IntraChunk<DH>(w, O, ab, os);
+    StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
+    if (more) {
+      UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
+      StateToTile<DH>(w, S, sb);
+    }
+    __syncthreads();  // B5: every warp is done with q, dO and the score tile
+    if (more) load(qs, a.q, a.qkv_stride, n + 1), load(os, a.dout, a.dout_stride, n + 1);
   }
 }
 
@@ -400,7 +546,23 @@ Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStre
                  : LaunchSweepT<DH, false, false>(a, stream);
 }
 
+template <int DH>
+Status LaunchDkDvT(const DkDvArgs& a, cudaStream_t stream) {
+  constexpr int kSmem = DkDvLayout<DH>::kBytes;
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(DkDvKernel<DH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  DkDvKernel<DH><<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
+  if (dh == 64) return LaunchDkDvT<64>(a, stream);
+  if (dh == 128) return LaunchDkDvT<128>(a, stream);
+  return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};
+}
 
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream) {

@@ -153,8 +153,11 @@ TEST_F(Lightning, DocumentsOnAndOffTheChunkGridAllLaunchConfigs) {
   const Result want = Cpu();
   for (int stages : {1, 2}) {
     for (int cpb : {1, 3, 8, 0}) {
-      SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " + std::to_string(stages));
-      Compare(Gpu({cpb, stages}), want);
+      for (bool separate : {false, true}) {
+        SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " +
+                     std::to_string(stages) + (separate ? " separate dk, dv" : " fused dk, dv"));
+        Compare(Gpu({cpb, stages, separate}), want);
+      }
     }
   }
 }
@@ -180,9 +183,11 @@ TEST_F(Lightning, ManyShortDocumentsBothHeadSizes) {
     const Result want = Cpu();
     for (int stages : {1, 2}) {
       for (int cpb : {1, 5}) {
-        SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " +
-                     std::to_string(stages));
-        Compare(Gpu({cpb, stages}), want);
+        for (bool separate : {false, true}) {
+          SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) + " stages " +
+                       std::to_string(stages) + (separate ? " separate dk, dv" : " fused dk, dv"));
+          Compare(Gpu({cpb, stages, separate}), want);
+        }
       }
     }
   }
