@@ -8,7 +8,7 @@
 // on every rank: ZeroGrads,
 // ForwardBackward on the rank's zigzag share (ShardForCp), the all-reduce of the gradients over
 // the group (the trainer's job, done here on device_grads() with the same NCCL communicator),
-// GradSquaredNorm, AdamWStep, stream sync. Steps start together (a host barrier) and a step's
+// GradSquaredNorm, OptimizerStep, stream sync. Steps start together (a host barrier) and a step's
 // time is the longest rank's; the table gives the median of the timed steps after the warm-up.
 // Grad scale is 1 / (valid targets of the whole sequence), so cp = N sums to cp = 1's gradient
 // and the first step's loss of every row should agree (a cheap check that the ranks did the same
@@ -246,7 +246,7 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
     }
     auto norm = m.GradSquaredNorm();
     if (!norm.ok()) return norm.status();
-    BENCH_RETURN_IF_ERROR(m.AdamWStep(spec, 1e-4, 1.0f));
+    BENCH_RETURN_IF_ERROR(m.OptimizerStep(spec, 1e-4, 1.0f));
     BENCH_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(m.stream()), "cudaStreamSynchronize"));
     if (res.step_s.empty()) res.first_loss_sum = ls->loss_sum;
     res.loss_sum = ls->loss_sum;

@@ -417,7 +417,7 @@ int main(int argc, char** argv) {
     const int64_t n = 100'000'000;
     Buf p(n, cu::DType::kFloat32), g(n, cu::DType::kFloat32, 0.01f), m(n, cu::DType::kFloat32, 0.0f),
         v(n, cu::DType::kFloat32, 0.0f, 0.0f), pb(n, kBf16);
-    std::vector<cu::AdamWTensor> ts;
+    std::vector<cu::OptimizerTensor> ts;
     const int64_t parts = 100;
     for (int64_t i = 0; i < parts; ++i) {
       const int64_t off = i * (n / parts);

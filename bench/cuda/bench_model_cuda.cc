@@ -89,7 +89,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
         if (!ls.ok()) st = ls.status();
         if (st.ok()) {
           auto norm = m.GradSquaredNorm();
-          st = norm.ok() ? m.AdamWStep(spec, 1e-4, 1.0f) : norm.status();
+          st = norm.ok() ? m.OptimizerStep(spec, 1e-4, 1.0f) : norm.status();
         }
         if (st.ok() && cudaStreamSynchronize(m.stream()) != cudaSuccess)
           st = absl::InternalError("stream sync failed");
@@ -122,7 +122,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       };
       const double fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
       const double opt_ms = timed_ms([&] {
-        return m.GradSquaredNorm().ok() && m.AdamWStep(spec, 1e-4, 1.0f).ok();
+        return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
       });
       std::printf("| %lld | %d | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
                   static_cast<long long>(T), rec, t * 1e3, fwd_ms, opt_ms, T / t,

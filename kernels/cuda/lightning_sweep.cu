@@ -438,8 +438,8 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 //   dv = diag(kw) K dS   + (Mask^T o K Q^T) dO,       dS = f dS + (qw o Q)^T dO
 // Four tiles per chunk (q, k, v, dO) instead of six, one state update instead of two. Shared
 // memory at DH=128: 4 tiles, the bf16 state, the score tile, info: 115,476 bytes, so two blocks
-// still share an SM. Five barriers per chunk; v and k for the next chunk are fetched as soon as
-// their half is done, q and dO after the state update.
+// still share an SM. Five barriers per chunk; the next chunk's v is fetched once the dk scores
+// are done, k and q once the dv scores and the state update (in registers) are, dO last.
 template <int DH>
 struct DkDvLayout {
   using L = SweepLayout<DH, false>;
@@ -504,19 +504,18 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     IntraChunk<DH>(w, O, ab, qs);
     StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
     __syncthreads();  // B3: every warp is done with the score tile
-    // dv (X = k, Y = q, Z = dO, state dS).
+    // dv (X = k, Y = q, Z = dO, state dS), and the state update, the last use of q.
+    // (The registers' update may run before X dS: that reads the bf16 copy.)
     ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
+    if (more) UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
     InterChunk<DH, false>(w, O, ks, sb, ci.kw);
-    __syncthreads();  // B4: scores exchanged; k and the bf16 state done
-    if (more) load(ks, a.k, a.qkv_stride, n + 1);
+    __syncthreads();  // B4: scores exchanged; k, q and the bf16 state done
+    if (more) load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
     IntraChunk<DH>(w, O, ab, os);
     StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
-    if (more) {
-      UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
-      StateToTile<DH>(w, S, sb);
-    }
-    __syncthreads();  // B5: every warp is done with q, dO and the score tile
-    if (more) load(qs, a.q, a.qkv_stride, n + 1), load(os, a.dout, a.dout_stride, n + 1);
+    if (more) StateToTile<DH>(w, S, sb);
+    __syncthreads();  // B5: every warp is done with dO and the score tile
+    if (more) load(os, a.dout, a.dout_stride, n + 1);
   }
 }
 

@@ -107,10 +107,11 @@ Status CrossEntropy(const void* logits, const int32_t* targets, int64_t T, int64
 // *sum = sum of x[0..n) (double, fixed order; one block). For losses and squared norms.
 Status SumRows(const float* x, int64_t n, double* sum, cudaStream_t stream);
 
-// ---- Multi-tensor AdamW ------------------------------------------------------------------------------
-// One parameter tensor: fp32 master p, gradient g, moments m, v (all n values), and an optional
-// bf16 copy of the updated p (p_bf16, nullable) for the forward pass.
-struct AdamWTensor {
+// ---- Multi-tensor optimizers --------------------------------------------------------------------------
+// One parameter tensor: fp32 master p, gradient g, optimizer state m, v (n values each; AdamW's
+// moments, or SGD's momentum buffer in m, v unused; state a rule does not use may be null), and
+// an optional bf16 copy of the updated p (p_bf16, nullable) for the forward pass.
+struct OptimizerTensor {
   float* p;
   const float* g;
   float* m;
@@ -126,8 +127,16 @@ struct AdamWHyper {
 };
 // Updates every tensor in as few launches as their count allows (tensor table in kernel args).
 // Matches cpu::AdamWStep: p -= lr * (wd * p + mhat / (sqrt(vhat) + eps)).
-Status AdamWMultiTensor(const AdamWTensor* tensors, int64_t n_tensors, const AdamWHyper& hp,
+Status AdamWMultiTensor(const OptimizerTensor* tensors, int64_t n_tensors, const AdamWHyper& hp,
                         cudaStream_t stream);
+struct SgdHyper {
+  float lr, momentum;  // momentum 0: no buffer (m unused)
+  float grad_scale;    // g is multiplied by this first
+};
+// Matches cpu::SgdStep: d = g + wd * p; with momentum m = momentum * m + d, p -= lr * m; without,
+// p -= lr * d.
+Status SgdMultiTensor(const OptimizerTensor* tensors, int64_t n_tensors, const SgdHyper& hp,
+                      cudaStream_t stream);
 
 // ---- Glue of the model ---------------------------------------------------------------------------
 // dst[t, h, j] = src[t, h, j] for j < width over [T, H] rows of strided views (token and head

@@ -167,36 +167,60 @@ TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
   EXPECT_EQ(fwd->n_valid, plain->n_valid);
 }
 
-TEST(CudaModel, AdamWMatchesTheCpuOptimizer) {
+TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();
   const uint32_t seed = FreshSeed();
   const Batch b = RandomBatch(c, 120, 40, seed);
-  auto m = *CudaModel::Create(c, seed);
-  ASSERT_TRUE(m->ForwardBackward(b, 1.0f / b.NumValidTargets(), false).ok());
-  ASSERT_TRUE(m->DownloadGrads().ok());
-  ParamSet& host = m->host_params();
-  const std::vector<float> before(host.flat_data().f32(), host.flat_data().f32() + host.numel());
-  TrainSpec spec;
-  spec.weight_decay = 0.1;
-  const double lr = 1e-2;
-  const float clip = 0.5f;
-  // The CPU optimizer on the GPU's own gradients (scaled as the GPU scales them).
-  for (int64_t i = 0; i < host.numel(); ++i) host.flat_grad().f32()[i] *= clip;
-  Optimizer cpu_opt(spec, host);
-  for (int step = 0; step < 2; ++step) {
-    cpu_opt.Step(lr);
-    ASSERT_TRUE(m->AdamWStep(spec, lr, clip).ok());
+  for (const auto& [name, momentum] :
+       {std::pair<std::string, double>{"adamw", 0.0}, {"sgd", 0.9}, {"sgd", 0.0}}) {
+    SCOPED_TRACE(name + " momentum " + std::to_string(momentum));
+    auto m = *CudaModel::Create(c, seed);
+    const int64_t fixed_before = m->memory().fixed;
+    ASSERT_TRUE(m->ForwardBackward(b, 1.0f / b.NumValidTargets(), false).ok());
+    ASSERT_TRUE(m->DownloadGrads().ok());
+    ParamSet& host = m->host_params();
+    const std::vector<float> before(host.flat_data().f32(),
+                                    host.flat_data().f32() + host.numel());
+    TrainSpec spec;
+    spec.optimizer = name;
+    spec.momentum = momentum;
+    spec.weight_decay = 0.1;
+    const double lr = name == "sgd" ? 0.5 : 1e-2;
+    const float clip = 0.5f;
+    // The CPU optimizer on the GPU's own gradients (scaled as the GPU scales them).
+    for (int64_t i = 0; i < host.numel(); ++i) host.flat_grad().f32()[i] *= clip;
+    Optimizer cpu_opt(spec, host);
+    for (int step = 0; step < 2; ++step) {
+      cpu_opt.Step(lr);
+      ASSERT_TRUE(m->OptimizerStep(spec, lr, clip).ok());
+    }
+    // The state the optimizer keeps, and nothing more: AdamW two moments, SGD with momentum one.
+    const int64_t states = name == "adamw" ? 2 : momentum > 0 ? 1 : 0;
+    EXPECT_EQ(m->memory().fixed - fixed_before, states * host.numel() * 4);
+    const std::vector<float> want(host.flat_data().f32(), host.flat_data().f32() + host.numel());
+    ASSERT_TRUE(m->DownloadParams().ok());
+    EXPECT_EQ(m->steps_taken(), 2);
+    int64_t bad = 0, moved = 0;
+    for (int64_t i = 0; i < host.numel(); ++i) {
+      const double d = std::fabs(double(host.flat_data().f32()[i]) - want[i]);
+      bad += d > 1e-5 * (1.0 + std::fabs(double(want[i]))) + 1e-4 * std::fabs(want[i] - before[i]);
+      moved += want[i] != before[i];
+    }
+    EXPECT_EQ(bad, 0) << "of " << host.numel();
+    EXPECT_GT(moved, host.numel() / 2);
+    if (momentum > 0) {
+      Tensor dm, dv;
+      ASSERT_TRUE(m->DownloadOptimizerState(&dm, &dv).ok());
+      EXPECT_EQ(dv.numel(), 0) << "SGD keeps no second moment";
+      ASSERT_EQ(dm.numel(), host.numel());
+      int64_t bad_m = 0;
+      for (int64_t i = 0; i < host.numel(); ++i)
+        bad_m += std::fabs(dm.f32()[i] - cpu_opt.state0().f32()[i]) >
+                 1e-5 * (1.0 + std::fabs(cpu_opt.state0().f32()[i]));
+      EXPECT_EQ(bad_m, 0);
+    }
   }
-  const std::vector<float> want(host.flat_data().f32(), host.flat_data().f32() + host.numel());
-  ASSERT_TRUE(m->DownloadParams().ok());
-  EXPECT_EQ(m->steps_taken(), 2);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < host.numel(); ++i) {
-    const double d = std::fabs(double(host.flat_data().f32()[i]) - want[i]);
-    bad += d > 1e-5 * (1.0 + std::fabs(double(want[i]))) + 1e-4 * std::fabs(want[i] - before[i]);
-  }
-  EXPECT_EQ(bad, 0) << "of " << host.numel();
 }
 
 TEST(CudaModel, BadBatchesAreRefused) {

@@ -577,7 +577,7 @@ TEST_F(CudaOnly, AdamWMultiTensorMatchesCpuAcrossLaunches) {
   sizes.push_back(11 * 1000 * 1000 + 17);
   AdamWHyper hp{1e-3f, 0.9f, 0.95f, 1e-8f, 7, 0.5f};
   std::vector<DeviceBuffer> bufs;
-  std::vector<AdamWTensor> tensors;
+  std::vector<OptimizerTensor> tensors;
   std::vector<std::vector<float>> p, g, m, v;
   for (size_t i = 0; i < sizes.size(); ++i) {
     const int64_t n = sizes[i];
@@ -618,7 +618,7 @@ TEST_F(CudaOnly, AdamWManyTensorsMisalignedAndWithoutBf16Copy) {
   const int64_t n_t = 130;
   AdamWHyper hp{3e-4f, 0.9f, 0.999f, 1e-8f, 3, 1.0f};
   std::vector<DeviceBuffer> bufs;
-  std::vector<AdamWTensor> tensors;
+  std::vector<OptimizerTensor> tensors;
   std::vector<std::vector<float>> p, g, m, v;
   std::vector<int64_t> sizes;
   for (int64_t i = 0; i < n_t; ++i) {
@@ -659,6 +659,68 @@ TEST_F(CudaOnly, AdamWManyTensorsMisalignedAndWithoutBf16Copy) {
                   what + " p bf16");
     }
   }
+}
+
+TEST_F(CudaOnly, SgdMultiTensorMatchesCpuWithAndWithoutMomentum) {
+  std::mt19937 rng(testing::FreshSeed());
+  // 70 tensors (two launches), every third shifted by one float (scalar path), every fourth
+  // without a bf16 copy, odd sizes around the per-block chunk; no v at all, no m without momentum.
+  for (const float momentum : {0.9f, 0.0f}) {
+    SCOPED_TRACE("momentum " + std::to_string(momentum));
+    const int64_t n_t = 70;
+    const SgdHyper hp{2e-2f, momentum, 0.75f};
+    std::vector<DeviceBuffer> bufs;
+    std::vector<OptimizerTensor> tensors;
+    std::vector<std::vector<float>> p, g, m;
+    std::vector<int64_t> sizes;
+    for (int64_t i = 0; i < n_t; ++i) {
+      const int64_t n = i % 13 == 0 ? 8192 * 2 + 3 : 1 + static_cast<int64_t>(rng() % 3000);
+      sizes.push_back(n);
+      const int off = i % 3 == 1 ? 1 : 0;
+      p.push_back(Normal(rng, n));
+      g.push_back(Normal(rng, n));
+      m.push_back(Normal(rng, n, 0.1f));
+      float* ptr[3];
+      int k = 0;
+      for (const auto* src : {&p[i], &g[i], &m[i]}) {
+        std::vector<float> padded(off, 0.0f);
+        padded.insert(padded.end(), src->begin(), src->end());
+        bufs.push_back(Upload(padded, DType::kFloat32));
+        ptr[k++] = bufs.back().as<float>() + off;
+      }
+      void* pb = nullptr;
+      if (i % 4 != 0) {
+        bufs.emplace_back((n + off) * 2 + 16);
+        pb = static_cast<char*>(bufs.back().get()) + 2 * off;
+      }
+      tensors.push_back({ptr[0], ptr[1], momentum > 0 ? ptr[2] : nullptr, nullptr, pb, n,
+                         i % 5 == 0 ? 0.0f : 0.1f});
+    }
+    ASSERT_OK(SgdMultiTensor(tensors.data(), n_t, hp, 0));
+    for (int64_t i = 0; i < n_t; ++i) {
+      auto gs = g[i];
+      for (auto& e : gs) e *= hp.grad_scale;
+      cpu::SgdStep(p[i].data(), gs.data(), momentum > 0 ? m[i].data() : nullptr, sizes[i], hp.lr,
+                   momentum, tensors[i].weight_decay);
+      const std::string what = "tensor " + std::to_string(i);
+      ExpectClose(Download(tensors[i].p, sizes[i], DType::kFloat32), p[i], DType::kFloat32,
+                  what + " p");
+      if (momentum > 0) {
+        ExpectClose(Download(tensors[i].m, sizes[i], DType::kFloat32), m[i], DType::kFloat32,
+                    what + " m");
+      }
+      if (tensors[i].p_bf16 != nullptr) {
+        ExpectClose(Download(tensors[i].p_bf16, sizes[i], DType::kBFloat16), p[i],
+                    DType::kBFloat16, what + " p bf16");
+      }
+    }
+  }
+  // A rule's state that is missing is named, and nothing runs.
+  DeviceBuffer x(64 * 4);
+  OptimizerTensor t{x.as<float>(), x.as<float>(), nullptr, nullptr, nullptr, 16, 0.0f};
+  const Status st = SgdMultiTensor(&t, 1, {1e-2f, 0.9f, 1.0f}, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("lacks the optimizer state"), std::string::npos) << st.message();
 }
 
 TEST_F(CudaOnly, CachingAllocatorReusesBlocksAndCounts) {

@@ -1,8 +1,9 @@
 // The trainer's device path (resources "cuda", worker/engine/step_backend.h) without a GPU: a
 // StepBackend that runs the CPU Model as its "device", with a separate host mirror, stands in for
 // CudaModel. With it the device path must reproduce the CPU path bit for bit (averaging, norm,
-// clipping, AdamW, data parallel on the host), download before every checkpoint and upload on
-// every resume, so checkpoints cross between the engines; evaluation on the device equals the
+// clipping, the optimizers: AdamW, SGD with and without momentum; data parallel on the host),
+// download before every checkpoint and upload on every resume, so checkpoints cross between the
+// engines (AdamW's and SGD's state); evaluation on the device equals the
 // CPU's; context parallelism (cp = 2, and dp = 2 x cp = 2) through the backend's SetCp and CpBatch
 // forms equals the CPU trainer's CP run. Device collectives: when every rank reports a device of
 // its own, the trainer sums gradients with the backend's AllReduceGrads and hands its device CP
@@ -31,8 +32,8 @@ namespace spindle {
 namespace {
 
 // The CPU Model as a device: its ParamSet is device memory, a second ParamSet (same layout) the
-// host mirror, AdamW the CPU Optimizer's loop. The counters (all instances, all threads) show
-// that the trainer drove CP through the backend.
+// host mirror, the optimizers the CPU Optimizer's loop. The counters (all instances, all threads)
+// show that the trainer drove CP through the backend.
 class CpuDeviceBackend final : public StepBackend {
  public:
   static std::atomic<int64_t> cp_groups_set;      // SetCp calls with a group of size > 1
@@ -82,13 +83,24 @@ class CpuDeviceBackend final : public StepBackend {
     Tensor& g = dev_->params().flat_grad();
     return kernels::cpu::SumSquares(g.f32(), g.numel());
   }
-  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) override {
+  // As CudaModel: the state an optimizer keeps comes with its first step (AdamW m and v, SGD
+  // with momentum m, plain SGD none).
+  absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override {
     ParamSet& P = dev_->params();
+    const bool adamw = spec.optimizer == "adamw";
+    if ((adamw || spec.momentum > 0) && m_.numel() == 0) m_ = Tensor::Zeros({P.numel()});
+    if (adamw && v_.numel() == 0) v_ = Tensor::Zeros({P.numel()});
     if (grad_scale != 1.0f) kernels::cpu::Scale(P.flat_grad().f32(), P.numel(), grad_scale);
     ++steps_;
     for (int i = 0; i < P.size(); ++i) {
       const ParamInfo& p = P.info(i);
       const float wd = p.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
+      if (!adamw) {
+        kernels::cpu::SgdStep(P.data(i), P.grad(i),
+                              spec.momentum > 0 ? m_.f32() + p.offset : nullptr, p.numel,
+                              static_cast<float>(lr), static_cast<float>(spec.momentum), wd);
+        continue;
+      }
       kernels::cpu::AdamWParams hp{static_cast<float>(lr),
                                    static_cast<float>(spec.beta1),
                                    static_cast<float>(spec.beta2),
@@ -114,12 +126,19 @@ class CpuDeviceBackend final : public StepBackend {
     return Copy(host_->params().flat_data(), dev_->params().flat_data());
   }
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override {
-    RETURN_IF_ERROR(Copy(m_, *m));
-    return Copy(v_, *v);
+    for (auto [dev, host] : {std::pair{&m_, m}, {&v_, v}}) {
+      if (dev->numel() == 0) continue;  // not kept: left as it is
+      if (host->numel() != dev->numel()) *host = Tensor({dev->numel()});
+      RETURN_IF_ERROR(Copy(*dev, *host));
+    }
+    return absl::OkStatus();
   }
   absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps) override {
-    RETURN_IF_ERROR(Copy(m, m_));
-    RETURN_IF_ERROR(Copy(v, v_));
+    for (auto [host, dev] : {std::pair{&m, &m_}, {&v, &v_}}) {
+      if (host->numel() == 0) continue;
+      if (dev->numel() != host->numel()) *dev = Tensor({host->numel()});
+      RETURN_IF_ERROR(Copy(*host, *dev));
+    }
     steps_ = steps;
     return absl::OkStatus();
   }
@@ -155,8 +174,6 @@ class CpuDeviceBackend final : public StepBackend {
  private:
   CpuDeviceBackend(std::unique_ptr<Model> dev, std::unique_ptr<Model> host)
       : dev_(std::move(dev)), host_(std::move(host)) {
-    m_ = Tensor::Zeros({dev_->params().numel()});
-    v_ = Tensor::Zeros({dev_->params().numel()});
     // The host mirror starts out different from the device, so a missing transfer shows.
     host_->params().flat_data().SetZero();
   }
@@ -267,26 +284,52 @@ TEST(DeviceTrainerTest, StepsMatchTheCpuPathBitForBit) {
   EXPECT_GE(clipped, 2) << "the clipping branch was not exercised";
 }
 
+// spec with train.optimizer = "sgd" and the given momentum (0: none).
+JobSpec WithSgd(JobSpec spec, double momentum) {
+  spec.train.optimizer = "sgd";
+  spec.train.momentum = momentum;
+  return spec;
+}
+
+TEST(DeviceTrainerTest, SgdStepsMatchTheCpuPathBitForBit) {
+  omp_set_num_threads(2);
+  for (const double momentum : {0.9, 0.0}) {
+    SCOPED_TRACE(absl::StrCat("momentum ", momentum));
+    auto cpu = Train(WithSgd(Job(5, "cpu", 1, 2), momentum));
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto dev = Train(WithSgd(Job(5, "cuda", 1, 2), momentum));
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ASSERT_EQ(dev->losses.size(), 5u);
+    EXPECT_EQ(dev->losses, cpu->losses);
+    EXPECT_EQ(dev->params, cpu->params);
+    EXPECT_NE(dev->params, Train(Job(5, "cuda", 1, 2))->params) << "the same as AdamW's";
+  }
+}
+
 TEST(DeviceTrainerTest, CheckpointsResumeAcrossEnginesExactly) {
   omp_set_num_threads(2);
-  JobSpec cpu_spec = Job(6, "cpu"), dev_spec = Job(6, "cuda");
-  cpu_spec.checkpoint.every = dev_spec.checkpoint.every = 3;
-  auto whole = Train(cpu_spec);
-  ASSERT_TRUE(whole.ok()) << whole.status();
-  for (const bool device_first : {true, false}) {
-    SCOPED_TRACE(device_first ? "device, then CPU" : "CPU, then device");
-    const std::string dir = TempDir("ck");
-    auto first = Train(device_first ? dev_spec : cpu_spec, dir, 3);
-    ASSERT_TRUE(first.ok()) << first.status();
-    auto rest = Train(device_first ? cpu_spec : dev_spec, dir);
-    ASSERT_TRUE(rest.ok()) << rest.status();
-    ASSERT_EQ(first->losses.size(), 3u);
-    ASSERT_EQ(rest->losses.size(), 3u);
-    for (int i = 0; i < 3; ++i) {
-      EXPECT_EQ(first->losses[i], whole->losses[i]) << "step " << i + 1;
-      EXPECT_EQ(rest->losses[i], whole->losses[3 + i]) << "step " << i + 4;
+  for (const bool sgd : {false, true}) {
+    JobSpec cpu_spec = Job(6, "cpu"), dev_spec = Job(6, "cuda");
+    if (sgd) cpu_spec = WithSgd(cpu_spec, 0.9), dev_spec = WithSgd(dev_spec, 0.9);
+    cpu_spec.checkpoint.every = dev_spec.checkpoint.every = 3;
+    auto whole = Train(cpu_spec);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    for (const bool device_first : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(sgd ? "SGD with momentum, " : "AdamW, ",
+                                device_first ? "device, then CPU" : "CPU, then device"));
+      const std::string dir = TempDir("ck");
+      auto first = Train(device_first ? dev_spec : cpu_spec, dir, 3);
+      ASSERT_TRUE(first.ok()) << first.status();
+      auto rest = Train(device_first ? cpu_spec : dev_spec, dir);
+      ASSERT_TRUE(rest.ok()) << rest.status();
+      ASSERT_EQ(first->losses.size(), 3u);
+      ASSERT_EQ(rest->losses.size(), 3u);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(first->losses[i], whole->losses[i]) << "step " << i + 1;
+        EXPECT_EQ(rest->losses[i], whole->losses[3 + i]) << "step " << i + 4;
+      }
+      EXPECT_EQ(rest->params, whole->params);
     }
-    EXPECT_EQ(rest->params, whole->params);
   }
 }
 
@@ -418,10 +461,6 @@ TEST(DeviceTrainerTest, WhatTheGpuPathCannotRunFailsAtCreateAndWritesNothing) {
        "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine (build "
        "with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
        "resources \"cpu\")"},
-      {"sgd", [](TrainerOptions& o) { o.spec.train.optimizer = "sgd"; },
-       absl::StatusCode::kUnimplemented,
-       "trainer: train.optimizer \"sgd\" on CUDA is not built yet (the CUDA engine has AdamW "
-       "only)"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

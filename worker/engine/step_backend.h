@@ -62,9 +62,10 @@ class StepBackend {
   virtual absl::StatusOr<LossStats> Forward(const CpBatch& batch) = 0;
   // Sum of squared device gradients.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
-  // AdamW (decay on matrices only, as the CPU Optimizer) with the device gradients multiplied by
-  // grad_scale first. Increments steps_taken().
-  virtual absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) = 0;
+  // The job's optimizer (spec.optimizer, as the CPU Optimizer: AdamW with decay on matrices only,
+  // or SGD with or without momentum) with the device gradients multiplied by grad_scale first.
+  // Increments steps_taken().
+  virtual absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) = 0;
   virtual int64_t steps_taken() const = 0;
 
   // Gradients device <-> host_params().flat_grad() (the data-parallel all-reduce runs on the host).
@@ -73,7 +74,8 @@ class StepBackend {
   // Parameters device <-> host_params().flat_data().
   virtual absl::Status DownloadParams() = 0;
   virtual absl::Status UploadParams() = 0;
-  // AdamW moments (ParamSet flat layout, numel() floats each) and the step count.
+  // Optimizer state (ParamSet flat layout, numel() floats each: AdamW's moments, or SGD's momentum
+  // in m and v empty) and the step count. Download leaves state the device does not keep as is.
   virtual absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) = 0;
   virtual absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
                                             int64_t steps_taken) = 0;

@@ -32,10 +32,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
           "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine "
           "(build with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
           "resources \"cpu\")");
-    if (spec.train.optimizer != "adamw")
-      return absl::UnimplementedError(absl::StrCat(
-          "trainer: train.optimizer \"", spec.train.optimizer,
-          "\" on CUDA is not built yet (the CUDA engine has AdamW only)"));
   }
   t->cp_ = spec.parallel.cp;
   t->dp_ = spec.parallel.dp;
@@ -295,7 +291,7 @@ absl::Status Trainer::DeviceStep() {
   ASSIGN_OR_RETURN(const double sum_squares, backend_->GradSquaredNorm());
   const double grad_norm = std::sqrt(sum_squares);
   const double lr = ScheduledLr(spec.train, state_.step);
-  RETURN_IF_ERROR(backend_->AdamWStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
+  RETURN_IF_ERROR(backend_->OptimizerStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
   FinishStep(t0, loss, lr, grad_norm);
   return absl::OkStatus();
 }

@@ -254,6 +254,8 @@ struct CudaModel::Impl {
   // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
   absl::Status CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
                         cudaMemcpyKind kind);
+  // Allocates (zeroed) the optimizer state buffers asked for that do not exist yet.
+  absl::Status EnsureOptimizerState(bool want_m, bool want_v);
   absl::Status Upload(const Batch& b, const CpLayout* layout);
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
@@ -307,15 +309,15 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->sdpa));
   ParamSet& P = impl->P();
   const int64_t n = P.numel(), H = config.n_heads;
-  for (float** b : {&impl->p, &impl->g, &impl->m, &impl->v}) CUDA(cudaMalloc(b, n * 4));
+  // The optimizer state (m, v) comes with the first optimizer step or state upload: AdamW needs
+  // both, SGD with momentum m only, plain SGD neither.
+  for (float** b : {&impl->p, &impl->g}) CUDA(cudaMalloc(b, n * 4));
   CUDA(cudaMalloc(&impl->w, n * kAb));
   CUDA(cudaMalloc(&impl->scalar, 2 * sizeof(double)));
   CUDA(cudaMallocHost(&impl->loss_host, sizeof(double)));
   CUDA(cudaMalloc(&impl->log_decays, std::max<int64_t>(1, config.n_layers * H) * 4));
-  impl->fixed_bytes = n * (16 + kAb);
+  impl->fixed_bytes = n * (8 + kAb);
   CUDA(cudaMemsetAsync(impl->g, 0, n * 4, impl->stream));
-  CUDA(cudaMemsetAsync(impl->m, 0, n * 4, impl->stream));
-  CUDA(cudaMemsetAsync(impl->v, 0, n * 4, impl->stream));
 
   auto idx = [&](const std::string& name) { return P.Find(name); };
   impl->embed = idx("embed.weight");
@@ -397,23 +399,42 @@ absl::Status CudaModel::UploadGrads() {
   return I.CopyFlat({{I.g, I.P().flat_grad().f32()}}, cudaMemcpyHostToDevice);
 }
 
+absl::Status CudaModel::Impl::EnsureOptimizerState(bool want_m, bool want_v) {
+  const int64_t n = P().numel();
+  for (auto [buf, want] : {std::pair{&m, want_m}, {&v, want_v}}) {
+    if (!want || *buf != nullptr) continue;
+    CUDA(cudaMalloc(buf, n * 4));
+    CUDA(cudaMemsetAsync(*buf, 0, n * 4, stream));
+    fixed_bytes += n * 4;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::DownloadOptimizerState(Tensor* m, Tensor* v) {
   Impl& I = *impl_;
   const int64_t n = I.P().numel();
-  if (m->numel() != n) *m = Tensor({n});
-  if (v->numel() != n) *v = Tensor({n});
-  return I.CopyFlat({{m->f32(), I.m}, {v->f32(), I.v}}, cudaMemcpyDeviceToHost);
+  for (auto [host, dev] : {std::pair{m, I.m}, {v, I.v}}) {
+    if (dev == nullptr) continue;  // state this optimizer does not keep: left as it is
+    if (host->numel() != n) *host = Tensor({n});
+    CUDA(cudaMemcpyAsync(host->f32(), dev, n * 4, cudaMemcpyDeviceToHost, I.stream));
+  }
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
 }
 
 absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
                                              int64_t steps_taken) {
   Impl& I = *impl_;
   const int64_t n = I.P().numel();
-  if (m.numel() != n || v.numel() != n)
+  if ((m.numel() != n && m.numel() != 0) || (v.numel() != n && v.numel() != 0))
     return absl::InvalidArgumentError(absl::StrCat("optimizer state: expected ", n,
-                                                   " values per moment, got ", m.numel(), " and ",
-                                                   v.numel()));
-  RETURN_IF_ERROR(I.CopyFlat({{I.m, m.f32()}, {I.v, v.f32()}}, cudaMemcpyHostToDevice));
+                                                   " values per state tensor (or none), got ",
+                                                   m.numel(), " and ", v.numel()));
+  RETURN_IF_ERROR(I.EnsureOptimizerState(m.numel() != 0, v.numel() != 0));
+  for (auto [dev, host] : {std::pair{I.m, &m}, {I.v, &v}})
+    if (host->numel() != 0)
+      CUDA(cudaMemcpyAsync(dev, host->f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
+  CUDA(cudaStreamSynchronize(I.stream));
   I.steps = steps_taken;
   return absl::OkStatus();
 }
@@ -435,10 +456,15 @@ absl::StatusOr<double> CudaModel::GradSquaredNorm() {
   return out;
 }
 
-absl::Status CudaModel::AdamWStep(const TrainSpec& spec, double lr, float grad_scale) {
+absl::Status CudaModel::OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) {
   Impl& I = *impl_;
   ParamSet& P = I.P();
-  std::vector<kc::AdamWTensor> t;
+  const bool adamw = spec.optimizer == "adamw";
+  if (!adamw && spec.optimizer != "sgd")
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: unknown optimizer \"", spec.optimizer, "\" (adamw or sgd)"));
+  RETURN_IF_ERROR(I.EnsureOptimizerState(adamw || spec.momentum > 0, adamw));
+  std::vector<kc::OptimizerTensor> t;
   for (int i = 0; i < P.size(); ++i) {
     const ParamInfo& info = P.info(i);
     const float wd = info.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
@@ -446,10 +472,16 @@ absl::Status CudaModel::AdamWStep(const TrainSpec& spec, double lr, float grad_s
                  At(I.w, info.offset), info.numel, wd});
   }
   ++I.steps;
-  kc::AdamWHyper hp{static_cast<float>(lr), static_cast<float>(spec.beta1),
-                    static_cast<float>(spec.beta2), static_cast<float>(spec.eps), I.steps,
-                    grad_scale};
-  KC(kc::AdamWMultiTensor(t.data(), static_cast<int64_t>(t.size()), hp, I.stream));
+  const auto n_t = static_cast<int64_t>(t.size());
+  if (adamw) {
+    kc::AdamWHyper hp{static_cast<float>(lr), static_cast<float>(spec.beta1),
+                      static_cast<float>(spec.beta2), static_cast<float>(spec.eps), I.steps,
+                      grad_scale};
+    KC(kc::AdamWMultiTensor(t.data(), n_t, hp, I.stream));
+  } else {
+    kc::SgdHyper hp{static_cast<float>(lr), static_cast<float>(spec.momentum), grad_scale};
+    KC(kc::SgdMultiTensor(t.data(), n_t, hp, I.stream));
+  }
   return absl::OkStatus();
 }
 

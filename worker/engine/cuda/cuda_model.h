@@ -57,7 +57,7 @@ struct DeviceMemory {
   int64_t allocated = 0;       // activation bytes handed out now
   int64_t reserved = 0;        // activation bytes held from the device (allocated + cached)
   int64_t peak_allocated = 0;  // since creation or ResetPeakMemory()
-  int64_t fixed = 0;           // weights, bf16 copies, gradients, optimizer moments
+  int64_t fixed = 0;           // weights, bf16 copies, gradients, optimizer state
   int64_t device_used = 0;     // cudaMemGetInfo: total - free, all users of the device
 };
 
@@ -95,9 +95,11 @@ class CudaModel {
   absl::Status ZeroGrads();
   // Sum of squared gradients (fp64, fixed order).
   absl::StatusOr<double> GradSquaredNorm();
-  // AdamW over every tensor (decay on matrices only, as the CPU optimizer), gradients multiplied
-  // by grad_scale first (clipping, averaging). Increments steps_taken(); refreshes the bf16 copy.
-  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale);
+  // The job's optimizer (spec.optimizer: AdamW, or SGD with or without momentum) over every
+  // tensor, as the CPU Optimizer (decay on matrices only), gradients multiplied by grad_scale
+  // first (clipping, averaging). The first call allocates the state that optimizer keeps.
+  // Increments steps_taken(); refreshes the bf16 copy.
+  absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale);
   int64_t steps_taken() const;
 
   // Device fp32 buffers in the ParamSet flat layout (numel() floats each), e.g. for NCCL.
@@ -110,7 +112,10 @@ class CudaModel {
   absl::Status DownloadParams();
   absl::Status DownloadGrads();
   absl::Status UploadGrads();
-  // AdamW moments and step count, in the ParamSet flat layout (m, v of numel() floats).
+  // Optimizer state and step count, in the ParamSet flat layout: m (AdamW's first moment or SGD's
+  // momentum) and v (AdamW's second moment), numel() floats each. Download fills only the state
+  // the device keeps (others are left as they are); Upload takes an empty tensor for state the
+  // optimizer does not keep.
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v);
   absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps_taken);
 

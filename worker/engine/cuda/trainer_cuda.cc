@@ -36,8 +36,8 @@ class CudaStepBackend final : public StepBackend {
   }
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
-  absl::Status AdamWStep(const TrainSpec& spec, double lr, float grad_scale) override {
-    return m_->AdamWStep(spec, lr, grad_scale);
+  absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override {
+    return m_->OptimizerStep(spec, lr, grad_scale);
   }
   int64_t steps_taken() const override { return m_->steps_taken(); }
 
