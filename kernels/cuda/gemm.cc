@@ -7,6 +7,7 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -83,7 +84,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
   const bool beta_zero = g.beta == 0.0f;
   // Without alignment hints cuBLASLt assumes 256-byte aligned pointers and may pick an algorithm
   // that reads wrong data from a less aligned one (weights at odd offsets of the flat buffers).
-  const int align_a = Alignment(g.A), align_b = Alignment(g.B), align_c = Alignment(g.C);
+  const int align_a = Alignment(g.A), align_b = Alignment(g.B);
+  const int align_c = g.C_in != nullptr ? std::min(Alignment(g.C), Alignment(g.C_in)) : Alignment(g.C);
   const Key key{g.trans_a, g.trans_b, g.M,  g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.ab_type),
                 static_cast<int>(g.c_type), beta_zero, align_a, align_b, align_c};
   auto it = impl_->plans.find(key);
@@ -135,7 +137,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
   }
   const Plan& p = *it->second;
   SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
-                                      g.C, p.c, g.C, p.c, &p.algo, impl_->workspace,
+                                      g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo,
+                                      impl_->workspace,
                                       kWorkspaceBytes, stream));
   return Status::Ok();
 }

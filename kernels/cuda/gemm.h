@@ -27,6 +27,10 @@ struct GemmArgs {
   int64_t ldb = 0;
   void* C = nullptr;  // [M, N]
   int64_t ldc = 0;
+  // With beta != 0: the matrix added is C_in (same shape, leading dim and type as C) instead of C
+  // itself, and C is only written: C = alpha op(A) op(B) + beta C_in (a residual add without a
+  // copy). Null: C_in = C.
+  const void* C_in = nullptr;
   DType ab_type = DType::kBFloat16;  // A and B
   DType c_type = DType::kBFloat16;   // C (read when beta != 0) and the output
 };
@@ -41,7 +45,7 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
-  // C = alpha * op(A) op(B) + beta * C, row-major, enqueued on stream.
+  // C = alpha * op(A) op(B) + beta * C (or C_in), row-major, enqueued on stream.
   Status Gemm(const GemmArgs& args, cudaStream_t stream);
 
   // y[T, out] = x[T, in] W[out, in]^T (x, W, y in `dtype`).

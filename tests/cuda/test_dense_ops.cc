@@ -535,9 +535,15 @@ TEST_P(DenseOps, GemmAllTransposesAndLinear) {
       g.trans_a = ta, g.trans_b = tb, g.M = M, g.N = N, g.K = K, g.alpha = 0.5f, g.beta = 2.0f;
       g.A = d_A.get(), g.lda = ta ? M : K, g.B = d_B.get(), g.ldb = tb ? K : N;
       g.C = d_C.get(), g.ldc = N, g.ab_type = dt(), g.c_type = dt();
+      // Out of place first (C_in added, C only written), then in place.
+      DeviceBuffer d_out(M * N * 4);
+      g.C = d_out.get(), g.C_in = d_C.get();
+      ASSERT_OK(blas->Gemm(g, 0));
+      g.C = d_C.get(), g.C_in = nullptr;
       ASSERT_OK(blas->Gemm(g, 0));
       auto want = C0;
       cpu::Gemm(ta, tb, M, N, K, 0.5f, A.data(), g.lda, B.data(), g.ldb, 2.0f, want.data(), N);
+      ExpectClose(Download(d_out.get(), M * N, dt()), want, dt(), "C from C_in");
       ExpectClose(Download(d_C.get(), M * N, dt()), want, dt(), "C");
     }
   }

@@ -215,12 +215,13 @@ struct CudaModel::Impl {
 
   // ---- GEMMs (row-major; bf16 in, fp32 accumulate) --------------------------------------------
   // y[T, out] (+)= x[T, in] W[out, in]^T; x rows `ldx` apart.
+  // residual (nullable, with acc): y = residual + x W^T, y only written.
   absl::Status Fwd(const void* x, int64_t ldx, const void* Wt, void* y, int64_t T, int64_t in,
-                   int64_t out, bool acc) {
+                   int64_t out, bool acc, const void* residual = nullptr) {
     kc::GemmArgs a;
     a.trans_b = true;
     a.M = T, a.N = out, a.K = in, a.beta = acc ? 1.0f : 0.0f;
-    a.A = x, a.lda = ldx, a.B = Wt, a.ldb = in, a.C = y, a.ldc = out;
+    a.A = x, a.lda = ldx, a.B = Wt, a.ldb = in, a.C = y, a.ldc = out, a.C_in = residual;
     return FromKernel(blas->Gemm(a, stream));
   }
   // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
@@ -1157,14 +1158,13 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
                         stream));
   RETURN_IF_ERROR(Act(C.x_mid, T, d));
-  CUDA(cudaMemcpyAsync(C.x_mid.get(), x_in, T * d * kAb, cudaMemcpyDeviceToDevice, stream));
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningForward(L, C));
-    RETURN_IF_ERROR(Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true));
+    RETURN_IF_ERROR(Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
   } else {
     RETURN_IF_ERROR(MlaForward(L, C));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
-    RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true));
+    RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
   }
   RETURN_IF_ERROR(Act(C.h2, T, d));
   RETURN_IF_ERROR(F32(C.rstd2, T));
@@ -1174,8 +1174,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w1), C.g.get(), T, d, F, false));
   RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w3), C.u.get(), T, d, F, false));
   KC(kc::SwiGluForward(C.g.get(), C.u.get(), C.a.get(), T * F, kAct, stream));
-  CUDA(cudaMemcpyAsync(x_out, C.x_mid.get(), T * d * kAb, cudaMemcpyDeviceToDevice, stream));
-  return Fwd(C.a.get(), F, Wb(L.w2), x_out, T, F, d, true);
+  return Fwd(C.a.get(), F, Wb(L.w2), x_out, T, F, d, true, C.x_mid.get());
 }
 
 // dx: in = gradient of x_out, out = gradient of x_in.
