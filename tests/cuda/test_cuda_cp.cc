@@ -148,13 +148,11 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
               worst_name.c_str(), worst_cos);
 }
 
-void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp, bool recompute,
-                            CpMode lightning = CpMode::kAll2All) {
-  const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T << " cp " << cp
+void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
+                            bool recompute, CpMode lightning) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << full.T << " cp " << cp
                                     << (recompute ? " recompute" : "") << " lightning "
                                     << CpModeName(lightning));
-  const Batch full = RandomBatch(c, T, doc, seed);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -167,6 +165,12 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp
   auto shapes = Model::Create(c, seed);
   ASSERT_TRUE(shapes.ok());
   ExpectGradsMatch((*shapes)->params(), want.grad, got->grad);
+}
+
+void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp, bool recompute,
+                            CpMode lightning = CpMode::kAll2All) {
+  const uint32_t seed = FreshSeed();
+  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning);
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {
@@ -204,6 +208,24 @@ TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
   ModelConfig c = Head64WellConditioned();
   c.layer_pattern = "LL";
   ExpectCpMatchesOneRank(c, 512, 60, 4, false, CpMode::kAllGather);
+}
+
+TEST(CudaCp, Head64LightningAllGatherLongFirstSegmentNeedsItsOwnWorkspace) {
+  SPINDLE_REQUIRE_GPU();
+  // T = 76800 at cp = 2: rank 1's first chunk (tokens 19200 ..) continues a document for 8301
+  // tokens. Its carry correction's backward runs over those 130 64-token chunks in blocks of one
+  // (130 blocks per head), more blocks than the rank's whole 600 chunks get (blocks of 8), so the
+  // workspace sized for the whole share alone is too small for it.
+  const ModelConfig c = Head64WellConditioned();
+  const int64_t T = 76800;
+  const uint32_t seed = FreshSeed();
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.vocab) - 2);
+  std::vector<int32_t> t(T);
+  for (int32_t& x : t) x = tok(gen);
+  const int32_t eos = static_cast<int32_t>(c.vocab) - 1;
+  for (int64_t end : {1000, 19200 + 8300, 40000, 60000}) t[end] = eos;
+  ExpectCpMatchesOneRank(c, MakeSequenceBatch(t, eos), seed, 2, false, CpMode::kAllGather);
 }
 
 TEST(CudaCp, TinyCp2MatchesOneRank) {

@@ -599,6 +599,15 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       CUDA(cudaMemcpyAsync(B.piece_cu[slot].get(), B.piece_cu_host[slot].data(),
                            B.piece_cu_host[slot].size() * 4, cudaMemcpyHostToDevice, stream));
     }
+    // Lightning AllGather runs the core on each local chunk and the carry correction's backward
+    // on each continuing chunk's first segment; a shorter sequence can need more workspace than
+    // a longer one (its blocks of chunks are shorter), so each size counts.
+    if (c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAllGather) {
+      need = std::max(need, kc::LightningWorkspaceBytes({B.chunk, H, Dh, 3 * d}));
+      for (int slot = 0; slot < 2; ++slot)
+        if (B.continues[slot])
+          need = std::max(need, kc::LightningWorkspaceBytes({B.first_segment[slot], H, Dh, 3 * d}));
+    }
     RETURN_IF_ERROR(B.chunk_has_start.Ensure(&alloc, n_chunks * 4));
     RETURN_IF_ERROR(B.chunk_len.Ensure(&alloc, n_chunks * 4));
     CUDA(cudaMemcpyAsync(B.chunk_has_start.get(), has_start.data(), n_chunks * 4,
