@@ -1,6 +1,6 @@
 // Private building blocks of the CUDA Lightning kernels: the 64-token chunk grid and its masks,
-// shared-memory tile layouts, WMMA tile helpers, and the launchers each .cu file exports to the
-// others (lightning_state.cu, lightning_fwd.cu, lightning_bwd.cu).
+// the WMMA tile helpers of the CP carry kernels, and the launchers each .cu file exports to the
+// others (lightning_sweep.cu, lightning_state.cu, lightning_fwd.cu, lightning_bwd.cu).
 //
 // Chunk c covers tokens [64c, min(64c + 64, T)). Inside a chunk, token i belongs to the segment
 // starting at seg[i] (absolute index). With c0 = 64c:
@@ -30,36 +30,20 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;
 using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
 using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-// Shared-memory pitches (elements). Padding keeps 16-row tile starts 32-byte aligned.
+// Shared-memory pitches (elements) of the WMMA carry kernels. Padding keeps 16-row tile starts
+// 32-byte aligned.
 template <int DH>
 struct Pitch {
-  static constexpr int kRow = DH + 8;        // bf16 [64, DH] and [DH, DH] buffers
-  static constexpr int kScoreB = kChunk + 8;  // bf16 [64, 64]
-  static constexpr int kScoreF = kChunk + 4;  // fp32 [64, 64]
+  static constexpr int kRow = DH + 8;  // bf16 [64, DH] and [DH, DH] buffers
   static constexpr int kRowsBytes = kChunk * kRow * 2;
   static constexpr int kStateBytes = DH * kRow * 2;
-  static constexpr int kScoreBBytes = kChunk * kScoreB * 2;
-  static constexpr int kScoreFBytes = kChunk * kScoreF * 4;
   static constexpr int kScratchBytes = kWarps * 256 * 4;
-  // Tiles per warp: output [64, DH] and state [DH, DH].
-  static constexpr int kOutTiles = DH / 32;
-  static constexpr int kStateTiles = DH * DH / (256 * kWarps);
+  static constexpr int kOutTiles = DH / 32;  // 16 x 16 output tiles per warp of a [64, DH] output
 };
-
-// Per-chunk quantities (see the file comment), in shared memory.
-struct ChunkInfo {
-  int seg[kChunk];
-  float qw[kChunk];
-  float kw[kChunk];
-  float f;
-  int len;
-};
-constexpr int kInfoBytes = (sizeof(ChunkInfo) + 65 * 4 + 127) / 128 * 128;  // + decay table
 
 // Start of the segment holding token t: the largest cu[s] <= t (0 when cu is null).
 __device__ __forceinline__ int SegmentStart(const int32_t* cu, int n_seg, int t) {
@@ -81,28 +65,6 @@ __device__ __forceinline__ void FillDecay(float log_a, float* dec) {
   if (threadIdx.x <= kChunk) dec[threadIdx.x] = expf(static_cast<float>(threadIdx.x) * log_a);
 }
 
-// Fills `ci` for the chunk starting at c0. Contains one __syncthreads; the caller syncs after.
-__device__ __forceinline__ void SetupChunk(ChunkInfo& ci, const float* dec, const int32_t* cu,
-                                           int n_seg, int c0, int T, float scale) {
-  const int len = min(kChunk, T - c0);
-  const int i = threadIdx.x;
-  if (i < kChunk) ci.seg[i] = i < len ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
-  if (i == 0) ci.len = len;
-  __syncthreads();
-  if (i < kChunk) {
-    const int last = len - 1;
-    const int s = ci.seg[i];
-    const bool in = i < len;
-    const bool cond = in && (s < c0 || s == 0);
-    ci.qw[i] = cond ? scale * dec[i + 1] : 0.0f;
-    ci.kw[i] = in && s == ci.seg[last] ? dec[last - i] : 0.0f;
-    if (i == 0) {
-      const int sl = ci.seg[last];
-      ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
-    }
-  }
-}
-
 // Copies `len` rows of DH bf16 from global (row stride `stride`) into smem rows of pitch kRow;
 // rows >= len are zeroed. 16-byte vectors.
 template <int DH>
@@ -113,36 +75,6 @@ __device__ __forceinline__ void LoadRows(bf16* dst, const bf16* src, int64_t str
     uint4 val = make_uint4(0, 0, 0, 0);
     if (r < len) val = *reinterpret_cast<const uint4*>(src + r * stride + c);
     *reinterpret_cast<uint4*>(dst + r * Pitch<DH>::kRow + c) = val;
-  }
-}
-
-// buf[r, :] *= w[r] in place (smem rows of pitch kRow).
-template <int DH>
-__device__ __forceinline__ void ScaleRowsInPlace(bf16* buf, const float* w) {
-  for (int idx = threadIdx.x; idx < kChunk * DH; idx += kThreads) {
-    const int r = idx / DH, c = idx % DH;
-    bf16& e = buf[r * Pitch<DH>::kRow + c];
-    e = __float2bfloat16(__bfloat162float(e) * w[r]);
-  }
-}
-
-// dst[r, :] = w[r] * src[r, :] (smem to smem).
-template <int DH>
-__device__ __forceinline__ void ScaleRowsTo(bf16* dst, const bf16* src, const float* w) {
-  for (int idx = threadIdx.x; idx < kChunk * DH; idx += kThreads) {
-    const int r = idx / DH, c = idx % DH;
-    dst[r * Pitch<DH>::kRow + c] = __float2bfloat16(__bfloat162float(src[r * Pitch<DH>::kRow + c]) * w[r]);
-  }
-}
-
-// Masked, decayed and scaled scores: out[i, j] = M[i, j] * scale * a^(i-j) * in[i, j].
-__device__ __forceinline__ void MaskScores(const float* in, bf16* out, const ChunkInfo& ci,
-                                           const float* dec, int c0, float scale) {
-  for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
-    const int i = idx / kChunk, j = idx % kChunk;
-    const bool keep = j <= i && i < ci.len && ci.seg[i] <= c0 + j;
-    const float val = keep ? in[i * (kChunk + 4) + j] * scale * dec[i - j] : 0.0f;
-    out[i * (kChunk + 8) + j] = __float2bfloat16(val);
   }
 }
 
@@ -182,18 +114,6 @@ __device__ __forceinline__ void StoreAccBf16(const Acc& acc, float* scratch, bf1
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(vals);
   }
   __syncwarp();
-}
-
-// Writes the warp's state tiles as bf16 into the smem state buffer.
-template <int DH>
-__device__ __forceinline__ void StateToSmem(const Acc* S, float* scratch, bf16* Sb) {
-  const int warp = threadIdx.x >> 5;
-  for (int i = 0; i < Pitch<DH>::kStateTiles; ++i) {
-    const int idx = warp * Pitch<DH>::kStateTiles + i;
-    const int tr = idx / (DH / 16), tc = idx % (DH / 16);
-    StoreAccBf16(S[i], scratch, Sb + tr * 16 * Pitch<DH>::kRow + tc * 16, Pitch<DH>::kRow, 0, 16,
-                 false);
-  }
 }
 
 // c += sum over k steps of A(k) B(k); a/b advance by a_step/b_step elements per 16-wide k step.

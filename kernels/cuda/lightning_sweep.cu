@@ -60,7 +60,7 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-// Both bf16 halves of v times w (lo, hi), rounded once, as ScaleRowsTo does.
+// Both bf16 halves of v times w (lo, hi), rounded once to bf16.
 __device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_hi) {
   const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
   const float2 f = __bfloat1622float2(b);
