@@ -6,7 +6,8 @@
 # both GPUs: the NCCL context-parallel benchmark at 256K tokens (one document, then ~8K-token
 # documents). Each pair of numbers comes from one GPU, ours first. Run from the repository root on
 # the GPU machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer (see
-# /work/shared/peer/README.md) carried. Outputs go under $OUT. About 9 minutes.
+# /work/shared/peer/README.md) carried. Outputs go under $OUT. About 10 minutes (each CP run alone takes 2-3 minutes, mostly
+# creating the 1B models): close to a 600 s per-call limit, so a CP run may need a call of its own.
 # Usage: bench/cuda/two_gpu_run.sh [extra bench_cp_cuda flags, e.g. --lightning_mode allgather]
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -32,7 +33,7 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 ) &
 wait
 for doc in 0 8192; do
-  timeout 150 $R/bench_cp_cuda --T 262144 --cp 2 --doc "$doc" --warmup 1 --steps 3 "$@" \
+  timeout 300 $R/bench_cp_cuda --T 262144 --cp 2 --doc "$doc" --warmup 1 --steps 3 "$@" \
       > "$out/cp_doc$doc.txt" 2>&1
 done
 cat "$out/step_spindle.txt" "$out/step_peer.txt" "$out"/cp_doc*.txt
