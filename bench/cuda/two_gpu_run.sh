@@ -6,8 +6,9 @@
 # both GPUs: the NCCL context-parallel benchmark at 256K tokens (one document, then ~8K-token
 # documents). Each pair of numbers comes from one GPU, ours first. Run from the repository root on
 # the GPU machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer (see
-# /work/shared/peer/README.md) carried. Outputs go under $OUT. About 10 minutes (each CP run alone takes 2-3 minutes, mostly
-# creating the 1B models): close to a 600 s per-call limit, so a CP run may need a call of its own.
+# /work/shared/peer/README.md) carried. Outputs go under $OUT. About 10 minutes (each CP run alone
+# takes 2-3 minutes, mostly creating the 1B models): close to a 600 s per-call limit, so a CP run
+# may need a call of its own.
 # Usage: bench/cuda/two_gpu_run.sh [extra bench_cp_cuda flags, e.g. --lightning_mode allgather]
 set -uo pipefail
 out=${OUT:-/tmp}
