@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -574,6 +575,25 @@ class CudaOnly : public ::testing::Test {
   void SetUp() override { SPINDLE_REQUIRE_GPU(); }
 };
 
+// Uploads each host vector `off` floats into a fresh buffer (so off = 1 misaligns it for the
+// vector path), its device pointers to ptr[...]; with `bf16_copy`, also a bf16 buffer shifted the
+// same way, returned (else null). The buffers go to `bufs`.
+void* UploadShifted(std::initializer_list<const std::vector<float>*> srcs, int off,
+                    bool bf16_copy, std::vector<DeviceBuffer>& bufs, float** ptr) {
+  int k = 0;
+  int64_t n = 0;
+  for (const std::vector<float>* src : srcs) {
+    std::vector<float> padded(off, 0.0f);
+    padded.insert(padded.end(), src->begin(), src->end());
+    bufs.push_back(Upload(padded, DType::kFloat32));
+    ptr[k++] = bufs.back().as<float>() + off;
+    n = static_cast<int64_t>(src->size());
+  }
+  if (!bf16_copy) return nullptr;
+  bufs.emplace_back((n + off) * 2 + 16);
+  return static_cast<char*>(bufs.back().get()) + 2 * off;
+}
+
 TEST_F(CudaOnly, AdamWMultiTensorMatchesCpuAcrossLaunches) {
   std::mt19937 rng(testing::FreshSeed());
   // 30 tensors (more than one launch's table) and one of 11M values (more than one launch's
@@ -638,18 +658,7 @@ TEST_F(CudaOnly, AdamWManyTensorsMisalignedAndWithoutBf16Copy) {
     for (auto& e : vv) e = e * e;
     v.push_back(vv);
     float* ptr[4];
-    int k = 0;
-    for (const auto* src : {&p[i], &g[i], &m[i], &v[i]}) {
-      std::vector<float> padded(off, 0.0f);
-      padded.insert(padded.end(), src->begin(), src->end());
-      bufs.push_back(Upload(padded, DType::kFloat32));
-      ptr[k++] = bufs.back().as<float>() + off;
-    }
-    void* pb = nullptr;
-    if (i % 5 != 0) {
-      bufs.emplace_back((n + off) * 2 + 16);
-      pb = static_cast<char*>(bufs.back().get()) + 2 * off;
-    }
+    void* pb = UploadShifted({&p[i], &g[i], &m[i], &v[i]}, off, i % 5 != 0, bufs, ptr);
     tensors.push_back({ptr[0], ptr[1], ptr[2], ptr[3], pb, n, i % 4 == 0 ? 0.0f : 0.1f});
   }
   ASSERT_OK(AdamWMultiTensor(tensors.data(), n_t, hp, 0));
@@ -687,18 +696,7 @@ TEST_F(CudaOnly, SgdMultiTensorMatchesCpuWithAndWithoutMomentum) {
       g.push_back(Normal(rng, n));
       m.push_back(Normal(rng, n, 0.1f));
       float* ptr[3];
-      int k = 0;
-      for (const auto* src : {&p[i], &g[i], &m[i]}) {
-        std::vector<float> padded(off, 0.0f);
-        padded.insert(padded.end(), src->begin(), src->end());
-        bufs.push_back(Upload(padded, DType::kFloat32));
-        ptr[k++] = bufs.back().as<float>() + off;
-      }
-      void* pb = nullptr;
-      if (i % 4 != 0) {
-        bufs.emplace_back((n + off) * 2 + 16);
-        pb = static_cast<char*>(bufs.back().get()) + 2 * off;
-      }
+      void* pb = UploadShifted({&p[i], &g[i], &m[i]}, off, i % 4 != 0, bufs, ptr);
       tensors.push_back({ptr[0], ptr[1], momentum > 0 ? ptr[2] : nullptr, nullptr, pb, n,
                          i % 5 == 0 ? 0.0f : 0.1f});
     }
