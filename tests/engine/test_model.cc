@@ -1,12 +1,16 @@
 // Model-level checks: every parameter tensor's gradient against a central finite difference of
 // the loss along a fresh random direction (fp32 model, double loss accumulation), recompute
 // giving the same gradients, and the evaluation forward giving the training loss.
+#include <omp.h>
+
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "gtest/gtest.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/model.h"
+#include "worker/engine/rng.h"
 
 namespace spindle {
 namespace {
@@ -152,6 +156,46 @@ TEST(ModelTest, OneBillionPresetHasTheReferenceSize) {
   // ref_model.py's defaults: about 1.0B parameters.
   EXPECT_GT(c->NumParams(), 950'000'000);
   EXPECT_LT(c->NumParams(), 1'100'000'000);
+}
+
+TEST(ModelTest, InitialWeightsAreTheSequentialStreamsForAnyThreadCount) {
+  // The fill runs in parallel; it must give what one stream per tensor, drawn in order, gives.
+  ModelConfig c = *ModelPreset("small");
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  omp_set_num_threads(1);
+  auto one = Model::Create(c, seed);
+  omp_set_num_threads(2);
+  auto two = Model::Create(c, seed);
+  ASSERT_TRUE(one.ok() && two.ok());
+  ParamSet& a = (*one)->params();
+  ParamSet& b = (*two)->params();
+  ASSERT_EQ(a.numel(), b.numel());
+  EXPECT_EQ(std::memcmp(a.flat_data().f32(), b.flat_data().f32(), a.numel() * 4), 0);
+  int checked = 0;
+  for (int i = 0; i < a.size(); ++i) {
+    const ParamInfo& p = a.info(i);
+    const float* d = a.flat_data().f32() + p.offset;
+    if (p.init == ParamInit::kOnes) {
+      EXPECT_EQ(d[p.numel - 1], 1.0f) << p.name;
+      continue;
+    }
+    if (p.init != ParamInit::kNormal || p.numel < (1 << 15)) continue;  // the parallel path
+    Rng rng(HashCombine(seed, HashName(p.name)));
+    int64_t differ = 0;
+    for (int64_t j = 0; j < p.numel; ++j)
+      differ += d[j] != static_cast<float>(rng.Normal()) * p.init_std;
+    EXPECT_EQ(differ, 0) << p.name;
+    ++checked;
+  }
+  EXPECT_GT(checked, 3);
+  // The padding between parameters and every gradient start at zero.
+  for (int i = 0; i + 1 < a.size(); ++i) {
+    const ParamInfo& p = a.info(i);
+    for (int64_t j = p.offset + p.numel; j < a.info(i + 1).offset; ++j)
+      ASSERT_EQ(a.flat_data().f32()[j], 0.0f) << "padding after " << p.name;
+  }
+  for (int64_t j = 0; j < a.numel(); ++j) ASSERT_EQ(a.flat_grad().f32()[j], 0.0f);
 }
 
 }  // namespace

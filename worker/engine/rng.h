@@ -33,6 +33,8 @@ class Rng {
   // Uniform in [0, n).
   uint64_t Below(uint64_t n) { return n ? Next() % n : 0; }
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+  // Draws exactly two values (counters c and c + 1), so the n-th Normal() of a stream started at
+  // counter 0 is Rng(key, 2n).Normal(): streams can be filled in parallel.
   double Normal() {
     double u1 = Uniform(), u2 = Uniform();
     if (u1 < 1e-300) u1 = 1e-300;

@@ -4,6 +4,8 @@
 // Not thread-safe; a tensor is owned by one thread at a time.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +21,7 @@ inline int64_t DTypeSize(DType) { return 4; }
 
 class Tensor {
  public:
+  static constexpr size_t kHugePage = size_t{2} << 20, kHugeBytes = size_t{64} << 20;
   Tensor() = default;
   // Uninitialised storage of the given shape.
   Tensor(std::vector<int64_t> shape, DType dtype = DType::kF32, Device device = Device::kCpu)
@@ -26,7 +29,15 @@ class Tensor {
     numel_ = 1;
     for (int64_t s : shape_) numel_ *= s;
     const size_t bytes = ((static_cast<size_t>(numel_) * DTypeSize(dtype_) + 63) / 64) * 64;
-    data_ = bytes ? std::aligned_alloc(64, bytes) : nullptr;
+    if (bytes >= kHugeBytes) {
+      // Large buffers (a 1B model's weights: 4 GB) on 2 MiB pages where the kernel allows them:
+      // 512x fewer page faults on first touch.
+      const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+      data_ = std::aligned_alloc(kHugePage, rounded);
+      if (data_) madvise(data_, rounded, MADV_HUGEPAGE);
+    } else {
+      data_ = bytes ? std::aligned_alloc(64, bytes) : nullptr;
+    }
   }
   static Tensor Zeros(std::vector<int64_t> shape, DType dtype = DType::kF32) {
     Tensor t(std::move(shape), dtype);
