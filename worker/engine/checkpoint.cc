@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -66,16 +67,116 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
   return out;
 }
 
-uint32_t Crc32(const std::string& bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const uInt chunk = static_cast<uInt>(std::min<size_t>(bytes.size() - done, 1u << 30));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + done), chunk);
+// Size and CRC-32 of a file's bytes, as state.json records them.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+void AddToDigest(FileDigest& d, const char* p, size_t n) {
+  uLong crc = d.crc32;
+  for (size_t done = 0; done < n;) {
+    const uInt chunk = static_cast<uInt>(std::min<size_t>(n - done, size_t{1} << 30));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(p + done), chunk);
     done += chunk;
   }
-  return static_cast<uint32_t>(crc);
+  d.crc32 = static_cast<uint32_t>(crc);
+  d.bytes += n;
 }
+
+absl::Status WriteAll(int fd, const char* p, size_t n, const std::string& path) {
+  for (size_t done = 0; done < n;) {
+    const ssize_t w = ::write(fd, p + done, std::min<size_t>(n - done, size_t{1} << 30));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return Errno("cannot write", path);
+    done += static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+// Writes a safetensors file straight from the tensors' buffers (header, then each tensor in
+// name order, which is the header's layout) and fsyncs it.
+absl::StatusOr<FileDigest> WriteSafetensorsSynced(
+    const std::string& path, const std::map<std::string, SafetensorsEntry>& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot create", path);
+  FileDigest d;
+  absl::Status s;
+  const std::string header = SafetensorsHeader(tensors, metadata);
+  AddToDigest(d, header.data(), header.size());
+  s = WriteAll(fd, header.data(), header.size(), path);
+  for (auto it = tensors.begin(); s.ok() && it != tensors.end(); ++it) {
+    const char* p = reinterpret_cast<const char*>(it->second.data);
+    const size_t n = static_cast<size_t>(it->second.numel) * 4;
+    AddToDigest(d, p, n);
+    s = WriteAll(fd, p, n, path);
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", path);
+  ::close(fd);
+  if (!s.ok()) return s;
+  return d;
+}
+
+// A file open for reading (closed when it goes), read at offsets.
+class InputFile {
+ public:
+  static absl::StatusOr<InputFile> Open(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      return Errno("cannot stat", path);
+    }
+    return InputFile(fd, static_cast<uint64_t>(st.st_size), path);
+  }
+  InputFile(InputFile&& o) noexcept
+      : fd_(std::exchange(o.fd_, -1)), size_(o.size_), path_(std::move(o.path_)) {}
+  InputFile& operator=(InputFile&&) = delete;
+  ~InputFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  uint64_t size() const { return size_; }
+
+  // n bytes from offset into dst; an error when the file ends first.
+  absl::Status ReadAt(uint64_t offset, char* dst, size_t n) const {
+    for (size_t done = 0; done < n;) {
+      const ssize_t r = ::pread(fd_, dst + done, std::min<size_t>(n - done, size_t{1} << 30),
+                                static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return Errno("cannot read", path_);
+      if (r == 0)
+        return absl::DataLossError(absl::StrCat("checkpoint: \"", path_, "\" ended early"));
+      done += static_cast<size_t>(r);
+    }
+    return absl::OkStatus();
+  }
+  // Up to n bytes from offset (fewer at the end of the file or on a read error).
+  std::string Read(uint64_t offset, uint64_t n) const {
+    std::string out(static_cast<size_t>(std::min<uint64_t>(n, size_ - std::min(offset, size_))), '\0');
+    if (!ReadAt(offset, out.data(), out.size()).ok()) out.clear();
+    return out;
+  }
+  // The whole file through CRC-32, in pieces.
+  absl::StatusOr<FileDigest> Digest() const {
+    FileDigest d;
+    std::vector<char> buf(size_t{8} << 20);
+    for (uint64_t off = 0; off < size_;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size_ - off));
+      RETURN_IF_ERROR(ReadAt(off, buf.data(), n));
+      AddToDigest(d, buf.data(), n);
+      off += n;
+    }
+    return d;
+  }
+
+ private:
+  InputFile(int fd, uint64_t size, std::string path) : fd_(fd), size_(size), path_(std::move(path)) {}
+  int fd_;
+  uint64_t size_;
+  std::string path_;
+};
 
 void RemoveTree(const std::string& dir) {
   if (DIR* d = ::opendir(dir.c_str())) {
@@ -142,9 +243,13 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
                                                      optimizer->state1().f32() + p.offset, p.numel};
     }
   }
-  const std::string model_bytes = SerializeSafetensors(model, {{"format", "pt"}});
-  const std::string opt_bytes = SerializeSafetensors(
-      opt, {{"optimizer", optimizer ? optimizer->spec().optimizer : "none"}});
+  // The tensor files stream from the parameter and optimizer buffers (no copy of the state).
+  ASSIGN_OR_RETURN(const FileDigest model_file,
+                   WriteSafetensorsSynced(tmp + "/model.safetensors", model, {{"format", "pt"}}));
+  ASSIGN_OR_RETURN(
+      const FileDigest opt_file,
+      WriteSafetensorsSynced(tmp + "/optimizer.safetensors", opt,
+                             {{"optimizer", optimizer ? optimizer->spec().optimizer : "none"}}));
   nlohmann::json st = {
       {"format", 1},
       {"step", state.step},
@@ -154,10 +259,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
       {"optimizer_steps", optimizer ? optimizer->steps_taken() : 0},
       {"model", config.ToJson()},
       {"files",
-       {{"model.safetensors", {{"bytes", model_bytes.size()}, {"crc32", Crc32(model_bytes)}}},
-        {"optimizer.safetensors", {{"bytes", opt_bytes.size()}, {"crc32", Crc32(opt_bytes)}}}}}};
-  RETURN_IF_ERROR(WriteFileSynced(tmp + "/model.safetensors", model_bytes));
-  RETURN_IF_ERROR(WriteFileSynced(tmp + "/optimizer.safetensors", opt_bytes));
+       {{"model.safetensors", {{"bytes", model_file.bytes}, {"crc32", model_file.crc32}}},
+        {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
   RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
   RETURN_IF_ERROR(SyncDir(tmp));
   RemoveTree(final_dir);  // an earlier attempt's checkpoint of the same step
@@ -211,21 +314,30 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
                        " is ", st["model"].value(key, nlohmann::json()).dump(), ", the job has ",
                        want[key].dump()));
   }
-  std::map<std::string, SafetensorsFile> files;
+  // Each tensor file is checked whole (size and CRC-32, streamed) and its header parsed; the
+  // values are read into place only once everything has been validated.
+  std::vector<InputFile> inputs;
+  std::map<std::string, SafetensorsIndex> files;
   for (const char* fname : {"model.safetensors", "optimizer.safetensors"}) {
     const std::string path = dir + "/" + fname;
-    ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+    ASSIGN_OR_RETURN(InputFile in, InputFile::Open(path));
     const auto& rec = st["files"].value(fname, nlohmann::json());
-    if (!rec.is_object() || rec.value("bytes", uint64_t{0}) != bytes.size())
+    if (!rec.is_object() || rec.value("bytes", uint64_t{0}) != in.size())
       return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is truncated or has the "
-                                              "wrong size (", bytes.size(), " bytes)"));
-    if (rec.value("crc32", uint32_t{0}) != Crc32(bytes))
+                                              "wrong size (", in.size(), " bytes)"));
+    ASSIGN_OR_RETURN(const FileDigest digest, in.Digest());
+    if (rec.value("crc32", uint32_t{0}) != digest.crc32)
       return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is corrupt: checksum mismatch"));
-    ASSIGN_OR_RETURN(files[fname], ParseSafetensors(std::move(bytes), path));
+    ASSIGN_OR_RETURN(files[fname],
+                     ParseSafetensorsHeader([&in](uint64_t off, uint64_t n) { return in.Read(off, n); },
+                                            in.size(), path));
+    inputs.push_back(std::move(in));
   }
-  const SafetensorsFile& model = files["model.safetensors"];
-  const SafetensorsFile& opt = files["optimizer.safetensors"];
-  auto check = [&](const SafetensorsFile& f, const std::string& file, const std::string& name,
+  const InputFile& model_in = inputs[0];
+  const InputFile& opt_in = inputs[1];
+  const SafetensorsIndex& model = files["model.safetensors"];
+  const SafetensorsIndex& opt = files["optimizer.safetensors"];
+  auto check = [&](const SafetensorsIndex& f, const std::string& file, const std::string& name,
                    const ParamInfo& p) -> absl::Status {
     auto it = f.tensors.find(name);
     if (it == f.tensors.end())
@@ -257,16 +369,19 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
     return absl::FailedPreconditionError(absl::StrCat("checkpoint: \"", dir, "/model.safetensors\" holds ",
                                                       model.tensors.size(), " tensors, the model has ",
                                                       params.size()));
+  // Everything checked: read the values into place.
+  auto read = [](const InputFile& in, const SafetensorsEntry& e, float* dst) {
+    return in.ReadAt(e.offset, reinterpret_cast<char*>(dst), static_cast<size_t>(e.numel) * 4);
+  };
   for (int i = 0; i < params.size(); ++i) {
     const ParamInfo& p = params.info(i);
-    std::memcpy(params.data(i), model.tensors.at(p.name).data, p.numel * sizeof(float));
+    RETURN_IF_ERROR(read(model_in, model.tensors.at(p.name), params.data(i)));
     if (want_opt) {
-      std::memcpy(optimizer->state0().f32() + p.offset,
-                  opt.tensors.at(OptimizerName(*optimizer, 0, p.name)).data, p.numel * sizeof(float));
+      RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 0, p.name)),
+                           optimizer->state0().f32() + p.offset));
       if (optimizer->is_adamw())
-        std::memcpy(optimizer->state1().f32() + p.offset,
-                    opt.tensors.at(OptimizerName(*optimizer, 1, p.name)).data,
-                    p.numel * sizeof(float));
+        RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 1, p.name)),
+                             optimizer->state1().f32() + p.offset));
     }
   }
   if (optimizer) optimizer->set_steps_taken(st.value("optimizer_steps", int64_t{0}));

@@ -8,8 +8,8 @@
 
 namespace spindle {
 
-std::string SerializeSafetensors(const std::map<std::string, SafetensorsEntry>& tensors,
-                                 const std::map<std::string, std::string>& metadata) {
+std::string SafetensorsHeader(const std::map<std::string, SafetensorsEntry>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   int64_t offset = 0;
   for (const auto& [name, e] : tensors) {
@@ -20,34 +20,31 @@ std::string SerializeSafetensors(const std::map<std::string, SafetensorsEntry>& 
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string h = header.dump();
   while ((h.size() + 8) % 8 != 0) h.push_back(' ');
-  std::string out;
-  out.resize(8 + h.size() + static_cast<size_t>(offset));
+  std::string out(8, '\0');
   const uint64_t n = h.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  std::memcpy(out.data() + 8, h.data(), h.size());
-  char* data = out.data() + 8 + h.size();
-  for (const auto& [name, e] : tensors) {
-    std::memcpy(data, e.data, static_cast<size_t>(e.numel) * 4);
-    data += e.numel * 4;
-  }
-  return out;
+  return out + h;
 }
 
-absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string bytes, const std::string& path) {
+absl::StatusOr<SafetensorsIndex> ParseSafetensorsHeader(
+    const std::function<std::string(uint64_t, uint64_t)>& read_at, uint64_t file_size,
+    const std::string& path) {
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is corrupt: ", why));
   };
-  if (bytes.size() < 8) return bad("shorter than its 8-byte header length");
+  if (file_size < 8) return bad("shorter than its 8-byte header length");
+  const std::string len = read_at(0, 8);
+  if (len.size() != 8) return bad("shorter than its 8-byte header length");
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  if (n > bytes.size() - 8) return bad("header length exceeds the file size");
-  nlohmann::json header =
-      nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(n), nullptr,
-                            /*allow_exceptions=*/false);
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(len[i])) << (8 * i);
+  if (n > file_size - 8) return bad("header length exceeds the file size");
+  const std::string text = read_at(8, n);
+  if (text.size() != n) return bad("header length exceeds the file size");
+  nlohmann::json header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) return bad("header is not a JSON object");
-  SafetensorsFile f;
-  const size_t data_begin = 8 + n;
-  const size_t data_size = bytes.size() - data_begin;
+  SafetensorsIndex f;
+  const uint64_t data_begin = 8 + n;
+  const uint64_t data_size = file_size - data_begin;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (!it.value().is_object()) return bad("__metadata__ is not an object");
@@ -78,15 +75,9 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string bytes, const std::s
     if (b > end || end > data_size || end - b != static_cast<uint64_t>(e.numel) * 4 || b % 4 != 0)
       return bad(absl::StrCat("tensor \"", it.key(), "\" data_offsets [", b, ", ", end,
                               "] do not fit the file or the shape"));
-    e.data = reinterpret_cast<const float*>(bytes.data() + data_begin + b);
+    e.offset = data_begin + b;
     f.tensors[it.key()] = e;
   }
-  // Re-point entries into the moved-in buffer.
-  const char* old_base = bytes.data();
-  f.bytes = std::move(bytes);
-  for (auto& [name, e] : f.tensors)
-    e.data = reinterpret_cast<const float*>(f.bytes.data() +
-                                            (reinterpret_cast<const char*>(e.data) - old_base));
   return f;
 }
 
