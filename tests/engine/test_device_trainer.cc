@@ -233,6 +233,7 @@ struct RunResult {
   std::vector<double> losses;
   std::vector<float> params;
   std::vector<nlohmann::json> steps;  // step events
+  bool host_optimizer_state = false;  // the host optimizer holds state after the run
 };
 
 // The trained parameters: the device's, downloaded into the host mirror, or the CPU model's.
@@ -259,6 +260,7 @@ absl::StatusOr<RunResult> Train(const JobSpec& spec, const std::string& ckpt_dir
   RETURN_IF_ERROR((*t)->Run());
   r.losses = (*t)->losses();
   ASSIGN_OR_RETURN(r.params, TrainedParams(**t));
+  r.host_optimizer_state = !(*t)->optimizer().state0().empty();
   return r;
 }
 
@@ -329,6 +331,9 @@ TEST(DeviceTrainerTest, CheckpointsResumeAcrossEnginesExactly) {
         EXPECT_EQ(rest->losses[i], whole->losses[3 + i]) << "step " << i + 4;
       }
       EXPECT_EQ(rest->params, whole->params);
+      // A device trainer holds the optimizer state on the host only around its checkpoints.
+      EXPECT_EQ(first->host_optimizer_state, !device_first);
+      EXPECT_EQ(rest->host_optimizer_state, device_first);
     }
   }
 }

@@ -19,8 +19,17 @@ double ScheduledLr(const TrainSpec& t, int64_t step) {
 }
 
 Optimizer::Optimizer(const TrainSpec& spec, ParamSet& params) : spec_(spec), params_(params) {
-  m_ = Tensor::Zeros({params.numel()});
-  if (is_adamw()) v_ = Tensor::Zeros({params.numel()});
+  AllocateState();
+}
+
+void Optimizer::AllocateState() {
+  if (m_.empty()) m_ = Tensor::Zeros({params_.numel()});
+  if (is_adamw() && v_.empty()) v_ = Tensor::Zeros({params_.numel()});
+}
+
+void Optimizer::ReleaseState() {
+  m_ = Tensor();
+  v_ = Tensor();
 }
 
 void Optimizer::Step(double lr) {

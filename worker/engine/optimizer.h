@@ -28,6 +28,11 @@ class Optimizer {
   // AdamW: exp_avg and exp_avg_sq; SGD: momentum (first) only, when momentum > 0.
   Tensor& state0() { return m_; }
   Tensor& state1() { return v_; }
+  // The state buffers, zeroed where missing (the constructor does this), or gone. A trainer
+  // whose optimizer state lives on a device holds the host copy only around checkpoint loads and
+  // saves (12 bytes per parameter with AdamW would otherwise stay on the host).
+  void AllocateState();
+  void ReleaseState();
 
  private:
   TrainSpec spec_;

@@ -106,6 +106,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
       return latest.status();
     }
   }
+  // On a device the optimizer state lives there: the host copy comes back for each checkpoint.
+  if (on_device) t->optimizer_->ReleaseState();
   RETURN_IF_ERROR(t->AgreeOnResume());
   return t;
 }
@@ -336,7 +338,9 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
 absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
   if (opt_.rank == 0 && backend_) {
-    // The device's parameters and AdamW state into the host copies the checkpoint code writes.
+    // The device's parameters and optimizer state into the host copies the checkpoint code
+    // writes (zeros for state the device does not keep, as the CPU optimizer has them).
+    optimizer_->AllocateState();
     absl::Status s = backend_->DownloadParams();
     if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
     optimizer_->set_steps_taken(backend_->steps_taken());
@@ -345,6 +349,7 @@ absl::Status Trainer::Checkpoint() {
   if (opt_.rank == 0 && dir.ok())
     dir = SaveCheckpoint(ckpt_dir_, backend_ ? backend_->host_params() : model_->params(),
                          optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep);
+  if (backend_) optimizer_->ReleaseState();
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;
     RETURN_IF_ERROR(world_comm_->Broadcast(&written, 1, CommType::kI32, 0, CommLayer::kOther));

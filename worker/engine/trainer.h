@@ -86,6 +86,8 @@ class Trainer {
   Model& model() { return *model_; }
   // The device model (resources "cuda"), else null.
   StepBackend* backend() { return backend_.get(); }
+  // The host optimizer (with a device model: its state only around checkpoint loads and saves).
+  Optimizer& optimizer() { return *optimizer_; }
   const TrainState& state() const { return state_; }
   // Loss of every step this process ran.
   const std::vector<double>& losses() const { return losses_; }
