@@ -6,8 +6,11 @@
 //                                               size + CRC-32 of both tensor files
 //   <root>/latest                               name of the newest complete checkpoint
 // A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
-// crash leaves either the old or the new checkpoint, never half of one. Loading verifies sizes,
-// checksums, names and shapes and changes nothing on any error. Stateless; thread-compatible.
+// crash leaves either the old or the new checkpoint, never half of one. The tensor files stream
+// from and into the parameter and optimizer buffers (no second copy in memory). Loading verifies
+// sizes, checksums (a streamed pass over each file), headers, names and shapes before it reads
+// any value into place, so a bad checkpoint changes nothing; only a read failure after all that
+// (the disk failing mid-load) can leave the buffers partly written. Stateless; thread-compatible.
 #pragma once
 
 #include <cstdint>
@@ -37,8 +40,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
 // The newest complete checkpoint under root: NotFound when there is none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
-// Loads a checkpoint directory into params (and optimizer when non-null) after validating all of
-// it; on error nothing was modified.
+// Loads a checkpoint directory into params (and optimizer when non-null, with its state
+// allocated) after validating all of it; on a validation error nothing was modified.
 absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& params,
                                           Optimizer* optimizer, const ModelConfig& config);
 
