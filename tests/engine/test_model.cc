@@ -198,5 +198,26 @@ TEST(ModelTest, InitialWeightsAreTheSequentialStreamsForAnyThreadCount) {
   for (int64_t j = 0; j < a.numel(); ++j) ASSERT_EQ(a.flat_grad().f32()[j], 0.0f);
 }
 
+TEST(ModelTest, AHostCopyWithoutGradientsGetsThemZeroedOnFirstUse) {
+  const ModelConfig c = *ModelPreset("tiny");
+  auto eager = Model::Create(c, 5);
+  auto lazy = Model::Create(c, 5, /*host_grads=*/false);
+  ASSERT_TRUE(eager.ok() && lazy.ok());
+  ParamSet& a = (*eager)->params();
+  ParamSet& b = (*lazy)->params();
+  EXPECT_EQ(std::memcmp(a.flat_data().f32(), b.flat_data().f32(), a.numel() * 4), 0);
+  b.ZeroGrad();  // nothing to zero yet: no buffer is made for it
+  ASSERT_EQ(b.flat_grad().numel(), a.numel());
+  for (int64_t j = 0; j < b.numel(); ++j) ASSERT_EQ(b.flat_grad().f32()[j], 0.0f);
+  EXPECT_EQ(b.grad(b.size() - 1), b.flat_grad().f32() + b.info(b.size() - 1).offset);
+  // Then it trains like the eager one.
+  std::mt19937 gen(3);
+  const Batch batch = MakeSequenceBatch(RandomTokens(gen, 64), 256);
+  const LossStats la = (*eager)->ForwardBackward(batch, 1.0f, false);
+  const LossStats lb = (*lazy)->ForwardBackward(batch, 1.0f, false);
+  EXPECT_EQ(la.loss_sum, lb.loss_sum);
+  EXPECT_EQ(std::memcmp(a.flat_grad().f32(), b.flat_grad().f32(), a.numel() * 4), 0);
+}
+
 }  // namespace
 }  // namespace spindle

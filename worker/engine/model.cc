@@ -79,11 +79,12 @@ void AddInto(float* dst, const float* src, int64_t n) {
 Model::Model(const ModelConfig& config) : config_(config), work_(std::make_unique<Work>()) {}
 Model::~Model() = default;
 
-absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, uint64_t seed) {
+absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, uint64_t seed,
+                                                     bool host_grads) {
   RETURN_IF_ERROR(config.Validate());
   std::unique_ptr<Model> m(new Model(config));
   m->Build();
-  m->params_.Allocate(seed);
+  m->params_.Allocate(seed, host_grads);
   return m;
 }
 

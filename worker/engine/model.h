@@ -55,7 +55,10 @@ std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer);
 
 class Model {
  public:
-  static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config, uint64_t seed);
+  // host_grads false: the gradient buffer comes with its first use (see ParamSet::Allocate), for
+  // the host copy of a device model.
+  static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config, uint64_t seed,
+                                                       bool host_grads = true);
   ~Model();
 
   const ModelConfig& config() const { return config_; }

@@ -32,14 +32,17 @@ void Fill(float* p, int64_t n, float value) {
 
 }  // namespace
 
-void ParamSet::Allocate(uint64_t seed) {
+void ParamSet::Allocate(uint64_t seed, bool grads) {
   // Each value depends on (seed, parameter name, index) only: element j of a normal tensor is
   // the Normal() drawn at counter 2j of its counter-based Rng. So the fill runs in parallel and
   // gives the same bits for any thread count (a 1B-parameter model: ~20 ns per value serially).
   data_ = Tensor({total_});
-  grad_ = Tensor({total_});
   Fill(data_.f32(), total_, 0.0f);  // also the padding between parameters
-  Fill(grad_.f32(), total_, 0.0f);
+  grad_ = Tensor();
+  if (grads) {
+    grad_ = Tensor({total_});
+    Fill(grad_.f32(), total_, 0.0f);
+  }
   for (int i = 0; i < size(); ++i) {
     const ParamInfo& p = params_[i];
     float* d = data(i);

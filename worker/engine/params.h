@@ -32,10 +32,13 @@ class ParamSet {
   int Add(std::string name, std::vector<int64_t> shape, ParamInit init, float init_std = 0.02f);
   // Allocates the flat buffers (gradients zeroed) and initialises from `seed`: every
   // parameter draws from its own stream, so the result does not depend on declaration order.
-  void Allocate(uint64_t seed);
+  // With `grads` false the gradient buffer comes, zeroed, with its first use (flat_grad() or
+  // grad()): for a host copy of a model whose gradients live on a device and may never be needed
+  // here. That first use must not race with another.
+  void Allocate(uint64_t seed, bool grads = true);
 
   float* data(int i) { return data_.f32() + params_[i].offset; }
-  float* grad(int i) { return grad_.f32() + params_[i].offset; }
+  float* grad(int i) { return flat_grad().f32() + params_[i].offset; }
   const ParamInfo& info(int i) const { return params_[i]; }
   int size() const { return static_cast<int>(params_.size()); }
   int64_t numel() const { return total_; }
@@ -43,7 +46,10 @@ class ParamSet {
   int Find(const std::string& name) const;
 
   Tensor& flat_data() { return data_; }
-  Tensor& flat_grad() { return grad_; }
+  Tensor& flat_grad() {
+    if (grad_.numel() != total_) grad_ = Tensor::Zeros({total_});
+    return grad_;
+  }
   void ZeroGrad() { grad_.SetZero(); }
 
  private:

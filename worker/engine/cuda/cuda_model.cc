@@ -303,7 +303,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->device = device;
-  ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed));
+  // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
+  // all-reduce asks for it (DownloadGrads).
+  ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false));
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   KC(kc::Blas::Create(&impl->blas));
