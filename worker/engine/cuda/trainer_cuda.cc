@@ -75,7 +75,9 @@ class CudaStepBackend final : public StepBackend {
 #ifdef SPINDLE_HAVE_NCCL
     return CreateNcclCommunicator(store, prefix, rank, size, /*device=*/0, timeout);
 #else
-    return absl::UnimplementedError("trainer: this build has no NCCL");
+    // Not reached: without NCCL, DeviceId() reports no device, so the trainer keeps Gloo.
+    return absl::FailedPreconditionError(
+        "trainer: device communicators need NCCL, which this build was made without");
 #endif
   }
   absl::Status AllReduceGrads(Communicator& comm) override {
