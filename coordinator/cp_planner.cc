@@ -89,6 +89,10 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
                   (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
                   H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
+  // The CUDA engine also keeps the keys and kv_b's output of the whole sequence's visible rows.
+  const int64_t mla_ag_row = H * (2 * a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim);
+  const bool cuda_mla_allgather = mla_allgather && spec.resources == "cuda";
+  if (cuda_mla_allgather) per_m += cp * mla_ag_row;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
   int64_t per_token;
   if (spec.train.recompute) {
@@ -105,6 +109,11 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * B * (3 * f + 12 * d);
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
+  // CUDA MLA AllGather's backward: the gathered keys' gradients and the cross piece's (bf16), and
+  // the latent gradients' fp32 reduce-scatter blocks.
+  if (cuda_mla_allgather)
+    e.workspace_bytes += 2 * 2 * cp * T * mla_ag_row +
+                         2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes;
   return e;
@@ -125,20 +134,17 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
                                    m.n_heads, &plan.problems));
 
   if (cp > 1 && spec.resources == "cuda") {
-    // The CUDA engine runs all2all for both layer types, and allgather for Lightning layers of
-    // head size 64 or 128 (its carry-correction kernels' sizes); MLA's allgather is not built.
+    // The CUDA engine runs both modes for both layer types, Lightning's allgather for head
+    // sizes 64 and 128 only (its carry-correction kernels' sizes).
     const int64_t head_dim = m.head_dim();
     for (const LayerModePlan& l : plan.layers) {
-      if (l.num_layers == 0 || l.mode != CpMode::kAllGather) continue;
-      const bool lightning = l.layer_type == "lightning";
-      if (lightning && (head_dim == 64 || head_dim == 128)) continue;
+      if (l.num_layers == 0 || l.mode != CpMode::kAllGather || l.layer_type != "lightning")
+        continue;
+      if (head_dim == 64 || head_dim == 128) continue;
       plan.problems.push_back(absl::StrCat(
-          "parallel.", l.layer_type, "_mode: allgather (", l.reason, ") ",
-          lightning ? absl::StrCat("needs a head size of 64 or 128 on resources \"cuda\" (this "
-                                   "model's is ",
-                                   head_dim, ")")
-                    : "is not built on resources \"cuda\" yet",
-          ": use a cp that divides n_heads=", m.n_heads, " (all2all), or resources \"cpu\""));
+          "parallel.lightning_mode: allgather (", l.reason,
+          ") needs a head size of 64 or 128 on resources \"cuda\" (this model's is ", head_dim,
+          "): use a cp that divides n_heads=", m.n_heads, " (all2all), or resources \"cpu\""));
     }
   }
   if (cp > 1) {

@@ -3,8 +3,9 @@
 // on one GPU (cp = 1, the whole sequence, no communicator), then for each cp = N of --cp that the
 // visible GPUs allow, as N ranks that are threads of this process, rank r on GPU r with its own
 // CudaModel and its own NCCL communicator (bootstrapped over an in-process MemoryKvStore), set as
-// the model's CP group with All2All for MLA and --lightning_mode for Lightning (all2all, the
-// planner's default while cp <= n_heads, or allgather: chunk states gathered and scanned). A step
+// the model's CP group with --lightning_mode for Lightning and --mla_mode for MLA (all2all, the
+// planner's default while cp <= n_heads, or allgather: Lightning's chunk states gathered and
+// scanned; MLA's latent gathered, causal and cross pieces merged). A step
 // on every rank: ZeroGrads,
 // ForwardBackward on the rank's zigzag share (ShardForCp), the all-reduce of the gradients over
 // the group (the trainer's job, done here on device_grads() with the same NCCL communicator),
@@ -28,6 +29,7 @@
 //
 // Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--warmup 2]
 //                      [--steps 5] [--doc 0] [--timeout 120] [--lightning_mode all2all]
+//                      [--mla_mode all2all]
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).
 #include <cuda_runtime.h>
 
@@ -68,6 +70,7 @@ struct Options {
   int timeout_s = 120;
   uint64_t seed = 1;
   CpMode lightning = CpMode::kAll2All;
+  CpMode mla = CpMode::kAll2All;
 };
 
 double Gib(int64_t b) { return static_cast<double>(b) / (1 << 30); }
@@ -218,7 +221,7 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
   CudaModel& m = *model;
   CpBatch share;
   if (cp > 1) {
-    BENCH_RETURN_IF_ERROR(m.SetCp({comm.get(), opt.lightning, CpMode::kAll2All}));
+    BENCH_RETURN_IF_ERROR(m.SetCp({comm.get(), opt.lightning, opt.mla}));
     auto s = ShardForCp(full, cp, rank);
     if (!s.ok()) return s.status();
     share = std::move(*s);
@@ -361,7 +364,7 @@ int Run(const Options& opt) {
       std::printf("# cp=%d skipped: needs %d GPUs (one rank per GPU), %d visible\n", cp, cp, gpus);
       continue;
     }
-    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, CpMode::kAll2All);
+    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, opt.mla);
         !modes.ok()) {
       std::fprintf(stderr, "bench_cp_cuda: cp=%d refused: %s\n", cp,
                    std::string(modes.status().message()).c_str());
@@ -389,12 +392,12 @@ int Run(const Options& opt) {
       opt.doc > 0 ? absl::StrCat("documents of ~", opt.doc, " tokens") : "one document";
   const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
   std::printf("# %s x %d visible, preset %s (%.0fM parameters, %lld heads), T=%lld (%s), "
-              "recompute %d, Lightning %s, median of %d steps after %d warm-up, "
+              "recompute %d, Lightning %s, MLA %s, median of %d steps after %d warm-up, "
               "NCCL_NVLS_ENABLE=%s\n",
               prop.name, gpus, opt.preset.c_str(), config->NumParams() / 1e6,
               static_cast<long long>(config->n_heads), static_cast<long long>(opt.T),
               docs.c_str(), opt.recompute ? 1 : 0, std::string(CpModeName(opt.lightning)).c_str(),
-              opt.steps, opt.warmup, nvls ? nvls : "(unset)");
+              std::string(CpModeName(opt.mla)).c_str(), opt.steps, opt.warmup, nvls ? nvls : "(unset)");
   std::printf("| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
               "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | CP comm s/step | "
               "grad all-reduce s/step | CP comm GB/step/rank | loss (first / last step) |\n"
@@ -505,6 +508,9 @@ int main(int argc, char** argv) {
     } else if (k == "--lightning_mode") {
       ok = v == "all2all" || v == "allgather";
       opt.lightning = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
+    } else if (k == "--mla_mode") {
+      ok = v == "all2all" || v == "allgather";
+      opt.mla = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
     } else {
       std::fprintf(stderr, "bench_cp_cuda: unknown flag %s\n", k.c_str());
       return 2;

@@ -1,7 +1,8 @@
 // Small kernels the model needs between the big ones: strided row copies (MLA's key assembly and
 // latent split; a copy engine moves rows of a few hundred bytes slowly), the per-head sum of MLA's
-// shared rotary key gradient, a fixed-order squared norm (gradient clipping) and the fp32 ->
-// storage dtype conversion of weights.
+// shared rotary key gradient, a fixed-order squared norm (gradient clipping), the fp32 -> storage
+// dtype conversion of weights, strided row adds and casts, and the log-sum-exp merge of two
+// attention pieces (MLA's AllGather context parallelism).
 #include <algorithm>
 #include <cstdint>
 
@@ -79,6 +80,60 @@ __global__ void ConvertKernel(const float* x, T* y, int64_t n) {
     y[i] = FromFloat<T>(x[i]);
 }
 
+template <typename T>
+__global__ void AddRowsKernel(T* dst, int64_t ds, const T* src, int64_t ss, int64_t rows,
+                              int64_t width) {
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, j = i % width;
+    dst[r * ds + j] = FromFloat<T>(ToFloat(dst[r * ds + j]) + ToFloat(src[r * ss + j]));
+  }
+}
+
+template <typename D, typename S>
+__global__ void CastRowsKernel(D* dst, int64_t ds, const S* src, int64_t ss, int64_t rows,
+                               int64_t width) {
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, j = i % width;
+    dst[r * ds + j] = FromFloat<D>(ToFloat(src[r * ss + j]));
+  }
+}
+
+// One warp per (token, head): lane 0 reads both statistics, the merged weights reach every lane
+// by shuffle, and lane 0 writes the merged statistic after the lanes have their values.
+template <typename T>
+__global__ void AttentionMergeKernel(T* oa, int64_t tsa, float* la, int64_t lsa, const T* ob,
+                                     int64_t tsb, const float* lb, int64_t lsb, int64_t n,
+                                     int64_t H, int64_t Dv) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+       w < n * H; w += warps) {
+    const int64_t t = w / H, h = w % H;
+    float wa = 0.0f, wb = 0.0f, l = 0.0f;
+    if (lane == 0) {
+      const float a = la[h * lsa + t], b = lb[h * lsb + t];
+      const float m = fmaxf(a, b);
+      if (m == -INFINITY) {  // no key on either side: keep a's (empty) result
+        wa = 1.0f, wb = 0.0f, l = a;
+      } else {
+        const float ea = expf(a - m), eb = expf(b - m), z = ea + eb;
+        wa = ea / z, wb = eb / z, l = m + logf(z);
+      }
+    }
+    wa = __shfl_sync(0xffffffffu, wa, 0);
+    wb = __shfl_sync(0xffffffffu, wb, 0);
+    T* o = oa + t * tsa + h * Dv;
+    const T* x = ob + t * tsb + h * Dv;
+    for (int64_t j = lane; j < Dv; j += 32)
+      o[j] = FromFloat<T>(wa * ToFloat(o[j]) + wb * ToFloat(x[j]));
+    if (lane == 0) la[h * lsa + t] = l;
+  }
+}
+
 int64_t Blocks(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(internal::CeilDiv(n, 256), 132 * 16)); }
 
 }  // namespace
@@ -146,6 +201,64 @@ Status ConvertFromFloat(const float* x, void* y, int64_t n, DType dtype, cudaStr
   if (n == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "ConvertFromFloat", {
     ConvertKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(x, static_cast<scalar_t*>(y), n);
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status AddRows(void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows,
+               int64_t width, DType dtype, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && width >= 0 && dst_stride >= width && src_stride >= width,
+                    "AddRows: bad sizes");
+  if (rows == 0 || width == 0) return Status::Ok();
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "AddRows", {
+    AddRowsKernel<scalar_t><<<Blocks(rows * width), 256, 0, stream>>>(
+        static_cast<scalar_t*>(dst), dst_stride, static_cast<const scalar_t*>(src), src_stride,
+        rows, width);
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+namespace {
+template <typename D>
+Status CastRowsFrom(D* dst, int64_t dst_stride, const void* src, DType src_dtype,
+                    int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream) {
+  SPINDLE_DISPATCH_FLOAT_BF16(src_dtype, "CastRows", {
+    CastRowsKernel<D, scalar_t><<<Blocks(rows * width), 256, 0, stream>>>(
+        dst, dst_stride, static_cast<const scalar_t*>(src), src_stride, rows, width);
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+}  // namespace
+
+Status CastRows(void* dst, DType dst_dtype, int64_t dst_stride, const void* src, DType src_dtype,
+                int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && width >= 0 && dst_stride >= width && src_stride >= width,
+                    "CastRows: bad sizes");
+  if (rows == 0 || width == 0) return Status::Ok();
+  SPINDLE_DISPATCH_FLOAT_BF16(dst_dtype, "CastRows", {
+    return CastRowsFrom(static_cast<scalar_t*>(dst), dst_stride, src, src_dtype, src_stride, rows,
+                        width, stream);
+  });
+  return Status::Ok();
+}
+
+Status AttentionMerge(void* o_a, int64_t o_a_token_stride, float* lse_a, int64_t lse_a_stride,
+                      const void* o_b, int64_t o_b_token_stride, const float* lse_b,
+                      int64_t lse_b_stride, int64_t n, int64_t H, int64_t Dv, DType dtype,
+                      cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(n >= 0 && H > 0 && Dv > 0 && o_a_token_stride >= H * Dv &&
+                        o_b_token_stride >= H * Dv && lse_a_stride >= n && lse_b_stride >= n,
+                    "AttentionMerge: bad sizes or strides");
+  if (n == 0) return Status::Ok();
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(internal::CeilDiv(n * H, 8), 132 * 16));
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "AttentionMerge", {
+    AttentionMergeKernel<scalar_t><<<blocks, 256, 0, stream>>>(
+        static_cast<scalar_t*>(o_a), o_a_token_stride, lse_a, lse_a_stride,
+        static_cast<const scalar_t*>(o_b), o_b_token_stride, lse_b, lse_b_stride, n, H, Dv);
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();

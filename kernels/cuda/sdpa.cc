@@ -376,6 +376,10 @@ struct GraphSpec {
   cudnnDataType_t io = CUDNN_DATA_BFLOAT16;
   bool deterministic = false;       // backward only
   bool padding_workaround = false;  // dense backward only: seq-len padding mask (cuDNN <= 9.15)
+  // Dense only: keys (0: L, the queries' length) and the causal mask; a graph with causal false
+  // lets every query attend every key (ForwardFull / BackwardFull).
+  int64_t Lkv = 0;
+  bool causal = true;
   int variant = 0;  // 0: cudnn_frontend's spelling; 1: the alternative tried when 0 finds no engine
 
   std::vector<int64_t> Key() const {
@@ -383,15 +387,16 @@ struct GraphSpec {
             H,              Dqk,            Dv,             q.token_stride,
             q.head_stride,  k.token_stride, k.head_stride,  v.token_stride,
             v.head_stride,  o.token_stride, o.head_stride,  static_cast<int64_t>(io),
-            deterministic};
+            deterministic,  Lkv,            causal};
   }
+  int64_t KeyLen() const { return Lkv > 0 ? Lkv : L; }
 };
 
 // Batch stride of a [1, H, L, D] view (one batch: any value past the last element works); ragged
 // tensors take their batch offsets from the offset tensor, so their batch stride is a placeholder.
 int64_t BatchStride(const GraphSpec& s, const SdpaView& v, int64_t D) {
   if (s.ragged) return INT32_MAX;
-  return std::max({s.L * v.token_stride, s.H * v.head_stride, D});
+  return std::max({std::max(s.L, s.KeyLen()) * v.token_stride, s.H * v.head_stride, D});
 }
 
 // What a finished plan needs at execution time.
@@ -401,7 +406,7 @@ struct Plan {
   std::vector<int64_t> uids;  // non-virtual tensors of the graph (variant pack order)
   int64_t engine_ws = 0;      // cuDNN's own workspace
   GraphSpec spec;             // what was built (variant included)
-  int32_t* seqlen_dev = nullptr;  // {L, L} for the dense padding workaround
+  int32_t* seqlen_dev = nullptr;  // {L, Lkv} for the dense padding workaround
   int64_t engine_index = -1;
   ~Plan() {
     keep.clear();
@@ -419,7 +424,7 @@ struct Common {
 };
 
 void BuildCommon(const GraphSpec& s, GraphBuilder& g, Common& c, bool v_transposed) {
-  const int64_t B = s.B, L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const int64_t B = s.B, L = s.L, Lk = s.KeyLen(), H = s.H, Dqk = s.Dqk, Dv = s.Dv;
   const cudnnDataType_t F = CUDNN_DATA_FLOAT, I = CUDNN_DATA_INT32;
   if (s.ragged) {
     const Dims od = {B + 1, 1, 1, 1}, os = {1, 1, 1, 1};
@@ -435,24 +440,25 @@ void BuildCommon(const GraphSpec& s, GraphBuilder& g, Common& c, bool v_transpos
   c.v_st = {BatchStride(s, s.v, Dv), s.v.head_stride, s.v.token_stride, 1};
   c.o_st = {BatchStride(s, s.o, Dv), s.o.head_stride, s.o.token_stride, 1};
   c.Q = g.Tensor("Q", kUidQ, {B, H, L, Dqk}, c.q_st, s.io, false, false, c.rq);
-  c.Kt = g.Tensor("K^T", kUidK, {B, H, Dqk, L}, {c.k_st[0], c.k_st[1], 1, c.k_st[2]}, s.io, false,
-                  false, c.rk);
+  c.Kt = g.Tensor("K^T", kUidK, {B, H, Dqk, Lk}, {c.k_st[0], c.k_st[1], 1, c.k_st[2]}, s.io,
+                  false, false, c.rk);
   if (v_transposed) {
-    c.V = g.Tensor("V^T", kUidV, {B, H, Dv, L}, {c.v_st[0], c.v_st[1], 1, c.v_st[2]}, s.io, false,
-                   false, c.rv);
+    c.V = g.Tensor("V^T", kUidV, {B, H, Dv, Lk}, {c.v_st[0], c.v_st[1], 1, c.v_st[2]}, s.io,
+                   false, false, c.rv);
   } else {
-    c.V = g.Tensor("V", kUidV, {B, H, L, Dv}, c.v_st, s.io, false, false, c.rv);
+    c.V = g.Tensor("V", kUidV, {B, H, Lk, Dv}, c.v_st, s.io, false, false, c.rv);
   }
   c.O = g.Tensor("O", kUidO, {B, H, L, Dv}, c.o_st, s.io, false, false, c.ro);
   c.rows = {B, H, L, 1};
   // Dense stats: [H, L] per batch. Ragged stats: token-major [T, H] (what cuDNN supports with
   // ragged offsets), transposed to and from the caller's [H, T] around the graph.
   c.rows_st = s.ragged ? Dims{L * H, 1, H, 1} : Dims{H * L, L, 1, 1};
-  c.sq = {B, H, L, L};
-  c.sq_st = {H * L * L, L * L, L, 1};
+  c.sq = {B, H, L, Lk};
+  c.sq_st = {H * L * Lk, L * Lk, Lk, 1};
   c.stats = g.Tensor("stats", kUidStats, c.rows, c.rows_st, F, false, false, c.rs);
   c.scale = g.Scalar("attn_scale", kUidScale);
-  c.neg_inf = g.Scalar("-inf", kUidNegInf);
+  // Every non-virtual tensor must appear in some operation: the unmasked graphs have no -inf.
+  if (s.causal) c.neg_inf = g.Scalar("-inf", kUidNegInf);
   if (s.ragged || s.padding_workaround) {
     c.seq_q = g.Tensor("seq_len_q", kUidSeqQ, {B, 1, 1, 1}, {1, 1, 1, 1}, I, false);
     c.seq_kv = g.Tensor("seq_len_kv", kUidSeqKv, {B, 1, 1, 1}, {1, 1, 1, 1}, I, false);
@@ -508,7 +514,7 @@ void BuildForward(const GraphSpec& s, GraphBuilder& g) {
   TensorRef S1 = g.Virtual("S*scale", c.sq, c.sq_st, F);
   g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &c.scale);
   if (s.ragged) S1 = PaddingMask(g, c, S1);
-  const TensorRef S2 = CausalMask(s, g, c, S1);
+  const TensorRef S2 = s.causal ? CausalMask(s, g, c, S1) : S1;
   // Row statistics inside the graph are [H, L] per batch even when the stats output is ragged.
   const Dims rows_st = {s.H * s.L, s.L, 1, 1};
   const TensorRef M = g.Virtual("row max", c.rows, rows_st, F);
@@ -528,16 +534,17 @@ void BuildForward(const GraphSpec& s, GraphBuilder& g) {
 }
 
 void BuildBackward(const GraphSpec& s, GraphBuilder& g) {
-  const int64_t B = s.B, L = s.L, H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const int64_t B = s.B, L = s.L, Lk = s.KeyLen(), H = s.H, Dqk = s.Dqk, Dv = s.Dv;
   const cudnnDataType_t F = CUDNN_DATA_FLOAT;
   Common c;
   BuildCommon(s, g, c, /*v_transposed=*/true);
-  const Dims qd = {B, H, L, Dqk}, vd = {B, H, L, Dv};
-  const Dims sq_t_st = {H * L * L, L * L, 1, L};  // the transposed view of an [L, L] score
+  const Dims qd = {B, H, L, Dqk}, vd = {B, H, L, Dv}, kd = {B, H, Lk, Dqk}, kvd = {B, H, Lk, Dv};
+  // The transposed view [Lk, L] of an [L, Lk] score.
+  const Dims sq_t = {B, H, Lk, L}, sq_t_st = {H * L * Lk, L * Lk, 1, Lk};
   const TensorRef dO = g.Tensor("dO", kUidDO, vd, c.o_st, s.io, false, false, c.ro);
   const TensorRef dQ = g.Tensor("dQ", kUidDQ, qd, c.q_st, s.io, false, false, c.rq);
-  const TensorRef dK = g.Tensor("dK", kUidDK, qd, c.k_st, s.io, false, false, c.rk);
-  const TensorRef dV = g.Tensor("dV", kUidDV, vd, c.v_st, s.io, false, false, c.rv);
+  const TensorRef dK = g.Tensor("dK", kUidDK, kd, c.k_st, s.io, false, false, c.rk);
+  const TensorRef dV = g.Tensor("dV", kUidDV, kvd, c.v_st, s.io, false, false, c.rv);
   const TensorRef one = g.Scalar("one", kUidOne);
 
   // Dsum = sum_d dO * O (times the inverse dropout scale, 1 here), kept in the workspace with
@@ -557,12 +564,12 @@ void BuildBackward(const GraphSpec& s, GraphBuilder& g) {
   if (s.ragged || s.padding_workaround) S1 = PaddingMask(g, c, S1);
   const TensorRef S2 = g.Virtual("S-stats", c.sq, c.sq_st, F);
   g.Pointwise("sub stats", CUDNN_POINTWISE_SUB, F, S1, S2, &c.stats);
-  const TensorRef S3 = CausalMask(s, g, c, S2);
+  const TensorRef S3 = s.causal ? CausalMask(s, g, c, S2) : S2;
   const TensorRef P = g.Virtual("P", c.sq, c.sq_st, F);
   g.Pointwise("exp", CUDNN_POINTWISE_EXP, F, S3, P);
 
   // dV = P^T dO
-  const TensorRef Pt = g.Virtual("P^T", c.sq, sq_t_st, s.io);
+  const TensorRef Pt = g.Virtual("P^T", sq_t, sq_t_st, s.io);
   g.Reshape("reshape P", P, Pt);
   g.Matmul("P^T dO", Pt, dO, dV, c.mkv, nullptr, c.mq);
 
@@ -577,12 +584,12 @@ void BuildBackward(const GraphSpec& s, GraphBuilder& g) {
   g.Pointwise("dS attn_scale", CUDNN_POINTWISE_MUL, F, dP2, dS, &c.scale);
 
   // dK = dS^T Q
-  const TensorRef dSt = g.Virtual("dS^T", c.sq, sq_t_st, s.io);
+  const TensorRef dSt = g.Virtual("dS^T", sq_t, sq_t_st, s.io);
   g.Reshape("reshape dS", dS, dSt);
   g.Matmul("dS^T Q", dSt, c.Q, dK, c.mkv, nullptr, c.mq);
 
   // dQ = dS K
-  const TensorRef Kv = g.Virtual("K", qd, c.k_st, s.variant == 0 ? F : s.io, c.rk);
+  const TensorRef Kv = g.Virtual("K", kd, c.k_st, s.variant == 0 ? F : s.io, c.rk);
   g.Reshape("reshape K", c.Kt, Kv);
   if (s.deterministic) {
     g.Matmul("dS K", dS, Kv, dQ, c.mq, nullptr, c.mkv);
@@ -617,7 +624,8 @@ std::string Describe(const GraphSpec& s) {
   return std::string(s.backward ? "backward" : "forward") +
          (s.ragged ? " ragged B=" + std::to_string(s.B) : std::string()) +
          " L=" + std::to_string(s.L) +
-         " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
+         (s.Lkv > 0 ? " Lkv=" + std::to_string(s.Lkv) : std::string()) +
+         (s.causal ? "" : " full") + " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
          " Dv=" + std::to_string(s.Dv) + (s.deterministic ? " deterministic" : "") +
          (s.padding_workaround ? " +padding-mask" : "") + " variant " + std::to_string(s.variant);
 }
@@ -711,7 +719,7 @@ Status BuildPlan(cudnnHandle_t handle, const GraphSpec& s, std::unique_ptr<Plan>
       plan->spec = s;
       plan->uids = g.io_uids();
       if (s.padding_workaround) {
-        const int32_t lens[2] = {static_cast<int32_t>(s.L), static_cast<int32_t>(s.L)};
+        const int32_t lens[2] = {static_cast<int32_t>(s.L), static_cast<int32_t>(s.KeyLen())};
         SPINDLE_CUDA_CHECK(cudaMalloc(&plan->seqlen_dev, sizeof(lens)));
         SPINDLE_CUDA_CHECK(
             cudaMemcpy(plan->seqlen_dev, lens, sizeof(lens), cudaMemcpyHostToDevice));
@@ -910,6 +918,15 @@ struct Sdpa::Impl {
     s.io = c.io;
     s.deterministic = backward && deterministic;
     s.padding_workaround = backward && version <= 91500 && L % 128 != 0;
+    return s;
+  }
+
+  // Dense, unmasked: L queries against Lkv keys.
+  GraphSpec Full(bool backward, const Call& c) const {
+    GraphSpec s = Dense(backward, c.d.T, c, c.d.q, c.d.k, c.d.v, c.d.out);
+    s.Lkv = c.d.Tkv;
+    s.causal = false;
+    s.padding_workaround = backward && version <= 91500 && (c.d.T % 128 != 0 || c.d.Tkv % 128 != 0);
     return s;
   }
 
@@ -1390,6 +1407,63 @@ Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* o
   }
   if (m.UseRagged(c, true)) return m.RaggedBackward(a, docs, max_len, scale, c, stream);
   return m.PerDocumentBackward(a, docs, scale, c, stream);
+}
+
+namespace {
+
+// Validates a ForwardFull / BackwardFull call: the common checks with one segment of T queries,
+// plus the key count.
+Status ValidateFull(const SdpaDims& dims, DType dtype, float scale, Call* c) {
+  const int32_t cu[2] = {0, static_cast<int32_t>(std::min<int64_t>(dims.T, INT32_MAX))};
+  SPINDLE_CHECK_ARG(dims.T <= INT32_MAX, "Sdpa: T=" + std::to_string(dims.T) + " too large");
+  SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu, 1, scale, c));
+  SPINDLE_CHECK_ARG(dims.Tkv >= 1 || dims.T == 0,
+                    "Sdpa: full attention needs at least one key (Tkv=" +
+                        std::to_string(dims.Tkv) + ", T=" + std::to_string(dims.T) + ")");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out, float* stats,
+                         float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
+  Call c;
+  SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
+  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v},
+                                  {"out", out}, {"stats", stats}})
+    SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
+  if (c.d.T == 0) return Status::Ok();
+  Impl& m = *impl_;
+  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
+  ExecArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats;
+  Plan* p = nullptr;
+  SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(false, c), &p));
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
+  SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
+  return m.Execute(*p, a, scale, stream);
+}
+
+Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const void* out,
+                          const float* stats, const void* dout, void* dq, void* dk, void* dv,
+                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
+  Call c;
+  SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
+  for (const auto& [what, ptr] :
+       {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v}, {"out", out},
+        {"stats", stats}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}})
+    SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
+  if (c.d.T == 0) return Status::Ok();
+  Impl& m = *impl_;
+  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
+  ExecArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats, a.dout = dout;
+  a.dq = dq, a.dk = dk, a.dv = dv;
+  Plan* p = nullptr;
+  SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(true, c), &p));
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
+  SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
+  return m.Execute(*p, a, scale, stream);
 }
 
 }  // namespace spindle::kernels::cuda

@@ -1,4 +1,6 @@
-// Causal softmax attention inside documents (the MLA core) on cuDNN's graph (backend) API:
+// Causal softmax attention inside documents (the MLA core) on cuDNN's graph (backend) API, and
+// the unmasked attention of queries over a different set of keys (context parallelism's cross
+// piece):
 // forward with softmax statistics and backward, bf16 in and out, fp32 accumulation; the GPU
 // counterpart of kernels/cpu/attention.h for local attention (queries and keys are the same
 // tokens).
@@ -45,6 +47,7 @@ struct SdpaView {
 struct SdpaDims {
   int64_t T = 0, H = 0, Dqk = 0, Dv = 0;  // Dqk, Dv multiples of 8, <= 256
   SdpaView q, k, v, out;                  // dq/dk/dv/dout use the same views
+  int64_t Tkv = 0;  // ForwardFull / BackwardFull only: the number of keys (>= 1)
 };
 
 class Sdpa {
@@ -65,6 +68,18 @@ class Sdpa {
                   const float* stats, const void* dout, void* dq, void* dk, void* dv,
                   const int32_t* cu_seqlens, int64_t n_segments, float scale,
                   const SdpaDims& dims, DType dtype, cudaStream_t stream);
+
+  // Full (unmasked) attention of T queries over Tkv keys (dims.Tkv; k, v, dk, dv hold Tkv
+  // tokens): every query attends every key, no documents. The cross piece of context-parallel
+  // attention (queries of a chunk, keys of the same document's earlier chunks), whose output
+  // and stats the caller merges with the causal piece's (AttentionMerge in ops.h). The backward
+  // takes the merged out and stats, so its gradients are this piece's share of the merged
+  // attention's. Plans are cached per (T, Tkv, ...) like the causal ones.
+  Status ForwardFull(const void* q, const void* k, const void* v, void* out, float* stats,
+                     float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream);
+  Status BackwardFull(const void* q, const void* k, const void* v, const void* out,
+                      const float* stats, const void* dout, void* dq, void* dk, void* dv,
+                      float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream);
 
   // Off by default: cuDNN's fastest backward accumulates dq with fp32 atomics, so dq may differ
   // in the last bits between identical runs. On: the backward graph writes dq from the matmul

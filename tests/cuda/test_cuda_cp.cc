@@ -1,5 +1,5 @@
-// Context parallelism of CudaModel (All2All for Lightning and MLA, AllGather for Lightning of head
-// size 64 or 128): cp ranks share ONE GPU as
+// Context parallelism of CudaModel (All2All for Lightning and MLA, AllGather for MLA and for
+// Lightning of head size 64 or 128): cp ranks share ONE GPU as
 // threads of this process, each with its own CudaModel (own stream, cuBLASLt and cuDNN handles)
 // and its own Gloo communicator over an in-memory store (so the model's host-staged path runs:
 // NCCL refuses two ranks on one device). Each rank runs its zigzag share (ShardForCp) of a
@@ -9,7 +9,9 @@
 // and the tiny preset (head size 16: the token-by-token Lightning path), cp = 2 (and cp = 4 on
 // tiny), with and without recompute; Lightning's AllGather on the head-64 model at cp = 2 and 4
 // (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form gives the
-// step's loss. Also: MLA AllGather, Lightning AllGather at head size 16, undecided modes and
+// step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
+// and many, alone and with Lightning's AllGather. Also: Lightning AllGather at head size 16,
+// undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
 //
@@ -95,7 +97,7 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
 
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
 absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batch& full, int cp,
-                                 float scale, bool recompute, CpMode lightning) {
+                                 float scale, bool recompute, CpMode lightning, CpMode mla) {
   MemoryKvStore store;
   std::vector<StepResult> per(cp);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
@@ -103,8 +105,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (!comm.ok()) return comm.status();
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
-    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, CpMode::kAll2All});
-        !s.ok())
+    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok())
       return s;
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
@@ -149,14 +150,14 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
 }
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
-                            bool recompute, CpMode lightning) {
+                            bool recompute, CpMode lightning, CpMode mla = CpMode::kAll2All) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << full.T << " cp " << cp
                                     << (recompute ? " recompute" : "") << " lightning "
-                                    << CpModeName(lightning));
+                                    << CpModeName(lightning) << " mla " << CpModeName(mla));
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
-  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning);
+  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning, mla);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->n_valid, want.n_valid);
   EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, kTolLoss)
@@ -168,9 +169,9 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
 }
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp, bool recompute,
-                            CpMode lightning = CpMode::kAll2All) {
+                            CpMode lightning = CpMode::kAll2All, CpMode mla = CpMode::kAll2All) {
   const uint32_t seed = FreshSeed();
-  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning);
+  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla);
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {
@@ -203,11 +204,38 @@ TEST(CudaCp, Head64LightningAllGatherCp2RecomputeOneDocument) {
 
 TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  // cp = 4 > n_heads = 2: only AllGather can split the sequence here, so Lightning layers only
-  // (CUDA has no AllGather for MLA).
+  // cp = 4 > n_heads = 2: only AllGather can split the sequence here.
   ModelConfig c = Head64WellConditioned();
   c.layer_pattern = "LL";
   ExpectCpMatchesOneRank(c, 512, 60, 4, false, CpMode::kAllGather);
+}
+
+// MLA AllGather: each chunk's causal piece and, where its first token continues a document, the
+// cross piece over that document's earlier (gathered) tokens, merged by their statistics.
+TEST(CudaCp, Head64MlaAllGatherCp2MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // Chunks of 96 tokens, documents of up to ~140: cross pieces reach into the previous chunk
+  // (another rank's, or this rank's other chunk for rank 1: chunks 1 and 2 are adjacent).
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, false, CpMode::kAll2All, CpMode::kAllGather);
+}
+
+TEST(CudaCp, Head64MlaAllGatherCp2RecomputeOneDocument) {
+  SPINDLE_REQUIRE_GPU();
+  // One document: every chunk but the first attends all earlier tokens through its cross piece.
+  ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+}
+
+TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // cp = 4 > n_heads = 2, Lightning and MLA layers: what the planner picks for such a job.
+  ExpectCpMatchesOneRank(Head64WellConditioned(), 512, 60, 4, false, CpMode::kAllGather,
+                         CpMode::kAllGather);
+}
+
+TEST(CudaCp, TinyMlaAllGatherCp4MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // Chunks of 40 tokens, documents of up to ~100 that span whole chunks.
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, false, CpMode::kAll2All, CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherLongFirstSegmentNeedsItsOwnWorkspace) {
@@ -291,9 +319,7 @@ TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().message(), s.message()) << r.status();
 
-  s = m.SetCp({&two, CpMode::kAll2All, CpMode::kAllGather});
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-  EXPECT_EQ(s.message(), "cuda model: mla_mode allgather is not built on CUDA yet (use all2all)");
+  EXPECT_TRUE(m.SetCp({&two, CpMode::kAll2All, CpMode::kAllGather}).ok());
 
   s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

@@ -806,5 +806,41 @@ TEST(ModelGlue, CopyRowsAndSumHeadsMatchHostLoops) {
   ExpectClose(Download(d_out.get(), T * os, bf), want, bf, "SumHeads");
 }
 
+// AddRows and CastRows (MLA AllGather's gradient sums and fp32 reduce-scatter blocks) on strided
+// rows: the columns past `width` keep their values; bf16 -> fp32 is exact, fp32 -> bf16 rounds
+// once, a bf16 add rounds the fp32 sum once.
+TEST(ModelGlue, AddRowsAndCastRowsMatchHostLoops) {
+  SPINDLE_REQUIRE_GPU();
+  std::mt19937 rng(testing::FreshSeed());
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32;
+  const int64_t rows = 37, width = 21, ds = 30, ss = 25;
+  auto dst = Normal(rng, rows * ds), src = Normal(rng, rows * ss);
+  RoundTo(bf, dst);
+  RoundTo(bf, src);
+  std::vector<float> sum = dst, cast_f32(rows * ds, -3.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < width; ++j) {
+      sum[r * ds + j] = dst[r * ds + j] + src[r * ss + j];
+      cast_f32[r * ds + j] = src[r * ss + j];
+    }
+  RoundTo(bf, sum);
+  auto d_dst = Upload(dst, bf), d_src = Upload(src, bf);
+  ASSERT_OK(AddRows(d_dst.get(), ds, d_src.get(), ss, rows, width, bf, 0));
+  ExpectSameBits(Download(d_dst.get(), rows * ds, bf), sum, "AddRows");
+  auto d_f32 = Upload(std::vector<float>(rows * ds, -3.0f), f32);
+  ASSERT_OK(CastRows(d_f32.get(), f32, ds, d_src.get(), bf, ss, rows, width, 0));
+  ExpectSameBits(Download(d_f32.get(), rows * ds, f32), cast_f32, "CastRows bf16 -> fp32");
+  auto unrounded = Normal(rng, rows * ss);
+  std::vector<float> rounded(rows * ds, -3.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < width; ++j) rounded[r * ds + j] = unrounded[r * ss + j];
+  RoundTo(bf, rounded);
+  auto d_un = Upload(unrounded, f32), d_bf = Upload(std::vector<float>(rows * ds, -3.0f), bf);
+  ASSERT_OK(CastRows(d_bf.get(), bf, ds, d_un.get(), f32, ss, rows, width, 0));
+  ExpectSameBits(Download(d_bf.get(), rows * ds, bf), rounded, "CastRows fp32 -> bf16");
+  const Status bad = CastRows(d_bf.get(), bf, 10, d_un.get(), f32, ss, rows, width, 0);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.message();
+}
+
 }  // namespace
 }  // namespace spindle::kernels::cuda

@@ -4,7 +4,9 @@
 // MLA head (H=16, Dqk=192, Dv=128), strided views inside larger buffers (fused q/k rows, V at an
 // offset with head stride 256, head-major out) whose bytes outside the view must stay untouched,
 // several documents (one-token and empty ones included) through both routes (one ragged graph;
-// one graph per document), fp16, the deterministic backward, and argument errors.
+// one graph per document), fp16, the deterministic backward, argument errors, and context
+// parallelism's split of one causal attention into a full (unmasked, queries and keys of different
+// lengths) piece and a causal piece merged by their log-sum-exp statistics.
 //
 // Tolerances (|got - want| <= abs * peak + rel * |want|, peak = max |want|): out 1% + 1% (bf16
 // output rounding plus P rounded to bf16 before P V), dq/dk/dv 2% + 2% (P and dS enter the
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/sdpa.h"
 #include "tests/cuda/cuda_test_util.h"
 
@@ -369,6 +372,92 @@ TEST_F(SdpaCudnn, DeterministicBackward) {
   Case d = Tiny("tiny deterministic docs 1,59,140", {0, 1, 60, 200});
   d.deterministic = true;
   Run(d);
+}
+
+// Context parallelism's split of one causal attention: the last Tq of Tkv + Tq tokens (one
+// document) attend the first Tkv through ForwardFull (no mask, different lengths) and their own
+// Tq causally through Forward; AttentionMerge combines the two outputs by their stats. The merged
+// output and stats, and the backward (each piece's BackwardFull / Backward with the merged out
+// and stats, dq summed, dk and dv concatenated), must match one CPU attention over all keys.
+void RunSplit(Sdpa& sdpa, int64_t H, int64_t Dqk, int64_t Dv, int64_t Tkv, int64_t Tq) {
+  const uint32_t seed = FreshSeed();
+  const std::string name = "split Tkv=" + std::to_string(Tkv) + " Tq=" + std::to_string(Tq) +
+                           " H=" + std::to_string(H) + " Dqk=" + std::to_string(Dqk);
+  SCOPED_TRACE(name + ", seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int64_t Tk = Tkv + Tq;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+  const std::vector<float> q = RandomRounded(rng, Tq * H * Dqk, kBf16);
+  const std::vector<float> k = RandomRounded(rng, Tk * H * Dqk, kBf16);
+  const std::vector<float> v = RandomRounded(rng, Tk * H * Dv, kBf16);
+  const std::vector<float> dout = RandomRounded(rng, Tq * H * Dv, kBf16);
+  using testing::Download;
+  using testing::Upload;
+  DeviceBuffer q_d = Upload(q, kBf16), k_d = Upload(k, kBf16), v_d = Upload(v, kBf16);
+  DeviceBuffer dout_d = Upload(dout, kBf16);
+  DeviceBuffer out(Tq * H * Dv * 2), out_x(Tq * H * Dv * 2), stats(H * Tq * 4),
+      stats_x(H * Tq * 4);
+  SdpaDims dims;
+  dims.T = Tq, dims.H = H, dims.Dqk = Dqk, dims.Dv = Dv;
+  SdpaDims full = dims;
+  full.Tkv = Tkv;
+  auto at = [](const DeviceBuffer& b, int64_t elems) { return static_cast<char*>(b.get()) + elems * 2; };
+  const std::vector<int32_t> cu{0, static_cast<int32_t>(Tq)};
+  ASSERT_OK(sdpa.Forward(q_d.get(), at(k_d, Tkv * H * Dqk), at(v_d, Tkv * H * Dv), out.get(),
+                         stats.as<float>(), cu.data(), 1, scale, dims, kBf16, 0));
+  ASSERT_OK(sdpa.ForwardFull(q_d.get(), k_d.get(), v_d.get(), out_x.get(), stats_x.as<float>(),
+                             scale, full, kBf16, 0));
+  ASSERT_OK(AttentionMerge(out.get(), H * Dv, stats.as<float>(), Tq, out_x.get(), H * Dv,
+                           stats_x.as<float>(), Tq, Tq, H, Dv, kBf16, 0));
+  const std::vector<float> got_out = Download(out.get(), Tq * H * Dv, kBf16);
+  const std::vector<float> got_stats = Download(stats.get(), H * Tq, DType::kFloat32);
+
+  std::vector<int32_t> doc_q(Tq, 0), pos_q(Tq), doc_k(Tk, 0), pos_k(Tk);
+  for (int64_t i = 0; i < Tq; ++i) pos_q[i] = static_cast<int32_t>(Tkv + i);
+  for (int64_t j = 0; j < Tk; ++j) pos_k[j] = static_cast<int32_t>(j);
+  const cpu::AttentionMask mask{doc_q.data(), pos_q.data(), doc_k.data(), pos_k.data()};
+  const cpu::AttentionDims ad{Tq, Tk, H, Dqk, Dv};
+  std::vector<float> out_ref(Tq * H * Dv), lse_ref(Tq * H), stats_ref(H * Tq);
+  cpu::AttentionForward(q.data(), k.data(), v.data(), mask, scale, ad, out_ref.data(),
+                        lse_ref.data());
+  for (int64_t i = 0; i < Tq; ++i)
+    for (int64_t h = 0; h < H; ++h) stats_ref[h * Tq + i] = lse_ref[i * H + h];
+  Compare(got_out, out_ref, 1e-2, 1e-2, name + " out");
+  Compare(got_stats, stats_ref, 1e-3, 1e-3, name + " stats");
+
+  DeviceBuffer dq(Tq * H * Dqk * 2), dq_x(Tq * H * Dqk * 2), dk(Tk * H * Dqk * 2),
+      dv(Tk * H * Dv * 2);
+  ASSERT_OK(sdpa.Backward(q_d.get(), at(k_d, Tkv * H * Dqk), at(v_d, Tkv * H * Dv), out.get(),
+                          stats.as<float>(), dout_d.get(), dq.get(), at(dk, Tkv * H * Dqk),
+                          at(dv, Tkv * H * Dv), cu.data(), 1, scale, dims, kBf16, 0));
+  ASSERT_OK(sdpa.BackwardFull(q_d.get(), k_d.get(), v_d.get(), out.get(), stats.as<float>(),
+                              dout_d.get(), dq_x.get(), dk.get(), dv.get(), scale, full, kBf16,
+                              0));
+  ASSERT_OK(AddRows(dq.get(), H * Dqk, dq_x.get(), H * Dqk, Tq, H * Dqk, kBf16, 0));
+  std::vector<float> dq_ref(Tq * H * Dqk), dk_ref(Tk * H * Dqk), dv_ref(Tk * H * Dv);
+  cpu::AttentionBackward(q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(),
+                         dout.data(), mask, scale, ad, dq_ref.data(), dk_ref.data(),
+                         dv_ref.data());
+  Compare(Download(dq.get(), Tq * H * Dqk, kBf16), dq_ref, 2e-2, 2e-2, name + " dq");
+  Compare(Download(dk.get(), Tk * H * Dqk, kBf16), dk_ref, 2e-2, 2e-2, name + " dk");
+  Compare(Download(dv.get(), Tk * H * Dv, kBf16), dv_ref, 2e-2, 2e-2, name + " dv");
+}
+
+TEST_F(SdpaCudnn, FullPieceMergedWithCausalPieceIsOneCausalAttention) {
+  RunSplit(*sdpa_, 4, 32, 16, 300, 77);
+  RunSplit(*sdpa_, 4, 32, 16, 1, 5);
+  RunSplit(*sdpa_, 16, 192, 128, 1000, 200);
+  RunSplit(*sdpa_, 16, 192, 128, 256, 128);
+}
+
+TEST_F(SdpaCudnn, FullAttentionNeedsKeys) {
+  DeviceBuffer q(64 * 4 * 32 * 2), o(64 * 4 * 16 * 2), stats(64 * 4 * 4);
+  SdpaDims d;
+  d.T = 64, d.H = 4, d.Dqk = 32, d.Dv = 16;  // Tkv left 0
+  const Status s = sdpa_->ForwardFull(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), 0.1f,
+                                      d, kBf16, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("at least one key"), std::string::npos) << s.message();
 }
 
 TEST_F(SdpaCudnn, BadArguments) {

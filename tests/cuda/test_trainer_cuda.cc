@@ -299,8 +299,9 @@ TEST(CudaTrainerTest, CpThatAll2AllCannotRunIsRefusedAtCreate) {
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.status().message(),
-            "trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (MLA's allgather mode is not "
-            "built on CUDA; use a cp that divides 4, or resources \"cpu\")");
+            "trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (Lightning's allgather mode on "
+            "CUDA needs a head size of 64 or 128, not 16; use a cp that divides 4, or resources "
+            "\"cpu\")");
   struct stat st;
   EXPECT_NE(stat(o.checkpoint_dir.c_str(), &st), 0);
 }

@@ -120,13 +120,14 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
         "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
         "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
   };
-  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run for MLA.
+  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run for its
+  // Lightning head size of 16.
   CommandResult cp3 = Run({"--job", cuda_job(3), "--rank", "0", "--world", "3", "--file-store",
                            dir_ + "/store"});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (MLA's "
-                      "allgather mode is not built on CUDA; use a cp that divides 4, or resources "
-                      "\"cpu\")");
+  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp "
+                      "(Lightning's allgather mode on CUDA needs a head size of 64 or 128, not 16; "
+                      "use a cp that divides 4, or resources \"cpu\")");
 #else
   ExpectRejected(cp3, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
                       "build has no CUDA engine");

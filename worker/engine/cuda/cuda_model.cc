@@ -3,8 +3,8 @@
 // master weights and gradients on the device), one [T, 3d] qkv GEMM with the fused q/k norm +
 // RoPE kernel, residual adds folded into the GEMMs (beta = 1), and cuDNN attention for MLA.
 //
-// Context parallelism (All2All only, see cuda_model.h) follows cp/cp_attention.cc's
-// LightningAll2All* and MlaAll2All* with device buffers. The blocks exchanged with rank j are
+// Context parallelism (see cuda_model.h) follows cp/cp_attention.cc with device buffers: All2All
+// as its LightningAll2All* and MlaAll2All*, AllGather as DESIGN.md section 3 describes it. The blocks exchanged with rank j are
 // token-major: [T local tokens][the views' H/cp heads, view after view], so a block received from
 // rank i is rank i's two zigzag chunks of whole rows: putting them in stream order is 2 copies per
 // rank, and the Lightning rows [q | k | v] of H/cp heads are exactly the kernel's strided layout
@@ -116,6 +116,10 @@ struct Cache {
   DevBuf cp_full, cp_out;
   // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
   DevBuf cp_P;
+  // CP (MLA AllGather), in stream order over the whole sequence ([T_full, ...], filled only in
+  // the rows some local query sees): the gathered latent [c_n | rotated k_r], kv_b's output
+  // (k_nope and V of every head) and the keys [k_nope | k_r] of every head.
+  DevBuf ag_lat, ag_kvb, ag_K;
 };
 
 // Gradient scratch shared by every layer's backward.
@@ -129,6 +133,11 @@ struct Work {
   // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
   // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
   DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
+  // CP (MLA AllGather) scratch: the latent gather's send and receive blocks (also the fp32
+  // reduce-scatter's), the cross piece's output and stats, its gradients before they are added
+  // in, and the gathered keys' gradients (ag_dK, ag_dkvb: kv_b output's layout; ag_dlat: the
+  // latent's).
+  DevBuf ag_send, ag_recv, ag_o, ag_stats, ag_dq, ag_dk, ag_dv, ag_dK, ag_dkvb, ag_dlat;
 };
 
 // The batch on the device.
@@ -148,6 +157,11 @@ struct BatchDev {
   DevBuf piece_cu[2], chunk_has_start, chunk_len;
   int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0};
   bool continues[2] = {false, false};
+  // MLA AllGather: the first stream row each local chunk's queries see (the start of the
+  // document its first token continues, else the chunk's own first token), and the merged row
+  // ranges [begin, end) of keys some local query sees.
+  int64_t key_begin[2] = {0, 0};
+  std::vector<std::pair<int64_t, int64_t>> key_ranges;
 };
 
 // One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
@@ -196,7 +210,8 @@ struct CudaModel::Impl {
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
     for (DevBuf* b : {&W.dh, &W.da, &W.dg, &W.du, &W.dy, &W.dgate, &W.dqkv, &W.dO, &W.dQ, &W.dK,
                       &W.dkvb, &W.dc_n, &W.dc, &W.dkva, &W.dqa_n, &W.dqa, &W.ws, &W.cp_send,
-                      &W.cp_recv, &W.cp_tmp, &W.cp_dfull})
+                      &W.cp_recv, &W.cp_tmp, &W.cp_dfull, &W.ag_send, &W.ag_recv, &W.ag_o,
+                      &W.ag_stats, &W.ag_dq, &W.ag_dk, &W.ag_dv, &W.ag_dK, &W.ag_dkvb, &W.ag_dlat})
       b->Release();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
@@ -277,7 +292,10 @@ struct CudaModel::Impl {
   absl::Status UnpackToTokens(const std::vector<HeadView>& views);
   // W.cp_recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream
   // order; and the inverse, full -> W.cp_send.
-  absl::Status RecvToStream(void* full, int64_t width);
+  absl::Status RecvToStream(void* full, int64_t width) {
+    return RecvRowsToStream(W.cp_recv.get(), full, width);
+  }
+  absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
   absl::Status StreamToSend(const void* full, int64_t width);
   // All-to-all W.cp_send -> W.cp_recv of `block_elems` activations per rank.
   absl::Status Exchange(int64_t block_elems, CommLayer layer);
@@ -291,6 +309,14 @@ struct CudaModel::Impl {
   absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
   absl::Status MlaCoreForward(Cache& C);
   absl::Status MlaCoreBackward(Cache& C);
+  // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
+  bool MlaAllGather() const { return B.cp > 1 && cp.mla_mode == CpMode::kAllGather; }
+  // Device-buffer collectives of the CP group (NCCL directly, Gloo through the pinned staging).
+  absl::Status GatherDevice(const void* send, int64_t n, CommType type, int64_t elem_bytes,
+                            void* recv, CommLayer layer);
+  absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
+  absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C);
+  absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
 };
 
 // ---- Setup -------------------------------------------------------------------------------------
@@ -573,10 +599,12 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only).
     const bool has_l = c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAll2All;
     const bool has_m = c.NumLayersOfKind('M') > 0;
+    const bool has_m_a2a = has_m && cp.mla_mode == CpMode::kAll2All;
     if (has_l) need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
     const int64_t in_elems =
-        std::max(has_l ? T * 3 * d : int64_t{0}, has_m ? T * H * (2 * qk + vd) : int64_t{0});
-    const int64_t out_elems = std::max(has_l ? T * d : int64_t{0}, has_m ? T * H * vd : int64_t{0});
+        std::max(has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0});
+    const int64_t out_elems =
+        std::max(has_l ? T * d : int64_t{0}, has_m_a2a ? T * H * vd : int64_t{0});
     for (DevBuf* x : {&W.cp_send, &W.cp_recv, &W.cp_dfull})
       RETURN_IF_ERROR(x->Ensure(&alloc, in_elems * kAb));
     RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
@@ -591,11 +619,23 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       has_start[ci] = L.chunks[ci].has_start ? 1 : 0;
       len[ci] = static_cast<int32_t>(L.chunks[ci].len);
     }
+    B.key_ranges.clear();
     for (int slot = 0; slot < 2; ++slot) {
       const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
       B.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
       B.continues[slot] = chunk.continues;
       B.first_segment[slot] = chunk.first_segment;
+      const int64_t first = B.slot_chunk[slot] * B.chunk;
+      B.key_begin[slot] = first;
+      if (chunk.continues) {  // the last document start before the chunk's first token
+        const auto it = std::upper_bound(B.cu_host.begin(), B.cu_host.end(), first);
+        B.key_begin[slot] = *(it - 1);
+      }
+      if (!B.key_ranges.empty() && B.key_begin[slot] <= B.key_ranges.back().second) {
+        B.key_ranges.back().second = first + B.chunk;
+      } else {
+        B.key_ranges.emplace_back(B.key_begin[slot], first + B.chunk);
+      }
       B.piece_cu_host[slot] = b.pieces[slot].cu_seqlens;
       RETURN_IF_ERROR(B.piece_cu[slot].Ensure(&alloc, B.piece_cu_host[slot].size() * 4));
       CUDA(cudaMemcpyAsync(B.piece_cu[slot].get(), B.piece_cu_host[slot].data(),
@@ -619,7 +659,15 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
     for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
       RETURN_IF_ERROR(F32(*x, n_chunks * SZ));
-    const int64_t staging = std::max(in_elems * kAb, n_chunks * SZ * 4);
+    // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
+    // ([cp, T, w] in, [T, w] out) share two device blocks and the host staging.
+    const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+    const int64_t ag_bytes = has_m && cp.mla_mode == CpMode::kAllGather ? B.cp * T * lat_w * 4 : 0;
+    if (ag_bytes > 0) {
+      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, ag_bytes));
+      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, ag_bytes));
+    }
+    const int64_t staging = std::max({in_elems * kAb, n_chunks * SZ * 4, ag_bytes});
     if (!cp_device_buffers && cp_host_bytes < staging) {
       // The previous step ended with a stream sync: no copy still reads the old blocks.
       for (void** h : {&cp_host_send, &cp_host_recv}) {
@@ -651,10 +699,8 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
   for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
                         Kind{'M', "mla_mode", cp.mla_mode}}) {
     if (c.NumLayersOfKind(k.kind) == 0) continue;
-    if (k.mode == CpMode::kAllGather && k.kind == 'M')
-      return absl::UnimplementedError(
-          "cuda model: mla_mode allgather is not built on CUDA yet (use all2all)");
-    if (k.mode == CpMode::kAllGather && !kc::LightningCarrySupportsHeadDim(c.head_dim()))
+    if (k.kind == 'L' && k.mode == CpMode::kAllGather &&
+        !kc::LightningCarrySupportsHeadDim(c.head_dim()))
       return absl::UnimplementedError(absl::StrCat(
           "cuda model: lightning_mode allgather on CUDA needs a head size of 64 or 128, not ",
           c.head_dim(), " (use all2all)"));
@@ -726,14 +772,13 @@ absl::Status CudaModel::Impl::UnpackToTokens(const std::vector<HeadView>& views)
 }
 
 // Rank i's local tokens are its chunks i (slot 0) and 2cp-1-i (slot 1): CpLayout::ChunkOf.
-absl::Status CudaModel::Impl::RecvToStream(void* full, int64_t width) {
+absl::Status CudaModel::Impl::RecvRowsToStream(const void* recv, void* full, int64_t width) {
   const int64_t T = B.T, ch = B.chunk;
   for (int64_t i = 0; i < B.cp; ++i)
     for (int64_t s = 0; s < 2; ++s) {
       const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
-      CUDA(cudaMemcpyAsync(At(full, chunk_index * ch * width),
-                           At(W.cp_recv.get(), (i * T + s * ch) * width), ch * width * kAb,
-                           cudaMemcpyDeviceToDevice, stream));
+      CUDA(cudaMemcpyAsync(At(full, chunk_index * ch * width), At(recv, (i * T + s * ch) * width),
+                           ch * width * kAb, cudaMemcpyDeviceToDevice, stream));
     }
   return absl::OkStatus();
 }
@@ -817,24 +862,49 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
 
 // ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
 
+absl::Status CudaModel::Impl::GatherDevice(const void* send, int64_t n, CommType type,
+                                           int64_t elem_bytes, void* recv, CommLayer layer) {
+  if (cp_device_buffers) {
+    CUDA(cudaStreamSynchronize(stream));  // NCCL runs on its own stream
+    return cp.comm->AllGather(send, n, type, recv, layer);
+  }
+  const int64_t bytes = n * elem_bytes * B.cp;
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP gather of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  CUDA(cudaMemcpyAsync(cp_host_send, send, n * elem_bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(cp.comm->AllGather(cp_host_send, n, type, cp_host_recv, layer));
+  // Pinned, so asynchronous: the staging is rewritten only after a later stream sync.
+  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::ReduceScatterDevice(const float* send, int64_t n, float* recv,
+                                                  CommLayer layer) {
+  if (cp_device_buffers) {
+    CUDA(cudaStreamSynchronize(stream));
+    return cp.comm->ReduceScatterSum(send, n, recv, layer);
+  }
+  const int64_t bytes = n * 4 * B.cp;
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP reduce-scatter of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  float* hs = static_cast<float*>(cp_host_send);
+  float* hr = static_cast<float*>(cp_host_recv);
+  CUDA(cudaMemcpyAsync(hs, send, bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(cp.comm->ReduceScatterSum(hs, n, hr, layer));
+  CUDA(cudaMemcpyAsync(recv, hr, n * 4, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::Impl::GatherStates(const float* send) {
   const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
   float* recv = W.cp_state_recv.f32();
-  if (cp_device_buffers) {
-    CUDA(cudaStreamSynchronize(stream));  // NCCL runs on its own stream
-    RETURN_IF_ERROR(cp.comm->AllGather(send, n, CommType::kF32, recv, CommLayer::kLightning));
-  } else {
-    const int64_t bytes = n * 4 * B.cp;
-    if (bytes > cp_host_bytes)
-      return absl::InternalError(absl::StrCat("cuda model: a CP state gather of ", bytes,
-                                              " bytes exceeds its ", cp_host_bytes,
-                                              "-byte host staging"));
-    CUDA(cudaMemcpyAsync(cp_host_send, send, n * 4, cudaMemcpyDeviceToHost, stream));
-    CUDA(cudaStreamSynchronize(stream));
-    RETURN_IF_ERROR(
-        cp.comm->AllGather(cp_host_send, n, CommType::kF32, cp_host_recv, CommLayer::kLightning));
-    CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
-  }
+  RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, 4, recv, CommLayer::kLightning));
   // Rank r's block s is chunk ChunkOf(r, s): into stream order.
   for (int64_t r = 0; r < B.cp; ++r)
     for (int64_t slot = 0; slot < 2; ++slot) {
@@ -975,6 +1045,171 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
                          {At(W.dkvb.get(), nope), H * (nope + vd), nope + vd, vd}});
 }
 
+// ---- Context parallelism: MLA AllGather (DESIGN.md section 3) -----------------------------------
+//
+// Every rank gathers the latent [c_n | rotated k_r] of all tokens (kv + rd values a token, not
+// the H * (qk + vd) of K and V) and rebuilds, with kv_b, the keys and values of the stream rows
+// its queries see (B.key_ranges). Each local chunk then attends in two pieces: its own tokens
+// causally with its documents (Sdpa::Forward on the chunk), and, when its first token continues
+// a document begun earlier, the tokens of that document inside the chunk (the first segment)
+// attend the document's earlier tokens without a mask (Sdpa::ForwardFull); AttentionMerge joins
+// the two by their log-sum-exp statistics. The backward runs both pieces' backward with the
+// merged output and statistics, adds the pieces' gradients, takes the gathered keys' gradients
+// back through kv_b (dW_kv_b for every gathered row this rank's queries used) to the latent,
+// and reduce-scatters the latent gradients (fp32) to their owners.
+
+namespace {
+// MLA's attention views over T tokens: Q and K [T, H, qk], V inside kv_b's output, O [T, H, vd].
+kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t kvw = m.qk_nope_dim + vd;  // one head's row of kv_b's output
+  kc::SdpaDims s;
+  s.T = T, s.H = H, s.Dqk = qk, s.Dv = vd;
+  s.q = {H * qk, qk};
+  s.k = {H * qk, qk};
+  s.v = {H * kvw, kvw};  // a view into kv_b's output, after each head's k_nope
+  s.out = {H * vd, vd};
+  return s;
+}
+// 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] stats.
+int64_t StatsSlot(int64_t H, int64_t ch) { return (H * ch + 3) / 4 * 4; }
+}  // namespace
+
+absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + vd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  // This rank's latent rows -> every rank's, then into stream order.
+  void* send = W.ag_send.get();
+  RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
+  RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
+  RETURN_IF_ERROR(GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(),
+                               CommLayer::kMla));
+  RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
+  RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
+  // Keys and values of the rows some local query sees.
+  RETURN_IF_ERROR(Act(C.ag_kvb, Tf, H * kvw));
+  RETURN_IF_ERROR(Act(C.ag_K, Tf, H * qk));
+  for (const auto& [a, b] : B.key_ranges) {
+    RETURN_IF_ERROR(Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), At(C.ag_kvb.get(), a * H * kvw),
+                        b - a, kv, H * kvw, false));
+    RETURN_IF_ERROR(Copy2D(At(C.ag_K.get(), a * H * qk), qk, At(C.ag_kvb.get(), a * H * kvw), kvw,
+                           nope, (b - a) * H));
+    KC(kc::CopyRows(At(C.ag_K.get(), a * H * qk + nope), H * qk, qk,
+                    At(C.ag_lat.get(), a * w + kv), w, 0, b - a, H, rd, kAct, stream));
+  }
+  const int64_t SS = StatsSlot(H, ch);
+  RETURN_IF_ERROR(F32(C.stats, 2 * SS));
+  for (int slot = 0; slot < 2; ++slot) {
+    const int64_t first = B.slot_chunk[slot] * ch;
+    void* q = At(C.Q.get(), slot * ch * H * qk);
+    void* o = At(C.O.get(), slot * ch * H * vd);
+    float* stats = C.stats.f32() + slot * SS;
+    KC(sdpa->Forward(q, At(C.ag_K.get(), first * H * qk),
+                     At(C.ag_kvb.get(), first * H * kvw + nope), o, stats,
+                     B.piece_cu_host[slot].data(),
+                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
+                     MlaDims(c, ch), kAct, stream));
+    if (!B.continues[slot]) continue;
+    const int64_t nq = B.first_segment[slot], k0 = B.key_begin[slot];
+    kc::SdpaDims full = MlaDims(c, nq);
+    full.Tkv = first - k0;
+    RETURN_IF_ERROR(Act(W.ag_o, ch, H * vd));
+    RETURN_IF_ERROR(F32(W.ag_stats, SS));
+    KC(sdpa->ForwardFull(q, At(C.ag_K.get(), k0 * H * qk), At(C.ag_kvb.get(), k0 * H * kvw + nope),
+                         W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, stream));
+    KC(kc::AttentionMerge(o, H * vd, stats, ch, W.ag_o.get(), H * vd, W.ag_stats.f32(), nq, nq, H,
+                          vd, kAct, stream));
+  }
+  return absl::OkStatus();
+}
+
+// Reads W.dO; writes W.dQ and the latent gradients of this rank's tokens into W.dkva.
+absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + vd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  RETURN_IF_ERROR(Act(W.ag_dK, Tf, H * qk));
+  RETURN_IF_ERROR(Act(W.ag_dkvb, Tf, H * kvw));
+  RETURN_IF_ERROR(Act(W.ag_dlat, Tf, w));
+  for (const auto& [a, b] : B.key_ranges) {
+    CUDA(cudaMemsetAsync(At(W.ag_dK.get(), a * H * qk), 0, (b - a) * H * qk * kAb, stream));
+    CUDA(cudaMemsetAsync(At(W.ag_dkvb.get(), a * H * kvw), 0, (b - a) * H * kvw * kAb, stream));
+  }
+  const int64_t SS = StatsSlot(H, ch);
+  // The causal pieces write their own chunk's key rows (the two chunks are disjoint) ...
+  for (int slot = 0; slot < 2; ++slot) {
+    const int64_t first = B.slot_chunk[slot] * ch;
+    KC(sdpa->Backward(At(C.Q.get(), slot * ch * H * qk), At(C.ag_K.get(), first * H * qk),
+                      At(C.ag_kvb.get(), first * H * kvw + nope), At(C.O.get(), slot * ch * H * vd),
+                      C.stats.f32() + slot * SS, At(W.dO.get(), slot * ch * H * vd),
+                      At(W.dQ.get(), slot * ch * H * qk), At(W.ag_dK.get(), first * H * qk),
+                      At(W.ag_dkvb.get(), first * H * kvw + nope), B.piece_cu_host[slot].data(),
+                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
+                      MlaDims(c, ch), kAct, stream));
+  }
+  // ... then the cross pieces add theirs (their keys may lie in the other local chunk).
+  for (int slot = 0; slot < 2; ++slot) {
+    if (!B.continues[slot]) continue;
+    const int64_t first = B.slot_chunk[slot] * ch, nq = B.first_segment[slot];
+    const int64_t k0 = B.key_begin[slot], nk = first - k0;
+    kc::SdpaDims full = MlaDims(c, nq);
+    full.Tkv = nk;
+    RETURN_IF_ERROR(Act(W.ag_dq, ch, H * qk));
+    RETURN_IF_ERROR(Act(W.ag_dk, nk, H * qk));
+    RETURN_IF_ERROR(Act(W.ag_dv, nk, H * kvw));  // dV takes V's view: rows of kv_b's output
+    // The merged stats of the first nq queries, dense [H, nq] as the nq-query graph reads them.
+    RETURN_IF_ERROR(F32(W.ag_stats, SS));
+    CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), nq * 4, C.stats.f32() + slot * SS, ch * 4, nq * 4, H,
+                           cudaMemcpyDeviceToDevice, stream));
+    KC(sdpa->BackwardFull(At(C.Q.get(), slot * ch * H * qk), At(C.ag_K.get(), k0 * H * qk),
+                          At(C.ag_kvb.get(), k0 * H * kvw + nope),
+                          At(C.O.get(), slot * ch * H * vd), W.ag_stats.f32(),
+                          At(W.dO.get(), slot * ch * H * vd), W.ag_dq.get(), W.ag_dk.get(),
+                          At(W.ag_dv.get(), nope), scale, full, kAct, stream));
+    KC(kc::AddRows(At(W.dQ.get(), slot * ch * H * qk), H * qk, W.ag_dq.get(), H * qk, nq, H * qk,
+                   kAct, stream));
+    KC(kc::AddRows(At(W.ag_dK.get(), k0 * H * qk), H * qk, W.ag_dk.get(), H * qk, nk, H * qk,
+                   kAct, stream));
+    KC(kc::AddRows(At(W.ag_dkvb.get(), k0 * H * kvw + nope), kvw, At(W.ag_dv.get(), nope), kvw,
+                   nk * H, vd, kAct, stream));
+  }
+  // Keys -> kv_b's output and the shared rotary key; kv_b backward to the latent.
+  CUDA(cudaMemsetAsync(W.ag_dlat.get(), 0, Tf * w * kAb, stream));
+  for (const auto& [a, b] : B.key_ranges) {
+    const int64_t n = b - a;
+    RETURN_IF_ERROR(Copy2D(At(W.ag_dkvb.get(), a * H * kvw), kvw, At(W.ag_dK.get(), a * H * qk),
+                           qk, nope, n * H));
+    KC(kc::SumHeads(At(W.ag_dK.get(), a * H * qk + nope), n, H, rd, H * qk, qk,
+                    At(W.ag_dlat.get(), a * w + kv), w, kAct, stream));
+    RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), At(W.ag_dkvb.get(), a * H * kvw),
+                        nullptr, G(L.kv_b), n, kv, H * kvw, false));
+    kc::GemmArgs g;  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns
+    g.M = n, g.N = kv, g.K = H * kvw, g.beta = 0.0f;
+    g.A = At(W.ag_dkvb.get(), a * H * kvw), g.lda = H * kvw;
+    g.B = Wb(L.kv_b), g.ldb = kv;
+    g.C = At(W.ag_dlat.get(), a * w), g.ldc = w;
+    KC(blas->Gemm(g, stream));
+  }
+  // Back to the owners, summed: block i holds rank i's tokens in its local order (fp32).
+  float* rs_send = static_cast<float*>(W.ag_send.get());
+  for (int64_t i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      const int64_t chunk = s == 0 ? i : 2 * B.cp - 1 - i;
+      KC(kc::CastRows(rs_send + (i * T + s * ch) * w, KDType::kFloat32, w,
+                      At(W.ag_dlat.get(), chunk * ch * w), kAct, w, ch, w, stream));
+    }
+  float* rs_recv = static_cast<float*>(W.ag_recv.get());
+  RETURN_IF_ERROR(ReduceScatterDevice(rs_send, T * w, rs_recv, CommLayer::kMla));
+  KC(kc::CastRows(W.dkva.get(), kAct, w, rs_recv, KDType::kFloat32, w, T, w, stream));
+  return absl::OkStatus();
+}
+
 // ---- Lightning -----------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
@@ -1041,21 +1276,6 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
 
 // ---- MLA -----------------------------------------------------------------------------------------
 
-namespace {
-kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
-  const MlaConfig& m = c.mla;
-  const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
-  const int64_t kvw = m.qk_nope_dim + vd;  // one head's row of kv_b's output
-  kc::SdpaDims s;
-  s.T = T, s.H = H, s.Dqk = qk, s.Dv = vd;
-  s.q = {H * qk, qk};
-  s.k = {H * qk, qk};
-  s.v = {H * kvw, kvw};  // a view into kv_b's output, after each head's k_nope
-  s.out = {H * vd, vd};
-  return s;
-}
-}  // namespace
-
 absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, d = c.d_model, H = c.n_heads;
@@ -1088,6 +1308,10 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
   // The shared rotary key, rotated in place inside kva.
   KC(kc::RopeApply(At(C.kva.get(), kv), B.pos.i32(), T, 1, rd, kv + rd, rd, theta, false, kAct,
                    stream));
+  if (MlaAllGather()) {
+    RETURN_IF_ERROR(Act(C.O, T, H * vd));
+    return MlaAllGatherForward(L, C);
+  }
   RETURN_IF_ERROR(Act(C.kvb, T, H * (nope + vd)));
   RETURN_IF_ERROR(Fwd(C.c_n.get(), kv, Wb(L.kv_b), C.kvb.get(), T, kv, H * (nope + vd), false));
   // K = [k_nope of each head, the shared rotary key].
@@ -1120,21 +1344,28 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   RETURN_IF_ERROR(Act(W.dc, T, kv));
   RETURN_IF_ERROR(Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d,
                       false));
-  if (B.cp > 1) {
-    RETURN_IF_ERROR(MlaCoreBackward(C));
+  if (MlaAllGather()) {
+    // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
+    // W.dQ; dW_kv_b accumulated over the gathered keys.
+    RETURN_IF_ERROR(MlaAllGatherBackward(L, C));
+    RETURN_IF_ERROR(Copy2D(W.dc_n.get(), kv, W.dkva.get(), kv + rd, kv, T));
   } else {
-    const kc::SdpaDims dims = MlaDims(c, T);
-    KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
-                      W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope),
-                      B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
-                      1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+    if (B.cp > 1) {
+      RETURN_IF_ERROR(MlaCoreBackward(C));
+    } else {
+      const kc::SdpaDims dims = MlaDims(c, T);
+      KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
+                        W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope),
+                        B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
+                        1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+    }
+    // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
+    RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
+    KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd,
+                    kAct, stream));
+    RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T,
+                        kv, H * (nope + vd), false));
   }
-  // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
-  RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
-  KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd, kAct,
-                  stream));
-  RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T, kv,
-                      H * (nope + vd), false));
   KC(kc::RmsNormBackward(C.c.get(), Wb(L.kv_norm), C.rstd_c.f32(), W.dc_n.get(), nullptr,
                          W.dc.get(), G(L.kv_norm), T, kv, kAct, Ws(), stream));
   RETURN_IF_ERROR(Copy2D(W.dkva.get(), kv + rd, W.dc.get(), kv, kv, T));

@@ -27,7 +27,12 @@
 // AllGather, for Lightning layers of head size 64 or 128: each local chunk runs from a zero state,
 // the 2cp chunk end states ([H, Dh, Dh] fp32 each) are gathered and scanned into carry-ins, and
 // the tokens that continue an earlier document get the carry's part (DESIGN.md section 3); the
-// backward gathers the carry-ins' gradients the same way. MLA's AllGather is not built (refused).
+// backward gathers the carry-ins' gradients the same way. AllGather for MLA layers (any cp): the
+// latent [c_n | k_r] of every token is gathered, keys and values are rebuilt with kv_b for the
+// rows this rank's queries see, each local chunk attends causally inside itself and, for the
+// document its first token continues, without a mask over that document's earlier tokens; the two
+// pieces merge by their log-sum-exp statistics, and the backward reduce-scatters the latent
+// gradients to their owners.
 // Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
 // token-local. Collectives take device buffers for NCCL and pinned host copies for host backends
 // (Gloo); each one waits for the compute stream first. Losses and gradients are this rank's part:
@@ -80,9 +85,8 @@ class CudaModel {
   absl::StatusOr<LossStats> Forward(const Batch& batch);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it). With a
-  // group of size > 1: Unimplemented when MLA layers ask for AllGather ("cuda model: mla_mode
-  // allgather is not built on CUDA yet (use all2all)") or Lightning layers of a head size other
-  // than 64 or 128 do, InvalidArgument for an undecided (auto) mode, FailedPrecondition when a
+  // group of size > 1: Unimplemented when Lightning layers of a head size other than 64 or 128
+  // ask for AllGather, InvalidArgument for an undecided (auto) mode, FailedPrecondition when a
   // layer type runs All2All and n_heads % cp != 0. The context is kept even when refused, and the
   // CpBatch forms refuse it again with the same error.
   absl::Status SetCp(const CpContext& cp);

@@ -105,21 +105,15 @@ class CudaStepBackend final : public StepBackend {
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp) {
   // A cp that does not divide n_heads needs allgather for every layer type: refuse it before any
-  // device work and before the ranks meet where CUDA has no allgather for a layer type the model
-  // has (MLA; Lightning of a head size other than 64 or 128).
-  if (cp > 1 && config.n_heads % cp != 0) {
-    std::string why;
-    if (config.NumLayersOfKind('M') > 0) {
-      why = "MLA's allgather mode is not built on CUDA";
-    } else if (!kernels::cuda::LightningCarrySupportsHeadDim(config.head_dim())) {
-      why = absl::StrCat("Lightning's allgather mode on CUDA needs a head size of 64 or 128, not ",
-                         config.head_dim());
-    }
-    if (!why.empty())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads, " divisible by cp (",
-          why, "; use a cp that divides ", config.n_heads, ", or resources \"cpu\")"));
-  }
+  // device work and before the ranks meet where CUDA has no allgather for the model's Lightning
+  // layers (head sizes other than 64 or 128).
+  if (cp > 1 && config.n_heads % cp != 0 && config.NumLayersOfKind('L') > 0 &&
+      !kernels::cuda::LightningCarrySupportsHeadDim(config.head_dim()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads,
+        " divisible by cp (Lightning's allgather mode on CUDA needs a head size of 64 or 128, not ",
+        config.head_dim(), "; use a cp that divides ", config.n_heads,
+        ", or resources \"cpu\")"));
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
