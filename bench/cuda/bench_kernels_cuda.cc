@@ -3,9 +3,10 @@
 // copy bandwidth reached, and TFLOP/s where the kernel is compute-bound. Includes Lightning
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
-// Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only]
+// Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--cp-pieces]
 //   --quick: the first Lightning configuration only; --lightning-only: every Lightning
-//   configuration at T=32K, nothing else.
+//   configuration at T=32K, nothing else; --cp-pieces: only the MLA attention each rank runs
+//   under cp = 2 at 64K tokens, All2All against AllGather's causal and full pieces.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -113,10 +114,11 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sdpa_only = false, lightning_only = false;
+  bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false;
   for (int i = 1; i < argc; ++i) {
     quick |= std::strcmp(argv[i], "--quick") == 0;
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
+    cp_pieces |= std::strcmp(argv[i], "--cp-pieces") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
@@ -142,6 +144,63 @@ int main(int argc, char** argv) {
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),
               std::string(10, '-').c_str(), std::string(9, '-').c_str(),
               std::string(10, '-').c_str());
+
+  // ---- MLA attention under CP = 2, one document of 64K tokens: what each rank runs -------------
+  // All2All: causal attention over all 64K tokens for 8 of the 16 heads. AllGather (chunks of
+  // 16K; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2): every chunk's causal piece over its
+  // own 16K tokens for 16 heads, plus a full (unmasked) piece over the earlier tokens: 48K keys
+  // for chunk 3; 16K and 32K for chunks 1 and 2. All four cost the same FLOPs per rank.
+  if (cp_pieces) {
+    const int64_t Tf = 65536, ch = Tf / 4, H = 16, Dqk = 192, Dv = 128;
+    Buf q(Tf * H * Dqk, kBf16), k(Tf * H * Dqk, kBf16), v(Tf * H * Dv, kBf16),
+        o(Tf * H * Dv, kBf16), dout(Tf * H * Dv, kBf16), dq(Tf * H * Dqk, kBf16),
+        dk(Tf * H * Dqk, kBf16), dv(Tf * H * Dv, kBf16), stats(Tf * H, cu::DType::kFloat32);
+    std::unique_ptr<cu::Sdpa> sdpa;
+    Check(cu::Sdpa::Create(&sdpa), "Sdpa::Create");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+    auto causal = [&](int64_t T, int64_t heads) {
+      cu::SdpaDims d;
+      d.T = T, d.H = heads, d.Dqk = Dqk, d.Dv = Dv;
+      const int32_t cu_h[2] = {0, static_cast<int32_t>(T)};
+      Check(sdpa->Forward(q.p, k.p, v.p, o.p, stats.as<float>(), cu_h, 1, scale, d, kBf16, 0),
+            "causal fwd");
+      Check(sdpa->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p, cu_h,
+                           1, scale, d, kBf16, 0),
+            "causal bwd");
+    };
+    auto full = [&](int64_t Tq, int64_t Tkv) {
+      cu::SdpaDims d;
+      d.T = Tq, d.Tkv = Tkv, d.H = H, d.Dqk = Dqk, d.Dv = Dv;
+      Check(sdpa->ForwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), scale, d, kBf16, 0),
+            "full fwd");
+      Check(sdpa->BackwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p,
+                               scale, d, kBf16, 0),
+            "full bwd");
+    };
+    const double pairs_rank = static_cast<double>(Tf) * Tf / 2 * H / 2;  // per rank, causal half
+    const double flops = pairs_rank * 2 * (Dqk + Dv) * 3.5;                // fwd + bwd ~ 3.5 fwd
+    Row("cp2 64K all2all: causal 64K x 8 heads", TimeMs([&] { causal(Tf, H / 2); }, 5, 1), 0,
+        flops);
+    Row("cp2 64K allgather rank 0: 2 causal 16K + full 16Kx48K",
+        TimeMs([&] { causal(ch, H); causal(ch, H); full(ch, 3 * ch); }, 5, 1), 0, flops);
+    Row("cp2 64K allgather rank 1: 2 causal 16K + full 16K, 32K",
+        TimeMs([&] { causal(ch, H); causal(ch, H); full(ch, ch); full(ch, 2 * ch); }, 5, 1), 0,
+        flops);
+    Row("  causal 16K x 16 heads", TimeMs([&] { causal(ch, H); }, 5, 1), 0,
+        static_cast<double>(ch) * ch / 2 * H * 2 * (Dqk + Dv) * 3.5);
+    Row("  full 16K x 48K x 16 heads", TimeMs([&] { full(ch, 3 * ch); }, 5, 1), 0,
+        static_cast<double>(ch) * 3 * ch * H * 2 * (Dqk + Dv) * 3.5);
+    Row("  full 16K x 16K x 16 heads", TimeMs([&] { full(ch, ch); }, 5, 1), 0,
+        static_cast<double>(ch) * ch * H * 2 * (Dqk + Dv) * 3.5);
+    cu::SdpaDims d;
+    d.T = ch, d.Tkv = 3 * ch, d.H = H, d.Dqk = Dqk, d.Dv = Dv;
+    Row("  full 16K x 48K x 16 heads fwd",
+        TimeMs([&] {
+          Check(sdpa->ForwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), scale, d, kBf16, 0),
+                "full fwd");
+        }, 5, 1), 0, static_cast<double>(ch) * 3 * ch * H * 2 * (Dqk + Dv));
+    return 0;
+  }
 
   // ---- Lightning, T=32K H=16 Dh=128 ---------------------------------------------------------------
   for (int64_t T : {int64_t{32768}, int64_t{65536}}) {
