@@ -1,6 +1,8 @@
 // Model sizes, presets and their JSON form (see model_config.h).
 #include "common/model_config.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "common/json_fields.h"
 #include "common/status.h"
@@ -106,6 +108,22 @@ absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
         "job spec: model.preset: unknown preset \"", std::string(name), "\" (known: tiny, small, 1b)"));
   }
   return c;
+}
+
+std::string CudaShapeProblem(const ModelConfig& c) {
+  const int64_t Dh = c.head_dim();
+  if (c.NumLayersOfKind('L') > 0 && Dh != 64 && Dh != 128 && !(Dh % 2 == 0 && Dh <= 32))
+    return absl::StrCat("Lightning head size d_model/n_heads = ", Dh,
+                        " (the CUDA kernels take 64, 128, or an even size up to 32)");
+  if (c.NumLayersOfKind('M') > 0) {
+    const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
+    for (const auto& [what, n] : {std::pair<const char*, int64_t>{"qk_nope_dim + qk_rope_dim", qk},
+                                  {"v_head_dim", vd}})
+      if (n % 8 != 0 || n > 256)
+        return absl::StrCat("MLA head size ", what, " = ", n,
+                            " (cuDNN attention takes multiples of 8 up to 256)");
+  }
+  return "";
 }
 
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {

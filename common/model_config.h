@@ -45,6 +45,13 @@ struct ModelConfig {
   nlohmann::json ToJson() const;
 };
 
+// Why the CUDA engine's kernels cannot run this config (empty when they can): Lightning head
+// sizes (d_model / n_heads) 64 and 128 (tensor cores) or even ones up to 32 (the token path), in
+// every context-parallel mode; MLA attention on cuDNN with qk (nope + rope) and v head sizes that
+// are multiples of 8, at most 256. The planner refuses other shapes for resources "cuda" before
+// a job is submitted, and the CUDA engine before any device work.
+std::string CudaShapeProblem(const ModelConfig& c);
+
 // `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 

@@ -133,19 +133,12 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
   plan.layers.push_back(DecideMode("mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, cp,
                                    m.n_heads, &plan.problems));
 
-  if (cp > 1 && spec.resources == "cuda") {
-    // The CUDA engine runs both modes for both layer types, Lightning's allgather for head
-    // sizes 64 and 128 only (its carry-correction kernels' sizes).
-    const int64_t head_dim = m.head_dim();
-    for (const LayerModePlan& l : plan.layers) {
-      if (l.num_layers == 0 || l.mode != CpMode::kAllGather || l.layer_type != "lightning")
-        continue;
-      if (head_dim == 64 || head_dim == 128) continue;
-      plan.problems.push_back(absl::StrCat(
-          "parallel.lightning_mode: allgather (", l.reason,
-          ") needs a head size of 64 or 128 on resources \"cuda\" (this model's is ", head_dim,
-          "): use a cp that divides n_heads=", m.n_heads, " (all2all), or resources \"cpu\""));
-    }
+  // The CUDA engine runs both modes for both layer types, on the shapes its kernels take.
+  if (spec.resources == "cuda") {
+    const std::string shape = CudaShapeProblem(m);
+    if (!shape.empty())
+      plan.problems.push_back(absl::StrCat("model: resources \"cuda\" cannot run ", shape,
+                                           "; use resources \"cpu\" or another shape"));
   }
   if (cp > 1) {
     const int64_t chunks = 2 * cp;

@@ -83,10 +83,11 @@ Status LightningStateScanBackward(const float* dP, const int32_t* doc_start,
                                   const int32_t* length, const float* log_decay, int64_t C,
                                   int64_t H, int64_t Dh, float* dS, cudaStream_t stream);
 
-// The carry correction and its backward run on the tensor-core path's head sizes only.
-bool LightningCarrySupportsHeadDim(int64_t Dh);
+// Whether the carry correction and its backward run for head size Dh: the sizes Lightning itself
+// runs (64 and 128 on tensor cores; even sizes up to 32 on the token path).
+bool LightningSupportsHeadDim(int64_t Dh);
 // out_t += a_h^(t+1) * scale * q_t P_h for t < n_tokens (one fused launch), see
-// cpu::LightningCarryCorrection. P [H, Dh, Dh] fp32. Dh 64 or 128.
+// cpu::LightningCarryCorrection. P [H, Dh, Dh] fp32.
 Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
                                 float scale, const LightningDims& dims, int64_t n_tokens,
                                 void* out, DType dtype, cudaStream_t stream);

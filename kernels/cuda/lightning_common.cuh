@@ -206,6 +206,13 @@ Status SmallLightning(const void* q, const void* k, const void* v, const float* 
                       float scale, const LightningDims& dims, const void* dout,
                       const float* d_end_state, void* out, float* end_state, void* dq, void* dk,
                       void* dv, float* d_carry_in, bool backward, cudaStream_t stream);
+// Its carry correction and that correction's backward (see lightning.h).
+Status SmallCarryCorrection(const void* q, const float* log_decay, const float* P, float scale,
+                            const LightningDims& dims, int64_t n_tokens, void* out,
+                            cudaStream_t stream);
+Status SmallCarryCorrectionBackward(const void* q, const float* log_decay, const float* P,
+                                    float scale, const LightningDims& dims, int64_t n_tokens,
+                                    const void* dout, void* dq, float* dP, cudaStream_t stream);
 Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
                    DType dtype, const char* op);
 

@@ -132,16 +132,17 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   return LaunchSweep(static_cast<int>(Dh), false, false, sa, stream);
 }
 
-bool LightningCarrySupportsHeadDim(int64_t Dh) { return Dh == 64 || Dh == 128; }
+bool LightningSupportsHeadDim(int64_t Dh) { return Dh == 64 || Dh == 128 || IsSmallHead(Dh); }
+// (CheckCommon refuses the other sizes for every function here, with kUnsupported.)
 
 Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
                                 float scale, const LightningDims& dims, int64_t n_tokens,
                                 void* out, DType dtype, cudaStream_t stream) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, q, out, dims, dtype, "LightningCarryCorrection"));
-  SPINDLE_CHECK_ARG(LightningCarrySupportsHeadDim(dims.Dh),
-                    "LightningCarryCorrection: Dh must be 64 or 128");
   SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T, "LightningCarryCorrection: n_tokens");
   if (n_tokens == 0) return Status::Ok();
+  if (IsSmallHead(dims.Dh))
+    return SmallCarryCorrection(q, log_decay, P, scale, dims, n_tokens, out, stream);
   CarryArgs a{};
   a.src = static_cast<const bf16*>(q), a.src_stride = dims.qkv_stride;
   a.dst = static_cast<bf16*>(out), a.dst_stride = dims.H * dims.Dh;
@@ -156,11 +157,12 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
                                         Workspace ws, cudaStream_t stream,
                                         const LightningConfig& config) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, dout, dq, dims, dtype, "LightningCarryCorrectionBackward"));
-  SPINDLE_CHECK_ARG(LightningCarrySupportsHeadDim(dims.Dh),
-                    "LightningCarryCorrectionBackward: Dh must be 64 or 128");
   SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T,
                     "LightningCarryCorrectionBackward: n_tokens");
   if (n_tokens == 0) return Status::Ok();
+  if (IsSmallHead(dims.Dh))
+    return SmallCarryCorrectionBackward(q, log_decay, P, scale, dims, n_tokens, dout, dq, dP,
+                                        stream);
   const int64_t H = dims.H, Dh = dims.Dh;
   CarryArgs a{};
   a.src = static_cast<const bf16*>(dout), a.src_stride = H * Dh;

@@ -88,7 +88,7 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
 Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
                    DType dtype, const char* op) {
   if (dtype != DType::kBFloat16) return UnsupportedDType(dtype, op);
-  if (d.Dh != 64 && d.Dh != 128 && !IsSmallHead(d.Dh)) {
+  if (!LightningSupportsHeadDim(d.Dh)) {
     return {StatusCode::kUnsupported,
             std::string(op) + ": unsupported head size Dh=" + std::to_string(d.Dh) +
                 " (built for 64, 128 and even sizes up to 32)"};

@@ -57,7 +57,7 @@ TEST(CpPlannerTest, ForcedModeIsKeptAndMarked) {
   EXPECT_EQ(p.layers[1].reason, "forced by the spec (parallel.mla_mode = allgather)");
 }
 
-TEST(CpPlannerTest, CpOnCudaRunsBothModesLightningAllGatherForHeadSizes64And128) {
+TEST(CpPlannerTest, CpOnCudaRunsBothModesOnTheShapesItsKernelsTake) {
   JobSpec s = Spec(2, 4, 1024);
   s.resources = "cuda";
   CpPlan p = CpPlanner().Plan(s, 0);
@@ -65,13 +65,11 @@ TEST(CpPlannerTest, CpOnCudaRunsBothModesLightningAllGatherForHeadSizes64And128)
   EXPECT_EQ(p.ModeOf("lightning"), CpMode::kAll2All);
   EXPECT_EQ(p.ModeOf("mla"), CpMode::kAll2All);
 
-  s.parallel.cp = 8;  // > n_heads = 4: allgather for both layer types; MLA's runs on CUDA
+  s.parallel.cp = 8;  // > n_heads = 4: allgather for both layer types (head size 16)
   p = CpPlanner().Plan(s, 0);
-  ASSERT_EQ(p.problems.size(), 1u);
-  EXPECT_EQ(p.problems[0],
-            "parallel.lightning_mode: allgather (default: cp=8 > n_heads=4, all2all impossible) "
-            "needs a head size of 64 or 128 on resources \"cuda\" (this model's is 16): use a cp "
-            "that divides n_heads=4 (all2all), or resources \"cpu\"");
+  EXPECT_TRUE(p.ok()) << (p.problems.empty() ? "" : p.problems[0]);
+  EXPECT_EQ(p.ModeOf("lightning"), CpMode::kAllGather);
+  EXPECT_EQ(p.ModeOf("mla"), CpMode::kAllGather);
 
   s.parallel.cp = 2;
   s.parallel.mla_mode = CpMode::kAllGather;  // forced: runs
@@ -100,6 +98,20 @@ TEST(CpPlannerTest, CpOnCudaRunsBothModesLightningAllGatherForHeadSizes64And128)
   p = CpPlanner().Plan(s, 0);
   EXPECT_TRUE(p.ok()) << (p.problems.empty() ? "" : p.problems[0]);
   EXPECT_EQ(p.ModeOf("mla"), CpMode::kAllGather);
+
+  // A head size the CUDA kernels do not take is refused on "cuda" whatever the cp, with the
+  // problem named; the CPU engine runs it.
+  s = Spec(1, 4, 1024);
+  s.resources = "cuda";
+  s.model.d_model = 192;  // 4 heads of 48
+  p = CpPlanner().Plan(s, 0);
+  ASSERT_EQ(p.problems.size(), 1u);
+  EXPECT_EQ(p.problems[0],
+            "model: resources \"cuda\" cannot run Lightning head size d_model/n_heads = 48 (the "
+            "CUDA kernels take 64, 128, or an even size up to 32); use resources \"cpu\" or "
+            "another shape");
+  s.resources = "cpu";
+  EXPECT_TRUE(CpPlanner().Plan(s, 0).ok());
 }
 
 TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {

@@ -1,5 +1,5 @@
-// Context parallelism of CudaModel (All2All for Lightning and MLA, AllGather for MLA and for
-// Lightning of head size 64 or 128): cp ranks share ONE GPU as
+// Context parallelism of CudaModel (All2All and AllGather for Lightning and MLA): cp ranks share
+// ONE GPU as
 // threads of this process, each with its own CudaModel (own stream, cuBLASLt and cuDNN handles)
 // and its own Gloo communicator over an in-memory store (so the model's host-staged path runs:
 // NCCL refuses two ranks on one device). Each rank runs its zigzag share (ShardForCp) of a
@@ -10,8 +10,8 @@
 // tiny), with and without recompute; Lightning's AllGather on the head-64 model at cp = 2 and 4
 // (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form gives the
 // step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
-// and many, alone and with Lightning's AllGather. Also: Lightning AllGather at head size 16,
-// undecided modes and
+// and many, alone and with Lightning's AllGather; Lightning's AllGather at head size 16 (the token
+// path) and both AllGather modes at cp = 3. Also: undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
 //
@@ -232,6 +232,22 @@ TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
                          CpMode::kAllGather);
 }
 
+// The tiny preset's head size 16 runs Lightning on the token path, its carry correction too.
+TEST(CudaCp, TinyLightningAllGatherCp2MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.norm_eps = 1e-2;
+  ExpectCpMatchesOneRank(c, 256, 60, 2, false, CpMode::kAllGather);
+}
+
+TEST(CudaCp, TinyCp3BothAllGatherMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // cp = 3 does not divide the 4 heads: AllGather for both layer types, chunks of 50 tokens.
+  ModelConfig c = Tiny();
+  c.norm_eps = 1e-2;
+  ExpectCpMatchesOneRank(c, 300, 45, 3, true, CpMode::kAllGather, CpMode::kAllGather);
+}
+
 TEST(CudaCp, TinyMlaAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 40 tokens, documents of up to ~100 that span whole chunks.
@@ -290,7 +306,7 @@ class RefusingComm : public Communicator {
   static absl::Status Fail() { return absl::InternalError("refusing communicator: no collectives"); }
 };
 
-TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
+TEST(CudaCp, BadContextsAreRefused) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();  // Lightning and MLA layers, 4 heads
   auto m_or = CudaModel::Create(c, 3);
@@ -306,11 +322,13 @@ TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
-  absl::Status s = m.SetCp({&two, CpMode::kAllGather, CpMode::kAll2All});
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-  EXPECT_EQ(s.message(),
-            "cuda model: lightning_mode allgather on CUDA needs a head size of 64 or 128, not 16 "
-            "(use all2all)");
+  // Every resolved mode pair runs for this shape (head size 16: the token path).
+  for (CpMode l : {CpMode::kAll2All, CpMode::kAllGather})
+    for (CpMode a : {CpMode::kAll2All, CpMode::kAllGather})
+      EXPECT_TRUE(m.SetCp({&two, l, a}).ok()) << CpModeName(l) << " " << CpModeName(a);
+
+  absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   // The step refuses it again, before any collective (the refusing group would say otherwise).
   r = m.ForwardBackward(*b, 1.0f, false);
   ASSERT_FALSE(r.ok());
@@ -318,11 +336,6 @@ TEST(CudaCp, UnbuiltAllGatherAndBadContextsAreRefused) {
   r = m.Forward(*b);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().message(), s.message()) << r.status();
-
-  EXPECT_TRUE(m.SetCp({&two, CpMode::kAll2All, CpMode::kAllGather}).ok());
-
-  s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 
   RefusingComm three(0, 3);
   s = m.SetCp({&three, CpMode::kAll2All, CpMode::kAll2All});

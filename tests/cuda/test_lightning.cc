@@ -251,14 +251,22 @@ TEST_F(Lightning, UnsupportedHeadSizeAndDtypeAreNamed) {
   s = LightningForward(buf.get(), buf.get(), buf.get(), nullptr, nullptr, 1, nullptr, 1.0f, d,
                        buf.get(), nullptr, DType::kFloat32, {}, 0);
   EXPECT_NE(s.message().find("unsupported dtype 'float32'"), std::string::npos) << s.message();
-  // The CP carry correction runs on the tensor-core sizes only (the token path has none).
-  d.Dh = 32;
-  EXPECT_FALSE(LightningCarrySupportsHeadDim(32));
+  // The CP carry correction runs for the head sizes Lightning runs, and names the others.
+  for (int64_t ok : {2, 16, 32, 64, 128}) EXPECT_TRUE(LightningSupportsHeadDim(ok)) << ok;
+  d.Dh = 48;
+  d.qkv_stride = 3 * 2 * 48;
+  EXPECT_FALSE(LightningSupportsHeadDim(48));
   s = LightningCarryCorrection(buf.get(), nullptr, nullptr, 1.0f, d, 8, buf.get(), kBf16, 0);
-  EXPECT_NE(s.message().find("Dh must be 64 or 128"), std::string::npos) << s.message();
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("LightningCarryCorrection: unsupported head size Dh=48"),
+            std::string::npos)
+      << s.message();
   s = LightningCarryCorrectionBackward(buf.get(), nullptr, nullptr, 1.0f, d, 8, buf.get(),
                                        buf.get(), nullptr, kBf16, {}, 0);
-  EXPECT_NE(s.message().find("Dh must be 64 or 128"), std::string::npos) << s.message();
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("LightningCarryCorrectionBackward: unsupported head size Dh=48"),
+            std::string::npos)
+      << s.message();
 }
 
 TEST_F(Lightning, CpStateScanAndBackwardMatchLoop) {
@@ -295,7 +303,7 @@ TEST_F(Lightning, CpStateScanAndBackwardMatchLoop) {
 }
 
 TEST_F(Lightning, CarryCorrectionAndBackwardMatchCpu) {
-  for (int64_t Dh : {64, 128}) {
+  for (int64_t Dh : {64, 128, 16, 32}) {  // tensor-core sizes, then the token path's
     SCOPED_TRACE("Dh " + std::to_string(Dh));
     const int64_t T = 333, H = 3, n_tokens = 201, HD = H * Dh, stride = 3 * HD;
     Build({T, H, Dh, 0, {0, T}, false, false});

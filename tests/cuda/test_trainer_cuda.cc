@@ -35,6 +35,7 @@
 #include "tests/engine/train_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/cuda/cuda_model.h"
 #include "worker/engine/cuda/trainer_cuda.h"
 #include "worker/engine/trainer.h"
 
@@ -288,22 +289,35 @@ TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {
 }
 
 // Refused before any GPU work: runs without a GPU too.
-TEST(CudaTrainerTest, CpThatAll2AllCannotRunIsRefusedAtCreate) {
+TEST(CudaTrainerTest, ShapeTheKernelsCannotRunIsRefusedAtCreate) {
   TrainerOptions o;
   o.spec = TinyJob(2, 384, 64);
-  o.spec.parallel.cp = 3;  // does not divide the tiny preset's 4 heads
-  o.world = 3;
-  o.checkpoint_dir = TempDir("cp3");
+  o.spec.model.d_model = 96;  // 2 heads of 48: no Lightning kernel for that size
+  o.spec.model.n_heads = 2;
+  o.checkpoint_dir = TempDir("dh48");
   o.cuda_backend = CreateCudaStepBackend;
   auto t = Trainer::Create(o);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.status().message(),
-            "trainer: cp=3 on CUDA needs n_heads=4 divisible by cp (Lightning's allgather mode on "
-            "CUDA needs a head size of 64 or 128, not 16; use a cp that divides 4, or resources "
-            "\"cpu\")");
+            "trainer: resources \"cuda\" cannot run Lightning head size d_model/n_heads = 48 (the "
+            "CUDA kernels take 64, 128, or an even size up to 32); use resources \"cpu\"");
   struct stat st;
   EXPECT_NE(stat(o.checkpoint_dir.c_str(), &st), 0);
+  // CudaModel refuses the shape itself, also before any device work.
+  auto m = CudaModel::Create(o.spec.model, 1);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("Lightning head size d_model/n_heads = 48"),
+            std::string::npos)
+      << m.status();
+  // MLA head sizes cuDNN has no kernel for.
+  ModelConfig mla = *ModelPreset("tiny");
+  mla.mla.v_head_dim = 20;
+  EXPECT_EQ(CudaShapeProblem(mla),
+            "MLA head size v_head_dim = 20 (cuDNN attention takes multiples of 8 up to 256)");
+  EXPECT_EQ(CudaShapeProblem(*ModelPreset("tiny")), "");
+  EXPECT_EQ(CudaShapeProblem(*ModelPreset("1b")), "");
 }
 
 }  // namespace

@@ -114,26 +114,25 @@ TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
 }
 
 TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
-  auto cuda_job = [&](int cp) {
-    return Write("cuda.json", absl::StrCat(R"({"name": "j", "model": {"preset": "tiny"},
+  auto cuda_job = [&](int cp, const std::string& model) {
+    return Write("cuda.json", absl::StrCat(R"({"name": "j", "model": )", model, R"(,
         "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 192,
         "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
         "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
   };
-  // cp = 3 does not divide the tiny preset's 4 heads: allgather, which CUDA does not run for its
-  // Lightning head size of 16.
-  CommandResult cp3 = Run({"--job", cuda_job(3), "--rank", "0", "--world", "3", "--file-store",
-                           dir_ + "/store"});
+  // 2 heads of 48: a Lightning head size the CUDA kernels do not run.
+  CommandResult dh48 = Run({"--job", cuda_job(1, R"({"preset": "tiny", "d_model": 96,
+                            "n_heads": 2})")});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(cp3, "spindle-train: trainer: cp=3 on CUDA needs n_heads=4 divisible by cp "
-                      "(Lightning's allgather mode on CUDA needs a head size of 64 or 128, not 16; "
-                      "use a cp that divides 4, or resources \"cpu\")");
+  ExpectRejected(dh48, "spindle-train: trainer: resources \"cuda\" cannot run Lightning head "
+                       "size d_model/n_heads = 48 (the CUDA kernels take 64, 128, or an even size "
+                       "up to 32); use resources \"cpu\"");
 #else
-  ExpectRejected(cp3, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
-                      "build has no CUDA engine");
+  ExpectRejected(dh48, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
+                       "build has no CUDA engine");
 #endif
   EXPECT_FALSE(CheckpointDirExists());
-  CommandResult one = Run({"--job", cuda_job(1)});
+  CommandResult one = Run({"--job", cuda_job(1, R"({"preset": "tiny"})")});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
   if (one.exit_code == 0) {
     // A GPU is present: the job trained, with device memory in its step events.

@@ -326,6 +326,9 @@ CudaModel::~CudaModel() = default;
 
 absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
                                                              uint64_t seed, int device) {
+  RETURN_IF_ERROR(config.Validate());
+  if (const std::string shape = CudaShapeProblem(config); !shape.empty())
+    return absl::InvalidArgumentError(absl::StrCat("cuda model: the CUDA kernels cannot run ", shape));
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->device = device;
@@ -699,11 +702,6 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
   for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
                         Kind{'M', "mla_mode", cp.mla_mode}}) {
     if (c.NumLayersOfKind(k.kind) == 0) continue;
-    if (k.kind == 'L' && k.mode == CpMode::kAllGather &&
-        !kc::LightningCarrySupportsHeadDim(c.head_dim()))
-      return absl::UnimplementedError(absl::StrCat(
-          "cuda model: lightning_mode allgather on CUDA needs a head size of 64 or 128, not ",
-          c.head_dim(), " (use all2all)"));
     if (k.mode != CpMode::kAll2All && k.mode != CpMode::kAllGather)
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),

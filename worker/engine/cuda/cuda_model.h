@@ -24,7 +24,7 @@
 // MLA's Q, K, V) go by all-to-all from "this rank's tokens, all heads" to "the whole sequence in
 // stream order, H/cp heads", the core runs over the whole sequence with its documents, and its
 // output (and, in the backward, the gradients) go back the inverse way; needs n_heads % cp == 0.
-// AllGather, for Lightning layers of head size 64 or 128: each local chunk runs from a zero state,
+// AllGather, for Lightning layers: each local chunk runs from a zero state,
 // the 2cp chunk end states ([H, Dh, Dh] fp32 each) are gathered and scanned into carry-ins, and
 // the tokens that continue an earlier document get the carry's part (DESIGN.md section 3); the
 // backward gathers the carry-ins' gradients the same way. AllGather for MLA layers (any cp): the
@@ -68,7 +68,9 @@ struct DeviceMemory {
 
 class CudaModel {
  public:
-  // Fails (with the CUDA or cuDNN error) when no GPU is usable.
+  // InvalidArgument, before any device work, for an invalid config or a shape the CUDA kernels
+  // cannot run (CudaShapeProblem in common/model_config.h); fails with the CUDA or cuDNN error
+  // when no GPU is usable.
   static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
                                                            uint64_t seed, int device = 0);
   ~CudaModel();
@@ -85,8 +87,7 @@ class CudaModel {
   absl::StatusOr<LossStats> Forward(const Batch& batch);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it). With a
-  // group of size > 1: Unimplemented when Lightning layers of a head size other than 64 or 128
-  // ask for AllGather, InvalidArgument for an undecided (auto) mode, FailedPrecondition when a
+  // group of size > 1: InvalidArgument for an undecided (auto) mode, FailedPrecondition when a
   // layer type runs All2All and n_heads % cp != 0. The context is kept even when refused, and the
   // CpBatch forms refuse it again with the same error.
   absl::Status SetCp(const CpContext& cp);

@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "kernels/cuda/lightning.h"
 #include "worker/engine/cuda/cuda_model.h"
 #ifdef SPINDLE_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -103,17 +102,12 @@ class CudaStepBackend final : public StepBackend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
-                                                                   uint64_t seed, int64_t cp) {
-  // A cp that does not divide n_heads needs allgather for every layer type: refuse it before any
-  // device work and before the ranks meet where CUDA has no allgather for the model's Lightning
-  // layers (head sizes other than 64 or 128).
-  if (cp > 1 && config.n_heads % cp != 0 && config.NumLayersOfKind('L') > 0 &&
-      !kernels::cuda::LightningCarrySupportsHeadDim(config.head_dim()))
+                                                                   uint64_t seed,
+                                                                   int64_t /*cp: every one runs*/) {
+  // A shape the kernels cannot run is refused before any device work and before the ranks meet.
+  if (const std::string shape = CudaShapeProblem(config); !shape.empty())
     return absl::FailedPreconditionError(absl::StrCat(
-        "trainer: cp=", cp, " on CUDA needs n_heads=", config.n_heads,
-        " divisible by cp (Lightning's allgather mode on CUDA needs a head size of 64 or 128, not ",
-        config.head_dim(), "; use a cp that divides ", config.n_heads,
-        ", or resources \"cpu\")"));
+        "trainer: resources \"cuda\" cannot run ", shape, "; use resources \"cpu\""));
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

@@ -13,9 +13,8 @@
 
 namespace spindle {
 
-// FailedPrecondition for a cp > 1 that does not divide n_heads when the model's Lightning layers
-// have no allgather mode on CUDA (head sizes other than 64 or 128; CudaModel::SetCp refuses a
-// forced one likewise); Unavailable when no CUDA device is usable (no GPU, no driver);
+// FailedPrecondition for a model shape the CUDA kernels cannot run (CudaShapeProblem, named in
+// the message), before any device work; Unavailable when no CUDA device is usable (no GPU, no driver);
 // otherwise CudaModel::Create's errors.
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp);
