@@ -17,7 +17,8 @@
 //     stream against fp32; rounding errors of ~2^-9 per value average out over ~2000 targets).
 //   * Data parallel on the GPU (two spindle-train processes, host all-reduce) tracks one rank with
 //     two micro-batches of the same sequences (first loss within 1e-6, the rest within 2e-3).
-//   * a cp that All2All cannot run fails at Create() with one clear error (no GPU needed).
+//   * a model shape the CUDA kernels do not take (a Lightning head size of 48) fails at Create()
+//     with one clear error naming it, before any device work (no GPU needed).
 #include <sys/stat.h>
 #include <unistd.h>
 
