@@ -926,7 +926,10 @@ struct Sdpa::Impl {
     GraphSpec s = Dense(backward, c.d.T, c, c.d.q, c.d.k, c.d.v, c.d.out);
     s.Lkv = c.d.Tkv;
     s.causal = false;
-    s.padding_workaround = backward && version <= 91500 && (c.d.T % 128 != 0 || c.d.Tkv % 128 != 0);
+    // The backward always carries the seq-len padding mask (lengths T and Tkv, a no-op as a
+    // mask): cuDNN then picks a faster kernel for the unmasked graph (16K x 48K, H=16, qk 192,
+    // v 128 on an H200: 44 ms instead of 67 ms; the causal graphs are not faster with it).
+    s.padding_workaround = backward;
     return s;
   }
 
