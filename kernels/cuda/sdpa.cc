@@ -21,6 +21,11 @@
 // bug, worked around the same way by cudnn_frontend); the two int32 lengths live in a small
 // device buffer owned by the plan.
 //
+// Unmasked graphs (ForwardFull / BackwardFull): the same graphs with queries and keys of
+// different lengths and no causal select. Their backward always carries the padding mask (with the
+// full lengths it masks nothing): cuDNN then runs a faster kernel for it (measured on an H200 in
+// bench/RESULTS_GPU.md).
+//
 // Documents. One document (empty ones aside) is one dense graph over all T tokens, B = 1, stats
 // [1,H,T,1] written in place: the fast path. Several documents take one of two routes:
 //  - ragged (the default; cuDNN >= 9.6, Dqk and Dv multiples of 16, not the deterministic
