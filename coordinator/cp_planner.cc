@@ -84,22 +84,31 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     if (l.layer_type == "lightning") lightning_allgather = l.mode == CpMode::kAllGather && cp > 1;
   }
   const int64_t common = 4 * d + 3 * f;
-  const int64_t per_l = common + 9 * d;
+  int64_t per_l = common + 9 * d;
   int64_t per_m = common + H * (a.qk_nope_dim + a.qk_rope_dim) * 2 +
                   (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
                   H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
   // The CUDA engine also keeps the keys and kv_b's output of the whole sequence's visible rows.
   const int64_t mla_ag_row = H * (2 * a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim);
-  const bool cuda_mla_allgather = mla_allgather && spec.resources == "cuda";
+  const bool cuda = spec.resources == "cuda";
+  const bool cuda_mla_allgather = mla_allgather && cuda;
   if (cuda_mla_allgather) per_m += cp * mla_ag_row;
+  // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
+  // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
+  const int64_t mla_core_in = H * (2 * (a.qk_nope_dim + a.qk_rope_dim) + a.v_head_dim);
+  const bool cuda_cp = cuda && cp > 1;
+  const bool l_all2all = cuda_cp && !lightning_allgather, m_all2all = cuda_cp && !mla_allgather;
+  if (l_all2all) per_l += 3 * d;
+  if (m_all2all) per_m += mla_core_in + H * a.v_head_dim;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
   int64_t per_token;
   if (spec.train.recompute) {
-    int64_t max_layer = 0;
-    if (nl > 0) max_layer = std::max(max_layer, per_l);
-    if (nm > 0) max_layer = std::max(max_layer, per_m);
-    per_token = 4 * d + m.n_layers * d + max_layer;
+    // One cache, refilled layer by layer, holds the union of both kinds' buffers.
+    int64_t layer = 0;
+    if (nl > 0) layer = per_l;
+    if (nm > 0) layer = nl > 0 ? layer + per_m - common : per_m;
+    per_token = 4 * d + m.n_layers * d + layer;
   } else {
     per_token = 4 * d + nl * per_l + nm * per_m;
   }
@@ -109,6 +118,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * B * (3 * f + 12 * d);
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
+  // CUDA All2All: the exchange's send, receive and input-gradient blocks (the widest core input)
+  // and one output-wide block.
+  if (l_all2all || m_all2all) {
+    const int64_t in_w = std::max(l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0);
+    const int64_t out_w = std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
+    e.workspace_bytes += T * B * (3 * in_w + out_w);
+  }
   // CUDA MLA AllGather's backward: the gathered keys' gradients and the cross piece's (bf16), and
   // the latent gradients' fp32 reduce-scatter blocks.
   if (cuda_mla_allgather)

@@ -162,22 +162,40 @@ TEST(CpPlannerTest, MemoryEstimateComponentsAndRecompute) {
   EXPECT_EQ(a.warnings.size(), 1u);
 }
 
-// The CUDA estimate against the 1b step measured on an H200 (bench/RESULTS_GPU.md): at T = 32K,
-// weights + gradients + AdamW state + bf16 copy 16.78 GiB and a peak of 45.97 GiB of activation
-// and scratch memory from the caching allocator (62.75 GiB); at T = 128K with recompute
-// 16.78 + 35.50 GiB. The estimate must stay within 10% of both.
-TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bStep) {
+// The CUDA estimate against the 1b step measured on H200s (bench/RESULTS_GPU.md; weights +
+// gradients + AdamW state + bf16 copy 16.78 GiB plus the caching allocator's peak of activation
+// and scratch memory): T = 32K 16.78 + 45.97 GiB; T = 128K with recompute 16.78 + 35.50; T = 256K
+// with recompute 16.78 + 70.96 on one GPU, and per rank at cp = 2 16.78 + 44.63 (All2All for both
+// layer types), 16.78 + 44.52 (Lightning AllGather, MLA All2All) and 16.78 + 45.71 (AllGather for
+// both). The estimate must stay within 10% of each.
+TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
   s.resources = "cuda";
-  s.seq_len = 32768;
   const double gib = double(int64_t{1} << 30);
-  const double est32 = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
-  EXPECT_NEAR(est32 / (16.78 + 45.97), 1.0, 0.10) << est32 << " GiB";
-  s.seq_len = 131072;
-  s.train.recompute = true;
-  const double est128 = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
-  EXPECT_NEAR(est128 / (16.78 + 35.50), 1.0, 0.10) << est128 << " GiB";
+  struct Point {
+    int64_t T, cp;
+    bool recompute;
+    CpMode lightning, mla;
+    double measured_gib;
+  };
+  const CpMode A2A = CpMode::kAll2All, AG = CpMode::kAllGather;
+  for (const Point& pt : {Point{32768, 1, false, A2A, A2A, 16.78 + 45.97},
+                          Point{131072, 1, true, A2A, A2A, 16.78 + 35.50},
+                          Point{262144, 1, true, A2A, A2A, 16.78 + 70.96},
+                          Point{262144, 2, true, A2A, A2A, 16.78 + 44.63},
+                          Point{262144, 2, true, AG, A2A, 16.78 + 44.52},
+                          Point{262144, 2, true, AG, AG, 16.78 + 45.71}}) {
+    s.seq_len = pt.T;
+    s.parallel.cp = pt.cp;
+    s.train.recompute = pt.recompute;
+    s.parallel.lightning_mode = pt.lightning;
+    s.parallel.mla_mode = pt.mla;
+    const double est = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
+    EXPECT_NEAR(est / pt.measured_gib, 1.0, 0.10)
+        << "T " << pt.T << " cp " << pt.cp << " " << CpModeName(pt.lightning) << "/"
+        << CpModeName(pt.mla) << ": estimate " << est << " GiB, measured " << pt.measured_gib;
+  }
 }
 
 }  // namespace
