@@ -80,25 +80,16 @@ __global__ void ConvertKernel(const float* x, T* y, int64_t n) {
     y[i] = FromFloat<T>(x[i]);
 }
 
-template <typename T>
-__global__ void AddRowsKernel(T* dst, int64_t ds, const T* src, int64_t ss, int64_t rows,
-                              int64_t width) {
+// dst[r, j] = (kAdd ? dst[r, j] : 0) + src[r, j] over strided rows, in fp32, rounded once.
+template <typename D, typename S, bool kAdd>
+__global__ void RowsKernel(D* dst, int64_t ds, const S* src, int64_t ss, int64_t rows,
+                           int64_t width) {
   const int64_t n = rows * width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / width, j = i % width;
-    dst[r * ds + j] = FromFloat<T>(ToFloat(dst[r * ds + j]) + ToFloat(src[r * ss + j]));
-  }
-}
-
-template <typename D, typename S>
-__global__ void CastRowsKernel(D* dst, int64_t ds, const S* src, int64_t ss, int64_t rows,
-                               int64_t width) {
-  const int64_t n = rows * width;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / width, j = i % width;
-    dst[r * ds + j] = FromFloat<D>(ToFloat(src[r * ss + j]));
+    const float x = ToFloat(src[r * ss + j]);
+    dst[r * ds + j] = FromFloat<D>(kAdd ? ToFloat(dst[r * ds + j]) + x : x);
   }
 }
 
@@ -212,7 +203,7 @@ Status AddRows(void* dst, int64_t dst_stride, const void* src, int64_t src_strid
                     "AddRows: bad sizes");
   if (rows == 0 || width == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "AddRows", {
-    AddRowsKernel<scalar_t><<<Blocks(rows * width), 256, 0, stream>>>(
+    RowsKernel<scalar_t, scalar_t, true><<<Blocks(rows * width), 256, 0, stream>>>(
         static_cast<scalar_t*>(dst), dst_stride, static_cast<const scalar_t*>(src), src_stride,
         rows, width);
   });
@@ -225,7 +216,7 @@ template <typename D>
 Status CastRowsFrom(D* dst, int64_t dst_stride, const void* src, DType src_dtype,
                     int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream) {
   SPINDLE_DISPATCH_FLOAT_BF16(src_dtype, "CastRows", {
-    CastRowsKernel<D, scalar_t><<<Blocks(rows * width), 256, 0, stream>>>(
+    RowsKernel<D, scalar_t, false><<<Blocks(rows * width), 256, 0, stream>>>(
         dst, dst_stride, static_cast<const scalar_t*>(src), src_stride, rows, width);
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
