@@ -22,9 +22,11 @@
 // device buffer owned by the plan.
 //
 // Unmasked graphs (ForwardFull / BackwardFull): the same graphs with queries and keys of
-// different lengths and no causal select. Their backward always carries the padding mask (with the
-// full lengths it masks nothing): cuDNN then runs a faster kernel for it (measured on an H200 in
-// bench/RESULTS_GPU.md).
+// different lengths and no causal select, planned for lengths rounded up to powers of two (at
+// least 128) with the real lengths as run-time seq lengths of the padding mask, so a few plans
+// serve every call; the inputs go through dense zero-padded staging copies in the workspace and
+// the results come back from it. The padding mask also makes cuDNN run a faster backward kernel
+// for these graphs (measured on an H200 in bench/RESULTS_GPU.md).
 //
 // Documents. One document (empty ones aside) is one dense graph over all T tokens, B = 1, stats
 // [1,H,T,1] written in place: the fast path. Several documents take one of two routes:
@@ -63,6 +65,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "kernels/cuda/ops.h"
 
 namespace spindle::kernels::cuda {
 namespace {
@@ -142,7 +146,7 @@ enum : int64_t {
   kUidDV,
   kUidDsum,     // workspace: sum_d dO * O, fp32 [1,H,L,1]
   kUidDqAccum,  // workspace: fp32 dQ accumulator [1,H,L,Dqk]
-  kUidSeqQ,     // plan-owned device int32 (padding workaround)
+  kUidSeqQ,     // device int32: plan-owned (padding workaround) or per call (unmasked graphs)
   kUidSeqKv,
   kUidScale,    // by value
   kUidOne,
@@ -518,7 +522,7 @@ void BuildForward(const GraphSpec& s, GraphBuilder& g) {
   g.Matmul("bmm1 Q K^T", c.Q, c.Kt, S, c.mq, c.mkv);
   TensorRef S1 = g.Virtual("S*scale", c.sq, c.sq_st, F);
   g.Pointwise("attn_scale", CUDNN_POINTWISE_MUL, F, S, S1, &c.scale);
-  if (s.ragged) S1 = PaddingMask(g, c, S1);
+  if (s.ragged || s.padding_workaround) S1 = PaddingMask(g, c, S1);
   const TensorRef S2 = s.causal ? CausalMask(s, g, c, S1) : S1;
   // Row statistics inside the graph are [H, L] per batch even when the stats output is ragged.
   const Dims rows_st = {s.H * s.L, s.L, 1, 1};
@@ -723,7 +727,7 @@ Status BuildPlan(cudnnHandle_t handle, const GraphSpec& s, std::unique_ptr<Plan>
       plan->engine_index = engine;
       plan->spec = s;
       plan->uids = g.io_uids();
-      if (s.padding_workaround) {
+      if (s.padding_workaround && s.causal) {
         const int32_t lens[2] = {static_cast<int32_t>(s.L), static_cast<int32_t>(s.KeyLen())};
         SPINDLE_CUDA_CHECK(cudaMalloc(&plan->seqlen_dev, sizeof(lens)));
         SPINDLE_CUDA_CHECK(
@@ -764,7 +768,8 @@ struct ExecArgs {
   void* dsum = nullptr;      // backward: fp32 row sums, the stats' layout
   void* dq_accum = nullptr;  // backward, non-deterministic: fp32 dQ accumulator
   void* engine_ws = nullptr;
-  const int32_t* meta = nullptr;  // ragged: seq lengths, then offsets (RaggedMeta)
+  const int32_t* meta = nullptr;     // ragged: seq lengths, then offsets (RaggedMeta)
+  const int32_t* seqlens = nullptr;  // unmasked graphs: {queries, keys} of this call
 };
 
 // Where the ragged graphs' run-time data sits in the metadata buffer (int32 elements; every
@@ -860,6 +865,9 @@ int64_t NextPow2(int64_t x) {
   return p;
 }
 
+// The planned length of an unmasked graph's side of n tokens.
+int64_t FullBucket(int64_t n) { return std::max<int64_t>(128, NextPow2(n)); }
+
 // Elements from a view's first element to one past its last one, over T tokens.
 int64_t Span(const SdpaView& v, int64_t T, int64_t H, int64_t D) {
   return (T - 1) * v.token_stride + (H - 1) * v.head_stride + D;
@@ -897,6 +905,7 @@ struct Sdpa::Impl {
   std::map<std::vector<int64_t>, Status> failed;  // graphs no engine took: not rebuilt per call
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  int32_t* full_lens = nullptr;  // the unmasked graphs' run-time lengths {T, Tkv}
   int32_t* meta = nullptr;  // ragged metadata on the device, and what it holds
   int64_t meta_capacity = 0;
   std::vector<int32_t> meta_host;
@@ -908,6 +917,7 @@ struct Sdpa::Impl {
     plans.clear();
     if (workspace != nullptr) cudaFree(workspace);
     if (meta != nullptr) cudaFree(meta);
+    if (full_lens != nullptr) cudaFree(full_lens);
     if (handle != nullptr) cudnnDestroy(handle);
   }
 
@@ -927,15 +937,50 @@ struct Sdpa::Impl {
   }
 
   // Dense, unmasked: L queries against Lkv keys.
+  // Unmasked graphs run on dense staging copies whose lengths are T and Tkv rounded up to
+  // buckets (FullBucket), with the real lengths as run-time seq lengths of the padding mask: a
+  // handful of plans serve every length (a plan build costs 50-1300 ms). The padding mask also
+  // makes cuDNN pick a faster backward kernel for this graph (16K x 48K, H=16, qk 192, v 128 on
+  // an H200: 44 ms instead of 67 ms; the causal graphs are not faster with it).
   GraphSpec Full(bool backward, const Call& c) const {
-    GraphSpec s = Dense(backward, c.d.T, c, c.d.q, c.d.k, c.d.v, c.d.out);
-    s.Lkv = c.d.Tkv;
+    const int64_t H = c.d.H, Dqk = c.d.Dqk, Dv = c.d.Dv;
+    const SdpaView qk{H * Dqk, Dqk}, v{H * Dv, Dv};
+    GraphSpec s = Dense(backward, FullBucket(c.d.T), c, qk, qk, v, v);
+    s.Lkv = FullBucket(c.d.Tkv);
     s.causal = false;
-    // The backward always carries the seq-len padding mask (lengths T and Tkv, a no-op as a
-    // mask): cuDNN then picks a faster kernel for the unmasked graph (16K x 48K, H=16, qk 192,
-    // v 128 on an H200: 44 ms instead of 67 ms; the causal graphs are not faster with it).
-    s.padding_workaround = backward;
+    s.padding_workaround = true;
     return s;
+  }
+
+  // The staging of an unmasked call (bytes, each piece aligned): q, k, v, out, stats; and for the
+  // backward dout, dq, dk, dv. Followed by the plan's dense region.
+  struct FullStaging {
+    int64_t q = 0, k = 0, v = 0, o = 0, stats = 0, dout = 0, dq = 0, dk = 0, dv = 0, total = 0;
+    FullStaging(const GraphSpec& s, int64_t esz) {
+      const int64_t L = s.L, Lk = s.Lkv, H = s.H;
+      int64_t at = 0;
+      auto take = [&](int64_t bytes) {
+        const int64_t here = at;
+        at += AlignUp(bytes);
+        return here;
+      };
+      q = take(L * H * s.Dqk * esz), k = take(Lk * H * s.Dqk * esz), v = take(Lk * H * s.Dv * esz);
+      o = take(L * H * s.Dv * esz), stats = take(H * L * 4);
+      if (s.backward) {
+        dout = take(L * H * s.Dv * esz), dq = take(L * H * s.Dqk * esz);
+        dk = take(Lk * H * s.Dqk * esz), dv = take(Lk * H * s.Dv * esz);
+      }
+      total = at;
+    }
+  };
+
+  // Uploads {T, Tkv} for the next unmasked graph (stream-ordered: earlier graphs read theirs).
+  Status UploadFullLengths(int64_t T, int64_t Tkv, cudaStream_t stream) {
+    if (full_lens == nullptr) SPINDLE_CUDA_CHECK(cudaMalloc(&full_lens, 64));
+    const int32_t lens[2] = {static_cast<int32_t>(T), static_cast<int32_t>(Tkv)};
+    // Pageable source: the copy is staged before the call returns.
+    SPINDLE_CUDA_CHECK(cudaMemcpyAsync(full_lens, lens, sizeof(lens), cudaMemcpyHostToDevice, stream));
+    return Status::Ok();
   }
 
   GraphSpec Ragged(bool backward, int64_t B, int64_t L, const Call& c) const {
@@ -1063,7 +1108,11 @@ struct Sdpa::Impl {
         case kUidDsum: ptr = a.dsum; break;
         case kUidDqAccum: ptr = a.dq_accum; break;
         case kUidSeqQ:
-        case kUidSeqKv: ptr = p.spec.ragged ? meta_at(rm.seq) : p.seqlen_dev + (uid - kUidSeqQ); break;
+        case kUidSeqKv:
+          ptr = p.spec.ragged ? meta_at(rm.seq)
+                : a.seqlens   ? const_cast<int32_t*>(a.seqlens) + (uid - kUidSeqQ)
+                              : p.seqlen_dev + (uid - kUidSeqQ);
+          break;
         case kUidRaggedQ: ptr = meta_at(rm.q); break;
         case kUidRaggedK: ptr = meta_at(rm.k); break;
         case kUidRaggedV: ptr = meta_at(rm.v); break;
@@ -1319,6 +1368,8 @@ Sdpa::~Sdpa() = default;
 
 void Sdpa::SetDeterministic(bool on) { impl_->deterministic = on; }
 
+int64_t Sdpa::PlanCount() const { return static_cast<int64_t>(impl_->plans.size()); }
+
 Status Sdpa::Create(std::unique_ptr<Sdpa>* out) {
   const size_t version = cudnnGetVersion();
   if (version < 90000) {
@@ -1433,6 +1484,25 @@ Status ValidateFull(const SdpaDims& dims, DType dtype, float scale, Call* c) {
 
 }  // namespace
 
+namespace {
+
+// [n, H, D] strided view <-> dense [n, H, D] staging (CopyRows), and zeroed rows [n, rows).
+Status StageIn(char* dst, const void* src, const SdpaView& v, int64_t n, int64_t rows, int64_t H,
+               int64_t D, DType dt, cudaStream_t stream) {
+  const int64_t esz = 2;
+  SPINDLE_RETURN_IF_ERROR(CopyRows(dst, H * D, D, src, v.token_stride, v.head_stride, n, H, D, dt,
+                                   stream));
+  if (rows > n)
+    SPINDLE_CUDA_CHECK(cudaMemsetAsync(dst + n * H * D * esz, 0, (rows - n) * H * D * esz, stream));
+  return Status::Ok();
+}
+Status StageOut(void* dst, const SdpaView& v, const char* src, int64_t n, int64_t H, int64_t D,
+                DType dt, cudaStream_t stream) {
+  return CopyRows(dst, v.token_stride, v.head_stride, src, H * D, D, n, H, D, dt, stream);
+}
+
+}  // namespace
+
 Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out, float* stats,
                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
@@ -1440,16 +1510,29 @@ Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out,
   for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v},
                                   {"out", out}, {"stats", stats}})
     SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
-  if (c.d.T == 0) return Status::Ok();
+  const SdpaDims& d = c.d;
+  if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
   SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
-  ExecArgs a;
-  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats;
   Plan* p = nullptr;
   SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(false, c), &p));
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
-  SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
-  return m.Execute(*p, a, scale, stream);
+  const GraphSpec& s = p->spec;
+  const Impl::FullStaging st(s, c.esz);
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(st.total + DenseRegionBytes(*p), stream));
+  char* ws = static_cast<char*>(m.workspace);
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.q, q, d.q, d.T, s.L, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.k, k, d.k, d.Tkv, s.Lkv, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.v, v, d.v, d.Tkv, s.Lkv, d.H, d.Dv, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(m.UploadFullLengths(d.T, d.Tkv, stream));
+  ExecArgs a;
+  a.q = ws + st.q, a.k = ws + st.k, a.v = ws + st.v, a.o = ws + st.o, a.stats = ws + st.stats;
+  a.seqlens = m.full_lens;
+  SetDenseRegion(*p, ws + st.total, &a);
+  SPINDLE_RETURN_IF_ERROR(m.Execute(*p, a, scale, stream));
+  SPINDLE_RETURN_IF_ERROR(StageOut(out, d.out, ws + st.o, d.T, d.H, d.Dv, dtype, stream));
+  SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats, d.T * 4, ws + st.stats, s.L * 4, d.T * 4, d.H,
+                                       cudaMemcpyDeviceToDevice, stream));
+  return Status::Ok();
 }
 
 Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const void* out,
@@ -1461,17 +1544,36 @@ Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const voi
        {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v}, {"out", out},
         {"stats", stats}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}})
     SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
-  if (c.d.T == 0) return Status::Ok();
+  const SdpaDims& d = c.d;
+  if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
   SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
-  ExecArgs a;
-  a.q = q, a.k = k, a.v = v, a.o = out, a.stats = stats, a.dout = dout;
-  a.dq = dq, a.dk = dk, a.dv = dv;
   Plan* p = nullptr;
   SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(true, c), &p));
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(DenseRegionBytes(*p), stream));
-  SetDenseRegion(*p, static_cast<char*>(m.workspace), &a);
-  return m.Execute(*p, a, scale, stream);
+  const GraphSpec& s = p->spec;
+  const Impl::FullStaging st(s, c.esz);
+  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(st.total + DenseRegionBytes(*p), stream));
+  char* ws = static_cast<char*>(m.workspace);
+  // Every staged value is finite (padded rows zero, padded stats 0): the padding mask turns the
+  // padded scores into exact zeros of P and dS only if nothing there is NaN.
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.q, q, d.q, d.T, s.L, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.k, k, d.k, d.Tkv, s.Lkv, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.v, v, d.v, d.Tkv, s.Lkv, d.H, d.Dv, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.o, out, d.out, d.T, s.L, d.H, d.Dv, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.dout, dout, d.out, d.T, s.L, d.H, d.Dv, dtype, stream));
+  SPINDLE_CUDA_CHECK(cudaMemsetAsync(ws + st.stats, 0, d.H * s.L * 4, stream));
+  SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(ws + st.stats, s.L * 4, stats, d.T * 4, d.T * 4, d.H,
+                                       cudaMemcpyDeviceToDevice, stream));
+  SPINDLE_RETURN_IF_ERROR(m.UploadFullLengths(d.T, d.Tkv, stream));
+  ExecArgs a;
+  a.q = ws + st.q, a.k = ws + st.k, a.v = ws + st.v, a.o = ws + st.o, a.stats = ws + st.stats;
+  a.dout = ws + st.dout, a.dq = ws + st.dq, a.dk = ws + st.dk, a.dv = ws + st.dv;
+  a.seqlens = m.full_lens;
+  SetDenseRegion(*p, ws + st.total, &a);
+  SPINDLE_RETURN_IF_ERROR(m.Execute(*p, a, scale, stream));
+  SPINDLE_RETURN_IF_ERROR(StageOut(dq, d.q, ws + st.dq, d.T, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageOut(dk, d.k, ws + st.dk, d.Tkv, d.H, d.Dqk, dtype, stream));
+  return StageOut(dv, d.v, ws + st.dv, d.Tkv, d.H, d.Dv, dtype, stream);
 }
 
 }  // namespace spindle::kernels::cuda

@@ -74,7 +74,10 @@ class Sdpa {
   // attention (queries of a chunk, keys of the same document's earlier chunks), whose output
   // and stats the caller merges with the causal piece's (AttentionMerge in ops.h). The backward
   // takes the merged out and stats, so its gradients are this piece's share of the merged
-  // attention's. Plans are cached per (T, Tkv, ...) like the causal ones.
+  // attention's. Plans are built for T and Tkv rounded up to powers of two (at least 128), so a
+  // few of them serve every length; the inputs are staged through zero-padded copies in the
+  // workspace (it grows to the rounded sizes' q, k, v, out and, for the backward, their
+  // gradients).
   Status ForwardFull(const void* q, const void* k, const void* v, void* out, float* stats,
                      float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream);
   Status BackwardFull(const void* q, const void* k, const void* v, const void* out,
@@ -87,6 +90,9 @@ class Sdpa {
   // 34 GB at T=32K, H=16); dq, dk, dv are then bitwise reproducible. Several documents then go
   // one graph per document (workspace H L^2 for the longest document).
   void SetDeterministic(bool on);
+
+  // Execution plans built so far (each costs 50-1300 ms; tests check that lengths share them).
+  int64_t PlanCount() const;
 
  private:
   struct Impl;

@@ -450,6 +450,18 @@ TEST_F(SdpaCudnn, FullPieceMergedWithCausalPieceIsOneCausalAttention) {
   RunSplit(*sdpa_, 16, 192, 128, 256, 128);
 }
 
+// Unmasked graphs are planned for lengths rounded up to powers of two: three splits whose query
+// and key counts fall in the same buckets (128 queries, 512 keys) build the full graphs' two plans
+// once; each new query count still builds its causal piece's two plans.
+TEST_F(SdpaCudnn, FullPlansAreSharedAcrossLengths) {
+  const int64_t before = sdpa_->PlanCount();
+  RunSplit(*sdpa_, 4, 32, 16, 300, 77);
+  EXPECT_EQ(sdpa_->PlanCount() - before, 4);  // causal fwd + bwd, full fwd + bwd
+  RunSplit(*sdpa_, 4, 32, 16, 290, 100);
+  RunSplit(*sdpa_, 4, 32, 16, 257, 128);
+  EXPECT_EQ(sdpa_->PlanCount() - before, 8);  // + causal fwd + bwd for T = 100 and 128 only
+}
+
 TEST_F(SdpaCudnn, FullAttentionNeedsKeys) {
   DeviceBuffer q(64 * 4 * 32 * 2), o(64 * 4 * 16 * 2), stats(64 * 4 * 4);
   SdpaDims d;
