@@ -117,8 +117,8 @@ std::string CudaShapeProblem(const ModelConfig& c) {
                         " (the CUDA kernels take 64, 128, or an even size up to 32)");
   if (c.NumLayersOfKind('M') > 0) {
     const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
-    for (const auto& [what, n] : {std::pair<const char*, int64_t>{"qk_nope_dim + qk_rope_dim", qk},
-                                  {"v_head_dim", vd}})
+    for (const auto& [what, n] :
+         {std::pair<const char*, int64_t>{"qk_nope_dim + qk_rope_dim", qk}, {"v_head_dim", vd}})
       if (n % 8 != 0 || n > 256)
         return absl::StrCat("MLA head size ", what, " = ", n,
                             " (cuDNN attention takes multiples of 8 up to 256)");

@@ -121,15 +121,17 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // CUDA All2All: the exchange's send, receive and input-gradient blocks (the widest core input)
   // and one output-wide block.
   if (l_all2all || m_all2all) {
-    const int64_t in_w = std::max(l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0);
-    const int64_t out_w = std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
+    const int64_t in_w =
+        std::max(l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0);
+    const int64_t out_w =
+        std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (3 * in_w + out_w);
   }
   // CUDA MLA AllGather's backward: the gathered keys' gradients and the cross piece's (bf16), and
   // the latent gradients' fp32 reduce-scatter blocks.
   if (cuda_mla_allgather)
-    e.workspace_bytes += 2 * 2 * cp * T * mla_ag_row +
-                         2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
+    e.workspace_bytes +=
+        2 * 2 * cp * T * mla_ag_row + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes;
   return e;

@@ -364,8 +364,7 @@ int Run(const Options& opt) {
       std::printf("# cp=%d skipped: needs %d GPUs (one rank per GPU), %d visible\n", cp, cp, gpus);
       continue;
     }
-    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, opt.mla);
-        !modes.ok()) {
+    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, opt.mla); !modes.ok()) {
       std::fprintf(stderr, "bench_cp_cuda: cp=%d refused: %s\n", cp,
                    std::string(modes.status().message()).c_str());
       refused = true;
@@ -391,13 +390,14 @@ int Run(const Options& opt) {
   const std::string docs =
       opt.doc > 0 ? absl::StrCat("documents of ~", opt.doc, " tokens") : "one document";
   const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  std::printf("# %s x %d visible, preset %s (%.0fM parameters, %lld heads), T=%lld (%s), "
-              "recompute %d, Lightning %s, MLA %s, median of %d steps after %d warm-up, "
-              "NCCL_NVLS_ENABLE=%s\n",
-              prop.name, gpus, opt.preset.c_str(), config->NumParams() / 1e6,
-              static_cast<long long>(config->n_heads), static_cast<long long>(opt.T),
-              docs.c_str(), opt.recompute ? 1 : 0, std::string(CpModeName(opt.lightning)).c_str(),
-              std::string(CpModeName(opt.mla)).c_str(), opt.steps, opt.warmup, nvls ? nvls : "(unset)");
+  std::printf(
+      "# %s x %d visible, preset %s (%.0fM parameters, %lld heads), T=%lld (%s), "
+      "recompute %d, Lightning %s, MLA %s, median of %d steps after %d warm-up, "
+      "NCCL_NVLS_ENABLE=%s\n",
+      prop.name, gpus, opt.preset.c_str(), config->NumParams() / 1e6,
+      static_cast<long long>(config->n_heads), static_cast<long long>(opt.T), docs.c_str(),
+      opt.recompute ? 1 : 0, std::string(CpModeName(opt.lightning)).c_str(),
+      std::string(CpModeName(opt.mla)).c_str(), opt.steps, opt.warmup, nvls ? nvls : "(unset)");
   std::printf("| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
               "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | CP comm s/step | "
               "grad all-reduce s/step | CP comm GB/step/rank | loss (first / last step) |\n"

@@ -164,8 +164,8 @@ int main(int argc, char** argv) {
       const int32_t cu_h[2] = {0, static_cast<int32_t>(T)};
       Check(sdpa->Forward(q.p, k.p, v.p, o.p, stats.as<float>(), cu_h, 1, scale, d, kBf16, 0),
             "causal fwd");
-      Check(sdpa->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p, cu_h,
-                           1, scale, d, kBf16, 0),
+      Check(sdpa->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p, dv.p, cu_h, 1,
+                           scale, d, kBf16, 0),
             "causal bwd");
     };
     auto full = [&](int64_t Tq, int64_t Tkv) {
@@ -178,14 +178,28 @@ int main(int argc, char** argv) {
             "full bwd");
     };
     const double pairs_rank = static_cast<double>(Tf) * Tf / 2 * H / 2;  // per rank, causal half
-    const double flops = pairs_rank * 2 * (Dqk + Dv) * 3.5;                // fwd + bwd ~ 3.5 fwd
+    const double flops = pairs_rank * 2 * (Dqk + Dv) * 3.5;              // fwd + bwd ~ 3.5 fwd
     Row("cp2 64K all2all: causal 64K x 8 heads", TimeMs([&] { causal(Tf, H / 2); }, 5, 1), 0,
         flops);
     Row("cp2 64K allgather rank 0: 2 causal 16K + full 16Kx48K",
-        TimeMs([&] { causal(ch, H); causal(ch, H); full(ch, 3 * ch); }, 5, 1), 0, flops);
+        TimeMs(
+            [&] {
+              causal(ch, H);
+              causal(ch, H);
+              full(ch, 3 * ch);
+            },
+            5, 1),
+        0, flops);
     Row("cp2 64K allgather rank 1: 2 causal 16K + full 16K, 32K",
-        TimeMs([&] { causal(ch, H); causal(ch, H); full(ch, ch); full(ch, 2 * ch); }, 5, 1), 0,
-        flops);
+        TimeMs(
+            [&] {
+              causal(ch, H);
+              causal(ch, H);
+              full(ch, ch);
+              full(ch, 2 * ch);
+            },
+            5, 1),
+        0, flops);
     Row("  causal 16K x 16 heads", TimeMs([&] { causal(ch, H); }, 5, 1), 0,
         static_cast<double>(ch) * ch / 2 * H * 2 * (Dqk + Dv) * 3.5);
     Row("  full 16K x 48K x 16 heads", TimeMs([&] { full(ch, 3 * ch); }, 5, 1), 0,
@@ -195,10 +209,13 @@ int main(int argc, char** argv) {
     cu::SdpaDims d;
     d.T = ch, d.Tkv = 3 * ch, d.H = H, d.Dqk = Dqk, d.Dv = Dv;
     Row("  full 16K x 48K x 16 heads fwd",
-        TimeMs([&] {
-          Check(sdpa->ForwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), scale, d, kBf16, 0),
-                "full fwd");
-        }, 5, 1), 0, static_cast<double>(ch) * 3 * ch * H * 2 * (Dqk + Dv));
+        TimeMs(
+            [&] {
+              Check(sdpa->ForwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), scale, d, kBf16, 0),
+                    "full fwd");
+            },
+            5, 1),
+        0, static_cast<double>(ch) * 3 * ch * H * 2 * (Dqk + Dv));
     return 0;
   }
 

@@ -156,7 +156,8 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
                                         const void* dout, void* dq, float* dP, DType dtype,
                                         Workspace ws, cudaStream_t stream,
                                         const LightningConfig& config) {
-  SPINDLE_RETURN_IF_ERROR(CheckCommon(q, dout, dq, dims, dtype, "LightningCarryCorrectionBackward"));
+  SPINDLE_RETURN_IF_ERROR(
+      CheckCommon(q, dout, dq, dims, dtype, "LightningCarryCorrectionBackward"));
   SPINDLE_CHECK_ARG(n_tokens >= 0 && n_tokens <= dims.T,
                     "LightningCarryCorrectionBackward: n_tokens");
   if (n_tokens == 0) return Status::Ok();

@@ -208,7 +208,8 @@ Status SmallCarryCorrection(const void* q, const float* log_decay, const float* 
   a.src = static_cast<const bf16*>(q), a.src_stride = dims.qkv_stride;
   a.dst = static_cast<bf16*>(out), a.dst_stride = dims.H * dims.Dh;
   a.P = P, a.log_decay = log_decay, a.scale = scale;
-  a.n = static_cast<int>(n_tokens), a.H = static_cast<int>(dims.H), a.Dh = static_cast<int>(dims.Dh);
+  a.n = static_cast<int>(n_tokens), a.H = static_cast<int>(dims.H),
+  a.Dh = static_cast<int>(dims.Dh);
   SmallCarryKernel<false><<<CarryBlocks(n_tokens * dims.H * dims.Dh), 256, 0, stream>>>(a);
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -223,7 +224,8 @@ Status SmallCarryCorrectionBackward(const void* q, const float* log_decay, const
   a.q = static_cast<const bf16*>(q), a.q_stride = dims.qkv_stride;
   a.dout = static_cast<const bf16*>(dout);
   a.P = P, a.dP = dP, a.log_decay = log_decay, a.scale = scale;
-  a.n = static_cast<int>(n_tokens), a.H = static_cast<int>(dims.H), a.Dh = static_cast<int>(dims.Dh);
+  a.n = static_cast<int>(n_tokens), a.H = static_cast<int>(dims.H),
+  a.Dh = static_cast<int>(dims.Dh);
   SmallCarryKernel<true><<<CarryBlocks(n_tokens * dims.H * dims.Dh), 256, 0, stream>>>(a);
   SPINDLE_CUDA_CHECK_LAUNCH();
   SmallCarryStateGradKernel<<<a.H * a.Dh, kCarryThreads, 0, stream>>>(a);

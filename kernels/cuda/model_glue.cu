@@ -101,8 +101,8 @@ __global__ void AttentionMergeKernel(T* oa, int64_t tsa, float* la, int64_t lsa,
                                      int64_t H, int64_t Dv) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
-       w < n * H; w += warps) {
+  for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; w < n * H;
+       w += warps) {
     const int64_t t = w / H, h = w % H;
     float wa = 0.0f, wb = 0.0f, l = 0.0f;
     if (lane == 0) {

@@ -148,7 +148,7 @@ enum : int64_t {
   kUidDqAccum,  // workspace: fp32 dQ accumulator [1,H,L,Dqk]
   kUidSeqQ,     // device int32: plan-owned (padding workaround) or per call (unmasked graphs)
   kUidSeqKv,
-  kUidScale,    // by value
+  kUidScale,  // by value
   kUidOne,
   kUidNegInf,
   kUidNegInfPad,
@@ -392,11 +392,25 @@ struct GraphSpec {
   int variant = 0;  // 0: cudnn_frontend's spelling; 1: the alternative tried when 0 finds no engine
 
   std::vector<int64_t> Key() const {
-    return {backward,       ragged,         B,              L,
-            H,              Dqk,            Dv,             q.token_stride,
-            q.head_stride,  k.token_stride, k.head_stride,  v.token_stride,
-            v.head_stride,  o.token_stride, o.head_stride,  static_cast<int64_t>(io),
-            deterministic,  Lkv,            causal};
+    return {backward,
+            ragged,
+            B,
+            L,
+            H,
+            Dqk,
+            Dv,
+            q.token_stride,
+            q.head_stride,
+            k.token_stride,
+            k.head_stride,
+            v.token_stride,
+            v.head_stride,
+            o.token_stride,
+            o.head_stride,
+            static_cast<int64_t>(io),
+            deterministic,
+            Lkv,
+            causal};
   }
   int64_t KeyLen() const { return Lkv > 0 ? Lkv : L; }
 };
@@ -449,11 +463,11 @@ void BuildCommon(const GraphSpec& s, GraphBuilder& g, Common& c, bool v_transpos
   c.v_st = {BatchStride(s, s.v, Dv), s.v.head_stride, s.v.token_stride, 1};
   c.o_st = {BatchStride(s, s.o, Dv), s.o.head_stride, s.o.token_stride, 1};
   c.Q = g.Tensor("Q", kUidQ, {B, H, L, Dqk}, c.q_st, s.io, false, false, c.rq);
-  c.Kt = g.Tensor("K^T", kUidK, {B, H, Dqk, Lk}, {c.k_st[0], c.k_st[1], 1, c.k_st[2]}, s.io,
-                  false, false, c.rk);
+  c.Kt = g.Tensor("K^T", kUidK, {B, H, Dqk, Lk}, {c.k_st[0], c.k_st[1], 1, c.k_st[2]}, s.io, false,
+                  false, c.rk);
   if (v_transposed) {
-    c.V = g.Tensor("V^T", kUidV, {B, H, Dv, Lk}, {c.v_st[0], c.v_st[1], 1, c.v_st[2]}, s.io,
-                   false, false, c.rv);
+    c.V = g.Tensor("V^T", kUidV, {B, H, Dv, Lk}, {c.v_st[0], c.v_st[1], 1, c.v_st[2]}, s.io, false,
+                   false, c.rv);
   } else {
     c.V = g.Tensor("V", kUidV, {B, H, Lk, Dv}, c.v_st, s.io, false, false, c.rv);
   }
@@ -633,8 +647,8 @@ std::string Describe(const GraphSpec& s) {
   return std::string(s.backward ? "backward" : "forward") +
          (s.ragged ? " ragged B=" + std::to_string(s.B) : std::string()) +
          " L=" + std::to_string(s.L) +
-         (s.Lkv > 0 ? " Lkv=" + std::to_string(s.Lkv) : std::string()) +
-         (s.causal ? "" : " full") + " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
+         (s.Lkv > 0 ? " Lkv=" + std::to_string(s.Lkv) : std::string()) + (s.causal ? "" : " full") +
+         " H=" + std::to_string(s.H) + " Dqk=" + std::to_string(s.Dqk) +
          " Dv=" + std::to_string(s.Dv) + (s.deterministic ? " deterministic" : "") +
          (s.padding_workaround ? " +padding-mask" : "") + " variant " + std::to_string(s.variant);
 }
@@ -979,7 +993,8 @@ struct Sdpa::Impl {
     if (full_lens == nullptr) SPINDLE_CUDA_CHECK(cudaMalloc(&full_lens, 64));
     const int32_t lens[2] = {static_cast<int32_t>(T), static_cast<int32_t>(Tkv)};
     // Pageable source: the copy is staged before the call returns.
-    SPINDLE_CUDA_CHECK(cudaMemcpyAsync(full_lens, lens, sizeof(lens), cudaMemcpyHostToDevice, stream));
+    SPINDLE_CUDA_CHECK(
+        cudaMemcpyAsync(full_lens, lens, sizeof(lens), cudaMemcpyHostToDevice, stream));
     return Status::Ok();
   }
 
@@ -1477,8 +1492,8 @@ Status ValidateFull(const SdpaDims& dims, DType dtype, float scale, Call* c) {
   SPINDLE_CHECK_ARG(dims.T <= INT32_MAX, "Sdpa: T=" + std::to_string(dims.T) + " too large");
   SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu, 1, scale, c));
   SPINDLE_CHECK_ARG(dims.Tkv >= 1 || dims.T == 0,
-                    "Sdpa: full attention needs at least one key (Tkv=" +
-                        std::to_string(dims.Tkv) + ", T=" + std::to_string(dims.T) + ")");
+                    "Sdpa: full attention needs at least one key (Tkv=" + std::to_string(dims.Tkv) +
+                        ", T=" + std::to_string(dims.T) + ")");
   return Status::Ok();
 }
 
@@ -1490,8 +1505,8 @@ namespace {
 Status StageIn(char* dst, const void* src, const SdpaView& v, int64_t n, int64_t rows, int64_t H,
                int64_t D, DType dt, cudaStream_t stream) {
   const int64_t esz = 2;
-  SPINDLE_RETURN_IF_ERROR(CopyRows(dst, H * D, D, src, v.token_stride, v.head_stride, n, H, D, dt,
-                                   stream));
+  SPINDLE_RETURN_IF_ERROR(
+      CopyRows(dst, H * D, D, src, v.token_stride, v.head_stride, n, H, D, dt, stream));
   if (rows > n)
     SPINDLE_CUDA_CHECK(cudaMemsetAsync(dst + n * H * D * esz, 0, (rows - n) * H * D * esz, stream));
   return Status::Ok();
@@ -1507,8 +1522,11 @@ Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out,
                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v},
-                                  {"out", out}, {"stats", stats}})
+  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q},
+                                  {"k", k},
+                                  {"v", v},
+                                  {"out", out},
+                                  {"stats", stats}})
     SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
@@ -1540,9 +1558,15 @@ Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const voi
                           float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  for (const auto& [what, ptr] :
-       {std::pair<const char*, const void*>{"q", q}, {"k", k}, {"v", v}, {"out", out},
-        {"stats", stats}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}})
+  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q},
+                                  {"k", k},
+                                  {"v", v},
+                                  {"out", out},
+                                  {"stats", stats},
+                                  {"dout", dout},
+                                  {"dq", dq},
+                                  {"dk", dk},
+                                  {"dv", dv}})
     SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();

@@ -105,8 +105,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (!comm.ok()) return comm.status();
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
-    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok())
-      return s;
+    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
     auto s = (*m)->ForwardBackward(*b, scale, recompute);

@@ -395,13 +395,14 @@ void RunSplit(Sdpa& sdpa, int64_t H, int64_t Dqk, int64_t Dv, int64_t Tkv, int64
   using testing::Upload;
   DeviceBuffer q_d = Upload(q, kBf16), k_d = Upload(k, kBf16), v_d = Upload(v, kBf16);
   DeviceBuffer dout_d = Upload(dout, kBf16);
-  DeviceBuffer out(Tq * H * Dv * 2), out_x(Tq * H * Dv * 2), stats(H * Tq * 4),
-      stats_x(H * Tq * 4);
+  DeviceBuffer out(Tq * H * Dv * 2), out_x(Tq * H * Dv * 2), stats(H * Tq * 4), stats_x(H * Tq * 4);
   SdpaDims dims;
   dims.T = Tq, dims.H = H, dims.Dqk = Dqk, dims.Dv = Dv;
   SdpaDims full = dims;
   full.Tkv = Tkv;
-  auto at = [](const DeviceBuffer& b, int64_t elems) { return static_cast<char*>(b.get()) + elems * 2; };
+  auto at = [](const DeviceBuffer& b, int64_t elems) {
+    return static_cast<char*>(b.get()) + elems * 2;
+  };
   const std::vector<int32_t> cu{0, static_cast<int32_t>(Tq)};
   ASSERT_OK(sdpa.Forward(q_d.get(), at(k_d, Tkv * H * Dqk), at(v_d, Tkv * H * Dv), out.get(),
                          stats.as<float>(), cu.data(), 1, scale, dims, kBf16, 0));
@@ -431,13 +432,11 @@ void RunSplit(Sdpa& sdpa, int64_t H, int64_t Dqk, int64_t Dv, int64_t Tkv, int64
                           stats.as<float>(), dout_d.get(), dq.get(), at(dk, Tkv * H * Dqk),
                           at(dv, Tkv * H * Dv), cu.data(), 1, scale, dims, kBf16, 0));
   ASSERT_OK(sdpa.BackwardFull(q_d.get(), k_d.get(), v_d.get(), out.get(), stats.as<float>(),
-                              dout_d.get(), dq_x.get(), dk.get(), dv.get(), scale, full, kBf16,
-                              0));
+                              dout_d.get(), dq_x.get(), dk.get(), dv.get(), scale, full, kBf16, 0));
   ASSERT_OK(AddRows(dq.get(), H * Dqk, dq_x.get(), H * Dqk, Tq, H * Dqk, kBf16, 0));
   std::vector<float> dq_ref(Tq * H * Dqk), dk_ref(Tk * H * Dqk), dv_ref(Tk * H * Dv);
-  cpu::AttentionBackward(q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(),
-                         dout.data(), mask, scale, ad, dq_ref.data(), dk_ref.data(),
-                         dv_ref.data());
+  cpu::AttentionBackward(q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(), dout.data(),
+                         mask, scale, ad, dq_ref.data(), dk_ref.data(), dv_ref.data());
   Compare(Download(dq.get(), Tq * H * Dqk, kBf16), dq_ref, 2e-2, 2e-2, name + " dq");
   Compare(Download(dk.get(), Tk * H * Dqk, kBf16), dk_ref, 2e-2, 2e-2, name + " dk");
   Compare(Download(dv.get(), Tk * H * Dv, kBf16), dv_ref, 2e-2, 2e-2, name + " dv");
@@ -466,8 +465,8 @@ TEST_F(SdpaCudnn, FullAttentionNeedsKeys) {
   DeviceBuffer q(64 * 4 * 32 * 2), o(64 * 4 * 16 * 2), stats(64 * 4 * 4);
   SdpaDims d;
   d.T = 64, d.H = 4, d.Dqk = 32, d.Dv = 16;  // Tkv left 0
-  const Status s = sdpa_->ForwardFull(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), 0.1f,
-                                      d, kBf16, 0);
+  const Status s =
+      sdpa_->ForwardFull(q.get(), q.get(), o.get(), o.get(), stats.as<float>(), 0.1f, d, kBf16, 0);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
   EXPECT_NE(s.message().find("at least one key"), std::string::npos) << s.message();
 }

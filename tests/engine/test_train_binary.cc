@@ -117,19 +117,23 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
   auto cuda_job = [&](int cp, const std::string& model) {
     return Write("cuda.json", absl::StrCat(R"({"name": "j", "model": )", model, R"(,
         "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 192,
-        "parallel": {"cp": )", cp, R"(}, "train": {"steps": 2},
-        "checkpoint": {"dir": ")", dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
+        "parallel": {"cp": )",
+                                           cp, R"(}, "train": {"steps": 2},
+        "checkpoint": {"dir": ")",
+                                           dir_, R"(/ckpt", "every": 1}, "resources": "cuda"})"));
   };
   // 2 heads of 48: a Lightning head size the CUDA kernels do not run.
   CommandResult dh48 = Run({"--job", cuda_job(1, R"({"preset": "tiny", "d_model": 96,
                             "n_heads": 2})")});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
-  ExpectRejected(dh48, "spindle-train: trainer: resources \"cuda\" cannot run Lightning head "
-                       "size d_model/n_heads = 48 (the CUDA kernels take 64, 128, or an even size "
-                       "up to 32); use resources \"cpu\"");
+  ExpectRejected(dh48,
+                 "spindle-train: trainer: resources \"cuda\" cannot run Lightning head "
+                 "size d_model/n_heads = 48 (the CUDA kernels take 64, 128, or an even size "
+                 "up to 32); use resources \"cpu\"");
 #else
-  ExpectRejected(dh48, "spindle-train: trainer: the job asks for resources \"cuda\" but this "
-                       "build has no CUDA engine");
+  ExpectRejected(dh48,
+                 "spindle-train: trainer: the job asks for resources \"cuda\" but this "
+                 "build has no CUDA engine");
 #endif
   EXPECT_FALSE(CheckpointDirExists());
   CommandResult one = Run({"--job", cuda_job(1, R"({"preset": "tiny"})")});

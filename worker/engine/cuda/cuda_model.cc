@@ -4,11 +4,12 @@
 // RoPE kernel, residual adds folded into the GEMMs (beta = 1), and cuDNN attention for MLA.
 //
 // Context parallelism (see cuda_model.h) follows cp/cp_attention.cc with device buffers: All2All
-// as its LightningAll2All* and MlaAll2All*, AllGather as DESIGN.md section 3 describes it. The blocks exchanged with rank j are
-// token-major: [T local tokens][the views' H/cp heads, view after view], so a block received from
-// rank i is rank i's two zigzag chunks of whole rows: putting them in stream order is 2 copies per
-// rank, and the Lightning rows [q | k | v] of H/cp heads are exactly the kernel's strided layout
-// (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's strided views.
+// as its LightningAll2All* and MlaAll2All*, AllGather as DESIGN.md section 3 describes it. The
+// blocks exchanged with rank j are token-major: [T local tokens][the views' H/cp heads, view after
+// view], so a block received from rank i is rank i's two zigzag chunks of whole rows: putting them
+// in stream order is 2 copies per rank, and the Lightning rows [q | k | v] of H/cp heads are
+// exactly the kernel's strided layout (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's
+// strided views.
 #include "worker/engine/cuda/cuda_model.h"
 
 #include <algorithm>
@@ -208,10 +209,12 @@ struct CudaModel::Impl {
     caches.clear();
     layer_in.clear();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
-    for (DevBuf* b : {&W.dh, &W.da, &W.dg, &W.du, &W.dy, &W.dgate, &W.dqkv, &W.dO, &W.dQ, &W.dK,
-                      &W.dkvb, &W.dc_n, &W.dc, &W.dkva, &W.dqa_n, &W.dqa, &W.ws, &W.cp_send,
-                      &W.cp_recv, &W.cp_tmp, &W.cp_dfull, &W.ag_send, &W.ag_recv, &W.ag_o,
-                      &W.ag_stats, &W.ag_dq, &W.ag_dk, &W.ag_dv, &W.ag_dK, &W.ag_dkvb, &W.ag_dlat})
+    for (DevBuf* b :
+         {&W.dh,      &W.da,      &W.dg,     &W.du,       &W.dy,      &W.dgate,  &W.dqkv,
+          &W.dO,      &W.dQ,      &W.dK,     &W.dkvb,     &W.dc_n,    &W.dc,     &W.dkva,
+          &W.dqa_n,   &W.dqa,     &W.ws,     &W.cp_send,  &W.cp_recv, &W.cp_tmp, &W.cp_dfull,
+          &W.ag_send, &W.ag_recv, &W.ag_o,   &W.ag_stats, &W.ag_dq,   &W.ag_dk,  &W.ag_dv,
+          &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat})
       b->Release();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
@@ -328,7 +331,8 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
                                                              uint64_t seed, int device) {
   RETURN_IF_ERROR(config.Validate());
   if (const std::string shape = CudaShapeProblem(config); !shape.empty())
-    return absl::InvalidArgumentError(absl::StrCat("cuda model: the CUDA kernels cannot run ", shape));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: the CUDA kernels cannot run ", shape));
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->device = device;
@@ -1084,8 +1088,8 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
   void* send = W.ag_send.get();
   RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
   RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
-  RETURN_IF_ERROR(GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(),
-                               CommLayer::kMla));
+  RETURN_IF_ERROR(
+      GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
   RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
   // Keys and values of the rows some local query sees.
@@ -1096,8 +1100,8 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
                         b - a, kv, H * kvw, false));
     RETURN_IF_ERROR(Copy2D(At(C.ag_K.get(), a * H * qk), qk, At(C.ag_kvb.get(), a * H * kvw), kvw,
                            nope, (b - a) * H));
-    KC(kc::CopyRows(At(C.ag_K.get(), a * H * qk + nope), H * qk, qk,
-                    At(C.ag_lat.get(), a * w + kv), w, 0, b - a, H, rd, kAct, stream));
+    KC(kc::CopyRows(At(C.ag_K.get(), a * H * qk + nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv),
+                    w, 0, b - a, H, rd, kAct, stream));
   }
   const int64_t SS = StatsSlot(H, ch);
   RETURN_IF_ERROR(F32(C.stats, 2 * SS));
@@ -1106,11 +1110,10 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
     void* q = At(C.Q.get(), slot * ch * H * qk);
     void* o = At(C.O.get(), slot * ch * H * vd);
     float* stats = C.stats.f32() + slot * SS;
-    KC(sdpa->Forward(q, At(C.ag_K.get(), first * H * qk),
-                     At(C.ag_kvb.get(), first * H * kvw + nope), o, stats,
-                     B.piece_cu_host[slot].data(),
-                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
-                     MlaDims(c, ch), kAct, stream));
+    KC(sdpa->Forward(
+        q, At(C.ag_K.get(), first * H * qk), At(C.ag_kvb.get(), first * H * kvw + nope), o, stats,
+        B.piece_cu_host[slot].data(), static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
+        MlaDims(c, ch), kAct, stream));
     if (!B.continues[slot]) continue;
     const int64_t nq = B.first_segment[slot], k0 = B.key_begin[slot];
     kc::SdpaDims full = MlaDims(c, nq);
@@ -1148,8 +1151,8 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
                       C.stats.f32() + slot * SS, At(W.dO.get(), slot * ch * H * vd),
                       At(W.dQ.get(), slot * ch * H * qk), At(W.ag_dK.get(), first * H * qk),
                       At(W.ag_dkvb.get(), first * H * kvw + nope), B.piece_cu_host[slot].data(),
-                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
-                      MlaDims(c, ch), kAct, stream));
+                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
+                      kAct, stream));
   }
   // ... then the cross pieces add theirs (their keys may lie in the other local chunk).
   for (int slot = 0; slot < 2; ++slot) {
@@ -1172,8 +1175,8 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
                           At(W.ag_dv.get(), nope), scale, full, kAct, stream));
     KC(kc::AddRows(At(W.dQ.get(), slot * ch * H * qk), H * qk, W.ag_dq.get(), H * qk, nq, H * qk,
                    kAct, stream));
-    KC(kc::AddRows(At(W.ag_dK.get(), k0 * H * qk), H * qk, W.ag_dk.get(), H * qk, nk, H * qk,
-                   kAct, stream));
+    KC(kc::AddRows(At(W.ag_dK.get(), k0 * H * qk), H * qk, W.ag_dk.get(), H * qk, nk, H * qk, kAct,
+                   stream));
     KC(kc::AddRows(At(W.ag_dkvb.get(), k0 * H * kvw + nope), kvw, At(W.ag_dv.get(), nope), kvw,
                    nk * H, vd, kAct, stream));
   }
@@ -1181,8 +1184,8 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
   CUDA(cudaMemsetAsync(W.ag_dlat.get(), 0, Tf * w * kAb, stream));
   for (const auto& [a, b] : B.key_ranges) {
     const int64_t n = b - a;
-    RETURN_IF_ERROR(Copy2D(At(W.ag_dkvb.get(), a * H * kvw), kvw, At(W.ag_dK.get(), a * H * qk),
-                           qk, nope, n * H));
+    RETURN_IF_ERROR(Copy2D(At(W.ag_dkvb.get(), a * H * kvw), kvw, At(W.ag_dK.get(), a * H * qk), qk,
+                           nope, n * H));
     KC(kc::SumHeads(At(W.ag_dK.get(), a * H * qk + nope), n, H, rd, H * qk, qk,
                     At(W.ag_dlat.get(), a * w + kv), w, kAct, stream));
     RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), At(W.ag_dkvb.get(), a * H * kvw),
@@ -1359,10 +1362,10 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
     }
     // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
     RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
-    KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd,
-                    kAct, stream));
-    RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T,
-                        kv, H * (nope + vd), false));
+    KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd, kAct,
+                    stream));
+    RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T, kv,
+                        H * (nope + vd), false));
   }
   KC(kc::RmsNormBackward(C.c.get(), Wb(L.kv_norm), C.rstd_c.f32(), W.dc_n.get(), nullptr,
                          W.dc.get(), G(L.kv_norm), T, kv, kAct, Ws(), stream));

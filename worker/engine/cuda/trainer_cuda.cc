@@ -106,8 +106,8 @@ absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelCo
                                                                    int64_t /*cp: every one runs*/) {
   // A shape the kernels cannot run is refused before any device work and before the ranks meet.
   if (const std::string shape = CudaShapeProblem(config); !shape.empty())
-    return absl::FailedPreconditionError(absl::StrCat(
-        "trainer: resources \"cuda\" cannot run ", shape, "; use resources \"cpu\""));
+    return absl::FailedPreconditionError(
+        absl::StrCat("trainer: resources \"cuda\" cannot run ", shape, "; use resources \"cpu\""));
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

@@ -14,8 +14,8 @@
 namespace spindle {
 
 // FailedPrecondition for a model shape the CUDA kernels cannot run (CudaShapeProblem, named in
-// the message), before any device work; Unavailable when no CUDA device is usable (no GPU, no driver);
-// otherwise CudaModel::Create's errors.
+// the message), before any device work; Unavailable when no CUDA device is usable (no GPU, no
+// driver); otherwise CudaModel::Create's errors.
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed, int64_t cp);
 
