@@ -132,8 +132,8 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   return LaunchSweep(static_cast<int>(Dh), false, false, sa, stream);
 }
 
+// CheckCommon refuses the other sizes for every function here, with kUnsupported.
 bool LightningSupportsHeadDim(int64_t Dh) { return Dh == 64 || Dh == 128 || IsSmallHead(Dh); }
-// (CheckCommon refuses the other sizes for every function here, with kUnsupported.)
 
 Status LightningCarryCorrection(const void* q, const float* log_decay, const float* P,
                                 float scale, const LightningDims& dims, int64_t n_tokens,

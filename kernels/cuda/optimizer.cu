@@ -1,14 +1,16 @@
 // Multi-tensor optimizers on CUDA (AdamW, SGD with or without momentum): fp32 master weights and
-// optimizer state, optional bf16 copy of the updated weights, many tensors per launch. The tensor table travels in the kernel arguments: up to
-// kMaxTensors tensors and the first block of each; block b finds its tensor by binary search and
-// updates one chunk of kChunk values of it (float4 loads when the tensor's pointers allow). Every
-// block of a launch is independent, so a launch fills the GPU however the tensors are sized.
+// optimizer state, optional bf16 copy of the updated weights, many tensors per launch. The tensor
+// table travels in the kernel arguments: up to kMaxTensors tensors and the first block of each;
+// block b finds its tensor by binary search and updates one chunk of kChunk values of it (float4
+// loads when the tensor's pointers allow). Every block of a launch is independent, so a launch
+// fills the GPU however the tensors are sized.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/vec.cuh"
 
 namespace spindle::kernels::cuda {
 namespace {
@@ -54,17 +56,6 @@ struct SgdRule {
   }
 };
 
-__device__ __forceinline__ void StoreBf16x4(__nv_bfloat16* dst, float4 p) {
-  const __nv_bfloat162 lo2 = __floats2bfloat162_rn(p.x, p.y);
-  const __nv_bfloat162 hi2 = __floats2bfloat162_rn(p.z, p.w);
-  uint2 packed;
-  packed.x = static_cast<uint32_t>(__bfloat16_as_ushort(lo2.x)) |
-             (static_cast<uint32_t>(__bfloat16_as_ushort(lo2.y)) << 16);
-  packed.y = static_cast<uint32_t>(__bfloat16_as_ushort(hi2.x)) |
-             (static_cast<uint32_t>(__bfloat16_as_ushort(hi2.y)) << 16);
-  *reinterpret_cast<uint2*>(dst) = packed;
-}
-
 template <class Rule>
 __global__ void __launch_bounds__(kThreads) MultiTensorKernel(TensorTable table, Rule rule) {
   const int b = static_cast<int>(blockIdx.x);
@@ -105,7 +96,9 @@ __global__ void __launch_bounds__(kThreads) MultiTensorKernel(TensorTable table,
       if constexpr (Rule::kM) *reinterpret_cast<float4*>(m + i) = mv;
       if constexpr (Rule::kV) *reinterpret_cast<float4*>(v + i) = vv;
       *reinterpret_cast<float4*>(T.p + i) = p;
-      if (pb != nullptr) StoreBf16x4(pb + i, p);
+      if (pb != nullptr)
+        *reinterpret_cast<uint2*>(pb + i) =
+            make_uint2(internal::PackBf16x2(p.x, p.y), internal::PackBf16x2(p.z, p.w));
     }
     scalar_begin = vec_end;
   }

@@ -970,6 +970,7 @@ struct Sdpa::Impl {
   // backward dout, dq, dk, dv. Followed by the plan's dense region.
   struct FullStaging {
     int64_t q = 0, k = 0, v = 0, o = 0, stats = 0, dout = 0, dq = 0, dk = 0, dv = 0, total = 0;
+    FullStaging() = default;
     FullStaging(const GraphSpec& s, int64_t esz) {
       const int64_t L = s.L, Lk = s.Lkv, H = s.H;
       int64_t at = 0;
@@ -988,15 +989,11 @@ struct Sdpa::Impl {
     }
   };
 
-  // Uploads {T, Tkv} for the next unmasked graph (stream-ordered: earlier graphs read theirs).
-  Status UploadFullLengths(int64_t T, int64_t Tkv, cudaStream_t stream) {
-    if (full_lens == nullptr) SPINDLE_CUDA_CHECK(cudaMalloc(&full_lens, 64));
-    const int32_t lens[2] = {static_cast<int32_t>(T), static_cast<int32_t>(Tkv)};
-    // Pageable source: the copy is staged before the call returns.
-    SPINDLE_CUDA_CHECK(
-        cudaMemcpyAsync(full_lens, lens, sizeof(lens), cudaMemcpyHostToDevice, stream));
-    return Status::Ok();
-  }
+  // The start both directions of an unmasked call share: its plan, the workspace (staging,
+  // then the plan's dense region), q, k, v staged, {T, Tkv} uploaded (stream-ordered: earlier
+  // graphs read theirs). *a gets the staged q, k, v, out and stats, the lengths and the region.
+  Status StartFull(bool backward, const Call& c, DType dtype, const void* q, const void* k,
+                   const void* v, cudaStream_t stream, Plan** p, FullStaging* st, ExecArgs* a);
 
   GraphSpec Ragged(bool backward, int64_t B, int64_t L, const Call& c) const {
     GraphSpec s = Dense(backward, L, c, c.d.q, c.d.k, c.d.v, c.d.out);
@@ -1518,6 +1515,31 @@ Status StageOut(void* dst, const SdpaView& v, const char* src, int64_t n, int64_
 
 }  // namespace
 
+Status Sdpa::Impl::StartFull(bool backward, const Call& c, DType dtype, const void* q,
+                             const void* k, const void* v, cudaStream_t stream, Plan** p,
+                             FullStaging* st, ExecArgs* a) {
+  const SdpaDims& d = c.d;
+  SPINDLE_CUDNN_CHECK(cudnnSetStream(handle, stream));
+  SPINDLE_RETURN_IF_ERROR(GetPlan(Full(backward, c), p));
+  const GraphSpec& s = (*p)->spec;
+  *st = FullStaging(s, c.esz);
+  SPINDLE_RETURN_IF_ERROR(EnsureWorkspace(st->total + DenseRegionBytes(**p), stream));
+  char* ws = static_cast<char*>(workspace);
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st->q, q, d.q, d.T, s.L, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st->k, k, d.k, d.Tkv, s.Lkv, d.H, d.Dqk, dtype, stream));
+  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st->v, v, d.v, d.Tkv, s.Lkv, d.H, d.Dv, dtype, stream));
+  if (full_lens == nullptr) SPINDLE_CUDA_CHECK(cudaMalloc(&full_lens, 64));
+  const int32_t lens[2] = {static_cast<int32_t>(d.T), static_cast<int32_t>(d.Tkv)};
+  // Pageable source: the copy is staged before the call returns.
+  SPINDLE_CUDA_CHECK(
+      cudaMemcpyAsync(full_lens, lens, sizeof(lens), cudaMemcpyHostToDevice, stream));
+  *a = ExecArgs{};
+  a->q = ws + st->q, a->k = ws + st->k, a->v = ws + st->v, a->o = ws + st->o;
+  a->stats = ws + st->stats, a->seqlens = full_lens;
+  SetDenseRegion(**p, ws + st->total, a);
+  return Status::Ok();
+}
+
 Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out, float* stats,
                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
@@ -1531,21 +1553,12 @@ Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out,
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
-  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
   Plan* p = nullptr;
-  SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(false, c), &p));
-  const GraphSpec& s = p->spec;
-  const Impl::FullStaging st(s, c.esz);
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(st.total + DenseRegionBytes(*p), stream));
-  char* ws = static_cast<char*>(m.workspace);
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.q, q, d.q, d.T, s.L, d.H, d.Dqk, dtype, stream));
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.k, k, d.k, d.Tkv, s.Lkv, d.H, d.Dqk, dtype, stream));
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.v, v, d.v, d.Tkv, s.Lkv, d.H, d.Dv, dtype, stream));
-  SPINDLE_RETURN_IF_ERROR(m.UploadFullLengths(d.T, d.Tkv, stream));
+  Impl::FullStaging st;
   ExecArgs a;
-  a.q = ws + st.q, a.k = ws + st.k, a.v = ws + st.v, a.o = ws + st.o, a.stats = ws + st.stats;
-  a.seqlens = m.full_lens;
-  SetDenseRegion(*p, ws + st.total, &a);
+  SPINDLE_RETURN_IF_ERROR(m.StartFull(false, c, dtype, q, k, v, stream, &p, &st, &a));
+  const GraphSpec& s = p->spec;
+  char* ws = static_cast<char*>(m.workspace);
   SPINDLE_RETURN_IF_ERROR(m.Execute(*p, a, scale, stream));
   SPINDLE_RETURN_IF_ERROR(StageOut(out, d.out, ws + st.o, d.T, d.H, d.Dv, dtype, stream));
   SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(stats, d.T * 4, ws + st.stats, s.L * 4, d.T * 4, d.H,
@@ -1571,29 +1584,20 @@ Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const voi
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
-  SPINDLE_CUDNN_CHECK(cudnnSetStream(m.handle, stream));
   Plan* p = nullptr;
-  SPINDLE_RETURN_IF_ERROR(m.GetPlan(m.Full(true, c), &p));
+  Impl::FullStaging st;
+  ExecArgs a;
+  SPINDLE_RETURN_IF_ERROR(m.StartFull(true, c, dtype, q, k, v, stream, &p, &st, &a));
   const GraphSpec& s = p->spec;
-  const Impl::FullStaging st(s, c.esz);
-  SPINDLE_RETURN_IF_ERROR(m.EnsureWorkspace(st.total + DenseRegionBytes(*p), stream));
   char* ws = static_cast<char*>(m.workspace);
   // Every staged value is finite (padded rows zero, padded stats 0): the padding mask turns the
   // padded scores into exact zeros of P and dS only if nothing there is NaN.
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.q, q, d.q, d.T, s.L, d.H, d.Dqk, dtype, stream));
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.k, k, d.k, d.Tkv, s.Lkv, d.H, d.Dqk, dtype, stream));
-  SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.v, v, d.v, d.Tkv, s.Lkv, d.H, d.Dv, dtype, stream));
   SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.o, out, d.out, d.T, s.L, d.H, d.Dv, dtype, stream));
   SPINDLE_RETURN_IF_ERROR(StageIn(ws + st.dout, dout, d.out, d.T, s.L, d.H, d.Dv, dtype, stream));
   SPINDLE_CUDA_CHECK(cudaMemsetAsync(ws + st.stats, 0, d.H * s.L * 4, stream));
   SPINDLE_CUDA_CHECK(cudaMemcpy2DAsync(ws + st.stats, s.L * 4, stats, d.T * 4, d.T * 4, d.H,
                                        cudaMemcpyDeviceToDevice, stream));
-  SPINDLE_RETURN_IF_ERROR(m.UploadFullLengths(d.T, d.Tkv, stream));
-  ExecArgs a;
-  a.q = ws + st.q, a.k = ws + st.k, a.v = ws + st.v, a.o = ws + st.o, a.stats = ws + st.stats;
   a.dout = ws + st.dout, a.dq = ws + st.dq, a.dk = ws + st.dk, a.dv = ws + st.dv;
-  a.seqlens = m.full_lens;
-  SetDenseRegion(*p, ws + st.total, &a);
   SPINDLE_RETURN_IF_ERROR(m.Execute(*p, a, scale, stream));
   SPINDLE_RETURN_IF_ERROR(StageOut(dq, d.q, ws + st.dq, d.T, d.H, d.Dqk, dtype, stream));
   SPINDLE_RETURN_IF_ERROR(StageOut(dk, d.k, ws + st.dk, d.Tkv, d.H, d.Dqk, dtype, stream));

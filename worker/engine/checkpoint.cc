@@ -27,27 +27,6 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   return absl::InternalError(absl::StrCat("checkpoint: ", what, " \"", path, "\": ", strerror(errno)));
 }
 
-absl::Status WriteFileSynced(const std::string& path, const std::string& bytes) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", path);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      ::close(fd);
-      return Errno("cannot write", path);
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    return Errno("cannot fsync", path);
-  }
-  ::close(fd);
-  return absl::OkStatus();
-}
-
 absl::Status SyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Errno("cannot open directory", dir);
@@ -84,38 +63,49 @@ void AddToDigest(FileDigest& d, const char* p, size_t n) {
   d.bytes += n;
 }
 
-absl::Status WriteAll(int fd, const char* p, size_t n, const std::string& path) {
-  for (size_t done = 0; done < n;) {
-    const ssize_t w = ::write(fd, p + done, std::min<size_t>(n - done, size_t{1} << 30));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return Errno("cannot write", path);
-    done += static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
+// One piece of a file being written: n bytes at p.
+struct Piece {
+  const char* p;
+  size_t n;
+};
 
-// Writes a safetensors file straight from the tensors' buffers (header, then each tensor in
-// name order, which is the header's layout) and fsyncs it.
-absl::StatusOr<FileDigest> WriteSafetensorsSynced(
-    const std::string& path, const std::map<std::string, SafetensorsEntry>& tensors,
-    const std::map<std::string, std::string>& metadata) {
+// Creates path from the pieces, in order, fsyncs it, and returns its size and CRC-32.
+absl::StatusOr<FileDigest> WriteFileSynced(const std::string& path,
+                                           const std::vector<Piece>& pieces) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", path);
   FileDigest d;
   absl::Status s;
-  const std::string header = SafetensorsHeader(tensors, metadata);
-  AddToDigest(d, header.data(), header.size());
-  s = WriteAll(fd, header.data(), header.size(), path);
-  for (auto it = tensors.begin(); s.ok() && it != tensors.end(); ++it) {
-    const char* p = reinterpret_cast<const char*>(it->second.data);
-    const size_t n = static_cast<size_t>(it->second.numel) * 4;
-    AddToDigest(d, p, n);
-    s = WriteAll(fd, p, n, path);
+  for (const Piece& piece : pieces) {
+    AddToDigest(d, piece.p, piece.n);
+    for (size_t done = 0; s.ok() && done < piece.n;) {
+      const ssize_t w =
+          ::write(fd, piece.p + done, std::min<size_t>(piece.n - done, size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) s = Errno("cannot write", path);
+      if (w > 0) done += static_cast<size_t>(w);
+    }
   }
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", path);
   ::close(fd);
   if (!s.ok()) return s;
   return d;
+}
+
+absl::Status WriteFileSynced(const std::string& path, const std::string& bytes) {
+  return WriteFileSynced(path, {{bytes.data(), bytes.size()}}).status();
+}
+
+// A safetensors file written straight from the tensors' buffers: the header, then each tensor
+// in name order (the header's layout).
+absl::StatusOr<FileDigest> WriteSafetensorsSynced(
+    const std::string& path, const std::map<std::string, SafetensorsEntry>& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  const std::string header = SafetensorsHeader(tensors, metadata);
+  std::vector<Piece> pieces{{header.data(), header.size()}};
+  for (const auto& [name, e] : tensors)
+    pieces.push_back({reinterpret_cast<const char*>(e.data), static_cast<size_t>(e.numel) * 4});
+  return WriteFileSynced(path, pieces);
 }
 
 // A file open for reading (closed when it goes), read at offsets.

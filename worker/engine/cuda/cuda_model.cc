@@ -270,11 +270,12 @@ struct CudaModel::Impl {
   }
   absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
 
-  // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
+  // Copies numel() floats per (dst, src) pair, skipping pairs with a null side, then syncs.
   absl::Status CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
                         cudaMemcpyKind kind);
   // Allocates (zeroed) the optimizer state buffers asked for that do not exist yet.
   absl::Status EnsureOptimizerState(bool want_m, bool want_v);
+  // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
   absl::Status Upload(const Batch& b, const CpLayout* layout);
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
@@ -407,7 +408,8 @@ int64_t CudaModel::steps_taken() const { return impl_->steps; }
 absl::Status CudaModel::Impl::CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
                                        cudaMemcpyKind kind) {
   for (const auto& [dst, src] : copies)
-    CUDA(cudaMemcpyAsync(dst, src, P().numel() * 4, kind, stream));
+    if (dst != nullptr && src != nullptr)
+      CUDA(cudaMemcpyAsync(dst, src, P().numel() * 4, kind, stream));
   CUDA(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }
@@ -449,13 +451,11 @@ absl::Status CudaModel::Impl::EnsureOptimizerState(bool want_m, bool want_v) {
 absl::Status CudaModel::DownloadOptimizerState(Tensor* m, Tensor* v) {
   Impl& I = *impl_;
   const int64_t n = I.P().numel();
-  for (auto [host, dev] : {std::pair{m, I.m}, {v, I.v}}) {
-    if (dev == nullptr) continue;  // state this optimizer does not keep: left as it is
-    if (host->numel() != n) *host = Tensor({n});
-    CUDA(cudaMemcpyAsync(host->f32(), dev, n * 4, cudaMemcpyDeviceToHost, I.stream));
-  }
-  CUDA(cudaStreamSynchronize(I.stream));
-  return absl::OkStatus();
+  // State this optimizer does not keep (no device buffer) is left as it is.
+  for (auto [host, dev] : {std::pair{m, I.m}, {v, I.v}})
+    if (dev != nullptr && host->numel() != n) *host = Tensor({n});
+  return I.CopyFlat({{I.m ? m->f32() : nullptr, I.m}, {I.v ? v->f32() : nullptr, I.v}},
+                    cudaMemcpyDeviceToHost);
 }
 
 absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
@@ -467,10 +467,9 @@ absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
                                                    " values per state tensor (or none), got ",
                                                    m.numel(), " and ", v.numel()));
   RETURN_IF_ERROR(I.EnsureOptimizerState(m.numel() != 0, v.numel() != 0));
-  for (auto [dev, host] : {std::pair{I.m, &m}, {I.v, &v}})
-    if (host->numel() != 0)
-      CUDA(cudaMemcpyAsync(dev, host->f32(), n * 4, cudaMemcpyHostToDevice, I.stream));
-  CUDA(cudaStreamSynchronize(I.stream));
+  RETURN_IF_ERROR(I.CopyFlat({{I.m, m.numel() ? m.f32() : nullptr},
+                              {I.v, v.numel() ? v.f32() : nullptr}},
+                             cudaMemcpyHostToDevice));
   I.steps = steps_taken;
   return absl::OkStatus();
 }
@@ -504,8 +503,9 @@ absl::Status CudaModel::OptimizerStep(const TrainSpec& spec, double lr, float gr
   for (int i = 0; i < P.size(); ++i) {
     const ParamInfo& info = P.info(i);
     const float wd = info.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
-    t.push_back({I.p + info.offset, I.g + info.offset, I.m + info.offset, I.v + info.offset,
-                 At(I.w, info.offset), info.numel, wd});
+    // State the rule does not keep stays null (plain SGD: no m; SGD: no v).
+    t.push_back({I.p + info.offset, I.g + info.offset, I.m ? I.m + info.offset : nullptr,
+                 I.v ? I.v + info.offset : nullptr, At(I.w, info.offset), info.numel, wd});
   }
   ++I.steps;
   const auto n_t = static_cast<int64_t>(t.size());
