@@ -9,7 +9,8 @@
 # /work/shared/peer/README.md) carried. Outputs go under $OUT. About 10 minutes (each CP run alone
 # takes 2-3 minutes, mostly creating the 1B models): close to a 600 s per-call limit, so a CP run
 # may need a call of its own.
-# Usage: bench/cuda/two_gpu_run.sh [extra bench_cp_cuda flags, e.g. --lightning_mode allgather]
+# Usage: bench/cuda/two_gpu_run.sh [extra bench_cp_cuda flags, e.g. --lightning_mode allgather
+#        --mla_mode allgather]
 set -uo pipefail
 out=${OUT:-/tmp}
 [ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
