@@ -89,11 +89,10 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
                   (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
                   H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
-  // The CUDA engine also keeps the keys and kv_b's output of the whole sequence's visible rows.
+  // One row of keys and kv_b output (the CUDA engine's MLA AllGather rebuilds them per key block).
   const int64_t mla_ag_row = H * (2 * a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim);
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
-  if (cuda_mla_allgather) per_m += cp * mla_ag_row;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
   // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
   const int64_t mla_core_in = H * (2 * (a.qk_nope_dim + a.qk_rope_dim) + a.v_head_dim);
@@ -127,11 +126,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
         std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (3 * in_w + out_w);
   }
-  // CUDA MLA AllGather's backward: the gathered keys' gradients and the cross piece's (bf16), and
-  // the latent gradients' fp32 reduce-scatter blocks.
-  if (cuda_mla_allgather)
+  if (cuda_mla_allgather) {
+    // One key block's keys and kv_b output, their gradients and Sdpa's staging of them (rows for
+    // the larger of a chunk and a 32K-row block), and the fp32 reduce-scatter blocks.
+    const int64_t rows = std::max<int64_t>(spec.seq_len / (2 * cp), 32768);
     e.workspace_bytes +=
-        2 * 2 * cp * T * mla_ag_row + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
+        4 * rows * mla_ag_row * B + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
+  }
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes;
   return e;

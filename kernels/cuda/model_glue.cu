@@ -95,8 +95,8 @@ __global__ void RowsKernel(D* dst, int64_t ds, const S* src, int64_t ss, int64_t
 
 // One warp per (token, head): lane 0 reads both statistics, the merged weights reach every lane
 // by shuffle, and lane 0 writes the merged statistic after the lanes have their values.
-template <typename T>
-__global__ void AttentionMergeKernel(T* oa, int64_t tsa, float* la, int64_t lsa, const T* ob,
+template <typename A, typename Bt>
+__global__ void AttentionMergeKernel(A* oa, int64_t tsa, float* la, int64_t lsa, const Bt* ob,
                                      int64_t tsb, const float* lb, int64_t lsb, int64_t n,
                                      int64_t H, int64_t Dv) {
   const int lane = threadIdx.x % 32;
@@ -117,10 +117,10 @@ __global__ void AttentionMergeKernel(T* oa, int64_t tsa, float* la, int64_t lsa,
     }
     wa = __shfl_sync(0xffffffffu, wa, 0);
     wb = __shfl_sync(0xffffffffu, wb, 0);
-    T* o = oa + t * tsa + h * Dv;
-    const T* x = ob + t * tsb + h * Dv;
+    A* o = oa + t * tsa + h * Dv;
+    const Bt* x = ob + t * tsb + h * Dv;
     for (int64_t j = lane; j < Dv; j += 32)
-      o[j] = FromFloat<T>(wa * ToFloat(o[j]) + wb * ToFloat(x[j]));
+      o[j] = FromFloat<A>(wa * ToFloat(o[j]) + wb * ToFloat(x[j]));
     if (lane == 0) la[h * lsa + t] = l;
   }
 }
@@ -214,10 +214,31 @@ Status AddRows(void* dst, int64_t dst_stride, const void* src, int64_t src_strid
 namespace {
 template <typename D>
 Status CastRowsFrom(D* dst, int64_t dst_stride, const void* src, DType src_dtype,
-                    int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream) {
+                    int64_t src_stride, int64_t rows, int64_t width, bool accumulate,
+                    cudaStream_t stream) {
   SPINDLE_DISPATCH_FLOAT_BF16(src_dtype, "CastRows", {
-    RowsKernel<D, scalar_t, false><<<Blocks(rows * width), 256, 0, stream>>>(
-        dst, dst_stride, static_cast<const scalar_t*>(src), src_stride, rows, width);
+    const auto* s = static_cast<const scalar_t*>(src);
+    if (accumulate) {
+      RowsKernel<D, scalar_t, true>
+          <<<Blocks(rows * width), 256, 0, stream>>>(dst, dst_stride, s, src_stride, rows, width);
+    } else {
+      RowsKernel<D, scalar_t, false>
+          <<<Blocks(rows * width), 256, 0, stream>>>(dst, dst_stride, s, src_stride, rows, width);
+    }
+  });
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <typename A>
+Status MergeInto(A* o_a, int64_t tsa, float* lse_a, int64_t lsa, const void* o_b, DType b_dtype,
+                 int64_t tsb, const float* lse_b, int64_t lsb, int64_t n, int64_t H, int64_t Dv,
+                 cudaStream_t stream) {
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(internal::CeilDiv(n * H, 8), 132 * 16));
+  SPINDLE_DISPATCH_FLOAT_BF16(b_dtype, "AttentionMerge", {
+    AttentionMergeKernel<A, scalar_t><<<blocks, 256, 0, stream>>>(
+        o_a, tsa, lse_a, lsa, static_cast<const scalar_t*>(o_b), tsb, lse_b, lsb, n, H, Dv);
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -225,33 +246,30 @@ Status CastRowsFrom(D* dst, int64_t dst_stride, const void* src, DType src_dtype
 }  // namespace
 
 Status CastRows(void* dst, DType dst_dtype, int64_t dst_stride, const void* src, DType src_dtype,
-                int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream) {
+                int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream,
+                bool accumulate) {
   SPINDLE_CHECK_ARG(rows >= 0 && width >= 0 && dst_stride >= width && src_stride >= width,
                     "CastRows: bad sizes");
   if (rows == 0 || width == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dst_dtype, "CastRows", {
     return CastRowsFrom(static_cast<scalar_t*>(dst), dst_stride, src, src_dtype, src_stride, rows,
-                        width, stream);
+                        width, accumulate, stream);
   });
   return Status::Ok();
 }
 
-Status AttentionMerge(void* o_a, int64_t o_a_token_stride, float* lse_a, int64_t lse_a_stride,
-                      const void* o_b, int64_t o_b_token_stride, const float* lse_b,
-                      int64_t lse_b_stride, int64_t n, int64_t H, int64_t Dv, DType dtype,
-                      cudaStream_t stream) {
+Status AttentionMerge(void* o_a, DType a_dtype, int64_t o_a_token_stride, float* lse_a,
+                      int64_t lse_a_stride, const void* o_b, DType b_dtype,
+                      int64_t o_b_token_stride, const float* lse_b, int64_t lse_b_stride,
+                      int64_t n, int64_t H, int64_t Dv, cudaStream_t stream) {
   SPINDLE_CHECK_ARG(n >= 0 && H > 0 && Dv > 0 && o_a_token_stride >= H * Dv &&
                         o_b_token_stride >= H * Dv && lse_a_stride >= n && lse_b_stride >= n,
                     "AttentionMerge: bad sizes or strides");
   if (n == 0) return Status::Ok();
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>(internal::CeilDiv(n * H, 8), 132 * 16));
-  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "AttentionMerge", {
-    AttentionMergeKernel<scalar_t><<<blocks, 256, 0, stream>>>(
-        static_cast<scalar_t*>(o_a), o_a_token_stride, lse_a, lse_a_stride,
-        static_cast<const scalar_t*>(o_b), o_b_token_stride, lse_b, lse_b_stride, n, H, Dv);
+  SPINDLE_DISPATCH_FLOAT_BF16(a_dtype, "AttentionMerge", {
+    return MergeInto(static_cast<scalar_t*>(o_a), o_a_token_stride, lse_a, lse_a_stride, o_b,
+                     b_dtype, o_b_token_stride, lse_b, lse_b_stride, n, H, Dv, stream);
   });
-  SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 

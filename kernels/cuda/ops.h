@@ -157,17 +157,20 @@ Status ConvertFromFloat(const float* x, void* y, int64_t n, DType dtype, cudaStr
 // dst[r, j] += src[r, j] for j < width (row strides in elements; fp32 arithmetic, one rounding).
 Status AddRows(void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows,
                int64_t width, DType dtype, cudaStream_t stream);
-// dst[r, j] = src[r, j] converted between fp32 and bf16 (any pair of the two).
+// dst[r, j] = src[r, j] converted between fp32 and bf16 (any pair of the two); accumulate:
+// dst[r, j] += src[r, j] (fp32 arithmetic, rounded once to dst's type).
 Status CastRows(void* dst, DType dst_dtype, int64_t dst_stride, const void* src, DType src_dtype,
-                int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream);
+                int64_t src_stride, int64_t rows, int64_t width, cudaStream_t stream,
+                bool accumulate = false);
 // Merges two softmax attention results of the same n queries over disjoint key sets (a and b)
 // into a, as if one attention had seen both: with l = log(exp(la) + exp(lb)),
 // o_a = exp(la - l) o_a + exp(lb - l) o_b and la = l. o: [n, H, Dv] rows with token strides
-// (heads dense inside a row); lse: natural-log log-sum-exp statistics [H, stride] (the Sdpa
-// stats layout, element [h * stride + t]).
-Status AttentionMerge(void* o_a, int64_t o_a_token_stride, float* lse_a, int64_t lse_a_stride,
-                      const void* o_b, int64_t o_b_token_stride, const float* lse_b,
-                      int64_t lse_b_stride, int64_t n, int64_t H, int64_t Dv, DType dtype,
-                      cudaStream_t stream);
+// (heads dense inside a row), each fp32 or bf16 (an fp32 o_a accumulates many pieces with one
+// rounding at the end); lse: natural-log log-sum-exp statistics [H, stride] (the Sdpa stats
+// layout, element [h * stride + t]).
+Status AttentionMerge(void* o_a, DType a_dtype, int64_t o_a_token_stride, float* lse_a,
+                      int64_t lse_a_stride, const void* o_b, DType b_dtype,
+                      int64_t o_b_token_stride, const float* lse_b, int64_t lse_b_stride,
+                      int64_t n, int64_t H, int64_t Dv, cudaStream_t stream);
 
 }  // namespace spindle::kernels::cuda

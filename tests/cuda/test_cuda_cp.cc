@@ -224,6 +224,13 @@ TEST(CudaCp, Head64MlaAllGatherCp2RecomputeOneDocument) {
   ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
 }
 
+TEST(CudaCp, Head64MlaAllGatherWalksSeveralKeyBlocks) {
+  SPINDLE_REQUIRE_GPU();
+  // T = 81920 at cp = 2, one document: chunks of 20480 tokens, so the cross pieces of chunks 2
+  // and 3 span 40960 and 61440 earlier keys, two 32K-row key blocks each (the second partial).
+  ExpectCpMatchesOneRank(Head64(), 81920, 1000000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+}
+
 TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // cp = 4 > n_heads = 2, Lightning and MLA layers: what the planner picks for such a job.

@@ -408,8 +408,8 @@ void RunSplit(Sdpa& sdpa, int64_t H, int64_t Dqk, int64_t Dv, int64_t Tkv, int64
                          stats.as<float>(), cu.data(), 1, scale, dims, kBf16, 0));
   ASSERT_OK(sdpa.ForwardFull(q_d.get(), k_d.get(), v_d.get(), out_x.get(), stats_x.as<float>(),
                              scale, full, kBf16, 0));
-  ASSERT_OK(AttentionMerge(out.get(), H * Dv, stats.as<float>(), Tq, out_x.get(), H * Dv,
-                           stats_x.as<float>(), Tq, Tq, H, Dv, kBf16, 0));
+  ASSERT_OK(AttentionMerge(out.get(), kBf16, H * Dv, stats.as<float>(), Tq, out_x.get(), kBf16,
+                           H * Dv, stats_x.as<float>(), Tq, Tq, H, Dv, 0));
   const std::vector<float> got_out = Download(out.get(), Tq * H * Dv, kBf16);
   const std::vector<float> got_stats = Download(stats.get(), H * Tq, DType::kFloat32);
 

@@ -271,6 +271,23 @@ TEST(CudaTrainerTest, ContextParallelTwoProcessesTrackOneRank) {
       << "no all-to-all in the step events: " << out;
 }
 
+// The same with AllGather for both layer types (what the planner picks when cp does not divide
+// n_heads), forced at cp = 2; norm eps 1e-2 as in test_cuda_cp.cc (Lightning's AllGather rounds a
+// continuing document's first outputs twice, which eps 1e-6 can amplify at random init).
+TEST(CudaTrainerTest, ContextParallelAllGatherTracksOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  JobSpec spec, one;
+  ContextParallelJobs(&spec, &one);
+  for (JobSpec* j : {&spec, &one}) j->model.norm_eps = 1e-2;
+  spec.parallel.lightning_mode = CpMode::kAllGather;
+  spec.parallel.mla_mode = CpMode::kAllGather;
+  std::string out;
+  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
+  EXPECT_EQ(out.find("\"all_to_all\""), std::string::npos)
+      << "an all-to-all in an AllGather job's step events: " << out;
+}
+
 // With a GPU per rank the trainer's collectives run on NCCL (gradient sum in place on the device,
 // CP's all-to-alls on device buffers): dp = 2 and cp = 2 track one rank as over Gloo.
 TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {

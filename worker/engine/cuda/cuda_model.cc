@@ -36,6 +36,11 @@ namespace {
 
 constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
 constexpr int64_t kAb = 2;                // bytes per activation element
+// MLA AllGather: key rows per block of a cross piece (its keys, values and their gradients are
+// rebuilt and dropped block by block).
+constexpr int64_t kMlaKeyBlock = 32768;
+// 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] attention stats.
+int64_t StatsSlot(int64_t H, int64_t ch) { return (H * ch + 3) / 4 * 4; }
 
 absl::Status FromKernel(const kc::Status& s) {
   if (s.ok()) return absl::OkStatus();
@@ -117,10 +122,9 @@ struct Cache {
   DevBuf cp_full, cp_out;
   // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
   DevBuf cp_P;
-  // CP (MLA AllGather), in stream order over the whole sequence ([T_full, ...], filled only in
-  // the rows some local query sees): the gathered latent [c_n | rotated k_r], kv_b's output
-  // (k_nope and V of every head) and the keys [k_nope | k_r] of every head.
-  DevBuf ag_lat, ag_kvb, ag_K;
+  // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
+  // order ([T_full, kv + rd]).
+  DevBuf ag_lat;
 };
 
 // Gradient scratch shared by every layer's backward.
@@ -134,11 +138,11 @@ struct Work {
   // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
   // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
   DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
-  // CP (MLA AllGather) scratch: the latent gather's send and receive blocks (also the fp32
-  // reduce-scatter's), the cross piece's output and stats, its gradients before they are added
-  // in, and the gathered keys' gradients (ag_dK, ag_dkvb: kv_b output's layout; ag_dlat: the
-  // latent's).
-  DevBuf ag_send, ag_recv, ag_o, ag_stats, ag_dq, ag_dk, ag_dv, ag_dK, ag_dkvb, ag_dlat;
+  // CP (MLA AllGather) scratch, sized by Upload: the latent gather's send and receive blocks (also
+  // the fp32 reduce-scatter's); one key block's keys and kv_b output (ag_K, ag_kvb) and their
+  // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and
+  // a key block; the cross piece's output, stats, fp32 running output and dq.
+  DevBuf ag_send, ag_recv, ag_K, ag_kvb, ag_dK, ag_dkvb, ag_dlat, ag_o, ag_stats, ag_acc, ag_dq;
 };
 
 // The batch on the device.
@@ -159,10 +163,8 @@ struct BatchDev {
   int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0};
   bool continues[2] = {false, false};
   // MLA AllGather: the first stream row each local chunk's queries see (the start of the
-  // document its first token continues, else the chunk's own first token), and the merged row
-  // ranges [begin, end) of keys some local query sees.
+  // document its first token continues, else the chunk's own first token).
   int64_t key_begin[2] = {0, 0};
-  std::vector<std::pair<int64_t, int64_t>> key_ranges;
 };
 
 // One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
@@ -213,8 +215,8 @@ struct CudaModel::Impl {
          {&W.dh,      &W.da,      &W.dg,     &W.du,       &W.dy,      &W.dgate,  &W.dqkv,
           &W.dO,      &W.dQ,      &W.dK,     &W.dkvb,     &W.dc_n,    &W.dc,     &W.dkva,
           &W.dqa_n,   &W.dqa,     &W.ws,     &W.cp_send,  &W.cp_recv, &W.cp_tmp, &W.cp_dfull,
-          &W.ag_send, &W.ag_recv, &W.ag_o,   &W.ag_stats, &W.ag_dq,   &W.ag_dk,  &W.ag_dv,
-          &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat})
+          &W.ag_send, &W.ag_recv, &W.ag_K,   &W.ag_kvb,   &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat,
+          &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq})
       b->Release();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
@@ -319,6 +321,8 @@ struct CudaModel::Impl {
   absl::Status GatherDevice(const void* send, int64_t n, CommType type, int64_t elem_bytes,
                             void* recv, CommLayer layer);
   absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
+  absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
+  absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C);
   absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
 };
@@ -626,7 +630,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       has_start[ci] = L.chunks[ci].has_start ? 1 : 0;
       len[ci] = static_cast<int32_t>(L.chunks[ci].len);
     }
-    B.key_ranges.clear();
     for (int slot = 0; slot < 2; ++slot) {
       const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
       B.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
@@ -637,11 +640,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       if (chunk.continues) {  // the last document start before the chunk's first token
         const auto it = std::upper_bound(B.cu_host.begin(), B.cu_host.end(), first);
         B.key_begin[slot] = *(it - 1);
-      }
-      if (!B.key_ranges.empty() && B.key_begin[slot] <= B.key_ranges.back().second) {
-        B.key_ranges.back().second = first + B.chunk;
-      } else {
-        B.key_ranges.emplace_back(B.key_begin[slot], first + B.chunk);
       }
       B.piece_cu_host[slot] = b.pieces[slot].cu_seqlens;
       RETURN_IF_ERROR(B.piece_cu[slot].Ensure(&alloc, B.piece_cu_host[slot].size() * 4));
@@ -673,6 +671,15 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     if (ag_bytes > 0) {
       RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, ag_bytes));
       RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, ag_bytes));
+      const int64_t rows = std::max(B.chunk, kMlaKeyBlock);
+      const int64_t kvw = c.mla.qk_nope_dim + vd;
+      for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
+      for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
+      RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
+      RETURN_IF_ERROR(Act(W.ag_o, B.chunk, H * vd));
+      RETURN_IF_ERROR(Act(W.ag_dq, B.chunk, H * qk));
+      RETURN_IF_ERROR(F32(W.ag_acc, B.chunk * H * vd));
+      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, B.chunk)));
     }
     const int64_t staging = std::max({in_elems * kAb, n_chunks * SZ * 4, ag_bytes});
     if (!cp_device_buffers && cp_host_bytes < staging) {
@@ -1050,15 +1057,17 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
 // ---- Context parallelism: MLA AllGather (DESIGN.md section 3) -----------------------------------
 //
 // Every rank gathers the latent [c_n | rotated k_r] of all tokens (kv + rd values a token, not
-// the H * (qk + vd) of K and V) and rebuilds, with kv_b, the keys and values of the stream rows
-// its queries see (B.key_ranges). Each local chunk then attends in two pieces: its own tokens
+// the H * (qk + vd) of K and V). Each local chunk then attends in two pieces: its own tokens
 // causally with its documents (Sdpa::Forward on the chunk), and, when its first token continues
 // a document begun earlier, the tokens of that document inside the chunk (the first segment)
-// attend the document's earlier tokens without a mask (Sdpa::ForwardFull); AttentionMerge joins
-// the two by their log-sum-exp statistics. The backward runs both pieces' backward with the
-// merged output and statistics, adds the pieces' gradients, takes the gathered keys' gradients
-// back through kv_b (dW_kv_b for every gathered row this rank's queries used) to the latent,
-// and reduce-scatters the latent gradients (fp32) to their owners.
+// attend the document's earlier tokens without a mask (Sdpa::ForwardFull), walked in key blocks
+// of kMlaKeyBlock rows so that memory does not grow with the whole sequence: each block's keys
+// and values are rebuilt from the gathered latent with kv_b, and its piece merges into an fp32
+// running output by the log-sum-exp statistics (AttentionMerge). The backward walks the same
+// pieces with the merged output and statistics (which makes each piece's gradients its share),
+// rebuilding each block's keys and values, adds the pieces' dq, takes each block's key gradients
+// back through kv_b (dW_kv_b accumulated) to the latent, and reduce-scatters the latent gradients
+// (fp32, summed over the pieces) to their owners.
 
 namespace {
 // MLA's attention views over T tokens: Q and K [T, H, qk], V inside kv_b's output, O [T, H, vd].
@@ -1074,35 +1083,68 @@ kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
   s.out = {H * vd, vd};
   return s;
 }
-// 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] stats.
-int64_t StatsSlot(int64_t H, int64_t ch) { return (H * ch + 3) / 4 * 4; }
 }  // namespace
+
+// Stream rows [a, b) of the gathered latent -> W.ag_K (keys [k_nope | k_r] of every head) and
+// W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
+absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim, n = b - a;
+  RETURN_IF_ERROR(Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw,
+                      false));
+  RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * H));
+  KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv), w, 0, n, H,
+                  rd, kAct, stream));
+  return absl::OkStatus();
+}
+
+// The key gradients of stream rows [a, b) (W.ag_dK, and dV inside W.ag_dkvb's V columns) ->
+// dW_kv_b (accumulated) and the latent gradients, added (fp32) into the reduce-scatter blocks
+// (W.ag_send: block i holds rank i's tokens in its local order).
+absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a,
+                                                  int64_t b) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, ch = B.chunk, H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim;
+  const int64_t qk = nope + rd, kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim;
+  const int64_t n = b - a;
+  RETURN_IF_ERROR(Copy2D(W.ag_dkvb.get(), kvw, W.ag_dK.get(), qk, nope, n * H));
+  KC(kc::SumHeads(At(W.ag_dK.get(), nope), n, H, rd, H * qk, qk, At(W.ag_dlat.get(), kv), w, kAct,
+                  stream));
+  RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_dkvb.get(), nullptr,
+                      G(L.kv_b), n, kv, H * kvw, false));
+  kc::GemmArgs g;  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns
+  g.M = n, g.N = kv, g.K = H * kvw, g.beta = 0.0f;
+  g.A = W.ag_dkvb.get(), g.lda = H * kvw;
+  g.B = Wb(L.kv_b), g.ldb = kv;
+  g.C = W.ag_dlat.get(), g.ldc = w;
+  KC(blas->Gemm(g, stream));
+  // Into the owners' blocks, chunk by chunk (chunk j belongs to rank j or 2cp-1-j).
+  float* send = static_cast<float*>(W.ag_send.get());
+  for (int64_t j = a / ch; j * ch < b; ++j) {
+    const int64_t r0 = std::max(a, j * ch), r1 = std::min(b, (j + 1) * ch);
+    const int64_t owner = j < B.cp ? j : 2 * B.cp - 1 - j, slot = j < B.cp ? 0 : 1;
+    KC(kc::CastRows(send + (owner * T + slot * ch + (r0 - j * ch)) * w, KDType::kFloat32, w,
+                    At(W.ag_dlat.get(), (r0 - a) * w), kAct, w, r1 - r0, w, stream,
+                    /*accumulate=*/true));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
-  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + vd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
   // This rank's latent rows -> every rank's, then into stream order.
   void* send = W.ag_send.get();
   RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
   RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
-  RETURN_IF_ERROR(
-      GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
+  RETURN_IF_ERROR(GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(),
+                               CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
   RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
-  // Keys and values of the rows some local query sees.
-  RETURN_IF_ERROR(Act(C.ag_kvb, Tf, H * kvw));
-  RETURN_IF_ERROR(Act(C.ag_K, Tf, H * qk));
-  for (const auto& [a, b] : B.key_ranges) {
-    RETURN_IF_ERROR(Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), At(C.ag_kvb.get(), a * H * kvw),
-                        b - a, kv, H * kvw, false));
-    RETURN_IF_ERROR(Copy2D(At(C.ag_K.get(), a * H * qk), qk, At(C.ag_kvb.get(), a * H * kvw), kvw,
-                           nope, (b - a) * H));
-    KC(kc::CopyRows(At(C.ag_K.get(), a * H * qk + nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv),
-                    w, 0, b - a, H, rd, kAct, stream));
-  }
   const int64_t SS = StatsSlot(H, ch);
   RETURN_IF_ERROR(F32(C.stats, 2 * SS));
   for (int slot = 0; slot < 2; ++slot) {
@@ -1110,20 +1152,27 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
     void* q = At(C.Q.get(), slot * ch * H * qk);
     void* o = At(C.O.get(), slot * ch * H * vd);
     float* stats = C.stats.f32() + slot * SS;
-    KC(sdpa->Forward(
-        q, At(C.ag_K.get(), first * H * qk), At(C.ag_kvb.get(), first * H * kvw + nope), o, stats,
-        B.piece_cu_host[slot].data(), static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
-        MlaDims(c, ch), kAct, stream));
+    RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
+    KC(sdpa->Forward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
+                     B.piece_cu_host[slot].data(),
+                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
+                     MlaDims(c, ch), kAct, stream));
     if (!B.continues[slot]) continue;
-    const int64_t nq = B.first_segment[slot], k0 = B.key_begin[slot];
-    kc::SdpaDims full = MlaDims(c, nq);
-    full.Tkv = first - k0;
-    RETURN_IF_ERROR(Act(W.ag_o, ch, H * vd));
-    RETURN_IF_ERROR(F32(W.ag_stats, SS));
-    KC(sdpa->ForwardFull(q, At(C.ag_K.get(), k0 * H * qk), At(C.ag_kvb.get(), k0 * H * kvw + nope),
-                         W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, stream));
-    KC(kc::AttentionMerge(o, H * vd, stats, ch, W.ag_o.get(), H * vd, W.ag_stats.f32(), nq, nq, H,
-                          vd, kAct, stream));
+    // The first segment's output accumulates in fp32 over the key blocks.
+    const int64_t nq = B.first_segment[slot];
+    float* acc = W.ag_acc.f32();
+    KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, nq, H * vd, stream));
+    for (int64_t a = B.key_begin[slot]; a < first; a += kMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kMlaKeyBlock);
+      RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
+      kc::SdpaDims full = MlaDims(c, nq);
+      full.Tkv = b - a;
+      KC(sdpa->ForwardFull(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), W.ag_o.get(),
+                           W.ag_stats.f32(), scale, full, kAct, stream));
+      KC(kc::AttentionMerge(acc, KDType::kFloat32, H * vd, stats, ch, W.ag_o.get(), kAct, H * vd,
+                            W.ag_stats.f32(), nq, nq, H, vd, stream));
+    }
+    KC(kc::CastRows(o, kAct, H * vd, acc, KDType::kFloat32, H * vd, nq, H * vd, stream));
   }
   return absl::OkStatus();
 }
@@ -1131,82 +1180,47 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
 // Reads W.dO; writes W.dQ and the latent gradients of this rank's tokens into W.dkva.
 absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) {
   const MlaConfig& m = c.mla;
-  const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
+  const int64_t T = B.T, ch = B.chunk, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
-  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + vd;
+  const int64_t w = m.kv_lora_rank + rd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
-  RETURN_IF_ERROR(Act(W.ag_dK, Tf, H * qk));
-  RETURN_IF_ERROR(Act(W.ag_dkvb, Tf, H * kvw));
-  RETURN_IF_ERROR(Act(W.ag_dlat, Tf, w));
-  for (const auto& [a, b] : B.key_ranges) {
-    CUDA(cudaMemsetAsync(At(W.ag_dK.get(), a * H * qk), 0, (b - a) * H * qk * kAb, stream));
-    CUDA(cudaMemsetAsync(At(W.ag_dkvb.get(), a * H * kvw), 0, (b - a) * H * kvw * kAb, stream));
-  }
   const int64_t SS = StatsSlot(H, ch);
-  // The causal pieces write their own chunk's key rows (the two chunks are disjoint) ...
+  CUDA(cudaMemsetAsync(W.ag_send.get(), 0, B.cp * T * w * 4, stream));
   for (int slot = 0; slot < 2; ++slot) {
     const int64_t first = B.slot_chunk[slot] * ch;
-    KC(sdpa->Backward(At(C.Q.get(), slot * ch * H * qk), At(C.ag_K.get(), first * H * qk),
-                      At(C.ag_kvb.get(), first * H * kvw + nope), At(C.O.get(), slot * ch * H * vd),
-                      C.stats.f32() + slot * SS, At(W.dO.get(), slot * ch * H * vd),
-                      At(W.dQ.get(), slot * ch * H * qk), At(W.ag_dK.get(), first * H * qk),
-                      At(W.ag_dkvb.get(), first * H * kvw + nope), B.piece_cu_host[slot].data(),
-                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
-                      kAct, stream));
-  }
-  // ... then the cross pieces add theirs (their keys may lie in the other local chunk).
-  for (int slot = 0; slot < 2; ++slot) {
+    const void* q = At(C.Q.get(), slot * ch * H * qk);
+    const void* o = At(C.O.get(), slot * ch * H * vd);
+    const void* dout = At(W.dO.get(), slot * ch * H * vd);
+    void* dq = At(W.dQ.get(), slot * ch * H * qk);
+    // The causal piece writes this chunk's dq; the cross blocks add theirs.
+    RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
+    KC(sdpa->Backward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS,
+                      dout, dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope),
+                      B.piece_cu_host[slot].data(),
+                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
+                      MlaDims(c, ch), kAct, stream));
+    RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
     if (!B.continues[slot]) continue;
-    const int64_t first = B.slot_chunk[slot] * ch, nq = B.first_segment[slot];
-    const int64_t k0 = B.key_begin[slot], nk = first - k0;
-    kc::SdpaDims full = MlaDims(c, nq);
-    full.Tkv = nk;
-    RETURN_IF_ERROR(Act(W.ag_dq, ch, H * qk));
-    RETURN_IF_ERROR(Act(W.ag_dk, nk, H * qk));
-    RETURN_IF_ERROR(Act(W.ag_dv, nk, H * kvw));  // dV takes V's view: rows of kv_b's output
+    const int64_t nq = B.first_segment[slot];
     // The merged stats of the first nq queries, dense [H, nq] as the nq-query graph reads them.
-    RETURN_IF_ERROR(F32(W.ag_stats, SS));
     CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), nq * 4, C.stats.f32() + slot * SS, ch * 4, nq * 4, H,
                            cudaMemcpyDeviceToDevice, stream));
-    KC(sdpa->BackwardFull(At(C.Q.get(), slot * ch * H * qk), At(C.ag_K.get(), k0 * H * qk),
-                          At(C.ag_kvb.get(), k0 * H * kvw + nope),
-                          At(C.O.get(), slot * ch * H * vd), W.ag_stats.f32(),
-                          At(W.dO.get(), slot * ch * H * vd), W.ag_dq.get(), W.ag_dk.get(),
-                          At(W.ag_dv.get(), nope), scale, full, kAct, stream));
-    KC(kc::AddRows(At(W.dQ.get(), slot * ch * H * qk), H * qk, W.ag_dq.get(), H * qk, nq, H * qk,
-                   kAct, stream));
-    KC(kc::AddRows(At(W.ag_dK.get(), k0 * H * qk), H * qk, W.ag_dk.get(), H * qk, nk, H * qk, kAct,
-                   stream));
-    KC(kc::AddRows(At(W.ag_dkvb.get(), k0 * H * kvw + nope), kvw, At(W.ag_dv.get(), nope), kvw,
-                   nk * H, vd, kAct, stream));
-  }
-  // Keys -> kv_b's output and the shared rotary key; kv_b backward to the latent.
-  CUDA(cudaMemsetAsync(W.ag_dlat.get(), 0, Tf * w * kAb, stream));
-  for (const auto& [a, b] : B.key_ranges) {
-    const int64_t n = b - a;
-    RETURN_IF_ERROR(Copy2D(At(W.ag_dkvb.get(), a * H * kvw), kvw, At(W.ag_dK.get(), a * H * qk), qk,
-                           nope, n * H));
-    KC(kc::SumHeads(At(W.ag_dK.get(), a * H * qk + nope), n, H, rd, H * qk, qk,
-                    At(W.ag_dlat.get(), a * w + kv), w, kAct, stream));
-    RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), At(W.ag_dkvb.get(), a * H * kvw),
-                        nullptr, G(L.kv_b), n, kv, H * kvw, false));
-    kc::GemmArgs g;  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns
-    g.M = n, g.N = kv, g.K = H * kvw, g.beta = 0.0f;
-    g.A = At(W.ag_dkvb.get(), a * H * kvw), g.lda = H * kvw;
-    g.B = Wb(L.kv_b), g.ldb = kv;
-    g.C = At(W.ag_dlat.get(), a * w), g.ldc = w;
-    KC(blas->Gemm(g, stream));
-  }
-  // Back to the owners, summed: block i holds rank i's tokens in its local order (fp32).
-  float* rs_send = static_cast<float*>(W.ag_send.get());
-  for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      const int64_t chunk = s == 0 ? i : 2 * B.cp - 1 - i;
-      KC(kc::CastRows(rs_send + (i * T + s * ch) * w, KDType::kFloat32, w,
-                      At(W.ag_dlat.get(), chunk * ch * w), kAct, w, ch, w, stream));
+    for (int64_t a = B.key_begin[slot]; a < first; a += kMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kMlaKeyBlock);
+      RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
+      kc::SdpaDims full = MlaDims(c, nq);
+      full.Tkv = b - a;
+      KC(sdpa->BackwardFull(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, W.ag_stats.f32(), dout,
+                            W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale, full,
+                            kAct, stream));
+      KC(kc::AddRows(dq, H * qk, W.ag_dq.get(), H * qk, nq, H * qk, kAct, stream));
+      RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, a, b));
     }
+  }
+  // Back to the owners, summed over ranks.
   float* rs_recv = static_cast<float*>(W.ag_recv.get());
-  RETURN_IF_ERROR(ReduceScatterDevice(rs_send, T * w, rs_recv, CommLayer::kMla));
+  RETURN_IF_ERROR(ReduceScatterDevice(static_cast<float*>(W.ag_send.get()), T * w, rs_recv,
+                                      CommLayer::kMla));
   KC(kc::CastRows(W.dkva.get(), kAct, w, rs_recv, KDType::kFloat32, w, T, w, stream));
   return absl::OkStatus();
 }
