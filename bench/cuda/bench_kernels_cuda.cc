@@ -4,7 +4,7 @@
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
 // Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--cp-pieces]
-//   --quick: the first Lightning configuration only; --lightning-only: every Lightning
+//   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
 //   configuration at T=32K, nothing else; --cp-pieces: only the MLA attention each rank runs
 //   under cp = 2 at 64K tokens, All2All against AllGather's causal and full pieces.
 #include <cuda_bf16.h>
@@ -239,11 +239,12 @@ int main(int argc, char** argv) {
     const double act = static_cast<double>(T) * HD * 2;  // one [T, H, Dh] bf16 tensor
     const double n_chunks = T / 64.0;
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
-    // (chunks per block, stages, separate dk and dv sweeps); 0 = automatic.
-    for (auto [cpb, stages, separate] :
-         {std::tuple{0, 1, false}, {0, 1, true}, {0, 2, false}, {16, 1, false}, {32, 2, false},
-          {64, 1, false}}) {
-      const cu::LightningConfig cfg{cpb, stages, separate};
+    // (chunks per block, stages, separate dk and dv sweeps, sweep kernel: 1 mma.sync, 2 wgmma);
+    // 0 = automatic. The first two rows are the two sweep kernels side by side.
+    for (auto [cpb, stages, separate, kernel] :
+         {std::tuple{0, 1, false, 2}, {0, 1, false, 1}, {0, 1, true, 0}, {0, 2, false, 0},
+          {16, 1, false, 2}, {32, 1, false, 2}, {64, 1, false, 2}, {16, 1, false, 1}}) {
+      const cu::LightningConfig cfg{cpb, stages, separate, kernel};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};
       // kept: the forward keeps its block states for the backward (as the model runs it).
@@ -262,7 +263,8 @@ int main(int argc, char** argv) {
       };
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
-                              " st=" + std::to_string(stages) + (separate ? " dk|dv" : "");
+                              " st=" + std::to_string(stages) + (separate ? " dk|dv" : "") +
+                              (kernel == 2 ? " wgmma" : kernel == 1 ? " mma.sync" : "");
       const double tf = TimeMs([&] { fwd(false); }), tb = TimeMs([&] { bwd(false); });
       const double tfb = TimeMs([&] {
         fwd(false);
@@ -286,7 +288,7 @@ int main(int argc, char** argv) {
                     "%.2fx |\n",
                     1.90 / tfb_kept);
       }
-      if (quick) break;
+      if (quick && kernel == 1) break;
     }
   }
 

@@ -44,7 +44,12 @@ struct LightningConfig {
   int stages = 0;
   // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
   bool separate_dk_dv = false;
+  // Sweeps other than the fused dk/dv one: 0 picks (wgmma where it runs: Dh = 128, an sm_90
+  // device, a build for sm_90a, single-buffered stages), 1 = mma.sync, 2 = wgmma where it runs.
+  int sweep_kernel = 0;
 };
+// Whether this build and the current device run the wgmma sweep (see LightningConfig).
+bool LightningWgmmaAvailable();
 
 // Workspace for LightningForward / LightningBackward (the backward needs more; this covers both).
 size_t LightningWorkspaceBytes(const LightningDims& dims, const LightningConfig& config = {});

@@ -129,6 +129,69 @@ __device__ __forceinline__ void Mma(Acc& c, const bf16* a, int lda, int a_step, 
   }
 }
 
+// ---- Pieces of the chunk sweeps (lightning_sweep.cu, lightning_wgmma.cu) -----------------------
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void Ldm4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+// 16-byte async copy; src_bytes 0 writes zeros (rows past the sequence end).
+__device__ __forceinline__ void CpAsync16(bf16* dst, const bf16* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Both bf16 halves of v times w (lo, hi), rounded once to bf16.
+__device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_hi) {
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
+  const float2 f = __bfloat1622float2(b);
+  return PackBf16(f.x * w_lo, f.y * w_hi);
+}
+
+// Per-chunk quantities, computed by threads 0..63 without a barrier (see the file comment of
+// lightning_common.cuh).
+struct SweepInfo {
+  int seg[kChunk];
+  float qw[kChunk];
+  float kw[kChunk];
+  float f;
+  int len;
+};
+
+__device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, const int32_t* cu,
+                                            int n_seg, int c0, int T, float scale) {
+  const int i = threadIdx.x;
+  if (i >= kChunk) return;
+  const int len = min(kChunk, T - c0);
+  const int last = len - 1;
+  const bool in = i < len;
+  const int s = in ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
+  const int sl = SegmentStart(cu, n_seg, c0 + last);
+  ci.seg[i] = s;
+  ci.qw[i] = in && (s < c0 || s == 0) ? scale * dec[i + 1] : 0.0f;
+  ci.kw[i] = in && s == sl ? dec[last - i] : 0.0f;
+  if (i == 0) {
+    ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
+    ci.len = len;
+  }
+}
+
+
 // ---- Launchers shared between the .cu files ---------------------------------------------------------
 
 // The chunk sweep (lightning_sweep.cu): per (head, block of chunks), in chunk order or reversed,
@@ -152,9 +215,15 @@ struct SweepArgs {
   float scale;
   int chunks_per_block, n_chunks, G;
   int stages;  // main passes: 2 = Y, Z double-buffered; otherwise single
+  bool wgmma;  // run the wgmma sweep (lightning_wgmma.cu; Dh = 128 on sm_90a)
 };
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream);
+// The wgmma sweep (lightning_wgmma.cu): whether this build and device run it, whether a call
+// with this head size and config should, and its launcher (same arguments as LaunchSweep's).
+bool WgmmaSweepAvailable();
+bool UseWgmmaSweep(int64_t Dh, const LightningConfig& config);
+Status LaunchWgmmaSweep(bool reverse, bool state_only, const SweepArgs& a, cudaStream_t stream);
 
 // The fused dk / dv reverse sweep (lightning_sweep.cu): per (head, block of chunks), from the
 // block's state gradient dS [H, G, Dh, Dh] (as the dv sweep carries it), writes dk and dv.

@@ -26,20 +26,6 @@
 namespace spindle::kernels::cuda::internal::lightning {
 namespace {
 
-// ---- PTX wrappers ---------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void Ldm4(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
   asm volatile(
@@ -48,25 +34,6 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// 16-byte async copy; src_bytes 0 writes zeros (rows past the sequence end).
-__device__ __forceinline__ void CpAsync16(bf16* dst, const bf16* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void CpAsyncWaitAll() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-// Both bf16 halves of v times w (lo, hi), rounded once to bf16.
-__device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_hi) {
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
-  const float2 f = __bfloat1622float2(b);
-  return PackBf16(f.x * w_lo, f.y * w_hi);
-}
-
 // ---- Operand fetches (lane-dependent addresses; `pitch` in elements) ---------------------------------
 // A fragment (16 x 16) of a row-major [m][k] tile at (m0, k0).
 __device__ __forceinline__ void LoadA(uint32_t (&a)[4], const bf16* base, int pitch, int m0,
@@ -88,34 +55,6 @@ __device__ __forceinline__ void LoadBNK(uint32_t (&b)[4], const bf16* base, int 
 __device__ __forceinline__ void LoadBKN(uint32_t (&b)[4], const bf16* base, int pitch, int n0,
                                         int k0, int lane) {
   Ldm4T(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + ((lane >> 4) & 1) * 8);
-}
-
-// Per-chunk quantities, computed by threads 0..63 without a barrier (see the file comment of
-// lightning_common.cuh).
-struct SweepInfo {
-  int seg[kChunk];
-  float qw[kChunk];
-  float kw[kChunk];
-  float f;
-  int len;
-};
-
-__device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, const int32_t* cu,
-                                            int n_seg, int c0, int T, float scale) {
-  const int i = threadIdx.x;
-  if (i >= kChunk) return;
-  const int len = min(kChunk, T - c0);
-  const int last = len - 1;
-  const bool in = i < len;
-  const int s = in ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
-  const int sl = SegmentStart(cu, n_seg, c0 + last);
-  ci.seg[i] = s;
-  ci.qw[i] = in && (s < c0 || s == 0) ? scale * dec[i + 1] : 0.0f;
-  ci.kw[i] = in && s == sl ? dec[last - i] : 0.0f;
-  if (i == 0) {
-    ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
-    ci.len = len;
-  }
 }
 
 template <int DH, bool kDoubleBuffer>
@@ -565,6 +504,7 @@ Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
 
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream) {
+  if (a.wgmma && dh == 128) return LaunchWgmmaSweep(reverse, state_only, a, stream);
   if (dh == 64) return LaunchSweepDh<64>(a, reverse, state_only, stream);
   if (dh == 128) return LaunchSweepDh<128>(a, reverse, state_only, stream);
   return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};

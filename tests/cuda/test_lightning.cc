@@ -193,6 +193,31 @@ TEST_F(Lightning, ManyShortDocumentsBothHeadSizes) {
   }
 }
 
+TEST_F(Lightning, HeadSize128WgmmaAndMmaSyncSweepsMatchCpu) {
+  // Dh = 128 runs the wgmma sweep by default where it is built (sm_90a) and the device is an
+  // sm_90; both sweeps, every pass (forward, dq, the reverse state pass, and dk / dv as two reverse
+  // sweeps), against the CPU: documents of 1..90 tokens and ones on the chunk grid, carry-in,
+  // end-state gradient, odd T, a padded fused buffer, short and automatic blocks.
+  if (!LightningWgmmaAvailable()) GTEST_SKIP() << "no wgmma sweep in this build or on this device";
+  std::vector<int32_t> cu{0};
+  std::mt19937 pick(testing::FreshSeed());
+  while (cu.back() < 900) cu.push_back(std::min<int32_t>(900, cu.back() + 1 + pick() % 90));
+  for (const std::vector<int32_t>& docs : {cu, std::vector<int32_t>{0, 64, 128, 700, 1001}}) {
+    Build({docs.back(), 3, 128, 8, docs, true, true});
+    const Result want = Cpu();
+    for (int kernel : {1, 2}) {
+      for (int cpb : {1, 3, 0}) {
+        for (bool separate : {false, true}) {
+          SCOPED_TRACE(std::string(kernel == 2 ? "wgmma" : "mma.sync") + " chunks_per_block " +
+                       std::to_string(cpb) + (separate ? " separate dk, dv" : " fused dk, dv") +
+                       " documents " + std::to_string(docs.size() - 1));
+          Compare(Gpu({cpb, 1, separate, kernel}), want);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
   Build({127, 3, 128, 8, {0, 5, 64, 127}, true, true});
   Compare(Gpu({}), Cpu());
