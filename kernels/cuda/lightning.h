@@ -44,8 +44,9 @@ struct LightningConfig {
   int stages = 0;
   // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
   bool separate_dk_dv = false;
-  // Sweeps other than the fused dk/dv one: 0 picks (wgmma where it runs: Dh = 128, an sm_90
-  // device, a build for sm_90a, single-buffered stages), 1 = mma.sync, 2 = wgmma where it runs.
+  // Sweeps other than the fused dk/dv one: 0 picks (mma.sync: the wgmma sweep is slower so far,
+  // bench/cuda/NOTES.md round 6), 1 = mma.sync, 2 = wgmma where it runs (Dh = 128, an sm_90
+  // device, a build for sm_90a, single-buffered stages; mma.sync elsewhere).
   int sweep_kernel = 0;
 };
 // Whether this build and the current device run the wgmma sweep (see LightningConfig).

@@ -7,7 +7,10 @@
 // Why: the mma.sync sweep is bound by shared-memory operand traffic (every warp re-reads its
 // operand fragments through ldmatrix: ~570 KB per chunk and block, bench/cuda/NOTES.md round 4).
 // wgmma reads each 64 x N operand tile once per warpgroup straight from shared memory, and takes
-// the masked scores from registers.
+// the masked scores from registers. Measured so far it is slower than the mma.sync sweep (its
+// serial per-chunk steps at one block per SM; bench/cuda/NOTES.md round 6), so it runs only when
+// LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass, as
+// the base for the Lightning speed target's work.
 //
 // Layout: two warpgroups (256 threads, one block per SM). Each chunk tile [64 tokens, 128] sits in
 // shared memory as 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element
@@ -357,8 +360,10 @@ bool WgmmaSweepAvailable() {
 #endif
 }
 
+// Measured slower than the mma.sync sweep so far (bench/cuda/NOTES.md, round 6): runs only when
+// a config asks for it.
 bool UseWgmmaSweep(int64_t Dh, const LightningConfig& config) {
-  return Dh == kDh && config.sweep_kernel != 1 && config.stages != 2 && WgmmaSweepAvailable();
+  return Dh == kDh && config.sweep_kernel == 2 && config.stages != 2 && WgmmaSweepAvailable();
 }
 
 Status LaunchWgmmaSweep(bool reverse, bool state_only, const SweepArgs& a, cudaStream_t stream) {
