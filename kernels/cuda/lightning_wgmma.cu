@@ -7,10 +7,12 @@
 // Why: the mma.sync sweep is bound by shared-memory operand traffic (every warp re-reads its
 // operand fragments through ldmatrix: ~570 KB per chunk and block, bench/cuda/NOTES.md round 4).
 // wgmma reads each 64 x N operand tile once per warpgroup straight from shared memory, and takes
-// the masked scores from registers. Measured so far it is slower than the mma.sync sweep (its
-// serial per-chunk steps at one block per SM; bench/cuda/NOTES.md round 6), so it runs only when
-// LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass, as
-// the base for the Lightning speed target's work.
+// the masked scores from registers. Measured so far it is slower than the mma.sync sweep (main
+// sweep 306 against 298 us, state pass 135 against 111 us at T = 32K, H = 16): it issues about as
+// many instructions per chunk as the mma.sync sweep (tile loads, the bf16 state copy, masks, the
+// scaling of Y^T) and its warps wait in lockstep (bench/cuda/NOTES.md round 6). So it runs only
+// when LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass,
+// as the base for the Lightning speed target's next step (TMA loads and warp specialisation).
 //
 // Layout: two warpgroups (256 threads, one block per SM). Each chunk tile [64 tokens, 128] sits in
 // shared memory as 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element
@@ -22,8 +24,9 @@
 //   wgmma P = X Y^T and O = X S[:, cols] -> mask P, scale O's rows -> wgmma O += P Z[:, cols]
 //   (P from registers) and S_rows = f S_rows + (colW o Y)[:, rows]^T Z (A from ldmatrix.trans,
 //   scaled in registers) -> store O, write the bf16 state for the next chunk.
-// X, Y, Z and the bf16 state are double-buffered (the next chunk's tiles load during this one):
-// one block barrier per chunk, 160 KB of shared memory.
+// X, Y and Z rotate through three buffers, the bf16 state through two: one block barrier per
+// chunk, 210 KB of shared memory (one block per SM; the state-only pass, 98 KB and 128 registers,
+// runs two).
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
@@ -37,13 +40,18 @@ constexpr int kDh = 128;
 constexpr int kTileBytes = kChunk * kDh * 2;  // 16 KB
 constexpr int kStateBytes = kDh * kDh * 2;    // 32 KB
 
+// Chunk tiles in flight: the sweep is a serial chain per block at one block per SM, so the next
+// chunks' tiles must be requested well ahead of their use (DRAM latency is about one chunk's work).
+template <bool kStateOnly>
 struct WgLayout {
-  // Byte offsets: X, Y, Z (two buffers each), the bf16 state (two), info (two), decay table.
+  static constexpr int kStages = 3;
+  // Byte offsets: X, Y, Z (kStages buffers each; no X in the state-only pass), the bf16 state
+  // (two; none in the state-only pass), info (two), decay table.
   static constexpr int kX = 0;
-  static constexpr int kY = kX + 2 * kTileBytes;
-  static constexpr int kZ = kY + 2 * kTileBytes;
-  static constexpr int kS = kZ + 2 * kTileBytes;
-  static constexpr int kInfo = kS + 2 * kStateBytes;
+  static constexpr int kY = kX + (kStateOnly ? 0 : kStages * kTileBytes);
+  static constexpr int kZ = kY + kStages * kTileBytes;
+  static constexpr int kS = kZ + kStages * kTileBytes;
+  static constexpr int kInfo = kS + (kStateOnly ? 0 : 2 * kStateBytes);
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
   static constexpr int kBytes = kDec + 65 * 4;
 };
@@ -165,9 +173,10 @@ __device__ __forceinline__ void StateToCore(const WgPlace& w, const float (&S)[6
 }
 
 template <bool kReverse, bool kStateOnly>
-__global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
+__global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel(SweepArgs a) {
 #ifdef SPINDLE_WGMMA_DEVICE
-  using L = WgLayout;
+  using L = WgLayout<kStateOnly>;
+  constexpr int kStages = L::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
   float* dec = reinterpret_cast<float*>(smem + L::kDec);
@@ -178,17 +187,22 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
   const int count = min(a.chunks_per_block, a.n_chunks - first);
   auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
   const int64_t hoff = static_cast<int64_t>(h) * kDh;
+  // Chunk n's tiles into buffer n % kStages as one cp.async group (an empty group past the end,
+  // so that every chunk has kStages - 2 groups after its own).
   auto load = [&](int n) {
-    const int c0 = chunk_of(n) * kChunk, len = min(kChunk, a.T - c0);
-    const int buf = (n & 1) * kTileBytes;
-    if constexpr (!kStateOnly)
-      LoadCoreTile(smem + L::kX + buf, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
-    LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
-    LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
+    if (n < count) {
+      const int c0 = chunk_of(n) * kChunk, len = min(kChunk, a.T - c0);
+      const int buf = (n % kStages) * kTileBytes;
+      if constexpr (!kStateOnly)
+        LoadCoreTile(smem + L::kX + buf, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
+      LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
+      LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
+    }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
-  load(0);
+#pragma unroll
+  for (int n = 0; n < kStages - 1; ++n) load(n);
   float S[64];
   const int64_t state_off = (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
   if constexpr (kStateOnly) {
@@ -210,24 +224,36 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
   float f_prod = 1.0f;
+  // The score weights of this thread's 32 elements when no document starts inside the chunk:
+  // the causal (or transposed) mask, the decay and the scale, the same for every such chunk.
+  float wt[32];
+  if constexpr (!kStateOnly) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
+        wt[j * 4 + e] = (kReverse ? c >= r : c <= r) ? a.scale * dec[kReverse ? c - r : r - c] : 0.0f;
+      }
+    }
+  }
 
   for (int n = 0; n < count; ++n) {
     const int c0 = chunk_of(n) * kChunk;
     const bool more = n + 1 < count;
     const bool update = kStateOnly || more;  // the main passes skip the last chunk's update
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
     FenceProxyAsync();
     // This chunk's tiles, info and bf16 state are in place; every read of chunk n - 1 is done
     // (each warpgroup waited for its wgmma), so its buffers may be refilled.
     __syncthreads();
     const SweepInfo& ci = infos[n & 1];
-    if (more) {
+    if (more)
       ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
-      load(n + 1);
-    }
+    load(n + kStages - 1);
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
-    const uint32_t buf = (n & 1) * kTileBytes;
+    const uint32_t buf = (n % kStages) * kTileBytes;
     const uint32_t xs = sbase + L::kX + buf, ys = sbase + L::kY + buf, zs = sbase + L::kZ + buf;
     const uint32_t sb = sbase + L::kS + (n & 1) * kStateBytes;
 
@@ -249,28 +275,32 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
     float O[32];
     uint32_t pa[4][4];
     if constexpr (!kStateOnly) {
+      // The first k step overwrites the accumulators (nothing else may define them between
+      // wgmma's fence and its wait, or ptxas serialises the wgmmas).
       float P[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) P[i] = 0.0f, O[i] = 0.0f;
       WgFence();
 #pragma unroll
-      for (int s = 0; s < 8; ++s) WgmmaSS64Bk(P, DescK(xs + s * 256), DescK(ys + s * 256), 1);
+      for (int s = 0; s < 8; ++s) WgmmaSS64Bk(P, DescK(xs + s * 256), DescK(ys + s * 256), s > 0);
 #pragma unroll
       for (int s = 0; s < 8; ++s)
-        WgmmaSS64Bmn(O, DescK(xs + s * 256), DescMN(sb + w.wg * 1024 + s * 4096), 1);
+        WgmmaSS64Bmn(O, DescK(xs + s * 256), DescMN(sb + w.wg * 1024 + s * 4096), s > 0);
       WgCommit();
       WgWait();
       FenceRegs(P);
       FenceRegs(O);
       // Mask, decay and scale the scores; pack them as the A fragments of 4 token steps.
+      if (ci.one_segment) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+        for (int i = 0; i < 32; ++i) P[i] *= wt[i];
+      } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
-          const bool keep =
-              kReverse ? (c >= r && ci.seg[c] <= c0 + r) : (c <= r && ci.seg[r] <= c0 + c);
-          P[j * 4 + e] = keep ? P[j * 4 + e] * a.scale * dec[kReverse ? c - r : r - c] : 0.0f;
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
+            const bool keep = kReverse ? ci.seg[c] <= c0 + r : ci.seg[r] <= c0 + c;
+            P[j * 4 + e] = keep ? P[j * 4 + e] * wt[j * 4 + e] : 0.0f;
+          }
         }
       }
 #pragma unroll
@@ -283,11 +313,13 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
       const float w0 = roww[w.row], w1 = roww[w.row + 8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) O[j * 4] *= w0, O[j * 4 + 1] *= w0, O[j * 4 + 2] *= w1, O[j * 4 + 3] *= w1;
+      FenceRegs(O);
     }
     if (update) {
       f_prod *= ci.f;
 #pragma unroll
       for (int i = 0; i < 64; ++i) S[i] *= ci.f;
+      FenceRegs(S);
     }
     WgFence();
     if constexpr (!kStateOnly) {
@@ -336,9 +368,10 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaSweepKernel(SweepArgs a) {
 template <bool kReverse, bool kStateOnly>
 Status LaunchWgmmaT(const SweepArgs& a, cudaStream_t stream) {
   auto* kernel = WgmmaSweepKernel<kReverse, kStateOnly>;
+  constexpr int kSmem = WgLayout<kStateOnly>::kBytes;
   SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgLayout::kBytes));
-  kernel<<<dim3(a.G, a.H), kThreads, WgLayout::kBytes, stream>>>(a);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
