@@ -132,16 +132,18 @@ __device__ __forceinline__ void Ldm4TAt(uint32_t (&r)[4], uint32_t addr) {
 #endif  // SPINDLE_WGMMA_DEVICE
 
 // Rows [0, len) of a [64, 128] chunk (row stride `stride`) into the core-matrix layout by
-// cp.async; rows >= len become zeros. A warp writes 512 contiguous bytes (8 rows of 4 core
-// columns) and reads 64 contiguous bytes of each of 8 rows.
+// cp.async; rows >= len become zeros. Thread t copies core column (t / 8) % 16 of rows
+// (t / 128) * 8 + t % 8 + 16 i: a warp writes 512 contiguous bytes (8 rows of 4 core columns)
+// and reads 64 contiguous bytes of each of 8 rows; offsets and trip count are compile-time.
 __device__ __forceinline__ void LoadCoreTile(unsigned char* dst, const bf16* src, int64_t stride,
                                              int len) {
-  for (int idx = threadIdx.x; idx < kChunk * kDh / 8; idx += kThreads) {
-    const int r8 = idx & 7, cg = (idx >> 3) & 15, rg = idx >> 7;
-    const int r = rg * 8 + r8;
-    const bool in = r < len;
-    CpAsync16(reinterpret_cast<bf16*>(dst + rg * 2048 + cg * 128 + r8 * 16),
-              src + (in ? r * stride + cg * 8 : 0), in ? 16 : 0);
+  const int t = threadIdx.x, r8 = t & 7, cg = (t >> 3) & 15, row = (t >> 7) * 8 + r8;
+  unsigned char* d = dst + (t >> 7) * 2048 + cg * 128 + r8 * 16;
+  const bf16* s = src + row * stride + cg * 8;
+#pragma unroll
+  for (int i = 0; i < kChunk / 16; ++i) {
+    const bool in = row + 16 * i < len;
+    CpAsync16(reinterpret_cast<bf16*>(d + i * 4096), in ? s + 16 * i * stride : src, in ? 16 : 0);
   }
 }
 
