@@ -7,7 +7,8 @@
 // --head_start_ms N: each step's work queues behind a host callback that holds the stream for
 // N ms, so the host has enqueued (most of) the step before the GPU starts; the row's step time is
 // then wall time - N, the GPU's own time without launch gaps (a diagnostic: if it is well below
-// the plain step time, the host, not the GPU, paces the step).
+// the plain step time, the host, not the GPU, paces the step). "host enqueue ms": how long
+// ForwardBackward took to queue its work (CudaModel::last_enqueue_seconds), median step.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
 //                         [--head_start_ms 0]
@@ -64,9 +65,9 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   cudaGetDeviceProperties(&prop, 0);
   std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
               prop.name, preset.c_str(), config->NumParams() / 1e6);
-  std::printf("| T | recompute | step ms | forward-only ms | optimizer ms | tokens/s | TFLOP/s | "
-              "peak act GiB | fixed GiB | device used GiB | loss |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| T | recompute | step ms | host enqueue ms | forward-only ms | optimizer ms | "
+              "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   TrainSpec spec;
   spec.weight_decay = 0.1;
   for (int64_t T : Ts) {
@@ -77,7 +78,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
     const Batch b = MakeSequenceBatch(tokens, static_cast<int32_t>(config->vocab) - 1);
     for (int rec : recs) {
       m.ResetPeakMemory();
-      std::vector<double> times;
+      std::vector<double> times, enqueue;
       double loss = 0;
       for (int s = 0; s < steps; ++s) {
         const bool profiled = s == steps - 1;
@@ -103,12 +104,16 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
         times.push_back(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
             head_start_ms * 1e-3);
+        enqueue.push_back(m.last_enqueue_seconds());
         loss = ls->loss_sum / std::max<int64_t>(1, ls->n_valid);
       }
       if (static_cast<int>(times.size()) < steps) continue;
       std::vector<double> timed(times.begin() + std::min(2, steps - 1), times.end());
       std::sort(timed.begin(), timed.end());
       const double t = timed[timed.size() / 2];
+      std::vector<double> queued(enqueue.begin() + std::min(2, steps - 1), enqueue.end());
+      std::sort(queued.begin(), queued.end());
+      const double q = queued[queued.size() / 2];
       const DeviceMemory mem = m.memory();
       // Where the time goes: a forward-only pass and the optimizer step, timed alone.
       auto timed_ms = [&](auto&& fn) {
@@ -124,8 +129,8 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       const double opt_ms = timed_ms([&] {
         return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
       });
-      std::printf("| %lld | %d | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
-                  static_cast<long long>(T), rec, t * 1e3, fwd_ms, opt_ms, T / t,
+      std::printf("| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
+                  static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
                   FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated),
                   Gib(mem.fixed), Gib(mem.device_used), loss);
       std::fflush(stdout);

@@ -13,6 +13,7 @@
 #include "worker/engine/cuda/cuda_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -192,6 +193,7 @@ struct CudaModel::Impl {
   float* log_decays = nullptr;
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
+  double enqueue_seconds = 0;  // see last_enqueue_seconds()
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
@@ -539,6 +541,7 @@ DeviceMemory CudaModel::memory() const {
 }
 
 void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
+double CudaModel::last_enqueue_seconds() const { return impl_->enqueue_seconds; }
 void CudaModel::SetPoisonActivations(bool on) { impl_->alloc.SetPoison(on); }
 
 // ---- Batch ---------------------------------------------------------------------------------------
@@ -1497,6 +1500,10 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
 
 absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* layout,
                                                float grad_scale, bool recompute, bool backward) {
+  const auto start = std::chrono::steady_clock::now();
+  auto queued = [&] {
+    enqueue_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
   // Forward only: two residual buffers and one cache. Training: every layer input, and one
@@ -1513,6 +1520,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     RETURN_IF_ERROR(LayerForward(layers[i], *caches[n_caches == 1 ? 0 : i], in(i), in(i + 1)));
   if (!backward) {
     ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
+    queued();
     CUDA(cudaStreamSynchronize(stream));
     s.loss_sum = *loss_host;
     return s;
@@ -1528,6 +1536,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     RETURN_IF_ERROR(LayerBackward(layers[i], C, in(i), dx.get()));
   }
   KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
+  queued();
   CUDA(cudaStreamSynchronize(stream));
   s.loss_sum = *loss_host;
   return s;
