@@ -241,9 +241,14 @@ int main(int argc, char** argv) {
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
     // (chunks per block, stages, separate dk and dv sweeps, sweep kernel: 1 mma.sync, 2 wgmma);
     // 0 = automatic. The first two rows are the two sweep kernels side by side.
-    for (auto [cpb, stages, separate, kernel] :
-         {std::tuple{0, 1, false, 2}, {0, 1, false, 1}, {0, 1, true, 0}, {0, 2, false, 0},
-          {16, 1, false, 2}, {32, 1, false, 2}, {64, 1, false, 2}, {16, 1, false, 1}}) {
+    for (auto [cpb, stages, separate, kernel] : {std::tuple{0, 1, false, 2},
+                                                 {0, 1, false, 1},
+                                                 {0, 1, true, 0},
+                                                 {0, 2, false, 0},
+                                                 {16, 1, false, 2},
+                                                 {32, 1, false, 2},
+                                                 {64, 1, false, 2},
+                                                 {16, 1, false, 1}}) {
       const cu::LightningConfig cfg{cpb, stages, separate, kernel};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};
@@ -264,7 +269,9 @@ int main(int argc, char** argv) {
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
                               " st=" + std::to_string(stages) + (separate ? " dk|dv" : "") +
-                              (kernel == 2 ? " wgmma" : kernel == 1 ? " mma.sync" : "");
+                              (kernel == 2   ? " wgmma"
+                               : kernel == 1 ? " mma.sync"
+                                             : "");
       const double tf = TimeMs([&] { fwd(false); }), tb = TimeMs([&] { bwd(false); });
       const double tfb = TimeMs([&] {
         fwd(false);

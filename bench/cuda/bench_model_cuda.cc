@@ -65,9 +65,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   cudaGetDeviceProperties(&prop, 0);
   std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
               prop.name, preset.c_str(), config->NumParams() / 1e6);
-  std::printf("| T | recompute | step ms | host enqueue ms | forward-only ms | optimizer ms | "
-              "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| T | recompute | step ms | host enqueue ms | forward-only ms | optimizer ms | "
+      "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   TrainSpec spec;
   spec.weight_decay = 0.1;
   for (int64_t T : Ts) {
@@ -129,10 +130,11 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       const double opt_ms = timed_ms([&] {
         return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
       });
-      std::printf("| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
-                  static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
-                  FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated),
-                  Gib(mem.fixed), Gib(mem.device_used), loss);
+      std::printf(
+          "| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
+          static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
+          FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
+          Gib(mem.device_used), loss);
       std::fflush(stdout);
     }
   }

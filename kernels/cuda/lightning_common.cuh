@@ -193,7 +193,6 @@ __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, con
   }
 }
 
-
 // ---- Launchers shared between the .cu files ---------------------------------------------------------
 
 // The chunk sweep (lightning_sweep.cu): per (head, block of chunks), in chunk order or reversed,

@@ -91,8 +91,7 @@ struct SweepLayout {
 // 101 at T = 32K), slower for the fused dk / dv sweep (505 -> 530 us, at its 128-register
 // limit), which keeps the loop.
 template <int DH, bool kFixed = true>
-__device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride,
-                                              int len) {
+__device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride, int len) {
   if constexpr (!kFixed) {
     constexpr int kVec = DH / 8;
     for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {

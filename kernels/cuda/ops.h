@@ -170,7 +170,7 @@ Status CastRows(void* dst, DType dst_dtype, int64_t dst_stride, const void* src,
 // layout, element [h * stride + t]).
 Status AttentionMerge(void* o_a, DType a_dtype, int64_t o_a_token_stride, float* lse_a,
                       int64_t lse_a_stride, const void* o_b, DType b_dtype,
-                      int64_t o_b_token_stride, const float* lse_b, int64_t lse_b_stride,
-                      int64_t n, int64_t H, int64_t Dv, cudaStream_t stream);
+                      int64_t o_b_token_stride, const float* lse_b, int64_t lse_b_stride, int64_t n,
+                      int64_t H, int64_t Dv, cudaStream_t stream);
 
 }  // namespace spindle::kernels::cuda

@@ -195,9 +195,9 @@ TEST_F(Lightning, ManyShortDocumentsBothHeadSizes) {
 
 TEST_F(Lightning, HeadSize128WgmmaAndMmaSyncSweepsMatchCpu) {
   // Dh = 128 runs the wgmma sweep when the config asks and it is built (sm_90a) and the device is
-  // an sm_90; both sweeps, every pass (forward, dq, the reverse state pass, and dk / dv as two reverse
-  // sweeps), against the CPU: documents of 1..90 tokens and ones on the chunk grid, carry-in,
-  // end-state gradient, odd T, a padded fused buffer, short and automatic blocks.
+  // an sm_90; both sweeps, every pass (forward, dq, the reverse state pass, and dk / dv as two
+  // reverse sweeps), against the CPU: documents of 1..90 tokens and ones on the chunk grid,
+  // carry-in, end-state gradient, odd T, a padded fused buffer, short and automatic blocks.
   if (!LightningWgmmaAvailable()) GTEST_SKIP() << "no wgmma sweep in this build or on this device";
   std::vector<int32_t> cu{0};
   std::mt19937 pick(testing::FreshSeed());

@@ -214,10 +214,10 @@ struct CudaModel::Impl {
     layer_in.clear();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
     for (DevBuf* b :
-         {&W.dh,      &W.da,      &W.dg,     &W.du,       &W.dy,      &W.dgate,  &W.dqkv,
-          &W.dO,      &W.dQ,      &W.dK,     &W.dkvb,     &W.dc_n,    &W.dc,     &W.dkva,
-          &W.dqa_n,   &W.dqa,     &W.ws,     &W.cp_send,  &W.cp_recv, &W.cp_tmp, &W.cp_dfull,
-          &W.ag_send, &W.ag_recv, &W.ag_K,   &W.ag_kvb,   &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat,
+         {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,      &W.dgate,   &W.dqkv,
+          &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,    &W.dc,      &W.dkva,
+          &W.dqa_n,   &W.dqa,      &W.ws,     &W.cp_send, &W.cp_recv, &W.cp_tmp,  &W.cp_dfull,
+          &W.ag_send, &W.ag_recv,  &W.ag_K,   &W.ag_kvb,  &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat,
           &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq})
       b->Release();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
@@ -1094,8 +1094,8 @@ absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t 
   const MlaConfig& m = c.mla;
   const int64_t H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim, n = b - a;
-  RETURN_IF_ERROR(Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw,
-                      false));
+  RETURN_IF_ERROR(
+      Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw, false));
   RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * H));
   KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv), w, 0, n, H,
                   rd, kAct, stream));
@@ -1114,8 +1114,8 @@ absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, i
   RETURN_IF_ERROR(Copy2D(W.ag_dkvb.get(), kvw, W.ag_dK.get(), qk, nope, n * H));
   KC(kc::SumHeads(At(W.ag_dK.get(), nope), n, H, rd, H * qk, qk, At(W.ag_dlat.get(), kv), w, kAct,
                   stream));
-  RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_dkvb.get(), nullptr,
-                      G(L.kv_b), n, kv, H * kvw, false));
+  RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_dkvb.get(), nullptr, G(L.kv_b),
+                      n, kv, H * kvw, false));
   kc::GemmArgs g;  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns
   g.M = n, g.N = kv, g.K = H * kvw, g.beta = 0.0f;
   g.A = W.ag_dkvb.get(), g.lda = H * kvw;
@@ -1144,8 +1144,8 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
   void* send = W.ag_send.get();
   RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
   RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
-  RETURN_IF_ERROR(GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(),
-                               CommLayer::kMla));
+  RETURN_IF_ERROR(
+      GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
   RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
   const int64_t SS = StatsSlot(H, ch);
@@ -1158,8 +1158,8 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
     RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
     KC(sdpa->Forward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
                      B.piece_cu_host[slot].data(),
-                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
-                     MlaDims(c, ch), kAct, stream));
+                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
+                     kAct, stream));
     if (!B.continues[slot]) continue;
     // The first segment's output accumulates in fp32 over the key blocks.
     const int64_t nq = B.first_segment[slot];
@@ -1197,11 +1197,10 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
     void* dq = At(W.dQ.get(), slot * ch * H * qk);
     // The causal piece writes this chunk's dq; the cross blocks add theirs.
     RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
-    KC(sdpa->Backward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS,
-                      dout, dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope),
-                      B.piece_cu_host[slot].data(),
-                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale,
-                      MlaDims(c, ch), kAct, stream));
+    KC(sdpa->Backward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS, dout,
+                      dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.piece_cu_host[slot].data(),
+                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
+                      kAct, stream));
     RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
     if (!B.continues[slot]) continue;
     const int64_t nq = B.first_segment[slot];
@@ -1222,8 +1221,8 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
   }
   // Back to the owners, summed over ranks.
   float* rs_recv = static_cast<float*>(W.ag_recv.get());
-  RETURN_IF_ERROR(ReduceScatterDevice(static_cast<float*>(W.ag_send.get()), T * w, rs_recv,
-                                      CommLayer::kMla));
+  RETURN_IF_ERROR(
+      ReduceScatterDevice(static_cast<float*>(W.ag_send.get()), T * w, rs_recv, CommLayer::kMla));
   KC(kc::CastRows(W.dkva.get(), kAct, w, rs_recv, KDType::kFloat32, w, T, w, stream));
   return absl::OkStatus();
 }
@@ -1502,7 +1501,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
                                                float grad_scale, bool recompute, bool backward) {
   const auto start = std::chrono::steady_clock::now();
   auto queued = [&] {
-    enqueue_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    enqueue_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
