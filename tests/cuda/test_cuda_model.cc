@@ -11,6 +11,7 @@
 // for a q_norm weight of 16 values), to 18%; every tensor keeps cosine similarity above 0.995.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -161,10 +162,15 @@ TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
   }
   EXPECT_LE(worst, 1e-3 * peak);
   EXPECT_DOUBLE_EQ(rec->loss_sum, plain->loss_sum);
+  const auto t0 = std::chrono::steady_clock::now();
   auto fwd = m->Forward(b);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   EXPECT_DOUBLE_EQ(fwd->loss_sum, plain->loss_sum);
   EXPECT_EQ(fwd->n_valid, plain->n_valid);
+  // The host's queueing time is part of the call's wall time.
+  EXPECT_GT(m->last_enqueue_seconds(), 0.0);
+  EXPECT_LE(m->last_enqueue_seconds(), wall);
 }
 
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
