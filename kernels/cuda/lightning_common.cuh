@@ -139,11 +139,13 @@ __device__ __forceinline__ void Ldm4(uint32_t (&r)[4], const bf16* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SmemAddr(p)));
 }
-__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], const bf16* p) {
+// ldmatrix.x4.trans at a shared-memory address (or a generic pointer into shared memory).
+__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
+               : "r"(addr));
 }
+__device__ __forceinline__ void Ldm4T(uint32_t (&r)[4], const bf16* p) { Ldm4T(r, SmemAddr(p)); }
 // 16-byte async copy; src_bytes 0 writes zeros (rows past the sequence end).
 __device__ __forceinline__ void CpAsync16(bf16* dst, const bf16* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),

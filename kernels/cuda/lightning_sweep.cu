@@ -523,7 +523,7 @@ Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
 
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream) {
-  if (a.wgmma && dh == 128) return LaunchWgmmaSweep(reverse, state_only, a, stream);
+  if (a.wgmma) return LaunchWgmmaSweep(reverse, state_only, a, stream);  // Dh = 128 only
   if (dh == 64) return LaunchSweepDh<64>(a, reverse, state_only, stream);
   if (dh == 128) return LaunchSweepDh<128>(a, reverse, state_only, stream);
   return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};

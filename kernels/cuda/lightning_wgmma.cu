@@ -92,36 +92,21 @@ __device__ __forceinline__ void FenceRegs(float (&d)[N]) {
 }
 
 // D (64 x 64, fp32) = A B (+ D when accumulate), A from shared memory (K-major), B from shared
-// memory (K-major).
-__device__ __forceinline__ void WgmmaSS64Bk(float (&d)[32], uint64_t da, uint64_t db,
-                                            int accumulate) {
+// memory, K-major (kTransB 0) or MN-major (1).
+template <int kTransB>
+__device__ __forceinline__ void WgmmaSS64(float (&d)[32], uint64_t da, uint64_t db,
+                                          int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
       "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-// D (64 x 64, fp32) = A B (+ D when accumulate), A from shared memory (K-major), B from shared
-// memory (MN-major).
-__device__ __forceinline__ void WgmmaSS64Bmn(float (&d)[32], uint64_t da, uint64_t db,
-                                             int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(kTransB));
 }
 // D (64 x 64, fp32) = A B (+ D when accumulate), A from registers (the mma.sync A fragment of each
 // warp's 16 rows), B from shared memory (MN-major).
@@ -161,12 +146,6 @@ __device__ __forceinline__ void WgmmaRS128(float (&d)[64], const uint32_t (&a)[4
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-// ldmatrix.x4.trans from a shared-memory address.
-__device__ __forceinline__ void Ldm4TAt(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 #endif  // SPINDLE_WGMMA_DEVICE
 
@@ -306,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
       for (int ks = 0; ks < 4; ++ks) {
         const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
         const int i = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
-        Ldm4TAt(ya[ks], ys + CoreOffset(t, i));
+        Ldm4T(ya[ks], ys + CoreOffset(t, i));
         const int t0 = ks * 16 + w.q2;
         const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
         ya[ks][0] = ScaleBf16x2(ya[ks][0], u0, u1), ya[ks][1] = ScaleBf16x2(ya[ks][1], u0, u1);
@@ -322,10 +301,10 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
       float P[32];
       WgFence();
 #pragma unroll
-      for (int s = 0; s < 8; ++s) WgmmaSS64Bk(P, DescK(xs + s * 256), DescK(ys + s * 256), s > 0);
+      for (int s = 0; s < 8; ++s) WgmmaSS64<0>(P, DescK(xs + s * 256), DescK(ys + s * 256), s > 0);
 #pragma unroll
       for (int s = 0; s < 8; ++s)
-        WgmmaSS64Bmn(O, DescK(xs + s * 256), DescMN(sb + w.wg * 1024 + s * 4096), s > 0);
+        WgmmaSS64<1>(O, DescK(xs + s * 256), DescMN(sb + w.wg * 1024 + s * 4096), s > 0);
       WgCommit();
       WgWait();
       FenceRegs(P);

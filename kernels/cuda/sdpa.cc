@@ -61,6 +61,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <utility>
@@ -817,10 +818,13 @@ Status CheckView(const char* what, SdpaView* v, int64_t H, int64_t D) {
   return Status::Ok();
 }
 
-Status CheckPtr(const char* what, const void* p) {
-  SPINDLE_CHECK_ARG(p != nullptr, std::string("Sdpa: ") + what + " is null");
-  SPINDLE_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % 16 == 0,
-                    std::string("Sdpa: ") + what + " is not 16-byte aligned");
+// Each named pointer is set and 16-byte aligned; the first that is not is named.
+Status CheckPtrs(std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  for (const auto& [what, p] : ptrs) {
+    SPINDLE_CHECK_ARG(p != nullptr, std::string("Sdpa: ") + what + " is null");
+    SPINDLE_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                      std::string("Sdpa: ") + what + " is not 16-byte aligned");
+  }
   return Status::Ok();
 }
 
@@ -1421,11 +1425,8 @@ Status Sdpa::Forward(const void* q, const void* k, const void* v, void* out, flo
                      const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("q", q));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("k", k));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("v", v));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("out", out));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("stats", stats));
+  SPINDLE_RETURN_IF_ERROR(
+      CheckPtrs({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"stats", stats}}));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1451,15 +1452,15 @@ Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* o
                       const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("q", q));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("k", k));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("v", v));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("out", out));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("stats", stats));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("dout", dout));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("dq", dq));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("dk", dk));
-  SPINDLE_RETURN_IF_ERROR(CheckPtr("dv", dv));
+  SPINDLE_RETURN_IF_ERROR(CheckPtrs({{"q", q},
+                                     {"k", k},
+                                     {"v", v},
+                                     {"out", out},
+                                     {"stats", stats},
+                                     {"dout", dout},
+                                     {"dq", dq},
+                                     {"dk", dk},
+                                     {"dv", dv}}));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1544,12 +1545,8 @@ Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out,
                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q},
-                                  {"k", k},
-                                  {"v", v},
-                                  {"out", out},
-                                  {"stats", stats}})
-    SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
+  SPINDLE_RETURN_IF_ERROR(
+      CheckPtrs({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"stats", stats}}));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1571,16 +1568,15 @@ Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const voi
                           float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  for (const auto& [what, ptr] : {std::pair<const char*, const void*>{"q", q},
-                                  {"k", k},
-                                  {"v", v},
-                                  {"out", out},
-                                  {"stats", stats},
-                                  {"dout", dout},
-                                  {"dq", dq},
-                                  {"dk", dk},
-                                  {"dv", dv}})
-    SPINDLE_RETURN_IF_ERROR(CheckPtr(what, ptr));
+  SPINDLE_RETURN_IF_ERROR(CheckPtrs({{"q", q},
+                                     {"k", k},
+                                     {"v", v},
+                                     {"out", out},
+                                     {"stats", stats},
+                                     {"dout", dout},
+                                     {"dq", dq},
+                                     {"dk", dk},
+                                     {"dv", dv}}));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
