@@ -3,10 +3,13 @@
 // copy bandwidth reached, and TFLOP/s where the kernel is compute-bound. Includes Lightning
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
-// Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--cp-pieces]
+// Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--lightning-row N]
+//                           [--cp-pieces]
 //   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
-//   configuration at T=32K, nothing else; --cp-pieces: only the MLA attention each rank runs
-//   under cp = 2 at 64K tokens, All2All against AllGather's causal and full pieces.
+//   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
+//   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
+//   attention each rank runs under cp = 2 at 64K tokens, All2All against AllGather's causal and
+//   full pieces.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -115,7 +118,12 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
 
 int main(int argc, char** argv) {
   bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false;
+  int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
+      lightning_row = std::atoi(argv[++i]);
+      lightning_only = true;
+    }
     quick |= std::strcmp(argv[i], "--quick") == 0;
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
     cp_pieces |= std::strcmp(argv[i], "--cp-pieces") == 0;
@@ -241,6 +249,7 @@ int main(int argc, char** argv) {
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
     // (chunks per block, stages, separate dk and dv sweeps, sweep kernel: 1 mma.sync, 2 wgmma);
     // 0 = automatic. The first two rows are the two sweep kernels side by side.
+    int row = -1;
     for (auto [cpb, stages, separate, kernel] : {std::tuple{0, 1, false, 2},
                                                  {0, 1, false, 1},
                                                  {0, 1, true, 0},
@@ -249,6 +258,7 @@ int main(int argc, char** argv) {
                                                  {32, 1, false, 2},
                                                  {64, 1, false, 2},
                                                  {16, 1, false, 1}}) {
+      if (++row != lightning_row && lightning_row >= 0) continue;
       const cu::LightningConfig cfg{cpb, stages, separate, kernel};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
       const cu::Workspace w{ws.p, ws.bytes};

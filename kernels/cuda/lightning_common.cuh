@@ -154,6 +154,15 @@ __device__ __forceinline__ void CpAsync16(bf16* dst, const bf16* src, int src_by
 __device__ __forceinline__ void CpAsyncWaitAll() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
+// Closes the cp.async group of the copies issued since the last commit; CpAsyncWait<N> waits
+// until at most the N most recent groups are still in flight.
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);

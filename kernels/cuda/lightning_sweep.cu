@@ -14,11 +14,13 @@
 //
 // Implementation: 8 warps, mma.sync m16n8k16 (bf16 in, fp32 accumulate) with operands from padded
 // shared memory through ldmatrix; the scores never leave registers except one bf16 exchange
-// between the two warps sharing 16 rows; chunk tiles arrive by cp.async (X for the next chunk
-// while the current one finishes); three block barriers per chunk; about 98 KB of shared memory
-// at DH=128, so two blocks share an SM. With stages == 2, Y and Z are double-buffered: the next
-// chunk's tiles are fetched at the start of the current one and the third barrier goes (133 KB
-// at DH=128: one block per SM). The per-warp steps (scores, X S, scores x Z, the state update)
+// between the two warps sharing 16 rows, and 16 x 16 score blocks the causal mask zeroes whole
+// are neither computed nor read; chunk tiles arrive by cp.async (X for the next chunk while the
+// current one finishes); three block barriers per chunk; about 98 KB of shared memory at DH=128,
+// so two blocks share an SM. With stages == 2, Y and Z are double-buffered: the next chunk's
+// tiles are fetched at the start of the current one and the third barrier goes (133 KB at DH=128:
+// one block per SM). The state-only passes keep three Y / Z buffers, fetch two chunks ahead and
+// need one barrier per chunk. The per-warp steps (scores, X S, scores x Z, the state update)
 // are device functions shared with the second kernel here, the fused dk / dv reverse sweep, which
 // walks the dk and dv instances of one chunk together over one dS.
 #include "kernels/cuda/lightning_common.cuh"
@@ -57,14 +59,14 @@ __device__ __forceinline__ void LoadBKN(uint32_t (&b)[4], const bf16* base, int 
   Ldm4T(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + ((lane >> 4) & 1) * 8);
 }
 
-template <int DH, bool kDoubleBuffer>
+template <int DH, int kBufs>
 struct SweepLayout {
   static constexpr int kPitch = DH + 8;           // bf16 [64, DH] tiles and the [DH, DH] state
   static constexpr int kAPitch = kChunk + 8;      // bf16 [64, 64] masked scores
   static constexpr int kTile = kChunk * kPitch;   // elements
-  // Byte offsets: Y, Z (each twice when double-buffered), info x2, decay table | X, bf16 state,
-  // scores (main passes only).
-  static constexpr int kYZBufs = kDoubleBuffer ? 2 : 1;
+  // Byte offsets: Y, Z (each kBufs times), info x2, decay table | X, bf16 state, scores (main
+  // passes only).
+  static constexpr int kYZBufs = kBufs;
   static constexpr int kY = 0;
   static constexpr int kZ = kY + kYZBufs * kTile * 2;
   static constexpr int kInfo = kZ + kYZBufs * kTile * 2;
@@ -79,9 +81,10 @@ struct SweepLayout {
   static constexpr int kColGroups = kWarps / kRowTiles;
   static constexpr int kSCols = DH / kColGroups;
   static constexpr int kSNT = kSCols / 8;  // n-tiles of 8
-  // Output tiling: 16 rows x DH/2 columns per warp (two warps per 16-row group).
-  static constexpr int kONT = DH / 16;
 };
+// Output tiling: 16 rows x DH/2 columns per warp (two warps per 16-row group), kONT<DH> n-tiles.
+template <int DH>
+constexpr int kONT = DH / 16;
 
 // [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros. Thread
 // t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass. kFixed:
@@ -120,7 +123,7 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
 // srow0 + {qr, qr + 8}, columns scol0 + 8 j + qc + {0, 1}.
 template <int DH>
 struct WarpPlace {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
   int lane, qr, qc, orow0, ocol0, acol0, srow0, scol0;
   __device__ WarpPlace() {
     const int warp = threadIdx.x >> 5;
@@ -130,13 +133,24 @@ struct WarpPlace {
   }
 };
 
+// Whether the 16 x 16 score block (rows 16 rb.., tokens 16 cb..) can hold an unmasked score: on
+// or below the diagonal (on or above it for the transposed mask). The other blocks are neither
+// computed nor read.
+template <bool kReverse>
+__device__ __forceinline__ bool LiveScoreBlock(int rb, int cb) {
+  return kReverse ? cb >= rb : cb <= rb;
+}
+
 // The warp's part of Mask o X Y^T (decayed, scaled; transposed mask when kReverse), as bf16 into
-// the exchange tile ab.
+// the exchange tile ab (live blocks only).
 template <int DH, bool kReverse>
 __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16* xs,
                                              const bf16* ys, bf16* ab, const SweepInfo& ci,
                                              const float* dec, int c0, float scale) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
+  const bool live0 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16);
+  const bool live1 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16 + 1);
+  if (!live0 && !live1) return;
   float A[4][4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) A[j][0] = A[j][1] = A[j][2] = A[j][3] = 0.0f;
@@ -146,6 +160,7 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
     LoadA(fa, xs, L::kPitch, w.orow0, ks * 16, w.lane);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
+      if (!(np == 0 ? live0 : live1)) continue;
       uint32_t fb[4];
       LoadBNK(fb, ys, L::kPitch, w.acol0 + np * 16, ks * 16, w.lane);
       Mma(A[2 * np], fa, fb[0], fb[1]);
@@ -154,6 +169,7 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
+    if (!(j < 2 ? live0 : live1)) continue;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = w.orow0 + w.qr + (e >> 1) * 8, c = w.acol0 + 8 * j + w.qc + (e & 1);
@@ -171,15 +187,15 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
 template <int DH, bool kStateT>
 __device__ __forceinline__ void InterChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
                                            const bf16* xs, const bf16* sb, const float* roww) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
 #pragma unroll
-  for (int j = 0; j < L::kONT; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
+  for (int j = 0; j < kONT<DH>; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < DH / 16; ++ks) {
     uint32_t fa[4];
     LoadA(fa, xs, L::kPitch, w.orow0, ks * 16, w.lane);
 #pragma unroll
-    for (int np = 0; np < L::kONT / 2; ++np) {
+    for (int np = 0; np < kONT<DH> / 2; ++np) {
       uint32_t fb[4];
       if constexpr (kStateT) {
         LoadBNK(fb, sb, L::kPitch, w.ocol0 + np * 16, ks * 16, w.lane);
@@ -192,20 +208,21 @@ __device__ __forceinline__ void InterChunk(const WarpPlace<DH>& w, float (&O)[DH
   }
   const float w0 = roww[w.orow0 + w.qr], w1 = roww[w.orow0 + w.qr + 8];
 #pragma unroll
-  for (int j = 0; j < L::kONT; ++j) O[j][0] *= w0, O[j][1] *= w0, O[j][2] *= w1, O[j][3] *= w1;
+  for (int j = 0; j < kONT<DH>; ++j) O[j][0] *= w0, O[j][1] *= w0, O[j][2] *= w1, O[j][3] *= w1;
 }
 
-// O += (masked scores) Z, the scores from the exchange tile.
-template <int DH>
+// O += (masked scores) Z, the scores from the exchange tile (its live blocks).
+template <int DH, bool kReverse>
 __device__ __forceinline__ void IntraChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
                                            const bf16* ab, const bf16* zs) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
 #pragma unroll
   for (int ks = 0; ks < kChunk / 16; ++ks) {
+    if (!LiveScoreBlock<kReverse>(w.orow0 / 16, ks)) continue;
     uint32_t fa[4];
     LoadA(fa, ab, L::kAPitch, w.orow0, ks * 16, w.lane);
 #pragma unroll
-    for (int np = 0; np < L::kONT / 2; ++np) {
+    for (int np = 0; np < kONT<DH> / 2; ++np) {
       uint32_t fb[4];
       LoadBKN(fb, zs, L::kPitch, w.ocol0 + np * 16, ks * 16, w.lane);
       Mma(O[2 * np], fa, fb[0], fb[1]);
@@ -230,10 +247,9 @@ __device__ __forceinline__ void StoreOut(const WarpPlace<DH>& w, const float (&O
 // S = f S + (colw o Y)^T Z on the warp's state tile.
 template <int DH>
 __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
-                                            float (&S)[SweepLayout<DH, false>::kSNT][4],
-                                            const bf16* ys, const bf16* zs, const float* colw,
-                                            float f) {
-  using L = SweepLayout<DH, false>;
+                                            float (&S)[SweepLayout<DH, 1>::kSNT][4], const bf16* ys,
+                                            const bf16* zs, const float* colw, float f) {
+  using L = SweepLayout<DH, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
 #pragma unroll
@@ -258,9 +274,9 @@ __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
 // The warp's state tile as bf16 into sb.
 template <int DH>
 __device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
-                                            const float (&S)[SweepLayout<DH, false>::kSNT][4],
+                                            const float (&S)[SweepLayout<DH, 1>::kSNT][4],
                                             bf16* sb) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) {
     const int r = w.srow0 + w.qr, c = w.scol0 + 8 * j + w.qc;
@@ -273,9 +289,9 @@ __device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
 // and its bf16 copy into sb.
 template <int DH>
 __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
-                                               float (&S)[SweepLayout<DH, false>::kSNT][4],
+                                               float (&S)[SweepLayout<DH, 1>::kSNT][4],
                                                const float* p0, bool transpose, bf16* sb) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) {
 #pragma unroll
@@ -287,9 +303,14 @@ __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
   StateToTile<DH>(w, S, sb);
 }
 
-template <int DH, bool kReverse, bool kStateOnly, bool kDoubleBuffer>
+// kBufs: Y and Z buffers. Main passes: 1 fetches the next chunk's X and Y once the scores, X S
+// and the state update (in registers) are done, and its Z after a third barrier; 2 fetches the
+// next chunk's Y and Z at the start of the chunk. State-only passes: 3, two chunks ahead, one
+// barrier per chunk.
+template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
-  using L = SweepLayout<DH, kDoubleBuffer>;
+  static_assert(kStateOnly ? kBufs == 3 : kBufs == 1 || kBufs == 2, "Y/Z buffers");
+  using L = SweepLayout<DH, kBufs>;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* ys0 = reinterpret_cast<bf16*>(smem + L::kY);
   bf16* zs0 = reinterpret_cast<bf16*>(smem + L::kZ);
@@ -307,12 +328,21 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   const int64_t hoff = static_cast<int64_t>(h) * DH;
 
   FillDecay(a.log_decay[h], dec);
-  // Chunk 0's tiles.
-  {
-    const int c0 = chunk_of(0) * kChunk, len = min(kChunk, a.T - c0);
-    LoadTileAsync<DH>(ys0, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
-    LoadTileAsync<DH>(zs0, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
-    if constexpr (!kStateOnly) LoadTileAsync<DH>(xs, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
+  // Chunk n's tile of `src` (X, Y or Z) into dst (Y and Z: buffer n % kBufs).
+  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
+    const int c = chunk_of(n) * kChunk;
+    LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
+  };
+  auto load_y = [&](int n) { load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
+  auto load_z = [&](int n) { load(zs0 + (n % kBufs) * L::kTile, a.z, a.z_stride, n); };
+  auto load_yz = [&](int n) { load_y(n), load_z(n); };
+  // The first chunks' tiles (chunk 0's X too).
+  load_yz(0);
+  if constexpr (!kStateOnly) load(xs, a.x, a.x_stride, 0);
+  if constexpr (kBufs == 3) {
+    CpAsyncCommit();
+    if (count > 1) load_yz(1);
+    CpAsyncCommit();
   }
 
   float S[L::kSNT][4];
@@ -329,51 +359,48 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 
   for (int n = 0; n < count; ++n) {
     const int c0 = chunk_of(n) * kChunk;
-    CpAsyncWaitAll();
+    if constexpr (kBufs == 3) {
+      CpAsyncWait<1>();  // one group per chunk: chunk n + 1's may stay in flight
+    } else {
+      CpAsyncWaitAll();
+    }
     __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
     const SweepInfo& ci = infos[n & 1];
-    bf16* ys = ys0 + (kDoubleBuffer ? (n & 1) * L::kTile : 0);
-    bf16* zs = zs0 + (kDoubleBuffer ? (n & 1) * L::kTile : 0);
+    bf16* ys = ys0 + (n % kBufs) * L::kTile;
+    bf16* zs = zs0 + (n % kBufs) * L::kTile;
     if (n + 1 < count) {
       ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
-      if constexpr (kDoubleBuffer) {
-        // The other buffers were last read in chunk n - 1, before this chunk's first barrier.
-        const int c1 = chunk_of(n + 1) * kChunk, len1 = min(kChunk, a.T - c1);
-        const int other = ((n + 1) & 1) * L::kTile;
-        LoadTileAsync<DH>(ys0 + other, a.y + c1 * a.y_stride + hoff, a.y_stride, len1);
-        LoadTileAsync<DH>(zs0 + other, a.z + c1 * a.z_stride + hoff, a.z_stride, len1);
-      }
+    }
+    // With several buffers, chunk n + kBufs - 1 goes into the buffer chunk n - 1 used, which every
+    // warp finished before this chunk's first barrier.
+    if constexpr (kBufs > 1) {
+      if (n + kBufs - 1 < count) load_yz(n + kBufs - 1);
+      if constexpr (kBufs == 3) CpAsyncCommit();  // possibly empty: keeps one group per chunk
     }
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
 
-    float O[L::kONT][4];
-    if constexpr (!kStateOnly) {
-      ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
-      InterChunk<DH, false>(w, O, xs, sb, roww);
-    }
-    __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
-    if constexpr (!kStateOnly) {
-      if (n + 1 < count) {
-        const int c1 = chunk_of(n + 1) * kChunk;
-        LoadTileAsync<DH>(xs, a.x + c1 * a.x_stride + hoff, a.x_stride, min(kChunk, a.T - c1));
-      }
-      IntraChunk<DH>(w, O, ab, zs);
-      StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + hoff, a.out_stride,
-                   ci.len);
-    }
     // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
-    if (kStateOnly || n + 1 < count) {
+    const bool update = kStateOnly || n + 1 < count;
+    if constexpr (kStateOnly) {
       f_prod *= ci.f;
       UpdateState<DH>(w, S, ys, zs, colw, ci.f);
-      if constexpr (!kStateOnly) StateToTile<DH>(w, S, sb);
-    }
-    if constexpr (!kDoubleBuffer) {
-      __syncthreads();  // B3: every warp is done with Y and Z
-      if (n + 1 < count) {
-        const int c1 = chunk_of(n + 1) * kChunk, len1 = min(kChunk, a.T - c1);
-        LoadTileAsync<DH>(ys0, a.y + c1 * a.y_stride + hoff, a.y_stride, len1);
-        LoadTileAsync<DH>(zs0, a.z + c1 * a.z_stride + hoff, a.z_stride, len1);
+    } else {
+      float O[kONT<DH>][4];
+      ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
+      InterChunk<DH, false>(w, O, xs, sb, roww);
+      __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
+      if (n + 1 < count) load(xs, a.x, a.x_stride, n + 1);
+      IntraChunk<DH, kReverse>(w, O, ab, zs);
+      StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + hoff, a.out_stride,
+                   ci.len);
+      if (update) {
+        UpdateState<DH>(w, S, ys, zs, colw, ci.f);
+        StateToTile<DH>(w, S, sb);
+      }
+      if constexpr (kBufs == 1) {
+        __syncthreads();  // B3: every warp is done with Y and Z
+        if (n + 1 < count) load_yz(n + 1);
       }
     }
   }
@@ -400,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 // are done, k and q once the dv scores and the state update (in registers) are, dO last.
 template <int DH>
 struct DkDvLayout {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
   static constexpr int kQ = 0;
   static constexpr int kO = kQ + L::kTile * 2;
   static constexpr int kV = kO + L::kTile * 2;
@@ -414,7 +441,7 @@ struct DkDvLayout {
 
 template <int DH>
 __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
-  using L = SweepLayout<DH, false>;
+  using L = SweepLayout<DH, 1>;
   using D = DkDvLayout<DH>;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
@@ -453,13 +480,13 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     const SweepInfo& ci = infos[n & 1];
     if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
     const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + hoff;
-    float O[L::kONT][4];
+    float O[kONT<DH>][4];
     // dk (X = v, Y = dO, Z = q, state dS^T).
     ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
     InterChunk<DH, true>(w, O, vs, sb, ci.kw);
     __syncthreads();  // B2: scores exchanged; v done
     if (more) load(vs, a.v, a.qkv_stride, n + 1);
-    IntraChunk<DH>(w, O, ab, qs);
+    IntraChunk<DH, true>(w, O, ab, qs);
     StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
     __syncthreads();  // B3: every warp is done with the score tile
     // dv (X = k, Y = q, Z = dO, state dS), and the state update, the last use of q.
@@ -469,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     InterChunk<DH, false>(w, O, ks, sb, ci.kw);
     __syncthreads();  // B4: scores exchanged; k, q and the bf16 state done
     if (more) load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
-    IntraChunk<DH>(w, O, ab, os);
+    IntraChunk<DH, true>(w, O, ab, os);
     StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
     if (more) StateToTile<DH>(w, S, sb);
     __syncthreads();  // B5: every warp is done with dO and the score tile
@@ -477,11 +504,11 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   }
 }
 
-template <int DH, bool kReverse, bool kStateOnly, bool kDoubleBuffer = false>
+template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
-  using L = SweepLayout<DH, kDoubleBuffer>;
+  using L = SweepLayout<DH, kBufs>;
   constexpr int kSmem = kStateOnly ? L::kStateOnlyBytes : L::kMainBytes;
-  auto* kernel = SweepKernel<DH, kReverse, kStateOnly, kDoubleBuffer>;
+  auto* kernel = SweepKernel<DH, kReverse, kStateOnly, kBufs>;
   SPINDLE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
@@ -492,15 +519,15 @@ Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
 template <int DH>
 Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStream_t stream) {
   if (state_only) {
-    return reverse ? LaunchSweepT<DH, true, true>(a, stream)
-                   : LaunchSweepT<DH, false, true>(a, stream);
+    return reverse ? LaunchSweepT<DH, true, true, 3>(a, stream)
+                   : LaunchSweepT<DH, false, true, 3>(a, stream);
   }
   if (a.stages == 2) {
-    return reverse ? LaunchSweepT<DH, true, false, true>(a, stream)
-                   : LaunchSweepT<DH, false, false, true>(a, stream);
+    return reverse ? LaunchSweepT<DH, true, false, 2>(a, stream)
+                   : LaunchSweepT<DH, false, false, 2>(a, stream);
   }
-  return reverse ? LaunchSweepT<DH, true, false>(a, stream)
-                 : LaunchSweepT<DH, false, false>(a, stream);
+  return reverse ? LaunchSweepT<DH, true, false, 1>(a, stream)
+                 : LaunchSweepT<DH, false, false, 1>(a, stream);
 }
 
 template <int DH>
