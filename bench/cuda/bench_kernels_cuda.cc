@@ -251,9 +251,9 @@ int main(int argc, char** argv) {
     // 0 = automatic. The first two rows are the two sweep kernels side by side.
     int row = -1;
     for (auto [cpb, stages, separate, kernel] : {std::tuple{0, 1, false, 2},
-                                                 {0, 1, false, 1},
-                                                 {0, 1, true, 0},
-                                                 {0, 2, false, 0},
+                                                 {0, 0, false, 1},
+                                                 {0, 0, true, 0},
+                                                 {0, 1, false, 0},
                                                  {16, 1, false, 2},
                                                  {32, 1, false, 2},
                                                  {64, 1, false, 2},

@@ -39,8 +39,9 @@ struct LightningDims {
 
 struct LightningConfig {
   int chunks_per_block = 0;  // 64-token chunks per block; 0 picks from T and H. 1..64.
-  // Main sweeps: 1 = single-buffered chunk tiles (two blocks per SM), 2 = the next chunk's k/v
-  // tiles prefetched into a second buffer (one block per SM at Dh=128); 0 picks.
+  // Main sweeps: 1 = one buffer per chunk tile (three barriers a chunk), 2 = the next chunk's Y
+  // tile prefetched into a second buffer (two barriers a chunk; faster, bench/cuda/NOTES.md
+  // round 7); 0 picks 2. Two blocks share an SM either way.
   int stages = 0;
   // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
   bool separate_dk_dv = false;

@@ -226,7 +226,7 @@ struct SweepArgs {
   int n_seg, T, H;
   float scale;
   int chunks_per_block, n_chunks, G;
-  int stages;  // main passes: 2 = Y, Z double-buffered; otherwise single
+  int stages;  // main passes: 1 = one buffer per tile; otherwise Y double-buffered
   bool wgmma;  // run the wgmma sweep (lightning_wgmma.cu; Dh = 128 on sm_90a)
 };
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,

@@ -16,11 +16,11 @@
 // shared memory through ldmatrix; the scores never leave registers except one bf16 exchange
 // between the two warps sharing 16 rows, and 16 x 16 score blocks the causal mask zeroes whole
 // are neither computed nor read; chunk tiles arrive by cp.async (X for the next chunk while the
-// current one finishes); three block barriers per chunk; about 98 KB of shared memory at DH=128,
-// so two blocks share an SM. With stages == 2, Y and Z are double-buffered: the next chunk's
-// tiles are fetched at the start of the current one and the third barrier goes (133 KB at DH=128:
-// one block per SM). The state-only passes keep three Y / Z buffers, fetch two chunks ahead and
-// need one barrier per chunk. The per-warp steps (scores, X S, scores x Z, the state update)
+// current one finishes); two block barriers per chunk: Y has two buffers, so the next chunk's Y
+// and this chunk's Z are fetched at the start of the chunk (115,584 bytes of shared memory at
+// DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
+// state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
+// chunk. The per-warp steps (scores, X S, scores x Z, the state update)
 // are device functions shared with the second kernel here, the fused dk / dv reverse sweep, which
 // walks the dk and dv instances of one chunk together over one dS.
 #include "kernels/cuda/lightning_common.cuh"
@@ -59,17 +59,16 @@ __device__ __forceinline__ void LoadBKN(uint32_t (&b)[4], const bf16* base, int 
   Ldm4T(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + ((lane >> 4) & 1) * 8);
 }
 
-template <int DH, int kBufs>
+template <int DH, int kYBufs, int kZBufs>
 struct SweepLayout {
   static constexpr int kPitch = DH + 8;           // bf16 [64, DH] tiles and the [DH, DH] state
   static constexpr int kAPitch = kChunk + 8;      // bf16 [64, 64] masked scores
   static constexpr int kTile = kChunk * kPitch;   // elements
-  // Byte offsets: Y, Z (each kBufs times), info x2, decay table | X, bf16 state, scores (main
-  // passes only).
-  static constexpr int kYZBufs = kBufs;
+  // Byte offsets: Y (kYBufs times), Z (kZBufs times), info x2, decay table | X, bf16 state,
+  // scores (main passes only).
   static constexpr int kY = 0;
-  static constexpr int kZ = kY + kYZBufs * kTile * 2;
-  static constexpr int kInfo = kZ + kYZBufs * kTile * 2;
+  static constexpr int kZ = kY + kYBufs * kTile * 2;
+  static constexpr int kInfo = kZ + kZBufs * kTile * 2;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
   static constexpr int kStateOnlyBytes = (kDec + 65 * 4 + 127) / 128 * 128;
   static constexpr int kX = kStateOnlyBytes;
@@ -123,7 +122,7 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
 // srow0 + {qr, qr + 8}, columns scol0 + 8 j + qc + {0, 1}.
 template <int DH>
 struct WarpPlace {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
   int lane, qr, qc, orow0, ocol0, acol0, srow0, scol0;
   __device__ WarpPlace() {
     const int warp = threadIdx.x >> 5;
@@ -147,7 +146,7 @@ template <int DH, bool kReverse>
 __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16* xs,
                                              const bf16* ys, bf16* ab, const SweepInfo& ci,
                                              const float* dec, int c0, float scale) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
   const bool live0 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16);
   const bool live1 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16 + 1);
   if (!live0 && !live1) return;
@@ -187,7 +186,7 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
 template <int DH, bool kStateT>
 __device__ __forceinline__ void InterChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
                                            const bf16* xs, const bf16* sb, const float* roww) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int j = 0; j < kONT<DH>; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
 #pragma unroll
@@ -215,7 +214,7 @@ __device__ __forceinline__ void InterChunk(const WarpPlace<DH>& w, float (&O)[DH
 template <int DH, bool kReverse>
 __device__ __forceinline__ void IntraChunk(const WarpPlace<DH>& w, float (&O)[DH / 16][4],
                                            const bf16* ab, const bf16* zs) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int ks = 0; ks < kChunk / 16; ++ks) {
     if (!LiveScoreBlock<kReverse>(w.orow0 / 16, ks)) continue;
@@ -247,9 +246,10 @@ __device__ __forceinline__ void StoreOut(const WarpPlace<DH>& w, const float (&O
 // S = f S + (colw o Y)^T Z on the warp's state tile.
 template <int DH>
 __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
-                                            float (&S)[SweepLayout<DH, 1>::kSNT][4], const bf16* ys,
-                                            const bf16* zs, const float* colw, float f) {
-  using L = SweepLayout<DH, 1>;
+                                            float (&S)[SweepLayout<DH, 1, 1>::kSNT][4],
+                                            const bf16* ys, const bf16* zs, const float* colw,
+                                            float f) {
+  using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
 #pragma unroll
@@ -274,9 +274,9 @@ __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
 // The warp's state tile as bf16 into sb.
 template <int DH>
 __device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
-                                            const float (&S)[SweepLayout<DH, 1>::kSNT][4],
+                                            const float (&S)[SweepLayout<DH, 1, 1>::kSNT][4],
                                             bf16* sb) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) {
     const int r = w.srow0 + w.qr, c = w.scol0 + 8 * j + w.qc;
@@ -289,9 +289,9 @@ __device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
 // and its bf16 copy into sb.
 template <int DH>
 __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
-                                               float (&S)[SweepLayout<DH, 1>::kSNT][4],
+                                               float (&S)[SweepLayout<DH, 1, 1>::kSNT][4],
                                                const float* p0, bool transpose, bf16* sb) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) {
 #pragma unroll
@@ -303,14 +303,15 @@ __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
   StateToTile<DH>(w, S, sb);
 }
 
-// kBufs: Y and Z buffers. Main passes: 1 fetches the next chunk's X and Y once the scores, X S
-// and the state update (in registers) are done, and its Z after a third barrier; 2 fetches the
-// next chunk's Y and Z at the start of the chunk. State-only passes: 3, two chunks ahead, one
-// barrier per chunk.
+// kBufs: Y buffers. Main passes: 1 fetches the next chunk's X once the scores and X S are done
+// and its Y and Z after a third barrier; 2 fetches the next chunk's Y into the second buffer at
+// the start of the chunk and the chunk's own Z then too (waited for at the second barrier), so
+// no third barrier. State-only passes: 3 Y and Z buffers, two chunks ahead, one barrier a chunk.
 template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   static_assert(kStateOnly ? kBufs == 3 : kBufs == 1 || kBufs == 2, "Y/Z buffers");
-  using L = SweepLayout<DH, kBufs>;
+  constexpr int kZBufs = kStateOnly ? kBufs : 1;
+  using L = SweepLayout<DH, kBufs, kZBufs>;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* ys0 = reinterpret_cast<bf16*>(smem + L::kY);
   bf16* zs0 = reinterpret_cast<bf16*>(smem + L::kZ);
@@ -328,13 +329,13 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   const int64_t hoff = static_cast<int64_t>(h) * DH;
 
   FillDecay(a.log_decay[h], dec);
-  // Chunk n's tile of `src` (X, Y or Z) into dst (Y and Z: buffer n % kBufs).
+  // Chunk n's tile of `src` (X, Y or Z) into dst (Y: buffer n % kBufs, Z: n % kZBufs).
   auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
     const int c = chunk_of(n) * kChunk;
     LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
   };
   auto load_y = [&](int n) { load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
-  auto load_z = [&](int n) { load(zs0 + (n % kBufs) * L::kTile, a.z, a.z_stride, n); };
+  auto load_z = [&](int n) { load(zs0 + (n % kZBufs) * L::kTile, a.z, a.z_stride, n); };
   auto load_yz = [&](int n) { load_y(n), load_z(n); };
   // The first chunks' tiles (chunk 0's X too).
   load_yz(0);
@@ -367,15 +368,20 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
     const SweepInfo& ci = infos[n & 1];
     bf16* ys = ys0 + (n % kBufs) * L::kTile;
-    bf16* zs = zs0 + (n % kBufs) * L::kTile;
+    bf16* zs = zs0 + (n % kZBufs) * L::kTile;
     if (n + 1 < count) {
       ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
     }
-    // With several buffers, chunk n + kBufs - 1 goes into the buffer chunk n - 1 used, which every
-    // warp finished before this chunk's first barrier.
-    if constexpr (kBufs > 1) {
-      if (n + kBufs - 1 < count) load_yz(n + kBufs - 1);
-      if constexpr (kBufs == 3) CpAsyncCommit();  // possibly empty: keeps one group per chunk
+    // The tiles fetched now go where chunk n - 1's were, which every warp finished before this
+    // chunk's first barrier.
+    if constexpr (kBufs == 3) {
+      if (n + 2 < count) load_yz(n + 2);
+      CpAsyncCommit();  // possibly empty: keeps one group per chunk
+    } else if constexpr (kBufs == 2) {
+      if (n > 0) load_z(n);  // chunk 0's came with its X and Y
+      CpAsyncCommit();
+      if (n + 1 < count) load_y(n + 1);
+      CpAsyncCommit();
     }
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
@@ -389,6 +395,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
       float O[kONT<DH>][4];
       ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
       InterChunk<DH, false>(w, O, xs, sb, roww);
+      if constexpr (kBufs == 2) CpAsyncWait<1>();  // this chunk's Z (the next Y may stay)
       __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
       if (n + 1 < count) load(xs, a.x, a.x_stride, n + 1);
       IntraChunk<DH, kReverse>(w, O, ab, zs);
@@ -427,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 // are done, k and q once the dv scores and the state update (in registers) are, dO last.
 template <int DH>
 struct DkDvLayout {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
   static constexpr int kQ = 0;
   static constexpr int kO = kQ + L::kTile * 2;
   static constexpr int kV = kO + L::kTile * 2;
@@ -441,7 +448,7 @@ struct DkDvLayout {
 
 template <int DH>
 __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
-  using L = SweepLayout<DH, 1>;
+  using L = SweepLayout<DH, 1, 1>;
   using D = DkDvLayout<DH>;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
@@ -506,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
 
 template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
-  using L = SweepLayout<DH, kBufs>;
+  using L = SweepLayout<DH, kBufs, kStateOnly ? kBufs : 1>;
   constexpr int kSmem = kStateOnly ? L::kStateOnlyBytes : L::kMainBytes;
   auto* kernel = SweepKernel<DH, kReverse, kStateOnly, kBufs>;
   SPINDLE_CUDA_CHECK(
@@ -522,7 +529,7 @@ Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStre
     return reverse ? LaunchSweepT<DH, true, true, 3>(a, stream)
                    : LaunchSweepT<DH, false, true, 3>(a, stream);
   }
-  if (a.stages == 2) {
+  if (a.stages != 1) {
     return reverse ? LaunchSweepT<DH, true, false, 2>(a, stream)
                    : LaunchSweepT<DH, false, false, 2>(a, stream);
   }
