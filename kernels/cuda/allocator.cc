@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <string>
 
 namespace spindle::kernels::cuda {
 
@@ -12,6 +14,12 @@ namespace {
 constexpr size_t kSmallGranule = 512;
 constexpr size_t kLargeGranule = 2u << 20;
 constexpr size_t kLargeThreshold = 1u << 20;
+
+std::string GiB(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1u << 30));
+  return buf;
+}
 }  // namespace
 
 size_t CachingAllocator::RoundSize(size_t bytes) {
@@ -42,6 +50,10 @@ Status CachingAllocator::Allocate(size_t bytes, void** ptr) {
       (void)cudaGetLastError();
       SPINDLE_RETURN_IF_ERROR(ReleaseCachedLocked());
       e = cudaMalloc(&p, size);
+      if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        return OutOfMemory(size);
+      }
     }
     SPINDLE_CUDA_CHECK(e);
     ++stats_.cuda_mallocs;
@@ -58,6 +70,21 @@ Status CachingAllocator::Allocate(size_t bytes, void** ptr) {
     SPINDLE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   return Status::Ok();
+}
+
+Status CachingAllocator::OutOfMemory(size_t size) const {
+  size_t free = 0, total = 0;
+  std::string device = "unknown";
+  if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
+    device = GiB(free) + " free of " + GiB(total);
+  } else {
+    (void)cudaGetLastError();
+  }
+  return {StatusCode::kOutOfMemory,
+          "CachingAllocator: out of device memory allocating " + GiB(size) +
+              " (this allocator: " + GiB(stats_.allocated) + " allocated, " + GiB(stats_.reserved) +
+              " reserved, peak " + GiB(stats_.peak_allocated) + "; the device: " + device +
+              "); shorter sequences, recompute or a larger cp need less per GPU"};
 }
 
 Status CachingAllocator::Free(void* ptr) {

@@ -33,7 +33,9 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // *ptr = a block of at least `bytes` (256-byte aligned; nullptr for 0 bytes). On
-  // cudaErrorMemoryAllocation the cache is released and cudaMalloc tried once more.
+  // cudaErrorMemoryAllocation the cache is released and cudaMalloc tried once more; if that fails
+  // too, kOutOfMemory names the request, this allocator's use and the device's free memory, and
+  // nothing changes but the released cache.
   Status Allocate(size_t bytes, void** ptr);
   // Returns a block from Allocate to the cache. Null is ignored.
   Status Free(void* ptr);
@@ -50,6 +52,7 @@ class CachingAllocator {
 
  private:
   Status ReleaseCachedLocked();
+  Status OutOfMemory(size_t size) const;  // the kOutOfMemory status of a failed request
 
   mutable std::mutex mu_;
   std::multimap<size_t, void*> free_;           // rounded size -> cached block

@@ -13,10 +13,11 @@ namespace spindle::kernels::cuda {
 enum class StatusCode {
   kOk = 0,
   kInvalidArgument,  // a size, pointer or dtype the kernel does not accept: fix the call
-  kUnsupported,      // a valid value that no kernel is built for (say a head size): dispatch elsewhere
-  kCudaError,        // the CUDA runtime reported an error (including out of memory)
-  kCublasError,      // cuBLASLt reported an error or found no algorithm
-  kCudnnError,       // cuDNN reported an error or no engine accepted the graph (sdpa.h)
+  kUnsupported,  // a valid value that no kernel is built for (say a head size): dispatch elsewhere
+  kCudaError,    // the CUDA runtime reported an error
+  kOutOfMemory,  // not enough free device memory (CachingAllocator): fit the job instead
+  kCublasError,  // cuBLASLt reported an error or found no algorithm
+  kCudnnError,   // cuDNN reported an error or no engine accepted the graph (sdpa.h)
 };
 
 class [[nodiscard]] Status {

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -749,6 +751,37 @@ TEST_F(CudaOnly, CachingAllocatorReusesBlocksAndCounts) {
   EXPECT_EQ(alloc.Stats().reserved, 0u);
   int local = 0;
   EXPECT_EQ(alloc.Free(&local).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CudaOnly, CachingAllocatorNamesAnAllocationTheDeviceCannotHold) {
+  size_t free = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  CachingAllocator alloc;
+  void *kept = nullptr, *cached = nullptr, *p = nullptr;
+  ASSERT_OK(alloc.Allocate(3u << 20, &kept));
+  ASSERT_OK(alloc.Allocate(5u << 20, &cached));
+  ASSERT_OK(alloc.Free(cached));
+  const AllocatorStats before = alloc.Stats();
+  const Status s = alloc.Allocate(total + (1ull << 30), &p);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(p, nullptr);
+  char want[64];
+  std::snprintf(
+      want, sizeof(want), "allocating %.2f GiB",
+      static_cast<double>(CachingAllocator::RoundSize(total + (1ull << 30))) / (1u << 30));
+  for (const char* part : {"out of device memory", static_cast<const char*>(want),
+                           "0.00 GiB allocated", " free of "}) {
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " in: " << s.message();
+  }
+  // Only the cache went back to the device; the live block is untouched and more can be had.
+  const AllocatorStats after = alloc.Stats();
+  EXPECT_EQ(after.allocated, before.allocated);
+  EXPECT_EQ(after.reserved, before.allocated);
+  EXPECT_EQ(after.cuda_mallocs, before.cuda_mallocs);
+  ASSERT_OK(alloc.Allocate(1u << 20, &p));
+  EXPECT_NE(p, nullptr);
+  ASSERT_OK(alloc.Free(p));
+  ASSERT_OK(alloc.Free(kept));
 }
 
 // Needs no GPU: the dtype is refused before any launch.

@@ -50,6 +50,8 @@ absl::Status FromKernel(const kc::Status& s) {
       return absl::InvalidArgumentError(s.message());
     case kc::StatusCode::kUnsupported:
       return absl::UnimplementedError(s.message());
+    case kc::StatusCode::kOutOfMemory:
+      return absl::ResourceExhaustedError(s.message());
     default:
       return absl::InternalError(s.message());
   }
