@@ -387,7 +387,6 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     const float* colw = kReverse ? ci.qw : ci.kw;
 
     // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
-    const bool update = kStateOnly || n + 1 < count;
     if constexpr (kStateOnly) {
       f_prod *= ci.f;
       UpdateState<DH>(w, S, ys, zs, colw, ci.f);
@@ -401,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
       IntraChunk<DH, kReverse>(w, O, ab, zs);
       StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + hoff, a.out_stride,
                    ci.len);
-      if (update) {
+      if (n + 1 < count) {
         UpdateState<DH>(w, S, ys, zs, colw, ci.f);
         StateToTile<DH>(w, S, sb);
       }
