@@ -20,9 +20,9 @@
 // and this chunk's Z are fetched at the start of the chunk (115,584 bytes of shared memory at
 // DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
 // state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
-// chunk. The per-warp steps (scores, X S, scores x Z, the state update)
-// are device functions shared with the second kernel here, the fused dk / dv reverse sweep, which
-// walks the dk and dv instances of one chunk together over one dS.
+// chunk. The per-warp steps (scores, X S, scores x Z, the state update) are device functions
+// shared with the second kernel here, the fused dk / dv reverse sweep, which walks the dk and dv
+// instances of one chunk together over one dS.
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
