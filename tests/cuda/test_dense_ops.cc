@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -502,25 +503,43 @@ TEST_P(DenseOps, GroupNormGateForwardBackward) {
 }
 
 TEST_P(DenseOps, CrossEntropyRowBlockWithIgnoredTargets) {
-  const int64_t T = 37, V = 1031;
-  auto logits = Rand(T * V, 3.0f);
-  std::vector<int32_t> targets(T);
-  for (int64_t t = 0; t < T; ++t) targets[t] = t % 5 == 4 ? -1 : static_cast<int32_t>(rng_() % V);
-  auto d_logits = Upload(logits, dt());
-  auto d_targets = UploadRaw(targets);
-  DeviceBuffer d_loss(T * 4), d_sum(8);
-  const float scale = 1.0f / 29.0f;
-  ASSERT_OK(CrossEntropy(d_logits.get(), d_targets.as<int32_t>(), T, V, scale,
-                         d_loss.as<float>(), d_logits.get(), dt(), 0));
-  ASSERT_OK(SumRows(d_loss.as<float>(), T, d_sum.as<double>(), 0));
-  std::vector<float> dlogits(T * V);
-  int64_t n_valid = 0;
-  const double want = cpu::CrossEntropy(logits.data(), targets.data(), T, V, scale,
-                                        dlogits.data(), &n_valid);
-  double got = 0.0;
-  ASSERT_CUDA(cudaMemcpy(&got, d_sum.get(), 8, cudaMemcpyDeviceToHost));
-  EXPECT_NEAR(got, want, 1e-4 * std::abs(want) + 1e-4);
-  ExpectClose(Download(d_logits.get(), T * V, dt()), dlogits, dt(), "dlogits");
+  // V = 1031: value by value; 1032 and 32000: whole 16-byte vectors (either dtype); 1032 with the
+  // buffer one value off alignment: value by value again. The gradient overwrites the logits.
+  const int64_t T = 37;
+  for (const auto& [V, offset] :
+       {std::pair<int64_t, int64_t>{1031, 0}, {1032, 0}, {32000, 0}, {1032, 1}}) {
+    SCOPED_TRACE("V " + std::to_string(V) + " offset " + std::to_string(offset));
+    auto logits = Rand(T * V, 3.0f);
+    logits[5 * V + 3] = 40.0f;  // one row with a dominant value
+    std::vector<int32_t> targets(T);
+    for (int64_t t = 0; t < T; ++t) {
+      targets[t] = t % 5 == 4 ? -1 : static_cast<int32_t>(rng_() % V);
+    }
+    std::vector<float> padded(offset, 0.0f);
+    padded.insert(padded.end(), logits.begin(), logits.end());
+    auto d_buf = Upload(padded, dt());
+    void* d_logits = static_cast<char*>(d_buf.get()) + offset * DTypeSize(dt());
+    auto d_targets = UploadRaw(targets);
+    DeviceBuffer d_loss(T * 4), d_loss_only(T * 4), d_sum(8);
+    const float scale = 1.0f / 29.0f;
+    // Loss only first (the logits stay), then loss and gradient in place.
+    ASSERT_OK(CrossEntropy(d_logits, d_targets.as<int32_t>(), T, V, scale, d_loss_only.as<float>(),
+                           nullptr, dt(), 0));
+    ASSERT_OK(CrossEntropy(d_logits, d_targets.as<int32_t>(), T, V, scale, d_loss.as<float>(),
+                           d_logits, dt(), 0));
+    ASSERT_OK(SumRows(d_loss.as<float>(), T, d_sum.as<double>(), 0));
+    std::vector<float> dlogits(T * V);
+    int64_t n_valid = 0;
+    const double want =
+        cpu::CrossEntropy(logits.data(), targets.data(), T, V, scale, dlogits.data(), &n_valid);
+    double got = 0.0;
+    ASSERT_CUDA(cudaMemcpy(&got, d_sum.get(), 8, cudaMemcpyDeviceToHost));
+    EXPECT_NEAR(got, want, 1e-4 * std::abs(want) + 1e-4);
+    EXPECT_EQ(Download(d_loss_only.get(), T, DType::kFloat32),
+              Download(d_loss.get(), T, DType::kFloat32));
+    const auto all = Download(d_buf.get(), offset + T * V, dt());
+    ExpectClose(std::vector<float>(all.begin() + offset, all.end()), dlogits, dt(), "dlogits");
+  }
 }
 
 TEST_P(DenseOps, GemmAllTransposesAndLinear) {
