@@ -9,6 +9,10 @@
 // then wall time - N, the GPU's own time without launch gaps (a diagnostic: if it is well below
 // the plain step time, the host, not the GPU, paces the step). "host enqueue ms": how long
 // ForwardBackward took to queue its work (CudaModel::last_enqueue_seconds), median step.
+// "loss": the last step's, on the one batch every step trains on (a 1B model memorises it within
+// a few steps); "held-out loss": a forward pass over fresh random tokens after those steps, which
+// stays near ln(vocab) or above (nothing to predict), so a low training loss is memorisation, not a
+// look at later tokens.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
 //                         [--head_start_ms 0]
@@ -67,16 +71,19 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
               prop.name, preset.c_str(), config->NumParams() / 1e6);
   std::printf(
       "| T | recompute | step ms | host enqueue ms | forward-only ms | optimizer ms | "
-      "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss | held-out loss |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   TrainSpec spec;
   spec.weight_decay = 0.1;
-  for (int64_t T : Ts) {
-    std::mt19937 gen(7);
+  auto random_batch = [&](int64_t T, uint32_t seed) {
+    std::mt19937 gen(seed);
     std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(config->vocab) - 2);
     std::vector<int32_t> tokens(T);
     for (auto& t : tokens) t = tok(gen);
-    const Batch b = MakeSequenceBatch(tokens, static_cast<int32_t>(config->vocab) - 1);
+    return MakeSequenceBatch(tokens, static_cast<int32_t>(config->vocab) - 1);
+  };
+  for (int64_t T : Ts) {
+    const Batch b = random_batch(T, 7), held_out = random_batch(T, 8);
     for (int rec : recs) {
       m.ResetPeakMemory();
       std::vector<double> times, enqueue;
@@ -127,14 +134,18 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
                   : -1.0;
       };
       const double fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
+      auto ho = m.Forward(held_out);
+      const double ho_loss = ho.ok() ? ho->loss_sum / std::max<int64_t>(1, ho->n_valid) : -1.0;
       const double opt_ms = timed_ms([&] {
         return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
       });
       std::printf(
-          "| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f |\n",
+          "| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
+          "%.3f "
+          "|\n",
           static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
           FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
-          Gib(mem.device_used), loss);
+          Gib(mem.device_used), loss, ho_loss);
       std::fflush(stdout);
     }
   }
