@@ -52,6 +52,11 @@ struct ModelConfig {
 // a job is submitted, and the CUDA engine before any device work.
 std::string CudaShapeProblem(const ModelConfig& c);
 
+// The CUDA engine's MLA AllGather walks the gathered keys of a cross piece in blocks of this many
+// rows (rebuilt per block from the latent), so its scratch follows this, not the sequence; the
+// planner's memory estimate counts the same blocks.
+inline constexpr int64_t kCudaMlaKeyBlock = 32768;
+
 // `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 

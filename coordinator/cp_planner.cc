@@ -128,8 +128,8 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
   if (cuda_mla_allgather) {
     // One key block's keys and kv_b output, their gradients and Sdpa's staging of them (rows for
-    // the larger of a chunk and a 32K-row block), and the fp32 reduce-scatter blocks.
-    const int64_t rows = std::max<int64_t>(spec.seq_len / (2 * cp), 32768);
+    // the larger of a chunk and a key block), and the fp32 reduce-scatter blocks.
+    const int64_t rows = std::max<int64_t>(spec.seq_len / (2 * cp), kCudaMlaKeyBlock);
     e.workspace_bytes +=
         4 * rows * mla_ag_row * B + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
   }

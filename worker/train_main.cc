@@ -21,8 +21,8 @@
 // Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
 // CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
 // for model shapes the CUDA kernels do not take (CudaShapeProblem in common/model_config.h), they
-// fail at start with exit code 2, and with exit code 1 where no GPU is usable. --eval of such a job runs on the GPU too when built with
-// it, else on the CPU (checkpoints are shared).
+// fail at start with exit code 2, and with exit code 1 where no GPU is usable. --eval of such a
+// job runs on the GPU too when built with it, else on the CPU (checkpoints are shared).
 #include <omp.h>
 
 #include <cstdio>

@@ -47,7 +47,8 @@ struct LightningConfig {
   bool separate_dk_dv = false;
   // Sweeps other than the fused dk/dv one: 0 picks (mma.sync: the wgmma sweep is slower so far,
   // bench/cuda/NOTES.md round 6), 1 = mma.sync, 2 = wgmma where it runs (Dh = 128, an sm_90
-  // device, a build for sm_90a, single-buffered stages; mma.sync elsewhere).
+  // device, a build for sm_90a, stages other than 2; mma.sync elsewhere; the wgmma sweep keeps
+  // three tile buffers of its own).
   int sweep_kernel = 0;
 };
 // Whether this build and the current device run the wgmma sweep (see LightningConfig).

@@ -174,8 +174,7 @@ __device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_
   return PackBf16(f.x * w_lo, f.y * w_hi);
 }
 
-// Per-chunk quantities, computed by threads 0..63 without a barrier (see the file comment of
-// lightning_common.cuh).
+// Per-chunk quantities, computed by threads 0..63 without a barrier (see the top of this file).
 struct SweepInfo {
   int seg[kChunk];
   float qw[kChunk];

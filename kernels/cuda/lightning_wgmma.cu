@@ -4,15 +4,16 @@
 //
 //   out = diag(rowW) X S + (Mask o X Y^T) Z        S = f S + (colW o Y)^T Z
 //
-// Why: the mma.sync sweep is bound by shared-memory operand traffic (every warp re-reads its
-// operand fragments through ldmatrix: ~570 KB per chunk and block, bench/cuda/NOTES.md round 4).
-// wgmma reads each 64 x N operand tile once per warpgroup straight from shared memory, and takes
-// the masked scores from registers. Measured so far it is slower than the mma.sync sweep (main
-// sweep 311 against 289 us, state pass 134 against 101 us at T = 32K, H = 16): it issues about as
-// many instructions per chunk as the mma.sync sweep (tile loads, the bf16 state copy, masks, the
-// scaling of Y^T) and its warps wait in lockstep (bench/cuda/NOTES.md round 6). So it runs only
-// when LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass,
-// as the base for the Lightning speed target's next step (TMA loads and warp specialisation).
+// Why: every warp of the mma.sync sweep re-reads its operand fragments through ldmatrix (~570 KB
+// per chunk and block, bench/cuda/NOTES.md round 4) and waits on them (round 7); wgmma reads each
+// 64 x N operand tile once per warpgroup straight from shared memory, and takes the masked scores
+// from registers. Measured it is slower than the mma.sync sweep (round 6: main sweep 306-311
+// against 289 us, state pass 134 against 101 us at T = 32K, H = 16; the mma.sync kernels have
+// since gone to 258 and 90 us, round 7): it issues about as many instructions per chunk as the
+// mma.sync sweep (tile loads, the bf16 state copy, masks, the scaling of Y^T) and its warps wait in
+// lockstep at one block per SM. So it runs only when LightningConfig::sweep_kernel asks for it;
+// it is kept, tested against the CPU on every pass, as the base for the Lightning speed target's
+// next step (TMA loads and warp specialisation).
 //
 // Layout: two warpgroups (256 threads, one block per SM). Each chunk tile [64 tokens, 128] sits in
 // shared memory as 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
       LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
       LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    CpAsyncCommit();
   };
 
 #pragma unroll
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
     const int c0 = chunk_of(n) * kChunk;
     const bool more = n + 1 < count;
     const bool update = kStateOnly || more;  // the main passes skip the last chunk's update
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    CpAsyncWait<kStages - 2>();
     FenceProxyAsync();
     // This chunk's tiles, info and bf16 state are in place; every read of chunk n - 1 is done
     // (each warpgroup waited for its wgmma), so its buffers may be refilled.

@@ -827,6 +827,17 @@ Status CheckPtrs(std::initializer_list<std::pair<const char*, const void*>> ptrs
   }
   return Status::Ok();
 }
+// The pointers of a forward call, and of a backward call (the forward's and the gradients').
+Status CheckForwardPtrs(const void* q, const void* k, const void* v, const void* out,
+                        const float* stats) {
+  return CheckPtrs({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"stats", stats}});
+}
+Status CheckBackwardPtrs(const void* q, const void* k, const void* v, const void* out,
+                         const float* stats, const void* dout, const void* dq, const void* dk,
+                         const void* dv) {
+  SPINDLE_RETURN_IF_ERROR(CheckForwardPtrs(q, k, v, out, stats));
+  return CheckPtrs({{"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+}
 
 Status Validate(const SdpaDims& dims, DType dtype, const int32_t* cu, int64_t n_segments,
                 float scale, Call* call) {
@@ -1425,8 +1436,7 @@ Status Sdpa::Forward(const void* q, const void* k, const void* v, void* out, flo
                      const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(
-      CheckPtrs({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"stats", stats}}));
+  SPINDLE_RETURN_IF_ERROR(CheckForwardPtrs(q, k, v, out, stats));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1452,15 +1462,7 @@ Status Sdpa::Backward(const void* q, const void* k, const void* v, const void* o
                       const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(Validate(dims, dtype, cu_seqlens, n_segments, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(CheckPtrs({{"q", q},
-                                     {"k", k},
-                                     {"v", v},
-                                     {"out", out},
-                                     {"stats", stats},
-                                     {"dout", dout},
-                                     {"dq", dq},
-                                     {"dk", dk},
-                                     {"dv", dv}}));
+  SPINDLE_RETURN_IF_ERROR(CheckBackwardPtrs(q, k, v, out, stats, dout, dq, dk, dv));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1545,8 +1547,7 @@ Status Sdpa::ForwardFull(const void* q, const void* k, const void* v, void* out,
                          float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(
-      CheckPtrs({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"stats", stats}}));
+  SPINDLE_RETURN_IF_ERROR(CheckForwardPtrs(q, k, v, out, stats));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;
@@ -1568,15 +1569,7 @@ Status Sdpa::BackwardFull(const void* q, const void* k, const void* v, const voi
                           float scale, const SdpaDims& dims, DType dtype, cudaStream_t stream) {
   Call c;
   SPINDLE_RETURN_IF_ERROR(ValidateFull(dims, dtype, scale, &c));
-  SPINDLE_RETURN_IF_ERROR(CheckPtrs({{"q", q},
-                                     {"k", k},
-                                     {"v", v},
-                                     {"out", out},
-                                     {"stats", stats},
-                                     {"dout", dout},
-                                     {"dq", dq},
-                                     {"dk", dk},
-                                     {"dv", dv}}));
+  SPINDLE_RETURN_IF_ERROR(CheckBackwardPtrs(q, k, v, out, stats, dout, dq, dk, dv));
   const SdpaDims& d = c.d;
   if (d.T == 0) return Status::Ok();
   Impl& m = *impl_;

@@ -36,10 +36,7 @@ using KDType = kc::DType;
 namespace {
 
 constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
-constexpr int64_t kAb = 2;                // bytes per activation element
-// MLA AllGather: key rows per block of a cross piece (its keys, values and their gradients are
-// rebuilt and dropped block by block).
-constexpr int64_t kMlaKeyBlock = 32768;
+constexpr int64_t kAb = 2;                  // bytes per activation element
 // 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] attention stats.
 int64_t StatsSlot(int64_t H, int64_t ch) { return (H * ch + 3) / 4 * 4; }
 
@@ -676,7 +673,7 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     if (ag_bytes > 0) {
       RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, ag_bytes));
       RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, ag_bytes));
-      const int64_t rows = std::max(B.chunk, kMlaKeyBlock);
+      const int64_t rows = std::max(B.chunk, kCudaMlaKeyBlock);
       const int64_t kvw = c.mla.qk_nope_dim + vd;
       for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
       for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
@@ -1066,7 +1063,7 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
 // causally with its documents (Sdpa::Forward on the chunk), and, when its first token continues
 // a document begun earlier, the tokens of that document inside the chunk (the first segment)
 // attend the document's earlier tokens without a mask (Sdpa::ForwardFull), walked in key blocks
-// of kMlaKeyBlock rows so that memory does not grow with the whole sequence: each block's keys
+// of kCudaMlaKeyBlock rows so that memory does not grow with the whole sequence: each block's keys
 // and values are rebuilt from the gathered latent with kv_b, and its piece merges into an fp32
 // running output by the log-sum-exp statistics (AttentionMerge). The backward walks the same
 // pieces with the merged output and statistics (which makes each piece's gradients its share),
@@ -1167,8 +1164,8 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
     const int64_t nq = B.first_segment[slot];
     float* acc = W.ag_acc.f32();
     KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, nq, H * vd, stream));
-    for (int64_t a = B.key_begin[slot]; a < first; a += kMlaKeyBlock) {
-      const int64_t b = std::min(first, a + kMlaKeyBlock);
+    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
       kc::SdpaDims full = MlaDims(c, nq);
       full.Tkv = b - a;
@@ -1209,8 +1206,8 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
     // The merged stats of the first nq queries, dense [H, nq] as the nq-query graph reads them.
     CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), nq * 4, C.stats.f32() + slot * SS, ch * 4, nq * 4, H,
                            cudaMemcpyDeviceToDevice, stream));
-    for (int64_t a = B.key_begin[slot]; a < first; a += kMlaKeyBlock) {
-      const int64_t b = std::min(first, a + kMlaKeyBlock);
+    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
       kc::SdpaDims full = MlaDims(c, nq);
       full.Tkv = b - a;
