@@ -247,11 +247,13 @@ int main(int argc, char** argv) {
     const double act = static_cast<double>(T) * HD * 2;  // one [T, H, Dh] bf16 tensor
     const double n_chunks = T / 64.0;
     const double fwd_flops = n_chunks * H * 2.0 * (64.0 * 64 * Dh * 2 + 64.0 * Dh * Dh * 2);
-    // (chunks per block, stages, separate dk and dv sweeps, sweep kernel: 1 mma.sync, 2 wgmma);
-    // 0 = automatic. The first two rows are the two sweep kernels side by side.
+    // (chunks per block, stages, separate dk and dv sweeps, sweep kernel: 1 mma.sync, 2 wgmma,
+    // 3 mma.sync with the state transposed); 0 = automatic. The first three rows are the sweep
+    // kernels side by side.
     int row = -1;
     for (auto [cpb, stages, separate, kernel] : {std::tuple{0, 1, false, 2},
                                                  {0, 0, false, 1},
+                                                 {0, 0, false, 3},
                                                  {0, 0, true, 0},
                                                  {0, 1, false, 0},
                                                  {16, 1, false, 2},
@@ -279,7 +281,8 @@ int main(int argc, char** argv) {
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
                               " st=" + std::to_string(stages) + (separate ? " dk|dv" : "") +
-                              (kernel == 2   ? " wgmma"
+                              (kernel == 3   ? " mma.sync-T"
+                               : kernel == 2 ? " wgmma"
                                : kernel == 1 ? " mma.sync"
                                              : "");
       const double tf = TimeMs([&] { fwd(false); }), tb = TimeMs([&] { bwd(false); });

@@ -14,8 +14,11 @@
 // stays near ln(vocab) or above (nothing to predict), so a low training loss is memorisation, not a
 // look at later tokens.
 //
+// --head_rows N: rows per LM-head block (CudaModel::SetHeadBlockRows; 0, the default, is the
+// model's automatic choice).
+//
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
-//                         [--head_start_ms 0]
+//                         [--head_start_ms 0] [--head_rows 0]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -53,7 +56,7 @@ void CUDART_CB HoldStream(void* ms) {
 }
 
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int>& recs,
-        int steps, int head_start_ms) {
+        int steps, int head_start_ms, int64_t head_rows) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -65,6 +68,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
     return 1;
   }
   CudaModel& m = **model_or;
+  if (absl::Status st = m.SetHeadBlockRows(head_rows); !st.ok()) {
+    std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
+    return 2;
+  }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
@@ -159,6 +166,7 @@ int main(int argc, char** argv) {
   std::string preset = "1b", rec = "0";
   std::vector<int64_t> Ts = {8192, 32768};
   int steps = 6, head_start_ms = 0;
+  int64_t head_rows = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset") {
@@ -173,11 +181,13 @@ int main(int argc, char** argv) {
       steps = std::max(1, std::atoi(v.c_str()));
     } else if (k == "--head_start_ms") {
       head_start_ms = std::max(0, std::atoi(v.c_str()));
+    } else if (k == "--head_rows") {
+      head_rows = std::atoll(v.c_str());
     } else {
       std::fprintf(stderr, "bench_model_cuda: unknown flag %s\n", k.c_str());
       return 2;
     }
   }
   std::vector<int> recs = rec == "both" ? std::vector<int>{0, 1} : std::vector<int>{rec == "1"};
-  return spindle::Run(preset, Ts, recs, steps, head_start_ms);
+  return spindle::Run(preset, Ts, recs, steps, head_start_ms, head_rows);
 }

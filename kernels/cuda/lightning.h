@@ -45,10 +45,12 @@ struct LightningConfig {
   int stages = 0;
   // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
   bool separate_dk_dv = false;
-  // Sweeps other than the fused dk/dv one: 0 picks (mma.sync: the wgmma sweep is slower so far,
-  // bench/cuda/NOTES.md round 6), 1 = mma.sync, 2 = wgmma where it runs (Dh = 128, an sm_90
-  // device, a build for sm_90a, stages other than 2; mma.sync elsewhere; the wgmma sweep keeps
-  // three tile buffers of its own).
+  // Sweeps other than the fused dk/dv one: 1 = mma.sync; 2 = wgmma where it runs (Dh = 128, an
+  // sm_90 device, a build for sm_90a, stages other than 2; mma.sync elsewhere; the wgmma sweep
+  // keeps three tile buffers of its own; slower so far, bench/cuda/NOTES.md round 6); 3 = the main
+  // passes at Dh = 128 on the mma.sync sweep that holds the state transposed (no bf16 state copy
+  // in shared memory; Y double-buffered whatever `stages` says; round 8). 0 picks 3 when stages is
+  // 0 too, else 1.
   int sweep_kernel = 0;
 };
 // Whether this build and the current device run the wgmma sweep (see LightningConfig).

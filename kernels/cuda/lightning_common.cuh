@@ -227,9 +227,15 @@ struct SweepArgs {
   int chunks_per_block, n_chunks, G;
   int stages;  // main passes: 1 = one buffer per tile; otherwise Y double-buffered
   bool wgmma;  // run the wgmma sweep (lightning_wgmma.cu; Dh = 128 on sm_90a)
+  bool transposed_state;  // main passes at Dh = 128: the sweep holding the state transposed
 };
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream);
+// Whether a config's main passes take the sweep holding the state transposed where it runs
+// (Dh = 128): when asked for, and by default (sweep_kernel and stages both 0).
+inline bool UseTransposedSweep(const LightningConfig& config) {
+  return config.sweep_kernel == 3 || (config.sweep_kernel == 0 && config.stages == 0);
+}
 // The wgmma sweep (lightning_wgmma.cu): whether this build and device run it, whether a call
 // with this head size and config should, and its launcher (same arguments as LaunchSweep's).
 bool WgmmaSweepAvailable();

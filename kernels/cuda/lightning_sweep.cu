@@ -21,8 +21,10 @@
 // DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
 // state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
 // chunk. The per-warp steps (scores, X S, scores x Z, the state update) are device functions
-// shared with the second kernel here, the fused dk / dv reverse sweep, which walks the dk and dv
-// instances of one chunk together over one dS.
+// shared with the other kernels here: the main passes' sweep that holds the state transposed
+// (Dh = 128, the default there: no bf16 state copy through shared memory, see SweepTKernel) and
+// the fused dk / dv reverse sweep, which walks the dk and dv instances of one chunk together over
+// one dS.
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
@@ -423,6 +425,229 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   }
 }
 
+// ---- The main sweep with the state held transposed (Dh = 128) ----------------------------------
+// The main passes' recurrence with each warp holding 16 rows of R = S^T (value rows v0 = 16 warp
+// .. v0 + 15, every key column: 64 fp32 registers) instead of 16 rows of S. The inter-chunk
+// product then runs transposed, O^T = R X^T, with R's bf16 fragments as the A operand straight
+// from registers (an m16n8 accumulator tile is laid out as an m16k8 A half), so no bf16 copy of
+// the state goes through shared memory. O^T += Z^T (Mask o X Y^T)^T and the update
+// R = f R + Z^T diag(colW) Y share each 16-token step's Z^T fragment, and every warp does the same
+// intra-chunk work (all 64 tokens of its value rows). The output leaves through a staging tile
+// (stmatrix.trans) and is copied out with 16-byte stores at the start of the next chunk. Tiles and
+// barriers as SweepKernel's stages == 2: Y double-buffered, two barriers a chunk.
+struct SweepTLayout {
+  static constexpr int DH = 128;
+  using L = SweepLayout<DH, 1, 1>;
+  static constexpr int kY = 0;  // two buffers
+  static constexpr int kZ = kY + 2 * L::kTile * 2;
+  static constexpr int kX = kZ + L::kTile * 2;
+  static constexpr int kO = kX + L::kTile * 2;  // output staging [64, DH]
+  static constexpr int kA = kO + L::kTile * 2;
+  static constexpr int kInfo = kA + kChunk * L::kAPitch * 2;
+  static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
+  static constexpr int kBytes = kDec + 65 * 4;
+};
+
+__device__ __forceinline__ void Stm4T(bf16* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(SmemAddr(p)),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
+// O^T[v0.., t] = roww[t] sum_k R[v, k] X[t, k]: R's bf16 fragments as A, X from its tile as B.
+template <int DH>
+__device__ __forceinline__ void InterChunkT(float (&O)[kChunk / 8][4], const float (&R)[DH / 8][4],
+                                            const bf16* xs, const float* roww, int lane) {
+  using L = SweepLayout<DH, 1, 1>;
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; ++kk) {
+    const uint32_t fa[4] = {
+        PackBf16(R[2 * kk][0], R[2 * kk][1]), PackBf16(R[2 * kk][2], R[2 * kk][3]),
+        PackBf16(R[2 * kk + 1][0], R[2 * kk + 1][1]), PackBf16(R[2 * kk + 1][2], R[2 * kk + 1][3])};
+#pragma unroll
+    for (int nb = 0; nb < kChunk / 16; ++nb) {
+      uint32_t fb[4];
+      LoadBNK(fb, xs, L::kPitch, nb * 16, kk * 16, lane);
+      Mma(O[2 * nb], fa, fb[0], fb[1]);
+      Mma(O[2 * nb + 1], fa, fb[2], fb[3]);
+    }
+  }
+  const int qc = (lane & 3) * 2;
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j) {
+    const float w0 = roww[8 * j + qc], w1 = roww[8 * j + qc + 1];
+    O[j][0] *= w0, O[j][1] *= w1, O[j][2] *= w0, O[j][3] *= w1;
+  }
+}
+
+// O^T += Z^T (masked scores)^T over the exchange tile's live blocks and, when `update`,
+// R = f R + Z^T diag(colw) Y, one Z^T fragment per 16-token step for both.
+template <int DH, bool kReverse>
+__device__ __forceinline__ void IntraAndUpdateT(float (&O)[kChunk / 8][4], float (&R)[DH / 8][4],
+                                                const bf16* zs, const bf16* ab, const bf16* ys,
+                                                const float* colw, float f, bool update, int v0,
+                                                int lane) {
+  using L = SweepLayout<DH, 1, 1>;
+  if (update) {
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j) R[j][0] *= f, R[j][1] *= f, R[j][2] *= f, R[j][3] *= f;
+  }
+  const int qc = (lane & 3) * 2;
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    uint32_t fa[4];
+    LoadAT(fa, zs, L::kPitch, v0, ks * 16, lane);
+#pragma unroll
+    for (int nb = 0; nb < kChunk / 16; ++nb) {
+      if (!LiveScoreBlock<kReverse>(nb, ks)) continue;
+      uint32_t fb[4];
+      LoadBNK(fb, ab, L::kAPitch, nb * 16, ks * 16, lane);
+      Mma(O[2 * nb], fa, fb[0], fb[1]);
+      Mma(O[2 * nb + 1], fa, fb[2], fb[3]);
+    }
+    if (!update) continue;
+    // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
+    const int t0 = ks * 16 + qc;
+    const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
+    fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
+    fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
+#pragma unroll
+    for (int np = 0; np < DH / 16; ++np) {
+      uint32_t fb[4];
+      LoadBKN(fb, ys, L::kPitch, np * 16, ks * 16, lane);
+      Mma(R[2 * np], fa, fb[0], fb[1]);
+      Mma(R[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+
+// The warp's O^T (value rows v0.., 64 tokens) as bf16 into the staging tile os[token][value]:
+// each 8 x 8 accumulator block stored transposed by stmatrix.trans.
+template <int DH>
+__device__ __forceinline__ void StageOutT(const float (&O)[kChunk / 8][4], bf16* os, int v0,
+                                          int lane) {
+  using L = SweepLayout<DH, 1, 1>;
+  const int m = lane >> 3, r = lane & 7;  // the matrix whose row `r` this lane addresses
+#pragma unroll
+  for (int jp = 0; jp < kChunk / 16; ++jp) {
+    const int j = 2 * jp + (m >> 1), vb = m & 1;
+    Stm4T(os + (8 * j + r) * L::kPitch + v0 + 8 * vb, PackBf16(O[2 * jp][0], O[2 * jp][1]),
+          PackBf16(O[2 * jp][2], O[2 * jp][3]), PackBf16(O[2 * jp + 1][0], O[2 * jp + 1][1]),
+          PackBf16(O[2 * jp + 1][2], O[2 * jp + 1][3]));
+  }
+}
+
+// The staging tile's rows below len to out (the chunk's first row of the head), 16-byte stores.
+template <int DH>
+__device__ __forceinline__ void CopyOutT(const bf16* os, bf16* out, int64_t stride, int len) {
+  using L = SweepLayout<DH, 1, 1>;
+  constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec;
+  const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
+#pragma unroll
+  for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
+    const int r = r0 + i * kRowsPerPass;
+    if (r < len) {
+      *reinterpret_cast<uint4*>(out + r * stride + c) =
+          *reinterpret_cast<const uint4*>(os + r * L::kPitch + c);
+    }
+  }
+}
+
+template <bool kReverse>
+__global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
+  constexpr int DH = 128;
+  using L = SweepLayout<DH, 1, 1>;
+  using T = SweepTLayout;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* ys0 = reinterpret_cast<bf16*>(smem + T::kY);
+  bf16* zs = reinterpret_cast<bf16*>(smem + T::kZ);
+  bf16* xs = reinterpret_cast<bf16*>(smem + T::kX);
+  bf16* os = reinterpret_cast<bf16*>(smem + T::kO);
+  bf16* ab = reinterpret_cast<bf16*>(smem + T::kA);
+  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + T::kInfo);
+  float* dec = reinterpret_cast<float*>(smem + T::kDec);
+
+  const int g = blockIdx.x, h = blockIdx.y;
+  const WarpPlace<DH> w;
+  const int v0 = (threadIdx.x >> 5) * 16;
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  if (count <= 0) return;
+  auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
+  const int64_t hoff = static_cast<int64_t>(h) * DH;
+  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
+    const int c = chunk_of(n) * kChunk;
+    LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
+  };
+  // Chunk n's output rows (its info buffer is refilled for chunk n + 2 before they are copied).
+  auto copy_out = [&](int n) {
+    const int c = chunk_of(n) * kChunk;
+    CopyOutT<DH>(os, a.out + c * a.out_stride + hoff, a.out_stride, min(kChunk, a.T - c));
+  };
+
+  FillDecay(a.log_decay[h], dec);
+  load(ys0, a.y, a.y_stride, 0), load(zs, a.z, a.z_stride, 0), load(xs, a.x, a.x_stride, 0);
+  // R[j][e]: value row v0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1).
+  float R[DH / 8][4];
+  {
+    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * DH * DH;
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = v0 + w.qr + (e >> 1) * 8, k = 8 * j + w.qc + (e & 1);
+        R[j][e] = a.transpose_start ? p0[v * DH + k] : p0[k * DH + v];
+      }
+    }
+  }
+  __syncthreads();  // dec
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+
+  for (int n = 0; n < count; ++n) {
+    const int c0 = chunk_of(n) * kChunk;
+    const bool more = n + 1 < count;
+    CpAsyncWaitAll();
+    __syncthreads();  // B1: X and Y of this chunk, info, the previous chunk's staged output
+    const SweepInfo& ci = infos[n & 1];
+    if (more)
+      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+    if (n > 0) copy_out(n - 1);
+    // Z of this chunk (chunk 0's came with its X and Y) and Y of the next, into the buffer chunk
+    // n - 1's Y left (read for the last time before B1).
+    if (n > 0) load(zs, a.z, a.z_stride, n);
+    CpAsyncCommit();
+    if (more) load(ys0 + ((n + 1) & 1) * L::kTile, a.y, a.y_stride, n + 1);
+    CpAsyncCommit();
+    const bf16* ys = ys0 + (n & 1) * L::kTile;
+    const float* roww = kReverse ? ci.kw : ci.qw;
+    const float* colw = kReverse ? ci.qw : ci.kw;
+    float O[kChunk / 8][4];
+    ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
+    InterChunkT<DH>(O, R, xs, roww, w.lane);
+    CpAsyncWait<1>();  // this chunk's Z (the next Y may stay in flight)
+    __syncthreads();   // B2: scores exchanged; X done; the staging tile read
+    if (more) load(xs, a.x, a.x_stride, n + 1);
+    IntraAndUpdateT<DH, kReverse>(O, R, zs, ab, ys, colw, ci.f, more, v0, w.lane);
+    StageOutT<DH>(O, os, v0, w.lane);
+  }
+  __syncthreads();
+  copy_out(count - 1);
+}
+
+template <bool kReverse>
+Status LaunchSweepTT(const SweepArgs& a, cudaStream_t stream) {
+  constexpr int kSmem = SweepTLayout::kBytes;
+  auto* kernel = SweepTKernel<kReverse>;
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 // ---- The fused dk / dv reverse sweep ----------------------------------------------------------------
 // One reverse pass over a block's chunks carrying dS (the state gradient, as the dv sweep does):
 //   dk = diag(kw) V dS^T + (Mask^T o V dO^T) Q
@@ -557,6 +782,9 @@ Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream) {
   if (a.wgmma) return LaunchWgmmaSweep(reverse, state_only, a, stream);  // Dh = 128 only
+  if (a.transposed_state && dh == 128 && !state_only) {
+    return reverse ? LaunchSweepTT<true>(a, stream) : LaunchSweepTT<false>(a, stream);
+  }
   if (dh == 64) return LaunchSweepDh<64>(a, reverse, state_only, stream);
   if (dh == 128) return LaunchSweepDh<128>(a, reverse, state_only, stream);
   return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};

@@ -173,6 +173,38 @@ TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
   EXPECT_LE(m->last_enqueue_seconds(), wall);
 }
 
+// The LM head in row blocks (here three, the last partial) against one block: the same logits
+// rows and losses; the head's weight gradient sums the blocks' GEMMs in fp32, so only the
+// summation order differs.
+TEST(CudaModel, HeadRowBlocksAgreeWithOneBlock) {
+  SPINDLE_REQUIRE_GPU();
+  const ModelConfig c = Tiny();
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Batch b = RandomBatch(c, 300, 70, seed);
+  auto m = *CudaModel::Create(c, seed);
+  EXPECT_EQ(m->SetHeadBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->SetHeadBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
+  auto whole = m->ForwardBackward(b, 0.01f, false);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_TRUE(m->DownloadGrads().ok());
+  ParamSet& P = m->host_params();
+  const std::vector<float> g1(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
+  ASSERT_TRUE(m->ZeroGrads().ok());
+  ASSERT_TRUE(m->SetHeadBlockRows(128).ok());
+  auto blocked = m->ForwardBackward(b, 0.01f, false);
+  ASSERT_TRUE(blocked.ok()) << blocked.status();
+  ASSERT_TRUE(m->DownloadGrads().ok());
+  EXPECT_EQ(blocked->n_valid, whole->n_valid);
+  EXPECT_NEAR(blocked->loss_sum / whole->loss_sum, 1.0, 1e-5);
+  std::string report;
+  for (const testing::GradAgreement& g :
+       testing::CompareGradients(P, g1.data(), P.flat_grad().f32())) {
+    if (g.rel > 5e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
+  }
+  EXPECT_TRUE(report.empty()) << "gradients differ between head block sizes:" << report;
+}
+
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();

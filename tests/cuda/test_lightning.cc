@@ -218,6 +218,31 @@ TEST_F(Lightning, HeadSize128WgmmaAndMmaSyncSweepsMatchCpu) {
   }
 }
 
+TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
+  // sweep_kernel 3: the main passes (forward, dq, and with separate dk / dv the two reverse
+  // sweeps) on the sweep that holds the state transposed, with and without the forward's kept
+  // states; documents of 1..90 tokens and ones on the chunk grid, carry-in, end-state gradient,
+  // odd T, a padded fused buffer, one-chunk, short and automatic blocks.
+  std::vector<int32_t> cu{0};
+  std::mt19937 pick(testing::FreshSeed());
+  while (cu.back() < 900) cu.push_back(std::min<int32_t>(900, cu.back() + 1 + pick() % 90));
+  for (const std::vector<int32_t>& docs : {cu, std::vector<int32_t>{0, 64, 128, 700, 1001}}) {
+    Build({docs.back(), 3, 128, 8, docs, true, true});
+    const Result want = Cpu();
+    for (int cpb : {1, 3, 0}) {
+      for (bool separate : {false, true}) {
+        for (bool kept : {false, true}) {
+          SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) +
+                       (separate ? " separate dk, dv" : " fused dk, dv") +
+                       (kept ? " kept states" : "") + " documents " +
+                       std::to_string(docs.size() - 1));
+          Compare(Gpu({cpb, 0, separate, 3}, kept), want);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
   Build({127, 3, 128, 8, {0, 5, 64, 127}, true, true});
   Compare(Gpu({}), Cpu());

@@ -192,6 +192,7 @@ struct CudaModel::Impl {
   float* log_decays = nullptr;
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
+  int64_t head_block_rows = 0;  // see SetHeadBlockRows
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
@@ -1469,10 +1470,13 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   RETURN_IF_ERROR(F32(row_loss, T));
   KC(kc::RmsNormForward(x, Wb(final_norm), hf.get(), rstd_f.f32(), T, d,
                         static_cast<float>(c.norm_eps), kAct, stream));
-  // Row blocks of about 64M bf16 logits (a multiple of 128 rows: whole GEMM tiles) keep the
-  // logits small whatever T is.
-  const int64_t block =
-      std::min<int64_t>(T, std::max<int64_t>(128, (int64_t{1} << 26) / V / 128 * 128));
+  // Row blocks of about 256M bf16 logits (a multiple of 128 rows: whole GEMM tiles; 8192 rows at
+  // V = 32000) bound the logits whatever T is. Each block's weight-gradient GEMM reads and writes
+  // the whole fp32 [V, d] gradient, so fewer, larger blocks move fewer bytes: at T = 32K, 2048-row
+  // blocks moved 8.4 GB of it per step, 8192-row blocks 2.1 GB.
+  const int64_t block = std::min<int64_t>(
+      T, head_block_rows > 0 ? head_block_rows
+                             : std::max<int64_t>(128, (int64_t{1} << 28) / V / 128 * 128));
   RETURN_IF_ERROR(Act(logits, block, V));
   if (dx) RETURN_IF_ERROR(Act(dhf, T, d));
   for (int64_t r0 = 0; r0 < T; r0 += block) {
@@ -1548,6 +1552,16 @@ absl::StatusOr<LossStats> CudaModel::ForwardBackward(const Batch& batch, float g
 
 absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
   return impl_->Run(batch, nullptr, 0.0f, false, /*backward=*/false);
+}
+
+absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
+  if (rows < 0 || rows % 128 != 0) {
+    return absl::InvalidArgumentError(
+        "LM-head block rows must be 0 (automatic) or a positive multiple of 128, got " +
+        std::to_string(rows));
+  }
+  impl_->head_block_rows = rows;
+  return absl::OkStatus();
 }
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {

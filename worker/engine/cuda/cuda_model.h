@@ -124,6 +124,11 @@ class CudaModel {
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v);
   absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v, int64_t steps_taken);
 
+  // Rows per LM-head block (logits, cross-entropy and the head's gradients run block by block):
+  // 0, the default, picks about 256M logits a block; otherwise a positive multiple of 128
+  // (InvalidArgument for others). Smaller blocks hold less memory and move more bytes.
+  absl::Status SetHeadBlockRows(int64_t rows);
+
   DeviceMemory memory() const;
   void ResetPeakMemory();
   // Host seconds the last Forward / ForwardBackward spent queueing its work (from entry to its
