@@ -86,6 +86,7 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
     da.log_decay = log_decay, da.cu = cu_seqlens, da.n_seg = static_cast<int>(n_segments);
     da.T = T, da.H = static_cast<int>(H), da.scale = scale;
     da.chunks_per_block = plan.chunks_per_block, da.n_chunks = plan.n_chunks, da.G = plan.G;
+    da.transposed_dk = UseTransposedSweep(config);
     return LaunchDkDv(dh, da, stream);
   }
   // dk = diag(kw) V dS^T + mask(dO V^T)^T Q.

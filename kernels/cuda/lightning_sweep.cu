@@ -735,6 +735,83 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   }
 }
 
+// The fused dk / dv sweep with dk's half run as the transposed sweep does (Dh = 128): the
+// warp's 16 rows of dS (as DkDvKernel holds them) are the A operand of dk^T = dS V^T straight
+// from registers; dk^T += Q^T (Mask^T o V dO^T)^T and the update dS = f dS + (qw o Q)^T dO share
+// each step's Q^T fragment; dk leaves through the V tile as a staging tile (V is done by then, so
+// the next chunk's V is fetched with K and Q). dv keeps the bf16 copy of dS.
+__global__ void __launch_bounds__(kThreads, 2) DkDvTKernel(DkDvArgs a) {
+  constexpr int DH = 128;
+  using L = SweepLayout<DH, 1, 1>;
+  using D = DkDvLayout<DH>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
+  bf16* os = reinterpret_cast<bf16*>(smem + D::kO);
+  bf16* vs = reinterpret_cast<bf16*>(smem + D::kV);
+  bf16* ks = reinterpret_cast<bf16*>(smem + D::kK);
+  bf16* sb = reinterpret_cast<bf16*>(smem + D::kS);
+  bf16* ab = reinterpret_cast<bf16*>(smem + D::kA);
+  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
+  float* dec = reinterpret_cast<float*>(smem + D::kDec);
+
+  const int g = blockIdx.x, h = blockIdx.y;
+  const WarpPlace<DH> w;
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  if (count <= 0) return;
+  auto chunk_of = [&](int n) { return first + count - 1 - n; };
+  const int64_t hoff = static_cast<int64_t>(h) * DH;
+  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
+    const int c = chunk_of(n) * kChunk;
+    LoadTileAsync<DH, false>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
+  };
+
+  FillDecay(a.log_decay[h], dec);
+  load(qs, a.q, a.qkv_stride, 0), load(os, a.dout, a.dout_stride, 0);
+  load(vs, a.v, a.qkv_stride, 0), load(ks, a.k, a.qkv_stride, 0);
+  float S[L::kSNT][4];
+  LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false, sb);
+  __syncthreads();  // dec
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+
+  for (int n = 0; n < count; ++n) {
+    const int c0 = chunk_of(n) * kChunk;
+    const int len = min(kChunk, a.T - c0);
+    const bool more = n + 1 < count;
+    CpAsyncWaitAll();
+    __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
+    const SweepInfo& ci = infos[n & 1];
+    if (more)
+      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+    const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + hoff;
+    {
+      // dk^T (X = v, Y = dO, Z = q, the registers' dS), and the state update.
+      float OT[kChunk / 8][4];
+      ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
+      InterChunkT<DH>(OT, S, vs, ci.kw, w.lane);
+      __syncthreads();  // B2: scores exchanged; v done
+      IntraAndUpdateT<DH, true>(OT, S, qs, ab, os, ci.qw, ci.f, more, w.srow0, w.lane);
+      StageOutT<DH>(OT, vs, w.srow0, w.lane);
+    }
+    __syncthreads();  // B3: dk staged in the v tile; every warp is done with the score tile
+    CopyOutT<DH>(vs, a.dk + row, a.qkv_stride, len);
+    // dv (X = k, Y = q, Z = dO, the bf16 copy of this chunk's dS).
+    float O[kONT<DH>][4];
+    ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
+    InterChunk<DH, false>(w, O, ks, sb, ci.kw);
+    __syncthreads();  // B4: scores exchanged; k, q, the bf16 state and the staged dk done
+    if (more) {
+      load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
+      load(vs, a.v, a.qkv_stride, n + 1);
+    }
+    IntraChunk<DH, true>(w, O, ab, os);
+    StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
+    if (more) StateToTile<DH>(w, S, sb);
+    __syncthreads();  // B5: every warp is done with dO and the score tile
+    if (more) load(os, a.dout, a.dout_stride, n + 1);
+  }
+}
+
 template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
   using L = SweepLayout<DH, kBufs, kStateOnly ? kBufs : 1>;
@@ -764,6 +841,15 @@ Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStre
 template <int DH>
 Status LaunchDkDvT(const DkDvArgs& a, cudaStream_t stream) {
   constexpr int kSmem = DkDvLayout<DH>::kBytes;
+  if constexpr (DH == 128) {
+    if (a.transposed_dk) {
+      SPINDLE_CUDA_CHECK(
+          cudaFuncSetAttribute(DkDvTKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      DkDvTKernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+      SPINDLE_CUDA_CHECK_LAUNCH();
+      return Status::Ok();
+    }
+  }
   SPINDLE_CUDA_CHECK(
       cudaFuncSetAttribute(DkDvKernel<DH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   DkDvKernel<DH><<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
