@@ -254,7 +254,7 @@ struct DkDvArgs {
   int n_seg, T, H;
   float scale;
   int chunks_per_block, n_chunks, G;
-  bool transposed_dk;  // Dh = 128: dk from the registers' dS (DkDvTKernel)
+  bool transposed_dk;  // Dh = 128: dk from the registers' dS (DkDvKernel's kTransposedDk)
 };
 Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream);
 

@@ -118,6 +118,30 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
   }
 }
 
+// The chunks a block sweeps: head blockIdx.y, the chunks_per_block chunks of block blockIdx.x
+// (fewer at the end), walked in order or reversed; the n-th walked chunk's first token, length and
+// tile loads (kFixed: see LoadTileAsync).
+template <int DH, bool kReverse, bool kFixed = true>
+struct BlockChunks {
+  int g, h, first, count, T;
+  int64_t hoff;  // the head's first column
+  __device__ BlockChunks(int chunks_per_block, int n_chunks, int T_)
+      : g(blockIdx.x),
+        h(blockIdx.y),
+        first(g * chunks_per_block),
+        count(min(chunks_per_block, n_chunks - first)),
+        T(T_),
+        hoff(static_cast<int64_t>(h) * DH) {}
+  __device__ int Token0(int n) const {
+    return (kReverse ? first + count - 1 - n : first + n) * kChunk;
+  }
+  __device__ int Len(int n) const { return min(kChunk, T - Token0(n)); }
+  // The n-th chunk's [64, DH] tile of src (row stride `stride`, this head's columns) into dst.
+  __device__ void Load(bf16* dst, const bf16* src, int64_t stride, int n) const {
+    LoadTileAsync<DH, kFixed>(dst, src + Token0(n) * stride + hoff, stride, Len(n));
+  }
+};
+
 // ---- Per-warp pieces of a chunk step ----------------------------------------------------------------
 // A warp owns output rows orow0 + {qr, qr + 8} and columns ocol0 + 8 j + qc + {0, 1} (16 rows x
 // DH/2 columns), the score half of those rows over tokens acol0 .. acol0 + 31, and state rows
@@ -323,25 +347,18 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   bf16* sb = reinterpret_cast<bf16*>(smem + L::kS);
   bf16* ab = reinterpret_cast<bf16*>(smem + L::kA);
 
-  const int g = blockIdx.x, h = blockIdx.y;
+  const BlockChunks<DH, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
   const WarpPlace<DH> w;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
-  const int64_t hoff = static_cast<int64_t>(h) * DH;
 
   FillDecay(a.log_decay[h], dec);
-  // Chunk n's tile of `src` (X, Y or Z) into dst (Y: buffer n % kBufs, Z: n % kZBufs).
-  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
-    const int c = chunk_of(n) * kChunk;
-    LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
-  };
-  auto load_y = [&](int n) { load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
-  auto load_z = [&](int n) { load(zs0 + (n % kZBufs) * L::kTile, a.z, a.z_stride, n); };
+  // Chunk n's tile of Y or Z (Y: buffer n % kBufs, Z: n % kZBufs).
+  auto load_y = [&](int n) { b.Load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
+  auto load_z = [&](int n) { b.Load(zs0 + (n % kZBufs) * L::kTile, a.z, a.z_stride, n); };
   auto load_yz = [&](int n) { load_y(n), load_z(n); };
   // The first chunks' tiles (chunk 0's X too).
   load_yz(0);
-  if constexpr (!kStateOnly) load(xs, a.x, a.x_stride, 0);
+  if constexpr (!kStateOnly) b.Load(xs, a.x, a.x_stride, 0);
   if constexpr (kBufs == 3) {
     CpAsyncCommit();
     if (count > 1) load_yz(1);
@@ -357,11 +374,11 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     LoadStartState<DH>(w, S, a.start + state_off, a.transpose_start, sb);
   }
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
   float f_prod = 1.0f;
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = chunk_of(n) * kChunk;
+    const int c0 = b.Token0(n);
     if constexpr (kBufs == 3) {
       CpAsyncWait<1>();  // one group per chunk: chunk n + 1's may stay in flight
     } else {
@@ -372,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     bf16* ys = ys0 + (n % kBufs) * L::kTile;
     bf16* zs = zs0 + (n % kZBufs) * L::kTile;
     if (n + 1 < count) {
-      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
     }
     // The tiles fetched now go where chunk n - 1's were, which every warp finished before this
     // chunk's first barrier.
@@ -398,9 +415,9 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
       InterChunk<DH, false>(w, O, xs, sb, roww);
       if constexpr (kBufs == 2) CpAsyncWait<1>();  // this chunk's Z (the next Y may stay)
       __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
-      if (n + 1 < count) load(xs, a.x, a.x_stride, n + 1);
+      if (n + 1 < count) b.Load(xs, a.x, a.x_stride, n + 1);
       IntraChunk<DH, kReverse>(w, O, ab, zs);
-      StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + hoff, a.out_stride,
+      StoreOut<DH>(w, O, a.out + static_cast<int64_t>(c0) * a.out_stride + b.hoff, a.out_stride,
                    ci.len);
       if (n + 1 < count) {
         UpdateState<DH>(w, S, ys, zs, colw, ci.f);
@@ -570,26 +587,18 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + T::kInfo);
   float* dec = reinterpret_cast<float*>(smem + T::kDec);
 
-  const int g = blockIdx.x, h = blockIdx.y;
+  const BlockChunks<DH, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
+  if (count <= 0) return;
   const WarpPlace<DH> w;
   const int v0 = (threadIdx.x >> 5) * 16;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  if (count <= 0) return;
-  auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
-  const int64_t hoff = static_cast<int64_t>(h) * DH;
-  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
-    const int c = chunk_of(n) * kChunk;
-    LoadTileAsync<DH>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
-  };
   // Chunk n's output rows (its info buffer is refilled for chunk n + 2 before they are copied).
   auto copy_out = [&](int n) {
-    const int c = chunk_of(n) * kChunk;
-    CopyOutT<DH>(os, a.out + c * a.out_stride + hoff, a.out_stride, min(kChunk, a.T - c));
+    CopyOutT<DH>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
   FillDecay(a.log_decay[h], dec);
-  load(ys0, a.y, a.y_stride, 0), load(zs, a.z, a.z_stride, 0), load(xs, a.x, a.x_stride, 0);
+  b.Load(ys0, a.y, a.y_stride, 0), b.Load(zs, a.z, a.z_stride, 0), b.Load(xs, a.x, a.x_stride, 0);
   // R[j][e]: value row v0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1).
   float R[DH / 8][4];
   {
@@ -604,22 +613,21 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     }
   }
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = chunk_of(n) * kChunk;
+    const int c0 = b.Token0(n);
     const bool more = n + 1 < count;
     CpAsyncWaitAll();
     __syncthreads();  // B1: X and Y of this chunk, info, the previous chunk's staged output
     const SweepInfo& ci = infos[n & 1];
-    if (more)
-      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
     if (n > 0) copy_out(n - 1);
     // Z of this chunk (chunk 0's came with its X and Y) and Y of the next, into the buffer chunk
     // n - 1's Y left (read for the last time before B1).
-    if (n > 0) load(zs, a.z, a.z_stride, n);
+    if (n > 0) b.Load(zs, a.z, a.z_stride, n);
     CpAsyncCommit();
-    if (more) load(ys0 + ((n + 1) & 1) * L::kTile, a.y, a.y_stride, n + 1);
+    if (more) b.Load(ys0 + ((n + 1) & 1) * L::kTile, a.y, a.y_stride, n + 1);
     CpAsyncCommit();
     const bf16* ys = ys0 + (n & 1) * L::kTile;
     const float* roww = kReverse ? ci.kw : ci.qw;
@@ -629,7 +637,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     InterChunkT<DH>(O, R, xs, roww, w.lane);
     CpAsyncWait<1>();  // this chunk's Z (the next Y may stay in flight)
     __syncthreads();   // B2: scores exchanged; X done; the staging tile read
-    if (more) load(xs, a.x, a.x_stride, n + 1);
+    if (more) b.Load(xs, a.x, a.x_stride, n + 1);
     IntraAndUpdateT<DH, kReverse>(O, R, zs, ab, ys, colw, ci.f, more, v0, w.lane);
     StageOutT<DH>(O, os, v0, w.lane);
   }
@@ -670,10 +678,16 @@ struct DkDvLayout {
   static constexpr int kBytes = kDec + 65 * 4;
 };
 
-template <int DH>
+// kTransposedDk (Dh = 128, the default there): dk's half runs as the transposed sweep does. The
+// warp's 16 rows of dS are the A operand of dk^T = dS V^T straight from registers; dk^T +=
+// Q^T (Mask^T o V dO^T)^T and the update dS = f dS + (qw o Q)^T dO share each step's Q^T
+// fragment; dk leaves through the V tile as staging (V is done by then, so the next chunk's V is
+// fetched with K and Q). dv keeps the bf16 copy of dS (dv^T would need dS^T by rows).
+template <int DH, bool kTransposedDk>
 __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   using L = SweepLayout<DH, 1, 1>;
   using D = DkDvLayout<DH>;
+  static_assert(!kTransposedDk || L::kColGroups == 1, "dk^T needs whole rows of dS per warp");
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
   bf16* os = reinterpret_cast<bf16*>(smem + D::kO);
@@ -684,15 +698,13 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
   float* dec = reinterpret_cast<float*>(smem + D::kDec);
 
-  const int g = blockIdx.x, h = blockIdx.y;
+  // The loads keep the strided loop (see LoadTileAsync).
+  const BlockChunks<DH, /*kReverse=*/true, /*kFixed=*/false> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
+  if (count <= 0) return;
   const WarpPlace<DH> w;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  auto chunk_of = [&](int n) { return first + count - 1 - n; };
-  const int64_t hoff = static_cast<int64_t>(h) * DH;
   auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
-    const int c = chunk_of(n) * kChunk;
-    LoadTileAsync<DH, false>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
+    b.Load(dst, src, stride, n);
   };
 
   FillDecay(a.log_decay[h], dec);
@@ -701,108 +713,47 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   float S[L::kSNT][4];
   LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false, sb);
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = chunk_of(n) * kChunk;
+    const int c0 = b.Token0(n);
     const bool more = n + 1 < count;
     CpAsyncWaitAll();
     __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
     const SweepInfo& ci = infos[n & 1];
-    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
-    const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + hoff;
-    float O[kONT<DH>][4];
+    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
+    const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + b.hoff;
     // dk (X = v, Y = dO, Z = q, state dS^T).
     ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
-    InterChunk<DH, true>(w, O, vs, sb, ci.kw);
-    __syncthreads();  // B2: scores exchanged; v done
-    if (more) load(vs, a.v, a.qkv_stride, n + 1);
-    IntraChunk<DH, true>(w, O, ab, qs);
-    StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
-    __syncthreads();  // B3: every warp is done with the score tile
-    // dv (X = k, Y = q, Z = dO, state dS), and the state update, the last use of q.
-    // (The registers' update may run before X dS: that reads the bf16 copy.)
-    ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
-    if (more) UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
-    InterChunk<DH, false>(w, O, ks, sb, ci.kw);
-    __syncthreads();  // B4: scores exchanged; k, q and the bf16 state done
-    if (more) load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
-    IntraChunk<DH, true>(w, O, ab, os);
-    StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
-    if (more) StateToTile<DH>(w, S, sb);
-    __syncthreads();  // B5: every warp is done with dO and the score tile
-    if (more) load(os, a.dout, a.dout_stride, n + 1);
-  }
-}
-
-// The fused dk / dv sweep with dk's half run as the transposed sweep does (Dh = 128): the
-// warp's 16 rows of dS (as DkDvKernel holds them) are the A operand of dk^T = dS V^T straight
-// from registers; dk^T += Q^T (Mask^T o V dO^T)^T and the update dS = f dS + (qw o Q)^T dO share
-// each step's Q^T fragment; dk leaves through the V tile as a staging tile (V is done by then, so
-// the next chunk's V is fetched with K and Q). dv keeps the bf16 copy of dS.
-__global__ void __launch_bounds__(kThreads, 2) DkDvTKernel(DkDvArgs a) {
-  constexpr int DH = 128;
-  using L = SweepLayout<DH, 1, 1>;
-  using D = DkDvLayout<DH>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* qs = reinterpret_cast<bf16*>(smem + D::kQ);
-  bf16* os = reinterpret_cast<bf16*>(smem + D::kO);
-  bf16* vs = reinterpret_cast<bf16*>(smem + D::kV);
-  bf16* ks = reinterpret_cast<bf16*>(smem + D::kK);
-  bf16* sb = reinterpret_cast<bf16*>(smem + D::kS);
-  bf16* ab = reinterpret_cast<bf16*>(smem + D::kA);
-  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + D::kDec);
-
-  const int g = blockIdx.x, h = blockIdx.y;
-  const WarpPlace<DH> w;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  if (count <= 0) return;
-  auto chunk_of = [&](int n) { return first + count - 1 - n; };
-  const int64_t hoff = static_cast<int64_t>(h) * DH;
-  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
-    const int c = chunk_of(n) * kChunk;
-    LoadTileAsync<DH, false>(dst, src + c * stride + hoff, stride, min(kChunk, a.T - c));
-  };
-
-  FillDecay(a.log_decay[h], dec);
-  load(qs, a.q, a.qkv_stride, 0), load(os, a.dout, a.dout_stride, 0);
-  load(vs, a.v, a.qkv_stride, 0), load(ks, a.k, a.qkv_stride, 0);
-  float S[L::kSNT][4];
-  LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false, sb);
-  __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
-
-  for (int n = 0; n < count; ++n) {
-    const int c0 = chunk_of(n) * kChunk;
-    const int len = min(kChunk, a.T - c0);
-    const bool more = n + 1 < count;
-    CpAsyncWaitAll();
-    __syncthreads();  // B1: this chunk's tiles, info and the bf16 state are in place
-    const SweepInfo& ci = infos[n & 1];
-    if (more)
-      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
-    const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + hoff;
-    {
-      // dk^T (X = v, Y = dO, Z = q, the registers' dS), and the state update.
+    if constexpr (kTransposedDk) {
       float OT[kChunk / 8][4];
-      ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
       InterChunkT<DH>(OT, S, vs, ci.kw, w.lane);
       __syncthreads();  // B2: scores exchanged; v done
       IntraAndUpdateT<DH, true>(OT, S, qs, ab, os, ci.qw, ci.f, more, w.srow0, w.lane);
       StageOutT<DH>(OT, vs, w.srow0, w.lane);
+      __syncthreads();  // B3: dk staged in the v tile; every warp is done with the score tile
+      CopyOutT<DH>(vs, a.dk + row, a.qkv_stride, ci.len);
+    } else {
+      float O[kONT<DH>][4];
+      InterChunk<DH, true>(w, O, vs, sb, ci.kw);
+      __syncthreads();  // B2: scores exchanged; v done
+      if (more) load(vs, a.v, a.qkv_stride, n + 1);
+      IntraChunk<DH, true>(w, O, ab, qs);
+      StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
+      __syncthreads();  // B3: every warp is done with the score tile
     }
-    __syncthreads();  // B3: dk staged in the v tile; every warp is done with the score tile
-    CopyOutT<DH>(vs, a.dk + row, a.qkv_stride, len);
-    // dv (X = k, Y = q, Z = dO, the bf16 copy of this chunk's dS).
+    // dv (X = k, Y = q, Z = dO, state dS, read from the bf16 copy), and the state update in
+    // registers (the transposed dk did it already), the last use of q.
     float O[kONT<DH>][4];
     ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
+    if constexpr (!kTransposedDk) {
+      if (more) UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
+    }
     InterChunk<DH, false>(w, O, ks, sb, ci.kw);
-    __syncthreads();  // B4: scores exchanged; k, q, the bf16 state and the staged dk done
+    __syncthreads();  // B4: scores exchanged; k, q, the bf16 state (and the staged dk) done
     if (more) {
       load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
-      load(vs, a.v, a.qkv_stride, n + 1);
+      if constexpr (kTransposedDk) load(vs, a.v, a.qkv_stride, n + 1);
     }
     IntraChunk<DH, true>(w, O, ab, os);
     StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
@@ -838,21 +789,13 @@ Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStre
                  : LaunchSweepT<DH, false, false, 1>(a, stream);
 }
 
-template <int DH>
+template <int DH, bool kTransposedDk>
 Status LaunchDkDvT(const DkDvArgs& a, cudaStream_t stream) {
   constexpr int kSmem = DkDvLayout<DH>::kBytes;
-  if constexpr (DH == 128) {
-    if (a.transposed_dk) {
-      SPINDLE_CUDA_CHECK(
-          cudaFuncSetAttribute(DkDvTKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-      DkDvTKernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-      SPINDLE_CUDA_CHECK_LAUNCH();
-      return Status::Ok();
-    }
-  }
+  auto* kernel = DkDvKernel<DH, kTransposedDk>;
   SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(DkDvKernel<DH>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  DkDvKernel<DH><<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -860,8 +803,10 @@ Status LaunchDkDvT(const DkDvArgs& a, cudaStream_t stream) {
 }  // namespace
 
 Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
-  if (dh == 64) return LaunchDkDvT<64>(a, stream);
-  if (dh == 128) return LaunchDkDvT<128>(a, stream);
+  if (dh == 64) return LaunchDkDvT<64, false>(a, stream);
+  if (dh == 128) {
+    return a.transposed_dk ? LaunchDkDvT<128, true>(a, stream) : LaunchDkDvT<128, false>(a, stream);
+  }
   return {StatusCode::kUnsupported, "Lightning: unsupported head size Dh=" + std::to_string(dh)};
 }
 

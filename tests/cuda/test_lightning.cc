@@ -193,16 +193,22 @@ TEST_F(Lightning, ManyShortDocumentsBothHeadSizes) {
   }
 }
 
+// The document mixes of the Dh = 128 sweep tests: documents of 1..90 tokens up to T = 900 (a
+// fresh seed each run), and document starts on the chunk grid with an odd T.
+std::vector<std::vector<int32_t>> Dh128DocumentMixes() {
+  std::vector<int32_t> cu{0};
+  std::mt19937 pick(testing::FreshSeed());
+  while (cu.back() < 900) cu.push_back(std::min<int32_t>(900, cu.back() + 1 + pick() % 90));
+  return {cu, {0, 64, 128, 700, 1001}};
+}
+
 TEST_F(Lightning, HeadSize128WgmmaAndMmaSyncSweepsMatchCpu) {
   // Dh = 128 runs the wgmma sweep when the config asks and it is built (sm_90a) and the device is
   // an sm_90; both sweeps, every pass (forward, dq, the reverse state pass, and dk / dv as two
   // reverse sweeps), against the CPU: documents of 1..90 tokens and ones on the chunk grid,
   // carry-in, end-state gradient, odd T, a padded fused buffer, short and automatic blocks.
   if (!LightningWgmmaAvailable()) GTEST_SKIP() << "no wgmma sweep in this build or on this device";
-  std::vector<int32_t> cu{0};
-  std::mt19937 pick(testing::FreshSeed());
-  while (cu.back() < 900) cu.push_back(std::min<int32_t>(900, cu.back() + 1 + pick() % 90));
-  for (const std::vector<int32_t>& docs : {cu, std::vector<int32_t>{0, 64, 128, 700, 1001}}) {
+  for (const std::vector<int32_t>& docs : Dh128DocumentMixes()) {
     Build({docs.back(), 3, 128, 8, docs, true, true});
     const Result want = Cpu();
     for (int kernel : {1, 2}) {
@@ -223,10 +229,7 @@ TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
   // sweeps) on the sweep that holds the state transposed, with and without the forward's kept
   // states; documents of 1..90 tokens and ones on the chunk grid, carry-in, end-state gradient,
   // odd T, a padded fused buffer, one-chunk, short and automatic blocks.
-  std::vector<int32_t> cu{0};
-  std::mt19937 pick(testing::FreshSeed());
-  while (cu.back() < 900) cu.push_back(std::min<int32_t>(900, cu.back() + 1 + pick() % 90));
-  for (const std::vector<int32_t>& docs : {cu, std::vector<int32_t>{0, 64, 128, 700, 1001}}) {
+  for (const std::vector<int32_t>& docs : Dh128DocumentMixes()) {
     Build({docs.back(), 3, 128, 8, docs, true, true});
     const Result want = Cpu();
     for (int cpb : {1, 3, 0}) {
