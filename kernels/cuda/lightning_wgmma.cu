@@ -9,11 +9,12 @@
 // 64 x N operand tile once per warpgroup straight from shared memory, and takes the masked scores
 // from registers. Measured it is slower than the mma.sync sweep (round 6: main sweep 306-311
 // against 289 us, state pass 134 against 101 us at T = 32K, H = 16; the mma.sync kernels have
-// since gone to 258 and 90 us, round 7): it issues about as many instructions per chunk as the
-// mma.sync sweep (tile loads, the bf16 state copy, masks, the scaling of Y^T) and its warps wait in
-// lockstep at one block per SM. So it runs only when LightningConfig::sweep_kernel asks for it;
-// it is kept, tested against the CPU on every pass, as the base for the Lightning speed target's
-// next step (TMA loads and warp specialisation).
+// since gone to 205 and 90 us, rounds 7 and 8): it issues about as many instructions per chunk as
+// the mma.sync sweep (tile loads, the bf16 state copy, masks, the scaling of Y^T) and its warps
+// wait in lockstep at one block per SM. (Round 8's transposed state, which drops the bf16 state
+// copy, fits wgmma too: S^T by rows is the register A operand of O^T = S^T X^T.) So it runs only
+// when LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass,
+// as the base for the Lightning speed target's next step (TMA loads and warp specialisation).
 //
 // Layout: two warpgroups (256 threads, one block per SM). Each chunk tile [64 tokens, 128] sits in
 // shared memory as 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element
