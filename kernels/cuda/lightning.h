@@ -46,8 +46,8 @@ struct LightningConfig {
   // Backward: dk and dv from two reverse sweeps instead of the fused one (for comparison).
   bool separate_dk_dv = false;
   // Sweeps other than the fused dk/dv one: 1 = mma.sync; 2 = wgmma where it runs (Dh = 128, an
-  // sm_90 device, a build for sm_90a, stages other than 2; mma.sync elsewhere; the wgmma sweep
-  // keeps three tile buffers of its own; slower so far, bench/cuda/NOTES.md round 6); 3 = the main
+  // sm_90 device, a build for sm_90a, stages other than 2; mma.sync elsewhere; its main passes hold
+  // the state transposed; slower so far, bench/cuda/NOTES.md rounds 6 and 8); 3 = the main
   // passes at Dh = 128 on the mma.sync sweep that holds the state transposed (no bf16 state copy
   // in shared memory; Y double-buffered whatever `stages` says; round 8). 0 picks 3 when stages is
   // 0 too, else 1.

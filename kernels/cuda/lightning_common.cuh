@@ -174,6 +174,47 @@ __device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t v, float w_lo, float w_
   return PackBf16(f.x * w_lo, f.y * w_hi);
 }
 
+// ---- The transposed sweeps' output staging (lightning_sweep.cu, lightning_wgmma.cu) ----------
+// A warp's O^T (16 value rows from v0, 64 tokens; m16n8 accumulator tiles O[j] over tokens 8 j..)
+// goes to a [64, DH] bf16 staging tile of pitch DH + 8 by stmatrix.trans, and the tile to global
+// memory with 16-byte stores.
+__device__ __forceinline__ void Stm4T(bf16* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(SmemAddr(p)),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
+// The warp's O^T (value rows v0.., 64 tokens) as bf16 into the staging tile os[token][value]:
+// each 8 x 8 accumulator block stored transposed by stmatrix.trans.
+template <int DH>
+__device__ __forceinline__ void StageOutT(const float (&O)[kChunk / 8][4], bf16* os, int v0,
+                                          int lane) {
+  const int m = lane >> 3, r = lane & 7;  // the matrix whose row `r` this lane addresses
+#pragma unroll
+  for (int jp = 0; jp < kChunk / 16; ++jp) {
+    const int j = 2 * jp + (m >> 1), vb = m & 1;
+    Stm4T(os + (8 * j + r) * (DH + 8) + v0 + 8 * vb, PackBf16(O[2 * jp][0], O[2 * jp][1]),
+          PackBf16(O[2 * jp][2], O[2 * jp][3]), PackBf16(O[2 * jp + 1][0], O[2 * jp + 1][1]),
+          PackBf16(O[2 * jp + 1][2], O[2 * jp + 1][3]));
+  }
+}
+
+// The staging tile's rows below len to out (the chunk's first row of the head), 16-byte stores.
+template <int DH>
+__device__ __forceinline__ void CopyOutT(const bf16* os, bf16* out, int64_t stride, int len) {
+  constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec;
+  const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
+#pragma unroll
+  for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
+    const int r = r0 + i * kRowsPerPass;
+    if (r < len) {
+      *reinterpret_cast<uint4*>(out + r * stride + c) =
+          *reinterpret_cast<const uint4*>(os + r * (DH + 8) + c);
+    }
+  }
+}
+
 // Per-chunk quantities, computed by threads 0..63 without a barrier (see the top of this file).
 struct SweepInfo {
   int seg[kChunk];

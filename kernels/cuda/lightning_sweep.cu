@@ -465,13 +465,6 @@ struct SweepTLayout {
   static constexpr int kBytes = kDec + 65 * 4;
 };
 
-__device__ __forceinline__ void Stm4T(bf16* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile(
-      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(SmemAddr(p)),
-      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-      : "memory");
-}
-
 // O^T[v0.., t] = roww[t] sum_k R[v, k] X[t, k]: R's bf16 fragments as A, X from its tile as B.
 template <int DH>
 __device__ __forceinline__ void InterChunkT(float (&O)[kChunk / 8][4], const float (&R)[DH / 8][4],
@@ -537,38 +530,6 @@ __device__ __forceinline__ void IntraAndUpdateT(float (&O)[kChunk / 8][4], float
       LoadBKN(fb, ys, L::kPitch, np * 16, ks * 16, lane);
       Mma(R[2 * np], fa, fb[0], fb[1]);
       Mma(R[2 * np + 1], fa, fb[2], fb[3]);
-    }
-  }
-}
-
-// The warp's O^T (value rows v0.., 64 tokens) as bf16 into the staging tile os[token][value]:
-// each 8 x 8 accumulator block stored transposed by stmatrix.trans.
-template <int DH>
-__device__ __forceinline__ void StageOutT(const float (&O)[kChunk / 8][4], bf16* os, int v0,
-                                          int lane) {
-  using L = SweepLayout<DH, 1, 1>;
-  const int m = lane >> 3, r = lane & 7;  // the matrix whose row `r` this lane addresses
-#pragma unroll
-  for (int jp = 0; jp < kChunk / 16; ++jp) {
-    const int j = 2 * jp + (m >> 1), vb = m & 1;
-    Stm4T(os + (8 * j + r) * L::kPitch + v0 + 8 * vb, PackBf16(O[2 * jp][0], O[2 * jp][1]),
-          PackBf16(O[2 * jp][2], O[2 * jp][3]), PackBf16(O[2 * jp + 1][0], O[2 * jp + 1][1]),
-          PackBf16(O[2 * jp + 1][2], O[2 * jp + 1][3]));
-  }
-}
-
-// The staging tile's rows below len to out (the chunk's first row of the head), 16-byte stores.
-template <int DH>
-__device__ __forceinline__ void CopyOutT(const bf16* os, bf16* out, int64_t stride, int len) {
-  using L = SweepLayout<DH, 1, 1>;
-  constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec;
-  const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
-#pragma unroll
-  for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
-    const int r = r0 + i * kRowsPerPass;
-    if (r < len) {
-      *reinterpret_cast<uint4*>(out + r * stride + c) =
-          *reinterpret_cast<const uint4*>(os + r * L::kPitch + c);
     }
   }
 }

@@ -4,31 +4,26 @@
 //
 //   out = diag(rowW) X S + (Mask o X Y^T) Z        S = f S + (colW o Y)^T Z
 //
-// Why: every warp of the mma.sync sweep re-reads its operand fragments through ldmatrix (~570 KB
-// per chunk and block, bench/cuda/NOTES.md round 4) and waits on them (round 7); wgmma reads each
-// 64 x N operand tile once per warpgroup straight from shared memory, and takes the masked scores
-// from registers. Measured it is slower than the mma.sync sweep (round 6: main sweep 306-311
-// against 289 us, state pass 134 against 101 us at T = 32K, H = 16; the mma.sync kernels have
-// since gone to 205 and 90 us, rounds 7 and 8): it issues about as many instructions per chunk as
-// the mma.sync sweep (tile loads, the bf16 state copy, masks, the scaling of Y^T) and its warps
-// wait in lockstep at one block per SM. (Round 8's transposed state, which drops the bf16 state
-// copy, fits wgmma too: S^T by rows is the register A operand of O^T = S^T X^T.) So it runs only
-// when LightningConfig::sweep_kernel asks for it; it is kept, tested against the CPU on every pass,
-// as the base for the Lightning speed target's next step (TMA loads and warp specialisation).
+// Two kernels: the state-only pass (WgmmaStateKernel) and the main passes with the state held
+// transposed as lightning_sweep.cu's SweepTKernel holds it (WgmmaTKernel: S^T by rows is the
+// register A operand of O^T = S^T X^T, so no bf16 copy of the state goes through shared memory).
+// Why wgmma: the mma.sync sweep re-reads its operand fragments through ldmatrix in every warp and
+// issues ~1160 instructions per warp and chunk, 180 of them HMMA (bench/cuda/NOTES.md rounds 7
+// and 8); wgmma reads each 64 x N operand tile once per warpgroup straight from shared memory and
+// needs one instruction for eight mma.sync. Measured, it is still slower (T = 32K, H = 16): the
+// main passes 240 us against SweepTKernel's 205 at two blocks per SM, where ptxas serialises the
+// wgmmas for want of registers (R 64 + O^T 32 + operands within 128), and 295 us at one block per
+// SM (154 registers, no serialisation, the warpgroups waiting in lockstep); the state pass 134
+// against 90 us. So it runs only when LightningConfig::sweep_kernel asks for it; it is kept,
+// tested against the CPU on every pass, as the base for the next step (TMA loads from a producer
+// warp, so the math warpgroups keep fewer registers, and warp specialisation).
 //
-// Layout: two warpgroups (256 threads, one block per SM). Each chunk tile [64 tokens, 128] sits in
-// shared memory as 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element
-// (r, c) at byte (r / 8) * 2048 + (c / 8) * 128 + (r % 8) * 16 + (c % 8) * 2. Read with K = c it
-// is wgmma's K-major layout (leading offset 128, stride offset 2048); read with K = r it is the
-// MN-major layout (leading 2048, stride 128). The bf16 state S [i, j] uses the same layout.
-// Both warpgroups compute the chunk's scores P = X Y^T (64 x 64); warpgroup w owns output columns
-// [64 w, 64 w + 64) and state rows [64 w, 64 w + 64) (64 fp32 registers a thread). Per chunk:
-//   wgmma P = X Y^T and O = X S[:, cols] -> mask P, scale O's rows -> wgmma O += P Z[:, cols]
-//   (P from registers) and S_rows = f S_rows + (colW o Y)[:, rows]^T Z (A from ldmatrix.trans,
-//   scaled in registers) -> store O, write the bf16 state for the next chunk.
-// X, Y and Z rotate through three buffers, the bf16 state through two: one block barrier per
-// chunk, 210 KB of shared memory (one block per SM; the state-only pass, 98 KB and 128 registers,
-// runs two).
+// Layout: two warpgroups (256 threads). Each chunk tile [64 tokens, 128] sits in shared memory as
+// 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element (r, c) at byte
+// (r / 8) * 2048 + (c / 8) * 128 + (r % 8) * 16 + (c % 8) * 2. Read with K = c it is wgmma's
+// K-major layout (leading offset 128, stride offset 2048); read with K = r it is the MN-major
+// layout (leading 2048, stride 128). The masked scores P [64 t, 64 s] use the same layout with
+// 64 columns (row groups 1024 bytes apart).
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
@@ -40,20 +35,14 @@ namespace {
 
 constexpr int kDh = 128;
 constexpr int kTileBytes = kChunk * kDh * 2;  // 16 KB
-constexpr int kStateBytes = kDh * kDh * 2;    // 32 KB
 
-// Chunk tiles in flight: the sweep is a serial chain per block at one block per SM, so the next
-// chunks' tiles must be requested well ahead of their use (DRAM latency is about one chunk's work).
-template <bool kStateOnly>
-struct WgLayout {
+// The state-only pass: Y and Z chunk tiles in three buffers each (the next two chunks' tiles are
+// requested while one is used), info (two), decay table: 98 KB, two blocks per SM.
+struct WgStateLayout {
   static constexpr int kStages = 3;
-  // Byte offsets: X, Y, Z (kStages buffers each; no X in the state-only pass), the bf16 state
-  // (two; none in the state-only pass), info (two), decay table.
-  static constexpr int kX = 0;
-  static constexpr int kY = kX + (kStateOnly ? 0 : kStages * kTileBytes);
+  static constexpr int kY = 0;
   static constexpr int kZ = kY + kStages * kTileBytes;
-  static constexpr int kS = kZ + kStages * kTileBytes;
-  static constexpr int kInfo = kS + (kStateOnly ? 0 : 2 * kStateBytes);
+  static constexpr int kInfo = kZ + kStages * kTileBytes;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
   static constexpr int kBytes = kDec + 65 * 4;
 };
@@ -93,38 +82,51 @@ __device__ __forceinline__ void FenceRegs(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D (64 x 64, fp32) = A B (+ D when accumulate), A from shared memory (K-major), B from shared
-// memory, K-major (kTransB 0) or MN-major (1).
-template <int kTransB>
+// D (64 x 64, fp32) = A B (+ D when accumulate), A and B from shared memory, each K-major (0) or
+// MN-major (1).
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void WgmmaSS64(float (&d)[32], uint64_t da, uint64_t db,
                                           int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
       "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(kTransB));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+}
+// D (64 x 32, fp32) = A B (+ D when accumulate), A and B from shared memory, K-major.
+__device__ __forceinline__ void WgmmaSS32(float (&d)[16], uint64_t da, uint64_t db,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(accumulate));
 }
 // D (64 x 64, fp32) = A B (+ D when accumulate), A from registers (the mma.sync A fragment of each
-// warp's 16 rows), B from shared memory (MN-major).
+// warp's 16 rows), B from shared memory, K-major (kTransB 0) or MN-major (1).
+template <int kTransB>
 __device__ __forceinline__ void WgmmaRS64(float (&d)[32], const uint32_t (&a)[4], uint64_t db,
                                           int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
       "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      "%27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(kTransB));
 }
 // D (64 x 128, fp32) = A B (+ D when accumulate), A from registers (the mma.sync A fragment of each
 // warp's 16 rows), B from shared memory (MN-major).
@@ -180,24 +182,13 @@ struct WgPlace {
   }
 };
 
-// The warpgroup's fp32 state rows as bf16 into the core-matrix state tile at dst.
-__device__ __forceinline__ void StateToCore(const WgPlace& w, const float (&S)[64],
-                                            unsigned char* dst) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = w.col0 + w.row + 8 * hh, c = 8 * j + w.q2;
-      *reinterpret_cast<uint32_t*>(dst + CoreOffset(i, c)) =
-          PackBf16(S[j * 4 + hh * 2], S[j * 4 + hh * 2 + 1]);
-    }
-  }
-}
-
-template <bool kReverse, bool kStateOnly>
-__global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel(SweepArgs a) {
+// The state-only pass: S = f S + (colW o Y)^T Z from zero over the block's chunks, warpgroup w
+// holding state rows [64 w, 64 w + 64) (64 fp32 registers a thread); writes the block's end state
+// to U and the product of f to F.
+template <bool kReverse>
+__global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
 #ifdef SPINDLE_WGMMA_DEVICE
-  using L = WgLayout<kStateOnly>;
+  using L = WgStateLayout;
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
@@ -215,8 +206,6 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
     if (n < count) {
       const int c0 = chunk_of(n) * kChunk, len = min(kChunk, a.T - c0);
       const int buf = (n % kStages) * kTileBytes;
-      if constexpr (!kStateOnly)
-        LoadCoreTile(smem + L::kX + buf, a.x + c0 * a.x_stride + hoff, a.x_stride, len);
       LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
       LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
     }
@@ -226,175 +215,261 @@ __global__ void __launch_bounds__(kThreads, kStateOnly ? 2 : 1) WgmmaSweepKernel
 #pragma unroll
   for (int n = 0; n < kStages - 1; ++n) load(n);
   float S[64];
-  const int64_t state_off = (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
-  if constexpr (kStateOnly) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) S[i] = 0.0f;
-  } else {
-    const float* p0 = a.start + state_off;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = w.col0 + w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
-        S[j * 4 + e] = a.transpose_start ? p0[c * kDh + i] : p0[i * kDh + c];
-      }
-    }
-    StateToCore(w, S, smem + L::kS);
-  }
+  for (int i = 0; i < 64; ++i) S[i] = 0.0f;
   FillDecay(a.log_decay[h], dec);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
   float f_prod = 1.0f;
-  // The score weights of this thread's 32 elements when no document starts inside the chunk:
-  // the causal (or transposed) mask, the decay and the scale, the same for every such chunk.
-  float wt[32];
-  if constexpr (!kStateOnly) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
-        wt[j * 4 + e] =
-            (kReverse ? c >= r : c <= r) ? a.scale * dec[kReverse ? c - r : r - c] : 0.0f;
-      }
-    }
-  }
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = chunk_of(n) * kChunk;
-    const bool more = n + 1 < count;
-    const bool update = kStateOnly || more;  // the main passes skip the last chunk's update
     CpAsyncWait<kStages - 2>();
     FenceProxyAsync();
-    // This chunk's tiles, info and bf16 state are in place; every read of chunk n - 1 is done
-    // (each warpgroup waited for its wgmma), so its buffers may be refilled.
+    // This chunk's tiles and info are in place; every read of chunk n - 1 is done (each
+    // warpgroup waited for its wgmma), so its buffers may be refilled.
     __syncthreads();
     const SweepInfo& ci = infos[n & 1];
-    if (more)
+    if (n + 1 < count)
       ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
     load(n + kStages - 1);
-    const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
     const uint32_t buf = (n % kStages) * kTileBytes;
-    const uint32_t xs = sbase + L::kX + buf, ys = sbase + L::kY + buf, zs = sbase + L::kZ + buf;
-    const uint32_t sb = sbase + L::kS + (n & 1) * kStateBytes;
+    const uint32_t ys = sbase + L::kY + buf, zs = sbase + L::kZ + buf;
 
     // A fragments of (colW o Y)^T for this warp's 16 state rows, 4 steps of 16 tokens.
     uint32_t ya[4][4];
-    if (update) {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
-        const int i = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
-        Ldm4T(ya[ks], ys + CoreOffset(t, i));
-        const int t0 = ks * 16 + w.q2;
-        const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-        ya[ks][0] = ScaleBf16x2(ya[ks][0], u0, u1), ya[ks][1] = ScaleBf16x2(ya[ks][1], u0, u1);
-        ya[ks][2] = ScaleBf16x2(ya[ks][2], u2, u3), ya[ks][3] = ScaleBf16x2(ya[ks][3], u2, u3);
-      }
+    for (int ks = 0; ks < 4; ++ks) {
+      const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
+      const int i = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
+      Ldm4T(ya[ks], ys + CoreOffset(t, i));
+      const int t0 = ks * 16 + w.q2;
+      const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
+      ya[ks][0] = ScaleBf16x2(ya[ks][0], u0, u1), ya[ks][1] = ScaleBf16x2(ya[ks][1], u0, u1);
+      ya[ks][2] = ScaleBf16x2(ya[ks][2], u2, u3), ya[ks][3] = ScaleBf16x2(ya[ks][3], u2, u3);
     }
-
-    float O[32];
-    uint32_t pa[4][4];
-    if constexpr (!kStateOnly) {
-      // The first k step overwrites the accumulators (nothing else may define them between
-      // wgmma's fence and its wait, or ptxas serialises the wgmmas).
-      float P[32];
-      WgFence();
+    f_prod *= ci.f;
 #pragma unroll
-      for (int s = 0; s < 8; ++s) WgmmaSS64<0>(P, DescK(xs + s * 256), DescK(ys + s * 256), s > 0);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        WgmmaSS64<1>(O, DescK(xs + s * 256), DescMN(sb + w.wg * 1024 + s * 4096), s > 0);
-      WgCommit();
-      WgWait();
-      FenceRegs(P);
-      FenceRegs(O);
-      // Mask, decay and scale the scores; pack them as the A fragments of 4 token steps.
-      if (ci.one_segment) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) P[i] *= wt[i];
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = w.row + (e >> 1) * 8, c = 8 * j + w.q2 + (e & 1);
-            const bool keep = kReverse ? ci.seg[c] <= c0 + r : ci.seg[r] <= c0 + c;
-            P[j * 4 + e] = keep ? P[j * 4 + e] * wt[j * 4 + e] : 0.0f;
-          }
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        pa[s][0] = PackBf16(P[8 * s + 0], P[8 * s + 1]);
-        pa[s][1] = PackBf16(P[8 * s + 2], P[8 * s + 3]);
-        pa[s][2] = PackBf16(P[8 * s + 4], P[8 * s + 5]);
-        pa[s][3] = PackBf16(P[8 * s + 6], P[8 * s + 7]);
-      }
-      const float w0 = roww[w.row], w1 = roww[w.row + 8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        O[j * 4] *= w0, O[j * 4 + 1] *= w0, O[j * 4 + 2] *= w1, O[j * 4 + 3] *= w1;
-      FenceRegs(O);
-    }
-    if (update) {
-      f_prod *= ci.f;
-#pragma unroll
-      for (int i = 0; i < 64; ++i) S[i] *= ci.f;
-      FenceRegs(S);
-    }
+    for (int i = 0; i < 64; ++i) S[i] *= ci.f;
+    FenceRegs(S);
     WgFence();
-    if constexpr (!kStateOnly) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) WgmmaRS64(O, pa[s], DescMN(zs + w.wg * 1024 + s * 4096), 1);
-    }
-    if (update) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) WgmmaRS128(S, ya[s], DescMN(zs + s * 4096), 1);
-    }
+    for (int s = 0; s < 4; ++s) WgmmaRS128(S, ya[s], DescMN(zs + s * 4096), 1);
     WgCommit();
     WgWait();
     FenceRegs(S);
-    if constexpr (!kStateOnly) {
-      FenceRegs(O);
-      bf16* out = a.out + static_cast<int64_t>(c0) * a.out_stride + hoff;
-      const int r0 = w.row, r1 = w.row + 8;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int c = w.col0 + 8 * j + w.q2;
-        if (r0 < ci.len)
-          *reinterpret_cast<uint32_t*>(out + r0 * a.out_stride + c) =
-              PackBf16(O[j * 4], O[j * 4 + 1]);
-        if (r1 < ci.len)
-          *reinterpret_cast<uint32_t*>(out + r1 * a.out_stride + c) =
-              PackBf16(O[j * 4 + 2], O[j * 4 + 3]);
-      }
-      if (more) StateToCore(w, S, smem + L::kS + ((n + 1) & 1) * kStateBytes);
-    }
   }
 
-  if constexpr (kStateOnly) {
-    float* out = a.U + state_off;
+  float* out = a.U + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = w.col0 + w.row + 8 * hh, c = 8 * j + w.q2;
-        *reinterpret_cast<float2*>(out + i * kDh + c) =
-            make_float2(S[j * 4 + hh * 2], S[j * 4 + hh * 2 + 1]);
-      }
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = w.col0 + w.row + 8 * hh, c = 8 * j + w.q2;
+      *reinterpret_cast<float2*>(out + i * kDh + c) =
+          make_float2(S[j * 4 + hh * 2], S[j * 4 + hh * 2 + 1]);
     }
-    if (threadIdx.x == 0 && a.F != nullptr) a.F[h * a.G + g] = f_prod;
   }
+  if (threadIdx.x == 0 && a.F != nullptr) a.F[h * a.G + g] = f_prod;
 #endif  // SPINDLE_WGMMA_DEVICE
 }
 
+// ---- The main passes with the state held transposed ------------------------------------------
+// As lightning_sweep.cu's SweepTKernel, on wgmma: warpgroup w holds R = S^T for value rows
+// [64 w, 64 w + 64) (every key column: the m64n128 accumulator, 64 registers a thread). Per chunk:
+//   P[:, 32 w..] = X Y^T[.., 32 w..] (m64n32) -> mask, decay, scale -> bf16 into the P tile
+//   O^T = R X^T (R's bf16 fragments as the register A operand), scaled by rowW per token
+//   (barrier: P complete) O^T += Z^T P^T (both from shared memory), R = f R + Z^T diag(colW) Y
+//   (Z^T fragments by ldmatrix.trans, scaled in registers) -> O^T through the staging tile.
+// Tiles in the core-matrix layout (X, Z one buffer, Y two), P 8 KB, the staging tile 17 KB: 91 KB,
+// so two blocks share an SM.
+struct WgTLayout {
+  static constexpr int kX = 0;
+  static constexpr int kY = kX + kTileBytes;  // two buffers
+  static constexpr int kZ = kY + 2 * kTileBytes;
+  static constexpr int kP = kZ + kTileBytes;           // [64 t, 64 s] core matrices
+  static constexpr int kO = kP + kChunk * kChunk * 2;  // staging [64, 136] bf16
+  static constexpr int kInfo = kO + kChunk * (kDh + 8) * 2;
+  static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
+  static constexpr int kBytes = kDec + 65 * 4;
+};
+// Byte offset of element (r, c) in a 64-column core-matrix tile (8-row groups 1024 bytes apart).
+__device__ __forceinline__ int CoreOffset64(int r, int c) {
+  return (r >> 3) * 1024 + (c >> 3) * 128 + (r & 7) * 16 + (c & 7) * 2;
+}
+__device__ __forceinline__ uint64_t DescK64(uint32_t addr) { return Desc(addr, 128, 1024); }
+
+template <bool kReverse>
+__global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
+#ifdef SPINDLE_WGMMA_DEVICE
+  using L = WgTLayout;
+  extern __shared__ __align__(128) unsigned char smem[];
+  SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
+  float* dec = reinterpret_cast<float*>(smem + L::kDec);
+  bf16* os = reinterpret_cast<bf16*>(smem + L::kO);
+  const uint32_t sbase = SmemAddr(smem);
+  const WgPlace w;
+  const int g = blockIdx.x, h = blockIdx.y;
+  const int first = g * a.chunks_per_block;
+  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  if (count <= 0) return;
+  auto token0 = [&](int n) { return (kReverse ? first + count - 1 - n : first + n) * kChunk; };
+  const int64_t hoff = static_cast<int64_t>(h) * kDh;
+  auto load = [&](int off, const bf16* src, int64_t stride, int n) {
+    const int c0 = token0(n);
+    LoadCoreTile(smem + off, src + c0 * stride + hoff, stride, min(kChunk, a.T - c0));
+  };
+  auto copy_out = [&](int n) {
+    const int c0 = token0(n);
+    CopyOutT<kDh>(os, a.out + c0 * a.out_stride + hoff, a.out_stride, min(kChunk, a.T - c0));
+  };
+
+  FillDecay(a.log_decay[h], dec);
+  load(L::kX, a.x, a.x_stride, 0), load(L::kY, a.y, a.y_stride, 0), load(L::kZ, a.z, a.z_stride, 0);
+  // R[4 j + e]: value row col0 + row + 8 (e >> 1), key column 8 j + q2 + (e & 1).
+  float R[64];
+  {
+    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = w.col0 + w.row + (e >> 1) * 8, k = 8 * j + w.q2 + (e & 1);
+        R[j * 4 + e] = a.transpose_start ? p0[v * kDh + k] : p0[k * kDh + v];
+      }
+    }
+  }
+  __syncthreads();  // dec
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, token0(0), a.T, a.scale);
+
+  for (int n = 0; n < count; ++n) {
+    const int c0 = token0(n);
+    const bool more = n + 1 < count;
+    CpAsyncWaitAll();
+    FenceProxyAsync();
+    __syncthreads();  // B1: X, Y, info; chunk n - 1's staged output; every wgmma of n - 1 done
+    const SweepInfo& ci = infos[n & 1];
+    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, token0(n + 1), a.T, a.scale);
+    if (n > 0) copy_out(n - 1);
+    if (n > 0) load(L::kZ, a.z, a.z_stride, n);
+    CpAsyncCommit();
+    if (more) load(L::kY + ((n + 1) & 1) * kTileBytes, a.y, a.y_stride, n + 1);
+    CpAsyncCommit();
+    // Tile addresses made opaque per chunk, so that the descriptors built from them are not kept
+    // live across the loop (registers are short at two blocks per SM).
+    uint32_t base = sbase;
+    asm volatile("" : "+r"(base));
+    const uint32_t xs = base + L::kX, zs = base + L::kZ, ps = base + L::kP;
+    const uint32_t ys = base + L::kY + (n & 1) * kTileBytes;
+    const float* roww = kReverse ? ci.kw : ci.qw;
+    const float* colw = kReverse ? ci.qw : ci.kw;
+
+    {
+      // Scores of this warpgroup's 32 tokens s, masked, into the P tile.
+      float P[16];
+      WgFence();
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        WgmmaSS32(P, DescK(xs + k * 256), DescK(ys + w.wg * 8192 + k * 256), k > 0);
+      WgCommit();
+      WgWait();
+      FenceRegs(P);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w.row + 8 * hh, c = w.wg * 32 + 8 * j + w.q2;
+          float v2[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cc = c + e;
+            const bool keep =
+                kReverse ? (cc >= r && ci.seg[cc] <= c0 + r) : (cc <= r && ci.seg[r] <= c0 + cc);
+            v2[e] = keep ? P[j * 4 + hh * 2 + e] * a.scale * dec[kReverse ? cc - r : r - cc] : 0.0f;
+          }
+          *reinterpret_cast<uint32_t*>(smem + L::kP + CoreOffset64(r, c)) = PackBf16(v2[0], v2[1]);
+        }
+      }
+    }
+    // O^T = R X^T in groups of kStepsPerGroup key steps (R's bf16 fragments stay live until their
+    // wgmma is done; fewer at a time leave the registers two blocks per SM allow).
+    constexpr int kStepsPerGroup = 2;
+    float O[kChunk / 8][4];
+    float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
+#pragma unroll
+    for (int k0 = 0; k0 < 8; k0 += kStepsPerGroup) {
+      uint32_t ra[kStepsPerGroup][4];
+#pragma unroll
+      for (int kk = 0; kk < kStepsPerGroup; ++kk) {
+        const int k = k0 + kk;
+        ra[kk][0] = PackBf16(R[8 * k + 0], R[8 * k + 1]);
+        ra[kk][1] = PackBf16(R[8 * k + 2], R[8 * k + 3]);
+        ra[kk][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
+        ra[kk][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
+      }
+      WgFence();
+#pragma unroll
+      for (int kk = 0; kk < kStepsPerGroup; ++kk) {
+        const int k = k0 + kk;
+        WgmmaRS64<0>(Of, ra[kk], DescK(xs + k * 256), k > 0);
+      }
+      WgCommit();
+      WgWait();
+      FenceRegs(Of);
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk / 8; ++j) {
+      const float w0 = roww[8 * j + w.q2], w1 = roww[8 * j + w.q2 + 1];
+      O[j][0] *= w0, O[j][1] *= w1, O[j][2] *= w0, O[j][3] *= w1;
+    }
+    FenceRegs(Of);
+    CpAsyncWait<1>();  // this chunk's Z (the next Y may stay in flight)
+    FenceProxyAsync();
+    __syncthreads();  // B2: P complete; X done; Z in place; the staging tile read
+    if (more) load(L::kX, a.x, a.x_stride, n + 1);
+    // O^T += Z^T P^T, then O^T to the staging tile before the update needs its registers.
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      WgmmaSS64<1, 0>(Of, DescMN(zs + w.wg * 1024 + ks * 4096), DescK64(ps + ks * 256), 1);
+    WgCommit();
+    WgWait();
+    FenceRegs(Of);
+    StageOutT<kDh>(O, os, w.col0 + w.wi * 16, w.lane);
+    // R = f R + Z^T diag(colW) Y: A fragments of Z^T diag(colW) for this warp's 16 value rows, 4
+    // steps of 16 tokens. (It also runs after the block's last chunk, unused: a branch around
+    // wgmmas serialises them.)
+    uint32_t za[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
+      const int v = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
+      Ldm4T(za[ks], zs + CoreOffset(t, v));
+      const int t0 = ks * 16 + w.q2;
+      const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
+      za[ks][0] = ScaleBf16x2(za[ks][0], u0, u1), za[ks][1] = ScaleBf16x2(za[ks][1], u0, u1);
+      za[ks][2] = ScaleBf16x2(za[ks][2], u2, u3), za[ks][3] = ScaleBf16x2(za[ks][3], u2, u3);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) R[i] *= ci.f;
+    FenceRegs(R);
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) WgmmaRS128(R, za[ks], DescMN(ys + ks * 4096), 1);
+    WgCommit();
+    WgWait();
+    FenceRegs(R);
+  }
+  __syncthreads();
+  copy_out(count - 1);
+#endif  // SPINDLE_WGMMA_DEVICE
+}
+
+// The state-only pass or the transposed main pass, on wgmma.
 template <bool kReverse, bool kStateOnly>
 Status LaunchWgmmaT(const SweepArgs& a, cudaStream_t stream) {
-  auto* kernel = WgmmaSweepKernel<kReverse, kStateOnly>;
-  constexpr int kSmem = WgLayout<kStateOnly>::kBytes;
+  auto* kernel = kStateOnly ? WgmmaStateKernel<kReverse> : WgmmaTKernel<kReverse>;
+  constexpr int kSmem = kStateOnly ? WgStateLayout::kBytes : WgTLayout::kBytes;
   SPINDLE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
