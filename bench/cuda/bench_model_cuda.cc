@@ -148,8 +148,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       });
       std::printf(
           "| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
-          "%.3f "
-          "|\n",
+          "%.3f |\n",
           static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
           FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
           Gib(mem.device_used), loss, ho_loss);

@@ -244,6 +244,78 @@ __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, con
   }
 }
 
+// [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros. Thread
+// t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass. kFixed:
+// the trip count and the per-thread offsets are compile-time, so a vector costs a few
+// instructions (the strided loop costs ~25: ptxas keeps its index arithmetic and remainder
+// branches); measured faster for the sweep kernel (main sweep 298 -> 289 us, state pass 111 ->
+// 101 at T = 32K), slower for the fused dk / dv sweep (505 -> 530 us, at its 128-register
+// limit), which keeps the loop.
+template <int DH, bool kFixed = true>
+__device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride, int len) {
+  if constexpr (!kFixed) {
+    constexpr int kVec = DH / 8;
+    for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {
+      const int r = idx / kVec, c = (idx % kVec) * 8;
+      const bool in = r < len;
+      CpAsync16(dst + r * (DH + 8) + c, src + (in ? r * stride + c : 0), in ? 16 : 0);
+    }
+    return;
+  }
+  constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec, kPasses = kChunk / kRowsPerPass;
+  static_assert(kThreads % kVec == 0 && kChunk % kRowsPerPass == 0, "tile split");
+  const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
+  bf16* d = dst + r0 * (DH + 8) + c;
+  const bf16* s = src + r0 * stride + c;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const bool in = r0 + i * kRowsPerPass < len;
+    CpAsync16(d + i * kRowsPerPass * (DH + 8), in ? s + i * kRowsPerPass * stride : src,
+              in ? 16 : 0);
+  }
+}
+
+// The chunks a block sweeps: head blockIdx.y, the chunks_per_block chunks of block blockIdx.x
+// (fewer at the end), walked in order or reversed; the n-th walked chunk's first token, length and
+// tile loads (kFixed: see LoadTileAsync).
+template <int DH, bool kReverse, bool kFixed = true>
+struct BlockChunks {
+  int g, h, first, count, T;
+  int64_t hoff;  // the head's first column
+  __device__ BlockChunks(int chunks_per_block, int n_chunks, int T_)
+      : g(blockIdx.x),
+        h(blockIdx.y),
+        first(g * chunks_per_block),
+        count(min(chunks_per_block, n_chunks - first)),
+        T(T_),
+        hoff(static_cast<int64_t>(h) * DH) {}
+  __device__ int Token0(int n) const {
+    return (kReverse ? first + count - 1 - n : first + n) * kChunk;
+  }
+  __device__ int Len(int n) const { return min(kChunk, T - Token0(n)); }
+  // The n-th chunk's [64, DH] tile of src (row stride `stride`, this head's columns) into dst.
+  __device__ void Load(bf16* dst, const bf16* src, int64_t stride, int n) const {
+    LoadTileAsync<DH, kFixed>(dst, src + Token0(n) * stride + hoff, stride, Len(n));
+  }
+};
+
+// A 16-token step's A fragment (its columns are tokens t0 + {0, 1} in registers 0, 1 and
+// t0 + {8, 9} in 2, 3, t0 = 16 step + (lane & 3) * 2) times the per-token weights w, rounded once.
+__device__ __forceinline__ void ScaleTokens(uint32_t (&fa)[4], const float* w, int t0) {
+  const float u0 = w[t0], u1 = w[t0 + 1], u2 = w[t0 + 8], u3 = w[t0 + 9];
+  fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
+  fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
+}
+
+// The score x of row token r and column token c of the chunk starting at c0 under the causal mask
+// (transposed when kReverse) and the documents, decayed and scaled; 0 where masked.
+template <bool kReverse>
+__device__ __forceinline__ float MaskedScore(float x, const SweepInfo& ci, const float* dec, int c0,
+                                             int r, int c, float scale) {
+  const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r) : (c <= r && ci.seg[r] <= c0 + c);
+  return keep ? x * scale * dec[kReverse ? c - r : r - c] : 0.0f;
+}
+
 // ---- Launchers shared between the .cu files ---------------------------------------------------------
 
 // The chunk sweep (lightning_sweep.cu): per (head, block of chunks), in chunk order or reversed,

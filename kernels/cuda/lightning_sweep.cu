@@ -87,61 +87,6 @@ struct SweepLayout {
 template <int DH>
 constexpr int kONT = DH / 16;
 
-// [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros. Thread
-// t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass. kFixed:
-// the trip count and the per-thread offsets are compile-time, so a vector costs a few
-// instructions (the strided loop costs ~25: ptxas keeps its index arithmetic and remainder
-// branches); measured faster for the sweep kernel (main sweep 298 -> 289 us, state pass 111 ->
-// 101 at T = 32K), slower for the fused dk / dv sweep (505 -> 530 us, at its 128-register
-// limit), which keeps the loop.
-template <int DH, bool kFixed = true>
-__device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride, int len) {
-  if constexpr (!kFixed) {
-    constexpr int kVec = DH / 8;
-    for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {
-      const int r = idx / kVec, c = (idx % kVec) * 8;
-      const bool in = r < len;
-      CpAsync16(dst + r * (DH + 8) + c, src + (in ? r * stride + c : 0), in ? 16 : 0);
-    }
-    return;
-  }
-  constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec, kPasses = kChunk / kRowsPerPass;
-  static_assert(kThreads % kVec == 0 && kChunk % kRowsPerPass == 0, "tile split");
-  const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
-  bf16* d = dst + r0 * (DH + 8) + c;
-  const bf16* s = src + r0 * stride + c;
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const bool in = r0 + i * kRowsPerPass < len;
-    CpAsync16(d + i * kRowsPerPass * (DH + 8), in ? s + i * kRowsPerPass * stride : src,
-              in ? 16 : 0);
-  }
-}
-
-// The chunks a block sweeps: head blockIdx.y, the chunks_per_block chunks of block blockIdx.x
-// (fewer at the end), walked in order or reversed; the n-th walked chunk's first token, length and
-// tile loads (kFixed: see LoadTileAsync).
-template <int DH, bool kReverse, bool kFixed = true>
-struct BlockChunks {
-  int g, h, first, count, T;
-  int64_t hoff;  // the head's first column
-  __device__ BlockChunks(int chunks_per_block, int n_chunks, int T_)
-      : g(blockIdx.x),
-        h(blockIdx.y),
-        first(g * chunks_per_block),
-        count(min(chunks_per_block, n_chunks - first)),
-        T(T_),
-        hoff(static_cast<int64_t>(h) * DH) {}
-  __device__ int Token0(int n) const {
-    return (kReverse ? first + count - 1 - n : first + n) * kChunk;
-  }
-  __device__ int Len(int n) const { return min(kChunk, T - Token0(n)); }
-  // The n-th chunk's [64, DH] tile of src (row stride `stride`, this head's columns) into dst.
-  __device__ void Load(bf16* dst, const bf16* src, int64_t stride, int n) const {
-    LoadTileAsync<DH, kFixed>(dst, src + Token0(n) * stride + hoff, stride, Len(n));
-  }
-};
-
 // ---- Per-warp pieces of a chunk step ----------------------------------------------------------------
 // A warp owns output rows orow0 + {qr, qr + 8} and columns ocol0 + 8 j + qc + {0, 1} (16 rows x
 // DH/2 columns), the score half of those rows over tokens acol0 .. acol0 + 31, and state rows
@@ -198,8 +143,7 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = w.orow0 + w.qr + (e >> 1) * 8, c = w.acol0 + 8 * j + w.qc + (e & 1);
-      const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r) : (c <= r && ci.seg[r] <= c0 + c);
-      A[j][e] = keep ? A[j][e] * scale * dec[kReverse ? c - r : r - c] : 0.0f;
+      A[j][e] = MaskedScore<kReverse>(A[j][e], ci, dec, c0, r, c, scale);
     }
     const int r = w.orow0 + w.qr, c = w.acol0 + 8 * j + w.qc;
     *reinterpret_cast<uint32_t*>(ab + r * L::kAPitch + c) = PackBf16(A[j][0], A[j][1]);
@@ -269,6 +213,20 @@ __device__ __forceinline__ void StoreOut(const WarpPlace<DH>& w, const float (&O
   }
 }
 
+// One 16-token step of a state update: S (NT n-tiles from column n0) += fa times the step's rows
+// of the tile bs (stored [token][column]); fa is the step's colW-scaled A fragment.
+template <int DH, int NT>
+__device__ __forceinline__ void UpdateStep(float (&S)[NT][4], const uint32_t (&fa)[4],
+                                           const bf16* bs, int n0, int ks, int lane) {
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np) {
+    uint32_t fb[4];
+    LoadBKN(fb, bs, DH + 8, n0 + np * 16, ks * 16, lane);
+    Mma(S[2 * np], fa, fb[0], fb[1]);
+    Mma(S[2 * np + 1], fa, fb[2], fb[3]);
+  }
+}
+
 // S = f S + (colw o Y)^T Z on the warp's state tile.
 template <int DH>
 __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
@@ -282,18 +240,8 @@ __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
   for (int ks = 0; ks < kChunk / 16; ++ks) {
     uint32_t fa[4];
     LoadAT(fa, ys, L::kPitch, w.srow0, ks * 16, w.lane);
-    // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
-    const int t0 = ks * 16 + w.qc;
-    const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-    fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
-    fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
-#pragma unroll
-    for (int np = 0; np < L::kSNT / 2; ++np) {
-      uint32_t fb[4];
-      LoadBKN(fb, zs, L::kPitch, w.scol0 + np * 16, ks * 16, w.lane);
-      Mma(S[2 * np], fa, fb[0], fb[1]);
-      Mma(S[2 * np + 1], fa, fb[2], fb[3]);
-    }
+    ScaleTokens(fa, colw, ks * 16 + w.qc);
+    UpdateStep<DH>(S, fa, zs, w.scol0, ks, w.lane);
   }
 }
 
@@ -311,12 +259,11 @@ __device__ __forceinline__ void StateToTile(const WarpPlace<DH>& w,
   }
 }
 
-// The warp's state tile from a [DH, DH] fp32 start state (read transposed when `transpose`),
-// and its bf16 copy into sb.
+// The warp's state tile from a [DH, DH] fp32 start state (read transposed when `transpose`).
 template <int DH>
 __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
                                                float (&S)[SweepLayout<DH, 1, 1>::kSNT][4],
-                                               const float* p0, bool transpose, bf16* sb) {
+                                               const float* p0, bool transpose) {
   using L = SweepLayout<DH, 1, 1>;
 #pragma unroll
   for (int j = 0; j < L::kSNT; ++j) {
@@ -326,7 +273,6 @@ __device__ __forceinline__ void LoadStartState(const WarpPlace<DH>& w,
       S[j][e] = transpose ? p0[c * DH + r] : p0[r * DH + c];
     }
   }
-  StateToTile<DH>(w, S, sb);
 }
 
 // kBufs: Y buffers. Main passes: 1 fetches the next chunk's X once the scores and X S are done
@@ -371,7 +317,8 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 #pragma unroll
     for (int j = 0; j < L::kSNT; ++j) S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.0f;
   } else {
-    LoadStartState<DH>(w, S, a.start + state_off, a.transpose_start, sb);
+    LoadStartState<DH>(w, S, a.start + state_off, a.transpose_start);
+    StateToTile<DH>(w, S, sb);
   }
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
@@ -519,18 +466,8 @@ __device__ __forceinline__ void IntraAndUpdateT(float (&O)[kChunk / 8][4], float
       Mma(O[2 * nb + 1], fa, fb[2], fb[3]);
     }
     if (!update) continue;
-    // A fragment columns are tokens ks*16 + qc + {0, 1} (regs 0, 1) and + 8 (regs 2, 3).
-    const int t0 = ks * 16 + qc;
-    const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-    fa[0] = ScaleBf16x2(fa[0], u0, u1), fa[1] = ScaleBf16x2(fa[1], u0, u1);
-    fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
-#pragma unroll
-    for (int np = 0; np < DH / 16; ++np) {
-      uint32_t fb[4];
-      LoadBKN(fb, ys, L::kPitch, np * 16, ks * 16, lane);
-      Mma(R[2 * np], fa, fb[0], fb[1]);
-      Mma(R[2 * np + 1], fa, fb[2], fb[3]);
-    }
+    ScaleTokens(fa, colw, ks * 16 + qc);
+    UpdateStep<DH>(R, fa, ys, 0, ks, lane);
   }
 }
 
@@ -551,8 +488,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
   const BlockChunks<DH, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
   const int g = b.g, h = b.h, count = b.count;
   if (count <= 0) return;
-  const WarpPlace<DH> w;
-  const int v0 = (threadIdx.x >> 5) * 16;
+  const WarpPlace<DH> w;  // its state rows srow0.. are this warp's value rows of R = S^T
   // Chunk n's output rows (its info buffer is refilled for chunk n + 2 before they are copied).
   auto copy_out = [&](int n) {
     CopyOutT<DH>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
@@ -560,19 +496,11 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
 
   FillDecay(a.log_decay[h], dec);
   b.Load(ys0, a.y, a.y_stride, 0), b.Load(zs, a.z, a.z_stride, 0), b.Load(xs, a.x, a.x_stride, 0);
-  // R[j][e]: value row v0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1).
+  // R[j][e]: value row srow0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1); R = S^T, so the
+  // start state is read the other way round.
   float R[DH / 8][4];
-  {
-    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * DH * DH;
-#pragma unroll
-    for (int j = 0; j < DH / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v0 + w.qr + (e >> 1) * 8, k = 8 * j + w.qc + (e & 1);
-        R[j][e] = a.transpose_start ? p0[v * DH + k] : p0[k * DH + v];
-      }
-    }
-  }
+  LoadStartState<DH>(w, R, a.start + (static_cast<int64_t>(h) * a.G + g) * DH * DH,
+                     !a.transpose_start);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
@@ -599,8 +527,8 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     CpAsyncWait<1>();  // this chunk's Z (the next Y may stay in flight)
     __syncthreads();   // B2: scores exchanged; X done; the staging tile read
     if (more) b.Load(xs, a.x, a.x_stride, n + 1);
-    IntraAndUpdateT<DH, kReverse>(O, R, zs, ab, ys, colw, ci.f, more, v0, w.lane);
-    StageOutT<DH>(O, os, v0, w.lane);
+    IntraAndUpdateT<DH, kReverse>(O, R, zs, ab, ys, colw, ci.f, more, w.srow0, w.lane);
+    StageOutT<DH>(O, os, w.srow0, w.lane);
   }
   __syncthreads();
   copy_out(count - 1);
@@ -664,15 +592,13 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   const int g = b.g, h = b.h, count = b.count;
   if (count <= 0) return;
   const WarpPlace<DH> w;
-  auto load = [&](bf16* dst, const bf16* src, int64_t stride, int n) {
-    b.Load(dst, src, stride, n);
-  };
 
   FillDecay(a.log_decay[h], dec);
-  load(qs, a.q, a.qkv_stride, 0), load(os, a.dout, a.dout_stride, 0);
-  load(vs, a.v, a.qkv_stride, 0), load(ks, a.k, a.qkv_stride, 0);
+  b.Load(qs, a.q, a.qkv_stride, 0), b.Load(os, a.dout, a.dout_stride, 0);
+  b.Load(vs, a.v, a.qkv_stride, 0), b.Load(ks, a.k, a.qkv_stride, 0);
   float S[L::kSNT][4];
-  LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false, sb);
+  LoadStartState<DH>(w, S, a.dS + (static_cast<int64_t>(h) * a.G + g) * DH * DH, false);
+  StateToTile<DH>(w, S, sb);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
@@ -698,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
       float O[kONT<DH>][4];
       InterChunk<DH, true>(w, O, vs, sb, ci.kw);
       __syncthreads();  // B2: scores exchanged; v done
-      if (more) load(vs, a.v, a.qkv_stride, n + 1);
+      if (more) b.Load(vs, a.v, a.qkv_stride, n + 1);
       IntraChunk<DH, true>(w, O, ab, qs);
       StoreOut<DH>(w, O, a.dk + row, a.qkv_stride, ci.len);
       __syncthreads();  // B3: every warp is done with the score tile
@@ -713,14 +639,14 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     InterChunk<DH, false>(w, O, ks, sb, ci.kw);
     __syncthreads();  // B4: scores exchanged; k, q, the bf16 state (and the staged dk) done
     if (more) {
-      load(ks, a.k, a.qkv_stride, n + 1), load(qs, a.q, a.qkv_stride, n + 1);
-      if constexpr (kTransposedDk) load(vs, a.v, a.qkv_stride, n + 1);
+      b.Load(ks, a.k, a.qkv_stride, n + 1), b.Load(qs, a.q, a.qkv_stride, n + 1);
+      if constexpr (kTransposedDk) b.Load(vs, a.v, a.qkv_stride, n + 1);
     }
     IntraChunk<DH, true>(w, O, ab, os);
     StoreOut<DH>(w, O, a.dv + row, a.qkv_stride, ci.len);
     if (more) StateToTile<DH>(w, S, sb);
     __syncthreads();  // B5: every warp is done with dO and the score tile
-    if (more) load(os, a.dout, a.dout_stride, n + 1);
+    if (more) b.Load(os, a.dout, a.dout_stride, n + 1);
   }
 }
 

@@ -182,6 +182,19 @@ struct WgPlace {
   }
 };
 
+// The A fragments of T^T diag(colW) for this warp's 16 rows (columns col0 + 16 wi.. of the
+// core-matrix tile T [64 tokens, 128]), 4 steps of 16 tokens: ldmatrix.trans, then the weights.
+__device__ __forceinline__ void ScaledTransposedA(uint32_t (&fa)[4][4], const WgPlace& w,
+                                                  uint32_t tile, const float* colw) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
+    const int i = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
+    Ldm4T(fa[ks], tile + CoreOffset(t, i));
+    ScaleTokens(fa[ks], colw, ks * 16 + w.q2);
+  }
+}
+
 // The state-only pass: S = f S + (colW o Y)^T Z from zero over the block's chunks, warpgroup w
 // holding state rows [64 w, 64 w + 64) (64 fp32 registers a thread); writes the block's end state
 // to U and the product of f to F.
@@ -195,19 +208,16 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   float* dec = reinterpret_cast<float*>(smem + L::kDec);
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
-  const int g = blockIdx.x, h = blockIdx.y;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
-  auto chunk_of = [&](int n) { return kReverse ? first + count - 1 - n : first + n; };
-  const int64_t hoff = static_cast<int64_t>(h) * kDh;
+  const BlockChunks<kDh, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
   // Chunk n's tiles into buffer n % kStages as one cp.async group (an empty group past the end,
   // so that every chunk has kStages - 2 groups after its own).
   auto load = [&](int n) {
     if (n < count) {
-      const int c0 = chunk_of(n) * kChunk, len = min(kChunk, a.T - c0);
+      const int c0 = b.Token0(n), len = b.Len(n);
       const int buf = (n % kStages) * kTileBytes;
-      LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + hoff, a.y_stride, len);
-      LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + hoff, a.z_stride, len);
+      LoadCoreTile(smem + L::kY + buf, a.y + c0 * a.y_stride + b.hoff, a.y_stride, len);
+      LoadCoreTile(smem + L::kZ + buf, a.z + c0 * a.z_stride + b.hoff, a.z_stride, len);
     }
     CpAsyncCommit();
   };
@@ -219,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   for (int i = 0; i < 64; ++i) S[i] = 0.0f;
   FillDecay(a.log_decay[h], dec);
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, chunk_of(0) * kChunk, a.T, a.scale);
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
   float f_prod = 1.0f;
 
   for (int n = 0; n < count; ++n) {
@@ -230,24 +240,15 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
     __syncthreads();
     const SweepInfo& ci = infos[n & 1];
     if (n + 1 < count)
-      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, chunk_of(n + 1) * kChunk, a.T, a.scale);
+      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
     load(n + kStages - 1);
     const float* colw = kReverse ? ci.qw : ci.kw;
     const uint32_t buf = (n % kStages) * kTileBytes;
     const uint32_t ys = sbase + L::kY + buf, zs = sbase + L::kZ + buf;
 
-    // A fragments of (colW o Y)^T for this warp's 16 state rows, 4 steps of 16 tokens.
+    // A fragments of (colW o Y)^T for this warp's 16 state rows.
     uint32_t ya[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
-      const int i = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
-      Ldm4T(ya[ks], ys + CoreOffset(t, i));
-      const int t0 = ks * 16 + w.q2;
-      const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-      ya[ks][0] = ScaleBf16x2(ya[ks][0], u0, u1), ya[ks][1] = ScaleBf16x2(ya[ks][1], u0, u1);
-      ya[ks][2] = ScaleBf16x2(ya[ks][2], u2, u3), ya[ks][3] = ScaleBf16x2(ya[ks][3], u2, u3);
-    }
+    ScaledTransposedA(ya, w, ys, colw);
     f_prod *= ci.f;
 #pragma unroll
     for (int i = 0; i < 64; ++i) S[i] *= ci.f;
@@ -309,19 +310,14 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
   bf16* os = reinterpret_cast<bf16*>(smem + L::kO);
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
-  const int g = blockIdx.x, h = blockIdx.y;
-  const int first = g * a.chunks_per_block;
-  const int count = min(a.chunks_per_block, a.n_chunks - first);
+  const BlockChunks<kDh, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
   if (count <= 0) return;
-  auto token0 = [&](int n) { return (kReverse ? first + count - 1 - n : first + n) * kChunk; };
-  const int64_t hoff = static_cast<int64_t>(h) * kDh;
   auto load = [&](int off, const bf16* src, int64_t stride, int n) {
-    const int c0 = token0(n);
-    LoadCoreTile(smem + off, src + c0 * stride + hoff, stride, min(kChunk, a.T - c0));
+    LoadCoreTile(smem + off, src + b.Token0(n) * stride + b.hoff, stride, b.Len(n));
   };
   auto copy_out = [&](int n) {
-    const int c0 = token0(n);
-    CopyOutT<kDh>(os, a.out + c0 * a.out_stride + hoff, a.out_stride, min(kChunk, a.T - c0));
+    CopyOutT<kDh>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
   FillDecay(a.log_decay[h], dec);
@@ -340,16 +336,16 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
     }
   }
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, token0(0), a.T, a.scale);
+  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = token0(n);
+    const int c0 = b.Token0(n);
     const bool more = n + 1 < count;
     CpAsyncWaitAll();
     FenceProxyAsync();
     __syncthreads();  // B1: X, Y, info; chunk n - 1's staged output; every wgmma of n - 1 done
     const SweepInfo& ci = infos[n & 1];
-    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, token0(n + 1), a.T, a.scale);
+    if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
     if (n > 0) copy_out(n - 1);
     if (n > 0) load(L::kZ, a.z, a.z_stride, n);
     CpAsyncCommit();
@@ -379,15 +375,10 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = w.row + 8 * hh, c = w.wg * 32 + 8 * j + w.q2;
-          float v2[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int cc = c + e;
-            const bool keep =
-                kReverse ? (cc >= r && ci.seg[cc] <= c0 + r) : (cc <= r && ci.seg[r] <= c0 + cc);
-            v2[e] = keep ? P[j * 4 + hh * 2 + e] * a.scale * dec[kReverse ? cc - r : r - cc] : 0.0f;
-          }
-          *reinterpret_cast<uint32_t*>(smem + L::kP + CoreOffset64(r, c)) = PackBf16(v2[0], v2[1]);
+          const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], ci, dec, c0, r, c, a.scale);
+          const float v1 =
+              MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], ci, dec, c0, r, c + 1, a.scale);
+          *reinterpret_cast<uint32_t*>(smem + L::kP + CoreOffset64(r, c)) = PackBf16(v0, v1);
         }
       }
     }
@@ -440,16 +431,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
     // steps of 16 tokens. (It also runs after the block's last chunk, unused: a branch around
     // wgmmas serialises them.)
     uint32_t za[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const int t = ks * 16 + (w.lane & 7) + ((w.lane >> 4) & 1) * 8;
-      const int v = w.col0 + w.wi * 16 + ((w.lane >> 3) & 1) * 8;
-      Ldm4T(za[ks], zs + CoreOffset(t, v));
-      const int t0 = ks * 16 + w.q2;
-      const float u0 = colw[t0], u1 = colw[t0 + 1], u2 = colw[t0 + 8], u3 = colw[t0 + 9];
-      za[ks][0] = ScaleBf16x2(za[ks][0], u0, u1), za[ks][1] = ScaleBf16x2(za[ks][1], u0, u1);
-      za[ks][2] = ScaleBf16x2(za[ks][2], u2, u3), za[ks][3] = ScaleBf16x2(za[ks][3], u2, u3);
-    }
+    ScaledTransposedA(za, w, zs, colw);
 #pragma unroll
     for (int i = 0; i < 64; ++i) R[i] *= ci.f;
     FenceRegs(R);
