@@ -1,6 +1,9 @@
 // Private building blocks of the CUDA Lightning kernels: the 64-token chunk grid and its masks,
-// the WMMA tile helpers of the CP carry kernels, and the launchers each .cu file exports to the
-// others (lightning_sweep.cu, lightning_state.cu, lightning_fwd.cu, lightning_bwd.cu).
+// the WMMA tile helpers of the CP carry kernels, the pieces the chunk sweeps share (operand
+// fetches, tile loads, a block's chunks, per-chunk info, masked scores, the transposed sweeps'
+// output staging; lightning_sweep.cu, lightning_wgmma.cu), and the launchers each .cu file
+// exports to the others (lightning_sweep.cu, lightning_state.cu, lightning_fwd.cu,
+// lightning_bwd.cu).
 //
 // Chunk c covers tokens [64c, min(64c + 64, T)). Inside a chunk, token i belongs to the segment
 // starting at seg[i] (absolute index). With c0 = 64c:
