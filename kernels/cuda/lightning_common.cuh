@@ -63,9 +63,13 @@ __device__ __forceinline__ int SegmentStart(const int32_t* cu, int n_seg, int t)
   return cu[lo];
 }
 
-// dec[n] = a^n for n <= 64. Call once per block (then sync).
-__device__ __forceinline__ void FillDecay(float log_a, float* dec) {
-  if (threadIdx.x <= kChunk) dec[threadIdx.x] = expf(static_cast<float>(threadIdx.x) * log_a);
+// The decay table: kDecayTable floats, dec[n] = a^n for 0 <= n <= 64 and dec[n] = 0 for
+// -64 <= n < 0, where dec = table + kChunk, so that dec[r - c] is a score's decay and causal mask
+// at once. Call once per block (then sync); needs at least kDecayTable threads.
+constexpr int kDecayTable = 2 * kChunk + 1;
+__device__ __forceinline__ void FillDecay(float log_a, float* table) {
+  const int t = threadIdx.x;
+  if (t < kDecayTable) table[t] = t >= kChunk ? expf(static_cast<float>(t - kChunk) * log_a) : 0.0f;
 }
 
 // Copies `len` rows of DH bf16 from global (row stride `stride`) into smem rows of pitch kRow;
@@ -220,7 +224,9 @@ __device__ __forceinline__ void CopyOutT(const bf16* os, bf16* out, int64_t stri
 
 // Per-chunk quantities, computed by threads 0..63 without a barrier (see the top of this file).
 struct SweepInfo {
-  int seg[kChunk];
+  // The start of token i's segment relative to the chunk, max(start - c0, -1) (127 past the
+  // chunk's end): tokens r and c share a segment, c <= r, when seg[r] <= c.
+  int8_t seg[kChunk];
   float qw[kChunk];
   float kw[kChunk];
   float f;
@@ -237,7 +243,7 @@ __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, con
   const bool in = i < len;
   const int s = in ? SegmentStart(cu, n_seg, c0 + i) : 0x7fffffff;
   const int sl = SegmentStart(cu, n_seg, c0 + last);
-  ci.seg[i] = s;
+  ci.seg[i] = in ? static_cast<int8_t>(max(s - c0, -1)) : int8_t{127};
   ci.qw[i] = in && (s < c0 || s == 0) ? scale * dec[i + 1] : 0.0f;
   ci.kw[i] = in && s == sl ? dec[last - i] : 0.0f;
   if (i == 0) {
@@ -310,13 +316,14 @@ __device__ __forceinline__ void ScaleTokens(uint32_t (&fa)[4], const float* w, i
   fa[2] = ScaleBf16x2(fa[2], u2, u3), fa[3] = ScaleBf16x2(fa[3], u2, u3);
 }
 
-// The score x of row token r and column token c of the chunk starting at c0 under the causal mask
-// (transposed when kReverse) and the documents, decayed and scaled; 0 where masked.
+// The score x of row token r and column token c of a chunk under the causal mask (transposed when
+// kReverse) and the documents, decayed and scaled; 0 where masked. `seg` is seg[r] (seg[c] when
+// kReverse); the causal mask is the decay table's zeros, so there is no branch.
 template <bool kReverse>
-__device__ __forceinline__ float MaskedScore(float x, const SweepInfo& ci, const float* dec, int c0,
-                                             int r, int c, float scale) {
-  const bool keep = kReverse ? (c >= r && ci.seg[c] <= c0 + r) : (c <= r && ci.seg[r] <= c0 + c);
-  return keep ? x * scale * dec[kReverse ? c - r : r - c] : 0.0f;
+__device__ __forceinline__ float MaskedScore(float x, int seg, const float* dec, int r, int c,
+                                             float scale) {
+  const float m = dec[kReverse ? c - r : r - c];
+  return seg <= (kReverse ? r : c) ? x * scale * m : 0.0f;
 }
 
 // ---- Launchers shared between the .cu files ---------------------------------------------------------

@@ -72,7 +72,7 @@ struct SweepLayout {
   static constexpr int kZ = kY + kYBufs * kTile * 2;
   static constexpr int kInfo = kZ + kZBufs * kTile * 2;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
-  static constexpr int kStateOnlyBytes = (kDec + 65 * 4 + 127) / 128 * 128;
+  static constexpr int kStateOnlyBytes = (kDec + kDecayTable * 4 + 127) / 128 * 128;
   static constexpr int kX = kStateOnlyBytes;
   static constexpr int kS = kX + kTile * 2;
   static constexpr int kA = kS + DH * kPitch * 2;
@@ -114,9 +114,9 @@ __device__ __forceinline__ bool LiveScoreBlock(int rb, int cb) {
 // The warp's part of Mask o X Y^T (decayed, scaled; transposed mask when kReverse), as bf16 into
 // the exchange tile ab (live blocks only).
 template <int DH, bool kReverse>
-__device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16* xs,
-                                             const bf16* ys, bf16* ab, const SweepInfo& ci,
-                                             const float* dec, int c0, float scale) {
+__device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16* xs, const bf16* ys,
+                                             bf16* ab, const SweepInfo& ci, const float* dec,
+                                             float scale) {
   using L = SweepLayout<DH, 1, 1>;
   const bool live0 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16);
   const bool live1 = LiveScoreBlock<kReverse>(w.orow0 / 16, w.acol0 / 16 + 1);
@@ -137,15 +137,16 @@ __device__ __forceinline__ void ScoresToTile(const WarpPlace<DH>& w, const bf16*
       Mma(A[2 * np + 1], fa, fb[2], fb[3]);
     }
   }
+  const int r0 = w.orow0 + w.qr;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     if (!(j < 2 ? live0 : live1)) continue;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = w.orow0 + w.qr + (e >> 1) * 8, c = w.acol0 + 8 * j + w.qc + (e & 1);
-      A[j][e] = MaskedScore<kReverse>(A[j][e], ci, dec, c0, r, c, scale);
+      const int r = r0 + (e >> 1) * 8, c = w.acol0 + 8 * j + w.qc + (e & 1);
+      A[j][e] = MaskedScore<kReverse>(A[j][e], ci.seg[kReverse ? c : r], dec, r, c, scale);
     }
-    const int r = w.orow0 + w.qr, c = w.acol0 + 8 * j + w.qc;
+    const int r = r0, c = w.acol0 + 8 * j + w.qc;
     *reinterpret_cast<uint32_t*>(ab + r * L::kAPitch + c) = PackBf16(A[j][0], A[j][1]);
     *reinterpret_cast<uint32_t*>(ab + (r + 8) * L::kAPitch + c) = PackBf16(A[j][2], A[j][3]);
   }
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   bf16* ys0 = reinterpret_cast<bf16*>(smem + L::kY);
   bf16* zs0 = reinterpret_cast<bf16*>(smem + L::kZ);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec);
+  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
   bf16* xs = reinterpret_cast<bf16*>(smem + L::kX);
   bf16* sb = reinterpret_cast<bf16*>(smem + L::kS);
   bf16* ab = reinterpret_cast<bf16*>(smem + L::kA);
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   const int g = b.g, h = b.h, count = b.count;
   const WarpPlace<DH> w;
 
-  FillDecay(a.log_decay[h], dec);
+  FillDecay(a.log_decay[h], dec - kChunk);
   // Chunk n's tile of Y or Z (Y: buffer n % kBufs, Z: n % kZBufs).
   auto load_y = [&](int n) { b.Load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
   auto load_z = [&](int n) { b.Load(zs0 + (n % kZBufs) * L::kTile, a.z, a.z_stride, n); };
@@ -358,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
       UpdateState<DH>(w, S, ys, zs, colw, ci.f);
     } else {
       float O[kONT<DH>][4];
-      ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
+      ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, a.scale);
       InterChunk<DH, false>(w, O, xs, sb, roww);
       if constexpr (kBufs == 2) CpAsyncWait<1>();  // this chunk's Z (the next Y may stay)
       __syncthreads();  // B2: scores exchanged; every warp is done with X and the bf16 state
@@ -409,7 +410,7 @@ struct SweepTLayout {
   static constexpr int kA = kO + L::kTile * 2;
   static constexpr int kInfo = kA + kChunk * L::kAPitch * 2;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
-  static constexpr int kBytes = kDec + 65 * 4;
+  static constexpr int kBytes = kDec + kDecayTable * 4;
 };
 
 // O^T[v0.., t] = roww[t] sum_k R[v, k] X[t, k]: R's bf16 fragments as A, X from its tile as B.
@@ -483,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
   bf16* os = reinterpret_cast<bf16*>(smem + T::kO);
   bf16* ab = reinterpret_cast<bf16*>(smem + T::kA);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + T::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + T::kDec);
+  float* dec = reinterpret_cast<float*>(smem + T::kDec) + kChunk;  // see FillDecay
 
   const BlockChunks<DH, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
   const int g = b.g, h = b.h, count = b.count;
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     CopyOutT<DH>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
-  FillDecay(a.log_decay[h], dec);
+  FillDecay(a.log_decay[h], dec - kChunk);
   b.Load(ys0, a.y, a.y_stride, 0), b.Load(zs, a.z, a.z_stride, 0), b.Load(xs, a.x, a.x_stride, 0);
   // R[j][e]: value row srow0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1); R = S^T, so the
   // start state is read the other way round.
@@ -505,7 +506,6 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = b.Token0(n);
     const bool more = n + 1 < count;
     CpAsyncWaitAll();
     __syncthreads();  // B1: X and Y of this chunk, info, the previous chunk's staged output
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
     float O[kChunk / 8][4];
-    ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, c0, a.scale);
+    ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, a.scale);
     InterChunkT<DH>(O, R, xs, roww, w.lane);
     CpAsyncWait<1>();  // this chunk's Z (the next Y may stay in flight)
     __syncthreads();   // B2: scores exchanged; X done; the staging tile read
@@ -564,7 +564,7 @@ struct DkDvLayout {
   static constexpr int kA = kS + DH * L::kPitch * 2;
   static constexpr int kInfo = kA + kChunk * L::kAPitch * 2;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
-  static constexpr int kBytes = kDec + 65 * 4;
+  static constexpr int kBytes = kDec + kDecayTable * 4;
 };
 
 // kTransposedDk (Dh = 128, the default there): dk's half runs as the transposed sweep does. The
@@ -585,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   bf16* sb = reinterpret_cast<bf16*>(smem + D::kS);
   bf16* ab = reinterpret_cast<bf16*>(smem + D::kA);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + D::kDec);
+  float* dec = reinterpret_cast<float*>(smem + D::kDec) + kChunk;  // see FillDecay
 
   // The loads keep the strided loop (see LoadTileAsync).
   const BlockChunks<DH, /*kReverse=*/true, /*kFixed=*/false> b(a.chunks_per_block, a.n_chunks, a.T);
@@ -593,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   if (count <= 0) return;
   const WarpPlace<DH> w;
 
-  FillDecay(a.log_decay[h], dec);
+  FillDecay(a.log_decay[h], dec - kChunk);
   b.Load(qs, a.q, a.qkv_stride, 0), b.Load(os, a.dout, a.dout_stride, 0);
   b.Load(vs, a.v, a.qkv_stride, 0), b.Load(ks, a.k, a.qkv_stride, 0);
   float S[L::kSNT][4];
@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     if (more) ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
     const int64_t row = static_cast<int64_t>(c0) * a.qkv_stride + b.hoff;
     // dk (X = v, Y = dO, Z = q, state dS^T).
-    ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, c0, a.scale);
+    ScoresToTile<DH, true>(w, vs, os, ab, ci, dec, a.scale);
     if constexpr (kTransposedDk) {
       float OT[kChunk / 8][4];
       InterChunkT<DH>(OT, S, vs, ci.kw, w.lane);
@@ -632,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
     // dv (X = k, Y = q, Z = dO, state dS, read from the bf16 copy), and the state update in
     // registers (the transposed dk did it already), the last use of q.
     float O[kONT<DH>][4];
-    ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, c0, a.scale);
+    ScoresToTile<DH, true>(w, ks, qs, ab, ci, dec, a.scale);
     if constexpr (!kTransposedDk) {
       if (more) UpdateState<DH>(w, S, qs, os, ci.qw, ci.f);
     }

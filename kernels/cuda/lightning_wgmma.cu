@@ -44,7 +44,7 @@ struct WgStateLayout {
   static constexpr int kZ = kY + kStages * kTileBytes;
   static constexpr int kInfo = kZ + kStages * kTileBytes;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
-  static constexpr int kBytes = kDec + 65 * 4;
+  static constexpr int kBytes = kDec + kDecayTable * 4;
 };
 
 // Byte offset of element (r, c) in a core-matrix tile.
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec);
+  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
   const BlockChunks<kDh, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   float S[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) S[i] = 0.0f;
-  FillDecay(a.log_decay[h], dec);
+  FillDecay(a.log_decay[h], dec - kChunk);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
   float f_prod = 1.0f;
@@ -292,7 +292,7 @@ struct WgTLayout {
   static constexpr int kO = kP + kChunk * kChunk * 2;  // staging [64, 136] bf16
   static constexpr int kInfo = kO + kChunk * (kDh + 8) * 2;
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
-  static constexpr int kBytes = kDec + 65 * 4;
+  static constexpr int kBytes = kDec + kDecayTable * 4;
 };
 // Byte offset of element (r, c) in a 64-column core-matrix tile (8-row groups 1024 bytes apart).
 __device__ __forceinline__ int CoreOffset64(int r, int c) {
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
   using L = WgTLayout;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec);
+  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
   bf16* os = reinterpret_cast<bf16*>(smem + L::kO);
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
     CopyOutT<kDh>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
-  FillDecay(a.log_decay[h], dec);
+  FillDecay(a.log_decay[h], dec - kChunk);
   load(L::kX, a.x, a.x_stride, 0), load(L::kY, a.y, a.y_stride, 0), load(L::kZ, a.z, a.z_stride, 0);
   // R[4 j + e]: value row col0 + row + 8 (e >> 1), key column 8 j + q2 + (e & 1).
   float R[64];
@@ -339,7 +339,6 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
   for (int n = 0; n < count; ++n) {
-    const int c0 = b.Token0(n);
     const bool more = n + 1 < count;
     CpAsyncWaitAll();
     FenceProxyAsync();
@@ -375,9 +374,9 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = w.row + 8 * hh, c = w.wg * 32 + 8 * j + w.q2;
-          const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], ci, dec, c0, r, c, a.scale);
-          const float v1 =
-              MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], ci, dec, c0, r, c + 1, a.scale);
+          const int s0 = ci.seg[kReverse ? c : r], s1 = ci.seg[kReverse ? c + 1 : r];
+          const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], s0, dec, r, c, a.scale);
+          const float v1 = MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], s1, dec, r, c + 1, a.scale);
           *reinterpret_cast<uint32_t*>(smem + L::kP + CoreOffset64(r, c)) = PackBf16(v0, v1);
         }
       }
