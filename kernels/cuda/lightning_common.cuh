@@ -276,6 +276,12 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
   const int r0 = threadIdx.x / kVec, c = (threadIdx.x % kVec) * 8;
   bf16* d = dst + r0 * (DH + 8) + c;
   const bf16* s = src + r0 * stride + c;
+  if (len == kChunk) {  // every chunk but a sequence's last: no row test
+    const int64_t step = kRowsPerPass * stride;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) CpAsync16(d + i * kRowsPerPass * (DH + 8), s + i * step, 16);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const bool in = r0 + i * kRowsPerPass < len;
