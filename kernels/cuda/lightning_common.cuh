@@ -253,6 +253,28 @@ __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, con
   }
 }
 
+// The state-only passes' token weights (into kw, or qw when kReverse). A block's end state is
+// sum_t w_t y_t^T z_t over its tokens, each token's decay to the block's end taken at once, so the
+// sweep needs no f S per chunk. Forward, the end is the block's last token L: w_t = a^(L - t) for
+// t in L's segment (start s_last), else 0. Reverse, the end is the token before the block's first,
+// F - 1: w_t = scale a^(t - F + 1) for t in F - 1's segment (a start before F, or 0), else 0. The
+// same tokens and weights as the products of the chunks' kw (qw) and f. Threads 0..63.
+template <bool kReverse>
+__device__ __forceinline__ void ComputeStateWeights(SweepInfo& ci, float log_a, const int32_t* cu,
+                                                    int n_seg, int c0, int T, float scale,
+                                                    int first, int last, int s_last) {
+  const int i = threadIdx.x, t = c0 + i;
+  if (i >= kChunk) return;
+  float w = 0.0f;
+  if (t < T) {
+    const int s = SegmentStart(cu, n_seg, t);
+    if (kReverse && (s < first || s == 0))
+      w = scale * expf(static_cast<float>(t - first + 1) * log_a);
+    if (!kReverse && s == s_last) w = expf(static_cast<float>(last - t) * log_a);
+  }
+  (kReverse ? ci.qw : ci.kw)[i] = w;
+}
+
 // [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros. Thread
 // t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass. kFixed:
 // the trip count and the per-thread offsets are compile-time, so a vector costs a few

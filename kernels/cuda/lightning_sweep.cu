@@ -228,15 +228,17 @@ __device__ __forceinline__ void UpdateStep(float (&S)[NT][4], const uint32_t (&f
   }
 }
 
-// S = f S + (colw o Y)^T Z on the warp's state tile.
-template <int DH>
+// S = f S + (colw o Y)^T Z on the warp's state tile (S += (colw o Y)^T Z when !kDecay).
+template <int DH, bool kDecay = true>
 __device__ __forceinline__ void UpdateState(const WarpPlace<DH>& w,
                                             float (&S)[SweepLayout<DH, 1, 1>::kSNT][4],
                                             const bf16* ys, const bf16* zs, const float* colw,
                                             float f) {
   using L = SweepLayout<DH, 1, 1>;
+  if constexpr (kDecay) {
 #pragma unroll
-  for (int j = 0; j < L::kSNT; ++j) S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
+    for (int j = 0; j < L::kSNT; ++j) S[j][0] *= f, S[j][1] *= f, S[j][2] *= f, S[j][3] *= f;
+  }
 #pragma unroll
   for (int ks = 0; ks < kChunk / 16; ++ks) {
     uint32_t fa[4];
@@ -321,9 +323,19 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     LoadStartState<DH>(w, S, a.start + state_off, a.transpose_start);
     StateToTile<DH>(w, S, sb);
   }
+  // The state-only passes weight each token by its decay to the block's end (ComputeStateWeights).
+  const int first = b.first * kChunk, last = min(a.T, (b.first + count) * kChunk) - 1;
+  const int s_last = kStateOnly ? SegmentStart(a.cu, a.n_seg, last) : 0;
+  auto info = [&](int n) {
+    if constexpr (kStateOnly) {
+      ComputeStateWeights<kReverse>(infos[n & 1], a.log_decay[h], a.cu, a.n_seg, b.Token0(n), a.T,
+                                    a.scale, first, last, s_last);
+    } else {
+      ComputeInfo(infos[n & 1], dec, a.cu, a.n_seg, b.Token0(n), a.T, a.scale);
+    }
+  };
   __syncthreads();  // dec
-  ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
-  float f_prod = 1.0f;
+  info(0);
 
   for (int n = 0; n < count; ++n) {
     const int c0 = b.Token0(n);
@@ -336,9 +348,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     const SweepInfo& ci = infos[n & 1];
     bf16* ys = ys0 + (n % kBufs) * L::kTile;
     bf16* zs = zs0 + (n % kZBufs) * L::kTile;
-    if (n + 1 < count) {
-      ComputeInfo(infos[(n + 1) & 1], dec, a.cu, a.n_seg, b.Token0(n + 1), a.T, a.scale);
-    }
+    if (n + 1 < count) info(n + 1);
     // The tiles fetched now go where chunk n - 1's were, which every warp finished before this
     // chunk's first barrier.
     if constexpr (kBufs == 3) {
@@ -355,8 +365,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
 
     // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
     if constexpr (kStateOnly) {
-      f_prod *= ci.f;
-      UpdateState<DH>(w, S, ys, zs, colw, ci.f);
+      UpdateState<DH, false>(w, S, ys, zs, colw, 1.0f);
     } else {
       float O[kONT<DH>][4];
       ScoresToTile<DH, kReverse>(w, xs, ys, ab, ci, dec, a.scale);
@@ -386,7 +395,12 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
       *reinterpret_cast<float2*>(out + r * DH + c) = make_float2(S[j][0], S[j][1]);
       *reinterpret_cast<float2*>(out + (r + 8) * DH + c) = make_float2(S[j][2], S[j][3]);
     }
-    if (threadIdx.x == 0 && a.F != nullptr) a.F[h * a.G + g] = f_prod;
+    // The product of the chunks' f: the decay over the block when one segment runs through it.
+    if (threadIdx.x == 0 && a.F != nullptr) {
+      a.F[h * a.G + g] = s_last < first || s_last == 0
+                             ? expf(static_cast<float>(last - first + 1) * a.log_decay[h])
+                             : 0.0f;
+    }
   }
 }
 
