@@ -20,7 +20,8 @@
 // and this chunk's Z are fetched at the start of the chunk (115,584 bytes of shared memory at
 // DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
 // state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
-// chunk. The per-warp steps (scores, X S, scores x Z, the state update) are device functions
+// chunk; they weight each token by its decay to the block's end (ComputeStateWeights), so their
+// state is never scaled by f. The per-warp steps (scores, X S, scores x Z, the state update) are device functions
 // shared with the other kernels here: the main passes' sweep that holds the state transposed
 // (Dh = 128, the default there: no bf16 state copy through shared memory, see SweepTKernel) and
 // the fused dk / dv reverse sweep, which walks the dk and dv instances of one chunk together over
@@ -363,7 +364,8 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
     const float* roww = kReverse ? ci.kw : ci.qw;
     const float* colw = kReverse ? ci.qw : ci.kw;
 
-    // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk).
+    // State: S = f S + (colW o Y)^T Z (the main passes skip it after their last chunk); the
+    // state-only passes' S += (colW o Y)^T Z, colW already the decay to the block's end.
     if constexpr (kStateOnly) {
       UpdateState<DH, false>(w, S, ys, zs, colw, 1.0f);
     } else {
