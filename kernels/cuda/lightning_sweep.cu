@@ -603,8 +603,9 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
   float* dec = reinterpret_cast<float*>(smem + D::kDec) + kChunk;  // see FillDecay
 
-  // The loads keep the strided loop (see LoadTileAsync).
-  const BlockChunks<DH, /*kReverse=*/true, /*kFixed=*/false> b(a.chunks_per_block, a.n_chunks, a.T);
+  // Compile-time tile loads with the stride opaque per call (see LoadTileAsync).
+  const BlockChunks<DH, /*kReverse=*/true, /*kFixed=*/true, /*kOpaqueStride=*/true> b(
+      a.chunks_per_block, a.n_chunks, a.T);
   const int g = b.g, h = b.h, count = b.count;
   if (count <= 0) return;
   const WarpPlace<DH> w;
