@@ -276,26 +276,16 @@ __device__ __forceinline__ void ComputeStateWeights(SweepInfo& ci, float log_a, 
 }
 
 // [64, DH] rows of src (row stride `stride`) into a padded tile; rows >= len become zeros. Thread
-// t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass. kFixed:
-// the trip count and the per-thread offsets are compile-time, so a vector costs a few
-// instructions (the strided loop costs ~25: ptxas keeps its index arithmetic and remainder
-// branches); measured faster for the sweep kernel (main sweep 298 -> 289 us, state pass 111 ->
-// 101 at T = 32K). kOpaqueStride (with kFixed): the stride is opaque to the compiler at each call,
-// so the rows' offsets are recomputed per call instead of kept in registers across the sweep's
-// loop; that is what the fused dk / dv sweep, at its 128-register limit, needs to gain from the
-// compile-time split (436 -> 411 us; 451 without it, which is why it used to keep the loop),
-// while the main sweep is faster keeping them (190 against 196 us).
-template <int DH, bool kFixed = true, bool kOpaqueStride = false>
+// t copies the 16-byte vector t % (DH / 8) of rows t / (DH / 8) + i * rows-per-pass: the trip
+// count and the per-thread offsets are compile-time, so a vector costs a few instructions (a
+// strided loop cost ~25-28: ptxas keeps its index arithmetic and remainder branches; main sweep
+// 298 -> 289 us, state pass 111 -> 101 at T = 32K). kOpaqueStride: the stride is opaque to the
+// compiler at each call, so the rows' offsets are recomputed per call instead of kept in
+// registers across the sweep's loop; the fused dk / dv sweep, at its 128-register limit, needs
+// that (436 us with the strided loop, 451 with the offsets kept, 411 with them recomputed), while
+// the main sweep is faster keeping them (190 against 196 us).
+template <int DH, bool kOpaqueStride = false>
 __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_t stride, int len) {
-  if constexpr (!kFixed) {
-    constexpr int kVec = DH / 8;
-    for (int idx = threadIdx.x; idx < kChunk * kVec; idx += kThreads) {
-      const int r = idx / kVec, c = (idx % kVec) * 8;
-      const bool in = r < len;
-      CpAsync16(dst + r * (DH + 8) + c, src + (in ? r * stride + c : 0), in ? 16 : 0);
-    }
-    return;
-  }
   constexpr int kVec = DH / 8, kRowsPerPass = kThreads / kVec, kPasses = kChunk / kRowsPerPass;
   static_assert(kThreads % kVec == 0 && kChunk % kRowsPerPass == 0, "tile split");
   if constexpr (kOpaqueStride) asm volatile("" : "+l"(stride));
@@ -318,8 +308,8 @@ __device__ __forceinline__ void LoadTileAsync(bf16* dst, const bf16* src, int64_
 
 // The chunks a block sweeps: head blockIdx.y, the chunks_per_block chunks of block blockIdx.x
 // (fewer at the end), walked in order or reversed; the n-th walked chunk's first token, length and
-// tile loads (kFixed, kOpaqueStride: see LoadTileAsync).
-template <int DH, bool kReverse, bool kFixed = true, bool kOpaqueStride = false>
+// tile loads (kOpaqueStride: see LoadTileAsync).
+template <int DH, bool kReverse, bool kOpaqueStride = false>
 struct BlockChunks {
   int g, h, first, count, T;
   int64_t hoff;  // the head's first column
@@ -336,7 +326,7 @@ struct BlockChunks {
   __device__ int Len(int n) const { return min(kChunk, T - Token0(n)); }
   // The n-th chunk's [64, DH] tile of src (row stride `stride`, this head's columns) into dst.
   __device__ void Load(bf16* dst, const bf16* src, int64_t stride, int n) const {
-    LoadTileAsync<DH, kFixed, kOpaqueStride>(dst, src + Token0(n) * stride + hoff, stride, Len(n));
+    LoadTileAsync<DH, kOpaqueStride>(dst, src + Token0(n) * stride + hoff, stride, Len(n));
   }
 };
 

@@ -604,8 +604,8 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   float* dec = reinterpret_cast<float*>(smem + D::kDec) + kChunk;  // see FillDecay
 
   // Compile-time tile loads with the stride opaque per call (see LoadTileAsync).
-  const BlockChunks<DH, /*kReverse=*/true, /*kFixed=*/true, /*kOpaqueStride=*/true> b(
-      a.chunks_per_block, a.n_chunks, a.T);
+  const BlockChunks<DH, /*kReverse=*/true, /*kOpaqueStride=*/true> b(a.chunks_per_block,
+                                                                    a.n_chunks, a.T);
   const int g = b.g, h = b.h, count = b.count;
   if (count <= 0) return;
   const WarpPlace<DH> w;
