@@ -21,11 +21,11 @@
 // DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
 // state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
 // chunk; they weight each token by its decay to the block's end (ComputeStateWeights), so their
-// state is never scaled by f. The per-warp steps (scores, X S, scores x Z, the state update) are device functions
-// shared with the other kernels here: the main passes' sweep that holds the state transposed
-// (Dh = 128, the default there: no bf16 state copy through shared memory, see SweepTKernel) and
-// the fused dk / dv reverse sweep, which walks the dk and dv instances of one chunk together over
-// one dS.
+// state is never scaled by f. The per-warp steps (scores, X S, scores x Z, the state update) are
+// device functions shared with the other kernels here: the main passes' sweep that holds the
+// state transposed (Dh = 128, the default there: no bf16 state copy through shared memory, see
+// SweepTKernel) and the fused dk / dv reverse sweep, which walks the dk and dv instances of one
+// chunk together over one dS.
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
