@@ -12,7 +12,8 @@
 //   kw[j]   = seg[j] == seg[last] ? a^(last-j) : 0   weight of k_j^T v_j in the chunk's end state
 //   f       = cond(last) ? a^len : 0       S_out = f S_in + sum_j kw[j] k_j^T v_j
 //   M[i,j]  = j <= i && seg[i] <= c0 + j   intra-chunk mask, score weight scale * a^(i-j)
-// (segment 0 counts as continuing from the carry-in, hence seg[i] == 0 in cond).
+// (segment 0 counts as continuing from the carry-in, hence seg[i] == 0 in cond). The sweeps'
+// SweepInfo keeps seg relative to c0 (see there).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -63,13 +64,16 @@ __device__ __forceinline__ int SegmentStart(const int32_t* cu, int n_seg, int t)
   return cu[lo];
 }
 
-// The decay table: kDecayTable floats, dec[n] = a^n for 0 <= n <= 64 and dec[n] = 0 for
-// -64 <= n < 0, where dec = table + kChunk, so that dec[r - c] is a score's decay and causal mask
-// at once. Call once per block (then sync); needs at least kDecayTable threads.
+// The decay table, kDecayTable floats with `dec` at its middle: dec[n] = a^n for 0 <= n <= 64
+// and dec[n] = 0 for -64 <= n < 0, so that dec[r - c] is a score's decay and causal mask at once.
+// Call once per block (then sync); needs at least kDecayTable threads.
 constexpr int kDecayTable = 2 * kChunk + 1;
-__device__ __forceinline__ void FillDecay(float log_a, float* table) {
-  const int t = threadIdx.x;
-  if (t < kDecayTable) table[t] = t >= kChunk ? expf(static_cast<float>(t - kChunk) * log_a) : 0.0f;
+__device__ __forceinline__ float* DecayTable(unsigned char* at) {
+  return reinterpret_cast<float*>(at) + kChunk;
+}
+__device__ __forceinline__ void FillDecay(float log_a, float* dec) {
+  const int n = static_cast<int>(threadIdx.x) - kChunk;
+  if (n <= kChunk) dec[n] = n >= 0 ? expf(static_cast<float>(n) * log_a) : 0.0f;
 }
 
 // Copies `len` rows of DH bf16 from global (row stride `stride`) into smem rows of pitch kRow;

@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   bf16* ys0 = reinterpret_cast<bf16*>(smem + L::kY);
   bf16* zs0 = reinterpret_cast<bf16*>(smem + L::kZ);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
+  float* dec = DecayTable(smem + L::kDec);
   bf16* xs = reinterpret_cast<bf16*>(smem + L::kX);
   bf16* sb = reinterpret_cast<bf16*>(smem + L::kS);
   bf16* ab = reinterpret_cast<bf16*>(smem + L::kA);
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepKernel(SweepArgs a) {
   const int g = b.g, h = b.h, count = b.count;
   const WarpPlace<DH> w;
 
-  FillDecay(a.log_decay[h], dec - kChunk);
+  FillDecay(a.log_decay[h], dec);
   // Chunk n's tile of Y or Z (Y: buffer n % kBufs, Z: n % kZBufs).
   auto load_y = [&](int n) { b.Load(ys0 + (n % kBufs) * L::kTile, a.y, a.y_stride, n); };
   auto load_z = [&](int n) { b.Load(zs0 + (n % kZBufs) * L::kTile, a.z, a.z_stride, n); };
@@ -500,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
   bf16* os = reinterpret_cast<bf16*>(smem + T::kO);
   bf16* ab = reinterpret_cast<bf16*>(smem + T::kA);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + T::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + T::kDec) + kChunk;  // see FillDecay
+  float* dec = DecayTable(smem + T::kDec);
 
   const BlockChunks<DH, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
   const int g = b.g, h = b.h, count = b.count;
@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
     CopyOutT<DH>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
-  FillDecay(a.log_decay[h], dec - kChunk);
+  FillDecay(a.log_decay[h], dec);
   b.Load(ys0, a.y, a.y_stride, 0), b.Load(zs, a.z, a.z_stride, 0), b.Load(xs, a.x, a.x_stride, 0);
   // R[j][e]: value row srow0 + qr + 8 (e >> 1), key column 8 j + qc + (e & 1); R = S^T, so the
   // start state is read the other way round.
@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   bf16* sb = reinterpret_cast<bf16*>(smem + D::kS);
   bf16* ab = reinterpret_cast<bf16*>(smem + D::kA);
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + D::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + D::kDec) + kChunk;  // see FillDecay
+  float* dec = DecayTable(smem + D::kDec);
 
   // Compile-time tile loads with the stride opaque per call (see LoadTileAsync).
   const BlockChunks<DH, /*kReverse=*/true, /*kOpaqueStride=*/true> b(a.chunks_per_block,
@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(kThreads, 2) DkDvKernel(DkDvArgs a) {
   if (count <= 0) return;
   const WarpPlace<DH> w;
 
-  FillDecay(a.log_decay[h], dec - kChunk);
+  FillDecay(a.log_decay[h], dec);
   b.Load(qs, a.q, a.qkv_stride, 0), b.Load(os, a.dout, a.dout_stride, 0);
   b.Load(vs, a.v, a.qkv_stride, 0), b.Load(ks, a.k, a.qkv_stride, 0);
   float S[L::kSNT][4];

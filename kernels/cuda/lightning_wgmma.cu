@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
+  float* dec = DecayTable(smem + L::kDec);
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
   const BlockChunks<kDh, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaStateKernel(SweepArgs a) {
   float S[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) S[i] = 0.0f;
-  FillDecay(a.log_decay[h], dec - kChunk);
+  FillDecay(a.log_decay[h], dec);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
   float f_prod = 1.0f;
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
   using L = WgTLayout;
   extern __shared__ __align__(128) unsigned char smem[];
   SweepInfo* infos = reinterpret_cast<SweepInfo*>(smem + L::kInfo);
-  float* dec = reinterpret_cast<float*>(smem + L::kDec) + kChunk;  // see FillDecay
+  float* dec = DecayTable(smem + L::kDec);
   bf16* os = reinterpret_cast<bf16*>(smem + L::kO);
   const uint32_t sbase = SmemAddr(smem);
   const WgPlace w;
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
     CopyOutT<kDh>(os, a.out + b.Token0(n) * a.out_stride + b.hoff, a.out_stride, b.Len(n));
   };
 
-  FillDecay(a.log_decay[h], dec - kChunk);
+  FillDecay(a.log_decay[h], dec);
   load(L::kX, a.x, a.x_stride, 0), load(L::kY, a.y, a.y_stride, 0), load(L::kZ, a.z, a.z_stride, 0);
   // R[4 j + e]: value row col0 + row + 8 (e >> 1), key column 8 j + q2 + (e & 1).
   float R[64];
