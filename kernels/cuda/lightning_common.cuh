@@ -235,7 +235,6 @@ struct SweepInfo {
   float kw[kChunk];
   float f;
   int len;
-  bool one_segment;  // every token of the chunk is in the segment of its first token
 };
 
 __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, const int32_t* cu,
@@ -253,7 +252,6 @@ __device__ __forceinline__ void ComputeInfo(SweepInfo& ci, const float* dec, con
   if (i == 0) {
     ci.f = (sl < c0 || sl == 0) ? dec[len] : 0.0f;
     ci.len = len;
-    ci.one_segment = s == sl;
   }
 }
 

@@ -17,7 +17,7 @@
 // between the two warps sharing 16 rows, and 16 x 16 score blocks the causal mask zeroes whole
 // are neither computed nor read; chunk tiles arrive by cp.async (X for the next chunk while the
 // current one finishes); two block barriers per chunk: Y has two buffers, so the next chunk's Y
-// and this chunk's Z are fetched at the start of the chunk (115,584 bytes of shared memory at
+// and this chunk's Z are fetched at the start of the chunk (115,456 bytes of shared memory at
 // DH=128, two blocks per SM; stages == 1 keeps one Y buffer and a third barrier, 98 KB). The
 // state-only passes keep three Y / Z buffers, fetch two chunks ahead and need one barrier per
 // chunk; they weight each token by its decay to the block's end (ComputeStateWeights), so their
@@ -561,12 +561,13 @@ Status LaunchSweepTT(const SweepArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// ---- The fused dk / dv reverse sweep ----------------------------------------------------------------
-// One reverse pass over a block's chunks carrying dS (the state gradient, as the dv sweep does):
+// ---- The fused dk / dv reverse sweep
+// ---------------------------------------------------------------- One reverse pass over a block's
+// chunks carrying dS (the state gradient, as the dv sweep does):
 //   dk = diag(kw) V dS^T + (Mask^T o V dO^T) Q
 //   dv = diag(kw) K dS   + (Mask^T o K Q^T) dO,       dS = f dS + (qw o Q)^T dO
 // Four tiles per chunk (q, k, v, dO) instead of six, one state update instead of two. Shared
-// memory at DH=128: 4 tiles, the bf16 state, the score tile, info: 115,476 bytes, so two blocks
+// memory at DH=128: 4 tiles, the bf16 state, the score tile, info: 115,348 bytes, so two blocks
 // still share an SM. Five barriers per chunk; the next chunk's v is fetched once the dk scores
 // are done, k and q once the dv scores and the state update (in registers) are, dO last.
 template <int DH>

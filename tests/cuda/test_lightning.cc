@@ -246,6 +246,26 @@ TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
   }
 }
 
+TEST_F(Lightning, HeadSize128StrongAndWeakDecaysOverLongBlocksMatchCpu) {
+  // Decays far from the model's on both sides (a head losing e^-0.9 a token, so e^-58 over a
+  // chunk, down to e^-0.02), over blocks of 32 chunks and one block of all 41; documents starting
+  // mid-chunk, carry-in and the end-state gradient; fused and separate dk / dv, with and without
+  // the forward's kept states.
+  Build({40 * 64 + 17, 4, 128, 8, {0, 1000, 1030, 40 * 64 + 17}, true, true});
+  ld_ = {-0.9f, -0.72f, -0.3f, -0.02f};
+  const Result want = Cpu();
+  for (int cpb : {32, 64}) {
+    for (bool separate : {false, true}) {
+      for (bool kept : {false, true}) {
+        SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) +
+                     (separate ? " separate dk, dv" : " fused dk, dv") +
+                     (kept ? " kept states" : ""));
+        Compare(Gpu({cpb, 0, separate, 3}, kept), want);
+      }
+    }
+  }
+}
+
 TEST_F(Lightning, HeadSize128OddLengthCarryAndDocuments) {
   Build({127, 3, 128, 8, {0, 5, 64, 127}, true, true});
   Compare(Gpu({}), Cpu());
