@@ -561,9 +561,8 @@ Status LaunchSweepTT(const SweepArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// ---- The fused dk / dv reverse sweep
-// ---------------------------------------------------------------- One reverse pass over a block's
-// chunks carrying dS (the state gradient, as the dv sweep does):
+// ---- The fused dk / dv reverse sweep --------------------------------------------------------
+// One reverse pass over a block's chunks carrying dS (the state gradient, as the dv sweep does):
 //   dk = diag(kw) V dS^T + (Mask^T o V dO^T) Q
 //   dv = diag(kw) K dS   + (Mask^T o K Q^T) dO,       dS = f dS + (qw o Q)^T dO
 // Four tiles per chunk (q, k, v, dO) instead of six, one state update instead of two. Shared
