@@ -259,7 +259,9 @@ int main(int argc, char** argv) {
                                                  {16, 1, false, 2},
                                                  {32, 1, false, 2},
                                                  {64, 1, false, 2},
-                                                 {16, 1, false, 1}}) {
+                                                 {16, 1, false, 1},
+                                                 {64, 0, true, 4},
+                                                 {0, 0, true, 4}}) {
       if (++row != lightning_row && lightning_row >= 0) continue;
       const cu::LightningConfig cfg{cpb, stages, separate, kernel};
       Buf ws(cu::LightningWorkspaceBytes(dims, cfg) / 4 + 1, cu::DType::kFloat32);
@@ -281,7 +283,8 @@ int main(int argc, char** argv) {
       const std::string tag = "lightning T=" + std::to_string(T / 1024) + "K H=16 Dh=128 cpb=" +
                               (cpb == 0 ? std::string("auto") : std::to_string(cpb)) +
                               " st=" + std::to_string(stages) + (separate ? " dk|dv" : "") +
-                              (kernel == 3   ? " mma.sync-T"
+                              (kernel == 4   ? " wgmma-ws"
+                               : kernel == 3 ? " mma.sync-T"
                                : kernel == 2 ? " wgmma"
                                : kernel == 1 ? " mma.sync"
                                              : "");

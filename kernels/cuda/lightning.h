@@ -49,8 +49,10 @@ struct LightningConfig {
   // sm_90 device, a build for sm_90a, stages other than 2; mma.sync elsewhere; its main passes hold
   // the state transposed; slower so far, bench/cuda/NOTES.md rounds 6 and 8); 3 = the main
   // passes at Dh = 128 on the mma.sync sweep that holds the state transposed (no bf16 state copy
-  // in shared memory; Y double-buffered whatever `stages` says; round 8). 0 picks 3 when stages is
-  // 0 too, else 1.
+  // in shared memory; Y double-buffered whatever `stages` says; round 8); 4 = the main passes on
+  // the warp-specialised wgmma sweep where it runs (Dh = 128, sm_90 device and sm_90a build; one
+  // block per SM, so automatic blocks are twice as long; slower so far, round 10). 0 picks 3 when
+  // stages is 0 too, else 1.
   int sweep_kernel = 0;
 };
 // Whether this build and the current device run the wgmma sweep (see LightningConfig).

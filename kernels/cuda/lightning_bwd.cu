@@ -48,6 +48,7 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   sa.T = T, sa.H = static_cast<int>(H), sa.scale = scale;
   sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
   sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(Dh, config);
+  sa.wgmma_ws = UseWgmmaWsSweep(Dh, config);
   sa.transposed_state = UseTransposedSweep(config);
   const int64_t qs = dims.qkv_stride, os = H * Dh;
   const auto* bq = static_cast<const bf16*>(q);

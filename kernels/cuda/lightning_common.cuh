@@ -374,6 +374,7 @@ struct SweepArgs {
   int chunks_per_block, n_chunks, G;
   int stages;  // main passes: 1 = one buffer per tile; otherwise Y double-buffered
   bool wgmma;  // run the wgmma sweep (lightning_wgmma.cu; Dh = 128 on sm_90a)
+  bool wgmma_ws;          // main passes: the warp-specialised wgmma sweep (lightning_wgmma.cu)
   bool transposed_state;  // main passes at Dh = 128: the sweep holding the state transposed
 };
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
@@ -388,6 +389,9 @@ inline bool UseTransposedSweep(const LightningConfig& config) {
 bool WgmmaSweepAvailable();
 bool UseWgmmaSweep(int64_t Dh, const LightningConfig& config);
 Status LaunchWgmmaSweep(bool reverse, bool state_only, const SweepArgs& a, cudaStream_t stream);
+// The warp-specialised wgmma main passes (sweep_kernel 4; lightning_wgmma.cu).
+bool UseWgmmaWsSweep(int64_t Dh, const LightningConfig& config);
+Status LaunchWgmmaWs(bool reverse, const SweepArgs& a, cudaStream_t stream);
 
 // The fused dk / dv reverse sweep (lightning_sweep.cu): per (head, block of chunks), from the
 // block's state gradient dS [H, G, Dh, Dh] (as the dv sweep carries it), writes dk and dv.

@@ -67,14 +67,15 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
   p.n_chunks = static_cast<int>(CeilDiv(std::max<int64_t>(T, 1), kChunk));
   int cpb = config.chunks_per_block;
   if (cpb <= 0) {
-    // Blocks run their chunks in sequence; two blocks share an SM (132 on an H100/H200). Pick
-    // the chunks per block that minimise waves x chunks per block, plus about two chunks' worth
-    // of fixed cost per block (start state, pass-1 output, scan steps); ties go to longer blocks.
-    constexpr int64_t kSlots = 2 * 132;
+    // Blocks run their chunks in sequence; two blocks share an SM (132 on an H100/H200), one
+    // with the warp-specialised sweep. Pick the chunks per block that minimise waves x chunks per
+    // block, plus about two chunks' worth of fixed cost per block (start state, pass-1 output,
+    // scan steps); ties go to longer blocks.
+    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * 132;
     int64_t best = -1;
     for (int c = 1; c <= 64; c *= 2) {
       const int64_t blocks = H * CeilDiv(p.n_chunks, c);
-      const int64_t cost = CeilDiv(blocks, kSlots) * (c + 2);
+      const int64_t cost = CeilDiv(blocks, slots) * (c + 2);
       if (best < 0 || cost <= best) best = cost, cpb = c;
     }
   }

@@ -716,6 +716,7 @@ Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream) {
 
 Status LaunchSweep(int dh, bool reverse, bool state_only, const SweepArgs& a,
                    cudaStream_t stream) {
+  if (a.wgmma_ws && !state_only) return LaunchWgmmaWs(reverse, a, stream);  // Dh = 128 only
   if (a.wgmma) return LaunchWgmmaSweep(reverse, state_only, a, stream);  // Dh = 128 only
   if (a.transposed_state && dh == 128 && !state_only) {
     return reverse ? LaunchSweepTT<true>(a, stream) : LaunchSweepTT<false>(a, stream);

@@ -4,9 +4,11 @@
 //
 //   out = diag(rowW) X S + (Mask o X Y^T) Z        S = f S + (colW o Y)^T Z
 //
-// Two kernels: the state-only pass (WgmmaStateKernel) and the main passes with the state held
+// Three kernels: the state-only pass (WgmmaStateKernel), the main passes with the state held
 // transposed as lightning_sweep.cu's SweepTKernel holds it (WgmmaTKernel: S^T by rows is the
-// register A operand of O^T = S^T X^T, so no bf16 copy of the state goes through shared memory).
+// register A operand of O^T = S^T X^T, so no bf16 copy of the state goes through shared memory),
+// and the same main passes warp-specialised (WgmmaWsKernel: a producer warpgroup feeding two
+// independent consumer warpgroups through mbarriers; sweep_kernel 4, one block per SM).
 // Why wgmma: the mma.sync sweep re-reads its operand fragments through ldmatrix in every warp and
 // issues ~1160 instructions per warp and chunk, 180 of them HMMA (bench/cuda/NOTES.md rounds 7
 // and 8); wgmma reads each 64 x N operand tile once per warpgroup straight from shared memory and
@@ -14,9 +16,9 @@
 // main passes 240 us against SweepTKernel's 205 at two blocks per SM, where ptxas serialises the
 // wgmmas for want of registers (R 64 + O^T 32 + operands within 128), and 295 us at one block per
 // SM (154 registers, no serialisation, the warpgroups waiting in lockstep); the state pass 134
-// against 90 us. So it runs only when LightningConfig::sweep_kernel asks for it; it is kept,
-// tested against the CPU on every pass, as the base for the next step (TMA loads from a producer
-// warp, so the math warpgroups keep fewer registers, and warp specialisation).
+// against 90 us. The warp-specialised main passes: 266 us against 191 (bench/cuda/NOTES.md round
+// 10). So they run only when LightningConfig::sweep_kernel asks for them; they are kept, tested
+// against the CPU on every pass, as the base for the next steps (see the notes).
 //
 // Layout: two warpgroups (256 threads). Each chunk tile [64 tokens, 128] sits in shared memory as
 // 8 x 8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes): element (r, c) at byte
@@ -446,6 +448,241 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
 #endif  // SPINDLE_WGMMA_DEVICE
 }
 
+// ---- The warp-specialised main passes (sweep_kernel 4) ---------------------------------------
+// One block per SM and three warpgroups. The producer (warpgroup 0, its registers cut to 40)
+// fetches each chunk's X, Y and Z tiles by cp.async into one of kWsStages stages, up to kWsStages
+// chunks ahead, computes the chunk's info beside them and marks the stage full; the two consumers
+// each hold R = S^T for 64 value rows, compute the whole chunk's scores themselves (twice the score
+// work, but no barrier between them), and mark the stage empty once done with it. A consumer's
+// chunk: P = X Y^T (m64n64) while R's bf16 fragments are packed and O^T = R X^T is issued behind
+// it; P masked into its own P tile; O^T scaled by rowW; O^T += Z^T P^T and R = f R + Z^T diag(colW)
+// Y issued together; O^T staged (two buffers) and copied out by the consumer itself. Shared
+// memory: three stages of three tiles and info, two P tiles, four staging tiles: 203 KB.
+constexpr int kWsStages = 3;
+constexpr int kWsThreads = 384;
+struct WsLayout {
+  static constexpr int kInfo = 3 * kTileBytes;  // within a stage, after X, Y, Z
+  static constexpr int kStage = (kInfo + static_cast<int>(sizeof(SweepInfo)) + 127) / 128 * 128;
+  static constexpr int kP = kWsStages * kStage;  // a [64, 64] P tile per consumer
+  static constexpr int kO = kP + 2 * kChunk * kChunk * 2;
+  static constexpr int kOTile = kChunk * (kChunk + 8) * 2;  // [64 tokens, 64 values] bf16
+  static constexpr int kDec = kO + 4 * kOTile;
+  static constexpr int kBar = (kDec + kDecayTable * 4 + 7) / 8 * 8;  // full[], then empty[]
+  static constexpr int kBytes = kBar + 2 * kWsStages * 8;
+};
+
+#ifdef SPINDLE_WGMMA_DEVICE
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra.uni WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgWaitN() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void WgBarrier(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+#endif  // SPINDLE_WGMMA_DEVICE
+
+// LoadCoreTile for one warpgroup (t = 0..127): thread t copies core column (t / 8) % 16 of rows
+// t % 8 + 8 i.
+__device__ __forceinline__ void LoadCoreTile128(unsigned char* dst, const bf16* src, int64_t stride,
+                                                int len, int t) {
+  const int r8 = t & 7, cg = (t >> 3) & 15;
+  unsigned char* d = dst + cg * 128 + r8 * 16;
+  const bf16* s = src + r8 * stride + cg * 8;
+#pragma unroll
+  for (int i = 0; i < kChunk / 8; ++i) {
+    const bool in = 8 * i + r8 < len;
+    CpAsync16(reinterpret_cast<bf16*>(d + i * 2048), in ? s + 8 * i * stride : src, in ? 16 : 0);
+  }
+}
+
+template <bool kReverse>
+__global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
+#ifdef SPINDLE_WGMMA_DEVICE
+  using L = WsLayout;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* dec = DecayTable(smem + L::kDec);
+  const uint32_t sbase = SmemAddr(smem);
+  const uint32_t full0 = sbase + L::kBar, empty0 = full0 + kWsStages * 8;
+  const BlockChunks<kDh, kReverse> b(a.chunks_per_block, a.n_chunks, a.T);
+  const int g = b.g, h = b.h, count = b.count;
+  if (count <= 0) return;
+  auto info = [&](int s) { return reinterpret_cast<SweepInfo*>(smem + s * L::kStage + L::kInfo); };
+
+  FillDecay(a.log_decay[h], dec);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWsStages; ++s) MbarInit(full0 + 8 * s, 128), MbarInit(empty0 + 8 * s, 256);
+  }
+  __syncthreads();  // dec, barriers
+  const int wg = threadIdx.x >> 7;
+
+  if (wg == 0) {  // producer
+    const int t = threadIdx.x;
+    for (int n = 0; n <= count; ++n) {
+      if (n < count) {
+        const int s = n % kWsStages;
+        if (n >= kWsStages) MbarWait(empty0 + 8 * s, ((n / kWsStages) - 1) & 1);
+        unsigned char* st = smem + s * L::kStage;
+        const int64_t c0 = b.Token0(n);
+        const int len = b.Len(n);
+        LoadCoreTile128(st, a.x + c0 * a.x_stride + b.hoff, a.x_stride, len, t);
+        LoadCoreTile128(st + kTileBytes, a.y + c0 * a.y_stride + b.hoff, a.y_stride, len, t);
+        LoadCoreTile128(st + 2 * kTileBytes, a.z + c0 * a.z_stride + b.hoff, a.z_stride, len, t);
+        ComputeInfo(*info(s), dec, a.cu, a.n_seg, b.Token0(n), a.T, a.scale);
+      }
+      CpAsyncCommit();
+      if (n >= 1) {  // chunk n - 1's copies have landed: the stage is full
+        if (n < count) {
+          CpAsyncWait<1>();
+        } else {
+          CpAsyncWait<0>();
+        }
+        FenceProxyAsync();
+        MbarArrive(full0 + 8 * ((n - 1) % kWsStages));
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cw = 0, 1 holds value rows 64 cw .. 64 cw + 63.
+  const int cw = wg - 1;
+  WgPlace w;
+  w.wg = cw, w.col0 = 64 * cw;
+  const int tw = threadIdx.x - 128 * wg;  // 0..127 within the warpgroup
+  const uint32_t ps = sbase + L::kP + cw * (kChunk * kChunk * 2);
+  unsigned char* p_tile = smem + L::kP + cw * (kChunk * kChunk * 2);
+  float R[64];
+  {
+    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = w.col0 + w.row + (e >> 1) * 8, k = 8 * j + w.q2 + (e & 1);
+        R[j * 4 + e] = a.transpose_start ? p0[v * kDh + k] : p0[k * kDh + v];
+      }
+    }
+  }
+
+  for (int n = 0; n < count; ++n) {
+    const int s = n % kWsStages;
+    MbarWait(full0 + 8 * s, (n / kWsStages) & 1);
+    FenceProxyAsync();
+    const SweepInfo& ci = *info(s);
+    uint32_t base = sbase;
+    asm volatile("" : "+r"(base));
+    const uint32_t xs = base + s * L::kStage, ys = xs + kTileBytes, zs = xs + 2 * kTileBytes;
+    const float* roww = kReverse ? ci.kw : ci.qw;
+    const float* colw = kReverse ? ci.qw : ci.kw;
+
+    // O^T = R X^T, then P = X Y^T over all 64 tokens while O^T is weighted by rowW.
+    float O[kChunk / 8][4];
+    float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
+    {
+      uint32_t ra[8][4];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        ra[k][0] = PackBf16(R[8 * k + 0], R[8 * k + 1]);
+        ra[k][1] = PackBf16(R[8 * k + 2], R[8 * k + 3]);
+        ra[k][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
+        ra[k][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
+      }
+      WgFence();
+#pragma unroll
+      for (int k = 0; k < 8; ++k) WgmmaRS64<0>(Of, ra[k], DescK(xs + k * 256), k > 0);
+      WgCommit();
+      WgWaitN<0>();
+      FenceRegs(Of);
+    }
+    float P[32];
+    WgFence();
+#pragma unroll
+    for (int k = 0; k < 8; ++k) WgmmaSS64<0, 0>(P, DescK(xs + k * 256), DescK(ys + k * 256), k > 0);
+    WgCommit();
+#pragma unroll
+    for (int j = 0; j < kChunk / 8; ++j) {
+      const float w0 = roww[8 * j + w.q2], w1 = roww[8 * j + w.q2 + 1];
+      O[j][0] *= w0, O[j][1] *= w1, O[j][2] *= w0, O[j][3] *= w1;
+    }
+    WgWaitN<0>();  // the scores
+    FenceRegs(P);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = w.row + 8 * hh, c = 8 * j + w.q2;
+        const int s0 = ci.seg[kReverse ? c : r], s1 = ci.seg[kReverse ? c + 1 : r];
+        const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], s0, dec, r, c, a.scale);
+        const float v1 = MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], s1, dec, r, c + 1, a.scale);
+        *reinterpret_cast<uint32_t*>(p_tile + CoreOffset64(r, c)) = PackBf16(v0, v1);
+      }
+    }
+    FenceProxyAsync();
+    WgBarrier(1 + cw);  // the P tile is complete
+    FenceRegs(Of);
+    // O^T += Z^T P^T and R = f R + Z^T diag(colW) Y.
+    uint32_t za[4][4];
+    ScaledTransposedA(za, w, zs, colw);
+    const float f = ci.f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) R[i] *= f;
+    FenceRegs(R);
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      WgmmaSS64<1, 0>(Of, DescMN(zs + cw * 1024 + ks * 4096), DescK64(ps + ks * 256), 1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) WgmmaRS128(R, za[ks], DescMN(ys + ks * 4096), 1);
+    WgCommit();
+    const int len = ci.len;
+    WgWaitN<0>();
+    FenceRegs(Of);
+    FenceRegs(R);
+    MbarArrive(empty0 + 8 * s);  // done with the stage's tiles and info
+    // O^T through this consumer's staging tile (two buffers) to the output rows.
+    bf16* stg = reinterpret_cast<bf16*>(smem + L::kO + (cw * 2 + (n & 1)) * L::kOTile);
+    StageOutT<kChunk>(O, stg, w.wi * 16, w.lane);
+    WgBarrier(1 + cw);
+    {
+      bf16* out = a.out + b.Token0(n) * a.out_stride + b.hoff + w.col0;
+      const int r0 = tw >> 3, c = (tw & 7) * 8;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 16 * i;
+        if (r < len) {
+          *reinterpret_cast<uint4*>(out + r * a.out_stride + c) =
+              *reinterpret_cast<const uint4*>(stg + r * (kChunk + 8) + c);
+        }
+      }
+    }
+  }
+#endif  // SPINDLE_WGMMA_DEVICE
+}
+
+template <bool kReverse>
+Status LaunchWgmmaWsT(const SweepArgs& a, cudaStream_t stream) {
+  auto* kernel = WgmmaWsKernel<kReverse>;
+  constexpr int kSmem = WsLayout::kBytes;
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<dim3(a.G, a.H), kWsThreads, kSmem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 // The state-only pass or the transposed main pass, on wgmma.
 template <bool kReverse, bool kStateOnly>
 Status LaunchWgmmaT(const SweepArgs& a, cudaStream_t stream) {
@@ -479,6 +716,14 @@ bool WgmmaSweepAvailable() {
 // a config asks for it.
 bool UseWgmmaSweep(int64_t Dh, const LightningConfig& config) {
   return Dh == kDh && config.sweep_kernel == 2 && config.stages != 2 && WgmmaSweepAvailable();
+}
+
+bool UseWgmmaWsSweep(int64_t Dh, const LightningConfig& config) {
+  return Dh == kDh && config.sweep_kernel == 4 && WgmmaSweepAvailable();
+}
+
+Status LaunchWgmmaWs(bool reverse, const SweepArgs& a, cudaStream_t stream) {
+  return reverse ? LaunchWgmmaWsT<true>(a, stream) : LaunchWgmmaWsT<false>(a, stream);
 }
 
 Status LaunchWgmmaSweep(bool reverse, bool state_only, const SweepArgs& a, cudaStream_t stream) {

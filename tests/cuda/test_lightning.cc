@@ -246,6 +246,29 @@ TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
   }
 }
 
+TEST_F(Lightning, HeadSize128WarpSpecialisedSweepMatchesCpu) {
+  // sweep_kernel 4: the main passes (forward, dq, and with separate dk / dv the two reverse
+  // sweeps) on the warp-specialised wgmma sweep, with and without kept states; documents of
+  // 1..90 tokens and ones on the chunk grid, carry-in, end-state gradient, odd T, a padded fused
+  // buffer, one-chunk, short, automatic and long blocks.
+  if (!LightningWgmmaAvailable()) GTEST_SKIP() << "no wgmma sweep in this build or on this device";
+  for (const std::vector<int32_t>& docs : Dh128DocumentMixes()) {
+    Build({docs.back(), 3, 128, 8, docs, true, true});
+    const Result want = Cpu();
+    for (int cpb : {1, 3, 0, 64}) {
+      for (bool separate : {false, true}) {
+        for (bool kept : {false, true}) {
+          SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) +
+                       (separate ? " separate dk, dv" : " fused dk, dv") +
+                       (kept ? " kept states" : "") + " documents " +
+                       std::to_string(docs.size() - 1));
+          Compare(Gpu({cpb, 0, separate, 4}, kept), want);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(Lightning, HeadSize128StrongAndWeakDecaysOverLongBlocksMatchCpu) {
   // Decays far from the model's on both sides (a head losing e^-0.9 a token, so e^-58 over a
   // chunk, down to e^-0.02), over blocks of 32 chunks and one block of all 41; documents starting
