@@ -197,6 +197,46 @@ __device__ __forceinline__ void ScaledTransposedA(uint32_t (&fa)[4][4], const Wg
   }
 }
 
+// R = S^T for this warpgroup's value rows from the block's fp32 start state (stored as S^T when
+// a.transpose_start, else as S): R[4 j + e] is value row col0 + row + 8 (e >> 1), key column 8 j +
+// q2 + (e & 1).
+__device__ __forceinline__ void LoadStartStateWg(const WgPlace& w, float (&R)[64],
+                                                 const SweepArgs& a, int h, int g) {
+  const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = w.col0 + w.row + (e >> 1) * 8, k = 8 * j + w.q2 + (e & 1);
+      R[j * 4 + e] = a.transpose_start ? p0[v * kDh + k] : p0[k * kDh + v];
+    }
+  }
+}
+
+// Byte offset of element (r, c) in a 64-column core-matrix tile (8-row groups 1024 bytes apart).
+__device__ __forceinline__ int CoreOffset64(int r, int c) {
+  return (r >> 3) * 1024 + (c >> 3) * 128 + (r & 7) * 16 + (c & 7) * 2;
+}
+
+// The scores of tokens c0 .. c0 + 8 NJ - 1 (P: the warpgroup's m64 x 8 NJ accumulator) masked,
+// decayed and scaled, as bf16 into the P tile (64 columns, core-matrix layout).
+template <bool kReverse, int NJ>
+__device__ __forceinline__ void MaskScoresToP(const float (&P)[4 * NJ], const WgPlace& w, int c0,
+                                              const SweepInfo& ci, const float* dec, float scale,
+                                              unsigned char* p_tile) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = w.row + 8 * hh, c = c0 + 8 * j + w.q2;
+      const int s0 = ci.seg[kReverse ? c : r], s1 = ci.seg[kReverse ? c + 1 : r];
+      const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], s0, dec, r, c, scale);
+      const float v1 = MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], s1, dec, r, c + 1, scale);
+      *reinterpret_cast<uint32_t*>(p_tile + CoreOffset64(r, c)) = PackBf16(v0, v1);
+    }
+  }
+}
+
 // The state-only pass: S = f S + (colW o Y)^T Z from zero over the block's chunks, warpgroup w
 // holding state rows [64 w, 64 w + 64) (64 fp32 registers a thread); writes the block's end state
 // to U and the product of f to F.
@@ -296,10 +336,6 @@ struct WgTLayout {
   static constexpr int kDec = kInfo + 2 * static_cast<int>(sizeof(SweepInfo));
   static constexpr int kBytes = kDec + kDecayTable * 4;
 };
-// Byte offset of element (r, c) in a 64-column core-matrix tile (8-row groups 1024 bytes apart).
-__device__ __forceinline__ int CoreOffset64(int r, int c) {
-  return (r >> 3) * 1024 + (c >> 3) * 128 + (r & 7) * 16 + (c & 7) * 2;
-}
 __device__ __forceinline__ uint64_t DescK64(uint32_t addr) { return Desc(addr, 128, 1024); }
 
 template <bool kReverse>
@@ -324,19 +360,8 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
 
   FillDecay(a.log_decay[h], dec);
   load(L::kX, a.x, a.x_stride, 0), load(L::kY, a.y, a.y_stride, 0), load(L::kZ, a.z, a.z_stride, 0);
-  // R[4 j + e]: value row col0 + row + 8 (e >> 1), key column 8 j + q2 + (e & 1).
   float R[64];
-  {
-    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = w.col0 + w.row + (e >> 1) * 8, k = 8 * j + w.q2 + (e & 1);
-        R[j * 4 + e] = a.transpose_start ? p0[v * kDh + k] : p0[k * kDh + v];
-      }
-    }
-  }
+  LoadStartStateWg(w, R, a, h, g);
   __syncthreads();  // dec
   ComputeInfo(infos[0], dec, a.cu, a.n_seg, b.Token0(0), a.T, a.scale);
 
@@ -371,17 +396,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
       WgCommit();
       WgWait();
       FenceRegs(P);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = w.row + 8 * hh, c = w.wg * 32 + 8 * j + w.q2;
-          const int s0 = ci.seg[kReverse ? c : r], s1 = ci.seg[kReverse ? c + 1 : r];
-          const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], s0, dec, r, c, a.scale);
-          const float v1 = MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], s1, dec, r, c + 1, a.scale);
-          *reinterpret_cast<uint32_t*>(smem + L::kP + CoreOffset64(r, c)) = PackBf16(v0, v1);
-        }
-      }
+      MaskScoresToP<kReverse, 4>(P, w, w.wg * 32, ci, dec, a.scale, smem + L::kP);
     }
     // O^T = R X^T in groups of kStepsPerGroup key steps (R's bf16 fragments stay live until their
     // wgmma is done; fewer at a time leave the registers two blocks per SM allow).
@@ -565,17 +580,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
   const uint32_t ps = sbase + L::kP + cw * (kChunk * kChunk * 2);
   unsigned char* p_tile = smem + L::kP + cw * (kChunk * kChunk * 2);
   float R[64];
-  {
-    const float* p0 = a.start + (static_cast<int64_t>(h) * a.G + g) * kDh * kDh;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = w.col0 + w.row + (e >> 1) * 8, k = 8 * j + w.q2 + (e & 1);
-        R[j * 4 + e] = a.transpose_start ? p0[v * kDh + k] : p0[k * kDh + v];
-      }
-    }
-  }
+  LoadStartStateWg(w, R, a, h, g);
 
   for (int n = 0; n < count; ++n) {
     const int s = n % kWsStages;
@@ -619,17 +624,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
     }
     WgWaitN<0>();  // the scores
     FenceRegs(P);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = w.row + 8 * hh, c = 8 * j + w.q2;
-        const int s0 = ci.seg[kReverse ? c : r], s1 = ci.seg[kReverse ? c + 1 : r];
-        const float v0 = MaskedScore<kReverse>(P[j * 4 + hh * 2], s0, dec, r, c, a.scale);
-        const float v1 = MaskedScore<kReverse>(P[j * 4 + hh * 2 + 1], s1, dec, r, c + 1, a.scale);
-        *reinterpret_cast<uint32_t*>(p_tile + CoreOffset64(r, c)) = PackBf16(v0, v1);
-      }
-    }
+    MaskScoresToP<kReverse, 8>(P, w, 0, ci, dec, a.scale, p_tile);
     FenceProxyAsync();
     WgBarrier(1 + cw);  // the P tile is complete
     FenceRegs(Of);

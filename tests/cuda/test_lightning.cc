@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "kernels/cpu/lightning.h"
@@ -130,6 +131,9 @@ class Lightning : public ::testing::Test {
     }
   }
 
+  // Defined below (with the document mixes it runs over).
+  void CompareMainSweeps(int sweep_kernel, std::initializer_list<int> cpbs);
+
   void Compare(const Result& got, const Result& want) const {
     ExpectClose(got.out, want.out, kBf16, "out");
     ExpectClose(got.end, want.end, kBf16, "end_state");
@@ -224,49 +228,38 @@ TEST_F(Lightning, HeadSize128WgmmaAndMmaSyncSweepsMatchCpu) {
   }
 }
 
-TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
-  // sweep_kernel 3: the main passes (forward, dq, and with separate dk / dv the two reverse
-  // sweeps) on the sweep that holds the state transposed, with and without the forward's kept
-  // states; documents of 1..90 tokens and ones on the chunk grid, carry-in, end-state gradient,
-  // odd T, a padded fused buffer, one-chunk, short and automatic blocks.
+// The main passes (forward, dq, and with separate dk / dv the two reverse sweeps) on one sweep
+// kernel against the CPU, with and without the forward's kept states, fused and separate dk / dv,
+// over Dh128DocumentMixes with carry-in, end-state gradient and a padded fused buffer.
+void Lightning::CompareMainSweeps(int sweep_kernel, std::initializer_list<int> cpbs) {
   for (const std::vector<int32_t>& docs : Dh128DocumentMixes()) {
     Build({docs.back(), 3, 128, 8, docs, true, true});
     const Result want = Cpu();
-    for (int cpb : {1, 3, 0}) {
+    for (int cpb : cpbs) {
       for (bool separate : {false, true}) {
         for (bool kept : {false, true}) {
           SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) +
                        (separate ? " separate dk, dv" : " fused dk, dv") +
                        (kept ? " kept states" : "") + " documents " +
                        std::to_string(docs.size() - 1));
-          Compare(Gpu({cpb, 0, separate, 3}, kept), want);
+          Compare(Gpu({cpb, 0, separate, sweep_kernel}, kept), want);
         }
       }
     }
   }
 }
 
+TEST_F(Lightning, HeadSize128TransposedStateSweepMatchesCpu) {
+  // sweep_kernel 3: the sweep that holds the state transposed; one-chunk, short and automatic
+  // blocks.
+  CompareMainSweeps(3, {1, 3, 0});
+}
+
 TEST_F(Lightning, HeadSize128WarpSpecialisedSweepMatchesCpu) {
-  // sweep_kernel 4: the main passes (forward, dq, and with separate dk / dv the two reverse
-  // sweeps) on the warp-specialised wgmma sweep, with and without kept states; documents of
-  // 1..90 tokens and ones on the chunk grid, carry-in, end-state gradient, odd T, a padded fused
-  // buffer, one-chunk, short, automatic and long blocks.
+  // sweep_kernel 4: the warp-specialised wgmma sweep; one-chunk, short, automatic and long
+  // blocks.
   if (!LightningWgmmaAvailable()) GTEST_SKIP() << "no wgmma sweep in this build or on this device";
-  for (const std::vector<int32_t>& docs : Dh128DocumentMixes()) {
-    Build({docs.back(), 3, 128, 8, docs, true, true});
-    const Result want = Cpu();
-    for (int cpb : {1, 3, 0, 64}) {
-      for (bool separate : {false, true}) {
-        for (bool kept : {false, true}) {
-          SCOPED_TRACE("chunks_per_block " + std::to_string(cpb) +
-                       (separate ? " separate dk, dv" : " fused dk, dv") +
-                       (kept ? " kept states" : "") + " documents " +
-                       std::to_string(docs.size() - 1));
-          Compare(Gpu({cpb, 0, separate, 4}, kept), want);
-        }
-      }
-    }
-  }
+  CompareMainSweeps(4, {1, 3, 0, 64});
 }
 
 TEST_F(Lightning, HeadSize128StrongAndWeakDecaysOverLongBlocksMatchCpu) {
