@@ -545,6 +545,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
   const int wg = threadIdx.x >> 7;
 
   if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n" ::: "memory");
     const int t = threadIdx.x;
     for (int n = 0; n <= count; ++n) {
       if (n < count) {
@@ -569,34 +570,38 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
         MbarArrive(full0 + 8 * ((n - 1) % kWsStages));
       }
     }
-    return;
-  }
+  } else {
+    // Consumers: warpgroup cw = 0, 1 holds value rows 64 cw .. 64 cw + 63.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    const int cw = wg - 1;
+    WgPlace w;
+    w.wg = cw, w.col0 = 64 * cw;
+    const int tw = threadIdx.x - 128 * wg;  // 0..127 within the warpgroup
+    const uint32_t ps = sbase + L::kP + cw * (kChunk * kChunk * 2);
+    unsigned char* p_tile = smem + L::kP + cw * (kChunk * kChunk * 2);
+    float R[64];
+    LoadStartStateWg(w, R, a, h, g);
 
-  // Consumers: warpgroup cw = 0, 1 holds value rows 64 cw .. 64 cw + 63.
-  const int cw = wg - 1;
-  WgPlace w;
-  w.wg = cw, w.col0 = 64 * cw;
-  const int tw = threadIdx.x - 128 * wg;  // 0..127 within the warpgroup
-  const uint32_t ps = sbase + L::kP + cw * (kChunk * kChunk * 2);
-  unsigned char* p_tile = smem + L::kP + cw * (kChunk * kChunk * 2);
-  float R[64];
-  LoadStartStateWg(w, R, a, h, g);
+    for (int n = 0; n < count; ++n) {
+      const int s = n % kWsStages;
+      MbarWait(full0 + 8 * s, (n / kWsStages) & 1);
+      FenceProxyAsync();
+      const SweepInfo& ci = *info(s);
+      uint32_t base = sbase;
+      asm volatile("" : "+r"(base));
+      const uint32_t xs = base + s * L::kStage, ys = xs + kTileBytes, zs = xs + 2 * kTileBytes;
+      const float* roww = kReverse ? ci.kw : ci.qw;
+      const float* colw = kReverse ? ci.qw : ci.kw;
 
-  for (int n = 0; n < count; ++n) {
-    const int s = n % kWsStages;
-    MbarWait(full0 + 8 * s, (n / kWsStages) & 1);
-    FenceProxyAsync();
-    const SweepInfo& ci = *info(s);
-    uint32_t base = sbase;
-    asm volatile("" : "+r"(base));
-    const uint32_t xs = base + s * L::kStage, ys = xs + kTileBytes, zs = xs + 2 * kTileBytes;
-    const float* roww = kReverse ? ci.kw : ci.qw;
-    const float* colw = kReverse ? ci.qw : ci.kw;
-
-    // O^T = R X^T, then P = X Y^T over all 64 tokens while O^T is weighted by rowW.
-    float O[kChunk / 8][4];
-    float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
-    {
+      // This thread's row weights and f, read before the wgmma fences.
+      float rw[kChunk / 8][2];
+#pragma unroll
+      for (int j = 0; j < kChunk / 8; ++j) {
+        rw[j][0] = roww[8 * j + w.q2], rw[j][1] = roww[8 * j + w.q2 + 1];
+      }
+      const float f = ci.f;
+      // P = X Y^T over all 64 tokens, then O^T = R X^T behind it; the scores are masked while
+      // O^T is still running.
       uint32_t ra[8][4];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -605,33 +610,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
         ra[k][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
         ra[k][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
       }
-      WgFence();
-#pragma unroll
-      for (int k = 0; k < 8; ++k) WgmmaRS64<0>(Of, ra[k], DescK(xs + k * 256), k > 0);
-      WgCommit();
-      WgWaitN<0>();
-      FenceRegs(Of);
-    }
     float P[32];
+    float O[kChunk / 8][4];
+    float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
     WgFence();
 #pragma unroll
     for (int k = 0; k < 8; ++k) WgmmaSS64<0, 0>(P, DescK(xs + k * 256), DescK(ys + k * 256), k > 0);
     WgCommit();
 #pragma unroll
-    for (int j = 0; j < kChunk / 8; ++j) {
-      const float w0 = roww[8 * j + w.q2], w1 = roww[8 * j + w.q2 + 1];
-      O[j][0] *= w0, O[j][1] *= w1, O[j][2] *= w0, O[j][3] *= w1;
-    }
-    WgWaitN<0>();  // the scores
+    for (int k = 0; k < 8; ++k) WgmmaRS64<0>(Of, ra[k], DescK(xs + k * 256), k > 0);
+    WgCommit();
+    WgWaitN<1>();  // the scores
     FenceRegs(P);
     MaskScoresToP<kReverse, 8>(P, w, 0, ci, dec, a.scale, p_tile);
     FenceProxyAsync();
     WgBarrier(1 + cw);  // the P tile is complete
+    WgWaitN<0>();       // O^T = R X^T
+    FenceRegs(Of);
+#pragma unroll
+    for (int j = 0; j < kChunk / 8; ++j) {
+      O[j][0] *= rw[j][0], O[j][1] *= rw[j][1], O[j][2] *= rw[j][0], O[j][3] *= rw[j][1];
+    }
     FenceRegs(Of);
     // O^T += Z^T P^T and R = f R + Z^T diag(colW) Y.
     uint32_t za[4][4];
     ScaledTransposedA(za, w, zs, colw);
-    const float f = ci.f;
 #pragma unroll
     for (int i = 0; i < 64; ++i) R[i] *= f;
     FenceRegs(R);
@@ -663,6 +666,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
         }
       }
     }
+  }
   }
 #endif  // SPINDLE_WGMMA_DEVICE
 }
