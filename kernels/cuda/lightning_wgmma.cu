@@ -16,7 +16,7 @@
 // main passes 240 us against SweepTKernel's 205 at two blocks per SM, where ptxas serialises the
 // wgmmas for want of registers (R 64 + O^T 32 + operands within 128), and 295 us at one block per
 // SM (154 registers, no serialisation, the warpgroups waiting in lockstep); the state pass 134
-// against 90 us. The warp-specialised main passes: 266 us against 191 (bench/cuda/NOTES.md round
+// against 90 us. The warp-specialised main passes: 228 us against 191 (bench/cuda/NOTES.md round
 // 10). So they run only when LightningConfig::sweep_kernel asks for them; they are kept, tested
 // against the CPU on every pass, as the base for the next steps (see the notes).
 //
@@ -464,15 +464,16 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
 }
 
 // ---- The warp-specialised main passes (sweep_kernel 4) ---------------------------------------
-// One block per SM and three warpgroups. The producer (warpgroup 0, its registers cut to 40)
-// fetches each chunk's X, Y and Z tiles by cp.async into one of kWsStages stages, up to kWsStages
-// chunks ahead, computes the chunk's info beside them and marks the stage full; the two consumers
-// each hold R = S^T for 64 value rows, compute the whole chunk's scores themselves (twice the score
-// work, but no barrier between them), and mark the stage empty once done with it. A consumer's
-// chunk: P = X Y^T (m64n64) while R's bf16 fragments are packed and O^T = R X^T is issued behind
-// it; P masked into its own P tile; O^T scaled by rowW; O^T += Z^T P^T and R = f R + Z^T diag(colW)
-// Y issued together; O^T staged (two buffers) and copied out by the consumer itself. Shared
-// memory: three stages of three tiles and info, two P tiles, four staging tiles: 203 KB.
+// One block per SM and three warpgroups. The producer (warpgroup 0, 96 registers a thread; fewer
+// spill its tile addresses) fetches each chunk's X, Y and Z tiles by cp.async into one of
+// kWsStages stages, up to kWsStages chunks ahead, computes the chunk's info beside them and marks
+// the stage full; the two consumers (200 registers) each hold R = S^T for 64 value rows, compute
+// the whole chunk's scores themselves (twice the score work, but no barrier between them), and
+// mark the stage empty once done with it. A consumer's chunk: its row weights read first; R's
+// bf16 fragments packed; P = X Y^T (m64n64) issued, O^T = R X^T behind it, P masked into the
+// consumer's own P tile while O^T runs; O^T scaled by rowW; O^T += Z^T P^T and R = f R + Z^T
+// diag(colW) Y issued together; O^T staged (two buffers) and copied out by the consumer itself.
+// Shared memory: three stages of three tiles and info, two P tiles, four staging tiles: 203 KB.
 constexpr int kWsStages = 3;
 constexpr int kWsThreads = 384;
 struct WsLayout {
