@@ -611,63 +611,64 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
         ra[k][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
         ra[k][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
       }
-    float P[32];
-    float O[kChunk / 8][4];
-    float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
-    WgFence();
+      float P[32];
+      float O[kChunk / 8][4];
+      float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
+      WgFence();
 #pragma unroll
-    for (int k = 0; k < 8; ++k) WgmmaSS64<0, 0>(P, DescK(xs + k * 256), DescK(ys + k * 256), k > 0);
-    WgCommit();
+      for (int k = 0; k < 8; ++k)
+        WgmmaSS64<0, 0>(P, DescK(xs + k * 256), DescK(ys + k * 256), k > 0);
+      WgCommit();
 #pragma unroll
-    for (int k = 0; k < 8; ++k) WgmmaRS64<0>(Of, ra[k], DescK(xs + k * 256), k > 0);
-    WgCommit();
-    WgWaitN<1>();  // the scores
-    FenceRegs(P);
-    MaskScoresToP<kReverse, 8>(P, w, 0, ci, dec, a.scale, p_tile);
-    FenceProxyAsync();
-    WgBarrier(1 + cw);  // the P tile is complete
-    WgWaitN<0>();       // O^T = R X^T
-    FenceRegs(Of);
+      for (int k = 0; k < 8; ++k) WgmmaRS64<0>(Of, ra[k], DescK(xs + k * 256), k > 0);
+      WgCommit();
+      WgWaitN<1>();  // the scores
+      FenceRegs(P);
+      MaskScoresToP<kReverse, 8>(P, w, 0, ci, dec, a.scale, p_tile);
+      FenceProxyAsync();
+      WgBarrier(1 + cw);  // the P tile is complete
+      WgWaitN<0>();       // O^T = R X^T
+      FenceRegs(Of);
 #pragma unroll
-    for (int j = 0; j < kChunk / 8; ++j) {
-      O[j][0] *= rw[j][0], O[j][1] *= rw[j][1], O[j][2] *= rw[j][0], O[j][3] *= rw[j][1];
-    }
-    FenceRegs(Of);
-    // O^T += Z^T P^T and R = f R + Z^T diag(colW) Y.
-    uint32_t za[4][4];
-    ScaledTransposedA(za, w, zs, colw);
+      for (int j = 0; j < kChunk / 8; ++j) {
+        O[j][0] *= rw[j][0], O[j][1] *= rw[j][1], O[j][2] *= rw[j][0], O[j][3] *= rw[j][1];
+      }
+      FenceRegs(Of);
+      // O^T += Z^T P^T and R = f R + Z^T diag(colW) Y.
+      uint32_t za[4][4];
+      ScaledTransposedA(za, w, zs, colw);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) R[i] *= f;
-    FenceRegs(R);
-    WgFence();
+      for (int i = 0; i < 64; ++i) R[i] *= f;
+      FenceRegs(R);
+      WgFence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      WgmmaSS64<1, 0>(Of, DescMN(zs + cw * 1024 + ks * 4096), DescK64(ps + ks * 256), 1);
+      for (int ks = 0; ks < 4; ++ks)
+        WgmmaSS64<1, 0>(Of, DescMN(zs + cw * 1024 + ks * 4096), DescK64(ps + ks * 256), 1);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) WgmmaRS128(R, za[ks], DescMN(ys + ks * 4096), 1);
-    WgCommit();
-    const int len = ci.len;
-    WgWaitN<0>();
-    FenceRegs(Of);
-    FenceRegs(R);
-    MbarArrive(empty0 + 8 * s);  // done with the stage's tiles and info
-    // O^T through this consumer's staging tile (two buffers) to the output rows.
-    bf16* stg = reinterpret_cast<bf16*>(smem + L::kO + (cw * 2 + (n & 1)) * L::kOTile);
-    StageOutT<kChunk>(O, stg, w.wi * 16, w.lane);
-    WgBarrier(1 + cw);
-    {
-      bf16* out = a.out + b.Token0(n) * a.out_stride + b.hoff + w.col0;
-      const int r0 = tw >> 3, c = (tw & 7) * 8;
+      for (int ks = 0; ks < 4; ++ks) WgmmaRS128(R, za[ks], DescMN(ys + ks * 4096), 1);
+      WgCommit();
+      const int len = ci.len;
+      WgWaitN<0>();
+      FenceRegs(Of);
+      FenceRegs(R);
+      MbarArrive(empty0 + 8 * s);  // done with the stage's tiles and info
+      // O^T through this consumer's staging tile (two buffers) to the output rows.
+      bf16* stg = reinterpret_cast<bf16*>(smem + L::kO + (cw * 2 + (n & 1)) * L::kOTile);
+      StageOutT<kChunk>(O, stg, w.wi * 16, w.lane);
+      WgBarrier(1 + cw);
+      {
+        bf16* out = a.out + b.Token0(n) * a.out_stride + b.hoff + w.col0;
+        const int r0 = tw >> 3, c = (tw & 7) * 8;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = r0 + 16 * i;
-        if (r < len) {
-          *reinterpret_cast<uint4*>(out + r * a.out_stride + c) =
-              *reinterpret_cast<const uint4*>(stg + r * (kChunk + 8) + c);
+        for (int i = 0; i < 4; ++i) {
+          const int r = r0 + 16 * i;
+          if (r < len) {
+            *reinterpret_cast<uint4*>(out + r * a.out_stride + c) =
+                *reinterpret_cast<const uint4*>(stg + r * (kChunk + 8) + c);
+          }
         }
       }
     }
-  }
   }
 #endif  // SPINDLE_WGMMA_DEVICE
 }
