@@ -189,7 +189,6 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
   sa.T = static_cast<int>(n_tokens), sa.H = static_cast<int>(H), sa.scale = scale;
   sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
   sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(Dh, config);
-  sa.wgmma_ws = UseWgmmaWsSweep(Dh, config);
   sa.U = U, sa.F = F;
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(static_cast<int>(Dh), true, true, sa, stream));
   ScanArgs sc{};

@@ -156,18 +156,23 @@ __device__ __forceinline__ void WgmmaRS128(float (&d)[64], const uint32_t (&a)[4
 #endif  // SPINDLE_WGMMA_DEVICE
 
 // Rows [0, len) of a [64, 128] chunk (row stride `stride`) into the core-matrix layout by
-// cp.async; rows >= len become zeros. Thread t copies core column (t / 8) % 16 of rows
-// (t / 128) * 8 + t % 8 + 16 i: a warp writes 512 contiguous bytes (8 rows of 4 core columns)
-// and reads 64 contiguous bytes of each of 8 rows; offsets and trip count are compile-time.
+// cp.async, by kN threads (t = 0 .. kN - 1); rows >= len become zeros. Thread t copies core column
+// (t / 8) % 16 of rows (t / 128) * 8 + t % 8 + 8 (kN / 128) i: a warp writes 512 contiguous bytes
+// (8 rows of 4 core columns) and reads 64 contiguous bytes of each of 8 rows; offsets and trip
+// count are compile-time.
+template <int kN = kThreads>
 __device__ __forceinline__ void LoadCoreTile(unsigned char* dst, const bf16* src, int64_t stride,
-                                             int len) {
-  const int t = threadIdx.x, r8 = t & 7, cg = (t >> 3) & 15, row = (t >> 7) * 8 + r8;
-  unsigned char* d = dst + (t >> 7) * 2048 + cg * 128 + r8 * 16;
+                                             int len, int t = threadIdx.x) {
+  constexpr int kGroups = kN / 128;          // 8-row groups a pass
+  const int g0 = kGroups == 1 ? 0 : t >> 7;  // this thread's group in a pass
+  const int r8 = t & 7, cg = (t >> 3) & 15, row = g0 * 8 + r8;
+  unsigned char* d = dst + g0 * 2048 + cg * 128 + r8 * 16;
   const bf16* s = src + row * stride + cg * 8;
 #pragma unroll
-  for (int i = 0; i < kChunk / 16; ++i) {
-    const bool in = row + 16 * i < len;
-    CpAsync16(reinterpret_cast<bf16*>(d + i * 4096), in ? s + 16 * i * stride : src, in ? 16 : 0);
+  for (int i = 0; i < kChunk / (8 * kGroups); ++i) {
+    const bool in = row + 8 * kGroups * i < len;
+    CpAsync16(reinterpret_cast<bf16*>(d + i * 2048 * kGroups),
+              in ? s + 8 * kGroups * i * stride : src, in ? 16 : 0);
   }
 }
 
@@ -195,6 +200,12 @@ __device__ __forceinline__ void ScaledTransposedA(uint32_t (&fa)[4][4], const Wg
     Ldm4T(fa[ks], tile + CoreOffset(t, i));
     ScaleTokens(fa[ks], colw, ks * 16 + w.q2);
   }
+}
+
+// Key step k's bf16 A fragment of R (the m64 x k16 slice of the warp's 16 rows).
+__device__ __forceinline__ void PackStateA(uint32_t (&a)[4], const float (&R)[64], int k) {
+  a[0] = PackBf16(R[8 * k + 0], R[8 * k + 1]), a[1] = PackBf16(R[8 * k + 2], R[8 * k + 3]);
+  a[2] = PackBf16(R[8 * k + 4], R[8 * k + 5]), a[3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
 }
 
 // R = S^T for this warpgroup's value rows from the block's fp32 start state (stored as S^T when
@@ -407,13 +418,7 @@ __global__ void __launch_bounds__(kThreads, 2) WgmmaTKernel(SweepArgs a) {
     for (int k0 = 0; k0 < 8; k0 += kStepsPerGroup) {
       uint32_t ra[kStepsPerGroup][4];
 #pragma unroll
-      for (int kk = 0; kk < kStepsPerGroup; ++kk) {
-        const int k = k0 + kk;
-        ra[kk][0] = PackBf16(R[8 * k + 0], R[8 * k + 1]);
-        ra[kk][1] = PackBf16(R[8 * k + 2], R[8 * k + 3]);
-        ra[kk][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
-        ra[kk][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
-      }
+      for (int kk = 0; kk < kStepsPerGroup; ++kk) PackStateA(ra[kk], R, k0 + kk);
       WgFence();
 #pragma unroll
       for (int kk = 0; kk < kStepsPerGroup; ++kk) {
@@ -511,20 +516,6 @@ __device__ __forceinline__ void WgBarrier(int id) {
 }
 #endif  // SPINDLE_WGMMA_DEVICE
 
-// LoadCoreTile for one warpgroup (t = 0..127): thread t copies core column (t / 8) % 16 of rows
-// t % 8 + 8 i.
-__device__ __forceinline__ void LoadCoreTile128(unsigned char* dst, const bf16* src, int64_t stride,
-                                                int len, int t) {
-  const int r8 = t & 7, cg = (t >> 3) & 15;
-  unsigned char* d = dst + cg * 128 + r8 * 16;
-  const bf16* s = src + r8 * stride + cg * 8;
-#pragma unroll
-  for (int i = 0; i < kChunk / 8; ++i) {
-    const bool in = 8 * i + r8 < len;
-    CpAsync16(reinterpret_cast<bf16*>(d + i * 2048), in ? s + 8 * i * stride : src, in ? 16 : 0);
-  }
-}
-
 template <bool kReverse>
 __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
 #ifdef SPINDLE_WGMMA_DEVICE
@@ -555,9 +546,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
         unsigned char* st = smem + s * L::kStage;
         const int64_t c0 = b.Token0(n);
         const int len = b.Len(n);
-        LoadCoreTile128(st, a.x + c0 * a.x_stride + b.hoff, a.x_stride, len, t);
-        LoadCoreTile128(st + kTileBytes, a.y + c0 * a.y_stride + b.hoff, a.y_stride, len, t);
-        LoadCoreTile128(st + 2 * kTileBytes, a.z + c0 * a.z_stride + b.hoff, a.z_stride, len, t);
+        LoadCoreTile<128>(st, a.x + c0 * a.x_stride + b.hoff, a.x_stride, len, t);
+        LoadCoreTile<128>(st + kTileBytes, a.y + c0 * a.y_stride + b.hoff, a.y_stride, len, t);
+        LoadCoreTile<128>(st + 2 * kTileBytes, a.z + c0 * a.z_stride + b.hoff, a.z_stride, len, t);
         ComputeInfo(*info(s), dec, a.cu, a.n_seg, b.Token0(n), a.T, a.scale);
       }
       CpAsyncCommit();
@@ -605,12 +596,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
       // O^T is still running.
       uint32_t ra[8][4];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        ra[k][0] = PackBf16(R[8 * k + 0], R[8 * k + 1]);
-        ra[k][1] = PackBf16(R[8 * k + 2], R[8 * k + 3]);
-        ra[k][2] = PackBf16(R[8 * k + 4], R[8 * k + 5]);
-        ra[k][3] = PackBf16(R[8 * k + 6], R[8 * k + 7]);
-      }
+      for (int k = 0; k < 8; ++k) PackStateA(ra[k], R, k);
       float P[32];
       float O[kChunk / 8][4];
       float(&Of)[32] = reinterpret_cast<float(&)[32]>(O);
