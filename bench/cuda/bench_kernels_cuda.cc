@@ -9,11 +9,14 @@
 //   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
 //   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
 //   attention each rank runs under cp = 2 at 64K tokens, All2All against AllGather's causal and
-//   full pieces.
+//   full pieces; --step-gemms: every GEMM shape of the 1b training step at T = 32K in each of its
+//   three roles (forward, input gradient, fp32 weight gradient), with the step's count of each and
+//   the alternatives that would change it (merged projections, the weight gradient without beta).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +26,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -114,10 +118,102 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
   std::fflush(stdout);
 }
 
+// ---- The 1b step's GEMMs at T = 32K (--step-gemms) ---------------------------------------------
+// Each linear y[T, out] = x[T, in] W^T runs three GEMMs a step: the forward (bf16 out), the input
+// gradient dx = dy W (bf16 out) and the weight gradient dW += dy^T x (fp32 out, beta 1), as
+// CudaModel issues them. Prints each shape and role's time and TFLOP/s and the step's total
+// (times the count of that linear in the step), then the alternatives.
+int StepGemms() {
+  const int64_t T = 32768, d = 2048, F = 5632, V = 32000, head_rows = 8192;
+  std::unique_ptr<cu::Blas> blas;
+  Check(cu::Blas::Create(&blas), "blas");
+  const size_t max_elems = static_cast<size_t>(T) * 2 * F;
+  Buf A(max_elems, kBf16), B(max_elems, kBf16), C(max_elems, cu::DType::kFloat32);
+  // role 0: forward, 1: input gradient, 2: weight gradient (fp32, beta 1), 3: weight gradient
+  // fp32 beta 0, 4: weight gradient bf16 beta 0.
+  auto time_role = [&](int64_t rows, int64_t in, int64_t out, int role) {
+    cu::GemmArgs a;
+    a.A = A.p, a.B = B.p, a.C = C.p;
+    if (role == 0) {
+      a.trans_b = true, a.M = rows, a.N = out, a.K = in, a.lda = in, a.ldb = in, a.ldc = out;
+    } else if (role == 1) {
+      a.M = rows, a.N = in, a.K = out, a.lda = out, a.ldb = in, a.ldc = in;
+    } else {
+      a.trans_a = true, a.M = out, a.N = in, a.K = rows, a.lda = out, a.ldb = in, a.ldc = in;
+      a.beta = role == 2 ? 1.0f : 0.0f;
+      a.c_type = role == 4 ? kBf16 : cu::DType::kFloat32;
+    }
+    return TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2);
+  };
+  struct Linear {
+    const char* name;
+    int64_t rows, in, out, count;
+  };
+  const std::vector<Linear> step = {
+      {"L qkv", T, d, 3 * d, 14},      {"L gate", T, d, d, 14},       {"L out", T, d, d, 14},
+      {"M q_a", T, d, 768, 2},         {"M q_b", T, 768, 16 * 192, 2}, {"M kv_a", T, d, 576, 2},
+      {"M kv_b", T, 512, 16 * 256, 2}, {"M out", T, 16 * 128, d, 2},  {"ffn w1 / w3", T, d, F, 32},
+      {"ffn w2", T, F, d, 16},         {"head (8192-row blocks)", head_rows, d, V, T / head_rows}};
+  const char* roles[] = {"fwd", "dgrad", "wgrad fp32 b1", "wgrad fp32 b0", "wgrad bf16 b0"};
+  std::printf("| %-24s | %-13s | %5s | %8s | %7s | %10s |\n", "linear", "role", "count", "ms",
+              "TFLOP/s", "step ms");
+  std::printf("|---|---|---|---|---|---|\n");
+  double total = 0, total_b0 = 0;
+  auto row = [&](const Linear& l, int role) {
+    const double ms = time_role(l.rows, l.in, l.out, role);
+    const double flops = 2.0 * l.rows * l.in * l.out;
+    std::printf("| %-24s | %-13s | %5lld | %8.3f | %7.0f | %10.2f |\n", l.name, roles[role],
+                static_cast<long long>(l.count), ms, flops / ms / 1e9, ms * l.count);
+    std::fflush(stdout);
+    return ms * l.count;
+  };
+  for (const Linear& l : step) {
+    double fd = 0;
+    for (int role = 0; role < 2; ++role) fd += row(l, role);
+    total += fd + row(l, 2);
+    total_b0 += fd + row(l, 3);
+  }
+  std::printf("\nstep GEMMs as issued: %.1f ms; with beta-0 weight gradients: %.1f ms\n\n", total,
+              total_b0);
+  // Merged projections: q/k/v with the gate (d -> 4d) and w1 with w3 (d -> 2F) as one GEMM each.
+  const std::vector<Linear> merged = {{"L qkv+gate", T, d, 4 * d, 14},
+                                      {"ffn w1+w3", T, d, 2 * F, 16}};
+  for (const Linear& l : merged)
+    for (int role = 0; role < 3; ++role) row(l, role);
+  // The same products in each operand layout: C[M, N] = op(A) op(B) with A stored [M, K] or
+  // [K, M] and B [K, N] or [N, K]. Rounds alternate the layouts, with a pause before each
+  // measurement so that the power cap's state is alike for all.
+  std::printf("\n| M x N x K | A [M,K] B [K,N] | A [M,K] B [N,K] | A [K,M] B [K,N] | A [K,M] B "
+              "[N,K] |\n|---|---|---|---|---|\n");
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {T, d, F}, {T, F, d}, {T, 3 * d, d}, {T, d, d}, {F, d, T}, {d, F, T}, {head_rows, V, d},
+      {head_rows, d, V}, {V, d, head_rows}};
+  for (const auto& [M, N, K] : shapes) {
+    double best[4] = {1e9, 1e9, 1e9, 1e9};
+    for (int round = 0; round < 3; ++round)
+      for (int layout = 0; layout < 4; ++layout) {
+        cu::GemmArgs a;
+        a.A = A.p, a.B = B.p, a.C = C.p, a.M = M, a.N = N, a.K = K, a.ldc = N;
+        a.trans_a = layout >= 2, a.trans_b = layout % 2 == 1;
+        a.lda = a.trans_a ? M : K, a.ldb = a.trans_b ? K : N;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        best[layout] = std::min(best[layout],
+                                TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2));
+      }
+    std::printf("| %lld x %lld x %lld |", static_cast<long long>(M), static_cast<long long>(N),
+                static_cast<long long>(K));
+    for (double ms : best) std::printf(" %.3f ms %.0f |", ms, 2.0 * M * N * K / ms / 1e9);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false;
+  bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false,
+       step_gemms = false;
   int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
@@ -127,6 +223,7 @@ int main(int argc, char** argv) {
     quick |= std::strcmp(argv[i], "--quick") == 0;
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
     cp_pieces |= std::strcmp(argv[i], "--cp-pieces") == 0;
+    step_gemms |= std::strcmp(argv[i], "--step-gemms") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
@@ -148,6 +245,8 @@ int main(int argc, char** argv) {
     cudaFree(y);
   }
   std::printf("device copy: %.2f TB/s (read + write)\n\n", g_copy_tbps);
+  if (step_gemms) return StepGemms();
+
   std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),
               std::string(10, '-').c_str(), std::string(9, '-').c_str(),
