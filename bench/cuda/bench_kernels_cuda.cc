@@ -182,12 +182,14 @@ int StepGemms() {
     for (int role = 0; role < 3; ++role) row(l, role);
   // The same products in each operand layout: C[M, N] = op(A) op(B) with A stored [M, K] or
   // [K, M] and B [K, N] or [N, K]. Rounds alternate the layouts, with a pause before each
-  // measurement so that the power cap's state is alike for all.
+  // measurement so that the power cap's state is alike for all. The last three shapes are the
+  // merged projections (q/k/v + gate, w1 + w3 and its weight gradient).
   std::printf("\n| M x N x K | A [M,K] B [K,N] | A [M,K] B [N,K] | A [K,M] B [K,N] | A [K,M] B "
               "[N,K] |\n|---|---|---|---|---|\n");
   const std::vector<std::array<int64_t, 3>> shapes = {
-      {T, d, F}, {T, F, d}, {T, 3 * d, d}, {T, d, d}, {F, d, T}, {d, F, T}, {head_rows, V, d},
-      {head_rows, d, V}, {V, d, head_rows}};
+      {T, d, F},         {T, F, d},     {T, 3 * d, d},     {T, d, d},
+      {F, d, T},         {d, F, T},     {head_rows, V, d}, {head_rows, d, V},
+      {V, d, head_rows}, {T, 4 * d, d}, {T, 2 * F, d},     {2 * F, d, T}};
   for (const auto& [M, N, K] : shapes) {
     double best[4] = {1e9, 1e9, 1e9, 1e9};
     for (int round = 0; round < 3; ++round)

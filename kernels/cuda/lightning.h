@@ -18,7 +18,8 @@
 // The backward runs pass 1 forward (states; skipped when the forward kept them for it) and in
 // reverse (state gradients), then two main sweeps: dq forward, and dk with dv in one reverse
 // sweep (lightning_sweep.cu). One launch per pass covers all heads and chunks; the result for
-// given sizes and config is bitwise reproducible.
+// given sizes and config on a given GPU model is bitwise reproducible (automatic blocks follow the
+// device's SM count).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,7 +39,8 @@ struct LightningDims {
 };
 
 struct LightningConfig {
-  int chunks_per_block = 0;  // 64-token chunks per block; 0 picks from T and H. 1..64.
+  int chunks_per_block =
+      0;  // 64-token chunks per block; 0 picks from T, H and the SM count. 1..64.
   // Main sweeps: 1 = one buffer per chunk tile (three barriers a chunk), 2 = the next chunk's Y
   // tile prefetched into a second buffer (two barriers a chunk; faster, bench/cuda/NOTES.md
   // round 7); 0 picks 2. Two blocks share an SM either way.

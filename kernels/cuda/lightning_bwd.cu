@@ -18,17 +18,8 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, k, v, dims, dtype, "LightningBackward"));
   SPINDLE_RETURN_IF_ERROR(CheckCommon(dq, dk, dv, dims, dtype, "LightningBackward"));
   const int64_t H = dims.H, Dh = dims.Dh;
-  if (dims.T == 0 || n_segments == 0) {
-    if (d_carry_in != nullptr) {
-      if (d_end_state != nullptr) {
-        SPINDLE_CUDA_CHECK(cudaMemcpyAsync(d_carry_in, d_end_state, H * Dh * Dh * 4,
-                                           cudaMemcpyDeviceToDevice, stream));
-      } else {
-        SPINDLE_CUDA_CHECK(cudaMemsetAsync(d_carry_in, 0, H * Dh * Dh * 4, stream));
-      }
-    }
-    return Status::Ok();
-  }
+  if (dims.T == 0 || n_segments == 0)
+    return PassStateThrough(d_carry_in, d_end_state, H, Dh, stream);
   if (IsSmallHead(Dh))
     return SmallLightning(q, k, v, log_decay, cu_seqlens, n_segments, carry_in, scale, dims,
                           dout, d_end_state, nullptr, nullptr, dq, dk, dv, d_carry_in,
@@ -41,15 +32,8 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   float* dU = reinterpret_cast<float*>(static_cast<char*>(ws.data) + plan.state_bytes);
   float* F = saved ? reinterpret_cast<float*>(reinterpret_cast<char*>(U) + plan.state_bytes)
                    : reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
-  const int T = static_cast<int>(dims.T);
 
-  SweepArgs sa{};
-  sa.log_decay = log_decay, sa.cu = cu_seqlens, sa.n_seg = static_cast<int>(n_segments);
-  sa.T = T, sa.H = static_cast<int>(H), sa.scale = scale;
-  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
-  sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(Dh, config);
-  sa.wgmma_ws = UseWgmmaWsSweep(Dh, config);
-  sa.transposed_state = UseTransposedSweep(config);
+  SweepArgs sa = BaseSweepArgs(plan, dims, config, log_decay, cu_seqlens, n_segments, scale);
   const int64_t qs = dims.qkv_stride, os = H * Dh;
   const auto* bq = static_cast<const bf16*>(q);
   const auto* bk = static_cast<const bf16*>(k);
@@ -65,9 +49,7 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
   sa.y = bq, sa.y_stride = qs, sa.z = bo, sa.z_stride = os, sa.U = dU, sa.F = nullptr;
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(dh, true, true, sa, stream));
 
-  ScanArgs sc{};
-  sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
-  sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
+  ScanArgs sc = BaseScanArgs(plan, dims, F);
   if (!saved) {
     sc.in = U, sc.out = U, sc.init = carry_in;
     SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
@@ -84,10 +66,10 @@ Status LightningBackward(const void* q, const void* k, const void* v, const floa
     DkDvArgs da{};
     da.q = bq, da.k = bk, da.v = bv, da.dout = bo, da.qkv_stride = qs, da.dout_stride = os;
     da.dk = static_cast<bf16*>(dk), da.dv = static_cast<bf16*>(dv), da.dS = dU;
-    da.log_decay = log_decay, da.cu = cu_seqlens, da.n_seg = static_cast<int>(n_segments);
-    da.T = T, da.H = static_cast<int>(H), da.scale = scale;
-    da.chunks_per_block = plan.chunks_per_block, da.n_chunks = plan.n_chunks, da.G = plan.G;
-    da.transposed_dk = UseTransposedSweep(config);
+    da.log_decay = sa.log_decay, da.cu = sa.cu, da.n_seg = sa.n_seg;
+    da.T = sa.T, da.H = sa.H, da.scale = sa.scale;
+    da.chunks_per_block = sa.chunks_per_block, da.n_chunks = sa.n_chunks, da.G = sa.G;
+    da.transposed_dk = sa.transposed_state;
     return LaunchDkDv(dh, da, stream);
   }
   // dk = diag(kw) V dS^T + mask(dO V^T)^T Q.

@@ -436,6 +436,16 @@ struct Plan {
   size_t f_bytes;      // [H, G] fp32, aligned
 };
 Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config);
+// What every pass of one call shares: the sweep's sizes, decays, documents, the plan's blocks and
+// the config's kernel choice (each pass then sets its tiles, states and output), and the scan's
+// strides over the plan's [H, G, Dh, Dh] block states with block decays F.
+SweepArgs BaseSweepArgs(const Plan& plan, const LightningDims& dims, const LightningConfig& config,
+                        const float* log_decay, const int32_t* cu_seqlens, int64_t n_segments,
+                        float scale);
+ScanArgs BaseScanArgs(const Plan& plan, const LightningDims& dims, const float* F);
+// What a call with no tokens does with a state: dst = src, or zeros when src is null; nothing
+// when dst is null ([H, Dh, Dh] fp32).
+Status PassStateThrough(float* dst, const float* src, int64_t H, int64_t Dh, cudaStream_t stream);
 
 // Small heads (Dh <= 32, even): the token-by-token path of lightning_small.cu.
 bool IsSmallHead(int64_t Dh);

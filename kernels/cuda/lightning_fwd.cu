@@ -84,17 +84,7 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
                         const LightningConfig& config, float* saved) {
   SPINDLE_RETURN_IF_ERROR(CheckCommon(q, k, v, dims, dtype, "LightningForward"));
   const int64_t H = dims.H, Dh = dims.Dh;
-  if (dims.T == 0 || n_segments == 0) {
-    if (end_state != nullptr) {
-      if (carry_in != nullptr) {
-        SPINDLE_CUDA_CHECK(cudaMemcpyAsync(end_state, carry_in, H * Dh * Dh * 4,
-                                           cudaMemcpyDeviceToDevice, stream));
-      } else {
-        SPINDLE_CUDA_CHECK(cudaMemsetAsync(end_state, 0, H * Dh * Dh * 4, stream));
-      }
-    }
-    return Status::Ok();
-  }
+  if (dims.T == 0 || n_segments == 0) return PassStateThrough(end_state, carry_in, H, Dh, stream);
   if (IsSmallHead(Dh))
     return SmallLightning(q, k, v, log_decay, cu_seqlens, n_segments, carry_in, scale, dims,
                           nullptr, nullptr, out, end_state, nullptr, nullptr, nullptr, nullptr,
@@ -106,25 +96,15 @@ Status LightningForward(const void* q, const void* k, const void* v, const float
   float* U = saved ? saved : static_cast<float*>(ws.data);
   float* F = reinterpret_cast<float*>(saved ? reinterpret_cast<char*>(saved) + plan.state_bytes
                                             : static_cast<char*>(ws.data) + 2 * plan.state_bytes);
-  const int T = static_cast<int>(dims.T);
 
-  SweepArgs sa{};
+  SweepArgs sa = BaseSweepArgs(plan, dims, config, log_decay, cu_seqlens, n_segments, scale);
   sa.y = static_cast<const bf16*>(k), sa.y_stride = dims.qkv_stride;
   sa.z = static_cast<const bf16*>(v), sa.z_stride = dims.qkv_stride;
-  sa.log_decay = log_decay, sa.cu = cu_seqlens, sa.n_seg = static_cast<int>(n_segments);
-  sa.T = T, sa.H = static_cast<int>(H), sa.scale = scale;
-  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
-  sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(Dh, config);
-  sa.wgmma_ws = UseWgmmaWsSweep(Dh, config);
-  sa.transposed_state = UseTransposedSweep(config);
   sa.U = U, sa.F = F;
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(static_cast<int>(Dh), false, true, sa, stream));
 
-  ScanArgs sc{};
-  sc.in = U, sc.out = U;
-  sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
-  sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
-  sc.init = carry_in, sc.final_out = end_state;
+  ScanArgs sc = BaseScanArgs(plan, dims, F);
+  sc.in = U, sc.out = U, sc.init = carry_in, sc.final_out = end_state;
   SPINDLE_RETURN_IF_ERROR(LaunchScan(sc, stream));
 
   sa.x = static_cast<const bf16*>(q), sa.x_stride = dims.qkv_stride;
@@ -182,20 +162,13 @@ Status LightningCarryCorrectionBackward(const void* q, const float* log_decay, c
                     "LightningCarryCorrectionBackward: workspace too small");
   float* U = static_cast<float*>(ws.data);
   float* F = reinterpret_cast<float*>(static_cast<char*>(ws.data) + 2 * plan.state_bytes);
-  SweepArgs sa{};
+  SweepArgs sa = BaseSweepArgs(plan, sub, config, log_decay, nullptr, 1, scale);
   sa.y = static_cast<const bf16*>(q), sa.y_stride = dims.qkv_stride;
   sa.z = static_cast<const bf16*>(dout), sa.z_stride = H * Dh;
-  sa.log_decay = log_decay, sa.cu = nullptr, sa.n_seg = 1;
-  sa.T = static_cast<int>(n_tokens), sa.H = static_cast<int>(H), sa.scale = scale;
-  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
-  sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(Dh, config);
   sa.U = U, sa.F = F;
   SPINDLE_RETURN_IF_ERROR(LaunchSweep(static_cast<int>(Dh), true, true, sa, stream));
-  ScanArgs sc{};
-  sc.in = U, sc.out = U;
-  sc.stride_g = Dh * Dh, sc.stride_h = plan.G * Dh * Dh, sc.E = Dh * Dh;
-  sc.G = plan.G, sc.H = static_cast<int>(H), sc.F = F;
-  sc.final_out = dP, sc.accumulate_final = true, sc.reverse = true;
+  ScanArgs sc = BaseScanArgs(plan, sub, F);
+  sc.in = U, sc.out = U, sc.final_out = dP, sc.accumulate_final = true, sc.reverse = true;
   return LaunchScan(sc, stream);
 }
 

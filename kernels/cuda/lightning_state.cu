@@ -62,16 +62,31 @@ Status LaunchScan(const ScanArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
+namespace {
+// The current device's SM count (132 when there is no usable device, e.g. for a size query on a
+// machine without one).
+int64_t DeviceSms() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      sms <= 0) {
+    cudaGetLastError();
+    return 132;
+  }
+  return sms;
+}
+}  // namespace
+
 Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
   Plan p{};
   p.n_chunks = static_cast<int>(CeilDiv(std::max<int64_t>(T, 1), kChunk));
   int cpb = config.chunks_per_block;
   if (cpb <= 0) {
-    // Blocks run their chunks in sequence; two blocks share an SM (132 on an H100/H200), one
-    // with the warp-specialised sweep. Pick the chunks per block that minimise waves x chunks per
-    // block, plus about two chunks' worth of fixed cost per block (start state, pass-1 output,
-    // scan steps); ties go to longer blocks.
-    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * 132;
+    // Blocks run their chunks in sequence; two blocks share an SM, one with the warp-specialised
+    // sweep. Pick the chunks per block that minimise waves x chunks per block, plus about two
+    // chunks' worth of fixed cost per block (start state, pass-1 output, scan steps); ties go to
+    // longer blocks.
+    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * DeviceSms();
     int64_t best = -1;
     for (int c = 1; c <= 64; c *= 2) {
       const int64_t blocks = H * CeilDiv(p.n_chunks, c);
@@ -84,6 +99,37 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
   p.state_bytes = Align256(static_cast<size_t>(H) * p.G * Dh * Dh * 4);
   p.f_bytes = Align256(static_cast<size_t>(H) * p.G * 4);
   return p;
+}
+
+SweepArgs BaseSweepArgs(const Plan& plan, const LightningDims& dims, const LightningConfig& config,
+                        const float* log_decay, const int32_t* cu_seqlens, int64_t n_segments,
+                        float scale) {
+  SweepArgs sa{};
+  sa.log_decay = log_decay, sa.cu = cu_seqlens, sa.n_seg = static_cast<int>(n_segments);
+  sa.T = static_cast<int>(dims.T), sa.H = static_cast<int>(dims.H), sa.scale = scale;
+  sa.chunks_per_block = plan.chunks_per_block, sa.n_chunks = plan.n_chunks, sa.G = plan.G;
+  sa.stages = config.stages, sa.wgmma = UseWgmmaSweep(dims.Dh, config);
+  sa.wgmma_ws = UseWgmmaWsSweep(dims.Dh, config);
+  sa.transposed_state = UseTransposedSweep(config);
+  return sa;
+}
+
+ScanArgs BaseScanArgs(const Plan& plan, const LightningDims& dims, const float* F) {
+  ScanArgs sc{};
+  sc.stride_g = dims.Dh * dims.Dh, sc.stride_h = plan.G * dims.Dh * dims.Dh;
+  sc.E = dims.Dh * dims.Dh, sc.G = plan.G, sc.H = static_cast<int>(dims.H), sc.F = F;
+  return sc;
+}
+
+Status PassStateThrough(float* dst, const float* src, int64_t H, int64_t Dh, cudaStream_t stream) {
+  if (dst == nullptr) return Status::Ok();
+  if (src != nullptr) {
+    SPINDLE_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, H * Dh * Dh * 4, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    SPINDLE_CUDA_CHECK(cudaMemsetAsync(dst, 0, H * Dh * Dh * 4, stream));
+  }
+  return Status::Ok();
 }
 
 Status CheckCommon(const void* q, const void* k, const void* v, const LightningDims& d,
