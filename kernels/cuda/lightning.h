@@ -39,8 +39,8 @@ struct LightningDims {
 };
 
 struct LightningConfig {
-  int chunks_per_block =
-      0;  // 64-token chunks per block; 0 picks from T, H and the SM count. 1..64.
+  // 64-token chunks per block, 1..64; 0 picks from T, H and the device's SM count.
+  int chunks_per_block = 0;
   // Main sweeps: 1 = one buffer per chunk tile (three barriers a chunk), 2 = the next chunk's Y
   // tile prefetched into a second buffer (two barriers a chunk; faster, bench/cuda/NOTES.md
   // round 7); 0 picks 2. Two blocks share an SM either way.
