@@ -49,13 +49,16 @@ absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices() {
 }
 #endif
 
-absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots) {
+absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_note) {
+  if (gpu_note != nullptr) gpu_note->clear();
   if (cpu_slots < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--slots must be >= 0, got ", cpu_slots));
   }
   if (cpu_slots == 0) {
     absl::StatusOr<v1::DeviceGroup> gpus = DiscoverCudaDevices();
     if (gpus.ok()) return gpus;
+    if (gpu_note != nullptr && !absl::IsNotFound(gpus.status()))
+      *gpu_note = std::string(gpus.status().message());
     cpu_slots = 1;
   }
   v1::DeviceGroup group;

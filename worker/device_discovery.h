@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "spindle/v1/cluster.pb.h"
@@ -13,12 +14,14 @@
 namespace spindle {
 
 // The GPUs visible to this process. NotFound when there are none or the build has no CUDA;
-// Internal for a CUDA runtime error (its text included).
+// FailedPrecondition when this build's kernels do not run on one of them (the message says which
+// and why); Internal for a CUDA runtime error (its text included).
 absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices();
 
-// `cpu_slots` > 0: that many CPU slots. `cpu_slots` == 0: the GPUs when there are any, else one
-// CPU slot. Each CPU slot is offered an equal share of host memory (MemTotal / slots).
-// InvalidArgument for a negative count.
-absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots);
+// `cpu_slots` > 0: that many CPU slots. `cpu_slots` == 0: the GPUs when there are any this build
+// runs on, else one CPU slot; `gpu_note` (nullable) then says why GPUs that are present were not
+// offered (empty otherwise). Each CPU slot is offered an equal share of host memory (MemTotal /
+// slots). InvalidArgument for a negative count.
+absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_note = nullptr);
 
 }  // namespace spindle

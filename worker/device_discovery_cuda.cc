@@ -1,8 +1,12 @@
 // GPU discovery through the CUDA runtime API; built only when SPINDLE_HAVE_CUDA. Queries device
-// properties only (no context is created, so the daemon holds no GPU memory).
+// properties only (no context is created, so the daemon holds no GPU memory), and offers the
+// GPUs only when this build's kernels run on every one of them (kernels/cuda/device_support.h).
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/device_support.h"
 #include "worker/device_discovery.h"
 
 namespace spindle {
@@ -17,9 +21,15 @@ absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices() {
     return absl::InternalError(absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(err)));
   }
   cudaDeviceProp prop;
-  err = cudaGetDeviceProperties(&prop, 0);
-  if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaGetDeviceProperties: ", cudaGetErrorString(err)));
+  for (int i = count - 1; i >= 0; --i) {  // ends with device 0's properties
+    err = cudaGetDeviceProperties(&prop, i);
+    if (err != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("cudaGetDeviceProperties: ", cudaGetErrorString(err)));
+    }
+    const std::string problem =
+        kernels::cuda::DeviceSupportProblem(i, prop.name, prop.major, prop.minor);
+    if (!problem.empty()) return absl::FailedPreconditionError(problem);
   }
   v1::DeviceGroup group;
   group.set_kind("cuda");

@@ -83,11 +83,13 @@ int Main() {
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   if (worker_id.empty()) worker_id = hostname;
 
-  absl::StatusOr<v1::DeviceGroup> devices = DiscoverDevices(absl::GetFlag(FLAGS_slots));
+  std::string gpu_note;
+  absl::StatusOr<v1::DeviceGroup> devices = DiscoverDevices(absl::GetFlag(FLAGS_slots), &gpu_note);
   if (!devices.ok()) {
     std::fprintf(stderr, "spindle-worker: %s\n", devices.status().ToString().c_str());
     return 2;
   }
+  if (!gpu_note.empty()) WorkerLog("GPUs not offered, one CPU slot instead: %s", gpu_note);
   absl::StatusOr<std::string> token = ReadTokenFile(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
     std::fprintf(stderr, "spindle-worker: --token-file: %s\n", token.status().ToString().c_str());

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/cuda/allocator.h"
+#include "kernels/cuda/device_support.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
@@ -345,6 +346,12 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   impl->device = device;
   // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
   // all-reduce asks for it (DownloadGrads).
+  cudaDeviceProp prop;
+  CUDA(cudaGetDeviceProperties(&prop, device));
+  if (const std::string problem =
+          kc::DeviceSupportProblem(device, prop.name, prop.major, prop.minor);
+      !problem.empty())
+    return absl::FailedPreconditionError(absl::StrCat("cuda model: ", problem));
   ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false));
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
