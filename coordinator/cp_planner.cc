@@ -108,6 +108,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     if (nl > 0) layer = per_l;
     if (nm > 0) layer = nl > 0 ? layer + per_m - common : per_m;
     per_token = 4 * d + m.n_layers * d + layer;
+    // The CUDA engine: each MLA layer keeps its attention output and statistics (and under
+    // All2All its head-split output) for the backward, so the recompute skips the attention.
+    if (cuda) per_token += nm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
   } else {
     per_token = 4 * d + nl * per_l + nm * per_m;
   }

@@ -224,6 +224,16 @@ TEST(CudaCp, Head64MlaAllGatherCp2RecomputeOneDocument) {
   ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
 }
 
+// Two MLA layers around a Lightning one: under recompute each MLA layer keeps its own attention
+// output and statistics from the forward for its backward, in both CP modes.
+TEST(CudaCp, TwoMlaLayersRecomputeMatchesOneRankInBothModes) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Head64();
+  c.n_layers = 3, c.layer_pattern = "MLM";
+  ExpectCpMatchesOneRank(c, 384, 70, 2, true, CpMode::kAll2All, CpMode::kAll2All);
+  ExpectCpMatchesOneRank(c, 384, 70, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+}
+
 TEST(CudaCp, Head64MlaAllGatherWalksSeveralKeyBlocks) {
   SPINDLE_REQUIRE_GPU();
   // T = 81920 at cp = 2, one document: chunks of 20480 tokens, so the cross pieces of chunks 2

@@ -137,10 +137,11 @@ TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
   ExpectStepMatchesCpu(c, 300, 90);
 }
 
-TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
-  SPINDLE_REQUIRE_GPU();
-  const ModelConfig c = Tiny();
+// Recompute (each MLA layer keeping its attention output from the forward, every other
+// activation recomputed) and the evaluation forward against the plain step on the same model.
+void ExpectRecomputeAndForwardAgree(const ModelConfig& c) {
   const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " layers " << c.layer_pattern);
   const Batch b = RandomBatch(c, 150, 50, seed);
   auto m = *CudaModel::Create(c, seed);
   auto plain = m->ForwardBackward(b, 0.01f, false);
@@ -171,6 +172,18 @@ TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
   // The host's queueing time is part of the call's wall time.
   EXPECT_GT(m->last_enqueue_seconds(), 0.0);
   EXPECT_LE(m->last_enqueue_seconds(), wall);
+}
+
+TEST(CudaModel, RecomputeAndForwardAgreeWithThePlainStep) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectRecomputeAndForwardAgree(Tiny());
+}
+
+TEST(CudaModel, RecomputeWithTwoMlaLayersAgreesWithThePlainStep) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";  // each MLA layer's kept output must be its own
+  ExpectRecomputeAndForwardAgree(c);
 }
 
 // The LM head in row blocks (here three, the last partial) against one block: the same logits

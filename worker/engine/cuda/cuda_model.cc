@@ -92,6 +92,11 @@ class DevBuf {
     ptr_ = nullptr;
     bytes_ = 0;
   }
+  void Swap(DevBuf& o) {
+    std::swap(alloc_, o.alloc_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+  }
   void* get() const { return ptr_; }
   float* f32() const { return static_cast<float*>(ptr_); }
   int32_t* i32() const { return static_cast<int32_t*>(ptr_); }
@@ -126,6 +131,18 @@ struct Cache {
   // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
   // order ([T_full, kv + rd]).
   DevBuf ag_lat;
+};
+
+// Recompute: what an MLA layer keeps from the forward for its backward, so that the recomputed
+// forward skips the quadratic attention: its output and statistics, and under CP All2All the
+// head-split output (swapped into the layer's Cache as O, stats and cp_out while it runs).
+struct KeptAttention {
+  DevBuf O, stats, cp_out;
+  void SwapInto(Cache& C) {
+    O.Swap(C.O);
+    stats.Swap(C.stats);
+    cp_out.Swap(C.cp_out);
+  }
 };
 
 // Gradient scratch shared by every layer's backward.
@@ -198,6 +215,7 @@ struct CudaModel::Impl {
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
+  std::vector<KeptAttention> kept;  // per layer when recomputing (MLA layers fill theirs)
   std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx, dx2;
   Work W;
@@ -212,6 +230,7 @@ struct CudaModel::Impl {
 
   ~Impl() {
     caches.clear();
+    kept.clear();
     layer_in.clear();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
     for (DevBuf* b :
@@ -282,11 +301,14 @@ struct CudaModel::Impl {
   absl::Status EnsureOptimizerState(bool want_m, bool want_v);
   // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
   absl::Status Upload(const Batch& b, const CpLayout* layout);
-  absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out);
+  // attention_kept: the MLA attention's output and statistics are already in C (see
+  // KeptAttention); only what its backward reads besides them is computed.
+  absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
+                            bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
   absl::Status LightningForward(const LayerIdx& L, Cache& C);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
-  absl::Status MlaForward(const LayerIdx& L, Cache& C);
+  absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
   absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
@@ -316,7 +338,7 @@ struct CudaModel::Impl {
   absl::Status GatherStates(const float* send);
   absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
   absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
-  absl::Status MlaCoreForward(Cache& C);
+  absl::Status MlaCoreForward(Cache& C, bool attention_kept);
   absl::Status MlaCoreBackward(Cache& C);
   // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
   bool MlaAllGather() const { return B.cp > 1 && cp.mla_mode == CpMode::kAllGather; }
@@ -326,7 +348,7 @@ struct CudaModel::Impl {
   absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
-  absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C);
+  absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
 };
 
@@ -1018,7 +1040,7 @@ kc::SdpaDims MlaCpDims(const ModelConfig& c, int64_t Tf, int64_t Hl) {
 
 // Q, K (C.Q, C.K) and V (a view into C.kvb) of this rank's tokens -> the whole sequence for H/cp
 // heads -> causal document attention -> O back into C.O.
-absl::Status CudaModel::Impl::MlaCoreForward(Cache& C) {
+absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
@@ -1031,6 +1053,7 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C) {
                                {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
   RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
   RETURN_IF_ERROR(RecvToStream(C.cp_full.get(), w));
+  if (attention_kept) return absl::OkStatus();
   const void* f = C.cp_full.get();
   KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                    B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
@@ -1141,7 +1164,8 @@ absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, i
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
+absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
+                                                  bool attention_kept) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
@@ -1157,6 +1181,7 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C) {
   RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
   const int64_t SS = StatsSlot(H, ch);
   RETURN_IF_ERROR(F32(C.stats, 2 * SS));
+  if (attention_kept) return absl::OkStatus();
   for (int slot = 0; slot < 2; ++slot) {
     const int64_t first = B.slot_chunk[slot] * ch;
     void* q = At(C.Q.get(), slot * ch * H * qk);
@@ -1300,7 +1325,7 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
 
 // ---- MLA -----------------------------------------------------------------------------------------
 
-absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
+absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool attention_kept) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, d = c.d_model, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
@@ -1334,7 +1359,7 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
                    stream));
   if (MlaAllGather()) {
     RETURN_IF_ERROR(Act(C.O, T, H * vd));
-    return MlaAllGatherForward(L, C);
+    return MlaAllGatherForward(L, C, attention_kept);
   }
   RETURN_IF_ERROR(Act(C.kvb, T, H * (nope + vd)));
   RETURN_IF_ERROR(Fwd(C.c_n.get(), kv, Wb(L.kv_b), C.kvb.get(), T, kv, H * (nope + vd), false));
@@ -1344,8 +1369,9 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C) {
   KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd,
                   kAct, stream));
   RETURN_IF_ERROR(Act(C.O, T, H * vd));
-  if (B.cp > 1) return MlaCoreForward(C);
+  if (B.cp > 1) return MlaCoreForward(C, attention_kept);
   RETURN_IF_ERROR(F32(C.stats, H * T));
+  if (attention_kept) return absl::OkStatus();
   const kc::SdpaDims dims = MlaDims(c, T);
   KC(sdpa->Forward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
                    B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
@@ -1416,7 +1442,7 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
 
 // x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
 absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const void* x_in,
-                                           void* x_out) {
+                                           void* x_out, bool attention_kept) {
   const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
   const float eps = static_cast<float>(c.norm_eps);
   RETURN_IF_ERROR(Act(C.h, T, d));
@@ -1428,7 +1454,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     RETURN_IF_ERROR(LightningForward(L, C));
     RETURN_IF_ERROR(Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
   } else {
-    RETURN_IF_ERROR(MlaForward(L, C));
+    RETURN_IF_ERROR(MlaForward(L, C, attention_kept));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
     RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
   }
@@ -1526,8 +1552,21 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
   auto in = [&](int64_t i) { return layer_in[backward ? i : i % 2].get(); };
   KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
-  for (int64_t i = 0; i < n; ++i)
-    RETURN_IF_ERROR(LayerForward(layers[i], *caches[n_caches == 1 ? 0 : i], in(i), in(i + 1)));
+  // Recomputing: each MLA layer keeps its attention output from this forward (KeptAttention).
+  const bool keep = backward && recompute;
+  if (!keep) {
+    kept.clear();
+  } else if (static_cast<int64_t>(kept.size()) != n) {
+    kept = std::vector<KeptAttention>(n);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Cache& C = *caches[n_caches == 1 ? 0 : i];
+    const bool swap = keep && layers[i].kind == 'M';
+    if (swap) kept[i].SwapInto(C);
+    const absl::Status st = LayerForward(layers[i], C, in(i), in(i + 1));
+    if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
+    RETURN_IF_ERROR(st);
+  }
   if (!backward) {
     ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
     queued();
@@ -1539,11 +1578,16 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
   for (int64_t i = n - 1; i >= 0; --i) {
     Cache& C = *caches[recompute ? 0 : i];
+    const bool swap = keep && layers[i].kind == 'M';
+    if (swap) kept[i].SwapInto(C);
+    absl::Status st;
     if (recompute) {
-      RETURN_IF_ERROR(Act(dx2, T, d));
-      RETURN_IF_ERROR(LayerForward(layers[i], C, in(i), dx2.get()));
+      st = Act(dx2, T, d);
+      if (st.ok()) st = LayerForward(layers[i], C, in(i), dx2.get(), /*attention_kept=*/swap);
     }
-    RETURN_IF_ERROR(LayerBackward(layers[i], C, in(i), dx.get()));
+    if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get());
+    if (swap) kept[i].SwapInto(C);
+    RETURN_IF_ERROR(st);
   }
   KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
   queued();
