@@ -366,14 +366,14 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->device = device;
-  // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
-  // all-reduce asks for it (DownloadGrads).
   cudaDeviceProp prop;
   CUDA(cudaGetDeviceProperties(&prop, device));
   if (const std::string problem =
           kc::DeviceSupportProblem(device, prop.name, prop.major, prop.minor);
       !problem.empty())
     return absl::FailedPreconditionError(absl::StrCat("cuda model: ", problem));
+  // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
+  // all-reduce asks for it (DownloadGrads).
   ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false));
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));

@@ -15,8 +15,8 @@
 //
 // Work runs on one compute stream; the calls that return host values (losses, norms) wait for it.
 // Activation memory comes from a CachingAllocator whose statistics memory() reports. With
-// recompute, only every layer's input is kept and each layer's forward is re-run before its
-// backward.
+// recompute, only every layer's input and each MLA layer's attention output and statistics are
+// kept, and each layer's forward is re-run before its backward without the MLA attention itself.
 //
 // Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
 // rank's zigzag share of a sequence (worker/engine/cp/cp_layout.h), as the CPU model does.
