@@ -217,7 +217,7 @@ struct CudaModel::Impl {
   std::vector<std::unique_ptr<Cache>> caches;
   std::vector<KeptAttention> kept;  // per layer when recomputing (MLA layers fill theirs)
   std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
-  DevBuf hf, rstd_f, dhf, logits, row_loss, dx, dx2;
+  DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
   BatchDev B;
   // Context parallelism: the context of SetCp, whether its collectives take device buffers
@@ -232,7 +232,7 @@ struct CudaModel::Impl {
     caches.clear();
     kept.clear();
     layer_in.clear();
-    for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx, &dx2}) b->Release();
+    for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b :
          {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,      &W.dgate,   &W.dqkv,
           &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,    &W.dc,      &W.dkva,
@@ -301,8 +301,9 @@ struct CudaModel::Impl {
   absl::Status EnsureOptimizerState(bool want_m, bool want_v);
   // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
   absl::Status Upload(const Batch& b, const CpLayout* layout);
-  // attention_kept: the MLA attention's output and statistics are already in C (see
-  // KeptAttention); only what its backward reads besides them is computed.
+  // x_out null: no output, only what the backward reads. attention_kept: the MLA attention's
+  // output and statistics are already in C (see KeptAttention); only what its backward reads
+  // besides them is computed.
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
                             bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
@@ -1440,7 +1441,8 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
 
 // ---- One layer -----------------------------------------------------------------------------------
 
-// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
+// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null: everything the
+// backward reads, without the output itself (the FFN's last GEMM), as a recomputed forward needs.
 absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const void* x_in,
                                            void* x_out, bool attention_kept) {
   const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
@@ -1466,6 +1468,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w1), C.g.get(), T, d, F, false));
   RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w3), C.u.get(), T, d, F, false));
   KC(kc::SwiGluForward(C.g.get(), C.u.get(), C.a.get(), T * F, kAct, stream));
+  if (x_out == nullptr) return absl::OkStatus();
   return Fwd(C.a.get(), F, Wb(L.w2), x_out, T, F, d, true, C.x_mid.get());
 }
 
@@ -1581,10 +1584,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     const bool swap = keep && layers[i].kind == 'M';
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
-    if (recompute) {
-      st = Act(dx2, T, d);
-      if (st.ok()) st = LayerForward(layers[i], C, in(i), dx2.get(), /*attention_kept=*/swap);
-    }
+    // The recomputed forward needs no output: it is the next layer's input, kept.
+    if (recompute) st = LayerForward(layers[i], C, in(i), nullptr, /*attention_kept=*/swap);
     if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get());
     if (swap) kept[i].SwapInto(C);
     RETURN_IF_ERROR(st);
