@@ -409,6 +409,18 @@ struct DkDvArgs {
 };
 Status LaunchDkDv(int dh, const DkDvArgs& a, cudaStream_t stream);
 
+// Launches a sweep-shaped kernel: one block per (block of chunks g < a.G, head h < a.H), `smem`
+// bytes of dynamic shared memory.
+template <typename Args>
+Status LaunchOverBlocks(void (*kernel)(Args), const Args& a, int threads, int smem,
+                        cudaStream_t stream) {
+  SPINDLE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(a.G, a.H), threads, smem, stream>>>(a);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 // Scan over blocks g of X (element (g, h, e) at g * stride_g + h * stride_h + e, e < E):
 // forward: out_g = carry; carry = in_g + f_g carry (carry starts at init or 0);
 // reverse: the same from g = G-1 down. The final carry goes to final_out (nullable; += when

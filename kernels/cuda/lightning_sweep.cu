@@ -552,13 +552,7 @@ __global__ void __launch_bounds__(kThreads, 2) SweepTKernel(SweepArgs a) {
 
 template <bool kReverse>
 Status LaunchSweepTT(const SweepArgs& a, cudaStream_t stream) {
-  constexpr int kSmem = SweepTLayout::kBytes;
-  auto* kernel = SweepTKernel<kReverse>;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+  return LaunchOverBlocks(SweepTKernel<kReverse>, a, kThreads, SweepTLayout::kBytes, stream);
 }
 
 // ---- The fused dk / dv reverse sweep --------------------------------------------------------
@@ -671,12 +665,7 @@ template <int DH, bool kReverse, bool kStateOnly, int kBufs>
 Status LaunchSweepT(const SweepArgs& a, cudaStream_t stream) {
   using L = SweepLayout<DH, kBufs, kStateOnly ? kBufs : 1>;
   constexpr int kSmem = kStateOnly ? L::kStateOnlyBytes : L::kMainBytes;
-  auto* kernel = SweepKernel<DH, kReverse, kStateOnly, kBufs>;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+  return LaunchOverBlocks(SweepKernel<DH, kReverse, kStateOnly, kBufs>, a, kThreads, kSmem, stream);
 }
 
 template <int DH>
@@ -695,13 +684,8 @@ Status LaunchSweepDh(const SweepArgs& a, bool reverse, bool state_only, cudaStre
 
 template <int DH, bool kTransposedDk>
 Status LaunchDkDvT(const DkDvArgs& a, cudaStream_t stream) {
-  constexpr int kSmem = DkDvLayout<DH>::kBytes;
-  auto* kernel = DkDvKernel<DH, kTransposedDk>;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+  return LaunchOverBlocks(DkDvKernel<DH, kTransposedDk>, a, kThreads, DkDvLayout<DH>::kBytes,
+                          stream);
 }
 
 }  // namespace

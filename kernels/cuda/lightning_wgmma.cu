@@ -661,13 +661,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) WgmmaWsKernel(SweepArgs a) {
 
 template <bool kReverse>
 Status LaunchWgmmaWsT(const SweepArgs& a, cudaStream_t stream) {
-  auto* kernel = WgmmaWsKernel<kReverse>;
-  constexpr int kSmem = WsLayout::kBytes;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<dim3(a.G, a.H), kWsThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+  return LaunchOverBlocks(WgmmaWsKernel<kReverse>, a, kWsThreads, WsLayout::kBytes, stream);
 }
 
 // The state-only pass or the transposed main pass, on wgmma.
@@ -675,11 +669,7 @@ template <bool kReverse, bool kStateOnly>
 Status LaunchWgmmaT(const SweepArgs& a, cudaStream_t stream) {
   auto* kernel = kStateOnly ? WgmmaStateKernel<kReverse> : WgmmaTKernel<kReverse>;
   constexpr int kSmem = kStateOnly ? WgStateLayout::kBytes : WgTLayout::kBytes;
-  SPINDLE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<dim3(a.G, a.H), kThreads, kSmem, stream>>>(a);
-  SPINDLE_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+  return LaunchOverBlocks(kernel, a, kThreads, kSmem, stream);
 }
 
 }  // namespace
