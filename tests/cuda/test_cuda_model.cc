@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -184,6 +185,28 @@ TEST(CudaModel, RecomputeWithTwoMlaLayersAgreesWithThePlainStep) {
   ModelConfig c = Tiny();
   c.layer_pattern = "MLLM";  // each MLA layer's kept output must be its own
   ExpectRecomputeAndForwardAgree(c);
+}
+
+// Recompute holds one layer's activations at a time, plus every layer's input and each MLA
+// layer's kept attention output: its peak activation memory must stay well below the plain step's
+// (four layers' activations at once).
+TEST(CudaModel, RecomputeLowersThePeakActivationMemory) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  const uint32_t seed = FreshSeed();
+  const Batch b = RandomBatch(c, 2048, 300, seed);
+  int64_t peak[2] = {0, 0};
+  for (int recompute = 0; recompute < 2; ++recompute) {
+    auto m = *CudaModel::Create(c, seed);
+    auto s = m->ForwardBackward(b, 1e-3f, recompute == 1);
+    ASSERT_TRUE(s.ok()) << s.status();
+    peak[recompute] = m->memory().peak_allocated;
+  }
+  std::printf("[ recompute ] peak activation bytes: plain %lld, recompute %lld\n",
+              static_cast<long long>(peak[0]), static_cast<long long>(peak[1]));
+  EXPECT_GT(peak[1], 0);
+  EXPECT_LT(peak[1], peak[0] * 3 / 4);
 }
 
 // The LM head in row blocks (here three, the last partial) against one block: the same logits
