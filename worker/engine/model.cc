@@ -451,7 +451,8 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
 
 }  // namespace
 
-// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)).
+// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null: everything the
+// backward reads, without the output itself (the FFN's last GEMM), as a recomputed forward needs.
 static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
                                  const float* x_in, float* x_out) {
   const ModelConfig& c = ctx.c;
@@ -477,6 +478,7 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
   k::LinearForward(C.h2.f32(), P.data(L.w1), C.g.f32(), T, d, F);
   k::LinearForward(C.h2.f32(), P.data(L.w3), C.u.f32(), T, d, F);
   k::SwiGluForward(C.g.f32(), C.u.f32(), C.a.f32(), T * F);
+  if (x_out == nullptr) return absl::OkStatus();
   k::LinearForward(C.a.f32(), P.data(L.w2), x_out, T, F, d);
   AddInto(x_out, C.x_mid.f32(), T * d);
   return absl::OkStatus();
@@ -582,9 +584,8 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, flo
   if (on_grad_ready) on_grad_ready(params_.info(final_norm_).offset);
   for (int64_t i = n - 1; i >= 0; --i) {
     Cache& C = *caches_[recompute ? 0 : i];
-    if (recompute) {  // re-run this layer's forward to refill its cache
-      Ensure(dx2_, T, d);
-      RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), dx2_.f32()));
+    if (recompute) {  // refill this layer's cache; its output is the next layer's input, kept
+      RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), nullptr));
     }
     RETURN_IF_ERROR(LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32()));
     if (on_grad_ready) on_grad_ready(params_.info(layers_[i]->attn_norm).offset);

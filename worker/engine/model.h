@@ -5,7 +5,8 @@
 // of `grad_scale * sum(token losses)` into params().flat_grad(), and returns the loss sum and the
 // number of valid targets. The LM head and cross-entropy run over row blocks, so full-sequence
 // fp32 logits never exist. With recompute, only each layer's input is kept during the forward
-// and the layer's forward is re-run just before its backward.
+// and the layer's forward (all but its output, which is the next layer's input) is re-run just
+// before its backward.
 //
 // Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
 // rank's zigzag share of a sequence (cp/cp_layout.h); the Lightning and MLA cores then run in the
@@ -95,7 +96,7 @@ class Model {
   std::unique_ptr<Work> work_;
   // The input of every layer, then the final hidden state: [n_layers + 1][T, d].
   std::vector<Tensor> layer_inputs_;
-  Tensor hf_, rstd_f_, dhf_, logits_, dx_, dx2_;
+  Tensor hf_, rstd_f_, dhf_, logits_, dx_;
   CpContext cp_;
   CpScratch cp_scratch_;
 };
