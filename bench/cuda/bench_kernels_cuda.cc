@@ -129,21 +129,22 @@ int StepGemms() {
   Check(cu::Blas::Create(&blas), "blas");
   const size_t max_elems = static_cast<size_t>(T) * 2 * F;
   Buf A(max_elems, kBf16), B(max_elems, kBf16), C(max_elems, cu::DType::kFloat32);
+  // C[M, N] (+)= op(A) op(B), A stored [M, K] or (trans_a) [K, M], B [K, N] or (trans_b) [N, K].
+  auto time_gemm = [&](int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+                       float beta = 0.0f, cu::DType c_type = kBf16) {
+    cu::GemmArgs a;
+    a.A = A.p, a.B = B.p, a.C = C.p, a.M = M, a.N = N, a.K = K, a.beta = beta, a.c_type = c_type;
+    a.trans_a = trans_a, a.trans_b = trans_b;
+    a.lda = trans_a ? M : K, a.ldb = trans_b ? K : N, a.ldc = N;
+    return TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2);
+  };
   // role 0: forward, 1: input gradient, 2: weight gradient (fp32, beta 1), 3: weight gradient
   // fp32 beta 0, 4: weight gradient bf16 beta 0.
   auto time_role = [&](int64_t rows, int64_t in, int64_t out, int role) {
-    cu::GemmArgs a;
-    a.A = A.p, a.B = B.p, a.C = C.p;
-    if (role == 0) {
-      a.trans_b = true, a.M = rows, a.N = out, a.K = in, a.lda = in, a.ldb = in, a.ldc = out;
-    } else if (role == 1) {
-      a.M = rows, a.N = in, a.K = out, a.lda = out, a.ldb = in, a.ldc = in;
-    } else {
-      a.trans_a = true, a.M = out, a.N = in, a.K = rows, a.lda = out, a.ldb = in, a.ldc = in;
-      a.beta = role == 2 ? 1.0f : 0.0f;
-      a.c_type = role == 4 ? kBf16 : cu::DType::kFloat32;
-    }
-    return TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2);
+    if (role == 0) return time_gemm(rows, out, in, false, true);
+    if (role == 1) return time_gemm(rows, in, out, false, false);
+    return time_gemm(out, in, rows, true, false, role == 2 ? 1.0f : 0.0f,
+                     role == 4 ? kBf16 : cu::DType::kFloat32);
   };
   struct Linear {
     const char* name;
@@ -194,13 +195,8 @@ int StepGemms() {
     double best[4] = {1e9, 1e9, 1e9, 1e9};
     for (int round = 0; round < 3; ++round)
       for (int layout = 0; layout < 4; ++layout) {
-        cu::GemmArgs a;
-        a.A = A.p, a.B = B.p, a.C = C.p, a.M = M, a.N = N, a.K = K, a.ldc = N;
-        a.trans_a = layout >= 2, a.trans_b = layout % 2 == 1;
-        a.lda = a.trans_a ? M : K, a.ldb = a.trans_b ? K : N;
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        best[layout] = std::min(best[layout],
-                                TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2));
+        best[layout] = std::min(best[layout], time_gemm(M, N, K, layout >= 2, layout % 2 == 1));
       }
     std::printf("| %lld x %lld x %lld |", static_cast<long long>(M), static_cast<long long>(N),
                 static_cast<long long>(K));

@@ -448,6 +448,9 @@ struct Plan {
   size_t f_bytes;      // [H, G] fp32, aligned
 };
 Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config);
+// An attribute of the current device, or `fallback` when there is no usable device (e.g. a size
+// query on a machine without one; MakePlan then plans for 132 SMs).
+int CurrentDeviceAttribute(cudaDeviceAttr attr, int fallback);
 // What every pass of one call shares: the sweep's sizes, decays, documents, the plan's blocks and
 // the config's kernel choice (each pass then sets its tiles, states and output), and the scan's
 // strides over the plan's [H, G, Dh, Dh] block states with block decays F.

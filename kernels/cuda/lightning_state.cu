@@ -62,20 +62,15 @@ Status LaunchScan(const ScanArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
-namespace {
-// The current device's SM count (132 when there is no usable device, e.g. for a size query on a
-// machine without one).
-int64_t DeviceSms() {
-  int dev = 0, sms = 0;
+int CurrentDeviceAttribute(cudaDeviceAttr attr, int fallback) {
+  int dev = 0, value = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      sms <= 0) {
-    cudaGetLastError();
-    return 132;
+      cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fallback;
   }
-  return sms;
+  return value;
 }
-}  // namespace
 
 Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
   Plan p{};
@@ -86,7 +81,8 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
     // sweep. Pick the chunks per block that minimise waves x chunks per block, plus about two
     // chunks' worth of fixed cost per block (start state, pass-1 output, scan steps); ties go to
     // longer blocks.
-    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * DeviceSms();
+    const int sms = CurrentDeviceAttribute(cudaDevAttrMultiProcessorCount, 132);
+    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * (sms > 0 ? sms : 132);
     int64_t best = -1;
     for (int c = 1; c <= 64; c *= 2) {
       const int64_t blocks = H * CeilDiv(p.n_chunks, c);

@@ -676,14 +676,8 @@ Status LaunchWgmmaT(const SweepArgs& a, cudaStream_t stream) {
 
 bool WgmmaSweepAvailable() {
 #ifdef SPINDLE_WGMMA
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;
+  return CurrentDeviceAttribute(cudaDevAttrComputeCapabilityMajor, 0) == 9 &&
+         CurrentDeviceAttribute(cudaDevAttrComputeCapabilityMinor, -1) == 0;
 #else
   return false;
 #endif
