@@ -83,7 +83,7 @@ Row Measure(const ModelConfig& cfg, int64_t T, int cp, CpMode lm, CpMode mm, int
         if (comm) comm->TakeStats();
         (*m)->params().ZeroGrad();
         const auto t0 = std::chrono::steady_clock::now();
-        auto s = (*m)->ForwardBackward(b, 1.0f, false);
+        auto s = (*m)->ForwardBackward(b, 1.0f, Recompute::None());
         if (!s.ok()) std::exit(1);
         rows[r].step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (comm) rows[r].stats = comm->TakeStats();

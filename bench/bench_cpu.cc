@@ -147,7 +147,8 @@ int main(int argc, char** argv) {
     for (int s = 0; s < steps + 1; ++s) {
       auto t0 = std::chrono::steady_clock::now();
       (*model)->params().ZeroGrad();
-      (*model)->ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), false);
+      (*model)->ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()),
+                                spindle::Recompute::None());
       opt.Step(1e-3);
       if (s > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }

@@ -255,8 +255,16 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
                            ModeName(l.mode()), l.reason());
   }
   const v1::MemoryEstimate& m = p.memory();
-  out << absl::StrFormat("memory per rank (estimate, %s): %s\n",
-                         m.recompute() ? "recompute" : "no recompute",
+  int64_t n_layers = 0;
+  for (const v1::LayerPlan& l : p.layers()) n_layers += l.num_layers();
+  std::string recompute = "no recompute";
+  if (m.recompute_layers() >= n_layers && n_layers > 0) {
+    recompute = "every layer recomputes";
+  } else if (m.recompute_layers() > 0) {
+    recompute =
+        absl::StrFormat("the first %d of %d layers recompute", m.recompute_layers(), n_layers);
+  }
+  out << absl::StrFormat("memory per rank (estimate, %s): %s\n", recompute,
                          FormatBytes(m.total_bytes()));
   out << absl::StrFormat("  params %s, grads %s, optimizer %s, activations %s, workspace %s\n",
                          FormatBytes(m.params_bytes()), FormatBytes(m.grads_bytes()),

@@ -22,6 +22,22 @@ absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
                                    "\""));
 }
 
+// train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
+absl::StatusOr<int64_t> ParseRecompute(const JsonFields& f, const nlohmann::json& v,
+                                       int64_t n_layers) {
+  if (v.is_boolean()) return v.get<bool>() ? n_layers : 0;
+  if (v.is_string() && v.get<std::string>() == "auto") return TrainSpec::kRecomputeAuto;
+  if (v.is_number_integer()) {  // signed or unsigned
+    const bool in_range = v.is_number_unsigned()
+                              ? v.get<uint64_t>() <= static_cast<uint64_t>(n_layers)
+                              : v.get<int64_t>() >= 0 && v.get<int64_t>() <= n_layers;
+    if (in_range) return v.get<int64_t>();
+  }
+  return f.Error("recompute",
+                 absl::StrCat("must be false, true, \"auto\" or a number of layers in [0, ",
+                              n_layers, "], got ", v.dump()));
+}
+
 absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
   JsonFields f(j, "job spec", "data");
   RETURN_IF_ERROR(f.CheckObject());
@@ -60,6 +76,13 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
   if (d->recall_gap < 0)
     return f.Error("recall_gap", absl::StrCat("must be >= 0, got ", d->recall_gap));
   return absl::OkStatus();
+}
+
+nlohmann::json RecomputeJson(int64_t layers, int64_t n_layers) {
+  if (layers == TrainSpec::kRecomputeAuto) return "auto";
+  if (layers == 0) return false;
+  if (layers == n_layers) return true;
+  return layers;
 }
 
 }  // namespace
@@ -128,7 +151,9 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(tf.ReadDouble("momentum", &tr.momentum));
     RETURN_IF_ERROR(tf.ReadDouble("grad_clip", &tr.grad_clip));
     RETURN_IF_ERROR(tf.ReadUint("seed", &tr.seed));
-    RETURN_IF_ERROR(tf.ReadBool("recompute", &tr.recompute));
+    if (const nlohmann::json* rc = tf.Sub("recompute")) {
+      ASSIGN_OR_RETURN(tr.recompute_layers, ParseRecompute(tf, *rc, s.model.n_layers));
+    }
     RETURN_IF_ERROR(tf.Finish());
     if (tr.steps < 1) return tf.Error("steps", absl::StrCat("must be >= 1, got ", tr.steps));
     if (tr.micro_batches < 1)
@@ -240,7 +265,7 @@ nlohmann::json JobSpec::ToJson() const {
             {"momentum", train.momentum},
             {"grad_clip", train.grad_clip},
             {"seed", train.seed},
-            {"recompute", train.recompute}}},
+            {"recompute", RecomputeJson(train.recompute_layers, model.n_layers)}}},
           {"checkpoint",
            {{"dir", checkpoint.dir}, {"every", checkpoint.every}, {"keep", checkpoint.keep}}},
           {"resources", resources},

@@ -8,7 +8,7 @@
 //    "data": {"source": "synthetic:recall"}, "seq_len": 4096,
 //    "parallel": {"cp": 1, "dp": 1, "lightning_mode": "auto", "mla_mode": "auto"},
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
-//              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": false},
+//              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto"},
 //    "checkpoint": {"dir": "/tmp/ckpt", "every": 50},
 //    "resources": "cpu", "max_restarts": 3, "priority": 0}
 #pragma once
@@ -61,9 +61,13 @@ struct TrainSpec {
   double momentum = 0.0;  // sgd
   double grad_clip = 1.0; // 0 disables clipping
   uint64_t seed = 1;
-  // Keep only each layer's input (on the GPU also each MLA layer's attention output) through the
-  // forward and re-run the rest of each layer before its backward: less memory, ~1/3 more GEMMs.
-  bool recompute = false;
+  // Activation recompute: the first `recompute_layers` layers keep only their input (on the GPU
+  // also each MLA layer's attention output) through the forward and re-run the rest of the layer
+  // before its backward: less memory, ~1/3 more GEMMs in those layers. JSON "recompute": false
+  // (0), true (every layer), a number of layers, or "auto" (kRecomputeAuto): the planner picks the
+  // fewest recomputed layers whose memory estimate fits the device (RecomputeLayersFor).
+  static constexpr int64_t kRecomputeAuto = -1;
+  int64_t recompute_layers = 0;
 };
 
 struct CheckpointSpec {

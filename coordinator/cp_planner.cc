@@ -58,7 +58,8 @@ CpMode CpPlan::ModeOf(const std::string& layer_type) const {
   return CpMode::kAllGather;
 }
 
-MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers) {
+MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                              int64_t recompute_layers) {
   const ModelConfig& m = spec.model;
   const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
   const int64_t P = m.NumParams();
@@ -68,7 +69,8 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   const MlaConfig& a = m.mla;
 
   MemoryEstimate e;
-  e.recompute = spec.train.recompute;
+  const int64_t R = std::clamp<int64_t>(recompute_layers, 0, m.n_layers);
+  e.recompute_layers = R;
   // fp32 master weights; the CUDA engine also keeps a bf16 working copy.
   e.params_bytes = (spec.resources == "cuda" ? 6 : 4) * P;
   e.grads_bytes = 4 * P;
@@ -101,18 +103,19 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   if (l_all2all) per_l += 3 * d;
   if (m_all2all) per_m += mla_core_in + H * a.v_head_dim;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
-  int64_t per_token;
-  if (spec.train.recompute) {
-    // One cache, refilled layer by layer, holds the union of both kinds' buffers.
+  // The recomputed layers (the first R) by kind; the others keep their whole cache.
+  int64_t rl = 0, rm = 0;
+  for (int64_t i = 0; i < R; ++i) (m.LayerKind(i) == 'M' ? rm : rl) += 1;
+  int64_t per_token = 4 * d + (nl - rl) * per_l + (nm - rm) * per_m;
+  if (R > 0) {
+    // One cache, refilled layer by layer, holds the union of the recomputed kinds' buffers.
     int64_t layer = 0;
-    if (nl > 0) layer = per_l;
-    if (nm > 0) layer = nl > 0 ? layer + per_m - common : per_m;
-    per_token = 4 * d + m.n_layers * d + layer;
-    // The CUDA engine: each MLA layer keeps its attention output and statistics (and under
-    // All2All its head-split output) for the backward, so the recompute skips the attention.
-    if (cuda) per_token += nm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
-  } else {
-    per_token = 4 * d + nl * per_l + nm * per_m;
+    if (rl > 0) layer = per_l;
+    if (rm > 0) layer = rl > 0 ? layer + per_m - common : per_m;
+    per_token += R * d + layer;
+    // The CUDA engine: each recomputed MLA layer keeps its attention output and statistics (and
+    // under All2All its head-split output) for the backward, so the recompute skips the attention.
+    if (cuda) per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
   }
   e.activations_bytes = T * B * per_token;
   // Logit blocks, plus the backward's gradient scratch shared by all layers (the FFN's three
@@ -175,11 +178,19 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
     }
   }
 
-  plan.memory = EstimateMemory(spec, plan.layers);
+  const bool auto_recompute = spec.train.recompute_layers == TrainSpec::kRecomputeAuto;
+  const int64_t recompute_layers = auto_recompute
+                                       ? RecomputeLayersFor(spec, plan.layers, device_memory_bytes)
+                                       : spec.train.recompute_layers;
+  plan.memory = EstimateMemory(spec, plan.layers, recompute_layers);
   plan.memory.device_memory_bytes = device_memory_bytes;
+  if (auto_recompute && device_memory_bytes <= 0)
+    plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {
     if (plan.memory.total_bytes > device_memory_bytes) {
-      std::string hint = spec.train.recompute ? "" : "; train.recompute = true may help";
+      std::string hint = recompute_layers < m.n_layers && !auto_recompute
+                             ? "; train.recompute = \"auto\" may help"
+                             : "";
       plan.problems.push_back(absl::StrCat(
           "memory: estimated ", FormatBytes(plan.memory.total_bytes), " per rank exceeds the ",
           FormatBytes(device_memory_bytes), " of one ", spec.resources, " device", hint));
@@ -188,6 +199,17 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
     plan.warnings.push_back("no device known: memory estimate not checked against a device");
   }
   return plan;
+}
+
+int64_t RecomputeLayersFor(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                           int64_t device_memory_bytes) {
+  const int64_t n = spec.model.n_layers;
+  if (device_memory_bytes <= 0) return n;
+  const double budget = kRecomputeAutoFill * static_cast<double>(device_memory_bytes);
+  // Scanning up from R = 0, the first R that fits is the fewest.
+  for (int64_t r = 0; r < n; ++r)
+    if (static_cast<double>(EstimateMemory(spec, layers, r).total_bytes) <= budget) return r;
+  return n;
 }
 
 std::string FormatBytes(int64_t bytes) {

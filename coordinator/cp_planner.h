@@ -35,7 +35,7 @@ struct MemoryEstimate {
   int64_t workspace_bytes = 0;
   int64_t total_bytes = 0;
   int64_t device_memory_bytes = 0;  // what it was checked against; 0: not checked
-  bool recompute = false;
+  int64_t recompute_layers = 0;     // the first this many layers recompute (never auto)
 };
 
 struct CpPlan {
@@ -44,7 +44,7 @@ struct CpPlan {
   int64_t world = 1;
   int64_t tokens_per_rank = 0;
   std::vector<LayerModePlan> layers;  // "lightning" then "mla"
-  MemoryEstimate memory;
+  MemoryEstimate memory;              // memory.recompute_layers: train.recompute resolved
   std::vector<std::string> problems;  // every reason the job cannot run; empty: it can
   std::vector<std::string> warnings;
   bool ok() const { return problems.empty(); }
@@ -61,6 +61,8 @@ struct CpPlan {
 //   activations T * B * (4 d + sum over layers of a_layer)      without recompute
 //               T * B * (4 d + n_layers * d + max a_layer)      with recompute (layer inputs only,
 //                                                               one layer rebuilt at a time)
+//               T * B * (4 d + R d + max over the R of a_layer + sum over the rest of a_layer)
+//                                                               when the first R layers recompute
 //     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product)
 //     Lightning        += 9 d (qkv, normed q/k, output, normed output, gate, gated output)
 //     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2
@@ -70,7 +72,17 @@ struct CpPlan {
 //   workspace   min(T, 4096) * vocab * 4 (fused cross-entropy chunk, fp32)
 //               + Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4 (forward + backward)
 //               + 64 MiB (allocator slack, communicator buffers)
-MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers);
+// `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
+// once resolved; never kRecomputeAuto).
+MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                              int64_t recompute_layers);
+
+// train.recompute "auto": the fewest leading layers to recompute so that the estimate fits in
+// kRecomputeAutoFill of `device_memory_bytes` (the rest covers the estimate's error and the
+// allocator's fragmentation); every layer when none fits that or no device is known (0 bytes).
+inline constexpr double kRecomputeAutoFill = 0.9;
+int64_t RecomputeLayersFor(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                           int64_t device_memory_bytes);
 
 class CpPlanner {
  public:

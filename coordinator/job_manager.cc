@@ -38,6 +38,7 @@ struct JobManager::JobRuntime {
   JobSpec spec;
   CpMode lightning_mode = CpMode::kAllGather;
   CpMode mla_mode = CpMode::kAllGather;
+  int64_t recompute_layers = 0;  // train.recompute as planned (never auto)
   int64_t memory_per_rank = 0;
   std::vector<RankRuntime> ranks;  // current attempt
   std::string token;
@@ -161,9 +162,18 @@ absl::Status JobManager::Recover() {
                            spec.status().message()));
     } else {
       j->spec = *spec;
-      CpPlan plan = planner_.Plan(j->spec, 0);
+      // "auto" recompute stays what it was decided at submit time (the stored plan), not what an
+      // empty cluster would give.
+      JobSpec planned = j->spec;
+      v1::Plan stored;
+      if (planned.train.recompute_layers == TrainSpec::kRecomputeAuto &&
+          stored.ParseFromString(rec.plan)) {
+        planned.train.recompute_layers = stored.memory().recompute_layers();
+      }
+      CpPlan plan = planner_.Plan(planned, 0);
       j->lightning_mode = plan.ModeOf("lightning");
       j->mla_mode = plan.ModeOf("mla");
+      j->recompute_layers = plan.memory.recompute_layers;
       j->memory_per_rank = plan.memory.total_bytes;
     }
     ASSIGN_OR_RETURN(j->events, store_->LoadEvents(rec.job_id));
@@ -245,6 +255,7 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     j->spec = spec;
     j->lightning_mode = plan.ModeOf("lightning");
     j->mla_mode = plan.ModeOf("mla");
+    j->recompute_layers = plan.memory.recompute_layers;
     j->memory_per_rank = plan.memory.total_bytes;
     const int64_t now = clock_->NowMs();
     JobRecord& rec = j->rec;
@@ -544,6 +555,7 @@ void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks
     as->set_dp(j.spec.parallel.dp);
     as->set_lightning_mode(ToProtoMode(j.lightning_mode));
     as->set_mla_mode(ToProtoMode(j.mla_mode));
+    as->set_recompute_layers(j.recompute_layers);
     as->set_spec_json(spec_json);
     as->set_rendezvous_address(rendezvous_address_);
     as->set_rendezvous_token(j.token);

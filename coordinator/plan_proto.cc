@@ -27,7 +27,8 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   m->set_workspace_bytes(plan.memory.workspace_bytes);
   m->set_total_bytes(plan.memory.total_bytes);
   m->set_device_memory_bytes(plan.memory.device_memory_bytes);
-  m->set_recompute(plan.memory.recompute);
+  m->set_recompute(plan.memory.recompute_layers > 0);
+  m->set_recompute_layers(plan.memory.recompute_layers);
   for (const std::string& p : plan.problems) out->add_problems(p);
   for (const std::string& w : plan.warnings) out->add_warnings(w);
   out->set_ok(plan.ok());

@@ -123,7 +123,9 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
                                    "--job-id",
                                    a.ref().job_id(),
                                    "--attempt",
-                                   absl::StrCat(a.ref().attempt())};
+                                   absl::StrCat(a.ref().attempt()),
+                                   "--recompute-layers",
+                                   absl::StrCat(a.recompute_layers())};
   if (!a.checkpoint_dir().empty()) {
     argv.push_back("--checkpoint-dir");
     argv.push_back(a.checkpoint_dir());

@@ -4,6 +4,7 @@
 //                 [--lightning-mode allgather|all2all] [--mla-mode allgather|all2all]
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
+//                 [--recompute-layers N]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
@@ -17,6 +18,10 @@
 // modes come from --lightning-mode / --mla-mode (default: the job spec's, "auto" resolved by the
 // planner's rule); a forced all2all with n_heads % cp != 0 is refused before any rank connects.
 // Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
+// --recompute-layers N: the first N layers recompute their activations (the coordinator passes its
+// planner's decision); without it, the spec's train.recompute, where "auto" is decided here by the
+// planner against this machine's device: the GPU's memory, or host memory shared by the world's
+// ranks.
 //
 // Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
 // CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
@@ -25,6 +30,7 @@
 // job runs on the GPU too when built with it, else on the CPU (checkpoints are shared).
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -35,6 +41,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
+#include "coordinator/cp_planner.h"
+#include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/trainer.h"
@@ -49,9 +57,23 @@ constexpr char kUsage[] =
     "usage: spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
     "                     [--lightning-mode M --mla-mode M] [--rendezvous HOST:PORT --job-id ID\n"
     "                     --attempt N --token-file F] [--file-store DIR] [--gloo-host H]\n"
-    "                     [--threads N] [--stop-at-step K]\n"
+    "                     [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n";
+
+// train.recompute "auto" run standalone: the planner's choice for this machine's device (the GPU
+// the job trains on, or host memory shared by the world's ranks); every layer when neither is
+// known.
+int64_t AutoRecomputeLayers(const spindle::JobSpec& spec, int64_t world) {
+  int64_t memory = 0;
+  if (spec.resources == "cuda") {
+    if (auto g = spindle::DiscoverCudaDevices(); g.ok()) memory = g->memory_bytes();
+  } else if (auto g = spindle::DiscoverDevices(static_cast<int>(std::max<int64_t>(1, world)));
+             g.ok()) {
+    memory = g->memory_bytes();
+  }
+  return spindle::CpPlanner().Plan(spec, memory).memory.recompute_layers;
+}
 
 int ExitCodeFor(const absl::Status& s) {
   switch (s.code()) {
@@ -103,11 +125,24 @@ int main(int argc, char** argv) {
       eval = true;
       continue;
     }
-    static const char* kValued[] = {"--job", "--rank", "--world", "--checkpoint-dir",
-                                    "--lightning-mode", "--mla-mode", "--rendezvous", "--job-id",
-                                    "--attempt", "--token-file", "--threads", "--stop-at-step",
-                                    "--checkpoint", "--data", "--eval-sequences", "--file-store",
-                                    "--gloo-host"};
+    static const char* kValued[] = {"--job",
+                                    "--rank",
+                                    "--world",
+                                    "--checkpoint-dir",
+                                    "--lightning-mode",
+                                    "--mla-mode",
+                                    "--rendezvous",
+                                    "--job-id",
+                                    "--attempt",
+                                    "--token-file",
+                                    "--threads",
+                                    "--stop-at-step",
+                                    "--checkpoint",
+                                    "--data",
+                                    "--eval-sequences",
+                                    "--file-store",
+                                    "--gloo-host",
+                                    "--recompute-layers"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
     if (!known || i + 1 >= argc) {
@@ -135,9 +170,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   int64_t threads = 0, rank = 0, world = 1, stop_at = -1, eval_sequences = 4;
+  int64_t recompute_layers = spindle::TrainSpec::kRecomputeAuto;
   if (!int_flag("threads", 0, &threads) || !int_flag("rank", 0, &rank) ||
       !int_flag("world", 1, &world) || !int_flag("stop-at-step", -1, &stop_at) ||
-      !int_flag("eval-sequences", 4, &eval_sequences))
+      !int_flag("eval-sequences", 4, &eval_sequences) ||
+      !int_flag("recompute-layers", spindle::TrainSpec::kRecomputeAuto, &recompute_layers))
     return 2;
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
 
@@ -222,8 +259,14 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (recompute_layers == spindle::TrainSpec::kRecomputeAuto &&
+      spec->train.recompute_layers == spindle::TrainSpec::kRecomputeAuto) {
+    recompute_layers = AutoRecomputeLayers(*spec, world);
+  }
+
   spindle::TrainerOptions options;
   options.spec = *spec;
+  options.recompute_layers = recompute_layers;
   options.store = store.get();
   options.lightning_mode = modes[0];
   options.mla_mode = modes[1];

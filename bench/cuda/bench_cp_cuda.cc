@@ -237,8 +237,8 @@ absl::Status RankBody(int rank, int cp, const Options& opt, const ModelConfig& c
     if (step == opt.warmup && comm) comm->TakeStats();  // drop the warm-up's (and setup's)
     const auto t0 = std::chrono::steady_clock::now();
     BENCH_RETURN_IF_ERROR(m.ZeroGrads());
-    auto ls = cp > 1 ? m.ForwardBackward(share, scale, opt.recompute)
-                     : m.ForwardBackward(full, scale, opt.recompute);
+    const Recompute rc = opt.recompute ? Recompute::All() : Recompute::None();
+    auto ls = cp > 1 ? m.ForwardBackward(share, scale, rc) : m.ForwardBackward(full, scale, rc);
     if (!ls.ok()) return ls.status();
     if (comm) {
       // NCCL runs on its own stream: the gradients must be complete before it starts; Wait()

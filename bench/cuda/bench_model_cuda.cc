@@ -16,9 +16,13 @@
 //
 // --head_rows N: rows per LM-head block (CudaModel::SetHeadBlockRows; 0, the default, is the
 // model's automatic choice).
+// --recompute: 0 (none), 1 (every layer), both (a row each), or a comma list of how many leading
+// layers recompute (e.g. 16,12,8: one row each; the "recompute" column prints the count), where
+// "auto" is the planner's choice for this GPU (train.recompute "auto": CpPlanner against the
+// device's memory, with its estimate printed beside the row).
 //
-// Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both] [--steps 6]
-//                         [--head_start_ms 0] [--head_rows 0]
+// Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,N,...]
+//                         [--steps 6] [--head_start_ms 0] [--head_rows 0]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -27,11 +31,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <thread>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "coordinator/cp_planner.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/cuda/cuda_model.h"
 
@@ -55,7 +60,9 @@ void CUDART_CB HoldStream(void* ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
 }
 
-int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int>& recs,
+// `recs`: layers recomputed per row (-1: every layer, kAuto: the planner's choice).
+constexpr int64_t kAuto = -2;
+int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
         int steps, int head_start_ms, int64_t head_rows) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
@@ -91,7 +98,22 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   };
   for (int64_t T : Ts) {
     const Batch b = random_batch(T, 7), held_out = random_batch(T, 8);
-    for (int rec : recs) {
+    for (int64_t rec : recs) {
+      if (rec == kAuto) {
+        JobSpec job;
+        job.model = *config;
+        job.seq_len = T;
+        job.resources = "cuda";
+        job.train.recompute_layers = TrainSpec::kRecomputeAuto;
+        const CpPlan plan = CpPlanner().Plan(job, static_cast<int64_t>(prop.totalGlobalMem));
+        rec = plan.memory.recompute_layers;
+        std::printf("# T %lld, recompute auto: %lld layers, estimate %s of %s\n",
+                    static_cast<long long>(T), static_cast<long long>(rec),
+                    FormatBytes(plan.memory.total_bytes).c_str(),
+                    FormatBytes(static_cast<int64_t>(prop.totalGlobalMem)).c_str());
+      }
+      if (rec < 0 || rec > config->n_layers) rec = config->n_layers;
+      const Recompute rc = Recompute::First(rec);
       m.ResetPeakMemory();
       std::vector<double> times, enqueue;
       double loss = 0;
@@ -101,7 +123,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
         const auto t0 = std::chrono::steady_clock::now();
         if (head_start_ms > 0) cudaLaunchHostFunc(m.stream(), HoldStream, &head_start_ms);
         absl::Status st = m.ZeroGrads();
-        auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rec != 0);
+        auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rc);
         if (!ls.ok()) st = ls.status();
         if (st.ok()) {
           auto norm = m.GradSquaredNorm();
@@ -111,8 +133,8 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
           st = absl::InternalError("stream sync failed");
         if (profiled) cudaProfilerStop();
         if (!st.ok()) {
-          std::printf("| %lld | %d | failed: %s |\n", static_cast<long long>(T), rec,
-                      st.ToString().c_str());
+          std::printf("| %lld | %lld | failed: %s |\n", static_cast<long long>(T),
+                      static_cast<long long>(rec), st.ToString().c_str());
           std::fflush(stdout);
           break;
         }
@@ -147,10 +169,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
         return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
       });
       std::printf(
-          "| %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
+          "| %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
           "%.3f |\n",
-          static_cast<long long>(T), rec, t * 1e3, q * 1e3, fwd_ms, opt_ms, T / t,
-          FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
+          static_cast<long long>(T), static_cast<long long>(rec), t * 1e3, q * 1e3, fwd_ms, opt_ms,
+          T / t, FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
           Gib(mem.device_used), loss, ho_loss);
       std::fflush(stdout);
     }
@@ -187,6 +209,15 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::vector<int> recs = rec == "both" ? std::vector<int>{0, 1} : std::vector<int>{rec == "1"};
+  std::vector<int64_t> recs;
+  if (rec == "both") {
+    recs = {0, -1};
+  } else if (rec == "1") {
+    recs = {-1};
+  } else {
+    std::stringstream ss(rec);
+    for (std::string x; std::getline(ss, x, ',');)
+      recs.push_back(x == "auto" ? spindle::kAuto : std::atoll(x.c_str()));
+  }
   return spindle::Run(preset, Ts, recs, steps, head_start_ms, head_rows);
 }

@@ -23,6 +23,40 @@ TEST(JobSpecTest, ValidSpecRoundTrips) {
   EXPECT_EQ(again->ToJson(), s->ToJson());
 }
 
+// train.recompute: false, true (every layer), a number of layers or "auto"; each round-trips.
+TEST(JobSpecTest, RecomputeTakesABoolACountOrAuto) {
+  auto with = [](const std::string& v) {
+    return ParseJobSpec(R"({"name": "r", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "train": {"recompute": )" +
+                        v + "}}");
+  };
+  struct Case {
+    std::string json;
+    int64_t layers;
+  };
+  for (const Case& c : {Case{"false", 0}, Case{"true", 4}, Case{"0", 0}, Case{"3", 3}, Case{"4", 4},
+                        Case{"\"auto\"", TrainSpec::kRecomputeAuto}}) {
+    auto s = with(c.json);
+    ASSERT_TRUE(s.ok()) << c.json << ": " << s.status();
+    EXPECT_EQ(s->train.recompute_layers, c.layers) << c.json;
+    auto again = ParseJobSpecJson(s->ToJson());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->train.recompute_layers, c.layers) << c.json;
+  }
+  EXPECT_EQ(with("3")->ToJson()["train"]["recompute"], 3);
+  EXPECT_EQ(with("4")->ToJson()["train"]["recompute"], true);
+  EXPECT_EQ(with("\"auto\"")->ToJson()["train"]["recompute"], "auto");
+  EXPECT_EQ(ParseJobSpec(kValid)->ToJson()["train"]["recompute"], false);  // the default
+  for (const std::string bad : {"5", "-1", "1.5", "\"some\"", "null", "[2]"}) {
+    auto s = with(bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().message(),
+              "job spec: train.recompute: must be false, true, \"auto\" or a number of layers in "
+              "[0, 4], got " +
+                  bad);
+  }
+}
+
 std::string Error(const std::string& text) {
   auto s = ParseJobSpec(text);
   EXPECT_FALSE(s.ok()) << text;

@@ -1,8 +1,11 @@
 // CpPlanner: default and forced modes, and the exact text of every preflight problem.
-#include "coordinator/cp_planner.h"
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "coordinator/cp_planner.h"
 #include "gtest/gtest.h"
 
 namespace spindle {
@@ -129,8 +132,8 @@ TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {
   EXPECT_EQ(p.problems[2],
             "seq_len: 1000 is not divisible by 2*cp = 16 (zigzag chunks need equal sizes)");
   EXPECT_EQ(p.problems[3].rfind("memory: estimated ", 0), 0u) << p.problems[3];
-  EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; train.recompute = true "
-                               "may help"),
+  EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; train.recompute = "
+                               "\"auto\" may help"),
             std::string::npos)
       << p.problems[3];
   EXPECT_FALSE(p.ok());
@@ -152,14 +155,66 @@ TEST(CpPlannerTest, MemoryEstimateComponentsAndRecompute) {
   EXPECT_EQ(a.memory.total_bytes, a.memory.params_bytes + a.memory.grads_bytes +
                                       a.memory.optimizer_bytes + a.memory.activations_bytes +
                                       a.memory.workspace_bytes);
-  s.train.recompute = true;
+  s.train.recompute_layers = s.model.n_layers;
   CpPlan b = CpPlanner().Plan(s, 0);
   EXPECT_LT(b.memory.activations_bytes, a.memory.activations_bytes);
+  EXPECT_EQ(b.memory.recompute_layers, 8);
   // Activations scale with the tokens per rank: cp=2 halves them (All2All, no gathered latents).
   JobSpec c = Spec(2, 4, 4096);
   CpPlan pc = CpPlanner().Plan(c, 0);
   EXPECT_EQ(pc.memory.activations_bytes * 2, a.memory.activations_bytes);
   EXPECT_EQ(a.warnings.size(), 1u);
+}
+
+// Recomputing the first R layers: R = 0 and R = n are the plain and the every-layer estimates,
+// and each layer that recomputes instead of keeping its cache saves that cache less its input
+// (the shared cache, as large as one layer, is paid once, so R = 1 saves nothing).
+TEST(CpPlannerTest, PartialRecomputeEstimate) {
+  for (const char* resources : {"cpu", "cuda"}) {
+    JobSpec s = Spec(1, 4, 4096);
+    s.resources = resources;
+    s.model.layer_pattern = "LLLM";  // layers 3 and 7 are MLA
+    const std::vector<LayerModePlan> modes = CpPlanner().Plan(s, 0).layers;
+    std::vector<int64_t> act;
+    for (int64_t r = 0; r <= 8; ++r) act.push_back(EstimateMemory(s, modes, r).activations_bytes);
+    s.train.recompute_layers = 0;
+    EXPECT_EQ(act[0], CpPlanner().Plan(s, 0).memory.activations_bytes) << resources;
+    s.train.recompute_layers = 8;
+    EXPECT_EQ(act[8], CpPlanner().Plan(s, 0).memory.activations_bytes) << resources;
+    const int64_t B = std::string(resources) == "cuda" ? 2 : 4, T = 4096, d = 64;
+    EXPECT_EQ(act[1], act[0] + T * B * d) << resources;
+    // Layers 1 and 2 are Lightning: each saves a Lightning cache less its input.
+    EXPECT_EQ(act[2] - act[3], act[1] - act[2]) << resources;
+    EXPECT_GT(act[1], act[2]) << resources;
+    for (int64_t r = 2; r < 8; ++r) EXPECT_GT(act[r], act[r + 1]) << resources << " r " << r;
+  }
+}
+
+// "auto": the fewest leading layers whose estimate fits 90% of the device; every layer without a
+// device (with a warning) or when nothing fits.
+TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
+  JobSpec s = Spec(1, 4, 65536);
+  s.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  const std::vector<LayerModePlan> modes = CpPlanner().Plan(s, 0).layers;
+  auto total = [&](int64_t r) { return EstimateMemory(s, modes, r).total_bytes; };
+  for (int64_t want : {0, 3, 5, 8}) {
+    const int64_t device = static_cast<int64_t>(total(want) / kRecomputeAutoFill) + 1;
+    CpPlan p = CpPlanner().Plan(s, device);
+    EXPECT_EQ(p.memory.recompute_layers, want) << "device " << device;
+    EXPECT_EQ(RecomputeLayersFor(s, modes, device), want);
+    EXPECT_TRUE(p.ok()) << ::testing::PrintToString(p.problems);
+    for (int64_t r = 0; r < want; ++r) EXPECT_GT(total(r), kRecomputeAutoFill * device) << r;
+  }
+  CpPlan none = CpPlanner().Plan(s, 0);
+  EXPECT_EQ(none.memory.recompute_layers, 8);
+  EXPECT_NE(std::find(none.warnings.begin(), none.warnings.end(),
+                      "train.recompute \"auto\": no device known, every layer recomputes"),
+            none.warnings.end())
+      << ::testing::PrintToString(none.warnings);
+  CpPlan tiny = CpPlanner().Plan(s, 1 << 20);
+  EXPECT_EQ(tiny.memory.recompute_layers, 8);
+  ASSERT_EQ(tiny.problems.size(), 1u);
+  EXPECT_EQ(tiny.problems[0].find("train.recompute"), std::string::npos) << tiny.problems[0];
 }
 
 // The CUDA estimate against the 1b step measured on H200s (bench/RESULTS_GPU.md; weights +
@@ -169,7 +224,9 @@ TEST(CpPlannerTest, MemoryEstimateComponentsAndRecompute) {
 // GPU, and per rank at cp = 2 16.78 + 46.02 (All2All for both layer types), 16.78 + 45.90
 // (Lightning AllGather, MLA All2All) and 16.78 + 39.01 (AllGather for both, MLA walking 32K-row
 // key blocks); the 256K points were measured before the recomputed forward stopped writing each
-// layer's output (0.5 GiB less at 128K). The estimate must stay within 10% of each.
+// layer's output (0.5 GiB less at 128K). With the first R layers recomputing ("auto" on the H200):
+// T = 128K, R = 9 16.78 + 106.41; T = 64K, R = 0 16.78 + 93.56. The estimate must stay within 10%
+// of each.
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -177,26 +234,27 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   const double gib = double(int64_t{1} << 30);
   struct Point {
     int64_t T, cp;
-    bool recompute;
+    int64_t recompute_layers;
     CpMode lightning, mla;
     double measured_gib;
   };
   const CpMode A2A = CpMode::kAll2All, AG = CpMode::kAllGather;
-  for (const Point& pt : {Point{32768, 1, false, A2A, A2A, 16.78 + 45.97},
-                          Point{131072, 1, true, A2A, A2A, 16.78 + 35.92},
-                          Point{262144, 1, true, A2A, A2A, 16.78 + 72.35},
-                          Point{262144, 2, true, A2A, A2A, 16.78 + 46.02},
-                          Point{262144, 2, true, AG, A2A, 16.78 + 45.90},
-                          Point{262144, 2, true, AG, AG, 16.78 + 39.01}}) {
+  for (const Point& pt :
+       {Point{32768, 1, 0, A2A, A2A, 16.78 + 45.97}, Point{131072, 1, 16, A2A, A2A, 16.78 + 35.92},
+        Point{262144, 1, 16, A2A, A2A, 16.78 + 72.35},
+        Point{262144, 2, 16, A2A, A2A, 16.78 + 46.02}, Point{262144, 2, 16, AG, A2A, 16.78 + 45.90},
+        Point{262144, 2, 16, AG, AG, 16.78 + 39.01}, Point{131072, 1, 9, A2A, A2A, 16.78 + 106.41},
+        Point{65536, 1, 0, A2A, A2A, 16.78 + 93.56}}) {
     s.seq_len = pt.T;
     s.parallel.cp = pt.cp;
-    s.train.recompute = pt.recompute;
+    s.train.recompute_layers = pt.recompute_layers;
     s.parallel.lightning_mode = pt.lightning;
     s.parallel.mla_mode = pt.mla;
     const double est = CpPlanner().Plan(s, 0).memory.total_bytes / gib;
     EXPECT_NEAR(est / pt.measured_gib, 1.0, 0.10)
-        << "T " << pt.T << " cp " << pt.cp << " " << CpModeName(pt.lightning) << "/"
-        << CpModeName(pt.mla) << ": estimate " << est << " GiB, measured " << pt.measured_gib;
+        << "T " << pt.T << " cp " << pt.cp << " recompute " << pt.recompute_layers << " "
+        << CpModeName(pt.lightning) << "/" << CpModeName(pt.mla) << ": estimate " << est
+        << " GiB, measured " << pt.measured_gib;
   }
 }
 

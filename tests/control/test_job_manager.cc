@@ -1,10 +1,13 @@
 // JobManager state machine against a FakeClock, a recording worker channel and a real SQLite
 // file: placement, progress, success, restarts (rank exit, lost worker, hang), cancel, fatal
 // exits, running out of restarts and recovery after a coordinator restart.
-#include "coordinator/job_manager.h"
-
 #include <memory>
+#include <string>
 
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "coordinator/cp_planner.h"
+#include "coordinator/job_manager.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/cluster.pb.h"
 #include "spindle/v1/job.pb.h"
@@ -390,6 +393,39 @@ TEST_F(JobManagerTest, ReconnectingWorkerWithoutTheRankRestartsGang) {
   v1::Job j = Get(id);
   EXPECT_EQ(j.attempt(), 2);
   EXPECT_EQ(j.restarts(), 1);
+}
+
+// train.recompute "auto" is decided at submit time against the registered devices (8 GiB CPU
+// slots here), sent with every assignment, and kept when a restarted coordinator re-plans the job
+// with no worker registered yet (which alone would recompute every layer).
+TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
+  AddWorker("w1", 1);
+  std::string spec;
+  int64_t want = -1;
+  for (int64_t T = 1024; T <= (int64_t{1} << 24) && want < 0; T += T / 8 / 64 * 64) {
+    spec = absl::StrCat(R"({"name": "t", "model": {"preset": "tiny"}, "seq_len": )", T,
+                        R"(, "data": {"source": "synthetic:recall"},
+                        "train": {"steps": 10, "recompute": "auto"}, "resources": "cpu"})");
+    const int64_t r =
+        CpPlanner().Plan(*ParseJobSpec(spec), int64_t{8} << 30).memory.recompute_layers;
+    if (r > 0 && r < 4) want = r;  // some layers recompute, not all (tiny has 4)
+  }
+  ASSERT_GT(want, 0) << "no sequence length from 1K to 16M recomputes some but not all layers";
+  const std::string id = Submit(spec);
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.recompute_layers(), want);
+  EXPECT_EQ(Get(id).plan().memory().recompute_layers(), want);
+
+  Reopen();  // the coordinator restarts; the worker comes back without the rank
+  AddWorker("w1", 1, true, {});
+  clock_.AdvanceMs(4500);  // past the recovery grace
+  Heartbeat("w1");
+  manager_->Tick();
+  as = Assignments();
+  ASSERT_EQ(as.size(), 1u) << Get(id).message();
+  EXPECT_EQ(as[0].second.ref().attempt(), 2);
+  EXPECT_EQ(as[0].second.recompute_layers(), want);
 }
 
 TEST_F(JobManagerTest, UnexpectedRunningRankIsStopped) {

@@ -89,7 +89,7 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
   auto m = CudaModel::Create(c, seed);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
-  auto s = (*m)->ForwardBackward(full, scale, false);
+  auto s = (*m)->ForwardBackward(full, scale, Recompute::None());
   EXPECT_TRUE(s.ok()) << s.status();
   if (!s.ok()) return {};
   return {s->loss_sum, s->n_valid, Grads(**m)};
@@ -108,7 +108,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
-    auto s = (*m)->ForwardBackward(*b, scale, recompute);
+    auto s = (*m)->ForwardBackward(*b, scale, recompute ? Recompute::All() : Recompute::None());
     if (!s.ok()) return s.status();
     // The evaluation forward runs the same forward on the same inputs.
     auto f = (*m)->Forward(*b);
@@ -334,7 +334,7 @@ TEST(CudaCp, BadContextsAreRefused) {
   ASSERT_TRUE(b.ok());
 
   // A CpBatch of cp = 2 before any SetCp.
-  auto r = m.ForwardBackward(*b, 1.0f, false);
+  auto r = m.ForwardBackward(*b, 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
@@ -346,7 +346,7 @@ TEST(CudaCp, BadContextsAreRefused) {
   absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   // The step refuses it again, before any collective (the refusing group would say otherwise).
-  r = m.ForwardBackward(*b, 1.0f, false);
+  r = m.ForwardBackward(*b, 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().message(), s.message()) << r.status();
   r = m.Forward(*b);
@@ -362,7 +362,7 @@ TEST(CudaCp, BadContextsAreRefused) {
   ASSERT_TRUE(m.SetCp({&two, CpMode::kAll2All, CpMode::kAll2All}).ok());
   auto b1 = ShardForCp(full, 2, 1);
   ASSERT_TRUE(b1.ok());
-  r = m.ForwardBackward(*b1, 1.0f, false);
+  r = m.ForwardBackward(*b1, 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
@@ -371,7 +371,7 @@ TEST(CudaCp, BadContextsAreRefused) {
   ASSERT_TRUE(m.SetCp({&one, CpMode::kAllGather, CpMode::kAllGather}).ok());
   auto whole = ShardForCp(full, 1, 0);
   ASSERT_TRUE(whole.ok());
-  auto ok = m.ForwardBackward(*whole, 1.0f, false);
+  auto ok = m.ForwardBackward(*whole, 1.0f, Recompute::None());
   EXPECT_TRUE(ok.ok()) << ok.status();
 
   // A model without MLA layers takes an AllGather MLA mode (it has nothing to run in it).
@@ -390,7 +390,7 @@ TEST(CudaCp, PlainFormRefusesAShareEvenWithCpSet) {
   RefusingComm two(0, 2);
   ASSERT_TRUE(m->SetCp({&two, CpMode::kAll2All, CpMode::kAll2All}).ok());
   const Batch full = RandomBatch(c, 64, 30, 5);
-  auto r = m->ForwardBackward(ShardZigzag(full, 2, 0), 1.0f, false);
+  auto r = m->ForwardBackward(ShardZigzag(full, 2, 0), 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("context parallelism"), std::string::npos) << r.status();
 }

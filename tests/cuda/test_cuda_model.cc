@@ -70,12 +70,12 @@ void ExpectStepMatchesCpu(ModelConfig c, int64_t T, int64_t doc) {
   const Batch b = RandomBatch(c, T, doc, seed);
   const float scale = 1.0f / static_cast<float>(b.NumValidTargets());
   auto cpu = *Model::Create(c, seed);
-  const LossStats want = cpu->ForwardBackward(b, scale, false);
+  const LossStats want = cpu->ForwardBackward(b, scale, Recompute::None());
   auto gpu_or = CudaModel::Create(c, seed);
   ASSERT_TRUE(gpu_or.ok()) << gpu_or.status();
   auto& gpu = *gpu_or;
   gpu->SetPoisonActivations(true);  // a read of unwritten activation memory turns into NaN
-  auto got = gpu->ForwardBackward(b, scale, false);
+  auto got = gpu->ForwardBackward(b, scale, Recompute::None());
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->n_valid, want.n_valid);
   EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, 1e-2);
@@ -108,7 +108,7 @@ TEST(CudaModel, TinyStepRepeatsOnAFreshModel) {
   for (int run = 0; run < 2; ++run) {
     auto m = CudaModel::Create(c, seed);
     ASSERT_TRUE(m.ok()) << m.status();
-    ASSERT_TRUE((*m)->ForwardBackward(b, 0.01f, false).ok());
+    ASSERT_TRUE((*m)->ForwardBackward(b, 0.01f, Recompute::None()).ok());
     ASSERT_TRUE((*m)->DownloadGrads().ok());
     ParamSet& P = (*m)->host_params();
     grads.emplace_back(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
@@ -138,32 +138,39 @@ TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
   ExpectStepMatchesCpu(c, 300, 90);
 }
 
-// Recompute (each MLA layer keeping its attention output from the forward, every other
-// activation recomputed) and the evaluation forward against the plain step on the same model.
+// Recompute (each recomputed MLA layer keeping its attention output from the forward, every other
+// activation of the layer recomputed), of every layer and of the first few, and the evaluation
+// forward against the plain step on the same model.
 void ExpectRecomputeAndForwardAgree(const ModelConfig& c) {
   const uint32_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " layers " << c.layer_pattern);
   const Batch b = RandomBatch(c, 150, 50, seed);
   auto m = *CudaModel::Create(c, seed);
-  auto plain = m->ForwardBackward(b, 0.01f, false);
+  auto plain = m->ForwardBackward(b, 0.01f, Recompute::None());
   ASSERT_TRUE(plain.ok()) << plain.status();
   ASSERT_TRUE(m->DownloadGrads().ok());
   std::vector<float> g1(m->host_params().flat_grad().f32(),
                         m->host_params().flat_grad().f32() + m->host_params().numel());
-  ASSERT_TRUE(m->ZeroGrads().ok());
-  auto rec = m->ForwardBackward(b, 0.01f, true);
-  ASSERT_TRUE(rec.ok()) << rec.status();
-  ASSERT_TRUE(m->DownloadGrads().ok());
-  const float* g2 = m->host_params().flat_grad().f32();
-  // Recompute re-runs the same kernels on the same inputs; only attention backward reductions
-  // may reorder, so agreement is far tighter than the bf16 tolerance.
-  double peak = 0, worst = 0;
-  for (size_t i = 0; i < g1.size(); ++i) {
-    peak = std::max(peak, std::fabs(double(g1[i])));
-    worst = std::max(worst, std::fabs(double(g1[i]) - g2[i]));
+  // Every layer, then only the first one or three (the others keep their activations), then the
+  // plain step again after the caches and kept outputs changed hands.
+  for (Recompute rc :
+       {Recompute::All(), Recompute::First(1), Recompute::First(3), Recompute::None()}) {
+    SCOPED_TRACE(::testing::Message() << "recompute " << rc.layers << " layers");
+    ASSERT_TRUE(m->ZeroGrads().ok());
+    auto rec = m->ForwardBackward(b, 0.01f, rc);
+    ASSERT_TRUE(rec.ok()) << rec.status();
+    ASSERT_TRUE(m->DownloadGrads().ok());
+    const float* g2 = m->host_params().flat_grad().f32();
+    // Recompute re-runs the same kernels on the same inputs; only attention backward reductions
+    // may reorder, so agreement is far tighter than the bf16 tolerance.
+    double peak = 0, worst = 0;
+    for (size_t i = 0; i < g1.size(); ++i) {
+      peak = std::max(peak, std::fabs(double(g1[i])));
+      worst = std::max(worst, std::fabs(double(g1[i]) - g2[i]));
+    }
+    EXPECT_LE(worst, 1e-3 * peak);
+    EXPECT_DOUBLE_EQ(rec->loss_sum, plain->loss_sum);
   }
-  EXPECT_LE(worst, 1e-3 * peak);
-  EXPECT_DOUBLE_EQ(rec->loss_sum, plain->loss_sum);
   const auto t0 = std::chrono::steady_clock::now();
   auto fwd = m->Forward(b);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -199,7 +206,7 @@ TEST(CudaModel, RecomputeLowersThePeakActivationMemory) {
   int64_t peak[2] = {0, 0};
   for (int recompute = 0; recompute < 2; ++recompute) {
     auto m = *CudaModel::Create(c, seed);
-    auto s = m->ForwardBackward(b, 1e-3f, recompute == 1);
+    auto s = m->ForwardBackward(b, 1e-3f, recompute == 1 ? Recompute::All() : Recompute::None());
     ASSERT_TRUE(s.ok()) << s.status();
     peak[recompute] = m->memory().peak_allocated;
   }
@@ -221,14 +228,14 @@ TEST(CudaModel, HeadRowBlocksAgreeWithOneBlock) {
   auto m = *CudaModel::Create(c, seed);
   EXPECT_EQ(m->SetHeadBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(m->SetHeadBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
-  auto whole = m->ForwardBackward(b, 0.01f, false);
+  auto whole = m->ForwardBackward(b, 0.01f, Recompute::None());
   ASSERT_TRUE(whole.ok()) << whole.status();
   ASSERT_TRUE(m->DownloadGrads().ok());
   ParamSet& P = m->host_params();
   const std::vector<float> g1(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
   ASSERT_TRUE(m->ZeroGrads().ok());
   ASSERT_TRUE(m->SetHeadBlockRows(128).ok());
-  auto blocked = m->ForwardBackward(b, 0.01f, false);
+  auto blocked = m->ForwardBackward(b, 0.01f, Recompute::None());
   ASSERT_TRUE(blocked.ok()) << blocked.status();
   ASSERT_TRUE(m->DownloadGrads().ok());
   EXPECT_EQ(blocked->n_valid, whole->n_valid);
@@ -251,7 +258,7 @@ TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
     SCOPED_TRACE(name + " momentum " + std::to_string(momentum));
     auto m = *CudaModel::Create(c, seed);
     const int64_t fixed_before = m->memory().fixed;
-    ASSERT_TRUE(m->ForwardBackward(b, 1.0f / b.NumValidTargets(), false).ok());
+    ASSERT_TRUE(m->ForwardBackward(b, 1.0f / b.NumValidTargets(), Recompute::None()).ok());
     ASSERT_TRUE(m->DownloadGrads().ok());
     ParamSet& host = m->host_params();
     const std::vector<float> before(host.flat_data().f32(),
@@ -303,12 +310,12 @@ TEST(CudaModel, BadBatchesAreRefused) {
   auto m = *CudaModel::Create(c, 7);
   Batch b = RandomBatch(c, 64, 30, 7);
   b.ids[5] = static_cast<int32_t>(c.vocab);
-  auto r = m->ForwardBackward(b, 1.0f, false);
+  auto r = m->ForwardBackward(b, 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("token id 257"), std::string::npos) << r.status();
   const Batch full = RandomBatch(c, 64, 30, 8);
   const Batch half = ShardZigzag(full, 2, 0);
-  r = m->ForwardBackward(half, 1.0f, false);
+  r = m->ForwardBackward(half, 1.0f, Recompute::None());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("context parallelism"), std::string::npos) << r.status();
 }

@@ -51,7 +51,7 @@ struct RunResult {
   std::vector<float> grad;
 };
 
-RunResult Reference(const ModelConfig& cfg, const Batch& full, bool recompute) {
+RunResult Reference(const ModelConfig& cfg, const Batch& full, Recompute recompute) {
   auto m = Model::Create(cfg, 7);
   EXPECT_TRUE(m.ok());
   (*m)->params().ZeroGrad();
@@ -62,7 +62,7 @@ RunResult Reference(const ModelConfig& cfg, const Batch& full, bool recompute) {
 
 // Every rank's loss and gradient, summed in rank order.
 absl::StatusOr<RunResult> RunCp(const ModelConfig& cfg, const Batch& full, int cp, CpMode lm,
-                                CpMode mm, bool recompute) {
+                                CpMode mm, Recompute recompute) {
   MemoryKvStore store;
   std::vector<RunResult> per(cp);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
@@ -131,8 +131,9 @@ TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const Case c = GetParam();
   const ModelConfig cfg = CpConfig();
   const Batch full = MakeSequenceBatch(PackedTokens(11), 256);
-  const RunResult ref = Reference(cfg, full, false);
-  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla, c.recompute);
+  const RunResult ref = Reference(cfg, full, Recompute::None());
+  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla,
+                   c.recompute ? Recompute::All() : Recompute::None());
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectParity(cfg, ref, *got);
 }

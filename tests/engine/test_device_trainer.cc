@@ -61,7 +61,7 @@ class CpuDeviceBackend final : public StepBackend {
     return absl::OkStatus();
   }
   absl::StatusOr<LossStats> ForwardBackward(const Batch& b, float grad_scale,
-                                            bool recompute) override {
+                                            Recompute recompute) override {
     return dev_->ForwardBackward(b, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& b) override { return dev_->Forward(b); }
@@ -71,7 +71,7 @@ class CpuDeviceBackend final : public StepBackend {
     return absl::OkStatus();
   }
   absl::StatusOr<LossStats> ForwardBackward(const CpBatch& b, float grad_scale,
-                                            bool recompute) override {
+                                            Recompute recompute) override {
     Count(b);
     return dev_->ForwardBackward(b, grad_scale, recompute);
   }

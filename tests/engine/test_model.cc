@@ -62,7 +62,7 @@ TEST_P(ModelGradTest, EveryTensorMatchesFiniteDifferences) {
   }
   Batch b = MakeSequenceBatch(RandomTokens(gen, 37), 256);
   P.ZeroGrad();
-  m.ForwardBackward(b, 1.0f, false);
+  m.ForwardBackward(b, 1.0f, Recompute::None());
   std::vector<float> grad(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
   for (int i = 0; i < P.size(); ++i) {
     const ParamInfo& p = P.info(i);
@@ -118,13 +118,20 @@ TEST(ModelTest, RecomputeGivesTheSameGradients) {
   Batch b = MakeSequenceBatch(RandomTokens(gen, 53), 256);
   ParamSet& P = m.params();
   P.ZeroGrad();
-  LossStats a = m.ForwardBackward(b, 0.5f, false);
+  LossStats a = m.ForwardBackward(b, 0.5f, Recompute::None());
   std::vector<float> g1(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
-  P.ZeroGrad();
-  LossStats r = m.ForwardBackward(b, 0.5f, true);
-  EXPECT_EQ(a.loss_sum, r.loss_sum);
-  EXPECT_EQ(a.n_valid, r.n_valid);
-  for (int64_t j = 0; j < P.numel(); ++j) ASSERT_EQ(g1[j], P.flat_grad().f32()[j]) << "index " << j;
+  // Every layer, then only the first one or two (the others keep their activations); the plain
+  // step last again, after the caches were shared.
+  for (Recompute rc :
+       {Recompute::All(), Recompute::First(1), Recompute::First(2), Recompute::None()}) {
+    SCOPED_TRACE(::testing::Message() << "recompute " << rc.layers << " layers");
+    P.ZeroGrad();
+    LossStats r = m.ForwardBackward(b, 0.5f, rc);
+    EXPECT_EQ(a.loss_sum, r.loss_sum);
+    EXPECT_EQ(a.n_valid, r.n_valid);
+    for (int64_t j = 0; j < P.numel(); ++j)
+      ASSERT_EQ(g1[j], P.flat_grad().f32()[j]) << "index " << j;
+  }
   LossStats e = m.Forward(b);
   EXPECT_NEAR(e.loss_sum, a.loss_sum, 1e-9 * std::fabs(a.loss_sum));
 }
@@ -213,8 +220,8 @@ TEST(ModelTest, AHostCopyWithoutGradientsGetsThemZeroedOnFirstUse) {
   // Then it trains like the eager one.
   std::mt19937 gen(3);
   const Batch batch = MakeSequenceBatch(RandomTokens(gen, 64), 256);
-  const LossStats la = (*eager)->ForwardBackward(batch, 1.0f, false);
-  const LossStats lb = (*lazy)->ForwardBackward(batch, 1.0f, false);
+  const LossStats la = (*eager)->ForwardBackward(batch, 1.0f, Recompute::None());
+  const LossStats lb = (*lazy)->ForwardBackward(batch, 1.0f, Recompute::None());
   EXPECT_EQ(la.loss_sum, lb.loss_sum);
   EXPECT_EQ(std::memcmp(a.flat_grad().f32(), b.flat_grad().f32(), a.numel() * 4), 0);
 }

@@ -1,13 +1,16 @@
 // Trainer-level behaviour: the tiny model learns the recall task far below the loss of
-// predicting token frequencies; resuming from a checkpoint is exact; bad data and checkpoints
-// give one clear error and change nothing.
+// predicting token frequencies; resuming from a checkpoint is exact; recompute follows the
+// options or the spec without changing the result; bad data and checkpoints give one clear error
+// and change nothing.
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/engine/train_test_util.h"
@@ -88,6 +91,49 @@ TEST(TrainerTest, ResumeIsExact) {
   ParamSet& pc = (*tc)->model().params();
   for (int64_t j = 0; j < pa.numel(); ++j)
     ASSERT_EQ(pa.flat_data().f32()[j], pc.flat_data().f32()[j]) << "parameter element " << j;
+}
+
+// How many layers recompute: the options' count over the spec's, an undecided "auto" every layer,
+// reported in the start event; the CPU engine's losses and weights do not depend on it; an
+// impossible count is refused at Create.
+TEST(TrainerTest, RecomputeLayersComeFromTheOptionsOrTheSpec) {
+  JobSpec spec = TinyJob(/*steps=*/3, /*seq_len=*/256, /*gap=*/64);
+  struct Case {
+    int64_t spec_layers, option_layers, want;
+  };
+  const int64_t kAuto = TrainSpec::kRecomputeAuto;
+  std::vector<std::unique_ptr<Trainer>> runs;
+  for (const Case& c :
+       {Case{0, kAuto, 0}, Case{kAuto, kAuto, 4}, Case{kAuto, 2, 2}, Case{4, 3, 3}}) {
+    SCOPED_TRACE(::testing::Message() << "spec " << c.spec_layers << " option " << c.option_layers);
+    spec.train.recompute_layers = c.spec_layers;
+    TrainerOptions o;
+    o.spec = spec;
+    o.recompute_layers = c.option_layers;
+    int64_t reported = -1;
+    o.on_event = [&](const nlohmann::json& e) {
+      if (e["event"] == "start") reported = e["recompute_layers"].get<int64_t>();
+    };
+    auto t = Trainer::Create(std::move(o));
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ((*t)->recompute().layers, c.want);
+    ASSERT_TRUE((*t)->Run().ok());
+    EXPECT_EQ(reported, c.want);
+    runs.push_back(std::move(*t));
+  }
+  for (size_t r = 1; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r]->losses(), runs[0]->losses()) << "run " << r;
+    ParamSet& a = runs[0]->model().params();
+    ParamSet& b = runs[r]->model().params();
+    for (int64_t j = 0; j < a.numel(); ++j)
+      ASSERT_EQ(a.flat_data().f32()[j], b.flat_data().f32()[j]) << "run " << r << " element " << j;
+  }
+  TrainerOptions bad;
+  bad.spec = spec;
+  bad.recompute_layers = 5;
+  auto refused = Trainer::Create(std::move(bad));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().message(), "trainer: recompute_layers must be in [0, 4], got 5");
 }
 
 TEST(TrainerTest, CheckpointEvaluatesToTheTrainedModelsLoss) {

@@ -1,6 +1,7 @@
 // Context parallelism with real processes: two spindle-train processes (cp=2) rendezvous through a
-// file store and track the single-rank run of the same job step by step; and the cluster path:
-// jobs with cp=2 and cp=4 submitted to spindle-coordinator run on CPU spindle-worker slots
+// file store and track the single-rank run of the same job step by step; a standalone
+// spindle-train decides train.recompute "auto" itself (or takes --recompute-layers); the cluster
+// path: jobs with cp=2 and cp=4 submitted to spindle-coordinator run on CPU spindle-worker slots
 // (rendezvous through the coordinator) to SUCCEEDED with progress, like any job.
 #include <cmath>
 #include <cstdlib>
@@ -81,6 +82,39 @@ TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
   EXPECT_NE(err.find("parallel.lightning_mode: all2all needs n_heads divisible by cp, but "
                      "n_heads=4 and cp=3"),
             std::string::npos)
+      << err;
+}
+
+// Standalone, "auto" is sized to this machine (host memory for CPU jobs): the tiny model at 256
+// tokens keeps every activation; --recompute-layers overrides it, and an impossible count exits 2.
+TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  ScratchDir dir("spindle-recompute-auto");
+  const std::string job = dir.File("job.json");
+  std::string spec = CpSpec(1, 2, dir.File("ckpt"));
+  spec.replace(spec.find("\"seed\":5"), 8, "\"seed\":5,\"recompute\":\"auto\"");
+  std::ofstream(job) << spec;
+  auto start_layers = [&](const std::string& flags, const std::string& out) {
+    // A checkpoint directory per run, so that no run resumes from another's end.
+    const std::string cmd =
+        absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job, " --threads 1 ", flags,
+                     " --checkpoint-dir ", out, ".ckpt > ", out, " 2>&1");
+    const int rc = std::system(cmd.c_str());
+    std::ifstream f(out);
+    for (std::string line; std::getline(f, line);) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.value("event", "") == "start")
+        return j["recompute_layers"].get<int64_t>();
+    }
+    return int64_t{-100} - WEXITSTATUS(rc);
+  };
+  EXPECT_EQ(start_layers("", dir.File("auto.out")), 0);
+  EXPECT_EQ(start_layers("--recompute-layers 3", dir.File("three.out")), 3);
+  EXPECT_EQ(StepLosses(dir.File("auto.out")), StepLosses(dir.File("three.out")));
+  EXPECT_EQ(start_layers("--recompute-layers 7", dir.File("bad.out")), -102);
+  std::ifstream f(dir.File("bad.out"));
+  std::string err((std::istreambuf_iterator<char>(f)), {});
+  EXPECT_NE(err.find("trainer: recompute_layers must be in [0, 4], got 7"), std::string::npos)
       << err;
 }
 

@@ -543,14 +543,15 @@ LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, f
   return s;
 }
 
-LossStats Model::ForwardBackward(const Batch& b, float grad_scale, bool recompute) {
+LossStats Model::ForwardBackward(const Batch& b, float grad_scale, Recompute recompute) {
   return *Run(b, nullptr, grad_scale, recompute, nullptr);  // never fails without CP
 }
 
 LossStats Model::Forward(const Batch& b) { return *RunForward(b, nullptr); }
 
 absl::StatusOr<LossStats> Model::ForwardBackward(const CpBatch& b, float grad_scale,
-                                                 bool recompute, const GradReadyFn& on_grad_ready) {
+                                                 Recompute recompute,
+                                                 const GradReadyFn& on_grad_ready) {
   if (b.layout.cp > 1 && (!cp_.comm || cp_.comm->size() != b.layout.cp))
     return absl::FailedPreconditionError(
         absl::StrCat("model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
@@ -565,9 +566,9 @@ absl::StatusOr<LossStats> Model::Forward(const CpBatch& b) {
 }
 
 absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, float grad_scale,
-                                     bool recompute, const GradReadyFn& on_grad_ready) {
+                                     Recompute recompute, const GradReadyFn& on_grad_ready) {
   const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
-  const size_t n_caches = recompute ? 1 : static_cast<size_t>(n);
+  const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
   while (caches_.size() < n_caches) caches_.push_back(std::make_unique<Cache>());
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
@@ -575,7 +576,7 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, flo
   LayerCtx ctx{config_, params_, b, layout, &cp_, &cp_scratch_};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
-    Cache& C = *caches_[recompute ? 0 : i];
+    Cache& C = *caches_[recompute.CacheOf(i, n)];
     RETURN_IF_ERROR(
         LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), layer_inputs_[i + 1].f32()));
   }
@@ -583,8 +584,8 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, flo
   LossStats s = HeadAndLoss(b, layer_inputs_[n].f32(), grad_scale, dx_.f32());
   if (on_grad_ready) on_grad_ready(params_.info(final_norm_).offset);
   for (int64_t i = n - 1; i >= 0; --i) {
-    Cache& C = *caches_[recompute ? 0 : i];
-    if (recompute) {  // refill this layer's cache; its output is the next layer's input, kept
+    Cache& C = *caches_[recompute.CacheOf(i, n)];
+    if (recompute.Layer(i)) {  // refill the shared cache; the output is the next layer's input
       RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), nullptr));
     }
     RETURN_IF_ERROR(LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32()));

@@ -4,8 +4,8 @@
 // ForwardBackward() runs one sequence (or this rank's share of it), adds the parameter gradients
 // of `grad_scale * sum(token losses)` into params().flat_grad(), and returns the loss sum and the
 // number of valid targets. The LM head and cross-entropy run over row blocks, so full-sequence
-// fp32 logits never exist. With recompute, only each layer's input is kept during the forward
-// and the layer's forward (all but its output, which is the next layer's input) is re-run just
+// fp32 logits never exist. A layer that recomputes (recompute.h) keeps only its input during the
+// forward and re-runs its forward (all but its output, which is the next layer's input) just
 // before its backward.
 //
 // Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
@@ -29,6 +29,7 @@
 #include "worker/engine/cp/cp_attention.h"
 #include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/params.h"
+#include "worker/engine/recompute.h"
 #include "worker/engine/tensor.h"
 
 namespace spindle {
@@ -65,14 +66,15 @@ class Model {
   const ModelConfig& config() const { return config_; }
   ParamSet& params() { return params_; }
 
-  LossStats ForwardBackward(const Batch& batch, float grad_scale, bool recompute);
+  LossStats ForwardBackward(const Batch& batch, float grad_scale, Recompute recompute);
   // Loss only (evaluation); no gradients, no saved activations beyond one layer.
   LossStats Forward(const Batch& batch);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).
   void SetCp(const CpContext& cp) { cp_ = cp; }
   // This rank's share of a sequence. Errors are the communicator's (a peer failed).
-  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale, bool recompute,
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
+                                            Recompute recompute,
                                             const GradReadyFn& on_grad_ready = nullptr);
   absl::StatusOr<LossStats> Forward(const CpBatch& batch);
 
@@ -84,7 +86,7 @@ class Model {
   explicit Model(const ModelConfig& config);
   void Build();
   absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
-                                bool recompute, const GradReadyFn& on_grad_ready);
+                                Recompute recompute, const GradReadyFn& on_grad_ready);
   absl::StatusOr<LossStats> RunForward(const Batch& b, const CpLayout* layout);
   LossStats HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx);
 
@@ -92,7 +94,8 @@ class Model {
   ParamSet params_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<std::unique_ptr<Layer>> layers_;
-  std::vector<std::unique_ptr<Cache>> caches_;  // one per layer, or one shared when recomputing
+  // One per layer that keeps its activations, one shared by the layers that recompute.
+  std::vector<std::unique_ptr<Cache>> caches_;
   std::unique_ptr<Work> work_;
   // The input of every layer, then the final hidden state: [n_layers + 1][T, d].
   std::vector<Tensor> layer_inputs_;

@@ -50,7 +50,7 @@ class StepBackend {
   virtual absl::Status ZeroGrads() = 0;
   // Adds the gradients of grad_scale * sum(token losses) into the device gradients.
   virtual absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
-                                                    bool recompute) = 0;
+                                                    Recompute recompute) = 0;
   virtual absl::StatusOr<LossStats> Forward(const Batch& batch) = 0;
 
   // The CP group of this rank and the decided modes (see Model::SetCp); called once before the
@@ -58,7 +58,7 @@ class StepBackend {
   virtual absl::Status SetCp(const CpContext& cp) = 0;
   // This rank's share of a sequence (after SetCp): as the Batch forms, on the share.
   virtual absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
-                                                    bool recompute) = 0;
+                                                    Recompute recompute) = 0;
   virtual absl::StatusOr<LossStats> Forward(const CpBatch& batch) = 0;
   // Sum of squared device gradients.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;

@@ -40,6 +40,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   const CpMode lm = o.lightning_mode != CpMode::kAuto ? o.lightning_mode : spec.parallel.lightning_mode;
   const CpMode mm = o.mla_mode != CpMode::kAuto ? o.mla_mode : spec.parallel.mla_mode;
   ASSIGN_OR_RETURN(t->modes_, ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm));
+  const int64_t rc = o.recompute_layers != TrainSpec::kRecomputeAuto ? o.recompute_layers
+                                                                     : spec.train.recompute_layers;
+  if (rc != TrainSpec::kRecomputeAuto && (rc < 0 || rc > spec.model.n_layers))
+    return absl::InvalidArgumentError(absl::StrCat("trainer: recompute_layers must be in [0, ",
+                                                   spec.model.n_layers, "], got ", rc));
+  t->recompute_ = Recompute::First(rc == TrainSpec::kRecomputeAuto ? spec.model.n_layers : rc);
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
@@ -157,9 +163,10 @@ absl::Status Trainer::Run() {
         {"total_steps", spec.train.steps},
         {"params", spec.model.NumParams()},
         {"seq_len", spec.seq_len},
+        {"recompute_layers", recompute_.layers},
         {"collectives", device_world_comm_ ? device_world_comm_->backend()
-                        : world_comm_     ? world_comm_->backend()
-                                          : "none"}});
+                        : world_comm_      ? world_comm_->backend()
+                                           : "none"}});
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
     RETURN_IF_ERROR(Step());
@@ -220,8 +227,8 @@ absl::Status Trainer::Step() {
   for (int64_t m = 0; m < mb; ++m) {
     const bool last = m + 1 == mb;
     const GradReadyFn hook = last && world_comm_ ? GradReadyFn(on_ready) : nullptr;
-    ASSIGN_OR_RETURN(LossStats s, model_->ForwardBackward(batches[m], grad_scale,
-                                                          spec.train.recompute, hook));
+    ASSIGN_OR_RETURN(LossStats s,
+                     model_->ForwardBackward(batches[m], grad_scale, recompute_, hook));
     counts[0] += s.loss_sum;
   }
   absl::Status comm_status;
@@ -272,9 +279,9 @@ absl::Status Trainer::DeviceStep() {
   RETURN_IF_ERROR(backend_->ZeroGrads());
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
   for (int64_t m = 0; m < mb; ++m) {
-    const bool rc = spec.train.recompute;
-    ASSIGN_OR_RETURN(LossStats s, cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, rc)
-                                          : backend_->ForwardBackward(batches[m], grad_scale, rc));
+    ASSIGN_OR_RETURN(LossStats s,
+                     cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, recompute_)
+                             : backend_->ForwardBackward(batches[m], grad_scale, recompute_));
     counts[0] += s.loss_sum;
   }
   if (device_world_comm_) {

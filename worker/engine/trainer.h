@@ -47,10 +47,11 @@
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/gloo_communicator.h"
-#include "worker/engine/kv_store.h"
 #include "worker/engine/data.h"
+#include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/recompute.h"
 #include "worker/engine/step_backend.h"
 
 namespace spindle {
@@ -69,6 +70,9 @@ struct TrainerOptions {
   // Mode per layer type; kAuto: the spec's (itself resolved by the planner's rule).
   CpMode lightning_mode = CpMode::kAuto;
   CpMode mla_mode = CpMode::kAuto;
+  // Leading layers that recompute (the planner's decision); kRecomputeAuto: the spec's. A spec's
+  // "auto" left undecided here recomputes every layer.
+  int64_t recompute_layers = TrainSpec::kRecomputeAuto;
   // Gradient all-reduce bucket size, in floats.
   int64_t grad_bucket_floats = int64_t{1} << 20;
   // Builds the model of resources "cuda" jobs: CreateCudaStepBackend
@@ -92,6 +96,7 @@ class Trainer {
   // Loss of every step this process ran.
   const std::vector<double>& losses() const { return losses_; }
   const CpModes& cp_modes() const { return modes_; }
+  const Recompute& recompute() const { return recompute_; }
 
  private:
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
@@ -111,6 +116,7 @@ class Trainer {
   TrainerOptions opt_;
   int64_t cp_ = 1, dp_ = 1, cp_rank_ = 0, dp_rank_ = 0;
   CpModes modes_;
+  Recompute recompute_;
   // Gloo: the world (scalars, broadcasts, and the gradient sum of host copies) and the CP group.
   // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP.
   std::unique_ptr<Communicator> world_comm_, cp_comm_, device_world_comm_, device_cp_comm_;

@@ -143,6 +143,9 @@ struct KeptAttention {
     stats.Swap(C.stats);
     cp_out.Swap(C.cp_out);
   }
+  void Release() {
+    for (DevBuf* b : {&O, &stats, &cp_out}) b->Release();
+  }
 };
 
 // Gradient scratch shared by every layer's backward.
@@ -215,7 +218,7 @@ struct CudaModel::Impl {
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
-  std::vector<KeptAttention> kept;  // per layer when recomputing (MLA layers fill theirs)
+  std::vector<KeptAttention> kept;  // per layer; each recomputing MLA layer fills its own
   std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
@@ -313,7 +316,7 @@ struct CudaModel::Impl {
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
   absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
-                                bool recompute, bool backward);
+                                Recompute recompute, bool backward);
 
   // ---- Context parallelism (All2All) ----------------------------------------------------------
   absl::Status CheckCpContext() const;
@@ -1537,7 +1540,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
 }
 
 absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* layout,
-                                               float grad_scale, bool recompute, bool backward) {
+                                               float grad_scale, Recompute recompute,
+                                               bool backward) {
   const auto start = std::chrono::steady_clock::now();
   auto queued = [&] {
     enqueue_seconds =
@@ -1545,9 +1549,10 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   };
   RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
-  // Forward only: two residual buffers and one cache. Training: every layer input, and one
-  // cache per layer (or one, refilled per layer, when recomputing).
-  const size_t n_caches = backward && !recompute ? static_cast<size_t>(n) : 1;
+  // Forward only (called with Recompute::All): two residual buffers and one cache. Training:
+  // every layer input, one cache per layer that keeps its activations and one, refilled per
+  // layer, for those that recompute.
+  const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
   while (caches.size() < n_caches) caches.push_back(std::make_unique<Cache>());
   caches.resize(n_caches);
   const int64_t n_inputs = backward ? n + 1 : 2;
@@ -1555,17 +1560,18 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
   auto in = [&](int64_t i) { return layer_in[backward ? i : i % 2].get(); };
   KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
-  // Recomputing: each MLA layer keeps its attention output from this forward (KeptAttention).
-  const bool keep = backward && recompute;
-  if (!keep) {
+  // Each recomputing MLA layer keeps its attention output from this forward (KeptAttention).
+  auto keeps = [&](int64_t i) { return backward && recompute.Layer(i) && layers[i].kind == 'M'; };
+  if (!backward || recompute.layers <= 0) {
     kept.clear();
   } else if (static_cast<int64_t>(kept.size()) != n) {
     kept = std::vector<KeptAttention>(n);
   }
   for (int64_t i = 0; i < n; ++i) {
-    Cache& C = *caches[n_caches == 1 ? 0 : i];
-    const bool swap = keep && layers[i].kind == 'M';
+    Cache& C = *caches[recompute.CacheOf(i, n)];
+    const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
+    if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
     const absl::Status st = LayerForward(layers[i], C, in(i), in(i + 1));
     if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
     RETURN_IF_ERROR(st);
@@ -1580,12 +1586,13 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   RETURN_IF_ERROR(Act(dx, T, d));
   ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
   for (int64_t i = n - 1; i >= 0; --i) {
-    Cache& C = *caches[recompute ? 0 : i];
-    const bool swap = keep && layers[i].kind == 'M';
+    Cache& C = *caches[recompute.CacheOf(i, n)];
+    const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
     // The recomputed forward needs no output: it is the next layer's input, kept.
-    if (recompute) st = LayerForward(layers[i], C, in(i), nullptr, /*attention_kept=*/swap);
+    if (recompute.Layer(i))
+      st = LayerForward(layers[i], C, in(i), nullptr, /*attention_kept=*/swap);
     if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get());
     if (swap) kept[i].SwapInto(C);
     RETURN_IF_ERROR(st);
@@ -1598,12 +1605,12 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
 }
 
 absl::StatusOr<LossStats> CudaModel::ForwardBackward(const Batch& batch, float grad_scale,
-                                                     bool recompute) {
+                                                     Recompute recompute) {
   return impl_->Run(batch, nullptr, grad_scale, recompute, /*backward=*/true);
 }
 
 absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
-  return impl_->Run(batch, nullptr, 0.0f, false, /*backward=*/false);
+  return impl_->Run(batch, nullptr, 0.0f, Recompute::All(), /*backward=*/false);
 }
 
 absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
@@ -1624,7 +1631,7 @@ absl::Status CudaModel::SetCp(const CpContext& cp) {
 }
 
 absl::StatusOr<LossStats> CudaModel::ForwardBackward(const CpBatch& batch, float grad_scale,
-                                                     bool recompute) {
+                                                     Recompute recompute) {
   RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
   const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
   return impl_->Run(batch.local, layout, grad_scale, recompute, /*backward=*/true);
@@ -1633,7 +1640,7 @@ absl::StatusOr<LossStats> CudaModel::ForwardBackward(const CpBatch& batch, float
 absl::StatusOr<LossStats> CudaModel::Forward(const CpBatch& batch) {
   RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
   const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
-  return impl_->Run(batch.local, layout, 0.0f, false, /*backward=*/false);
+  return impl_->Run(batch.local, layout, 0.0f, Recompute::All(), /*backward=*/false);
 }
 
 }  // namespace spindle

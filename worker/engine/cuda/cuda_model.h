@@ -14,9 +14,9 @@
 // between it and the device (checkpoints, tests).
 //
 // Work runs on one compute stream; the calls that return host values (losses, norms) wait for it.
-// Activation memory comes from a CachingAllocator whose statistics memory() reports. With
-// recompute, only every layer's input and each MLA layer's attention output and statistics are
-// kept, and each layer's forward is re-run before its backward without the MLA attention itself.
+// Activation memory comes from a CachingAllocator whose statistics memory() reports. A layer that
+// recomputes (recompute.h) keeps only its input and, for MLA, its attention output and
+// statistics, and its forward is re-run before its backward without the MLA attention itself.
 //
 // Context parallelism: after SetCp() with a CP group of size > 1, the CpBatch forms run this
 // rank's zigzag share of a sequence (worker/engine/cp/cp_layout.h), as the CPU model does.
@@ -83,7 +83,8 @@ class CudaModel {
 
   // One whole sequence (no CP). Adds the gradients of grad_scale * sum(token losses) into the
   // device gradients and returns the loss sum and the number of valid targets.
-  absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale, bool recompute);
+  absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
+                                            Recompute recompute);
   absl::StatusOr<LossStats> Forward(const Batch& batch);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it). With a
@@ -94,7 +95,7 @@ class CudaModel {
   // This rank's share of a sequence (a cp = 1 batch runs as the whole-sequence forms). Errors are
   // the context's (see SetCp), the batch's, or the communicator's (a peer failed).
   absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
-                                            bool recompute);
+                                            Recompute recompute);
   absl::StatusOr<LossStats> Forward(const CpBatch& batch);
 
   absl::Status ZeroGrads();
