@@ -32,8 +32,11 @@ commands:
   submit JOB.json [--wait]        validate, plan and queue a job; prints its id
                                   (--wait: then watch it until it ends)
   plan JOB.json [--offline]       print the CP plan: modes per layer type and why, the memory
-                                  estimate per rank and every problem; plans offline when the
-                                  coordinator is unreachable or with --offline
+       [--device-memory GIB]      estimate per rank (and how many layers recompute) and every
+                                  problem; plans offline when the coordinator is unreachable or
+                                  with --offline; --device-memory plans offline against a device
+                                  of GIB GiB (e.g. 141 for an H200), which also sizes recompute
+                                  "auto"
   list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
                                   failed, cancelled, restarting; repeatable)
   status JOB_ID                   one job: state, progress per rank, history
@@ -71,6 +74,7 @@ struct Options {
   std::string reason;
   bool wait = false;
   bool offline = false;
+  double device_memory_gib = 0;  // plan: > 0 plans offline against a device of this size
   bool help = false;
 };
 
@@ -80,8 +84,9 @@ struct UsageError {
 
 // Parses flags anywhere on the line. Returns an error message or "".
 std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
-  static const char* kValued[] = {"--coordinator", "--token", "--tls-ca", "--output",
-                                  "--timeout",     "--state", "--limit",  "--reason"};
+  static const char* kValued[] = {"--coordinator", "--token",   "--tls-ca",
+                                  "--output",      "--timeout", "--state",
+                                  "--limit",       "--reason",  "--device-memory"};
   for (size_t i = 0; i < args.size(); ++i) {
     std::string a = args[i];
     if (a == "-h" || a == "--help") {
@@ -131,6 +136,11 @@ std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
           return absl::StrCat("--limit must be a non-negative integer, got \"", value, "\"");
       } else if (name == "--reason") {
         o->reason = value;
+      } else if (name == "--device-memory") {
+        if (!absl::SimpleAtod(value, &o->device_memory_gib) || !(o->device_memory_gib > 0) ||
+            o->device_memory_gib > 1e6)
+          return absl::StrCat("--device-memory must be a positive number of GiB, got \"", value,
+                              "\"");
       }
       continue;
     }
@@ -416,7 +426,8 @@ class Cli {
   int PlanOffline(const std::string& text) {
     absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
     if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
-    CpPlan plan = CpPlanner().Plan(*spec, 0);
+    const auto device = static_cast<int64_t>(o_.device_memory_gib * double(int64_t{1} << 30));
+    CpPlan plan = CpPlanner().Plan(*spec, device);
     v1::Plan p;
     PlanToProto(plan, &p);
     return EmitPlan(p);
@@ -427,7 +438,7 @@ class Cli {
     if (!OnePositional("JOB.json", &code)) return code;
     std::string text;
     if (!ReadSpec(o_.positional[0], &text, &code)) return code;
-    if (o_.offline) return PlanOffline(text);
+    if (o_.offline || o_.device_memory_gib > 0) return PlanOffline(text);
     v1::PlanJobRequest req;
     req.set_spec_json(text);
     v1::PlanJobResponse resp;

@@ -99,6 +99,28 @@ TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
   EXPECT_NE(r.out.find("\"ok\":false"), std::string::npos) << r.out;
 }
 
+// --device-memory plans offline against a device of that size, which also sizes recompute "auto"
+// (the 1b model at 128K tokens on an H200-sized GPU: 9 of 16 layers).
+TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
+  std::string spec = WriteSpec("long.json", R"({"name": "long", "model": {"preset": "1b"},
+      "data": {"source": "synthetic:recall"}, "seq_len": 131072,
+      "train": {"recompute": "auto"}, "resources": "cuda"})");
+  Result r = RunSpindle({"plan", spec, "--device-memory", "139.8"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(
+      r.out.find("memory per rank (estimate, the first 9 of 16 layers recompute): 121.55 GiB"),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  device memory: 139.80 GiB"), std::string::npos) << r.out;
+  r = RunSpindle({"plan", spec, "--offline"});
+  EXPECT_NE(r.out.find("every layer recomputes"), std::string::npos) << r.out;
+  r = RunSpindle({"plan", spec, "--device-memory", "0"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.err.find("--device-memory must be a positive number of GiB, got \"0\""),
+            std::string::npos)
+      << r.err;
+}
+
 TEST_F(CliTest, EndToEndAgainstCoordinator) {
   CoordinatorConfig cfg;
   cfg.listen = "127.0.0.1:0";
