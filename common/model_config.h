@@ -38,9 +38,13 @@ struct ModelConfig {
   int64_t NumLayersOfKind(char kind) const;
   // Total parameter count (embedding and LM head included).
   int64_t NumParams() const;
-  // Forward+backward FLOPs per token for a sequence of seq_len tokens (6N for the matmuls plus
-  // the attention terms), used for MFU.
+  // Forward+backward FLOPs per token for a sequence of seq_len tokens that is one document (6N
+  // for the matmuls plus the attention terms).
   double TrainFlopsPerToken(int64_t seq_len) const;
+  // Forward+backward FLOPs of `tokens` tokens whose causal softmax attention spans
+  // `attention_pairs` query-key pairs (sum over documents of L^2 / 2, AttentionPairs in
+  // worker/engine/batch.h): what model FLOP utilisation counts.
+  double TrainFlops(int64_t tokens, double attention_pairs) const;
   absl::Status Validate() const;
   nlohmann::json ToJson() const;
 };

@@ -5,7 +5,8 @@
 // architecture built. The build passes that architecture as SPINDLE_CUDA_MIN_ARCH (e.g. 90).
 //
 // Header-only and free of CUDA headers: the worker daemon's device discovery (which links only
-// the CUDA runtime) and CudaModel use the same rule and the same message.
+// the CUDA runtime) and CudaModel use the same rule and the same message. Also the GPU's dense
+// bf16 peak, for model FLOP utilisation.
 #pragma once
 
 #include <string>
@@ -28,6 +29,18 @@ inline std::string DeviceSupportProblem(int index, const std::string& name, int 
          ", and this build's CUDA kernels need " + std::to_string(min_capability / 10) + "." +
          std::to_string(min_capability % 10) +
          " or newer (Hopper or later: they use sm_90 instructions)";
+}
+
+// The dense bf16 tensor-core peak of a GPU in FLOP/s, the denominator of model FLOP utilisation:
+// the datasheet figure for the GPUs named here (H100 SXM, H200 and GH200 989.4 TFLOP/s, H100 NVL
+// 835, H100 PCIe 756), otherwise `sms` x the maximum SM clock x 4096 FLOP a clock (a Hopper SM's
+// dense bf16 rate).
+inline double DenseBf16PeakFlops(const std::string& name, int sms, int max_clock_khz) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("H100 PCIe")) return 756e12;
+  if (has("H100 NVL")) return 835e12;
+  if (has("H100") || has("H200")) return 989.4e12;
+  return static_cast<double>(sms) * max_clock_khz * 1e3 * 4096.0;
 }
 
 }  // namespace spindle::kernels::cuda

@@ -1,6 +1,6 @@
 // Which GPUs this build's kernels run on (kernels/cuda/device_support.h): the rule on chosen
 // compute capabilities (no GPU needed), and every GPU of the machine, when there is one, passing
-// it (the kernel tests in this binary run there).
+// it (the kernel tests in this binary run there); the dense bf16 peak that MFU is measured against.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +21,16 @@ TEST(DeviceSupport, RefusesGpusBelowTheLowestBuiltArchitectureWithOneSentence) {
             "GPU 1 (NVIDIA A100-SXM4-80GB) has compute capability 8.0, and this build's CUDA "
             "kernels need 9.0 or newer (Hopper or later: they use sm_90 instructions)");
   EXPECT_NE(DeviceSupportProblem(0, "L40S", 8, 9, 90), "");
+}
+
+TEST(DeviceSupport, DenseBf16PeakIsTheDatasheetsOrTheSmRate) {
+  EXPECT_EQ(DenseBf16PeakFlops("NVIDIA H200", 132, 1980000), 989.4e12);
+  EXPECT_EQ(DenseBf16PeakFlops("NVIDIA H100 80GB HBM3", 132, 1980000), 989.4e12);
+  EXPECT_EQ(DenseBf16PeakFlops("NVIDIA GH200 480GB", 132, 1980000), 989.4e12);
+  EXPECT_EQ(DenseBf16PeakFlops("NVIDIA H100 PCIe", 114, 1755000), 756e12);
+  EXPECT_EQ(DenseBf16PeakFlops("NVIDIA H100 NVL", 132, 1785000), 835e12);
+  // A GPU not in the table: SMs x clock x 4096.
+  EXPECT_DOUBLE_EQ(DenseBf16PeakFlops("NVIDIA Hopper X", 100, 1500000), 100 * 1.5e9 * 4096);
 }
 
 TEST(DeviceSupport, TheBuildsLowestArchitectureIsHopperOrLater) {

@@ -19,6 +19,7 @@
 //     two micro-batches of the same sequences (first loss within 1e-6, the rest within 2e-3).
 //   * a model shape the CUDA kernels do not take (a Lightning head size of 48) fails at Create()
 //     with one clear error naming it, before any device work (no GPU needed).
+#include <cuda_runtime.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -32,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/device_support.h"
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/engine/train_test_util.h"
 #include "worker/engine/batch.h"
@@ -110,12 +112,25 @@ TEST(CudaTrainerTest, TinyRecallLearnsOnTheGpu) {
               last / l[0], unigram);
   EXPECT_LT(last, 0.25 * l[0]) << "first loss " << l[0];
   EXPECT_LT(last, 0.35 * unigram) << "unigram " << unigram;
-  // Step events carry the device memory.
+  // Step events carry the device memory and the model FLOP utilisation against this GPU's peak
+  // (the tiny model uses a sliver of it).
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, device), cudaSuccess);
+  int clock_khz = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device), cudaSuccess);
+  const double peak =
+      kernels::cuda::DenseBf16PeakFlops(prop.name, prop.multiProcessorCount, clock_khz);
   for (const nlohmann::json& e : run->steps) {
     ASSERT_TRUE(e.contains("mem_allocated_bytes")) << e.dump();
     EXPECT_GT(e["mem_allocated_bytes"].get<int64_t>(), 0);
     EXPECT_GE(e["mem_reserved_bytes"].get<int64_t>(), e["mem_allocated_bytes"].get<int64_t>());
     EXPECT_GE(e["mem_peak_bytes"].get<int64_t>(), e["mem_allocated_bytes"].get<int64_t>());
+    ASSERT_TRUE(e.contains("mfu")) << e.dump();
+    EXPECT_NEAR(e["mfu"].get<double>(), e["tflops"].get<double>() * 1e12 / peak, 1e-12);
+    EXPECT_GT(e["mfu"].get<double>(), 0.0);
+    EXPECT_LT(e["mfu"].get<double>(), 0.5);
   }
 }
 

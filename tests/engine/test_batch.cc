@@ -1,5 +1,7 @@
 // Sequence batches: targets, RoPE positions, document ids and segments of DESIGN.md section 2,
-// the zigzag share of each CP rank, and synthetic data that is a pure function of (seed, index).
+// the attention pairs model FLOPs count, the zigzag share of each CP rank, and synthetic data
+// that is a pure function of (seed, index).
+#include "common/model_config.h"
 #include "gtest/gtest.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/data.h"
@@ -17,6 +19,23 @@ TEST(BatchTest, TargetsPositionsAndDocumentsFollowTheDesign) {
   EXPECT_EQ(b.pieces[0].cu_seqlens, (std::vector<int32_t>{0, 3, 5, 7}));
   EXPECT_FALSE(b.pieces[0].continues);
   EXPECT_EQ(b.NumValidTargets(), 4);
+}
+
+// Model FLOPs count causal attention within documents: L^2 / 2 pairs each, so a sequence cut into
+// k equal documents has 1/k of one document's attention FLOPs and the same matmul FLOPs.
+TEST(BatchTest, AttentionPairsAndTrainFlopsFollowTheDocuments) {
+  EXPECT_EQ(AttentionPairs(MakeSequenceBatch({5, 6, 0, 7, 0, 8, 9}, 0)), (9 + 4 + 4) / 2.0);
+  std::vector<int32_t> one(4096, 3), four(4096, 3);
+  for (int d = 1; d <= 4; ++d) four[d * 1024 - 1] = 0;  // each document ends with its eos
+  const Batch b1 = MakeSequenceBatch(one, 0), b4 = MakeSequenceBatch(four, 0);
+  EXPECT_EQ(AttentionPairs(b1), 4096.0 * 4096.0 / 2.0);
+  EXPECT_EQ(AttentionPairs(b4), 4 * 1024.0 * 1024.0 / 2.0);
+  const ModelConfig c = *ModelPreset("1b");
+  EXPECT_DOUBLE_EQ(c.TrainFlops(4096, AttentionPairs(b1)), c.TrainFlopsPerToken(4096) * 4096);
+  const double matmuls = c.TrainFlops(4096, 0.0);
+  EXPECT_GT(matmuls, 0.0);
+  EXPECT_NEAR(c.TrainFlops(4096, AttentionPairs(b4)) - matmuls,
+              (c.TrainFlops(4096, AttentionPairs(b1)) - matmuls) / 4, 1e-6 * matmuls);
 }
 
 TEST(BatchTest, ZigzagSharesCoverTheSequenceOnceWithContinuations) {

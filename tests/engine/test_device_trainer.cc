@@ -26,6 +26,7 @@
 #include "kernels/cpu/ops.h"
 #include "tests/engine/cp_test_util.h"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/data.h"
 #include "worker/engine/trainer.h"
 
 namespace spindle {
@@ -170,6 +171,8 @@ class CpuDeviceBackend final : public StepBackend {
   nlohmann::json StepEventFields() override {
     return {{"mem_allocated_bytes", 1}, {"mem_reserved_bytes", 2}, {"mem_peak_bytes", 3}};
   }
+  static constexpr double kPeakFlops = 1e9;
+  double PeakFlops() const override { return kPeakFlops; }
 
  private:
   CpuDeviceBackend(std::unique_ptr<Model> dev, std::unique_ptr<Model> host)
@@ -273,6 +276,10 @@ TEST(DeviceTrainerTest, StepsMatchTheCpuPathBitForBit) {
   ASSERT_EQ(dev->losses.size(), 6u);
   EXPECT_EQ(dev->losses, cpu->losses);
   EXPECT_EQ(dev->params, cpu->params);
+  // Model FLOPs: the step's two sequences, attention within their documents.
+  const JobSpec spec = Job(6, "cuda", 1, 2);
+  auto data = OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed);
+  ASSERT_TRUE(data.ok()) << data.status();
   int clipped = 0;
   for (size_t i = 0; i < dev->steps.size(); ++i) {
     const nlohmann::json& e = dev->steps[i];
@@ -282,6 +289,21 @@ TEST(DeviceTrainerTest, StepsMatchTheCpuPathBitForBit) {
     EXPECT_EQ(e["mem_allocated_bytes"], 1) << e.dump();
     EXPECT_EQ(e["mem_peak_bytes"], 3) << e.dump();
     EXPECT_FALSE(cpu->steps[i].contains("mem_allocated_bytes"));
+    double flops = 0;
+    for (int64_t m = 0; m < 2; ++m) {
+      const Batch b = MakeSequenceBatch((*data)->Sequence(2 * i + m), (*data)->eos_id());
+      EXPECT_LT(AttentionPairs(b), 192.0 * 192.0 / 2) << "the recall data has several documents";
+      flops += spec.model.TrainFlops(b.T, AttentionPairs(b));
+    }
+    for (const nlohmann::json* s : {&e, static_cast<const nlohmann::json*>(&cpu->steps[i])}) {
+      EXPECT_NEAR((*s)["tflops"].get<double>() * 1e12 * (*s)["step_s"].get<double>(), flops,
+                  1e-9 * flops)
+          << s->dump();
+    }
+    EXPECT_NEAR(e["mfu"].get<double>(),
+                e["tflops"].get<double>() * 1e12 / CpuDeviceBackend::kPeakFlops, 1e-12)
+        << e.dump();
+    EXPECT_FALSE(cpu->steps[i].contains("mfu")) << "the CPU engine knows no peak";
   }
   EXPECT_GE(clipped, 2) << "the clipping branch was not exercised";
 }

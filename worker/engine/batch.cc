@@ -27,6 +27,19 @@ void AppendPiece(const Batch& src, int64_t begin, int64_t len, Batch* out) {
 
 }  // namespace
 
+double AttentionPairs(const Batch& full) {
+  double pairs = 0.0;
+  int64_t run = 0;
+  for (int64_t t = 0; t < full.T; ++t) {
+    ++run;
+    if (t + 1 == full.T || full.doc[t + 1] != full.doc[t]) {
+      pairs += static_cast<double>(run) * static_cast<double>(run) / 2.0;
+      run = 0;
+    }
+  }
+  return pairs;
+}
+
 Batch MakeSequenceBatch(const std::vector<int32_t>& tokens, int32_t eos_id) {
   Batch b;
   const int64_t T = static_cast<int64_t>(tokens.size());

@@ -41,6 +41,10 @@ struct Batch {
 // (and at token 0); targets are the next token of the same document inside the sequence.
 Batch MakeSequenceBatch(const std::vector<int32_t>& tokens, int32_t eos_id);
 
+// The query-key pairs causal attention within each document of a whole-sequence batch spans, by
+// the convention of ModelConfig::TrainFlops: the sum over documents of L^2 / 2.
+double AttentionPairs(const Batch& full);
+
 // This rank's zigzag share of a whole-sequence batch: the sequence is cut into 2*cp equal chunks
 // and rank r holds chunks r and 2cp-1-r (in that order). seq T must be divisible by 2*cp.
 Batch ShardZigzag(const Batch& full, int64_t cp, int64_t rank);

@@ -82,6 +82,9 @@ class StepBackend {
 
   // Fields added to every step event (device memory: "mem_allocated_bytes", ...).
   virtual nlohmann::json StepEventFields() = 0;
+  // The device's dense bf16 peak in FLOP/s, against which the trainer reports model FLOP
+  // utilisation ("mfu"); 0 when unknown (no "mfu").
+  virtual double PeakFlops() const { return 0.0; }
 
   // The identity of this rank's device (a GPU's UUID) when the backend can build device
   // communicators, else "" (the trainer then uses Gloo through host copies).

@@ -197,9 +197,11 @@ absl::Status Trainer::Step() {
   // This replica's micro-batches, this CP rank's share of each.
   std::vector<CpBatch> batches;
   double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
+  double flops = 0.0;             // this rank's model FLOPs (its 1/cp of each sequence's)
   for (int64_t m = 0; m < mb; ++m) {
     Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
                                    data_->eos_id());
+    flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
     ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
     counts[1] += static_cast<double>(b.local.NumValidTargets());
     batches.push_back(std::move(b));
@@ -245,7 +247,7 @@ absl::Status Trainer::Step() {
     kernels::cpu::Scale(P.flat_grad().f32(), P.flat_grad().numel(), ClipScale(spec.train, grad_norm));
   const double lr = ScheduledLr(spec.train, state_.step);
   optimizer_->Step(lr);
-  FinishStep(t0, loss, lr, grad_norm);
+  FinishStep(t0, loss, lr, grad_norm, flops);
   return absl::OkStatus();
 }
 
@@ -261,9 +263,11 @@ absl::Status Trainer::DeviceStep() {
   std::vector<Batch> batches;      // cp = 1
   std::vector<CpBatch> shares;     // cp > 1: this CP rank's share of each
   double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
+  double flops = 0.0;             // this rank's model FLOPs (its 1/cp of each sequence's)
   for (int64_t m = 0; m < mb; ++m) {
     Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
                                    data_->eos_id());
+    flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
     if (cp_ > 1) {
       ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
       counts[1] += static_cast<double>(b.local.NumValidTargets());
@@ -301,12 +305,12 @@ absl::Status Trainer::DeviceStep() {
   const double grad_norm = std::sqrt(sum_squares);
   const double lr = ScheduledLr(spec.train, state_.step);
   RETURN_IF_ERROR(backend_->OptimizerStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
-  FinishStep(t0, loss, lr, grad_norm);
+  FinishStep(t0, loss, lr, grad_norm, flops);
   return absl::OkStatus();
 }
 
 void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
-                         double grad_norm) {
+                         double grad_norm, double flops) {
   const JobSpec& spec = opt_.spec;
   const int64_t mb = spec.train.micro_batches;
   state_.step += 1;
@@ -334,9 +338,12 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
                       {"lr", lr},
                       {"grad_norm", grad_norm},
                       {"elapsed_s", elapsed_s_},
-                      {"tflops", spec.model.TrainFlopsPerToken(spec.seq_len) * tokens / dt / 1e12}};
+                      {"tflops", flops / dt / 1e12}};
   if (!comm.empty()) e["comm"] = std::move(comm);
-  if (backend_) e.update(backend_->StepEventFields());
+  if (backend_) {
+    e.update(backend_->StepEventFields());
+    if (const double peak = backend_->PeakFlops(); peak > 0) e["mfu"] = flops / dt / peak;
+  }
   Emit(std::move(e));
 }
 

@@ -13,7 +13,8 @@
 // launched while the backward goes on; the norm, clipping and update follow the reduction, so
 // every rank holds the same parameters. Rank 0 writes checkpoints; all ranks resume from the
 // same step or Create() fails. Step events carry "comm": the step's collectives per (collective,
-// layer type) with seconds and bytes.
+// layer type) with seconds and bytes, and "tflops": this rank's model FLOP/s (its 1/cp share of
+// ModelConfig::TrainFlops over its replica's sequences, attention counted within documents).
 //
 // GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
 // TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
@@ -29,7 +30,8 @@
 // for, so a factory that does not run the job's cp refuses it there. Checkpoints download the
 // parameters and AdamW moments into the host ParamSet and use the same format, so CPU and GPU
 // runs resume each other's; a resume uploads them. Step events add the device memory
-// ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes"). Not built for the GPU, each
+// ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes") and "mfu", the model FLOP/s
+// over the device's dense bf16 peak (StepBackend::PeakFlops). Not built for the GPU, each
 // refused at Create() with one error: an optimizer other than AdamW, and no factory (a build
 // without the CUDA engine).
 #pragma once
@@ -102,9 +104,10 @@ class Trainer {
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
   absl::Status Step();
   absl::Status DeviceStep();
-  // After the update: counters, the loss history and the step event.
+  // After the update: counters, the loss history and the step event ("tflops": this rank's model
+  // FLOPs, `flops`, over the step's time; "mfu": the same over the device's peak, when known).
   void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
-                  double grad_norm);
+                  double grad_norm, double flops);
   absl::Status Checkpoint();
   void Emit(nlohmann::json event);
 

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/cuda/device_support.h"
 #include "worker/engine/cuda/cuda_model.h"
 #ifdef SPINDLE_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -18,7 +19,8 @@ namespace {
 
 class CudaStepBackend final : public StepBackend {
  public:
-  explicit CudaStepBackend(std::unique_ptr<CudaModel> model) : m_(std::move(model)) {}
+  CudaStepBackend(std::unique_ptr<CudaModel> model, double peak_flops)
+      : m_(std::move(model)), peak_flops_(peak_flops) {}
 
   const ModelConfig& config() const override { return m_->config(); }
   ParamSet& host_params() override { return m_->host_params(); }
@@ -94,9 +96,11 @@ class CudaStepBackend final : public StepBackend {
             {"mem_reserved_bytes", mem.fixed + mem.reserved},
             {"mem_peak_bytes", mem.fixed + mem.peak_allocated}};
   }
+  double PeakFlops() const override { return peak_flops_; }
 
  private:
   std::unique_ptr<CudaModel> m_;
+  double peak_flops_ = 0.0;
 };
 
 }  // namespace
@@ -117,7 +121,18 @@ absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelCo
         err != cudaSuccess ? cudaGetErrorString(err) : "no device", ")"));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, seed, 0));
-  return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model)));
+  // The device the model was created on: its dense bf16 peak, for model FLOP utilisation.
+  double peak = 0.0;
+  int device = 0, sms = 0, clock_khz = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaGetDeviceProperties(&prop, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device) == cudaSuccess) {
+    peak = kernels::cuda::DenseBf16PeakFlops(prop.name, sms, clock_khz);
+  }
+  (void)cudaGetLastError();
+  return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model), peak));
 }
 
 }  // namespace spindle
