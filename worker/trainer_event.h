@@ -8,7 +8,7 @@
 //                       step training starts from, 0 or the resumed checkpoint's step)
 //   "total_steps":      int
 //   "loss":             float
-//   "tokens_per_s":     float, this rank's (or the job's, as the trainer defines) throughput
+//   "tokens_per_s":     float, this rank's throughput (the job's is the sum over its ranks)
 //   "lr", "grad_norm":  float
 //   "elapsed_s":        float, seconds since the trainer started
 //   "step_time_s" (or "step_s", as spindle-train prints it):

@@ -360,7 +360,8 @@ TEST(DeviceTrainerTest, CheckpointsResumeAcrossEnginesExactly) {
   }
 }
 
-// Every rank of spec's world as a thread; rank 0's losses, the parameters (equal on every rank).
+// Every rank of spec's world as a thread; rank 0's losses and step events, the parameters (equal
+// on every rank).
 absl::StatusOr<RunResult> WorldTrain(const JobSpec& spec) {
   const int world = static_cast<int>(spec.parallel.world());
   MemoryKvStore store;
@@ -375,6 +376,11 @@ absl::StatusOr<RunResult> WorldTrain(const JobSpec& spec) {
     o.store = &store;
     o.gloo = testing::TestGloo();
     o.cuda_backend = CpuDeviceBackend::Create;
+    if (rank == 0) {
+      o.on_event = [&](const nlohmann::json& e) {
+        if (e["event"] == "step") out.steps.push_back(e);
+      };
+    }
     auto t = Trainer::Create(std::move(o));
     if (!t.ok()) return t.status();
     RETURN_IF_ERROR((*t)->Run());
@@ -415,6 +421,21 @@ TEST(DeviceTrainerTest, ContextParallelMatchesTheCpuContextParallelRun) {
     for (int64_t n = 0; n < steps * micro * dp; ++n)
       targets += MakeSequenceBatch((*data)->Sequence(n), (*data)->eos_id()).NumValidTargets();
     EXPECT_EQ(CpuDeviceBackend::cp_share_targets, targets);
+    // Rank 0's throughput and model FLOPs are its own: half of each of its replica's sequences
+    // (the job's are the sum over ranks).
+    ASSERT_EQ(dev->steps.size(), static_cast<size_t>(steps));
+    for (int64_t s = 0; s < steps; ++s) {
+      const nlohmann::json& e = dev->steps[s];
+      const double dt = e["step_s"].get<double>();
+      EXPECT_NEAR(e["tokens_per_s"].get<double>() * dt, spec.seq_len * micro / 2.0, 1e-9)
+          << e.dump();
+      double flops = 0;
+      for (int64_t m = 0; m < micro; ++m) {
+        const Batch b = MakeSequenceBatch((*data)->Sequence(s * micro * dp + m), (*data)->eos_id());
+        flops += spec.model.TrainFlops(b.T, AttentionPairs(b)) / 2;
+      }
+      EXPECT_NEAR(e["tflops"].get<double>() * 1e12 * dt, flops, 1e-9 * flops) << e.dump();
+    }
   }
 }
 

@@ -318,7 +318,9 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   losses_.push_back(loss);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   elapsed_s_ += dt;
-  const double tokens = static_cast<double>(spec.seq_len * mb * spec.parallel.dp);
+  // This rank's tokens: its 1/cp share of each of its replica's sequences (the job's throughput
+  // is the sum over ranks, as the coordinator and the dashboards add it up).
+  const double tokens = static_cast<double>(spec.seq_len * mb) / static_cast<double>(cp_);
   nlohmann::json comm = nlohmann::json::array();
   for (Communicator* c :
        {world_comm_.get(), cp_comm_.get(), device_world_comm_.get(), device_cp_comm_.get()}) {

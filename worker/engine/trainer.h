@@ -13,8 +13,9 @@
 // launched while the backward goes on; the norm, clipping and update follow the reduction, so
 // every rank holds the same parameters. Rank 0 writes checkpoints; all ranks resume from the
 // same step or Create() fails. Step events carry "comm": the step's collectives per (collective,
-// layer type) with seconds and bytes, and "tflops": this rank's model FLOP/s (its 1/cp share of
-// ModelConfig::TrainFlops over its replica's sequences, attention counted within documents).
+// layer type) with seconds and bytes; "tokens_per_s" and "tflops" are this rank's (its 1/cp share
+// of its replica's sequences, their model FLOPs by ModelConfig::TrainFlops with attention counted
+// within documents), so a job's are the sum over its ranks.
 //
 // GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
 // TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
