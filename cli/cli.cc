@@ -309,6 +309,7 @@ std::string ProgressLine(const v1::Job& j, bool bar) {
   if (j.step() > 0 && reported) {
     absl::StrAppendFormat(&s, " loss %.4f", j.loss());
     if (j.tokens_per_s() > 0) absl::StrAppend(&s, " ", Rate(j.tokens_per_s()), " tok/s");
+    if (j.mfu() > 0) absl::StrAppendFormat(&s, " MFU %.1f%%", j.mfu() * 100);
     if (j.state() == v1::JOB_STATE_RUNNING) absl::StrAppend(&s, " ETA ", Duration(j.eta_s()));
   }
   if (j.attempt() > 1) absl::StrAppend(&s, " attempt ", j.attempt());
@@ -547,12 +548,13 @@ class Cli {
       out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "
            << j.last_checkpoint_path() << "\n";
     if (j.ranks_size() > 0) {
-      out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s\n", "RANK", "WORKER", "DEV",
-                              "STATE", "STEP", "LOSS", "TOK/S");
+      out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s %6s\n", "RANK", "WORKER", "DEV",
+                              "STATE", "STEP", "LOSS", "TOK/S", "MFU");
       for (const v1::RankStatus& r : j.ranks())
-        out_ << absl::StrFormat("  %4d %-16s %3d %-9s %8d %9.4f %10s\n", r.rank(), r.worker_id(),
-                                r.device_index(), r.state(), r.step(), r.loss(),
-                                Rate(r.tokens_per_s()));
+        out_ << absl::StrFormat("  %4d %-16s %3d %-9s %8d %9.4f %10s %6s\n", r.rank(),
+                                r.worker_id(), r.device_index(), r.state(), r.step(), r.loss(),
+                                Rate(r.tokens_per_s()),
+                                r.mfu() > 0 ? absl::StrFormat("%.1f%%", r.mfu() * 100) : "-");
     }
     if (j.events_size() > 0) out_ << "  events:\n";
     for (const v1::JobEvent& e : j.events())

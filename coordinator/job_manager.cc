@@ -26,7 +26,7 @@ struct JobManager::RankRuntime {
   std::string state = "assigned";  // assigned | running | exited | stopped
   int64_t step = 0;
   int64_t total_steps = 0;
-  double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0;
+  double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
   int32_t exit_code = 0;
   int64_t last_report_ms = 0;
   int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
@@ -317,7 +317,8 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
   out->set_last_checkpoint_path(r.last_checkpoint_path);
   out->set_total_steps(j.spec.train.steps);
   int64_t min_step = -1;
-  double tps = 0;
+  double tps = 0, mfu_sum = 0;
+  int64_t mfu_ranks = 0;
   for (const RankRuntime& rr : j.ranks) {
     v1::RankStatus* s = out->add_ranks();
     s->set_rank(rr.placement.rank);
@@ -329,15 +330,20 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
     s->set_lr(rr.lr);
     s->set_grad_norm(rr.grad_norm);
     s->set_elapsed_s(rr.elapsed_s);
+    s->set_mfu(rr.mfu);
     s->set_state(rr.state);
     s->set_exit_code(rr.exit_code);
     s->set_last_report_unix_ms(rr.last_report_ms);
     min_step = min_step < 0 ? rr.step : std::min(min_step, rr.step);
-    if (rr.state == "running") tps += rr.tokens_per_s;
+    if (rr.state == "running") {
+      tps += rr.tokens_per_s;
+      if (rr.mfu > 0) mfu_sum += rr.mfu, ++mfu_ranks;
+    }
   }
   out->set_step(std::max<int64_t>(0, min_step));
   if (!j.ranks.empty()) out->set_loss(j.ranks[0].loss);
   out->set_tokens_per_s(tps);
+  out->set_mfu(mfu_ranks > 0 ? mfu_sum / static_cast<double>(mfu_ranks) : 0.0);
   double eta = -1;
   if (r.state == JobState::kSucceeded) {
     eta = 0;
@@ -799,6 +805,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         r->lr = p.lr();
         r->grad_norm = p.grad_norm();
         r->elapsed_s = p.elapsed_s();
+        r->mfu = p.mfu();
         r->last_report_ms = now;
         if (j->rate_ref_step < 0) {
           int64_t min_step = r->step;

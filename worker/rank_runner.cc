@@ -319,6 +319,7 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       p->set_lr(event->lr.value_or(0.0));
       p->set_grad_norm(event->grad_norm.value_or(0.0));
       p->set_elapsed_s(event->elapsed_s.value_or(0.0));
+      p->set_mfu(event->mfu.value_or(0.0));
       break;
     }
     case TrainerEventKind::kCheckpoint: {

@@ -85,7 +85,7 @@ class JobManagerTest : public ::testing::Test {
     r.set_rank(rank);
     return r;
   }
-  void Progress(const std::string& worker, const v1::RankRef& ref, int64_t step) {
+  void Progress(const std::string& worker, const v1::RankRef& ref, int64_t step, double mfu = 0) {
     v1::WorkerMessage m;
     auto* p = m.mutable_rank_progress();
     *p->mutable_ref() = ref;
@@ -93,6 +93,7 @@ class JobManagerTest : public ::testing::Test {
     p->set_total_steps(10);
     p->set_loss(5.0 - step * 0.1);
     p->set_tokens_per_s(1000);
+    p->set_mfu(mfu);
     manager_->HandleWorkerMessage(worker, m);
   }
   void Exit(const std::string& worker, const v1::RankRef& ref, int code, bool stopped = false,
@@ -160,13 +161,15 @@ TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
   EXPECT_EQ(rendezvous_.NumOpen(), 1u);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 
-  Progress("w1", Ref(id, 1, 0), 1);
+  Progress("w1", Ref(id, 1, 0), 1, 0.25);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
-  Progress("w1", Ref(id, 1, 1), 1);
+  Progress("w1", Ref(id, 1, 1), 1, 0.35);
   v1::Job j = Get(id);
   EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(j.ranks(1).state(), "running");
-  EXPECT_DOUBLE_EQ(j.tokens_per_s(), 2000);
+  EXPECT_DOUBLE_EQ(j.tokens_per_s(), 2000);  // the ranks' sum
+  EXPECT_DOUBLE_EQ(j.ranks(1).mfu(), 0.35);
+  EXPECT_DOUBLE_EQ(j.mfu(), 0.30);  // the ranks' mean
   Exit("w1", Ref(id, 1, 0), 0);
   Exit("w1", Ref(id, 1, 1), 0);
   j = Get(id);

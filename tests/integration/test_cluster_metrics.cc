@@ -3,6 +3,7 @@
 // spindle-worker daemons while a 2-rank job runs, and the query API finds the coordinator's
 // series (jobs, workers, devices, scheduling latency) and the per-rank series of the job, labelled
 // {job_id, rank} (not renamed to exported_job). `promtool check metrics` accepts both expositions.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,11 +86,13 @@ TEST_F(ClusterMetricsTest, PrometheusScrapesTheCoordinatorAndTheWorkers) {
   ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
   absl::StatusOr<std::string> id = cluster_.Submit(kSpec);
   ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_TRUE(cluster_
-                  .WaitJob(
-                      *id, [](const v1::Job& j) { return j.step() >= 3; }, std::chrono::seconds(30))
-                  .has_value())
-      << cluster_.Logs();
+  std::optional<v1::Job> progressed = cluster_.WaitJob(
+      *id, [](const v1::Job& j) { return j.step() >= 3; }, std::chrono::seconds(30));
+  ASSERT_TRUE(progressed.has_value()) << cluster_.Logs();
+  // The coordinator's view: throughput summed over the ranks, MFU their mean.
+  EXPECT_DOUBLE_EQ(progressed->tokens_per_s(), 2 * 2048.0);
+  EXPECT_DOUBLE_EQ(progressed->mfu(), 0.125);
+  for (const v1::RankStatus& r : progressed->ranks()) EXPECT_DOUBLE_EQ(r.mfu(), 0.125);
 
   const std::vector<std::string> targets = {absl::StrCat("127.0.0.1:", coordinator_metrics),
                                             absl::StrCat("127.0.0.1:", worker_metrics[0]),

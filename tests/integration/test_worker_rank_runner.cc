@@ -139,6 +139,7 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_DOUBLE_EQ(p1.lr(), 0.001);
   EXPECT_DOUBLE_EQ(p1.grad_norm(), 1.5);
   EXPECT_DOUBLE_EQ(p1.elapsed_s(), 1.0);
+  EXPECT_DOUBLE_EQ(p1.mfu(), 0.25);
   EXPECT_EQ(progress[1].rank_progress().step(), 2);
 
   auto ckpt = sink_.Of(v1::WorkerMessage::kCheckpointDone);
