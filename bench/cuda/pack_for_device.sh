@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Packs the CUDA tests and benchmarks built here, with the non-system shared libraries they need,
-# into .cuda-run/ (listed in .git/info/exclude) for a run on the GPU machine, which lacks
-# OpenBLAS, Abseil and Gloo. See kernels/cuda/README.md for the run command.
+# Packs the CUDA tests and benchmarks built here, and the cluster's binaries (coordinator, worker,
+# trainer, CLI), with the non-system shared libraries they need, into .cuda-run/ (listed in
+# .git/info/exclude) for a run on the GPU machine, which lacks OpenBLAS, Abseil and Gloo. See
+# kernels/cuda/README.md for the run command.
 # Usage: bench/cuda/pack_for_device.sh [build dir, default build-cuda]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,7 +12,8 @@ rm -rf "$out" && mkdir -p "$out/lib"
 grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
 bins=()
 for bin in tests/cuda/kernels_cuda_test tests/cuda/engine_cuda_test bench/cuda/bench_kernels_cuda \
-           bench/cuda/bench_model_cuda bench/cuda/bench_cp_cuda worker/spindle-train; do
+           bench/cuda/bench_model_cuda bench/cuda/bench_cp_cuda worker/spindle-train \
+           worker/spindle-worker coordinator/spindle-coordinator cli/spindle; do
   if [ -x "$build/$bin" ]; then
     strip -o "$out/$(basename "$bin")" "$build/$bin"
     bins+=("$out/$(basename "$bin")")
