@@ -97,7 +97,7 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
 
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
 absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batch& full, int cp,
-                                 float scale, bool recompute, CpMode lightning, CpMode mla) {
+                                 float scale, Recompute recompute, CpMode lightning, CpMode mla) {
   MemoryKvStore store;
   std::vector<StepResult> per(cp);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
@@ -108,7 +108,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
-    auto s = (*m)->ForwardBackward(*b, scale, recompute ? Recompute::All() : Recompute::None());
+    auto s = (*m)->ForwardBackward(*b, scale, recompute);
     if (!s.ok()) return s.status();
     // The evaluation forward runs the same forward on the same inputs.
     auto f = (*m)->Forward(*b);
@@ -149,10 +149,11 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
 }
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
-                            bool recompute, CpMode lightning, CpMode mla = CpMode::kAll2All) {
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << full.T << " cp " << cp
-                                    << (recompute ? " recompute" : "") << " lightning "
-                                    << CpModeName(lightning) << " mla " << CpModeName(mla));
+                            Recompute recompute, CpMode lightning, CpMode mla = CpMode::kAll2All) {
+  SCOPED_TRACE(::testing::Message()
+               << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
+               << std::min(recompute.layers, c.n_layers) << " layers, lightning "
+               << CpModeName(lightning) << " mla " << CpModeName(mla));
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -167,20 +168,22 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
   ExpectGradsMatch((*shapes)->params(), want.grad, got->grad);
 }
 
-void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp, bool recompute,
-                            CpMode lightning = CpMode::kAll2All, CpMode mla = CpMode::kAll2All) {
+void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp,
+                            Recompute recompute, CpMode lightning = CpMode::kAll2All,
+                            CpMode mla = CpMode::kAll2All) {
   const uint32_t seed = FreshSeed();
   ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla);
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, false);  // chunks of 96 tokens
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None());  // chunks of 96 tokens
 }
 
 TEST(CudaCp, Head64Cp2RecomputeMatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Head64(), 520, 150, 2, true);  // chunks of 130: off the 64-token grid
+  ExpectCpMatchesOneRank(Head64(), 520, 150, 2,
+                         Recompute::All());  // chunks of 130: off the 64-token grid
 }
 
 ModelConfig Head64WellConditioned() {
@@ -192,13 +195,15 @@ ModelConfig Head64WellConditioned() {
 TEST(CudaCp, Head64LightningAllGatherCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 96 tokens: documents start inside chunks, cross them and span whole ones.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 384, 70, 2, false, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64WellConditioned(), 384, 70, 2, Recompute::None(),
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp2RecomputeOneDocument) {
   SPINDLE_REQUIRE_GPU();
   // One document: every chunk but the first continues it, no chunk has a start of its own.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 520, 100000, 2, true, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64WellConditioned(), 520, 100000, 2, Recompute::All(),
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
@@ -206,7 +211,7 @@ TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
   // cp = 4 > n_heads = 2: only AllGather can split the sequence here.
   ModelConfig c = Head64WellConditioned();
   c.layer_pattern = "LL";
-  ExpectCpMatchesOneRank(c, 512, 60, 4, false, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, 512, 60, 4, Recompute::None(), CpMode::kAllGather);
 }
 
 // MLA AllGather: each chunk's causal piece and, where its first token continues a document, the
@@ -215,13 +220,15 @@ TEST(CudaCp, Head64MlaAllGatherCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 96 tokens, documents of up to ~140: cross pieces reach into the previous chunk
   // (another rank's, or this rank's other chunk for rank 1: chunks 1 and 2 are adjacent).
-  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, false, CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAll2All,
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64MlaAllGatherCp2RecomputeOneDocument) {
   SPINDLE_REQUIRE_GPU();
   // One document: every chunk but the first attends all earlier tokens through its cross piece.
-  ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kAllGather);
 }
 
 // Two MLA layers around a Lightning one: under recompute each MLA layer keeps its own attention
@@ -230,21 +237,34 @@ TEST(CudaCp, TwoMlaLayersRecomputeMatchesOneRankInBothModes) {
   SPINDLE_REQUIRE_GPU();
   ModelConfig c = Head64();
   c.n_layers = 3, c.layer_pattern = "MLM";
-  ExpectCpMatchesOneRank(c, 384, 70, 2, true, CpMode::kAll2All, CpMode::kAll2All);
-  ExpectCpMatchesOneRank(c, 384, 70, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::All(), CpMode::kAll2All, CpMode::kAll2All);
+  ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::All(), CpMode::kAll2All, CpMode::kAllGather);
+}
+
+// Only the first one or two layers recompute: the first MLA layer keeps only its attention output
+// (and its input), the last one its whole cache, in both CP modes for each layer type.
+TEST(CudaCp, TwoMlaLayersPartialRecomputeMatchesOneRankInBothModes) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Head64();
+  c.n_layers = 4, c.layer_pattern = "MLLM";
+  for (const CpMode mla : {CpMode::kAll2All, CpMode::kAllGather}) {
+    ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(1), CpMode::kAll2All, mla);
+    ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(2), CpMode::kAllGather, mla);
+  }
 }
 
 TEST(CudaCp, Head64MlaAllGatherWalksSeveralKeyBlocks) {
   SPINDLE_REQUIRE_GPU();
   // T = 81920 at cp = 2, one document: chunks of 20480 tokens, so the cross pieces of chunks 2
   // and 3 span 40960 and 61440 earlier keys, two 32K-row key blocks each (the second partial).
-  ExpectCpMatchesOneRank(Head64(), 81920, 1000000, 2, true, CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64(), 81920, 1000000, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // cp = 4 > n_heads = 2, Lightning and MLA layers: what the planner picks for such a job.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 512, 60, 4, false, CpMode::kAllGather,
+  ExpectCpMatchesOneRank(Head64WellConditioned(), 512, 60, 4, Recompute::None(), CpMode::kAllGather,
                          CpMode::kAllGather);
 }
 
@@ -253,7 +273,7 @@ TEST(CudaCp, TinyLightningAllGatherCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   ModelConfig c = Tiny();
   c.norm_eps = 1e-2;
-  ExpectCpMatchesOneRank(c, 256, 60, 2, false, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, 256, 60, 2, Recompute::None(), CpMode::kAllGather);
 }
 
 TEST(CudaCp, TinyCp3BothAllGatherMatchesOneRank) {
@@ -261,13 +281,14 @@ TEST(CudaCp, TinyCp3BothAllGatherMatchesOneRank) {
   // cp = 3 does not divide the 4 heads: AllGather for both layer types, chunks of 50 tokens.
   ModelConfig c = Tiny();
   c.norm_eps = 1e-2;
-  ExpectCpMatchesOneRank(c, 300, 45, 3, true, CpMode::kAllGather, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, 300, 45, 3, Recompute::All(), CpMode::kAllGather, CpMode::kAllGather);
 }
 
 TEST(CudaCp, TinyMlaAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 40 tokens, documents of up to ~100 that span whole chunks.
-  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, false, CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None(), CpMode::kAll2All,
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherLongFirstSegmentNeedsItsOwnWorkspace) {
@@ -285,22 +306,23 @@ TEST(CudaCp, Head64LightningAllGatherLongFirstSegmentNeedsItsOwnWorkspace) {
   for (int32_t& x : t) x = tok(gen);
   const int32_t eos = static_cast<int32_t>(c.vocab) - 1;
   for (int64_t end : {1000, 19200 + 8300, 40000, 60000}) t[end] = eos;
-  ExpectCpMatchesOneRank(c, MakeSequenceBatch(t, eos), seed, 2, false, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, MakeSequenceBatch(t, eos), seed, 2, Recompute::None(),
+                         CpMode::kAllGather);
 }
 
 TEST(CudaCp, TinyCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Tiny(), 256, 60, 2, false);
+  ExpectCpMatchesOneRank(Tiny(), 256, 60, 2, Recompute::None());
 }
 
 TEST(CudaCp, TinyCp2RecomputeMatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Tiny(), 200, 45, 2, true);  // chunks of 50
+  ExpectCpMatchesOneRank(Tiny(), 200, 45, 2, Recompute::All());  // chunks of 50
 }
 
 TEST(CudaCp, TinyCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, false);  // one head per rank, chunks of 40
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None());  // one head per rank, chunks of 40
 }
 
 // A group of `size` whose collectives all fail: the refusals must come before any collective.

@@ -117,12 +117,12 @@ void ExpectParity(const ModelConfig& cfg, const RunResult& ref, const RunResult&
 struct Case {
   int cp;
   CpMode lightning, mla;
-  bool recompute;
+  int64_t recompute_layers;  // the first this many layers recompute
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "cp=" << c.cp << " lightning=" << CpModeName(c.lightning) << " mla=" << CpModeName(c.mla)
-      << (c.recompute ? " recompute" : "");
+      << " recompute=" << c.recompute_layers;
 }
 
 class CpModelParityTest : public ::testing::TestWithParam<Case> {};
@@ -132,24 +132,25 @@ TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const ModelConfig cfg = CpConfig();
   const Batch full = MakeSequenceBatch(PackedTokens(11), 256);
   const RunResult ref = Reference(cfg, full, Recompute::None());
-  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla,
-                   c.recompute ? Recompute::All() : Recompute::None());
+  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers));
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectParity(cfg, ref, *got);
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
   auto w = [](CpMode m) { return m == CpMode::kAll2All ? "A2A" : "AG"; };
-  return absl::StrCat("cp", i.param.cp, "_L", w(i.param.lightning), "_M", w(i.param.mla),
-                      i.param.recompute ? "_recompute" : "");
+  return absl::StrCat(
+      "cp", i.param.cp, "_L", w(i.param.lightning), "_M", w(i.param.mla),
+      i.param.recompute_layers > 0 ? absl::StrCat("_recompute", i.param.recompute_layers) : "");
 }
 
 constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All;
 INSTANTIATE_TEST_SUITE_P(Modes, CpModelParityTest,
-                         ::testing::Values(Case{2, AG, AG, false}, Case{2, A2A, A2A, false},
-                                           Case{2, AG, A2A, false}, Case{2, A2A, AG, false},
-                                           Case{4, AG, AG, false}, Case{4, A2A, A2A, false},
-                                           Case{4, AG, A2A, true}, Case{4, A2A, AG, true}),
+                         ::testing::Values(Case{2, AG, AG, 0}, Case{2, A2A, A2A, 0},
+                                           Case{2, AG, A2A, 0}, Case{2, A2A, AG, 0},
+                                           Case{4, AG, AG, 0}, Case{4, A2A, A2A, 0},
+                                           Case{4, AG, A2A, 3}, Case{4, A2A, AG, 3},
+                                           Case{2, A2A, AG, 1}, Case{2, AG, A2A, 2}),
                          CaseName);
 
 TEST(CpLayoutTest, ChunkFlagsOfThePackedSequence) {
