@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/exit_codes.h"
 #include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/status.h"
@@ -209,12 +210,16 @@ absl::Status JobManager::Recover() {
 absl::StatusOr<CpPlan> JobManager::PlanLocked(const std::string& spec_json, std::string* kind,
                                               int64_t* world) {
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
-  int64_t memory = 0;
-  for (const auto& [id, w] : workers_)
-    if (w->group.kind() == spec.resources) memory = std::max(memory, w->group.memory_bytes());
   if (kind) *kind = spec.resources;
   if (world) *world = spec.parallel.world();
-  return planner_.Plan(spec, memory);
+  return planner_.Plan(spec, LargestDeviceMemory(spec.resources));
+}
+
+int64_t JobManager::LargestDeviceMemory(const std::string& kind) const {
+  int64_t memory = 0;
+  for (const auto& [id, w] : workers_)
+    if (w->group.kind() == kind) memory = std::max(memory, w->group.memory_bytes());
+  return memory;
 }
 
 absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_out) {
@@ -458,6 +463,25 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
   }
   j.adopt_deadline_ms = 0;
   rendezvous_->Close(j.rec.job_id, j.rec.attempt);
+}
+
+void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {
+  const int64_t n = j.spec.model.n_layers;
+  if (j.spec.train.recompute_layers != TrainSpec::kRecomputeAuto || j.recompute_layers >= n) return;
+  // Half of the layers still keeping their activations start recomputing (at least two: one
+  // alone saves nothing, the shared cache being as large as a layer's).
+  const int64_t more =
+      std::min(n, j.recompute_layers + std::max<int64_t>(2, (n - j.recompute_layers + 1) / 2));
+  JobSpec planned = j.spec;
+  planned.train.recompute_layers = more;
+  const CpPlan plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));
+  j.recompute_layers = more;
+  j.memory_per_rank = plan.memory.total_bytes;
+  v1::Plan p;
+  PlanToProto(plan, &p);
+  j.rec.plan = p.SerializeAsString();  // saved with the restart's transition
+  absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
+                  " layers recompute from now on");
 }
 
 void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,
@@ -893,7 +917,9 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
               absl::StrCat("rank ", ref.rank(), " on worker ", worker_id, " ", why);
           if (e.stderr_tail_size() > 0)
             absl::StrAppend(&reason, ": ", e.stderr_tail(e.stderr_tail_size() - 1));
-          FailAttempt(*j, reason, e.signal() == 0 && e.exit_code() == 2,
+          if (e.signal() == 0 && e.exit_code() == kExitOutOfMemory)
+            RecomputeMoreAfterOutOfMemory(*j, &reason);
+          FailAttempt(*j, reason, e.signal() == 0 && e.exit_code() == kExitInvalidInput,
                       metrics_.restarts_rank_failed, &out);
         }
         Schedule(&out);

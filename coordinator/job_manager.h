@@ -155,6 +155,13 @@ class JobManager {
   // devices until the ranks exit (or stop_grace + heartbeat_timeout passes).
   void StopAttempt(JobRuntime& j, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The memory of the largest registered device of `kind` ("cuda" or "cpu"); 0 when none.
+  int64_t LargestDeviceMemory(const std::string& kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank ran out of device memory: a job with train.recompute "auto" recomputes more layers
+  // from its next attempt on (the plan is updated and saved with the restart), and `reason` says
+  // so. Other jobs are left as they are.
+  void RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops the attempt and moves the job to RESTARTING, or FAILED when out of restarts or
   // `fatal`. `kind` picks the restart counter.
   void FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,

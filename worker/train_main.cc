@@ -10,7 +10,7 @@
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
 // "eval", ...}) and one line "spindle-train: <error>" on stderr when it fails. Exit codes:
 // 0 success, 2 invalid input (job spec, data, checkpoint, flags, a CP plan that cannot run),
-// 1 runtime failure.
+// 3 out of device memory, 1 other runtime failure.
 //
 // Multi-rank runs (world = dp x cp of the job > 1): the ranks rendezvous through the
 // coordinator's rendezvous service (--rendezvous, under the worker daemon) or, standalone, through
@@ -40,6 +40,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/exit_codes.h"
 #include "common/job_spec.h"
 #include "coordinator/cp_planner.h"
 #include "worker/device_discovery.h"
@@ -83,9 +84,11 @@ int ExitCodeFor(const absl::Status& s) {
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kUnimplemented:
     case absl::StatusCode::kOutOfRange:
-      return 2;
+      return spindle::kExitInvalidInput;
+    case absl::StatusCode::kResourceExhausted:  // the device's memory
+      return spindle::kExitOutOfMemory;
     default:
-      return 1;
+      return spindle::kExitRuntimeFailure;
   }
 }
 

@@ -431,6 +431,61 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   EXPECT_EQ(as[0].second.recompute_layers(), want);
 }
 
+// A rank that runs out of device memory (exit code 3): a job with recompute "auto" restarts with
+// more layers recomputing (half of those still keeping theirs, at least two), which the plan and a
+// restarted coordinator keep; a job with a fixed recompute restarts as it was.
+TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomputing) {
+  AddWorker("w1", 1);
+  auto spec = [](const std::string& recompute) {
+    return absl::StrCat(R"({"name": "t", "model": {"preset": "tiny"}, "seq_len": 1024,
+        "data": {"source": "synthetic:recall"}, "train": {"steps": 10, "recompute": )",
+                        recompute, R"(}, "resources": "cpu", "max_restarts": 5})");
+  };
+  const std::string id = Submit(spec("\"auto\""));
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.recompute_layers(), 0);  // 1024 tokens of tiny fit 8 GiB
+  const int64_t want[] = {2, 4, 4};               // tiny has 4 layers
+  for (int64_t attempt = 1; attempt <= 3; ++attempt) {
+    Exit("w1", Ref(id, attempt, 0), 3, false,
+         "spindle-train: CachingAllocator: out of device memory");
+    v1::Job j = Get(id);
+    EXPECT_EQ(j.plan().memory().recompute_layers(), want[attempt - 1]);
+    // The restart's event says so, once per change (none once every layer recomputes).
+    const std::string said = absl::StrCat(
+        "rank 0 on worker w1 exited with code 3: spindle-train: CachingAllocator: out of device "
+        "memory; train.recompute \"auto\": ",
+        want[attempt - 1], " of 4 layers recompute from now on; restart ", attempt, "/5");
+    bool found = false;
+    for (const v1::JobEvent& e : j.events()) found |= e.message().find(said) != std::string::npos;
+    EXPECT_EQ(found, attempt < 3) << "attempt " << attempt << ": " << said;
+    as = Assignments();
+    ASSERT_EQ(as.size(), 1u) << j.message();
+    EXPECT_EQ(as[0].second.ref().attempt(), attempt + 1);
+    EXPECT_EQ(as[0].second.recompute_layers(), want[attempt - 1]);
+  }
+  Reopen();  // the coordinator restarts; the worker comes back without the rank
+  AddWorker("w1", 1, true, {});
+  clock_.AdvanceMs(4500);
+  Heartbeat("w1");
+  manager_->Tick();
+  as = Assignments();
+  ASSERT_EQ(as.size(), 1u) << Get(id).message();
+  EXPECT_EQ(as[0].second.recompute_layers(), 4);
+
+  const std::string fixed = Submit(spec("1"));
+  Exit("w1", Ref(id, 5, 0), 0);
+  Exit("w1", Ref(id, 5, 0), 0);
+  as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.ref().job_id(), fixed);
+  Exit("w1", Ref(fixed, 1, 0), 3, false, "out of device memory");
+  as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.recompute_layers(), 1);
+  EXPECT_EQ(Get(fixed).plan().memory().recompute_layers(), 1);
+}
+
 TEST_F(JobManagerTest, UnexpectedRunningRankIsStopped) {
   AddWorker("w1", 1, true, {Ref("j-000077", 4, 0)});
   std::vector<std::pair<std::string, v1::Stop>> stops;

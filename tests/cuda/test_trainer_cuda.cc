@@ -321,6 +321,23 @@ TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {
   }
 }
 
+// A job whose activations do not fit the GPU ends with exit code 3 (out of device memory, which
+// the coordinator answers with more recompute for "auto" jobs) and the allocator's message.
+TEST(CudaTrainerTest, OutOfDeviceMemoryExitsWithCodeThree) {
+  SPINDLE_REQUIRE_GPU();
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train not built";
+  JobSpec spec = TinyJob(1, /*seq_len=*/int64_t{1} << 23, /*gap=*/1024);
+  spec.model = *ModelPreset("small");  // ~90 KB of activations a token: ~700 GB
+  const std::string dir = TempDir("");
+  const std::string job = dir + "oom.json";
+  std::ofstream(job) << spec.ToJson().dump();
+  auto r = RunCommand({TrainBinary(), "--job", job, "--checkpoint-dir", dir + "ckpt"}, "",
+                      absl::Seconds(300));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 3) << r->stderr_text;
+  EXPECT_NE(r->stderr_text.find("out of device memory"), std::string::npos) << r->stderr_text;
+}
+
 // Refused before any GPU work: runs without a GPU too.
 TEST(CudaTrainerTest, ShapeTheKernelsCannotRunIsRefusedAtCreate) {
   TrainerOptions o;
