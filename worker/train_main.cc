@@ -179,6 +179,11 @@ int main(int argc, char** argv) {
       !int_flag("eval-sequences", 4, &eval_sequences) ||
       !int_flag("recompute-layers", spindle::TrainSpec::kRecomputeAuto, &recompute_layers))
     return 2;
+  if (flags.count("recompute-layers") && recompute_layers < 0) {
+    std::fprintf(stderr, "spindle-train: --recompute-layers must be >= 0, got %lld\n",
+                 static_cast<long long>(recompute_layers));
+    return 2;
+  }
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
 
   auto spec = spindle::LoadJobSpec(flags["job"]);

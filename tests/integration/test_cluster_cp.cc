@@ -116,6 +116,11 @@ TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
   std::string err((std::istreambuf_iterator<char>(f)), {});
   EXPECT_NE(err.find("trainer: recompute_layers must be in [0, 4], got 7"), std::string::npos)
       << err;
+  EXPECT_EQ(start_layers("--recompute-layers -1", dir.File("negative.out")), -102);
+  std::ifstream g(dir.File("negative.out"));
+  err.assign(std::istreambuf_iterator<char>(g), {});
+  EXPECT_NE(err.find("spindle-train: --recompute-layers must be >= 0, got -1"), std::string::npos)
+      << err;
 }
 
 class ClusterCpTest : public ::testing::TestWithParam<int> {
