@@ -18,10 +18,10 @@
 // model's automatic choice).
 // --recompute: 0 (none), 1 (every layer), both (a row each), or a comma list of how many leading
 // layers recompute (e.g. 16,12,8: one row each; the "recompute" column prints the count), where
-// "auto" is the planner's choice for this GPU (train.recompute "auto": CpPlanner against the
-// device's memory, with its estimate printed beside the row).
+// "all" is every layer and "auto" the planner's choice for this GPU (train.recompute "auto":
+// CpPlanner against the device's memory, with its estimate printed above the row).
 //
-// Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,N,...]
+// Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
 //                         [--steps 6] [--head_start_ms 0] [--head_rows 0]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
   } else {
     std::stringstream ss(rec);
     for (std::string x; std::getline(ss, x, ',');)
-      recs.push_back(x == "auto" ? spindle::kAuto : std::atoll(x.c_str()));
+      recs.push_back(x == "auto" ? spindle::kAuto : x == "all" ? -1 : std::atoll(x.c_str()));
   }
   return spindle::Run(preset, Ts, recs, steps, head_start_ms, head_rows);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: Spindle's training step (bench_model_cuda, preset 1b) and the peer's
 # (ref_model.py: PyTorch + FLA) side by side on the same GPU, at 8K and 32K tokens (the peer eager
-# and with torch.compile at 32K) and at 128K with recompute. Run from the repository root on the GPU
+# and with torch.compile at 32K) and at 128K with recompute (ours with every layer recomputing and
+# with "auto"). Run from the repository root on the GPU
 # machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer carried. Writes the
 # outputs under $OUT when set.
 # Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer]
@@ -16,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 if [ "$what" != peer ]; then
   echo "== spindle"
   timeout 240 .cuda-run/bench_model_cuda --preset 1b --T 8192,32768 --recompute 0 2>&1 | tee "$out/spindle_step.txt"
-  timeout 200 .cuda-run/bench_model_cuda --preset 1b --T 131072 --recompute 1 --steps 4 2>&1 | tee -a "$out/spindle_step.txt"
+  timeout 300 .cuda-run/bench_model_cuda --preset 1b --T 131072 --recompute all,auto --steps 4 2>&1 | tee -a "$out/spindle_step.txt"
 fi
 if [ "$what" != ours ]; then
   echo "== peer"
