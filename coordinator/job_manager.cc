@@ -40,6 +40,8 @@ struct JobManager::JobRuntime {
   CpMode lightning_mode = CpMode::kAllGather;
   CpMode mla_mode = CpMode::kAllGather;
   int64_t recompute_layers = 0;  // train.recompute as planned (never auto)
+  // "auto" planned with no device registered (every layer): decided at the first placement.
+  bool recompute_at_placement = false;
   int64_t memory_per_rank = 0;
   std::vector<RankRuntime> ranks;  // current attempt
   std::string token;
@@ -170,6 +172,7 @@ absl::Status JobManager::Recover() {
       if (planned.train.recompute_layers == TrainSpec::kRecomputeAuto &&
           stored.ParseFromString(rec.plan)) {
         planned.train.recompute_layers = stored.memory().recompute_layers();
+        j->recompute_at_placement = stored.memory().device_memory_bytes() <= 0;
       }
       CpPlan plan = planner_.Plan(planned, 0);
       j->lightning_mode = plan.ModeOf("lightning");
@@ -261,6 +264,8 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     j->lightning_mode = plan.ModeOf("lightning");
     j->mla_mode = plan.ModeOf("mla");
     j->recompute_layers = plan.memory.recompute_layers;
+    j->recompute_at_placement = spec.train.recompute_layers == TrainSpec::kRecomputeAuto &&
+                                plan.memory.device_memory_bytes <= 0;
     j->memory_per_rank = plan.memory.total_bytes;
     const int64_t now = clock_->NowMs();
     JobRecord& rec = j->rec;
@@ -476,12 +481,32 @@ void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reaso
   planned.train.recompute_layers = more;
   const CpPlan plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));
   j.recompute_layers = more;
+  j.recompute_at_placement = false;
   j.memory_per_rank = plan.memory.total_bytes;
   v1::Plan p;
   PlanToProto(plan, &p);
   j.rec.plan = p.SerializeAsString();  // saved with the restart's transition
   absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
                   " layers recompute from now on");
+}
+
+void JobManager::DecideRecomputeAtPlacement(JobRuntime& j,
+                                            const std::vector<RankPlacement>& ranks) {
+  int64_t memory = 0;  // the smallest device the gang got
+  for (const RankPlacement& p : ranks) {
+    auto w = workers_.find(p.worker_id);
+    if (w == workers_.end()) return;
+    const int64_t m = w->second->group.memory_bytes();
+    memory = memory == 0 ? m : std::min(memory, m);
+  }
+  if (memory <= 0) return;
+  const CpPlan plan = planner_.Plan(j.spec, memory);  // the spec's "auto", sized to `memory`
+  j.recompute_at_placement = false;
+  j.recompute_layers = plan.memory.recompute_layers;
+  j.memory_per_rank = plan.memory.total_bytes;
+  v1::Plan p;
+  PlanToProto(plan, &p);
+  j.rec.plan = p.SerializeAsString();  // saved with the placement's transition
 }
 
 void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,
@@ -542,6 +567,7 @@ void JobManager::Schedule(Outbox* out) {
 
 void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out) {
   const int64_t now = clock_->NowMs();
+  if (j.recompute_at_placement) DecideRecomputeAtPlacement(j, ranks);
   AttemptRecord a;
   a.job_id = j.rec.job_id;
   a.attempt = j.rec.attempt + 1;

@@ -157,6 +157,11 @@ class JobManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory of the largest registered device of `kind` ("cuda" or "cpu"); 0 when none.
   int64_t LargestDeviceMemory(const std::string& kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // train.recompute "auto" planned while no device of the job's kind was registered: sized to
+  // the smallest device of the gang being placed (the plan is updated and saved with the
+  // placement).
+  void DecideRecomputeAtPlacement(JobRuntime& j, const std::vector<RankPlacement>& ranks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank ran out of device memory: a job with train.recompute "auto" recomputes more layers
   // from its next attempt on (the plan is updated and saved with the restart), and `reason` says
   // so. Other jobs are left as they are.

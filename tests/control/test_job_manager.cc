@@ -431,6 +431,32 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   EXPECT_EQ(as[0].second.recompute_layers(), want);
 }
 
+// "auto" submitted before any worker registered is planned with every layer recomputing, then
+// sized to the device the job is placed on; that decision stays across a coordinator restart.
+TEST_F(JobManagerTest, AutoRecomputeWithoutDevicesIsDecidedAtPlacement) {
+  const std::string id = Submit(R"({"name": "t", "model": {"preset": "tiny"}, "seq_len": 1024,
+      "data": {"source": "synthetic:recall"}, "train": {"steps": 10, "recompute": "auto"},
+      "resources": "cpu"})");
+  EXPECT_EQ(Get(id).plan().memory().recompute_layers(), 4);
+  EXPECT_EQ(Get(id).plan().memory().device_memory_bytes(), 0);
+  AddWorker("w1", 1);  // 8 GiB: 1024 tokens of tiny need no recompute
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+  EXPECT_EQ(Get(id).plan().memory().recompute_layers(), 0);
+  EXPECT_EQ(Get(id).plan().memory().device_memory_bytes(), int64_t{8} << 30);
+
+  Reopen();
+  AddWorker("w1", 1, true, {});
+  clock_.AdvanceMs(4500);
+  Heartbeat("w1");
+  manager_->Tick();
+  as = Assignments();
+  ASSERT_EQ(as.size(), 1u) << Get(id).message();
+  EXPECT_EQ(as[0].second.ref().attempt(), 2);
+  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+}
+
 // A rank that runs out of device memory (exit code 3): a job with recompute "auto" restarts with
 // more layers recomputing (half of those still keeping theirs, at least two), which the plan and a
 // restarted coordinator keep; a job with a fixed recompute restarts as it was.
