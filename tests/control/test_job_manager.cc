@@ -3,6 +3,8 @@
 // exits, running out of restarts and recovery after a coordinator restart.
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
@@ -129,6 +131,17 @@ class JobManagerTest : public ::testing::Test {
       if (m.has_stop() && stops) stops->emplace_back(w, m.stop());
     }
     return out;
+  }
+
+  // The coordinator restarts and w1 (one slot) comes back without the job's rank; past the
+  // recovery grace the job restarts. Returns the assignments sent.
+  std::vector<std::pair<std::string, v1::Assignment>> RestartCoordinatorWithoutTheRank() {
+    Reopen();
+    AddWorker("w1", 1, true, {});
+    clock_.AdvanceMs(4500);  // past the 4 s recovery grace
+    Heartbeat("w1");
+    manager_->Tick();
+    return Assignments();
   }
 
   TempDir dir_;
@@ -420,12 +433,7 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   EXPECT_EQ(as[0].second.recompute_layers(), want);
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), want);
 
-  Reopen();  // the coordinator restarts; the worker comes back without the rank
-  AddWorker("w1", 1, true, {});
-  clock_.AdvanceMs(4500);  // past the recovery grace
-  Heartbeat("w1");
-  manager_->Tick();
-  as = Assignments();
+  as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
   EXPECT_EQ(as[0].second.recompute_layers(), want);
@@ -446,12 +454,7 @@ TEST_F(JobManagerTest, AutoRecomputeWithoutDevicesIsDecidedAtPlacement) {
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), 0);
   EXPECT_EQ(Get(id).plan().memory().device_memory_bytes(), int64_t{8} << 30);
 
-  Reopen();
-  AddWorker("w1", 1, true, {});
-  clock_.AdvanceMs(4500);
-  Heartbeat("w1");
-  manager_->Tick();
-  as = Assignments();
+  as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
   EXPECT_EQ(as[0].second.recompute_layers(), 0);
@@ -490,12 +493,7 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
     EXPECT_EQ(as[0].second.ref().attempt(), attempt + 1);
     EXPECT_EQ(as[0].second.recompute_layers(), want[attempt - 1]);
   }
-  Reopen();  // the coordinator restarts; the worker comes back without the rank
-  AddWorker("w1", 1, true, {});
-  clock_.AdvanceMs(4500);
-  Heartbeat("w1");
-  manager_->Tick();
-  as = Assignments();
+  as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.recompute_layers(), 4);
 
