@@ -77,6 +77,13 @@ namespace {
 
 void LogLine(const std::string& line) { std::fprintf(stderr, "coordinator: %s\n", line.c_str()); }
 
+// A plan as the job record stores it (v1::Plan bytes).
+std::string PlanBytes(const CpPlan& plan) {
+  v1::Plan p;
+  PlanToProto(plan, &p);
+  return p.SerializeAsString();
+}
+
 std::string RandomToken() {
   std::random_device rd;
   uint64_t a = (uint64_t{rd()} << 32) ^ rd(), b = (uint64_t{rd()} << 32) ^ rd();
@@ -174,11 +181,7 @@ absl::Status JobManager::Recover() {
         planned.train.recompute_layers = stored.memory().recompute_layers();
         j->recompute_at_placement = stored.memory().device_memory_bytes() <= 0;
       }
-      CpPlan plan = planner_.Plan(planned, 0);
-      j->lightning_mode = plan.ModeOf("lightning");
-      j->mla_mode = plan.ModeOf("mla");
-      j->recompute_layers = plan.memory.recompute_layers;
-      j->memory_per_rank = plan.memory.total_bytes;
+      AdoptPlan(*j, planner_.Plan(planned, 0));
     }
     ASSIGN_OR_RETURN(j->events, store_->LoadEvents(rec.job_id));
     j->rec = std::move(rec);
@@ -261,21 +264,16 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
 
     auto j = std::make_unique<JobRuntime>();
     j->spec = spec;
-    j->lightning_mode = plan.ModeOf("lightning");
-    j->mla_mode = plan.ModeOf("mla");
-    j->recompute_layers = plan.memory.recompute_layers;
+    AdoptPlan(*j, plan);
     j->recompute_at_placement = spec.train.recompute_layers == TrainSpec::kRecomputeAuto &&
                                 plan.memory.device_memory_bytes <= 0;
-    j->memory_per_rank = plan.memory.total_bytes;
     const int64_t now = clock_->NowMs();
     JobRecord& rec = j->rec;
     rec.name = spec.name;
     rec.state = JobState::kQueued;
     rec.priority = spec.priority;
     rec.spec_json = spec.ToJson().dump();
-    v1::Plan p;
-    PlanToProto(plan, &p);
-    rec.plan = p.SerializeAsString();
+    rec.plan = PlanBytes(plan);
     rec.submitted_ms = rec.updated_ms = now;
     rec.max_restarts = spec.max_restarts;
     rec.message = absl::StrCat("waiting for ", sj.world, " free ", sj.kind, " device",
@@ -470,6 +468,13 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
   rendezvous_->Close(j.rec.job_id, j.rec.attempt);
 }
 
+void JobManager::AdoptPlan(JobRuntime& j, const CpPlan& plan) {
+  j.lightning_mode = plan.ModeOf("lightning");
+  j.mla_mode = plan.ModeOf("mla");
+  j.recompute_layers = plan.memory.recompute_layers;
+  j.memory_per_rank = plan.memory.total_bytes;
+}
+
 void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {
   const int64_t n = j.spec.model.n_layers;
   if (j.spec.train.recompute_layers != TrainSpec::kRecomputeAuto || j.recompute_layers >= n) return;
@@ -480,12 +485,9 @@ void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reaso
   JobSpec planned = j.spec;
   planned.train.recompute_layers = more;
   const CpPlan plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));
-  j.recompute_layers = more;
+  AdoptPlan(j, plan);
   j.recompute_at_placement = false;
-  j.memory_per_rank = plan.memory.total_bytes;
-  v1::Plan p;
-  PlanToProto(plan, &p);
-  j.rec.plan = p.SerializeAsString();  // saved with the restart's transition
+  j.rec.plan = PlanBytes(plan);  // saved with the restart's transition
   absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
                   " layers recompute from now on");
 }
@@ -501,12 +503,9 @@ void JobManager::DecideRecomputeAtPlacement(JobRuntime& j,
   }
   if (memory <= 0) return;
   const CpPlan plan = planner_.Plan(j.spec, memory);  // the spec's "auto", sized to `memory`
+  AdoptPlan(j, plan);
   j.recompute_at_placement = false;
-  j.recompute_layers = plan.memory.recompute_layers;
-  j.memory_per_rank = plan.memory.total_bytes;
-  v1::Plan p;
-  PlanToProto(plan, &p);
-  j.rec.plan = p.SerializeAsString();  // saved with the placement's transition
+  j.rec.plan = PlanBytes(plan);  // saved with the placement's transition
 }
 
 void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,

@@ -155,6 +155,8 @@ class JobManager {
   // devices until the ranks exit (or stop_grace + heartbeat_timeout passes).
   void StopAttempt(JobRuntime& j, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes a plan's decisions: the CP modes, the layers that recompute, the memory per rank.
+  static void AdoptPlan(JobRuntime& j, const CpPlan& plan);
   // The memory of the largest registered device of `kind` ("cuda" or "cpu"); 0 when none.
   int64_t LargestDeviceMemory(const std::string& kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // train.recompute "auto" planned while no device of the job's kind was registered: sized to

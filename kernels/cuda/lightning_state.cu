@@ -81,8 +81,8 @@ Plan MakePlan(int64_t T, int64_t H, int64_t Dh, const LightningConfig& config) {
     // sweep. Pick the chunks per block that minimise waves x chunks per block, plus about two
     // chunks' worth of fixed cost per block (start state, pass-1 output, scan steps); ties go to
     // longer blocks.
-    const int sms = CurrentDeviceAttribute(cudaDevAttrMultiProcessorCount, 132);
-    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) * (sms > 0 ? sms : 132);
+    const int64_t slots = (config.sweep_kernel == 4 ? 1 : 2) *
+                          CurrentDeviceAttribute(cudaDevAttrMultiProcessorCount, 132);
     int64_t best = -1;
     for (int c = 1; c <= 64; c *= 2) {
       const int64_t blocks = H * CeilDiv(p.n_chunks, c);

@@ -13,11 +13,13 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/cluster_harness.h"
+#include "tests/integration/worker_test_util.h"
 
 namespace spindle {
 namespace {
 
 using ::spindle::testing::ClusterHarness;
+using ::spindle::testing::ReadFile;
 using ::spindle::testing::ScratchDir;
 
 std::string CpSpec(int cp, int steps, const std::string& ckpt) {
@@ -112,13 +114,11 @@ TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
   EXPECT_EQ(start_layers("--recompute-layers 3", dir.File("three.out")), 3);
   EXPECT_EQ(StepLosses(dir.File("auto.out")), StepLosses(dir.File("three.out")));
   EXPECT_EQ(start_layers("--recompute-layers 7", dir.File("bad.out")), -102);
-  std::ifstream f(dir.File("bad.out"));
-  std::string err((std::istreambuf_iterator<char>(f)), {});
+  std::string err = ReadFile(dir.File("bad.out"));
   EXPECT_NE(err.find("trainer: recompute_layers must be in [0, 4], got 7"), std::string::npos)
       << err;
   EXPECT_EQ(start_layers("--recompute-layers -1", dir.File("negative.out")), -102);
-  std::ifstream g(dir.File("negative.out"));
-  err.assign(std::istreambuf_iterator<char>(g), {});
+  err = ReadFile(dir.File("negative.out"));
   EXPECT_NE(err.find("spindle-train: --recompute-layers must be >= 0, got -1"), std::string::npos)
       << err;
 }

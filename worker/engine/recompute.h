@@ -22,15 +22,14 @@ struct Recompute {
   bool Layer(int64_t i) const { return i < layers; }
   // A model of n layers keeps one cache per layer that does not recompute and one, refilled
   // layer by layer, for those that do; CacheOf(i, n) is layer i's.
-  static int64_t Clamp(int64_t r, int64_t n) { return std::clamp<int64_t>(r, 0, n); }
-  int64_t NumCaches(int64_t n) const {
-    const int64_t r = Clamp(layers, n);
-    return (r > 0 ? 1 : 0) + n - r;
-  }
+  int64_t NumCaches(int64_t n) const { return Shared(n) + n - Count(n); }
   int64_t CacheOf(int64_t i, int64_t n) const {
-    const int64_t r = Clamp(layers, n);
-    return i < r ? 0 : (r > 0 ? 1 : 0) + i - r;
+    return i < Count(n) ? 0 : Shared(n) + i - Count(n);
   }
+
+ private:
+  int64_t Count(int64_t n) const { return std::clamp<int64_t>(layers, 0, n); }  // of n recompute
+  int64_t Shared(int64_t n) const { return Count(n) > 0 ? 1 : 0; }              // the shared cache
 };
 
 }  // namespace spindle

@@ -215,6 +215,7 @@ struct CudaModel::Impl {
   int64_t steps = 0;
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
+  double peak_flops = 0;       // see peak_flops()
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
@@ -376,6 +377,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
           kc::DeviceSupportProblem(device, prop.name, prop.major, prop.minor);
       !problem.empty())
     return absl::FailedPreconditionError(absl::StrCat("cuda model: ", problem));
+  int clock_khz = 0;
+  CUDA(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  impl->peak_flops = kc::DenseBf16PeakFlops(prop.name, prop.multiProcessorCount, clock_khz);
   // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
   // all-reduce asks for it (DownloadGrads).
   ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false));
@@ -575,6 +579,8 @@ DeviceMemory CudaModel::memory() const {
 
 void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
 double CudaModel::last_enqueue_seconds() const { return impl_->enqueue_seconds; }
+
+double CudaModel::peak_flops() const { return impl_->peak_flops; }
 void CudaModel::SetPoisonActivations(bool on) { impl_->alloc.SetPoison(on); }
 
 // ---- Batch ---------------------------------------------------------------------------------------

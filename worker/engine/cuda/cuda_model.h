@@ -135,6 +135,8 @@ class CudaModel {
   // Host seconds the last Forward / ForwardBackward spent queueing its work (from entry to its
   // final stream synchronisation). Near the step's time, the host, not the GPU, sets the pace.
   double last_enqueue_seconds() const;
+  // The device's dense bf16 peak in FLOP/s (kernels/cuda/device_support.h DenseBf16PeakFlops).
+  double peak_flops() const;
   // Fills activation memory with NaN whenever the allocator hands a block out (see
   // kernels::cuda::CachingAllocator::SetPoison): a read of memory no kernel wrote then shows in
   // the loss or the gradients. Slow; for tests.

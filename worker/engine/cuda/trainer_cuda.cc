@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "kernels/cuda/device_support.h"
 #include "worker/engine/cuda/cuda_model.h"
 #ifdef SPINDLE_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -19,8 +18,7 @@ namespace {
 
 class CudaStepBackend final : public StepBackend {
  public:
-  CudaStepBackend(std::unique_ptr<CudaModel> model, double peak_flops)
-      : m_(std::move(model)), peak_flops_(peak_flops) {}
+  explicit CudaStepBackend(std::unique_ptr<CudaModel> model) : m_(std::move(model)) {}
 
   const ModelConfig& config() const override { return m_->config(); }
   ParamSet& host_params() override { return m_->host_params(); }
@@ -96,11 +94,10 @@ class CudaStepBackend final : public StepBackend {
             {"mem_reserved_bytes", mem.fixed + mem.reserved},
             {"mem_peak_bytes", mem.fixed + mem.peak_allocated}};
   }
-  double PeakFlops() const override { return peak_flops_; }
+  double PeakFlops() const override { return m_->peak_flops(); }
 
  private:
   std::unique_ptr<CudaModel> m_;
-  double peak_flops_ = 0.0;
 };
 
 }  // namespace
@@ -121,18 +118,7 @@ absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelCo
         err != cudaSuccess ? cudaGetErrorString(err) : "no device", ")"));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, seed, 0));
-  // The device the model was created on: its dense bf16 peak, for model FLOP utilisation.
-  double peak = 0.0;
-  int device = 0, sms = 0, clock_khz = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&device) == cudaSuccess &&
-      cudaGetDeviceProperties(&prop, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device) == cudaSuccess) {
-    peak = kernels::cuda::DenseBf16PeakFlops(prop.name, sms, clock_khz);
-  }
-  (void)cudaGetLastError();
-  return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model), peak));
+  return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model)));
 }
 
 }  // namespace spindle
