@@ -189,23 +189,35 @@ float ClipScale(const TrainSpec& t, double grad_norm) {
 }
 }  // namespace
 
+absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches(bool keep_whole) const {
+  const JobSpec& spec = opt_.spec;
+  const int64_t mb = spec.train.micro_batches;
+  StepBatches out;
+  for (int64_t m = 0; m < mb; ++m) {
+    Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
+                                   data_->eos_id());
+    out.flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
+    if (keep_whole && cp_ == 1) {
+      out.valid_targets += static_cast<double>(full.NumValidTargets());
+      out.whole.push_back(std::move(full));
+      continue;
+    }
+    ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
+    out.valid_targets += static_cast<double>(b.local.NumValidTargets());
+    out.shares.push_back(std::move(b));
+  }
+  return out;
+}
+
 absl::Status Trainer::Step() {
   if (backend_) return DeviceStep();
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
-  // This replica's micro-batches, this CP rank's share of each.
-  std::vector<CpBatch> batches;
-  double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
-  double flops = 0.0;             // this rank's model FLOPs (its 1/cp of each sequence's)
-  for (int64_t m = 0; m < mb; ++m) {
-    Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
-                                   data_->eos_id());
-    flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
-    ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
-    counts[1] += static_cast<double>(b.local.NumValidTargets());
-    batches.push_back(std::move(b));
-  }
+  ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/false));
+  const std::vector<CpBatch>& batches = sb.shares;
+  double counts[2] = {0.0, sb.valid_targets};  // this rank's loss sum and valid targets
+  const double flops = sb.flops;
   double n_valid = counts[1];
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
@@ -260,23 +272,11 @@ absl::Status Trainer::DeviceStep() {
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
-  std::vector<Batch> batches;      // cp = 1
-  std::vector<CpBatch> shares;     // cp > 1: this CP rank's share of each
-  double counts[2] = {0.0, 0.0};  // this rank's loss sum and valid targets
-  double flops = 0.0;             // this rank's model FLOPs (its 1/cp of each sequence's)
-  for (int64_t m = 0; m < mb; ++m) {
-    Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
-                                   data_->eos_id());
-    flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
-    if (cp_ > 1) {
-      ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
-      counts[1] += static_cast<double>(b.local.NumValidTargets());
-      shares.push_back(std::move(b));
-    } else {
-      counts[1] += static_cast<double>(full.NumValidTargets());
-      batches.push_back(std::move(full));
-    }
-  }
+  ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/true));
+  const std::vector<Batch>& batches = sb.whole;    // cp = 1
+  const std::vector<CpBatch>& shares = sb.shares;  // cp > 1
+  double counts[2] = {0.0, sb.valid_targets};      // this rank's loss sum and valid targets
+  const double flops = sb.flops;
   double n_valid = counts[1];
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));

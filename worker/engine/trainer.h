@@ -47,9 +47,11 @@
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "nlohmann/json.hpp"
+#include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/data.h"
 #include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
@@ -105,6 +107,16 @@ class Trainer {
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
   absl::Status Step();
   absl::Status DeviceStep();
+  // This replica's micro-batches for the step: each sequence whole (`whole`, cp = 1 and
+  // `keep_whole`) or this CP rank's share of it (`shares`), with this rank's valid targets and
+  // model FLOPs (its 1/cp of each sequence's).
+  struct StepBatches {
+    std::vector<Batch> whole;
+    std::vector<CpBatch> shares;
+    double valid_targets = 0.0;
+    double flops = 0.0;
+  };
+  absl::StatusOr<StepBatches> MakeStepBatches(bool keep_whole) const;
   // After the update: counters, the loss history and the step event ("tflops": this rank's model
   // FLOPs, `flops`, over the step's time; "mfu": the same over the device's peak, when known).
   void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
