@@ -4,14 +4,16 @@
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
 // Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--lightning-row N]
-//                           [--cp-pieces]
+//                           [--cp-pieces] [--step-gemms] [--gemm-candidates]
 //   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
 //   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
 //   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
 //   attention each rank runs under cp = 2 at 64K tokens, All2All against AllGather's causal and
 //   full pieces; --step-gemms: every GEMM shape of the 1b training step at T = 32K in each of its
 //   three roles (forward, input gradient, fp32 weight gradient), with the step's count of each and
-//   the alternatives that would change it (merged projections, the weight gradient without beta).
+//   the alternatives that would change it (merged projections, the weight gradient without beta);
+//   --gemm-candidates: the step's large GEMMs with each algorithm cuBLASLt offers, timed under
+//   sustained load (the power cap's clock).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -123,28 +125,61 @@ void Row(const std::string& name, double ms, double bytes, double flops = 0) {
 // gradient dx = dy W (bf16 out) and the weight gradient dW += dy^T x (fp32 out, beta 1), as
 // CudaModel issues them. Prints each shape and role's time and TFLOP/s and the step's total
 // (times the count of that linear in the step), then the alternatives.
-int StepGemms() {
+// Milliseconds per call of fn once the GPU has run it back to back for about fill_ms (so that the
+// power cap's clock has settled as in a training step): the mean over n calls, timed as one span.
+double SustainedMs(const std::function<void()>& fn, double fill_ms = 500, int n = 50) {
+  const double one = TimeMs(fn, 3, 1);
+  const int fill = static_cast<int>(std::ceil(fill_ms / std::max(one, 1e-3)));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < fill; ++i) fn();
+  cudaEventRecord(a);
+  for (int i = 0; i < n; ++i) fn();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  CheckCuda(cudaGetLastError(), "sustained kernel");
+  float t = 0;
+  cudaEventElapsedTime(&t, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return t / n;
+}
+
+// With `candidates`: each of the step's large GEMMs (the FFN's and the Lightning projections',
+// all three roles) with every algorithm cuBLASLt's heuristic offers (up to 8), each timed
+// sustained (SustainedMs), two rounds in opposite orders, best of the two.
+int StepGemms(bool candidates) {
   const int64_t T = 32768, d = 2048, F = 5632, V = 32000, head_rows = 8192;
   std::unique_ptr<cu::Blas> blas;
   Check(cu::Blas::Create(&blas), "blas");
   const size_t max_elems = static_cast<size_t>(T) * 2 * F;
   Buf A(max_elems, kBf16), B(max_elems, kBf16), C(max_elems, cu::DType::kFloat32);
   // C[M, N] (+)= op(A) op(B), A stored [M, K] or (trans_a) [K, M], B [K, N] or (trans_b) [N, K].
-  auto time_gemm = [&](int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+  auto gemm_args = [&](int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
                        float beta = 0.0f, cu::DType c_type = kBf16) {
     cu::GemmArgs a;
     a.A = A.p, a.B = B.p, a.C = C.p, a.M = M, a.N = N, a.K = K, a.beta = beta, a.c_type = c_type;
     a.trans_a = trans_a, a.trans_b = trans_b;
     a.lda = trans_a ? M : K, a.ldb = trans_b ? K : N, a.ldc = N;
+    return a;
+  };
+  auto time_gemm = [&](int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+                       float beta = 0.0f, cu::DType c_type = kBf16) {
+    const cu::GemmArgs a = gemm_args(M, N, K, trans_a, trans_b, beta, c_type);
     return TimeMs([&] { Check(blas->Gemm(a, 0), "gemm"); }, 10, 2);
   };
   // role 0: forward, 1: input gradient, 2: weight gradient (fp32, beta 1), 3: weight gradient
   // fp32 beta 0, 4: weight gradient bf16 beta 0.
-  auto time_role = [&](int64_t rows, int64_t in, int64_t out, int role) {
-    if (role == 0) return time_gemm(rows, out, in, false, true);
-    if (role == 1) return time_gemm(rows, in, out, false, false);
-    return time_gemm(out, in, rows, true, false, role == 2 ? 1.0f : 0.0f,
+  auto role_args = [&](int64_t rows, int64_t in, int64_t out, int role) {
+    if (role == 0) return gemm_args(rows, out, in, false, true);
+    if (role == 1) return gemm_args(rows, in, out, false, false);
+    return gemm_args(out, in, rows, true, false, role == 2 ? 1.0f : 0.0f,
                      role == 4 ? kBf16 : cu::DType::kFloat32);
+  };
+  auto time_role = [&](int64_t rows, int64_t in, int64_t out, int role) {
+    const cu::GemmArgs a = role_args(rows, in, out, role);
+    return time_gemm(a.M, a.N, a.K, a.trans_a, a.trans_b, a.beta, a.c_type);
   };
   struct Linear {
     const char* name;
@@ -156,6 +191,53 @@ int StepGemms() {
       {"M kv_b", T, 512, 16 * 256, 2}, {"M out", T, 16 * 128, d, 2},  {"ffn w1 / w3", T, d, F, 32},
       {"ffn w2", T, F, d, 16},         {"head (8192-row blocks)", head_rows, d, V, T / head_rows}};
   const char* roles[] = {"fwd", "dgrad", "wgrad fp32 b1", "wgrad fp32 b0", "wgrad bf16 b0"};
+  if (candidates) {
+    struct Run {
+      const Linear* l;
+      int role, candidate;
+      double best_ms = 1e9;
+    };
+    std::vector<Run> runs;
+    for (const Linear& l : step) {
+      if (l.rows != T || l.count < 14) continue;  // the FFN's and Lightning's linears
+      for (int role = 0; role < 3; ++role)
+        for (int c = 0; c < 8; ++c) {
+          cu::GemmArgs a = role_args(l.rows, l.in, l.out, role);
+          a.candidate = c;
+          if (!blas->Gemm(a, 0).ok()) break;  // fewer candidates offered
+          runs.push_back({&l, role, c});
+        }
+    }
+    CheckCuda(cudaDeviceSynchronize(), "candidates");
+    for (int round = 0; round < 2; ++round)
+      for (size_t i = 0; i < runs.size(); ++i) {
+        Run& r = runs[round == 0 ? i : runs.size() - 1 - i];
+        cu::GemmArgs a = role_args(r.l->rows, r.l->in, r.l->out, r.role);
+        a.candidate = r.candidate;
+        r.best_ms = std::min(r.best_ms, SustainedMs([&] { Check(blas->Gemm(a, 0), "gemm"); }));
+      }
+    std::printf("| %-12s | %-13s | %4s | %-52s | %8s | %7s | %8s |\n", "linear", "role", "cand",
+                "algorithm", "ms", "TFLOP/s", "vs first");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    double first_total = 0, best_total = 0, first_ms = 0, best_ms = 1e9;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Run& r = runs[i];
+      if (r.candidate == 0) first_ms = r.best_ms, best_ms = r.best_ms;
+      best_ms = std::min(best_ms, r.best_ms);
+      cu::GemmArgs a = role_args(r.l->rows, r.l->in, r.l->out, r.role);
+      a.candidate = r.candidate;
+      std::printf("| %-12s | %-13s | %4d | %-52s | %8.3f | %7.0f | %7.1f%% |\n", r.l->name,
+                  roles[r.role], r.candidate, blas->AlgorithmName(a).c_str(), r.best_ms,
+                  2.0 * a.M * a.N * a.K / r.best_ms / 1e9, 100.0 * (r.best_ms / first_ms - 1));
+      const bool last_of_gemm = i + 1 == runs.size() || runs[i + 1].candidate == 0;
+      if (last_of_gemm) first_total += first_ms * r.l->count, best_total += best_ms * r.l->count;
+    }
+    std::printf(
+        "\nthese GEMMs in one step, sustained: %.1f ms with the first candidates, %.1f ms "
+        "with the best of each\n",
+        first_total, best_total);
+    return 0;
+  }
   std::printf("| %-24s | %-13s | %5s | %8s | %7s | %10s |\n", "linear", "role", "count", "ms",
               "TFLOP/s", "step ms");
   std::printf("|---|---|---|---|---|---|\n");
@@ -211,7 +293,7 @@ int StepGemms() {
 
 int main(int argc, char** argv) {
   bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false,
-       step_gemms = false;
+       step_gemms = false, gemm_candidates = false;
   int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
@@ -222,6 +304,7 @@ int main(int argc, char** argv) {
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
     cp_pieces |= std::strcmp(argv[i], "--cp-pieces") == 0;
     step_gemms |= std::strcmp(argv[i], "--step-gemms") == 0;
+    gemm_candidates |= std::strcmp(argv[i], "--gemm-candidates") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
@@ -243,7 +326,7 @@ int main(int argc, char** argv) {
     cudaFree(y);
   }
   std::printf("device copy: %.2f TB/s (read + write)\n\n", g_copy_tbps);
-  if (step_gemms) return StepGemms();
+  if (step_gemms || gemm_candidates) return StepGemms(gemm_candidates);
 
   std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),

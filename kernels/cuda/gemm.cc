@@ -2,7 +2,8 @@
 // C^T = op(B)^T op(A)^T, i.e. cuBLASLt's A is our B. Algorithms come from the heuristic once per
 // shape (told each pointer's alignment) and are cached with their layouts. Timing the heuristic's
 // other candidates per shape was tried and measured: no gain on the 1b step at 32K (437.5 ms
-// without, 439.2 ms with), so the first is kept and results stay reproducible across processes.
+// without, 439.2 ms with), nor under sustained load (bench/cuda/NOTES.md, "The GEMMs' algorithms
+// under the power cap"), so the first is kept and results stay reproducible across processes.
 #include "kernels/cuda/gemm.h"
 
 #include <cublasLt.h>
@@ -29,7 +30,7 @@ cudaDataType_t CudaType(DType t) {
 }
 
 using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                       bool, int, int, int>;
+                       bool, int, int, int, int>;
 
 // The largest power of two up to 256 that divides the address.
 int Alignment(const void* p) {
@@ -37,6 +38,39 @@ int Alignment(const void* p) {
   int align = 256;
   while (align > 1 && a % align != 0) align >>= 1;
   return align;
+}
+
+constexpr int kMaxCandidates = 16;
+
+// Without alignment hints cuBLASLt assumes 256-byte aligned pointers and may pick an algorithm
+// that reads wrong data from a less aligned one (weights at odd offsets of the flat buffers).
+struct Alignments {
+  int a, b, c;
+};
+Alignments AlignmentsOf(const GemmArgs& g) {
+  return {Alignment(g.A), Alignment(g.B),
+          g.C_in != nullptr ? std::min(Alignment(g.C), Alignment(g.C_in)) : Alignment(g.C)};
+}
+
+// A plan's identity: the shape, layouts, types, whether C is read, each pointer's alignment and
+// the candidate asked for.
+Key KeyOf(const GemmArgs& g) {
+  const Alignments al = AlignmentsOf(g);
+  return Key{g.trans_a,
+             g.trans_b,
+             g.M,
+             g.N,
+             g.K,
+             g.lda,
+             g.ldb,
+             g.ldc,
+             static_cast<int>(g.ab_type),
+             static_cast<int>(g.c_type),
+             g.beta == 0.0f,
+             al.a,
+             al.b,
+             al.c,
+             g.candidate};
 }
 
 // One cached plan: descriptors and the chosen algorithm.
@@ -81,13 +115,9 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
   if (g.M == 0 || g.N == 0) return Status::Ok();
   SPINDLE_CHECK_ARG(g.ab_type != DType::kFloat32 || g.c_type == DType::kFloat32,
                     "Gemm: fp32 inputs need an fp32 output");
-  const bool beta_zero = g.beta == 0.0f;
-  // Without alignment hints cuBLASLt assumes 256-byte aligned pointers and may pick an algorithm
-  // that reads wrong data from a less aligned one (weights at odd offsets of the flat buffers).
-  const int align_a = Alignment(g.A), align_b = Alignment(g.B);
-  const int align_c = g.C_in != nullptr ? std::min(Alignment(g.C), Alignment(g.C_in)) : Alignment(g.C);
-  const Key key{g.trans_a, g.trans_b, g.M,  g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.ab_type),
-                static_cast<int>(g.c_type), beta_zero, align_a, align_b, align_c};
+  SPINDLE_CHECK_ARG(g.candidate >= 0 && g.candidate < kMaxCandidates,
+                    "Gemm: candidate out of range");
+  const Key key = KeyOf(g);
   auto it = impl_->plans.find(key);
   if (it == impl_->plans.end()) {
     auto plan = std::make_unique<Plan>();
@@ -112,7 +142,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                          sizeof(ws));
     // cuBLASLt's A is our B (column-major view); C and D are both our C.
-    const uint32_t lt_a = align_b, lt_b = align_a, lt_c = align_c;
+    const Alignments al = AlignmentsOf(g);
+    const uint32_t lt_a = al.b, lt_b = al.a, lt_c = al.c;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &lt_a,
                                          sizeof(lt_a));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &lt_b,
@@ -121,18 +152,20 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                                          sizeof(lt_c));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &lt_c,
                                          sizeof(lt_c));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kMaxCandidates] = {};
     int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-        impl_->handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(impl_->handle, plan->op, plan->a, plan->b, plan->c, plan->c,
+                                       pref, g.candidate + 1, results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     SPINDLE_CUBLAS_CHECK(st);
-    if (found == 0) {
-      return {StatusCode::kCublasError, "Gemm: cuBLASLt found no algorithm for M=" +
-                                            std::to_string(g.M) + " N=" + std::to_string(g.N) +
-                                            " K=" + std::to_string(g.K)};
+    if (found <= g.candidate) {
+      return {StatusCode::kCublasError,
+              "Gemm: cuBLASLt found " + std::to_string(found) + " algorithm(s) for M=" +
+                  std::to_string(g.M) + " N=" + std::to_string(g.N) + " K=" + std::to_string(g.K) +
+                  ", candidate " + std::to_string(g.candidate) + " asked for"};
     }
-    plan->algo = result.algo;
+    plan->algo = results[g.candidate].algo;
     it = impl_->plans.emplace(key, std::move(plan)).first;
   }
   const Plan& p = *it->second;
@@ -141,6 +174,29 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                                       impl_->workspace,
                                       kWorkspaceBytes, stream));
   return Status::Ok();
+}
+
+std::string Blas::AlgorithmName(const GemmArgs& args) const {
+  const auto it = impl_->plans.find(KeyOf(args));
+  if (it == impl_->plans.end()) return "";
+  const cublasLtMatmulAlgo_t& algo = it->second->algo;
+  std::string name;
+  // Each attribute this cuBLASLt reports, as "name value".
+  auto add = [&](const char* label, cublasLtMatmulAlgoConfigAttributes_t attr) {
+    uint32_t v = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) !=
+        CUBLAS_STATUS_SUCCESS)
+      return;
+    name += (name.empty() ? "" : " ") + std::string(label) + " " + std::to_string(v);
+  };
+  add("id", CUBLASLT_ALGO_CONFIG_ID);
+  add("tile", CUBLASLT_ALGO_CONFIG_TILE_ID);
+  add("stages", CUBLASLT_ALGO_CONFIG_STAGES_ID);
+  add("cluster", CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  add("splitk", CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  add("swizzle", CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+  return name;
 }
 
 Status Blas::LinearForward(const void* x, const void* W, void* y, int64_t T, int64_t in,

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "kernels/cuda/dtype.h"
@@ -33,6 +34,9 @@ struct GemmArgs {
   const void* C_in = nullptr;
   DType ab_type = DType::kBFloat16;  // A and B
   DType c_type = DType::kBFloat16;   // C (read when beta != 0) and the output
+  // Which of cuBLASLt's heuristic candidates runs: 0, its first choice, everywhere but in
+  // benchmarks that compare the others.
+  int candidate = 0;
 };
 
 class Blas {
@@ -48,6 +52,9 @@ class Blas {
   // C = alpha * op(A) op(B) + beta * C (or C_in), row-major, enqueued on stream.
   Status Gemm(const GemmArgs& args, cudaStream_t stream);
 
+  // The algorithm a Gemm with these arguments ran (its tile, stages, cluster shape, split-K and
+  // CTA swizzle), for benchmark tables; empty before the first such Gemm.
+  std::string AlgorithmName(const GemmArgs& args) const;
   // y[T, out] = x[T, in] W[out, in]^T (x, W, y in `dtype`).
   Status LinearForward(const void* x, const void* W, void* y, int64_t T, int64_t in, int64_t out,
                        DType dtype, cudaStream_t stream);

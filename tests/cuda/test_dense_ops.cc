@@ -587,6 +587,43 @@ TEST_P(DenseOps, GemmAllTransposesAndLinear) {
   ExpectClose(Download(d_dW.get(), out * in, DType::kFloat32), dW, dt(), "dW");
 }
 
+// Benchmarks run the heuristic's other algorithms (GemmArgs::candidate): each one offered must
+// compute the same product, each is described, and one beyond those offered is refused by name.
+TEST_P(DenseOps, GemmEveryCandidateComputesTheSameProduct) {
+  std::unique_ptr<Blas> blas;
+  ASSERT_OK(Blas::Create(&blas));
+  const int64_t M = 300, N = 200, K = 129;
+  auto A = Rand(M * K), B = Rand(N * K), C0 = Rand(M * N);
+  auto d_A = Upload(A, dt()), d_B = Upload(B, dt());
+  auto want = C0;
+  cpu::Gemm(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 1.0f, want.data(), N);
+  GemmArgs g;
+  g.trans_b = true, g.M = M, g.N = N, g.K = K, g.beta = 1.0f;
+  g.A = d_A.get(), g.lda = K, g.B = d_B.get(), g.ldb = K, g.ldc = N;
+  g.ab_type = dt(), g.c_type = dt();
+  int offered = 0;
+  for (int c = 0; c < 16; ++c) {
+    SCOPED_TRACE("candidate " + std::to_string(c));
+    auto d_C = Upload(C0, dt());
+    g.C = d_C.get(), g.candidate = c;
+    const Status st = blas->Gemm(g, 0);
+    if (!st.ok()) {
+      EXPECT_NE(st.message().find("candidate " + std::to_string(c) + " asked for"),
+                std::string::npos)
+          << st.message();
+      break;
+    }
+    ++offered;
+    EXPECT_NE(blas->AlgorithmName(g).find("tile"), std::string::npos) << blas->AlgorithmName(g);
+    ExpectClose(Download(d_C.get(), M * N, dt()), want, dt(), "C");
+  }
+  EXPECT_GE(offered, 1);
+  g.candidate = 16;
+  EXPECT_FALSE(blas->Gemm(g, 0).ok());
+  g.candidate = 0, g.M = M + 1;
+  EXPECT_EQ(blas->AlgorithmName(g), "");  // no plan for this shape yet
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, DenseOps,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
