@@ -29,8 +29,9 @@
 //
 // Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--warmup 2]
 //                      [--steps 5] [--doc 0] [--timeout 120] [--lightning_mode all2all]
-//                      [--mla_mode all2all]
+//                      [--mla_mode all2all] [--comm_only MB,...]
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).
+//   --comm_only MB,...: no model; the CP all-to-all alone on buffers of these sizes (RunCommOnly).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -71,6 +72,7 @@ struct Options {
   uint64_t seed = 1;
   CpMode lightning = CpMode::kAll2All;
   CpMode mla = CpMode::kAll2All;
+  std::vector<int> comm_only_mb;  // --comm_only: all-to-all buffer sizes (MB a rank), no model
 };
 
 double Gib(int64_t b) { return static_cast<double>(b) / (1 << 30); }
@@ -343,6 +345,74 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
   return out;
 }
 
+// --comm_only: the CP all-to-all alone, as the model's exchanges call it (CommType::kByte, one
+// block per rank, the communicator's Wait), for each buffer size: 2 warm-up calls, then --steps
+// calls between host barriers; per call the slowest rank's time. "GB/s out" is what each rank
+// sends to the others ((cp - 1) blocks) over that time.
+int RunCommOnly(const Options& opt, int cp) {
+  MemoryKvStore store;
+  RunControl ctl(cp);
+  const size_t max_bytes =
+      static_cast<size_t>(*std::max_element(opt.comm_only_mb.begin(), opt.comm_only_mb.end()))
+      << 20;
+  std::vector<std::vector<double>> secs(cp);  // [rank][size]
+  std::vector<std::thread> threads;
+  for (int r = 0; r < cp; ++r) {
+    threads.emplace_back([&, r] {
+      auto body = [&]() -> absl::Status {
+        BENCH_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(r), "cudaSetDevice"));
+        auto comm = CreateNcclCommunicator(store, absl::StrCat("bench_cp/comm", cp), r, cp, r,
+                                           absl::Seconds(opt.timeout_s));
+        if (!comm.ok()) return comm.status();
+        void *in = nullptr, *out = nullptr;
+        BENCH_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&in, max_bytes), "cudaMalloc"));
+        BENCH_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&out, max_bytes), "cudaMalloc"));
+        absl::Status st;
+        for (int mb : opt.comm_only_mb) {
+          const int64_t block = (static_cast<int64_t>(mb) << 20) / cp;
+          auto call = [&] {
+            return (*comm)->AllToAll(in, block, CommType::kByte, out, CommLayer::kLightning);
+          };
+          for (int i = 0; i < 2 && st.ok(); ++i) st = call();
+          if (!st.ok() || !ctl.Arrive()) break;
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < opt.steps && st.ok(); ++i) st = call();
+          if (!st.ok() || !ctl.Arrive()) break;
+          secs[r].push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+              opt.steps);
+        }
+        cudaFree(in);
+        cudaFree(out);
+        return st;
+      };
+      if (absl::Status s = body(); !s.ok()) ctl.Abort(absl::StrCat("rank ", r, ": ", s.ToString()));
+      ctl.Finished();
+    });
+  }
+  if (!ctl.WaitAll(std::chrono::seconds(opt.timeout_s + 60))) {
+    std::fprintf(stderr, "bench_cp_cuda: cp=%d all-to-all failed (%s), ranks stuck in NCCL\n", cp,
+                 ctl.first_error().c_str());
+    std::_Exit(1);
+  }
+  for (auto& t : threads) t.join();
+  if (!ctl.first_error().empty()) {
+    std::fprintf(stderr, "bench_cp_cuda: cp=%d all-to-all failed: %s\n", cp,
+                 ctl.first_error().c_str());
+    return 1;
+  }
+  for (size_t i = 0; i < opt.comm_only_mb.size(); ++i) {
+    double worst = 0.0;
+    for (int r = 0; r < cp; ++r) worst = std::max(worst, secs[r][i]);
+    const double out_gb =
+        static_cast<double>(opt.comm_only_mb[i]) * (1 << 20) * (cp - 1) / cp / 1e9;
+    std::printf("| %d | %d | %.3f | %.1f |\n", cp, opt.comm_only_mb[i], 1e3 * worst,
+                out_gb / worst);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 int Run(const Options& opt) {
   auto config = ModelPreset(opt.preset);
   if (!config.ok()) {
@@ -386,6 +456,17 @@ int Run(const Options& opt) {
 
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
+  if (!opt.comm_only_mb.empty()) {
+    const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+    std::printf(
+        "# %s x %d visible, the CP all-to-all alone, mean of %d calls after 2 warm-up, "
+        "NCCL_NVLS_ENABLE=%s\n| cp | buffer MB a rank | ms a call | GB/s out a rank |\n"
+        "|---|---|---|---|\n",
+        prop.name, gpus, opt.steps, nvls ? nvls : "(unset)");
+    int rc = 0;
+    for (int cp : runnable) rc = std::max(rc, RunCommOnly(opt, cp));
+    return rc;
+  }
   const Batch full = MakeBatch(*config, opt.T, opt.doc, 7);
   const std::string docs =
       opt.doc > 0 ? absl::StrCat("documents of ~", opt.doc, " tokens") : "one document";
@@ -508,6 +589,8 @@ int main(int argc, char** argv) {
     } else if (k == "--lightning_mode") {
       ok = v == "all2all" || v == "allgather";
       opt.lightning = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
+    } else if (k == "--comm_only") {
+      ok = spindle::ParseInts(v, &opt.comm_only_mb);
     } else if (k == "--mla_mode") {
       ok = v == "all2all" || v == "allgather";
       opt.mla = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
