@@ -56,21 +56,9 @@ Alignments AlignmentsOf(const GemmArgs& g) {
 // the candidate asked for.
 Key KeyOf(const GemmArgs& g) {
   const Alignments al = AlignmentsOf(g);
-  return Key{g.trans_a,
-             g.trans_b,
-             g.M,
-             g.N,
-             g.K,
-             g.lda,
-             g.ldb,
-             g.ldc,
-             static_cast<int>(g.ab_type),
-             static_cast<int>(g.c_type),
-             g.beta == 0.0f,
-             al.a,
-             al.b,
-             al.c,
-             g.candidate};
+  return std::make_tuple(g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
+                         static_cast<int>(g.ab_type), static_cast<int>(g.c_type), g.beta == 0.0f,
+                         al.a, al.b, al.c, g.candidate);
 }
 
 // One cached plan: descriptors and the chosen algorithm.
