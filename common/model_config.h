@@ -61,6 +61,11 @@ std::string CudaShapeProblem(const ModelConfig& c);
 // planner's memory estimate counts the same blocks.
 inline constexpr int64_t kCudaMlaKeyBlock = 32768;
 
+// The CUDA engine runs a layer's FFN over blocks of this many tokens wherever its [T, ffn_dim]
+// activations are not kept for a backward (the FFN gradients, and the FFN of a layer that
+// recomputes), so that scratch follows this, not the sequence; the planner counts the same.
+inline constexpr int64_t kCudaFfnBlockRows = 32768;
+
 // `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 

@@ -102,26 +102,31 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   const bool l_all2all = cuda_cp && !lightning_allgather, m_all2all = cuda_cp && !mla_allgather;
   if (l_all2all) per_l += 3 * d;
   if (m_all2all) per_m += mla_core_in + H * a.v_head_dim;
+  // The CUDA engine runs the FFN of a recomputed layer, and every FFN backward, in blocks of
+  // kCudaFfnBlockRows tokens: those [T, 3 ffn_dim] activations and gradients follow the block.
+  const int64_t ffn_rows = cuda ? std::min<int64_t>(T, kCudaFfnBlockRows) : T;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
   // The recomputed layers (the first R) by kind; the others keep their whole cache.
   int64_t rl = 0, rm = 0;
   for (int64_t i = 0; i < R; ++i) (m.LayerKind(i) == 'M' ? rm : rl) += 1;
   int64_t per_token = 4 * d + (nl - rl) * per_l + (nm - rm) * per_m;
+  int64_t ffn_block_bytes = 0;
   if (R > 0) {
     // One cache, refilled layer by layer, holds the union of the recomputed kinds' buffers.
     int64_t layer = 0;
     if (rl > 0) layer = per_l;
     if (rm > 0) layer = rl > 0 ? layer + per_m - common : per_m;
-    per_token += R * d + layer;
+    per_token += R * d + layer - 3 * f;
+    ffn_block_bytes = ffn_rows * B * 3 * f;
     // The CUDA engine: each recomputed MLA layer keeps its attention output and statistics (and
     // under All2All its head-split output) for the backward, so the recompute skips the attention.
     if (cuda) per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
   }
-  e.activations_bytes = T * B * per_token;
+  e.activations_bytes = T * B * per_token + ffn_block_bytes;
   // Logit blocks, plus the backward's gradient scratch shared by all layers (the FFN's three
-  // [T, F] and about a dozen [T, d] buffers).
+  // [T, F], or block, and about a dozen [T, d] buffers).
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
-                      T * B * (3 * f + 12 * d);
+                      T * B * 12 * d + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   // CUDA All2All: the exchange's send, receive and input-gradient blocks (the widest core input)
   // and one output-wide block.

@@ -217,16 +217,16 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
   EXPECT_EQ(tiny.problems[0].find("train.recompute"), std::string::npos) << tiny.problems[0];
 }
 
-// The CUDA estimate against the 1b step measured on H200s (bench/RESULTS_GPU.md; weights +
-// gradients + AdamW state + bf16 copy 16.78 GiB plus the caching allocator's peak of activation
-// and scratch memory; with recompute the MLA layers keep their attention outputs): T = 32K 16.78 +
-// 45.97 GiB; T = 128K with recompute 16.78 + 35.92; T = 256K with recompute 16.78 + 72.35 on one
-// GPU, and per rank at cp = 2 16.78 + 46.02 (All2All for both layer types), 16.78 + 45.90
-// (Lightning AllGather, MLA All2All) and 16.78 + 39.01 (AllGather for both, MLA walking 32K-row
-// key blocks); the 256K points were measured before the recomputed forward stopped writing each
-// layer's output (0.5 GiB less at 128K). With the first R layers recomputing ("auto" on the H200):
-// T = 128K, R = 9 16.78 + 106.41; T = 64K, R = 0 16.78 + 93.56. The estimate must stay within 10%
-// of each.
+// The CUDA estimate against the 1b step measured on H200s (bench/RESULTS_GPU.md, 2026-11-30
+// 16:08-16:16, the FFN in 32K-token blocks wherever its activations are not kept; weights +
+// gradients + AdamW state + bf16 copy 16.78 GiB plus the caching allocator's peak of activation and
+// scratch memory; with recompute the MLA layers keep their attention outputs). One GPU: T =
+// 32K 16.78 + 46.22 GiB; with every layer recomputing T = 128K 16.78 + 29.73, 256K 16.78 + 56.91,
+// 512K 16.78 + 111.24; per rank at cp = 2, every layer recomputing: T = 256K 16.78 + 39.96 (All2All
+// for both layer types), 16.78 + 39.21 (Lightning AllGather, MLA All2All), 16.78 + 32.32 (AllGather
+// for both, MLA walking 32K-row key blocks), T = 512K 16.78 + 77.36 (All2All). With the first R
+// layers recomputing: T = 128K, R = 9 16.78 + 100.23, R = 8 ("auto" on the H200) 16.78 + 110.41;
+// T = 64K, R = 0 16.78 + 90.64. The estimate must stay within 10% of each.
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -240,11 +240,14 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   };
   const CpMode A2A = CpMode::kAll2All, AG = CpMode::kAllGather;
   for (const Point& pt :
-       {Point{32768, 1, 0, A2A, A2A, 16.78 + 45.97}, Point{131072, 1, 16, A2A, A2A, 16.78 + 35.92},
-        Point{262144, 1, 16, A2A, A2A, 16.78 + 72.35},
-        Point{262144, 2, 16, A2A, A2A, 16.78 + 46.02}, Point{262144, 2, 16, AG, A2A, 16.78 + 45.90},
-        Point{262144, 2, 16, AG, AG, 16.78 + 39.01}, Point{131072, 1, 9, A2A, A2A, 16.78 + 106.41},
-        Point{65536, 1, 0, A2A, A2A, 16.78 + 93.56}}) {
+       {Point{32768, 1, 0, A2A, A2A, 16.78 + 46.22}, Point{131072, 1, 16, A2A, A2A, 16.78 + 29.73},
+        Point{262144, 1, 16, A2A, A2A, 16.78 + 56.91},
+        Point{524288, 1, 16, A2A, A2A, 16.78 + 111.24},
+        Point{262144, 2, 16, A2A, A2A, 16.78 + 39.96}, Point{262144, 2, 16, AG, A2A, 16.78 + 39.21},
+        Point{262144, 2, 16, AG, AG, 16.78 + 32.32}, Point{524288, 2, 16, A2A, A2A, 16.78 + 77.36},
+        Point{131072, 1, 9, A2A, A2A, 16.78 + 100.23},
+        Point{131072, 1, 8, A2A, A2A, 16.78 + 110.41},
+        Point{65536, 1, 0, A2A, A2A, 16.78 + 90.64}}) {
     s.seq_len = pt.T;
     s.parallel.cp = pt.cp;
     s.train.recompute_layers = pt.recompute_layers;

@@ -248,6 +248,59 @@ TEST(CudaModel, HeadRowBlocksAgreeWithOneBlock) {
   EXPECT_TRUE(report.empty()) << "gradients differ between head block sizes:" << report;
 }
 
+// The FFN in token blocks (here 128 rows: three blocks, the last partial) against one block,
+// with every layer keeping its cache (only the FFN backward runs in blocks), every layer
+// recomputing (the forward's FFN too, and the backward recomputes each block) and the first
+// layer recomputing: the same rows and losses; the weight gradients sum the blocks' GEMMs in
+// fp32, so only the summation order differs. Recomputing in blocks holds less memory.
+TEST(CudaModel, FfnBlocksAgreeWithOneBlock) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Batch b = RandomBatch(c, 300, 70, seed);
+  for (const Recompute rc : {Recompute::None(), Recompute::All(), Recompute::First(1)}) {
+    const bool every_layer = rc.Layer(c.n_layers - 1);
+    SCOPED_TRACE(::testing::Message()
+                 << "recompute layers " << (every_layer ? c.n_layers : rc.layers));
+    std::vector<float> grads[2];
+    double loss[2] = {0, 0};
+    int64_t peak[2] = {0, 0};
+    for (int blocked = 0; blocked < 2; ++blocked) {
+      auto m = *CudaModel::Create(c, seed);
+      if (blocked == 1) {
+        EXPECT_EQ(m->SetFfnBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_EQ(m->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
+        ASSERT_TRUE(m->SetFfnBlockRows(128).ok());
+      }
+      auto s = m->ForwardBackward(b, 0.01f, rc);
+      ASSERT_TRUE(s.ok()) << s.status();
+      ASSERT_TRUE(m->DownloadGrads().ok());
+      ParamSet& P = m->host_params();
+      grads[blocked].assign(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
+      loss[blocked] = s->loss_sum;
+      peak[blocked] = m->memory().peak_allocated;
+      if (blocked == 0) continue;
+      EXPECT_NEAR(loss[1] / loss[0], 1.0, 1e-5);
+      std::string report;
+      for (const testing::GradAgreement& g :
+           testing::CompareGradients(P, grads[0].data(), grads[1].data())) {
+        if (g.rel > 5e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
+      }
+      EXPECT_TRUE(report.empty()) << "gradients differ between FFN block sizes:" << report;
+    }
+    EXPECT_LE(peak[1], peak[0]);
+    if (every_layer) {
+      std::printf(
+          "[ ffn blocks ] peak activation bytes, every layer recomputing: one block %lld, "
+          "128-row blocks %lld\n",
+          static_cast<long long>(peak[0]), static_cast<long long>(peak[1]));
+      EXPECT_LT(peak[1], peak[0]);
+    }
+  }
+}
+
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();

@@ -118,6 +118,8 @@ struct LayerIdx {
 
 // Saved activations of one layer (names as in model.cc).
 struct Cache {
+  // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
+  // block of ffn_block_rows rows otherwise (FfnForward).
   DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
   DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
   DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
@@ -214,6 +216,7 @@ struct CudaModel::Impl {
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
+  int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
   int embed = -1, final_norm = -1, lm_head = -1;
@@ -305,12 +308,18 @@ struct CudaModel::Impl {
   absl::Status EnsureOptimizerState(bool want_m, bool want_v);
   // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
   absl::Status Upload(const Batch& b, const CpLayout* layout);
-  // x_out null: no output, only what the backward reads. attention_kept: the MLA attention's
-  // output and statistics are already in C (see KeptAttention); only what its backward reads
-  // besides them is computed.
+  // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
+  // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
+  // (FfnForward) and the backward recomputes them. attention_kept: the MLA attention's output and
+  // statistics are already in C (see KeptAttention); only what its backward reads besides them
+  // is computed.
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
-                            bool attention_kept = false);
-  absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx);
+                            bool ffn_kept, bool attention_kept = false);
+  absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
+                             bool ffn_kept);
+  absl::Status FfnHidden(const LayerIdx& L, const void* h, void* g, void* u, void* a, int64_t n);
+  absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
+  absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
   absl::Status LightningForward(const LayerIdx& L, Cache& C);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
@@ -1450,11 +1459,12 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
 
 // ---- One layer -----------------------------------------------------------------------------------
 
-// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null: everything the
-// backward reads, without the output itself (the FFN's last GEMM), as a recomputed forward needs.
+// x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null (a recomputed
+// forward): everything the backward reads, without the output itself, which is the next layer's
+// input and kept, and without the FFN, which the backward recomputes block by block.
 absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const void* x_in,
-                                           void* x_out, bool attention_kept) {
-  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
+                                           void* x_out, bool ffn_kept, bool attention_kept) {
+  const int64_t T = B.T, d = c.d_model;
   const float eps = static_cast<float>(c.norm_eps);
   RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
@@ -1471,30 +1481,74 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   }
   RETURN_IF_ERROR(Act(C.h2, T, d));
   RETURN_IF_ERROR(F32(C.rstd2, T));
-  for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, T, F));
   KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
                         stream));
-  RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w1), C.g.get(), T, d, F, false));
-  RETURN_IF_ERROR(Fwd(C.h2.get(), d, Wb(L.w3), C.u.get(), T, d, F, false));
-  KC(kc::SwiGluForward(C.g.get(), C.u.get(), C.a.get(), T * F, kAct, stream));
-  if (x_out == nullptr) return absl::OkStatus();
-  return Fwd(C.a.get(), F, Wb(L.w2), x_out, T, F, d, true, C.x_mid.get());
+  return FfnForward(L, C, x_out, ffn_kept);
 }
 
-// dx: in = gradient of x_out, out = gradient of x_in.
-absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const void* x_in,
-                                            void* dx) {
+// n rows of the FFN's hidden layer: g = h W1^T, u = h W3^T, a = SwiGLU(g, u).
+absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, const void* h, void* g, void* u, void* a,
+                                        int64_t n) {
+  const int64_t d = c.d_model, F = c.ffn_dim;
+  RETURN_IF_ERROR(Fwd(h, d, Wb(L.w1), g, n, d, F, false));
+  RETURN_IF_ERROR(Fwd(h, d, Wb(L.w3), u, n, d, F, false));
+  KC(kc::SwiGluForward(g, u, a, n * F, kAct, stream));
+  return absl::OkStatus();
+}
+
+// x_out = x_mid + SwiGLU(h2 W1^T, h2 W3^T) W2^T, with h2 = norm(x_mid) in C. With ffn_kept the
+// whole sequence's g, u and a stay in C for the backward; otherwise they pass through
+// [ffn_block_rows, F] buffers block by block, and without x_out nothing runs at all (the
+// backward recomputes each block).
+absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept) {
   const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
-  for (DevBuf* b : {&W.da, &W.dg, &W.du}) RETURN_IF_ERROR(Act(*b, T, F));
+  if (!ffn_kept && x_out == nullptr) return absl::OkStatus();
+  const int64_t rows = ffn_kept ? T : std::min(T, ffn_block_rows);
+  for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, rows, F));
+  for (int64_t t0 = 0; t0 < T; t0 += rows) {
+    const int64_t n = std::min(rows, T - t0);
+    RETURN_IF_ERROR(FfnHidden(L, At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
+    if (x_out != nullptr)
+      RETURN_IF_ERROR(
+          Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true, At(C.x_mid.get(), t0 * d)));
+  }
+  return absl::OkStatus();
+}
+
+// dx: in, the gradient of x_out; out, that of x_mid (dx plus the norm's backward of the FFN's
+// input gradient). Block by block over [ffn_block_rows, F] gradient buffers, the weight
+// gradients accumulated over the blocks; without ffn_kept each block's g, u, a are recomputed
+// first.
+absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept) {
+  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
+  const int64_t rows = std::min(T, ffn_block_rows);
+  for (DevBuf* b : {&W.da, &W.dg, &W.du}) RETURN_IF_ERROR(Act(*b, rows, F));
+  if (!ffn_kept)
+    for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, rows, F));
   RETURN_IF_ERROR(Act(W.dh, T, d));
-  RETURN_IF_ERROR(Bwd(C.a.get(), F, Wb(L.w2), dx, W.da.get(), G(L.w2), T, F, d, false));
-  KC(kc::SwiGluBackward(C.g.get(), C.u.get(), W.da.get(), W.dg.get(), W.du.get(), T * F, kAct,
-                        stream));
-  RETURN_IF_ERROR(Bwd(C.h2.get(), d, Wb(L.w1), W.dg.get(), W.dh.get(), G(L.w1), T, d, F, false));
-  RETURN_IF_ERROR(Bwd(C.h2.get(), d, Wb(L.w3), W.du.get(), W.dh.get(), G(L.w3), T, d, F, true));
+  for (int64_t t0 = 0; t0 < T; t0 += rows) {
+    const int64_t n = std::min(rows, T - t0);
+    const void* h = At(C.h2.get(), t0 * d);
+    const int64_t off = ffn_kept ? t0 * F : 0;
+    void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
+    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, h, g, u, a, n));
+    void* dh = At(W.dh.get(), t0 * d);
+    RETURN_IF_ERROR(Bwd(a, F, Wb(L.w2), At(dx, t0 * d), W.da.get(), G(L.w2), n, F, d, false));
+    KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream));
+    RETURN_IF_ERROR(Bwd(h, d, Wb(L.w1), W.dg.get(), dh, G(L.w1), n, d, F, false));
+    RETURN_IF_ERROR(Bwd(h, d, Wb(L.w3), W.du.get(), dh, G(L.w3), n, d, F, true));
+  }
   // dx = d x_mid = dx + RMSNorm backward of dh.
   KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
                          G(L.ffn_norm), T, d, kAct, Ws(), stream));
+  return absl::OkStatus();
+}
+
+// dx: in = gradient of x_out, out = gradient of x_in.
+absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
+                                            bool ffn_kept) {
+  const int64_t T = B.T, d = c.d_model;
+  RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningBackward(L, C, dx));
   } else {
@@ -1578,7 +1632,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
     if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
-    const absl::Status st = LayerForward(layers[i], C, in(i), in(i + 1));
+    const bool ffn_kept = backward && !recompute.Layer(i);
+    const absl::Status st = LayerForward(layers[i], C, in(i), in(i + 1), ffn_kept);
     if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
     RETURN_IF_ERROR(st);
   }
@@ -1597,9 +1652,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
     // The recomputed forward needs no output: it is the next layer's input, kept.
-    if (recompute.Layer(i))
-      st = LayerForward(layers[i], C, in(i), nullptr, /*attention_kept=*/swap);
-    if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get());
+    const bool ffn_kept = !recompute.Layer(i);
+    if (!ffn_kept) st = LayerForward(layers[i], C, in(i), nullptr, /*ffn_kept=*/false, swap);
+    if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get(), ffn_kept);
     if (swap) kept[i].SwapInto(C);
     RETURN_IF_ERROR(st);
   }
@@ -1626,6 +1681,16 @@ absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
         std::to_string(rows));
   }
   impl_->head_block_rows = rows;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::SetFfnBlockRows(int64_t rows) {
+  if (rows < 0 || rows % 128 != 0) {
+    return absl::InvalidArgumentError(
+        "FFN block rows must be 0 (the default) or a positive multiple of 128, got " +
+        std::to_string(rows));
+  }
+  impl_->ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
   return absl::OkStatus();
 }
 

@@ -129,6 +129,11 @@ class CudaModel {
   // 0, the default, picks about 256M logits a block; otherwise a positive multiple of 128
   // (InvalidArgument for others). Smaller blocks hold less memory and move more bytes.
   absl::Status SetHeadBlockRows(int64_t rows);
+  // Tokens per FFN block (kCudaFfnBlockRows by default, 0 restores it): the FFN's gradients, and
+  // the FFN of every layer that recomputes, run block by block with [rows, ffn_dim] scratch; a
+  // layer that keeps its cache keeps the whole sequence's FFN activations. A positive multiple of
+  // 128 or 0 (InvalidArgument for others).
+  absl::Status SetFfnBlockRows(int64_t rows);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
