@@ -245,7 +245,9 @@ TEST(CudaCp, TwoMlaLayersRecomputeMatchesOneRankInBothModes) {
 // (and its input), the last one its whole cache, in both CP modes for each layer type.
 TEST(CudaCp, TwoMlaLayersPartialRecomputeMatchesOneRankInBothModes) {
   SPINDLE_REQUIRE_GPU();
-  ModelConfig c = Head64();
+  // Well conditioned, as this file's other AllGather comparisons: with the default norm eps, one
+  // of about fifteen runs (fresh seeds) put two tensors past the 5% bound.
+  ModelConfig c = Head64WellConditioned();
   c.n_layers = 4, c.layer_pattern = "MLLM";
   for (const CpMode mla : {CpMode::kAll2All, CpMode::kAllGather}) {
     ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(1), CpMode::kAll2All, mla);
