@@ -50,6 +50,38 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
   return p;
 }
 
+// Largest cp the memory hint tries.
+constexpr int64_t kMaxHintCp = 64;
+
+// What would make a plan that does not fit its device fit, as a suffix for its memory problem:
+// recomputing more leading layers (the fewest that fit), else a larger cp with every layer
+// recomputing (the smallest up to kMaxHintCp that plans without problems and fits), else what
+// every layer recomputing would still need.
+std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPlan& plan,
+                       int64_t device_memory_bytes) {
+  const int64_t n = spec.model.n_layers;
+  for (int64_t r = plan.memory.recompute_layers + 1; r <= n; ++r) {
+    const int64_t bytes = EstimateMemory(spec, plan.layers, r).total_bytes;
+    if (bytes > device_memory_bytes) continue;
+    if (r == n)
+      return absl::StrCat("; with every layer recomputing it fits (", FormatBytes(bytes),
+                          "): train.recompute = true or \"auto\"");
+    return absl::StrCat("; recomputing the first ", r, " of ", n, " layers fits (",
+                        FormatBytes(bytes), "): train.recompute = ", r, " or \"auto\"");
+  }
+  JobSpec s = spec;
+  s.train.recompute_layers = n;
+  for (int64_t cp = std::max<int64_t>(1, spec.parallel.cp) + 1; cp <= kMaxHintCp; ++cp) {
+    s.parallel.cp = cp;
+    const CpPlan p = planner.Plan(s, 0);
+    if (!p.problems.empty() || p.memory.total_bytes > device_memory_bytes) continue;
+    return absl::StrCat("; parallel.cp = ", cp, " with every layer recomputing fits (",
+                        FormatBytes(p.memory.total_bytes), " per rank)");
+  }
+  return absl::StrCat("; with every layer recomputing it still needs ",
+                      FormatBytes(EstimateMemory(spec, plan.layers, n).total_bytes), " per rank");
+}
+
 }  // namespace
 
 CpMode CpPlan::ModeOf(const std::string& layer_type) const {
@@ -193,12 +225,10 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
     plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {
     if (plan.memory.total_bytes > device_memory_bytes) {
-      std::string hint = recompute_layers < m.n_layers && !auto_recompute
-                             ? "; train.recompute = \"auto\" may help"
-                             : "";
       plan.problems.push_back(absl::StrCat(
           "memory: estimated ", FormatBytes(plan.memory.total_bytes), " per rank exceeds the ",
-          FormatBytes(device_memory_bytes), " of one ", spec.resources, " device", hint));
+          FormatBytes(device_memory_bytes), " of one ", spec.resources, " device",
+          MemoryHint(*this, spec, plan, device_memory_bytes)));
     }
   } else {
     plan.warnings.push_back("no device known: memory estimate not checked against a device");

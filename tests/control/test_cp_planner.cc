@@ -132,11 +132,59 @@ TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {
   EXPECT_EQ(p.problems[2],
             "seq_len: 1000 is not divisible by 2*cp = 16 (zigzag chunks need equal sizes)");
   EXPECT_EQ(p.problems[3].rfind("memory: estimated ", 0), 0u) << p.problems[3];
-  EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; train.recompute = "
-                               "\"auto\" may help"),
+  // Nothing fits 1 MiB: the hint says what even every layer recomputing needs.
+  EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; with every layer "
+                               "recomputing it still needs "),
             std::string::npos)
       << p.problems[3];
   EXPECT_FALSE(p.ok());
+}
+
+// A job that does not fit its device is told what would fit: the fewest leading layers
+// recomputing, else the smallest cp with every layer recomputing. Each hint is checked by planning
+// what it says (it fits) and one step less (it does not).
+TEST(CpPlannerTest, MemoryProblemSaysWhatWouldFit) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.resources = "cuda";
+  s.seq_len = 131072;
+  const int64_t gib = int64_t{1} << 30;
+  auto memory_problem = [](const CpPlan& p) {
+    for (const std::string& q : p.problems)
+      if (q.rfind("memory: ", 0) == 0) return q;
+    return std::string();
+  };
+  // 128K tokens without recompute on an 80 GiB device: some leading layers must recompute.
+  CpPlan p = CpPlanner().Plan(s, 80 * gib);
+  std::string q = memory_problem(p);
+  const std::string lead = "; recomputing the first ";
+  const size_t at = q.find(lead);
+  ASSERT_NE(at, std::string::npos) << q;
+  const int64_t r = std::stoll(q.substr(at + lead.size()));
+  EXPECT_NE(q.find(" of 16 layers fits ("), std::string::npos) << q;
+  EXPECT_NE(q.find("): train.recompute = " + std::to_string(r) + " or \"auto\""), std::string::npos)
+      << q;
+  s.train.recompute_layers = r;
+  EXPECT_TRUE(CpPlanner().Plan(s, 80 * gib).ok());
+  s.train.recompute_layers = r - 1;
+  EXPECT_FALSE(CpPlanner().Plan(s, 80 * gib).ok());
+
+  // 1M tokens with every layer recomputing on one 141 GiB device: a larger cp.
+  s.seq_len = 1 << 20;
+  s.train.recompute_layers = 16;
+  q = memory_problem(CpPlanner().Plan(s, 141 * gib));
+  const std::string cp_lead = "; parallel.cp = ";
+  const size_t cp_at = q.find(cp_lead);
+  ASSERT_NE(cp_at, std::string::npos) << q;
+  const int64_t cp = std::stoll(q.substr(cp_at + cp_lead.size()));
+  EXPECT_NE(q.find(" with every layer recomputing fits ("), std::string::npos) << q;
+  EXPECT_GT(cp, 1);
+  s.parallel.cp = cp;
+  EXPECT_TRUE(CpPlanner().Plan(s, 141 * gib).ok());
+  for (int64_t smaller = 2; smaller < cp; ++smaller) {
+    s.parallel.cp = smaller;
+    EXPECT_FALSE(CpPlanner().Plan(s, 141 * gib).ok()) << "cp " << smaller;
+  }
 }
 
 TEST(CpPlannerTest, ChunksTooShort) {
