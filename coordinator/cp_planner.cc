@@ -53,6 +53,15 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
 // Largest cp the memory hint tries.
 constexpr int64_t kMaxHintCp = 64;
 
+// The fewest leading layers, from `from` up to every layer, to recompute for the estimate to fit
+// in `budget` bytes; -1 when none does.
+int64_t FewestRecomputeLayersFitting(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                                     int64_t from, double budget) {
+  for (int64_t r = from; r <= spec.model.n_layers; ++r)
+    if (static_cast<double>(EstimateMemory(spec, layers, r).total_bytes) <= budget) return r;
+  return -1;
+}
+
 // What would make a plan that does not fit its device fit, as a suffix for its memory problem:
 // recomputing more leading layers (the fewest that fit), else a larger cp with every layer
 // recomputing (the smallest up to kMaxHintCp that plans without problems and fits), else what
@@ -60,9 +69,11 @@ constexpr int64_t kMaxHintCp = 64;
 std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPlan& plan,
                        int64_t device_memory_bytes) {
   const int64_t n = spec.model.n_layers;
-  for (int64_t r = plan.memory.recompute_layers + 1; r <= n; ++r) {
+  if (const int64_t r =
+          FewestRecomputeLayersFitting(spec, plan.layers, plan.memory.recompute_layers + 1,
+                                       static_cast<double>(device_memory_bytes));
+      r >= 0) {
     const int64_t bytes = EstimateMemory(spec, plan.layers, r).total_bytes;
-    if (bytes > device_memory_bytes) continue;
     if (r == n)
       return absl::StrCat("; with every layer recomputing it fits (", FormatBytes(bytes),
                           "): train.recompute = true or \"auto\"");
@@ -240,11 +251,9 @@ int64_t RecomputeLayersFor(const JobSpec& spec, const std::vector<LayerModePlan>
                            int64_t device_memory_bytes) {
   const int64_t n = spec.model.n_layers;
   if (device_memory_bytes <= 0) return n;
-  const double budget = kRecomputeAutoFill * static_cast<double>(device_memory_bytes);
-  // Scanning up from R = 0, the first R that fits is the fewest.
-  for (int64_t r = 0; r < n; ++r)
-    if (static_cast<double>(EstimateMemory(spec, layers, r).total_bytes) <= budget) return r;
-  return n;
+  const int64_t r = FewestRecomputeLayersFitting(
+      spec, layers, 0, kRecomputeAutoFill * static_cast<double>(device_memory_bytes));
+  return r >= 0 ? r : n;
 }
 
 std::string FormatBytes(int64_t bytes) {

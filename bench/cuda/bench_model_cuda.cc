@@ -1,9 +1,9 @@
 // Training-step benchmark of the CUDA model (worker/engine/cuda/cuda_model.h): one sequence of T
 // random tokens per step (zero gradients, forward + backward, gradient norm, AdamW), the median of
 // the timed steps after warm-up, printed as a table row per (preset, T, recompute) with tokens/s,
-// model TFLOP/s and memory. Run it beside the peer (bench/cuda/model_vs_peer.sh).
-// The last timed step of each row runs between cudaProfilerStart and cudaProfilerStop, so
-// `ncu --profile-from-start off` records exactly the kernels of those steps.
+// model TFLOP/s (ModelConfig::TrainFlopsPerToken) and memory. Run it beside the peer
+// (bench/cuda/model_vs_peer.sh). The last timed step of each row runs between cudaProfilerStart and
+// cudaProfilerStop, so `ncu --profile-from-start off` records exactly the kernels of those steps.
 // --head_start_ms N: each step's work queues behind a host callback that holds the stream for
 // N ms, so the host has enqueued (most of) the step before the GPU starts; the row's step time is
 // then wall time - N, the GPU's own time without launch gaps (a diagnostic: if it is well below
@@ -44,17 +44,6 @@ namespace spindle {
 namespace {
 
 double Gib(int64_t b) { return static_cast<double>(b) / (1 << 30); }
-
-// FLOPs per token of a training step: 6 x GEMM parameters, plus the attention terms the peer's
-// benchmark also counts (causal MLA scores, Lightning intra-chunk and state work).
-double FlopsPerToken(const ModelConfig& c, int64_t T) {
-  const double gemm = static_cast<double>(c.NumParams() - c.vocab * c.d_model - c.d_model);
-  const double H = c.n_heads, Dh = c.head_dim();
-  const double qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
-  const double mla = c.NumLayersOfKind('M') * 3.0 * 2.0 * H * T * (qk + vd) / 2.0;
-  const double la = c.NumLayersOfKind('L') * 3.0 * 2.0 * H * (64.0 * Dh * 2.0 + Dh * Dh * 2.0);
-  return 6.0 * gemm + mla + la;
-}
 
 void CUDART_CB HoldStream(void* ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
@@ -172,8 +161,8 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
           "| %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
           "%.3f |\n",
           static_cast<long long>(T), static_cast<long long>(rec), t * 1e3, q * 1e3, fwd_ms, opt_ms,
-          T / t, FlopsPerToken(*config, T) * T / t / 1e12, Gib(mem.peak_allocated), Gib(mem.fixed),
-          Gib(mem.device_used), loss, ho_loss);
+          T / t, config->TrainFlopsPerToken(T) * T / t / 1e12, Gib(mem.peak_allocated),
+          Gib(mem.fixed), Gib(mem.device_used), loss, ho_loss);
       std::fflush(stdout);
     }
   }

@@ -30,6 +30,17 @@ std::string CpSpec(int cp, int steps, const std::string& ckpt) {
       R"(","every":0},"resources":"cpu","max_restarts":0})");
 }
 
+// CpSpec(cp, steps, <dir>/ckpt) with its text `from` replaced by `to`, written to <dir>/<name>;
+// returns the file's path.
+std::string WriteEditedCpSpec(const ScratchDir& dir, const std::string& name, int cp, int steps,
+                              const std::string& from, const std::string& to) {
+  std::string spec = CpSpec(cp, steps, dir.File("ckpt"));
+  spec.replace(spec.find(from), from.size(), to);
+  const std::string path = dir.File(name);
+  std::ofstream(path) << spec;
+  return path;
+}
+
 std::vector<double> StepLosses(const std::string& path) {
   std::ifstream f(path);
   std::vector<double> out;
@@ -70,10 +81,8 @@ TEST(StandaloneCpTest, TwoProcessesThroughAFileStoreTrackTheSingleRankRun) {
 TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
   ScratchDir dir("spindle-cp-refuse");
-  const std::string job = dir.File("cp3.json");
-  std::string spec = CpSpec(3, 1, dir.File("ckpt"));
-  spec.replace(spec.find("\"seq_len\":256"), 13, "\"seq_len\":192");
-  std::ofstream(job) << spec;
+  const std::string job =
+      WriteEditedCpSpec(dir, "cp3.json", 3, 1, "\"seq_len\":256", "\"seq_len\":192");
   const std::string cmd = absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job,
                                        " --rank 0 --world 3 --lightning-mode all2all --file-store ",
                                        dir.File("store"), " 2> ", dir.File("err"));
@@ -92,10 +101,8 @@ TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
 TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
   ScratchDir dir("spindle-recompute-auto");
-  const std::string job = dir.File("job.json");
-  std::string spec = CpSpec(1, 2, dir.File("ckpt"));
-  spec.replace(spec.find("\"seed\":5"), 8, "\"seed\":5,\"recompute\":\"auto\"");
-  std::ofstream(job) << spec;
+  const std::string job =
+      WriteEditedCpSpec(dir, "job.json", 1, 2, "\"seed\":5", "\"seed\":5,\"recompute\":\"auto\"");
   auto start_layers = [&](const std::string& flags, const std::string& out) {
     // A checkpoint directory per run, so that no run resumes from another's end.
     const std::string cmd =

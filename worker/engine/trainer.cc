@@ -216,9 +216,7 @@ absl::Status Trainer::Step() {
   const int64_t mb = spec.train.micro_batches;
   ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/false));
   const std::vector<CpBatch>& batches = sb.shares;
-  double counts[2] = {0.0, sb.valid_targets};  // this rank's loss sum and valid targets
-  const double flops = sb.flops;
-  double n_valid = counts[1];
+  double loss_sum = 0.0, n_valid = sb.valid_targets;  // this rank's, then the world's
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
   ParamSet& P = model_->params();
@@ -243,14 +241,14 @@ absl::Status Trainer::Step() {
     const GradReadyFn hook = last && world_comm_ ? GradReadyFn(on_ready) : nullptr;
     ASSIGN_OR_RETURN(LossStats s,
                      model_->ForwardBackward(batches[m], grad_scale, recompute_, hook));
-    counts[0] += s.loss_sum;
+    loss_sum += s.loss_sum;
   }
   absl::Status comm_status;
   for (CommHandle& h : pending) comm_status.Update(h.Wait());
   RETURN_IF_ERROR(comm_status);
   if (world_comm_)
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
-  const double loss = n_valid > 0 ? counts[0] / n_valid : 0.0;
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&loss_sum, 1, CommType::kF64, CommLayer::kOther));
+  const double loss = n_valid > 0 ? loss_sum / n_valid : 0.0;
   if (!std::isfinite(loss))
     return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
   const double grad_norm =
@@ -259,7 +257,7 @@ absl::Status Trainer::Step() {
     kernels::cpu::Scale(P.flat_grad().f32(), P.flat_grad().numel(), ClipScale(spec.train, grad_norm));
   const double lr = ScheduledLr(spec.train, state_.step);
   optimizer_->Step(lr);
-  FinishStep(t0, loss, lr, grad_norm, flops);
+  FinishStep(t0, loss, lr, grad_norm, sb.flops);
   return absl::OkStatus();
 }
 
@@ -275,9 +273,7 @@ absl::Status Trainer::DeviceStep() {
   ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/true));
   const std::vector<Batch>& batches = sb.whole;    // cp = 1
   const std::vector<CpBatch>& shares = sb.shares;  // cp > 1
-  double counts[2] = {0.0, sb.valid_targets};      // this rank's loss sum and valid targets
-  const double flops = sb.flops;
-  double n_valid = counts[1];
+  double loss_sum = 0.0, n_valid = sb.valid_targets;  // this rank's, then the world's
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
   RETURN_IF_ERROR(backend_->ZeroGrads());
@@ -286,7 +282,7 @@ absl::Status Trainer::DeviceStep() {
     ASSIGN_OR_RETURN(LossStats s,
                      cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, recompute_)
                              : backend_->ForwardBackward(batches[m], grad_scale, recompute_));
-    counts[0] += s.loss_sum;
+    loss_sum += s.loss_sum;
   }
   if (device_world_comm_) {
     RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_));
@@ -297,15 +293,15 @@ absl::Status Trainer::DeviceStep() {
     RETURN_IF_ERROR(backend_->UploadGrads());
   }
   if (world_comm_)
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(&counts[0], 1, CommType::kF64, CommLayer::kOther));
-  const double loss = n_valid > 0 ? counts[0] / n_valid : 0.0;
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(&loss_sum, 1, CommType::kF64, CommLayer::kOther));
+  const double loss = n_valid > 0 ? loss_sum / n_valid : 0.0;
   if (!std::isfinite(loss))
     return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
   ASSIGN_OR_RETURN(const double sum_squares, backend_->GradSquaredNorm());
   const double grad_norm = std::sqrt(sum_squares);
   const double lr = ScheduledLr(spec.train, state_.step);
   RETURN_IF_ERROR(backend_->OptimizerStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
-  FinishStep(t0, loss, lr, grad_norm, flops);
+  FinishStep(t0, loss, lr, grad_norm, sb.flops);
   return absl::OkStatus();
 }
 

@@ -1674,22 +1674,24 @@ absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
   return impl_->Run(batch, nullptr, 0.0f, Recompute::All(), /*backward=*/false);
 }
 
+namespace {
+// Block rows as SetHeadBlockRows and SetFfnBlockRows take them: 0 (`zero`) or a positive multiple
+// of 128.
+absl::Status CheckBlockRows(const char* what, const char* zero, int64_t rows) {
+  if (rows >= 0 && rows % 128 == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, " block rows must be 0 (", zero,
+                                                 ") or a positive multiple of 128, got ", rows));
+}
+}  // namespace
+
 absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
-  if (rows < 0 || rows % 128 != 0) {
-    return absl::InvalidArgumentError(
-        "LM-head block rows must be 0 (automatic) or a positive multiple of 128, got " +
-        std::to_string(rows));
-  }
+  RETURN_IF_ERROR(CheckBlockRows("LM-head", "automatic", rows));
   impl_->head_block_rows = rows;
   return absl::OkStatus();
 }
 
 absl::Status CudaModel::SetFfnBlockRows(int64_t rows) {
-  if (rows < 0 || rows % 128 != 0) {
-    return absl::InvalidArgumentError(
-        "FFN block rows must be 0 (the default) or a positive multiple of 128, got " +
-        std::to_string(rows));
-  }
+  RETURN_IF_ERROR(CheckBlockRows("FFN", "the default", rows));
   impl_->ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
   return absl::OkStatus();
 }
