@@ -64,8 +64,9 @@ int64_t FewestRecomputeLayersFitting(const JobSpec& spec, const std::vector<Laye
 
 // What would make a plan that does not fit its device fit, as a suffix for its memory problem:
 // recomputing more leading layers (the fewest that fit), else a larger cp with every layer
-// recomputing (the smallest up to kMaxHintCp that plans without problems and fits), else what
-// every layer recomputing would still need.
+// recomputing (the smallest up to kMaxHintCp that plans without problems and fits, in the spec's
+// CP modes or, where the spec leaves both to the planner, with both layer types in AllGather mode,
+// which holds less), else what every layer recomputing would still need.
 std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPlan& plan,
                        int64_t device_memory_bytes) {
   const int64_t n = spec.model.n_layers;
@@ -82,12 +83,24 @@ std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPl
   }
   JobSpec s = spec;
   s.train.recompute_layers = n;
+  const bool modes_free =
+      spec.parallel.lightning_mode == CpMode::kAuto && spec.parallel.mla_mode == CpMode::kAuto;
   for (int64_t cp = std::max<int64_t>(1, spec.parallel.cp) + 1; cp <= kMaxHintCp; ++cp) {
     s.parallel.cp = cp;
-    const CpPlan p = planner.Plan(s, 0);
-    if (!p.problems.empty() || p.memory.total_bytes > device_memory_bytes) continue;
-    return absl::StrCat("; parallel.cp = ", cp, " with every layer recomputing fits (",
-                        FormatBytes(p.memory.total_bytes), " per rank)");
+    for (const bool allgather : {false, true}) {
+      if (allgather && !modes_free) continue;
+      const CpMode mode = allgather ? CpMode::kAllGather : CpMode::kAuto;
+      s.parallel.lightning_mode = s.parallel.mla_mode = mode;
+      const CpPlan p = planner.Plan(s, 0);
+      if (!p.problems.empty() || p.memory.total_bytes > device_memory_bytes) continue;
+      return absl::StrCat(
+          "; parallel.cp = ", cp,
+          allgather ? " with parallel.lightning_mode = parallel.mla_mode = \"allgather\" and"
+                    : " with",
+          " every layer recomputing fits (", FormatBytes(p.memory.total_bytes), " per rank)");
+    }
+    s.parallel.lightning_mode = spec.parallel.lightning_mode;
+    s.parallel.mla_mode = spec.parallel.mla_mode;
   }
   return absl::StrCat("; with every layer recomputing it still needs ",
                       FormatBytes(EstimateMemory(spec, plan.layers, n).total_bytes), " per rank");
@@ -155,10 +168,11 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   int64_t per_token = 4 * d + (nl - rl) * per_l + (nm - rm) * per_m;
   int64_t ffn_block_bytes = 0;
   if (R > 0) {
-    // One cache, refilled layer by layer, holds the union of the recomputed kinds' buffers.
+    // One cache, refilled layer by layer, holds the recomputed kinds' buffers: the CUDA engine
+    // keeps one kind's at a time in memory both use (its KindArena), the CPU engine both kinds'.
     int64_t layer = 0;
     if (rl > 0) layer = per_l;
-    if (rm > 0) layer = rl > 0 ? layer + per_m - common : per_m;
+    if (rm > 0) layer = rl == 0 ? per_m : cuda ? std::max(per_l, per_m) : layer + per_m - common;
     per_token += R * d + layer - 3 * f;
     ffn_block_bytes = ffn_rows * B * 3 * f;
     // The CUDA engine: each recomputed MLA layer keeps its attention output and statistics (and
@@ -166,10 +180,18 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     if (cuda) per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
   }
   e.activations_bytes = T * B * per_token + ffn_block_bytes;
-  // Logit blocks, plus the backward's gradient scratch shared by all layers (the FFN's three
-  // [T, F], or block, and about a dozen [T, d] buffers).
+  // Logit blocks, plus the backward's gradient scratch shared by all layers: the FFN's three
+  // [T, F] (or block) and the normed input's [T, d], and each kind's own (Lightning: five [T, d];
+  // MLA: the attention's and the projections' gradients), both kinds' on the CPU, the larger on
+  // CUDA (one kind at a time).
+  const int64_t work_l = nl > 0 ? 5 * d : 0;
+  const int64_t work_m = nm > 0 ? H * a.v_head_dim + 2 * H * (a.qk_nope_dim + a.qk_rope_dim) +
+                                      H * (a.qk_nope_dim + a.v_head_dim) + a.kv_lora_rank +
+                                      a.qk_rope_dim + 2 * a.kv_lora_rank + 2 * a.q_lora_rank
+                                : 0;
+  const int64_t work_kinds = cuda ? std::max(work_l, work_m) : 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
-                      T * B * 12 * d + ffn_rows * B * 3 * f;
+                      T * B * (d + work_kinds) + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   // CUDA All2All: the exchange's send, receive and input-gradient blocks (the widest core input)
   // and one output-wide block.

@@ -27,9 +27,10 @@
 // no cp > 1 of --cp fits the visible GPUs, else 2 for bad flags or a cp the model refuses
 // (n_heads or T not divisible by it; the other cp values still run).
 //
-// Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--warmup 2]
-//                      [--steps 5] [--doc 0] [--timeout 120] [--lightning_mode all2all]
-//                      [--mla_mode all2all] [--comm_only MB,...]
+// Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--single 1]
+//                      [--warmup 2] [--steps 5] [--doc 0] [--timeout 120]
+//                      [--lightning_mode all2all] [--mla_mode all2all] [--comm_only MB,...]
+//   --single 0: no cp = 1 row (for a sequence one GPU cannot hold; no scaling column then).
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).
 //   --comm_only MB,...: no model; the CP all-to-all alone on buffers of these sizes (RunCommOnly).
 #include <cuda_runtime.h>
@@ -65,6 +66,7 @@ struct Options {
   int64_t T = 262144;
   std::vector<int> cps = {2, 4, 8};
   bool recompute = true;
+  bool single = true;  // --single 0: no cp = 1 row (a sequence one GPU cannot hold)
   int warmup = 2;
   int steps = 5;
   int64_t doc = 0;
@@ -487,7 +489,8 @@ int Run(const Options& opt) {
 
   bool failed = false;
   double t1 = 0.0;
-  std::vector<int> order = {1};
+  std::vector<int> order;
+  if (opt.single) order.push_back(1);
   order.insert(order.end(), runnable.begin(), runnable.end());
   for (int cp : order) {
     const RunResult r = RunConfig(cp, opt, *config, full);
@@ -574,6 +577,9 @@ int main(int argc, char** argv) {
     } else if (k == "--recompute") {
       ok = v == "0" || v == "1";
       opt.recompute = v == "1";
+    } else if (k == "--single") {
+      ok = v == "0" || v == "1";
+      opt.single = v == "1";
     } else if (k == "--warmup") {
       ok = spindle::ParseInt64(v, 0, &n) && n <= 1000;
       opt.warmup = static_cast<int>(n);

@@ -103,6 +103,12 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       }
       if (rec < 0 || rec > config->n_layers) rec = config->n_layers;
       const Recompute rc = Recompute::First(rec);
+      // Each row starts from an empty allocator: its peak is its own step's, not shaped by the
+      // blocks earlier rows left cached (the 2x reuse rule of kernels/cuda/allocator.h).
+      if (absl::Status st = m.ReleaseActivationMemory(); !st.ok()) {
+        std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
+        return 1;
+      }
       m.ResetPeakMemory();
       std::vector<double> times, enqueue;
       double loss = 0;

@@ -301,6 +301,65 @@ TEST(CudaModel, FfnBlocksAgreeWithOneBlock) {
   }
 }
 
+// The two layer kinds' gradient scratch, and the recomputing layers' shared cache, in one arena
+// (SetKindUnion): the same loss and gradients as with buffers of their own, in a training step and
+// in a forward-only pass after it, and less peak memory whenever both kinds run.
+TEST(CudaModel, KindUnionAgreesWithSeparateBuffersAndHoldsLess) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Batch b = RandomBatch(c, 300, 70, seed);
+  for (const Recompute rc : {Recompute::None(), Recompute::All(), Recompute::First(2)}) {
+    const bool every_layer = rc.Layer(c.n_layers - 1);
+    SCOPED_TRACE(::testing::Message()
+                 << "recompute layers " << (every_layer ? c.n_layers : rc.layers));
+    std::vector<float> grads[2];
+    double loss[2] = {0, 0}, forward_loss[2] = {0, 0};
+    int64_t peak[2] = {0, 0};
+    for (int separate = 0; separate < 2; ++separate) {
+      auto m = *CudaModel::Create(c, seed);
+      if (separate == 1) m->SetKindUnion(false);
+      // Two steps: the second reuses the first's arena layouts.
+      for (int step = 0; step < 2; ++step) {
+        ASSERT_TRUE(m->ZeroGrads().ok());
+        auto s = m->ForwardBackward(b, 0.01f, rc);
+        ASSERT_TRUE(s.ok()) << s.status();
+        loss[separate] = s->loss_sum;
+      }
+      peak[separate] = m->memory().peak_allocated;
+      ASSERT_TRUE(m->DownloadGrads().ok());
+      ParamSet& P = m->host_params();
+      grads[separate].assign(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
+      auto f = m->Forward(b);
+      ASSERT_TRUE(f.ok()) << f.status();
+      forward_loss[separate] = f->loss_sum;
+      // Everything released: only the batch's few bytes stay, and the next step starts afresh.
+      ASSERT_TRUE(m->ReleaseActivationMemory().ok());
+      EXPECT_LT(m->memory().reserved, 64 * 1024);
+      ASSERT_TRUE(m->ZeroGrads().ok());
+      auto again = m->ForwardBackward(b, 0.01f, rc);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_NEAR(again->loss_sum / loss[separate], 1.0, 1e-6);
+      if (separate == 0) continue;
+      EXPECT_NEAR(loss[1] / loss[0], 1.0, 1e-6);
+      EXPECT_NEAR(forward_loss[1] / forward_loss[0], 1.0, 1e-6);
+      std::string report;
+      for (const testing::GradAgreement& g :
+           testing::CompareGradients(P, grads[0].data(), grads[1].data())) {
+        if (g.rel > 1e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
+      }
+      EXPECT_TRUE(report.empty()) << "gradients differ with the kinds' buffers shared:" << report;
+    }
+    std::printf(
+        "[ kind union ] peak activation bytes, recompute %lld: shared %lld, separate %lld\n",
+        static_cast<long long>(every_layer ? c.n_layers : rc.layers),
+        static_cast<long long>(peak[0]), static_cast<long long>(peak[1]));
+    EXPECT_LT(peak[0], peak[1]);
+  }
+}
+
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();

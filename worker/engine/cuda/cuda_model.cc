@@ -10,6 +10,12 @@
 // in stream order is 2 copies per rank, and the Lightning rows [q | k | v] of H/cp heads are
 // exactly the kernel's strided layout (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's
 // strided views.
+//
+// Memory: every buffer comes from one caching allocator (kernels/cuda/allocator.h) through DevBuf.
+// Each layer that keeps its activations has a Cache of its own; the layers that recompute share
+// one, and every layer's backward shares the gradient scratch (Work). In the shared Cache and in
+// Work the buffers only one layer kind uses are views of one KindArena, holding one kind's at a
+// time.
 #include "worker/engine/cuda/cuda_model.h"
 
 #include <algorithm>
@@ -69,7 +75,8 @@ inline const void* At(const void* p, int64_t elems) {
   return static_cast<const uint16_t*>(p) + elems;
 }
 
-// A block of the caching allocator, grown on demand (contents are not kept when it grows).
+// A block of the caching allocator, grown on demand (contents are not kept when it grows), or a
+// view of part of another DevBuf (KindArena), which Release drops without freeing.
 class DevBuf {
  public:
   DevBuf() = default;
@@ -89,8 +96,15 @@ class DevBuf {
   }
   void Release() {
     if (alloc_ && ptr_) (void)alloc_->Free(ptr_);
+    alloc_ = nullptr;
     ptr_ = nullptr;
     bytes_ = 0;
+  }
+  // Points at `bytes` bytes of memory someone else owns (none for 0 bytes).
+  void View(void* p, int64_t bytes) {
+    Release();
+    ptr_ = bytes > 0 ? p : nullptr;
+    bytes_ = bytes;
   }
   void Swap(DevBuf& o) {
     std::swap(alloc_, o.alloc_);
@@ -116,6 +130,19 @@ struct LayerIdx {
   float* log_decay = nullptr;  // [H] fp32, device (Lightning)
 };
 
+// Memory shared by the buffers of the two layer kinds, of which a layer uses one: the buffers of
+// the kind in use are views of it, laid out one after another (256-byte aligned); it holds the
+// larger kind's layout, so switching kinds allocates nothing. `kind` (0: none) and `key` (of the
+// sizes) identify the layout carved; the other kind's buffers are released when it changes.
+struct KindArena {
+  DevBuf mem;
+  char kind = 0;
+  uint64_t key = 0;
+};
+// A kind's buffers in a KindArena with the bytes each needs: every buffer of the kind, those the
+// current shapes and modes do not use with 0 bytes.
+using KindFields = std::vector<std::pair<DevBuf*, int64_t>>;
+
 // Saved activations of one layer (names as in model.cc).
 struct Cache {
   // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
@@ -133,6 +160,10 @@ struct Cache {
   // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
   // order ([T_full, kv + rd]).
   DevBuf ag_lat;
+  // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
+  // time, as views of one arena (KindArena); the others own theirs.
+  bool kind_union = false;
+  KindArena arena;
 };
 
 // Recompute: what an MLA layer keeps from the forward for its backward, so that the recomputed
@@ -166,6 +197,9 @@ struct Work {
   // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and
   // a key block; the cross piece's output, stats, fp32 running output and dq.
   DevBuf ag_send, ag_recv, ag_K, ag_kvb, ag_dK, ag_dkvb, ag_dlat, ag_o, ag_stats, ag_acc, ag_dq;
+  // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
+  // time (KindArena).
+  KindArena arena;
 };
 
 // The batch on the device.
@@ -217,6 +251,7 @@ struct CudaModel::Impl {
   int64_t steps = 0;
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
   int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
+  bool kind_union = true;                      // see SetKindUnion
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
   int embed = -1, final_norm = -1, lm_head = -1;
@@ -235,18 +270,25 @@ struct CudaModel::Impl {
   void* cp_host_recv = nullptr;
   int64_t cp_host_bytes = 0;
 
-  ~Impl() {
+  // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
+  void ReleaseActivations() {
     caches.clear();
     kept.clear();
     layer_in.clear();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b :
-         {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,      &W.dgate,   &W.dqkv,
-          &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,    &W.dc,      &W.dkva,
-          &W.dqa_n,   &W.dqa,      &W.ws,     &W.cp_send, &W.cp_recv, &W.cp_tmp,  &W.cp_dfull,
-          &W.ag_send, &W.ag_recv,  &W.ag_K,   &W.ag_kvb,  &W.ag_dK,   &W.ag_dkvb, &W.ag_dlat,
-          &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq})
+         {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,       &W.dgate,   &W.dqkv,
+          &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,     &W.dc,      &W.dkva,
+          &W.dqa_n,   &W.dqa,      &W.ws,     &W.cp_send, &W.cp_recv,  &W.cp_tmp,  &W.cp_dfull,
+          &W.ag_send, &W.ag_recv,  &W.ag_K,   &W.ag_kvb,  &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat,
+          &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq,   &W.arena.mem})
       b->Release();
+    W.ws_bytes = 0;
+    W.arena.kind = 0;
+  }
+
+  ~Impl() {
+    ReleaseActivations();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
                     static_cast<void*>(v), w, static_cast<void*>(scalar),
@@ -300,6 +342,20 @@ struct CudaModel::Impl {
     return b.Ensure(&alloc, rows * cols * kAb);
   }
   absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
+
+  // ---- One layer kind's buffers at a time (KindArena) -----------------------------------------
+  // The buffers of `kind` ('L' or 'M') of C or of W that a layer of the other kind never uses,
+  // with the bytes the layer code asks for at the current batch and CP mode (a buffer asked for
+  // larger than its view gets a block of its own, so a mismatch costs memory, not correctness).
+  // The MLA attention's output and statistics are not among them: a recomputing MLA layer keeps
+  // its own (KeptAttention).
+  KindFields CacheKindFields(Cache& C, char kind);
+  KindFields WorkKindFields(char kind);
+  // Makes `kind`'s buffers views of `a`, sized for the larger of the model's kinds, after
+  // releasing both kinds' buffers, unless `a` already holds this layout.
+  absl::Status UseKind(KindArena& a, char kind, const KindFields& lightning, const KindFields& mla);
+  // Releases both kinds' buffers and the arena.
+  static void DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla);
 
   // Copies numel() floats per (dst, src) pair, skipping pairs with a null side, then syncs.
   absl::Status CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
@@ -587,6 +643,12 @@ DeviceMemory CudaModel::memory() const {
 }
 
 void CudaModel::ResetPeakMemory() { impl_->alloc.ResetPeak(); }
+
+absl::Status CudaModel::ReleaseActivationMemory() {
+  CUDA(cudaStreamSynchronize(impl_->stream));
+  impl_->ReleaseActivations();
+  return FromKernel(impl_->alloc.EmptyCache());
+}
 double CudaModel::last_enqueue_seconds() const { return impl_->enqueue_seconds; }
 
 double CudaModel::peak_flops() const { return impl_->peak_flops; }
@@ -1278,6 +1340,87 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
   return absl::OkStatus();
 }
 
+// ---- One layer kind's buffers at a time
+// ----------------------------------------------------------
+
+KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
+  if (kind == 'L') {
+    // The forward's kept block states: cp = 1 only.
+    const int64_t kept =
+        B.cp == 1 ? static_cast<int64_t>(kc::LightningSavedBytes({T, H, c.head_dim(), 3 * d})) : 0;
+    return {{&C.qkv_raw, T * 3 * d * kAb}, {&C.qkv_n, T * 3 * d * kAb}, {&C.gate, T * d * kAb},
+            {&C.o, T * d * kAb},           {&C.y, T * d * kAb},         {&C.rstd_q, T * H * 4},
+            {&C.rstd_k, T * H * 4},        {&C.rstd_o, T * H * 4},      {&C.lstates, kept}};
+  }
+  const MlaConfig& m = c.mla;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
+  // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
+  // MLA AllGather (Work's ag_kvb, ag_K).
+  const int64_t q_lora = qr > 0 ? T : 0, keys = MlaAllGather() ? 0 : T;
+  return {{&C.Q, T * H * qk * kAb},
+          {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
+          {&C.c, T * kv * kAb},
+          {&C.c_n, T * kv * kAb},
+          {&C.rstd_c, T * 4},
+          {&C.qa, q_lora * qr * kAb},
+          {&C.qa_n, q_lora * qr * kAb},
+          {&C.rstd_qa, q_lora * 4},
+          {&C.kvb, keys * H * (m.qk_nope_dim + m.v_head_dim) * kAb},
+          {&C.K, keys * H * qk * kAb}};
+}
+
+KindFields CudaModel::Impl::WorkKindFields(char kind) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
+  if (kind == 'L')
+    return {{&W.dy, T * d * kAb}, {&W.dgate, T * d * kAb}, {&W.dqkv, T * 3 * d * kAb}};
+  const MlaConfig& m = c.mla;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
+  return {{&W.dO, T * H * m.v_head_dim * kAb},
+          {&W.dQ, T * H * qk * kAb},
+          {&W.dK, T * H * qk * kAb},
+          {&W.dkvb, T * H * (m.qk_nope_dim + m.v_head_dim) * kAb},
+          {&W.dkva, T * (kv + m.qk_rope_dim) * kAb},
+          {&W.dc_n, T * kv * kAb},
+          {&W.dc, T * kv * kAb},
+          {&W.dqa_n, T * qr * kAb},
+          {&W.dqa, T * qr * kAb}};
+}
+
+absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lightning,
+                                      const KindFields& mla) {
+  constexpr int64_t kAlign = 256;
+  auto layout_bytes = [](const KindFields& f) {
+    int64_t total = 0;
+    for (const auto& [buf, bytes] : f) total += (bytes + kAlign - 1) / kAlign * kAlign;
+    return total;
+  };
+  const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lightning) : 0,
+                                c.NumLayersOfKind('M') > 0 ? layout_bytes(mla) : 0);
+  const KindFields& mine = kind == 'L' ? lightning : mla;
+  uint64_t key = static_cast<uint64_t>(need);
+  for (const auto& [buf, bytes] : mine) key = key * 1000003u + static_cast<uint64_t>(bytes);
+  if (a.kind == kind && a.key == key) return absl::OkStatus();
+  for (const KindFields* f : {&lightning, &mla})
+    for (const auto& [buf, bytes] : *f) buf->Release();
+  RETURN_IF_ERROR(a.mem.Ensure(&alloc, need));
+  int64_t off = 0;
+  for (const auto& [buf, bytes] : mine) {
+    buf->View(static_cast<char*>(a.mem.get()) + off, bytes);
+    off += (bytes + kAlign - 1) / kAlign * kAlign;
+  }
+  a.kind = kind;
+  a.key = key;
+  return absl::OkStatus();
+}
+
+void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla) {
+  for (const KindFields* f : {&lightning, &mla})
+    for (const auto& [buf, bytes] : *f) buf->Release();
+  a.mem.Release();
+  a.kind = 0;
+}
+
 // ---- Lightning -----------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
@@ -1548,6 +1691,8 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
 absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                                             bool ffn_kept) {
   const int64_t T = B.T, d = c.d_model;
+  if (kind_union)
+    RETURN_IF_ERROR(UseKind(W.arena, L.kind, WorkKindFields('L'), WorkKindFields('M')));
   RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningBackward(L, C, dx));
@@ -1615,6 +1760,19 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
   while (caches.size() < n_caches) caches.push_back(std::make_unique<Cache>());
   caches.resize(n_caches);
+  // The cache the recomputing layers share holds one layer kind's buffers at a time.
+  for (size_t k = 0; k < caches.size(); ++k) {
+    Cache& C = *caches[k];
+    const bool shared = kind_union && k == 0 && (!backward || recompute.layers > 0);
+    if (C.kind_union && !shared)
+      DropArena(C.arena, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'));
+    C.kind_union = shared;
+  }
+  auto use_kind = [&](Cache& C, int64_t i) {
+    return C.kind_union
+               ? UseKind(C.arena, layers[i].kind, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'))
+               : absl::OkStatus();
+  };
   const int64_t n_inputs = backward ? n + 1 : 2;
   if (static_cast<int64_t>(layer_in.size()) != n_inputs) layer_in = std::vector<DevBuf>(n_inputs);
   for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
@@ -1629,6 +1787,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   }
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches[recompute.CacheOf(i, n)];
+    RETURN_IF_ERROR(use_kind(C, i));
     const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
     if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
@@ -1648,6 +1807,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
   for (int64_t i = n - 1; i >= 0; --i) {
     Cache& C = *caches[recompute.CacheOf(i, n)];
+    RETURN_IF_ERROR(use_kind(C, i));
     const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
@@ -1694,6 +1854,18 @@ absl::Status CudaModel::SetFfnBlockRows(int64_t rows) {
   RETURN_IF_ERROR(CheckBlockRows("FFN", "the default", rows));
   impl_->ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
   return absl::OkStatus();
+}
+
+void CudaModel::SetKindUnion(bool on) {
+  Impl& I = *impl_;
+  I.kind_union = on;
+  if (on) return;
+  I.DropArena(I.W.arena, I.WorkKindFields('L'), I.WorkKindFields('M'));
+  for (auto& C : I.caches) {
+    if (C->kind_union)
+      I.DropArena(C->arena, I.CacheKindFields(*C, 'L'), I.CacheKindFields(*C, 'M'));
+    C->kind_union = false;
+  }
 }
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {

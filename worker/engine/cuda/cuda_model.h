@@ -134,9 +134,17 @@ class CudaModel {
   // layer that keeps its cache keeps the whole sequence's FFN activations. A positive multiple of
   // 128 or 0 (InvalidArgument for others).
   absl::Status SetFfnBlockRows(int64_t rows);
+  // The backward's gradient scratch of the two layer kinds (Lightning, MLA), and the cache the
+  // recomputing layers share, hold one kind's buffers at a time in memory both kinds use (on by
+  // default). Off, each kind keeps buffers of its own, as a reference for tests.
+  void SetKindUnion(bool on);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
+  // Returns every activation and scratch buffer, and the allocator's cache, to the device (after
+  // waiting for queued work): the next step allocates afresh, so its peak is its own, whatever
+  // sizes earlier steps left cached.
+  absl::Status ReleaseActivationMemory();
   // Host seconds the last Forward / ForwardBackward spent queueing its work (from entry to its
   // final stream synchronisation). Near the step's time, the host, not the GPU, sets the pace.
   double last_enqueue_seconds() const;
