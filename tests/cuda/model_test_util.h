@@ -63,4 +63,14 @@ inline std::vector<GradAgreement> CompareGradients(const ParamSet& P, const floa
   return out;
 }
 
+// One line per tensor whose gradients in `got` are off `want` by more than `rel` (relative L2);
+// empty when none is.
+inline std::string GradientsAbove(const ParamSet& P, const float* want, const float* got,
+                                  double rel) {
+  std::string report;
+  for (const GradAgreement& g : CompareGradients(P, want, got))
+    if (g.rel > rel) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
+  return report;
+}
+
 }  // namespace spindle::testing

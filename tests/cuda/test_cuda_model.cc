@@ -114,11 +114,8 @@ TEST(CudaModel, TinyStepRepeatsOnAFreshModel) {
     grads.emplace_back(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
     if (run == 0) first = std::move(*m);
   }
-  std::string report;
-  for (const testing::GradAgreement& g : testing::CompareGradients(
-           first->host_params(), grads[0].data(), grads[1].data())) {
-    if (g.rel > 1e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
-  }
+  const std::string report =
+      testing::GradientsAbove(first->host_params(), grads[0].data(), grads[1].data(), 1e-3);
   EXPECT_TRUE(report.empty()) << "gradients differ between two runs:" << report;
 }
 
@@ -240,124 +237,110 @@ TEST(CudaModel, HeadRowBlocksAgreeWithOneBlock) {
   ASSERT_TRUE(m->DownloadGrads().ok());
   EXPECT_EQ(blocked->n_valid, whole->n_valid);
   EXPECT_NEAR(blocked->loss_sum / whole->loss_sum, 1.0, 1e-5);
-  std::string report;
-  for (const testing::GradAgreement& g :
-       testing::CompareGradients(P, g1.data(), P.flat_grad().f32())) {
-    if (g.rel > 5e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
-  }
+  const std::string report = testing::GradientsAbove(P, g1.data(), P.flat_grad().f32(), 5e-3);
   EXPECT_TRUE(report.empty()) << "gradients differ between head block sizes:" << report;
+}
+
+// One training step's loss, gradients and peak activation memory.
+struct StepResult {
+  double loss = 0.0;
+  std::vector<float> grads;
+  int64_t peak = 0;
+};
+StepResult StepOf(CudaModel& m, const Batch& b, Recompute rc) {
+  StepResult r;
+  EXPECT_TRUE(m.ZeroGrads().ok());
+  auto s = m.ForwardBackward(b, 0.01f, rc);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return r;
+  r.loss = s->loss_sum;
+  r.peak = m.memory().peak_allocated;
+  EXPECT_TRUE(m.DownloadGrads().ok());
+  ParamSet& P = m.host_params();
+  r.grads.assign(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
+  return r;
+}
+
+// Runs check(c, seed, b, rc, recomputed) on the tiny model with both layer kinds ("MLLM") and a
+// fresh batch, for no layer, every layer, and one and two leading layers recomputing (the seed
+// and the setting in every failure's trace).
+template <typename Check>
+void ForEachRecomputeSetting(Check check) {
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Batch b = RandomBatch(c, 300, 70, seed);
+  for (const Recompute rc :
+       {Recompute::None(), Recompute::All(), Recompute::First(1), Recompute::First(2)}) {
+    const int64_t recomputed = std::min<int64_t>(rc.layers, c.n_layers);
+    SCOPED_TRACE(::testing::Message() << "recompute layers " << recomputed);
+    check(c, seed, b, rc, recomputed);
+  }
 }
 
 // The FFN in token blocks (here 128 rows: three blocks, the last partial) against one block,
 // with every layer keeping its cache (only the FFN backward runs in blocks), every layer
-// recomputing (the forward's FFN too, and the backward recomputes each block) and the first
-// layer recomputing: the same rows and losses; the weight gradients sum the blocks' GEMMs in
-// fp32, so only the summation order differs. Recomputing in blocks holds less memory.
+// recomputing (the forward's FFN too, and the backward recomputes each block) and leading layers
+// recomputing: the same rows and losses; the weight gradients sum the blocks' GEMMs in fp32, so
+// only the summation order differs. Recomputing in blocks holds less memory.
 TEST(CudaModel, FfnBlocksAgreeWithOneBlock) {
   SPINDLE_REQUIRE_GPU();
-  ModelConfig c = Tiny();
-  c.layer_pattern = "MLLM";
-  const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  const Batch b = RandomBatch(c, 300, 70, seed);
-  for (const Recompute rc : {Recompute::None(), Recompute::All(), Recompute::First(1)}) {
-    const bool every_layer = rc.Layer(c.n_layers - 1);
-    SCOPED_TRACE(::testing::Message()
-                 << "recompute layers " << (every_layer ? c.n_layers : rc.layers));
-    std::vector<float> grads[2];
-    double loss[2] = {0, 0};
-    int64_t peak[2] = {0, 0};
-    for (int blocked = 0; blocked < 2; ++blocked) {
-      auto m = *CudaModel::Create(c, seed);
-      if (blocked == 1) {
-        EXPECT_EQ(m->SetFfnBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
-        EXPECT_EQ(m->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
-        ASSERT_TRUE(m->SetFfnBlockRows(128).ok());
-      }
-      auto s = m->ForwardBackward(b, 0.01f, rc);
-      ASSERT_TRUE(s.ok()) << s.status();
-      ASSERT_TRUE(m->DownloadGrads().ok());
-      ParamSet& P = m->host_params();
-      grads[blocked].assign(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
-      loss[blocked] = s->loss_sum;
-      peak[blocked] = m->memory().peak_allocated;
-      if (blocked == 0) continue;
-      EXPECT_NEAR(loss[1] / loss[0], 1.0, 1e-5);
-      std::string report;
-      for (const testing::GradAgreement& g :
-           testing::CompareGradients(P, grads[0].data(), grads[1].data())) {
-        if (g.rel > 5e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
-      }
-      EXPECT_TRUE(report.empty()) << "gradients differ between FFN block sizes:" << report;
-    }
-    EXPECT_LE(peak[1], peak[0]);
-    if (every_layer) {
+  ForEachRecomputeSetting([](const ModelConfig& c, uint32_t seed, const Batch& b, Recompute rc,
+                             int64_t recomputed) {
+    auto one = *CudaModel::Create(c, seed);
+    auto blocked = *CudaModel::Create(c, seed);
+    EXPECT_EQ(blocked->SetFfnBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(blocked->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(blocked->SetFfnBlockRows(128).ok());
+    const StepResult want = StepOf(*one, b, rc), got = StepOf(*blocked, b, rc);
+    EXPECT_NEAR(got.loss / want.loss, 1.0, 1e-5);
+    const std::string report =
+        testing::GradientsAbove(blocked->host_params(), want.grads.data(), got.grads.data(), 5e-3);
+    EXPECT_TRUE(report.empty()) << "gradients differ between FFN block sizes:" << report;
+    EXPECT_LE(got.peak, want.peak);
+    if (recomputed == c.n_layers) {
       std::printf(
           "[ ffn blocks ] peak activation bytes, every layer recomputing: one block %lld, "
           "128-row blocks %lld\n",
-          static_cast<long long>(peak[0]), static_cast<long long>(peak[1]));
-      EXPECT_LT(peak[1], peak[0]);
+          static_cast<long long>(want.peak), static_cast<long long>(got.peak));
+      EXPECT_LT(got.peak, want.peak);
     }
-  }
+  });
 }
 
 // The two layer kinds' gradient scratch, and the recomputing layers' shared cache, in one arena
-// (SetKindUnion): the same loss and gradients as with buffers of their own, in a training step and
-// in a forward-only pass after it, and less peak memory whenever both kinds run.
+// (SetKindUnion): the same loss and gradients as with buffers of their own over two steps (the
+// second reuses the first's layouts) and in a forward-only pass after them, and less peak memory
+// whenever both kinds run. ReleaseActivationMemory then leaves only the batch's few bytes, and the
+// next step allocates afresh to the same loss.
 TEST(CudaModel, KindUnionAgreesWithSeparateBuffersAndHoldsLess) {
   SPINDLE_REQUIRE_GPU();
-  ModelConfig c = Tiny();
-  c.layer_pattern = "MLLM";
-  const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  const Batch b = RandomBatch(c, 300, 70, seed);
-  for (const Recompute rc : {Recompute::None(), Recompute::All(), Recompute::First(2)}) {
-    const bool every_layer = rc.Layer(c.n_layers - 1);
-    SCOPED_TRACE(::testing::Message()
-                 << "recompute layers " << (every_layer ? c.n_layers : rc.layers));
-    std::vector<float> grads[2];
-    double loss[2] = {0, 0}, forward_loss[2] = {0, 0};
-    int64_t peak[2] = {0, 0};
-    for (int separate = 0; separate < 2; ++separate) {
-      auto m = *CudaModel::Create(c, seed);
-      if (separate == 1) m->SetKindUnion(false);
-      // Two steps: the second reuses the first's arena layouts.
-      for (int step = 0; step < 2; ++step) {
-        ASSERT_TRUE(m->ZeroGrads().ok());
-        auto s = m->ForwardBackward(b, 0.01f, rc);
-        ASSERT_TRUE(s.ok()) << s.status();
-        loss[separate] = s->loss_sum;
-      }
-      peak[separate] = m->memory().peak_allocated;
-      ASSERT_TRUE(m->DownloadGrads().ok());
-      ParamSet& P = m->host_params();
-      grads[separate].assign(P.flat_grad().f32(), P.flat_grad().f32() + P.numel());
-      auto f = m->Forward(b);
-      ASSERT_TRUE(f.ok()) << f.status();
-      forward_loss[separate] = f->loss_sum;
-      // Everything released: only the batch's few bytes stay, and the next step starts afresh.
-      ASSERT_TRUE(m->ReleaseActivationMemory().ok());
-      EXPECT_LT(m->memory().reserved, 64 * 1024);
-      ASSERT_TRUE(m->ZeroGrads().ok());
-      auto again = m->ForwardBackward(b, 0.01f, rc);
-      ASSERT_TRUE(again.ok()) << again.status();
-      EXPECT_NEAR(again->loss_sum / loss[separate], 1.0, 1e-6);
-      if (separate == 0) continue;
-      EXPECT_NEAR(loss[1] / loss[0], 1.0, 1e-6);
-      EXPECT_NEAR(forward_loss[1] / forward_loss[0], 1.0, 1e-6);
-      std::string report;
-      for (const testing::GradAgreement& g :
-           testing::CompareGradients(P, grads[0].data(), grads[1].data())) {
-        if (g.rel > 1e-3) report += "\n  " + g.name + ": rel " + std::to_string(g.rel);
-      }
-      EXPECT_TRUE(report.empty()) << "gradients differ with the kinds' buffers shared:" << report;
-    }
+  ForEachRecomputeSetting([](const ModelConfig& c, uint32_t seed, const Batch& b, Recompute rc,
+                             int64_t recomputed) {
+    auto separate = *CudaModel::Create(c, seed);
+    auto shared = *CudaModel::Create(c, seed);
+    separate->SetKindUnion(false);
+    StepResult want, got;
+    for (int step = 0; step < 2; ++step)
+      want = StepOf(*separate, b, rc), got = StepOf(*shared, b, rc);
+    EXPECT_NEAR(got.loss / want.loss, 1.0, 1e-6);
+    const std::string report =
+        testing::GradientsAbove(shared->host_params(), want.grads.data(), got.grads.data(), 1e-3);
+    EXPECT_TRUE(report.empty()) << "gradients differ with the kinds' buffers shared:" << report;
+    auto fw = separate->Forward(b), fg = shared->Forward(b);
+    ASSERT_TRUE(fw.ok() && fg.ok()) << fw.status() << " " << fg.status();
+    EXPECT_NEAR(fg->loss_sum / fw->loss_sum, 1.0, 1e-6);
     std::printf(
         "[ kind union ] peak activation bytes, recompute %lld: shared %lld, separate %lld\n",
-        static_cast<long long>(every_layer ? c.n_layers : rc.layers),
-        static_cast<long long>(peak[0]), static_cast<long long>(peak[1]));
-    EXPECT_LT(peak[0], peak[1]);
-  }
+        static_cast<long long>(recomputed), static_cast<long long>(got.peak),
+        static_cast<long long>(want.peak));
+    EXPECT_LT(got.peak, want.peak);
+
+    ASSERT_TRUE(shared->ReleaseActivationMemory().ok());
+    EXPECT_LT(shared->memory().reserved, 64 * 1024);
+    EXPECT_NEAR(StepOf(*shared, b, rc).loss / got.loss, 1.0, 1e-6);
+  });
 }
 
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
