@@ -89,8 +89,8 @@ std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPl
     s.parallel.cp = cp;
     for (const bool allgather : {false, true}) {
       if (allgather && !modes_free) continue;
-      const CpMode mode = allgather ? CpMode::kAllGather : CpMode::kAuto;
-      s.parallel.lightning_mode = s.parallel.mla_mode = mode;
+      s.parallel.lightning_mode = allgather ? CpMode::kAllGather : spec.parallel.lightning_mode;
+      s.parallel.mla_mode = allgather ? CpMode::kAllGather : spec.parallel.mla_mode;
       const CpPlan p = planner.Plan(s, 0);
       if (!p.problems.empty() || p.memory.total_bytes > device_memory_bytes) continue;
       return absl::StrCat(
@@ -99,8 +99,6 @@ std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPl
                     : " with",
           " every layer recomputing fits (", FormatBytes(p.memory.total_bytes), " per rank)");
     }
-    s.parallel.lightning_mode = spec.parallel.lightning_mode;
-    s.parallel.mla_mode = spec.parallel.mla_mode;
   }
   return absl::StrCat("; with every layer recomputing it still needs ",
                       FormatBytes(EstimateMemory(spec, plan.layers, n).total_bytes), " per rank");

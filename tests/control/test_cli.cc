@@ -121,6 +121,28 @@ TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
       << r.err;
 }
 
+// Every example job spec under examples/ is valid and plans without problems on the devices it
+// is for: a "cuda" job on one H200 (139.8 GiB), a "cpu" job offline (no memory limit); the GPU
+// examples are the long-context jobs measured in bench/RESULTS_GPU.md.
+TEST_F(CliTest, EveryExampleJobPlansOnItsDevice) {
+  const std::filesystem::path examples = std::filesystem::path(SPINDLE_SOURCE_DIR) / "examples";
+  int cuda_jobs = 0, cpu_jobs = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(examples)) {
+    if (entry.path().extension() != ".json") continue;
+    std::ifstream in(entry.path());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const bool cuda = text.find("\"resources\": \"cuda\"") != std::string::npos;
+    (cuda ? cuda_jobs : cpu_jobs) += 1;
+    Result r = cuda ? RunSpindle({"plan", entry.path().string(), "--device-memory", "139.8"})
+                    : RunSpindle({"plan", entry.path().string(), "--offline"});
+    EXPECT_EQ(r.code, 0) << entry.path() << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("ok: the job can run"), std::string::npos) << entry.path() << "\n"
+                                                                    << r.out;
+  }
+  EXPECT_GE(cuda_jobs, 2);
+  EXPECT_GE(cpu_jobs, 1);
+}
+
 TEST_F(CliTest, EndToEndAgainstCoordinator) {
   CoordinatorConfig cfg;
   cfg.listen = "127.0.0.1:0";

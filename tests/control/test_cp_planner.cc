@@ -209,6 +209,11 @@ TEST(CpPlannerTest, MemoryProblemSaysWhatWouldFit) {
   EXPECT_GT(cp_all2all, cp) << q;
   EXPECT_TRUE(fits(s, cp_all2all, CpMode::kAll2All));
   EXPECT_FALSE(fits(s, cp_all2all - 1, CpMode::kAll2All));
+  // Modes the spec sets to AllGather are kept too: the same cp as the hint above, no mode clause.
+  s.parallel.lightning_mode = s.parallel.mla_mode = CpMode::kAllGather;
+  q = memory_problem(CpPlanner().Plan(s, 141 * gib));
+  EXPECT_EQ(hinted_cp(q, &allgather), cp) << q;
+  EXPECT_FALSE(allgather) << q;
 }
 
 TEST(CpPlannerTest, ChunksTooShort) {
