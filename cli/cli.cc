@@ -276,10 +276,12 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
   }
   out << absl::StrFormat("memory per rank (estimate, %s): %s\n", recompute,
                          FormatBytes(m.total_bytes()));
-  out << absl::StrFormat("  params %s, grads %s, optimizer %s, activations %s, workspace %s\n",
+  out << absl::StrFormat("  params %s, grads %s, optimizer %s, activations %s, workspace %s",
                          FormatBytes(m.params_bytes()), FormatBytes(m.grads_bytes()),
                          FormatBytes(m.optimizer_bytes()), FormatBytes(m.activations_bytes()),
                          FormatBytes(m.workspace_bytes()));
+  if (m.runtime_bytes() > 0) out << ", CUDA runtime " << FormatBytes(m.runtime_bytes());
+  out << "\n";
   if (m.device_memory_bytes() > 0)
     out << "  device memory: " << FormatBytes(m.device_memory_bytes()) << "\n";
   for (const std::string& w : p.warnings()) out << "note: " << w << "\n";

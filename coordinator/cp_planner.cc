@@ -52,6 +52,10 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
 
 // Largest cp the memory hint tries.
 constexpr int64_t kMaxHintCp = 64;
+// The CUDA context, cuBLAS and cuDNN with their plans, on an H200: device memory in use beyond
+// the allocator's peak and cuDNN's attention workspace (bench/cuda/NOTES.md, "What the device
+// holds besides the allocator").
+constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
 
 // The fewest leading layers, from `from` up to every layer, to recompute for the estimate to fit
 // in `budget` bytes; -1 when none does.
@@ -207,8 +211,17 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     e.workspace_bytes +=
         4 * rows * mla_ag_row * B + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
   }
+  if (cuda) {
+    // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
+    // GiB measured), and cuDNN's attention workspace, the backward's fp32 dQ accumulator over the
+    // queries of one call and their heads: the rank's tokens with every head (one GPU and
+    // All2All: the whole sequence with H / cp heads), or one zigzag chunk under MLA AllGather.
+    const int64_t queries = mla_allgather ? std::max<int64_t>(1, spec.seq_len / (2 * cp)) : T;
+    e.runtime_bytes =
+        kCudaRuntimeBytes + (nm > 0 ? queries * H * (a.qk_nope_dim + a.qk_rope_dim) * 4 : 0);
+  }
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
-                  e.workspace_bytes;
+                  e.workspace_bytes + e.runtime_bytes;
   return e;
 }
 

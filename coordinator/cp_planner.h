@@ -33,7 +33,10 @@ struct MemoryEstimate {
   int64_t optimizer_bytes = 0;
   int64_t activations_bytes = 0;
   int64_t workspace_bytes = 0;
-  int64_t total_bytes = 0;
+  // CUDA: what the device holds outside Spindle's allocator: the CUDA context and libraries, and
+  // cuDNN's attention workspace (its fp32 dQ accumulator, which grows with the tokens).
+  int64_t runtime_bytes = 0;
+  int64_t total_bytes = 0;          // all of the above
   int64_t device_memory_bytes = 0;  // what it was checked against; 0: not checked
   int64_t recompute_layers = 0;     // the first this many layers recompute (never auto)
 };
