@@ -284,6 +284,10 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
   out << "\n";
   if (m.device_memory_bytes() > 0)
     out << "  device memory: " << FormatBytes(m.device_memory_bytes()) << "\n";
+  if (p.max_seq_len() > 0) {
+    out << "  longest seq_len that fits it with every layer recomputing (this cp and modes): "
+        << p.max_seq_len() << "\n";
+  }
   for (const std::string& w : p.warnings()) out << "note: " << w << "\n";
   if (p.problems_size() == 0) {
     out << "ok: the job can run\n";

@@ -66,6 +66,36 @@ int64_t FewestRecomputeLayersFitting(const JobSpec& spec, const std::vector<Laye
   return -1;
 }
 
+// The longest seq_len, a multiple of 2 cp x 1024 tokens, whose estimate with every layer
+// recomputing fits `device_memory_bytes` (the estimate grows with seq_len); 0 when the shortest
+// does not.
+int64_t LongestSeqLenFitting(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
+                             int64_t device_memory_bytes) {
+  const int64_t step = 2 * std::max<int64_t>(1, spec.parallel.cp) * 1024;
+  constexpr int64_t kMaxSteps = int64_t{1} << 22;
+  JobSpec s = spec;
+  auto fits = [&](int64_t steps) {
+    s.seq_len = steps * step;
+    return EstimateMemory(s, layers, s.model.n_layers).total_bytes <= device_memory_bytes;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;  // fits(lo); whether hi fits is not known yet
+  while (hi <= kMaxSteps && fits(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  if (hi > kMaxSteps) return lo * step;
+  while (hi - lo > 1) {  // fits(lo), not fits(hi)
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo * step;
+}
+
 // What would make a plan that does not fit its device fit, as a suffix for its memory problem:
 // recomputing more leading layers (the fewest that fit), else a larger cp with every layer
 // recomputing (the smallest up to kMaxHintCp that plans without problems and fits, in the spec's
@@ -268,6 +298,7 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
   if (auto_recompute && device_memory_bytes <= 0)
     plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {
+    plan.max_seq_len = LongestSeqLenFitting(spec, plan.layers, device_memory_bytes);
     if (plan.memory.total_bytes > device_memory_bytes) {
       plan.problems.push_back(absl::StrCat(
           "memory: estimated ", FormatBytes(plan.memory.total_bytes), " per rank exceeds the ",

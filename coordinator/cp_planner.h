@@ -50,6 +50,9 @@ struct CpPlan {
   MemoryEstimate memory;              // memory.recompute_layers: train.recompute resolved
   std::vector<std::string> problems;  // every reason the job cannot run; empty: it can
   std::vector<std::string> warnings;
+  // With a device: the longest seq_len (a multiple of 2 cp x 1024 tokens) whose estimate, every
+  // layer recomputing and this plan's cp and modes, fits it; 0 without a device or when none does.
+  int64_t max_seq_len = 0;
   bool ok() const { return problems.empty(); }
   // The decided mode of a layer type ("lightning" or "mla").
   CpMode ModeOf(const std::string& layer_type) const;
@@ -58,23 +61,31 @@ struct CpPlan {
 // Per-rank memory, in bytes, of training `spec` (B = 4 bytes per activation element on "cpu",
 // 2 on "cuda"; P = ModelConfig::NumParams(); T = seq_len / cp tokens per rank; d = d_model,
 // H = n_heads, f = ffn_dim):
-//   params      4 P  (fp32 master weights)
+//   params      4 P (fp32 master weights); 6 P on "cuda" (and the bf16 working copy)
 //   grads       4 P  (fp32)
-//   optimizer   8 P  for AdamW (m, v fp32); 4 P for SGD with momentum; 0 for plain SGD
+//   optimizer   8 P for AdamW (m, v fp32); 4 P for SGD with momentum; 0 for plain SGD
 //   activations T * B * (4 d + sum over layers of a_layer)      without recompute
-//               T * B * (4 d + n_layers * d + max a_layer)      with recompute (layer inputs only,
-//                                                               one layer rebuilt at a time)
-//               T * B * (4 d + R d + max over the R of a_layer + sum over the rest of a_layer)
-//                                                               when the first R layers recompute
+//               T * B * (4 d + R d + shared + sum over the others of a_layer)
+//                                                    when the first R layers recompute: `shared`
+//                                                    is the one cache they share, the larger of
+//                                                    their kinds' a_layer on "cuda" (one kind at a
+//                                                    time), both kinds' together on "cpu"; on
+//                                                    "cuda" their FFN runs in token blocks
+//                                                    (kCudaFfnBlockRows) and each recomputing MLA
+//                                                    layer keeps its attention output
 //     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product)
 //     Lightning        += 9 d (qkv, normed q/k, output, normed output, gate, gated output)
 //     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2
 //                         + H (qk_nope + v_head) + H v_head + 2 H (softmax stats, fp32)
 //                         and, in AllGather mode, the gathered latents of the whole sequence:
 //                         cp * T * (kv_lora + qk_rope)
-//   workspace   min(T, 4096) * vocab * 4 (fused cross-entropy chunk, fp32)
-//               + Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4 (forward + backward)
-//               + 64 MiB (allocator slack, communicator buffers)
+//     CUDA All2All     += each layer's head-split core inputs (and MLA's output) over the sequence
+//   workspace   min(T, 4096) * vocab * 4 (cross-entropy block, fp32) + 64 MiB
+//               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
+//                 "cpu") + the FFN gradients ([T, 3 f], or a block on "cuda")
+//               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
+//   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's fp32 dQ accumulator of one
+//               attention call's queries (T, or one zigzag chunk under MLA AllGather) * H * qk * 4
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
 // once resolved; never kRecomputeAuto).
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,

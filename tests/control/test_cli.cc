@@ -112,6 +112,10 @@ TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
       std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("  device memory: 139.80 GiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  longest seq_len that fits it with every layer recomputing (this cp and "
+                       "modes): 673792\n"),
+            std::string::npos)
+      << r.out;
   r = RunSpindle({"plan", spec, "--offline"});
   EXPECT_NE(r.out.find("every layer recomputes"), std::string::npos) << r.out;
   r = RunSpindle({"plan", spec, "--device-memory", "0"});

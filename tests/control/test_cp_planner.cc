@@ -354,5 +354,42 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   EXPECT_EQ(CpPlanner().Plan(s, 0).memory.runtime_bytes, 0);
 }
 
+// With a device, the plan names the longest seq_len (in steps of 2 cp x 1024 tokens) whose
+// estimate with every layer recomputing fits it: the 1b model on one H200 between the measured
+// 640K, which ran, and 704K, which needs more than the device by the measured rates; on two in
+// AllGather mode above the measured 1M. Without a device there is none.
+TEST(CpPlannerTest, LongestSeqLenFitsTheDeviceAndOneStepMoreDoesNot) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.resources = "cuda";
+  s.seq_len = 131072;
+  s.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  const int64_t h200 = static_cast<int64_t>(139.8 * double(int64_t{1} << 30));
+  for (const auto& [cp, mode] :
+       {std::pair<int64_t, CpMode>{1, CpMode::kAuto}, {2, CpMode::kAllGather}}) {
+    s.parallel.cp = cp;
+    s.parallel.lightning_mode = s.parallel.mla_mode = mode;
+    const CpPlan p = CpPlanner().Plan(s, h200);
+    SCOPED_TRACE(::testing::Message() << "cp " << cp << ": longest " << p.max_seq_len);
+    const int64_t step = 2 * cp * 1024;
+    ASSERT_GT(p.max_seq_len, 0);
+    EXPECT_EQ(p.max_seq_len % step, 0);
+    auto total = [&](int64_t seq_len) {
+      JobSpec j = s;
+      j.seq_len = seq_len;
+      return EstimateMemory(j, p.layers, s.model.n_layers).total_bytes;
+    };
+    EXPECT_LE(total(p.max_seq_len), h200);
+    EXPECT_GT(total(p.max_seq_len + step), h200);
+    if (cp == 1) {
+      EXPECT_GE(p.max_seq_len, 655360);
+      EXPECT_LT(p.max_seq_len, 720896);
+    } else {
+      EXPECT_GE(p.max_seq_len, 1048576);
+    }
+  }
+  EXPECT_EQ(CpPlanner().Plan(s, 0).max_seq_len, 0);
+}
+
 }  // namespace
 }  // namespace spindle
