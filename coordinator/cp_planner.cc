@@ -79,12 +79,8 @@ int64_t LongestSeqLenFitting(const JobSpec& spec, const std::vector<LayerModePla
     return EstimateMemory(s, layers, s.model.n_layers).total_bytes <= device_memory_bytes;
   };
   if (!fits(1)) return 0;
-  int64_t lo = 1, hi = 2;  // fits(lo); whether hi fits is not known yet
-  while (hi <= kMaxSteps && fits(hi)) {
-    lo = hi;
-    hi *= 2;
-  }
-  if (hi > kMaxSteps) return lo * step;
+  if (fits(kMaxSteps)) return kMaxSteps * step;
+  int64_t lo = 1, hi = kMaxSteps;
   while (hi - lo > 1) {  // fits(lo), not fits(hi)
     const int64_t mid = lo + (hi - lo) / 2;
     if (fits(mid)) {

@@ -261,6 +261,16 @@ StepResult StepOf(CudaModel& m, const Batch& b, Recompute rc) {
   return r;
 }
 
+// `got` is `want`'s step: the loss within a relative `loss_rel`, every tensor's gradients within a
+// relative L2 `grad_rel` (the failure names `what` differs).
+void ExpectSameStep(const StepResult& want, const StepResult& got, const ParamSet& P,
+                    double loss_rel, double grad_rel, const std::string& what) {
+  EXPECT_NEAR(got.loss / want.loss, 1.0, loss_rel);
+  const std::string report =
+      testing::GradientsAbove(P, want.grads.data(), got.grads.data(), grad_rel);
+  EXPECT_TRUE(report.empty()) << "gradients differ " << what << ":" << report;
+}
+
 // Runs check(c, seed, b, rc, recomputed) on the tiny model with both layer kinds ("MLLM") and a
 // fresh batch, for no layer, every layer, and one and two leading layers recomputing (the seed
 // and the setting in every failure's trace).
@@ -294,10 +304,7 @@ TEST(CudaModel, FfnBlocksAgreeWithOneBlock) {
     EXPECT_EQ(blocked->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(blocked->SetFfnBlockRows(128).ok());
     const StepResult want = StepOf(*one, b, rc), got = StepOf(*blocked, b, rc);
-    EXPECT_NEAR(got.loss / want.loss, 1.0, 1e-5);
-    const std::string report =
-        testing::GradientsAbove(blocked->host_params(), want.grads.data(), got.grads.data(), 5e-3);
-    EXPECT_TRUE(report.empty()) << "gradients differ between FFN block sizes:" << report;
+    ExpectSameStep(want, got, blocked->host_params(), 1e-5, 5e-3, "between FFN block sizes");
     EXPECT_LE(got.peak, want.peak);
     if (recomputed == c.n_layers) {
       std::printf(
@@ -324,10 +331,7 @@ TEST(CudaModel, KindUnionAgreesWithSeparateBuffersAndHoldsLess) {
     StepResult want, got;
     for (int step = 0; step < 2; ++step)
       want = StepOf(*separate, b, rc), got = StepOf(*shared, b, rc);
-    EXPECT_NEAR(got.loss / want.loss, 1.0, 1e-6);
-    const std::string report =
-        testing::GradientsAbove(shared->host_params(), want.grads.data(), got.grads.data(), 1e-3);
-    EXPECT_TRUE(report.empty()) << "gradients differ with the kinds' buffers shared:" << report;
+    ExpectSameStep(want, got, shared->host_params(), 1e-6, 1e-3, "with the kinds' buffers shared");
     auto fw = separate->Forward(b), fg = shared->Forward(b);
     ASSERT_TRUE(fw.ok() && fg.ok()) << fw.status() << " " << fg.status();
     EXPECT_NEAR(fg->loss_sum / fw->loss_sum, 1.0, 1e-6);

@@ -1340,8 +1340,7 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
   return absl::OkStatus();
 }
 
-// ---- One layer kind's buffers at a time
-// ----------------------------------------------------------
+// ---- One layer kind's buffers at a time --------------------------------------------------------
 
 KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads;
@@ -1387,12 +1386,20 @@ KindFields CudaModel::Impl::WorkKindFields(char kind) {
           {&W.dqa, T * qr * kAb}};
 }
 
+namespace {
+// A buffer's place in a KindArena: its bytes rounded up to 256.
+int64_t ArenaBytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+void ReleaseKinds(const KindFields& lightning, const KindFields& mla) {
+  for (const KindFields* f : {&lightning, &mla})
+    for (const auto& [buf, bytes] : *f) buf->Release();
+}
+}  // namespace
+
 absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lightning,
                                       const KindFields& mla) {
-  constexpr int64_t kAlign = 256;
   auto layout_bytes = [](const KindFields& f) {
     int64_t total = 0;
-    for (const auto& [buf, bytes] : f) total += (bytes + kAlign - 1) / kAlign * kAlign;
+    for (const auto& [buf, bytes] : f) total += ArenaBytes(bytes);
     return total;
   };
   const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lightning) : 0,
@@ -1401,13 +1408,12 @@ absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields&
   uint64_t key = static_cast<uint64_t>(need);
   for (const auto& [buf, bytes] : mine) key = key * 1000003u + static_cast<uint64_t>(bytes);
   if (a.kind == kind && a.key == key) return absl::OkStatus();
-  for (const KindFields* f : {&lightning, &mla})
-    for (const auto& [buf, bytes] : *f) buf->Release();
+  ReleaseKinds(lightning, mla);
   RETURN_IF_ERROR(a.mem.Ensure(&alloc, need));
   int64_t off = 0;
   for (const auto& [buf, bytes] : mine) {
     buf->View(static_cast<char*>(a.mem.get()) + off, bytes);
-    off += (bytes + kAlign - 1) / kAlign * kAlign;
+    off += ArenaBytes(bytes);
   }
   a.kind = kind;
   a.key = key;
@@ -1415,8 +1421,7 @@ absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields&
 }
 
 void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla) {
-  for (const KindFields* f : {&lightning, &mla})
-    for (const auto& [buf, bytes] : *f) buf->Release();
+  ReleaseKinds(lightning, mla);
   a.mem.Release();
   a.kind = 0;
 }
