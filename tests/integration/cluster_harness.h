@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -105,6 +106,13 @@ inline std::vector<pid_t> ProcessesWithArgs(const std::vector<std::string>& args
   return out;
 }
 
+// The binary at $`env` (binaries moved to another machine), else `built` (the path the build
+// compiled in; empty when the target is not part of the build).
+inline std::string BinaryPath(const char* env, const char* built) {
+  const char* value = std::getenv(env);
+  return value != nullptr && *value != '\0' ? value : built;
+}
+
 class ClusterHarness {
  public:
   explicit ClusterHarness(const ScratchDir* dir) : dir_(dir) {}
@@ -160,10 +168,11 @@ class ClusterHarness {
   bool StartCoordinator(const std::vector<std::string>& extra = {}) {
     if (port_ == 0) port_ = FreePort();
     if (separate_worker_port_ && worker_port_ == 0) worker_port_ = FreePort();
-    std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY, "--listen=" + address(),
-                                     "--advertise=" + worker_address(),
-                                     "--db=" + dir_->File("spindle.db"),
-                                     absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
+    std::vector<std::string> argv = {
+        BinaryPath("SPINDLE_COORDINATOR_BINARY", SPINDLE_COORDINATOR_BINARY),
+        "--listen=" + address(), "--advertise=" + worker_address(),
+        "--db=" + dir_->File("spindle.db"),
+        absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
     if (separate_worker_port_) argv.push_back("--worker_listen=" + worker_address());
     if (!token_.empty()) argv.push_back("--token_file=" + token_file());
     if (!tls_cert_file_.empty()) {
@@ -205,7 +214,7 @@ class ClusterHarness {
   bool StartWorker(const std::string& id, int slots, const std::string& trainer,
                    const std::vector<std::pair<std::string, std::string>>& env = {},
                    const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {SPINDLE_WORKER_BINARY,
+    std::vector<std::string> argv = {BinaryPath("SPINDLE_WORKER_BINARY", SPINDLE_WORKER_BINARY),
                                      "--coordinator=" + worker_address(),
                                      "--worker_id=" + id,
                                      absl::StrCat("--slots=", slots),
