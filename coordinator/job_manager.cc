@@ -228,9 +228,33 @@ int64_t JobManager::LargestDeviceMemory(const std::string& kind) const {
   return memory;
 }
 
+absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t world,
+                                               const CpPlan& plan) const {
+  SchedulableJob sj;
+  sj.world = world;
+  sj.kind = kind;
+  sj.memory_bytes_per_rank = plan.memory.total_bytes;
+  std::vector<SchedulableWorker> registered;
+  for (const auto& [id, w] : workers_) {
+    SchedulableWorker sw;
+    sw.worker_id = id;
+    sw.kind = w->group.kind();
+    sw.device_memory_bytes = w->group.memory_bytes();
+    sw.total_devices = w->group.count();
+    registered.push_back(sw);
+  }
+  return CheckCanEverFit(sj, registered);
+}
+
 absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_out) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, nullptr, nullptr));
+  std::string kind;
+  int64_t world = 0;
+  ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, &kind, &world));
+  if (plan.ok()) {
+    if (absl::Status fit = CheckCanEverFitLocked(kind, world, plan); !fit.ok())
+      plan.problems.emplace_back(fit.message());
+  }
   PlanToProto(plan, plan_out);
   return absl::OkStatus();
 }
@@ -247,20 +271,7 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     if (!plan.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("job cannot run: ", absl::StrJoin(plan.problems, "; ")));
-    SchedulableJob sj;
-    sj.world = spec.parallel.world();
-    sj.kind = spec.resources;
-    sj.memory_bytes_per_rank = plan.memory.total_bytes;
-    std::vector<SchedulableWorker> registered;
-    for (const auto& [id, w] : workers_) {
-      SchedulableWorker sw;
-      sw.worker_id = id;
-      sw.kind = w->group.kind();
-      sw.device_memory_bytes = w->group.memory_bytes();
-      sw.total_devices = w->group.count();
-      registered.push_back(sw);
-    }
-    RETURN_IF_ERROR(CheckCanEverFit(sj, registered));
+    RETURN_IF_ERROR(CheckCanEverFitLocked(spec.resources, spec.parallel.world(), plan));
 
     auto j = std::make_unique<JobRuntime>();
     j->spec = spec;
@@ -276,8 +287,9 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     rec.plan = PlanBytes(plan);
     rec.submitted_ms = rec.updated_ms = now;
     rec.max_restarts = spec.max_restarts;
-    rec.message = absl::StrCat("waiting for ", sj.world, " free ", sj.kind, " device",
-                               sj.world == 1 ? "" : "s");
+    const int64_t world = spec.parallel.world();
+    rec.message = absl::StrCat("waiting for ", world, " free ", spec.resources, " device",
+                               world == 1 ? "" : "s");
     EventRecord ev{"", 0, now, JobState::kQueued, "submitted"};
     RETURN_IF_ERROR(store_->CreateJob(&rec, ev));
     ev.job_id = rec.job_id;

@@ -92,7 +92,8 @@ class JobManager {
   // every plan problem ("job cannot run: <p1>; <p2>") or why it can never fit.
   absl::StatusOr<std::string> Submit(const std::string& spec_json, v1::Plan* plan_out)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Plans against the registered workers. InvalidArgument for a bad spec.
+  // Plans against the registered workers. InvalidArgument for a bad spec; why the job could
+  // never be placed on them (what Submit would refuse) is one of the plan's problems.
   absl::Status PlanSpec(const std::string& spec_json, v1::Plan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
   // NotFound "job j-000009 not found".
   absl::Status GetJob(const std::string& job_id, bool with_events, v1::Job* out)
@@ -157,6 +158,9 @@ class JobManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes a plan's decisions: the CP modes, the layers that recompute, the memory per rank.
   static void AdoptPlan(JobRuntime& j, const CpPlan& plan);
+  // Submit's admission check (CheckCanEverFit) of a planned job against the registered workers.
+  absl::Status CheckCanEverFitLocked(const std::string& kind, int64_t world,
+                                     const CpPlan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory of the largest registered device of `kind` ("cuda" or "cpu"); 0 when none.
   int64_t LargestDeviceMemory(const std::string& kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // train.recompute "auto" planned while no device of the job's kind was registered: sized to

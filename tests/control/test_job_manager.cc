@@ -328,6 +328,24 @@ TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
             "n_heads=4 and cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
 }
 
+// A plan against the registered workers names what Submit would refuse, and stores nothing.
+TEST_F(JobManagerTest, PlanNamesWhyTheRegisteredWorkersCanNeverRunTheJob) {
+  v1::Plan plan;
+  ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 2), &plan).ok());
+  EXPECT_EQ(plan.problems_size(), 0) << "no worker registered yet: the job may wait for one";
+  AddWorker("w1", 4);
+  plan.Clear();
+  ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 2), &plan).ok());
+  ASSERT_EQ(plan.problems_size(), 1);
+  EXPECT_EQ(plan.problems(0),
+            "job needs 8 cpu devices (world = dp*cp) but the 1 registered cpu worker has 4 in "
+            "total");
+  plan.Clear();
+  ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 1), &plan).ok());
+  EXPECT_EQ(plan.problems_size(), 0);
+  EXPECT_TRUE(manager_->ListJobs({}, 0).empty());
+}
+
 TEST_F(JobManagerTest, SubmitRejectsRelativePaths) {
   v1::Plan plan;
   std::string spec = SpecJson(1, 1);
