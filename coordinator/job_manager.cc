@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -1017,20 +1018,27 @@ void JobManager::Tick() {
         continue;
       }
       const RankRuntime* hung = nullptr;
-      int64_t max_step = 0;
+      int64_t max_step = 0, min_live_step = std::numeric_limits<int64_t>::max();
       for (const RankRuntime& r : j.ranks) {
         max_step = std::max(max_step, r.step);
         if (r.state == "exited") continue;
+        min_live_step = std::min(min_live_step, r.step);
         const int64_t limit = r.step > 0 ? options_.hang_timeout_ms : options_.start_timeout_ms;
         if (now - r.last_progress_ms > limit && (!hung || r.step < hung->step)) hung = &r;
       }
       if (hung) {
-        FailAttempt(j,
-                    absl::StrCat("rank ", hung->placement.rank, " on worker ",
-                                 hung->placement.worker_id, " made no progress for ",
-                                 Seconds(now - hung->last_progress_ms), " (step ", hung->step,
-                                 ", furthest rank at step ", max_step, ")"),
-                    false, metrics_.restarts_hang, &out);
+        // A rank behind the others is named; when every rank stands at the same step (one of
+        // them holds the rest in a collective), the step counts cannot say which.
+        const std::string what =
+            min_live_step == max_step && j.ranks.size() > 1
+                ? absl::StrCat("the gang made no progress for ",
+                               Seconds(now - hung->last_progress_ms), " (every rank at step ",
+                               max_step, ")")
+                : absl::StrCat("rank ", hung->placement.rank, " on worker ",
+                               hung->placement.worker_id, " made no progress for ",
+                               Seconds(now - hung->last_progress_ms), " (step ", hung->step,
+                               ", furthest rank at step ", max_step, ")");
+        FailAttempt(j, what, false, metrics_.restarts_hang, &out);
       }
     }
     for (auto& [id, w] : workers_) {

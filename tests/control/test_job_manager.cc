@@ -290,6 +290,23 @@ TEST_F(JobManagerTest, HungRankIsDetected) {
             "restart 1/3 from scratch");
 }
 
+// Every rank stuck at one step (one holds the others in a collective): no rank is blamed.
+TEST_F(JobManagerTest, GangStuckAtOneStepIsReportedWithoutBlamingARank) {
+  AddWorker("w1", 2);
+  const std::string id = Submit(SpecJson(2, 1));
+  Progress("w1", Ref(id, 1, 0), 4);
+  Progress("w1", Ref(id, 1, 1), 4);
+  for (int i = 0; i < 7; ++i) {
+    clock_.AdvanceMs(1000);
+    Heartbeat("w1");
+    manager_->Tick();
+  }
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(Get(id).message(),
+            "the gang made no progress for 6.0 s (every rank at step 4); restart 1/3 from "
+            "scratch");
+}
+
 TEST_F(JobManagerTest, CancelStopsEveryRank) {
   AddWorker("w1", 1);
   AddWorker("w2", 1);
