@@ -362,7 +362,14 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
     }
   }
   out->set_step(std::max<int64_t>(0, min_step));
-  if (!j.ranks.empty()) out->set_loss(j.ranks[0].loss);
+  // The loss of the step shown (every rank reports the world's loss; a rank ahead of the others
+  // already reports the next step's).
+  for (const RankRuntime& rr : j.ranks) {
+    if (rr.step == min_step) {
+      out->set_loss(rr.loss);
+      break;
+    }
+  }
   out->set_tokens_per_s(tps);
   out->set_mfu(mfu_ranks > 0 ? mfu_sum / static_cast<double>(mfu_ranks) : 0.0);
   double eta = -1;

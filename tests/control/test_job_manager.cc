@@ -183,6 +183,15 @@ TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
   EXPECT_DOUBLE_EQ(j.tokens_per_s(), 2000);  // the ranks' sum
   EXPECT_DOUBLE_EQ(j.ranks(1).mfu(), 0.35);
   EXPECT_DOUBLE_EQ(j.mfu(), 0.30);  // the ranks' mean
+  // Rank 0 a step ahead: the job shows the step every rank has reached, with that step's loss.
+  Progress("w1", Ref(id, 1, 0), 2);
+  j = Get(id);
+  EXPECT_EQ(j.step(), 1);
+  EXPECT_DOUBLE_EQ(j.loss(), 4.9);
+  Progress("w1", Ref(id, 1, 1), 2);
+  j = Get(id);
+  EXPECT_EQ(j.step(), 2);
+  EXPECT_DOUBLE_EQ(j.loss(), 4.8);
   Exit("w1", Ref(id, 1, 0), 0);
   Exit("w1", Ref(id, 1, 1), 0);
   j = Get(id);
