@@ -56,6 +56,18 @@ constexpr int64_t kMaxHintCp = 64;
 // the allocator's peak and cuDNN's attention workspace (bench/cuda/NOTES.md, "What the device
 // holds besides the allocator").
 constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
+// NCCL's buffers on the device once every collective of a step has run: the first communicator
+// of a rank, and each further one over the same ranks (measured on two H200s over NVLink, cp = 2;
+// `bench_cp_cuda --comm_only`, bench/cuda/NOTES.md "NCCL's device memory"). A rank of a cuda job
+// with world > 1 holds one (the world's, which is also the CP group's when dp = 1), two when
+// both dp and cp exceed 1.
+constexpr int64_t kNcclFirstCommBytes = int64_t{1331} << 20;  // 1.3 GiB
+constexpr int64_t kNcclMoreCommBytes = int64_t{870} << 20;    // 0.85 GiB
+// Under CP (cp = 2 over NCCL, 256K-1M tokens) the device holds 10.6-12.3 KB per local token
+// beyond the allocator, the CUDA runtime above and NCCL's buffers; where it goes is not known
+// (the allocator's reserved bytes equal its peak). Counted so that plans near the device's size
+// do not run out of memory (bench/cuda/NOTES.md, "NCCL's device memory").
+constexpr int64_t kCudaCpExtraBytesPerToken = 12 << 10;
 
 // The fewest leading layers, from `from` up to every layer, to recompute for the estimate to fit
 // in `budget` bytes; -1 when none does.
@@ -239,12 +251,19 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
-    // GiB measured), and cuDNN's attention workspace, the backward's fp32 dQ accumulator over the
+    // GiB measured), NCCL's buffers, and cuDNN's attention workspace, the backward's fp32 dQ
+    // accumulator over the
     // queries of one call and their heads: the rank's tokens with every head (one GPU and
     // All2All: the whole sequence with H / cp heads), or one zigzag chunk under MLA AllGather.
     const int64_t queries = mla_allgather ? std::max<int64_t>(1, spec.seq_len / (2 * cp)) : T;
     e.runtime_bytes =
         kCudaRuntimeBytes + (nm > 0 ? queries * H * (a.qk_nope_dim + a.qk_rope_dim) * 4 : 0);
+    // NCCL, counted as if every rank had a GPU of its own (ranks that share one use Gloo).
+    if (spec.parallel.world() > 1) {
+      e.runtime_bytes += kNcclFirstCommBytes;
+      if (spec.parallel.cp > 1 && spec.parallel.dp > 1) e.runtime_bytes += kNcclMoreCommBytes;
+    }
+    if (cp > 1) e.runtime_bytes += kCudaCpExtraBytesPerToken * T;
   }
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes + e.runtime_bytes;

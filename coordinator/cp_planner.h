@@ -33,8 +33,9 @@ struct MemoryEstimate {
   int64_t optimizer_bytes = 0;
   int64_t activations_bytes = 0;
   int64_t workspace_bytes = 0;
-  // CUDA: what the device holds outside Spindle's allocator: the CUDA context and libraries, and
-  // cuDNN's attention workspace (its fp32 dQ accumulator, which grows with the tokens).
+  // CUDA: what the device holds outside Spindle's allocator: the CUDA context and libraries,
+  // NCCL's buffers (world > 1), and cuDNN's attention workspace (its fp32 dQ accumulator, which
+  // grows with the tokens).
   int64_t runtime_bytes = 0;
   int64_t total_bytes = 0;          // all of the above
   int64_t device_memory_bytes = 0;  // what it was checked against; 0: not checked
@@ -86,6 +87,7 @@ struct CpPlan {
 //               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's fp32 dQ accumulator of one
 //               attention call's queries (T, or one zigzag chunk under MLA AllGather) * H * qk * 4
+//               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
 // once resolved; never kRecomputeAuto).
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,

@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -54,8 +55,8 @@
 #include "worker/engine/batch.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/kv_stores.h"
-#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/cuda/cuda_model.h"
 
 namespace spindle {
@@ -347,10 +348,20 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
   return out;
 }
 
+// Free memory of the current device.
+size_t DeviceFreeBytes() {
+  size_t free_b = 0, total_b = 0;
+  return cudaMemGetInfo(&free_b, &total_b) == cudaSuccess ? free_b : 0;
+}
+
 // --comm_only: the CP all-to-all alone, as the model's exchanges call it (CommType::kByte, one
 // block per rank, the communicator's Wait), for each buffer size: 2 warm-up calls, then --steps
 // calls between host barriers; per call the slowest rank's time. "GB/s out" is what each rank
-// sends to the others ((cp - 1) blocks) over that time.
+// sends to the others ((cp - 1) blocks) over that time. Then the device memory NCCL holds a rank
+// (cudaMemGetInfo, after the CUDA context): once the communicator is created, once every
+// collective the trainer uses has run on it (all-to-all, all-gather, reduce-scatter, all-reduce),
+// and what a second communicator over the same ranks adds after the same collectives (the
+// trainer holds one for the world's gradient sum and one for the CP group).
 int RunCommOnly(const Options& opt, int cp) {
   MemoryKvStore store;
   RunControl ctl(cp);
@@ -358,17 +369,35 @@ int RunCommOnly(const Options& opt, int cp) {
       static_cast<size_t>(*std::max_element(opt.comm_only_mb.begin(), opt.comm_only_mb.end()))
       << 20;
   std::vector<std::vector<double>> secs(cp);  // [rank][size]
+  std::vector<std::array<double, 3>> nccl_gib(cp);  // [rank]: after init, collectives, second
   std::vector<std::thread> threads;
   for (int r = 0; r < cp; ++r) {
     threads.emplace_back([&, r] {
       auto body = [&]() -> absl::Status {
         BENCH_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(r), "cudaSetDevice"));
+        BENCH_RETURN_IF_ERROR(CudaStatus(cudaFree(nullptr), "cudaFree"));  // the context
+        constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+        const double free0 = static_cast<double>(DeviceFreeBytes());
         auto comm = CreateNcclCommunicator(store, absl::StrCat("bench_cp/comm", cp), r, cp, r,
                                            absl::Seconds(opt.timeout_s));
         if (!comm.ok()) return comm.status();
+        nccl_gib[r][0] = (free0 - static_cast<double>(DeviceFreeBytes())) / kGiB;
         void *in = nullptr, *out = nullptr;
         BENCH_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&in, max_bytes), "cudaMalloc"));
         BENCH_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&out, max_bytes), "cudaMalloc"));
+        const double buffers = 2.0 * static_cast<double>(max_bytes);
+        // Every collective the trainer runs, once, on `c`; then NCCL's share of the device.
+        auto every_collective = [&](Communicator& c) -> absl::Status {
+          const int64_t n = static_cast<int64_t>(max_bytes / 4 / cp);
+          BENCH_RETURN_IF_ERROR(c.AllToAll(in, n, CommType::kF32, out, CommLayer::kLightning));
+          BENCH_RETURN_IF_ERROR(c.AllGather(in, n, CommType::kF32, out, CommLayer::kMla));
+          BENCH_RETURN_IF_ERROR(c.ReduceScatterSum(static_cast<const float*>(in), n,
+                                                   static_cast<float*>(out), CommLayer::kMla));
+          return c.AllReduceSum(in, n * cp, CommType::kF32, CommLayer::kGrad);
+        };
+        auto nccl_held = [&] {
+          return (free0 - buffers - static_cast<double>(DeviceFreeBytes())) / kGiB;
+        };
         absl::Status st;
         for (int mb : opt.comm_only_mb) {
           const int64_t block = (static_cast<int64_t>(mb) << 20) / cp;
@@ -383,6 +412,14 @@ int RunCommOnly(const Options& opt, int cp) {
           secs[r].push_back(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
               opt.steps);
+        }
+        if (st.ok()) st = every_collective(**comm);
+        if (st.ok()) {
+          nccl_gib[r][1] = nccl_held();
+          auto second = CreateNcclCommunicator(store, absl::StrCat("bench_cp/second", cp), r, cp, r,
+                                               absl::Seconds(opt.timeout_s));
+          st = second.ok() ? every_collective(**second) : second.status();
+          nccl_gib[r][2] = nccl_held() - nccl_gib[r][1];
         }
         cudaFree(in);
         cudaFree(out);
@@ -411,6 +448,14 @@ int RunCommOnly(const Options& opt, int cp) {
     std::printf("| %d | %d | %.3f | %.1f |\n", cp, opt.comm_only_mb[i], 1e3 * worst,
                 out_gb / worst);
   }
+  std::array<double, 3> most = {0.0, 0.0, 0.0};
+  for (int r = 0; r < cp; ++r)
+    for (int k = 0; k < 3; ++k) most[k] = std::max(most[k], nccl_gib[r][k]);
+  std::printf(
+      "\nNCCL device memory a rank (GiB, the most over ranks), cp = %d: %.2f once created, %.2f "
+      "after all-to-all, all-gather, reduce-scatter and all-reduce; a second communicator "
+      "adds %.2f\n",
+      cp, most[0], most[1], most[2]);
   std::fflush(stdout);
   return 0;
 }

@@ -25,7 +25,8 @@
 // shares; losses, token counts and gradients are summed over the world as with dp. Collectives:
 // when every rank reports a device of its own (StepBackend::DeviceId, gathered over the Gloo
 // world), the gradient sum runs on the device (AllReduceGrads) and the CP group is a device
-// communicator (NCCL for CUDA), both from CreateDeviceCommunicator; otherwise the gradients are
+// communicator (NCCL for CUDA), both from CreateDeviceCommunicator (one communicator for both
+// when dp = 1, where the CP group is the world); otherwise the gradients are
 // all-reduced on the host (download, Gloo, upload) and the CP group is Gloo. The start event's
 // "collectives" names the gradient sum's backend. The backend is built before any peer is waited
 // for, so a factory that does not run the job's cp refuses it there. Checkpoints download the
@@ -134,7 +135,8 @@ class Trainer {
   CpModes modes_;
   Recompute recompute_;
   // Gloo: the world (scalars, broadcasts, and the gradient sum of host copies) and the CP group.
-  // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP.
+  // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP
+  // (device_cp_comm_ only when dp > 1; with dp = 1 the world's serves the CP group).
   std::unique_ptr<Communicator> world_comm_, cp_comm_, device_world_comm_, device_cp_comm_;
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
