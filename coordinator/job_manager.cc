@@ -32,6 +32,7 @@ struct JobManager::RankRuntime {
   int32_t exit_code = 0;
   int64_t last_report_ms = 0;
   int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
+  int64_t step_ms = 0;           // the rank's last step time as seen here; 0: none yet
   bool adopted = true;           // false while waiting for re-adoption after a restart
 };
 
@@ -75,6 +76,9 @@ struct JobManager::Outbox {
 };
 
 namespace {
+
+// A rank is hung after max(hang timeout, this many of its own last step time) without a step.
+constexpr int64_t kHangStepMultiple = 3;
 
 void LogLine(const std::string& line) { std::fprintf(stderr, "coordinator: %s\n", line.c_str()); }
 
@@ -866,7 +870,12 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         }
         if (r->state == "assigned") r->state = "running";
         r->adopted = true;
-        if (p.step() > r->step) r->last_progress_ms = now;
+        if (p.step() > r->step) {
+          // The attempt's first step (from its start, so with the set-up: longer) or the mean of
+          // the steps since the last report.
+          r->step_ms = (now - r->last_progress_ms) / (r->step > 0 ? p.step() - r->step : 1);
+          r->last_progress_ms = now;
+        }
         r->step = p.step();
         r->total_steps = p.total_steps();
         r->loss = p.loss();
@@ -1030,7 +1039,11 @@ void JobManager::Tick() {
         max_step = std::max(max_step, r.step);
         if (r.state == "exited") continue;
         min_live_step = std::min(min_live_step, r.step);
-        const int64_t limit = r.step > 0 ? options_.hang_timeout_ms : options_.start_timeout_ms;
+        // Steps longer than the timeout (long sequences) are not hangs: a rank may take up to
+        // kHangStepMultiple of its own last step time.
+        const int64_t limit =
+            r.step > 0 ? std::max(options_.hang_timeout_ms, kHangStepMultiple * r.step_ms)
+                       : options_.start_timeout_ms;
         if (now - r.last_progress_ms > limit && (!hung || r.step < hung->step)) hung = &r;
       }
       if (hung) {

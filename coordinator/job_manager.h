@@ -54,7 +54,9 @@ class Histogram;
 struct JobManagerOptions {
   int64_t heartbeat_interval_ms = 1000;
   int64_t heartbeat_timeout_ms = 10000;
-  int64_t hang_timeout_ms = 120000;   // no step progress for this long: hung
+  // No step progress for this long, or for 3 of the rank's own last step time when that is
+  // longer (steps over long sequences): hung.
+  int64_t hang_timeout_ms = 120000;
   int64_t start_timeout_ms = 600000;  // placement to first step
   int64_t stop_grace_ms = 10000;      // Stop: SIGTERM, then SIGKILL after this
   // After a coordinator restart, how long placed ranks wait for their worker to reconnect.

@@ -30,7 +30,8 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key");
 ABSL_FLAG(double, heartbeat_interval, 1.0, "seconds between worker heartbeats");
 ABSL_FLAG(double, heartbeat_timeout, 10.0, "seconds without a worker message before it is lost");
 ABSL_FLAG(double, hang_timeout, 120.0,
-          "seconds without step progress before a rank is declared hung and its gang restarts");
+          "seconds without step progress before a rank is declared hung and its gang restarts "
+          "(or 3 of the rank's last step time, when longer)");
 ABSL_FLAG(double, start_timeout, 600.0, "seconds from placement to a rank's first step");
 ABSL_FLAG(double, stop_grace, 10.0, "seconds a stopped rank gets between SIGTERM and SIGKILL");
 ABSL_FLAG(double, recovery_grace, 20.0,

@@ -299,6 +299,33 @@ TEST_F(JobManagerTest, HungRankIsDetected) {
             "restart 1/3 from scratch");
 }
 
+// Steps longer than the hang timeout (5 s here) are not hangs: a rank may take three of its own
+// last step time (its first step counted from its start) before it is declared hung.
+TEST_F(JobManagerTest, StepsLongerThanTheHangTimeoutAreNotHangs) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson(1, 1));
+  auto tick_seconds = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      clock_.AdvanceMs(1000);
+      Heartbeat("w1");
+      manager_->Tick();
+    }
+  };
+  tick_seconds(7);  // set-up and the first step (within the start timeout)
+  Progress("w1", Ref(id, 1, 0), 1);
+  tick_seconds(20);  // within 3 x 7 s
+  Progress("w1", Ref(id, 1, 0), 2);
+  tick_seconds(20);
+  Progress("w1", Ref(id, 1, 0), 3);
+  tick_seconds(59);  // within 3 x 20 s
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RUNNING) << Get(id).message();
+  tick_seconds(2);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(Get(id).message(),
+            "rank 0 on worker w1 made no progress for 61.0 s (step 3, furthest rank at step 3); "
+            "restart 1/3 from scratch");
+}
+
 // Every rank stuck at one step (one holds the others in a collective): no rank is blamed.
 TEST_F(JobManagerTest, GangStuckAtOneStepIsReportedWithoutBlamingARank) {
   AddWorker("w1", 2);
