@@ -251,10 +251,10 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
-    // GiB measured), NCCL's buffers, and cuDNN's attention workspace, the backward's fp32 dQ
-    // accumulator over the
+    // GiB measured), cuDNN's attention workspace (the backward's fp32 dQ accumulator over the
     // queries of one call and their heads: the rank's tokens with every head (one GPU and
-    // All2All: the whole sequence with H / cp heads), or one zigzag chunk under MLA AllGather.
+    // All2All: the whole sequence with H / cp heads), or one zigzag chunk under MLA AllGather),
+    // NCCL's buffers, and under CP what the device was measured to hold beyond those.
     const int64_t queries = mla_allgather ? std::max<int64_t>(1, spec.seq_len / (2 * cp)) : T;
     e.runtime_bytes =
         kCudaRuntimeBytes + (nm > 0 ? queries * H * (a.qk_nope_dim + a.qk_rope_dim) * 4 : 0);

@@ -88,6 +88,7 @@ struct CpPlan {
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's fp32 dQ accumulator of one
 //               attention call's queries (T, or one zigzag chunk under MLA AllGather) * H * qk * 4
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
+//               + with cp > 1, 12 KB * T (measured beyond the above, cause not identified)
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
 // once resolved; never kRecomputeAuto).
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
