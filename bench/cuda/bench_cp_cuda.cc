@@ -192,6 +192,8 @@ struct RunResult {
   double step_s = 0.0;
   double first_loss = 0.0, loss = 0.0;
   int64_t peak_act = 0, fixed = 0, device_used = 0;  // max over ranks
+  int64_t attention_ws = 0;                          // cuDNN's workspace, max over ranks
+  int64_t reserved = 0;  // the allocator's reserve at the end (its cache), max over ranks
   double a2a_s = 0.0, grad_s = 0.0;                  // per timed step, max over ranks
   double a2a_gb = 0.0, grad_gb = 0.0;                // sent per rank per timed step
 };
@@ -338,6 +340,8 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
     out.peak_act = std::max(out.peak_act, x.mem.peak_allocated);
     out.fixed = std::max(out.fixed, x.mem.fixed);
     out.device_used = std::max(out.device_used, x.mem.device_used);
+    out.attention_ws = std::max(out.attention_ws, x.mem.attention_workspace);
+    out.reserved = std::max(out.reserved, x.mem.reserved);
     out.a2a_s = std::max(out.a2a_s, x.a2a_s / opt.steps);
     out.grad_s = std::max(out.grad_s, x.grad_s / opt.steps);
     out.a2a_gb = std::max(out.a2a_gb, x.a2a_bytes / 1e9 / opt.steps);
@@ -526,10 +530,13 @@ int Run(const Options& opt) {
       static_cast<long long>(config->n_heads), static_cast<long long>(opt.T), docs.c_str(),
       opt.recompute ? 1 : 0, std::string(CpModeName(opt.lightning)).c_str(),
       std::string(CpModeName(opt.mla)).c_str(), opt.steps, opt.warmup, nvls ? nvls : "(unset)");
-  std::printf("| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
-              "peak act GiB/rank | fixed GiB/rank | device used GiB/rank | CP comm s/step | "
-              "grad all-reduce s/step | CP comm GB/step/rank | loss (first / last step) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| cp | GPUs | step s | tokens/s | tokens/s per GPU | scaling eff | "
+      "peak act GiB/rank | reserved GiB/rank | fixed GiB/rank | attention ws GiB/rank | "
+      "device used GiB/rank | "
+      "CP comm s/step | grad all-reduce s/step | CP comm GB/step/rank | loss (first / last "
+      "step) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
   bool failed = false;
@@ -540,7 +547,7 @@ int Run(const Options& opt) {
   for (int cp : order) {
     const RunResult r = RunConfig(cp, opt, *config, full);
     if (!r.ok) {
-      std::printf("| %d | %d | failed | | | | | | | | | | |\n", cp, cp);
+      std::printf("| %d | %d | failed | | | | | | | | | | | | |\n", cp, cp);
       std::fflush(stdout);
       std::fprintf(stderr, "bench_cp_cuda: cp=%d failed: %s\n", cp, r.error.c_str());
       failed = true;
@@ -559,9 +566,11 @@ int Run(const Options& opt) {
     const std::string a2a = comm_col(r.a2a_s), grad = comm_col(r.grad_s),
                       a2a_gb = comm_col(r.a2a_gb);
     std::printf(
-        "| %d | %d | %.3f | %.0f | %.0f | %s | %.2f | %.2f | %.2f | %s | %s | %s | %.4f / %.4f |\n",
-        cp, cp, r.step_s, tps, tps / cp, eff.c_str(), Gib(r.peak_act), Gib(r.fixed),
-        Gib(r.device_used), a2a.c_str(), grad.c_str(), a2a_gb.c_str(), r.first_loss, r.loss);
+        "| %d | %d | %.3f | %.0f | %.0f | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %s | %s | "
+        "%.4f / %.4f |\n",
+        cp, cp, r.step_s, tps, tps / cp, eff.c_str(), Gib(r.peak_act), Gib(r.reserved),
+        Gib(r.fixed), Gib(r.attention_ws), Gib(r.device_used), a2a.c_str(), grad.c_str(),
+        a2a_gb.c_str(), r.first_loss, r.loss);
     std::fflush(stdout);
   }
   std::printf(
@@ -571,7 +580,8 @@ int Run(const Options& opt) {
       "device_grads()); cp = 1 has none. Communicator seconds are the collectives' time on the "
       "communicator thread (waiting for slower peers included), max over ranks; CP comm is the "
       "layers' collectives (all-to-alls, and Lightning AllGather's state gathers). Memory: "
-      "CudaModel::memory() at the end, max over ranks (device used counts NCCL's buffers too). "
+      "CudaModel::memory() at the end, max over ranks (the attention workspace is cuDNN's, outside "
+      "the allocator; device used counts it and NCCL's buffers too). "
       "The first step's loss (before any update) should agree across rows to bf16 rounding (same "
       "data, seed and summed gradients); the last may drift further, since AdamW's first steps "
       "magnify small gradient differences.\n");

@@ -1397,6 +1397,8 @@ void Sdpa::SetDeterministic(bool on) { impl_->deterministic = on; }
 
 int64_t Sdpa::PlanCount() const { return static_cast<int64_t>(impl_->plans.size()); }
 
+int64_t Sdpa::WorkspaceBytes() const { return impl_->workspace_bytes + impl_->meta_capacity * 4; }
+
 Status Sdpa::Create(std::unique_ptr<Sdpa>* out) {
   const size_t version = cudnnGetVersion();
   if (version < 90000) {

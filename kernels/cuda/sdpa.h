@@ -93,6 +93,9 @@ class Sdpa {
 
   // Execution plans built so far (each costs 50-1300 ms; tests check that lengths share them).
   int64_t PlanCount() const;
+  // Device bytes held for the calls (the workspace, which grows to the largest call's and stays,
+  // and the ragged metadata): outside any caller's allocator.
+  int64_t WorkspaceBytes() const;
 
  private:
   struct Impl;

@@ -191,8 +191,12 @@ TEST_F(ClusterApiTest, EveryMistakeIsOneClearErrorAndQueuesNothing) {
     EXPECT_EQ(st.error_message(), bad.message);
   }
   // `spindle plan` shows the same problem and exits 2.
+  // (cp = 4 plans fine, but the two registered workers could never place its 4 ranks.)
   CommandResult plan = cli({"plan", dir_.File("impossible.json")});
-  EXPECT_EQ(plan.exit_code, 0) << plan.stdout_text << plan.stderr_text;  // cp=4 plans fine
+  EXPECT_EQ(plan.exit_code, 2) << plan.stdout_text << plan.stderr_text;
+  EXPECT_THAT(plan.stdout_text,
+              HasSubstr("problems (1):\n  - job needs 4 cpu devices (world = dp*cp) but the 2 "
+                        "registered cpu workers have 2 in total\n"));
   plan = cli({"plan", WriteSpec("cp8.json", impossible[0].spec)});
   EXPECT_EQ(plan.exit_code, 2);
   EXPECT_THAT(

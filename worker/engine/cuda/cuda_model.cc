@@ -636,6 +636,7 @@ DeviceMemory CudaModel::memory() const {
   m.reserved = static_cast<int64_t>(s.reserved);
   m.peak_allocated = static_cast<int64_t>(s.peak_allocated);
   m.fixed = impl_->fixed_bytes;
+  if (impl_->sdpa) m.attention_workspace = impl_->sdpa->WorkspaceBytes();
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
     m.device_used = static_cast<int64_t>(total_b - free_b);

@@ -63,6 +63,7 @@ struct DeviceMemory {
   int64_t reserved = 0;        // activation bytes held from the device (allocated + cached)
   int64_t peak_allocated = 0;  // since creation or ResetPeakMemory()
   int64_t fixed = 0;           // weights, bf16 copies, gradients, optimizer state
+  int64_t attention_workspace = 0;  // cuDNN attention's workspace (outside the allocator)
   int64_t device_used = 0;     // cudaMemGetInfo: total - free, all users of the device
 };
 
