@@ -58,16 +58,18 @@ constexpr int64_t kMaxHintCp = 64;
 constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
 // NCCL's buffers on the device once every collective of a step has run: the first communicator
 // of a rank, and each further one over the same ranks (measured on two H200s over NVLink, cp = 2;
-// `bench_cp_cuda --comm_only`, bench/cuda/NOTES.md "NCCL's device memory"). A rank of a cuda job
-// with world > 1 holds one (the world's, which is also the CP group's when dp = 1), two when
-// both dp and cp exceed 1.
+// `bench_cp_cuda --comm_only`, bench/cuda/NOTES.md "NCCL's device memory, and the rest"). A rank of
+// a cuda job with world > 1 holds one (the world's, which is also the CP group's when dp = 1), two
+// when both dp and cp exceed 1.
 constexpr int64_t kNcclFirstCommBytes = int64_t{1331} << 20;  // 1.3 GiB
 constexpr int64_t kNcclMoreCommBytes = int64_t{870} << 20;    // 0.85 GiB
-// Under CP (cp = 2 over NCCL, 256K-1M tokens) the device holds 10.6-12.3 KB per local token
-// beyond the allocator, the CUDA runtime above and NCCL's buffers; where it goes is not known
-// (the allocator's reserved bytes equal its peak). Counted so that plans near the device's size
-// do not run out of memory (bench/cuda/NOTES.md, "NCCL's device memory").
-constexpr int64_t kCudaCpExtraBytesPerToken = 12 << 10;
+
+// The smallest power of two >= n (n >= 1).
+int64_t NextPow2(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
 
 // The fewest leading layers, from `from` up to every layer, to recompute for the estimate to fit
 // in `budget` bytes; -1 when none does.
@@ -242,6 +244,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
         std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (3 * in_w + out_w);
   }
+  // CUDA MLA All2All: the caching allocator holds two [T, H, qk] bf16 blocks beyond its peak
+  // (measured at cp = 2, 256K and 512K tokens: reserved 1.50 and 3.00 GiB above the peak).
+  if (m_all2all && nm > 0) e.workspace_bytes += T * H * (a.qk_nope_dim + a.qk_rope_dim) * 4;
   if (cuda_mla_allgather) {
     // One key block's keys and kv_b output, their gradients and Sdpa's staging of them (rows for
     // the larger of a chunk and a key block), and the fp32 reduce-scatter blocks.
@@ -251,19 +256,27 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
-    // GiB measured), cuDNN's attention workspace (the backward's fp32 dQ accumulator over the
-    // queries of one call and their heads: the rank's tokens with every head (one GPU and
-    // All2All: the whole sequence with H / cp heads), or one zigzag chunk under MLA AllGather),
-    // NCCL's buffers, and under CP what the device was measured to hold beyond those.
-    const int64_t queries = mla_allgather ? std::max<int64_t>(1, spec.seq_len / (2 * cp)) : T;
-    e.runtime_bytes =
-        kCudaRuntimeBytes + (nm > 0 ? queries * H * (a.qk_nope_dim + a.qk_rope_dim) * 4 : 0);
+    // GiB measured), NCCL's buffers, and cuDNN's attention workspace (Sdpa::WorkspaceBytes),
+    // which grows to its largest call's: the causal backward's fp32 dQ accumulator over the
+    // rank's tokens with every head (one GPU; All2All: the whole sequence with H / cp heads), or
+    // under MLA AllGather the cross piece's backward, which stages zero-padded copies of a
+    // zigzag chunk's q, out, dout and dq (bf16; the chunk rounded up to a power of two, as its
+    // plans are) beside their fp32 dQ accumulator and statistics, and a key block's k, v, dk, dv.
+    const int64_t qk = a.qk_nope_dim + a.qk_rope_dim, v = a.v_head_dim;
+    int64_t attention = 0;
+    if (nm > 0 && mla_allgather) {
+      const int64_t L = NextPow2(std::max<int64_t>(128, spec.seq_len / (2 * cp)));
+      attention = L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) +
+                  NextPow2(kCudaMlaKeyBlock) * H * (qk + v) * 2 * 2;
+    } else if (nm > 0) {
+      attention = T * H * qk * 4;
+    }
+    e.runtime_bytes = kCudaRuntimeBytes + attention;
     // NCCL, counted as if every rank had a GPU of its own (ranks that share one use Gloo).
     if (spec.parallel.world() > 1) {
       e.runtime_bytes += kNcclFirstCommBytes;
       if (spec.parallel.cp > 1 && spec.parallel.dp > 1) e.runtime_bytes += kNcclMoreCommBytes;
     }
-    if (cp > 1) e.runtime_bytes += kCudaCpExtraBytesPerToken * T;
   }
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes + e.runtime_bytes;

@@ -85,10 +85,12 @@ struct CpPlan {
 //               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
 //                 "cpu") + the FFN gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
-//   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's fp32 dQ accumulator of one
-//               attention call's queries (T, or one zigzag chunk under MLA AllGather) * H * qk * 4
+//     CUDA MLA All2All += T * H * qk * 4 (the allocator's reserve beyond its peak, measured)
+//   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
+//               fp32 dQ accumulator T * H * qk * 4, or under MLA AllGather the cross piece's
+//               staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k, v, dk,
+//               dv, L = one zigzag chunk rounded up to a power of two
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
-//               + with cp > 1, 12 KB * T (measured beyond the above, cause not identified)
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
 // once resolved; never kRecomputeAuto).
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
