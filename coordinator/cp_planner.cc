@@ -189,8 +189,6 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
                   (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
                   H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
-  // One row of keys and kv_b output (the CUDA engine's MLA AllGather rebuilds them per key block).
-  const int64_t mla_ag_row = H * (2 * a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim);
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
@@ -248,26 +246,35 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // (measured at cp = 2, 256K and 512K tokens: reserved 1.50 and 3.00 GiB above the peak).
   if (m_all2all && nm > 0) e.workspace_bytes += T * H * (a.qk_nope_dim + a.qk_rope_dim) * 4;
   if (cuda_mla_allgather) {
-    // One key block's keys and kv_b output, their gradients and Sdpa's staging of them (rows for
-    // the larger of a chunk and a key block), and the fp32 reduce-scatter blocks.
-    const int64_t rows = std::max<int64_t>(spec.seq_len / (2 * cp), kCudaMlaKeyBlock);
-    e.workspace_bytes +=
-        4 * rows * mla_ag_row * B + 2 * 4 * cp * T * (a.kv_lora_rank + a.qk_rope_dim);
+    // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a
+    // chunk and a key block; the cross piece's output and dq for one query block, its fp32
+    // running output for the chunk; the fp32 gather / reduce-scatter blocks.
+    const int64_t chunk = std::max<int64_t>(1, spec.seq_len / (2 * cp));
+    const int64_t rows = std::max<int64_t>(chunk, kCudaMlaKeyBlock);
+    const int64_t qrows = std::min<int64_t>(chunk, kCudaMlaKeyBlock);
+    const int64_t qk = a.qk_nope_dim + a.qk_rope_dim, kvw = a.qk_nope_dim + a.v_head_dim;
+    const int64_t w = a.kv_lora_rank + a.qk_rope_dim;
+    e.workspace_bytes += rows * (2 * H * qk + 2 * H * kvw + w) * B +
+                         qrows * H * (a.v_head_dim + qk) * B + chunk * H * a.v_head_dim * 4 +
+                         2 * 4 * cp * T * w;
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
     // GiB measured), NCCL's buffers, and cuDNN's attention workspace (Sdpa::WorkspaceBytes),
     // which grows to its largest call's: the causal backward's fp32 dQ accumulator over the
-    // rank's tokens with every head (one GPU; All2All: the whole sequence with H / cp heads), or
-    // under MLA AllGather the cross piece's backward, which stages zero-padded copies of a
-    // zigzag chunk's q, out, dout and dq (bf16; the chunk rounded up to a power of two, as its
-    // plans are) beside their fp32 dQ accumulator and statistics, and a key block's k, v, dk, dv.
+    // rank's tokens with every head (one GPU; All2All: the whole sequence with H / cp heads),
+    // under MLA AllGather over a zigzag chunk (with its statistics), or the cross piece's
+    // backward, which stages zero-padded copies of a query block's q, out, dout and dq (bf16;
+    // the block rounded up to a power of two, as its plans are) beside their fp32 dQ accumulator
+    // and statistics, and a key block's k, v, dk, dv.
     const int64_t qk = a.qk_nope_dim + a.qk_rope_dim, v = a.v_head_dim;
     int64_t attention = 0;
     if (nm > 0 && mla_allgather) {
-      const int64_t L = NextPow2(std::max<int64_t>(128, spec.seq_len / (2 * cp)));
-      attention = L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) +
-                  NextPow2(kCudaMlaKeyBlock) * H * (qk + v) * 2 * 2;
+      const int64_t chunk = std::max<int64_t>(1, spec.seq_len / (2 * cp));
+      const int64_t L = NextPow2(std::max<int64_t>(128, std::min(chunk, kCudaMlaKeyBlock)));
+      const int64_t cross = L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) +
+                            NextPow2(kCudaMlaKeyBlock) * H * (qk + v) * 2 * 2;
+      attention = std::max(chunk * H * (qk * 4 + 2 * 4), cross);
     } else if (nm > 0) {
       attention = T * H * qk * 4;
     }

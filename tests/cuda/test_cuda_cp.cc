@@ -10,7 +10,8 @@
 // tiny), with and without recompute; Lightning's AllGather on the head-64 model at cp = 2 and 4
 // (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form gives the
 // step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
-// and many, alone and with Lightning's AllGather; Lightning's AllGather at head size 16 (the token
+// and many, alone and with Lightning's AllGather, its cross pieces over several key and query
+// blocks; Lightning's AllGather at head size 16 (the token
 // path) and both AllGather modes at cp = 3. Also: undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
@@ -260,6 +261,14 @@ TEST(CudaCp, Head64MlaAllGatherWalksSeveralKeyBlocks) {
   // T = 81920 at cp = 2, one document: chunks of 20480 tokens, so the cross pieces of chunks 2
   // and 3 span 40960 and 61440 earlier keys, two 32K-row key blocks each (the second partial).
   ExpectCpMatchesOneRank(Head64(), 81920, 1000000, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kAllGather);
+}
+
+TEST(CudaCp, Head64MlaAllGatherWalksSeveralQueryBlocks) {
+  SPINDLE_REQUIRE_GPU();
+  // T = 163840 at cp = 2, one document: chunks of 40960 tokens, so each cross piece's queries go
+  // in two blocks (32768 and 8192 rows) against three and four key blocks.
+  ExpectCpMatchesOneRank(Head64(), 163840, 1000000, 2, Recompute::All(), CpMode::kAll2All,
                          CpMode::kAllGather);
 }
 

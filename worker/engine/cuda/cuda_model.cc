@@ -790,10 +790,12 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
       for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
       RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
-      RETURN_IF_ERROR(Act(W.ag_o, B.chunk, H * vd));
-      RETURN_IF_ERROR(Act(W.ag_dq, B.chunk, H * qk));
+      // The cross piece's per-block output, dq and statistics: one query block's.
+      const int64_t qrows = std::min(B.chunk, kCudaMlaKeyBlock);
+      RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
+      RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
       RETURN_IF_ERROR(F32(W.ag_acc, B.chunk * H * vd));
-      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, B.chunk)));
+      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
     }
     const int64_t staging = std::max({in_elems * kAb, n_chunks * SZ * 4, ag_bytes});
     if (!cp_device_buffers && cp_host_bytes < staging) {
@@ -1176,15 +1178,27 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
 // causally with its documents (Sdpa::Forward on the chunk), and, when its first token continues
 // a document begun earlier, the tokens of that document inside the chunk (the first segment)
 // attend the document's earlier tokens without a mask (Sdpa::ForwardFull), walked in key blocks
-// of kCudaMlaKeyBlock rows so that memory does not grow with the whole sequence: each block's keys
-// and values are rebuilt from the gathered latent with kv_b, and its piece merges into an fp32
-// running output by the log-sum-exp statistics (AttentionMerge). The backward walks the same
-// pieces with the merged output and statistics (which makes each piece's gradients its share),
-// rebuilding each block's keys and values, adds the pieces' dq, takes each block's key gradients
-// back through kv_b (dW_kv_b accumulated) to the latent, and reduce-scatters the latent gradients
-// (fp32, summed over the pieces) to their owners.
+// of kCudaMlaKeyBlock rows so that memory does not grow with the whole sequence, and in query
+// blocks of as many rows so that cuDNN's staging does not grow with the chunk: each key block's
+// keys and values are rebuilt from the gathered latent with kv_b, and each (query block, key
+// block) piece merges into an fp32 running output by the log-sum-exp statistics (AttentionMerge).
+// The backward walks the same pieces with the merged output and statistics (which makes each
+// piece's gradients its share), rebuilding each key block's keys and values, adds the pieces' dq,
+// takes each piece's key gradients back through kv_b (dW_kv_b accumulated) to the latent, and
+// reduce-scatters the latent gradients (fp32, summed over the pieces) to their owners.
 
 namespace {
+// The cross piece's query rows [q0, q0 + n) in blocks of kCudaMlaKeyBlock: cuDNN's full-attention
+// plans pad to powers of two and stage zero-padded copies of the queries, their output and
+// gradients, so whole chunks would cost ~8.7 GiB at 1M tokens (cp = 2) and double past each
+// power of two; blocks keep that at one block's.
+std::vector<std::pair<int64_t, int64_t>> MlaQueryBlocks(int64_t nq) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock)
+    out.emplace_back(q0, std::min(kCudaMlaKeyBlock, nq - q0));
+  return out;
+}
+
 // MLA's attention views over T tokens: Q and K [T, H, qk], V inside kv_b's output, O [T, H, vd].
 kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
   const MlaConfig& m = c.mla;
@@ -1275,19 +1289,22 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
                      kAct, stream));
     if (!B.continues[slot]) continue;
-    // The first segment's output accumulates in fp32 over the key blocks.
+    // The first segment's output accumulates in fp32 over the key blocks; its queries go in
+    // blocks of as many rows, so that cuDNN stages one block's (MlaQueryBlocks).
     const int64_t nq = B.first_segment[slot];
     float* acc = W.ag_acc.f32();
     KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, nq, H * vd, stream));
     for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
       const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
-      kc::SdpaDims full = MlaDims(c, nq);
-      full.Tkv = b - a;
-      KC(sdpa->ForwardFull(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), W.ag_o.get(),
-                           W.ag_stats.f32(), scale, full, kAct, stream));
-      KC(kc::AttentionMerge(acc, KDType::kFloat32, H * vd, stats, ch, W.ag_o.get(), kAct, H * vd,
-                            W.ag_stats.f32(), nq, nq, H, vd, stream));
+      for (const auto& [q0, n] : MlaQueryBlocks(nq)) {
+        kc::SdpaDims full = MlaDims(c, n);
+        full.Tkv = b - a;
+        KC(sdpa->ForwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                             W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, stream));
+        KC(kc::AttentionMerge(acc + q0 * H * vd, KDType::kFloat32, H * vd, stats + q0, ch,
+                              W.ag_o.get(), kAct, H * vd, W.ag_stats.f32(), n, n, H, vd, stream));
+      }
     }
     KC(kc::CastRows(o, kAct, H * vd, acc, KDType::kFloat32, H * vd, nq, H * vd, stream));
   }
@@ -1318,19 +1335,24 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
     RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
     if (!B.continues[slot]) continue;
     const int64_t nq = B.first_segment[slot];
-    // The merged stats of the first nq queries, dense [H, nq] as the nq-query graph reads them.
-    CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), nq * 4, C.stats.f32() + slot * SS, ch * 4, nq * 4, H,
-                           cudaMemcpyDeviceToDevice, stream));
     for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
       const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
-      kc::SdpaDims full = MlaDims(c, nq);
-      full.Tkv = b - a;
-      KC(sdpa->BackwardFull(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, W.ag_stats.f32(), dout,
-                            W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale, full,
-                            kAct, stream));
-      KC(kc::AddRows(dq, H * qk, W.ag_dq.get(), H * qk, nq, H * qk, kAct, stream));
-      RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, a, b));
+      for (const auto& [q0, n] : MlaQueryBlocks(nq)) {
+        // The merged stats of these queries, dense [H, n] as the n-query graph reads them.
+        CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, C.stats.f32() + slot * SS + q0, ch * 4,
+                               n * 4, H, cudaMemcpyDeviceToDevice, stream));
+        kc::SdpaDims full = MlaDims(c, n);
+        full.Tkv = b - a;
+        KC(sdpa->BackwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                              At(o, q0 * H * vd), W.ag_stats.f32(), At(dout, q0 * H * vd),
+                              W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale, full,
+                              kAct, stream));
+        KC(kc::AddRows(At(dq, q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
+                       stream));
+        // This query block's share of the key block's gradients, into the latent's.
+        RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, a, b));
+      }
     }
   }
   // Back to the owners, summed over ranks.
