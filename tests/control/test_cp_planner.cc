@@ -306,10 +306,10 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 // - The whole estimate, within 3%, against the device memory in use (cudaMemGetInfo) at the
 //   one-GPU points: beyond the allocator the device held 0.94-8.11 GiB, 0.6 GiB plus 12 KB a token
 //   (cuDNN's fp32 dQ accumulator, 16 heads x 192 x 4 bytes); and at the three points over NCCL on
-//   two GPUs, where it also holds NCCL's buffers (1.3 GiB) and, under MLA AllGather, the cross
-//   piece's staging in cuDNN's workspace (8.66 GiB at 1M); under All2All the allocator's reserve
+//   two GPUs, where it also holds NCCL's buffers (1.3 GiB); under All2All the allocator's reserve
 //   there stands 1.5 / 3.0 GiB above its peak, which the allocator part counts (it is still within
-//   5% of the peak) (bench/cuda/NOTES.md, "NCCL's device memory, and the rest").
+//   5% of the peak) (bench/cuda/NOTES.md, "NCCL's device memory, and the rest"). The AllGather
+//   points at cp = 2 were measured with MLA's cross pieces in query blocks (20:18).
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
