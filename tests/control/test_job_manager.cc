@@ -121,6 +121,14 @@ class JobManagerTest : public ::testing::Test {
     m.mutable_heartbeat()->set_unix_ms(clock_.NowMs());
     manager_->HandleWorkerMessage(worker, m);
   }
+  // `seconds` of one-second ticks, `worker` heartbeating each.
+  void TickSeconds(const std::string& worker, int seconds) {
+    for (int i = 0; i < seconds; ++i) {
+      clock_.AdvanceMs(1000);
+      Heartbeat(worker);
+      manager_->Tick();
+    }
+  }
 
   // Assignments sent since the last call, as (worker, assignment).
   std::vector<std::pair<std::string, v1::Assignment>> Assignments(
@@ -304,22 +312,15 @@ TEST_F(JobManagerTest, HungRankIsDetected) {
 TEST_F(JobManagerTest, StepsLongerThanTheHangTimeoutAreNotHangs) {
   AddWorker("w1", 1);
   const std::string id = Submit(SpecJson(1, 1));
-  auto tick_seconds = [&](int n) {
-    for (int i = 0; i < n; ++i) {
-      clock_.AdvanceMs(1000);
-      Heartbeat("w1");
-      manager_->Tick();
-    }
-  };
-  tick_seconds(7);  // set-up and the first step (within the start timeout)
+  TickSeconds("w1", 7);  // set-up and the first step (within the start timeout)
   Progress("w1", Ref(id, 1, 0), 1);
-  tick_seconds(20);  // within 3 x 7 s
+  TickSeconds("w1", 20);  // within 3 x 7 s
   Progress("w1", Ref(id, 1, 0), 2);
-  tick_seconds(20);
+  TickSeconds("w1", 20);
   Progress("w1", Ref(id, 1, 0), 3);
-  tick_seconds(59);  // within 3 x 20 s
+  TickSeconds("w1", 59);  // within 3 x 20 s
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RUNNING) << Get(id).message();
-  tick_seconds(2);
+  TickSeconds("w1", 2);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
   EXPECT_EQ(Get(id).message(),
             "rank 0 on worker w1 made no progress for 61.0 s (step 3, furthest rank at step 3); "
@@ -332,11 +333,7 @@ TEST_F(JobManagerTest, GangStuckAtOneStepIsReportedWithoutBlamingARank) {
   const std::string id = Submit(SpecJson(2, 1));
   Progress("w1", Ref(id, 1, 0), 4);
   Progress("w1", Ref(id, 1, 1), 4);
-  for (int i = 0; i < 7; ++i) {
-    clock_.AdvanceMs(1000);
-    Heartbeat("w1");
-    manager_->Tick();
-  }
+  TickSeconds("w1", 7);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
   EXPECT_EQ(Get(id).message(),
             "the gang made no progress for 6.0 s (every rank at step 4); restart 1/3 from "
