@@ -8,7 +8,9 @@
 #include <cuda_runtime.h>
 #include <signal.h>
 
+#include <iostream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
