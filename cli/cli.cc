@@ -554,13 +554,14 @@ class Cli {
       out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "
            << j.last_checkpoint_path() << "\n";
     if (j.ranks_size() > 0) {
-      out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s %6s\n", "RANK", "WORKER", "DEV",
-                              "STATE", "STEP", "LOSS", "TOK/S", "MFU");
+      out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s %6s %11s\n", "RANK", "WORKER",
+                              "DEV", "STATE", "STEP", "LOSS", "TOK/S", "MFU", "PEAK MEM");
       for (const v1::RankStatus& r : j.ranks())
-        out_ << absl::StrFormat("  %4d %-16s %3d %-9s %8d %9.4f %10s %6s\n", r.rank(),
-                                r.worker_id(), r.device_index(), r.state(), r.step(), r.loss(),
-                                Rate(r.tokens_per_s()),
-                                r.mfu() > 0 ? absl::StrFormat("%.1f%%", r.mfu() * 100) : "-");
+        out_ << absl::StrFormat(
+            "  %4d %-16s %3d %-9s %8d %9.4f %10s %6s %11s\n", r.rank(), r.worker_id(),
+            r.device_index(), r.state(), r.step(), r.loss(), Rate(r.tokens_per_s()),
+            r.mfu() > 0 ? absl::StrFormat("%.1f%%", r.mfu() * 100) : "-",
+            r.memory_bytes() > 0 ? FormatBytes(static_cast<int64_t>(r.memory_bytes())) : "-");
     }
     if (j.events_size() > 0) out_ << "  events:\n";
     for (const v1::JobEvent& e : j.events())

@@ -29,6 +29,7 @@ struct JobManager::RankRuntime {
   int64_t step = 0;
   int64_t total_steps = 0;
   double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
+  double memory_bytes = 0;  // peak memory as last reported
   int32_t exit_code = 0;
   int64_t last_report_ms = 0;
   int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
@@ -356,6 +357,7 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
     s->set_grad_norm(rr.grad_norm);
     s->set_elapsed_s(rr.elapsed_s);
     s->set_mfu(rr.mfu);
+    s->set_memory_bytes(rr.memory_bytes);
     s->set_state(rr.state);
     s->set_exit_code(rr.exit_code);
     s->set_last_report_unix_ms(rr.last_report_ms);
@@ -884,6 +886,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         r->grad_norm = p.grad_norm();
         r->elapsed_s = p.elapsed_s();
         r->mfu = p.mfu();
+        r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes());
         r->last_report_ms = now;
         if (j->rate_ref_step < 0) {
           int64_t min_step = r->step;

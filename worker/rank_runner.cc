@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "worker/trainer_event.h"
 
@@ -320,6 +321,12 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       p->set_grad_norm(event->grad_norm.value_or(0.0));
       p->set_elapsed_s(event->elapsed_s.value_or(0.0));
       p->set_mfu(event->mfu.value_or(0.0));
+      // The device peak of a GPU rank, else the trainer's resident host memory.
+      double memory = event->mem_peak_bytes.value_or(event->host_rss_bytes.value_or(0.0));
+      if (memory <= 0 && pid > 0) {
+        if (absl::StatusOr<int64_t> rss = ReadRssBytes(pid); rss.ok()) memory = *rss;
+      }
+      p->set_memory_bytes(memory);
       break;
     }
     case TrainerEventKind::kCheckpoint: {

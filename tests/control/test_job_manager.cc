@@ -96,6 +96,7 @@ class JobManagerTest : public ::testing::Test {
     p->set_loss(5.0 - step * 0.1);
     p->set_tokens_per_s(1000);
     p->set_mfu(mfu);
+    p->set_memory_bytes(static_cast<double>((int64_t{1} << 30) * (ref.rank() + 1)));
     manager_->HandleWorkerMessage(worker, m);
   }
   void Exit(const std::string& worker, const v1::RankRef& ref, int code, bool stopped = false,
@@ -191,6 +192,7 @@ TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
   EXPECT_DOUBLE_EQ(j.tokens_per_s(), 2000);  // the ranks' sum
   EXPECT_DOUBLE_EQ(j.ranks(1).mfu(), 0.35);
   EXPECT_DOUBLE_EQ(j.mfu(), 0.30);  // the ranks' mean
+  EXPECT_DOUBLE_EQ(j.ranks(1).memory_bytes(), double(int64_t{2} << 30));
   // Rank 0 a step ahead: the job shows the step every rank has reached, with that step's loss.
   Progress("w1", Ref(id, 1, 0), 2);
   j = Get(id);

@@ -127,6 +127,13 @@ TEST_F(GpuClusterTest, CpJobOnTwoGpuWorkersTrainsToSuccess) {
   EXPECT_EQ(job->last_checkpoint_step(), 120);
   EXPECT_GT(job->loss(), 0.0);
   EXPECT_LT(job->loss(), 4.0) << ClusterHarness::Events(*job);  // from ~5.6
+  // Each rank's device peak (weights, optimizer state, activations of the tiny model's 2048
+  // tokens a rank): reported, and far below a GPU's size.
+  ASSERT_EQ(job->ranks_size(), 2);
+  for (const v1::RankStatus& r : job->ranks()) {
+    EXPECT_GT(r.memory_bytes(), 1 << 20) << r.rank();
+    EXPECT_LT(r.memory_bytes(), double(int64_t{8} << 30)) << r.rank();
+  }
   std::cout << "[ gpu cluster ] " << gpus_ << " GPU(s); events:\n" << ClusterHarness::Events(*job);
 }
 

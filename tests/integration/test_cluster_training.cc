@@ -59,6 +59,11 @@ TEST_F(ClusterTrainingTest, TinyJobTrainsToSuccess) {
   EXPECT_EQ(job->total_steps(), 20);
   EXPECT_GT(job->loss(), 0.0);
   EXPECT_EQ(job->last_checkpoint_step(), 20);
+  // The rank's peak memory (a CPU trainer's resident memory): more than its weights and AdamW
+  // state alone (the tiny model: ~1 MiB), less than the machine.
+  ASSERT_EQ(job->ranks_size(), 1);
+  EXPECT_GT(job->ranks(0).memory_bytes(), 4 << 20);
+  EXPECT_LT(job->ranks(0).memory_bytes(), double(int64_t{64} << 30));
 }
 
 TEST_F(ClusterTrainingTest, KilledTrainerResumesFromCheckpointToTheSameFinalStep) {

@@ -111,7 +111,8 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
       "\"comm\":[{\"collective\":\"all_gather\",\"layer_type\":\"lightning\",\"seconds\":0.5,"
       "\"bytes\":4096}]}'\n"
       "echo '{\"event\":\"step\",\"step\":2,\"total_steps\":2,\"loss\":4.25,\"tokens_per_s\":1200,"
-      "\"elapsed_s\":1.75,\"comm\":[{\"collective\":\"all_gather\",\"layer_type\":\"lightning\","
+      "\"elapsed_s\":1.75,\"host_rss_bytes\":3000,\"comm\":[{\"collective\":\"all_gather\",\"layer_"
+      "type\":\"lightning\","
       "\"seconds\":0.25,\"bytes\":4096}]}'\n"
       "echo '{\"event\":\"checkpoint\",\"step\":2,\"path\":\"/tmp/ckpt-dir/step-2\"}'\n"
       "echo '{\"event\":\"done\",\"step\":2,\"loss\":4.25}'\n"
@@ -140,7 +141,9 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_DOUBLE_EQ(p1.grad_norm(), 1.5);
   EXPECT_DOUBLE_EQ(p1.elapsed_s(), 1.0);
   EXPECT_DOUBLE_EQ(p1.mfu(), 0.25);
+  EXPECT_DOUBLE_EQ(p1.memory_bytes(), 1500);  // the device peak
   EXPECT_EQ(progress[1].rank_progress().step(), 2);
+  EXPECT_DOUBLE_EQ(progress[1].rank_progress().memory_bytes(), 3000);  // else the host's
 
   auto ckpt = sink_.Of(v1::WorkerMessage::kCheckpointDone);
   ASSERT_EQ(ckpt.size(), 1u);
