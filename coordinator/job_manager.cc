@@ -29,7 +29,7 @@ struct JobManager::RankRuntime {
   int64_t step = 0;
   int64_t total_steps = 0;
   double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
-  double memory_bytes = 0;  // peak memory as last reported
+  double memory_bytes = 0;  // the largest memory this attempt reported
   int32_t exit_code = 0;
   int64_t last_report_ms = 0;
   int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
