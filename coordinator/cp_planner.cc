@@ -242,10 +242,6 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
         std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (3 * in_w + out_w);
   }
-  // CUDA MLA All2All: the caching allocator holds two [T, H, qk] bf16 blocks beyond its peak
-  // (measured at cp = 2, 256K and 512K tokens: reserved 1.50 and 3.00 GiB above the peak). It
-  // gives cached blocks back when the device is full, so this errs on the safe side.
-  if (m_all2all && nm > 0) e.workspace_bytes += T * H * (a.qk_nope_dim + a.qk_rope_dim) * 4;
   if (cuda_mla_allgather) {
     // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a
     // chunk and a key block; the cross piece's output and dq for one query block, its fp32

@@ -85,7 +85,6 @@ struct CpPlan {
 //               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
 //                 "cpu") + the FFN gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
-//     CUDA MLA All2All += T * H * qk * 4 (the allocator's reserve beyond its peak, measured)
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
 //               fp32 dQ accumulator T * H * qk * 4, or under MLA AllGather the cross piece's
 //               staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k, v, dk,

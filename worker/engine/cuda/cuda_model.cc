@@ -1366,21 +1366,35 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
 // ---- One layer kind's buffers at a time --------------------------------------------------------
 
 KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Hl = H / B.cp;
+  // Under All2All both kinds hold their core's head-split inputs in cp_full, at their own width
+  // (as a field of both kinds it is one kind's at a time, like the rest; outside the arena it
+  // grew from one width to the other and the allocator kept the first block unused).
+  const int64_t full_rows = B.cp > 1 ? B.T_full : 0;
   if (kind == 'L') {
     // The forward's kept block states: cp = 1 only.
     const int64_t kept =
         B.cp == 1 ? static_cast<int64_t>(kc::LightningSavedBytes({T, H, c.head_dim(), 3 * d})) : 0;
-    return {{&C.qkv_raw, T * 3 * d * kAb}, {&C.qkv_n, T * 3 * d * kAb}, {&C.gate, T * d * kAb},
-            {&C.o, T * d * kAb},           {&C.y, T * d * kAb},         {&C.rstd_q, T * H * 4},
-            {&C.rstd_k, T * H * 4},        {&C.rstd_o, T * H * 4},      {&C.lstates, kept}};
+    const int64_t full = LightningAllGather() ? 0 : full_rows * 3 * Hl * c.head_dim() * kAb;
+    return {{&C.qkv_raw, T * 3 * d * kAb},
+            {&C.qkv_n, T * 3 * d * kAb},
+            {&C.gate, T * d * kAb},
+            {&C.o, T * d * kAb},
+            {&C.y, T * d * kAb},
+            {&C.rstd_q, T * H * 4},
+            {&C.rstd_k, T * H * 4},
+            {&C.rstd_o, T * H * 4},
+            {&C.lstates, kept},
+            {&C.cp_full, full}};
   }
   const MlaConfig& m = c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
   // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
   // MLA AllGather (Work's ag_kvb, ag_K).
   const int64_t q_lora = qr > 0 ? T : 0, keys = MlaAllGather() ? 0 : T;
-  return {{&C.Q, T * H * qk * kAb},
+  const int64_t full = MlaAllGather() ? 0 : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
+  return {{&C.cp_full, full},
+          {&C.Q, T * H * qk * kAb},
           {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
           {&C.c, T * kv * kAb},
           {&C.c_n, T * kv * kAb},
