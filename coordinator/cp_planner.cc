@@ -70,6 +70,8 @@ int64_t NextPow2(int64_t n) {
   while (p < n) p *= 2;
   return p;
 }
+// cuDNN pads full-attention plans to powers of two; a key block already is one.
+static_assert((kCudaMlaKeyBlock & (kCudaMlaKeyBlock - 1)) == 0);
 
 // The fewest leading layers, from `from` up to every layer, to recompute for the estimate to fit
 // in `budget` bytes; -1 when none does.
@@ -165,6 +167,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   const int64_t B = spec.resources == "cuda" ? 2 : 4;
   const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, Dh = m.head_dim();
   const MlaConfig& a = m.mla;
+  const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;  // one MLA head's query / key width
+  // One zigzag chunk's tokens (each rank holds two).
+  const int64_t chunk = std::max<int64_t>(1, spec.seq_len / (2 * cp));
 
   MemoryEstimate e;
   const int64_t R = std::clamp<int64_t>(recompute_layers, 0, m.n_layers);
@@ -185,15 +190,14 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
   const int64_t common = 4 * d + 3 * f;
   int64_t per_l = common + 9 * d;
-  int64_t per_m = common + H * (a.qk_nope_dim + a.qk_rope_dim) * 2 +
-                  (a.kv_lora_rank + a.qk_rope_dim) * 2 + H * (a.qk_nope_dim + a.v_head_dim) +
-                  H * a.v_head_dim + 2 * H;
+  int64_t per_m = common + H * qk * 2 + (a.kv_lora_rank + a.qk_rope_dim) * 2 +
+                  H * (a.qk_nope_dim + a.v_head_dim) + H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
   // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
-  const int64_t mla_core_in = H * (2 * (a.qk_nope_dim + a.qk_rope_dim) + a.v_head_dim);
+  const int64_t mla_core_in = H * (2 * qk + a.v_head_dim);
   const bool cuda_cp = cuda && cp > 1;
   const bool l_all2all = cuda_cp && !lightning_allgather, m_all2all = cuda_cp && !mla_allgather;
   if (l_all2all) per_l += 3 * d;
@@ -225,7 +229,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // MLA: the attention's and the projections' gradients), both kinds' on the CPU, the larger on
   // CUDA (one kind at a time).
   const int64_t work_l = nl > 0 ? 5 * d : 0;
-  const int64_t work_m = nm > 0 ? H * a.v_head_dim + 2 * H * (a.qk_nope_dim + a.qk_rope_dim) +
+  const int64_t work_m = nm > 0 ? H * a.v_head_dim + 2 * H * qk +
                                       H * (a.qk_nope_dim + a.v_head_dim) + a.kv_lora_rank +
                                       a.qk_rope_dim + 2 * a.kv_lora_rank + 2 * a.q_lora_rank
                                 : 0;
@@ -246,10 +250,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a
     // chunk and a key block; the cross piece's output and dq for one query block, its fp32
     // running output for the chunk; the fp32 gather / reduce-scatter blocks.
-    const int64_t chunk = std::max<int64_t>(1, spec.seq_len / (2 * cp));
     const int64_t rows = std::max<int64_t>(chunk, kCudaMlaKeyBlock);
     const int64_t qrows = std::min<int64_t>(chunk, kCudaMlaKeyBlock);
-    const int64_t qk = a.qk_nope_dim + a.qk_rope_dim, kvw = a.qk_nope_dim + a.v_head_dim;
+    const int64_t kvw = a.qk_nope_dim + a.v_head_dim;
     const int64_t w = a.kv_lora_rank + a.qk_rope_dim;
     e.workspace_bytes += rows * (2 * H * qk + 2 * H * kvw + w) * B +
                          qrows * H * (a.v_head_dim + qk) * B + chunk * H * a.v_head_dim * 4 +
@@ -264,13 +267,12 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     // backward, which stages zero-padded copies of a query block's q, out, dout and dq (bf16;
     // the block rounded up to a power of two, as its plans are) beside their fp32 dQ accumulator
     // and statistics, and a key block's k, v, dk, dv.
-    const int64_t qk = a.qk_nope_dim + a.qk_rope_dim, v = a.v_head_dim;
+    const int64_t v = a.v_head_dim;
     int64_t attention = 0;
     if (nm > 0 && mla_allgather) {
-      const int64_t chunk = std::max<int64_t>(1, spec.seq_len / (2 * cp));
       const int64_t L = NextPow2(std::max<int64_t>(128, std::min(chunk, kCudaMlaKeyBlock)));
-      const int64_t cross = L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) +
-                            NextPow2(kCudaMlaKeyBlock) * H * (qk + v) * 2 * 2;
+      const int64_t cross =
+          L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) + kCudaMlaKeyBlock * H * (qk + v) * 2 * 2;
       attention = std::max(chunk * H * (qk * 4 + 2 * 4), cross);
     } else if (nm > 0) {
       attention = T * H * qk * 4;

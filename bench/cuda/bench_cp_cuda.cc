@@ -365,7 +365,8 @@ size_t DeviceFreeBytes() {
 // (cudaMemGetInfo, after the CUDA context): once the communicator is created, once every
 // collective the trainer uses has run on it (all-to-all, all-gather, reduce-scatter, all-reduce),
 // and what a second communicator over the same ranks adds after the same collectives (the
-// trainer holds one for the world's gradient sum and one for the CP group).
+// trainer holds a second when both dp and cp exceed 1: the world's for the gradient sum and the CP
+// group's).
 int RunCommOnly(const Options& opt, int cp) {
   MemoryKvStore store;
   RunControl ctl(cp);

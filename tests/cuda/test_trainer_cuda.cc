@@ -36,6 +36,7 @@
 #include "kernels/cuda/device_support.h"
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/engine/train_test_util.h"
+#include "tests/integration/worker_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/cuda/cuda_model.h"
@@ -188,11 +189,9 @@ std::vector<double> StepLosses(const std::string& out) {
   return l;
 }
 
-// The trainer binary: $SPINDLE_TRAIN_BINARY (binaries moved to another machine), else the one
-// built beside this test.
+// The trainer binary: $SPINDLE_TRAIN_BINARY, else the one built beside this test.
 std::string TrainBinary() {
-  const char* env = std::getenv("SPINDLE_TRAIN_BINARY");
-  return env && *env ? env : SPINDLE_TRAIN_BINARY;
+  return testing::BinaryPath("SPINDLE_TRAIN_BINARY", SPINDLE_TRAIN_BINARY);
 }
 
 // Runs the two ranks of `spec` (world 2) as spindle-train processes that meet in a file store;

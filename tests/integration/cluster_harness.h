@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -104,13 +103,6 @@ inline std::vector<pid_t> ProcessesWithArgs(const std::vector<std::string>& args
     if (std::find(all.begin(), all.end(), ParentPid(pid)) == all.end()) out.push_back(pid);
   }
   return out;
-}
-
-// The binary at $`env` (binaries moved to another machine), else `built` (the path the build
-// compiled in; empty when the target is not part of the build).
-inline std::string BinaryPath(const char* env, const char* built) {
-  const char* value = std::getenv(env);
-  return value != nullptr && *value != '\0' ? value : built;
 }
 
 class ClusterHarness {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -52,6 +53,13 @@ inline std::string WriteScript(const ScratchDir& dir, const std::string& name,
 
 // The file's contents, or "" when it cannot be read. Plain read(2): a /proc file of a process
 // that exits meanwhile fails with ESRCH, which std::filebuf turns into an exception.
+// The binary at $`env` (binaries moved to another machine), else `built` (the path the build
+// compiled in; empty when the target is not part of the build).
+inline std::string BinaryPath(const char* env, const char* built) {
+  const char* value = std::getenv(env);
+  return value != nullptr && *value != '\0' ? value : built;
+}
+
 inline std::string ReadFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return "";
