@@ -282,6 +282,9 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
                          FormatBytes(m.workspace_bytes()));
   if (m.runtime_bytes() > 0) out << ", CUDA runtime " << FormatBytes(m.runtime_bytes());
   out << "\n";
+  if (m.host_bytes() > 0)
+    out << "  offloaded layer inputs: " << FormatBytes(m.host_bytes())
+        << " of pinned host memory per rank (not in the total)\n";
   if (m.device_memory_bytes() > 0)
     out << "  device memory: " << FormatBytes(m.device_memory_bytes()) << "\n";
   if (p.max_seq_len() > 0) {

@@ -154,6 +154,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     if (const nlohmann::json* rc = tf.Sub("recompute")) {
       ASSIGN_OR_RETURN(tr.recompute_layers, ParseRecompute(tf, *rc, s.model.n_layers));
     }
+    RETURN_IF_ERROR(tf.ReadBool("offload", &tr.offload));
     RETURN_IF_ERROR(tf.Finish());
     if (tr.steps < 1) return tf.Error("steps", absl::StrCat("must be >= 1, got ", tr.steps));
     if (tr.micro_batches < 1)
@@ -201,6 +202,11 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   RETURN_IF_ERROR(f.Finish());
 
   // Cross-field rules that need no cluster knowledge.
+  if (s.train.offload && s.resources != "cuda")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
+        "(resources is \"",
+        s.resources, "\"); remove it or set it to false"));
   if (s.data.kind != DataKind::kTokens && s.model.vocab < 257)
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: model.vocab: must be >= 257 for byte-token data (\"", s.data.source,
@@ -265,7 +271,8 @@ nlohmann::json JobSpec::ToJson() const {
             {"momentum", train.momentum},
             {"grad_clip", train.grad_clip},
             {"seed", train.seed},
-            {"recompute", RecomputeJson(train.recompute_layers, model.n_layers)}}},
+            {"recompute", RecomputeJson(train.recompute_layers, model.n_layers)},
+            {"offload", train.offload}}},
           {"checkpoint",
            {{"dir", checkpoint.dir}, {"every", checkpoint.every}, {"keep", checkpoint.keep}}},
           {"resources", resources},

@@ -68,6 +68,11 @@ struct TrainSpec {
   // fewest recomputed layers whose memory estimate fits the device (RecomputeLayersFor).
   static constexpr int64_t kRecomputeAuto = -1;
   int64_t recompute_layers = 0;
+  // Layer-input offload (resources "cuda" only): between the forward and the backward the layers'
+  // inputs wait in pinned host memory, the device keeping kCudaOffloadSlots of them; the copies
+  // overlap the compute. Frees (n_layers - kCudaOffloadSlots) x seq_len / cp x d_model bf16 a rank
+  // for the same pinned host memory. JSON "offload": false (default) or true.
+  bool offload = false;
 };
 
 struct CheckpointSpec {

@@ -66,6 +66,11 @@ inline constexpr int64_t kCudaMlaKeyBlock = 32768;
 // recomputes), so that scratch follows this, not the sequence; the planner counts the same.
 inline constexpr int64_t kCudaFfnBlockRows = 32768;
 
+// With train.offload the CUDA engine keeps this many layer inputs on the device (a ring the
+// others pass through on their way to and from pinned host memory), plus the head's input; the
+// planner counts the same.
+inline constexpr int64_t kCudaOffloadSlots = 3;
+
 // `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 

@@ -109,7 +109,8 @@ int64_t LongestSeqLenFitting(const JobSpec& spec, const std::vector<LayerModePla
 }
 
 // What would make a plan that does not fit its device fit, as a suffix for its memory problem:
-// recomputing more leading layers (the fewest that fit), else a larger cp with every layer
+// recomputing more leading layers (the fewest that fit), else (cuda) offloading the layer inputs
+// with the fewest recomputed layers that then fit, else a larger cp with every layer
 // recomputing (the smallest up to kMaxHintCp that plans without problems and fits, in the spec's
 // CP modes or, where the spec leaves both to the planner, with both layer types in AllGather mode,
 // which holds less), else what every layer recomputing would still need.
@@ -126,6 +127,22 @@ std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPl
                           "): train.recompute = true or \"auto\"");
     return absl::StrCat("; recomputing the first ", r, " of ", n, " layers fits (",
                         FormatBytes(bytes), "): train.recompute = ", r, " or \"auto\"");
+  }
+  if (spec.resources == "cuda" && !spec.train.offload) {
+    JobSpec o = spec;
+    o.train.offload = true;
+    if (const int64_t r = FewestRecomputeLayersFitting(o, plan.layers, 0,
+                                                       static_cast<double>(device_memory_bytes));
+        r >= 0) {
+      const MemoryEstimate e = EstimateMemory(o, plan.layers, r);
+      return absl::StrCat("; with train.offload = true", r == 0 ? "" : " and ",
+                          r == 0 ? ""
+                          : r == n
+                              ? "every layer recomputing"
+                              : absl::StrCat("the first ", r, " of ", n, " layers recomputing"),
+                          " it fits (", FormatBytes(e.total_bytes), ", and ",
+                          FormatBytes(e.host_bytes), " of pinned host memory)");
+    }
   }
   JobSpec s = spec;
   s.train.recompute_layers = n;
@@ -222,6 +239,12 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     // The CUDA engine: each recomputed MLA layer keeps its attention output and statistics (and
     // under All2All its head-split output) for the backward, so the recompute skips the attention.
     if (cuda) per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
+  }
+  // train.offload: the layers' inputs but kCudaOffloadSlots wait in pinned host memory.
+  if (cuda && spec.train.offload && m.n_layers > kCudaOffloadSlots) {
+    const int64_t host_inputs = (m.n_layers - kCudaOffloadSlots) * d;
+    per_token -= host_inputs;
+    e.host_bytes = T * B * host_inputs;
   }
   e.activations_bytes = T * B * per_token + ffn_block_bytes;
   // Logit blocks, plus the backward's gradient scratch shared by all layers: the FFN's three

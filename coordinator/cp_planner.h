@@ -38,6 +38,8 @@ struct MemoryEstimate {
   // grows with the tokens).
   int64_t runtime_bytes = 0;
   int64_t total_bytes = 0;          // all of the above
+  // train.offload: the pinned host memory holding the offloaded layer inputs (not in total_bytes).
+  int64_t host_bytes = 0;
   int64_t device_memory_bytes = 0;  // what it was checked against; 0: not checked
   int64_t recompute_layers = 0;     // the first this many layers recompute (never auto)
 };
@@ -90,6 +92,8 @@ struct CpPlan {
 //               staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k, v, dk,
 //               dv, L = one zigzag chunk rounded up to a power of two
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
+// train.offload ("cuda", n_layers > kCudaOffloadSlots = S): the activations hold S layer inputs
+// instead of n_layers, T * B * (n_layers - S) * d less; host_bytes is that much pinned memory.
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
 // once resolved; never kRecomputeAuto).
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,

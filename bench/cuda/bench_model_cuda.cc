@@ -20,9 +20,11 @@
 // layers recompute (e.g. 16,12,8: one row each; the "recompute" column prints the count), where
 // "all" is every layer and "auto" the planner's choice for this GPU (train.recompute "auto":
 // CpPlanner against the device's memory, with its estimate printed above the row).
+// --offload 0 (default), 1 or both (a row each): the layers' inputs wait in pinned host memory
+// between the forward and the backward (CudaModel::SetOffloadInputs); "host GiB" is that memory.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
-//                         [--steps 6] [--head_start_ms 0] [--head_rows 0]
+//                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -52,7 +54,7 @@ void CUDART_CB HoldStream(void* ms) {
 // `recs`: layers recomputed per row (-1: every layer, kAuto: the planner's choice).
 constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
-        int steps, int head_start_ms, int64_t head_rows) {
+        const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -73,9 +75,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
               prop.name, preset.c_str(), config->NumParams() / 1e6);
   std::printf(
-      "| T | recompute | step ms | host enqueue ms | forward-only ms | optimizer ms | "
-      "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | loss | held-out loss |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| T | recompute | offload | step ms | host enqueue ms | forward-only ms | optimizer ms | "
+      "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | host GiB | loss | "
+      "held-out loss |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   TrainSpec spec;
   spec.weight_decay = 0.1;
   auto random_batch = [&](int64_t T, uint32_t seed) {
@@ -87,90 +90,95 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   };
   for (int64_t T : Ts) {
     const Batch b = random_batch(T, 7), held_out = random_batch(T, 8);
-    for (int64_t rec : recs) {
-      if (rec == kAuto) {
-        JobSpec job;
-        job.model = *config;
-        job.seq_len = T;
-        job.resources = "cuda";
-        job.train.recompute_layers = TrainSpec::kRecomputeAuto;
-        const CpPlan plan = CpPlanner().Plan(job, static_cast<int64_t>(prop.totalGlobalMem));
-        rec = plan.memory.recompute_layers;
-        std::printf("# T %lld, recompute auto: %lld layers, estimate %s of %s\n",
-                    static_cast<long long>(T), static_cast<long long>(rec),
-                    FormatBytes(plan.memory.total_bytes).c_str(),
-                    FormatBytes(static_cast<int64_t>(prop.totalGlobalMem)).c_str());
-      }
-      if (rec < 0 || rec > config->n_layers) rec = config->n_layers;
-      const Recompute rc = Recompute::First(rec);
-      // Each row starts from an empty allocator: its peak is its own step's, not shaped by the
-      // blocks earlier rows left cached (the 2x reuse rule of kernels/cuda/allocator.h).
-      if (absl::Status st = m.ReleaseActivationMemory(); !st.ok()) {
-        std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
-        return 1;
-      }
-      m.ResetPeakMemory();
-      std::vector<double> times, enqueue;
-      double loss = 0;
-      for (int s = 0; s < steps; ++s) {
-        const bool profiled = s == steps - 1;
-        if (profiled) cudaProfilerStart();
-        const auto t0 = std::chrono::steady_clock::now();
-        if (head_start_ms > 0) cudaLaunchHostFunc(m.stream(), HoldStream, &head_start_ms);
-        absl::Status st = m.ZeroGrads();
-        auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rc);
-        if (!ls.ok()) st = ls.status();
-        if (st.ok()) {
-          auto norm = m.GradSquaredNorm();
-          st = norm.ok() ? m.OptimizerStep(spec, 1e-4, 1.0f) : norm.status();
+    for (int64_t rec : recs)
+      for (const bool offload : offloads) {
+        if (rec == kAuto) {
+          JobSpec job;
+          job.model = *config;
+          job.seq_len = T;
+          job.resources = "cuda";
+          job.train.recompute_layers = TrainSpec::kRecomputeAuto;
+          job.train.offload = offload;
+          const CpPlan plan = CpPlanner().Plan(job, static_cast<int64_t>(prop.totalGlobalMem));
+          rec = plan.memory.recompute_layers;
+          std::printf("# T %lld, recompute auto: %lld layers, estimate %s of %s\n",
+                      static_cast<long long>(T), static_cast<long long>(rec),
+                      FormatBytes(plan.memory.total_bytes).c_str(),
+                      FormatBytes(static_cast<int64_t>(prop.totalGlobalMem)).c_str());
         }
-        if (st.ok() && cudaStreamSynchronize(m.stream()) != cudaSuccess)
-          st = absl::InternalError("stream sync failed");
-        if (profiled) cudaProfilerStop();
-        if (!st.ok()) {
-          std::printf("| %lld | %lld | failed: %s |\n", static_cast<long long>(T),
-                      static_cast<long long>(rec), st.ToString().c_str());
-          std::fflush(stdout);
-          break;
+        if (rec < 0 || rec > config->n_layers) rec = config->n_layers;
+        const Recompute rc = Recompute::First(rec);
+        // Each row starts from an empty allocator: its peak is its own step's, not shaped by the
+        // blocks earlier rows left cached (the 2x reuse rule of kernels/cuda/allocator.h).
+        absl::Status reset = m.ReleaseActivationMemory();
+        if (reset.ok()) reset = m.SetOffloadInputs(offload);
+        if (absl::Status st = reset; !st.ok()) {
+          std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
+          return 1;
         }
-        times.push_back(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
-            head_start_ms * 1e-3);
-        enqueue.push_back(m.last_enqueue_seconds());
-        loss = ls->loss_sum / std::max<int64_t>(1, ls->n_valid);
+        m.ResetPeakMemory();
+        std::vector<double> times, enqueue;
+        double loss = 0;
+        for (int s = 0; s < steps; ++s) {
+          const bool profiled = s == steps - 1;
+          if (profiled) cudaProfilerStart();
+          const auto t0 = std::chrono::steady_clock::now();
+          if (head_start_ms > 0) cudaLaunchHostFunc(m.stream(), HoldStream, &head_start_ms);
+          absl::Status st = m.ZeroGrads();
+          auto ls = m.ForwardBackward(b, 1.0f / static_cast<float>(b.NumValidTargets()), rc);
+          if (!ls.ok()) st = ls.status();
+          if (st.ok()) {
+            auto norm = m.GradSquaredNorm();
+            st = norm.ok() ? m.OptimizerStep(spec, 1e-4, 1.0f) : norm.status();
+          }
+          if (st.ok() && cudaStreamSynchronize(m.stream()) != cudaSuccess)
+            st = absl::InternalError("stream sync failed");
+          if (profiled) cudaProfilerStop();
+          if (!st.ok()) {
+            std::printf("| %lld | %lld | %d | failed: %s |\n", static_cast<long long>(T),
+                        static_cast<long long>(rec), offload ? 1 : 0, st.ToString().c_str());
+            std::fflush(stdout);
+            break;
+          }
+          times.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
+              head_start_ms * 1e-3);
+          enqueue.push_back(m.last_enqueue_seconds());
+          loss = ls->loss_sum / std::max<int64_t>(1, ls->n_valid);
+        }
+        if (static_cast<int>(times.size()) < steps) continue;
+        std::vector<double> timed(times.begin() + std::min(2, steps - 1), times.end());
+        std::sort(timed.begin(), timed.end());
+        const double t = timed[timed.size() / 2];
+        std::vector<double> queued(enqueue.begin() + std::min(2, steps - 1), enqueue.end());
+        std::sort(queued.begin(), queued.end());
+        const double q = queued[queued.size() / 2];
+        const DeviceMemory mem = m.memory();
+        // Where the time goes: a forward-only pass and the optimizer step, timed alone.
+        auto timed_ms = [&](auto&& fn) {
+          cudaStreamSynchronize(m.stream());
+          const auto t0 = std::chrono::steady_clock::now();
+          const bool ok = fn();
+          cudaStreamSynchronize(m.stream());
+          return ok ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                                t0)
+                          .count()
+                    : -1.0;
+        };
+        const double fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
+        auto ho = m.Forward(held_out);
+        const double ho_loss = ho.ok() ? ho->loss_sum / std::max<int64_t>(1, ho->n_valid) : -1.0;
+        const double opt_ms = timed_ms(
+            [&] { return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok(); });
+        std::printf(
+            "| %lld | %lld | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | "
+            "%.2f | %.3f | %.3f |\n",
+            static_cast<long long>(T), static_cast<long long>(rec), offload ? 1 : 0, t * 1e3,
+            q * 1e3, fwd_ms, opt_ms, T / t, config->TrainFlopsPerToken(T) * T / t / 1e12,
+            Gib(mem.peak_allocated), Gib(mem.fixed), Gib(mem.device_used), Gib(mem.offload_host),
+            loss, ho_loss);
+        std::fflush(stdout);
       }
-      if (static_cast<int>(times.size()) < steps) continue;
-      std::vector<double> timed(times.begin() + std::min(2, steps - 1), times.end());
-      std::sort(timed.begin(), timed.end());
-      const double t = timed[timed.size() / 2];
-      std::vector<double> queued(enqueue.begin() + std::min(2, steps - 1), enqueue.end());
-      std::sort(queued.begin(), queued.end());
-      const double q = queued[queued.size() / 2];
-      const DeviceMemory mem = m.memory();
-      // Where the time goes: a forward-only pass and the optimizer step, timed alone.
-      auto timed_ms = [&](auto&& fn) {
-        cudaStreamSynchronize(m.stream());
-        const auto t0 = std::chrono::steady_clock::now();
-        const bool ok = fn();
-        cudaStreamSynchronize(m.stream());
-        return ok ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                        .count()
-                  : -1.0;
-      };
-      const double fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
-      auto ho = m.Forward(held_out);
-      const double ho_loss = ho.ok() ? ho->loss_sum / std::max<int64_t>(1, ho->n_valid) : -1.0;
-      const double opt_ms = timed_ms([&] {
-        return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok();
-      });
-      std::printf(
-          "| %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2f | %.2f | %.2f | %.3f | "
-          "%.3f |\n",
-          static_cast<long long>(T), static_cast<long long>(rec), t * 1e3, q * 1e3, fwd_ms, opt_ms,
-          T / t, config->TrainFlopsPerToken(T) * T / t / 1e12, Gib(mem.peak_allocated),
-          Gib(mem.fixed), Gib(mem.device_used), loss, ho_loss);
-      std::fflush(stdout);
-    }
   }
   return 0;
 }
@@ -179,7 +187,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
 }  // namespace spindle
 
 int main(int argc, char** argv) {
-  std::string preset = "1b", rec = "0";
+  std::string preset = "1b", rec = "0", offload = "0";
   std::vector<int64_t> Ts = {8192, 32768};
   int steps = 6, head_start_ms = 0;
   int64_t head_rows = 0;
@@ -193,6 +201,8 @@ int main(int argc, char** argv) {
       for (std::string x; std::getline(ss, x, ',');) Ts.push_back(std::atoll(x.c_str()));
     } else if (k == "--recompute") {
       rec = v;
+    } else if (k == "--offload") {
+      offload = v;
     } else if (k == "--steps") {
       steps = std::max(1, std::atoi(v.c_str()));
     } else if (k == "--head_start_ms") {
@@ -214,5 +224,15 @@ int main(int argc, char** argv) {
     for (std::string x; std::getline(ss, x, ',');)
       recs.push_back(x == "auto" ? spindle::kAuto : x == "all" ? -1 : std::atoll(x.c_str()));
   }
-  return spindle::Run(preset, Ts, recs, steps, head_start_ms, head_rows);
+  std::vector<bool> offloads;
+  if (offload == "both") {
+    offloads = {false, true};
+  } else if (offload == "0" || offload == "1") {
+    offloads = {offload == "1"};
+  } else {
+    std::fprintf(stderr, "bench_model_cuda: --offload takes 0, 1 or both, got %s\n",
+                 offload.c_str());
+    return 2;
+  }
+  return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows);
 }

@@ -57,6 +57,35 @@ TEST(JobSpecTest, RecomputeTakesABoolACountOrAuto) {
   }
 }
 
+// train.offload: false by default, true on a cuda job (round-trips); a cpu job, or anything but a
+// boolean, is refused naming the field.
+TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {
+  auto with = [](const std::string& resources, const std::string& v) {
+    return ParseJobSpec(R"({"name": "o", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "resources": ")" +
+                        resources + R"(", "train": {"offload": )" + v + "}}");
+  };
+  EXPECT_FALSE(ParseJobSpec(kValid)->train.offload);
+  EXPECT_EQ(ParseJobSpec(kValid)->ToJson()["train"]["offload"], false);
+  auto on = with("cuda", "true");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_TRUE(on->train.offload);
+  auto again = ParseJobSpecJson(on->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->train.offload);
+  EXPECT_TRUE(with("cpu", "false").ok());
+  auto cpu = with("cpu", "true");
+  ASSERT_FALSE(cpu.ok());
+  EXPECT_EQ(cpu.status().message(),
+            "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
+            "(resources is \"cpu\"); remove it or set it to false");
+  for (const std::string bad : {"1", "\"yes\"", "null"}) {
+    auto s = with("cuda", bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.status().message().find("train.offload"), std::string::npos) << s.status();
+  }
+}
+
 std::string Error(const std::string& text) {
   auto s = ParseJobSpec(text);
   EXPECT_FALSE(s.ok()) << text;

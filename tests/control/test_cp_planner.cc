@@ -216,6 +216,58 @@ TEST(CpPlannerTest, MemoryProblemSaysWhatWouldFit) {
   EXPECT_FALSE(allgather) << q;
 }
 
+// train.offload on a cuda job: the activations hold kCudaOffloadSlots layer inputs instead of
+// n_layers (the rest, host_bytes, in pinned host memory), nothing else changes; a job that does
+// not fit even with every layer recomputing is told the offload when that fits, and the longest
+// seq_len grows with it. A cpu job never offloads.
+TEST(CpPlannerTest, OffloadMovesTheLayerInputsToTheHost) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.resources = "cuda";
+  s.seq_len = 786432;
+  s.train.recompute_layers = 16;
+  const int64_t gib = int64_t{1} << 30, h200 = static_cast<int64_t>(139.8 * double(gib));
+  const int64_t inputs = (16 - kCudaOffloadSlots) * s.seq_len * 2048 * 2;
+  const CpPlan on_device = CpPlanner().Plan(s, h200);
+  EXPECT_EQ(on_device.memory.host_bytes, 0);
+  ASSERT_FALSE(on_device.ok());
+  const std::string& problem = on_device.problems.back();
+  EXPECT_NE(problem.find("; with train.offload = true and every layer recomputing it fits ("),
+            std::string::npos)
+      << problem;
+  EXPECT_NE(problem.find(" of pinned host memory)"), std::string::npos) << problem;
+
+  s.train.offload = true;
+  const CpPlan offloaded = CpPlanner().Plan(s, h200);
+  EXPECT_TRUE(offloaded.ok()) << offloaded.problems.back();
+  EXPECT_EQ(offloaded.memory.host_bytes, inputs);
+  EXPECT_EQ(on_device.memory.activations_bytes - offloaded.memory.activations_bytes, inputs);
+  EXPECT_EQ(on_device.memory.total_bytes - offloaded.memory.total_bytes, inputs);
+  EXPECT_GT(offloaded.max_seq_len, on_device.max_seq_len + 131072)
+      << offloaded.max_seq_len << " against " << on_device.max_seq_len;
+
+  // Without recompute the layers' own caches dominate; the offload still moves the inputs.
+  s.seq_len = 32768;
+  s.train.recompute_layers = 0;
+  const MemoryEstimate plain = CpPlanner().Plan(s, 0).memory;
+  s.train.offload = false;
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.total_bytes - plain.total_bytes,
+            (16 - kCudaOffloadSlots) * int64_t{32768} * 2048 * 2);
+
+  // A model of no more layers than the device keeps offloads nothing.
+  s.model = *ModelPreset("tiny");
+  s.train.offload = true;
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.host_bytes,
+            (4 - kCudaOffloadSlots) * int64_t{32768} * 64 * 2);
+  s.model.n_layers = kCudaOffloadSlots;
+  s.model.layer_pattern = "LLM";
+  ASSERT_TRUE(s.model.Validate().ok()) << s.model.Validate();
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.host_bytes, 0);
+  s.resources = "cpu";
+  s.model = *ModelPreset("tiny");
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.host_bytes, 0);
+}
+
 TEST(CpPlannerTest, ChunksTooShort) {
   CpPlan p = CpPlanner().Plan(Spec(4, 4, 64), 0);
   ASSERT_EQ(p.problems.size(), 1u);

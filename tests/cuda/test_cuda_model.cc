@@ -2,7 +2,7 @@
 // differences and an fp64 PyTorch reference): one whole training step (loss and every parameter
 // gradient) on the tiny preset and variants, on fresh random tokens with documents; recompute and
 // forward-only agree with the plain step; AdamW agrees with the CPU optimizer; bad batches are
-// refused. Skips without a GPU.
+// refused; the layer-input offload gives the same step. Skips without a GPU.
 //
 // Tolerances: the GPU keeps activations and the weights' working copy in bf16 (8-bit mantissa,
 // relative rounding 2^-9 per value) and runs a few dozen rounded ops in sequence per layer, so
@@ -345,6 +345,52 @@ TEST(CudaModel, KindUnionAgreesWithSeparateBuffersAndHoldsLess) {
     EXPECT_LT(shared->memory().reserved, 64 * 1024);
     EXPECT_NEAR(StepOf(*shared, b, rc).loss / got.loss, 1.0, 1e-6);
   });
+}
+
+// Layer-input offload (SetOffloadInputs) on eight layers, so that inputs pass through the
+// device ring of kCudaOffloadSlots more than once: the same loss and gradients as keeping every
+// input on the device, for every recompute setting and over two steps (the second reuses the
+// pinned memory), and exactly the offloaded inputs' bytes less activation memory at the peak
+// with every layer recomputing. Turning it off returns the pinned memory and gives the same step.
+TEST(CudaModel, OffloadedInputsAgreeWithInputsOnTheDevice) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLLMLLL";
+  c.n_layers = 8;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const int64_t T = 300;
+  const Batch b = RandomBatch(c, T, 70, seed);
+  const int64_t offloaded = (c.n_layers - kCudaOffloadSlots) * T * c.d_model * 2;
+  for (const Recompute rc : {Recompute::None(), Recompute::All(), Recompute::First(5)}) {
+    SCOPED_TRACE(::testing::Message() << "recompute layers " << rc.layers);
+    auto device = *CudaModel::Create(c, seed);
+    auto host = *CudaModel::Create(c, seed);
+    device->SetPoisonActivations(true);
+    host->SetPoisonActivations(true);
+    ASSERT_TRUE(host->SetOffloadInputs(true).ok());
+    StepResult want, got;
+    for (int step = 0; step < 2; ++step) want = StepOf(*device, b, rc), got = StepOf(*host, b, rc);
+    ExpectSameStep(want, got, host->host_params(), 1e-6, 1e-3, "with the inputs offloaded");
+    EXPECT_EQ(host->memory().offload_host, offloaded);
+    EXPECT_EQ(device->memory().offload_host, 0);
+    std::printf(
+        "[ offload ] peak activation bytes, recompute %lld: on the device %lld, "
+        "offloaded %lld (%lld bytes of inputs on the host)\n",
+        static_cast<long long>(std::min<int64_t>(rc.layers, c.n_layers)),
+        static_cast<long long>(want.peak), static_cast<long long>(got.peak),
+        static_cast<long long>(offloaded));
+    if (rc.layers >= c.n_layers) {
+      EXPECT_GE(want.peak - got.peak, offloaded);
+    } else {
+      EXPECT_LT(got.peak, want.peak);
+    }
+    ASSERT_TRUE(host->SetOffloadInputs(false).ok());
+    EXPECT_EQ(host->memory().offload_host, 0);
+    ExpectSameStep(want, StepOf(*host, b, rc), host->host_params(), 1e-6, 1e-3,
+                   "after the offload was turned off");
+  }
 }
 
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {

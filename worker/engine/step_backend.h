@@ -60,6 +60,14 @@ class StepBackend {
   virtual absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
                                                     Recompute recompute) = 0;
   virtual absl::StatusOr<LossStats> Forward(const CpBatch& batch) = 0;
+  // train.offload: the layers' inputs wait in host memory between the forward and the backward
+  // (CudaModel::SetOffloadInputs). A backend whose activations already live in host memory
+  // refuses it.
+  virtual absl::Status SetOffloadInputs(bool on) {
+    if (!on) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        "trainer: train.offload needs a backend with device memory of its own");
+  }
   // Sum of squared device gradients.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
   // The job's optimizer (spec.optimizer, as the CPU Optimizer: AdamW with decay on matrices only,

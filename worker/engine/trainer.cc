@@ -53,6 +53,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   // device is usable) before any peer is waited for.
   if (on_device) {
     ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
+    RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
   }
   if (o.world > 1) {
     if (!o.store)

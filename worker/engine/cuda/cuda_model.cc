@@ -181,6 +181,70 @@ struct KeptAttention {
   }
 };
 
+// Layer-input offload (CudaModel::SetOffloadInputs). Input i of layers 0 .. n-1 lives in device
+// slot i % kSlots; the forward copies each input that the backward will not find still in its
+// slot (i < n - kSlots) to pinned host memory on the copy stream, and the layer that writes input
+// i + kSlots into the same slot waits for that copy. The backward brings input i back into its
+// slot once layer i + kSlots, the slot's last user, has run, so every copy has the compute of
+// kSlots - 1 layers to hide behind. `computed[s]` (compute stream) and `copied[s]` (copy stream)
+// mark the last use of slot s on each side.
+struct Offload {
+  static constexpr int kSlots = static_cast<int>(kCudaOffloadSlots);
+  cudaStream_t copy = nullptr;
+  cudaEvent_t computed[kSlots] = {}, copied[kSlots] = {};
+  void* host = nullptr;  // pinned: input i at i * T * d elements, i < n - kSlots
+  int64_t host_bytes = 0;
+  DevBuf slot[kSlots];
+
+  absl::Status Create() {
+    if (copy) return absl::OkStatus();
+    CUDA(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+    for (int s = 0; s < kSlots; ++s) {
+      CUDA(cudaEventCreateWithFlags(&computed[s], cudaEventDisableTiming));
+      CUDA(cudaEventCreateWithFlags(&copied[s], cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
+  }
+  // The pinned host memory for `bytes` (kept between steps; grown when a step needs more).
+  absl::Status EnsureHost(int64_t bytes) {
+    if (bytes <= host_bytes) return absl::OkStatus();
+    FreeHost();
+    if (const cudaError_t e =
+            cudaHostAlloc(&host, static_cast<size_t>(bytes), cudaHostAllocDefault);
+        e != cudaSuccess) {
+      (void)cudaGetLastError();
+      host = nullptr;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cuda model: train.offload needs ", bytes >> 20,
+          " MiB of pinned host memory for the layer inputs, and cudaHostAlloc refused it (",
+          cudaGetErrorString(e), ")"));
+    }
+    host_bytes = bytes;
+    return absl::OkStatus();
+  }
+  void FreeHost() {
+    if (host) cudaFreeHost(host);
+    host = nullptr;
+    host_bytes = 0;
+  }
+  // Waits for the copies in flight, then returns the slots to the allocator.
+  void ReleaseSlots() {
+    if (copy) cudaStreamSynchronize(copy);
+    for (DevBuf& b : slot) b.Release();
+  }
+  void Destroy() {
+    ReleaseSlots();
+    FreeHost();
+    for (int s = 0; s < kSlots; ++s) {
+      if (computed[s]) cudaEventDestroy(computed[s]);
+      if (copied[s]) cudaEventDestroy(copied[s]);
+      computed[s] = copied[s] = nullptr;
+    }
+    if (copy) cudaStreamDestroy(copy);
+    copy = nullptr;
+  }
+};
+
 // Gradient scratch shared by every layer's backward.
 struct Work {
   DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
@@ -252,6 +316,8 @@ struct CudaModel::Impl {
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
   int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   bool kind_union = true;                      // see SetKindUnion
+  bool offload_inputs = false;                 // see SetOffloadInputs
+  Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
   int embed = -1, final_norm = -1, lm_head = -1;
@@ -275,6 +341,7 @@ struct CudaModel::Impl {
     caches.clear();
     kept.clear();
     layer_in.clear();
+    off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b :
          {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,       &W.dgate,   &W.dqkv,
@@ -289,6 +356,7 @@ struct CudaModel::Impl {
 
   ~Impl() {
     ReleaseActivations();
+    off.Destroy();
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
                     static_cast<void*>(v), w, static_cast<void*>(scalar),
@@ -637,6 +705,7 @@ DeviceMemory CudaModel::memory() const {
   m.peak_allocated = static_cast<int64_t>(s.peak_allocated);
   m.fixed = impl_->fixed_bytes;
   if (impl_->sdpa) m.attention_workspace = impl_->sdpa->WorkspaceBytes();
+  m.offload_host = impl_->off.host_bytes;
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
     m.device_used = static_cast<int64_t>(total_b - free_b);
@@ -1815,11 +1884,42 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
                ? UseKind(C.arena, layers[i].kind, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'))
                : absl::OkStatus();
   };
-  const int64_t n_inputs = backward ? n + 1 : 2;
+  // Layer inputs: forward only, two buffers in turn; training, all n + 1 or, offloading (see
+  // Offload), the ring's slots for layers 0 .. n-1 and one buffer for the head's input.
+  constexpr int64_t K = Offload::kSlots;
+  const bool offload = backward && offload_inputs && n > K;
+  const int64_t n_inputs = !backward ? 2 : offload ? 1 : n + 1;
   if (static_cast<int64_t>(layer_in.size()) != n_inputs) layer_in = std::vector<DevBuf>(n_inputs);
   for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
-  auto in = [&](int64_t i) { return layer_in[backward ? i : i % 2].get(); };
+  if (offload) {
+    RETURN_IF_ERROR(off.EnsureHost((n - K) * T * d * kAb));
+    for (DevBuf& t : off.slot) RETURN_IF_ERROR(Act(t, T, d));
+  } else {
+    off.ReleaseSlots();
+  }
+  auto in = [&](int64_t i) {
+    if (!backward) return layer_in[i % 2].get();
+    if (!offload) return layer_in[i].get();
+    return i < n ? off.slot[i % K].get() : layer_in[0].get();
+  };
+  auto host_in = [&](int64_t i) { return At(off.host, i * T * d); };
+  // Offloading: before input j is written, the copy of input j - K out of its slot is done;
+  // once it is written, it goes to the host unless the backward finds it in its slot.
+  auto before_input = [&](int64_t j) -> absl::Status {
+    if (offload && j >= K && j < n) CUDA(cudaStreamWaitEvent(stream, off.copied[j % K], 0));
+    return absl::OkStatus();
+  };
+  auto after_input = [&](int64_t j) -> absl::Status {
+    if (!offload || j >= n - K) return absl::OkStatus();
+    const int s = static_cast<int>(j % K);
+    CUDA(cudaEventRecord(off.computed[s], stream));
+    CUDA(cudaStreamWaitEvent(off.copy, off.computed[s], 0));
+    CUDA(cudaMemcpyAsync(host_in(j), in(j), T * d * kAb, cudaMemcpyDeviceToHost, off.copy));
+    CUDA(cudaEventRecord(off.copied[s], off.copy));
+    return absl::OkStatus();
+  };
   KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
+  RETURN_IF_ERROR(after_input(0));
   // Each recomputing MLA layer keeps its attention output from this forward (KeptAttention).
   auto keeps = [&](int64_t i) { return backward && recompute.Layer(i) && layers[i].kind == 'M'; };
   if (!backward || recompute.layers <= 0) {
@@ -1834,9 +1934,11 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     if (swap) kept[i].SwapInto(C);
     if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
     const bool ffn_kept = backward && !recompute.Layer(i);
-    const absl::Status st = LayerForward(layers[i], C, in(i), in(i + 1), ffn_kept);
+    absl::Status st = before_input(i + 1);
+    if (st.ok()) st = LayerForward(layers[i], C, in(i), in(i + 1), ffn_kept);
     if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
     RETURN_IF_ERROR(st);
+    RETURN_IF_ERROR(after_input(i + 1));
   }
   if (!backward) {
     ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
@@ -1853,12 +1955,25 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     const bool swap = keeps(i);
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
+    // Offloading: input i is back in its slot (see Offload).
+    if (offload && i < n - K)
+      st = FromCuda(cudaStreamWaitEvent(stream, off.copied[i % K], 0), "cudaStreamWaitEvent");
     // The recomputed forward needs no output: it is the next layer's input, kept.
     const bool ffn_kept = !recompute.Layer(i);
-    if (!ffn_kept) st = LayerForward(layers[i], C, in(i), nullptr, /*ffn_kept=*/false, swap);
+    if (st.ok() && !ffn_kept)
+      st = LayerForward(layers[i], C, in(i), nullptr, /*ffn_kept=*/false, swap);
     if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get(), ffn_kept);
     if (swap) kept[i].SwapInto(C);
     RETURN_IF_ERROR(st);
+    // Offloading: layer i was the last user of its slot; input i - K comes back into it.
+    if (offload && i >= K) {
+      const int s = static_cast<int>(i % K);
+      CUDA(cudaEventRecord(off.computed[s], stream));
+      CUDA(cudaStreamWaitEvent(off.copy, off.computed[s], 0));
+      CUDA(cudaMemcpyAsync(in(i - K), host_in(i - K), T * d * kAb, cudaMemcpyHostToDevice,
+                           off.copy));
+      CUDA(cudaEventRecord(off.copied[s], off.copy));
+    }
   }
   KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
   queued();
@@ -1908,6 +2023,18 @@ void CudaModel::SetKindUnion(bool on) {
       I.DropArena(C->arena, I.CacheKindFields(*C, 'L'), I.CacheKindFields(*C, 'M'));
     C->kind_union = false;
   }
+}
+
+absl::Status CudaModel::SetOffloadInputs(bool on) {
+  Impl& I = *impl_;
+  if (on) RETURN_IF_ERROR(I.off.Create());
+  if (!on) {
+    CUDA(cudaStreamSynchronize(I.stream));
+    I.off.ReleaseSlots();
+    I.off.FreeHost();
+  }
+  I.offload_inputs = on;
+  return absl::OkStatus();
 }
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {

@@ -65,6 +65,7 @@ struct DeviceMemory {
   int64_t fixed = 0;           // weights, bf16 copies, gradients, optimizer state
   int64_t attention_workspace = 0;  // cuDNN attention's workspace (outside the allocator)
   int64_t device_used = 0;     // cudaMemGetInfo: total - free, all users of the device
+  int64_t offload_host = 0;    // pinned host memory holding offloaded layer inputs
 };
 
 class CudaModel {
@@ -139,6 +140,12 @@ class CudaModel {
   // recomputing layers share, hold one kind's buffers at a time in memory both kinds use (on by
   // default). Off, each kind keeps buffers of its own, as a reference for tests.
   void SetKindUnion(bool on);
+  // Layer-input offload (off by default): between the forward and the backward of a training
+  // step the layers' inputs ([T, d] bf16 each) wait in pinned host memory instead of on the
+  // device, which keeps kCudaOffloadSlots of them. The copies run on a stream of their own, each
+  // with a few layers' compute to hide behind; the step's results are unchanged. Fails with
+  // ResourceExhausted when the pinned memory cannot be had (at the first step that needs it).
+  absl::Status SetOffloadInputs(bool on);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();

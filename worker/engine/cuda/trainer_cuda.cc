@@ -34,6 +34,7 @@ class CudaStepBackend final : public StepBackend {
     return m_->ForwardBackward(batch, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }
+  absl::Status SetOffloadInputs(bool on) override { return m_->SetOffloadInputs(on); }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
   absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override {
     return m_->OptimizerStep(spec, lr, grad_scale);
