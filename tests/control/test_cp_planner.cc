@@ -361,6 +361,7 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 //   two GPUs, where it also holds NCCL's buffers (1.3 GiB) (bench/cuda/NOTES.md, "NCCL's device
 //   memory, and the rest"). The AllGather points at cp = 2 were measured with MLA's cross pieces in
 //   query blocks (20:18), the All2All ones with cp_full in the kind arena (21:08).
+// - 917,504 tokens on one H200 with the layer inputs offloaded (train.offload; 2026-11-30 22:00).
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -372,6 +373,7 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
     CpMode lightning, mla;
     double allocator_gib;  // fixed + the allocator's peak
     double device_gib;     // in use on the device; 0: not measured
+    bool offload = false;  // train.offload
   };
   const CpMode A2A = CpMode::kAll2All, AG = CpMode::kAllGather;
   const double fixed = 16.78;
@@ -387,19 +389,22 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
                           Point{262144, 2, 16, AG, A2A, fixed + 33.45, 0},
                           Point{262144, 2, 16, AG, AG, fixed + 27.99, 47.81},
                           Point{524288, 2, 16, A2A, A2A, fixed + 63.32, 84.96},
-                          Point{1048576, 2, 16, AG, AG, fixed + 103.28, 124.49}}) {
+                          Point{1048576, 2, 16, AG, AG, fixed + 103.28, 124.49},
+                          Point{917504, 1, 16, A2A, A2A, fixed + 106.88, 134.87, true}}) {
     s.seq_len = pt.T;
     s.parallel.cp = pt.cp;
     s.train.recompute_layers = pt.recompute_layers;
     s.parallel.lightning_mode = pt.lightning;
     s.parallel.mla_mode = pt.mla;
+    s.train.offload = pt.offload;
     const MemoryEstimate m = CpPlanner().Plan(s, 0).memory;
     const double allocator = (m.total_bytes - m.runtime_bytes) / gib, whole = m.total_bytes / gib;
     SCOPED_TRACE(::testing::Message()
-                 << "T " << pt.T << " cp " << pt.cp << " recompute " << pt.recompute_layers << " "
-                 << CpModeName(pt.lightning) << "/" << CpModeName(pt.mla) << ": estimate "
-                 << allocator << " GiB + runtime " << whole - allocator << ", measured "
-                 << pt.allocator_gib << " / in use " << pt.device_gib);
+                 << "T " << pt.T << " cp " << pt.cp << " recompute " << pt.recompute_layers
+                 << (pt.offload ? " offload " : " ") << CpModeName(pt.lightning) << "/"
+                 << CpModeName(pt.mla) << ": estimate " << allocator << " GiB + runtime "
+                 << whole - allocator << ", measured " << pt.allocator_gib << " / in use "
+                 << pt.device_gib);
     EXPECT_NEAR(allocator / pt.allocator_gib, 1.0, 0.05);
     if (pt.device_gib > 0) EXPECT_NEAR(whole / pt.device_gib, 1.0, 0.03);
   }

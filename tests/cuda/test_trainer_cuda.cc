@@ -161,6 +161,23 @@ TEST(CudaTrainerTest, ResumedRunTracksTheUninterruptedRun) {
   RecordProperty("worst_relative_loss_diff", std::to_string(worst));
 }
 
+// train.offload: the layers' inputs through pinned host memory (eight layers, so the device's
+// ring of kCudaOffloadSlots is passed more than once) train the same steps as on the device.
+TEST(CudaTrainerTest, OffloadedInputsTrainTheSameSteps) {
+  SPINDLE_REQUIRE_GPU();
+  JobSpec spec = TinyJob(/*steps=*/6, /*seq_len=*/512, /*gap=*/128);
+  spec.model.n_layers = 8;
+  auto plain = Train(spec);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  spec.train.offload = true;
+  auto offloaded = Train(spec);
+  ASSERT_TRUE(offloaded.ok()) << offloaded.status();
+  ASSERT_EQ(offloaded->losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_NEAR(offloaded->losses[i], plain->losses[i], 1e-5 * plain->losses[i])
+        << "step " << i + 1;
+}
+
 TEST(CudaTrainerTest, CpuEvaluationOfAGpuCheckpointAgreesWithTheGpus) {
   SPINDLE_REQUIRE_GPU();
   JobSpec spec = TinyJob(/*steps=*/20, /*seq_len=*/512, /*gap=*/128);
@@ -300,6 +317,19 @@ TEST(CudaTrainerTest, ContextParallelAllGatherTracksOneRank) {
   ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_EQ(out.find("\"all_to_all\""), std::string::npos)
       << "an all-to-all in an AllGather job's step events: " << out;
+}
+
+// Context parallelism with the layer inputs offloaded on both ranks (eight layers) tracks one rank
+// that keeps them on the device.
+TEST(CudaTrainerTest, ContextParallelWithOffloadedInputsTracksOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  JobSpec spec, one;
+  ContextParallelJobs(&spec, &one);
+  for (JobSpec* j : {&spec, &one}) j->model.n_layers = 8;
+  spec.train.offload = true;
+  std::string out;
+  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
 }
 
 // With a GPU per rank the trainer's collectives run on NCCL (gradient sum in place on the device,

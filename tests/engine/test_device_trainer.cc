@@ -509,6 +509,10 @@ TEST(DeviceTrainerTest, WhatTheGpuPathCannotRunFailsAtCreateAndWritesNothing) {
        "trainer: the job asks for resources \"cuda\" but this build has no CUDA engine (build "
        "with -DSPINDLE_CUDA=ON where the CUDA toolkit is installed, or run the job with "
        "resources \"cpu\")"},
+      {"offload on a backend without device memory of its own",
+       [](TrainerOptions& o) { o.spec.train.offload = true; },
+       absl::StatusCode::kFailedPrecondition,
+       "trainer: train.offload needs a backend with device memory of its own"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
