@@ -214,7 +214,8 @@ struct Offload {
         e != cudaSuccess) {
       (void)cudaGetLastError();
       host = nullptr;
-      return absl::ResourceExhaustedError(absl::StrCat(
+      // Not the device's memory: a restart with more layers recomputing would not help.
+      return absl::FailedPreconditionError(absl::StrCat(
           "cuda model: train.offload needs ", bytes >> 20,
           " MiB of pinned host memory for the layer inputs, and cudaHostAlloc refused it (",
           cudaGetErrorString(e), ")"));

@@ -143,8 +143,9 @@ class CudaModel {
   // Layer-input offload (off by default): between the forward and the backward of a training
   // step the layers' inputs ([T, d] bf16 each) wait in pinned host memory instead of on the
   // device, which keeps kCudaOffloadSlots of them. The copies run on a stream of their own, each
-  // with a few layers' compute to hide behind; the step's results are unchanged. Fails with
-  // ResourceExhausted when the pinned memory cannot be had (at the first step that needs it).
+  // with a few layers' compute to hide behind; the step's results are unchanged. A step fails with
+  // FailedPrecondition when the pinned memory cannot be had (spindle-train: exit code 2, the job
+  // fails without restarts; it is not the device's memory).
   absl::Status SetOffloadInputs(bool on);
 
   DeviceMemory memory() const;
