@@ -46,6 +46,7 @@ struct JobManager::JobRuntime {
   // "auto" planned with no device registered (every layer): decided at the first placement.
   bool recompute_at_placement = false;
   int64_t memory_per_rank = 0;
+  int64_t host_bytes_per_rank = 0;  // pinned host memory a rank needs (train.offload)
   std::vector<RankRuntime> ranks;  // current attempt
   std::string token;
   int64_t queued_since_ms = 0;
@@ -240,12 +241,14 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
   sj.world = world;
   sj.kind = kind;
   sj.memory_bytes_per_rank = plan.memory.total_bytes;
+  sj.host_bytes_per_rank = plan.memory.host_bytes;
   std::vector<SchedulableWorker> registered;
   for (const auto& [id, w] : workers_) {
     SchedulableWorker sw;
     sw.worker_id = id;
     sw.kind = w->group.kind();
     sw.device_memory_bytes = w->group.memory_bytes();
+    sw.host_memory_bytes = w->group.host_memory_bytes();
     sw.total_devices = w->group.count();
     registered.push_back(sw);
   }
@@ -499,6 +502,7 @@ void JobManager::AdoptPlan(JobRuntime& j, const CpPlan& plan) {
   j.mla_mode = plan.ModeOf("mla");
   j.recompute_layers = plan.memory.recompute_layers;
   j.memory_per_rank = plan.memory.total_bytes;
+  j.host_bytes_per_rank = plan.memory.host_bytes;
 }
 
 void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {
@@ -570,6 +574,7 @@ void JobManager::Schedule(Outbox* out) {
     sj.world = j->spec.parallel.world();
     sj.kind = j->spec.resources;
     sj.memory_bytes_per_rank = j->memory_per_rank;
+    sj.host_bytes_per_rank = j->host_bytes_per_rank;
     cands.push_back(sj);
   }
   if (cands.empty()) return;
@@ -580,9 +585,16 @@ void JobManager::Schedule(Outbox* out) {
     sw.worker_id = id;
     sw.kind = w->group.kind();
     sw.device_memory_bytes = w->group.memory_bytes();
+    sw.host_memory_bytes = w->group.host_memory_bytes();
     sw.total_devices = static_cast<int32_t>(w->slots.size());
-    for (size_t d = 0; d < w->slots.size(); ++d)
-      if (w->slots[d].job_id.empty()) sw.free_devices.push_back(static_cast<int32_t>(d));
+    for (size_t d = 0; d < w->slots.size(); ++d) {
+      const std::string& job_id = w->slots[d].job_id;
+      if (job_id.empty()) {
+        sw.free_devices.push_back(static_cast<int32_t>(d));
+      } else if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+        sw.host_pinned_bytes += it->second->host_bytes_per_rank;
+      }
+    }
     ws.push_back(std::move(sw));
   }
   for (const GangPlacement& p : ScheduleGangs(std::move(cands), std::move(ws))) {

@@ -7,8 +7,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
 
 namespace spindle {
 namespace {
@@ -27,20 +27,6 @@ std::string CpuModelName() {
   return "cpu";
 }
 
-int64_t HostMemoryBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (absl::StartsWith(line, "MemTotal:")) {
-      std::string kb(absl::StripAsciiWhitespace(line.substr(9)));
-      if (absl::EndsWith(kb, "kB")) kb = std::string(absl::StripAsciiWhitespace(kb.substr(0, kb.size() - 2)));
-      int64_t v = 0;
-      if (absl::SimpleAtoi(kb, &v)) return v * 1024;
-    }
-  }
-  return 0;
-}
-
 }  // namespace
 
 #ifndef SPINDLE_HAVE_CUDA
@@ -56,7 +42,10 @@ absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_
   }
   if (cpu_slots == 0) {
     absl::StatusOr<v1::DeviceGroup> gpus = DiscoverCudaDevices();
-    if (gpus.ok()) return gpus;
+    if (gpus.ok()) {
+      gpus->set_host_memory_bytes(HostMemoryBytes("MemTotal"));
+      return gpus;
+    }
     if (gpu_note != nullptr && !absl::IsNotFound(gpus.status()))
       *gpu_note = std::string(gpus.status().message());
     cpu_slots = 1;
@@ -65,7 +54,9 @@ absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_
   group.set_kind("cpu");
   group.set_name(CpuModelName());
   group.set_count(cpu_slots);
-  group.set_memory_bytes(HostMemoryBytes() / cpu_slots);
+  const int64_t host = HostMemoryBytes("MemTotal");
+  group.set_memory_bytes(host / cpu_slots);
+  group.set_host_memory_bytes(host);
   return group;
 }
 

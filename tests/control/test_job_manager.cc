@@ -56,6 +56,20 @@ class JobManagerTest : public ::testing::Test {
     ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
     if (open_session) Hello(id, running);
   }
+  // A GPU worker: `gpus` of 150 GiB and `host_gib` of host memory.
+  void AddGpuWorker(const std::string& id, int gpus, int64_t host_gib) {
+    v1::RegisterRequest req;
+    req.set_worker_id(id);
+    req.set_hostname(id + ".local");
+    auto* d = req.add_devices();
+    d->set_kind("cuda");
+    d->set_count(gpus);
+    d->set_memory_bytes(int64_t{150} << 30);
+    d->set_host_memory_bytes(host_gib << 30);
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+    Hello(id, {});
+  }
   void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
     v1::SessionHello h;
     h.set_worker_id(id);
@@ -378,6 +392,35 @@ TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
   EXPECT_EQ(impossible.status().message(),
             "job cannot run: parallel.lightning_mode: all2all needs n_heads divisible by cp, but "
             "n_heads=4 and cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
+}
+
+// A job that offloads its layer inputs (train.offload: 45.5 GiB pinned a rank for 917,504 tokens
+// of the 1b model) is refused while no registered worker's host memory holds a rank, and placed
+// on the worker whose does; the plan carries the pinned bytes.
+TEST_F(JobManagerTest, OffloadingJobsGoWhereTheHostMemoryHoldsThem) {
+  const std::string spec = R"({"name": "o", "model": {"preset": "1b"}, "seq_len": 917504,
+      "data": {"source": "synthetic:recall"}, "resources": "cuda",
+      "train": {"steps": 10, "recompute": true, "offload": true}})";
+  AddGpuWorker("g1", 2, 48);
+  v1::Plan plan;
+  auto refused = manager_->Submit(spec, &plan);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.status().message(),
+            "job needs 1 rank (world = dp*cp) that pins 45.50 GiB of host memory each "
+            "(train.offload), but the registered cuda workers' host memory holds only 0 such "
+            "ranks (at most 80% of a worker's, the largest 48.00 GiB); set train.offload to "
+            "false or add host memory");
+  EXPECT_TRUE(manager_->ListJobs({}, 0).empty());
+  AddGpuWorker("g2", 2, 64);
+  const std::string id = Submit(spec);
+  EXPECT_EQ(Get(id).plan().memory().host_bytes(), int64_t{13} * 917504 * 2048 * 2);
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].first, "g2");
+  // g2's other GPU stays free for a job that pins nothing, not for a second offloading rank.
+  const std::string second = Submit(spec);
+  EXPECT_TRUE(Assignments().empty());
+  EXPECT_EQ(Get(second).state(), v1::JOB_STATE_QUEUED);
 }
 
 // A plan against the registered workers names what Submit would refuse, and stores nothing.

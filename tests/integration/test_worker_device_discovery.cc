@@ -28,6 +28,8 @@ TEST(DeviceDiscovery, OffersTheCpuSlotsAskedForWithAShareOfMemoryEach) {
   EXPECT_FALSE(three->name().empty());
   EXPECT_GT(three->memory_bytes(), 0);
   EXPECT_EQ(three->memory_bytes(), one->memory_bytes() / 3);
+  EXPECT_EQ(three->host_memory_bytes(), one->host_memory_bytes());
+  EXPECT_GE(three->host_memory_bytes(), 3 * three->memory_bytes());
 }
 
 TEST(DeviceDiscovery, OffersUsableGpusElseOneCpuSlotSayingWhy) {
@@ -39,6 +41,7 @@ TEST(DeviceDiscovery, OffersUsableGpusElseOneCpuSlotSayingWhy) {
     EXPECT_EQ(got->kind(), "cuda");
     EXPECT_EQ(got->count(), gpus->count());
     EXPECT_GT(got->memory_bytes(), 0);
+    EXPECT_GT(got->host_memory_bytes(), 0);  // what train.offload pins comes out of it
     EXPECT_EQ(note, "");
     return;
   }

@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
 #include "common/status.h"
 #include "kernels/cuda/allocator.h"
 #include "kernels/cuda/device_support.h"
@@ -205,10 +206,18 @@ struct Offload {
     }
     return absl::OkStatus();
   }
-  // The pinned host memory for `bytes` (kept between steps; grown when a step needs more).
+  // The pinned host memory for `bytes` (kept between steps; grown when a step needs more). Not
+  // more than the host has available: pinned pages cannot be swapped, so the machine's other
+  // processes would be killed for them.
   absl::Status EnsureHost(int64_t bytes) {
     if (bytes <= host_bytes) return absl::OkStatus();
     FreeHost();
+    if (const int64_t available = HostMemoryBytes("MemAvailable");
+        available > 0 && bytes > available)
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda model: train.offload needs ", bytes >> 20,
+                       " MiB of pinned host memory for the layer inputs, but this machine has ",
+                       available >> 20, " MiB available"));
     if (const cudaError_t e =
             cudaHostAlloc(&host, static_cast<size_t>(bytes), cudaHostAllocDefault);
         e != cudaSuccess) {

@@ -1,0 +1,32 @@
+// /proc/meminfo parsing (common/host_memory.h) on fixed text, and this machine's own figures.
+#include "common/host_memory.h"
+#include "gtest/gtest.h"
+
+namespace spindle {
+namespace {
+
+TEST(HostMemoryTest, ReadsAFieldInKilobytes) {
+  const char* meminfo =
+      "MemTotal:       131891204 kB\n"
+      "MemFree:         1234 kB\n"
+      "MemAvailable:   120000000 kB\n"
+      "HugePages_Total:       0\n";
+  EXPECT_EQ(MeminfoBytes(meminfo, "MemTotal"), int64_t{131891204} * 1024);
+  EXPECT_EQ(MeminfoBytes(meminfo, "MemAvailable"), int64_t{120000000} * 1024);
+  EXPECT_EQ(MeminfoBytes(meminfo, "HugePages_Total"), 0);
+  EXPECT_EQ(MeminfoBytes(meminfo, "Mem"), 0);  // a prefix of a field is not the field
+  EXPECT_EQ(MeminfoBytes(meminfo, "SwapTotal"), 0);
+  EXPECT_EQ(MeminfoBytes("MemTotal: lots kB\n", "MemTotal"), 0);
+  EXPECT_EQ(MeminfoBytes("MemTotal: -5 kB\n", "MemTotal"), 0);
+}
+
+TEST(HostMemoryTest, ThisMachineHasSomeAvailable) {
+  const int64_t total = HostMemoryBytes("MemTotal");
+  const int64_t available = HostMemoryBytes("MemAvailable");
+  EXPECT_GT(total, 0);
+  EXPECT_GT(available, 0);
+  EXPECT_LE(available, total);
+}
+
+}  // namespace
+}  // namespace spindle
