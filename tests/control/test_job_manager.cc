@@ -43,32 +43,33 @@ class JobManagerTest : public ::testing::Test {
     ASSERT_TRUE(manager_->Recover().ok());
   }
 
+  // A worker of `slots` CPU slots with 8 GiB each.
   void AddWorker(const std::string& id, int slots, bool open_session = true,
                  std::vector<v1::RankRef> running = {}) {
-    v1::RegisterRequest req;
-    req.set_worker_id(id);
-    req.set_hostname(id + ".local");
-    auto* d = req.add_devices();
-    d->set_kind("cpu");
-    d->set_count(slots);
-    d->set_memory_bytes(int64_t{8} << 30);
-    v1::RegisterResponse resp;
-    ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
-    if (open_session) Hello(id, running);
+    v1::DeviceGroup d;
+    d.set_kind("cpu");
+    d.set_count(slots);
+    d.set_memory_bytes(int64_t{8} << 30);
+    Register(id, d, open_session, running);
   }
   // A GPU worker: `gpus` of 150 GiB and `host_gib` of host memory.
   void AddGpuWorker(const std::string& id, int gpus, int64_t host_gib) {
+    v1::DeviceGroup d;
+    d.set_kind("cuda");
+    d.set_count(gpus);
+    d.set_memory_bytes(int64_t{150} << 30);
+    d.set_host_memory_bytes(host_gib << 30);
+    Register(id, d, /*open_session=*/true, {});
+  }
+  void Register(const std::string& id, const v1::DeviceGroup& devices, bool open_session,
+                const std::vector<v1::RankRef>& running) {
     v1::RegisterRequest req;
     req.set_worker_id(id);
     req.set_hostname(id + ".local");
-    auto* d = req.add_devices();
-    d->set_kind("cuda");
-    d->set_count(gpus);
-    d->set_memory_bytes(int64_t{150} << 30);
-    d->set_host_memory_bytes(host_gib << 30);
+    *req.add_devices() = devices;
     v1::RegisterResponse resp;
     ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
-    Hello(id, {});
+    if (open_session) Hello(id, running);
   }
   void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
     v1::SessionHello h;
