@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/comm/communicator.h"
@@ -196,6 +197,7 @@ struct RunResult {
   int64_t reserved = 0;  // the allocator's reserve at the end (its cache), max over ranks
   double a2a_s = 0.0, grad_s = 0.0;                  // per timed step, max over ranks
   double a2a_gb = 0.0, grad_gb = 0.0;                // sent per rank per timed step
+  std::vector<double> rank_a2a_s;                    // per timed step, each rank's
 };
 
 #define BENCH_RETURN_IF_ERROR(expr) \
@@ -343,6 +345,7 @@ RunResult RunConfig(int cp, const Options& opt, const ModelConfig& config, const
     out.attention_ws = std::max(out.attention_ws, x.mem.attention_workspace);
     out.reserved = std::max(out.reserved, x.mem.reserved);
     out.a2a_s = std::max(out.a2a_s, x.a2a_s / opt.steps);
+    out.rank_a2a_s.push_back(x.a2a_s / opt.steps);
     out.grad_s = std::max(out.grad_s, x.grad_s / opt.steps);
     out.a2a_gb = std::max(out.a2a_gb, x.a2a_bytes / 1e9 / opt.steps);
     out.grad_gb = std::max(out.grad_gb, x.grad_bytes / 1e9 / opt.steps);
@@ -545,6 +548,7 @@ int Run(const Options& opt) {
   std::vector<int> order;
   if (opt.single) order.push_back(1);
   order.insert(order.end(), runnable.begin(), runnable.end());
+  std::string by_rank;  // printed after the table
   for (int cp : order) {
     const RunResult r = RunConfig(cp, opt, *config, full);
     if (!r.ok) {
@@ -572,8 +576,15 @@ int Run(const Options& opt) {
         cp, cp, r.step_s, tps, tps / cp, eff.c_str(), Gib(r.peak_act), Gib(r.reserved),
         Gib(r.fixed), Gib(r.attention_ws), Gib(r.device_used), a2a.c_str(), grad.c_str(),
         a2a_gb.c_str(), r.first_loss, r.loss);
+    if (cp > 1) {
+      // Each rank's CP communicator seconds: a rank that waits for a slower peer shows more.
+      absl::StrAppend(&by_rank, "\nCP comm s/step by rank, cp = ", cp, ":");
+      for (size_t k = 0; k < r.rank_a2a_s.size(); ++k)
+        absl::StrAppend(&by_rank, k ? ", " : " ", absl::StrFormat("%.3f", r.rank_a2a_s[k]));
+    }
     std::fflush(stdout);
   }
+  std::printf("%s\n", by_rank.c_str());
   std::printf(
       "\nStep time: the slowest rank's, from a common host barrier to the stream sync after "
       "AdamW; tokens/s counts the whole sequence (T) per step. Scaling eff = t_1 / (cp * t_cp). "
