@@ -289,7 +289,10 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
     out << "  device memory: " << FormatBytes(m.device_memory_bytes()) << "\n";
   if (p.max_seq_len() > 0) {
     out << "  longest seq_len that fits it with every layer recomputing (this cp and modes): "
-        << p.max_seq_len() << "\n";
+        << p.max_seq_len();
+    if (p.max_seq_len_offload() > p.max_seq_len())
+      out << " (" << p.max_seq_len_offload() << " with train.offload = true)";
+    out << "\n";
   }
   for (const std::string& w : p.warnings()) out << "note: " << w << "\n";
   if (p.problems_size() == 0) {

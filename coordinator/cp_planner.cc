@@ -356,6 +356,11 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
     plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {
     plan.max_seq_len = LongestSeqLenFitting(spec, plan.layers, device_memory_bytes);
+    if (spec.resources == "cuda" && !spec.train.offload) {
+      JobSpec o = spec;
+      o.train.offload = true;
+      plan.max_seq_len_offload = LongestSeqLenFitting(o, plan.layers, device_memory_bytes);
+    }
     if (plan.memory.total_bytes > device_memory_bytes) {
       plan.problems.push_back(absl::StrCat(
           "memory: estimated ", FormatBytes(plan.memory.total_bytes), " per rank exceeds the ",

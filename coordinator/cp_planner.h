@@ -56,6 +56,9 @@ struct CpPlan {
   // With a device: the longest seq_len (a multiple of 2 cp x 1024 tokens) whose estimate, every
   // layer recomputing and this plan's cp and modes, fits it; 0 without a device or when none does.
   int64_t max_seq_len = 0;
+  // The same with train.offload, for a cuda job that does not offload (0 otherwise): how much
+  // longer the offload would let it be.
+  int64_t max_seq_len_offload = 0;
   bool ok() const { return problems.empty(); }
   // The decided mode of a layer type ("lightning" or "mla").
   CpMode ModeOf(const std::string& layer_type) const;

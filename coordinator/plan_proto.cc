@@ -35,6 +35,7 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   for (const std::string& w : plan.warnings) out->add_warnings(w);
   out->set_ok(plan.ok());
   out->set_max_seq_len(plan.max_seq_len);
+  out->set_max_seq_len_offload(plan.max_seq_len_offload);
 }
 
 }  // namespace spindle

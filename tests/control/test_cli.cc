@@ -100,7 +100,8 @@ TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
 }
 
 // --device-memory plans offline against a device of that size, which also sizes recompute "auto"
-// (the 1b model at 128K tokens on an H200-sized GPU: 8 of 16 layers).
+// (the 1b model at 128K tokens on an H200-sized GPU: 8 of 16 layers), and names the longest
+// seq_len that fits, with and without the layer inputs offloaded.
 TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
   std::string spec = WriteSpec("long.json", R"({"name": "long", "model": {"preset": "1b"},
       "data": {"source": "synthetic:recall"}, "seq_len": 131072,
@@ -113,7 +114,7 @@ TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
       << r.out;
   EXPECT_NE(r.out.find("  device memory: 139.80 GiB"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  longest seq_len that fits it with every layer recomputing (this cp and "
-                       "modes): 673792\n"),
+                       "modes): 673792 (933888 with train.offload = true)\n"),
             std::string::npos)
       << r.out;
   r = RunSpindle({"plan", spec, "--offline"});

@@ -245,6 +245,8 @@ TEST(CpPlannerTest, OffloadMovesTheLayerInputsToTheHost) {
   EXPECT_EQ(on_device.memory.total_bytes - offloaded.memory.total_bytes, inputs);
   EXPECT_GT(offloaded.max_seq_len, on_device.max_seq_len + 131072)
       << offloaded.max_seq_len << " against " << on_device.max_seq_len;
+  EXPECT_EQ(on_device.max_seq_len_offload, offloaded.max_seq_len);  // what the plan tells
+  EXPECT_EQ(offloaded.max_seq_len_offload, 0);
 
   // Without recompute the layers' own caches dominate; the offload still moves the inputs.
   s.seq_len = 32768;
