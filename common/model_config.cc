@@ -1,6 +1,7 @@
 // Model sizes, presets and their JSON form (see model_config.h).
 #include "common/model_config.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +115,14 @@ absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
         "job spec: model.preset: unknown preset \"", std::string(name), "\" (known: tiny, small, 1b)"));
   }
   return c;
+}
+
+int64_t CudaAttentionHeadsPerCall(int64_t T, int64_t heads, int64_t qk) {
+  if (heads <= 1 || T % 4 != 0) return std::max<int64_t>(1, heads);
+  const int64_t per_head = T * qk * 4;
+  for (int64_t g = heads; g > 1; --g)
+    if (heads % g == 0 && g * per_head <= kCudaDqAccumulatorBytes) return g;
+  return 1;
 }
 
 std::string CudaShapeProblem(const ModelConfig& c) {

@@ -66,6 +66,16 @@ inline constexpr int64_t kCudaMlaKeyBlock = 32768;
 // recomputes), so that scratch follows this, not the sequence; the planner counts the same.
 inline constexpr int64_t kCudaFfnBlockRows = 32768;
 
+// cuDNN's attention backward accumulates dQ in fp32 over every query of a call (T x heads x qk x 4
+// bytes, outside Spindle's allocator). Heads are independent in attention, so the CUDA engine
+// runs a long sequence's backward in groups of heads: CudaAttentionHeadsPerCall is the most heads,
+// dividing `heads`, whose accumulator stays within kCudaDqAccumulatorBytes (at least one), or
+// all of them when T is not a multiple of 4 (a group's statistics must stay 16-byte aligned).
+// At 32K tokens and 16 heads of qk 192 that is all 16; at 128K, 8; from 384K on, one head a call.
+// The planner counts the same.
+inline constexpr int64_t kCudaDqAccumulatorBytes = int64_t{1} << 30;
+int64_t CudaAttentionHeadsPerCall(int64_t T, int64_t heads, int64_t qk);
+
 // With train.offload the CUDA engine keeps this many layer inputs on the device (a ring the
 // others pass through on their way to and from pinned host memory), plus the head's input; the
 // planner counts the same.

@@ -285,8 +285,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
     // GiB measured), NCCL's buffers, and cuDNN's attention workspace (Sdpa::WorkspaceBytes),
     // which grows to its largest call's: the causal backward's fp32 dQ accumulator over the
-    // rank's tokens with every head (one GPU; All2All: the whole sequence with H / cp heads),
-    // under MLA AllGather over a zigzag chunk (with its statistics), or the cross piece's
+    // rank's tokens with one group of heads (CudaAttentionHeadsPerCall; one GPU: of H, All2All:
+    // the whole sequence with H / cp heads), under MLA AllGather over a zigzag chunk (with its
+    // statistics), or the cross piece's
     // backward, which stages zero-padded copies of a query block's q, out, dout and dq (bf16;
     // the block rounded up to a power of two, as its plans are) beside their fp32 dQ accumulator
     // and statistics, and a key block's k, v, dk, dv.
@@ -296,9 +297,11 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
       const int64_t L = NextPow2(std::max<int64_t>(128, std::min(chunk, kCudaMlaKeyBlock)));
       const int64_t cross =
           L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) + kCudaMlaKeyBlock * H * (qk + v) * 2 * 2;
-      attention = std::max(chunk * H * (qk * 4 + 2 * 4), cross);
+      attention =
+          std::max(chunk * CudaAttentionHeadsPerCall(chunk, H, qk) * (qk * 4 + 2 * 4), cross);
     } else if (nm > 0) {
-      attention = T * H * qk * 4;
+      const int64_t Tf = T * cp, heads = H / cp;  // All2All: the whole sequence, H / cp heads
+      attention = Tf * CudaAttentionHeadsPerCall(Tf, heads, qk) * qk * 4;
     }
     e.runtime_bytes = kCudaRuntimeBytes + attention;
     // NCCL, counted as if every rank had a GPU of its own (ranks that share one use Gloo).

@@ -91,9 +91,11 @@ struct CpPlan {
 //                 "cpu") + the FFN gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
-//               fp32 dQ accumulator T * H * qk * 4, or under MLA AllGather the cross piece's
-//               staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k, v, dk,
-//               dv, L = one zigzag chunk rounded up to a power of two
+//               fp32 dQ accumulator of one group of g heads over the sequence, seq_len * g * qk *
+//               4 (g = CudaAttentionHeadsPerCall of H / cp heads), or under MLA AllGather the
+//               larger of a zigzag chunk's (chunk * g * (qk * 4 + 8), its g of H) and the cross
+//               piece's staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k,
+//               v, dk, dv, L = one zigzag chunk rounded up to a power of two
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
 // train.offload ("cuda", n_layers > kCudaOffloadSlots = S): the activations hold S layer inputs
 // instead of n_layers, T * B * (n_layers - S) * d less; host_bytes is that much pinned memory.

@@ -97,8 +97,10 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
 }
 
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
+// heads_per_call: CudaModel::SetAttentionHeadsPerCall on every rank (0: the model's rule).
 absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batch& full, int cp,
-                                 float scale, Recompute recompute, CpMode lightning, CpMode mla) {
+                                 float scale, Recompute recompute, CpMode lightning, CpMode mla,
+                                 int64_t heads_per_call) {
   MemoryKvStore store;
   std::vector<StepResult> per(cp);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
@@ -107,6 +109,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
+    if (absl::Status s = (*m)->SetAttentionHeadsPerCall(heads_per_call); !s.ok()) return s;
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
     auto s = (*m)->ForwardBackward(*b, scale, recompute);
@@ -150,15 +153,17 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
 }
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
-                            Recompute recompute, CpMode lightning, CpMode mla = CpMode::kAll2All) {
+                            Recompute recompute, CpMode lightning, CpMode mla = CpMode::kAll2All,
+                            int64_t heads_per_call = 0) {
   SCOPED_TRACE(::testing::Message()
                << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
-               << CpModeName(lightning) << " mla " << CpModeName(mla));
+               << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
+               << heads_per_call);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
-  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning, mla);
+  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning, mla, heads_per_call);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->n_valid, want.n_valid);
   EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, kTolLoss)
@@ -171,9 +176,20 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp,
                             Recompute recompute, CpMode lightning = CpMode::kAll2All,
-                            CpMode mla = CpMode::kAll2All) {
+                            CpMode mla = CpMode::kAll2All, int64_t heads_per_call = 0) {
   const uint32_t seed = FreshSeed();
-  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla);
+  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla,
+                         heads_per_call);
+}
+
+// MLA's attention backward one head a call (SetAttentionHeadsPerCall, what long sequences get):
+// the All2All core over the whole sequence with H/cp heads, and MLA AllGather's causal pieces.
+TEST(CudaCp, AttentionOneHeadACallMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAll2All,
+                         CpMode::kAll2All, 1);
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kAllGather, 1);
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {

@@ -393,6 +393,29 @@ TEST(CudaModel, OffloadedInputsAgreeWithInputsOnTheDevice) {
   }
 }
 
+// MLA's attention backward in groups of heads (SetAttentionHeadsPerCall; long sequences get one
+// head a call): the same loss and gradients as every head in one call, with documents and one.
+TEST(CudaModel, AttentionHeadGroupsAgreeWithOneCall) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  auto one_call = *CudaModel::Create(c, seed);
+  auto grouped = *CudaModel::Create(c, seed);
+  EXPECT_EQ(grouped->SetAttentionHeadsPerCall(-1).code(), absl::StatusCode::kInvalidArgument);
+  for (const int64_t heads : {1, 2, 3}) {  // 3: groups of the largest divisor below, 2
+    SCOPED_TRACE(::testing::Message() << "heads per call " << heads);
+    ASSERT_TRUE(grouped->SetAttentionHeadsPerCall(heads).ok());
+    for (const int64_t doc : {int64_t{70}, int64_t{100000}}) {
+      const Batch b = RandomBatch(c, 300, doc, seed);
+      const StepResult want = StepOf(*one_call, b, Recompute::None());
+      const StepResult got = StepOf(*grouped, b, Recompute::None());
+      ExpectSameStep(want, got, grouped->host_params(), 1e-6, 1e-3, "with the heads in groups");
+    }
+  }
+}
+
 TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
   SPINDLE_REQUIRE_GPU();
   const ModelConfig c = Tiny();

@@ -327,6 +327,7 @@ struct CudaModel::Impl {
   int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
+  int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
   Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
@@ -459,6 +460,13 @@ struct CudaModel::Impl {
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
+  // Sdpa::Backward with the documents of cu_host, its dims.H heads in groups (see
+  // SetAttentionHeadsPerCall): each group's views start at its first head, its statistics at
+  // row h0 of stats [H, T].
+  absl::Status AttentionBackward(const void* q, const void* k, const void* v, const void* o,
+                                 const float* stats, const void* dout, void* dq, void* dk, void* dv,
+                                 const std::vector<int32_t>& cu_host, float scale,
+                                 kc::SdpaDims dims);
   absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
                                 Recompute recompute, bool backward);
 
@@ -1238,11 +1246,10 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
   RETURN_IF_ERROR(RecvToStream(W.cp_tmp.get(), ow));
   const void* f = C.cp_full.get();
   void* df = W.cp_dfull.get();
-  KC(sdpa->Backward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
-                    W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host.data(),
-                    static_cast<int64_t>(B.cu_host.size()) - 1,
-                    1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct,
-                    stream));
+  RETURN_IF_ERROR(
+      AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
+                        W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
+                        1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
   RETURN_IF_ERROR(StreamToSend(df, w));
   RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
   return UnpackToTokens({{W.dQ.get(), H * qk, qk, qk},
@@ -1407,10 +1414,9 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
     void* dq = At(W.dQ.get(), slot * ch * H * qk);
     // The causal piece writes this chunk's dq; the cross blocks add theirs.
     RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
-    KC(sdpa->Backward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS, dout,
-                      dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.piece_cu_host[slot].data(),
-                      static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
-                      kAct, stream));
+    RETURN_IF_ERROR(AttentionBackward(
+        q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS, dout, dq,
+        W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.piece_cu_host[slot], scale, MlaDims(c, ch)));
     RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
     if (!B.continues[slot]) continue;
     const int64_t nq = B.first_segment[slot];
@@ -1686,11 +1692,10 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
     if (B.cp > 1) {
       RETURN_IF_ERROR(MlaCoreBackward(C));
     } else {
-      const kc::SdpaDims dims = MlaDims(c, T);
-      KC(sdpa->Backward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(), C.stats.f32(),
-                        W.dO.get(), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope),
-                        B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
-                        1.0f / std::sqrt(static_cast<float>(qk)), dims, kAct, stream));
+      RETURN_IF_ERROR(AttentionBackward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(),
+                                        C.stats.f32(), W.dO.get(), W.dQ.get(), W.dK.get(),
+                                        At(W.dkvb.get(), nope), B.cu_host,
+                                        1.0f / std::sqrt(static_cast<float>(qk)), MlaDims(c, T)));
     }
     // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
     RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
@@ -2044,6 +2049,38 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
     I.off.FreeHost();
   }
   I.offload_inputs = on;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
+  if (heads < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention heads per call must be >= 0 (0: automatic), got ", heads));
+  impl_->attention_heads_per_call = heads;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, const void* v,
+                                                const void* o, const float* stats, const void* dout,
+                                                void* dq, void* dk, void* dv,
+                                                const std::vector<int32_t>& cu_host, float scale,
+                                                kc::SdpaDims dims) {
+  const int64_t H = dims.H, T = dims.T;
+  int64_t g = CudaAttentionHeadsPerCall(T, H, dims.Dqk);
+  if (attention_heads_per_call > 0) {
+    g = std::min(attention_heads_per_call, H);
+    while (H % g != 0) --g;
+  }
+  dims.H = g;
+  const int64_t n_seg = static_cast<int64_t>(cu_host.size()) - 1;
+  for (int64_t h0 = 0; h0 < H; h0 += g) {
+    KC(sdpa->Backward(At(q, h0 * dims.q.head_stride), At(k, h0 * dims.k.head_stride),
+                      At(v, h0 * dims.v.head_stride), At(o, h0 * dims.out.head_stride),
+                      stats + h0 * T, At(dout, h0 * dims.out.head_stride),
+                      At(dq, h0 * dims.q.head_stride), At(dk, h0 * dims.k.head_stride),
+                      At(dv, h0 * dims.v.head_stride), cu_host.data(), n_seg, scale, dims, kAct,
+                      stream));
+  }
   return absl::OkStatus();
 }
 

@@ -147,6 +147,11 @@ class CudaModel {
   // FailedPrecondition when the pinned memory cannot be had (spindle-train: exit code 2, the job
   // fails without restarts; it is not the device's memory).
   absl::Status SetOffloadInputs(bool on);
+  // MLA attention's backward runs its heads in groups (CudaAttentionHeadsPerCall in
+  // common/model_config.h, which bounds cuDNN's fp32 dQ accumulator). heads > 0: groups of the
+  // largest divisor of a call's heads not above `heads` instead (tests); 0 restores the rule.
+  // InvalidArgument for a negative count.
+  absl::Status SetAttentionHeadsPerCall(int64_t heads);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
