@@ -247,37 +247,41 @@ nlohmann::json JobSpec::ToJson() const {
     data_j["recall_gap"] = data.recall_gap;
   }
   nlohmann::json model_j = model.ToJson();
-  return {{"name", name},
-          {"model", model_j},
-          {"data", data_j},
-          {"seq_len", seq_len},
-          {"parallel",
-           {{"cp", parallel.cp},
-            {"dp", parallel.dp},
-            {"lightning_mode", std::string(CpModeName(parallel.lightning_mode))},
-            {"mla_mode", std::string(CpModeName(parallel.mla_mode))}}},
-          {"train",
-           {{"steps", train.steps},
-            {"micro_batches", train.micro_batches},
-            {"lr", train.lr},
-            {"min_lr", train.min_lr},
-            {"warmup_steps", train.warmup_steps},
-            {"schedule", train.schedule},
-            {"optimizer", train.optimizer},
-            {"weight_decay", train.weight_decay},
-            {"beta1", train.beta1},
-            {"beta2", train.beta2},
-            {"eps", train.eps},
-            {"momentum", train.momentum},
-            {"grad_clip", train.grad_clip},
-            {"seed", train.seed},
-            {"recompute", RecomputeJson(train.recompute_layers, model.n_layers)},
-            {"offload", train.offload}}},
-          {"checkpoint",
-           {{"dir", checkpoint.dir}, {"every", checkpoint.every}, {"keep", checkpoint.keep}}},
-          {"resources", resources},
-          {"max_restarts", max_restarts},
-          {"priority", priority}};
+  nlohmann::json j = {
+      {"name", name},
+      {"model", model_j},
+      {"data", data_j},
+      {"seq_len", seq_len},
+      {"parallel",
+       {{"cp", parallel.cp},
+        {"dp", parallel.dp},
+        {"lightning_mode", std::string(CpModeName(parallel.lightning_mode))},
+        {"mla_mode", std::string(CpModeName(parallel.mla_mode))}}},
+      {"train",
+       {{"steps", train.steps},
+        {"micro_batches", train.micro_batches},
+        {"lr", train.lr},
+        {"min_lr", train.min_lr},
+        {"warmup_steps", train.warmup_steps},
+        {"schedule", train.schedule},
+        {"optimizer", train.optimizer},
+        {"weight_decay", train.weight_decay},
+        {"beta1", train.beta1},
+        {"beta2", train.beta2},
+        {"eps", train.eps},
+        {"momentum", train.momentum},
+        {"grad_clip", train.grad_clip},
+        {"seed", train.seed},
+        {"recompute", RecomputeJson(train.recompute_layers, model.n_layers)}}},
+      {"checkpoint",
+       {{"dir", checkpoint.dir}, {"every", checkpoint.every}, {"keep", checkpoint.keep}}},
+      {"resources", resources},
+      {"max_restarts", max_restarts},
+      {"priority", priority}};
+  // Written only when set, so a spec that does not offload stays readable by trainers that
+  // predate the field (a cluster upgraded one daemon at a time).
+  if (train.offload) j["train"]["offload"] = true;
+  return j;
 }
 
 }  // namespace spindle
