@@ -1,17 +1,49 @@
-// Host memory from /proc/meminfo (see host_memory.h).
+// Host memory from /proc/meminfo and the cgroup's limit (see host_memory.h).
 #include "common/host_memory.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace spindle {
+namespace {
+
+// A v1 cgroup without a limit reports LONG_MAX rounded down to a page; anything this large is no
+// limit.
+constexpr int64_t kNoLimit = int64_t{1} << 60;
+
+std::string ReadFile(const char* path) {
+  std::ifstream in(path);
+  if (!in) return "";
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The cgroup's limit and usage (v2 at /sys/fs/cgroup, else v1's memory controller); 0 each when
+// there is no limit.
+void CgroupLimitAndUsage(int64_t* limit, int64_t* usage) {
+  *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.max"));
+  *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.current"));
+  if (*limit > 0) return;
+  *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+  *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.usage_in_bytes"));
+}
+
+// `bytes` capped by `cap` where both are known (> 0).
+int64_t Capped(int64_t bytes, int64_t cap) {
+  if (cap <= 0) return bytes;
+  if (bytes <= 0) return cap;
+  return std::min(bytes, cap);
+}
+
+}  // namespace
 
 int64_t MeminfoBytes(std::string_view meminfo, std::string_view field) {
   const absl::string_view text(meminfo.data(), meminfo.size()), name(field.data(), field.size());
@@ -26,12 +58,26 @@ int64_t MeminfoBytes(std::string_view meminfo, std::string_view field) {
   return 0;
 }
 
-int64_t HostMemoryBytes(std::string_view field) {
-  std::ifstream in("/proc/meminfo");
-  if (!in) return 0;
-  std::stringstream text;
-  text << in.rdbuf();
-  return MeminfoBytes(text.str(), field);
+int64_t CgroupBytes(std::string_view text) {
+  const absl::string_view t =
+      absl::StripAsciiWhitespace(absl::string_view(text.data(), text.size()));
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(t, &v) || v <= 0 || v >= kNoLimit) return 0;
+  return v;
+}
+
+int64_t HostMemoryLimitBytes() {
+  int64_t limit = 0, usage = 0;
+  CgroupLimitAndUsage(&limit, &usage);
+  return Capped(MeminfoBytes(ReadFile("/proc/meminfo"), "MemTotal"), limit);
+}
+
+int64_t HostMemoryAvailableBytes() {
+  int64_t limit = 0, usage = 0;
+  CgroupLimitAndUsage(&limit, &usage);
+  const int64_t available = MeminfoBytes(ReadFile("/proc/meminfo"), "MemAvailable");
+  if (limit <= 0) return available;
+  return Capped(available, std::max<int64_t>(1, limit - usage));
 }
 
 }  // namespace spindle

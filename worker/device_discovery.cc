@@ -43,7 +43,7 @@ absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_
   if (cpu_slots == 0) {
     absl::StatusOr<v1::DeviceGroup> gpus = DiscoverCudaDevices();
     if (gpus.ok()) {
-      gpus->set_host_memory_bytes(HostMemoryBytes("MemTotal"));
+      gpus->set_host_memory_bytes(HostMemoryLimitBytes());
       return gpus;
     }
     if (gpu_note != nullptr && !absl::IsNotFound(gpus.status()))
@@ -54,7 +54,7 @@ absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_
   group.set_kind("cpu");
   group.set_name(CpuModelName());
   group.set_count(cpu_slots);
-  const int64_t host = HostMemoryBytes("MemTotal");
+  const int64_t host = HostMemoryLimitBytes();
   group.set_memory_bytes(host / cpu_slots);
   group.set_host_memory_bytes(host);
   return group;

@@ -20,8 +20,9 @@ absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices();
 
 // `cpu_slots` > 0: that many CPU slots. `cpu_slots` == 0: the GPUs when there are any this build
 // runs on, else one CPU slot; `gpu_note` (nullable) then says why GPUs that are present were not
-// offered (empty otherwise). Each CPU slot is offered an equal share of host memory (MemTotal /
-// slots). InvalidArgument for a negative count.
+// offered (empty otherwise). Each CPU slot is offered an equal share of host memory (MemTotal,
+// capped by the process's cgroup limit, / slots); the group's host_memory_bytes is all of it.
+// InvalidArgument for a negative count.
 absl::StatusOr<v1::DeviceGroup> DiscoverDevices(int cpu_slots, std::string* gpu_note = nullptr);
 
 }  // namespace spindle

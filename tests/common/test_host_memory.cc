@@ -1,11 +1,12 @@
-// /proc/meminfo parsing (common/host_memory.h) on fixed text, and this machine's own figures.
+// Host memory parsing (common/host_memory.h) on fixed /proc/meminfo and cgroup texts, and this
+// machine's own figures.
 #include "common/host_memory.h"
 #include "gtest/gtest.h"
 
 namespace spindle {
 namespace {
 
-TEST(HostMemoryTest, ReadsAFieldInKilobytes) {
+TEST(HostMemoryTest, ReadsAMeminfoFieldInKilobytes) {
   const char* meminfo =
       "MemTotal:       131891204 kB\n"
       "MemFree:         1234 kB\n"
@@ -20,9 +21,18 @@ TEST(HostMemoryTest, ReadsAFieldInKilobytes) {
   EXPECT_EQ(MeminfoBytes("MemTotal: -5 kB\n", "MemTotal"), 0);
 }
 
+// cgroup v2's "max" and v1's LONG_MAX-like "no limit" are no limit (0); a pod's limit is a number.
+TEST(HostMemoryTest, ReadsACgroupLimit) {
+  EXPECT_EQ(CgroupBytes("549755813888\n"), int64_t{512} << 30);
+  EXPECT_EQ(CgroupBytes("max\n"), 0);
+  EXPECT_EQ(CgroupBytes("9223372036854771712\n"), 0);
+  EXPECT_EQ(CgroupBytes(""), 0);
+  EXPECT_EQ(CgroupBytes("0\n"), 0);
+}
+
 TEST(HostMemoryTest, ThisMachineHasSomeAvailable) {
-  const int64_t total = HostMemoryBytes("MemTotal");
-  const int64_t available = HostMemoryBytes("MemAvailable");
+  const int64_t total = HostMemoryLimitBytes();
+  const int64_t available = HostMemoryAvailableBytes();
   EXPECT_GT(total, 0);
   EXPECT_GT(available, 0);
   EXPECT_LE(available, total);

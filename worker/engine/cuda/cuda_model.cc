@@ -212,8 +212,7 @@ struct Offload {
   absl::Status EnsureHost(int64_t bytes) {
     if (bytes <= host_bytes) return absl::OkStatus();
     FreeHost();
-    if (const int64_t available = HostMemoryBytes("MemAvailable");
-        available > 0 && bytes > available)
+    if (const int64_t available = HostMemoryAvailableBytes(); available > 0 && bytes > available)
       return absl::FailedPreconditionError(
           absl::StrCat("cuda model: train.offload needs ", bytes >> 20,
                        " MiB of pinned host memory for the layer inputs, but this machine has ",
