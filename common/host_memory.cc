@@ -26,14 +26,20 @@ std::string ReadFile(const char* path) {
   return text.str();
 }
 
-// The cgroup's limit and usage (v2 at /sys/fs/cgroup, else v1's memory controller); 0 each when
-// there is no limit.
+// The cgroup's limit and working set (v2 at /sys/fs/cgroup, else v1's memory controller): its
+// usage less the inactive file cache, which the kernel reclaims before it kills anything, as
+// container runtimes count it. 0 each when there is no limit.
 void CgroupLimitAndUsage(int64_t* limit, int64_t* usage) {
   *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.max"));
-  *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.current"));
-  if (*limit > 0) return;
-  *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
-  *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.usage_in_bytes"));
+  if (*limit > 0) {
+    *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.current")) -
+             MemoryStatValue(ReadFile("/sys/fs/cgroup/memory.stat"), "inactive_file");
+  } else {
+    *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+    *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.usage_in_bytes")) -
+             MemoryStatValue(ReadFile("/sys/fs/cgroup/memory/memory.stat"), "total_inactive_file");
+  }
+  *usage = std::max<int64_t>(0, *usage);
 }
 
 // `bytes` capped by `cap` where both are known (> 0).
@@ -54,6 +60,16 @@ int64_t MeminfoBytes(std::string_view meminfo, std::string_view field) {
     int64_t v = 0;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v) || v < 0) return 0;
     return kb ? v * 1024 : v;
+  }
+  return 0;
+}
+
+int64_t MemoryStatValue(std::string_view stat, std::string_view key) {
+  const absl::string_view text(stat.data(), stat.size()), name(key.data(), key.size());
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::ConsumePrefix(&line, name) || !absl::ConsumePrefix(&line, " ")) continue;
+    int64_t v = 0;
+    return absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v) && v > 0 ? v : 0;
   }
   return 0;
 }

@@ -20,10 +20,13 @@ int64_t MeminfoBytes(std::string_view meminfo, std::string_view field);
 // memory.usage_in_bytes. 0 for "max", a v1 "no limit", or text that is not a number.
 int64_t CgroupBytes(std::string_view text);
 
+// The value of `key` in a cgroup memory.stat text ("inactive_file 1234" lines); 0 when missing.
+int64_t MemoryStatValue(std::string_view stat, std::string_view key);
+
 // This machine's MemTotal, capped by the cgroup limit; 0 when unknown.
 int64_t HostMemoryLimitBytes();
-// This machine's MemAvailable, capped by what the cgroup limit leaves (limit - usage); 0 when
-// unknown.
+// This machine's MemAvailable, capped by what the cgroup limit leaves (the limit less the
+// cgroup's working set: its usage without the inactive file cache); 0 when unknown.
 int64_t HostMemoryAvailableBytes();
 
 }  // namespace spindle

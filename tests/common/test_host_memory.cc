@@ -30,6 +30,20 @@ TEST(HostMemoryTest, ReadsACgroupLimit) {
   EXPECT_EQ(CgroupBytes("0\n"), 0);
 }
 
+// The inactive file cache, which the working set leaves out (v2 "inactive_file", v1
+// "total_inactive_file").
+TEST(HostMemoryTest, ReadsAMemoryStatValue) {
+  const char* stat =
+      "anon 1000\n"
+      "file 5000\n"
+      "active_file 2000\n"
+      "inactive_file 3000\n";
+  EXPECT_EQ(MemoryStatValue(stat, "inactive_file"), 3000);
+  EXPECT_EQ(MemoryStatValue(stat, "file"), 5000);  // the whole key, not a suffix of another
+  EXPECT_EQ(MemoryStatValue(stat, "total_inactive_file"), 0);
+  EXPECT_EQ(MemoryStatValue("total_inactive_file 42\n", "total_inactive_file"), 42);
+}
+
 TEST(HostMemoryTest, ThisMachineHasSomeAvailable) {
   const int64_t total = HostMemoryLimitBytes();
   const int64_t available = HostMemoryAvailableBytes();
