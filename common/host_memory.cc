@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -42,6 +43,18 @@ void CgroupLimitAndUsage(int64_t* limit, int64_t* usage) {
   *usage = std::max<int64_t>(0, *usage);
 }
 
+// The rest of the first line of `text` that starts with `key` then `sep`, without surrounding
+// spaces; nullopt when no line does.
+std::optional<absl::string_view> ValueOf(std::string_view text, std::string_view key,
+                                         absl::string_view sep) {
+  const absl::string_view all(text.data(), text.size()), name(key.data(), key.size());
+  for (absl::string_view line : absl::StrSplit(all, '\n')) {
+    if (absl::ConsumePrefix(&line, name) && absl::ConsumePrefix(&line, sep))
+      return absl::StripAsciiWhitespace(line);
+  }
+  return std::nullopt;
+}
+
 // `bytes` capped by `cap` where both are known (> 0).
 int64_t Capped(int64_t bytes, int64_t cap) {
   if (cap <= 0) return bytes;
@@ -52,26 +65,18 @@ int64_t Capped(int64_t bytes, int64_t cap) {
 }  // namespace
 
 int64_t MeminfoBytes(std::string_view meminfo, std::string_view field) {
-  const absl::string_view text(meminfo.data(), meminfo.size()), name(field.data(), field.size());
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (!absl::ConsumePrefix(&line, name) || !absl::ConsumePrefix(&line, ":")) continue;
-    line = absl::StripAsciiWhitespace(line);
-    const bool kb = absl::ConsumeSuffix(&line, "kB");
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v) || v < 0) return 0;
-    return kb ? v * 1024 : v;
-  }
-  return 0;
+  std::optional<absl::string_view> value = ValueOf(meminfo, field, ":");
+  if (!value) return 0;
+  const bool kb = absl::ConsumeSuffix(&*value, "kB");
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*value), &v) || v < 0) return 0;
+  return kb ? v * 1024 : v;
 }
 
 int64_t MemoryStatValue(std::string_view stat, std::string_view key) {
-  const absl::string_view text(stat.data(), stat.size()), name(key.data(), key.size());
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (!absl::ConsumePrefix(&line, name) || !absl::ConsumePrefix(&line, " ")) continue;
-    int64_t v = 0;
-    return absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v) && v > 0 ? v : 0;
-  }
-  return 0;
+  const std::optional<absl::string_view> value = ValueOf(stat, key, " ");
+  int64_t v = 0;
+  return value && absl::SimpleAtoi(*value, &v) && v > 0 ? v : 0;
 }
 
 int64_t CgroupBytes(std::string_view text) {

@@ -135,12 +135,13 @@ std::string MemoryHint(const CpPlanner& planner, const JobSpec& spec, const CpPl
                                                        static_cast<double>(device_memory_bytes));
         r >= 0) {
       const MemoryEstimate e = EstimateMemory(o, plan.layers, r);
-      return absl::StrCat("; with train.offload = true", r == 0 ? "" : " and ",
-                          r == 0 ? ""
-                          : r == n
-                              ? "every layer recomputing"
-                              : absl::StrCat("the first ", r, " of ", n, " layers recomputing"),
-                          " it fits (", FormatBytes(e.total_bytes), ", and ",
+      std::string with = "train.offload = true";
+      if (r == n) {
+        with += " and every layer recomputing";
+      } else if (r > 0) {
+        absl::StrAppend(&with, " and the first ", r, " of ", n, " layers recomputing");
+      }
+      return absl::StrCat("; with ", with, " it fits (", FormatBytes(e.total_bytes), ", and ",
                           FormatBytes(e.host_bytes), " of pinned host memory)");
     }
   }

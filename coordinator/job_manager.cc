@@ -71,6 +71,16 @@ struct JobManager::WorkerRuntime {
   uint64_t session_id = 0;
   int64_t last_seen_ms = 0;
   std::vector<Slot> slots;
+
+  // The scheduler's view of what this worker offers (`id` its id); devices for the caller to fill.
+  SchedulableWorker Schedulable(const std::string& id) const {
+    SchedulableWorker sw;
+    sw.worker_id = id;
+    sw.kind = group.kind();
+    sw.device_memory_bytes = group.memory_bytes();
+    sw.host_memory_bytes = group.host_memory_bytes();
+    return sw;
+  }
 };
 
 struct JobManager::Outbox {
@@ -244,11 +254,7 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
   sj.host_bytes_per_rank = plan.memory.host_bytes;
   std::vector<SchedulableWorker> registered;
   for (const auto& [id, w] : workers_) {
-    SchedulableWorker sw;
-    sw.worker_id = id;
-    sw.kind = w->group.kind();
-    sw.device_memory_bytes = w->group.memory_bytes();
-    sw.host_memory_bytes = w->group.host_memory_bytes();
+    SchedulableWorker sw = w->Schedulable(id);
     sw.total_devices = w->group.count();
     registered.push_back(sw);
   }
@@ -581,11 +587,7 @@ void JobManager::Schedule(Outbox* out) {
   std::vector<SchedulableWorker> ws;
   for (const auto& [id, w] : workers_) {
     if (!w->connected || w->lost) continue;
-    SchedulableWorker sw;
-    sw.worker_id = id;
-    sw.kind = w->group.kind();
-    sw.device_memory_bytes = w->group.memory_bytes();
-    sw.host_memory_bytes = w->group.host_memory_bytes();
+    SchedulableWorker sw = w->Schedulable(id);
     sw.total_devices = static_cast<int32_t>(w->slots.size());
     for (size_t d = 0; d < w->slots.size(); ++d) {
       const std::string& job_id = w->slots[d].job_id;

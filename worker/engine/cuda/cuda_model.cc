@@ -236,6 +236,21 @@ struct Offload {
     host = nullptr;
     host_bytes = 0;
   }
+  // Copies `bytes` between slot s and host memory on the copy stream once `compute` has run what
+  // it has queued (the slot's last writer or reader there); marks the copy's end in copied[s].
+  absl::Status CopyAfter(cudaStream_t compute, int s, void* dst, const void* src, int64_t bytes,
+                         cudaMemcpyKind kind) {
+    CUDA(cudaEventRecord(computed[s], compute));
+    CUDA(cudaStreamWaitEvent(copy, computed[s], 0));
+    CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, copy));
+    CUDA(cudaEventRecord(copied[s], copy));
+    return absl::OkStatus();
+  }
+  // `compute` waits for slot s's last copy.
+  absl::Status WaitCopied(cudaStream_t compute, int s) {
+    CUDA(cudaStreamWaitEvent(compute, copied[s], 0));
+    return absl::OkStatus();
+  }
   // Waits for the copies in flight, then returns the slots to the allocator.
   void ReleaseSlots() {
     if (copy) cudaStreamSynchronize(copy);
@@ -1919,18 +1934,15 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   auto host_in = [&](int64_t i) { return At(off.host, i * T * d); };
   // Offloading: before input j is written, the copy of input j - K out of its slot is done;
   // once it is written, it goes to the host unless the backward finds it in its slot.
+  auto slot_of = [&](int64_t i) { return static_cast<int>(i % K); };
   auto before_input = [&](int64_t j) -> absl::Status {
-    if (offload && j >= K && j < n) CUDA(cudaStreamWaitEvent(stream, off.copied[j % K], 0));
+    if (offload && j >= K && j < n) return off.WaitCopied(stream, slot_of(j));
     return absl::OkStatus();
   };
   auto after_input = [&](int64_t j) -> absl::Status {
     if (!offload || j >= n - K) return absl::OkStatus();
-    const int s = static_cast<int>(j % K);
-    CUDA(cudaEventRecord(off.computed[s], stream));
-    CUDA(cudaStreamWaitEvent(off.copy, off.computed[s], 0));
-    CUDA(cudaMemcpyAsync(host_in(j), in(j), T * d * kAb, cudaMemcpyDeviceToHost, off.copy));
-    CUDA(cudaEventRecord(off.copied[s], off.copy));
-    return absl::OkStatus();
+    return off.CopyAfter(stream, slot_of(j), host_in(j), in(j), T * d * kAb,
+                         cudaMemcpyDeviceToHost);
   };
   KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
   RETURN_IF_ERROR(after_input(0));
@@ -1970,8 +1982,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     if (swap) kept[i].SwapInto(C);
     absl::Status st;
     // Offloading: input i is back in its slot (see Offload).
-    if (offload && i < n - K)
-      st = FromCuda(cudaStreamWaitEvent(stream, off.copied[i % K], 0), "cudaStreamWaitEvent");
+    if (offload && i < n - K) st = off.WaitCopied(stream, slot_of(i));
     // The recomputed forward needs no output: it is the next layer's input, kept.
     const bool ffn_kept = !recompute.Layer(i);
     if (st.ok() && !ffn_kept)
@@ -1980,14 +1991,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
     if (swap) kept[i].SwapInto(C);
     RETURN_IF_ERROR(st);
     // Offloading: layer i was the last user of its slot; input i - K comes back into it.
-    if (offload && i >= K) {
-      const int s = static_cast<int>(i % K);
-      CUDA(cudaEventRecord(off.computed[s], stream));
-      CUDA(cudaStreamWaitEvent(off.copy, off.computed[s], 0));
-      CUDA(cudaMemcpyAsync(in(i - K), host_in(i - K), T * d * kAb, cudaMemcpyHostToDevice,
-                           off.copy));
-      CUDA(cudaEventRecord(off.copied[s], off.copy));
-    }
+    if (offload && i >= K)
+      RETURN_IF_ERROR(off.CopyAfter(stream, slot_of(i), in(i - K), host_in(i - K), T * d * kAb,
+                                    cudaMemcpyHostToDevice));
   }
   KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
   queued();
@@ -2041,8 +2047,9 @@ void CudaModel::SetKindUnion(bool on) {
 
 absl::Status CudaModel::SetOffloadInputs(bool on) {
   Impl& I = *impl_;
-  if (on) RETURN_IF_ERROR(I.off.Create());
-  if (!on) {
+  if (on) {
+    RETURN_IF_ERROR(I.off.Create());
+  } else {
     CUDA(cudaStreamSynchronize(I.stream));
     I.off.ReleaseSlots();
     I.off.FreeHost();
