@@ -90,8 +90,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   };
   for (int64_t T : Ts) {
     const Batch b = random_batch(T, 7), held_out = random_batch(T, 8);
-    for (int64_t rec : recs)
+    for (const int64_t asked : recs)
       for (const bool offload : offloads) {
+        // "auto" is planned for each row's own offload setting.
+        int64_t rec = asked;
         if (rec == kAuto) {
           JobSpec job;
           job.model = *config;
