@@ -71,10 +71,23 @@ inline constexpr int64_t kCudaFfnBlockRows = 32768;
 // runs a long sequence's backward in groups of heads: CudaAttentionHeadsPerCall is the most heads,
 // dividing `heads`, whose accumulator stays within kCudaDqAccumulatorBytes (at least one), or
 // all of them when T is not a multiple of 4 (a group's statistics must stay 16-byte aligned).
-// At 32K tokens and 16 heads of qk 192 that is all 16; at 128K, 8; from 384K on, one head a call.
-// The planner counts the same.
+// At 32K tokens and 16 heads of qk 192 that is all 16; at 128K, 8; at 256K, 4; from about 700K on,
+// one head a call. The planner counts the same.
 inline constexpr int64_t kCudaDqAccumulatorBytes = int64_t{1} << 30;
 int64_t CudaAttentionHeadsPerCall(int64_t T, int64_t heads, int64_t qk);
+
+// MLA's backward on one GPU (cp = 1) also takes the projections' gradients in those head groups
+// when that holds less: each group's Q, K and kv_b output are copied into buffers of the group's
+// width (cuDNN's gradients take their inputs' strides), its dQ, dK and dV go back through q_b and
+// kv_b into fp32 sums over the groups, and only one group's gradients exist at a time.
+// CudaMlaGradBytesPerToken is that scratch per token with `group_heads` heads a group (n_heads: one
+// group, no copies and no fp32 sums); CudaMlaGradHeadsPerGroup the group the engine uses over T
+// tokens: CudaAttentionHeadsPerCall's where it needs fewer bytes than one group, else n_heads. For
+// the 1b model: one group up to 128K tokens (30.8 KB a token), groups of 4 heads at 256K (26.0 KB),
+// of 2 from 384K (20.9 KB), of one from about 700K on (18.3 KB). At 256K, groups of 4, 2 and 1
+// head take the same step time as one group (bench/cuda/NOTES.md). The planner counts the same.
+int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads);
+int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T);
 
 // With train.offload the CUDA engine keeps this many layer inputs on the device (a ring the
 // others pass through on their way to and from pinned host memory), plus the head's input; the

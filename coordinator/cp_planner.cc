@@ -250,16 +250,15 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.activations_bytes = T * B * per_token + ffn_block_bytes;
   // Logit blocks, plus the backward's gradient scratch shared by all layers: the FFN's three
   // [T, F] (or block) and the normed input's [T, d], and each kind's own (Lightning: five [T, d];
-  // MLA: the attention's and the projections' gradients), both kinds' on the CPU, the larger on
-  // CUDA (one kind at a time).
-  const int64_t work_l = nl > 0 ? 5 * d : 0;
-  const int64_t work_m = nm > 0 ? H * a.v_head_dim + 2 * H * qk +
-                                      H * (a.qk_nope_dim + a.v_head_dim) + a.kv_lora_rank +
-                                      a.qk_rope_dim + 2 * a.kv_lora_rank + 2 * a.q_lora_rank
-                                : 0;
-  const int64_t work_kinds = cuda ? std::max(work_l, work_m) : 11 * d;
+  // MLA: the attention's and the projections' gradients, on one GPU by groups of heads where
+  // that holds less, CudaMlaGradBytesPerToken), both kinds' on the CPU, the larger on CUDA (one
+  // kind at a time).
+  const int64_t work_l = nl > 0 ? B * 5 * d : 0;
+  const int64_t work_m =
+      nm > 0 ? CudaMlaGradBytesPerToken(m, cp == 1 ? CudaMlaGradHeadsPerGroup(m, T) : H) : 0;
+  const int64_t work_kinds = cuda ? std::max(work_l, work_m) : B * 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
-                      T * B * (d + work_kinds) + ffn_rows * B * 3 * f;
+                      T * (B * d + work_kinds) + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   // CUDA All2All: the exchange's send, receive and input-gradient blocks (the widest core input)
   // and one output-wide block.

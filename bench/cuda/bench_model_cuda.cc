@@ -22,9 +22,14 @@
 // CpPlanner against the device's memory, with its estimate printed above the row).
 // --offload 0 (default), 1 or both (a row each): the layers' inputs wait in pinned host memory
 // between the forward and the backward (CudaModel::SetOffloadInputs); "host GiB" is that memory.
+// --mla_grad_heads N: MLA's backward in groups of N heads (CudaModel::SetMlaGradHeadsPerGroup; 0,
+// the default, is the model's rule; n_heads: one group).
+// --forward 0: skip the forward-only timing and the held-out loss (their columns print -1), which
+// at the longest sequences take as long as half a step.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
 //                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
+//                         [--mla_grad_heads 0] [--forward 1]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -54,7 +59,8 @@ void CUDART_CB HoldStream(void* ms) {
 // `recs`: layers recomputed per row (-1: every layer, kAuto: the planner's choice).
 constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
-        const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows) {
+        const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows,
+        int64_t mla_grad_heads, bool forward) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -66,7 +72,9 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
     return 1;
   }
   CudaModel& m = **model_or;
-  if (absl::Status st = m.SetHeadBlockRows(head_rows); !st.ok()) {
+  absl::Status set = m.SetHeadBlockRows(head_rows);
+  if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
+  if (absl::Status st = set; !st.ok()) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
     return 2;
   }
@@ -167,9 +175,12 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
                           .count()
                     : -1.0;
         };
-        const double fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
-        auto ho = m.Forward(held_out);
-        const double ho_loss = ho.ok() ? ho->loss_sum / std::max<int64_t>(1, ho->n_valid) : -1.0;
+        double fwd_ms = -1.0, ho_loss = -1.0;
+        if (forward) {
+          fwd_ms = timed_ms([&] { return m.Forward(b).ok(); });
+          auto ho = m.Forward(held_out);
+          if (ho.ok()) ho_loss = ho->loss_sum / std::max<int64_t>(1, ho->n_valid);
+        }
         const double opt_ms = timed_ms(
             [&] { return m.GradSquaredNorm().ok() && m.OptimizerStep(spec, 1e-4, 1.0f).ok(); });
         std::printf(
@@ -192,7 +203,8 @@ int main(int argc, char** argv) {
   std::string preset = "1b", rec = "0", offload = "0";
   std::vector<int64_t> Ts = {8192, 32768};
   int steps = 6, head_start_ms = 0;
-  int64_t head_rows = 0;
+  int64_t head_rows = 0, mla_grad_heads = 0;
+  bool forward = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset") {
@@ -211,6 +223,10 @@ int main(int argc, char** argv) {
       head_start_ms = std::max(0, std::atoi(v.c_str()));
     } else if (k == "--head_rows") {
       head_rows = std::atoll(v.c_str());
+    } else if (k == "--mla_grad_heads") {
+      mla_grad_heads = std::atoll(v.c_str());
+    } else if (k == "--forward") {
+      forward = v != "0";
     } else {
       std::fprintf(stderr, "bench_model_cuda: unknown flag %s\n", k.c_str());
       return 2;
@@ -236,5 +252,6 @@ int main(int argc, char** argv) {
                  offload.c_str());
     return 2;
   }
-  return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows);
+  return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows, mla_grad_heads,
+                      forward);
 }

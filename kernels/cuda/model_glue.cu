@@ -5,6 +5,7 @@
 // attention pieces (MLA's AllGather context parallelism).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -15,16 +16,21 @@ namespace {
 using internal::FromFloat;
 using internal::ToFloat;
 
-template <typename T>
-__global__ void SumHeadsKernel(const T* x, int64_t T_, int64_t H, int64_t d, int64_t ts,
-                               int64_t hs, T* out, int64_t os) {
+// O: T (written) or float (added to).
+template <typename T, typename O>
+__global__ void SumHeadsKernel(const T* x, int64_t T_, int64_t H, int64_t d, int64_t ts, int64_t hs,
+                               O* out, int64_t os) {
   const int64_t n = T_ * d;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / d, j = i % d;
     float s = 0.0f;
     for (int64_t h = 0; h < H; ++h) s += ToFloat(x[t * ts + h * hs + j]);
-    out[t * os + j] = FromFloat<T>(s);
+    if constexpr (std::is_same_v<O, float>) {
+      out[t * os + j] += s;
+    } else {
+      out[t * os + j] = FromFloat<T>(s);
+    }
   }
 }
 
@@ -131,13 +137,19 @@ int64_t Blocks(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(intern
 
 Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_stride,
                 int64_t head_stride, void* out, int64_t out_stride, DType dtype,
-                cudaStream_t stream) {
+                cudaStream_t stream, bool add_f32) {
   SPINDLE_CHECK_ARG(T >= 0 && H > 0 && d > 0, "SumHeads: bad sizes");
   if (T == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SumHeads", {
-    SumHeadsKernel<scalar_t><<<Blocks(T * d), 256, 0, stream>>>(
-        static_cast<const scalar_t*>(x), T, H, d, token_stride, head_stride,
-        static_cast<scalar_t*>(out), out_stride);
+    if (add_f32) {
+      SumHeadsKernel<scalar_t, float><<<Blocks(T * d), 256, 0, stream>>>(
+          static_cast<const scalar_t*>(x), T, H, d, token_stride, head_stride,
+          static_cast<float*>(out), out_stride);
+    } else {
+      SumHeadsKernel<scalar_t, scalar_t><<<Blocks(T * d), 256, 0, stream>>>(
+          static_cast<const scalar_t*>(x), T, H, d, token_stride, head_stride,
+          static_cast<scalar_t*>(out), out_stride);
+    }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();

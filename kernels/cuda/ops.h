@@ -145,10 +145,11 @@ Status CopyRows(void* dst, int64_t dst_token_stride, int64_t dst_head_stride, co
                 int64_t src_token_stride, int64_t src_head_stride, int64_t T, int64_t H,
                 int64_t width, DType dtype, cudaStream_t stream);
 // out[t, j] = sum_h x[t * token_stride + h * head_stride + j] for j < d (out row stride
-// out_stride): the gradient of a key part shared by all heads (MLA's rotary key).
+// out_stride): the gradient of a key part shared by all heads (MLA's rotary key). add_f32: out
+// is fp32 and the sums are added to it (a sum over groups of heads, rounded once at the end).
 Status SumHeads(const void* x, int64_t T, int64_t H, int64_t d, int64_t token_stride,
                 int64_t head_stride, void* out, int64_t out_stride, DType dtype,
-                cudaStream_t stream);
+                cudaStream_t stream, bool add_f32 = false);
 // *out = sum of x[i]^2 (double, fixed order for a given n).
 size_t SquaredNormWorkspaceBytes();
 Status SquaredNorm(const float* x, int64_t n, double* out, Workspace ws, cudaStream_t stream);

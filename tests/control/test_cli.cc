@@ -114,7 +114,7 @@ TEST_F(CliTest, PlanAgainstAGivenDeviceSizesAutoRecompute) {
       << r.out;
   EXPECT_NE(r.out.find("  device memory: 139.80 GiB"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  longest seq_len that fits it with every layer recomputing (this cp and "
-                       "modes): 716800 (1019904 with train.offload = true)\n"),
+                       "modes): 761856 (1112064 with train.offload = true)\n"),
             std::string::npos)
       << r.out;
   r = RunSpindle({"plan", spec, "--offline"});

@@ -893,6 +893,16 @@ TEST(ModelGlue, CopyRowsAndSumHeadsMatchHostLoops) {
   auto d_out = Upload(std::vector<float>(T * os, 0.0f), bf);
   ASSERT_OK(SumHeads(d_x.get(), T, H, d, ts, hs, d_out.get(), os, bf, 0));
   ExpectClose(Download(d_out.get(), T * os, bf), want, bf, "SumHeads");
+  // Added to fp32 rows that hold values already (a sum over groups of heads): the columns past d
+  // keep theirs.
+  auto base = Normal(rng, T * os);
+  std::vector<float> added = base;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < d; ++j) added[t * os + j] += want[t * os + j];
+  auto d_acc = Upload(base, DType::kFloat32);
+  ASSERT_OK(SumHeads(d_x.get(), T, H, d, ts, hs, d_acc.get(), os, bf, 0, /*add_f32=*/true));
+  ExpectClose(Download(d_acc.get(), T * os, DType::kFloat32), added, DType::kFloat32,
+              "SumHeads added to fp32");
 }
 
 // AddRows and CastRows (MLA AllGather's gradient sums and fp32 reduce-scatter blocks) on strided

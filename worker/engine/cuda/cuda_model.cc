@@ -273,6 +273,11 @@ struct Offload {
 struct Work {
   DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
   int64_t ws_bytes = 0;
+  // MLA's backward in head groups (cp = 1, CudaMlaGradHeadsPerGroup): a group's copies of Q, K
+  // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients), and
+  // the fp32 sums over the groups of the latent's gradients [d c_n | d k_r] and of q_a's output
+  // gradient (without a q LoRA: of the normed input's).
+  DevBuf gQ, gK, gkvb, sum_lat, sum_q;
   // CP (All2All) scratch, sized by Upload: the all-to-all's device send and receive blocks, a
   // whole-sequence [T_full, H/cp * width] output or output gradient, and the core's input
   // gradients in cp_full's layout.
@@ -342,6 +347,7 @@ struct CudaModel::Impl {
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
   int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
+  int64_t mla_grad_heads_per_group = 0;        // see SetMlaGradHeadsPerGroup
   Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
@@ -369,11 +375,12 @@ struct CudaModel::Impl {
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b :
-         {&W.dh,      &W.da,       &W.dg,     &W.du,      &W.dy,       &W.dgate,   &W.dqkv,
-          &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,     &W.dc,      &W.dkva,
-          &W.dqa_n,   &W.dqa,      &W.ws,     &W.cp_send, &W.cp_recv,  &W.cp_tmp,  &W.cp_dfull,
-          &W.ag_send, &W.ag_recv,  &W.ag_K,   &W.ag_kvb,  &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat,
-          &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq,   &W.arena.mem})
+         {&W.dh,     &W.da,     &W.dg,       &W.du,      &W.dy,      &W.dgate,   &W.dqkv,
+          &W.dO,     &W.dQ,     &W.dK,       &W.dkvb,    &W.dc_n,    &W.dc,      &W.dkva,
+          &W.dqa_n,  &W.dqa,    &W.ws,       &W.cp_send, &W.cp_recv, &W.cp_tmp,  &W.cp_dfull,
+          &W.gQ,     &W.gK,     &W.gkvb,     &W.sum_lat, &W.sum_q,   &W.ag_send, &W.ag_recv,
+          &W.ag_K,   &W.ag_kvb, &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat, &W.ag_o,    &W.ag_stats,
+          &W.ag_acc, &W.ag_dq,  &W.arena.mem})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -408,15 +415,25 @@ struct CudaModel::Impl {
     a.A = x, a.lda = ldx, a.B = Wt, a.ldb = in, a.C = y, a.ldc = out, a.C_in = residual;
     return FromKernel(blas->Gemm(a, stream));
   }
+  // Where a GEMM's rows go: `ld` elements of `type` apart, overwritten or (add) added to.
+  struct Rows {
+    void* p;
+    int64_t ld;
+    KDType type = kAct;
+    bool add = false;
+  };
+  // dx[T, in] (+)= dy[T, out] W[out, in] (dy rows `out` apart).
+  absl::Status InputGrad(const void* dy, const void* Wt, Rows dx, int64_t T, int64_t in,
+                         int64_t out) {
+    kc::GemmArgs a;
+    a.M = T, a.N = in, a.K = out, a.beta = dx.add ? 1.0f : 0.0f;
+    a.A = dy, a.lda = out, a.B = Wt, a.ldb = in, a.C = dx.p, a.ldc = dx.ld, a.c_type = dx.type;
+    return FromKernel(blas->Gemm(a, stream));
+  }
   // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
   absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx,
                    float* dW, int64_t T, int64_t in, int64_t out, bool acc_dx) {
-    if (dx) {
-      kc::GemmArgs a;
-      a.M = T, a.N = in, a.K = out, a.beta = acc_dx ? 1.0f : 0.0f;
-      a.A = dy, a.lda = out, a.B = Wt, a.ldb = in, a.C = dx, a.ldc = in;
-      RETURN_IF_ERROR(FromKernel(blas->Gemm(a, stream)));
-    }
+    if (dx) RETURN_IF_ERROR(InputGrad(dy, Wt, {dx, in, kAct, acc_dx}, T, in, out));
     kc::GemmArgs b;
     b.trans_a = true;
     b.M = out, b.N = in, b.K = T, b.beta = 1.0f;
@@ -518,6 +535,21 @@ struct CudaModel::Impl {
   absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
+  // MLA's backward by groups of heads (cp = 1; see CudaMlaGradHeadsPerGroup): the heads in a
+  // group, n_heads for one group (always under CP).
+  int64_t MlaGradHeadsPerGroup() const;
+  // The attention backward of heads [h0, h0 + Hg) (cp = 1) into W.dQ, W.dK and dkvb's V columns at
+  // the group's width, from copies of the group's Q, K and kv_b output when Hg < n_heads.
+  absl::Status MlaGroupAttentionBackward(Cache& C, int64_t h0, int64_t Hg);
+  // The key gradients of n rows for heads [h0, h0 + Hg) (dK [n, Hg, qk], dV in dkvb's V columns,
+  // [n, Hg, nope + vd]) -> dW_kv_b's rows of those heads (accumulated; c_n: the normed latent rows,
+  // `ldc` apart) and the rows' latent gradients [d c_n | d k_r, unrotated] into `lat`.
+  absl::Status MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n, int64_t ldc, void* dK,
+                                       void* dkvb, int64_t n, int64_t h0, int64_t Hg, Rows lat);
+  // dQ of heads [h0, h0 + Hg) (W.dQ at the group's width) -> RoPE's inverse, dW of q_b's (or q's)
+  // rows of those heads (accumulated) and the input gradient into `dx` (q_a's normed output, or
+  // without a q LoRA the normed layer input).
+  absl::Status MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg, Rows dx);
   absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
 };
@@ -1328,26 +1360,33 @@ absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t 
   return absl::OkStatus();
 }
 
+absl::Status CudaModel::Impl::MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n,
+                                                      int64_t ldc, void* dK, void* dkvb, int64_t n,
+                                                      int64_t h0, int64_t Hg, Rows lat) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd, kv = m.kv_lora_rank;
+  const int64_t kvw = nope + m.v_head_dim, rows = h0 * kvw * kv;  // kv_b's rows of these heads
+  RETURN_IF_ERROR(Copy2D(dkvb, kvw, dK, qk, nope, n * Hg));
+  const bool f32 = lat.type == KDType::kFloat32;
+  void* lat_kr = static_cast<char*>(lat.p) + kv * (f32 ? 4 : kAb);
+  if (lat.add && !f32)
+    return absl::InternalError("cuda model: latent gradients add up in fp32 only");
+  KC(kc::SumHeads(At(dK, nope), n, Hg, rd, Hg * qk, qk, lat_kr, lat.ld, kAct, stream, lat.add));
+  RETURN_IF_ERROR(
+      Bwd(c_n, ldc, At(Wb(L.kv_b), rows), dkvb, nullptr, G(L.kv_b) + rows, n, kv, Hg * kvw, false));
+  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns.
+  return InputGrad(dkvb, At(Wb(L.kv_b), rows), lat, n, kv, Hg * kvw);
+}
+
 // The key gradients of stream rows [a, b) (W.ag_dK, and dV inside W.ag_dkvb's V columns) ->
 // dW_kv_b (accumulated) and the latent gradients, added (fp32) into the reduce-scatter blocks
 // (W.ag_send: block i holds rank i's tokens in its local order).
 absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a,
                                                   int64_t b) {
-  const MlaConfig& m = c.mla;
-  const int64_t T = B.T, ch = B.chunk, H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim;
-  const int64_t qk = nope + rd, kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim;
-  const int64_t n = b - a;
-  RETURN_IF_ERROR(Copy2D(W.ag_dkvb.get(), kvw, W.ag_dK.get(), qk, nope, n * H));
-  KC(kc::SumHeads(At(W.ag_dK.get(), nope), n, H, rd, H * qk, qk, At(W.ag_dlat.get(), kv), w, kAct,
-                  stream));
-  RETURN_IF_ERROR(Bwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_dkvb.get(), nullptr, G(L.kv_b),
-                      n, kv, H * kvw, false));
-  kc::GemmArgs g;  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns
-  g.M = n, g.N = kv, g.K = H * kvw, g.beta = 0.0f;
-  g.A = W.ag_dkvb.get(), g.lda = H * kvw;
-  g.B = Wb(L.kv_b), g.ldb = kv;
-  g.C = W.ag_dlat.get(), g.ldc = w;
-  KC(blas->Gemm(g, stream));
+  const int64_t T = B.T, ch = B.chunk, w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  RETURN_IF_ERROR(MlaKeyGradsToLatentRows(L, At(C.ag_lat.get(), a * w), w, W.ag_dK.get(),
+                                          W.ag_dkvb.get(), b - a, 0, c.n_heads,
+                                          {W.ag_dlat.get(), w}));
   // Into the owners' blocks, chunk by chunk (chunk j belongs to rank j or 2cp-1-j).
   float* send = static_cast<float*>(W.ag_send.get());
   for (int64_t j = a / ch; j * ch < b; ++j) {
@@ -1511,11 +1550,19 @@ KindFields CudaModel::Impl::WorkKindFields(char kind) {
     return {{&W.dy, T * d * kAb}, {&W.dgate, T * d * kAb}, {&W.dqkv, T * 3 * d * kAb}};
   const MlaConfig& m = c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
+  const int64_t kvw = m.qk_nope_dim + m.v_head_dim, w = kv + m.qk_rope_dim;
+  // In head groups: a group's gradients, the copies of its inputs and the fp32 sums.
+  const int64_t Hg = MlaGradHeadsPerGroup(), groups = Hg < H ? T : 0;
   return {{&W.dO, T * H * m.v_head_dim * kAb},
-          {&W.dQ, T * H * qk * kAb},
-          {&W.dK, T * H * qk * kAb},
-          {&W.dkvb, T * H * (m.qk_nope_dim + m.v_head_dim) * kAb},
-          {&W.dkva, T * (kv + m.qk_rope_dim) * kAb},
+          {&W.dQ, T * Hg * qk * kAb},
+          {&W.dK, T * Hg * qk * kAb},
+          {&W.dkvb, T * Hg * kvw * kAb},
+          {&W.gQ, groups * Hg * qk * kAb},
+          {&W.gK, groups * Hg * qk * kAb},
+          {&W.gkvb, groups * Hg * kvw * kAb},
+          {&W.sum_lat, groups * w * 4},
+          {&W.sum_q, groups * (qr > 0 ? qr : d) * 4},
+          {&W.dkva, T * w * kAb},
           {&W.dc_n, T * kv * kAb},
           {&W.dc, T * kv * kAb},
           {&W.dqa_n, T * qr * kAb},
@@ -1682,62 +1729,126 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
   return absl::OkStatus();
 }
 
+int64_t CudaModel::Impl::MlaGradHeadsPerGroup() const {
+  const int64_t H = c.n_heads;
+  if (B.cp > 1) return H;
+  if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T);
+  int64_t g = std::min(mla_grad_heads_per_group, H);
+  while (H % g != 0) --g;
+  return g;
+}
+
+absl::Status CudaModel::Impl::MlaGroupAttentionBackward(Cache& C, int64_t h0, int64_t Hg) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, nope = m.qk_nope_dim, vd = m.v_head_dim;
+  const int64_t qk = nope + m.qk_rope_dim, kvw = nope + vd;
+  kc::SdpaDims dims = MlaDims(c, T);
+  const void *q = C.Q.get(), *k = C.K.get(), *kvb = C.kvb.get();
+  if (Hg < H) {
+    RETURN_IF_ERROR(Copy2D(W.gQ.get(), Hg * qk, At(q, h0 * qk), H * qk, Hg * qk, T));
+    RETURN_IF_ERROR(Copy2D(W.gK.get(), Hg * qk, At(k, h0 * qk), H * qk, Hg * qk, T));
+    RETURN_IF_ERROR(Copy2D(W.gkvb.get(), Hg * kvw, At(kvb, h0 * kvw), H * kvw, Hg * kvw, T));
+    q = W.gQ.get(), k = W.gK.get(), kvb = W.gkvb.get();
+    dims.H = Hg;
+    dims.q = dims.k = {Hg * qk, qk};
+    dims.v = {Hg * kvw, kvw};
+  }
+  return AttentionBackward(q, k, At(kvb, nope), At(C.O.get(), h0 * vd), C.stats.f32() + h0 * T,
+                           At(W.dO.get(), h0 * vd), W.dQ.get(), W.dK.get(), At(W.dkvb.get(), nope),
+                           B.cu_host, 1.0f / std::sqrt(static_cast<float>(qk)), dims);
+}
+
+absl::Status CudaModel::Impl::MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg,
+                                            Rows dx) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, d = c.d_model, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
+  KC(kc::RopeApply(At(W.dQ.get(), nope), B.pos.i32(), T, Hg, rd, Hg * qk, qk,
+                   static_cast<float>(c.rope_theta), true, kAct, stream));
+  const bool lora = m.q_lora_rank > 0;
+  const int64_t in = lora ? m.q_lora_rank : d, rows = h0 * qk * in;  // the weight's rows
+  const int w = lora ? L.q_b : L.q;
+  RETURN_IF_ERROR(Bwd(lora ? C.qa_n.get() : C.h.get(), in, At(Wb(w), rows), W.dQ.get(), nullptr,
+                      G(w) + rows, T, in, Hg * qk, false));
+  return InputGrad(W.dQ.get(), At(Wb(w), rows), dx, T, in, Hg * qk);
+}
+
+// The attention's gradients, at cp = 1 in groups of heads (MlaGradHeadsPerGroup), each group's
+// taken back through kv_b and q_b (or q) at once; the latent's and q_a's gradients add up over the
+// groups in fp32 (W.sum_lat, W.sum_q) when there are several, else go to W.dkva and W.dqa_n (or
+// W.dh) directly. Then the shared tail: kv_norm, kv_a, q_a.
 absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const void* dout) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, d = c.d_model, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
-  const int64_t kv = m.kv_lora_rank;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + vd, qr = m.q_lora_rank;
+  const int64_t Hg = MlaGradHeadsPerGroup(), dqw = qr > 0 ? qr : d;
+  const bool grouped = Hg < H;
   const float theta = static_cast<float>(c.rope_theta);
   RETURN_IF_ERROR(Act(W.dO, T, H * vd));
-  RETURN_IF_ERROR(Act(W.dQ, T, H * qk));
-  RETURN_IF_ERROR(Act(W.dK, T, H * qk));
-  RETURN_IF_ERROR(Act(W.dkvb, T, H * (nope + vd)));
-  RETURN_IF_ERROR(Act(W.dkva, T, kv + rd));
+  RETURN_IF_ERROR(Act(W.dQ, T, Hg * qk));
+  RETURN_IF_ERROR(Act(W.dK, T, Hg * qk));
+  RETURN_IF_ERROR(Act(W.dkvb, T, Hg * kvw));
+  RETURN_IF_ERROR(Act(W.dkva, T, w));
   RETURN_IF_ERROR(Act(W.dc_n, T, kv));
   RETURN_IF_ERROR(Act(W.dc, T, kv));
+  if (qr > 0) {
+    RETURN_IF_ERROR(Act(W.dqa_n, T, qr));
+    RETURN_IF_ERROR(Act(W.dqa, T, qr));
+  }
+  // q's input gradient: the normed q_a output, or without a q LoRA the normed input (which kv_a's
+  // gradient then adds to).
+  Rows dq_in{qr > 0 ? W.dqa_n.get() : W.dh.get(), dqw};
   RETURN_IF_ERROR(Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d,
                       false));
   if (MlaAllGather()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
     // W.dQ; dW_kv_b accumulated over the gathered keys.
     RETURN_IF_ERROR(MlaAllGatherBackward(L, C));
-    RETURN_IF_ERROR(Copy2D(W.dc_n.get(), kv, W.dkva.get(), kv + rd, kv, T));
+    RETURN_IF_ERROR(MlaQueryGrads(L, C, 0, H, dq_in));
   } else {
-    if (B.cp > 1) {
-      RETURN_IF_ERROR(MlaCoreBackward(C));
-    } else {
-      RETURN_IF_ERROR(AttentionBackward(C.Q.get(), C.K.get(), At(C.kvb.get(), nope), C.O.get(),
-                                        C.stats.f32(), W.dO.get(), W.dQ.get(), W.dK.get(),
-                                        At(W.dkvb.get(), nope), B.cu_host,
-                                        1.0f / std::sqrt(static_cast<float>(qk)), MlaDims(c, T)));
+    Rows lat{W.dkva.get(), w};
+    if (grouped) {
+      for (DevBuf* b : {&W.gQ, &W.gK}) RETURN_IF_ERROR(Act(*b, T, Hg * qk));
+      RETURN_IF_ERROR(Act(W.gkvb, T, Hg * kvw));
+      RETURN_IF_ERROR(F32(W.sum_lat, T * w));
+      RETURN_IF_ERROR(F32(W.sum_q, T * dqw));
+      CUDA(cudaMemsetAsync(W.sum_lat.get(), 0, T * w * 4, stream));
+      CUDA(cudaMemsetAsync(W.sum_q.get(), 0, T * dqw * 4, stream));
+      lat = {W.sum_lat.get(), w, KDType::kFloat32, true};
+      dq_in = {W.sum_q.get(), dqw, KDType::kFloat32, true};
     }
-    // K -> kv_b's output (k_nope part) and the shared rotary key (summed over heads).
-    RETURN_IF_ERROR(Copy2D(W.dkvb.get(), nope + vd, W.dK.get(), qk, nope, T * H));
-    KC(kc::SumHeads(At(W.dK.get(), nope), T, H, rd, H * qk, qk, At(W.dkva.get(), kv), kv + rd, kAct,
-                    stream));
-    RETURN_IF_ERROR(Bwd(C.c_n.get(), kv, Wb(L.kv_b), W.dkvb.get(), W.dc_n.get(), G(L.kv_b), T, kv,
-                        H * (nope + vd), false));
+    if (B.cp > 1) RETURN_IF_ERROR(MlaCoreBackward(C));
+    for (int64_t h0 = 0; h0 < H; h0 += Hg) {
+      if (B.cp == 1) RETURN_IF_ERROR(MlaGroupAttentionBackward(C, h0, Hg));
+      RETURN_IF_ERROR(
+          MlaKeyGradsToLatentRows(L, C.c_n.get(), kv, W.dK.get(), W.dkvb.get(), T, h0, Hg, lat));
+      RETURN_IF_ERROR(MlaQueryGrads(L, C, h0, Hg, dq_in));
+    }
+    if (grouped) {
+      KC(kc::CastRows(W.dkva.get(), kAct, w, W.sum_lat.get(), KDType::kFloat32, w, T, w, stream));
+      if (qr > 0)
+        KC(kc::CastRows(W.dqa_n.get(), kAct, qr, W.sum_q.get(), KDType::kFloat32, qr, T, qr,
+                        stream));
+    }
   }
+  RETURN_IF_ERROR(Copy2D(W.dc_n.get(), kv, W.dkva.get(), w, kv, T));
   KC(kc::RmsNormBackward(C.c.get(), Wb(L.kv_norm), C.rstd_c.f32(), W.dc_n.get(), nullptr,
                          W.dc.get(), G(L.kv_norm), T, kv, kAct, Ws(), stream));
-  RETURN_IF_ERROR(Copy2D(W.dkva.get(), kv + rd, W.dc.get(), kv, kv, T));
-  KC(kc::RopeApply(At(W.dkva.get(), kv), B.pos.i32(), T, 1, rd, kv + rd, rd, theta, true, kAct,
-                   stream));
-  RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.kv_a), W.dkva.get(), W.dh.get(), G(L.kv_a), T, d,
-                      kv + rd, false));
-  KC(kc::RopeApply(At(W.dQ.get(), nope), B.pos.i32(), T, H, rd, H * qk, qk, theta, true, kAct,
-                   stream));
-  if (m.q_lora_rank > 0) {
-    const int64_t qr = m.q_lora_rank;
-    RETURN_IF_ERROR(Act(W.dqa_n, T, qr));
-    RETURN_IF_ERROR(Act(W.dqa, T, qr));
-    RETURN_IF_ERROR(Bwd(C.qa_n.get(), qr, Wb(L.q_b), W.dQ.get(), W.dqa_n.get(), G(L.q_b), T, qr,
-                        H * qk, false));
-    KC(kc::RmsNormBackward(C.qa.get(), Wb(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.get(), nullptr,
-                           W.dqa.get(), G(L.q_a_norm), T, qr, kAct, Ws(), stream));
-    return Bwd(C.h.get(), d, Wb(L.q_a), W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
+  RETURN_IF_ERROR(Copy2D(W.dkva.get(), w, W.dc.get(), kv, kv, T));
+  KC(kc::RopeApply(At(W.dkva.get(), kv), B.pos.i32(), T, 1, rd, w, rd, theta, true, kAct, stream));
+  // Without a q LoRA, q's gradient is in W.dh already (one group) or in W.sum_q.
+  const bool q_in_dh = qr == 0 && dq_in.type == kAct;
+  RETURN_IF_ERROR(
+      Bwd(C.h.get(), d, Wb(L.kv_a), W.dkva.get(), W.dh.get(), G(L.kv_a), T, d, w, q_in_dh));
+  if (qr == 0) {
+    if (!q_in_dh)
+      KC(kc::CastRows(W.dh.get(), kAct, d, W.sum_q.get(), KDType::kFloat32, d, T, d, stream,
+                      /*accumulate=*/true));
+    return absl::OkStatus();
   }
-  return Bwd(C.h.get(), d, Wb(L.q), W.dQ.get(), W.dh.get(), G(L.q), T, d, H * qk, true);
+  KC(kc::RmsNormBackward(C.qa.get(), Wb(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.get(), nullptr,
+                         W.dqa.get(), G(L.q_a_norm), T, qr, kAct, Ws(), stream));
+  return Bwd(C.h.get(), d, Wb(L.q_a), W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
 }
 
 // ---- One layer -----------------------------------------------------------------------------------
@@ -2063,6 +2174,14 @@ absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
     return absl::InvalidArgumentError(
         absl::StrCat("attention heads per call must be >= 0 (0: automatic), got ", heads));
   impl_->attention_heads_per_call = heads;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
+  if (heads < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("MLA gradient heads per group must be >= 0 (0: automatic), got ", heads));
+  impl_->mla_grad_heads_per_group = heads;
   return absl::OkStatus();
 }
 

@@ -152,6 +152,11 @@ class CudaModel {
   // largest divisor of a call's heads not above `heads` instead (tests); 0 restores the rule.
   // InvalidArgument for a negative count.
   absl::Status SetAttentionHeadsPerCall(int64_t heads);
+  // On one GPU MLA's whole backward runs by groups of heads where that holds less memory
+  // (CudaMlaGradHeadsPerGroup). heads > 0: groups of the largest divisor of n_heads not above
+  // `heads` instead (tests; n_heads or more: one group); 0 restores the rule. InvalidArgument for
+  // a negative count.
+  absl::Status SetMlaGradHeadsPerGroup(int64_t heads);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
