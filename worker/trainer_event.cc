@@ -80,6 +80,7 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
       {"mem_reserved_bytes", &event.mem_reserved_bytes},
       {"mem_peak_bytes", &event.mem_peak_bytes},
       {"host_rss_bytes", &event.host_rss_bytes},
+      {"host_pinned_bytes", &event.host_pinned_bytes},
   };
   for (const auto& [name, out] : numbers) {
     if (!(s = NumberField(obj, name, out)).ok()) return s;

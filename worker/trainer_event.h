@@ -17,6 +17,7 @@
 //   "mfu":              float in [0, 1], model FLOP utilisation
 //   "mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes": int, device memory
 //   "host_rss_bytes":   int (when absent the daemon reads the trainer's RSS from /proc)
+//   "host_pinned_bytes": int, pinned host memory the trainer holds (train.offload's layer inputs)
 //   "comm":             [{"collective": "all_gather", "layer_type": "lightning",
 //                         "seconds": float, "bytes": int}, ...]: communication done during THIS
 //                       step (increments, not running totals), one entry per (collective,
@@ -63,6 +64,7 @@ struct TrainerEvent {
   std::optional<double> mem_reserved_bytes;
   std::optional<double> mem_peak_bytes;
   std::optional<double> host_rss_bytes;
+  std::optional<double> host_pinned_bytes;
   std::vector<CommStat> comm;
   std::string path;
   std::string message;

@@ -53,6 +53,11 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
   ASSIGN_OR_RETURN(m->host_rss_, registry->GaugeFamily(
                                      "spindle_host_rss_bytes",
                                      "Resident host memory of the trainer process.", rank_labels));
+  ASSIGN_OR_RETURN(m->host_pinned_,
+                   registry->GaugeFamily("spindle_host_pinned_bytes",
+                                         "Pinned host memory of the trainer (the layer inputs it "
+                                         "offloads, train.offload).",
+                                         rank_labels));
   ASSIGN_OR_RETURN(m->comm_seconds_, registry->CounterFamily(
                                          "spindle_comm_seconds_total",
                                          "Time spent in collectives by collective and layer type.",
@@ -146,6 +151,7 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank, const T
     absl::StatusOr<int64_t> rss = ReadRssBytes(trainer_pid);
     if (rss.ok() && *rss > 0) SetGauge(host_rss_, labels, static_cast<double>(*rss));
   }
+  if (event.host_pinned_bytes) SetGauge(host_pinned_, labels, event.host_pinned_bytes);
   for (const CommStat& c : event.comm) {
     const MetricLabels comm_labels = {{"job_id", job},
                                       {"rank", absl::StrCat(rank)},

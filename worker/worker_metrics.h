@@ -9,6 +9,7 @@
 //   spindle_training_step                 gauge (last completed step)
 //   spindle_device_memory_bytes{kind}     gauge, kind = allocated | reserved | peak
 //   spindle_host_rss_bytes                gauge (the trainer process's resident memory)
+//   spindle_host_pinned_bytes             gauge (pinned host memory of the trainer: train.offload)
 //   spindle_comm_seconds_total{collective, layer_type}  counter
 //   spindle_comm_bytes_total{collective, layer_type}    counter
 //   spindle_restarts_total                counter (attempts after the first started here)
@@ -89,6 +90,7 @@ class WorkerMetrics {
   Family<Gauge>* step_ = nullptr;
   Family<Gauge>* device_memory_ = nullptr;
   Family<Gauge>* host_rss_ = nullptr;
+  Family<Gauge>* host_pinned_ = nullptr;
   Family<Counter>* comm_seconds_ = nullptr;
   Family<Counter>* comm_bytes_ = nullptr;
   Family<Counter>* restarts_ = nullptr;

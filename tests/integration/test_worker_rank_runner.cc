@@ -111,7 +111,8 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
       "\"comm\":[{\"collective\":\"all_gather\",\"layer_type\":\"lightning\",\"seconds\":0.5,"
       "\"bytes\":4096}]}'\n"
       "echo '{\"event\":\"step\",\"step\":2,\"total_steps\":2,\"loss\":4.25,\"tokens_per_s\":1200,"
-      "\"elapsed_s\":1.75,\"host_rss_bytes\":3000,\"comm\":[{\"collective\":\"all_gather\",\"layer_"
+      "\"elapsed_s\":1.75,\"host_rss_bytes\":3000,\"host_pinned_bytes\":4096,\"comm\":[{"
+      "\"collective\":\"all_gather\",\"layer_"
       "type\":\"lightning\","
       "\"seconds\":0.25,\"bytes\":4096}]}'\n"
       "echo '{\"event\":\"checkpoint\",\"step\":2,\"path\":\"/tmp/ckpt-dir/step-2\"}'\n"
@@ -178,6 +179,7 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_THAT(
       text,
       HasSubstr("spindle_device_memory_bytes{job_id=\"j-1\",rank=\"1\",kind=\"peak\"} 1500\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_host_pinned_bytes{job_id=\"j-1\",rank=\"1\"} 4096\n"));
   EXPECT_THAT(text, HasSubstr("spindle_comm_seconds_total{job_id=\"j-1\",rank=\"1\","
                               "collective=\"all_gather\",layer_type=\"lightning\"} 0.75\n"));
   EXPECT_THAT(text, HasSubstr("spindle_comm_bytes_total{job_id=\"j-1\",rank=\"1\","

@@ -93,7 +93,8 @@ class CudaStepBackend final : public StepBackend {
     const DeviceMemory mem = m_->memory();
     return {{"mem_allocated_bytes", mem.fixed + mem.allocated},
             {"mem_reserved_bytes", mem.fixed + mem.reserved},
-            {"mem_peak_bytes", mem.fixed + mem.peak_allocated}};
+            {"mem_peak_bytes", mem.fixed + mem.peak_allocated},
+            {"host_pinned_bytes", mem.offload_host}};
   }
   double PeakFlops() const override { return m_->peak_flops(); }
 
