@@ -70,6 +70,13 @@ absl::Status FromCuda(cudaError_t e, const char* expr) {
 #define KC(expr) RETURN_IF_ERROR(FromKernel((expr)))
 #define CUDA(expr) RETURN_IF_ERROR(FromCuda((expr), #expr))
 
+// The largest divisor of n (>= 1) not above `at_most` (>= 1).
+inline int64_t LargestDivisorAtMost(int64_t n, int64_t at_most) {
+  int64_t g = std::min(at_most, n);
+  while (n % g != 0) --g;
+  return g;
+}
+
 // Element pointer arithmetic on bf16 buffers.
 inline void* At(void* p, int64_t elems) { return static_cast<uint16_t*>(p) + elems; }
 inline const void* At(const void* p, int64_t elems) {
@@ -1733,9 +1740,7 @@ int64_t CudaModel::Impl::MlaGradHeadsPerGroup() const {
   const int64_t H = c.n_heads;
   if (B.cp > 1) return H;
   if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T);
-  int64_t g = std::min(mla_grad_heads_per_group, H);
-  while (H % g != 0) --g;
-  return g;
+  return LargestDivisorAtMost(H, mla_grad_heads_per_group);
 }
 
 absl::Status CudaModel::Impl::MlaGroupAttentionBackward(Cache& C, int64_t h0, int64_t Hg) {
@@ -2169,20 +2174,23 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
+namespace {
+// A head-count override of the tests: >= 0 (0: the model's rule).
+absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {
   if (heads < 0)
     return absl::InvalidArgumentError(
-        absl::StrCat("attention heads per call must be >= 0 (0: automatic), got ", heads));
-  impl_->attention_heads_per_call = heads;
+        absl::StrCat(what, " must be >= 0 (0: automatic), got ", heads));
+  *out = heads;
   return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
+  return SetHeadCount(heads, "attention heads per call", &impl_->attention_heads_per_call);
 }
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
-  if (heads < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("MLA gradient heads per group must be >= 0 (0: automatic), got ", heads));
-  impl_->mla_grad_heads_per_group = heads;
-  return absl::OkStatus();
+  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
 }
 
 absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, const void* v,
@@ -2191,11 +2199,8 @@ absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, co
                                                 const std::vector<int32_t>& cu_host, float scale,
                                                 kc::SdpaDims dims) {
   const int64_t H = dims.H, T = dims.T;
-  int64_t g = CudaAttentionHeadsPerCall(T, H, dims.Dqk);
-  if (attention_heads_per_call > 0) {
-    g = std::min(attention_heads_per_call, H);
-    while (H % g != 0) --g;
-  }
+  const int64_t g = attention_heads_per_call > 0 ? LargestDivisorAtMost(H, attention_heads_per_call)
+                                                 : CudaAttentionHeadsPerCall(T, H, dims.Dqk);
   dims.H = g;
   const int64_t n_seg = static_cast<int64_t>(cu_host.size()) - 1;
   for (int64_t h0 = 0; h0 < H; h0 += g) {
