@@ -69,7 +69,7 @@ echo
 for i in $(seq 0 $((n - 1))); do
   echo "== gpu-$i /metrics"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$((9401 + i))/metrics').read().decode())" |
-    grep -E '^spindle_(device_memory_bytes|tokens_per_second|training_step|loss|mfu|comm_seconds_total|worker_device_memory_bytes)' ||
+    grep -E '^spindle_(device_memory_bytes|host_pinned_bytes|tokens_per_second|training_step|loss|mfu|comm_seconds_total|worker_device_memory_bytes)' ||
     true
 done
 exit "$status"
