@@ -88,7 +88,9 @@ struct CpPlan {
 //     CUDA All2All     += each layer's head-split core inputs (and MLA's output) over the sequence
 //   workspace   min(T, 4096) * vocab * 4 (cross-entropy block, fp32) + 64 MiB
 //               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
-//                 "cpu") + the FFN gradients ([T, 3 f], or a block on "cuda")
+//                 "cpu"; Lightning's 5 d, MLA's CudaMlaGradBytesPerToken / B, at cp = 1 by
+//                 CudaMlaGradHeadsPerGroup's head groups) + the FFN gradients ([T, 3 f], or a
+//                 block on "cuda")
 //               + CP exchange blocks; Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
 //               fp32 dQ accumulator of one group of g heads over the sequence, seq_len * g * qk *
