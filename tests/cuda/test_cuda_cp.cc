@@ -12,7 +12,8 @@
 // step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
 // and many, alone and with Lightning's AllGather, its cross pieces over several key and query
 // blocks; Lightning's AllGather at head size 16 (the token
-// path) and both AllGather modes at cp = 3. Also: undecided modes and
+// path) and both AllGather modes at cp = 3; All2All's in-place reorderings between rank and
+// stream order in row slices at cp = 4, on poisoned activation memory. Also: undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
 //
@@ -96,11 +97,17 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
   return {s->loss_sum, s->n_valid, Grads(**m)};
 }
 
+// Overrides every rank's CudaModel takes (0: the engine's rule).
+struct CpRunOptions {
+  int64_t heads_per_call = 0;  // SetAttentionHeadsPerCall
+  int64_t permute_bytes = 0;   // SetCpPermuteBytes
+  bool poison = false;         // SetPoisonActivations: unwritten activation memory reads NaN
+};
+
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
-// heads_per_call: CudaModel::SetAttentionHeadsPerCall on every rank (0: the model's rule).
 absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batch& full, int cp,
                                  float scale, Recompute recompute, CpMode lightning, CpMode mla,
-                                 int64_t heads_per_call) {
+                                 const CpRunOptions& opt) {
   MemoryKvStore store;
   std::vector<StepResult> per(cp);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
@@ -109,7 +116,9 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
-    if (absl::Status s = (*m)->SetAttentionHeadsPerCall(heads_per_call); !s.ok()) return s;
+    if (absl::Status s = (*m)->SetAttentionHeadsPerCall(opt.heads_per_call); !s.ok()) return s;
+    if (absl::Status s = (*m)->SetCpPermuteBytes(opt.permute_bytes); !s.ok()) return s;
+    (*m)->SetPoisonActivations(opt.poison);
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
     auto s = (*m)->ForwardBackward(*b, scale, recompute);
@@ -154,16 +163,17 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
                             Recompute recompute, CpMode lightning, CpMode mla = CpMode::kAll2All,
-                            int64_t heads_per_call = 0) {
+                            const CpRunOptions& opt = {}) {
   SCOPED_TRACE(::testing::Message()
                << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
                << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
-               << heads_per_call);
+               << opt.heads_per_call << " permutation staging " << opt.permute_bytes << " poison "
+               << opt.poison);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
-  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning, mla, heads_per_call);
+  auto got = RunCp(c, seed, full, cp, scale, recompute, lightning, mla, opt);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->n_valid, want.n_valid);
   EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, kTolLoss)
@@ -176,10 +186,9 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
 
 void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp,
                             Recompute recompute, CpMode lightning = CpMode::kAll2All,
-                            CpMode mla = CpMode::kAll2All, int64_t heads_per_call = 0) {
+                            CpMode mla = CpMode::kAll2All, const CpRunOptions& opt = {}) {
   const uint32_t seed = FreshSeed();
-  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla,
-                         heads_per_call);
+  ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla, opt);
 }
 
 // MLA's attention backward one head a call (SetAttentionHeadsPerCall, what long sequences get):
@@ -187,9 +196,9 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp
 TEST(CudaCp, AttentionOneHeadACallMatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAll2All,
-                         CpMode::kAll2All, 1);
+                         CpMode::kAll2All, {.heads_per_call = 1});
   ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::All(), CpMode::kAll2All,
-                         CpMode::kAllGather, 1);
+                         CpMode::kAllGather, {.heads_per_call = 1});
 }
 
 TEST(CudaCp, Head64Cp2MatchesOneRank) {
@@ -350,6 +359,18 @@ TEST(CudaCp, TinyCp2RecomputeMatchesOneRank) {
 TEST(CudaCp, TinyCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None());  // one head per rank, chunks of 40
+}
+
+// All2All's in-place reorderings a few rows at a time: with 1000 bytes of staging the chunks of
+// 40 rows move in slices of 10 (Lightning's q | k | v, 96 bytes a row), 6 and a last 4 (MLA's Q |
+// K | V, 160 bytes) and 31 and 9 (Lightning's output, 32 bytes), along the permutation's cycles at
+// cp = 4; with poisoned activations a row no slice moved would read NaN.
+TEST(CudaCp, TinyCp4ReordersInRowSlices) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None(), CpMode::kAll2All, CpMode::kAll2All,
+                         {.permute_bytes = 1000, .poison = true});
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::All(), CpMode::kAll2All, CpMode::kAll2All,
+                         {.permute_bytes = 1000, .poison = true});
 }
 
 // A group of `size` whose collectives all fail: the refusals must come before any collective.

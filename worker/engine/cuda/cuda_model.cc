@@ -285,10 +285,12 @@ struct Work {
   // the fp32 sums over the groups of the latent's gradients [d c_n | d k_r] and of q_a's output
   // gradient (without a q LoRA: of the normed input's).
   DevBuf gQ, gK, gkvb, sum_lat, sum_q;
-  // CP (All2All) scratch, sized by Upload: the all-to-all's device send and receive blocks, a
-  // whole-sequence [T_full, H/cp * width] output or output gradient, and the core's input
-  // gradients in cp_full's layout.
-  DevBuf cp_send, cp_recv, cp_tmp, cp_dfull;
+  // CP (All2All) scratch, sized by Upload: cp_block, the local tokens' side of an exchange (the
+  // packed send blocks, or the received rows of the local tokens) and, while it is free, the
+  // core's input gradients over the whole sequence; cp_tmp, a whole-sequence [T_full, H/cp *
+  // width] output or output gradient; cp_perm, PermuteChunks' staging (cp_perm_bytes).
+  DevBuf cp_block, cp_tmp, cp_perm;
+  int64_t cp_perm_bytes = 0;
   // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
   // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
   DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
@@ -355,6 +357,7 @@ struct CudaModel::Impl {
   bool offload_inputs = false;                 // see SetOffloadInputs
   int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
   int64_t mla_grad_heads_per_group = 0;        // see SetMlaGradHeadsPerGroup
+  int64_t cp_permute_bytes = 0;                // see SetCpPermuteBytes
   Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
@@ -382,12 +385,12 @@ struct CudaModel::Impl {
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b :
-         {&W.dh,     &W.da,     &W.dg,       &W.du,      &W.dy,      &W.dgate,   &W.dqkv,
-          &W.dO,     &W.dQ,     &W.dK,       &W.dkvb,    &W.dc_n,    &W.dc,      &W.dkva,
-          &W.dqa_n,  &W.dqa,    &W.ws,       &W.cp_send, &W.cp_recv, &W.cp_tmp,  &W.cp_dfull,
-          &W.gQ,     &W.gK,     &W.gkvb,     &W.sum_lat, &W.sum_q,   &W.ag_send, &W.ag_recv,
-          &W.ag_K,   &W.ag_kvb, &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat, &W.ag_o,    &W.ag_stats,
-          &W.ag_acc, &W.ag_dq,  &W.arena.mem})
+         {&W.dh,     &W.da,       &W.dg,      &W.du,       &W.dy,      &W.dgate,    &W.dqkv,
+          &W.dO,     &W.dQ,       &W.dK,      &W.dkvb,     &W.dc_n,    &W.dc,       &W.dkva,
+          &W.dqa_n,  &W.dqa,      &W.ws,      &W.cp_block, &W.cp_tmp,  &W.cp_perm,  &W.gQ,
+          &W.gK,     &W.gkvb,     &W.sum_lat, &W.sum_q,    &W.ag_send, &W.ag_recv,  &W.ag_K,
+          &W.ag_kvb, &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat,  &W.ag_o,    &W.ag_stats, &W.ag_acc,
+          &W.ag_dq,  &W.arena.mem})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -511,19 +514,19 @@ struct CudaModel::Impl {
   // ---- Context parallelism (All2All) ----------------------------------------------------------
   absl::Status CheckCpContext() const;
   absl::Status CheckCpBatch(const CpBatch& b) const;
-  // Local tokens -> W.cp_send: block j = [T][the views' heads of rank j, view after view].
+  // Local tokens -> W.cp_block: block j = [T][the views' heads of rank j, view after view].
   absl::Status PackByHeads(const std::vector<HeadView>& views);
-  // W.cp_recv (block j = [T][the views' heads of rank j]) -> the local views.
-  absl::Status UnpackToTokens(const std::vector<HeadView>& views);
-  // W.cp_recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream
-  // order; and the inverse, full -> W.cp_send.
-  absl::Status RecvToStream(void* full, int64_t width) {
-    return RecvRowsToStream(W.cp_recv.get(), full, width);
-  }
+  // recv (block j = [T][the views' heads of rank j]) -> the local views.
+  absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views);
+  // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order.
   absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
+  // full [T_full, width] -> W.cp_block in rank order (block i = rank i's tokens).
   absl::Status StreamToSend(const void* full, int64_t width);
-  // All-to-all W.cp_send -> W.cp_recv of `block_elems` activations per rank.
-  absl::Status Exchange(int64_t block_elems, CommLayer layer);
+  // The same two reorderings in place: `full` from rank order to stream order (to_stream) or
+  // back, so that an exchange receives into, or sends from, the whole-sequence buffer itself.
+  absl::Status PermuteChunks(void* full, int64_t width, bool to_stream);
+  // All-to-all of `block_elems` activations per rank from send to recv (distinct buffers).
+  absl::Status Exchange(const void* send, void* recv, int64_t block_elems, CommLayer layer);
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
   // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
@@ -870,9 +873,12 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
         std::max(has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0});
     const int64_t out_elems =
         std::max(has_l ? T * d : int64_t{0}, has_m_a2a ? T * H * vd : int64_t{0});
-    for (DevBuf* x : {&W.cp_send, &W.cp_recv, &W.cp_dfull})
-      RETURN_IF_ERROR(x->Ensure(&alloc, in_elems * kAb));
+    RETURN_IF_ERROR(W.cp_block.Ensure(&alloc, in_elems * kAb));
     RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
+    // One zigzag chunk of the widest whole-sequence buffer, or a slice of it.
+    W.cp_perm_bytes = std::min(in_elems / (2 * B.cp) * kAb,
+                               cp_permute_bytes > 0 ? cp_permute_bytes : kCudaCpPermuteBytes);
+    RETURN_IF_ERROR(W.cp_perm.Ensure(&alloc, W.cp_perm_bytes));
     // Lightning AllGather: the pieces' documents, the chunks' flags, the state blocks.
     const CpLayout& L = *layout;
     const int64_t n_chunks = 2 * B.cp, SZ = H * Dh * Dh;
@@ -1000,7 +1006,7 @@ absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
   for (const HeadView& v : views) row += Hl * v.width;
   int64_t off = 0;
   for (const HeadView& v : views) {
-    void* dst = At(W.cp_send.get(), off);
+    void* dst = At(W.cp_block.get(), off);
     if (v.head_stride == v.width) {
       // Every rank's heads are one run of the token's row: one copy for all ranks, with the rank
       // as the "head" index (the source's head stride is Hl heads, the block's T rows).
@@ -1016,13 +1022,13 @@ absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::UnpackToTokens(const std::vector<HeadView>& views) {
+absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector<HeadView>& views) {
   const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
   int64_t row = 0;
   for (const HeadView& v : views) row += Hl * v.width;
   int64_t off = 0;
   for (const HeadView& v : views) {
-    const void* src = At(W.cp_recv.get(), off);
+    const void* src = At(recv, off);
     if (v.head_stride == v.width) {
       KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, cp_n,
                       Hl * v.width, kAct, stream));
@@ -1053,32 +1059,76 @@ absl::Status CudaModel::Impl::StreamToSend(const void* full, int64_t width) {
   for (int64_t i = 0; i < B.cp; ++i)
     for (int64_t s = 0; s < 2; ++s) {
       const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
-      CUDA(cudaMemcpyAsync(At(W.cp_send.get(), (i * T + s * ch) * width),
+      CUDA(cudaMemcpyAsync(At(W.cp_block.get(), (i * T + s * ch) * width),
                            At(full, chunk_index * ch * width), ch * width * kAb,
                            cudaMemcpyDeviceToDevice, stream));
     }
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::Exchange(int64_t block_elems, CommLayer layer) {
+// Rank order holds rank i's slots 0 and 1 at chunk positions 2i and 2i + 1; stream order holds
+// chunk c at position c. Each cycle of that permutation is walked once per row slice: the first
+// position's slice goes to the staging buffer, every position then takes the slice that belongs
+// there, and the last one takes the staged slice.
+absl::Status CudaModel::Impl::PermuteChunks(void* full, int64_t width, bool to_stream) {
+  const int64_t n = 2 * B.cp, ch = B.chunk, row_bytes = width * kAb;
+  std::vector<int64_t> from(n);  // from[p]: the position whose rows move to position p
+  for (int64_t i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      const int64_t rank_pos = 2 * i + s, chunk_index = s == 0 ? i : n - 1 - i;
+      if (to_stream) {
+        from[chunk_index] = rank_pos;
+      } else {
+        from[rank_pos] = chunk_index;
+      }
+    }
+  if (W.cp_perm_bytes < row_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a ", row_bytes,
+                                            "-byte row exceeds the CP permutation's ",
+                                            W.cp_perm_bytes, "-byte staging"));
+  const int64_t slice = std::min(W.cp_perm_bytes / row_bytes, ch);
+  std::vector<char> moved(n);
+  for (int64_t r0 = 0; r0 < ch; r0 += slice) {
+    const int64_t bytes = std::min(slice, ch - r0) * row_bytes;
+    auto at = [&](int64_t p) { return At(full, (p * ch + r0) * width); };
+    auto move = [&](void* dst, const void* src) {
+      return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+    };
+    std::fill(moved.begin(), moved.end(), 0);
+    for (int64_t p0 = 0; p0 < n; ++p0) {
+      if (moved[p0] || from[p0] == p0) continue;
+      CUDA(move(W.cp_perm.get(), at(p0)));
+      int64_t p = p0;
+      for (; from[p] != p0; p = from[p]) {
+        CUDA(move(at(p), at(from[p])));
+        moved[p] = 1;
+      }
+      CUDA(move(at(p), W.cp_perm.get()));
+      moved[p] = 1;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Exchange(const void* send, void* recv, int64_t block_elems,
+                                       CommLayer layer) {
   const int64_t block_bytes = block_elems * kAb, bytes = block_bytes * B.cp;
   if (cp_device_buffers) {
     // NCCL runs on its own stream: the send blocks must be complete before it starts; its Wait()
     // returns once the receive blocks are in place.
     CUDA(cudaStreamSynchronize(stream));
-    return cp.comm->AllToAll(W.cp_send.get(), block_bytes, CommType::kByte, W.cp_recv.get(),
-                             layer);
+    return cp.comm->AllToAll(send, block_bytes, CommType::kByte, recv, layer);
   }
   if (bytes > cp_host_bytes)
     return absl::InternalError(absl::StrCat("cuda model: a CP exchange of ", bytes,
                                             " bytes exceeds its ", cp_host_bytes,
                                             "-byte host staging"));
-  CUDA(cudaMemcpyAsync(cp_host_send, W.cp_send.get(), bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
   CUDA(cudaStreamSynchronize(stream));
   RETURN_IF_ERROR(
       cp.comm->AllToAll(cp_host_send, block_bytes, CommType::kByte, cp_host_recv, layer));
   // Pinned, so asynchronous: the next exchange writes cp_host_recv only after a stream sync.
-  CUDA(cudaMemcpyAsync(W.cp_recv.get(), cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
 }
 
@@ -1091,38 +1141,39 @@ absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) 
   void* q = C.qkv_n.get();
   RETURN_IF_ERROR(PackByHeads(
       {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
-  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kLightning));
-  RETURN_IF_ERROR(RecvToStream(C.cp_full.get(), w));
+  RETURN_IF_ERROR(Exchange(W.cp_block.get(), C.cp_full.get(), T * w, CommLayer::kLightning));
+  RETURN_IF_ERROR(PermuteChunks(C.cp_full.get(), w, /*to_stream=*/true));
   const void* f = C.cp_full.get();
   KC(kc::LightningForward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                           1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                           W.cp_tmp.get(), nullptr, kAct, Ws(), stream));
-  RETURN_IF_ERROR(StreamToSend(W.cp_tmp.get(), hw));
-  RETURN_IF_ERROR(Exchange(T * hw, CommLayer::kLightning));
-  return UnpackToTokens({{C.o.get(), d, Dh, Dh}});
+  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), hw, /*to_stream=*/false));
+  RETURN_IF_ERROR(Exchange(W.cp_tmp.get(), W.cp_block.get(), T * hw, CommLayer::kLightning));
+  return UnpackToTokens(W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
 }
 
-// d o of this rank's tokens (W.dy) -> the whole sequence for H/cp heads -> the core's backward ->
-// dq, dk, dv of this rank's tokens into W.dqkv.
+// d o of this rank's tokens (W.dy) -> the whole sequence for H/cp heads -> the core's backward
+// (its gradients into W.cp_block, free once d o is received) -> dq, dk, dv of this rank's tokens
+// (received into C.cp_full, whose last reader the core's backward was) into W.dqkv.
 absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
   RETURN_IF_ERROR(PackByHeads({{W.dy.get(), d, Dh, Dh}}));
-  RETURN_IF_ERROR(Exchange(T * hw, CommLayer::kLightning));
-  RETURN_IF_ERROR(RecvToStream(W.cp_tmp.get(), hw));
-  const void* f = C.cp_full.get();
-  void* df = W.cp_dfull.get();
+  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * hw, CommLayer::kLightning));
+  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), hw, /*to_stream=*/true));
+  void* f = C.cp_full.get();
+  void* df = W.cp_block.get();
   KC(kc::LightningBackward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
                            static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                            1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                            W.cp_tmp.get(), nullptr, df, At(df, hw), At(df, 2 * hw), nullptr,
                            kAct, Ws(), stream));
-  RETURN_IF_ERROR(StreamToSend(df, w));
-  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kLightning));
+  RETURN_IF_ERROR(PermuteChunks(df, w, /*to_stream=*/false));
+  RETURN_IF_ERROR(Exchange(df, f, T * w, CommLayer::kLightning));
   void* dq = W.dqkv.get();
   return UnpackToTokens(
-      {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
+      f, {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
 }
 
 // ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
@@ -1275,39 +1326,41 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
   RETURN_IF_ERROR(PackByHeads({{C.Q.get(), H * qk, qk, qk},
                                {C.K.get(), H * qk, qk, qk},
                                {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
-  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
-  RETURN_IF_ERROR(RecvToStream(C.cp_full.get(), w));
+  RETURN_IF_ERROR(Exchange(W.cp_block.get(), C.cp_full.get(), T * w, CommLayer::kMla));
+  RETURN_IF_ERROR(PermuteChunks(C.cp_full.get(), w, /*to_stream=*/true));
   if (attention_kept) return absl::OkStatus();
   const void* f = C.cp_full.get();
   KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                    B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
                    1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct, stream));
+  // The output stays in stream order for the backward: it is copied out in rank order.
   RETURN_IF_ERROR(StreamToSend(C.cp_out.get(), ow));
-  RETURN_IF_ERROR(Exchange(T * ow, CommLayer::kMla));
-  return UnpackToTokens({{C.O.get(), H * vd, vd, vd}});
+  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * ow, CommLayer::kMla));
+  return UnpackToTokens(W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
 }
 
-// dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward ->
-// dQ, dK into W.dQ, W.dK and dV into W.dkvb's V columns (as the single-rank Sdpa backward).
+// dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward (its
+// gradients into W.cp_block, as in LightningCoreBackward) -> dQ, dK into W.dQ, W.dK and dV into
+// W.dkvb's V columns (as the single-rank Sdpa backward), received into C.cp_full.
 absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
   const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
   RETURN_IF_ERROR(PackByHeads({{W.dO.get(), H * vd, vd, vd}}));
-  RETURN_IF_ERROR(Exchange(T * ow, CommLayer::kMla));
-  RETURN_IF_ERROR(RecvToStream(W.cp_tmp.get(), ow));
-  const void* f = C.cp_full.get();
-  void* df = W.cp_dfull.get();
+  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * ow, CommLayer::kMla));
+  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), ow, /*to_stream=*/true));
+  void* f = C.cp_full.get();
+  void* df = W.cp_block.get();
   RETURN_IF_ERROR(
       AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                         W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
                         1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
-  RETURN_IF_ERROR(StreamToSend(df, w));
-  RETURN_IF_ERROR(Exchange(T * w, CommLayer::kMla));
-  return UnpackToTokens({{W.dQ.get(), H * qk, qk, qk},
-                         {W.dK.get(), H * qk, qk, qk},
-                         {At(W.dkvb.get(), nope), H * (nope + vd), nope + vd, vd}});
+  RETURN_IF_ERROR(PermuteChunks(df, w, /*to_stream=*/false));
+  RETURN_IF_ERROR(Exchange(df, f, T * w, CommLayer::kMla));
+  return UnpackToTokens(f, {{W.dQ.get(), H * qk, qk, qk},
+                            {W.dK.get(), H * qk, qk, qk},
+                            {At(W.dkvb.get(), nope), H * (nope + vd), nope + vd, vd}});
 }
 
 // ---- Context parallelism: MLA AllGather (DESIGN.md section 3) -----------------------------------
@@ -2175,22 +2228,25 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
 }
 
 namespace {
-// A head-count override of the tests: >= 0 (0: the model's rule).
-absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {
-  if (heads < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " must be >= 0 (0: automatic), got ", heads));
-  *out = heads;
+// A count override of the tests: >= 0 (0: the engine's rule).
+absl::Status SetOverride(int64_t n, const char* what, int64_t* out) {
+  if (n < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be >= 0 (0: automatic), got ", n));
+  *out = n;
   return absl::OkStatus();
 }
 }  // namespace
 
 absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
-  return SetHeadCount(heads, "attention heads per call", &impl_->attention_heads_per_call);
+  return SetOverride(heads, "attention heads per call", &impl_->attention_heads_per_call);
 }
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
-  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
+  return SetOverride(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
+}
+
+absl::Status CudaModel::SetCpPermuteBytes(int64_t bytes) {
+  return SetOverride(bytes, "CP permutation staging bytes", &impl_->cp_permute_bytes);
 }
 
 absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, const void* v,
