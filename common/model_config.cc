@@ -125,7 +125,7 @@ int64_t CudaAttentionHeadsPerCall(int64_t T, int64_t heads, int64_t qk) {
   return 1;
 }
 
-int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads) {
+int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads, bool group_copies) {
   const MlaConfig& m = c.mla;
   const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim,
                 kvw = m.qk_nope_dim + m.v_head_dim;
@@ -134,14 +134,18 @@ int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads) {
   const int64_t common = H * m.v_head_dim + (kv + rd) + 2 * kv + 2 * qr;
   // dQ, dK and kv_b's output gradient over every head.
   if (group_heads >= H) return 2 * (common + H * (2 * qk + kvw));
-  // A group's copies of Q, K and kv_b's output and their gradients; the fp32 sums of the latent's
+  // A group's gradients (and copies of its Q, K and kv_b's output); the fp32 sums of the latent's
   // gradients and of q_a's output gradient (without a q LoRA: the normed input's).
-  return 2 * (common + 2 * group_heads * (2 * qk + kvw)) +
+  return 2 * (common + (group_copies ? 2 : 1) * group_heads * (2 * qk + kvw)) +
          4 * (kv + rd + (qr > 0 ? qr : c.d_model));
 }
 
-int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T) {
+int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T, int64_t all2all_cp) {
   const int64_t H = c.n_heads;
+  if (all2all_cp > 1) {
+    const int64_t g = H / all2all_cp;
+    return CudaMlaGradBytesPerToken(c, g, false) < CudaMlaGradBytesPerToken(c, H) ? g : H;
+  }
   const int64_t g = CudaAttentionHeadsPerCall(T, H, c.mla.qk_nope_dim + c.mla.qk_rope_dim);
   return g < H && CudaMlaGradBytesPerToken(c, g) < CudaMlaGradBytesPerToken(c, H) ? g : H;
 }

@@ -86,8 +86,14 @@ int64_t CudaAttentionHeadsPerCall(int64_t T, int64_t heads, int64_t qk);
 // the 1b model: one group up to 128K tokens (30.8 KB a token), groups of 4 heads at 256K (26.0 KB),
 // of 2 from 384K (20.9 KB), of one from about 700K on (18.3 KB). At 256K, groups of 4, 2 and 1
 // head take the same step time as one group (bench/cuda/NOTES.md). The planner counts the same.
-int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads);
-int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T);
+// Under CP in MLA's All2All mode (all2all_cp > 1) the attention backward runs in the exchange's
+// core and each rank's heads come back as one block of the received gradients, which the groups
+// then are: n_heads / cp heads, read from the block without copies of the inputs
+// (group_copies false), used where that holds less than one group (1b: 26.0 KB a token at cp =
+// 2, 18.4 at cp = 8).
+int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads,
+                                 bool group_copies = true);
+int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T, int64_t all2all_cp = 1);
 
 // CP All2All on CUDA: the exchange moves whole-sequence buffers between the all-to-all's rank
 // order and stream order in place, a row slice of one zigzag chunk at a time through a staging

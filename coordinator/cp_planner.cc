@@ -250,12 +250,17 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.activations_bytes = T * B * per_token + ffn_block_bytes;
   // Logit blocks, plus the backward's gradient scratch shared by all layers: the FFN's three
   // [T, F] (or block) and the normed input's [T, d], and each kind's own (Lightning: five [T, d];
-  // MLA: the attention's and the projections' gradients, on one GPU by groups of heads where
-  // that holds less, CudaMlaGradBytesPerToken), both kinds' on the CPU, the larger on CUDA (one
-  // kind at a time).
+  // MLA: the attention's and the projections' gradients, on one GPU or under MLA All2All by groups
+  // of heads where that holds less, CudaMlaGradBytesPerToken), both kinds' on the CPU, the larger
+  // on CUDA (one kind at a time).
   const int64_t work_l = nl > 0 ? B * 5 * d : 0;
-  const int64_t work_m =
-      nm > 0 ? CudaMlaGradBytesPerToken(m, cp == 1 ? CudaMlaGradHeadsPerGroup(m, T) : H) : 0;
+  int64_t work_m = 0;
+  if (nm > 0 && cp == 1) {
+    work_m = CudaMlaGradBytesPerToken(m, CudaMlaGradHeadsPerGroup(m, T));
+  } else if (nm > 0) {
+    work_m = m_all2all ? CudaMlaGradBytesPerToken(m, CudaMlaGradHeadsPerGroup(m, T, cp), false)
+                       : CudaMlaGradBytesPerToken(m, H);
+  }
   const int64_t work_kinds = cuda ? std::max(work_l, work_m) : B * 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;

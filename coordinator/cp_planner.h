@@ -88,9 +88,9 @@ struct CpPlan {
 //     CUDA All2All     += each layer's head-split core inputs (and MLA's output) over the sequence
 //   workspace   min(T, 4096) * vocab * 4 (cross-entropy block, fp32) + 64 MiB
 //               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
-//                 "cpu"; Lightning's 5 d, MLA's CudaMlaGradBytesPerToken / B, at cp = 1 by
-//                 CudaMlaGradHeadsPerGroup's head groups) + the FFN gradients ([T, 3 f], or a
-//                 block on "cuda")
+//                 "cpu"; Lightning's 5 d, MLA's CudaMlaGradBytesPerToken / B, at cp = 1 and
+//                 under MLA All2All by CudaMlaGradHeadsPerGroup's head groups) + the FFN
+//                 gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks (CUDA All2All: T * B * (widest core input + output
 //                 width) + min(one zigzag chunk of the widest input, kCudaCpPermuteBytes));
 //                 Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4

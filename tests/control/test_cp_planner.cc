@@ -169,10 +169,10 @@ TEST(CpPlannerTest, MemoryProblemSaysWhatWouldFit) {
   s.train.recompute_layers = r - 1;
   EXPECT_FALSE(CpPlanner().Plan(s, 80 * gib).ok());
 
-  // 1152K tokens with every layer recomputing on one 141 GiB device, which offloading the layer
+  // 1176K tokens with every layer recomputing on one 141 GiB device, which offloading the layer
   // inputs does not fit either: a larger cp, with both layer types in AllGather mode where that
   // holds less than the default modes.
-  s.seq_len = 9 << 17;
+  s.seq_len = 147 << 13;
   s.train.recompute_layers = 16;
   auto hinted_cp = [&](const std::string& problem, bool* allgather) -> int64_t {
     const std::string cp_lead = "; parallel.cp = ";
@@ -195,7 +195,7 @@ TEST(CpPlannerTest, MemoryProblemSaysWhatWouldFit) {
   q = memory_problem(CpPlanner().Plan(s, 141 * gib));
   const int64_t cp = hinted_cp(q, &allgather);
   ASSERT_GT(cp, 1) << q;
-  EXPECT_TRUE(allgather) << q;  // 1152K on two GPUs: only AllGather fits
+  EXPECT_TRUE(allgather) << q;  // 1176K on two GPUs: only AllGather fits
   EXPECT_TRUE(fits(s, cp, allgather ? CpMode::kAllGather : CpMode::kAuto));
   EXPECT_FALSE(fits(s, cp, CpMode::kAuto));
   for (int64_t smaller = 2; smaller < cp; ++smaller) {
@@ -293,7 +293,8 @@ TEST(CpPlannerTest, AttentionHeadGroupsBoundTheDqAccumulator) {
 
 // On one GPU MLA's backward takes its projections' gradients in the attention's head groups where
 // that holds less than one group (the copies of a group's inputs and the fp32 sums cost more than
-// the group's share of the gradients saves until the groups are small).
+// the group's share of the gradients saves until the groups are small); under MLA All2All in the
+// ranks' blocks of heads, where that holds less.
 TEST(CpPlannerTest, MlaGradientHeadGroupsHoldLess) {
   const ModelConfig c = *ModelPreset("1b");
   EXPECT_EQ(CudaMlaGradBytesPerToken(c, 16), 30848);  // dO, dQ, dK, dkvb and the latent's
@@ -306,6 +307,14 @@ TEST(CpPlannerTest, MlaGradientHeadGroupsHoldLess) {
   EXPECT_EQ(CudaMlaGradHeadsPerGroup(c, 524288), 2);
   EXPECT_EQ(CudaMlaGradBytesPerToken(c, 2), 20864);
   EXPECT_EQ(CudaMlaGradHeadsPerGroup(c, 1048576), 1);
+  // Under MLA All2All the groups are the ranks' blocks of heads, read without copies.
+  EXPECT_EQ(CudaMlaGradBytesPerToken(c, 8, false), 25984);
+  EXPECT_EQ(CudaMlaGradBytesPerToken(c, 2, false), 18304);
+  EXPECT_EQ(CudaMlaGradHeadsPerGroup(c, 131072, 2), 8);
+  EXPECT_EQ(CudaMlaGradHeadsPerGroup(c, 131072, 8), 2);
+  ModelConfig wide = c;  // a wide latent: the fp32 sums outweigh the rank blocks' saving
+  wide.mla.kv_lora_rank = 4096;
+  EXPECT_EQ(CudaMlaGradHeadsPerGroup(wide, 131072, 2), 16);
   // The estimate follows: at 1M tokens on one GPU the MLA scratch is no longer the larger kind's,
   // so the workspace holds Lightning's five [T, d] gradients.
   JobSpec s;
@@ -403,10 +412,9 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 // from an empty allocator).
 // - Its allocator part (without runtime_bytes), within 5% (it is within 2.3%), against weights +
 //   gradients + AdamW state + bf16 copy (16.78 GiB) plus the caching allocator's peak. With
-//   recompute the MLA layers keep their attention outputs. The cp = 2 points are per rank; those
-//   with an All2All layer kind ran with both ranks on one GPU over Gloo (whose device buffers are
-//   the NCCL path's: at 256K All2All the two gave the same 33.44 / 33.45 GiB before the exchange
-//   change below), the two with AllGather for both kinds over NCCL on two GPUs.
+//   recompute the MLA layers keep their attention outputs. The cp = 2 points are per rank; both
+//   ranks on one GPU over Gloo use the NCCL path's device buffers (at 256K All2All the two gave
+//   45.20 and 45.19 GiB).
 // - The whole estimate, within 3%, against the device memory in use (cudaMemGetInfo) at the
 //   one-GPU points: beyond the allocator the device holds 0.6 GiB plus cuDNN's fp32 dQ
 //   accumulator of one group of heads (CudaAttentionHeadsPerCall: 16 x 192 x 4 bytes a token at
@@ -417,9 +425,10 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 //   tokens with the layer inputs offloaded (train.offload). The one-GPU points from 256K on were
 //   measured again with MLA's whole backward in head groups (CudaMlaGradHeadsPerGroup,
 //   2026-12-01 00:01-00:26), as was 1M offloaded. The cp = 2 points with an All2All layer kind
-//   were measured again once the exchange received into the whole-sequence buffers themselves
-//   (2026-12-01 01:37, both ranks on one GPU over Gloo: bench/cuda/cp_memory_one_gpu.sh), so
-//   their device use is not known; 384K replaces 512K, which both ranks cannot hold on one GPU.
+//   were measured again once the exchange received into the whole-sequence buffers themselves and
+//   MLA's backward took the ranks' blocks of heads as groups (2026-12-01 02:00-02:16: 256K and
+//   512K over NCCL on two GPUs, 384K and 256K AllGather / All2All with both ranks on one GPU over
+//   Gloo, bench/cuda/cp_memory_one_gpu.sh, whose device use is not known).
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -443,10 +452,11 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
                           Point{262144, 1, 16, A2A, A2A, fixed + 44.19, 62.29},
                           Point{524288, 1, 16, A2A, A2A, fixed + 83.29, 101.40},
                           Point{655360, 1, 16, A2A, A2A, fixed + 103.49, 121.78},
-                          Point{262144, 2, 16, A2A, A2A, fixed + 29.01, 0},
-                          Point{262144, 2, 16, AG, A2A, fixed + 28.26, 0},
+                          Point{262144, 2, 16, A2A, A2A, fixed + 28.41, 47.79},
+                          Point{262144, 2, 16, AG, A2A, fixed + 27.66, 0},
                           Point{262144, 2, 16, AG, AG, fixed + 27.99, 47.81},
-                          Point{393216, 2, 16, A2A, A2A, fixed + 42.20, 0},
+                          Point{393216, 2, 16, A2A, A2A, fixed + 41.31, 0},
+                          Point{524288, 2, 16, A2A, A2A, fixed + 54.20, 73.58},
                           Point{1048576, 2, 16, AG, AG, fixed + 103.28, 123.10},
                           Point{917504, 1, 16, A2A, A2A, fixed + 98.02, 116.12, true},
                           Point{1048576, 1, 16, A2A, A2A, fixed + 111.65, 129.86, true}}) {

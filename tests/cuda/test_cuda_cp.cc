@@ -13,7 +13,8 @@
 // and many, alone and with Lightning's AllGather, its cross pieces over several key and query
 // blocks; Lightning's AllGather at head size 16 (the token
 // path) and both AllGather modes at cp = 3; All2All's in-place reorderings between rank and
-// stream order in row slices at cp = 4, on poisoned activation memory. Also: undecided modes and
+// stream order in row slices at cp = 4, on poisoned activation memory; MLA's gradients taken
+// back by the ranks' blocks of heads and all at once. Also: undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
 //
@@ -101,6 +102,7 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
 struct CpRunOptions {
   int64_t heads_per_call = 0;  // SetAttentionHeadsPerCall
   int64_t permute_bytes = 0;   // SetCpPermuteBytes
+  int64_t mla_grad_heads = 0;  // SetMlaGradHeadsPerGroup
   bool poison = false;         // SetPoisonActivations: unwritten activation memory reads NaN
 };
 
@@ -118,6 +120,7 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
     if (absl::Status s = (*m)->SetAttentionHeadsPerCall(opt.heads_per_call); !s.ok()) return s;
     if (absl::Status s = (*m)->SetCpPermuteBytes(opt.permute_bytes); !s.ok()) return s;
+    if (absl::Status s = (*m)->SetMlaGradHeadsPerGroup(opt.mla_grad_heads); !s.ok()) return s;
     (*m)->SetPoisonActivations(opt.poison);
     auto b = ShardForCp(full, cp, rank);
     if (!b.ok()) return b.status();
@@ -168,8 +171,8 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
                << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
                << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
-               << opt.heads_per_call << " permutation staging " << opt.permute_bytes << " poison "
-               << opt.poison);
+               << opt.heads_per_call << " permutation staging " << opt.permute_bytes
+               << " MLA gradient heads " << opt.mla_grad_heads << " poison " << opt.poison);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -359,6 +362,19 @@ TEST(CudaCp, TinyCp2RecomputeMatchesOneRank) {
 TEST(CudaCp, TinyCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None());  // one head per rank, chunks of 40
+}
+
+// MLA's backward under All2All takes the exchanged gradients back through kv_b and q_b one rank's
+// block of heads at a time where that holds less (the rule's choice at cp = 4 on tiny, not at cp
+// = 2), or all heads at once: each forced both ways.
+TEST(CudaCp, TinyMlaGradientsByRankBlocksOrAllHeads) {
+  SPINDLE_REQUIRE_GPU();
+  for (const Recompute r : {Recompute::None(), Recompute::All()}) {
+    ExpectCpMatchesOneRank(Tiny(), 256, 60, 2, r, CpMode::kAll2All, CpMode::kAll2All,
+                           {.mla_grad_heads = 1, .poison = true});
+    ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, r, CpMode::kAll2All, CpMode::kAll2All,
+                           {.mla_grad_heads = 4, .poison = true});
+  }
 }
 
 // All2All's in-place reorderings a few rows at a time: with 1000 bytes of staging the chunks of

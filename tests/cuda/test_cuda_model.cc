@@ -422,8 +422,9 @@ TEST(CudaModel, AttentionHeadGroupsAgreeWithOneCall) {
 // with and without a q LoRA, documents and one, every layer keeping its cache and recomputing.
 // The sums differ from one GEMM's in order and where they round to bf16: one MLA layer's own
 // gradients agree to 5e-3 (as between FFN block sizes); through three more layers' backward the
-// rounding differences grow to ~1% (measured up to 0.9%, the first layer's kv_norm), so the
-// four-layer model is held to 1.5e-2, which a wrong head's rows or weights would far exceed.
+// rounding differences grow to ~1%, so the four-layer model is held to 1.5e-2, which a wrong
+// head's rows or weights would far exceed. Like the CPU comparison above it runs with norm_eps =
+// 1e-2: with the presets' 1e-6 the first layer's gradients drifted by up to 2.3% for 2 seeds in 25.
 TEST(CudaModel, MlaGradientHeadGroupsAgreeWithOneGroup) {
   SPINDLE_REQUIRE_GPU();
   const uint32_t seed = FreshSeed();
@@ -436,6 +437,7 @@ TEST(CudaModel, MlaGradientHeadGroupsAgreeWithOneGroup) {
       c.layer_pattern = pattern;
       c.n_layers = static_cast<int64_t>(pattern.size());
       c.mla.q_lora_rank = q_lora;
+      c.norm_eps = 1e-2;
       auto one_group = *CudaModel::Create(c, seed);
       auto grouped = *CudaModel::Create(c, seed);
       ASSERT_TRUE(one_group->SetMlaGradHeadsPerGroup(c.n_heads).ok());

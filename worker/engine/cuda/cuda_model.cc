@@ -280,10 +280,11 @@ struct Offload {
 struct Work {
   DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
   int64_t ws_bytes = 0;
-  // MLA's backward in head groups (cp = 1, CudaMlaGradHeadsPerGroup): a group's copies of Q, K
-  // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients), and
-  // the fp32 sums over the groups of the latent's gradients [d c_n | d k_r] and of q_a's output
-  // gradient (without a q LoRA: of the normed input's).
+  // MLA's backward in head groups (CudaMlaGradHeadsPerGroup): at cp = 1 a group's copies of Q, K
+  // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients; under
+  // All2All they are the received block of a rank's heads), and the fp32 sums over the groups of
+  // the latent's gradients [d c_n | d k_r] and of q_a's output gradient (without a q LoRA: of the
+  // normed input's).
   DevBuf gQ, gK, gkvb, sum_lat, sum_q;
   // CP (All2All) scratch, sized by Upload: cp_block, the local tokens' side of an exchange (the
   // packed send blocks, or the received rows of the local tokens) and, while it is free, the
@@ -516,8 +517,10 @@ struct CudaModel::Impl {
   absl::Status CheckCpBatch(const CpBatch& b) const;
   // Local tokens -> W.cp_block: block j = [T][the views' heads of rank j, view after view].
   absl::Status PackByHeads(const std::vector<HeadView>& views);
-  // recv (block j = [T][the views' heads of rank j]) -> the local views.
-  absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views);
+  // recv (block j = [T][the views' heads of rank j]) -> the local views: blocks [j0, j1), block
+  // j0's first head at the views' head 0 (j1 = -1: every block).
+  absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views, int64_t j0 = 0,
+                              int64_t j1 = -1);
   // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order.
   absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
   // full [T_full, width] -> W.cp_block in rank order (block i = rank i's tokens).
@@ -536,7 +539,11 @@ struct CudaModel::Impl {
   absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
   absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
   absl::Status MlaCoreForward(Cache& C, bool attention_kept);
-  absl::Status MlaCoreBackward(Cache& C);
+  // unpack false: the gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
+  absl::Status MlaCoreBackward(Cache& C, bool unpack);
+  // Rank blocks [j0, j1) of the received MLA core gradients -> W.dQ, W.dK and dkvb's V columns,
+  // `Hg` heads wide.
+  absl::Status MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1);
   // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
   bool MlaAllGather() const { return B.cp > 1 && cp.mla_mode == CpMode::kAllGather; }
   // Device-buffer collectives of the CP group (NCCL directly, Gloo through the pinned staging).
@@ -545,8 +552,8 @@ struct CudaModel::Impl {
   absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
-  // MLA's backward by groups of heads (cp = 1; see CudaMlaGradHeadsPerGroup): the heads in a
-  // group, n_heads for one group (always under CP).
+  // MLA's backward by groups of heads (see CudaMlaGradHeadsPerGroup): the heads in a group,
+  // n_heads for one group (always under MLA AllGather); under All2All n_heads / cp or n_heads.
   int64_t MlaGradHeadsPerGroup() const;
   // The attention backward of heads [h0, h0 + Hg) (cp = 1) into W.dQ, W.dK and dkvb's V columns at
   // the group's width, from copies of the group's Q, K and kv_b output when Hg < n_heads.
@@ -1022,18 +1029,20 @@ absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector<HeadView>& views) {
-  const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
+absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector<HeadView>& views,
+                                             int64_t j0, int64_t j1) {
+  const int64_t T = B.T, Hl = c.n_heads / B.cp;
+  if (j1 < 0) j1 = B.cp;
   int64_t row = 0;
   for (const HeadView& v : views) row += Hl * v.width;
   int64_t off = 0;
   for (const HeadView& v : views) {
-    const void* src = At(recv, off);
+    const void* src = At(recv, j0 * T * row + off);
     if (v.head_stride == v.width) {
-      KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, cp_n,
+      KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, j1 - j0,
                       Hl * v.width, kAct, stream));
     } else {
-      for (int64_t j = 0; j < cp_n; ++j)
+      for (int64_t j = 0; j < j1 - j0; ++j)
         KC(kc::CopyRows(At(v.p, j * Hl * v.head_stride), v.token_stride, v.head_stride,
                         At(src, j * T * row), row, v.width, T, Hl, v.width, kAct, stream));
     }
@@ -1342,7 +1351,7 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
 // dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward (its
 // gradients into W.cp_block, as in LightningCoreBackward) -> dQ, dK into W.dQ, W.dK and dV into
 // W.dkvb's V columns (as the single-rank Sdpa backward), received into C.cp_full.
-absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
+absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C, bool unpack) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
@@ -1358,9 +1367,17 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
                         1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
   RETURN_IF_ERROR(PermuteChunks(df, w, /*to_stream=*/false));
   RETURN_IF_ERROR(Exchange(df, f, T * w, CommLayer::kMla));
-  return UnpackToTokens(f, {{W.dQ.get(), H * qk, qk, qk},
-                            {W.dK.get(), H * qk, qk, qk},
-                            {At(W.dkvb.get(), nope), H * (nope + vd), nope + vd, vd}});
+  return unpack ? MlaUnpackGrads(f, H, 0, B.cp) : absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  return UnpackToTokens(recv,
+                        {{W.dQ.get(), Hg * qk, qk, qk},
+                         {W.dK.get(), Hg * qk, qk, qk},
+                         {At(W.dkvb.get(), nope), Hg * (nope + vd), nope + vd, vd}},
+                        j0, j1);
 }
 
 // ---- Context parallelism: MLA AllGather (DESIGN.md section 3) -----------------------------------
@@ -1612,14 +1629,16 @@ KindFields CudaModel::Impl::WorkKindFields(char kind) {
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
   const int64_t kvw = m.qk_nope_dim + m.v_head_dim, w = kv + m.qk_rope_dim;
   // In head groups: a group's gradients, the copies of its inputs and the fp32 sums.
+  // (Under All2All the groups read the received blocks: no copies.)
   const int64_t Hg = MlaGradHeadsPerGroup(), groups = Hg < H ? T : 0;
+  const int64_t copies = B.cp == 1 ? groups : 0;
   return {{&W.dO, T * H * m.v_head_dim * kAb},
           {&W.dQ, T * Hg * qk * kAb},
           {&W.dK, T * Hg * qk * kAb},
           {&W.dkvb, T * Hg * kvw * kAb},
-          {&W.gQ, groups * Hg * qk * kAb},
-          {&W.gK, groups * Hg * qk * kAb},
-          {&W.gkvb, groups * Hg * kvw * kAb},
+          {&W.gQ, copies * Hg * qk * kAb},
+          {&W.gK, copies * Hg * qk * kAb},
+          {&W.gkvb, copies * Hg * kvw * kAb},
           {&W.sum_lat, groups * w * 4},
           {&W.sum_q, groups * (qr > 0 ? qr : d) * 4},
           {&W.dkva, T * w * kAb},
@@ -1791,7 +1810,11 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
 
 int64_t CudaModel::Impl::MlaGradHeadsPerGroup() const {
   const int64_t H = c.n_heads;
-  if (B.cp > 1) return H;
+  if (MlaAllGather()) return H;
+  if (B.cp > 1) {  // All2All: a rank's block of heads, or all of them
+    if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T, B.cp);
+    return mla_grad_heads_per_group >= H ? H : H / B.cp;
+  }
   if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T);
   return LargestDivisorAtMost(H, mla_grad_heads_per_group);
 }
@@ -1830,8 +1853,9 @@ absl::Status CudaModel::Impl::MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t
   return InputGrad(W.dQ.get(), At(Wb(w), rows), dx, T, in, Hg * qk);
 }
 
-// The attention's gradients, at cp = 1 in groups of heads (MlaGradHeadsPerGroup), each group's
-// taken back through kv_b and q_b (or q) at once; the latent's and q_a's gradients add up over the
+// The attention's gradients, at cp = 1 and under All2All in groups of heads (MlaGradHeadsPerGroup;
+// under All2All a group is a rank's block of the exchanged gradients), each group's taken back
+// through kv_b and q_b (or q) at once; the latent's and q_a's gradients add up over the
 // groups in fp32 (W.sum_lat, W.sum_q) when there are several, else go to W.dkva and W.dqa_n (or
 // W.dh) directly. Then the shared tail: kv_norm, kv_a, q_a.
 absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const void* dout) {
@@ -1865,9 +1889,11 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
     RETURN_IF_ERROR(MlaQueryGrads(L, C, 0, H, dq_in));
   } else {
     Rows lat{W.dkva.get(), w};
-    if (grouped) {
+    if (grouped && B.cp == 1) {
       for (DevBuf* b : {&W.gQ, &W.gK}) RETURN_IF_ERROR(Act(*b, T, Hg * qk));
       RETURN_IF_ERROR(Act(W.gkvb, T, Hg * kvw));
+    }
+    if (grouped) {
       RETURN_IF_ERROR(F32(W.sum_lat, T * w));
       RETURN_IF_ERROR(F32(W.sum_q, T * dqw));
       CUDA(cudaMemsetAsync(W.sum_lat.get(), 0, T * w * 4, stream));
@@ -1875,9 +1901,13 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
       lat = {W.sum_lat.get(), w, KDType::kFloat32, true};
       dq_in = {W.sum_q.get(), dqw, KDType::kFloat32, true};
     }
-    if (B.cp > 1) RETURN_IF_ERROR(MlaCoreBackward(C));
+    if (B.cp > 1) RETURN_IF_ERROR(MlaCoreBackward(C, /*unpack=*/!grouped));
     for (int64_t h0 = 0; h0 < H; h0 += Hg) {
-      if (B.cp == 1) RETURN_IF_ERROR(MlaGroupAttentionBackward(C, h0, Hg));
+      if (B.cp == 1) {
+        RETURN_IF_ERROR(MlaGroupAttentionBackward(C, h0, Hg));
+      } else if (grouped) {  // the group is rank h0 / Hg's block of the received gradients
+        RETURN_IF_ERROR(MlaUnpackGrads(C.cp_full.get(), Hg, h0 / Hg, h0 / Hg + 1));
+      }
       RETURN_IF_ERROR(
           MlaKeyGradsToLatentRows(L, C.c_n.get(), kv, W.dK.get(), W.dkvb.get(), T, h0, Hg, lat));
       RETURN_IF_ERROR(MlaQueryGrads(L, C, h0, Hg, dq_in));
