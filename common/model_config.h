@@ -95,11 +95,6 @@ int64_t CudaMlaGradBytesPerToken(const ModelConfig& c, int64_t group_heads,
                                  bool group_copies = true);
 int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T, int64_t all2all_cp = 1);
 
-// CP All2All on CUDA: the exchange moves whole-sequence buffers between the all-to-all's rank
-// order and stream order in place, a row slice of one zigzag chunk at a time through a staging
-// buffer of at most this many bytes; the planner counts the same.
-inline constexpr int64_t kCudaCpPermuteBytes = int64_t{64} << 20;
-
 // With train.offload the CUDA engine keeps this many layer inputs on the device (a ring the
 // others pass through on their way to and from pinned host memory), plus the head's input; the
 // planner counts the same.

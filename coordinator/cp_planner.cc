@@ -266,15 +266,14 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   // CUDA All2All: one block as wide as the widest core input (the exchange's local side, and the
-  // core's input gradients; received gradients land in the layer's cp_full), one output-wide
-  // block, and the staging of the in-place reorderings (kCudaCpPermuteBytes at most).
+  // core's input gradients; received gradients land in the layer's cp_full) and one output-wide
+  // block.
   if (l_all2all || m_all2all) {
     const int64_t in_w =
         std::max(l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0);
     const int64_t out_w =
         std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
-    e.workspace_bytes +=
-        T * B * (in_w + out_w) + std::min(T * in_w / (2 * cp) * B, kCudaCpPermuteBytes);
+    e.workspace_bytes += T * B * (in_w + out_w);
   }
   if (cuda_mla_allgather) {
     // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a

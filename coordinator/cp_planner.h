@@ -92,8 +92,7 @@ struct CpPlan {
 //                 under MLA All2All by CudaMlaGradHeadsPerGroup's head groups) + the FFN
 //                 gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks (CUDA All2All: T * B * (widest core input + output
-//                 width) + min(one zigzag chunk of the widest input, kCudaCpPermuteBytes));
-//                 Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
+//                 width)); Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
 //               fp32 dQ accumulator of one group of g heads over the sequence, seq_len * g * qk *
 //               4 (g = CudaAttentionHeadsPerCall of H / cp heads), or under MLA AllGather the

@@ -11,10 +11,9 @@
 // (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form gives the
 // step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
 // and many, alone and with Lightning's AllGather, its cross pieces over several key and query
-// blocks; Lightning's AllGather at head size 16 (the token
-// path) and both AllGather modes at cp = 3; All2All's in-place reorderings between rank and
-// stream order in row slices at cp = 4, on poisoned activation memory; MLA's gradients taken
-// back by the ranks' blocks of heads and all at once. Also: undecided modes and
+// blocks; Lightning's AllGather at head size 16 (the token path) and both AllGather modes at
+// cp = 3; MLA's All2All gradients taken back by the ranks' blocks of heads and all at once, on
+// poisoned activation memory. Also: undecided modes and
 // n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
 // matching SetCp is refused. Skips without a GPU.
 //
@@ -101,7 +100,6 @@ StepResult OneRank(const ModelConfig& c, uint64_t seed, const Batch& full, float
 // Overrides every rank's CudaModel takes (0: the engine's rule).
 struct CpRunOptions {
   int64_t heads_per_call = 0;  // SetAttentionHeadsPerCall
-  int64_t permute_bytes = 0;   // SetCpPermuteBytes
   int64_t mla_grad_heads = 0;  // SetMlaGradHeadsPerGroup
   bool poison = false;         // SetPoisonActivations: unwritten activation memory reads NaN
 };
@@ -119,7 +117,6 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     if (!m.ok()) return m.status();
     if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
     if (absl::Status s = (*m)->SetAttentionHeadsPerCall(opt.heads_per_call); !s.ok()) return s;
-    if (absl::Status s = (*m)->SetCpPermuteBytes(opt.permute_bytes); !s.ok()) return s;
     if (absl::Status s = (*m)->SetMlaGradHeadsPerGroup(opt.mla_grad_heads); !s.ok()) return s;
     (*m)->SetPoisonActivations(opt.poison);
     auto b = ShardForCp(full, cp, rank);
@@ -171,8 +168,8 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t se
                << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
                << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
-               << opt.heads_per_call << " permutation staging " << opt.permute_bytes
-               << " MLA gradient heads " << opt.mla_grad_heads << " poison " << opt.poison);
+               << opt.heads_per_call << " MLA gradient heads " << opt.mla_grad_heads << " poison "
+               << opt.poison);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -375,18 +372,6 @@ TEST(CudaCp, TinyMlaGradientsByRankBlocksOrAllHeads) {
     ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, r, CpMode::kAll2All, CpMode::kAll2All,
                            {.mla_grad_heads = 4, .poison = true});
   }
-}
-
-// All2All's in-place reorderings a few rows at a time: with 1000 bytes of staging the chunks of
-// 40 rows move in slices of 10 (Lightning's q | k | v, 96 bytes a row), 6 and a last 4 (MLA's Q |
-// K | V, 160 bytes) and 31 and 9 (Lightning's output, 32 bytes), along the permutation's cycles at
-// cp = 4; with poisoned activations a row no slice moved would read NaN.
-TEST(CudaCp, TinyCp4ReordersInRowSlices) {
-  SPINDLE_REQUIRE_GPU();
-  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None(), CpMode::kAll2All, CpMode::kAll2All,
-                         {.permute_bytes = 1000, .poison = true});
-  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::All(), CpMode::kAll2All, CpMode::kAll2All,
-                         {.permute_bytes = 1000, .poison = true});
 }
 
 // A group of `size` whose collectives all fail: the refusals must come before any collective.

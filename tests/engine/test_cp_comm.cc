@@ -91,7 +91,58 @@ TEST_P(CommPatternTest, EveryElementComesFromWhereItShould) {
   ASSERT_TRUE(s.ok()) << s;
 }
 
-INSTANTIATE_TEST_SUITE_P(Sizes, CommPatternTest, ::testing::Values(2, 3, 4));
+// All-to-all by pieces: each rank sends peer j its block j as two pieces in reverse order (the
+// block's tail first); the receiver puts the first piece from rank i after the second, so block i
+// of the output is rank i's block `me` whole again, and a third, empty piece changes nothing.
+// Unequal totals and a peer out of range (asked of every rank: each checks its own pieces) are
+// refused before anything moves.
+TEST_P(CommPatternTest, PiecesLandWhereTheReceiverListsThem) {
+  const int P = GetParam();
+  MemoryKvStore store;
+  const int n = 37, a = 12;  // pieces of n - a and a elements
+  absl::Status s = RunRanks(P, [&](int rank) -> absl::Status {
+    auto comm = CreateGlooCommunicator(store, "pieces", rank, P, TestGloo());
+    if (!comm.ok()) return comm.status();
+    Communicator& c = **comm;
+    std::vector<int32_t> in(n * P), out(n * P, -1);
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i < n; ++i) in[j * n + i] = Tag(rank, j, i);
+    std::vector<CommSendPiece> send;
+    std::vector<CommRecvPiece> recv;
+    for (int j = 0; j < P; ++j) {
+      send.push_back({j, &in[j * n + a], (n - a) * 4});
+      send.push_back({j, &in[j * n], a * 4});
+      send.push_back({j, &in[j * n], 0});
+      recv.push_back({j, &out[j * n + a], (n - a) * 4});
+      recv.push_back({j, &out[j * n], a * 4});
+      recv.push_back({j, &out[j * n], 0});
+    }
+    if (auto st = c.AllToAllPieces(send, recv, CommLayer::kLightning); !st.ok()) return st;
+    for (int src = 0; src < P; ++src)
+      for (int i = 0; i < n; ++i)
+        EXPECT_EQ(out[src * n + i], Tag(src, rank, i)) << "from " << src << " element " << i;
+    EXPECT_EQ((c.TakeStats()[{Collective::kAllToAll, CommLayer::kLightning}].bytes),
+              (P - 1) * n * 4);
+    // Every rank expects one element less from the last rank than it sends: refused.
+    std::vector<CommRecvPiece> short_recv = recv;
+    short_recv[3 * (P - 1)].bytes -= 4;
+    const std::vector<int32_t> before = out;
+    absl::Status bad = c.AllToAllPieces(send, short_recv, CommLayer::kOther);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(bad.message().find("every rank's total must be the same"), std::string::npos) << bad;
+    std::vector<CommSendPiece> stray = send;
+    stray[0].peer = P;
+    absl::Status out_of_range = c.AllToAllPieces(stray, recv, CommLayer::kOther);
+    EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument) << out_of_range;
+    EXPECT_NE(out_of_range.message().find("for rank " + std::to_string(P)), std::string::npos)
+        << out_of_range;
+    EXPECT_EQ(out, before);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CommPatternTest, ::testing::Values(1, 2, 3, 4));
 
 // Two communicators over one store (world and a sub-group) run collectives at the same time, and
 // an async all-gather overlaps with the caller's work.

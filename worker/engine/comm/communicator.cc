@@ -3,6 +3,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 namespace spindle {
 
@@ -120,6 +123,74 @@ CommHandle Communicator::AllToAllAsync(const void* in, int64_t n, CommType type,
     }
     return DoAllToAll(in, n, type, out);
   });
+}
+
+namespace {
+// Adds each piece's bytes to its peer's total in `totals` (one a rank); an error names a peer out
+// of range.
+template <typename Piece>
+absl::Status AddPeerTotals(const std::vector<Piece>& pieces, const char* what,
+                           std::vector<int64_t>* totals) {
+  const int size = static_cast<int>(totals->size());
+  for (const Piece& p : pieces) {
+    if (p.peer < 0 || p.peer >= size || p.bytes < 0)
+      return absl::InvalidArgumentError(absl::StrCat("all-to-all by pieces: a ", what, " piece of ",
+                                                     p.bytes, " bytes for rank ", p.peer,
+                                                     " in a group of ", size));
+    (*totals)[p.peer] += p.bytes;
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+CommHandle Communicator::AllToAllPiecesAsync(std::vector<CommSendPiece> send,
+                                             std::vector<CommRecvPiece> recv, CommLayer layer) {
+  int64_t out_bytes = 0;
+  for (const CommSendPiece& p : send)
+    if (p.peer != rank_) out_bytes += p.bytes;
+  return Enqueue(
+      Collective::kAllToAll, layer, out_bytes,
+      [this, send = std::move(send), recv = std::move(recv)]() -> absl::Status {
+        std::vector<int64_t> sent(size_, 0), received(size_, 0);
+        absl::Status s = AddPeerTotals(send, "send", &sent);
+        if (s.ok()) s = AddPeerTotals(recv, "receive", &received);
+        if (!s.ok()) return s;
+        for (int r = 0; r < size_; ++r)
+          if (sent[r] != sent[0] || received[r] != sent[0])
+            return absl::InvalidArgumentError(absl::StrCat(
+                "all-to-all by pieces: every rank's total must be the same, but rank ", r, " gets ",
+                sent[r], " bytes and sends ", received[r], " against ", sent[0]));
+        if (size_ == 1 && LocalWhenAlone()) {
+          // The k-th send piece is the k-th receive piece.
+          for (size_t i = 0; i < send.size(); ++i) {
+            const int64_t got = i < recv.size() ? recv[i].bytes : -1;
+            if (send[i].bytes != got)
+              return absl::InvalidArgumentError(absl::StrCat("all-to-all by pieces: send piece ", i,
+                                                             " has ", send[i].bytes,
+                                                             " bytes, its receive piece ", got));
+            if (got) std::memmove(recv[i].p, send[i].p, got);
+          }
+          return absl::OkStatus();
+        }
+        return DoAllToAllPieces(send, recv, sent[0]);
+      });
+}
+
+absl::Status Communicator::DoAllToAllPieces(const std::vector<CommSendPiece>& send,
+                                            const std::vector<CommRecvPiece>& recv, int64_t block) {
+  std::vector<char> in(static_cast<size_t>(block * size_)), out(in.size());
+  std::vector<int64_t> at(size_, 0);
+  for (const CommSendPiece& p : send) {
+    if (p.bytes) std::memcpy(in.data() + p.peer * block + at[p.peer], p.p, p.bytes);
+    at[p.peer] += p.bytes;
+  }
+  if (absl::Status s = DoAllToAll(in.data(), block, CommType::kByte, out.data()); !s.ok()) return s;
+  std::fill(at.begin(), at.end(), 0);
+  for (const CommRecvPiece& p : recv) {
+    if (p.bytes) std::memcpy(p.p, out.data() + p.peer * block + at[p.peer], p.bytes);
+    at[p.peer] += p.bytes;
+  }
+  return absl::OkStatus();
 }
 
 CommHandle Communicator::AllReduceSumAsync(void* buf, int64_t n, CommType type, CommLayer layer) {

@@ -51,6 +51,18 @@ struct CommAmount {
 };
 using CommStats = std::map<std::pair<Collective, CommLayer>, CommAmount>;
 
+// One contiguous piece of an all-to-all by pieces: `bytes` at `p` to or from rank `peer`.
+struct CommSendPiece {
+  int peer;
+  const void* p;
+  int64_t bytes;
+};
+struct CommRecvPiece {
+  int peer;
+  void* p;
+  int64_t bytes;
+};
+
 // A started collective. Wait() blocks until it finished and returns its status (once; later
 // calls return the same status). A default-constructed handle is already done with OK.
 class CommHandle {
@@ -79,6 +91,13 @@ class Communicator {
   CommHandle AllGatherAsync(const void* in, int64_t n, CommType type, void* out, CommLayer layer);
   // Block j of `in` (n elements each) goes to rank j; block i of `out` came from rank i.
   CommHandle AllToAllAsync(const void* in, int64_t n, CommType type, void* out, CommLayer layer);
+  // An all-to-all whose data to and from each rank lie in several pieces: the k-th piece this rank
+  // lists for rank j in `send` is the k-th piece rank j lists for this rank in `recv`, of the same
+  // size, so an exchange can gather from and scatter to places that are not one block a rank.
+  // Every rank sends every other the same number of bytes in all (InvalidArgument otherwise, and
+  // for a peer out of range); send and receive pieces must not overlap.
+  CommHandle AllToAllPiecesAsync(std::vector<CommSendPiece> send, std::vector<CommRecvPiece> recv,
+                                 CommLayer layer);
   // Elementwise sum over ranks, in place. Every rank receives bitwise the same result.
   CommHandle AllReduceSumAsync(void* buf, int64_t n, CommType type, CommLayer layer);
   // out[i] = sum over ranks of in_r[rank * n + i]: `in` holds size() blocks of n floats.
@@ -90,6 +109,10 @@ class Communicator {
   }
   absl::Status AllToAll(const void* in, int64_t n, CommType type, void* out, CommLayer layer) {
     return AllToAllAsync(in, n, type, out, layer).Wait();
+  }
+  absl::Status AllToAllPieces(std::vector<CommSendPiece> send, std::vector<CommRecvPiece> recv,
+                              CommLayer layer) {
+    return AllToAllPiecesAsync(std::move(send), std::move(recv), layer).Wait();
   }
   absl::Status AllReduceSum(void* buf, int64_t n, CommType type, CommLayer layer) {
     return AllReduceSumAsync(buf, n, type, layer).Wait();
@@ -115,6 +138,10 @@ class Communicator {
   // not escape them. Sizes are in elements of `type`.
   virtual absl::Status DoAllGather(const void* in, int64_t n, CommType type, void* out) = 0;
   virtual absl::Status DoAllToAll(const void* in, int64_t n, CommType type, void* out) = 0;
+  // By default through DoAllToAll: the pieces packed into one block a rank in host memory and
+  // unpacked after (host-memory backends); `block` is each rank's total in bytes.
+  virtual absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,
+                                        const std::vector<CommRecvPiece>& recv, int64_t block);
   virtual absl::Status DoAllReduceSum(void* buf, int64_t n, CommType type) = 0;
   virtual absl::Status DoReduceScatterSum(const float* in, int64_t n, float* out) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t n, CommType type, int root) = 0;

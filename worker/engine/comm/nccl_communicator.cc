@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -103,6 +104,33 @@ class NcclCommunicator : public Communicator {
     SPINDLE_RETURN_IF_ERROR(s);
     SPINDLE_RETURN_IF_ERROR(end);
     return Sync("all-to-all");
+  }
+  // One group of sends and receives, each peer's in the listed order (NCCL matches a pair's
+  // operations in order).
+  absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,
+                                const std::vector<CommRecvPiece>& recv, int64_t block) override {
+    SPINDLE_RETURN_IF_ERROR(Check("all-to-all by pieces", block, CommType::kByte, size()));
+    for (const CommSendPiece& p : send)
+      SPINDLE_RETURN_IF_ERROR(CheckBuffer("all-to-all send piece", p.p, p.bytes));
+    for (const CommRecvPiece& p : recv)
+      SPINDLE_RETURN_IF_ERROR(CheckBuffer("all-to-all receive piece", p.p, p.bytes));
+    if (block == 0) return absl::OkStatus();
+    SPINDLE_NCCL_RETURN(ncclGroupStart(), comm_);
+    absl::Status s;
+    for (int r = 0; r < size() && s.ok(); ++r) {
+      for (size_t i = 0; i < send.size() && s.ok(); ++i)
+        if (send[i].peer == r && send[i].bytes > 0)
+          s = NcclStatus(ncclSend(send[i].p, send[i].bytes, ncclUint8, r, comm_, stream_),
+                         "ncclSend", comm_);
+      for (size_t i = 0; i < recv.size() && s.ok(); ++i)
+        if (recv[i].peer == r && recv[i].bytes > 0)
+          s = NcclStatus(ncclRecv(recv[i].p, recv[i].bytes, ncclUint8, r, comm_, stream_),
+                         "ncclRecv", comm_);
+    }
+    absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd", comm_);
+    SPINDLE_RETURN_IF_ERROR(s);
+    SPINDLE_RETURN_IF_ERROR(end);
+    return Sync("all-to-all by pieces");
   }
   absl::Status DoAllReduceSum(void* buf, int64_t n, CommType type) override {
     if (type == CommType::kByte) return absl::InvalidArgumentError("nccl: sum of bytes");

@@ -289,9 +289,8 @@ struct Work {
   // CP (All2All) scratch, sized by Upload: cp_block, the local tokens' side of an exchange (the
   // packed send blocks, or the received rows of the local tokens) and, while it is free, the
   // core's input gradients over the whole sequence; cp_tmp, a whole-sequence [T_full, H/cp *
-  // width] output or output gradient; cp_perm, PermuteChunks' staging (cp_perm_bytes).
-  DevBuf cp_block, cp_tmp, cp_perm;
-  int64_t cp_perm_bytes = 0;
+  // width] output or output gradient.
+  DevBuf cp_block, cp_tmp;
   // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
   // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
   DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
@@ -358,7 +357,6 @@ struct CudaModel::Impl {
   bool offload_inputs = false;                 // see SetOffloadInputs
   int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
   int64_t mla_grad_heads_per_group = 0;        // see SetMlaGradHeadsPerGroup
-  int64_t cp_permute_bytes = 0;                // see SetCpPermuteBytes
   Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
@@ -385,13 +383,12 @@ struct CudaModel::Impl {
     layer_in.clear();
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
-    for (DevBuf* b :
-         {&W.dh,     &W.da,       &W.dg,      &W.du,       &W.dy,      &W.dgate,    &W.dqkv,
-          &W.dO,     &W.dQ,       &W.dK,      &W.dkvb,     &W.dc_n,    &W.dc,       &W.dkva,
-          &W.dqa_n,  &W.dqa,      &W.ws,      &W.cp_block, &W.cp_tmp,  &W.cp_perm,  &W.gQ,
-          &W.gK,     &W.gkvb,     &W.sum_lat, &W.sum_q,    &W.ag_send, &W.ag_recv,  &W.ag_K,
-          &W.ag_kvb, &W.ag_dK,    &W.ag_dkvb, &W.ag_dlat,  &W.ag_o,    &W.ag_stats, &W.ag_acc,
-          &W.ag_dq,  &W.arena.mem})
+    for (DevBuf* b : {&W.dh,      &W.da,      &W.dg,       &W.du,     &W.dy,      &W.dgate,
+                      &W.dqkv,    &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,
+                      &W.dc,      &W.dkva,    &W.dqa_n,    &W.dqa,    &W.ws,      &W.cp_block,
+                      &W.cp_tmp,  &W.gQ,      &W.gK,       &W.gkvb,   &W.sum_lat, &W.sum_q,
+                      &W.ag_send, &W.ag_recv, &W.ag_K,     &W.ag_kvb, &W.ag_dK,   &W.ag_dkvb,
+                      &W.ag_dlat, &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq,   &W.arena.mem})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -521,15 +518,23 @@ struct CudaModel::Impl {
   // j0's first head at the views' head 0 (j1 = -1: every block).
   absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views, int64_t j0 = 0,
                               int64_t j1 = -1);
-  // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order.
+  // Rank i's slot s (its local rows [s * chunk, (s + 1) * chunk)) is zigzag chunk i (s = 0) or
+  // 2cp - 1 - i (s = 1) of the whole sequence.
+  int64_t ChunkOfSlot(int64_t i, int64_t s) const { return s == 0 ? i : 2 * B.cp - 1 - i; }
+  // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order;
+  // and full -> send in that block order. Device or pinned host memory.
   absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
-  // full [T_full, width] -> W.cp_block in rank order (block i = rank i's tokens).
-  absl::Status StreamToSend(const void* full, int64_t width);
-  // The same two reorderings in place: `full` from rank order to stream order (to_stream) or
-  // back, so that an exchange receives into, or sends from, the whole-sequence buffer itself.
-  absl::Status PermuteChunks(void* full, int64_t width, bool to_stream);
-  // All-to-all of `block_elems` activations per rank from send to recv (distinct buffers).
-  absl::Status Exchange(const void* send, void* recv, int64_t block_elems, CommLayer layer);
+  absl::Status StreamToRankRows(const void* full, void* send, int64_t width);
+  // The all-to-all of the whole-sequence buffers (distinct send and receive memory): from the
+  // local tokens' blocks (send: block j = [T, width] for rank j) into `full` [T_full, width] in
+  // stream order, each rank's two zigzag chunks received where they belong; or from `full` in
+  // stream order into blocks (recv: block i from rank i). With NCCL the pieces go straight to
+  // their places; through Gloo via the pinned host staging.
+  absl::Status ExchangeToStream(const void* send, void* full, int64_t width, CommLayer layer);
+  absl::Status ExchangeFromStream(const void* full, void* recv, int64_t width, CommLayer layer);
+  // The host-staged all-to-all: cp_host_send (filled by the caller, `bytes` in all) ->
+  // cp_host_recv.
+  absl::Status ExchangeHost(int64_t bytes, CommLayer layer);
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
   // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
@@ -882,10 +887,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
         std::max(has_l ? T * d : int64_t{0}, has_m_a2a ? T * H * vd : int64_t{0});
     RETURN_IF_ERROR(W.cp_block.Ensure(&alloc, in_elems * kAb));
     RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
-    // One zigzag chunk of the widest whole-sequence buffer, or a slice of it.
-    W.cp_perm_bytes = std::min(in_elems / (2 * B.cp) * kAb,
-                               cp_permute_bytes > 0 ? cp_permute_bytes : kCudaCpPermuteBytes);
-    RETURN_IF_ERROR(W.cp_perm.Ensure(&alloc, W.cp_perm_bytes));
     // Lightning AllGather: the pieces' documents, the chunks' flags, the state blocks.
     const CpLayout& L = *layout;
     const int64_t n_chunks = 2 * B.cp, SZ = H * Dh * Dh;
@@ -1055,90 +1056,73 @@ absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector
 absl::Status CudaModel::Impl::RecvRowsToStream(const void* recv, void* full, int64_t width) {
   const int64_t T = B.T, ch = B.chunk;
   for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
-      CUDA(cudaMemcpyAsync(At(full, chunk_index * ch * width), At(recv, (i * T + s * ch) * width),
-                           ch * width * kAb, cudaMemcpyDeviceToDevice, stream));
-    }
+    for (int64_t s = 0; s < 2; ++s)
+      CUDA(cudaMemcpyAsync(At(full, ChunkOfSlot(i, s) * ch * width),
+                           At(recv, (i * T + s * ch) * width), ch * width * kAb, cudaMemcpyDefault,
+                           stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::StreamToSend(const void* full, int64_t width) {
+absl::Status CudaModel::Impl::StreamToRankRows(const void* full, void* send, int64_t width) {
   const int64_t T = B.T, ch = B.chunk;
   for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      const int64_t chunk_index = s == 0 ? i : 2 * B.cp - 1 - i;
-      CUDA(cudaMemcpyAsync(At(W.cp_block.get(), (i * T + s * ch) * width),
-                           At(full, chunk_index * ch * width), ch * width * kAb,
-                           cudaMemcpyDeviceToDevice, stream));
-    }
+    for (int64_t s = 0; s < 2; ++s)
+      CUDA(cudaMemcpyAsync(At(send, (i * T + s * ch) * width),
+                           At(full, ChunkOfSlot(i, s) * ch * width), ch * width * kAb,
+                           cudaMemcpyDefault, stream));
   return absl::OkStatus();
 }
 
-// Rank order holds rank i's slots 0 and 1 at chunk positions 2i and 2i + 1; stream order holds
-// chunk c at position c. Each cycle of that permutation is walked once per row slice: the first
-// position's slice goes to the staging buffer, every position then takes the slice that belongs
-// there, and the last one takes the staged slice.
-absl::Status CudaModel::Impl::PermuteChunks(void* full, int64_t width, bool to_stream) {
-  const int64_t n = 2 * B.cp, ch = B.chunk, row_bytes = width * kAb;
-  std::vector<int64_t> from(n);  // from[p]: the position whose rows move to position p
-  for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      const int64_t rank_pos = 2 * i + s, chunk_index = s == 0 ? i : n - 1 - i;
-      if (to_stream) {
-        from[chunk_index] = rank_pos;
-      } else {
-        from[rank_pos] = chunk_index;
-      }
-    }
-  if (W.cp_perm_bytes < row_bytes)
-    return absl::InternalError(absl::StrCat("cuda model: a ", row_bytes,
-                                            "-byte row exceeds the CP permutation's ",
-                                            W.cp_perm_bytes, "-byte staging"));
-  const int64_t slice = std::min(W.cp_perm_bytes / row_bytes, ch);
-  std::vector<char> moved(n);
-  for (int64_t r0 = 0; r0 < ch; r0 += slice) {
-    const int64_t bytes = std::min(slice, ch - r0) * row_bytes;
-    auto at = [&](int64_t p) { return At(full, (p * ch + r0) * width); };
-    auto move = [&](void* dst, const void* src) {
-      return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-    };
-    std::fill(moved.begin(), moved.end(), 0);
-    for (int64_t p0 = 0; p0 < n; ++p0) {
-      if (moved[p0] || from[p0] == p0) continue;
-      CUDA(move(W.cp_perm.get(), at(p0)));
-      int64_t p = p0;
-      for (; from[p] != p0; p = from[p]) {
-        CUDA(move(at(p), at(from[p])));
-        moved[p] = 1;
-      }
-      CUDA(move(at(p), W.cp_perm.get()));
-      moved[p] = 1;
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaModel::Impl::Exchange(const void* send, void* recv, int64_t block_elems,
-                                       CommLayer layer) {
-  const int64_t block_bytes = block_elems * kAb, bytes = block_bytes * B.cp;
-  if (cp_device_buffers) {
-    // NCCL runs on its own stream: the send blocks must be complete before it starts; its Wait()
-    // returns once the receive blocks are in place.
-    CUDA(cudaStreamSynchronize(stream));
-    return cp.comm->AllToAll(send, block_bytes, CommType::kByte, recv, layer);
-  }
+absl::Status CudaModel::Impl::ExchangeHost(int64_t bytes, CommLayer layer) {
   if (bytes > cp_host_bytes)
     return absl::InternalError(absl::StrCat("cuda model: a CP exchange of ", bytes,
                                             " bytes exceeds its ", cp_host_bytes,
                                             "-byte host staging"));
-  CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
   CUDA(cudaStreamSynchronize(stream));
-  RETURN_IF_ERROR(
-      cp.comm->AllToAll(cp_host_send, block_bytes, CommType::kByte, cp_host_recv, layer));
-  // Pinned, so asynchronous: the next exchange writes cp_host_recv only after a stream sync.
-  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
-  return absl::OkStatus();
+  // The copies out of cp_host_recv that follow are asynchronous (pinned memory): the next
+  // exchange writes it only after this stream sync.
+  return cp.comm->AllToAll(cp_host_send, bytes / B.cp, CommType::kByte, cp_host_recv, layer);
+}
+
+absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
+                                               CommLayer layer) {
+  const int64_t T = B.T, ch = B.chunk, piece = ch * width * kAb, bytes = B.cp * T * width * kAb;
+  if (!cp_device_buffers) {
+    CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
+    RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+    return RecvRowsToStream(cp_host_recv, full, width);
+  }
+  std::vector<CommSendPiece> out;
+  std::vector<CommRecvPiece> in;
+  for (int i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      out.push_back({i, At(send, (i * T + s * ch) * width), piece});
+      in.push_back({i, At(full, ChunkOfSlot(i, s) * ch * width), piece});
+    }
+  // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
+  // returns once everything is received.
+  CUDA(cudaStreamSynchronize(stream));
+  return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
+}
+
+absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
+                                                 CommLayer layer) {
+  const int64_t T = B.T, ch = B.chunk, piece = ch * width * kAb, bytes = B.cp * T * width * kAb;
+  if (!cp_device_buffers) {
+    RETURN_IF_ERROR(StreamToRankRows(full, cp_host_send, width));
+    RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+    CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+  std::vector<CommSendPiece> out;
+  std::vector<CommRecvPiece> in;
+  for (int i = 0; i < B.cp; ++i)
+    for (int64_t s = 0; s < 2; ++s) {
+      out.push_back({i, At(full, ChunkOfSlot(i, s) * ch * width), piece});
+      in.push_back({i, At(recv, (i * T + s * ch) * width), piece});
+    }
+  CUDA(cudaStreamSynchronize(stream));
+  return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
 }
 
 // q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
@@ -1150,15 +1134,13 @@ absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) 
   void* q = C.qkv_n.get();
   RETURN_IF_ERROR(PackByHeads(
       {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
-  RETURN_IF_ERROR(Exchange(W.cp_block.get(), C.cp_full.get(), T * w, CommLayer::kLightning));
-  RETURN_IF_ERROR(PermuteChunks(C.cp_full.get(), w, /*to_stream=*/true));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
   const void* f = C.cp_full.get();
   KC(kc::LightningForward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                           1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                           W.cp_tmp.get(), nullptr, kAct, Ws(), stream));
-  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), hw, /*to_stream=*/false));
-  RETURN_IF_ERROR(Exchange(W.cp_tmp.get(), W.cp_block.get(), T * hw, CommLayer::kLightning));
+  RETURN_IF_ERROR(ExchangeFromStream(W.cp_tmp.get(), W.cp_block.get(), hw, CommLayer::kLightning));
   return UnpackToTokens(W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
 }
 
@@ -1169,8 +1151,7 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
   RETURN_IF_ERROR(PackByHeads({{W.dy.get(), d, Dh, Dh}}));
-  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * hw, CommLayer::kLightning));
-  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), hw, /*to_stream=*/true));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), hw, CommLayer::kLightning));
   void* f = C.cp_full.get();
   void* df = W.cp_block.get();
   KC(kc::LightningBackward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
@@ -1178,8 +1159,7 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
                            1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                            W.cp_tmp.get(), nullptr, df, At(df, hw), At(df, 2 * hw), nullptr,
                            kAct, Ws(), stream));
-  RETURN_IF_ERROR(PermuteChunks(df, w, /*to_stream=*/false));
-  RETURN_IF_ERROR(Exchange(df, f, T * w, CommLayer::kLightning));
+  RETURN_IF_ERROR(ExchangeFromStream(df, f, w, CommLayer::kLightning));
   void* dq = W.dqkv.get();
   return UnpackToTokens(
       f, {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
@@ -1335,16 +1315,13 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
   RETURN_IF_ERROR(PackByHeads({{C.Q.get(), H * qk, qk, qk},
                                {C.K.get(), H * qk, qk, qk},
                                {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
-  RETURN_IF_ERROR(Exchange(W.cp_block.get(), C.cp_full.get(), T * w, CommLayer::kMla));
-  RETURN_IF_ERROR(PermuteChunks(C.cp_full.get(), w, /*to_stream=*/true));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kMla));
   if (attention_kept) return absl::OkStatus();
   const void* f = C.cp_full.get();
   KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                    B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
                    1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct, stream));
-  // The output stays in stream order for the backward: it is copied out in rank order.
-  RETURN_IF_ERROR(StreamToSend(C.cp_out.get(), ow));
-  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * ow, CommLayer::kMla));
+  RETURN_IF_ERROR(ExchangeFromStream(C.cp_out.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
   return UnpackToTokens(W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
 }
 
@@ -1357,16 +1334,14 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C, bool unpack) {
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
   const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
   RETURN_IF_ERROR(PackByHeads({{W.dO.get(), H * vd, vd, vd}}));
-  RETURN_IF_ERROR(Exchange(W.cp_block.get(), W.cp_tmp.get(), T * ow, CommLayer::kMla));
-  RETURN_IF_ERROR(PermuteChunks(W.cp_tmp.get(), ow, /*to_stream=*/true));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
   void* f = C.cp_full.get();
   void* df = W.cp_block.get();
   RETURN_IF_ERROR(
       AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                         W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
                         1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
-  RETURN_IF_ERROR(PermuteChunks(df, w, /*to_stream=*/false));
-  RETURN_IF_ERROR(Exchange(df, f, T * w, CommLayer::kMla));
+  RETURN_IF_ERROR(ExchangeFromStream(df, f, w, CommLayer::kMla));
   return unpack ? MlaUnpackGrads(f, H, 0, B.cp) : absl::OkStatus();
 }
 
@@ -2273,10 +2248,6 @@ absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
   return SetOverride(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
-}
-
-absl::Status CudaModel::SetCpPermuteBytes(int64_t bytes) {
-  return SetOverride(bytes, "CP permutation staging bytes", &impl_->cp_permute_bytes);
 }
 
 absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, const void* v,

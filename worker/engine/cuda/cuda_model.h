@@ -157,11 +157,6 @@ class CudaModel {
   // `heads` instead (tests; n_heads or more: one group); 0 restores the rule. InvalidArgument for
   // a negative count.
   absl::Status SetMlaGradHeadsPerGroup(int64_t heads);
-  // CP All2All moves whole-sequence buffers between the all-to-all's rank order and stream order
-  // in place, a row slice of a zigzag chunk at a time through at most kCudaCpPermuteBytes of
-  // staging. bytes > 0: at most this many instead (tests: many slices); 0 restores the default.
-  // InvalidArgument for a negative count.
-  absl::Status SetCpPermuteBytes(int64_t bytes);
 
   DeviceMemory memory() const;
   void ResetPeakMemory();
