@@ -427,7 +427,7 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 //   2026-12-01 00:01-00:26), as was 1M offloaded. The cp = 2 points with an All2All layer kind
 //   were measured again once the exchange received into the whole-sequence buffers themselves and
 //   MLA's backward took the ranks' blocks of heads as groups (2026-12-01: 256K and 512K over NCCL
-//   on two GPUs at 02:31; 384K and 256K AllGather / All2All at 02:00-02:04 with both ranks on one
+//   on two GPUs at 02:14; 384K and 256K AllGather / All2All at 01:52 with both ranks on one
 //   GPU over Gloo, bench/cuda/cp_memory_one_gpu.sh, whose device use is not known, with 64 MiB of
 //   reordering staging since removed).
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
