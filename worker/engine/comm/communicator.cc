@@ -158,8 +158,10 @@ CommHandle Communicator::AllToAllPiecesAsync(std::vector<CommSendPiece> send,
         for (int r = 0; r < size_; ++r)
           if (sent[r] != sent[0] || received[r] != sent[0])
             return absl::InvalidArgumentError(absl::StrCat(
-                "all-to-all by pieces: every rank's total must be the same, but rank ", r, " gets ",
-                sent[r], " bytes and sends ", received[r], " against ", sent[0]));
+                "all-to-all by pieces: every rank's total must be the same, but this rank sends "
+                "rank 0 ",
+                sent[0], " bytes, rank ", r, " ", sent[r], " and receives ", received[r],
+                " from rank ", r));
         if (size_ == 1 && LocalWhenAlone()) {
           // The k-th send piece is the k-th receive piece.
           for (size_t i = 0; i < send.size(); ++i) {
