@@ -254,13 +254,8 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // of heads where that holds less, CudaMlaGradBytesPerToken), both kinds' on the CPU, the larger
   // on CUDA (one kind at a time).
   const int64_t work_l = nl > 0 ? B * 5 * d : 0;
-  int64_t work_m = 0;
-  if (nm > 0 && cp == 1) {
-    work_m = CudaMlaGradBytesPerToken(m, CudaMlaGradHeadsPerGroup(m, T));
-  } else if (nm > 0) {
-    work_m = m_all2all ? CudaMlaGradBytesPerToken(m, CudaMlaGradHeadsPerGroup(m, T, cp), false)
-                       : CudaMlaGradBytesPerToken(m, H);
-  }
+  const int64_t mla_group = mla_allgather ? H : CudaMlaGradHeadsPerGroup(m, T, cp);
+  const int64_t work_m = nm > 0 ? CudaMlaGradBytesPerToken(m, mla_group, cp == 1) : 0;
   const int64_t work_kinds = cuda ? std::max(work_l, work_m) : B * 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;

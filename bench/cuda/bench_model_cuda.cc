@@ -74,8 +74,8 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   CudaModel& m = **model_or;
   absl::Status set = m.SetHeadBlockRows(head_rows);
   if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
-  if (absl::Status st = set; !st.ok()) {
-    std::fprintf(stderr, "bench_model_cuda: %s\n", st.ToString().c_str());
+  if (!set.ok()) {
+    std::fprintf(stderr, "bench_model_cuda: %s\n", set.ToString().c_str());
     return 2;
   }
   cudaDeviceProp prop{};

@@ -518,9 +518,19 @@ struct CudaModel::Impl {
   // j0's first head at the views' head 0 (j1 = -1: every block).
   absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views, int64_t j0 = 0,
                               int64_t j1 = -1);
-  // Rank i's slot s (its local rows [s * chunk, (s + 1) * chunk)) is zigzag chunk i (s = 0) or
-  // 2cp - 1 - i (s = 1) of the whole sequence.
-  int64_t ChunkOfSlot(int64_t i, int64_t s) const { return s == 0 ? i : 2 * B.cp - 1 - i; }
+  // Every rank's two zigzag slots (ZigzagChunk): the slot's first row among the rank blocks of an
+  // exchange (block i = rank i's T local rows) and its chunk's first row in stream order.
+  struct SlotRows {
+    int rank;
+    int64_t block_row, stream_row;
+  };
+  std::vector<SlotRows> ZigzagSlots() const {
+    std::vector<SlotRows> v;
+    for (int i = 0; i < B.cp; ++i)
+      for (int64_t s = 0; s < 2; ++s)
+        v.push_back({i, i * B.T + s * B.chunk, ZigzagChunk(B.cp, i, s) * B.chunk});
+    return v;
+  }
   // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order;
   // and full -> send in that block order. Device or pinned host memory.
   absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
@@ -544,8 +554,8 @@ struct CudaModel::Impl {
   absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
   absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
   absl::Status MlaCoreForward(Cache& C, bool attention_kept);
-  // unpack false: the gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
-  absl::Status MlaCoreBackward(Cache& C, bool unpack);
+  // The gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
+  absl::Status MlaCoreBackward(Cache& C);
   // Rank blocks [j0, j1) of the received MLA core gradients -> W.dQ, W.dK and dkvb's V columns,
   // `Hg` heads wide.
   absl::Status MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1);
@@ -1052,24 +1062,17 @@ absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector
   return absl::OkStatus();
 }
 
-// Rank i's local tokens are its chunks i (slot 0) and 2cp-1-i (slot 1): CpLayout::ChunkOf.
 absl::Status CudaModel::Impl::RecvRowsToStream(const void* recv, void* full, int64_t width) {
-  const int64_t T = B.T, ch = B.chunk;
-  for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s)
-      CUDA(cudaMemcpyAsync(At(full, ChunkOfSlot(i, s) * ch * width),
-                           At(recv, (i * T + s * ch) * width), ch * width * kAb, cudaMemcpyDefault,
-                           stream));
+  for (const SlotRows& r : ZigzagSlots())
+    CUDA(cudaMemcpyAsync(At(full, r.stream_row * width), At(recv, r.block_row * width),
+                         B.chunk * width * kAb, cudaMemcpyDefault, stream));
   return absl::OkStatus();
 }
 
 absl::Status CudaModel::Impl::StreamToRankRows(const void* full, void* send, int64_t width) {
-  const int64_t T = B.T, ch = B.chunk;
-  for (int64_t i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s)
-      CUDA(cudaMemcpyAsync(At(send, (i * T + s * ch) * width),
-                           At(full, ChunkOfSlot(i, s) * ch * width), ch * width * kAb,
-                           cudaMemcpyDefault, stream));
+  for (const SlotRows& r : ZigzagSlots())
+    CUDA(cudaMemcpyAsync(At(send, r.block_row * width), At(full, r.stream_row * width),
+                         B.chunk * width * kAb, cudaMemcpyDefault, stream));
   return absl::OkStatus();
 }
 
@@ -1086,7 +1089,7 @@ absl::Status CudaModel::Impl::ExchangeHost(int64_t bytes, CommLayer layer) {
 
 absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
                                                CommLayer layer) {
-  const int64_t T = B.T, ch = B.chunk, piece = ch * width * kAb, bytes = B.cp * T * width * kAb;
+  const int64_t piece = B.chunk * width * kAb, bytes = B.cp * B.T * width * kAb;
   if (!cp_device_buffers) {
     CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
     RETURN_IF_ERROR(ExchangeHost(bytes, layer));
@@ -1094,11 +1097,10 @@ absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int
   }
   std::vector<CommSendPiece> out;
   std::vector<CommRecvPiece> in;
-  for (int i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      out.push_back({i, At(send, (i * T + s * ch) * width), piece});
-      in.push_back({i, At(full, ChunkOfSlot(i, s) * ch * width), piece});
-    }
+  for (const SlotRows& r : ZigzagSlots()) {
+    out.push_back({r.rank, At(send, r.block_row * width), piece});
+    in.push_back({r.rank, At(full, r.stream_row * width), piece});
+  }
   // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
   // returns once everything is received.
   CUDA(cudaStreamSynchronize(stream));
@@ -1107,7 +1109,7 @@ absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int
 
 absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
                                                  CommLayer layer) {
-  const int64_t T = B.T, ch = B.chunk, piece = ch * width * kAb, bytes = B.cp * T * width * kAb;
+  const int64_t piece = B.chunk * width * kAb, bytes = B.cp * B.T * width * kAb;
   if (!cp_device_buffers) {
     RETURN_IF_ERROR(StreamToRankRows(full, cp_host_send, width));
     RETURN_IF_ERROR(ExchangeHost(bytes, layer));
@@ -1116,11 +1118,10 @@ absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, i
   }
   std::vector<CommSendPiece> out;
   std::vector<CommRecvPiece> in;
-  for (int i = 0; i < B.cp; ++i)
-    for (int64_t s = 0; s < 2; ++s) {
-      out.push_back({i, At(full, ChunkOfSlot(i, s) * ch * width), piece});
-      in.push_back({i, At(recv, (i * T + s * ch) * width), piece});
-    }
+  for (const SlotRows& r : ZigzagSlots()) {
+    out.push_back({r.rank, At(full, r.stream_row * width), piece});
+    in.push_back({r.rank, At(recv, r.block_row * width), piece});
+  }
   CUDA(cudaStreamSynchronize(stream));
   return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
 }
@@ -1210,13 +1211,11 @@ absl::Status CudaModel::Impl::GatherStates(const float* send) {
   const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
   float* recv = W.cp_state_recv.f32();
   RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, 4, recv, CommLayer::kLightning));
-  // Rank r's block s is chunk ChunkOf(r, s): into stream order.
+  // Rank r's block s is chunk ZigzagChunk(cp, r, s): into stream order.
   for (int64_t r = 0; r < B.cp; ++r)
-    for (int64_t slot = 0; slot < 2; ++slot) {
-      const int64_t chunk = slot == 0 ? r : 2 * B.cp - 1 - r;
-      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + chunk * SZ, recv + (2 * r + slot) * SZ,
-                           SZ * 4, cudaMemcpyDeviceToDevice, stream));
-    }
+    for (int64_t slot = 0; slot < 2; ++slot)
+      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + ZigzagChunk(B.cp, r, slot) * SZ,
+                           recv + (2 * r + slot) * SZ, SZ * 4, cudaMemcpyDeviceToDevice, stream));
   return absl::OkStatus();
 }
 
@@ -1326,9 +1325,10 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
 }
 
 // dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward (its
-// gradients into W.cp_block, as in LightningCoreBackward) -> dQ, dK into W.dQ, W.dK and dV into
-// W.dkvb's V columns (as the single-rank Sdpa backward), received into C.cp_full.
-absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C, bool unpack) {
+// gradients into W.cp_block, as in LightningCoreBackward) -> dQ, dK and dV of this rank's tokens,
+// every rank's heads in a block of their own, received into C.cp_full (MlaUnpackGrads takes them
+// out).
+absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
@@ -1341,8 +1341,7 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C, bool unpack) {
       AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                         W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
                         1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
-  RETURN_IF_ERROR(ExchangeFromStream(df, f, w, CommLayer::kMla));
-  return unpack ? MlaUnpackGrads(f, H, 0, B.cp) : absl::OkStatus();
+  return ExchangeFromStream(df, f, w, CommLayer::kMla);
 }
 
 absl::Status CudaModel::Impl::MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1) {
@@ -1439,11 +1438,11 @@ absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, i
   RETURN_IF_ERROR(MlaKeyGradsToLatentRows(L, At(C.ag_lat.get(), a * w), w, W.ag_dK.get(),
                                           W.ag_dkvb.get(), b - a, 0, c.n_heads,
                                           {W.ag_dlat.get(), w}));
-  // Into the owners' blocks, chunk by chunk (chunk j belongs to rank j or 2cp-1-j).
+  // Into the owners' blocks, chunk by chunk.
   float* send = static_cast<float*>(W.ag_send.get());
   for (int64_t j = a / ch; j * ch < b; ++j) {
     const int64_t r0 = std::max(a, j * ch), r1 = std::min(b, (j + 1) * ch);
-    const int64_t owner = j < B.cp ? j : 2 * B.cp - 1 - j, slot = j < B.cp ? 0 : 1;
+    const int64_t owner = ZigzagRank(B.cp, j), slot = ZigzagSlot(B.cp, j);
     KC(kc::CastRows(send + (owner * T + slot * ch + (r0 - j * ch)) * w, KDType::kFloat32, w,
                     At(W.ag_dlat.get(), (r0 - a) * w), kAct, w, r1 - r0, w, stream,
                     /*accumulate=*/true));
@@ -1786,11 +1785,9 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
 int64_t CudaModel::Impl::MlaGradHeadsPerGroup() const {
   const int64_t H = c.n_heads;
   if (MlaAllGather()) return H;
-  if (B.cp > 1) {  // All2All: a rank's block of heads, or all of them
-    if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T, B.cp);
-    return mla_grad_heads_per_group >= H ? H : H / B.cp;
-  }
-  if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T);
+  if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T, B.cp);
+  // All2All: a rank's block of heads, or all of them.
+  if (B.cp > 1) return mla_grad_heads_per_group >= H ? H : H / B.cp;
   return LargestDivisorAtMost(H, mla_grad_heads_per_group);
 }
 
@@ -1876,12 +1873,13 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
       lat = {W.sum_lat.get(), w, KDType::kFloat32, true};
       dq_in = {W.sum_q.get(), dqw, KDType::kFloat32, true};
     }
-    if (B.cp > 1) RETURN_IF_ERROR(MlaCoreBackward(C, /*unpack=*/!grouped));
+    if (B.cp > 1) RETURN_IF_ERROR(MlaCoreBackward(C));
     for (int64_t h0 = 0; h0 < H; h0 += Hg) {
       if (B.cp == 1) {
         RETURN_IF_ERROR(MlaGroupAttentionBackward(C, h0, Hg));
-      } else if (grouped) {  // the group is rank h0 / Hg's block of the received gradients
-        RETURN_IF_ERROR(MlaUnpackGrads(C.cp_full.get(), Hg, h0 / Hg, h0 / Hg + 1));
+      } else {  // the group's ranks' blocks of the received gradients (one, or all of them)
+        const int64_t Hl = H / B.cp;
+        RETURN_IF_ERROR(MlaUnpackGrads(C.cp_full.get(), Hg, h0 / Hl, (h0 + Hg) / Hl));
       }
       RETURN_IF_ERROR(
           MlaKeyGradsToLatentRows(L, C.c_n.get(), kv, W.dK.get(), W.dkvb.get(), T, h0, Hg, lat));
@@ -2233,21 +2231,22 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
 }
 
 namespace {
-// A count override of the tests: >= 0 (0: the engine's rule).
-absl::Status SetOverride(int64_t n, const char* what, int64_t* out) {
-  if (n < 0)
-    return absl::InvalidArgumentError(absl::StrCat(what, " must be >= 0 (0: automatic), got ", n));
-  *out = n;
+// A head-count override of the tests: >= 0 (0: the engine's rule).
+absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {
+  if (heads < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be >= 0 (0: automatic), got ", heads));
+  *out = heads;
   return absl::OkStatus();
 }
 }  // namespace
 
 absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
-  return SetOverride(heads, "attention heads per call", &impl_->attention_heads_per_call);
+  return SetHeadCount(heads, "attention heads per call", &impl_->attention_heads_per_call);
 }
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
-  return SetOverride(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
+  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
 }
 
 absl::Status CudaModel::Impl::AttentionBackward(const void* q, const void* k, const void* v,
