@@ -545,6 +545,10 @@ struct CudaModel::Impl {
   // The host-staged all-to-all: cp_host_send (filled by the caller, `bytes` in all) ->
   // cp_host_recv.
   absl::Status ExchangeHost(int64_t bytes, CommLayer layer);
+  // The NCCL all-to-all by zigzag slots (ZigzagSlots), each side's rows in stream order or in
+  // rank-block order.
+  absl::Status ExchangeSlots(const void* send, bool send_in_stream, void* recv, bool recv_in_stream,
+                             int64_t width, CommLayer layer);
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
   // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
@@ -1087,19 +1091,14 @@ absl::Status CudaModel::Impl::ExchangeHost(int64_t bytes, CommLayer layer) {
   return cp.comm->AllToAll(cp_host_send, bytes / B.cp, CommType::kByte, cp_host_recv, layer);
 }
 
-absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
-                                               CommLayer layer) {
-  const int64_t piece = B.chunk * width * kAb, bytes = B.cp * B.T * width * kAb;
-  if (!cp_device_buffers) {
-    CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
-    RETURN_IF_ERROR(ExchangeHost(bytes, layer));
-    return RecvRowsToStream(cp_host_recv, full, width);
-  }
+absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_stream, void* recv,
+                                            bool recv_in_stream, int64_t width, CommLayer layer) {
+  const int64_t piece = B.chunk * width * kAb;
   std::vector<CommSendPiece> out;
   std::vector<CommRecvPiece> in;
   for (const SlotRows& r : ZigzagSlots()) {
-    out.push_back({r.rank, At(send, r.block_row * width), piece});
-    in.push_back({r.rank, At(full, r.stream_row * width), piece});
+    out.push_back({r.rank, At(send, (send_in_stream ? r.stream_row : r.block_row) * width), piece});
+    in.push_back({r.rank, At(recv, (recv_in_stream ? r.stream_row : r.block_row) * width), piece});
   }
   // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
   // returns once everything is received.
@@ -1107,23 +1106,23 @@ absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int
   return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
 }
 
+absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
+                                               CommLayer layer) {
+  if (cp_device_buffers) return ExchangeSlots(send, false, full, true, width, layer);
+  const int64_t bytes = B.cp * B.T * width * kAb;
+  CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
+  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+  return RecvRowsToStream(cp_host_recv, full, width);
+}
+
 absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
                                                  CommLayer layer) {
-  const int64_t piece = B.chunk * width * kAb, bytes = B.cp * B.T * width * kAb;
-  if (!cp_device_buffers) {
-    RETURN_IF_ERROR(StreamToRankRows(full, cp_host_send, width));
-    RETURN_IF_ERROR(ExchangeHost(bytes, layer));
-    CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
-    return absl::OkStatus();
-  }
-  std::vector<CommSendPiece> out;
-  std::vector<CommRecvPiece> in;
-  for (const SlotRows& r : ZigzagSlots()) {
-    out.push_back({r.rank, At(full, r.stream_row * width), piece});
-    in.push_back({r.rank, At(recv, r.block_row * width), piece});
-  }
-  CUDA(cudaStreamSynchronize(stream));
-  return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
+  if (cp_device_buffers) return ExchangeSlots(full, true, recv, false, width, layer);
+  const int64_t bytes = B.cp * B.T * width * kAb;
+  RETURN_IF_ERROR(StreamToRankRows(full, cp_host_send, width));
+  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
 }
 
 // q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
