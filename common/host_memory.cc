@@ -27,20 +27,22 @@ std::string ReadFile(const char* path) {
   return text.str();
 }
 
-// The cgroup's limit and working set (v2 at /sys/fs/cgroup, else v1's memory controller): its
-// usage less the inactive file cache, which the kernel reclaims before it kills anything, as
-// container runtimes count it. 0 each when there is no limit.
-void CgroupLimitAndUsage(int64_t* limit, int64_t* usage) {
-  *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.max"));
-  if (*limit > 0) {
-    *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.current")) -
-             MemoryStatValue(ReadFile("/sys/fs/cgroup/memory.stat"), "inactive_file");
-  } else {
-    *limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
-    *usage = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.usage_in_bytes")) -
-             MemoryStatValue(ReadFile("/sys/fs/cgroup/memory/memory.stat"), "total_inactive_file");
-  }
+// The cgroup's memory limit (v2 at /sys/fs/cgroup, else v1's memory controller); 0 when there
+// is none. `usage` (nullable) gets its working set when there is a limit: its usage less the
+// inactive file cache, which the kernel reclaims before it kills anything, as container runtimes
+// count it.
+int64_t CgroupLimit(int64_t* usage) {
+  int64_t limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory.max"));
+  const bool v2 = limit > 0;
+  if (!v2) limit = CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+  if (usage == nullptr || limit <= 0) return limit;
+  *usage = v2 ? CgroupBytes(ReadFile("/sys/fs/cgroup/memory.current")) -
+                    MemoryStatValue(ReadFile("/sys/fs/cgroup/memory.stat"), "inactive_file")
+              : CgroupBytes(ReadFile("/sys/fs/cgroup/memory/memory.usage_in_bytes")) -
+                    MemoryStatValue(ReadFile("/sys/fs/cgroup/memory/memory.stat"),
+                                    "total_inactive_file");
   *usage = std::max<int64_t>(0, *usage);
+  return limit;
 }
 
 // The rest of the first line of `text` that starts with `key` then `sep`, without surrounding
@@ -88,14 +90,12 @@ int64_t CgroupBytes(std::string_view text) {
 }
 
 int64_t HostMemoryLimitBytes() {
-  int64_t limit = 0, usage = 0;
-  CgroupLimitAndUsage(&limit, &usage);
-  return Capped(MeminfoBytes(ReadFile("/proc/meminfo"), "MemTotal"), limit);
+  return Capped(MeminfoBytes(ReadFile("/proc/meminfo"), "MemTotal"), CgroupLimit(nullptr));
 }
 
 int64_t HostMemoryAvailableBytes() {
-  int64_t limit = 0, usage = 0;
-  CgroupLimitAndUsage(&limit, &usage);
+  int64_t usage = 0;
+  const int64_t limit = CgroupLimit(&usage);
   const int64_t available = MeminfoBytes(ReadFile("/proc/meminfo"), "MemAvailable");
   if (limit <= 0) return available;
   return Capped(available, std::max<int64_t>(1, limit - usage));
