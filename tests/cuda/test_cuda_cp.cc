@@ -1,21 +1,19 @@
 // Context parallelism of CudaModel (All2All and AllGather for Lightning and MLA): cp ranks share
-// ONE GPU as
-// threads of this process, each with its own CudaModel (own stream, cuBLASLt and cuDNN handles)
-// and its own Gloo communicator over an in-memory store (so the model's host-staged path runs:
-// NCCL refuses two ranks on one device). Each rank runs its zigzag share (ShardForCp) of a
-// sequence packing many documents that cross chunk and rank boundaries; the ranks' summed loss
-// and summed gradients must match one CudaModel (same seed) on the whole sequence. Configs: a
-// tiny-like model with head size 64 (the tensor-core Lightning path; MLA dims multiples of 16)
-// and the tiny preset (head size 16: the token-by-token Lightning path), cp = 2 (and cp = 4 on
-// tiny), with and without recompute; Lightning's AllGather on the head-64 model at cp = 2 and 4
-// (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form gives the
-// step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one document
-// and many, alone and with Lightning's AllGather, its cross pieces over several key and query
-// blocks; Lightning's AllGather at head size 16 (the token path) and both AllGather modes at
+// ONE GPU as threads of this process, each with its own CudaModel (own stream, cuBLASLt and cuDNN
+// handles) and its own Gloo communicator over an in-memory store (so the model's host-staged path
+// runs: NCCL refuses two ranks on one device). Each rank runs its zigzag share (ShardForCp) of a
+// sequence packing many documents that cross chunk and rank boundaries; the ranks' summed loss and
+// summed gradients must match one CudaModel (same seed) on the whole sequence. Configs: a tiny-like
+// model with head size 64 (the tensor-core Lightning path; MLA dims multiples of 16) and the tiny
+// preset (head size 16: the token-by-token Lightning path), cp = 2 (and cp = 4 on tiny), with and
+// without recompute; cp = 8 on both with 8 heads; Lightning's AllGather on the head-64 model at cp
+// = 2 and 4 (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form
+// gives the step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one
+// document and many, alone and with Lightning's AllGather, its cross pieces over several key and
+// query blocks; Lightning's AllGather at head size 16 (the token path) and both AllGather modes at
 // cp = 3; MLA's All2All gradients taken back by the ranks' blocks of heads and all at once, on
-// poisoned activation memory. Also: undecided modes and
-// n_heads % cp != 0 under All2All are refused with their messages, and a CpBatch without a
-// matching SetCp is refused. Skips without a GPU.
+// poisoned activation memory. Also: undecided modes and n_heads % cp != 0 under All2All are refused
+// with their messages, and a CpBatch without a matching SetCp is refused. Skips without a GPU.
 //
 // Tolerances. Both sides run the same bf16 kernels with fp32 accumulation; what differs is where
 // values get rounded to bf16 and in which order fp32 sums run: the token-local GEMMs see T/cp
@@ -359,6 +357,27 @@ TEST(CudaCp, TinyCp2RecomputeMatchesOneRank) {
 TEST(CudaCp, TinyCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None());  // one head per rank, chunks of 40
+}
+
+// cp = 8 on models with 8 heads, so that All2All gives each rank one head: the tiny sizes with
+// head size 8 (the token path), chunks of 20 tokens; and head size 64 (tensor cores), chunks of
+// 64, with Lightning's All2All beside MLA's AllGather and the reverse, recomputing.
+ModelConfig EightHeads(ModelConfig c) {
+  c.d_model = c.d_model / c.n_heads * 8;
+  c.n_heads = 8;
+  return c;
+}
+
+TEST(CudaCp, TinyEightHeadsCp8MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectCpMatchesOneRank(EightHeads(Tiny()), 320, 50, 8, Recompute::None());
+}
+
+TEST(CudaCp, Head64EightHeadsCp8MixedModesMatchOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  const ModelConfig c = EightHeads(Head64WellConditioned());
+  ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::All(), CpMode::kAll2All, CpMode::kAllGather);
+  ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::All(), CpMode::kAllGather, CpMode::kAll2All);
 }
 
 // MLA's backward under All2All takes the exchanged gradients back through kv_b and q_b one rank's

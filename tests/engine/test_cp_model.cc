@@ -1,8 +1,9 @@
-// Context-parallel parity of the model: for every Lightning x MLA mode pair and cp = 2 and 4,
-// ranks as threads (own Gloo communicators over 127.0.0.1) each run their zigzag share, and the
-// summed losses and every parameter's summed gradient equal the cp = 1 run of the whole sequence.
-// The sequence packs documents that cross chunk and rank boundaries, one longer than a rank's
-// share and one shorter than a chunk.
+// Context-parallel parity of the model: for every Lightning x MLA mode pair and cp = 2 and 4
+// (and cp = 8 on a model with 8 heads, so that All2All has a head a rank), ranks as threads (own
+// Gloo communicators over 127.0.0.1) each run their zigzag share, and the summed losses and every
+// parameter's summed gradient equal the cp = 1 run of the whole sequence. The sequence packs
+// documents that cross chunk and rank boundaries, one longer than a rank's share and one shorter
+// than a chunk.
 //
 // Tolerance (fp32 throughout): loss sum relative 1e-5; per parameter tensor,
 // max |g_cp - g_1| <= 1e-4 * max |g_1| (kTolGrad). Differences come only from summation order.
@@ -23,10 +24,10 @@ namespace {
 constexpr double kTolLoss = 1e-5;
 constexpr double kTolGrad = 1e-4;
 
-ModelConfig CpConfig() {
+ModelConfig CpConfig(int64_t n_heads) {
   ModelConfig c = *ModelPreset("tiny");
   c.d_model = 32;
-  c.n_heads = 4;
+  c.n_heads = n_heads;
   c.ffn_dim = 40;
   c.n_layers = 3;
   c.layer_pattern = "LLM";
@@ -34,8 +35,9 @@ ModelConfig CpConfig() {
   return c;
 }
 
-// 96 tokens, EOS = 256: documents [0, 4) (shorter than any chunk), [4, 71) (longer than a rank's
-// share at cp = 2 and 4), [71, 80), [80, 96) (cut by the sequence end).
+// 96 tokens, EOS = 256: documents [0, 4) (shorter than any chunk at cp <= 4), [4, 71) (longer
+// than a rank's share), [71, 80), [80, 96) (cut by the sequence end). At cp = 8 the chunks are 6
+// tokens, so [71, 80) and [80, 96) cross chunk boundaries too.
 std::vector<int32_t> PackedTokens(uint32_t seed) {
   std::mt19937 gen(seed);
   std::uniform_int_distribution<int32_t> tok(0, 255);
@@ -118,18 +120,19 @@ struct Case {
   int cp;
   CpMode lightning, mla;
   int64_t recompute_layers;  // the first this many layers recompute
+  int64_t n_heads = 4;
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "cp=" << c.cp << " lightning=" << CpModeName(c.lightning) << " mla=" << CpModeName(c.mla)
-      << " recompute=" << c.recompute_layers;
+      << " recompute=" << c.recompute_layers << " n_heads=" << c.n_heads;
 }
 
 class CpModelParityTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const Case c = GetParam();
-  const ModelConfig cfg = CpConfig();
+  const ModelConfig cfg = CpConfig(c.n_heads);
   const Batch full = MakeSequenceBatch(PackedTokens(11), 256);
   const RunResult ref = Reference(cfg, full, Recompute::None());
   auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers));
@@ -141,7 +144,8 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
   auto w = [](CpMode m) { return m == CpMode::kAll2All ? "A2A" : "AG"; };
   return absl::StrCat(
       "cp", i.param.cp, "_L", w(i.param.lightning), "_M", w(i.param.mla),
-      i.param.recompute_layers > 0 ? absl::StrCat("_recompute", i.param.recompute_layers) : "");
+      i.param.recompute_layers > 0 ? absl::StrCat("_recompute", i.param.recompute_layers) : "",
+      i.param.n_heads != 4 ? absl::StrCat("_heads", i.param.n_heads) : "");
 }
 
 constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All;
@@ -150,7 +154,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, CpModelParityTest,
                                            Case{2, AG, A2A, 0}, Case{2, A2A, AG, 0},
                                            Case{4, AG, AG, 0}, Case{4, A2A, A2A, 0},
                                            Case{4, AG, A2A, 3}, Case{4, A2A, AG, 3},
-                                           Case{2, A2A, AG, 1}, Case{2, AG, A2A, 2}),
+                                           Case{2, A2A, AG, 1}, Case{2, AG, A2A, 2},
+                                           Case{8, AG, AG, 0, 8}, Case{8, A2A, A2A, 0, 8},
+                                           Case{8, A2A, AG, 3, 8}, Case{8, AG, A2A, 2, 8}),
                          CaseName);
 
 TEST(CpLayoutTest, ChunkFlagsOfThePackedSequence) {
