@@ -95,10 +95,25 @@ TEST_P(ModelGradTest, EveryTensorMatchesFiniteDifferences) {
       std::copy(saved.begin(), saved.end(), P.data(i));
       return (lp - lm) / (2.0 * h);
     };
-    const double numeric = (4.0 * central(5e-4f) - central(1e-3f)) / 3.0;
+    auto richardson = [&](float h) { return (4.0 * central(h / 2) - central(h)) / 3.0; };
     // fp32 forward noise (~1e-7 of a loss sum near 200) over steps of 2h: allow 0.5% + 2e-2.
-    EXPECT_NEAR(analytic, numeric, 0.005 * std::fabs(numeric) + 2e-2)
-        << "analytic " << analytic << " numeric " << numeric;
+    auto tol = [](double numeric) { return 0.005 * std::fabs(numeric) + 2e-2; };
+    float h = 1e-3f;
+    double numeric = richardson(h);
+    // Along some directions (about one seed in 75 puts one at layer 0's q/k/v or the embedding of
+    // the three-layer model) the loss curves so sharply that the estimate at h is off by 1-4%,
+    // although it converges to the analytic value as h shrinks. There the step halves, down to
+    // 1.25e-4 (below which fp32 noise grows past the tolerance), until two successive estimates
+    // settle. A wrong gradient still fails: the estimates settle on the true derivative.
+    while (std::fabs(analytic - numeric) > tol(numeric) && h > 1.3e-4f) {
+      h /= 2;
+      const double next = richardson(h);
+      const bool settled = std::fabs(next - numeric) <= tol(next) / 2;
+      numeric = next;
+      if (settled) break;
+    }
+    EXPECT_NEAR(analytic, numeric, tol(numeric))
+        << "analytic " << analytic << " numeric " << numeric << " at h " << h;
   }
 }
 
