@@ -429,7 +429,8 @@ TEST(CpPlannerTest, AutoRecomputePicksTheFewestLayersThatFit) {
 //   MLA's backward took the ranks' blocks of heads as groups (2026-12-01: 256K and 512K over NCCL
 //   on two GPUs at 02:14; 384K and 256K AllGather / All2All at 01:52 with both ranks on one
 //   GPU over Gloo, bench/cuda/cp_memory_one_gpu.sh, whose device use is not known, with 64 MiB of
-//   reordering staging since removed).
+//   reordering staging since removed). The cp = 4 points: the four ranks on one GPU over Gloo, the
+//   same script (2026-12-01 04:13-04:16).
 TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -459,6 +460,9 @@ TEST(CpPlannerTest, CudaEstimateTracksTheMeasured1bSteps) {
                           Point{393216, 2, 16, A2A, A2A, fixed + 41.31, 0},
                           Point{524288, 2, 16, A2A, A2A, fixed + 54.13, 73.51},
                           Point{1048576, 2, 16, AG, AG, fixed + 103.28, 123.10},
+                          Point{131072, 4, 16, A2A, A2A, fixed + 8.89, 0},
+                          Point{196608, 4, 16, A2A, A2A, fixed + 12.10, 0},
+                          Point{196608, 4, 16, AG, AG, fixed + 13.07, 0},
                           Point{917504, 1, 16, A2A, A2A, fixed + 98.02, 116.12, true},
                           Point{1048576, 1, 16, A2A, A2A, fixed + 111.65, 129.86, true}}) {
     s.seq_len = pt.T;
