@@ -359,9 +359,9 @@ TEST(CudaCp, TinyCp4MatchesOneRank) {
   ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None());  // one head per rank, chunks of 40
 }
 
-// cp = 8 on models with 8 heads, so that All2All gives each rank one head: the tiny sizes with
-// head size 8 (the token path), chunks of 20 tokens; and head size 64 (tensor cores), chunks of
-// 64, with Lightning's All2All beside MLA's AllGather and the reverse, recomputing.
+// cp = 8 on models widened to 8 heads of the same size, so that All2All gives each rank one head:
+// tiny's head size 16 (the token path), chunks of 20 tokens; and head size 64 (tensor cores),
+// chunks of 64, with Lightning's All2All beside MLA's AllGather and the reverse, recomputing.
 ModelConfig EightHeads(ModelConfig c) {
   c.d_model = c.d_model / c.n_heads * 8;
   c.n_heads = 8;
