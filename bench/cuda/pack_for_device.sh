@@ -11,7 +11,8 @@ out=.cuda-run
 rm -rf "$out" && mkdir -p "$out/lib"
 grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
 bins=()
-for bin in tests/cuda/kernels_cuda_test tests/cuda/engine_cuda_test tests/cuda/cluster_cuda_test \
+for bin in tests/cuda/kernels_cuda_test tests/cuda/nccl_comm_test tests/cuda/engine_cuda_test \
+           tests/cuda/cluster_cuda_test \
            bench/cuda/bench_kernels_cuda \
            bench/cuda/bench_model_cuda bench/cuda/bench_cp_cuda worker/spindle-train \
            worker/spindle-worker coordinator/spindle-coordinator cli/spindle; do

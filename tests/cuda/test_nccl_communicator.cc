@@ -1,9 +1,10 @@
 // NcclCommunicator on device buffers: ranks are threads of this process, rank r on GPU r, so the
 // group size is bounded by the visible GPUs (sizes above it skip with the reason; one GPU cannot
 // hold two NCCL ranks). Every collective of the Communicator interface runs on buffers filled
-// with (rank, block, index) tags so each received element proves where it came from; then the
-// per-(collective, layer) accounting, and the error paths: bad sizes, roots, host pointers,
-// summing bytes, bad ranks and devices, and a rendezvous nobody answers all come back as statuses.
+// with (rank, block, index) tags so each received element proves where it came from, as does the
+// all-to-all by pieces; then the per-(collective, layer) accounting, and the error paths: bad
+// sizes, roots, host pointers, summing bytes, bad ranks and devices, and a rendezvous nobody
+// answers all come back as statuses.
 // Skips cleanly where no GPU is present (CI builds it with nvcc and no device).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -257,6 +258,63 @@ TEST_P(NcclPatternTest, EveryElementComesFromWhereItShould) {
                     static_cast<long long>(amount.calls), static_cast<long long>(amount.bytes),
                     amount.seconds * 1e6);
     }
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+// The all-to-all by pieces (what the CUDA engine's CP exchange runs): each rank sends every peer
+// its block as two pieces in reverse order plus an empty one, and receives them where its own list
+// says; the byte accounting counts what leaves for other ranks; unequal totals and a peer out of
+// range are refused before anything moves.
+TEST_P(NcclPatternTest, PiecesLandWhereTheReceiverListsThem) {
+  const int P = GetParam();
+  REQUIRE_GPUS(P);
+  MemoryKvStore store;
+  const int n = 37, a = 12;  // pieces of n - a and a elements
+  absl::Status s = RunRanks(P, [&](int rank) -> absl::Status {
+    if (cudaSetDevice(rank) != cudaSuccess) return absl::InternalError("cudaSetDevice");
+    auto comm = CreateNcclCommunicator(store, "pieces", rank, P, /*device=*/rank, kTimeout);
+    if (!comm.ok()) return comm.status();
+    Communicator& c = **comm;
+    std::vector<int32_t> in(n * P);
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i < n; ++i) in[j * n + i] = Tag(rank, j, i);
+    DevBuf<int32_t> d_in(n * P), d_out(n * P);
+    CHECK_CUDA(d_in.Put(in) && d_out.Put(std::vector<int32_t>(n * P, -1)));
+    int32_t* const src = d_in.get();
+    int32_t* const dst = d_out.get();
+    std::vector<CommSendPiece> send;
+    std::vector<CommRecvPiece> recv;
+    for (int j = 0; j < P; ++j) {
+      send.push_back({j, src + j * n + a, (n - a) * 4});
+      send.push_back({j, src + j * n, a * 4});
+      send.push_back({j, src + j * n, 0});
+      recv.push_back({j, dst + j * n + a, (n - a) * 4});
+      recv.push_back({j, dst + j * n, a * 4});
+      recv.push_back({j, dst + j * n, 0});
+    }
+    RETURN_IF_ERROR(c.AllToAllPieces(send, recv, CommLayer::kLightning));
+    const std::vector<int32_t> out = d_out.Get();
+    CHECK_CUDA(out.size() == size_t(n * P));
+    for (int from = 0; from < P; ++from)
+      for (int i = 0; i < n; ++i)
+        EXPECT_EQ(out[from * n + i], Tag(from, rank, i)) << "from " << from << " element " << i;
+    EXPECT_EQ((c.TakeStats()[{Collective::kAllToAll, CommLayer::kLightning}].bytes),
+              (P - 1) * n * 4);
+    // Every rank expects one element less from the last rank than it sends: refused.
+    std::vector<CommRecvPiece> short_recv = recv;
+    short_recv[3 * (P - 1)].bytes -= 4;
+    absl::Status bad = c.AllToAllPieces(send, short_recv, CommLayer::kOther);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(bad.message().find("every rank's total must be the same"), std::string::npos) << bad;
+    std::vector<CommSendPiece> stray = send;
+    stray[0].peer = P;
+    absl::Status out_of_range = c.AllToAllPieces(stray, recv, CommLayer::kOther);
+    EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument) << out_of_range;
+    EXPECT_NE(out_of_range.message().find("for rank " + std::to_string(P)), std::string::npos)
+        << out_of_range;
+    EXPECT_EQ(d_out.Get(), out);  // the refused calls moved nothing
     return absl::OkStatus();
   });
   ASSERT_TRUE(s.ok()) << s;
