@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "tests/engine/cp_test_util.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/comm/nccl_communicator.h"
 
@@ -46,16 +47,7 @@ int VisibleGpus() {
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 
-// Runs fn(rank) on `p` threads; the first failing status (by rank) wins.
-absl::Status RunRanks(int p, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> st(p);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < p; ++r) ts.emplace_back([&, r] { st[r] = fn(r); });
-  for (auto& t : ts) t.join();
-  for (int r = 0; r < p; ++r)
-    if (!st[r].ok()) return absl::Status(st[r].code(), absl::StrCat("rank ", r, ": ", st[r].message()));
-  return absl::OkStatus();
-}
+using testing::RunRanks;
 
 // A device buffer of T (freed on scope exit), filled from and read back into host vectors.
 template <typename T>
@@ -302,18 +294,7 @@ TEST_P(NcclPatternTest, PiecesLandWhereTheReceiverListsThem) {
         EXPECT_EQ(out[from * n + i], Tag(from, rank, i)) << "from " << from << " element " << i;
     EXPECT_EQ((c.TakeStats()[{Collective::kAllToAll, CommLayer::kLightning}].bytes),
               (P - 1) * n * 4);
-    // Every rank expects one element less from the last rank than it sends: refused.
-    std::vector<CommRecvPiece> short_recv = recv;
-    short_recv[3 * (P - 1)].bytes -= 4;
-    absl::Status bad = c.AllToAllPieces(send, short_recv, CommLayer::kOther);
-    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(bad.message().find("every rank's total must be the same"), std::string::npos) << bad;
-    std::vector<CommSendPiece> stray = send;
-    stray[0].peer = P;
-    absl::Status out_of_range = c.AllToAllPieces(stray, recv, CommLayer::kOther);
-    EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument) << out_of_range;
-    EXPECT_NE(out_of_range.message().find("for rank " + std::to_string(P)), std::string::npos)
-        << out_of_range;
+    testing::ExpectPiecesRefused(c, send, recv, P);
     EXPECT_EQ(d_out.Get(), out);  // the refused calls moved nothing
     return absl::OkStatus();
   });

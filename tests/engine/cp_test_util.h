@@ -1,6 +1,9 @@
 // Helpers for the context-parallel tests: run one function per rank on its own thread, each rank
-// with its own Gloo communicators over 127.0.0.1 bootstrapped from one in-memory store.
+// with its own Gloo communicators over 127.0.0.1 bootstrapped from one in-memory store; and the
+// refusals every communicator's all-to-all by pieces must give.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <functional>
 #include <memory>
@@ -10,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_stores.h"
 
@@ -31,6 +35,24 @@ inline GlooOptions TestGloo() {
   o.hostname = "127.0.0.1";
   o.timeout = absl::Seconds(60);
   return o;
+}
+
+// AllToAllPieces on a group of `world` ranks refuses, as InvalidArgument naming the problem, the
+// valid lists `send` / `recv` (three pieces a peer, in peer order) changed two ways: the receiver
+// expecting 4 bytes less from the last rank (unequal totals), and a piece sent to rank `world`.
+inline void ExpectPiecesRefused(Communicator& c, const std::vector<CommSendPiece>& send,
+                                const std::vector<CommRecvPiece>& recv, int world) {
+  std::vector<CommRecvPiece> short_recv = recv;
+  short_recv[3 * (world - 1)].bytes -= 4;
+  const absl::Status bad = c.AllToAllPieces(send, short_recv, CommLayer::kOther);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("every rank's total must be the same"), std::string::npos) << bad;
+  std::vector<CommSendPiece> stray = send;
+  stray[0].peer = world;
+  const absl::Status out_of_range = c.AllToAllPieces(stray, recv, CommLayer::kOther);
+  EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument) << out_of_range;
+  EXPECT_NE(out_of_range.message().find("for rank " + std::to_string(world)), std::string::npos)
+      << out_of_range;
 }
 
 }  // namespace spindle::testing
