@@ -68,8 +68,8 @@ Batch MakeSequenceBatch(const std::vector<int32_t>& tokens, int32_t eos_id) {
 Batch ShardZigzag(const Batch& full, int64_t cp, int64_t rank) {
   const int64_t chunk = full.T / (2 * cp);
   Batch out;
-  AppendPiece(full, rank * chunk, chunk, &out);
-  AppendPiece(full, (2 * cp - 1 - rank) * chunk, chunk, &out);
+  for (int64_t slot = 0; slot < 2; ++slot)
+    AppendPiece(full, ZigzagChunk(cp, rank, slot) * chunk, chunk, &out);
   return out;
 }
 

@@ -45,8 +45,17 @@ Batch MakeSequenceBatch(const std::vector<int32_t>& tokens, int32_t eos_id);
 // the convention of ModelConfig::TrainFlops: the sum over documents of L^2 / 2.
 double AttentionPairs(const Batch& full);
 
-// This rank's zigzag share of a whole-sequence batch: the sequence is cut into 2*cp equal chunks
-// and rank r holds chunks r and 2cp-1-r (in that order). seq T must be divisible by 2*cp.
+// Zigzag: the sequence is cut into 2*cp equal chunks and rank r holds chunks r (its slot 0) and
+// 2cp-1-r (slot 1), in that order.
+inline int64_t ZigzagChunk(int64_t cp, int64_t rank, int64_t slot) {
+  return slot == 0 ? rank : 2 * cp - 1 - rank;
+}
+inline int64_t ZigzagRank(int64_t cp, int64_t chunk) {
+  return chunk < cp ? chunk : 2 * cp - 1 - chunk;
+}
+inline int64_t ZigzagSlot(int64_t cp, int64_t chunk) { return chunk < cp ? 0 : 1; }
+
+// This rank's zigzag share of a whole-sequence batch. seq T must be divisible by 2*cp.
 Batch ShardZigzag(const Batch& full, int64_t cp, int64_t rank);
 
 }  // namespace spindle

@@ -20,15 +20,6 @@
 
 namespace spindle {
 
-// Zigzag: rank r holds chunks r (slot 0) and 2cp-1-r (slot 1) of the 2cp in stream order.
-inline int64_t ZigzagChunk(int64_t cp, int64_t rank, int64_t slot) {
-  return slot == 0 ? rank : 2 * cp - 1 - rank;
-}
-inline int64_t ZigzagRank(int64_t cp, int64_t chunk) {
-  return chunk < cp ? chunk : 2 * cp - 1 - chunk;
-}
-inline int64_t ZigzagSlot(int64_t cp, int64_t chunk) { return chunk < cp ? 0 : 1; }
-
 // One of the 2*cp chunks, in stream order.
 struct CpChunk {
   int64_t begin = 0;          // stream index of its first token
@@ -46,6 +37,7 @@ struct CpLayout {
   std::vector<int32_t> cu_seqlens; // document starts of the whole sequence, then T_full
   std::vector<CpChunk> chunks;     // [2 cp]
 
+  // Zigzag (batch.h): rank r holds chunks r (slot 0) and 2cp-1-r (slot 1).
   int64_t ChunkOf(int64_t rank, int64_t slot) const { return ZigzagChunk(cp, rank, slot); }
   int64_t RankOfChunk(int64_t c) const { return ZigzagRank(cp, c); }
   int64_t SlotOfChunk(int64_t c) const { return ZigzagSlot(cp, c); }
