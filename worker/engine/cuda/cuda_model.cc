@@ -523,6 +523,7 @@ struct CudaModel::Impl {
   struct SlotRows {
     int rank;
     int64_t block_row, stream_row;
+    int64_t Row(bool in_stream) const { return in_stream ? stream_row : block_row; }
   };
   std::vector<SlotRows> ZigzagSlots() const {
     std::vector<SlotRows> v;
@@ -531,10 +532,10 @@ struct CudaModel::Impl {
         v.push_back({i, i * B.T + s * B.chunk, ZigzagChunk(B.cp, i, s) * B.chunk});
     return v;
   }
-  // recv (block i = rank i's tokens, rows of `width`) -> full [T_full, width] in stream order;
-  // and full -> send in that block order. Device or pinned host memory.
-  absl::Status RecvRowsToStream(const void* recv, void* full, int64_t width);
-  absl::Status StreamToRankRows(const void* full, void* send, int64_t width);
+  // Every slot's rows of `width` from src to dst, each side in stream order ([T_full, width]) or in
+  // rank-block order (block i = rank i's tokens). Device or pinned host memory.
+  absl::Status CopySlots(const void* src, bool src_in_stream, void* dst, bool dst_in_stream,
+                         int64_t width);
   // The all-to-all of the whole-sequence buffers (distinct send and receive memory): from the
   // local tokens' blocks (send: block j = [T, width] for rank j) into `full` [T_full, width] in
   // stream order, each rank's two zigzag chunks received where they belong; or from `full` in
@@ -1066,17 +1067,12 @@ absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::RecvRowsToStream(const void* recv, void* full, int64_t width) {
+absl::Status CudaModel::Impl::CopySlots(const void* src, bool src_in_stream, void* dst,
+                                        bool dst_in_stream, int64_t width) {
   for (const SlotRows& r : ZigzagSlots())
-    CUDA(cudaMemcpyAsync(At(full, r.stream_row * width), At(recv, r.block_row * width),
-                         B.chunk * width * kAb, cudaMemcpyDefault, stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaModel::Impl::StreamToRankRows(const void* full, void* send, int64_t width) {
-  for (const SlotRows& r : ZigzagSlots())
-    CUDA(cudaMemcpyAsync(At(send, r.block_row * width), At(full, r.stream_row * width),
-                         B.chunk * width * kAb, cudaMemcpyDefault, stream));
+    CUDA(cudaMemcpyAsync(At(dst, r.Row(dst_in_stream) * width),
+                         At(src, r.Row(src_in_stream) * width), B.chunk * width * kAb,
+                         cudaMemcpyDefault, stream));
   return absl::OkStatus();
 }
 
@@ -1097,8 +1093,8 @@ absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_strea
   std::vector<CommSendPiece> out;
   std::vector<CommRecvPiece> in;
   for (const SlotRows& r : ZigzagSlots()) {
-    out.push_back({r.rank, At(send, (send_in_stream ? r.stream_row : r.block_row) * width), piece});
-    in.push_back({r.rank, At(recv, (recv_in_stream ? r.stream_row : r.block_row) * width), piece});
+    out.push_back({r.rank, At(send, r.Row(send_in_stream) * width), piece});
+    in.push_back({r.rank, At(recv, r.Row(recv_in_stream) * width), piece});
   }
   // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
   // returns once everything is received.
@@ -1112,14 +1108,14 @@ absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int
   const int64_t bytes = B.cp * B.T * width * kAb;
   CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
   RETURN_IF_ERROR(ExchangeHost(bytes, layer));
-  return RecvRowsToStream(cp_host_recv, full, width);
+  return CopySlots(cp_host_recv, false, full, true, width);
 }
 
 absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
                                                  CommLayer layer) {
   if (cp_device_buffers) return ExchangeSlots(full, true, recv, false, width, layer);
   const int64_t bytes = B.cp * B.T * width * kAb;
-  RETURN_IF_ERROR(StreamToRankRows(full, cp_host_send, width));
+  RETURN_IF_ERROR(CopySlots(full, true, cp_host_send, false, width));
   RETURN_IF_ERROR(ExchangeHost(bytes, layer));
   CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
@@ -1463,7 +1459,7 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
   RETURN_IF_ERROR(
       GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
-  RETURN_IF_ERROR(RecvRowsToStream(W.ag_recv.get(), C.ag_lat.get(), w));
+  RETURN_IF_ERROR(CopySlots(W.ag_recv.get(), false, C.ag_lat.get(), true, w));
   const int64_t SS = StatsSlot(H, ch);
   RETURN_IF_ERROR(F32(C.stats, 2 * SS));
   if (attention_kept) return absl::OkStatus();
