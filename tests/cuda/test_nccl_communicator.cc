@@ -11,10 +11,8 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -274,19 +272,8 @@ TEST_P(NcclPatternTest, PiecesLandWhereTheReceiverListsThem) {
       for (int i = 0; i < n; ++i) in[j * n + i] = Tag(rank, j, i);
     DevBuf<int32_t> d_in(n * P), d_out(n * P);
     CHECK_CUDA(d_in.Put(in) && d_out.Put(std::vector<int32_t>(n * P, -1)));
-    int32_t* const src = d_in.get();
-    int32_t* const dst = d_out.get();
-    std::vector<CommSendPiece> send;
-    std::vector<CommRecvPiece> recv;
-    for (int j = 0; j < P; ++j) {
-      send.push_back({j, src + j * n + a, (n - a) * 4});
-      send.push_back({j, src + j * n, a * 4});
-      send.push_back({j, src + j * n, 0});
-      recv.push_back({j, dst + j * n + a, (n - a) * 4});
-      recv.push_back({j, dst + j * n, a * 4});
-      recv.push_back({j, dst + j * n, 0});
-    }
-    RETURN_IF_ERROR(c.AllToAllPieces(send, recv, CommLayer::kLightning));
+    const testing::PieceLists l = testing::BlockPieces(d_in.get(), d_out.get(), n, a, P);
+    RETURN_IF_ERROR(c.AllToAllPieces(l.send, l.recv, CommLayer::kLightning));
     const std::vector<int32_t> out = d_out.Get();
     CHECK_CUDA(out.size() == size_t(n * P));
     for (int from = 0; from < P; ++from)
@@ -294,7 +281,7 @@ TEST_P(NcclPatternTest, PiecesLandWhereTheReceiverListsThem) {
         EXPECT_EQ(out[from * n + i], Tag(from, rank, i)) << "from " << from << " element " << i;
     EXPECT_EQ((c.TakeStats()[{Collective::kAllToAll, CommLayer::kLightning}].bytes),
               (P - 1) * n * 4);
-    testing::ExpectPiecesRefused(c, send, recv, P);
+    testing::ExpectPiecesRefused(c, l.send, l.recv, P);
     EXPECT_EQ(d_out.Get(), out);  // the refused calls moved nothing
     return absl::OkStatus();
   });

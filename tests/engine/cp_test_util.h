@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -37,9 +38,29 @@ inline GlooOptions TestGloo() {
   return o;
 }
 
+// The pieces tests' lists (`in` and `out`: `world` blocks of n int32, host or device memory): to
+// and from each peer j its block j as three pieces, the block's tail after its first `a` elements,
+// then those first `a`, then an empty one.
+struct PieceLists {
+  std::vector<CommSendPiece> send;
+  std::vector<CommRecvPiece> recv;
+};
+inline PieceLists BlockPieces(const int32_t* in, int32_t* out, int n, int a, int world) {
+  PieceLists l;
+  for (int j = 0; j < world; ++j) {
+    l.send.push_back({j, in + j * n + a, (n - a) * 4});
+    l.send.push_back({j, in + j * n, a * 4});
+    l.send.push_back({j, in + j * n, 0});
+    l.recv.push_back({j, out + j * n + a, (n - a) * 4});
+    l.recv.push_back({j, out + j * n, a * 4});
+    l.recv.push_back({j, out + j * n, 0});
+  }
+  return l;
+}
+
 // AllToAllPieces on a group of `world` ranks refuses, as InvalidArgument naming the problem, the
-// valid lists `send` / `recv` (three pieces a peer, in peer order) changed two ways: the receiver
-// expecting 4 bytes less from the last rank (unequal totals), and a piece sent to rank `world`.
+// valid lists `send` / `recv` (BlockPieces) changed two ways: the receiver expecting 4 bytes less
+// from the last rank (unequal totals), and a piece sent to rank `world`.
 inline void ExpectPiecesRefused(Communicator& c, const std::vector<CommSendPiece>& send,
                                 const std::vector<CommRecvPiece>& recv, int world) {
   std::vector<CommRecvPiece> short_recv = recv;

@@ -107,24 +107,15 @@ TEST_P(CommPatternTest, PiecesLandWhereTheReceiverListsThem) {
     std::vector<int32_t> in(n * P), out(n * P, -1);
     for (int j = 0; j < P; ++j)
       for (int i = 0; i < n; ++i) in[j * n + i] = Tag(rank, j, i);
-    std::vector<CommSendPiece> send;
-    std::vector<CommRecvPiece> recv;
-    for (int j = 0; j < P; ++j) {
-      send.push_back({j, &in[j * n + a], (n - a) * 4});
-      send.push_back({j, &in[j * n], a * 4});
-      send.push_back({j, &in[j * n], 0});
-      recv.push_back({j, &out[j * n + a], (n - a) * 4});
-      recv.push_back({j, &out[j * n], a * 4});
-      recv.push_back({j, &out[j * n], 0});
-    }
-    if (auto st = c.AllToAllPieces(send, recv, CommLayer::kLightning); !st.ok()) return st;
+    const testing::PieceLists l = testing::BlockPieces(in.data(), out.data(), n, a, P);
+    if (auto st = c.AllToAllPieces(l.send, l.recv, CommLayer::kLightning); !st.ok()) return st;
     for (int src = 0; src < P; ++src)
       for (int i = 0; i < n; ++i)
         EXPECT_EQ(out[src * n + i], Tag(src, rank, i)) << "from " << src << " element " << i;
     EXPECT_EQ((c.TakeStats()[{Collective::kAllToAll, CommLayer::kLightning}].bytes),
               (P - 1) * n * 4);
     const std::vector<int32_t> before = out;
-    testing::ExpectPiecesRefused(c, send, recv, P);
+    testing::ExpectPiecesRefused(c, l.send, l.recv, P);
     EXPECT_EQ(out, before);
     return absl::OkStatus();
   });
