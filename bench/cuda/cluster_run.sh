@@ -8,10 +8,7 @@
 # Usage: bench/cuda/cluster_run.sh JOB.json [steps] [checkpoint every]
 set -euo pipefail
 job=${1:?usage: bench/cuda/cluster_run.sh JOB.json [steps] [checkpoint every]}
-R=$PWD/.cuda-run
-[ -x "$R/spindle" ] || tar -C "$R" -xJf "$R/run.tar.xz"
-export LD_LIBRARY_PATH=$R/lib:/usr/local/cuda/lib64
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+source bench/cuda/device_env.sh
 out=${OUT:-/tmp}/cluster
 rm -rf "$out" && mkdir -p "$out"
 port=${SPINDLE_PORT:-7070}

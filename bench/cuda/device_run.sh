@@ -8,10 +8,7 @@
 # Usage: bench/cuda/device_run.sh [gtest filter] [racecheck filter]
 set -uo pipefail
 out=${OUT:-/tmp}
-[ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
-export LD_LIBRARY_PATH=$PWD/.cuda-run/lib:/usr/local/cuda/lib64
-export SPINDLE_TRAIN_BINARY=$PWD/.cuda-run/spindle-train
-export PYTHONPATH=$PWD/.peer/fla-src:${PYTHONPATH:-}
+source bench/cuda/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 echo "== kernel tests"

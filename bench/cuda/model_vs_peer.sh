@@ -9,9 +9,7 @@
 set -uo pipefail
 out=${OUT:-/tmp}
 what=${1:-all}
-[ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
-export LD_LIBRARY_PATH=$PWD/.cuda-run/lib:/usr/local/cuda/lib64
-export PYTHONPATH=$PWD/.peer/fla-src:${PYTHONPATH:-}
+source bench/cuda/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 if [ "$what" != peer ]; then

@@ -13,12 +13,7 @@
 # Run from the repository root with .cuda-run (bench/cuda/pack_for_device.sh build) carried.
 # Usage: bench/cuda/multi_gpu_run.sh check | scale CP_LIST [bench_cp_cuda flags]
 set -uo pipefail
-[ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
-R=$PWD/.cuda-run
-export LD_LIBRARY_PATH=$R/lib:/usr/local/cuda/lib64
-export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
-export SPINDLE_TRAIN_BINARY=$R/spindle-train SPINDLE_COORDINATOR_BINARY=$R/spindle-coordinator
-export SPINDLE_WORKER_BINARY=$R/spindle-worker
+source bench/cuda/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=index,name --format=csv,noheader
 case "${1:-}" in

@@ -13,11 +13,7 @@
 #        --mla_mode allgather]
 set -uo pipefail
 out=${OUT:-/tmp}
-[ -f .cuda-run/run.tar.xz ] && tar -C .cuda-run -xJf .cuda-run/run.tar.xz
-export LD_LIBRARY_PATH=$PWD/.cuda-run/lib:/usr/local/cuda/lib64
-export PYTHONPATH=$PWD/.peer/fla-src:${PYTHONPATH:-}
-export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
-R=.cuda-run
+source bench/cuda/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 (
