@@ -67,11 +67,6 @@ class GpuClusterTest : public ::testing::Test {
     ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
   }
 
-  static bool Terminal(const v1::Job& j) {
-    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-           j.state() == v1::JOB_STATE_CANCELLED;
-  }
-
   // Submits the job, waits for its first checkpoint, sends `signal` to the trainer of `rank` and
   // expects the job to end SUCCEEDED at its final step in a second attempt that resumed from a
   // checkpoint; returns the job's events.
@@ -81,7 +76,8 @@ class GpuClusterTest : public ::testing::Test {
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return "";
     auto mid = cluster_.WaitJob(
-        *id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 20 || Terminal(j); },
+        *id,
+        [](const v1::Job& j) { return j.last_checkpoint_step() >= 20 || ClusterHarness::Ended(j); },
         std::chrono::seconds(180));
     EXPECT_TRUE(mid.has_value() && mid->last_checkpoint_step() >= 20)
         << (mid ? ClusterHarness::Events(*mid) : "") << cluster_.Logs();
@@ -95,7 +91,7 @@ class GpuClusterTest : public ::testing::Test {
     EXPECT_EQ(trainers.size(), 1u) << cluster_.Logs();
     if (trainers.size() != 1u) return "";
     EXPECT_EQ(::kill(trainers[0], signal), 0);
-    auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(240));
+    auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(240));
     EXPECT_TRUE(job.has_value());
     if (!job.has_value()) return "";
     const std::string events = ClusterHarness::Events(*job);
@@ -118,7 +114,7 @@ TEST_F(GpuClusterTest, CpJobOnTwoGpuWorkersTrainsToSuccess) {
   StartCluster({});
   absl::StatusOr<std::string> id = cluster_.Submit(GpuCpSpec(dir_.File("ckpt"), 120, 60));
   ASSERT_TRUE(id.ok()) << id.status();
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(240));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(240));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED)
       << ClusterHarness::Events(*job) << cluster_.Logs();

@@ -285,6 +285,12 @@ class ClusterHarness {
     return jobs_->Cancel(&ctx, req, &resp).ok();
   }
 
+  // True once a job has ended: succeeded, failed or cancelled (a predicate for WaitJob).
+  static bool Ended(const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+           j.state() == v1::JOB_STATE_CANCELLED;
+  }
+
   // Waits for `pred(job)`; returns the last job seen.
   std::optional<v1::Job> WaitJob(const std::string& job_id,
                                  const std::function<bool(const v1::Job&)>& pred,

@@ -109,11 +109,6 @@ class ClusterControlPlaneTest : public ::testing::Test {
     return absl::StrSplit(ReadFile(ckpt + "/starts.log"), '\n', absl::SkipEmpty());
   }
 
-  static bool Terminal(const v1::Job& j) {
-    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-           j.state() == v1::JOB_STATE_CANCELLED;
-  }
-
   ScratchDir dir_{"spindle-cluster"};
   ClusterHarness cluster_{&dir_};
   std::string trainer_;
@@ -124,7 +119,7 @@ TEST_F(ClusterControlPlaneTest, SubmitPlaceRunSucceed) {
   const std::string ckpt = dir_.File("ckpt");
   absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
   ASSERT_TRUE(id.ok()) << id.status();
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(30));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(30));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);
@@ -144,7 +139,7 @@ TEST_F(ClusterControlPlaneTest, CancelStopsEveryRank) {
                                std::chrono::seconds(20)).has_value());
   ASSERT_EQ(ProcessesWithArgs({"--job-id", *id}, dir_.path()).size(), 2u);
   ASSERT_TRUE(cluster_.Cancel(*id));
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(10));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(10));
   ASSERT_TRUE(job.has_value());
   EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id}, dir_.path()).empty(); },
@@ -167,7 +162,7 @@ TEST_F(ClusterControlPlaneTest, KilledTrainerRestartsFromCheckpointAndFinishes) 
   }
   ASSERT_EQ(rank1.size(), 1u) << seen;
   ASSERT_EQ(::kill(rank1[0], SIGKILL), 0);
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);
@@ -198,7 +193,7 @@ TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
   // The killed daemon's trainer dies with it.
   EXPECT_TRUE(WaitFor([&] { return ProcessesWithArgs({"--job-id", *id, "--rank", "1", "--attempt", "1"}, dir_.path()).empty(); },
                       std::chrono::seconds(5)));
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);
@@ -218,7 +213,7 @@ TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
                                          "--stop_grace=1", "--recovery_grace=10"}))
       << cluster_.Logs();
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));
   ASSERT_TRUE(job.has_value()) << cluster_.Logs();
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps) << ClusterHarness::Events(*job) << ReadFile(ckpt + "/starts.log");
@@ -240,7 +235,7 @@ TEST_F(ClusterControlPlaneTest, HungRankIsDetectedAndRestartedWithinSeconds) {
   ASSERT_TRUE(restarted.has_value());
   ASSERT_GE(restarted->attempt(), 2) << ClusterHarness::Events(*restarted) << cluster_.Logs();
   EXPECT_LT(std::chrono::steady_clock::now() - hung_at, std::chrono::seconds(8));
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(60));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);

@@ -146,11 +146,6 @@ class ClusterCpTest : public ::testing::TestWithParam<int> {
     ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
   }
 
-  static bool Terminal(const v1::Job& j) {
-    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-           j.state() == v1::JOB_STATE_CANCELLED;
-  }
-
   ScratchDir dir_{"spindle-cluster-cp"};
   ClusterHarness cluster_{&dir_};
 };
@@ -159,7 +154,7 @@ TEST_P(ClusterCpTest, CpJobRunsOnCpuWorkersToSuccessWithProgress) {
   const int cp = GetParam();
   absl::StatusOr<std::string> id = cluster_.Submit(CpSpec(cp, 8, dir_.File("ckpt")));
   ASSERT_TRUE(id.ok()) << id.status();
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(180));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(180));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), 8);

@@ -40,11 +40,6 @@ class ClusterTrainingTest : public ::testing::Test {
     ASSERT_TRUE(cluster_.WaitForWorkers(1)) << cluster_.Logs();
   }
 
-  static bool Terminal(const v1::Job& j) {
-    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-           j.state() == v1::JOB_STATE_CANCELLED;
-  }
-
   ScratchDir dir_{"spindle-training"};
   ClusterHarness cluster_{&dir_};
 };
@@ -52,7 +47,7 @@ class ClusterTrainingTest : public ::testing::Test {
 TEST_F(ClusterTrainingTest, TinyJobTrainsToSuccess) {
   absl::StatusOr<std::string> id = cluster_.Submit(TinySpec(dir_.File("ckpt"), 20, 10));
   ASSERT_TRUE(id.ok()) << id.status();
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(120));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(120));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), 20);
@@ -78,7 +73,7 @@ TEST_F(ClusterTrainingTest, KilledTrainerResumesFromCheckpointToTheSameFinalStep
   std::vector<pid_t> trainers = ProcessesWithArgs({"--job-id", *id, "--rank", "0"}, dir_.path());
   ASSERT_EQ(trainers.size(), 1u);
   ASSERT_EQ(::kill(trainers[0], SIGKILL), 0);
-  auto job = cluster_.WaitJob(*id, Terminal, std::chrono::seconds(180));
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(180));
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << ClusterHarness::Events(*job) << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);
