@@ -219,8 +219,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
 }
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text) {
-  nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("job spec: not valid JSON");
+  ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(json_text, "job spec"));
   return ParseJobSpecJson(j);
 }
 

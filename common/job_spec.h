@@ -1,7 +1,8 @@
 // JobSpec: the training job description of DESIGN.md section 5. One JSON file feeds
 // `spindle submit`, `spindle plan` and the standalone `spindle-train`. Parsing rejects unknown
-// fields and impossible values with one error that names the field (e.g.
-// "job spec: train.lr: must be > 0, got -1"). Plain data; no thread-safety concerns.
+// fields, fields given twice and impossible values with one error that names the field (e.g.
+// "job spec: train.lr: must be > 0, got -1"), and syntax errors by line and column. Plain data;
+// no thread-safety concerns.
 //
 // Example:
 //   {"name": "recall", "model": {"preset": "tiny"},

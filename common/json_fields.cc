@@ -2,8 +2,99 @@
 #include "common/json_fields.h"
 
 #include <cmath>
+#include <vector>
 
 namespace spindle {
+namespace {
+
+// A SAX pass that records the first syntax error or repeated key; the DOM is built afterwards.
+class StrictChecker : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::string error;  // empty while the text is acceptable
+
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override {
+    Value();
+    frames_.push_back(Frame{});
+    return true;
+  }
+  bool key(string_t& k) override {
+    Frame& f = frames_.back();
+    f.key = k;
+    if (!f.keys.insert(k).second) {
+      error = absl::StrCat(Path(), ": appears twice");
+      return false;
+    }
+    return true;
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    Value();
+    frames_.push_back(Frame{.array = true});
+    return true;
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&,
+                   const nlohmann::detail::exception& ex) override {
+    // what() reads "[json.exception.parse_error.101] parse error at line 1, column 2: ...".
+    std::string_view msg = ex.what();
+    if (const size_t p = msg.find("] "); p != std::string_view::npos) msg.remove_prefix(p + 2);
+    error = absl::StrCat("not valid JSON: ", std::string(msg));
+    return false;
+  }
+
+ private:
+  struct Frame {
+    bool array = false;
+    int64_t elements = 0;  // arrays: elements begun so far
+    std::string key;       // objects: the current key
+    std::set<std::string> keys;
+  };
+  bool Value() {
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().elements;
+    return true;
+  }
+  // The dotted path of the current key ("train.lr", "a[2].b").
+  std::string Path() const {
+    std::string path;
+    for (const Frame& f : frames_) {
+      if (f.array) {
+        absl::StrAppend(&path, "[", f.elements - 1, "]");
+      } else {
+        absl::StrAppend(&path, path.empty() ? "" : ".", f.key);
+      }
+    }
+    return path;
+  }
+  std::vector<Frame> frames_;
+};
+
+}  // namespace
+
+absl::StatusOr<nlohmann::json> ParseStrictJson(std::string_view text, std::string_view what) {
+  StrictChecker checker;
+  nlohmann::json::sax_parse(text, &checker, nlohmann::json::input_format_t::json,
+                            /*strict=*/true, /*ignore_comments=*/false);
+  if (!checker.error.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": ", checker.error));
+  }
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded())
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": not valid JSON"));
+  return j;
+}
 
 absl::Status JsonFields::ReadInt(const std::string& key, int64_t* out, bool required) {
   seen_.insert(key);

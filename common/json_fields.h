@@ -1,18 +1,28 @@
 // JsonFields: strict reading of one JSON object for config parsing. Every read names the field
 // by its dotted path in errors ("train.lr: must be a number"), and Finish() reports the first key
-// that was never read as an unknown field. Not thread-safe; one reader per object.
+// that was never read as an unknown field. ParseStrictJson parses the text those objects come
+// from, refusing what a lenient parser would let through silently. Not thread-safe; one reader
+// per object.
 #pragma once
 
 #include <cstdint>
 #include <set>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace spindle {
+
+// Parses `text` as JSON. Errors start with `what` and name the problem: a syntax error by its
+// line and column ("job spec: not valid JSON: parse error at line 3, column 1: ..."), a key that
+// appears twice in one object by its dotted path ("job spec: train.lr: appears twice"), which a
+// plain parse would resolve by keeping the last value.
+absl::StatusOr<nlohmann::json> ParseStrictJson(std::string_view text, std::string_view what);
 
 class JsonFields {
  public:

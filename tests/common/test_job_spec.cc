@@ -1,7 +1,8 @@
 // Job spec parsing: a valid spec round-trips through its canonical JSON; every malformed field
 // gives one error naming it.
+#include "absl/strings/match.h"
 #include "common/job_spec.h"
-
+#include "common/json_fields.h"
 #include "gtest/gtest.h"
 
 namespace spindle {
@@ -95,9 +96,42 @@ std::string Error(const std::string& text) {
   return std::string(s.status().message());
 }
 
+TEST(JobSpecTest, SyntaxErrorsNameTheirLineAndColumn) {
+  const auto starts = [](const std::string& text, const std::string& prefix) {
+    const std::string e = Error(text);
+    EXPECT_TRUE(absl::StartsWith(e, prefix)) << e;
+  };
+  // A trailing comma on line 3, as an edited spec often has.
+  starts("{\"name\": \"x\",\n \"seq_len\": 64,\n}\n",
+         "job spec: not valid JSON: parse error at line 3, column 1: syntax error while parsing "
+         "object key");
+  starts(R"({"name": "x", "seq_len": 6 4})",
+         "job spec: not valid JSON: parse error at line 1, column 28");
+  starts("", "job spec: not valid JSON: parse error at line 1, column 1");
+}
+
+TEST(JobSpecTest, RepeatedKeysAreRefusedByTheirPath) {
+  const std::string base = R"("model": {"preset": "tiny"}, "data": {"source": "synthetic:recall"})";
+  EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "seq_len": 128, )" + base + "}"),
+            "job spec: seq_len: appears twice");
+  EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "train": {"lr": 1, "steps": 2, "lr": 3}, )" +
+                  base + "}"),
+            "job spec: train.lr: appears twice");
+  // Inside arrays and after nested objects the path still points at the repeated key.
+  EXPECT_EQ(Error(R"({"name": "x", "extra": [1, {"a": {"b": 1}, "c": 2, "c": 3}], )" + base + "}"),
+            "job spec: extra[1].c: appears twice");
+  // The same key in different objects, or in sibling objects of an array, is no repetition.
+  auto j = ParseStrictJson(R"({"a": {"k": 1}, "b": [{"k": 2}, {"k": 3}], "k": 4})", "test");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ((*j)["b"][1]["k"], 3);
+  EXPECT_EQ((*j)["k"], 4);
+}
+
 TEST(JobSpecTest, MalformedSpecsNameTheField) {
   const std::string base = R"("model": {"preset": "tiny"}, "data": {"source": "synthetic:recall"})";
-  EXPECT_EQ(Error("{"), "job spec: not valid JSON");
+  EXPECT_EQ(Error("{"),
+            "job spec: not valid JSON: parse error at line 1, column 2: syntax error while "
+            "parsing object key - unexpected end of input; expected string literal");
   EXPECT_EQ(Error("[]"), "job spec: must be a JSON object");
   EXPECT_EQ(Error(R"({"name": "x", )" + base + "}"), "job spec: seq_len: is required");
   EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "bogus": 1, )" + base + "}"),
