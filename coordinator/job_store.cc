@@ -162,9 +162,10 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   absl::Status st = store->Exec("PRAGMA journal_mode=WAL");
   if (st.ok()) st = store->Exec("PRAGMA synchronous=FULL");
   if (st.ok()) st = store->Exec("PRAGMA foreign_keys=ON");
-  if (!st.ok())
-    return absl::DataLossError(absl::StrCat("job store: ", path, " is not a usable database: ",
-                                            st.message()));
+  if (!st.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("job store: ", path, " is not a usable database: ", sqlite3_errmsg(db)));
+  }
   RETURN_IF_ERROR(store->Migrate());
   return store;
 }

@@ -1,13 +1,14 @@
 // JobStore: round trips, schema migrations, and crash durability: a writer process is killed
 // with SIGKILL mid-stream and every transition it acknowledged must be there after reopening.
-#include "coordinator/job_store.h"
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
 #include <set>
 
+#include "coordinator/job_store.h"
 #include "gtest/gtest.h"
 #include "tests/control/test_util.h"
 
@@ -77,15 +78,24 @@ TEST(JobStoreTest, CreateSaveAndReopen) {
 
 TEST(JobStoreTest, RejectsNonDatabaseAndUnopenablePath) {
   TempDir dir;
+  const std::string junk_path = dir.File("junk.db");
+  const std::string text =
+      "this is not a sqlite database, just some text that is long enough......";
   {
-    FILE* f = fopen(dir.File("junk.db").c_str(), "w");
-    fputs("this is not a sqlite database, just some text that is long enough......", f);
+    FILE* f = fopen(junk_path.c_str(), "w");
+    fputs(text.c_str(), f);
     fclose(f);
   }
-  auto junk = JobStore::Open(dir.File("junk.db"));
+  auto junk = JobStore::Open(junk_path);
   EXPECT_EQ(junk.status().code(), absl::StatusCode::kDataLoss) << junk.status();
+  EXPECT_EQ(junk.status().message(),
+            "job store: " + junk_path + " is not a usable database: file is not a database");
+  std::ifstream in(junk_path);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text);  // refused, not rewritten
   auto bad = JobStore::Open(dir.File("no/such/dir/x.db"));
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnavailable) << bad.status();
+  EXPECT_EQ(bad.status().message(), "job store: cannot open " + dir.File("no/such/dir/x.db") +
+                                        ": unable to open database file");
 }
 
 // A child process creates jobs and transitions them, writing the id of each acknowledged write to
