@@ -9,10 +9,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/daemon_flags.h"
 #include "coordinator/coordinator_server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "host:port for clients (JobService)");
@@ -31,7 +30,7 @@ ABSL_FLAG(double, heartbeat_interval, 1.0, "seconds between worker heartbeats");
 ABSL_FLAG(double, heartbeat_timeout, 10.0, "seconds without a worker message before it is lost");
 ABSL_FLAG(double, hang_timeout, 120.0,
           "seconds without step progress before a rank is declared hung and its gang restarts "
-          "(or 3 of the rank's last step time, when longer)");
+          "(or 3 times the rank's last step time, when longer)");
 ABSL_FLAG(double, start_timeout, 600.0, "seconds from placement to a rank's first step");
 ABSL_FLAG(double, stop_grace, 10.0, "seconds a stopped rank gets between SIGTERM and SIGKILL");
 ABSL_FLAG(double, recovery_grace, 20.0,
@@ -52,22 +51,10 @@ int64_t Ms(double seconds) { return static_cast<int64_t>(seconds * 1000.0); }
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "spindle-coordinator: schedules Spindle training jobs onto worker daemons.\n"
-      "  spindle-coordinator --listen 0.0.0.0:7070 --db /var/lib/spindle/spindle.db");
-  // Accept --flag-name as well as --flag_name (absl spells flags with underscores).
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& a = args[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t k = 2; k < end; ++k)
-      if (a[k] == '-') a[k] = '_';
-  }
-  std::vector<char*> argp;
-  for (std::string& a : args) argp.push_back(a.data());
-  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  spindle::ParseDaemonFlags(argc, argv, "schedules Spindle training jobs onto worker daemons.",
+                            "spindle-coordinator --listen 0.0.0.0:7070 --db "
+                            "/var/lib/spindle/spindle.db [flags]",
+                            "coordinator/main.cc");
 
   spindle::CoordinatorConfig cfg;
   cfg.listen = absl::GetFlag(FLAGS_listen);

@@ -12,10 +12,9 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/daemon_flags.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "worker/coordinator_session.h"
@@ -192,8 +191,10 @@ int Main() {
 }  // namespace spindle
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "spindle-worker --coordinator HOST:PORT [--slots N] [--work-dir DIR] [--metrics-port P]");
-  absl::ParseCommandLine(argc, argv);
+  spindle::ParseDaemonFlags(
+      argc, argv, "runs the training ranks the coordinator places on this machine.",
+      "spindle-worker --coordinator HOST:PORT [--slots N] [--work-dir DIR] [--metrics-port P] "
+      "[flags]",
+      "worker/worker_main.cc");
   return spindle::Main();
 }

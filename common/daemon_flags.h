@@ -1,0 +1,51 @@
+// Command lines of the daemons (spindle-coordinator, spindle-worker): absl flags with two things
+// a user expects. A flag may be spelled with hyphens (--work-dir) as well as with absl's
+// underscores (--work_dir), and --help lists the daemon's own flags with their defaults (absl's
+// --help lists only the flags of a file named after the binary, which would be none).
+// Header-only, so that common/ itself does not link absl's flags libraries; call once from main.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
+
+namespace spindle {
+
+// `what` says what the daemon does ("schedules Spindle training jobs onto worker daemons.");
+// `usage` is its usage line; `main_file` is the end of the path of the file that defines its
+// flags ("coordinator/main.cc"). Exits, as absl does, on --help and on an unknown flag.
+inline void ParseDaemonFlags(int argc, char** argv, const std::string& what,
+                             const std::string& usage, const std::string& main_file) {
+  absl::SetProgramUsageMessage(what + "\nusage: " + usage);
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [main_file](absl::string_view file) {
+    return absl::EndsWith(file, main_file);
+  };
+  config.contains_helpshort_flags = config.contains_help_flags;
+  config.normalize_filename = [main_file](absl::string_view file) {
+    return absl::EndsWith(file, main_file) ? main_file : std::string(file);
+  };
+  absl::SetFlagsUsageConfig(config);
+
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(a.find('='), a.size());
+    for (size_t k = 2; k < end; ++k) {
+      if (a[k] == '-') a[k] = '_';
+    }
+  }
+  std::vector<char*> argp;
+  for (std::string& a : args) argp.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+}
+
+}  // namespace spindle
