@@ -6,7 +6,6 @@
 #include <sstream>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
