@@ -1,8 +1,13 @@
 // SQLite implementation of JobStore (see job_store.h).
 #include "coordinator/job_store.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <sys/file.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,7 +15,41 @@
 #include "common/status.h"
 
 namespace spindle {
+
 namespace {
+
+// Takes the store's writer lock: an exclusive flock on `<path>.lock`, which records the holder's
+// pid for the message a second process gets. Returns the descriptor that holds the lock.
+absl::StatusOr<int> LockStore(const std::string& path) {
+  const std::string lock_path = path + ".lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("job store: cannot open ", path, ": ", std::strerror(errno)));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    ::close(fd);
+    if (err != EWOULDBLOCK) {
+      return absl::UnavailableError(
+          absl::StrCat("job store: cannot lock ", lock_path, ": ", std::strerror(err)));
+    }
+    std::string holder(buf, n > 0 ? static_cast<size_t>(n) : 0);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    return absl::FailedPreconditionError(
+        absl::StrCat("job store: ", path, " is in use by another coordinator",
+                     holder.empty() ? "" : absl::StrCat(" (pid ", holder, ")"),
+                     "; one store takes one coordinator"));
+  }
+  // The pid only serves the message a second process gets; the lock is what counts, so a failed
+  // write is no error.
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+  }
+  return fd;
+}
 
 // Migrations, applied in order; entry i brings the schema to version i + 1. Never edit a
 // released entry: append a new one.
@@ -148,15 +187,17 @@ JobRecord ReadJob(Stmt& s) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+  ASSIGN_OR_RETURN(const int lock_fd, LockStore(path));
   sqlite3* db = nullptr;
   int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE,
                            nullptr);
   if (rc != SQLITE_OK) {
     std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
     sqlite3_close(db);
+    ::close(lock_fd);
     return absl::UnavailableError(absl::StrCat("job store: cannot open ", path, ": ", msg));
   }
-  std::unique_ptr<JobStore> store(new JobStore(db));
+  std::unique_ptr<JobStore> store(new JobStore(db, lock_fd));
   absl::MutexLock l(&store->mu_);
   sqlite3_busy_timeout(db, 5000);
   absl::Status st = store->Exec("PRAGMA journal_mode=WAL");
@@ -173,6 +214,7 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
 JobStore::~JobStore() {
   absl::MutexLock l(&mu_);
   sqlite3_close(db_);
+  ::close(lock_fd_);
 }
 
 absl::Status JobStore::Exec(const char* sql) {

@@ -2,7 +2,9 @@
 // attempts with their rank placements, workers and the event history. Every write is one
 // transaction that is on disk when the call returns, so a coordinator killed at any moment
 // reopens with every acknowledged transition. The schema is versioned in `schema_migrations`;
-// Open() applies the missing migrations in order.
+// Open() applies the missing migrations in order. One store has one writer: Open() holds an
+// exclusive lock on `<path>.lock` (flock, released when the store closes or the process dies), so
+// a second coordinator started on the same file is refused before it reads or writes anything.
 //
 // Thread-safety: thread-safe; one connection serialised by an internal mutex.
 #pragma once
@@ -77,7 +79,8 @@ class JobStore {
   static constexpr int kSchemaVersion = 1;
 
   // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
-  // cannot be opened; DataLoss when it is not a Spindle database or is newer than this binary.
+  // cannot be opened; FailedPrecondition when another process holds the store (its pid named);
+  // DataLoss when it is not a Spindle database or is newer than this binary.
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path);
   ~JobStore();
   JobStore(const JobStore&) = delete;
@@ -104,7 +107,7 @@ class JobStore {
   absl::StatusOr<int> SchemaVersion() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  explicit JobStore(sqlite3* db) : db_(db) {}
+  JobStore(sqlite3* db, int lock_fd) : db_(db), lock_fd_(lock_fd) {}
   absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Exec(const char* sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteJobRow(const JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -116,6 +119,7 @@ class JobStore {
 
   absl::Mutex mu_;
   sqlite3* const db_ ABSL_PT_GUARDED_BY(mu_);
+  const int lock_fd_;  // holds the flock on <path>.lock until the destructor closes it
 };
 
 }  // namespace spindle

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/job_store.h"
 #include "gtest/gtest.h"
 #include "tests/control/test_util.h"
@@ -95,7 +96,76 @@ TEST(JobStoreTest, RejectsNonDatabaseAndUnopenablePath) {
   auto bad = JobStore::Open(dir.File("no/such/dir/x.db"));
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnavailable) << bad.status();
   EXPECT_EQ(bad.status().message(), "job store: cannot open " + dir.File("no/such/dir/x.db") +
-                                        ": unable to open database file");
+                                        ": No such file or directory");
+}
+
+// One store, one writer: while a store is open, a second Open of the same file (here from a
+// child process, as a second coordinator would be) is refused by name and changes nothing; once
+// the holder is gone, even killed, the store opens again.
+TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
+  TempDir dir;
+  const std::string path = dir.File("one.db");
+  auto store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRecord a = NewJob("a");
+  ASSERT_TRUE((*store)->CreateJob(&a, {"", 0, 1000, JobState::kQueued, "submitted"}).ok());
+
+  // Open from a child: a flock taken through another open file is refused in any process.
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    auto second = JobStore::Open(path);
+    const std::string msg = second.ok() ? std::string("opened")
+                                        : absl::StrCat(static_cast<int>(second.status().code()),
+                                                       " ", second.status().message());
+    (void)!::write(pipe_fds[1], msg.data(), msg.size());
+    ::_exit(0);
+  }
+  ::close(pipe_fds[1]);
+  std::string got;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof(buf))) > 0;) got.append(buf, n);
+  ::close(pipe_fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_EQ(got, absl::StrCat(static_cast<int>(absl::StatusCode::kFailedPrecondition),
+                              " job store: ", path, " is in use by another coordinator (pid ",
+                              ::getpid(), "); one store takes one coordinator"));
+  auto jobs = (*store)->LoadJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);  // the refused open wrote nothing
+
+  store->reset();  // closing the store releases the lock
+  auto again = JobStore::Open(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  again->reset();
+
+  // A holder killed with SIGKILL releases it too (the kernel drops a dead process's flocks).
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t holder = ::fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    ::close(ready[0]);
+    auto held = JobStore::Open(path);
+    const char c = held.ok() ? '1' : '0';
+    (void)!::write(ready[1], &c, 1);
+    ::pause();
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  ASSERT_EQ(c, '1');
+  EXPECT_EQ(JobStore::Open(path).status().code(), absl::StatusCode::kFailedPrecondition);
+  ::kill(holder, SIGKILL);
+  ::waitpid(holder, &status, 0);
+  auto after = JobStore::Open(path);
+  EXPECT_TRUE(after.ok()) << after.status();
 }
 
 // A child process creates jobs and transitions them, writing the id of each acknowledged write to
