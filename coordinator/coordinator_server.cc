@@ -134,6 +134,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   {
     grpc::ServerBuilder b;
+    // gRPC binds with SO_REUSEPORT by default, so a second coordinator on a taken port would
+    // start and take half of its connections; without it the bind fails.
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     b.AddListeningPort(s.config.listen, s.Credentials(), &s.client_port);
     b.RegisterService(s.job_service.get());
     if (shared) {
@@ -146,19 +149,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     }
     s.client_server = b.BuildAndStart();
     if (!s.client_server || s.client_port == 0)
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", s.config.listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", s.config.listen,
+                       " (the address is taken or not one of this host's)"));
   }
   if (shared) {
     s.worker_port = s.client_port;
   } else {
     grpc::ServerBuilder b;
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     b.AddListeningPort(s.config.worker_listen, s.Credentials(), &s.worker_port);
     b.RegisterService(s.cluster_service.get());
     b.RegisterService(s.rendezvous_service.get());
     s.worker_server = b.BuildAndStart();
     if (!s.worker_server || s.worker_port == 0) {
       s.client_server->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", s.config.worker_listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", s.config.worker_listen,
+                       " (the address is taken or not one of this host's)"));
     }
   }
   if (s.config.manager.rendezvous_address.empty()) {

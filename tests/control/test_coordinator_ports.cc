@@ -111,5 +111,29 @@ TEST_F(CoordinatorPortsTest, TheClientPortRefusesWorkersWithTheReason) {
   }
 }
 
+// A second coordinator (its own store) on a port the first holds is refused instead of sharing
+// the port: gRPC's default SO_REUSEPORT would have let both bind and split the connections.
+TEST_F(CoordinatorPortsTest, ASecondCoordinatorOnATakenPortIsRefused) {
+  for (const bool worker_port : {false, true}) {
+    CoordinatorConfig cfg;
+    const std::string taken =
+        absl::StrCat("127.0.0.1:", worker_port ? server_->worker_port() : server_->client_port());
+    cfg.listen = worker_port ? "127.0.0.1:0" : taken;
+    cfg.worker_listen = worker_port ? taken : "127.0.0.1:0";
+    cfg.db_path = dir_.File(worker_port ? "second-w.db" : "second-c.db");
+    auto second = CoordinatorServer::Start(cfg);
+    ASSERT_FALSE(second.ok()) << taken;
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(second.status().message(),
+              "cannot listen on " + taken + " (the address is taken or not one of this host's)");
+  }
+  // The first one still answers on both ports.
+  grpc::ClientContext ctx;
+  v1::ListWorkersResponse resp;
+  EXPECT_TRUE(v1::ClusterService::NewStub(client_)
+                  ->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp)
+                  .ok());
+}
+
 }  // namespace
 }  // namespace spindle
