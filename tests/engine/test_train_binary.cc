@@ -78,6 +78,17 @@ TEST_F(TrainBinaryTest, BadInputsAreRejectedWithOneLineAndWriteNothing) {
   EXPECT_FALSE(CheckpointDirExists());
 }
 
+// A checkpoint directory that cannot be written is found before the first step, not at the first
+// checkpoint (which in a real job may be hours in).
+TEST_F(TrainBinaryTest, UnwritableCheckpointDirIsRejectedBeforeTraining) {
+  Write("afile", "not a directory");
+  const std::string job = Write("job.json", R"({"name": "j", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:copy"}, "seq_len": 64, "train": {"steps": 50},
+      "checkpoint": {"dir": ")" + dir_ + R"(/afile/ckpt", "every": 40}})");
+  ExpectRejected(Run({"--job", job}), "checkpoint: cannot create directory \"" + dir_ +
+                                          "/afile/ckpt\": Not a directory");
+}
+
 TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
   const std::string job = Job(R"({"source": "synthetic:recall", "recall_gap": 16})");
   CommandResult ok = Run({"--job", job, "--stop-at-step", "1"});

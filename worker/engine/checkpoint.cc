@@ -211,6 +211,22 @@ absl::Status MakeDirs(const std::string& path) {
 
 }  // namespace
 
+absl::Status CheckCheckpointRoot(const std::string& root) {
+  absl::Status s = MakeDirs(root);
+  if (s.ok()) {
+    const std::string probe = absl::StrCat(root, "/.write-test.", ::getpid());
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      s = Errno("cannot write in", root);
+    } else {
+      ::close(fd);
+      ::unlink(probe.c_str());
+    }
+  }
+  // The job's checkpoint.dir is what is wrong, not the run: a restart would fail the same way.
+  return s.ok() ? s : absl::FailedPreconditionError(s.message());
+}
+
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
                                            const TrainState& state, int64_t keep) {

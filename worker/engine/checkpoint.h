@@ -37,6 +37,10 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
                                            Optimizer* optimizer, const ModelConfig& config,
                                            const TrainState& state, int64_t keep);
 
+// Creates `root` when missing and checks that files can be written in it, so that a job learns
+// at its start, not at its first checkpoint, that it could not keep one.
+absl::Status CheckCheckpointRoot(const std::string& root);
+
 // The newest complete checkpoint under root: NotFound when there is none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 

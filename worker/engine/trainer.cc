@@ -101,6 +101,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
   t->state_.seed = spec.train.seed;
   if (!t->ckpt_dir_.empty()) {
+    if (t->opt_.rank == 0) RETURN_IF_ERROR(CheckCheckpointRoot(t->ckpt_dir_));  // rank 0 writes
     auto latest = LatestCheckpoint(t->ckpt_dir_);
     if (latest.ok()) {
       ASSIGN_OR_RETURN(t->state_, LoadCheckpoint(*latest, params, t->optimizer_.get(), spec.model));
