@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_store.h"
@@ -99,9 +100,34 @@ TEST(JobStoreTest, RejectsNonDatabaseAndUnopenablePath) {
                                         ": No such file or directory");
 }
 
-// One store, one writer: while a store is open, a second Open of the same file (here from a
-// child process, as a second coordinator would be) is refused by name and changes nothing; once
-// the holder is gone, even killed, the store opens again.
+// Opens the store at `path` in a child process; returns the child's pid and what the open said
+// ("ok", or the status code and message). With `hold` a child that opened it keeps it open until
+// it is killed; otherwise the child exits.
+std::pair<pid_t, std::string> OpenInChild(const std::string& path, bool hold) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {-1, "pipe failed"};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    auto store = JobStore::Open(path);
+    const std::string said = store.ok() ? std::string("ok")
+                                        : absl::StrCat(static_cast<int>(store.status().code()), " ",
+                                                       store.status().message());
+    (void)!::write(fds[1], (said + "\n").data(), said.size() + 1);
+    if (hold && store.ok()) ::pause();
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string said;
+  char ch;
+  while (pid > 0 && ::read(fds[0], &ch, 1) == 1 && ch != '\n') said.push_back(ch);
+  ::close(fds[0]);
+  return {pid, said};
+}
+
+// One store, one writer: while a store is open, a second Open of the same file (from another
+// process, as a second coordinator would be) is refused by name and changes nothing; once the
+// holder is gone, even killed, the store opens again.
 TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   TempDir dir;
   const std::string path = dir.File("one.db");
@@ -110,30 +136,12 @@ TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   JobRecord a = NewJob("a");
   ASSERT_TRUE((*store)->CreateJob(&a, {"", 0, 1000, JobState::kQueued, "submitted"}).ok());
 
-  // Open from a child: a flock taken through another open file is refused in any process.
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::close(pipe_fds[0]);
-    auto second = JobStore::Open(path);
-    const std::string msg = second.ok() ? std::string("opened")
-                                        : absl::StrCat(static_cast<int>(second.status().code()),
-                                                       " ", second.status().message());
-    (void)!::write(pipe_fds[1], msg.data(), msg.size());
-    ::_exit(0);
-  }
-  ::close(pipe_fds[1]);
-  std::string got;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof(buf))) > 0;) got.append(buf, n);
-  ::close(pipe_fds[0]);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  EXPECT_EQ(got, absl::StrCat(static_cast<int>(absl::StatusCode::kFailedPrecondition),
-                              " job store: ", path, " is in use by another coordinator (pid ",
-                              ::getpid(), "); one store takes one coordinator"));
+  const auto [child, said] = OpenInChild(path, /*hold=*/false);
+  ASSERT_GT(child, 0) << said;
+  ::waitpid(child, nullptr, 0);
+  EXPECT_EQ(said, absl::StrCat(static_cast<int>(absl::StatusCode::kFailedPrecondition),
+                               " job store: ", path, " is in use by another coordinator (pid ",
+                               ::getpid(), "); one store takes one coordinator"));
   auto jobs = (*store)->LoadJobs();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
   ASSERT_EQ(jobs->size(), 1u);  // the refused open wrote nothing
@@ -144,26 +152,12 @@ TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   again->reset();
 
   // A holder killed with SIGKILL releases it too (the kernel drops a dead process's flocks).
-  int ready[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  const pid_t holder = ::fork();
-  ASSERT_GE(holder, 0);
-  if (holder == 0) {
-    ::close(ready[0]);
-    auto held = JobStore::Open(path);
-    const char c = held.ok() ? '1' : '0';
-    (void)!::write(ready[1], &c, 1);
-    ::pause();
-    ::_exit(0);
-  }
-  ::close(ready[1]);
-  char c = 0;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
-  ::close(ready[0]);
-  ASSERT_EQ(c, '1');
+  const auto [holder, held] = OpenInChild(path, /*hold=*/true);
+  ASSERT_GT(holder, 0) << held;
+  ASSERT_EQ(held, "ok");
   EXPECT_EQ(JobStore::Open(path).status().code(), absl::StatusCode::kFailedPrecondition);
   ::kill(holder, SIGKILL);
-  ::waitpid(holder, &status, 0);
+  ::waitpid(holder, nullptr, 0);
   auto after = JobStore::Open(path);
   EXPECT_TRUE(after.ok()) << after.status();
 }
