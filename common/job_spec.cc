@@ -1,6 +1,7 @@
 // Job spec parsing, validation and canonical JSON (see job_spec.h).
 #include "common/job_spec.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -224,6 +225,11 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text) {
 }
 
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: \"", path, "\" is a directory, not a JSON file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("job spec: cannot open \"", path, "\""));
   std::stringstream ss;

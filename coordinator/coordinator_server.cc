@@ -151,7 +151,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (!s.client_server || s.client_port == 0)
       return absl::UnavailableError(
           absl::StrCat("cannot listen on ", s.config.listen,
-                       " (the address is taken or not one of this host's)"));
+                       " (it is taken, is not HOST:PORT, or is not an address of this host)"));
   }
   if (shared) {
     s.worker_port = s.client_port;
@@ -166,7 +166,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       s.client_server->Shutdown();
       return absl::UnavailableError(
           absl::StrCat("cannot listen on ", s.config.worker_listen,
-                       " (the address is taken or not one of this host's)"));
+                       " (it is taken, is not HOST:PORT, or is not an address of this host)"));
     }
   }
   if (s.config.manager.rendezvous_address.empty()) {

@@ -91,6 +91,33 @@ int main(int argc, char** argv) {
     cfg.tls_cert_pem = *cert;
     cfg.tls_key_pem = *key;
   }
+  // Durations in seconds: the timeouts must be positive, the graces may be zero.
+  const struct {
+    const char* flag;
+    double seconds;
+    bool zero_ok;
+  } durations[] = {
+      {"--heartbeat-interval", absl::GetFlag(FLAGS_heartbeat_interval), false},
+      {"--heartbeat-timeout", absl::GetFlag(FLAGS_heartbeat_timeout), false},
+      {"--hang-timeout", absl::GetFlag(FLAGS_hang_timeout), false},
+      {"--start-timeout", absl::GetFlag(FLAGS_start_timeout), false},
+      {"--stop-grace", absl::GetFlag(FLAGS_stop_grace), true},
+      {"--recovery-grace", absl::GetFlag(FLAGS_recovery_grace), true},
+  };
+  for (const auto& d : durations) {
+    if (!(d.seconds > 0 || (d.zero_ok && d.seconds == 0))) {
+      std::fprintf(stderr, "spindle-coordinator: %s must be %s number of seconds, got %g\n", d.flag,
+                   d.zero_ok ? "a non-negative" : "a positive", d.seconds);
+      return 2;
+    }
+  }
+  if (cfg.metrics_port < -1 || cfg.metrics_port > 65535) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --metrics-port must be a port, 0 (any) or -1 (off), "
+                 "got %d\n",
+                 cfg.metrics_port);
+    return 2;
+  }
   cfg.manager.heartbeat_interval_ms = Ms(absl::GetFlag(FLAGS_heartbeat_interval));
   cfg.manager.heartbeat_timeout_ms = Ms(absl::GetFlag(FLAGS_heartbeat_timeout));
   cfg.manager.hang_timeout_ms = Ms(absl::GetFlag(FLAGS_hang_timeout));

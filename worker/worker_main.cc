@@ -66,6 +66,29 @@ std::string DefaultTrainerBinary() {
   return (self.parent_path() / "spindle-train").string();
 }
 
+// The numeric flags a typo could make meaningless, each refused by name.
+absl::Status CheckNumericFlags() {
+  const int port = absl::GetFlag(FLAGS_metrics_port);
+  if (port < -1 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-port must be a port, 0 (any) or -1 (off), got ", port));
+  }
+  if (const int t = absl::GetFlag(FLAGS_cpu_threads_per_slot); t < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu-threads-per-slot must be >= 0 (0: hardware threads / slots), got ", t));
+  }
+  if (const absl::Duration d = absl::GetFlag(FLAGS_coordinator_loss_timeout);
+      d <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--coordinator-loss-timeout must be a positive duration, got ", absl::FormatDuration(d)));
+  }
+  if (const absl::Duration d = absl::GetFlag(FLAGS_kill_grace); d < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kill-grace must not be negative, got ", absl::FormatDuration(d)));
+  }
+  return absl::OkStatus();
+}
+
 int Main() {
   // Before any thread exists, so every thread inherits the blocked SIGTERM/SIGINT.
   absl::StatusOr<ShutdownSignal> shutdown = ShutdownSignal::Create();
@@ -78,6 +101,10 @@ int Main() {
     std::fprintf(stderr, "spindle-worker: --coordinator HOST:PORT is required\n");
     return 2;
   }
+  if (absl::Status flags = CheckNumericFlags(); !flags.ok()) {
+    std::fprintf(stderr, "spindle-worker: %s\n", std::string(flags.message()).c_str());
+    return 2;
+  }
   const std::string hostname = Hostname();
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   if (worker_id.empty()) worker_id = hostname;
@@ -85,13 +112,14 @@ int Main() {
   std::string gpu_note;
   absl::StatusOr<v1::DeviceGroup> devices = DiscoverDevices(absl::GetFlag(FLAGS_slots), &gpu_note);
   if (!devices.ok()) {
-    std::fprintf(stderr, "spindle-worker: %s\n", devices.status().ToString().c_str());
+    std::fprintf(stderr, "spindle-worker: %s\n", std::string(devices.status().message()).c_str());
     return 2;
   }
   if (!gpu_note.empty()) WorkerLog("GPUs not offered, one CPU slot instead: %s", gpu_note);
   absl::StatusOr<std::string> token = ReadTokenFile(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
-    std::fprintf(stderr, "spindle-worker: --token-file: %s\n", token.status().ToString().c_str());
+    std::fprintf(stderr, "spindle-worker: --token-file: %s\n",
+                 std::string(token.status().message()).c_str());
     return 2;
   }
   std::string trainer = absl::GetFlag(FLAGS_trainer_binary);

@@ -1,5 +1,8 @@
 // Job spec parsing: a valid spec round-trips through its canonical JSON; every malformed field
 // gives one error naming it.
+#include <stdlib.h>
+#include <unistd.h>
+
 #include "absl/strings/match.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
@@ -108,6 +111,17 @@ TEST(JobSpecTest, SyntaxErrorsNameTheirLineAndColumn) {
   starts(R"({"name": "x", "seq_len": 6 4})",
          "job spec: not valid JSON: parse error at line 1, column 28");
   starts("", "job spec: not valid JSON: parse error at line 1, column 1");
+}
+
+TEST(JobSpecTest, ADirectoryIsNoJobSpec) {
+  char tmpl[] = "/tmp/spindle-spec-test-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto spec = LoadJobSpec(dir);
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(spec.status().message(), "job spec: \"" + dir + "\" is a directory, not a JSON file");
+  auto missing = LoadJobSpec(dir + "/none.json");
+  EXPECT_EQ(missing.status().message(), "job spec: cannot open \"" + dir + "/none.json\"");
+  ::rmdir(dir.c_str());
 }
 
 TEST(JobSpecTest, RepeatedKeysAreRefusedByTheirPath) {

@@ -125,7 +125,8 @@ TEST_F(CoordinatorPortsTest, ASecondCoordinatorOnATakenPortIsRefused) {
     ASSERT_FALSE(second.ok()) << taken;
     EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_EQ(second.status().message(),
-              "cannot listen on " + taken + " (the address is taken or not one of this host's)");
+              "cannot listen on " + taken +
+                  " (it is taken, is not HOST:PORT, or is not an address of this host)");
   }
   // The first one still answers on both ports.
   grpc::ClientContext ctx;

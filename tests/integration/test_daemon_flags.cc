@@ -1,6 +1,10 @@
 // The daemons' command lines, run for real: --help lists each daemon's own flags with their
 // defaults, and flags spelled with hyphens (as the usage lines and docs write them) are accepted
 // like absl's underscores, while a misspelt flag is still refused by name.
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -78,6 +82,67 @@ TEST(DaemonFlagsTest, HyphenatedFlagsAreAcceptedAndMisspeltOnesRefused) {
     EXPECT_THAT(bad.stderr_text, HasSubstr("Unknown command line flag 'heartbeat_timout'"))
         << d.binary;
   }
+}
+
+// Numeric flags a typo makes meaningless are refused by name, with exit code 2, before the
+// daemon opens or writes anything.
+TEST(DaemonFlagsTest, MeaninglessNumbersAreRefusedByName) {
+  char tmpl[] = "/tmp/spindle-flags-test-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string db = dir + "/never.db";
+  struct Case {
+    std::string binary;
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  if (!std::string(SPINDLE_COORDINATOR_BINARY).empty()) {
+    const std::string c = SPINDLE_COORDINATOR_BINARY;
+    const std::string base = "--db=" + db;
+    cases.push_back({c,
+                     {base, "--hang-timeout=-1"},
+                     "--hang-timeout must be a positive number of seconds, got -1"});
+    cases.push_back({c,
+                     {base, "--heartbeat-interval=0"},
+                     "--heartbeat-interval must be a positive number of seconds, got 0"});
+    cases.push_back({c,
+                     {base, "--stop-grace=-2"},
+                     "--stop-grace must be a non-negative number of seconds, got -2"});
+    cases.push_back({c,
+                     {base, "--metrics-port=70000"},
+                     "--metrics-port must be a port, 0 (any) or -1 (off), got 70000"});
+  }
+  if (!std::string(SPINDLE_WORKER_BINARY).empty()) {
+    const std::string w = SPINDLE_WORKER_BINARY;
+    const std::string base = "--coordinator=127.0.0.1:1";
+    const std::string work = "--work-dir=" + dir + "/work";
+    cases.push_back({w,
+                     {base, work, "--cpu-threads-per-slot=-2"},
+                     "--cpu-threads-per-slot must be >= 0 (0: hardware threads / slots), got -2"});
+    cases.push_back(
+        {w, {base, work, "--kill-grace=-1s"}, "--kill-grace must not be negative, got -1s"});
+    cases.push_back({w,
+                     {base, work, "--coordinator-loss-timeout=0s"},
+                     "--coordinator-loss-timeout must be a positive duration, got 0"});
+    cases.push_back({w,
+                     {base, work, "--metrics-port=-5"},
+                     "--metrics-port must be a port, 0 (any) or -1 (off), got -5"});
+    cases.push_back(
+        {w, {base, work, "--metrics-port=-1", "--slots=-1"}, "--slots must be >= 0, got -1"});
+  }
+  if (cases.empty()) GTEST_SKIP() << "no daemon binary in this build";
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {c.binary};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const CommandResult r = RunDaemon(argv);
+    const std::string name = c.binary.substr(c.binary.rfind('/') + 1);
+    EXPECT_EQ(r.exit_code, 2) << c.message << "\n" << r.stderr_text;
+    EXPECT_EQ(r.stderr_text, name + ": " + c.message + "\n") << c.message;
+  }
+  struct stat st;
+  EXPECT_NE(::stat(db.c_str(), &st), 0) << "the coordinator created its store";
+  EXPECT_NE(::stat((dir + "/work").c_str(), &st), 0) << "the worker created its work dir";
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
