@@ -407,6 +407,12 @@ class Cli {
 
   // Reads a job spec file; "" and an exit code on failure.
   bool ReadSpec(const std::string& path, std::string* text, int* code) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      *code = Fail(kExitUsage, absl::StrCat(o_.command, ": cannot read job spec ", path,
+                                            ": it is a directory"));
+      return false;
+    }
     std::ifstream f(path, std::ios::binary);
     if (!f) {
       *code = Fail(kExitUsage, absl::StrCat(o_.command, ": cannot read job spec ", path));

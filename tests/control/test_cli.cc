@@ -58,6 +58,11 @@ TEST_F(CliTest, UsageErrors) {
   r = RunSpindle({"submit", dir_.File("missing.json")});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, "spindle: submit: cannot read job spec " + dir_.File("missing.json") + "\n");
+  std::filesystem::create_directories(dir_.File("specs"));
+  r = RunSpindle({"plan", dir_.File("specs"), "--offline"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            "spindle: plan: cannot read job spec " + dir_.File("specs") + ": it is a directory\n");
   r = RunSpindle({"list", "--tls-ca", dir_.File("missing.pem")});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, "spindle: cannot read the --tls-ca file " + dir_.File("missing.pem") + "\n");
