@@ -157,13 +157,19 @@ int main(int argc, char** argv) {
     }
     flags[a.substr(2)] = argv[++i];
   }
-  auto int_flag = [&](const std::string& name, int64_t def, int64_t* out) -> bool {
+  // An integer flag given as at least `min`; `def` when absent.
+  auto int_flag = [&](const std::string& name, int64_t def, int64_t min, int64_t* out) -> bool {
     *out = def;
     auto it = flags.find(name);
     if (it == flags.end()) return true;
     if (!absl::SimpleAtoi(it->second, out)) {
       std::fprintf(stderr, "spindle-train: --%s must be an integer, got \"%s\"\n", name.c_str(),
                    it->second.c_str());
+      return false;
+    }
+    if (*out < min) {
+      std::fprintf(stderr, "spindle-train: --%s must be >= %lld, got %lld\n", name.c_str(),
+                   static_cast<long long>(min), static_cast<long long>(*out));
       return false;
     }
     return true;
@@ -174,16 +180,11 @@ int main(int argc, char** argv) {
   }
   int64_t threads = 0, rank = 0, world = 1, stop_at = -1, eval_sequences = 4;
   int64_t recompute_layers = spindle::TrainSpec::kRecomputeAuto;
-  if (!int_flag("threads", 0, &threads) || !int_flag("rank", 0, &rank) ||
-      !int_flag("world", 1, &world) || !int_flag("stop-at-step", -1, &stop_at) ||
-      !int_flag("eval-sequences", 4, &eval_sequences) ||
-      !int_flag("recompute-layers", spindle::TrainSpec::kRecomputeAuto, &recompute_layers))
+  if (!int_flag("threads", 0, 0, &threads) || !int_flag("rank", 0, 0, &rank) ||
+      !int_flag("world", 1, 1, &world) || !int_flag("stop-at-step", -1, 1, &stop_at) ||
+      !int_flag("eval-sequences", 4, 1, &eval_sequences) ||
+      !int_flag("recompute-layers", spindle::TrainSpec::kRecomputeAuto, 0, &recompute_layers))
     return 2;
-  if (flags.count("recompute-layers") && recompute_layers < 0) {
-    std::fprintf(stderr, "spindle-train: --recompute-layers must be >= 0, got %lld\n",
-                 static_cast<long long>(recompute_layers));
-    return 2;
-  }
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
 
   auto spec = spindle::LoadJobSpec(flags["job"]);
@@ -248,7 +249,7 @@ int main(int argc, char** argv) {
   if (world > 1) {
     if (flags.count("rendezvous")) {
       int64_t attempt = 0;
-      if (!int_flag("attempt", 0, &attempt)) return 2;
+      if (!int_flag("attempt", 0, 0, &attempt)) return 2;
       spindle::RendezvousOptions ro;
       ro.address = flags["rendezvous"];
       ro.job_id = flags["job-id"];

@@ -75,6 +75,22 @@ TEST_F(TrainBinaryTest, BadInputsAreRejectedWithOneLineAndWriteNothing) {
   EXPECT_EQ(flag.exit_code, 2);
   EXPECT_EQ(flag.stderr_text.substr(0, flag.stderr_text.find('\n')),
             "spindle-train: unknown flag --bogus");
+  // Numbers out of range are named with their bound.
+  const std::string recall = Job(R"({"source": "synthetic:recall"})");
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--threads", "-1"}, "--threads must be >= 0, got -1"},
+           {{"--stop-at-step", "0"}, "--stop-at-step must be >= 1, got 0"},
+           {{"--world", "0"}, "--world must be >= 1, got 0"},
+           {{"--rank", "-2"}, "--rank must be >= 0, got -2"},
+           {{"--recompute-layers", "-1"}, "--recompute-layers must be >= 0, got -1"},
+           {{"--threads", "two"}, "--threads must be an integer, got \"two\""}}) {
+    std::vector<std::string> argv = {"--job", recall};
+    argv.insert(argv.end(), args.begin(), args.end());
+    CommandResult r = Run(argv);
+    EXPECT_EQ(r.exit_code, 2) << message;
+    EXPECT_EQ(r.stderr_text, "spindle-train: " + message + "\n");
+    EXPECT_TRUE(r.stdout_text.empty()) << r.stdout_text;
+  }
   EXPECT_FALSE(CheckpointDirExists());
 }
 
