@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/job_spec.h"
+#include "common/pem.h"
 #include "coordinator/cp_planner.h"
 #include "coordinator/plan_proto.h"
 #include "google/protobuf/util/json_util.h"
@@ -339,12 +340,9 @@ class Cli {
 
   int Run() {
     if (!o_.tls_ca.empty()) {
-      std::ifstream f(o_.tls_ca, std::ios::binary);
-      std::stringstream ss;
-      if (f) ss << f.rdbuf();
-      if (!f || ss.str().empty())
-        return Fail(kExitUsage, absl::StrCat("cannot read the --tls-ca file ", o_.tls_ca));
-      tls_ca_pem_ = ss.str();
+      absl::StatusOr<std::string> pem = ReadPemFile(o_.tls_ca, PemKind::kCertificate, "--tls-ca");
+      if (!pem.ok()) return Fail(kExitUsage, std::string(pem.status().message()));
+      tls_ca_pem_ = *std::move(pem);
     }
     const std::string& c = o_.command;
     if (c == "plan") return Plan();

@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
 #include "cli/healthcheck.h"
+#include "common/pem.h"
 
 ABSL_FLAG(std::string, grpc, "", "host:port of a gRPC server with grpc.health.v1 (coordinator)");
 ABSL_FLAG(std::string, service, "", "service name asked about with --grpc; empty: the server");
@@ -46,14 +47,14 @@ int main(int argc, char** argv) {
     options.service = absl::GetFlag(FLAGS_service);
     options.timeout = timeout;
     if (const std::string ca = absl::GetFlag(FLAGS_tls_ca_file); !ca.empty()) {
-      std::ifstream f(ca, std::ios::binary);
-      if (!f) {
-        std::fprintf(stderr, "spindle-healthcheck: cannot read --tls_ca_file %s\n", ca.c_str());
+      absl::StatusOr<std::string> pem =
+          spindle::ReadPemFile(ca, spindle::PemKind::kCertificate, "--tls_ca_file");
+      if (!pem.ok()) {
+        std::fprintf(stderr, "spindle-healthcheck: %s\n",
+                     std::string(pem.status().message()).c_str());
         return 2;
       }
-      std::stringstream ss;
-      ss << f.rdbuf();
-      options.tls_ca_pem = ss.str();
+      options.tls_ca_pem = *std::move(pem);
     }
     absl::StatusOr<spindle::ServingStatus> status = spindle::CheckGrpcHealth(options);
     if (!status.ok()) {

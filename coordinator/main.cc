@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon_flags.h"
+#include "common/pem.h"
 #include "coordinator/coordinator_server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "host:port for clients (JobService)");
@@ -81,8 +82,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
-    auto cert = ReadFile(absl::GetFlag(FLAGS_tls_cert), "TLS certificate");
-    auto key = ReadFile(absl::GetFlag(FLAGS_tls_key), "TLS key");
+    auto cert = spindle::ReadPemFile(absl::GetFlag(FLAGS_tls_cert), spindle::PemKind::kCertificate,
+                                     "--tls-cert");
+    auto key = spindle::ReadPemFile(absl::GetFlag(FLAGS_tls_key), spindle::PemKind::kPrivateKey,
+                                    "--tls-key");
     if (!cert.ok() || !key.ok()) {
       std::fprintf(stderr, "spindle-coordinator: %s\n",
                    std::string((cert.ok() ? key.status() : cert.status()).message()).c_str());

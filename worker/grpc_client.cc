@@ -4,9 +4,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
+#include "common/pem.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -31,7 +32,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeCoordinatorChannel(
   if (options.tls_ca_file.empty()) {
     creds = grpc::InsecureChannelCredentials();
   } else {
-    absl::StatusOr<std::string> pem = ReadWholeFile(options.tls_ca_file, "TLS CA file");
+    absl::StatusOr<std::string> pem =
+        ReadPemFile(options.tls_ca_file, PemKind::kCertificate, "--tls-ca-file");
     if (!pem.ok()) return pem.status();
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = *std::move(pem);

@@ -66,6 +66,11 @@ TEST_F(CliTest, UsageErrors) {
   r = RunSpindle({"list", "--tls-ca", dir_.File("missing.pem")});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, "spindle: cannot read the --tls-ca file " + dir_.File("missing.pem") + "\n");
+  const std::string junk = WriteSpec("junk.pem", "not a certificate\n");
+  r = RunSpindle({"list", "--tls-ca", junk});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: the --tls-ca file " + junk +
+                       " holds no PEM certificate (no -----BEGIN CERTIFICATE----- line)\n");
 }
 
 TEST_F(CliTest, BadSpecNamesTheField) {

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,12 @@ TEST(DaemonFlagsTest, MeaninglessNumbersAreRefusedByName) {
     cases.push_back({c,
                      {base, "--metrics-port=70000"},
                      "--metrics-port must be a port, 0 (any) or -1 (off), got 70000"});
+    const std::string junk = dir + "/junk.pem";
+    std::ofstream(junk) << "not a certificate\n";
+    cases.push_back({c,
+                     {base, "--tls-cert=" + junk, "--tls-key=" + junk},
+                     "the --tls-cert file " + junk +
+                         " holds no PEM certificate (no -----BEGIN CERTIFICATE----- line)"});
   }
   if (!std::string(SPINDLE_WORKER_BINARY).empty()) {
     const std::string w = SPINDLE_WORKER_BINARY;
