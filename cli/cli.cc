@@ -669,6 +669,10 @@ class Cli {
     if (!st.ok()) return RpcFail(st);
     if (Json()) {
       out_ << ToJsonLine(resp.job()) << "\n";
+    } else if (resp.job().state() != v1::JOB_STATE_CANCELLED) {
+      // The coordinator leaves a job that had already ended as it was.
+      out_ << resp.job().job_id() << " had already " << StateName(resp.job().state())
+           << "; nothing to cancel\n";
     } else {
       out_ << resp.job().job_id() << " " << StateName(resp.job().state()) << "\n";
     }

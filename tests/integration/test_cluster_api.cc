@@ -213,6 +213,12 @@ TEST_F(ClusterApiTest, EveryMistakeIsOneClearErrorAndQueuesNothing) {
   EXPECT_EQ(ok.exit_code, 0) << ok.stdout_text << ok.stderr_text << cluster_.Logs();
   EXPECT_THAT(ok.stdout_text, StartsWith("submitted j-000001 (")) << ok.stdout_text;
   EXPECT_THAT(ok.stdout_text, HasSubstr("j-000001 succeeded")) << ok.stdout_text;
+  // Cancelling it now changes nothing, and says so.
+  CommandResult late = cli({"cancel", "j-000001"});
+  EXPECT_EQ(late.exit_code, 0) << late.stderr_text;
+  EXPECT_EQ(late.stdout_text, "j-000001 had already succeeded; nothing to cancel\n");
+  CommandResult status = cli({"status", "j-000001", "--output", "json"});
+  EXPECT_THAT(status.stdout_text, HasSubstr("\"state\":\"JOB_STATE_SUCCEEDED\""));
 }
 
 TEST_F(ClusterApiTest, RequestsWithoutTheTokenAreRefused) {
