@@ -2,7 +2,8 @@
 // a user expects. A flag may be spelled with hyphens (--work-dir) as well as with absl's
 // underscores (--work_dir), and --help lists the daemon's own flags with their defaults (absl's
 // --help lists only the flags of a file named after the binary, which would be none).
-// Header-only, so that common/ itself does not link absl's flags libraries; call once from main.
+// Also the check of --metrics-port, which both daemons take. Header-only, so that common/ itself
+// does not link absl's flags libraries; call ParseDaemonFlags once from main.
 #pragma once
 
 #include <algorithm>
@@ -12,10 +13,19 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace spindle {
+
+// A daemon's --metrics-port: a port, 0 (any free one) or -1 (no /metrics endpoint).
+inline absl::Status CheckMetricsPortFlag(int port) {
+  if (port >= -1 && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--metrics-port must be a port, 0 (any) or -1 (off), got ", port));
+}
 
 // `what` says what the daemon does ("schedules Spindle training jobs onto worker daemons.");
 // `usage` is its usage line; `main_file` is the end of the path of the file that defines its

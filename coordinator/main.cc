@@ -114,11 +114,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (cfg.metrics_port < -1 || cfg.metrics_port > 65535) {
-    std::fprintf(stderr,
-                 "spindle-coordinator: --metrics-port must be a port, 0 (any) or -1 (off), "
-                 "got %d\n",
-                 cfg.metrics_port);
+  if (absl::Status port = spindle::CheckMetricsPortFlag(cfg.metrics_port); !port.ok()) {
+    std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(port.message()).c_str());
     return 2;
   }
   cfg.manager.heartbeat_interval_ms = Ms(absl::GetFlag(FLAGS_heartbeat_interval));

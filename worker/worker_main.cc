@@ -17,6 +17,7 @@
 #include "common/daemon_flags.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
+#include "common/status.h"
 #include "worker/coordinator_session.h"
 #include "worker/device_discovery.h"
 #include "worker/grpc_client.h"
@@ -68,11 +69,7 @@ std::string DefaultTrainerBinary() {
 
 // The numeric flags a typo could make meaningless, each refused by name.
 absl::Status CheckNumericFlags() {
-  const int port = absl::GetFlag(FLAGS_metrics_port);
-  if (port < -1 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics-port must be a port, 0 (any) or -1 (off), got ", port));
-  }
+  RETURN_IF_ERROR(CheckMetricsPortFlag(absl::GetFlag(FLAGS_metrics_port)));
   if (const int t = absl::GetFlag(FLAGS_cpu_threads_per_slot); t < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--cpu-threads-per-slot must be >= 0 (0: hardware threads / slots), got ", t));
