@@ -15,7 +15,6 @@
 #include "common/status.h"
 
 namespace spindle {
-
 namespace {
 
 // Takes the store's writer lock: an exclusive flock on `<path>.lock`, which records the holder's
@@ -43,11 +42,9 @@ absl::StatusOr<int> LockStore(const std::string& path) {
                      holder.empty() ? "" : absl::StrCat(" (pid ", holder, ")"),
                      "; one store takes one coordinator"));
   }
-  // The pid only serves the message a second process gets; the lock is what counts, so a failed
-  // write is no error.
+  // The pid only serves the message a second process gets: a failed write is no error.
   const std::string pid = absl::StrCat(::getpid(), "\n");
-  if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-  }
+  if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, pid.data(), pid.size(), 0);
   return fd;
 }
 
