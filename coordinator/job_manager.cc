@@ -763,6 +763,11 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       r.last_progress_ms = now;
       r.last_report_ms = now;
     }
+    // A slot still draining a stopped rank that the worker no longer runs is free now, not at
+    // its drain deadline.
+    for (WorkerRuntime::Slot& s : w.slots) {
+      if (s.drain_deadline_ms > 0 && !listed.count({s.job_id, s.attempt, s.rank})) s = {};
+    }
     for (const auto& [job_id, attempt] : stops) {
       v1::CoordinatorMessage m;
       m.mutable_stop()->set_job_id(job_id);
@@ -988,6 +993,10 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
               absl::StrCat("rank ", ref.rank(), " on worker ", worker_id, " ", why);
           if (e.stderr_tail_size() > 0)
             absl::StrAppend(&reason, ": ", e.stderr_tail(e.stderr_tail_size() - 1));
+          // A worker that vanished (its session closed) takes its ranks with it, and their peers
+          // then fail in their collectives: name the vanished worker as the cause.
+          if (std::string gone = DisconnectedPeer(*j, *r); !gone.empty())
+            reason = absl::StrCat(gone, "; then ", reason);
           if (e.signal() == 0 && e.exit_code() == kExitOutOfMemory)
             RecomputeMoreAfterOutOfMemory(*j, &reason);
           FailAttempt(*j, reason, e.signal() == 0 && e.exit_code() == kExitInvalidInput,
@@ -1002,6 +1011,19 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
     }
   }
   Flush(out);
+}
+
+std::string JobManager::DisconnectedPeer(const JobRuntime& j, const RankRuntime& failed) const {
+  for (const RankRuntime& o : j.ranks) {
+    // A rank not yet re-adopted after a coordinator restart has a worker that may still be on
+    // its way back, not gone.
+    if (&o == &failed || o.state == "exited" || !o.adopted) continue;
+    auto it = workers_.find(o.placement.worker_id);
+    if (it == workers_.end() || it->second->connected) continue;
+    return absl::StrCat("worker ", o.placement.worker_id, " disconnected with rank ",
+                        o.placement.rank);
+  }
+  return "";
 }
 
 void JobManager::MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out) {

@@ -186,6 +186,10 @@ class JobManager {
                      int64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "worker W disconnected with rank R" for the first rank of j other than `failed` still
+  // running on a worker whose session is closed; "" when there is none.
+  std::string DisconnectedPeer(const JobRuntime& j, const RankRuntime& failed) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckRunning(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Flush(Outbox& out) ABSL_LOCKS_EXCLUDED(mu_);
   void Bump(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -307,6 +307,38 @@ TEST_F(JobManagerTest, LostWorkerRestartsGangElsewhere) {
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
 }
 
+// A worker's session closes (the daemon was killed) and a rank on another worker then fails in
+// its collective: the restart names the vanished worker first, then the failed rank.
+TEST_F(JobManagerTest, RankFailureAfterAPeerWorkerDisconnectedNamesThatWorker) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  const uint64_t w2_session = session_;
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  const v1::Job placed = Get(id);
+  const int gone = placed.ranks(0).worker_id() == "w2" ? 0 : 1;
+  const std::string survivor = placed.ranks(1 - gone).worker_id();
+  ASSERT_EQ(placed.ranks(gone).worker_id(), "w2");
+  Progress("w1", Ref(id, 1, 1 - gone), 3);
+  Progress("w2", Ref(id, 1, gone), 3);
+  manager_->SessionClosed("w2", w2_session);
+  Exit(survivor, Ref(id, 1, 1 - gone), 1, false, "spindle-train: gloo all-to-all: lost contact");
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(j.message(),
+            absl::StrCat("worker w2 disconnected with rank ", gone, "; then rank ", 1 - gone,
+                         " on worker w1 exited with code 1: spindle-train: "
+                         "gloo all-to-all: lost contact; restart 1/3 from scratch"));
+  EXPECT_EQ(j.restarts(), 1);
+  // w2 comes back running nothing: its slot, draining the stopped rank, is free at once and the
+  // gang is placed again without waiting for the drain deadline.
+  Hello("w2", {});
+  const auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  for (const auto& [worker, a] : as) EXPECT_EQ(a.ref().attempt(), 2) << worker;
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+}
+
 TEST_F(JobManagerTest, HungRankIsDetected) {
   AddWorker("w1", 2);
   const std::string id = Submit(SpecJson(2, 1));

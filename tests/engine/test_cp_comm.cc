@@ -162,6 +162,30 @@ TEST(CommTest, RendezvousTimeoutIsAStatusNamingTheGroup) {
       << comm.status();
 }
 
+// A rank whose peer goes away mid-job (here: closes its communicator instead of joining the
+// all-reduce) gets a status that names the lost peer as the cause, not only Gloo's socket error.
+TEST(CommTest, APeerThatGoesAwayIsNamedAsTheCause) {
+  MemoryKvStore store;
+  GlooOptions o = TestGloo();
+  o.timeout = absl::Seconds(10);
+  absl::Status rank0;
+  absl::Status s = RunRanks(2, [&](int rank) -> absl::Status {
+    auto c = CreateGlooCommunicator(store, "gone", rank, 2, o);
+    if (!c.ok()) return c.status();
+    if (rank == 1) return absl::OkStatus();  // its communicator closes here
+    float x[1024] = {};
+    rank0 = (*c)->AllReduceSum(x, 1024, CommType::kF32, CommLayer::kGrad);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(rank0.code(), absl::StatusCode::kUnavailable) << rank0;
+  EXPECT_EQ(rank0.message().rfind("gloo all-reduce: lost contact with another rank (it stopped, "
+                                  "or its host or the network failed): ",
+                                  0),
+            0u)
+      << rank0;
+}
+
 TEST(CommTest, FileStoreRoundTripAndTimeout) {
   const std::string dir = ::testing::TempDir() + "/spindle_file_store_" + std::to_string(getpid());
   FileKvStore store(dir);

@@ -199,6 +199,11 @@ TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
   EXPECT_EQ(job->step(), kSteps);
   EXPECT_GE(job->attempt(), 2);
   for (const auto& r : job->ranks()) EXPECT_NE(r.worker_id(), victim);
+  // The first attempt's end names the killed worker as its cause.
+  bool named = false;
+  for (const auto& e : job->events())
+    named |= e.attempt() == 1 && absl::StartsWith(e.message(), "worker " + victim + " ");
+  EXPECT_TRUE(named) << ClusterHarness::Events(*job);
 }
 
 TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {

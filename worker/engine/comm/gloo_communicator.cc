@@ -52,12 +52,20 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
   const absl::Duration timeout_;
 };
 
-// Runs a Gloo call, converting its exceptions.
+// Runs a Gloo call, converting its exceptions. An I/O failure inside a collective means a peer's
+// connection broke or went silent, which is how the other ranks see a rank that died or a host
+// that vanished: the message says so before Gloo's own words.
 template <typename F>
 absl::Status Guard(const char* what, F&& f) {
   try {
     f();
     return absl::OkStatus();
+  } catch (const gloo::IoException& e) {
+    if (std::strcmp(what, "rendezvous") == 0)
+      return absl::UnavailableError(absl::StrCat("gloo ", what, ": ", e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("gloo ", what, ": lost contact with another rank (it stopped, or its host or ",
+                     "the network failed): ", e.what()));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo ", what, ": ", e.what()));
   } catch (...) {
