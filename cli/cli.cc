@@ -588,6 +588,9 @@ class Cli {
     // behind, so the loss curve stays visible.
     int64_t next_kept_step = 0;
     int retries_left = 30;  // reconnect for ~30 s when the coordinator restarts
+    // Events already shown: a new stream's first update repeats every event from the start.
+    int events_shown = 0;
+    bool reconnecting = false;
     while (true) {
       v1::WatchJobRequest req;
       req.set_job_id(id);
@@ -595,10 +598,19 @@ class Cli {
       Prepare(&ctx, /*deadline=*/false);
       auto reader = v1::JobService::NewStub(Channel())->Watch(&ctx, req);
       v1::JobUpdate u;
-      bool got_any = false;
+      bool first = true;
       while (reader->Read(&u)) {
-        got_any = true;
         retries_left = 30;
+        if (reconnecting) {
+          err_ << "spindle: watch: reconnected to " << o_.coordinator << "\n";
+          reconnecting = false;
+        }
+        if (first) {
+          const int repeated = std::min(events_shown, u.new_events_size());
+          u.mutable_new_events()->DeleteSubrange(0, repeated);
+          first = false;
+        }
+        events_shown += u.new_events_size();
         const v1::Job& j = u.job();
         if (Json()) {
           out_ << ToJsonLine(u) << "\n";
@@ -635,7 +647,11 @@ class Cli {
       if (IsTerminalState(final_state)) break;
       if (st.ok()) break;
       if (st.error_code() == grpc::StatusCode::UNAVAILABLE && retries_left-- > 0) {
-        (void)got_any;
+        if (!reconnecting) {
+          err_ << "spindle: watch: cannot reach the coordinator at " << o_.coordinator
+               << "; retrying for up to " << retries_left + 1 << " s\n";
+          reconnecting = true;
+        }
         std::this_thread::sleep_for(std::chrono::seconds(1));
         continue;
       }

@@ -213,6 +213,9 @@ absl::Status JobManager::Recover() {
           r.placement = p;
           r.adopted = false;
           r.last_progress_ms = now;
+          // Until its worker reports, a rank is at least at the job's last complete checkpoint
+          // (this attempt wrote it or resumed from it), not at step 0.
+          r.step = j->rec.last_checkpoint_step;
           j->ranks.push_back(r);
           auto w = workers_.find(p.worker_id);
           if (w != workers_.end() && p.device_index >= 0 &&

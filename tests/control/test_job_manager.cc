@@ -522,10 +522,14 @@ TEST_F(JobManagerTest, RecoveryReadoptsReportedRanksAndRestartsTheRest) {
   const std::string wa = Get(a).ranks(0).worker_id(), wb = Get(b).ranks(0).worker_id();
   Progress(wa, Ref(a, 1, 0), 3);
   Progress(wb, Ref(b, 1, 0), 3);
+  Checkpoint(wb, Ref(b, 1, 0), 2);
   EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
 
   Reopen();  // the coordinator restarts
   EXPECT_EQ(Get(a).state(), v1::JOB_STATE_RUNNING);
+  // Before the workers report, each job shows the step of its last complete checkpoint.
+  EXPECT_EQ(Get(a).step(), 0);
+  EXPECT_EQ(Get(b).step(), 2);
   EXPECT_EQ(Get(a).attempt(), 1);
   EXPECT_EQ(rendezvous_.NumOpen(), 2u);
   AddWorker(wa, 1, true, {Ref(a, 1, 0)});  // wa still runs a's rank
@@ -544,7 +548,7 @@ TEST_F(JobManagerTest, RecoveryReadoptsReportedRanksAndRestartsTheRest) {
   EXPECT_EQ(jb.state(), v1::JOB_STATE_RESTARTING) << jb.message();
   EXPECT_EQ(jb.message(),
             "coordinator restarted and rank 0 on worker " + wb +
-                " was not re-adopted within 4.0 s; restart 1/3 from scratch");
+                " was not re-adopted within 4.0 s; restart 1/3 from checkpoint step 2");
 }
 
 TEST_F(JobManagerTest, ReconnectingWorkerWithoutTheRankRestartsGang) {

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/subprocess.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/cluster_harness.h"
@@ -213,6 +214,15 @@ TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE(cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 3; },
                                std::chrono::seconds(30)).has_value());
+  // A user watching the job across the restart: `spindle watch` keeps going.
+  SubprocessOptions watch_io;
+  watch_io.stdout_path = dir_.File("watch.out");
+  watch_io.stderr_path = dir_.File("watch.err");
+  auto watch = Subprocess::Spawn(
+      {SPINDLE_CLI_BINARY, "watch", *id, "--coordinator", cluster_.address()}, watch_io);
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(ReadFile(dir_.File("watch.out")), "step"); },
+                      std::chrono::seconds(10)));
   cluster_.KillCoordinator();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
@@ -224,6 +234,24 @@ TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
   EXPECT_EQ(job->step(), kSteps) << ClusterHarness::Events(*job) << ReadFile(ckpt + "/starts.log");
   // The running gang was re-adopted, not restarted.
   EXPECT_EQ(job->attempt(), 1) << ClusterHarness::Events(*job);
+  // The watch said it lost the coordinator and got it back, showed each event once and ended
+  // with the job.
+  absl::StatusOr<int> watch_code = (*watch)->Wait();
+  ASSERT_TRUE(watch_code.ok()) << watch_code.status();
+  const std::string out = ReadFile(dir_.File("watch.out")), err = ReadFile(dir_.File("watch.err"));
+  EXPECT_EQ(*watch_code, 0) << out << err;
+  EXPECT_THAT(err, ::testing::HasSubstr("spindle: watch: cannot reach the coordinator at " +
+                                        cluster_.address() + "; retrying for up to 30 s\n"));
+  EXPECT_THAT(err, ::testing::HasSubstr("spindle: watch: reconnected to " + cluster_.address()));
+  const std::vector<std::string> lines = absl::StrSplit(out, '\n');
+  for (const auto& e : job->events()) {
+    // An event line is "HH:MM:SS <state>: <message>".
+    int n = 0;
+    for (const std::string& l : lines)
+      n += l.size() > 9 && l[2] == ':' && l[5] == ':' && absl::EndsWith(l, ": " + e.message());
+    EXPECT_EQ(n, 1) << e.message() << "\n" << out;
+  }
+  EXPECT_THAT(out, ::testing::EndsWith(absl::StrCat(*id, " succeeded: ", job->message(), "\n")));
 }
 
 TEST_F(ClusterControlPlaneTest, HungRankIsDetectedAndRestartedWithinSeconds) {
