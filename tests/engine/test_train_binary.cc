@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -138,6 +139,40 @@ TEST_F(TrainBinaryTest, CorruptOrMismatchedCheckpointIsRejectedAndLeftAlone) {
   ASSERT_EQ(stat(model.c_str(), &after), 0);
   EXPECT_EQ(after.st_mtime, before.st_mtime);
   EXPECT_EQ(after.st_size, before.st_size);
+}
+
+// A checkpoint that cannot be written (here under a file-size limit, as on a full disk) fails the
+// run with the cause named and leaves no partial files behind; the next writer also removes what a
+// writer killed mid-checkpoint left.
+TEST_F(TrainBinaryTest, AFailedCheckpointWriteLeavesNoPartialFiles) {
+  const std::string job = Job(R"({"source": "synthetic:recall", "recall_gap": 16})");
+  const std::string ckpt = dir_ + "/ckpt";
+  auto entries = [&] {
+    std::set<std::string> out;
+    if (DIR* d = opendir(ckpt.c_str())) {
+      while (dirent* e = readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.insert(e->d_name);
+      closedir(d);
+    }
+    return out;
+  };
+  // SIGXFSZ ignored (kept through exec), so a write past 64 KiB fails with EFBIG.
+  auto limited = RunCommand({"bash", "-c", "trap '' XFSZ; ulimit -f 64; exec \"$0\" --job \"$1\"",
+                             SPINDLE_TRAIN_BINARY, job},
+                            "", absl::Seconds(120));
+  ASSERT_TRUE(limited.ok()) << limited.status();
+  EXPECT_EQ(limited->exit_code, 1) << limited->stderr_text;
+  EXPECT_NE(limited->stderr_text.find("model.safetensors\": File too large"), std::string::npos)
+      << limited->stderr_text;
+  EXPECT_EQ(entries(), std::set<std::string>({".writer.lock"}));
+
+  ASSERT_EQ(mkdir((ckpt + "/.tmp.step_00000009.999999").c_str(), 0755), 0);
+  Write("ckpt/.tmp.step_00000009.999999/model.safetensors", std::string(4096, 'x'));
+  Write("ckpt/.latest.999999", "step_00000009");
+  CommandResult ok = Run({"--job", job});
+  EXPECT_EQ(ok.exit_code, 0) << ok.stderr_text;
+  EXPECT_EQ(entries(),
+            std::set<std::string>({".writer.lock", "latest", "step_00000001", "step_00000002"}));
 }
 
 TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {

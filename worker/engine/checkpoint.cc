@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -227,15 +228,76 @@ absl::Status CheckCheckpointRoot(const std::string& root) {
   return s.ok() ? s : absl::FailedPreconditionError(s.message());
 }
 
+namespace {
+
+// The root's writer lock (flock on <root>/.writer.lock), held for one SaveCheckpoint: whoever
+// holds it is the only writer, so temporary entries it finds were left by a writer that died.
+class WriterLock {
+ public:
+  static absl::StatusOr<WriterLock> Acquire(const std::string& root) {
+    const std::string path = root + "/.writer.lock";
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return Errno("cannot open", path);
+    int r;
+    while ((r = ::flock(fd, LOCK_EX)) != 0 && errno == EINTR) {
+    }
+    if (r != 0) {
+      absl::Status s = Errno("cannot lock", path);
+      ::close(fd);
+      return s;
+    }
+    return WriterLock(fd);
+  }
+  WriterLock(WriterLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+  WriterLock& operator=(WriterLock&&) = delete;
+  ~WriterLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+
+ private:
+  explicit WriterLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// Removes the temporary checkpoint directories and "latest" files of writers that died mid-write
+// (a killed trainer's can hold a whole model's worth of disk).
+void RemoveStaleTemporaries(const std::string& root) {
+  std::vector<std::string> stale;
+  if (DIR* d = ::opendir(root.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.rfind(".tmp.", 0) == 0 || n.rfind(".latest.", 0) == 0) stale.push_back(n);
+    }
+    ::closedir(d);
+  }
+  for (const std::string& n : stale) {
+    const std::string path = root + "/" + n;
+    if (::unlink(path.c_str()) != 0) RemoveTree(path);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
                                            const TrainState& state, int64_t keep) {
   RETURN_IF_ERROR(MakeDirs(root));
+  ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
+  RemoveStaleTemporaries(root);
   const std::string name = absl::StrFormat("step_%08d", state.step);
   const std::string tmp = absl::StrCat(root, "/.tmp.", name, ".", ::getpid());
   const std::string final_dir = root + "/" + name;
-  RemoveTree(tmp);
   if (::mkdir(tmp.c_str(), 0755) != 0) return Errno("cannot create directory", tmp);
+  // A write that fails (a full disk, say) takes its partial files with it.
+  struct RemoveUnlessRenamed {
+    const std::string& dir;
+    bool renamed = false;
+    ~RemoveUnlessRenamed() {
+      if (!renamed) RemoveTree(dir);
+    }
+  } cleanup{tmp};
 
   std::map<std::string, SafetensorsEntry> model, opt;
   for (int i = 0; i < params.size(); ++i) {
@@ -271,10 +333,17 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   RETURN_IF_ERROR(SyncDir(tmp));
   RemoveTree(final_dir);  // an earlier attempt's checkpoint of the same step
   if (::rename(tmp.c_str(), final_dir.c_str()) != 0) return Errno("cannot rename", tmp);
+  cleanup.renamed = true;
   const std::string latest_tmp = absl::StrCat(root, "/.latest.", ::getpid());
-  RETURN_IF_ERROR(WriteFileSynced(latest_tmp, name + "\n"));
-  if (::rename(latest_tmp.c_str(), (root + "/latest").c_str()) != 0)
-    return Errno("cannot rename", latest_tmp);
+  if (absl::Status s = WriteFileSynced(latest_tmp, name + "\n"); !s.ok()) {
+    ::unlink(latest_tmp.c_str());
+    return s;
+  }
+  if (::rename(latest_tmp.c_str(), (root + "/latest").c_str()) != 0) {
+    absl::Status s = Errno("cannot rename", latest_tmp);
+    ::unlink(latest_tmp.c_str());
+    return s;
+  }
   RETURN_IF_ERROR(SyncDir(root));
   std::vector<std::string> dirs = StepDirs(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)

@@ -5,12 +5,15 @@
 //   <root>/step_00000120/state.json             step, data position, RNG state, model config,
 //                                               size + CRC-32 of both tensor files
 //   <root>/latest                               name of the newest complete checkpoint
+//   <root>/.writer.lock                         flock held while a checkpoint is written
 // A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
-// crash leaves either the old or the new checkpoint, never half of one. The tensor files stream
-// from and into the parameter and optimizer buffers (no second copy in memory). Loading verifies
-// sizes, checksums (a streamed pass over each file), headers, names and shapes before it reads
-// any value into place, so a bad checkpoint changes nothing; only a read failure after all that
-// (the disk failing mid-load) can leave the buffers partly written. Stateless; thread-compatible.
+// crash leaves either the old or the new checkpoint, never half of one. A failed write removes
+// its temporary directory; the writer holding the lock removes any a killed writer left. The tensor
+// files stream from and into the parameter and optimizer buffers (no second copy in memory).
+// Loading verifies sizes, checksums (a streamed pass over each file), headers, names and shapes
+// before it reads any value into place, so a bad checkpoint changes nothing; only a read failure
+// after all that (the disk failing mid-load) can leave the buffers partly written. Stateless;
+// thread-compatible.
 #pragma once
 
 #include <cstdint>
