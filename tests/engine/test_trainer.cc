@@ -10,8 +10,10 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/engine/train_test_util.h"
 #include "worker/engine/batch.h"
@@ -192,6 +194,65 @@ TEST(DataErrorsTest, MissingTruncatedAndOutOfVocabularyFiles) {
   ASSERT_TRUE(s.ok());
   EXPECT_EQ((*s)->Sequence(0), (std::vector<int32_t>{1, 2, 0}));
   EXPECT_EQ((*s)->Sequence(1), (std::vector<int32_t>{5, 1, 2}));  // wraps around
+}
+
+// The process's anonymous resident memory (RssAnon of /proc/self/status), in bytes.
+int64_t AnonymousResidentBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  return -1;
+}
+
+// A token file of fresh random ids (both widths) reads back as the stream it holds, sequence by
+// sequence with the wrap at its end, and a 64 MB file costs the process no memory of its own: it
+// is mapped, not loaded. An id past the vocabulary deep inside the file is still found at open.
+TEST(DataTokensTest, LargeFilesAreMappedAndReadBackExactly) {
+  const std::string dir = TempDir("");
+  std::mt19937_64 rng(std::random_device{}());
+  for (const int64_t width : {2, 4}) {
+    const int64_t vocab = width == 2 ? 50000 : 150000, n = (int64_t{64} << 20) / width + 5;
+    std::vector<uint32_t> ids(n);
+    std::string bytes(n * width, '\0');
+    for (int64_t i = 0; i < n; ++i) {
+      ids[i] = static_cast<uint32_t>(rng() % vocab);
+      for (int64_t b = 0; b < width; ++b)
+        bytes[i * width + b] = static_cast<char>(ids[i] >> (8 * b));
+    }
+    DataSpec d;
+    d.kind = DataKind::kTokens;
+    d.token_bytes = width;
+    d.eos_id = 0;
+    d.path = dir + "ids" + std::to_string(width) + ".bin";
+    WriteBytes(d.path, bytes);
+    bytes = std::string();
+    const int64_t seq_len = 4093, before = AnonymousResidentBytes();
+    auto s = OpenDataSource(d, seq_len, vocab, 1);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const int64_t last = n / seq_len;  // the sequence that wraps around the end
+    for (const int64_t k : {int64_t{0}, int64_t{1}, last - 1, last, last + 1, 3 * last + 7}) {
+      const std::vector<int32_t> got = (*s)->Sequence(k);
+      ASSERT_EQ(static_cast<int64_t>(got.size()), seq_len);
+      for (int64_t i = 0; i < seq_len; ++i)
+        ASSERT_EQ(static_cast<uint32_t>(got[i]), ids[(k * seq_len + i) % n])
+            << "width " << width << " sequence " << k << " token " << i;
+    }
+    EXPECT_LT(AnonymousResidentBytes() - before, int64_t{8} << 20) << "width " << width;
+    s = absl::InternalError("closed");
+    // One id past the vocabulary, three quarters of the way in.
+    const int64_t bad = 3 * n / 4;
+    {
+      std::fstream f(d.path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(bad * width);
+      for (int64_t b = 0; b < width; ++b) f.put(static_cast<char>(vocab >> (8 * b)));
+    }
+    s = OpenDataSource(d, seq_len, vocab, 1);
+    EXPECT_EQ(s.status().message(),
+              absl::StrCat("data: \"", d.path, "\": token ", vocab, " at index ", bad,
+                           " is outside the vocabulary (model.vocab = ", vocab, ")"));
+    std::remove(d.path.c_str());
+  }
 }
 
 TEST(CheckpointErrorsTest, CorruptTruncatedAndMismatchedChangeNothing) {

@@ -1,7 +1,8 @@
 // Training data: a packed token stream cut into sequences of seq_len tokens, deterministic from
 // the seed. Sources (DESIGN.md section 5):
 //   tokens:<path>   little-endian uint16/uint32 ids; documents end with eos_id; the file is the
-//                   stream, read in order and wrapped around at its end.
+//                   stream, read in order and wrapped around at its end. Mapped, not loaded:
+//                   a corpus of any size costs page cache, not the trainer's memory.
 //   text:<path>     UTF-8 bytes as tokens 0..255; each paragraph (text between blank lines) is a
 //                   document ending with EOS = 256.
 //   synthetic:recall  documents of key-value pairs, filler, then queries of the same keys in a
