@@ -67,10 +67,21 @@ struct JobManager::WorkerRuntime {
   WorkerRecord rec;
   v1::DeviceGroup group;
   bool connected = false;
-  bool lost = false;
+  bool lost = false;     // unusable: silent past the heartbeat timeout, or left
+  bool leaving = false;  // said it is shutting down (Leaving); placed on no more
+  bool left = false;     // shut down on purpose: its stream closed after Leaving
   uint64_t session_id = 0;
   int64_t last_seen_ms = 0;
   std::vector<Slot> slots;
+
+  // "alive", "leaving", "disconnected", "left" or "lost", as `spindle workers` and the
+  // spindle_workers metric show it.
+  std::string State() const {
+    if (left) return "left";
+    if (lost) return "lost";
+    if (!connected) return "disconnected";
+    return leaving ? "leaving" : "alive";
+  }
 
   // The scheduler's view of what this worker offers (`id` its id); devices for the caller to fill.
   SchedulableWorker Schedulable(const std::string& id) const {
@@ -589,7 +600,7 @@ void JobManager::Schedule(Outbox* out) {
   if (cands.empty()) return;
   std::vector<SchedulableWorker> ws;
   for (const auto& [id, w] : workers_) {
-    if (!w->connected || w->lost) continue;
+    if (!w->connected || w->lost || w->leaving) continue;
     SchedulableWorker sw = w->Schedulable(id);
     sw.total_devices = static_cast<int32_t>(w->slots.size());
     for (size_t d = 0; d < w->slots.size(); ++d) {
@@ -722,7 +733,7 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
     while (static_cast<int32_t>(w->slots.size()) > g.count() && w->slots.back().job_id.empty())
       w->slots.pop_back();
     w->last_seen_ms = now;
-    w->lost = false;
+    w->lost = w->leaving = w->left = false;
   }
   resp->set_worker_id(req.worker_id());
   resp->set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
@@ -741,7 +752,7 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
     WorkerRuntime& w = *wit->second;
     const int64_t now = clock_->NowMs();
     w.connected = true;
-    w.lost = false;
+    w.lost = w.leaving = w.left = false;
     w.session_id = session_id;
     w.last_seen_ms = now;
     std::set<std::pair<std::string, int64_t>> stops;
@@ -823,7 +834,14 @@ void JobManager::SessionClosed(const std::string& worker_id, uint64_t session_id
   absl::MutexLock l(&mu_);
   auto it = workers_.find(worker_id);
   if (it == workers_.end() || it->second->session_id != session_id) return;
-  it->second->connected = false;
+  WorkerRuntime& w = *it->second;
+  w.connected = false;
+  if (w.leaving) {
+    // Its gangs were restarted at Leaving; whatever it still held is free.
+    w.lost = w.left = true;
+    for (auto& s : w.slots) s = {};
+    LogLine(absl::StrCat("worker ", w.rec.worker_id, " left"));
+  }
 }
 
 void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& msg) {
@@ -1008,6 +1026,24 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         Schedule(&out);
         break;
       }
+      case v1::WorkerMessage::kLeaving: {
+        w.leaving = true;
+        const std::string why =
+            absl::StrCat("worker ", worker_id, " is shutting down (", msg.leaving().reason(), ")");
+        LogLine(why);
+        for (auto& [id, jp] : jobs_) {
+          JobRuntime& j = *jp;
+          if (!IsActive(j.rec.state)) continue;
+          for (const RankRuntime& r : j.ranks) {
+            if (r.placement.worker_id != worker_id || r.state == "exited") continue;
+            FailAttempt(j, absl::StrCat(why, " with rank ", r.placement.rank), false,
+                        metrics_.restarts_worker_lost, &out);
+            break;
+          }
+        }
+        Schedule(&out);
+        break;
+      }
       case v1::WorkerMessage::kHello:
       case v1::WorkerMessage::KIND_NOT_SET:
         break;
@@ -1125,7 +1161,7 @@ std::vector<std::unique_ptr<v1::WorkerInfo>> JobManager::ListWorkers() {
     info->set_hostname(w->rec.hostname);
     *info->add_devices() = w->group;
     info->set_metrics_address(w->rec.metrics_address);
-    info->set_state(w->lost ? "lost" : (w->connected ? "alive" : "disconnected"));
+    info->set_state(w->State());
     info->set_slots(static_cast<int32_t>(w->slots.size()));
     int32_t used = 0;
     for (const auto& s : w->slots) {
@@ -1151,9 +1187,9 @@ std::map<JobState, int64_t> JobManager::JobCounts() const {
 
 std::map<std::string, int64_t> JobManager::WorkerCounts() const {
   absl::MutexLock l(&mu_);
-  std::map<std::string, int64_t> out{{"alive", 0}, {"disconnected", 0}, {"lost", 0}};
-  for (const auto& [id, w] : workers_)
-    ++out[w->lost ? "lost" : (w->connected ? "alive" : "disconnected")];
+  std::map<std::string, int64_t> out{
+      {"alive", 0}, {"leaving", 0}, {"disconnected", 0}, {"left", 0}, {"lost", 0}};
+  for (const auto& [id, w] : workers_) ++out[w->State()];
   return out;
 }
 

@@ -134,7 +134,7 @@ class JobManager {
   // places queued jobs. The daemon calls it every ~100 ms; tests call it after moving the clock.
   void Tick() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // For metrics: jobs per state, workers "alive"/"lost", devices "used"/"free".
+  // For metrics: jobs per state, workers by WorkerInfo.state, devices "used"/"free".
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::map<std::string, int64_t> DeviceCounts() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -205,6 +205,11 @@ int Main() {
   const int sig = shutdown->Wait();
   WorkerLog("received signal %d: stopping %d trainer(s)", sig,
             static_cast<int>(runner.running_count()));
+  // The coordinator hears of the shutdown before the trainers' exits (one ordered stream), so it
+  // names the shutdown as their cause and places nothing more here.
+  v1::WorkerMessage leaving;
+  leaving.mutable_leaving()->set_reason(absl::StrCat("received signal ", sig));
+  session.Send(std::move(leaving));
   runner.Shutdown();  // every exit is queued for the coordinator
   session.Shutdown(absl::Seconds(5));
   metrics_server.Stop();

@@ -339,6 +339,52 @@ TEST_F(JobManagerTest, RankFailureAfterAPeerWorkerDisconnectedNamesThatWorker) {
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 }
 
+// A worker that shuts down says so first (Leaving): its gang restarts at once naming the
+// shutdown, nothing is placed on it again, and once its stream closes it counts as "left", not
+// lost, and stays so past the heartbeat timeout.
+TEST_F(JobManagerTest, AWorkerShuttingDownRestartsItsGangElsewhereAndLeaves) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  const uint64_t w2_session = session_;
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  AddWorker("w3", 1);
+  const int on_w2 = Get(id).ranks(0).worker_id() == "w2" ? 0 : 1;
+  v1::WorkerMessage bye;
+  bye.mutable_leaving()->set_reason("received signal 15");
+  manager_->HandleWorkerMessage("w2", bye);
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(j.message(), absl::StrCat("worker w2 is shutting down (received signal 15) with rank ",
+                                      on_w2, "; restart 1/3 from scratch"));
+  EXPECT_EQ(manager_->WorkerCounts()["leaving"], 1);
+  // The stopped ranks exit; the gang is placed again, on w1 and w3.
+  Exit("w2", Ref(id, 1, on_w2), -1, true);
+  Exit("w1", Ref(id, 1, 1 - on_w2), -1, true);
+  const auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  for (const auto& [worker, a] : as) {
+    EXPECT_NE(worker, "w2");
+    EXPECT_EQ(a.ref().attempt(), 2);
+  }
+  manager_->SessionClosed("w2", w2_session);
+  for (int i = 0; i < 5; ++i) {  // past the 3 s heartbeat timeout
+    clock_.AdvanceMs(1000);
+    Heartbeat("w1");
+    Heartbeat("w3");
+    manager_->Tick();
+  }
+  EXPECT_EQ(manager_->WorkerCounts()["left"], 1);
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 0);
+  j = Get(id);
+  EXPECT_EQ(j.attempt(), 2);
+  EXPECT_EQ(j.restarts(), 1);
+  bool listed = false;
+  for (const auto& w : manager_->ListWorkers())
+    if (w->worker_id() == "w2") listed = w->state() == "left";
+  EXPECT_TRUE(listed);
+}
+
 TEST_F(JobManagerTest, HungRankIsDetected) {
   AddWorker("w1", 2);
   const std::string id = Submit(SpecJson(2, 1));

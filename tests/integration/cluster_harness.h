@@ -233,6 +233,24 @@ class ClusterHarness {
     workers_[id].reset();
   }
 
+  // Sends `signal` to a worker daemon (SIGTERM: the shutdown an operator or Kubernetes starts).
+  void SignalWorker(const std::string& id, int signal) {
+    if (workers_[id] != nullptr) workers_[id]->Signal(signal).IgnoreError();
+  }
+  // The coordinator's state for worker `id` ("alive", "left", ...); "" when not listed.
+  std::string WorkerState(const std::string& id) {
+    auto stub = v1::ClusterService::NewStub(worker_channel_);
+    v1::ListWorkersRequest req;
+    v1::ListWorkersResponse resp;
+    grpc::ClientContext ctx;
+    Authorize(&ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (!stub->ListWorkers(&ctx, req, &resp).ok()) return "";
+    for (const auto& w : resp.workers())
+      if (w.worker_id() == id) return w.state();
+    return "";
+  }
+
   // Waits until `n` workers are registered and alive.
   bool WaitForWorkers(int n) {
     return WaitFor(

@@ -207,6 +207,36 @@ TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
   EXPECT_TRUE(named) << ClusterHarness::Events(*job);
 }
 
+// A worker stopped with SIGTERM (a node drained) tells the coordinator first: the gang restarts
+// once, elsewhere, with the shutdown named as the cause, and the worker is listed as "left".
+TEST_F(ClusterControlPlaneTest, StoppedWorkerLeavesAndItsGangRestartsOnceElsewhere) {
+  StartCluster(3, 0.15);
+  const std::string ckpt = dir_.File("ckpt");
+  absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto running = cluster_.WaitJob(
+      *id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 5; },
+      std::chrono::seconds(30));
+  ASSERT_TRUE(running.has_value());
+  const std::string victim = running->ranks(1).worker_id();
+  cluster_.SignalWorker(victim, SIGTERM);
+  auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));
+  ASSERT_TRUE(job.has_value());
+  ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED)
+      << ClusterHarness::Events(*job) << cluster_.Logs();
+  EXPECT_EQ(job->attempt(), 2) << ClusterHarness::Events(*job);
+  EXPECT_EQ(job->restarts(), 1);
+  for (const auto& r : job->ranks()) EXPECT_NE(r.worker_id(), victim);
+  bool named = false;
+  for (const auto& e : job->events())
+    named |= absl::StartsWith(
+        e.message(), absl::StrCat("worker ", victim, " is shutting down (received signal 15)"));
+  EXPECT_TRUE(named) << ClusterHarness::Events(*job);
+  EXPECT_TRUE(
+      WaitFor([&] { return cluster_.WorkerState(victim) == "left"; }, std::chrono::seconds(10)))
+      << cluster_.WorkerState(victim);
+}
+
 TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
   StartCluster(2, 0.15);
   const std::string ckpt = dir_.File("ckpt");
