@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <tuple>
@@ -143,6 +144,13 @@ absl::Status CheckAbsolutePaths(const JobSpec& spec) {
 
 bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
 
+// A checkpoint directory as a comparable path ("/a/b/" and "/a//b" are "/a/b").
+std::string SamePlace(const std::string& dir) {
+  std::string p = std::filesystem::path(dir).lexically_normal().string();
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p;
+}
+
 }  // namespace
 
 JobManager::JobManager(JobStore* store, const Clock* clock, WorkerChannel* channel,
@@ -244,11 +252,7 @@ absl::Status JobManager::Recover() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<CpPlan> JobManager::PlanLocked(const std::string& spec_json, std::string* kind,
-                                              int64_t* world) {
-  ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
-  if (kind) *kind = spec.resources;
-  if (world) *world = spec.parallel.world();
+CpPlan JobManager::PlanLocked(const JobSpec& spec) const {
   return planner_.Plan(spec, LargestDeviceMemory(spec.resources));
 }
 
@@ -275,15 +279,31 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
   return CheckCanEverFit(sj, registered);
 }
 
+absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const {
+  if (spec.checkpoint.dir.empty()) return absl::OkStatus();
+  const std::string dir = SamePlace(spec.checkpoint.dir);
+  for (const auto& [id, other] : jobs_) {
+    if (IsTerminal(other->rec.state) || SamePlace(other->spec.checkpoint.dir) != dir) continue;
+    return absl::FailedPreconditionError(
+        absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir,
+                     "\" is in use by job ", id, " (", std::string(JobStateName(other->rec.state)),
+                     "); two jobs on one directory would resume from each other's checkpoints"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_out) {
+  ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
   absl::MutexLock l(&mu_);
-  std::string kind;
-  int64_t world = 0;
-  ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, &kind, &world));
+  CpPlan plan = PlanLocked(spec);
+  // What submit would refuse besides an impossible plan.
   if (plan.ok()) {
-    if (absl::Status fit = CheckCanEverFitLocked(kind, world, plan); !fit.ok())
+    if (absl::Status fit = CheckCanEverFitLocked(spec.resources, spec.parallel.world(), plan);
+        !fit.ok())
       plan.problems.emplace_back(fit.message());
   }
+  if (absl::Status free = CheckCheckpointDirFreeLocked(spec); !free.ok())
+    plan.problems.emplace_back(free.message());
   PlanToProto(plan, plan_out);
   return absl::OkStatus();
 }
@@ -295,12 +315,13 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
   std::string job_id;
   {
     absl::MutexLock l(&mu_);
-    ASSIGN_OR_RETURN(CpPlan plan, PlanLocked(spec_json, nullptr, nullptr));
+    CpPlan plan = PlanLocked(spec);
     if (plan_out) PlanToProto(plan, plan_out);
     if (!plan.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("job cannot run: ", absl::StrJoin(plan.problems, "; ")));
     RETURN_IF_ERROR(CheckCanEverFitLocked(spec.resources, spec.parallel.world(), plan));
+    RETURN_IF_ERROR(CheckCheckpointDirFreeLocked(spec));
 
     auto j = std::make_unique<JobRuntime>();
     j->spec = spec;

@@ -146,8 +146,8 @@ class JobManager {
   struct Outbox;
 
   JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<CpPlan> PlanLocked(const std::string& spec_json, std::string* kind,
-                                    int64_t* world) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The plan against the largest registered device of the job's kind.
+  CpPlan PlanLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists j.rec plus an event for its (new) state; bumps the job's version.
@@ -185,6 +185,9 @@ class JobManager {
   void ReleaseDevice(const std::string& worker_id, int32_t device, const std::string& job_id,
                      int64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FailedPrecondition naming the unfinished job whose checkpoint.dir is spec's.
+  absl::Status CheckCheckpointDirFreeLocked(const JobSpec& spec) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "worker W disconnected with rank R" for the first rank of j other than `failed` still
   // running on a worker whose session is closed; "" when there is none.

@@ -21,6 +21,7 @@ namespace {
 using testing::FakeWorkerChannel;
 using testing::SpecJson;
 using testing::TempDir;
+using testing::WithCheckpointDir;
 
 class JobManagerTest : public ::testing::Test {
  protected:
@@ -385,6 +386,33 @@ TEST_F(JobManagerTest, AWorkerShuttingDownRestartsItsGangElsewhereAndLeaves) {
   EXPECT_TRUE(listed);
 }
 
+// An unfinished job's checkpoint directory is refused to a second job (however the path is
+// spelled), which would resume from the first one's checkpoints; once the first job ended, the
+// directory is free to continue from.
+TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
+  AddWorker("w1", 1);
+  const std::string a = Submit(SpecJson());
+  v1::Plan plan;
+  auto b = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp//ck/"), &plan);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(b.status().message(),
+            "job cannot run: checkpoint.dir \"/tmp//ck/\" is in use by job " + a +
+                " (placed); two jobs on one directory would resume from each other's checkpoints");
+  EXPECT_EQ(manager_->ListJobs({}, 100).size(), 1u);  // nothing queued
+  // `spindle plan` names it among the problems.
+  v1::Plan planned;
+  ASSERT_TRUE(manager_->PlanSpec(SpecJson(), &planned).ok());
+  EXPECT_FALSE(planned.ok());
+  ASSERT_EQ(planned.problems_size(), 1);
+  EXPECT_EQ(planned.problems(0),
+            std::string(b.status().message())
+                .replace(b.status().message().find("/tmp//ck/"), 9, "/tmp/ck"));
+  EXPECT_TRUE(manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck2"), &plan).ok());
+  Exit("w1", Ref(a, 1, 0), 0);
+  ASSERT_EQ(Get(a).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_TRUE(manager_->Submit(SpecJson(), &plan).ok());
+}
+
 TEST_F(JobManagerTest, HungRankIsDetected) {
   AddWorker("w1", 2);
   const std::string id = Submit(SpecJson(2, 1));
@@ -542,9 +570,9 @@ TEST_F(JobManagerTest, SubmitRejectsRelativePaths) {
 TEST_F(JobManagerTest, PriorityOrderWithGangs) {
   AddWorker("w1", 2);
   const std::string a = Submit(SpecJson(2, 1, 0));  // placed at once
-  const std::string b = Submit(SpecJson(1, 1, 0));
-  const std::string c = Submit(SpecJson(2, 1, 9));
-  const std::string d = Submit(SpecJson(1, 1, 9));
+  const std::string b = Submit(WithCheckpointDir(SpecJson(1, 1, 0), "/tmp/ck-b"));
+  const std::string c = Submit(WithCheckpointDir(SpecJson(2, 1, 9), "/tmp/ck-c"));
+  const std::string d = Submit(WithCheckpointDir(SpecJson(1, 1, 9), "/tmp/ck-d"));
   Assignments();
   Exit("w1", Ref(a, 1, 0), 0);
   // One device free: c (priority 9, 2 ranks) is first in line and blocks everything after it.
@@ -562,7 +590,7 @@ TEST_F(JobManagerTest, RecoveryReadoptsReportedRanksAndRestartsTheRest) {
   AddWorker("w1", 1);
   AddWorker("w2", 1);
   const std::string a = Submit(SpecJson(1, 1));
-  const std::string b = Submit(SpecJson(1, 1));
+  const std::string b = Submit(WithCheckpointDir(SpecJson(1, 1), "/tmp/ck-b"));
   auto as = Assignments();
   ASSERT_EQ(as.size(), 2u);
   const std::string wa = Get(a).ranks(0).worker_id(), wb = Get(b).ranks(0).worker_id();

@@ -41,6 +41,13 @@ inline std::string SpecJson(int64_t cp = 1, int64_t dp = 1, int64_t priority = 0
     "resources": "cpu", "max_restarts": )", max_restarts, R"(, "priority": )", priority, "}");
 }
 
+// `spec` (from SpecJson) with its checkpoint directory changed to `dir`: unfinished jobs may not
+// share one.
+inline std::string WithCheckpointDir(std::string spec, const std::string& dir) {
+  spec.replace(spec.find("\"/tmp/ck\""), 9, "\"" + dir + "\"");
+  return spec;
+}
+
 // Records every message the manager sends. Thread-safe.
 class FakeWorkerChannel : public WorkerChannel {
  public:
