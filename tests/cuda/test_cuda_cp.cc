@@ -29,8 +29,11 @@
 // The forward-only loss repeats the step's forward on the same inputs: within 1e-6 relative.
 // Lightning's AllGather changes more: each chunk's output is rounded to bf16 before its carry
 // correction is added, so a document's first tokens in a chunk are rounded twice. At random
-// initialisation with norm eps 1e-6 that can be amplified without bound (see test_cuda_model.cc);
-// those tests run with norm eps 1e-2.
+// initialisation with norm eps 1e-6, a q/k norm over a near-zero vector amplifies such a rounding
+// without bound (see test_cuda_model.cc): on the tiny models at cp = 4 and 8 about one seed in 50
+// put a norm weight's gradient past its bound (the same every run of that seed). So every
+// comparison here runs with norm eps 1e-2, which bounds that gain and leaves the data movement
+// under test unchanged.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -159,9 +162,10 @@ void ExpectGradsMatch(const ParamSet& P, const std::vector<float>& want,
               worst_name.c_str(), worst_cos);
 }
 
-void ExpectCpMatchesOneRank(const ModelConfig& c, const Batch& full, uint32_t seed, int cp,
+void ExpectCpMatchesOneRank(ModelConfig c, const Batch& full, uint32_t seed, int cp,
                             Recompute recompute, CpMode lightning, CpMode mla = CpMode::kAll2All,
                             const CpRunOptions& opt = {}) {
+  c.norm_eps = 1e-2;  // well conditioned: see the opening comment
   SCOPED_TRACE(::testing::Message()
                << "seed " << seed << " T " << full.T << " cp " << cp << " recompute "
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
@@ -210,30 +214,22 @@ TEST(CudaCp, Head64Cp2RecomputeMatchesOneRank) {
                          Recompute::All());  // chunks of 130: off the 64-token grid
 }
 
-ModelConfig Head64WellConditioned() {
-  ModelConfig c = Head64();
-  c.norm_eps = 1e-2;
-  return c;
-}
-
 TEST(CudaCp, Head64LightningAllGatherCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 96 tokens: documents start inside chunks, cross them and span whole ones.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 384, 70, 2, Recompute::None(),
-                         CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp2RecomputeOneDocument) {
   SPINDLE_REQUIRE_GPU();
   // One document: every chunk but the first continues it, no chunk has a start of its own.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 520, 100000, 2, Recompute::All(),
-                         CpMode::kAllGather);
+  ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, Recompute::All(), CpMode::kAllGather);
 }
 
 TEST(CudaCp, Head64LightningAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // cp = 4 > n_heads = 2: only AllGather can split the sequence here.
-  ModelConfig c = Head64WellConditioned();
+  ModelConfig c = Head64();
   c.layer_pattern = "LL";
   ExpectCpMatchesOneRank(c, 512, 60, 4, Recompute::None(), CpMode::kAllGather);
 }
@@ -269,9 +265,7 @@ TEST(CudaCp, TwoMlaLayersRecomputeMatchesOneRankInBothModes) {
 // (and its input), the last one its whole cache, in both CP modes for each layer type.
 TEST(CudaCp, TwoMlaLayersPartialRecomputeMatchesOneRankInBothModes) {
   SPINDLE_REQUIRE_GPU();
-  // Well conditioned, as this file's other AllGather comparisons: with the default norm eps, one
-  // of about fifteen runs (fresh seeds) put two tensors past the 5% bound.
-  ModelConfig c = Head64WellConditioned();
+  ModelConfig c = Head64();
   c.n_layers = 4, c.layer_pattern = "MLLM";
   for (const CpMode mla : {CpMode::kAll2All, CpMode::kAllGather}) {
     ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(1), CpMode::kAll2All, mla);
@@ -298,23 +292,21 @@ TEST(CudaCp, Head64MlaAllGatherWalksSeveralQueryBlocks) {
 TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // cp = 4 > n_heads = 2, Lightning and MLA layers: what the planner picks for such a job.
-  ExpectCpMatchesOneRank(Head64WellConditioned(), 512, 60, 4, Recompute::None(), CpMode::kAllGather,
+  ExpectCpMatchesOneRank(Head64(), 512, 60, 4, Recompute::None(), CpMode::kAllGather,
                          CpMode::kAllGather);
 }
 
 // The tiny preset's head size 16 runs Lightning on the token path, its carry correction too.
 TEST(CudaCp, TinyLightningAllGatherCp2MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
-  ModelConfig c = Tiny();
-  c.norm_eps = 1e-2;
+  const ModelConfig c = Tiny();
   ExpectCpMatchesOneRank(c, 256, 60, 2, Recompute::None(), CpMode::kAllGather);
 }
 
 TEST(CudaCp, TinyCp3BothAllGatherMatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // cp = 3 does not divide the 4 heads: AllGather for both layer types, chunks of 50 tokens.
-  ModelConfig c = Tiny();
-  c.norm_eps = 1e-2;
+  const ModelConfig c = Tiny();
   ExpectCpMatchesOneRank(c, 300, 45, 3, Recompute::All(), CpMode::kAllGather, CpMode::kAllGather);
 }
 
@@ -331,7 +323,7 @@ TEST(CudaCp, Head64LightningAllGatherLongFirstSegmentNeedsItsOwnWorkspace) {
   // tokens. Its carry correction's backward runs over those 130 64-token chunks in blocks of one
   // (130 blocks per head), more blocks than the rank's whole 600 chunks get (blocks of 8), so the
   // workspace sized for the whole share alone is too small for it.
-  const ModelConfig c = Head64WellConditioned();
+  const ModelConfig c = Head64();
   const int64_t T = 76800;
   const uint32_t seed = FreshSeed();
   std::mt19937 gen(seed);
@@ -375,7 +367,7 @@ TEST(CudaCp, TinyEightHeadsCp8MatchesOneRank) {
 
 TEST(CudaCp, Head64EightHeadsCp8MixedModesMatchOneRank) {
   SPINDLE_REQUIRE_GPU();
-  const ModelConfig c = EightHeads(Head64WellConditioned());
+  const ModelConfig c = EightHeads(Head64());
   ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::All(), CpMode::kAll2All, CpMode::kAllGather);
   ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::All(), CpMode::kAllGather, CpMode::kAll2All);
 }
