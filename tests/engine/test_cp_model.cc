@@ -32,6 +32,11 @@ ModelConfig CpConfig(int64_t n_heads) {
   c.n_layers = 3;
   c.layer_pattern = "LLM";
   c.mla = {0, 12, 8, 6, 10};
+  // With 8 heads the head size is 4, and a q/k norm over a 4-element vector near zero amplifies
+  // summation-order differences without bound at the default eps (1e-6): with OpenBLAS's AVX-512
+  // kernels every cp = 8 case differed by 3e-4 of the largest gradient (the Haswell kernels:
+  // within 1e-4). An eps of 1e-2 bounds that gain; the data movement under test is unchanged.
+  if (n_heads == 8) c.norm_eps = 1e-2;
   return c;
 }
 
