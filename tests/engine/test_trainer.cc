@@ -255,6 +255,114 @@ TEST(DataTokensTest, LargeFilesAreMappedAndReadBackExactly) {
   }
 }
 
+// The text source's tokens, by its definition in data.h, from the whole file in memory: the
+// reference the mapped source must match.
+std::vector<int32_t> TextTokens(const std::string& s) {
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\n' && i + 1 < s.size() && s[i + 1] == '\n') {  // a paragraph break
+      out.push_back('\n');
+      out.push_back(kByteEos);
+      while (i + 1 < s.size() && s[i + 1] == '\n') ++i;
+      continue;
+    }
+    out.push_back(static_cast<unsigned char>(s[i]));
+  }
+  if (out.back() != kByteEos) out.push_back(kByteEos);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<DataSource>> OpenText(const std::string& path, int64_t seq_len) {
+  DataSpec d;
+  d.kind = DataKind::kText;
+  d.path = path;
+  return OpenDataSource(d, seq_len, 300, 1);
+}
+
+// Text files, from a few hand-written edge cases to fresh random ones full of newline runs and
+// to a 64 MB one, read back as the reference tokenization (TextTokens) does, sequence by sequence
+// across the wrap at the end; the 64 MB file costs the process no memory of its own.
+TEST(DataTextTest, TextFilesReadBackAsParagraphsOfBytes) {
+  const std::string dir = TempDir("");
+  const std::string path = dir + "corpus.txt";
+  const std::vector<std::pair<std::string, std::vector<int32_t>>> cases = {
+      {"a", {'a', kByteEos}},
+      {"a\n", {'a', '\n', kByteEos}},
+      {"\n\n", {'\n', kByteEos}},
+      {"\n", {'\n', kByteEos}},
+      {"\n\n\nab\n\n", {'\n', kByteEos, 'a', 'b', '\n', kByteEos}},
+      {"x\ny\n\n\n\nz", {'x', '\n', 'y', '\n', kByteEos, 'z', kByteEos}},
+      {"\xc3\xa9\n\n", {0xc3, 0xa9, '\n', kByteEos}},
+  };
+  for (const auto& [text, want] : cases) {
+    WriteBytes(path, text);
+    const auto n = static_cast<int64_t>(want.size());
+    auto s = OpenText(path, n);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ((*s)->Sequence(0), want) << ::testing::PrintToString(text);
+    EXPECT_EQ((*s)->Sequence(5), want) << ::testing::PrintToString(text);
+    EXPECT_EQ((*s)->eos_id(), kByteEos);
+  }
+
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = rng();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  rng.seed(seed);
+  // Random files of 'a', 'b' and newlines (runs of every length, at both ends or not), every
+  // sequence of three lengths compared whole.
+  for (int file = 0; file < 6; ++file) {
+    std::string text(20000 + rng() % 20000, 'a');
+    for (char& c : text) c = "ab\n\n"[rng() % 4];
+    WriteBytes(path, text);
+    const std::vector<int32_t> want = TextTokens(text);
+    const auto total = static_cast<int64_t>(want.size());
+    for (const int64_t seq_len : {int64_t{7}, int64_t{4093}, total + 3}) {
+      auto s = OpenText(path, seq_len);
+      ASSERT_TRUE(s.ok()) << s.status();
+      for (int64_t k = 0; k * seq_len < 2 * total; ++k) {
+        const std::vector<int32_t> got = (*s)->Sequence(k);
+        ASSERT_EQ(static_cast<int64_t>(got.size()), seq_len);
+        for (int64_t i = 0; i < seq_len; ++i)
+          ASSERT_EQ(got[i], want[(k * seq_len + i) % total])
+              << "file " << file << " seq_len " << seq_len << " sequence " << k << " token " << i;
+      }
+    }
+  }
+
+  // 64 MB of words and paragraphs.
+  std::string text;
+  text.reserve(size_t{64} << 20);
+  while (text.size() < (size_t{64} << 20)) {
+    text.append("word");
+    text.push_back(static_cast<char>('a' + rng() % 26));
+    text.append(rng() % 40 == 0 ? std::string(1 + rng() % 3, '\n') : " ");
+  }
+  WriteBytes(path, text);
+  const std::vector<int32_t> want = TextTokens(text);
+  text = std::string();
+  const auto total = static_cast<int64_t>(want.size());
+  const int64_t seq_len = 32768, last = total / seq_len, before = AnonymousResidentBytes();
+  auto s = OpenText(path, seq_len);
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (const int64_t k : {int64_t{0}, int64_t{1}, last / 2, last, last + 1, 5 * last + 3}) {
+    const std::vector<int32_t> got = (*s)->Sequence(k);
+    for (int64_t i = 0; i < seq_len; ++i)
+      ASSERT_EQ(got[i], want[(k * seq_len + i) % total]) << "sequence " << k << " token " << i;
+  }
+  EXPECT_LT(AnonymousResidentBytes() - before, int64_t{8} << 20);
+  s = absl::InternalError("closed");
+  std::remove(path.c_str());
+
+  // Missing and empty files.
+  s = OpenText(dir + "missing.txt", 16);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.status().message().find("missing.txt"), std::string::npos) << s.status();
+  WriteBytes(path, "");
+  s = OpenText(path, 16);
+  EXPECT_EQ(s.status().message(), "data: \"" + path + "\" is empty");
+  std::remove(path.c_str());
+}
+
 TEST(CheckpointErrorsTest, CorruptTruncatedAndMismatchedChangeNothing) {
   JobSpec spec = TinyJob(2, 128, 32);
   TrainerOptions o;

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "worker/engine/rng.h"
@@ -16,28 +18,139 @@
 namespace spindle {
 namespace {
 
-// Stream-backed sources: sequence n is tokens [n * seq_len, (n + 1) * seq_len) of the stream,
-// wrapping around at its end.
-class StreamSource : public DataSource {
+// A file mapped read-only for the object's life: the file-backed sources decode from it on
+// demand, so a corpus of any size costs page cache rather than the process's own memory. The file
+// must not be truncated while a job reads it.
+class MappedFile {
  public:
-  StreamSource(std::vector<int32_t> stream, int64_t seq_len, int32_t eos)
-      : stream_(std::move(stream)), seq_len_(seq_len), eos_(eos) {}
+  // NotFound for a file that cannot be opened, InvalidArgument for one that is not a regular file;
+  // both name it. An empty file maps to no bytes.
+  static absl::StatusOr<MappedFile> Open(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      return absl::NotFoundError(
+          absl::StrCat("data: cannot open \"", path, "\": ", strerror(errno)));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return absl::InvalidArgumentError(absl::StrCat("data: \"", path, "\" is not a regular file"));
+    }
+    const auto size = static_cast<size_t>(st.st_size);
+    void* map = size == 0 ? nullptr : ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    const int map_errno = errno;
+    ::close(fd);
+    if (map == MAP_FAILED)
+      return absl::InternalError(
+          absl::StrCat("data: cannot map \"", path, "\": ", strerror(map_errno)));
+    return MappedFile(static_cast<const unsigned char*>(map), size);
+  }
+  MappedFile(MappedFile&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
+  MappedFile& operator=(MappedFile&&) = delete;
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
+  }
+  const unsigned char* data() const { return data_; }
+  size_t size() const { return size_; }
+  // Access hints around a sequential pass over the whole file.
+  void Sequential(bool on) const {
+    if (data_ != nullptr)
+      ::madvise(const_cast<unsigned char*>(data_), size_, on ? MADV_SEQUENTIAL : MADV_NORMAL);
+  }
+
+ private:
+  MappedFile(const unsigned char* data, size_t size) : data_(data), size_(size) {}
+  const unsigned char* data_;
+  size_t size_;
+};
+
+// The text source's tokenizer as a cursor over the file's bytes: a paragraph break (a run of two
+// or more newlines) becomes '\n' then EOS, every other byte is its own token, and a file that does
+// not end with a break gets a final EOS. A cursor may start at byte 0 or at any point where a
+// cursor from byte 0 was clean (see Clean); Next returns -1 once the stream has ended.
+class TextCursor {
+ public:
+  TextCursor(const unsigned char* s, size_t n, size_t at) : s_(s), n_(n), i_(at) {}
+  // Whether a cursor started at byte() would give the same tokens from here: no break's EOS is
+  // due and the file has not ended (Next skips a break's whole run of newlines at once, so byte()
+  // is never inside one).
+  bool Clean() const { return !eos_due_ && i_ < n_; }
+  size_t byte() const { return i_; }
+  int32_t Next() {
+    if (eos_due_) {
+      eos_due_ = false, last_eos_ = true;
+      return kByteEos;
+    }
+    if (i_ == n_) {
+      if (last_eos_) return -1;
+      last_eos_ = true;
+      return kByteEos;
+    }
+    last_eos_ = false;
+    const unsigned char c = s_[i_++];
+    if (c == '\n' && i_ < n_ && s_[i_] == '\n') {  // a paragraph break: skip its run
+      while (i_ < n_ && s_[i_] == '\n') ++i_;
+      eos_due_ = true;
+    }
+    return c;
+  }
+
+ private:
+  const unsigned char* s_;
+  size_t n_, i_;
+  bool eos_due_ = false, last_eos_ = false;
+};
+
+// A text file mapped read-only: sequence n is tokens [n * seq_len, (n + 1) * seq_len) of its
+// token stream (TextCursor), wrapping around at its end. Opening walks the file once to count the
+// stream and to keep a clean point about every kStride tokens (16 bytes each), from which a
+// sequence is decoded on demand.
+class TextFileSource : public DataSource {
+ public:
+  static constexpr int64_t kStride = 4096;
+
+  TextFileSource(MappedFile file, int64_t seq_len) : file_(std::move(file)), seq_len_(seq_len) {
+    file_.Sequential(true);
+    TextCursor c = Cursor(0);
+    index_.push_back({0, 0});
+    int64_t pos = 0;
+    for (;;) {
+      if (pos >= index_.back().pos + kStride && c.Clean()) index_.push_back({pos, c.byte()});
+      if (c.Next() < 0) break;
+      ++pos;
+    }
+    tokens_ = pos;
+    file_.Sequential(false);
+  }
+
   std::vector<int32_t> Sequence(int64_t n) const override {
+    const int64_t pos =
+        static_cast<int64_t>((static_cast<unsigned __int128>(n) * seq_len_) % tokens_);
+    const auto mark = std::prev(std::upper_bound(
+        index_.begin(), index_.end(), pos, [](int64_t p, const Mark& m) { return p < m.pos; }));
+    TextCursor c = Cursor(mark->byte);
+    for (int64_t at = mark->pos; at < pos; ++at) c.Next();
     std::vector<int32_t> out(seq_len_);
-    const int64_t size = static_cast<int64_t>(stream_.size());
-    int64_t pos = static_cast<int64_t>((static_cast<unsigned __int128>(n) * seq_len_) % size);
-    for (int64_t i = 0; i < seq_len_; ++i) {
-      out[i] = stream_[pos];
-      if (++pos == size) pos = 0;
+    for (int32_t& t : out) {
+      t = c.Next();
+      if (t < 0) {  // the stream's end: wrap around
+        c = Cursor(0);
+        t = c.Next();
+      }
     }
     return out;
   }
-  int32_t eos_id() const override { return eos_; }
+  int32_t eos_id() const override { return kByteEos; }
 
  private:
-  std::vector<int32_t> stream_;
-  int64_t seq_len_;
-  int32_t eos_;
+  struct Mark {
+    int64_t pos;  // the stream position of the token decoded from `byte`
+    size_t byte;
+  };
+  TextCursor Cursor(size_t byte) const { return TextCursor(file_.data(), file_.size(), byte); }
+
+  MappedFile file_;
+  int64_t seq_len_, tokens_ = 0;
+  std::vector<Mark> index_;
 };
 
 // Index of the first of ids[0, n) that is >= limit, or -1: blocks are checked by their maximum
@@ -59,22 +172,15 @@ int64_t FirstAtLeast(const T* ids, int64_t n, int64_t limit) {
 }
 
 // A token file mapped read-only: sequence n is tokens [n * seq_len, (n + 1) * seq_len) of the
-// file, wrapping around at its end, decoded from the mapping on demand, so a corpus of any size
-// costs page cache rather than the process's own memory. The file must not be truncated while a
-// job reads it.
+// file, wrapping around at its end, decoded from the mapping on demand.
 class TokenFileSource : public DataSource {
  public:
-  TokenFileSource(const unsigned char* map, size_t map_bytes, int64_t width, int64_t tokens,
-                  int64_t seq_len, int32_t eos)
-      : map_(map),
-        map_bytes_(map_bytes),
+  TokenFileSource(MappedFile file, int64_t width, int64_t seq_len, int32_t eos)
+      : file_(std::move(file)),
         width_(width),
-        tokens_(tokens),
+        tokens_(static_cast<int64_t>(file_.size()) / width),
         seq_len_(seq_len),
         eos_(eos) {}
-  TokenFileSource(const TokenFileSource&) = delete;
-  TokenFileSource& operator=(const TokenFileSource&) = delete;
-  ~TokenFileSource() override { ::munmap(const_cast<unsigned char*>(map_), map_bytes_); }
 
   std::vector<int32_t> Sequence(int64_t n) const override {
     std::vector<int32_t> out(seq_len_);
@@ -88,15 +194,23 @@ class TokenFileSource : public DataSource {
   int32_t eos_id() const override { return eos_; }
 
   uint32_t Token(int64_t i) const {
-    const unsigned char* p = map_ + i * width_;
+    const unsigned char* p = file_.data() + i * width_;
     return width_ == 2 ? static_cast<uint32_t>(p[0] | (p[1] << 8))
                        : (static_cast<uint32_t>(p[0]) | (p[1] << 8) | (p[2] << 16) |
                           (static_cast<uint32_t>(p[3]) << 24));
   }
+  // The first token id >= vocab, or -1 (see FirstAtLeast).
+  int64_t FirstOutside(int64_t vocab) const {
+    const void* ids = file_.data();
+    file_.Sequential(true);
+    const int64_t i = width_ == 2 ? FirstAtLeast(static_cast<const uint16_t*>(ids), tokens_, vocab)
+                                  : FirstAtLeast(static_cast<const uint32_t*>(ids), tokens_, vocab);
+    file_.Sequential(false);
+    return i;
+  }
 
  private:
-  const unsigned char* const map_;
-  const size_t map_bytes_;
+  const MappedFile file_;
   const int64_t width_, tokens_, seq_len_;
   const int32_t eos_;
 };
@@ -186,29 +300,6 @@ class SyntheticSource : public DataSource {
   int64_t pairs_, gap_;
 };
 
-// Reads a whole file; NotFound / DataLoss errors name the file.
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0)
-    return absl::NotFoundError(absl::StrCat("data: cannot open \"", path, "\": ", strerror(errno)));
-  struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("data: \"", path, "\" is not a regular file"));
-  }
-  std::string buf(static_cast<size_t>(st.st_size), '\0');
-  size_t got = 0;
-  while (got < buf.size()) {
-    ssize_t r = ::read(fd, buf.data() + got, buf.size() - got);
-    if (r <= 0) break;
-    got += static_cast<size_t>(r);
-  }
-  ::close(fd);
-  if (got != buf.size())
-    return absl::DataLossError(absl::StrCat("data: short read of \"", path, "\""));
-  return buf;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DataSource>> OpenDataSource(const DataSpec& spec, int64_t seq_len,
@@ -225,70 +316,34 @@ absl::StatusOr<std::unique_ptr<DataSource>> OpenDataSource(const DataSpec& spec,
       if (vocab < 257)
         return absl::InvalidArgumentError(
             absl::StrCat("data: text needs a vocabulary of at least 257, got ", vocab));
-      auto bytes = ReadFile(spec.path);
-      if (!bytes.ok()) return bytes.status();
-      if (bytes->empty())
+      auto file = MappedFile::Open(spec.path);
+      if (!file.ok()) return file.status();
+      if (file->size() == 0)
         return absl::InvalidArgumentError(absl::StrCat("data: \"", spec.path, "\" is empty"));
-      std::vector<int32_t> stream;
-      stream.reserve(bytes->size() + 1);
-      const std::string& s = *bytes;
-      for (size_t i = 0; i < s.size(); ++i) {
-        if (s[i] == '\n' && i + 1 < s.size() && s[i + 1] == '\n') {  // paragraph break
-          stream.push_back('\n');
-          stream.push_back(kByteEos);
-          while (i + 1 < s.size() && s[i + 1] == '\n') ++i;
-          continue;
-        }
-        stream.push_back(static_cast<unsigned char>(s[i]));
-      }
-      if (stream.back() != kByteEos) stream.push_back(kByteEos);
-      return std::make_unique<StreamSource>(std::move(stream), seq_len, kByteEos);
+      return std::make_unique<TextFileSource>(*std::move(file), seq_len);
     }
     case DataKind::kTokens: {
       const int64_t w = spec.token_bytes;
-      const int fd = ::open(spec.path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0)
-        return absl::NotFoundError(
-            absl::StrCat("data: cannot open \"", spec.path, "\": ", strerror(errno)));
-      struct stat st;
-      if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        ::close(fd);
-        return absl::InvalidArgumentError(
-            absl::StrCat("data: \"", spec.path, "\" is not a regular file"));
-      }
-      const auto size = static_cast<int64_t>(st.st_size);
-      if (size % w != 0) {
-        ::close(fd);
+      auto file = MappedFile::Open(spec.path);
+      if (!file.ok()) return file.status();
+      const auto size = static_cast<int64_t>(file->size());
+      if (size % w != 0)
         return absl::DataLossError(absl::StrCat("data: \"", spec.path, "\" is truncated: ", size,
                                                 " bytes is not a multiple of ", w, "-byte tokens"));
-      }
-      const int64_t n = size / w;
-      if (n < 2) {
-        ::close(fd);
+      if (size / w < 2)
         return absl::InvalidArgumentError(
             absl::StrCat("data: \"", spec.path, "\" holds fewer than 2 tokens"));
-      }
-      void* map = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
-      const int map_errno = errno;
-      ::close(fd);
-      if (map == MAP_FAILED)
-        return absl::InternalError(
-            absl::StrCat("data: cannot map \"", spec.path, "\": ", strerror(map_errno)));
-      auto source = std::make_unique<TokenFileSource>(static_cast<const unsigned char*>(map),
-                                                      static_cast<size_t>(size), w, n, seq_len,
+      auto source = std::make_unique<TokenFileSource>(*std::move(file), w, seq_len,
                                                       static_cast<int32_t>(spec.eos_id));
       // Every id is checked once here (a sequential pass over the mapping), so a bad token fails
       // the job at its start rather than hours in. 16-bit ids below a vocabulary of 65536 and up
       // are all valid.
       if (w == 4 || vocab < 65536) {
-        ::madvise(map, static_cast<size_t>(size), MADV_SEQUENTIAL);
-        const int64_t i = w == 2 ? FirstAtLeast(static_cast<const uint16_t*>(map), n, vocab)
-                                 : FirstAtLeast(static_cast<const uint32_t*>(map), n, vocab);
+        const int64_t i = source->FirstOutside(vocab);
         if (i >= 0)
           return absl::InvalidArgumentError(
               absl::StrCat("data: \"", spec.path, "\": token ", source->Token(i), " at index ", i,
                            " is outside the vocabulary (model.vocab = ", vocab, ")"));
-        ::madvise(map, static_cast<size_t>(size), MADV_NORMAL);
       }
       return source;
     }

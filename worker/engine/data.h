@@ -4,7 +4,8 @@
 //                   stream, read in order and wrapped around at its end. Mapped, not loaded:
 //                   a corpus of any size costs page cache, not the trainer's memory.
 //   text:<path>     UTF-8 bytes as tokens 0..255; each paragraph (text between blank lines) is a
-//                   document ending with EOS = 256.
+//                   document ending with EOS = 256. Also mapped: opening walks the file once and
+//                   keeps 16 bytes per 4096 tokens to find any sequence from.
 //   synthetic:recall  documents of key-value pairs, filler, then queries of the same keys in a
 //                   random order: each answer is predictable only from the pair thousands of
 //                   tokens earlier. EOS = 256; vocab >= 257.
