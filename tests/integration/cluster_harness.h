@@ -17,6 +17,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -237,16 +238,21 @@ class ClusterHarness {
   void SignalWorker(const std::string& id, int signal) {
     if (workers_[id] != nullptr) workers_[id]->Signal(signal).IgnoreError();
   }
-  // The coordinator's state for worker `id` ("alive", "left", ...); "" when not listed.
-  std::string WorkerState(const std::string& id) {
+  // The coordinator's workers (ListWorkers), or nullopt when it does not answer within 2 s.
+  std::optional<v1::ListWorkersResponse> ListWorkers() {
     auto stub = v1::ClusterService::NewStub(worker_channel_);
-    v1::ListWorkersRequest req;
     v1::ListWorkersResponse resp;
     grpc::ClientContext ctx;
     Authorize(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (!stub->ListWorkers(&ctx, req, &resp).ok()) return "";
-    for (const auto& w : resp.workers())
+    if (!stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return std::nullopt;
+    return resp;
+  }
+  // The coordinator's state for worker `id` ("alive", "left", ...); "" when not listed.
+  std::string WorkerState(const std::string& id) {
+    const auto resp = ListWorkers();
+    if (!resp) return "";
+    for (const auto& w : resp->workers())
       if (w.worker_id() == id) return w.state();
     return "";
   }
@@ -255,15 +261,10 @@ class ClusterHarness {
   bool WaitForWorkers(int n) {
     return WaitFor(
         [&] {
-          auto stub = v1::ClusterService::NewStub(worker_channel_);
-          v1::ListWorkersRequest req;
-          v1::ListWorkersResponse resp;
-          grpc::ClientContext ctx;
-          Authorize(&ctx);
-          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-          if (!stub->ListWorkers(&ctx, req, &resp).ok()) return false;
+          const auto resp = ListWorkers();
+          if (!resp) return false;
           int alive = 0;
-          for (const auto& w : resp.workers()) alive += w.state() == "alive" ? 1 : 0;
+          for (const auto& w : resp->workers()) alive += w.state() == "alive" ? 1 : 0;
           return alive >= n;
         },
         std::chrono::seconds(20));
