@@ -144,9 +144,13 @@ absl::Status CheckAbsolutePaths(const JobSpec& spec) {
 
 bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
 
-// A checkpoint directory as a comparable path ("/a/b/" and "/a//b" are "/a/b").
+// A checkpoint directory as a comparable path ("/a/b/" and "/a//b" are "/a/b"; the symbolic
+// links among its existing parts, as the coordinator's host sees them, resolved).
 std::string SamePlace(const std::string& dir) {
-  std::string p = std::filesystem::path(dir).lexically_normal().string();
+  std::error_code ec;
+  std::filesystem::path resolved = std::filesystem::weakly_canonical(dir, ec);
+  if (ec) resolved = dir;
+  std::string p = resolved.lexically_normal().string();
   while (p.size() > 1 && p.back() == '/') p.pop_back();
   return p;
 }
@@ -515,15 +519,10 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
     if (wit == workers_.end()) continue;
     WorkerRuntime& w = *wit->second;
     const int32_t d = r.placement.device_index;
+    // A lost worker's slot drains too: the rank may still run there should the worker be back.
     if (d >= 0 && d < static_cast<int32_t>(w.slots.size()) && w.slots[d].job_id == j.rec.job_id &&
-        w.slots[d].attempt == j.rec.attempt) {
-      if (w.lost) {
-        w.slots[d] = {};
-      } else {
-        w.slots[d].drain_deadline_ms =
-            now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
-      }
-    }
+        w.slots[d].attempt == j.rec.attempt)
+      w.slots[d].drain_deadline_ms = now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
     if (told.insert(w.rec.worker_id).second && !w.lost) {
       v1::CoordinatorMessage m;
       v1::Stop* s = m.mutable_stop();
@@ -873,6 +872,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
     if (wit == workers_.end()) return;
     WorkerRuntime& w = *wit->second;
     const int64_t now = clock_->NowMs();
+    if (w.lost && !w.left) WorkerBack(w, now, &out);
     w.last_seen_ms = now;
     // The current rank a message is about, or null (stale attempt, unknown job).
     auto current = [&](const v1::RankRef& ref) -> std::pair<JobRuntime*, RankRuntime*> {
@@ -1103,7 +1103,27 @@ void JobManager::MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox
       }
     }
   }
-  for (auto& s : w.slots) s = {};
+}
+
+void JobManager::WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) {
+  w.lost = false;
+  w.connected = true;
+  LogLine(absl::StrCat("worker ", w.rec.worker_id, " is back (a message after ",
+                       Seconds(now - w.last_seen_ms), " of silence)"));
+  // Its gangs restarted when it was lost; whatever it still runs of them stops, and their slots
+  // drain from now.
+  std::set<std::pair<std::string, int64_t>> told;
+  for (WorkerRuntime::Slot& s : w.slots) {
+    if (s.job_id.empty()) continue;
+    s.drain_deadline_ms = now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
+    if (!told.insert({s.job_id, s.attempt}).second) continue;
+    v1::CoordinatorMessage m;
+    m.mutable_stop()->set_job_id(s.job_id);
+    m.mutable_stop()->set_attempt(s.attempt);
+    m.mutable_stop()->set_reason("the gang restarted while this worker was silent");
+    m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
+    out->messages.emplace_back(w.rec.worker_id, std::move(m));
+  }
 }
 
 void JobManager::Tick() {

@@ -7,7 +7,8 @@
 // Failure handling (each restart uses one of the job's max_restarts; past it the job FAILS):
 //   - rank exit != 0 (not caused by a stop): exit code 2 (invalid input) fails the job at once;
 //     any other code restarts the gang.
-//   - worker lost: no message for heartbeat_timeout: every gang with a rank on it restarts.
+//   - worker lost: no message for heartbeat_timeout: every gang with a rank on it restarts. A
+//     lost worker that speaks again on its session is alive again; its old ranks are stopped.
 //   - hung rank: a rank that has not advanced its step for hang_timeout (start_timeout before
 //     its first step) restarts the gang; the reason names the rank with the lowest step.
 //   - coordinator restart: jobs are reloaded; placed ranks are re-adopted when their worker
@@ -184,6 +185,9 @@ class JobManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseDevice(const std::string& worker_id, int32_t device, const std::string& job_id,
                      int64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A lost worker whose session is still open spoke again (the coordinator, or the network, had
+  // paused): it is alive again, and what it still runs of the restarted gangs is stopped.
+  void WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FailedPrecondition naming the unfinished job whose checkpoint.dir is spec's.

@@ -1,6 +1,9 @@
 // JobManager state machine against a FakeClock, a recording worker channel and a real SQLite
 // file: placement, progress, success, restarts (rank exit, lost worker, hang), cancel, fatal
 // exits, running out of restarts and recovery after a coordinator restart.
+#include <unistd.h>
+
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -308,6 +311,46 @@ TEST_F(JobManagerTest, LostWorkerRestartsGangElsewhere) {
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
 }
 
+// The coordinator pauses past the heartbeat timeout (a long stall): the workers, their sessions
+// still open, are marked lost and the gang restarts. The next message on the session brings the
+// worker back: the old attempt's rank is stopped, its slot drains until that rank exits, and then
+// the gang's new attempt is placed there.
+TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  Progress("w1", Ref(id, 1, 0), 1);
+  clock_.AdvanceMs(3500);  // nothing heard for 3.5 s > 3 s
+  manager_->Tick();
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
+  EXPECT_EQ(Get(id).restarts(), 1);
+  EXPECT_TRUE(Assignments().empty());
+  // w1 heartbeats, still running attempt 1's rank.
+  v1::WorkerMessage hb;
+  hb.mutable_heartbeat()->set_unix_ms(clock_.NowMs());
+  *hb.mutable_heartbeat()->add_running()->mutable_ref() = Ref(id, 1, 0);
+  manager_->HandleWorkerMessage("w1", hb);
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 0);
+  EXPECT_EQ(manager_->WorkerCounts()["alive"], 1);
+  std::vector<std::pair<std::string, v1::Stop>> stops;
+  manager_->Tick();
+  EXPECT_TRUE(Assignments(&stops).empty()) << "placed on a slot still running attempt 1";
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].first, "w1");
+  EXPECT_EQ(stops[0].second.attempt(), 1);
+  // Heartbeats listing the draining rank repeat no stop; its exit frees the slot.
+  manager_->HandleWorkerMessage("w1", hb);
+  EXPECT_TRUE(Assignments(&stops).empty());
+  EXPECT_EQ(stops.size(), 1u);
+  Exit("w1", Ref(id, 1, 0), 143, /*stopped=*/true);
+  manager_->Tick();
+  auto placed = Assignments();
+  ASSERT_EQ(placed.size(), 1u);
+  EXPECT_EQ(placed[0].first, "w1");
+  EXPECT_EQ(placed[0].second.ref().attempt(), 2);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+}
+
 // A worker's session closes (the daemon was killed) and a rank on another worker then fails in
 // its collective: the restart names the vanished worker first, then the failed rank.
 TEST_F(JobManagerTest, RankFailureAfterAPeerWorkerDisconnectedNamesThatWorker) {
@@ -407,6 +450,14 @@ TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
   EXPECT_EQ(planned.problems(0),
             std::string(b.status().message())
                 .replace(b.status().message().find("/tmp//ck/"), 9, "/tmp/ck"));
+  // A symbolic link to the directory's parent is the same place.
+  const std::string link = ::testing::TempDir() + "/spindle-ck-link-" + std::to_string(getpid());
+  std::filesystem::remove(link);
+  std::filesystem::create_directory_symlink("/tmp", link);
+  auto c = manager_->Submit(WithCheckpointDir(SpecJson(), link + "/ck"), &plan);
+  std::filesystem::remove(link);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_EQ(manager_->ListJobs({}, 100).size(), 1u);
   EXPECT_TRUE(manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck2"), &plan).ok());
   Exit("w1", Ref(a, 1, 0), 0);
   ASSERT_EQ(Get(a).state(), v1::JOB_STATE_SUCCEEDED);
