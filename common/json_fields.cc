@@ -2,6 +2,7 @@
 #include "common/json_fields.h"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace spindle {
@@ -100,6 +101,9 @@ absl::Status JsonFields::ReadInt(const std::string& key, int64_t* out, bool requ
   seen_.insert(key);
   if (!Has(key)) return Missing(key, required);
   const auto& v = obj_.at(key);
+  if (v.is_number_unsigned() &&
+      v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    return Error(key, absl::StrCat("must be an integer in int64's range, got ", v.dump()));
   if (v.is_number_integer()) {
     *out = v.get<int64_t>();
     return absl::OkStatus();
@@ -115,6 +119,11 @@ absl::Status JsonFields::ReadInt(const std::string& key, int64_t* out, bool requ
 }
 
 absl::Status JsonFields::ReadUint(const std::string& key, uint64_t* out, bool required) {
+  if (Has(key) && obj_.at(key).is_number_unsigned()) {  // all of uint64's range
+    seen_.insert(key);
+    *out = obj_.at(key).get<uint64_t>();
+    return absl::OkStatus();
+  }
   int64_t v = static_cast<int64_t>(*out);
   if (absl::Status s = ReadInt(key, &v, required); !s.ok()) return s;
   if (v < 0) return Error(key, absl::StrCat("must be >= 0, got ", v));

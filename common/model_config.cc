@@ -51,29 +51,43 @@ absl::Status ModelConfig::Validate() const {
   auto err = [](const std::string& field, const std::string& msg) {
     return absl::InvalidArgumentError(absl::StrCat("job spec: model.", field, ": ", msg));
   };
-  if (vocab < 2) return err("vocab", absl::StrCat("must be >= 2, got ", vocab));
-  if (vocab > (int64_t{1} << 31) - 1) return err("vocab", "must fit in int32");
-  if (d_model < 1) return err("d_model", absl::StrCat("must be >= 1, got ", d_model));
-  if (n_layers < 1) return err("n_layers", absl::StrCat("must be >= 1, got ", n_layers));
-  if (n_heads < 1) return err("n_heads", absl::StrCat("must be >= 1, got ", n_heads));
+  // Sizes past these bounds are typing mistakes (the largest published models are far inside
+  // them); the bounds also keep every size product, and the planner's work, small.
+  auto in = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
+    return v >= lo && v <= hi
+               ? absl::OkStatus()
+               : err(field, absl::StrCat("must be in [", lo, ", ", hi, "], got ", v));
+  };
+  RETURN_IF_ERROR(in("vocab", vocab, 2, (int64_t{1} << 31) - 1));
+  RETURN_IF_ERROR(in("d_model", d_model, 1, kMaxModelWidth));
+  RETURN_IF_ERROR(in("n_layers", n_layers, 1, kMaxLayers));
+  RETURN_IF_ERROR(in("n_heads", n_heads, 1, kMaxHeads));
   if (d_model % n_heads != 0)
     return err("n_heads", absl::StrCat("must divide d_model (", d_model, "), got ", n_heads));
   if (head_dim() % 2 != 0)
     return err("n_heads", absl::StrCat("head size d_model/n_heads must be even for RoPE, got ",
                                        head_dim()));
-  if (ffn_dim < 1) return err("ffn_dim", absl::StrCat("must be >= 1, got ", ffn_dim));
+  RETURN_IF_ERROR(in("ffn_dim", ffn_dim, 1, kMaxModelWidth * 8));
   if (layer_pattern.empty()) return err("layer_pattern", "must not be empty");
+  if (static_cast<int64_t>(layer_pattern.size()) > n_layers)
+    return err(
+        "layer_pattern",
+        absl::StrCat("\"", layer_pattern, "\" describes ", layer_pattern.size(),
+                     " layers, more than n_layers = ", n_layers, "; its last ",
+                     static_cast<int64_t>(layer_pattern.size()) - n_layers,
+                     " would never be built (give a pattern of at most ", n_layers, " layers)"));
   for (char c : layer_pattern)
     if (c != 'L' && c != 'M')
       return err("layer_pattern", absl::StrCat("may only hold 'L' and 'M', got \"",
                                                layer_pattern, "\""));
   if (NumLayersOfKind('M') > 0) {
-    if (mla.q_lora_rank < 0) return err("mla.q_lora_rank", "must be >= 0");
-    if (mla.kv_lora_rank < 1) return err("mla.kv_lora_rank", "must be >= 1");
-    if (mla.qk_nope_dim < 0) return err("mla.qk_nope_dim", "must be >= 0");
-    if (mla.qk_rope_dim < 2 || mla.qk_rope_dim % 2 != 0)
-      return err("mla.qk_rope_dim", absl::StrCat("must be even and >= 2, got ", mla.qk_rope_dim));
-    if (mla.v_head_dim < 1) return err("mla.v_head_dim", "must be >= 1");
+    RETURN_IF_ERROR(in("mla.q_lora_rank", mla.q_lora_rank, 0, kMaxModelWidth));
+    RETURN_IF_ERROR(in("mla.kv_lora_rank", mla.kv_lora_rank, 1, kMaxModelWidth));
+    RETURN_IF_ERROR(in("mla.qk_nope_dim", mla.qk_nope_dim, 0, kMaxModelWidth));
+    RETURN_IF_ERROR(in("mla.qk_rope_dim", mla.qk_rope_dim, 2, kMaxModelWidth));
+    if (mla.qk_rope_dim % 2 != 0)
+      return err("mla.qk_rope_dim", absl::StrCat("must be even, got ", mla.qk_rope_dim));
+    RETURN_IF_ERROR(in("mla.v_head_dim", mla.v_head_dim, 1, kMaxModelWidth));
   }
   if (!(rope_theta > 1.0)) return err("rope_theta", "must be > 1");
   if (!(norm_eps > 0.0)) return err("norm_eps", "must be > 0");

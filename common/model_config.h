@@ -20,6 +20,12 @@ struct MlaConfig {
   int64_t v_head_dim = 16;
 };
 
+// The largest layer count and head count a model may have, and the bound on its widths (d_model,
+// the MLA ranks and head sizes; ffn_dim up to 8 times it).
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxHeads = 1024;
+inline constexpr int64_t kMaxModelWidth = 65536;
+
 struct ModelConfig {
   std::string preset;  // empty when every size was given explicitly
   int64_t vocab = 257;

@@ -175,6 +175,35 @@ TEST(JobSpecTest, MalformedSpecsNameTheField) {
             "got \"ring\"");
   EXPECT_EQ(Error(R"({"name": "x y", "seq_len": 64, )" + base + "}"),
             "job spec: name: may only hold letters, digits, '-', '_' and '.', got \"x y\"");
+  auto tiny = [](const std::string& model) {
+    return R"({"name": "x", "seq_len": 64, "model": {"preset": "tiny", )" + model +
+           R"(}, "data": {"source": "synthetic:recall"}})";
+  };
+  EXPECT_EQ(Error(tiny(R"("n_layers": 100000)")),
+            "job spec: model.n_layers: must be in [1, 1024], got 100000");
+  EXPECT_EQ(Error(tiny(R"("d_model": 1048576, "n_heads": 4)")),
+            "job spec: model.d_model: must be in [1, 65536], got 1048576");
+  EXPECT_EQ(Error(tiny(R"("ffn_dim": 0)")),
+            "job spec: model.ffn_dim: must be in [1, 524288], got 0");
+  EXPECT_EQ(Error(tiny(R"("layer_pattern": "LLLLLLLM")")),
+            "job spec: model.layer_pattern: \"LLLLLLLM\" describes 8 layers, more than n_layers = "
+            "4; its last 4 would never be built (give a pattern of at most 4 layers)");
+  EXPECT_EQ(Error(tiny(R"("mla": {"kv_lora_rank": 0})")),
+            "job spec: model.mla.kv_lora_rank: must be in [1, 65536], got 0");
+  // Integers past int64 are refused, not wrapped.
+  EXPECT_EQ(Error(R"({"name": "x", "seq_len": 18446744073709551615, )" + base + "}"),
+            "job spec: seq_len: must be an integer in int64's range, got 18446744073709551615");
+  EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "train": {"seed": 18446744073709551616}, )" +
+                  base + "}"),
+            "job spec: train.seed: must be an integer, got 1.8446744073709552e+19");
+}
+
+// A seed takes all of uint64's range.
+TEST(JobSpecTest, SeedsTakeAllOfUint64) {
+  auto spec = ParseJobSpec(R"({"name": "x", "seq_len": 64, "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall"}, "train": {"seed": 18446744073709551615}})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->train.seed, 18446744073709551615u);
 }
 
 }  // namespace
