@@ -337,17 +337,15 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
       plan.problems.push_back(absl::StrCat("model: resources \"cuda\" cannot run ", shape,
                                            "; use resources \"cpu\" or another shape"));
   }
-  if (cp > 1) {
-    const int64_t chunks = 2 * cp;
-    if (spec.seq_len % chunks != 0) {
-      plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len,
-                                           " is not divisible by 2*cp = ", chunks,
-                                           " (zigzag chunks need equal sizes)"));
-    } else if (spec.seq_len / chunks < kMinTokensPerChunk) {
-      plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len, " gives ",
-                                           spec.seq_len / chunks, " tokens per chunk with cp=", cp,
-                                           "; at least ", kMinTokensPerChunk, " are needed"));
-    }
+  // Every sequence is laid out as 2 cp zigzag chunks, also at cp = 1.
+  const int64_t chunks = 2 * cp;
+  if (spec.seq_len % chunks != 0) {
+    plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len, " is not divisible by 2*cp = ",
+                                         chunks, " (zigzag chunks need equal sizes)"));
+  } else if (cp > 1 && spec.seq_len / chunks < kMinTokensPerChunk) {
+    plan.problems.push_back(absl::StrCat("seq_len: ", spec.seq_len, " gives ",
+                                         spec.seq_len / chunks, " tokens per chunk with cp=", cp,
+                                         "; at least ", kMinTokensPerChunk, " are needed"));
   }
 
   const bool auto_recompute = spec.train.recompute_layers == TrainSpec::kRecomputeAuto;

@@ -132,6 +132,11 @@ TEST(CpPlannerTest, ListsEveryProblemWithExactMessages) {
   EXPECT_EQ(p.problems[2],
             "seq_len: 1000 is not divisible by 2*cp = 16 (zigzag chunks need equal sizes)");
   EXPECT_EQ(p.problems[3].rfind("memory: estimated ", 0), 0u) << p.problems[3];
+  // Without CP a sequence still has two zigzag chunks: an odd length is refused there too.
+  const CpPlan odd = CpPlanner().Plan(Spec(1, 4, 1001), 0);
+  ASSERT_EQ(odd.problems.size(), 1u) << ::testing::PrintToString(odd.problems);
+  EXPECT_EQ(odd.problems[0],
+            "seq_len: 1001 is not divisible by 2*cp = 2 (zigzag chunks need equal sizes)");
   // Nothing fits 1 MiB: the hint says what even every layer recomputing needs.
   EXPECT_NE(p.problems[3].find("exceeds the 1.0 MiB of one cpu device; with every layer "
                                "recomputing it still needs "),

@@ -95,6 +95,32 @@ TEST(TrainerTest, ResumeIsExact) {
     ASSERT_EQ(pa.flat_data().f32()[j], pc.flat_data().f32()[j]) << "parameter element " << j;
 }
 
+// A job whose train.steps is below its checkpoint's step is refused at Create (it would report
+// success without training), and the checkpoint stays; at exactly its step there is nothing left.
+TEST(TrainerTest, CheckpointPastTheJobsStepsIsRefused) {
+  JobSpec spec = TinyJob(/*steps=*/4, /*seq_len=*/256, /*gap=*/64);
+  spec.checkpoint.every = 4;
+  TrainerOptions o;
+  o.spec = spec;
+  o.checkpoint_dir = TempDir("past");
+  auto first = Trainer::Create(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->Run().ok());
+  o.spec.train.steps = 3;
+  auto refused = Trainer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("is at step 4, past the job's train.steps = 3"),
+            std::string::npos)
+      << refused.status();
+  o.spec.train.steps = 4;
+  auto done = Trainer::Create(o);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ((*done)->state().step, 4);
+  ASSERT_TRUE((*done)->Run().ok());
+  EXPECT_TRUE((*done)->losses().empty());
+}
+
 // How many layers recompute: the options' count over the spec's, an undecided "auto" every layer,
 // reported in the start event; the CPU engine's losses and weights do not depend on it; an
 // impossible count is refused at Create.

@@ -109,6 +109,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint: \"", *latest, "\" was written with seed ", t->state_.seed,
             ", the job has train.seed = ", spec.train.seed));
+      if (t->state_.step > spec.train.steps)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint: \"", *latest, "\" is at step ", t->state_.step,
+            ", past the job's train.steps = ", spec.train.steps,
+            "; raise train.steps to train on, or give the job another checkpoint.dir"));
       if (on_device) {
         RETURN_IF_ERROR(t->backend_->UploadParams());
         RETURN_IF_ERROR(t->backend_->UploadOptimizerState(
