@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/pem.h"
 #include "coordinator/cp_planner.h"
@@ -737,6 +738,10 @@ int RunCli(const std::vector<std::string>& args, const std::map<std::string, std
   if (auto it = env.find("SPINDLE_TOKEN"); it != env.end()) o.token = it->second;
   if (auto it = env.find("SPINDLE_TLS_CA"); it != env.end()) o.tls_ca = it->second;
   std::string error = ParseArgs(args, &o);
+  if (error.empty()) {
+    if (absl::Status a = CheckHostPort("--coordinator", o.coordinator); !a.ok())
+      error = std::string(a.message());
+  }
   if (o.help) {
     out << kUsage;
     return kExitOk;

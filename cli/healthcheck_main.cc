@@ -9,11 +9,10 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
 #include "cli/healthcheck.h"
+#include "common/daemon_flags.h"
 #include "common/pem.h"
 
 ABSL_FLAG(std::string, grpc, "", "host:port of a gRPC server with grpc.health.v1 (coordinator)");
@@ -24,11 +23,11 @@ ABSL_FLAG(std::string, path, "/healthz", "path requested with --http");
 ABSL_FLAG(double, timeout, 3.0, "seconds before the probe gives up");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "spindle-healthcheck: exits 0 when a Spindle daemon is healthy.\n"
-      "  spindle-healthcheck --grpc 127.0.0.1:7070   (coordinator)\n"
-      "  spindle-healthcheck --http 127.0.0.1:9401   (worker)");
-  absl::ParseCommandLine(argc, argv);
+  spindle::ParseDaemonFlags(argc, argv,
+                            "spindle-healthcheck: exits 0 when a Spindle daemon is healthy.",
+                            "spindle-healthcheck --grpc 127.0.0.1:7070   (coordinator)\n"
+                            "       spindle-healthcheck --http 127.0.0.1:9401   (worker)",
+                            "cli/healthcheck_main.cc");
   const std::string grpc_address = absl::GetFlag(FLAGS_grpc);
   const std::string http_address = absl::GetFlag(FLAGS_http);
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout));

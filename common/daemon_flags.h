@@ -7,6 +7,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -29,7 +31,8 @@ inline absl::Status CheckMetricsPortFlag(int port) {
 
 // `what` says what the daemon does ("schedules Spindle training jobs onto worker daemons.");
 // `usage` is its usage line; `main_file` is the end of the path of the file that defines its
-// flags ("coordinator/main.cc"). Exits, as absl does, on --help and on an unknown flag.
+// flags ("coordinator/main.cc"). Exits, as absl does, on --help and on an unknown flag, and
+// with code 2 on an argument that is not a flag.
 inline void ParseDaemonFlags(int argc, char** argv, const std::string& what,
                              const std::string& usage, const std::string& main_file) {
   absl::SetProgramUsageMessage(what + "\nusage: " + usage);
@@ -55,7 +58,14 @@ inline void ParseDaemonFlags(int argc, char** argv, const std::string& what,
   }
   std::vector<char*> argp;
   for (std::string& a : args) argp.push_back(a.data());
-  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  const std::vector<char*> rest =
+      absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  if (rest.size() > 1) {  // a daemon takes flags only: a stray word is a typo, not to be ignored
+    const std::string name = std::string(argv[0]).substr(std::string(argv[0]).rfind('/') + 1);
+    std::fprintf(stderr, "%s: unexpected argument \"%s\" (every option is a --flag)\n",
+                 name.c_str(), rest[1]);
+    std::exit(2);
+  }
 }
 
 }  // namespace spindle

@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -114,6 +116,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s.clock = clock ? clock : &s.real_clock;
   if (s.config.tls_cert_pem.empty() != s.config.tls_key_pem.empty())
     return absl::InvalidArgumentError("TLS needs both a certificate and a key");
+  // A coordinator that cannot start leaves no store behind that it created.
+  const std::string db_path = s.config.db_path;
+  std::error_code ec;
+  const bool new_store = !std::filesystem::exists(db_path, ec);
+  bool started = false;
+  absl::Cleanup drop_new_store = [&] {
+    if (started || !new_store) return;
+    impl.reset();  // closes the store
+    for (const char* suffix : {"", "-wal", "-shm", "-journal", ".lock"})
+      std::filesystem::remove(db_path + suffix, ec);
+  };
   ASSIGN_OR_RETURN(s.store, JobStore::Open(s.config.db_path));
   JobManagerMetrics metrics;
   RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
@@ -206,6 +219,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       self->mu.Lock();
     }
   });
+  started = true;
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }
 

@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon_flags.h"
+#include "common/host_port.h"
 #include "common/pem.h"
 #include "coordinator/coordinator_server.h"
 
@@ -111,6 +112,14 @@ int main(int argc, char** argv) {
     if (!(d.seconds > 0 || (d.zero_ok && d.seconds == 0))) {
       std::fprintf(stderr, "spindle-coordinator: %s must be %s number of seconds, got %g\n", d.flag,
                    d.zero_ok ? "a non-negative" : "a positive", d.seconds);
+      return 2;
+    }
+  }
+  for (const auto& [flag, address] : {std::pair<const char*, std::string>{"--listen", cfg.listen},
+                                      {"--worker-listen", cfg.worker_listen}}) {
+    if (address.empty() && std::string(flag) == "--worker-listen") continue;  // as --listen
+    if (absl::Status a = spindle::CheckHostPort(flag, address); !a.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(a.message()).c_str());
       return 2;
     }
   }

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/daemon_flags.h"
+#include "common/host_port.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "common/status.h"
@@ -98,6 +99,10 @@ int Main() {
     std::fprintf(stderr, "spindle-worker: --coordinator HOST:PORT is required\n");
     return 2;
   }
+  if (absl::Status a = CheckHostPort("--coordinator", coordinator); !a.ok()) {
+    std::fprintf(stderr, "spindle-worker: %s\n", std::string(a.message()).c_str());
+    return 2;
+  }
   if (absl::Status flags = CheckNumericFlags(); !flags.ok()) {
     std::fprintf(stderr, "spindle-worker: %s\n", std::string(flags.message()).c_str());
     return 2;
@@ -126,8 +131,12 @@ int Main() {
     std::filesystem::path abs = std::filesystem::absolute(trainer, ec);
     if (!ec) trainer = abs.string();
   }
-  if (::access(trainer.c_str(), X_OK) != 0) {
-    WorkerLog("warning: trainer binary %s is not executable; ranks will fail to start", trainer);
+  // Every rank would fail to start (and its gang restart) on a worker without its trainer.
+  if (std::error_code ec;
+      !std::filesystem::is_regular_file(trainer, ec) || ::access(trainer.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "spindle-worker: --trainer-binary: %s is not an executable file\n",
+                 trainer.c_str());
+    return 2;
   }
   std::string work_dir = absl::GetFlag(FLAGS_work_dir);
   if (work_dir.empty()) {

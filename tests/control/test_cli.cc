@@ -52,6 +52,11 @@ TEST_F(CliTest, UsageErrors) {
   EXPECT_EQ(r.err, "spindle: unknown flag --bogus (run spindle --help)\n");
   r = RunSpindle({"list", "--output", "yaml"});
   EXPECT_EQ(r.err, "spindle: --output must be text or json, got \"yaml\" (run spindle --help)\n");
+  r = RunSpindle({"list", "--coordinator", "127.0.0.1:70700"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            "spindle: --coordinator must be HOST:PORT with a port in [0, 65535], got "
+            "\"127.0.0.1:70700\" (run spindle --help)\n");
   r = RunSpindle({"status"});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, "spindle: status: expected exactly one JOB_ID (spindle status JOB_ID)\n");

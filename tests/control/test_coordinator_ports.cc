@@ -2,6 +2,7 @@
 // JobService and ClusterService.ListWorkers on the client port (so `spindle workers` works),
 // workers get Register/Session/Rendezvous on the worker port only, and a worker that dials the
 // client port is told which port to use.
+#include <filesystem>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -127,6 +128,9 @@ TEST_F(CoordinatorPortsTest, ASecondCoordinatorOnATakenPortIsRefused) {
     EXPECT_EQ(second.status().message(),
               "cannot listen on " + taken +
                   " (it is taken, is not HOST:PORT, or is not an address of this host)");
+    // It leaves no store of its own behind.
+    for (const char* suffix : {"", "-wal", "-shm", ".lock"})
+      EXPECT_FALSE(std::filesystem::exists(cfg.db_path + suffix)) << cfg.db_path << suffix;
   }
   // The first one still answers its clients.
   grpc::ClientContext ctx;

@@ -1,6 +1,7 @@
-// The daemons' command lines, run for real: --help lists each daemon's own flags with their
-// defaults, and flags spelled with hyphens (as the usage lines and docs write them) are accepted
-// like absl's underscores, while a misspelt flag is still refused by name.
+// The daemons' command lines (and the health check's), run for real: --help lists each one's own
+// flags with their defaults, and flags spelled with hyphens (as the usage lines and docs write
+// them) are accepted like absl's underscores, while a misspelt flag or a stray word is still
+// refused by name.
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -41,6 +42,12 @@ std::vector<Daemon> Daemons() {
          "worker/worker_main.cc",
          {"--coordinator", "--slots", "--work_dir", "--metrics_port", "--kill_grace"},
          {"--work-dir=/nonexistent", "--metrics-port=-1", "--cpu-threads-per-slot", "2"}});
+  }
+  if (!std::string(SPINDLE_HEALTHCHECK_BINARY).empty()) {
+    out.push_back({SPINDLE_HEALTHCHECK_BINARY,
+                   "cli/healthcheck_main.cc",
+                   {"--grpc", "--http", "--tls_ca_file", "--timeout"},
+                   {"--tls-ca-file", "/nonexistent", "--timeout=2"}});
   }
   return out;
 }
@@ -112,6 +119,13 @@ TEST(DaemonFlagsTest, MeaninglessNumbersAreRefusedByName) {
     cases.push_back({c,
                      {base, "--metrics-port=70000"},
                      "--metrics-port must be a port, 0 (any) or -1 (off), got 70000"});
+    cases.push_back(
+        {c,
+         {base, "--listen=127.0.0.1:70000"},
+         "--listen must be HOST:PORT with a port in [0, 65535], got \"127.0.0.1:70000\""});
+    cases.push_back({c,
+                     {base, "--metrics-port=-1", "7070"},
+                     "unexpected argument \"7070\" (every option is a --flag)"});
     const std::string junk = dir + "/junk.pem";
     std::ofstream(junk) << "not a certificate\n";
     cases.push_back({c,
@@ -136,6 +150,13 @@ TEST(DaemonFlagsTest, MeaninglessNumbersAreRefusedByName) {
                      "--metrics-port must be a port, 0 (any) or -1 (off), got -5"});
     cases.push_back(
         {w, {base, work, "--metrics-port=-1", "--slots=-1"}, "--slots must be >= 0, got -1"});
+    cases.push_back({w,
+                     {"--coordinator=localhost:7O70", work},
+                     "--coordinator must be HOST:PORT with a port in [0, 65535], got "
+                     "\"localhost:7O70\""});
+    cases.push_back({w,
+                     {base, work, "--metrics-port=-1", "--trainer-binary=" + dir},
+                     "--trainer-binary: " + dir + " is not an executable file"});
   }
   if (cases.empty()) GTEST_SKIP() << "no daemon binary in this build";
   for (const Case& c : cases) {
