@@ -736,6 +736,15 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
   {
     absl::MutexLock l(&mu_);
     const int64_t now = clock_->NowMs();
+    // Two daemons given one --worker-id would take each other's slots and ranks: while one is
+    // connected, another host may not take its id (the same host may: that is a reconnect).
+    if (auto it = workers_.find(req.worker_id()); it != workers_.end()) {
+      const WorkerRuntime& w = *it->second;
+      if (w.connected && !w.lost && w.rec.hostname != req.hostname())
+        return absl::AlreadyExistsError(absl::StrCat(
+            "register: worker id ", req.worker_id(), " is in use by the connected worker on host ",
+            w.rec.hostname, "; give each worker daemon its own --worker-id"));
+    }
     WorkerRecord rec;
     rec.worker_id = req.worker_id();
     rec.hostname = req.hostname();

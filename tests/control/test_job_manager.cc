@@ -351,6 +351,34 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 }
 
+// A second daemon on another host given the same worker id is refused while the first is
+// connected; once the first is lost, the id is free to take.
+TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
+  AddWorker("w1", 2);
+  v1::RegisterRequest req;
+  req.set_worker_id("w1");
+  req.set_hostname("other.local");
+  v1::DeviceGroup* d = req.add_devices();
+  d->set_kind("cpu");
+  d->set_count(1);
+  d->set_memory_bytes(int64_t{8} << 30);
+  v1::RegisterResponse resp;
+  const absl::Status refused = manager_->RegisterWorker(req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(refused.message(),
+            "register: worker id w1 is in use by the connected worker on host w1.local; give each "
+            "worker daemon its own --worker-id");
+  auto workers = manager_->ListWorkers();
+  ASSERT_EQ(workers.size(), 1u);
+  EXPECT_EQ(workers[0]->slots(), 2);
+  // The first one's own reconnect is no conflict.
+  AddWorker("w1", 2);
+  clock_.AdvanceMs(3500);
+  manager_->Tick();
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
+  EXPECT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+}
+
 // A worker's session closes (the daemon was killed) and a rank on another worker then fails in
 // its collective: the restart names the vanished worker first, then the failed rank.
 TEST_F(JobManagerTest, RankFailureAfterAPeerWorkerDisconnectedNamesThatWorker) {

@@ -4,6 +4,7 @@
 // daemon killed by SIGKILL taking its trainers with it, and the /metrics endpoint.
 #include <signal.h>
 
+#include <filesystem>
 #include <memory>
 #include <regex>
 #include <string>
@@ -289,9 +290,14 @@ TEST_F(WorkerDaemonTest, KilledDaemonTakesItsTrainersWithIt) {
   EXPECT_TRUE(WaitFor([&] { return !ProcessAlive(pid); }, std::chrono::seconds(5)));
 }
 
+// A worker refuses to start without its trainer (test_daemon_flags); one removed afterwards (an
+// upgrade in progress) fails each rank's launch with exit code 127 and the daemon serves on.
 TEST_F(WorkerDaemonTest, MissingTrainerBinaryIsReportedNotFatal) {
-  trainer_ = dir_.File("no-such-spindle-train");
+  const std::string removed = dir_.File("no-such-spindle-train");
+  std::filesystem::copy_file(trainer_, removed);
+  trainer_ = removed;
   StartDaemon();
+  std::filesystem::remove(removed);
   ASSERT_TRUE(Assign("j-7", 1, 0, "exit3"));
   ASSERT_TRUE(WaitFor([&] { return Exits().size() == 1; })) << WorkerLog();
   EXPECT_EQ(Exits()[0].exit_code(), 127);
