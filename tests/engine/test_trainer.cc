@@ -2,9 +2,11 @@
 // predicting token frequencies; resuming from a checkpoint is exact; recompute follows the
 // options or the spec without changing the result; bad data and checkpoints give one clear error
 // and change nothing.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -387,6 +389,30 @@ TEST(DataTextTest, TextFilesReadBackAsParagraphsOfBytes) {
   s = OpenText(path, 16);
   EXPECT_EQ(s.status().message(), "data: \"" + path + "\" is empty");
   std::remove(path.c_str());
+}
+
+// A full volume (a write to /dev/full fails as one does) fails the job without restarts, naming
+// the remedy; other I/O failures are runtime failures (the gang restarts).
+TEST(CheckpointErrorsTest, AFullVolumeIsNotRetried) {
+  const int fd = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const char byte = 1;
+  const ssize_t w = ::write(fd, &byte, 1);
+  const int err = errno;
+  ::close(fd);
+  ASSERT_EQ(w, -1);
+  ASSERT_EQ(err, ENOSPC);
+  const absl::Status full = CheckpointIoError("cannot write", "/ck/step_00000004", err);
+  EXPECT_EQ(full.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(full.message(),
+            "checkpoint: cannot write \"/ck/step_00000004\": No space left on device (free space "
+            "on the checkpoint volume, or lower checkpoint.keep; the job resumes from its last "
+            "complete checkpoint when submitted again)");
+  EXPECT_EQ(CheckpointIoError("cannot write", "/ck", EDQUOT).code(),
+            absl::StatusCode::kFailedPrecondition);
+  const absl::Status io = CheckpointIoError("cannot write", "/ck", EIO);
+  EXPECT_EQ(io.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(io.message(), "checkpoint: cannot write \"/ck\": Input/output error");
 }
 
 TEST(CheckpointErrorsTest, CorruptTruncatedAndMismatchedChangeNothing) {

@@ -25,8 +25,24 @@ namespace spindle {
 namespace {
 
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat("checkpoint: ", what, " \"", path, "\": ", strerror(errno)));
+  return CheckpointIoError(what, path, errno);
 }
+
+}  // namespace
+
+absl::Status CheckpointIoError(const std::string& what, const std::string& path, int err) {
+  const std::string msg = absl::StrCat("checkpoint: ", what, " \"", path, "\": ", strerror(err));
+  // A full volume stays full through a restart: the job stops at once instead of retraining to
+  // the same checkpoint until its restarts run out.
+  if (err == ENOSPC || err == EDQUOT)
+    return absl::FailedPreconditionError(absl::StrCat(
+        msg,
+        " (free space on the checkpoint volume, or lower checkpoint.keep; the job resumes "
+        "from its last complete checkpoint when submitted again)"));
+  return absl::InternalError(msg);
+}
+
+namespace {
 
 absl::Status SyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -44,6 +44,10 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
 // at its start, not at its first checkpoint, that it could not keep one.
 absl::Status CheckCheckpointRoot(const std::string& root);
 
+// The error of a failed file operation (`what` on `path`, errno `err`): FailedPrecondition, which
+// fails the job without restarts, when the volume is full (ENOSPC, EDQUOT); Internal otherwise.
+absl::Status CheckpointIoError(const std::string& what, const std::string& path, int err);
+
 // The newest complete checkpoint under root: NotFound when there is none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
