@@ -79,6 +79,7 @@ struct CoordinatorServer::Impl {
         auto* restarts,
         registry.CounterFamily("spindle_restarts_total", "Gang restarts by reason.", {"reason"}));
     ASSIGN_OR_RETURN(m->restarts_worker_lost, restarts->Add({{"reason", "worker_lost"}}));
+    ASSIGN_OR_RETURN(m->restarts_worker_left, restarts->Add({{"reason", "worker_left"}}));
     ASSIGN_OR_RETURN(m->restarts_rank_failed, restarts->Add({{"reason", "rank_failed"}}));
     ASSIGN_OR_RETURN(m->restarts_hang, restarts->Add({{"reason", "hang"}}));
     ASSIGN_OR_RETURN(m->restarts_recovery, restarts->Add({{"reason", "coordinator_restart"}}));

@@ -1067,7 +1067,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
           for (const RankRuntime& r : j.ranks) {
             if (r.placement.worker_id != worker_id || r.state == "exited") continue;
             FailAttempt(j, absl::StrCat(why, " with rank ", r.placement.rank), false,
-                        metrics_.restarts_worker_lost, &out);
+                        metrics_.restarts_worker_left, &out);
             break;
           }
         }

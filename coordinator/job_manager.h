@@ -70,6 +70,7 @@ struct JobManagerOptions {
 struct JobManagerMetrics {
   Histogram* scheduling_latency_seconds = nullptr;
   Counter* restarts_worker_lost = nullptr;
+  Counter* restarts_worker_left = nullptr;  // a worker shutting down on purpose (Leaving)
   Counter* restarts_rank_failed = nullptr;
   Counter* restarts_hang = nullptr;
   Counter* restarts_recovery = nullptr;

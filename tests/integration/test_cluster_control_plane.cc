@@ -4,6 +4,7 @@
 // to hang. Covers submit -> placement -> run -> success, cancel, kill -9 of a trainer and of a
 // worker mid-job (restart from the checkpoint, same final step), kill -9 and restart of the
 // coordinator mid-job (no job lost) and a hung rank restarted within seconds.
+#include <httplib.h>
 #include <signal.h>
 
 #include <string>
@@ -210,6 +211,8 @@ TEST_F(ClusterControlPlaneTest, KilledWorkerIsReplacedAndTheJobFinishes) {
 // A worker stopped with SIGTERM (a node drained) tells the coordinator first: the gang restarts
 // once, elsewhere, with the shutdown named as the cause, and the worker is listed as "left".
 TEST_F(ClusterControlPlaneTest, StoppedWorkerLeavesAndItsGangRestartsOnceElsewhere) {
+  const int metrics_port = ::spindle::testing::FreePort();
+  cluster_.UseCoordinatorMetricsPort(metrics_port);
   StartCluster(3, 0.15);
   const std::string ckpt = dir_.File("ckpt");
   absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
@@ -235,6 +238,14 @@ TEST_F(ClusterControlPlaneTest, StoppedWorkerLeavesAndItsGangRestartsOnceElsewhe
   EXPECT_TRUE(
       WaitFor([&] { return cluster_.WorkerState(victim) == "left"; }, std::chrono::seconds(10)))
       << cluster_.WorkerState(victim);
+  // The restart is counted as a worker that left, not one that was lost (which alerts).
+  httplib::Client client("127.0.0.1", metrics_port);
+  httplib::Result res = client.Get("/metrics");
+  ASSERT_TRUE(res && res->status == 200);
+  EXPECT_THAT(res->body,
+              ::testing::HasSubstr("spindle_restarts_total{reason=\"worker_left\"} 1\n"));
+  EXPECT_THAT(res->body,
+              ::testing::HasSubstr("spindle_restarts_total{reason=\"worker_lost\"} 0\n"));
 }
 
 TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
