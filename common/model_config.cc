@@ -211,6 +211,14 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(mf.Finish());
   }
   RETURN_IF_ERROR(f.Finish());
+  if (!f.Has("layer_pattern") && static_cast<int64_t>(c.layer_pattern.size()) > c.n_layers &&
+      c.n_layers >= 1)
+    return f.Error(
+        "n_layers",
+        absl::StrCat(c.n_layers, " is fewer than the ", c.layer_pattern.size(), " layers of the ",
+                     preset.empty() ? "default" : "preset's", " layer_pattern \"", c.layer_pattern,
+                     "\"; give a model.layer_pattern of at most ", c.n_layers,
+                     " layers (\"L\" Lightning, \"M\" MLA)"));
   RETURN_IF_ERROR(c.Validate());
   return c;
 }

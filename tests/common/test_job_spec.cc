@@ -188,6 +188,11 @@ TEST(JobSpecTest, MalformedSpecsNameTheField) {
   EXPECT_EQ(Error(tiny(R"("layer_pattern": "LLLLLLLM")")),
             "job spec: model.layer_pattern: \"LLLLLLLM\" describes 8 layers, more than n_layers = "
             "4; its last 4 would never be built (give a pattern of at most 4 layers)");
+  EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "model": {"preset": "1b", "n_layers": 4},
+                      "data": {"source": "synthetic:recall"}})"),
+            "job spec: model.n_layers: 4 is fewer than the 8 layers of the preset's layer_pattern "
+            "\"LLLLLLLM\"; give a model.layer_pattern of at most 4 layers (\"L\" Lightning, \"M\" "
+            "MLA)");
   EXPECT_EQ(Error(tiny(R"("mla": {"kv_lora_rank": 0})")),
             "job spec: model.mla.kv_lora_rank: must be in [1, 65536], got 0");
   // Integers past int64 are refused, not wrapped.
