@@ -37,7 +37,7 @@ commands:
        [--device-memory GIB]      estimate per rank (and how many layers recompute) and every
                                   problem; plans offline when the coordinator is unreachable or
                                   with --offline; --device-memory plans offline against a device
-                                  of GIB GiB (e.g. 141 for an H200), which also sizes recompute
+                                  of GIB GiB (e.g. 139.8 for an H200), which also sizes recompute
                                   "auto"
   list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
                                   failed, cancelled, restarting; repeatable)
