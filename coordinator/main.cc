@@ -2,6 +2,7 @@
 // cluster + rendezvous APIs to worker daemons; state lives in one SQLite file.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -52,9 +53,14 @@ int64_t Ms(double seconds) { return static_cast<int64_t>(seconds * 1000.0); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The coordinator reports every failure it acts on in its own words (a port it cannot bind
+  // included); gRPC's own log, a nested status dump per error, is off unless GRPC_VERBOSITY asks
+  // for it. Set before gRPC first initialises, which reads it.
+  setenv("GRPC_VERBOSITY", "NONE", /*overwrite=*/0);
   spindle::ParseDaemonFlags(argc, argv, "schedules Spindle training jobs onto worker daemons.",
                             "spindle-coordinator --listen 0.0.0.0:7070 --db "
-                            "/var/lib/spindle/spindle.db [flags]",
+                            "/var/lib/spindle/spindle.db [flags]\n"
+                            "(gRPC's own log: GRPC_VERBOSITY=ERROR)",
                             "coordinator/main.cc");
 
   spindle::CoordinatorConfig cfg;

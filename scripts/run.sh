@@ -125,6 +125,9 @@ for _ in $(seq 120); do
     if ! kill -0 "$(cat "$PIDS/$f.pid")" 2>/dev/null; then
       echo "run: $f exited; its log (.runtime/logs/$f.log) ends with:" >&2
       tail -n 20 "$LOGS/$f.log" >&2
+      if grep -q "cannot listen on 127.0.0.1:$PORT" "$LOGS/$f.log"; then
+        echo "run: another program holds port $PORT; choose a free one with SPINDLE_PORT=<port>" >&2
+      fi
       exit 1
     fi
   done

@@ -2,8 +2,12 @@
 // flags with their defaults, and flags spelled with hyphens (as the usage lines and docs write
 // them) are accepted like absl's underscores, while a misspelt flag or a stray word is still
 // refused by name.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -170,6 +175,33 @@ TEST(DaemonFlagsTest, MeaninglessNumbersAreRefusedByName) {
   struct stat st;
   EXPECT_NE(::stat(db.c_str(), &st), 0) << "the coordinator created its store";
   EXPECT_NE(::stat((dir + "/work").c_str(), &st), 0) << "the worker created its work dir";
+  std::filesystem::remove_all(dir);
+}
+
+// A coordinator whose port is taken exits with one line saying so (not gRPC's status dump) and
+// leaves no store behind.
+TEST(DaemonFlagsTest, ATakenPortIsOneLineAndLeavesNoStore) {
+  if (std::string(SPINDLE_COORDINATOR_BINARY).empty()) GTEST_SKIP() << "no coordinator built";
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string taken = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  char tmpl[] = "/tmp/spindle-flags-test-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const CommandResult r = RunDaemon({SPINDLE_COORDINATOR_BINARY, "--db=" + dir + "/c.db",
+                                     "--listen=" + taken, "--metrics-port=-1"});
+  ::close(fd);
+  EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
+  EXPECT_EQ(r.stderr_text, "spindle-coordinator: cannot listen on " + taken +
+                               " (it is taken, is not HOST:PORT, or is not an address of this "
+                               "host)\n");
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the coordinator left files in " << dir;
   std::filesystem::remove_all(dir);
 }
 
