@@ -72,6 +72,7 @@ struct JobManager::WorkerRuntime {
   bool leaving = false;  // said it is shutting down (Leaving); placed on no more
   bool left = false;     // shut down on purpose: its stream closed after Leaving
   uint64_t session_id = 0;
+  std::string instance_id;  // the registered daemon process (RegisterRequest.instance_id)
   int64_t last_seen_ms = 0;
   std::vector<Slot> slots;
 
@@ -737,12 +738,17 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
     absl::MutexLock l(&mu_);
     const int64_t now = clock_->NowMs();
     // Two daemons given one --worker-id would take each other's slots and ranks: while one is
-    // connected, another host may not take its id (the same host may: that is a reconnect).
+    // connected, another daemon (another host or process) may not take its id; its own
+    // reconnect may.
     if (auto it = workers_.find(req.worker_id()); it != workers_.end()) {
       const WorkerRuntime& w = *it->second;
-      if (w.connected && !w.lost && w.rec.hostname != req.hostname())
+      const bool other_process = !w.instance_id.empty() && !req.instance_id().empty() &&
+                                 w.instance_id != req.instance_id();
+      if (w.connected && !w.lost && (w.rec.hostname != req.hostname() || other_process))
         return absl::AlreadyExistsError(absl::StrCat(
-            "register: worker id ", req.worker_id(), " is in use by the connected worker on host ",
+            "worker id ", req.worker_id(), " is in use by ",
+            w.rec.hostname == req.hostname() ? "another connected worker daemon on host "
+                                             : "the connected worker on host ",
             w.rec.hostname, "; give each worker daemon its own --worker-id"));
     }
     WorkerRecord rec;
@@ -757,6 +763,7 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
     auto& w = workers_[rec.worker_id];
     if (!w) w = std::make_unique<WorkerRuntime>();
     w->rec = rec;
+    w->instance_id = req.instance_id();
     w->group = g;
     if (static_cast<int32_t>(w->slots.size()) < g.count()) w->slots.resize(g.count());
     while (static_cast<int32_t>(w->slots.size()) > g.count() && w->slots.back().job_id.empty())

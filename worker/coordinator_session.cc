@@ -91,6 +91,7 @@ absl::StatusOr<absl::Duration> CoordinatorSession::Register() {
   for (const v1::DeviceGroup& d : options_.devices) *request.add_devices() = d;
   request.set_metrics_address(options_.metrics_address);
   request.set_version(options_.version);
+  request.set_instance_id(options_.instance_id);
   grpc::ClientContext context;
   AddBearerToken(&context, options_.bearer_token);
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.register_timeout));

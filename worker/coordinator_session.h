@@ -41,6 +41,7 @@ struct SessionOptions {
   std::string hostname;
   std::string metrics_address;  // host:port of /metrics, "" when disabled
   std::string version;
+  std::string instance_id;  // random per daemon process: tells its reconnects from a namesake
   std::vector<v1::DeviceGroup> devices;
   absl::Duration loss_timeout = absl::Seconds(60);
   absl::Duration min_backoff = absl::Milliseconds(200);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -187,6 +188,8 @@ int Main() {
   session_options.hostname = hostname;
   session_options.metrics_address = metrics_address;
   session_options.version = "spindle-worker 0.1";
+  session_options.instance_id = absl::StrCat(absl::Hex(std::random_device{}(), absl::kZeroPad8),
+                                             absl::Hex(::getpid(), absl::kZeroPad8));
   session_options.devices = {*devices};
   session_options.loss_timeout = absl::GetFlag(FLAGS_coordinator_loss_timeout);
   session_options.stop_grace = absl::GetFlag(FLAGS_kill_grace);

@@ -366,7 +366,7 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   const absl::Status refused = manager_->RegisterWorker(req, &resp);
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(refused.message(),
-            "register: worker id w1 is in use by the connected worker on host w1.local; give each "
+            "worker id w1 is in use by the connected worker on host w1.local; give each "
             "worker daemon its own --worker-id");
   auto workers = manager_->ListWorkers();
   ASSERT_EQ(workers.size(), 1u);
@@ -376,6 +376,32 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   clock_.AdvanceMs(3500);
   manager_->Tick();
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
+  EXPECT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+}
+
+// On one host, daemons are told apart by their instance ids: the same process re-registers, a
+// second one with the id is refused while the first is connected.
+TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
+  v1::RegisterRequest req;
+  req.set_worker_id("w1");
+  req.set_hostname("w1.local");
+  req.set_instance_id("a1");
+  v1::DeviceGroup* d = req.add_devices();
+  d->set_kind("cpu");
+  d->set_count(1);
+  d->set_memory_bytes(int64_t{8} << 30);
+  v1::RegisterResponse resp;
+  ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+  Hello("w1", {});
+  ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok()) << "its own reconnect";
+  req.set_instance_id("b2");
+  const absl::Status refused = manager_->RegisterWorker(req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(refused.message(),
+            "worker id w1 is in use by another connected worker daemon on host "
+            "w1.local; give each worker daemon its own --worker-id");
+  // Once the first one's session has closed, the second takes the id.
+  manager_->SessionClosed("w1", session_);
   EXPECT_TRUE(manager_->RegisterWorker(req, &resp).ok());
 }
 
