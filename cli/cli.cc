@@ -346,6 +346,9 @@ class Cli {
       tls_ca_pem_ = *std::move(pem);
     }
     const std::string& c = o_.command;
+    if ((c == "list" || c == "workers") && !o_.positional.empty())
+      return Fail(kExitUsage, absl::StrCat(c, ": takes no arguments, got \"", o_.positional[0],
+                                           "\" (run spindle --help)"));
     if (c == "plan") return Plan();
     if (c == "submit") return Submit();
     if (c == "list") return List();

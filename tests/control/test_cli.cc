@@ -52,6 +52,9 @@ TEST_F(CliTest, UsageErrors) {
   EXPECT_EQ(r.err, "spindle: unknown flag --bogus (run spindle --help)\n");
   r = RunSpindle({"list", "--output", "yaml"});
   EXPECT_EQ(r.err, "spindle: --output must be text or json, got \"yaml\" (run spindle --help)\n");
+  r = RunSpindle({"workers", "w1"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: workers: takes no arguments, got \"w1\" (run spindle --help)\n");
   r = RunSpindle({"list", "--coordinator", "127.0.0.1:70700"});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err,
