@@ -121,12 +121,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const std::string db_path = s.config.db_path;
   std::error_code ec;
   const bool new_store = !std::filesystem::exists(db_path, ec);
-  bool started = false;
   absl::Cleanup drop_new_store = [&] {
-    if (started || !new_store) return;
+    if (!new_store) return;
     impl.reset();  // closes the store
-    for (const char* suffix : {"", "-wal", "-shm", "-journal", ".lock"})
-      std::filesystem::remove(db_path + suffix, ec);
+    JobStore::RemoveFiles(db_path);
   };
   ASSIGN_OR_RETURN(s.store, JobStore::Open(s.config.db_path));
   JobManagerMetrics metrics;
@@ -220,7 +218,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       self->mu.Lock();
     }
   });
-  started = true;
+  std::move(drop_new_store).Cancel();
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }
 

@@ -523,16 +523,9 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
     // A lost worker's slot drains too: the rank may still run there should the worker be back.
     if (d >= 0 && d < static_cast<int32_t>(w.slots.size()) && w.slots[d].job_id == j.rec.job_id &&
         w.slots[d].attempt == j.rec.attempt)
-      w.slots[d].drain_deadline_ms = now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
-    if (told.insert(w.rec.worker_id).second && !w.lost) {
-      v1::CoordinatorMessage m;
-      v1::Stop* s = m.mutable_stop();
-      s->set_job_id(j.rec.job_id);
-      s->set_attempt(j.rec.attempt);
-      s->set_reason(reason);
-      s->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
-      out->messages.emplace_back(w.rec.worker_id, std::move(m));
-    }
+      w.slots[d].drain_deadline_ms = DrainDeadline(now);
+    if (told.insert(w.rec.worker_id).second && !w.lost)
+      SendStop(w.rec.worker_id, j.rec.job_id, j.rec.attempt, reason, out);
   }
   j.adopt_deadline_ms = 0;
   rendezvous_->Close(j.rec.job_id, j.rec.attempt);
@@ -818,14 +811,8 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
     for (WorkerRuntime::Slot& s : w.slots) {
       if (s.drain_deadline_ms > 0 && !listed.count({s.job_id, s.attempt, s.rank})) s = {};
     }
-    for (const auto& [job_id, attempt] : stops) {
-      v1::CoordinatorMessage m;
-      m.mutable_stop()->set_job_id(job_id);
-      m.mutable_stop()->set_attempt(attempt);
-      m.mutable_stop()->set_reason("not expected by the coordinator");
-      m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
-      out.messages.emplace_back(w.rec.worker_id, std::move(m));
-    }
+    for (const auto& [job_id, attempt] : stops)
+      SendStop(w.rec.worker_id, job_id, attempt, "not expected by the coordinator", &out);
     // Ranks placed on this worker that it no longer runs: the gang restarts.
     for (auto& [id, jp] : jobs_) {
       JobRuntime& j = *jp;
@@ -901,12 +888,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
       return {j, &r};
     };
     auto stop_stale = [&](const v1::RankRef& ref) {
-      v1::CoordinatorMessage m;
-      m.mutable_stop()->set_job_id(ref.job_id());
-      m.mutable_stop()->set_attempt(ref.attempt());
-      m.mutable_stop()->set_reason("not expected by the coordinator");
-      m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
-      out.messages.emplace_back(worker_id, std::move(m));
+      SendStop(worker_id, ref.job_id(), ref.attempt(), "not expected by the coordinator", &out);
     };
     switch (msg.kind_case()) {
       case v1::WorkerMessage::kHeartbeat: {
@@ -1131,15 +1113,26 @@ void JobManager::WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) {
   std::set<std::pair<std::string, int64_t>> told;
   for (WorkerRuntime::Slot& s : w.slots) {
     if (s.job_id.empty()) continue;
-    s.drain_deadline_ms = now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
-    if (!told.insert({s.job_id, s.attempt}).second) continue;
-    v1::CoordinatorMessage m;
-    m.mutable_stop()->set_job_id(s.job_id);
-    m.mutable_stop()->set_attempt(s.attempt);
-    m.mutable_stop()->set_reason("the gang restarted while this worker was silent");
-    m.mutable_stop()->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
-    out->messages.emplace_back(w.rec.worker_id, std::move(m));
+    s.drain_deadline_ms = DrainDeadline(now);
+    if (told.insert({s.job_id, s.attempt}).second)
+      SendStop(w.rec.worker_id, s.job_id, s.attempt,
+               "the gang restarted while this worker was silent", out);
   }
+}
+
+int64_t JobManager::DrainDeadline(int64_t now) const {
+  return now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
+}
+
+void JobManager::SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
+                          const std::string& reason, Outbox* out) const {
+  v1::CoordinatorMessage m;
+  v1::Stop* s = m.mutable_stop();
+  s->set_job_id(job_id);
+  s->set_attempt(attempt);
+  s->set_reason(reason);
+  s->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
+  out->messages.emplace_back(worker_id, std::move(m));
 }
 
 void JobManager::Tick() {

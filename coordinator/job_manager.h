@@ -189,6 +189,11 @@ class JobManager {
   // A lost worker whose session is still open spoke again (the coordinator, or the network, had
   // paused): it is alive again, and what it still runs of the restarted gangs is stopped.
   void WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When a slot whose rank was stopped at `now` is free even if the rank never reports its exit.
+  int64_t DrainDeadline(int64_t now) const;
+  // Queues a Stop of (job_id, attempt) to worker_id, with the stop grace.
+  void SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
+                const std::string& reason, Outbox* out) const;
   void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FailedPrecondition naming the unfinished job whose checkpoint.dir is spec's.

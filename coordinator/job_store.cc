@@ -17,10 +17,12 @@
 namespace spindle {
 namespace {
 
+constexpr char kLockSuffix[] = ".lock";
+
 // Takes the store's writer lock: an exclusive flock on `<path>.lock`, which records the holder's
 // pid for the message a second process gets. Returns the descriptor that holds the lock.
 absl::StatusOr<int> LockStore(const std::string& path) {
-  const std::string lock_path = path + ".lock";
+  const std::string lock_path = path + kLockSuffix;
   const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
     return absl::UnavailableError(
@@ -182,6 +184,11 @@ JobRecord ReadJob(Stmt& s) {
 }
 
 }  // namespace
+
+void JobStore::RemoveFiles(const std::string& path) {
+  for (const char* suffix : {"", "-wal", "-shm", "-journal", kLockSuffix})
+    ::unlink((path + suffix).c_str());
+}
 
 absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
   ASSIGN_OR_RETURN(const int lock_fd, LockStore(path));

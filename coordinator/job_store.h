@@ -82,6 +82,9 @@ class JobStore {
   // cannot be opened; FailedPrecondition when another process holds the store (its pid named);
   // DataLoss when it is not a Spindle database or is newer than this binary.
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path);
+  // Deletes the files of the (closed) store at `path`: the database, SQLite's journals and the
+  // lock file. For a store just created by a process that then failed to start.
+  static void RemoveFiles(const std::string& path);
   ~JobStore();
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;

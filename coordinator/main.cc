@@ -121,13 +121,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  for (const auto& [flag, address] : {std::pair<const char*, std::string>{"--listen", cfg.listen},
-                                      {"--worker-listen", cfg.worker_listen}}) {
-    if (address.empty() && std::string(flag) == "--worker-listen") continue;  // as --listen
-    if (absl::Status a = spindle::CheckHostPort(flag, address); !a.ok()) {
-      std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(a.message()).c_str());
-      return 2;
-    }
+  absl::Status address = spindle::CheckHostPort("--listen", cfg.listen);
+  if (address.ok() && !cfg.worker_listen.empty())  // empty: as --listen
+    address = spindle::CheckHostPort("--worker-listen", cfg.worker_listen);
+  if (!address.ok()) {
+    std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(address.message()).c_str());
+    return 2;
   }
   if (absl::Status port = spindle::CheckMetricsPortFlag(cfg.metrics_port); !port.ok()) {
     std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(port.message()).c_str());

@@ -47,14 +47,29 @@ class JobManagerTest : public ::testing::Test {
     ASSERT_TRUE(manager_->Recover().ok());
   }
 
-  // A worker of `slots` CPU slots with 8 GiB each.
-  void AddWorker(const std::string& id, int slots, bool open_session = true,
-                 std::vector<v1::RankRef> running = {}) {
+  // `slots` CPU slots with 8 GiB each.
+  static v1::DeviceGroup CpuSlots(int slots) {
     v1::DeviceGroup d;
     d.set_kind("cpu");
     d.set_count(slots);
     d.set_memory_bytes(int64_t{8} << 30);
-    Register(id, d, open_session, running);
+    return d;
+  }
+  // A worker of `slots` CPU slots with 8 GiB each.
+  void AddWorker(const std::string& id, int slots, bool open_session = true,
+                 std::vector<v1::RankRef> running = {}) {
+    Register(id, CpuSlots(slots), open_session, running);
+  }
+  // Registration of worker `id` from `hostname` (the process `instance_id`) with `devices`.
+  static v1::RegisterRequest RegisterRequest(const std::string& id, const std::string& hostname,
+                                             const v1::DeviceGroup& devices,
+                                             const std::string& instance_id = "") {
+    v1::RegisterRequest req;
+    req.set_worker_id(id);
+    req.set_hostname(hostname);
+    req.set_instance_id(instance_id);
+    *req.add_devices() = devices;
+    return req;
   }
   // A GPU worker: `gpus` of 150 GiB and `host_gib` of host memory.
   void AddGpuWorker(const std::string& id, int gpus, int64_t host_gib) {
@@ -67,12 +82,8 @@ class JobManagerTest : public ::testing::Test {
   }
   void Register(const std::string& id, const v1::DeviceGroup& devices, bool open_session,
                 const std::vector<v1::RankRef>& running) {
-    v1::RegisterRequest req;
-    req.set_worker_id(id);
-    req.set_hostname(id + ".local");
-    *req.add_devices() = devices;
     v1::RegisterResponse resp;
-    ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+    ASSERT_TRUE(manager_->RegisterWorker(RegisterRequest(id, id + ".local", devices), &resp).ok());
     if (open_session) Hello(id, running);
   }
   void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
@@ -355,13 +366,7 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
 // connected; once the first is lost, the id is free to take.
 TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   AddWorker("w1", 2);
-  v1::RegisterRequest req;
-  req.set_worker_id("w1");
-  req.set_hostname("other.local");
-  v1::DeviceGroup* d = req.add_devices();
-  d->set_kind("cpu");
-  d->set_count(1);
-  d->set_memory_bytes(int64_t{8} << 30);
+  const v1::RegisterRequest req = RegisterRequest("w1", "other.local", CpuSlots(1));
   v1::RegisterResponse resp;
   const absl::Status refused = manager_->RegisterWorker(req, &resp);
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
@@ -382,14 +387,7 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
 // On one host, daemons are told apart by their instance ids: the same process re-registers, a
 // second one with the id is refused while the first is connected.
 TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
-  v1::RegisterRequest req;
-  req.set_worker_id("w1");
-  req.set_hostname("w1.local");
-  req.set_instance_id("a1");
-  v1::DeviceGroup* d = req.add_devices();
-  d->set_kind("cpu");
-  d->set_count(1);
-  d->set_memory_bytes(int64_t{8} << 30);
+  v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1), "a1");
   v1::RegisterResponse resp;
   ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
   Hello("w1", {});

@@ -22,13 +22,6 @@
 #include "worker/engine/safetensors.h"
 
 namespace spindle {
-namespace {
-
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return CheckpointIoError(what, path, errno);
-}
-
-}  // namespace
 
 absl::Status CheckpointIoError(const std::string& what, const std::string& path, int err) {
   const std::string msg = absl::StrCat("checkpoint: ", what, " \"", path, "\": ", strerror(err));
@@ -43,6 +36,10 @@ absl::Status CheckpointIoError(const std::string& what, const std::string& path,
 }
 
 namespace {
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return CheckpointIoError(what, path, errno);
+}
 
 absl::Status SyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
