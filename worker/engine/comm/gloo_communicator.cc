@@ -2,6 +2,8 @@
 // every Gloo call is wrapped here and its exception turned into an absl::Status.
 #include "worker/engine/comm/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -21,6 +23,15 @@
 
 namespace spindle {
 namespace {
+
+// Gloo's TCP transport writes without MSG_NOSIGNAL: a write to a peer that went away would end
+// the whole process with SIGPIPE instead of failing with EPIPE for the collective to report. So
+// a process that makes a Gloo communicator ignores SIGPIPE (unless it installed a handler).
+void IgnoreSigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL)
+    ::signal(SIGPIPE, SIG_IGN);
+}
 
 // gloo::rendezvous::Store over a KvStore. Gloo expects failures as exceptions.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
@@ -177,6 +188,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(KvStore& st
   if (size < 1 || rank < 0 || rank >= size)
     return absl::InvalidArgumentError(
         absl::StrCat("gloo: rank ", rank, " is not in a group of size ", size));
+  IgnoreSigpipe();
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   absl::Status s = Guard("rendezvous", [&] {

@@ -26,7 +26,9 @@ struct GlooOptions {
 
 // Connects `size` ranks that call this with the same `prefix` over `store` (blocking until all
 // have arrived or the timeout passed). The store must outlive this call only.
-// DeadlineExceeded / Unavailable name the prefix when the rendezvous fails.
+// DeadlineExceeded / Unavailable name the prefix when the rendezvous fails. The process ignores
+// SIGPIPE from then on (unless it has a handler), so that a peer that goes away fails a
+// collective with a status rather than ending the process.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(KvStore& store,
                                                                      const std::string& prefix,
                                                                      int rank, int size,
