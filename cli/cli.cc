@@ -710,15 +710,14 @@ class Cli {
       out_ << ToJsonLine(resp) << "\n";
       return kExitOk;
     }
-    out_ << absl::StrFormat("%-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", "WORKER", "HOST",
-                            "STATE", "KIND", "DEVICE", "MEMORY", "USED", "RANKS");
+    out_ << absl::StrFormat("%-16s %-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", "WORKER", "HOST",
+                            "ADDRESS", "STATE", "KIND", "DEVICE", "MEMORY", "USED", "RANKS");
     for (const v1::WorkerInfo& w : resp.workers()) {
       const v1::DeviceGroup g = w.devices_size() ? w.devices(0) : v1::DeviceGroup();
-      out_ << absl::StrFormat("%-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", w.worker_id(),
-                              w.hostname(), w.state(), g.kind(), g.name().substr(0, 24),
-                              FormatBytes(g.memory_bytes()),
-                              absl::StrCat(w.used_slots(), "/", w.slots()),
-                              absl::StrJoin(w.ranks(), " "));
+      out_ << absl::StrFormat(
+          "%-16s %-16s %-16s %-12s %-5s %-24s %9s %7s  %s\n", w.worker_id(), w.hostname(),
+          w.address(), w.state(), g.kind(), g.name().substr(0, 24), FormatBytes(g.memory_bytes()),
+          absl::StrCat(w.used_slots(), "/", w.slots()), absl::StrJoin(w.ranks(), " "));
     }
     return kExitOk;
   }

@@ -181,19 +181,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                        " (it is taken, is not HOST:PORT, or is not an address of this host)"));
     }
   }
-  if (s.config.manager.rendezvous_address.empty()) {
-    std::string address = s.config.advertise_address;
-    if (address.empty()) {
-      std::string host = "127.0.0.1";
-      const std::string& wl = shared ? s.config.listen : s.config.worker_listen;
-      if (!absl::StartsWith(wl, "127.0.0.1") && !absl::StartsWith(wl, "localhost")) {
-        char name[256] = {0};
-        if (gethostname(name, sizeof(name) - 1) == 0 && name[0]) host = name;
-      }
-      address = absl::StrCat(host, ":", s.worker_port);
-    }
-    s.manager->SetRendezvousAddress(address);
-  }
+  // Without --advertise, assignments name no rendezvous address and each worker uses the address
+  // it reaches this worker port at: whatever route it has to the coordinator, it has to this.
+  if (s.config.manager.rendezvous_address.empty() && !s.config.advertise_address.empty())
+    s.manager->SetRendezvousAddress(s.config.advertise_address);
   RETURN_IF_ERROR(s.manager->Recover());
 
   if (s.config.metrics_port >= 0) {

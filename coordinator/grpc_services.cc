@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/host_port.h"
 
 namespace spindle {
 
@@ -185,7 +186,7 @@ grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::Re
                                           v1::RegisterResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
   if (!accepts_workers_) return WrongPortStatus();
-  return ToGrpc(manager_->RegisterWorker(*req, resp));
+  return ToGrpc(manager_->RegisterWorker(*req, PeerHost(ctx->peer()), resp));
 }
 
 grpc::Status ClusterServiceImpl::Session(
@@ -219,7 +220,16 @@ grpc::Status ClusterServiceImpl::Session(
     }
   });
   v1::WorkerMessage m;
-  while (stream->Read(&m)) manager_->HandleWorkerMessage(worker_id, m);
+  while (stream->Read(&m)) {
+    manager_->HandleWorkerMessage(worker_id, m);
+    // The worker's fencing counts from its last acknowledged heartbeat: acknowledged only once
+    // the manager has taken it in.
+    if (m.has_heartbeat()) {
+      v1::CoordinatorMessage ack;
+      ack.mutable_heartbeat_ack()->set_seq(m.heartbeat().seq());
+      session->Push(ack);
+    }
+  }
   session->Close();
   writer.join();
   sessions_->Detach(worker_id, session.get());

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/exit_codes.h"
+#include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/status.h"
@@ -32,10 +33,16 @@ struct JobManager::RankRuntime {
   double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
   double memory_bytes = 0;  // the largest memory this attempt reported
   int32_t exit_code = 0;
-  int64_t last_report_ms = 0;
+  int64_t last_report_ms = 0;  // wall clock (shown)
+  // Timers below are on the steady clock (Clock::SteadyMs).
   int64_t last_progress_ms = 0;  // last step advance (or placement / adoption)
   int64_t step_ms = 0;           // the rank's last step time as seen here; 0: none yet
   bool adopted = true;           // false while waiting for re-adoption after a restart
+  // Its trainer is known to have ended: it reported its exit, or its worker reconnected without
+  // it. A restart waits for this, or for dead_by_ms: set when the rank is stopped, the time by
+  // which it must have been killed (by its worker, or by the worker itself when cut off).
+  bool gone = false;
+  int64_t dead_by_ms = 0;
 };
 
 struct JobManager::JobRuntime {
@@ -50,8 +57,13 @@ struct JobManager::JobRuntime {
   int64_t host_bytes_per_rank = 0;  // pinned host memory a rank needs (train.offload)
   std::vector<RankRuntime> ranks;  // current attempt
   std::string token;
-  int64_t queued_since_ms = 0;
+  int64_t queued_since_ms = 0;    // steady clock, as every timer here
   int64_t adopt_deadline_ms = 0;  // > 0 while waiting for re-adoption
+  // Fencing: the next attempt is placed only when every rank of the stopped one is gone or past
+  // its dead_by_ms, and not before this (a restart recovered from the store, its ranks unknown).
+  int64_t restart_not_before_ms = 0;
+  // A new plan (more layers recomputing) that the next transition saves and then adopts.
+  std::optional<CpPlan> pending_plan;
   std::map<int64_t, std::pair<int64_t, std::string>> checkpoints;  // step -> (ranks, path)
   std::vector<EventRecord> events;
   uint64_t version = 0;
@@ -63,7 +75,7 @@ struct JobManager::WorkerRuntime {
     std::string job_id;  // empty: free
     int64_t attempt = 0;
     int64_t rank = -1;
-    int64_t drain_deadline_ms = 0;  // > 0: the rank was stopped; freed at exit or deadline
+    int64_t drain_deadline_ms = 0;  // > 0 (steady): the rank was stopped; freed at exit or then
   };
   WorkerRecord rec;
   v1::DeviceGroup group;
@@ -73,7 +85,10 @@ struct JobManager::WorkerRuntime {
   bool left = false;     // shut down on purpose: its stream closed after Leaving
   uint64_t session_id = 0;
   std::string instance_id;  // the registered daemon process (RegisterRequest.instance_id)
-  int64_t last_seen_ms = 0;
+  // The address other hosts reach its ranks at: advertised, or the one it connected from.
+  std::string address;
+  int64_t last_seen_ms = 0;       // steady clock
+  int64_t last_seen_unix_ms = 0;  // the same moment on the wall clock (shown)
   std::vector<Slot> slots;
 
   // "alive", "leaving", "disconnected", "left" or "lost", as `spindle workers` and the
@@ -192,7 +207,7 @@ absl::Status JobManager::Recover() {
   ASSIGN_OR_RETURN(std::vector<WorkerRecord> workers, store_->LoadWorkers());
   ASSIGN_OR_RETURN(std::vector<JobRecord> jobs, store_->LoadJobs());
   absl::MutexLock l(&mu_);
-  const int64_t now = clock_->NowMs();
+  const int64_t now = clock_->SteadyMs();
   for (WorkerRecord& rec : workers) {
     auto w = std::make_unique<WorkerRuntime>();
     v1::RegisterRequest devices;
@@ -202,6 +217,7 @@ absl::Status JobManager::Recover() {
     // Lost unless it reconnects within max(recovery_grace, heartbeat_timeout).
     w->last_seen_ms =
         now + std::max<int64_t>(0, options_.recovery_grace_ms - options_.heartbeat_timeout_ms);
+    w->last_seen_unix_ms = clock_->NowMs();
     w->rec = std::move(rec);
     workers_[w->rec.worker_id] = std::move(w);
   }
@@ -227,6 +243,10 @@ absl::Status JobManager::Recover() {
     ASSIGN_OR_RETURN(j->events, store_->LoadEvents(rec.job_id));
     j->rec = std::move(rec);
     j->queued_since_ms = now;
+    // A restart the previous coordinator process began: ranks of the stopped attempt may still
+    // run on workers that have not yet fenced themselves (they fence a heartbeat timeout after
+    // the last heartbeat that process acknowledged).
+    if (j->rec.state == JobState::kRestarting) j->restart_not_before_ms = now + FenceMs();
     if (IsActive(j->rec.state)) {
       absl::StatusOr<AttemptRecord> a = store_->LoadAttempt(j->rec.job_id, j->rec.attempt);
       if (a.ok()) {
@@ -349,7 +369,7 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     RETURN_IF_ERROR(store_->CreateJob(&rec, ev));
     ev.job_id = rec.job_id;
     j->events.push_back(ev);
-    j->queued_since_ms = now;
+    j->queued_since_ms = clock_->SteadyMs();
     Bump(*j);
     job_id = rec.job_id;
     jobs_[job_id] = std::move(j);
@@ -361,17 +381,30 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
 }
 
 absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::string& message,
-                                    const AttemptRecord* attempt) {
+                                    const AttemptRecord* attempt, std::optional<JobRecord> next) {
+  // The change is made to a copy and applied once the store has it: a failed write leaves the
+  // job in memory exactly as the database holds it.
+  JobRecord rec = next ? *std::move(next) : j.rec;
+  std::optional<CpPlan> plan = std::move(j.pending_plan);
+  j.pending_plan.reset();
+  if (plan) rec.plan = PlanBytes(*plan);
   const int64_t now = clock_->NowMs();
-  j.rec.state = to;
-  j.rec.message = message;
-  j.rec.updated_ms = now;
-  EventRecord ev{j.rec.job_id, j.rec.attempt, now, to, message};
-  absl::Status st = store_->SaveJob(j.rec, &ev, attempt);
-  if (!st.ok()) LogLine(absl::StrCat("job ", j.rec.job_id, ": ", st.message()));
+  rec.state = to;
+  rec.message = message;
+  rec.updated_ms = now;
+  EventRecord ev{rec.job_id, rec.attempt, now, to, message};
+  if (absl::Status st = store_->SaveJob(rec, &ev, attempt); !st.ok()) {
+    LogLine(absl::StrCat("job ", j.rec.job_id, ": ", st.message()));
+    return st;
+  }
+  j.rec = std::move(rec);
+  if (plan) {
+    AdoptPlan(j, *plan);
+    j.recompute_at_placement = false;
+  }
   j.events.push_back(std::move(ev));
   Bump(j);
-  return st;
+  return absl::OkStatus();
 }
 
 void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const {
@@ -431,7 +464,7 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
   if (r.state == JobState::kSucceeded) {
     eta = 0;
   } else if (r.state == JobState::kRunning && j.rate_ref_step >= 0 && min_step > j.rate_ref_step) {
-    const double dt = static_cast<double>(clock_->NowMs() - j.rate_ref_ms) / 1000.0;
+    const double dt = static_cast<double>(clock_->SteadyMs() - j.rate_ref_ms) / 1000.0;
     const double rate = (min_step - j.rate_ref_step) / std::max(dt, 1e-3);
     eta = (j.spec.train.steps - min_step) / rate;
   }
@@ -498,10 +531,10 @@ absl::Status JobManager::Cancel(const std::string& job_id, const std::string& re
     if (!IsTerminal(j->rec.state)) {
       const std::string msg =
           reason.empty() ? "cancelled by user" : absl::StrCat("cancelled: ", reason);
-      if (!j->ranks.empty() && j->rec.state != JobState::kQueued &&
-          j->rec.state != JobState::kRestarting)
-        StopAttempt(*j, msg, &box);
+      const bool running = !j->ranks.empty() && j->rec.state != JobState::kQueued &&
+                           j->rec.state != JobState::kRestarting;
       RETURN_IF_ERROR(Transition(*j, JobState::kCancelled, msg));
+      if (running) StopAttempt(*j, msg, &box);
       Schedule(&box);
     }
     FillJob(*j, true, out);
@@ -511,7 +544,7 @@ absl::Status JobManager::Cancel(const std::string& job_id, const std::string& re
 }
 
 void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* out) {
-  const int64_t now = clock_->NowMs();
+  const int64_t now = clock_->SteadyMs();
   std::set<std::string> told;
   for (RankRuntime& r : j.ranks) {
     if (r.state == "exited") continue;
@@ -519,6 +552,12 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
     auto wit = workers_.find(r.placement.worker_id);
     if (wit == workers_.end()) continue;
     WorkerRuntime& w = *wit->second;
+    // Whether or not the Stop reaches it, the rank is dead by then: its worker kills it within
+    // the stop grace, or, cut off, stops it itself once its last acknowledged heartbeat (sent
+    // before the coordinator last heard from it) is a heartbeat timeout old. A silent worker
+    // has been counting since it was last heard; a connected one counts from now at the latest.
+    const int64_t from = w.lost || !w.connected ? w.last_seen_ms : std::max(now, w.last_seen_ms);
+    r.dead_by_ms = from + FenceMs();
     const int32_t d = r.placement.device_index;
     // A lost worker's slot drains too: the rank may still run there should the worker be back.
     if (d >= 0 && d < static_cast<int32_t>(w.slots.size()) && w.slots[d].job_id == j.rec.job_id &&
@@ -548,10 +587,7 @@ void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reaso
       std::min(n, j.recompute_layers + std::max<int64_t>(2, (n - j.recompute_layers + 1) / 2));
   JobSpec planned = j.spec;
   planned.train.recompute_layers = more;
-  const CpPlan plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));
-  AdoptPlan(j, plan);
-  j.recompute_at_placement = false;
-  j.rec.plan = PlanBytes(plan);  // saved with the restart's transition
+  j.pending_plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));  // the restart's
   absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
                   " layers recompute from now on");
 }
@@ -566,10 +602,8 @@ void JobManager::DecideRecomputeAtPlacement(JobRuntime& j,
     memory = memory == 0 ? m : std::min(memory, m);
   }
   if (memory <= 0) return;
-  const CpPlan plan = planner_.Plan(j.spec, memory);  // the spec's "auto", sized to `memory`
-  AdoptPlan(j, plan);
-  j.recompute_at_placement = false;
-  j.rec.plan = PlanBytes(plan);  // saved with the placement's transition
+  // The spec's "auto", sized to `memory`; taken with the placement's transition.
+  j.pending_plan = planner_.Plan(j.spec, memory);
 }
 
 void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,
@@ -584,23 +618,27 @@ void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fata
                             j.rec.max_restarts, ")"))
         .IgnoreError();
   } else {
-    ++j.rec.restarts;
-    j.queued_since_ms = clock_->NowMs();
+    JobRecord next = j.rec;
+    ++next.restarts;
+    j.queued_since_ms = clock_->SteadyMs();
     if (kind) kind->Increment();
     Transition(j, JobState::kRestarting,
-               absl::StrCat(reason, "; restart ", j.rec.restarts, "/", j.rec.max_restarts,
-                            j.rec.last_checkpoint_step > 0
-                                ? absl::StrCat(" from checkpoint step ",
-                                               j.rec.last_checkpoint_step)
-                                : std::string(" from scratch")))
+               absl::StrCat(reason, "; restart ", next.restarts, "/", next.max_restarts,
+                            next.last_checkpoint_step > 0
+                                ? absl::StrCat(" from checkpoint step ", next.last_checkpoint_step)
+                                : std::string(" from scratch")),
+               nullptr, std::move(next))
         .IgnoreError();
   }
 }
 
 void JobManager::Schedule(Outbox* out) {
   std::vector<SchedulableJob> cands;
+  const int64_t now = clock_->SteadyMs();
   for (const auto& [id, j] : jobs_) {
     if (j->rec.state != JobState::kQueued && j->rec.state != JobState::kRestarting) continue;
+    // No rank of the stopped attempt may still train when the next one starts.
+    if (j->rec.state == JobState::kRestarting && !PreviousAttemptGone(*j, now)) continue;
     SchedulableJob sj;
     sj.job_id = id;
     sj.priority = j->rec.priority;
@@ -633,23 +671,28 @@ void JobManager::Schedule(Outbox* out) {
 }
 
 void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out) {
-  const int64_t now = clock_->NowMs();
+  const int64_t now = clock_->SteadyMs();
+  if (absl::Status reach = CheckReachable(ranks); !reach.ok()) {
+    Transition(j, JobState::kFailed, std::string(reach.message())).IgnoreError();
+    return;
+  }
   if (j.recompute_at_placement) DecideRecomputeAtPlacement(j, ranks);
   AttemptRecord a;
   a.job_id = j.rec.job_id;
   a.attempt = j.rec.attempt + 1;
   a.ranks = ranks;
   a.rendezvous_token = RandomToken();
-  a.started_ms = now;
+  a.started_ms = clock_->NowMs();
   std::map<std::string, std::vector<int64_t>> by_worker;
   for (const RankPlacement& p : ranks) by_worker[p.worker_id].push_back(p.rank);
   std::vector<std::string> parts;
   for (const auto& [w, rs] : by_worker)
     parts.push_back(absl::StrCat(w, " (", rs.size(), " rank", rs.size() == 1 ? "" : "s", ")"));
-  j.rec.attempt = a.attempt;
+  JobRecord next = j.rec;
+  next.attempt = a.attempt;
   if (!Transition(j, JobState::kPlaced,
                   absl::StrCat("attempt ", a.attempt, " placed on ", absl::StrJoin(parts, ", ")),
-                  &a)
+                  &a, std::move(next))
            .ok()) {
     return;
   }
@@ -659,36 +702,65 @@ void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks
   j.checkpoints.clear();
   j.rate_ref_step = -1;
   j.adopt_deadline_ms = 0;
+  j.restart_not_before_ms = 0;
   j.ranks.clear();
   rendezvous_->Open(j.rec.job_id, j.rec.attempt, j.token);
-  const std::string spec_json = j.rec.spec_json;
   for (const RankPlacement& p : ranks) {
     RankRuntime r;
     r.placement = p;
     r.last_progress_ms = now;
     j.ranks.push_back(r);
     workers_[p.worker_id]->slots[p.device_index] = {j.rec.job_id, j.rec.attempt, p.rank, 0};
-    v1::CoordinatorMessage m;
-    v1::Assignment* as = m.mutable_assignment();
-    as->mutable_ref()->set_job_id(j.rec.job_id);
-    as->mutable_ref()->set_attempt(j.rec.attempt);
-    as->mutable_ref()->set_rank(p.rank);
-    as->set_world(j.spec.parallel.world());
-    as->set_cp(j.spec.parallel.cp);
-    as->set_dp(j.spec.parallel.dp);
-    as->set_lightning_mode(ToProtoMode(j.lightning_mode));
-    as->set_mla_mode(ToProtoMode(j.mla_mode));
-    as->set_recompute_layers(j.recompute_layers);
-    as->set_spec_json(spec_json);
-    as->set_rendezvous_address(rendezvous_address_);
-    as->set_rendezvous_token(j.token);
-    as->set_checkpoint_dir(j.spec.checkpoint.dir);
-    as->set_resume_step(j.rec.last_checkpoint_step);
-    as->set_resume_path(j.rec.last_checkpoint_path);
-    as->set_device_index(p.device_index);
-    as->set_device_kind(j.spec.resources);
-    out->messages.emplace_back(p.worker_id, std::move(m));
+    out->messages.emplace_back(p.worker_id, MakeAssignment(j, p));
   }
+}
+
+v1::CoordinatorMessage JobManager::MakeAssignment(const JobRuntime& j,
+                                                  const RankPlacement& p) const {
+  v1::CoordinatorMessage m;
+  v1::Assignment* as = m.mutable_assignment();
+  as->mutable_ref()->set_job_id(j.rec.job_id);
+  as->mutable_ref()->set_attempt(j.rec.attempt);
+  as->mutable_ref()->set_rank(p.rank);
+  as->set_world(j.spec.parallel.world());
+  as->set_cp(j.spec.parallel.cp);
+  as->set_dp(j.spec.parallel.dp);
+  as->set_lightning_mode(ToProtoMode(j.lightning_mode));
+  as->set_mla_mode(ToProtoMode(j.mla_mode));
+  as->set_recompute_layers(j.recompute_layers);
+  as->set_spec_json(j.rec.spec_json);
+  as->set_rendezvous_address(rendezvous_address_);
+  as->set_rendezvous_token(j.token);
+  as->set_checkpoint_dir(j.spec.checkpoint.dir);
+  as->set_resume_step(j.rec.last_checkpoint_step);
+  as->set_resume_path(j.rec.last_checkpoint_path);
+  as->set_device_index(p.device_index);
+  as->set_device_kind(j.spec.resources);
+  if (auto w = workers_.find(p.worker_id); w != workers_.end())
+    as->set_host_address(w->second->address);
+  return m;
+}
+
+absl::Status JobManager::CheckReachable(const std::vector<RankPlacement>& ranks) const {
+  // A worker that reached the coordinator over loopback shares its host; its ranks' Gloo address
+  // would be loopback too, which ranks on other hosts cannot reach.
+  std::string local, remote;
+  for (const RankPlacement& p : ranks) {
+    auto w = workers_.find(p.worker_id);
+    if (w == workers_.end()) continue;
+    (IsLoopbackHost(w->second->address) ? local : remote) = p.worker_id;
+  }
+  if (local.empty() || remote.empty()) return absl::OkStatus();
+  const WorkerRuntime& l = *workers_.at(local);
+  const WorkerRuntime& r = *workers_.at(remote);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cannot place the job across workers ", local, " and ", remote, ": ", local, "'s address ",
+      l.address,
+      " (it reaches the coordinator over loopback) cannot be reached "
+      "from ",
+      remote, " at ", r.address, "; start ", local,
+      " with --advertise-host=<an address the other hosts reach>, or connect it to the "
+      "coordinator's network address"));
 }
 
 void JobManager::ReleaseDevice(const std::string& worker_id, int32_t device,
@@ -710,6 +782,7 @@ void JobManager::CheckRunning(JobRuntime& j) {
 }
 
 absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
+                                        const std::string& observed_host,
                                         v1::RegisterResponse* resp) {
   if (req.worker_id().empty())
     return absl::InvalidArgumentError("register: worker_id must not be empty");
@@ -726,10 +799,17 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
     return absl::InvalidArgumentError(absl::StrCat("register: worker ", req.worker_id(),
                                                    ": device count must be in [1, 4096], got ",
                                                    g.count()));
+  if (req.advertise_host().size() > 255 ||
+      req.advertise_host().find_first_of(" /\t\n") != std::string::npos)
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker ", req.worker_id(),
+                     ": advertise_host must be a host name or address, got \"",
+                     req.advertise_host().substr(0, 64), "\""));
+  const std::string address = req.advertise_host().empty() ? observed_host : req.advertise_host();
   Outbox out;
   {
     absl::MutexLock l(&mu_);
-    const int64_t now = clock_->NowMs();
+    const int64_t now = clock_->SteadyMs();
     // Two daemons given one --worker-id would take each other's slots and ranks: while one is
     // connected, another daemon (another host or process) may not take its id; its own
     // reconnect may.
@@ -751,22 +831,31 @@ absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
     *devices.add_devices() = g;
     rec.devices = devices.SerializeAsString();
     rec.metrics_address = req.metrics_address();
-    rec.registered_ms = now;
+    // A worker that does not know its own address gives only the port (":9401").
+    if (!rec.metrics_address.empty() && rec.metrics_address[0] == ':')
+      rec.metrics_address = absl::StrCat(
+          address.find(':') != std::string::npos ? absl::StrCat("[", address, "]") : address,
+          rec.metrics_address);
+    rec.registered_ms = clock_->NowMs();
     RETURN_IF_ERROR(store_->SaveWorker(rec));
     auto& w = workers_[rec.worker_id];
     if (!w) w = std::make_unique<WorkerRuntime>();
     w->rec = rec;
     w->instance_id = req.instance_id();
+    w->address = address;
     w->group = g;
     if (static_cast<int32_t>(w->slots.size()) < g.count()) w->slots.resize(g.count());
     while (static_cast<int32_t>(w->slots.size()) > g.count() && w->slots.back().job_id.empty())
       w->slots.pop_back();
     w->last_seen_ms = now;
+    w->last_seen_unix_ms = clock_->NowMs();
     w->lost = w->leaving = w->left = false;
   }
   resp->set_worker_id(req.worker_id());
   resp->set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
   resp->set_heartbeat_timeout_ms(static_cast<int32_t>(options_.heartbeat_timeout_ms));
+  resp->set_observed_host(observed_host);
+  resp->set_stop_grace_ms(static_cast<int32_t>(options_.stop_grace_ms));
   return absl::OkStatus();
 }
 
@@ -779,11 +868,12 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       return absl::NotFoundError(absl::StrCat("worker ", hello.worker_id(),
                                               " is not registered; call Register first"));
     WorkerRuntime& w = *wit->second;
-    const int64_t now = clock_->NowMs();
+    const int64_t now = clock_->SteadyMs();
     w.connected = true;
     w.lost = w.leaving = w.left = false;
     w.session_id = session_id;
     w.last_seen_ms = now;
+    w.last_seen_unix_ms = clock_->NowMs();
     std::set<std::pair<std::string, int64_t>> stops;
     std::set<std::tuple<std::string, int64_t, int64_t>> listed;
     for (const v1::RunningRank& rr : hello.running()) {
@@ -804,7 +894,7 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       r.state = "running";
       r.step = std::max(r.step, rr.step());
       r.last_progress_ms = now;
-      r.last_report_ms = now;
+      r.last_report_ms = clock_->NowMs();
     }
     // A slot still draining a stopped rank that the worker no longer runs is free now, not at
     // its drain deadline.
@@ -813,15 +903,28 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
     }
     for (const auto& [job_id, attempt] : stops)
       SendStop(w.rec.worker_id, job_id, attempt, "not expected by the coordinator", &out);
-    // Ranks placed on this worker that it no longer runs: the gang restarts.
+    // Ranks placed on this worker that it no longer runs: the gang restarts, unless the worker
+    // never started them (it did not acknowledge the assignment: the stream broke first), in
+    // which case the assignment is sent again.
     for (auto& [id, jp] : jobs_) {
       JobRuntime& j = *jp;
+      for (RankRuntime& r : j.ranks) {  // of a stopped attempt: not running there any more
+        if (r.placement.worker_id == w.rec.worker_id && r.state == "stopped" &&
+            !listed.count({j.rec.job_id, j.rec.attempt, r.placement.rank}))
+          r.gone = true;
+      }
       if (!IsActive(j.rec.state)) continue;
       std::string missing;
       std::vector<int32_t> gone;  // devices of ranks the worker no longer runs
       for (RankRuntime& r : j.ranks) {
         if (r.placement.worker_id != w.rec.worker_id || r.state == "exited") continue;
         if (!listed.count({j.rec.job_id, j.rec.attempt, r.placement.rank})) {
+          if (r.state == "assigned" && r.adopted) {
+            out.messages.emplace_back(w.rec.worker_id, MakeAssignment(j, r.placement));
+            r.last_progress_ms = now;
+            continue;
+          }
+          r.gone = true;
           if (missing.empty())
             missing = absl::StrCat("rank ", r.placement.rank, " was not running on worker ",
                                    w.rec.worker_id, " when it reconnected");
@@ -874,9 +977,11 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
     auto wit = workers_.find(worker_id);
     if (wit == workers_.end()) return;
     WorkerRuntime& w = *wit->second;
-    const int64_t now = clock_->NowMs();
+    const int64_t now = clock_->SteadyMs();  // timers
+    const int64_t wall = clock_->NowMs();    // what is recorded and shown
     if (w.lost && !w.left) WorkerBack(w, now, &out);
     w.last_seen_ms = now;
+    w.last_seen_unix_ms = wall;
     // The current rank a message is about, or null (stale attempt, unknown job).
     auto current = [&](const v1::RankRef& ref) -> std::pair<JobRuntime*, RankRuntime*> {
       JobRuntime* j = FindJob(ref.job_id());
@@ -893,9 +998,19 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
     switch (msg.kind_case()) {
       case v1::WorkerMessage::kHeartbeat: {
         std::set<std::pair<std::string, int64_t>> stopped;
+        // A rank that pulses (its trainer prints a line every second) and has been silent for
+        // the silence timeout is stopped (a frozen process, a hung host), while its peers wait
+        // for it in a collective: found in seconds, whatever the job's step time.
+        std::map<JobRuntime*, std::string> silent;
         for (const v1::RunningRank& rr : msg.heartbeat().running()) {
           auto [j, r] = current(rr.ref());
-          if (j && r->state != "stopped" && r->state != "exited") continue;
+          if (j && r->state != "stopped" && r->state != "exited") {
+            if (rr.pulsing() && rr.silent_ms() >= options_.silence_timeout_ms && !silent.count(j))
+              silent[j] = absl::StrCat("rank ", rr.ref().rank(), " on worker ", worker_id,
+                                       " stopped responding (no output for ",
+                                       Seconds(rr.silent_ms()), ", at step ", r->step, ")");
+            continue;
+          }
           // Stopped ranks still draining are told again only when their drain is over due.
           if (j == nullptr) {
             JobRuntime* any = FindJob(rr.ref().job_id());
@@ -910,6 +1025,8 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
           if (stopped.insert({rr.ref().job_id(), rr.ref().attempt()}).second)
             stop_stale(rr.ref());
         }
+        for (auto& [j, why] : silent) FailAttempt(*j, why, false, metrics_.restarts_hang, &out);
+        if (!silent.empty()) Schedule(&out);
         break;
       }
       case v1::WorkerMessage::kRankStarted: {
@@ -917,7 +1034,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         if (!j) break;
         if (r->state == "assigned") r->state = "running";
         r->last_progress_ms = now;
-        r->last_report_ms = now;
+        r->last_report_ms = wall;
         Bump(*j);
         CheckRunning(*j);
         break;
@@ -946,7 +1063,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         r->elapsed_s = p.elapsed_s();
         r->mfu = p.mfu();
         r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes());
-        r->last_report_ms = now;
+        r->last_report_ms = wall;
         if (j->rate_ref_step < 0) {
           int64_t min_step = r->step;
           for (const RankRuntime& o : j->ranks) min_step = std::min(min_step, o.step);
@@ -969,13 +1086,17 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         if (path.empty() || c.ref().rank() == 0) path = c.path();
         if (count == static_cast<int64_t>(j->ranks.size()) &&
             c.step() > j->rec.last_checkpoint_step) {
-          j->rec.last_checkpoint_step = c.step();
-          j->rec.last_checkpoint_path = path;
-          j->rec.updated_ms = now;
-          EventRecord ev{j->rec.job_id, j->rec.attempt, now, j->rec.state,
+          JobRecord next = j->rec;  // applied once stored
+          next.last_checkpoint_step = c.step();
+          next.last_checkpoint_path = path;
+          next.updated_ms = wall;
+          EventRecord ev{j->rec.job_id, j->rec.attempt, wall, j->rec.state,
                          absl::StrCat("checkpoint at step ", c.step(), " complete: ", path)};
-          absl::Status st = store_->SaveJob(j->rec, &ev);
-          if (!st.ok()) LogLine(std::string(st.message()));
+          if (absl::Status st = store_->SaveJob(next, &ev); !st.ok()) {
+            LogLine(std::string(st.message()));
+            break;
+          }
+          j->rec = std::move(next);
           j->events.push_back(ev);
           for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
             it = it->first <= c.step() ? j->checkpoints.erase(it) : std::next(it);
@@ -994,6 +1115,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
               ref.rank() < static_cast<int64_t>(any->ranks.size())) {
             RankRuntime& rr = any->ranks[ref.rank()];
             if (rr.placement.worker_id == worker_id) {
+              rr.gone = true;
               rr.exit_code = e.exit_code();
               if (rr.state != "exited") rr.state = "stopped";
               Bump(*any);
@@ -1007,8 +1129,9 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
           break;
         }
         ReleaseDevice(worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
+        r->gone = true;
         r->exit_code = e.exit_code();
-        r->last_report_ms = now;
+        r->last_report_ms = wall;
         if (e.exit_code() == 0 && e.signal() == 0) {
           r->state = "exited";
           // A trainer exits 0 only after its last step; its final progress line may have been
@@ -1061,6 +1184,23 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
           }
         }
         Schedule(&out);
+        break;
+      }
+      case v1::WorkerMessage::kNote: {
+        const v1::RankNote& n = msg.note();
+        auto [j, r] = current(n.ref());
+        if (!j) break;
+        // A note is one line of the job's events, bounded like every field a worker sends.
+        std::string text = n.text().substr(0, 2000);
+        EventRecord ev{j->rec.job_id, j->rec.attempt, wall, j->rec.state,
+                       absl::StrCat("rank ", n.ref().rank(), ": ", text)};
+        absl::Status st = store_->SaveJob(j->rec, &ev);
+        if (!st.ok()) {
+          LogLine(std::string(st.message()));
+          break;
+        }
+        j->events.push_back(std::move(ev));
+        Bump(*j);
         break;
       }
       case v1::WorkerMessage::kHello:
@@ -1120,8 +1260,19 @@ void JobManager::WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) {
   }
 }
 
-int64_t JobManager::DrainDeadline(int64_t now) const {
-  return now + options_.stop_grace_ms + options_.heartbeat_timeout_ms;
+int64_t JobManager::DrainDeadline(int64_t now) const { return now + FenceMs(); }
+
+int64_t JobManager::FenceMs() const {
+  // One heartbeat interval of margin: a worker's fence counts from a heartbeat it sent, at most
+  // that long before the coordinator's last word from it.
+  return options_.heartbeat_timeout_ms + options_.stop_grace_ms + options_.heartbeat_interval_ms;
+}
+
+bool JobManager::PreviousAttemptGone(const JobRuntime& j, int64_t now) const {
+  if (now < j.restart_not_before_ms) return false;  // recovered: ranks unknown, wait it out
+  for (const RankRuntime& r : j.ranks)
+    if (r.state != "exited" && !r.gone && now < r.dead_by_ms) return false;
+  return true;
 }
 
 void JobManager::SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
@@ -1139,7 +1290,7 @@ void JobManager::Tick() {
   Outbox out;
   {
     absl::MutexLock l(&mu_);
-    const int64_t now = clock_->NowMs();
+    const int64_t now = clock_->SteadyMs();
     for (auto& [id, jp] : jobs_) {
       JobRuntime& j = *jp;
       if (!IsActive(j.rec.state)) continue;
@@ -1220,7 +1371,8 @@ std::vector<std::unique_ptr<v1::WorkerInfo>> JobManager::ListWorkers() {
       info->add_ranks(absl::StrCat(s.job_id, "/", s.attempt, "/", s.rank));
     }
     info->set_used_slots(used);
-    info->set_last_heartbeat_unix_ms(w->last_seen_ms);
+    info->set_last_heartbeat_unix_ms(w->last_seen_unix_ms);
+    info->set_address(w->address);
     info->set_registered_unix_ms(w->rec.registered_ms);
     out.push_back(std::move(info));
   }

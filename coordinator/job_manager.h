@@ -9,6 +9,14 @@
 //     any other code restarts the gang.
 //   - worker lost: no message for heartbeat_timeout: every gang with a rank on it restarts. A
 //     lost worker that speaks again on its session is alive again; its old ranks are stopped.
+// Fencing: a restart's next attempt is placed only once every rank of the stopped attempt is
+// gone (its exit reported, or its worker back without it) or must be: the worker's last word plus
+// heartbeat_timeout + stop_grace + heartbeat_interval, by when a worker cut off from the
+// coordinator has stopped its ranks itself (cluster.proto). Timers run on Clock::SteadyMs.
+// Addresses: each worker's is its advertised host or the one it connected from; assignments
+// carry it (the ranks' Gloo address) and an empty rendezvous address unless one was configured
+// (the worker then uses the coordinator address it dials). A gang across a loopback worker and
+// a worker on another host fails at placement, naming both.
 //   - hung rank: a rank that has not advanced its step for hang_timeout (start_timeout before
 //     its first step) restarts the gang; the reason names the rank with the lowest step.
 //   - coordinator restart: jobs are reloaded; placed ranks are re-adopted when their worker
@@ -24,6 +32,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -58,6 +67,9 @@ struct JobManagerOptions {
   // No step progress for this long, or for 3 of the rank's own last step time when that is
   // longer (steps over long sequences): hung.
   int64_t hang_timeout_ms = 120000;
+  // A rank whose trainer pulses (RunningRank.pulsing) and has printed nothing for this long has
+  // stopped: its gang restarts.
+  int64_t silence_timeout_ms = 5000;
   int64_t start_timeout_ms = 600000;  // placement to first step
   int64_t stop_grace_ms = 10000;      // Stop: SIGTERM, then SIGKILL after this
   // After a coordinator restart, how long placed ranks wait for their worker to reconnect.
@@ -116,8 +128,10 @@ class JobManager {
   std::vector<std::unique_ptr<v1::WorkerInfo>> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Worker API -------------------------------------------------------------------------
-  absl::Status RegisterWorker(const v1::RegisterRequest& req, v1::RegisterResponse* resp)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `observed_host`: the address the request came from (the worker's address unless it
+  // advertises one).
+  absl::Status RegisterWorker(const v1::RegisterRequest& req, const std::string& observed_host,
+                              v1::RegisterResponse* resp) ABSL_LOCKS_EXCLUDED(mu_);
   // A Session opened with `hello`. `session_id` distinguishes this stream from earlier ones of
   // the same worker. NotFound for an unregistered worker.
   absl::Status SessionOpened(const v1::SessionHello& hello, uint64_t session_id)
@@ -152,9 +166,12 @@ class JobManager {
   CpPlan PlanLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Persists j.rec plus an event for its (new) state; bumps the job's version.
+  // Persists `next` (default: j.rec) in state `to`, with the job's pending plan, plus an event;
+  // only once the store has it does the job in memory take it (and bump its version): a failed
+  // write changes nothing.
   absl::Status Transition(JobRuntime& j, JobState to, const std::string& message,
-                          const AttemptRecord* attempt = nullptr)
+                          const AttemptRecord* attempt = nullptr,
+                          std::optional<JobRecord> next = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops every rank of the job's current attempt, ends its rendezvous scope and holds its
   // devices until the ranks exit (or stop_grace + heartbeat_timeout passes).
@@ -191,6 +208,16 @@ class JobManager {
   void WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When a slot whose rank was stopped at `now` is free even if the rank never reports its exit.
   int64_t DrainDeadline(int64_t now) const;
+  // How long after the coordinator's last word from a worker its ranks must have stopped.
+  int64_t FenceMs() const;
+  // True when the next attempt of a restarting job may be placed (see Fencing above).
+  bool PreviousAttemptGone(const JobRuntime& j, int64_t now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::CoordinatorMessage MakeAssignment(const JobRuntime& j, const RankPlacement& p) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FailedPrecondition when the gang would span a loopback worker and one on another host.
+  absl::Status CheckReachable(const std::vector<RankPlacement>& ranks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues a Stop of (job_id, attempt) to worker_id, with the stop grace.
   void SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
                 const std::string& reason, Outbox* out) const;

@@ -20,7 +20,8 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "host:port for clients (JobServic
 ABSL_FLAG(std::string, worker_listen, "",
           "host:port for workers (ClusterService, RendezvousService); empty: same as --listen");
 ABSL_FLAG(std::string, advertise, "",
-          "host:port workers use to reach the rendezvous service; empty: <hostname>:<worker port>");
+          "host:port workers use to reach the rendezvous service; empty: the address each worker "
+          "reaches the worker port at (its --coordinator)");
 ABSL_FLAG(std::string, db, "spindle.db", "SQLite database file (created if missing)");
 ABSL_FLAG(int, metrics_port, 9400, "port of the Prometheus /metrics endpoint; -1 disables it");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "bind address of the /metrics endpoint");
@@ -33,6 +34,10 @@ ABSL_FLAG(double, heartbeat_timeout, 10.0, "seconds without a worker message bef
 ABSL_FLAG(double, hang_timeout, 120.0,
           "seconds without step progress before a rank is declared hung and its gang restarts "
           "(or 3 times the rank's last step time, when longer)");
+ABSL_FLAG(double, silence_timeout, 5.0,
+          "seconds a rank's trainer may print nothing (it pulses every second) before the rank is "
+          "declared stopped and its gang restarts: a frozen rank is found in seconds, while its "
+          "peers wait for it in a collective");
 ABSL_FLAG(double, start_timeout, 600.0, "seconds from placement to a rank's first step");
 ABSL_FLAG(double, stop_grace, 10.0, "seconds a stopped rank gets between SIGTERM and SIGKILL");
 ABSL_FLAG(double, recovery_grace, 20.0,
@@ -111,6 +116,7 @@ int main(int argc, char** argv) {
       {"--heartbeat-timeout", absl::GetFlag(FLAGS_heartbeat_timeout), false},
       {"--hang-timeout", absl::GetFlag(FLAGS_hang_timeout), false},
       {"--start-timeout", absl::GetFlag(FLAGS_start_timeout), false},
+      {"--silence-timeout", absl::GetFlag(FLAGS_silence_timeout), false},
       {"--stop-grace", absl::GetFlag(FLAGS_stop_grace), true},
       {"--recovery-grace", absl::GetFlag(FLAGS_recovery_grace), true},
   };
@@ -136,6 +142,7 @@ int main(int argc, char** argv) {
   cfg.manager.heartbeat_timeout_ms = Ms(absl::GetFlag(FLAGS_heartbeat_timeout));
   cfg.manager.hang_timeout_ms = Ms(absl::GetFlag(FLAGS_hang_timeout));
   cfg.manager.start_timeout_ms = Ms(absl::GetFlag(FLAGS_start_timeout));
+  cfg.manager.silence_timeout_ms = Ms(absl::GetFlag(FLAGS_silence_timeout));
   cfg.manager.stop_grace_ms = Ms(absl::GetFlag(FLAGS_stop_grace));
   cfg.manager.recovery_grace_ms = Ms(absl::GetFlag(FLAGS_recovery_grace));
   if (cfg.manager.heartbeat_timeout_ms <= cfg.manager.heartbeat_interval_ms) {

@@ -39,6 +39,20 @@ void CoordinatorSession::Start(RankRunner* runner) {
     Run();
     finished_.Notify();
   });
+  // Apart from the session thread, which a stream leading nowhere (a cut link) can hold in a
+  // write or a registration: the fence waits for neither.
+  watchdog_ = std::thread([this] { Watchdog(); });
+}
+
+void CoordinatorSession::Watchdog() {
+  for (;;) {
+    FenceIfExpired();
+    const absl::Duration wait =
+        std::clamp(UntilFence(), absl::Milliseconds(10), absl::Milliseconds(200));
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
+  }
 }
 
 void CoordinatorSession::Send(v1::WorkerMessage message) {
@@ -75,6 +89,7 @@ void CoordinatorSession::Shutdown(absl::Duration flush_timeout) {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
+  if (watchdog_.joinable()) watchdog_.join();
   if (!thread_.joinable()) return;
   if (!finished_.WaitForNotificationWithTimeout(flush_timeout)) {
     absl::MutexLock lock(&mu_);
@@ -92,17 +107,68 @@ absl::StatusOr<absl::Duration> CoordinatorSession::Register() {
   request.set_metrics_address(options_.metrics_address);
   request.set_version(options_.version);
   request.set_instance_id(options_.instance_id);
+  request.set_advertise_host(options_.advertise_host);
   grpc::ClientContext context;
   AddBearerToken(&context, options_.bearer_token);
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.register_timeout));
   v1::RegisterResponse response;
+  const SteadyTime sent = std::chrono::steady_clock::now();
   const grpc::Status status = stub_->Register(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status, "register");
+  {
+    // The coordinator heard from this worker after `sent`: the fence counts from there.
+    absl::MutexLock lock(&mu_);
+    acked_sent_ = sent;
+    fenced_ = false;
+    fence_timeout_ = options_.loss_timeout;
+    if (response.heartbeat_timeout_ms() > 0)
+      fence_timeout_ =
+          std::min(fence_timeout_, absl::Milliseconds(response.heartbeat_timeout_ms()));
+    fence_grace_ = response.stop_grace_ms() > 0 ? absl::Milliseconds(response.stop_grace_ms())
+                                                : options_.stop_grace;
+  }
   return response.heartbeat_interval_ms() > 0 ? absl::Milliseconds(response.heartbeat_interval_ms())
                                               : options_.default_heartbeat;
 }
 
+absl::Duration CoordinatorSession::UntilFence() const {
+  absl::MutexLock lock(&mu_);
+  if (fenced_ || fence_timeout_ == absl::InfiniteDuration()) return absl::InfiniteDuration();
+  return fence_timeout_ - absl::FromChrono(std::chrono::steady_clock::now() - acked_sent_);
+}
+
+bool CoordinatorSession::FenceIfExpired() {
+  absl::Duration silent, grace;
+  {
+    absl::MutexLock lock(&mu_);
+    if (fenced_ || fence_timeout_ == absl::InfiniteDuration()) return false;
+    silent = absl::FromChrono(std::chrono::steady_clock::now() - acked_sent_);
+    if (silent < fence_timeout_) return false;
+    fenced_ = true;
+    grace = fence_grace_;
+    if (context_ != nullptr) context_->TryCancel();  // a stream that only looks open
+  }
+  const int n = runner_->StopAll(grace);
+  if (metrics_ != nullptr) metrics_->OnCoordinatorLoss();
+  WorkerLog(
+      "no heartbeat acknowledged by the coordinator for %s: stopping %d trainer(s) "
+      "(its gangs restart elsewhere)",
+      absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(100))), n);
+  return true;
+}
+
 void CoordinatorSession::Handle(const v1::CoordinatorMessage& message) {
+  if (message.has_heartbeat_ack()) {
+    absl::MutexLock lock(&mu_);
+    while (!unacked_.empty() && unacked_.front().first <= message.heartbeat_ack().seq()) {
+      if (unacked_.front().first == message.heartbeat_ack().seq()) {
+        acked_sent_ = std::max(acked_sent_, unacked_.front().second);
+        fenced_ = false;
+      }
+      unacked_.pop_front();
+    }
+    return;
+  }
   if (message.has_assignment()) {
     const v1::Assignment& a = message.assignment();
     WorkerLog("assignment: job %s attempt %d rank %d of %d", a.ref().job_id(), a.ref().attempt(),
@@ -157,6 +223,7 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
     stream_broken_ = false;
     context_ = context;
     opened = ++sessions_opened_;
+    unacked_.clear();
   }
   if (metrics_ != nullptr) {
     metrics_->SetConnected(true);
@@ -173,6 +240,7 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
   });
 
   absl::Time next_heartbeat = absl::Now();
+  int64_t seq = 0;
   bool write_failed = false;
   for (;;) {
     std::deque<v1::WorkerMessage> batch;
@@ -215,8 +283,15 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
     if (absl::Now() >= next_heartbeat) {
       v1::WorkerMessage hb;
       hb.mutable_heartbeat()->set_unix_ms(absl::ToUnixMillis(absl::Now()));
+      hb.mutable_heartbeat()->set_seq(++seq);
       for (v1::RunningRank& r : runner_->Running()) {
         *hb.mutable_heartbeat()->add_running() = std::move(r);
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        // A coordinator that answers none of them keeps the list bounded (the fence fires first).
+        if (unacked_.size() >= 4096) unacked_.pop_front();
+        unacked_.emplace_back(seq, std::chrono::steady_clock::now());
       }
       if (!stream->Write(hb)) {
         write_failed = true;
@@ -239,36 +314,22 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
   return FromGrpcStatus(status, "session");
 }
 
-void CoordinatorSession::WaitDisconnected(absl::Duration d, absl::Time disconnected_since,
-                                          bool* loss_fired) {
+void CoordinatorSession::WaitDisconnected(absl::Duration d) {
   const absl::Time until = absl::Now() + d;
   for (;;) {
-    if (!*loss_fired && absl::Now() - disconnected_since >= options_.loss_timeout) {
-      *loss_fired = true;
-      const int n = runner_->StopAll(options_.stop_grace);
-      if (metrics_ != nullptr) metrics_->OnCoordinatorLoss();
-      WorkerLog("coordinator unreachable for %s: stopping %d trainer(s)",
-                absl::FormatDuration(absl::Now() - disconnected_since), n);
-    }
     absl::MutexLock lock(&mu_);
     if (stopping_ || absl::Now() >= until) return;
-    absl::Time wake = until;
-    if (!*loss_fired) wake = std::min(wake, disconnected_since + options_.loss_timeout);
-    mu_.AwaitWithDeadline(absl::Condition(&stopping_), wake);
+    mu_.AwaitWithDeadline(absl::Condition(&stopping_), until);
   }
 }
 
 void CoordinatorSession::Run() {
-  absl::Time disconnected_since = absl::Now();
-  bool loss_fired = false;
   absl::Duration backoff = options_.min_backoff;
   while (!Stopping()) {
     absl::StatusOr<absl::Duration> heartbeat = Register();
     if (heartbeat.ok()) {
-      loss_fired = false;
       const absl::Time opened = absl::Now();
       const absl::Status status = ServeStream(*heartbeat);
-      disconnected_since = absl::Now();
       if (Stopping()) break;
       WorkerLog("session to %s ended: %s", options_.coordinator_address, status.ToString());
       if (absl::Now() - opened > options_.max_backoff) backoff = options_.min_backoff;
@@ -276,7 +337,7 @@ void CoordinatorSession::Run() {
       WorkerLog("cannot register with %s: %s", options_.coordinator_address,
                 heartbeat.status().ToString());
     }
-    WaitDisconnected(backoff, disconnected_since, &loss_fired);
+    WaitDisconnected(backoff);
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
 }

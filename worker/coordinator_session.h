@@ -2,24 +2,32 @@
 // It registers, holds one bidirectional Session stream, sends a hello listing the ranks still
 // running (so a restarted coordinator re-adopts them), heartbeats every interval the coordinator
 // asked for, relays the RankRunner's messages, and hands assignments and stops to the runner.
-// When the stream breaks it re-registers with exponential backoff and keeps the trainers running;
-// once the coordinator has been unreachable for longer than `loss_timeout` it stops every trainer
-// (they could not report, and the coordinator has restarted their gangs elsewhere by then).
+// When the stream breaks it re-registers with exponential backoff and keeps the trainers running.
+// Fencing: the coordinator acknowledges each heartbeat; once the last acknowledged one was sent
+// the heartbeat timeout ago (the one the coordinator gave at registration, or `loss_timeout` when
+// shorter), the session stops every trainer (SIGTERM, then SIGKILL after the coordinator's stop
+// grace) and breaks its stream, whether the stream still looks open or not: a host cut off from
+// the coordinator stops its ranks before the coordinator, which declares it lost a heartbeat
+// timeout after its last word from it, may start their gangs' next attempts elsewhere. Timers run
+// on the steady clock.
 //
 // Messages produced while disconnected are queued (rank starts, checkpoints and exits; progress
 // lines are dropped) and sent after the next hello. The hello lists the live ranks plus the ranks
 // whose RankExit is among those queued messages (pid 0, step of their last queued checkpoint), so
 // a coordinator that restarted meanwhile re-adopts them and then receives their outcome.
 //
-// Thread-safety: thread-safe. Send() never blocks on the network. One session thread plus one
-// reader thread per stream; the runner is called from the reader thread.
+// Thread-safety: thread-safe. Send() never blocks on the network. One session thread, one fence
+// watchdog thread, plus one reader thread per stream; the runner is called from the reader
+// thread (and StopAll from the watchdog).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -39,7 +47,8 @@ struct SessionOptions {
   std::string bearer_token;         // empty: no authorization metadata
   std::string worker_id;
   std::string hostname;
-  std::string metrics_address;  // host:port of /metrics, "" when disabled
+  std::string metrics_address;  // host:port of /metrics (":port": the coordinator names the host)
+  std::string advertise_host;   // RegisterRequest.advertise_host ("": as the coordinator sees us)
   std::string version;
   std::string instance_id;  // random per daemon process: tells its reconnects from a namesake
   std::vector<v1::DeviceGroup> devices;
@@ -75,14 +84,21 @@ class CoordinatorSession : public MessageSink {
 
  private:
   void Run();
-  // Registers; returns the heartbeat interval.
+  // Registers; returns the heartbeat interval (and takes the fence timeout and grace).
   absl::StatusOr<absl::Duration> Register();
   // Opens and serves one stream until it breaks or the session stops.
   absl::Status ServeStream(absl::Duration heartbeat);
   void Handle(const v1::CoordinatorMessage& message);
-  // Sleeps up to `d` (waking early on shutdown) and applies the coordinator-loss rule.
-  void WaitDisconnected(absl::Duration d, absl::Time disconnected_since, bool* loss_fired);
+  // Sleeps up to `d`, waking early on shutdown.
+  void WaitDisconnected(absl::Duration d);
+  // Applies the fencing rule until the session stops (its own thread).
+  void Watchdog();
   bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops every trainer once the last acknowledged heartbeat is a fence timeout old (once per
+  // lapse of acknowledgements); true when it did.
+  bool FenceIfExpired() ABSL_LOCKS_EXCLUDED(mu_);
+  // Time left before FenceIfExpired fires (negative: past it).
+  absl::Duration UntilFence() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const SessionOptions options_;
   WorkerMetrics* const metrics_;
@@ -97,9 +113,19 @@ class CoordinatorSession : public MessageSink {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);  // of the open stream
+  // Fencing state (steady clock). `acked_sent_`: when the newest acknowledged heartbeat (or the
+  // last successful registration request) was sent; `unacked_`: sequence numbers and send times
+  // of this stream's heartbeats not yet acknowledged.
+  using SteadyTime = std::chrono::steady_clock::time_point;
+  SteadyTime acked_sent_ ABSL_GUARDED_BY(mu_);
+  bool fenced_ ABSL_GUARDED_BY(mu_) = false;  // fired since the last acknowledgement
+  std::deque<std::pair<int64_t, SteadyTime>> unacked_ ABSL_GUARDED_BY(mu_);
+  absl::Duration fence_timeout_ ABSL_GUARDED_BY(mu_) = absl::InfiniteDuration();
+  absl::Duration fence_grace_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification finished_;
   std::thread thread_;
+  std::thread watchdog_;
 };
 
 }  // namespace spindle

@@ -108,25 +108,26 @@ std::string TrainerVisibleDevice(int64_t device_index, const char* daemon_visibl
 
 absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
     const v1::Assignment& a, const std::string& spec_path) const {
-  std::vector<std::string> argv = {options_.trainer_binary,
-                                   "--job",
-                                   spec_path,
-                                   "--rank",
-                                   absl::StrCat(a.ref().rank()),
-                                   "--world",
-                                   absl::StrCat(a.world()),
-                                   "--lightning-mode",
-                                   CpModeFlag(a.lightning_mode()),
-                                   "--mla-mode",
-                                   CpModeFlag(a.mla_mode()),
-                                   "--rendezvous",
-                                   a.rendezvous_address(),
-                                   "--job-id",
-                                   a.ref().job_id(),
-                                   "--attempt",
-                                   absl::StrCat(a.ref().attempt()),
-                                   "--recompute-layers",
-                                   absl::StrCat(a.recompute_layers())};
+  std::vector<std::string> argv = {
+      options_.trainer_binary,
+      "--job",
+      spec_path,
+      "--rank",
+      absl::StrCat(a.ref().rank()),
+      "--world",
+      absl::StrCat(a.world()),
+      "--lightning-mode",
+      CpModeFlag(a.lightning_mode()),
+      "--mla-mode",
+      CpModeFlag(a.mla_mode()),
+      "--rendezvous",
+      a.rendezvous_address().empty() ? options_.coordinator_address : a.rendezvous_address(),
+      "--job-id",
+      a.ref().job_id(),
+      "--attempt",
+      absl::StrCat(a.ref().attempt()),
+      "--recompute-layers",
+      absl::StrCat(a.recompute_layers())};
   if (!a.checkpoint_dir().empty()) {
     argv.push_back("--checkpoint-dir");
     argv.push_back(a.checkpoint_dir());
@@ -135,9 +136,16 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
     argv.push_back("--token-file");
     argv.push_back(options_.token_file);
   }
-  if (!options_.gloo_host.empty()) {
+  // The daemon's --gloo-host, else the address the coordinator knows this worker by (the one it
+  // connected from: other hosts reach it there).
+  const std::string& gloo_host = options_.gloo_host.empty() ? a.host_address() : options_.gloo_host;
+  if (!gloo_host.empty()) {
     argv.push_back("--gloo-host");
-    argv.push_back(options_.gloo_host);
+    argv.push_back(gloo_host);
+  }
+  if (options_.pulse_ms > 0) {
+    argv.push_back("--pulse-ms");
+    argv.push_back(absl::StrCat(options_.pulse_ms));
   }
   for (const std::string& extra : options_.extra_trainer_args) argv.push_back(extra);
   return argv;
@@ -276,6 +284,11 @@ std::vector<v1::RunningRank> RankRunner::Running() const {
     *r.mutable_ref() = rank.ref;
     r.set_step(rank.step);
     r.set_pid(rank.pid);
+    r.set_pulsing(rank.pulsing);
+    if (rank.pulsing)
+      r.set_silent_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - rank.last_line)
+                          .count());
     out.push_back(std::move(r));
   }
   return out;
@@ -299,6 +312,11 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
     absl::MutexLock lock(&mu_);
     auto it = ranks_.find(id);
     if (it == ranks_.end()) return;
+    it->second.last_line = std::chrono::steady_clock::now();
+    if (event->kind == TrainerEventKind::kPulse) {
+      it->second.pulsing = true;
+      return;
+    }
     if (event->step && (event->kind == TrainerEventKind::kStep ||
                         event->kind == TrainerEventKind::kStart ||
                         event->kind == TrainerEventKind::kDone)) {
@@ -334,6 +352,12 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       *c->mutable_ref() = ref;
       c->set_step(event->step.value_or(0));
       c->set_path(event->path);
+      break;
+    }
+    case TrainerEventKind::kNote: {
+      v1::RankNote* n = msg.mutable_note();
+      *n->mutable_ref() = ref;
+      n->set_text(event->message);
       break;
     }
     default:

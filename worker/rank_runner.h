@@ -22,6 +22,7 @@
 // the supervisor thread (progress, exits); the sink must be thread-safe and must not block.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -53,6 +54,11 @@ struct RankRunnerOptions {
   // Passed as --gloo-host when non-empty: the address trainers bind for Gloo and publish to their
   // peers (empty: the trainer's default, 127.0.0.1, which only reaches ranks on this host).
   std::string gloo_host;
+  // The coordinator's worker address this daemon dials: the rendezvous address of assignments
+  // that name none.
+  std::string coordinator_address;
+  // Passed as --pulse-ms: how often trainers print a pulse line (0: they do not).
+  int64_t pulse_ms = 1000;
   std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
   int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
   // Extra arguments appended to every trainer command line (tests use them for fake trainers).
@@ -99,6 +105,8 @@ class RankRunner : public ProcessObserver {
     v1::RankRef ref;
     pid_t pid = 0;
     int64_t step = 0;
+    bool pulsing = false;  // printed a pulse line
+    std::chrono::steady_clock::time_point last_line = std::chrono::steady_clock::now();
   };
 
   // ProcessObserver (called on the supervisor thread).

@@ -4,7 +4,7 @@
 //                 [--lightning-mode allgather|all2all] [--mla-mode allgather|all2all]
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
-//                 [--recompute-layers N]
+//                 [--recompute-layers N] [--pulse-ms N]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
@@ -22,6 +22,12 @@
 // planner's decision); without it, the spec's train.recompute, where "auto" is decided here by the
 // planner against this machine's device: the GPU's memory, or host memory shared by the world's
 // ranks.
+// --attempt N (under the worker daemon): the job's attempt; rank 0 fences the checkpoint directory
+// for it before resuming and every rank checks the fence (checkpoint.h), so an older attempt
+// still running somewhere can no longer commit, and a directory the ranks do not share is named at
+// the start. Rank 0 picks the newest checkpoint that loads (passing over a corrupt one, with a
+// {"event": "note"} line naming both) and every rank resumes from it.
+// --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
 //
 // Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
 // CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
@@ -31,12 +37,16 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -59,6 +69,7 @@ constexpr char kUsage[] =
     "                     [--lightning-mode M --mla-mode M] [--rendezvous HOST:PORT --job-id ID\n"
     "                     --attempt N --token-file F] [--file-store DIR] [--gloo-host H]\n"
     "                     [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
+    "                     [--pulse-ms N]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n";
 
@@ -109,9 +120,39 @@ constexpr spindle::StepBackendFactory kCudaBackend = nullptr;
 void PrintEvent(const nlohmann::json& e) {
   std::string line = e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   line.push_back('\n');
-  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fwrite(line.data(), 1, line.size(), stdout);  // one call: lines never interleave
   std::fflush(stdout);
 }
+
+// --pulse-ms N: a {"event": "pulse"} line every N ms from a thread of its own, from the start
+// (rendezvous and resume included) to the end, so the worker can tell a rank that stopped (a
+// frozen process, a host that hangs) from one in a long step or a collective.
+class Pulse {
+ public:
+  explicit Pulse(int64_t every_ms) {
+    if (every_ms <= 0) return;
+    thread_ = std::thread([this, every_ms] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, std::chrono::milliseconds(every_ms), [this] { return stop_; }))
+        PrintEvent({{"event", "pulse"}, {"pulse_ms", every_ms}});
+    });
+  }
+  ~Pulse() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -145,7 +186,8 @@ int main(int argc, char** argv) {
                                     "--eval-sequences",
                                     "--file-store",
                                     "--gloo-host",
-                                    "--recompute-layers"};
+                                    "--recompute-layers",
+                                    "--pulse-ms"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
     if (!known || i + 1 >= argc) {
@@ -178,6 +220,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "spindle-train: --job is required\n%s", kUsage);
     return 2;
   }
+  int64_t pulse_ms = 0;
+  if (!int_flag("pulse-ms", 0, 0, &pulse_ms)) return 2;
+  Pulse pulse(pulse_ms);
   int64_t threads = 0, rank = 0, world = 1, stop_at = -1, eval_sequences = 4;
   int64_t recompute_layers = spindle::TrainSpec::kRecomputeAuto;
   if (!int_flag("threads", 0, 0, &threads) || !int_flag("rank", 0, 0, &rank) ||
@@ -245,11 +290,11 @@ int main(int argc, char** argv) {
         modes[1] != spindle::CpMode::kAuto ? modes[1] : spec->parallel.mla_mode);
     if (!plan.ok()) return Fail(plan.status());
   }
+  int64_t attempt = 0;
+  if (flags.count("attempt") && !int_flag("attempt", 0, 0, &attempt)) return 2;
   std::unique_ptr<spindle::KvStore> store;
   if (world > 1) {
     if (flags.count("rendezvous")) {
-      int64_t attempt = 0;
-      if (!int_flag("attempt", 0, 0, &attempt)) return 2;
       spindle::RendezvousOptions ro;
       ro.address = flags["rendezvous"];
       ro.job_id = flags["job-id"];
@@ -287,6 +332,7 @@ int main(int argc, char** argv) {
   options.rank = rank;
   options.world = world;
   options.checkpoint_dir = flags.count("checkpoint-dir") ? flags["checkpoint-dir"] : "";
+  options.attempt = attempt;
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
   options.cuda_backend = kCudaBackend;

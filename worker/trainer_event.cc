@@ -64,6 +64,10 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
     event.kind = TrainerEventKind::kCheckpoint;
   } else if (event.name == "done") {
     event.kind = TrainerEventKind::kDone;
+  } else if (event.name == "note") {
+    event.kind = TrainerEventKind::kNote;
+  } else if (event.name == "pulse") {
+    event.kind = TrainerEventKind::kPulse;
   }
   absl::Status s;
   if (!(s = IntField(obj, "step", &event.step)).ok()) return s;

@@ -3,7 +3,9 @@
 // ignored by the daemon, so the trainer may print other text too).
 //
 // Fields the daemon reads (every one optional except "event"; unknown fields are ignored):
-//   "event":            "start" | "step" | "checkpoint" | "done"  (other names: kOther)
+//   "event":            "start" | "step" | "checkpoint" | "done" | "note" | "pulse"
+//                       (other names: kOther); "note": "message" belongs in the job's events;
+//                       "pulse": the trainer is alive (--pulse-ms)
 //   "step":             int, the step just completed (checkpoint: the step saved; start: the
 //                       step training starts from, 0 or the resumed checkpoint's step)
 //   "total_steps":      int
@@ -39,7 +41,7 @@
 
 namespace spindle {
 
-enum class TrainerEventKind { kStart, kStep, kCheckpoint, kDone, kOther };
+enum class TrainerEventKind { kStart, kStep, kCheckpoint, kDone, kNote, kPulse, kOther };
 
 struct CommStat {
   std::string collective;

@@ -37,15 +37,16 @@ ABSL_FLAG(std::string, work_dir, "", "Directory for job specs and trainer logs "
 ABSL_FLAG(int, metrics_port, 9401, "Port of the /metrics endpoint; 0: any free port; -1: off.");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint binds.");
 ABSL_FLAG(std::string, advertise_host, "",
-          "Host name the coordinator is told for /metrics (default: the hostname).");
+          "Address other hosts reach this worker at: its ranks' Gloo address and its /metrics "
+          "(default: the address the coordinator sees this worker connect from).");
 ABSL_FLAG(std::string, gloo_host, "",
           "Address this worker's trainers bind for Gloo and give their peers (default: "
-          "--advertise_host when set, else the trainer's 127.0.0.1, which reaches only ranks on "
-          "this host).");
+          "--advertise_host when set, else the address the coordinator sees this worker at).");
 ABSL_FLAG(std::string, token_file, "", "File holding the cluster's bearer token.");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle: talk TLS to the coordinator.");
 ABSL_FLAG(absl::Duration, coordinator_loss_timeout, absl::Seconds(60),
-          "Kill every trainer after the coordinator has been unreachable this long.");
+          "Kill every trainer once no heartbeat was acknowledged by the coordinator for this "
+          "long, or for the coordinator's heartbeat timeout when that is shorter (fencing).");
 ABSL_FLAG(absl::Duration, kill_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping a trainer (unless the stop names one).");
 ABSL_FLAG(std::string, trainer_binary, "",
@@ -174,8 +175,8 @@ int Main() {
                    port.status().ToString().c_str());
       return 2;
     }
-    std::string advertise = absl::GetFlag(FLAGS_advertise_host);
-    if (advertise.empty()) advertise = hostname;
+    // Without --advertise-host the coordinator puts in the address it sees this worker at.
+    const std::string advertise = absl::GetFlag(FLAGS_advertise_host);
     metrics_address = absl::StrCat(advertise, ":", *port);
     WorkerLog("metrics on %s:%d/metrics", absl::GetFlag(FLAGS_metrics_host), *port);
   }
@@ -188,6 +189,7 @@ int Main() {
   session_options.hostname = hostname;
   session_options.metrics_address = metrics_address;
   session_options.version = "spindle-worker 0.1";
+  session_options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   session_options.instance_id = absl::StrCat(absl::Hex(std::random_device{}(), absl::kZeroPad8),
                                              absl::Hex(::getpid(), absl::kZeroPad8));
   session_options.devices = {*devices};
@@ -201,6 +203,7 @@ int Main() {
   runner_options.token_file = absl::GetFlag(FLAGS_token_file);
   runner_options.gloo_host = absl::GetFlag(FLAGS_gloo_host);
   if (runner_options.gloo_host.empty()) runner_options.gloo_host = absl::GetFlag(FLAGS_advertise_host);
+  runner_options.coordinator_address = coordinator;
   runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
   if (threads <= 0 && devices->kind() == "cpu") {

@@ -83,7 +83,9 @@ class JobManagerTest : public ::testing::Test {
   void Register(const std::string& id, const v1::DeviceGroup& devices, bool open_session,
                 const std::vector<v1::RankRef>& running) {
     v1::RegisterResponse resp;
-    ASSERT_TRUE(manager_->RegisterWorker(RegisterRequest(id, id + ".local", devices), &resp).ok());
+    ASSERT_TRUE(
+        manager_->RegisterWorker(RegisterRequest(id, id + ".local", devices), "127.0.0.1", &resp)
+            .ok());
     if (open_session) Hello(id, running);
   }
   void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
@@ -309,6 +311,18 @@ TEST_F(JobManagerTest, LostWorkerRestartsGangElsewhere) {
   clock_.AdvanceMs(1500);  // w1 silent for 3.5 s > 3 s
   Heartbeat("w2");
   manager_->Tick();
+  // Fenced: w1's rank may still run (cut off, it stops itself a heartbeat timeout after its
+  // last acknowledged heartbeat, then takes up to the stop grace): the next attempt waits until
+  // 3 s + 1 s + 1 s (a heartbeat interval of margin) after w1 was last heard.
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_TRUE(Assignments().empty());
+  clock_.AdvanceMs(1400);  // 4.9 s
+  Heartbeat("w2");
+  manager_->Tick();
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  clock_.AdvanceMs(100);  // 5 s
+  Heartbeat("w2");
+  manager_->Tick();
   v1::Job j = Get(id);
   EXPECT_EQ(j.attempt(), 2);
   EXPECT_EQ(j.ranks(0).worker_id(), "w2");
@@ -368,7 +382,7 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   AddWorker("w1", 2);
   const v1::RegisterRequest req = RegisterRequest("w1", "other.local", CpuSlots(1));
   v1::RegisterResponse resp;
-  const absl::Status refused = manager_->RegisterWorker(req, &resp);
+  const absl::Status refused = manager_->RegisterWorker(req, "127.0.0.1", &resp);
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(refused.message(),
             "worker id w1 is in use by the connected worker on host w1.local; give each "
@@ -381,7 +395,7 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   clock_.AdvanceMs(3500);
   manager_->Tick();
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
-  EXPECT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+  EXPECT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
 }
 
 // On one host, daemons are told apart by their instance ids: the same process re-registers, a
@@ -389,18 +403,18 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
 TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
   v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1), "a1");
   v1::RegisterResponse resp;
-  ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+  ASSERT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
   Hello("w1", {});
-  ASSERT_TRUE(manager_->RegisterWorker(req, &resp).ok()) << "its own reconnect";
+  ASSERT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok()) << "its own reconnect";
   req.set_instance_id("b2");
-  const absl::Status refused = manager_->RegisterWorker(req, &resp);
+  const absl::Status refused = manager_->RegisterWorker(req, "127.0.0.1", &resp);
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(refused.message(),
             "worker id w1 is in use by another connected worker daemon on host "
             "w1.local; give each worker daemon its own --worker-id");
   // Once the first one's session has closed, the second takes the id.
   manager_->SessionClosed("w1", session_);
-  EXPECT_TRUE(manager_->RegisterWorker(req, &resp).ok());
+  EXPECT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
 }
 
 // A worker's session closes (the daemon was killed) and a rank on another worker then fails in
@@ -844,6 +858,165 @@ TEST_F(JobManagerTest, UnexpectedRunningRankIsStopped) {
   ASSERT_EQ(stops.size(), 1u);
   EXPECT_EQ(stops[0].second.job_id(), "j-000077");
   EXPECT_EQ(stops[0].second.attempt(), 4);
+}
+
+// A wall-clock jump (NTP, an operator) restarts nothing: liveness and hang timers run on the
+// steady clock.
+TEST_F(JobManagerTest, AWallClockJumpRestartsNothing) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  Progress("w1", Ref(id, 1, 0), 1);
+  clock_.JumpWallMs(60'000);
+  manager_->Tick();
+  clock_.JumpWallMs(-120'000);
+  manager_->Tick();
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Get(id).restarts(), 0);
+  EXPECT_EQ(manager_->WorkerCounts()["alive"], 1);
+  // Real time still counts: silent past the heartbeat timeout, the worker is lost.
+  clock_.AdvanceMs(3500);
+  manager_->Tick();
+  EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
+}
+
+// The gang's ranks all report their exit after the stop: the next attempt need not wait for the
+// fence deadline.
+TEST_F(JobManagerTest, ARestartWaitsOnlyUntilEveryStoppedRankExited) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  AddWorker("w3", 1);
+  const std::string id = Submit(SpecJson(2, 1));
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  const std::string w0 = as[0].first, w1 = as[1].first;
+  Exit(w1, Ref(id, 1, 1), 1);  // rank 1 fails; rank 0 is stopped
+  EXPECT_TRUE(Assignments().empty()) << "placed while rank 0 of attempt 1 may still train";
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RESTARTING);
+  Exit(w0, Ref(id, 1, 0), -1, /*stopped=*/true);
+  as = Assignments();
+  ASSERT_EQ(as.size(), 2u);
+  EXPECT_EQ(as[0].second.ref().attempt(), 2);
+}
+
+// A rank whose trainer pulses and has been silent for the silence timeout (a frozen process)
+// restarts its gang, named, whatever the hang timeout.
+TEST_F(JobManagerTest, ASilentPulsingRankRestartsItsGang) {
+  AddWorker("w1", 2);
+  const std::string id = Submit(SpecJson(2, 1));
+  ASSERT_EQ(Assignments().size(), 2u);
+  Progress("w1", Ref(id, 1, 0), 3);
+  Progress("w1", Ref(id, 1, 1), 3);
+  auto heartbeat = [&](int64_t silent_ms) {
+    v1::WorkerMessage hb;
+    for (int r = 0; r < 2; ++r) {
+      v1::RunningRank* rr = hb.mutable_heartbeat()->add_running();
+      *rr->mutable_ref() = Ref(id, 1, r);
+      rr->set_pulsing(true);
+      rr->set_silent_ms(r == 1 ? silent_ms : 200);
+    }
+    manager_->HandleWorkerMessage("w1", hb);
+  };
+  heartbeat(4900);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RUNNING);
+  heartbeat(5000);
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(j.message(),
+            "rank 1 on worker w1 stopped responding (no output for 5.0 s, at step 3); restart "
+            "1/3 from scratch");
+}
+
+// An assignment the worker never acknowledged (its stream broke first) is sent again when its
+// session reopens, instead of restarting the gang.
+TEST_F(JobManagerTest, AnUnacknowledgedAssignmentIsSentAgainOnReconnect) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  manager_->SessionClosed("w1", session_);
+  Hello("w1", {});
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 1u);
+  EXPECT_EQ(as[0].second.ref().attempt(), 1);
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  EXPECT_EQ(Get(id).restarts(), 0);
+  // Once started, a rank missing from a hello restarts the gang as before.
+  v1::WorkerMessage started;
+  *started.mutable_rank_started()->mutable_ref() = Ref(id, 1, 0);
+  manager_->HandleWorkerMessage("w1", started);
+  manager_->SessionClosed("w1", session_);
+  Hello("w1", {});
+  EXPECT_EQ(Get(id).restarts(), 1);
+}
+
+// Workers are known by the address they connect from (or advertise); the assignment carries it
+// for Gloo and names no rendezvous address when none was configured; /metrics given as a port
+// gets the host.
+TEST_F(JobManagerTest, WorkersAreKnownByTheAddressTheyConnectFrom) {
+  v1::RegisterRequest req = RegisterRequest("w1", "h1", CpuSlots(1));
+  req.set_metrics_address(":9401");
+  v1::RegisterResponse resp;
+  ASSERT_TRUE(manager_->RegisterWorker(req, "198.18.0.2", &resp).ok());
+  EXPECT_EQ(resp.observed_host(), "198.18.0.2");
+  EXPECT_EQ(resp.stop_grace_ms(), 1000);
+  Hello("w1", {});
+  req = RegisterRequest("w2", "h2", CpuSlots(1));
+  req.set_advertise_host("node2.example");
+  ASSERT_TRUE(manager_->RegisterWorker(req, "198.18.0.3", &resp).ok());
+  Hello("w2", {});
+  std::map<std::string, v1::WorkerInfo> workers;
+  for (auto& w : manager_->ListWorkers()) workers[w->worker_id()] = *w;
+  EXPECT_EQ(workers["w1"].address(), "198.18.0.2");
+  EXPECT_EQ(workers["w1"].metrics_address(), "198.18.0.2:9401");
+  EXPECT_EQ(workers["w2"].address(), "node2.example");
+  manager_->SetRendezvousAddress("");
+  const std::string id = Submit(SpecJson(2, 1));
+  std::map<std::string, v1::Assignment> by_worker;
+  for (auto& [w, a] : Assignments()) by_worker[w] = a;
+  ASSERT_EQ(by_worker.size(), 2u);
+  EXPECT_EQ(by_worker["w1"].host_address(), "198.18.0.2");
+  EXPECT_EQ(by_worker["w2"].host_address(), "node2.example");
+  EXPECT_EQ(by_worker["w1"].rendezvous_address(), "");
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+}
+
+// A gang across a worker that reached the coordinator over loopback and one on another host
+// cannot meet: refused at placement in one line naming both.
+TEST_F(JobManagerTest, AGangAcrossALoopbackWorkerAndARemoteOneFailsAtPlacement) {
+  v1::RegisterResponse resp;
+  ASSERT_TRUE(
+      manager_->RegisterWorker(RegisterRequest("w1", "h1", CpuSlots(1)), "127.0.0.1", &resp).ok());
+  Hello("w1", {});
+  ASSERT_TRUE(
+      manager_->RegisterWorker(RegisterRequest("w2", "h2", CpuSlots(1)), "198.18.0.3", &resp).ok());
+  Hello("w2", {});
+  const std::string id = Submit(SpecJson(2, 1));
+  v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(j.message(),
+            "cannot place the job across workers w1 and w2: w1's address 127.0.0.1 (it reaches "
+            "the coordinator over loopback) cannot be reached from w2 at 198.18.0.3; start w1 "
+            "with --advertise-host=<an address the other hosts reach>, or connect it to the "
+            "coordinator's network address");
+  EXPECT_TRUE(Assignments().empty());
+}
+
+// A rank's note (a corrupt checkpoint passed over on resume, say) is one of the job's events.
+TEST_F(JobManagerTest, ARankNoteIsAJobEvent) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  v1::WorkerMessage m;
+  *m.mutable_note()->mutable_ref() = Ref(id, 1, 0);
+  m.mutable_note()->set_text("checkpoint \"/tmp/ck/step_00000010\" does not load");
+  manager_->HandleWorkerMessage("w1", m);
+  const v1::Job j = Get(id);
+  EXPECT_EQ(j.events(j.events_size() - 1).message(),
+            "rank 0: checkpoint \"/tmp/ck/step_00000010\" does not load");
+  Reopen();  // persisted
+  const v1::Job again = Get(id);
+  EXPECT_EQ(again.events(again.events_size() - 1).message(),
+            "rank 0: checkpoint \"/tmp/ck/step_00000010\" does not load");
 }
 
 }  // namespace

@@ -411,8 +411,10 @@ TEST(CheckpointErrorsTest, AFullVolumeIsNotRetried) {
   EXPECT_EQ(CheckpointIoError("cannot write", "/ck", EDQUOT).code(),
             absl::StatusCode::kFailedPrecondition);
   const absl::Status io = CheckpointIoError("cannot write", "/ck", EIO);
-  EXPECT_EQ(io.code(), absl::StatusCode::kInternal);
-  EXPECT_EQ(io.message(), "checkpoint: cannot write \"/ck\": Input/output error");
+  EXPECT_EQ(io.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(io.message(),
+            "checkpoint: cannot write \"/ck\": Input/output error (transient: the gang restarts)");
+  EXPECT_EQ(CheckpointIoError("cannot write", "/ck", EROFS).code(), absl::StatusCode::kInternal);
 }
 
 TEST(CheckpointErrorsTest, CorruptTruncatedAndMismatchedChangeNothing) {

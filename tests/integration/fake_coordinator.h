@@ -49,6 +49,13 @@ class FakeCoordinator : public v1::ClusterService::Service {
     while (stream->Read(&message)) {
       absl::MutexLock lock(&mu_);
       messages_.push_back(message);
+      // Heartbeats are acknowledged as the coordinator does (the worker fences without them),
+      // unless a test silences the coordinator.
+      if (message.has_heartbeat() && ack_heartbeats_) {
+        v1::CoordinatorMessage ack;
+        ack.mutable_heartbeat_ack()->set_seq(message.heartbeat().seq());
+        stream->Write(ack);
+      }
     }
     absl::MutexLock lock(&mu_);
     stream_ = nullptr;
@@ -59,6 +66,12 @@ class FakeCoordinator : public v1::ClusterService::Service {
   bool Send(const v1::CoordinatorMessage& message) {
     absl::MutexLock lock(&mu_);
     return stream_ != nullptr && stream_->Write(message);
+  }
+
+  // Stops (or resumes) acknowledging heartbeats: a coordinator the worker no longer hears.
+  void AckHeartbeats(bool ack) {
+    absl::MutexLock lock(&mu_);
+    ack_heartbeats_ = ack;
   }
 
   std::vector<v1::WorkerMessage> Messages() {
@@ -96,6 +109,7 @@ class FakeCoordinator : public v1::ClusterService::Service {
  private:
   absl::Mutex mu_;
   std::vector<v1::RegisterRequest> registers_ ABSL_GUARDED_BY(mu_);
+  bool ack_heartbeats_ ABSL_GUARDED_BY(mu_) = true;
   std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
   std::string last_authorization_ ABSL_GUARDED_BY(mu_);
   grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_

@@ -161,11 +161,12 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   const std::string attempt_dir = dir_.File("work/j-1/1");
   const std::vector<std::string> args =
       absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n', absl::SkipEmpty());
-  EXPECT_THAT(args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
-                                "--lightning-mode", "allgather", "--mla-mode", "all2all",
-                                "--rendezvous", "127.0.0.1:7071", "--job-id", "j-1", "--attempt",
-                                "1", "--recompute-layers", "3", "--checkpoint-dir", "/tmp/ckpt-dir",
-                                "--token-file", "/etc/spindle/token", "--gloo-host", "10.1.2.3"));
+  EXPECT_THAT(
+      args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
+                        "--lightning-mode", "allgather", "--mla-mode", "all2all", "--rendezvous",
+                        "127.0.0.1:7071", "--job-id", "j-1", "--attempt", "1", "--recompute-layers",
+                        "3", "--checkpoint-dir", "/tmp/ckpt-dir", "--token-file",
+                        "/etc/spindle/token", "--gloo-host", "10.1.2.3", "--pulse-ms", "1000"));
   EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
   EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
   EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");

@@ -10,12 +10,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
@@ -32,6 +35,11 @@ absl::Status CheckpointIoError(const std::string& what, const std::string& path,
         msg,
         " (free space on the checkpoint volume, or lower checkpoint.keep; the job resumes "
         "from its last complete checkpoint when submitted again)"));
+  // A volume being remounted or failing over answers these for a while: the gang restarts and
+  // tries again rather than failing the job as if its input were wrong.
+  if (err == EIO || err == ESTALE || err == EACCES || err == EAGAIN || err == ETIMEDOUT ||
+      err == ENOTCONN || err == EHOSTDOWN)
+    return absl::UnavailableError(absl::StrCat(msg, " (transient: the gang restarts)"));
   return absl::InternalError(msg);
 }
 
@@ -39,6 +47,14 @@ namespace {
 
 absl::Status Errno(const std::string& what, const std::string& path) {
   return CheckpointIoError(what, path, errno);
+}
+
+// A file that is not there is NotFound; one that cannot be opened for another reason is an I/O
+// error (CheckpointIoError), transient ones included.
+absl::Status OpenError(const std::string& path) {
+  if (errno == ENOENT || errno == ENOTDIR)
+    return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+  return Errno("cannot open", path);
 }
 
 absl::Status SyncDir(const std::string& dir) {
@@ -51,7 +67,7 @@ absl::Status SyncDir(const std::string& dir) {
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+  if (!f) return OpenError(path);
   std::string out;
   char buf[1 << 16];
   size_t n;
@@ -127,7 +143,7 @@ class InputFile {
  public:
   static absl::StatusOr<InputFile> Open(const std::string& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+    if (fd < 0) return OpenError(path);
     struct stat st;
     if (::fstat(fd, &st) != 0) {
       ::close(fd);
@@ -237,8 +253,10 @@ absl::Status CheckCheckpointRoot(const std::string& root) {
       ::unlink(probe.c_str());
     }
   }
-  // The job's checkpoint.dir is what is wrong, not the run: a restart would fail the same way.
-  return s.ok() ? s : absl::FailedPreconditionError(s.message());
+  // The job's checkpoint.dir is what is wrong, not the run: a restart would fail the same way
+  // (unless the error is a transient one, which restarts).
+  if (s.ok() || s.code() == absl::StatusCode::kUnavailable) return s;
+  return absl::FailedPreconditionError(s.message());
 }
 
 namespace {
@@ -281,7 +299,8 @@ void RemoveStaleTemporaries(const std::string& root) {
   if (DIR* d = ::opendir(root.c_str())) {
     while (dirent* e = ::readdir(d)) {
       const std::string n = e->d_name;
-      if (n.rfind(".tmp.", 0) == 0 || n.rfind(".latest.", 0) == 0) stale.push_back(n);
+      if (n.rfind(".tmp.", 0) == 0 || n.rfind(".latest.", 0) == 0 || n.rfind(".fence.", 0) == 0)
+        stale.push_back(n);
     }
     ::closedir(d);
   }
@@ -291,13 +310,57 @@ void RemoveStaleTemporaries(const std::string& root) {
   }
 }
 
+constexpr char kCommitLog[] = "commits.log";
+
+// The attempt that <root>/fence names; 0 when there is no fence.
+absl::StatusOr<int64_t> ReadFenceFile(const std::string& root) {
+  absl::StatusOr<std::string> text = ReadWholeFile(root + "/fence");
+  if (!text.ok()) {
+    if (text.status().code() == absl::StatusCode::kNotFound) return 0;
+    return text.status();
+  }
+  int64_t attempt = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &attempt) || attempt < 0)
+    return absl::DataLossError(absl::StrCat("checkpoint: \"", root, "/fence\" is corrupt"));
+  return attempt;
+}
+
+absl::Status Superseded(const std::string& root, int64_t attempt, int64_t fence) {
+  return absl::AbortedError(absl::StrCat("checkpoint: attempt ", attempt,
+                                         " of the job may not write under \"", root, "\": attempt ",
+                                         fence, " has taken it over"));
+}
+
+// Appends one JSON line to <root>/commits.log (the writer lock held), synced.
+absl::Status AppendCommitLog(const std::string& root, nlohmann::json entry) {
+  entry["unix_ms"] = std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  const std::string path = absl::StrCat(root, "/", kCommitLog);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot open", path);
+  const std::string line = entry.dump() + "\n";
+  absl::Status s;
+  if (::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+    s = Errno("cannot write", path);
+  if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", path);
+  ::close(fd);
+  return s;
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
-                                           const TrainState& state, int64_t keep) {
+                                           const TrainState& state, int64_t keep, int64_t attempt) {
   RETURN_IF_ERROR(MakeDirs(root));
   ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
+  if (attempt > 0) {
+    // Checked under the lock a newer attempt's fence takes: once that fence is written, this
+    // writer can neither commit nor prune.
+    ASSIGN_OR_RETURN(const int64_t fence, ReadFenceFile(root));
+    if (fence > attempt) return Superseded(root, attempt, fence);
+  }
   RemoveStaleTemporaries(root);
   const std::string name = absl::StrFormat("step_%08d", state.step);
   const std::string tmp = absl::StrCat(root, "/.tmp.", name, ".", ::getpid());
@@ -361,7 +424,41 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   std::vector<std::string> dirs = StepDirs(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)
     if (dirs[i] != name) RemoveTree(root + "/" + dirs[i]);
+  RETURN_IF_ERROR(AppendCommitLog(root, {{"commit", state.step}, {"attempt", attempt}}));
   return final_dir;
+}
+
+absl::Status FenceCheckpointRoot(const std::string& root, int64_t attempt) {
+  RETURN_IF_ERROR(MakeDirs(root));
+  ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
+  ASSIGN_OR_RETURN(const int64_t fence, ReadFenceFile(root));
+  if (fence > attempt) return Superseded(root, attempt, fence);
+  if (fence == attempt) return absl::OkStatus();
+  const std::string tmp = absl::StrCat(root, "/.fence.", ::getpid());
+  if (absl::Status s = WriteFileSynced(tmp, absl::StrCat(attempt, "\n")); !s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  if (::rename(tmp.c_str(), (root + "/fence").c_str()) != 0) {
+    absl::Status s = Errno("cannot rename", tmp);
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  RETURN_IF_ERROR(SyncDir(root));
+  return AppendCommitLog(root, {{"fence", attempt}});
+}
+
+absl::StatusOr<int64_t> ReadFence(const std::string& root) { return ReadFenceFile(root); }
+
+std::vector<std::string> CompleteCheckpoints(const std::string& root) {
+  std::vector<std::string> out;
+  const std::vector<std::string> dirs = StepDirs(root);
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
+    struct stat st;
+    if (::stat((root + "/" + *it + "/state.json").c_str(), &st) == 0)
+      out.push_back(root + "/" + *it);
+  }
+  return out;
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {

@@ -6,6 +6,11 @@
 //                                               size + CRC-32 of both tensor files
 //   <root>/latest                               name of the newest complete checkpoint
 //   <root>/.writer.lock                         flock held while a checkpoint is written
+//   <root>/fence                                the newest attempt of the job that took the
+//                                               root over (cluster jobs; see FenceCheckpointRoot)
+//   <root>/commits.log                          one JSON line per fence ({"fence": N}) and commit
+//                                               ({"commit": step, "attempt": N}), with "unix_ms",
+//                                               in the order they held the writer lock
 // A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
 // crash leaves either the old or the new checkpoint, never half of one. A failed write removes
 // its temporary directory; the writer holding the lock removes any a killed writer left. The tensor
@@ -18,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
@@ -35,10 +41,25 @@ struct TrainState {
 };
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
-// Returns the checkpoint directory.
+// Returns the checkpoint directory. `attempt` > 0 (a cluster job's attempt) fences the commit:
+// Aborted, with nothing written, when a newer attempt has fenced the root.
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
-                                           const TrainState& state, int64_t keep);
+                                           const TrainState& state, int64_t keep,
+                                           int64_t attempt = 0);
+
+// Fencing: attempt N of a cluster job takes the root over before it loads anything, under the
+// writer lock that every commit holds. From then on a rank 0 of an older attempt still running
+// (a host cut off from the coordinator, say) can neither commit a checkpoint, move `latest` nor
+// delete one. Aborted when a newer attempt than `attempt` holds the root already; writing the
+// same attempt again is a no-op.
+absl::Status FenceCheckpointRoot(const std::string& root, int64_t attempt);
+
+// The attempt the root is fenced by; 0 when it has no fence.
+absl::StatusOr<int64_t> ReadFence(const std::string& root);
+
+// The complete checkpoint directories under root (those with a state.json), newest first.
+std::vector<std::string> CompleteCheckpoints(const std::string& root);
 
 // Creates `root` when missing and checks that files can be written in it, so that a job learns
 // at its start, not at its first checkpoint, that it could not keep one.

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "kernels/cpu/ops.h"
 #include "worker/engine/batch.h"
@@ -100,45 +101,105 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
   t->state_.seed = spec.train.seed;
-  if (!t->ckpt_dir_.empty()) {
-    if (t->opt_.rank == 0) RETURN_IF_ERROR(CheckCheckpointRoot(t->ckpt_dir_));  // rank 0 writes
-    auto latest = LatestCheckpoint(t->ckpt_dir_);
-    if (latest.ok()) {
-      ASSIGN_OR_RETURN(t->state_, LoadCheckpoint(*latest, params, t->optimizer_.get(), spec.model));
-      if (t->state_.seed != spec.train.seed)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint: \"", *latest, "\" was written with seed ", t->state_.seed,
-            ", the job has train.seed = ", spec.train.seed));
-      if (t->state_.step > spec.train.steps)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint: \"", *latest, "\" is at step ", t->state_.step,
-            ", past the job's train.steps = ", spec.train.steps,
-            "; raise train.steps to train on, or give the job another checkpoint.dir"));
-      if (on_device) {
-        RETURN_IF_ERROR(t->backend_->UploadParams());
-        RETURN_IF_ERROR(t->backend_->UploadOptimizerState(
-            t->optimizer_->state0(), t->optimizer_->state1(), t->optimizer_->steps_taken()));
-      }
-    } else if (latest.status().code() != absl::StatusCode::kNotFound) {
-      return latest.status();
-    }
-  }
+  RETURN_IF_ERROR(t->Resume(params));
   // On a device the optimizer state lives there: the host copy comes back for each checkpoint.
   if (on_device) t->optimizer_->ReleaseState();
-  RETURN_IF_ERROR(t->AgreeOnResume());
   return t;
 }
 
-absl::Status Trainer::AgreeOnResume() {
-  if (!world_comm_) return absl::OkStatus();
-  double step = static_cast<double>(state_.step);
-  RETURN_IF_ERROR(world_comm_->Broadcast(&step, 1, CommType::kF64, 0, CommLayer::kOther));
-  if (static_cast<int64_t>(step) != state_.step)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "trainer: rank ", opt_.rank, " resumed from step ", state_.step, " but rank 0 from step ",
-        static_cast<int64_t>(step), " (checkpoint directories differ between ranks?)"));
-  world_comm_->TakeStats();
+absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
+  const JobSpec& spec = opt_.spec;
+  ASSIGN_OR_RETURN(state_, LoadCheckpoint(dir, params, optimizer_.get(), spec.model));
+  if (state_.seed != spec.train.seed)
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: \"", dir, "\" was written with seed ", state_.seed,
+                     ", the job has train.seed = ", spec.train.seed));
+  if (state_.step > spec.train.steps)
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: \"", dir, "\" is at step ", state_.step,
+                     ", past the job's train.steps = ", spec.train.steps,
+                     "; raise train.steps to train on, or give the job another checkpoint.dir"));
+  if (backend_) {
+    RETURN_IF_ERROR(backend_->UploadParams());
+    RETURN_IF_ERROR(backend_->UploadOptimizerState(optimizer_->state0(), optimizer_->state1(),
+                                                   optimizer_->steps_taken()));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
+  std::string skipped;  // the newer checkpoints that did not load, for the note
+  for (const std::string& dir : CompleteCheckpoints(ckpt_dir_)) {
+    absl::Status s = LoadStep(params, dir);
+    if (s.ok()) {
+      if (!skipped.empty())
+        Emit({{"event", "note"},
+              {"message", absl::StrCat(skipped, "; resumed from the previous complete one, \"", dir,
+                                       "\" (step ", state_.step, ")")}});
+      return state_.step;
+    }
+    // Only a damaged checkpoint is passed over; a wrong model or seed, or an I/O error, is the
+    // job's (or the volume's) problem and ends this attempt.
+    if (s.code() != absl::StatusCode::kDataLoss) return s;
+    absl::StrAppend(&skipped, skipped.empty() ? "" : "; ", "checkpoint \"", dir,
+                    "\" does not load (", s.message(), ")");
+    state_ = TrainState{};
+    state_.seed = opt_.spec.train.seed;
+  }
+  if (!skipped.empty())
+    Emit({{"event", "note"},
+          {"message",
+           absl::StrCat(skipped, "; no older complete checkpoint: starting from scratch")}});
+  return 0;
+}
+
+absl::Status Trainer::Resume(ParamSet& params) {
+  if (ckpt_dir_.empty()) return absl::OkStatus();
+  const int64_t attempt = opt_.attempt;
+  // Rank 0 writes: it creates the root, checks that it can write there and fences it.
+  absl::Status ready;
+  if (opt_.rank == 0) {
+    ready = CheckCheckpointRoot(ckpt_dir_);
+    if (ready.ok() && attempt > 0) ready = FenceCheckpointRoot(ckpt_dir_, attempt);
+  }
+  int64_t step = 0;
+  if (ready.ok() && opt_.rank == 0) {
+    absl::StatusOr<int64_t> chosen = LoadNewestValid(params);
+    if (chosen.ok()) step = *chosen;
+    ready = chosen.status();
+  }
+  if (!world_comm_) return ready;
+  // Rank 0's choice (or -1: rank 0 failed) to every rank; from here on rank 0's fence is on disk.
+  double chosen = ready.ok() ? static_cast<double>(step) : -1.0;
+  RETURN_IF_ERROR(world_comm_->Broadcast(&chosen, 1, CommType::kF64, 0, CommLayer::kOther));
+  world_comm_->TakeStats();
+  if (opt_.rank == 0) return ready;
+  if (chosen < 0)
+    return absl::AbortedError("trainer: rank 0 could not resume (its error ends the attempt)");
+  if (attempt > 0) {
+    ASSIGN_OR_RETURN(const int64_t fence, ReadFence(ckpt_dir_));
+    if (fence > attempt)
+      return absl::AbortedError(absl::StrCat("trainer: attempt ", attempt,
+                                             " of the job was "
+                                             "superseded by attempt ",
+                                             fence));
+    if (fence < attempt)
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.dir \"", ckpt_dir_, "\" is not shared: rank ", opt_.rank,
+                       " does not see the fence rank 0 wrote there for attempt ", attempt,
+                       " (every host of a job needs the same checkpoint volume)"));
+  }
+  step = static_cast<int64_t>(chosen);
+  if (step == 0) return absl::OkStatus();
+  const std::string dir = absl::StrCat(ckpt_dir_, "/", absl::StrFormat("step_%08d", step));
+  absl::Status s = LoadStep(params, dir);
+  if (s.code() == absl::StatusCode::kNotFound)
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint.dir \"", ckpt_dir_, "\" is not shared: rank ", opt_.rank,
+                     " cannot find \"", dir,
+                     "\", which rank 0 resumed from (every host of a job needs the same checkpoint "
+                     "volume)"));
+  return s;
 }
 
 absl::StatusOr<bool> Trainer::RanksHaveOwnDevices() {
@@ -371,7 +432,8 @@ absl::Status Trainer::Checkpoint() {
   }
   if (opt_.rank == 0 && dir.ok())
     dir = SaveCheckpoint(ckpt_dir_, backend_ ? backend_->host_params() : model_->params(),
-                         optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep);
+                         optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep,
+                         opt_.attempt);
   if (backend_) optimizer_->ReleaseState();
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;

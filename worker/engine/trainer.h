@@ -67,6 +67,11 @@ struct TrainerOptions {
   int64_t rank = 0;
   int64_t world = 1;
   std::string checkpoint_dir;  // overrides spec.checkpoint.dir when non-empty
+  // The cluster job's attempt (> 0): rank 0 fences the checkpoint directory for it before
+  // anything is loaded, every rank checks that it sees that fence (the directory is shared), and
+  // commits are refused once a newer attempt has fenced it (FenceCheckpointRoot). 0: unfenced
+  // (a standalone run).
+  int64_t attempt = 0;
   std::function<void(const nlohmann::json&)> on_event;
   // Stop (as if killed) once this many steps are completed; -1 = run to spec.train.steps.
   int64_t stop_at_step = -1;
@@ -125,7 +130,13 @@ class Trainer {
   absl::Status Checkpoint();
   void Emit(nlohmann::json event);
 
-  absl::Status AgreeOnResume();
+  // Fences the checkpoint directory (attempt > 0), then rank 0 picks the newest checkpoint that
+  // loads (a corrupt newest one is skipped, in a "note" event naming both) and every other rank
+  // loads that same one.
+  absl::Status Resume(ParamSet& params);
+  // Rank 0's choice: the step loaded into params (0: none, start from scratch).
+  absl::StatusOr<int64_t> LoadNewestValid(ParamSet& params);
+  absl::Status LoadStep(ParamSet& params, const std::string& dir);
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
   // build communicators on (DeviceIds gathered over the Gloo world).
   absl::StatusOr<bool> RanksHaveOwnDevices();

@@ -1,0 +1,173 @@
+// Checkpoint fencing and resume: a fenced root refuses the commits of an older attempt (nothing
+// written, `latest` unmoved, commits.log in lock order); a corrupt newest checkpoint is passed over
+// for the previous complete one, in a note naming both; the ranks of an attempt that do not share
+// the checkpoint directory are told so at the start; transient I/O errors are Unavailable (the
+// gang restarts), not invalid input.
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "tests/engine/cp_test_util.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/kv_store.h"
+#include "worker/engine/model.h"
+#include "worker/engine/trainer.h"
+
+namespace spindle {
+namespace {
+
+std::string FreshDir(const std::string& tag) {
+  char tmpl[] = "/tmp/spindle-fence-XXXXXX";
+  return std::string(mkdtemp(tmpl)) + "/" + tag;
+}
+
+JobSpec Tiny(int64_t steps, int64_t every, int64_t cp = 1) {
+  auto spec = ParseJobSpec(absl::StrCat(
+      R"({"name": "f", "model": {"preset": "tiny"}, "data": {"source": "synthetic:copy"},
+          "seq_len": 128, "parallel": {"cp": )",
+      cp, R"(}, "train": {"steps": )", steps, R"(, "seed": 3}, "checkpoint": {"every": )", every,
+      "}}"));
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+std::vector<std::string> Lines(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(f, line);) {
+    // The time of each entry varies; the rest is what the test asserts.
+    const size_t t = line.find(",\"unix_ms\"");
+    out.push_back(t == std::string::npos ? line : line.substr(0, t) + "}");
+  }
+  return out;
+}
+
+TEST(CheckpointFenceTest, AnOlderAttemptCanNeitherCommitNorPruneOnceFenced) {
+  const JobSpec spec = Tiny(4, 1);
+  auto model = Model::Create(spec.model, 1);
+  ASSERT_TRUE(model.ok());
+  ParamSet& p = (*model)->params();
+  const std::string root = FreshDir("root");
+  TrainState st;
+  st.seed = 3;
+  st.step = 1;
+  ASSERT_TRUE(SaveCheckpoint(root, p, nullptr, spec.model, st, /*keep=*/1, /*attempt=*/1).ok());
+  ASSERT_TRUE(FenceCheckpointRoot(root, 2).ok());
+  EXPECT_TRUE(FenceCheckpointRoot(root, 2).ok()) << "the same attempt again is a no-op";
+  EXPECT_EQ(*ReadFence(root), 2);
+  st.step = 2;
+  absl::StatusOr<std::string> old = SaveCheckpoint(root, p, nullptr, spec.model, st, 1, 1);
+  ASSERT_EQ(old.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(old.status().message(),
+            absl::StrCat("checkpoint: attempt 1 of the job may not write under \"", root,
+                         "\": attempt 2 has taken it over"));
+  // Nothing of it: no step_2, `latest` still step 1, step 1 not pruned (keep = 1).
+  EXPECT_EQ(CompleteCheckpoints(root), std::vector<std::string>{root + "/step_00000001"});
+  EXPECT_EQ(*LatestCheckpoint(root), root + "/step_00000001");
+  const absl::Status back = FenceCheckpointRoot(root, 1);
+  EXPECT_EQ(back.code(), absl::StatusCode::kAborted);
+  // The new attempt commits (and prunes) as usual.
+  ASSERT_TRUE(SaveCheckpoint(root, p, nullptr, spec.model, st, 1, 2).ok());
+  EXPECT_EQ(CompleteCheckpoints(root), std::vector<std::string>{root + "/step_00000002"});
+  EXPECT_EQ(Lines(root + "/commits.log"),
+            (std::vector<std::string>{R"({"attempt":1,"commit":1})", R"({"fence":2})",
+                                      R"({"attempt":2,"commit":2})"}));
+}
+
+// Rank 0 of an attempt resumes from the newest checkpoint that loads; a corrupt one is passed
+// over, and the note names both.
+TEST(CheckpointFenceTest, ACorruptNewestCheckpointResumesFromThePreviousOne) {
+  const std::string root = FreshDir("resume");
+  TrainerOptions o;
+  o.spec = Tiny(4, 2);
+  o.checkpoint_dir = root;
+  o.attempt = 1;
+  auto first = Trainer::Create(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->Run().ok());
+  ASSERT_EQ(CompleteCheckpoints(root).size(), 2u);  // steps 2 and 4 (keep 2)
+  {
+    std::fstream f(root + "/step_00000004/model.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x7f');
+  }
+  std::vector<nlohmann::json> notes;
+  o.spec.train.steps = 6;
+  o.attempt = 2;
+  o.on_event = [&](const nlohmann::json& e) {
+    if (e.value("event", "") == "note") notes.push_back(e);
+  };
+  auto second = Trainer::Create(o);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*second)->state().step, 2);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(
+      notes[0]["message"],
+      absl::StrCat("checkpoint \"", root, "/step_00000004\" does not load (checkpoint: \"", root,
+                   "/step_00000004/model.safetensors\" is corrupt: checksum "
+                   "mismatch); resumed from the previous complete one, \"",
+                   root, "/step_00000002\" (step 2)"));
+  EXPECT_EQ(*ReadFence(root), 2);
+  // Every checkpoint damaged: from scratch, said so.
+  {
+    std::fstream f(root + "/step_00000002/state.json", std::ios::in | std::ios::out);
+    f.seekp(0);
+    f.put('#');
+  }
+  notes.clear();
+  o.attempt = 3;
+  auto third = Trainer::Create(o);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ((*third)->state().step, 0);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0]["message"].get<std::string>().find(
+                "; no older complete checkpoint: starting from scratch"),
+            std::string::npos)
+      << notes[0];
+}
+
+// Ranks of one attempt whose checkpoint directories differ (a volume not shared by the job's
+// hosts) are told so before any step, instead of resuming from different checkpoints.
+TEST(CheckpointFenceTest, RanksThatDoNotShareTheCheckpointDirectoryAreNamed) {
+  const JobSpec spec = Tiny(2, 1, /*cp=*/2);
+  MemoryKvStore store;
+  const std::string a = FreshDir("a"), b = FreshDir("b");
+  absl::Status s = testing::RunRanks(2, [&](int rank) -> absl::Status {
+    TrainerOptions o;
+    o.spec = spec;
+    o.rank = rank;
+    o.world = 2;
+    o.store = &store;
+    o.gloo = testing::TestGloo();
+    o.attempt = 1;
+    o.checkpoint_dir = rank == 0 ? a : b;
+    return Trainer::Create(std::move(o)).status();
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), absl::StrCat("rank 1: checkpoint.dir \"", b,
+                                      "\" is not shared: rank 1 does not see the fence rank 0 "
+                                      "wrote there for attempt 1 (every host of a job needs the "
+                                      "same checkpoint volume)"));
+}
+
+TEST(CheckpointFenceTest, TransientIoErrorsRestartInsteadOfFailingTheJob) {
+  for (int err : {EIO, ESTALE, EACCES}) {
+    const absl::Status s = CheckpointIoError("cannot open", "/ck/latest", err);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_EQ(s.message(), absl::StrCat("checkpoint: cannot open \"/ck/latest\": ", strerror(err),
+                                        " (transient: the gang restarts)"));
+  }
+  EXPECT_EQ(CheckpointIoError("cannot open", "/ck", EROFS).code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace spindle

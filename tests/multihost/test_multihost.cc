@@ -1,0 +1,552 @@
+// Multi-host tests: the coordinator and three workers, each on a host of its own (a network
+// namespace, TestNetwork), real processes talking real gRPC and Gloo over the hosts' addresses,
+// one checkpoint directory shared by all hosts (as a shared volume would be). The daemons run with
+// their default flags but for what a test names (the worker ids: the namespaces share one
+// hostname). Links are cut and restored under the running jobs; every test ends with the job
+// SUCCEEDED at its final step with the loss of an uninterrupted run (resume is exact), no trainer
+// of a stopped attempt running past the fence deadline after the cut, and no checkpoint of an old
+// attempt committed after the next attempt fenced the directory (its commits.log). Skips, naming
+// why, where network namespaces cannot be created.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/cluster_harness.h"
+#include "tests/multihost/test_network.h"
+
+namespace spindle::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kPort = 7070;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The command line of a process as its arguments.
+std::vector<std::string> Argv(pid_t pid) {
+  const std::string cmdline = ReadFile(absl::StrCat("/proc/", pid, "/cmdline"));
+  std::vector<std::string> argv;
+  for (absl::string_view a : absl::StrSplit(cmdline, '\0')) argv.emplace_back(a);
+  return argv;
+}
+
+// Samples the process table every 50 ms and records, per attempt of one job, when a trainer of it
+// was last seen alive.
+class TrainerWatch {
+ public:
+  TrainerWatch(std::string job_id, std::string scope)
+      : job_id_(std::move(job_id)), scope_(std::move(scope)), thread_([this] { Run(); }) {}
+  ~TrainerWatch() {
+    stop_ = true;
+    thread_.join();
+  }
+  // When a trainer of `attempt` was last (first) seen; nullopt: never.
+  std::optional<Clock::time_point> LastSeen(int64_t attempt) { return Find(last_, attempt); }
+  std::optional<Clock::time_point> FirstSeen(int64_t attempt) { return Find(first_, attempt); }
+
+ private:
+  void Run() {
+    while (!stop_) {
+      for (pid_t pid : ProcessesWithArgs({"--job-id", job_id_}, scope_)) {
+        const std::vector<std::string> argv = Argv(pid);
+        for (size_t i = 0; i + 1 < argv.size(); ++i) {
+          int64_t attempt = 0;
+          if (argv[i] == "--attempt" && absl::SimpleAtoi(argv[i + 1], &attempt)) {
+            std::lock_guard<std::mutex> l(mu_);
+            const auto now = Clock::now();
+            last_[attempt] = now;
+            first_.emplace(attempt, now);
+          }
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  std::optional<Clock::time_point> Find(const std::map<int64_t, Clock::time_point>& m,
+                                        int64_t attempt) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = m.find(attempt);
+    if (it == m.end()) return std::nullopt;
+    return it->second;
+  }
+  const std::string job_id_, scope_;
+  std::mutex mu_;
+  std::map<int64_t, Clock::time_point> last_, first_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+class MultihostTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
+        std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_CLI_BINARY).empty())
+      GTEST_SKIP() << "the daemons are not part of this build";
+    absl::StatusOr<std::unique_ptr<TestNetwork>> net = TestNetwork::Create(4);
+    if (!net.ok()) GTEST_SKIP() << net.status().message();
+    net_ = *std::move(net);
+  }
+  void TearDown() override {
+    for (auto& [name, p] : procs_)
+      if (p) p->Kill().IgnoreError();
+    procs_.clear();
+    if (HasFailure() && net_) std::fprintf(stderr, "%s\n", Logs().c_str());
+    net_.reset();  // deletes the namespaces, also after a failure
+  }
+
+  std::string CoordinatorAddress() const { return absl::StrCat(net_->Address(0), ":", kPort); }
+
+  void StartCoordinator(const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY, "--listen=" + CoordinatorAddress(),
+                                     "--db=" + dir_.File("spindle.db")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    Spawn("coordinator", net_->On(0, argv));
+  }
+  // Worker w<host> on host `host` (1..3), one CPU slot, one thread per rank (so that its losses
+  // are those of the single-threaded reference run).
+  void StartWorker(int host) {
+    const std::string id = absl::StrCat("w", host);
+    Spawn(id, net_->On(host, {SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
+                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
+                              "--cpu_threads_per_slot=1"}));
+  }
+  void Spawn(const std::string& name, const std::vector<std::string>& argv) {
+    SubprocessOptions options;
+    options.stderr_path = dir_.File(name + ".log");
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Spawn(argv, options);
+    ASSERT_TRUE(p.ok()) << p.status();
+    procs_[name] = *std::move(p);
+  }
+  void Kill(const std::string& name) {
+    if (procs_[name]) procs_[name]->Kill().IgnoreError();
+    procs_[name].reset();
+  }
+
+  // The CLI on the coordinator's host with --output json; the parsed last line, or null.
+  nlohmann::json Cli(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(),
+                                     "--output",         "json",
+                                     "--timeout",        "5"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<CommandResult> r = RunCommand(net_->On(0, argv), "", absl::Seconds(30));
+    if (!r.ok() || r->exit_code != 0) return nullptr;
+    std::vector<std::string> lines = absl::StrSplit(r->stdout_text, '\n', absl::SkipEmpty());
+    if (lines.empty()) return nullptr;
+    nlohmann::json j = nlohmann::json::parse(lines.back(), nullptr, false);
+    return j.is_discarded() ? nullptr : j;
+  }
+  bool WaitForWorkers(int n) {
+    return WaitFor(
+        [&] {
+          nlohmann::json w = Cli({"workers"});
+          if (w.is_null()) return false;
+          int alive = 0;
+          for (const auto& x : w.value("workers", nlohmann::json::array()))
+            alive += x.value("state", "") == "alive";
+          return alive >= n;
+        },
+        std::chrono::seconds(60));
+  }
+  nlohmann::json Status(const std::string& id) { return Cli({"status", id}); }
+  // Waits for `pred(status)`; returns the last status seen.
+  nlohmann::json WaitJob(const std::string& id,
+                         const std::function<bool(const nlohmann::json&)>& pred,
+                         std::chrono::seconds timeout) {
+    nlohmann::json last;
+    WaitFor(
+        [&] {
+          nlohmann::json s = Status(id);
+          if (!s.is_null()) last = s;
+          return !last.is_null() && pred(last);
+        },
+        timeout);
+    return last;
+  }
+  static bool Ended(const nlohmann::json& s) {
+    const std::string st = s.value("state", "");
+    return st == "JOB_STATE_SUCCEEDED" || st == "JOB_STATE_FAILED" || st == "JOB_STATE_CANCELLED";
+  }
+  // An integer field (protobuf JSON writes int64 as a string).
+  static int64_t Int(const nlohmann::json& s, const char* key) {
+    const nlohmann::json& v = s.value(key, nlohmann::json());
+    if (v.is_number()) return v.get<int64_t>();
+    int64_t out = 0;
+    if (v.is_string()) (void)absl::SimpleAtoi(v.get<std::string>(), &out);
+    return out;
+  }
+  // The worker holding `rank` of the job's current attempt ("" when not placed).
+  static std::string WorkerOf(const nlohmann::json& s, int rank) {
+    for (const auto& r : s.value("ranks", nlohmann::json::array()))
+      if (Int(r, "rank") == rank) return r.value("worker_id", "");
+    return "";
+  }
+  static std::string Events(const nlohmann::json& s) {
+    std::string out;
+    for (const auto& e : s.value("events", nlohmann::json::array()))
+      absl::StrAppend(&out, e.value("attempt", nlohmann::json()).dump(), ": ",
+                      e.value("message", ""), "\n");
+    return out;
+  }
+
+  // The job spec: the tiny model on recall data, `steps` steps of 2048 tokens, checkpoints every
+  // 10 steps into `ckpt`.
+  static std::string Spec(const std::string& name, int cp, int steps, const std::string& ckpt) {
+    return absl::StrCat(R"({"name": ")", name, R"(", "model": {"preset": "tiny"},
+          "data": {"source": "synthetic:recall", "recall_pairs": 8, "recall_gap": 512},
+          "seq_len": 2048, "parallel": {"cp": )",
+                        cp, R"(},
+          "train": {"steps": )",
+                        steps, R"(, "lr": 3e-3, "warmup_steps": 10, "optimizer": "adamw",
+                    "grad_clip": 1.0, "seed": 7},
+          "checkpoint": {"dir": ")",
+                        ckpt, R"(", "every": 10},
+          "resources": "cpu", "max_restarts": 5})");
+  }
+  std::string Submit(const std::string& spec) {
+    const std::string file = dir_.File(absl::StrCat("job-", ++jobs_, ".json"));
+    std::ofstream(file) << spec;
+    nlohmann::json r = Cli({"submit", file});
+    return r.is_null() ? "" : r.value("job_id", "");
+  }
+
+  // The final loss of the same job run uninterrupted: spindle-train standalone, one process per
+  // rank through a file store, one thread each, into a checkpoint directory of its own.
+  std::string ReferenceLoss(const std::string& spec, int cp) {
+    const std::string file = dir_.File(absl::StrCat("reference-", ++jobs_, ".json"));
+    std::ofstream(file) << spec;
+    const std::string store = dir_.File(absl::StrCat("store-", jobs_));
+    std::filesystem::create_directories(store);
+    std::vector<std::unique_ptr<Subprocess>> ranks;
+    for (int r = cp - 1; r >= 0; --r) {
+      SubprocessOptions o;
+      o.stdout_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".out"));
+      o.stderr_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".log"));
+      auto p =
+          Subprocess::Spawn({SPINDLE_TRAIN_BINARY, "--job", file, "--rank", absl::StrCat(r),
+                             "--world", absl::StrCat(cp), "--file-store", store, "--threads", "1",
+                             "--checkpoint-dir", dir_.File(absl::StrCat("reference-ckpt-", jobs_))},
+                            o);
+      if (!p.ok()) return "";
+      ranks.push_back(*std::move(p));
+    }
+    for (auto& p : ranks)
+      if (!p->Wait().ok()) return "";
+    std::string loss;
+    for (absl::string_view line : absl::StrSplit(
+             ReadFile(dir_.File(absl::StrCat("reference-", jobs_, "-rank0.out"))), '\n')) {
+      nlohmann::json e = nlohmann::json::parse(line, nullptr, false);
+      if (!e.is_discarded() && e.value("event", "") == "step") loss = e["loss"].dump();
+    }
+    return loss;
+  }
+
+  // Every fence and commit in `ckpt`'s commits.log, checked in order: no commit by an attempt
+  // older than a fence before it. Returns the highest fence.
+  int64_t CheckCommitLog(const std::string& ckpt) {
+    int64_t fence = 0;
+    int line_no = 0;
+    for (absl::string_view line :
+         absl::StrSplit(ReadFile(ckpt + "/commits.log"), '\n', absl::SkipEmpty())) {
+      ++line_no;
+      nlohmann::json e = nlohmann::json::parse(line, nullptr, false);
+      EXPECT_FALSE(e.is_discarded()) << line;
+      if (e.is_discarded()) continue;
+      if (e.contains("fence")) fence = std::max(fence, e["fence"].get<int64_t>());
+      if (e.contains("commit"))
+        EXPECT_GE(e["attempt"].get<int64_t>(), fence)
+            << "commits.log line " << line_no << ": attempt " << e["attempt"] << " committed step "
+            << e["commit"] << " after attempt " << fence << " fenced";
+    }
+    return fence;
+  }
+
+  // The end every partition test asserts.
+  void ExpectExactFinish(const nlohmann::json& s, int steps, const std::string& reference) {
+    ASSERT_EQ(s.value("state", ""), "JOB_STATE_SUCCEEDED") << s.dump(1) << "\n" << Events(s);
+    EXPECT_EQ(Int(s, "step"), steps);
+    EXPECT_GE(Int(s, "attempt"), 2) << Events(s);
+    ASSERT_FALSE(reference.empty());
+    EXPECT_EQ(s["loss"].dump(), reference) << "the resumed run's final loss differs from an "
+                                              "uninterrupted run's\n"
+                                           << Events(s);
+  }
+
+  std::string Logs() {
+    std::string out;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_.path()))
+      if (entry.path().extension() == ".log")
+        out += "==== " + entry.path().filename().string() + "\n" + ReadFile(entry.path());
+    return out;
+  }
+
+  ScratchDir dir_{"spindle-multihost"};
+  std::unique_ptr<TestNetwork> net_;
+  std::map<std::string, std::unique_ptr<Subprocess>> procs_;
+  int jobs_ = 0;
+};
+
+// The faster failure detection these tests run with: 4 s heartbeat timeout, 2 s stop grace.
+const std::vector<std::string> kFastFailure = {"--heartbeat_timeout=4", "--stop_grace=2"};
+constexpr double kFenceSeconds = 4 + 2;
+// Sampling (50 ms), process exit and reaping after SIGKILL.
+constexpr double kSlackSeconds = 1.5;
+
+TEST_F(MultihostTest, DefaultFlagsRouteAcrossHosts) {
+  StartCoordinator();
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  nlohmann::json workers = Cli({"workers"});
+  for (const auto& w : workers["workers"]) {
+    const std::string id = w.value("worker_id", "");
+    EXPECT_EQ(w.value("address", ""), net_->Address(std::stoi(id.substr(1)))) << w.dump();
+  }
+  const std::string ckpt = dir_.File("ckpt-route");
+  const std::string spec = Spec("route", 2, 12, ckpt);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  nlohmann::json s = WaitJob(id, Ended, std::chrono::seconds(180));
+  ASSERT_EQ(s.value("state", ""), "JOB_STATE_SUCCEEDED") << Events(s) << Logs();
+  EXPECT_NE(WorkerOf(s, 0), WorkerOf(s, 1)) << "the two ranks should be on two hosts";
+  EXPECT_EQ(Int(s, "attempt"), 1) << Events(s);
+  EXPECT_EQ(CheckCommitLog(ckpt), 1);
+}
+
+// (a): the host of one rank of a cp = 2 job cut off for 25 s, then back.
+TEST_F(MultihostTest, HostOfOneRankOfACp2JobCutOff) {
+  StartCoordinator(kFastFailure);
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  const int steps = 100;
+  const std::string ckpt = dir_.File("ckpt-a");
+  const std::string spec = Spec("cut-a", 2, steps, ckpt);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  TrainerWatch watch(id, dir_.path());
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  const std::string victim = WorkerOf(s, 1);
+  ASSERT_FALSE(victim.empty());
+  const int host = std::stoi(victim.substr(1));
+  const auto cut = Clock::now();
+  ASSERT_TRUE(net_->Cut(host).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(25));
+  ASSERT_TRUE(net_->Restore(host).ok());
+  s = WaitJob(id, Ended, std::chrono::seconds(300));
+  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
+  const auto last = watch.LastSeen(1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
+      << "a trainer of attempt 1 ran " << Seconds(*last - cut) << " s after the cut";
+  EXPECT_GE(CheckCommitLog(ckpt), 2);
+}
+
+// (b): the host of a cp = 1 job cut off: its rank has no peer to block on and trains on alone
+// until its worker fences it.
+TEST_F(MultihostTest, HostOfACp1JobCutOff) {
+  StartCoordinator(kFastFailure);
+  for (int h = 1; h <= 2; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(2)) << Logs();
+  const int steps = 80;
+  const std::string ckpt = dir_.File("ckpt-b");
+  const std::string spec = Spec("cut-b", 1, steps, ckpt);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  TrainerWatch watch(id, dir_.path());
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  const int host = std::stoi(WorkerOf(s, 0).substr(1));
+  const auto cut = Clock::now();
+  ASSERT_TRUE(net_->Cut(host).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(25));
+  ASSERT_TRUE(net_->Restore(host).ok());
+  s = WaitJob(id, Ended, std::chrono::seconds(300));
+  ExpectExactFinish(s, steps, ReferenceLoss(spec, 1));
+  const auto last = watch.LastSeen(1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
+      << "the cut-off rank of attempt 1 trained on " << Seconds(*last - cut) << " s after the cut";
+  EXPECT_GE(CheckCommitLog(ckpt), 2);
+}
+
+// (c): the coordinator's host cut off from every worker for 30 s.
+TEST_F(MultihostTest, CoordinatorHostCutOffFromEveryWorker) {
+  StartCoordinator(kFastFailure);
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  const int steps = 80;
+  const std::string ckpt = dir_.File("ckpt-c");
+  const std::string spec = Spec("cut-c", 2, steps, ckpt);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  TrainerWatch watch(id, dir_.path());
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  const auto cut = Clock::now();
+  ASSERT_TRUE(net_->Cut(0).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(30));
+  ASSERT_TRUE(net_->Restore(0).ok());
+  s = WaitJob(id, Ended, std::chrono::seconds(300));
+  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
+  const auto last = watch.LastSeen(1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
+      << "a trainer of attempt 1 ran " << Seconds(*last - cut) << " s after the cut";
+  EXPECT_GE(CheckCommitLog(ckpt), 2);
+}
+
+// (d): a worker killed while cut off.
+TEST_F(MultihostTest, WorkerKilledWhileCutOff) {
+  StartCoordinator(kFastFailure);
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  const int steps = 80;
+  const std::string ckpt = dir_.File("ckpt-d");
+  const std::string spec = Spec("cut-d", 2, steps, ckpt);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  TrainerWatch watch(id, dir_.path());
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  const std::string victim = WorkerOf(s, 1);
+  const int host = std::stoi(victim.substr(1));
+  const auto cut = Clock::now();
+  ASSERT_TRUE(net_->Cut(host).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  Kill(victim);  // SIGKILL: its trainers go with it (PR_SET_PDEATHSIG)
+  std::this_thread::sleep_for(std::chrono::seconds(10));
+  ASSERT_TRUE(net_->Restore(host).ok());
+  StartWorker(host);  // the host comes back with a new daemon
+  s = WaitJob(id, Ended, std::chrono::seconds(300));
+  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
+  const auto last = watch.LastSeen(1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds);
+  EXPECT_GE(CheckCommitLog(ckpt), 2);
+}
+
+// (e): 50 random events, kill -9 of the coordinator or a worker and link cuts of any host, under
+// four jobs; each ends SUCCEEDED with the loss of an uninterrupted run, no trainer of an attempt
+// alive once a later attempt of its job has started, and no commit of an attempt after a later
+// one fenced its directory.
+TEST_F(MultihostTest, FiftyRandomKillsAndCutsUnderFourJobs) {
+  const std::vector<std::string> coordinator_flags = {"--heartbeat_timeout=4", "--stop_grace=2",
+                                                      "--recovery_grace=5"};
+  StartCoordinator(coordinator_flags);
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  struct Job {
+    std::string id, ckpt, spec;
+    int cp;
+    std::unique_ptr<TrainerWatch> watch;
+  };
+  const int steps = 150;
+  std::vector<Job> jobs(4);
+  for (int i = 0; i < 4; ++i) {
+    Job& j = jobs[i];
+    j.cp = i < 2 ? 2 : 1;
+    j.ckpt = dir_.File(absl::StrCat("ckpt-e", i));
+    j.spec = absl::StrCat(R"({"name": "chaos", "model": {"preset": "tiny"},
+        "data": {"source": "synthetic:recall", "recall_pairs": 4, "recall_gap": 128},
+        "seq_len": 512, "parallel": {"cp": )",
+                          j.cp, R"(},
+        "train": {"steps": )",
+                          steps, R"(, "lr": 3e-3, "warmup_steps": 10, "seed": 11},
+        "checkpoint": {"dir": ")",
+                          j.ckpt, R"(", "every": 10},
+        "resources": "cpu", "max_restarts": 1000})");
+    j.id = Submit(j.spec);
+    ASSERT_FALSE(j.id.empty()) << Logs();
+    j.watch = std::make_unique<TrainerWatch>(j.id, dir_.path());
+  }
+  std::mt19937 rng(20261202);
+  auto pause = [&](int lo_ms, int hi_ms) {
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(lo_ms, hi_ms)(rng)));
+  };
+  const auto chaos_start = Clock::now();
+  for (int event = 0; event < 50; ++event) {
+    const int kind = std::uniform_int_distribution<int>(0, 2)(rng);
+    const int host = std::uniform_int_distribution<int>(kind == 1 ? 1 : 0, 3)(rng);
+    if (kind == 0) {  // a link cut of any host, coordinator's included
+      ASSERT_TRUE(net_->Cut(host).ok());
+      pause(1000, 6000);
+      ASSERT_TRUE(net_->Restore(host).ok());
+    } else if (kind == 1) {  // kill -9 of a worker, back after a while
+      Kill(absl::StrCat("w", host));
+      pause(500, 3000);
+      StartWorker(host);
+    } else {  // kill -9 of the coordinator, restarted on its database
+      Kill("coordinator");
+      pause(500, 3000);
+      StartCoordinator(coordinator_flags);
+    }
+    pause(500, 2500);
+  }
+  ASSERT_LT(Seconds(Clock::now() - chaos_start), 400.0);
+  std::map<int, std::string> reference;
+  for (Job& j : jobs) {
+    nlohmann::json s = WaitJob(j.id, Ended, std::chrono::seconds(600));
+    if (!reference.count(j.cp)) reference[j.cp] = ReferenceLoss(j.spec, j.cp);
+    ASSERT_EQ(s.value("state", ""), "JOB_STATE_SUCCEEDED") << j.id << "\n" << Events(s);
+    EXPECT_EQ(Int(s, "step"), steps);
+    EXPECT_EQ(s["loss"].dump(), reference[j.cp]) << j.id << "\n" << Events(s);
+    // No trainer of an attempt once a later attempt's trainers run (50 ms sampling).
+    const int64_t attempts = Int(s, "attempt");
+    for (int64_t a = 1; a < attempts; ++a) {
+      const auto last = j.watch->LastSeen(a);
+      for (int64_t later = a + 1; later <= attempts && last; ++later) {
+        const auto first = j.watch->FirstSeen(later);
+        if (first)
+          EXPECT_LE(Seconds(*last - *first), 0.1)
+              << j.id << ": attempt " << a << " ran " << Seconds(*last - *first)
+              << " s after attempt " << later << " started";
+      }
+    }
+    CheckCommitLog(j.ckpt);
+  }
+}
+
+// With every flag at its default, a rank that stops (SIGSTOP: its trainer no longer runs
+// while its peer waits for it in a collective) is found within 10 s, and the job still finishes
+// with the uninterrupted run's loss.
+TEST_F(MultihostTest, StoppedRankFoundInSecondsWithDefaultFlags) {
+  StartCoordinator();
+  for (int h = 1; h <= 3; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
+  const int steps = 60;
+  const std::string spec = Spec("stall", 2, steps, dir_.File("ckpt-stall"));
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty()) << Logs();
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  std::vector<pid_t> pids = ProcessesWithArgs({"--job-id", id, "--rank", "1"}, dir_.path());
+  ASSERT_EQ(pids.size(), 1u);
+  const auto stall = Clock::now();
+  ASSERT_EQ(::kill(pids[0], SIGSTOP), 0);
+  s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "restarts") >= 1 || Ended(j); },
+      std::chrono::seconds(60));
+  const double found = Seconds(Clock::now() - stall);
+  EXPECT_LE(found, 10.0) << Events(s);
+  EXPECT_NE(Events(s).find("stopped responding"), std::string::npos) << Events(s);
+  s = WaitJob(id, Ended, std::chrono::seconds(300));
+  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
+}
+
+}  // namespace
+}  // namespace spindle::testing
