@@ -141,15 +141,15 @@ int main(int argc, char** argv) {
 
   std::printf("control plane, %d workers heartbeating every 100 ms, %d jobs stored (%d queued)\n",
               kWorkers, kSubmits, std::max(0, kSubmits - kWorkers / 2));
-  std::printf("| %-44s | %6s | %8s | %8s | %8s |\n", "operation", "n", "p50 ms", "p99 ms",
-              "mean ms");
+  std::printf("| %-44s | %6s | %8s | %8s | %8s |\n", "operation", "n", "p50 us", "p99 us",
+              "mean us");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(46, '-').c_str(), std::string(8, '-').c_str(),
               std::string(10, '-').c_str(), std::string(10, '-').c_str(),
               std::string(10, '-').c_str());
   auto row = [](const std::string& name, const std::vector<double>& v) {
     Stats s = Summarize(v);
-    std::printf("| %-44s | %6zu | %8.3f | %8.3f | %8.3f |\n", name.c_str(), v.size(), s.p50 / 1e3,
-                s.p99 / 1e3, s.mean / 1e3);
+    std::printf("| %-44s | %6zu | %8.1f | %8.1f | %8.1f |\n", name.c_str(), v.size(), s.p50,
+                s.p99, s.mean);
   };
   row("Submit, every one (gRPC, fsync'd SQLite)", submit_us);
   row(absl::StrCat("Submit, the last ", late_submit_us.size(), " (",
