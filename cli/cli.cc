@@ -560,7 +560,10 @@ class Cli {
       req.set_page_token(page.next_page_token());
     } while (!req.page_token().empty() && (o_.limit <= 0 || resp.jobs_size() < o_.limit));
     if (Json()) {
-      out_ << ToJsonLine(resp) << "\n";
+      // Every page as one object of jobs (no page token: there is no further page).
+      std::vector<std::string> jobs;
+      for (const v1::Job& j : resp.jobs()) jobs.push_back(ToJsonLine(j));
+      out_ << "{\"jobs\":[" << absl::StrJoin(jobs, ",") << "]}\n";
       return kExitOk;
     }
     out_ << absl::StrFormat("%-10s %-20s %-10s %4s %5s %13s %9s %10s  %s\n", "ID", "NAME", "STATE",
