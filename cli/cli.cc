@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -32,7 +33,8 @@ constexpr char kUsage[] = R"(usage: spindle [global flags] <command> [args]
 
 commands:
   submit JOB.json [--wait]        validate, plan and queue a job; prints its id
-                                  (--wait: then watch it until it ends)
+                                  (--wait: then watch it until it ends); retried when the
+                                  coordinator is unreachable or slow, never queued twice
   plan JOB.json [--offline]       print the CP plan: modes per layer type and why, the memory
        [--device-memory GIB]      estimate per rank (and how many layers recompute) and every
                                   problem; plans offline when the coordinator is unreachable or
@@ -40,7 +42,8 @@ commands:
                                   of GIB GiB (e.g. 139.8 for an H200), which also sizes recompute
                                   "auto"
   list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
-                                  failed, cancelled, restarting; repeatable)
+                                  failed, cancelled, restarting; repeatable); every job, page
+                                  by page, or the newest N
   status JOB_ID                   one job: state, progress per rank, history
   watch JOB_ID                    live progress (step, loss, tokens/s, ETA) until the job ends
   cancel JOB_ID [--reason TEXT]   stop every rank of a job
@@ -330,6 +333,21 @@ std::string ProgressLine(const v1::Job& j, bool bar) {
   return s;
 }
 
+// A fresh id for one `spindle submit`: its retries carry it, so a retry after a lost reply
+// returns the job the first call created instead of queueing a second one.
+std::string RandomRequestId() {
+  std::random_device rd;
+  std::string id = "cli-";
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&id, absl::Hex(rd(), absl::kZeroPad8));
+  return id;
+}
+
+// Attempts of one submit, and the pause before the first retry (doubled after each).
+constexpr int kSubmitAttempts = 4;
+constexpr std::chrono::milliseconds kSubmitFirstBackoff{250};
+// Jobs per List call.
+constexpr int kListPageSize = 500;
+
 std::string FormatTime(int64_t unix_ms) {
   return absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(unix_ms), absl::LocalTimeZone());
 }
@@ -486,10 +504,27 @@ class Cli {
     text = WithAbsolutePaths(text);
     v1::SubmitJobRequest req;
     req.set_spec_json(text);
+    req.set_request_id(RandomRequestId());
     v1::SubmitJobResponse resp;
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    grpc::Status st = v1::JobService::NewStub(Channel())->Submit(&ctx, req, &resp);
+    grpc::Status st;
+    auto backoff = kSubmitFirstBackoff;
+    for (int attempt = 1;; ++attempt) {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      resp.Clear();
+      st = v1::JobService::NewStub(Channel())->Submit(&ctx, req, &resp);
+      const bool transient = st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                             st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      if (!transient || attempt == kSubmitAttempts) break;
+      err_ << "spindle: submit: "
+           << (st.error_code() == grpc::StatusCode::UNAVAILABLE
+                   ? "cannot reach the coordinator at "
+                   : "no answer from the coordinator at ")
+           << o_.coordinator << "; retrying (attempt " << attempt + 1 << " of " << kSubmitAttempts
+           << ")\n";
+      std::this_thread::sleep_for(backoff);
+      backoff *= 2;
+    }
     if (!st.ok()) return RpcFail(st);
     if (Json()) {
       out_ << ToJsonLine(resp) << "\n";
@@ -511,14 +546,24 @@ class Cli {
                                              "cancelled, restarting)"));
       req.add_states(st);
     }
-    req.set_limit(o_.limit);
+    // Page by page: one reply for every job could pass gRPC's message limit.
     v1::ListJobsResponse resp;
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    grpc::Status st = v1::JobService::NewStub(Channel())->List(&ctx, req, &resp);
-    if (!st.ok()) return RpcFail(st);
+    do {
+      const int wanted = o_.limit > 0 ? o_.limit - resp.jobs_size() : kListPageSize;
+      req.set_page_size(std::min(kListPageSize, wanted));
+      v1::ListJobsResponse page;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      grpc::Status st = v1::JobService::NewStub(Channel())->List(&ctx, req, &page);
+      if (!st.ok()) return RpcFail(st);
+      for (v1::Job& j : *page.mutable_jobs()) resp.add_jobs()->Swap(&j);
+      req.set_page_token(page.next_page_token());
+    } while (!req.page_token().empty() && (o_.limit <= 0 || resp.jobs_size() < o_.limit));
     if (Json()) {
-      out_ << ToJsonLine(resp) << "\n";
+      // Every page as one object of jobs (no page token: there is no further page).
+      std::vector<std::string> jobs;
+      for (const v1::Job& j : resp.jobs()) jobs.push_back(ToJsonLine(j));
+      out_ << "{\"jobs\":[" << absl::StrJoin(jobs, ",") << "]}\n";
       return kExitOk;
     }
     out_ << absl::StrFormat("%-10s %-20s %-10s %4s %5s %13s %9s %10s  %s\n", "ID", "NAME", "STATE",

@@ -3,7 +3,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
 
@@ -30,7 +32,7 @@ struct CoordinatorServer::Impl {
   RealClock real_clock;
   const Clock* clock = nullptr;
   std::unique_ptr<JobStore> store;
-  RendezvousStore rendezvous;
+  std::unique_ptr<RendezvousStore> rendezvous;
   SessionRegistry sessions;
   MetricsRegistry registry;
   std::unique_ptr<MetricsServer> metrics_server;
@@ -137,12 +139,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       s.config.worker_listen.empty() ||
       (s.config.worker_listen == s.config.listen && !absl::EndsWith(s.config.listen, ":0"));
 
-  s.manager = std::make_unique<JobManager>(s.store.get(), s.clock, &s.sessions, &s.rendezvous,
+  s.rendezvous = std::make_unique<RendezvousStore>(
+      static_cast<size_t>(std::max<int64_t>(1, s.config.limits.max_rendezvous_keys)));
+  s.manager = std::make_unique<JobManager>(s.store.get(), s.clock, &s.sessions, s.rendezvous.get(),
                                            s.config.manager, metrics);
-  s.job_service = std::make_unique<JobServiceImpl>(s.manager.get(), s.auth.get());
+  s.job_service = std::make_unique<JobServiceImpl>(s.manager.get(), s.auth.get(), s.config.limits);
   s.cluster_service =
       std::make_unique<ClusterServiceImpl>(s.manager.get(), &s.sessions, s.auth.get());
-  s.rendezvous_service = std::make_unique<RendezvousServiceImpl>(&s.rendezvous, s.auth.get());
+  s.rendezvous_service =
+      std::make_unique<RendezvousServiceImpl>(s.rendezvous.get(), s.auth.get(), s.config.limits);
 
   {
     grpc::ServerBuilder b;
@@ -186,6 +191,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (s.config.manager.rendezvous_address.empty() && !s.config.advertise_address.empty())
     s.manager->SetRendezvousAddress(s.config.advertise_address);
   RETURN_IF_ERROR(s.manager->Recover());
+  RETURN_IF_ERROR(s.manager->PruneFinishedJobs().status());
 
   if (s.config.metrics_port >= 0) {
     Impl* self = &s;
@@ -198,6 +204,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   Impl* self = &s;
   s.ticker = std::thread([self]() {
+    absl::Time next_prune = absl::Now() + absl::Milliseconds(self->config.prune_interval_ms);
     absl::MutexLock l(&self->mu);
     while (!self->stopping) {
       auto stop = [self]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->stopping; };
@@ -206,6 +213,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         break;
       self->mu.Unlock();
       self->manager->Tick();
+      if (absl::Now() >= next_prune) {
+        // A store that refuses now is tried again at the next interval.
+        if (absl::StatusOr<int64_t> n = self->manager->PruneFinishedJobs(); !n.ok())
+          std::fprintf(stderr, "coordinator: pruning finished jobs: %s\n",
+                       std::string(n.status().message()).c_str());
+        next_prune = absl::Now() + absl::Milliseconds(self->config.prune_interval_ms);
+      }
       self->mu.Lock();
     }
   });
@@ -241,5 +255,6 @@ int CoordinatorServer::metrics_port() const {
   return impl_->metrics_server ? impl_->metrics_server->port() : 0;
 }
 JobManager* CoordinatorServer::manager() { return impl_->manager.get(); }
+RendezvousStore* CoordinatorServer::rendezvous() { return impl_->rendezvous.get(); }
 
 }  // namespace spindle

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/service_limits.h"
 
 namespace spindle {
 
@@ -29,7 +30,10 @@ struct CoordinatorConfig {
   // name (127.0.0.1 when listening on 127.0.0.1).
   std::string advertise_address;
   int64_t tick_ms = 100;
+  // How often finished jobs are pruned (manager.retention says which); also once at start.
+  int64_t prune_interval_ms = 60000;
   JobManagerOptions manager;
+  ServiceLimits limits;
 };
 
 class CoordinatorServer {
@@ -50,6 +54,7 @@ class CoordinatorServer {
   int worker_port() const;
   int metrics_port() const;
   JobManager* manager();
+  RendezvousStore* rendezvous();
 
  private:
   struct Impl;

@@ -1,12 +1,15 @@
 // gRPC handlers of the coordinator (see grpc_services.h).
 #include "coordinator/grpc_services.h"
 
+#include <algorithm>
 #include <deque>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/host_port.h"
+#include "coordinator/job_pages.h"
 
 namespace spindle {
 
@@ -105,7 +108,8 @@ grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJo
                                     v1::SubmitJobResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
   if (req->dry_run()) return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
-  absl::StatusOr<std::string> id = manager_->Submit(req->spec_json(), resp->mutable_plan());
+  absl::StatusOr<std::string> id =
+      manager_->Submit(req->spec_json(), resp->mutable_plan(), req->request_id());
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_job_id(*id);
   v1::Job job;
@@ -135,7 +139,14 @@ grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRe
                           absl::StrCat("list: unknown job state ", s));
     states.insert(static_cast<JobState>(s));
   }
-  for (auto& j : manager_->ListJobs(states, req->limit())) resp->add_jobs()->Swap(j.get());
+  absl::StatusOr<int> page_size =
+      ListPageSize(req->page_size() != 0 ? req->page_size() : req->limit());
+  if (!page_size.ok()) return ToGrpc(page_size.status());
+  std::vector<std::unique_ptr<v1::Job>> jobs;
+  absl::Status st = manager_->ListJobPage(states, *page_size, req->page_token(), &jobs,
+                                          resp->mutable_next_page_token());
+  if (!st.ok()) return ToGrpc(st);
+  for (auto& j : jobs) resp->add_jobs()->Swap(j.get());
   return grpc::Status::OK;
 }
 
@@ -148,8 +159,34 @@ grpc::Status JobServiceImpl::Cancel(grpc::ServerContext* ctx, const v1::CancelJo
 grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                                    grpc::ServerWriter<v1::JobUpdate>* writer) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
-  const absl::Duration min_interval =
-      absl::Milliseconds(req->min_interval_ms() > 0 ? req->min_interval_ms() : 500);
+  if (req->min_interval_ms() < 0)
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("watch: min_interval_ms must not be negative, got ", req->min_interval_ms()));
+  {
+    absl::MutexLock l(&mu_);
+    if (open_watches_ >= limits_.max_watch_streams)
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("watch: the coordinator already serves ", limits_.max_watch_streams,
+                       " watch streams, its limit (--max-watch-streams); retry "
+                       "later"));
+    ++open_watches_;
+  }
+  absl::Cleanup release = [this] {
+    absl::MutexLock l(&mu_);
+    --open_watches_;
+  };
+  return WatchStream(ctx, *req, writer);
+}
+
+grpc::Status JobServiceImpl::WatchStream(grpc::ServerContext* ctx, const v1::WatchJobRequest& req,
+                                         grpc::ServerWriter<v1::JobUpdate>* writer) {
+  const absl::Duration min_interval = absl::Milliseconds(
+      std::clamp<int64_t>(req.min_interval_ms() > 0 ? req.min_interval_ms() : 500,
+                          limits_.min_watch_interval_ms, limits_.max_watch_interval_ms));
+  // How long one wait for a change lasts: how soon a cancelled stream is noticed while idle.
+  constexpr absl::Duration kPoll = absl::Milliseconds(250);
   uint64_t version = 0;
   size_t events_seen = 0;
   v1::JobState last_state = v1::JOB_STATE_UNSPECIFIED;
@@ -157,7 +194,7 @@ grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobR
     v1::JobUpdate update;
     std::vector<EventRecord> events;
     const uint64_t before = version;
-    absl::Status st = manager_->WaitJob(req->job_id(), &version, &events_seen, absl::Seconds(1),
+    absl::Status st = manager_->WaitJob(req.job_id(), &version, &events_seen, kPoll,
                                         update.mutable_job(), &events);
     if (!st.ok()) return ToGrpc(st);
     if (version == before && before != 0) continue;  // nothing new; check for cancellation
@@ -174,7 +211,12 @@ grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobR
         state == v1::JOB_STATE_CANCELLED)
       return grpc::Status::OK;
     // Progress-only updates at most every min_interval; a state change is not delayed further.
-    if (state == last_state) absl::SleepFor(min_interval);
+    // The pause ends early when the client cancels.
+    if (state == last_state) {
+      const absl::Time until = absl::Now() + min_interval;
+      for (absl::Time now = absl::Now(); now < until && !ctx->IsCancelled(); now = absl::Now())
+        absl::SleepFor(std::min(until - now, absl::Milliseconds(20)));
+    }
     last_state = state;
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
@@ -258,14 +300,19 @@ grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetR
                                         v1::GetResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
   const v1::RendezvousScope& s = req->scope();
-  absl::Duration timeout = absl::Milliseconds(std::max(0, req->wait_timeout_ms()));
+  if (req->wait_timeout_ms() < 0)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("rendezvous: wait_timeout_ms must not be negative, got ",
+                                     req->wait_timeout_ms()));
+  absl::Duration timeout =
+      absl::Milliseconds(std::min<int64_t>(req->wait_timeout_ms(), limits_.max_rendezvous_wait_ms));
   // Never wait past the client's own deadline.
   const auto deadline = ctx->deadline();
   const auto now = std::chrono::system_clock::now();
   if (deadline > now && deadline - now < std::chrono::hours(24 * 365))
     timeout = std::min(timeout, absl::FromChrono(deadline - now));
-  absl::StatusOr<std::string> v =
-      store_->Get(s.job_id(), s.attempt(), s.token(), req->key(), timeout);
+  absl::StatusOr<std::string> v = store_->Get(s.job_id(), s.attempt(), s.token(), req->key(),
+                                              timeout, [ctx]() { return ctx->IsCancelled(); });
   if (!v.ok()) return ToGrpc(v.status());
   resp->set_value(std::move(*v));
   return grpc::Status::OK;

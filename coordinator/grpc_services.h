@@ -18,6 +18,7 @@
 #include "coordinator/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/rendezvous_store.h"
+#include "coordinator/service_limits.h"
 #include "coordinator/worker_channel.h"
 #include "spindle/v1/cluster.grpc.pb.h"
 #include "spindle/v1/job.grpc.pb.h"
@@ -46,7 +47,8 @@ class SessionRegistry : public WorkerChannel {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobManager* manager, const TokenAuth* auth) : manager_(manager), auth_(auth) {}
+  JobServiceImpl(JobManager* manager, const TokenAuth* auth, ServiceLimits limits = {})
+      : manager_(manager), auth_(auth), limits_(limits) {}
   grpc::Status Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                       v1::SubmitJobResponse* resp) override;
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
@@ -60,8 +62,14 @@ class JobServiceImpl final : public v1::JobService::Service {
                      grpc::ServerWriter<v1::JobUpdate>* writer) override;
 
  private:
+  grpc::Status WatchStream(grpc::ServerContext* ctx, const v1::WatchJobRequest& req,
+                           grpc::ServerWriter<v1::JobUpdate>* writer);
+
   JobManager* const manager_;
   const TokenAuth* const auth_;
+  const ServiceLimits limits_;
+  absl::Mutex mu_;
+  int open_watches_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class ClusterServiceImpl final : public v1::ClusterService::Service {
@@ -91,8 +99,8 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
 
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  public:
-  RendezvousServiceImpl(RendezvousStore* store, const TokenAuth* auth)
-      : store_(store), auth_(auth) {}
+  RendezvousServiceImpl(RendezvousStore* store, const TokenAuth* auth, ServiceLimits limits = {})
+      : store_(store), auth_(auth), limits_(limits) {}
   grpc::Status Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
                    v1::SetResponse* resp) override;
   grpc::Status Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
@@ -101,6 +109,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  private:
   RendezvousStore* const store_;
   const TokenAuth* const auth_;
+  const ServiceLimits limits_;
 };
 
 // absl::Status -> grpc::Status with the same code and message.

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -18,6 +19,7 @@
 #include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/status.h"
+#include "coordinator/job_pages.h"
 #include "coordinator/plan_proto.h"
 #include "coordinator/scheduler.h"
 #include "spindle/v1/cluster.pb.h"
@@ -66,6 +68,9 @@ struct JobManager::JobRuntime {
   std::optional<CpPlan> pending_plan;
   std::map<int64_t, std::pair<int64_t, std::string>> checkpoints;  // step -> (ranks, path)
   std::vector<EventRecord> events;
+  // spec.checkpoint.dir as a comparable path (SamePlace), resolved once at submit or recovery;
+  // "" for none. Its key in the JobIndex.
+  std::string checkpoint_place;
   uint64_t version = 0;
   int64_t rate_ref_ms = 0, rate_ref_step = -1;  // for the ETA
 };
@@ -156,6 +161,19 @@ absl::Status CheckAbsolutePaths(const JobSpec& spec) {
         "relative paths absolute), got \"",
         spec.data.source, "\""));
   return absl::OkStatus();
+}
+
+// A request id is 1 to JobManager::kMaxRequestIdLength characters of [A-Za-z0-9._:-] ("" none).
+absl::Status CheckRequestId(const std::string& id) {
+  const bool ok_chars = std::all_of(id.begin(), id.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
+           c == '-';
+  });
+  if (id.size() <= JobManager::kMaxRequestIdLength && ok_chars) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("submit: request_id must be at most ", JobManager::kMaxRequestIdLength,
+                   " characters of [A-Za-z0-9._:-], got ", id.size(), " characters",
+                   ok_chars ? "" : " including others"));
 }
 
 bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
@@ -271,6 +289,8 @@ absl::Status JobManager::Recover() {
       j->adopt_deadline_ms = now + options_.recovery_grace_ms;
     }
     Bump(*j);
+    if (!j->spec.checkpoint.dir.empty()) j->checkpoint_place = SamePlace(j->spec.checkpoint.dir);
+    index_.Add(j->rec.seq, j->rec.job_id, j->checkpoint_place, j->rec.request_id);
     jobs_[j->rec.job_id] = std::move(j);
   }
   LogLine(absl::StrCat("recovered ", jobs_.size(), " jobs and ", workers_.size(), " workers"));
@@ -306,9 +326,11 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
 
 absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const {
   if (spec.checkpoint.dir.empty()) return absl::OkStatus();
-  const std::string dir = SamePlace(spec.checkpoint.dir);
-  for (const auto& [id, other] : jobs_) {
-    if (IsTerminal(other->rec.state) || SamePlace(other->spec.checkpoint.dir) != dir) continue;
+  // Through the index: one path resolution per submit, not one per stored job.
+  for (const std::string& id : index_.AtCheckpointPlace(SamePlace(spec.checkpoint.dir))) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end() || IsTerminal(it->second->rec.state)) continue;
+    const JobRuntime* other = it->second.get();
     return absl::FailedPreconditionError(
         absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir,
                      "\" is in use by job ", id, " (", std::string(JobStateName(other->rec.state)),
@@ -333,13 +355,32 @@ absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_o
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1::Plan* plan_out) {
+absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1::Plan* plan_out,
+                                               const std::string& request_id) {
+  RETURN_IF_ERROR(CheckRequestId(request_id));
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
   RETURN_IF_ERROR(CheckAbsolutePaths(spec));
+  const std::string canonical_spec = spec.ToJson().dump();
+  // Resolved outside the mutex (it reads the filesystem).
+  const std::string checkpoint_place =
+      spec.checkpoint.dir.empty() ? "" : SamePlace(spec.checkpoint.dir);
   Outbox out;
   std::string job_id;
   {
     absl::MutexLock l(&mu_);
+    // A retried submit (its first reply lost) gets the job its first attempt created.
+    if (const std::string seen = index_.ByRequestId(request_id);
+        !request_id.empty() && !seen.empty()) {
+      const JobRuntime* j = FindJob(seen);
+      if (j != nullptr) {
+        if (j->rec.spec_json != canonical_spec)
+          return absl::AlreadyExistsError(
+              absl::StrCat("submit: request id \"", request_id, "\" was already used for job ",
+                           seen, " with a different spec; a new job needs a new request id"));
+        if (plan_out) plan_out->ParseFromString(j->rec.plan);
+        return seen;
+      }
+    }
     CpPlan plan = PlanLocked(spec);
     if (plan_out) PlanToProto(plan, plan_out);
     if (!plan.ok())
@@ -358,7 +399,8 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     rec.name = spec.name;
     rec.state = JobState::kQueued;
     rec.priority = spec.priority;
-    rec.spec_json = spec.ToJson().dump();
+    rec.spec_json = canonical_spec;
+    rec.request_id = request_id;
     rec.plan = PlanBytes(plan);
     rec.submitted_ms = rec.updated_ms = now;
     rec.max_restarts = spec.max_restarts;
@@ -372,6 +414,8 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     j->queued_since_ms = clock_->SteadyMs();
     Bump(*j);
     job_id = rec.job_id;
+    j->checkpoint_place = checkpoint_place;
+    index_.Add(rec.seq, job_id, checkpoint_place, request_id);
     jobs_[job_id] = std::move(j);
     if (metrics_.jobs_submitted) metrics_.jobs_submitted->Increment();
     Schedule(&out);
@@ -490,30 +534,53 @@ absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, v1:
 
 std::vector<std::unique_ptr<v1::Job>> JobManager::ListJobs(const std::set<JobState>& states,
                                                            int limit) {
-  absl::MutexLock l(&mu_);
-  std::vector<const JobRuntime*> sel;
-  for (const auto& [id, j] : jobs_)
-    if (states.empty() || states.count(j->rec.state)) sel.push_back(j.get());
-  std::sort(sel.begin(), sel.end(),
-            [](const JobRuntime* a, const JobRuntime* b) { return a->rec.seq > b->rec.seq; });
-  if (limit > 0 && static_cast<int>(sel.size()) > limit) sel.resize(limit);
   std::vector<std::unique_ptr<v1::Job>> out;
-  for (const JobRuntime* j : sel) {
-    auto p = std::make_unique<v1::Job>();
-    FillJob(*j, false, p.get());
-    out.push_back(std::move(p));
-  }
+  std::string next;
+  ListJobPage(states, limit > 0 ? limit : std::numeric_limits<int>::max(), "", &out, &next)
+      .IgnoreError();  // the first page's token cannot be wrong
   return out;
 }
 
-absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version,
-                                 size_t* events_seen, absl::Duration max_wait, v1::Job* out,
+absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_size,
+                                     const std::string& page_token,
+                                     std::vector<std::unique_ptr<v1::Job>>* jobs,
+                                     std::string* next_page_token) {
+  ASSIGN_OR_RETURN(const int64_t before, ParsePageToken(page_token));
+  next_page_token->clear();
+  absl::MutexLock l(&mu_);
+  int64_t last_seq = 0;
+  index_.VisitNewestFirst(before, [&](int64_t seq, const std::string& id) {
+    const JobRuntime* j = FindJob(id);
+    if (j == nullptr || (!states.empty() && !states.count(j->rec.state))) return true;
+    if (static_cast<int64_t>(jobs->size()) >= page_size) {  // one more: there is a next page
+      *next_page_token = MakePageToken(last_seq);
+      return false;
+    }
+    auto p = std::make_unique<v1::Job>();
+    FillJob(*j, false, p.get());
+    jobs->push_back(std::move(p));
+    last_seq = seq;
+    return true;
+  });
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
+                                 absl::Duration max_wait, v1::Job* out,
                                  std::vector<EventRecord>* new_events) {
   absl::MutexLock l(&mu_);
   JobRuntime* j = FindJob(job_id);
   if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  auto changed = [j, version]() { return j->version != *version; };
-  if (j->version == *version) mu_.AwaitWithTimeout(absl::Condition(&changed), max_wait);
+  // Looked up again after the wait: a finished job may be pruned meanwhile.
+  auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const JobRuntime* now = FindJob(job_id);
+    return now == nullptr || now->version != *version;
+  };
+  if (j->version == *version) {
+    mu_.AwaitWithTimeout(absl::Condition(&changed), max_wait);
+    j = FindJob(job_id);
+    if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  }
   FillJob(*j, false, out);
   *version = j->version;
   for (size_t i = *events_seen; i < j->events.size(); ++i) new_events->push_back(j->events[i]);
@@ -633,6 +700,15 @@ void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fata
 }
 
 void JobManager::Schedule(Outbox* out) {
+  // With every device taken (a long queue on a full cluster) there is nothing to place: no pass
+  // over the queued jobs.
+  bool any_free = false;
+  for (const auto& [id, w] : workers_) {
+    if (!w->connected || w->lost || w->leaving) continue;
+    for (const auto& slot : w->slots) any_free |= slot.job_id.empty();
+    if (any_free) break;
+  }
+  if (!any_free) return;
   std::vector<SchedulableJob> cands;
   const int64_t now = clock_->SteadyMs();
   for (const auto& [id, j] : jobs_) {
@@ -1351,6 +1427,28 @@ void JobManager::Tick() {
     Schedule(&out);
   }
   Flush(out);
+}
+
+absl::StatusOr<int64_t> JobManager::PruneFinishedJobs() {
+  absl::MutexLock l(&mu_);
+  std::vector<FinishedJob> finished;
+  for (const auto& [id, j] : jobs_)
+    if (IsTerminal(j->rec.state)) finished.push_back({id, j->rec.seq, j->rec.updated_ms});
+  const std::vector<std::string> prune =
+      JobsToPrune(options_.retention, std::move(finished), clock_->NowMs());
+  if (prune.empty()) return 0;
+  // Durable first: a store that refuses keeps the jobs in memory too.
+  RETURN_IF_ERROR(store_->DeleteJobs(prune));
+  for (const std::string& id : prune) {
+    auto it = jobs_.find(id);
+    const JobRuntime& j = *it->second;
+    index_.Remove(j.rec.seq, id, j.checkpoint_place, j.rec.request_id);
+    jobs_.erase(it);
+  }
+  LogLine(absl::StrCat("pruned ", prune.size(), " finished job", prune.size() == 1 ? "" : "s",
+                       " (retention: ", options_.retention.max_finished_jobs, " jobs, ",
+                       options_.retention.max_age_ms / 3600000, " h)"));
+  return static_cast<int64_t>(prune.size());
 }
 
 std::vector<std::unique_ptr<v1::WorkerInfo>> JobManager::ListWorkers() {

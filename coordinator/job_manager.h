@@ -42,8 +42,10 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/clock.h"
 #include "coordinator/cp_planner.h"
+#include "coordinator/job_index.h"
 #include "coordinator/job_store.h"
 #include "coordinator/rendezvous_store.h"
+#include "coordinator/retention.h"
 #include "coordinator/worker_channel.h"
 
 namespace spindle {
@@ -76,6 +78,8 @@ struct JobManagerOptions {
   int64_t recovery_grace_ms = 20000;
   // host:port of the RendezvousService that workers are told to use.
   std::string rendezvous_address;
+  // Which finished jobs PruneFinishedJobs deletes.
+  RetentionPolicy retention;
 };
 
 // Optional metric children the manager updates (not owned; any may be null).
@@ -106,8 +110,12 @@ class JobManager {
   // --- Client API -------------------------------------------------------------------------
   // Parses, plans and stores a job. InvalidArgument for a bad spec; FailedPrecondition listing
   // every plan problem ("job cannot run: <p1>; <p2>") or why it can never fit.
-  absl::StatusOr<std::string> Submit(const std::string& spec_json, v1::Plan* plan_out)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // A non-empty `request_id` (see kMaxRequestIdLength) makes the submit idempotent: an id that
+  // created a job still kept returns that job (and its stored plan) without checking anything
+  // again; the same id with a different spec is AlreadyExists naming the job.
+  absl::StatusOr<std::string> Submit(const std::string& spec_json, v1::Plan* plan_out,
+                                     const std::string& request_id = "") ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr size_t kMaxRequestIdLength = 128;
   // Plans against the registered workers. InvalidArgument for a bad spec; why the job could
   // never be placed on them (what Submit would refuse) is one of the plan's problems.
   absl::Status PlanSpec(const std::string& spec_json, v1::Plan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
@@ -117,11 +125,18 @@ class JobManager {
   // Most recently submitted first; `states` empty = all; limit 0 = all.
   std::vector<std::unique_ptr<v1::Job>> ListJobs(const std::set<JobState>& states, int limit)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // One page of ListJobs: at most `page_size` (> 0) jobs in `states`, submitted before the
+  // position `page_token` names ("": the newest). `next_page_token` is "" after the last page.
+  // InvalidArgument for a token job_pages.h did not make. Costs O(page), not O(jobs stored).
+  absl::Status ListJobPage(const std::set<JobState>& states, int page_size,
+                           const std::string& page_token,
+                           std::vector<std::unique_ptr<v1::Job>>* jobs,
+                           std::string* next_page_token) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Cancel(const std::string& job_id, const std::string& reason, v1::Job* out)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Blocks until the job's version differs from `*version` or `deadline_ms` (clock time of the
-  // real clock) passes; then fills `out` (events after `*events_seen` in new_events) and
-  // updates both cursors. Returns NotFound for an unknown job.
+  // Blocks until the job's version differs from `*version` or `max_wait` (real time) passes;
+  // then fills `out` (events after `*events_seen` in new_events) and updates both cursors.
+  // Returns NotFound for an unknown job (also one pruned while waiting).
   absl::Status WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
                        absl::Duration max_wait, v1::Job* out, std::vector<EventRecord>* new_events)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -149,6 +164,10 @@ class JobManager {
   // Detects lost workers, hung ranks and expired recovery windows, frees drained devices and
   // places queued jobs. The daemon calls it every ~100 ms; tests call it after moving the clock.
   void Tick() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Deletes the finished jobs options.retention no longer keeps, from the store and from
+  // memory; returns how many. The daemon calls it after Recover and then periodically.
+  absl::StatusOr<int64_t> PruneFinishedJobs() ABSL_LOCKS_EXCLUDED(mu_);
 
   // For metrics: jobs per state, workers by WorkerInfo.state, devices "used"/"free".
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -246,6 +265,7 @@ class JobManager {
   std::map<std::string, std::unique_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<WorkerRuntime>> workers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  JobIndex index_ ABSL_GUARDED_BY(mu_);
   std::string rendezvous_address_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -105,6 +105,12 @@ CREATE TABLE events (
 );
 CREATE INDEX events_by_job ON events (job_id, id);
 )sql",
+    // 2: idempotent submits (request ids), and a sequence that survives deleting the newest jobs.
+    R"sql(
+ALTER TABLE jobs ADD COLUMN request_id TEXT NOT NULL DEFAULT '';
+CREATE UNIQUE INDEX jobs_by_request_id ON jobs (request_id) WHERE request_id != '';
+CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+)sql",
 };
 static_assert(std::size(kMigrations) == JobStore::kSchemaVersion);
 
@@ -143,6 +149,8 @@ class Stmt {
       return absl::InternalError(absl::StrCat("job store: write: ", sqlite3_errmsg(db_)));
     return absl::OkStatus();
   }
+  // Makes the statement runnable again (bindings are kept until rebound).
+  void Reset() { sqlite3_reset(stmt_); }
   int64_t Int(int col) { return sqlite3_column_int64(stmt_, col); }
   std::string Text(int col) {
     const void* p = sqlite3_column_blob(stmt_, col);
@@ -161,7 +169,12 @@ class Stmt {
 
 constexpr char kJobColumns[] =
     "job_id, seq, name, state, priority, spec_json, plan, submitted_ms, updated_ms, attempt, "
-    "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path";
+    "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path, request_id";
+
+// The next job sequence number: past every stored job and every deleted one.
+constexpr char kNextSeq[] =
+    "SELECT MAX(COALESCE((SELECT MAX(seq) FROM jobs), 0), "
+    "COALESCE((SELECT value FROM counters WHERE name = 'last_seq'), 0)) + 1";
 
 JobRecord ReadJob(Stmt& s) {
   JobRecord j;
@@ -180,6 +193,7 @@ JobRecord ReadJob(Stmt& s) {
   j.message = s.Text(12);
   j.last_checkpoint_step = s.Int(13);
   j.last_checkpoint_path = s.Text(14);
+  j.request_id = s.Text(15);
   return j;
 }
 
@@ -278,12 +292,13 @@ absl::StatusOr<int> JobStore::SchemaVersion() {
 
 absl::Status JobStore::WriteJobRow(const JobRecord& j) {
   Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO jobs (", kJobColumns,
-                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
                   .c_str());
   s.Bind(1, j.job_id).Bind(2, j.seq).Bind(3, j.name).Bind(4, static_cast<int64_t>(j.state));
   s.Bind(5, j.priority).Bind(6, j.spec_json).BindBlob(7, j.plan).Bind(8, j.submitted_ms);
   s.Bind(9, j.updated_ms).Bind(10, j.attempt).Bind(11, j.restarts).Bind(12, j.max_restarts);
   s.Bind(13, j.message).Bind(14, j.last_checkpoint_step).Bind(15, j.last_checkpoint_path);
+  s.Bind(16, j.request_id);
   return s.Run();
 }
 
@@ -317,7 +332,7 @@ absl::Status JobStore::WriteAttempt(const AttemptRecord& a) {
 absl::Status JobStore::CreateJob(JobRecord* job, const EventRecord& event) {
   absl::MutexLock l(&mu_);
   return InTransaction([&]() -> absl::Status {
-    Stmt s(db_, "SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs");
+    Stmt s(db_, kNextSeq);
     RETURN_IF_ERROR(s.status());
     if (s.Step() != SQLITE_ROW) return s.StepError();
     job->seq = s.Int(0);
@@ -336,6 +351,33 @@ absl::Status JobStore::SaveJob(const JobRecord& job, const EventRecord* event,
     RETURN_IF_ERROR(WriteJobRow(job));
     if (event) RETURN_IF_ERROR(WriteEvent(*event));
     if (attempt) RETURN_IF_ERROR(WriteAttempt(*attempt));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status JobStore::DeleteJobs(const std::vector<std::string>& job_ids) {
+  if (job_ids.empty()) return absl::OkStatus();
+  absl::MutexLock l(&mu_);
+  return InTransaction([&]() -> absl::Status {
+    {
+      // Deleting the newest job must not give its sequence number (and id) to the next one.
+      Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO counters (name, value) VALUES "
+                               "('last_seq', (",
+                               kNextSeq, ") - 1)")
+                      .c_str());
+      RETURN_IF_ERROR(s.Run());
+    }
+    for (const char* sql :
+         {"DELETE FROM events WHERE job_id = ?", "DELETE FROM attempt_ranks WHERE job_id = ?",
+          "DELETE FROM attempts WHERE job_id = ?", "DELETE FROM jobs WHERE job_id = ?"}) {
+      Stmt s(db_, sql);
+      RETURN_IF_ERROR(s.status());
+      for (const std::string& id : job_ids) {
+        s.Bind(1, id);
+        RETURN_IF_ERROR(s.Run());
+        s.Reset();
+      }
+    }
     return absl::OkStatus();
   });
 }

@@ -39,6 +39,7 @@ struct JobRecord {
   std::string message;
   int64_t last_checkpoint_step = 0;
   std::string last_checkpoint_path;
+  std::string request_id;  // the client's SubmitJobRequest.request_id; "" when none (unique)
 };
 
 struct RankPlacement {
@@ -76,7 +77,7 @@ struct WorkerRecord {
 class JobStore {
  public:
   // The schema version Open() migrates to.
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
 
   // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
   // cannot be opened; FailedPrecondition when another process holds the store (its pid named);
@@ -89,7 +90,8 @@ class JobStore {
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;
 
-  // Inserts a new job with its first event; fills job->job_id and job->seq.
+  // Inserts a new job with its first event; fills job->job_id and job->seq. Sequence numbers
+  // (and so ids) are never reused, not even those of deleted jobs.
   absl::Status CreateJob(JobRecord* job, const EventRecord& event) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the whole job row, and (if given) an event and an attempt, in one transaction.
   absl::Status SaveJob(const JobRecord& job, const EventRecord* event = nullptr,
@@ -102,6 +104,10 @@ class JobStore {
   // NotFound when the attempt was never stored.
   absl::StatusOr<AttemptRecord> LoadAttempt(const std::string& job_id, int64_t attempt)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Deletes the jobs with their attempts, rank placements and events, in one transaction
+  // (unknown ids are no error).
+  absl::Status DeleteJobs(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status SaveWorker(const WorkerRecord& worker) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<WorkerRecord>> LoadWorkers() ABSL_LOCKS_EXCLUDED(mu_);

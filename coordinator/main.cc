@@ -42,6 +42,18 @@ ABSL_FLAG(double, start_timeout, 600.0, "seconds from placement to a rank's firs
 ABSL_FLAG(double, stop_grace, 10.0, "seconds a stopped rank gets between SIGTERM and SIGKILL");
 ABSL_FLAG(double, recovery_grace, 20.0,
           "after a restart, seconds placed ranks wait for their worker to reconnect");
+ABSL_FLAG(double, keep_finished_days, 14.0,
+          "days a finished (succeeded, failed, cancelled) job is kept before it and its events are "
+          "deleted; 0: no age limit");
+ABSL_FLAG(int64_t, keep_finished_jobs, 10000,
+          "at most this many finished jobs are kept (the most recently finished); older ones are "
+          "deleted with their events; 0: no count limit");
+ABSL_FLAG(int, max_watch_streams, 256,
+          "concurrent `spindle watch` streams (JobService.Watch); one more is refused with "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_rendezvous_keys, 4096,
+          "keys one job attempt may set in the rendezvous service; one more is refused with "
+          "RESOURCE_EXHAUSTED");
 
 namespace {
 
@@ -145,6 +157,23 @@ int main(int argc, char** argv) {
   cfg.manager.silence_timeout_ms = Ms(absl::GetFlag(FLAGS_silence_timeout));
   cfg.manager.stop_grace_ms = Ms(absl::GetFlag(FLAGS_stop_grace));
   cfg.manager.recovery_grace_ms = Ms(absl::GetFlag(FLAGS_recovery_grace));
+  const double keep_days = absl::GetFlag(FLAGS_keep_finished_days);
+  if (!(keep_days >= 0) || absl::GetFlag(FLAGS_keep_finished_jobs) < 0) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --keep-finished-days and --keep-finished-jobs must not be "
+                 "negative (0: no limit)\n");
+    return 2;
+  }
+  cfg.manager.retention.max_age_ms = Ms(keep_days * 24 * 3600);
+  cfg.manager.retention.max_finished_jobs = absl::GetFlag(FLAGS_keep_finished_jobs);
+  cfg.limits.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
+  cfg.limits.max_rendezvous_keys = absl::GetFlag(FLAGS_max_rendezvous_keys);
+  if (cfg.limits.max_watch_streams < 1 || cfg.limits.max_rendezvous_keys < 1) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --max-watch-streams and --max-rendezvous-keys must be at "
+                 "least 1\n");
+    return 2;
+  }
   if (cfg.manager.heartbeat_timeout_ms <= cfg.manager.heartbeat_interval_ms) {
     std::fprintf(stderr,
                  "spindle-coordinator: --heartbeat-timeout must exceed --heartbeat-interval\n");

@@ -1,6 +1,7 @@
 // In-memory rendezvous namespaces (see rendezvous_store.h).
 #include "coordinator/rendezvous_store.h"
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -30,6 +31,11 @@ void RendezvousStore::Close(const std::string& job_id, int64_t attempt) {
   spaces_.erase({job_id, attempt});
 }
 
+size_t RendezvousStore::NumWaiting() const {
+  absl::MutexLock l(&mu_);
+  return waiting_;
+}
+
 size_t RendezvousStore::NumOpen() const {
   absl::MutexLock l(&mu_);
   return spaces_.size();
@@ -57,14 +63,19 @@ absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
   absl::MutexLock l(&mu_);
   Key k{job_id, attempt};
   RETURN_IF_ERROR(CheckScope(k, token));
-  spaces_[k].kv[key] = std::move(value);
+  auto& kv = spaces_[k].kv;
+  if (kv.size() >= max_keys_per_attempt_ && kv.count(key) == 0)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rendezvous: job ", job_id, " attempt ", attempt, " already holds ", max_keys_per_attempt_,
+        " keys, the coordinator's limit per attempt (--max-rendezvous-keys)"));
+  kv[key] = std::move(value);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> RendezvousStore::Get(const std::string& job_id, int64_t attempt,
-                                                 const std::string& token,
-                                                 const std::string& key,
-                                                 absl::Duration timeout) {
+                                                 const std::string& token, const std::string& key,
+                                                 absl::Duration timeout,
+                                                 const std::function<bool()>& cancelled) {
   if (key.empty()) return absl::InvalidArgumentError("rendezvous: key must not be empty");
   const absl::Time deadline = absl::Now() + timeout;
   Key k{job_id, attempt};
@@ -74,8 +85,16 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& job_id, int6
     auto it = spaces_.find(k);
     return it == spaces_.end() || it->second.kv.count(key) > 0;
   };
-  if (timeout > absl::ZeroDuration()) {
-    mu_.AwaitWithDeadline(absl::Condition(&present_or_closed), deadline);
+  // Waits in slices so that a caller that went away stops waiting.
+  constexpr absl::Duration kPoll = absl::Milliseconds(50);
+  ++waiting_;
+  absl::Cleanup done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { --waiting_; };
+  while (timeout > absl::ZeroDuration() && !present_or_closed() && absl::Now() < deadline) {
+    mu_.AwaitWithDeadline(absl::Condition(&present_or_closed),
+                          cancelled ? std::min(deadline, absl::Now() + kPoll) : deadline);
+    if (cancelled && !present_or_closed() && cancelled())
+      return absl::CancelledError(
+          absl::StrCat("rendezvous: the wait for key \"", key, "\" was cancelled"));
   }
   RETURN_IF_ERROR(CheckScope(k, token));
   auto& kv = spaces_[k].kv;

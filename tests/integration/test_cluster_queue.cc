@@ -79,11 +79,16 @@ class ClusterQueueTest : public ::testing::Test {
         grpc::CreateChannel(cluster_.address(), grpc::InsecureChannelCredentials()));
     v1::ListJobsRequest req;
     for (v1::JobState s : states) req.add_states(s);
-    v1::ListJobsResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    if (!stub->List(&ctx, req, &resp).ok()) return {};
-    return {resp.jobs().begin(), resp.jobs().end()};
+    std::vector<v1::Job> jobs;
+    do {  // every page
+      v1::ListJobsResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      if (!stub->List(&ctx, req, &resp).ok()) return {};
+      jobs.insert(jobs.end(), resp.jobs().begin(), resp.jobs().end());
+      req.set_page_token(resp.next_page_token());
+    } while (!req.page_token().empty());
+    return jobs;
   }
 
   ScratchDir dir_{"spindle-queue"};
