@@ -18,8 +18,8 @@
 #include "common/status.h"
 #include "coordinator/auth.h"
 #include "coordinator/grpc_services.h"
-#include "coordinator/job_store.h"
 #include "coordinator/rendezvous_store.h"
+#include "coordinator/sqlite_job_store.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -126,9 +126,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   absl::Cleanup drop_new_store = [&] {
     if (!new_store) return;
     impl.reset();  // closes the store
-    JobStore::RemoveFiles(db_path);
+    SqliteJobStore::RemoveFiles(db_path);
   };
-  ASSIGN_OR_RETURN(s.store, JobStore::Open(s.config.db_path));
+  ASSIGN_OR_RETURN(s.store, SqliteJobStore::Open(s.config.db_path));
   JobManagerMetrics metrics;
   RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
   s.auth = std::make_unique<TokenAuth>(s.config.token);

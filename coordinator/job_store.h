@@ -1,12 +1,10 @@
-// JobStore: the coordinator's durable state in one SQLite file (WAL, synchronous=FULL): jobs,
-// attempts with their rank placements, workers and the event history. Every write is one
-// transaction that is on disk when the call returns, so a coordinator killed at any moment
-// reopens with every acknowledged transition. The schema is versioned in `schema_migrations`;
-// Open() applies the missing migrations in order. One store has one writer: Open() holds an
-// exclusive lock on `<path>.lock` (flock, released when the store closes or the process dies), so
-// a second coordinator started on the same file is refused before it reads or writes anything.
+// JobStore: the coordinator's durable state behind one interface: jobs, attempts with their rank
+// placements, workers and the event history. Every write is atomic and durable when it returns
+// OK, so a coordinator killed at any moment reopens with every acknowledged transition; a write
+// that fails changed nothing. SqliteJobStore (sqlite_job_store.h) is the daemon's; unit tests use
+// an in-memory one and a fault-injecting wrapper (tests/control/).
 //
-// Thread-safety: thread-safe; one connection serialised by an internal mutex.
+// Thread-safety: implementations are thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -14,12 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "coordinator/job_state.h"
-
-struct sqlite3;
 
 namespace spindle {
 
@@ -76,59 +70,27 @@ struct WorkerRecord {
 
 class JobStore {
  public:
-  // The schema version Open() migrates to.
-  static constexpr int kSchemaVersion = 2;
-
-  // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
-  // cannot be opened; FailedPrecondition when another process holds the store (its pid named);
-  // DataLoss when it is not a Spindle database or is newer than this binary.
-  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path);
-  // Deletes the files of the (closed) store at `path`: the database, SQLite's journals and the
-  // lock file. For a store just created by a process that then failed to start.
-  static void RemoveFiles(const std::string& path);
-  ~JobStore();
-  JobStore(const JobStore&) = delete;
-  JobStore& operator=(const JobStore&) = delete;
+  virtual ~JobStore() = default;
 
   // Inserts a new job with its first event; fills job->job_id and job->seq. Sequence numbers
   // (and so ids) are never reused, not even those of deleted jobs.
-  absl::Status CreateJob(JobRecord* job, const EventRecord& event) ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::Status CreateJob(JobRecord* job, const EventRecord& event) = 0;
   // Writes the whole job row, and (if given) an event and an attempt, in one transaction.
-  absl::Status SaveJob(const JobRecord& job, const EventRecord* event = nullptr,
-                       const AttemptRecord* attempt = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::Status SaveJob(const JobRecord& job, const EventRecord* event = nullptr,
+                               const AttemptRecord* attempt = nullptr) = 0;
 
-  absl::StatusOr<std::vector<JobRecord>> LoadJobs() ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::StatusOr<std::vector<JobRecord>> LoadJobs() = 0;
   // Events of one job, oldest first.
-  absl::StatusOr<std::vector<EventRecord>> LoadEvents(const std::string& job_id)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::StatusOr<std::vector<EventRecord>> LoadEvents(const std::string& job_id) = 0;
   // NotFound when the attempt was never stored.
-  absl::StatusOr<AttemptRecord> LoadAttempt(const std::string& job_id, int64_t attempt)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::StatusOr<AttemptRecord> LoadAttempt(const std::string& job_id, int64_t attempt) = 0;
 
   // Deletes the jobs with their attempts, rank placements and events, in one transaction
   // (unknown ids are no error).
-  absl::Status DeleteJobs(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
+  virtual absl::Status DeleteJobs(const std::vector<std::string>& job_ids) = 0;
 
-  absl::Status SaveWorker(const WorkerRecord& worker) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<std::vector<WorkerRecord>> LoadWorkers() ABSL_LOCKS_EXCLUDED(mu_);
-
-  // The schema version recorded in the file.
-  absl::StatusOr<int> SchemaVersion() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  JobStore(sqlite3* db, int lock_fd) : db_(db), lock_fd_(lock_fd) {}
-  absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Exec(const char* sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status WriteJobRow(const JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status WriteEvent(const EventRecord& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status WriteAttempt(const AttemptRecord& attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs `body` inside BEGIN IMMEDIATE / COMMIT, rolling back on error.
-  template <typename F>
-  absl::Status InTransaction(F body) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  absl::Mutex mu_;
-  sqlite3* const db_ ABSL_PT_GUARDED_BY(mu_);
-  const int lock_fd_;  // holds the flock on <path>.lock until the destructor closes it
+  virtual absl::Status SaveWorker(const WorkerRecord& worker) = 0;
+  virtual absl::StatusOr<std::vector<WorkerRecord>> LoadWorkers() = 0;
 };
 
 }  // namespace spindle

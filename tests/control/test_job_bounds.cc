@@ -16,6 +16,7 @@
 #include "coordinator/job_manager.h"
 #include "coordinator/job_pages.h"
 #include "coordinator/retention.h"
+#include "coordinator/sqlite_job_store.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/job.pb.h"
 #include "tests/control/test_util.h"
@@ -35,7 +36,7 @@ class JobBoundsTest : public ::testing::Test {
   void Reopen(RetentionPolicy retention = {0, 0}) {
     manager_.reset();
     store_.reset();
-    auto s = JobStore::Open(dir_.File("c.db"));
+    auto s = SqliteJobStore::Open(dir_.File("c.db"));
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = std::move(*s);
     JobManagerOptions o;

@@ -13,6 +13,7 @@
 #include "common/job_spec.h"
 #include "coordinator/cp_planner.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/sqlite_job_store.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/cluster.pb.h"
 #include "spindle/v1/job.pb.h"
@@ -33,7 +34,7 @@ class JobManagerTest : public ::testing::Test {
   void Reopen() {
     manager_.reset();
     store_.reset();
-    auto s = JobStore::Open(dir_.File("c.db"));
+    auto s = SqliteJobStore::Open(dir_.File("c.db"));
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = std::move(*s);
     JobManagerOptions o;

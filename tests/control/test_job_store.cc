@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/job_store.h"
+#include "coordinator/sqlite_job_store.h"
 #include "gtest/gtest.h"
 #include "tests/control/test_util.h"
 
@@ -35,7 +35,7 @@ TEST(JobStoreTest, CreateSaveAndReopen) {
   TempDir dir;
   const std::string path = dir.File("s.db");
   {
-    auto store = JobStore::Open(path);
+    auto store = SqliteJobStore::Open(path);
     ASSERT_TRUE(store.ok()) << store.status();
     JobRecord a = NewJob("a"), b = NewJob("b");
     ASSERT_TRUE((*store)->CreateJob(&a, {"", 0, 1000, JobState::kQueued, "submitted"}).ok());
@@ -50,9 +50,9 @@ TEST(JobStoreTest, CreateSaveAndReopen) {
     WorkerRecord w{"w1", "host1", "devs", "host1:9401", 900};
     ASSERT_TRUE((*store)->SaveWorker(w).ok());
   }
-  auto store = JobStore::Open(path);
+  auto store = SqliteJobStore::Open(path);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(*(*store)->SchemaVersion(), JobStore::kSchemaVersion);
+  EXPECT_EQ(*(*store)->SchemaVersion(), SqliteJobStore::kSchemaVersion);
   auto jobs = (*store)->LoadJobs();
   ASSERT_TRUE(jobs.ok());
   ASSERT_EQ(jobs->size(), 2u);
@@ -88,13 +88,13 @@ TEST(JobStoreTest, RejectsNonDatabaseAndUnopenablePath) {
     fputs(text.c_str(), f);
     fclose(f);
   }
-  auto junk = JobStore::Open(junk_path);
+  auto junk = SqliteJobStore::Open(junk_path);
   EXPECT_EQ(junk.status().code(), absl::StatusCode::kDataLoss) << junk.status();
   EXPECT_EQ(junk.status().message(),
             "job store: " + junk_path + " is not a usable database: file is not a database");
   std::ifstream in(junk_path);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text);  // refused, not rewritten
-  auto bad = JobStore::Open(dir.File("no/such/dir/x.db"));
+  auto bad = SqliteJobStore::Open(dir.File("no/such/dir/x.db"));
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnavailable) << bad.status();
   EXPECT_EQ(bad.status().message(), "job store: cannot open " + dir.File("no/such/dir/x.db") +
                                         ": No such file or directory");
@@ -109,7 +109,7 @@ std::pair<pid_t, std::string> OpenInChild(const std::string& path, bool hold) {
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(fds[0]);
-    auto store = JobStore::Open(path);
+    auto store = SqliteJobStore::Open(path);
     const std::string said = store.ok() ? std::string("ok")
                                         : absl::StrCat(static_cast<int>(store.status().code()), " ",
                                                        store.status().message());
@@ -131,7 +131,7 @@ std::pair<pid_t, std::string> OpenInChild(const std::string& path, bool hold) {
 TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   TempDir dir;
   const std::string path = dir.File("one.db");
-  auto store = JobStore::Open(path);
+  auto store = SqliteJobStore::Open(path);
   ASSERT_TRUE(store.ok()) << store.status();
   JobRecord a = NewJob("a");
   ASSERT_TRUE((*store)->CreateJob(&a, {"", 0, 1000, JobState::kQueued, "submitted"}).ok());
@@ -147,7 +147,7 @@ TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   ASSERT_EQ(jobs->size(), 1u);  // the refused open wrote nothing
 
   store->reset();  // closing the store releases the lock
-  auto again = JobStore::Open(path);
+  auto again = SqliteJobStore::Open(path);
   ASSERT_TRUE(again.ok()) << again.status();
   again->reset();
 
@@ -155,10 +155,10 @@ TEST(JobStoreTest, SecondWriterIsRefusedUntilTheFirstIsGone) {
   const auto [holder, held] = OpenInChild(path, /*hold=*/true);
   ASSERT_GT(holder, 0) << held;
   ASSERT_EQ(held, "ok");
-  EXPECT_EQ(JobStore::Open(path).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(SqliteJobStore::Open(path).status().code(), absl::StatusCode::kFailedPrecondition);
   ::kill(holder, SIGKILL);
   ::waitpid(holder, nullptr, 0);
-  auto after = JobStore::Open(path);
+  auto after = SqliteJobStore::Open(path);
   EXPECT_TRUE(after.ok()) << after.status();
 }
 
@@ -177,7 +177,7 @@ TEST(JobStoreTest, AcknowledgedWritesSurviveSigkill) {
     ASSERT_GE(pid, 0);
     if (pid == 0) {
       close(fds[0]);
-      auto store = JobStore::Open(path);
+      auto store = SqliteJobStore::Open(path);
       if (!store.ok()) _exit(3);
       for (int i = 0;; ++i) {
         JobRecord j = NewJob("crash");
@@ -204,7 +204,7 @@ TEST(JobStoreTest, AcknowledgedWritesSurviveSigkill) {
     waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status)) << "writer exited early with status " << status;
 
-    auto store = JobStore::Open(path);
+    auto store = SqliteJobStore::Open(path);
     ASSERT_TRUE(store.ok()) << store.status();
     auto jobs = (*store)->LoadJobs();
     ASSERT_TRUE(jobs.ok()) << jobs.status();

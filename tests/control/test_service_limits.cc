@@ -56,7 +56,7 @@ class ServiceLimitsTest : public ::testing::Test {
     d->set_count(1);
     d->set_memory_bytes(int64_t{8} << 30);
     v1::RegisterResponse resp;
-    EXPECT_TRUE(m->RegisterWorker(reg, &resp).ok());
+    EXPECT_TRUE(m->RegisterWorker(reg, "127.0.0.1", &resp).ok());
     v1::SessionHello hello;
     hello.set_worker_id("w1");
     EXPECT_TRUE(m->SessionOpened(hello, 1).ok());

@@ -1,5 +1,5 @@
-// SQLite implementation of JobStore (see job_store.h).
-#include "coordinator/job_store.h"
+// SqliteJobStore (see sqlite_job_store.h).
+#include "coordinator/sqlite_job_store.h"
 
 #include <fcntl.h>
 #include <sqlite3.h>
@@ -112,7 +112,7 @@ CREATE UNIQUE INDEX jobs_by_request_id ON jobs (request_id) WHERE request_id != 
 CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 )sql",
 };
-static_assert(std::size(kMigrations) == JobStore::kSchemaVersion);
+static_assert(std::size(kMigrations) == SqliteJobStore::kSchemaVersion);
 
 // A prepared statement that finalizes itself.
 class Stmt {
@@ -199,23 +199,22 @@ JobRecord ReadJob(Stmt& s) {
 
 }  // namespace
 
-void JobStore::RemoveFiles(const std::string& path) {
+void SqliteJobStore::RemoveFiles(const std::string& path) {
   for (const char* suffix : {"", "-wal", "-shm", "-journal", kLockSuffix})
     ::unlink((path + suffix).c_str());
 }
 
-absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<SqliteJobStore>> SqliteJobStore::Open(const std::string& path) {
   ASSIGN_OR_RETURN(const int lock_fd, LockStore(path));
   sqlite3* db = nullptr;
-  int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE,
-                           nullptr);
+  int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
   if (rc != SQLITE_OK) {
     std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
     sqlite3_close(db);
     ::close(lock_fd);
     return absl::UnavailableError(absl::StrCat("job store: cannot open ", path, ": ", msg));
   }
-  std::unique_ptr<JobStore> store(new JobStore(db, lock_fd));
+  std::unique_ptr<SqliteJobStore> store(new SqliteJobStore(db, lock_fd));
   absl::MutexLock l(&store->mu_);
   sqlite3_busy_timeout(db, 5000);
   absl::Status st = store->Exec("PRAGMA journal_mode=WAL");
@@ -229,13 +228,13 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   return store;
 }
 
-JobStore::~JobStore() {
+SqliteJobStore::~SqliteJobStore() {
   absl::MutexLock l(&mu_);
   sqlite3_close(db_);
   ::close(lock_fd_);
 }
 
-absl::Status JobStore::Exec(const char* sql) {
+absl::Status SqliteJobStore::Exec(const char* sql) {
   char* err = nullptr;
   if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
     std::string msg = err ? err : sqlite3_errmsg(db_);
@@ -246,7 +245,7 @@ absl::Status JobStore::Exec(const char* sql) {
 }
 
 template <typename F>
-absl::Status JobStore::InTransaction(F body) {
+absl::Status SqliteJobStore::InTransaction(F body) {
   RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
   absl::Status st = body();
   if (st.ok()) st = Exec("COMMIT");
@@ -254,7 +253,7 @@ absl::Status JobStore::InTransaction(F body) {
   return st;
 }
 
-absl::Status JobStore::Migrate() {
+absl::Status SqliteJobStore::Migrate() {
   RETURN_IF_ERROR(
       Exec("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
            "applied_ms INTEGER NOT NULL)"));
@@ -267,8 +266,7 @@ absl::Status JobStore::Migrate() {
   }
   if (current > kSchemaVersion)
     return absl::DataLossError(absl::StrCat("job store: schema version ", current,
-                                            " is newer than this coordinator's ",
-                                            kSchemaVersion));
+                                            " is newer than this coordinator's ", kSchemaVersion));
   for (int v = current; v < kSchemaVersion; ++v) {
     RETURN_IF_ERROR(InTransaction([&]() -> absl::Status {
       RETURN_IF_ERROR(Exec(kMigrations[v]));
@@ -282,7 +280,7 @@ absl::Status JobStore::Migrate() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> JobStore::SchemaVersion() {
+absl::StatusOr<int> SqliteJobStore::SchemaVersion() {
   absl::MutexLock l(&mu_);
   Stmt s(db_, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations");
   RETURN_IF_ERROR(s.status());
@@ -290,7 +288,7 @@ absl::StatusOr<int> JobStore::SchemaVersion() {
   return static_cast<int>(s.Int(0));
 }
 
-absl::Status JobStore::WriteJobRow(const JobRecord& j) {
+absl::Status SqliteJobStore::WriteJobRow(const JobRecord& j) {
   Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO jobs (", kJobColumns,
                            ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
                   .c_str());
@@ -302,14 +300,14 @@ absl::Status JobStore::WriteJobRow(const JobRecord& j) {
   return s.Run();
 }
 
-absl::Status JobStore::WriteEvent(const EventRecord& e) {
+absl::Status SqliteJobStore::WriteEvent(const EventRecord& e) {
   Stmt s(db_, "INSERT INTO events (job_id, attempt, unix_ms, state, message) VALUES (?,?,?,?,?)");
   s.Bind(1, e.job_id).Bind(2, e.attempt).Bind(3, e.unix_ms);
   s.Bind(4, static_cast<int64_t>(e.state)).Bind(5, e.message);
   return s.Run();
 }
 
-absl::Status JobStore::WriteAttempt(const AttemptRecord& a) {
+absl::Status SqliteJobStore::WriteAttempt(const AttemptRecord& a) {
   {
     Stmt s(db_,
            "INSERT OR REPLACE INTO attempts (job_id, attempt, rendezvous_token, started_ms, "
@@ -329,7 +327,7 @@ absl::Status JobStore::WriteAttempt(const AttemptRecord& a) {
   return absl::OkStatus();
 }
 
-absl::Status JobStore::CreateJob(JobRecord* job, const EventRecord& event) {
+absl::Status SqliteJobStore::CreateJob(JobRecord* job, const EventRecord& event) {
   absl::MutexLock l(&mu_);
   return InTransaction([&]() -> absl::Status {
     Stmt s(db_, kNextSeq);
@@ -344,8 +342,8 @@ absl::Status JobStore::CreateJob(JobRecord* job, const EventRecord& event) {
   });
 }
 
-absl::Status JobStore::SaveJob(const JobRecord& job, const EventRecord* event,
-                               const AttemptRecord* attempt) {
+absl::Status SqliteJobStore::SaveJob(const JobRecord& job, const EventRecord* event,
+                                     const AttemptRecord* attempt) {
   absl::MutexLock l(&mu_);
   return InTransaction([&]() -> absl::Status {
     RETURN_IF_ERROR(WriteJobRow(job));
@@ -355,7 +353,7 @@ absl::Status JobStore::SaveJob(const JobRecord& job, const EventRecord* event,
   });
 }
 
-absl::Status JobStore::DeleteJobs(const std::vector<std::string>& job_ids) {
+absl::Status SqliteJobStore::DeleteJobs(const std::vector<std::string>& job_ids) {
   if (job_ids.empty()) return absl::OkStatus();
   absl::MutexLock l(&mu_);
   return InTransaction([&]() -> absl::Status {
@@ -382,7 +380,7 @@ absl::Status JobStore::DeleteJobs(const std::vector<std::string>& job_ids) {
   });
 }
 
-absl::StatusOr<std::vector<JobRecord>> JobStore::LoadJobs() {
+absl::StatusOr<std::vector<JobRecord>> SqliteJobStore::LoadJobs() {
   absl::MutexLock l(&mu_);
   Stmt s(db_, absl::StrCat("SELECT ", kJobColumns, " FROM jobs ORDER BY seq").c_str());
   RETURN_IF_ERROR(s.status());
@@ -393,7 +391,7 @@ absl::StatusOr<std::vector<JobRecord>> JobStore::LoadJobs() {
   return out;
 }
 
-absl::StatusOr<std::vector<EventRecord>> JobStore::LoadEvents(const std::string& job_id) {
+absl::StatusOr<std::vector<EventRecord>> SqliteJobStore::LoadEvents(const std::string& job_id) {
   absl::MutexLock l(&mu_);
   Stmt s(db_,
          "SELECT job_id, attempt, unix_ms, state, message FROM events WHERE job_id = ? ORDER BY "
@@ -415,7 +413,8 @@ absl::StatusOr<std::vector<EventRecord>> JobStore::LoadEvents(const std::string&
   return out;
 }
 
-absl::StatusOr<AttemptRecord> JobStore::LoadAttempt(const std::string& job_id, int64_t attempt) {
+absl::StatusOr<AttemptRecord> SqliteJobStore::LoadAttempt(const std::string& job_id,
+                                                          int64_t attempt) {
   absl::MutexLock l(&mu_);
   AttemptRecord a;
   {
@@ -448,7 +447,7 @@ absl::StatusOr<AttemptRecord> JobStore::LoadAttempt(const std::string& job_id, i
   return a;
 }
 
-absl::Status JobStore::SaveWorker(const WorkerRecord& w) {
+absl::Status SqliteJobStore::SaveWorker(const WorkerRecord& w) {
   absl::MutexLock l(&mu_);
   Stmt s(db_,
          "INSERT OR REPLACE INTO workers (worker_id, hostname, devices, metrics_address, "
@@ -458,7 +457,7 @@ absl::Status JobStore::SaveWorker(const WorkerRecord& w) {
   return s.Run();
 }
 
-absl::StatusOr<std::vector<WorkerRecord>> JobStore::LoadWorkers() {
+absl::StatusOr<std::vector<WorkerRecord>> SqliteJobStore::LoadWorkers() {
   absl::MutexLock l(&mu_);
   Stmt s(db_,
          "SELECT worker_id, hostname, devices, metrics_address, registered_ms FROM workers ORDER "
