@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/host_port.h"
 #include "coordinator/job_pages.h"
+#include "coordinator/worker_proto.h"
 
 namespace spindle {
 
@@ -228,7 +229,11 @@ grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::Re
                                           v1::RegisterResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
   if (!accepts_workers_) return WrongPortStatus();
-  return ToGrpc(manager_->RegisterWorker(*req, PeerHost(ctx->peer()), resp));
+  absl::StatusOr<RegistrationReply> reply =
+      manager_->RegisterWorker(RegistrationFromProto(*req, PeerHost(ctx->peer())));
+  if (!reply.ok()) return ToGrpc(reply.status());
+  ReplyToProto(*reply, req->worker_id(), resp);
+  return grpc::Status::OK;
 }
 
 grpc::Status ClusterServiceImpl::Session(
@@ -283,7 +288,7 @@ grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                              const v1::ListWorkersRequest* req,
                                              v1::ListWorkersResponse* resp) {
   if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
-  for (auto& w : manager_->ListWorkers()) resp->add_workers()->Swap(w.get());
+  for (const WorkerView& w : manager_->ListWorkers()) WorkerViewToProto(w, resp->add_workers());
   return grpc::Status::OK;
 }
 

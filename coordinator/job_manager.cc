@@ -75,55 +75,11 @@ struct JobManager::JobRuntime {
   int64_t rate_ref_ms = 0, rate_ref_step = -1;  // for the ETA
 };
 
-struct JobManager::WorkerRuntime {
-  struct Slot {
-    std::string job_id;  // empty: free
-    int64_t attempt = 0;
-    int64_t rank = -1;
-    int64_t drain_deadline_ms = 0;  // > 0 (steady): the rank was stopped; freed at exit or then
-  };
-  WorkerRecord rec;
-  v1::DeviceGroup group;
-  bool connected = false;
-  bool lost = false;     // unusable: silent past the heartbeat timeout, or left
-  bool leaving = false;  // said it is shutting down (Leaving); placed on no more
-  bool left = false;     // shut down on purpose: its stream closed after Leaving
-  uint64_t session_id = 0;
-  std::string instance_id;  // the registered daemon process (RegisterRequest.instance_id)
-  // The address other hosts reach its ranks at: advertised, or the one it connected from.
-  std::string address;
-  int64_t last_seen_ms = 0;       // steady clock
-  int64_t last_seen_unix_ms = 0;  // the same moment on the wall clock (shown)
-  std::vector<Slot> slots;
-
-  // "alive", "leaving", "disconnected", "left" or "lost", as `spindle workers` and the
-  // spindle_workers metric show it.
-  std::string State() const {
-    if (left) return "left";
-    if (lost) return "lost";
-    if (!connected) return "disconnected";
-    return leaving ? "leaving" : "alive";
-  }
-
-  // The scheduler's view of what this worker offers (`id` its id); devices for the caller to fill.
-  SchedulableWorker Schedulable(const std::string& id) const {
-    SchedulableWorker sw;
-    sw.worker_id = id;
-    sw.kind = group.kind();
-    sw.device_memory_bytes = group.memory_bytes();
-    sw.host_memory_bytes = group.host_memory_bytes();
-    return sw;
-  }
-};
-
 struct JobManager::Outbox {
   std::vector<std::pair<std::string, v1::CoordinatorMessage>> messages;
 };
 
 namespace {
-
-// A rank is hung after max(hang timeout, this many of its own last step time) without a step.
-constexpr int64_t kHangStepMultiple = 3;
 
 void LogLine(const std::string& line) { std::fprintf(stderr, "coordinator: %s\n", line.c_str()); }
 
@@ -143,8 +99,6 @@ std::string RandomToken() {
 v1::CpMode ToProtoMode(CpMode m) {
   return m == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER;
 }
-
-std::string Seconds(int64_t ms) { return absl::StrFormat("%.1f s", ms / 1000.0); }
 
 // Trainers run in their workers' own directories, so a relative path would name a different
 // place for every rank and attempt (and a restart would not find its checkpoint).
@@ -200,6 +154,10 @@ JobManager::JobManager(JobStore* store, const Clock* clock, WorkerChannel* chann
       rendezvous_(rendezvous),
       options_(std::move(options)),
       metrics_(metrics),
+      health_(HealthOptions{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms,
+                            options_.hang_timeout_ms, options_.start_timeout_ms,
+                            options_.silence_timeout_ms, options_.stop_grace_ms}),
+      registry_(store, clock),
       rendezvous_address_(options_.rendezvous_address) {}
 
 void JobManager::SetRendezvousAddress(const std::string& address) {
@@ -222,23 +180,12 @@ void JobManager::Flush(Outbox& out) {
 }
 
 absl::Status JobManager::Recover() {
-  ASSIGN_OR_RETURN(std::vector<WorkerRecord> workers, store_->LoadWorkers());
   ASSIGN_OR_RETURN(std::vector<JobRecord> jobs, store_->LoadJobs());
   absl::MutexLock l(&mu_);
   const int64_t now = clock_->SteadyMs();
-  for (WorkerRecord& rec : workers) {
-    auto w = std::make_unique<WorkerRuntime>();
-    v1::RegisterRequest devices;
-    devices.ParseFromString(rec.devices);
-    if (devices.devices_size() > 0) w->group = devices.devices(0);
-    w->slots.resize(std::max(0, w->group.count()));
-    // Lost unless it reconnects within max(recovery_grace, heartbeat_timeout).
-    w->last_seen_ms =
-        now + std::max<int64_t>(0, options_.recovery_grace_ms - options_.heartbeat_timeout_ms);
-    w->last_seen_unix_ms = clock_->NowMs();
-    w->rec = std::move(rec);
-    workers_[w->rec.worker_id] = std::move(w);
-  }
+  // Lost unless it reconnects within max(recovery_grace, heartbeat_timeout).
+  RETURN_IF_ERROR(registry_.Load(
+      std::max<int64_t>(0, options_.recovery_grace_ms - options_.heartbeat_timeout_ms)));
   for (JobRecord& rec : jobs) {
     auto j = std::make_unique<JobRuntime>();
     absl::StatusOr<JobSpec> spec = ParseJobSpec(rec.spec_json);
@@ -264,7 +211,7 @@ absl::Status JobManager::Recover() {
     // A restart the previous coordinator process began: ranks of the stopped attempt may still
     // run on workers that have not yet fenced themselves (they fence a heartbeat timeout after
     // the last heartbeat that process acknowledged).
-    if (j->rec.state == JobState::kRestarting) j->restart_not_before_ms = now + FenceMs();
+    if (j->rec.state == JobState::kRestarting) j->restart_not_before_ms = now + health_.FenceMs();
     if (IsActive(j->rec.state)) {
       absl::StatusOr<AttemptRecord> a = store_->LoadAttempt(j->rec.job_id, j->rec.attempt);
       if (a.ok()) {
@@ -279,10 +226,10 @@ absl::Status JobManager::Recover() {
           // (this attempt wrote it or resumed from it), not at step 0.
           r.step = j->rec.last_checkpoint_step;
           j->ranks.push_back(r);
-          auto w = workers_.find(p.worker_id);
-          if (w != workers_.end() && p.device_index >= 0 &&
-              p.device_index < static_cast<int32_t>(w->second->slots.size())) {
-            w->second->slots[p.device_index] = {j->rec.job_id, j->rec.attempt, p.rank, 0};
+          Worker* w = registry_.Find(p.worker_id);
+          if (w != nullptr && p.device_index >= 0 &&
+              p.device_index < static_cast<int32_t>(w->slots.size())) {
+            w->slots[p.device_index] = {j->rec.job_id, j->rec.attempt, p.rank, 0};
           }
         }
       }
@@ -293,19 +240,13 @@ absl::Status JobManager::Recover() {
     index_.Add(j->rec.seq, j->rec.job_id, j->checkpoint_place, j->rec.request_id);
     jobs_[j->rec.job_id] = std::move(j);
   }
-  LogLine(absl::StrCat("recovered ", jobs_.size(), " jobs and ", workers_.size(), " workers"));
+  LogLine(absl::StrCat("recovered ", jobs_.size(), " jobs and ", registry_.workers().size(),
+                       " workers"));
   return absl::OkStatus();
 }
 
 CpPlan JobManager::PlanLocked(const JobSpec& spec) const {
-  return planner_.Plan(spec, LargestDeviceMemory(spec.resources));
-}
-
-int64_t JobManager::LargestDeviceMemory(const std::string& kind) const {
-  int64_t memory = 0;
-  for (const auto& [id, w] : workers_)
-    if (w->group.kind() == kind) memory = std::max(memory, w->group.memory_bytes());
-  return memory;
+  return planner_.Plan(spec, registry_.LargestDeviceMemory(spec.resources));
 }
 
 absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t world,
@@ -315,13 +256,7 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
   sj.kind = kind;
   sj.memory_bytes_per_rank = plan.memory.total_bytes;
   sj.host_bytes_per_rank = plan.memory.host_bytes;
-  std::vector<SchedulableWorker> registered;
-  for (const auto& [id, w] : workers_) {
-    SchedulableWorker sw = w->Schedulable(id);
-    sw.total_devices = w->group.count();
-    registered.push_back(sw);
-  }
-  return CheckCanEverFit(sj, registered);
+  return CheckCanEverFit(sj, registry_.Registered());
 }
 
 absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const {
@@ -432,6 +367,14 @@ absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::strin
   std::optional<CpPlan> plan = std::move(j.pending_plan);
   j.pending_plan.reset();
   if (plan) rec.plan = PlanBytes(*plan);
+  if (IsTerminal(to) && !j.ranks.empty()) {
+    // Where it ended stays shown once the ranks are gone (a restarted coordinator has none).
+    const RankRuntime* low = &j.ranks[0];
+    for (const RankRuntime& r : j.ranks)
+      if (r.step < low->step) low = &r;
+    rec.final_step = low->step;
+    rec.final_loss = low->loss;
+  }
   const int64_t now = clock_->NowMs();
   rec.state = to;
   rec.message = message;
@@ -501,6 +444,10 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) co
       out->set_loss(rr.loss);
       break;
     }
+  }
+  if (j.ranks.empty() && IsTerminal(r.state)) {  // finished before this coordinator started
+    out->set_step(r.final_step);
+    out->set_loss(r.final_loss);
   }
   out->set_tokens_per_s(tps);
   out->set_mfu(mfu_ranks > 0 ? mfu_sum / static_cast<double>(mfu_ranks) : 0.0);
@@ -616,20 +563,16 @@ void JobManager::StopAttempt(JobRuntime& j, const std::string& reason, Outbox* o
   for (RankRuntime& r : j.ranks) {
     if (r.state == "exited") continue;
     r.state = "stopped";
-    auto wit = workers_.find(r.placement.worker_id);
-    if (wit == workers_.end()) continue;
-    WorkerRuntime& w = *wit->second;
-    // Whether or not the Stop reaches it, the rank is dead by then: its worker kills it within
-    // the stop grace, or, cut off, stops it itself once its last acknowledged heartbeat (sent
-    // before the coordinator last heard from it) is a heartbeat timeout old. A silent worker
-    // has been counting since it was last heard; a connected one counts from now at the latest.
-    const int64_t from = w.lost || !w.connected ? w.last_seen_ms : std::max(now, w.last_seen_ms);
-    r.dead_by_ms = from + FenceMs();
+    Worker* wp = registry_.Find(r.placement.worker_id);
+    if (wp == nullptr) continue;
+    Worker& w = *wp;
+    // Whether or not the Stop reaches it, the rank is dead by then (fencing).
+    r.dead_by_ms = health_.DeadBy(w, now);
     const int32_t d = r.placement.device_index;
     // A lost worker's slot drains too: the rank may still run there should the worker be back.
     if (d >= 0 && d < static_cast<int32_t>(w.slots.size()) && w.slots[d].job_id == j.rec.job_id &&
         w.slots[d].attempt == j.rec.attempt)
-      w.slots[d].drain_deadline_ms = DrainDeadline(now);
+      w.slots[d].drain_deadline_ms = now + health_.FenceMs();
     if (told.insert(w.rec.worker_id).second && !w.lost)
       SendStop(w.rec.worker_id, j.rec.job_id, j.rec.attempt, reason, out);
   }
@@ -654,7 +597,8 @@ void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reaso
       std::min(n, j.recompute_layers + std::max<int64_t>(2, (n - j.recompute_layers + 1) / 2));
   JobSpec planned = j.spec;
   planned.train.recompute_layers = more;
-  j.pending_plan = planner_.Plan(planned, LargestDeviceMemory(j.spec.resources));  // the restart's
+  j.pending_plan =
+      planner_.Plan(planned, registry_.LargestDeviceMemory(j.spec.resources));  // the restart's
   absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
                   " layers recompute from now on");
 }
@@ -663,9 +607,9 @@ void JobManager::DecideRecomputeAtPlacement(JobRuntime& j,
                                             const std::vector<RankPlacement>& ranks) {
   int64_t memory = 0;  // the smallest device the gang got
   for (const RankPlacement& p : ranks) {
-    auto w = workers_.find(p.worker_id);
-    if (w == workers_.end()) return;
-    const int64_t m = w->second->group.memory_bytes();
+    const Worker* w = registry_.Find(p.worker_id);
+    if (w == nullptr) return;
+    const int64_t m = w->devices.memory_bytes;
     memory = memory == 0 ? m : std::min(memory, m);
   }
   if (memory <= 0) return;
@@ -703,7 +647,7 @@ void JobManager::Schedule(Outbox* out) {
   // With every device taken (a long queue on a full cluster) there is nothing to place: no pass
   // over the queued jobs.
   bool any_free = false;
-  for (const auto& [id, w] : workers_) {
+  for (const auto& [id, w] : registry_.workers()) {
     if (!w->connected || w->lost || w->leaving) continue;
     for (const auto& slot : w->slots) any_free |= slot.job_id.empty();
     if (any_free) break;
@@ -727,9 +671,9 @@ void JobManager::Schedule(Outbox* out) {
   }
   if (cands.empty()) return;
   std::vector<SchedulableWorker> ws;
-  for (const auto& [id, w] : workers_) {
+  for (const auto& [id, w] : registry_.workers()) {
     if (!w->connected || w->lost || w->leaving) continue;
-    SchedulableWorker sw = w->Schedulable(id);
+    SchedulableWorker sw = w->Schedulable();
     sw.total_devices = static_cast<int32_t>(w->slots.size());
     for (size_t d = 0; d < w->slots.size(); ++d) {
       const std::string& job_id = w->slots[d].job_id;
@@ -786,7 +730,7 @@ void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks
     r.placement = p;
     r.last_progress_ms = now;
     j.ranks.push_back(r);
-    workers_[p.worker_id]->slots[p.device_index] = {j.rec.job_id, j.rec.attempt, p.rank, 0};
+    registry_.Find(p.worker_id)->slots[p.device_index] = {j.rec.job_id, j.rec.attempt, p.rank, 0};
     out->messages.emplace_back(p.worker_id, MakeAssignment(j, p));
   }
 }
@@ -812,8 +756,7 @@ v1::CoordinatorMessage JobManager::MakeAssignment(const JobRuntime& j,
   as->set_resume_path(j.rec.last_checkpoint_path);
   as->set_device_index(p.device_index);
   as->set_device_kind(j.spec.resources);
-  if (auto w = workers_.find(p.worker_id); w != workers_.end())
-    as->set_host_address(w->second->address);
+  if (const Worker* w = registry_.Find(p.worker_id)) as->set_host_address(w->address);
   return m;
 }
 
@@ -822,13 +765,13 @@ absl::Status JobManager::CheckReachable(const std::vector<RankPlacement>& ranks)
   // would be loopback too, which ranks on other hosts cannot reach.
   std::string local, remote;
   for (const RankPlacement& p : ranks) {
-    auto w = workers_.find(p.worker_id);
-    if (w == workers_.end()) continue;
-    (IsLoopbackHost(w->second->address) ? local : remote) = p.worker_id;
+    const Worker* w = registry_.Find(p.worker_id);
+    if (w == nullptr) continue;
+    (IsLoopbackHost(w->address) ? local : remote) = p.worker_id;
   }
   if (local.empty() || remote.empty()) return absl::OkStatus();
-  const WorkerRuntime& l = *workers_.at(local);
-  const WorkerRuntime& r = *workers_.at(remote);
+  const Worker& l = *registry_.Find(local);
+  const Worker& r = *registry_.Find(remote);
   return absl::FailedPreconditionError(absl::StrCat(
       "cannot place the job across workers ", local, " and ", remote, ": ", local, "'s address ",
       l.address,
@@ -837,15 +780,6 @@ absl::Status JobManager::CheckReachable(const std::vector<RankPlacement>& ranks)
       remote, " at ", r.address, "; start ", local,
       " with --advertise-host=<an address the other hosts reach>, or connect it to the "
       "coordinator's network address"));
-}
-
-void JobManager::ReleaseDevice(const std::string& worker_id, int32_t device,
-                               const std::string& job_id, int64_t attempt) {
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end()) return;
-  auto& slots = it->second->slots;
-  if (device < 0 || device >= static_cast<int32_t>(slots.size())) return;
-  if (slots[device].job_id == job_id && slots[device].attempt == attempt) slots[device] = {};
 }
 
 void JobManager::CheckRunning(JobRuntime& j) {
@@ -857,99 +791,26 @@ void JobManager::CheckRunning(JobRuntime& j) {
       .IgnoreError();
 }
 
-absl::Status JobManager::RegisterWorker(const v1::RegisterRequest& req,
-                                        const std::string& observed_host,
-                                        v1::RegisterResponse* resp) {
-  if (req.worker_id().empty())
-    return absl::InvalidArgumentError("register: worker_id must not be empty");
-  if (req.devices_size() != 1)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "register: worker ", req.worker_id(), " must advertise exactly one device group (GPUs or "
-        "CPU slots), got ", req.devices_size()));
-  const v1::DeviceGroup& g = req.devices(0);
-  if (g.kind() != "cuda" && g.kind() != "cpu")
-    return absl::InvalidArgumentError(absl::StrCat("register: worker ", req.worker_id(),
-                                                   ": device kind must be \"cuda\" or \"cpu\", "
-                                                   "got \"", g.kind(), "\""));
-  if (g.count() < 1 || g.count() > 4096)
-    return absl::InvalidArgumentError(absl::StrCat("register: worker ", req.worker_id(),
-                                                   ": device count must be in [1, 4096], got ",
-                                                   g.count()));
-  if (req.advertise_host().size() > 255 ||
-      req.advertise_host().find_first_of(" /\t\n") != std::string::npos)
-    return absl::InvalidArgumentError(
-        absl::StrCat("register: worker ", req.worker_id(),
-                     ": advertise_host must be a host name or address, got \"",
-                     req.advertise_host().substr(0, 64), "\""));
-  const std::string address = req.advertise_host().empty() ? observed_host : req.advertise_host();
-  Outbox out;
+absl::StatusOr<RegistrationReply> JobManager::RegisterWorker(const WorkerRegistration& reg) {
   {
     absl::MutexLock l(&mu_);
-    const int64_t now = clock_->SteadyMs();
-    // Two daemons given one --worker-id would take each other's slots and ranks: while one is
-    // connected, another daemon (another host or process) may not take its id; its own
-    // reconnect may.
-    if (auto it = workers_.find(req.worker_id()); it != workers_.end()) {
-      const WorkerRuntime& w = *it->second;
-      const bool other_process = !w.instance_id.empty() && !req.instance_id().empty() &&
-                                 w.instance_id != req.instance_id();
-      if (w.connected && !w.lost && (w.rec.hostname != req.hostname() || other_process))
-        return absl::AlreadyExistsError(absl::StrCat(
-            "worker id ", req.worker_id(), " is in use by ",
-            w.rec.hostname == req.hostname() ? "another connected worker daemon on host "
-                                             : "the connected worker on host ",
-            w.rec.hostname, "; give each worker daemon its own --worker-id"));
-    }
-    WorkerRecord rec;
-    rec.worker_id = req.worker_id();
-    rec.hostname = req.hostname();
-    v1::RegisterRequest devices;
-    *devices.add_devices() = g;
-    rec.devices = devices.SerializeAsString();
-    rec.metrics_address = req.metrics_address();
-    // A worker that does not know its own address gives only the port (":9401").
-    if (!rec.metrics_address.empty() && rec.metrics_address[0] == ':')
-      rec.metrics_address = absl::StrCat(
-          address.find(':') != std::string::npos ? absl::StrCat("[", address, "]") : address,
-          rec.metrics_address);
-    rec.registered_ms = clock_->NowMs();
-    RETURN_IF_ERROR(store_->SaveWorker(rec));
-    auto& w = workers_[rec.worker_id];
-    if (!w) w = std::make_unique<WorkerRuntime>();
-    w->rec = rec;
-    w->instance_id = req.instance_id();
-    w->address = address;
-    w->group = g;
-    if (static_cast<int32_t>(w->slots.size()) < g.count()) w->slots.resize(g.count());
-    while (static_cast<int32_t>(w->slots.size()) > g.count() && w->slots.back().job_id.empty())
-      w->slots.pop_back();
-    w->last_seen_ms = now;
-    w->last_seen_unix_ms = clock_->NowMs();
-    w->lost = w->leaving = w->left = false;
+    RETURN_IF_ERROR(registry_.Register(reg).status());
   }
-  resp->set_worker_id(req.worker_id());
-  resp->set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
-  resp->set_heartbeat_timeout_ms(static_cast<int32_t>(options_.heartbeat_timeout_ms));
-  resp->set_observed_host(observed_host);
-  resp->set_stop_grace_ms(static_cast<int32_t>(options_.stop_grace_ms));
-  return absl::OkStatus();
+  RegistrationReply reply;
+  reply.heartbeat_interval_ms = options_.heartbeat_interval_ms;
+  reply.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  reply.stop_grace_ms = options_.stop_grace_ms;
+  reply.observed_host = reg.observed_host;
+  return reply;
 }
 
 absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t session_id) {
   Outbox out;
   {
     absl::MutexLock l(&mu_);
-    auto wit = workers_.find(hello.worker_id());
-    if (wit == workers_.end())
-      return absl::NotFoundError(absl::StrCat("worker ", hello.worker_id(),
-                                              " is not registered; call Register first"));
-    WorkerRuntime& w = *wit->second;
+    ASSIGN_OR_RETURN(Worker * opened, registry_.Open(hello.worker_id(), session_id));
+    Worker& w = *opened;
     const int64_t now = clock_->SteadyMs();
-    w.connected = true;
-    w.lost = w.leaving = w.left = false;
-    w.session_id = session_id;
-    w.last_seen_ms = now;
-    w.last_seen_unix_ms = clock_->NowMs();
     std::set<std::pair<std::string, int64_t>> stops;
     std::set<std::tuple<std::string, int64_t, int64_t>> listed;
     for (const v1::RunningRank& rr : hello.running()) {
@@ -974,7 +835,7 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
     }
     // A slot still draining a stopped rank that the worker no longer runs is free now, not at
     // its drain deadline.
-    for (WorkerRuntime::Slot& s : w.slots) {
+    for (WorkerSlot& s : w.slots) {
       if (s.drain_deadline_ms > 0 && !listed.count({s.job_id, s.attempt, s.rank})) s = {};
     }
     for (const auto& [job_id, attempt] : stops)
@@ -1013,7 +874,7 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
                     j.adopt_deadline_ms > 0 ? metrics_.restarts_recovery
                                             : metrics_.restarts_worker_lost,
                     &out);
-        for (int32_t d : gone) ReleaseDevice(w.rec.worker_id, d, j.rec.job_id, attempt);
+        for (int32_t d : gone) registry_.Release(w.rec.worker_id, d, j.rec.job_id, attempt);
         continue;
       }
       if (j.adopt_deadline_ms > 0) {
@@ -1034,9 +895,9 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
 
 void JobManager::SessionClosed(const std::string& worker_id, uint64_t session_id) {
   absl::MutexLock l(&mu_);
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end() || it->second->session_id != session_id) return;
-  WorkerRuntime& w = *it->second;
+  Worker* found = registry_.Find(worker_id);
+  if (found == nullptr || found->session_id != session_id) return;
+  Worker& w = *found;
   w.connected = false;
   if (w.leaving) {
     // Its gangs were restarted at Leaving; whatever it still held is free.
@@ -1050,14 +911,13 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
   Outbox out;
   {
     absl::MutexLock l(&mu_);
-    auto wit = workers_.find(worker_id);
-    if (wit == workers_.end()) return;
-    WorkerRuntime& w = *wit->second;
+    Worker* found = registry_.Find(worker_id);
+    if (found == nullptr) return;
+    Worker& w = *found;
     const int64_t now = clock_->SteadyMs();  // timers
     const int64_t wall = clock_->NowMs();    // what is recorded and shown
     if (w.lost && !w.left) WorkerBack(w, now, &out);
-    w.last_seen_ms = now;
-    w.last_seen_unix_ms = wall;
+    registry_.Seen(w);
     // The current rank a message is about, or null (stale attempt, unknown job).
     auto current = [&](const v1::RankRef& ref) -> std::pair<JobRuntime*, RankRuntime*> {
       JobRuntime* j = FindJob(ref.job_id());
@@ -1081,10 +941,11 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         for (const v1::RunningRank& rr : msg.heartbeat().running()) {
           auto [j, r] = current(rr.ref());
           if (j && r->state != "stopped" && r->state != "exited") {
-            if (rr.pulsing() && rr.silent_ms() >= options_.silence_timeout_ms && !silent.count(j))
-              silent[j] = absl::StrCat("rank ", rr.ref().rank(), " on worker ", worker_id,
-                                       " stopped responding (no output for ",
-                                       Seconds(rr.silent_ms()), ", at step ", r->step, ")");
+            if (std::string why = rr.pulsing() ? health_.Silent(rr.ref().rank(), worker_id,
+                                                                rr.silent_ms(), r->step)
+                                               : "";
+                !why.empty() && !silent.count(j))
+              silent[j] = why;
             continue;
           }
           // Stopped ranks still draining are told again only when their drain is over due.
@@ -1204,7 +1065,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
           Schedule(&out);
           break;
         }
-        ReleaseDevice(worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
+        registry_.Release(worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
         r->gone = true;
         r->exit_code = e.exit_code();
         r->last_report_ms = wall;
@@ -1292,15 +1153,15 @@ std::string JobManager::DisconnectedPeer(const JobRuntime& j, const RankRuntime&
     // A rank not yet re-adopted after a coordinator restart has a worker that may still be on
     // its way back, not gone.
     if (&o == &failed || o.state == "exited" || !o.adopted) continue;
-    auto it = workers_.find(o.placement.worker_id);
-    if (it == workers_.end() || it->second->connected) continue;
+    const Worker* w = registry_.Find(o.placement.worker_id);
+    if (w == nullptr || w->connected) continue;
     return absl::StrCat("worker ", o.placement.worker_id, " disconnected with rank ",
                         o.placement.rank);
   }
   return "";
 }
 
-void JobManager::MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out) {
+void JobManager::MarkWorkerLost(Worker& w, const std::string& why, Outbox* out) {
   w.lost = true;
   w.connected = false;
   LogLine(absl::StrCat("worker ", w.rec.worker_id, " lost: ", why));
@@ -1319,7 +1180,7 @@ void JobManager::MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox
   }
 }
 
-void JobManager::WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) {
+void JobManager::WorkerBack(Worker& w, int64_t now, Outbox* out) {
   w.lost = false;
   w.connected = true;
   LogLine(absl::StrCat("worker ", w.rec.worker_id, " is back (a message after ",
@@ -1327,21 +1188,13 @@ void JobManager::WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) {
   // Its gangs restarted when it was lost; whatever it still runs of them stops, and their slots
   // drain from now.
   std::set<std::pair<std::string, int64_t>> told;
-  for (WorkerRuntime::Slot& s : w.slots) {
+  for (WorkerSlot& s : w.slots) {
     if (s.job_id.empty()) continue;
-    s.drain_deadline_ms = DrainDeadline(now);
+    s.drain_deadline_ms = now + health_.FenceMs();
     if (told.insert({s.job_id, s.attempt}).second)
       SendStop(w.rec.worker_id, s.job_id, s.attempt,
                "the gang restarted while this worker was silent", out);
   }
-}
-
-int64_t JobManager::DrainDeadline(int64_t now) const { return now + FenceMs(); }
-
-int64_t JobManager::FenceMs() const {
-  // One heartbeat interval of margin: a worker's fence counts from a heartbeat it sent, at most
-  // that long before the coordinator's last word from it.
-  return options_.heartbeat_timeout_ms + options_.stop_grace_ms + options_.heartbeat_interval_ms;
 }
 
 bool JobManager::PreviousAttemptGone(const JobRuntime& j, int64_t now) const {
@@ -1388,42 +1241,16 @@ void JobManager::Tick() {
         j.adopt_deadline_ms = 0;
         continue;
       }
-      const RankRuntime* hung = nullptr;
-      int64_t max_step = 0, min_live_step = std::numeric_limits<int64_t>::max();
-      for (const RankRuntime& r : j.ranks) {
-        max_step = std::max(max_step, r.step);
-        if (r.state == "exited") continue;
-        min_live_step = std::min(min_live_step, r.step);
-        // Steps longer than the timeout (long sequences) are not hangs: a rank may take up to
-        // kHangStepMultiple of its own last step time.
-        const int64_t limit =
-            r.step > 0 ? std::max(options_.hang_timeout_ms, kHangStepMultiple * r.step_ms)
-                       : options_.start_timeout_ms;
-        if (now - r.last_progress_ms > limit && (!hung || r.step < hung->step)) hung = &r;
-      }
-      if (hung) {
-        // A rank behind the others is named; when every rank stands at the same step (one of
-        // them holds the rest in a collective), the step counts cannot say which.
-        const std::string what =
-            min_live_step == max_step && j.ranks.size() > 1
-                ? absl::StrCat("the gang made no progress for ",
-                               Seconds(now - hung->last_progress_ms), " (every rank at step ",
-                               max_step, ")")
-                : absl::StrCat("rank ", hung->placement.rank, " on worker ",
-                               hung->placement.worker_id, " made no progress for ",
-                               Seconds(now - hung->last_progress_ms), " (step ", hung->step,
-                               ", furthest rank at step ", max_step, ")");
-        FailAttempt(j, what, false, metrics_.restarts_hang, &out);
-      }
+      std::vector<RankHealth> ranks;
+      for (const RankRuntime& r : j.ranks)
+        ranks.push_back({r.placement.rank, r.placement.worker_id, r.state == "exited", r.step,
+                         r.last_progress_ms, r.step_ms});
+      if (std::string hung = health_.Hung(ranks, now); !hung.empty())
+        FailAttempt(j, hung, false, metrics_.restarts_hang, &out);
     }
-    for (auto& [id, w] : workers_) {
-      if (w->lost) continue;
-      if (now - w->last_seen_ms > options_.heartbeat_timeout_ms)
-        MarkWorkerLost(*w, absl::StrCat("no heartbeat for ", Seconds(now - w->last_seen_ms)),
-                       &out);
-      for (auto& s : w->slots)
-        if (s.drain_deadline_ms > 0 && now >= s.drain_deadline_ms) s = {};
-    }
+    for (auto& [id, w] : registry_.workers())
+      if (std::string why = health_.Lost(*w, now); !why.empty()) MarkWorkerLost(*w, why, &out);
+    registry_.FreeDrained(now);
     Schedule(&out);
   }
   Flush(out);
@@ -1451,30 +1278,9 @@ absl::StatusOr<int64_t> JobManager::PruneFinishedJobs() {
   return static_cast<int64_t>(prune.size());
 }
 
-std::vector<std::unique_ptr<v1::WorkerInfo>> JobManager::ListWorkers() {
+std::vector<WorkerView> JobManager::ListWorkers() {
   absl::MutexLock l(&mu_);
-  std::vector<std::unique_ptr<v1::WorkerInfo>> out;
-  for (const auto& [id, w] : workers_) {
-    auto info = std::make_unique<v1::WorkerInfo>();
-    info->set_worker_id(id);
-    info->set_hostname(w->rec.hostname);
-    *info->add_devices() = w->group;
-    info->set_metrics_address(w->rec.metrics_address);
-    info->set_state(w->State());
-    info->set_slots(static_cast<int32_t>(w->slots.size()));
-    int32_t used = 0;
-    for (const auto& s : w->slots) {
-      if (s.job_id.empty()) continue;
-      ++used;
-      info->add_ranks(absl::StrCat(s.job_id, "/", s.attempt, "/", s.rank));
-    }
-    info->set_used_slots(used);
-    info->set_last_heartbeat_unix_ms(w->last_seen_unix_ms);
-    info->set_address(w->address);
-    info->set_registered_unix_ms(w->rec.registered_ms);
-    out.push_back(std::move(info));
-  }
-  return out;
+  return registry_.Views();
 }
 
 std::map<JobState, int64_t> JobManager::JobCounts() const {
@@ -1487,20 +1293,12 @@ std::map<JobState, int64_t> JobManager::JobCounts() const {
 
 std::map<std::string, int64_t> JobManager::WorkerCounts() const {
   absl::MutexLock l(&mu_);
-  std::map<std::string, int64_t> out{
-      {"alive", 0}, {"leaving", 0}, {"disconnected", 0}, {"left", 0}, {"lost", 0}};
-  for (const auto& [id, w] : workers_) ++out[w->State()];
-  return out;
+  return registry_.StateCounts();
 }
 
 std::map<std::string, int64_t> JobManager::DeviceCounts() const {
   absl::MutexLock l(&mu_);
-  std::map<std::string, int64_t> out{{"used", 0}, {"free", 0}};
-  for (const auto& [id, w] : workers_) {
-    if (w->lost) continue;
-    for (const auto& s : w->slots) ++out[s.job_id.empty() ? "free" : "used"];
-  }
-  return out;
+  return registry_.DeviceCounts();
 }
 
 }  // namespace spindle

@@ -1,32 +1,34 @@
-// JobManager: the coordinator's brain. Owns the job lifecycle, the worker registry, placement,
-// failure detection and recovery; persists every transition in the JobStore before returning.
-// Transport-free: the gRPC services translate RPCs into these calls, and the manager reaches
-// workers only through a WorkerChannel, so the whole state machine is unit-tested with a
-// FakeClock, a fake channel and a real SQLite file.
+// JobManager: the job lifecycle of the coordinator: submission, placement of gangs, restarts,
+// events, every transition persisted in the JobStore before it is acknowledged. Its parts: the
+// WorkerRegistry (worker_registry.h: registration, sessions, slots) and the HealthMonitor
+// (health_monitor.h: heartbeats, hangs, silences and fencing deadlines, as decisions). Transport-
+// free: grpc_services.cc translates RPCs into these calls (and worker_proto.h the worker types),
+// and the manager reaches workers only through a WorkerChannel, so the whole state machine is
+// unit-tested with a FakeClock, a fake channel and a real SQLite file (or the test stores).
 //
 // Failure handling (each restart uses one of the job's max_restarts; past it the job FAILS):
 //   - rank exit != 0 (not caused by a stop): exit code 2 (invalid input) fails the job at once;
 //     any other code restarts the gang.
 //   - worker lost: no message for heartbeat_timeout: every gang with a rank on it restarts. A
 //     lost worker that speaks again on its session is alive again; its old ranks are stopped.
-// Fencing: a restart's next attempt is placed only once every rank of the stopped attempt is
-// gone (its exit reported, or its worker back without it) or must be: the worker's last word plus
-// heartbeat_timeout + stop_grace + heartbeat_interval, by when a worker cut off from the
-// coordinator has stopped its ranks itself (cluster.proto). Timers run on Clock::SteadyMs.
-// Addresses: each worker's is its advertised host or the one it connected from; assignments
-// carry it (the ranks' Gloo address) and an empty rendezvous address unless one was configured
-// (the worker then uses the coordinator address it dials). A gang across a loopback worker and
-// a worker on another host fails at placement, naming both.
 //   - hung rank: a rank that has not advanced its step for hang_timeout (start_timeout before
-//     its first step) restarts the gang; the reason names the rank with the lowest step.
+//     its first step) restarts the gang; the reason names the rank with the lowest step. A rank
+//     whose trainer pulses and has been silent for silence_timeout restarts it too.
 //   - coordinator restart: jobs are reloaded; placed ranks are re-adopted when their worker
 //     reconnects and lists them in its hello within recovery_grace, otherwise the gang restarts.
 // A restart stops every rank of the attempt (Stop to each worker), marks the job RESTARTING
 // and re-places it as attempt+1, resuming from the last checkpoint every rank completed.
+// Fencing: a restart's next attempt is placed only once every rank of the stopped attempt is
+// gone (its exit reported, or its worker back without it) or must be (HealthMonitor::DeadBy: the
+// worker's last word plus heartbeat_timeout + stop_grace + heartbeat_interval, by when a worker
+// cut off from the coordinator has stopped its ranks itself). Timers run on Clock::SteadyMs.
+// Addresses: assignments carry each worker's address (the ranks' Gloo address) and an empty
+// rendezvous address unless one was configured (the worker then uses the coordinator address it
+// dials). A gang across a loopback worker and a worker on another host fails at placement.
 //
-// Thread-safety: thread-safe; one mutex guards all state. SQLite writes happen under it (so
-// transitions are ordered and durable before any caller sees them); messages to workers are
-// collected under it and sent after it is released.
+// Thread-safety: thread-safe; one mutex guards all state, the registry's included. Store writes
+// happen under it (so transitions are ordered and durable before any caller sees them); messages
+// to workers are collected under it and sent after it is released.
 #pragma once
 
 #include <cstdint>
@@ -42,11 +44,13 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/clock.h"
 #include "coordinator/cp_planner.h"
+#include "coordinator/health_monitor.h"
 #include "coordinator/job_index.h"
 #include "coordinator/job_store.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/retention.h"
 #include "coordinator/worker_channel.h"
+#include "coordinator/worker_registry.h"
 
 namespace spindle {
 namespace v1 {
@@ -91,6 +95,14 @@ struct JobManagerMetrics {
   Counter* restarts_hang = nullptr;
   Counter* restarts_recovery = nullptr;
   Counter* jobs_submitted = nullptr;
+};
+
+// What a registered worker is told (cluster.proto's RegisterResponse).
+struct RegistrationReply {
+  int64_t heartbeat_interval_ms = 0;
+  int64_t heartbeat_timeout_ms = 0;
+  int64_t stop_grace_ms = 0;
+  std::string observed_host;
 };
 
 class JobManager {
@@ -140,13 +152,12 @@ class JobManager {
   absl::Status WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
                        absl::Duration max_wait, v1::Job* out, std::vector<EventRecord>* new_events)
       ABSL_LOCKS_EXCLUDED(mu_);
-  std::vector<std::unique_ptr<v1::WorkerInfo>> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<WorkerView> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Worker API -------------------------------------------------------------------------
-  // `observed_host`: the address the request came from (the worker's address unless it
-  // advertises one).
-  absl::Status RegisterWorker(const v1::RegisterRequest& req, const std::string& observed_host,
-                              v1::RegisterResponse* resp) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers (or re-registers) a worker (WorkerRegistry::Register's errors).
+  absl::StatusOr<RegistrationReply> RegisterWorker(const WorkerRegistration& reg)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A Session opened with `hello`. `session_id` distinguishes this stream from earlier ones of
   // the same worker. NotFound for an unregistered worker.
   absl::Status SessionOpened(const v1::SessionHello& hello, uint64_t session_id)
@@ -177,7 +188,6 @@ class JobManager {
  private:
   struct RankRuntime;
   struct JobRuntime;
-  struct WorkerRuntime;
   struct Outbox;
 
   JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -201,8 +211,6 @@ class JobManager {
   // Submit's admission check (CheckCanEverFit) of a planned job against the registered workers.
   absl::Status CheckCanEverFitLocked(const std::string& kind, int64_t world,
                                      const CpPlan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The memory of the largest registered device of `kind` ("cuda" or "cpu"); 0 when none.
-  int64_t LargestDeviceMemory(const std::string& kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // train.recompute "auto" planned while no device of the job's kind was registered: sized to
   // the smallest device of the gang being placed (the plan is updated and saved with the
   // placement).
@@ -220,15 +228,9 @@ class JobManager {
   void Schedule(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseDevice(const std::string& worker_id, int32_t device, const std::string& job_id,
-                     int64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A lost worker whose session is still open spoke again (the coordinator, or the network, had
   // paused): it is alive again, and what it still runs of the restarted gangs is stopped.
-  void WorkerBack(WorkerRuntime& w, int64_t now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // When a slot whose rank was stopped at `now` is free even if the rank never reports its exit.
-  int64_t DrainDeadline(int64_t now) const;
-  // How long after the coordinator's last word from a worker its ranks must have stopped.
-  int64_t FenceMs() const;
+  void WorkerBack(Worker& w, int64_t now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // True when the next attempt of a restarting job may be placed (see Fencing above).
   bool PreviousAttemptGone(const JobRuntime& j, int64_t now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -240,7 +242,7 @@ class JobManager {
   // Queues a Stop of (job_id, attempt) to worker_id, with the stop grace.
   void SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
                 const std::string& reason, Outbox* out) const;
-  void MarkWorkerLost(WorkerRuntime& w, const std::string& why, Outbox* out)
+  void MarkWorkerLost(Worker& w, const std::string& why, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FailedPrecondition naming the unfinished job whose checkpoint.dir is spec's.
   absl::Status CheckCheckpointDirFreeLocked(const JobSpec& spec) const
@@ -260,10 +262,11 @@ class JobManager {
   const JobManagerOptions options_;
   const JobManagerMetrics metrics_;
   const CpPlanner planner_{};
+  const HealthMonitor health_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<WorkerRuntime>> workers_ ABSL_GUARDED_BY(mu_);
+  WorkerRegistry registry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   JobIndex index_ ABSL_GUARDED_BY(mu_);
   std::string rendezvous_address_ ABSL_GUARDED_BY(mu_);

@@ -34,6 +34,10 @@ struct JobRecord {
   int64_t last_checkpoint_step = 0;
   std::string last_checkpoint_path;
   std::string request_id;  // the client's SubmitJobRequest.request_id; "" when none (unique)
+  // Where a finished job ended (its ranks' lowest step and that step's loss), for a coordinator
+  // restarted after it finished.
+  int64_t final_step = 0;
+  double final_loss = 0;
 };
 
 struct RankPlacement {

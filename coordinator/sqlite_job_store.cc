@@ -111,6 +111,11 @@ ALTER TABLE jobs ADD COLUMN request_id TEXT NOT NULL DEFAULT '';
 CREATE UNIQUE INDEX jobs_by_request_id ON jobs (request_id) WHERE request_id != '';
 CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 )sql",
+    // 3: where a finished job ended, shown after a restart.
+    R"sql(
+ALTER TABLE jobs ADD COLUMN final_step INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN final_loss REAL NOT NULL DEFAULT 0;
+)sql",
 };
 static_assert(std::size(kMigrations) == SqliteJobStore::kSchemaVersion);
 
@@ -130,6 +135,10 @@ class Stmt {
   }
   Stmt& Bind(int i, int64_t v) {
     sqlite3_bind_int64(stmt_, i, v);
+    return *this;
+  }
+  Stmt& Bind(int i, double v) {
+    sqlite3_bind_double(stmt_, i, v);
     return *this;
   }
   Stmt& Bind(int i, const std::string& v) {
@@ -152,6 +161,7 @@ class Stmt {
   // Makes the statement runnable again (bindings are kept until rebound).
   void Reset() { sqlite3_reset(stmt_); }
   int64_t Int(int col) { return sqlite3_column_int64(stmt_, col); }
+  double Real(int col) { return sqlite3_column_double(stmt_, col); }
   std::string Text(int col) {
     const void* p = sqlite3_column_blob(stmt_, col);
     int n = sqlite3_column_bytes(stmt_, col);
@@ -169,7 +179,8 @@ class Stmt {
 
 constexpr char kJobColumns[] =
     "job_id, seq, name, state, priority, spec_json, plan, submitted_ms, updated_ms, attempt, "
-    "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path, request_id";
+    "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path, request_id, "
+    "final_step, final_loss";
 
 // The next job sequence number: past every stored job and every deleted one.
 constexpr char kNextSeq[] =
@@ -194,6 +205,8 @@ JobRecord ReadJob(Stmt& s) {
   j.last_checkpoint_step = s.Int(13);
   j.last_checkpoint_path = s.Text(14);
   j.request_id = s.Text(15);
+  j.final_step = s.Int(16);
+  j.final_loss = s.Real(17);
   return j;
 }
 
@@ -290,13 +303,13 @@ absl::StatusOr<int> SqliteJobStore::SchemaVersion() {
 
 absl::Status SqliteJobStore::WriteJobRow(const JobRecord& j) {
   Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO jobs (", kJobColumns,
-                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
                   .c_str());
   s.Bind(1, j.job_id).Bind(2, j.seq).Bind(3, j.name).Bind(4, static_cast<int64_t>(j.state));
   s.Bind(5, j.priority).Bind(6, j.spec_json).BindBlob(7, j.plan).Bind(8, j.submitted_ms);
   s.Bind(9, j.updated_ms).Bind(10, j.attempt).Bind(11, j.restarts).Bind(12, j.max_restarts);
   s.Bind(13, j.message).Bind(14, j.last_checkpoint_step).Bind(15, j.last_checkpoint_path);
-  s.Bind(16, j.request_id);
+  s.Bind(16, j.request_id).Bind(17, j.final_step).Bind(18, j.final_loss);
   return s.Run();
 }
 

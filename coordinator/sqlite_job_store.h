@@ -25,7 +25,7 @@ namespace spindle {
 class SqliteJobStore : public JobStore {
  public:
   // The schema version Open() migrates to.
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
 
   // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
   // cannot be opened; FailedPrecondition when another process holds the store (its pid named);

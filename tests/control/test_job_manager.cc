@@ -14,6 +14,7 @@
 #include "coordinator/cp_planner.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/sqlite_job_store.h"
+#include "coordinator/worker_proto.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/cluster.pb.h"
 #include "spindle/v1/job.pb.h"
@@ -83,10 +84,10 @@ class JobManagerTest : public ::testing::Test {
   }
   void Register(const std::string& id, const v1::DeviceGroup& devices, bool open_session,
                 const std::vector<v1::RankRef>& running) {
-    v1::RegisterResponse resp;
-    ASSERT_TRUE(
-        manager_->RegisterWorker(RegisterRequest(id, id + ".local", devices), "127.0.0.1", &resp)
-            .ok());
+    ASSERT_TRUE(manager_
+                    ->RegisterWorker(RegistrationFromProto(
+                        RegisterRequest(id, id + ".local", devices), "127.0.0.1"))
+                    .ok());
     if (open_session) Hello(id, running);
   }
   void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
@@ -382,40 +383,41 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
 TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
   AddWorker("w1", 2);
   const v1::RegisterRequest req = RegisterRequest("w1", "other.local", CpuSlots(1));
-  v1::RegisterResponse resp;
-  const absl::Status refused = manager_->RegisterWorker(req, "127.0.0.1", &resp);
+  const absl::Status refused =
+      manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(refused.message(),
             "worker id w1 is in use by the connected worker on host w1.local; give each "
             "worker daemon its own --worker-id");
   auto workers = manager_->ListWorkers();
   ASSERT_EQ(workers.size(), 1u);
-  EXPECT_EQ(workers[0]->slots(), 2);
+  EXPECT_EQ(workers[0].slots, 2);
   // The first one's own reconnect is no conflict.
   AddWorker("w1", 2);
   clock_.AdvanceMs(3500);
   manager_->Tick();
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 1);
-  EXPECT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
+  EXPECT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
 }
 
 // On one host, daemons are told apart by their instance ids: the same process re-registers, a
 // second one with the id is refused while the first is connected.
 TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
   v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1), "a1");
-  v1::RegisterResponse resp;
-  ASSERT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
+  ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
   Hello("w1", {});
-  ASSERT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok()) << "its own reconnect";
+  ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok())
+      << "its own reconnect";
   req.set_instance_id("b2");
-  const absl::Status refused = manager_->RegisterWorker(req, "127.0.0.1", &resp);
+  const absl::Status refused =
+      manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(refused.message(),
             "worker id w1 is in use by another connected worker daemon on host "
             "w1.local; give each worker daemon its own --worker-id");
   // Once the first one's session has closed, the second takes the id.
   manager_->SessionClosed("w1", session_);
-  EXPECT_TRUE(manager_->RegisterWorker(req, "127.0.0.1", &resp).ok());
+  EXPECT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
 }
 
 // A worker's session closes (the daemon was killed) and a rank on another worker then fails in
@@ -491,8 +493,8 @@ TEST_F(JobManagerTest, AWorkerShuttingDownRestartsItsGangElsewhereAndLeaves) {
   EXPECT_EQ(j.attempt(), 2);
   EXPECT_EQ(j.restarts(), 1);
   bool listed = false;
-  for (const auto& w : manager_->ListWorkers())
-    if (w->worker_id() == "w2") listed = w->state() == "left";
+  for (const WorkerView& w : manager_->ListWorkers())
+    if (w.worker_id == "w2") listed = w.state == "left";
   EXPECT_TRUE(listed);
 }
 
@@ -956,20 +958,21 @@ TEST_F(JobManagerTest, AnUnacknowledgedAssignmentIsSentAgainOnReconnect) {
 TEST_F(JobManagerTest, WorkersAreKnownByTheAddressTheyConnectFrom) {
   v1::RegisterRequest req = RegisterRequest("w1", "h1", CpuSlots(1));
   req.set_metrics_address(":9401");
-  v1::RegisterResponse resp;
-  ASSERT_TRUE(manager_->RegisterWorker(req, "198.18.0.2", &resp).ok());
-  EXPECT_EQ(resp.observed_host(), "198.18.0.2");
-  EXPECT_EQ(resp.stop_grace_ms(), 1000);
+  absl::StatusOr<RegistrationReply> reply =
+      manager_->RegisterWorker(RegistrationFromProto(req, "198.18.0.2"));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->observed_host, "198.18.0.2");
+  EXPECT_EQ(reply->stop_grace_ms, 1000);
   Hello("w1", {});
   req = RegisterRequest("w2", "h2", CpuSlots(1));
   req.set_advertise_host("node2.example");
-  ASSERT_TRUE(manager_->RegisterWorker(req, "198.18.0.3", &resp).ok());
+  ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "198.18.0.3")).ok());
   Hello("w2", {});
-  std::map<std::string, v1::WorkerInfo> workers;
-  for (auto& w : manager_->ListWorkers()) workers[w->worker_id()] = *w;
-  EXPECT_EQ(workers["w1"].address(), "198.18.0.2");
-  EXPECT_EQ(workers["w1"].metrics_address(), "198.18.0.2:9401");
-  EXPECT_EQ(workers["w2"].address(), "node2.example");
+  std::map<std::string, WorkerView> workers;
+  for (const WorkerView& w : manager_->ListWorkers()) workers[w.worker_id] = w;
+  EXPECT_EQ(workers["w1"].address, "198.18.0.2");
+  EXPECT_EQ(workers["w1"].metrics_address, "198.18.0.2:9401");
+  EXPECT_EQ(workers["w2"].address, "node2.example");
   manager_->SetRendezvousAddress("");
   const std::string id = Submit(SpecJson(2, 1));
   std::map<std::string, v1::Assignment> by_worker;
@@ -984,12 +987,15 @@ TEST_F(JobManagerTest, WorkersAreKnownByTheAddressTheyConnectFrom) {
 // A gang across a worker that reached the coordinator over loopback and one on another host
 // cannot meet: refused at placement in one line naming both.
 TEST_F(JobManagerTest, AGangAcrossALoopbackWorkerAndARemoteOneFailsAtPlacement) {
-  v1::RegisterResponse resp;
-  ASSERT_TRUE(
-      manager_->RegisterWorker(RegisterRequest("w1", "h1", CpuSlots(1)), "127.0.0.1", &resp).ok());
+  ASSERT_TRUE(manager_
+                  ->RegisterWorker(
+                      RegistrationFromProto(RegisterRequest("w1", "h1", CpuSlots(1)), "127.0.0.1"))
+                  .ok());
   Hello("w1", {});
-  ASSERT_TRUE(
-      manager_->RegisterWorker(RegisterRequest("w2", "h2", CpuSlots(1)), "198.18.0.3", &resp).ok());
+  ASSERT_TRUE(manager_
+                  ->RegisterWorker(
+                      RegistrationFromProto(RegisterRequest("w2", "h2", CpuSlots(1)), "198.18.0.3"))
+                  .ok());
   Hello("w2", {});
   const std::string id = Submit(SpecJson(2, 1));
   v1::Job j = Get(id);
@@ -1018,6 +1024,22 @@ TEST_F(JobManagerTest, ARankNoteIsAJobEvent) {
   const v1::Job again = Get(id);
   EXPECT_EQ(again.events(again.events_size() - 1).message(),
             "rank 0: checkpoint \"/tmp/ck/step_00000010\" does not load");
+}
+
+// A finished job shows the step and loss it ended at after the coordinator restarts, its ranks
+// long gone.
+TEST_F(JobManagerTest, AFinishedJobKeepsItsFinalStepAndLossAcrossARestart) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  Progress("w1", Ref(id, 1, 0), 10);
+  Exit("w1", Ref(id, 1, 0), 0);
+  ASSERT_EQ(Get(id).state(), v1::JOB_STATE_SUCCEEDED);
+  Reopen();
+  const v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(j.step(), 10);
+  EXPECT_DOUBLE_EQ(j.loss(), 5.0 - 10 * 0.1);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/sqlite_job_store.h"
+#include "coordinator/worker_proto.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/cluster.pb.h"
 #include "spindle/v1/job.pb.h"
@@ -80,8 +81,7 @@ class Coordinator {
     d->set_kind("cpu");
     d->set_count(1);
     d->set_memory_bytes(int64_t{8} << 30);
-    v1::RegisterResponse resp;
-    if (!manager_->RegisterWorker(req, "127.0.0.1", &resp).ok()) return;
+    if (!manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok()) return;
     v1::SessionHello h;
     h.set_worker_id(id);
     manager_->SessionOpened(h, ++session_).IgnoreError();

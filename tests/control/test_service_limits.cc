@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "coordinator/coordinator_server.h"
+#include "coordinator/worker_proto.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/cluster.pb.h"
@@ -55,8 +56,7 @@ class ServiceLimitsTest : public ::testing::Test {
     d->set_kind("cpu");
     d->set_count(1);
     d->set_memory_bytes(int64_t{8} << 30);
-    v1::RegisterResponse resp;
-    EXPECT_TRUE(m->RegisterWorker(reg, "127.0.0.1", &resp).ok());
+    EXPECT_TRUE(m->RegisterWorker(RegistrationFromProto(reg, "127.0.0.1")).ok());
     v1::SessionHello hello;
     hello.set_worker_id("w1");
     EXPECT_TRUE(m->SessionOpened(hello, 1).ok());

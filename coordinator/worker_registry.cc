@@ -1,0 +1,240 @@
+// WorkerRegistry (see worker_registry.h).
+#include "coordinator/worker_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "spindle/v1/cluster.pb.h"
+
+namespace spindle {
+namespace {
+
+// WorkerRecord.devices: a RegisterRequest holding only the device group.
+std::string EncodeDevices(const DeviceOffer& d) {
+  v1::RegisterRequest r;
+  v1::DeviceGroup* g = r.add_devices();
+  g->set_kind(d.kind);
+  g->set_name(d.name);
+  g->set_count(d.count);
+  g->set_memory_bytes(d.memory_bytes);
+  g->set_host_memory_bytes(d.host_memory_bytes);
+  return r.SerializeAsString();
+}
+
+DeviceOffer DecodeDevices(const std::string& bytes) {
+  v1::RegisterRequest r;
+  DeviceOffer d;
+  if (!r.ParseFromString(bytes) || r.devices_size() == 0) return d;
+  const v1::DeviceGroup& g = r.devices(0);
+  d.kind = g.kind();
+  d.name = g.name();
+  d.count = g.count();
+  d.memory_bytes = g.memory_bytes();
+  d.host_memory_bytes = g.host_memory_bytes();
+  return d;
+}
+
+absl::Status CheckRegistration(const WorkerRegistration& reg) {
+  if (reg.worker_id.empty())
+    return absl::InvalidArgumentError("register: worker_id must not be empty");
+  if (reg.devices.size() != 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker ", reg.worker_id,
+                     " must advertise exactly one device group (GPUs or "
+                     "CPU slots), got ",
+                     reg.devices.size()));
+  const DeviceOffer& g = reg.devices[0];
+  if (g.kind != "cuda" && g.kind != "cpu")
+    return absl::InvalidArgumentError(absl::StrCat("register: worker ", reg.worker_id,
+                                                   ": device kind must be \"cuda\" or \"cpu\", "
+                                                   "got \"",
+                                                   g.kind, "\""));
+  if (g.count < 1 || g.count > 4096)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: worker ", reg.worker_id, ": device count must be in [1, 4096], got ", g.count));
+  if (reg.advertise_host.size() > 255 ||
+      reg.advertise_host.find_first_of(" /\t\n") != std::string::npos)
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker ", reg.worker_id,
+                     ": advertise_host must be a host name or address, got \"",
+                     reg.advertise_host.substr(0, 64), "\""));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string Worker::State() const {
+  if (left) return "left";
+  if (lost) return "lost";
+  if (!connected) return "disconnected";
+  return leaving ? "leaving" : "alive";
+}
+
+SchedulableWorker Worker::Schedulable() const {
+  SchedulableWorker sw;
+  sw.worker_id = rec.worker_id;
+  sw.kind = devices.kind;
+  sw.device_memory_bytes = devices.memory_bytes;
+  sw.host_memory_bytes = devices.host_memory_bytes;
+  return sw;
+}
+
+absl::Status WorkerRegistry::Load(int64_t grace_ms) {
+  ASSIGN_OR_RETURN(std::vector<WorkerRecord> records, store_->LoadWorkers());
+  const int64_t now = clock_->SteadyMs();
+  for (WorkerRecord& rec : records) {
+    auto w = std::make_unique<Worker>();
+    w->devices = DecodeDevices(rec.devices);
+    w->slots.resize(std::max(0, w->devices.count));
+    w->last_seen_ms = now + grace_ms;
+    w->last_seen_unix_ms = clock_->NowMs();
+    w->rec = std::move(rec);
+    workers_[w->rec.worker_id] = std::move(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) {
+  RETURN_IF_ERROR(CheckRegistration(reg));
+  const DeviceOffer& g = reg.devices[0];
+  const std::string address = reg.advertise_host.empty() ? reg.observed_host : reg.advertise_host;
+  // Two daemons given one --worker-id would take each other's slots and ranks: while one is
+  // connected, another daemon (another host or process) may not take its id; its own reconnect
+  // may.
+  if (auto it = workers_.find(reg.worker_id); it != workers_.end()) {
+    const Worker& w = *it->second;
+    const bool other_process =
+        !w.instance_id.empty() && !reg.instance_id.empty() && w.instance_id != reg.instance_id;
+    if (w.connected && !w.lost && (w.rec.hostname != reg.hostname || other_process))
+      return absl::AlreadyExistsError(
+          absl::StrCat("worker id ", reg.worker_id, " is in use by ",
+                       w.rec.hostname == reg.hostname ? "another connected worker daemon on host "
+                                                      : "the connected worker on host ",
+                       w.rec.hostname, "; give each worker daemon its own --worker-id"));
+  }
+  WorkerRecord rec;
+  rec.worker_id = reg.worker_id;
+  rec.hostname = reg.hostname;
+  rec.devices = EncodeDevices(g);
+  rec.metrics_address = reg.metrics_address;
+  // A worker that does not know its own address gives only the port (":9401").
+  if (!rec.metrics_address.empty() && rec.metrics_address[0] == ':')
+    rec.metrics_address = absl::StrCat(
+        address.find(':') != std::string::npos ? absl::StrCat("[", address, "]") : address,
+        rec.metrics_address);
+  rec.registered_ms = clock_->NowMs();
+  RETURN_IF_ERROR(store_->SaveWorker(rec));
+  auto& w = workers_[rec.worker_id];
+  if (!w) w = std::make_unique<Worker>();
+  w->rec = rec;
+  w->instance_id = reg.instance_id;
+  w->address = address;
+  w->devices = g;
+  if (static_cast<int32_t>(w->slots.size()) < g.count) w->slots.resize(g.count);
+  while (static_cast<int32_t>(w->slots.size()) > g.count && w->slots.back().job_id.empty())
+    w->slots.pop_back();
+  Seen(*w);
+  w->lost = w->leaving = w->left = false;
+  return w.get();
+}
+
+absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id, uint64_t session_id) {
+  Worker* w = Find(worker_id);
+  if (w == nullptr)
+    return absl::NotFoundError(
+        absl::StrCat("worker ", worker_id, " is not registered; call Register first"));
+  w->connected = true;
+  w->lost = w->leaving = w->left = false;
+  w->session_id = session_id;
+  Seen(*w);
+  return w;
+}
+
+void WorkerRegistry::Seen(Worker& w) {
+  w.last_seen_ms = clock_->SteadyMs();
+  w.last_seen_unix_ms = clock_->NowMs();
+}
+
+Worker* WorkerRegistry::Find(const std::string& worker_id) {
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() ? nullptr : it->second.get();
+}
+
+const Worker* WorkerRegistry::Find(const std::string& worker_id) const {
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() ? nullptr : it->second.get();
+}
+
+void WorkerRegistry::Release(const std::string& worker_id, int32_t device,
+                             const std::string& job_id, int64_t attempt) {
+  Worker* w = Find(worker_id);
+  if (w == nullptr || device < 0 || device >= static_cast<int32_t>(w->slots.size())) return;
+  WorkerSlot& s = w->slots[device];
+  if (s.job_id == job_id && s.attempt == attempt) s = {};
+}
+
+void WorkerRegistry::FreeDrained(int64_t now) {
+  for (auto& [id, w] : workers_)
+    for (WorkerSlot& s : w->slots)
+      if (s.drain_deadline_ms > 0 && now >= s.drain_deadline_ms) s = {};
+}
+
+int64_t WorkerRegistry::LargestDeviceMemory(const std::string& kind) const {
+  int64_t memory = 0;
+  for (const auto& [id, w] : workers_)
+    if (w->devices.kind == kind) memory = std::max(memory, w->devices.memory_bytes);
+  return memory;
+}
+
+std::vector<SchedulableWorker> WorkerRegistry::Registered() const {
+  std::vector<SchedulableWorker> out;
+  for (const auto& [id, w] : workers_) {
+    SchedulableWorker sw = w->Schedulable();
+    sw.total_devices = w->devices.count;
+    out.push_back(std::move(sw));
+  }
+  return out;
+}
+
+std::vector<WorkerView> WorkerRegistry::Views() const {
+  std::vector<WorkerView> out;
+  for (const auto& [id, w] : workers_) {
+    WorkerView v;
+    v.worker_id = id;
+    v.hostname = w->rec.hostname;
+    v.address = w->address;
+    v.state = w->State();
+    v.metrics_address = w->rec.metrics_address;
+    v.devices = w->devices;
+    v.slots = static_cast<int32_t>(w->slots.size());
+    for (const WorkerSlot& s : w->slots) {
+      if (s.job_id.empty()) continue;
+      ++v.used_slots;
+      v.ranks.push_back(absl::StrCat(s.job_id, "/", s.attempt, "/", s.rank));
+    }
+    v.last_heartbeat_unix_ms = w->last_seen_unix_ms;
+    v.registered_unix_ms = w->rec.registered_ms;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::map<std::string, int64_t> WorkerRegistry::StateCounts() const {
+  std::map<std::string, int64_t> out{
+      {"alive", 0}, {"leaving", 0}, {"disconnected", 0}, {"left", 0}, {"lost", 0}};
+  for (const auto& [id, w] : workers_) ++out[w->State()];
+  return out;
+}
+
+std::map<std::string, int64_t> WorkerRegistry::DeviceCounts() const {
+  std::map<std::string, int64_t> out{{"used", 0}, {"free", 0}};
+  for (const auto& [id, w] : workers_) {
+    if (w->lost) continue;
+    for (const WorkerSlot& s : w->slots) ++out[s.job_id.empty() ? "free" : "used"];
+  }
+  return out;
+}
+
+}  // namespace spindle
