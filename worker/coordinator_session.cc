@@ -111,6 +111,9 @@ absl::StatusOr<absl::Duration> CoordinatorSession::Register() {
   grpc::ClientContext context;
   AddBearerToken(&context, options_.bearer_token);
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.register_timeout));
+  // Wait for the channel to connect (within the deadline) rather than fail at once while it is
+  // backing off: a coordinator back from a restart is found as soon as it listens.
+  context.set_wait_for_ready(true);
   v1::RegisterResponse response;
   const SteadyTime sent = std::chrono::steady_clock::now();
   const grpc::Status status = stub_->Register(&context, request, &response);

@@ -29,7 +29,9 @@ class FakeCoordinator : public v1::ClusterService::Service {
         auth == context->client_metadata().end() ? "" : std::string(auth->second.data(), auth->second.size());
     response->set_worker_id(request->worker_id());
     response->set_heartbeat_interval_ms(100);
-    response->set_heartbeat_timeout_ms(2000);
+    // Long enough that a coordinator restart in a test is not a coordinator loss (the worker
+    // fences at min(this, its --coordinator_loss_timeout) without acknowledgements).
+    response->set_heartbeat_timeout_ms(10000);
     return grpc::Status::OK;
   }
 

@@ -249,7 +249,9 @@ TEST_F(ClusterControlPlaneTest, StoppedWorkerLeavesAndItsGangRestartsOnceElsewhe
 }
 
 TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
-  StartCluster(2, 0.15);
+  // Workers fence their ranks a heartbeat timeout after their last acknowledged heartbeat: the
+  // restart below (half a second down, then the coordinator's start) stays well within 5 s.
+  StartCluster(2, 0.15, {"--heartbeat_timeout=5"});
   const std::string ckpt = dir_.File("ckpt");
   absl::StatusOr<std::string> id = cluster_.Submit(Spec(ckpt, 2));
   ASSERT_TRUE(id.ok()) << id.status();
@@ -266,7 +268,7 @@ TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
                       std::chrono::seconds(10)));
   cluster_.KillCoordinator();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
+  ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=5",
                                          "--stop_grace=1", "--recovery_grace=10"}))
       << cluster_.Logs();
   auto job = cluster_.WaitJob(*id, ClusterHarness::Ended, std::chrono::seconds(60));

@@ -227,7 +227,7 @@ TEST_F(WorkerDaemonTest, CoordinatorRestartReadoptsRunningRanks) {
   EXPECT_EQ(r.ref().job_id(), "j-3");
   EXPECT_EQ(r.ref().attempt(), 2);
   EXPECT_EQ(r.ref().rank(), 1);
-  EXPECT_EQ(r.step(), 5);
+  EXPECT_EQ(r.step(), 5) << WorkerLog();
   EXPECT_EQ(r.pid(), pid);
   EXPECT_TRUE(ProcessAlive(pid));
   EXPECT_TRUE(restarted.Of(v1::WorkerMessage::kRankExit).empty());
@@ -246,7 +246,7 @@ TEST_F(WorkerDaemonTest, CoordinatorLossKillsTrainersAndTheExitIsReportedLater) 
   EXPECT_GE(took, std::chrono::milliseconds(900));
   // The daemon logs the loss once StopAll has returned, which may be just after the trainer died.
   EXPECT_TRUE(WaitFor([&] {
-    return WorkerLog().find("coordinator unreachable") != std::string::npos;
+    return WorkerLog().find("no heartbeat acknowledged by the coordinator") != std::string::npos;
   })) << WorkerLog();
   // The daemon itself is fine and reports the exit once a coordinator is back.
   ASSERT_TRUE(daemon_->Poll().ok());

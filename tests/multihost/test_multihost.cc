@@ -86,6 +86,12 @@ class TrainerWatch {
   std::thread thread_;
 };
 
+// The faster failure detection these tests run with: 4 s heartbeat timeout, 2 s stop grace.
+const std::vector<std::string> kFastFailure = {"--heartbeat_timeout=4", "--stop_grace=2"};
+constexpr double kFenceSeconds = 4 + 2;
+// Sampling (50 ms), process exit and reaping after SIGKILL.
+constexpr double kSlackSeconds = 1.5;
+
 class MultihostTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -117,6 +123,16 @@ class MultihostTest : public ::testing::Test {
   void StartWorker(int host) {
     const std::string id = absl::StrCat("w", host);
     Spawn(id, net_->On(host, {SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
+                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
+                              "--cpu_threads_per_slot=1"}));
+  }
+  // Worker w<host> seeing its own empty `dir` (a tmpfs mounted over it in a mount namespace of its
+  // own): a host that does not share the checkpoint volume.
+  void StartWorkerWithPrivateDir(int host, const std::string& dir) {
+    const std::string id = absl::StrCat("w", host);
+    Spawn(id, net_->On(host, {"unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              "mount -t tmpfs tmpfs \"$0\" && shift && exec \"$0\" \"$@\"", dir,
+                              SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
                               "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
                               "--cpu_threads_per_slot=1"}));
   }
@@ -281,6 +297,34 @@ class MultihostTest : public ::testing::Test {
                                            << Events(s);
   }
 
+  // Starts the coordinator with `flags` and workers on hosts 1..`workers`, submits `spec` and
+  // waits until the job has made 12 steps; returns its status and sets `*id`.
+  nlohmann::json StartAndRun(const std::vector<std::string>& flags, int workers,
+                             const std::string& spec, std::string* id) {
+    StartCoordinator(flags);
+    for (int h = 1; h <= workers; ++h) StartWorker(h);
+    if (!WaitForWorkers(workers)) return nullptr;
+    *id = Submit(spec);
+    if (id->empty()) return nullptr;
+    return WaitJob(
+        *id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; },
+        std::chrono::seconds(180));
+  }
+
+  // The end every partition test asserts: the job SUCCEEDED at `steps` with the loss of an
+  // uninterrupted run, no trainer of attempt 1 alive later than the fence deadline after `cut`,
+  // and a commit log fenced by a later attempt with no older commit after the fence.
+  void ExpectFencedFinish(const std::string& id, const std::string& spec, int cp, int steps,
+                          const std::string& ckpt, TrainerWatch& watch, Clock::time_point cut) {
+    const nlohmann::json s = WaitJob(id, Ended, std::chrono::seconds(300));
+    ExpectExactFinish(s, steps, ReferenceLoss(spec, cp));
+    const auto last = watch.LastSeen(1);
+    ASSERT_TRUE(last.has_value());
+    EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
+        << "a trainer of attempt 1 ran " << Seconds(*last - cut) << " s after the cut";
+    EXPECT_GE(CheckCommitLog(ckpt), 2);
+  }
+
   std::string Logs() {
     std::string out;
     for (const auto& entry : std::filesystem::directory_iterator(dir_.path()))
@@ -294,12 +338,6 @@ class MultihostTest : public ::testing::Test {
   std::map<std::string, std::unique_ptr<Subprocess>> procs_;
   int jobs_ = 0;
 };
-
-// The faster failure detection these tests run with: 4 s heartbeat timeout, 2 s stop grace.
-const std::vector<std::string> kFastFailure = {"--heartbeat_timeout=4", "--stop_grace=2"};
-constexpr double kFenceSeconds = 4 + 2;
-// Sampling (50 ms), process exit and reaping after SIGKILL.
-constexpr double kSlackSeconds = 1.5;
 
 TEST_F(MultihostTest, DefaultFlagsRouteAcrossHosts) {
   StartCoordinator();
@@ -323,104 +361,60 @@ TEST_F(MultihostTest, DefaultFlagsRouteAcrossHosts) {
 
 // (a): the host of one rank of a cp = 2 job cut off for 25 s, then back.
 TEST_F(MultihostTest, HostOfOneRankOfACp2JobCutOff) {
-  StartCoordinator(kFastFailure);
-  for (int h = 1; h <= 3; ++h) StartWorker(h);
-  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
-  const int steps = 100;
   const std::string ckpt = dir_.File("ckpt-a");
-  const std::string spec = Spec("cut-a", 2, steps, ckpt);
-  const std::string id = Submit(spec);
-  ASSERT_FALSE(id.empty()) << Logs();
-  TrainerWatch watch(id, dir_.path());
-  nlohmann::json s = WaitJob(
-      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  const std::string spec = Spec("cut-a", 2, 100, ckpt);
+  std::string id;
+  nlohmann::json s = StartAndRun(kFastFailure, 3, spec, &id);
   ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
-  const std::string victim = WorkerOf(s, 1);
-  ASSERT_FALSE(victim.empty());
-  const int host = std::stoi(victim.substr(1));
+  TrainerWatch watch(id, dir_.path());
+  const int host = std::stoi(WorkerOf(s, 1).substr(1));
   const auto cut = Clock::now();
   ASSERT_TRUE(net_->Cut(host).ok());
   std::this_thread::sleep_for(std::chrono::seconds(25));
   ASSERT_TRUE(net_->Restore(host).ok());
-  s = WaitJob(id, Ended, std::chrono::seconds(300));
-  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
-  const auto last = watch.LastSeen(1);
-  ASSERT_TRUE(last.has_value());
-  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
-      << "a trainer of attempt 1 ran " << Seconds(*last - cut) << " s after the cut";
-  EXPECT_GE(CheckCommitLog(ckpt), 2);
+  ExpectFencedFinish(id, spec, 2, 100, ckpt, watch, cut);
 }
 
 // (b): the host of a cp = 1 job cut off: its rank has no peer to block on and trains on alone
 // until its worker fences it.
 TEST_F(MultihostTest, HostOfACp1JobCutOff) {
-  StartCoordinator(kFastFailure);
-  for (int h = 1; h <= 2; ++h) StartWorker(h);
-  ASSERT_TRUE(WaitForWorkers(2)) << Logs();
-  const int steps = 80;
   const std::string ckpt = dir_.File("ckpt-b");
-  const std::string spec = Spec("cut-b", 1, steps, ckpt);
-  const std::string id = Submit(spec);
-  ASSERT_FALSE(id.empty()) << Logs();
-  TrainerWatch watch(id, dir_.path());
-  nlohmann::json s = WaitJob(
-      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  const std::string spec = Spec("cut-b", 1, 80, ckpt);
+  std::string id;
+  nlohmann::json s = StartAndRun(kFastFailure, 2, spec, &id);
   ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  TrainerWatch watch(id, dir_.path());
   const int host = std::stoi(WorkerOf(s, 0).substr(1));
   const auto cut = Clock::now();
   ASSERT_TRUE(net_->Cut(host).ok());
   std::this_thread::sleep_for(std::chrono::seconds(25));
   ASSERT_TRUE(net_->Restore(host).ok());
-  s = WaitJob(id, Ended, std::chrono::seconds(300));
-  ExpectExactFinish(s, steps, ReferenceLoss(spec, 1));
-  const auto last = watch.LastSeen(1);
-  ASSERT_TRUE(last.has_value());
-  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
-      << "the cut-off rank of attempt 1 trained on " << Seconds(*last - cut) << " s after the cut";
-  EXPECT_GE(CheckCommitLog(ckpt), 2);
+  ExpectFencedFinish(id, spec, 1, 80, ckpt, watch, cut);
 }
 
 // (c): the coordinator's host cut off from every worker for 30 s.
 TEST_F(MultihostTest, CoordinatorHostCutOffFromEveryWorker) {
-  StartCoordinator(kFastFailure);
-  for (int h = 1; h <= 3; ++h) StartWorker(h);
-  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
-  const int steps = 80;
   const std::string ckpt = dir_.File("ckpt-c");
-  const std::string spec = Spec("cut-c", 2, steps, ckpt);
-  const std::string id = Submit(spec);
-  ASSERT_FALSE(id.empty()) << Logs();
-  TrainerWatch watch(id, dir_.path());
-  nlohmann::json s = WaitJob(
-      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  const std::string spec = Spec("cut-c", 2, 80, ckpt);
+  std::string id;
+  nlohmann::json s = StartAndRun(kFastFailure, 3, spec, &id);
   ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  TrainerWatch watch(id, dir_.path());
   const auto cut = Clock::now();
   ASSERT_TRUE(net_->Cut(0).ok());
   std::this_thread::sleep_for(std::chrono::seconds(30));
   ASSERT_TRUE(net_->Restore(0).ok());
-  s = WaitJob(id, Ended, std::chrono::seconds(300));
-  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
-  const auto last = watch.LastSeen(1);
-  ASSERT_TRUE(last.has_value());
-  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds)
-      << "a trainer of attempt 1 ran " << Seconds(*last - cut) << " s after the cut";
-  EXPECT_GE(CheckCommitLog(ckpt), 2);
+  ExpectFencedFinish(id, spec, 2, 80, ckpt, watch, cut);
 }
 
-// (d): a worker killed while cut off.
+// (d): a worker killed while cut off; the host comes back with a new daemon.
 TEST_F(MultihostTest, WorkerKilledWhileCutOff) {
-  StartCoordinator(kFastFailure);
-  for (int h = 1; h <= 3; ++h) StartWorker(h);
-  ASSERT_TRUE(WaitForWorkers(3)) << Logs();
-  const int steps = 80;
   const std::string ckpt = dir_.File("ckpt-d");
-  const std::string spec = Spec("cut-d", 2, steps, ckpt);
-  const std::string id = Submit(spec);
-  ASSERT_FALSE(id.empty()) << Logs();
-  TrainerWatch watch(id, dir_.path());
-  nlohmann::json s = WaitJob(
-      id, [](const nlohmann::json& j) { return Int(j, "step") >= 12; }, std::chrono::seconds(180));
+  const std::string spec = Spec("cut-d", 2, 80, ckpt);
+  std::string id;
+  nlohmann::json s = StartAndRun(kFastFailure, 3, spec, &id);
   ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  TrainerWatch watch(id, dir_.path());
   const std::string victim = WorkerOf(s, 1);
   const int host = std::stoi(victim.substr(1));
   const auto cut = Clock::now();
@@ -429,13 +423,29 @@ TEST_F(MultihostTest, WorkerKilledWhileCutOff) {
   Kill(victim);  // SIGKILL: its trainers go with it (PR_SET_PDEATHSIG)
   std::this_thread::sleep_for(std::chrono::seconds(10));
   ASSERT_TRUE(net_->Restore(host).ok());
-  StartWorker(host);  // the host comes back with a new daemon
-  s = WaitJob(id, Ended, std::chrono::seconds(300));
-  ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
-  const auto last = watch.LastSeen(1);
-  ASSERT_TRUE(last.has_value());
-  EXPECT_LE(Seconds(*last - cut), kFenceSeconds + kSlackSeconds);
-  EXPECT_GE(CheckCommitLog(ckpt), 2);
+  StartWorker(host);
+  ExpectFencedFinish(id, spec, 2, 80, ckpt, watch, cut);
+}
+
+// A checkpoint directory the job's hosts do not share is named in one line at the job's start:
+// the job fails at once instead of restarting until its restarts run out.
+TEST_F(MultihostTest, AnUnsharedCheckpointDirectoryIsNamedAtTheStart) {
+  const std::string ckpt_parent = dir_.File("volume");
+  std::filesystem::create_directories(ckpt_parent);
+  StartCoordinator(kFastFailure);
+  StartWorker(1);
+  StartWorkerWithPrivateDir(2, ckpt_parent);
+  ASSERT_TRUE(WaitForWorkers(2)) << Logs();
+  const std::string id = Submit(Spec("unshared", 2, 20, ckpt_parent + "/ckpt"));
+  ASSERT_FALSE(id.empty()) << Logs();
+  const nlohmann::json s = WaitJob(id, Ended, std::chrono::seconds(120));
+  EXPECT_EQ(s.value("state", ""), "JOB_STATE_FAILED") << Events(s) << Logs();
+  EXPECT_NE(
+      s.value("message", "")
+          .find(absl::StrCat("checkpoint.dir \"", ckpt_parent, "/ckpt\" is not shared: rank ")),
+      std::string::npos)
+      << s.value("message", "");
+  EXPECT_EQ(Int(s, "restarts"), 0) << Events(s);
 }
 
 // (e): 50 random events, kill -9 of the coordinator or a worker and link cuts of any host, under

@@ -312,6 +312,21 @@ void RemoveStaleTemporaries(const std::string& root) {
 
 constexpr char kCommitLog[] = "commits.log";
 
+// Replaces <root>/<name> with `text` atomically (a synced temporary ".<name>.<pid>", renamed over
+// it, the directory synced); a failure leaves the old file.
+absl::Status ReplaceFile(const std::string& root, const std::string& name,
+                         const std::string& text) {
+  const std::string tmp = absl::StrCat(root, "/.", name, ".", ::getpid());
+  absl::Status s = WriteFileSynced(tmp, text);
+  if (s.ok() && ::rename(tmp.c_str(), (root + "/" + name).c_str()) != 0)
+    s = Errno("cannot rename", tmp);
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  return SyncDir(root);
+}
+
 // The attempt that <root>/fence names; 0 when there is no fence.
 absl::StatusOr<int64_t> ReadFenceFile(const std::string& root) {
   absl::StatusOr<std::string> text = ReadWholeFile(root + "/fence");
@@ -410,17 +425,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   RemoveTree(final_dir);  // an earlier attempt's checkpoint of the same step
   if (::rename(tmp.c_str(), final_dir.c_str()) != 0) return Errno("cannot rename", tmp);
   cleanup.renamed = true;
-  const std::string latest_tmp = absl::StrCat(root, "/.latest.", ::getpid());
-  if (absl::Status s = WriteFileSynced(latest_tmp, name + "\n"); !s.ok()) {
-    ::unlink(latest_tmp.c_str());
-    return s;
-  }
-  if (::rename(latest_tmp.c_str(), (root + "/latest").c_str()) != 0) {
-    absl::Status s = Errno("cannot rename", latest_tmp);
-    ::unlink(latest_tmp.c_str());
-    return s;
-  }
-  RETURN_IF_ERROR(SyncDir(root));
+  RETURN_IF_ERROR(ReplaceFile(root, "latest", name + "\n"));
   std::vector<std::string> dirs = StepDirs(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)
     if (dirs[i] != name) RemoveTree(root + "/" + dirs[i]);
@@ -434,17 +439,7 @@ absl::Status FenceCheckpointRoot(const std::string& root, int64_t attempt) {
   ASSIGN_OR_RETURN(const int64_t fence, ReadFenceFile(root));
   if (fence > attempt) return Superseded(root, attempt, fence);
   if (fence == attempt) return absl::OkStatus();
-  const std::string tmp = absl::StrCat(root, "/.fence.", ::getpid());
-  if (absl::Status s = WriteFileSynced(tmp, absl::StrCat(attempt, "\n")); !s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  if (::rename(tmp.c_str(), (root + "/fence").c_str()) != 0) {
-    absl::Status s = Errno("cannot rename", tmp);
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  RETURN_IF_ERROR(SyncDir(root));
+  RETURN_IF_ERROR(ReplaceFile(root, "fence", absl::StrCat(attempt, "\n")));
   return AppendCommitLog(root, {{"fence", attempt}});
 }
 
