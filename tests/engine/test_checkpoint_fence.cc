@@ -83,7 +83,7 @@ TEST(CheckpointFenceTest, AnOlderAttemptCanNeitherCommitNorPruneOnceFenced) {
 }
 
 // Rank 0 of an attempt resumes from the newest checkpoint that loads; a corrupt one is passed
-// over, and the note names both.
+// over, and the note names both; with none that loads, the job fails naming the newest.
 TEST(CheckpointFenceTest, ACorruptNewestCheckpointResumesFromThePreviousOne) {
   const std::string root = FreshDir("resume");
   TrainerOptions o;
@@ -117,22 +117,21 @@ TEST(CheckpointFenceTest, ACorruptNewestCheckpointResumesFromThePreviousOne) {
                    "mismatch); resumed from the previous complete one, \"",
                    root, "/step_00000002\" (step 2)"));
   EXPECT_EQ(*ReadFence(root), 2);
-  // Every checkpoint damaged: from scratch, said so.
+  // Every checkpoint damaged: the job fails naming the newest (starting over would discard its
+  // progress), and nothing is written.
   {
     std::fstream f(root + "/step_00000002/state.json", std::ios::in | std::ios::out);
     f.seekp(0);
     f.put('#');
   }
-  notes.clear();
   o.attempt = 3;
   auto third = Trainer::Create(o);
-  ASSERT_TRUE(third.ok()) << third.status();
-  EXPECT_EQ((*third)->state().step, 0);
-  ASSERT_EQ(notes.size(), 1u);
-  EXPECT_NE(notes[0]["message"].get<std::string>().find(
-                "; no older complete checkpoint: starting from scratch"),
-            std::string::npos)
-      << notes[0];
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(third.status().message(),
+            absl::StrCat("checkpoint: \"", root,
+                         "/step_00000004/model.safetensors\" is corrupt: checksum mismatch"));
+  EXPECT_EQ(CompleteCheckpoints(root).size(), 2u);
 }
 
 // Ranks of one attempt whose checkpoint directories differ (a volume not shared by the job's

@@ -172,7 +172,8 @@ TEST_F(TrainBinaryTest, AFailedCheckpointWriteLeavesNoPartialFiles) {
   CommandResult ok = Run({"--job", job});
   EXPECT_EQ(ok.exit_code, 0) << ok.stderr_text;
   EXPECT_EQ(entries(),
-            std::set<std::string>({".writer.lock", "latest", "step_00000001", "step_00000002"}));
+            std::set<std::string>(
+                {".writer.lock", "commits.log", "latest", "step_00000001", "step_00000002"}));
 }
 
 TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {

@@ -129,6 +129,7 @@ absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
 
 absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
   std::string skipped;  // the newer checkpoints that did not load, for the note
+  absl::Status newest;  // why the newest did not
   for (const std::string& dir : CompleteCheckpoints(ckpt_dir_)) {
     absl::Status s = LoadStep(params, dir);
     if (s.ok()) {
@@ -141,15 +142,15 @@ absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
     // Only a damaged checkpoint is passed over; a wrong model or seed, or an I/O error, is the
     // job's (or the volume's) problem and ends this attempt.
     if (s.code() != absl::StatusCode::kDataLoss) return s;
+    if (newest.ok()) newest = s;
     absl::StrAppend(&skipped, skipped.empty() ? "" : "; ", "checkpoint \"", dir,
                     "\" does not load (", s.message(), ")");
     state_ = TrainState{};
     state_.seed = opt_.spec.train.seed;
   }
-  if (!skipped.empty())
-    Emit({{"event", "note"},
-          {"message",
-           absl::StrCat(skipped, "; no older complete checkpoint: starting from scratch")}});
+  // Damaged checkpoints and none that loads: starting over would throw away the job's progress
+  // (and prune what is left); the job fails, naming the newest.
+  if (!newest.ok()) return newest;
   return 0;
 }
 

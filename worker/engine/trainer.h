@@ -134,7 +134,8 @@ class Trainer {
   // loads (a corrupt newest one is skipped, in a "note" event naming both) and every other rank
   // loads that same one.
   absl::Status Resume(ParamSet& params);
-  // Rank 0's choice: the step loaded into params (0: none, start from scratch).
+  // Rank 0's choice: the step loaded into params (0: there is no checkpoint); DataLoss, the
+  // newest's error, when there are some and none loads.
   absl::StatusOr<int64_t> LoadNewestValid(ParamSet& params);
   absl::Status LoadStep(ParamSet& params, const std::string& dir);
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
