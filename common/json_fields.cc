@@ -52,6 +52,20 @@ class StrictChecker : public nlohmann::json_sax<nlohmann::json> {
     // what() reads "[json.exception.parse_error.101] parse error at line 1, column 2: ...".
     std::string_view msg = ex.what();
     if (const size_t p = msg.find("] "); p != std::string_view::npos) msg.remove_prefix(p + 2);
+    // "...; last read: '<token>'[; expected ...]": the token is everything read since it began
+    // (an unterminated string runs to the end of the input), so it is cut like any quote.
+    constexpr std::string_view kLastRead = "; last read: '";
+    if (const size_t p = msg.find(kLastRead); p != std::string_view::npos) {
+      const size_t begin = p + kLastRead.size();
+      size_t end = msg.rfind("'; expected ");
+      if (end == std::string_view::npos || end < begin) end = msg.rfind('\'');
+      if (end != std::string_view::npos && end >= begin) {
+        error =
+            absl::StrCat("not valid JSON: ", std::string(msg.substr(0, begin)),
+                         ShortText(msg.substr(begin, end - begin)), std::string(msg.substr(end)));
+        return false;
+      }
+    }
     error = absl::StrCat("not valid JSON: ", std::string(msg));
     return false;
   }

@@ -73,6 +73,16 @@ TEST(JsonLimitsTest, ErrorsQuoteAShortPieceOfTheInput) {
   EXPECT_EQ(
       err(R"("seq_len": 64, "resources": ")" + std::string(100000, 'r') + "\", "),
       "job spec: resources: must be \"cpu\" or \"cuda\", got \"" + std::string(64, 'r') + "...\"");
+  // A syntax error quotes the token it stopped in, which for an unterminated string is the
+  // rest of the input.
+  EXPECT_EQ(ParseJobSpec("{\"name\": \"" + std::string(100000, 'a')).status().message(),
+            "job spec: not valid JSON: parse error at line 1, column 100011: syntax error while "
+            "parsing value - invalid string: missing closing quote; last read: '\"" +
+                std::string(63, 'a') + "...'");
+  // What follows the token is kept.
+  EXPECT_EQ(ParseJobSpec("{\"name\": 1x}").status().message(),
+            "job spec: not valid JSON: parse error at line 1, column 11: syntax error while "
+            "parsing object - invalid literal; last read: '1x'; expected '}'");
   // A cut never splits a UTF-8 character: 63 ASCII bytes, then a 2-byte character.
   EXPECT_EQ(ShortText(std::string(63, 'a') + "\xc3\xa9" + "bbb"), std::string(63, 'a') + "...");
   EXPECT_EQ(ShortText("short"), "short");
