@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -70,6 +71,17 @@ std::string g_dir;
 
 void RemoveDir() { std::filesystem::remove_all(std::filesystem::path(g_dir).parent_path()); }
 
+// copy_file, retried when a signal interrupts it (libFuzzer's -timeout sends SIGALRM each second).
+void CopyFile(const std::string& from, const std::string& to) {
+  for (int tries = 0; tries < 100; ++tries) {
+    std::error_code ec;
+    std::filesystem::remove(to, ec);
+    if (std::filesystem::copy_file(from, to, ec)) return;
+    if (ec != std::errc::interrupted) std::abort();
+  }
+  std::abort();
+}
+
 // The store every input starts from: migrated, worker "w0" registered (written once by
 // LLVMFuzzerInitialize and copied for each input, which is much faster than migrating).
 std::string g_template;
@@ -78,7 +90,7 @@ class Coordinator {
  public:
   // A coordinator over a copy of g_template, or over a fresh store that becomes the template.
   explicit Coordinator(bool from_template = true) {
-    if (from_template) std::filesystem::copy_file(g_template, g_dir + "/c.db");
+    if (from_template) CopyFile(g_template, g_dir + "/c.db");
     auto store = JobStore::Open(g_dir + "/c.db");
     if (!store.ok()) std::abort();
     store_ = std::move(*store);
@@ -102,8 +114,9 @@ class Coordinator {
   ~Coordinator() {
     manager_.reset();
     store_.reset();
-    for (const auto& e : std::filesystem::directory_iterator(g_dir))
-      std::filesystem::remove_all(e.path());
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(g_dir, ec))
+      std::filesystem::remove_all(e.path(), ec);
   }
 
   // Closes the store (SQLite folds its write-ahead log into the file) and moves it to `path`.
