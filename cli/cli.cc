@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "common/host_port.h"
 #include "common/job_spec.h"
+#include "common/json_fields.h"
 #include "common/pem.h"
 #include "coordinator/cp_planner.h"
 #include "coordinator/plan_proto.h"
@@ -209,6 +210,7 @@ bool IsTerminalState(v1::JobState s) {
 // directories, so a path means what it means for `spindle-train` only when it is absolute.
 // Anything that is not as expected is left alone for ParseJobSpec to report.
 std::string WithAbsolutePaths(const std::string& text) {
+  if (!JsonDepthWithin(text)) return text;  // dump() below would recurse through it
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return text;
   bool changed = false;

@@ -19,8 +19,8 @@ absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
   if (s == "auto") return CpMode::kAuto;
   if (s == "allgather") return CpMode::kAllGather;
   if (s == "all2all") return CpMode::kAll2All;
-  return f.Error(key, absl::StrCat("must be \"auto\", \"allgather\" or \"all2all\", got \"", s,
-                                   "\""));
+  return f.Error(key, absl::StrCat("must be \"auto\", \"allgather\" or \"all2all\", got \"",
+                                   ShortText(s), "\""));
 }
 
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
@@ -36,7 +36,7 @@ absl::StatusOr<int64_t> ParseRecompute(const JsonFields& f, const nlohmann::json
   }
   return f.Error("recompute",
                  absl::StrCat("must be false, true, \"auto\" or a number of layers in [0, ",
-                              n_layers, "], got ", v.dump()));
+                              n_layers, "], got ", DescribeJson(v)));
 }
 
 absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
@@ -53,7 +53,7 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
     d->kind = DataKind::kSynthetic;
     d->task = s.substr(10);
     if (d->task != "recall" && d->task != "copy")
-      return f.Error("source", absl::StrCat("unknown synthetic task \"", d->task,
+      return f.Error("source", absl::StrCat("unknown synthetic task \"", ShortText(d->task),
                                             "\" (known: recall, copy)"));
   } else if (absl::StartsWith(s, "tokens:")) {
     d->kind = DataKind::kTokens;
@@ -64,10 +64,10 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
     d->path = s.substr(5);
   } else {
     return f.Error("source", absl::StrCat("must start with \"synthetic:\", \"tokens:\" or "
-                                          "\"text:\", got \"", s, "\""));
+                                          "\"text:\", got \"",
+                                          ShortText(s), "\""));
   }
-  if (d->kind != DataKind::kSynthetic && d->path.empty())
-    return f.Error("source", "names no file");
+  if (d->kind != DataKind::kSynthetic && d->path.empty()) return f.Error("source", "names no file");
   if (d->token_bytes != 2 && d->token_bytes != 4)
     return f.Error("token_bytes", absl::StrCat("must be 2 or 4, got ", d->token_bytes));
   if (d->kind == DataKind::kTokens && d->eos_id < 0)
@@ -90,9 +90,12 @@ nlohmann::json RecomputeJson(int64_t layers, int64_t n_layers) {
 
 std::string_view CpModeName(CpMode m) {
   switch (m) {
-    case CpMode::kAuto: return "auto";
-    case CpMode::kAllGather: return "allgather";
-    case CpMode::kAll2All: return "all2all";
+    case CpMode::kAuto:
+      return "auto";
+    case CpMode::kAllGather:
+      return "allgather";
+    case CpMode::kAll2All:
+      return "all2all";
   }
   return "auto";
 }
@@ -166,11 +169,11 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     if (tr.warmup_steps < 0)
       return tf.Error("warmup_steps", absl::StrCat("must be >= 0, got ", tr.warmup_steps));
     if (tr.schedule != "cosine" && tr.schedule != "constant")
-      return tf.Error("schedule",
-                      absl::StrCat("must be \"cosine\" or \"constant\", got \"", tr.schedule, "\""));
+      return tf.Error("schedule", absl::StrCat("must be \"cosine\" or \"constant\", got \"",
+                                               ShortText(tr.schedule), "\""));
     if (tr.optimizer != "adamw" && tr.optimizer != "sgd")
-      return tf.Error("optimizer",
-                      absl::StrCat("must be \"adamw\" or \"sgd\", got \"", tr.optimizer, "\""));
+      return tf.Error("optimizer", absl::StrCat("must be \"adamw\" or \"sgd\", got \"",
+                                                ShortText(tr.optimizer), "\""));
     if (tr.weight_decay < 0) return tf.Error("weight_decay", "must be >= 0");
     if (!(tr.beta1 >= 0 && tr.beta1 < 1)) return tf.Error("beta1", "must be in [0, 1)");
     if (!(tr.beta2 >= 0 && tr.beta2 < 1)) return tf.Error("beta2", "must be in [0, 1)");
@@ -194,8 +197,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
 
   RETURN_IF_ERROR(f.ReadString("resources", &s.resources));
   if (s.resources != "cpu" && s.resources != "cuda")
-    return f.Error("resources",
-                   absl::StrCat("must be \"cpu\" or \"cuda\", got \"", s.resources, "\""));
+    return f.Error("resources", absl::StrCat("must be \"cpu\" or \"cuda\", got \"",
+                                             ShortText(s.resources), "\""));
   RETURN_IF_ERROR(f.ReadInt("max_restarts", &s.max_restarts));
   if (s.max_restarts < 0 || s.max_restarts > 1000)
     return f.Error("max_restarts", absl::StrCat("must be in [0, 1000], got ", s.max_restarts));
@@ -209,13 +212,13 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
         "(resources is \"",
         s.resources, "\"); remove it or set it to false"));
   if (s.data.kind != DataKind::kTokens && s.model.vocab < 257)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: model.vocab: must be >= 257 for byte-token data (\"", s.data.source,
-        "\"), got ", s.model.vocab));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: model.vocab: must be >= 257 for byte-token data (\"",
+                     ShortText(s.data.source), "\"), got ", s.model.vocab));
   if (s.data.kind == DataKind::kTokens && s.data.eos_id >= s.model.vocab)
-    return absl::InvalidArgumentError(absl::StrCat("job spec: data.eos_id: ", s.data.eos_id,
-                                                   " is outside the vocabulary (model.vocab = ",
-                                                   s.model.vocab, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: data.eos_id: ", s.data.eos_id,
+                     " is outside the vocabulary (model.vocab = ", s.model.vocab, ")"));
   return s;
 }
 
@@ -236,8 +239,7 @@ absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
   ss << in.rdbuf();
   auto spec = ParseJobSpec(ss.str());
   if (!spec.ok())
-    return absl::Status(spec.status().code(),
-                        absl::StrCat(path, ": ", spec.status().message()));
+    return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   return spec;
 }
 

@@ -52,6 +52,20 @@ class StrictChecker : public nlohmann::json_sax<nlohmann::json> {
     // what() reads "[json.exception.parse_error.101] parse error at line 1, column 2: ...".
     std::string_view msg = ex.what();
     if (const size_t p = msg.find("] "); p != std::string_view::npos) msg.remove_prefix(p + 2);
+    // "...; last read: '<token>'[; expected ...]": the token is everything read since it began
+    // (an unterminated string runs to the end of the input), so it is cut like any quote.
+    constexpr std::string_view kLastRead = "; last read: '";
+    if (const size_t p = msg.find(kLastRead); p != std::string_view::npos) {
+      const size_t begin = p + kLastRead.size();
+      size_t end = msg.rfind("'; expected ");
+      if (end == std::string_view::npos || end < begin) end = msg.rfind('\'');
+      if (end != std::string_view::npos && end >= begin) {
+        error =
+            absl::StrCat("not valid JSON: ", std::string(msg.substr(0, begin)),
+                         ShortText(msg.substr(begin, end - begin)), std::string(msg.substr(end)));
+        return false;
+      }
+    }
     error = absl::StrCat("not valid JSON: ", std::string(msg));
     return false;
   }
@@ -74,7 +88,7 @@ class StrictChecker : public nlohmann::json_sax<nlohmann::json> {
       if (f.array) {
         absl::StrAppend(&path, "[", f.elements - 1, "]");
       } else {
-        absl::StrAppend(&path, path.empty() ? "" : ".", f.key);
+        absl::StrAppend(&path, path.empty() ? "" : ".", ShortText(f.key));
       }
     }
     return path;
@@ -84,7 +98,49 @@ class StrictChecker : public nlohmann::json_sax<nlohmann::json> {
 
 }  // namespace
 
+bool JsonDepthWithin(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return false;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return true;
+}
+
+std::string ShortText(std::string_view s) {
+  constexpr size_t kMaxBytes = 64;
+  if (s.size() <= kMaxBytes) return std::string(s);
+  size_t cut = kMaxBytes;  // never inside a UTF-8 sequence: back up over continuation bytes
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(std::string(s.substr(0, cut)), "...");
+}
+
+std::string DescribeJson(const nlohmann::json& v) {
+  // Values parsed from outside nest at most kMaxJsonDepth levels, so dump's recursion is bounded;
+  // its length is not, hence the cut.
+  return ShortText(
+      v.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace));
+}
+
 absl::StatusOr<nlohmann::json> ParseStrictJson(std::string_view text, std::string_view what) {
+  if (!JsonDepthWithin(text, kMaxJsonDepth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(what), ": nesting deeper than ", kMaxJsonDepth, " levels"));
+  }
   StrictChecker checker;
   nlohmann::json::sax_parse(text, &checker, nlohmann::json::input_format_t::json,
                             /*strict=*/true, /*ignore_comments=*/false);
@@ -103,7 +159,7 @@ absl::Status JsonFields::ReadInt(const std::string& key, int64_t* out, bool requ
   const auto& v = obj_.at(key);
   if (v.is_number_unsigned() &&
       v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-    return Error(key, absl::StrCat("must be an integer in int64's range, got ", v.dump()));
+    return Error(key, absl::StrCat("must be an integer in int64's range, got ", DescribeJson(v)));
   if (v.is_number_integer()) {
     *out = v.get<int64_t>();
     return absl::OkStatus();
@@ -115,7 +171,7 @@ absl::Status JsonFields::ReadInt(const std::string& key, int64_t* out, bool requ
       return absl::OkStatus();
     }
   }
-  return Error(key, absl::StrCat("must be an integer, got ", v.dump()));
+  return Error(key, absl::StrCat("must be an integer, got ", DescribeJson(v)));
 }
 
 absl::Status JsonFields::ReadUint(const std::string& key, uint64_t* out, bool required) {
@@ -135,7 +191,7 @@ absl::Status JsonFields::ReadDouble(const std::string& key, double* out, bool re
   seen_.insert(key);
   if (!Has(key)) return Missing(key, required);
   const auto& v = obj_.at(key);
-  if (!v.is_number()) return Error(key, absl::StrCat("must be a number, got ", v.dump()));
+  if (!v.is_number()) return Error(key, absl::StrCat("must be a number, got ", DescribeJson(v)));
   double d = v.get<double>();
   if (!std::isfinite(d)) return Error(key, "must be finite");
   *out = d;
@@ -146,7 +202,7 @@ absl::Status JsonFields::ReadString(const std::string& key, std::string* out, bo
   seen_.insert(key);
   if (!Has(key)) return Missing(key, required);
   const auto& v = obj_.at(key);
-  if (!v.is_string()) return Error(key, absl::StrCat("must be a string, got ", v.dump()));
+  if (!v.is_string()) return Error(key, absl::StrCat("must be a string, got ", DescribeJson(v)));
   *out = v.get<std::string>();
   return absl::OkStatus();
 }
@@ -155,7 +211,8 @@ absl::Status JsonFields::ReadBool(const std::string& key, bool* out, bool requir
   seen_.insert(key);
   if (!Has(key)) return Missing(key, required);
   const auto& v = obj_.at(key);
-  if (!v.is_boolean()) return Error(key, absl::StrCat("must be true or false, got ", v.dump()));
+  if (!v.is_boolean())
+    return Error(key, absl::StrCat("must be true or false, got ", DescribeJson(v)));
   *out = v.get<bool>();
   return absl::OkStatus();
 }

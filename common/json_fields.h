@@ -18,11 +18,31 @@
 
 namespace spindle {
 
-// Parses `text` as JSON. Errors start with `what` and name the problem: a syntax error by its
-// line and column ("job spec: not valid JSON: parse error at line 3, column 1: ..."), a key that
-// appears twice in one object by its dotted path ("job spec: train.lr: appears twice"), which a
-// plain parse would resolve by keeping the last value.
+// The deepest nesting of arrays and objects that JSON from outside a process may have. nlohmann's
+// copy, comparison and dump recurse once per level, so a document nesting 100,000 arrays (200 KB)
+// overflows the stack; every parse of untrusted text checks JsonDepthWithin first. Real job specs,
+// checkpoint state and safetensors headers nest at most 4 levels.
+inline constexpr int kMaxJsonDepth = 64;
+
+// Whether no array or object in `text` opens more than `max_depth` levels deep, counting '[' and
+// '{' outside strings. One pass without recursion or allocation; `text` need not be valid JSON
+// (for valid JSON the count is exact, and invalid JSON is refused by the parse that follows).
+bool JsonDepthWithin(std::string_view text, int max_depth = kMaxJsonDepth);
+
+// Parses `text` as JSON. Errors start with `what` and name the problem: nesting deeper than
+// kMaxJsonDepth ("job spec: nesting deeper than 64 levels"), checked before anything is parsed; a
+// syntax error by its line and column ("job spec: not valid JSON: parse error at line 3, column
+// 1: ..."); a key that appears twice in one object by its dotted path ("job spec: train.lr:
+// appears twice"), which a plain parse would resolve by keeping the last value.
 absl::StatusOr<nlohmann::json> ParseStrictJson(std::string_view text, std::string_view what);
+
+// `v` as compact JSON for error messages, cut like ShortText (64 bytes and "..."), so an error
+// never echoes a large input.
+std::string DescribeJson(const nlohmann::json& v);
+
+// `s` cut to at most 64 bytes (at a UTF-8 character boundary) with "..." appended when cut: for
+// echoing a string from the input (a key, a value) in an error message.
+std::string ShortText(std::string_view s);
 
 class JsonFields {
  public:
@@ -39,10 +59,11 @@ class JsonFields {
   std::string Path(const std::string& key) const {
     return prefix_.empty() ? key : absl::StrCat(prefix_, ".", key);
   }
+  // `key` is cut with ShortText: an unknown key may be as long as the input.
   absl::Status Error(const std::string& key, const std::string& msg) const {
-    std::string path = key.empty() ? prefix_ : Path(key);
-    return absl::InvalidArgumentError(
-        path.empty() ? absl::StrCat(what_, ": ", msg) : absl::StrCat(what_, ": ", path, ": ", msg));
+    std::string path = key.empty() ? prefix_ : Path(ShortText(key));
+    return absl::InvalidArgumentError(path.empty() ? absl::StrCat(what_, ": ", msg)
+                                                   : absl::StrCat(what_, ": ", path, ": ", msg));
   }
 
   // Each Read leaves *out unchanged when the key is absent (optional) or fails when required.

@@ -65,21 +65,21 @@ absl::Status ModelConfig::Validate() const {
   if (d_model % n_heads != 0)
     return err("n_heads", absl::StrCat("must divide d_model (", d_model, "), got ", n_heads));
   if (head_dim() % 2 != 0)
-    return err("n_heads", absl::StrCat("head size d_model/n_heads must be even for RoPE, got ",
-                                       head_dim()));
+    return err("n_heads",
+               absl::StrCat("head size d_model/n_heads must be even for RoPE, got ", head_dim()));
   RETURN_IF_ERROR(in("ffn_dim", ffn_dim, 1, kMaxModelWidth * 8));
   if (layer_pattern.empty()) return err("layer_pattern", "must not be empty");
   if (static_cast<int64_t>(layer_pattern.size()) > n_layers)
     return err(
         "layer_pattern",
-        absl::StrCat("\"", layer_pattern, "\" describes ", layer_pattern.size(),
+        absl::StrCat("\"", ShortText(layer_pattern), "\" describes ", layer_pattern.size(),
                      " layers, more than n_layers = ", n_layers, "; its last ",
                      static_cast<int64_t>(layer_pattern.size()) - n_layers,
                      " would never be built (give a pattern of at most ", n_layers, " layers)"));
   for (char c : layer_pattern)
     if (c != 'L' && c != 'M')
-      return err("layer_pattern", absl::StrCat("may only hold 'L' and 'M', got \"",
-                                               layer_pattern, "\""));
+      return err("layer_pattern",
+                 absl::StrCat("may only hold 'L' and 'M', got \"", ShortText(layer_pattern), "\""));
   if (NumLayersOfKind('M') > 0) {
     RETURN_IF_ERROR(in("mla.q_lora_rank", mla.q_lora_rank, 0, kMaxModelWidth));
     RETURN_IF_ERROR(in("mla.kv_lora_rank", mla.kv_lora_rank, 1, kMaxModelWidth));
@@ -95,10 +95,14 @@ absl::Status ModelConfig::Validate() const {
 }
 
 nlohmann::json ModelConfig::ToJson() const {
-  nlohmann::json j = {{"vocab", vocab},     {"d_model", d_model},
-                      {"n_layers", n_layers}, {"n_heads", n_heads},
-                      {"ffn_dim", ffn_dim}, {"layer_pattern", layer_pattern},
-                      {"rope_theta", rope_theta}, {"norm_eps", norm_eps},
+  nlohmann::json j = {{"vocab", vocab},
+                      {"d_model", d_model},
+                      {"n_layers", n_layers},
+                      {"n_heads", n_heads},
+                      {"ffn_dim", ffn_dim},
+                      {"layer_pattern", layer_pattern},
+                      {"rope_theta", rope_theta},
+                      {"norm_eps", norm_eps},
                       {"mla",
                        {{"q_lora_rank", mla.q_lora_rank},
                         {"kv_lora_rank", mla.kv_lora_rank},
@@ -125,8 +129,8 @@ absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
     c.layer_pattern = "LLLLLLLM";
     c.mla = {768, 512, 128, 64, 128};
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: model.preset: unknown preset \"", std::string(name), "\" (known: tiny, small, 1b)"));
+    return absl::InvalidArgumentError(absl::StrCat("job spec: model.preset: unknown preset \"",
+                                                   ShortText(name), "\" (known: tiny, small, 1b)"));
   }
   return c;
 }

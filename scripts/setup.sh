@@ -8,7 +8,7 @@ PACKAGES=(build-essential cmake ninja-build ccache pkg-config git
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
           libgloo-dev libsqlite3-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
           zlib1g-dev libgtest-dev libgmock-dev prometheus openssl python3 python3-torch
-          iproute2)
+          iproute2 clang libclang-rt-14-dev)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -2,6 +2,7 @@
 #include "worker/trainer_event.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/json_fields.h"
 #include "nlohmann/json.hpp"
 
 namespace spindle {
@@ -45,6 +46,11 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
   const size_t first = line.find_first_not_of(" \t");
   if (first == std::string_view::npos || line[first] != '{') {
     return absl::InvalidArgumentError("trainer event: not a JSON object");
+  }
+  // The trainer prints flat objects; a line nesting deeper is refused before it is parsed.
+  if (!JsonDepthWithin(line)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer event: nesting deeper than ", kMaxJsonDepth, " levels"));
   }
   Json obj = Json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
   if (obj.is_discarded() || !obj.is_object()) {

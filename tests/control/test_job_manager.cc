@@ -621,6 +621,27 @@ TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
             "n_heads=4 and cp=8 (4 % 8 = 4); use allgather or a cp that divides 4");
 }
 
+// A spec nesting 100,000 arrays (200 KB, well under gRPC's message limit) used to overflow the
+// coordinator's stack; Submit and Plan refuse it by the limit, and the manager keeps serving.
+TEST_F(JobManagerTest, SubmitAndPlanRefuseDeeplyNestedSpecsByTheLimit) {
+  AddWorker("w1", 4);
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string deep_field = "{\"name\": " + deep + "}";
+  for (const std::string& spec : {deep, deep_field}) {
+    v1::Plan plan;
+    auto id = manager_->Submit(spec, &plan);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(id.status().message(), "job spec: nesting deeper than 64 levels");
+    absl::Status planned = manager_->PlanSpec(spec, &plan);
+    EXPECT_EQ(planned.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(planned.message(), "job spec: nesting deeper than 64 levels");
+  }
+  v1::Plan plan;
+  auto ok = manager_->Submit(SpecJson(), &plan);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, "j-000001");
+}
+
 // A job that offloads its layer inputs (train.offload: 45.5 GiB pinned a rank for 917,504 tokens
 // of the 1b model) is refused while no registered worker's host memory holds a rank, and placed
 // on the worker whose does; the plan carries the pinned bytes.

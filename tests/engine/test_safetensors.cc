@@ -72,7 +72,8 @@ TEST(SafetensorsTest, EveryMalformedHeaderIsOneErrorNamingIt) {
       {"abc", "shorter than its 8-byte header length"},
       {length_field(1000) + "{}", "header length exceeds the file size"},
       {with_header("[1, 2]"), "header is not a JSON object"},
-      {with_header("{\"w\": {\"dtype\": \"F32\"}}"), "tensor \"w\" lacks dtype, shape or data_offsets"},
+      {with_header("{\"w\": {\"dtype\": \"F32\"}}"),
+       "tensor \"w\" lacks dtype, shape or data_offsets"},
       {with_header("{\"w\": {\"dtype\": \"F16\", \"shape\": [2], \"data_offsets\": [0, 4]}}") +
            std::string(4, '\0'),
        "tensor \"w\" has dtype \"F16\" (only F32 is supported)"},
@@ -84,7 +85,18 @@ TEST(SafetensorsTest, EveryMalformedHeaderIsOneErrorNamingIt) {
       {with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}") +
            std::string(8, '\0'),
        "tensor \"w\" data_offsets [0, 8] do not fit the file or the shape"},
-      {good.substr(0, good.size() - 4), "tensor \"w\" data_offsets [0, 24] do not fit the file or the shape"},
+      {good.substr(0, good.size() - 4),
+       "tensor \"w\" data_offsets [0, 24] do not fit the file or the shape"},
+      // Refused before parsing: nlohmann recurses once per level when it copies or compares.
+      {with_header(std::string(100000, '[') + std::string(100000, ']')),
+       "header nests deeper than 64 levels"},
+      // Dimensions whose product overflows int64 (it used to, silently).
+      {with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [4611686018427387904, 4], "
+                   "\"data_offsets\": [0, 0]}}"),
+       "tensor \"w\" has a shape larger than the file"},
+      {with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": 2, \"data_offsets\": [0, 8]}}") +
+           std::string(8, '\0'),
+       "tensor \"w\" has a bad shape"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.why);

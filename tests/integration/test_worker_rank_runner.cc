@@ -309,6 +309,9 @@ TEST(TrainerEventTest, ParsesKnownFieldsAndRejectsBadTypes) {
   EXPECT_EQ(ParseTrainerEvent(R"({"event":"step","loss":"high"})").status().message(),
             "trainer event: loss: not a number");
   EXPECT_EQ(ParseTrainerEvent(R"({"event":"eval"})")->kind, TrainerEventKind::kOther);
+  // A line nesting 100,000 arrays is refused before it is parsed.
+  EXPECT_EQ(ParseTrainerEvent("{\"a\":" + std::string(100000, '[')).status().message(),
+            "trainer event: nesting deeper than 64 levels");
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/json_fields.h"
 #include "common/status.h"
 #include "worker/engine/safetensors.h"
 
@@ -174,14 +175,16 @@ class InputFile {
   }
   // Up to n bytes from offset (fewer at the end of the file or on a read error).
   std::string Read(uint64_t offset, uint64_t n) const {
-    std::string out(static_cast<size_t>(std::min<uint64_t>(n, size_ - std::min(offset, size_))), '\0');
+    std::string out(static_cast<size_t>(std::min<uint64_t>(n, size_ - std::min(offset, size_))),
+                    '\0');
     if (!ReadAt(offset, out.data(), out.size()).ok()) out.clear();
     return out;
   }
   // The whole file through CRC-32, in pieces.
   absl::StatusOr<FileDigest> Digest() const {
     FileDigest d;
-    std::vector<char> buf(size_t{8} << 20);
+    // 8 MiB pieces, or one the size of a smaller file (no 8 MiB to clear for a tiny model).
+    std::vector<char> buf(static_cast<size_t>(std::min<uint64_t>(size_, uint64_t{8} << 20)));
     for (uint64_t off = 0; off < size_;) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size_ - off));
       RETURN_IF_ERROR(ReadAt(off, buf.data(), n));
@@ -192,7 +195,8 @@ class InputFile {
   }
 
  private:
-  InputFile(int fd, uint64_t size, std::string path) : fd_(fd), size_(size), path_(std::move(path)) {}
+  InputFile(int fd, uint64_t size, std::string path)
+      : fd_(fd), size_(size), path_(std::move(path)) {}
   int fd_;
   uint64_t size_;
   std::string path_;
@@ -398,8 +402,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
       opt[OptimizerName(*optimizer, 0, p.name)] = {p.shape, optimizer->state0().f32() + p.offset,
                                                    p.numel};
       if (optimizer->is_adamw())
-        opt[OptimizerName(*optimizer, 1, p.name)] = {p.shape,
-                                                     optimizer->state1().f32() + p.offset, p.numel};
+        opt[OptimizerName(*optimizer, 1, p.name)] = {p.shape, optimizer->state1().f32() + p.offset,
+                                                     p.numel};
     }
   }
   // The tensor files stream from the parameter and optimizer buffers (no copy of the state).
@@ -470,16 +474,42 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
     struct stat st;
     if (::stat((root + "/" + *it + "/state.json").c_str(), &st) == 0) return root + "/" + *it;
   }
-  return absl::NotFoundError(absl::StrCat("checkpoint: no complete checkpoint under \"", root, "\""));
+  return absl::NotFoundError(
+      absl::StrCat("checkpoint: no complete checkpoint under \"", root, "\""));
+}
+
+absl::StatusOr<nlohmann::json> ParseCheckpointState(std::string_view text,
+                                                    const std::string& path) {
+  auto corrupt = [&path](const std::string& why) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint: \"", path, "\" is corrupt", why.empty() ? "" : ": ", why));
+  };
+  if (!JsonDepthWithin(text))
+    return corrupt(absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
+  nlohmann::json st = nlohmann::json::parse(text, nullptr, false);
+  if (st.is_discarded() || !st.is_object() || !st.contains("step") || !st.contains("files") ||
+      !st.contains("model"))
+    return corrupt("");
+  // Every field LoadCheckpoint reads has the type it reads it as (nlohmann throws otherwise).
+  if (!st["model"].is_object()) return corrupt("model is not an object");
+  for (const char* key : {"step", "data_position", "optimizer_steps", "seed", "rng_counter"})
+    if (st.contains(key) && !st[key].is_number_integer())
+      return corrupt(absl::StrCat(key, " is not an integer"));
+  if (!st["files"].is_object()) return corrupt("files is not an object");
+  for (auto it = st["files"].begin(); it != st["files"].end(); ++it) {
+    if (!it.value().is_object())
+      return corrupt(absl::StrCat("files.", ShortText(it.key()), " is not an object"));
+    for (const char* key : {"bytes", "crc32"})
+      if (it.value().contains(key) && !it.value()[key].is_number_unsigned())
+        return corrupt(
+            absl::StrCat("files.", ShortText(it.key()), ".", key, " is not an unsigned integer"));
+  }
+  return st;
 }
 
 absl::StatusOr<nlohmann::json> ReadCheckpointState(const std::string& dir) {
   ASSIGN_OR_RETURN(std::string text, ReadWholeFile(dir + "/state.json"));
-  nlohmann::json st = nlohmann::json::parse(text, nullptr, false);
-  if (st.is_discarded() || !st.is_object() || !st.contains("step") || !st.contains("files") ||
-      !st.contains("model"))
-    return absl::DataLossError(absl::StrCat("checkpoint: \"", dir, "/state.json\" is corrupt"));
-  return st;
+  return ParseCheckpointState(text, dir + "/state.json");
 }
 
 absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& params,
@@ -487,12 +517,13 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
   ASSIGN_OR_RETURN(nlohmann::json st, ReadCheckpointState(dir));
   // The recorded model must be the one we are loading into.
   const nlohmann::json want = config.ToJson();
-  for (const char* key : {"vocab", "d_model", "n_layers", "n_heads", "ffn_dim", "layer_pattern", "mla"}) {
+  for (const char* key :
+       {"vocab", "d_model", "n_layers", "n_heads", "ffn_dim", "layer_pattern", "mla"}) {
     if (st["model"].value(key, nlohmann::json()) != want[key])
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint: \"", dir, "\" was written for a different model: model.", key,
-                       " is ", st["model"].value(key, nlohmann::json()).dump(), ", the job has ",
-                       want[key].dump()));
+                       " is ", DescribeJson(st["model"].value(key, nlohmann::json())),
+                       ", the job has ", DescribeJson(want[key])));
   }
   // Each tensor file is checked whole (size and CRC-32, streamed) and its header parsed; the
   // values are read into place only once everything has been validated.
@@ -503,14 +534,17 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
     ASSIGN_OR_RETURN(InputFile in, InputFile::Open(path));
     const auto& rec = st["files"].value(fname, nlohmann::json());
     if (!rec.is_object() || rec.value("bytes", uint64_t{0}) != in.size())
-      return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is truncated or has the "
-                                              "wrong size (", in.size(), " bytes)"));
+      return absl::DataLossError(absl::StrCat("checkpoint: \"", path,
+                                              "\" is truncated or has the "
+                                              "wrong size (",
+                                              in.size(), " bytes)"));
     ASSIGN_OR_RETURN(const FileDigest digest, in.Digest());
     if (rec.value("crc32", uint32_t{0}) != digest.crc32)
-      return absl::DataLossError(absl::StrCat("checkpoint: \"", path, "\" is corrupt: checksum mismatch"));
-    ASSIGN_OR_RETURN(files[fname],
-                     ParseSafetensorsHeader([&in](uint64_t off, uint64_t n) { return in.Read(off, n); },
-                                            in.size(), path));
+      return absl::DataLossError(
+          absl::StrCat("checkpoint: \"", path, "\" is corrupt: checksum mismatch"));
+    ASSIGN_OR_RETURN(files[fname], ParseSafetensorsHeader(
+                                       [&in](uint64_t off, uint64_t n) { return in.Read(off, n); },
+                                       in.size(), path));
     inputs.push_back(std::move(in));
   }
   const InputFile& model_in = inputs[0];
@@ -524,17 +558,18 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint: \"", dir, "/", file, "\" has no tensor \"", name, "\""));
     if (it->second.shape != p.shape)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint: \"", dir, "/", file, "\": tensor \"", name, "\" has shape [",
-          nlohmann::json(it->second.shape).dump(), "], the model expects ",
-          nlohmann::json(p.shape).dump()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint: \"", dir, "/", file, "\": tensor \"", name, "\" has shape [",
+                       nlohmann::json(it->second.shape).dump(), "], the model expects ",
+                       nlohmann::json(p.shape).dump()));
     return absl::OkStatus();
   };
   const bool want_opt = optimizer && !optimizer->state0().empty();
-  if (want_opt && opt.metadata.count("optimizer") && opt.metadata.at("optimizer") != optimizer->spec().optimizer)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint: \"", dir, "\" holds ", opt.metadata.at("optimizer"),
-        " optimizer state, the job uses ", optimizer->spec().optimizer));
+  if (want_opt && opt.metadata.count("optimizer") &&
+      opt.metadata.at("optimizer") != optimizer->spec().optimizer)
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: \"", dir, "\" holds ", opt.metadata.at("optimizer"),
+                     " optimizer state, the job uses ", optimizer->spec().optimizer));
   // Validate everything before touching anything.
   for (int i = 0; i < params.size(); ++i) {
     const ParamInfo& p = params.info(i);
@@ -542,13 +577,14 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
     if (want_opt) {
       RETURN_IF_ERROR(check(opt, "optimizer.safetensors", OptimizerName(*optimizer, 0, p.name), p));
       if (optimizer->is_adamw())
-        RETURN_IF_ERROR(check(opt, "optimizer.safetensors", OptimizerName(*optimizer, 1, p.name), p));
+        RETURN_IF_ERROR(
+            check(opt, "optimizer.safetensors", OptimizerName(*optimizer, 1, p.name), p));
     }
   }
   if (model.tensors.size() != static_cast<size_t>(params.size()))
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint: \"", dir, "/model.safetensors\" holds ",
-                                                      model.tensors.size(), " tensors, the model has ",
-                                                      params.size()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: \"", dir, "/model.safetensors\" holds ", model.tensors.size(),
+                     " tensors, the model has ", params.size()));
   // Everything checked: read the values into place.
   auto read = [](const InputFile& in, const SafetensorsEntry& e, float* dst) {
     return in.ReadAt(e.offset, reinterpret_cast<char*>(dst), static_cast<size_t>(e.numel) * 4);

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,7 +38,7 @@ struct TrainState {
   int64_t step = 0;           // optimizer steps completed
   int64_t data_position = 0;  // sequences consumed from the data source (all ranks together)
   uint64_t seed = 0;
-  uint64_t rng_counter = 0;   // draws taken from the trainer's generator
+  uint64_t rng_counter = 0;  // draws taken from the trainer's generator
 };
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
@@ -79,5 +80,11 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
 
 // Reads the model config recorded in a checkpoint (for evaluation without a job spec).
 absl::StatusOr<nlohmann::json> ReadCheckpointState(const std::string& dir);
+
+// Parses the text of a state.json (`path` names it in errors): DataLoss for nesting deeper than
+// kMaxJsonDepth (checked before parsing), text that is not a JSON object with step, files and
+// model, or a field of the wrong type (step and the other counters integers, model and each
+// files entry objects, their bytes and crc32 unsigned).
+absl::StatusOr<nlohmann::json> ParseCheckpointState(std::string_view text, const std::string& path);
 
 }  // namespace spindle
