@@ -326,15 +326,24 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
 
 absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const {
   if (spec.checkpoint.dir.empty()) return absl::OkStatus();
-  // Through the index: one path resolution per submit, not one per stored job.
-  for (const std::string& id : index_.AtCheckpointPlace(SamePlace(spec.checkpoint.dir))) {
+  // Through the index: one path resolution per submit, not one per stored job. A directory
+  // inside another's is refused like the same one: the outer job's pruning and `latest` would
+  // see the inner job's checkpoints.
+  const std::string place = SamePlace(spec.checkpoint.dir);
+  for (const std::string& id : index_.OverlappingCheckpointPlace(place)) {
     auto it = jobs_.find(id);
     if (it == jobs_.end() || IsTerminal(it->second->rec.state)) continue;
     const JobRuntime* other = it->second.get();
+    const std::string state(JobStateName(other->rec.state));
+    if (other->checkpoint_place == place)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job cannot run: checkpoint.dir \"", spec.checkpoint.dir, "\" is in use by job ", id,
+          " (", state, "); two jobs on one directory would resume from each other's checkpoints"));
     return absl::FailedPreconditionError(
-        absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir,
-                     "\" is in use by job ", id, " (", std::string(JobStateName(other->rec.state)),
-                     "); two jobs on one directory would resume from each other's checkpoints"));
+        absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir, "\" is ",
+                     other->checkpoint_place.size() < place.size() ? "inside" : "around", " \"",
+                     other->spec.checkpoint.dir, "\", the checkpoint.dir of job ", id, " (", state,
+                     "); nested checkpoint directories would mix the two jobs' checkpoints"));
   }
   return absl::OkStatus();
 }
@@ -944,6 +953,13 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       return absl::NotFoundError(absl::StrCat("worker ", hello.worker_id(),
                                               " is not registered; call Register first"));
     WorkerRuntime& w = *wit->second;
+    // A session speaks for the daemon that registered the id: no other process (which may hold
+    // a worker token too) takes over its session, its assignments and their rendezvous tokens.
+    if (!w.instance_id.empty() && hello.instance_id() != w.instance_id)
+      return absl::PermissionDeniedError(absl::StrCat(
+          "worker ", hello.worker_id(),
+          " was registered by another daemon instance; a session must come from the daemon "
+          "that registered it"));
     const int64_t now = clock_->SteadyMs();
     w.connected = true;
     w.lost = w.leaving = w.left = false;

@@ -40,4 +40,4 @@ EXPOSE 7070 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
   CMD ["spindle-healthcheck", "--grpc", "127.0.0.1:7070", "--timeout", "3"]
 ENTRYPOINT ["spindle-coordinator"]
-CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400"]
+CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400", "--metrics_host=0.0.0.0", "--token_file=/etc/spindle/token/token"]

@@ -41,4 +41,4 @@ EXPOSE 9401
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
   CMD ["spindle-healthcheck", "--http", "127.0.0.1:9401", "--timeout", "3"]
 ENTRYPOINT ["spindle-worker"]
-CMD ["--coordinator=spindle-coordinator:7070", "--metrics_port=9401", "--work_dir=/var/lib/spindle-worker"]
+CMD ["--coordinator=spindle-coordinator:7070", "--metrics_port=9401", "--metrics_host=0.0.0.0", "--work_dir=/var/lib/spindle-worker"]
