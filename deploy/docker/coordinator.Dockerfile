@@ -5,8 +5,8 @@
 # Ports: 7070 gRPC (clients, workers, grpc.health.v1), 9400 /metrics. State: /var/lib/spindle.
 
 FROM debian:bookworm AS build
-# scripts/setup.sh's packages, less the developer and test tools (ccache, git, prometheus,
-# openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
+# scripts/setup.sh's packages, less the developer and test tools (ccache, git, iproute2,
+# prometheus, openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \

@@ -5,8 +5,8 @@
 # Port 9401: /metrics and /healthz. Scratch space: /var/lib/spindle-worker.
 
 FROM debian:bookworm AS build
-# scripts/setup.sh's packages, less the developer and test tools (ccache, git, prometheus,
-# openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
+# scripts/setup.sh's packages, less the developer and test tools (ccache, git, iproute2,
+# prometheus, openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \

@@ -15,8 +15,8 @@ ARG UBUNTU=ubuntu24.04
 
 FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${UBUNTU} AS build
 ARG CUDA_ARCHS=90
-# scripts/setup.sh's packages, less the developer and test tools (ccache, git, prometheus,
-# openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
+# scripts/setup.sh's packages, less the developer and test tools (ccache, git, iproute2,
+# prometheus, openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
