@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -52,7 +53,9 @@ commands:
 
 global flags:
   --coordinator HOST:PORT   coordinator address (env SPINDLE_COORDINATOR, default 127.0.0.1:7070)
-  --token TOKEN             bearer token (env SPINDLE_TOKEN)
+  --token-file FILE         file holding the bearer token (env SPINDLE_TOKEN holds the token
+                            itself); --token TOKEN works too but shows the token to every user
+                            of this host (process list, shell history), so it warns
   --tls-ca FILE             PEM root certificate: connect with TLS (env SPINDLE_TLS_CA)
   --output text|json        output format (default text; json: one JSON object per line)
   --timeout SECONDS         deadline of each call (default 10)
@@ -72,6 +75,8 @@ struct Options {
   std::vector<std::string> positional;
   std::string coordinator = "127.0.0.1:7070";
   std::string token;
+  std::string token_file;
+  bool token_on_command_line = false;
   std::string tls_ca;
   std::string output = "text";
   double timeout_s = 10;
@@ -90,9 +95,9 @@ struct UsageError {
 
 // Parses flags anywhere on the line. Returns an error message or "".
 std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
-  static const char* kValued[] = {"--coordinator", "--token",   "--tls-ca",
-                                  "--output",      "--timeout", "--state",
-                                  "--limit",       "--reason",  "--device-memory"};
+  static const char* kValued[] = {"--coordinator", "--token",        "--token-file", "--tls-ca",
+                                  "--output",      "--timeout",      "--state",      "--limit",
+                                  "--reason",      "--device-memory"};
   for (size_t i = 0; i < args.size(); ++i) {
     std::string a = args[i];
     if (a == "-h" || a == "--help") {
@@ -125,6 +130,9 @@ std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
         o->coordinator = value;
       } else if (name == "--token") {
         o->token = value;
+        o->token_on_command_line = true;
+      } else if (name == "--token-file") {
+        o->token_file = value;
       } else if (name == "--tls-ca") {
         o->tls_ca = value;
       } else if (name == "--output") {
@@ -360,6 +368,20 @@ class Cli {
       : o_(std::move(o)), out_(out), err_(err), tty_(tty) {}
 
   int Run() {
+    if (o_.token_on_command_line && !o_.token_file.empty())
+      return Fail(kExitUsage, "give --token or --token-file, not both");
+    if (o_.token_on_command_line)
+      err_ << "spindle: warning: --token shows the token to every user of this host (process "
+              "list, shell history); set SPINDLE_TOKEN or use --token-file\n";
+    if (!o_.token_file.empty()) {
+      std::ifstream f(o_.token_file, std::ios::binary);
+      std::stringstream text;
+      if (f) text << f.rdbuf();
+      if (!f) return Fail(kExitUsage, absl::StrCat("--token-file: cannot read ", o_.token_file));
+      o_.token = std::string(absl::StripAsciiWhitespace(text.str()));
+      if (o_.token.empty())
+        return Fail(kExitUsage, absl::StrCat("--token-file: ", o_.token_file, " is empty"));
+    }
     if (!o_.tls_ca.empty()) {
       absl::StatusOr<std::string> pem = ReadPemFile(o_.tls_ca, PemKind::kCertificate, "--tls-ca");
       if (!pem.ok()) return Fail(kExitUsage, std::string(pem.status().message()));
@@ -396,7 +418,7 @@ class Cli {
                            o_.timeout_s, " s");
         break;
       case grpc::StatusCode::UNAUTHENTICATED:
-        msg = absl::StrCat("not authenticated: ", msg, " (set --token or SPINDLE_TOKEN)");
+        msg = absl::StrCat("not authenticated: ", msg, " (set SPINDLE_TOKEN or --token-file)");
         break;
       default:
         break;

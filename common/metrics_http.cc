@@ -28,6 +28,11 @@ absl::StatusOr<int> MetricsServer::Start(const std::string& host, int port) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
+  server->set_payload_max_length(kMetricsMaxBodyBytes);
+  server->set_read_timeout(kMetricsIoTimeoutSeconds);
+  server->set_write_timeout(kMetricsIoTimeoutSeconds);
+  server->set_keep_alive_timeout(kMetricsIoTimeoutSeconds);
+  server->set_keep_alive_max_count(kMetricsMaxKeepAliveRequests);
   server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     if (before_scrape_) before_scrape_();
     res.set_content(registry_->Serialize(), kExpositionContentType);

@@ -1,6 +1,10 @@
 // MetricsServer: serves a MetricsRegistry over HTTP (cpp-httplib) for Prometheus to scrape.
 //   GET /metrics  -> text exposition format 0.0.4 (Content-Type kExpositionContentType)
 //   GET /healthz  -> "ok"
+// Limits (no request can hold the server's threads or memory): a request body of more than
+// kMetricsMaxBodyBytes is answered 413 without being read, a connection silent (or a client not
+// reading) for kMetricsIoTimeoutSeconds is closed, and a kept-alive connection serves at most
+// kMetricsMaxKeepAliveRequests requests; headers are capped by cpp-httplib (8 KiB).
 // Thread-safety: Start() and Stop() are called by the owner, not concurrently with each other.
 // Requests are handled on the server's own threads, which only read the (thread-safe) registry and
 // call `before_scrape`; that callback must therefore be thread-safe.
@@ -20,6 +24,10 @@ class Server;
 }  // namespace httplib
 
 namespace spindle {
+
+inline constexpr size_t kMetricsMaxBodyBytes = 4096;  // GET /metrics and /healthz take no body
+inline constexpr int kMetricsIoTimeoutSeconds = 5;
+inline constexpr size_t kMetricsMaxKeepAliveRequests = 100;
 
 class MetricsServer {
  public:

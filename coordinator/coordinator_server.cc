@@ -16,7 +16,7 @@
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "common/status.h"
-#include "coordinator/auth.h"
+#include "coordinator/exposure.h"
 #include "coordinator/grpc_services.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/sqlite_job_store.h"
@@ -36,7 +36,7 @@ struct CoordinatorServer::Impl {
   SessionRegistry sessions;
   MetricsRegistry registry;
   std::unique_ptr<MetricsServer> metrics_server;
-  std::unique_ptr<TokenAuth> auth;
+  std::unique_ptr<Credentials> auth;
   std::unique_ptr<JobManager> manager;
   std::unique_ptr<JobServiceImpl> job_service;
   std::unique_ptr<ClusterServiceImpl> cluster_service;
@@ -57,7 +57,7 @@ struct CoordinatorServer::Impl {
   Family<Gauge>* workers_gauge = nullptr;
   Family<Gauge>* devices_gauge = nullptr;
 
-  std::shared_ptr<grpc::ServerCredentials> Credentials() const {
+  std::shared_ptr<grpc::ServerCredentials> ListenCredentials() const {
     if (config.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
     grpc::SslServerCredentialsOptions opts;
     opts.pem_key_cert_pairs.push_back({config.tls_key_pem, config.tls_cert_pem});
@@ -119,6 +119,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s.clock = clock ? clock : &s.real_clock;
   if (s.config.tls_cert_pem.empty() != s.config.tls_key_pem.empty())
     return absl::InvalidArgumentError("TLS needs both a certificate and a key");
+  RETURN_IF_ERROR(CheckListenExposure({s.config.listen, s.config.worker_listen},
+                                      !s.config.token.empty() || !s.config.tls_cert_pem.empty(),
+                                      s.config.insecure));
   // A coordinator that cannot start leaves no store behind that it created.
   const std::string db_path = s.config.db_path;
   std::error_code ec;
@@ -131,7 +134,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   ASSIGN_OR_RETURN(s.store, SqliteJobStore::Open(s.config.db_path));
   JobManagerMetrics metrics;
   RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
-  s.auth = std::make_unique<TokenAuth>(s.config.token);
+  s.auth = std::make_unique<Credentials>(s.config.token, s.config.worker_tokens);
 
   grpc::EnableDefaultHealthCheckService(true);
   // The same address means one port, unless it asks for an ephemeral one (two then).
@@ -154,7 +157,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     // gRPC binds with SO_REUSEPORT by default, so a second coordinator on a taken port would
     // start and take half of its connections; without it the bind fails.
     b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    b.AddListeningPort(s.config.listen, s.Credentials(), &s.client_port);
+    b.AddListeningPort(s.config.listen, s.ListenCredentials(), &s.client_port);
     b.RegisterService(s.job_service.get());
     if (shared) {
       b.RegisterService(s.cluster_service.get());
@@ -175,7 +178,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   } else {
     grpc::ServerBuilder b;
     b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    b.AddListeningPort(s.config.worker_listen, s.Credentials(), &s.worker_port);
+    b.AddListeningPort(s.config.worker_listen, s.ListenCredentials(), &s.worker_port);
     b.RegisterService(s.cluster_service.get());
     b.RegisterService(s.rendezvous_service.get());
     s.worker_server = b.BuildAndStart();

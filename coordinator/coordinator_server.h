@@ -9,9 +9,11 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
+#include "coordinator/credentials.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/service_limits.h"
 
@@ -22,8 +24,12 @@ struct CoordinatorConfig {
   std::string worker_listen;            // empty: workers use `listen` too
   std::string db_path = "spindle.db";
   int metrics_port = -1;  // -1: no /metrics; 0: an ephemeral port
-  std::string metrics_host = "0.0.0.0";
-  std::string token;         // empty: no auth
+  std::string metrics_host = "127.0.0.1";
+  std::string token;  // the users' token; empty: no auth (unless worker_tokens)
+  // Workers' tokens (credentials.h); empty: workers use `token` too.
+  std::vector<WorkerToken> worker_tokens;
+  // Serve a non-loopback listen address without a token or TLS (exposure.h); false: refuse.
+  bool insecure = false;
   std::string tls_cert_pem;  // both set: TLS on every port
   std::string tls_key_pem;
   // Rendezvous address given to workers; empty: derived from the worker port and this host's

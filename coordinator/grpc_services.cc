@@ -107,7 +107,7 @@ void SessionRegistry::CloseAll() {
 
 grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                     v1::SubmitJobResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   if (req->dry_run()) return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
   absl::StatusOr<std::string> id =
       manager_->Submit(req->spec_json(), resp->mutable_plan(), req->request_id());
@@ -120,19 +120,19 @@ grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJo
 
 grpc::Status JobServiceImpl::Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
                                   v1::PlanJobResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
 }
 
 grpc::Status JobServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                  v1::Job* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   return ToGrpc(manager_->GetJob(req->job_id(), true, resp));
 }
 
 grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                                   v1::ListJobsResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   std::set<JobState> states;
   for (int s : req->states()) {
     if (s < static_cast<int>(JobState::kQueued) || s > static_cast<int>(JobState::kRestarting))
@@ -153,13 +153,13 @@ grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRe
 
 grpc::Status JobServiceImpl::Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                     v1::CancelJobResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   return ToGrpc(manager_->Cancel(req->job_id(), req->reason(), resp->mutable_job()));
 }
 
 grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                                    grpc::ServerWriter<v1::JobUpdate>* writer) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   if (req->min_interval_ms() < 0)
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -227,7 +227,7 @@ grpc::Status JobServiceImpl::WatchStream(grpc::ServerContext* ctx, const v1::Wat
 
 grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                           v1::RegisterResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckWorker(*ctx, req->worker_id()); !a.ok()) return a;
   if (!accepts_workers_) return WrongPortStatus();
   absl::StatusOr<RegistrationReply> reply =
       manager_->RegisterWorker(RegistrationFromProto(*req, PeerHost(ctx->peer())));
@@ -239,7 +239,7 @@ grpc::Status ClusterServiceImpl::Register(grpc::ServerContext* ctx, const v1::Re
 grpc::Status ClusterServiceImpl::Session(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
   if (!accepts_workers_) return WrongPortStatus();
   v1::WorkerMessage first;
   if (!stream->Read(&first))
@@ -248,6 +248,7 @@ grpc::Status ClusterServiceImpl::Session(
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         "session: the first message must be a hello");
   const std::string worker_id = first.hello().worker_id();
+  if (grpc::Status a = auth_->CheckWorker(*ctx, worker_id); !a.ok()) return a;
   uint64_t session_id;
   {
     absl::MutexLock l(&mu_);
@@ -287,7 +288,7 @@ grpc::Status ClusterServiceImpl::Session(
 grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                              const v1::ListWorkersRequest* req,
                                              v1::ListWorkersResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckAny(*ctx); !a.ok()) return a;
   for (const WorkerView& w : manager_->ListWorkers()) WorkerViewToProto(w, resp->add_workers());
   return grpc::Status::OK;
 }
@@ -296,14 +297,14 @@ grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
 
 grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
                                         v1::SetResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
   const v1::RendezvousScope& s = req->scope();
   return ToGrpc(store_->Set(s.job_id(), s.attempt(), s.token(), req->key(), req->value()));
 }
 
 grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
                                         v1::GetResponse* resp) {
-  if (grpc::Status a = auth_->Check(*ctx); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
   const v1::RendezvousScope& s = req->scope();
   if (req->wait_timeout_ms() < 0)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

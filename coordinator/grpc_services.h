@@ -15,7 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "coordinator/auth.h"
+#include "coordinator/credentials.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/service_limits.h"
@@ -47,7 +47,7 @@ class SessionRegistry : public WorkerChannel {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobManager* manager, const TokenAuth* auth, ServiceLimits limits = {})
+  JobServiceImpl(JobManager* manager, const Credentials* auth, ServiceLimits limits = {})
       : manager_(manager), auth_(auth), limits_(limits) {}
   grpc::Status Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                       v1::SubmitJobResponse* resp) override;
@@ -66,7 +66,7 @@ class JobServiceImpl final : public v1::JobService::Service {
                            grpc::ServerWriter<v1::JobUpdate>* writer);
 
   JobManager* const manager_;
-  const TokenAuth* const auth_;
+  const Credentials* const auth_;
   const ServiceLimits limits_;
   absl::Mutex mu_;
   int open_watches_ ABSL_GUARDED_BY(mu_) = 0;
@@ -77,7 +77,7 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   // `accepts_workers` false: the instance on a client-only port (the coordinator was given a
   // separate worker port); it answers ListWorkers (for `spindle workers`) and refuses Register
   // and Session with FAILED_PRECONDITION naming the worker port.
-  ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const TokenAuth* auth,
+  ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const Credentials* auth,
                      bool accepts_workers = true)
       : manager_(manager), sessions_(sessions), auth_(auth), accepts_workers_(accepts_workers) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
@@ -91,7 +91,7 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
  private:
   JobManager* const manager_;
   SessionRegistry* const sessions_;
-  const TokenAuth* const auth_;
+  const Credentials* const auth_;
   const bool accepts_workers_;
   absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
@@ -99,7 +99,7 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
 
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  public:
-  RendezvousServiceImpl(RendezvousStore* store, const TokenAuth* auth, ServiceLimits limits = {})
+  RendezvousServiceImpl(RendezvousStore* store, const Credentials* auth, ServiceLimits limits = {})
       : store_(store), auth_(auth), limits_(limits) {}
   grpc::Status Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
                    v1::SetResponse* resp) override;
@@ -108,7 +108,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
 
  private:
   RendezvousStore* const store_;
-  const TokenAuth* const auth_;
+  const Credentials* const auth_;
   const ServiceLimits limits_;
 };
 

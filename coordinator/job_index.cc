@@ -34,6 +34,25 @@ const std::set<std::string>& JobIndex::AtCheckpointPlace(const std::string& plac
   return it == by_place_.end() ? kNone : it->second;
 }
 
+std::vector<std::string> JobIndex::OverlappingCheckpointPlace(const std::string& place) const {
+  std::vector<std::string> out;
+  auto add = [&](const std::set<std::string>& ids) {
+    out.insert(out.end(), ids.begin(), ids.end());
+  };
+  // Ancestors: "/", then every prefix ending before a separator, then the place itself.
+  if (place != "/") add(AtCheckpointPlace("/"));
+  for (size_t at = place.find('/', 1); at != std::string::npos; at = place.find('/', at + 1))
+    add(AtCheckpointPlace(place.substr(0, at)));
+  add(AtCheckpointPlace(place));
+  // Descendants: the keys from "<place>/" up to "<place>0" ('0' follows '/').
+  const std::string base = place == "/" ? "" : place;
+  for (auto it = by_place_.lower_bound(base + "/"); it != by_place_.end() && it->first < base + "0";
+       ++it) {
+    if (it->first != "/") add(it->second);
+  }
+  return out;
+}
+
 std::string JobIndex::ByRequestId(const std::string& request_id) const {
   auto it = by_request_.find(request_id);
   return it == by_request_.end() ? "" : it->second;

@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace spindle {
 
@@ -30,6 +31,10 @@ class JobIndex {
                         const std::function<bool(int64_t, const std::string&)>& visit) const;
   // The jobs (finished or not) whose checkpoint directory is `place`.
   const std::set<std::string>& AtCheckpointPlace(const std::string& place) const;
+  // The jobs (finished or not) whose checkpoint directory is `place`, one of its ancestors or
+  // inside it ("/a/b" overlaps "/", "/a", "/a/b" and "/a/b/c", not "/a/bc"): one lookup per
+  // ancestor and one range of the sorted index, not a scan of every job. `place` is absolute.
+  std::vector<std::string> OverlappingCheckpointPlace(const std::string& place) const;
   // The job a request id created; "" when none.
   std::string ByRequestId(const std::string& request_id) const;
 

@@ -261,15 +261,24 @@ absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t 
 
 absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const {
   if (spec.checkpoint.dir.empty()) return absl::OkStatus();
-  // Through the index: one path resolution per submit, not one per stored job.
-  for (const std::string& id : index_.AtCheckpointPlace(SamePlace(spec.checkpoint.dir))) {
+  // Through the index: one path resolution per submit, not one per stored job. A directory
+  // inside another's is refused like the same one: the outer job's pruning and `latest` would
+  // see the inner job's checkpoints.
+  const std::string place = SamePlace(spec.checkpoint.dir);
+  for (const std::string& id : index_.OverlappingCheckpointPlace(place)) {
     auto it = jobs_.find(id);
     if (it == jobs_.end() || IsTerminal(it->second->rec.state)) continue;
     const JobRuntime* other = it->second.get();
+    const std::string state(JobStateName(other->rec.state));
+    if (other->checkpoint_place == place)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job cannot run: checkpoint.dir \"", spec.checkpoint.dir, "\" is in use by job ", id,
+          " (", state, "); two jobs on one directory would resume from each other's checkpoints"));
     return absl::FailedPreconditionError(
-        absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir,
-                     "\" is in use by job ", id, " (", std::string(JobStateName(other->rec.state)),
-                     "); two jobs on one directory would resume from each other's checkpoints"));
+        absl::StrCat("job cannot run: checkpoint.dir \"", spec.checkpoint.dir, "\" is ",
+                     other->checkpoint_place.size() < place.size() ? "inside" : "around", " \"",
+                     other->spec.checkpoint.dir, "\", the checkpoint.dir of job ", id, " (", state,
+                     "); nested checkpoint directories would mix the two jobs' checkpoints"));
   }
   return absl::OkStatus();
 }
@@ -808,7 +817,8 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
   Outbox out;
   {
     absl::MutexLock l(&mu_);
-    ASSIGN_OR_RETURN(Worker * opened, registry_.Open(hello.worker_id(), session_id));
+    ASSIGN_OR_RETURN(Worker * opened,
+                     registry_.Open(hello.worker_id(), hello.instance_id(), session_id));
     Worker& w = *opened;
     const int64_t now = clock_->SteadyMs();
     std::set<std::pair<std::string, int64_t>> stops;

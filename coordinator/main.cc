@@ -15,6 +15,7 @@
 #include "common/host_port.h"
 #include "common/pem.h"
 #include "coordinator/coordinator_server.h"
+#include "coordinator/exposure.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "host:port for clients (JobService)");
 ABSL_FLAG(std::string, worker_listen, "",
@@ -24,9 +25,19 @@ ABSL_FLAG(std::string, advertise, "",
           "reaches the worker port at (its --coordinator)");
 ABSL_FLAG(std::string, db, "spindle.db", "SQLite database file (created if missing)");
 ABSL_FLAG(int, metrics_port, 9400, "port of the Prometheus /metrics endpoint; -1 disables it");
-ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "bind address of the /metrics endpoint");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+          "bind address of the /metrics endpoint (default loopback only; 0.0.0.0 or the pod IP to "
+          "let Prometheus on another host scrape it)");
+ABSL_FLAG(bool, insecure, false,
+          "serve a non-loopback --listen/--worker-listen without --token-file or --tls-cert "
+          "(without it the coordinator refuses to start)");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token every RPC must carry; empty: no authentication");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "file of the workers' bearer tokens, one a line: TOKEN (any worker) or WORKER_ID TOKEN "
+          "(that worker only); workers and their trainers then need one of them for "
+          "ClusterService and RendezvousService, and the --token-file token no longer opens "
+          "those (nor a worker token JobService); empty: workers use the --token-file token");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls-key enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key");
 ABSL_FLAG(double, heartbeat_interval, 1.0, "seconds between worker heartbeats");
@@ -87,6 +98,7 @@ int main(int argc, char** argv) {
   cfg.db_path = absl::GetFlag(FLAGS_db);
   cfg.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   cfg.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  cfg.insecure = absl::GetFlag(FLAGS_insecure);
   if (!absl::GetFlag(FLAGS_token_file).empty()) {
     auto token = ReadFile(absl::GetFlag(FLAGS_token_file), "token");
     if (!token.ok()) {
@@ -100,6 +112,32 @@ int main(int argc, char** argv) {
                    absl::GetFlag(FLAGS_token_file).c_str());
       return 2;
     }
+  }
+  if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
+    const std::string file = absl::GetFlag(FLAGS_worker_token_file);
+    auto text = ReadFile(file, "worker token");
+    absl::StatusOr<std::vector<spindle::WorkerToken>> tokens =
+        text.ok() ? spindle::ParseWorkerTokens(*text) : text.status();
+    if (!tokens.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: --worker-token-file %s: %s\n", file.c_str(),
+                   std::string(tokens.status().message()).c_str());
+      return 2;
+    }
+    for (const spindle::WorkerToken& t : *tokens) {
+      if (t.token == cfg.token) {
+        std::fprintf(stderr,
+                     "spindle-coordinator: --worker-token-file %s holds the users' token "
+                     "(--token-file); give workers tokens of their own\n",
+                     file.c_str());
+        return 2;
+      }
+    }
+    cfg.worker_tokens = *std::move(tokens);
+  } else if (!cfg.token.empty()) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: warning: users and workers share the --token-file token, "
+                 "so any user can act as a worker; give workers their own with "
+                 "--worker-token-file\n");
   }
   if (absl::GetFlag(FLAGS_tls_cert).empty() != absl::GetFlag(FLAGS_tls_key).empty()) {
     std::fprintf(stderr, "spindle-coordinator: --tls-cert and --tls-key go together\n");
@@ -180,6 +218,15 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // Checked here too (Start checks it as well) so that the refusal is a configuration error.
+  if (absl::Status exposed = spindle::CheckListenExposure(
+          {cfg.listen, cfg.worker_listen}, !cfg.token.empty() || !cfg.tls_cert_pem.empty(),
+          cfg.insecure);
+      !exposed.ok()) {
+    std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(exposed.message()).c_str());
+    return 2;
+  }
+
   // Block SIGINT/SIGTERM in every thread; a dedicated thread waits for them.
   sigset_t signals;
   sigemptyset(&signals);
@@ -195,9 +242,11 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "spindle-coordinator: serving clients on port %d, workers on port %d, metrics on "
-               "port %d%s%s\n",
+               "port %d%s%s%s\n",
                (*server)->client_port(), (*server)->worker_port(), (*server)->metrics_port(),
-               cfg.token.empty() ? "" : ", token auth", cfg.tls_cert_pem.empty() ? "" : ", TLS");
+               cfg.token.empty() ? "" : ", token auth",
+               cfg.worker_tokens.empty() ? "" : ", worker tokens",
+               cfg.tls_cert_pem.empty() ? "" : ", TLS");
   int sig = 0;
   sigwait(&signals, &sig);
   std::fprintf(stderr, "spindle-coordinator: signal %d, shutting down\n", sig);

@@ -64,7 +64,16 @@ absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
   Key k{job_id, attempt};
   RETURN_IF_ERROR(CheckScope(k, token));
   auto& kv = spaces_[k].kv;
-  if (kv.size() >= max_keys_per_attempt_ && kv.count(key) == 0)
+  // Written once: a rank cannot replace what another published (say, the NCCL id or a peer's
+  // Gloo address) to pull the gang elsewhere. The same value again is a client's retry of a Set
+  // whose reply it lost, and succeeds.
+  if (auto it = kv.find(key); it != kv.end()) {
+    if (SecretEquals(it->second, value)) return absl::OkStatus();
+    return absl::AlreadyExistsError(absl::StrCat("rendezvous: key \"", key, "\" of job ", job_id,
+                                                 " attempt ", attempt,
+                                                 " is already set; keys are written once"));
+  }
+  if (kv.size() >= max_keys_per_attempt_)
     return absl::ResourceExhaustedError(absl::StrCat(
         "rendezvous: job ", job_id, " attempt ", attempt, " already holds ", max_keys_per_attempt_,
         " keys, the coordinator's limit per attempt (--max-rendezvous-keys)"));

@@ -4,8 +4,9 @@
 // Not persisted: ranks re-adopted after a coordinator restart have already bootstrapped.
 //
 // Bounded: an attempt holds at most max_keys_per_attempt keys (a new key past it is
-// ResourceExhausted naming the limit; overwriting a key is not a new key), values at most
-// kMaxValueBytes.
+// ResourceExhausted naming the limit), values at most kMaxValueBytes. Keys are written once per
+// attempt: a second Set of a key with another value is AlreadyExists (with the same value it is
+// a retry and succeeds). Only holders of the attempt's token (its ranks) set or read its keys.
 //
 // Thread-safety: thread-safe. Get() may block its caller up to its timeout (on a condition
 // variable, releasing the mutex); Close() wakes blocked Gets, which then fail.
@@ -37,8 +38,9 @@ class RendezvousStore {
   void Close(const std::string& job_id, int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
 
   // FailedPrecondition when the attempt is not open; PermissionDenied for a wrong token;
-  // InvalidArgument for an empty key or a value over kMaxValueBytes; ResourceExhausted for a new
-  // key when the attempt holds max_keys_per_attempt keys.
+  // InvalidArgument for an empty key or a value over kMaxValueBytes; AlreadyExists for a key
+  // already set to another value; ResourceExhausted for a new key when the attempt holds
+  // max_keys_per_attempt keys.
   absl::Status Set(const std::string& job_id, int64_t attempt, const std::string& token,
                    const std::string& key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // As Set; NotFound when absent and timeout is zero; DeadlineExceeded naming the key when it

@@ -140,11 +140,19 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
   return w.get();
 }
 
-absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id, uint64_t session_id) {
+absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id,
+                                             const std::string& instance_id, uint64_t session_id) {
   Worker* w = Find(worker_id);
   if (w == nullptr)
     return absl::NotFoundError(
         absl::StrCat("worker ", worker_id, " is not registered; call Register first"));
+  // A session speaks for the daemon that registered the id: no other process (which may hold a
+  // worker token too) takes over its session, its assignments and their rendezvous tokens.
+  if (!w->instance_id.empty() && instance_id != w->instance_id)
+    return absl::PermissionDeniedError(absl::StrCat(
+        "worker ", worker_id,
+        " was registered by another daemon instance; a session must come from the daemon that "
+        "registered it"));
   w->connected = true;
   w->lost = w->leaving = w->left = false;
   w->session_id = session_id;

@@ -89,8 +89,10 @@ class WorkerRegistry {
   // Validates and stores a registration (InvalidArgument naming the field; AlreadyExists when
   // another daemon holds the id with a connected session) and returns the worker, its slots kept.
   absl::StatusOr<Worker*> Register(const WorkerRegistration& reg);
-  // A session opened (NotFound for an unregistered id); the worker is alive.
-  absl::StatusOr<Worker*> Open(const std::string& worker_id, uint64_t session_id);
+  // A session opened by daemon `instance_id` (NotFound for an unregistered id; PermissionDenied
+  // when another daemon instance registered it); the worker is alive.
+  absl::StatusOr<Worker*> Open(const std::string& worker_id, const std::string& instance_id,
+                               uint64_t session_id);
   // The worker spoke: alive, seen now.
   void Seen(Worker& w);
 

@@ -7,7 +7,10 @@
 # daemons a previous run left behind, starts a fresh database and resubmits; the job resumes from
 # its last checkpoint, or starts over when that is its final step. --fresh deletes the checkpoints
 # first.
-#   ./scripts/run.sh [--fresh]        environment: JOB (spec file), SPINDLE_PORT (default 7070)
+#   ./scripts/run.sh [--fresh]        environment: JOB (spec file), SPINDLE_PORT (default 7070),
+#                                     CHECKPOINT_ROOT (default .runtime/checkpoints) and DATA_ROOT
+#                                     (default the repository): the workers refuse a job whose
+#                                     checkpoint.dir or data file lies outside them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,6 +108,9 @@ if [ "${NGPU:-0}" -ge 1 ] && grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=/' "$BUILD/CMa
   fi
 fi
 
+CHECKPOINT_ROOT=${CHECKPOINT_ROOT:-$RUNTIME/checkpoints}
+DATA_ROOT=${DATA_ROOT:-$PWD}
+mkdir -p "$CHECKPOINT_ROOT"
 "$BUILD/coordinator/spindle-coordinator" --listen="127.0.0.1:$PORT" --db="$RUNTIME/spindle.db" \
     --metrics_port=0 --heartbeat_interval=1 --heartbeat_timeout=10 --hang_timeout=300 \
     >"$LOGS/coordinator.log" 2>&1 &
@@ -113,6 +119,7 @@ for i in 0 1; do
   env ${WORKER_ENV[$i]} "$BUILD/worker/spindle-worker" --coordinator="127.0.0.1:$PORT" \
       --worker_id="local-$i" --work_dir="$RUNTIME/workers/local-$i" --metrics_port=0 \
       --metrics_host=127.0.0.1 --advertise_host=127.0.0.1 "${WORKER_FLAGS[@]}" \
+      --checkpoint_root="$CHECKPOINT_ROOT" --data_root="$DATA_ROOT" \
       >"$LOGS/worker-$i.log" 2>&1 &
   echo $! >"$PIDS/worker-$i.pid"
 done

@@ -198,6 +198,7 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
       stub_->Session(context.get());
   v1::WorkerMessage hello;
   hello.mutable_hello()->set_worker_id(options_.worker_id);
+  hello.mutable_hello()->set_instance_id(options_.instance_id);
   for (v1::RunningRank& r : runner_->Running()) *hello.mutable_hello()->add_running() = std::move(r);
   {
     // Ranks that ended while the coordinator was away are listed too: their checkpoints and

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/exit_codes.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "worker/trainer_event.h"
@@ -151,12 +152,13 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
   return argv;
 }
 
-void RankRunner::ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status) {
+void RankRunner::ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status,
+                                     int exit_code) {
   if (metrics_ != nullptr) metrics_->OnTrainerExit("launch_failed");
   v1::WorkerMessage msg;
   v1::RankExit* exit = msg.mutable_rank_exit();
   *exit->mutable_ref() = ref;
-  exit->set_exit_code(127);
+  exit->set_exit_code(exit_code);
   exit->set_signal(0);
   exit->add_stderr_tail(absl::StrCat("worker: cannot start trainer: ", status.message()));
   sink_->Send(std::move(msg));
@@ -171,6 +173,11 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
         "assignment ", RankName(ref), ": bad attempt, rank or world (world ", a.world(), ")"));
     ReportLaunchFailure(ref, status);
     return status;
+  }
+  if (absl::Status paths = CheckJobPaths(a.spec_json(), a.checkpoint_dir(), options_.roots);
+      !paths.ok()) {
+    ReportLaunchFailure(ref, paths, kExitInvalidInput);
+    return paths;
   }
   // Already running (a re-sent assignment, e.g. after a reconnect): confirm it again.
   // Ranks of older attempts of this job are stale: the coordinator has moved on.

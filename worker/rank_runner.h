@@ -14,6 +14,11 @@
 // configured and not already set). The trainer's stderr is also appended to
 // <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
 //
+// Before anything is written, the assignment's checkpoint directory and data file are checked
+// against the worker's roots (path_roots.h); a refused path ends the rank at once with a RankExit
+// of exit code 2 (kExitInvalidInput: the job fails without restarts) whose stderr tail names the
+// path and the root.
+//
 // Progress lines become RankProgress / CheckpointDone messages and metrics; the exit becomes one
 // RankExit (exit code or signal, stderr tail, whether a stop caused it). A trainer that cannot be
 // started is reported as a RankExit with exit code 127 and the reason as its stderr tail.
@@ -35,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "spindle/v1/cluster.pb.h"
+#include "worker/path_roots.h"
 #include "worker/process_supervisor.h"
 #include "worker/worker_metrics.h"
 
@@ -61,6 +67,7 @@ struct RankRunnerOptions {
   int64_t pulse_ms = 1000;
   std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
   int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
+  PathRoots roots;               // where checkpoints and data files may be
   // Extra arguments appended to every trainer command line (tests use them for fake trainers).
   std::vector<std::string> extra_trainer_args;
   ProcessSupervisorOptions supervisor;
@@ -83,7 +90,8 @@ class RankRunner : public ProcessObserver {
   // Starts the trainer of one rank and sends RankStarted (or, when it cannot start, RankExit with
   // exit code 127). A repeated assignment of a rank that is already running only re-sends
   // RankStarted. Ranks of older attempts of the same job still running here are killed first.
-  // Errors: InvalidArgument for an unusable job id or attempt, or the launch failure.
+  // Errors: InvalidArgument for an unusable job id or attempt or a path outside the roots, or
+  // the launch failure.
   absl::Status Start(const v1::Assignment& assignment) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Stops every rank of (job_id, attempt) (attempt 0: of every attempt of the job). Returns the
@@ -114,7 +122,7 @@ class RankRunner : public ProcessObserver {
   void OnExit(ProcessId id, const ProcessExit& exit) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<std::string>> TrainerArgv(const v1::Assignment& a,
                                                        const std::string& spec_path) const;
-  void ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status);
+  void ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status, int exit_code = 127);
   void UpdateRunningGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RankRunnerOptions options_;

@@ -23,6 +23,7 @@
 #include "worker/coordinator_session.h"
 #include "worker/device_discovery.h"
 #include "worker/grpc_client.h"
+#include "worker/path_roots.h"
 #include "worker/rank_runner.h"
 #include "worker/shutdown_signal.h"
 #include "worker/worker_log.h"
@@ -35,7 +36,9 @@ ABSL_FLAG(int, slots, 0,
 ABSL_FLAG(std::string, work_dir, "", "Directory for job specs and trainer logs "
                                      "(default: $TMPDIR/spindle-worker-<worker id>).");
 ABSL_FLAG(int, metrics_port, 9401, "Port of the /metrics endpoint; 0: any free port; -1: off.");
-ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint binds.");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+          "Address the /metrics endpoint binds (default loopback only; 0.0.0.0 or the pod IP to "
+          "let Prometheus on another host scrape it).");
 ABSL_FLAG(std::string, advertise_host, "",
           "Address other hosts reach this worker at: its ranks' Gloo address and its /metrics "
           "(default: the address the coordinator sees this worker connect from).");
@@ -51,6 +54,13 @@ ABSL_FLAG(absl::Duration, kill_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping a trainer (unless the stop names one).");
 ABSL_FLAG(std::string, trainer_binary, "",
           "Path of spindle-train (default: spindle-train next to this executable).");
+ABSL_FLAG(std::string, checkpoint_root, spindle::kDefaultCheckpointRoot,
+          "Directory every job's checkpoint.dir must lie in (after resolving symbolic links); a "
+          "rank whose checkpoint.dir is outside it, or has a \"..\" component, exits with code 2 "
+          "before its trainer starts.");
+ABSL_FLAG(std::string, data_root, spindle::kDefaultDataRoot,
+          "Directory every job's data file (data.source tokens:<path> or text:<path>) must lie "
+          "in, checked like --checkpoint-root.");
 ABSL_FLAG(int, cpu_threads_per_slot, 0,
           "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
 
@@ -86,6 +96,8 @@ absl::Status CheckNumericFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--kill-grace must not be negative, got ", absl::FormatDuration(d)));
   }
+  RETURN_IF_ERROR(CheckRootFlag("--checkpoint-root", absl::GetFlag(FLAGS_checkpoint_root)));
+  RETURN_IF_ERROR(CheckRootFlag("--data-root", absl::GetFlag(FLAGS_data_root)));
   return absl::OkStatus();
 }
 
@@ -210,11 +222,16 @@ int Main() {
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
   }
   runner_options.cpu_threads_per_rank = threads;
+  runner_options.roots.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  runner_options.roots.data_root = absl::GetFlag(FLAGS_data_root);
   runner_options.supervisor.kill_grace = absl::GetFlag(FLAGS_kill_grace);
   RankRunner runner(runner_options, worker_metrics, &session);
 
-  WorkerLog("worker %s: %d %s device(s) (%s), work dir %s, trainer %s", worker_id,
-            devices->count(), devices->kind(), devices->name(), work_dir, trainer);
+  WorkerLog(
+      "worker %s: %d %s device(s) (%s), work dir %s, trainer %s, checkpoints under %s, "
+      "data under %s",
+      worker_id, devices->count(), devices->kind(), devices->name(), work_dir, trainer,
+      runner_options.roots.checkpoint_root, runner_options.roots.data_root);
   session.Start(&runner);
 
   const int sig = shutdown->Wait();

@@ -45,6 +45,7 @@ for i in $(seq 0 $((n - 1))); do
   CUDA_VISIBLE_DEVICES=$i "$R/spindle-worker" --coordinator="127.0.0.1:$port" \
       --worker_id="gpu-$i" --work_dir="$out/work-$i" --slots=0 --metrics_host=127.0.0.1 \
       --metrics_port=$((9401 + i)) --advertise_host=127.0.0.1 --trainer_binary="$R/spindle-train" \
+      --checkpoint_root="$out" --data_root="${DATA_ROOT:-$PWD}" \
       >"$out/worker-$i.log" 2>&1 &
   pids+=($!)
 done

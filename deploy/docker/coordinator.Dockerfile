@@ -5,8 +5,8 @@
 # Ports: 7070 gRPC (clients, workers, grpc.health.v1), 9400 /metrics. State: /var/lib/spindle.
 
 FROM debian:bookworm AS build
-# scripts/setup.sh's packages, less the developer and test tools (ccache, git, prometheus,
-# openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
+# scripts/setup.sh's packages, less the developer and test tools (ccache, git, iproute2,
+# prometheus, openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
@@ -40,4 +40,4 @@ EXPOSE 7070 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
   CMD ["spindle-healthcheck", "--grpc", "127.0.0.1:7070", "--timeout", "3"]
 ENTRYPOINT ["spindle-coordinator"]
-CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400"]
+CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400", "--metrics_host=0.0.0.0", "--token_file=/etc/spindle/token/token"]

@@ -15,8 +15,8 @@ ARG UBUNTU=ubuntu24.04
 
 FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${UBUNTU} AS build
 ARG CUDA_ARCHS=90
-# scripts/setup.sh's packages, less the developer and test tools (ccache, git, prometheus,
-# openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
+# scripts/setup.sh's packages, less the developer and test tools (ccache, git, iproute2,
+# prometheus, openssl, python3, python3-torch); tests/deploy/check_dockerfiles.py keeps the lists in step.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
@@ -55,4 +55,4 @@ EXPOSE 9401
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
   CMD ["spindle-healthcheck", "--http", "127.0.0.1:9401", "--timeout", "3"]
 ENTRYPOINT ["spindle-worker"]
-CMD ["--coordinator=spindle-coordinator:7070", "--metrics_port=9401", "--work_dir=/var/lib/spindle-worker"]
+CMD ["--coordinator=spindle-coordinator:7070", "--metrics_port=9401", "--metrics_host=0.0.0.0", "--work_dir=/var/lib/spindle-worker"]

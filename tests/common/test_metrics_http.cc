@@ -85,5 +85,22 @@ TEST(MetricsServerTest, ImmediateStopAfterStartDoesNotHang) {
   }  // each destructor stops and joins
 }
 
+// A request body past kMetricsMaxBodyBytes is refused before it is read (cpp-httplib's own
+// default reads bodies of any size into memory).
+TEST(MetricsServerTest, RefusesLargeRequestBodies) {
+  MetricsRegistry registry;
+  MetricsServer server(&registry);
+  absl::StatusOr<int> port = server.Start("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok()) << port.status();
+  httplib::Client client("127.0.0.1", *port);
+  httplib::Result res =
+      client.Post("/metrics", std::string(kMetricsMaxBodyBytes + 1, 'x'), "text/plain");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 413);
+  res = client.Get("/healthz");  // still serving
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+}
+
 }  // namespace
 }  // namespace spindle

@@ -199,8 +199,23 @@ TEST_F(CliTest, EndToEndAgainstCoordinator) {
   r = RunSpindle({"list"}, env);
   EXPECT_EQ(r.code, kExitNotFound);
   EXPECT_EQ(r.err,
-            "spindle: list: not authenticated: invalid bearer token (set --token or "
-            "SPINDLE_TOKEN)\n");
+            "spindle: list: not authenticated: invalid bearer token (set SPINDLE_TOKEN or "
+            "--token-file)\n");
+
+  // From a file (which wins over SPINDLE_TOKEN); on the command line it works, with a warning.
+  const std::string token_file = dir_.File("token");
+  std::ofstream(token_file) << "tok\n";
+  r = RunSpindle({"list", "--token-file", token_file}, env);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  r = RunSpindle({"list", "--token", "tok"}, env);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err,
+            "spindle: warning: --token shows the token to every user of this host (process list, "
+            "shell history); set SPINDLE_TOKEN or use --token-file\n");
+  r = RunSpindle({"list", "--token-file", dir_.File("missing")}, env);
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: --token-file: cannot read " + dir_.File("missing") + "\n");
 }
 
 TEST_F(CliTest, SubmitMakesRelativePathsAbsolute) {

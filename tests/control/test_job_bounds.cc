@@ -252,7 +252,7 @@ TEST(RendezvousBoundsTest, AnAttemptHoldsAtMostItsKeyLimit) {
   EXPECT_EQ(st.message(),
             "rendezvous: job j-1 attempt 1 already holds 2 keys, the coordinator's limit per "
             "attempt (--max-rendezvous-keys)");
-  EXPECT_TRUE(store.Set("j-1", 1, "tok", "a", "again").ok());  // not a new key
+  EXPECT_TRUE(store.Set("j-1", 1, "tok", "a", "1").ok());  // a retry, not a new key
 }
 
 TEST(RendezvousBoundsTest, ACancelledGetStopsWaiting) {

@@ -90,9 +90,11 @@ class JobManagerTest : public ::testing::Test {
                     .ok());
     if (open_session) Hello(id, running);
   }
-  void Hello(const std::string& id, const std::vector<v1::RankRef>& running) {
+  void Hello(const std::string& id, const std::vector<v1::RankRef>& running,
+             const std::string& instance_id = "") {
     v1::SessionHello h;
     h.set_worker_id(id);
+    h.set_instance_id(instance_id);
     for (const auto& r : running) {
       auto* rr = h.add_running();
       *rr->mutable_ref() = r;
@@ -405,7 +407,7 @@ TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {
 TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
   v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1), "a1");
   ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
-  Hello("w1", {});
+  Hello("w1", {}, "a1");
   ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok())
       << "its own reconnect";
   req.set_instance_id("b2");
@@ -418,6 +420,27 @@ TEST_F(JobManagerTest, ASecondDaemonOnTheSameHostIsRefused) {
   // Once the first one's session has closed, the second takes the id.
   manager_->SessionClosed("w1", session_);
   EXPECT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
+}
+
+// A session is bound to the daemon instance that registered: another process naming the same
+// worker id (and holding a worker token) cannot open it and take the worker's assignments.
+TEST_F(JobManagerTest, ASessionComesFromTheInstanceThatRegistered) {
+  ASSERT_TRUE(manager_
+                  ->RegisterWorker(RegistrationFromProto(
+                      RegisterRequest("w1", "w1.local", CpuSlots(1), "a1"), "127.0.0.1"))
+                  .ok());
+  for (const std::string other : {"b2", ""}) {
+    v1::SessionHello h;
+    h.set_worker_id("w1");
+    h.set_instance_id(other);
+    const absl::Status refused = manager_->SessionOpened(h, ++session_);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << other;
+    EXPECT_EQ(refused.message(),
+              "worker w1 was registered by another daemon instance; a session must come from "
+              "the daemon that registered it");
+  }
+  EXPECT_EQ(manager_->WorkerCounts()["alive"], 0);
+  Hello("w1", {}, "a1");
 }
 
 // A worker's session closes (the daemon was killed) and a rank on another worker then fails in
@@ -531,6 +554,35 @@ TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
   Exit("w1", Ref(a, 1, 0), 0);
   ASSERT_EQ(Get(a).state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_TRUE(manager_->Submit(SpecJson(), &plan).ok());
+}
+
+// Nor may one unfinished job's checkpoint directory lie inside another's (either way round):
+// the outer job's pruning and resume would meet the inner job's checkpoints. A sibling that only
+// shares a prefix of the name is no neighbour; a finished job frees its directory.
+TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotUseNestedCheckpointDirectories) {
+  AddWorker("w1", 1);
+  const std::string a = Submit(SpecJson());  // /tmp/ck
+  v1::Plan plan;
+  auto inner = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck/inner"), &plan);
+  EXPECT_EQ(inner.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(inner.status().message(),
+            "job cannot run: checkpoint.dir \"/tmp/ck/inner\" is inside \"/tmp/ck\", the "
+            "checkpoint.dir of job " +
+                a + " (placed); nested checkpoint directories would mix the two jobs' checkpoints");
+  auto outer = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp"), &plan);
+  EXPECT_EQ(outer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(outer.status().message(),
+            "job cannot run: checkpoint.dir \"/tmp\" is around \"/tmp/ck\", the checkpoint.dir "
+            "of job " +
+                a + " (placed); nested checkpoint directories would mix the two jobs' checkpoints");
+  EXPECT_EQ(manager_->Submit(WithCheckpointDir(SpecJson(), "/"), &plan).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(manager_->ListJobs({}, 100).size(), 1u);
+  EXPECT_TRUE(manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ckx"), &plan).ok());
+  EXPECT_TRUE(manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/c"), &plan).ok());
+  Exit("w1", Ref(a, 1, 0), 0);
+  ASSERT_EQ(Get(a).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_TRUE(manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck/inner"), &plan).ok());
 }
 
 TEST_F(JobManagerTest, HungRankIsDetected) {

@@ -52,7 +52,7 @@ TEST_F(WorkerRegistryTest, RefusesBadRegistrationsByField) {
 
 TEST_F(WorkerRegistryTest, OneConnectedDaemonPerWorkerId) {
   ASSERT_TRUE(registry_.Register(Reg("w1", "h1")).ok());
-  ASSERT_TRUE(registry_.Open("w1", 1).ok());
+  ASSERT_TRUE(registry_.Open("w1", "a", 1).ok());
   EXPECT_EQ(registry_.Register(Reg("w1", "h2")).status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(registry_.Register(Reg("w1", "h1", 2, "b")).status().message(),
             "worker id w1 is in use by another connected worker daemon on host h1; give each "
@@ -60,7 +60,7 @@ TEST_F(WorkerRegistryTest, OneConnectedDaemonPerWorkerId) {
   EXPECT_TRUE(registry_.Register(Reg("w1", "h1")).ok()) << "its own reconnect";
   registry_.Find("w1")->lost = true;
   EXPECT_TRUE(registry_.Register(Reg("w1", "h2", 2, "c")).ok()) << "a lost worker's id is free";
-  EXPECT_EQ(registry_.Open("w9", 2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry_.Open("w9", "a", 2).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(WorkerRegistryTest, AddressesAndTheMetricsHost) {
@@ -82,7 +82,7 @@ TEST_F(WorkerRegistryTest, AddressesAndTheMetricsHost) {
 
 TEST_F(WorkerRegistryTest, SlotsReleaseDrainAndCount) {
   ASSERT_TRUE(registry_.Register(Reg("w1", "h1", 3)).ok());
-  ASSERT_TRUE(registry_.Open("w1", 1).ok());
+  ASSERT_TRUE(registry_.Open("w1", "a", 1).ok());
   Worker* w = registry_.Find("w1");
   w->slots[0] = {"j-1", 1, 0, 0};
   w->slots[1] = {"j-1", 1, 1, clock_.SteadyMs() + 500};

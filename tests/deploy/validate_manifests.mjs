@@ -7,8 +7,10 @@
 //     (and name ports that exist); volumes name Secrets/PVCs; the PrometheusRule's groups equal
 //     deploy/prometheus/alerts.yml.
 //  3. Policy (deploy issue): non-root pods, startup/readiness/liveness probes, CPU and memory
-//     requests and limits on every container, the token from the spindle-token Secret, scrape
-//     annotations, workers requesting nvidia.com/gpu when --expect-gpu is given.
+//     requests and limits on every container, the users' token from the spindle-token Secret
+//     and the workers' from spindle-worker-token, /metrics bound to an address Prometheus reaches
+//     (--metrics_host; the default is loopback), the workers' --checkpoint_root on the checkpoint
+//     volume, scrape annotations, workers requesting nvidia.com/gpu when --expect-gpu is given.
 // Usage: node validate_manifests.mjs [--expect-gpu] --alerts deploy/prometheus/alerts.yml FILE...
 // Prints one line per problem and exits 1 when there is any.
 import { readFileSync } from "node:fs";
@@ -117,12 +119,36 @@ for (const w of workloads) {
         (w.obj.spec.volumeClaimTemplates ?? []).some((t) => t.metadata.name === m.name);
       if (!inPod) problem(cw, `volumeMount ${m.name} names no volume`);
     }
-    if (tokenFlag) {
-      const path = tokenFlag.split("=")[1];
+    // Users and workers hold different tokens: the coordinator reads the users' token and the
+    // workers' tokens from two Secrets; a worker holds only a worker token.
+    const secretOf = (flag) => {
+      const path = flag.split("=")[1];
       const mount = mounts.find((m) => path.startsWith(`${m.mountPath}/`));
       const vol = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
-      if (vol?.secret?.secretName !== "spindle-token") {
-        problem(cw, `--token_file ${path} is not mounted from the spindle-token Secret`);
+      return [path, vol?.secret?.secretName];
+    };
+    const isWorker = w.obj.kind === "DaemonSet";
+    if (tokenFlag) {
+      const [path, secret] = secretOf(tokenFlag);
+      const want = isWorker ? "spindle-worker-token" : "spindle-token";
+      if (secret !== want) problem(cw, `--token_file ${path} is not mounted from the ${want} Secret`);
+    }
+    const cargs = c.args ?? [];
+    if (cargs.some((a) => a.startsWith("--metrics_port=")) &&
+        !cargs.some((a) => a.startsWith("--metrics_host=") && !/=127\.|=localhost/.test(a))) {
+      problem(cw, "no --metrics_host: /metrics binds loopback by default, out of Prometheus' reach");
+    }
+    if (isWorker) {
+      const root = cargs.find((a) => a.startsWith("--checkpoint_root="))?.split("=")[1];
+      const mount = root && mounts.find((m) => m.mountPath === root || root.startsWith(`${m.mountPath}/`));
+      const vol = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
+      if (!vol?.persistentVolumeClaim) problem(cw, `--checkpoint_root ${root} is not on the checkpoint volume`);
+    }
+    if (!isWorker) {
+      const workerFlag = (c.args ?? []).find((a) => a.startsWith("--worker_token_file="));
+      if (!workerFlag) problem(cw, "no --worker_token_file (workers would share the users' token)");
+      else if (secretOf(workerFlag)[1] !== "spindle-worker-token") {
+        problem(cw, `--worker_token_file ${secretOf(workerFlag)[0]} is not mounted from the spindle-worker-token Secret`);
       }
     }
     for (const probe of [c.startupProbe, c.readinessProbe, c.livenessProbe].filter(Boolean)) {

@@ -131,6 +131,14 @@ class ClusterHarness {
   }
   const std::string& token() const { return token_; }
   std::string token_file() const { return dir_->File("token"); }
+  // Workers (and their trainers) get `token` of their own: the coordinator takes it with
+  // --worker_token_file, workers with --token_file; users and the harness's client keep
+  // UseToken's.
+  void UseWorkerToken(const std::string& token) {
+    worker_token_ = token;
+    std::ofstream(worker_token_file()) << token << "\n";
+  }
+  std::string worker_token_file() const { return dir_->File("worker-token"); }
   // TLS on both coordinator ports with PEM files `cert_file` and `key_file`; workers and the
   // harness's client trust `ca_file`.
   void UseTls(const std::string& ca_file, const std::string& cert_file,
@@ -168,6 +176,7 @@ class ClusterHarness {
         absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
     if (separate_worker_port_) argv.push_back("--worker_listen=" + worker_address());
     if (!token_.empty()) argv.push_back("--token_file=" + token_file());
+    if (!worker_token_.empty()) argv.push_back("--worker_token_file=" + worker_token_file());
     if (!tls_cert_file_.empty()) {
       argv.push_back("--tls_cert=" + tls_cert_file_);
       argv.push_back("--tls_key=" + tls_key_file_);
@@ -216,8 +225,14 @@ class ClusterHarness {
                                      "--kill_grace=2s",
                                      "--coordinator_loss_timeout=60s",
                                      "--cpu_threads_per_slot=1",
-                                     "--trainer_binary=" + trainer};
-    if (!token_.empty()) argv.push_back("--token_file=" + token_file());
+                                     "--trainer_binary=" + trainer,
+                                     "--checkpoint_root=" + dir_->path(),
+                                     "--data_root=" + dir_->path()};
+    if (!worker_token_.empty()) {
+      argv.push_back("--token_file=" + worker_token_file());
+    } else if (!token_.empty()) {
+      argv.push_back("--token_file=" + token_file());
+    }
     if (!tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
     argv.insert(argv.end(), extra.begin(), extra.end());
     SubprocessOptions options;
@@ -348,6 +363,7 @@ class ClusterHarness {
   bool separate_worker_port_ = false;
   int coordinator_metrics_port_ = -1;
   std::string token_;
+  std::string worker_token_;
   std::string tls_ca_file_, tls_cert_file_, tls_key_file_;
   int coordinator_starts_ = 0;
   std::vector<std::string> coordinator_args_;

@@ -110,8 +110,8 @@ TEST_F(ClusterApiTest, EveryMistakeIsOneClearErrorAndQueuesNothing) {
   ASSERT_TRUE(cluster_.StartWorker("w0", 1, trainer_));
   ASSERT_TRUE(cluster_.StartWorker("w1", 1, trainer_));
   ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
-  const std::vector<std::string> conn = {"--coordinator", cluster_.address(), "--token",
-                                         "api-token"};
+  const std::vector<std::string> conn = {"--coordinator", cluster_.address(), "--token-file",
+                                         cluster_.token_file()};
   auto cli = [&](std::vector<std::string> args) {
     args.insert(args.end(), conn.begin(), conn.end());
     return Cli(args);
@@ -235,12 +235,14 @@ TEST_F(ClusterApiTest, RequestsWithoutTheTokenAreRefused) {
   EXPECT_EQ(r.exit_code, 4);
   EXPECT_EQ(r.stderr_text,
             "spindle: submit: not authenticated: missing authorization metadata (expected "
-            "\"Bearer <token>\") (set --token or SPINDLE_TOKEN)\n");
+            "\"Bearer <token>\") (set SPINDLE_TOKEN or --token-file)\n");
   r = Cli({"list", "--coordinator", cluster_.address(), "--token", "wrong"});
   EXPECT_EQ(r.exit_code, 4);
   EXPECT_EQ(r.stderr_text,
-            "spindle: list: not authenticated: invalid bearer token (set --token or "
-            "SPINDLE_TOKEN)\n");
+            "spindle: warning: --token shows the token to every user of this host (process list, "
+            "shell history); set SPINDLE_TOKEN or use --token-file\n"
+            "spindle: list: not authenticated: invalid bearer token (set SPINDLE_TOKEN or "
+            "--token-file)\n");
   r = Cli({"workers", "--coordinator", cluster_.address()});
   EXPECT_EQ(r.exit_code, 4);
 
@@ -255,15 +257,49 @@ TEST_F(ClusterApiTest, RequestsWithoutTheTokenAreRefused) {
     EXPECT_EQ(st.error_message(), "missing authorization metadata (expected \"Bearer <token>\")");
   }
   // With the token everything works, and the worker without it never joined.
-  r = Cli(
-      {"workers", "--coordinator", cluster_.address(), "--token", "api-token", "--output", "json"});
+  r = Cli({"workers", "--coordinator", cluster_.address(), "--token-file", cluster_.token_file(),
+           "--output", "json"});
   EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("\"worker_id\":\"w0\""));
   EXPECT_THAT(r.stdout_text, ::testing::Not(HasSubstr("w-no-token")));
   EXPECT_THAT(ReadFile(dir_.File("worker-w-no-token.log")), HasSubstr("missing authorization"));
-  r = Cli({"submit", spec, "--wait", "--coordinator", cluster_.address(), "--token", "api-token"});
+  r = Cli({"submit", spec, "--wait", "--coordinator", cluster_.address(), "--token-file",
+           cluster_.token_file()});
   EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text << cluster_.Logs();
   EXPECT_THAT(r.stdout_text, HasSubstr("j-000001 succeeded"));
+}
+
+// Users and workers hold different tokens: a worker daemon given the users' token is refused,
+// the one with the worker token runs a two-rank job whose trainers meet through the rendezvous
+// service with the worker token, and the worker token cannot submit.
+TEST_F(ClusterApiTest, WorkersAndUsersHoldDifferentTokens) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  cluster_.UseToken("user-token");
+  cluster_.UseWorkerToken("worker-token");
+  ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2"}))
+      << cluster_.Logs();
+  ASSERT_TRUE(
+      cluster_.StartWorker("w0", 2, SPINDLE_TRAIN_BINARY, {}, {"--advertise_host=127.0.0.1"}));
+  ASSERT_TRUE(
+      cluster_.StartWorker("w-user", 1, trainer_, {}, {"--token_file=" + cluster_.token_file()}));
+  ASSERT_TRUE(cluster_.WaitForWorkers(1)) << cluster_.Logs();
+  const std::string spec = WriteSpec(
+      "dp2.json",
+      R"({"name":"dp2","model":{"preset":"tiny"},"data":{"source":"synthetic:recall"},)"
+      R"("seq_len":128,"parallel":{"cp":1,"dp":2},"train":{"steps":2},"resources":"cpu"})");
+  CommandResult r = Cli({"submit", spec, "--coordinator", cluster_.address(), "--token-file",
+                         cluster_.worker_token_file()});
+  EXPECT_EQ(r.exit_code, 4);
+  EXPECT_EQ(r.stderr_text,
+            "spindle: submit: a worker token cannot call JobService (submit, cancel, list jobs); "
+            "use the users' token\n");
+  r = Cli({"submit", spec, "--wait", "--coordinator", cluster_.address(), "--token-file",
+           cluster_.token_file()});
+  EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text << cluster_.Logs();
+  EXPECT_THAT(r.stdout_text, HasSubstr("j-000001 succeeded"));
+  EXPECT_EQ(cluster_.WorkerState("w-user"), "");
+  EXPECT_THAT(ReadFile(dir_.File("worker-w-user.log")),
+              HasSubstr("the users' token cannot call ClusterService or RendezvousService"));
 }
 
 TEST_F(ClusterApiTest, TlsOnBothPortsWithTheCaOnly) {

@@ -4,6 +4,7 @@
 // the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES.
 #include <signal.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/worker_test_util.h"
+#include "worker/path_roots.h"
 #include "worker/rank_runner.h"
 #include "worker/trainer_event.h"
 #include "worker/worker_metrics.h"
@@ -88,6 +90,8 @@ class RankRunnerTest : public ::testing::Test {
     o.gloo_host = "10.1.2.3";
     o.cpu_threads_per_rank = 1;
     o.supervisor.kill_grace = absl::Milliseconds(500);
+    o.roots.checkpoint_root = "/tmp";  // MakeAssignment's /tmp/ckpt-dir
+    o.roots.data_root = dir_.path();
     return o;
   }
 
@@ -312,6 +316,79 @@ TEST(TrainerEventTest, ParsesKnownFieldsAndRejectsBadTypes) {
   // A line nesting 100,000 arrays is refused before it is parsed.
   EXPECT_EQ(ParseTrainerEvent("{\"a\":" + std::string(100000, '[')).status().message(),
             "trainer event: nesting deeper than 64 levels");
+}
+
+// A checkpoint directory or data file outside the worker's roots ends the rank with exit code 2
+// naming the path and the root, before anything is written or started.
+TEST_F(RankRunnerTest, PathOutsideTheRootsIsExit2BeforeTheTrainerStarts) {
+  const std::string trainer = WriteScript(dir_, "trainer.sh", "touch started\n");
+  RankRunnerOptions o = Options(trainer);
+  o.roots.checkpoint_root = dir_.File("ck");
+  RankRunner runner(o, metrics_.get(), &sink_);
+  v1::Assignment a = MakeAssignment("j-p", 1, 0, 1);  // checkpoint_dir /tmp/ckpt-dir
+  absl::Status s = runner.Start(a);
+  const std::string message =
+      "checkpoint.dir /tmp/ckpt-dir is outside the worker's "
+      "--checkpoint_root " +
+      dir_.File("ck");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), message);
+  auto exits = sink_.Of(v1::WorkerMessage::kRankExit);
+  ASSERT_EQ(exits.size(), 1u);
+  EXPECT_EQ(exits[0].rank_exit().exit_code(), 2);
+  ASSERT_EQ(exits[0].rank_exit().stderr_tail_size(), 1);
+  EXPECT_EQ(exits[0].rank_exit().stderr_tail(0), "worker: cannot start trainer: " + message);
+  EXPECT_TRUE(sink_.Of(v1::WorkerMessage::kRankStarted).empty());
+  EXPECT_FALSE(std::filesystem::exists(dir_.File("work/j-p")));
+
+  a.set_checkpoint_dir(dir_.File("ck/run"));
+  a.set_spec_json(R"({"name":"t","model":{"preset":"tiny"},"data":{"source":"text:/etc/passwd"},)"
+                  R"("seq_len":64})");
+  s = runner.Start(a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "data.source file /etc/passwd is outside the worker's --data_root " + dir_.path());
+  EXPECT_FALSE(std::filesystem::exists(dir_.File("work/j-p")));
+}
+
+TEST(PathRootsTest, DotDotRelativeAndSymbolicLinksOut) {
+  ScratchDir dir;
+  const std::string root = dir.File("root");
+  std::filesystem::create_directories(root + "/sub");
+  std::filesystem::create_directories(dir.File("outside"));
+  std::filesystem::create_directory_symlink(dir.File("outside"), root + "/out");
+  std::filesystem::create_directory_symlink(root + "/sub", root + "/in");
+  std::filesystem::create_symlink(dir.File("nowhere/x"), root + "/dangling");
+  auto check = [&](const std::string& path) {
+    return CheckPathUnderRoot("checkpoint.dir", path, "--checkpoint_root", root);
+  };
+  const std::string where = " the worker's --checkpoint_root " + root;
+  EXPECT_TRUE(check(root).ok());
+  EXPECT_TRUE(check(root + "/new/deeper").ok());
+  EXPECT_TRUE(check(root + "/in/ck").ok());  // a link that stays inside
+  EXPECT_EQ(check(dir.File("root2/ck")).message(),
+            "checkpoint.dir " + dir.File("root2/ck") + " is outside" + where);
+  EXPECT_EQ(check(root + "/sub/../../outside").message(),
+            "checkpoint.dir " + root + "/sub/../../outside" +
+                " has a \"..\" component; it must lie under" + where);
+  EXPECT_EQ(check("ck").message(), "checkpoint.dir ck is not an absolute path under" + where);
+  EXPECT_EQ(check(root + "/out/ck").message(),
+            "checkpoint.dir " + root + "/out/ck resolves to " +
+                std::filesystem::canonical(dir.File("outside")).string() + "/ck, outside" + where);
+  EXPECT_EQ(check(root + "/dangling/ck").message(),
+            "checkpoint.dir " + root +
+                "/dangling/ck leads through a dangling symbolic link; it must lie under" + where);
+  EXPECT_EQ(check(root + "/out/ck").code(), absl::StatusCode::kInvalidArgument);
+
+  PathRoots roots{root, root};
+  EXPECT_TRUE(CheckJobPaths(R"({"data":{"source":"synthetic:recall"}})", "", roots).ok());
+  EXPECT_EQ(CheckJobPaths(R"({"name":"t","model":{"preset":"tiny"},"seq_len":64,)"
+                          R"("data":{"source":"tokens:/etc/shadow","eos_id":0}})",
+                          "", roots)
+                .message(),
+            "data.source file /etc/shadow is outside the worker's --data_root " + root);
+  EXPECT_EQ(CheckRootFlag("--data-root", "rel").message(),
+            "--data-root must be an absolute directory without \"..\" components, got \"rel\"");
 }
 
 }  // namespace

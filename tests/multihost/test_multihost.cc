@@ -114,7 +114,7 @@ class MultihostTest : public ::testing::Test {
 
   void StartCoordinator(const std::vector<std::string>& extra = {}) {
     std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY, "--listen=" + CoordinatorAddress(),
-                                     "--db=" + dir_.File("spindle.db")};
+                                     "--db=" + dir_.File("spindle.db"), "--insecure"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     Spawn("coordinator", net_->On(0, argv));
   }
@@ -124,7 +124,8 @@ class MultihostTest : public ::testing::Test {
     const std::string id = absl::StrCat("w", host);
     Spawn(id, net_->On(host, {SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
                               "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
-                              "--cpu_threads_per_slot=1"}));
+                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
+                              "--data_root=" + dir_.path()}));
   }
   // Worker w<host> seeing its own empty `dir` (a tmpfs mounted over it in a mount namespace of its
   // own): a host that does not share the checkpoint volume.

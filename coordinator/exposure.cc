@@ -1,0 +1,30 @@
+// Loopback-or-credentials check of the coordinator's listen addresses (see exposure.h).
+#include "coordinator/exposure.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/host_port.h"
+
+namespace spindle {
+
+std::string ListenHost(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  return host;
+}
+
+absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool has_credentials,
+                                 bool insecure) {
+  if (has_credentials || insecure) return absl::OkStatus();
+  for (const std::string& address : addresses) {
+    if (address.empty() || IsLoopbackHost(ListenHost(address))) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "refusing to serve ", address,
+        " (not a loopback address) without credentials: set --token_file or --tls_cert, or "
+        "pass --insecure to let anyone who reaches it run jobs"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace spindle

@@ -1,0 +1,23 @@
+// The coordinator's safe default: it serves its gRPC ports without credentials only on loopback
+// addresses, which no other host can reach. A listen address on any other interface needs a
+// bearer token, worker credentials or TLS, or the operator's explicit --insecure.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace spindle {
+
+// The host of a HOST:PORT listen address ("[::1]:7070" -> "::1", "0.0.0.0:7070" -> "0.0.0.0").
+std::string ListenHost(const std::string& address);
+
+// OK when every address in `addresses` (listen addresses; empty ones are skipped) is loopback,
+// when `has_credentials` (a token or TLS is configured), or when `insecure`. Otherwise
+// FailedPrecondition naming the first exposed address and the --insecure flag: an operator
+// must fix the configuration, a retry would not help.
+absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool has_credentials,
+                                 bool insecure);
+
+}  // namespace spindle

@@ -1,0 +1,57 @@
+// The coordinator's safe default (coordinator/exposure.h): without a token or TLS it serves only
+// loopback addresses unless told --insecure, and /metrics binds loopback by default.
+#include "coordinator/coordinator_server.h"
+#include "coordinator/exposure.h"
+#include "gtest/gtest.h"
+#include "tests/control/test_util.h"
+
+namespace spindle {
+namespace {
+
+TEST(ExposureTest, ListenHost) {
+  EXPECT_EQ(ListenHost("0.0.0.0:7070"), "0.0.0.0");
+  EXPECT_EQ(ListenHost("[::1]:7070"), "::1");
+  EXPECT_EQ(ListenHost("localhost:0"), "localhost");
+}
+
+TEST(ExposureTest, LoopbackCredentialsOrInsecure) {
+  EXPECT_TRUE(CheckListenExposure({"127.0.0.1:7070", ""}, false, false).ok());
+  EXPECT_TRUE(CheckListenExposure({"[::1]:7070", "localhost:7071"}, false, false).ok());
+  EXPECT_TRUE(CheckListenExposure({"0.0.0.0:7070"}, /*has_credentials=*/true, false).ok());
+  EXPECT_TRUE(CheckListenExposure({"0.0.0.0:7070"}, false, /*insecure=*/true).ok());
+  const absl::Status st = CheckListenExposure({"127.0.0.1:7070", "[::]:7071"}, false, false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(),
+            "refusing to serve [::]:7071 (not a loopback address) without credentials: set "
+            "--token_file or --tls_cert, or pass --insecure to let anyone who reaches it run "
+            "jobs");
+}
+
+TEST(ExposureTest, CoordinatorRefusesAnExposedPortWithoutCredentials) {
+  testing::TempDir dir;
+  CoordinatorConfig cfg;
+  cfg.listen = "0.0.0.0:0";
+  cfg.db_path = dir.File("exposed.db");
+  auto refused = CoordinatorServer::Start(cfg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.status().message(),
+            "refusing to serve 0.0.0.0:0 (not a loopback address) without credentials: set "
+            "--token_file or --tls_cert, or pass --insecure to let anyone who reaches it run "
+            "jobs");
+  cfg.insecure = true;
+  auto insecure = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(insecure.ok()) << insecure.status();
+  insecure->reset();  // closes the store for the next start
+  cfg.insecure = false;
+  cfg.token = "t";
+  auto with_token = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(with_token.ok()) << with_token.status();
+}
+
+TEST(ExposureTest, MetricsBindLoopbackByDefault) {
+  EXPECT_EQ(CoordinatorConfig().metrics_host, "127.0.0.1");
+}
+
+}  // namespace
+}  // namespace spindle
