@@ -305,7 +305,14 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
       next_heartbeat = absl::Now() + heartbeat;
     }
   }
-  if (!write_failed && Stopping()) stream->WritesDone();
+  if (!write_failed && Stopping()) {
+    // A graceful end: the coordinator reads everything sent before it sees the end of the stream
+    // and closes its side; cancelling at once could discard the last messages (the ranks' exits)
+    // unread. Bounded: a coordinator that does not answer is cancelled after a second.
+    stream->WritesDone();
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stream_broken_), absl::Seconds(1));
+  }
   context->TryCancel();
   reader.join();
   const grpc::Status status = stream->Finish();

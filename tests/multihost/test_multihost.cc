@@ -135,7 +135,8 @@ class MultihostTest : public ::testing::Test {
                               "mount -t tmpfs tmpfs \"$0\" && shift && exec \"$0\" \"$@\"", dir,
                               SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
                               "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
-                              "--cpu_threads_per_slot=1"}));
+                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
+                              "--data_root=" + dir_.path()}));
   }
   void Spawn(const std::string& name, const std::vector<std::string>& argv) {
     SubprocessOptions options;
