@@ -839,6 +839,7 @@ absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t s
       RankRuntime& r = j->ranks[ref.rank()];
       r.adopted = true;
       r.state = "running";
+      if (rr.step() >= r.step && rr.loss() != 0) r.loss = rr.loss();
       r.step = std::max(r.step, rr.step());
       r.last_progress_ms = now;
       r.last_report_ms = clock_->NowMs();
@@ -1081,6 +1082,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::Wor
         r->last_report_ms = wall;
         if (e.exit_code() == 0 && e.signal() == 0) {
           r->state = "exited";
+          if (e.last_loss() != 0) r->loss = e.last_loss();  // its last step's, seen or not
           // A trainer exits 0 only after its last step; its final progress line may have been
           // sent while this coordinator was away.
           r->step = std::max<int64_t>(r->step, j->spec.train.steps);

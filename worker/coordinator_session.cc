@@ -209,6 +209,7 @@ absl::Status CoordinatorSession::ServeStream(absl::Duration heartbeat) {
       if (!m.has_rank_exit()) continue;
       v1::RunningRank* r = hello.mutable_hello()->add_running();
       *r->mutable_ref() = m.rank_exit().ref();
+      r->set_loss(m.rank_exit().last_loss());
       for (const v1::WorkerMessage& c : outbox_) {
         if (c.has_checkpoint_done() && c.checkpoint_done().ref().SerializeAsString() ==
                                            m.rank_exit().ref().SerializeAsString()) {

@@ -292,6 +292,7 @@ std::vector<v1::RunningRank> RankRunner::Running() const {
     r.set_step(rank.step);
     r.set_pid(rank.pid);
     r.set_pulsing(rank.pulsing);
+    r.set_loss(rank.loss);
     if (rank.pulsing)
       r.set_silent_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::steady_clock::now() - rank.last_line)
@@ -324,6 +325,7 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       it->second.pulsing = true;
       return;
     }
+    if (event->kind == TrainerEventKind::kStep && event->loss) it->second.loss = *event->loss;
     if (event->step && (event->kind == TrainerEventKind::kStep ||
                         event->kind == TrainerEventKind::kStart ||
                         event->kind == TrainerEventKind::kDone)) {
@@ -375,11 +377,13 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
 
 void RankRunner::OnExit(ProcessId id, const ProcessExit& exit) {
   v1::RankRef ref;
+  double loss = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = ranks_.find(id);
     if (it == ranks_.end()) return;
     ref = it->second.ref;
+    loss = it->second.loss;
     ranks_.erase(it);
     UpdateRunningGauge();
   }
@@ -391,6 +395,7 @@ void RankRunner::OnExit(ProcessId id, const ProcessExit& exit) {
   e->set_signal(exit.term_signal);
   for (const std::string& line : exit.stderr_tail) e->add_stderr_tail(line);
   e->set_stopped(exit.stop_requested);
+  e->set_last_loss(loss);
   sink_->Send(std::move(msg));
 }
 

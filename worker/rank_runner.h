@@ -114,6 +114,7 @@ class RankRunner : public ProcessObserver {
     pid_t pid = 0;
     int64_t step = 0;
     bool pulsing = false;  // printed a pulse line
+    double loss = 0;       // of its last step line
     std::chrono::steady_clock::time_point last_line = std::chrono::steady_clock::now();
   };
 

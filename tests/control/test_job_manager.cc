@@ -1115,5 +1115,34 @@ TEST_F(JobManagerTest, AFinishedJobKeepsItsFinalStepAndLossAcrossARestart) {
   EXPECT_DOUBLE_EQ(j.loss(), 5.0 - 10 * 0.1);
 }
 
+// A coordinator restarted while a rank runs learns its loss from the worker's hello, and the
+// loss of its last step from its exit, even when it missed every progress line.
+TEST_F(JobManagerTest, ARestartedCoordinatorTakesTheLossFromTheHelloAndTheExit) {
+  AddWorker("w1", 1);
+  const std::string id = Submit(SpecJson());
+  ASSERT_EQ(Assignments().size(), 1u);
+  Progress("w1", Ref(id, 1, 0), 4);
+  Reopen();
+  v1::SessionHello h;
+  h.set_worker_id("w1");
+  v1::RunningRank* rr = h.add_running();
+  *rr->mutable_ref() = Ref(id, 1, 0);
+  rr->set_step(6);
+  rr->set_loss(2.5);
+  v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1));
+  ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
+  ASSERT_TRUE(manager_->SessionOpened(h, ++session_).ok());
+  EXPECT_EQ(Get(id).step(), 6);
+  EXPECT_DOUBLE_EQ(Get(id).loss(), 2.5);
+  v1::WorkerMessage m;
+  *m.mutable_rank_exit()->mutable_ref() = Ref(id, 1, 0);
+  m.mutable_rank_exit()->set_last_loss(1.25);
+  manager_->HandleWorkerMessage("w1", m);
+  const v1::Job j = Get(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(j.step(), 10);
+  EXPECT_DOUBLE_EQ(j.loss(), 1.25);
+}
+
 }  // namespace
 }  // namespace spindle

@@ -26,12 +26,14 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "coordinator/auth.h"
 #include "coordinator/clock.h"
+#include "coordinator/credentials.h"
 #include "coordinator/grpc_services.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/job_store.h"
 #include "coordinator/rendezvous_store.h"
+#include "coordinator/sqlite_job_store.h"
+#include "coordinator/worker_proto.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/server_context.h"
 #include "spindle/v1/cluster.pb.h"
@@ -91,7 +93,7 @@ class Coordinator {
   // A coordinator over a copy of g_template, or over a fresh store that becomes the template.
   explicit Coordinator(bool from_template = true) {
     if (from_template) CopyFile(g_template, g_dir + "/c.db");
-    auto store = JobStore::Open(g_dir + "/c.db");
+    auto store = SqliteJobStore::Open(g_dir + "/c.db");
     if (!store.ok()) std::abort();
     store_ = std::move(*store);
     Start();
@@ -108,8 +110,7 @@ class Coordinator {
     d->set_kind("cpu");
     d->set_count(4);
     d->set_memory_bytes(int64_t{8} << 30);
-    v1::RegisterResponse resp;
-    if (!manager_->RegisterWorker(reg, &resp).ok()) std::abort();
+    if (!manager_->RegisterWorker(RegistrationFromProto(reg, "127.0.0.1")).ok()) std::abort();
   }
   ~Coordinator() {
     manager_.reset();
@@ -265,7 +266,7 @@ class Coordinator {
   FakeClock clock_;
   DropChannel channel_;
   SessionRegistry sessions_;
-  const TokenAuth auth_{""};
+  const Credentials auth_{"", {}};
   std::unique_ptr<JobStore> store_;
   std::unique_ptr<RendezvousStore> rdv_store_;
   std::unique_ptr<JobManager> manager_;

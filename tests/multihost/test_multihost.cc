@@ -131,12 +131,12 @@ class MultihostTest : public ::testing::Test {
   // own): a host that does not share the checkpoint volume.
   void StartWorkerWithPrivateDir(int host, const std::string& dir) {
     const std::string id = absl::StrCat("w", host);
-    Spawn(id, net_->On(host, {"unshare", "--mount", "--propagation", "private", "sh", "-c",
-                              "mount -t tmpfs tmpfs \"$0\" && shift && exec \"$0\" \"$@\"", dir,
-                              SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
-                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
-                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
-                              "--data_root=" + dir_.path()}));
+    Spawn(id,
+          net_->On(host, {"unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", dir, SPINDLE_WORKER_BINARY,
+                          "--coordinator=" + CoordinatorAddress(), "--worker_id=" + id,
+                          "--work_dir=" + dir_.File("work-" + id), "--cpu_threads_per_slot=1",
+                          "--checkpoint_root=" + dir_.path(), "--data_root=" + dir_.path()}));
   }
   void Spawn(const std::string& name, const std::vector<std::string>& argv) {
     SubprocessOptions options;
