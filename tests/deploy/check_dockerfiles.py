@@ -2,7 +2,8 @@
 """Checks deploy/docker/*.Dockerfile without a Docker engine (none runs on the build machines):
 
 - each build stage installs exactly scripts/setup.sh's PACKAGES, less the test/developer-only
-  ones (ccache, git, iproute2, openssl, prometheus, python3, python3-torch);
+  ones (ccache, clang and libclang-rt-14-dev for the fuzzers, git, iproute2, openssl, prometheus,
+  python3, python3-torch);
 - each binary a build stage installs from /build/... is at that path in a real CMake build tree
   (so the build command and the install paths agree);
 - deploy/docker/runtime-packages.sh, run on the real binaries, names the packages of their
@@ -19,7 +20,8 @@ import subprocess
 import sys
 
 # Developer and test tools: not needed to build the daemons.
-NOT_IN_IMAGES = {"ccache", "git", "iproute2", "openssl", "prometheus", "python3", "python3-torch"}
+NOT_IN_IMAGES = {"ccache", "clang", "git", "iproute2", "libclang-rt-14-dev", "openssl", "prometheus",
+                 "python3", "python3-torch"}
 
 
 def logical_lines(text):

@@ -152,7 +152,8 @@ TEST(CheckpointFenceTest, RanksThatDoNotShareTheCheckpointDirectoryAreNamed) {
     return Trainer::Create(std::move(o)).status();
   });
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(s.message(), absl::StrCat("rank 1: checkpoint.dir \"", b,
+  // Every rank names the rank that does not see the fence (rank 0's error is the first).
+  EXPECT_EQ(s.message(), absl::StrCat("rank 0: checkpoint.dir \"", a,
                                       "\" is not shared: rank 1 does not see the fence rank 0 "
                                       "wrote there for attempt 1 (every host of a job needs the "
                                       "same checkpoint volume)"));

@@ -174,33 +174,60 @@ absl::Status Trainer::Resume(ParamSet& params) {
   double chosen = ready.ok() ? static_cast<double>(step) : -1.0;
   RETURN_IF_ERROR(world_comm_->Broadcast(&chosen, 1, CommType::kF64, 0, CommLayer::kOther));
   world_comm_->TakeStats();
-  if (opt_.rank == 0) return ready;
-  if (chosen < 0)
+  if (chosen < 0) {
+    if (opt_.rank == 0) return ready;
     return absl::AbortedError("trainer: rank 0 could not resume (its error ends the attempt)");
-  if (attempt > 0) {
-    ASSIGN_OR_RETURN(const int64_t fence, ReadFence(ckpt_dir_));
-    if (fence > attempt)
-      return absl::AbortedError(absl::StrCat("trainer: attempt ", attempt,
-                                             " of the job was "
-                                             "superseded by attempt ",
-                                             fence));
-    if (fence < attempt)
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint.dir \"", ckpt_dir_, "\" is not shared: rank ", opt_.rank,
-                       " does not see the fence rank 0 wrote there for attempt ", attempt,
-                       " (every host of a job needs the same checkpoint volume)"));
   }
+  // Every other rank checks the fence and loads rank 0's choice; the verdicts are gathered so
+  // that all ranks end the attempt with the same error (a rank that does not share the
+  // directory is named by every rank, rank 0 first, instead of its peers failing on the lost
+  // connection): 0 ok, 1 no fence of this attempt, 2 the checkpoint missing, 3 superseded by a
+  // newer attempt, 4 another error (the rank's own).
   step = static_cast<int64_t>(chosen);
-  if (step == 0) return absl::OkStatus();
   const std::string dir = absl::StrCat(ckpt_dir_, "/", absl::StrFormat("step_%08d", step));
-  absl::Status s = LoadStep(params, dir);
-  if (s.code() == absl::StatusCode::kNotFound)
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint.dir \"", ckpt_dir_, "\" is not shared: rank ", opt_.rank,
-                     " cannot find \"", dir,
-                     "\", which rank 0 resumed from (every host of a job needs the same checkpoint "
-                     "volume)"));
-  return s;
+  int32_t verdict = 0;
+  absl::Status own;
+  if (opt_.rank != 0) {
+    absl::StatusOr<int64_t> fence = attempt > 0 ? ReadFence(ckpt_dir_) : absl::StatusOr<int64_t>(0);
+    if (!fence.ok()) {
+      own = fence.status();
+      verdict = 4;
+    } else if (*fence > attempt) {
+      verdict = 3;
+    } else if (*fence < attempt) {
+      verdict = 1;
+    } else if (step > 0) {
+      own = LoadStep(params, dir);
+      verdict = own.ok() ? 0 : own.code() == absl::StatusCode::kNotFound ? 2 : 4;
+    }
+  }
+  std::vector<int32_t> verdicts(opt_.world, 0);
+  RETURN_IF_ERROR(
+      world_comm_->AllGather(&verdict, 4, CommType::kByte, verdicts.data(), CommLayer::kOther));
+  world_comm_->TakeStats();
+  for (int64_t r = 0; r < opt_.world; ++r) {
+    const std::string volume =
+        absl::StrCat("checkpoint.dir \"", ckpt_dir_, "\" is not shared: rank ", r);
+    const char* remedy = " (every host of a job needs the same checkpoint volume)";
+    switch (verdicts[r]) {
+      case 0:
+        continue;
+      case 1:
+        return absl::FailedPreconditionError(absl::StrCat(
+            volume, " does not see the fence rank 0 wrote there for attempt ", attempt, remedy));
+      case 2:
+        return absl::FailedPreconditionError(
+            absl::StrCat(volume, " cannot find \"", dir, "\", which rank 0 resumed from", remedy));
+      case 3:
+        return absl::AbortedError(absl::StrCat("trainer: attempt ", attempt,
+                                               " of the job was superseded by a newer attempt"));
+      default:
+        if (r == opt_.rank) return own;
+        return absl::AbortedError(
+            absl::StrCat("trainer: rank ", r, " could not resume (its error ends the attempt)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> Trainer::RanksHaveOwnDevices() {
