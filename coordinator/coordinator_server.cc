@@ -122,6 +122,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   RETURN_IF_ERROR(CheckListenExposure({s.config.listen, s.config.worker_listen},
                                       !s.config.token.empty() || !s.config.tls_cert_pem.empty(),
                                       s.config.insecure));
+  RETURN_IF_ERROR(CheckWorkerCredentials({s.config.listen, s.config.worker_listen},
+                                         !s.config.token.empty(), !s.config.worker_tokens.empty(),
+                                         s.config.insecure));
   // A coordinator that cannot start leaves no store behind that it created.
   const std::string db_path = s.config.db_path;
   std::error_code ec;

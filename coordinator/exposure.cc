@@ -27,4 +27,18 @@ absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool
   return absl::OkStatus();
 }
 
+absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, bool user_token,
+                                    bool worker_tokens, bool insecure) {
+  if (!user_token || worker_tokens || insecure) return absl::OkStatus();
+  for (const std::string& address : addresses) {
+    if (address.empty() || IsLoopbackHost(ListenHost(address))) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "refusing to serve ", address,
+        " with one token for users and workers (any user could register as a worker and take "
+        "its assignments): give the workers their own with --worker_token_file, or pass "
+        "--insecure"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace spindle

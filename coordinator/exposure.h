@@ -20,4 +20,11 @@ std::string ListenHost(const std::string& address);
 absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool has_credentials,
                                  bool insecure);
 
+// OK when every address is loopback, when the users' token is not the only credential (workers
+// have tokens of their own, or there is no user token), or when `insecure`. Otherwise
+// FailedPrecondition: with one token for users and workers, any user could register as a worker
+// and receive its assignments and their rendezvous tokens.
+absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, bool user_token,
+                                    bool worker_tokens, bool insecure);
+
 }  // namespace spindle

@@ -222,7 +222,10 @@ int main(int argc, char** argv) {
   if (absl::Status exposed = spindle::CheckListenExposure(
           {cfg.listen, cfg.worker_listen}, !cfg.token.empty() || !cfg.tls_cert_pem.empty(),
           cfg.insecure);
-      !exposed.ok()) {
+      !exposed.ok() || !(exposed = spindle::CheckWorkerCredentials(
+                             {cfg.listen, cfg.worker_listen}, !cfg.token.empty(),
+                             !cfg.worker_tokens.empty(), cfg.insecure))
+                            .ok()) {
     std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(exposed.message()).c_str());
     return 2;
   }

@@ -45,12 +45,32 @@ TEST(ExposureTest, CoordinatorRefusesAnExposedPortWithoutCredentials) {
   insecure->reset();  // closes the store for the next start
   cfg.insecure = false;
   cfg.token = "t";
-  auto with_token = CoordinatorServer::Start(cfg);
-  ASSERT_TRUE(with_token.ok()) << with_token.status();
+  // A user token alone would let users act as workers: the workers need tokens of their own.
+  auto shared = CoordinatorServer::Start(cfg);
+  ASSERT_FALSE(shared.ok());
+  EXPECT_EQ(shared.status().code(), absl::StatusCode::kFailedPrecondition);
+  cfg.worker_tokens.push_back(WorkerToken{"", "w"});
+  auto with_tokens = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(with_tokens.ok()) << with_tokens.status();
 }
 
 TEST(ExposureTest, MetricsBindLoopbackByDefault) {
   EXPECT_EQ(CoordinatorConfig().metrics_host, "127.0.0.1");
+}
+
+// Exposed with a user token but no worker tokens: users could act as workers.
+TEST(ExposureTest, AnExposedCoordinatorNeedsWorkerTokensBesideTheUsersToken) {
+  EXPECT_TRUE(CheckWorkerCredentials({"127.0.0.1:7070"}, true, false, false).ok());
+  EXPECT_TRUE(CheckWorkerCredentials({"0.0.0.0:7070"}, true, /*worker_tokens=*/true, false).ok());
+  EXPECT_TRUE(CheckWorkerCredentials({"0.0.0.0:7070"}, /*user_token=*/false, false, false).ok());
+  EXPECT_TRUE(CheckWorkerCredentials({"0.0.0.0:7070"}, true, false, /*insecure=*/true).ok());
+  const absl::Status st =
+      CheckWorkerCredentials({"127.0.0.1:7070", "0.0.0.0:7071"}, true, false, false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(),
+            "refusing to serve 0.0.0.0:7071 with one token for users and workers (any user could "
+            "register as a worker and take its assignments): give the workers their own with "
+            "--worker_token_file, or pass --insecure");
 }
 
 }  // namespace
