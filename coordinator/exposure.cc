@@ -14,31 +14,36 @@ std::string ListenHost(const std::string& address) {
   return host;
 }
 
+namespace {
+
+// The first address that is not loopback (empty ones skipped); "" when there is none.
+std::string FirstExposed(const std::vector<std::string>& addresses) {
+  for (const std::string& address : addresses)
+    if (!address.empty() && !IsLoopbackHost(ListenHost(address))) return address;
+  return "";
+}
+
+}  // namespace
+
 absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool has_credentials,
                                  bool insecure) {
-  if (has_credentials || insecure) return absl::OkStatus();
-  for (const std::string& address : addresses) {
-    if (address.empty() || IsLoopbackHost(ListenHost(address))) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "refusing to serve ", address,
-        " (not a loopback address) without credentials: set --token_file or --tls_cert, or "
-        "pass --insecure to let anyone who reaches it run jobs"));
-  }
-  return absl::OkStatus();
+  const std::string exposed = FirstExposed(addresses);
+  if (has_credentials || insecure || exposed.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to serve ", exposed,
+      " (not a loopback address) without credentials: set --token_file or --tls_cert, or "
+      "pass --insecure to let anyone who reaches it run jobs"));
 }
 
 absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, bool user_token,
                                     bool worker_tokens, bool insecure) {
-  if (!user_token || worker_tokens || insecure) return absl::OkStatus();
-  for (const std::string& address : addresses) {
-    if (address.empty() || IsLoopbackHost(ListenHost(address))) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "refusing to serve ", address,
-        " with one token for users and workers (any user could register as a worker and take "
-        "its assignments): give the workers their own with --worker_token_file, or pass "
-        "--insecure"));
-  }
-  return absl::OkStatus();
+  const std::string exposed = FirstExposed(addresses);
+  if (!user_token || worker_tokens || insecure || exposed.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to serve ", exposed,
+      " with one token for users and workers (any user could register as a worker and take "
+      "its assignments): give the workers their own with --worker_token_file, or pass "
+      "--insecure"));
 }
 
 }  // namespace spindle
