@@ -419,6 +419,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
       {"data_position", state.data_position},
       {"seed", state.seed},
       {"rng_counter", state.rng_counter},
+      {"loss", state.loss},
       {"optimizer_steps", optimizer ? optimizer->steps_taken() : 0},
       {"model", config.ToJson()},
       {"files",
@@ -606,6 +607,7 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
   s.data_position = st.value("data_position", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});
   s.rng_counter = st.value("rng_counter", uint64_t{0});
+  s.loss = st.contains("loss") && st["loss"].is_number() ? st["loss"].get<double>() : 0.0;
   return s;
 }
 

@@ -39,6 +39,7 @@ struct TrainState {
   int64_t data_position = 0;  // sequences consumed from the data source (all ranks together)
   uint64_t seed = 0;
   uint64_t rng_counter = 0;  // draws taken from the trainer's generator
+  double loss = 0;           // the loss of step `step` (0: not recorded)
 };
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.

@@ -267,6 +267,14 @@ absl::Status Trainer::Run() {
         {"collectives", device_world_comm_ ? device_world_comm_->backend()
                         : world_comm_      ? world_comm_->backend()
                                            : "none"}});
+  // Resumed at the job's last step (its previous attempt ended as the coordinator lost track of
+  // it): nothing to train, but the job's final loss is the checkpoint's.
+  if (state_.step >= spec.train.steps && state_.loss != 0)
+    Emit({{"event", "step"},
+          {"step", state_.step},
+          {"total_steps", spec.train.steps},
+          {"loss", state_.loss},
+          {"resumed", true}});
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
     RETURN_IF_ERROR(Step());
@@ -412,6 +420,7 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   state_.step += 1;
   state_.data_position += mb * spec.parallel.dp;
   losses_.push_back(loss);
+  state_.loss = loss;
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   elapsed_s_ += dt;
   // This rank's tokens: its 1/cp share of each of its replica's sequences (the job's throughput
