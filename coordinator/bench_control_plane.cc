@@ -129,8 +129,7 @@ int main(int argc, char** argv) {
   }
   spindle::JobManager* mgr = (*server)->manager();
   for (int i = 0; i < kBeats; ++i) {
-    spindle::v1::WorkerMessage hb;
-    hb.mutable_heartbeat()->set_unix_ms(0);
+    const spindle::WorkerReport hb = spindle::HeartbeatReport{};
     auto t0 = Clock::now();
     mgr->HandleWorkerMessage(absl::StrCat("w", i % kWorkers), hb);
     beat_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());

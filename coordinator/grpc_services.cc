@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -10,6 +11,8 @@
 #include "absl/time/clock.h"
 #include "common/host_port.h"
 #include "coordinator/job_pages.h"
+#include "coordinator/job_proto.h"
+#include "coordinator/plan_proto.h"
 #include "coordinator/worker_proto.h"
 
 namespace spindle {
@@ -67,7 +70,7 @@ class SessionRegistry::Session {
   std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
 };
 
-bool SessionRegistry::Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) {
+bool SessionRegistry::Send(const std::string& worker_id, const WorkerCommand& command) {
   std::shared_ptr<Session> s;
   {
     absl::MutexLock l(&mu_);
@@ -75,6 +78,8 @@ bool SessionRegistry::Send(const std::string& worker_id, const v1::CoordinatorMe
     if (it == sessions_.end()) return false;
     s = it->second;
   }
+  v1::CoordinatorMessage msg;
+  CommandToProto(command, &msg);
   return s->Push(msg);
 }
 
@@ -108,26 +113,38 @@ void SessionRegistry::CloseAll() {
 grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                     v1::SubmitJobResponse* resp) {
   if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
-  if (req->dry_run()) return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
-  absl::StatusOr<std::string> id =
-      manager_->Submit(req->spec_json(), resp->mutable_plan(), req->request_id());
+  CpPlan plan;
+  if (req->dry_run()) {
+    absl::Status st = manager_->PlanSpec(req->spec_json(), &plan);
+    if (st.ok()) PlanToProto(plan, resp->mutable_plan());
+    return ToGrpc(st);
+  }
+  absl::StatusOr<std::string> id = manager_->Submit(req->spec_json(), &plan, req->request_id());
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_job_id(*id);
-  v1::Job job;
-  if (manager_->GetJob(*id, false, &job).ok()) resp->set_state(job.state());
+  PlanToProto(plan, resp->mutable_plan());
+  JobView job;
+  if (manager_->GetJob(*id, false, &job).ok())
+    resp->set_state(static_cast<v1::JobState>(job.record.state));
   return grpc::Status::OK;
 }
 
 grpc::Status JobServiceImpl::Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
                                   v1::PlanJobResponse* resp) {
   if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
-  return ToGrpc(manager_->PlanSpec(req->spec_json(), resp->mutable_plan()));
+  CpPlan plan;
+  absl::Status st = manager_->PlanSpec(req->spec_json(), &plan);
+  if (st.ok()) PlanToProto(plan, resp->mutable_plan());
+  return ToGrpc(st);
 }
 
 grpc::Status JobServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                  v1::Job* resp) {
   if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
-  return ToGrpc(manager_->GetJob(req->job_id(), true, resp));
+  JobView job;
+  absl::Status st = manager_->GetJob(req->job_id(), true, &job);
+  if (st.ok()) JobViewToProto(job, resp);
+  return ToGrpc(st);
 }
 
 grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
@@ -143,18 +160,21 @@ grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRe
   absl::StatusOr<int> page_size =
       ListPageSize(req->page_size() != 0 ? req->page_size() : req->limit());
   if (!page_size.ok()) return ToGrpc(page_size.status());
-  std::vector<std::unique_ptr<v1::Job>> jobs;
+  std::vector<JobView> jobs;
   absl::Status st = manager_->ListJobPage(states, *page_size, req->page_token(), &jobs,
                                           resp->mutable_next_page_token());
   if (!st.ok()) return ToGrpc(st);
-  for (auto& j : jobs) resp->add_jobs()->Swap(j.get());
+  for (const JobView& j : jobs) JobViewToProto(j, resp->add_jobs());
   return grpc::Status::OK;
 }
 
 grpc::Status JobServiceImpl::Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                     v1::CancelJobResponse* resp) {
   if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
-  return ToGrpc(manager_->Cancel(req->job_id(), req->reason(), resp->mutable_job()));
+  JobView job;
+  absl::Status st = manager_->Cancel(req->job_id(), req->reason(), &job);
+  if (st.ok()) JobViewToProto(job, resp->mutable_job());
+  return ToGrpc(st);
 }
 
 grpc::Status JobServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
@@ -192,20 +212,16 @@ grpc::Status JobServiceImpl::WatchStream(grpc::ServerContext* ctx, const v1::Wat
   size_t events_seen = 0;
   v1::JobState last_state = v1::JOB_STATE_UNSPECIFIED;
   while (!ctx->IsCancelled()) {
-    v1::JobUpdate update;
+    JobView job;
     std::vector<EventRecord> events;
     const uint64_t before = version;
-    absl::Status st = manager_->WaitJob(req.job_id(), &version, &events_seen, kPoll,
-                                        update.mutable_job(), &events);
+    absl::Status st =
+        manager_->WaitJob(req.job_id(), &version, &events_seen, kPoll, &job, &events);
     if (!st.ok()) return ToGrpc(st);
     if (version == before && before != 0) continue;  // nothing new; check for cancellation
-    for (const EventRecord& e : events) {
-      v1::JobEvent* pe = update.add_new_events();
-      pe->set_unix_ms(e.unix_ms);
-      pe->set_attempt(e.attempt);
-      pe->set_state(static_cast<v1::JobState>(e.state));
-      pe->set_message(e.message);
-    }
+    v1::JobUpdate update;
+    JobViewToProto(job, update.mutable_job());
+    for (const EventRecord& e : events) EventToProto(e, update.add_new_events());
     const v1::JobState state = update.job().state();
     if (!writer->Write(update)) return grpc::Status::OK;  // client went away
     if (state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
@@ -256,7 +272,7 @@ grpc::Status ClusterServiceImpl::Session(
   }
   auto session = std::make_shared<SessionRegistry::Session>(ctx);
   sessions_->Attach(worker_id, session);
-  absl::Status opened = manager_->SessionOpened(first.hello(), session_id);
+  absl::Status opened = manager_->SessionOpened(HelloFromProto(first.hello()), session_id);
   if (!opened.ok()) {
     sessions_->Detach(worker_id, session.get());
     return ToGrpc(opened);
@@ -269,7 +285,8 @@ grpc::Status ClusterServiceImpl::Session(
   });
   v1::WorkerMessage m;
   while (stream->Read(&m)) {
-    manager_->HandleWorkerMessage(worker_id, m);
+    if (std::optional<WorkerReport> report = ReportFromProto(m))
+      manager_->HandleWorkerMessage(worker_id, *report);
     // The worker's fencing counts from its last acknowledged heartbeat: acknowledged only once
     // the manager has taken it in.
     if (m.has_heartbeat()) {

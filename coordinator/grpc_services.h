@@ -31,7 +31,7 @@ class SessionRegistry : public WorkerChannel {
  public:
   class Session;  // one open stream's outbound queue
 
-  bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) override
+  bool Send(const std::string& worker_id, const WorkerCommand& command) override
       ABSL_LOCKS_EXCLUDED(mu_);
   // Makes `s` the worker's session; cancels the one it replaces.
   void Attach(const std::string& worker_id, std::shared_ptr<Session> s) ABSL_LOCKS_EXCLUDED(mu_);

@@ -9,6 +9,7 @@
 #include <random>
 #include <tuple>
 #include <utility>
+#include <variant>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -22,8 +23,6 @@
 #include "coordinator/job_pages.h"
 #include "coordinator/plan_proto.h"
 #include "coordinator/scheduler.h"
-#include "spindle/v1/cluster.pb.h"
-#include "spindle/v1/job.pb.h"
 
 namespace spindle {
 
@@ -76,28 +75,17 @@ struct JobManager::JobRuntime {
 };
 
 struct JobManager::Outbox {
-  std::vector<std::pair<std::string, v1::CoordinatorMessage>> messages;
+  std::vector<std::pair<std::string, WorkerCommand>> messages;
 };
 
 namespace {
 
 void LogLine(const std::string& line) { std::fprintf(stderr, "coordinator: %s\n", line.c_str()); }
 
-// A plan as the job record stores it (v1::Plan bytes).
-std::string PlanBytes(const CpPlan& plan) {
-  v1::Plan p;
-  PlanToProto(plan, &p);
-  return p.SerializeAsString();
-}
-
 std::string RandomToken() {
   std::random_device rd;
   uint64_t a = (uint64_t{rd()} << 32) ^ rd(), b = (uint64_t{rd()} << 32) ^ rd();
   return absl::StrFormat("%016x%016x", a, b);
-}
-
-v1::CpMode ToProtoMode(CpMode m) {
-  return m == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER;
 }
 
 // Trainers run in their workers' own directories, so a relative path would name a different
@@ -197,11 +185,10 @@ absl::Status JobManager::Recover() {
       // "auto" recompute stays what it was decided at submit time (the stored plan), not what an
       // empty cluster would give.
       JobSpec planned = j->spec;
-      v1::Plan stored;
-      if (planned.train.recompute_layers == TrainSpec::kRecomputeAuto &&
-          stored.ParseFromString(rec.plan)) {
-        planned.train.recompute_layers = stored.memory().recompute_layers();
-        j->recompute_at_placement = stored.memory().device_memory_bytes() <= 0;
+      absl::StatusOr<CpPlan> stored = DecodePlan(rec.plan);
+      if (planned.train.recompute_layers == TrainSpec::kRecomputeAuto && stored.ok()) {
+        planned.train.recompute_layers = stored->memory.recompute_layers;
+        j->recompute_at_placement = stored->memory.device_memory_bytes <= 0;
       }
       AdoptPlan(*j, planner_.Plan(planned, 0));
     }
@@ -283,7 +270,7 @@ absl::Status JobManager::CheckCheckpointDirFreeLocked(const JobSpec& spec) const
   return absl::OkStatus();
 }
 
-absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_out) {
+absl::Status JobManager::PlanSpec(const std::string& spec_json, CpPlan* plan_out) {
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
   absl::MutexLock l(&mu_);
   CpPlan plan = PlanLocked(spec);
@@ -295,11 +282,11 @@ absl::Status JobManager::PlanSpec(const std::string& spec_json, v1::Plan* plan_o
   }
   if (absl::Status free = CheckCheckpointDirFreeLocked(spec); !free.ok())
     plan.problems.emplace_back(free.message());
-  PlanToProto(plan, plan_out);
+  *plan_out = std::move(plan);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1::Plan* plan_out,
+absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, CpPlan* plan_out,
                                                const std::string& request_id) {
   RETURN_IF_ERROR(CheckRequestId(request_id));
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
@@ -321,12 +308,15 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
           return absl::AlreadyExistsError(
               absl::StrCat("submit: request id \"", request_id, "\" was already used for job ",
                            seen, " with a different spec; a new job needs a new request id"));
-        if (plan_out) plan_out->ParseFromString(j->rec.plan);
+        if (plan_out) {
+          absl::StatusOr<CpPlan> stored = DecodePlan(j->rec.plan);
+          *plan_out = stored.ok() ? *std::move(stored) : CpPlan{};
+        }
         return seen;
       }
     }
     CpPlan plan = PlanLocked(spec);
-    if (plan_out) PlanToProto(plan, plan_out);
+    if (plan_out) *plan_out = plan;
     if (!plan.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("job cannot run: ", absl::StrJoin(plan.problems, "; ")));
@@ -345,7 +335,7 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, v1:
     rec.priority = spec.priority;
     rec.spec_json = canonical_spec;
     rec.request_id = request_id;
-    rec.plan = PlanBytes(plan);
+    rec.plan = EncodePlan(plan);
     rec.submitted_ms = rec.updated_ms = now;
     rec.max_restarts = spec.max_restarts;
     const int64_t world = spec.parallel.world();
@@ -375,7 +365,7 @@ absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::strin
   JobRecord rec = next ? *std::move(next) : j.rec;
   std::optional<CpPlan> plan = std::move(j.pending_plan);
   j.pending_plan.reset();
-  if (plan) rec.plan = PlanBytes(*plan);
+  if (plan) rec.plan = EncodePlan(*plan);
   if (IsTerminal(to) && !j.ranks.empty()) {
     // Where it ended stays shown once the ranks are gone (a restarted coordinator has none).
     const RankRuntime* low = &j.ranks[0];
@@ -403,84 +393,52 @@ absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::strin
   return absl::OkStatus();
 }
 
-void JobManager::FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const {
+void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out) const {
   const JobRecord& r = j.rec;
-  out->set_job_id(r.job_id);
-  out->set_name(r.name);
-  out->set_state(static_cast<v1::JobState>(r.state));
-  out->set_priority(r.priority);
-  out->set_spec_json(r.spec_json);
-  out->set_submitted_unix_ms(r.submitted_ms);
-  out->set_updated_unix_ms(r.updated_ms);
-  out->set_attempt(r.attempt);
-  out->set_restarts(r.restarts);
-  out->set_max_restarts(r.max_restarts);
-  out->set_message(r.message);
-  out->mutable_plan()->ParseFromString(r.plan);
-  out->set_last_checkpoint_step(r.last_checkpoint_step);
-  out->set_last_checkpoint_path(r.last_checkpoint_path);
-  out->set_total_steps(j.spec.train.steps);
+  *out = JobView{};
+  out->record = r;
+  if (absl::StatusOr<CpPlan> plan = DecodePlan(r.plan); plan.ok()) out->plan = *std::move(plan);
+  out->total_steps = j.spec.train.steps;
   int64_t min_step = -1;
   double tps = 0, mfu_sum = 0;
   int64_t mfu_ranks = 0;
+  out->ranks.reserve(j.ranks.size());
   for (const RankRuntime& rr : j.ranks) {
-    v1::RankStatus* s = out->add_ranks();
-    s->set_rank(rr.placement.rank);
-    s->set_worker_id(rr.placement.worker_id);
-    s->set_device_index(rr.placement.device_index);
-    s->set_step(rr.step);
-    s->set_loss(rr.loss);
-    s->set_tokens_per_s(rr.tokens_per_s);
-    s->set_lr(rr.lr);
-    s->set_grad_norm(rr.grad_norm);
-    s->set_elapsed_s(rr.elapsed_s);
-    s->set_mfu(rr.mfu);
-    s->set_memory_bytes(rr.memory_bytes);
-    s->set_state(rr.state);
-    s->set_exit_code(rr.exit_code);
-    s->set_last_report_unix_ms(rr.last_report_ms);
+    out->ranks.push_back({rr.placement, rr.state, rr.step, rr.loss, rr.tokens_per_s, rr.lr,
+                          rr.grad_norm, rr.elapsed_s, rr.mfu, rr.memory_bytes, rr.exit_code,
+                          rr.last_report_ms});
     min_step = min_step < 0 ? rr.step : std::min(min_step, rr.step);
     if (rr.state == "running") {
       tps += rr.tokens_per_s;
       if (rr.mfu > 0) mfu_sum += rr.mfu, ++mfu_ranks;
     }
   }
-  out->set_step(std::max<int64_t>(0, min_step));
+  out->step = std::max<int64_t>(0, min_step);
   // The loss of the step shown (every rank reports the world's loss; a rank ahead of the others
   // already reports the next step's).
   for (const RankRuntime& rr : j.ranks) {
     if (rr.step == min_step) {
-      out->set_loss(rr.loss);
+      out->loss = rr.loss;
       break;
     }
   }
   if (j.ranks.empty() && IsTerminal(r.state)) {  // finished before this coordinator started
-    out->set_step(r.final_step);
-    out->set_loss(r.final_loss);
+    out->step = r.final_step;
+    out->loss = r.final_loss;
   }
-  out->set_tokens_per_s(tps);
-  out->set_mfu(mfu_ranks > 0 ? mfu_sum / static_cast<double>(mfu_ranks) : 0.0);
-  double eta = -1;
+  out->tokens_per_s = tps;
+  out->mfu = mfu_ranks > 0 ? mfu_sum / static_cast<double>(mfu_ranks) : 0.0;
   if (r.state == JobState::kSucceeded) {
-    eta = 0;
+    out->eta_s = 0;
   } else if (r.state == JobState::kRunning && j.rate_ref_step >= 0 && min_step > j.rate_ref_step) {
     const double dt = static_cast<double>(clock_->SteadyMs() - j.rate_ref_ms) / 1000.0;
     const double rate = (min_step - j.rate_ref_step) / std::max(dt, 1e-3);
-    eta = (j.spec.train.steps - min_step) / rate;
+    out->eta_s = (j.spec.train.steps - min_step) / rate;
   }
-  out->set_eta_s(eta);
-  if (with_events) {
-    for (const EventRecord& e : j.events) {
-      v1::JobEvent* pe = out->add_events();
-      pe->set_unix_ms(e.unix_ms);
-      pe->set_attempt(e.attempt);
-      pe->set_state(static_cast<v1::JobState>(e.state));
-      pe->set_message(e.message);
-    }
-  }
+  if (with_events) out->events = j.events;
 }
 
-absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, v1::Job* out) {
+absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, JobView* out) {
   absl::MutexLock l(&mu_);
   JobRuntime* j = FindJob(job_id);
   if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
@@ -488,9 +446,8 @@ absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, v1:
   return absl::OkStatus();
 }
 
-std::vector<std::unique_ptr<v1::Job>> JobManager::ListJobs(const std::set<JobState>& states,
-                                                           int limit) {
-  std::vector<std::unique_ptr<v1::Job>> out;
+std::vector<JobView> JobManager::ListJobs(const std::set<JobState>& states, int limit) {
+  std::vector<JobView> out;
   std::string next;
   ListJobPage(states, limit > 0 ? limit : std::numeric_limits<int>::max(), "", &out, &next)
       .IgnoreError();  // the first page's token cannot be wrong
@@ -499,7 +456,7 @@ std::vector<std::unique_ptr<v1::Job>> JobManager::ListJobs(const std::set<JobSta
 
 absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_size,
                                      const std::string& page_token,
-                                     std::vector<std::unique_ptr<v1::Job>>* jobs,
+                                     std::vector<JobView>* jobs,
                                      std::string* next_page_token) {
   ASSIGN_OR_RETURN(const int64_t before, ParsePageToken(page_token));
   next_page_token->clear();
@@ -512,9 +469,7 @@ absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_
       *next_page_token = MakePageToken(last_seq);
       return false;
     }
-    auto p = std::make_unique<v1::Job>();
-    FillJob(*j, false, p.get());
-    jobs->push_back(std::move(p));
+    FillJob(*j, false, &jobs->emplace_back());
     last_seq = seq;
     return true;
   });
@@ -522,7 +477,7 @@ absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_
 }
 
 absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
-                                 absl::Duration max_wait, v1::Job* out,
+                                 absl::Duration max_wait, JobView* out,
                                  std::vector<EventRecord>* new_events) {
   absl::MutexLock l(&mu_);
   JobRuntime* j = FindJob(job_id);
@@ -545,7 +500,7 @@ absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, s
 }
 
 absl::Status JobManager::Cancel(const std::string& job_id, const std::string& reason,
-                                v1::Job* out) {
+                                JobView* out) {
   Outbox box;
   {
     absl::MutexLock l(&mu_);
@@ -744,29 +699,25 @@ void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks
   }
 }
 
-v1::CoordinatorMessage JobManager::MakeAssignment(const JobRuntime& j,
-                                                  const RankPlacement& p) const {
-  v1::CoordinatorMessage m;
-  v1::Assignment* as = m.mutable_assignment();
-  as->mutable_ref()->set_job_id(j.rec.job_id);
-  as->mutable_ref()->set_attempt(j.rec.attempt);
-  as->mutable_ref()->set_rank(p.rank);
-  as->set_world(j.spec.parallel.world());
-  as->set_cp(j.spec.parallel.cp);
-  as->set_dp(j.spec.parallel.dp);
-  as->set_lightning_mode(ToProtoMode(j.lightning_mode));
-  as->set_mla_mode(ToProtoMode(j.mla_mode));
-  as->set_recompute_layers(j.recompute_layers);
-  as->set_spec_json(j.rec.spec_json);
-  as->set_rendezvous_address(rendezvous_address_);
-  as->set_rendezvous_token(j.token);
-  as->set_checkpoint_dir(j.spec.checkpoint.dir);
-  as->set_resume_step(j.rec.last_checkpoint_step);
-  as->set_resume_path(j.rec.last_checkpoint_path);
-  as->set_device_index(p.device_index);
-  as->set_device_kind(j.spec.resources);
-  if (const Worker* w = registry_.Find(p.worker_id)) as->set_host_address(w->address);
-  return m;
+AssignmentCommand JobManager::MakeAssignment(const JobRuntime& j, const RankPlacement& p) const {
+  AssignmentCommand a;
+  a.ref = {j.rec.job_id, j.rec.attempt, p.rank};
+  a.world = j.spec.parallel.world();
+  a.cp = j.spec.parallel.cp;
+  a.dp = j.spec.parallel.dp;
+  a.lightning_mode = j.lightning_mode;
+  a.mla_mode = j.mla_mode;
+  a.recompute_layers = j.recompute_layers;
+  a.spec_json = j.rec.spec_json;
+  a.rendezvous_address = rendezvous_address_;
+  a.rendezvous_token = j.token;
+  a.checkpoint_dir = j.spec.checkpoint.dir;
+  a.resume_step = j.rec.last_checkpoint_step;
+  a.resume_path = j.rec.last_checkpoint_path;
+  a.device_index = p.device_index;
+  a.device_kind = j.spec.resources;
+  if (const Worker* w = registry_.Find(p.worker_id)) a.host_address = w->address;
+  return a;
 }
 
 absl::Status JobManager::CheckReachable(const std::vector<RankPlacement>& ranks) const {
@@ -813,34 +764,34 @@ absl::StatusOr<RegistrationReply> JobManager::RegisterWorker(const WorkerRegistr
   return reply;
 }
 
-absl::Status JobManager::SessionOpened(const v1::SessionHello& hello, uint64_t session_id) {
+absl::Status JobManager::SessionOpened(const WorkerHello& hello, uint64_t session_id) {
   Outbox out;
   {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(Worker * opened,
-                     registry_.Open(hello.worker_id(), hello.instance_id(), session_id));
+                     registry_.Open(hello.worker_id, hello.instance_id, session_id));
     Worker& w = *opened;
     const int64_t now = clock_->SteadyMs();
     std::set<std::pair<std::string, int64_t>> stops;
     std::set<std::tuple<std::string, int64_t, int64_t>> listed;
-    for (const v1::RunningRank& rr : hello.running()) {
-      const v1::RankRef& ref = rr.ref();
-      listed.insert({ref.job_id(), ref.attempt(), ref.rank()});
-      JobRuntime* j = FindJob(ref.job_id());
-      bool expected = j && IsActive(j->rec.state) && j->rec.attempt == ref.attempt() &&
-                      ref.rank() >= 0 && ref.rank() < static_cast<int64_t>(j->ranks.size()) &&
-                      j->ranks[ref.rank()].placement.worker_id == w.rec.worker_id &&
-                      j->ranks[ref.rank()].state != "exited" &&
-                      j->ranks[ref.rank()].state != "stopped";
+    for (const RunningRankReport& rr : hello.running) {
+      const RankKey& ref = rr.ref;
+      listed.insert({ref.job_id, ref.attempt, ref.rank});
+      JobRuntime* j = FindJob(ref.job_id);
+      bool expected = j && IsActive(j->rec.state) && j->rec.attempt == ref.attempt &&
+                      ref.rank >= 0 && ref.rank < static_cast<int64_t>(j->ranks.size()) &&
+                      j->ranks[ref.rank].placement.worker_id == w.rec.worker_id &&
+                      j->ranks[ref.rank].state != "exited" &&
+                      j->ranks[ref.rank].state != "stopped";
       if (!expected) {
-        stops.insert({ref.job_id(), ref.attempt()});
+        stops.insert({ref.job_id, ref.attempt});
         continue;
       }
-      RankRuntime& r = j->ranks[ref.rank()];
+      RankRuntime& r = j->ranks[ref.rank];
       r.adopted = true;
       r.state = "running";
-      if (rr.step() >= r.step && rr.loss() != 0) r.loss = rr.loss();
-      r.step = std::max(r.step, rr.step());
+      if (rr.step >= r.step && rr.loss != 0) r.loss = rr.loss;
+      r.step = std::max(r.step, rr.step);
       r.last_progress_ms = now;
       r.last_report_ms = clock_->NowMs();
     }
@@ -918,246 +869,231 @@ void JobManager::SessionClosed(const std::string& worker_id, uint64_t session_id
   }
 }
 
-void JobManager::HandleWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& msg) {
+struct JobManager::ReportContext {
+  Worker& w;
+  const std::string& worker_id;
+  int64_t now;   // steady: timers
+  int64_t wall;  // what is recorded and shown
+  Outbox* out;
+  // Tells the worker to stop a rank the coordinator does not expect (a stale attempt).
+  void StopStale(const JobManager& m, const RankKey& ref) const {
+    m.SendStop(worker_id, ref.job_id, ref.attempt, "not expected by the coordinator", out);
+  }
+};
+
+void JobManager::HandleWorkerMessage(const std::string& worker_id, const WorkerReport& report) {
   Outbox out;
   {
     absl::MutexLock l(&mu_);
     Worker* found = registry_.Find(worker_id);
     if (found == nullptr) return;
     Worker& w = *found;
-    const int64_t now = clock_->SteadyMs();  // timers
-    const int64_t wall = clock_->NowMs();    // what is recorded and shown
-    if (w.lost && !w.left) WorkerBack(w, now, &out);
+    ReportContext c{w, worker_id, clock_->SteadyMs(), clock_->NowMs(), &out};
+    if (w.lost && !w.left) WorkerBack(w, c.now, &out);
     registry_.Seen(w);
-    // The current rank a message is about, or null (stale attempt, unknown job).
-    auto current = [&](const v1::RankRef& ref) -> std::pair<JobRuntime*, RankRuntime*> {
-      JobRuntime* j = FindJob(ref.job_id());
-      if (!j || !IsActive(j->rec.state) || j->rec.attempt != ref.attempt() || ref.rank() < 0 ||
-          ref.rank() >= static_cast<int64_t>(j->ranks.size()))
-        return {nullptr, nullptr};
-      RankRuntime& r = j->ranks[ref.rank()];
-      if (r.placement.worker_id != worker_id) return {nullptr, nullptr};
-      return {j, &r};
-    };
-    auto stop_stale = [&](const v1::RankRef& ref) {
-      SendStop(worker_id, ref.job_id(), ref.attempt(), "not expected by the coordinator", &out);
-    };
-    switch (msg.kind_case()) {
-      case v1::WorkerMessage::kHeartbeat: {
-        std::set<std::pair<std::string, int64_t>> stopped;
-        // A rank that pulses (its trainer prints a line every second) and has been silent for
-        // the silence timeout is stopped (a frozen process, a hung host), while its peers wait
-        // for it in a collective: found in seconds, whatever the job's step time.
-        std::map<JobRuntime*, std::string> silent;
-        for (const v1::RunningRank& rr : msg.heartbeat().running()) {
-          auto [j, r] = current(rr.ref());
-          if (j && r->state != "stopped" && r->state != "exited") {
-            if (std::string why = rr.pulsing() ? health_.Silent(rr.ref().rank(), worker_id,
-                                                                rr.silent_ms(), r->step)
-                                               : "";
-                !why.empty() && !silent.count(j))
-              silent[j] = why;
-            continue;
-          }
-          // Stopped ranks still draining are told again only when their drain is over due.
-          if (j == nullptr) {
-            JobRuntime* any = FindJob(rr.ref().job_id());
-            bool draining = false;
-            if (any) {
-              for (const auto& s : w.slots)
-                draining |= s.job_id == rr.ref().job_id() && s.attempt == rr.ref().attempt() &&
-                            s.drain_deadline_ms > now;
-            }
-            if (draining) continue;
-          }
-          if (stopped.insert({rr.ref().job_id(), rr.ref().attempt()}).second)
-            stop_stale(rr.ref());
-        }
-        for (auto& [j, why] : silent) FailAttempt(*j, why, false, metrics_.restarts_hang, &out);
-        if (!silent.empty()) Schedule(&out);
-        break;
-      }
-      case v1::WorkerMessage::kRankStarted: {
-        auto [j, r] = current(msg.rank_started().ref());
-        if (!j) break;
-        if (r->state == "assigned") r->state = "running";
-        r->last_progress_ms = now;
-        r->last_report_ms = wall;
-        Bump(*j);
-        CheckRunning(*j);
-        break;
-      }
-      case v1::WorkerMessage::kRankProgress: {
-        const v1::RankProgress& p = msg.rank_progress();
-        auto [j, r] = current(p.ref());
-        if (!j) {
-          stop_stale(p.ref());
-          break;
-        }
-        if (r->state == "assigned") r->state = "running";
-        r->adopted = true;
-        if (p.step() > r->step) {
-          // The attempt's first step (from its start, so with the set-up: longer) or the mean of
-          // the steps since the last report.
-          r->step_ms = (now - r->last_progress_ms) / (r->step > 0 ? p.step() - r->step : 1);
-          r->last_progress_ms = now;
-        }
-        r->step = p.step();
-        r->total_steps = p.total_steps();
-        r->loss = p.loss();
-        r->tokens_per_s = p.tokens_per_s();
-        r->lr = p.lr();
-        r->grad_norm = p.grad_norm();
-        r->elapsed_s = p.elapsed_s();
-        r->mfu = p.mfu();
-        r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes());
-        r->last_report_ms = wall;
-        if (j->rate_ref_step < 0) {
-          int64_t min_step = r->step;
-          for (const RankRuntime& o : j->ranks) min_step = std::min(min_step, o.step);
-          if (min_step > 0) {
-            j->rate_ref_step = min_step;
-            j->rate_ref_ms = now;
-          }
-        }
-        Bump(*j);
-        CheckRunning(*j);
-        break;
-      }
-      case v1::WorkerMessage::kCheckpointDone: {
-        const v1::CheckpointDone& c = msg.checkpoint_done();
-        auto [j, r] = current(c.ref());
-        if (!j) break;
-        r->last_progress_ms = now;
-        auto& [count, path] = j->checkpoints[c.step()];
-        ++count;
-        if (path.empty() || c.ref().rank() == 0) path = c.path();
-        if (count == static_cast<int64_t>(j->ranks.size()) &&
-            c.step() > j->rec.last_checkpoint_step) {
-          JobRecord next = j->rec;  // applied once stored
-          next.last_checkpoint_step = c.step();
-          next.last_checkpoint_path = path;
-          next.updated_ms = wall;
-          EventRecord ev{j->rec.job_id, j->rec.attempt, wall, j->rec.state,
-                         absl::StrCat("checkpoint at step ", c.step(), " complete: ", path)};
-          if (absl::Status st = store_->SaveJob(next, &ev); !st.ok()) {
-            LogLine(std::string(st.message()));
-            break;
-          }
-          j->rec = std::move(next);
-          j->events.push_back(ev);
-          for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
-            it = it->first <= c.step() ? j->checkpoints.erase(it) : std::next(it);
-        }
-        Bump(*j);
-        break;
-      }
-      case v1::WorkerMessage::kRankExit: {
-        const v1::RankExit& e = msg.rank_exit();
-        const v1::RankRef& ref = e.ref();
-        auto [j, r] = current(ref);
-        if (!j) {
-          // A stopped or stale rank: its device is free now.
-          JobRuntime* any = FindJob(ref.job_id());
-          if (any && any->rec.attempt == ref.attempt() && ref.rank() >= 0 &&
-              ref.rank() < static_cast<int64_t>(any->ranks.size())) {
-            RankRuntime& rr = any->ranks[ref.rank()];
-            if (rr.placement.worker_id == worker_id) {
-              rr.gone = true;
-              rr.exit_code = e.exit_code();
-              if (rr.state != "exited") rr.state = "stopped";
-              Bump(*any);
-            }
-          }
-          for (size_t d = 0; d < w.slots.size(); ++d)
-            if (w.slots[d].job_id == ref.job_id() && w.slots[d].attempt == ref.attempt() &&
-                w.slots[d].rank == ref.rank())
-              w.slots[d] = {};
-          Schedule(&out);
-          break;
-        }
-        registry_.Release(worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
-        r->gone = true;
-        r->exit_code = e.exit_code();
-        r->last_report_ms = wall;
-        if (e.exit_code() == 0 && e.signal() == 0) {
-          r->state = "exited";
-          if (e.last_loss() != 0) r->loss = e.last_loss();  // its last step's, seen or not
-          // A trainer exits 0 only after its last step; its final progress line may have been
-          // sent while this coordinator was away.
-          r->step = std::max<int64_t>(r->step, j->spec.train.steps);
-          bool all = true;
-          for (const RankRuntime& o : j->ranks) all = all && o.state == "exited";
-          if (all) {
-            rendezvous_->Close(j->rec.job_id, j->rec.attempt);
-            Transition(*j, JobState::kSucceeded,
-                       absl::StrCat("all ", j->ranks.size(), " ranks finished"))
-                .IgnoreError();
-          } else {
-            Bump(*j);
-          }
-        } else {
-          r->state = "exited";
-          std::string why = e.signal() != 0
-                                ? absl::StrCat("was killed by signal ", e.signal())
-                                : absl::StrCat("exited with code ", e.exit_code());
-          std::string reason =
-              absl::StrCat("rank ", ref.rank(), " on worker ", worker_id, " ", why);
-          if (e.stderr_tail_size() > 0)
-            absl::StrAppend(&reason, ": ", e.stderr_tail(e.stderr_tail_size() - 1));
-          // A worker that vanished (its session closed) takes its ranks with it, and their peers
-          // then fail in their collectives: name the vanished worker as the cause.
-          if (std::string gone = DisconnectedPeer(*j, *r); !gone.empty())
-            reason = absl::StrCat(gone, "; then ", reason);
-          if (e.signal() == 0 && e.exit_code() == kExitOutOfMemory)
-            RecomputeMoreAfterOutOfMemory(*j, &reason);
-          FailAttempt(*j, reason, e.signal() == 0 && e.exit_code() == kExitInvalidInput,
-                      metrics_.restarts_rank_failed, &out);
-        }
-        Schedule(&out);
-        break;
-      }
-      case v1::WorkerMessage::kLeaving: {
-        w.leaving = true;
-        const std::string why =
-            absl::StrCat("worker ", worker_id, " is shutting down (", msg.leaving().reason(), ")");
-        LogLine(why);
-        for (auto& [id, jp] : jobs_) {
-          JobRuntime& j = *jp;
-          if (!IsActive(j.rec.state)) continue;
-          for (const RankRuntime& r : j.ranks) {
-            if (r.placement.worker_id != worker_id || r.state == "exited") continue;
-            FailAttempt(j, absl::StrCat(why, " with rank ", r.placement.rank), false,
-                        metrics_.restarts_worker_left, &out);
-            break;
-          }
-        }
-        Schedule(&out);
-        break;
-      }
-      case v1::WorkerMessage::kNote: {
-        const v1::RankNote& n = msg.note();
-        auto [j, r] = current(n.ref());
-        if (!j) break;
-        // A note is one line of the job's events, bounded like every field a worker sends.
-        std::string text = n.text().substr(0, 2000);
-        EventRecord ev{j->rec.job_id, j->rec.attempt, wall, j->rec.state,
-                       absl::StrCat("rank ", n.ref().rank(), ": ", text)};
-        absl::Status st = store_->SaveJob(j->rec, &ev);
-        if (!st.ok()) {
-          LogLine(std::string(st.message()));
-          break;
-        }
-        j->events.push_back(std::move(ev));
-        Bump(*j);
-        break;
-      }
-      case v1::WorkerMessage::kHello:
-      case v1::WorkerMessage::KIND_NOT_SET:
-        break;
-    }
+    std::visit([&](const auto& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { OnReport(c, r); }, report);
   }
   Flush(out);
+}
+
+std::pair<JobManager::JobRuntime*, JobManager::RankRuntime*> JobManager::CurrentRank(
+    const std::string& worker_id, const RankKey& ref) {
+  JobRuntime* j = FindJob(ref.job_id);
+  if (!j || !IsActive(j->rec.state) || j->rec.attempt != ref.attempt || ref.rank < 0 ||
+      ref.rank >= static_cast<int64_t>(j->ranks.size()))
+    return {nullptr, nullptr};
+  RankRuntime& r = j->ranks[ref.rank];
+  if (r.placement.worker_id != worker_id) return {nullptr, nullptr};
+  return {j, &r};
+}
+
+void JobManager::OnReport(ReportContext& c, const HeartbeatReport& h) {
+  std::set<std::pair<std::string, int64_t>> stopped;
+  // A rank that pulses (its trainer prints a line every second) and has been silent for the
+  // silence timeout is stopped (a frozen process, a hung host), while its peers wait for it in a
+  // collective: found in seconds, whatever the job's step time.
+  std::map<JobRuntime*, std::string> silent;
+  for (const RunningRankReport& rr : h.running) {
+    auto [j, r] = CurrentRank(c.worker_id, rr.ref);
+    if (j && r->state != "stopped" && r->state != "exited") {
+      if (std::string why =
+              rr.pulsing ? health_.Silent(rr.ref.rank, c.worker_id, rr.silent_ms, r->step) : "";
+          !why.empty() && !silent.count(j))
+        silent[j] = why;
+      continue;
+    }
+    // Stopped ranks still draining are told again only when their drain is over due.
+    if (j == nullptr && FindJob(rr.ref.job_id) != nullptr) {
+      bool draining = false;
+      for (const auto& s : c.w.slots)
+        draining |= s.job_id == rr.ref.job_id && s.attempt == rr.ref.attempt &&
+                    s.drain_deadline_ms > c.now;
+      if (draining) continue;
+    }
+    if (stopped.insert({rr.ref.job_id, rr.ref.attempt}).second) c.StopStale(*this, rr.ref);
+  }
+  for (auto& [j, why] : silent) FailAttempt(*j, why, false, metrics_.restarts_hang, c.out);
+  if (!silent.empty()) Schedule(c.out);
+}
+
+void JobManager::OnReport(ReportContext& c, const RankStartedReport& s) {
+  auto [j, r] = CurrentRank(c.worker_id, s.ref);
+  if (!j) return;
+  if (r->state == "assigned") r->state = "running";
+  r->last_progress_ms = c.now;
+  r->last_report_ms = c.wall;
+  Bump(*j);
+  CheckRunning(*j);
+}
+
+void JobManager::OnReport(ReportContext& c, const RankProgressReport& p) {
+  auto [j, r] = CurrentRank(c.worker_id, p.ref);
+  if (!j) {
+    c.StopStale(*this, p.ref);
+    return;
+  }
+  if (r->state == "assigned") r->state = "running";
+  r->adopted = true;
+  if (p.step > r->step) {
+    // The attempt's first step (from its start, so with the set-up: longer) or the mean of the
+    // steps since the last report.
+    r->step_ms = (c.now - r->last_progress_ms) / (r->step > 0 ? p.step - r->step : 1);
+    r->last_progress_ms = c.now;
+  }
+  r->step = p.step;
+  r->total_steps = p.total_steps;
+  r->loss = p.loss;
+  r->tokens_per_s = p.tokens_per_s;
+  r->lr = p.lr;
+  r->grad_norm = p.grad_norm;
+  r->elapsed_s = p.elapsed_s;
+  r->mfu = p.mfu;
+  r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes);
+  r->last_report_ms = c.wall;
+  if (j->rate_ref_step < 0) {
+    int64_t min_step = r->step;
+    for (const RankRuntime& o : j->ranks) min_step = std::min(min_step, o.step);
+    if (min_step > 0) {
+      j->rate_ref_step = min_step;
+      j->rate_ref_ms = c.now;
+    }
+  }
+  Bump(*j);
+  CheckRunning(*j);
+}
+
+void JobManager::OnReport(ReportContext& c, const CheckpointDoneReport& d) {
+  auto [j, r] = CurrentRank(c.worker_id, d.ref);
+  if (!j) return;
+  r->last_progress_ms = c.now;
+  auto& [count, path] = j->checkpoints[d.step];
+  ++count;
+  if (path.empty() || d.ref.rank == 0) path = d.path;
+  if (count == static_cast<int64_t>(j->ranks.size()) && d.step > j->rec.last_checkpoint_step) {
+    JobRecord next = j->rec;  // applied once stored
+    next.last_checkpoint_step = d.step;
+    next.last_checkpoint_path = path;
+    next.updated_ms = c.wall;
+    EventRecord ev{j->rec.job_id, j->rec.attempt, c.wall, j->rec.state,
+                   absl::StrCat("checkpoint at step ", d.step, " complete: ", path)};
+    if (absl::Status st = store_->SaveJob(next, &ev); !st.ok()) {
+      LogLine(std::string(st.message()));
+      return;
+    }
+    j->rec = std::move(next);
+    j->events.push_back(ev);
+    for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
+      it = it->first <= d.step ? j->checkpoints.erase(it) : std::next(it);
+  }
+  Bump(*j);
+}
+
+void JobManager::OnReport(ReportContext& c, const RankExitReport& e) {
+  const RankKey& ref = e.ref;
+  auto [j, r] = CurrentRank(c.worker_id, ref);
+  if (!j) {
+    // A stopped or stale rank: its device is free now.
+    JobRuntime* any = FindJob(ref.job_id);
+    if (any && any->rec.attempt == ref.attempt && ref.rank >= 0 &&
+        ref.rank < static_cast<int64_t>(any->ranks.size())) {
+      RankRuntime& rr = any->ranks[ref.rank];
+      if (rr.placement.worker_id == c.worker_id) {
+        rr.gone = true;
+        rr.exit_code = e.exit_code;
+        if (rr.state != "exited") rr.state = "stopped";
+        Bump(*any);
+      }
+    }
+    for (WorkerSlot& s : c.w.slots)
+      if (s.job_id == ref.job_id && s.attempt == ref.attempt && s.rank == ref.rank) s = {};
+    Schedule(c.out);
+    return;
+  }
+  registry_.Release(c.worker_id, r->placement.device_index, j->rec.job_id, j->rec.attempt);
+  r->gone = true;
+  r->exit_code = e.exit_code;
+  r->last_report_ms = c.wall;
+  r->state = "exited";
+  if (e.exit_code == 0 && e.signal == 0) {
+    if (e.last_loss != 0) r->loss = e.last_loss;  // its last step's, seen or not
+    // A trainer exits 0 only after its last step; its final progress line may have been sent
+    // while this coordinator was away.
+    r->step = std::max<int64_t>(r->step, j->spec.train.steps);
+    bool all = true;
+    for (const RankRuntime& o : j->ranks) all = all && o.state == "exited";
+    if (all) {
+      rendezvous_->Close(j->rec.job_id, j->rec.attempt);
+      Transition(*j, JobState::kSucceeded, absl::StrCat("all ", j->ranks.size(), " ranks finished"))
+          .IgnoreError();
+    } else {
+      Bump(*j);
+    }
+  } else {
+    std::string why = e.signal != 0 ? absl::StrCat("was killed by signal ", e.signal)
+                                    : absl::StrCat("exited with code ", e.exit_code);
+    std::string reason = absl::StrCat("rank ", ref.rank, " on worker ", c.worker_id, " ", why);
+    if (!e.stderr_tail.empty()) absl::StrAppend(&reason, ": ", e.stderr_tail.back());
+    // A worker that vanished (its session closed) takes its ranks with it, and their peers then
+    // fail in their collectives: name the vanished worker as the cause.
+    if (std::string gone = DisconnectedPeer(*j, *r); !gone.empty())
+      reason = absl::StrCat(gone, "; then ", reason);
+    if (e.signal == 0 && e.exit_code == kExitOutOfMemory) RecomputeMoreAfterOutOfMemory(*j, &reason);
+    FailAttempt(*j, reason, e.signal == 0 && e.exit_code == kExitInvalidInput,
+                metrics_.restarts_rank_failed, c.out);
+  }
+  Schedule(c.out);
+}
+
+void JobManager::OnReport(ReportContext& c, const LeavingReport& l) {
+  c.w.leaving = true;
+  const std::string why =
+      absl::StrCat("worker ", c.worker_id, " is shutting down (", l.reason, ")");
+  LogLine(why);
+  for (auto& [id, jp] : jobs_) {
+    JobRuntime& j = *jp;
+    if (!IsActive(j.rec.state)) continue;
+    for (const RankRuntime& r : j.ranks) {
+      if (r.placement.worker_id != c.worker_id || r.state == "exited") continue;
+      FailAttempt(j, absl::StrCat(why, " with rank ", r.placement.rank), false,
+                  metrics_.restarts_worker_left, c.out);
+      break;
+    }
+  }
+  Schedule(c.out);
+}
+
+void JobManager::OnReport(ReportContext& c, const RankNoteReport& n) {
+  auto [j, r] = CurrentRank(c.worker_id, n.ref);
+  if (!j) return;
+  // A note is one line of the job's events, bounded like every field a worker sends.
+  EventRecord ev{j->rec.job_id, j->rec.attempt, c.wall, j->rec.state,
+                 absl::StrCat("rank ", n.ref.rank, ": ", n.text.substr(0, 2000))};
+  if (absl::Status st = store_->SaveJob(j->rec, &ev); !st.ok()) {
+    LogLine(std::string(st.message()));
+    return;
+  }
+  j->events.push_back(std::move(ev));
+  Bump(*j);
 }
 
 std::string JobManager::DisconnectedPeer(const JobRuntime& j, const RankRuntime& failed) const {
@@ -1218,13 +1154,8 @@ bool JobManager::PreviousAttemptGone(const JobRuntime& j, int64_t now) const {
 
 void JobManager::SendStop(const std::string& worker_id, const std::string& job_id, int64_t attempt,
                           const std::string& reason, Outbox* out) const {
-  v1::CoordinatorMessage m;
-  v1::Stop* s = m.mutable_stop();
-  s->set_job_id(job_id);
-  s->set_attempt(attempt);
-  s->set_reason(reason);
-  s->set_grace_period_ms(static_cast<int32_t>(options_.stop_grace_ms));
-  out->messages.emplace_back(worker_id, std::move(m));
+  out->messages.emplace_back(worker_id,
+                             StopCommand{job_id, attempt, reason, options_.stop_grace_ms});
 }
 
 void JobManager::Tick() {

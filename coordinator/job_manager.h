@@ -2,9 +2,11 @@
 // events, every transition persisted in the JobStore before it is acknowledged. Its parts: the
 // WorkerRegistry (worker_registry.h: registration, sessions, slots) and the HealthMonitor
 // (health_monitor.h: heartbeats, hangs, silences and fencing deadlines, as decisions). Transport-
-// free: grpc_services.cc translates RPCs into these calls (and worker_proto.h the worker types),
-// and the manager reaches workers only through a WorkerChannel, so the whole state machine is
-// unit-tested with a FakeClock, a fake channel and a real SQLite file (or the test stores).
+// free: its API speaks the coordinator's own types (job_view.h for clients, worker_messages.h for
+// workers), which grpc_services.cc converts to and from the wire (job_proto.h, worker_proto.h,
+// plan_proto.h); the manager reaches workers only through a WorkerChannel, so the whole state
+// machine is unit-tested with a FakeClock, a fake channel and a real SQLite file (or the test
+// stores).
 //
 // Failure handling (each restart uses one of the job's max_restarts; past it the job FAILS):
 //   - rank exit != 0 (not caused by a stop): exit code 2 (invalid input) fails the job at once;
@@ -47,22 +49,14 @@
 #include "coordinator/health_monitor.h"
 #include "coordinator/job_index.h"
 #include "coordinator/job_store.h"
+#include "coordinator/job_view.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/retention.h"
 #include "coordinator/worker_channel.h"
+#include "coordinator/worker_messages.h"
 #include "coordinator/worker_registry.h"
 
 namespace spindle {
-namespace v1 {
-class Job;
-class Plan;
-class RegisterRequest;
-class RegisterResponse;
-class SessionHello;
-class WorkerMessage;
-class WorkerInfo;
-class CoordinatorMessage;
-}  // namespace v1
 
 class Counter;
 class Histogram;
@@ -125,32 +119,33 @@ class JobManager {
   // A non-empty `request_id` (see kMaxRequestIdLength) makes the submit idempotent: an id that
   // created a job still kept returns that job (and its stored plan) without checking anything
   // again; the same id with a different spec is AlreadyExists naming the job.
-  absl::StatusOr<std::string> Submit(const std::string& spec_json, v1::Plan* plan_out,
+  // `plan_out` (may be null) receives the plan, also when the plan refuses the job.
+  absl::StatusOr<std::string> Submit(const std::string& spec_json, CpPlan* plan_out,
                                      const std::string& request_id = "") ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr size_t kMaxRequestIdLength = 128;
   // Plans against the registered workers. InvalidArgument for a bad spec; why the job could
   // never be placed on them (what Submit would refuse) is one of the plan's problems.
-  absl::Status PlanSpec(const std::string& spec_json, v1::Plan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status PlanSpec(const std::string& spec_json, CpPlan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
   // NotFound "job j-000009 not found".
-  absl::Status GetJob(const std::string& job_id, bool with_events, v1::Job* out)
+  absl::Status GetJob(const std::string& job_id, bool with_events, JobView* out)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Most recently submitted first; `states` empty = all; limit 0 = all.
-  std::vector<std::unique_ptr<v1::Job>> ListJobs(const std::set<JobState>& states, int limit)
+  std::vector<JobView> ListJobs(const std::set<JobState>& states, int limit)
       ABSL_LOCKS_EXCLUDED(mu_);
   // One page of ListJobs: at most `page_size` (> 0) jobs in `states`, submitted before the
   // position `page_token` names ("": the newest). `next_page_token` is "" after the last page.
   // InvalidArgument for a token job_pages.h did not make. Costs O(page), not O(jobs stored).
   absl::Status ListJobPage(const std::set<JobState>& states, int page_size,
                            const std::string& page_token,
-                           std::vector<std::unique_ptr<v1::Job>>* jobs,
+                           std::vector<JobView>* jobs,
                            std::string* next_page_token) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Cancel(const std::string& job_id, const std::string& reason, v1::Job* out)
+  absl::Status Cancel(const std::string& job_id, const std::string& reason, JobView* out)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until the job's version differs from `*version` or `max_wait` (real time) passes;
   // then fills `out` (events after `*events_seen` in new_events) and updates both cursors.
   // Returns NotFound for an unknown job (also one pruned while waiting).
   absl::Status WaitJob(const std::string& job_id, uint64_t* version, size_t* events_seen,
-                       absl::Duration max_wait, v1::Job* out, std::vector<EventRecord>* new_events)
+                       absl::Duration max_wait, JobView* out, std::vector<EventRecord>* new_events)
       ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<WorkerView> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -160,11 +155,12 @@ class JobManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // A Session opened with `hello`. `session_id` distinguishes this stream from earlier ones of
   // the same worker. NotFound for an unregistered worker.
-  absl::Status SessionOpened(const v1::SessionHello& hello, uint64_t session_id)
+  absl::Status SessionOpened(const WorkerHello& hello, uint64_t session_id)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The session ended (the worker is not lost until heartbeat_timeout passes).
   void SessionClosed(const std::string& worker_id, uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
-  void HandleWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& msg)
+  // A report on the worker's session (any report also counts as a sign of life).
+  void HandleWorkerMessage(const std::string& worker_id, const WorkerReport& report)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Sets the rendezvous address given to workers in later assignments (the daemon learns its
@@ -189,11 +185,12 @@ class JobManager {
   struct RankRuntime;
   struct JobRuntime;
   struct Outbox;
+  struct ReportContext;  // the worker a report came from, the clocks, the outbox
 
   JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The plan against the largest registered device of the job's kind.
   CpPlan PlanLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FillJob(const JobRuntime& j, bool with_events, v1::Job* out) const
+  void FillJob(const JobRuntime& j, bool with_events, JobView* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists `next` (default: j.rec) in state `to`, with the job's pending plan, plus an event;
   // only once the store has it does the job in memory take it (and bump its version): a failed
@@ -234,7 +231,7 @@ class JobManager {
   // True when the next attempt of a restarting job may be placed (see Fencing above).
   bool PreviousAttemptGone(const JobRuntime& j, int64_t now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::CoordinatorMessage MakeAssignment(const JobRuntime& j, const RankPlacement& p) const
+  AssignmentCommand MakeAssignment(const JobRuntime& j, const RankPlacement& p) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FailedPrecondition when the gang would span a loopback worker and one on another host.
   absl::Status CheckReachable(const std::vector<RankPlacement>& ranks) const
@@ -252,6 +249,21 @@ class JobManager {
   std::string DisconnectedPeer(const JobRuntime& j, const RankRuntime& failed) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckRunning(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleWorkerMessage, one report kind each.
+  void OnReport(ReportContext& c, const HeartbeatReport& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const RankStartedReport& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const RankProgressReport& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const CheckpointDoneReport& d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const RankExitReport& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const LeavingReport& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReport(ReportContext& c, const RankNoteReport& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The current attempt's rank a report from `worker_id` is about, or {null, null} (a stale
+  // attempt, an unknown job, a rank placed elsewhere).
+  std::pair<JobRuntime*, RankRuntime*> CurrentRank(const std::string& worker_id,
+                                                   const RankKey& ref)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Flush(Outbox& out) ABSL_LOCKS_EXCLUDED(mu_);
   void Bump(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -1,9 +1,32 @@
-// CpPlan -> spindle.v1.Plan (see plan_proto.h).
+// CpPlan <-> spindle.v1.Plan (see plan_proto.h).
 #include "coordinator/plan_proto.h"
 
 #include "spindle/v1/job.pb.h"
 
 namespace spindle {
+
+int CpModeToProto(CpMode m) {
+  switch (m) {
+    case CpMode::kAllGather:
+      return v1::CP_MODE_ALLGATHER;
+    case CpMode::kAll2All:
+      return v1::CP_MODE_ALL2ALL;
+    case CpMode::kAuto:
+      break;
+  }
+  return v1::CP_MODE_UNSPECIFIED;
+}
+
+CpMode CpModeFromProto(int m) {
+  switch (m) {
+    case v1::CP_MODE_ALLGATHER:
+      return CpMode::kAllGather;
+    case v1::CP_MODE_ALL2ALL:
+      return CpMode::kAll2All;
+    default:
+      return CpMode::kAuto;
+  }
+}
 
 void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->Clear();
@@ -15,7 +38,7 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
     v1::LayerPlan* p = out->add_layers();
     p->set_layer_type(l.layer_type);
     p->set_num_layers(l.num_layers);
-    p->set_mode(l.mode == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER);
+    p->set_mode(static_cast<v1::CpMode>(CpModeToProto(l.mode)));
     p->set_reason(l.reason);
     p->set_forced(l.forced);
   }
@@ -36,6 +59,47 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->set_ok(plan.ok());
   out->set_max_seq_len(plan.max_seq_len);
   out->set_max_seq_len_offload(plan.max_seq_len_offload);
+}
+
+void PlanFromProto(const v1::Plan& p, CpPlan* out) {
+  *out = CpPlan{};
+  out->cp = p.cp();
+  out->dp = p.dp();
+  out->world = p.world();
+  out->tokens_per_rank = p.tokens_per_rank();
+  for (const v1::LayerPlan& l : p.layers())
+    out->layers.push_back(
+        {l.layer_type(), l.num_layers(), CpModeFromProto(l.mode()), l.reason(), l.forced()});
+  const v1::MemoryEstimate& m = p.memory();
+  MemoryEstimate& e = out->memory;
+  e.params_bytes = m.params_bytes();
+  e.grads_bytes = m.grads_bytes();
+  e.optimizer_bytes = m.optimizer_bytes();
+  e.activations_bytes = m.activations_bytes();
+  e.workspace_bytes = m.workspace_bytes();
+  e.runtime_bytes = m.runtime_bytes();
+  e.host_bytes = m.host_bytes();
+  e.total_bytes = m.total_bytes();
+  e.device_memory_bytes = m.device_memory_bytes();
+  e.recompute_layers = m.recompute_layers();
+  out->problems.assign(p.problems().begin(), p.problems().end());
+  out->warnings.assign(p.warnings().begin(), p.warnings().end());
+  out->max_seq_len = p.max_seq_len();
+  out->max_seq_len_offload = p.max_seq_len_offload();
+}
+
+std::string EncodePlan(const CpPlan& plan) {
+  v1::Plan p;
+  PlanToProto(plan, &p);
+  return p.SerializeAsString();
+}
+
+absl::StatusOr<CpPlan> DecodePlan(const std::string& bytes) {
+  v1::Plan p;
+  if (!p.ParseFromString(bytes)) return absl::DataLossError("stored plan does not parse");
+  CpPlan plan;
+  PlanFromProto(p, &plan);
+  return plan;
 }
 
 }  // namespace spindle

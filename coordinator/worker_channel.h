@@ -5,17 +5,16 @@
 
 #include <string>
 
+#include "coordinator/worker_messages.h"
+
 namespace spindle {
-namespace v1 {
-class CoordinatorMessage;
-}  // namespace v1
 
 class WorkerChannel {
  public:
   virtual ~WorkerChannel() = default;
-  // Queues `msg` for the worker's open session. False when the worker has no open session (the
+  // Queues `command` for the worker's open session. False when the worker has no open session (the
   // message is dropped; the manager's timeouts handle the consequences).
-  virtual bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) = 0;
+  virtual bool Send(const std::string& worker_id, const WorkerCommand& command) = 0;
 };
 
 }  // namespace spindle

@@ -1,6 +1,8 @@
 // Worker types to and from cluster.proto (see worker_proto.h).
 #include "coordinator/worker_proto.h"
 
+#include "coordinator/plan_proto.h"
+
 namespace spindle {
 namespace {
 
@@ -14,6 +16,23 @@ void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
   g->set_count(d.count);
   g->set_memory_bytes(d.memory_bytes);
   g->set_host_memory_bytes(d.host_memory_bytes);
+}
+
+RankKey KeyFromProto(const v1::RankRef& r) { return {r.job_id(), r.attempt(), r.rank()}; }
+
+void KeyToProto(const RankKey& k, v1::RankRef* r) {
+  r->set_job_id(k.job_id);
+  r->set_attempt(k.attempt);
+  r->set_rank(k.rank);
+}
+
+std::vector<RunningRankReport> RunningFromProto(
+    const google::protobuf::RepeatedPtrField<v1::RunningRank>& running) {
+  std::vector<RunningRankReport> out;
+  out.reserve(running.size());
+  for (const v1::RunningRank& r : running)
+    out.push_back({KeyFromProto(r.ref()), r.step(), r.pid(), r.pulsing(), r.silent_ms(), r.loss()});
+  return out;
 }
 
 }  // namespace
@@ -52,6 +71,87 @@ void WorkerViewToProto(const WorkerView& v, v1::WorkerInfo* out) {
   out->set_registered_unix_ms(v.registered_unix_ms);
   for (const std::string& r : v.ranks) out->add_ranks(r);
   out->set_address(v.address);
+}
+
+WorkerHello HelloFromProto(const v1::SessionHello& hello) {
+  return {hello.worker_id(), hello.instance_id(), RunningFromProto(hello.running())};
+}
+
+std::optional<WorkerReport> ReportFromProto(const v1::WorkerMessage& msg) {
+  switch (msg.kind_case()) {
+    case v1::WorkerMessage::kHeartbeat: {
+      const v1::Heartbeat& h = msg.heartbeat();
+      return HeartbeatReport{h.unix_ms(), h.seq(), RunningFromProto(h.running())};
+    }
+    case v1::WorkerMessage::kRankStarted:
+      return RankStartedReport{KeyFromProto(msg.rank_started().ref()), msg.rank_started().pid()};
+    case v1::WorkerMessage::kRankProgress: {
+      const v1::RankProgress& p = msg.rank_progress();
+      return RankProgressReport{KeyFromProto(p.ref()), p.step(),      p.total_steps(),
+                                p.loss(),              p.tokens_per_s(), p.lr(),
+                                p.grad_norm(),         p.elapsed_s(),  p.mfu(),
+                                p.memory_bytes()};
+    }
+    case v1::WorkerMessage::kCheckpointDone: {
+      const v1::CheckpointDone& c = msg.checkpoint_done();
+      return CheckpointDoneReport{KeyFromProto(c.ref()), c.step(), c.path()};
+    }
+    case v1::WorkerMessage::kRankExit: {
+      const v1::RankExit& e = msg.rank_exit();
+      return RankExitReport{KeyFromProto(e.ref()),
+                            e.exit_code(),
+                            e.signal(),
+                            {e.stderr_tail().begin(), e.stderr_tail().end()},
+                            e.stopped(),
+                            e.last_loss()};
+    }
+    case v1::WorkerMessage::kLeaving:
+      return LeavingReport{msg.leaving().reason()};
+    case v1::WorkerMessage::kNote:
+      return RankNoteReport{KeyFromProto(msg.note().ref()), msg.note().text()};
+    case v1::WorkerMessage::kHello:
+    case v1::WorkerMessage::KIND_NOT_SET:
+      break;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+void AssignmentToProto(const AssignmentCommand& a, v1::Assignment* as) {
+  KeyToProto(a.ref, as->mutable_ref());
+  as->set_world(a.world);
+  as->set_cp(a.cp);
+  as->set_dp(a.dp);
+  as->set_lightning_mode(static_cast<v1::CpMode>(CpModeToProto(a.lightning_mode)));
+  as->set_mla_mode(static_cast<v1::CpMode>(CpModeToProto(a.mla_mode)));
+  as->set_recompute_layers(a.recompute_layers);
+  as->set_spec_json(a.spec_json);
+  as->set_rendezvous_address(a.rendezvous_address);
+  as->set_rendezvous_token(a.rendezvous_token);
+  as->set_checkpoint_dir(a.checkpoint_dir);
+  as->set_resume_step(a.resume_step);
+  as->set_resume_path(a.resume_path);
+  as->set_device_index(a.device_index);
+  as->set_device_kind(a.device_kind);
+  as->set_host_address(a.host_address);
+}
+
+void StopToProto(const StopCommand& s, v1::Stop* out) {
+  out->set_job_id(s.job_id);
+  out->set_attempt(s.attempt);
+  out->set_reason(s.reason);
+  out->set_grace_period_ms(static_cast<int32_t>(s.grace_period_ms));
+}
+
+}  // namespace
+
+void CommandToProto(const WorkerCommand& command, v1::CoordinatorMessage* out) {
+  out->Clear();
+  if (const auto* a = std::get_if<AssignmentCommand>(&command))
+    AssignmentToProto(*a, out->mutable_assignment());
+  else
+    StopToProto(std::get<StopCommand>(command), out->mutable_stop());
 }
 
 }  // namespace spindle

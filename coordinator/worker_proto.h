@@ -1,11 +1,15 @@
-// The worker registry's types to and from cluster.proto: a RegisterRequest (with the address
-// it came from) as a WorkerRegistration, a RegistrationReply as a RegisterResponse, a WorkerView
-// as a WorkerInfo. Used by grpc_services.cc (and tests that speak the wire types).
+// The coordinator's worker-facing types to and from cluster.proto: a RegisterRequest (with the
+// address it came from) as a WorkerRegistration, a RegistrationReply as a RegisterResponse, a
+// WorkerView as a WorkerInfo, a session's SessionHello and WorkerMessages as a WorkerHello and
+// WorkerReports (worker_messages.h), and a WorkerCommand as a CoordinatorMessage. Used by
+// grpc_services.cc (and tests that speak the wire types). Stateless.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "coordinator/job_manager.h"
+#include "coordinator/worker_messages.h"
 #include "coordinator/worker_registry.h"
 #include "spindle/v1/cluster.pb.h"
 
@@ -16,5 +20,10 @@ WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
 void ReplyToProto(const RegistrationReply& reply, const std::string& worker_id,
                   v1::RegisterResponse* out);
 void WorkerViewToProto(const WorkerView& view, v1::WorkerInfo* out);
+
+WorkerHello HelloFromProto(const v1::SessionHello& hello);
+// nullopt for a message that reports nothing (a hello after the first message, an empty one).
+std::optional<WorkerReport> ReportFromProto(const v1::WorkerMessage& msg);
+void CommandToProto(const WorkerCommand& command, v1::CoordinatorMessage* out);
 
 }  // namespace spindle

@@ -231,10 +231,10 @@ TEST_F(CliTest, SubmitMakesRelativePathsAbsolute) {
   spec.replace(spec.find("synthetic:recall"), 16, "text:corpus.txt");
   Result r = RunSpindle({"submit", WriteSpec("rel.json", spec)}, env);
   ASSERT_EQ(r.code, 0) << r.err;
-  v1::Job job;
+  JobView job;
   ASSERT_TRUE((*server)->manager()->GetJob("j-000001", false, &job).ok());
   const std::string cwd = std::filesystem::current_path().string();
-  auto stored = nlohmann::json::parse(job.spec_json());
+  auto stored = nlohmann::json::parse(job.record.spec_json);
   EXPECT_EQ(stored["checkpoint"]["dir"], cwd + "/ck");
   EXPECT_EQ(stored["data"]["source"], "text:" + cwd + "/corpus.txt");
 }

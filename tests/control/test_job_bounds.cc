@@ -54,7 +54,7 @@ class JobBoundsTest : public ::testing::Test {
     return id.ok() ? *id : "";
   }
   void Cancel(const std::string& id) {
-    v1::Job out;
+    JobView out;
     ASSERT_TRUE(manager_->Cancel(id, "", &out).ok());
   }
   // Every page of a listing, as job ids.
@@ -62,13 +62,13 @@ class JobBoundsTest : public ::testing::Test {
     std::vector<std::vector<std::string>> pages;
     std::string token;
     do {
-      std::vector<std::unique_ptr<v1::Job>> jobs;
+      std::vector<JobView> jobs;
       std::string next;
       absl::Status st = manager_->ListJobPage(states, page_size, token, &jobs, &next);
       EXPECT_TRUE(st.ok()) << st;
       if (!st.ok()) break;
       pages.emplace_back();
-      for (const auto& j : jobs) pages.back().push_back(j->job_id());
+      for (const JobView& j : jobs) pages.back().push_back(j.record.job_id);
       token = next;
     } while (!token.empty() && pages.size() < 100);
     return pages;
@@ -113,16 +113,16 @@ TEST_F(JobBoundsTest, ListPagesNewestFirstWithoutRepeatsOrGaps) {
   EXPECT_EQ(pages[2].size(), 3u);
 
   // Jobs submitted between two pages do not shift the next one.
-  std::vector<std::unique_ptr<v1::Job>> first, second;
+  std::vector<JobView> first, second;
   std::string next, after;
   ASSERT_TRUE(manager_->ListJobPage({}, 10, "", &first, &next).ok());
   Submit(26);
   ASSERT_TRUE(manager_->ListJobPage({}, 10, next, &second, &after).ok());
-  EXPECT_EQ(second.front()->job_id(), "j-000015");
+  EXPECT_EQ(second.front().record.job_id, "j-000015");
 }
 
 TEST_F(JobBoundsTest, ListRefusesTokensItDidNotIssue) {
-  std::vector<std::unique_ptr<v1::Job>> jobs;
+  std::vector<JobView> jobs;
   std::string next;
   absl::Status st = manager_->ListJobPage({}, 10, "j-000003", &jobs, &next);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
@@ -164,7 +164,7 @@ TEST_F(JobBoundsTest, PruningDeletesFinishedJobsFromStoreAndMemory) {
   ASSERT_EQ(*manager_->PruneFinishedJobs(), 2);
   EXPECT_EQ(StoredIds(), (std::vector<std::string>{"j-000003", "j-000004", "j-000005"}));
   v1::Job j;
-  absl::Status st = manager_->GetJob("j-000001", true, &j);
+  absl::Status st = testing::GetJobProto(*manager_, "j-000001", true, &j);
   EXPECT_EQ(st.message(), "job j-000001 not found");
   EXPECT_TRUE(store_->LoadEvents("j-000001")->empty());
   EXPECT_EQ(manager_->ListJobs({}, 0).size(), 3u);
@@ -190,7 +190,7 @@ TEST_F(JobBoundsTest, PruningEndsAWaitOnThePrunedJob) {
   Cancel(a);
   clock_.AdvanceMs(10);
   Cancel(b);
-  v1::Job job;
+  JobView job;
   uint64_t version = 0;
   size_t events = 0;
   std::vector<EventRecord> evs;
@@ -210,11 +210,11 @@ TEST_F(JobBoundsTest, ARequestIdReturnsTheJobItCreatedAlsoAfterARestart) {
   const std::string id = Submit(1, "req-1");
   // The retry of a submit whose reply was lost: the same job, none added (the checkpoint
   // directory in use by that same job is no reason to refuse it).
-  v1::Plan plan;
+  CpPlan plan;
   auto again = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck-1"), &plan, "req-1");
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(*again, id);
-  EXPECT_EQ(plan.world(), 1);
+  EXPECT_EQ(plan.world, 1);
   EXPECT_EQ(StoredIds().size(), 1u);
 
   Reopen();

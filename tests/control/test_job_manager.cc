@@ -100,11 +100,11 @@ class JobManagerTest : public ::testing::Test {
       *rr->mutable_ref() = r;
       rr->set_step(3);
     }
-    ASSERT_TRUE(manager_->SessionOpened(h, ++session_).ok());
+    ASSERT_TRUE(testing::OpenSession(*manager_, h, ++session_).ok());
   }
 
   std::string Submit(const std::string& spec) {
-    v1::Plan plan;
+    CpPlan plan;
     auto id = manager_->Submit(spec, &plan);
     EXPECT_TRUE(id.ok()) << id.status();
     return id.ok() ? *id : "";
@@ -112,7 +112,7 @@ class JobManagerTest : public ::testing::Test {
 
   v1::Job Get(const std::string& id) {
     v1::Job j;
-    EXPECT_TRUE(manager_->GetJob(id, true, &j).ok());
+    EXPECT_TRUE(testing::GetJobProto(*manager_, id, true, &j).ok());
     return j;
   }
 
@@ -133,7 +133,7 @@ class JobManagerTest : public ::testing::Test {
     p->set_tokens_per_s(1000);
     p->set_mfu(mfu);
     p->set_memory_bytes(static_cast<double>((int64_t{1} << 30) * (ref.rank() + 1)));
-    manager_->HandleWorkerMessage(worker, m);
+    testing::Deliver(*manager_, worker, m);
   }
   void Exit(const std::string& worker, const v1::RankRef& ref, int code, bool stopped = false,
             const std::string& last_line = "") {
@@ -143,7 +143,7 @@ class JobManagerTest : public ::testing::Test {
     e->set_exit_code(code);
     e->set_stopped(stopped);
     if (!last_line.empty()) e->add_stderr_tail(last_line);
-    manager_->HandleWorkerMessage(worker, m);
+    testing::Deliver(*manager_, worker, m);
   }
   void Checkpoint(const std::string& worker, const v1::RankRef& ref, int64_t step) {
     v1::WorkerMessage m;
@@ -151,12 +151,12 @@ class JobManagerTest : public ::testing::Test {
     *c->mutable_ref() = ref;
     c->set_step(step);
     c->set_path("/tmp/ck/step-" + std::to_string(step));
-    manager_->HandleWorkerMessage(worker, m);
+    testing::Deliver(*manager_, worker, m);
   }
   void Heartbeat(const std::string& worker) {
     v1::WorkerMessage m;
     m.mutable_heartbeat()->set_unix_ms(clock_.NowMs());
-    manager_->HandleWorkerMessage(worker, m);
+    testing::Deliver(*manager_, worker, m);
   }
   // `seconds` of one-second ticks, `worker` heartbeating each.
   void TickSeconds(const std::string& worker, int seconds) {
@@ -358,7 +358,7 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
   v1::WorkerMessage hb;
   hb.mutable_heartbeat()->set_unix_ms(clock_.NowMs());
   *hb.mutable_heartbeat()->add_running()->mutable_ref() = Ref(id, 1, 0);
-  manager_->HandleWorkerMessage("w1", hb);
+  testing::Deliver(*manager_, "w1", hb);
   EXPECT_EQ(manager_->WorkerCounts()["lost"], 0);
   EXPECT_EQ(manager_->WorkerCounts()["alive"], 1);
   std::vector<std::pair<std::string, v1::Stop>> stops;
@@ -368,7 +368,7 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
   EXPECT_EQ(stops[0].first, "w1");
   EXPECT_EQ(stops[0].second.attempt(), 1);
   // Heartbeats listing the draining rank repeat no stop; its exit frees the slot.
-  manager_->HandleWorkerMessage("w1", hb);
+  testing::Deliver(*manager_, "w1", hb);
   EXPECT_TRUE(Assignments(&stops).empty());
   EXPECT_EQ(stops.size(), 1u);
   Exit("w1", Ref(id, 1, 0), 143, /*stopped=*/true);
@@ -433,7 +433,7 @@ TEST_F(JobManagerTest, ASessionComesFromTheInstanceThatRegistered) {
     v1::SessionHello h;
     h.set_worker_id("w1");
     h.set_instance_id(other);
-    const absl::Status refused = manager_->SessionOpened(h, ++session_);
+    const absl::Status refused = testing::OpenSession(*manager_, h, ++session_);
     EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << other;
     EXPECT_EQ(refused.message(),
               "worker w1 was registered by another daemon instance; a session must come from "
@@ -488,7 +488,7 @@ TEST_F(JobManagerTest, AWorkerShuttingDownRestartsItsGangElsewhereAndLeaves) {
   const int on_w2 = Get(id).ranks(0).worker_id() == "w2" ? 0 : 1;
   v1::WorkerMessage bye;
   bye.mutable_leaving()->set_reason("received signal 15");
-  manager_->HandleWorkerMessage("w2", bye);
+  testing::Deliver(*manager_, "w2", bye);
   v1::Job j = Get(id);
   EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
   EXPECT_EQ(j.message(), absl::StrCat("worker w2 is shutting down (received signal 15) with rank ",
@@ -527,7 +527,7 @@ TEST_F(JobManagerTest, AWorkerShuttingDownRestartsItsGangElsewhereAndLeaves) {
 TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
   AddWorker("w1", 1);
   const std::string a = Submit(SpecJson());
-  v1::Plan plan;
+  CpPlan plan;
   auto b = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp//ck/"), &plan);
   EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b.status().message(),
@@ -535,11 +535,11 @@ TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
                 " (placed); two jobs on one directory would resume from each other's checkpoints");
   EXPECT_EQ(manager_->ListJobs({}, 100).size(), 1u);  // nothing queued
   // `spindle plan` names it among the problems.
-  v1::Plan planned;
+  CpPlan planned;
   ASSERT_TRUE(manager_->PlanSpec(SpecJson(), &planned).ok());
   EXPECT_FALSE(planned.ok());
-  ASSERT_EQ(planned.problems_size(), 1);
-  EXPECT_EQ(planned.problems(0),
+  ASSERT_EQ(planned.problems.size(), 1);
+  EXPECT_EQ(planned.problems[0],
             std::string(b.status().message())
                 .replace(b.status().message().find("/tmp//ck/"), 9, "/tmp/ck"));
   // A symbolic link to the directory's parent is the same place.
@@ -562,7 +562,7 @@ TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotShareACheckpointDirectory) {
 TEST_F(JobManagerTest, TwoUnfinishedJobsMayNotUseNestedCheckpointDirectories) {
   AddWorker("w1", 1);
   const std::string a = Submit(SpecJson());  // /tmp/ck
-  v1::Plan plan;
+  CpPlan plan;
   auto inner = manager_->Submit(WithCheckpointDir(SpecJson(), "/tmp/ck/inner"), &plan);
   EXPECT_EQ(inner.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(inner.status().message(),
@@ -640,10 +640,10 @@ TEST_F(JobManagerTest, CancelStopsEveryRank) {
   AddWorker("w2", 1);
   const std::string id = Submit(SpecJson(2, 1));
   ASSERT_EQ(Assignments().size(), 2u);
-  v1::Job out;
+  JobView out;
   ASSERT_TRUE(manager_->Cancel(id, "no longer needed", &out).ok());
-  EXPECT_EQ(out.state(), v1::JOB_STATE_CANCELLED);
-  EXPECT_EQ(out.message(), "cancelled: no longer needed");
+  EXPECT_EQ(out.record.state, JobState::kCancelled);
+  EXPECT_EQ(out.record.message, "cancelled: no longer needed");
   std::vector<std::pair<std::string, v1::Stop>> stops;
   Assignments(&stops);
   ASSERT_EQ(stops.size(), 2u);
@@ -656,7 +656,7 @@ TEST_F(JobManagerTest, CancelStopsEveryRank) {
 }
 
 TEST_F(JobManagerTest, SubmitRejectsBadSpecsAndJobsThatNeverFit) {
-  v1::Plan plan;
+  CpPlan plan;
   auto bad = manager_->Submit("{\"name\": 3}", &plan);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   AddWorker("w1", 4);
@@ -680,7 +680,7 @@ TEST_F(JobManagerTest, SubmitAndPlanRefuseDeeplyNestedSpecsByTheLimit) {
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   const std::string deep_field = "{\"name\": " + deep + "}";
   for (const std::string& spec : {deep, deep_field}) {
-    v1::Plan plan;
+    CpPlan plan;
     auto id = manager_->Submit(spec, &plan);
     EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(id.status().message(), "job spec: nesting deeper than 64 levels");
@@ -688,7 +688,7 @@ TEST_F(JobManagerTest, SubmitAndPlanRefuseDeeplyNestedSpecsByTheLimit) {
     EXPECT_EQ(planned.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(planned.message(), "job spec: nesting deeper than 64 levels");
   }
-  v1::Plan plan;
+  CpPlan plan;
   auto ok = manager_->Submit(SpecJson(), &plan);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(*ok, "j-000001");
@@ -702,7 +702,7 @@ TEST_F(JobManagerTest, OffloadingJobsGoWhereTheHostMemoryHoldsThem) {
       "data": {"source": "synthetic:recall"}, "resources": "cuda",
       "train": {"steps": 10, "recompute": true, "offload": true}})";
   AddGpuWorker("g1", 2, 48);
-  v1::Plan plan;
+  CpPlan plan;
   auto refused = manager_->Submit(spec, &plan);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(refused.status().message(),
@@ -725,24 +725,24 @@ TEST_F(JobManagerTest, OffloadingJobsGoWhereTheHostMemoryHoldsThem) {
 
 // A plan against the registered workers names what Submit would refuse, and stores nothing.
 TEST_F(JobManagerTest, PlanNamesWhyTheRegisteredWorkersCanNeverRunTheJob) {
-  v1::Plan plan;
+  CpPlan plan;
   ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 2), &plan).ok());
-  EXPECT_EQ(plan.problems_size(), 0) << "no worker registered yet: the job may wait for one";
+  EXPECT_EQ(plan.problems.size(), 0) << "no worker registered yet: the job may wait for one";
   AddWorker("w1", 4);
-  plan.Clear();
+  plan = CpPlan{};
   ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 2), &plan).ok());
-  ASSERT_EQ(plan.problems_size(), 1);
-  EXPECT_EQ(plan.problems(0),
+  ASSERT_EQ(plan.problems.size(), 1);
+  EXPECT_EQ(plan.problems[0],
             "job needs 8 cpu devices (world = dp*cp) but the 1 registered cpu worker has 4 in "
             "total");
-  plan.Clear();
+  plan = CpPlan{};
   ASSERT_TRUE(manager_->PlanSpec(SpecJson(4, 1), &plan).ok());
-  EXPECT_EQ(plan.problems_size(), 0);
+  EXPECT_EQ(plan.problems.size(), 0);
   EXPECT_TRUE(manager_->ListJobs({}, 0).empty());
 }
 
 TEST_F(JobManagerTest, SubmitRejectsRelativePaths) {
-  v1::Plan plan;
+  CpPlan plan;
   std::string spec = SpecJson(1, 1);
   spec.replace(spec.find("/tmp/ck"), 7, "ck/run1");
   auto relative_dir = manager_->Submit(spec, &plan);
@@ -991,7 +991,7 @@ TEST_F(JobManagerTest, ASilentPulsingRankRestartsItsGang) {
       rr->set_pulsing(true);
       rr->set_silent_ms(r == 1 ? silent_ms : 200);
     }
-    manager_->HandleWorkerMessage("w1", hb);
+    testing::Deliver(*manager_, "w1", hb);
   };
   heartbeat(4900);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_RUNNING);
@@ -1019,7 +1019,7 @@ TEST_F(JobManagerTest, AnUnacknowledgedAssignmentIsSentAgainOnReconnect) {
   // Once started, a rank missing from a hello restarts the gang as before.
   v1::WorkerMessage started;
   *started.mutable_rank_started()->mutable_ref() = Ref(id, 1, 0);
-  manager_->HandleWorkerMessage("w1", started);
+  testing::Deliver(*manager_, "w1", started);
   manager_->SessionClosed("w1", session_);
   Hello("w1", {});
   EXPECT_EQ(Get(id).restarts(), 1);
@@ -1089,7 +1089,7 @@ TEST_F(JobManagerTest, ARankNoteIsAJobEvent) {
   v1::WorkerMessage m;
   *m.mutable_note()->mutable_ref() = Ref(id, 1, 0);
   m.mutable_note()->set_text("checkpoint \"/tmp/ck/step_00000010\" does not load");
-  manager_->HandleWorkerMessage("w1", m);
+  testing::Deliver(*manager_, "w1", m);
   const v1::Job j = Get(id);
   EXPECT_EQ(j.events(j.events_size() - 1).message(),
             "rank 0: checkpoint \"/tmp/ck/step_00000010\" does not load");
@@ -1131,13 +1131,13 @@ TEST_F(JobManagerTest, ARestartedCoordinatorTakesTheLossFromTheHelloAndTheExit) 
   rr->set_loss(2.5);
   v1::RegisterRequest req = RegisterRequest("w1", "w1.local", CpuSlots(1));
   ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok());
-  ASSERT_TRUE(manager_->SessionOpened(h, ++session_).ok());
+  ASSERT_TRUE(testing::OpenSession(*manager_, h, ++session_).ok());
   EXPECT_EQ(Get(id).step(), 6);
   EXPECT_DOUBLE_EQ(Get(id).loss(), 2.5);
   v1::WorkerMessage m;
   *m.mutable_rank_exit()->mutable_ref() = Ref(id, 1, 0);
   m.mutable_rank_exit()->set_last_loss(1.25);
-  manager_->HandleWorkerMessage("w1", m);
+  testing::Deliver(*manager_, "w1", m);
   const v1::Job j = Get(id);
   EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(j.step(), 10);

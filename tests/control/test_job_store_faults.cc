@@ -53,7 +53,7 @@ class Coordinator {
 
   JobView InMemory(const std::string& id) {
     v1::Job j;
-    if (!manager_->GetJob(id, true, &j).ok()) return {};
+    if (!testing::GetJobProto(*manager_, id, true, &j).ok()) return {};
     return {j.state(),       j.attempt(), j.restarts(), j.last_checkpoint_step(),
             j.events_size(), j.message()};
   }
@@ -84,14 +84,14 @@ class Coordinator {
     if (!manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok()) return;
     v1::SessionHello h;
     h.set_worker_id(id);
-    manager_->SessionOpened(h, ++session_).IgnoreError();
+    testing::OpenSession(*manager_, h, ++session_).IgnoreError();
   }
   // A message from each rank of the job's current attempt, from the worker it is on.
   void FromEveryRank(const std::string& id,
                      const std::function<void(v1::WorkerMessage*, const v1::RankRef&)>& fill,
                      int only_rank = -1) {
     v1::Job j;
-    if (!manager_->GetJob(id, false, &j).ok()) return;
+    if (!testing::GetJobProto(*manager_, id, false, &j).ok()) return;
     for (const v1::RankStatus& r : j.ranks()) {
       if (only_rank >= 0 && r.rank() != only_rank) continue;
       v1::RankRef ref;
@@ -100,7 +100,7 @@ class Coordinator {
       ref.set_rank(r.rank());
       v1::WorkerMessage m;
       fill(&m, ref);
-      manager_->HandleWorkerMessage(r.worker_id(), m);
+      testing::Deliver(*manager_, r.worker_id(), m);
     }
   }
 
@@ -119,7 +119,7 @@ void Life(Coordinator& c, FakeClock& clock, const std::function<bool()>& after_e
           std::string* job_id) {
   c.Worker("w1");
   c.Worker("w2");
-  v1::Plan plan;
+  CpPlan plan;
   absl::StatusOr<std::string> submitted =
       c.manager().Submit(testing::SpecJson(2, 1, 0, /*max_restarts=*/5), &plan);
   if (!submitted.ok()) return;

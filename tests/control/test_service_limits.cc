@@ -59,14 +59,14 @@ class ServiceLimitsTest : public ::testing::Test {
     EXPECT_TRUE(m->RegisterWorker(RegistrationFromProto(reg, "127.0.0.1")).ok());
     v1::SessionHello hello;
     hello.set_worker_id("w1");
-    EXPECT_TRUE(m->SessionOpened(hello, 1).ok());
+    EXPECT_TRUE(testing::OpenSession(*m, hello, 1).ok());
     auto id = m->Submit(SpecJson(), nullptr);
     EXPECT_TRUE(id.ok()) << id.status();
     v1::WorkerMessage started;
     v1::RankRef* ref = started.mutable_rank_started()->mutable_ref();
     ref->set_job_id(*id);
     ref->set_attempt(1);
-    m->HandleWorkerMessage("w1", started);
+    testing::Deliver(*m, "w1", started);
     progress_ = std::thread([this, m, job = *id, every] {
       for (int64_t step = 1; !stop_progress_; ++step) {
         v1::WorkerMessage p;
@@ -74,7 +74,7 @@ class ServiceLimitsTest : public ::testing::Test {
         p.mutable_rank_progress()->mutable_ref()->set_attempt(1);
         p.mutable_rank_progress()->set_step(step % 9 + 1);
         p.mutable_rank_progress()->set_total_steps(10);
-        m->HandleWorkerMessage("w1", p);
+        testing::Deliver(*m, "w1", p);
         std::this_thread::sleep_for(every);
       }
     });

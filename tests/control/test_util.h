@@ -1,19 +1,25 @@
 // Helpers shared by the control-plane tests: temporary directories, job spec JSON, a recording
-// WorkerChannel. Test-only; not thread-safe unless stated.
+// WorkerChannel, and the job manager driven in wire types through the conversions the gRPC
+// services use (worker_proto.h, job_proto.h). Test-only; not thread-safe unless stated.
 #pragma once
 
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/job_proto.h"
 #include "coordinator/worker_channel.h"
+#include "coordinator/worker_proto.h"
 #include "spindle/v1/cluster.pb.h"
+#include "spindle/v1/job.pb.h"
 
 namespace spindle::testing {
 
@@ -48,12 +54,14 @@ inline std::string WithCheckpointDir(std::string spec, const std::string& dir) {
   return spec;
 }
 
-// Records every message the manager sends. Thread-safe.
+// Records every command the manager sends, in its wire form. Thread-safe.
 class FakeWorkerChannel : public WorkerChannel {
  public:
-  bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) override {
+  bool Send(const std::string& worker_id, const WorkerCommand& command) override {
+    v1::CoordinatorMessage msg;
+    CommandToProto(command, &msg);
     absl::MutexLock l(&mu_);
-    sent_.emplace_back(worker_id, msg);
+    sent_.emplace_back(worker_id, std::move(msg));
     return true;
   }
   std::vector<std::pair<std::string, v1::CoordinatorMessage>> Take() {
@@ -65,5 +73,23 @@ class FakeWorkerChannel : public WorkerChannel {
   absl::Mutex mu_;
   std::vector<std::pair<std::string, v1::CoordinatorMessage>> sent_ ABSL_GUARDED_BY(mu_);
 };
+
+// A session's messages, as the Session handler passes them on.
+inline absl::Status OpenSession(JobManager& m, const v1::SessionHello& hello, uint64_t session) {
+  return m.SessionOpened(HelloFromProto(hello), session);
+}
+inline void Deliver(JobManager& m, const std::string& worker_id, const v1::WorkerMessage& msg) {
+  if (std::optional<WorkerReport> report = ReportFromProto(msg))
+    m.HandleWorkerMessage(worker_id, *report);
+}
+
+// A job as the Get RPC returns it.
+inline absl::Status GetJobProto(JobManager& m, const std::string& job_id, bool with_events,
+                                v1::Job* out) {
+  JobView view;
+  absl::Status st = m.GetJob(job_id, with_events, &view);
+  if (st.ok()) JobViewToProto(view, out);
+  return st;
+}
 
 }  // namespace spindle::testing

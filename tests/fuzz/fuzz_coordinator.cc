@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -100,7 +101,7 @@ class Coordinator {
     v1::SessionHello hello;
     hello.set_worker_id("w0");
     if (from_template) {
-      if (!manager_->SessionOpened(hello, ++session_).ok()) std::abort();
+      if (!manager_->SessionOpened(HelloFromProto(hello), ++session_).ok()) std::abort();
       return;
     }
     v1::RegisterRequest reg;
@@ -171,7 +172,7 @@ class Coordinator {
       case kWatch: {
         v1::WatchJobRequest req;
         if (!req.ParseFromString(bytes)) break;
-        v1::Job job;
+        JobView job;
         std::vector<EventRecord> events;
         manager_
             ->WaitJob(req.job_id(), &watch_version_, &watch_events_,
@@ -187,14 +188,16 @@ class Coordinator {
       }
       case kHello: {
         v1::SessionHello hello;
-        if (hello.ParseFromString(bytes)) manager_->SessionOpened(hello, ++session_).IgnoreError();
+        if (hello.ParseFromString(bytes))
+          manager_->SessionOpened(HelloFromProto(hello), ++session_).IgnoreError();
         break;
       }
       case kMessage: {
         if (bytes.empty()) break;
         v1::WorkerMessage msg;
-        if (msg.ParseFromString(bytes.substr(1)))
-          manager_->HandleWorkerMessage(WorkerId(bytes[0]), msg);
+        std::optional<WorkerReport> report;
+        if (msg.ParseFromString(bytes.substr(1)) && (report = ReportFromProto(msg)))
+          manager_->HandleWorkerMessage(WorkerId(bytes[0]), *report);
         break;
       }
       case kClose:

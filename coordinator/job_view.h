@@ -1,0 +1,40 @@
+// JobView: what the job manager tells a client about one job (the client API's answer to Get,
+// List, Watch and Cancel): its stored record, decoded plan, each rank's last report, the job's
+// progress summarised over its ranks, and optionally its events. job_proto.h converts it to
+// spindle.v1.Job. Plain data.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "coordinator/cp_planner.h"
+#include "coordinator/job_store.h"
+
+namespace spindle {
+
+// One rank of the current attempt, as its worker last reported it.
+struct RankView {
+  RankPlacement placement;
+  std::string state;  // assigned | running | exited | stopped
+  int64_t step = 0;
+  double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
+  double memory_bytes = 0;
+  int32_t exit_code = 0;
+  int64_t last_report_unix_ms = 0;
+};
+
+struct JobView {
+  JobRecord record;  // record.plan: the stored encoding; `plan` is it decoded
+  CpPlan plan;
+  int64_t total_steps = 0;
+  int64_t step = 0;          // the lowest rank's step (the final step once finished)
+  double loss = 0;           // of that step
+  double tokens_per_s = 0;   // summed over running ranks
+  double mfu = 0;            // averaged over running ranks that report it
+  double eta_s = -1;         // -1: unknown
+  std::vector<RankView> ranks;
+  std::vector<EventRecord> events;  // empty unless asked for
+};
+
+}  // namespace spindle
