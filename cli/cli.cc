@@ -268,8 +268,37 @@ std::string Rate(double tps) {
   return absl::StrFormat("%.0f", tps);
 }
 
-std::string ModeName(v1::CpMode m) {
-  return m == v1::CP_MODE_ALL2ALL ? "all2all" : "allgather";
+std::string ModeName(v1::CpMode m, int64_t ulysses = 1) {
+  switch (m) {
+    case v1::CP_MODE_ALL2ALL:
+      return "all2all";
+    case v1::CP_MODE_RING:
+      return "ring";
+    case v1::CP_MODE_HYBRID:
+      return absl::StrCat("hybrid u=", ulysses);
+    default:
+      return "allgather";
+  }
+}
+
+// The cost model's candidates, one row each: time, memory and bytes per step.
+void PrintEstimates(const v1::Plan& p, std::ostream& out) {
+  if (p.step_s() > 0) out << absl::StrFormat("estimated step: %.4g s", p.step_s());
+  if (!p.cost_basis().empty()) out << " (" << p.cost_basis() << ")";
+  if (p.step_s() > 0) out << "\n";
+  if (p.estimates_size() == 0) return;
+  out << absl::StrFormat("  %-10s %-12s %10s %10s %10s %10s %10s  %s\n", "layers", "mode",
+                         "step s", "compute s", "exposed s", "bytes", "memory", "");
+  for (const v1::ModeEstimate& e : p.estimates()) {
+    std::string marks;
+    if (e.chosen()) marks += " chosen";
+    if (e.rule()) marks += " rule";
+    if (e.fastest()) marks += " fastest";
+    out << absl::StrFormat("  %-10s %-12s %10.4g %10.4g %10.4g %10s %10s %s\n", e.layer_type(),
+                           ModeName(e.mode(), e.ulysses()), e.step_s(), e.compute_s(),
+                           e.exposed_s(), FormatBytes(e.bytes()), FormatBytes(e.memory_bytes()),
+                           marks);
+  }
 }
 
 void PrintPlan(const v1::Plan& p, std::ostream& out) {
@@ -277,8 +306,9 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
                          p.world(), p.tokens_per_rank());
   for (const v1::LayerPlan& l : p.layers()) {
     out << absl::StrFormat("  %-10s %3d layers  %-9s  %s\n", l.layer_type(), l.num_layers(),
-                           ModeName(l.mode()), l.reason());
+                           ModeName(l.mode(), l.ulysses()), l.reason());
   }
+  PrintEstimates(p, out);
   const v1::MemoryEstimate& m = p.memory();
   int64_t n_layers = 0;
   for (const v1::LayerPlan& l : p.layers()) n_layers += l.num_layers();
@@ -631,7 +661,8 @@ class Cli {
                             j.priority(), j.attempt(), j.restarts(), j.max_restarts(),
                             j.plan().world(), j.plan().cp(), j.plan().dp());
     for (const v1::LayerPlan& l : j.plan().layers())
-      out_ << "  " << l.layer_type() << ": " << ModeName(l.mode()) << " (" << l.reason() << ")\n";
+      out_ << "  " << l.layer_type() << ": " << ModeName(l.mode(), l.ulysses()) << " ("
+           << l.reason() << ")\n";
     out_ << "  " << ProgressLine(j, false) << "\n";
     if (j.last_checkpoint_step() > 0)
       out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "

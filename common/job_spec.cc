@@ -19,8 +19,10 @@ absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
   if (s == "auto") return CpMode::kAuto;
   if (s == "allgather") return CpMode::kAllGather;
   if (s == "all2all") return CpMode::kAll2All;
-  return f.Error(key, absl::StrCat("must be \"auto\", \"allgather\" or \"all2all\", got \"",
-                                   ShortText(s), "\""));
+  if (s == "fastest") return CpMode::kFastest;
+  return f.Error(key,
+                 absl::StrCat("must be \"auto\", \"fastest\", \"allgather\" or \"all2all\", got \"",
+                              ShortText(s), "\""));
 }
 
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
@@ -96,6 +98,12 @@ std::string_view CpModeName(CpMode m) {
       return "allgather";
     case CpMode::kAll2All:
       return "all2all";
+    case CpMode::kRing:
+      return "ring";
+    case CpMode::kHybrid:
+      return "hybrid";
+    case CpMode::kFastest:
+      return "fastest";
   }
   return "auto";
 }

@@ -38,7 +38,9 @@ struct DataSpec {
   int64_t recall_gap = 1024;
 };
 
-enum class CpMode { kAuto, kAllGather, kAll2All };
+// kAuto and kFastest exist only in specs: the planner resolves them (the design card's rule, or
+// the cost model's fastest estimate) to one of the others.
+enum class CpMode { kAuto, kAllGather, kAll2All, kRing, kHybrid, kFastest };
 std::string_view CpModeName(CpMode m);
 
 struct ParallelSpec {

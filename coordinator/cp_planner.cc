@@ -18,7 +18,7 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
   p.layer_type = layer_type;
   p.num_layers = num_layers;
   const std::string field = absl::StrCat("parallel.", layer_type, "_mode");
-  if (requested != CpMode::kAuto) {
+  if (requested != CpMode::kAuto && requested != CpMode::kFastest) {
     p.forced = true;
     p.mode = requested;
     if (requested == CpMode::kAll2All && heads % cp != 0) {
@@ -316,7 +316,101 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   return e;
 }
 
-CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
+namespace {
+
+// The rule's modes are estimated beside every candidate; "fastest" layer types take the fastest
+// pair of modes (a 2-D mode of each type sharing one Ulysses degree), then every candidate of
+// each type is estimated with the other type as chosen.
+void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_layers,
+                   CpPlan* plan) {
+  const CpCostModel model;
+  plan->cost_basis = topo.basis;
+  LayerModePlan* layer[2] = {&plan->layers[0], &plan->layers[1]};
+  const std::string types[2] = {"lightning", "mla"};
+  const CpMode requested[2] = {spec.parallel.lightning_mode, spec.parallel.mla_mode};
+  const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
+  std::vector<ModeChoice> candidates[2];
+  for (int i = 0; i < 2; ++i)
+    candidates[i] = CandidateModes(types[i], cp, spec.model.n_heads);
+  auto step = [&](const ModeChoice& l, const ModeChoice& m) {
+    return model.Estimate(spec, topo, l, m, recompute_layers).step_s();
+  };
+  ModeChoice chosen[2], rule[2];
+  for (int i = 0; i < 2; ++i) {
+    chosen[i] = {layer[i]->mode, layer[i]->ulysses};
+    rule[i] = chosen[i];
+    if (requested[i] != CpMode::kAuto) {
+      rule[i].mode = cp == 1 ? CpMode::kAllGather
+                             : (cp <= spec.model.n_heads && spec.model.n_heads % cp == 0
+                                    ? CpMode::kAll2All
+                                    : CpMode::kAllGather);
+      rule[i].ulysses = 1;
+    }
+  }
+  if (requested[0] == CpMode::kFastest || requested[1] == CpMode::kFastest) {
+    double best = -1;
+    ModeChoice best_pair[2] = {chosen[0], chosen[1]};
+    for (const ModeChoice& l : requested[0] == CpMode::kFastest
+                                   ? candidates[0]
+                                   : std::vector<ModeChoice>{chosen[0]}) {
+      for (const ModeChoice& m : requested[1] == CpMode::kFastest
+                                     ? candidates[1]
+                                     : std::vector<ModeChoice>{chosen[1]}) {
+        if (l.mode == CpMode::kHybrid && m.mode == CpMode::kHybrid && l.ulysses != m.ulysses)
+          continue;
+        const double t = step(l, m);
+        if (best < 0 || t < best) best = t, best_pair[0] = l, best_pair[1] = m;
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (requested[i] != CpMode::kFastest) continue;
+      chosen[i] = best_pair[i];
+      layer[i]->mode = chosen[i].mode;
+      layer[i]->ulysses = chosen[i].ulysses;
+      layer[i]->forced = false;
+      layer[i]->reason = absl::StrCat("fastest by the cost model (", ModeChoiceName(chosen[i]),
+                                      ", of ", candidates[i].size(), " candidates)");
+    }
+  }
+  plan->step_s = step(chosen[0], chosen[1]);
+  if (cp == 1) return;
+  for (int i = 0; i < 2; ++i) {
+    double fastest = -1, rule_s = 0, fastest_layers = 0, rule_layers = 0;
+    size_t first = plan->estimates.size();
+    for (const ModeChoice& c : candidates[i]) {
+      ModeEstimate e;
+      e.layer_type = types[i];
+      e.cost = model.EstimateLayers(spec, topo, types[i], c);
+      e.step_s = i == 0 ? step(c, chosen[1]) : step(chosen[0], c);
+      e.rule = c.mode == rule[i].mode && c.ulysses == rule[i].ulysses;
+      e.chosen = c.mode == chosen[i].mode && c.ulysses == chosen[i].ulysses;
+      if (e.rule) rule_s = e.step_s, rule_layers = e.cost.total_s();
+      if (fastest < 0 || e.step_s < fastest) fastest = e.step_s, fastest_layers = e.cost.total_s();
+      plan->estimates.push_back(e);
+    }
+    for (size_t k = first; k < plan->estimates.size(); ++k)
+      plan->estimates[k].fastest = plan->estimates[k].step_s == fastest;
+    // The rule's pick against the fastest, on the layers of this type (their compute and
+    // exposed communication): what the mode changes.
+    if (layer[i]->num_layers > 0 && fastest_layers > 0 && rule_layers >= 1.2 * fastest_layers) {
+      const ModeEstimate* f = nullptr;
+      for (size_t k = first; k < plan->estimates.size(); ++k)
+        if (plan->estimates[k].fastest) f = &plan->estimates[k];
+      plan->warnings.push_back(absl::StrFormat(
+          "%s: the default rule's %s is estimated %.0f%% slower on these layers than %s (%.3g s "
+          "against %.3g s a step; the whole step %.4g s against %.4g s); \"%s_mode\": "
+          "\"fastest\" picks it",
+          types[i], ModeChoiceName(rule[i]), 100.0 * (rule_layers / fastest_layers - 1.0),
+          ModeChoiceName(f->cost.choice), rule_layers, fastest_layers, rule_s, fastest,
+          types[i]));
+    }
+  }
+}
+
+}  // namespace
+
+CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
+                       const Topology* topology) const {
   CpPlan plan;
   const ModelConfig& m = spec.model;
   plan.cp = spec.parallel.cp;
@@ -372,6 +466,9 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
   } else {
     plan.warnings.push_back("no device known: memory estimate not checked against a device");
   }
+  const Topology fallback = DefaultTopology(spec.resources);
+  if (spec.seq_len > 0 && spec.seq_len % chunks == 0)
+    EstimateModes(spec, topology ? *topology : fallback, recompute_layers, &plan);
   return plan;
 }
 

@@ -15,15 +15,25 @@
 #include <vector>
 
 #include "common/job_spec.h"
+#include "coordinator/cp_cost_model.h"
 
 namespace spindle {
 
 struct LayerModePlan {
   std::string layer_type;  // "lightning" or "mla"
   int64_t num_layers = 0;
-  CpMode mode = CpMode::kAllGather;  // never kAuto
+  CpMode mode = CpMode::kAllGather;  // never kAuto or kFastest
+  int64_t ulysses = 1;               // the Ulysses degree of kHybrid
   std::string reason;                // one line
   bool forced = false;               // the spec chose the mode
+};
+
+// One candidate mode of one layer type, as the cost model estimates it (cp_cost_model.h).
+struct ModeEstimate {
+  std::string layer_type;
+  ModeCost cost;
+  double step_s = 0;  // the whole step with this mode (the other layer type as chosen)
+  bool rule = false, fastest = false, chosen = false;
 };
 
 // Per-rank memory estimate in bytes. See EstimateMemory() for the formula.
@@ -59,6 +69,11 @@ struct CpPlan {
   // The same with train.offload, for a cuda job that does not offload (0 otherwise): how much
   // longer the offload would let it be.
   int64_t max_seq_len_offload = 0;
+  // cp > 1: every candidate of each layer type; the step estimate of the chosen modes, and what
+  // the estimate rests on.
+  std::vector<ModeEstimate> estimates;
+  double step_s = 0;
+  std::string cost_basis;
   bool ok() const { return problems.empty(); }
   // The decided mode of a layer type ("lightning" or "mla").
   CpMode ModeOf(const std::string& layer_type) const;
@@ -121,8 +136,14 @@ class CpPlanner {
 
   // Plans `spec`. `device_memory_bytes` is the memory of the largest device the job could run
   // on (GPU memory, or host memory per CPU slot); 0 when unknown (no worker registered): the
-  // memory estimate is then not checked and a warning says so.
-  CpPlan Plan(const JobSpec& spec, int64_t device_memory_bytes) const;
+  // memory estimate is then not checked and a warning says so. `topology` (null: the built-in
+  // DefaultTopology of the job's resources) is what the cost model estimates with.
+  //
+  // Modes: "auto" is the design card's rule; "fastest" the candidate the cost model estimates
+  // fastest (both layer types together, one Ulysses degree for both 2-D modes); a forced mode is
+  // kept. With cp > 1 a warning names a rule pick estimated 20% or more slower than the fastest.
+  CpPlan Plan(const JobSpec& spec, int64_t device_memory_bytes,
+              const Topology* topology = nullptr) const;
 };
 
 // "1.50 GiB", "12.0 MiB", "512 B".

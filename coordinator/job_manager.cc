@@ -233,7 +233,42 @@ absl::Status JobManager::Recover() {
 }
 
 CpPlan JobManager::PlanLocked(const JobSpec& spec) const {
-  return planner_.Plan(spec, registry_.LargestDeviceMemory(spec.resources));
+  const Topology topo = TopologyLocked(spec);
+  return planner_.Plan(spec, registry_.LargestDeviceMemory(spec.resources), &topo);
+}
+
+Topology JobManager::TopologyLocked(const JobSpec& spec) const {
+  Topology t = DefaultTopology(spec.resources);
+  const Worker* w = registry_.LargestWorker(spec.resources);
+  if (w == nullptr) return t;
+  const DeviceOffer& d = w->devices;
+  const std::string threads =
+      d.threads_per_rank > 0 ? absl::StrCat(", ", d.threads_per_rank, " threads a rank") : "";
+  if (d.rates.known()) {
+    t.rates = d.rates;
+    t.basis = absl::StrCat("rates measured by worker ", w->rec.worker_id, " (", d.kind, " ",
+                           d.name, threads, ")");
+  } else {
+    t.basis = absl::StrCat(t.basis.substr(0, t.basis.find(',')), " (worker ", w->rec.worker_id,
+                           " reported none)");
+  }
+  // The gang fits on that worker: its own link; otherwise the ranks meet over the network.
+  const int64_t world = spec.parallel.world();
+  LinkClass link = t.link;
+  if (world > d.count)
+    link = LinkClass::kNetwork;
+  else if (!d.link.empty())
+    ParseLinkClass(d.link, &link);
+  t.link = link;
+  t.link_rates = DefaultLinkRates(link);
+  // CPU ranks of one host share its cores.
+  const int64_t on_host = std::min<int64_t>(world, d.count);
+  if (d.kind == "cpu" && d.cores > 0 && d.threads_per_rank > 0)
+    t.sharing = std::max(1.0, static_cast<double>(on_host * d.threads_per_rank) / d.cores);
+  absl::StrAppend(&t.basis, ", link ", LinkClassName(link),
+                  t.sharing > 1 ? absl::StrFormat(", %d ranks sharing %d cores", on_host, d.cores)
+                                : "");
+  return t;
 }
 
 absl::Status JobManager::CheckCanEverFitLocked(const std::string& kind, int64_t world,
@@ -561,8 +596,7 @@ void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reaso
       std::min(n, j.recompute_layers + std::max<int64_t>(2, (n - j.recompute_layers + 1) / 2));
   JobSpec planned = j.spec;
   planned.train.recompute_layers = more;
-  j.pending_plan =
-      planner_.Plan(planned, registry_.LargestDeviceMemory(j.spec.resources));  // the restart's
+  j.pending_plan = PlanLocked(planned);  // the restart's
   absl::StrAppend(reason, "; train.recompute \"auto\": ", more, " of ", n,
                   " layers recompute from now on");
 }
@@ -578,7 +612,8 @@ void JobManager::DecideRecomputeAtPlacement(JobRuntime& j,
   }
   if (memory <= 0) return;
   // The spec's "auto", sized to `memory`; taken with the placement's transition.
-  j.pending_plan = planner_.Plan(j.spec, memory);
+  const Topology topo = TopologyLocked(j.spec);
+  j.pending_plan = planner_.Plan(j.spec, memory, &topo);
 }
 
 void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fatal, Counter* kind,

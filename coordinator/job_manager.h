@@ -190,6 +190,9 @@ class JobManager {
   JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The plan against the largest registered device of the job's kind.
   CpPlan PlanLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the cost model estimates with: the rates of the worker plans are sized to (built-in
+  // ones when it measured none), its link when the gang fits on it, else the network.
+  Topology TopologyLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJob(const JobRuntime& j, bool with_events, JobView* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists `next` (default: j.rec) in state `to`, with the job's pending plan, plus an event;

@@ -11,7 +11,12 @@ int CpModeToProto(CpMode m) {
       return v1::CP_MODE_ALLGATHER;
     case CpMode::kAll2All:
       return v1::CP_MODE_ALL2ALL;
+    case CpMode::kRing:
+      return v1::CP_MODE_RING;
+    case CpMode::kHybrid:
+      return v1::CP_MODE_HYBRID;
     case CpMode::kAuto:
+    case CpMode::kFastest:
       break;
   }
   return v1::CP_MODE_UNSPECIFIED;
@@ -23,6 +28,10 @@ CpMode CpModeFromProto(int m) {
       return CpMode::kAllGather;
     case v1::CP_MODE_ALL2ALL:
       return CpMode::kAll2All;
+    case v1::CP_MODE_RING:
+      return CpMode::kRing;
+    case v1::CP_MODE_HYBRID:
+      return CpMode::kHybrid;
     default:
       return CpMode::kAuto;
   }
@@ -41,7 +50,25 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
     p->set_mode(static_cast<v1::CpMode>(CpModeToProto(l.mode)));
     p->set_reason(l.reason);
     p->set_forced(l.forced);
+    p->set_ulysses(l.ulysses);
   }
+  for (const ModeEstimate& e : plan.estimates) {
+    v1::ModeEstimate* p = out->add_estimates();
+    p->set_layer_type(e.layer_type);
+    p->set_mode(static_cast<v1::CpMode>(CpModeToProto(e.cost.choice.mode)));
+    p->set_ulysses(e.cost.choice.ulysses);
+    p->set_compute_s(e.cost.compute_s);
+    p->set_comm_s(e.cost.comm_s);
+    p->set_exposed_s(e.cost.exposed_s);
+    p->set_bytes(e.cost.bytes);
+    p->set_memory_bytes(e.cost.memory_bytes);
+    p->set_step_s(e.step_s);
+    p->set_rule(e.rule);
+    p->set_fastest(e.fastest);
+    p->set_chosen(e.chosen);
+  }
+  out->set_step_s(plan.step_s);
+  out->set_cost_basis(plan.cost_basis);
   v1::MemoryEstimate* m = out->mutable_memory();
   m->set_params_bytes(plan.memory.params_bytes);
   m->set_grads_bytes(plan.memory.grads_bytes);
@@ -68,8 +95,25 @@ void PlanFromProto(const v1::Plan& p, CpPlan* out) {
   out->world = p.world();
   out->tokens_per_rank = p.tokens_per_rank();
   for (const v1::LayerPlan& l : p.layers())
-    out->layers.push_back(
-        {l.layer_type(), l.num_layers(), CpModeFromProto(l.mode()), l.reason(), l.forced()});
+    out->layers.push_back({l.layer_type(), l.num_layers(), CpModeFromProto(l.mode()),
+                           l.ulysses(), l.reason(), l.forced()});
+  for (const v1::ModeEstimate& e : p.estimates()) {
+    ModeEstimate m;
+    m.layer_type = e.layer_type();
+    m.cost.choice = {CpModeFromProto(e.mode()), e.ulysses()};
+    m.cost.compute_s = e.compute_s();
+    m.cost.comm_s = e.comm_s();
+    m.cost.exposed_s = e.exposed_s();
+    m.cost.bytes = e.bytes();
+    m.cost.memory_bytes = e.memory_bytes();
+    m.step_s = e.step_s();
+    m.rule = e.rule();
+    m.fastest = e.fastest();
+    m.chosen = e.chosen();
+    out->estimates.push_back(std::move(m));
+  }
+  out->step_s = p.step_s();
+  out->cost_basis = p.cost_basis();
   const v1::MemoryEstimate& m = p.memory();
   MemoryEstimate& e = out->memory;
   e.params_bytes = m.params_bytes();

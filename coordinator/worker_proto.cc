@@ -6,18 +6,6 @@
 namespace spindle {
 namespace {
 
-DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
-  return {g.kind(), g.name(), g.count(), g.memory_bytes(), g.host_memory_bytes()};
-}
-
-void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
-  g->set_kind(d.kind);
-  g->set_name(d.name);
-  g->set_count(d.count);
-  g->set_memory_bytes(d.memory_bytes);
-  g->set_host_memory_bytes(d.host_memory_bytes);
-}
-
 RankKey KeyFromProto(const v1::RankRef& r) { return {r.job_id(), r.attempt(), r.rank()}; }
 
 void KeyToProto(const RankKey& k, v1::RankRef* r) {
@@ -36,6 +24,32 @@ std::vector<RunningRankReport> RunningFromProto(
 }
 
 }  // namespace
+
+DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
+  DeviceOffer d{g.kind(), g.name(), g.count(), g.memory_bytes(), g.host_memory_bytes()};
+  const v1::DeviceRates& r = g.rates();
+  d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes()};
+  d.link = g.link();
+  d.cores = g.cores();
+  d.threads_per_rank = g.threads_per_rank();
+  return d;
+}
+
+void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
+  g->set_kind(d.kind);
+  g->set_name(d.name);
+  g->set_count(d.count);
+  g->set_memory_bytes(d.memory_bytes);
+  g->set_host_memory_bytes(d.host_memory_bytes);
+  v1::DeviceRates* r = g->mutable_rates();
+  r->set_gemm_flops(d.rates.gemm_flops);
+  r->set_attention_flops(d.rates.attention_flops);
+  r->set_lightning_flops(d.rates.lightning_flops);
+  r->set_memory_bytes(d.rates.memory_bytes);
+  g->set_link(d.link);
+  g->set_cores(d.cores);
+  g->set_threads_per_rank(d.threads_per_rank);
+}
 
 WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
                                          const std::string& observed_host) {

@@ -15,6 +15,9 @@
 
 namespace spindle {
 
+DeviceOffer OfferFromProto(const v1::DeviceGroup& g);
+void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g);
+
 WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
                                          const std::string& observed_host);
 void ReplyToProto(const RegistrationReply& reply, const std::string& worker_id,

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "coordinator/worker_proto.h"
 #include "spindle/v1/cluster.pb.h"
 
 namespace spindle {
@@ -14,26 +15,14 @@ namespace {
 // WorkerRecord.devices: a RegisterRequest holding only the device group.
 std::string EncodeDevices(const DeviceOffer& d) {
   v1::RegisterRequest r;
-  v1::DeviceGroup* g = r.add_devices();
-  g->set_kind(d.kind);
-  g->set_name(d.name);
-  g->set_count(d.count);
-  g->set_memory_bytes(d.memory_bytes);
-  g->set_host_memory_bytes(d.host_memory_bytes);
+  OfferToProto(d, r.add_devices());
   return r.SerializeAsString();
 }
 
 DeviceOffer DecodeDevices(const std::string& bytes) {
   v1::RegisterRequest r;
-  DeviceOffer d;
-  if (!r.ParseFromString(bytes) || r.devices_size() == 0) return d;
-  const v1::DeviceGroup& g = r.devices(0);
-  d.kind = g.kind();
-  d.name = g.name();
-  d.count = g.count();
-  d.memory_bytes = g.memory_bytes();
-  d.host_memory_bytes = g.host_memory_bytes();
-  return d;
+  if (!r.ParseFromString(bytes) || r.devices_size() == 0) return {};
+  return OfferFromProto(r.devices(0));
 }
 
 absl::Status CheckRegistration(const WorkerRegistration& reg) {
@@ -54,6 +43,26 @@ absl::Status CheckRegistration(const WorkerRegistration& reg) {
   if (g.count < 1 || g.count > 4096)
     return absl::InvalidArgumentError(absl::StrCat(
         "register: worker ", reg.worker_id, ": device count must be in [1, 4096], got ", g.count));
+  for (auto [name, rate] : {std::pair<const char*, double>{"gemm_flops", g.rates.gemm_flops},
+                             {"attention_flops", g.rates.attention_flops},
+                             {"lightning_flops", g.rates.lightning_flops},
+                             {"memory_bytes", g.rates.memory_bytes}}) {
+    if (!(rate >= 0 && rate < 1e18))  // NaN fails too
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: worker ", reg.worker_id, ": rates.", name,
+                       " must be a non-negative rate below 1e18, got ", rate));
+  }
+  LinkClass link;
+  if (!g.link.empty() && !ParseLinkClass(g.link, &link))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: worker ", reg.worker_id,
+        ": link must be \"same-device\", \"nvlink\", \"pcie\", \"loopback\" or empty, got \"",
+        g.link.substr(0, 64), "\""));
+  if (g.cores < 0 || g.cores > 65536 || g.threads_per_rank < 0 || g.threads_per_rank > 65536)
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker ", reg.worker_id,
+                     ": cores and threads_per_rank must be in [0, 65536], got ", g.cores, " and ",
+                     g.threads_per_rank));
   if (reg.advertise_host.size() > 255 ||
       reg.advertise_host.find_first_of(" /\t\n") != std::string::npos)
     return absl::InvalidArgumentError(
@@ -194,6 +203,18 @@ int64_t WorkerRegistry::LargestDeviceMemory(const std::string& kind) const {
   for (const auto& [id, w] : workers_)
     if (w->devices.kind == kind) memory = std::max(memory, w->devices.memory_bytes);
   return memory;
+}
+
+const Worker* WorkerRegistry::LargestWorker(const std::string& kind) const {
+  const Worker* best = nullptr;
+  for (const auto& [id, w] : workers_) {
+    if (w->devices.kind != kind) continue;
+    auto key = [](const Worker* x) {
+      return std::make_pair(x->devices.memory_bytes, x->devices.rates.known());
+    };
+    if (best == nullptr || key(w.get()) > key(best)) best = w.get();
+  }
+  return best;
 }
 
 std::vector<SchedulableWorker> WorkerRegistry::Registered() const {

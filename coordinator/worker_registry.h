@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
+#include "coordinator/cp_cost_model.h"
 #include "coordinator/job_store.h"
 #include "coordinator/scheduler.h"
 
@@ -27,6 +28,10 @@ struct DeviceOffer {
   int32_t count = 0;
   int64_t memory_bytes = 0;       // of one device
   int64_t host_memory_bytes = 0;  // the worker's host memory; 0: unknown
+  DeviceRates rates;              // one rank alone on one device, as the worker measured them
+  std::string link;               // between two of its devices (cp_cost_model.h's LinkClass)
+  int32_t cores = 0;              // of the host; 0: unknown
+  int32_t threads_per_rank = 0;   // CPU ranks' OpenMP threads; 0: unknown
 };
 
 struct WorkerRegistration {
@@ -108,6 +113,9 @@ class WorkerRegistry {
   void FreeDrained(int64_t now);
   // The memory of the largest registered device of `kind`; 0 when none.
   int64_t LargestDeviceMemory(const std::string& kind) const;
+  // The worker whose device of `kind` is the largest (the one plans are sized to), preferring
+  // one that reported its rates; null when none.
+  const Worker* LargestWorker(const std::string& kind) const;
   // Every registered worker as the scheduler sees it, with all its devices counted.
   std::vector<SchedulableWorker> Registered() const;
 

@@ -6,6 +6,7 @@
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //                 [--recompute-layers N] [--pulse-ms N]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
+//   spindle-train --probe-rates [--job JOB.json] [--threads N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
 // "eval", ...}) and one line "spindle-train: <error>" on stderr when it fails. Exit codes:
@@ -28,6 +29,9 @@
 // the start. Rank 0 picks the newest checkpoint that loads (passing over a corrupt one, with a
 // {"event": "note"} line naming both) and every rank resumes from it.
 // --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
+// --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
+// (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
+// rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
 //
 // Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
 // CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
@@ -56,6 +60,7 @@
 #include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/rate_probe.h"
 #include "worker/engine/trainer.h"
 #include "worker/rendezvous_store.h"
 #ifdef SPINDLE_HAVE_CUDA_ENGINE
@@ -71,7 +76,8 @@ constexpr char kUsage[] =
     "                     [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
     "                     [--pulse-ms N]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
-    "                     [--eval-sequences N]\n";
+    "                     [--eval-sequences N]\n"
+    "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n";
 
 // train.recompute "auto" run standalone: the planner's choice for this machine's device (the GPU
 // the job trains on, or host memory shared by the world's ranks); every layer when neither is
@@ -158,7 +164,7 @@ class Pulse {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> flags;
-  bool eval = false;
+  bool eval = false, probe = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -167,6 +173,10 @@ int main(int argc, char** argv) {
     }
     if (a == "--eval") {
       eval = true;
+      continue;
+    }
+    if (a == "--probe-rates") {
+      probe = true;
       continue;
     }
     static const char* kValued[] = {"--job",
@@ -216,6 +226,25 @@ int main(int argc, char** argv) {
     }
     return true;
   };
+  if (probe) {
+    int64_t threads = 0;
+    if (!int_flag("threads", 0, 0, &threads)) return 2;
+    if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
+    spindle::ProbeShape shape;
+    if (flags.count("job")) {
+      auto spec = spindle::LoadJobSpec(flags["job"]);
+      if (!spec.ok()) return Fail(spec.status());
+      const spindle::ModelConfig& m = spec->model;
+      shape = {std::min<int64_t>(4096, spec->seq_len / spec->parallel.cp), m.d_model, m.ffn_dim,
+               m.n_heads, m.mla.qk_nope_dim + m.mla.qk_rope_dim, m.mla.v_head_dim};
+    }
+    nlohmann::json e = spindle::MeasureCpuRates(shape).ToJson();
+    e["event"] = "rates";
+    e["device"] = "cpu";
+    e["threads"] = omp_get_max_threads();
+    std::cout << e.dump() << std::endl;
+    return 0;
+  }
   if (!flags.count("job")) {
     std::fprintf(stderr, "spindle-train: --job is required\n%s", kUsage);
     return 2;

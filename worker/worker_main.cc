@@ -25,6 +25,7 @@
 #include "worker/grpc_client.h"
 #include "worker/path_roots.h"
 #include "worker/rank_runner.h"
+#include "worker/rate_report.h"
 #include "worker/shutdown_signal.h"
 #include "worker/worker_log.h"
 #include "worker/worker_metrics.h"
@@ -63,6 +64,9 @@ ABSL_FLAG(std::string, data_root, spindle::kDefaultDataRoot,
           "in, checked like --checkpoint-root.");
 ABSL_FLAG(int, cpu_threads_per_slot, 0,
           "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
+ABSL_FLAG(bool, probe_rates, true,
+          "Measure the CPU kernel rates at start (about a second) and report them for the "
+          "planner's cost model; false: the planner uses its built-in rates.");
 
 namespace spindle {
 namespace {
@@ -193,6 +197,10 @@ int Main() {
     WorkerLog("metrics on %s:%d/metrics", absl::GetFlag(FLAGS_metrics_host), *port);
   }
 
+  int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
+  if (threads <= 0 && devices->kind() == "cpu") {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
+  }
   SessionOptions session_options;
   session_options.coordinator_address = coordinator;
   session_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
@@ -204,6 +212,11 @@ int Main() {
   session_options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   session_options.instance_id = absl::StrCat(absl::Hex(std::random_device{}(), absl::kZeroPad8),
                                              absl::Hex(::getpid(), absl::kZeroPad8));
+  if (absl::GetFlag(FLAGS_probe_rates)) {
+    if (absl::Status probed = ReportRates(trainer, threads, &*devices); !probed.ok())
+      WorkerLog("device rates not measured (the planner uses built-in ones): %s",
+                probed.message());
+  }
   session_options.devices = {*devices};
   session_options.loss_timeout = absl::GetFlag(FLAGS_coordinator_loss_timeout);
   session_options.stop_grace = absl::GetFlag(FLAGS_kill_grace);
@@ -217,10 +230,6 @@ int Main() {
   if (runner_options.gloo_host.empty()) runner_options.gloo_host = absl::GetFlag(FLAGS_advertise_host);
   runner_options.coordinator_address = coordinator;
   runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
-  int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
-  if (threads <= 0 && devices->kind() == "cpu") {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
-  }
   runner_options.cpu_threads_per_rank = threads;
   runner_options.roots.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   runner_options.roots.data_root = absl::GetFlag(FLAGS_data_root);

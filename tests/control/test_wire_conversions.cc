@@ -113,7 +113,7 @@ TEST(WireConversions, APlanRoundTripsWithEveryField) {
 }
 
 TEST(WireConversions, ModesMapBothWays) {
-  for (CpMode m : {CpMode::kAllGather, CpMode::kAll2All})
+  for (CpMode m : {CpMode::kAllGather, CpMode::kAll2All, CpMode::kRing, CpMode::kHybrid})
     EXPECT_EQ(CpModeFromProto(CpModeToProto(m)), m) << CpModeName(m);
   EXPECT_EQ(CpModeToProto(CpMode::kAuto), v1::CP_MODE_UNSPECIFIED);
   EXPECT_EQ(CpModeFromProto(v1::CP_MODE_UNSPECIFIED), CpMode::kAuto);

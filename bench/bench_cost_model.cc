@@ -1,0 +1,173 @@
+// bench_cost_model: the planner's cost model (coordinator/cp_cost_model.h) against measured step
+// times on this machine. For each configuration it runs the job's cp ranks as spindle-train
+// processes over Gloo on 127.0.0.1 (a file store), takes the median step time of the steps after
+// the first two, and prints it beside the estimate:
+//   - CPU jobs: the kernel rates measured at the job's shapes (spindle-train --probe-rates, one
+//     rank alone on its threads), link loopback, ranks sharing the cores when ranks x threads
+//     exceed them;
+//   - CUDA jobs: every rank on the one GPU (sharing = cp), the planner's built-in rates of an
+//     H200, link same-device (Gloo through host staging).
+// Prints a table; asserts nothing.
+//
+//   bench_cost_model --train build/worker/spindle-train [--steps 8]
+//                    [--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS]],...]
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/job_spec.h"
+#include "common/subprocess.h"
+#include "coordinator/cp_cost_model.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+using spindle::CpMode;
+
+struct Config {
+  std::string preset;
+  int64_t seq = 0, cp = 1;
+  std::string lmode = "allgather", mmode = "allgather";
+  std::string resources = "cpu";
+};
+
+std::string JobJson(const Config& c, int64_t steps) {
+  nlohmann::json j = {
+      {"name", "cost-model"},
+      {"model", {{"preset", c.preset}}},
+      {"data", {{"source", "synthetic:recall"}}},
+      {"seq_len", c.seq},
+      {"parallel", {{"cp", c.cp}, {"lightning_mode", c.lmode}, {"mla_mode", c.mmode}}},
+      {"train", {{"steps", steps}, {"recompute", false}}},
+      {"resources", c.resources}};
+  return j.dump();
+}
+
+// Median step_s of rank 0's step events after the first two.
+double MedianStep(const std::string& out) {
+  std::vector<double> s;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("event", "") == "step" && j.value("step", 0) > 2)
+      s.push_back(j.value("step_s", 0.0));
+  }
+  if (s.empty()) return 0;
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string train, configs =
+                         "small:2048:1:allgather:allgather,small:4096:1:allgather:allgather,"
+                         "small:4096:2:allgather:allgather,small:4096:2:all2all:all2all,"
+                         "small:4096:2:allgather:all2all,small:8192:2:allgather:allgather,"
+                         "small:8192:2:all2all:all2all,small:4096:4:allgather:allgather,"
+                         "small:4096:4:all2all:all2all";
+  int64_t steps = 8;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--train") train = v;
+    if (a == "--configs") configs = v;
+    if (a == "--steps") absl::SimpleAtoi(v, &steps);
+  }
+  if (train.empty()) {
+    std::fprintf(stderr, "usage: bench_cost_model --train PATH/spindle-train [--steps N] "
+                         "[--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS]],...]\n");
+    return 2;
+  }
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           absl::StrCat("bench-cost-model-", ::getpid()))
+                              .string();
+  std::filesystem::create_directories(dir);
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  std::printf("%lld cores; links at their built-in rates\n\n", static_cast<long long>(cores));
+  std::printf("| preset | seq | cp | res. | threads | lightning | mla | sharing | estimated s | "
+              "measured s | error |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (absl::string_view item : absl::StrSplit(configs, ',')) {
+    std::vector<std::string> f = absl::StrSplit(item, ':');
+    if (f.size() < 5) continue;
+    Config c{f[0], 0, 1, f[3], f[4]};
+    const std::string resources = f.size() > 5 ? f[5] : "cpu";
+    int64_t threads = 1;
+    if (f.size() > 6) absl::SimpleAtoi(f[6], &threads);
+    c.resources = resources;
+    absl::SimpleAtoi(f[1], &c.seq);
+    absl::SimpleAtoi(f[2], &c.cp);
+    const std::string job = absl::StrCat(dir, "/job.json");
+    std::ofstream(job) << JobJson(c, steps);
+    auto spec = spindle::LoadJobSpec(job);
+    if (!spec.ok()) {
+      std::fprintf(stderr, "%s\n", spec.status().ToString().c_str());
+      continue;
+    }
+    spindle::Topology topo = spindle::DefaultTopology(resources);
+    if (resources == "cuda") {
+      topo.link = spindle::LinkClass::kSameDevice;
+      topo.sharing = static_cast<double>(c.cp);
+    } else {
+      auto probe = spindle::RunCommand(
+          {train, "--probe-rates", "--job", job, "--threads", absl::StrCat(threads)}, "");
+      if (!probe.ok() || probe->exit_code != 0) {
+        std::fprintf(stderr, "probe failed\n");
+        continue;
+      }
+      for (absl::string_view line : absl::StrSplit(probe->stdout_text, '\n')) {
+        auto j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_object() || j.value("event", "") != "rates") continue;
+        topo.rates = {j.value("gemm_flops", 0.0), j.value("attention_flops", 0.0),
+                      j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0)};
+      }
+      topo.link = spindle::LinkClass::kLoopback;
+      topo.sharing = std::max(1.0, static_cast<double>(c.cp * threads) / cores);
+    }
+    topo.link_rates = spindle::DefaultLinkRates(topo.link);
+    auto mode = [](const std::string& m) {
+      return spindle::ModeChoice{m == "all2all" ? CpMode::kAll2All : CpMode::kAllGather, 1};
+    };
+    const double est = spindle::CpCostModel()
+                           .Estimate(*spec, topo, mode(c.lmode), mode(c.mmode), 0)
+                           .step_s();
+    // The ranks, over a fresh file store.
+    const std::string store = absl::StrCat(dir, "/store-", c.seq, "-", c.cp, "-", c.lmode, "-",
+                                           c.mmode);
+    std::filesystem::remove_all(store);
+    std::filesystem::create_directories(store);
+    std::vector<std::unique_ptr<spindle::Subprocess>> ranks;
+    const std::string out0 = absl::StrCat(dir, "/rank0.out");
+    for (int64_t r = 0; r < c.cp; ++r) {
+      spindle::SubprocessOptions o;
+      o.stdout_path = r == 0 ? out0 : "/dev/null";
+      o.stderr_path = absl::StrCat(dir, "/rank", r, ".err");
+      auto p = spindle::Subprocess::Spawn(
+          {train, "--job", job, "--rank", absl::StrCat(r), "--world", absl::StrCat(c.cp),
+           "--file-store", store, "--threads", absl::StrCat(threads)},
+          o);
+      if (p.ok()) ranks.push_back(std::move(*p));
+    }
+    for (auto& p : ranks) p->Wait().IgnoreError();
+    std::ifstream in(out0);
+    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const double measured = MedianStep(out);
+    std::printf("| %s | %lld | %lld | %s | %lld | %s | %s | %.1f | %.3f | %.3f | %+.0f%% |\n",
+                c.preset.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.cp),
+                resources.c_str(), static_cast<long long>(threads), c.lmode.c_str(),
+                c.mmode.c_str(), topo.sharing, est, measured,
+                measured > 0 ? 100.0 * (est / measured - 1.0) : 0.0);
+    std::fflush(stdout);
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}

@@ -1,0 +1,315 @@
+// Step-time estimates per CP mode (see cp_cost_model.h). Every formula names the bytes or FLOPs
+// it counts; bench/CP_NOTES.md ("Cost model") derives them and compares them with measurements.
+#include "coordinator/cp_cost_model.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace spindle {
+namespace {
+
+// Per-layer shapes, as doubles.
+struct Shape {
+  double T, n, T_loc, B, m;          // tokens, cp, tokens per rank, activation bytes, sequences
+  double d, H, Dh, f, vocab;         // model widths
+  double qk, nope, rd, v, kv;        // MLA head and latent sizes
+  double L_L, L_M;                   // layers of each kind
+  explicit Shape(const JobSpec& s) {
+    const ModelConfig& c = s.model;
+    T = static_cast<double>(s.seq_len);
+    n = static_cast<double>(s.parallel.cp);
+    T_loc = T / n;
+    B = s.resources == "cuda" ? 2.0 : 4.0;
+    m = static_cast<double>(std::max<int64_t>(1, s.train.micro_batches));
+    d = static_cast<double>(c.d_model);
+    H = static_cast<double>(c.n_heads);
+    Dh = static_cast<double>(c.head_dim());
+    f = static_cast<double>(c.ffn_dim);
+    vocab = static_cast<double>(c.vocab);
+    nope = static_cast<double>(c.mla.qk_nope_dim);
+    rd = static_cast<double>(c.mla.qk_rope_dim);
+    qk = nope + rd;
+    v = static_cast<double>(c.mla.v_head_dim);
+    kv = static_cast<double>(c.mla.kv_lora_rank);
+    L_L = static_cast<double>(c.NumLayersOfKind('L'));
+    L_M = static_cast<double>(c.NumLayersOfKind('M'));
+  }
+  // Chunked Lightning (chunk 64, as ModelConfig::TrainFlops) forward + backward, per token.
+  double LightningFlopsPerToken() const { return 3.0 * 2.0 * H * (64.0 * Dh * 2.0 + Dh * Dh * 2.0); }
+  // Causal softmax attention forward + backward over one sequence that is one document.
+  double AttentionFlops() const { return 3.0 * 2.0 * H * (qk + v) * (T * T / 2.0); }
+  // K and V rebuilt from the latent (kv_b: kv -> H (nope + v)), forward + backward, per token.
+  double RebuildFlopsPerToken() const { return 6.0 * kv * H * (nope + v); }
+};
+
+// One core of the reference machine (2-core shared VM, spindle-train --probe-rates at the small
+// preset's shapes; bench/CP_NOTES.md).
+constexpr double CpuDefaultGemm = 40e9, CpuDefaultAttention = 10e9, CpuDefaultLightning = 10e9,
+                 CpuDefaultMemory = 4e9;
+
+double Rate(double r, double sharing) { return r > 0 ? r / std::max(1.0, sharing) : 0.0; }
+double Time(double work, double rate) { return rate > 0 ? work / rate : 0.0; }
+
+// Link time of `messages` messages carrying `bytes` in all.
+double LinkTime(const LinkRates& l, double bytes, double messages) {
+  return (l.bytes_per_s > 0 ? bytes / l.bytes_per_s : 0.0) + messages * l.latency_s;
+}
+
+}  // namespace
+
+const char* LinkClassName(LinkClass l) {
+  switch (l) {
+    case LinkClass::kSameDevice:
+      return "same-device";
+    case LinkClass::kNvlink:
+      return "nvlink";
+    case LinkClass::kPcie:
+      return "pcie";
+    case LinkClass::kLoopback:
+      return "loopback";
+    case LinkClass::kNetwork:
+      return "network";
+  }
+  return "?";
+}
+
+bool ParseLinkClass(const std::string& word, LinkClass* out) {
+  for (LinkClass l : {LinkClass::kSameDevice, LinkClass::kNvlink, LinkClass::kPcie,
+                      LinkClass::kLoopback, LinkClass::kNetwork}) {
+    if (word == LinkClassName(l)) {
+      *out = l;
+      return true;
+    }
+  }
+  return false;
+}
+
+LinkRates DefaultLinkRates(LinkClass l) {
+  switch (l) {
+    case LinkClass::kSameDevice:  // ranks sharing a GPU exchange through host staging
+      return {8e9, 50e-6};
+    case LinkClass::kNvlink:  // H200 NV18, NCCL's measured ~270 GB/s (bench/cuda/NOTES.md)
+      return {270e9, 10e-6};
+    case LinkClass::kPcie:  // PCIe 5 x16
+      return {40e9, 15e-6};
+    case LinkClass::kLoopback:  // Gloo TCP on 127.0.0.1
+      return {1.5e9, 60e-6};
+    case LinkClass::kNetwork:  // 25 GbE
+      return {2.5e9, 100e-6};
+  }
+  return {};
+}
+
+DeviceRates DefaultRates(const std::string& resources) {
+  if (resources == "cuda")  // H200: bench/cuda/NOTES.md (GEMMs, cuDNN attention, Lightning)
+    return {770e12, 450e12, 130e12, 3.0e12};
+  return {CpuDefaultGemm, CpuDefaultAttention, CpuDefaultLightning, CpuDefaultMemory};
+}
+
+Topology DefaultTopology(const std::string& resources) {
+  Topology t;
+  t.rates = DefaultRates(resources);
+  t.link = resources == "cuda" ? LinkClass::kNvlink : LinkClass::kLoopback;
+  t.link_rates = DefaultLinkRates(t.link);
+  t.basis = absl::StrCat("built-in ", resources == "cuda" ? "H200" : "CPU core",
+                         " rates, link ", LinkClassName(t.link));
+  return t;
+}
+
+std::string ModeChoiceName(const ModeChoice& m) {
+  std::string name(CpModeName(m.mode));
+  if (m.mode == CpMode::kHybrid) absl::StrAppend(&name, " u=", m.ulysses);
+  return name;
+}
+
+std::vector<ModeChoice> CandidateModes(const std::string& layer_type, int64_t cp,
+                                       int64_t n_heads) {
+  std::vector<ModeChoice> out;
+  if (cp <= 1) return {{CpMode::kAllGather, 1}};
+  out.push_back({CpMode::kAllGather, 1});
+  if (n_heads % cp == 0) out.push_back({CpMode::kAll2All, 1});
+  if (layer_type == "mla") out.push_back({CpMode::kRing, 1});
+  for (int64_t u = 2; u < cp; ++u)
+    if (cp % u == 0 && n_heads % u == 0) out.push_back({CpMode::kHybrid, u});
+  return out;
+}
+
+ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
+                                     const std::string& layer_type,
+                                     const ModeChoice& choice) const {
+  const Shape s(spec);
+  ModeCost c;
+  c.choice = choice;
+  const double sh = topo.sharing;
+  const LinkRates& link = topo.link_rates;
+  const bool lightning = layer_type == "lightning";
+  const double layers = lightning ? s.L_L : s.L_M;
+  if (layers == 0) return c;
+  const double n = s.n;
+  const double u = choice.mode == CpMode::kHybrid ? static_cast<double>(choice.ulysses) : 1.0;
+  const double r = n / u;  // the Ring / AllGather degree of a 2-D mode
+  double bytes = 0, messages = 0, exposed = 0, memory = 0;
+  if (lightning) {
+    const double rate = Rate(topo.rates.lightning_flops, sh);
+    const double core = Time(s.LightningFlopsPerToken() * s.T_loc, rate);  // fwd + bwd
+    c.compute_s = core;
+    const double state = 2.0 * s.H * s.Dh * s.Dh * 4.0;  // two fp32 states per rank (its chunks)
+    // Ulysses transposition: q, k, v out and o back; the backward the same again.
+    auto all2all = [&](double degree) {
+      const double b = 4.0 * s.T_loc * s.d * s.B * (degree - 1.0) / degree;
+      const double msgs = 2.0 * (degree - 1.0);
+      return std::pair<double, double>{2.0 * b, 2.0 * msgs};
+    };
+    if (n > 1) {
+      if (choice.mode == CpMode::kAll2All) {
+        auto [b, msgs] = all2all(n);
+        bytes = b, messages = msgs;
+        exposed = LinkTime(link, bytes, messages);
+        memory = 3.0 * s.T_loc * s.d * s.B;  // head-split q, k, v kept for the backward
+      } else {
+        // AllGather of the states over the group (its heads: H / u), forward and backward,
+        // hidden behind the local outputs (a third of the core forward, two thirds backward).
+        const double degree = choice.mode == CpMode::kHybrid ? r : n;
+        const double gather = (degree - 1.0) * state / u;
+        const double t_gather = LinkTime(link, gather, degree - 1.0);
+        exposed = std::max(0.0, t_gather - core / 3.0) + std::max(0.0, t_gather - 2.0 * core / 3.0);
+        bytes = 2.0 * gather;
+        messages = 2.0 * (degree - 1.0);
+        // The carry correction of the continuing first segments, forward and backward.
+        c.compute_s += Time(3.0 * 2.0 * s.H * s.Dh * s.Dh * s.T_loc, rate);
+        // The carry-ins kept for the backward, and the gathered states while they are used.
+        memory = state / u + 2.0 * degree * state / u / layers;
+        if (choice.mode == CpMode::kHybrid) {
+          auto [b, msgs] = all2all(u);
+          bytes += b, messages += msgs;
+          exposed += LinkTime(link, b, msgs);
+          memory += 3.0 * s.T_loc * s.d * s.B;
+        }
+      }
+    }
+  } else {
+    const double rate = Rate(topo.rates.attention_flops, sh);
+    const double gemm = Rate(topo.rates.gemm_flops, sh);
+    const double core = Time(s.AttentionFlops() / n, rate);  // zigzag: an equal share each
+    c.compute_s = core;
+    const double kv_block = s.T_loc * s.H * (s.qk + s.v) * s.B;   // K and V of T_loc tokens
+    const double latent_block = s.T_loc * (s.kv + s.rd) * s.B;  // [c_n, k_r] of T_loc tokens
+    const double rebuild = Time(s.RebuildFlopsPerToken() * (s.T - s.T_loc), gemm);
+    auto all2all = [&](double degree) {
+      // Q, K, V out and O back; the backward: dO in, dQ, dK, dV back.
+      const double b = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B * (degree - 1.0) / degree;
+      return std::pair<double, double>{2.0 * b, 4.0 * (degree - 1.0)};
+    };
+    // The ring over `degree` ranks: a block moves each step while the previous one computes;
+    // the backward moves the block again and its dK, dV accumulators (fp32).
+    auto ring = [&](double degree, double block, double grad_block, double t_core) {
+      const double steps = degree - 1.0;
+      const double t_block = t_core / degree;  // each step's share of the attention
+      const double fwd = LinkTime(link, block, 1.0);
+      const double bwd = LinkTime(link, block + grad_block, 2.0);
+      exposed += steps * (std::max(0.0, fwd - t_block / 3.0) +
+                          std::max(0.0, bwd - 2.0 * t_block / 3.0));
+      bytes += steps * (2.0 * block + grad_block);
+      messages += steps * 3.0;
+    };
+    if (n > 1) {
+      switch (choice.mode) {
+        case CpMode::kAll2All: {
+          auto [b, msgs] = all2all(n);
+          bytes = b, messages = msgs;
+          exposed = LinkTime(link, bytes, messages);
+          memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B;
+          break;
+        }
+        case CpMode::kRing: {
+          // Whichever moves fewer bytes: the latent (rebuilt into K, V on arrival) or K, V.
+          const bool latent = latent_block < kv_block;
+          const double block = latent ? latent_block : kv_block;
+          const double grad = s.T_loc * s.H * (s.qk + s.v) * 4.0;
+          if (latent) c.compute_s += rebuild;
+          ring(n, block, grad, core);
+          memory = 2.0 * kv_block + grad;
+          break;
+        }
+        case CpMode::kHybrid: {
+          auto [b, msgs] = all2all(u);
+          bytes = b, messages = msgs;
+          exposed = LinkTime(link, b, msgs);
+          // After the transposition a rank holds u T_loc tokens of H / u heads: blocks of the
+          // same size as T_loc tokens of every head.
+          ring(r, kv_block, s.T_loc * s.H * (s.qk + s.v) * 4.0, core);
+          memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B + 2.0 * kv_block;
+          break;
+        }
+        default: {  // AllGather of the latent; the backward reduce-scatters it in fp32
+          const double gathered = (n - 1.0) * latent_block;
+          const double scattered = (n - 1.0) * s.T_loc * (s.kv + s.rd) * 4.0;
+          bytes = gathered + scattered;
+          messages = 2.0 * (n - 1.0);
+          exposed = LinkTime(link, bytes, messages);
+          c.compute_s += rebuild;
+          memory = n * latent_block + s.T * s.H * (s.qk + s.v) * s.B;
+          break;
+        }
+      }
+    }
+  }
+  c.compute_s *= layers * s.m;
+  c.comm_s = LinkTime(link, bytes, messages) * layers * s.m;
+  c.exposed_s = exposed * layers * s.m;
+  c.bytes = static_cast<int64_t>(bytes * layers * s.m);
+  c.memory_bytes = static_cast<int64_t>(memory * layers);
+  return c;
+}
+
+StepCost CpCostModel::Estimate(const JobSpec& spec, const Topology& topo,
+                               const ModeChoice& lightning, const ModeChoice& mla,
+                               int64_t recompute_layers) const {
+  const Shape s(spec);
+  const ModelConfig& c = spec.model;
+  StepCost out;
+  out.lightning = EstimateLayers(spec, topo, "lightning", lightning);
+  out.mla = EstimateLayers(spec, topo, "mla", mla);
+  const double sh = topo.sharing;
+  // Dense GEMMs: 6 per parameter and token (the embedding is a lookup), and a forward more (2)
+  // for each recomputed layer's own weights; a recomputed layer's core runs its forward again.
+  const double P = static_cast<double>(c.NumParams());
+  const double non_embed = P - s.vocab * s.d;
+  const double per_layer = (non_embed - s.vocab * s.d) / std::max(1.0, s.L_L + s.L_M);
+  const double R = static_cast<double>(std::clamp<int64_t>(recompute_layers, 0, c.n_layers));
+  const double gemm_flops = s.T_loc * (6.0 * non_embed + 2.0 * R * per_layer);
+  double t = Time(gemm_flops, Rate(topo.rates.gemm_flops, sh));
+  const double la_share = s.L_L > 0 ? R * s.L_L / (s.L_L + s.L_M) : 0.0;
+  const double mla_share = R - la_share;
+  if (s.L_L > 0) t += out.lightning.compute_s / (s.m * s.L_L) * la_share / 3.0;
+  if (s.L_M > 0) t += out.mla.compute_s / (s.m * s.L_M) * mla_share / 3.0;
+  // Memory-bound kernels, forward + backward, per token: per layer two RMSNorms, two residual
+  // adds, SwiGLU and (Lightning) the group norm and gate or (MLA) RoPE and the latent norm:
+  // about 48 d + 9 f elements moved; the loss reads and writes the logits three times (fp32).
+  const double elems = (s.L_L + s.L_M) * (48.0 * s.d + 9.0 * s.f);
+  const double mem_bytes = s.T_loc * (elems * s.B + 3.0 * 2.0 * s.vocab * 4.0);
+  t += Time(mem_bytes, Rate(topo.rates.memory_bytes, sh));
+  t *= s.m;
+  // The optimizer once per step: AdamW reads p, g, m, v and writes p, m, v (fp32), SGD p, g
+  // (and its momentum); the gradients are zeroed; a GPU also writes the bf16 working copy.
+  const bool adam = spec.train.optimizer == "adamw";
+  double opt_bytes = P * ((adam ? 28.0 : (spec.train.momentum > 0 ? 20.0 : 12.0)) + 4.0);
+  if (spec.resources == "cuda") opt_bytes += 2.0 * P;
+  t += Time(opt_bytes, Rate(topo.rates.memory_bytes, sh));
+  // Gradient all-reduce over the world (ring: 2 (W-1)/W of the fp32 gradients), bucketed and
+  // overlapped with the backward: what is left after the backward ends shows, and at least the
+  // last bucket (a layer's).
+  const double W = static_cast<double>(spec.parallel.world());
+  if (W > 1) {
+    out.grad_comm_s =
+        LinkTime(topo.link_rates, 2.0 * (W - 1.0) / W * 4.0 * P, 2.0 * (W - 1.0) * c.n_layers);
+    const double backward = 2.0 / 3.0 * (t + out.lightning.compute_s + out.mla.compute_s);
+    t += std::max(out.grad_comm_s / static_cast<double>(c.n_layers),
+                  out.grad_comm_s - backward);
+  }
+  out.shared_s = t;
+  return out;
+}
+
+}  // namespace spindle

@@ -1,0 +1,194 @@
+// The planner's cost model (coordinator/cp_cost_model.h) and its use by the planner: the bytes
+// each mode sends follow bench/CP_NOTES.md's formulas, compute follows the rates and the sharing
+// of a device, overlap hides what it should, candidates cover every mode the heads allow, and the
+// plan marks the rule's pick and the fastest, warns when the rule is 20% slower, honours a forced
+// mode and resolves "fastest".
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "coordinator/cp_cost_model.h"
+#include "coordinator/cp_planner.h"
+#include "gtest/gtest.h"
+
+namespace spindle {
+namespace {
+
+JobSpec Spec(const std::string& preset, int64_t seq_len, int64_t cp, const std::string& resources,
+             const std::string& lightning = "auto", const std::string& mla = "auto") {
+  auto s = ParseJobSpec(absl::StrCat(
+      R"({"name": "c", "model": {"preset": ")", preset, R"("}, "data": {"source": "synthetic:recall"},
+      "seq_len": )", seq_len, R"(, "parallel": {"cp": )", cp, R"(, "lightning_mode": ")", lightning,
+      R"(", "mla_mode": ")", mla, R"("}, "train": {"steps": 10, "recompute": false},
+      "resources": ")", resources, R"("})"));
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : JobSpec{};
+}
+
+Topology Nvlink() { return DefaultTopology("cuda"); }
+
+TEST(CpCostModel, BytesFollowEachModesFormula) {
+  const CpCostModel model;
+  const JobSpec s = Spec("1b", 262144, 8, "cuda");
+  const ModelConfig& m = s.model;
+  const double T_loc = 262144.0 / 8, H = m.n_heads, Dh = m.head_dim(), d = m.d_model;
+  const double L = m.NumLayersOfKind('L'), M = m.NumLayersOfKind('M');
+  const double qk = m.mla.qk_nope_dim + m.mla.qk_rope_dim, v = m.mla.v_head_dim;
+  const double latent = m.mla.kv_lora_rank + m.mla.qk_rope_dim;
+  // Lightning AllGather: (cp - 1) x 2 fp32 states, forward and backward.
+  EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAllGather, 1}).bytes,
+            static_cast<int64_t>(L * 2 * 7 * 2 * H * Dh * Dh * 4));
+  // Lightning All2All: q, k, v out and o back, (cp-1)/cp of 4 T_loc d bf16 values, twice.
+  EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAll2All, 1}).bytes,
+            static_cast<int64_t>(L * 2 * 4 * T_loc * d * 2 * 7.0 / 8));
+  // MLA All2All: Q, K, V, O, twice.
+  EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kAll2All, 1}).bytes,
+            static_cast<int64_t>(M * 2 * T_loc * H * (2 * qk + 2 * v) * 2 * 7.0 / 8));
+  // MLA AllGather: the bf16 latent gathered, its fp32 gradient reduce-scattered.
+  EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kAllGather, 1}).bytes,
+            static_cast<int64_t>(M * 7 * T_loc * latent * (2 + 4)));
+  // MLA Ring: the latent (fewer bytes than K, V) twice and the fp32 dK, dV once per step.
+  EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kRing, 1}).bytes,
+            static_cast<int64_t>(M * 7 * (2 * T_loc * latent * 2 + T_loc * H * (qk + v) * 4)));
+  // Lightning's AllGather bytes do not grow with the sequence; All2All's do.
+  const JobSpec longer = Spec("1b", 524288, 8, "cuda");
+  EXPECT_EQ(model.EstimateLayers(longer, Nvlink(), "lightning", {CpMode::kAllGather, 1}).bytes,
+            model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAllGather, 1}).bytes);
+  EXPECT_EQ(model.EstimateLayers(longer, Nvlink(), "lightning", {CpMode::kAll2All, 1}).bytes,
+            2 * model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAll2All, 1}).bytes);
+}
+
+TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
+  const CpCostModel model;
+  const JobSpec s = Spec("small", 4096, 2, "cpu");
+  Topology t = DefaultTopology("cpu");
+  const StepCost one = model.Estimate(s, t, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0);
+  Topology faster = t;
+  faster.rates.gemm_flops *= 2;
+  faster.rates.attention_flops *= 2;
+  faster.rates.lightning_flops *= 2;
+  faster.rates.memory_bytes *= 2;
+  faster.link_rates.bytes_per_s *= 1e6;  // no link time: compute alone
+  faster.link_rates.latency_s = 0;
+  t.link_rates = faster.link_rates;
+  const double base = model.Estimate(s, t, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
+                          .step_s();
+  EXPECT_NEAR(model.Estimate(s, faster, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
+                  .step_s(),
+              base / 2, base * 1e-6);
+  Topology shared = t;
+  shared.sharing = 2;
+  EXPECT_NEAR(model.Estimate(s, shared, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
+                  .step_s(),
+              base * 2, base * 1e-6);
+  // Recomputing every layer costs a forward more: more than nothing, less than a second step.
+  const double recompute =
+      model.Estimate(s, t, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 8).step_s();
+  EXPECT_GT(recompute, base * 1.1);
+  EXPECT_LT(recompute, base * 1.5);
+  EXPECT_GT(one.step_s(), 0);
+}
+
+TEST(CpCostModel, OverlapHidesTheLightningStatesButNotAnAll2All) {
+  const CpCostModel model;
+  const JobSpec s = Spec("1b", 262144, 8, "cuda");
+  const ModeCost ag = model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAllGather, 1});
+  EXPECT_GT(ag.comm_s, 0);
+  EXPECT_EQ(ag.exposed_s, 0);  // 14 MiB against milliseconds of local outputs
+  const ModeCost a2a = model.EstimateLayers(s, Nvlink(), "lightning", {CpMode::kAll2All, 1});
+  EXPECT_DOUBLE_EQ(a2a.exposed_s, a2a.comm_s);
+  EXPECT_GT(a2a.total_s(), ag.total_s());
+}
+
+TEST(CpCostModel, CandidatesCoverEveryModeTheHeadsAllow) {
+  auto names = [](const std::vector<ModeChoice>& c) {
+    std::string s;
+    for (const ModeChoice& m : c) absl::StrAppend(&s, s.empty() ? "" : ",", ModeChoiceName(m));
+    return s;
+  };
+  EXPECT_EQ(names(CandidateModes("mla", 8, 16)), "allgather,all2all,ring,hybrid u=2,hybrid u=4");
+  EXPECT_EQ(names(CandidateModes("lightning", 8, 16)), "allgather,all2all,hybrid u=2,hybrid u=4");
+  EXPECT_EQ(names(CandidateModes("mla", 8, 4)), "allgather,ring,hybrid u=2,hybrid u=4");
+  EXPECT_EQ(names(CandidateModes("lightning", 6, 4)), "allgather,hybrid u=2");
+  EXPECT_EQ(names(CandidateModes("mla", 1, 4)), "allgather");
+}
+
+TEST(CpPlannerCost, ThePlanMarksTheRuleAndTheFastestAndWarns) {
+  // 1b at 256K on 8 NVLink GPUs: the rule's Lightning All2All moves 448 MiB a layer and pass
+  // where AllGather moves 14 MiB behind the local outputs.
+  const CpPlan plan = CpPlanner().Plan(Spec("1b", 262144, 8, "cuda"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.problems[0];
+  EXPECT_EQ(plan.ModeOf("lightning"), CpMode::kAll2All);  // "auto" stays the rule
+  const ModeEstimate* rule = nullptr;
+  const ModeEstimate* fastest = nullptr;
+  int lightning = 0;
+  for (const ModeEstimate& e : plan.estimates) {
+    if (e.layer_type != "lightning") continue;
+    ++lightning;
+    if (e.rule) rule = &e;
+    if (e.fastest) fastest = &e;
+    EXPECT_EQ(e.chosen, e.rule);
+  }
+  EXPECT_EQ(lightning, 4);
+  ASSERT_NE(rule, nullptr);
+  ASSERT_NE(fastest, nullptr);
+  EXPECT_EQ(rule->cost.choice.mode, CpMode::kAll2All);
+  EXPECT_NE(fastest->cost.choice.mode, CpMode::kAll2All);
+  EXPECT_GT(plan.step_s, 0);
+  EXPECT_DOUBLE_EQ(plan.step_s, rule->step_s);
+  bool warned = false;
+  for (const std::string& w : plan.warnings)
+    warned |= w.find("lightning: the default rule's all2all is estimated") == 0;
+  EXPECT_TRUE(warned);
+  EXPECT_NE(plan.cost_basis.find("built-in H200 rates, link nvlink"), std::string::npos)
+      << plan.cost_basis;
+}
+
+TEST(CpPlannerCost, FastestPicksTheCheapestAndAForcedModeIsKept) {
+  const CpPlan fastest = CpPlanner().Plan(Spec("1b", 262144, 8, "cuda", "fastest", "fastest"), 0);
+  ASSERT_TRUE(fastest.ok());
+  double best = 1e30;
+  for (const ModeEstimate& e : fastest.estimates) {
+    best = std::min(best, e.step_s);
+    if (e.chosen) EXPECT_TRUE(e.fastest) << e.layer_type << " " << ModeChoiceName(e.cost.choice);
+  }
+  EXPECT_DOUBLE_EQ(fastest.step_s, best);
+  EXPECT_NE(fastest.ModeOf("lightning"), CpMode::kAll2All);
+  for (const LayerModePlan& l : fastest.layers) {
+    EXPECT_FALSE(l.forced);
+    EXPECT_EQ(l.reason.rfind("fastest by the cost model", 0), 0u) << l.reason;
+  }
+  const CpPlan forced = CpPlanner().Plan(Spec("1b", 262144, 8, "cuda", "all2all", "allgather"), 0);
+  EXPECT_EQ(forced.ModeOf("lightning"), CpMode::kAll2All);
+  EXPECT_EQ(forced.ModeOf("mla"), CpMode::kAllGather);
+  for (const ModeEstimate& e : forced.estimates)
+    if (e.chosen) EXPECT_TRUE(e.cost.choice.mode == CpMode::kAll2All ? e.layer_type == "lightning"
+                                                                      : e.layer_type == "mla");
+}
+
+TEST(CpPlannerCost, ATopologyChangesTheEstimateAndIsNamed) {
+  const JobSpec s = Spec("small", 4096, 2, "cpu");
+  Topology t = DefaultTopology("cpu");
+  t.rates.gemm_flops *= 10;
+  t.basis = "rates measured by worker w1";
+  const CpPlan fast = CpPlanner().Plan(s, 0, &t);
+  const CpPlan slow = CpPlanner().Plan(s, 0);
+  EXPECT_LT(fast.step_s, slow.step_s);
+  EXPECT_EQ(fast.cost_basis, "rates measured by worker w1");
+  EXPECT_TRUE(CpPlanner().Plan(Spec("small", 4096, 1, "cpu"), 0).estimates.empty());
+}
+
+TEST(CpCostModel, LinkClassesRoundTrip) {
+  for (LinkClass l : {LinkClass::kSameDevice, LinkClass::kNvlink, LinkClass::kPcie,
+                      LinkClass::kLoopback, LinkClass::kNetwork}) {
+    LinkClass back;
+    ASSERT_TRUE(ParseLinkClass(LinkClassName(l), &back));
+    EXPECT_EQ(back, l);
+    EXPECT_GT(DefaultLinkRates(l).bytes_per_s, 0);
+  }
+  LinkClass x;
+  EXPECT_FALSE(ParseLinkClass("infiniband", &x));
+}
+
+}  // namespace
+}  // namespace spindle
