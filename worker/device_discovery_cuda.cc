@@ -1,6 +1,7 @@
 // GPU discovery through the CUDA runtime API; built only when SPINDLE_HAVE_CUDA. Queries device
 // properties only (no context is created, so the daemon holds no GPU memory), and offers the
-// GPUs only when this build's kernels run on every one of them (kernels/cuda/device_support.h).
+// GPUs only when this build's kernels run on every one of them (kernels/cuda/device_support.h),
+// with the link class between two of them.
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -36,6 +37,19 @@ absl::StatusOr<v1::DeviceGroup> DiscoverCudaDevices() {
   group.set_name(prop.name);
   group.set_count(count);
   group.set_memory_bytes(static_cast<int64_t>(prop.totalGlobalMem));
+  // How two of the GPUs exchange data, for the planner's cost model: peer access with native
+  // atomics is NVLink (PCIe peers do not offer them), peer access alone PCIe; one GPU: ranks share
+  // it ("same-device"). No peer access between two GPUs leaves it unknown.
+  if (count == 1) {
+    group.set_link("same-device");
+  } else {
+    int access = 0, atomics = 0;
+    if (cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported, 0, 1) == cudaSuccess &&
+        access != 0) {
+      cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, 0, 1);
+      group.set_link(atomics != 0 ? "nvlink" : "pcie");
+    }
+  }
   return group;
 }
 
