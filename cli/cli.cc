@@ -269,15 +269,29 @@ std::string Rate(double tps) {
 }
 
 std::string ModeName(v1::CpMode m) {
-  return m == v1::CP_MODE_ALL2ALL ? "all2all" : "allgather";
+  switch (m) {
+    case v1::CP_MODE_ALL2ALL: return "all2all";
+    case v1::CP_MODE_RING: return "ring";
+    case v1::CP_MODE_HYBRID: return "hybrid";
+    default: return "allgather";
+  }
 }
 
 void PrintPlan(const v1::Plan& p, std::ostream& out) {
   out << absl::StrFormat("plan: cp=%d dp=%d world=%d, %d tokens per rank\n", p.cp(), p.dp(),
                          p.world(), p.tokens_per_rank());
+  if (p.ulysses() > 1)
+    out << absl::StrFormat("  hybrid modes: Ulysses groups of %d ranks x %d groups\n", p.ulysses(),
+                           p.cp() / p.ulysses());
   for (const v1::LayerPlan& l : p.layers()) {
     out << absl::StrFormat("  %-10s %3d layers  %-9s  %s\n", l.layer_type(), l.num_layers(),
                            ModeName(l.mode()), l.reason());
+    if (l.comm_bytes_per_step() > 0)
+      out << absl::StrFormat("  %-10s sends %s per rank and step%s\n", "",
+                             FormatBytes(l.comm_bytes_per_step()),
+                             l.ring_payload().empty()
+                                 ? ""
+                                 : absl::StrCat(" (the ring moves ", l.ring_payload(), ")"));
   }
   const v1::MemoryEstimate& m = p.memory();
   int64_t n_layers = 0;

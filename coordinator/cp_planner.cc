@@ -5,15 +5,38 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cp_modes.h"
 
 namespace spindle {
 namespace {
 
-std::string ModeWord(CpMode m) { return m == CpMode::kAll2All ? "all2all" : "allgather"; }
+std::string ModeWord(CpMode m) { return std::string(CpModeName(m)); }
+
+// What the forced ring modes move, for the reason line.
+std::string RingDetail(const JobSpec& spec, CpMode mode) {
+  const ParallelSpec& par = spec.parallel;
+  std::string s;
+  if (mode == CpMode::kHybrid)
+    s = absl::StrCat(": Ulysses over groups of ", par.ulysses, " ranks, Ring across the ",
+                     spec.parallel.cp / std::max<int64_t>(1, par.ulysses), " groups");
+  const MlaConfig& m = spec.model.mla;
+  const int64_t heads = MlaRingHeads(spec.model.n_heads, mode, par.ulysses);
+  const MlaRingPayload pl = MlaRingPayloadFor(m, heads);
+  const MlaRingPayload other = pl == MlaRingPayload::kKv ? MlaRingPayload::kLatent
+                                                         : MlaRingPayload::kKv;
+  auto what = [](MlaRingPayload p) {
+    return p == MlaRingPayload::kKv ? std::string("K and V") : std::string("the latent");
+  };
+  s += absl::StrCat(s.empty() ? ": " : "; ", "the ring moves ", what(pl), " (",
+                    MlaRingPayloadWidth(m, pl, heads), " values a token; ", what(other), ": ",
+                    MlaRingPayloadWidth(m, other, heads), ")");
+  return s;
+}
 
 // Decides the mode of one layer type; appends a problem when a forced mode is impossible.
-LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMode requested,
-                         int64_t cp, int64_t heads, std::vector<std::string>* problems) {
+LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int64_t num_layers,
+                         CpMode requested, std::vector<std::string>* problems) {
+  const int64_t cp = std::max<int64_t>(1, spec.parallel.cp), heads = spec.model.n_heads;
   LayerModePlan p;
   p.layer_type = layer_type;
   p.num_layers = num_layers;
@@ -21,7 +44,24 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
   if (requested != CpMode::kAuto) {
     p.forced = true;
     p.mode = requested;
-    if (requested == CpMode::kAll2All && heads % cp != 0) {
+    if (requested == CpMode::kRing || requested == CpMode::kHybrid) {
+      std::string detail;
+      if (requested == CpMode::kHybrid && layer_type == "lightning")
+        detail = absl::StrCat(": Ulysses over groups of ", spec.parallel.ulysses,
+                              " ranks, the chunk states all-gathered across the ",
+                              cp / std::max<int64_t>(1, spec.parallel.ulysses), " groups");
+      else if (layer_type == "mla")
+        detail = RingDetail(spec, requested);
+      p.reason = absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")",
+                              detail);
+      if (layer_type == "mla" && cp > 1)
+        p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
+            spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
+      if (spec.resources == "cuda" && cp > 1)
+        problems->push_back(absl::StrCat(field, ": \"", ModeWord(requested),
+                                         "\" runs on resources \"cpu\" only (the CUDA engine has "
+                                         "allgather and all2all)"));
+    } else if (requested == CpMode::kAll2All && heads % cp != 0) {
       problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
                                        heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
                                        heads % cp, "); use allgather or a cp that divides ",
@@ -202,15 +242,28 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
 
   bool mla_allgather = false, lightning_allgather = false;
+  CpMode mla_mode = CpMode::kAllGather, lightning_mode = CpMode::kAllGather;
   for (const LayerModePlan& l : layers) {
     if (l.layer_type == "mla") mla_allgather = l.mode == CpMode::kAllGather && cp > 1;
     if (l.layer_type == "lightning") lightning_allgather = l.mode == CpMode::kAllGather && cp > 1;
+    if (l.layer_type == "mla" && cp > 1) mla_mode = l.mode;
+    if (l.layer_type == "lightning" && cp > 1) lightning_mode = l.mode;
   }
+  // Ulysses groups of the hybrid modes (u = 1 otherwise, where nothing below applies).
+  const int64_t u = std::clamp<int64_t>(spec.parallel.ulysses, 1, cp);
+  const bool mla_ring = mla_mode == CpMode::kRing || mla_mode == CpMode::kHybrid;
+  const int64_t mla_u = mla_mode == CpMode::kHybrid ? u : 1;
+  const int64_t mla_heads = H / mla_u;
+  const int64_t ring_w =
+      mla_ring ? MlaRingPayloadWidth(a, MlaRingPayloadFor(a, mla_heads), mla_heads) : 0;
   const int64_t common = 4 * d + 3 * f;
   int64_t per_l = common + 9 * d;
   int64_t per_m = common + H * qk * 2 + (a.kv_lora_rank + a.qk_rope_dim) * 2 +
                   H * (a.qk_nope_dim + a.v_head_dim) + H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
+  if (mla_mode == CpMode::kRing) per_m += ring_w;
+  if (mla_mode == CpMode::kHybrid) per_m += H * (qk + a.v_head_dim + 1) + u * ring_w;
+  if (lightning_mode == CpMode::kHybrid) per_l += 3 * d;
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
@@ -260,6 +313,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
+  if (lightning_mode == CpMode::kHybrid)
+    e.workspace_bytes += 2 * 2 * (cp / u) * (H / u) * Dh * Dh * 4 + T * 4 * 4 * d;
+  if (mla_ring) {
+    const int64_t Hl = mla_heads;
+    e.workspace_bytes += mla_u * T * 4 * (5 * ring_w + 3 * Hl * (qk + a.v_head_dim) + Hl);
+    if (mla_u > 1) e.workspace_bytes += T * 4 * H * (2 * qk + a.v_head_dim);
+  }
   // CUDA All2All: one block as wide as the widest core input (the exchange's local side, and the
   // core's input gradients; received gradients land in the layer's cp_full) and one output-wide
   // block.
@@ -325,10 +385,15 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
   const int64_t cp = std::max<int64_t>(1, plan.cp);
   plan.tokens_per_rank = spec.seq_len / cp;
 
-  plan.layers.push_back(DecideMode("lightning", m.NumLayersOfKind('L'),
-                                   spec.parallel.lightning_mode, cp, m.n_heads, &plan.problems));
-  plan.layers.push_back(DecideMode("mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, cp,
-                                   m.n_heads, &plan.problems));
+  plan.ulysses = spec.parallel.ulysses;
+  // The combinations of parallel.* the spec parser checks, for specs built in code (the memory
+  // hint's, a planner test's).
+  if (absl::Status s = CheckCpModes(spec.parallel, m.n_heads); !s.ok())
+    plan.problems.push_back(std::string(s.message()));
+  plan.layers.push_back(DecideMode(spec, "lightning", m.NumLayersOfKind('L'),
+                                   spec.parallel.lightning_mode, &plan.problems));
+  plan.layers.push_back(
+      DecideMode(spec, "mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, &plan.problems));
 
   // The CUDA engine runs both modes for both layer types, on the shapes its kernels take.
   if (spec.resources == "cuda") {
@@ -354,6 +419,17 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes) const {
                                        : spec.train.recompute_layers;
   plan.memory = EstimateMemory(spec, plan.layers, recompute_layers);
   plan.memory.device_memory_bytes = device_memory_bytes;
+  if (spec.seq_len % chunks == 0) {
+    for (LayerModePlan& l : plan.layers) {
+      const char kind = l.layer_type == "mla" ? 'M' : 'L';
+      const CpCommBytes b = CpLayerCommBytes(m, kind, l.mode, spec.parallel, spec.seq_len);
+      int64_t bytes = 0;
+      for (int64_t i = 0; i < m.n_layers; ++i)
+        if (m.LayerKind(i) == kind)
+          bytes += b.forward * (i < plan.memory.recompute_layers ? 2 : 1) + b.backward;
+      l.comm_bytes_per_step = bytes * spec.train.micro_batches;
+    }
+  }
   if (auto_recompute && device_memory_bytes <= 0)
     plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {

@@ -96,9 +96,7 @@ std::string RandomToken() {
   return absl::StrFormat("%016x%016x", a, b);
 }
 
-v1::CpMode ToProtoMode(CpMode m) {
-  return m == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER;
-}
+v1::CpMode ToProtoMode(CpMode m) { return static_cast<v1::CpMode>(CpModeToProto(m)); }
 
 // Trainers run in their workers' own directories, so a relative path would name a different
 // place for every rank and attempt (and a restart would not find its checkpoint).

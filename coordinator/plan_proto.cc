@@ -5,6 +5,15 @@
 
 namespace spindle {
 
+int CpModeToProto(CpMode m) {
+  switch (m) {
+    case CpMode::kAll2All: return v1::CP_MODE_ALL2ALL;
+    case CpMode::kRing: return v1::CP_MODE_RING;
+    case CpMode::kHybrid: return v1::CP_MODE_HYBRID;
+    default: return v1::CP_MODE_ALLGATHER;
+  }
+}
+
 void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->Clear();
   out->set_cp(plan.cp);
@@ -15,9 +24,11 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
     v1::LayerPlan* p = out->add_layers();
     p->set_layer_type(l.layer_type);
     p->set_num_layers(l.num_layers);
-    p->set_mode(l.mode == CpMode::kAll2All ? v1::CP_MODE_ALL2ALL : v1::CP_MODE_ALLGATHER);
+    p->set_mode(static_cast<v1::CpMode>(CpModeToProto(l.mode)));
     p->set_reason(l.reason);
     p->set_forced(l.forced);
+    p->set_comm_bytes_per_step(l.comm_bytes_per_step);
+    p->set_ring_payload(l.ring_payload);
   }
   v1::MemoryEstimate* m = out->mutable_memory();
   m->set_params_bytes(plan.memory.params_bytes);
@@ -36,6 +47,7 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->set_ok(plan.ok());
   out->set_max_seq_len(plan.max_seq_len);
   out->set_max_seq_len_offload(plan.max_seq_len_offload);
+  out->set_ulysses(plan.ulysses);
 }
 
 }  // namespace spindle

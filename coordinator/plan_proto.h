@@ -10,5 +10,7 @@ class Plan;
 }  // namespace v1
 
 void PlanToProto(const CpPlan& plan, v1::Plan* out);
+// A decided mode (never kAuto) on the wire; the one mapping the coordinator's messages use.
+int CpModeToProto(CpMode m);  // a v1::CpMode value
 
 }  // namespace spindle
