@@ -1,7 +1,8 @@
 // bench_cp: context-parallel overhead on CPU. For several sequence lengths, cp sizes and mode
-// pairs (AllGather, All2All, and AllGather with MLA Ring), ranks run as threads (one OpenMP thread each, Gloo over 127.0.0.1) a forward+backward
-// of the model on their zigzag shares, and the table gives per step and per rank: the step time,
-// and per layer type the communication time and bytes sent by mode. cp = 1 is the baseline.
+// pairs (AllGather, All2All, and AllGather with MLA Ring), ranks run as threads (one OpenMP
+// thread each, Gloo over 127.0.0.1) a forward+backward of the model on their zigzag shares, and
+// the table gives per step and per rank: the step time, and per layer type the communication
+// time and bytes sent by mode. cp = 1 is the baseline.
 // Bytes are exact; times on a shared 2-core machine are indicative only (threads of all ranks
 // share the cores, so compute and communication compete). See bench/CP_NOTES.md.
 //
@@ -78,8 +79,7 @@ Row Measure(const ModelConfig& cfg, int64_t T, int cp, CpMode lm, CpMode mm, int
         comm = std::move(*c);
       }
       auto m = Model::Create(cfg, 1);
-      (*m)->SetCp({comm.get(), lm, mm, nullptr, nullptr,
-                   MlaRingPayloadFor(cfg.mla, cfg.n_heads)});
+      (*m)->SetCp({comm.get(), lm, mm, nullptr, nullptr, MlaRingPayloadFor(cfg.mla, cfg.n_heads)});
       CpBatch b = *ShardForCp(full, cp, r);
       for (int i = 0; i < reps; ++i) {
         if (comm) comm->TakeStats();
@@ -145,7 +145,8 @@ int main(int argc, char** argv) {
     const Row base = Measure(cfg, T, 1, AG, AG, static_cast<int>(reps));
     Print(T, 1, "-", base, base.step_s);
     for (int64_t cp : cps) {
-      struct { const char* name; CpMode l, m; } modes[] = {
+      struct { const char* name; CpMode l, m;
+      } modes[] = {
           {"allgather/allg", AG, AG}, {"all2all/all2al", A2A, A2A}, {"allgather/ring", AG, RING}};
       for (auto& m : modes) {
         if (m.l == A2A && cfg.n_heads % cp != 0) continue;

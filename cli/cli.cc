@@ -270,10 +270,14 @@ std::string Rate(double tps) {
 
 std::string ModeName(v1::CpMode m) {
   switch (m) {
-    case v1::CP_MODE_ALL2ALL: return "all2all";
-    case v1::CP_MODE_RING: return "ring";
-    case v1::CP_MODE_HYBRID: return "hybrid";
-    default: return "allgather";
+    case v1::CP_MODE_ALL2ALL:
+      return "all2all";
+    case v1::CP_MODE_RING:
+      return "ring";
+    case v1::CP_MODE_HYBRID:
+      return "hybrid";
+    default:
+      return "allgather";
   }
 }
 
@@ -287,11 +291,9 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
     out << absl::StrFormat("  %-10s %3d layers  %-9s  %s\n", l.layer_type(), l.num_layers(),
                            ModeName(l.mode()), l.reason());
     if (l.comm_bytes_per_step() > 0)
-      out << absl::StrFormat("  %-10s sends %s per rank and step%s\n", "",
-                             FormatBytes(l.comm_bytes_per_step()),
-                             l.ring_payload().empty()
-                                 ? ""
-                                 : absl::StrCat(" (the ring moves ", l.ring_payload(), ")"));
+      out << absl::StrFormat(
+          "  %-10s sends %s per rank and step%s\n", "", FormatBytes(l.comm_bytes_per_step()),
+          l.ring_payload().empty() ? "" : absl::StrCat(" (the ring moves ", l.ring_payload(), ")"));
   }
   const v1::MemoryEstimate& m = p.memory();
   int64_t n_layers = 0;

@@ -31,8 +31,8 @@ absl::Status CheckCpModes(const ParallelSpec& p, int64_t n_heads) {
         field, ": \"hybrid\" needs parallel.ulysses >= 2 (the size of its Ulysses groups), got ",
         u));
   if (cp % u != 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallel.ulysses: must divide parallel.cp, got ulysses=", u, " and cp=", cp));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.ulysses: must divide parallel.cp, got ulysses=", u, " and cp=", cp));
   if (cp / u < 2)
     return absl::InvalidArgumentError(absl::StrCat(
         "parallel.ulysses: ", u, " with cp=", cp, " leaves a ring of cp / ulysses = ", cp / u,
@@ -107,7 +107,8 @@ CpCommBytes CpLayerCommBytes(const ModelConfig& m, char kind, CpMode mode, const
       b.forward = b.backward = AllGather(cp, T * w);
       break;
     case CpMode::kAll2All:
-      b.forward = b.backward = AllToAll(cp, T * H * (2 * qk + vd) / cp) + AllToAll(cp, T * H * vd / cp);
+      b.forward = b.backward =
+          AllToAll(cp, T * H * (2 * qk + vd) / cp) + AllToAll(cp, T * H * vd / cp);
       break;
     case CpMode::kRing:
     case CpMode::kHybrid: {

@@ -21,10 +21,11 @@ absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
   const bool mla = key == "mla_mode";
   const std::optional<CpMode> m = CpModeFromName(s);
   if (m && (mla || *m != CpMode::kRing)) return *m;
-  return f.Error(key, absl::StrCat(mla ? "must be \"auto\", \"allgather\", \"all2all\", \"ring\" "
-                                         "or \"hybrid\""
-                                       : "must be \"auto\", \"allgather\", \"all2all\" or \"hybrid\"",
-                                   ", got \"", ShortText(s), "\""));
+  return f.Error(key,
+                 absl::StrCat(mla ? "must be \"auto\", \"allgather\", \"all2all\", \"ring\" "
+                                    "or \"hybrid\""
+                                  : "must be \"auto\", \"allgather\", \"all2all\" or \"hybrid\"",
+                              ", got \"", ShortText(s), "\""));
 }
 
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
@@ -109,8 +110,8 @@ std::string_view CpModeName(CpMode m) {
 }
 
 std::optional<CpMode> CpModeFromName(std::string_view name) {
-  for (CpMode m : {CpMode::kAuto, CpMode::kAllGather, CpMode::kAll2All, CpMode::kRing,
-                   CpMode::kHybrid})
+  for (CpMode m :
+       {CpMode::kAuto, CpMode::kAllGather, CpMode::kAll2All, CpMode::kRing, CpMode::kHybrid})
     if (name == CpModeName(m)) return m;
   return std::nullopt;
 }

@@ -22,8 +22,8 @@ std::string RingDetail(const JobSpec& spec, CpMode mode) {
   const MlaConfig& m = spec.model.mla;
   const int64_t heads = MlaRingHeads(spec.model.n_heads, mode, par.ulysses);
   const MlaRingPayload pl = MlaRingPayloadFor(m, heads);
-  const MlaRingPayload other = pl == MlaRingPayload::kKv ? MlaRingPayload::kLatent
-                                                         : MlaRingPayload::kKv;
+  const MlaRingPayload other =
+      pl == MlaRingPayload::kKv ? MlaRingPayload::kLatent : MlaRingPayload::kKv;
   auto what = [](MlaRingPayload p) {
     return p == MlaRingPayload::kKv ? std::string("K and V") : std::string("the latent");
   };
@@ -52,8 +52,8 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
                               cp / std::max<int64_t>(1, spec.parallel.ulysses), " groups");
       else if (layer_type == "mla")
         detail = RingDetail(spec, requested);
-      p.reason = absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")",
-                              detail);
+      p.reason =
+          absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")", detail);
       if (layer_type == "mla" && cp > 1)
         p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
             spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));

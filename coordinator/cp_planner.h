@@ -30,7 +30,7 @@ struct LayerModePlan {
   // Bytes one rank sends for these layers per optimizer step: micro_batches x (each layer's
   // forward, twice for a recomputing layer, and backward), CpLayerCommBytes.
   int64_t comm_bytes_per_step = 0;
-  std::string ring_payload;          // MLA ring / hybrid: "kv" or "latent"; empty otherwise
+  std::string ring_payload;  // MLA ring / hybrid: "kv" or "latent"; empty otherwise
 };
 
 // Per-rank memory estimate in bytes. See EstimateMemory() for the formula.

@@ -7,10 +7,14 @@ namespace spindle {
 
 int CpModeToProto(CpMode m) {
   switch (m) {
-    case CpMode::kAll2All: return v1::CP_MODE_ALL2ALL;
-    case CpMode::kRing: return v1::CP_MODE_RING;
-    case CpMode::kHybrid: return v1::CP_MODE_HYBRID;
-    default: return v1::CP_MODE_ALLGATHER;
+    case CpMode::kAll2All:
+      return v1::CP_MODE_ALL2ALL;
+    case CpMode::kRing:
+      return v1::CP_MODE_RING;
+    case CpMode::kHybrid:
+      return v1::CP_MODE_HYBRID;
+    default:
+      return v1::CP_MODE_ALLGATHER;
   }
 }
 

@@ -45,8 +45,8 @@
 #include <iostream>
 #include <map>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 

@@ -239,7 +239,8 @@ TEST(JobSpecTest, RingAndHybridModes) {
   // One hybrid layer type is enough for ulysses; "ring" at cp = 1 runs unsplit.
   EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 4, "ulysses": 2, "mla_mode": "hybrid"})")).ok());
   EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 8, "ulysses": 4, "lightning_mode": "hybrid",
-                                    "mla_mode": "ring"})")).ok());
+                                    "mla_mode": "ring"})"))
+                  .ok());
   EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 1, "mla_mode": "ring"})")).ok());
   for (const auto& name : {"auto", "allgather", "all2all", "ring", "hybrid"})
     EXPECT_EQ(CpModeName(*CpModeFromName(name)), name);
@@ -273,9 +274,10 @@ TEST(JobSpecTest, RingAndHybridModes) {
   EXPECT_EQ(error(R"({"cp": 4, "mla_mode": "hybrid"})"),
             "job spec: parallel.mla_mode: \"hybrid\" needs parallel.ulysses >= 2 (the size of its "
             "Ulysses groups), got 1");
-  EXPECT_EQ(error(R"({"cp": 4, "lightning_mode": "hybrid"})"),
-            "job spec: parallel.lightning_mode: \"hybrid\" needs parallel.ulysses >= 2 (the size of "
-            "its Ulysses groups), got 1");
+  EXPECT_EQ(
+      error(R"({"cp": 4, "lightning_mode": "hybrid"})"),
+      "job spec: parallel.lightning_mode: \"hybrid\" needs parallel.ulysses >= 2 (the size of "
+      "its Ulysses groups), got 1");
   EXPECT_EQ(error(R"({"cp": 8, "ulysses": 3, "mla_mode": "hybrid"})"),
             "job spec: parallel.ulysses: must divide parallel.cp, got ulysses=3 and cp=8");
   EXPECT_EQ(error(R"({"cp": 4, "ulysses": 4, "lightning_mode": "hybrid"})"),

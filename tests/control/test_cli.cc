@@ -119,9 +119,9 @@ TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
 
 // The Ring and hybrid modes: their groups, reasons and bytes per step in the plan.
 TEST_F(CliTest, PlanShowsTheRingAndHybridModes) {
-  std::string spec = WriteSpec(
-      "hybrid.json", testing::SpecJson(8, 1, 0, 3,
-                                       R"(, "ulysses": 2, "lightning_mode": "hybrid",
+  std::string spec =
+      WriteSpec("hybrid.json", testing::SpecJson(8, 1, 0, 3,
+                                                 R"(, "ulysses": 2, "lightning_mode": "hybrid",
                                           "mla_mode": "hybrid")"));
   Result r = RunSpindle({"plan", spec, "--offline"});
   EXPECT_EQ(r.code, 0) << r.err;

@@ -54,7 +54,7 @@ TEST(CpPlannerRingTest, RingModeNamesItsPayloadAndCountsItsBytes) {
 }
 
 TEST(CpPlannerRingTest, RingMovesKeysAndValuesWhenTheyAreNarrower) {
-  JobSpec s = Spec(2, 2, 512);  // K and V of 2 heads: 96 values a token
+  JobSpec s = Spec(2, 2, 512);     // K and V of 2 heads: 96 values a token
   s.model.mla.kv_lora_rank = 128;  // the latent: 144
   s.parallel.mla_mode = CpMode::kRing;
   EXPECT_EQ(MlaRingPayloadFor(s.model.mla, 2), MlaRingPayload::kKv);

@@ -79,8 +79,8 @@ TEST(SendRecvTest, PairsSwap) {
     const int partner = rank ^ 1;
     std::vector<int32_t> out(n), in(n, -1);
     for (int i = 0; i < n; ++i) out[i] = Tag(rank, 3, i);
-    if (auto st = (*comm)->SendRecv(out.data(), partner, in.data(), partner, n * 4,
-                                    CommLayer::kOther);
+    if (auto st =
+            (*comm)->SendRecv(out.data(), partner, in.data(), partner, n * 4, CommLayer::kOther);
         !st.ok())
       return st;
     for (int i = 0; i < n; ++i) EXPECT_EQ(in[i], Tag(partner, 3, i));

@@ -141,8 +141,8 @@ absl::StatusOr<RunResult> RunCp(const ModelConfig& cfg, const Batch& full, int c
                                       testing::TestGloo());
       if (!u.ok()) return u.status();
       auto r = CreateGlooCommunicator(store, absl::StrCat("r", groups.Member(rank)),
-                                      static_cast<int>(groups.Group(rank)), static_cast<int>(groups.r()),
-                                      testing::TestGloo());
+                                      static_cast<int>(groups.Group(rank)),
+                                      static_cast<int>(groups.r()), testing::TestGloo());
       if (!r.ok()) return r.status();
       uc = std::move(*u);
       rc = std::move(*r);
@@ -209,9 +209,8 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "cp=" << c.cp << " lightning=" << CpModeName(c.lightning) << " mla=" << CpModeName(c.mla)
-      << " recompute=" << c.recompute_layers << " n_heads=" << c.n_heads
-      << " ulysses=" << c.ulysses << (c.wide_latent ? " wide latent" : "")
-      << (c.short_docs ? " short documents" : "");
+      << " recompute=" << c.recompute_layers << " n_heads=" << c.n_heads << " ulysses=" << c.ulysses
+      << (c.wide_latent ? " wide latent" : "") << (c.short_docs ? " short documents" : "");
 }
 
 class CpModelParityTest : public ::testing::TestWithParam<Case> {};
@@ -225,8 +224,8 @@ TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const Batch full =
       MakeSequenceBatch(c.short_docs ? ShortDocTokens(seed) : PackedTokens(seed), 256);
   const RunResult ref = Reference(cfg, full, Recompute::None());
-  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers),
-                   c.ulysses);
+  auto got =
+      RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers), c.ulysses);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectParity(cfg, ref, *got);
 }
@@ -234,10 +233,14 @@ TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
   auto w = [](CpMode m) {
     switch (m) {
-      case CpMode::kAll2All: return "A2A";
-      case CpMode::kRing: return "Ring";
-      case CpMode::kHybrid: return "Hybrid";
-      default: return "AG";
+      case CpMode::kAll2All:
+        return "A2A";
+      case CpMode::kRing:
+        return "Ring";
+      case CpMode::kHybrid:
+        return "Hybrid";
+      default:
+        return "AG";
     }
   };
   return absl::StrCat(
@@ -261,14 +264,16 @@ INSTANTIATE_TEST_SUITE_P(Modes, CpModelParityTest,
                          CaseName);
 
 // MLA Ring at cp = 2, 4, 8 with either payload, beside each Lightning mode.
-INSTANTIATE_TEST_SUITE_P(
-    Ring, CpModelParityTest,
-    ::testing::Values(Case{2, AG, RING, 0}, Case{4, AG, RING, 0}, Case{8, AG, RING, 0},
-                      Case{2, A2A, RING, 0, 4, 1, true}, Case{4, A2A, RING, 3, 4, 1, true},
-                      Case{8, AG, RING, 0, 4, 1, true}, Case{2, AG, RING, 0, 4, 1, false, true},
-                      Case{4, AG, RING, 2, 4, 1, true, true}, Case{8, AG, RING, 0, 4, 1, false, true},
-                      Case{8, AG, RING, 3, 4, 1, true, true}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(Ring, CpModelParityTest,
+                         ::testing::Values(Case{2, AG, RING, 0}, Case{4, AG, RING, 0},
+                                           Case{8, AG, RING, 0}, Case{2, A2A, RING, 0, 4, 1, true},
+                                           Case{4, A2A, RING, 3, 4, 1, true},
+                                           Case{8, AG, RING, 0, 4, 1, true},
+                                           Case{2, AG, RING, 0, 4, 1, false, true},
+                                           Case{4, AG, RING, 2, 4, 1, true, true},
+                                           Case{8, AG, RING, 0, 4, 1, false, true},
+                                           Case{8, AG, RING, 3, 4, 1, true, true}),
+                         CaseName);
 
 // The hybrid modes at (u, r) = (2, 2), (2, 4), (4, 2), both layer types, either payload, with
 // the other layer type in another mode too.
@@ -277,7 +282,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{4, HYB, HYB, 0, 4, 2}, Case{8, HYB, HYB, 0, 4, 2},
                       Case{8, HYB, HYB, 0, 4, 4}, Case{4, HYB, HYB, 3, 4, 2, true},
                       Case{8, HYB, HYB, 2, 4, 2, true}, Case{8, HYB, HYB, 0, 4, 4, true},
-                      Case{4, HYB, HYB, 0, 4, 2, false, true}, Case{8, HYB, HYB, 0, 4, 2, true, true},
+                      Case{4, HYB, HYB, 0, 4, 2, false, true},
+                      Case{8, HYB, HYB, 0, 4, 2, true, true},
                       Case{8, HYB, HYB, 3, 4, 4, false, true}, Case{8, HYB, RING, 0, 4, 4},
                       Case{4, AG, HYB, 0, 4, 2, true}, Case{4, A2A, HYB, 0, 4, 2},
                       Case{8, HYB, AG, 0, 4, 2, false, true}, Case{4, HYB, A2A, 1, 4, 2}),

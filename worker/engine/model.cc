@@ -153,8 +153,16 @@ struct LayerCtx {
 
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
   const int64_t H = ctx.c.n_heads, Dh = ctx.c.head_dim();
-  return {C.qn.f32(), C.kn.f32(), C.v.f32(), L.log_decay.data(), H, Dh,
-          1.0f / std::sqrt(static_cast<float>(Dh)), &ctx.b, ctx.layout, ctx.cp->comm,
+  return {C.qn.f32(),
+          C.kn.f32(),
+          C.v.f32(),
+          L.log_decay.data(),
+          H,
+          Dh,
+          1.0f / std::sqrt(static_cast<float>(Dh)),
+          &ctx.b,
+          ctx.layout,
+          ctx.cp->comm,
           {ctx.group, ctx.cp->ulysses, ctx.cp->ring}};
 }
 
@@ -201,8 +209,8 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
     return LightningAllGatherBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(), d_o,
                                       overlap, dq, dk, dv);
   if (ctx.lightning() == CpMode::kHybrid)
-    return LightningHybridBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(),
-                                   C.cp_saved, d_o, overlap, dq, dk, dv);
+    return LightningHybridBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(), C.cp_saved,
+                                   d_o, overlap, dq, dk, dv);
   overlap();
   if (ctx.lightning() == CpMode::kAll2All)
     return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq,
@@ -284,9 +292,17 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
 MlaCpArgs MlaArgs(const LayerCtx& ctx) {
   const MlaConfig& m = ctx.c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
-  return {ctx.c.n_heads, qk, m.v_head_dim, m.kv_lora_rank, m.qk_rope_dim,
-          1.0f / std::sqrt(static_cast<float>(qk)), &ctx.b, ctx.layout, ctx.cp->comm,
-          {ctx.group, ctx.cp->ulysses, ctx.cp->ring}, ctx.cp->mla_payload};
+  return {ctx.c.n_heads,
+          qk,
+          m.v_head_dim,
+          m.kv_lora_rank,
+          m.qk_rope_dim,
+          1.0f / std::sqrt(static_cast<float>(qk)),
+          &ctx.b,
+          ctx.layout,
+          ctx.cp->comm,
+          {ctx.group, ctx.cp->ulysses, ctx.cp->ring},
+          ctx.cp->mla_payload};
 }
 
 bool MlaRingLike(CpMode m) { return m == CpMode::kRing || m == CpMode::kHybrid; }
@@ -340,8 +356,8 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
       std::memcpy(C.latent.f32() + t * (kv + rd) + kv, C.kr.f32() + t * rd, rd * sizeof(float));
     }
     if (ctx.mla() == CpMode::kRing)
-      return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr,
-                            C.latent.f32(), P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
+      return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr, C.latent.f32(),
+                            P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
     if (ctx.mla() == CpMode::kHybrid)
       return MlaHybridForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr,
                               C.latent.f32(), P.data(L.kv_b), C.O.f32(), &C.cp_saved);
@@ -400,10 +416,9 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
   if (MlaTakesLatent(ctx)) {
     // dQ, and the latent gradient [d c_n, d k_r (rotated)] of this rank's tokens.
     if (ctx.mla() == CpMode::kRing) {
-      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
-                                      C.O.f32(), C.lse.f32(), P.data(L.kv_b), W.dO.f32(),
-                                      W.dQ.f32(), nullptr, nullptr, W.dkva.f32(),
-                                      P.grad(L.kv_b)));
+      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(), C.O.f32(),
+                                      C.lse.f32(), P.data(L.kv_b), W.dO.f32(), W.dQ.f32(), nullptr,
+                                      nullptr, W.dkva.f32(), P.grad(L.kv_b)));
     } else if (ctx.mla() == CpMode::kHybrid) {
       RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, P.data(L.kv_b),
                                         W.dO.f32(), W.dQ.f32(), nullptr, nullptr, W.dkva.f32(),
@@ -420,13 +435,12 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
       RETURN_IF_ERROR(MlaAll2AllBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, W.dO.f32(),
                                          W.dQ.f32(), W.dK.f32(), W.dV.f32()));
     } else if (ctx.mla() == CpMode::kRing) {
-      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
-                                      C.O.f32(), C.lse.f32(), nullptr, W.dO.f32(), W.dQ.f32(),
-                                      W.dK.f32(), W.dV.f32(), nullptr, nullptr));
+      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(), C.O.f32(),
+                                      C.lse.f32(), nullptr, W.dO.f32(), W.dQ.f32(), W.dK.f32(),
+                                      W.dV.f32(), nullptr, nullptr));
     } else if (ctx.mla() == CpMode::kHybrid) {
-      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, nullptr,
-                                        W.dO.f32(), W.dQ.f32(), W.dK.f32(), W.dV.f32(), nullptr,
-                                        nullptr));
+      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, nullptr, W.dO.f32(),
+                                        W.dQ.f32(), W.dK.f32(), W.dV.f32(), nullptr, nullptr));
     } else {
       k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(),
                             ctx.b.idx.data()};
@@ -616,10 +630,10 @@ absl::Status Model::CheckCp(const CpBatch& b) const {
         g.u));
   if (!cp_.ulysses || cp_.ulysses->size() != g.u || cp_.ulysses->rank() != g.Member(L.rank) ||
       !cp_.ring || cp_.ring->size() != g.r() || cp_.ring->rank() != g.Group(L.rank))
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model: the hybrid modes need SetCp with this rank's Ulysses group (", g.u,
-        " ranks, rank ", g.Member(L.rank), ") and ring (", g.r(), " ranks, rank ",
-        g.Group(L.rank), ") communicators"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: the hybrid modes need SetCp with this rank's Ulysses group (", g.u,
+                     " ranks, rank ", g.Member(L.rank), ") and ring (", g.r(), " ranks, rank ",
+                     g.Group(L.rank), ") communicators"));
   return absl::OkStatus();
 }
 
@@ -643,8 +657,13 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float g
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_,      params_,         b, cpb ? &cpb->layout : nullptr, &cp_,
-               &cp_scratch_, cpb ? cpb->group.get() : nullptr};
+  LayerCtx ctx{config_,
+               params_,
+               b,
+               cpb ? &cpb->layout : nullptr,
+               &cp_,
+               &cp_scratch_,
+               cpb ? cpb->group.get() : nullptr};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches_[recompute.CacheOf(i, n)];
@@ -672,8 +691,13 @@ absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) 
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_,      params_,         b, cpb ? &cpb->layout : nullptr, &cp_,
-               &cp_scratch_, cpb ? cpb->group.get() : nullptr};
+  LayerCtx ctx{config_,
+               params_,
+               b,
+               cpb ? &cpb->layout : nullptr,
+               &cp_,
+               &cp_scratch_,
+               cpb ? cpb->group.get() : nullptr};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),

@@ -44,14 +44,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   ASSIGN_OR_RETURN(t->modes_,
                    ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm, spec.parallel.ulysses));
   t->ulysses_ = spec.parallel.ulysses;
-  const bool ring_like = t->cp_ > 1 && (t->modes_.mla == CpMode::kRing ||
-                                         t->modes_.mla == CpMode::kHybrid ||
-                                         t->modes_.lightning == CpMode::kHybrid);
+  const bool ring_like =
+      t->cp_ > 1 && (t->modes_.mla == CpMode::kRing || t->modes_.mla == CpMode::kHybrid ||
+                     t->modes_.lightning == CpMode::kHybrid);
   if (on_device && ring_like)
     return absl::FailedPreconditionError(absl::StrCat(
         "trainer: resources \"cuda\" runs the CP modes allgather and all2all only, but "
-        "parallel.lightning_mode is \"", std::string(CpModeName(t->modes_.lightning)),
-        "\" and parallel.mla_mode \"", std::string(CpModeName(t->modes_.mla)),
+        "parallel.lightning_mode is \"",
+        std::string(CpModeName(t->modes_.lightning)), "\" and parallel.mla_mode \"",
+        std::string(CpModeName(t->modes_.mla)),
         "\"; run the job with resources \"cpu\" or choose allgather or all2all"));
   const int64_t rc = o.recompute_layers != TrainSpec::kRecomputeAuto ? o.recompute_layers
                                                                      : spec.train.recompute_layers;
@@ -98,14 +99,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         // This rank's Ulysses group and its ring across the groups (cp_groups.h).
         const CpGroups g{t->cp_, t->ulysses_};
         const int64_t member = g.Member(t->cp_rank_), group = g.Group(t->cp_rank_);
-        ASSIGN_OR_RETURN(t->ulysses_comm_,
-                         CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ulysses", group),
-                                                static_cast<int>(member),
-                                                static_cast<int>(g.u), o.gloo));
-        ASSIGN_OR_RETURN(t->ring_comm_,
-                         CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ring", member),
-                                                static_cast<int>(group),
-                                                static_cast<int>(g.r()), o.gloo));
+        ASSIGN_OR_RETURN(
+            t->ulysses_comm_,
+            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ulysses", group),
+                                   static_cast<int>(member), static_cast<int>(g.u), o.gloo));
+        ASSIGN_OR_RETURN(
+            t->ring_comm_,
+            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ring", member),
+                                   static_cast<int>(group), static_cast<int>(g.r()), o.gloo));
       }
     }
   }
@@ -123,8 +124,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
     const MlaRingPayload payload = MlaRingPayloadFor(
         spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_));
-    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla,
-                      t->ulysses_comm_.get(), t->ring_comm_.get(), payload});
+    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla, t->ulysses_comm_.get(),
+                      t->ring_comm_.get(), payload});
   }
   ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
@@ -456,7 +457,7 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   const double tokens = static_cast<double>(spec.seq_len * mb) / static_cast<double>(cp_);
   nlohmann::json comm = nlohmann::json::array();
   for (Communicator* c : {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
-                         device_world_comm_.get(), device_cp_comm_.get()}) {
+                          device_world_comm_.get(), device_cp_comm_.get()}) {
     if (!c) continue;
     for (const auto& [key, amount] : c->TakeStats())
       comm.push_back({{"collective", CollectiveName(key.first)},

@@ -156,8 +156,7 @@ class Trainer {
   std::unique_ptr<Communicator> ulysses_comm_, ring_comm_;
   int64_t ulysses_ = 1;
   bool HybridModes() const {
-    return cp_ > 1 &&
-           (modes_.lightning == CpMode::kHybrid || modes_.mla == CpMode::kHybrid);
+    return cp_ > 1 && (modes_.lightning == CpMode::kHybrid || modes_.mla == CpMode::kHybrid);
   }
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;

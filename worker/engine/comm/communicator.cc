@@ -17,7 +17,8 @@ const char* CollectiveName(Collective c) {
     case Collective::kReduceScatter: return "reduce_scatter";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
-    case Collective::kSendRecv: return "send_recv";
+    case Collective::kSendRecv:
+      return "send_recv";
   }
   return "unknown";
 }
@@ -227,9 +228,9 @@ CommHandle Communicator::SendRecvAsync(const void* send, int to, void* recv, int
   return Enqueue(
       Collective::kSendRecv, layer, to != rank_ ? bytes : 0, [=, this]() -> absl::Status {
         if (to < 0 || to >= size_ || from < 0 || from >= size_ || bytes < 0)
-          return absl::InvalidArgumentError(absl::StrCat(
-              "send-recv: ", bytes, " bytes to rank ", to, " and from rank ", from,
-              " in a group of ", size_));
+          return absl::InvalidArgumentError(absl::StrCat("send-recv: ", bytes, " bytes to rank ",
+                                                         to, " and from rank ", from,
+                                                         " in a group of ", size_));
         if ((to == rank_) != (from == rank_))
           return absl::InvalidArgumentError(absl::StrCat(
               "send-recv: rank ", rank_, " sends to rank ", to, " but receives from rank ", from,

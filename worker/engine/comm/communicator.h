@@ -8,7 +8,8 @@
 // on the communicator thread (queueing excluded) and the bytes this rank sends under the standard
 // algorithms: all-gather (n-1)*in, all-to-all (n-1)/n*in (by pieces: the pieces for the other
 // ranks), all-reduce 2(n-1)/n*buf (ring), reduce-scatter (n-1)/n*in, broadcast buf at the root,
-// send-recv the bytes sent (0 to itself), barrier 0. TakeStats() returns and resets them (the trainer emits them per step).
+// send-recv the bytes sent (0 to itself), barrier 0. TakeStats() returns and resets them (the
+// trainer emits them per step).
 //
 // Buffers are raw host pointers for Gloo and device pointers for NCCL; they must stay valid and
 // untouched until the collective's handle is waited on. Errors (peer gone, timeout) come back as

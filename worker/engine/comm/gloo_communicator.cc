@@ -167,8 +167,7 @@ class GlooCommunicator : public Communicator {
   }
   // Unbound buffers on a slot of our own (above Gloo's collective prefixes), numbered by the
   // SendRecvs this communicator ran: the pair's two calls have the same number.
-  absl::Status DoSendRecv(const void* send, int to, void* recv, int from,
-                          int64_t bytes) override {
+  absl::Status DoSendRecv(const void* send, int to, void* recv, int from, int64_t bytes) override {
     const uint64_t slot = (uint64_t{kSendRecvSlotPrefix} << 56) | (uint64_t{send_recvs_++} << 24);
     return Guard("send-recv", [&] {
       auto in = ctx_->createUnboundBuffer(recv, static_cast<size_t>(bytes));
@@ -194,7 +193,7 @@ class GlooCommunicator : public Communicator {
   const std::chrono::milliseconds timeout_;
   std::vector<float> scratch_;  // reduce-scatter staging, communicator thread only
   static constexpr uint8_t kSendRecvSlotPrefix = 0x20;
-  uint32_t send_recvs_ = 0;     // communicator thread only
+  uint32_t send_recvs_ = 0;  // communicator thread only
 };
 
 }  // namespace

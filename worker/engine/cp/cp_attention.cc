@@ -149,11 +149,11 @@ namespace {
 
 // The head-split core of a Ulysses mode on the group's gathered tokens: q, k, v [n T, Hl, Dh]
 // dense in, outputs (or input gradients) out.
-using LightningCore = std::function<absl::Status(const float* qf, const float* kf, const float* vf,
-                                                 float* of)>;
+using LightningCore =
+    std::function<absl::Status(const float* qf, const float* kf, const float* vf, float* of)>;
 using LightningCoreBackward =
-    std::function<absl::Status(const float* qf, const float* kf, const float* vf,
-                               const float* dof, float* dqf, float* dkf, float* dvf)>;
+    std::function<absl::Status(const float* qf, const float* kf, const float* vf, const float* dof,
+                               float* dqf, float* dkf, float* dvf)>;
 
 // q, k, v (token stride d) to the group's tokens for this member's heads (kept in `saved`), the
 // core, outputs back.
@@ -170,9 +170,9 @@ absl::Status LightningUlyssesForward(const LightningCpArgs& a, const UlyssesGrou
   float* qf = saved->data();
   float* kf = qf + Tg * Hl * Dh;
   float* vf = kf + Tg * Hl * Dh;
-  if (absl::Status st = UlyssesToHeads(comm, g, T, H, {{loc, Dh}, {loc + T * d, Dh}, {loc + 2 * T * d, Dh}},
-                                       {{qf, Dh}, {kf, Dh}, {vf, Dh}}, s.send, s.recv,
-                                       CommLayer::kLightning);
+  if (absl::Status st =
+          UlyssesToHeads(comm, g, T, H, {{loc, Dh}, {loc + T * d, Dh}, {loc + 2 * T * d, Dh}},
+                         {{qf, Dh}, {kf, Dh}, {vf, Dh}}, s.send, s.recv, CommLayer::kLightning);
       !st.ok())
     return st;
   float* of = Grow(s.c, Tg * Hl * Dh);
@@ -189,8 +189,8 @@ absl::Status LightningUlyssesBackward(const LightningCpArgs& a, const UlyssesGro
   const int64_t H = a.H, Dh = a.Dh, d = H * Dh, Hl = H / g.members, T = a.local->T;
   const int64_t Tg = g.members * T;
   float* dof = Grow(s.c, Tg * Hl * Dh);
-  if (absl::Status st = UlyssesToHeads(comm, g, T, H, {{const_cast<float*>(dout), Dh}},
-                                       {{dof, Dh}}, s.send, s.recv, CommLayer::kLightning);
+  if (absl::Status st = UlyssesToHeads(comm, g, T, H, {{const_cast<float*>(dout), Dh}}, {{dof, Dh}},
+                                       s.send, s.recv, CommLayer::kLightning);
       !st.ok())
     return st;
   const float* qf = saved.data();
@@ -212,8 +212,16 @@ LightningCpArgs HybridLevelArgs(const LightningCpArgs& a, const float* qf, const
                                 const float* vf) {
   const CpGroups g = a.layout->groups();
   const int64_t Hl = a.H / g.u, h0 = g.Member(a.layout->rank) * Hl;
-  return {qf, kf, vf, a.log_decay + h0, Hl, a.Dh, a.scale, &a.hybrid.group->local,
-          &a.hybrid.group->layout, a.hybrid.ring};
+  return {qf,
+          kf,
+          vf,
+          a.log_decay + h0,
+          Hl,
+          a.Dh,
+          a.scale,
+          &a.hybrid.group->local,
+          &a.hybrid.group->layout,
+          a.hybrid.ring};
 }
 
 }  // namespace
@@ -234,8 +242,8 @@ absl::Status LightningAll2AllForward(const LightningCpArgs& a, CpScratch& s, flo
 }
 
 absl::Status LightningAll2AllBackward(const LightningCpArgs& a, CpScratch& s,
-                                      const std::vector<float>& saved, const float* dout,
-                                      float* dq, float* dk, float* dv) {
+                                      const std::vector<float>& saved, const float* dout, float* dq,
+                                      float* dk, float* dv) {
   const CpLayout& L = *a.layout;
   const int64_t Hl = a.H / L.cp;
   return LightningUlyssesBackward(
@@ -244,8 +252,7 @@ absl::Status LightningAll2AllBackward(const LightningCpArgs& a, CpScratch& s,
           float* dkf, float* dvf) {
         k::LightningBackward(qf, kf, vf, a.log_decay + L.rank * Hl, L.cu_seqlens.data(),
                              static_cast<int64_t>(L.cu_seqlens.size()) - 1, nullptr, a.scale,
-                             {L.T_full, Hl, a.Dh, Hl * a.Dh}, dof, nullptr, dqf, dkf, dvf,
-                             nullptr);
+                             {L.T_full, Hl, a.Dh, Hl * a.Dh}, dof, nullptr, dqf, dkf, dvf, nullptr);
         return absl::OkStatus();
       },
       dq, dk, dv);

@@ -132,12 +132,12 @@ absl::Status MlaRingForward(const MlaCpArgs& a, CpScratch& s, const float* Q, co
                             const float* V, const float* latent, const float* W_kv_b, float* O,
                             float* lse, std::vector<float>* saved);
 absl::Status MlaRingBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
-                             const float* Q, const float* O, const float* lse,
-                             const float* W_kv_b, const float* dO, float* dQ, float* dK,
-                             float* dV, float* d_latent, float* dW_kv_b);
+                             const float* Q, const float* O, const float* lse, const float* W_kv_b,
+                             const float* dO, float* dQ, float* dK, float* dV, float* d_latent,
+                             float* dW_kv_b);
 absl::Status MlaHybridForward(const MlaCpArgs& a, CpScratch& s, const float* Q, const float* K,
-                              const float* V, const float* latent, const float* W_kv_b,
-                              float* O, std::vector<float>* saved);
+                              const float* V, const float* latent, const float* W_kv_b, float* O,
+                              std::vector<float>* saved);
 absl::Status MlaHybridBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
                                const float* W_kv_b, const float* dO, float* dQ, float* dK,
                                float* dV, float* d_latent, float* dW_kv_b);

@@ -6,8 +6,7 @@
 
 namespace spindle {
 
-absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank,
-                                   int64_t ulysses) {
+absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank, int64_t ulysses) {
   if (cp < 1 || rank < 0 || rank >= cp)
     return absl::InvalidArgumentError(absl::StrCat("cp: rank ", rank, " is not in a group of ", cp));
   if (ulysses < 1 || cp % ulysses != 0)

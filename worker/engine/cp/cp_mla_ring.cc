@@ -62,16 +62,15 @@ absl::Status MlaRingForward(const MlaCpArgs& a, CpScratch& s, const float* Q, co
 }
 
 absl::Status MlaRingBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
-                             const float* Q, const float* O, const float* lse,
-                             const float* W_kv_b, const float* dO, float* dQ, float* dK,
-                             float* dV, float* d_latent, float* dW_kv_b) {
+                             const float* Q, const float* O, const float* lse, const float* W_kv_b,
+                             const float* dO, float* dQ, float* dK, float* dV, float* d_latent,
+                             float* dW_kv_b) {
   const int64_t T = a.local->T, H = a.H;
   std::unique_ptr<RingPayload> pl = MakePayload(a, H, 0, W_kv_b, dW_kv_b);
   const bool kv = a.payload == MlaRingPayload::kKv;
   float* d_own = kv ? Grow(s.e, T * PayloadWidth(a, H)) : d_latent;
-  if (absl::Status st =
-          RingAttentionBackward({a.local, a.layout, a.comm}, {H, a.qk, a.vd, a.scale}, *pl, Q,
-                                saved.data(), O, lse, dO, dQ, d_own, s.ring);
+  if (absl::Status st = RingAttentionBackward({a.local, a.layout, a.comm}, {H, a.qk, a.vd, a.scale},
+                                              *pl, Q, saved.data(), O, lse, dO, dQ, d_own, s.ring);
       !st.ok())
     return st;
   if (kv) {
@@ -82,8 +81,8 @@ absl::Status MlaRingBackward(const MlaCpArgs& a, CpScratch& s, const std::vector
 }
 
 absl::Status MlaHybridForward(const MlaCpArgs& a, CpScratch& s, const float* Q, const float* K,
-                              const float* V, const float* latent, const float* W_kv_b,
-                              float* O, std::vector<float>* saved) {
+                              const float* V, const float* latent, const float* W_kv_b, float* O,
+                              std::vector<float>* saved) {
   const CpBatch& G = *a.hybrid.group;
   const HybridHeads hh = HeadsOfMember(a);
   const UlyssesGroup g = HybridUlyssesGroup(*a.layout);
@@ -104,8 +103,8 @@ absl::Status MlaHybridForward(const MlaCpArgs& a, CpScratch& s, const float* Q, 
         !st.ok())
       return st;
   } else {
-    if (absl::Status st = UlyssesToHeads(uc, g, T, H, {{const_cast<float*>(Q), qk}},
-                                         {{Qg, qk}}, s.send, s.recv, CommLayer::kMla);
+    if (absl::Status st = UlyssesToHeads(uc, g, T, H, {{const_cast<float*>(Q), qk}}, {{Qg, qk}},
+                                         s.send, s.recv, CommLayer::kMla);
         !st.ok())
       return st;
     float* blocks = Grow(s.recv, hh.u * T * W);

@@ -104,8 +104,8 @@ absl::Status UlyssesToHeads(Communicator& comm, const UlyssesGroup& g, int64_t T
                             std::vector<float>& recv, CommLayer layer) {
   const int64_t n = g.members, Hl = H / n, block = T * Hl * Width(local);
   PackByHeads(local, T, H, n, Grow(send, n * block));
-  if (absl::Status s = comm.AllToAll(send.data(), block, CommType::kF32, Grow(recv, n * block),
-                                     layer);
+  if (absl::Status s =
+          comm.AllToAll(send.data(), block, CommType::kF32, Grow(recv, n * block), layer);
       !s.ok())
     return s;
   UnpackToGroup(recv.data(), g, T, Hl, gathered);
@@ -118,8 +118,8 @@ absl::Status UlyssesToTokens(Communicator& comm, const UlyssesGroup& g, int64_t 
                              std::vector<float>& recv, CommLayer layer) {
   const int64_t n = g.members, Hl = H / n, block = T * Hl * Width(gathered);
   PackByMembers(gathered, g, T, Hl, Grow(send, n * block));
-  if (absl::Status s = comm.AllToAll(send.data(), block, CommType::kF32, Grow(recv, n * block),
-                                     layer);
+  if (absl::Status s =
+          comm.AllToAll(send.data(), block, CommType::kF32, Grow(recv, n * block), layer);
       !s.ok())
     return s;
   UnpackToTokens(recv.data(), T, H, n, local);
@@ -144,7 +144,8 @@ void RowsToMemberBlocks(const float* rows, const UlyssesGroup& g, int64_t T, int
 
 void CopyStrided(const float* src, int64_t stride, int64_t T, int64_t width, float* dst) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * width, src + t * stride, width * sizeof(float));
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(dst + t * width, src + t * stride, width * sizeof(float));
 }
 
 }  // namespace spindle
