@@ -10,7 +10,7 @@
 // Prints a table; asserts nothing.
 //
 //   bench_cost_model --train build/worker/spindle-train [--steps 8]
-//                    [--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS]],...]
+//                    [--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS[:ULYSSES]]],...]
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +39,7 @@ struct Config {
   int64_t seq = 0, cp = 1;
   std::string lmode = "allgather", mmode = "allgather";
   std::string resources = "cpu";
+  int64_t ulysses = 1;
 };
 
 std::string JobJson(const Config& c, int64_t steps) {
@@ -47,7 +48,8 @@ std::string JobJson(const Config& c, int64_t steps) {
       {"model", {{"preset", c.preset}}},
       {"data", {{"source", "synthetic:recall"}}},
       {"seq_len", c.seq},
-      {"parallel", {{"cp", c.cp}, {"lightning_mode", c.lmode}, {"mla_mode", c.mmode}}},
+      {"parallel",
+       {{"cp", c.cp}, {"lightning_mode", c.lmode}, {"mla_mode", c.mmode}, {"ulysses", c.ulysses}}},
       {"train", {{"steps", steps}, {"recompute", false}}},
       {"resources", c.resources}};
   return j.dump();
@@ -84,7 +86,7 @@ int main(int argc, char** argv) {
   }
   if (train.empty()) {
     std::fprintf(stderr, "usage: bench_cost_model --train PATH/spindle-train [--steps N] "
-                         "[--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS]],...]\n");
+                         "[--configs PRESET:SEQ:CP:LMODE:MMODE[:RESOURCES[:THREADS[:U]]],...]\n");
     return 2;
   }
   const std::string dir = (std::filesystem::temp_directory_path() /
@@ -103,6 +105,7 @@ int main(int argc, char** argv) {
     const std::string resources = f.size() > 5 ? f[5] : "cpu";
     int64_t threads = 1;
     if (f.size() > 6) absl::SimpleAtoi(f[6], &threads);
+    if (f.size() > 7) absl::SimpleAtoi(f[7], &c.ulysses);
     c.resources = resources;
     absl::SimpleAtoi(f[1], &c.seq);
     absl::SimpleAtoi(f[2], &c.cp);
@@ -134,8 +137,9 @@ int main(int argc, char** argv) {
       topo.sharing = std::max(1.0, static_cast<double>(c.cp * threads) / cores);
     }
     topo.link_rates = spindle::DefaultLinkRates(topo.link);
-    auto mode = [](const std::string& m) {
-      return spindle::ModeChoice{m == "all2all" ? CpMode::kAll2All : CpMode::kAllGather, 1};
+    auto mode = [&](const std::string& m) {
+      return spindle::ModeChoice{spindle::CpModeFromName(m).value_or(CpMode::kAllGather),
+                                 c.ulysses};
     };
     const double est = spindle::CpCostModel()
                            .Estimate(*spec, topo, mode(c.lmode), mode(c.mmode), 0)

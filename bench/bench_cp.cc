@@ -1,7 +1,8 @@
 // bench_cp: context-parallel overhead on CPU. For several sequence lengths, cp sizes and mode
-// pairs, ranks run as threads (one OpenMP thread each, Gloo over 127.0.0.1) a forward+backward
-// of the model on their zigzag shares, and the table gives per step and per rank: the step time,
-// and per layer type the communication time and bytes sent by mode. cp = 1 is the baseline.
+// pairs (AllGather, All2All, and AllGather with MLA Ring), ranks run as threads (one OpenMP
+// thread each, Gloo over 127.0.0.1) a forward+backward of the model on their zigzag shares, and
+// the table gives per step and per rank: the step time, and per layer type the communication
+// time and bytes sent by mode. cp = 1 is the baseline.
 // Bytes are exact; times on a shared 2-core machine are indicative only (threads of all ranks
 // share the cores, so compute and communication compete). See bench/CP_NOTES.md.
 //
@@ -19,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/cp_modes.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
@@ -77,7 +79,7 @@ Row Measure(const ModelConfig& cfg, int64_t T, int cp, CpMode lm, CpMode mm, int
         comm = std::move(*c);
       }
       auto m = Model::Create(cfg, 1);
-      (*m)->SetCp({comm.get(), lm, mm});
+      (*m)->SetCp({comm.get(), lm, mm, nullptr, nullptr, MlaRingPayloadFor(cfg.mla, cfg.n_heads)});
       CpBatch b = *ShardForCp(full, cp, r);
       for (int i = 0; i < reps; ++i) {
         if (comm) comm->TakeStats();
@@ -138,13 +140,14 @@ int main(int argc, char** argv) {
               "sent by this rank)\n\n");
   std::printf("| T      | cp | mode (L/M)     | step s   | cp=1 s   | light. s  | light. MiB | mla s     | mla MiB    |\n");
   std::printf("|--------|----|----------------|----------|----------|-----------|------------|-----------|------------|\n");
-  const CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All;
+  const CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All, RING = CpMode::kRing;
   for (int64_t T : seqs) {
     const Row base = Measure(cfg, T, 1, AG, AG, static_cast<int>(reps));
     Print(T, 1, "-", base, base.step_s);
     for (int64_t cp : cps) {
-      struct { const char* name; CpMode l, m; } modes[] = {
-          {"allgather/allg", AG, AG}, {"all2all/all2al", A2A, A2A}};
+      struct { const char* name; CpMode l, m;
+      } modes[] = {
+          {"allgather/allg", AG, AG}, {"all2all/all2al", A2A, A2A}, {"allgather/ring", AG, RING}};
       for (auto& m : modes) {
         if (m.l == A2A && cfg.n_heads % cp != 0) continue;
         Print(T, static_cast<int>(cp), m.name,

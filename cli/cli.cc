@@ -304,9 +304,16 @@ void PrintEstimates(const v1::Plan& p, std::ostream& out) {
 void PrintPlan(const v1::Plan& p, std::ostream& out) {
   out << absl::StrFormat("plan: cp=%d dp=%d world=%d, %d tokens per rank\n", p.cp(), p.dp(),
                          p.world(), p.tokens_per_rank());
+  if (p.ulysses() > 1)
+    out << absl::StrFormat("  hybrid modes: Ulysses groups of %d ranks x %d groups\n", p.ulysses(),
+                           p.cp() / p.ulysses());
   for (const v1::LayerPlan& l : p.layers()) {
     out << absl::StrFormat("  %-10s %3d layers  %-9s  %s\n", l.layer_type(), l.num_layers(),
-                           ModeName(l.mode(), l.ulysses()), l.reason());
+                           ModeName(l.mode(), p.ulysses()), l.reason());
+    if (l.comm_bytes_per_step() > 0)
+      out << absl::StrFormat(
+          "  %-10s sends %s per rank and step%s\n", "", FormatBytes(l.comm_bytes_per_step()),
+          l.ring_payload().empty() ? "" : absl::StrCat(" (the ring moves ", l.ring_payload(), ")"));
   }
   PrintEstimates(p, out);
   const v1::MemoryEstimate& m = p.memory();
@@ -661,7 +668,7 @@ class Cli {
                             j.priority(), j.attempt(), j.restarts(), j.max_restarts(),
                             j.plan().world(), j.plan().cp(), j.plan().dp());
     for (const v1::LayerPlan& l : j.plan().layers())
-      out_ << "  " << l.layer_type() << ": " << ModeName(l.mode(), l.ulysses()) << " ("
+      out_ << "  " << l.layer_type() << ": " << ModeName(l.mode(), j.plan().ulysses()) << " ("
            << l.reason() << ")\n";
     out_ << "  " << ProgressLine(j, false) << "\n";
     if (j.last_checkpoint_step() > 0)

@@ -7,22 +7,26 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/cp_modes.h"
 #include "common/json_fields.h"
 #include "common/status.h"
 
 namespace spindle {
 namespace {
 
+// lightning_mode: auto, allgather, all2all, hybrid; mla_mode also ring.
 absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
   std::string s = "auto";
   RETURN_IF_ERROR(f.ReadString(key, &s));
-  if (s == "auto") return CpMode::kAuto;
-  if (s == "allgather") return CpMode::kAllGather;
-  if (s == "all2all") return CpMode::kAll2All;
-  if (s == "fastest") return CpMode::kFastest;
+  const bool mla = key == "mla_mode";
+  const std::optional<CpMode> m = CpModeFromName(s);
+  if (m && (mla || *m != CpMode::kRing)) return *m;
   return f.Error(key,
-                 absl::StrCat("must be \"auto\", \"fastest\", \"allgather\" or \"all2all\", got \"",
-                              ShortText(s), "\""));
+                 absl::StrCat(mla ? "must be \"auto\", \"fastest\", \"allgather\", \"all2all\", "
+                                    "\"ring\" or \"hybrid\""
+                                  : "must be \"auto\", \"fastest\", \"allgather\", \"all2all\" or "
+                                    "\"hybrid\"",
+                              ", got \"", ShortText(s), "\""));
 }
 
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
@@ -108,6 +112,14 @@ std::string_view CpModeName(CpMode m) {
   return "auto";
 }
 
+std::optional<CpMode> CpModeFromName(std::string_view name) {
+  for (CpMode m :
+       {CpMode::kAuto, CpMode::kAllGather, CpMode::kAll2All, CpMode::kRing, CpMode::kHybrid,
+        CpMode::kFastest})
+    if (name == CpModeName(m)) return m;
+  return std::nullopt;
+}
+
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   JsonFields f(j, "job spec", "");
   RETURN_IF_ERROR(f.CheckObject());
@@ -138,6 +150,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(pf.ReadInt("dp", &s.parallel.dp));
     ASSIGN_OR_RETURN(s.parallel.lightning_mode, ParseCpMode(pf, "lightning_mode"));
     ASSIGN_OR_RETURN(s.parallel.mla_mode, ParseCpMode(pf, "mla_mode"));
+    RETURN_IF_ERROR(pf.ReadInt("ulysses", &s.parallel.ulysses));
     RETURN_IF_ERROR(pf.Finish());
     if (s.parallel.cp < 1 || s.parallel.cp > 1024)
       return pf.Error("cp", absl::StrCat("must be in [1, 1024], got ", s.parallel.cp));
@@ -214,6 +227,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   RETURN_IF_ERROR(f.Finish());
 
   // Cross-field rules that need no cluster knowledge.
+  if (absl::Status st = CheckCpModes(s.parallel, s.model.n_heads); !st.ok())
+    return absl::InvalidArgumentError(absl::StrCat("job spec: ", st.message()));
   if (s.train.offload && s.resources != "cuda")
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
@@ -296,6 +311,8 @@ nlohmann::json JobSpec::ToJson() const {
   // Written only when set, so a spec that does not offload stays readable by trainers that
   // predate the field (a cluster upgraded one daemon at a time).
   if (train.offload) j["train"]["offload"] = true;
+  // Only the 2-D modes use it: the canonical form of every other job stays as it was.
+  if (parallel.ulysses != 1) j["parallel"]["ulysses"] = parallel.ulysses;
   return j;
 }
 

@@ -8,6 +8,8 @@
 //   {"name": "recall", "model": {"preset": "tiny"},
 //    "data": {"source": "synthetic:recall"}, "seq_len": 4096,
 //    "parallel": {"cp": 1, "dp": 1, "lightning_mode": "auto", "mla_mode": "auto"},
+//    (2-D modes: "parallel": {"cp": 8, "ulysses": 2, "lightning_mode": "hybrid",
+//                             "mla_mode": "hybrid"}; see ParallelSpec)
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
 //              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto"},
 //    "checkpoint": {"dir": "/tmp/ckpt", "every": 50},
@@ -15,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -38,16 +41,27 @@ struct DataSpec {
   int64_t recall_gap = 1024;
 };
 
-// kAuto and kFastest exist only in specs: the planner resolves them (the design card's rule, or
-// the cost model's fastest estimate) to one of the others.
+// How a layer type runs under context parallelism (DESIGN.md section 3). kRing is MLA's only;
+// kHybrid is Ulysses over groups of parallel.ulysses ranks combined with Ring (MLA) or with the
+// AllGather of chunk states (Lightning) across the groups. kAuto and kFastest exist only in specs:
+// the planner resolves them (the design card's rule, or the cost model's fastest estimate).
 enum class CpMode { kAuto, kAllGather, kAll2All, kRing, kHybrid, kFastest };
+// "auto", "allgather", "all2all", "ring", "hybrid", "fastest"; CpModeFromName is its inverse
+// (nullopt for any other name).
 std::string_view CpModeName(CpMode m);
+std::optional<CpMode> CpModeFromName(std::string_view name);
 
+// parallel: cp ranks share each sequence (zigzag chunks), dp replicas. `ulysses` (u) is the size
+// of the Ulysses groups of the 2-D "hybrid" modes: the CP group splits into r = cp / u groups of
+// u consecutive CP ranks (cp/cp_groups.h). Valid (CheckCpModes in common/cp_modes.h, applied
+// when the spec is parsed): u = 1 unless a mode is "hybrid"; a "hybrid" mode needs u >= 2,
+// u dividing cp with r = cp / u >= 2, and u dividing model.n_heads. "ring" is MLA's only.
 struct ParallelSpec {
   int64_t cp = 1;
   int64_t dp = 1;
   CpMode lightning_mode = CpMode::kAuto;
   CpMode mla_mode = CpMode::kAuto;
+  int64_t ulysses = 1;
   int64_t world() const { return cp * dp; }
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/cp_modes.h"
 
 namespace spindle {
 namespace {
@@ -147,118 +148,100 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
   const double layers = lightning ? s.L_L : s.L_M;
   if (layers == 0) return c;
   const double n = s.n;
-  const double u = choice.mode == CpMode::kHybrid ? static_cast<double>(choice.ulysses) : 1.0;
+  const bool hybrid = choice.mode == CpMode::kHybrid;
+  const double u = hybrid ? static_cast<double>(choice.ulysses) : 1.0;
   const double r = n / u;  // the Ring / AllGather degree of a 2-D mode
-  double bytes = 0, messages = 0, exposed = 0, memory = 0;
+  // What each rank sends per layer (common/cp_modes.h, the engine's own accounting in fp32
+  // values); a GPU moves bf16 activations, and Lightning's states stay fp32.
+  ParallelSpec par = spec.parallel;
+  par.ulysses = choice.ulysses;
+  const CpCommBytes sent =
+      CpLayerCommBytes(spec.model, lightning ? 'L' : 'M', choice.mode, par, spec.seq_len);
+  const double act = s.B / 4.0;
+  double fwd = static_cast<double>(sent.forward), bwd = static_cast<double>(sent.backward);
+  double exposed = 0, messages = 0, memory = 0;
   if (lightning) {
     const double rate = Rate(topo.rates.lightning_flops, sh);
     const double core = Time(s.LightningFlopsPerToken() * s.T_loc, rate);  // fwd + bwd
     c.compute_s = core;
     const double state = 2.0 * s.H * s.Dh * s.Dh * 4.0;  // two fp32 states per rank (its chunks)
-    // Ulysses transposition: q, k, v out and o back; the backward the same again.
-    auto all2all = [&](double degree) {
-      const double b = 4.0 * s.T_loc * s.d * s.B * (degree - 1.0) / degree;
-      const double msgs = 2.0 * (degree - 1.0);
-      return std::pair<double, double>{2.0 * b, 2.0 * msgs};
-    };
-    if (n > 1) {
-      if (choice.mode == CpMode::kAll2All) {
-        auto [b, msgs] = all2all(n);
-        bytes = b, messages = msgs;
-        exposed = LinkTime(link, bytes, messages);
-        memory = 3.0 * s.T_loc * s.d * s.B;  // head-split q, k, v kept for the backward
-      } else {
-        // AllGather of the states over the group (its heads: H / u), forward and backward,
-        // hidden behind the local outputs (a third of the core forward, two thirds backward).
-        const double degree = choice.mode == CpMode::kHybrid ? r : n;
-        const double gather = (degree - 1.0) * state / u;
-        const double t_gather = LinkTime(link, gather, degree - 1.0);
-        exposed = std::max(0.0, t_gather - core / 3.0) + std::max(0.0, t_gather - 2.0 * core / 3.0);
-        bytes = 2.0 * gather;
-        messages = 2.0 * (degree - 1.0);
-        // The carry correction of the continuing first segments, forward and backward.
-        c.compute_s += Time(3.0 * 2.0 * s.H * s.Dh * s.Dh * s.T_loc, rate);
-        // The carry-ins kept for the backward, and the gathered states while they are used.
-        memory = state / u + 2.0 * degree * state / u / layers;
-        if (choice.mode == CpMode::kHybrid) {
-          auto [b, msgs] = all2all(u);
-          bytes += b, messages += msgs;
-          exposed += LinkTime(link, b, msgs);
-          memory += 3.0 * s.T_loc * s.d * s.B;
-        }
+    if (n > 1 && choice.mode != CpMode::kAll2All) {
+      // The chunk states' AllGather (over the groups in a 2-D mode, of their H / u heads), hidden
+      // behind the local outputs: a third of the core forward, two thirds backward.
+      const double degree = hybrid ? r : n;
+      const double gather = (degree - 1.0) * state / u;
+      exposed += std::max(0.0, LinkTime(link, gather, degree - 1.0) - core / 3.0) +
+                 std::max(0.0, LinkTime(link, gather, degree - 1.0) - 2.0 * core / 3.0);
+      messages += 2.0 * (degree - 1.0);
+      // The carry correction of the continuing first segments, forward and backward.
+      c.compute_s += Time(3.0 * 2.0 * s.H * s.Dh * s.Dh * s.T_loc, rate);
+      memory += state / u + 2.0 * degree * state / u / layers;
+      // The rest of a 2-D mode's bytes are its Ulysses transposition.
+      const double ulysses = (fwd - gather) * act;
+      fwd = gather + ulysses, bwd = gather + ulysses;
+      if (hybrid) {
+        exposed += LinkTime(link, 2.0 * ulysses, 4.0 * (u - 1.0));
+        messages += 4.0 * (u - 1.0);
+        memory += 3.0 * s.T_loc * s.d * s.B;
       }
+    } else if (n > 1) {  // All2All: q, k, v out and o back; the backward the reverse
+      fwd *= act, bwd *= act;
+      messages = 4.0 * (n - 1.0);
+      exposed = LinkTime(link, fwd + bwd, messages);
+      memory = 3.0 * s.T_loc * s.d * s.B;  // head-split q, k, v kept for the backward
     }
-  } else {
+  } else if (n > 1) {
+    fwd *= act, bwd *= act;
     const double rate = Rate(topo.rates.attention_flops, sh);
     const double gemm = Rate(topo.rates.gemm_flops, sh);
     const double core = Time(s.AttentionFlops() / n, rate);  // zigzag: an equal share each
     c.compute_s = core;
-    const double kv_block = s.T_loc * s.H * (s.qk + s.v) * s.B;   // K and V of T_loc tokens
-    const double latent_block = s.T_loc * (s.kv + s.rd) * s.B;  // [c_n, k_r] of T_loc tokens
+    const double kv_block = s.T_loc * s.H * (s.qk + s.v) * s.B;  // K and V of T_loc tokens
+    // K and V rebuilt from the latent for the keys of the other ranks.
     const double rebuild = Time(s.RebuildFlopsPerToken() * (s.T - s.T_loc), gemm);
-    auto all2all = [&](double degree) {
-      // Q, K, V out and O back; the backward: dO in, dQ, dK, dV back.
-      const double b = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B * (degree - 1.0) / degree;
-      return std::pair<double, double>{2.0 * b, 4.0 * (degree - 1.0)};
-    };
-    // The ring over `degree` ranks: a block moves each step while the previous one computes;
-    // the backward moves the block again and its dK, dV accumulators (fp32).
-    auto ring = [&](double degree, double block, double grad_block, double t_core) {
-      const double steps = degree - 1.0;
-      const double t_block = t_core / degree;  // each step's share of the attention
-      const double fwd = LinkTime(link, block, 1.0);
-      const double bwd = LinkTime(link, block + grad_block, 2.0);
-      exposed += steps * (std::max(0.0, fwd - t_block / 3.0) +
-                          std::max(0.0, bwd - 2.0 * t_block / 3.0));
-      bytes += steps * (2.0 * block + grad_block);
-      messages += steps * 3.0;
-    };
-    if (n > 1) {
-      switch (choice.mode) {
-        case CpMode::kAll2All: {
-          auto [b, msgs] = all2all(n);
-          bytes = b, messages = msgs;
-          exposed = LinkTime(link, bytes, messages);
-          memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B;
-          break;
+    switch (choice.mode) {
+      case CpMode::kAll2All:
+        messages = 4.0 * (n - 1.0);
+        exposed = LinkTime(link, fwd + bwd, messages);
+        memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B;
+        break;
+      case CpMode::kRing:
+      case CpMode::kHybrid: {
+        // The ring over r ranks: a block moves each step while the previous one computes (a
+        // third of its attention forward, two thirds backward); the backward moves the block and
+        // its gradient accumulator. A 2-D mode's Ulysses transposition around it is exposed.
+        const int64_t heads = MlaRingHeads(spec.model.n_heads, choice.mode, choice.ulysses);
+        const MlaRingPayload payload = MlaRingPayloadFor(spec.model.mla, heads);
+        const double block = u * s.T_loc *
+                             static_cast<double>(MlaRingPayloadWidth(spec.model.mla, payload,
+                                                                     heads)) *
+                             s.B;
+        const double steps = r - 1.0, t_block = core / r;
+        exposed += steps * (std::max(0.0, LinkTime(link, block, 1.0) - t_block / 3.0) +
+                            std::max(0.0, LinkTime(link, 2.0 * block, 2.0) - 2.0 * t_block / 3.0));
+        messages += 3.0 * steps;
+        const double ulysses = std::max(0.0, fwd - steps * block);
+        if (hybrid) {
+          exposed += LinkTime(link, 2.0 * ulysses, 4.0 * (u - 1.0));
+          messages += 4.0 * (u - 1.0);
         }
-        case CpMode::kRing: {
-          // Whichever moves fewer bytes: the latent (rebuilt into K, V on arrival) or K, V.
-          const bool latent = latent_block < kv_block;
-          const double block = latent ? latent_block : kv_block;
-          const double grad = s.T_loc * s.H * (s.qk + s.v) * 4.0;
-          if (latent) c.compute_s += rebuild;
-          ring(n, block, grad, core);
-          memory = 2.0 * kv_block + grad;
-          break;
-        }
-        case CpMode::kHybrid: {
-          auto [b, msgs] = all2all(u);
-          bytes = b, messages = msgs;
-          exposed = LinkTime(link, b, msgs);
-          // After the transposition a rank holds u T_loc tokens of H / u heads: blocks of the
-          // same size as T_loc tokens of every head.
-          ring(r, kv_block, s.T_loc * s.H * (s.qk + s.v) * 4.0, core);
-          memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B + 2.0 * kv_block;
-          break;
-        }
-        default: {  // AllGather of the latent; the backward reduce-scatters it in fp32
-          const double gathered = (n - 1.0) * latent_block;
-          const double scattered = (n - 1.0) * s.T_loc * (s.kv + s.rd) * 4.0;
-          bytes = gathered + scattered;
-          messages = 2.0 * (n - 1.0);
-          exposed = LinkTime(link, bytes, messages);
-          c.compute_s += rebuild;
-          memory = n * latent_block + s.T * s.H * (s.qk + s.v) * s.B;
-          break;
-        }
+        if (payload == MlaRingPayload::kLatent) c.compute_s += rebuild;
+        memory = 2.0 * kv_block + kv_block / s.B * 4.0 +
+                 (hybrid ? s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B : 0.0);
+        break;
       }
+      default:  // AllGather of the latent; the backward reduce-scatters its gradient
+        messages = 2.0 * (n - 1.0);
+        exposed = LinkTime(link, fwd + bwd, messages);
+        c.compute_s += rebuild;
+        memory = n * s.T_loc * (s.kv + s.rd) * s.B + s.T * s.H * (s.qk + s.v) * s.B;
+        break;
     }
   }
   c.compute_s *= layers * s.m;
-  c.comm_s = LinkTime(link, bytes, messages) * layers * s.m;
+  c.comm_s = LinkTime(link, fwd + bwd, messages) * layers * s.m;
   c.exposed_s = exposed * layers * s.m;
-  c.bytes = static_cast<int64_t>(bytes * layers * s.m);
+  c.bytes = static_cast<int64_t>((fwd + bwd) * layers * s.m);
   c.memory_bytes = static_cast<int64_t>(memory * layers);
   return c;
 }

@@ -5,15 +5,38 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cp_modes.h"
 
 namespace spindle {
 namespace {
 
-std::string ModeWord(CpMode m) { return m == CpMode::kAll2All ? "all2all" : "allgather"; }
+std::string ModeWord(CpMode m) { return std::string(CpModeName(m)); }
+
+// What the forced ring modes move, for the reason line.
+std::string RingDetail(const JobSpec& spec, CpMode mode) {
+  const ParallelSpec& par = spec.parallel;
+  std::string s;
+  if (mode == CpMode::kHybrid)
+    s = absl::StrCat(": Ulysses over groups of ", par.ulysses, " ranks, Ring across the ",
+                     spec.parallel.cp / std::max<int64_t>(1, par.ulysses), " groups");
+  const MlaConfig& m = spec.model.mla;
+  const int64_t heads = MlaRingHeads(spec.model.n_heads, mode, par.ulysses);
+  const MlaRingPayload pl = MlaRingPayloadFor(m, heads);
+  const MlaRingPayload other =
+      pl == MlaRingPayload::kKv ? MlaRingPayload::kLatent : MlaRingPayload::kKv;
+  auto what = [](MlaRingPayload p) {
+    return p == MlaRingPayload::kKv ? std::string("K and V") : std::string("the latent");
+  };
+  s += absl::StrCat(s.empty() ? ": " : "; ", "the ring moves ", what(pl), " (",
+                    MlaRingPayloadWidth(m, pl, heads), " values a token; ", what(other), ": ",
+                    MlaRingPayloadWidth(m, other, heads), ")");
+  return s;
+}
 
 // Decides the mode of one layer type; appends a problem when a forced mode is impossible.
-LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMode requested,
-                         int64_t cp, int64_t heads, std::vector<std::string>* problems) {
+LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int64_t num_layers,
+                         CpMode requested, std::vector<std::string>* problems) {
+  const int64_t cp = std::max<int64_t>(1, spec.parallel.cp), heads = spec.model.n_heads;
   LayerModePlan p;
   p.layer_type = layer_type;
   p.num_layers = num_layers;
@@ -21,7 +44,24 @@ LayerModePlan DecideMode(const std::string& layer_type, int64_t num_layers, CpMo
   if (requested != CpMode::kAuto && requested != CpMode::kFastest) {
     p.forced = true;
     p.mode = requested;
-    if (requested == CpMode::kAll2All && heads % cp != 0) {
+    if (requested == CpMode::kRing || requested == CpMode::kHybrid) {
+      std::string detail;
+      if (requested == CpMode::kHybrid && layer_type == "lightning")
+        detail = absl::StrCat(": Ulysses over groups of ", spec.parallel.ulysses,
+                              " ranks, the chunk states all-gathered across the ",
+                              cp / std::max<int64_t>(1, spec.parallel.ulysses), " groups");
+      else if (layer_type == "mla")
+        detail = RingDetail(spec, requested);
+      p.reason =
+          absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")", detail);
+      if (layer_type == "mla" && cp > 1)
+        p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
+            spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
+      if (spec.resources == "cuda" && cp > 1)
+        problems->push_back(absl::StrCat(field, ": \"", ModeWord(requested),
+                                         "\" runs on resources \"cpu\" only (the CUDA engine has "
+                                         "allgather and all2all)"));
+    } else if (requested == CpMode::kAll2All && heads % cp != 0) {
       problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
                                        heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
                                        heads % cp, "); use allgather or a cp that divides ",
@@ -202,15 +242,28 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   }
 
   bool mla_allgather = false, lightning_allgather = false;
+  CpMode mla_mode = CpMode::kAllGather, lightning_mode = CpMode::kAllGather;
   for (const LayerModePlan& l : layers) {
     if (l.layer_type == "mla") mla_allgather = l.mode == CpMode::kAllGather && cp > 1;
     if (l.layer_type == "lightning") lightning_allgather = l.mode == CpMode::kAllGather && cp > 1;
+    if (l.layer_type == "mla" && cp > 1) mla_mode = l.mode;
+    if (l.layer_type == "lightning" && cp > 1) lightning_mode = l.mode;
   }
+  // Ulysses groups of the hybrid modes (u = 1 otherwise, where nothing below applies).
+  const int64_t u = std::clamp<int64_t>(spec.parallel.ulysses, 1, cp);
+  const bool mla_ring = mla_mode == CpMode::kRing || mla_mode == CpMode::kHybrid;
+  const int64_t mla_u = mla_mode == CpMode::kHybrid ? u : 1;
+  const int64_t mla_heads = H / mla_u;
+  const int64_t ring_w =
+      mla_ring ? MlaRingPayloadWidth(a, MlaRingPayloadFor(a, mla_heads), mla_heads) : 0;
   const int64_t common = 4 * d + 3 * f;
   int64_t per_l = common + 9 * d;
   int64_t per_m = common + H * qk * 2 + (a.kv_lora_rank + a.qk_rope_dim) * 2 +
                   H * (a.qk_nope_dim + a.v_head_dim) + H * a.v_head_dim + 2 * H;
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
+  if (mla_mode == CpMode::kRing) per_m += ring_w;
+  if (mla_mode == CpMode::kHybrid) per_m += H * (qk + a.v_head_dim + 1) + u * ring_w;
+  if (lightning_mode == CpMode::kHybrid) per_l += 3 * d;
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
@@ -260,6 +313,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
+  if (lightning_mode == CpMode::kHybrid)
+    e.workspace_bytes += 2 * 2 * (cp / u) * (H / u) * Dh * Dh * 4 + T * 4 * 4 * d;
+  if (mla_ring) {
+    const int64_t Hl = mla_heads;
+    e.workspace_bytes += mla_u * T * 4 * (5 * ring_w + 3 * Hl * (qk + a.v_head_dim) + Hl);
+    if (mla_u > 1) e.workspace_bytes += T * 4 * H * (2 * qk + a.v_head_dim);
+  }
   // CUDA All2All: one block as wide as the widest core input (the exchange's local side, and the
   // core's input gradients; received gradients land in the layer's cp_full) and one output-wide
   // block.
@@ -318,59 +378,73 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
 
 namespace {
 
-// The rule's modes are estimated beside every candidate; "fastest" layer types take the fastest
-// pair of modes (a 2-D mode of each type sharing one Ulysses degree), then every candidate of
-// each type is estimated with the other type as chosen.
+// The modes of the rule, for the estimates' marks.
+ModeChoice RuleMode(int64_t cp, int64_t heads) {
+  if (cp > 1 && cp <= heads && heads % cp == 0) return {CpMode::kAll2All, 1};
+  return {CpMode::kAllGather, 1};
+}
+
+// The candidates of a layer type that the job's resources run (the CUDA engine: AllGather and
+// All2All).
+std::vector<ModeChoice> RunnableCandidates(const JobSpec& spec, const std::string& type) {
+  std::vector<ModeChoice> out;
+  for (const ModeChoice& c :
+       CandidateModes(type, std::max<int64_t>(1, spec.parallel.cp), spec.model.n_heads)) {
+    if (spec.resources == "cuda" && (c.mode == CpMode::kRing || c.mode == CpMode::kHybrid))
+      continue;
+    out.push_back(c);
+  }
+  return out;
+}
+
+// "fastest": the pair of modes (Lightning, MLA) the cost model estimates fastest among those the
+// job's resources run, a layer type not asking for "fastest" keeping its own; both 2-D modes
+// share one Ulysses degree.
+std::pair<ModeChoice, ModeChoice> ChooseFastest(const JobSpec& spec, const Topology& topo) {
+  const CpCostModel model;
+  const int64_t cp = std::max<int64_t>(1, spec.parallel.cp), heads = spec.model.n_heads;
+  const int64_t recompute = std::max<int64_t>(0, spec.train.recompute_layers);
+  auto options = [&](const std::string& type, CpMode requested) {
+    std::vector<ModeChoice> out;
+    if (requested != CpMode::kFastest) {
+      out.push_back(requested == CpMode::kAuto ? RuleMode(cp, heads)
+                                               : ModeChoice{requested, spec.parallel.ulysses});
+      return out;
+    }
+    return RunnableCandidates(spec, type);
+  };
+  std::pair<ModeChoice, ModeChoice> best;
+  double best_s = -1;
+  for (const ModeChoice& l : options("lightning", spec.parallel.lightning_mode)) {
+    for (const ModeChoice& m : options("mla", spec.parallel.mla_mode)) {
+      if (l.mode == CpMode::kHybrid && m.mode == CpMode::kHybrid && l.ulysses != m.ulysses)
+        continue;
+      const double t = model.Estimate(spec, topo, l, m, recompute).step_s();
+      if (best_s < 0 || t < best_s) best_s = t, best = {l, m};
+    }
+  }
+  return best;
+}
+
+// Every candidate of each layer type, estimated with the other type as the plan chose it; marks
+// the rule's pick, the fastest and the chosen, and warns when the rule's pick is estimated 20% or
+// more slower on its layers than the fastest.
 void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_layers,
                    CpPlan* plan) {
   const CpCostModel model;
   plan->cost_basis = topo.basis;
-  LayerModePlan* layer[2] = {&plan->layers[0], &plan->layers[1]};
+  const LayerModePlan* layer[2] = {&plan->layers[0], &plan->layers[1]};
   const std::string types[2] = {"lightning", "mla"};
-  const CpMode requested[2] = {spec.parallel.lightning_mode, spec.parallel.mla_mode};
   const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
   std::vector<ModeChoice> candidates[2];
-  for (int i = 0; i < 2; ++i)
-    candidates[i] = CandidateModes(types[i], cp, spec.model.n_heads);
+  for (int i = 0; i < 2; ++i) candidates[i] = RunnableCandidates(spec, types[i]);
   auto step = [&](const ModeChoice& l, const ModeChoice& m) {
     return model.Estimate(spec, topo, l, m, recompute_layers).step_s();
   };
   ModeChoice chosen[2], rule[2];
   for (int i = 0; i < 2; ++i) {
-    chosen[i] = {layer[i]->mode, layer[i]->ulysses};
-    rule[i] = chosen[i];
-    if (requested[i] != CpMode::kAuto) {
-      rule[i].mode = cp == 1 ? CpMode::kAllGather
-                             : (cp <= spec.model.n_heads && spec.model.n_heads % cp == 0
-                                    ? CpMode::kAll2All
-                                    : CpMode::kAllGather);
-      rule[i].ulysses = 1;
-    }
-  }
-  if (requested[0] == CpMode::kFastest || requested[1] == CpMode::kFastest) {
-    double best = -1;
-    ModeChoice best_pair[2] = {chosen[0], chosen[1]};
-    for (const ModeChoice& l : requested[0] == CpMode::kFastest
-                                   ? candidates[0]
-                                   : std::vector<ModeChoice>{chosen[0]}) {
-      for (const ModeChoice& m : requested[1] == CpMode::kFastest
-                                     ? candidates[1]
-                                     : std::vector<ModeChoice>{chosen[1]}) {
-        if (l.mode == CpMode::kHybrid && m.mode == CpMode::kHybrid && l.ulysses != m.ulysses)
-          continue;
-        const double t = step(l, m);
-        if (best < 0 || t < best) best = t, best_pair[0] = l, best_pair[1] = m;
-      }
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (requested[i] != CpMode::kFastest) continue;
-      chosen[i] = best_pair[i];
-      layer[i]->mode = chosen[i].mode;
-      layer[i]->ulysses = chosen[i].ulysses;
-      layer[i]->forced = false;
-      layer[i]->reason = absl::StrCat("fastest by the cost model (", ModeChoiceName(chosen[i]),
-                                      ", of ", candidates[i].size(), " candidates)");
-    }
+    chosen[i] = {layer[i]->mode, layer[i]->mode == CpMode::kHybrid ? plan->ulysses : 1};
+    rule[i] = RuleMode(cp, spec.model.n_heads);
   }
   plan->step_s = step(chosen[0], chosen[1]);
   if (cp == 1) return;
@@ -411,6 +485,31 @@ void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_
 
 CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
                        const Topology* topology) const {
+  const Topology fallback = DefaultTopology(spec.resources);
+  const Topology& topo = topology ? *topology : fallback;
+  if (spec.parallel.lightning_mode == CpMode::kFastest ||
+      spec.parallel.mla_mode == CpMode::kFastest) {
+    // Resolved by the cost model, then planned as if the spec had forced those modes.
+    const auto [l, m] = ChooseFastest(spec, topo);
+    JobSpec resolved = spec;
+    resolved.parallel.lightning_mode = l.mode;
+    resolved.parallel.mla_mode = m.mode;
+    resolved.parallel.ulysses = l.mode == CpMode::kHybrid   ? l.ulysses
+                                : m.mode == CpMode::kHybrid ? m.ulysses
+                                                            : 1;
+    CpPlan plan = Plan(resolved, device_memory_bytes, &topo);
+    const CpMode requested[2] = {spec.parallel.lightning_mode, spec.parallel.mla_mode};
+    for (int i = 0; i < 2 && i < static_cast<int>(plan.layers.size()); ++i) {
+      if (requested[i] != CpMode::kFastest) continue;
+      LayerModePlan& lp = plan.layers[i];
+      lp.forced = false;
+      lp.reason = absl::StrCat(
+          "fastest by the cost model: ",
+          ModeChoiceName({lp.mode, lp.mode == CpMode::kHybrid ? plan.ulysses : 1}),
+          absl::StrFormat(", %.4g s a step", plan.step_s));
+    }
+    return plan;
+  }
   CpPlan plan;
   const ModelConfig& m = spec.model;
   plan.cp = spec.parallel.cp;
@@ -419,10 +518,15 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
   const int64_t cp = std::max<int64_t>(1, plan.cp);
   plan.tokens_per_rank = spec.seq_len / cp;
 
-  plan.layers.push_back(DecideMode("lightning", m.NumLayersOfKind('L'),
-                                   spec.parallel.lightning_mode, cp, m.n_heads, &plan.problems));
-  plan.layers.push_back(DecideMode("mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, cp,
-                                   m.n_heads, &plan.problems));
+  plan.ulysses = spec.parallel.ulysses;
+  // The combinations of parallel.* the spec parser checks, for specs built in code (the memory
+  // hint's, a planner test's).
+  if (absl::Status s = CheckCpModes(spec.parallel, m.n_heads); !s.ok())
+    plan.problems.push_back(std::string(s.message()));
+  plan.layers.push_back(DecideMode(spec, "lightning", m.NumLayersOfKind('L'),
+                                   spec.parallel.lightning_mode, &plan.problems));
+  plan.layers.push_back(
+      DecideMode(spec, "mla", m.NumLayersOfKind('M'), spec.parallel.mla_mode, &plan.problems));
 
   // The CUDA engine runs both modes for both layer types, on the shapes its kernels take.
   if (spec.resources == "cuda") {
@@ -448,6 +552,17 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
                                        : spec.train.recompute_layers;
   plan.memory = EstimateMemory(spec, plan.layers, recompute_layers);
   plan.memory.device_memory_bytes = device_memory_bytes;
+  if (spec.seq_len % chunks == 0) {
+    for (LayerModePlan& l : plan.layers) {
+      const char kind = l.layer_type == "mla" ? 'M' : 'L';
+      const CpCommBytes b = CpLayerCommBytes(m, kind, l.mode, spec.parallel, spec.seq_len);
+      int64_t bytes = 0;
+      for (int64_t i = 0; i < m.n_layers; ++i)
+        if (m.LayerKind(i) == kind)
+          bytes += b.forward * (i < plan.memory.recompute_layers ? 2 : 1) + b.backward;
+      l.comm_bytes_per_step = bytes * spec.train.micro_batches;
+    }
+  }
   if (auto_recompute && device_memory_bytes <= 0)
     plan.warnings.push_back("train.recompute \"auto\": no device known, every layer recomputes");
   if (device_memory_bytes > 0) {
@@ -466,9 +581,8 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
   } else {
     plan.warnings.push_back("no device known: memory estimate not checked against a device");
   }
-  const Topology fallback = DefaultTopology(spec.resources);
-  if (spec.seq_len > 0 && spec.seq_len % chunks == 0)
-    EstimateModes(spec, topology ? *topology : fallback, recompute_layers, &plan);
+  if (spec.seq_len > 0 && spec.seq_len % chunks == 0 && plan.layers.size() == 2)
+    EstimateModes(spec, topo, recompute_layers, &plan);
   return plan;
 }
 

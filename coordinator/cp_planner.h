@@ -5,7 +5,10 @@
 // Mode rule per layer type ("lightning", "mla"): when the spec says "auto", All2All if
 // cp <= n_heads and n_heads % cp == 0, else AllGather. cp == 1 needs no communication; the
 // mode is then reported as AllGather ("cp=1: no sequence split"). A forced All2All with
-// n_heads % cp != 0 is a problem naming the layer type, cp and heads.
+// n_heads % cp != 0 is a problem naming the layer type, cp and heads. The forced modes "ring"
+// (MLA) and "hybrid" (Ulysses groups of parallel.ulysses ranks) are checked by CheckCpModes
+// (common/cp_modes.h) and run on resources "cpu" only; the plan names MLA's ring payload
+// (MlaRingPayloadFor) and, per layer type, the bytes a rank sends per step (CpLayerCommBytes).
 //
 // Thread-safety: stateless; Plan() is const and may be called from any thread.
 #pragma once
@@ -23,9 +26,12 @@ struct LayerModePlan {
   std::string layer_type;  // "lightning" or "mla"
   int64_t num_layers = 0;
   CpMode mode = CpMode::kAllGather;  // never kAuto or kFastest
-  int64_t ulysses = 1;               // the Ulysses degree of kHybrid
   std::string reason;                // one line
   bool forced = false;               // the spec chose the mode
+  // Bytes one rank sends for these layers per optimizer step: micro_batches x (each layer's
+  // forward, twice for a recomputing layer, and backward), CpLayerCommBytes.
+  int64_t comm_bytes_per_step = 0;
+  std::string ring_payload;  // MLA ring / hybrid: "kv" or "latent"; empty otherwise
 };
 
 // One candidate mode of one layer type, as the cost model estimates it (cp_cost_model.h).
@@ -58,6 +64,7 @@ struct CpPlan {
   int64_t cp = 1;
   int64_t dp = 1;
   int64_t world = 1;
+  int64_t ulysses = 1;  // parallel.ulysses, or the Ulysses degree "fastest" chose
   int64_t tokens_per_rank = 0;
   std::vector<LayerModePlan> layers;  // "lightning" then "mla"
   MemoryEstimate memory;              // memory.recompute_layers: train.recompute resolved
@@ -99,7 +106,11 @@ struct CpPlan {
 //     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2
 //                         + H (qk_nope + v_head) + H v_head + 2 H (softmax stats, fp32)
 //                         and, in AllGather mode, the gathered latents of the whole sequence:
-//                         cp * T * (kv_lora + qk_rope)
+//                         cp * T * (kv_lora + qk_rope); in Ring mode its own block, W values
+//                         (W = the payload's width, MlaRingPayloadWidth); in hybrid mode the
+//                         head-split Q, block, output and statistics of its group's u T tokens:
+//                         H (qk + v_head + 1) + u W
+//     Lightning hybrid += 3 d (the head-split q, k, v of the group's tokens)
 //     CUDA All2All     += each layer's head-split core inputs (and MLA's output) over the sequence
 //   workspace   min(T, 4096) * vocab * 4 (cross-entropy block, fp32) + 64 MiB
 //               + T * B * (d + the kinds' own gradient scratch: the larger on "cuda", 11 d on
@@ -107,7 +118,12 @@ struct CpPlan {
 //                 under MLA All2All by CudaMlaGradHeadsPerGroup's head groups) + the FFN
 //                 gradients ([T, 3 f], or a block on "cuda")
 //               + CP exchange blocks (CUDA All2All: T * B * (widest core input + output
-//                 width)); Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4
+//                 width)); Lightning AllGather states 2 * 2cp * H * Dh * Dh * 4; Lightning
+//                 hybrid: the same for 2r chunks of H/u heads, and the exchange blocks
+//                 T * 4 * 4 d; MLA ring (r = cp, u = 1) and hybrid: the ring's blocks and
+//                 accumulators and one block's rebuilt keys, values and their gradients,
+//                 u T * 4 * (5 W + 3 H/u (qk + v_head) + H/u), and under hybrid the exchange
+//                 blocks T * 4 * H (2 qk + v_head)
 //   runtime     "cuda": 0.6 GiB (CUDA context and libraries) + cuDNN's attention workspace: the
 //               fp32 dQ accumulator of one group of g heads over the sequence, seq_len * g * qk *
 //               4 (g = CudaAttentionHeadsPerCall of H / cp heads), or under MLA AllGather the

@@ -52,6 +52,7 @@ struct JobManager::JobRuntime {
   CpMode lightning_mode = CpMode::kAllGather;
   CpMode mla_mode = CpMode::kAllGather;
   int64_t recompute_layers = 0;  // train.recompute as planned (never auto)
+  std::string run_spec_json;     // the spec with the plan's modes (AdoptPlan): what ranks run
   // "auto" planned with no device registered (every layer): decided at the first placement.
   bool recompute_at_placement = false;
   int64_t memory_per_rank = 0;
@@ -585,6 +586,13 @@ void JobManager::AdoptPlan(JobRuntime& j, const CpPlan& plan) {
   j.recompute_layers = plan.memory.recompute_layers;
   j.memory_per_rank = plan.memory.total_bytes;
   j.host_bytes_per_rank = plan.memory.host_bytes;
+  // The spec the ranks run: the plan's decisions in place of "auto" and "fastest", so that the
+  // trainer applies the plan as sent.
+  JobSpec run = j.spec;
+  run.parallel.lightning_mode = j.lightning_mode;
+  run.parallel.mla_mode = j.mla_mode;
+  run.parallel.ulysses = plan.ulysses;
+  j.run_spec_json = run.ToJson().dump();
 }
 
 void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {
@@ -743,7 +751,7 @@ AssignmentCommand JobManager::MakeAssignment(const JobRuntime& j, const RankPlac
   a.lightning_mode = j.lightning_mode;
   a.mla_mode = j.mla_mode;
   a.recompute_layers = j.recompute_layers;
-  a.spec_json = j.rec.spec_json;
+  a.spec_json = j.run_spec_json.empty() ? j.rec.spec_json : j.run_spec_json;
   a.rendezvous_address = rendezvous_address_;
   a.rendezvous_token = j.token;
   a.checkpoint_dir = j.spec.checkpoint.dir;

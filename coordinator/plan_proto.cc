@@ -50,7 +50,8 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
     p->set_mode(static_cast<v1::CpMode>(CpModeToProto(l.mode)));
     p->set_reason(l.reason);
     p->set_forced(l.forced);
-    p->set_ulysses(l.ulysses);
+    p->set_comm_bytes_per_step(l.comm_bytes_per_step);
+    p->set_ring_payload(l.ring_payload);
   }
   for (const ModeEstimate& e : plan.estimates) {
     v1::ModeEstimate* p = out->add_estimates();
@@ -86,6 +87,7 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->set_ok(plan.ok());
   out->set_max_seq_len(plan.max_seq_len);
   out->set_max_seq_len_offload(plan.max_seq_len_offload);
+  out->set_ulysses(plan.ulysses);
 }
 
 void PlanFromProto(const v1::Plan& p, CpPlan* out) {
@@ -94,9 +96,17 @@ void PlanFromProto(const v1::Plan& p, CpPlan* out) {
   out->dp = p.dp();
   out->world = p.world();
   out->tokens_per_rank = p.tokens_per_rank();
-  for (const v1::LayerPlan& l : p.layers())
-    out->layers.push_back({l.layer_type(), l.num_layers(), CpModeFromProto(l.mode()),
-                           l.ulysses(), l.reason(), l.forced()});
+  for (const v1::LayerPlan& l : p.layers()) {
+    LayerModePlan& lp = out->layers.emplace_back();
+    lp.layer_type = l.layer_type();
+    lp.num_layers = l.num_layers();
+    lp.mode = CpModeFromProto(l.mode());
+    lp.reason = l.reason();
+    lp.forced = l.forced();
+    lp.comm_bytes_per_step = l.comm_bytes_per_step();
+    lp.ring_payload = l.ring_payload();
+  }
+  out->ulysses = p.ulysses();
   for (const v1::ModeEstimate& e : p.estimates()) {
     ModeEstimate m;
     m.layer_type = e.layer_type();

@@ -66,6 +66,10 @@ std::string CpModeFlag(v1::CpMode mode) {
       return "all2all";
     case v1::CP_MODE_ALLGATHER:
       return "allgather";
+    case v1::CP_MODE_RING:
+      return "ring";
+    case v1::CP_MODE_HYBRID:
+      return "hybrid";
     default:
       return "auto";
   }

@@ -1,7 +1,8 @@
 // spindle-train: runs one rank of a training job, or evaluates a checkpoint.
 //
 //   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
-//                 [--lightning-mode allgather|all2all] [--mla-mode allgather|all2all]
+//                 [--lightning-mode allgather|all2all|hybrid]
+//                 [--mla-mode allgather|all2all|ring|hybrid]
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //                 [--recompute-layers N] [--pulse-ms N]
@@ -29,6 +30,7 @@
 // the start. Rank 0 picks the newest checkpoint that loads (passing over a corrupt one, with a
 // {"event": "note"} line naming both) and every rank resumes from it.
 // --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
+// "fastest" modes in the spec are resolved by the planner's cost model at its built-in rates.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
 // rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
@@ -49,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -263,6 +266,15 @@ int main(int argc, char** argv) {
 
   auto spec = spindle::LoadJobSpec(flags["job"]);
   if (!spec.ok()) return Fail(spec.status());
+  // "fastest" run standalone: the planner's cost model decides here, with its built-in rates
+  // (under the worker daemon the coordinator has decided already and sends the modes).
+  if (spec->parallel.lightning_mode == spindle::CpMode::kFastest ||
+      spec->parallel.mla_mode == spindle::CpMode::kFastest) {
+    const spindle::CpPlan plan = spindle::CpPlanner().Plan(*spec, 0);
+    spec->parallel.lightning_mode = plan.ModeOf("lightning");
+    spec->parallel.mla_mode = plan.ModeOf("mla");
+    spec->parallel.ulysses = plan.ulysses;
+  }
 
   if (eval) {
     if (!flags.count("checkpoint")) {
@@ -301,22 +313,23 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 2; ++i) {
     auto it = flags.find(mode_flags[i]);
     if (it == flags.end() || it->second == "auto") continue;
-    if (it->second == "allgather") {
-      modes[i] = spindle::CpMode::kAllGather;
-    } else if (it->second == "all2all") {
-      modes[i] = spindle::CpMode::kAll2All;
-    } else {
-      std::fprintf(stderr, "spindle-train: --%s must be allgather, all2all or auto, got \"%s\"\n",
-                   mode_flags[i], it->second.c_str());
+    const std::optional<spindle::CpMode> m = spindle::CpModeFromName(it->second);
+    if (!m || (i == 0 && *m == spindle::CpMode::kRing)) {
+      std::fprintf(stderr, "spindle-train: --%s must be %s, got \"%s\"\n", mode_flags[i],
+                   i == 0 ? "allgather, all2all, hybrid or auto"
+                          : "allgather, all2all, ring, hybrid or auto",
+                   it->second.c_str());
       return 2;
     }
+    modes[i] = *m;
   }
   // The plan check first: a refused mode never waits for peers.
   {
     auto plan = spindle::ResolveCpModes(
         spec->parallel.cp, spec->model.n_heads,
         modes[0] != spindle::CpMode::kAuto ? modes[0] : spec->parallel.lightning_mode,
-        modes[1] != spindle::CpMode::kAuto ? modes[1] : spec->parallel.mla_mode);
+        modes[1] != spindle::CpMode::kAuto ? modes[1] : spec->parallel.mla_mode,
+        spec->parallel.ulysses);
     if (!plan.ok()) return Fail(plan.status());
   }
   int64_t attempt = 0;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
 #include "gtest/gtest.h"
@@ -171,8 +172,8 @@ TEST(JobSpecTest, MalformedSpecsNameTheField) {
             "job spec: data.eos_id: is required for a token file");
   EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "parallel": {"lightning_mode": "ring"}, )" +
                   base + "}"),
-            "job spec: parallel.lightning_mode: must be \"auto\", \"allgather\" or \"all2all\", "
-            "got \"ring\"");
+            "job spec: parallel.lightning_mode: must be \"auto\", \"fastest\", \"allgather\", "
+            "\"all2all\" or \"hybrid\", got \"ring\"");
   EXPECT_EQ(Error(R"({"name": "x y", "seq_len": 64, )" + base + "}"),
             "job spec: name: may only hold letters, digits, '-', '_' and '.', got \"x y\"");
   auto tiny = [](const std::string& model) {
@@ -209,6 +210,82 @@ TEST(JobSpecTest, SeedsTakeAllOfUint64) {
       "data": {"source": "synthetic:recall"}, "train": {"seed": 18446744073709551615}})");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->train.seed, 18446744073709551615u);
+}
+
+// parallel.ulysses and the Ring / hybrid modes (common/cp_modes.h): what parses, how it
+// round-trips, and one error naming the field and the values for every bad combination.
+TEST(JobSpecTest, RingAndHybridModes) {
+  auto spec = [](const std::string& parallel) {
+    return absl::StrCat(R"({"name": "x", "seq_len": 256, "model": {"preset": "tiny"},
+                            "data": {"source": "synthetic:recall"}, "parallel": )",
+                        parallel, "}");
+  };
+  auto hybrid = ParseJobSpec(
+      spec(R"({"cp": 8, "ulysses": 2, "lightning_mode": "hybrid", "mla_mode": "hybrid"})"));
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  EXPECT_EQ(hybrid->parallel.ulysses, 2);
+  EXPECT_EQ(hybrid->parallel.lightning_mode, CpMode::kHybrid);
+  EXPECT_EQ(hybrid->parallel.mla_mode, CpMode::kHybrid);
+  auto again = ParseJobSpecJson(hybrid->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->ToJson(), hybrid->ToJson());
+  EXPECT_EQ(hybrid->ToJson()["parallel"]["ulysses"], 2);
+  // ulysses 1 (the default) stays out of the canonical form.
+  auto ring = ParseJobSpec(spec(R"({"cp": 4, "mla_mode": "ring"})"));
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  EXPECT_EQ(ring->parallel.mla_mode, CpMode::kRing);
+  EXPECT_FALSE(ring->ToJson()["parallel"].contains("ulysses"));
+  EXPECT_EQ(ParseJobSpecJson(ring->ToJson())->parallel.mla_mode, CpMode::kRing);
+  // One hybrid layer type is enough for ulysses; "ring" at cp = 1 runs unsplit.
+  EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 4, "ulysses": 2, "mla_mode": "hybrid"})")).ok());
+  EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 8, "ulysses": 4, "lightning_mode": "hybrid",
+                                    "mla_mode": "ring"})"))
+                  .ok());
+  EXPECT_TRUE(ParseJobSpec(spec(R"({"cp": 1, "mla_mode": "ring"})")).ok());
+  for (const auto& name : {"auto", "allgather", "all2all", "ring", "hybrid"})
+    EXPECT_EQ(CpModeName(*CpModeFromName(name)), name);
+  EXPECT_FALSE(CpModeFromName("zigzag").has_value());
+
+  auto error = [&](const std::string& parallel) {
+    auto s = ParseJobSpec(spec(parallel));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << parallel;
+    return std::string(s.status().message());
+  };
+  EXPECT_EQ(error(R"({"cp": 4, "lightning_mode": "ring"})"),
+            "job spec: parallel.lightning_mode: must be \"auto\", \"fastest\", \"allgather\", "
+            "\"all2all\" or \"hybrid\", got \"ring\"");
+  EXPECT_EQ(error(R"({"cp": 4, "mla_mode": "zigzag"})"),
+            "job spec: parallel.mla_mode: must be \"auto\", \"fastest\", \"allgather\", "
+            "\"all2all\", \"ring\" or \"hybrid\", got \"zigzag\"");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": "two", "mla_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: must be an integer, got \"two\"");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": 0, "mla_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: must be in [1, cp = 4], got 0");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": 8, "mla_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: must be in [1, cp = 4], got 8");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": 2})"),
+            "job spec: parallel.ulysses: 2 is only used by the \"hybrid\" modes, but neither "
+            "parallel.lightning_mode nor parallel.mla_mode is \"hybrid\"; set one of them to "
+            "\"hybrid\" or remove ulysses");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": 2, "mla_mode": "ring"})"),
+            "job spec: parallel.ulysses: 2 is only used by the \"hybrid\" modes, but neither "
+            "parallel.lightning_mode nor parallel.mla_mode is \"hybrid\"; set one of them to "
+            "\"hybrid\" or remove ulysses");
+  EXPECT_EQ(error(R"({"cp": 4, "mla_mode": "hybrid"})"),
+            "job spec: parallel.mla_mode: \"hybrid\" needs parallel.ulysses >= 2 (the size of its "
+            "Ulysses groups), got 1");
+  EXPECT_EQ(
+      error(R"({"cp": 4, "lightning_mode": "hybrid"})"),
+      "job spec: parallel.lightning_mode: \"hybrid\" needs parallel.ulysses >= 2 (the size of "
+      "its Ulysses groups), got 1");
+  EXPECT_EQ(error(R"({"cp": 8, "ulysses": 3, "mla_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: must divide parallel.cp, got ulysses=3 and cp=8");
+  EXPECT_EQ(error(R"({"cp": 4, "ulysses": 4, "lightning_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: 4 with cp=4 leaves a ring of cp / ulysses = 1 group; "
+            "\"hybrid\" needs at least 2 (with one group use \"all2all\")");
+  // tiny has 4 heads.
+  EXPECT_EQ(error(R"({"cp": 6, "ulysses": 3, "mla_mode": "hybrid"})"),
+            "job spec: parallel.ulysses: must divide model.n_heads, got ulysses=3 and n_heads=4");
 }
 
 }  // namespace

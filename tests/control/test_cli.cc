@@ -117,6 +117,28 @@ TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
   EXPECT_NE(r.out.find("\"ok\":false"), std::string::npos) << r.out;
 }
 
+// The Ring and hybrid modes: their groups, reasons and bytes per step in the plan.
+TEST_F(CliTest, PlanShowsTheRingAndHybridModes) {
+  std::string spec =
+      WriteSpec("hybrid.json", testing::SpecJson(8, 1, 0, 3,
+                                                 R"(, "ulysses": 2, "lightning_mode": "hybrid",
+                                          "mla_mode": "hybrid")"));
+  Result r = RunSpindle({"plan", spec, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("  hybrid modes: Ulysses groups of 2 ranks x 4 groups\n"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  mla          1 layers  hybrid u=2  forced by the spec (parallel.mla_mode "
+                       "= hybrid): Ulysses over groups of 2 ranks, Ring across the 4 groups"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("sends 144.0 KiB per rank and step (the ring moves latent)"),
+            std::string::npos)
+      << r.out;
+  r = RunSpindle({"plan", spec, "--offline", "--output", "json"});
+  EXPECT_NE(r.out.find("\"ulysses\":\"2\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"mode\":\"CP_MODE_HYBRID\""), std::string::npos) << r.out;
+}
+
 // --device-memory plans offline against a device of that size, which also sizes recompute "auto"
 // (the 1b model at 128K tokens on an H200-sized GPU: 8 of 16 layers), and names the longest
 // seq_len that fits, with and without the layer inputs offloaded.

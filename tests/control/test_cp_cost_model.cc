@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/cp_modes.h"
 #include "common/job_spec.h"
 #include "coordinator/cp_cost_model.h"
 #include "coordinator/cp_planner.h"
@@ -44,12 +45,25 @@ TEST(CpCostModel, BytesFollowEachModesFormula) {
   // MLA All2All: Q, K, V, O, twice.
   EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kAll2All, 1}).bytes,
             static_cast<int64_t>(M * 2 * T_loc * H * (2 * qk + 2 * v) * 2 * 7.0 / 8));
-  // MLA AllGather: the bf16 latent gathered, its fp32 gradient reduce-scattered.
+  // MLA AllGather: the bf16 latent gathered, its gradient reduce-scattered.
   EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kAllGather, 1}).bytes,
-            static_cast<int64_t>(M * 7 * T_loc * latent * (2 + 4)));
-  // MLA Ring: the latent (fewer bytes than K, V) twice and the fp32 dK, dV once per step.
+            static_cast<int64_t>(M * 2 * 7 * T_loc * latent * 2));
+  // MLA Ring: the latent (narrower than K, V) forward, it and its gradient backward.
   EXPECT_EQ(model.EstimateLayers(s, Nvlink(), "mla", {CpMode::kRing, 1}).bytes,
-            static_cast<int64_t>(M * 7 * (2 * T_loc * latent * 2 + T_loc * H * (qk + v) * 4)));
+            static_cast<int64_t>(M * 3 * 7 * T_loc * latent * 2));
+  // On the CPU, exactly the engine's own accounting (common/cp_modes.h) for every mode.
+  const JobSpec c = Spec("small", 4096, 4, "cpu");
+  for (const std::string type : {"lightning", "mla"}) {
+    for (const ModeChoice& mode : CandidateModes(type, 4, c.model.n_heads)) {
+      ParallelSpec p = c.parallel;
+      p.ulysses = mode.ulysses;
+      const CpCommBytes b =
+          CpLayerCommBytes(c.model, type == "mla" ? 'M' : 'L', mode.mode, p, c.seq_len);
+      EXPECT_EQ(model.EstimateLayers(c, DefaultTopology("cpu"), type, mode).bytes,
+                (b.forward + b.backward) * c.model.NumLayersOfKind(type == "mla" ? 'M' : 'L'))
+          << type << " " << ModeChoiceName(mode);
+    }
+  }
   // Lightning's AllGather bytes do not grow with the sequence; All2All's do.
   const JobSpec longer = Spec("1b", 524288, 8, "cuda");
   EXPECT_EQ(model.EstimateLayers(longer, Nvlink(), "lightning", {CpMode::kAllGather, 1}).bytes,
@@ -129,7 +143,7 @@ TEST(CpPlannerCost, ThePlanMarksTheRuleAndTheFastestAndWarns) {
     if (e.fastest) fastest = &e;
     EXPECT_EQ(e.chosen, e.rule);
   }
-  EXPECT_EQ(lightning, 4);
+  EXPECT_EQ(lightning, 2);  // the CUDA engine runs AllGather and All2All
   ASSERT_NE(rule, nullptr);
   ASSERT_NE(fastest, nullptr);
   EXPECT_EQ(rule->cost.choice.mode, CpMode::kAll2All);

@@ -399,6 +399,7 @@ class RefusingComm : public Communicator {
   absl::Status DoReduceScatterSum(const float*, int64_t, float*) override { return Fail(); }
   absl::Status DoBroadcast(void*, int64_t, CommType, int) override { return Fail(); }
   absl::Status DoBarrier() override { return Fail(); }
+  absl::Status DoSendRecv(const void*, int, void*, int, int64_t) override { return Fail(); }
 
  private:
   static absl::Status Fail() { return absl::InternalError("refusing communicator: no collectives"); }

@@ -5,14 +5,24 @@
 // documents that cross chunk and rank boundaries, one longer than a rank's share and one shorter
 // than a chunk.
 //
+// The Ring and hybrid modes the same way: MLA "ring" at cp = 2, 4, 8, and the hybrid modes at
+// (ulysses, ring) = (2, 2), (2, 4), (4, 2), each with the latent and with K / V travelling the
+// ring (a model whose latent is narrower than its keys and values, and one where it is wider: the
+// payload is MlaRingPayloadFor's, as the trainer picks it), on two sequences: the one above and
+// one of short odd documents where some ranks' blocks are wholly masked from others, plus a long
+// document beginning at a chunk boundary. Every rank's bytes sent per layer type equal
+// CpLayerCommBytes (common/cp_modes.h), the planner's formula.
+//
 // Tolerance (fp32 throughout): loss sum relative 1e-5; per parameter tensor,
 // max |g_cp - g_1| <= 1e-4 * max |g_1| (kTolGrad). Differences come only from summation order.
 #include <omp.h>
 
 #include <cmath>
+#include <map>
 #include <random>
 #include <vector>
 
+#include "common/cp_modes.h"
 #include "gtest/gtest.h"
 #include "tests/engine/cp_test_util.h"
 #include "worker/engine/cp/cp_layout.h"
@@ -40,6 +50,14 @@ ModelConfig CpConfig(int64_t n_heads) {
   return c;
 }
 
+// The same with a latent wider than the keys and values of every head together (102 values a
+// token against 4 x 24): the ring modes move K and V.
+ModelConfig WideLatentConfig() {
+  ModelConfig c = CpConfig(4);
+  c.mla.kv_lora_rank = 96;
+  return c;
+}
+
 // 96 tokens, EOS = 256: documents [0, 4) (shorter than any chunk at cp <= 4), [4, 71) (longer
 // than a rank's share), [71, 80), [80, 96) (cut by the sequence end). At cp = 8 the chunks are 6
 // tokens, so [71, 80) and [80, 96) cross chunk boundaries too.
@@ -49,6 +67,18 @@ std::vector<int32_t> PackedTokens(uint32_t seed) {
   std::vector<int32_t> t(96);
   for (auto& x : t) x = tok(gen);
   for (int i : {3, 70, 79}) t[i] = 256;
+  return t;
+}
+
+// 96 tokens: short odd documents [0, 3), [3, 10), [10, 17), [17, 30), then [30, 91) (longer than a
+// rank's share; at cp = 8 it begins with chunk 5, so rank 5's chunks (5 and 10) see nothing of
+// ranks 0-4: whole ring blocks are masked), [91, 96).
+std::vector<int32_t> ShortDocTokens(uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(96);
+  for (auto& x : t) x = tok(gen);
+  for (int i : {2, 9, 16, 29, 90}) t[i] = 256;
   return t;
 }
 
@@ -67,23 +97,69 @@ RunResult Reference(const ModelConfig& cfg, const Batch& full, Recompute recompu
   return {s.loss_sum, s.n_valid, std::vector<float>(g.f32(), g.f32() + g.numel())};
 }
 
-// Every rank's loss and gradient, summed in rank order.
+// Bytes this rank sent for `layer` on all its communicators, and what CpLayerCommBytes says one
+// ForwardBackward sends: each layer of the kind its forward and backward, a recomputed layer's
+// forward twice.
+std::map<CommLayer, int64_t> SentBytes(const std::vector<Communicator*>& comms) {
+  std::map<CommLayer, int64_t> bytes;
+  for (Communicator* c : comms)
+    if (c)
+      for (const auto& [key, amount] : c->TakeStats()) bytes[key.second] += amount.bytes;
+  return bytes;
+}
+int64_t ExpectedBytes(const ModelConfig& cfg, char kind, CpMode mode, const ParallelSpec& p,
+                      int64_t seq_len, Recompute recompute) {
+  const CpCommBytes b = CpLayerCommBytes(cfg, kind, mode, p, seq_len);
+  int64_t total = 0;
+  for (int64_t i = 0; i < cfg.n_layers; ++i)
+    if (cfg.LayerKind(i) == kind) total += b.forward * (recompute.Layer(i) ? 2 : 1) + b.backward;
+  return total;
+}
+
+// Every rank's loss and gradient, summed in rank order. ulysses > 1: each rank also joins its
+// Ulysses group and its ring (cp_groups.h).
 absl::StatusOr<RunResult> RunCp(const ModelConfig& cfg, const Batch& full, int cp, CpMode lm,
-                                CpMode mm, Recompute recompute) {
+                                CpMode mm, Recompute recompute, int ulysses = 1) {
   MemoryKvStore store;
   std::vector<RunResult> per(cp);
+  ParallelSpec p;
+  p.cp = cp;
+  p.ulysses = ulysses;
+  p.lightning_mode = lm;
+  p.mla_mode = mm;
+  const int64_t expect_l = ExpectedBytes(cfg, 'L', lm, p, full.T, recompute);
+  const int64_t expect_m = ExpectedBytes(cfg, 'M', mm, p, full.T, recompute);
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
     omp_set_num_threads(1);
     auto comm = CreateGlooCommunicator(store, "cp", rank, cp, testing::TestGloo());
     if (!comm.ok()) return comm.status();
+    const CpGroups groups{cp, ulysses};
+    std::unique_ptr<Communicator> uc, rc;
+    if (ulysses > 1) {
+      auto u = CreateGlooCommunicator(store, absl::StrCat("u", groups.Group(rank)),
+                                      static_cast<int>(groups.Member(rank)), ulysses,
+                                      testing::TestGloo());
+      if (!u.ok()) return u.status();
+      auto r = CreateGlooCommunicator(store, absl::StrCat("r", groups.Member(rank)),
+                                      static_cast<int>(groups.Group(rank)),
+                                      static_cast<int>(groups.r()), testing::TestGloo());
+      if (!r.ok()) return r.status();
+      uc = std::move(*u);
+      rc = std::move(*r);
+    }
     auto m = Model::Create(cfg, 7);
     if (!m.ok()) return m.status();
-    (*m)->SetCp({comm->get(), lm, mm});
-    auto b = ShardForCp(full, cp, rank);
+    const MlaRingPayload payload =
+        MlaRingPayloadFor(cfg.mla, MlaRingHeads(cfg.n_heads, mm, ulysses));
+    (*m)->SetCp({comm->get(), lm, mm, uc.get(), rc.get(), payload});
+    auto b = ShardForCp(full, cp, rank, ulysses);
     if (!b.ok()) return b.status();
     (*m)->params().ZeroGrad();
     auto s = (*m)->ForwardBackward(*b, 1.0f, recompute);
     if (!s.ok()) return s.status();
+    std::map<CommLayer, int64_t> sent = SentBytes({comm->get(), uc.get(), rc.get()});
+    EXPECT_EQ(sent[CommLayer::kLightning], expect_l) << "rank " << rank;
+    EXPECT_EQ(sent[CommLayer::kMla], expect_m) << "rank " << rank;
     // The evaluation forward gives the same local loss.
     auto f = (*m)->Forward(*b);
     if (!f.ok()) return f.status();
@@ -126,34 +202,57 @@ struct Case {
   CpMode lightning, mla;
   int64_t recompute_layers;  // the first this many layers recompute
   int64_t n_heads = 4;
+  int ulysses = 1;
+  bool wide_latent = false;  // WideLatentConfig: the ring modes move K and V
+  bool short_docs = false;   // ShortDocTokens instead of PackedTokens
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "cp=" << c.cp << " lightning=" << CpModeName(c.lightning) << " mla=" << CpModeName(c.mla)
-      << " recompute=" << c.recompute_layers << " n_heads=" << c.n_heads;
+      << " recompute=" << c.recompute_layers << " n_heads=" << c.n_heads << " ulysses=" << c.ulysses
+      << (c.wide_latent ? " wide latent" : "") << (c.short_docs ? " short documents" : "");
 }
 
 class CpModelParityTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const Case c = GetParam();
-  const ModelConfig cfg = CpConfig(c.n_heads);
-  const Batch full = MakeSequenceBatch(PackedTokens(11), 256);
+  const ModelConfig cfg = c.wide_latent ? WideLatentConfig() : CpConfig(c.n_heads);
+  // Fresh inputs for every case (the seed follows the case), the same for both runs.
+  const uint32_t seed = 11 + 97 * c.cp + 13 * c.ulysses + static_cast<uint32_t>(c.mla) * 7 +
+                        static_cast<uint32_t>(c.lightning) * 3 + (c.wide_latent ? 5 : 0);
+  const Batch full =
+      MakeSequenceBatch(c.short_docs ? ShortDocTokens(seed) : PackedTokens(seed), 256);
   const RunResult ref = Reference(cfg, full, Recompute::None());
-  auto got = RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers));
+  auto got =
+      RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers), c.ulysses);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectParity(cfg, ref, *got);
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
-  auto w = [](CpMode m) { return m == CpMode::kAll2All ? "A2A" : "AG"; };
+  auto w = [](CpMode m) {
+    switch (m) {
+      case CpMode::kAll2All:
+        return "A2A";
+      case CpMode::kRing:
+        return "Ring";
+      case CpMode::kHybrid:
+        return "Hybrid";
+      default:
+        return "AG";
+    }
+  };
   return absl::StrCat(
-      "cp", i.param.cp, "_L", w(i.param.lightning), "_M", w(i.param.mla),
+      "cp", i.param.cp, i.param.ulysses > 1 ? absl::StrCat("_u", i.param.ulysses) : "", "_L",
+      w(i.param.lightning), "_M", w(i.param.mla),
       i.param.recompute_layers > 0 ? absl::StrCat("_recompute", i.param.recompute_layers) : "",
-      i.param.n_heads != 4 ? absl::StrCat("_heads", i.param.n_heads) : "");
+      i.param.n_heads != 4 ? absl::StrCat("_heads", i.param.n_heads) : "",
+      i.param.wide_latent ? "_kv" : "", i.param.short_docs ? "_shortdocs" : "");
 }
 
-constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All;
+constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All, RING = CpMode::kRing,
+                 HYB = CpMode::kHybrid;
 INSTANTIATE_TEST_SUITE_P(Modes, CpModelParityTest,
                          ::testing::Values(Case{2, AG, AG, 0}, Case{2, A2A, A2A, 0},
                                            Case{2, AG, A2A, 0}, Case{2, A2A, AG, 0},
@@ -163,6 +262,32 @@ INSTANTIATE_TEST_SUITE_P(Modes, CpModelParityTest,
                                            Case{8, AG, AG, 0, 8}, Case{8, A2A, A2A, 0, 8},
                                            Case{8, A2A, AG, 3, 8}, Case{8, AG, A2A, 2, 8}),
                          CaseName);
+
+// MLA Ring at cp = 2, 4, 8 with either payload, beside each Lightning mode.
+INSTANTIATE_TEST_SUITE_P(Ring, CpModelParityTest,
+                         ::testing::Values(Case{2, AG, RING, 0}, Case{4, AG, RING, 0},
+                                           Case{8, AG, RING, 0}, Case{2, A2A, RING, 0, 4, 1, true},
+                                           Case{4, A2A, RING, 3, 4, 1, true},
+                                           Case{8, AG, RING, 0, 4, 1, true},
+                                           Case{2, AG, RING, 0, 4, 1, false, true},
+                                           Case{4, AG, RING, 2, 4, 1, true, true},
+                                           Case{8, AG, RING, 0, 4, 1, false, true},
+                                           Case{8, AG, RING, 3, 4, 1, true, true}),
+                         CaseName);
+
+// The hybrid modes at (u, r) = (2, 2), (2, 4), (4, 2), both layer types, either payload, with
+// the other layer type in another mode too.
+INSTANTIATE_TEST_SUITE_P(
+    Hybrid, CpModelParityTest,
+    ::testing::Values(Case{4, HYB, HYB, 0, 4, 2}, Case{8, HYB, HYB, 0, 4, 2},
+                      Case{8, HYB, HYB, 0, 4, 4}, Case{4, HYB, HYB, 3, 4, 2, true},
+                      Case{8, HYB, HYB, 2, 4, 2, true}, Case{8, HYB, HYB, 0, 4, 4, true},
+                      Case{4, HYB, HYB, 0, 4, 2, false, true},
+                      Case{8, HYB, HYB, 0, 4, 2, true, true},
+                      Case{8, HYB, HYB, 3, 4, 4, false, true}, Case{8, HYB, RING, 0, 4, 4},
+                      Case{4, AG, HYB, 0, 4, 2, true}, Case{4, A2A, HYB, 0, 4, 2},
+                      Case{8, HYB, AG, 0, 4, 2, false, true}, Case{4, HYB, A2A, 1, 4, 2}),
+    CaseName);
 
 TEST(CpLayoutTest, ChunkFlagsOfThePackedSequence) {
   const Batch full = MakeSequenceBatch(PackedTokens(11), 256);

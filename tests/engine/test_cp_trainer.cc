@@ -3,9 +3,11 @@
 // the cp = 1 gradient (per tensor, max diff <= 1e-4 x max |g|) and the first loss matches to
 // relative 1e-5; over 20 AdamW steps (lr 3e-3) the losses track the cp = 1 losses within relative
 // 2e-3 per step. Summation-order differences of ~1e-8 grow through AdamW's normalisation to ~7e-4
-// by step 20 (pure data parallelism, dp=2 x cp=1, drifts the same way), hence the looser bound. The data packs documents of
-// random lengths, so they cross chunk and rank boundaries. Also: the step event's "comm" entries,
-// and All2All refused at plan time when n_heads % cp != 0.
+// by step 20 (pure data parallelism, dp=2 x cp=1, drifts the same way), hence the looser bound. The
+// data packs documents of random lengths, so they cross chunk and rank boundaries. Also: the step
+// event's "comm" entries, and All2All refused at plan time when n_heads % cp != 0. MLA Ring and the
+// hybrid modes (Ulysses groups of 2, so each rank also joins its group and ring) train the same
+// way.
 #include <omp.h>
 
 #include <cmath>
@@ -71,10 +73,17 @@ absl::StatusOr<WorldRun> RunWorld(const JobSpec& spec, CpMode lm, CpMode mm) {
 struct Case {
   int64_t dp, cp;
   CpMode lightning, mla;
+  int64_t ulysses = 1;  // parallel.ulysses of the CP run
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "dp=" << c.dp << " cp=" << c.cp << " lightning=" << CpModeName(c.lightning)
-      << " mla=" << CpModeName(c.mla);
+      << " mla=" << CpModeName(c.mla) << " ulysses=" << c.ulysses;
+}
+
+JobSpec CpJob(int64_t steps, const Case& c) {
+  JobSpec spec = CopyJob(steps, c.dp, c.cp, 1);
+  spec.parallel.ulysses = c.ulysses;
+  return spec;
 }
 
 class CpTrainerTest : public ::testing::TestWithParam<Case> {};
@@ -85,7 +94,7 @@ TEST_P(CpTrainerTest, GradientsAndTwentyAdamWStepsMatchSingleRank) {
   // One step: reduced gradients.
   auto ref1 = RunWorld(CopyJob(1, 1, 1, c.dp), CpMode::kAuto, CpMode::kAuto);
   ASSERT_TRUE(ref1.ok()) << ref1.status();
-  auto got1 = RunWorld(CopyJob(1, c.dp, c.cp, 1), c.lightning, c.mla);
+  auto got1 = RunWorld(CpJob(1, c), c.lightning, c.mla);
   ASSERT_TRUE(got1.ok()) << got1.status();
   JobSpec spec = CopyJob(1, 1, 1, 1);
   auto model = Model::Create(spec.model, 1);
@@ -102,7 +111,7 @@ TEST_P(CpTrainerTest, GradientsAndTwentyAdamWStepsMatchSingleRank) {
   // Twenty AdamW steps: losses track, and every rank ends with the same parameters.
   auto ref = RunWorld(CopyJob(20, 1, 1, c.dp), CpMode::kAuto, CpMode::kAuto);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  auto got = RunWorld(CopyJob(20, c.dp, c.cp, 1), c.lightning, c.mla);
+  auto got = RunWorld(CpJob(20, c), c.lightning, c.mla);
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->losses.size(), 20u);
   double worst = 0;
@@ -131,18 +140,25 @@ TEST_P(CpTrainerTest, GradientsAndTwentyAdamWStepsMatchSingleRank) {
   EXPECT_EQ(attn, c.cp > 1);
 }
 
-constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All, AUTO = CpMode::kAuto;
-INSTANTIATE_TEST_SUITE_P(Worlds, CpTrainerTest,
-                         ::testing::Values(Case{1, 2, AG, AG}, Case{1, 4, AUTO, AUTO},
-                                           Case{2, 2, AG, A2A}, Case{2, 2, A2A, AG},
-                                           Case{1, 4, AG, AG}, Case{2, 1, AUTO, AUTO}),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           auto w = [](CpMode m) {
-                             return m == A2A ? "A2A" : m == AG ? "AG" : "auto";
-                           };
-                           return absl::StrCat("dp", i.param.dp, "_cp", i.param.cp, "_L",
-                                               w(i.param.lightning), "_M", w(i.param.mla));
-                         });
+constexpr CpMode AG = CpMode::kAllGather, A2A = CpMode::kAll2All, AUTO = CpMode::kAuto,
+                 RING = CpMode::kRing, HYB = CpMode::kHybrid;
+INSTANTIATE_TEST_SUITE_P(
+    Worlds, CpTrainerTest,
+    ::testing::Values(Case{1, 2, AG, AG}, Case{1, 4, AUTO, AUTO}, Case{2, 2, AG, A2A},
+                      Case{2, 2, A2A, AG}, Case{1, 4, AG, AG}, Case{2, 1, AUTO, AUTO},
+                      Case{2, 2, A2A, RING}, Case{1, 4, AG, RING}, Case{1, 4, HYB, HYB, 2}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      auto w = [](CpMode m) {
+        return m == A2A    ? "A2A"
+               : m == AG   ? "AG"
+               : m == RING ? "Ring"
+               : m == HYB  ? "Hybrid"
+                           : "auto";
+      };
+      return absl::StrCat("dp", i.param.dp, "_cp", i.param.cp,
+                          i.param.ulysses > 1 ? absl::StrCat("_u", i.param.ulysses) : "", "_L",
+                          w(i.param.lightning), "_M", w(i.param.mla));
+    });
 
 TEST(CpTrainerPlanTest, All2AllWithHeadsNotDivisibleByCpIsRefusedBeforeRunning) {
   JobSpec spec = CopyJob(1, 1, 3, 1);

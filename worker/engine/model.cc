@@ -145,6 +145,7 @@ struct LayerCtx {
   const CpLayout* layout = nullptr;  // null or cp == 1: single-rank
   const CpContext* cp = nullptr;
   CpScratch* scratch = nullptr;
+  const CpBatch* group = nullptr;  // the hybrid modes' CpBatch::group
   bool split() const { return layout && layout->cp > 1; }
   CpMode lightning() const { return split() ? cp->lightning_mode : CpMode::kAuto; }
   CpMode mla() const { return split() ? cp->mla_mode : CpMode::kAuto; }
@@ -152,8 +153,17 @@ struct LayerCtx {
 
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
   const int64_t H = ctx.c.n_heads, Dh = ctx.c.head_dim();
-  return {C.qn.f32(), C.kn.f32(), C.v.f32(), L.log_decay.data(), H, Dh,
-          1.0f / std::sqrt(static_cast<float>(Dh)), &ctx.b, ctx.layout, ctx.cp->comm};
+  return {C.qn.f32(),
+          C.kn.f32(),
+          C.v.f32(),
+          L.log_decay.data(),
+          H,
+          Dh,
+          1.0f / std::sqrt(static_cast<float>(Dh)),
+          &ctx.b,
+          ctx.layout,
+          ctx.cp->comm,
+          {ctx.group, ctx.cp->ulysses, ctx.cp->ring}};
 }
 
 // The Lightning mixing o = LA(q, k, v). `overlap` is independent work of the caller, run while a
@@ -174,6 +184,11 @@ absl::Status LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Mod
     overlap();
     return absl::OkStatus();
   }
+  if (ctx.lightning() == CpMode::kHybrid) {
+    Ensure(C.cp_P, 2 * H, Dh * Dh);  // 2 * H/u * Dh * Dh are used
+    return LightningHybridForward(LightningArgs(ctx, L, C), *ctx.scratch, overlap, C.o.f32(),
+                                  C.cp_P.f32(), &C.cp_saved);
+  }
   for (const Piece& p : ctx.b.pieces) {
     k::LightningDims dims{p.len, H, Dh, d};
     const int64_t off = p.begin * d;
@@ -193,6 +208,9 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
   if (ctx.lightning() == CpMode::kAllGather)
     return LightningAllGatherBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(), d_o,
                                       overlap, dq, dk, dv);
+  if (ctx.lightning() == CpMode::kHybrid)
+    return LightningHybridBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_P.f32(), C.cp_saved,
+                                   d_o, overlap, dq, dk, dv);
   overlap();
   if (ctx.lightning() == CpMode::kAll2All)
     return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq,
@@ -274,8 +292,26 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
 MlaCpArgs MlaArgs(const LayerCtx& ctx) {
   const MlaConfig& m = ctx.c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
-  return {ctx.c.n_heads, qk, m.v_head_dim, m.kv_lora_rank, m.qk_rope_dim,
-          1.0f / std::sqrt(static_cast<float>(qk)), &ctx.b, ctx.layout, ctx.cp->comm};
+  return {ctx.c.n_heads,
+          qk,
+          m.v_head_dim,
+          m.kv_lora_rank,
+          m.qk_rope_dim,
+          1.0f / std::sqrt(static_cast<float>(qk)),
+          &ctx.b,
+          ctx.layout,
+          ctx.cp->comm,
+          {ctx.group, ctx.cp->ulysses, ctx.cp->ring},
+          ctx.cp->mla_payload};
+}
+
+bool MlaRingLike(CpMode m) { return m == CpMode::kRing || m == CpMode::kHybrid; }
+
+// Whether the core takes the latent [c_n, k_r] (and kv_b) rather than K and V: the AllGather
+// mode, and the ring modes when the latent travels.
+bool MlaTakesLatent(const LayerCtx& ctx) {
+  return ctx.mla() == CpMode::kAllGather ||
+         (MlaRingLike(ctx.mla()) && ctx.cp->mla_payload == MlaRingPayload::kLatent);
 }
 
 absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
@@ -313,12 +349,18 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
   k::RopeApply(C.kr.f32(), ctx.b.pos.data(), T, 1, rd, rd, rd, theta, false);
   Ensure(C.O, T, H * vd);
   Ensure(C.lse, T, H);
-  if (ctx.mla() == CpMode::kAllGather) {  // gather the latent, not K and V
+  if (MlaTakesLatent(ctx)) {  // communicate the latent, not K and V
     Ensure(C.latent, T, kv + rd);
     for (int64_t t = 0; t < T; ++t) {
       std::memcpy(C.latent.f32() + t * (kv + rd), C.c_n.f32() + t * kv, kv * sizeof(float));
       std::memcpy(C.latent.f32() + t * (kv + rd) + kv, C.kr.f32() + t * rd, rd * sizeof(float));
     }
+    if (ctx.mla() == CpMode::kRing)
+      return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr, C.latent.f32(),
+                            P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
+    if (ctx.mla() == CpMode::kHybrid)
+      return MlaHybridForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr,
+                              C.latent.f32(), P.data(L.kv_b), C.O.f32(), &C.cp_saved);
     return MlaAllGatherForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.latent.f32(),
                                P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
   }
@@ -339,6 +381,12 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
   if (ctx.mla() == CpMode::kAll2All)
     return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(),
                              C.O.f32(), &C.cp_saved);
+  if (ctx.mla() == CpMode::kRing)
+    return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), nullptr,
+                          nullptr, C.O.f32(), C.lse.f32(), &C.cp_saved);
+  if (ctx.mla() == CpMode::kHybrid)
+    return MlaHybridForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), nullptr,
+                            nullptr, C.O.f32(), &C.cp_saved);
   k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
   k::AttentionForward(C.Q.f32(), C.K.f32(), C.V.f32(), mask,
                       1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd}, C.O.f32(),
@@ -365,17 +413,34 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
   Ensure(W.dV, T, H * vd);
   Ensure(W.dkva, T, kv + rd);
   Ensure(W.dc, T, kv);
-  if (ctx.mla() == CpMode::kAllGather) {
+  if (MlaTakesLatent(ctx)) {
     // dQ, and the latent gradient [d c_n, d k_r (rotated)] of this rank's tokens.
-    RETURN_IF_ERROR(MlaAllGatherBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
-                                         C.O.f32(), C.lse.f32(), P.data(L.kv_b), W.dO.f32(),
-                                         W.dQ.f32(), W.dkva.f32(), P.grad(L.kv_b)));
+    if (ctx.mla() == CpMode::kRing) {
+      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(), C.O.f32(),
+                                      C.lse.f32(), P.data(L.kv_b), W.dO.f32(), W.dQ.f32(), nullptr,
+                                      nullptr, W.dkva.f32(), P.grad(L.kv_b)));
+    } else if (ctx.mla() == CpMode::kHybrid) {
+      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, P.data(L.kv_b),
+                                        W.dO.f32(), W.dQ.f32(), nullptr, nullptr, W.dkva.f32(),
+                                        P.grad(L.kv_b)));
+    } else {
+      RETURN_IF_ERROR(MlaAllGatherBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
+                                           C.O.f32(), C.lse.f32(), P.data(L.kv_b), W.dO.f32(),
+                                           W.dQ.f32(), W.dkva.f32(), P.grad(L.kv_b)));
+    }
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(W.dc.f32() + t * kv, W.dkva.f32() + t * (kv + rd), kv * sizeof(float));
   } else {
     if (ctx.mla() == CpMode::kAll2All) {
       RETURN_IF_ERROR(MlaAll2AllBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, W.dO.f32(),
                                          W.dQ.f32(), W.dK.f32(), W.dV.f32()));
+    } else if (ctx.mla() == CpMode::kRing) {
+      RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(), C.O.f32(),
+                                      C.lse.f32(), nullptr, W.dO.f32(), W.dQ.f32(), W.dK.f32(),
+                                      W.dV.f32(), nullptr, nullptr));
+    } else if (ctx.mla() == CpMode::kHybrid) {
+      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, nullptr, W.dO.f32(),
+                                        W.dQ.f32(), W.dK.f32(), W.dV.f32(), nullptr, nullptr));
     } else {
       k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(),
                             ctx.b.idx.data()};
@@ -549,23 +614,42 @@ LossStats Model::ForwardBackward(const Batch& b, float grad_scale, Recompute rec
 
 LossStats Model::Forward(const Batch& b) { return *RunForward(b, nullptr); }
 
+absl::Status Model::CheckCp(const CpBatch& b) const {
+  const CpLayout& L = b.layout;
+  if (L.cp <= 1) return absl::OkStatus();
+  if (!cp_.comm || cp_.comm->size() != L.cp)
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: a cp=", L.cp, " batch needs SetCp with a group of that size"));
+  const bool hybrid = cp_.lightning_mode == CpMode::kHybrid || cp_.mla_mode == CpMode::kHybrid;
+  if (!hybrid) return absl::OkStatus();
+  const CpGroups g = L.groups();
+  if (g.u < 2 || !b.group)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model: the hybrid modes need a batch sharded with Ulysses groups (ShardForCp with "
+        "ulysses >= 2), got ulysses=",
+        g.u));
+  if (!cp_.ulysses || cp_.ulysses->size() != g.u || cp_.ulysses->rank() != g.Member(L.rank) ||
+      !cp_.ring || cp_.ring->size() != g.r() || cp_.ring->rank() != g.Group(L.rank))
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: the hybrid modes need SetCp with this rank's Ulysses group (", g.u,
+                     " ranks, rank ", g.Member(L.rank), ") and ring (", g.r(), " ranks, rank ",
+                     g.Group(L.rank), ") communicators"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LossStats> Model::ForwardBackward(const CpBatch& b, float grad_scale,
                                                  Recompute recompute,
                                                  const GradReadyFn& on_grad_ready) {
-  if (b.layout.cp > 1 && (!cp_.comm || cp_.comm->size() != b.layout.cp))
-    return absl::FailedPreconditionError(
-        absl::StrCat("model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
-  return Run(b.local, &b.layout, grad_scale, recompute, on_grad_ready);
+  RETURN_IF_ERROR(CheckCp(b));
+  return Run(b.local, &b, grad_scale, recompute, on_grad_ready);
 }
 
 absl::StatusOr<LossStats> Model::Forward(const CpBatch& b) {
-  if (b.layout.cp > 1 && (!cp_.comm || cp_.comm->size() != b.layout.cp))
-    return absl::FailedPreconditionError(
-        absl::StrCat("model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
-  return RunForward(b.local, &b.layout);
+  RETURN_IF_ERROR(CheckCp(b));
+  return RunForward(b.local, &b);
 }
 
-absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, float grad_scale,
+absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                      Recompute recompute, const GradReadyFn& on_grad_ready) {
   const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
   const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
@@ -573,7 +657,13 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, flo
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_, params_, b, layout, &cp_, &cp_scratch_};
+  LayerCtx ctx{config_,
+               params_,
+               b,
+               cpb ? &cpb->layout : nullptr,
+               &cp_,
+               &cp_scratch_,
+               cpb ? cpb->group.get() : nullptr};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches_[recompute.CacheOf(i, n)];
@@ -596,12 +686,18 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpLayout* layout, flo
   return s;
 }
 
-absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpLayout* layout) {
+absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) {
   const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_, params_, b, layout, &cp_, &cp_scratch_};
+  LayerCtx ctx{config_,
+               params_,
+               b,
+               cpb ? &cpb->layout : nullptr,
+               &cp_,
+               &cp_scratch_,
+               cpb ? cpb->group.get() : nullptr};
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),

@@ -39,11 +39,17 @@ struct LossStats {
   int64_t n_valid = 0;
 };
 
-// The CP group of this rank and the decided mode per layer type (never kAuto).
+// The CP group of this rank and the decided mode per layer type (never kAuto). The hybrid modes
+// also need this rank's Ulysses group and ring communicators (cp_groups.h; CpBatch::group says
+// which tokens); MLA's Ring and hybrid modes pass `mla_payload` around the ring (MlaRingPayloadFor
+// of the heads a rank computes, which the plan names).
 struct CpContext {
   Communicator* comm = nullptr;  // not owned; size() == cp
   CpMode lightning_mode = CpMode::kAllGather;
   CpMode mla_mode = CpMode::kAllGather;
+  Communicator* ulysses = nullptr;  // hybrid modes: size u, rank CpGroups::Member(cp rank)
+  Communicator* ring = nullptr;     // hybrid modes: size r, rank CpGroups::Group(cp rank)
+  MlaRingPayload mla_payload = MlaRingPayload::kLatent;
 };
 
 // Called during the backward with an offset into the flat gradient buffer: every gradient in
@@ -85,9 +91,11 @@ class Model {
  private:
   explicit Model(const ModelConfig& config);
   void Build();
-  absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
+  absl::StatusOr<LossStats> Run(const Batch& b, const CpBatch* cp, float grad_scale,
                                 Recompute recompute, const GradReadyFn& on_grad_ready);
-  absl::StatusOr<LossStats> RunForward(const Batch& b, const CpLayout* layout);
+  absl::StatusOr<LossStats> RunForward(const Batch& b, const CpBatch* cp);
+  // FailedPrecondition when the communicators of SetCp do not fit the batch's layout and modes.
+  absl::Status CheckCp(const CpBatch& b) const;
   LossStats HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx);
 
   ModelConfig config_;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cp_modes.h"
 #include "common/status.h"
 #include "kernels/cpu/ops.h"
 #include "worker/engine/batch.h"
@@ -40,7 +41,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   t->dp_rank_ = o.rank / t->cp_;
   const CpMode lm = o.lightning_mode != CpMode::kAuto ? o.lightning_mode : spec.parallel.lightning_mode;
   const CpMode mm = o.mla_mode != CpMode::kAuto ? o.mla_mode : spec.parallel.mla_mode;
-  ASSIGN_OR_RETURN(t->modes_, ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm));
+  ASSIGN_OR_RETURN(t->modes_,
+                   ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm, spec.parallel.ulysses));
+  t->ulysses_ = spec.parallel.ulysses;
+  const bool ring_like =
+      t->cp_ > 1 && (t->modes_.mla == CpMode::kRing || t->modes_.mla == CpMode::kHybrid ||
+                     t->modes_.lightning == CpMode::kHybrid);
+  if (on_device && ring_like)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer: resources \"cuda\" runs the CP modes allgather and all2all only, but "
+        "parallel.lightning_mode is \"",
+        std::string(CpModeName(t->modes_.lightning)), "\" and parallel.mla_mode \"",
+        std::string(CpModeName(t->modes_.mla)),
+        "\"; run the job with resources \"cpu\" or choose allgather or all2all"));
   const int64_t rc = o.recompute_layers != TrainSpec::kRecomputeAuto ? o.recompute_layers
                                                                      : spec.train.recompute_layers;
   if (rc != TrainSpec::kRecomputeAuto && (rc < 0 || rc > spec.model.n_layers))
@@ -82,6 +95,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
       }
     } else if (t->cp_ > 1) {
       ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, cp_group, cp_rank, cp, o.gloo));
+      if (t->modes_.lightning == CpMode::kHybrid || t->modes_.mla == CpMode::kHybrid) {
+        // This rank's Ulysses group and its ring across the groups (cp_groups.h).
+        const CpGroups g{t->cp_, t->ulysses_};
+        const int64_t member = g.Member(t->cp_rank_), group = g.Group(t->cp_rank_);
+        ASSIGN_OR_RETURN(
+            t->ulysses_comm_,
+            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ulysses", group),
+                                   static_cast<int>(member), static_cast<int>(g.u), o.gloo));
+        ASSIGN_OR_RETURN(
+            t->ring_comm_,
+            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ring", member),
+                                   static_cast<int>(group), static_cast<int>(g.r()), o.gloo));
+      }
     }
   }
   t->ckpt_dir_ = t->opt_.checkpoint_dir.empty() ? spec.checkpoint.dir : t->opt_.checkpoint_dir;
@@ -96,7 +122,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     }
   } else {
     ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
-    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla});
+    const MlaRingPayload payload = MlaRingPayloadFor(
+        spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_));
+    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla, t->ulysses_comm_.get(),
+                      t->ring_comm_.get(), payload});
   }
   ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
@@ -310,7 +339,7 @@ absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches(bool keep_whole) c
       out.whole.push_back(std::move(full));
       continue;
     }
-    ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_));
+    ASSIGN_OR_RETURN(CpBatch b, ShardForCp(full, cp_, cp_rank_, HybridModes() ? ulysses_ : 1));
     out.valid_targets += static_cast<double>(b.local.NumValidTargets());
     out.shares.push_back(std::move(b));
   }
@@ -427,8 +456,8 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   // is the sum over ranks, as the coordinator and the dashboards add it up).
   const double tokens = static_cast<double>(spec.seq_len * mb) / static_cast<double>(cp_);
   nlohmann::json comm = nlohmann::json::array();
-  for (Communicator* c :
-       {world_comm_.get(), cp_comm_.get(), device_world_comm_.get(), device_cp_comm_.get()}) {
+  for (Communicator* c : {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
+                          device_world_comm_.get(), device_cp_comm_.get()}) {
     if (!c) continue;
     for (const auto& [key, amount] : c->TakeStats())
       comm.push_back({{"collective", CollectiveName(key.first)},

@@ -8,7 +8,9 @@
 // Multi-rank (world = dp * cp > 1): rank r is CP rank r % cp of data-parallel replica r / cp.
 // Each replica takes its own micro-batches of the step's sequences; each CP rank its zigzag share
 // of them (cp/cp_layout.h). Communicators are Gloo groups bootstrapped from `store`: the world
-// (gradients, loss) and the replica's CP group (the model's CP collectives). The loss and its
+// (gradients, loss) and the replica's CP group (the model's CP collectives); with a "hybrid" mode
+// also the rank's Ulysses group and ring (cp/cp_groups.h). The CUDA engine refuses the "ring" and
+// "hybrid" modes at Create(). The loss and its
 // token count are summed over the world; gradients are all-reduced over the world in buckets
 // launched while the backward goes on; the norm, clipping and update follow the reduction, so
 // every rank holds the same parameters. Rank 0 writes checkpoints; all ranks resume from the
@@ -150,6 +152,12 @@ class Trainer {
   // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP
   // (device_cp_comm_ only when dp > 1; with dp = 1 the world's serves the CP group).
   std::unique_ptr<Communicator> world_comm_, cp_comm_, device_world_comm_, device_cp_comm_;
+  // The hybrid modes (CPU): this rank's Ulysses group and its ring across the groups.
+  std::unique_ptr<Communicator> ulysses_comm_, ring_comm_;
+  int64_t ulysses_ = 1;
+  bool HybridModes() const {
+    return cp_ > 1 && (modes_.lightning == CpMode::kHybrid || modes_.mla == CpMode::kHybrid);
+  }
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<Model> model_;          // resources "cpu"

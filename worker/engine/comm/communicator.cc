@@ -17,6 +17,8 @@ const char* CollectiveName(Collective c) {
     case Collective::kReduceScatter: return "reduce_scatter";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
+    case Collective::kSendRecv:
+      return "send_recv";
   }
   return "unknown";
 }
@@ -219,6 +221,27 @@ CommHandle Communicator::BroadcastAsync(void* buf, int64_t n, CommType type, int
   return Enqueue(Collective::kBroadcast, layer, size_ > 1 ? bytes : 0, [=, this]() {
     return size_ == 1 && LocalWhenAlone() ? absl::OkStatus() : DoBroadcast(buf, n, type, root);
   });
+}
+
+CommHandle Communicator::SendRecvAsync(const void* send, int to, void* recv, int from,
+                                       int64_t bytes, CommLayer layer) {
+  return Enqueue(
+      Collective::kSendRecv, layer, to != rank_ ? bytes : 0, [=, this]() -> absl::Status {
+        if (to < 0 || to >= size_ || from < 0 || from >= size_ || bytes < 0)
+          return absl::InvalidArgumentError(absl::StrCat("send-recv: ", bytes, " bytes to rank ",
+                                                         to, " and from rank ", from,
+                                                         " in a group of ", size_));
+        if ((to == rank_) != (from == rank_))
+          return absl::InvalidArgumentError(absl::StrCat(
+              "send-recv: rank ", rank_, " sends to rank ", to, " but receives from rank ", from,
+              "; a rank that sends to itself receives from itself"));
+        if (bytes == 0) return absl::OkStatus();
+        if (to == rank_ && LocalWhenAlone()) {
+          std::memmove(recv, send, bytes);
+          return absl::OkStatus();
+        }
+        return DoSendRecv(send, to, recv, from, bytes);
+      });
 }
 
 absl::Status Communicator::Barrier() {

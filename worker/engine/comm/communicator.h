@@ -8,7 +8,8 @@
 // on the communicator thread (queueing excluded) and the bytes this rank sends under the standard
 // algorithms: all-gather (n-1)*in, all-to-all (n-1)/n*in (by pieces: the pieces for the other
 // ranks), all-reduce 2(n-1)/n*buf (ring), reduce-scatter (n-1)/n*in, broadcast buf at the root,
-// barrier 0. TakeStats() returns and resets them (the trainer emits them per step).
+// send-recv the bytes sent (0 to itself), barrier 0. TakeStats() returns and resets them (the
+// trainer emits them per step).
 //
 // Buffers are raw host pointers for Gloo and device pointers for NCCL; they must stay valid and
 // untouched until the collective's handle is waited on. Errors (peer gone, timeout) come back as
@@ -34,7 +35,15 @@
 
 namespace spindle {
 
-enum class Collective { kAllGather, kAllToAll, kAllReduce, kReduceScatter, kBroadcast, kBarrier };
+enum class Collective {
+  kAllGather,
+  kAllToAll,
+  kAllReduce,
+  kReduceScatter,
+  kBroadcast,
+  kBarrier,
+  kSendRecv
+};
 const char* CollectiveName(Collective c);
 
 // What a collective serves, for the metrics' layer_type label.
@@ -103,6 +112,15 @@ class Communicator {
   // out[i] = sum over ranks of in_r[rank * n + i]: `in` holds size() blocks of n floats.
   CommHandle ReduceScatterSumAsync(const float* in, int64_t n, float* out, CommLayer layer);
   CommHandle BroadcastAsync(void* buf, int64_t n, CommType type, int root, CommLayer layer);
+  // Point to point, one step of a ring: sends `bytes` at `send` to rank `to` and receives `bytes`
+  // from rank `from` into `recv` (send and recv must not overlap). Rank `to` issues, at the same
+  // place in its sequence, a SendRecv with from == this rank, and rank `from` one with to == this
+  // rank, both of `bytes`; every rank of the communicator issues the same number of SendRecvs
+  // (backends number them to match the pairs). to == from == rank() copies (a group of one).
+  // InvalidArgument for a peer out of range, a negative size, or only one of to and from being
+  // this rank.
+  CommHandle SendRecvAsync(const void* send, int to, void* recv, int from, int64_t bytes,
+                           CommLayer layer);
 
   absl::Status AllGather(const void* in, int64_t n, CommType type, void* out, CommLayer layer) {
     return AllGatherAsync(in, n, type, out, layer).Wait();
@@ -122,6 +140,10 @@ class Communicator {
   }
   absl::Status Broadcast(void* buf, int64_t n, CommType type, int root, CommLayer layer) {
     return BroadcastAsync(buf, n, type, root, layer).Wait();
+  }
+  absl::Status SendRecv(const void* send, int to, void* recv, int from, int64_t bytes,
+                        CommLayer layer) {
+    return SendRecvAsync(send, to, recv, from, bytes, layer).Wait();
   }
   absl::Status Barrier();
 
@@ -146,6 +168,9 @@ class Communicator {
   virtual absl::Status DoReduceScatterSum(const float* in, int64_t n, float* out) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t n, CommType type, int root) = 0;
   virtual absl::Status DoBarrier() = 0;
+  // to and from are valid peers, not both this rank when LocalWhenAlone(); bytes > 0.
+  virtual absl::Status DoSendRecv(const void* send, int to, void* recv, int from,
+                                  int64_t bytes) = 0;
   // Whether a group of one is served here without the backend (host memmove for the copying
   // collectives, nothing for the others). True for host-memory backends; NCCL says false: its
   // buffers are device memory, and NCCL runs a group of one itself.

@@ -165,6 +165,21 @@ class GlooCommunicator : public Communicator {
       gloo::broadcast(o);
     });
   }
+  // Unbound buffers on a slot of our own (above Gloo's collective prefixes), numbered by the
+  // SendRecvs this communicator ran: the pair's two calls have the same number.
+  absl::Status DoSendRecv(const void* send, int to, void* recv, int from, int64_t bytes) override {
+    const uint64_t slot = (uint64_t{kSendRecvSlotPrefix} << 56) | (uint64_t{send_recvs_++} << 24);
+    return Guard("send-recv", [&] {
+      auto in = ctx_->createUnboundBuffer(recv, static_cast<size_t>(bytes));
+      auto out = ctx_->createUnboundBuffer(const_cast<void*>(send), static_cast<size_t>(bytes));
+      in->recv(from, slot);
+      out->send(to, slot);
+      if (!in->waitRecv(timeout_))
+        throw gloo::IoException(absl::StrCat("receive from rank ", from, " aborted"));
+      if (!out->waitSend(timeout_))
+        throw gloo::IoException(absl::StrCat("send to rank ", to, " aborted"));
+    });
+  }
   absl::Status DoBarrier() override {
     return Guard("barrier", [&] {
       gloo::BarrierOptions o(ctx_);
@@ -177,6 +192,8 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::Context> ctx_;
   const std::chrono::milliseconds timeout_;
   std::vector<float> scratch_;  // reduce-scatter staging, communicator thread only
+  static constexpr uint8_t kSendRecvSlotPrefix = 0x20;
+  uint32_t send_recvs_ = 0;  // communicator thread only
 };
 
 }  // namespace

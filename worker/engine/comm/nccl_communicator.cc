@@ -160,6 +160,20 @@ class NcclCommunicator : public Communicator {
     SPINDLE_NCCL_RETURN(ncclBroadcast(buf, buf, n, NcclType(type), root, comm_, stream_), comm_);
     return Sync("broadcast");
   }
+  absl::Status DoSendRecv(const void* send, int to, void* recv, int from, int64_t bytes) override {
+    SPINDLE_RETURN_IF_ERROR(Check("send-recv", bytes, CommType::kByte, 1));
+    SPINDLE_RETURN_IF_ERROR(CheckBuffer("send-recv send buffer", send, bytes));
+    SPINDLE_RETURN_IF_ERROR(CheckBuffer("send-recv receive buffer", recv, bytes));
+    SPINDLE_NCCL_RETURN(ncclGroupStart(), comm_);
+    absl::Status s =
+        NcclStatus(ncclSend(send, bytes, ncclUint8, to, comm_, stream_), "ncclSend", comm_);
+    if (s.ok())
+      s = NcclStatus(ncclRecv(recv, bytes, ncclUint8, from, comm_, stream_), "ncclRecv", comm_);
+    absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd", comm_);
+    SPINDLE_RETURN_IF_ERROR(s);
+    SPINDLE_RETURN_IF_ERROR(end);
+    return Sync("send-recv");
+  }
   absl::Status DoBarrier() override {
     // An all-reduce of one int on the device is NCCL's barrier.
     SPINDLE_RETURN_IF_ERROR(Usable());

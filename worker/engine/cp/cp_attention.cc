@@ -10,6 +10,8 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
+#include "worker/engine/cp/cp_mla_payload.h"
+#include "worker/engine/cp/cp_ulysses.h"
 
 namespace spindle {
 namespace k = kernels::cpu;
@@ -42,95 +44,6 @@ void HeadOuter(const float* x, const float* y, int64_t stride, int64_t n, int64_
   for (int64_t h = 0; h < H; ++h)
     k::Gemm(true, false, Dh, Dh, n, 1.0f, xw + h * n * Dh, Dh, y + h * Dh, stride, 0.0f,
             M + h * Dh * Dh, Dh);
-}
-
-// ---- Sequence-split <-> head-split transposition (Ulysses) --------------------------------------
-// A tensor of the local tokens, [T, H, width] dense, or of the whole sequence for this rank's
-// heads, [T_full, H/cp, width] dense. Blocks exchanged with rank j hold, tensor after tensor,
-// [T][H/cp][width] (local token order of the rank whose tokens they are).
-struct Part {
-  float* p;
-  int64_t width;
-};
-
-int64_t StreamIndex(const CpLayout& L, int64_t rank, int64_t t_local) {
-  const int64_t slot = t_local / L.chunk;
-  return L.ChunkOf(rank, slot) * L.chunk + t_local % L.chunk;
-}
-
-int64_t BlockSize(const std::vector<Part>& parts, int64_t T, int64_t Hl) {
-  int64_t w = 0;
-  for (const Part& p : parts) w += p.width;
-  return T * Hl * w;
-}
-
-// Local tokens, all heads -> send blocks per destination rank (its heads).
-void PackByHeads(const std::vector<Part>& local, int64_t T, int64_t H, int64_t cp, float* send) {
-  const int64_t Hl = H / cp, block = BlockSize(local, T, Hl);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t j = 0; j < cp; ++j)
-    for (int64_t t = 0; t < T; ++t) {
-      float* dst = send + j * block;
-      for (const Part& p : local) {
-        float* row = dst + t * Hl * p.width;
-        std::memcpy(row, p.p + (t * H + j * Hl) * p.width, Hl * p.width * sizeof(float));
-        dst += T * Hl * p.width;
-      }
-    }
-}
-
-// Received blocks (rank i's tokens, my heads) -> whole-sequence tensors in stream order.
-void UnpackToStream(const float* recv, const CpLayout& L, int64_t T, int64_t Hl,
-                    const std::vector<Part>& full) {
-  const int64_t block = BlockSize(full, T, Hl);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < L.cp; ++i)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = recv + i * block;
-      const int64_t s = StreamIndex(L, i, t);
-      for (const Part& p : full) {
-        std::memcpy(p.p + s * Hl * p.width, src + t * Hl * p.width, Hl * p.width * sizeof(float));
-        src += T * Hl * p.width;
-      }
-    }
-}
-
-// Whole-sequence tensors (my heads) -> send blocks holding each rank's tokens.
-void PackByRanks(const std::vector<Part>& full, const CpLayout& L, int64_t T, int64_t Hl,
-                 float* send) {
-  const int64_t block = BlockSize(full, T, Hl);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < L.cp; ++i)
-    for (int64_t t = 0; t < T; ++t) {
-      float* dst = send + i * block;
-      const int64_t s = StreamIndex(L, i, t);
-      for (const Part& p : full) {
-        std::memcpy(dst + t * Hl * p.width, p.p + s * Hl * p.width, Hl * p.width * sizeof(float));
-        dst += T * Hl * p.width;
-      }
-    }
-}
-
-// Received blocks (my tokens, rank j's heads) -> local tensors, all heads.
-void UnpackToTokens(const float* recv, int64_t T, int64_t H, int64_t cp,
-                    const std::vector<Part>& local) {
-  const int64_t Hl = H / cp, block = BlockSize(local, T, Hl);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t j = 0; j < cp; ++j)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = recv + j * block;
-      for (const Part& p : local) {
-        std::memcpy(p.p + (t * H + j * Hl) * p.width, src + t * Hl * p.width,
-                    Hl * p.width * sizeof(float));
-        src += T * Hl * p.width;
-      }
-    }
-}
-
-// Lightning reads q, k, v with token stride d; the transposition works on dense copies.
-void CopyStrided(const float* src, int64_t stride, int64_t T, int64_t width, float* dst) {
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * width, src + t * stride, width * sizeof(float));
 }
 
 }  // namespace
@@ -230,77 +143,144 @@ absl::Status LightningAllGatherBackward(const LightningCpArgs& a, CpScratch& s, 
   return absl::OkStatus();
 }
 
-// ---- Lightning, All2All -----------------------------------------------------------------------
+// ---- Lightning, All2All and hybrid -----------------------------------------------------------
 
-absl::Status LightningAll2AllForward(const LightningCpArgs& a, CpScratch& s, float* out,
-                                     std::vector<float>* saved) {
-  const CpLayout& L = *a.layout;
-  const int64_t H = a.H, Dh = a.Dh, d = H * Dh, cp = L.cp, Hl = H / cp, T = a.local->T;
-  const int64_t Tf = L.T_full, n3 = 3 * T * d;
-  // Dense copies of q, k, v (the kernel's strided layout is the model's [T, d] anyway).
+namespace {
+
+// The head-split core of a Ulysses mode on the group's gathered tokens: q, k, v [n T, Hl, Dh]
+// dense in, outputs (or input gradients) out.
+using LightningCore =
+    std::function<absl::Status(const float* qf, const float* kf, const float* vf, float* of)>;
+using LightningCoreBackward =
+    std::function<absl::Status(const float* qf, const float* kf, const float* vf, const float* dof,
+                               float* dqf, float* dkf, float* dvf)>;
+
+// q, k, v (token stride d) to the group's tokens for this member's heads (kept in `saved`), the
+// core, outputs back.
+absl::Status LightningUlyssesForward(const LightningCpArgs& a, const UlyssesGroup& g,
+                                     Communicator& comm, CpScratch& s, std::vector<float>* saved,
+                                     const LightningCore& core, float* out) {
+  const int64_t H = a.H, Dh = a.Dh, d = H * Dh, Hl = H / g.members, T = a.local->T;
+  const int64_t Tg = g.members * T, n3 = 3 * T * d;
   float* loc = Grow(s.a, n3);
   CopyStrided(a.q, d, T, d, loc);
   CopyStrided(a.k, d, T, d, loc + T * d);
   CopyStrided(a.v, d, T, d, loc + 2 * T * d);
-  float* send = Grow(s.send, n3);
-  float* recv = Grow(s.recv, n3);
-  PackByHeads({{loc, Dh}, {loc + T * d, Dh}, {loc + 2 * T * d, Dh}}, T, H, cp, send);
-  if (absl::Status st = a.comm->AllToAll(send, n3 / cp, CommType::kF32, recv,
-                                         CommLayer::kLightning);
-      !st.ok())
-    return st;
   saved->resize(n3);
   float* qf = saved->data();
-  float* kf = qf + Tf * Hl * Dh;
-  float* vf = kf + Tf * Hl * Dh;
-  UnpackToStream(recv, L, T, Hl, {{qf, Dh}, {kf, Dh}, {vf, Dh}});
-  float* of = Grow(s.c, Tf * Hl * Dh);
-  const int64_t head0 = L.rank * Hl;
-  k::LightningForward(qf, kf, vf, a.log_decay + head0, L.cu_seqlens.data(),
-                      static_cast<int64_t>(L.cu_seqlens.size()) - 1, nullptr, a.scale,
-                      {Tf, Hl, Dh, Hl * Dh}, of, nullptr);
-  PackByRanks({{of, Dh}}, L, T, Hl, send);
-  if (absl::Status st = a.comm->AllToAll(send, T * d / cp, CommType::kF32, recv,
-                                         CommLayer::kLightning);
+  float* kf = qf + Tg * Hl * Dh;
+  float* vf = kf + Tg * Hl * Dh;
+  if (absl::Status st =
+          UlyssesToHeads(comm, g, T, H, {{loc, Dh}, {loc + T * d, Dh}, {loc + 2 * T * d, Dh}},
+                         {{qf, Dh}, {kf, Dh}, {vf, Dh}}, s.send, s.recv, CommLayer::kLightning);
       !st.ok())
     return st;
-  UnpackToTokens(recv, T, H, cp, {{out, Dh}});
-  return absl::OkStatus();
+  float* of = Grow(s.c, Tg * Hl * Dh);
+  if (absl::Status st = core(qf, kf, vf, of); !st.ok()) return st;
+  return UlyssesToTokens(comm, g, T, H, {{of, Dh}}, {{out, Dh}}, s.send, s.recv,
+                         CommLayer::kLightning);
+}
+
+absl::Status LightningUlyssesBackward(const LightningCpArgs& a, const UlyssesGroup& g,
+                                      Communicator& comm, CpScratch& s,
+                                      const std::vector<float>& saved, const float* dout,
+                                      const LightningCoreBackward& core, float* dq, float* dk,
+                                      float* dv) {
+  const int64_t H = a.H, Dh = a.Dh, d = H * Dh, Hl = H / g.members, T = a.local->T;
+  const int64_t Tg = g.members * T;
+  float* dof = Grow(s.c, Tg * Hl * Dh);
+  if (absl::Status st = UlyssesToHeads(comm, g, T, H, {{const_cast<float*>(dout), Dh}}, {{dof, Dh}},
+                                       s.send, s.recv, CommLayer::kLightning);
+      !st.ok())
+    return st;
+  const float* qf = saved.data();
+  const float* kf = qf + Tg * Hl * Dh;
+  const float* vf = kf + Tg * Hl * Dh;
+  float* gr = Grow(s.e, 3 * T * d);
+  float* dqf = gr;
+  float* dkf = gr + Tg * Hl * Dh;
+  float* dvf = dkf + Tg * Hl * Dh;
+  if (absl::Status st = core(qf, kf, vf, dof, dqf, dkf, dvf); !st.ok()) return st;
+  // dq, dk, dv have token stride d in the model: dense [T, d] each (they are).
+  return UlyssesToTokens(comm, g, T, H, {{dqf, Dh}, {dkf, Dh}, {dvf, Dh}},
+                         {{dq, Dh}, {dk, Dh}, {dv, Dh}}, s.send, s.recv, CommLayer::kLightning);
+}
+
+// The hybrid core's arguments: the Lightning AllGather mode on the group level for this member's
+// heads.
+LightningCpArgs HybridLevelArgs(const LightningCpArgs& a, const float* qf, const float* kf,
+                                const float* vf) {
+  const CpGroups g = a.layout->groups();
+  const int64_t Hl = a.H / g.u, h0 = g.Member(a.layout->rank) * Hl;
+  return {qf,
+          kf,
+          vf,
+          a.log_decay + h0,
+          Hl,
+          a.Dh,
+          a.scale,
+          &a.hybrid.group->local,
+          &a.hybrid.group->layout,
+          a.hybrid.ring};
+}
+
+}  // namespace
+
+absl::Status LightningAll2AllForward(const LightningCpArgs& a, CpScratch& s, float* out,
+                                     std::vector<float>* saved) {
+  const CpLayout& L = *a.layout;
+  const int64_t Hl = a.H / L.cp;
+  return LightningUlyssesForward(
+      a, WholeCpGroup(L), *a.comm, s, saved,
+      [&](const float* qf, const float* kf, const float* vf, float* of) {
+        k::LightningForward(qf, kf, vf, a.log_decay + L.rank * Hl, L.cu_seqlens.data(),
+                            static_cast<int64_t>(L.cu_seqlens.size()) - 1, nullptr, a.scale,
+                            {L.T_full, Hl, a.Dh, Hl * a.Dh}, of, nullptr);
+        return absl::OkStatus();
+      },
+      out);
 }
 
 absl::Status LightningAll2AllBackward(const LightningCpArgs& a, CpScratch& s,
-                                      const std::vector<float>& saved, const float* dout,
-                                      float* dq, float* dk, float* dv) {
+                                      const std::vector<float>& saved, const float* dout, float* dq,
+                                      float* dk, float* dv) {
   const CpLayout& L = *a.layout;
-  const int64_t H = a.H, Dh = a.Dh, d = H * Dh, cp = L.cp, Hl = H / cp, T = a.local->T;
-  const int64_t Tf = L.T_full, n3 = 3 * T * d;
-  float* send = Grow(s.send, n3);
-  float* recv = Grow(s.recv, n3);
-  PackByHeads({{const_cast<float*>(dout), Dh}}, T, H, cp, send);
-  if (absl::Status st = a.comm->AllToAll(send, T * d / cp, CommType::kF32, recv,
-                                         CommLayer::kLightning);
-      !st.ok())
-    return st;
-  float* dof = Grow(s.c, Tf * Hl * Dh);
-  UnpackToStream(recv, L, T, Hl, {{dof, Dh}});
-  const float* qf = saved.data();
-  const float* kf = qf + Tf * Hl * Dh;
-  const float* vf = kf + Tf * Hl * Dh;
-  float* g = Grow(s.e, n3);
-  float* dqf = g;
-  float* dkf = g + Tf * Hl * Dh;
-  float* dvf = dkf + Tf * Hl * Dh;
-  k::LightningBackward(qf, kf, vf, a.log_decay + L.rank * Hl, L.cu_seqlens.data(),
-                       static_cast<int64_t>(L.cu_seqlens.size()) - 1, nullptr, a.scale,
-                       {Tf, Hl, Dh, Hl * Dh}, dof, nullptr, dqf, dkf, dvf, nullptr);
-  PackByRanks({{dqf, Dh}, {dkf, Dh}, {dvf, Dh}}, L, T, Hl, send);
-  if (absl::Status st = a.comm->AllToAll(send, n3 / cp, CommType::kF32, recv,
-                                         CommLayer::kLightning);
-      !st.ok())
-    return st;
-  // dq, dk, dv have token stride d in the model: unpack into dense [T, d] each (they are).
-  UnpackToTokens(recv, T, H, cp, {{dq, Dh}, {dk, Dh}, {dv, Dh}});
-  return absl::OkStatus();
+  const int64_t Hl = a.H / L.cp;
+  return LightningUlyssesBackward(
+      a, WholeCpGroup(L), *a.comm, s, saved, dout,
+      [&](const float* qf, const float* kf, const float* vf, const float* dof, float* dqf,
+          float* dkf, float* dvf) {
+        k::LightningBackward(qf, kf, vf, a.log_decay + L.rank * Hl, L.cu_seqlens.data(),
+                             static_cast<int64_t>(L.cu_seqlens.size()) - 1, nullptr, a.scale,
+                             {L.T_full, Hl, a.Dh, Hl * a.Dh}, dof, nullptr, dqf, dkf, dvf, nullptr);
+        return absl::OkStatus();
+      },
+      dq, dk, dv);
+}
+
+absl::Status LightningHybridForward(const LightningCpArgs& a, CpScratch& s,
+                                    const std::function<void()>& overlap, float* out, float* P,
+                                    std::vector<float>* saved) {
+  return LightningUlyssesForward(
+      a, HybridUlyssesGroup(*a.layout), *a.hybrid.ulysses, s, saved,
+      [&](const float* qf, const float* kf, const float* vf, float* of) {
+        return LightningAllGatherForward(HybridLevelArgs(a, qf, kf, vf), s, overlap, of, P);
+      },
+      out);
+}
+
+absl::Status LightningHybridBackward(const LightningCpArgs& a, CpScratch& s, const float* P,
+                                     const std::vector<float>& saved, const float* dout,
+                                     const std::function<void()>& overlap, float* dq, float* dk,
+                                     float* dv) {
+  return LightningUlyssesBackward(
+      a, HybridUlyssesGroup(*a.layout), *a.hybrid.ulysses, s, saved, dout,
+      [&](const float* qf, const float* kf, const float* vf, const float* dof, float* dqf,
+          float* dkf, float* dvf) {
+        return LightningAllGatherBackward(HybridLevelArgs(a, qf, kf, vf), s, P, dof, overlap, dqf,
+                                          dkf, dvf);
+      },
+      dq, dk, dv);
 }
 
 // ---- MLA, All2All -----------------------------------------------------------------------------
@@ -309,14 +289,8 @@ absl::Status MlaAll2AllForward(const MlaCpArgs& a, CpScratch& s, const float* Q,
                                const float* V, float* O, std::vector<float>* saved) {
   const CpLayout& L = *a.layout;
   const int64_t H = a.H, cp = L.cp, Hl = H / cp, T = a.local->T, Tf = L.T_full;
-  const int64_t qk = a.qk, vd = a.vd, n = T * H * (2 * qk + vd);
-  float* send = Grow(s.send, n);
-  float* recv = Grow(s.recv, n);
-  PackByHeads({{const_cast<float*>(Q), qk}, {const_cast<float*>(K), qk}, {const_cast<float*>(V), vd}},
-              T, H, cp, send);
-  if (absl::Status st = a.comm->AllToAll(send, n / cp, CommType::kF32, recv, CommLayer::kMla);
-      !st.ok())
-    return st;
+  const int64_t qk = a.qk, vd = a.vd;
+  const UlyssesGroup g = WholeCpGroup(L);
   // saved: Qf, Kf [Tf, Hl, qk], Vf, Of [Tf, Hl, vd], lse [Tf, Hl].
   saved->resize(Tf * Hl * (2 * qk + 2 * vd + 1));
   float* qf = saved->data();
@@ -324,28 +298,26 @@ absl::Status MlaAll2AllForward(const MlaCpArgs& a, CpScratch& s, const float* Q,
   float* vf = kf + Tf * Hl * qk;
   float* of = vf + Tf * Hl * vd;
   float* lse = of + Tf * Hl * vd;
-  UnpackToStream(recv, L, T, Hl, {{qf, qk}, {kf, qk}, {vf, vd}});
-  k::AttentionMask mask{L.doc.data(), L.idx.data(), L.doc.data(), L.idx.data()};
-  k::AttentionForward(qf, kf, vf, mask, a.scale, {Tf, Tf, Hl, qk, vd}, of, lse);
-  PackByRanks({{of, vd}}, L, T, Hl, send);
-  if (absl::Status st =
-          a.comm->AllToAll(send, T * H * vd / cp, CommType::kF32, recv, CommLayer::kMla);
+  if (absl::Status st = UlyssesToHeads(
+          *a.comm, g, T, H,
+          {{const_cast<float*>(Q), qk}, {const_cast<float*>(K), qk}, {const_cast<float*>(V), vd}},
+          {{qf, qk}, {kf, qk}, {vf, vd}}, s.send, s.recv, CommLayer::kMla);
       !st.ok())
     return st;
-  UnpackToTokens(recv, T, H, cp, {{O, vd}});
-  return absl::OkStatus();
+  k::AttentionMask mask{L.doc.data(), L.idx.data(), L.doc.data(), L.idx.data()};
+  k::AttentionForward(qf, kf, vf, mask, a.scale, {Tf, Tf, Hl, qk, vd}, of, lse);
+  return UlyssesToTokens(*a.comm, g, T, H, {{of, vd}}, {{O, vd}}, s.send, s.recv, CommLayer::kMla);
 }
 
 absl::Status MlaAll2AllBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
                                 const float* dO, float* dQ, float* dK, float* dV) {
   const CpLayout& L = *a.layout;
   const int64_t H = a.H, cp = L.cp, Hl = H / cp, T = a.local->T, Tf = L.T_full;
-  const int64_t qk = a.qk, vd = a.vd, n = T * H * (2 * qk + vd);
-  float* send = Grow(s.send, n);
-  float* recv = Grow(s.recv, n);
-  PackByHeads({{const_cast<float*>(dO), vd}}, T, H, cp, send);
-  if (absl::Status st =
-          a.comm->AllToAll(send, T * H * vd / cp, CommType::kF32, recv, CommLayer::kMla);
+  const int64_t qk = a.qk, vd = a.vd;
+  const UlyssesGroup g = WholeCpGroup(L);
+  float* dof = Grow(s.c, Tf * Hl * vd);
+  if (absl::Status st = UlyssesToHeads(*a.comm, g, T, H, {{const_cast<float*>(dO), vd}},
+                                       {{dof, vd}}, s.send, s.recv, CommLayer::kMla);
       !st.ok())
     return st;
   const float* qf = saved.data();
@@ -353,21 +325,15 @@ absl::Status MlaAll2AllBackward(const MlaCpArgs& a, CpScratch& s, const std::vec
   const float* vf = kf + Tf * Hl * qk;
   const float* of = vf + Tf * Hl * vd;
   const float* lse = of + Tf * Hl * vd;
-  float* dof = Grow(s.c, Tf * Hl * vd);
-  UnpackToStream(recv, L, T, Hl, {{dof, vd}});
-  float* g = Grow(s.e, n);
-  float* dqf = g;
+  float* gr = Grow(s.e, T * H * (2 * qk + vd));
+  float* dqf = gr;
   float* dkf = dqf + Tf * Hl * qk;
   float* dvf = dkf + Tf * Hl * qk;
   k::AttentionMask mask{L.doc.data(), L.idx.data(), L.doc.data(), L.idx.data()};
   k::AttentionBackward(qf, kf, vf, of, lse, dof, mask, a.scale, {Tf, Tf, Hl, qk, vd}, dqf, dkf,
                        dvf);
-  PackByRanks({{dqf, qk}, {dkf, qk}, {dvf, vd}}, L, T, Hl, send);
-  if (absl::Status st = a.comm->AllToAll(send, n / cp, CommType::kF32, recv, CommLayer::kMla);
-      !st.ok())
-    return st;
-  UnpackToTokens(recv, T, H, cp, {{dQ, qk}, {dK, qk}, {dV, vd}});
-  return absl::OkStatus();
+  return UlyssesToTokens(*a.comm, g, T, H, {{dqf, qk}, {dkf, qk}, {dvf, vd}},
+                         {{dQ, qk}, {dK, qk}, {dV, vd}}, s.send, s.recv, CommLayer::kMla);
 }
 
 // ---- MLA, AllGather ---------------------------------------------------------------------------
@@ -375,6 +341,8 @@ absl::Status MlaAll2AllBackward(const MlaCpArgs& a, CpScratch& s, const std::vec
 namespace {
 // Keys the local queries can see: the stream prefix up to this rank's last token.
 int64_t VisibleKeys(const CpLayout& L) { return (2 * L.cp - L.rank) * L.chunk; }
+
+MlaHeads Heads(const MlaCpArgs& a) { return {a.H, a.qk - a.rd, a.rd, a.vd, a.kv}; }
 }  // namespace
 
 absl::Status MlaAllGatherForward(const MlaCpArgs& a, CpScratch& s, const float* Q,
@@ -382,8 +350,8 @@ absl::Status MlaAllGatherForward(const MlaCpArgs& a, CpScratch& s, const float* 
                                  std::vector<float>* saved) {
   const CpLayout& L = *a.layout;
   const Batch& b = *a.local;
-  const int64_t H = a.H, T = b.T, qk = a.qk, vd = a.vd, kv = a.kv, rd = a.rd, nope = qk - rd;
-  const int64_t w = kv + rd, Tk = VisibleKeys(L), kvb_w = H * (nope + vd);
+  const int64_t H = a.H, T = b.T, qk = a.qk, vd = a.vd;
+  const int64_t w = a.kv + a.rd, Tk = VisibleKeys(L);
   float* recv = Grow(s.recv, L.cp * T * w);
   if (absl::Status st = a.comm->AllGather(latent, T * w, CommType::kF32, recv, CommLayer::kMla);
       !st.ok())
@@ -396,20 +364,10 @@ absl::Status MlaAllGatherForward(const MlaCpArgs& a, CpScratch& s, const float* 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t i = 0; i < L.cp; ++i)
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t st = StreamIndex(L, i, t);
+      const int64_t st = L.StreamIndex(i, t);
       if (st < Tk) std::memcpy(lat + st * w, recv + (i * T + t) * w, w * sizeof(float));
     }
-  float* kvb = Grow(s.c, Tk * kvb_w);
-  k::Gemm(false, true, Tk, kvb_w, kv, 1.0f, lat, w, W_kv_b, kv, 0.0f, kvb, kvb_w);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < Tk; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* src = kvb + (t * H + h) * (nope + vd);
-      float* kd = Kg + (t * H + h) * qk;
-      std::memcpy(kd, src, nope * sizeof(float));
-      std::memcpy(kd + nope, lat + t * w + kv, rd * sizeof(float));
-      std::memcpy(Vg + (t * H + h) * vd, src + nope, vd * sizeof(float));
-    }
+  MlaExpandLatent(lat, Tk, W_kv_b, Heads(a), s.c, Kg, Vg);
   k::AttentionMask mask{b.doc.data(), b.idx.data(), L.doc.data(), L.idx.data()};
   k::AttentionForward(Q, Kg, Vg, mask, a.scale, {T, Tk, H, qk, vd}, O, lse);
   return absl::OkStatus();
@@ -421,8 +379,8 @@ absl::Status MlaAllGatherBackward(const MlaCpArgs& a, CpScratch& s, const std::v
                                   float* d_latent, float* dW_kv_b) {
   const CpLayout& L = *a.layout;
   const Batch& b = *a.local;
-  const int64_t H = a.H, T = b.T, qk = a.qk, vd = a.vd, kv = a.kv, rd = a.rd, nope = qk - rd;
-  const int64_t w = kv + rd, Tk = VisibleKeys(L), kvb_w = H * (nope + vd);
+  const int64_t H = a.H, T = b.T, qk = a.qk, vd = a.vd;
+  const int64_t w = a.kv + a.rd, Tk = VisibleKeys(L);
   const float* lat = saved.data();
   const float* Kg = lat + Tk * w;
   const float* Vg = Kg + Tk * H * qk;
@@ -431,29 +389,12 @@ absl::Status MlaAllGatherBackward(const MlaCpArgs& a, CpScratch& s, const std::v
   k::AttentionMask mask{b.doc.data(), b.idx.data(), L.doc.data(), L.idx.data()};
   k::AttentionBackward(Q, Kg, Vg, O, lse, dO, mask, a.scale, {T, Tk, H, qk, vd}, dQ, dKg, dVg);
   // Gradient of every whole-sequence latent row, [T_full, w] in stream order (zero past Tk).
-  float* dkvb = Grow(s.c, Tk * kvb_w);
   float* dlat = Grow(s.e, L.T_full * w);
   std::fill(dlat + Tk * w, dlat + L.T_full * w, 0.0f);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < Tk; ++t) {
-    float* dkr = dlat + t * w + kv;
-    std::fill(dkr, dkr + rd, 0.0f);
-    for (int64_t h = 0; h < H; ++h) {
-      float* dst = dkvb + (t * H + h) * (nope + vd);
-      const float* dk = dKg + (t * H + h) * qk;
-      std::memcpy(dst, dk, nope * sizeof(float));
-      std::memcpy(dst + nope, dVg + (t * H + h) * vd, vd * sizeof(float));
-      for (int64_t j = 0; j < rd; ++j) dkr[j] += dk[nope + j];
-    }
-  }
-  k::Gemm(true, false, kvb_w, kv, Tk, 1.0f, dkvb, kvb_w, lat, w, 1.0f, dW_kv_b, kv);
-  k::Gemm(false, false, Tk, kv, kvb_w, 1.0f, dkvb, kvb_w, W_kv_b, kv, 0.0f, dlat, w);
+  MlaContractLatent(lat, Tk, dKg, dVg, W_kv_b, Heads(a), s.c, dlat, dW_kv_b);
   // Back to owners: block i holds rank i's tokens in its local order; summed over ranks.
   float* send = Grow(s.send, L.cp * T * w);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < L.cp; ++i)
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(send + (i * T + t) * w, dlat + StreamIndex(L, i, t) * w, w * sizeof(float));
+  RowsToMemberBlocks(dlat, WholeCpGroup(L), T, w, send);
   return a.comm->ReduceScatterSum(send, T * w, d_latent, CommLayer::kMla);
 }
 

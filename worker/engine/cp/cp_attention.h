@@ -1,5 +1,7 @@
 // Context-parallel attention cores (DESIGN.md section 3) on the CPU kernels: Lightning in
-// AllGather and All2All modes, MLA in All2All and AllGather modes. Each function takes this rank's
+// AllGather, All2All and hybrid modes, MLA in All2All, AllGather, Ring and hybrid modes. The
+// Ulysses exchange is cp_ulysses.h's and the ring loop cp_ring.h's; the hybrid modes put the
+// first around the Lightning AllGather core or the ring. Each function takes this rank's
 // zigzag tokens (two chunks, see cp_layout.h) in the model's layouts, talks to the CP group
 // through the Communicator, and produces exactly what the single-rank core produces for those
 // tokens. The model (model.cc) calls them in place of its local cores when cp > 1.
@@ -16,14 +18,25 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/cp_modes.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/cp/cp_ring.h"
 
 namespace spindle {
 
 // Reused buffers (grown, never shrunk).
 struct CpScratch {
   std::vector<float> send, recv, a, b, c, e;
+  RingScratch ring;
+};
+
+// What the hybrid modes need besides the CP group (cp_groups.h): this rank's Ulysses group's
+// tokens as a rank of the zigzag across the groups, and the two communicators.
+struct CpHybridArgs {
+  const CpBatch* group = nullptr;   // CpBatch::group
+  Communicator* ulysses = nullptr;  // this rank's Ulysses group, size u, rank Member(rank)
+  Communicator* ring = nullptr;     // its ring across the groups, size r, rank Group(rank)
 };
 
 struct LightningCpArgs {
@@ -36,6 +49,7 @@ struct LightningCpArgs {
   const Batch* local;
   const CpLayout* layout;
   Communicator* comm;
+  CpHybridArgs hybrid = {};
 };
 
 // AllGather mode. Per local chunk: end state S_c of its last document (zero carry-in, two
@@ -63,12 +77,26 @@ absl::Status LightningAll2AllBackward(const LightningCpArgs& a, CpScratch& s,
                                       const std::vector<float>& saved, const float* dout,
                                       float* dq, float* dk, float* dv);
 
+// Hybrid mode: q, k, v to the Ulysses group's tokens for this member's H/u heads (kept in `saved`,
+// 3 * T * d floats), the AllGather core over the ring of groups (a.hybrid) on them, `overlap`
+// during its gather; outputs back. P (2 * H/u * Dh * Dh floats) keeps the core's carry-ins.
+absl::Status LightningHybridForward(const LightningCpArgs& a, CpScratch& s,
+                                    const std::function<void()>& overlap, float* out, float* P,
+                                    std::vector<float>* saved);
+absl::Status LightningHybridBackward(const LightningCpArgs& a, CpScratch& s, const float* P,
+                                     const std::vector<float>& saved, const float* dout,
+                                     const std::function<void()>& overlap, float* dq, float* dk,
+                                     float* dv);
+
 struct MlaCpArgs {
   int64_t H, qk, vd, kv, rd;  // heads, q/k head size (nope + rope), v head size, latent ranks
   float scale;
   const Batch* local;
   const CpLayout* layout;
   Communicator* comm;
+  CpHybridArgs hybrid = {};
+  // Ring and hybrid modes: what travels the ring (MlaRingPayloadFor of the heads a rank computes).
+  MlaRingPayload payload = MlaRingPayload::kLatent;
 };
 
 // MLA All2All mode: Q, K, V to head-split full sequences, causal document attention over the
@@ -93,5 +121,25 @@ absl::Status MlaAllGatherBackward(const MlaCpArgs& a, CpScratch& s, const std::v
                                   const float* Q, const float* O, const float* lse,
                                   const float* W_kv_b, const float* dO, float* dQ,
                                   float* d_latent, float* dW_kv_b);
+
+// MLA Ring mode (the CP group is the ring) and hybrid mode (Ulysses over a.hybrid.ulysses around
+// the ring a.hybrid.ring), cp_ring.h. With a.payload kKv they read K and V, and the backward
+// writes dK and dV; with kLatent they read the latent and W_kv_b, and the backward writes d_latent
+// ([T, kv + rd]) and accumulates dW_kv_b (as the AllGather mode). dQ is always written. `saved`
+// keeps what the backward needs (this rank's block; hybrid also the head-split Q, O and lse).
+// Ring's lse is [T, H] (the model's); hybrid keeps its own and leaves `lse` alone.
+absl::Status MlaRingForward(const MlaCpArgs& a, CpScratch& s, const float* Q, const float* K,
+                            const float* V, const float* latent, const float* W_kv_b, float* O,
+                            float* lse, std::vector<float>* saved);
+absl::Status MlaRingBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
+                             const float* Q, const float* O, const float* lse, const float* W_kv_b,
+                             const float* dO, float* dQ, float* dK, float* dV, float* d_latent,
+                             float* dW_kv_b);
+absl::Status MlaHybridForward(const MlaCpArgs& a, CpScratch& s, const float* Q, const float* K,
+                              const float* V, const float* latent, const float* W_kv_b, float* O,
+                              std::vector<float>* saved);
+absl::Status MlaHybridBackward(const MlaCpArgs& a, CpScratch& s, const std::vector<float>& saved,
+                               const float* W_kv_b, const float* dO, float* dQ, float* dK,
+                               float* dV, float* d_latent, float* dW_kv_b);
 
 }  // namespace spindle

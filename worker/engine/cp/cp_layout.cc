@@ -2,12 +2,16 @@
 #include "worker/engine/cp/cp_layout.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/cp_modes.h"
 
 namespace spindle {
 
-absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank) {
+absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank, int64_t ulysses) {
   if (cp < 1 || rank < 0 || rank >= cp)
     return absl::InvalidArgumentError(absl::StrCat("cp: rank ", rank, " is not in a group of ", cp));
+  if (ulysses < 1 || cp % ulysses != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cp: ulysses groups of ", ulysses, " ranks do not divide cp = ", cp));
   if (full.T % (2 * cp) != 0)
     return absl::InvalidArgumentError(absl::StrCat("cp: seq_len ", full.T,
                                                    " is not divisible by 2*cp = ", 2 * cp));
@@ -16,6 +20,7 @@ absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank) 
   CpLayout& L = out.layout;
   L.cp = cp;
   L.rank = rank;
+  L.ulysses = ulysses;
   L.T_full = full.T;
   L.chunk = full.T / (2 * cp);
   L.doc = full.doc;
@@ -39,6 +44,12 @@ absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank) 
     ch.has_start = !ch.continues || ch.first_segment < ch.len;
     L.chunks.push_back(ch);
   }
+  if (ulysses > 1) {
+    const CpGroups g = L.groups();
+    auto group = ShardForCp(full, g.r(), g.Group(rank));
+    if (!group.ok()) return group.status();
+    out.group = std::make_shared<const CpBatch>(*std::move(group));
+  }
   return out;
 }
 
@@ -55,9 +66,10 @@ absl::StatusOr<CpMode> Resolve(const char* field, int64_t cp, int64_t heads, CpM
     *reason = "forced by the spec";
     return CpMode::kAll2All;
   }
-  if (requested == CpMode::kAllGather) {
+  if (requested == CpMode::kAllGather || requested == CpMode::kRing ||
+      requested == CpMode::kHybrid) {
     *reason = "forced by the spec";
-    return CpMode::kAllGather;
+    return requested;
   }
   if (cp == 1) {
     *reason = "cp=1: no sequence split";
@@ -74,7 +86,14 @@ absl::StatusOr<CpMode> Resolve(const char* field, int64_t cp, int64_t heads, CpM
 
 }  // namespace
 
-absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla) {
+absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla,
+                                       int64_t ulysses) {
+  ParallelSpec p;
+  p.cp = cp;
+  p.ulysses = ulysses;
+  p.lightning_mode = lightning;
+  p.mla_mode = mla;
+  if (absl::Status s = CheckCpModes(p, n_heads); !s.ok()) return s;
   CpModes m;
   auto l = Resolve("parallel.lightning_mode", cp, n_heads, lightning, &m.lightning_reason);
   if (!l.ok()) return l.status();

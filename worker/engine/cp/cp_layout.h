@@ -4,19 +4,25 @@
 // document starts (for the full-length varlen kernels of the All2All modes). Built locally from
 // the full sequence, which every CP rank reads: no communication.
 //
+// With Ulysses groups (parallel.ulysses = u > 1, the hybrid modes) the batch also carries its
+// group's tokens as one rank of the r-way zigzag across the groups (cp_groups.h).
+//
 // Also the per-layer-type mode rule shared with the coordinator's planner (coordinator/
 // cp_planner.h): All2All when cp <= heads and heads % cp == 0, else AllGather; a forced All2All
-// with heads % cp != 0 is refused before anything runs.
+// with heads % cp != 0 is refused before anything runs, as is a combination CheckCpModes
+// (common/cp_modes.h) refuses.
 // Plain data and pure functions; no thread-safety concerns.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "worker/engine/batch.h"
+#include "worker/engine/cp/cp_groups.h"
 
 namespace spindle {
 
@@ -31,6 +37,7 @@ struct CpChunk {
 
 struct CpLayout {
   int64_t cp = 1, rank = 0;
+  int64_t ulysses = 1;             // ranks a Ulysses group (cp_groups.h)
   int64_t T_full = 0, chunk = 0;   // whole-sequence tokens, tokens per chunk
   std::vector<int32_t> doc;        // [T_full] document id of every stream token
   std::vector<int32_t> idx;        // [T_full] 0, 1, ..., T_full - 1
@@ -41,16 +48,25 @@ struct CpLayout {
   int64_t ChunkOf(int64_t rank, int64_t slot) const { return ZigzagChunk(cp, rank, slot); }
   int64_t RankOfChunk(int64_t c) const { return ZigzagRank(cp, c); }
   int64_t SlotOfChunk(int64_t c) const { return ZigzagSlot(cp, c); }
+  CpGroups groups() const { return {cp, ulysses}; }
+  // Stream index of local token t of `rank`.
+  int64_t StreamIndex(int64_t rank, int64_t t) const {
+    return ChunkOf(rank, t / chunk) * chunk + t % chunk;
+  }
 };
 
-// This rank's tokens (ShardZigzag) and the shared layout.
+// This rank's tokens (ShardZigzag) and the shared layout; with Ulysses groups also `group`: the
+// tokens of this rank's group, as rank Group(rank) of the zigzag over r = cp / u ranks
+// (ShardForCp(full, r, Group(rank))), null when ulysses == 1.
 struct CpBatch {
   Batch local;
   CpLayout layout;
+  std::shared_ptr<const CpBatch> group;
 };
 
-// InvalidArgument when full.T is not divisible by 2 * cp.
-absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank);
+// InvalidArgument when full.T is not divisible by 2 * cp, or ulysses does not divide cp.
+absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank,
+                                   int64_t ulysses = 1);
 
 struct CpModes {
   CpMode lightning = CpMode::kAllGather;
@@ -59,7 +75,9 @@ struct CpModes {
 };
 
 // Resolves "auto" per layer type and checks forced modes. FailedPrecondition naming the field,
-// cp and heads when All2All is asked for with n_heads % cp != 0 (the planner's wording).
-absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla);
+// cp and heads when All2All is asked for with n_heads % cp != 0 (the planner's wording);
+// InvalidArgument with CheckCpModes' message for a combination it refuses.
+absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla,
+                                       int64_t ulysses = 1);
 
 }  // namespace spindle
