@@ -64,7 +64,7 @@ ABSL_FLAG(std::string, data_root, spindle::kDefaultDataRoot,
           "in, checked like --checkpoint-root.");
 ABSL_FLAG(int, cpu_threads_per_slot, 0,
           "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
-ABSL_FLAG(bool, probe_rates, true,
+ABSL_FLAG(bool, probe_rates, false,
           "Measure the CPU kernel rates at start (about a second) and report them for the "
           "planner's cost model; false: the planner uses its built-in rates.");
 
