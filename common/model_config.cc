@@ -35,16 +35,23 @@ double ModelConfig::TrainFlopsPerToken(int64_t seq_len) const {
   return seq_len > 0 ? TrainFlops(seq_len, T * T / 2.0) / T : 0.0;
 }
 
+double ModelConfig::LightningFlopsPerToken() const {
+  // Intra-chunk QK^T, PV and the state read/update, x3 for forward + backward.
+  const double Dh = static_cast<double>(head_dim());
+  return 3.0 * 2.0 * n_heads * (64.0 * Dh * 2.0 + Dh * Dh * 2.0);
+}
+
+double ModelConfig::AttentionFlopsPerPair() const {
+  // QK^T and PV over each pair, x3 for forward + backward.
+  const double qk = static_cast<double>(mla.qk_nope_dim + mla.qk_rope_dim);
+  return 3.0 * 2.0 * n_heads * (qk + mla.v_head_dim);
+}
+
 double ModelConfig::TrainFlops(int64_t tokens, double attention_pairs) const {
   const double non_embed = static_cast<double>(NumParams() - vocab * d_model);
-  const double qk = static_cast<double>(mla.qk_nope_dim + mla.qk_rope_dim);
-  // Causal softmax attention: QK^T and PV over each pair, x3 for forward + backward.
-  const double mla_pairs = 3.0 * 2.0 * n_heads * (qk + mla.v_head_dim);
-  // Chunked Lightning (chunk 64): intra-chunk QK^T, PV and the state read/update, x3.
-  const double Dh = static_cast<double>(head_dim());
-  const double la_tok = 3.0 * 2.0 * n_heads * (64.0 * Dh * 2.0 + Dh * Dh * 2.0);
-  return static_cast<double>(tokens) * (6.0 * non_embed + NumLayersOfKind('L') * la_tok) +
-         NumLayersOfKind('M') * mla_pairs * attention_pairs;
+  return static_cast<double>(tokens) *
+             (6.0 * non_embed + NumLayersOfKind('L') * LightningFlopsPerToken()) +
+         NumLayersOfKind('M') * AttentionFlopsPerPair() * attention_pairs;
 }
 
 absl::Status ModelConfig::Validate() const {

@@ -51,6 +51,10 @@ struct ModelConfig {
   // `attention_pairs` query-key pairs (sum over documents of L^2 / 2, AttentionPairs in
   // worker/engine/batch.h): what model FLOP utilisation counts.
   double TrainFlops(int64_t tokens, double attention_pairs) const;
+  // Its parts: forward + backward FLOPs of one Lightning layer's chunked kernel (chunk 64) per
+  // token, and of one MLA layer's softmax attention per causal query-key pair.
+  double LightningFlopsPerToken() const;
+  double AttentionFlopsPerPair() const;
   absl::Status Validate() const;
   nlohmann::json ToJson() const;
 };

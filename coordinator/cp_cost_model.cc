@@ -16,8 +16,8 @@ struct Shape {
   double d, H, Dh, f, vocab;         // model widths
   double qk, nope, rd, v, kv;        // MLA head and latent sizes
   double L_L, L_M;                   // layers of each kind
-  explicit Shape(const JobSpec& s) {
-    const ModelConfig& c = s.model;
+  const ModelConfig& c;
+  explicit Shape(const JobSpec& s) : c(s.model) {
     T = static_cast<double>(s.seq_len);
     n = static_cast<double>(s.parallel.cp);
     T_loc = T / n;
@@ -36,10 +36,9 @@ struct Shape {
     L_L = static_cast<double>(c.NumLayersOfKind('L'));
     L_M = static_cast<double>(c.NumLayersOfKind('M'));
   }
-  // Chunked Lightning (chunk 64, as ModelConfig::TrainFlops) forward + backward, per token.
-  double LightningFlopsPerToken() const { return 3.0 * 2.0 * H * (64.0 * Dh * 2.0 + Dh * Dh * 2.0); }
+  double LightningFlopsPerToken() const { return c.LightningFlopsPerToken(); }
   // Causal softmax attention forward + backward over one sequence that is one document.
-  double AttentionFlops() const { return 3.0 * 2.0 * H * (qk + v) * (T * T / 2.0); }
+  double AttentionFlops() const { return c.AttentionFlopsPerPair() * (T * T / 2.0); }
   // K and V rebuilt from the latent (kv_b: kv -> H (nope + v)), forward + backward, per token.
   double RebuildFlopsPerToken() const { return 6.0 * kv * H * (nope + v); }
 };

@@ -33,6 +33,13 @@ std::string RingDetail(const JobSpec& spec, CpMode mode) {
   return s;
 }
 
+// The design card's rule ("auto"): All2All when cp <= n_heads and n_heads % cp == 0, else
+// AllGather (also at cp = 1, where no mode communicates).
+ModeChoice RuleMode(int64_t cp, int64_t heads) {
+  if (cp > 1 && cp <= heads && heads % cp == 0) return {CpMode::kAll2All, 1};
+  return {CpMode::kAllGather, 1};
+}
+
 // Decides the mode of one layer type; appends a problem when a forced mode is impossible.
 LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int64_t num_layers,
                          CpMode requested, std::vector<std::string>* problems) {
@@ -72,18 +79,15 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
     }
     return p;
   }
+  p.mode = RuleMode(cp, heads).mode;
   if (cp == 1) {
-    p.mode = CpMode::kAllGather;
     p.reason = "cp=1: no sequence split, no CP communication";
-  } else if (cp <= heads && heads % cp == 0) {
-    p.mode = CpMode::kAll2All;
+  } else if (p.mode == CpMode::kAll2All) {
     p.reason = absl::StrCat("default: cp=", cp, " <= n_heads=", heads, " and ", heads, " % ", cp,
                             " == 0");
   } else if (cp > heads) {
-    p.mode = CpMode::kAllGather;
     p.reason = absl::StrCat("default: cp=", cp, " > n_heads=", heads, ", all2all impossible");
   } else {
-    p.mode = CpMode::kAllGather;
     p.reason = absl::StrCat("default: n_heads=", heads, " is not divisible by cp=", cp, " (",
                             heads, " % ", cp, " = ", heads % cp, ")");
   }
@@ -377,12 +381,6 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
 }
 
 namespace {
-
-// The modes of the rule, for the estimates' marks.
-ModeChoice RuleMode(int64_t cp, int64_t heads) {
-  if (cp > 1 && cp <= heads && heads % cp == 0) return {CpMode::kAll2All, 1};
-  return {CpMode::kAllGather, 1};
-}
 
 // The candidates of a layer type that the job's resources run (the CUDA engine: AllGather and
 // All2All).

@@ -7,19 +7,12 @@
 #include "common/model_config.h"
 #include "coordinator/cp_planner.h"
 #include "gtest/gtest.h"
+#include "tests/control/test_util.h"
 
 namespace spindle {
 namespace {
 
-JobSpec Spec(int64_t cp, int64_t heads, int64_t seq_len) {
-  JobSpec s;
-  s.model.d_model = 64;
-  s.model.n_heads = heads;
-  s.model.n_layers = 8;
-  s.seq_len = seq_len;
-  s.parallel.cp = cp;
-  return s;
-}
+constexpr auto Spec = testing::PlannerSpec;
 
 TEST(CpPlannerTest, DefaultAll2AllWhenHeadsDivisible) {
   CpPlan p = CpPlanner().Plan(Spec(4, 8, 1024), 0);

@@ -8,21 +8,12 @@
 #include "common/job_spec.h"
 #include "coordinator/cp_planner.h"
 #include "gtest/gtest.h"
+#include "tests/control/test_util.h"
 
 namespace spindle {
 namespace {
 
-// d_model 64, 8 layers (7 Lightning, 1 MLA: "LLLLLLLM"), MLA's default sizes: kv_lora 32,
-// qk_nope = qk_rope = v_head = 16, so the latent is 48 values a token and K, V of one head 48.
-JobSpec Spec(int64_t cp, int64_t heads, int64_t seq_len) {
-  JobSpec s;
-  s.model.d_model = 64;
-  s.model.n_heads = heads;
-  s.model.n_layers = 8;
-  s.seq_len = seq_len;
-  s.parallel.cp = cp;
-  return s;
-}
+constexpr auto Spec = testing::PlannerSpec;
 
 TEST(CpPlannerRingTest, RingModeNamesItsPayloadAndCountsItsBytes) {
   JobSpec s = Spec(4, 4, 1024);

@@ -37,6 +37,19 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// A spec for the planner alone: d_model 64, 8 layers (7 Lightning, 1 MLA: "LLLLLLLM"), MLA's
+// default sizes (kv_lora 32, qk_nope = qk_rope = v_head = 16: the latent is 48 values a token,
+// K and V of one head 48), `heads` heads, cp and seq_len as given.
+inline JobSpec PlannerSpec(int64_t cp, int64_t heads, int64_t seq_len) {
+  JobSpec s;
+  s.model.d_model = 64;
+  s.model.n_heads = heads;
+  s.model.n_layers = 8;
+  s.seq_len = seq_len;
+  s.parallel.cp = cp;
+  return s;
+}
+
 // A valid tiny CPU job spec with the given world and priority.
 inline std::string SpecJson(int64_t cp = 1, int64_t dp = 1, int64_t priority = 0,
                             int64_t max_restarts = 3, const std::string& extra_parallel = "") {

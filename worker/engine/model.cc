@@ -151,6 +151,12 @@ struct LayerCtx {
   CpMode mla() const { return split() ? cp->mla_mode : CpMode::kAuto; }
 };
 
+// The context of one pass over `b`: single-rank without `cpb`.
+LayerCtx MakeCtx(const ModelConfig& c, ParamSet& P, const Batch& b, const CpBatch* cpb,
+                 const CpContext* cp, CpScratch* scratch) {
+  return {c, P, b, cpb ? &cpb->layout : nullptr, cp, scratch, cpb ? cpb->group.get() : nullptr};
+}
+
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
   const int64_t H = ctx.c.n_heads, Dh = ctx.c.head_dim();
   return {C.qn.f32(),
@@ -657,13 +663,7 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float g
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_,
-               params_,
-               b,
-               cpb ? &cpb->layout : nullptr,
-               &cp_,
-               &cp_scratch_,
-               cpb ? cpb->group.get() : nullptr};
+  const LayerCtx ctx = MakeCtx(config_, params_, b, cpb, &cp_, &cp_scratch_);
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches_[recompute.CacheOf(i, n)];
@@ -691,13 +691,7 @@ absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) 
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  LayerCtx ctx{config_,
-               params_,
-               b,
-               cpb ? &cpb->layout : nullptr,
-               &cp_,
-               &cp_scratch_,
-               cpb ? cpb->group.get() : nullptr};
+  const LayerCtx ctx = MakeCtx(config_, params_, b, cpb, &cp_, &cp_scratch_);
   k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),

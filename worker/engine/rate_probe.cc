@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "common/model_config.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
@@ -54,6 +55,13 @@ nlohmann::json MeasuredRates::ToJson() const {
 MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
   MeasuredRates r;
   const int64_t T = s.tokens, d = s.d_model, f = s.ffn_dim, H = s.heads, Dh = d / H;
+  // The FLOPs counted as ModelConfig counts them, for these shapes.
+  ModelConfig counted;
+  counted.d_model = d;
+  counted.n_heads = H;
+  counted.mla.qk_nope_dim = s.qk_dim;
+  counted.mla.qk_rope_dim = 0;
+  counted.mla.v_head_dim = s.v_dim;
   {  // The FFN's up projection and its backward: 6 T d f FLOPs.
     std::vector<float> x = Random(T * d, 1), W = Random(f * d, 2), y(T * f), dy = Random(T * f, 3),
                        dx(T * d), dW(f * d);
@@ -65,7 +73,7 @@ MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
         seconds_each);
     r.gemm_flops = 6.0 * T * d * f / t;
   }
-  {  // Causal attention of one document, forward + backward: 3 x 2 H (qk + v) T^2 / 2.
+  {  // Causal attention of one document, forward + backward, over T^2 / 2 pairs.
     const int64_t qk = s.qk_dim, v = s.v_dim;
     std::vector<float> q = Random(T * H * qk, 4), kk = Random(T * H * qk, 5), vv = Random(T * H * v, 6),
                        o(T * H * v), lse(T * H), dout = Random(T * H * v, 7), dq(T * H * qk),
@@ -83,9 +91,9 @@ MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
                                mask, scale, dims, dq.data(), dk.data(), dv.data());
         },
         seconds_each);
-    r.attention_flops = 3.0 * 2.0 * H * (qk + v) * (static_cast<double>(T) * T / 2.0) / t;
+    r.attention_flops = counted.AttentionFlopsPerPair() * (static_cast<double>(T) * T / 2.0) / t;
   }
-  {  // Chunked Lightning over one document, forward + backward: T x 3 x 2 H (64 Dh 2 + Dh^2 2).
+  {  // Chunked Lightning over one document, forward + backward.
     std::vector<float> qkv = Random(T * 3 * d, 8), log_decay(H), out(T * d), end(H * Dh * Dh),
                        dout = Random(T * d, 9), dqkv(T * 3 * d);
     for (int64_t h = 0; h < H; ++h) log_decay[h] = -0.05f * static_cast<float>(h + 1);
@@ -101,8 +109,7 @@ MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
                                dqkv.data(), dqkv.data() + d, dqkv.data() + 2 * d, nullptr);
         },
         seconds_each);
-    const double Dhd = static_cast<double>(Dh);
-    r.lightning_flops = T * 3.0 * 2.0 * H * (64.0 * Dhd * 2.0 + Dhd * Dhd * 2.0) / t;
+    r.lightning_flops = T * counted.LightningFlopsPerToken() / t;
   }
   {  // SwiGLU forward and backward over [T, f]: reads 2 + 3, writes 1 + 2 arrays.
     std::vector<float> g = Random(T * f, 10), u = Random(T * f, 11), y(T * f),

@@ -10,17 +10,13 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
+#include "worker/engine/cp/cp_buffers.h"
 #include "worker/engine/cp/cp_mla_payload.h"
 #include "worker/engine/cp/cp_ulysses.h"
 
 namespace spindle {
 namespace k = kernels::cpu;
 namespace {
-
-float* Grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 // M[h] = scale * sum_{t < n} a_h^(base + sign * t) x[t, h, :]^T y[t, h, :]  (Dh x Dh, overwritten)
 // for x, y of token stride `stride`: the end state of a segment (base = n - 1, sign = -1) and the

@@ -5,17 +5,10 @@
 #include <cstring>
 
 #include "kernels/cpu/ops.h"
+#include "worker/engine/cp/cp_buffers.h"
 
 namespace spindle {
 namespace k = kernels::cpu;
-namespace {
-
-float* Grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
-}  // namespace
 
 void MlaExpandLatent(const float* lat, int64_t n, const float* W_kv_b, const MlaHeads& h,
                      std::vector<float>& kvb_buf, float* K, float* V) {

@@ -5,16 +5,12 @@
 #include <memory>
 
 #include "worker/engine/cp/cp_attention.h"
+#include "worker/engine/cp/cp_buffers.h"
 #include "worker/engine/cp/cp_mla_payload.h"
 #include "worker/engine/cp/cp_ulysses.h"
 
 namespace spindle {
 namespace {
-
-float* Grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 MlaHeads Heads(const MlaCpArgs& a, int64_t H) { return {H, a.qk - a.rd, a.rd, a.vd, a.kv}; }
 

@@ -6,17 +6,13 @@
 #include <limits>
 
 #include "kernels/cpu/attention.h"
+#include "worker/engine/cp/cp_buffers.h"
 
 namespace spindle {
 namespace k = kernels::cpu;
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-float* Grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 // Whether a query of chunk qc may see a key of chunk kc: never a later chunk; its own chunk
 // always (a token sees itself); an earlier chunk when the document of its last token continues

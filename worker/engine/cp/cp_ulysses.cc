@@ -3,13 +3,10 @@
 
 #include <cstring>
 
+#include "worker/engine/cp/cp_buffers.h"
+
 namespace spindle {
 namespace {
-
-float* Grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 int64_t Width(const std::vector<UlyssesPart>& parts) {
   int64_t w = 0;
