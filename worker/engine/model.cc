@@ -252,7 +252,6 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
 // Lightning attention block: x_mid = x + Wo(GroupNormGate(LA(rope(norm(q)), rope(norm(k)), v))).
 absl::Status LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
   const GemmOperand Wqkv = ctx.Lin(L.qkv);
@@ -340,7 +339,6 @@ MlaCpArgs MlaArgs(const LayerCtx& ctx) {
 absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
   const MlaConfig& m = c.mla;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank;
@@ -489,7 +487,8 @@ void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, 
                ctx.nx.Gradient(W.dkvb.f32(), T * H * (nope + vd), W.f_dy), W.dc.f32(),
                P.grad(L.kv_b), T, kv, H * (nope + vd), false);
   ctx.Store(W.dc);
-  ctx.Store(W.dkva);  // the shared key's gradient, summed over the heads
+  for (int64_t t = 0; t < T; ++t)  // the shared key's gradient, summed over the heads
+    ctx.Store(W.dkva.f32() + t * (kv + rd) + kv, rd);
 }
 
 // W.dc and the rotated k_r gradient in W.dkva -> the kv_a and q projections' gradients, W.dh.
@@ -540,7 +539,6 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
 static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
                                  const float* x_in, float* x_out) {
   const ModelConfig& c = ctx.c;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
   const float eps = static_cast<float>(c.norm_eps);
   Ensure(C.h, T, d);
