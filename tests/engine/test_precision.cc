@@ -1,5 +1,5 @@
-// train.precision on the CPU engine (worker/engine/numerics.h): "auto" is fp32 bit for bit; the
-// bf16 and FP8 emulations are live (their losses and gradients differ from fp32's) and track
+// train.precision on the CPU engine (worker/engine/numerics.h): the emulator's operands are the
+// recipe's values; "auto" is fp32 bit for bit; the bf16 and FP8 emulations are live (their losses and gradients differ from fp32's) and track
 // fp32 over a short training run of the `tiny` preset; a recomputed layer replays the same
 // roundings exactly; under CP the emulations run every mode's path.
 #include <omp.h>
@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/fp8.h"
 #include "tests/engine/cp_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/cp/cp_layout.h"
@@ -21,6 +23,69 @@
 
 namespace spindle {
 namespace {
+
+namespace k = kernels::cpu;
+
+// The GEMM operands the emulator hands out are exactly the recipe's FP8 values and scales (weights
+// from the fp32 masters, one scale for jointly quantized gradients), the other weights and the
+// stores bf16, and exact numerics hand out the masters and inputs themselves.
+TEST(NumericsEmulatorTest, OperandsAreTheRecipesValues) {
+  ParamSet P;
+  const int w = P.Add("layers.0.ffn.w1.weight", {17, 37}, ParamInit::kNormal, 0.3f);
+  const int g = P.Add("layers.0.ffn_norm.weight", {37}, ParamInit::kOnes);
+  P.Allocate(5);
+  for (int64_t j = 0; j < 37; ++j) P.data(g)[j] += 0.001f * static_cast<float>(j);
+  NumericsEmulator nx;
+  nx.Set(Numerics{}, {w});
+  nx.RefreshWeights(P);
+  EXPECT_EQ(nx.Weight(P, g), P.data(g));
+  EXPECT_EQ(nx.LinearWeight(P, w).values, P.data(w));
+  EXPECT_EQ(nx.LinearWeight(P, w).inverse_scale, 1.0f);
+  std::vector<float> x(101), y(101);
+  std::mt19937 gen(9);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (float& v : x) v = nd(gen);
+  for (float& v : y) v = 0.01f * nd(gen);
+  Fp8Copy slot;
+  EXPECT_EQ(nx.Activation(x.data(), 101, slot).values, x.data());
+
+  nx.Set(CpuNumerics(TrainPrecision::kFp8), {w});
+  nx.RefreshWeights(P);
+  const GemmOperand W = nx.LinearWeight(P, w);
+  const k::Fp8Scale ws = k::TensorwiseScale(k::AbsMax(P.data(w), 17 * 37), k::Fp8Format::kE4M3);
+  EXPECT_EQ(W.inverse_scale, ws.inverse);
+  for (int64_t j = 0; j < 17 * 37; ++j)
+    ASSERT_EQ(W.values[j], k::RoundToFp8(P.data(w)[j] * ws.scale, k::Fp8Format::kE4M3)) << j;
+  for (int64_t j = 0; j < 37; ++j) EXPECT_EQ(nx.Weight(P, g)[j], k::RoundToBf16(P.data(g)[j]));
+  EXPECT_EQ(nx.LinearWeight(P, g).values, nx.Weight(P, g));  // a norm weight: bf16, not FP8
+  EXPECT_EQ(nx.LinearWeight(P, w, /*fp8=*/false).values, nx.Weight(P, w));
+
+  const GemmOperand a = nx.Activation(x.data(), 101, slot);
+  const k::Fp8Scale as = k::TensorwiseScale(k::AbsMax(x.data(), 101), k::Fp8Format::kE4M3);
+  EXPECT_EQ(a.inverse_scale, as.inverse);
+  for (int64_t j = 0; j < 101; ++j)
+    ASSERT_EQ(a.values[j], k::RoundToFp8(x[j] * as.scale, k::Fp8Format::kE4M3));
+  Fp8Copy gslot;
+  const GemmOperand dy = nx.Gradient(y.data(), 101, gslot);
+  const k::Fp8Scale ys = k::TensorwiseScale(k::AbsMax(y.data(), 101), k::Fp8Format::kE5M2);
+  EXPECT_EQ(dy.inverse_scale, ys.inverse);
+  for (int64_t j = 0; j < 101; ++j)
+    ASSERT_EQ(dy.values[j], k::RoundToFp8(y[j] * ys.scale, k::Fp8Format::kE5M2));
+  // Jointly: the scale of the larger part, for both.
+  std::vector<GemmOperand> both;
+  nx.JointGradients({y.data(), x.data()}, 101, gslot, &both);
+  ASSERT_EQ(both.size(), 2u);
+  const k::Fp8Scale js = k::TensorwiseScale(k::AbsMax(x.data(), 101), k::Fp8Format::kE5M2);
+  EXPECT_EQ(both[0].inverse_scale, js.inverse);
+  EXPECT_EQ(both[1].inverse_scale, js.inverse);
+  for (int64_t j = 0; j < 101; ++j) {
+    ASSERT_EQ(both[0].values[j], k::RoundToFp8(y[j] * js.scale, k::Fp8Format::kE5M2));
+    ASSERT_EQ(both[1].values[j], k::RoundToFp8(x[j] * js.scale, k::Fp8Format::kE5M2));
+  }
+  std::vector<float> stored = x;
+  nx.Store(stored.data(), 101);
+  for (int64_t j = 0; j < 101; ++j) EXPECT_EQ(stored[j], k::RoundToBf16(x[j]));
+}
 
 JobSpec TinyJob(const std::string& precision, int64_t steps) {
   auto spec = ParseJobSpec(R"({"name": "p", "model": {"preset": "tiny"},
