@@ -80,8 +80,7 @@ int64_t LinearWeightElements(const ModelConfig& m) {
 
 // train.precision's copies of a plan (EstimateMemory's "precision" term). rl, rm: the recomputing
 // layers by kind.
-int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64_t rl,
-                       int64_t rm) {
+int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64_t rl, int64_t rm) {
   const TrainPrecision p = spec.train.precision;
   const bool cuda = spec.resources == "cuda";
   if (p == TrainPrecision::kAuto || p == TrainPrecision::kFp32) return 0;
@@ -94,14 +93,14 @@ int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64
   const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;
   // Per token: each layer kind's activation inputs to its linear layers.
   const int64_t in_l = 2 * d + d + f;  // normed input, gated output; FFN: normed input, SwiGLU
-  const int64_t in_m = d + a.q_lora_rank + (mla_allgather ? 0 : a.kv_lora_rank) +
-                       H * a.v_head_dim + d + f;
+  const int64_t in_m =
+      d + a.q_lora_rank + (mla_allgather ? 0 : a.kv_lora_rank) + H * a.v_head_dim + d + f;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
   int64_t inputs = (nl - rl) * in_l + (nm - rm) * in_m;
   if (rl + rm > 0) inputs += rm > 0 ? std::max(rl > 0 ? in_l : 0, in_m) : in_l;
   // The widest output gradient a projection quantizes.
-  const int64_t widest = std::max({3 * d, f, H * qk, H * (a.qk_nope_dim + a.v_head_dim),
-                                   a.kv_lora_rank + a.qk_rope_dim});
+  const int64_t widest = std::max(
+      {3 * d, f, H * qk, H * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank + a.qk_rope_dim});
   if (cuda) return 2 * L + 2 * T * inputs + 2 * T * widest;
   return 4 * P + 4 * L + 4 * T * inputs + 4 * T * (2 * widest + 3 * d);
 }

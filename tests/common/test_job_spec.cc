@@ -129,7 +129,8 @@ TEST(JobSpecTest, PrecisionIsAutoFp32Bf16OrFp8) {
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(s.status().message(),
               "job spec: train.precision: must be \"auto\", \"fp32\", \"bf16\" or \"fp8\", got "
-              "\"" + bad + "\"");
+              "\"" +
+                  bad + "\"");
   }
   for (const std::string bad : {"8", "true", "null", "[\"fp8\"]", "{}"}) {
     auto s = with("cpu", bad);

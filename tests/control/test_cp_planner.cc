@@ -548,14 +548,16 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   // The blocks' linear weights: every parameter but the embedding, the LM head and the norms.
   int64_t norms = d;  // final norm
   for (int64_t i = 0; i < m.n_layers; ++i)
-    norms += 2 * d + (m.LayerKind(i) == 'L' ? 2 * m.head_dim() + d : a.kv_lora_rank + a.q_lora_rank);
+    norms +=
+        2 * d + (m.LayerKind(i) == 'L' ? 2 * m.head_dim() + d : a.kv_lora_rank + a.q_lora_rank);
   const int64_t linear = m.NumParams() - 2 * V * d - norms;
   const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
-  const int64_t inputs = nl * (3 * d + f) + nm * (2 * d + a.q_lora_rank + a.kv_lora_rank +
-                                                  H * a.v_head_dim + f);
+  const int64_t inputs =
+      nl * (3 * d + f) + nm * (2 * d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim + f);
   // The widest output gradient: 1b's qkv, 3 d, wider than f, H qk and H (qk_nope + v).
   const int64_t widest = 3 * d;
-  ASSERT_GT(widest, std::max({f, H * (a.qk_nope_dim + a.qk_rope_dim), H * (a.qk_nope_dim + a.v_head_dim)}));
+  ASSERT_GT(widest,
+            std::max({f, H * (a.qk_nope_dim + a.qk_rope_dim), H * (a.qk_nope_dim + a.v_head_dim)}));
   const int64_t want = 2 * linear + 2 * T * inputs + 2 * T * widest;
 
   const CpPlan bf16 = CpPlanner().Plan(s, 0);

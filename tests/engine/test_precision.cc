@@ -1,7 +1,8 @@
 // train.precision on the CPU engine (worker/engine/numerics.h): the emulator's operands are the
-// recipe's values; "auto" is fp32 bit for bit; the bf16 and FP8 emulations are live (their losses and gradients differ from fp32's) and track
-// fp32 over a short training run of the `tiny` preset; a recomputed layer replays the same
-// roundings exactly; under CP the emulations run every mode's path.
+// recipe's values; "auto" is fp32 bit for bit; the bf16 and FP8 emulations are live (their losses
+// and gradients differ from fp32's) and track fp32 over a short training run of the `tiny` preset;
+// a recomputed layer replays the same roundings exactly; under CP the emulations run every mode's
+// path.
 #include <omp.h>
 
 #include <algorithm>
@@ -90,7 +91,8 @@ TEST(NumericsEmulatorTest, OperandsAreTheRecipesValues) {
 JobSpec TinyJob(const std::string& precision, int64_t steps) {
   auto spec = ParseJobSpec(R"({"name": "p", "model": {"preset": "tiny"},
       "data": {"source": "synthetic:recall", "recall_pairs": 6, "recall_gap": 64},
-      "seq_len": 256, "train": {"steps": )" + std::to_string(steps) +
+      "seq_len": 256, "train": {"steps": )" +
+                           std::to_string(steps) +
                            R"(, "lr": 3e-3, "warmup_steps": 5, "seed": 7, "precision": ")" +
                            precision + R"("}})");
   EXPECT_TRUE(spec.ok()) << spec.status();
@@ -126,8 +128,8 @@ constexpr Bounds kBf16{0.06, 0.02};
 constexpr Bounds kFp8{0.06, 0.02};
 constexpr double kLive = 1e-3;
 
-void ExpectTracks(const std::vector<double>& got, const std::vector<double>& fp32,
-                  const Bounds& b, const std::string& what) {
+void ExpectTracks(const std::vector<double>& got, const std::vector<double>& fp32, const Bounds& b,
+                  const std::string& what) {
   ASSERT_EQ(got.size(), fp32.size()) << what;
   double max_rel = 0, max_abs = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -135,16 +137,16 @@ void ExpectTracks(const std::vector<double>& got, const std::vector<double>& fp3
     const double d = std::fabs(got[i] - fp32[i]);
     max_abs = std::max(max_abs, d);
     max_rel = std::max(max_rel, d / fp32[i]);
-    EXPECT_LE(d, b.step_rel * fp32[i]) << what << " step " << i << ": " << got[i] << " vs fp32 "
-                                       << fp32[i];
+    EXPECT_LE(d, b.step_rel * fp32[i])
+        << what << " step " << i << ": " << got[i] << " vs fp32 " << fp32[i];
   }
   const double tail = MeanOfLast(got, 10), tail32 = MeanOfLast(fp32, 10);
   EXPECT_LE(std::fabs(tail - tail32), b.tail_rel * tail32) << what;
   EXPECT_GE(max_abs, kLive) << what << ": the emulation changed nothing";
-  std::printf("%s vs fp32: first loss %.5f vs %.5f, last-10 mean %.5f vs %.5f (%+.3f%%), "
-              "max step difference %.3f%%\n",
-              what.c_str(), got[0], fp32[0], tail, tail32, 100 * (tail - tail32) / tail32,
-              100 * max_rel);
+  std::printf(
+      "%s vs fp32: first loss %.5f vs %.5f, last-10 mean %.5f vs %.5f (%+.3f%%), "
+      "max step difference %.3f%%\n",
+      what.c_str(), got[0], fp32[0], tail, tail32, 100 * (tail - tail32) / tail32, 100 * max_rel);
 }
 
 TEST(PrecisionTrainingTest, AutoOnTheCpuIsFp32BitForBitAndTheStartEventNamesIt) {
@@ -187,7 +189,8 @@ Batch RandomBatch(std::mt19937& gen, int64_t T) {
   std::uniform_int_distribution<int32_t> tok(0, 255);
   std::vector<int32_t> t(T);
   for (auto& x : t) x = tok(gen);
-  for (int64_t i : {5, 6, 19, 30, 51}) if (i < T) t[i] = 256;
+  for (int64_t i : {5, 6, 19, 30, 51})
+    if (i < T) t[i] = 256;
   return MakeSequenceBatch(t, 256);
 }
 
@@ -308,7 +311,8 @@ class PrecisionCpTest : public ::testing::TestWithParam<CpCase> {};
 
 TEST_P(PrecisionCpTest, SharesStayNearTheCp1RunOfTheSameNumerics) {
   const CpCase& c = GetParam();
-  const Numerics n = CpuNumerics(c.numerics == "fp8" ? TrainPrecision::kFp8 : TrainPrecision::kBf16);
+  const Numerics n =
+      CpuNumerics(c.numerics == "fp8" ? TrainPrecision::kFp8 : TrainPrecision::kBf16);
   const ModelConfig cfg = SmallConfig("LLM", 0);
   std::mt19937 gen(5);
   const Batch full = RandomBatch(gen, 96);

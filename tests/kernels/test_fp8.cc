@@ -78,9 +78,12 @@ double ReferenceRound(const Grid& g, double x) {
     const size_t hi = std::upper_bound(g.value.begin(), g.value.end(), a) - g.value.begin();
     const size_t lo = hi - 1;
     const double dlo = a - g.value[lo], dhi = g.value[hi] - a;
-    if (dlo < dhi) r = g.value[lo];
-    else if (dhi < dlo) r = g.value[hi];
-    else r = (g.code[lo] % 2 == 0) ? g.value[lo] : g.value[hi];
+    if (dlo < dhi)
+      r = g.value[lo];
+    else if (dhi < dlo)
+      r = g.value[hi];
+    else
+      r = (g.code[lo] % 2 == 0) ? g.value[lo] : g.value[hi];
   }
   return std::signbit(x) ? -r : r;
 }
@@ -132,8 +135,8 @@ TEST_P(Fp8Test, TiesGoToTheEvenCode) {
     const float mid = static_cast<float>((g.value[i] + g.value[i + 1]) / 2);  // exact in fp32
     ASSERT_EQ(static_cast<double>(mid), (g.value[i] + g.value[i + 1]) / 2);
     const int even = g.code[i] % 2 == 0 ? g.code[i] : g.code[i + 1];
-    EXPECT_EQ(FloatToFp8(mid, d.format), even) << "between codes " << g.code[i] << ", "
-                                               << g.code[i + 1];
+    EXPECT_EQ(FloatToFp8(mid, d.format), even)
+        << "between codes " << g.code[i] << ", " << g.code[i + 1];
     EXPECT_EQ(FloatToFp8(-mid, d.format), 0x80 | even);
     // Just off the tie, the nearer value wins.
     EXPECT_EQ(FloatToFp8(std::nextafter(mid, 0.0f), d.format), g.code[i]);
@@ -243,10 +246,9 @@ TEST_P(Fp8Test, TensorwiseScaleOfZerosAndNans) {
   EXPECT_EQ(AbsMax(x.data(), 0), 0.0f);
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, Fp8Test, ::testing::ValuesIn(kFormats),
-                         [](const auto& info) {
-                           return std::string(Fp8FormatName(info.param.format));
-                         });
+INSTANTIATE_TEST_SUITE_P(Formats, Fp8Test, ::testing::ValuesIn(kFormats), [](const auto& info) {
+  return std::string(Fp8FormatName(info.param.format));
+});
 
 // bf16: the nearest of the two bf16 neighbours (truncation and one step up), ties to even.
 double ReferenceBf16(float x) {

@@ -187,7 +187,9 @@ struct LayerCtx {
   const float* Wt(int i) const { return nx.Weight(P, i); }
   GemmOperand Lin(int i, bool fp8 = true) const { return nx.LinearWeight(P, i, fp8); }
   // Activation x [n] as the input of its GEMMs, into `in`.
-  void Input(SavedInput& in, const float* x, int64_t n) const { in.op = nx.Activation(x, n, in.fp8); }
+  void Input(SavedInput& in, const float* x, int64_t n) const {
+    in.op = nx.Activation(x, n, in.fp8);
+  }
   void Store(Tensor& t) const { nx.Store(t.f32(), t.numel()); }
   void Store(float* x, int64_t n) const { nx.Store(x, n); }
 };
@@ -275,8 +277,8 @@ absl::Status LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Mo
     ctx.Store(C.gate);
   }));
   ctx.Store(C.o);
-  k::GroupNormGateForward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(),
-                          T, H, Dh, eps);
+  k::GroupNormGateForward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(), T,
+                          H, Dh, eps);
   ctx.Input(C.in_y, C.y.f32(), T * d);  // from the fused kernel's fp32 result
   ctx.Store(C.y);
   return absl::OkStatus();
@@ -296,8 +298,8 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
                P.grad(L.out), T, d, d, false);
   ctx.Store(W.dy);
   // group norm + gate: dy -> d_o (into dtmp), dgate
-  k::GroupNormGateBackward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.rstd_o.f32(),
-                           W.dy.f32(), W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
+  k::GroupNormGateBackward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.rstd_o.f32(), W.dy.f32(),
+                           W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
   ctx.Store(W.dtmp);
   ctx.Store(W.dgate);
   RETURN_IF_ERROR(LightningBackwardMix(
@@ -324,8 +326,8 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
   const GemmOperand Wqkv = ctx.Lin(L.qkv);
   float* dWqkv = P.grad(L.qkv);
   for (int64_t part = 0; part < 3; ++part)
-    LinearBwdAcc(C.in_h.op, Wqkv.At(part * d * d), dqkv[part], W.dh.f32(), dWqkv + part * d * d,
-                 T, d, d, true);
+    LinearBwdAcc(C.in_h.op, Wqkv.At(part * d * d), dqkv[part], W.dh.f32(), dWqkv + part * d * d, T,
+                 d, d, true);
   return absl::OkStatus();
 }
 
@@ -522,8 +524,8 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
     LinearBwdAcc(C.in_qa_n.op, ctx.Lin(L.q_b), dQ, W.dqa_n.f32(), P.grad(L.q_b), T, qr, H * qk,
                  false);
     ctx.Store(W.dqa_n);
-    k::RmsNormBackward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(),
-                       W.dqa.f32(), P.grad(L.q_a_norm), T, qr);
+    k::RmsNormBackward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(), W.dqa.f32(),
+                       P.grad(L.q_a_norm), T, qr);
     ctx.Store(W.dqa);
     LinearBwdAcc(C.in_h.op, ctx.Lin(L.q_a), ctx.nx.Gradient(W.dqa.f32(), T * qr, W.f_dy),
                  W.dh.f32(), P.grad(L.q_a), T, d, qr, true);

@@ -53,8 +53,8 @@ void NumericsEmulator::RefreshWeights(ParamSet& params) {
     weight_inverse_scale_.assign(static_cast<size_t>(params.size()), 1.0f);
     for (int i : linear_) {
       const ParamInfo& p = params.info(i);
-      const k::Fp8Scale s = k::QuantizeTensorwise(master + p.offset, p.numel, n_.fp8->weights,
-                                                  fp8_.f32() + p.offset);
+      const k::Fp8Scale s =
+          k::QuantizeTensorwise(master + p.offset, p.numel, n_.fp8->weights, fp8_.f32() + p.offset);
       is_linear_[i] = 1;
       weight_inverse_scale_[i] = s.inverse;
     }

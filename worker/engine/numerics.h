@@ -35,7 +35,7 @@
 namespace spindle {
 
 struct Numerics {
-  bool bf16_storage = false;                    // round to bf16 where the CUDA engine stores bf16
+  bool bf16_storage = false;                   // round to bf16 where the CUDA engine stores bf16
   std::optional<kernels::cpu::Fp8Recipe> fp8;  // the blocks' linear layers on FP8 inputs
   bool exact() const { return !bf16_storage && !fp8.has_value(); }
 };
@@ -89,15 +89,15 @@ class NumericsEmulator {
   void Store(float* x, int64_t n) const;
 
  private:
-  GemmOperand Quantize(const float* const* parts, int count, int64_t n,
-                       kernels::cpu::Fp8Format f, Fp8Copy& slot, GemmOperand* out) const;
+  GemmOperand Quantize(const float* const* parts, int count, int64_t n, kernels::cpu::Fp8Format f,
+                       Fp8Copy& slot, GemmOperand* out) const;
 
   Numerics n_;
   std::vector<int> linear_;
-  std::vector<char> is_linear_;  // by parameter index, after RefreshWeights
+  std::vector<char> is_linear_;              // by parameter index, after RefreshWeights
   std::vector<float> weight_inverse_scale_;  // by parameter index (FP8)
-  Tensor working_;  // [params.numel()]: bf16 copies (bf16 storage)
-  Tensor fp8_;      // [params.numel()]: FP8 codes of the linear weights (FP8)
+  Tensor working_;                           // [params.numel()]: bf16 copies (bf16 storage)
+  Tensor fp8_;  // [params.numel()]: FP8 codes of the linear weights (FP8)
 };
 
 }  // namespace spindle
