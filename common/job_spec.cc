@@ -29,6 +29,18 @@ absl::StatusOr<CpMode> ParseCpMode(JsonFields& f, const std::string& key) {
                               ", got \"", ShortText(s), "\""));
 }
 
+absl::StatusOr<TrainPrecision> ParsePrecision(JsonFields& f) {
+  std::string s = "auto";
+  RETURN_IF_ERROR(f.ReadString("precision", &s));
+  if (s == "auto") return TrainPrecision::kAuto;
+  if (s == "fp32") return TrainPrecision::kFp32;
+  if (s == "bf16") return TrainPrecision::kBf16;
+  if (s == "fp8") return TrainPrecision::kFp8;
+  return f.Error("precision", absl::StrCat("must be \"auto\", \"fp32\", \"bf16\" or \"fp8\", "
+                                           "got \"",
+                                           ShortText(s), "\""));
+}
+
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
 absl::StatusOr<int64_t> ParseRecompute(const JsonFields& f, const nlohmann::json& v,
                                        int64_t n_layers) {
@@ -93,6 +105,20 @@ nlohmann::json RecomputeJson(int64_t layers, int64_t n_layers) {
 }
 
 }  // namespace
+
+std::string_view TrainPrecisionName(TrainPrecision p) {
+  switch (p) {
+    case TrainPrecision::kAuto:
+      return "auto";
+    case TrainPrecision::kFp32:
+      return "fp32";
+    case TrainPrecision::kBf16:
+      return "bf16";
+    case TrainPrecision::kFp8:
+      return "fp8";
+  }
+  return "auto";
+}
 
 std::string_view CpModeName(CpMode m) {
   switch (m) {
@@ -180,6 +206,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
       ASSIGN_OR_RETURN(tr.recompute_layers, ParseRecompute(tf, *rc, s.model.n_layers));
     }
     RETURN_IF_ERROR(tf.ReadBool("offload", &tr.offload));
+    ASSIGN_OR_RETURN(tr.precision, ParsePrecision(tf));
     RETURN_IF_ERROR(tf.Finish());
     if (tr.steps < 1) return tf.Error("steps", absl::StrCat("must be >= 1, got ", tr.steps));
     if (tr.micro_batches < 1)
@@ -234,6 +261,11 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
         "(resources is \"",
         s.resources, "\"); remove it or set it to false"));
+  if (s.train.precision == TrainPrecision::kFp32 && s.resources == "cuda")
+    return absl::InvalidArgumentError(
+        "job spec: train.precision: \"fp32\" runs on resources \"cpu\" only (the CUDA engine "
+        "stores activations in bf16); use \"auto\", \"bf16\" or \"fp8\" with resources "
+        "\"cuda\"");
   if (s.data.kind != DataKind::kTokens && s.model.vocab < 257)
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: model.vocab: must be >= 257 for byte-token data (\"",
@@ -313,6 +345,8 @@ nlohmann::json JobSpec::ToJson() const {
   if (train.offload) j["train"]["offload"] = true;
   // Only the 2-D modes use it: the canonical form of every other job stays as it was.
   if (parallel.ulysses != 1) j["parallel"]["ulysses"] = parallel.ulysses;
+  if (train.precision != TrainPrecision::kAuto)
+    j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
   return j;
 }
 

@@ -11,7 +11,8 @@
 //    (2-D modes: "parallel": {"cp": 8, "ulysses": 2, "lightning_mode": "hybrid",
 //                             "mla_mode": "hybrid"}; see ParallelSpec)
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
-//              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto"},
+//              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto",
+//              "precision": "auto"},
 //    "checkpoint": {"dir": "/tmp/ckpt", "every": 50},
 //    "resources": "cpu", "max_restarts": 3, "priority": 0}
 #pragma once
@@ -65,6 +66,17 @@ struct ParallelSpec {
   int64_t world() const { return cp * dp; }
 };
 
+// train.precision: the number formats a step computes in (DESIGN.md section 4).
+//   "auto" (default): fp32 on resources "cpu"; bf16 activations (fp32 master weights, gradients
+//          and accumulation) on "cuda".
+//   "fp32": everything fp32; resources "cpu" only.
+//   "bf16": "cuda": as "auto". "cpu": fp32 arithmetic with the CUDA engine's storage roundings
+//          emulated (worker/engine/numerics.h), to compare the two engines element by element.
+//   "fp8":  the blocks' linear layers take FP8 inputs (kernels/cpu/fp8.h's recipe); the rest as
+//          "bf16". "cpu": emulated, the reference of the GPU's FP8 kernels.
+enum class TrainPrecision { kAuto, kFp32, kBf16, kFp8 };
+std::string_view TrainPrecisionName(TrainPrecision p);
+
 struct TrainSpec {
   int64_t steps = 100;
   int64_t micro_batches = 1;  // sequences per rank per step (gradient accumulation)
@@ -90,6 +102,7 @@ struct TrainSpec {
   // overlap the compute. Frees (n_layers - kCudaOffloadSlots) x seq_len / cp x d_model bf16 a rank
   // for the same pinned host memory. JSON "offload": false (default) or true.
   bool offload = false;
+  TrainPrecision precision = TrainPrecision::kAuto;  // JSON "precision"; see TrainPrecision
 };
 
 struct CheckpointSpec {

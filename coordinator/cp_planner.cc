@@ -108,6 +108,47 @@ constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
 constexpr int64_t kNcclFirstCommBytes = int64_t{1331} << 20;  // 1.3 GiB
 constexpr int64_t kNcclMoreCommBytes = int64_t{870} << 20;    // 0.85 GiB
 
+// The elements of the blocks' linear layers' weights (the FP8 recipe's weights): every layer's
+// projections, not the embedding, the norms or the LM head.
+int64_t LinearWeightElements(const ModelConfig& m) {
+  const int64_t d = m.d_model, H = m.n_heads;
+  const MlaConfig& a = m.mla;
+  const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;
+  const int64_t lightning = 5 * d * d;  // qkv, gate, out
+  const int64_t q = a.q_lora_rank > 0 ? a.q_lora_rank * (d + H * qk) : H * qk * d;
+  const int64_t mla = q + (a.kv_lora_rank + a.qk_rope_dim) * d +
+                      H * (a.qk_nope_dim + a.v_head_dim) * a.kv_lora_rank + d * H * a.v_head_dim;
+  return m.NumLayersOfKind('L') * lightning + m.NumLayersOfKind('M') * mla +
+         m.n_layers * 3 * d * m.ffn_dim;
+}
+
+// train.precision's copies of a plan (EstimateMemory's "precision" term). rl, rm: the recomputing
+// layers by kind.
+int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64_t rl, int64_t rm) {
+  const TrainPrecision p = spec.train.precision;
+  const bool cuda = spec.resources == "cuda";
+  if (p == TrainPrecision::kAuto || p == TrainPrecision::kFp32) return 0;
+  if (cuda && p == TrainPrecision::kBf16) return 0;  // the engine's own storage
+  const ModelConfig& m = spec.model;
+  const int64_t P = m.NumParams(), L = LinearWeightElements(m);
+  if (!cuda && p == TrainPrecision::kBf16) return 4 * P;
+  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim;
+  const MlaConfig& a = m.mla;
+  const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;
+  // Per token: each layer kind's activation inputs to its linear layers.
+  const int64_t in_l = 2 * d + d + f;  // normed input, gated output; FFN: normed input, SwiGLU
+  const int64_t in_m =
+      d + a.q_lora_rank + (mla_allgather ? 0 : a.kv_lora_rank) + H * a.v_head_dim + d + f;
+  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
+  int64_t inputs = (nl - rl) * in_l + (nm - rm) * in_m;
+  if (rl + rm > 0) inputs += rm > 0 ? std::max(rl > 0 ? in_l : 0, in_m) : in_l;
+  // The widest output gradient a projection quantizes.
+  const int64_t widest = std::max(
+      {3 * d, f, H * qk, H * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank + a.qk_rope_dim});
+  if (cuda) return 2 * L + 2 * T * inputs + 2 * T * widest;
+  return 4 * P + 4 * L + 4 * T * inputs + 4 * T * (2 * widest + 3 * d);
+}
+
 // The smallest power of two >= n (n >= 1).
 int64_t NextPow2(int64_t n) {
   int64_t p = 1;
@@ -375,8 +416,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
       if (spec.parallel.cp > 1 && spec.parallel.dp > 1) e.runtime_bytes += kNcclMoreCommBytes;
     }
   }
+  e.precision_bytes = PrecisionBytes(spec, mla_allgather, T, rl, rm);
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
-                  e.workspace_bytes + e.runtime_bytes;
+                  e.workspace_bytes + e.runtime_bytes + e.precision_bytes;
   return e;
 }
 

@@ -53,6 +53,9 @@ struct MemoryEstimate {
   // NCCL's buffers (world > 1), and cuDNN's attention workspace (its fp32 dQ accumulator, which
   // grows with the tokens).
   int64_t runtime_bytes = 0;
+  // train.precision's own copies (see EstimateMemory): FP8 weights, activations and gradient
+  // scratch; on "cpu" the emulation's copies (held in fp32).
+  int64_t precision_bytes = 0;
   int64_t total_bytes = 0;          // all of the above
   // train.offload: the pinned host memory holding the offloaded layer inputs (not in total_bytes).
   int64_t host_bytes = 0;
@@ -131,6 +134,18 @@ struct CpPlan {
 //               piece's staging: L * H * ((2 qk + 2 v) * 2 + qk * 4 + 8) + a 32K key block's k,
 //               v, dk, dv, L = one zigzag chunk rounded up to a power of two
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
+//   precision   train.precision "fp8" on "cuda": the FP8 GEMM inputs of the blocks' linear layers,
+//               1 byte an element and each with the transposed copy the backward's GEMMs take
+//               (cuBLASLt's FP8 GEMMs read both operands K-major): the weights, 2 L (L = the
+//               blocks' linear weight elements: ModelConfig minus embedding, norms and LM head);
+//               the activations the backward keeps, 2 T per element of each kept layer's inputs
+//               (Lightning: normed input, gated output; MLA: normed input, normed q_a output and
+//               latent, attention output; FFN: normed input, SwiGLU output), the recomputing
+//               layers one shared layer's (the larger kind); and one output gradient, 2 T times
+//               the widest projection output. Counted on top of the bf16 activations.
+//               "cpu": the emulation (worker/engine/numerics.h) holds its copies in fp32: bf16
+//               and fp8 a 4 P working copy; fp8 also 4 L of FP8 weights, 4 T per kept activation
+//               input element (no transposed copy) and 4 T (2 * widest + 3 d) of gradient copies.
 // train.offload ("cuda", n_layers > kCudaOffloadSlots = S): the activations hold S layer inputs
 // instead of n_layers, T * B * (n_layers - S) * d less; host_bytes is that much pinned memory.
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers

@@ -77,6 +77,7 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   m->set_activations_bytes(plan.memory.activations_bytes);
   m->set_workspace_bytes(plan.memory.workspace_bytes);
   m->set_runtime_bytes(plan.memory.runtime_bytes);
+  m->set_precision_bytes(plan.memory.precision_bytes);
   m->set_host_bytes(plan.memory.host_bytes);
   m->set_total_bytes(plan.memory.total_bytes);
   m->set_device_memory_bytes(plan.memory.device_memory_bytes);

@@ -93,6 +93,61 @@ TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {
   }
 }
 
+// train.precision: "auto" by default (left out of the canonical form), "fp32" on cpu jobs only,
+// "bf16" and "fp8" on both; each round-trips; every other value, a non-string, and "fp32" on a
+// cuda job are refused with one error naming the field.
+TEST(JobSpecTest, PrecisionIsAutoFp32Bf16OrFp8) {
+  auto with = [](const std::string& resources, const std::string& v) {
+    return ParseJobSpec(R"({"name": "p", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "resources": ")" +
+                        resources + R"(", "train": {"precision": )" + v + "}}");
+  };
+  EXPECT_EQ(ParseJobSpec(kValid)->train.precision, TrainPrecision::kAuto);
+  EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["train"].contains("precision"));
+  struct Case {
+    std::string resources, json;
+    TrainPrecision want;
+  };
+  for (const Case& c : {Case{"cpu", "\"auto\"", TrainPrecision::kAuto},
+                        Case{"cuda", "\"auto\"", TrainPrecision::kAuto},
+                        Case{"cpu", "\"fp32\"", TrainPrecision::kFp32},
+                        Case{"cpu", "\"bf16\"", TrainPrecision::kBf16},
+                        Case{"cuda", "\"bf16\"", TrainPrecision::kBf16},
+                        Case{"cpu", "\"fp8\"", TrainPrecision::kFp8},
+                        Case{"cuda", "\"fp8\"", TrainPrecision::kFp8}}) {
+    auto s = with(c.resources, c.json);
+    ASSERT_TRUE(s.ok()) << c.resources << " " << c.json << ": " << s.status();
+    EXPECT_EQ(s->train.precision, c.want) << c.json;
+    auto again = ParseJobSpecJson(s->ToJson());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->train.precision, c.want) << c.json;
+    EXPECT_EQ(again->ToJson(), s->ToJson());
+  }
+  EXPECT_EQ(with("cpu", "\"fp8\"")->ToJson()["train"]["precision"], "fp8");
+  for (const std::string bad : {"fp16", "FP8", "bfloat16", "", "e4m3", "fp8 "}) {
+    auto s = with("cpu", "\"" + bad + "\"");
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(s.status().message(),
+              "job spec: train.precision: must be \"auto\", \"fp32\", \"bf16\" or \"fp8\", got "
+              "\"" +
+                  bad + "\"");
+  }
+  for (const std::string bad : {"8", "true", "null", "[\"fp8\"]", "{}"}) {
+    auto s = with("cpu", bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_TRUE(absl::StartsWith(s.status().message(), "job spec: train.precision: "))
+        << s.status();
+  }
+  auto fp32_gpu = with("cuda", "\"fp32\"");
+  ASSERT_FALSE(fp32_gpu.ok());
+  EXPECT_EQ(fp32_gpu.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fp32_gpu.status().message(),
+            "job spec: train.precision: \"fp32\" runs on resources \"cpu\" only (the CUDA engine "
+            "stores activations in bf16); use \"auto\", \"bf16\" or \"fp8\" with resources "
+            "\"cuda\"");
+}
+
 std::string Error(const std::string& text) {
   auto s = ParseJobSpec(text);
   EXPECT_FALSE(s.ok()) << text;

@@ -525,5 +525,71 @@ TEST(CpPlannerTest, LongestSeqLenFitsTheDeviceAndOneStepMoreDoesNot) {
   EXPECT_EQ(CpPlanner().Plan(s, 0).max_seq_len, 0);
 }
 
+// train.precision: "fp8" on "cuda" adds its FP8 copies to the estimate (weights with their
+// transposed copies, each kept layer's linear-layer inputs with theirs, one output gradient);
+// "auto" and "bf16" add nothing on the GPU; on the CPU the emulation's fp32-held copies count.
+// A GPU job that fits in bf16 can be refused (or recompute more) in fp8.
+TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.seq_len = 32768;
+  s.resources = "cuda";
+  s.train.recompute_layers = 0;
+  const ModelConfig& m = s.model;
+  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, T = s.seq_len, V = m.vocab;
+  const MlaConfig& a = m.mla;
+  // The blocks' linear weights: every parameter but the embedding, the LM head and the norms.
+  int64_t norms = d;  // final norm
+  for (int64_t i = 0; i < m.n_layers; ++i)
+    norms +=
+        2 * d + (m.LayerKind(i) == 'L' ? 2 * m.head_dim() + d : a.kv_lora_rank + a.q_lora_rank);
+  const int64_t linear = m.NumParams() - 2 * V * d - norms;
+  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
+  const int64_t inputs =
+      nl * (3 * d + f) + nm * (2 * d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim + f);
+  // The widest output gradient: 1b's qkv, 3 d, wider than f, H qk and H (qk_nope + v).
+  const int64_t widest = 3 * d;
+  ASSERT_GT(widest,
+            std::max({f, H * (a.qk_nope_dim + a.qk_rope_dim), H * (a.qk_nope_dim + a.v_head_dim)}));
+  const int64_t want = 2 * linear + 2 * T * inputs + 2 * T * widest;
+
+  const CpPlan bf16 = CpPlanner().Plan(s, 0);
+  EXPECT_EQ(bf16.memory.precision_bytes, 0);
+  s.train.precision = TrainPrecision::kBf16;
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.precision_bytes, 0);
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.total_bytes, bf16.memory.total_bytes);
+  s.train.precision = TrainPrecision::kFp8;
+  const CpPlan fp8 = CpPlanner().Plan(s, 0);
+  EXPECT_EQ(fp8.memory.precision_bytes, want);
+  EXPECT_EQ(fp8.memory.total_bytes, bf16.memory.total_bytes + want);
+  EXPECT_GT(want, int64_t{4} << 30);  // 1b at 32K: gigabytes, not a rounding error
+
+  // Planned with: a device between the two estimates fits bf16 and refuses fp8, naming memory.
+  const int64_t device = bf16.memory.total_bytes + want / 2;
+  s.train.precision = TrainPrecision::kAuto;
+  EXPECT_TRUE(CpPlanner().Plan(s, device).ok());
+  s.train.precision = TrainPrecision::kFp8;
+  const CpPlan refused = CpPlanner().Plan(s, device);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.problems[0].rfind("memory: estimated ", 0), 0u) << refused.problems[0];
+  // With train.recompute "auto" fp8 recomputes at least as many layers as bf16.
+  s.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  const int64_t r8 = CpPlanner().Plan(s, device).memory.recompute_layers;
+  s.train.precision = TrainPrecision::kAuto;
+  EXPECT_GE(r8, CpPlanner().Plan(s, device).memory.recompute_layers);
+  EXPECT_GT(r8, 0);
+
+  // The CPU emulation: a 4 P working copy for bf16; fp8 more.
+  JobSpec c;
+  c.model = *ModelPreset("tiny");
+  c.seq_len = 1024;
+  c.train.precision = TrainPrecision::kBf16;
+  EXPECT_EQ(CpPlanner().Plan(c, 0).memory.precision_bytes, 4 * c.model.NumParams());
+  c.train.precision = TrainPrecision::kFp8;
+  EXPECT_GT(CpPlanner().Plan(c, 0).memory.precision_bytes, 8 * c.model.NumParams());
+  c.train.precision = TrainPrecision::kFp32;
+  EXPECT_EQ(CpPlanner().Plan(c, 0).memory.precision_bytes, 0);
+}
+
 }  // namespace
 }  // namespace spindle

@@ -513,6 +513,11 @@ TEST(DeviceTrainerTest, WhatTheGpuPathCannotRunFailsAtCreateAndWritesNothing) {
        [](TrainerOptions& o) { o.spec.train.offload = true; },
        absl::StatusCode::kFailedPrecondition,
        "trainer: train.offload needs a backend with device memory of its own"},
+      {"fp8 on a backend without FP8 GEMMs",
+       [](TrainerOptions& o) { o.spec.train.precision = TrainPrecision::kFp8; },
+       absl::StatusCode::kUnimplemented,
+       "trainer: train.precision \"fp8\": this device backend has no FP8 GEMMs yet; use \"auto\" "
+       "or \"bf16\" on the device, or resources \"cpu\", which emulates FP8"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

@@ -27,6 +27,13 @@ struct Model::Layer {
   int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
 };
 
+// An activation as the input of its GEMMs: the operand, which points into the FP8 copy under
+// FP8 and at the activation itself otherwise.
+struct SavedInput {
+  Fp8Copy fp8;
+  GemmOperand op;
+};
+
 // Saved activations of one layer (the names follow model.h's formulas).
 struct Model::Cache {
   Tensor h, rstd1, x_mid, h2, rstd2, g, u, a;        // norms and FFN
@@ -37,12 +44,18 @@ struct Model::Cache {
   Tensor latent;                                     // MLA AllGather: [c_n, RoPE'd k_r]
   Tensor cp_P;                                       // Lightning AllGather carry-ins
   std::vector<float> cp_saved;                       // CP mode state kept for the backward
+  // The linear layers' activation inputs: the normed inputs, SwiGLU's output, Lightning's gated
+  // output, MLA's normed q_a output, normed latent and attention output.
+  SavedInput in_h, in_h2, in_a, in_y, in_qa_n, in_c_n, in_O;
 };
 
 // Gradient scratch, sized for the largest layer and reused by every layer's backward.
 struct Model::Work {
   Tensor dh, dtmp, dq, dk, dv, dgate, dy, dO, dQ, dK, dV, dkvb, dc, dkva, dqa, dqa_n, da, dg, du;
   Tensor ones_T;  // unused placeholder kept zero-sized
+  // FP8 copies of output gradients, each used by the GEMMs right after its quantization (the
+  // Lightning gate's apart: it may run while a CP collective is in flight).
+  Fp8Copy f_dy, f_dgate, f_dqkv;
 };
 
 std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer) {
@@ -62,12 +75,24 @@ void Ensure(Tensor& t, int64_t rows, int64_t cols) {
   if (t.numel() != rows * cols) t = Tensor({rows, cols});
 }
 
-// dx (+)= dy[T, out] * W[out, in]; dW[out, in] += dy^T x.
-void LinearBwdAcc(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
-                  int64_t in, int64_t out, bool accumulate_dx) {
-  if (dx) k::Gemm(false, false, T, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
-  k::Gemm(true, false, out, in, T, 1.0f, dy, out, x, in, 1.0f, dW, in);
+// y[T, out] = x[T, in] W[out, in]^T, each operand's inverse scale applied to the accumulator.
+void Linear(GemmOperand x, GemmOperand W, float* y, int64_t T, int64_t in, int64_t out) {
+  k::Gemm(false, true, T, out, in, x.inverse_scale * W.inverse_scale, x.values, in, W.values, in,
+          0.0f, y, out);
 }
+
+// dx (+)= dy[T, out] * W[out, in]; dW[out, in] += dy^T x.
+void LinearBwdAcc(GemmOperand x, GemmOperand W, GemmOperand dy, float* dx, float* dW, int64_t T,
+                  int64_t in, int64_t out, bool accumulate_dx) {
+  if (dx)
+    k::Gemm(false, false, T, in, out, dy.inverse_scale * W.inverse_scale, dy.values, out, W.values,
+            in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+  k::Gemm(true, false, out, in, T, dy.inverse_scale * x.inverse_scale, dy.values, out, x.values, in,
+          1.0f, dW, in);
+}
+
+// A plain fp32 operand (the LM head's, outside the FP8 recipe).
+GemmOperand Plain(const float* p) { return {p, 1.0f}; }
 
 void AddInto(float* dst, const float* src, int64_t n) {
 #pragma omp parallel for simd schedule(static)
@@ -86,6 +111,15 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, 
   m->Build();
   m->params_.Allocate(seed, host_grads);
   return m;
+}
+
+void Model::SetNumerics(const Numerics& numerics) {
+  std::vector<int> linear;  // every layer's projections
+  for (const auto& L : layers_)
+    for (int i : {L->qkv, L->gate, L->out, L->q, L->q_a, L->q_b, L->kv_a, L->kv_b, L->mo, L->w1,
+                  L->w2, L->w3})
+      if (i >= 0) linear.push_back(i);
+  numerics_.Set(numerics, std::move(linear));
 }
 
 void Model::Build() {
@@ -141,6 +175,7 @@ namespace {
 struct LayerCtx {
   const ModelConfig& c;
   ParamSet& P;
+  const NumericsEmulator& nx;
   const Batch& b;
   const CpLayout* layout = nullptr;  // null or cp == 1: single-rank
   const CpContext* cp = nullptr;
@@ -149,12 +184,22 @@ struct LayerCtx {
   bool split() const { return layout && layout->cp > 1; }
   CpMode lightning() const { return split() ? cp->lightning_mode : CpMode::kAuto; }
   CpMode mla() const { return split() ? cp->mla_mode : CpMode::kAuto; }
+  // Parameter i's working copy, and as the weight of a linear layer.
+  const float* Wt(int i) const { return nx.Weight(P, i); }
+  GemmOperand Lin(int i, bool fp8 = true) const { return nx.LinearWeight(P, i, fp8); }
+  // Activation x [n] as the input of its GEMMs, into `in`.
+  void Input(SavedInput& in, const float* x, int64_t n) const {
+    in.op = nx.Activation(x, n, in.fp8);
+  }
+  void Store(Tensor& t) const { nx.Store(t.f32(), t.numel()); }
+  void Store(float* x, int64_t n) const { nx.Store(x, n); }
 };
 
 // The context of one pass over `b`: single-rank without `cpb`.
-LayerCtx MakeCtx(const ModelConfig& c, ParamSet& P, const Batch& b, const CpBatch* cpb,
-                 const CpContext* cp, CpScratch* scratch) {
-  return {c, P, b, cpb ? &cpb->layout : nullptr, cp, scratch, cpb ? cpb->group.get() : nullptr};
+LayerCtx MakeCtx(const ModelConfig& c, ParamSet& P, const NumericsEmulator& nx, const Batch& b,
+                 const CpBatch* cpb, const CpContext* cp, CpScratch* scratch) {
+  return {c,  P,       nx, b, cpb ? &cpb->layout : nullptr,
+          cp, scratch, cpb ? cpb->group.get() : nullptr};
 }
 
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
@@ -234,27 +279,33 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
 // Lightning attention block: x_mid = x + Wo(GroupNormGate(LA(rope(norm(q)), rope(norm(k)), v))).
 absl::Status LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
-  const float* Wqkv = P.data(L.qkv);
+  const GemmOperand Wqkv = ctx.Lin(L.qkv);
   for (Tensor* t : {&C.q_raw, &C.k_raw, &C.qn, &C.kn, &C.v, &C.gate, &C.y}) Ensure(*t, T, d);
   Ensure(C.rstd_q, T, H);
   Ensure(C.rstd_k, T, H);
   Ensure(C.rstd_o, T, H);
-  k::LinearForward(C.h.f32(), Wqkv, C.q_raw.f32(), T, d, d);
-  k::LinearForward(C.h.f32(), Wqkv + d * d, C.k_raw.f32(), T, d, d);
-  k::LinearForward(C.h.f32(), Wqkv + 2 * d * d, C.v.f32(), T, d, d);
-  k::RmsNormForward(C.q_raw.f32(), P.data(L.q_norm), C.qn.f32(), C.rstd_q.f32(), T * H, Dh, eps);
-  k::RmsNormForward(C.k_raw.f32(), P.data(L.k_norm), C.kn.f32(), C.rstd_k.f32(), T * H, Dh, eps);
+  Linear(C.in_h.op, Wqkv, C.q_raw.f32(), T, d, d);
+  Linear(C.in_h.op, Wqkv.At(d * d), C.k_raw.f32(), T, d, d);
+  Linear(C.in_h.op, Wqkv.At(2 * d * d), C.v.f32(), T, d, d);
+  for (Tensor* t : {&C.q_raw, &C.k_raw, &C.v}) ctx.Store(*t);
+  k::RmsNormForward(C.q_raw.f32(), ctx.Wt(L.q_norm), C.qn.f32(), C.rstd_q.f32(), T * H, Dh, eps);
+  k::RmsNormForward(C.k_raw.f32(), ctx.Wt(L.k_norm), C.kn.f32(), C.rstd_k.f32(), T * H, Dh, eps);
   k::RopeApply(C.qn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
   k::RopeApply(C.kn.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, false);
+  ctx.Store(C.qn);
+  ctx.Store(C.kn);
   // The gate projection does not depend on the mixing: it overlaps a CP collective.
   RETURN_IF_ERROR(LightningForwardMix(ctx, L, C, [&] {
-    k::LinearForward(C.h.f32(), P.data(L.gate), C.gate.f32(), T, d, d);
+    Linear(C.in_h.op, ctx.Lin(L.gate), C.gate.f32(), T, d, d);
+    ctx.Store(C.gate);
   }));
-  k::GroupNormGateForward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(),
-                          T, H, Dh, eps);
+  ctx.Store(C.o);
+  k::GroupNormGateForward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(), T,
+                          H, Dh, eps);
+  ctx.Input(C.in_y, C.y.f32(), T * d);  // from the fused kernel's fp32 result
+  ctx.Store(C.y);
   return absl::OkStatus();
 }
 
@@ -268,30 +319,40 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
   const float theta = static_cast<float>(c.rope_theta);
   for (Tensor* t : {&W.dy, &W.dq, &W.dk, &W.dv, &W.dgate, &W.dtmp}) Ensure(*t, T, d);
   // y -> Wo
-  LinearBwdAcc(C.y.f32(), P.data(L.out), dout, W.dy.f32(), P.grad(L.out), T, d, d, false);
+  LinearBwdAcc(C.in_y.op, ctx.Lin(L.out), ctx.nx.Gradient(dout, T * d, W.f_dy), W.dy.f32(),
+               P.grad(L.out), T, d, d, false);
+  ctx.Store(W.dy);
   // group norm + gate: dy -> d_o (into dtmp), dgate
-  k::GroupNormGateBackward(C.o.f32(), P.data(L.out_norm), C.gate.f32(), C.rstd_o.f32(),
-                           W.dy.f32(), W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
+  k::GroupNormGateBackward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.rstd_o.f32(), W.dy.f32(),
+                           W.dtmp.f32(), P.grad(L.out_norm), W.dgate.f32(), T, H, Dh);
+  ctx.Store(W.dtmp);
+  ctx.Store(W.dgate);
   RETURN_IF_ERROR(LightningBackwardMix(
       ctx, L, C, W.dtmp.f32(),
       [&] {
-        LinearBwdAcc(C.h.f32(), P.data(L.gate), W.dgate.f32(), W.dh.f32(), P.grad(L.gate), T, d,
-                     d, false);
+        LinearBwdAcc(C.in_h.op, ctx.Lin(L.gate), ctx.nx.Gradient(W.dgate.f32(), T * d, W.f_dgate),
+                     W.dh.f32(), P.grad(L.gate), T, d, d, false);
       },
       W.dq.f32(), W.dk.f32(), W.dv.f32()));
+  for (Tensor* t : {&W.dq, &W.dk, &W.dv}) ctx.Store(*t);
   k::RopeApply(W.dq.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
   k::RopeApply(W.dk.f32(), ctx.b.pos.data(), T, H, Dh, d, Dh, theta, true);
-  // per-head norms (in place is not allowed for dx; use dy as the raw-grad buffer)
-  k::RmsNormBackward(C.q_raw.f32(), P.data(L.q_norm), C.rstd_q.f32(), W.dq.f32(), W.dy.f32(),
+  // Per-head norms (in place is not allowed for dx): the raw q gradient into dy, the raw k
+  // gradient into dq (free once q's is done).
+  k::RmsNormBackward(C.q_raw.f32(), ctx.Wt(L.q_norm), C.rstd_q.f32(), W.dq.f32(), W.dy.f32(),
                      P.grad(L.q_norm), T * H, Dh);
-  const float* Wqkv = P.data(L.qkv);
-  float* dWqkv = P.grad(L.qkv);
-  LinearBwdAcc(C.h.f32(), Wqkv, W.dy.f32(), W.dh.f32(), dWqkv, T, d, d, true);
-  k::RmsNormBackward(C.k_raw.f32(), P.data(L.k_norm), C.rstd_k.f32(), W.dk.f32(), W.dy.f32(),
+  k::RmsNormBackward(C.k_raw.f32(), ctx.Wt(L.k_norm), C.rstd_k.f32(), W.dk.f32(), W.dq.f32(),
                      P.grad(L.k_norm), T * H, Dh);
-  LinearBwdAcc(C.h.f32(), Wqkv + d * d, W.dy.f32(), W.dh.f32(), dWqkv + d * d, T, d, d, true);
-  LinearBwdAcc(C.h.f32(), Wqkv + 2 * d * d, W.dv.f32(), W.dh.f32(), dWqkv + 2 * d * d, T, d, d,
-               true);
+  ctx.Store(W.dy);
+  ctx.Store(W.dq);
+  // The q, k and v gradients are one [T, 3d] tensor on the GPU: one FP8 scale for the three.
+  std::vector<GemmOperand> dqkv;
+  ctx.nx.JointGradients({W.dy.f32(), W.dq.f32(), W.dv.f32()}, T * d, W.f_dqkv, &dqkv);
+  const GemmOperand Wqkv = ctx.Lin(L.qkv);
+  float* dWqkv = P.grad(L.qkv);
+  for (int64_t part = 0; part < 3; ++part)
+    LinearBwdAcc(C.in_h.op, Wqkv.At(part * d * d), dqkv[part], W.dh.f32(), dWqkv + part * d * d, T,
+                 d, d, true);
   return absl::OkStatus();
 }
 
@@ -323,7 +384,6 @@ bool MlaTakesLatent(const LayerCtx& ctx) {
 absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C) {
   const ModelConfig& c = ctx.c;
   const MlaConfig& m = c.mla;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, H = c.n_heads;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank;
@@ -334,25 +394,35 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     Ensure(C.qa, T, qr);
     Ensure(C.qa_n, T, qr);
     Ensure(C.rstd_qa, T, 1);
-    k::LinearForward(C.h.f32(), P.data(L.q_a), C.qa.f32(), T, d, qr);
-    k::RmsNormForward(C.qa.f32(), P.data(L.q_a_norm), C.qa_n.f32(), C.rstd_qa.f32(), T, qr, eps);
-    k::LinearForward(C.qa_n.f32(), P.data(L.q_b), C.Q.f32(), T, qr, H * qk);
+    Linear(C.in_h.op, ctx.Lin(L.q_a), C.qa.f32(), T, d, qr);
+    ctx.Store(C.qa);
+    k::RmsNormForward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.qa_n.f32(), C.rstd_qa.f32(), T, qr, eps);
+    ctx.Input(C.in_qa_n, C.qa_n.f32(), T * qr);
+    ctx.Store(C.qa_n);
+    Linear(C.in_qa_n.op, ctx.Lin(L.q_b), C.Q.f32(), T, qr, H * qk);
   } else {
-    k::LinearForward(C.h.f32(), P.data(L.q), C.Q.f32(), T, d, H * qk);
+    Linear(C.in_h.op, ctx.Lin(L.q), C.Q.f32(), T, d, H * qk);
   }
+  ctx.Store(C.Q);
   k::RopeApply(C.Q.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, false);
+  ctx.Store(C.Q);
   Ensure(C.kva, T, kv + rd);
   Ensure(C.c, T, kv);
   Ensure(C.c_n, T, kv);
   Ensure(C.rstd_c, T, 1);
   Ensure(C.kr, T, rd);
-  k::LinearForward(C.h.f32(), P.data(L.kv_a), C.kva.f32(), T, d, kv + rd);
+  Linear(C.in_h.op, ctx.Lin(L.kv_a), C.kva.f32(), T, d, kv + rd);
+  ctx.Store(C.kva);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(C.c.f32() + t * kv, C.kva.f32() + t * (kv + rd), kv * sizeof(float));
     std::memcpy(C.kr.f32() + t * rd, C.kva.f32() + t * (kv + rd) + kv, rd * sizeof(float));
   }
-  k::RmsNormForward(C.c.f32(), P.data(L.kv_norm), C.c_n.f32(), C.rstd_c.f32(), T, kv, eps);
+  k::RmsNormForward(C.c.f32(), ctx.Wt(L.kv_norm), C.c_n.f32(), C.rstd_c.f32(), T, kv, eps);
+  // Under AllGather kv_b runs inside the latent exchange, outside the FP8 recipe.
+  if (ctx.mla() != CpMode::kAllGather) ctx.Input(C.in_c_n, C.c_n.f32(), T * kv);
+  ctx.Store(C.c_n);
   k::RopeApply(C.kr.f32(), ctx.b.pos.data(), T, 1, rd, rd, rd, theta, false);
+  ctx.Store(C.kr);
   Ensure(C.O, T, H * vd);
   Ensure(C.lse, T, H);
   if (MlaTakesLatent(ctx)) {  // communicate the latent, not K and V
@@ -363,15 +433,16 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     }
     if (ctx.mla() == CpMode::kRing)
       return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr, C.latent.f32(),
-                            P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
+                            ctx.Wt(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
     if (ctx.mla() == CpMode::kHybrid)
       return MlaHybridForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), nullptr, nullptr,
-                              C.latent.f32(), P.data(L.kv_b), C.O.f32(), &C.cp_saved);
+                              C.latent.f32(), ctx.Wt(L.kv_b), C.O.f32(), &C.cp_saved);
     return MlaAllGatherForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.latent.f32(),
-                               P.data(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
+                               ctx.Wt(L.kv_b), C.O.f32(), C.lse.f32(), &C.cp_saved);
   }
   Ensure(C.kvb, T, H * (nope + vd));
-  k::LinearForward(C.c_n.f32(), P.data(L.kv_b), C.kvb.f32(), T, kv, H * (nope + vd));
+  Linear(C.in_c_n.op, ctx.Lin(L.kv_b), C.kvb.f32(), T, kv, H * (nope + vd));
+  ctx.Store(C.kvb);
   Ensure(C.K, T, H * qk);
   Ensure(C.V, T, H * vd);
 #pragma omp parallel for schedule(static)
@@ -413,7 +484,9 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank;
   Ensure(W.dO, T, H * vd);
-  LinearBwdAcc(C.O.f32(), P.data(L.mo), dout, W.dO.f32(), P.grad(L.mo), T, H * vd, d, false);
+  LinearBwdAcc(C.in_O.op, ctx.Lin(L.mo), ctx.nx.Gradient(dout, T * d, W.f_dy), W.dO.f32(),
+               P.grad(L.mo), T, H * vd, d, false);
+  ctx.Store(W.dO);
   Ensure(W.dQ, T, H * qk);
   Ensure(W.dK, T, H * qk);
   Ensure(W.dV, T, H * vd);
@@ -423,17 +496,19 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
     // dQ, and the latent gradient [d c_n, d k_r (rotated)] of this rank's tokens.
     if (ctx.mla() == CpMode::kRing) {
       RETURN_IF_ERROR(MlaRingBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(), C.O.f32(),
-                                      C.lse.f32(), P.data(L.kv_b), W.dO.f32(), W.dQ.f32(), nullptr,
+                                      C.lse.f32(), ctx.Wt(L.kv_b), W.dO.f32(), W.dQ.f32(), nullptr,
                                       nullptr, W.dkva.f32(), P.grad(L.kv_b)));
     } else if (ctx.mla() == CpMode::kHybrid) {
-      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, P.data(L.kv_b),
+      RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, ctx.Wt(L.kv_b),
                                         W.dO.f32(), W.dQ.f32(), nullptr, nullptr, W.dkva.f32(),
                                         P.grad(L.kv_b)));
     } else {
       RETURN_IF_ERROR(MlaAllGatherBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, C.Q.f32(),
-                                           C.O.f32(), C.lse.f32(), P.data(L.kv_b), W.dO.f32(),
+                                           C.O.f32(), C.lse.f32(), ctx.Wt(L.kv_b), W.dO.f32(),
                                            W.dQ.f32(), W.dkva.f32(), P.grad(L.kv_b)));
     }
+    ctx.Store(W.dQ);
+    ctx.Store(W.dkva);
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(W.dc.f32() + t * kv, W.dkva.f32() + t * (kv + rd), kv * sizeof(float));
   } else {
@@ -454,6 +529,7 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
                            mask, 1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd},
                            W.dQ.f32(), W.dK.f32(), W.dV.f32());
     }
+    for (Tensor* t : {&W.dQ, &W.dK, &W.dV}) ctx.Store(*t);
     MlaKvBackward(ctx, L, C, W);
   }
   MlaLatentBackward(ctx, L, C, W);
@@ -481,8 +557,12 @@ void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, 
       for (int64_t j = 0; j < rd; ++j) dkr[j] += dk[nope + j];
     }
   }
-  LinearBwdAcc(C.c_n.f32(), P.data(L.kv_b), W.dkvb.f32(), W.dc.f32(), P.grad(L.kv_b), T, kv,
-               H * (nope + vd), false);
+  LinearBwdAcc(C.in_c_n.op, ctx.Lin(L.kv_b),
+               ctx.nx.Gradient(W.dkvb.f32(), T * H * (nope + vd), W.f_dy), W.dc.f32(),
+               P.grad(L.kv_b), T, kv, H * (nope + vd), false);
+  ctx.Store(W.dc);
+  for (int64_t t = 0; t < T; ++t)  // the shared key's gradient, summed over the heads
+    ctx.Store(W.dkva.f32() + t * (kv + rd) + kv, rd);
 }
 
 // W.dc and the rotated k_r gradient in W.dkva -> the kv_a and q projections' gradients, W.dh.
@@ -498,25 +578,31 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
   k::RopeApply(W.dkva.f32() + kv, ctx.b.pos.data(), T, 1, rd, kv + rd, rd, theta, true);
   // kv norm backward writes dc into the first kv columns of dkva, row by row via a dense buffer.
   Ensure(W.dtmp, T, std::max<int64_t>(kv, d));
-  k::RmsNormBackward(C.c.f32(), P.data(L.kv_norm), C.rstd_c.f32(), W.dc.f32(), W.dtmp.f32(),
+  k::RmsNormBackward(C.c.f32(), ctx.Wt(L.kv_norm), C.rstd_c.f32(), W.dc.f32(), W.dtmp.f32(),
                      P.grad(L.kv_norm), T, kv);
   for (int64_t t = 0; t < T; ++t)
     std::memcpy(W.dkva.f32() + t * (kv + rd), W.dtmp.f32() + t * kv, kv * sizeof(float));
-  LinearBwdAcc(C.h.f32(), P.data(L.kv_a), W.dkva.f32(), W.dh.f32(), P.grad(L.kv_a), T, d, kv + rd,
-               false);
+  ctx.Store(W.dkva);
+  LinearBwdAcc(C.in_h.op, ctx.Lin(L.kv_a), ctx.nx.Gradient(W.dkva.f32(), T * (kv + rd), W.f_dy),
+               W.dh.f32(), P.grad(L.kv_a), T, d, kv + rd, false);
   // Q -> q projection(s).
   k::RopeApply(W.dQ.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, true);
+  ctx.Store(W.dQ);
+  const GemmOperand dQ = ctx.nx.Gradient(W.dQ.f32(), T * H * qk, W.f_dy);
   if (m.q_lora_rank > 0) {
     const int64_t qr = m.q_lora_rank;
     Ensure(W.dqa_n, T, qr);
     Ensure(W.dqa, T, qr);
-    LinearBwdAcc(C.qa_n.f32(), P.data(L.q_b), W.dQ.f32(), W.dqa_n.f32(), P.grad(L.q_b), T, qr,
-                 H * qk, false);
-    k::RmsNormBackward(C.qa.f32(), P.data(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(),
-                       W.dqa.f32(), P.grad(L.q_a_norm), T, qr);
-    LinearBwdAcc(C.h.f32(), P.data(L.q_a), W.dqa.f32(), W.dh.f32(), P.grad(L.q_a), T, d, qr, true);
+    LinearBwdAcc(C.in_qa_n.op, ctx.Lin(L.q_b), dQ, W.dqa_n.f32(), P.grad(L.q_b), T, qr, H * qk,
+                 false);
+    ctx.Store(W.dqa_n);
+    k::RmsNormBackward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(), W.dqa.f32(),
+                       P.grad(L.q_a_norm), T, qr);
+    ctx.Store(W.dqa);
+    LinearBwdAcc(C.in_h.op, ctx.Lin(L.q_a), ctx.nx.Gradient(W.dqa.f32(), T * qr, W.f_dy),
+                 W.dh.f32(), P.grad(L.q_a), T, d, qr, true);
   } else {
-    LinearBwdAcc(C.h.f32(), P.data(L.q), W.dQ.f32(), W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
+    LinearBwdAcc(C.in_h.op, ctx.Lin(L.q), dQ, W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
   }
 }
 
@@ -527,31 +613,45 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
 static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
                                  const float* x_in, float* x_out) {
   const ModelConfig& c = ctx.c;
-  ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
   const float eps = static_cast<float>(c.norm_eps);
   Ensure(C.h, T, d);
   Ensure(C.rstd1, T, 1);
-  k::RmsNormForward(x_in, P.data(L.attn_norm), C.h.f32(), C.rstd1.f32(), T, d, eps);
+  // Each GEMM input is taken (FP8: quantized) from its producer's fp32 result, as the GPU's fused
+  // kernels do, before the result is stored.
+  k::RmsNormForward(x_in, ctx.Wt(L.attn_norm), C.h.f32(), C.rstd1.f32(), T, d, eps);
+  ctx.Input(C.in_h, C.h.f32(), T * d);
+  ctx.Store(C.h);
   Ensure(C.x_mid, T, d);
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningAttnForward(ctx, L, C));
-    k::LinearForward(C.y.f32(), P.data(L.out), C.x_mid.f32(), T, d, d);
+    Linear(C.in_y.op, ctx.Lin(L.out), C.x_mid.f32(), T, d, d);
   } else {
     RETURN_IF_ERROR(MlaAttnForward(ctx, L, C));
-    k::LinearForward(C.O.f32(), P.data(L.mo), C.x_mid.f32(), T, c.n_heads * c.mla.v_head_dim, d);
+    const int64_t hv = c.n_heads * c.mla.v_head_dim;
+    ctx.Store(C.O);
+    ctx.Input(C.in_O, C.O.f32(), T * hv);  // the attention's stored output: no fused producer
+    Linear(C.in_O.op, ctx.Lin(L.mo), C.x_mid.f32(), T, hv, d);
   }
   AddInto(C.x_mid.f32(), x_in, T * d);
+  ctx.Store(C.x_mid);
   Ensure(C.h2, T, d);
   Ensure(C.rstd2, T, 1);
   for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
-  k::RmsNormForward(C.x_mid.f32(), P.data(L.ffn_norm), C.h2.f32(), C.rstd2.f32(), T, d, eps);
-  k::LinearForward(C.h2.f32(), P.data(L.w1), C.g.f32(), T, d, F);
-  k::LinearForward(C.h2.f32(), P.data(L.w3), C.u.f32(), T, d, F);
+  k::RmsNormForward(C.x_mid.f32(), ctx.Wt(L.ffn_norm), C.h2.f32(), C.rstd2.f32(), T, d, eps);
+  ctx.Input(C.in_h2, C.h2.f32(), T * d);
+  ctx.Store(C.h2);
+  Linear(C.in_h2.op, ctx.Lin(L.w1), C.g.f32(), T, d, F);
+  Linear(C.in_h2.op, ctx.Lin(L.w3), C.u.f32(), T, d, F);
+  ctx.Store(C.g);
+  ctx.Store(C.u);
   k::SwiGluForward(C.g.f32(), C.u.f32(), C.a.f32(), T * F);
+  ctx.Input(C.in_a, C.a.f32(), T * F);
+  ctx.Store(C.a);
   if (x_out == nullptr) return absl::OkStatus();
-  k::LinearForward(C.a.f32(), P.data(L.w2), x_out, T, F, d);
+  Linear(C.in_a.op, ctx.Lin(L.w2), x_out, T, F, d);
   AddInto(x_out, C.x_mid.f32(), T * d);
+  ctx.Store(x_out, T * d);
   return absl::OkStatus();
 }
 
@@ -563,25 +663,37 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
   for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, T, F);
   Ensure(W.dh, T, d);
-  // FFN
-  LinearBwdAcc(C.a.f32(), P.data(L.w2), dx, W.da.f32(), P.grad(L.w2), T, F, d, false);
+  // FFN (each output gradient quantized, under FP8, from its stored value)
+  const NumericsEmulator& nx = ctx.nx;
+  LinearBwdAcc(C.in_a.op, ctx.Lin(L.w2), nx.Gradient(dx, T * d, W.f_dy), W.da.f32(), P.grad(L.w2),
+               T, F, d, false);
+  ctx.Store(W.da);
   k::SwiGluBackward(C.g.f32(), C.u.f32(), W.da.f32(), W.dg.f32(), W.du.f32(), T * F);
-  LinearBwdAcc(C.h2.f32(), P.data(L.w1), W.dg.f32(), W.dh.f32(), P.grad(L.w1), T, d, F, false);
-  LinearBwdAcc(C.h2.f32(), P.data(L.w3), W.du.f32(), W.dh.f32(), P.grad(L.w3), T, d, F, true);
+  ctx.Store(W.dg);
+  ctx.Store(W.du);
+  LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w1), nx.Gradient(W.dg.f32(), T * F, W.f_dy), W.dh.f32(),
+               P.grad(L.w1), T, d, F, false);
+  ctx.Store(W.dh);  // the GPU stores the first GEMM's output before the second adds to it
+  LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T * F, W.f_dy), W.dh.f32(),
+               P.grad(L.w3), T, d, F, true);
+  ctx.Store(W.dh);
   Ensure(W.dtmp, T, d);
-  k::RmsNormBackward(C.x_mid.f32(), P.data(L.ffn_norm), C.rstd2.f32(), W.dh.f32(), W.dtmp.f32(),
+  k::RmsNormBackward(C.x_mid.f32(), ctx.Wt(L.ffn_norm), C.rstd2.f32(), W.dh.f32(), W.dtmp.f32(),
                      P.grad(L.ffn_norm), T, d);
   AddInto(dx, W.dtmp.f32(), T * d);  // dx is now d x_mid
+  ctx.Store(dx, T * d);
   // Attention
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningAttnBackward(ctx, L, C, W, dx));
   } else {
     RETURN_IF_ERROR(MlaAttnBackward(ctx, L, C, W, dx));
   }
+  ctx.Store(W.dh);
   Ensure(W.dtmp, T, d);
-  k::RmsNormBackward(x_in, P.data(L.attn_norm), C.rstd1.f32(), W.dh.f32(), W.dtmp.f32(),
+  k::RmsNormBackward(x_in, ctx.Wt(L.attn_norm), C.rstd1.f32(), W.dh.f32(), W.dtmp.f32(),
                      P.grad(L.attn_norm), T, d);
   AddInto(dx, W.dtmp.f32(), T * d);
+  ctx.Store(dx, T * d);
   return absl::OkStatus();
 }
 
@@ -591,8 +703,11 @@ LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, f
   const int64_t T = b.T, d = config_.d_model, V = config_.vocab;
   Ensure(hf_, T, d);
   Ensure(rstd_f_, T, 1);
-  k::RmsNormForward(x, params_.data(final_norm_), hf_.f32(), rstd_f_.f32(), T, d,
+  const NumericsEmulator& nx = numerics_;
+  k::RmsNormForward(x, nx.Weight(params_, final_norm_), hf_.f32(), rstd_f_.f32(), T, d,
                     static_cast<float>(config_.norm_eps));
+  nx.Store(hf_.f32(), T * d);
+  const float* head = nx.Weight(params_, lm_head_);  // bf16 at most: outside the FP8 recipe
   // Row blocks of about 4M logits keep the fp32 logits small whatever T is.
   const int64_t block = std::max<int64_t>(16, std::min<int64_t>(T, (int64_t{1} << 22) / V));
   Ensure(logits_, block, V);
@@ -601,16 +716,22 @@ LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, f
   for (int64_t r0 = 0; r0 < T; r0 += block) {
     const int64_t rows = std::min(block, T - r0);
     const float* h = hf_.f32() + r0 * d;
-    k::LinearForward(h, params_.data(lm_head_), logits_.f32(), rows, d, V);
+    Linear(Plain(h), Plain(head), logits_.f32(), rows, d, V);
+    nx.Store(logits_.f32(), rows * V);
     s.loss_sum += k::CrossEntropy(logits_.f32(), b.targets.data() + r0, rows, V, grad_scale,
                                   dx ? logits_.f32() : nullptr, &s.n_valid);
-    if (dx)
-      LinearBwdAcc(h, params_.data(lm_head_), logits_.f32(), dhf_.f32() + r0 * d,
+    if (dx) {
+      nx.Store(logits_.f32(), rows * V);
+      LinearBwdAcc(Plain(h), Plain(head), Plain(logits_.f32()), dhf_.f32() + r0 * d,
                    params_.grad(lm_head_), rows, d, V, false);
+      nx.Store(dhf_.f32() + r0 * d, rows * d);
+    }
   }
-  if (dx)
-    k::RmsNormBackward(x, params_.data(final_norm_), rstd_f_.f32(), dhf_.f32(), dx,
+  if (dx) {
+    k::RmsNormBackward(x, nx.Weight(params_, final_norm_), rstd_f_.f32(), dhf_.f32(), dx,
                        params_.grad(final_norm_), T, d);
+    nx.Store(dx, T * d);
+  }
   return s;
 }
 
@@ -663,8 +784,9 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float g
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  const LayerCtx ctx = MakeCtx(config_, params_, b, cpb, &cp_, &cp_scratch_);
-  k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
+  numerics_.RefreshWeights(params_);
+  const LayerCtx ctx = MakeCtx(config_, params_, numerics_, b, cpb, &cp_, &cp_scratch_);
+  k::EmbeddingForward(b.ids.data(), ctx.Wt(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     Cache& C = *caches_[recompute.CacheOf(i, n)];
     RETURN_IF_ERROR(
@@ -691,8 +813,9 @@ absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) 
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, T, d);
-  const LayerCtx ctx = MakeCtx(config_, params_, b, cpb, &cp_, &cp_scratch_);
-  k::EmbeddingForward(b.ids.data(), params_.data(embed_), layer_inputs_[0].f32(), T, d);
+  numerics_.RefreshWeights(params_);
+  const LayerCtx ctx = MakeCtx(config_, params_, numerics_, b, cpb, &cp_, &cp_scratch_);
+  k::EmbeddingForward(b.ids.data(), ctx.Wt(embed_), layer_inputs_[0].f32(), T, d);
   for (int64_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),
                                  layer_inputs_[(i + 1) % 2].f32()));

@@ -13,6 +13,8 @@
 // mode chosen per layer type (cp/cp_attention.h) and everything else stays token-local. Losses
 // and gradients are this rank's part: the caller sums them over the group (the trainer's
 // all-reduce). Without SetCp (or cp = 1) the model never communicates.
+// Numerics (numerics.h): exact fp32 by default; SetNumerics() makes the model emulate the CUDA
+// engine's bf16 storage and, with an FP8 recipe, FP8 inputs to the blocks' linear layers.
 // Not thread-safe (kernels parallelise internally with OpenMP).
 #pragma once
 
@@ -28,6 +30,7 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cp/cp_attention.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/numerics.h"
 #include "worker/engine/params.h"
 #include "worker/engine/recompute.h"
 #include "worker/engine/tensor.h"
@@ -76,6 +79,10 @@ class Model {
   // Loss only (evaluation); no gradients, no saved activations beyond one layer.
   LossStats Forward(const Batch& batch);
 
+  // The number formats of every later pass (the default: exact fp32).
+  void SetNumerics(const Numerics& numerics);
+  const Numerics& numerics() const { return numerics_.numerics(); }
+
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).
   void SetCp(const CpContext& cp) { cp_ = cp; }
   // This rank's share of a sequence. Errors are the communicator's (a peer failed).
@@ -110,6 +117,7 @@ class Model {
   Tensor hf_, rstd_f_, dhf_, logits_, dx_;
   CpContext cp_;
   CpScratch cp_scratch_;
+  NumericsEmulator numerics_;
 };
 
 }  // namespace spindle

@@ -68,6 +68,14 @@ class StepBackend {
     return absl::FailedPreconditionError(
         "trainer: train.offload needs a backend with device memory of its own");
   }
+  // train.precision (never "fp32", which the job spec keeps off devices): "auto" and "bf16" are a
+  // backend's own bf16 storage; a backend without FP8 GEMMs refuses "fp8".
+  virtual absl::Status SetPrecision(TrainPrecision precision) {
+    if (precision != TrainPrecision::kFp8) return absl::OkStatus();
+    return absl::UnimplementedError(
+        "trainer: train.precision \"fp8\": this device backend has no FP8 GEMMs yet; use "
+        "\"auto\" or \"bf16\" on the device, or resources \"cpu\", which emulates FP8");
+  }
   // Sum of squared device gradients.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
   // The job's optimizer (spec.optimizer, as the CPU Optimizer: AdamW with decay on matrices only,

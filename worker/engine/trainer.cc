@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   if (on_device) {
     ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
     RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
+    RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
   }
   if (o.world > 1) {
     if (!o.store)
@@ -126,6 +127,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_));
     t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla, t->ulysses_comm_.get(),
                       t->ring_comm_.get(), payload});
+    t->model_->SetNumerics(CpuNumerics(spec.train.precision));
   }
   ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
@@ -293,6 +295,7 @@ absl::Status Trainer::Run() {
         {"params", spec.model.NumParams()},
         {"seq_len", spec.seq_len},
         {"recompute_layers", recompute_.layers},
+        {"precision", std::string(TrainPrecisionName(spec.train.precision))},
         {"collectives", device_world_comm_ ? device_world_comm_->backend()
                         : world_comm_      ? world_comm_->backend()
                                            : "none"}});
@@ -521,11 +524,13 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
   std::unique_ptr<StepBackend> backend;
   if (device) {
     ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed, /*cp=*/1));
+    RETURN_IF_ERROR(backend->SetPrecision(spec.train.precision));
     RETURN_IF_ERROR(
         LoadCheckpoint(checkpoint, backend->host_params(), nullptr, spec.model).status());
     RETURN_IF_ERROR(backend->UploadParams());
   } else {
     ASSIGN_OR_RETURN(model, Model::Create(spec.model, spec.train.seed));
+    model->SetNumerics(CpuNumerics(spec.train.precision));
     RETURN_IF_ERROR(LoadCheckpoint(checkpoint, model->params(), nullptr, spec.model).status());
   }
   auto forward = [&](const Batch& b) -> absl::StatusOr<LossStats> {

@@ -19,6 +19,10 @@
 // of its replica's sequences, their model FLOPs by ModelConfig::TrainFlops with attention counted
 // within documents), so a job's are the sum over its ranks.
 //
+// train.precision: the CPU model runs the numerics CpuNumerics() gives (fp32, or the emulated bf16
+// storage and FP8 inputs of numerics.h); a device backend is handed it (SetPrecision) and refuses
+// what it does not run. The start event names it ("precision").
+//
 // GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
 // TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
 // weights). The step's arithmetic is the CPU path's: gradients of (1 / the step's valid targets) x

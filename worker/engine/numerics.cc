@@ -1,0 +1,118 @@
+// The CPU model's emulated number formats: weight working copies, FP8 GEMM inputs and bf16
+// stores (see numerics.h).
+#include "worker/engine/numerics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "kernels/cpu/bf16.h"
+
+namespace spindle {
+
+namespace k = kernels::cpu;
+
+Numerics CpuNumerics(TrainPrecision precision) {
+  Numerics n;
+  switch (precision) {
+    case TrainPrecision::kAuto:
+    case TrainPrecision::kFp32:
+      break;
+    case TrainPrecision::kBf16:
+      n.bf16_storage = true;
+      break;
+    case TrainPrecision::kFp8:
+      n.bf16_storage = true;
+      n.fp8 = k::Fp8Recipe{};
+      break;
+  }
+  return n;
+}
+
+void NumericsEmulator::Set(const Numerics& n, std::vector<int> linear_weights) {
+  n_ = n;
+  linear_ = std::move(linear_weights);
+  is_linear_.clear();
+  working_ = Tensor();
+  fp8_ = Tensor();
+}
+
+void NumericsEmulator::RefreshWeights(ParamSet& params) {
+  if (n_.exact()) return;
+  const int64_t total = params.numel();
+  const float* master = params.flat_data().f32();
+  if (n_.bf16_storage) {
+    if (working_.numel() != total) working_ = Tensor({total});
+    std::memcpy(working_.f32(), master, static_cast<size_t>(total) * sizeof(float));
+    k::RoundToBf16(working_.f32(), total);
+  }
+  if (n_.fp8) {
+    if (fp8_.numel() != total) fp8_ = Tensor::Zeros({total});
+    is_linear_.assign(static_cast<size_t>(params.size()), 0);
+    weight_inverse_scale_.assign(static_cast<size_t>(params.size()), 1.0f);
+    for (int i : linear_) {
+      const ParamInfo& p = params.info(i);
+      const k::Fp8Scale s =
+          k::QuantizeTensorwise(master + p.offset, p.numel, n_.fp8->weights, fp8_.f32() + p.offset);
+      is_linear_[i] = 1;
+      weight_inverse_scale_[i] = s.inverse;
+    }
+  }
+}
+
+const float* NumericsEmulator::Weight(ParamSet& params, int i) const {
+  if (!n_.bf16_storage) return params.data(i);
+  return working_.f32() + params.info(i).offset;
+}
+
+GemmOperand NumericsEmulator::LinearWeight(ParamSet& params, int i, bool fp8) const {
+  if (fp8 && n_.fp8 && static_cast<size_t>(i) < is_linear_.size() && is_linear_[i])
+    return {fp8_.f32() + params.info(i).offset, weight_inverse_scale_[i]};
+  return {Weight(params, i), 1.0f};
+}
+
+GemmOperand NumericsEmulator::Quantize(const float* const* parts, int count, int64_t n,
+                                       k::Fp8Format f, Fp8Copy& slot, GemmOperand* out) const {
+  if (slot.values.numel() < count * n) slot.values = Tensor({count * n});
+  float amax = 0.0f;
+  for (int i = 0; i < count; ++i) {
+    const float a = k::AbsMax(parts[i], n);
+    amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(amax, a);
+  }
+  const k::Fp8Scale s = k::TensorwiseScale(amax, f);
+  slot.inverse_scale = s.inverse;
+  for (int i = 0; i < count; ++i) {
+    k::QuantizeScaled(parts[i], n, s.scale, f, slot.values.f32() + i * n);
+    out[i] = {slot.values.f32() + i * n, s.inverse};
+  }
+  return out[0];
+}
+
+GemmOperand NumericsEmulator::Activation(const float* x, int64_t n, Fp8Copy& slot) const {
+  if (!n_.fp8) return {x, 1.0f};
+  GemmOperand op;
+  return Quantize(&x, 1, n, n_.fp8->activations, slot, &op);
+}
+
+GemmOperand NumericsEmulator::Gradient(const float* dy, int64_t n, Fp8Copy& slot) const {
+  if (!n_.fp8) return {dy, 1.0f};
+  GemmOperand op;
+  return Quantize(&dy, 1, n, n_.fp8->gradients, slot, &op);
+}
+
+void NumericsEmulator::JointGradients(const std::vector<const float*>& parts, int64_t n,
+                                      Fp8Copy& slot, std::vector<GemmOperand>* out) const {
+  out->resize(parts.size());
+  if (!n_.fp8) {
+    for (size_t i = 0; i < parts.size(); ++i) (*out)[i] = {parts[i], 1.0f};
+    return;
+  }
+  Quantize(parts.data(), static_cast<int>(parts.size()), n, n_.fp8->gradients, slot, out->data());
+}
+
+void NumericsEmulator::Store(float* x, int64_t n) const {
+  if (n_.bf16_storage) k::RoundToBf16(x, n);
+}
+
+}  // namespace spindle

@@ -1,0 +1,103 @@
+// Numerics: the number formats the CPU model emulates (train.precision), and the one place where
+// the model's tensors are rounded to them.
+//
+// bf16 storage: wherever the CUDA engine (cuda/cuda_model.cc) stores a tensor in bf16 (the
+// residual stream and its gradient, every norm, projection, attention and FFN activation and
+// activation gradient, the logits and their gradient, and the working copy of every weight), the
+// CPU model rounds the fp32 tensor it has just produced to the nearest bf16 (Store, Weight). What
+// the CUDA engine keeps in fp32 stays fp32 here: master weights, weight gradients, optimizer
+// state, norm statistics (rstd), attention log-sum-exp, Lightning states, GEMM accumulation.
+// Kernel-internal roundings (cuDNN's bf16 probabilities, a fused kernel's order of operations)
+// are not emulated.
+//
+// FP8 (an Fp8Recipe): the blocks' linear layers (every projection of a layer; not the embedding,
+// the LM head or the attention cores) multiply FP8 inputs: the activation x and weight W in the
+// forward, the output gradient dy with the same W and x in the backward, each quantized with its
+// own tensorwise scale and multiplied as codes, the inverse scales applied to the fp32
+// accumulator (GemmOperand) as cuBLASLt does. Activations are quantized where the GPU fuses the
+// cast into the producing kernel, from its fp32 result before any bf16 store: the RMSNorm
+// outputs (attention and FFN norms, MLA's q_a and kv norms), SwiGLU's output and the Lightning
+// group norm + gate output; MLA's attention output, which no kernel of ours produces, from its
+// stored bf16. Output gradients are quantized from their stored bf16 values; weights from the
+// fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each optimizer step
+// produces). Not thread-safe; one per model.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "common/job_spec.h"
+#include "kernels/cpu/fp8.h"
+#include "worker/engine/params.h"
+#include "worker/engine/tensor.h"
+
+namespace spindle {
+
+struct Numerics {
+  bool bf16_storage = false;                   // round to bf16 where the CUDA engine stores bf16
+  std::optional<kernels::cpu::Fp8Recipe> fp8;  // the blocks' linear layers on FP8 inputs
+  bool exact() const { return !bf16_storage && !fp8.has_value(); }
+};
+
+// The CPU model's numerics for a job's train.precision: "auto" and "fp32": exact fp32; "bf16":
+// bf16 storage; "fp8": bf16 storage and the default Fp8Recipe, as the GPU's fp8 job stores bf16
+// around its FP8 GEMMs.
+Numerics CpuNumerics(TrainPrecision precision);
+
+// One input of a GEMM: the values it multiplies and the factor its products carry (an FP8
+// tensor's inverse scale, its values then being FP8 codes held as fp32; 1 otherwise).
+struct GemmOperand {
+  const float* values = nullptr;
+  float inverse_scale = 1.0f;
+  // The operand starting `elements` further into the same tensor (same scale).
+  GemmOperand At(int64_t elements) const { return {values + elements, inverse_scale}; }
+};
+
+// The FP8 values of a tensor, kept while its GEMMs need them.
+struct Fp8Copy {
+  Tensor values;
+  float inverse_scale = 1.0f;
+};
+
+class NumericsEmulator {
+ public:
+  // `linear_weights`: the parameters that are the blocks' linear layers' weights.
+  void Set(const Numerics& n, std::vector<int> linear_weights);
+  const Numerics& numerics() const { return n_; }
+
+  // Rebuilds the weights' working copies from the masters in `params` (call before each pass;
+  // nothing to do for exact numerics).
+  void RefreshWeights(ParamSet& params);
+  // The working copy of parameter i (bf16-rounded with bf16 storage, else the master).
+  const float* Weight(ParamSet& params, int i) const;
+  // Parameter i as a GEMM input: its FP8 copy when FP8 applies to it, else Weight(). `fp8`
+  // false: the working copy even under FP8 (a GEMM the recipe does not cover).
+  GemmOperand LinearWeight(ParamSet& params, int i, bool fp8 = true) const;
+
+  // x [n] as an activation GEMM input: quantized into `slot` under FP8, else x itself.
+  GemmOperand Activation(const float* x, int64_t n, Fp8Copy& slot) const;
+  // dy [n] as an output-gradient GEMM input: quantized into `slot` under FP8, else dy itself.
+  GemmOperand Gradient(const float* dy, int64_t n, Fp8Copy& slot) const;
+  // Several output gradients [n each] quantized as one tensor (one scale), as the GPU holds the
+  // Lightning q, k and v gradients in one [T, 3d] buffer: out[i] is parts[i]'s operand.
+  void JointGradients(const std::vector<const float*>& parts, int64_t n, Fp8Copy& slot,
+                      std::vector<GemmOperand>* out) const;
+
+  // A tensor [n] just produced, as the CUDA engine stores it: bf16-rounded in place with bf16
+  // storage, else left as is.
+  void Store(float* x, int64_t n) const;
+
+ private:
+  GemmOperand Quantize(const float* const* parts, int count, int64_t n, kernels::cpu::Fp8Format f,
+                       Fp8Copy& slot, GemmOperand* out) const;
+
+  Numerics n_;
+  std::vector<int> linear_;
+  std::vector<char> is_linear_;              // by parameter index, after RefreshWeights
+  std::vector<float> weight_inverse_scale_;  // by parameter index (FP8)
+  Tensor working_;                           // [params.numel()]: bf16 copies (bf16 storage)
+  Tensor fp8_;  // [params.numel()]: FP8 codes of the linear weights (FP8)
+};
+
+}  // namespace spindle
