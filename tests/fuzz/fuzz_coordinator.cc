@@ -67,7 +67,7 @@ enum Op : uint8_t {
 // Accepts every message; the manager's sends go nowhere.
 class DropChannel : public WorkerChannel {
  public:
-  bool Send(const std::string&, const v1::CoordinatorMessage&) override { return true; }
+  bool Send(const std::string&, const WorkerCommand&) override { return true; }
 };
 
 std::string g_dir;
