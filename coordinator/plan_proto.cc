@@ -134,6 +134,7 @@ void PlanFromProto(const v1::Plan& p, CpPlan* out) {
   e.workspace_bytes = m.workspace_bytes();
   e.runtime_bytes = m.runtime_bytes();
   e.host_bytes = m.host_bytes();
+  e.precision_bytes = m.precision_bytes();
   e.total_bytes = m.total_bytes();
   e.device_memory_bytes = m.device_memory_bytes();
   e.recompute_layers = m.recompute_layers();
