@@ -42,6 +42,13 @@ struct DataSpec {
   int64_t recall_gap = 1024;
 };
 
+// The document length that counts a synthetic source's attention work, E[D^2] / E[D] over its
+// documents D (a token sees span / 2 earlier keys of its document on average), from the
+// generator's formats (worker/engine/data.cc): recall documents are 4 pairs + gap + 3 tokens, copy
+// documents 2 m + 2 with m uniform in [gap / 2, gap] (at least 8). 0 for files (the planner does
+// not read them).
+double SyntheticAttentionSpan(const DataSpec& d);
+
 // How a layer type runs under context parallelism (DESIGN.md section 3). kRing is MLA's only;
 // kHybrid is Ulysses over groups of parallel.ulysses ranks combined with Ring (MLA) or with the
 // AllGather of chunk states (Lightning) across the groups. kAuto and kFastest exist only in specs:

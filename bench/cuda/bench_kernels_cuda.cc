@@ -4,12 +4,14 @@
 // forward + backward at T=32K, H=16, Dh=128 over several launch configurations, and cuDNN causal
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
 // Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--lightning-row N]
-//                           [--cp-pieces] [--step-gemms] [--gemm-candidates]
+//                           [--cp-pieces] [--causal-vs-full] [--step-gemms] [--gemm-candidates]
 //   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
 //   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
 //   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
 //   attention each rank runs under cp = 2 at 64K tokens, All2All against AllGather's causal and
-//   full pieces; --step-gemms: every GEMM shape of the 1b training step at T = 32K in each of its
+//   full pieces; --causal-vs-full: cuDNN's causal graph against the unmasked (non-causal) one,
+//   forward and backward apart, at H=16, Dqk=192, Dv=128 and T = 4K to 32K, per useful FLOP (a
+//   Ring's diagonal block against its off-diagonal ones); --step-gemms: every GEMM shape of the 1b training step at T = 32K in each of its
 //   three roles (forward, input gradient, fp32 weight gradient), with the step's count of each and
 //   the alternatives that would change it (merged projections, the weight gradient without beta);
 //   --gemm-candidates: the step's large GEMMs with each algorithm cuBLASLt offers, timed under
@@ -293,7 +295,7 @@ int StepGemms(bool candidates) {
 
 int main(int argc, char** argv) {
   bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false,
-       step_gemms = false, gemm_candidates = false;
+       causal_vs_full = false, step_gemms = false, gemm_candidates = false;
   int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
@@ -303,6 +305,7 @@ int main(int argc, char** argv) {
     quick |= std::strcmp(argv[i], "--quick") == 0;
     sdpa_only |= std::strcmp(argv[i], "--sdpa-only") == 0;
     cp_pieces |= std::strcmp(argv[i], "--cp-pieces") == 0;
+    causal_vs_full |= std::strcmp(argv[i], "--causal-vs-full") == 0;
     step_gemms |= std::strcmp(argv[i], "--step-gemms") == 0;
     gemm_candidates |= std::strcmp(argv[i], "--gemm-candidates") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
@@ -332,6 +335,60 @@ int main(int argc, char** argv) {
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),
               std::string(10, '-').c_str(), std::string(9, '-').c_str(),
               std::string(10, '-').c_str());
+
+  // ---- cuDNN causal against unmasked attention, forward and backward apart ---------------------
+  // A Ring's diagonal block is causal (T^2 / 2 pairs), its off-diagonal blocks unmasked (T^2).
+  // TFLOP/s count the pairs each graph computes: 2 (Dqk + Dv) per pair forward, 2.5x that
+  // backward (dS, dP, dQ, dK, dV: five GEMMs against the forward's two).
+  if (causal_vs_full) {
+    const int64_t H = 16, Dqk = 192, Dv = 128, Tmax = 32768;
+    Buf q(Tmax * H * Dqk, kBf16), k(Tmax * H * Dqk, kBf16), v(Tmax * H * Dv, kBf16),
+        o(Tmax * H * Dv, kBf16), dout(Tmax * H * Dv, kBf16), dq(Tmax * H * Dqk, kBf16),
+        dk(Tmax * H * Dqk, kBf16), dv(Tmax * H * Dv, kBf16),
+        stats(Tmax * H, cu::DType::kFloat32);
+    std::unique_ptr<cu::Sdpa> sdpa;
+    Check(cu::Sdpa::Create(&sdpa), "Sdpa::Create");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
+    for (int64_t T : {int64_t{4096}, int64_t{8192}, int64_t{16384}, int64_t{32768}}) {
+      cu::SdpaDims d;
+      d.T = T, d.Tkv = T, d.H = H, d.Dqk = Dqk, d.Dv = Dv;
+      const int32_t cu_h[2] = {0, static_cast<int32_t>(T)};
+      const double fwd_pair = 2.0 * (Dqk + Dv) * H, bwd_pair = 2.5 * fwd_pair;
+      const double causal_pairs = static_cast<double>(T) * T / 2, full_pairs = 2 * causal_pairs;
+      auto causal_fwd = [&] {
+        Check(sdpa->Forward(q.p, k.p, v.p, o.p, stats.as<float>(), cu_h, 1, scale, d, kBf16, 0),
+              "causal fwd");
+      };
+      auto full_fwd = [&] {
+        Check(sdpa->ForwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), scale, d, kBf16, 0),
+              "full fwd");
+      };
+      const std::string t = std::to_string(T / 1024) + "K";
+      causal_fwd();
+      Row("causal fwd " + t, TimeMs(causal_fwd, 10, 2), 0, causal_pairs * fwd_pair);
+      Row("causal bwd " + t,
+          TimeMs(
+              [&] {
+                Check(sdpa->Backward(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p, dk.p,
+                                     dv.p, cu_h, 1, scale, d, kBf16, 0),
+                      "causal bwd");
+              },
+              10, 2),
+          0, causal_pairs * bwd_pair);
+      full_fwd();
+      Row("full fwd " + t + " x " + t, TimeMs(full_fwd, 10, 2), 0, full_pairs * fwd_pair);
+      Row("full bwd " + t + " x " + t,
+          TimeMs(
+              [&] {
+                Check(sdpa->BackwardFull(q.p, k.p, v.p, o.p, stats.as<float>(), dout.p, dq.p,
+                                         dk.p, dv.p, scale, d, kBf16, 0),
+                      "full bwd");
+              },
+              10, 2),
+          0, full_pairs * bwd_pair);
+    }
+    return 0;
+  }
 
   // ---- MLA attention under CP = 2, one document of 64K tokens: what each rank runs -------------
   // All2All: causal attention over all 64K tokens for 8 of the 16 heads. AllGather (chunks of

@@ -15,6 +15,7 @@ for bin in tests/cuda/kernels_cuda_test tests/cuda/nccl_comm_test tests/cuda/eng
            tests/cuda/cluster_cuda_test \
            bench/cuda/bench_kernels_cuda \
            bench/cuda/bench_model_cuda bench/cuda/bench_cp_cuda worker/spindle-train \
+           bench/bench_cost_model \
            worker/spindle-worker coordinator/spindle-coordinator cli/spindle; do
   if [ -x "$build/$bin" ]; then
     strip -o "$out/$(basename "$bin")" "$build/$bin"

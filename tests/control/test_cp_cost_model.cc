@@ -3,6 +3,7 @@
 // of a device, overlap hides what it should, candidates cover every mode the heads allow, and the
 // plan marks the rule's pick and the fastest, warns when the rule is 20% slower, honours a forced
 // mode and resolves "fastest".
+#include <cmath>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -95,12 +96,45 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
   EXPECT_NEAR(model.Estimate(s, shared, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
                   .step_s(),
               base * 2, base * 1e-6);
+  // Rates that grow as the square root of the threads lose a factor sqrt(2) to halved cores.
+  for (double* a : {&shared.rates.gemm_scaling, &shared.rates.attention_scaling,
+                    &shared.rates.lightning_scaling, &shared.rates.memory_scaling})
+    *a = 0.5;
+  EXPECT_NEAR(model.Estimate(s, shared, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
+                  .step_s(),
+              base * std::sqrt(2.0), base * 1e-6);
   // Recomputing every layer costs a forward more: more than nothing, less than a second step.
   const double recompute =
       model.Estimate(s, t, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 8).step_s();
   EXPECT_GT(recompute, base * 1.1);
   EXPECT_LT(recompute, base * 1.5);
   EXPECT_GT(one.step_s(), 0);
+}
+
+// Attention counts the pairs within the source's documents: a synthetic source's known span, or
+// one document as long as the sequence for a file; at cp = 1 too.
+TEST(CpCostModel, AttentionCountsTheDocumentsOfTheSource) {
+  const CpCostModel model;
+  const Topology t = DefaultTopology("cpu");
+  // cp = 1 (local attention) and cp = 4 All2All (the heads split): compute is attention alone.
+  for (const auto& [cp, mode] : {std::pair{1, CpMode::kAllGather}, {4, CpMode::kAll2All}}) {
+    auto mla = [&](int64_t seq_len, bool from_file) {
+      JobSpec s = Spec("small", seq_len, cp, "cpu");
+      if (from_file) {
+        s.data.kind = DataKind::kTokens;
+        s.data.source = "tokens:/data/corpus.bin";
+      }
+      return model.EstimateLayers(s, t, "mla", {mode, 1}).compute_s;
+    };
+    const double span = SyntheticAttentionSpan(Spec("small", 32768, cp, "cpu").data);
+    ASSERT_GT(span, 1000);
+    EXPECT_GT(mla(32768, false), 0) << cp;
+    EXPECT_NEAR(mla(65536, false) / mla(32768, false), 2.0, 1e-9) << cp;  // linear
+    EXPECT_NEAR(mla(65536, true) / mla(32768, true), 4.0, 1e-9) << cp;    // quadratic
+    EXPECT_NEAR(mla(32768, true) / mla(32768, false), 32768.0 / span, 1e-6) << cp;
+    // A sequence shorter than the documents is one document either way.
+    EXPECT_DOUBLE_EQ(mla(512, true), mla(512, false)) << cp;
+  }
 }
 
 TEST(CpCostModel, OverlapHidesTheLightningStatesButNotAnAll2All) {

@@ -1,6 +1,8 @@
 // Sequence batches: targets, RoPE positions, document ids and segments of DESIGN.md section 2,
 // the attention pairs model FLOPs count, the zigzag share of each CP rank, and synthetic data
-// that is a pure function of (seed, index).
+// that is a pure function of (seed, index) and whose documents are as long as the planner's cost
+// model assumes.
+#include "common/job_spec.h"
 #include "common/model_config.h"
 #include "gtest/gtest.h"
 #include "worker/engine/batch.h"
@@ -85,6 +87,35 @@ TEST(BatchTest, SyntheticDataIsAFunctionOfSeedAndIndex) {
     EXPECT_TRUE(found) << "answer at " << i;
   }
   EXPECT_GE(answers, 4);
+}
+
+// The cost model counts a synthetic source's attention as T span / 2 pairs
+// (SyntheticAttentionSpan, common/job_spec.h); the generator's documents must agree.
+TEST(BatchTest, SyntheticDocumentsSpanWhatThePlannerCounts) {
+  struct Case {
+    std::string task;
+    int64_t pairs, gap;
+  };
+  for (const Case& c : {Case{"recall", 8, 1024}, Case{"recall", 3, 40}, Case{"copy", 0, 1024},
+                        Case{"copy", 0, 9}}) {
+    DataSpec d;
+    d.task = c.task;
+    if (c.pairs > 0) d.recall_pairs = c.pairs;
+    d.recall_gap = c.gap;
+    const int64_t T = 65536;
+    auto src = OpenDataSource(d, T, 257, 11);
+    ASSERT_TRUE(src.ok()) << src.status();
+    double pairs = 0;
+    const int n = 4;
+    for (int i = 0; i < n; ++i)
+      pairs += AttentionPairs(MakeSequenceBatch((*src)->Sequence(i), (*src)->eos_id()));
+    const double counted = n * T * SyntheticAttentionSpan(d) / 2.0;
+    // The last document of each sequence is cut, and copy lengths are random: 3%.
+    EXPECT_NEAR(pairs / counted, 1.0, 0.03) << c.task << " gap " << c.gap;
+  }
+  DataSpec file;
+  file.kind = DataKind::kTokens;
+  EXPECT_EQ(SyntheticAttentionSpan(file), 0.0);
 }
 
 }  // namespace

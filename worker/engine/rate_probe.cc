@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <omp.h>
 #include <random>
 #include <vector>
 
@@ -49,10 +50,17 @@ nlohmann::json MeasuredRates::ToJson() const {
   return {{"gemm_flops", gemm_flops},
           {"attention_flops", attention_flops},
           {"lightning_flops", lightning_flops},
-          {"memory_bytes", memory_bytes}};
+          {"memory_bytes", memory_bytes},
+          {"gemm_scaling", gemm_scaling},
+          {"attention_scaling", attention_scaling},
+          {"lightning_scaling", lightning_scaling},
+          {"memory_scaling", memory_scaling}};
 }
 
-MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
+namespace {
+
+// The four rates on the OpenMP threads this process runs with now.
+MeasuredRates MeasureOnce(const ProbeShape& s, double seconds_each) {
   MeasuredRates r;
   const int64_t T = s.tokens, d = s.d_model, f = s.ffn_dim, H = s.heads, Dh = d / H;
   // The FLOPs counted as ModelConfig counts them, for these shapes.
@@ -121,6 +129,29 @@ MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
         },
         seconds_each);
     r.memory_bytes = 8.0 * static_cast<double>(T * f) * sizeof(float) / t;
+  }
+  return r;
+}
+
+// The exponent a of rate ~ threads^a through (1, one) and (threads, many), clamped to [0, 1.5].
+double Exponent(double one, double many, int threads) {
+  if (threads <= 1 || one <= 0 || many <= 0) return 1.0;
+  return std::clamp(std::log(many / one) / std::log(static_cast<double>(threads)), 0.0, 1.5);
+}
+
+}  // namespace
+
+MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
+  const int threads = omp_get_max_threads();
+  MeasuredRates r = MeasureOnce(s, seconds_each);
+  if (threads > 1) {
+    omp_set_num_threads(1);
+    const MeasuredRates one = MeasureOnce(s, seconds_each);
+    omp_set_num_threads(threads);
+    r.gemm_scaling = Exponent(one.gemm_flops, r.gemm_flops, threads);
+    r.attention_scaling = Exponent(one.attention_flops, r.attention_flops, threads);
+    r.lightning_scaling = Exponent(one.lightning_flops, r.lightning_flops, threads);
+    r.memory_scaling = Exponent(one.memory_bytes, r.memory_bytes, threads);
   }
   return r;
 }
