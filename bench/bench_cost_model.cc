@@ -130,10 +130,8 @@ int main(int argc, char** argv) {
       for (absl::string_view line : absl::StrSplit(probe->stdout_text, '\n')) {
         auto j = nlohmann::json::parse(line, nullptr, false);
         if (!j.is_object() || j.value("event", "") != "rates") continue;
-        topo.rates = {j.value("gemm_flops", 0.0),        j.value("attention_flops", 0.0),
-                      j.value("lightning_flops", 0.0),   j.value("memory_bytes", 0.0),
-                      j.value("gemm_scaling", 0.0),      j.value("attention_scaling", 0.0),
-                      j.value("lightning_scaling", 0.0), j.value("memory_scaling", 0.0)};
+        topo.rates = {j.value("gemm_flops", 0.0), j.value("attention_flops", 0.0),
+                      j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0)};
       }
       topo.link = spindle::LinkClass::kLoopback;
       topo.sharing = std::max(1.0, static_cast<double>(c.cp * threads) / cores);

@@ -3,7 +3,6 @@
 #include "coordinator/cp_cost_model.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/cp_modes.h"
@@ -53,11 +52,7 @@ struct Shape {
 constexpr double CpuDefaultGemm = 40e9, CpuDefaultAttention = 10e9, CpuDefaultLightning = 10e9,
                  CpuDefaultMemory = 4e9;
 
-// A rate under `sharing` ranks per device's worth of resources, growing as threads^scaling.
-double Rate(double r, double sharing, double scaling) {
-  if (r <= 0) return 0.0;
-  return r / std::pow(std::max(1.0, sharing), scaling > 0 ? scaling : 1.0);
-}
+double Rate(double r, double sharing) { return r > 0 ? r / std::max(1.0, sharing) : 0.0; }
 double Time(double work, double rate) { return rate > 0 ? work / rate : 0.0; }
 
 // Link time of `messages` messages carrying `bytes` in all.
@@ -169,7 +164,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
   double fwd = static_cast<double>(sent.forward), bwd = static_cast<double>(sent.backward);
   double exposed = 0, messages = 0, memory = 0;
   if (lightning) {
-    const double rate = Rate(topo.rates.lightning_flops, sh, topo.rates.lightning_scaling);
+    const double rate = Rate(topo.rates.lightning_flops, sh);
     const double core = Time(s.LightningFlopsPerToken() * s.T_loc, rate);  // fwd + bwd
     c.compute_s = core;
     const double state = 2.0 * s.H * s.Dh * s.Dh * 4.0;  // two fp32 states per rank (its chunks)
@@ -200,11 +195,11 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
     }
   } else if (n == 1) {  // local causal attention alone
     c.compute_s = Time(s.AttentionFlops(),
-                       Rate(topo.rates.attention_flops, sh, topo.rates.attention_scaling));
+                       Rate(topo.rates.attention_flops, sh));
   } else {
     fwd *= act, bwd *= act;
-    const double rate = Rate(topo.rates.attention_flops, sh, topo.rates.attention_scaling);
-    const double gemm = Rate(topo.rates.gemm_flops, sh, topo.rates.gemm_scaling);
+    const double rate = Rate(topo.rates.attention_flops, sh);
+    const double gemm = Rate(topo.rates.gemm_flops, sh);
     const double core = Time(s.AttentionFlops() / n, rate);  // zigzag: an equal share each
     c.compute_s = core;
     const double kv_block = s.T_loc * s.H * (s.qk + s.v) * s.B;  // K and V of T_loc tokens
@@ -273,7 +268,7 @@ StepCost CpCostModel::Estimate(const JobSpec& spec, const Topology& topo,
   const double per_layer = (non_embed - s.vocab * s.d) / std::max(1.0, s.L_L + s.L_M);
   const double R = static_cast<double>(std::clamp<int64_t>(recompute_layers, 0, c.n_layers));
   const double gemm_flops = s.T_loc * (6.0 * non_embed + 2.0 * R * per_layer);
-  double t = Time(gemm_flops, Rate(topo.rates.gemm_flops, sh, topo.rates.gemm_scaling));
+  double t = Time(gemm_flops, Rate(topo.rates.gemm_flops, sh));
   const double la_share = s.L_L > 0 ? R * s.L_L / (s.L_L + s.L_M) : 0.0;
   const double mla_share = R - la_share;
   if (s.L_L > 0) t += out.lightning.compute_s / (s.m * s.L_L) * la_share / 3.0;
@@ -283,14 +278,14 @@ StepCost CpCostModel::Estimate(const JobSpec& spec, const Topology& topo,
   // about 48 d + 9 f elements moved; the loss reads and writes the logits three times (fp32).
   const double elems = (s.L_L + s.L_M) * (48.0 * s.d + 9.0 * s.f);
   const double mem_bytes = s.T_loc * (elems * s.B + 3.0 * 2.0 * s.vocab * 4.0);
-  t += Time(mem_bytes, Rate(topo.rates.memory_bytes, sh, topo.rates.memory_scaling));
+  t += Time(mem_bytes, Rate(topo.rates.memory_bytes, sh));
   t *= s.m;
   // The optimizer once per step: AdamW reads p, g, m, v and writes p, m, v (fp32), SGD p, g
   // (and its momentum); the gradients are zeroed; a GPU also writes the bf16 working copy.
   const bool adam = spec.train.optimizer == "adamw";
   double opt_bytes = P * ((adam ? 28.0 : (spec.train.momentum > 0 ? 20.0 : 12.0)) + 4.0);
   if (spec.resources == "cuda") opt_bytes += 2.0 * P;
-  t += Time(opt_bytes, Rate(topo.rates.memory_bytes, sh, topo.rates.memory_scaling));
+  t += Time(opt_bytes, Rate(topo.rates.memory_bytes, sh));
   // Gradient all-reduce over the world (ring: 2 (W-1)/W of the fp32 gradients), bucketed and
   // overlapped with the backward: what is left after the backward ends shows, and at least the
   // last bucket (a layer's).

@@ -6,8 +6,8 @@
 //     files, the worst case: the planner does not read them), of the chunked Lightning kernel,
 //     and the bytes of the memory-bound kernels (norms, SwiGLU, residuals, the optimizer);
 //   - the device's measured rates (DeviceRates: GEMM, attention and Lightning FLOP/s and memory
-//     bandwidth, for one rank alone on it, and how each grows with threads), shared by the
-//     ranks that share the device's cores or GPU;
+//     bandwidth, for one rank alone on it), shared by the ranks that share the device's
+//     cores or GPU;
 //   - what each mode sends (bytes per collective, per layer, forward and backward) over the
 //     link class that joins the CP group (LinkClass: the same GPU, NVLink, PCIe, loopback TCP
 //     on one host, the network), at that link's bandwidth and per-message latency;
@@ -31,10 +31,6 @@ struct DeviceRates {
   double attention_flops = 0;  // causal softmax attention forward + backward
   double lightning_flops = 0;  // the chunked Lightning kernel forward + backward
   double memory_bytes = 0;     // streaming elementwise kernels
-  // Each rate ~ threads^scaling between one thread and the rank's (1: linear, what a rank on a
-  // shared GPU sees; 0: unknown, taken as 1): ranks sharing a host's cores beyond what it has
-  // get rate / sharing^scaling, as each rank's threads then run on cores / ranks cores.
-  double gemm_scaling = 1, attention_scaling = 1, lightning_scaling = 1, memory_scaling = 1;
   bool known() const {
     return gemm_flops > 0 && attention_flops > 0 && lightning_flops > 0 && memory_bytes > 0;
   }
@@ -59,7 +55,7 @@ struct Topology {
   LinkClass link = LinkClass::kLoopback;
   LinkRates link_rates;       // of `link`
   // Ranks whose compute shares one device's resources (CPU ranks on the cores of one host beyond
-  // what the cores hold, or ranks on one GPU): each gets rate / sharing^scaling of each rate.
+  // what the cores hold, or ranks on one GPU): each gets 1 / sharing of the rates.
   double sharing = 1.0;
   std::string basis;  // what the rates and link are, in words (the plan shows it)
 };

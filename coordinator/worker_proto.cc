@@ -28,9 +28,7 @@ std::vector<RunningRankReport> RunningFromProto(
 DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
   DeviceOffer d{g.kind(), g.name(), g.count(), g.memory_bytes(), g.host_memory_bytes()};
   const v1::DeviceRates& r = g.rates();
-  d.rates = {r.gemm_flops(),    r.attention_flops(),   r.lightning_flops(),
-             r.memory_bytes(),  r.gemm_scaling(),      r.attention_scaling(),
-             r.lightning_scaling(), r.memory_scaling()};
+  d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes()};
   d.link = g.link();
   d.cores = g.cores();
   d.threads_per_rank = g.threads_per_rank();
@@ -48,10 +46,6 @@ void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
   r->set_attention_flops(d.rates.attention_flops);
   r->set_lightning_flops(d.rates.lightning_flops);
   r->set_memory_bytes(d.rates.memory_bytes);
-  r->set_gemm_scaling(d.rates.gemm_scaling);
-  r->set_attention_scaling(d.rates.attention_scaling);
-  r->set_lightning_scaling(d.rates.lightning_scaling);
-  r->set_memory_scaling(d.rates.memory_scaling);
   g->set_link(d.link);
   g->set_cores(d.cores);
   g->set_threads_per_rank(d.threads_per_rank);

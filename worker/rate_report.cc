@@ -32,10 +32,6 @@ absl::Status ReportRates(const std::string& trainer_binary, int threads_per_rank
     r->set_attention_flops(j.value("attention_flops", 0.0));
     r->set_lightning_flops(j.value("lightning_flops", 0.0));
     r->set_memory_bytes(j.value("memory_bytes", 0.0));
-    r->set_gemm_scaling(j.value("gemm_scaling", 0.0));
-    r->set_attention_scaling(j.value("attention_scaling", 0.0));
-    r->set_lightning_scaling(j.value("lightning_scaling", 0.0));
-    r->set_memory_scaling(j.value("memory_scaling", 0.0));
     return absl::OkStatus();
   }
   return absl::InternalError("rate probe printed no rates line");

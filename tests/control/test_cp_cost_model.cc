@@ -3,7 +3,6 @@
 // of a device, overlap hides what it should, candidates cover every mode the heads allow, and the
 // plan marks the rule's pick and the fastest, warns when the rule is 20% slower, honours a forced
 // mode and resolves "fastest".
-#include <cmath>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -96,13 +95,6 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
   EXPECT_NEAR(model.Estimate(s, shared, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
                   .step_s(),
               base * 2, base * 1e-6);
-  // Rates that grow as the square root of the threads lose a factor sqrt(2) to halved cores.
-  for (double* a : {&shared.rates.gemm_scaling, &shared.rates.attention_scaling,
-                    &shared.rates.lightning_scaling, &shared.rates.memory_scaling})
-    *a = 0.5;
-  EXPECT_NEAR(model.Estimate(s, shared, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 0)
-                  .step_s(),
-              base * std::sqrt(2.0), base * 1e-6);
   // Recomputing every layer costs a forward more: more than nothing, less than a second step.
   const double recompute =
       model.Estimate(s, t, {CpMode::kAllGather, 1}, {CpMode::kAllGather, 1}, 8).step_s();

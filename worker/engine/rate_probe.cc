@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
-#include <omp.h>
 #include <random>
 #include <vector>
 
@@ -27,13 +26,16 @@ std::vector<float> Random(int64_t n, uint32_t seed) {
   return x;
 }
 
-// Seconds of the fastest of the runs of `f` made within `budget` seconds (at least two), after
-// one warm-up run.
+// Seconds of the fastest of the runs of `f` made within `budget` seconds (at least three), after
+// warm-up runs for a fifth of the budget (at least one: the thread pool, the pages and the clock
+// settle first; a single warm-up left the first kernel measured up to 2x slow).
 double Fastest(const std::function<void()>& f, double budget) {
   using Clock = std::chrono::steady_clock;
-  f();
+  for (auto w0 = Clock::now();
+       std::chrono::duration<double>(Clock::now() - w0).count() < budget / 5;)
+    f();
   double best = 1e30, spent = 0;
-  for (int i = 0; i < 2 || spent < budget; ++i) {
+  for (int i = 0; i < 3 || spent < budget; ++i) {
     const auto t0 = Clock::now();
     f();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -50,17 +52,10 @@ nlohmann::json MeasuredRates::ToJson() const {
   return {{"gemm_flops", gemm_flops},
           {"attention_flops", attention_flops},
           {"lightning_flops", lightning_flops},
-          {"memory_bytes", memory_bytes},
-          {"gemm_scaling", gemm_scaling},
-          {"attention_scaling", attention_scaling},
-          {"lightning_scaling", lightning_scaling},
-          {"memory_scaling", memory_scaling}};
+          {"memory_bytes", memory_bytes}};
 }
 
-namespace {
-
-// The four rates on the OpenMP threads this process runs with now.
-MeasuredRates MeasureOnce(const ProbeShape& s, double seconds_each) {
+MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
   MeasuredRates r;
   const int64_t T = s.tokens, d = s.d_model, f = s.ffn_dim, H = s.heads, Dh = d / H;
   // The FLOPs counted as ModelConfig counts them, for these shapes.
@@ -129,29 +124,6 @@ MeasuredRates MeasureOnce(const ProbeShape& s, double seconds_each) {
         },
         seconds_each);
     r.memory_bytes = 8.0 * static_cast<double>(T * f) * sizeof(float) / t;
-  }
-  return r;
-}
-
-// The exponent a of rate ~ threads^a through (1, one) and (threads, many), clamped to [0, 1.5].
-double Exponent(double one, double many, int threads) {
-  if (threads <= 1 || one <= 0 || many <= 0) return 1.0;
-  return std::clamp(std::log(many / one) / std::log(static_cast<double>(threads)), 0.0, 1.5);
-}
-
-}  // namespace
-
-MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
-  const int threads = omp_get_max_threads();
-  MeasuredRates r = MeasureOnce(s, seconds_each);
-  if (threads > 1) {
-    omp_set_num_threads(1);
-    const MeasuredRates one = MeasureOnce(s, seconds_each);
-    omp_set_num_threads(threads);
-    r.gemm_scaling = Exponent(one.gemm_flops, r.gemm_flops, threads);
-    r.attention_scaling = Exponent(one.attention_flops, r.attention_flops, threads);
-    r.lightning_scaling = Exponent(one.lightning_flops, r.lightning_flops, threads);
-    r.memory_scaling = Exponent(one.memory_bytes, r.memory_bytes, threads);
   }
   return r;
 }

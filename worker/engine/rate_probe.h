@@ -2,9 +2,8 @@
 // (coordinator/cp_cost_model.h): dense GEMM, causal softmax attention and chunked Lightning FLOP/s
 // (forward + backward, counted as ModelConfig::TrainFlops counts them) and the bandwidth of a
 // streaming elementwise kernel, at the shapes of `ProbeShape` on the OpenMP threads this process
-// runs with, and again on one thread for how each rate grows with threads. Each kernel runs until
-// `seconds_each` has passed (at least twice) after a warm-up; the fastest run counts. Not
-// thread-safe (it uses every OpenMP thread and sets their number while it runs).
+// runs with. Each kernel runs until `seconds_each` has passed (at least three times) after a
+// warm-up; the fastest run counts. Not thread-safe (it uses every OpenMP thread).
 #pragma once
 
 #include <cstdint>
@@ -27,11 +26,9 @@ struct MeasuredRates {
   double attention_flops = 0;
   double lightning_flops = 0;
   double memory_bytes = 0;
-  // rate ~ threads^scaling between one thread and this process's threads (1 when it runs one).
-  double gemm_scaling = 1, attention_scaling = 1, lightning_scaling = 1, memory_scaling = 1;
   nlohmann::json ToJson() const;
 };
 
-MeasuredRates MeasureCpuRates(const ProbeShape& shape, double seconds_each = 0.05);
+MeasuredRates MeasureCpuRates(const ProbeShape& shape, double seconds_each = 0.25);
 
 }  // namespace spindle
