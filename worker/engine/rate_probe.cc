@@ -26,16 +26,13 @@ std::vector<float> Random(int64_t n, uint32_t seed) {
   return x;
 }
 
-// Seconds of the fastest of the runs of `f` made within `budget` seconds (at least three), after
-// warm-up runs for a fifth of the budget (at least one: the thread pool, the pages and the clock
-// settle first; a single warm-up left the first kernel measured up to 2x slow).
+// Seconds of the fastest of the runs of `f` made within `budget` seconds (at least two), after
+// one warm-up run.
 double Fastest(const std::function<void()>& f, double budget) {
   using Clock = std::chrono::steady_clock;
-  for (auto w0 = Clock::now();
-       std::chrono::duration<double>(Clock::now() - w0).count() < budget / 5;)
-    f();
+  f();
   double best = 1e30, spent = 0;
-  for (int i = 0; i < 3 || spent < budget; ++i) {
+  for (int i = 0; i < 2 || spent < budget; ++i) {
     const auto t0 = Clock::now();
     f();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();

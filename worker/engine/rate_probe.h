@@ -1,9 +1,9 @@
 // Rate probe: what this process's CPU kernels achieve, for the planner's cost model
-// (coordinator/cp_cost_model.h): dense GEMM, causal softmax attention and chunked Lightning FLOP/s
+// (planner/cp_cost_model.h): dense GEMM, causal softmax attention and chunked Lightning FLOP/s
 // (forward + backward, counted as ModelConfig::TrainFlops counts them) and the bandwidth of a
 // streaming elementwise kernel, at the shapes of `ProbeShape` on the OpenMP threads this process
-// runs with. Each kernel runs until `seconds_each` has passed (at least three times) after a
-// warm-up; the fastest run counts. Not thread-safe (it uses every OpenMP thread).
+// runs with. Each kernel runs until `seconds_each` has passed (at least twice) after a warm-up;
+// the fastest run counts. Not thread-safe (it uses every OpenMP thread).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,6 @@ struct MeasuredRates {
   nlohmann::json ToJson() const;
 };
 
-MeasuredRates MeasureCpuRates(const ProbeShape& shape, double seconds_each = 0.25);
+MeasuredRates MeasureCpuRates(const ProbeShape& shape, double seconds_each = 0.05);
 
 }  // namespace spindle
