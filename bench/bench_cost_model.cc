@@ -1,4 +1,4 @@
-// bench_cost_model: the planner's cost model (coordinator/cp_cost_model.h) against measured step
+// bench_cost_model: the planner's cost model (planner/cp_cost_model.h) against measured step
 // times on this machine. For each configuration it runs the job's cp ranks as spindle-train
 // processes over Gloo on 127.0.0.1 (a file store), takes the median step time of the steps after
 // the first two, and prints it beside the estimate:
@@ -27,7 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "common/job_spec.h"
 #include "common/subprocess.h"
-#include "coordinator/cp_cost_model.h"
+#include "planner/cp_cost_model.h"
 #include "nlohmann/json.hpp"
 
 namespace {

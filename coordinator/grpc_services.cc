@@ -12,7 +12,7 @@
 #include "common/host_port.h"
 #include "coordinator/job_pages.h"
 #include "coordinator/job_proto.h"
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 #include "coordinator/worker_proto.h"
 
 namespace spindle {

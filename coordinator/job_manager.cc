@@ -21,7 +21,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "coordinator/job_pages.h"
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 #include "coordinator/scheduler.h"
 
 namespace spindle {

@@ -45,7 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/clock.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "coordinator/health_monitor.h"
 #include "coordinator/job_index.h"
 #include "coordinator/job_store.h"

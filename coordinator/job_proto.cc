@@ -1,7 +1,7 @@
 // JobView -> spindle.v1.Job (see job_proto.h).
 #include "coordinator/job_proto.h"
 
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 #include "spindle/v1/job.pb.h"
 
 namespace spindle {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "coordinator/job_store.h"
 
 namespace spindle {

@@ -5,7 +5,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 
 namespace spindle {
 namespace {

@@ -1,7 +1,7 @@
 // Worker types to and from cluster.proto (see worker_proto.h).
 #include "coordinator/worker_proto.h"
 
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 
 namespace spindle {
 namespace {

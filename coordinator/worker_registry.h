@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
-#include "coordinator/cp_cost_model.h"
+#include "planner/cp_cost_model.h"
 #include "coordinator/job_store.h"
 #include "coordinator/scheduler.h"
 

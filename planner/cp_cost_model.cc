@@ -1,6 +1,6 @@
 // Step-time estimates per CP mode (see cp_cost_model.h). Every formula names the bytes or FLOPs
 // it counts; bench/CP_NOTES.md ("Cost model") derives them and compares them with measurements.
-#include "coordinator/cp_cost_model.h"
+#include "planner/cp_cost_model.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
 // CP mode decisions, memory estimate and preflight problems (see cp_planner.h).
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 
 #include <algorithm>
 

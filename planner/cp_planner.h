@@ -1,6 +1,7 @@
 // CpPlanner: decides, per layer type, how a job runs under context parallelism (DESIGN.md
 // section 3), estimates per-rank memory, and lists every reason the job cannot run. Used by the
-// coordinator at submit time, by the Plan RPC and by `spindle plan` offline.
+// coordinator at submit time, by the Plan RPC, by `spindle plan` offline and by spindle-train run
+// standalone (without a coordinator), which resolves its own spec with it.
 //
 // Mode rule per layer type ("lightning", "mla"): when the spec says "auto", All2All if
 // cp <= n_heads and n_heads % cp == 0, else AllGather. cp == 1 needs no communication; the
@@ -18,7 +19,7 @@
 #include <vector>
 
 #include "common/job_spec.h"
-#include "coordinator/cp_cost_model.h"
+#include "planner/cp_cost_model.h"
 
 namespace spindle {
 

@@ -1,5 +1,5 @@
 // CpPlan <-> spindle.v1.Plan (see plan_proto.h).
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 
 #include "spindle/v1/job.pb.h"
 

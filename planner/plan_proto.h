@@ -5,7 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 
 namespace spindle {
 namespace v1 {

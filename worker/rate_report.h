@@ -1,4 +1,4 @@
-// What the worker tells the planner's cost model about its devices (coordinator/cp_cost_model.h):
+// What the worker tells the planner's cost model about its devices (planner/cp_cost_model.h):
 // for CPU slots, the kernel rates of one rank on its threads (measured once at start by running
 // the trainer binary's --probe-rates), the host's cores and the threads per rank, and the link
 // between two slots (loopback TCP). GPUs keep the link device discovery found; their rates are the

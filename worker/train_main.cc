@@ -59,7 +59,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/exit_codes.h"
 #include "common/job_spec.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"

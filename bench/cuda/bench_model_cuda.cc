@@ -43,7 +43,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/cuda/cuda_model.h"
 

@@ -1,4 +1,4 @@
-// The planner's cost model (coordinator/cp_cost_model.h) and its use by the planner: the bytes
+// The planner's cost model (planner/cp_cost_model.h) and its use by the planner: the bytes
 // each mode sends follow bench/CP_NOTES.md's formulas, compute follows the rates and the sharing
 // of a device, overlap hides what it should, candidates cover every mode the heads allow, and the
 // plan marks the rule's pick and the fastest, warns when the rule is 20% slower, honours a forced
@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/cp_modes.h"
 #include "common/job_spec.h"
-#include "coordinator/cp_cost_model.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_cost_model.h"
+#include "planner/cp_planner.h"
 #include "gtest/gtest.h"
 
 namespace spindle {

@@ -5,7 +5,7 @@
 
 #include "common/job_spec.h"
 #include "common/model_config.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "gtest/gtest.h"
 #include "tests/control/test_util.h"
 

@@ -6,7 +6,7 @@
 
 #include "common/cp_modes.h"
 #include "common/job_spec.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "gtest/gtest.h"
 #include "tests/control/test_util.h"
 

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
-#include "coordinator/cp_planner.h"
+#include "planner/cp_planner.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/sqlite_job_store.h"
 #include "coordinator/worker_proto.h"

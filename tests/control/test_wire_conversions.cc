@@ -7,7 +7,7 @@
 #include <variant>
 
 #include "coordinator/job_proto.h"
-#include "coordinator/plan_proto.h"
+#include "planner/plan_proto.h"
 #include "coordinator/worker_proto.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
