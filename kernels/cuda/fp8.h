@@ -43,7 +43,9 @@ struct Fp8Output {
   void* codes_t = nullptr;         // [cols, rows] row-major (the transpose); null: not written
   float* amax = nullptr;           // [1], required: max |value| over the tensor
   float* scale = nullptr;          // [1], nullable: fp8_max / max(amax, 1e-12)
-  float* inverse_scale = nullptr;  // [1], required: 1 / scale, the GEMM's factor for this operand
+  // [1], required: 1 / scale, the GEMM's factor for this operand; 16-byte aligned where a GEMM
+  // reads it (cuBLASLt refuses other scale pointers, see GemmArgs).
+  float* inverse_scale = nullptr;
 };
 
 // ---- Quantization of a stored tensor ---------------------------------------------------------------

@@ -90,8 +90,13 @@ Status CheckFp8(const GemmArgs& g) {
   }
   SPINDLE_CHECK_ARG(g.a_scale != nullptr && g.b_scale != nullptr,
                     "Gemm: FP8 operands need a_scale and b_scale");
-  SPINDLE_CHECK_ARG(g.K % 16 == 0 && g.lda % 16 == 0 && g.ldb % 16 == 0,
-                    "Gemm: FP8 needs K, lda and ldb multiples of 16");
+  // Measured on an H200 with cuBLASLt 13.1: scale pointers 8 bytes past a 16-byte boundary make
+  // cublasLtMatmul return CUBLAS_STATUS_NOT_SUPPORTED after the heuristic accepted the problem.
+  SPINDLE_CHECK_ARG(Alignment(g.a_scale) >= 16 && Alignment(g.b_scale) >= 16,
+                    "Gemm: FP8 scale pointers must be 16-byte aligned");
+  // N is cuBLASLt's M (the rows of its column-major D).
+  SPINDLE_CHECK_ARG(g.K % 16 == 0 && g.N % 16 == 0 && g.lda % 16 == 0 && g.ldb % 16 == 0,
+                    "Gemm: FP8 needs K, N, lda and ldb multiples of 16");
   SPINDLE_CHECK_ARG(Alignment(g.A) >= 16 && Alignment(g.B) >= 16,
                     "Gemm: FP8 operands must be 16-byte aligned");
   SPINDLE_CHECK_ARG(g.c_type == DType::kBFloat16 || g.c_type == DType::kFloat32,

@@ -48,8 +48,9 @@ struct GemmArgs {
   // the stream just before is used. cuBLASLt's FP8 kernels take one layout only, C = A B^T with
   // both operands K-contiguous: trans_a false, trans_b true (a transposed operand comes from its
   // Fp8Output::codes_t); another layout is refused with kUnsupported. Refused with
-  // kInvalidArgument: K, lda and ldb not multiples of 16, A or B not 16-byte aligned, a missing
-  // scale, c_type other than kBFloat16 or kFloat32, an FP8 operand against a non-FP8 one.
+  // kInvalidArgument: K, N, lda and ldb not multiples of 16 (M may be any), A, B, a_scale or
+  // b_scale not 16-byte aligned, a missing scale, c_type other than kBFloat16 or kFloat32, an FP8
+  // operand against a non-FP8 one.
   std::optional<DType> b_type;
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
@@ -95,7 +96,7 @@ class Blas {
                           int64_t T, int64_t in, int64_t out, cudaStream_t stream);
   // dx[T, in] (overwritten, dx_type; skipped when dx is null) = dy[T, out] W, from W^T's codes
   // W_t [in, out]; dW[out, in] += dy^T x (fp32), from the transposed codes dy_t [out, T] and
-  // x_t [in, T]. T, in and out multiples of 16.
+  // x_t [in, T]. T, in and out multiples of 16 (the forward: in and out).
   Status LinearBackwardFp8(const Fp8Operand& dy, const Fp8Operand& dy_t, const Fp8Operand& W_t,
                            const Fp8Operand& x_t, void* dx, DType dx_type, float* dW, int64_t T,
                            int64_t in, int64_t out, cudaStream_t stream);
