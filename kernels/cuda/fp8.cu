@@ -40,11 +40,11 @@ using internal::Sigmoid;
 using internal::ToFloat;
 using internal::WarpSum;
 
-constexpr int kTile = 64;           // pass 2: a block quantizes a kTile x kTile tile
+constexpr int kTile = 64;  // pass 2: a block quantizes a kTile x kTile tile
 constexpr int kTileThreads = 256;
-constexpr int kAmaxThreads = 256;   // pass 1 of a stored tensor
+constexpr int kAmaxThreads = 256;                  // pass 1 of a stored tensor
 constexpr int64_t kAmaxChunk = kAmaxThreads * 16;  // values per block
-constexpr int kRowWarps = 8;        // the norms' pass 1: one warp per row
+constexpr int kRowWarps = 8;                       // the norms' pass 1: one warp per row
 constexpr int64_t kMaxRowWidth = 12288;
 constexpr int kMaxCastTensors = 32;
 
@@ -105,7 +105,7 @@ __device__ __forceinline__ float GroupGateValue(float o, float rstd, float w, fl
   return __fmul_rn(__fmul_rn(__fmul_rn(o, rstd), w), Sigmoid(gate));
 }
 
-// ---- Pass 2: the tiled quantize ---------------------------------------------------------------------
+// ---- Pass 2: the tiled quantize -----------------------------------------------------------------
 
 // Sources of pass 2: the value at (r, c) of a [rows, cols] tensor.
 template <typename T>
@@ -193,8 +193,13 @@ int64_t TilesOf(int64_t rows, int64_t cols) {
 }
 
 Fp8Dev DevOf(const Fp8Output& o) {
-  return {static_cast<uint8_t*>(o.codes), static_cast<uint8_t*>(o.codes_t), o.amax, o.scale,
-          o.inverse_scale, o.format == DType::kFp8E5M2 ? 1 : 0, Fp8MaxOf(o.format)};
+  return {static_cast<uint8_t*>(o.codes),
+          static_cast<uint8_t*>(o.codes_t),
+          o.amax,
+          o.scale,
+          o.inverse_scale,
+          o.format == DType::kFp8E5M2 ? 1 : 0,
+          Fp8MaxOf(o.format)};
 }
 
 Status CheckOutput(const Fp8Output& o, const char* op) {
@@ -209,8 +214,8 @@ Status CheckOutput(const Fp8Output& o, const char* op) {
 template <class Source>
 Status LaunchQuantize(const Source& src, int64_t rows, int64_t cols, const Fp8Output& out,
                       cudaStream_t stream) {
-  QuantizeKernel<Source><<<TilesOf(rows, cols), kTileThreads, 0, stream>>>(src, rows, cols,
-                                                                         DevOf(out));
+  QuantizeKernel<Source>
+      <<<TilesOf(rows, cols), kTileThreads, 0, stream>>>(src, rows, cols, DevOf(out));
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -227,7 +232,7 @@ __global__ void __launch_bounds__(kAmaxThreads) AbsMaxKernel(const T* x, int64_t
   BlockMaxToGlobal(m, amax);
 }
 
-// ---- The weights' multi-tensor cast --------------------------------------------------------------------
+// ---- The weights' multi-tensor cast -------------------------------------------------------------
 
 struct CastTable {
   struct Entry {
@@ -281,13 +286,13 @@ __global__ void __launch_bounds__(kTileThreads) CastQuantizeKernel(CastTable tab
   QuantizeTile(StoredSource<float>{e.x, e.cols}, e.rows, e.cols, tile, scale, e.out);
 }
 
-// ---- Pass 1 of the fused producers -------------------------------------------------------------------
+// ---- Pass 1 of the fused producers --------------------------------------------------------------
 
 // One warp per row: rstd, h (kResidual), y (if asked for) and the amax of the fp32 results.
 template <typename T, bool kResidual>
 __global__ void __launch_bounds__(32 * kRowWarps)
-    RmsNormStatsKernel(const T* x, const T* res, T* h, const T* w, T* y, float* rstd,
-                       int64_t rows, int64_t D, float eps, float* amax) {
+    RmsNormStatsKernel(const T* x, const T* res, T* h, const T* w, T* y, float* rstd, int64_t rows,
+                       int64_t D, float eps, float* amax) {
   const int lane = threadIdx.x & 31;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kRowWarps) + (threadIdx.x >> 5);
   uint32_t m = 0;
@@ -409,8 +414,8 @@ Status Fp8QuantizeFromAmax(const void* x, int64_t rows, int64_t cols, DType dtyp
   SPINDLE_CHECK_ARG(rows >= 0 && cols >= 0, "Fp8QuantizeFromAmax: negative size");
   SPINDLE_RETURN_IF_ERROR(CheckOutput(out, "Fp8QuantizeFromAmax"));
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "Fp8QuantizeFromAmax", {
-    return LaunchQuantize(StoredSource<scalar_t>{static_cast<const scalar_t*>(x), cols}, rows,
-                          cols, out, stream);
+    return LaunchQuantize(StoredSource<scalar_t>{static_cast<const scalar_t*>(x), cols}, rows, cols,
+                          out, stream);
   });
   return Status::Ok();
 }
@@ -473,8 +478,7 @@ Status RmsNormForwardFp8(const void* x, const void* w, void* y, float* rstd, int
 Status RmsNormResidualForwardFp8(const void* x, const void* residual, void* h, const void* w,
                                  void* y, float* rstd, int64_t rows, int64_t D, float eps,
                                  DType dtype, const Fp8Output& q, cudaStream_t stream) {
-  SPINDLE_CHECK_ARG(rows >= 0 && D > 0 && D <= kMaxRowWidth && residual != nullptr &&
-                        h != nullptr,
+  SPINDLE_CHECK_ARG(rows >= 0 && D > 0 && D <= kMaxRowWidth && residual != nullptr && h != nullptr,
                     "RmsNormResidualForwardFp8: bad sizes");
   SPINDLE_CHECK_ARG(y == nullptr || y != h, "RmsNormResidualForwardFp8: y must not alias h");
   SPINDLE_RETURN_IF_ERROR(CheckOutput(q, "RmsNormResidualForwardFp8"));
@@ -506,9 +510,9 @@ Status SwiGluForwardFp8(const void* g, const void* u, void* y, int64_t rows, int
   return Status::Ok();
 }
 
-Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, void* y,
-                               float* rstd, int64_t T, int64_t H, int64_t Dh, float eps,
-                               DType dtype, const Fp8Output& q, cudaStream_t stream) {
+Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, void* y, float* rstd,
+                               int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
+                               const Fp8Output& q, cudaStream_t stream) {
   SPINDLE_CHECK_ARG(T >= 0 && H > 0 && Dh > 0 && H * Dh <= kMaxRowWidth,
                     "GroupNormGateForwardFp8: bad sizes");
   SPINDLE_CHECK_ARG(y == nullptr || (y != o && y != gate),
@@ -523,8 +527,7 @@ Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, v
     GroupGateStatsKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
         ot, wt, gt, static_cast<scalar_t*>(y), rstd, T, H, Dh, eps, q.amax);
     SPINDLE_CUDA_CHECK_LAUNCH();
-    return LaunchQuantize(GroupGateSource<scalar_t>{ot, wt, gt, rstd, H, Dh}, T, H * Dh, q,
-                          stream);
+    return LaunchQuantize(GroupGateSource<scalar_t>{ot, wt, gt, rstd, H, Dh}, T, H * Dh, q, stream);
   });
   return Status::Ok();
 }

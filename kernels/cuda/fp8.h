@@ -48,7 +48,7 @@ struct Fp8Output {
   float* inverse_scale = nullptr;
 };
 
-// ---- Quantization of a stored tensor ---------------------------------------------------------------
+// ---- Quantization of a stored tensor ------------------------------------------------------------
 // *amax = max |x[i]| over n values (overwritten; NaN if any is NaN; 0 for n = 0).
 Status Fp8AbsMax(const void* x, int64_t n, DType dtype, float* amax, cudaStream_t stream);
 // The second pass alone: scale from the amax already in *out.amax (a producer's, or one chosen by
@@ -60,7 +60,7 @@ Status Fp8QuantizeFromAmax(const void* x, int64_t rows, int64_t cols, DType dtyp
 Status Fp8Quantize(const void* x, int64_t rows, int64_t cols, DType dtype, const Fp8Output& out,
                    cudaStream_t stream);
 
-// ---- The weights' FP8 copies ------------------------------------------------------------------------
+// ---- The weights' FP8 copies --------------------------------------------------------------------
 // One fp32 master weight [rows, cols] and where its FP8 copy goes (usually both layouts: codes for
 // the forward x W^T, codes_t for the input gradient dy W).
 struct Fp8WeightCast {
@@ -72,9 +72,9 @@ struct Fp8WeightCast {
 // sizes (call after the optimizer step). Tensors must not overlap their outputs.
 Status Fp8CastWeights(const Fp8WeightCast* tensors, int64_t n_tensors, cudaStream_t stream);
 
-// ---- Producers with the quantization fused ----------------------------------------------------------
-// Each is its ops.h namesake (same arguments, same rstd and h), with y optional and the FP8 codes of
-// its fp32 result written to `q` ([rows, D], [rows, cols] or [T, H * Dh]). Two passes: the first
+// ---- Producers with the quantization fused ------------------------------------------------------
+// Each is its ops.h namesake (same arguments, same rstd and h), with y optional and the FP8 codes
+// of its fp32 result written to `q` ([rows, D], [rows, cols] or [T, H * Dh]). Two passes: the first
 // computes the statistics, h and y if asked, and the amax of the fp32 results; the second
 // recomputes each result from the inputs and the saved statistics (the same fp32 operations, so
 // the same values) and quantizes it. D and H * Dh <= 12288 as in ops.h.
@@ -87,8 +87,8 @@ Status RmsNormResidualForwardFp8(const void* x, const void* residual, void* h, c
 // y = silu(g) * u over [rows, cols] (the FFN's [T, F]).
 Status SwiGluForwardFp8(const void* g, const void* u, void* y, int64_t rows, int64_t cols,
                         DType dtype, const Fp8Output& q, cudaStream_t stream);
-Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, void* y,
-                               float* rstd, int64_t T, int64_t H, int64_t Dh, float eps,
-                               DType dtype, const Fp8Output& q, cudaStream_t stream);
+Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, void* y, float* rstd,
+                               int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
+                               const Fp8Output& q, cudaStream_t stream);
 
 }  // namespace spindle::kernels::cuda

@@ -377,8 +377,8 @@ TEST_P(Fp8Cuda, RmsNormFp8MatchesEmulation) {
         for (int run = 0; run < 2; ++run) {  // twice: the same bits
           if (residual) {
             ASSERT_OK(RmsNormResidualForwardFp8(d_x.get(), d_res.get(), d_h.get(), d_w.get(),
-                                                with_y ? d_y.get() : nullptr,
-                                                d_rstd.as<float>(), R, D, eps, dt(), q.out(), 0));
+                                                with_y ? d_y.get() : nullptr, d_rstd.as<float>(), R,
+                                                D, eps, dt(), q.out(), 0));
           } else {
             ASSERT_OK(RmsNormForwardFp8(d_x.get(), d_w.get(), with_y ? d_y.get() : nullptr,
                                         d_rstd.as<float>(), R, D, eps, dt(), q.out(), 0));
@@ -433,8 +433,8 @@ TEST_P(Fp8Cuda, SwiGluFp8MatchesEmulation) {
       auto d_g = Upload(g, dt()), d_u = Upload(u, dt());
       DeviceBuffer d_y(n * 4 + 16);
       Fp8Buffers q(n, kE4M3);
-      ASSERT_OK(SwiGluForwardFp8(d_g.get(), d_u.get(), with_y ? d_y.get() : nullptr, s.rows,
-                                 s.cols, dt(), q.out(), 0));
+      ASSERT_OK(SwiGluForwardFp8(d_g.get(), d_u.get(), with_y ? d_y.get() : nullptr, s.rows, s.cols,
+                                 dt(), q.out(), 0));
       std::vector<float> y(n);
       cpu::SwiGluForward(g.data(), u.data(), y.data(), n);
       const HostQuant emu = QuantizeOnHost(y, kE4M3);
@@ -465,8 +465,8 @@ TEST_P(Fp8Cuda, GroupNormGateFp8MatchesEmulation) {
       DeviceBuffer d_y(n * 4 + 16), d_rstd(s.T * s.H * 4 + 16);
       Fp8Buffers q(n, kE4M3);
       ASSERT_OK(GroupNormGateForwardFp8(d_o.get(), d_w.get(), d_gate.get(),
-                                        with_y ? d_y.get() : nullptr, d_rstd.as<float>(), s.T,
-                                        s.H, s.Dh, eps, dt(), q.out(), 0));
+                                        with_y ? d_y.get() : nullptr, d_rstd.as<float>(), s.T, s.H,
+                                        s.Dh, eps, dt(), q.out(), 0));
       std::vector<float> y(n), rstd(s.T * s.H);
       cpu::GroupNormGateForward(o.data(), w.data(), gate.data(), y.data(), rstd.data(), s.T, s.H,
                                 s.Dh, eps);
@@ -501,7 +501,7 @@ TEST_P(Fp8Cuda, FusedProducersRefuseBadArguments) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
 }
 
-// ---- FP8 GEMMs ---------------------------------------------------------------------------------------
+// ---- FP8 GEMMs ----------------------------------------------------------------------------------
 
 // The three GEMMs of a linear layer y = x W^T on FP8 codes: x and W E4M3, dy E5M2, each quantized
 // by the kernels above (W by the weights' cast), against (1) the fp32 product of the dequantized
@@ -556,8 +556,7 @@ TEST_P(Fp8Cuda, GemmFp8ThreeRolesOfALinearLayer) {
     {
       std::vector<float> got(out * in), want(out * in);
       for (int64_t i = 0; i < out * in; ++i) got[i] = dW[i] - dW0[i], want[i] = dW1[i] - dW0[i];
-      std::printf("dW against the dequantized product: relative L2 %.2e\n",
-                  RelativeL2(got, want));
+      std::printf("dW against the dequantized product: relative L2 %.2e\n", RelativeL2(got, want));
       EXPECT_LT(RelativeL2(got, want), 1e-3) << "dW against the dequantized product";
     }
 
@@ -570,10 +569,10 @@ TEST_P(Fp8Cuda, GemmFp8ThreeRolesOfALinearLayer) {
          b_W = Upload(dqW, DType::kBFloat16);
     auto b_dW = Upload(dW0, DType::kFloat32);
     DeviceBuffer b_y(T * out * 2), b_dx(T * in * 2);
-    ASSERT_OK(blas->LinearForward(b_x.get(), b_W.get(), b_y.get(), T, in, out, DType::kBFloat16,
-                                  0));
-    ASSERT_OK(blas->LinearBackward(b_x.get(), b_W.get(), b_dy.get(), b_dx.get(),
-                                   b_dW.as<float>(), T, in, out, DType::kBFloat16, 0));
+    ASSERT_OK(
+        blas->LinearForward(b_x.get(), b_W.get(), b_y.get(), T, in, out, DType::kBFloat16, 0));
+    ASSERT_OK(blas->LinearBackward(b_x.get(), b_W.get(), b_dy.get(), b_dx.get(), b_dW.as<float>(),
+                                   T, in, out, DType::kBFloat16, 0));
     ExpectClose(y, Download(b_y.get(), T * out, DType::kBFloat16), DType::kBFloat16,
                 "y against the bf16 GEMM", 2.0);
     ExpectClose(dx, Download(b_dx.get(), T * in, DType::kBFloat16), DType::kBFloat16,
@@ -587,11 +586,11 @@ TEST_P(Fp8Cuda, GemmFp8ThreeRolesOfALinearLayer) {
     cpu::LinearBackward(x.data(), W.data(), dy.data(), dx3.data(), dW3.data(), T, in, out);
     std::vector<float> dW_add(out * in);
     for (int64_t i = 0; i < out * in; ++i) dW_add[i] = dW[i] - dW0[i];
-    std::printf("T %lld in %lld out %lld: relative L2 against the unquantized product: y %.4f, "
-                "dx %.4f, dW %.4f\n",
-                static_cast<long long>(T), static_cast<long long>(in),
-                static_cast<long long>(out), RelativeL2(y, y3), RelativeL2(dx, dx3),
-                RelativeL2(dW_add, dW3));
+    std::printf(
+        "T %lld in %lld out %lld: relative L2 against the unquantized product: y %.4f, "
+        "dx %.4f, dW %.4f\n",
+        static_cast<long long>(T), static_cast<long long>(in), static_cast<long long>(out),
+        RelativeL2(y, y3), RelativeL2(dx, dx3), RelativeL2(dW_add, dW3));
     EXPECT_LT(RelativeL2(y, y3), 0.06) << "y (E4M3 x E4M3)";
     EXPECT_LT(RelativeL2(dx, dx3), 0.10) << "dx (E5M2 x E4M3)";
     EXPECT_LT(RelativeL2(dW_add, dW3), 0.10) << "dW (E5M2 x E4M3)";
@@ -617,8 +616,8 @@ TEST_P(Fp8Cuda, GemmFp8OddRows) {
   for (DType y_type : {DType::kBFloat16, DType::kFloat32}) {
     SCOPED_TRACE(DTypeName(y_type));
     DeviceBuffer d_y(T * out * 4);
-    ASSERT_OK(blas->LinearForwardFp8(qx.operand(false), qW.operand(false), d_y.get(), y_type, T,
-                                     in, out, 0));
+    ASSERT_OK(blas->LinearForwardFp8(qx.operand(false), qW.operand(false), d_y.get(), y_type, T, in,
+                                     out, 0));
     ExpectClose(Download(d_y.get(), T * out, y_type), want,
                 y_type == DType::kFloat32 ? DType::kBFloat16 : y_type, "y");
   }
