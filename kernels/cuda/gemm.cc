@@ -4,6 +4,13 @@
 // other candidates per shape was tried and measured: no gain on the 1b step at 32K (437.5 ms
 // without, 439.2 ms with), nor under sustained load (bench/cuda/NOTES.md, "The GEMMs' algorithms
 // under the power cap"), so the first is kept and results stay reproducible across processes.
+//
+// FP8: cuBLASLt's FP8 kernels need its A transposed and its B not ("TN"), both K-contiguous in
+// memory. In our row-major terms: trans_b (our B [N, K] is column-major K x N with ld K;
+// transposed, cuBLASLt's op(A) is N x K) and not trans_a (our A [M, K] is column-major K x M,
+// cuBLASLt's B as it is), i.e. C = A B^T: the forward x W^T directly, the backward's GEMMs from
+// transposed codes. The operands' types and scale pointers swap with them: cuBLASLt's A type and
+// A scale are our B's. The scale pointers are set on the cached descriptor before every call.
 #include "kernels/cuda/gemm.h"
 
 #include <cublasLt.h>
@@ -25,12 +32,18 @@ cudaDataType_t CudaType(DType t) {
       return CUDA_R_16BF;
     case DType::kFloat16:
       return CUDA_R_16F;
+    case DType::kFp8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kFp8E5M2:
+      return CUDA_R_8F_E5M2;
   }
   return CUDA_R_32F;
 }
 
+DType BTypeOf(const GemmArgs& g) { return g.b_type.value_or(g.ab_type); }
+
 using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                       bool, int, int, int, int>;
+                       bool, int, int, int, int, int, bool>;
 
 // The largest power of two up to 256 that divides the address.
 int Alignment(const void* p) {
@@ -58,7 +71,48 @@ Key KeyOf(const GemmArgs& g) {
   const Alignments al = AlignmentsOf(g);
   return std::make_tuple(g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
                          static_cast<int>(g.ab_type), static_cast<int>(g.c_type), g.beta == 0.0f,
-                         al.a, al.b, al.c, g.candidate);
+                         al.a, al.b, al.c, g.candidate, static_cast<int>(BTypeOf(g)),
+                         g.fast_accum);
+}
+
+// What cuBLASLt's FP8 kernels accept (see gemm.h); Ok for non-FP8 arguments.
+Status CheckFp8(const GemmArgs& g) {
+  const DType a = g.ab_type, b = BTypeOf(g);
+  if (!IsFp8(a) && !IsFp8(b)) return Status::Ok();
+  SPINDLE_CHECK_ARG(IsFp8(a) && IsFp8(b), "Gemm: an FP8 operand needs an FP8 partner");
+  if (a == DType::kFp8E5M2 && b == DType::kFp8E5M2) {
+    return {StatusCode::kUnsupported, "Gemm: cuBLASLt has no E5M2 x E5M2 kernel"};
+  }
+  if (g.trans_a || !g.trans_b) {
+    return {StatusCode::kUnsupported,
+            "Gemm: FP8 operands take only trans_a = false, trans_b = true (C = A B^T, both "
+            "K-contiguous: cuBLASLt's TN); pass the transposed codes (Fp8Output::codes_t)"};
+  }
+  SPINDLE_CHECK_ARG(g.a_scale != nullptr && g.b_scale != nullptr,
+                    "Gemm: FP8 operands need a_scale and b_scale");
+  // Measured on an H200 with cuBLASLt 13.1: scale pointers 8 bytes past a 16-byte boundary make
+  // cublasLtMatmul return CUBLAS_STATUS_NOT_SUPPORTED after the heuristic accepted the problem.
+  SPINDLE_CHECK_ARG(Alignment(g.a_scale) >= 16 && Alignment(g.b_scale) >= 16,
+                    "Gemm: FP8 scale pointers must be 16-byte aligned");
+  // N is cuBLASLt's M (the rows of its column-major D).
+  SPINDLE_CHECK_ARG(g.K % 16 == 0 && g.N % 16 == 0 && g.lda % 16 == 0 && g.ldb % 16 == 0,
+                    "Gemm: FP8 needs K, N, lda and ldb multiples of 16");
+  SPINDLE_CHECK_ARG(Alignment(g.A) >= 16 && Alignment(g.B) >= 16,
+                    "Gemm: FP8 operands must be 16-byte aligned");
+  SPINDLE_CHECK_ARG(g.c_type == DType::kBFloat16 || g.c_type == DType::kFloat32,
+                    "Gemm: FP8 output must be bf16 or fp32");
+  return Status::Ok();
+}
+
+// The FP8 scale pointers (cuBLASLt's A is our B) on a plan's descriptor.
+Status SetScales(cublasLtMatmulDesc_t op, const GemmArgs& g) {
+  const void* lt_a = g.b_scale;
+  const void* lt_b = g.a_scale;
+  SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      &lt_a, sizeof(lt_a)));
+  SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                      &lt_b, sizeof(lt_b)));
+  return Status::Ok();
 }
 
 // One cached plan: descriptors and the chosen algorithm.
@@ -105,6 +159,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                     "Gemm: fp32 inputs need an fp32 output");
   SPINDLE_CHECK_ARG(g.candidate >= 0 && g.candidate < kMaxCandidates,
                     "Gemm: candidate out of range");
+  SPINDLE_RETURN_IF_ERROR(CheckFp8(g));
+  const bool fp8 = IsFp8(g.ab_type);
   const Key key = KeyOf(g);
   auto it = impl_->plans.find(key);
   if (it == impl_->plans.end()) {
@@ -117,11 +173,18 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                                                         sizeof(ta)));
     SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
                                                         sizeof(tb)));
-    const cudaDataType_t ab = CudaType(g.ab_type), ct = CudaType(g.c_type);
+    if (fp8) {
+      SPINDLE_RETURN_IF_ERROR(SetScales(plan->op, g));
+      const int8_t fast = g.fast_accum ? 1 : 0;
+      SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+    }
+    const cudaDataType_t at = CudaType(g.ab_type), bt = CudaType(BTypeOf(g)),
+                         ct = CudaType(g.c_type);
     // Our B in column-major: untransposed row-major [K, N] is col-major [N x K] with ld ldb.
-    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, ab, g.trans_b ? g.K : g.N,
+    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, bt, g.trans_b ? g.K : g.N,
                                                     g.trans_b ? g.N : g.K, g.ldb));
-    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, ab, g.trans_a ? g.M : g.K,
+    SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, at, g.trans_a ? g.M : g.K,
                                                     g.trans_a ? g.K : g.M, g.lda));
     SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, ct, g.N, g.M, g.ldc));
     cublasLtMatmulPreference_t pref = nullptr;
@@ -157,6 +220,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     it = impl_->plans.emplace(key, std::move(plan)).first;
   }
   const Plan& p = *it->second;
+  // The scales move from call to call (one plan serves every tensor of a shape).
+  if (fp8) SPINDLE_RETURN_IF_ERROR(SetScales(p.op, g));
   SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
                                       g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo,
                                       impl_->workspace,
@@ -213,6 +278,48 @@ Status Blas::LinearBackward(const void* x, const void* W, const void* dy, void* 
   g.beta = 1.0f;
   g.A = dy, g.lda = out, g.B = x, g.ldb = in, g.C = dW, g.ldc = in;
   g.ab_type = dtype, g.c_type = DType::kFloat32;
+  return Gemm(g, stream);
+}
+
+namespace {
+// g's A and B from FP8 operands.
+void SetFp8Operands(GemmArgs& g, const Fp8Operand& a, const Fp8Operand& b) {
+  g.A = a.codes, g.ab_type = a.format, g.a_scale = a.inverse_scale;
+  g.B = b.codes, g.b_type = b.format, g.b_scale = b.inverse_scale;
+}
+}  // namespace
+
+Status Blas::LinearForwardFp8(const Fp8Operand& x, const Fp8Operand& W, void* y, DType y_type,
+                              int64_t T, int64_t in, int64_t out, cudaStream_t stream) {
+  GemmArgs g;
+  g.trans_b = true;
+  g.M = T, g.N = out, g.K = in;
+  SetFp8Operands(g, x, W);
+  g.lda = in, g.ldb = in, g.C = y, g.ldc = out;
+  g.c_type = y_type;
+  return Gemm(g, stream);
+}
+
+Status Blas::LinearBackwardFp8(const Fp8Operand& dy, const Fp8Operand& dy_t,
+                               const Fp8Operand& W_t, const Fp8Operand& x_t, void* dx,
+                               DType dx_type, float* dW, int64_t T, int64_t in, int64_t out,
+                               cudaStream_t stream) {
+  if (dx != nullptr) {  // dx = dy W = dy (W^T)^T
+    GemmArgs g;
+    g.trans_b = true;
+    g.M = T, g.N = in, g.K = out;
+    SetFp8Operands(g, dy, W_t);
+    g.lda = out, g.ldb = out, g.C = dx, g.ldc = in;
+    g.c_type = dx_type;
+    SPINDLE_RETURN_IF_ERROR(Gemm(g, stream));
+  }
+  GemmArgs g;  // dW += dy^T x = (dy^T) (x^T)^T
+  g.trans_b = true;
+  g.M = out, g.N = in, g.K = T;
+  g.beta = 1.0f;
+  SetFp8Operands(g, dy_t, x_t);
+  g.lda = T, g.ldb = T, g.C = dW, g.ldc = in;
+  g.c_type = DType::kFloat32;
   return Gemm(g, stream);
 }
 

@@ -1,5 +1,7 @@
 // GEMMs on cuBLASLt: bf16 (or fp32) inputs, fp32 accumulation, bf16 or fp32 output, row-major
-// semantics matching cpu::Gemm, and the Linear forward/backward built on them.
+// semantics matching cpu::Gemm, and the Linear forward/backward built on them; FP8 inputs (E4M3 /
+// E5M2 codes with a device inverse scale each, fp8.h) on the one layout cuBLASLt's FP8 kernels
+// take.
 //
 // A Blas owns the cuBLASLt handle, a workspace and a cache of chosen algorithms, created once and
 // reused for every call. Not thread-safe: use one Blas per thread (or per stream).
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -32,11 +35,35 @@ struct GemmArgs {
   // itself, and C is only written: C = alpha op(A) op(B) + beta C_in (a residual add without a
   // copy). Null: C_in = C.
   const void* C_in = nullptr;
-  DType ab_type = DType::kBFloat16;  // A and B
+  DType ab_type = DType::kBFloat16;  // A and B (A alone when b_type is set)
   DType c_type = DType::kBFloat16;   // C (read when beta != 0) and the output
   // Which of cuBLASLt's heuristic candidates runs: 0, its first choice, everywhere but in
   // benchmarks that compare the others.
   int candidate = 0;
+
+  // FP8 inputs: ab_type kFp8E4M3 or kFp8E5M2 (codes, fp8.h), b_type B's format when it differs
+  // (E5M2 gradients against E4M3 activations or weights; E5M2 x E5M2 is refused). The product is
+  // a_scale[0] * b_scale[0] * sum_k A_code B_code, accumulated in fp32; a_scale and b_scale are
+  // device floats (an Fp8Output's inverse_scale), read when the GEMM runs, so a scale computed on
+  // the stream just before is used. cuBLASLt's FP8 kernels take one layout only, C = A B^T with
+  // both operands K-contiguous: trans_a false, trans_b true (a transposed operand comes from its
+  // Fp8Output::codes_t); another layout is refused with kUnsupported. Refused with
+  // kInvalidArgument: K, N, lda and ldb not multiples of 16 (M may be any), A, B, a_scale or
+  // b_scale not 16-byte aligned, a missing scale, c_type other than kBFloat16 or kFloat32, an FP8
+  // operand against a non-FP8 one.
+  std::optional<DType> b_type;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  // FP8: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' reduced precision
+  // instead of promoted to fp32 at intervals). Off: the accurate mode.
+  bool fast_accum = false;
+};
+
+// One FP8 GEMM operand: its codes, their format and the device inverse scale.
+struct Fp8Operand {
+  const void* codes = nullptr;
+  DType format = DType::kFp8E4M3;
+  const float* inverse_scale = nullptr;
 };
 
 class Blas {
@@ -62,6 +89,17 @@ class Blas {
   // accumulated in fp32 (dW fp32).
   Status LinearBackward(const void* x, const void* W, const void* dy, void* dx, float* dW,
                         int64_t T, int64_t in, int64_t out, DType dtype, cudaStream_t stream);
+
+  // The same on FP8 operands (each in the layout the one FP8 GEMM layout needs):
+  // y[T, out] (y_type bf16 or fp32) = x[T, in] W[out, in]^T.
+  Status LinearForwardFp8(const Fp8Operand& x, const Fp8Operand& W, void* y, DType y_type,
+                          int64_t T, int64_t in, int64_t out, cudaStream_t stream);
+  // dx[T, in] (overwritten, dx_type; skipped when dx is null) = dy[T, out] W, from W^T's codes
+  // W_t [in, out]; dW[out, in] += dy^T x (fp32), from the transposed codes dy_t [out, T] and
+  // x_t [in, T]. T, in and out multiples of 16 (the forward: in and out).
+  Status LinearBackwardFp8(const Fp8Operand& dy, const Fp8Operand& dy_t, const Fp8Operand& W_t,
+                           const Fp8Operand& x_t, void* dx, DType dx_type, float* dW, int64_t T,
+                           int64_t in, int64_t out, cudaStream_t stream);
 
  private:
   struct Impl;

@@ -1,0 +1,94 @@
+// FP8 GEMM inputs on CUDA: the tensorwise current-scaling quantization of kernels/cpu/fp8.h, done
+// on the device, and its fusion into the kernels that produce each GEMM input (RMSNorm with and
+// without the residual add, SwiGLU, the group RMSNorm + gate) and into the cast of the fp32 master
+// weights after an optimizer step.
+//
+// The recipe (cpu::Fp8Recipe, worker/engine/numerics.h): E4M3 activations and weights, E5M2
+// output gradients; scale = fp8_max / max(amax, 1e-12) in fp32 from the tensor's own amax, code =
+// fp8_satfinite(value * scale) rounded to nearest even; the GEMM multiplies codes and applies the
+// inverse scale (1 / scale, fp32) of each operand to its fp32 accumulator.
+//
+// Every function here writes an Fp8Output: the codes of a [rows, cols] row-major tensor, its
+// transposed copy [cols, rows] (the K-contiguous layout the backward GEMMs need: cuBLASLt's FP8
+// takes only C = A B^T with both operands K-contiguous, see GemmArgs), or both, and three device
+// scalars: the amax, the scale and the inverse scale that the GEMM reads (GemmArgs::a_scale /
+// b_scale). Nothing synchronises the host: the scale is computed on the device from the amax.
+//
+// Values quantized: the fused producers quantize their fp32 result, before any bf16 rounding, as
+// the CPU emulation does (worker/engine/numerics.h); their bf16 output is optional (y null: not
+// written; under FP8 no backward reads it). NaN in a tensor makes its amax, scale and every code
+// NaN, as on the CPU.
+//
+// Conventions of ops.h: device pointers; inputs in `dtype` (kBFloat16 or kFloat32); fp32 norm
+// statistics; work enqueued on `stream`; results bitwise reproducible (the amax is a max, exact in
+// any order); errors as a Status. No function here allocates.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/dtype.h"
+#include "kernels/cuda/status.h"
+
+namespace spindle::kernels::cuda {
+
+// Largest finite value of an FP8 format: 448 (E4M3) or 57344 (E5M2); 0 for other types.
+float Fp8MaxOf(DType format);
+
+// Where one FP8 GEMM input goes. codes and codes_t are one byte per value; any alignment.
+struct Fp8Output {
+  DType format = DType::kFp8E4M3;  // kFp8E4M3 or kFp8E5M2
+  void* codes = nullptr;           // [rows, cols] row-major; null: not written
+  void* codes_t = nullptr;         // [cols, rows] row-major (the transpose); null: not written
+  float* amax = nullptr;           // [1], required: max |value| over the tensor
+  float* scale = nullptr;          // [1], nullable: fp8_max / max(amax, 1e-12)
+  // [1], required: 1 / scale, the GEMM's factor for this operand; 16-byte aligned where a GEMM
+  // reads it (cuBLASLt refuses other scale pointers, see GemmArgs).
+  float* inverse_scale = nullptr;
+};
+
+// ---- Quantization of a stored tensor ------------------------------------------------------------
+// *amax = max |x[i]| over n values (overwritten; NaN if any is NaN; 0 for n = 0).
+Status Fp8AbsMax(const void* x, int64_t n, DType dtype, float* amax, cudaStream_t stream);
+// The second pass alone: scale from the amax already in *out.amax (a producer's, or one chosen by
+// the caller: values beyond it saturate), then codes of x [rows, cols] (row stride cols).
+Status Fp8QuantizeFromAmax(const void* x, int64_t rows, int64_t cols, DType dtype,
+                           const Fp8Output& out, cudaStream_t stream);
+// Both passes: Fp8AbsMax into out.amax, then Fp8QuantizeFromAmax. An output gradient stored in
+// bf16 (E5M2), or the attention output that no kernel of ours produces (E4M3).
+Status Fp8Quantize(const void* x, int64_t rows, int64_t cols, DType dtype, const Fp8Output& out,
+                   cudaStream_t stream);
+
+// ---- The weights' FP8 copies --------------------------------------------------------------------
+// One fp32 master weight [rows, cols] and where its FP8 copy goes (usually both layouts: codes for
+// the forward x W^T, codes_t for the input gradient dy W).
+struct Fp8WeightCast {
+  const float* master;
+  int64_t rows, cols;
+  Fp8Output out;
+};
+// Every tensor's own amax, scale and codes, in three launches per 32 tensors, whatever their
+// sizes (call after the optimizer step). Tensors must not overlap their outputs.
+Status Fp8CastWeights(const Fp8WeightCast* tensors, int64_t n_tensors, cudaStream_t stream);
+
+// ---- Producers with the quantization fused ------------------------------------------------------
+// Each is its ops.h namesake (same arguments, same rstd and h), with y optional and the FP8 codes
+// of its fp32 result written to `q` ([rows, D], [rows, cols] or [T, H * Dh]). Two passes: the first
+// computes the statistics, h and y if asked, and the amax of the fp32 results; the second
+// recomputes each result from the inputs and the saved statistics (the same fp32 operations, so
+// the same values) and quantizes it. D and H * Dh <= 12288 as in ops.h.
+Status RmsNormForwardFp8(const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                         int64_t D, float eps, DType dtype, const Fp8Output& q,
+                         cudaStream_t stream);
+Status RmsNormResidualForwardFp8(const void* x, const void* residual, void* h, const void* w,
+                                 void* y, float* rstd, int64_t rows, int64_t D, float eps,
+                                 DType dtype, const Fp8Output& q, cudaStream_t stream);
+// y = silu(g) * u over [rows, cols] (the FFN's [T, F]).
+Status SwiGluForwardFp8(const void* g, const void* u, void* y, int64_t rows, int64_t cols,
+                        DType dtype, const Fp8Output& q, cudaStream_t stream);
+Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, void* y, float* rstd,
+                               int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
+                               const Fp8Output& q, cudaStream_t stream);
+
+}  // namespace spindle::kernels::cuda
