@@ -586,13 +586,9 @@ void JobManager::AdoptPlan(JobRuntime& j, const CpPlan& plan) {
   j.recompute_layers = plan.memory.recompute_layers;
   j.memory_per_rank = plan.memory.total_bytes;
   j.host_bytes_per_rank = plan.memory.host_bytes;
-  // The spec the ranks run: the plan's decisions in place of "auto" and "fastest", so that the
-  // trainer applies the plan as sent.
-  JobSpec run = j.spec;
-  run.parallel.lightning_mode = j.lightning_mode;
-  run.parallel.mla_mode = j.mla_mode;
-  run.parallel.ulysses = plan.ulysses;
-  j.run_spec_json = run.ToJson().dump();
+  // The spec the ranks run: the plan's decisions (modes, ulysses, recompute) in place of "auto"
+  // and "fastest", so that the trainer applies the plan as sent.
+  j.run_spec_json = PlannedSpec(j.spec, plan).ToJson().dump();
 }
 
 void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {

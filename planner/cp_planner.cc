@@ -261,6 +261,23 @@ CpMode CpPlan::ModeOf(const std::string& layer_type) const {
   return CpMode::kAllGather;
 }
 
+JobSpec PlannedSpec(const JobSpec& spec, const CpPlan& plan) {
+  JobSpec run = spec;
+  run.parallel.lightning_mode = plan.ModeOf("lightning");
+  run.parallel.mla_mode = plan.ModeOf("mla");
+  run.parallel.ulysses = plan.ulysses;
+  run.train.recompute_layers = plan.memory.recompute_layers;
+  return run;
+}
+
+bool IsPlanned(const JobSpec& spec) {
+  auto decided = [&](CpMode m) {
+    return m != CpMode::kFastest && (m != CpMode::kAuto || spec.parallel.cp == 1);
+  };
+  return decided(spec.parallel.lightning_mode) && decided(spec.parallel.mla_mode) &&
+         spec.train.recompute_layers != TrainSpec::kRecomputeAuto;
+}
+
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
                               int64_t recompute_layers) {
   const ModelConfig& m = spec.model;

@@ -178,6 +178,15 @@ class CpPlanner {
               const Topology* topology = nullptr) const;
 };
 
+// The spec with `plan`'s decisions in place of what the spec left open: each layer type's mode
+// (never "auto" or "fastest"), parallel.ulysses and train.recompute as a number of layers. The
+// job is planned once (by the coordinator, or by spindle-train run standalone) and its ranks run
+// this spec as given: the trainer decides nothing again.
+JobSpec PlannedSpec(const JobSpec& spec, const CpPlan& plan);
+// Whether `spec` leaves nothing to decide: no "fastest" mode, no "auto" mode with cp > 1 (cp = 1
+// splits nothing), and a number of recomputing layers.
+bool IsPlanned(const JobSpec& spec);
+
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string FormatBytes(int64_t bytes);
 

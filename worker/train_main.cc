@@ -16,21 +16,20 @@
 //
 // Multi-rank runs (world = dp x cp of the job > 1): the ranks rendezvous through the
 // coordinator's rendezvous service (--rendezvous, under the worker daemon) or, standalone, through
-// a directory every rank of one run shares (--file-store DIR; use a fresh one per run). The CP
-// modes come from --lightning-mode / --mla-mode (default: the job spec's, "auto" resolved by the
-// planner's rule); a forced all2all with n_heads % cp != 0 is refused before any rank connects.
-// Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
-// --recompute-layers N: the first N layers recompute their activations (the coordinator passes its
-// planner's decision); without it, the spec's train.recompute, where "auto" is decided here by the
-// planner against this machine's device: the GPU's memory, or host memory shared by the world's
-// ranks.
+// a directory every rank of one run shares (--file-store DIR; use a fresh one per run).
+// The job runs as planned once (planner/cp_planner.h, PlannedSpec): under the worker daemon the
+// coordinator's plan arrives as the spec (its modes, ulysses) and --lightning-mode / --mla-mode /
+// --recompute-layers; standalone, whatever the spec and those flags leave open ("auto" and
+// "fastest" modes, "auto" recompute) is planned here, against this machine's device (the GPU's
+// memory, or host memory shared by the world's ranks) with the cost model's built-in rates. A
+// plan that cannot run (a forced all2all with n_heads % cp != 0, ...) is refused before any rank
+// connects. Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
 // --attempt N (under the worker daemon): the job's attempt; rank 0 fences the checkpoint directory
 // for it before resuming and every rank checks the fence (checkpoint.h), so an older attempt
 // still running somewhere can no longer commit, and a directory the ranks do not share is named at
 // the start. Rank 0 picks the newest checkpoint that loads (passing over a corrupt one, with a
 // {"event": "note"} line naming both) and every rank resumes from it.
 // --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
-// "fastest" modes in the spec are resolved by the planner's cost model at its built-in rates.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
 // rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
@@ -57,6 +56,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/exit_codes.h"
 #include "common/job_spec.h"
 #include "planner/cp_planner.h"
@@ -85,15 +85,26 @@ constexpr char kUsage[] =
 // train.recompute "auto" run standalone: the planner's choice for this machine's device (the GPU
 // the job trains on, or host memory shared by the world's ranks); every layer when neither is
 // known.
-int64_t AutoRecomputeLayers(const spindle::JobSpec& spec, int64_t world) {
+// A spec run standalone that leaves something open ("auto" or "fastest" modes, "auto"
+// recompute) is planned here, once, as the coordinator plans the jobs it runs: against this
+// machine's device (the GPU's memory, or host memory shared by the world's ranks) when recompute
+// is "auto", with the cost model's built-in rates. A plan that cannot run is refused.
+absl::StatusOr<spindle::JobSpec> PlanStandalone(const spindle::JobSpec& spec, int64_t world) {
   int64_t memory = 0;
-  if (spec.resources == "cuda") {
-    if (auto g = spindle::DiscoverCudaDevices(); g.ok()) memory = g->memory_bytes();
-  } else if (auto g = spindle::DiscoverDevices(static_cast<int>(std::max<int64_t>(1, world)));
-             g.ok()) {
-    memory = g->memory_bytes();
+  if (spec.train.recompute_layers == spindle::TrainSpec::kRecomputeAuto) {
+    if (spec.resources == "cuda") {
+      if (auto g = spindle::DiscoverCudaDevices(); g.ok()) memory = g->memory_bytes();
+    } else if (auto g =
+                   spindle::DiscoverDevices(static_cast<int>(std::max<int64_t>(1, world)));
+               g.ok()) {
+      memory = g->memory_bytes();
+    }
   }
-  return spindle::CpPlanner().Plan(spec, memory).memory.recompute_layers;
+  const spindle::CpPlan plan = spindle::CpPlanner().Plan(spec, memory);
+  if (!plan.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job cannot run: ", absl::StrJoin(plan.problems, "; ")));
+  return spindle::PlannedSpec(spec, plan);
 }
 
 int ExitCodeFor(const absl::Status& s) {
@@ -266,16 +277,6 @@ int main(int argc, char** argv) {
 
   auto spec = spindle::LoadJobSpec(flags["job"]);
   if (!spec.ok()) return Fail(spec.status());
-  // "fastest" run standalone: the planner's cost model decides here, with its built-in rates
-  // (under the worker daemon the coordinator has decided already and sends the modes).
-  if (spec->parallel.lightning_mode == spindle::CpMode::kFastest ||
-      spec->parallel.mla_mode == spindle::CpMode::kFastest) {
-    const spindle::CpPlan plan = spindle::CpPlanner().Plan(*spec, 0);
-    spec->parallel.lightning_mode = plan.ModeOf("lightning");
-    spec->parallel.mla_mode = plan.ModeOf("mla");
-    spec->parallel.ulysses = plan.ulysses;
-  }
-
   if (eval) {
     if (!flags.count("checkpoint")) {
       std::fprintf(stderr, "spindle-train: --eval needs --checkpoint DIR\n");
@@ -323,15 +324,20 @@ int main(int argc, char** argv) {
     }
     modes[i] = *m;
   }
-  // The plan check first: a refused mode never waits for peers.
-  {
-    auto plan = spindle::ResolveCpModes(
-        spec->parallel.cp, spec->model.n_heads,
-        modes[0] != spindle::CpMode::kAuto ? modes[0] : spec->parallel.lightning_mode,
-        modes[1] != spindle::CpMode::kAuto ? modes[1] : spec->parallel.mla_mode,
-        spec->parallel.ulysses);
-    if (!plan.ok()) return Fail(plan.status());
+  // The flags' decisions (the coordinator's plan, under the worker daemon) replace the spec's;
+  // what is still open is planned here, once. The plan check comes first: a refused mode never
+  // waits for peers.
+  if (modes[0] != spindle::CpMode::kAuto) spec->parallel.lightning_mode = modes[0];
+  if (modes[1] != spindle::CpMode::kAuto) spec->parallel.mla_mode = modes[1];
+  if (recompute_layers != spindle::TrainSpec::kRecomputeAuto)
+    spec->train.recompute_layers = recompute_layers;
+  if (!spindle::IsPlanned(*spec)) {
+    auto planned = PlanStandalone(*spec, world);
+    if (!planned.ok()) return Fail(planned.status());
+    *spec = *std::move(planned);
   }
+  if (auto m = spindle::PlannedCpModes(spec->parallel, spec->model.n_heads); !m.ok())
+    return Fail(m.status());
   int64_t attempt = 0;
   if (flags.count("attempt") && !int_flag("attempt", 0, 0, &attempt)) return 2;
   std::unique_ptr<spindle::KvStore> store;
@@ -355,17 +361,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (recompute_layers == spindle::TrainSpec::kRecomputeAuto &&
-      spec->train.recompute_layers == spindle::TrainSpec::kRecomputeAuto) {
-    recompute_layers = AutoRecomputeLayers(*spec, world);
-  }
-
   spindle::TrainerOptions options;
   options.spec = *spec;
-  options.recompute_layers = recompute_layers;
   options.store = store.get();
-  options.lightning_mode = modes[0];
-  options.mla_mode = modes[1];
   if (flags.count("gloo-host")) {
     options.gloo.hostname = flags["gloo-host"];
   } else if (const char* h = std::getenv("SPINDLE_GLOO_HOST"); h && *h) {

@@ -489,7 +489,11 @@ int Run(const Options& opt) {
       std::printf("# cp=%d skipped: needs %d GPUs (one rank per GPU), %d visible\n", cp, cp, gpus);
       continue;
     }
-    if (auto modes = ResolveCpModes(cp, config->n_heads, opt.lightning, opt.mla); !modes.ok()) {
+    spindle::ParallelSpec par;
+    par.cp = cp;
+    par.lightning_mode = opt.lightning;
+    par.mla_mode = opt.mla;
+    if (auto modes = PlannedCpModes(par, config->n_heads); !modes.ok()) {
       std::fprintf(stderr, "bench_cp_cuda: cp=%d refused: %s\n", cp,
                    std::string(modes.status().message()).c_str());
       refused = true;

@@ -14,6 +14,34 @@ namespace {
 
 constexpr auto Spec = testing::PlannerSpec;
 
+// A job is planned once: PlannedSpec writes every decision into the spec (modes, ulysses,
+// recompute), IsPlanned then holds, and planning the planned spec again changes nothing.
+TEST(CpPlannerTest, APlannedSpecLeavesNothingToDecide) {
+  JobSpec s = Spec(4, 8, 1024);
+  s.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  s.parallel.mla_mode = CpMode::kFastest;
+  EXPECT_FALSE(IsPlanned(s));
+  const CpPlan plan = CpPlanner().Plan(s, int64_t{64} << 30);
+  ASSERT_TRUE(plan.ok()) << plan.problems[0];
+  const JobSpec run = PlannedSpec(s, plan);
+  EXPECT_TRUE(IsPlanned(run));
+  EXPECT_EQ(run.parallel.lightning_mode, CpMode::kAll2All);  // the rule: 4 <= 8 heads
+  EXPECT_EQ(run.parallel.mla_mode, plan.ModeOf("mla"));
+  EXPECT_NE(run.parallel.mla_mode, CpMode::kFastest);
+  EXPECT_EQ(run.parallel.ulysses, plan.ulysses);
+  EXPECT_EQ(run.train.recompute_layers, plan.memory.recompute_layers);
+  const JobSpec again = PlannedSpec(run, CpPlanner().Plan(run, int64_t{64} << 30));
+  EXPECT_EQ(again.ToJson(), run.ToJson());
+  // What is still open: "auto" with cp > 1, "fastest" anywhere, "auto" recompute.
+  JobSpec open = run;
+  open.parallel.lightning_mode = CpMode::kAuto;
+  EXPECT_FALSE(IsPlanned(open));
+  open.parallel.cp = 1;
+  EXPECT_TRUE(IsPlanned(open));  // cp = 1 splits nothing
+  open.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  EXPECT_FALSE(IsPlanned(open));
+}
+
 TEST(CpPlannerTest, DefaultAll2AllWhenHeadsDivisible) {
   CpPlan p = CpPlanner().Plan(Spec(4, 8, 1024), 0);
   ASSERT_TRUE(p.ok());

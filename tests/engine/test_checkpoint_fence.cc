@@ -33,7 +33,8 @@ JobSpec Tiny(int64_t steps, int64_t every, int64_t cp = 1) {
   auto spec = ParseJobSpec(absl::StrCat(
       R"({"name": "f", "model": {"preset": "tiny"}, "data": {"source": "synthetic:copy"},
           "seq_len": 128, "parallel": {"cp": )",
-      cp, R"(}, "train": {"steps": )", steps, R"(, "seed": 3}, "checkpoint": {"every": )", every,
+      cp, R"(, "lightning_mode": "allgather", "mla_mode": "allgather"},
+          "train": {"steps": )", steps, R"(, "seed": 3}, "checkpoint": {"every": )", every,
       "}}"));
   EXPECT_TRUE(spec.ok()) << spec.status();
   return *spec;

@@ -22,6 +22,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/cp_modes.h"
 #include "gtest/gtest.h"
 #include "tests/engine/cp_test_util.h"
@@ -312,15 +313,34 @@ TEST(CpLayoutTest, ChunkFlagsOfThePackedSequence) {
   EXPECT_EQ(ShardForCp(full, 5, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(CpLayoutTest, ModeRuleMatchesThePlanner) {
-  auto m = ResolveCpModes(2, 4, CpMode::kAuto, CpMode::kAuto);
-  ASSERT_TRUE(m.ok());
-  EXPECT_EQ(m->lightning, CpMode::kAll2All);
-  m = ResolveCpModes(3, 4, CpMode::kAuto, CpMode::kAuto);
+// The engine applies planned modes and decides none: "auto" only at cp = 1, where nothing is
+// split; an undecided mode at cp > 1 and an impossible forced one are refused by name.
+TEST(CpLayoutTest, TheEngineRunsPlannedModesOnly) {
+  auto par = [](int64_t cp, CpMode l, CpMode m) {
+    ParallelSpec p;
+    p.cp = cp;
+    p.lightning_mode = l;
+    p.mla_mode = m;
+    return p;
+  };
+  auto m = PlannedCpModes(par(1, CpMode::kAuto, CpMode::kAuto), 4);
+  ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->lightning, CpMode::kAllGather);
-  m = ResolveCpModes(8, 4, CpMode::kAuto, CpMode::kAllGather);
   EXPECT_EQ(m->mla, CpMode::kAllGather);
-  auto bad = ResolveCpModes(3, 4, CpMode::kAuto, CpMode::kAll2All);
+  m = PlannedCpModes(par(8, CpMode::kAllGather, CpMode::kRing), 4);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->lightning, CpMode::kAllGather);
+  EXPECT_EQ(m->mla, CpMode::kRing);
+  for (CpMode undecided : {CpMode::kAuto, CpMode::kFastest}) {
+    auto open = PlannedCpModes(par(2, CpMode::kAll2All, undecided), 4);
+    EXPECT_EQ(open.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(open.status().message(),
+              absl::StrCat("trainer: parallel.mla_mode is \"", std::string(CpModeName(undecided)),
+                           "\" at cp=2; the trainer runs planned specs (the coordinator's, or "
+                           "spindle-train's own plan when run standalone: PlannedSpec in "
+                           "planner/cp_planner.h)"));
+  }
+  auto bad = PlannedCpModes(par(3, CpMode::kAllGather, CpMode::kAll2All), 4);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(bad.status().message(),
             "parallel.mla_mode: all2all needs n_heads divisible by cp, but n_heads=4 and cp=3 "

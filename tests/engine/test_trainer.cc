@@ -91,8 +91,8 @@ TEST(TrainerTest, ResumeIsExact) {
     EXPECT_EQ((*ta)->losses()[i], (*tb)->losses()[i]) << "step " << i + 1;
     EXPECT_EQ((*ta)->losses()[3 + i], (*tc)->losses()[i]) << "step " << i + 4;
   }
-  ParamSet& pa = (*ta)->model().params();
-  ParamSet& pc = (*tc)->model().params();
+  ParamSet& pa = (*ta)->backend().host_params();
+  ParamSet& pc = (*tc)->backend().host_params();
   for (int64_t j = 0; j < pa.numel(); ++j)
     ASSERT_EQ(pa.flat_data().f32()[j], pc.flat_data().f32()[j]) << "parameter element " << j;
 }
@@ -123,47 +123,49 @@ TEST(TrainerTest, CheckpointPastTheJobsStepsIsRefused) {
   EXPECT_TRUE((*done)->losses().empty());
 }
 
-// How many layers recompute: the options' count over the spec's, an undecided "auto" every layer,
-// reported in the start event; the CPU engine's losses and weights do not depend on it; an
-// impossible count is refused at Create.
-TEST(TrainerTest, RecomputeLayersComeFromTheOptionsOrTheSpec) {
+// How many layers recompute: the planned spec's count, reported in the start event; the CPU
+// engine's losses and weights do not depend on it; an undecided "auto" (the planner's to decide)
+// and an impossible count are refused at Create.
+TEST(TrainerTest, RecomputeLayersComeFromThePlannedSpec) {
   JobSpec spec = TinyJob(/*steps=*/3, /*seq_len=*/256, /*gap=*/64);
-  struct Case {
-    int64_t spec_layers, option_layers, want;
-  };
-  const int64_t kAuto = TrainSpec::kRecomputeAuto;
   std::vector<std::unique_ptr<Trainer>> runs;
-  for (const Case& c :
-       {Case{0, kAuto, 0}, Case{kAuto, kAuto, 4}, Case{kAuto, 2, 2}, Case{4, 3, 3}}) {
-    SCOPED_TRACE(::testing::Message() << "spec " << c.spec_layers << " option " << c.option_layers);
-    spec.train.recompute_layers = c.spec_layers;
+  for (int64_t layers : {0, 4, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "recompute " << layers);
+    spec.train.recompute_layers = layers;
     TrainerOptions o;
     o.spec = spec;
-    o.recompute_layers = c.option_layers;
     int64_t reported = -1;
     o.on_event = [&](const nlohmann::json& e) {
       if (e["event"] == "start") reported = e["recompute_layers"].get<int64_t>();
     };
     auto t = Trainer::Create(std::move(o));
     ASSERT_TRUE(t.ok()) << t.status();
-    EXPECT_EQ((*t)->recompute().layers, c.want);
+    EXPECT_EQ((*t)->recompute().layers, layers);
     ASSERT_TRUE((*t)->Run().ok());
-    EXPECT_EQ(reported, c.want);
+    EXPECT_EQ(reported, layers);
     runs.push_back(std::move(*t));
   }
   for (size_t r = 1; r < runs.size(); ++r) {
     EXPECT_EQ(runs[r]->losses(), runs[0]->losses()) << "run " << r;
-    ParamSet& a = runs[0]->model().params();
-    ParamSet& b = runs[r]->model().params();
+    ParamSet& a = runs[0]->backend().host_params();
+    ParamSet& b = runs[r]->backend().host_params();
     for (int64_t j = 0; j < a.numel(); ++j)
       ASSERT_EQ(a.flat_data().f32()[j], b.flat_data().f32()[j]) << "run " << r << " element " << j;
   }
   TrainerOptions bad;
   bad.spec = spec;
-  bad.recompute_layers = 5;
+  bad.spec.train.recompute_layers = 5;
   auto refused = Trainer::Create(std::move(bad));
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().message(), "trainer: recompute_layers must be in [0, 4], got 5");
+  TrainerOptions open;
+  open.spec = spec;
+  open.spec.train.recompute_layers = TrainSpec::kRecomputeAuto;
+  auto undecided = Trainer::Create(std::move(open));
+  ASSERT_FALSE(undecided.ok());
+  EXPECT_EQ(undecided.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(undecided.status().message().find("train.recompute is \"auto\""), std::string::npos)
+      << undecided.status();
 }
 
 TEST(TrainerTest, CheckpointEvaluatesToTheTrainedModelsLoss) {
@@ -182,9 +184,10 @@ TEST(TrainerTest, CheckpointEvaluatesToTheTrainedModelsLoss) {
   double sum = 0;
   int64_t n = 0;
   for (int i = 0; i < 2; ++i) {
-    LossStats s = (*t)->model().Forward(MakeSequenceBatch((*data)->Sequence(i), (*data)->eos_id()));
-    sum += s.loss_sum;
-    n += s.n_valid;
+    auto s = (*t)->backend().Forward(MakeSequenceBatch((*data)->Sequence(i), (*data)->eos_id()));
+    ASSERT_TRUE(s.ok()) << s.status();
+    sum += s->loss_sum;
+    n += s->n_valid;
   }
   EXPECT_EQ(r->n_valid, n);
   EXPECT_NEAR(r->loss, sum / n, 1e-9);

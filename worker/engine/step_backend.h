@@ -1,14 +1,16 @@
-// StepBackend: a model on an accelerator that the trainer drives in place of the CPU Model (jobs
-// with resources "cuda"). The trainer keeps the step's arithmetic (averaging over the step's
-// targets, gradient norm, clipping, learning-rate schedule), the data-parallel all-reduce and the
-// checkpoint format; a backend runs the per-sequence passes, the gradient norm and the AdamW
+// StepBackend: the model and optimizer of one engine, which the trainer drives through one step
+// for every engine. The trainer keeps the step's arithmetic (averaging over the step's targets,
+// gradient norm, clipping, learning-rate schedule), the data-parallel all-reduce and the
+// checkpoint format; a backend runs the per-sequence passes, the gradient norm and the optimizer
 // update on its device and moves parameters, gradients and optimizer state between the device
 // and a host ParamSet with the CPU model's names, shapes and flat layout, so a checkpoint written
 // from one engine resumes on the other.
 //
-// The CUDA implementation is worker/engine/cuda/trainer_cuda.h (library spindle_engine_cuda,
-// which depends on spindle_engine, never the reverse): a binary linked with it passes its factory
-// in TrainerOptions::cuda_backend.
+// Implementations: the CPU model (cpu_step_backend.h; its device is the host, its gradients host
+// memory that the trainer all-reduces while the backward runs) and the CUDA one
+// (worker/engine/cuda/trainer_cuda.h, library spindle_engine_cuda, which depends on
+// spindle_engine, never the reverse): a binary linked with it passes its factory in
+// TrainerOptions::cuda_backend.
 //
 // Context parallelism (cp > 1): the trainer builds the CP group, passes it with the decided modes
 // to SetCp(), and feeds the rank's share of each sequence through the CpBatch forms; losses and
@@ -48,9 +50,15 @@ class StepBackend {
   virtual ParamSet& host_params() = 0;
 
   virtual absl::Status ZeroGrads() = 0;
-  // Adds the gradients of grad_scale * sum(token losses) into the device gradients.
+  // Whether the gradients live in host_params().flat_grad() itself (no Download/Upload needed):
+  // the trainer then all-reduces them in buckets as the backward reports them final.
+  virtual bool HostGradients() const { return false; }
+  // Adds the gradients of grad_scale * sum(token losses) into the device gradients. A backend
+  // with HostGradients() calls on_grad_ready (when set) as the backward finishes the gradients
+  // from a flat offset up (GradReadyFn, model.h); the others ignore it.
   virtual absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
-                                                    Recompute recompute) = 0;
+                                                    Recompute recompute,
+                                                    const GradReadyFn& on_grad_ready) = 0;
   virtual absl::StatusOr<LossStats> Forward(const Batch& batch) = 0;
 
   // The CP group of this rank and the decided modes (see Model::SetCp); called once before the
@@ -58,7 +66,8 @@ class StepBackend {
   virtual absl::Status SetCp(const CpContext& cp) = 0;
   // This rank's share of a sequence (after SetCp): as the Batch forms, on the share.
   virtual absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
-                                                    Recompute recompute) = 0;
+                                                    Recompute recompute,
+                                                    const GradReadyFn& on_grad_ready) = 0;
   virtual absl::StatusOr<LossStats> Forward(const CpBatch& batch) = 0;
   // train.offload: the layers' inputs wait in host memory between the forward and the backward
   // (CudaModel::SetOffloadInputs). A backend whose activations already live in host memory
@@ -68,8 +77,9 @@ class StepBackend {
     return absl::FailedPreconditionError(
         "trainer: train.offload needs a backend with device memory of its own");
   }
-  // train.precision (never "fp32", which the job spec keeps off devices): "auto" and "bf16" are a
-  // backend's own bf16 storage; a backend without FP8 GEMMs refuses "fp8".
+  // train.precision: on a GPU (never "fp32", which the job spec keeps off devices) "auto" and
+  // "bf16" are a backend's own bf16 storage, and a backend without FP8 GEMMs refuses "fp8"; the
+  // CPU backend selects its numerics (fp32, or the bf16 and fp8 emulations).
   virtual absl::Status SetPrecision(TrainPrecision precision) {
     if (precision != TrainPrecision::kFp8) return absl::OkStatus();
     return absl::UnimplementedError(

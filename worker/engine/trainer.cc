@@ -11,6 +11,7 @@
 #include "common/cp_modes.h"
 #include "common/status.h"
 #include "kernels/cpu/ops.h"
+#include "worker/engine/cpu_step_backend.h"
 #include "worker/engine/batch.h"
 
 namespace spindle {
@@ -39,10 +40,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   t->dp_ = spec.parallel.dp;
   t->cp_rank_ = o.rank % t->cp_;
   t->dp_rank_ = o.rank / t->cp_;
-  const CpMode lm = o.lightning_mode != CpMode::kAuto ? o.lightning_mode : spec.parallel.lightning_mode;
-  const CpMode mm = o.mla_mode != CpMode::kAuto ? o.mla_mode : spec.parallel.mla_mode;
-  ASSIGN_OR_RETURN(t->modes_,
-                   ResolveCpModes(t->cp_, spec.model.n_heads, lm, mm, spec.parallel.ulysses));
+  // The spec is planned (planner/cp_planner.h, PlannedSpec): its modes and recompute are applied
+  // as they are, never decided here.
+  ASSIGN_OR_RETURN(t->modes_, PlannedCpModes(spec.parallel, spec.model.n_heads));
   t->ulysses_ = spec.parallel.ulysses;
   const bool ring_like =
       t->cp_ > 1 && (t->modes_.mla == CpMode::kRing || t->modes_.mla == CpMode::kHybrid ||
@@ -54,22 +54,28 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         std::string(CpModeName(t->modes_.lightning)), "\" and parallel.mla_mode \"",
         std::string(CpModeName(t->modes_.mla)),
         "\"; run the job with resources \"cpu\" or choose allgather or all2all"));
-  const int64_t rc = o.recompute_layers != TrainSpec::kRecomputeAuto ? o.recompute_layers
-                                                                     : spec.train.recompute_layers;
-  if (rc != TrainSpec::kRecomputeAuto && (rc < 0 || rc > spec.model.n_layers))
+  const int64_t rc = spec.train.recompute_layers;
+  if (rc == TrainSpec::kRecomputeAuto)
+    return absl::FailedPreconditionError(
+        "trainer: train.recompute is \"auto\"; the trainer runs planned specs (the "
+        "coordinator's, or spindle-train's own plan when run standalone: PlannedSpec in "
+        "planner/cp_planner.h)");
+  if (rc < 0 || rc > spec.model.n_layers)
     return absl::InvalidArgumentError(absl::StrCat("trainer: recompute_layers must be in [0, ",
                                                    spec.model.n_layers, "], got ", rc));
-  t->recompute_ = Recompute::First(rc == TrainSpec::kRecomputeAuto ? spec.model.n_layers : rc);
+  t->recompute_ = Recompute::First(rc);
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
-  // The device model first: a factory refuses what its backend does not run (and fails where no
+  // The model first: a device factory refuses what its backend does not run (and fails where no
   // device is usable) before any peer is waited for.
   if (on_device) {
     ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
-    RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
-    RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
+  } else {
+    ASSIGN_OR_RETURN(t->backend_, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train));
   }
+  RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
+  RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
   if (o.world > 1) {
     if (!o.store)
       return absl::InvalidArgumentError("trainer: world > 1 needs a rendezvous store");
@@ -114,27 +120,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   t->ckpt_dir_ = t->opt_.checkpoint_dir.empty() ? spec.checkpoint.dir : t->opt_.checkpoint_dir;
   ASSIGN_OR_RETURN(t->data_,
                    OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed));
-  if (on_device) {
-    if (t->cp_ > 1) {
-      Communicator* cp = t->device_cp_comm_      ? t->device_cp_comm_.get()
-                         : t->device_world_comm_ ? t->device_world_comm_.get()
-                                                 : t->cp_comm_.get();
-      RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla}));
-    }
-  } else {
-    ASSIGN_OR_RETURN(t->model_, Model::Create(spec.model, spec.train.seed));
+  if (t->cp_ > 1) {
+    Communicator* cp = t->device_cp_comm_      ? t->device_cp_comm_.get()
+                       : t->device_world_comm_ ? t->device_world_comm_.get()
+                                               : t->cp_comm_.get();
     const MlaRingPayload payload = MlaRingPayloadFor(
         spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_));
-    t->model_->SetCp({t->cp_comm_.get(), t->modes_.lightning, t->modes_.mla, t->ulysses_comm_.get(),
-                      t->ring_comm_.get(), payload});
-    t->model_->SetNumerics(CpuNumerics(spec.train.precision));
+    RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla,
+                                        t->ulysses_comm_.get(), t->ring_comm_.get(), payload}));
   }
-  ParamSet& params = on_device ? t->backend_->host_params() : t->model_->params();
+  ParamSet& params = t->backend_->host_params();
   t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
   t->state_.seed = spec.train.seed;
   RETURN_IF_ERROR(t->Resume(params));
-  // On a device the optimizer state lives there: the host copy comes back for each checkpoint.
-  if (on_device) t->optimizer_->ReleaseState();
+  // The optimizer state lives with the backend: the host copy comes back for each checkpoint.
+  t->optimizer_->ReleaseState();
   return t;
 }
 
@@ -150,11 +150,9 @@ absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
         absl::StrCat("checkpoint: \"", dir, "\" is at step ", state_.step,
                      ", past the job's train.steps = ", spec.train.steps,
                      "; raise train.steps to train on, or give the job another checkpoint.dir"));
-  if (backend_) {
-    RETURN_IF_ERROR(backend_->UploadParams());
-    RETURN_IF_ERROR(backend_->UploadOptimizerState(optimizer_->state0(), optimizer_->state1(),
-                                                   optimizer_->steps_taken()));
-  }
+  RETURN_IF_ERROR(backend_->UploadParams());
+  RETURN_IF_ERROR(backend_->UploadOptimizerState(optimizer_->state0(), optimizer_->state1(),
+                                                 optimizer_->steps_taken()));
   return absl::OkStatus();
 }
 
@@ -329,7 +327,7 @@ float ClipScale(const TrainSpec& t, double grad_norm) {
 }
 }  // namespace
 
-absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches(bool keep_whole) const {
+absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches() const {
   const JobSpec& spec = opt_.spec;
   const int64_t mb = spec.train.micro_batches;
   StepBatches out;
@@ -337,7 +335,7 @@ absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches(bool keep_whole) c
     Batch full = MakeSequenceBatch(data_->Sequence(state_.data_position + dp_rank_ * mb + m),
                                    data_->eos_id());
     out.flops += spec.model.TrainFlops(full.T, AttentionPairs(full)) / static_cast<double>(cp_);
-    if (keep_whole && cp_ == 1) {
+    if (cp_ == 1) {
       out.valid_targets += static_cast<double>(full.NumValidTargets());
       out.whole.push_back(std::move(full));
       continue;
@@ -349,85 +347,50 @@ absl::StatusOr<Trainer::StepBatches> Trainer::MakeStepBatches(bool keep_whole) c
   return out;
 }
 
+// One step for every backend: every rank's gradients are those of (1 / the world's valid
+// targets) x its loss sum (over its CP share of each sequence when cp > 1, its whole sequences at
+// cp = 1), summed over the world: in place on the device with device communicators; for host
+// gradients (the CPU backend) in buckets from the end of the flat buffer, each all-reduced as
+// soon as the last micro-batch's backward has moved below its start; otherwise through host
+// copies after the backward. The norm of the sum decides the clip factor, which the optimizer
+// applies to the gradients before its update.
 absl::Status Trainer::Step() {
-  if (backend_) return DeviceStep();
   const JobSpec& spec = opt_.spec;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t mb = spec.train.micro_batches;
-  ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/false));
-  const std::vector<CpBatch>& batches = sb.shares;
-  double loss_sum = 0.0, n_valid = sb.valid_targets;  // this rank's, then the world's
-  if (world_comm_)
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
-  ParamSet& P = model_->params();
-  P.ZeroGrad();
-  const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
-  // Gradient buckets from the end of the flat buffer (the backward finishes the head first),
-  // each all-reduced as soon as the backward has moved below its start.
-  std::vector<CommHandle> pending;
-  const int64_t N = P.numel(), B = std::max<int64_t>(1, opt_.grad_bucket_floats);
-  int64_t launched_to = N;  // [launched_to, N) is in flight
-  auto on_ready = [&](int64_t flat_begin) {
-    while (launched_to > 0 && std::max<int64_t>(0, launched_to - B) >= flat_begin) {
-      const int64_t begin = std::max<int64_t>(0, launched_to - B);
-      pending.push_back(world_comm_->AllReduceSumAsync(P.flat_grad().f32() + begin,
-                                                       launched_to - begin, CommType::kF32,
-                                                       CommLayer::kGrad));
-      launched_to = begin;
-    }
-  };
-  for (int64_t m = 0; m < mb; ++m) {
-    const bool last = m + 1 == mb;
-    const GradReadyFn hook = last && world_comm_ ? GradReadyFn(on_ready) : nullptr;
-    ASSIGN_OR_RETURN(LossStats s,
-                     model_->ForwardBackward(batches[m], grad_scale, recompute_, hook));
-    loss_sum += s.loss_sum;
-  }
-  absl::Status comm_status;
-  for (CommHandle& h : pending) comm_status.Update(h.Wait());
-  RETURN_IF_ERROR(comm_status);
-  if (world_comm_)
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(&loss_sum, 1, CommType::kF64, CommLayer::kOther));
-  const double loss = n_valid > 0 ? loss_sum / n_valid : 0.0;
-  if (!std::isfinite(loss))
-    return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
-  const double grad_norm =
-      std::sqrt(kernels::cpu::SumSquares(P.flat_grad().f32(), P.flat_grad().numel()));
-  if (spec.train.grad_clip > 0 && grad_norm > spec.train.grad_clip)
-    kernels::cpu::Scale(P.flat_grad().f32(), P.flat_grad().numel(), ClipScale(spec.train, grad_norm));
-  const double lr = ScheduledLr(spec.train, state_.step);
-  optimizer_->Step(lr);
-  FinishStep(t0, loss, lr, grad_norm, sb.flops);
-  return absl::OkStatus();
-}
-
-// The CPU step's arithmetic on the backend: every rank's gradients are those of
-// (1 / the world's valid targets) x its loss sum (over its CP share of each sequence when cp > 1),
-// summed over the world (in place on the device with device communicators, else on the host);
-// the norm of the sum decides the clip factor, which AdamW applies to the gradients before its
-// update. At cp = 1 the whole-sequence forms run.
-absl::Status Trainer::DeviceStep() {
-  const JobSpec& spec = opt_.spec;
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t mb = spec.train.micro_batches;
-  ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches(/*keep_whole=*/true));
-  const std::vector<Batch>& batches = sb.whole;    // cp = 1
-  const std::vector<CpBatch>& shares = sb.shares;  // cp > 1
+  ASSIGN_OR_RETURN(StepBatches sb, MakeStepBatches());
   double loss_sum = 0.0, n_valid = sb.valid_targets;  // this rank's, then the world's
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
   RETURN_IF_ERROR(backend_->ZeroGrads());
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
+  const bool overlap = world_comm_ && !device_world_comm_ && backend_->HostGradients();
+  Tensor& g = backend_->host_params().flat_grad();
+  std::vector<CommHandle> pending;
+  const int64_t B = std::max<int64_t>(1, opt_.grad_bucket_floats);
+  int64_t launched_to = g.numel();  // [launched_to, numel) is in flight
+  auto on_ready = [&](int64_t flat_begin) {
+    while (launched_to > 0 && std::max<int64_t>(0, launched_to - B) >= flat_begin) {
+      const int64_t begin = std::max<int64_t>(0, launched_to - B);
+      pending.push_back(world_comm_->AllReduceSumAsync(g.f32() + begin, launched_to - begin,
+                                                       CommType::kF32, CommLayer::kGrad));
+      launched_to = begin;
+    }
+  };
   for (int64_t m = 0; m < mb; ++m) {
+    const GradReadyFn hook = overlap && m + 1 == mb ? GradReadyFn(on_ready) : nullptr;
     ASSIGN_OR_RETURN(LossStats s,
-                     cp_ > 1 ? backend_->ForwardBackward(shares[m], grad_scale, recompute_)
-                             : backend_->ForwardBackward(batches[m], grad_scale, recompute_));
+                     cp_ > 1 ? backend_->ForwardBackward(sb.shares[m], grad_scale, recompute_, hook)
+                             : backend_->ForwardBackward(sb.whole[m], grad_scale, recompute_, hook));
     loss_sum += s.loss_sum;
   }
-  if (device_world_comm_) {
+  if (overlap) {
+    absl::Status comm_status;
+    for (CommHandle& h : pending) comm_status.Update(h.Wait());
+    RETURN_IF_ERROR(comm_status);
+  } else if (device_world_comm_) {
     RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_));
   } else if (world_comm_) {
-    Tensor& g = backend_->host_params().flat_grad();
     RETURN_IF_ERROR(backend_->DownloadGrads());
     RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad));
     RETURN_IF_ERROR(backend_->UploadGrads());
@@ -479,10 +442,8 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
                       {"elapsed_s", elapsed_s_},
                       {"tflops", flops / dt / 1e12}};
   if (!comm.empty()) e["comm"] = std::move(comm);
-  if (backend_) {
-    e.update(backend_->StepEventFields());
-    if (const double peak = backend_->PeakFlops(); peak > 0) e["mfu"] = flops / dt / peak;
-  }
+  e.update(backend_->StepEventFields());
+  if (const double peak = backend_->PeakFlops(); peak > 0) e["mfu"] = flops / dt / peak;
   Emit(std::move(e));
 }
 
@@ -490,7 +451,7 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
 // complete when all ranks did), the others only once rank 0 says it is on disk.
 absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
-  if (opt_.rank == 0 && backend_) {
+  if (opt_.rank == 0) {
     // The device's parameters and optimizer state into the host copies the checkpoint code
     // writes (zeros for state the device does not keep, as the CPU optimizer has them).
     optimizer_->AllocateState();
@@ -500,10 +461,10 @@ absl::Status Trainer::Checkpoint() {
     if (!s.ok()) dir = s;
   }
   if (opt_.rank == 0 && dir.ok())
-    dir = SaveCheckpoint(ckpt_dir_, backend_ ? backend_->host_params() : model_->params(),
+    dir = SaveCheckpoint(ckpt_dir_, backend_->host_params(),
                          optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep,
                          opt_.attempt);
-  if (backend_) optimizer_->ReleaseState();
+  optimizer_->ReleaseState();
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;
     RETURN_IF_ERROR(world_comm_->Broadcast(&written, 1, CommType::kI32, 0, CommLayer::kOther));

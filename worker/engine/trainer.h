@@ -1,4 +1,5 @@
-// Trainer: the step loop of one rank. Builds the model from the job spec, opens the data,
+// Trainer: the step loop of one rank, one for every engine. Builds the model from the job spec
+// (a StepBackend, step_backend.h: the CPU model's CpuStepBackend, or a device's), opens the data,
 // resumes from the newest complete checkpoint under the checkpoint directory (if any), then per
 // step: micro-batches forward+backward, global gradient norm and clipping, the optimizer update
 // at the scheduled learning rate, a progress event, and checkpoints every `checkpoint.every`
@@ -19,16 +20,20 @@
 // of its replica's sequences, their model FLOPs by ModelConfig::TrainFlops with attention counted
 // within documents), so a job's are the sum over its ranks.
 //
-// train.precision: the CPU model runs the numerics CpuNumerics() gives (fp32, or the emulated bf16
-// storage and FP8 inputs of numerics.h); a device backend is handed it (SetPrecision) and refuses
-// what it does not run. The start event names it ("precision").
+// The spec is planned (planner/cp_planner.h, PlannedSpec): its CP modes and recompute are applied
+// as given; "auto" or "fastest" modes at cp > 1 and an "auto" recompute are refused at Create().
 //
-// GPU (spec.resources == "cuda"): the model is a StepBackend (step_backend.h) built by
-// TrainerOptions::cuda_backend instead of the CPU Model, from the same seed (same initial
-// weights). The step's arithmetic is the CPU path's: gradients of (1 / the step's valid targets) x
-// the loss sum, the norm of those, the same clip factor, AdamW at the scheduled rate. With cp > 1
-// the backend gets this rank's CP group and the decided modes (SetCp) and runs the rank's CpBatch
-// shares; losses, token counts and gradients are summed over the world as with dp. Collectives:
+// train.precision: the backend is handed it (SetPrecision): the CPU model runs the numerics
+// CpuNumerics() gives (fp32, or the emulated bf16 storage and FP8 inputs of numerics.h); a device
+// backend refuses what it does not run. The start event names it ("precision").
+//
+// The step (one for every backend): gradients of (1 / the step's valid targets) x the loss sum,
+// the norm of those, the clip factor, the optimizer at the scheduled rate. With cp > 1 the backend
+// gets this rank's CP group and the decided modes (SetCp) and runs the rank's CpBatch shares; at
+// cp = 1 whole sequences. Losses, token counts and gradients are summed over the world.
+//
+// GPU (spec.resources == "cuda"): the backend is built by TrainerOptions::cuda_backend from the
+// same seed as the CPU model (same initial weights). Collectives:
 // when every rank reports a device of its own (StepBackend::DeviceId, gathered over the Gloo
 // world), the gradient sum runs on the device (AllReduceGrads) and the CP group is a device
 // communicator (NCCL for CUDA), both from CreateDeviceCommunicator (one communicator for both
@@ -84,12 +89,6 @@ struct TrainerOptions {
   // world > 1: where the communicators rendezvous (not owned; used during Create() only).
   KvStore* store = nullptr;
   GlooOptions gloo;
-  // Mode per layer type; kAuto: the spec's (itself resolved by the planner's rule).
-  CpMode lightning_mode = CpMode::kAuto;
-  CpMode mla_mode = CpMode::kAuto;
-  // Leading layers that recompute (the planner's decision); kRecomputeAuto: the spec's. A spec's
-  // "auto" left undecided here recomputes every layer.
-  int64_t recompute_layers = TrainSpec::kRecomputeAuto;
   // Gradient all-reduce bucket size, in floats.
   int64_t grad_bucket_floats = int64_t{1} << 20;
   // Builds the model of resources "cuda" jobs: CreateCudaStepBackend
@@ -103,11 +102,10 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options);
   absl::Status Run();
 
-  // The CPU model (resources "cpu").
-  Model& model() { return *model_; }
-  // The device model (resources "cuda"), else null.
-  StepBackend* backend() { return backend_.get(); }
-  // The host optimizer (with a device model: its state only around checkpoint loads and saves).
+  // The engine: the CPU model (CpuStepBackend, resources "cpu") or the device's.
+  StepBackend& backend() { return *backend_; }
+  // The host optimizer: its state only around checkpoint loads and saves (the backend's own
+  // optimizer keeps it between them).
   Optimizer& optimizer() { return *optimizer_; }
   const TrainState& state() const { return state_; }
   // Loss of every step this process ran.
@@ -118,17 +116,16 @@ class Trainer {
  private:
   Trainer(TrainerOptions options) : opt_(std::move(options)) {}
   absl::Status Step();
-  absl::Status DeviceStep();
-  // This replica's micro-batches for the step: each sequence whole (`whole`, cp = 1 and
-  // `keep_whole`) or this CP rank's share of it (`shares`), with this rank's valid targets and
-  // model FLOPs (its 1/cp of each sequence's).
+  // This replica's micro-batches for the step: each sequence whole (`whole`, cp = 1) or this CP
+  // rank's share of it (`shares`, cp > 1), with this rank's valid targets and model FLOPs (its
+  // 1/cp of each sequence's).
   struct StepBatches {
     std::vector<Batch> whole;
     std::vector<CpBatch> shares;
     double valid_targets = 0.0;
     double flops = 0.0;
   };
-  absl::StatusOr<StepBatches> MakeStepBatches(bool keep_whole) const;
+  absl::StatusOr<StepBatches> MakeStepBatches() const;
   // After the update: counters, the loss history and the step event ("tflops": this rank's model
   // FLOPs, `flops`, over the step's time; "mfu": the same over the device's peak, when known).
   void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
@@ -164,8 +161,7 @@ class Trainer {
   }
   std::string ckpt_dir_;
   std::unique_ptr<DataSource> data_;
-  std::unique_ptr<Model> model_;          // resources "cpu"
-  std::unique_ptr<StepBackend> backend_;  // resources "cuda"
+  std::unique_ptr<StepBackend> backend_;  // CpuStepBackend, or the device's (resources "cuda")
   // On the backend's host ParamSet for "cuda": the AdamW state as of the last checkpoint/resume.
   std::unique_ptr<Optimizer> optimizer_;
   TrainState state_;

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cp_modes.h"
+#include "common/status.h"
 
 namespace spindle {
 
@@ -55,52 +56,30 @@ absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank, 
 
 namespace {
 
-absl::StatusOr<CpMode> Resolve(const char* field, int64_t cp, int64_t heads, CpMode requested,
-                               std::string* reason) {
-  if (requested == CpMode::kAll2All) {
-    if (heads % cp != 0)
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": all2all needs n_heads divisible by cp, but n_heads=", heads, " and cp=", cp,
-          " (", heads, " % ", cp, " = ", heads % cp, "); use allgather or a cp that divides ",
-          heads));
-    *reason = "forced by the spec";
-    return CpMode::kAll2All;
-  }
-  if (requested == CpMode::kAllGather || requested == CpMode::kRing ||
-      requested == CpMode::kHybrid) {
-    *reason = "forced by the spec";
-    return requested;
-  }
-  if (cp == 1) {
-    *reason = "cp=1: no sequence split";
-    return CpMode::kAllGather;
-  }
-  if (cp <= heads && heads % cp == 0) {
-    *reason = absl::StrCat("default: cp=", cp, " <= n_heads=", heads, " and ", heads, " % ", cp,
-                           " == 0");
-    return CpMode::kAll2All;
-  }
-  *reason = absl::StrCat("default: n_heads=", heads, ", cp=", cp, ": all2all impossible");
-  return CpMode::kAllGather;
+// One layer type's planned mode: "auto" at cp = 1 (nothing to split) runs AllGather's path; any
+// other undecided mode is the planner's to decide, and a forced All2All needs the heads to split.
+absl::StatusOr<CpMode> Planned(const char* field, int64_t cp, int64_t heads, CpMode mode) {
+  if (mode == CpMode::kAuto && cp == 1) return CpMode::kAllGather;
+  if (mode == CpMode::kAuto || mode == CpMode::kFastest)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer: ", field, " is \"", std::string(CpModeName(mode)),
+        "\" at cp=", cp, "; the trainer runs planned specs (the coordinator's, or spindle-train's "
+        "own plan when run standalone: PlannedSpec in planner/cp_planner.h)"));
+  if (mode == CpMode::kAll2All && heads % cp != 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": all2all needs n_heads divisible by cp, but n_heads=", heads, " and cp=", cp,
+        " (", heads, " % ", cp, " = ", heads % cp, "); use allgather or a cp that divides ",
+        heads));
+  return mode;
 }
 
 }  // namespace
 
-absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla,
-                                       int64_t ulysses) {
-  ParallelSpec p;
-  p.cp = cp;
-  p.ulysses = ulysses;
-  p.lightning_mode = lightning;
-  p.mla_mode = mla;
+absl::StatusOr<CpModes> PlannedCpModes(const ParallelSpec& p, int64_t n_heads) {
   if (absl::Status s = CheckCpModes(p, n_heads); !s.ok()) return s;
   CpModes m;
-  auto l = Resolve("parallel.lightning_mode", cp, n_heads, lightning, &m.lightning_reason);
-  if (!l.ok()) return l.status();
-  auto a = Resolve("parallel.mla_mode", cp, n_heads, mla, &m.mla_reason);
-  if (!a.ok()) return a.status();
-  m.lightning = *l;
-  m.mla = *a;
+  ASSIGN_OR_RETURN(m.lightning, Planned("parallel.lightning_mode", p.cp, n_heads, p.lightning_mode));
+  ASSIGN_OR_RETURN(m.mla, Planned("parallel.mla_mode", p.cp, n_heads, p.mla_mode));
   return m;
 }
 

@@ -71,13 +71,13 @@ absl::StatusOr<CpBatch> ShardForCp(const Batch& full, int64_t cp, int64_t rank,
 struct CpModes {
   CpMode lightning = CpMode::kAllGather;
   CpMode mla = CpMode::kAllGather;
-  std::string lightning_reason, mla_reason;
 };
 
-// Resolves "auto" per layer type and checks forced modes. FailedPrecondition naming the field,
-// cp and heads when All2All is asked for with n_heads % cp != 0 (the planner's wording);
-// InvalidArgument with CheckCpModes' message for a combination it refuses.
-absl::StatusOr<CpModes> ResolveCpModes(int64_t cp, int64_t n_heads, CpMode lightning, CpMode mla,
-                                       int64_t ulysses = 1);
+// The modes a planned spec runs (IsPlanned in planner/cp_planner.h): "auto" at cp = 1 is
+// AllGather's path; "auto" or "fastest" at cp > 1 is FailedPrecondition (the planner decides
+// them, once, before the trainer starts), as is All2All with n_heads % cp != 0, naming the field,
+// cp and heads (the planner's wording); InvalidArgument with CheckCpModes' message for a
+// combination it refuses.
+absl::StatusOr<CpModes> PlannedCpModes(const ParallelSpec& p, int64_t n_heads);
 
 }  // namespace spindle

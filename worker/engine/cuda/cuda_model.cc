@@ -1001,7 +1001,7 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     if (k.mode != CpMode::kAll2All && k.mode != CpMode::kAllGather)
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
-          " must be resolved to a mode (ResolveCpModes) before SetCp"));
+          " must be a planned mode (PlannedCpModes) before SetCp"));
     all2all |= k.mode == CpMode::kAll2All;
   }
   if (all2all && c.n_heads % n != 0)

@@ -24,13 +24,13 @@ class CudaStepBackend final : public StepBackend {
   ParamSet& host_params() override { return m_->host_params(); }
   absl::Status ZeroGrads() override { return m_->ZeroGrads(); }
   absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
-                                            Recompute recompute) override {
+                                            Recompute recompute, const GradReadyFn&) override {
     return m_->ForwardBackward(batch, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& batch) override { return m_->Forward(batch); }
   absl::Status SetCp(const CpContext& cp) override { return m_->SetCp(cp); }
   absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
-                                            Recompute recompute) override {
+                                            Recompute recompute, const GradReadyFn&) override {
     return m_->ForwardBackward(batch, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }

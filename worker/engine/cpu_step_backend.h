@@ -1,0 +1,71 @@
+// CpuStepBackend: the CPU model (model.h) and its optimizer behind the StepBackend interface, so
+// that the trainer runs one step for every engine. Its "device" is the host: host_params() is the
+// model's own ParamSet, the Download*/Upload* of parameters and gradients do nothing, and the
+// optimizer state moves by copy (only around checkpoint loads and saves). The gradients being
+// host memory, ForwardBackward reports them ready layer by layer (on_grad_ready) for the
+// trainer's overlapped all-reduce. train.precision selects the CPU numerics (numerics.h: exact
+// fp32, or the bf16 and fp8 emulations). No device collectives (DeviceId() is empty). Not
+// thread-safe.
+#pragma once
+
+#include <memory>
+
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/step_backend.h"
+
+namespace spindle {
+
+class CpuStepBackend : public StepBackend {
+ public:
+  // The model initialised from `seed` (Model::Create) with `train`'s optimizer.
+  static absl::StatusOr<std::unique_ptr<CpuStepBackend>> Create(const ModelConfig& config,
+                                                                uint64_t seed,
+                                                                const TrainSpec& train);
+
+  const ModelConfig& config() const override { return model_->config(); }
+  ParamSet& host_params() override { return model_->params(); }
+  Model& model() { return *model_; }
+
+  absl::Status ZeroGrads() override;
+  bool HostGradients() const override { return true; }
+  // The whole-sequence training pass runs as a share of one rank (ShardForCp at cp = 1), the CP
+  // forms' path, which reports gradients ready as the backward goes (the whole-sequence form
+  // computes the same bits, DeviceTrainerTest, but has no such report).
+  absl::StatusOr<LossStats> ForwardBackward(const Batch& batch, float grad_scale,
+                                            Recompute recompute,
+                                            const GradReadyFn& on_grad_ready) override;
+  absl::StatusOr<LossStats> Forward(const Batch& batch) override;
+  absl::Status SetCp(const CpContext& cp) override;
+  absl::StatusOr<LossStats> ForwardBackward(const CpBatch& batch, float grad_scale,
+                                            Recompute recompute,
+                                            const GradReadyFn& on_grad_ready) override;
+  absl::StatusOr<LossStats> Forward(const CpBatch& batch) override;
+  absl::Status SetPrecision(TrainPrecision precision) override;
+  absl::StatusOr<double> GradSquaredNorm() override;
+  absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override;
+  int64_t steps_taken() const override { return optimizer_->steps_taken(); }
+
+  absl::Status DownloadGrads() override { return absl::OkStatus(); }
+  absl::Status UploadGrads() override { return absl::OkStatus(); }
+  absl::Status DownloadParams() override { return absl::OkStatus(); }
+  absl::Status UploadParams() override { return absl::OkStatus(); }
+  absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override;
+  absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
+                                    int64_t steps_taken) override;
+
+  nlohmann::json StepEventFields() override { return nlohmann::json::object(); }
+  std::string DeviceId() override { return ""; }
+  absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
+      KvStore& store, const std::string& prefix, int rank, int size,
+      absl::Duration timeout) override;
+  absl::Status AllReduceGrads(Communicator& comm) override;
+
+ private:
+  CpuStepBackend(std::unique_ptr<Model> model, const TrainSpec& train);
+
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+};
+
+}  // namespace spindle
