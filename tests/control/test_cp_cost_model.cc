@@ -3,6 +3,7 @@
 // of a device, overlap hides what it should, candidates cover every mode the heads allow, and the
 // plan marks the rule's pick and the fastest, warns when the rule is 20% slower, honours a forced
 // mode and resolves "fastest".
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -216,6 +217,61 @@ TEST(CpPlannerCost, ATopologyChangesTheEstimateAndIsNamed) {
   EXPECT_LT(fast.step_s, slow.step_s);
   EXPECT_EQ(fast.cost_basis, "rates measured by worker w1");
   EXPECT_TRUE(CpPlanner().Plan(Spec("small", 4096, 1, "cpu"), 0).estimates.empty());
+}
+
+// The planner's choice ("fastest") over a table of jobs and topologies. A row names the pick
+// of each layer type and why it must be that one (the runner-up then at least 5% slower), or
+// kAuto: a near tie, every candidate within 6% of the fastest (on the CPU the cores dominate and
+// the modes' traffic is small beside them).
+TEST(CpPlannerCost, TheFastestChoiceOverATableOfJobsAndTopologies) {
+  struct Row {
+    const char* preset;
+    int64_t seq_len, cp;
+    const char* resources;
+    LinkClass link;
+    CpMode lightning, mla;
+    const char* why;
+  };
+  const CpMode AG = CpMode::kAllGather, TIE = CpMode::kAuto;
+  const Row rows[] = {
+      {"1b", 262144, 8, "cuda", LinkClass::kNvlink, AG, TIE,
+       "Lightning's states (14 MiB a layer) against All2All's 448 MiB; for MLA, AllGather's "
+       "rebuild of the other ranks' keys costs about what All2All's exchange does on NVLink"},
+      {"1b", 262144, 8, "cuda", LinkClass::kNetwork, AG, AG,
+       "at 2.5 GB/s MLA's All2All (Q, K, V and O: ~7x the latent's bytes) loses to the gathered "
+       "latent"},
+      {"1b", 32768, 2, "cuda", LinkClass::kNetwork, AG, AG, "the same at 32K over two ranks"},
+      {"1b", 262144, 4, "cuda", LinkClass::kPcie, AG, AG,
+       "at PCIe's 40 GB/s All2All's bytes outweigh the rebuild"},
+      {"small", 16384, 8, "cpu", LinkClass::kLoopback, TIE, TIE,
+       "cp = 8 > 4 heads: no All2All; the ring, the gather and the 2-D modes cost the cores alike"},
+      {"small", 65536, 4, "cpu", LinkClass::kNetwork, TIE, TIE,
+       "40 GFLOP/s cores: compute dominates every mode"},
+      {"1b", 32768, 8, "cpu", LinkClass::kNetwork, TIE, TIE, "the same for the 1b model"},
+  };
+  for (const Row& r : rows) {
+    SCOPED_TRACE(::testing::Message() << r.preset << " " << r.seq_len << " cp " << r.cp << " "
+                                      << LinkClassName(r.link) << ": " << r.why);
+    Topology t = DefaultTopology(r.resources);
+    t.link = r.link;
+    t.link_rates = DefaultLinkRates(r.link);
+    const CpPlan plan =
+        CpPlanner().Plan(Spec(r.preset, r.seq_len, r.cp, r.resources, "fastest", "fastest"), 0, &t);
+    ASSERT_TRUE(plan.ok()) << plan.problems[0];
+    for (const auto& [type, want] : {std::pair{"lightning", r.lightning}, {"mla", r.mla}}) {
+      std::vector<double> steps;
+      for (const ModeEstimate& e : plan.estimates)
+        if (e.layer_type == type) steps.push_back(e.step_s);
+      ASSERT_GE(steps.size(), 2u) << type;
+      std::sort(steps.begin(), steps.end());
+      if (want == TIE) {
+        EXPECT_LT(steps.back(), 1.06 * steps.front()) << type;
+        continue;
+      }
+      EXPECT_EQ(plan.ModeOf(type), want) << type;
+      EXPECT_GT(steps[1], 1.05 * steps[0]) << type << ": the runner-up is too close to call";
+    }
+  }
 }
 
 TEST(CpCostModel, LinkClassesRoundTrip) {

@@ -1,0 +1,557 @@
+// CudaModel's context parallelism (see cuda_model.h): the All2All exchanges by heads and their
+// packing, Lightning's chunk-state AllGather and MLA's latent AllGather with the cross pieces,
+// as DESIGN.md section 3 describes them.
+#include "worker/engine/cuda/cuda_model_impl.h"
+
+namespace spindle {
+
+// ---- Context parallelism: the all-to-all data movement -------------------------------------------
+
+absl::Status CudaModel::Impl::CheckCpContext() const {
+  if (cp.comm == nullptr || cp.comm->size() <= 1) return absl::OkStatus();
+  const int64_t n = cp.comm->size();
+  struct Kind {
+    char kind;
+    const char* field;
+    CpMode mode;
+  };
+  bool all2all = false;
+  for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
+                        Kind{'M', "mla_mode", cp.mla_mode}}) {
+    if (c.NumLayersOfKind(k.kind) == 0) continue;
+    if (k.mode != CpMode::kAll2All && k.mode != CpMode::kAllGather)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
+          " must be a planned mode (PlannedCpModes) before SetCp"));
+    all2all |= k.mode == CpMode::kAll2All;
+  }
+  if (all2all && c.n_heads % n != 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
+        n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::CheckCpBatch(const CpBatch& b) const {
+  if (b.layout.cp <= 1) return absl::OkStatus();
+  if (cp.comm == nullptr || cp.comm->size() != b.layout.cp)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: a cp=", b.layout.cp, " batch needs SetCp with a group of that size"));
+  if (cp.comm->rank() != b.layout.rank)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda model: the batch is rank ", b.layout.rank,
+                     "'s share but this model's CP group rank is ", cp.comm->rank()));
+  return CheckCpContext();
+}
+
+absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
+  const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
+  int64_t row = 0;  // one token's row in a block
+  for (const HeadView& v : views) row += Hl * v.width;
+  int64_t off = 0;
+  for (const HeadView& v : views) {
+    void* dst = At(W.cp_block.get(), off);
+    if (v.head_stride == v.width) {
+      // Every rank's heads are one run of the token's row: one copy for all ranks, with the rank
+      // as the "head" index (the source's head stride is Hl heads, the block's T rows).
+      KC(kc::CopyRows(dst, row, T * row, v.p, v.token_stride, Hl * v.width, T, cp_n,
+                      Hl * v.width, kAct, stream));
+    } else {
+      for (int64_t j = 0; j < cp_n; ++j)
+        KC(kc::CopyRows(At(dst, j * T * row), row, v.width, At(v.p, j * Hl * v.head_stride),
+                        v.token_stride, v.head_stride, T, Hl, v.width, kAct, stream));
+    }
+    off += Hl * v.width;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector<HeadView>& views,
+                                             int64_t j0, int64_t j1) {
+  const int64_t T = B.T, Hl = c.n_heads / B.cp;
+  if (j1 < 0) j1 = B.cp;
+  int64_t row = 0;
+  for (const HeadView& v : views) row += Hl * v.width;
+  int64_t off = 0;
+  for (const HeadView& v : views) {
+    const void* src = At(recv, j0 * T * row + off);
+    if (v.head_stride == v.width) {
+      KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, j1 - j0,
+                      Hl * v.width, kAct, stream));
+    } else {
+      for (int64_t j = 0; j < j1 - j0; ++j)
+        KC(kc::CopyRows(At(v.p, j * Hl * v.head_stride), v.token_stride, v.head_stride,
+                        At(src, j * T * row), row, v.width, T, Hl, v.width, kAct, stream));
+    }
+    off += Hl * v.width;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::CopySlots(const void* src, bool src_in_stream, void* dst,
+                                        bool dst_in_stream, int64_t width) {
+  for (const SlotRows& r : ZigzagSlots())
+    CUDA(cudaMemcpyAsync(At(dst, r.Row(dst_in_stream) * width),
+                         At(src, r.Row(src_in_stream) * width), B.chunk * width * kAb,
+                         cudaMemcpyDefault, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::ExchangeHost(int64_t bytes, CommLayer layer) {
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP exchange of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  CUDA(cudaStreamSynchronize(stream));
+  // The copies out of cp_host_recv that follow are asynchronous (pinned memory): the next
+  // exchange writes it only after this stream sync.
+  return cp.comm->AllToAll(cp_host_send, bytes / B.cp, CommType::kByte, cp_host_recv, layer);
+}
+
+absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_stream, void* recv,
+                                            bool recv_in_stream, int64_t width, CommLayer layer) {
+  const int64_t piece = B.chunk * width * kAb;
+  std::vector<CommSendPiece> out;
+  std::vector<CommRecvPiece> in;
+  for (const SlotRows& r : ZigzagSlots()) {
+    out.push_back({r.rank, At(send, r.Row(send_in_stream) * width), piece});
+    in.push_back({r.rank, At(recv, r.Row(recv_in_stream) * width), piece});
+  }
+  // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
+  // returns once everything is received.
+  CUDA(cudaStreamSynchronize(stream));
+  return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
+}
+
+absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
+                                               CommLayer layer) {
+  if (cp_device_buffers) return ExchangeSlots(send, false, full, true, width, layer);
+  const int64_t bytes = B.cp * B.T * width * kAb;
+  CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
+  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+  return CopySlots(cp_host_recv, false, full, true, width);
+}
+
+absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
+                                                 CommLayer layer) {
+  if (cp_device_buffers) return ExchangeSlots(full, true, recv, false, width, layer);
+  const int64_t bytes = B.cp * B.T * width * kAb;
+  RETURN_IF_ERROR(CopySlots(full, true, cp_host_send, false, width));
+  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
+  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+// q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
+// the Lightning core with the whole sequence's documents -> outputs back into C.o.
+absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
+  RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
+  void* q = C.qkv_n.get();
+  RETURN_IF_ERROR(PackByHeads(
+      {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
+  const void* f = C.cp_full.get();
+  KC(kc::LightningForward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
+                          static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                          1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
+                          W.cp_tmp.get(), nullptr, kAct, Ws(), stream));
+  RETURN_IF_ERROR(ExchangeFromStream(W.cp_tmp.get(), W.cp_block.get(), hw, CommLayer::kLightning));
+  return UnpackToTokens(W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
+}
+
+// d o of this rank's tokens (W.dy) -> the whole sequence for H/cp heads -> the core's backward
+// (its gradients into W.cp_block, free once d o is received) -> dq, dk, dv of this rank's tokens
+// (received into C.cp_full, whose last reader the core's backward was) into W.dqkv.
+absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
+  RETURN_IF_ERROR(PackByHeads({{W.dy.get(), d, Dh, Dh}}));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), hw, CommLayer::kLightning));
+  void* f = C.cp_full.get();
+  void* df = W.cp_block.get();
+  KC(kc::LightningBackward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
+                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
+                           1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
+                           W.cp_tmp.get(), nullptr, df, At(df, hw), At(df, 2 * hw), nullptr,
+                           kAct, Ws(), stream));
+  RETURN_IF_ERROR(ExchangeFromStream(df, f, w, CommLayer::kLightning));
+  void* dq = W.dqkv.get();
+  return UnpackToTokens(
+      f, {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
+}
+
+// ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
+
+absl::Status CudaModel::Impl::GatherDevice(const void* send, int64_t n, CommType type,
+                                           int64_t elem_bytes, void* recv, CommLayer layer) {
+  if (cp_device_buffers) {
+    CUDA(cudaStreamSynchronize(stream));  // NCCL runs on its own stream
+    return cp.comm->AllGather(send, n, type, recv, layer);
+  }
+  const int64_t bytes = n * elem_bytes * B.cp;
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP gather of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  CUDA(cudaMemcpyAsync(cp_host_send, send, n * elem_bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(cp.comm->AllGather(cp_host_send, n, type, cp_host_recv, layer));
+  // Pinned, so asynchronous: the staging is rewritten only after a later stream sync.
+  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::ReduceScatterDevice(const float* send, int64_t n, float* recv,
+                                                  CommLayer layer) {
+  if (cp_device_buffers) {
+    CUDA(cudaStreamSynchronize(stream));
+    return cp.comm->ReduceScatterSum(send, n, recv, layer);
+  }
+  const int64_t bytes = n * 4 * B.cp;
+  if (bytes > cp_host_bytes)
+    return absl::InternalError(absl::StrCat("cuda model: a CP reduce-scatter of ", bytes,
+                                            " bytes exceeds its ", cp_host_bytes,
+                                            "-byte host staging"));
+  float* hs = static_cast<float*>(cp_host_send);
+  float* hr = static_cast<float*>(cp_host_recv);
+  CUDA(cudaMemcpyAsync(hs, send, bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(cp.comm->ReduceScatterSum(hs, n, hr, layer));
+  CUDA(cudaMemcpyAsync(recv, hr, n * 4, cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::GatherStates(const float* send) {
+  const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
+  float* recv = W.cp_state_recv.f32();
+  RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, 4, recv, CommLayer::kLightning));
+  // Rank r's block s is chunk ZigzagChunk(cp, r, s): into stream order.
+  for (int64_t r = 0; r < B.cp; ++r)
+    for (int64_t slot = 0; slot < 2; ++slot)
+      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + ZigzagChunk(B.cp, r, slot) * SZ,
+                           recv + (2 * r + slot) * SZ, SZ * 4, cudaMemcpyDeviceToDevice, stream));
+  return absl::OkStatus();
+}
+
+// Each local chunk runs from a zero state (its output and its end state S_c); the 2cp states are
+// gathered and scanned into every chunk's carry-in P_c; a chunk that continues a document adds
+// the carry's part to the tokens before its first document start. P is kept for the backward.
+absl::Status CudaModel::Impl::LightningAllGatherForward(const LayerIdx& L, Cache& C) {
+  const int64_t ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim(), SZ = H * Dh * Dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  RETURN_IF_ERROR(F32(C.cp_P, 2 * SZ));
+  float* S = W.cp_state_send.f32();
+  for (int slot = 0; slot < 2; ++slot) {
+    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
+    KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
+                            static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, nullptr, scale,
+                            {ch, H, Dh, 3 * d}, At(C.o.get(), slot * ch * d), S + slot * SZ, kAct,
+                            Ws(), stream));
+  }
+  RETURN_IF_ERROR(GatherStates(S));
+  KC(kc::LightningStateScan(W.cp_state_stream.f32(), B.chunk_has_start.i32(), B.chunk_len.i32(),
+                            L.log_decay, 2 * B.cp, H, Dh, W.cp_state_scan.f32(), stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    float* P = C.cp_P.f32() + slot * SZ;
+    CUDA(cudaMemcpyAsync(P, W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, SZ * 4,
+                         cudaMemcpyDeviceToDevice, stream));
+    if (!B.continues[slot]) continue;
+    KC(kc::LightningCarryCorrection(At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, P, scale,
+                                    {ch, H, Dh, 3 * d}, B.first_segment[slot],
+                                    At(C.o.get(), slot * ch * d), kAct, stream));
+  }
+  return absl::OkStatus();
+}
+
+// The carry-ins' gradients from the corrected tokens (dP_c, zero for a chunk that does not
+// continue a document) are gathered and reverse-scanned into every chunk's end-state gradient;
+// each local chunk's backward then runs with its carry-in and that end-state gradient. Reads
+// d o from W.dy, writes dq, dk, dv into W.dqkv.
+absl::Status CudaModel::Impl::LightningAllGatherBackward(const LayerIdx& L, Cache& C) {
+  const int64_t T = B.T, ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t SZ = H * Dh * Dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  float* dP = W.cp_state_send.f32();
+  CUDA(cudaMemsetAsync(dP, 0, 2 * SZ * 4, stream));
+  // The correction's backward also adds its dq part into W.dqkv, which the chunk backward below
+  // overwrites (its carry-in accounts for that part): start from zeros so nothing stale is read.
+  CUDA(cudaMemsetAsync(W.dqkv.get(), 0, T * 3 * d * kAb, stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    if (!B.continues[slot]) continue;
+    KC(kc::LightningCarryCorrectionBackward(
+        At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, C.cp_P.f32() + slot * SZ, scale,
+        {ch, H, Dh, 3 * d}, B.first_segment[slot], At(W.dy.get(), slot * ch * d),
+        At(W.dqkv.get(), slot * ch * 3 * d), dP + slot * SZ, kAct, Ws(), stream));
+  }
+  RETURN_IF_ERROR(GatherStates(dP));
+  KC(kc::LightningStateScanBackward(W.cp_state_stream.f32(), B.chunk_has_start.i32(),
+                                    B.chunk_len.i32(), L.log_decay, 2 * B.cp, H, Dh,
+                                    W.cp_state_scan.f32(), stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
+    void* dq = At(W.dqkv.get(), slot * ch * 3 * d);
+    KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
+                             static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1,
+                             B.continues[slot] ? C.cp_P.f32() + slot * SZ : nullptr, scale,
+                             {ch, H, Dh, 3 * d}, At(W.dy.get(), slot * ch * d),
+                             W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, dq, At(dq, d),
+                             At(dq, 2 * d), nullptr, kAct, Ws(), stream));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+// The head-split whole sequence of MLA's core: rows [Q | K | V] of H/cp heads, output [O].
+kc::SdpaDims MlaCpDims(const ModelConfig& c, int64_t Tf, int64_t Hl) {
+  const MlaConfig& m = c.mla;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim, w = Hl * (2 * qk + vd);
+  kc::SdpaDims s;
+  s.T = Tf, s.H = Hl, s.Dqk = qk, s.Dv = vd;
+  s.q = {w, qk};
+  s.k = {w, qk};
+  s.v = {w, vd};
+  s.out = {Hl * vd, vd};
+  return s;
+}
+}  // namespace
+
+// Q, K (C.Q, C.K) and V (a view into C.kvb) of this rank's tokens -> the whole sequence for H/cp
+// heads -> causal document attention -> O back into C.O.
+absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
+  RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
+  RETURN_IF_ERROR(Act(C.cp_out, Tf, ow));
+  RETURN_IF_ERROR(F32(C.stats, Hl * Tf));
+  RETURN_IF_ERROR(PackByHeads({{C.Q.get(), H * qk, qk, qk},
+                               {C.K.get(), H * qk, qk, qk},
+                               {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kMla));
+  if (attention_kept) return absl::OkStatus();
+  const void* f = C.cp_full.get();
+  KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
+                   B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
+                   1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct, stream));
+  RETURN_IF_ERROR(ExchangeFromStream(C.cp_out.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
+  return UnpackToTokens(W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
+}
+
+// dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward (its
+// gradients into W.cp_block, as in LightningCoreBackward) -> dQ, dK and dV of this rank's tokens,
+// every rank's heads in a block of their own, received into C.cp_full (MlaUnpackGrads takes them
+// out).
+absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
+  RETURN_IF_ERROR(PackByHeads({{W.dO.get(), H * vd, vd, vd}}));
+  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
+  void* f = C.cp_full.get();
+  void* df = W.cp_block.get();
+  RETURN_IF_ERROR(
+      AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
+                        W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
+                        1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
+  return ExchangeFromStream(df, f, w, CommLayer::kMla);
+}
+
+absl::Status CudaModel::Impl::MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  return UnpackToTokens(recv,
+                        {{W.dQ.get(), Hg * qk, qk, qk},
+                         {W.dK.get(), Hg * qk, qk, qk},
+                         {At(W.dkvb.get(), nope), Hg * (nope + vd), nope + vd, vd}},
+                        j0, j1);
+}
+
+// ---- Context parallelism: MLA AllGather (DESIGN.md section 3) -----------------------------------
+//
+// Every rank gathers the latent [c_n | rotated k_r] of all tokens (kv + rd values a token, not
+// the H * (qk + vd) of K and V). Each local chunk then attends in two pieces: its own tokens
+// causally with its documents (Sdpa::Forward on the chunk), and, when its first token continues
+// a document begun earlier, the tokens of that document inside the chunk (the first segment)
+// attend the document's earlier tokens without a mask (Sdpa::ForwardFull), walked in key blocks
+// of kCudaMlaKeyBlock rows so that memory does not grow with the whole sequence, and in query
+// blocks of as many rows so that cuDNN's staging does not grow with the chunk: each key block's
+// keys and values are rebuilt from the gathered latent with kv_b, and each (query block, key
+// block) piece merges into an fp32 running output by the log-sum-exp statistics (AttentionMerge).
+// The backward walks the same pieces with the merged output and statistics (which makes each
+// piece's gradients its share), rebuilding each key block's keys and values, adds the pieces' dq,
+// takes each piece's key gradients back through kv_b (dW_kv_b accumulated) to the latent, and
+// reduce-scatters the latent gradients (fp32, summed over the pieces) to their owners.
+
+namespace {
+// The cross piece's query rows [q0, q0 + n) in blocks of kCudaMlaKeyBlock: cuDNN's full-attention
+// plans pad to powers of two and stage zero-padded copies of the queries, their output and
+// gradients, so whole chunks would cost ~8.7 GiB at 1M tokens (cp = 2) and double past each
+// power of two; blocks keep that at one block's.
+std::vector<std::pair<int64_t, int64_t>> MlaQueryBlocks(int64_t nq) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock)
+    out.emplace_back(q0, std::min(kCudaMlaKeyBlock, nq - q0));
+  return out;
+}
+}  // namespace
+
+// Stream rows [a, b) of the gathered latent -> W.ag_K (keys [k_nope | k_r] of every head) and
+// W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
+absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim, n = b - a;
+  RETURN_IF_ERROR(
+      Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw, false));
+  RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * H));
+  KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv), w, 0, n, H,
+                  rd, kAct, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n,
+                                                      int64_t ldc, void* dK, void* dkvb, int64_t n,
+                                                      int64_t h0, int64_t Hg, Rows lat) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd, kv = m.kv_lora_rank;
+  const int64_t kvw = nope + m.v_head_dim, rows = h0 * kvw * kv;  // kv_b's rows of these heads
+  RETURN_IF_ERROR(Copy2D(dkvb, kvw, dK, qk, nope, n * Hg));
+  const bool f32 = lat.type == KDType::kFloat32;
+  void* lat_kr = static_cast<char*>(lat.p) + kv * (f32 ? 4 : kAb);
+  if (lat.add && !f32)
+    return absl::InternalError("cuda model: latent gradients add up in fp32 only");
+  KC(kc::SumHeads(At(dK, nope), n, Hg, rd, Hg * qk, qk, lat_kr, lat.ld, kAct, stream, lat.add));
+  RETURN_IF_ERROR(
+      Bwd(c_n, ldc, At(Wb(L.kv_b), rows), dkvb, nullptr, G(L.kv_b) + rows, n, kv, Hg * kvw, false));
+  // d c_n rows = d kvb W_kv_b, into the latent's first kv columns.
+  return InputGrad(dkvb, At(Wb(L.kv_b), rows), lat, n, kv, Hg * kvw);
+}
+
+// The key gradients of stream rows [a, b) (W.ag_dK, and dV inside W.ag_dkvb's V columns) ->
+// dW_kv_b (accumulated) and the latent gradients, added (fp32) into the reduce-scatter blocks
+// (W.ag_send: block i holds rank i's tokens in its local order).
+absl::Status CudaModel::Impl::MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a,
+                                                  int64_t b) {
+  const int64_t T = B.T, ch = B.chunk, w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  RETURN_IF_ERROR(MlaKeyGradsToLatentRows(L, At(C.ag_lat.get(), a * w), w, W.ag_dK.get(),
+                                          W.ag_dkvb.get(), b - a, 0, c.n_heads,
+                                          {W.ag_dlat.get(), w}));
+  // Into the owners' blocks, chunk by chunk.
+  float* send = static_cast<float*>(W.ag_send.get());
+  for (int64_t j = a / ch; j * ch < b; ++j) {
+    const int64_t r0 = std::max(a, j * ch), r1 = std::min(b, (j + 1) * ch);
+    const int64_t owner = ZigzagRank(B.cp, j), slot = ZigzagSlot(B.cp, j);
+    KC(kc::CastRows(send + (owner * T + slot * ch + (r0 - j * ch)) * w, KDType::kFloat32, w,
+                    At(W.ag_dlat.get(), (r0 - a) * w), kAct, w, r1 - r0, w, stream,
+                    /*accumulate=*/true));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
+                                                  bool attention_kept) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, ch = B.chunk, Tf = B.T_full, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t kv = m.kv_lora_rank, w = kv + rd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  // This rank's latent rows -> every rank's, then into stream order.
+  void* send = W.ag_send.get();
+  RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
+  RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
+  RETURN_IF_ERROR(
+      GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
+  RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
+  RETURN_IF_ERROR(CopySlots(W.ag_recv.get(), false, C.ag_lat.get(), true, w));
+  const int64_t SS = StatsSlot(H, ch);
+  RETURN_IF_ERROR(F32(C.stats, 2 * SS));
+  if (attention_kept) return absl::OkStatus();
+  for (int slot = 0; slot < 2; ++slot) {
+    const int64_t first = B.slot_chunk[slot] * ch;
+    void* q = At(C.Q.get(), slot * ch * H * qk);
+    void* o = At(C.O.get(), slot * ch * H * vd);
+    float* stats = C.stats.f32() + slot * SS;
+    RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
+    KC(sdpa->Forward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
+                     B.piece_cu_host[slot].data(),
+                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
+                     kAct, stream));
+    if (!B.continues[slot]) continue;
+    // The first segment's output accumulates in fp32 over the key blocks; its queries go in
+    // blocks of as many rows, so that cuDNN stages one block's (MlaQueryBlocks).
+    const int64_t nq = B.first_segment[slot];
+    float* acc = W.ag_acc.f32();
+    KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, nq, H * vd, stream));
+    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
+      RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
+      for (const auto& [q0, n] : MlaQueryBlocks(nq)) {
+        kc::SdpaDims full = MlaDims(c, n);
+        full.Tkv = b - a;
+        KC(sdpa->ForwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                             W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, stream));
+        KC(kc::AttentionMerge(acc + q0 * H * vd, KDType::kFloat32, H * vd, stats + q0, ch,
+                              W.ag_o.get(), kAct, H * vd, W.ag_stats.f32(), n, n, H, vd, stream));
+      }
+    }
+    KC(kc::CastRows(o, kAct, H * vd, acc, KDType::kFloat32, H * vd, nq, H * vd, stream));
+  }
+  return absl::OkStatus();
+}
+
+// Reads W.dO; writes W.dQ and the latent gradients of this rank's tokens into W.dkva.
+absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, ch = B.chunk, H = c.n_heads;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
+  const int64_t w = m.kv_lora_rank + rd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  const int64_t SS = StatsSlot(H, ch);
+  CUDA(cudaMemsetAsync(W.ag_send.get(), 0, B.cp * T * w * 4, stream));
+  for (int slot = 0; slot < 2; ++slot) {
+    const int64_t first = B.slot_chunk[slot] * ch;
+    const void* q = At(C.Q.get(), slot * ch * H * qk);
+    const void* o = At(C.O.get(), slot * ch * H * vd);
+    const void* dout = At(W.dO.get(), slot * ch * H * vd);
+    void* dq = At(W.dQ.get(), slot * ch * H * qk);
+    // The causal piece writes this chunk's dq; the cross blocks add theirs.
+    RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
+    RETURN_IF_ERROR(AttentionBackward(
+        q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS, dout, dq,
+        W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.piece_cu_host[slot], scale, MlaDims(c, ch)));
+    RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
+    if (!B.continues[slot]) continue;
+    const int64_t nq = B.first_segment[slot];
+    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+      const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
+      RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
+      for (const auto& [q0, n] : MlaQueryBlocks(nq)) {
+        // The merged stats of these queries, dense [H, n] as the n-query graph reads them.
+        CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, C.stats.f32() + slot * SS + q0, ch * 4,
+                               n * 4, H, cudaMemcpyDeviceToDevice, stream));
+        kc::SdpaDims full = MlaDims(c, n);
+        full.Tkv = b - a;
+        KC(sdpa->BackwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                              At(o, q0 * H * vd), W.ag_stats.f32(), At(dout, q0 * H * vd),
+                              W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale, full,
+                              kAct, stream));
+        KC(kc::AddRows(At(dq, q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
+                       stream));
+        // This query block's share of the key block's gradients, into the latent's.
+        RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, a, b));
+      }
+    }
+  }
+  // Back to the owners, summed over ranks.
+  float* rs_recv = static_cast<float*>(W.ag_recv.get());
+  RETURN_IF_ERROR(
+      ReduceScatterDevice(static_cast<float*>(W.ag_send.get()), T * w, rs_recv, CommLayer::kMla));
+  KC(kc::CastRows(W.dkva.get(), kAct, w, rs_recv, KDType::kFloat32, w, T, w, stream));
+  return absl::OkStatus();
+}
+
+}  // namespace spindle

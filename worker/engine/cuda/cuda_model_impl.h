@@ -1,0 +1,601 @@
+// CudaModel's internals, shared by the files that implement it (cuda_model.cc: setup, the
+// parameters, optimizer and memory; cuda_model_run.cc: the batch upload and the whole model's
+// passes; cuda_model_layers.cc: one layer of each kind; cuda_model_cp.cc: context parallelism).
+// Nothing outside those files includes it; the design notes are cuda_model.cc's.
+#pragma once
+
+#include "worker/engine/cuda/cuda_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
+#include "common/status.h"
+#include "kernels/cuda/allocator.h"
+#include "kernels/cuda/device_support.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lightning.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/sdpa.h"
+
+namespace spindle {
+
+namespace kc = kernels::cuda;
+using KDType = kc::DType;
+
+namespace cuda_model_detail {
+
+
+constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
+constexpr int64_t kAb = 2;                  // bytes per activation element
+// 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] attention stats.
+inline int64_t StatsSlot(int64_t H, int64_t ch) { return (H * ch + 3) / 4 * 4; }
+
+inline absl::Status FromKernel(const kc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  switch (s.code()) {
+    case kc::StatusCode::kInvalidArgument:
+      return absl::InvalidArgumentError(s.message());
+    case kc::StatusCode::kUnsupported:
+      return absl::UnimplementedError(s.message());
+    case kc::StatusCode::kOutOfMemory:
+      return absl::ResourceExhaustedError(s.message());
+    default:
+      return absl::InternalError(s.message());
+  }
+}
+
+inline absl::Status FromCuda(cudaError_t e, const char* expr) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA: ", expr, ": ", cudaGetErrorString(e)));
+}
+
+#define KC(expr) RETURN_IF_ERROR(FromKernel((expr)))
+#define CUDA(expr) RETURN_IF_ERROR(FromCuda((expr), #expr))
+
+// The largest divisor of n (>= 1) not above `at_most` (>= 1).
+inline int64_t LargestDivisorAtMost(int64_t n, int64_t at_most) {
+  int64_t g = std::min(at_most, n);
+  while (n % g != 0) --g;
+  return g;
+}
+
+// Element pointer arithmetic on bf16 buffers.
+inline void* At(void* p, int64_t elems) { return static_cast<uint16_t*>(p) + elems; }
+inline const void* At(const void* p, int64_t elems) {
+  return static_cast<const uint16_t*>(p) + elems;
+}
+
+// A block of the caching allocator, grown on demand (contents are not kept when it grows), or a
+// view of part of another DevBuf (KindArena), which Release drops without freeing.
+class DevBuf {
+ public:
+  DevBuf() = default;
+  ~DevBuf() { Release(); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+
+  absl::Status Ensure(kc::CachingAllocator* a, int64_t bytes) {
+    if (bytes <= bytes_ && ptr_ != nullptr) return absl::OkStatus();
+    Release();
+    alloc_ = a;
+    void* p = nullptr;
+    KC(a->Allocate(static_cast<size_t>(std::max<int64_t>(bytes, 1)), &p));
+    ptr_ = p;
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void Release() {
+    if (alloc_ && ptr_) (void)alloc_->Free(ptr_);
+    alloc_ = nullptr;
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  // Points at `bytes` bytes of memory someone else owns (none for 0 bytes).
+  void View(void* p, int64_t bytes) {
+    Release();
+    ptr_ = bytes > 0 ? p : nullptr;
+    bytes_ = bytes;
+  }
+  void Swap(DevBuf& o) {
+    std::swap(alloc_, o.alloc_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+  }
+  void* get() const { return ptr_; }
+  float* f32() const { return static_cast<float*>(ptr_); }
+  int32_t* i32() const { return static_cast<int32_t*>(ptr_); }
+
+ private:
+  kc::CachingAllocator* alloc_ = nullptr;
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// One layer's parameter indices (into the host ParamSet) and its decays on the device.
+struct LayerIdx {
+  char kind = 'L';
+  int attn_norm = -1, ffn_norm = -1, w1 = -1, w2 = -1, w3 = -1;
+  int qkv = -1, gate = -1, out = -1, q_norm = -1, k_norm = -1, out_norm = -1;
+  int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
+  float* log_decay = nullptr;  // [H] fp32, device (Lightning)
+};
+
+// Memory shared by the buffers of the two layer kinds, of which a layer uses one: the buffers of
+// the kind in use are views of it, laid out one after another (256-byte aligned); it holds the
+// larger kind's layout, so switching kinds allocates nothing. `kind` (0: none) and `key` (of the
+// sizes) identify the layout carved; the other kind's buffers are released when it changes.
+struct KindArena {
+  DevBuf mem;
+  char kind = 0;
+  uint64_t key = 0;
+};
+// A kind's buffers in a KindArena with the bytes each needs: every buffer of the kind, those the
+// current shapes and modes do not use with 0 bytes.
+using KindFields = std::vector<std::pair<DevBuf*, int64_t>>;
+
+// Saved activations of one layer (names as in model.cc).
+struct Cache {
+  // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
+  // block of ffn_block_rows rows otherwise (FfnForward).
+  DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
+  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
+  DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
+  DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
+  // CP (All2All): the core's head-split inputs over the whole sequence in stream order,
+  // [T_full, 3 * H/cp * Dh] (Lightning q | k | v) or [T_full, H/cp * (2 qk + vd)] (MLA Q | K | V),
+  // and MLA's head-split output [T_full, H/cp * vd] (its backward reads it).
+  DevBuf cp_full, cp_out;
+  // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
+  DevBuf cp_P;
+  // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
+  // order ([T_full, kv + rd]).
+  DevBuf ag_lat;
+  // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
+  // time, as views of one arena (KindArena); the others own theirs.
+  bool kind_union = false;
+  KindArena arena;
+};
+
+// Recompute: what an MLA layer keeps from the forward for its backward, so that the recomputed
+// forward skips the quadratic attention: its output and statistics, and under CP All2All the
+// head-split output (swapped into the layer's Cache as O, stats and cp_out while it runs).
+struct KeptAttention {
+  DevBuf O, stats, cp_out;
+  void SwapInto(Cache& C) {
+    O.Swap(C.O);
+    stats.Swap(C.stats);
+    cp_out.Swap(C.cp_out);
+  }
+  void Release() {
+    for (DevBuf* b : {&O, &stats, &cp_out}) b->Release();
+  }
+};
+
+// Layer-input offload (CudaModel::SetOffloadInputs). Input i of layers 0 .. n-1 lives in device
+// slot i % kSlots; the forward copies each input that the backward will not find still in its
+// slot (i < n - kSlots) to pinned host memory on the copy stream, and the layer that writes input
+// i + kSlots into the same slot waits for that copy. The backward brings input i back into its
+// slot once layer i + kSlots, the slot's last user, has run, so every copy has the compute of
+// kSlots - 1 layers to hide behind. `computed[s]` (compute stream) and `copied[s]` (copy stream)
+// mark the last use of slot s on each side.
+struct Offload {
+  static constexpr int kSlots = static_cast<int>(kCudaOffloadSlots);
+  cudaStream_t copy = nullptr;
+  cudaEvent_t computed[kSlots] = {}, copied[kSlots] = {};
+  void* host = nullptr;  // pinned: input i at i * T * d elements, i < n - kSlots
+  int64_t host_bytes = 0;
+  DevBuf slot[kSlots];
+
+  absl::Status Create() {
+    if (copy) return absl::OkStatus();
+    CUDA(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+    for (int s = 0; s < kSlots; ++s) {
+      CUDA(cudaEventCreateWithFlags(&computed[s], cudaEventDisableTiming));
+      CUDA(cudaEventCreateWithFlags(&copied[s], cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
+  }
+  // The pinned host memory for `bytes` (kept between steps; grown when a step needs more). Not
+  // more than the host has available: pinned pages cannot be swapped, so the machine's other
+  // processes would be killed for them.
+  absl::Status EnsureHost(int64_t bytes) {
+    if (bytes <= host_bytes) return absl::OkStatus();
+    FreeHost();
+    if (const int64_t available = HostMemoryAvailableBytes(); available > 0 && bytes > available)
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda model: train.offload needs ", bytes >> 20,
+                       " MiB of pinned host memory for the layer inputs, but this machine has ",
+                       available >> 20, " MiB available"));
+    if (const cudaError_t e =
+            cudaHostAlloc(&host, static_cast<size_t>(bytes), cudaHostAllocDefault);
+        e != cudaSuccess) {
+      (void)cudaGetLastError();
+      host = nullptr;
+      // Not the device's memory: a restart with more layers recomputing would not help.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda model: train.offload needs ", bytes >> 20,
+          " MiB of pinned host memory for the layer inputs, and cudaHostAlloc refused it (",
+          cudaGetErrorString(e), ")"));
+    }
+    host_bytes = bytes;
+    return absl::OkStatus();
+  }
+  void FreeHost() {
+    if (host) cudaFreeHost(host);
+    host = nullptr;
+    host_bytes = 0;
+  }
+  // Copies `bytes` between slot s and host memory on the copy stream once `compute` has run what
+  // it has queued (the slot's last writer or reader there); marks the copy's end in copied[s].
+  absl::Status CopyAfter(cudaStream_t compute, int s, void* dst, const void* src, int64_t bytes,
+                         cudaMemcpyKind kind) {
+    CUDA(cudaEventRecord(computed[s], compute));
+    CUDA(cudaStreamWaitEvent(copy, computed[s], 0));
+    CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, copy));
+    CUDA(cudaEventRecord(copied[s], copy));
+    return absl::OkStatus();
+  }
+  // `compute` waits for slot s's last copy.
+  absl::Status WaitCopied(cudaStream_t compute, int s) {
+    CUDA(cudaStreamWaitEvent(compute, copied[s], 0));
+    return absl::OkStatus();
+  }
+  // Waits for the copies in flight, then returns the slots to the allocator.
+  void ReleaseSlots() {
+    if (copy) cudaStreamSynchronize(copy);
+    for (DevBuf& b : slot) b.Release();
+  }
+  void Destroy() {
+    ReleaseSlots();
+    FreeHost();
+    for (int s = 0; s < kSlots; ++s) {
+      if (computed[s]) cudaEventDestroy(computed[s]);
+      if (copied[s]) cudaEventDestroy(copied[s]);
+      computed[s] = copied[s] = nullptr;
+    }
+    if (copy) cudaStreamDestroy(copy);
+    copy = nullptr;
+  }
+};
+
+// Gradient scratch shared by every layer's backward.
+struct Work {
+  DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
+  int64_t ws_bytes = 0;
+  // MLA's backward in head groups (CudaMlaGradHeadsPerGroup): at cp = 1 a group's copies of Q, K
+  // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients; under
+  // All2All they are the received block of a rank's heads), and the fp32 sums over the groups of
+  // the latent's gradients [d c_n | d k_r] and of q_a's output gradient (without a q LoRA: of the
+  // normed input's).
+  DevBuf gQ, gK, gkvb, sum_lat, sum_q;
+  // CP (All2All) scratch, sized by Upload: cp_block, the local tokens' side of an exchange (the
+  // packed send blocks, or the received rows of the local tokens) and, while it is free, the
+  // core's input gradients over the whole sequence; cp_tmp, a whole-sequence [T_full, H/cp *
+  // width] output or output gradient.
+  DevBuf cp_block, cp_tmp;
+  // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
+  // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
+  DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
+  // CP (MLA AllGather) scratch, sized by Upload: the latent gather's send and receive blocks (also
+  // the fp32 reduce-scatter's); one key block's keys and kv_b output (ag_K, ag_kvb) and their
+  // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and
+  // a key block; the cross piece's output, stats, fp32 running output and dq.
+  DevBuf ag_send, ag_recv, ag_K, ag_kvb, ag_dK, ag_dkvb, ag_dlat, ag_o, ag_stats, ag_acc, ag_dq;
+  // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
+  // time (KindArena).
+  KindArena arena;
+};
+
+// The batch on the device.
+struct BatchDev {
+  DevBuf ids, targets, pos, cu;
+  int64_t T = 0;  // local tokens
+  // The attention core's documents: the batch's own (cp = 1) or, under CP, those of the whole
+  // sequence (T_full tokens in stream order).
+  std::vector<int32_t> cu_host;
+  int64_t n_valid = 0;
+  int64_t cp = 1, rank = 0, T_full = 0, chunk = 0;  // chunk: tokens per zigzag chunk (cp > 1)
+  // Lightning AllGather under CP, per local slot (chunk ChunkOf(rank, slot)): its document starts
+  // relative to its first token (host and device), its stream chunk index, whether its first
+  // token continues an earlier document and, if so, the tokens before its first start; and the
+  // 2cp chunks' b_c flags and lengths for the state scans (device).
+  std::vector<int32_t> piece_cu_host[2], chunk_has_start_host, chunk_len_host;
+  DevBuf piece_cu[2], chunk_has_start, chunk_len;
+  int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0};
+  bool continues[2] = {false, false};
+  // MLA AllGather: the first stream row each local chunk's queries see (the start of the
+  // document its first token continues, else the chunk's own first token).
+  int64_t key_begin[2] = {0, 0};
+};
+
+// One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
+// all-to-all packing.
+struct HeadView {
+  void* p;
+  int64_t token_stride, head_stride, width;
+};
+
+// MLA's attention views over T tokens: Q and K [T, H, qk], V inside kv_b's output, O [T, H, vd].
+inline kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
+  const MlaConfig& m = c.mla;
+  const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t kvw = m.qk_nope_dim + vd;  // one head's row of kv_b's output
+  kc::SdpaDims s;
+  s.T = T, s.H = H, s.Dqk = qk, s.Dv = vd;
+  s.q = {H * qk, qk};
+  s.k = {H * qk, qk};
+  s.v = {H * kvw, kvw};  // a view into kv_b's output, after each head's k_nope
+  s.out = {H * vd, vd};
+  return s;
+}
+
+}  // namespace cuda_model_detail
+
+// The files of CudaModel name these unqualified.
+using namespace cuda_model_detail;  // NOLINT(build/namespaces)
+
+
+struct CudaModel::Impl {
+  ModelConfig c;
+  std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<kc::Blas> blas;
+  std::unique_ptr<kc::Sdpa> sdpa;
+  kc::CachingAllocator alloc;
+  // Fixed device buffers (cudaMalloc): fp32 master, gradients, moments; bf16 working copy.
+  float *p = nullptr, *g = nullptr, *m = nullptr, *v = nullptr;
+  void* w = nullptr;
+  double* scalar = nullptr;     // [2] device results (loss sum, norms)
+  double* loss_host = nullptr;  // pinned host copy of the loss sum
+  float* log_decays = nullptr;
+  int64_t fixed_bytes = 0;
+  int64_t steps = 0;
+  int64_t head_block_rows = 0;  // see SetHeadBlockRows
+  int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
+  bool kind_union = true;                      // see SetKindUnion
+  bool offload_inputs = false;                 // see SetOffloadInputs
+  int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
+  int64_t mla_grad_heads_per_group = 0;        // see SetMlaGradHeadsPerGroup
+  Offload off;
+  double enqueue_seconds = 0;  // see last_enqueue_seconds()
+  double peak_flops = 0;       // see peak_flops()
+  int embed = -1, final_norm = -1, lm_head = -1;
+  std::vector<LayerIdx> layers;
+  std::vector<std::unique_ptr<Cache>> caches;
+  std::vector<KeptAttention> kept;  // per layer; each recomputing MLA layer fills its own
+  std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
+  DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
+  Work W;
+  BatchDev B;
+  // Context parallelism: the context of SetCp, whether its collectives take device buffers
+  // (NCCL) rather than host ones, and the pinned host staging blocks for the latter.
+  CpContext cp;
+  bool cp_device_buffers = false;
+  void* cp_host_send = nullptr;
+  void* cp_host_recv = nullptr;
+  int64_t cp_host_bytes = 0;
+
+  // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
+  void ReleaseActivations() {
+    caches.clear();
+    kept.clear();
+    layer_in.clear();
+    off.ReleaseSlots();
+    for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
+    for (DevBuf* b : {&W.dh,      &W.da,      &W.dg,       &W.du,     &W.dy,      &W.dgate,
+                      &W.dqkv,    &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,
+                      &W.dc,      &W.dkva,    &W.dqa_n,    &W.dqa,    &W.ws,      &W.cp_block,
+                      &W.cp_tmp,  &W.gQ,      &W.gK,       &W.gkvb,   &W.sum_lat, &W.sum_q,
+                      &W.ag_send, &W.ag_recv, &W.ag_K,     &W.ag_kvb, &W.ag_dK,   &W.ag_dkvb,
+                      &W.ag_dlat, &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq,   &W.arena.mem})
+      b->Release();
+    W.ws_bytes = 0;
+    W.arena.kind = 0;
+  }
+
+  ~Impl() {
+    ReleaseActivations();
+    off.Destroy();
+    for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
+    for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
+                    static_cast<void*>(v), w, static_cast<void*>(scalar),
+                    static_cast<void*>(log_decays)})
+      if (q) cudaFree(q);
+    if (loss_host) cudaFreeHost(loss_host);
+    for (void* h : {cp_host_send, cp_host_recv})
+      if (h) cudaFreeHost(h);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  ParamSet& P() { return host->params(); }
+  const void* Wb(int i) { return At(w, P().info(i).offset); }
+  float* G(int i) { return g + P().info(i).offset; }
+
+  // ---- GEMMs (row-major; bf16 in, fp32 accumulate) --------------------------------------------
+  // y[T, out] (+)= x[T, in] W[out, in]^T; x rows `ldx` apart.
+  // residual (nullable, with acc): y = residual + x W^T, y only written.
+  absl::Status Fwd(const void* x, int64_t ldx, const void* Wt, void* y, int64_t T, int64_t in,
+                   int64_t out, bool acc, const void* residual = nullptr) {
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.M = T, a.N = out, a.K = in, a.beta = acc ? 1.0f : 0.0f;
+    a.A = x, a.lda = ldx, a.B = Wt, a.ldb = in, a.C = y, a.ldc = out, a.C_in = residual;
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // Where a GEMM's rows go: `ld` elements of `type` apart, overwritten or (add) added to.
+  struct Rows {
+    void* p;
+    int64_t ld;
+    KDType type = kAct;
+    bool add = false;
+  };
+  // dx[T, in] (+)= dy[T, out] W[out, in] (dy rows `out` apart).
+  absl::Status InputGrad(const void* dy, const void* Wt, Rows dx, int64_t T, int64_t in,
+                         int64_t out) {
+    kc::GemmArgs a;
+    a.M = T, a.N = in, a.K = out, a.beta = dx.add ? 1.0f : 0.0f;
+    a.A = dy, a.lda = out, a.B = Wt, a.ldb = in, a.C = dx.p, a.ldc = dx.ld, a.c_type = dx.type;
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
+  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx,
+                   float* dW, int64_t T, int64_t in, int64_t out, bool acc_dx) {
+    if (dx) RETURN_IF_ERROR(InputGrad(dy, Wt, {dx, in, kAct, acc_dx}, T, in, out));
+    kc::GemmArgs b;
+    b.trans_a = true;
+    b.M = out, b.N = in, b.K = T, b.beta = 1.0f;
+    b.A = dy, b.lda = out, b.B = x, b.ldb = ldx, b.C = dW, b.ldc = in;
+    b.c_type = KDType::kFloat32;
+    return FromKernel(blas->Gemm(b, stream));
+  }
+  // dst[rows, width] <- src[rows, width] with row strides (elements).
+  absl::Status Copy2D(void* dst, int64_t dst_stride, const void* src, int64_t src_stride,
+                      int64_t width, int64_t rows) {
+    return FromKernel(
+        kc::CopyRows(dst, dst_stride, 0, src, src_stride, 0, rows, 1, width, kAct, stream));
+  }
+  kc::Workspace Ws() { return {W.ws.get(), static_cast<size_t>(W.ws_bytes)}; }
+  absl::Status Act(DevBuf& b, int64_t rows, int64_t cols) {
+    return b.Ensure(&alloc, rows * cols * kAb);
+  }
+  absl::Status F32(DevBuf& b, int64_t n) { return b.Ensure(&alloc, n * 4); }
+
+  // ---- One layer kind's buffers at a time (KindArena) -----------------------------------------
+  // The buffers of `kind` ('L' or 'M') of C or of W that a layer of the other kind never uses,
+  // with the bytes the layer code asks for at the current batch and CP mode (a buffer asked for
+  // larger than its view gets a block of its own, so a mismatch costs memory, not correctness).
+  // The MLA attention's output and statistics are not among them: a recomputing MLA layer keeps
+  // its own (KeptAttention).
+  KindFields CacheKindFields(Cache& C, char kind);
+  KindFields WorkKindFields(char kind);
+  // Makes `kind`'s buffers views of `a`, sized for the larger of the model's kinds, after
+  // releasing both kinds' buffers, unless `a` already holds this layout.
+  absl::Status UseKind(KindArena& a, char kind, const KindFields& lightning, const KindFields& mla);
+  // Releases both kinds' buffers and the arena.
+  static void DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla);
+
+  // Copies numel() floats per (dst, src) pair, skipping pairs with a null side, then syncs.
+  absl::Status CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
+                        cudaMemcpyKind kind);
+  // Allocates (zeroed) the optimizer state buffers asked for that do not exist yet.
+  absl::Status EnsureOptimizerState(bool want_m, bool want_v);
+  // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
+  absl::Status Upload(const Batch& b, const CpLayout* layout);
+  // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
+  // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
+  // (FfnForward) and the backward recomputes them. attention_kept: the MLA attention's output and
+  // statistics are already in C (see KeptAttention); only what its backward reads besides them
+  // is computed.
+  absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
+                            bool ffn_kept, bool attention_kept = false);
+  absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
+                             bool ffn_kept);
+  absl::Status FfnHidden(const LayerIdx& L, const void* h, void* g, void* u, void* a, int64_t n);
+  absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
+  absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
+  absl::Status LightningForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
+  absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
+  absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
+  absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
+  // Sdpa::Backward with the documents of cu_host, its dims.H heads in groups (see
+  // SetAttentionHeadsPerCall): each group's views start at its first head, its statistics at
+  // row h0 of stats [H, T].
+  absl::Status AttentionBackward(const void* q, const void* k, const void* v, const void* o,
+                                 const float* stats, const void* dout, void* dq, void* dk, void* dv,
+                                 const std::vector<int32_t>& cu_host, float scale,
+                                 kc::SdpaDims dims);
+  absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
+                                Recompute recompute, bool backward);
+
+  // ---- Context parallelism (All2All) ----------------------------------------------------------
+  absl::Status CheckCpContext() const;
+  absl::Status CheckCpBatch(const CpBatch& b) const;
+  // Local tokens -> W.cp_block: block j = [T][the views' heads of rank j, view after view].
+  absl::Status PackByHeads(const std::vector<HeadView>& views);
+  // recv (block j = [T][the views' heads of rank j]) -> the local views: blocks [j0, j1), block
+  // j0's first head at the views' head 0 (j1 = -1: every block).
+  absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views, int64_t j0 = 0,
+                              int64_t j1 = -1);
+  // Every rank's two zigzag slots (ZigzagChunk): the slot's first row among the rank blocks of an
+  // exchange (block i = rank i's T local rows) and its chunk's first row in stream order.
+  struct SlotRows {
+    int rank;
+    int64_t block_row, stream_row;
+    int64_t Row(bool in_stream) const { return in_stream ? stream_row : block_row; }
+  };
+  std::vector<SlotRows> ZigzagSlots() const {
+    std::vector<SlotRows> v;
+    for (int i = 0; i < B.cp; ++i)
+      for (int64_t s = 0; s < 2; ++s)
+        v.push_back({i, i * B.T + s * B.chunk, ZigzagChunk(B.cp, i, s) * B.chunk});
+    return v;
+  }
+  // Every slot's rows of `width` from src to dst, each side in stream order ([T_full, width]) or in
+  // rank-block order (block i = rank i's tokens). Device or pinned host memory.
+  absl::Status CopySlots(const void* src, bool src_in_stream, void* dst, bool dst_in_stream,
+                         int64_t width);
+  // The all-to-all of the whole-sequence buffers (distinct send and receive memory): from the
+  // local tokens' blocks (send: block j = [T, width] for rank j) into `full` [T_full, width] in
+  // stream order, each rank's two zigzag chunks received where they belong; or from `full` in
+  // stream order into blocks (recv: block i from rank i). With NCCL the pieces go straight to
+  // their places; through Gloo via the pinned host staging.
+  absl::Status ExchangeToStream(const void* send, void* full, int64_t width, CommLayer layer);
+  absl::Status ExchangeFromStream(const void* full, void* recv, int64_t width, CommLayer layer);
+  // The host-staged all-to-all: cp_host_send (filled by the caller, `bytes` in all) ->
+  // cp_host_recv.
+  absl::Status ExchangeHost(int64_t bytes, CommLayer layer);
+  // The NCCL all-to-all by zigzag slots (ZigzagSlots), each side's rows in stream order or in
+  // rank-block order.
+  absl::Status ExchangeSlots(const void* send, bool send_in_stream, void* recv, bool recv_in_stream,
+                             int64_t width, CommLayer layer);
+  absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
+  // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
+  bool LightningAllGather() const { return B.cp > 1 && cp.lightning_mode == CpMode::kAllGather; }
+  // send: this rank's two [H, Dh, Dh] fp32 blocks -> W.cp_state_stream: all 2cp in stream order.
+  absl::Status GatherStates(const float* send);
+  absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
+  absl::Status MlaCoreForward(Cache& C, bool attention_kept);
+  // The gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
+  absl::Status MlaCoreBackward(Cache& C);
+  // Rank blocks [j0, j1) of the received MLA core gradients -> W.dQ, W.dK and dkvb's V columns,
+  // `Hg` heads wide.
+  absl::Status MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1);
+  // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
+  bool MlaAllGather() const { return B.cp > 1 && cp.mla_mode == CpMode::kAllGather; }
+  // Device-buffer collectives of the CP group (NCCL directly, Gloo through the pinned staging).
+  absl::Status GatherDevice(const void* send, int64_t n, CommType type, int64_t elem_bytes,
+                            void* recv, CommLayer layer);
+  absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
+  absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
+  absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
+  // MLA's backward by groups of heads (see CudaMlaGradHeadsPerGroup): the heads in a group,
+  // n_heads for one group (always under MLA AllGather); under All2All n_heads / cp or n_heads.
+  int64_t MlaGradHeadsPerGroup() const;
+  // The attention backward of heads [h0, h0 + Hg) (cp = 1) into W.dQ, W.dK and dkvb's V columns at
+  // the group's width, from copies of the group's Q, K and kv_b output when Hg < n_heads.
+  absl::Status MlaGroupAttentionBackward(Cache& C, int64_t h0, int64_t Hg);
+  // The key gradients of n rows for heads [h0, h0 + Hg) (dK [n, Hg, qk], dV in dkvb's V columns,
+  // [n, Hg, nope + vd]) -> dW_kv_b's rows of those heads (accumulated; c_n: the normed latent rows,
+  // `ldc` apart) and the rows' latent gradients [d c_n | d k_r, unrotated] into `lat`.
+  absl::Status MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n, int64_t ldc, void* dK,
+                                       void* dkvb, int64_t n, int64_t h0, int64_t Hg, Rows lat);
+  // dQ of heads [h0, h0 + Hg) (W.dQ at the group's width) -> RoPE's inverse, dW of q_b's (or q's)
+  // rows of those heads (accumulated) and the input gradient into `dx` (q_a's normed output, or
+  // without a q LoRA the normed layer input).
+  absl::Status MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg, Rows dx);
+  absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
+  absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
+};
+
+}  // namespace spindle

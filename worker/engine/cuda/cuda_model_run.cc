@@ -1,0 +1,333 @@
+// CudaModel's passes (see cuda_model.h): the batch's upload to the device and the whole model's
+// forward and backward, layer after layer, with the LM head and the loss.
+#include "worker/engine/cuda/cuda_model_impl.h"
+
+namespace spindle {
+
+// ---- Batch ---------------------------------------------------------------------------------------
+
+absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
+  if (b.T < 1) return absl::InvalidArgumentError("cuda model: empty batch");
+  const bool split = layout != nullptr && layout->cp > 1;
+  if (!split && (b.pieces.size() != 1 || b.pieces[0].begin != 0 || b.pieces[0].len != b.T))
+    return absl::InvalidArgumentError(
+        "cuda model: a batch must be one whole sequence (a share of a sequence needs context "
+        "parallelism: SetCp and the CpBatch forms)");
+  if (static_cast<int64_t>(b.ids.size()) != b.T || static_cast<int64_t>(b.targets.size()) != b.T ||
+      static_cast<int64_t>(b.pos.size()) != b.T)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: a batch of ", b.T, " tokens has ", b.ids.size(), " ids, ",
+                     b.targets.size(), " targets and ", b.pos.size(), " positions"));
+  if (split) {
+    // This rank's two zigzag chunks of the layout's sequence, in that order (ShardForCp).
+    const CpLayout& L = *layout;
+    const int64_t ch = L.chunk;
+    bool ok = ch > 0 && L.rank >= 0 && L.rank < L.cp && L.T_full == 2 * L.cp * ch &&
+              b.T == 2 * ch && b.pieces.size() == 2 &&
+              static_cast<int64_t>(b.idx.size()) == b.T && L.cu_seqlens.size() >= 2 &&
+              L.cu_seqlens.front() == 0 && L.cu_seqlens.back() == L.T_full;
+    for (int64_t s = 0; ok && s < 2; ++s)
+      ok = b.pieces[s].begin == s * ch && b.pieces[s].len == ch;
+    for (int64_t t = 0; ok && t < b.T; ++t)
+      ok = b.idx[t] == L.ChunkOf(L.rank, t / ch) * ch + t % ch;
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: the batch (", b.T, " tokens, ", b.pieces.size(), " pieces) is not rank ",
+          L.rank, "'s zigzag share of its cp=", L.cp, " layout (", L.T_full,
+          " tokens in chunks of ", ch, "); build both with ShardForCp"));
+  }
+  for (int32_t id : b.ids)
+    if (id < 0 || id >= c.vocab)
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda model: token id ", id, " outside the vocabulary [0, ", c.vocab, ")"));
+  B.T = b.T;
+  B.cp = split ? layout->cp : 1;
+  B.rank = split ? layout->rank : 0;
+  B.T_full = split ? layout->T_full : b.T;
+  B.chunk = split ? layout->chunk : 0;
+  B.cu_host = split ? layout->cu_seqlens : b.pieces[0].cu_seqlens;
+  B.n_valid = b.NumValidTargets();
+  RETURN_IF_ERROR(B.ids.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.targets.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.pos.Ensure(&alloc, b.T * 4));
+  RETURN_IF_ERROR(B.cu.Ensure(&alloc, static_cast<int64_t>(B.cu_host.size()) * 4));
+  CUDA(cudaMemcpyAsync(B.ids.get(), b.ids.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(B.targets.get(), b.targets.data(), b.T * 4, cudaMemcpyHostToDevice,
+                       stream));
+  CUDA(cudaMemcpyAsync(B.pos.get(), b.pos.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(B.cu.get(), B.cu_host.data(), B.cu_host.size() * 4,
+                       cudaMemcpyHostToDevice, stream));
+  // One workspace for every kernel that needs scratch (they run one after another).
+  const int64_t T = b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
+  const int64_t widest = std::max({d, c.mla.kv_lora_rank, std::max<int64_t>(c.mla.q_lora_rank, 1)});
+  size_t need = std::max(
+      {kc::LightningWorkspaceBytes({T, H, Dh, 3 * d}), kc::RmsNormBackwardWorkspaceBytes(T, widest),
+       kc::QkNormRopeBackwardWorkspaceBytes(T, H, Dh),
+       kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
+       kc::SquaredNormWorkspaceBytes()});
+  if (split) {
+    // The whole-sequence Lightning core over H/cp heads, and the CP buffers. Per rank the widest
+    // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
+    const int64_t Hl = H / B.cp, Tf = B.T_full;
+    const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
+    // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only).
+    const bool has_l = c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAll2All;
+    const bool has_m = c.NumLayersOfKind('M') > 0;
+    const bool has_m_a2a = has_m && cp.mla_mode == CpMode::kAll2All;
+    if (has_l) need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
+    const int64_t in_elems =
+        std::max(has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0});
+    const int64_t out_elems =
+        std::max(has_l ? T * d : int64_t{0}, has_m_a2a ? T * H * vd : int64_t{0});
+    RETURN_IF_ERROR(W.cp_block.Ensure(&alloc, in_elems * kAb));
+    RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
+    // Lightning AllGather: the pieces' documents, the chunks' flags, the state blocks.
+    const CpLayout& L = *layout;
+    const int64_t n_chunks = 2 * B.cp, SZ = H * Dh * Dh;
+    std::vector<int32_t>& has_start = B.chunk_has_start_host;
+    std::vector<int32_t>& len = B.chunk_len_host;
+    has_start.assign(n_chunks, 0);
+    len.assign(n_chunks, 0);
+    for (int64_t ci = 0; ci < n_chunks; ++ci) {
+      has_start[ci] = L.chunks[ci].has_start ? 1 : 0;
+      len[ci] = static_cast<int32_t>(L.chunks[ci].len);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
+      B.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
+      B.continues[slot] = chunk.continues;
+      B.first_segment[slot] = chunk.first_segment;
+      const int64_t first = B.slot_chunk[slot] * B.chunk;
+      B.key_begin[slot] = first;
+      if (chunk.continues) {  // the last document start before the chunk's first token
+        const auto it = std::upper_bound(B.cu_host.begin(), B.cu_host.end(), first);
+        B.key_begin[slot] = *(it - 1);
+      }
+      B.piece_cu_host[slot] = b.pieces[slot].cu_seqlens;
+      RETURN_IF_ERROR(B.piece_cu[slot].Ensure(&alloc, B.piece_cu_host[slot].size() * 4));
+      CUDA(cudaMemcpyAsync(B.piece_cu[slot].get(), B.piece_cu_host[slot].data(),
+                           B.piece_cu_host[slot].size() * 4, cudaMemcpyHostToDevice, stream));
+    }
+    // Lightning AllGather runs the core on each local chunk and the carry correction's backward
+    // on each continuing chunk's first segment; a shorter sequence can need more workspace than
+    // a longer one (its blocks of chunks are shorter), so each size counts.
+    if (c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAllGather) {
+      need = std::max(need, kc::LightningWorkspaceBytes({B.chunk, H, Dh, 3 * d}));
+      for (int slot = 0; slot < 2; ++slot)
+        if (B.continues[slot])
+          need = std::max(need, kc::LightningWorkspaceBytes({B.first_segment[slot], H, Dh, 3 * d}));
+    }
+    RETURN_IF_ERROR(B.chunk_has_start.Ensure(&alloc, n_chunks * 4));
+    RETURN_IF_ERROR(B.chunk_len.Ensure(&alloc, n_chunks * 4));
+    CUDA(cudaMemcpyAsync(B.chunk_has_start.get(), has_start.data(), n_chunks * 4,
+                         cudaMemcpyHostToDevice, stream));
+    CUDA(cudaMemcpyAsync(B.chunk_len.get(), len.data(), n_chunks * 4, cudaMemcpyHostToDevice,
+                         stream));
+    RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
+    for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
+      RETURN_IF_ERROR(F32(*x, n_chunks * SZ));
+    // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
+    // ([cp, T, w] in, [T, w] out) share two device blocks and the host staging.
+    const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+    const int64_t ag_bytes = has_m && cp.mla_mode == CpMode::kAllGather ? B.cp * T * lat_w * 4 : 0;
+    if (ag_bytes > 0) {
+      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, ag_bytes));
+      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, ag_bytes));
+      const int64_t rows = std::max(B.chunk, kCudaMlaKeyBlock);
+      const int64_t kvw = c.mla.qk_nope_dim + vd;
+      for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
+      for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
+      RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
+      // The cross piece's per-block output, dq and statistics: one query block's.
+      const int64_t qrows = std::min(B.chunk, kCudaMlaKeyBlock);
+      RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
+      RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
+      RETURN_IF_ERROR(F32(W.ag_acc, B.chunk * H * vd));
+      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
+    }
+    const int64_t staging = std::max({in_elems * kAb, n_chunks * SZ * 4, ag_bytes});
+    if (!cp_device_buffers && cp_host_bytes < staging) {
+      // The previous step ended with a stream sync: no copy still reads the old blocks.
+      for (void** h : {&cp_host_send, &cp_host_recv}) {
+        if (*h) CUDA(cudaFreeHost(*h));
+        *h = nullptr;
+      }
+      cp_host_bytes = 0;
+      CUDA(cudaMallocHost(&cp_host_send, staging));
+      CUDA(cudaMallocHost(&cp_host_recv, staging));
+      cp_host_bytes = staging;
+    }
+  }
+  RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
+  W.ws_bytes = static_cast<int64_t>(need);
+  return absl::OkStatus();
+}
+
+// ---- Whole model ---------------------------------------------------------------------------------
+
+absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad_scale,
+                                                       void* dx) {
+  const int64_t T = B.T, d = c.d_model, V = c.vocab;
+  RETURN_IF_ERROR(Act(hf, T, d));
+  RETURN_IF_ERROR(F32(rstd_f, T));
+  RETURN_IF_ERROR(F32(row_loss, T));
+  KC(kc::RmsNormForward(x, Wb(final_norm), hf.get(), rstd_f.f32(), T, d,
+                        static_cast<float>(c.norm_eps), kAct, stream));
+  // Row blocks of about 256M bf16 logits (a multiple of 128 rows: whole GEMM tiles; 8192 rows at
+  // V = 32000) bound the logits whatever T is. Each block's weight-gradient GEMM reads and writes
+  // the whole fp32 [V, d] gradient, so fewer, larger blocks move fewer bytes: at T = 32K, 2048-row
+  // blocks moved 8.4 GB of it per step, 8192-row blocks 2.1 GB.
+  const int64_t block = std::min<int64_t>(
+      T, head_block_rows > 0 ? head_block_rows
+                             : std::max<int64_t>(128, (int64_t{1} << 28) / V / 128 * 128));
+  RETURN_IF_ERROR(Act(logits, block, V));
+  if (dx) RETURN_IF_ERROR(Act(dhf, T, d));
+  for (int64_t r0 = 0; r0 < T; r0 += block) {
+    const int64_t rows = std::min(block, T - r0);
+    const void* h = At(hf.get(), r0 * d);
+    RETURN_IF_ERROR(Fwd(h, d, Wb(lm_head), logits.get(), rows, d, V, false));
+    KC(kc::CrossEntropy(logits.get(), B.targets.i32() + r0, rows, V, grad_scale,
+                        row_loss.f32() + r0, dx ? logits.get() : nullptr, kAct, stream));
+    if (dx)
+      RETURN_IF_ERROR(Bwd(h, d, Wb(lm_head), logits.get(), At(dhf.get(), r0 * d), G(lm_head),
+                          rows, d, V, false));
+  }
+  KC(kc::SumRows(row_loss.f32(), T, scalar, stream));
+  if (dx)
+    KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx,
+                           G(final_norm), T, d, kAct, Ws(), stream));
+  // Read by the host after the step's final synchronisation (pinned: no implicit sync here).
+  CUDA(cudaMemcpyAsync(loss_host, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  LossStats s;
+  s.n_valid = B.n_valid;
+  return s;
+}
+
+absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* layout,
+                                               float grad_scale, Recompute recompute,
+                                               bool backward) {
+  const auto start = std::chrono::steady_clock::now();
+  auto queued = [&] {
+    enqueue_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  RETURN_IF_ERROR(Upload(b, layout));
+  const int64_t T = B.T, d = c.d_model, n = c.n_layers;
+  // Forward only (called with Recompute::All): two residual buffers and one cache. Training:
+  // every layer input, one cache per layer that keeps its activations and one, refilled per
+  // layer, for those that recompute.
+  const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
+  while (caches.size() < n_caches) caches.push_back(std::make_unique<Cache>());
+  caches.resize(n_caches);
+  // The cache the recomputing layers share holds one layer kind's buffers at a time.
+  for (size_t k = 0; k < caches.size(); ++k) {
+    Cache& C = *caches[k];
+    const bool shared = kind_union && k == 0 && (!backward || recompute.layers > 0);
+    if (C.kind_union && !shared)
+      DropArena(C.arena, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'));
+    C.kind_union = shared;
+  }
+  auto use_kind = [&](Cache& C, int64_t i) {
+    return C.kind_union
+               ? UseKind(C.arena, layers[i].kind, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'))
+               : absl::OkStatus();
+  };
+  // Layer inputs: forward only, two buffers in turn; training, all n + 1 or, offloading (see
+  // Offload), the ring's slots for layers 0 .. n-1 and one buffer for the head's input.
+  constexpr int64_t K = Offload::kSlots;
+  const bool offload = backward && offload_inputs && n > K;
+  const int64_t n_inputs = !backward ? 2 : offload ? 1 : n + 1;
+  if (static_cast<int64_t>(layer_in.size()) != n_inputs) layer_in = std::vector<DevBuf>(n_inputs);
+  for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
+  if (offload) {
+    RETURN_IF_ERROR(off.EnsureHost((n - K) * T * d * kAb));
+    for (DevBuf& t : off.slot) RETURN_IF_ERROR(Act(t, T, d));
+  } else {
+    off.ReleaseSlots();
+  }
+  auto in = [&](int64_t i) {
+    if (!backward) return layer_in[i % 2].get();
+    if (!offload) return layer_in[i].get();
+    return i < n ? off.slot[i % K].get() : layer_in[0].get();
+  };
+  auto host_in = [&](int64_t i) { return At(off.host, i * T * d); };
+  // Offloading: before input j is written, the copy of input j - K out of its slot is done;
+  // once it is written, it goes to the host unless the backward finds it in its slot.
+  auto slot_of = [&](int64_t i) { return static_cast<int>(i % K); };
+  auto before_input = [&](int64_t j) -> absl::Status {
+    if (offload && j >= K && j < n) return off.WaitCopied(stream, slot_of(j));
+    return absl::OkStatus();
+  };
+  auto after_input = [&](int64_t j) -> absl::Status {
+    if (!offload || j >= n - K) return absl::OkStatus();
+    return off.CopyAfter(stream, slot_of(j), host_in(j), in(j), T * d * kAb,
+                         cudaMemcpyDeviceToHost);
+  };
+  KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
+  RETURN_IF_ERROR(after_input(0));
+  // Each recomputing MLA layer keeps its attention output from this forward (KeptAttention).
+  auto keeps = [&](int64_t i) { return backward && recompute.Layer(i) && layers[i].kind == 'M'; };
+  if (!backward || recompute.layers <= 0) {
+    kept.clear();
+  } else if (static_cast<int64_t>(kept.size()) != n) {
+    kept = std::vector<KeptAttention>(n);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Cache& C = *caches[recompute.CacheOf(i, n)];
+    RETURN_IF_ERROR(use_kind(C, i));
+    const bool swap = keeps(i);
+    if (swap) kept[i].SwapInto(C);
+    if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
+    const bool ffn_kept = backward && !recompute.Layer(i);
+    absl::Status st = before_input(i + 1);
+    if (st.ok()) st = LayerForward(layers[i], C, in(i), in(i + 1), ffn_kept);
+    if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
+    RETURN_IF_ERROR(st);
+    RETURN_IF_ERROR(after_input(i + 1));
+  }
+  if (!backward) {
+    ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
+    queued();
+    CUDA(cudaStreamSynchronize(stream));
+    s.loss_sum = *loss_host;
+    return s;
+  }
+  RETURN_IF_ERROR(Act(dx, T, d));
+  ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
+  for (int64_t i = n - 1; i >= 0; --i) {
+    Cache& C = *caches[recompute.CacheOf(i, n)];
+    RETURN_IF_ERROR(use_kind(C, i));
+    const bool swap = keeps(i);
+    if (swap) kept[i].SwapInto(C);
+    absl::Status st;
+    // Offloading: input i is back in its slot (see Offload).
+    if (offload && i < n - K) st = off.WaitCopied(stream, slot_of(i));
+    // The recomputed forward needs no output: it is the next layer's input, kept.
+    const bool ffn_kept = !recompute.Layer(i);
+    if (st.ok() && !ffn_kept)
+      st = LayerForward(layers[i], C, in(i), nullptr, /*ffn_kept=*/false, swap);
+    if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get(), ffn_kept);
+    if (swap) kept[i].SwapInto(C);
+    RETURN_IF_ERROR(st);
+    // Offloading: layer i was the last user of its slot; input i - K comes back into it.
+    if (offload && i >= K)
+      RETURN_IF_ERROR(off.CopyAfter(stream, slot_of(i), in(i - K), host_in(i - K), T * d * kAb,
+                                    cudaMemcpyHostToDevice));
+  }
+  KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
+  queued();
+  CUDA(cudaStreamSynchronize(stream));
+  s.loss_sum = *loss_host;
+  return s;
+}
+
+absl::StatusOr<LossStats> CudaModel::ForwardBackward(const Batch& batch, float grad_scale,
+                                                     Recompute recompute) {
+  return impl_->Run(batch, nullptr, grad_scale, recompute, /*backward=*/true);
+}
+
+absl::StatusOr<LossStats> CudaModel::Forward(const Batch& batch) {
+  return impl_->Run(batch, nullptr, 0.0f, Recompute::All(), /*backward=*/false);
+}
+
+}  // namespace spindle
