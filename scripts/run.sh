@@ -118,7 +118,7 @@ echo $! >"$PIDS/coordinator.pid"
 for i in 0 1; do
   env ${WORKER_ENV[$i]} "$BUILD/worker/spindle-worker" --coordinator="127.0.0.1:$PORT" \
       --worker_id="local-$i" --work_dir="$RUNTIME/workers/local-$i" --metrics_port=0 \
-      --metrics_host=127.0.0.1 --advertise_host=127.0.0.1 "${WORKER_FLAGS[@]}" \
+      --metrics_host=127.0.0.1 --advertise_host=127.0.0.1 --probe_rates=true "${WORKER_FLAGS[@]}" \
       --checkpoint_root="$CHECKPOINT_ROOT" --data_root="$DATA_ROOT" \
       >"$LOGS/worker-$i.log" 2>&1 &
   echo $! >"$PIDS/worker-$i.pid"

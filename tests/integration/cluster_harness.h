@@ -285,6 +285,20 @@ class ClusterHarness {
         std::chrono::seconds(20));
   }
 
+  // The coordinator's plan of `spec_json` (the Plan RPC), or its error.
+  absl::StatusOr<v1::Plan> Plan(const std::string& spec_json) {
+    v1::PlanJobRequest req;
+    req.set_spec_json(spec_json);
+    v1::PlanJobResponse resp;
+    grpc::ClientContext ctx;
+    Authorize(&ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    grpc::Status s = jobs_->Plan(&ctx, req, &resp);
+    if (!s.ok())
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    return resp.plan();
+  }
+
   absl::StatusOr<std::string> Submit(const std::string& spec_json) {
     v1::SubmitJobRequest req;
     req.set_spec_json(spec_json);

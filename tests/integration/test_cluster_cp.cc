@@ -164,6 +164,48 @@ TEST_P(ClusterCpTest, CpJobRunsOnCpuWorkersToSuccessWithProgress) {
   EXPECT_EQ(job->last_checkpoint_step(), 8);
 }
 
+// A worker started with --probe_rates measures its CPU kernels through the real trainer binary
+// and reports them with its cores and threads; the coordinator's cost model then plans with them
+// (the plan names the worker), and a worker without the probe leaves the built-in rates.
+TEST(ClusterRatesTest, MeasuredRatesReachThePlannersCostModel) {
+  if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
+      std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_TRAIN_BINARY).empty()) {
+    GTEST_SKIP() << "spindle-coordinator, spindle-worker or spindle-train not built";
+  }
+  ScratchDir dir("spindle-cluster-rates");
+  const std::string spec = CpSpec(2, 4, dir.File("ckpt"));
+  for (const bool probe : {true, false}) {
+    SCOPED_TRACE(probe ? "--probe_rates" : "no probe");
+    ClusterHarness cluster(&dir);
+    ASSERT_TRUE(cluster.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=5"}))
+        << cluster.Logs();
+    ASSERT_TRUE(cluster.StartWorker("w0", 2, SPINDLE_TRAIN_BINARY, {},
+                                    {"--cpu_threads_per_slot=1",
+                                     probe ? "--probe_rates=true" : "--probe_rates=false"}));
+    ASSERT_TRUE(cluster.WaitForWorkers(1)) << cluster.Logs();
+    std::optional<v1::ListWorkersResponse> workers = cluster.ListWorkers();
+    ASSERT_TRUE(workers.has_value());
+    ASSERT_EQ(workers->workers_size(), 1);
+    const v1::DeviceGroup& d = workers->workers(0).devices(0);
+    EXPECT_EQ(d.threads_per_rank(), probe ? 1 : 0);
+    EXPECT_EQ(d.rates().gemm_flops() > 0, probe);
+    EXPECT_EQ(d.rates().attention_flops() > 0, probe);
+    EXPECT_EQ(d.rates().lightning_flops() > 0, probe);
+    EXPECT_EQ(d.rates().memory_bytes() > 0, probe);
+    absl::StatusOr<v1::Plan> plan = cluster.Plan(spec);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_GT(plan->estimates_size(), 0);
+    EXPECT_GT(plan->step_s(), 0);
+    if (probe) {
+      EXPECT_EQ(plan->cost_basis().rfind("rates measured by worker w0 (cpu ", 0), 0u)
+          << plan->cost_basis();
+    } else {
+      EXPECT_NE(plan->cost_basis().find("(worker w0 reported none)"), std::string::npos)
+          << plan->cost_basis();
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(CpSizes, ClusterCpTest, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return absl::StrCat("cp", i.param);
