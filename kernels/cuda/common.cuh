@@ -43,6 +43,27 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// RMSNorm's first half for one warp over row `row` of x ([rows, D]): with kResidual, h = x + res
+// stored in T (h's rounded values are what is normed); returns the warp-wide sum of squares and
+// the row the second half reads (h's or x's). Every lane gets the same sum.
+template <typename T, bool kResidual>
+__device__ __forceinline__ float RmsRowSumSquares(const T* x, const T* res, T* h, int64_t row,
+                                                  int64_t D, int lane, const T** src) {
+  const T* xr = x + row * D;
+  float ss = 0.0f;
+  for (int64_t j = lane; j < D; j += 32) {
+    float v = ToFloat(xr[j]);
+    if constexpr (kResidual) {
+      const T hv = FromFloat<T>(v + ToFloat(res[row * D + j]));
+      h[row * D + j] = hv;
+      v = ToFloat(hv);
+    }
+    ss += v * v;
+  }
+  *src = kResidual ? h + row * D : xr;
+  return WarpSum(ss);
+}
+
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -297,20 +297,9 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const int64_t row = blockIdx.x * static_cast<int64_t>(kRowWarps) + (threadIdx.x >> 5);
   uint32_t m = 0;
   if (row < rows) {  // uniform over the warp
-    const T* xr = x + row * D;
-    float ss = 0.0f;
-    for (int64_t j = lane; j < D; j += 32) {
-      float v = ToFloat(xr[j]);
-      if constexpr (kResidual) {
-        const T hv = FromFloat<T>(v + ToFloat(res[row * D + j]));
-        h[row * D + j] = hv;
-        v = ToFloat(hv);
-      }
-      ss += v * v;
-    }
-    ss = WarpSum(ss);
+    const T* src = nullptr;
+    const float ss = internal::RmsRowSumSquares<T, kResidual>(x, res, h, row, D, lane, &src);
     const float r = rsqrtf(ss / static_cast<float>(D) + eps);
-    const T* src = kResidual ? h + row * D : xr;
     __syncwarp();
     for (int64_t j = lane; j < D; j += 32) {
       const float v = RmsValue(ToFloat(src[j]), r, ToFloat(w[j]));
@@ -345,12 +334,8 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   uint32_t m = 0;
   if (r < T_ * H) {
     const int64_t hd = r % H * Dh, off = r * Dh;  // [T, H, Dh] flattened
-    float ss = 0.0f;
-    for (int64_t j = lane; j < Dh; j += 32) {
-      const float v = ToFloat(o[off + j]);
-      ss += v * v;
-    }
-    ss = WarpSum(ss);
+    const T* row = nullptr;
+    const float ss = internal::RmsRowSumSquares<T, false>(o, nullptr, nullptr, r, Dh, lane, &row);
     const float rs = rsqrtf(ss / static_cast<float>(Dh) + eps);
     for (int64_t j = lane; j < Dh; j += 32) {
       const float v =

@@ -114,20 +114,9 @@ __global__ void RmsNormFwdKernel(const T* x, const T* res, T* h, const T* w, T* 
   const int lane = threadIdx.x & 31;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kFwdWarps) + (threadIdx.x >> 5);
   if (row >= rows) return;
-  const T* xr = x + row * D;
-  float ss = 0.0f;
-  for (int64_t j = lane; j < D; j += 32) {
-    float v = ToFloat(xr[j]);
-    if constexpr (kResidual) {
-      const T hv = FromFloat<T>(v + ToFloat(res[row * D + j]));
-      h[row * D + j] = hv;
-      v = ToFloat(hv);
-    }
-    ss += v * v;
-  }
-  ss = WarpSum(ss);
+  const T* src = nullptr;
+  const float ss = internal::RmsRowSumSquares<T, kResidual>(x, res, h, row, D, lane, &src);
   const float r = rsqrtf(ss / static_cast<float>(D) + eps);
-  const T* src = kResidual ? h + row * D : xr;
   __syncwarp();
   for (int64_t j = lane; j < D; j += 32) {
     y[row * D + j] = FromFloat<T>(ToFloat(src[j]) * r * ToFloat(w[j]));
@@ -291,12 +280,8 @@ __global__ void GroupNormGateFwdKernel(const T* o, const T* w, const T* gate, T*
   if (r >= T_ * H) return;
   const int64_t h = r % H;
   const int64_t off = r * Dh;  // [T, H, Dh] flattened
-  float ss = 0.0f;
-  for (int64_t j = lane; j < Dh; j += 32) {
-    const float v = ToFloat(o[off + j]);
-    ss += v * v;
-  }
-  ss = WarpSum(ss);
+  const T* row = nullptr;
+  const float ss = internal::RmsRowSumSquares<T, false>(o, nullptr, nullptr, r, Dh, lane, &row);
   const float rs = rsqrtf(ss / static_cast<float>(Dh) + eps);
   for (int64_t j = lane; j < Dh; j += 32) {
     const float sig = internal::Sigmoid(ToFloat(gate[off + j]));
