@@ -14,7 +14,7 @@
 namespace spindle {
 
 // The rules of the modes that need more than cp and the head count's divisibility by cp
-// (All2All's rule stays with the mode rule, ResolveCpModes and the planner):
+// (All2All's rule stays with the planner, and the engine's PlannedCpModes checks it):
 //   - lightning_mode is never "ring" (Lightning has no Ring mode);
 //   - ulysses in [1, cp]; ulysses > 1 only with a "hybrid" mode (it has no other use);
 //   - a "hybrid" mode needs ulysses >= 2, cp % ulysses == 0, cp / ulysses >= 2 (with one group
