@@ -1,6 +1,7 @@
 // The trainer's device path (resources "cuda", worker/engine/step_backend.h) without a GPU: a
 // StepBackend that runs the CPU Model as its "device", with a separate host mirror, stands in for
-// CudaModel. With it the device path must reproduce the CPU path bit for bit (averaging, norm,
+// CudaModel. With it a backend whose memory is its own (gradients and parameters moved through
+// the host mirror) must reproduce the CPU backend bit for bit (averaging, norm,
 // clipping, the optimizers: AdamW, SGD with and without momentum; data parallel on the host),
 // download before every checkpoint and upload on every resume, so checkpoints cross between the
 // engines (AdamW's and SGD's state); evaluation on the device equals the
