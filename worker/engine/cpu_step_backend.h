@@ -1,7 +1,7 @@
 // CpuStepBackend: the CPU model (model.h) and its optimizer behind the StepBackend interface, so
 // that the trainer runs one step for every engine. Its "device" is the host: host_params() is the
 // model's own ParamSet, the Download*/Upload* of parameters and gradients do nothing, and the
-// optimizer state moves by copy (only around checkpoint loads and saves). The gradients being
+// trainer's checkpoints read and write its optimizer's state in place (HostOptimizer). The gradients being
 // host memory, ForwardBackward reports them ready layer by layer (on_grad_ready) for the
 // trainer's overlapped all-reduce. train.precision selects the CPU numerics (numerics.h: exact
 // fp32, or the bf16 and fp8 emulations). No device collectives (DeviceId() is empty). Not
@@ -53,6 +53,7 @@ class CpuStepBackend : public StepBackend {
   absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) override;
   absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
                                     int64_t steps_taken) override;
+  Optimizer* HostOptimizer() override { return optimizer_.get(); }
 
   nlohmann::json StepEventFields() override { return nlohmann::json::object(); }
   std::string DeviceId() override { return ""; }

@@ -36,6 +36,7 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
 #include "worker/engine/params.h"
 #include "worker/engine/tensor.h"
 
@@ -105,6 +106,10 @@ class StepBackend {
   virtual absl::Status DownloadOptimizerState(Tensor* m, Tensor* v) = 0;
   virtual absl::Status UploadOptimizerState(const Tensor& m, const Tensor& v,
                                             int64_t steps_taken) = 0;
+  // A backend whose optimizer runs on host memory over host_params() returns it: checkpoints then
+  // load into and save from it directly, with no staging copy of its state (which would double
+  // the optimizer's memory at every checkpoint). Null for device backends.
+  virtual Optimizer* HostOptimizer() { return nullptr; }
 
   // Fields added to every step event (device memory: "mem_allocated_bytes", ...).
   virtual nlohmann::json StepEventFields() = 0;

@@ -130,17 +130,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
                                         t->ulysses_comm_.get(), t->ring_comm_.get(), payload}));
   }
   ParamSet& params = t->backend_->host_params();
-  t->optimizer_ = std::make_unique<Optimizer>(spec.train, params);
+  t->optimizer_ = t->backend_->HostOptimizer();
+  if (t->optimizer_ == nullptr) {
+    t->staging_optimizer_ = std::make_unique<Optimizer>(spec.train, params);
+    t->optimizer_ = t->staging_optimizer_.get();
+  }
   t->state_.seed = spec.train.seed;
   RETURN_IF_ERROR(t->Resume(params));
-  // The optimizer state lives with the backend: the host copy comes back for each checkpoint.
-  t->optimizer_->ReleaseState();
+  // A device's optimizer state lives there: the host copy comes back for each checkpoint.
+  if (t->staging_optimizer_) t->optimizer_->ReleaseState();
   return t;
 }
 
 absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
   const JobSpec& spec = opt_.spec;
-  ASSIGN_OR_RETURN(state_, LoadCheckpoint(dir, params, optimizer_.get(), spec.model));
+  ASSIGN_OR_RETURN(state_, LoadCheckpoint(dir, params, optimizer_, spec.model));
   if (state_.seed != spec.train.seed)
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint: \"", dir, "\" was written with seed ", state_.seed,
@@ -151,8 +155,9 @@ absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
                      ", past the job's train.steps = ", spec.train.steps,
                      "; raise train.steps to train on, or give the job another checkpoint.dir"));
   RETURN_IF_ERROR(backend_->UploadParams());
-  RETURN_IF_ERROR(backend_->UploadOptimizerState(optimizer_->state0(), optimizer_->state1(),
-                                                 optimizer_->steps_taken()));
+  if (staging_optimizer_)
+    RETURN_IF_ERROR(backend_->UploadOptimizerState(optimizer_->state0(), optimizer_->state1(),
+                                                   optimizer_->steps_taken()));
   return absl::OkStatus();
 }
 
@@ -453,18 +458,20 @@ absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
   if (opt_.rank == 0) {
     // The device's parameters and optimizer state into the host copies the checkpoint code
-    // writes (zeros for state the device does not keep, as the CPU optimizer has them).
-    optimizer_->AllocateState();
+    // writes (zeros for state the device does not keep, as the CPU optimizer has them); a host
+    // optimizer is written as it is.
     absl::Status s = backend_->DownloadParams();
-    if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
-    optimizer_->set_steps_taken(backend_->steps_taken());
+    if (staging_optimizer_) {
+      optimizer_->AllocateState();
+      if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
+      optimizer_->set_steps_taken(backend_->steps_taken());
+    }
     if (!s.ok()) dir = s;
   }
   if (opt_.rank == 0 && dir.ok())
-    dir = SaveCheckpoint(ckpt_dir_, backend_->host_params(),
-                         optimizer_.get(), opt_.spec.model, state_, opt_.spec.checkpoint.keep,
-                         opt_.attempt);
-  optimizer_->ReleaseState();
+    dir = SaveCheckpoint(ckpt_dir_, backend_->host_params(), optimizer_, opt_.spec.model, state_,
+                         opt_.spec.checkpoint.keep, opt_.attempt);
+  if (staging_optimizer_) optimizer_->ReleaseState();
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;
     RETURN_IF_ERROR(world_comm_->Broadcast(&written, 1, CommType::kI32, 0, CommLayer::kOther));

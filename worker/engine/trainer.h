@@ -104,8 +104,8 @@ class Trainer {
 
   // The engine: the CPU model (CpuStepBackend, resources "cpu") or the device's.
   StepBackend& backend() { return *backend_; }
-  // The host optimizer: its state only around checkpoint loads and saves (the backend's own
-  // optimizer keeps it between them).
+  // The host optimizer: the CPU backend's own, or for a device backend a staging copy whose state
+  // exists only around checkpoint loads and saves.
   Optimizer& optimizer() { return *optimizer_; }
   const TrainState& state() const { return state_; }
   // Loss of every step this process ran.
@@ -163,7 +163,11 @@ class Trainer {
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<StepBackend> backend_;  // CpuStepBackend, or the device's (resources "cuda")
   // On the backend's host ParamSet for "cuda": the AdamW state as of the last checkpoint/resume.
-  std::unique_ptr<Optimizer> optimizer_;
+  // The optimizer checkpoints load into and save from: the backend's own when it runs on the
+  // host (HostOptimizer), else staging_optimizer_, a host copy whose state exists only around
+  // checkpoint loads and saves.
+  Optimizer* optimizer_ = nullptr;
+  std::unique_ptr<Optimizer> staging_optimizer_;
   TrainState state_;
   std::vector<double> losses_;
   double elapsed_s_ = 0.0;
