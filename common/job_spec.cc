@@ -111,23 +111,17 @@ double SyntheticAttentionSpan(const DataSpec& d) {
   if (d.kind != DataKind::kSynthetic) return 0;
   if (d.task == "recall") return 4.0 * static_cast<double>(d.recall_pairs) +
                                  static_cast<double>(d.recall_gap) + 3.0;
-  // Copy: len = 2 m + 2, m = max(8, h + u), u uniform in [0, h], h = gap / 2.
-  const int64_t h = d.recall_gap / 2;
-  double n = 0, sum = 0, sum_sq = 0;
-  if (h < 8) {  // at most 8 values
-    for (int64_t u = 0; u <= h; ++u) {
-      const double len = 2.0 * static_cast<double>(std::max<int64_t>(8, h + u)) + 2.0;
-      n += 1, sum += len, sum_sq += len * len;
-    }
-    return sum_sq / sum;
-  }
-  // m runs over [h, 2h]: sums of m and m^2 in closed form (doubles: gap is unbounded).
-  const double a = static_cast<double>(h), b = 2.0 * a;
-  n = b - a + 1.0;
-  const double sm = (a + b) * n / 2.0;
-  const double sm2 = b * (b + 1) * (2 * b + 1) / 6.0 - (a - 1) * a * (2 * a - 1) / 6.0;
-  sum = 2.0 * sm + 2.0 * n;
-  sum_sq = 4.0 * sm2 + 8.0 * sm + 4.0 * n;
+  // Copy: len = 2 m + 2 with m = max(8, h + u), u uniform in [0, h], h = gap / 2: the u with
+  // h + u < 8 give m = 8, the rest m over [max(8, h), 2 h]. Sums in closed form (doubles: the gap
+  // is unbounded).
+  const double h = static_cast<double>(d.recall_gap / 2);
+  const double eights = h < 8 ? std::min(h, 7 - h) + 1 : 0;
+  const double a = std::max(8.0, h), b = 2 * h;
+  const double n = b >= a ? b - a + 1 : 0;
+  const double sm = n > 0 ? (a + b) * n / 2 : 0;
+  const double sm2 = n > 0 ? b * (b + 1) * (2 * b + 1) / 6 - (a - 1) * a * (2 * a - 1) / 6 : 0;
+  const double sum = 2 * sm + 2 * n + 18 * eights;
+  const double sum_sq = 4 * sm2 + 8 * sm + 4 * n + 324 * eights;
   return sum_sq / sum;
 }
 

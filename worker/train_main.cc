@@ -82,9 +82,6 @@ constexpr char kUsage[] =
     "                     [--eval-sequences N]\n"
     "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n";
 
-// train.recompute "auto" run standalone: the planner's choice for this machine's device (the GPU
-// the job trains on, or host memory shared by the world's ranks); every layer when neither is
-// known.
 // A spec run standalone that leaves something open ("auto" or "fastest" modes, "auto"
 // recompute) is planned here, once, as the coordinator plans the jobs it runs: against this
 // machine's device (the GPU's memory, or host memory shared by the world's ranks) when recompute

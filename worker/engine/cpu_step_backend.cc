@@ -1,7 +1,6 @@
 // The CPU model as a StepBackend (see cpu_step_backend.h).
 #include "worker/engine/cpu_step_backend.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "common/status.h"
@@ -97,13 +96,19 @@ absl::Status CpuStepBackend::UploadOptimizerState(const Tensor& m, const Tensor&
   return absl::OkStatus();
 }
 
+// The trainer asks for device collectives only from backends that report a device (DeviceId is
+// empty here): a call is a caller's mistake, refused by name.
 absl::StatusOr<std::unique_ptr<Communicator>> CpuStepBackend::CreateDeviceCommunicator(
     KvStore&, const std::string&, int, int, absl::Duration) {
-  return absl::UnimplementedError("cpu backend: no device communicators (Gloo runs on the host)");
+  return absl::FailedPreconditionError(
+      "cpu backend: the host has no device communicators; its collectives are the trainer's Gloo "
+      "groups");
 }
 
 absl::Status CpuStepBackend::AllReduceGrads(Communicator&) {
-  return absl::UnimplementedError("cpu backend: no device communicators (Gloo runs on the host)");
+  return absl::FailedPreconditionError(
+      "cpu backend: the host has no device communicators; the trainer sums host gradients over "
+      "its Gloo world");
 }
 
 }  // namespace spindle

@@ -10,9 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "common/cp_modes.h"
 #include "common/status.h"
-#include "kernels/cpu/ops.h"
-#include "worker/engine/cpu_step_backend.h"
 #include "worker/engine/batch.h"
+#include "worker/engine/cpu_step_backend.h"
 
 namespace spindle {
 
