@@ -24,12 +24,13 @@
 // between the forward and the backward (CudaModel::SetOffloadInputs); "host GiB" is that memory.
 // --mla_grad_heads N: MLA's backward in groups of N heads (CudaModel::SetMlaGradHeadsPerGroup; 0,
 // the default, is the model's rule; n_heads: one group).
+// --precision bf16 (default) or fp8 (CudaModel::SetPrecision).
 // --forward 0: skip the forward-only timing and the held-out loss (their columns print -1), which
 // at the longest sequences take as long as half a step.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
 //                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
-//                         [--mla_grad_heads 0] [--forward 1]
+//                         [--mla_grad_heads 0] [--forward 1] [--precision bf16|fp8]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -60,7 +61,7 @@ void CUDART_CB HoldStream(void* ms) {
 constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
         const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows,
-        int64_t mla_grad_heads, bool forward) {
+        int64_t mla_grad_heads, bool forward, TrainPrecision precision) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -74,14 +75,19 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   CudaModel& m = **model_or;
   absl::Status set = m.SetHeadBlockRows(head_rows);
   if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
+  if (set.ok()) set = m.SetPrecision(precision);
   if (!set.ok()) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", set.ToString().c_str());
     return 2;
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("# %s, preset %s (%.0fM parameters), bf16 activations, fp32 master + AdamW\n",
-              prop.name, preset.c_str(), config->NumParams() / 1e6);
+  std::printf(
+      "# %s, preset %s (%.0fM parameters), precision %s (bf16 activations%s), fp32 "
+      "master + AdamW\n",
+      prop.name, preset.c_str(), config->NumParams() / 1e6,
+      std::string(TrainPrecisionName(precision)).c_str(),
+      precision == TrainPrecision::kFp8 ? ", FP8 linears" : "");
   std::printf(
       "| T | recompute | offload | step ms | host enqueue ms | forward-only ms | optimizer ms | "
       "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | host GiB | loss | "
@@ -109,6 +115,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
           job.resources = "cuda";
           job.train.recompute_layers = TrainSpec::kRecomputeAuto;
           job.train.offload = offload;
+          job.train.precision = precision;
           const CpPlan plan = CpPlanner().Plan(job, static_cast<int64_t>(prop.totalGlobalMem));
           rec = plan.memory.recompute_layers;
           std::printf("# T %lld, recompute auto: %lld layers, estimate %s of %s\n",
@@ -205,6 +212,7 @@ int main(int argc, char** argv) {
   int steps = 6, head_start_ms = 0;
   int64_t head_rows = 0, mla_grad_heads = 0;
   bool forward = true;
+  spindle::TrainPrecision precision = spindle::TrainPrecision::kBf16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset") {
@@ -227,6 +235,13 @@ int main(int argc, char** argv) {
       mla_grad_heads = std::atoll(v.c_str());
     } else if (k == "--forward") {
       forward = v != "0";
+    } else if (k == "--precision") {
+      if (v != "bf16" && v != "fp8") {
+        std::fprintf(stderr, "bench_model_cuda: --precision takes bf16 or fp8, got %s\n",
+                     v.c_str());
+        return 2;
+      }
+      precision = v == "fp8" ? spindle::TrainPrecision::kFp8 : spindle::TrainPrecision::kBf16;
     } else {
       std::fprintf(stderr, "bench_model_cuda: unknown flag %s\n", k.c_str());
       return 2;
@@ -253,5 +268,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows, mla_grad_heads,
-                      forward);
+                      forward, precision);
 }

@@ -5,13 +5,30 @@
 # with "auto"). Run from the repository root on the GPU
 # machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer carried. Writes the
 # outputs under $OUT when set.
-# Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer]
+# fp8: the FP8 comparison instead (train.precision fp8 against bf16, ours at 32K without recompute
+# and at 128K with every layer recomputing; the peer compiled, with and without --fp8, at 32K).
+# Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer | fp8]
 set -uo pipefail
 out=${OUT:-/tmp}
 what=${1:-all}
 source bench/cuda/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+if [ "$what" = fp8 ]; then
+  echo "== spindle"
+  for p in bf16 fp8; do
+    timeout 120 .cuda-run/bench_model_cuda --preset 1b --T 32768 --recompute 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
+  done
+  for p in bf16 fp8; do
+    timeout 120 .cuda-run/bench_model_cuda --preset 1b --T 131072 --recompute all --steps 4 --forward 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
+  done
+  echo "== peer"
+  for args in "--T 32768 --compile" "--T 32768 --fp8 --compile"; do
+    echo "ref_model.py $args"
+    timeout 150 python3 .peer/ref_model.py $args 2>&1 | tail -1 | tee -a "$out/peer_step.txt"
+  done
+  exit 0
+fi
 if [ "$what" != peer ]; then
   echo "== spindle"
   timeout 240 .cuda-run/bench_model_cuda --preset 1b --T 8192,32768 --recompute 0 2>&1 | tee "$out/spindle_step.txt"

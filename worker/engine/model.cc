@@ -63,8 +63,8 @@ std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer) {
   std::vector<float> ld;
   for (int64_t h = 0; h < H; ++h) {
     const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
-    ld.push_back(static_cast<float>(
-        -slope * (1.0 - static_cast<double>(layer) / c.n_layers + 1e-5)));
+    ld.push_back(
+        static_cast<float>(-slope * (1.0 - static_cast<double>(layer) / c.n_layers + 1e-5)));
   }
   return ld;
 }
@@ -114,10 +114,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, 
 }
 
 void Model::SetNumerics(const Numerics& numerics) {
-  std::vector<int> linear;  // every layer's projections
+  // Every layer's projections but MLA's per-head ones (q or q_b, kv_b: see numerics.h).
+  std::vector<int> linear;
   for (const auto& L : layers_)
-    for (int i : {L->qkv, L->gate, L->out, L->q, L->q_a, L->q_b, L->kv_a, L->kv_b, L->mo, L->w1,
-                  L->w2, L->w3})
+    for (int i : {L->qkv, L->gate, L->out, L->q_a, L->kv_a, L->mo, L->w1, L->w2, L->w3})
       if (i >= 0) linear.push_back(i);
   numerics_.Set(numerics, std::move(linear));
 }
@@ -152,7 +152,8 @@ void Model::Build() {
       } else {
         L->q = P.Add(p + "mla.q.weight", {H * qk, d}, ParamInit::kNormal);
       }
-      L->kv_a = P.Add(p + "mla.kv_a.weight", {m.kv_lora_rank + m.qk_rope_dim, d}, ParamInit::kNormal);
+      L->kv_a =
+          P.Add(p + "mla.kv_a.weight", {m.kv_lora_rank + m.qk_rope_dim, d}, ParamInit::kNormal);
       L->kv_norm = P.Add(p + "mla.kv_norm.weight", {m.kv_lora_rank}, ParamInit::kOnes);
       L->kv_b = P.Add(p + "mla.kv_b.weight", {H * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank},
                       ParamInit::kNormal);
@@ -198,8 +199,7 @@ struct LayerCtx {
 // The context of one pass over `b`: single-rank without `cpb`.
 LayerCtx MakeCtx(const ModelConfig& c, ParamSet& P, const NumericsEmulator& nx, const Batch& b,
                  const CpBatch* cpb, const CpContext* cp, CpScratch* scratch) {
-  return {c,  P,       nx, b, cpb ? &cpb->layout : nullptr,
-          cp, scratch, cpb ? cpb->group.get() : nullptr};
+  return {c, P, nx, b, cpb ? &cpb->layout : nullptr, cp, scratch, cpb ? cpb->group.get() : nullptr};
 }
 
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
@@ -252,8 +252,8 @@ absl::Status LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Mod
 }
 
 absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                                  const float* d_o, const std::function<void()>& overlap,
-                                  float* dq, float* dk, float* dv) {
+                                  const float* d_o, const std::function<void()>& overlap, float* dq,
+                                  float* dk, float* dv) {
   const int64_t d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   if (ctx.lightning() == CpMode::kAllGather)
@@ -264,8 +264,8 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
                                    d_o, overlap, dq, dk, dv);
   overlap();
   if (ctx.lightning() == CpMode::kAll2All)
-    return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq,
-                                    dk, dv);
+    return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq, dk,
+                                    dv);
   for (const Piece& p : ctx.b.pieces) {
     k::LightningDims dims{p.len, H, Dh, d};
     const int64_t off = p.begin * d;
@@ -397,11 +397,11 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     Linear(C.in_h.op, ctx.Lin(L.q_a), C.qa.f32(), T, d, qr);
     ctx.Store(C.qa);
     k::RmsNormForward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.qa_n.f32(), C.rstd_qa.f32(), T, qr, eps);
-    ctx.Input(C.in_qa_n, C.qa_n.f32(), T * qr);
+    C.in_qa_n.op = {C.qa_n.f32(), 1.0f};  // q_b is outside the FP8 recipe
     ctx.Store(C.qa_n);
     Linear(C.in_qa_n.op, ctx.Lin(L.q_b), C.Q.f32(), T, qr, H * qk);
   } else {
-    Linear(C.in_h.op, ctx.Lin(L.q), C.Q.f32(), T, d, H * qk);
+    Linear({C.h.f32(), 1.0f}, ctx.Lin(L.q), C.Q.f32(), T, d, H * qk);  // the bf16 h, as q's
   }
   ctx.Store(C.Q);
   k::RopeApply(C.Q.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, false);
@@ -418,8 +418,7 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     std::memcpy(C.kr.f32() + t * rd, C.kva.f32() + t * (kv + rd) + kv, rd * sizeof(float));
   }
   k::RmsNormForward(C.c.f32(), ctx.Wt(L.kv_norm), C.c_n.f32(), C.rstd_c.f32(), T, kv, eps);
-  // Under AllGather kv_b runs inside the latent exchange, outside the FP8 recipe.
-  if (ctx.mla() != CpMode::kAllGather) ctx.Input(C.in_c_n, C.c_n.f32(), T * kv);
+  C.in_c_n.op = {C.c_n.f32(), 1.0f};  // kv_b is outside the FP8 recipe
   ctx.Store(C.c_n);
   k::RopeApply(C.kr.f32(), ctx.b.pos.data(), T, 1, rd, rd, rd, theta, false);
   ctx.Store(C.kr);
@@ -456,8 +455,8 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     }
   }
   if (ctx.mla() == CpMode::kAll2All)
-    return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(),
-                             C.O.f32(), &C.cp_saved);
+    return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(),
+                             &C.cp_saved);
   if (ctx.mla() == CpMode::kRing)
     return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), nullptr,
                           nullptr, C.O.f32(), C.lse.f32(), &C.cp_saved);
@@ -472,8 +471,7 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
 }
 
 void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W);
-void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                       Model::Work& W);
+void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W);
 
 absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
                              Model::Work& W, const float* dout) {
@@ -523,8 +521,7 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
       RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, nullptr, W.dO.f32(),
                                         W.dQ.f32(), W.dK.f32(), W.dV.f32(), nullptr, nullptr));
     } else {
-      k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(),
-                            ctx.b.idx.data()};
+      k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
       k::AttentionBackward(C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(), C.lse.f32(), W.dO.f32(),
                            mask, 1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd},
                            W.dQ.f32(), W.dK.f32(), W.dV.f32());
@@ -557,9 +554,8 @@ void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, 
       for (int64_t j = 0; j < rd; ++j) dkr[j] += dk[nope + j];
     }
   }
-  LinearBwdAcc(C.in_c_n.op, ctx.Lin(L.kv_b),
-               ctx.nx.Gradient(W.dkvb.f32(), T * H * (nope + vd), W.f_dy), W.dc.f32(),
-               P.grad(L.kv_b), T, kv, H * (nope + vd), false);
+  LinearBwdAcc(C.in_c_n.op, ctx.Lin(L.kv_b), {W.dkvb.f32(), 1.0f}, W.dc.f32(), P.grad(L.kv_b), T,
+               kv, H * (nope + vd), false);
   ctx.Store(W.dc);
   for (int64_t t = 0; t < T; ++t)  // the shared key's gradient, summed over the heads
     ctx.Store(W.dkva.f32() + t * (kv + rd) + kv, rd);
@@ -588,7 +584,7 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
   // Q -> q projection(s).
   k::RopeApply(W.dQ.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, true);
   ctx.Store(W.dQ);
-  const GemmOperand dQ = ctx.nx.Gradient(W.dQ.f32(), T * H * qk, W.f_dy);
+  const GemmOperand dQ{W.dQ.f32(), 1.0f};  // q and q_b are outside the FP8 recipe
   if (m.q_lora_rank > 0) {
     const int64_t qr = m.q_lora_rank;
     Ensure(W.dqa_n, T, qr);
@@ -602,7 +598,7 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
     LinearBwdAcc(C.in_h.op, ctx.Lin(L.q_a), ctx.nx.Gradient(W.dqa.f32(), T * qr, W.f_dy),
                  W.dh.f32(), P.grad(L.q_a), T, d, qr, true);
   } else {
-    LinearBwdAcc(C.in_h.op, ctx.Lin(L.q), dQ, W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
+    LinearBwdAcc({C.h.f32(), 1.0f}, ctx.Lin(L.q), dQ, W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
   }
 }
 
@@ -697,7 +693,8 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
   return absl::OkStatus();
 }
 
-// ---- Whole model ---------------------------------------------------------------------------------
+// ---- Whole model
+// ---------------------------------------------------------------------------------
 
 LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx) {
   const int64_t T = b.T, d = config_.d_model, V = config_.vocab;

@@ -10,15 +10,18 @@
 // Kernel-internal roundings (cuDNN's bf16 probabilities, a fused kernel's order of operations)
 // are not emulated.
 //
-// FP8 (an Fp8Recipe): the blocks' linear layers (every projection of a layer; not the embedding,
-// the LM head or the attention cores) multiply FP8 inputs: the activation x and weight W in the
-// forward, the output gradient dy with the same W and x in the backward, each quantized with its
-// own tensorwise scale and multiplied as codes, the inverse scales applied to the fp32
-// accumulator (GemmOperand) as cuBLASLt does. Activations are quantized where the GPU fuses the
-// cast into the producing kernel, from its fp32 result before any bf16 store: the RMSNorm
-// outputs (attention and FFN norms, MLA's q_a and kv norms), SwiGLU's output and the Lightning
-// group norm + gate output; MLA's attention output, which no kernel of ours produces, from its
-// stored bf16. Output gradients are quantized from their stored bf16 values; weights from the
+// FP8 (an Fp8Recipe): the blocks' linear layers (every projection of a layer but MLA's per-head
+// ones; not the embedding, the LM head or the attention cores) multiply FP8 inputs: the
+// activation x and weight W in the forward, the output gradient dy with the same W and x in the
+// backward, each quantized with its own tensorwise scale and multiplied as codes, the inverse
+// scales applied to the fp32 accumulator (GemmOperand) as cuBLASLt does. That is the FFN's w1,
+// w3 and w2, Lightning's qkv, gate and out, and MLA's q_a, kv_a and out; MLA's q (or q_b) and
+// kv_b stay bf16, because the GPU runs their backward by groups of heads (and kv_b, under
+// AllGather, over gathered latent rows), which one tensorwise scale per GEMM input does not
+// follow. Activations are quantized where the GPU fuses the cast into the producing kernel, from
+// its fp32 result before any bf16 store: the attention and FFN RMSNorm outputs, SwiGLU's output
+// and the Lightning group norm + gate output; MLA's attention output, which no kernel of ours
+// produces, from its stored bf16. Output gradients are quantized from their stored bf16 values; weights from the
 // fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each optimizer step
 // produces). Not thread-safe; one per model.
 #pragma once

@@ -116,8 +116,8 @@ int64_t CudaModel::steps_taken() const { return impl_->steps; }
 
 // Copies flat fp32 buffers (numel() floats each) between host and device in order on the stream,
 // then waits for them (and for everything enqueued before).
-absl::Status CudaModel::Impl::CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
-                                       cudaMemcpyKind kind) {
+absl::Status CudaModel::Impl::CopyFlat(
+    std::initializer_list<std::pair<float*, const float*>> copies, cudaMemcpyKind kind) {
   for (const auto& [dst, src] : copies)
     if (dst != nullptr && src != nullptr)
       CUDA(cudaMemcpyAsync(dst, src, P().numel() * 4, kind, stream));
@@ -129,6 +129,72 @@ absl::Status CudaModel::UploadParams() {
   Impl& I = *impl_;
   RETURN_IF_ERROR(I.CopyFlat({{I.p, I.P().flat_data().f32()}}, cudaMemcpyHostToDevice));
   KC(kc::ConvertFromFloat(I.p, I.w, I.P().numel(), kAct, I.stream));
+  RETURN_IF_ERROR(I.CastFp8Weights());
+  CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::CastFp8Weights() {
+  if (!fp8) return absl::OkStatus();
+  std::vector<kc::Fp8WeightCast> t;
+  for (int i = 0; i < P().size(); ++i) {
+    const Fp8Weight& q = fp8_w[i];
+    if (q.codes == nullptr) continue;
+    const ParamInfo& info = P().info(i);
+    const int64_t rows = info.shape[0], cols = info.numel / rows;
+    t.push_back({p + info.offset,
+                 rows,
+                 cols,
+                 {KDType::kFp8E4M3, q.codes, q.codes_t, q.scalars + 1, q.scalars + 2, q.scalars}});
+  }
+  KC(kc::Fp8CastWeights(t.data(), static_cast<int64_t>(t.size()), stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
+  Impl& I = *impl_;
+  if (precision == TrainPrecision::kFp32)
+    return absl::InvalidArgumentError(
+        "cuda model: train.precision \"fp32\" runs on the CPU only (a GPU job: auto, bf16 or fp8)");
+  const bool want = precision == TrainPrecision::kFp8;
+  if (want == I.fp8) return absl::OkStatus();
+  if (!want) {
+    CUDA(cudaStreamSynchronize(I.stream));
+    if (I.fp8_w_mem) cudaFree(I.fp8_w_mem);
+    I.fixed_bytes -= I.fp8_fixed_bytes;
+    I.fp8_w_mem = nullptr, I.fp8_fixed_bytes = 0, I.fp8 = false;
+    I.fp8_w.clear();
+    return absl::OkStatus();
+  }
+  ParamSet& P = I.P();
+  std::vector<int> linear;
+  for (const LayerIdx& L : I.layers)
+    for (int i : {L.qkv, L.gate, L.out, L.q_a, L.kv_a, L.mo, L.w1, L.w2, L.w3})
+      if (i >= 0) linear.push_back(i);
+  for (int i : linear) {
+    const ParamInfo& info = P.info(i);
+    for (const int64_t n : {info.shape[0], info.numel / info.shape[0]})
+      if (n % 16 != 0)
+        return absl::InvalidArgumentError(
+            absl::StrCat("cuda model: train.precision \"fp8\": ", info.name, " is ", info.shape[0],
+                         " x ", info.numel / info.shape[0],
+                         ", and cuBLASLt's FP8 GEMMs need widths that are multiples "
+                         "of 16"));
+  }
+  int64_t bytes = 0;
+  for (int i : linear) bytes += Fp8Act::kHeader + 2 * Fp8Act::Padded(P.info(i).numel);
+  CUDA(cudaMalloc(&I.fp8_w_mem, bytes));
+  I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Weight{});
+  auto* at = static_cast<uint8_t*>(I.fp8_w_mem);
+  for (int i : linear) {
+    const int64_t n = Fp8Act::Padded(P.info(i).numel);
+    I.fp8_w[i] = {at + Fp8Act::kHeader, at + Fp8Act::kHeader + n, reinterpret_cast<float*>(at)};
+    at += Fp8Act::kHeader + 2 * n;
+  }
+  I.fp8_fixed_bytes = bytes;
+  I.fixed_bytes += bytes;
+  I.fp8 = true;
+  RETURN_IF_ERROR(I.CastFp8Weights());
   CUDA(cudaStreamSynchronize(I.stream));
   return absl::OkStatus();
 }
@@ -178,9 +244,9 @@ absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
                                                    " values per state tensor (or none), got ",
                                                    m.numel(), " and ", v.numel()));
   RETURN_IF_ERROR(I.EnsureOptimizerState(m.numel() != 0, v.numel() != 0));
-  RETURN_IF_ERROR(I.CopyFlat({{I.m, m.numel() ? m.f32() : nullptr},
-                              {I.v, v.numel() ? v.f32() : nullptr}},
-                             cudaMemcpyHostToDevice));
+  RETURN_IF_ERROR(
+      I.CopyFlat({{I.m, m.numel() ? m.f32() : nullptr}, {I.v, v.numel() ? v.f32() : nullptr}},
+                 cudaMemcpyHostToDevice));
   I.steps = steps_taken;
   return absl::OkStatus();
 }
@@ -194,8 +260,8 @@ absl::StatusOr<double> CudaModel::GradSquaredNorm() {
   Impl& I = *impl_;
   DevBuf ws;
   RETURN_IF_ERROR(ws.Ensure(&I.alloc, kc::SquaredNormWorkspaceBytes()));
-  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar,
-                     {ws.get(), kc::SquaredNormWorkspaceBytes()}, I.stream));
+  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar, {ws.get(), kc::SquaredNormWorkspaceBytes()},
+                     I.stream));
   double out = 0.0;
   CUDA(cudaMemcpyAsync(&out, I.scalar, sizeof(double), cudaMemcpyDeviceToHost, I.stream));
   CUDA(cudaStreamSynchronize(I.stream));
@@ -221,15 +287,18 @@ absl::Status CudaModel::OptimizerStep(const TrainSpec& spec, double lr, float gr
   ++I.steps;
   const auto n_t = static_cast<int64_t>(t.size());
   if (adamw) {
-    kc::AdamWHyper hp{static_cast<float>(lr), static_cast<float>(spec.beta1),
-                      static_cast<float>(spec.beta2), static_cast<float>(spec.eps), I.steps,
+    kc::AdamWHyper hp{static_cast<float>(lr),
+                      static_cast<float>(spec.beta1),
+                      static_cast<float>(spec.beta2),
+                      static_cast<float>(spec.eps),
+                      I.steps,
                       grad_scale};
     KC(kc::AdamWMultiTensor(t.data(), n_t, hp, I.stream));
   } else {
     kc::SgdHyper hp{static_cast<float>(lr), static_cast<float>(spec.momentum), grad_scale};
     KC(kc::SgdMultiTensor(t.data(), n_t, hp, I.stream));
   }
-  return absl::OkStatus();
+  return I.CastFp8Weights();
 }
 
 DeviceMemory CudaModel::memory() const {
@@ -276,7 +345,7 @@ KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
             {&C.qkv_n, T * 3 * d * kAb},
             {&C.gate, T * d * kAb},
             {&C.o, T * d * kAb},
-            {&C.y, T * d * kAb},
+            {&C.y, fp8 ? 0 : T * d * kAb},
             {&C.rstd_q, T * H * 4},
             {&C.rstd_k, T * H * 4},
             {&C.rstd_o, T * H * 4},

@@ -7,7 +7,8 @@
 // Precision: fp32 master weights, gradients and AdamW moments in flat device buffers with the
 // ParamSet layout of the CPU model (so checkpoints are shared with it); a bf16 copy of the
 // weights, refreshed by every optimizer step, feeds the forward. Activations (the residual
-// stream included) are bf16; norm statistics, Lightning states and losses fp32.
+// stream included) are bf16; norm statistics, Lightning states and losses fp32. Under fp8
+// (SetPrecision) most linear layers multiply FP8 codes instead.
 //
 // Initialisation is the CPU model's (same seed, same values), done on the host and uploaded.
 // host_params() is a host mirror of names, shapes and values: Download*/Upload* move values
@@ -147,6 +148,16 @@ class CudaModel {
   // FailedPrecondition when the pinned memory cannot be had (spindle-train: exit code 2, the job
   // fails without restarts; it is not the device's memory).
   absl::Status SetOffloadInputs(bool on);
+  // train.precision: "auto" and "bf16" are the bf16 storage above; "fp8" runs the blocks' linear
+  // layers but MLA's per-head ones (q or q_b, kv_b) as FP8 GEMMs (kernels/cuda/fp8.h: E4M3
+  // activations and weights, E5M2 output gradients, tensorwise current scaling), the activation
+  // codes and their transposes written by the kernels that produce them (the RMSNorms, SwiGLU, the
+  // group norm + gate; MLA's attention output by a quantize pass), the weights' FP8 copies cast
+  // from the masters after every update, and the FFN as one block (its scales are the whole
+  // sequence's). The CPU model's fp8 numerics (worker/engine/numerics.h) emulate this recipe.
+  // InvalidArgument: "fp32", or under fp8 an FP8 linear's width that is not a multiple of 16
+  // (cuBLASLt's FP8 GEMMs); a step under fp8 refuses a local token count that is not one.
+  absl::Status SetPrecision(TrainPrecision precision);
   // MLA attention's backward runs its heads in groups (CudaAttentionHeadsPerCall in
   // common/model_config.h, which bounds cuDNN's fp32 dQ accumulator). heads > 0: groups of the
   // largest divisor of a call's heads not above `heads` instead (tests); 0 restores the rule.

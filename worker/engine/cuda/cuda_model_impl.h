@@ -4,8 +4,6 @@
 // Nothing outside those files includes it; the design notes are cuda_model.cc's.
 #pragma once
 
-#include "worker/engine/cuda/cuda_model.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,10 +17,12 @@
 #include "common/status.h"
 #include "kernels/cuda/allocator.h"
 #include "kernels/cuda/device_support.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sdpa.h"
+#include "worker/engine/cuda/cuda_model.h"
 
 namespace spindle {
 
@@ -30,7 +30,6 @@ namespace kc = kernels::cuda;
 using KDType = kc::DType;
 
 namespace cuda_model_detail {
-
 
 constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
 constexpr int64_t kAb = 2;                  // bytes per activation element
@@ -118,6 +117,36 @@ class DevBuf {
   int64_t bytes_ = 0;
 };
 
+// One FP8 GEMM input [rows, cols] (train.precision fp8): its codes, their transpose [cols, rows]
+// (the backward's K-contiguous layout) and its scalars, in one allocator block: the inverse scale
+// (which the GEMM reads: 16-byte aligned at the block's start), the amax and the scale.
+struct Fp8Act {
+  static constexpr int64_t kHeader = 256;
+  DevBuf mem;
+  int64_t rows = 0, cols = 0;
+  KDType format = KDType::kFp8E4M3;
+
+  static int64_t Padded(int64_t n) { return (n + 255) / 256 * 256; }
+  absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f) {
+    rows = r, cols = c, format = f;
+    return mem.Ensure(a, kHeader + 2 * Padded(r * c));
+  }
+  void* codes() const { return static_cast<uint8_t*>(mem.get()) + kHeader; }
+  void* codes_t() const { return static_cast<uint8_t*>(mem.get()) + kHeader + Padded(rows * cols); }
+  const float* inverse_scale() const { return mem.f32(); }
+  kc::Fp8Output Output() const {
+    return {format, codes(), codes_t(), mem.f32() + 1, mem.f32() + 2, mem.f32()};
+  }
+};
+
+// A linear weight's FP8 copy in the model's fixed memory (cast from the fp32 master after every
+// update): codes [out, in], their transpose [in, out], and the inverse scale, amax and scale.
+struct Fp8Weight {
+  void* codes = nullptr;  // null: not an FP8 linear
+  void* codes_t = nullptr;
+  float* scalars = nullptr;
+};
+
 // One layer's parameter indices (into the host ParamSet) and its decays on the device.
 struct LayerIdx {
   char kind = 'L';
@@ -145,7 +174,7 @@ struct Cache {
   // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
   // block of ffn_block_rows rows otherwise (FfnForward).
   DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
-  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
+  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;  // Lightning
   DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
   // CP (All2All): the core's head-split inputs over the whole sequence in stream order,
@@ -157,6 +186,11 @@ struct Cache {
   // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
   // order ([T_full, kv + rd]).
   DevBuf ag_lat;
+  // FP8 (train.precision fp8): the codes of every FP8 GEMM input, written by its producer: the
+  // attention norm's output h, the Lightning group norm + gate's y, the FFN norm's h2, SwiGLU's a
+  // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
+  // their GEMMs reads them); h still is (MLA's bf16 q reads it), and O is (cuDNN's backward).
+  Fp8Act q_h, q_y, q_h2, q_a, q_O;
   // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
@@ -291,6 +325,8 @@ struct Work {
   // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
   // time (KindArena).
   KindArena arena;
+  // FP8: an output gradient's E5M2 codes, for the two GEMMs of one linear's backward.
+  Fp8Act q_dy;
 };
 
 // The batch on the device.
@@ -341,7 +377,6 @@ inline kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
 // The files of CudaModel name these unqualified.
 using namespace cuda_model_detail;  // NOLINT(build/namespaces)
 
-
 struct CudaModel::Impl {
   ModelConfig c;
   std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
@@ -358,7 +393,7 @@ struct CudaModel::Impl {
   float* log_decays = nullptr;
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
-  int64_t head_block_rows = 0;  // see SetHeadBlockRows
+  int64_t head_block_rows = 0;                 // see SetHeadBlockRows
   int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
@@ -371,7 +406,7 @@ struct CudaModel::Impl {
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
   std::vector<KeptAttention> kept;  // per layer; each recomputing MLA layer fills its own
-  std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
+  std::vector<DevBuf> layer_in;     // [n + 1][T, d] bf16 residual stream
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
   BatchDev B;
@@ -382,6 +417,13 @@ struct CudaModel::Impl {
   void* cp_host_send = nullptr;
   void* cp_host_recv = nullptr;
   int64_t cp_host_bytes = 0;
+  // train.precision fp8 (SetPrecision): the blocks' linears but MLA's per-head ones (q or q_b,
+  // kv_b; worker/engine/numerics.h) multiply FP8 codes; fp8_w holds each one's weight copy (by
+  // parameter index), all in fp8_w_mem.
+  bool fp8 = false;
+  std::vector<Fp8Weight> fp8_w;
+  void* fp8_w_mem = nullptr;
+  int64_t fp8_fixed_bytes = 0;
 
   // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
   void ReleaseActivations() {
@@ -390,12 +432,13 @@ struct CudaModel::Impl {
     layer_in.clear();
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
-    for (DevBuf* b : {&W.dh,      &W.da,      &W.dg,       &W.du,     &W.dy,      &W.dgate,
-                      &W.dqkv,    &W.dO,      &W.dQ,       &W.dK,     &W.dkvb,    &W.dc_n,
-                      &W.dc,      &W.dkva,    &W.dqa_n,    &W.dqa,    &W.ws,      &W.cp_block,
-                      &W.cp_tmp,  &W.gQ,      &W.gK,       &W.gkvb,   &W.sum_lat, &W.sum_q,
-                      &W.ag_send, &W.ag_recv, &W.ag_K,     &W.ag_kvb, &W.ag_dK,   &W.ag_dkvb,
-                      &W.ag_dlat, &W.ag_o,    &W.ag_stats, &W.ag_acc, &W.ag_dq,   &W.arena.mem})
+    for (DevBuf* b :
+         {&W.dh,        &W.da,      &W.dg,      &W.du,       &W.dy,       &W.dgate,  &W.dqkv,
+          &W.dO,        &W.dQ,      &W.dK,      &W.dkvb,     &W.dc_n,     &W.dc,     &W.dkva,
+          &W.dqa_n,     &W.dqa,     &W.ws,      &W.cp_block, &W.cp_tmp,   &W.gQ,     &W.gK,
+          &W.gkvb,      &W.sum_lat, &W.sum_q,   &W.ag_send,  &W.ag_recv,  &W.ag_K,   &W.ag_kvb,
+          &W.ag_dK,     &W.ag_dkvb, &W.ag_dlat, &W.ag_o,     &W.ag_stats, &W.ag_acc, &W.ag_dq,
+          &W.arena.mem, &W.q_dy.mem})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -407,7 +450,7 @@ struct CudaModel::Impl {
     for (DevBuf* b : {&B.ids, &B.targets, &B.pos, &B.cu}) b->Release();
     for (void* q : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m),
                     static_cast<void*>(v), w, static_cast<void*>(scalar),
-                    static_cast<void*>(log_decays)})
+                    static_cast<void*>(log_decays), fp8_w_mem})
       if (q) cudaFree(q);
     if (loss_host) cudaFreeHost(loss_host);
     for (void* h : {cp_host_send, cp_host_recv})
@@ -446,8 +489,8 @@ struct CudaModel::Impl {
     return FromKernel(blas->Gemm(a, stream));
   }
   // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
-  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx,
-                   float* dW, int64_t T, int64_t in, int64_t out, bool acc_dx) {
+  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx, float* dW,
+                   int64_t T, int64_t in, int64_t out, bool acc_dx) {
     if (dx) RETURN_IF_ERROR(InputGrad(dy, Wt, {dx, in, kAct, acc_dx}, T, in, out));
     kc::GemmArgs b;
     b.trans_a = true;
@@ -456,6 +499,41 @@ struct CudaModel::Impl {
     b.c_type = KDType::kFloat32;
     return FromKernel(blas->Gemm(b, stream));
   }
+  // The same on FP8 codes (fp8): y[T, out] (+)= x W^T from x's codes and weight w's copy.
+  absl::Status FwdQ(const Fp8Act& x, int w, void* y, int64_t T, int64_t in, int64_t out, bool acc,
+                    const void* residual = nullptr) {
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.M = T, a.N = out, a.K = in, a.beta = acc ? 1.0f : 0.0f;
+    a.A = x.codes(), a.lda = in, a.B = fp8_w[w].codes, a.ldb = in, a.C = y, a.ldc = out;
+    a.C_in = residual;
+    a.ab_type = x.format, a.b_type = KDType::kFp8E4M3;
+    a.a_scale = x.inverse_scale(), a.b_scale = fp8_w[w].scalars;
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // dy (bf16 [T, out]) quantized to E5M2 with its transpose (W.q_dy), then dx (+)= dy W (dx
+  // nullable) from the weight's transposed codes and dW += dy^T x from both transposes.
+  absl::Status BwdQ(const Fp8Act& x, int w, const void* dy, void* dx, float* dW, int64_t T,
+                    int64_t in, int64_t out, bool acc_dx) {
+    Fp8Act& q = W.q_dy;
+    RETURN_IF_ERROR(q.Ensure(&alloc, T, out, KDType::kFp8E5M2));
+    KC(kc::Fp8Quantize(dy, T, out, kAct, q.Output(), stream));
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.ab_type = KDType::kFp8E5M2, a.b_type = KDType::kFp8E4M3, a.a_scale = q.inverse_scale();
+    if (dx) {
+      a.M = T, a.N = in, a.K = out, a.beta = acc_dx ? 1.0f : 0.0f;
+      a.A = q.codes(), a.lda = out, a.B = fp8_w[w].codes_t, a.ldb = out, a.C = dx, a.ldc = in;
+      a.b_scale = fp8_w[w].scalars;
+      KC(blas->Gemm(a, stream));
+    }
+    a.M = out, a.N = in, a.K = T, a.beta = 1.0f;
+    a.A = q.codes_t(), a.lda = T, a.B = x.codes_t(), a.ldb = T, a.C = dW, a.ldc = in;
+    a.c_type = KDType::kFloat32, a.b_type = x.format, a.b_scale = x.inverse_scale();
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // Casts every FP8 linear's master into its copy (fp8; after each update of the masters).
+  absl::Status CastFp8Weights();
   // dst[rows, width] <- src[rows, width] with row strides (elements).
   absl::Status Copy2D(void* dst, int64_t dst_stride, const void* src, int64_t src_stride,
                       int64_t width, int64_t rows) {
@@ -498,7 +576,8 @@ struct CudaModel::Impl {
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  absl::Status FfnHidden(const LayerIdx& L, const void* h, void* g, void* u, void* a, int64_t n);
+  absl::Status FfnHidden(const LayerIdx& L, Cache& C, const void* h, void* g, void* u, void* a,
+                         int64_t n);
   absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
   absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
   absl::Status LightningForward(const LayerIdx& L, Cache& C);

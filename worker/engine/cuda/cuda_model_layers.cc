@@ -4,17 +4,20 @@
 
 namespace spindle {
 
-// ---- Lightning -----------------------------------------------------------------------------------
+// ---- Lightning
+// -----------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&C.qkv_raw, &C.qkv_n}) RETURN_IF_ERROR(Act(*b, T, 3 * d));
-  for (DevBuf* b : {&C.gate, &C.o, &C.y}) RETURN_IF_ERROR(Act(*b, T, d));
+  for (DevBuf* b : {&C.gate, &C.o}) RETURN_IF_ERROR(Act(*b, T, d));
+  if (!fp8) RETURN_IF_ERROR(Act(C.y, T, d));
   for (DevBuf* b : {&C.rstd_q, &C.rstd_k, &C.rstd_o}) RETURN_IF_ERROR(F32(*b, T * H));
-  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.qkv), C.qkv_raw.get(), T, d, 3 * d, false));
-  KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(),
-                           C.qkv_n.get(), C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
+  RETURN_IF_ERROR(fp8 ? FwdQ(C.q_h, L.qkv, C.qkv_raw.get(), T, d, 3 * d, false)
+                      : Fwd(C.h.get(), d, Wb(L.qkv), C.qkv_raw.get(), T, d, 3 * d, false));
+  KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(), C.qkv_n.get(),
+                           C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
                            /*copy_v=*/true, kAct, stream));
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherForward(L, C));
@@ -26,13 +29,19 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
     if (kept > 0) RETURN_IF_ERROR(C.lstates.Ensure(&alloc, kept));
     KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                             static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                            C.o.get(), nullptr, kAct, Ws(), stream, {},
-                            kept > 0 ? C.lstates.f32() : nullptr));
+                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d}, C.o.get(),
+                            nullptr, kAct, Ws(), stream, {}, kept > 0 ? C.lstates.f32() : nullptr));
   }
-  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
-  KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
-                              T, H, Dh, eps, kAct, stream));
+  if (!fp8) {
+    RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
+    KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
+                                T, H, Dh, eps, kAct, stream));
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(FwdQ(C.q_h, L.gate, C.gate.get(), T, d, d, false));
+  RETURN_IF_ERROR(C.q_y.Ensure(&alloc, T, d, KDType::kFp8E4M3));
+  KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
+                                 T, H, Dh, eps, kAct, C.q_y.Output(), stream));
   return absl::OkStatus();
 }
 
@@ -42,11 +51,12 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   const float theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&W.dy, &W.dgate}) RETURN_IF_ERROR(Act(*b, T, d));
   RETURN_IF_ERROR(Act(W.dqkv, T, 3 * d));
-  RETURN_IF_ERROR(Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
+  RETURN_IF_ERROR(fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false)
+                      : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
   // dy -> d o (in place) and d gate.
-  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(),
-                               W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
-                               kAct, Ws(), stream));
+  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), W.dy.get(),
+                               W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh, kAct, Ws(),
+                               stream));
   void* dq = W.dqkv.get();
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
@@ -58,17 +68,22 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
     KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                              static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                              1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct,
-                             Ws(), stream, {}, kept ? C.lstates.f32() : nullptr));
+                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct, Ws(),
+                             stream, {}, kept ? C.lstates.f32() : nullptr));
   }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
-                            C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H,
-                            Dh, theta, /*copy_v=*/true, kAct, Ws(), stream));
+                            C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H, Dh,
+                            theta, /*copy_v=*/true, kAct, Ws(), stream));
+  if (fp8) {
+    RETURN_IF_ERROR(BwdQ(C.q_h, L.qkv, dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
+    return BwdQ(C.q_h, L.gate, W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
+  }
   RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.qkv), dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
   return Bwd(C.h.get(), d, Wb(L.gate), W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
 }
 
-// ---- MLA -----------------------------------------------------------------------------------------
+// ---- MLA
+// -----------------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool attention_kept) {
   const MlaConfig& m = c.mla;
@@ -82,7 +97,8 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
     RETURN_IF_ERROR(Act(C.qa, T, qr));
     RETURN_IF_ERROR(Act(C.qa_n, T, qr));
     RETURN_IF_ERROR(F32(C.rstd_qa, T));
-    RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.q_a), C.qa.get(), T, d, qr, false));
+    RETURN_IF_ERROR(fp8 ? FwdQ(C.q_h, L.q_a, C.qa.get(), T, d, qr, false)
+                        : Fwd(C.h.get(), d, Wb(L.q_a), C.qa.get(), T, d, qr, false));
     KC(kc::RmsNormForward(C.qa.get(), Wb(L.q_a_norm), C.qa_n.get(), C.rstd_qa.f32(), T, qr, eps,
                           kAct, stream));
     RETURN_IF_ERROR(Fwd(C.qa_n.get(), qr, Wb(L.q_b), C.Q.get(), T, qr, H * qk, false));
@@ -95,7 +111,8 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
   RETURN_IF_ERROR(Act(C.c, T, kv));
   RETURN_IF_ERROR(Act(C.c_n, T, kv));
   RETURN_IF_ERROR(F32(C.rstd_c, T));
-  RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.kv_a), C.kva.get(), T, d, kv + rd, false));
+  RETURN_IF_ERROR(fp8 ? FwdQ(C.q_h, L.kv_a, C.kva.get(), T, d, kv + rd, false)
+                      : Fwd(C.h.get(), d, Wb(L.kv_a), C.kva.get(), T, d, kv + rd, false));
   RETURN_IF_ERROR(Copy2D(C.c.get(), kv, C.kva.get(), kv + rd, kv, T));
   KC(kc::RmsNormForward(C.c.get(), Wb(L.kv_norm), C.c_n.get(), C.rstd_c.f32(), T, kv, eps, kAct,
                         stream));
@@ -111,8 +128,8 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
   // K = [k_nope of each head, the shared rotary key].
   RETURN_IF_ERROR(Act(C.K, T, H * qk));
   RETURN_IF_ERROR(Copy2D(C.K.get(), qk, C.kvb.get(), nope + vd, nope, T * H));
-  KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd,
-                  kAct, stream));
+  KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd, kAct,
+                  stream));
   RETURN_IF_ERROR(Act(C.O, T, H * vd));
   if (B.cp > 1) return MlaCoreForward(C, attention_kept);
   RETURN_IF_ERROR(F32(C.stats, H * T));
@@ -194,8 +211,9 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   // q's input gradient: the normed q_a output, or without a q LoRA the normed input (which kv_a's
   // gradient then adds to).
   Rows dq_in{qr > 0 ? W.dqa_n.get() : W.dh.get(), dqw};
-  RETURN_IF_ERROR(Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d,
-                      false));
+  RETURN_IF_ERROR(
+      fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false)
+          : Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d, false));
   if (MlaAllGather()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
     // W.dQ; dW_kv_b accumulated over the gathered keys.
@@ -242,7 +260,8 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   // Without a q LoRA, q's gradient is in W.dh already (one group) or in W.sum_q.
   const bool q_in_dh = qr == 0 && dq_in.type == kAct;
   RETURN_IF_ERROR(
-      Bwd(C.h.get(), d, Wb(L.kv_a), W.dkva.get(), W.dh.get(), G(L.kv_a), T, d, w, q_in_dh));
+      fp8 ? BwdQ(C.q_h, L.kv_a, W.dkva.get(), W.dh.get(), G(L.kv_a), T, d, w, q_in_dh)
+          : Bwd(C.h.get(), d, Wb(L.kv_a), W.dkva.get(), W.dh.get(), G(L.kv_a), T, d, w, q_in_dh));
   if (qr == 0) {
     if (!q_in_dh)
       KC(kc::CastRows(W.dh.get(), kAct, d, W.sum_q.get(), KDType::kFloat32, d, T, d, stream,
@@ -251,10 +270,12 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   }
   KC(kc::RmsNormBackward(C.qa.get(), Wb(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.get(), nullptr,
                          W.dqa.get(), G(L.q_a_norm), T, qr, kAct, Ws(), stream));
+  if (fp8) return BwdQ(C.q_h, L.q_a, W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
   return Bwd(C.h.get(), d, Wb(L.q_a), W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
 }
 
-// ---- One layer -----------------------------------------------------------------------------------
+// ---- One layer
+// -----------------------------------------------------------------------------------
 
 // x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null (a recomputed
 // forward): everything the backward reads, without the output itself, which is the next layer's
@@ -265,28 +286,55 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   const float eps = static_cast<float>(c.norm_eps);
   RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
-  KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
-                        stream));
+  if (fp8) {
+    RETURN_IF_ERROR(C.q_h.Ensure(&alloc, T, d, KDType::kFp8E4M3));
+    KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
+                             C.q_h.Output(), stream));
+  } else {
+    KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
+                          stream));
+  }
   RETURN_IF_ERROR(Act(C.x_mid, T, d));
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningForward(L, C));
-    RETURN_IF_ERROR(Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
+    RETURN_IF_ERROR(fp8 ? FwdQ(C.q_y, L.out, C.x_mid.get(), T, d, d, true, x_in)
+                        : Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
   } else {
     RETURN_IF_ERROR(MlaForward(L, C, attention_kept));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
-    RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
+    if (fp8) {  // the attention's output has no producer of ours to fuse the cast into
+      RETURN_IF_ERROR(C.q_O.Ensure(&alloc, T, hv, KDType::kFp8E4M3));
+      KC(kc::Fp8Quantize(C.O.get(), T, hv, kAct, C.q_O.Output(), stream));
+      RETURN_IF_ERROR(FwdQ(C.q_O, L.mo, C.x_mid.get(), T, hv, d, true, x_in));
+    } else {
+      RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
+    }
   }
-  RETURN_IF_ERROR(Act(C.h2, T, d));
   RETURN_IF_ERROR(F32(C.rstd2, T));
-  KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
-                        stream));
+  if (fp8) {
+    RETURN_IF_ERROR(C.q_h2.Ensure(&alloc, T, d, KDType::kFp8E4M3));
+    KC(kc::RmsNormForwardFp8(C.x_mid.get(), Wb(L.ffn_norm), nullptr, C.rstd2.f32(), T, d, eps, kAct,
+                             C.q_h2.Output(), stream));
+  } else {
+    RETURN_IF_ERROR(Act(C.h2, T, d));
+    KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
+                          stream));
+  }
   return FfnForward(L, C, x_out, ffn_kept);
 }
 
 // n rows of the FFN's hidden layer: g = h W1^T, u = h W3^T, a = SwiGLU(g, u).
-absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, const void* h, void* g, void* u, void* a,
-                                        int64_t n) {
+// Under FP8 (one block of the whole sequence) from the codes of C.h2 into those of C.a instead.
+absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, const void* h, void* g,
+                                        void* u, void* a, int64_t n) {
   const int64_t d = c.d_model, F = c.ffn_dim;
+  if (fp8) {
+    RETURN_IF_ERROR(FwdQ(C.q_h2, L.w1, g, n, d, F, false));
+    RETURN_IF_ERROR(FwdQ(C.q_h2, L.w3, u, n, d, F, false));
+    RETURN_IF_ERROR(C.q_a.Ensure(&alloc, n, F, KDType::kFp8E4M3));
+    KC(kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, C.q_a.Output(), stream));
+    return absl::OkStatus();
+  }
   RETURN_IF_ERROR(Fwd(h, d, Wb(L.w1), g, n, d, F, false));
   RETURN_IF_ERROR(Fwd(h, d, Wb(L.w3), u, n, d, F, false));
   KC(kc::SwiGluForward(g, u, a, n * F, kAct, stream));
@@ -300,14 +348,16 @@ absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, const void* h, void* 
 absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept) {
   const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
   if (!ffn_kept && x_out == nullptr) return absl::OkStatus();
-  const int64_t rows = ffn_kept ? T : std::min(T, ffn_block_rows);
-  for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, rows, F));
+  const int64_t rows = ffn_kept || fp8 ? T : std::min(T, ffn_block_rows);
+  for (DevBuf* b : {&C.g, &C.u}) RETURN_IF_ERROR(Act(*b, rows, F));
+  if (!fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t n = std::min(rows, T - t0);
-    RETURN_IF_ERROR(FfnHidden(L, At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
-    if (x_out != nullptr)
-      RETURN_IF_ERROR(
-          Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true, At(C.x_mid.get(), t0 * d)));
+    RETURN_IF_ERROR(FfnHidden(L, C, At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
+    if (x_out == nullptr) continue;
+    RETURN_IF_ERROR(fp8 ? FwdQ(C.q_a, L.w2, x_out, n, F, d, true, C.x_mid.get())
+                        : Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true,
+                              At(C.x_mid.get(), t0 * d)));
   }
   return absl::OkStatus();
 }
@@ -318,18 +368,26 @@ absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_ou
 // first.
 absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept) {
   const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
-  const int64_t rows = std::min(T, ffn_block_rows);
+  const int64_t rows = fp8 ? T : std::min(T, ffn_block_rows);
   for (DevBuf* b : {&W.da, &W.dg, &W.du}) RETURN_IF_ERROR(Act(*b, rows, F));
   if (!ffn_kept)
-    for (DevBuf* b : {&C.g, &C.u, &C.a}) RETURN_IF_ERROR(Act(*b, rows, F));
+    for (DevBuf* b : {&C.g, &C.u}) RETURN_IF_ERROR(Act(*b, rows, F));
+  if (!ffn_kept && !fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
   RETURN_IF_ERROR(Act(W.dh, T, d));
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t n = std::min(rows, T - t0);
     const void* h = At(C.h2.get(), t0 * d);
     const int64_t off = ffn_kept ? t0 * F : 0;
     void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
-    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, h, g, u, a, n));
+    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, C, h, g, u, a, n));
     void* dh = At(W.dh.get(), t0 * d);
+    if (fp8) {  // one block
+      RETURN_IF_ERROR(BwdQ(C.q_a, L.w2, dx, W.da.get(), G(L.w2), n, F, d, false));
+      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream));
+      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false));
+      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true));
+      continue;
+    }
     RETURN_IF_ERROR(Bwd(a, F, Wb(L.w2), At(dx, t0 * d), W.da.get(), G(L.w2), n, F, d, false));
     KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream));
     RETURN_IF_ERROR(Bwd(h, d, Wb(L.w1), W.dg.get(), dh, G(L.w1), n, d, F, false));
@@ -353,8 +411,8 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
   } else {
     RETURN_IF_ERROR(MlaBackward(L, C, dx));
   }
-  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx,
-                         G(L.attn_norm), T, d, kAct, Ws(), stream));
+  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx, G(L.attn_norm),
+                         T, d, kAct, Ws(), stream));
   return absl::OkStatus();
 }
 

@@ -35,6 +35,9 @@ class CudaStepBackend final : public StepBackend {
   }
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }
   absl::Status SetOffloadInputs(bool on) override { return m_->SetOffloadInputs(on); }
+  absl::Status SetPrecision(TrainPrecision precision) override {
+    return m_->SetPrecision(precision);
+  }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
   absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override {
     return m_->OptimizerStep(spec, lr, grad_scale);
