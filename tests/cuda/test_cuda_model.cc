@@ -44,14 +44,14 @@ struct Compared {
 // for them, 6% for every matrix).
 Compared CompareGrads(ParamSet& cpu, ParamSet& gpu) {
   Compared r;
-  for (const testing::GradAgreement& g :
-       testing::CompareGradients(cpu, cpu.flat_grad().f32(), gpu.flat_grad().f32())) {
+  for (const testing::GradAgreement& g : testing::CompareGradients(
+           cpu, cpu.flat_grad().f32(), gpu.flat_grad().f32())) {
     const double rel = g.rel / (g.norm ? 3.0 : 1.0);
     if (rel > r.worst_rel) r.worst_rel = rel, r.worst_name = g.name;
     r.worst_cos = std::min(r.worst_cos, g.cos);
     if (rel > 0.006 || g.cos < 0.9995) {
-      r.report +=
-          "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
+      r.report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " +
+                  std::to_string(g.cos);
     }
   }
   return r;
@@ -392,24 +392,24 @@ void ForEachRecomputeSetting(Check check) {
 // only the summation order differs. Recomputing in blocks holds less memory.
 TEST(CudaModel, FfnBlocksAgreeWithOneBlock) {
   SPINDLE_REQUIRE_GPU();
-  ForEachRecomputeSetting(
-      [](const ModelConfig& c, uint32_t seed, const Batch& b, Recompute rc, int64_t recomputed) {
-        auto one = *CudaModel::Create(c, seed);
-        auto blocked = *CudaModel::Create(c, seed);
-        EXPECT_EQ(blocked->SetFfnBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
-        EXPECT_EQ(blocked->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
-        ASSERT_TRUE(blocked->SetFfnBlockRows(128).ok());
-        const StepResult want = StepOf(*one, b, rc), got = StepOf(*blocked, b, rc);
-        ExpectSameStep(want, got, blocked->host_params(), 1e-5, 5e-3, "between FFN block sizes");
-        EXPECT_LE(got.peak, want.peak);
-        if (recomputed == c.n_layers) {
-          std::printf(
-              "[ ffn blocks ] peak activation bytes, every layer recomputing: one block %lld, "
-              "128-row blocks %lld\n",
-              static_cast<long long>(want.peak), static_cast<long long>(got.peak));
-          EXPECT_LT(got.peak, want.peak);
-        }
-      });
+  ForEachRecomputeSetting([](const ModelConfig& c, uint32_t seed, const Batch& b, Recompute rc,
+                             int64_t recomputed) {
+    auto one = *CudaModel::Create(c, seed);
+    auto blocked = *CudaModel::Create(c, seed);
+    EXPECT_EQ(blocked->SetFfnBlockRows(100).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(blocked->SetFfnBlockRows(-128).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(blocked->SetFfnBlockRows(128).ok());
+    const StepResult want = StepOf(*one, b, rc), got = StepOf(*blocked, b, rc);
+    ExpectSameStep(want, got, blocked->host_params(), 1e-5, 5e-3, "between FFN block sizes");
+    EXPECT_LE(got.peak, want.peak);
+    if (recomputed == c.n_layers) {
+      std::printf(
+          "[ ffn blocks ] peak activation bytes, every layer recomputing: one block %lld, "
+          "128-row blocks %lld\n",
+          static_cast<long long>(want.peak), static_cast<long long>(got.peak));
+      EXPECT_LT(got.peak, want.peak);
+    }
+  });
 }
 
 // The two layer kinds' gradient scratch, and the recomputing layers' shared cache, in one arena
@@ -566,7 +566,8 @@ TEST(CudaModel, OptimizersMatchTheCpuOptimizer) {
     ASSERT_TRUE(m->ForwardBackward(b, 1.0f / b.NumValidTargets(), Recompute::None()).ok());
     ASSERT_TRUE(m->DownloadGrads().ok());
     ParamSet& host = m->host_params();
-    const std::vector<float> before(host.flat_data().f32(), host.flat_data().f32() + host.numel());
+    const std::vector<float> before(host.flat_data().f32(),
+                                    host.flat_data().f32() + host.numel());
     TrainSpec spec;
     spec.optimizer = name;
     spec.momentum = momentum;

@@ -63,8 +63,8 @@ std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer) {
   std::vector<float> ld;
   for (int64_t h = 0; h < H; ++h) {
     const double slope = std::pow(2.0, -8.0 * static_cast<double>(h + 1) / H);
-    ld.push_back(
-        static_cast<float>(-slope * (1.0 - static_cast<double>(layer) / c.n_layers + 1e-5)));
+    ld.push_back(static_cast<float>(
+        -slope * (1.0 - static_cast<double>(layer) / c.n_layers + 1e-5)));
   }
   return ld;
 }
@@ -152,8 +152,7 @@ void Model::Build() {
       } else {
         L->q = P.Add(p + "mla.q.weight", {H * qk, d}, ParamInit::kNormal);
       }
-      L->kv_a =
-          P.Add(p + "mla.kv_a.weight", {m.kv_lora_rank + m.qk_rope_dim, d}, ParamInit::kNormal);
+      L->kv_a = P.Add(p + "mla.kv_a.weight", {m.kv_lora_rank + m.qk_rope_dim, d}, ParamInit::kNormal);
       L->kv_norm = P.Add(p + "mla.kv_norm.weight", {m.kv_lora_rank}, ParamInit::kOnes);
       L->kv_b = P.Add(p + "mla.kv_b.weight", {H * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank},
                       ParamInit::kNormal);
@@ -199,7 +198,8 @@ struct LayerCtx {
 // The context of one pass over `b`: single-rank without `cpb`.
 LayerCtx MakeCtx(const ModelConfig& c, ParamSet& P, const NumericsEmulator& nx, const Batch& b,
                  const CpBatch* cpb, const CpContext* cp, CpScratch* scratch) {
-  return {c, P, nx, b, cpb ? &cpb->layout : nullptr, cp, scratch, cpb ? cpb->group.get() : nullptr};
+  return {c,  P,       nx, b, cpb ? &cpb->layout : nullptr,
+          cp, scratch, cpb ? cpb->group.get() : nullptr};
 }
 
 LightningCpArgs LightningArgs(const LayerCtx& ctx, const Model::Layer& L, const Model::Cache& C) {
@@ -252,8 +252,8 @@ absl::Status LightningForwardMix(const LayerCtx& ctx, const Model::Layer& L, Mod
 }
 
 absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
-                                  const float* d_o, const std::function<void()>& overlap, float* dq,
-                                  float* dk, float* dv) {
+                                  const float* d_o, const std::function<void()>& overlap,
+                                  float* dq, float* dk, float* dv) {
   const int64_t d = ctx.c.d_model, H = ctx.c.n_heads, Dh = ctx.c.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   if (ctx.lightning() == CpMode::kAllGather)
@@ -264,8 +264,8 @@ absl::Status LightningBackwardMix(const LayerCtx& ctx, const Model::Layer& L, Mo
                                    d_o, overlap, dq, dk, dv);
   overlap();
   if (ctx.lightning() == CpMode::kAll2All)
-    return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq, dk,
-                                    dv);
+    return LightningAll2AllBackward(LightningArgs(ctx, L, C), *ctx.scratch, C.cp_saved, d_o, dq,
+                                    dk, dv);
   for (const Piece& p : ctx.b.pieces) {
     k::LightningDims dims{p.len, H, Dh, d};
     const int64_t off = p.begin * d;
@@ -455,8 +455,8 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
     }
   }
   if (ctx.mla() == CpMode::kAll2All)
-    return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(),
-                             &C.cp_saved);
+    return MlaAll2AllForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(),
+                             C.O.f32(), &C.cp_saved);
   if (ctx.mla() == CpMode::kRing)
     return MlaRingForward(MlaArgs(ctx), *ctx.scratch, C.Q.f32(), C.K.f32(), C.V.f32(), nullptr,
                           nullptr, C.O.f32(), C.lse.f32(), &C.cp_saved);
@@ -471,7 +471,8 @@ absl::Status MlaAttnForward(const LayerCtx& ctx, const Model::Layer& L, Model::C
 }
 
 void MlaKvBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W);
-void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C, Model::Work& W);
+void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
+                       Model::Work& W);
 
 absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache& C,
                              Model::Work& W, const float* dout) {
@@ -521,7 +522,8 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
       RETURN_IF_ERROR(MlaHybridBackward(MlaArgs(ctx), *ctx.scratch, C.cp_saved, nullptr, W.dO.f32(),
                                         W.dQ.f32(), W.dK.f32(), W.dV.f32(), nullptr, nullptr));
     } else {
-      k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(), ctx.b.idx.data()};
+      k::AttentionMask mask{ctx.b.doc.data(), ctx.b.idx.data(), ctx.b.doc.data(),
+                            ctx.b.idx.data()};
       k::AttentionBackward(C.Q.f32(), C.K.f32(), C.V.f32(), C.O.f32(), C.lse.f32(), W.dO.f32(),
                            mask, 1.0f / std::sqrt(static_cast<float>(qk)), {T, T, H, qk, vd},
                            W.dQ.f32(), W.dK.f32(), W.dV.f32());
@@ -693,8 +695,7 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
   return absl::OkStatus();
 }
 
-// ---- Whole model
-// ---------------------------------------------------------------------------------
+// ---- Whole model ---------------------------------------------------------------------------------
 
 LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx) {
   const int64_t T = b.T, d = config_.d_model, V = config_.vocab;

@@ -116,8 +116,8 @@ int64_t CudaModel::steps_taken() const { return impl_->steps; }
 
 // Copies flat fp32 buffers (numel() floats each) between host and device in order on the stream,
 // then waits for them (and for everything enqueued before).
-absl::Status CudaModel::Impl::CopyFlat(
-    std::initializer_list<std::pair<float*, const float*>> copies, cudaMemcpyKind kind) {
+absl::Status CudaModel::Impl::CopyFlat(std::initializer_list<std::pair<float*, const float*>> copies,
+                                       cudaMemcpyKind kind) {
   for (const auto& [dst, src] : copies)
     if (dst != nullptr && src != nullptr)
       CUDA(cudaMemcpyAsync(dst, src, P().numel() * 4, kind, stream));
@@ -244,9 +244,9 @@ absl::Status CudaModel::UploadOptimizerState(const Tensor& m, const Tensor& v,
                                                    " values per state tensor (or none), got ",
                                                    m.numel(), " and ", v.numel()));
   RETURN_IF_ERROR(I.EnsureOptimizerState(m.numel() != 0, v.numel() != 0));
-  RETURN_IF_ERROR(
-      I.CopyFlat({{I.m, m.numel() ? m.f32() : nullptr}, {I.v, v.numel() ? v.f32() : nullptr}},
-                 cudaMemcpyHostToDevice));
+  RETURN_IF_ERROR(I.CopyFlat({{I.m, m.numel() ? m.f32() : nullptr},
+                              {I.v, v.numel() ? v.f32() : nullptr}},
+                             cudaMemcpyHostToDevice));
   I.steps = steps_taken;
   return absl::OkStatus();
 }
@@ -260,8 +260,8 @@ absl::StatusOr<double> CudaModel::GradSquaredNorm() {
   Impl& I = *impl_;
   DevBuf ws;
   RETURN_IF_ERROR(ws.Ensure(&I.alloc, kc::SquaredNormWorkspaceBytes()));
-  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar, {ws.get(), kc::SquaredNormWorkspaceBytes()},
-                     I.stream));
+  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar,
+                     {ws.get(), kc::SquaredNormWorkspaceBytes()}, I.stream));
   double out = 0.0;
   CUDA(cudaMemcpyAsync(&out, I.scalar, sizeof(double), cudaMemcpyDeviceToHost, I.stream));
   CUDA(cudaStreamSynchronize(I.stream));
@@ -287,11 +287,8 @@ absl::Status CudaModel::OptimizerStep(const TrainSpec& spec, double lr, float gr
   ++I.steps;
   const auto n_t = static_cast<int64_t>(t.size());
   if (adamw) {
-    kc::AdamWHyper hp{static_cast<float>(lr),
-                      static_cast<float>(spec.beta1),
-                      static_cast<float>(spec.beta2),
-                      static_cast<float>(spec.eps),
-                      I.steps,
+    kc::AdamWHyper hp{static_cast<float>(lr), static_cast<float>(spec.beta1),
+                      static_cast<float>(spec.beta2), static_cast<float>(spec.eps), I.steps,
                       grad_scale};
     KC(kc::AdamWMultiTensor(t.data(), n_t, hp, I.stream));
   } else {

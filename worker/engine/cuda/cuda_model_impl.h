@@ -31,6 +31,7 @@ using KDType = kc::DType;
 
 namespace cuda_model_detail {
 
+
 constexpr KDType kAct = KDType::kBFloat16;  // activations and the weights' working copy
 constexpr int64_t kAb = 2;                  // bytes per activation element
 // 16-byte aligned offset (in fp32 elements) of each local chunk's [H, chunk] attention stats.
@@ -174,7 +175,7 @@ struct Cache {
   // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
   // block of ffn_block_rows rows otherwise (FfnForward).
   DevBuf h, rstd1, x_mid, h2, rstd2, g, u, a;
-  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;  // Lightning
+  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
   DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
   // CP (All2All): the core's head-split inputs over the whole sequence in stream order,
@@ -377,6 +378,7 @@ inline kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
 // The files of CudaModel name these unqualified.
 using namespace cuda_model_detail;  // NOLINT(build/namespaces)
 
+
 struct CudaModel::Impl {
   ModelConfig c;
   std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
@@ -393,7 +395,7 @@ struct CudaModel::Impl {
   float* log_decays = nullptr;
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
-  int64_t head_block_rows = 0;                 // see SetHeadBlockRows
+  int64_t head_block_rows = 0;  // see SetHeadBlockRows
   int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
@@ -406,7 +408,7 @@ struct CudaModel::Impl {
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
   std::vector<KeptAttention> kept;  // per layer; each recomputing MLA layer fills its own
-  std::vector<DevBuf> layer_in;     // [n + 1][T, d] bf16 residual stream
+  std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
   BatchDev B;
@@ -489,8 +491,8 @@ struct CudaModel::Impl {
     return FromKernel(blas->Gemm(a, stream));
   }
   // dx[T, in] (+)= dy[T, out] W[out, in]  and  dW[out, in] += dy^T x (fp32).
-  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx, float* dW,
-                   int64_t T, int64_t in, int64_t out, bool acc_dx) {
+  absl::Status Bwd(const void* x, int64_t ldx, const void* Wt, const void* dy, void* dx,
+                   float* dW, int64_t T, int64_t in, int64_t out, bool acc_dx) {
     if (dx) RETURN_IF_ERROR(InputGrad(dy, Wt, {dx, in, kAct, acc_dx}, T, in, out));
     kc::GemmArgs b;
     b.trans_a = true;

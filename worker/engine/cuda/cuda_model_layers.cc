@@ -4,8 +4,7 @@
 
 namespace spindle {
 
-// ---- Lightning
-// -----------------------------------------------------------------------------------
+// ---- Lightning -----------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
@@ -29,8 +28,9 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
     if (kept > 0) RETURN_IF_ERROR(C.lstates.Ensure(&alloc, kept));
     KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                             static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d}, C.o.get(),
-                            nullptr, kAct, Ws(), stream, {}, kept > 0 ? C.lstates.f32() : nullptr));
+                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
+                            C.o.get(), nullptr, kAct, Ws(), stream, {},
+                            kept > 0 ? C.lstates.f32() : nullptr));
   }
   if (!fp8) {
     RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
@@ -54,9 +54,9 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   RETURN_IF_ERROR(fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false)
                       : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
   // dy -> d o (in place) and d gate.
-  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), W.dy.get(),
-                               W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh, kAct, Ws(),
-                               stream));
+  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(),
+                               W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
+                               kAct, Ws(), stream));
   void* dq = W.dqkv.get();
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
@@ -68,8 +68,8 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
     KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
                              static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                              1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct, Ws(),
-                             stream, {}, kept ? C.lstates.f32() : nullptr));
+                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct,
+                             Ws(), stream, {}, kept ? C.lstates.f32() : nullptr));
   }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
                             C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H, Dh,
@@ -82,8 +82,7 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   return Bwd(C.h.get(), d, Wb(L.gate), W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
 }
 
-// ---- MLA
-// -----------------------------------------------------------------------------------------
+// ---- MLA -----------------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool attention_kept) {
   const MlaConfig& m = c.mla;
@@ -128,8 +127,8 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
   // K = [k_nope of each head, the shared rotary key].
   RETURN_IF_ERROR(Act(C.K, T, H * qk));
   RETURN_IF_ERROR(Copy2D(C.K.get(), qk, C.kvb.get(), nope + vd, nope, T * H));
-  KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd, kAct,
-                  stream));
+  KC(kc::CopyRows(At(C.K.get(), nope), H * qk, qk, At(C.kva.get(), kv), kv + rd, 0, T, H, rd,
+                  kAct, stream));
   RETURN_IF_ERROR(Act(C.O, T, H * vd));
   if (B.cp > 1) return MlaCoreForward(C, attention_kept);
   RETURN_IF_ERROR(F32(C.stats, H * T));
@@ -274,8 +273,7 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   return Bwd(C.h.get(), d, Wb(L.q_a), W.dqa.get(), W.dh.get(), G(L.q_a), T, d, qr, true);
 }
 
-// ---- One layer
-// -----------------------------------------------------------------------------------
+// ---- One layer -----------------------------------------------------------------------------------
 
 // x_out = x_mid + FFN(norm(x_mid)), x_mid = x_in + Attn(norm(x_in)). x_out null (a recomputed
 // forward): everything the backward reads, without the output itself, which is the next layer's
@@ -411,8 +409,8 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
   } else {
     RETURN_IF_ERROR(MlaBackward(L, C, dx));
   }
-  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx, G(L.attn_norm),
-                         T, d, kAct, Ws(), stream));
+  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx,
+                         G(L.attn_norm), T, d, kAct, Ws(), stream));
   return absl::OkStatus();
 }
 

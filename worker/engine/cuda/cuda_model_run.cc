@@ -4,8 +4,7 @@
 
 namespace spindle {
 
-// ---- Batch
-// ---------------------------------------------------------------------------------------
+// ---- Batch ---------------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
   if (b.T < 1) return absl::InvalidArgumentError("cuda model: empty batch");
@@ -16,18 +15,19 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
         "parallelism: SetCp and the CpBatch forms)");
   if (static_cast<int64_t>(b.ids.size()) != b.T || static_cast<int64_t>(b.targets.size()) != b.T ||
       static_cast<int64_t>(b.pos.size()) != b.T)
-    return absl::InvalidArgumentError(absl::StrCat("cuda model: a batch of ", b.T, " tokens has ",
-                                                   b.ids.size(), " ids, ", b.targets.size(),
-                                                   " targets and ", b.pos.size(), " positions"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: a batch of ", b.T, " tokens has ", b.ids.size(), " ids, ",
+                     b.targets.size(), " targets and ", b.pos.size(), " positions"));
   if (split) {
     // This rank's two zigzag chunks of the layout's sequence, in that order (ShardForCp).
     const CpLayout& L = *layout;
     const int64_t ch = L.chunk;
     bool ok = ch > 0 && L.rank >= 0 && L.rank < L.cp && L.T_full == 2 * L.cp * ch &&
-              b.T == 2 * ch && b.pieces.size() == 2 && static_cast<int64_t>(b.idx.size()) == b.T &&
-              L.cu_seqlens.size() >= 2 && L.cu_seqlens.front() == 0 &&
-              L.cu_seqlens.back() == L.T_full;
-    for (int64_t s = 0; ok && s < 2; ++s) ok = b.pieces[s].begin == s * ch && b.pieces[s].len == ch;
+              b.T == 2 * ch && b.pieces.size() == 2 &&
+              static_cast<int64_t>(b.idx.size()) == b.T && L.cu_seqlens.size() >= 2 &&
+              L.cu_seqlens.front() == 0 && L.cu_seqlens.back() == L.T_full;
+    for (int64_t s = 0; ok && s < 2; ++s)
+      ok = b.pieces[s].begin == s * ch && b.pieces[s].len == ch;
     for (int64_t t = 0; ok && t < b.T; ++t)
       ok = b.idx[t] == L.ChunkOf(L.rank, t / ch) * ch + t % ch;
     if (!ok)
@@ -52,18 +52,19 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
   RETURN_IF_ERROR(B.pos.Ensure(&alloc, b.T * 4));
   RETURN_IF_ERROR(B.cu.Ensure(&alloc, static_cast<int64_t>(B.cu_host.size()) * 4));
   CUDA(cudaMemcpyAsync(B.ids.get(), b.ids.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
-  CUDA(cudaMemcpyAsync(B.targets.get(), b.targets.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
-  CUDA(cudaMemcpyAsync(B.pos.get(), b.pos.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
-  CUDA(cudaMemcpyAsync(B.cu.get(), B.cu_host.data(), B.cu_host.size() * 4, cudaMemcpyHostToDevice,
+  CUDA(cudaMemcpyAsync(B.targets.get(), b.targets.data(), b.T * 4, cudaMemcpyHostToDevice,
                        stream));
+  CUDA(cudaMemcpyAsync(B.pos.get(), b.pos.data(), b.T * 4, cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(B.cu.get(), B.cu_host.data(), B.cu_host.size() * 4,
+                       cudaMemcpyHostToDevice, stream));
   // One workspace for every kernel that needs scratch (they run one after another).
   const int64_t T = b.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const int64_t widest = std::max({d, c.mla.kv_lora_rank, std::max<int64_t>(c.mla.q_lora_rank, 1)});
-  size_t need = std::max({kc::LightningWorkspaceBytes({T, H, Dh, 3 * d}),
-                          kc::RmsNormBackwardWorkspaceBytes(T, widest),
-                          kc::QkNormRopeBackwardWorkspaceBytes(T, H, Dh),
-                          kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh),
-                          kc::EmbeddingBackwardWorkspaceBytes(T), kc::SquaredNormWorkspaceBytes()});
+  size_t need = std::max(
+      {kc::LightningWorkspaceBytes({T, H, Dh, 3 * d}), kc::RmsNormBackwardWorkspaceBytes(T, widest),
+       kc::QkNormRopeBackwardWorkspaceBytes(T, H, Dh),
+       kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
+       kc::SquaredNormWorkspaceBytes()});
   if (split) {
     // The whole-sequence Lightning core over H/cp heads, and the CP buffers. Per rank the widest
     // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
@@ -162,10 +163,10 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
   return absl::OkStatus();
 }
 
-// ---- Whole model
-// ---------------------------------------------------------------------------------
+// ---- Whole model ---------------------------------------------------------------------------------
 
-absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad_scale, void* dx) {
+absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad_scale,
+                                                       void* dx) {
   const int64_t T = B.T, d = c.d_model, V = c.vocab;
   RETURN_IF_ERROR(Act(hf, T, d));
   RETURN_IF_ERROR(F32(rstd_f, T));
@@ -188,13 +189,13 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
     KC(kc::CrossEntropy(logits.get(), B.targets.i32() + r0, rows, V, grad_scale,
                         row_loss.f32() + r0, dx ? logits.get() : nullptr, kAct, stream));
     if (dx)
-      RETURN_IF_ERROR(Bwd(h, d, Wb(lm_head), logits.get(), At(dhf.get(), r0 * d), G(lm_head), rows,
-                          d, V, false));
+      RETURN_IF_ERROR(Bwd(h, d, Wb(lm_head), logits.get(), At(dhf.get(), r0 * d), G(lm_head),
+                          rows, d, V, false));
   }
   KC(kc::SumRows(row_loss.f32(), T, scalar, stream));
   if (dx)
-    KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx, G(final_norm),
-                           T, d, kAct, Ws(), stream));
+    KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx,
+                           G(final_norm), T, d, kAct, Ws(), stream));
   // Read by the host after the step's final synchronisation (pinned: no implicit sync here).
   CUDA(cudaMemcpyAsync(loss_host, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
   LossStats s;
@@ -213,10 +214,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
   if (fp8 && T % 16 != 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank (cuBLASLt's "
-        "FP8 GEMMs), got ",
-        T));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank "
+                     "(cuBLASLt's FP8 GEMMs), got ", T));
   // Forward only (called with Recompute::All): two residual buffers and one cache. Training:
   // every layer input, one cache per layer that keeps its activations and one, refilled per
   // layer, for those that recompute.
