@@ -113,14 +113,15 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, 
   return m;
 }
 
-void Model::SetNumerics(const Numerics& numerics) {
-  // Every layer's projections but MLA's per-head ones (q or q_b, kv_b: see numerics.h).
+std::vector<int> Model::Fp8LinearWeights() const {
   std::vector<int> linear;
   for (const auto& L : layers_)
     for (int i : {L->qkv, L->gate, L->out, L->q_a, L->kv_a, L->mo, L->w1, L->w2, L->w3})
       if (i >= 0) linear.push_back(i);
-  numerics_.Set(numerics, std::move(linear));
+  return linear;
 }
+
+void Model::SetNumerics(const Numerics& numerics) { numerics_.Set(numerics, Fp8LinearWeights()); }
 
 void Model::Build() {
   const ModelConfig& c = config_;

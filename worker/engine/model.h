@@ -81,6 +81,9 @@ class Model {
 
   // The number formats of every later pass (the default: exact fp32).
   void SetNumerics(const Numerics& numerics);
+  // The parameters the FP8 recipe runs as FP8 GEMM weights (numerics.h): every layer's
+  // projections but MLA's per-head ones (q or q_b, kv_b). The CUDA engine's fp8 uses the same.
+  std::vector<int> Fp8LinearWeights() const;
   const Numerics& numerics() const { return numerics_.numerics(); }
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).

@@ -21,9 +21,9 @@
 // follow. Activations are quantized where the GPU fuses the cast into the producing kernel, from
 // its fp32 result before any bf16 store: the attention and FFN RMSNorm outputs, SwiGLU's output
 // and the Lightning group norm + gate output; MLA's attention output, which no kernel of ours
-// produces, from its stored bf16. Output gradients are quantized from their stored bf16 values; weights from the
-// fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each optimizer step
-// produces). Not thread-safe; one per model.
+// produces, from its stored bf16. Output gradients are quantized from their stored bf16 values;
+// weights from the fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each
+// optimizer step produces). Not thread-safe; one per model.
 #pragma once
 
 #include <cstdint>

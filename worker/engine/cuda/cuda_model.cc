@@ -137,16 +137,9 @@ absl::Status CudaModel::UploadParams() {
 absl::Status CudaModel::Impl::CastFp8Weights() {
   if (!fp8) return absl::OkStatus();
   std::vector<kc::Fp8WeightCast> t;
-  for (int i = 0; i < P().size(); ++i) {
-    const Fp8Weight& q = fp8_w[i];
-    if (q.codes == nullptr) continue;
-    const ParamInfo& info = P().info(i);
-    const int64_t rows = info.shape[0], cols = info.numel / rows;
-    t.push_back({p + info.offset,
-                 rows,
-                 cols,
-                 {KDType::kFp8E4M3, q.codes, q.codes_t, q.scalars + 1, q.scalars + 2, q.scalars}});
-  }
+  for (int i = 0; i < P().size(); ++i)
+    if (const Fp8Block& q = fp8_w[i]; q.base != nullptr)
+      t.push_back({p + P().info(i).offset, q.rows, q.cols, q.Output()});
   KC(kc::Fp8CastWeights(t.data(), static_cast<int64_t>(t.size()), stream));
   return absl::OkStatus();
 }
@@ -167,10 +160,7 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
     return absl::OkStatus();
   }
   ParamSet& P = I.P();
-  std::vector<int> linear;
-  for (const LayerIdx& L : I.layers)
-    for (int i : {L.qkv, L.gate, L.out, L.q_a, L.kv_a, L.mo, L.w1, L.w2, L.w3})
-      if (i >= 0) linear.push_back(i);
+  const std::vector<int> linear = I.host->Fp8LinearWeights();
   for (int i : linear) {
     const ParamInfo& info = P.info(i);
     for (const int64_t n : {info.shape[0], info.numel / info.shape[0]})
@@ -182,14 +172,14 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
                          "of 16"));
   }
   int64_t bytes = 0;
-  for (int i : linear) bytes += Fp8Act::kHeader + 2 * Fp8Act::Padded(P.info(i).numel);
+  for (int i : linear) bytes += Fp8Block::Bytes(P.info(i).numel);
   CUDA(cudaMalloc(&I.fp8_w_mem, bytes));
-  I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Weight{});
+  I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Block{});
   auto* at = static_cast<uint8_t*>(I.fp8_w_mem);
   for (int i : linear) {
-    const int64_t n = Fp8Act::Padded(P.info(i).numel);
-    I.fp8_w[i] = {at + Fp8Act::kHeader, at + Fp8Act::kHeader + n, reinterpret_cast<float*>(at)};
-    at += Fp8Act::kHeader + 2 * n;
+    const ParamInfo& info = P.info(i);
+    I.fp8_w[i] = {at, info.shape[0], info.numel / info.shape[0], KDType::kFp8E4M3};
+    at += Fp8Block::Bytes(info.numel);
   }
   I.fp8_fixed_bytes = bytes;
   I.fixed_bytes += bytes;

@@ -118,34 +118,36 @@ class DevBuf {
   int64_t bytes_ = 0;
 };
 
-// One FP8 GEMM input [rows, cols] (train.precision fp8): its codes, their transpose [cols, rows]
-// (the backward's K-contiguous layout) and its scalars, in one allocator block: the inverse scale
-// (which the GEMM reads: 16-byte aligned at the block's start), the amax and the scale.
-struct Fp8Act {
+// One FP8 GEMM input [rows, cols] (train.precision fp8) in a block of Bytes(rows * cols) at base:
+// its scalars (the inverse scale, which the GEMM reads, 16-byte aligned at the start; the amax;
+// the scale), its codes, and their transpose [cols, rows] (the backward's K-contiguous layout).
+// A linear weight's copy (in the model's fixed memory) and an activation's (Fp8Act) alike.
+struct Fp8Block {
   static constexpr int64_t kHeader = 256;
-  DevBuf mem;
+  static int64_t Padded(int64_t n) { return (n + 255) / 256 * 256; }
+  static int64_t Bytes(int64_t n) { return kHeader + 2 * Padded(n); }
+  void* base = nullptr;  // null: none (a weight that is not an FP8 linear)
   int64_t rows = 0, cols = 0;
   KDType format = KDType::kFp8E4M3;
 
-  static int64_t Padded(int64_t n) { return (n + 255) / 256 * 256; }
-  absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f) {
-    rows = r, cols = c, format = f;
-    return mem.Ensure(a, kHeader + 2 * Padded(r * c));
-  }
-  void* codes() const { return static_cast<uint8_t*>(mem.get()) + kHeader; }
-  void* codes_t() const { return static_cast<uint8_t*>(mem.get()) + kHeader + Padded(rows * cols); }
-  const float* inverse_scale() const { return mem.f32(); }
+  void* codes() const { return static_cast<uint8_t*>(base) + kHeader; }
+  void* codes_t() const { return static_cast<uint8_t*>(base) + kHeader + Padded(rows * cols); }
+  const float* inverse_scale() const { return static_cast<float*>(base); }
   kc::Fp8Output Output() const {
-    return {format, codes(), codes_t(), mem.f32() + 1, mem.f32() + 2, mem.f32()};
+    float* s = static_cast<float*>(base);
+    return {format, codes(), codes_t(), s + 1, s + 2, s};
   }
 };
 
-// A linear weight's FP8 copy in the model's fixed memory (cast from the fp32 master after every
-// update): codes [out, in], their transpose [in, out], and the inverse scale, amax and scale.
-struct Fp8Weight {
-  void* codes = nullptr;  // null: not an FP8 linear
-  void* codes_t = nullptr;
-  float* scalars = nullptr;
+// An activation's Fp8Block in a block of the caching allocator (grown on demand).
+struct Fp8Act : Fp8Block {
+  DevBuf mem;
+  absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f) {
+    rows = r, cols = c, format = f;
+    RETURN_IF_ERROR(mem.Ensure(a, Bytes(r * c)));
+    base = mem.get();
+    return absl::OkStatus();
+  }
 };
 
 // One layer's parameter indices (into the host ParamSet) and its decays on the device.
@@ -423,7 +425,7 @@ struct CudaModel::Impl {
   // kv_b; worker/engine/numerics.h) multiply FP8 codes; fp8_w holds each one's weight copy (by
   // parameter index), all in fp8_w_mem.
   bool fp8 = false;
-  std::vector<Fp8Weight> fp8_w;
+  std::vector<Fp8Block> fp8_w;
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
 
@@ -502,20 +504,20 @@ struct CudaModel::Impl {
     return FromKernel(blas->Gemm(b, stream));
   }
   // The same on FP8 codes (fp8): y[T, out] (+)= x W^T from x's codes and weight w's copy.
-  absl::Status FwdQ(const Fp8Act& x, int w, void* y, int64_t T, int64_t in, int64_t out, bool acc,
+  absl::Status FwdQ(const Fp8Block& x, int w, void* y, int64_t T, int64_t in, int64_t out, bool acc,
                     const void* residual = nullptr) {
     kc::GemmArgs a;
     a.trans_b = true;
     a.M = T, a.N = out, a.K = in, a.beta = acc ? 1.0f : 0.0f;
-    a.A = x.codes(), a.lda = in, a.B = fp8_w[w].codes, a.ldb = in, a.C = y, a.ldc = out;
+    a.A = x.codes(), a.lda = in, a.B = fp8_w[w].codes(), a.ldb = in, a.C = y, a.ldc = out;
     a.C_in = residual;
     a.ab_type = x.format, a.b_type = KDType::kFp8E4M3;
-    a.a_scale = x.inverse_scale(), a.b_scale = fp8_w[w].scalars;
+    a.a_scale = x.inverse_scale(), a.b_scale = fp8_w[w].inverse_scale();
     return FromKernel(blas->Gemm(a, stream));
   }
   // dy (bf16 [T, out]) quantized to E5M2 with its transpose (W.q_dy), then dx (+)= dy W (dx
   // nullable) from the weight's transposed codes and dW += dy^T x from both transposes.
-  absl::Status BwdQ(const Fp8Act& x, int w, const void* dy, void* dx, float* dW, int64_t T,
+  absl::Status BwdQ(const Fp8Block& x, int w, const void* dy, void* dx, float* dW, int64_t T,
                     int64_t in, int64_t out, bool acc_dx) {
     Fp8Act& q = W.q_dy;
     RETURN_IF_ERROR(q.Ensure(&alloc, T, out, KDType::kFp8E5M2));
@@ -525,8 +527,8 @@ struct CudaModel::Impl {
     a.ab_type = KDType::kFp8E5M2, a.b_type = KDType::kFp8E4M3, a.a_scale = q.inverse_scale();
     if (dx) {
       a.M = T, a.N = in, a.K = out, a.beta = acc_dx ? 1.0f : 0.0f;
-      a.A = q.codes(), a.lda = out, a.B = fp8_w[w].codes_t, a.ldb = out, a.C = dx, a.ldc = in;
-      a.b_scale = fp8_w[w].scalars;
+      a.A = q.codes(), a.lda = out, a.B = fp8_w[w].codes_t(), a.ldb = out, a.C = dx, a.ldc = in;
+      a.b_scale = fp8_w[w].inverse_scale();
       KC(blas->Gemm(a, stream));
     }
     a.M = out, a.N = in, a.K = T, a.beta = 1.0f;

@@ -214,9 +214,9 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* l
   RETURN_IF_ERROR(Upload(b, layout));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
   if (fp8 && T % 16 != 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank "
-                     "(cuBLASLt's FP8 GEMMs), got ", T));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank, got ", T,
+        " (cuBLASLt's FP8 GEMMs)"));
   // Forward only (called with Recompute::All): two residual buffers and one cache. Training:
   // every layer input, one cache per layer that keeps its activations and one, refilled per
   // layer, for those that recompute.
