@@ -64,10 +64,10 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
       if (layer_type == "mla" && cp > 1)
         p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
             spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
-      if (spec.resources == "cuda" && cp > 1)
+      if (spec.resources == "cuda" && cp > 1 && requested == CpMode::kHybrid)
         problems->push_back(absl::StrCat(field, ": \"", ModeWord(requested),
                                          "\" runs on resources \"cpu\" only (the CUDA engine has "
-                                         "allgather and all2all)"));
+                                         "allgather, all2all and, for MLA, ring)"));
     } else if (requested == CpMode::kAll2All && heads % cp != 0) {
       problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
                                        heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
@@ -328,11 +328,17 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   if (lightning_mode == CpMode::kHybrid) per_l += 3 * d;
   const bool cuda = spec.resources == "cuda";
   const bool cuda_mla_allgather = mla_allgather && cuda;
+  // The CUDA engine's MLA Ring keeps only its rank's latent block (bf16) and rebuilds keys per
+  // key block as AllGather does; it always sends the latent.
+  const bool cuda_mla_ring = cuda && cp > 1 && mla_mode == CpMode::kRing;
+  const int64_t lat_w = a.kv_lora_rank + a.qk_rope_dim;
+  if (cuda_mla_ring) per_m += lat_w - ring_w;
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
   // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
   const int64_t mla_core_in = H * (2 * qk + a.v_head_dim);
   const bool cuda_cp = cuda && cp > 1;
-  const bool l_all2all = cuda_cp && !lightning_allgather, m_all2all = cuda_cp && !mla_allgather;
+  const bool l_all2all = cuda_cp && !lightning_allgather;
+  const bool m_all2all = cuda_cp && !mla_allgather && !cuda_mla_ring;
   if (l_all2all) per_l += 3 * d;
   if (m_all2all) per_m += mla_core_in + H * a.v_head_dim;
   // The CUDA engine runs the FFN of a recomputed layer, and every FFN backward, in blocks of
@@ -369,7 +375,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // of heads where that holds less, CudaMlaGradBytesPerToken), both kinds' on the CPU, the larger
   // on CUDA (one kind at a time).
   const int64_t work_l = nl > 0 ? B * 5 * d : 0;
-  const int64_t mla_group = mla_allgather ? H : CudaMlaGradHeadsPerGroup(m, T, cp);
+  const int64_t mla_group = mla_allgather || cuda_mla_ring ? H : CudaMlaGradHeadsPerGroup(m, T, cp);
   const int64_t work_m = nm > 0 ? CudaMlaGradBytesPerToken(m, mla_group, cp == 1) : 0;
   const int64_t work_kinds = cuda ? std::max(work_l, work_m) : B * 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
@@ -377,7 +383,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   if (lightning_mode == CpMode::kHybrid)
     e.workspace_bytes += 2 * 2 * (cp / u) * (H / u) * Dh * Dh * 4 + T * 4 * 4 * d;
-  if (mla_ring) {
+  if (mla_ring && !cuda_mla_ring) {
     const int64_t Hl = mla_heads;
     e.workspace_bytes += mla_u * T * 4 * (5 * ring_w + 3 * Hl * (qk + a.v_head_dim) + Hl);
     if (mla_u > 1) e.workspace_bytes += T * 4 * H * (2 * qk + a.v_head_dim);
@@ -392,17 +398,19 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
         std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (in_w + out_w);
   }
-  if (cuda_mla_allgather) {
+  if (cuda_mla_allgather || cuda_mla_ring) {
     // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a
     // chunk and a key block; the cross piece's output and dq for one query block, its fp32
-    // running output for the chunk; the fp32 gather / reduce-scatter blocks.
+    // running output for the chunk (Ring: both local chunks); AllGather's fp32 gather /
+    // reduce-scatter blocks, or Ring's two bf16 blocks in flight and four fp32 gradient blocks.
     const int64_t rows = std::max<int64_t>(chunk, kCudaMlaKeyBlock);
     const int64_t qrows = std::min<int64_t>(chunk, kCudaMlaKeyBlock);
     const int64_t kvw = a.qk_nope_dim + a.v_head_dim;
     const int64_t w = a.kv_lora_rank + a.qk_rope_dim;
     e.workspace_bytes += rows * (2 * H * qk + 2 * H * kvw + w) * B +
-                         qrows * H * (a.v_head_dim + qk) * B + chunk * H * a.v_head_dim * 4 +
-                         2 * 4 * cp * T * w;
+                         qrows * H * (a.v_head_dim + qk) * B +
+                         (cuda_mla_ring ? 2 : 1) * chunk * H * a.v_head_dim * 4 +
+                         (cuda_mla_ring ? T * w * (2 * B + 4 * 4) : 2 * 4 * cp * T * w);
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
@@ -416,7 +424,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     // and statistics, and a key block's k, v, dk, dv.
     const int64_t v = a.v_head_dim;
     int64_t attention = 0;
-    if (nm > 0 && mla_allgather) {
+    if (nm > 0 && (mla_allgather || cuda_mla_ring)) {
       const int64_t L = NextPow2(std::max<int64_t>(128, std::min(chunk, kCudaMlaKeyBlock)));
       const int64_t cross =
           L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) + kCudaMlaKeyBlock * H * (qk + v) * 2 * 2;
@@ -433,7 +441,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
       if (spec.parallel.cp > 1 && spec.parallel.dp > 1) e.runtime_bytes += kNcclMoreCommBytes;
     }
   }
-  e.precision_bytes = PrecisionBytes(spec, mla_allgather, T, rl, rm);
+  e.precision_bytes = PrecisionBytes(spec, mla_allgather || cuda_mla_ring, T, rl, rm);
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes + e.runtime_bytes + e.precision_bytes;
   return e;
@@ -441,14 +449,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
 
 namespace {
 
-// The candidates of a layer type that the job's resources run (the CUDA engine: AllGather and
-// All2All).
+// The candidates of a layer type that the job's resources run (the CUDA engine: AllGather,
+// All2All and MLA's Ring).
 std::vector<ModeChoice> RunnableCandidates(const JobSpec& spec, const std::string& type) {
   std::vector<ModeChoice> out;
   for (const ModeChoice& c :
        CandidateModes(type, std::max<int64_t>(1, spec.parallel.cp), spec.model.n_heads)) {
-    if (spec.resources == "cuda" && (c.mode == CpMode::kRing || c.mode == CpMode::kHybrid))
-      continue;
+    if (spec.resources == "cuda" && c.mode == CpMode::kHybrid) continue;
     out.push_back(c);
   }
   return out;

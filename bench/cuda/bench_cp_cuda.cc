@@ -5,7 +5,8 @@
 // CudaModel and its own NCCL communicator (bootstrapped over an in-process MemoryKvStore), set as
 // the model's CP group with --lightning_mode for Lightning and --mla_mode for MLA (all2all, the
 // planner's default while cp <= n_heads, or allgather: Lightning's chunk states gathered and
-// scanned; MLA's latent gathered, causal and cross pieces merged). A step
+// scanned; MLA's latent gathered, causal and cross pieces merged; or, for MLA, ring: the latent
+// passed around the group). A step
 // on every rank: ZeroGrads,
 // ForwardBackward on the rank's zigzag share (ShardForCp), the all-reduce of the gradients over
 // the group (the trainer's job, done here on device_grads() with the same NCCL communicator),
@@ -29,7 +30,8 @@
 //
 // Usage: bench_cp_cuda [--preset 1b] [--T 262144] [--cp 2,4,8] [--recompute 1] [--single 1]
 //                      [--warmup 2] [--steps 5] [--doc 0] [--timeout 120]
-//                      [--lightning_mode all2all] [--mla_mode all2all] [--comm_only MB,...]
+//                      [--lightning_mode all2all] [--mla_mode all2all|allgather|ring]
+//                      [--comm_only MB,...]
 //   --single 0: no cp = 1 row (for a sequence one GPU cannot hold; no scaling column then).
 //   --doc D: a document end about every D tokens (0: the whole sequence is one document).
 //   --comm_only MB,...: no model; the CP all-to-all alone on buffers of these sizes (RunCommOnly).
@@ -669,8 +671,10 @@ int main(int argc, char** argv) {
     } else if (k == "--comm_only") {
       ok = spindle::ParseInts(v, &opt.comm_only_mb);
     } else if (k == "--mla_mode") {
-      ok = v == "all2all" || v == "allgather";
-      opt.mla = v == "allgather" ? spindle::CpMode::kAllGather : spindle::CpMode::kAll2All;
+      ok = v == "all2all" || v == "allgather" || v == "ring";
+      opt.mla = v == "allgather" ? spindle::CpMode::kAllGather
+                : v == "ring"    ? spindle::CpMode::kRing
+                                 : spindle::CpMode::kAll2All;
     } else {
       std::fprintf(stderr, "bench_cp_cuda: unknown flag %s\n", k.c_str());
       return 2;

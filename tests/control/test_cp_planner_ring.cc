@@ -102,10 +102,14 @@ TEST(CpPlannerRingTest, ProblemsOfTheNewModes) {
   s.resources = "cuda";
   s.parallel.mla_mode = CpMode::kRing;
   CpPlan p = CpPlanner().Plan(s, 0);
+  EXPECT_TRUE(p.ok()) << p.problems[0];  // the CUDA engine runs MLA's Ring
+  s.parallel.ulysses = 2;
+  s.parallel.mla_mode = CpMode::kHybrid;
+  p = CpPlanner().Plan(s, 0);
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.problems[0],
-            "parallel.mla_mode: \"ring\" runs on resources \"cpu\" only (the CUDA engine has "
-            "allgather and all2all)");
+            "parallel.mla_mode: \"hybrid\" runs on resources \"cpu\" only (the CUDA engine has "
+            "allgather, all2all and, for MLA, ring)");
   // A spec built in code (the parser refuses it) plans with the parser's error as a problem.
   s = Spec(8, 4, 1024);
   s.parallel.ulysses = 3;

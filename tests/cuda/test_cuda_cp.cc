@@ -1,19 +1,21 @@
-// Context parallelism of CudaModel (All2All and AllGather for Lightning and MLA): cp ranks share
-// ONE GPU as threads of this process, each with its own CudaModel (own stream, cuBLASLt and cuDNN
-// handles) and its own Gloo communicator over an in-memory store (so the model's host-staged path
-// runs: NCCL refuses two ranks on one device). Each rank runs its zigzag share (ShardForCp) of a
-// sequence packing many documents that cross chunk and rank boundaries; the ranks' summed loss and
-// summed gradients must match one CudaModel (same seed) on the whole sequence. Configs: a tiny-like
-// model with head size 64 (the tensor-core Lightning path; MLA dims multiples of 16) and the tiny
-// preset (head size 16: the token-by-token Lightning path), cp = 2 (and cp = 4 on tiny), with and
-// without recompute; cp = 8 on both with 8 heads; Lightning's AllGather on the head-64 model at cp
-// = 2 and 4 (chunk states gathered and scanned, carry corrections); the forward-only CpBatch form
-// gives the step's loss. MLA's AllGather (cross and causal pieces merged) at cp = 2 and 4, with one
-// document and many, alone and with Lightning's AllGather, its cross pieces over several key and
-// query blocks; Lightning's AllGather at head size 16 (the token path) and both AllGather modes at
-// cp = 3; MLA's All2All gradients taken back by the ranks' blocks of heads and all at once, on
-// poisoned activation memory. Also: undecided modes and n_heads % cp != 0 under All2All are refused
-// with their messages, and a CpBatch without a matching SetCp is refused. Skips without a GPU.
+// Context parallelism of CudaModel (All2All and AllGather for Lightning and MLA, Ring for MLA): cp
+// ranks share ONE GPU as threads of this process, each with its own CudaModel (own stream,
+// cuBLASLt and cuDNN handles) and its own Gloo communicator over an in-memory store (so the
+// model's host-staged path runs: NCCL refuses two ranks on one device). Each rank runs its zigzag
+// share (ShardForCp) of a sequence packing many documents that cross chunk and rank boundaries; the
+// ranks' summed loss and summed gradients must match one CudaModel (same seed) on the whole
+// sequence. Configs: a tiny-like model with head size 64 (the tensor-core Lightning path; MLA dims
+// multiples of 16) and the tiny preset (head size 16: the token-by-token Lightning path), cp = 2
+// (and cp = 4 on tiny), with and without recompute; cp = 8 on both with 8 heads; Lightning's
+// AllGather on the head-64 model at cp = 2 and 4 (chunk states gathered and scanned, carry
+// corrections); the forward-only CpBatch form gives the step's loss. MLA's AllGather (cross and
+// causal pieces merged) at cp = 2 and 4, with one document and many, alone and with Lightning's
+// AllGather, its cross pieces over several key and query blocks; Lightning's AllGather at head size
+// 16 (the token path) and both AllGather modes at cp = 3; MLA's All2All gradients taken back by the
+// ranks' blocks of heads and all at once, on poisoned activation memory. MLA's Ring at cp = 2, 3,
+// 4 and 8, with one document and many, over several key and query blocks. Also: undecided modes and
+// n_heads % cp != 0 under All2All and the hybrid modes are refused with their messages, and a
+// CpBatch without a matching SetCp is refused. Skips without a GPU.
 //
 // Tolerances. Both sides run the same bf16 kernels with fp32 accumulation; what differs is where
 // values get rounded to bf16 and in which order fp32 sums run: the token-local GEMMs see T/cp
@@ -267,7 +269,7 @@ TEST(CudaCp, TwoMlaLayersPartialRecomputeMatchesOneRankInBothModes) {
   SPINDLE_REQUIRE_GPU();
   ModelConfig c = Head64();
   c.n_layers = 4, c.layer_pattern = "MLLM";
-  for (const CpMode mla : {CpMode::kAll2All, CpMode::kAllGather}) {
+  for (const CpMode mla : {CpMode::kAll2All, CpMode::kAllGather, CpMode::kRing}) {
     ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(1), CpMode::kAll2All, mla);
     ExpectCpMatchesOneRank(c, 384, 70, 2, Recompute::First(2), CpMode::kAllGather, mla);
   }
@@ -294,6 +296,45 @@ TEST(CudaCp, Head64BothAllGatherCp4MatchesOneRank) {
   // cp = 4 > n_heads = 2, Lightning and MLA layers: what the planner picks for such a job.
   ExpectCpMatchesOneRank(Head64(), 512, 60, 4, Recompute::None(), CpMode::kAllGather,
                          CpMode::kAllGather);
+}
+
+// MLA Ring (the loop of cp/cp_ring.h on the GPU): each rank's latent rows travel the ring; each
+// local chunk's causal piece on its own block and cross pieces on the blocks its first document
+// continues from merge by their statistics, and the latent gradients travel back in fp32.
+TEST(CudaCp, Head64MlaRingCp2MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // Chunks of 96, documents of up to ~140: pieces on the other rank's block and, for rank 1
+  // (chunks 1 and 2, adjacent), on its own block's other chunk.
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAll2All, CpMode::kRing);
+}
+
+TEST(CudaCp, Head64MlaRingCp2RecomputeOneDocument) {
+  SPINDLE_REQUIRE_GPU();
+  // One document: every block is visible to every later chunk, chunks of 130 off the 64 grid.
+  ExpectCpMatchesOneRank(Head64(), 520, 100000, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kRing);
+}
+
+TEST(CudaCp, TinyMlaRingCp4MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // Chunks of 40 tokens, documents of up to ~100 that span whole chunks; blocks no query sees
+  // are passed on without work.
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None(), CpMode::kAll2All, CpMode::kRing);
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::All(), CpMode::kAllGather, CpMode::kRing);
+}
+
+TEST(CudaCp, TinyCp3LightningAllGatherMlaRingMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // cp = 3 does not divide the 4 heads: a ring of three, chunks of 50 tokens.
+  ExpectCpMatchesOneRank(Tiny(), 300, 45, 3, Recompute::None(), CpMode::kAllGather, CpMode::kRing);
+}
+
+TEST(CudaCp, Head64MlaRingWalksSeveralKeyAndQueryBlocks) {
+  SPINDLE_REQUIRE_GPU();
+  // T = 163840 at cp = 2, one document: chunks of 40960 tokens, so each cross piece walks two
+  // key blocks of the chunk it sees (32768 and 8192 rows) with two query blocks each.
+  ExpectCpMatchesOneRank(Head64(), 163840, 1000000, 2, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kRing);
 }
 
 // The tiny preset's head size 16 runs Lightning on the token path, its carry correction too.
@@ -372,6 +413,13 @@ TEST(CudaCp, Head64EightHeadsCp8MixedModesMatchOneRank) {
   ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::All(), CpMode::kAllGather, CpMode::kAll2All);
 }
 
+// A ring of eight ranks.
+TEST(CudaCp, Head64EightHeadsCp8MlaRingMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectCpMatchesOneRank(EightHeads(Head64()), 1024, 150, 8, Recompute::All(), CpMode::kAll2All,
+                         CpMode::kRing);
+}
+
 // MLA's backward under All2All takes the exchanged gradients back through kv_b and q_b one rank's
 // block of heads at a time where that holds less (the rule's choice at cp = 4 on tiny, not at cp
 // = 2), or all heads at once: each forced both ways.
@@ -421,10 +469,16 @@ TEST(CudaCp, BadContextsAreRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
-  // Every resolved mode pair runs for this shape (head size 16: the token path).
+  // Every resolved mode pair the engine runs is taken for this shape (head size 16: the token
+  // path); Ring is MLA's only, and the hybrid modes are the CPU engine's.
   for (CpMode l : {CpMode::kAll2All, CpMode::kAllGather})
-    for (CpMode a : {CpMode::kAll2All, CpMode::kAllGather})
+    for (CpMode a : {CpMode::kAll2All, CpMode::kAllGather, CpMode::kRing})
       EXPECT_TRUE(m.SetCp({&two, l, a}).ok()) << CpModeName(l) << " " << CpModeName(a);
+  absl::Status hybrid = m.SetCp({&two, CpMode::kAllGather, CpMode::kHybrid});
+  EXPECT_EQ(hybrid.code(), absl::StatusCode::kUnimplemented) << hybrid;
+  EXPECT_NE(hybrid.message().find("mla_mode hybrid"), std::string::npos) << hybrid;
+  hybrid = m.SetCp({&two, CpMode::kRing, CpMode::kAllGather});
+  EXPECT_EQ(hybrid.code(), absl::StatusCode::kInvalidArgument) << hybrid;
 
   absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

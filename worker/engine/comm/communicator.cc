@@ -75,6 +75,7 @@ void Communicator::Loop() {
       queue_.erase(queue_.begin());
     }
     const auto t0 = std::chrono::steady_clock::now();
+    running_layer_ = task.layer;
     absl::Status s = task.fn();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {

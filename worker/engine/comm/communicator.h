@@ -175,6 +175,9 @@ class Communicator {
   // collectives, nothing for the others). True for host-memory backends; NCCL says false: its
   // buffers are device memory, and NCCL runs a group of one itself.
   virtual bool LocalWhenAlone() const { return true; }
+  // The layer type of the collective running now (on the communicator thread only): what a
+  // backend that forwards to another communicator records there.
+  CommLayer running_layer() const { return running_layer_; }
 
  private:
   CommHandle Enqueue(Collective c, CommLayer layer, int64_t bytes, std::function<absl::Status()> fn);
@@ -192,6 +195,7 @@ class Communicator {
   std::vector<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   CommStats stats_ ABSL_GUARDED_BY(mu_);
+  CommLayer running_layer_ = CommLayer::kOther;  // the communicator thread's
   std::thread thread_;
 };
 

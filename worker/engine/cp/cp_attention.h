@@ -21,7 +21,7 @@
 #include "common/cp_modes.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cp/cp_layout.h"
-#include "worker/engine/cp/cp_ring.h"
+#include "worker/engine/cp/cp_ring_cpu.h"
 
 namespace spindle {
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "worker/engine/cp/cp_ring.h"
+#include "worker/engine/cp/cp_ring_cpu.h"
 
 namespace spindle {
 

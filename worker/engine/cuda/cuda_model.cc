@@ -20,7 +20,8 @@
 // This file: setup, the parameters, gradients and optimizer on the device, memory, the layer
 // kinds' shared buffers, the tuning knobs and the CP entry points; the passes are in
 // cuda_model_run.cc, the layers in cuda_model_layers.cc, context parallelism in cuda_model_cp.cc
-// (their internals: cuda_model_impl.h).
+// and cuda_model_ring.cc (their internals: cuda_model_impl.h).
+#include "worker/engine/comm/staged_communicator.h"
 #include "worker/engine/cuda/cuda_model_impl.h"
 
 namespace spindle {
@@ -342,9 +343,9 @@ KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
   const MlaConfig& m = c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
   // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
-  // MLA AllGather (Work's ag_kvb, ag_K).
-  const int64_t q_lora = qr > 0 ? T : 0, keys = MlaAllGather() ? 0 : T;
-  const int64_t full = MlaAllGather() ? 0 : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
+  // MLA AllGather and Ring (Work's ag_kvb, ag_K).
+  const int64_t q_lora = qr > 0 ? T : 0, keys = MlaLatentKeys() ? 0 : T;
+  const int64_t full = MlaLatentKeys() ? 0 : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
   return {{&C.cp_full, full},
           {&C.Q, T * H * qk * kAb},
           {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
@@ -494,7 +495,14 @@ absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
 absl::Status CudaModel::SetCp(const CpContext& cp) {
   Impl& I = *impl_;
   I.cp = cp;
-  I.cp_device_buffers = cp.comm != nullptr && cp.comm->backend() == "nccl";
+  I.staged.clear();
+  // Host communicators (Gloo) take device buffers through pinned staging.
+  for (Communicator** c : {&I.cp.comm, &I.cp.ulysses, &I.cp.ring}) {
+    if (*c == nullptr || (*c)->backend() == "nccl") continue;
+    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> s, CreateStagedCommunicator(*c, I.device));
+    *c = s.get();
+    I.staged.push_back(std::move(s));
+  }
   return I.CheckCpContext();
 }
 

@@ -33,10 +33,16 @@
 // rows this rank's queries see, each local chunk attends causally inside itself and, for the
 // document its first token continues, without a mask over that document's earlier tokens; the two
 // pieces merge by their log-sum-exp statistics, and the backward reduce-scatters the latent
-// gradients to their owners.
+// gradients to their owners. Ring for MLA layers (any cp): the ring loop of cp/cp_ring.h, shared
+// with the CPU engine, passes each rank's latent rows around the CP group while every rank
+// attends its chunks to the pieces of the block it holds (the same causal and cross pieces as
+// AllGather, merged the same way); the backward passes fp32 latent gradients along with them.
+// The CUDA engine always sends the latent (the CPU engine may send K and V where they are
+// smaller: tiny models), and does not run the hybrid modes.
 // Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
-// token-local. Collectives take device buffers for NCCL and pinned host copies for host backends
-// (Gloo); each one waits for the compute stream first. Losses and gradients are this rank's part:
+// token-local. Collectives take device buffers: NCCL's directly, a host backend's (Gloo) through
+// a StagedCommunicator (comm/staged_communicator.h) that SetCp wraps around it; each one waits
+// for the compute stream first. Losses and gradients are this rank's part:
 // the caller sums them over the group (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks sharing one GPU
 // over Gloo against one rank; bench_cp_cuda: NCCL ranks on separate GPUs).
 // Not thread-safe (several models, one per thread, may share a device).

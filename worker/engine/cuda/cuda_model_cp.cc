@@ -19,7 +19,15 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
   for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
                         Kind{'M', "mla_mode", cp.mla_mode}}) {
     if (c.NumLayersOfKind(k.kind) == 0) continue;
-    if (k.mode != CpMode::kAll2All && k.mode != CpMode::kAllGather)
+    if (k.mode == CpMode::kHybrid)
+      return absl::UnimplementedError(
+          absl::StrCat("cuda model: ", k.field,
+                       " hybrid is not run by the CUDA engine (the CPU engine runs "
+                       "it); use allgather, all2all",
+                       k.kind == 'M' ? " or ring" : ""));
+    const bool runs = k.mode == CpMode::kAll2All || k.mode == CpMode::kAllGather ||
+                      (k.kind == 'M' && k.mode == CpMode::kRing);
+    if (!runs)
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
           " must be a planned mode (PlannedCpModes) before SetCp"));
@@ -97,17 +105,6 @@ absl::Status CudaModel::Impl::CopySlots(const void* src, bool src_in_stream, voi
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::ExchangeHost(int64_t bytes, CommLayer layer) {
-  if (bytes > cp_host_bytes)
-    return absl::InternalError(absl::StrCat("cuda model: a CP exchange of ", bytes,
-                                            " bytes exceeds its ", cp_host_bytes,
-                                            "-byte host staging"));
-  CUDA(cudaStreamSynchronize(stream));
-  // The copies out of cp_host_recv that follow are asynchronous (pinned memory): the next
-  // exchange writes it only after this stream sync.
-  return cp.comm->AllToAll(cp_host_send, bytes / B.cp, CommType::kByte, cp_host_recv, layer);
-}
-
 absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_stream, void* recv,
                                             bool recv_in_stream, int64_t width, CommLayer layer) {
   const int64_t piece = B.chunk * width * kAb;
@@ -125,21 +122,12 @@ absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_strea
 
 absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
                                                CommLayer layer) {
-  if (cp_device_buffers) return ExchangeSlots(send, false, full, true, width, layer);
-  const int64_t bytes = B.cp * B.T * width * kAb;
-  CUDA(cudaMemcpyAsync(cp_host_send, send, bytes, cudaMemcpyDeviceToHost, stream));
-  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
-  return CopySlots(cp_host_recv, false, full, true, width);
+  return ExchangeSlots(send, false, full, true, width, layer);
 }
 
 absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
                                                  CommLayer layer) {
-  if (cp_device_buffers) return ExchangeSlots(full, true, recv, false, width, layer);
-  const int64_t bytes = B.cp * B.T * width * kAb;
-  RETURN_IF_ERROR(CopySlots(full, true, cp_host_send, false, width));
-  RETURN_IF_ERROR(ExchangeHost(bytes, layer));
-  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
-  return absl::OkStatus();
+  return ExchangeSlots(full, true, recv, false, width, layer);
 }
 
 // q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
@@ -184,49 +172,22 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
 
 // ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
 
-absl::Status CudaModel::Impl::GatherDevice(const void* send, int64_t n, CommType type,
-                                           int64_t elem_bytes, void* recv, CommLayer layer) {
-  if (cp_device_buffers) {
-    CUDA(cudaStreamSynchronize(stream));  // NCCL runs on its own stream
-    return cp.comm->AllGather(send, n, type, recv, layer);
-  }
-  const int64_t bytes = n * elem_bytes * B.cp;
-  if (bytes > cp_host_bytes)
-    return absl::InternalError(absl::StrCat("cuda model: a CP gather of ", bytes,
-                                            " bytes exceeds its ", cp_host_bytes,
-                                            "-byte host staging"));
-  CUDA(cudaMemcpyAsync(cp_host_send, send, n * elem_bytes, cudaMemcpyDeviceToHost, stream));
-  CUDA(cudaStreamSynchronize(stream));
-  RETURN_IF_ERROR(cp.comm->AllGather(cp_host_send, n, type, cp_host_recv, layer));
-  // Pinned, so asynchronous: the staging is rewritten only after a later stream sync.
-  CUDA(cudaMemcpyAsync(recv, cp_host_recv, bytes, cudaMemcpyHostToDevice, stream));
-  return absl::OkStatus();
+absl::Status CudaModel::Impl::GatherDevice(const void* send, int64_t n, CommType type, void* recv,
+                                           CommLayer layer) {
+  CUDA(cudaStreamSynchronize(stream));  // the communicator reads `send` on a stream of its own
+  return cp.comm->AllGather(send, n, type, recv, layer);
 }
 
 absl::Status CudaModel::Impl::ReduceScatterDevice(const float* send, int64_t n, float* recv,
                                                   CommLayer layer) {
-  if (cp_device_buffers) {
-    CUDA(cudaStreamSynchronize(stream));
-    return cp.comm->ReduceScatterSum(send, n, recv, layer);
-  }
-  const int64_t bytes = n * 4 * B.cp;
-  if (bytes > cp_host_bytes)
-    return absl::InternalError(absl::StrCat("cuda model: a CP reduce-scatter of ", bytes,
-                                            " bytes exceeds its ", cp_host_bytes,
-                                            "-byte host staging"));
-  float* hs = static_cast<float*>(cp_host_send);
-  float* hr = static_cast<float*>(cp_host_recv);
-  CUDA(cudaMemcpyAsync(hs, send, bytes, cudaMemcpyDeviceToHost, stream));
   CUDA(cudaStreamSynchronize(stream));
-  RETURN_IF_ERROR(cp.comm->ReduceScatterSum(hs, n, hr, layer));
-  CUDA(cudaMemcpyAsync(recv, hr, n * 4, cudaMemcpyHostToDevice, stream));
-  return absl::OkStatus();
+  return cp.comm->ReduceScatterSum(send, n, recv, layer);
 }
 
 absl::Status CudaModel::Impl::GatherStates(const float* send) {
   const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
   float* recv = W.cp_state_recv.f32();
-  RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, 4, recv, CommLayer::kLightning));
+  RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, recv, CommLayer::kLightning));
   // Rank r's block s is chunk ZigzagChunk(cp, r, s): into stream order.
   for (int64_t r = 0; r < B.cp; ++r)
     for (int64_t slot = 0; slot < 2; ++slot)
@@ -399,18 +360,19 @@ std::vector<std::pair<int64_t, int64_t>> MlaQueryBlocks(int64_t nq) {
 }
 }  // namespace
 
-// Stream rows [a, b) of the gathered latent -> W.ag_K (keys [k_nope | k_r] of every head) and
-// W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
-absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b) {
+absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n) {
   const MlaConfig& m = c.mla;
   const int64_t H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
-  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim, n = b - a;
-  RETURN_IF_ERROR(
-      Fwd(At(C.ag_lat.get(), a * w), w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw, false));
+  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim;
+  RETURN_IF_ERROR(Fwd(lat, w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw, false));
   RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * H));
-  KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(C.ag_lat.get(), a * w + kv), w, 0, n, H,
-                  rd, kAct, stream));
+  KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(lat, kv), w, 0, n, H, rd, kAct, stream));
   return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b) {
+  const int64_t w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  return MlaBuildKeysFrom(L, At(C.ag_lat.get(), a * w), b - a);
 }
 
 absl::Status CudaModel::Impl::MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n,
@@ -464,7 +426,7 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
   RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
   RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, rd, T));
   RETURN_IF_ERROR(
-      GatherDevice(send, T * w * kAb, CommType::kByte, 1, W.ag_recv.get(), CommLayer::kMla));
+      GatherDevice(send, T * w * kAb, CommType::kByte, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
   RETURN_IF_ERROR(CopySlots(W.ag_recv.get(), false, C.ag_lat.get(), true, w));
   const int64_t SS = StatsSlot(H, ch);

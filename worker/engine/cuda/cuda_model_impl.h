@@ -1,6 +1,7 @@
 // CudaModel's internals, shared by the files that implement it (cuda_model.cc: setup, the
 // parameters, optimizer and memory; cuda_model_run.cc: the batch upload and the whole model's
-// passes; cuda_model_layers.cc: one layer of each kind; cuda_model_cp.cc: context parallelism).
+// passes; cuda_model_layers.cc: one layer of each kind; cuda_model_cp.cc: context parallelism's
+// All2All and AllGather modes; cuda_model_ring.cc: MLA's Ring mode).
 // Nothing outside those files includes it; the design notes are cuda_model.cc's.
 #pragma once
 
@@ -325,6 +326,11 @@ struct Work {
   // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and
   // a key block; the cross piece's output, stats, fp32 running output and dq.
   DevBuf ag_send, ag_recv, ag_K, ag_kvb, ag_dK, ag_dkvb, ag_dlat, ag_o, ag_stats, ag_acc, ag_dq;
+  // CP (MLA Ring) scratch, sized by Upload: the two latent blocks in flight (bf16 [T, kv + rd]),
+  // the gradient accumulators sent and received and a step's share (fp32), and the gradient of
+  // this rank's own block (fp32). The key blocks' buffers are MLA AllGather's (ag_K ...), and
+  // ag_acc holds both local chunks' fp32 running outputs.
+  DevBuf ring_block[2], ring_acc[2], ring_share, ring_own;
   // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
   // time (KindArena).
   KindArena arena;
@@ -352,6 +358,8 @@ struct BatchDev {
   // MLA AllGather: the first stream row each local chunk's queries see (the start of the
   // document its first token continues, else the chunk's own first token).
   int64_t key_begin[2] = {0, 0};
+  // The batch's layout during a pass (cp > 1; the caller's, valid while Run runs).
+  const CpLayout* layout = nullptr;
 };
 
 // One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
@@ -414,13 +422,10 @@ struct CudaModel::Impl {
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
   BatchDev B;
-  // Context parallelism: the context of SetCp, whether its collectives take device buffers
-  // (NCCL) rather than host ones, and the pinned host staging blocks for the latter.
+  // Context parallelism: the context of SetCp, whose communicators take device buffers (NCCL's as
+  // they are; a host communicator's through a StagedCommunicator in `staged`).
   CpContext cp;
-  bool cp_device_buffers = false;
-  void* cp_host_send = nullptr;
-  void* cp_host_recv = nullptr;
-  int64_t cp_host_bytes = 0;
+  std::vector<std::unique_ptr<Communicator>> staged;
   // train.precision fp8 (SetPrecision): the blocks' linears but MLA's per-head ones (q or q_b,
   // kv_b; worker/engine/numerics.h) multiply FP8 codes; fp8_w holds each one's weight copy (by
   // parameter index), all in fp8_w_mem.
@@ -436,13 +441,49 @@ struct CudaModel::Impl {
     layer_in.clear();
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
-    for (DevBuf* b :
-         {&W.dh,        &W.da,      &W.dg,      &W.du,       &W.dy,       &W.dgate,  &W.dqkv,
-          &W.dO,        &W.dQ,      &W.dK,      &W.dkvb,     &W.dc_n,     &W.dc,     &W.dkva,
-          &W.dqa_n,     &W.dqa,     &W.ws,      &W.cp_block, &W.cp_tmp,   &W.gQ,     &W.gK,
-          &W.gkvb,      &W.sum_lat, &W.sum_q,   &W.ag_send,  &W.ag_recv,  &W.ag_K,   &W.ag_kvb,
-          &W.ag_dK,     &W.ag_dkvb, &W.ag_dlat, &W.ag_o,     &W.ag_stats, &W.ag_acc, &W.ag_dq,
-          &W.arena.mem, &W.q_dy.mem})
+    for (DevBuf* b : {&W.dh,
+                      &W.da,
+                      &W.dg,
+                      &W.du,
+                      &W.dy,
+                      &W.dgate,
+                      &W.dqkv,
+                      &W.dO,
+                      &W.dQ,
+                      &W.dK,
+                      &W.dkvb,
+                      &W.dc_n,
+                      &W.dc,
+                      &W.dkva,
+                      &W.dqa_n,
+                      &W.dqa,
+                      &W.ws,
+                      &W.cp_block,
+                      &W.cp_tmp,
+                      &W.gQ,
+                      &W.gK,
+                      &W.gkvb,
+                      &W.sum_lat,
+                      &W.sum_q,
+                      &W.ag_send,
+                      &W.ag_recv,
+                      &W.ag_K,
+                      &W.ag_kvb,
+                      &W.ag_dK,
+                      &W.ag_dkvb,
+                      &W.ag_dlat,
+                      &W.ag_o,
+                      &W.ag_stats,
+                      &W.ag_acc,
+                      &W.ag_dq,
+                      &W.ring_block[0],
+                      &W.ring_block[1],
+                      &W.ring_acc[0],
+                      &W.ring_acc[1],
+                      &W.ring_share,
+                      &W.ring_own,
+                      &W.arena.mem,
+                      &W.q_dy.mem})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -457,8 +498,6 @@ struct CudaModel::Impl {
                     static_cast<void*>(log_decays), fp8_w_mem})
       if (q) cudaFree(q);
     if (loss_host) cudaFreeHost(loss_host);
-    for (void* h : {cp_host_send, cp_host_recv})
-      if (h) cudaFreeHost(h);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -629,13 +668,9 @@ struct CudaModel::Impl {
   // The all-to-all of the whole-sequence buffers (distinct send and receive memory): from the
   // local tokens' blocks (send: block j = [T, width] for rank j) into `full` [T_full, width] in
   // stream order, each rank's two zigzag chunks received where they belong; or from `full` in
-  // stream order into blocks (recv: block i from rank i). With NCCL the pieces go straight to
-  // their places; through Gloo via the pinned host staging.
+  // stream order into blocks (recv: block i from rank i), each piece straight to its place.
   absl::Status ExchangeToStream(const void* send, void* full, int64_t width, CommLayer layer);
   absl::Status ExchangeFromStream(const void* full, void* recv, int64_t width, CommLayer layer);
-  // The host-staged all-to-all: cp_host_send (filled by the caller, `bytes` in all) ->
-  // cp_host_recv.
-  absl::Status ExchangeHost(int64_t bytes, CommLayer layer);
   // The NCCL all-to-all by zigzag slots (ZigzagSlots), each side's rows in stream order or in
   // rank-block order.
   absl::Status ExchangeSlots(const void* send, bool send_in_stream, void* recv, bool recv_in_stream,
@@ -656,10 +691,14 @@ struct CudaModel::Impl {
   absl::Status MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1);
   // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
   bool MlaAllGather() const { return B.cp > 1 && cp.mla_mode == CpMode::kAllGather; }
-  // Device-buffer collectives of the CP group (NCCL directly, Gloo through the pinned staging).
-  absl::Status GatherDevice(const void* send, int64_t n, CommType type, int64_t elem_bytes,
-                            void* recv, CommLayer layer);
+  // Collectives of the CP group on device buffers, once the stream's work is done.
+  absl::Status GatherDevice(const void* send, int64_t n, CommType type, void* recv,
+                            CommLayer layer);
   absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
+  // n latent rows [c_n | rotated k_r] (`lat`, kv + rd apart) -> W.ag_K (keys [k_nope | k_r] of
+  // every head) and W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
+  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n);
+  // The same from stream rows [a, b) of the gathered latent (C.ag_lat).
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   // MLA's backward by groups of heads (see CudaMlaGradHeadsPerGroup): the heads in a group,
@@ -679,6 +718,17 @@ struct CudaModel::Impl {
   absl::Status MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg, Rows dx);
   absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
+  // ---- Context parallelism (MLA Ring: DESIGN.md section 3; the loop is cp/cp_ring.h's) ----
+  bool MlaRing() const { return B.cp > 1 && cp.mla_mode == CpMode::kRing; }
+  // Whether MLA rebuilds its keys and values from latent rows per key block (AllGather, Ring)
+  // rather than keeping them for the whole local sequence.
+  bool MlaLatentKeys() const { return MlaAllGather() || MlaRing(); }
+  // This rank's latent rows (kept in C.ag_lat for the backward) around the ring; O and the
+  // statistics of both local chunks merged over every visible block. Reads C.Q.
+  absl::Status MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept);
+  // Reads W.dO; writes W.dQ and the latent gradients of this rank's tokens into W.dkva.
+  absl::Status MlaRingBackward(const LayerIdx& L, Cache& C);
+  struct MlaRingOps;  // the ring's block operations (cuda_model_ring.cc)
 };
 
 }  // namespace spindle

@@ -118,9 +118,10 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
   // The shared rotary key, rotated in place inside kva.
   KC(kc::RopeApply(At(C.kva.get(), kv), B.pos.i32(), T, 1, rd, kv + rd, rd, theta, false, kAct,
                    stream));
-  if (MlaAllGather()) {
+  if (MlaLatentKeys()) {
     RETURN_IF_ERROR(Act(C.O, T, H * vd));
-    return MlaAllGatherForward(L, C, attention_kept);
+    return MlaRing() ? MlaRingForward(L, C, attention_kept)
+                     : MlaAllGatherForward(L, C, attention_kept);
   }
   RETURN_IF_ERROR(Act(C.kvb, T, H * (nope + vd)));
   RETURN_IF_ERROR(Fwd(C.c_n.get(), kv, Wb(L.kv_b), C.kvb.get(), T, kv, H * (nope + vd), false));
@@ -142,7 +143,7 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
 
 int64_t CudaModel::Impl::MlaGradHeadsPerGroup() const {
   const int64_t H = c.n_heads;
-  if (MlaAllGather()) return H;
+  if (MlaLatentKeys()) return H;
   if (mla_grad_heads_per_group == 0) return CudaMlaGradHeadsPerGroup(c, B.T, B.cp);
   // All2All: a rank's block of heads, or all of them.
   if (B.cp > 1) return mla_grad_heads_per_group >= H ? H : H / B.cp;
@@ -213,10 +214,10 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   RETURN_IF_ERROR(
       fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false)
           : Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d, false));
-  if (MlaAllGather()) {
+  if (MlaLatentKeys()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
-    // W.dQ; dW_kv_b accumulated over the gathered keys.
-    RETURN_IF_ERROR(MlaAllGatherBackward(L, C));
+    // W.dQ; dW_kv_b accumulated over the gathered (or passed) keys.
+    RETURN_IF_ERROR(MlaRing() ? MlaRingBackward(L, C) : MlaAllGatherBackward(L, C));
     RETURN_IF_ERROR(MlaQueryGrads(L, C, 0, H, dq_in));
   } else {
     Rows lat{W.dkva.get(), w};

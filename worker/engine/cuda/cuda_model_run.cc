@@ -41,6 +41,7 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       return absl::InvalidArgumentError(
           absl::StrCat("cuda model: token id ", id, " outside the vocabulary [0, ", c.vocab, ")"));
   B.T = b.T;
+  B.layout = split ? layout : nullptr;
   B.cp = split ? layout->cp : 1;
   B.rank = split ? layout->rank : 0;
   B.T_full = split ? layout->T_full : b.T;
@@ -127,12 +128,19 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
       RETURN_IF_ERROR(F32(*x, n_chunks * SZ));
     // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
-    // ([cp, T, w] in, [T, w] out) share two device blocks and the host staging.
+    // ([cp, T, w] in, [T, w] out) share two device blocks. MLA Ring: its blocks in flight and
+    // gradient accumulators. Both rebuild keys per key block.
     const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-    const int64_t ag_bytes = has_m && cp.mla_mode == CpMode::kAllGather ? B.cp * T * lat_w * 4 : 0;
-    if (ag_bytes > 0) {
-      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, ag_bytes));
-      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, ag_bytes));
+    if (has_m && cp.mla_mode == CpMode::kAllGather) {
+      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, B.cp * T * lat_w * 4));
+      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, B.cp * T * lat_w * 4));
+    }
+    if (has_m && cp.mla_mode == CpMode::kRing) {
+      for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, T, lat_w));
+      for (DevBuf* x : {&W.ring_acc[0], &W.ring_acc[1], &W.ring_share, &W.ring_own})
+        RETURN_IF_ERROR(F32(*x, T * lat_w));
+    }
+    if (has_m && MlaLatentKeys()) {
       const int64_t rows = std::max(B.chunk, kCudaMlaKeyBlock);
       const int64_t kvw = c.mla.qk_nope_dim + vd;
       for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
@@ -142,20 +150,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
       const int64_t qrows = std::min(B.chunk, kCudaMlaKeyBlock);
       RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
       RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
-      RETURN_IF_ERROR(F32(W.ag_acc, B.chunk * H * vd));
+      RETURN_IF_ERROR(F32(W.ag_acc, (MlaRing() ? 2 : 1) * B.chunk * H * vd));
       RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
-    }
-    const int64_t staging = std::max({in_elems * kAb, n_chunks * SZ * 4, ag_bytes});
-    if (!cp_device_buffers && cp_host_bytes < staging) {
-      // The previous step ended with a stream sync: no copy still reads the old blocks.
-      for (void** h : {&cp_host_send, &cp_host_recv}) {
-        if (*h) CUDA(cudaFreeHost(*h));
-        *h = nullptr;
-      }
-      cp_host_bytes = 0;
-      CUDA(cudaMallocHost(&cp_host_send, staging));
-      CUDA(cudaMallocHost(&cp_host_recv, staging));
-      cp_host_bytes = staging;
     }
   }
   RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
