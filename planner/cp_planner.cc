@@ -64,10 +64,6 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
       if (layer_type == "mla" && cp > 1)
         p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
             spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
-      if (spec.resources == "cuda" && cp > 1 && requested == CpMode::kHybrid)
-        problems->push_back(absl::StrCat(field, ": \"", ModeWord(requested),
-                                         "\" runs on resources \"cpu\" only (the CUDA engine has "
-                                         "allgather, all2all and, for MLA, ring)"));
     } else if (requested == CpMode::kAll2All && heads % cp != 0) {
       problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
                                        heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
@@ -325,20 +321,24 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   if (mla_allgather) per_m += cp * (a.kv_lora_rank + a.qk_rope_dim);
   if (mla_mode == CpMode::kRing) per_m += ring_w;
   if (mla_mode == CpMode::kHybrid) per_m += H * (qk + a.v_head_dim + 1) + u * ring_w;
-  if (lightning_mode == CpMode::kHybrid) per_l += 3 * d;
   const bool cuda = spec.resources == "cuda";
+  // The hybrid Lightning layers keep the group's q, k, v (the CUDA engine counts them as
+  // All2All's, below).
+  if (lightning_mode == CpMode::kHybrid && !cuda) per_l += 3 * d;
   const bool cuda_mla_allgather = mla_allgather && cuda;
-  // The CUDA engine's MLA Ring keeps only its rank's latent block (bf16) and rebuilds keys per
-  // key block as AllGather does; it always sends the latent.
-  const bool cuda_mla_ring = cuda && cp > 1 && mla_mode == CpMode::kRing;
+  // The CUDA engine's MLA Ring and hybrid keep only their level's latent block (bf16; hybrid: the
+  // Ulysses group's) and rebuild keys per key block as AllGather does; they always send the
+  // latent.
+  const bool cuda_mla_ring = cuda && cp > 1 && mla_ring;
   const int64_t lat_w = a.kv_lora_rank + a.qk_rope_dim;
-  if (cuda_mla_ring) per_m += lat_w - ring_w;
+  if (cuda_mla_ring) per_m += mla_u * (lat_w - ring_w);
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
   // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
   const int64_t mla_core_in = H * (2 * qk + a.v_head_dim);
   const bool cuda_cp = cuda && cp > 1;
   const bool l_all2all = cuda_cp && !lightning_allgather;
-  const bool m_all2all = cuda_cp && !mla_allgather && !cuda_mla_ring;
+  const bool m_all2all = cuda_cp && mla_mode == CpMode::kAll2All;
+  const bool m_hybrid = cuda_cp && mla_mode == CpMode::kHybrid;
   if (l_all2all) per_l += 3 * d;
   if (m_all2all) per_m += mla_core_in + H * a.v_head_dim;
   // The CUDA engine runs the FFN of a recomputed layer, and every FFN backward, in blocks of
@@ -391,26 +391,31 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // CUDA All2All: one block as wide as the widest core input (the exchange's local side, and the
   // core's input gradients; received gradients land in the layer's cp_full) and one output-wide
   // block.
-  if (l_all2all || m_all2all) {
+  if (l_all2all || m_all2all || m_hybrid) {
     const int64_t in_w =
-        std::max(l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0);
-    const int64_t out_w =
-        std::max(l_all2all && nl > 0 ? d : 0, m_all2all && nm > 0 ? H * a.v_head_dim : 0);
+        std::max({l_all2all && nl > 0 ? 3 * d : 0, m_all2all && nm > 0 ? mla_core_in : 0,
+                  m_hybrid && nm > 0 ? H * qk : 0});
+    const int64_t out_w = std::max(l_all2all && nl > 0 ? d : 0,
+                                   (m_all2all || m_hybrid) && nm > 0 ? H * a.v_head_dim : 0);
     e.workspace_bytes += T * B * (in_w + out_w);
   }
+  // The chunk of the level MLA attends over: the CP group's, or the ring of Ulysses groups'.
+  const int64_t mla_chunk = cuda_mla_ring ? mla_u * chunk : chunk;
   if (cuda_mla_allgather || cuda_mla_ring) {
     // Keys, kv_b's output, their gradients and the latent's gradient rows for the larger of a
     // chunk and a key block; the cross piece's output and dq for one query block, its fp32
     // running output for the chunk (Ring: both local chunks); AllGather's fp32 gather /
-    // reduce-scatter blocks, or Ring's two bf16 blocks in flight and four fp32 gradient blocks.
-    const int64_t rows = std::max<int64_t>(chunk, kCudaMlaKeyBlock);
-    const int64_t qrows = std::min<int64_t>(chunk, kCudaMlaKeyBlock);
+    // reduce-scatter blocks, or the ring's two bf16 blocks in flight and four fp32 gradient
+    // blocks (hybrid: the group's, and the latent's gather and reduce-scatter in the group).
+    const int64_t rows = std::max<int64_t>(mla_chunk, kCudaMlaKeyBlock);
+    const int64_t qrows = std::min<int64_t>(mla_chunk, kCudaMlaKeyBlock);
     const int64_t kvw = a.qk_nope_dim + a.v_head_dim;
     const int64_t w = a.kv_lora_rank + a.qk_rope_dim;
     e.workspace_bytes += rows * (2 * H * qk + 2 * H * kvw + w) * B +
                          qrows * H * (a.v_head_dim + qk) * B +
-                         (cuda_mla_ring ? 2 : 1) * chunk * H * a.v_head_dim * 4 +
-                         (cuda_mla_ring ? T * w * (2 * B + 4 * 4) : 2 * 4 * cp * T * w);
+                         (cuda_mla_ring ? 2 : 1) * mla_chunk * H * a.v_head_dim * 4 +
+                         (cuda_mla_ring ? mla_u * T * w * (2 * B + 4 * 4) : 2 * 4 * cp * T * w);
+    if (m_hybrid) e.workspace_bytes += 2 * 4 * mla_u * T * w;
   }
   if (cuda) {
     // Outside the allocator: the CUDA context with cuBLAS's and cuDNN's handles and plans (~0.6
@@ -425,11 +430,11 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     const int64_t v = a.v_head_dim;
     int64_t attention = 0;
     if (nm > 0 && (mla_allgather || cuda_mla_ring)) {
-      const int64_t L = NextPow2(std::max<int64_t>(128, std::min(chunk, kCudaMlaKeyBlock)));
+      const int64_t L = NextPow2(std::max<int64_t>(128, std::min(mla_chunk, kCudaMlaKeyBlock)));
       const int64_t cross =
           L * H * ((2 * qk + 2 * v) * 2 + qk * 4 + 2 * 4) + kCudaMlaKeyBlock * H * (qk + v) * 2 * 2;
-      attention =
-          std::max(chunk * CudaAttentionHeadsPerCall(chunk, H, qk) * (qk * 4 + 2 * 4), cross);
+      attention = std::max(
+          mla_chunk * CudaAttentionHeadsPerCall(mla_chunk, H, qk) * (qk * 4 + 2 * 4), cross);
     } else if (nm > 0) {
       const int64_t Tf = T * cp, heads = H / cp;  // All2All: the whole sequence, H / cp heads
       attention = Tf * CudaAttentionHeadsPerCall(Tf, heads, qk) * qk * 4;
@@ -439,6 +444,9 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     if (spec.parallel.world() > 1) {
       e.runtime_bytes += kNcclFirstCommBytes;
       if (spec.parallel.cp > 1 && spec.parallel.dp > 1) e.runtime_bytes += kNcclMoreCommBytes;
+      // The hybrid modes' Ulysses group and ring.
+      if (lightning_mode == CpMode::kHybrid || mla_mode == CpMode::kHybrid)
+        e.runtime_bytes += 2 * kNcclMoreCommBytes;
     }
   }
   e.precision_bytes = PrecisionBytes(spec, mla_allgather || cuda_mla_ring, T, rl, rm);
@@ -448,18 +456,6 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
 }
 
 namespace {
-
-// The candidates of a layer type that the job's resources run (the CUDA engine: AllGather,
-// All2All and MLA's Ring).
-std::vector<ModeChoice> RunnableCandidates(const JobSpec& spec, const std::string& type) {
-  std::vector<ModeChoice> out;
-  for (const ModeChoice& c :
-       CandidateModes(type, std::max<int64_t>(1, spec.parallel.cp), spec.model.n_heads)) {
-    if (spec.resources == "cuda" && c.mode == CpMode::kHybrid) continue;
-    out.push_back(c);
-  }
-  return out;
-}
 
 // "fastest": the pair of modes (Lightning, MLA) the cost model estimates fastest among those the
 // job's resources run, a layer type not asking for "fastest" keeping its own; both 2-D modes
@@ -475,7 +471,7 @@ std::pair<ModeChoice, ModeChoice> ChooseFastest(const JobSpec& spec, const Topol
                                                : ModeChoice{requested, spec.parallel.ulysses});
       return out;
     }
-    return RunnableCandidates(spec, type);
+    return CandidateModes(type, cp, heads);
   };
   std::pair<ModeChoice, ModeChoice> best;
   double best_s = -1;
@@ -501,7 +497,7 @@ void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_
   const std::string types[2] = {"lightning", "mla"};
   const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
   std::vector<ModeChoice> candidates[2];
-  for (int i = 0; i < 2; ++i) candidates[i] = RunnableCandidates(spec, types[i]);
+  for (int i = 0; i < 2; ++i) candidates[i] = CandidateModes(types[i], cp, spec.model.n_heads);
   auto step = [&](const ModeChoice& l, const ModeChoice& m) {
     return model.Estimate(spec, topo, l, m, recompute_layers).step_s();
   };

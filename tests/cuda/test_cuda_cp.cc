@@ -13,8 +13,9 @@
 // AllGather, its cross pieces over several key and query blocks; Lightning's AllGather at head size
 // 16 (the token path) and both AllGather modes at cp = 3; MLA's All2All gradients taken back by the
 // ranks' blocks of heads and all at once, on poisoned activation memory. MLA's Ring at cp = 2, 3,
-// 4 and 8, with one document and many, over several key and query blocks. Also: undecided modes and
-// n_heads % cp != 0 under All2All and the hybrid modes are refused with their messages, and a
+// 4 and 8, with one document and many, over several key and query blocks; the hybrid modes of both
+// layer types at (u, r) = (2, 2), (2, 4) and (4, 2). Also: undecided modes, n_heads % cp != 0
+// under All2All and hybrid modes without their groups are refused with their messages, and a
 // CpBatch without a matching SetCp is refused. Skips without a GPU.
 //
 // Tolerances. Both sides run the same bf16 kernels with fp32 accumulation; what differs is where
@@ -41,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,6 +55,7 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_stores.h"
+#include "worker/engine/cp/cp_groups.h"
 #include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/cuda/cuda_model.h"
 
@@ -105,6 +108,7 @@ struct CpRunOptions {
   int64_t heads_per_call = 0;  // SetAttentionHeadsPerCall
   int64_t mla_grad_heads = 0;  // SetMlaGradHeadsPerGroup
   bool poison = false;         // SetPoisonActivations: unwritten activation memory reads NaN
+  int64_t ulysses = 1;         // the hybrid modes' Ulysses groups (parallel.ulysses)
 };
 
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
@@ -116,13 +120,29 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
   absl::Status st = testing::RunRanks(cp, [&](int rank) -> absl::Status {
     auto comm = CreateGlooCommunicator(store, "cuda_cp", rank, cp, testing::TestGloo());
     if (!comm.ok()) return comm.status();
+    // The hybrid modes' Ulysses group and ring across the groups (cp_groups.h).
+    std::unique_ptr<Communicator> ulysses, ring;
+    if (opt.ulysses > 1) {
+      const CpGroups g{cp, opt.ulysses};
+      auto u = CreateGlooCommunicator(store, absl::StrCat("cuda_cp/u", g.Group(rank)),
+                                      static_cast<int>(g.Member(rank)), static_cast<int>(g.u),
+                                      testing::TestGloo());
+      if (!u.ok()) return u.status();
+      auto r = CreateGlooCommunicator(store, absl::StrCat("cuda_cp/r", g.Member(rank)),
+                                      static_cast<int>(g.Group(rank)), static_cast<int>(g.r()),
+                                      testing::TestGloo());
+      if (!r.ok()) return r.status();
+      ulysses = std::move(*u), ring = std::move(*r);
+    }
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
-    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla}); !s.ok()) return s;
+    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla, ulysses.get(), ring.get()});
+        !s.ok())
+      return s;
     if (absl::Status s = (*m)->SetAttentionHeadsPerCall(opt.heads_per_call); !s.ok()) return s;
     if (absl::Status s = (*m)->SetMlaGradHeadsPerGroup(opt.mla_grad_heads); !s.ok()) return s;
     (*m)->SetPoisonActivations(opt.poison);
-    auto b = ShardForCp(full, cp, rank);
+    auto b = ShardForCp(full, cp, rank, opt.ulysses);
     if (!b.ok()) return b.status();
     auto s = (*m)->ForwardBackward(*b, scale, recompute);
     if (!s.ok()) return s.status();
@@ -173,7 +193,7 @@ void ExpectCpMatchesOneRank(ModelConfig c, const Batch& full, uint32_t seed, int
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
                << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
                << opt.heads_per_call << " MLA gradient heads " << opt.mla_grad_heads << " poison "
-               << opt.poison);
+               << opt.poison << " ulysses " << opt.ulysses);
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -420,6 +440,31 @@ TEST(CudaCp, Head64EightHeadsCp8MlaRingMatchesOneRank) {
                          CpMode::kRing);
 }
 
+// The hybrid modes (parallel.ulysses = u, cp = u x r): Ulysses inside groups of u ranks, then
+// MLA's ring or Lightning's state AllGather across the r groups, each group's tokens one rank's
+// share of the r-way zigzag. Every (u, r) of cp = 4 and 8 on models whose heads u divides.
+TEST(CudaCp, Head64EightHeadsHybridMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  const ModelConfig c = EightHeads(Head64());
+  for (const int64_t u : {2, 4})  // (u, r) = (2, 4), (4, 2)
+    ExpectCpMatchesOneRank(c, 1024, 150, 8, Recompute::None(), CpMode::kHybrid, CpMode::kHybrid,
+                           {.ulysses = u});
+  // (2, 2), recomputing, beside the other layer type's 1-D modes.
+  ExpectCpMatchesOneRank(c, 512, 90, 4, Recompute::All(), CpMode::kHybrid, CpMode::kRing,
+                         {.ulysses = 2});
+  ExpectCpMatchesOneRank(c, 512, 90, 4, Recompute::All(), CpMode::kAllGather, CpMode::kHybrid,
+                         {.ulysses = 2});
+}
+
+TEST(CudaCp, TinyHybridCp4MatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  // Head size 16 (the token path), chunks of 40: one document longer than a rank's share too.
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::None(), CpMode::kHybrid, CpMode::kHybrid,
+                         {.ulysses = 2});
+  ExpectCpMatchesOneRank(Tiny(), 320, 100000, 4, Recompute::All(), CpMode::kHybrid, CpMode::kHybrid,
+                         {.ulysses = 2});
+}
+
 // MLA's backward under All2All takes the exchanged gradients back through kv_b and q_b one rank's
 // block of heads at a time where that holds less (the rule's choice at cp = 4 on tiny, not at cp
 // = 2), or all heads at once: each forced both ways.
@@ -469,16 +514,16 @@ TEST(CudaCp, BadContextsAreRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
-  // Every resolved mode pair the engine runs is taken for this shape (head size 16: the token
-  // path); Ring is MLA's only, and the hybrid modes are the CPU engine's.
+  // Every resolved 1-D mode pair is taken for this shape (head size 16: the token path).
   for (CpMode l : {CpMode::kAll2All, CpMode::kAllGather})
     for (CpMode a : {CpMode::kAll2All, CpMode::kAllGather, CpMode::kRing})
       EXPECT_TRUE(m.SetCp({&two, l, a}).ok()) << CpModeName(l) << " " << CpModeName(a);
-  absl::Status hybrid = m.SetCp({&two, CpMode::kAllGather, CpMode::kHybrid});
-  EXPECT_EQ(hybrid.code(), absl::StatusCode::kUnimplemented) << hybrid;
-  EXPECT_NE(hybrid.message().find("mla_mode hybrid"), std::string::npos) << hybrid;
-  hybrid = m.SetCp({&two, CpMode::kRing, CpMode::kAllGather});
+  // Ring is MLA's only; the hybrid modes need their Ulysses group and ring.
+  absl::Status hybrid = m.SetCp({&two, CpMode::kRing, CpMode::kAllGather});
   EXPECT_EQ(hybrid.code(), absl::StatusCode::kInvalidArgument) << hybrid;
+  hybrid = m.SetCp({&two, CpMode::kAllGather, CpMode::kHybrid});
+  EXPECT_EQ(hybrid.code(), absl::StatusCode::kFailedPrecondition) << hybrid;
+  EXPECT_NE(hybrid.message().find("Ulysses group"), std::string::npos) << hybrid;
 
   absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

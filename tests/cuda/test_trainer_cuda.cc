@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -211,10 +212,10 @@ std::string TrainBinary() {
   return testing::BinaryPath("SPINDLE_TRAIN_BINARY", SPINDLE_TRAIN_BINARY);
 }
 
-// Runs the two ranks of `spec` (world 2) as spindle-train processes that meet in a file store;
+// Runs the `world` ranks of `spec` as spindle-train processes that meet in a file store;
 // *stdout_text is rank 0's output. With own_gpus, rank r sees only GPU r (CUDA_VISIBLE_DEVICES),
-// else both share the first. Fails the calling test if either rank fails.
-void RunTwoRanks(const JobSpec& spec, std::string* stdout_text, bool own_gpus = false) {
+// else all share the first. Fails the calling test if any rank fails.
+void RunRanks(const JobSpec& spec, int world, std::string* stdout_text, bool own_gpus = false) {
   auto argv = [&](int rank) {
     std::vector<std::string> a;
     if (own_gpus)
@@ -226,31 +227,39 @@ void RunTwoRanks(const JobSpec& spec, std::string* stdout_text, bool own_gpus = 
   const std::string job = dir + "job.json";
   std::ofstream(job) << spec.ToJson().dump();
   const std::string store = dir + "store";
-  std::vector<std::string> a1 = argv(1), a0 = argv(0);
-  for (const std::string& x : {train, "--job"s, job, "--world"s, "2"s, "--file-store"s, store}) {
-    a1.push_back(x);
-    a0.push_back(x);
+  std::vector<std::vector<std::string>> args;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> a = argv(r);
+    for (const std::string& x : {train, "--job"s, job, "--world"s, std::to_string(world),
+                                 "--file-store"s, store, "--rank"s, std::to_string(r)})
+      a.push_back(x);
+    args.push_back(std::move(a));
   }
-  a1.insert(a1.end(), {"--rank", "1"});
-  a0.insert(a0.end(), {"--rank", "0"});
-  auto rank1 = Subprocess::Spawn(a1, {.stdout_path = dir + "rank1.out",
-                                      .stderr_path = dir + "rank1.err"});
-  ASSERT_TRUE(rank1.ok()) << rank1.status();
-  auto rank0 = RunCommand(a0, "", absl::Seconds(300));
+  std::vector<std::unique_ptr<Subprocess>> others;
+  for (int r = 1; r < world; ++r) {
+    const std::string name = dir + "rank" + std::to_string(r);
+    auto p =
+        Subprocess::Spawn(args[r], {.stdout_path = name + ".out", .stderr_path = name + ".err"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    others.push_back(std::move(*p));
+  }
+  auto rank0 = RunCommand(args[0], "", absl::Seconds(300));
   ASSERT_TRUE(rank0.ok()) << rank0.status();
-  auto code1 = (*rank1)->Wait();
-  ASSERT_TRUE(code1.ok()) << code1.status();
+  for (int r = 1; r < world; ++r) {
+    auto code = others[r - 1]->Wait();
+    ASSERT_TRUE(code.ok()) << code.status();
+    ASSERT_EQ(*code, 0) << "rank " << r << " failed; see " << dir << "rank" << r << ".err";
+  }
   ASSERT_EQ(rank0->exit_code, 0) << rank0->stderr_text;
-  ASSERT_EQ(*code1, 0) << "rank 1 failed; see " << dir << "rank1.err";
   *stdout_text = rank0->stdout_text;
 }
 
-// Runs `spec`'s two ranks (RunTwoRanks) and `one`, the same training on one rank, in this
+// Runs `spec`'s ranks (RunRanks) and `one`, the same training on one rank, in this
 // process: the step losses agree to bf16 rounding, the first one (before any update) to
 // first_rel. *out: rank 0's output.
-void ExpectTwoRanksTrackOneRank(const JobSpec& spec, const JobSpec& one, bool own_gpus,
-                                double first_rel, std::string* out) {
-  RunTwoRanks(spec, out, own_gpus);
+void ExpectRanksTrackOneRank(const JobSpec& spec, const JobSpec& one, bool own_gpus,
+                             double first_rel, std::string* out) {
+  RunRanks(spec, static_cast<int>(spec.parallel.world()), out, own_gpus);
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<double> got = StepLosses(*out);
   const auto steps = static_cast<size_t>(spec.train.steps);
@@ -286,7 +295,7 @@ TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
   JobSpec spec, one;
   DataParallelJobs(&spec, &one);
   std::string out;
-  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 1e-6, &out);
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 1e-6, &out);
 }
 
 // Context parallelism over two processes sharing the GPU (All2All for both layer types, Gloo
@@ -297,7 +306,7 @@ TEST(CudaTrainerTest, ContextParallelTwoProcessesTrackOneRank) {
   JobSpec spec, one;
   ContextParallelJobs(&spec, &one);
   std::string out;
-  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_NE(out.find("\"all_to_all\""), std::string::npos)
       << "no all-to-all in the step events: " << out;
 }
@@ -314,9 +323,28 @@ TEST(CudaTrainerTest, ContextParallelAllGatherTracksOneRank) {
   spec.parallel.lightning_mode = CpMode::kAllGather;
   spec.parallel.mla_mode = CpMode::kAllGather;
   std::string out;
-  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_EQ(out.find("\"all_to_all\""), std::string::npos)
       << "an all-to-all in an AllGather job's step events: " << out;
+}
+
+// MLA's Ring at cp = 2, and both hybrid modes at cp = 4 = 2 x 2 (four processes sharing the GPU,
+// the trainer's Ulysses groups and rings on Gloo).
+TEST(CudaTrainerTest, ContextParallelRingAndHybridTrackOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
+  JobSpec spec, one;
+  ContextParallelJobs(&spec, &one);
+  for (JobSpec* j : {&spec, &one}) j->model.norm_eps = 1e-2;
+  spec.parallel.lightning_mode = CpMode::kAllGather;
+  spec.parallel.mla_mode = CpMode::kRing;
+  std::string out;
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
+  EXPECT_NE(out.find("\"send_recv\""), std::string::npos) << "no ring in the step events: " << out;
+  spec.parallel.cp = 4;
+  spec.parallel.ulysses = 2;
+  spec.parallel.lightning_mode = spec.parallel.mla_mode = CpMode::kHybrid;
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
 }
 
 // Context parallelism with the layer inputs offloaded on both ranks (eight layers) tracks one rank
@@ -329,7 +357,7 @@ TEST(CudaTrainerTest, ContextParallelWithOffloadedInputsTracksOneRank) {
   for (JobSpec* j : {&spec, &one}) j->model.n_layers = 8;
   spec.train.offload = true;
   std::string out;
-  ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
+  ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
 }
 
 // With a GPU per rank the trainer's collectives run on NCCL (gradient sum in place on the device,
@@ -345,7 +373,7 @@ TEST(CudaTrainerTest, RanksWithAGpuEachUseNccl) {
     JobSpec spec, one;
     (dp ? DataParallelJobs : ContextParallelJobs)(&spec, &one);
     std::string out;
-    ExpectTwoRanksTrackOneRank(spec, one, /*own_gpus=*/true, dp ? 1e-6 : 2e-3, &out);
+    ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/true, dp ? 1e-6 : 2e-3, &out);
     EXPECT_NE(out.find("\"collectives\":\"nccl\""), std::string::npos) << out;
   }
 }

@@ -43,16 +43,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   // as they are, never decided here.
   ASSIGN_OR_RETURN(t->modes_, PlannedCpModes(spec.parallel, spec.model.n_heads));
   t->ulysses_ = spec.parallel.ulysses;
-  const bool ring_like =
-      t->cp_ > 1 && (t->modes_.mla == CpMode::kRing || t->modes_.mla == CpMode::kHybrid ||
-                     t->modes_.lightning == CpMode::kHybrid);
-  if (on_device && ring_like)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "trainer: resources \"cuda\" runs the CP modes allgather and all2all only, but "
-        "parallel.lightning_mode is \"",
-        std::string(CpModeName(t->modes_.lightning)), "\" and parallel.mla_mode \"",
-        std::string(CpModeName(t->modes_.mla)),
-        "\"; run the job with resources \"cpu\" or choose allgather or all2all"));
   const int64_t rc = spec.train.recompute_layers;
   if (rc == TrainSpec::kRecomputeAuto)
     return absl::FailedPreconditionError(
@@ -101,18 +91,29 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
       }
     } else if (t->cp_ > 1) {
       ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, cp_group, cp_rank, cp, o.gloo));
-      if (t->modes_.lightning == CpMode::kHybrid || t->modes_.mla == CpMode::kHybrid) {
-        // This rank's Ulysses group and its ring across the groups (cp_groups.h).
-        const CpGroups g{t->cp_, t->ulysses_};
-        const int64_t member = g.Member(t->cp_rank_), group = g.Group(t->cp_rank_);
-        ASSIGN_OR_RETURN(
-            t->ulysses_comm_,
-            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ulysses", group),
-                                   static_cast<int>(member), static_cast<int>(g.u), o.gloo));
-        ASSIGN_OR_RETURN(
-            t->ring_comm_,
-            CreateGlooCommunicator(*o.store, absl::StrCat(cp_group, "/ring", member),
-                                   static_cast<int>(group), static_cast<int>(g.r()), o.gloo));
+    }
+    if (t->cp_ > 1 &&
+        (t->modes_.lightning == CpMode::kHybrid || t->modes_.mla == CpMode::kHybrid)) {
+      // This rank's Ulysses group and its ring across the groups (cp_groups.h), on the device
+      // where every rank has one, else on Gloo.
+      const CpGroups g{t->cp_, t->ulysses_};
+      const int64_t member = g.Member(t->cp_rank_), group = g.Group(t->cp_rank_);
+      const std::string u_name = absl::StrCat(cp_group, "/ulysses", group);
+      const std::string r_name = absl::StrCat(cp_group, "/ring", member);
+      const int u_rank = static_cast<int>(member), u_size = static_cast<int>(g.u);
+      const int r_rank = static_cast<int>(group), r_size = static_cast<int>(g.r());
+      if (own_devices) {
+        ASSIGN_OR_RETURN(t->ulysses_comm_,
+                         t->backend_->CreateDeviceCommunicator(*o.store, u_name + "/device", u_rank,
+                                                               u_size, o.gloo.timeout));
+        ASSIGN_OR_RETURN(t->ring_comm_,
+                         t->backend_->CreateDeviceCommunicator(*o.store, r_name + "/device", r_rank,
+                                                               r_size, o.gloo.timeout));
+      } else {
+        ASSIGN_OR_RETURN(t->ulysses_comm_,
+                         CreateGlooCommunicator(*o.store, u_name, u_rank, u_size, o.gloo));
+        ASSIGN_OR_RETURN(t->ring_comm_,
+                         CreateGlooCommunicator(*o.store, r_name, r_rank, r_size, o.gloo));
       }
     }
   }

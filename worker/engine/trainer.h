@@ -153,7 +153,8 @@ class Trainer {
   // Device jobs whose ranks each have a GPU: device communicators for the gradient sum and CP
   // (device_cp_comm_ only when dp > 1; with dp = 1 the world's serves the CP group).
   std::unique_ptr<Communicator> world_comm_, cp_comm_, device_world_comm_, device_cp_comm_;
-  // The hybrid modes (CPU): this rank's Ulysses group and its ring across the groups.
+  // The hybrid modes: this rank's Ulysses group and its ring across the groups (device
+  // communicators where the ranks have devices of their own, else Gloo).
   std::unique_ptr<Communicator> ulysses_comm_, ring_comm_;
   int64_t ulysses_ = 1;
   bool HybridModes() const {

@@ -88,6 +88,15 @@ int64_t UlyssesGroup::Row(int64_t i, int64_t t) const {
   return ZigzagSlot(r, s / super) * super + s % super;
 }
 
+std::vector<UlyssesRun> UlyssesRuns(const UlyssesGroup& g) {
+  const int64_t ch = g.layout->chunk;
+  std::vector<UlyssesRun> runs;
+  for (int64_t i = 0; i < g.members; ++i)
+    for (int64_t slot = 0; slot < 2; ++slot)
+      runs.push_back({i, slot * ch, g.Row(i, slot * ch), ch});
+  return runs;
+}
+
 UlyssesGroup WholeCpGroup(const CpLayout& L) { return {&L, L.cp, 0}; }
 
 UlyssesGroup HybridUlyssesGroup(const CpLayout& L) {

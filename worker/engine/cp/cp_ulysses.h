@@ -33,6 +33,15 @@ struct UlyssesGroup {
   int64_t Row(int64_t i, int64_t t) const;
 };
 
+// Where a member's local tokens go among the group's gathered rows: each of its two zigzag chunks
+// is one run of L.chunk rows (the group's rows keep the stream order inside a chunk).
+struct UlyssesRun {
+  int64_t member, local_row, group_row, rows;
+};
+// The 2 n runs of the group, member by member, slot by slot. Every backend's exchange places the
+// gathered rows by them.
+std::vector<UlyssesRun> UlyssesRuns(const UlyssesGroup& g);
+
 // All2All modes: every CP rank, rows = stream indices of the whole sequence.
 UlyssesGroup WholeCpGroup(const CpLayout& L);
 // Hybrid modes: this rank's group of L.ulysses ranks, rows = the group's zigzag share (the

@@ -345,7 +345,10 @@ KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
   // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
   // MLA AllGather and Ring (Work's ag_kvb, ag_K).
   const int64_t q_lora = qr > 0 ? T : 0, keys = MlaLatentKeys() ? 0 : T;
-  const int64_t full = MlaLatentKeys() ? 0 : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
+  // Under MLA hybrid cp_full holds the group's queries for this member's heads (T H qk a rank).
+  const int64_t full = MlaHybrid()       ? T * H * qk * kAb
+                       : MlaLatentKeys() ? 0
+                                         : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
   return {{&C.cp_full, full},
           {&C.Q, T * H * qk * kAb},
           {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
@@ -509,14 +512,12 @@ absl::Status CudaModel::SetCp(const CpContext& cp) {
 absl::StatusOr<LossStats> CudaModel::ForwardBackward(const CpBatch& batch, float grad_scale,
                                                      Recompute recompute) {
   RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
-  const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
-  return impl_->Run(batch.local, layout, grad_scale, recompute, /*backward=*/true);
+  return impl_->Run(batch.local, &batch, grad_scale, recompute, /*backward=*/true);
 }
 
 absl::StatusOr<LossStats> CudaModel::Forward(const CpBatch& batch) {
   RETURN_IF_ERROR(impl_->CheckCpBatch(batch));
-  const CpLayout* layout = batch.layout.cp > 1 ? &batch.layout : nullptr;
-  return impl_->Run(batch.local, layout, 0.0f, Recompute::All(), /*backward=*/false);
+  return impl_->Run(batch.local, &batch, 0.0f, Recompute::All(), /*backward=*/false);
 }
 
 }  // namespace spindle

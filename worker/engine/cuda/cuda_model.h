@@ -38,7 +38,11 @@
 // attends its chunks to the pieces of the block it holds (the same causal and cross pieces as
 // AllGather, merged the same way); the backward passes fp32 latent gradients along with them.
 // The CUDA engine always sends the latent (the CPU engine may send K and V where they are
-// smaller: tiny models), and does not run the hybrid modes.
+// smaller: tiny models). The hybrid modes (the context's ulysses and ring groups, the batch's
+// Ulysses groups: ShardForCp with ulysses): the All2All exchange inside each Ulysses group of u
+// ranks puts the group's tokens and this rank's H/u heads together, then Lightning's AllGather
+// core or MLA's ring runs across the cp / u groups on them, and the outputs come back the
+// inverse way.
 // Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
 // token-local. Collectives take device buffers: NCCL's directly, a host backend's (Gloo) through
 // a StagedCommunicator (comm/staged_communicator.h) that SetCp wraps around it; each one waits

@@ -1,6 +1,8 @@
-// CudaModel's context parallelism (see cuda_model.h): the All2All exchanges by heads and their
-// packing, Lightning's chunk-state AllGather and MLA's latent AllGather with the cross pieces,
-// as DESIGN.md section 3 describes them.
+// CudaModel's context parallelism (see cuda_model.h): the Ulysses exchanges by heads and their
+// packing (over the CP group for All2All, inside the Ulysses groups for the hybrid modes),
+// Lightning's chunk-state AllGather (and its hybrid), MLA's All2All core and its latent AllGather
+// with the cross pieces, as DESIGN.md section 3 describes them. MLA's Ring and hybrid modes are
+// cuda_model_ring.cc's.
 #include "worker/engine/cuda/cuda_model_impl.h"
 
 namespace spindle {
@@ -15,28 +17,39 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     const char* field;
     CpMode mode;
   };
-  bool all2all = false;
+  bool all2all = false, hybrid = false;
   for (const Kind& k : {Kind{'L', "lightning_mode", cp.lightning_mode},
                         Kind{'M', "mla_mode", cp.mla_mode}}) {
     if (c.NumLayersOfKind(k.kind) == 0) continue;
-    if (k.mode == CpMode::kHybrid)
-      return absl::UnimplementedError(
-          absl::StrCat("cuda model: ", k.field,
-                       " hybrid is not run by the CUDA engine (the CPU engine runs "
-                       "it); use allgather, all2all",
-                       k.kind == 'M' ? " or ring" : ""));
     const bool runs = k.mode == CpMode::kAll2All || k.mode == CpMode::kAllGather ||
-                      (k.kind == 'M' && k.mode == CpMode::kRing);
+                      k.mode == CpMode::kHybrid || (k.kind == 'M' && k.mode == CpMode::kRing);
     if (!runs)
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", k.field, " ", std::string(CpModeName(k.mode)),
           " must be a planned mode (PlannedCpModes) before SetCp"));
     all2all |= k.mode == CpMode::kAll2All;
+    hybrid |= k.mode == CpMode::kHybrid;
   }
   if (all2all && c.n_heads % n != 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
         n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
+  if (hybrid) {
+    // The Ulysses group and the ring across the groups (cp_groups.h).
+    if (cp.ulysses == nullptr || cp.ring == nullptr || cp.ulysses->size() * cp.ring->size() != n ||
+        cp.ring->size() < 2)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda model: the hybrid modes need a Ulysses group of u ranks and a ring of cp / u >= 2 "
+          "groups with u x (cp / u) = cp = ",
+          n));
+    const CpGroups g{n, cp.ulysses->size()};
+    if (c.n_heads % g.u != 0 || cp.ulysses->rank() != g.Member(cp.comm->rank()) ||
+        cp.ring->rank() != g.Group(cp.comm->rank()))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda model: CP rank ", cp.comm->rank(), " must be member ", g.Member(cp.comm->rank()),
+          " of its Ulysses group of ", g.u, " (n_heads=", c.n_heads, " divisible by it) and rank ",
+          g.Group(cp.comm->rank()), " of its ring"));
+  }
   return absl::OkStatus();
 }
 
@@ -49,11 +62,17 @@ absl::Status CudaModel::Impl::CheckCpBatch(const CpBatch& b) const {
     return absl::FailedPreconditionError(
         absl::StrCat("cuda model: the batch is rank ", b.layout.rank,
                      "'s share but this model's CP group rank is ", cp.comm->rank()));
-  return CheckCpContext();
+  RETURN_IF_ERROR(CheckCpContext());
+  const bool hybrid = cp.lightning_mode == CpMode::kHybrid || cp.mla_mode == CpMode::kHybrid;
+  if (hybrid && (b.group == nullptr || b.layout.ulysses != cp.ulysses->size()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: the hybrid modes need the batch's Ulysses groups of ", cp.ulysses->size(),
+        " (ShardForCp with ulysses), but the batch has groups of ", b.layout.ulysses));
+  return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
-  const int64_t T = B.T, cp_n = B.cp, Hl = c.n_heads / cp_n;
+absl::Status CudaModel::Impl::PackByHeads(const UlyssesDev& g, const std::vector<HeadView>& views) {
+  const int64_t T = B.T, cp_n = g.members, Hl = c.n_heads / cp_n;
   int64_t row = 0;  // one token's row in a block
   for (const HeadView& v : views) row += Hl * v.width;
   int64_t off = 0;
@@ -74,10 +93,11 @@ absl::Status CudaModel::Impl::PackByHeads(const std::vector<HeadView>& views) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector<HeadView>& views,
-                                             int64_t j0, int64_t j1) {
-  const int64_t T = B.T, Hl = c.n_heads / B.cp;
-  if (j1 < 0) j1 = B.cp;
+absl::Status CudaModel::Impl::UnpackToTokens(const UlyssesDev& g, const void* recv,
+                                             const std::vector<HeadView>& views, int64_t j0,
+                                             int64_t j1) {
+  const int64_t T = B.T, Hl = c.n_heads / g.members;
+  if (j1 < 0) j1 = g.members;
   int64_t row = 0;
   for (const HeadView& v : views) row += Hl * v.width;
   int64_t off = 0;
@@ -96,38 +116,46 @@ absl::Status CudaModel::Impl::UnpackToTokens(const void* recv, const std::vector
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::CopySlots(const void* src, bool src_in_stream, void* dst,
-                                        bool dst_in_stream, int64_t width) {
-  for (const SlotRows& r : ZigzagSlots())
-    CUDA(cudaMemcpyAsync(At(dst, r.Row(dst_in_stream) * width),
-                         At(src, r.Row(src_in_stream) * width), B.chunk * width * kAb,
-                         cudaMemcpyDefault, stream));
+// A run's first row among the member blocks (block i = member i's T local rows) or in the group's
+// row order.
+static int64_t RunRow(const UlyssesRun& r, int64_t T, bool grouped) {
+  return grouped ? r.group_row : r.member * T + r.local_row;
+}
+
+absl::Status CudaModel::Impl::CopyRuns(const UlyssesDev& g, const void* src, bool src_grouped,
+                                       void* dst, bool dst_grouped, int64_t width, int64_t elem) {
+  const int64_t row = width * elem;
+  for (const UlyssesRun& r : g.runs)
+    CUDA(cudaMemcpyAsync(static_cast<char*>(dst) + RunRow(r, B.T, dst_grouped) * row,
+                         static_cast<const char*>(src) + RunRow(r, B.T, src_grouped) * row,
+                         r.rows * row, cudaMemcpyDefault, stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::ExchangeSlots(const void* send, bool send_in_stream, void* recv,
-                                            bool recv_in_stream, int64_t width, CommLayer layer) {
-  const int64_t piece = B.chunk * width * kAb;
+absl::Status CudaModel::Impl::ExchangeRuns(const UlyssesDev& g, const void* send, bool send_grouped,
+                                           void* recv, bool recv_grouped, int64_t width,
+                                           CommLayer layer) {
   std::vector<CommSendPiece> out;
   std::vector<CommRecvPiece> in;
-  for (const SlotRows& r : ZigzagSlots()) {
-    out.push_back({r.rank, At(send, r.Row(send_in_stream) * width), piece});
-    in.push_back({r.rank, At(recv, r.Row(recv_in_stream) * width), piece});
+  for (const UlyssesRun& r : g.runs) {
+    const int peer = static_cast<int>(r.member);
+    out.push_back({peer, At(send, RunRow(r, B.T, send_grouped) * width), r.rows * width * kAb});
+    in.push_back({peer, At(recv, RunRow(r, B.T, recv_grouped) * width), r.rows * width * kAb});
   }
-  // NCCL runs on its own stream: what it sends must be complete before it starts; its Wait()
-  // returns once everything is received.
+  // The communicator runs on its own stream: what it sends must be complete before it starts;
+  // its Wait() returns once everything is received.
   CUDA(cudaStreamSynchronize(stream));
-  return cp.comm->AllToAllPieces(std::move(out), std::move(in), layer);
+  return g.comm->AllToAllPieces(std::move(out), std::move(in), layer);
 }
 
-absl::Status CudaModel::Impl::ExchangeToStream(const void* send, void* full, int64_t width,
-                                               CommLayer layer) {
-  return ExchangeSlots(send, false, full, true, width, layer);
+absl::Status CudaModel::Impl::ExchangeToGroup(const UlyssesDev& g, const void* send, void* full,
+                                              int64_t width, CommLayer layer) {
+  return ExchangeRuns(g, send, false, full, true, width, layer);
 }
 
-absl::Status CudaModel::Impl::ExchangeFromStream(const void* full, void* recv, int64_t width,
-                                                 CommLayer layer) {
-  return ExchangeSlots(full, true, recv, false, width, layer);
+absl::Status CudaModel::Impl::ExchangeFromGroup(const UlyssesDev& g, const void* full, void* recv,
+                                                int64_t width, CommLayer layer) {
+  return ExchangeRuns(g, full, true, recv, false, width, layer);
 }
 
 // q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->
@@ -138,15 +166,17 @@ absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) 
   RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
   void* q = C.qkv_n.get();
   RETURN_IF_ERROR(PackByHeads(
-      {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
-  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
+      B.whole, {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.whole, W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
   const void* f = C.cp_full.get();
   KC(kc::LightningForward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
                           static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
                           1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                           W.cp_tmp.get(), nullptr, kAct, Ws(), stream));
-  RETURN_IF_ERROR(ExchangeFromStream(W.cp_tmp.get(), W.cp_block.get(), hw, CommLayer::kLightning));
-  return UnpackToTokens(W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
+  RETURN_IF_ERROR(
+      ExchangeFromGroup(B.whole, W.cp_tmp.get(), W.cp_block.get(), hw, CommLayer::kLightning));
+  return UnpackToTokens(B.whole, W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
 }
 
 // d o of this rank's tokens (W.dy) -> the whole sequence for H/cp heads -> the core's backward
@@ -155,8 +185,9 @@ absl::Status CudaModel::Impl::LightningCoreForward(const LayerIdx& L, Cache& C) 
 absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const int64_t Hl = H / B.cp, Tf = B.T_full, hw = Hl * Dh, w = 3 * hw;
-  RETURN_IF_ERROR(PackByHeads({{W.dy.get(), d, Dh, Dh}}));
-  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), hw, CommLayer::kLightning));
+  RETURN_IF_ERROR(PackByHeads(B.whole, {{W.dy.get(), d, Dh, Dh}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.whole, W.cp_block.get(), W.cp_tmp.get(), hw, CommLayer::kLightning));
   void* f = C.cp_full.get();
   void* df = W.cp_block.get();
   KC(kc::LightningBackward(f, At(f, hw), At(f, 2 * hw), L.log_decay + B.rank * Hl, B.cu.i32(),
@@ -164,10 +195,11 @@ absl::Status CudaModel::Impl::LightningCoreBackward(const LayerIdx& L, Cache& C)
                            1.0f / std::sqrt(static_cast<float>(Dh)), {Tf, Hl, Dh, w},
                            W.cp_tmp.get(), nullptr, df, At(df, hw), At(df, 2 * hw), nullptr,
                            kAct, Ws(), stream));
-  RETURN_IF_ERROR(ExchangeFromStream(df, f, w, CommLayer::kLightning));
+  RETURN_IF_ERROR(ExchangeFromGroup(B.whole, df, f, w, CommLayer::kLightning));
   void* dq = W.dqkv.get();
   return UnpackToTokens(
-      f, {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
+      B.whole, f,
+      {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
 }
 
 // ---- Context parallelism: Lightning AllGather (DESIGN.md section 3) ------------------------------
@@ -184,14 +216,16 @@ absl::Status CudaModel::Impl::ReduceScatterDevice(const float* send, int64_t n, 
   return cp.comm->ReduceScatterSum(send, n, recv, layer);
 }
 
-absl::Status CudaModel::Impl::GatherStates(const float* send) {
-  const int64_t SZ = c.n_heads * c.head_dim() * c.head_dim(), n = 2 * SZ;
+absl::Status CudaModel::Impl::GatherStates(const CpLevel& V, Communicator& comm, const float* send,
+                                           int64_t H) {
+  const int64_t SZ = H * c.head_dim() * c.head_dim();
   float* recv = W.cp_state_recv.f32();
-  RETURN_IF_ERROR(GatherDevice(send, n, CommType::kF32, recv, CommLayer::kLightning));
+  CUDA(cudaStreamSynchronize(stream));  // the communicator reads `send` on a stream of its own
+  RETURN_IF_ERROR(comm.AllGather(send, 2 * SZ, CommType::kF32, recv, CommLayer::kLightning));
   // Rank r's block s is chunk ZigzagChunk(cp, r, s): into stream order.
-  for (int64_t r = 0; r < B.cp; ++r)
+  for (int64_t r = 0; r < V.cp; ++r)
     for (int64_t slot = 0; slot < 2; ++slot)
-      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + ZigzagChunk(B.cp, r, slot) * SZ,
+      CUDA(cudaMemcpyAsync(W.cp_state_stream.f32() + ZigzagChunk(V.cp, r, slot) * SZ,
                            recv + (2 * r + slot) * SZ, SZ * 4, cudaMemcpyDeviceToDevice, stream));
   return absl::OkStatus();
 }
@@ -199,68 +233,125 @@ absl::Status CudaModel::Impl::GatherStates(const float* send) {
 // Each local chunk runs from a zero state (its output and its end state S_c); the 2cp states are
 // gathered and scanned into every chunk's carry-in P_c; a chunk that continues a document adds
 // the carry's part to the tokens before its first document start. P is kept for the backward.
-absl::Status CudaModel::Impl::LightningAllGatherForward(const LayerIdx& L, Cache& C) {
-  const int64_t ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim(), SZ = H * Dh * Dh;
+absl::Status CudaModel::Impl::LightningStatesForward(const CpLevel& V, Communicator& comm,
+                                                     const void* qkv, int64_t H,
+                                                     const float* log_decay, void* out, float* P) {
+  const int64_t ch = V.chunk, Dh = c.head_dim(), hw = H * Dh, SZ = H * Dh * Dh;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
-  RETURN_IF_ERROR(F32(C.cp_P, 2 * SZ));
   float* S = W.cp_state_send.f32();
   for (int slot = 0; slot < 2; ++slot) {
-    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
-    KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
-                            static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, nullptr, scale,
-                            {ch, H, Dh, 3 * d}, At(C.o.get(), slot * ch * d), S + slot * SZ, kAct,
-                            Ws(), stream));
+    const void* q = At(qkv, slot * ch * 3 * hw);
+    KC(kc::LightningForward(q, At(q, hw), At(q, 2 * hw), log_decay, V.piece_cu[slot].i32(),
+                            static_cast<int64_t>(V.piece_cu_host[slot].size()) - 1, nullptr, scale,
+                            {ch, H, Dh, 3 * hw}, At(out, slot * ch * hw), S + slot * SZ, kAct, Ws(),
+                            stream));
   }
-  RETURN_IF_ERROR(GatherStates(S));
-  KC(kc::LightningStateScan(W.cp_state_stream.f32(), B.chunk_has_start.i32(), B.chunk_len.i32(),
-                            L.log_decay, 2 * B.cp, H, Dh, W.cp_state_scan.f32(), stream));
+  RETURN_IF_ERROR(GatherStates(V, comm, S, H));
+  KC(kc::LightningStateScan(W.cp_state_stream.f32(), V.chunk_has_start.i32(), V.chunk_len.i32(),
+                            log_decay, 2 * V.cp, H, Dh, W.cp_state_scan.f32(), stream));
   for (int slot = 0; slot < 2; ++slot) {
-    float* P = C.cp_P.f32() + slot * SZ;
-    CUDA(cudaMemcpyAsync(P, W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, SZ * 4,
+    float* Ps = P + slot * SZ;
+    CUDA(cudaMemcpyAsync(Ps, W.cp_state_scan.f32() + V.slot_chunk[slot] * SZ, SZ * 4,
                          cudaMemcpyDeviceToDevice, stream));
-    if (!B.continues[slot]) continue;
-    KC(kc::LightningCarryCorrection(At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, P, scale,
-                                    {ch, H, Dh, 3 * d}, B.first_segment[slot],
-                                    At(C.o.get(), slot * ch * d), kAct, stream));
+    if (!V.continues[slot]) continue;
+    KC(kc::LightningCarryCorrection(At(qkv, slot * ch * 3 * hw), log_decay, Ps, scale,
+                                    {ch, H, Dh, 3 * hw}, V.first_segment[slot],
+                                    At(out, slot * ch * hw), kAct, stream));
   }
   return absl::OkStatus();
 }
 
 // The carry-ins' gradients from the corrected tokens (dP_c, zero for a chunk that does not
 // continue a document) are gathered and reverse-scanned into every chunk's end-state gradient;
-// each local chunk's backward then runs with its carry-in and that end-state gradient. Reads
-// d o from W.dy, writes dq, dk, dv into W.dqkv.
-absl::Status CudaModel::Impl::LightningAllGatherBackward(const LayerIdx& L, Cache& C) {
-  const int64_t T = B.T, ch = B.chunk, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
-  const int64_t SZ = H * Dh * Dh;
+// each local chunk's backward then runs with its carry-in and that end-state gradient.
+absl::Status CudaModel::Impl::LightningStatesBackward(const CpLevel& V, Communicator& comm,
+                                                      const void* qkv, int64_t H,
+                                                      const float* log_decay, const float* P,
+                                                      const void* dout, void* dqkv) {
+  const int64_t ch = V.chunk, Dh = c.head_dim(), hw = H * Dh, SZ = H * Dh * Dh;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   float* dP = W.cp_state_send.f32();
   CUDA(cudaMemsetAsync(dP, 0, 2 * SZ * 4, stream));
-  // The correction's backward also adds its dq part into W.dqkv, which the chunk backward below
+  // The correction's backward also adds its dq part into dqkv, which the chunk backward below
   // overwrites (its carry-in accounts for that part): start from zeros so nothing stale is read.
-  CUDA(cudaMemsetAsync(W.dqkv.get(), 0, T * 3 * d * kAb, stream));
+  CUDA(cudaMemsetAsync(dqkv, 0, V.T * 3 * hw * kAb, stream));
   for (int slot = 0; slot < 2; ++slot) {
-    if (!B.continues[slot]) continue;
-    KC(kc::LightningCarryCorrectionBackward(
-        At(C.qkv_n.get(), slot * ch * 3 * d), L.log_decay, C.cp_P.f32() + slot * SZ, scale,
-        {ch, H, Dh, 3 * d}, B.first_segment[slot], At(W.dy.get(), slot * ch * d),
-        At(W.dqkv.get(), slot * ch * 3 * d), dP + slot * SZ, kAct, Ws(), stream));
+    if (!V.continues[slot]) continue;
+    KC(kc::LightningCarryCorrectionBackward(At(qkv, slot * ch * 3 * hw), log_decay, P + slot * SZ,
+                                            scale, {ch, H, Dh, 3 * hw}, V.first_segment[slot],
+                                            At(dout, slot * ch * hw), At(dqkv, slot * ch * 3 * hw),
+                                            dP + slot * SZ, kAct, Ws(), stream));
   }
-  RETURN_IF_ERROR(GatherStates(dP));
-  KC(kc::LightningStateScanBackward(W.cp_state_stream.f32(), B.chunk_has_start.i32(),
-                                    B.chunk_len.i32(), L.log_decay, 2 * B.cp, H, Dh,
+  RETURN_IF_ERROR(GatherStates(V, comm, dP, H));
+  KC(kc::LightningStateScanBackward(W.cp_state_stream.f32(), V.chunk_has_start.i32(),
+                                    V.chunk_len.i32(), log_decay, 2 * V.cp, H, Dh,
                                     W.cp_state_scan.f32(), stream));
   for (int slot = 0; slot < 2; ++slot) {
-    const void* q = At(C.qkv_n.get(), slot * ch * 3 * d);
-    void* dq = At(W.dqkv.get(), slot * ch * 3 * d);
-    KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.piece_cu[slot].i32(),
-                             static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1,
-                             B.continues[slot] ? C.cp_P.f32() + slot * SZ : nullptr, scale,
-                             {ch, H, Dh, 3 * d}, At(W.dy.get(), slot * ch * d),
-                             W.cp_state_scan.f32() + B.slot_chunk[slot] * SZ, dq, At(dq, d),
-                             At(dq, 2 * d), nullptr, kAct, Ws(), stream));
+    const void* q = At(qkv, slot * ch * 3 * hw);
+    void* dq = At(dqkv, slot * ch * 3 * hw);
+    KC(kc::LightningBackward(q, At(q, hw), At(q, 2 * hw), log_decay, V.piece_cu[slot].i32(),
+                             static_cast<int64_t>(V.piece_cu_host[slot].size()) - 1,
+                             V.continues[slot] ? P + slot * SZ : nullptr, scale,
+                             {ch, H, Dh, 3 * hw}, At(dout, slot * ch * hw),
+                             W.cp_state_scan.f32() + V.slot_chunk[slot] * SZ, dq, At(dq, hw),
+                             At(dq, 2 * hw), nullptr, kAct, Ws(), stream));
   }
   return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::LightningAllGatherForward(const LayerIdx& L, Cache& C) {
+  const int64_t H = c.n_heads, Dh = c.head_dim();
+  RETURN_IF_ERROR(F32(C.cp_P, 2 * H * Dh * Dh));
+  return LightningStatesForward(B.lv, *cp.comm, C.qkv_n.get(), H, L.log_decay, C.o.get(),
+                                C.cp_P.f32());
+}
+
+// Reads d o from W.dy, writes dq, dk, dv into W.dqkv.
+absl::Status CudaModel::Impl::LightningAllGatherBackward(const LayerIdx& L, Cache& C) {
+  return LightningStatesBackward(B.lv, *cp.comm, C.qkv_n.get(), c.n_heads, L.log_decay,
+                                 C.cp_P.f32(), W.dy.get(), W.dqkv.get());
+}
+
+// ---- Context parallelism: Lightning hybrid (DESIGN.md section 3)
+// ---------------------------------
+
+absl::Status CudaModel::Impl::LightningHybridForward(const LayerIdx& L, Cache& C) {
+  const int64_t d = c.d_model, Dh = c.head_dim(), u = B.ulysses.members, Hl = c.n_heads / u;
+  const int64_t hw = Hl * Dh, w = 3 * hw, Tg = B.group_lv.T;
+  const int64_t member = CpGroups{B.cp, u}.Member(B.rank);
+  RETURN_IF_ERROR(Act(C.cp_full, Tg, w));
+  RETURN_IF_ERROR(F32(C.cp_P, 2 * hw * Dh));
+  void* q = C.qkv_n.get();
+  RETURN_IF_ERROR(PackByHeads(
+      B.ulysses, {{q, 3 * d, Dh, Dh}, {At(q, d), 3 * d, Dh, Dh}, {At(q, 2 * d), 3 * d, Dh, Dh}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.ulysses, W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
+  RETURN_IF_ERROR(LightningStatesForward(B.group_lv, *cp.ring, C.cp_full.get(), Hl,
+                                         L.log_decay + member * Hl, W.cp_tmp.get(), C.cp_P.f32()));
+  RETURN_IF_ERROR(
+      ExchangeFromGroup(B.ulysses, W.cp_tmp.get(), W.cp_block.get(), hw, CommLayer::kLightning));
+  return UnpackToTokens(B.ulysses, W.cp_block.get(), {{C.o.get(), d, Dh, Dh}});
+}
+
+// d o (W.dy) to the group's tokens (W.cp_tmp), the core's backward into W.cp_block (free once d o
+// is received), the gradients back (received into C.cp_full, whose last reader the core's
+// backward was) into W.dqkv.
+absl::Status CudaModel::Impl::LightningHybridBackward(const LayerIdx& L, Cache& C) {
+  const int64_t d = c.d_model, Dh = c.head_dim(), u = B.ulysses.members, Hl = c.n_heads / u;
+  const int64_t hw = Hl * Dh, w = 3 * hw;
+  const int64_t member = CpGroups{B.cp, u}.Member(B.rank);
+  RETURN_IF_ERROR(PackByHeads(B.ulysses, {{W.dy.get(), d, Dh, Dh}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.ulysses, W.cp_block.get(), W.cp_tmp.get(), hw, CommLayer::kLightning));
+  RETURN_IF_ERROR(LightningStatesBackward(B.group_lv, *cp.ring, C.cp_full.get(), Hl,
+                                          L.log_decay + member * Hl, C.cp_P.f32(), W.cp_tmp.get(),
+                                          W.cp_block.get()));
+  RETURN_IF_ERROR(
+      ExchangeFromGroup(B.ulysses, W.cp_block.get(), C.cp_full.get(), w, CommLayer::kLightning));
+  void* dq = W.dqkv.get();
+  return UnpackToTokens(
+      B.ulysses, C.cp_full.get(),
+      {{dq, 3 * d, Dh, Dh}, {At(dq, d), 3 * d, Dh, Dh}, {At(dq, 2 * d), 3 * d, Dh, Dh}});
 }
 
 namespace {
@@ -288,17 +379,17 @@ absl::Status CudaModel::Impl::MlaCoreForward(Cache& C, bool attention_kept) {
   RETURN_IF_ERROR(Act(C.cp_full, Tf, w));
   RETURN_IF_ERROR(Act(C.cp_out, Tf, ow));
   RETURN_IF_ERROR(F32(C.stats, Hl * Tf));
-  RETURN_IF_ERROR(PackByHeads({{C.Q.get(), H * qk, qk, qk},
-                               {C.K.get(), H * qk, qk, qk},
-                               {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
-  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), C.cp_full.get(), w, CommLayer::kMla));
+  RETURN_IF_ERROR(PackByHeads(B.whole, {{C.Q.get(), H * qk, qk, qk},
+                                        {C.K.get(), H * qk, qk, qk},
+                                        {At(C.kvb.get(), nope), H * (nope + vd), nope + vd, vd}}));
+  RETURN_IF_ERROR(ExchangeToGroup(B.whole, W.cp_block.get(), C.cp_full.get(), w, CommLayer::kMla));
   if (attention_kept) return absl::OkStatus();
   const void* f = C.cp_full.get();
   KC(sdpa->Forward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                    B.cu_host.data(), static_cast<int64_t>(B.cu_host.size()) - 1,
                    1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl), kAct, stream));
-  RETURN_IF_ERROR(ExchangeFromStream(C.cp_out.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
-  return UnpackToTokens(W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
+  RETURN_IF_ERROR(ExchangeFromGroup(B.whole, C.cp_out.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
+  return UnpackToTokens(B.whole, W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
 }
 
 // dO of this rank's tokens (W.dO) -> the whole sequence for H/cp heads -> attention backward (its
@@ -310,21 +401,21 @@ absl::Status CudaModel::Impl::MlaCoreBackward(Cache& C) {
   const int64_t T = B.T, H = c.n_heads, Hl = H / B.cp, Tf = B.T_full;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
   const int64_t w = Hl * (2 * qk + vd), ow = Hl * vd;
-  RETURN_IF_ERROR(PackByHeads({{W.dO.get(), H * vd, vd, vd}}));
-  RETURN_IF_ERROR(ExchangeToStream(W.cp_block.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
+  RETURN_IF_ERROR(PackByHeads(B.whole, {{W.dO.get(), H * vd, vd, vd}}));
+  RETURN_IF_ERROR(ExchangeToGroup(B.whole, W.cp_block.get(), W.cp_tmp.get(), ow, CommLayer::kMla));
   void* f = C.cp_full.get();
   void* df = W.cp_block.get();
   RETURN_IF_ERROR(
       AttentionBackward(f, At(f, Hl * qk), At(f, 2 * Hl * qk), C.cp_out.get(), C.stats.f32(),
                         W.cp_tmp.get(), df, At(df, Hl * qk), At(df, 2 * Hl * qk), B.cu_host,
                         1.0f / std::sqrt(static_cast<float>(qk)), MlaCpDims(c, Tf, Hl)));
-  return ExchangeFromStream(df, f, w, CommLayer::kMla);
+  return ExchangeFromGroup(B.whole, df, f, w, CommLayer::kMla);
 }
 
 absl::Status CudaModel::Impl::MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1) {
   const MlaConfig& m = c.mla;
   const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
-  return UnpackToTokens(recv,
+  return UnpackToTokens(B.whole, recv,
                         {{W.dQ.get(), Hg * qk, qk, qk},
                          {W.dK.get(), Hg * qk, qk, qk},
                          {At(W.dkvb.get(), nope), Hg * (nope + vd), nope + vd, vd}},
@@ -361,12 +452,18 @@ std::vector<std::pair<int64_t, int64_t>> MlaQueryBlocks(int64_t nq) {
 }  // namespace
 
 absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n) {
+  return MlaBuildKeysFrom(L, lat, n, 0, c.n_heads);
+}
+
+absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n,
+                                               int64_t h0, int64_t Hh) {
   const MlaConfig& m = c.mla;
-  const int64_t H = c.n_heads, nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
+  const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim;
-  RETURN_IF_ERROR(Fwd(lat, w, Wb(L.kv_b), W.ag_kvb.get(), n, kv, H * kvw, false));
-  RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * H));
-  KC(kc::CopyRows(At(W.ag_K.get(), nope), H * qk, qk, At(lat, kv), w, 0, n, H, rd, kAct, stream));
+  RETURN_IF_ERROR(
+      Fwd(lat, w, At(Wb(L.kv_b), h0 * kvw * kv), W.ag_kvb.get(), n, kv, Hh * kvw, false));
+  RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * Hh));
+  KC(kc::CopyRows(At(W.ag_K.get(), nope), Hh * qk, qk, At(lat, kv), w, 0, n, Hh, rd, kAct, stream));
   return absl::OkStatus();
 }
 
@@ -428,27 +525,27 @@ absl::Status CudaModel::Impl::MlaAllGatherForward(const LayerIdx& L, Cache& C,
   RETURN_IF_ERROR(
       GatherDevice(send, T * w * kAb, CommType::kByte, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tf, w));
-  RETURN_IF_ERROR(CopySlots(W.ag_recv.get(), false, C.ag_lat.get(), true, w));
+  RETURN_IF_ERROR(CopyRuns(B.whole, W.ag_recv.get(), false, C.ag_lat.get(), true, w));
   const int64_t SS = StatsSlot(H, ch);
   RETURN_IF_ERROR(F32(C.stats, 2 * SS));
   if (attention_kept) return absl::OkStatus();
   for (int slot = 0; slot < 2; ++slot) {
-    const int64_t first = B.slot_chunk[slot] * ch;
+    const int64_t first = B.lv.slot_chunk[slot] * ch;
     void* q = At(C.Q.get(), slot * ch * H * qk);
     void* o = At(C.O.get(), slot * ch * H * vd);
     float* stats = C.stats.f32() + slot * SS;
     RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
     KC(sdpa->Forward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
-                     B.piece_cu_host[slot].data(),
-                     static_cast<int64_t>(B.piece_cu_host[slot].size()) - 1, scale, MlaDims(c, ch),
-                     kAct, stream));
-    if (!B.continues[slot]) continue;
+                     B.lv.piece_cu_host[slot].data(),
+                     static_cast<int64_t>(B.lv.piece_cu_host[slot].size()) - 1, scale,
+                     MlaDims(c, ch), kAct, stream));
+    if (!B.lv.continues[slot]) continue;
     // The first segment's output accumulates in fp32 over the key blocks; its queries go in
     // blocks of as many rows, so that cuDNN stages one block's (MlaQueryBlocks).
-    const int64_t nq = B.first_segment[slot];
+    const int64_t nq = B.lv.first_segment[slot];
     float* acc = W.ag_acc.f32();
     KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, nq, H * vd, stream));
-    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+    for (int64_t a = B.lv.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
       const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
       for (const auto& [q0, n] : MlaQueryBlocks(nq)) {
@@ -475,7 +572,7 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
   const int64_t SS = StatsSlot(H, ch);
   CUDA(cudaMemsetAsync(W.ag_send.get(), 0, B.cp * T * w * 4, stream));
   for (int slot = 0; slot < 2; ++slot) {
-    const int64_t first = B.slot_chunk[slot] * ch;
+    const int64_t first = B.lv.slot_chunk[slot] * ch;
     const void* q = At(C.Q.get(), slot * ch * H * qk);
     const void* o = At(C.O.get(), slot * ch * H * vd);
     const void* dout = At(W.dO.get(), slot * ch * H * vd);
@@ -484,11 +581,11 @@ absl::Status CudaModel::Impl::MlaAllGatherBackward(const LayerIdx& L, Cache& C) 
     RETURN_IF_ERROR(MlaBuildKeys(L, C, first, first + ch));
     RETURN_IF_ERROR(AttentionBackward(
         q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, C.stats.f32() + slot * SS, dout, dq,
-        W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.piece_cu_host[slot], scale, MlaDims(c, ch)));
+        W.ag_dK.get(), At(W.ag_dkvb.get(), nope), B.lv.piece_cu_host[slot], scale, MlaDims(c, ch)));
     RETURN_IF_ERROR(MlaKeyGradsToLatent(L, C, first, first + ch));
-    if (!B.continues[slot]) continue;
-    const int64_t nq = B.first_segment[slot];
-    for (int64_t a = B.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
+    if (!B.lv.continues[slot]) continue;
+    const int64_t nq = B.lv.first_segment[slot];
+    for (int64_t a = B.lv.key_begin[slot]; a < first; a += kCudaMlaKeyBlock) {
       const int64_t b = std::min(first, a + kCudaMlaKeyBlock);
       RETURN_IF_ERROR(MlaBuildKeys(L, C, a, b));
       for (const auto& [q0, n] : MlaQueryBlocks(nq)) {

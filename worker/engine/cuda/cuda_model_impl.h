@@ -23,6 +23,7 @@
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sdpa.h"
+#include "worker/engine/cp/cp_ulysses.h"
 #include "worker/engine/cuda/cuda_model.h"
 
 namespace spindle {
@@ -338,6 +339,32 @@ struct Work {
   Fp8Act q_dy;
 };
 
+// One level of a CP split on the device: the zigzag of `cp` ranks (this one `rank`) over which
+// Lightning's chunk states are gathered and MLA's ring runs. The CP group itself, or under the
+// hybrid modes the ring of Ulysses groups, each group's tokens one rank's share (cp_groups.h).
+struct CpLevel {
+  const CpLayout* layout = nullptr;            // the caller's, valid while a pass runs
+  int64_t T = 0, cp = 1, rank = 0, chunk = 0;  // local tokens (two chunks), chunk size
+  // Per local slot (chunk ChunkOf(rank, slot)): its document starts relative to its first token
+  // (host and device), its chunk index, whether its first token continues an earlier document
+  // and, if so, the tokens before its first start, and the first row of the level's stream its
+  // queries see (the start of that document, else the chunk's own first token); and the 2cp
+  // chunks' b_c flags and lengths for the state scans (device).
+  std::vector<int32_t> piece_cu_host[2], chunk_has_start_host, chunk_len_host;
+  DevBuf piece_cu[2], chunk_has_start, chunk_len;
+  int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0}, key_begin[2] = {0, 0};
+  bool continues[2] = {false, false};
+};
+
+// A Ulysses exchange's group on the device: its communicator and members, and where each
+// member's zigzag chunks go among the group's gathered rows (UlyssesRuns: the whole sequence's
+// stream order for the All2All modes, the Ulysses group's zigzag share for the hybrid modes).
+struct UlyssesDev {
+  Communicator* comm = nullptr;
+  int64_t members = 1;
+  std::vector<UlyssesRun> runs;
+};
+
 // The batch on the device.
 struct BatchDev {
   DevBuf ids, targets, pos, cu;
@@ -347,17 +374,10 @@ struct BatchDev {
   std::vector<int32_t> cu_host;
   int64_t n_valid = 0;
   int64_t cp = 1, rank = 0, T_full = 0, chunk = 0;  // chunk: tokens per zigzag chunk (cp > 1)
-  // Lightning AllGather under CP, per local slot (chunk ChunkOf(rank, slot)): its document starts
-  // relative to its first token (host and device), its stream chunk index, whether its first
-  // token continues an earlier document and, if so, the tokens before its first start; and the
-  // 2cp chunks' b_c flags and lengths for the state scans (device).
-  std::vector<int32_t> piece_cu_host[2], chunk_has_start_host, chunk_len_host;
-  DevBuf piece_cu[2], chunk_has_start, chunk_len;
-  int64_t slot_chunk[2] = {0, 0}, first_segment[2] = {0, 0};
-  bool continues[2] = {false, false};
-  // MLA AllGather: the first stream row each local chunk's queries see (the start of the
-  // document its first token continues, else the chunk's own first token).
-  int64_t key_begin[2] = {0, 0};
+  // Under CP: the CP group's level and its all-to-all over every rank; under the hybrid modes
+  // also the level across the Ulysses groups and the exchange inside this rank's group.
+  CpLevel lv, group_lv;
+  UlyssesDev whole, ulysses;
   // The batch's layout during a pass (cp > 1; the caller's, valid while Run runs).
   const CpLayout* layout = nullptr;
 };
@@ -369,10 +389,12 @@ struct HeadView {
   int64_t token_stride, head_stride, width;
 };
 
-// MLA's attention views over T tokens: Q and K [T, H, qk], V inside kv_b's output, O [T, H, vd].
-inline kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T) {
+// MLA's attention views over T tokens and H heads (all of them by default): Q and K [T, H, qk], V
+// inside kv_b's output, O [T, H, vd].
+inline kc::SdpaDims MlaDims(const ModelConfig& c, int64_t T, int64_t H = 0) {
   const MlaConfig& m = c.mla;
-  const int64_t H = c.n_heads, qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
+  if (H == 0) H = c.n_heads;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
   const int64_t kvw = m.qk_nope_dim + vd;  // one head's row of kv_b's output
   kc::SdpaDims s;
   s.T = T, s.H = H, s.Dqk = qk, s.Dv = vd;
@@ -608,8 +630,8 @@ struct CudaModel::Impl {
                         cudaMemcpyKind kind);
   // Allocates (zeroed) the optimizer state buffers asked for that do not exist yet.
   absl::Status EnsureOptimizerState(bool want_m, bool want_v);
-  // layout: null for a whole sequence; else this rank's zigzag share (layout->cp > 1).
-  absl::Status Upload(const Batch& b, const CpLayout* layout);
+  // cpb: null (or cp = 1) for a whole sequence; else b is cpb->local, this rank's zigzag share.
+  absl::Status Upload(const Batch& b, const CpBatch* cpb);
   // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
   // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
   // (FfnForward) and the backward recomputes them. attention_kept: the MLA attention's output and
@@ -635,54 +657,56 @@ struct CudaModel::Impl {
                                  const float* stats, const void* dout, void* dq, void* dk, void* dv,
                                  const std::vector<int32_t>& cu_host, float scale,
                                  kc::SdpaDims dims);
-  absl::StatusOr<LossStats> Run(const Batch& b, const CpLayout* layout, float grad_scale,
+  absl::StatusOr<LossStats> Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                 Recompute recompute, bool backward);
 
-  // ---- Context parallelism (All2All) ----------------------------------------------------------
+  // ---- Context parallelism: the Ulysses exchanges (All2All, and the hybrid modes' groups) ----
   absl::Status CheckCpContext() const;
   absl::Status CheckCpBatch(const CpBatch& b) const;
-  // Local tokens -> W.cp_block: block j = [T][the views' heads of rank j, view after view].
-  absl::Status PackByHeads(const std::vector<HeadView>& views);
-  // recv (block j = [T][the views' heads of rank j]) -> the local views: blocks [j0, j1), block
+  // A level's host and device description from its local tokens and layout (Upload).
+  absl::Status SetLevel(CpLevel& V, const Batch& local, const CpLayout& L);
+  // Local tokens -> W.cp_block: block j = [T][the views' heads of member j, view after view].
+  absl::Status PackByHeads(const UlyssesDev& g, const std::vector<HeadView>& views);
+  // recv (block j = [T][the views' heads of member j]) -> the local views: blocks [j0, j1), block
   // j0's first head at the views' head 0 (j1 = -1: every block).
-  absl::Status UnpackToTokens(const void* recv, const std::vector<HeadView>& views, int64_t j0 = 0,
-                              int64_t j1 = -1);
-  // Every rank's two zigzag slots (ZigzagChunk): the slot's first row among the rank blocks of an
-  // exchange (block i = rank i's T local rows) and its chunk's first row in stream order.
-  struct SlotRows {
-    int rank;
-    int64_t block_row, stream_row;
-    int64_t Row(bool in_stream) const { return in_stream ? stream_row : block_row; }
-  };
-  std::vector<SlotRows> ZigzagSlots() const {
-    std::vector<SlotRows> v;
-    for (int i = 0; i < B.cp; ++i)
-      for (int64_t s = 0; s < 2; ++s)
-        v.push_back({i, i * B.T + s * B.chunk, ZigzagChunk(B.cp, i, s) * B.chunk});
-    return v;
-  }
-  // Every slot's rows of `width` from src to dst, each side in stream order ([T_full, width]) or in
-  // rank-block order (block i = rank i's tokens). Device or pinned host memory.
-  absl::Status CopySlots(const void* src, bool src_in_stream, void* dst, bool dst_in_stream,
-                         int64_t width);
-  // The all-to-all of the whole-sequence buffers (distinct send and receive memory): from the
-  // local tokens' blocks (send: block j = [T, width] for rank j) into `full` [T_full, width] in
-  // stream order, each rank's two zigzag chunks received where they belong; or from `full` in
-  // stream order into blocks (recv: block i from rank i), each piece straight to its place.
-  absl::Status ExchangeToStream(const void* send, void* full, int64_t width, CommLayer layer);
-  absl::Status ExchangeFromStream(const void* full, void* recv, int64_t width, CommLayer layer);
-  // The NCCL all-to-all by zigzag slots (ZigzagSlots), each side's rows in stream order or in
-  // rank-block order.
-  absl::Status ExchangeSlots(const void* send, bool send_in_stream, void* recv, bool recv_in_stream,
-                             int64_t width, CommLayer layer);
+  absl::Status UnpackToTokens(const UlyssesDev& g, const void* recv,
+                              const std::vector<HeadView>& views, int64_t j0 = 0, int64_t j1 = -1);
+  // Every run's rows of `width` elements of `elem` bytes from src to dst, each side in the group's
+  // row order ([members T, width]) or in member-block order (block i = member i's T local rows).
+  absl::Status CopyRuns(const UlyssesDev& g, const void* src, bool src_grouped, void* dst,
+                        bool dst_grouped, int64_t width, int64_t elem = kAb);
+  // The group's all-to-all (distinct send and receive memory): from the local tokens' blocks
+  // (send: block j = [T, width] for member j) into `full` [members T, width] in the group's row
+  // order, each member's two zigzag chunks received where they belong; or from `full` into
+  // blocks (recv: block i from member i); each piece straight to its place (ExchangeRuns).
+  absl::Status ExchangeToGroup(const UlyssesDev& g, const void* send, void* full, int64_t width,
+                               CommLayer layer);
+  absl::Status ExchangeFromGroup(const UlyssesDev& g, const void* full, void* recv, int64_t width,
+                                 CommLayer layer);
+  absl::Status ExchangeRuns(const UlyssesDev& g, const void* send, bool send_grouped, void* recv,
+                            bool recv_grouped, int64_t width, CommLayer layer);
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
-  // ---- Context parallelism (Lightning AllGather: DESIGN.md section 3) ----
+  // ---- Context parallelism (Lightning AllGather and hybrid: DESIGN.md section 3) ----
   bool LightningAllGather() const { return B.cp > 1 && cp.lightning_mode == CpMode::kAllGather; }
-  // send: this rank's two [H, Dh, Dh] fp32 blocks -> W.cp_state_stream: all 2cp in stream order.
-  absl::Status GatherStates(const float* send);
+  bool LightningHybrid() const { return B.cp > 1 && cp.lightning_mode == CpMode::kHybrid; }
+  // send: this rank's two [H, Dh, Dh] fp32 blocks -> W.cp_state_stream: the level's 2cp in stream
+  // order, gathered over `comm` (the level's).
+  absl::Status GatherStates(const CpLevel& V, Communicator& comm, const float* send, int64_t H);
+  // The AllGather core on level V: q | k | v rows [V.T, 3 H Dh] at qkv for H heads of decays
+  // log_decay; out [V.T, H Dh] overwritten; P [2, H, Dh, Dh] receives the local chunks' carry-ins.
+  absl::Status LightningStatesForward(const CpLevel& V, Communicator& comm, const void* qkv,
+                                      int64_t H, const float* log_decay, void* out, float* P);
+  // Its backward from dout [V.T, H Dh]: dqkv [V.T, 3 H Dh] overwritten.
+  absl::Status LightningStatesBackward(const CpLevel& V, Communicator& comm, const void* qkv,
+                                       int64_t H, const float* log_decay, const float* P,
+                                       const void* dout, void* dqkv);
   absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
   absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
+  // Hybrid: q, k, v to this rank's Ulysses group's tokens for its H/u heads (C.cp_full), the
+  // AllGather core across the groups, outputs back (C.o); the backward mirrors it into W.dqkv.
+  absl::Status LightningHybridForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningHybridBackward(const LayerIdx& L, Cache& C);
   absl::Status MlaCoreForward(Cache& C, bool attention_kept);
   // The gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
   absl::Status MlaCoreBackward(Cache& C);
@@ -698,6 +722,9 @@ struct CudaModel::Impl {
   // n latent rows [c_n | rotated k_r] (`lat`, kv + rd apart) -> W.ag_K (keys [k_nope | k_r] of
   // every head) and W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
   absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n);
+  // The same for heads [h0, h0 + Hh) (keys and kv_b's output Hh heads wide).
+  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n, int64_t h0,
+                                int64_t Hh);
   // The same from stream rows [a, b) of the gathered latent (C.ag_lat).
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
@@ -718,16 +745,22 @@ struct CudaModel::Impl {
   absl::Status MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg, Rows dx);
   absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
-  // ---- Context parallelism (MLA Ring: DESIGN.md section 3; the loop is cp/cp_ring.h's) ----
+  // ---- Context parallelism (MLA Ring and hybrid: DESIGN.md section 3; the loop is
+  // cp/cp_ring.h's) ----
   bool MlaRing() const { return B.cp > 1 && cp.mla_mode == CpMode::kRing; }
-  // Whether MLA rebuilds its keys and values from latent rows per key block (AllGather, Ring)
-  // rather than keeping them for the whole local sequence.
-  bool MlaLatentKeys() const { return MlaAllGather() || MlaRing(); }
-  // This rank's latent rows (kept in C.ag_lat for the backward) around the ring; O and the
-  // statistics of both local chunks merged over every visible block. Reads C.Q.
+  bool MlaHybrid() const { return B.cp > 1 && cp.mla_mode == CpMode::kHybrid; }
+  // Whether MLA rebuilds its keys and values from latent rows per key block (AllGather, Ring,
+  // hybrid) rather than keeping them for the whole local sequence.
+  bool MlaLatentKeys() const { return MlaAllGather() || MlaRing() || MlaHybrid(); }
+  // Ring: this rank's latent rows (kept in C.ag_lat for the backward) around the ring; O and the
+  // statistics of both local chunks merged over every visible block. Reads C.Q. Hybrid: Q to
+  // this rank's Ulysses group's tokens for its H/u heads (C.cp_full) and the group's latent rows
+  // (C.ag_lat), the ring across the groups into the group's output (C.cp_out), O back.
   absl::Status MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept);
-  // Reads W.dO; writes W.dQ and the latent gradients of this rank's tokens into W.dkva.
+  absl::Status MlaHybridForward(const LayerIdx& L, Cache& C, bool attention_kept);
+  // Read W.dO; write W.dQ and the latent gradients of this rank's tokens into W.dkva.
   absl::Status MlaRingBackward(const LayerIdx& L, Cache& C);
+  absl::Status MlaHybridBackward(const LayerIdx& L, Cache& C);
   struct MlaRingOps;  // the ring's block operations (cuda_model_ring.cc)
 };
 

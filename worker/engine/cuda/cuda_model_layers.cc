@@ -20,6 +20,8 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
                            /*copy_v=*/true, kAct, stream));
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherForward(L, C));
+  } else if (LightningHybrid()) {
+    RETURN_IF_ERROR(LightningHybridForward(L, C));
   } else if (B.cp > 1) {
     RETURN_IF_ERROR(LightningCoreForward(L, C));
   } else {
@@ -60,6 +62,8 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   void* dq = W.dqkv.get();
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
+  } else if (LightningHybrid()) {
+    RETURN_IF_ERROR(LightningHybridBackward(L, C));
   } else if (B.cp > 1) {
     RETURN_IF_ERROR(LightningCoreBackward(L, C));
   } else {
@@ -120,8 +124,9 @@ absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool atten
                    stream));
   if (MlaLatentKeys()) {
     RETURN_IF_ERROR(Act(C.O, T, H * vd));
-    return MlaRing() ? MlaRingForward(L, C, attention_kept)
-                     : MlaAllGatherForward(L, C, attention_kept);
+    if (MlaRing()) return MlaRingForward(L, C, attention_kept);
+    if (MlaHybrid()) return MlaHybridForward(L, C, attention_kept);
+    return MlaAllGatherForward(L, C, attention_kept);
   }
   RETURN_IF_ERROR(Act(C.kvb, T, H * (nope + vd)));
   RETURN_IF_ERROR(Fwd(C.c_n.get(), kv, Wb(L.kv_b), C.kvb.get(), T, kv, H * (nope + vd), false));
@@ -217,7 +222,9 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   if (MlaLatentKeys()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
     // W.dQ; dW_kv_b accumulated over the gathered (or passed) keys.
-    RETURN_IF_ERROR(MlaRing() ? MlaRingBackward(L, C) : MlaAllGatherBackward(L, C));
+    RETURN_IF_ERROR(MlaRing()     ? MlaRingBackward(L, C)
+                    : MlaHybrid() ? MlaHybridBackward(L, C)
+                                  : MlaAllGatherBackward(L, C));
     RETURN_IF_ERROR(MlaQueryGrads(L, C, 0, H, dq_in));
   } else {
     Rows lat{W.dkva.get(), w};

@@ -1,5 +1,5 @@
-// CudaModel's MLA Ring mode (DESIGN.md section 3): the ring loop of cp/cp_ring.h, written once for
-// both engines, over block operations on the GPU.
+// CudaModel's MLA Ring and hybrid modes (DESIGN.md section 3): the ring loop of cp/cp_ring.h,
+// written once for both engines, over block operations on the GPU.
 //
 // A block is one rank's latent rows [c_n | rotated k_r] (bf16 [T, kv + rd], its two zigzag chunks
 // in local order); each key block's keys and values are rebuilt from it with kv_b, as under MLA
@@ -10,21 +10,40 @@
 // attention of the first segment's queries (those of the document the chunk's first token
 // continues) over that document's keys in it (Sdpa::ForwardFull), in key and query blocks of
 // kCudaMlaKeyBlock rows, merged by the statistics into an fp32 running output of the first
-// segment (W.ag_acc, a slot per local chunk), cast back into O after the last block. The
+// segment (W.ag_acc, a slot per local chunk), cast back into the output after the last block. The
 // backward walks the same pairs with the merged output and statistics, so each pair's gradients
 // are its share: dq written by the diagonal and added to after, each pair's key gradients taken
 // back through kv_b (dW_kv_b accumulated) into the block's latent gradient.
+//
+// Ring: the level is the CP group, the heads all of them, the queries the layer's own. Hybrid:
+// the queries go to this rank's Ulysses group's tokens for its H/u heads and the group's latent
+// rows are gathered (the group's block); the level is the ring of groups (CpLevel group_lv) with
+// those heads' kv_b rows; the output comes back by the inverse exchange, and the backward
+// reduce-scatters the group block's latent gradient to its members.
 #include "worker/engine/cp/cp_ring.h"
 #include "worker/engine/cuda/cuda_model_impl.h"
 
 namespace spindle {
 
+// What one ring pass works on: the level, the heads [h0, h0 + Hh), and the queries, output,
+// statistics ([2 slots][Hh, chunk] at StatsSlot offsets) and, for the backward, the output
+// gradient and the query gradient (written), all [V.T, Hh, width] rows.
+struct MlaRingArgs {
+  const CpLevel* V;
+  int64_t h0, Hh;
+  const void* Q;
+  void* O;
+  float* stats;
+  const void* dO = nullptr;
+  void* dQ = nullptr;
+};
+
 struct CudaModel::Impl::MlaRingOps : RingBlockOps {
-  MlaRingOps(Impl& m, const LayerIdx& L, Cache& C) : m(m), L(L), C(C) {
-    const MlaConfig& a = m.c.mla;
-    H = m.c.n_heads, nope = a.qk_nope_dim, qk = nope + a.qk_rope_dim, vd = a.v_head_dim;
-    w = a.kv_lora_rank + a.qk_rope_dim;
-    T = m.B.T, ch = m.B.chunk, SS = StatsSlot(H, ch);
+  MlaRingOps(Impl& m, const LayerIdx& L, const MlaRingArgs& a) : m(m), L(L), a(a), V(*a.V) {
+    const MlaConfig& c = m.c.mla;
+    H = a.Hh, nope = c.qk_nope_dim, qk = nope + c.qk_rope_dim, vd = c.v_head_dim;
+    w = c.kv_lora_rank + c.qk_rope_dim;
+    T = V.T, ch = V.chunk, SS = StatsSlot(H, ch);
     scale = 1.0f / std::sqrt(static_cast<float>(qk));
   }
 
@@ -40,12 +59,12 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   }
 
   absl::Status Forward(const void* block, int64_t owner, bool) override {
-    const CpLayout& lay = *m.B.layout;
+    const CpLayout& lay = *V.layout;
     for (int qs = 0; qs < 2; ++qs) {
       const int64_t qc = lay.ChunkOf(lay.rank, qs);
-      void* q = At(C.Q.get(), qs * ch * H * qk);
-      void* o = At(C.O.get(), qs * ch * H * vd);
-      float* stats = C.stats.f32() + qs * SS;
+      const void* q = At(a.Q, qs * ch * H * qk);
+      void* o = At(a.O, qs * ch * H * vd);
+      float* stats = a.stats + qs * SS;
       float* acc = Acc(qs);
       // The diagonal first: it starts the chunk's output, which the earlier chunks merge into.
       for (int ks : {qs, 1 - qs}) {
@@ -53,24 +72,24 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
         if (!RingChunkSees(lay, qc, kc)) continue;
         const void* rows = At(block, ks * ch * w);
         if (kc == qc) {
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch));
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch, a.h0, H));
           KC(m.sdpa->Forward(q, m.W.ag_K.get(), At(m.W.ag_kvb.get(), nope), o, stats,
-                             m.B.piece_cu_host[qs].data(),
-                             static_cast<int64_t>(m.B.piece_cu_host[qs].size()) - 1, scale,
-                             MlaDims(m.c, ch), kAct, m.stream));
-          if (m.B.continues[qs])
-            KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, m.B.first_segment[qs],
+                             V.piece_cu_host[qs].data(),
+                             static_cast<int64_t>(V.piece_cu_host[qs].size()) - 1, scale,
+                             MlaDims(m.c, ch, H), kAct, m.stream));
+          if (V.continues[qs])
+            KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, V.first_segment[qs],
                             H * vd, m.stream));
           continue;
         }
-        const int64_t nq = m.B.first_segment[qs];
-        for (int64_t a = KeyStart(qs, kc); a < ch; a += kCudaMlaKeyBlock) {
-          const int64_t b = std::min(ch, a + kCudaMlaKeyBlock);
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, a * w), b - a));
+        const int64_t nq = V.first_segment[qs];
+        for (int64_t k0 = KeyStart(qs, kc); k0 < ch; k0 += kCudaMlaKeyBlock) {
+          const int64_t k1 = std::min(ch, k0 + kCudaMlaKeyBlock);
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, k0 * w), k1 - k0, a.h0, H));
           for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock) {
             const int64_t n = std::min(kCudaMlaKeyBlock, nq - q0);
-            kc::SdpaDims full = MlaDims(m.c, n);
-            full.Tkv = b - a;
+            kc::SdpaDims full = MlaDims(m.c, n, H);
+            full.Tkv = k1 - k0;
             KC(m.sdpa->ForwardFull(At(q, q0 * H * qk), m.W.ag_K.get(), At(m.W.ag_kvb.get(), nope),
                                    m.W.ag_o.get(), m.W.ag_stats.f32(), scale, full, kAct,
                                    m.stream));
@@ -85,48 +104,48 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   }
 
   absl::Status Backward(const void* block, int64_t owner, bool, void* d_block) override {
-    const CpLayout& lay = *m.B.layout;
+    const CpLayout& lay = *V.layout;
     Work& W = m.W;
     float* dlat = static_cast<float*>(d_block);
     CUDA(cudaMemsetAsync(dlat, 0, grad_bytes(), m.stream));
     for (int qs = 0; qs < 2; ++qs) {
       const int64_t qc = lay.ChunkOf(lay.rank, qs);
-      const void* q = At(C.Q.get(), qs * ch * H * qk);
-      const void* o = At(C.O.get(), qs * ch * H * vd);
-      const void* dout = At(W.dO.get(), qs * ch * H * vd);
-      void* dq = At(W.dQ.get(), qs * ch * H * qk);
-      const float* stats = C.stats.f32() + qs * SS;
+      const void* q = At(a.Q, qs * ch * H * qk);
+      const void* o = At(a.O, qs * ch * H * vd);
+      const void* dout = At(a.dO, qs * ch * H * vd);
+      void* dq = At(a.dQ, qs * ch * H * qk);
+      const float* stats = a.stats + qs * SS;
       for (int ks : {qs, 1 - qs}) {
         const int64_t kc = lay.ChunkOf(owner, ks);
         if (!RingChunkSees(lay, qc, kc)) continue;
         const void* rows = At(block, ks * ch * w);
         float* drows = dlat + ks * ch * w;
         if (kc == qc) {  // the diagonal writes the chunk's dq; the other pairs add theirs
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch));
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch, a.h0, H));
           RETURN_IF_ERROR(m.AttentionBackward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
                                               dout, dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope),
-                                              m.B.piece_cu_host[qs], scale, MlaDims(m.c, ch)));
+                                              V.piece_cu_host[qs], scale, MlaDims(m.c, ch, H)));
           RETURN_IF_ERROR(KeyGradsToLatent(rows, ch, drows));
           continue;
         }
-        const int64_t nq = m.B.first_segment[qs];
-        for (int64_t a = KeyStart(qs, kc); a < ch; a += kCudaMlaKeyBlock) {
-          const int64_t b = std::min(ch, a + kCudaMlaKeyBlock);
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, a * w), b - a));
+        const int64_t nq = V.first_segment[qs];
+        for (int64_t k0 = KeyStart(qs, kc); k0 < ch; k0 += kCudaMlaKeyBlock) {
+          const int64_t k1 = std::min(ch, k0 + kCudaMlaKeyBlock);
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, k0 * w), k1 - k0, a.h0, H));
           for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock) {
             const int64_t n = std::min(kCudaMlaKeyBlock, nq - q0);
             // The merged statistics of these queries, dense [H, n] as the n-query graph reads them.
             CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, stats + q0, ch * 4, n * 4, H,
                                    cudaMemcpyDeviceToDevice, m.stream));
-            kc::SdpaDims full = MlaDims(m.c, n);
-            full.Tkv = b - a;
+            kc::SdpaDims full = MlaDims(m.c, n, H);
+            full.Tkv = k1 - k0;
             KC(m.sdpa->BackwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
                                     At(o, q0 * H * vd), W.ag_stats.f32(), At(dout, q0 * H * vd),
                                     W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale,
                                     full, kAct, m.stream));
             KC(kc::AddRows(At(dq, q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
                            m.stream));
-            RETURN_IF_ERROR(KeyGradsToLatent(At(rows, a * w), b - a, drows + a * w));
+            RETURN_IF_ERROR(KeyGradsToLatent(At(rows, k0 * w), k1 - k0, drows + k0 * w));
           }
         }
       }
@@ -151,50 +170,119 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   float* Acc(int qs) const { return m.W.ag_acc.f32() + qs * ch * H * vd; }
   // The first row of chunk kc that local chunk qs's first segment sees (its document's start).
   int64_t KeyStart(int qs, int64_t kc) const {
-    return std::max<int64_t>(kc * ch, m.B.key_begin[qs]) - kc * ch;
+    return std::max<int64_t>(kc * ch, V.key_begin[qs]) - kc * ch;
   }
-  // The key gradients of n block rows (W.ag_dK, and dV in W.ag_dkvb's V columns) -> dW_kv_b
-  // (accumulated) and the rows' latent gradients, added (fp32) into drows.
+  // The key gradients of n block rows (W.ag_dK, and dV in W.ag_dkvb's V columns) -> dW_kv_b's rows
+  // of the heads (accumulated) and the rows' latent gradients, added (fp32) into drows.
   absl::Status KeyGradsToLatent(const void* rows, int64_t n, float* drows) {
     Work& W = m.W;
-    RETURN_IF_ERROR(m.MlaKeyGradsToLatentRows(L, rows, w, W.ag_dK.get(), W.ag_dkvb.get(), n, 0, H,
-                                              {W.ag_dlat.get(), w}));
+    RETURN_IF_ERROR(m.MlaKeyGradsToLatentRows(L, rows, w, W.ag_dK.get(), W.ag_dkvb.get(), n, a.h0,
+                                              H, {W.ag_dlat.get(), w}));
     KC(kc::CastRows(drows, KDType::kFloat32, w, W.ag_dlat.get(), kAct, w, n, w, m.stream,
                     /*accumulate=*/true));
+    return absl::OkStatus();
+  }
+  // After the forward: each continuing chunk's merged first segment into the output.
+  absl::Status FinishForward() {
+    for (int slot = 0; slot < 2; ++slot)
+      if (V.continues[slot])
+        KC(kc::CastRows(At(a.O, slot * ch * H * vd), kAct, H * vd, Acc(slot), KDType::kFloat32,
+                        H * vd, V.first_segment[slot], H * vd, m.stream));
     return absl::OkStatus();
   }
 
   Impl& m;
   const LayerIdx& L;
-  Cache& C;
+  const MlaRingArgs a;
+  const CpLevel& V;
   int64_t H = 0, nope = 0, qk = 0, vd = 0, w = 0, T = 0, ch = 0, SS = 0;
   float scale = 1.0f;
 };
 
+// ---- Ring
+// ----------------------------------------------------------------------------------------
+
 absl::Status CudaModel::Impl::MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept) {
-  const MlaConfig& a = c.mla;
-  const int64_t T = B.T, H = c.n_heads, kv = a.kv_lora_rank, w = kv + a.qk_rope_dim;
-  const int64_t vd = a.v_head_dim;
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, kv = m.kv_lora_rank, w = kv + m.qk_rope_dim;
   // This rank's block, kept for the backward.
   RETURN_IF_ERROR(Act(C.ag_lat, T, w));
   RETURN_IF_ERROR(Copy2D(C.ag_lat.get(), w, C.c_n.get(), kv, kv, T));
-  RETURN_IF_ERROR(Copy2D(At(C.ag_lat.get(), kv), w, At(C.kva.get(), kv), w, a.qk_rope_dim, T));
+  RETURN_IF_ERROR(Copy2D(At(C.ag_lat.get(), kv), w, At(C.kva.get(), kv), w, m.qk_rope_dim, T));
   RETURN_IF_ERROR(F32(C.stats, 2 * StatsSlot(H, B.chunk)));
   if (attention_kept) return absl::OkStatus();
-  MlaRingOps ops(*this, L, C);
-  RETURN_IF_ERROR(RingForward(*B.layout, *cp.comm, ops, C.ag_lat.get()));
-  for (int slot = 0; slot < 2; ++slot)
-    if (B.continues[slot])
-      KC(kc::CastRows(At(C.O.get(), slot * B.chunk * H * vd), kAct, H * vd, ops.Acc(slot),
-                      KDType::kFloat32, H * vd, B.first_segment[slot], H * vd, stream));
-  return absl::OkStatus();
+  MlaRingOps ops(*this, L, {&B.lv, 0, H, C.Q.get(), C.O.get(), C.stats.f32()});
+  RETURN_IF_ERROR(RingForward(*B.lv.layout, *cp.comm, ops, C.ag_lat.get()));
+  return ops.FinishForward();
 }
 
 absl::Status CudaModel::Impl::MlaRingBackward(const LayerIdx& L, Cache& C) {
   const int64_t T = B.T, w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-  MlaRingOps ops(*this, L, C);
-  RETURN_IF_ERROR(RingBackward(*B.layout, *cp.comm, ops, C.ag_lat.get(), W.ring_own.get()));
+  MlaRingOps ops(
+      *this, L, {&B.lv, 0, c.n_heads, C.Q.get(), C.O.get(), C.stats.f32(), W.dO.get(), W.dQ.get()});
+  RETURN_IF_ERROR(RingBackward(*B.lv.layout, *cp.comm, ops, C.ag_lat.get(), W.ring_own.get()));
   KC(kc::CastRows(W.dkva.get(), kAct, w, W.ring_own.get(), KDType::kFloat32, w, T, w, stream));
+  return absl::OkStatus();
+}
+
+// ---- Hybrid
+// --------------------------------------------------------------------------------------
+
+absl::Status CudaModel::Impl::MlaHybridForward(const LayerIdx& L, Cache& C, bool attention_kept) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, u = B.ulysses.members, Hl = H / u, Tg = B.group_lv.T;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim, kv = m.kv_lora_rank;
+  const int64_t w = kv + m.qk_rope_dim, h0 = CpGroups{B.cp, u}.Member(B.rank) * Hl;
+  // The group's queries for this member's heads (C.cp_full) and the group's latent rows, gathered
+  // from its members (C.ag_lat, the group's block, kept for the backward).
+  RETURN_IF_ERROR(Act(C.cp_full, Tg, Hl * qk));
+  RETURN_IF_ERROR(PackByHeads(B.ulysses, {{C.Q.get(), H * qk, qk, qk}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.ulysses, W.cp_block.get(), C.cp_full.get(), Hl * qk, CommLayer::kMla));
+  void* send = W.ag_send.get();
+  RETURN_IF_ERROR(Copy2D(send, w, C.c_n.get(), kv, kv, T));
+  RETURN_IF_ERROR(Copy2D(At(send, kv), w, At(C.kva.get(), kv), w, m.qk_rope_dim, T));
+  CUDA(cudaStreamSynchronize(stream));  // the communicator reads `send` on a stream of its own
+  RETURN_IF_ERROR(
+      cp.ulysses->AllGather(send, T * w * kAb, CommType::kByte, W.ag_recv.get(), CommLayer::kMla));
+  RETURN_IF_ERROR(Act(C.ag_lat, Tg, w));
+  RETURN_IF_ERROR(CopyRuns(B.ulysses, W.ag_recv.get(), false, C.ag_lat.get(), true, w));
+  RETURN_IF_ERROR(Act(C.cp_out, Tg, Hl * vd));
+  RETURN_IF_ERROR(F32(C.stats, 2 * StatsSlot(Hl, B.group_lv.chunk)));
+  if (attention_kept) return absl::OkStatus();
+  MlaRingOps ops(*this, L, {&B.group_lv, h0, Hl, C.cp_full.get(), C.cp_out.get(), C.stats.f32()});
+  RETURN_IF_ERROR(RingForward(*B.group_lv.layout, *cp.ring, ops, C.ag_lat.get()));
+  RETURN_IF_ERROR(ops.FinishForward());
+  RETURN_IF_ERROR(
+      ExchangeFromGroup(B.ulysses, C.cp_out.get(), W.cp_tmp.get(), Hl * vd, CommLayer::kMla));
+  return UnpackToTokens(B.ulysses, W.cp_tmp.get(), {{C.O.get(), H * vd, vd, vd}});
+}
+
+// dO to the group's tokens (W.cp_tmp), the ring's backward (dQ of the group into W.cp_block, free
+// once the exchange sent it; the group block's latent gradient into W.ring_own), dQ back (received
+// into C.cp_full, whose last reader the ring was) into W.dQ, and the latent gradient's rows to
+// their members, summed over the group's heads (reduce-scatter) into W.dkva.
+absl::Status CudaModel::Impl::MlaHybridBackward(const LayerIdx& L, Cache& C) {
+  const MlaConfig& m = c.mla;
+  const int64_t T = B.T, H = c.n_heads, u = B.ulysses.members, Hl = H / u;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t w = m.kv_lora_rank + m.qk_rope_dim, h0 = CpGroups{B.cp, u}.Member(B.rank) * Hl;
+  RETURN_IF_ERROR(PackByHeads(B.ulysses, {{W.dO.get(), H * vd, vd, vd}}));
+  RETURN_IF_ERROR(
+      ExchangeToGroup(B.ulysses, W.cp_block.get(), W.cp_tmp.get(), Hl * vd, CommLayer::kMla));
+  MlaRingOps ops(*this, L,
+                 {&B.group_lv, h0, Hl, C.cp_full.get(), C.cp_out.get(), C.stats.f32(),
+                  W.cp_tmp.get(), W.cp_block.get()});
+  RETURN_IF_ERROR(
+      RingBackward(*B.group_lv.layout, *cp.ring, ops, C.ag_lat.get(), W.ring_own.get()));
+  RETURN_IF_ERROR(
+      ExchangeFromGroup(B.ulysses, W.cp_block.get(), C.cp_full.get(), Hl * qk, CommLayer::kMla));
+  RETURN_IF_ERROR(UnpackToTokens(B.ulysses, C.cp_full.get(), {{W.dQ.get(), H * qk, qk, qk}}));
+  float* blocks = W.ag_send.f32();
+  RETURN_IF_ERROR(CopyRuns(B.ulysses, W.ring_own.get(), true, blocks, false, w, 4));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(cp.ulysses->ReduceScatterSum(blocks, T * w, W.ag_recv.f32(), CommLayer::kMla));
+  KC(kc::CastRows(W.dkva.get(), kAct, w, W.ag_recv.get(), KDType::kFloat32, w, T, w, stream));
   return absl::OkStatus();
 }
 

@@ -6,7 +6,43 @@ namespace spindle {
 
 // ---- Batch ---------------------------------------------------------------------------------------
 
-absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
+absl::Status CudaModel::Impl::SetLevel(CpLevel& V, const Batch& local, const CpLayout& L) {
+  V.layout = &L;
+  V.T = local.T, V.cp = L.cp, V.rank = L.rank, V.chunk = L.chunk;
+  const int64_t n_chunks = 2 * L.cp;
+  V.chunk_has_start_host.assign(n_chunks, 0);
+  V.chunk_len_host.assign(n_chunks, 0);
+  for (int64_t ci = 0; ci < n_chunks; ++ci) {
+    V.chunk_has_start_host[ci] = L.chunks[ci].has_start ? 1 : 0;
+    V.chunk_len_host[ci] = static_cast<int32_t>(L.chunks[ci].len);
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
+    V.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
+    V.continues[slot] = chunk.continues;
+    V.first_segment[slot] = chunk.first_segment;
+    const int64_t first = V.slot_chunk[slot] * L.chunk;
+    V.key_begin[slot] = first;
+    if (chunk.continues) {  // the last document start before the chunk's first token
+      const auto it = std::upper_bound(L.cu_seqlens.begin(), L.cu_seqlens.end(), first);
+      V.key_begin[slot] = *(it - 1);
+    }
+    V.piece_cu_host[slot] = local.pieces[slot].cu_seqlens;
+    RETURN_IF_ERROR(V.piece_cu[slot].Ensure(&alloc, V.piece_cu_host[slot].size() * 4));
+    CUDA(cudaMemcpyAsync(V.piece_cu[slot].get(), V.piece_cu_host[slot].data(),
+                         V.piece_cu_host[slot].size() * 4, cudaMemcpyHostToDevice, stream));
+  }
+  RETURN_IF_ERROR(V.chunk_has_start.Ensure(&alloc, n_chunks * 4));
+  RETURN_IF_ERROR(V.chunk_len.Ensure(&alloc, n_chunks * 4));
+  CUDA(cudaMemcpyAsync(V.chunk_has_start.get(), V.chunk_has_start_host.data(), n_chunks * 4,
+                       cudaMemcpyHostToDevice, stream));
+  CUDA(cudaMemcpyAsync(V.chunk_len.get(), V.chunk_len_host.data(), n_chunks * 4,
+                       cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
+  const CpLayout* layout = cpb != nullptr && cpb->layout.cp > 1 ? &cpb->layout : nullptr;
   if (b.T < 1) return absl::InvalidArgumentError("cuda model: empty batch");
   const bool split = layout != nullptr && layout->cp > 1;
   if (!split && (b.pieces.size() != 1 || b.pieces[0].begin != 0 || b.pieces[0].len != b.T))
@@ -71,86 +107,84 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpLayout* layout) {
     // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
     const int64_t Hl = H / B.cp, Tf = B.T_full;
     const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
-    // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only).
-    const bool has_l = c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAll2All;
-    const bool has_m = c.NumLayersOfKind('M') > 0;
+    const bool has_lt = c.NumLayersOfKind('L') > 0, has_m = c.NumLayersOfKind('M') > 0;
+    // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only):
+    // All2All over the CP group, hybrid inside the Ulysses groups (as many elements a rank).
+    const bool has_l = has_lt && (cp.lightning_mode == CpMode::kAll2All || LightningHybrid());
     const bool has_m_a2a = has_m && cp.mla_mode == CpMode::kAll2All;
-    if (has_l) need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
+    const bool has_m_hy = has_m && MlaHybrid();
+    if (has_lt && cp.lightning_mode == CpMode::kAll2All)
+      need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
     const int64_t in_elems =
-        std::max(has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0});
+        std::max({has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0},
+                  has_m_hy ? T * H * qk : int64_t{0}});
     const int64_t out_elems =
-        std::max(has_l ? T * d : int64_t{0}, has_m_a2a ? T * H * vd : int64_t{0});
+        std::max(has_l ? T * d : int64_t{0}, has_m_a2a || has_m_hy ? T * H * vd : int64_t{0});
     RETURN_IF_ERROR(W.cp_block.Ensure(&alloc, in_elems * kAb));
     RETURN_IF_ERROR(W.cp_tmp.Ensure(&alloc, out_elems * kAb));
-    // Lightning AllGather: the pieces' documents, the chunks' flags, the state blocks.
+    // The levels and exchanges: the CP group's, and under the hybrid modes the ring of Ulysses
+    // groups' and this rank's group's.
     const CpLayout& L = *layout;
-    const int64_t n_chunks = 2 * B.cp, SZ = H * Dh * Dh;
-    std::vector<int32_t>& has_start = B.chunk_has_start_host;
-    std::vector<int32_t>& len = B.chunk_len_host;
-    has_start.assign(n_chunks, 0);
-    len.assign(n_chunks, 0);
-    for (int64_t ci = 0; ci < n_chunks; ++ci) {
-      has_start[ci] = L.chunks[ci].has_start ? 1 : 0;
-      len[ci] = static_cast<int32_t>(L.chunks[ci].len);
+    RETURN_IF_ERROR(SetLevel(B.lv, b, L));
+    B.whole = {cp.comm, B.cp, UlyssesRuns(WholeCpGroup(L))};
+    const bool hybrid = LightningHybrid() || MlaHybrid();
+    if (hybrid) {
+      if (cpb->group == nullptr || cpb->group->layout.cp != L.cp / L.ulysses)
+        return absl::InvalidArgumentError(
+            "cuda model: a hybrid mode needs the batch's Ulysses group (ShardForCp with ulysses)");
+      RETURN_IF_ERROR(SetLevel(B.group_lv, cpb->group->local, cpb->group->layout));
+      B.ulysses = {cp.ulysses, L.ulysses, UlyssesRuns(HybridUlyssesGroup(L))};
     }
-    for (int slot = 0; slot < 2; ++slot) {
-      const CpChunk& chunk = L.chunks[L.ChunkOf(L.rank, slot)];
-      B.slot_chunk[slot] = L.ChunkOf(L.rank, slot);
-      B.continues[slot] = chunk.continues;
-      B.first_segment[slot] = chunk.first_segment;
-      const int64_t first = B.slot_chunk[slot] * B.chunk;
-      B.key_begin[slot] = first;
-      if (chunk.continues) {  // the last document start before the chunk's first token
-        const auto it = std::upper_bound(B.cu_host.begin(), B.cu_host.end(), first);
-        B.key_begin[slot] = *(it - 1);
-      }
-      B.piece_cu_host[slot] = b.pieces[slot].cu_seqlens;
-      RETURN_IF_ERROR(B.piece_cu[slot].Ensure(&alloc, B.piece_cu_host[slot].size() * 4));
-      CUDA(cudaMemcpyAsync(B.piece_cu[slot].get(), B.piece_cu_host[slot].data(),
-                           B.piece_cu_host[slot].size() * 4, cudaMemcpyHostToDevice, stream));
-    }
-    // Lightning AllGather runs the core on each local chunk and the carry correction's backward
-    // on each continuing chunk's first segment; a shorter sequence can need more workspace than
-    // a longer one (its blocks of chunks are shorter), so each size counts.
-    if (c.NumLayersOfKind('L') > 0 && cp.lightning_mode == CpMode::kAllGather) {
-      need = std::max(need, kc::LightningWorkspaceBytes({B.chunk, H, Dh, 3 * d}));
+    // The Lightning AllGather core runs on each local chunk of its level and the carry
+    // correction's backward on each continuing chunk's first segment; a shorter sequence can need
+    // more workspace than a longer one (its blocks of chunks are shorter), so each size counts.
+    const CpLevel* lightning_level = LightningAllGather() ? &B.lv
+                                     : LightningHybrid()  ? &B.group_lv
+                                                          : nullptr;
+    const int64_t lh = LightningHybrid() ? H / L.ulysses : H;  // its heads
+    if (has_lt && lightning_level) {
+      const CpLevel& V = *lightning_level;
+      const int64_t stride = 3 * lh * Dh;
+      need = std::max(need, kc::LightningWorkspaceBytes({V.chunk, lh, Dh, stride}));
       for (int slot = 0; slot < 2; ++slot)
-        if (B.continues[slot])
-          need = std::max(need, kc::LightningWorkspaceBytes({B.first_segment[slot], H, Dh, 3 * d}));
+        if (V.continues[slot])
+          need =
+              std::max(need, kc::LightningWorkspaceBytes({V.first_segment[slot], lh, Dh, stride}));
     }
-    RETURN_IF_ERROR(B.chunk_has_start.Ensure(&alloc, n_chunks * 4));
-    RETURN_IF_ERROR(B.chunk_len.Ensure(&alloc, n_chunks * 4));
-    CUDA(cudaMemcpyAsync(B.chunk_has_start.get(), has_start.data(), n_chunks * 4,
-                         cudaMemcpyHostToDevice, stream));
-    CUDA(cudaMemcpyAsync(B.chunk_len.get(), len.data(), n_chunks * 4, cudaMemcpyHostToDevice,
-                         stream));
+    const int64_t SZ = H * Dh * Dh;
     RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
     for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
-      RETURN_IF_ERROR(F32(*x, n_chunks * SZ));
+      RETURN_IF_ERROR(F32(*x, 2 * B.cp * SZ));
     // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
-    // ([cp, T, w] in, [T, w] out) share two device blocks. MLA Ring: its blocks in flight and
-    // gradient accumulators. Both rebuild keys per key block.
+    // ([cp, T, w] in, [T, w] out) share two device blocks; MLA hybrid the same over its Ulysses
+    // group. MLA Ring and hybrid: the ring's blocks in flight and gradient accumulators, at the
+    // ring level's tokens. All rebuild keys per key block of their level.
     const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-    if (has_m && cp.mla_mode == CpMode::kAllGather) {
-      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, B.cp * T * lat_w * 4));
-      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, B.cp * T * lat_w * 4));
+    const int64_t gather_ranks = cp.mla_mode == CpMode::kAllGather ? B.cp
+                                 : has_m_hy                        ? L.ulysses
+                                                                   : 0;
+    if (has_m && gather_ranks > 0) {
+      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, gather_ranks * T * lat_w * 4));
+      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, gather_ranks * T * lat_w * 4));
     }
-    if (has_m && cp.mla_mode == CpMode::kRing) {
-      for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, T, lat_w));
+    const CpLevel& mla_level = has_m_hy ? B.group_lv : B.lv;
+    if (has_m && (MlaRing() || has_m_hy)) {
+      for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, mla_level.T, lat_w));
       for (DevBuf* x : {&W.ring_acc[0], &W.ring_acc[1], &W.ring_share, &W.ring_own})
-        RETURN_IF_ERROR(F32(*x, T * lat_w));
+        RETURN_IF_ERROR(F32(*x, mla_level.T * lat_w));
     }
     if (has_m && MlaLatentKeys()) {
-      const int64_t rows = std::max(B.chunk, kCudaMlaKeyBlock);
+      const int64_t ch = mla_level.chunk;
+      const int64_t rows = std::max(ch, kCudaMlaKeyBlock);
       const int64_t kvw = c.mla.qk_nope_dim + vd;
       for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
       for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
       RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
       // The cross piece's per-block output, dq and statistics: one query block's.
-      const int64_t qrows = std::min(B.chunk, kCudaMlaKeyBlock);
+      const int64_t qrows = std::min(ch, kCudaMlaKeyBlock);
       RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
       RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
-      RETURN_IF_ERROR(F32(W.ag_acc, (MlaRing() ? 2 : 1) * B.chunk * H * vd));
+      RETURN_IF_ERROR(F32(W.ag_acc, (MlaAllGather() ? 1 : 2) * ch * H * vd));
       RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
     }
   }
@@ -199,15 +233,14 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   return s;
 }
 
-absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpLayout* layout,
-                                               float grad_scale, Recompute recompute,
-                                               bool backward) {
+absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpBatch* cpb, float grad_scale,
+                                               Recompute recompute, bool backward) {
   const auto start = std::chrono::steady_clock::now();
   auto queued = [&] {
     enqueue_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  RETURN_IF_ERROR(Upload(b, layout));
+  RETURN_IF_ERROR(Upload(b, cpb));
   const int64_t T = B.T, d = c.d_model, n = c.n_layers;
   if (fp8 && T % 16 != 0)
     return absl::InvalidArgumentError(absl::StrCat(
