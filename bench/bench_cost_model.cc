@@ -3,8 +3,8 @@
 // processes over Gloo on 127.0.0.1 (a file store), takes the median step time of the steps after
 // the first two, and prints it beside the estimate:
 //   - CPU jobs: the kernel rates measured at the job's shapes (spindle-train --probe-rates, one
-//     rank alone on its threads), link loopback, ranks sharing the cores when ranks x threads
-//     exceed them;
+//     rank alone on its threads), link loopback, ranks sharing the cores (CoreSharing) when
+//     ranks x threads fill them;
 //   - CUDA jobs: every rank on the one GPU (sharing = cp), the planner's built-in rates of an
 //     H200, link same-device (Gloo through host staging).
 // Prints a table; asserts nothing.
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
                       j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0)};
       }
       topo.link = spindle::LinkClass::kLoopback;
-      topo.sharing = std::max(1.0, static_cast<double>(c.cp * threads) / cores);
+      topo.sharing = spindle::CoreSharing(c.cp, threads, cores);
     }
     topo.link_rates = spindle::DefaultLinkRates(topo.link);
     auto mode = [&](const std::string& m) {

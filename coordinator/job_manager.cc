@@ -265,7 +265,7 @@ Topology JobManager::TopologyLocked(const JobSpec& spec) const {
   // CPU ranks of one host share its cores.
   const int64_t on_host = std::min<int64_t>(world, d.count);
   if (d.kind == "cpu" && d.cores > 0 && d.threads_per_rank > 0)
-    t.sharing = std::max(1.0, static_cast<double>(on_host * d.threads_per_rank) / d.cores);
+    t.sharing = CoreSharing(on_host, d.threads_per_rank, d.cores);
   absl::StrAppend(&t.basis, ", link ", LinkClassName(link),
                   t.sharing > 1 ? absl::StrFormat(", %d ranks sharing %d cores", on_host, d.cores)
                                 : "");

@@ -104,6 +104,20 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
   EXPECT_GT(one.step_s(), 0);
 }
 
+// Ranks share a host's cores once their compute threads fill it, each communicator thread then
+// taking a core of its own.
+TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
+  EXPECT_EQ(CoreSharing(1, 2, 16), 1.0);
+  EXPECT_EQ(CoreSharing(4, 2, 16), 1.0);   // 8 compute threads: the communicators fit beside
+  EXPECT_EQ(CoreSharing(4, 3, 16), 1.0);   // 12 + 4 = 16
+  EXPECT_EQ(CoreSharing(8, 2, 16), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
+  EXPECT_EQ(CoreSharing(4, 4, 16), 1.25);  // (16 + 4) / 16
+  EXPECT_EQ(CoreSharing(8, 4, 16), 2.5);   // (32 + 8) / 16
+  EXPECT_EQ(CoreSharing(2, 1, 2), 2.0);    // two single-threaded ranks on two cores
+  EXPECT_EQ(CoreSharing(0, 2, 16), 1.0);   // nothing known: no sharing
+  EXPECT_EQ(CoreSharing(8, 2, 0), 1.0);
+}
+
 // Attention counts the pairs within the source's documents: a synthetic source's known span, or
 // one document as long as the sequence for a file; at cp = 1 too.
 TEST(CpCostModel, AttentionCountsTheDocumentsOfTheSource) {
