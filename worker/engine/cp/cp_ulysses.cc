@@ -30,33 +30,39 @@ void PackByHeads(const std::vector<UlyssesPart>& local, int64_t T, int64_t H, in
     }
 }
 
-// Received blocks (member i's tokens, my heads) -> gathered tensors.
+// Received blocks (member i's tokens, my heads) -> gathered tensors, run by run (UlyssesRuns).
 void UnpackToGroup(const float* recv, const UlyssesGroup& g, int64_t T, int64_t Hl,
                    const std::vector<UlyssesPart>& gathered) {
   const int64_t block = T * Hl * Width(gathered);
+  const std::vector<UlyssesRun> runs = UlyssesRuns(g);
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g.members; ++i)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = recv + i * block;
-      const int64_t row = g.Row(i, t);
+  for (size_t k = 0; k < runs.size(); ++k)
+    for (int64_t t = 0; t < g.layout->chunk; ++t) {
+      const UlyssesRun& r = runs[k];
+      const float* src = recv + r.member * block;
+      const int64_t lt = r.local_row + t, row = r.group_row + t;
       for (const UlyssesPart& p : gathered) {
-        std::memcpy(p.p + row * Hl * p.width, src + t * Hl * p.width, Hl * p.width * sizeof(float));
+        std::memcpy(p.p + row * Hl * p.width, src + lt * Hl * p.width,
+                    Hl * p.width * sizeof(float));
         src += T * Hl * p.width;
       }
     }
 }
 
-// Gathered tensors (my heads) -> send blocks holding each member's tokens.
+// Gathered tensors (my heads) -> send blocks holding each member's tokens, run by run.
 void PackByMembers(const std::vector<UlyssesPart>& gathered, const UlyssesGroup& g, int64_t T,
                    int64_t Hl, float* send) {
   const int64_t block = T * Hl * Width(gathered);
+  const std::vector<UlyssesRun> runs = UlyssesRuns(g);
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g.members; ++i)
-    for (int64_t t = 0; t < T; ++t) {
-      float* dst = send + i * block;
-      const int64_t row = g.Row(i, t);
+  for (size_t k = 0; k < runs.size(); ++k)
+    for (int64_t t = 0; t < g.layout->chunk; ++t) {
+      const UlyssesRun& r = runs[k];
+      float* dst = send + r.member * block;
+      const int64_t lt = r.local_row + t, row = r.group_row + t;
       for (const UlyssesPart& p : gathered) {
-        std::memcpy(dst + t * Hl * p.width, p.p + row * Hl * p.width, Hl * p.width * sizeof(float));
+        std::memcpy(dst + lt * Hl * p.width, p.p + row * Hl * p.width,
+                    Hl * p.width * sizeof(float));
         dst += T * Hl * p.width;
       }
     }
@@ -134,18 +140,16 @@ absl::Status UlyssesToTokens(Communicator& comm, const UlyssesGroup& g, int64_t 
 
 void MemberBlocksToRows(const float* blocks, const UlyssesGroup& g, int64_t T, int64_t width,
                         float* rows) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g.members; ++i)
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(rows + g.Row(i, t) * width, blocks + (i * T + t) * width, width * sizeof(float));
+  for (const UlyssesRun& r : UlyssesRuns(g))
+    std::memcpy(rows + r.group_row * width, blocks + (r.member * T + r.local_row) * width,
+                r.rows * width * sizeof(float));
 }
 
 void RowsToMemberBlocks(const float* rows, const UlyssesGroup& g, int64_t T, int64_t width,
                         float* blocks) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g.members; ++i)
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(blocks + (i * T + t) * width, rows + g.Row(i, t) * width, width * sizeof(float));
+  for (const UlyssesRun& r : UlyssesRuns(g))
+    std::memcpy(blocks + (r.member * T + r.local_row) * width, rows + r.group_row * width,
+                r.rows * width * sizeof(float));
 }
 
 void CopyStrided(const float* src, int64_t stride, int64_t T, int64_t width, float* dst) {

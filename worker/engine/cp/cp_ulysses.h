@@ -1,6 +1,8 @@
-// The Ulysses exchange on the CPU (DESIGN.md section 3): the transposition between a group's
-// sequence split (each member holds its local tokens, every head) and its head split (each member
-// holds the group's tokens for H/n of the heads), around one all-to-all of the group. All2All
+// The Ulysses exchange (DESIGN.md section 3): the transposition between a group's sequence split
+// (each member holds its local tokens, every head) and its head split (each member holds the
+// group's tokens for H/n of the heads), around one all-to-all of the group. Where each member's
+// tokens go among the group's rows (UlyssesRuns) is decided here for both engines; the copies
+// below are the CPU's (the CUDA engine's are CopyRows launches in cuda_model_cp.cc). All2All
 // modes run it over the whole CP group; the hybrid modes over their Ulysses group of u ranks
 // (cp_groups.h), whose tokens are then one rank's share of the zigzag across the groups.
 //
