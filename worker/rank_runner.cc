@@ -136,6 +136,11 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
   if (!a.checkpoint_dir().empty()) {
     argv.push_back("--checkpoint-dir");
     argv.push_back(a.checkpoint_dir());
+    // The coordinator's record of the job's last checkpoint: the ranks resume from it or newer.
+    if (a.resume_step() > 0) {
+      argv.push_back("--resume-step");
+      argv.push_back(absl::StrCat(a.resume_step()));
+    }
   }
   if (!options_.token_file.empty()) {
     argv.push_back("--token-file");

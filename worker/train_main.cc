@@ -4,6 +4,7 @@
 //                 [--lightning-mode allgather|all2all|hybrid]
 //                 [--mla-mode allgather|all2all|ring|hybrid]
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
+//                 [--resume-step S]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //                 [--recompute-layers N] [--pulse-ms N]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
@@ -28,7 +29,10 @@
 // for it before resuming and every rank checks the fence (checkpoint.h), so an older attempt
 // still running somewhere can no longer commit, and a directory the ranks do not share is named at
 // the start. Rank 0 picks the newest checkpoint that loads (passing over a corrupt one, with a
-// {"event": "note"} line naming both) and every rank resumes from it.
+// {"event": "note"} line naming both) and every rank resumes from it. --resume-step S (under the
+// worker daemon: the last checkpoint the coordinator recorded every rank completing) bounds that
+// choice from below: a checkpoint older than S is never resumed from, and when none at or after S
+// loads the run fails (exit code 2) naming S, rather than redo the job's recorded progress.
 // --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
@@ -75,8 +79,8 @@ namespace {
 constexpr char kUsage[] =
     "usage: spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
     "                     [--lightning-mode M --mla-mode M] [--rendezvous HOST:PORT --job-id ID\n"
-    "                     --attempt N --token-file F] [--file-store DIR] [--gloo-host H]\n"
-    "                     [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
+    "                     --attempt N --token-file F [--resume-step S]] [--file-store DIR]\n"
+    "                     [--gloo-host H] [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
     "                     [--pulse-ms N]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n"
@@ -199,6 +203,7 @@ int main(int argc, char** argv) {
                                     "--rendezvous",
                                     "--job-id",
                                     "--attempt",
+                                    "--resume-step",
                                     "--token-file",
                                     "--threads",
                                     "--stop-at-step",
@@ -335,8 +340,9 @@ int main(int argc, char** argv) {
   }
   if (auto m = spindle::PlannedCpModes(spec->parallel, spec->model.n_heads); !m.ok())
     return Fail(m.status());
-  int64_t attempt = 0;
+  int64_t attempt = 0, resume_step = 0;
   if (flags.count("attempt") && !int_flag("attempt", 0, 0, &attempt)) return 2;
+  if (flags.count("resume-step") && !int_flag("resume-step", 0, 0, &resume_step)) return 2;
   std::unique_ptr<spindle::KvStore> store;
   if (world > 1) {
     if (flags.count("rendezvous")) {
@@ -370,6 +376,7 @@ int main(int argc, char** argv) {
   options.world = world;
   options.checkpoint_dir = flags.count("checkpoint-dir") ? flags["checkpoint-dir"] : "";
   options.attempt = attempt;
+  options.resume_step = resume_step;
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
   options.cuda_backend = kCudaBackend;

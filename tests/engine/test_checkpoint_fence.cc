@@ -1,6 +1,7 @@
 // Checkpoint fencing and resume: a fenced root refuses the commits of an older attempt (nothing
 // written, `latest` unmoved, commits.log in lock order); a corrupt newest checkpoint is passed over
-// for the previous complete one, in a note naming both; the ranks of an attempt that do not share
+// for the previous complete one, in a note naming both, but never one older than the step the
+// coordinator recorded; the ranks of an attempt that do not share
 // the checkpoint directory are told so at the start; transient I/O errors are Unavailable (the
 // gang restarts), not invalid input.
 #include <unistd.h>
@@ -133,6 +134,74 @@ TEST(CheckpointFenceTest, ACorruptNewestCheckpointResumesFromThePreviousOne) {
             absl::StrCat("checkpoint: \"", root,
                          "/step_00000004/model.safetensors\" is corrupt: checksum mismatch"));
   EXPECT_EQ(CompleteCheckpoints(root).size(), 2u);
+}
+
+// The coordinator's record of the job's last checkpoint (resume_step) bounds rank 0's choice from
+// below: that one or a newer complete one is resumed from, never an older one; when none of
+// those loads, the attempt fails naming the recorded step (exit code 2 under spindle-train).
+TEST(CheckpointFenceTest, TheCoordinatorsRecordedStepIsTheOldestResumedFrom) {
+  const std::string root = FreshDir("floor");
+  TrainerOptions o;
+  o.spec = Tiny(6, 2);
+  o.checkpoint_dir = root;
+  o.attempt = 1;
+  o.spec.checkpoint.keep = 3;
+  auto first = Trainer::Create(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->Run().ok());
+  ASSERT_EQ(CompleteCheckpoints(root).size(), 3u);  // steps 2, 4 and 6
+  EXPECT_EQ(CheckpointStepOf(root + "/step_00000004"), 4);
+  EXPECT_EQ(CheckpointStepOf(root + "/latest"), -1);
+  o.spec.train.steps = 8;
+  // Recorded step 4, newer complete step 6: the newer one (every rank wrote it; the record lags).
+  o.attempt = 2;
+  o.resume_step = 4;
+  auto second = Trainer::Create(o);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*second)->state().step, 6);
+  // Step 6 damaged: step 4, the recorded one, with the note naming step 6.
+  {
+    std::fstream f(root + "/step_00000006/model.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x7f');
+  }
+  o.attempt = 3;
+  auto third = Trainer::Create(o);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ((*third)->state().step, 4);
+  // Step 4 damaged too: step 2 still loads, but it is older than the record, so the attempt
+  // fails naming the recorded step and what did not load, rather than redo steps 3 to 6.
+  {
+    std::fstream f(root + "/step_00000004/model.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x7f');
+  }
+  o.attempt = 4;
+  auto fourth = Trainer::Create(o);
+  ASSERT_FALSE(fourth.ok());
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(fourth.status().message().find(absl::StrCat(
+                "trainer: the job's last checkpoint, step 4 (every rank completed it, as the "
+                "coordinator recorded), is not in \"",
+                root, "\" and no newer complete one loads (checkpoint \"", root,
+                "/step_00000006\" does not load")),
+            0u)
+      << fourth.status();
+  // A record past every checkpoint in the directory (another volume, say): the same error.
+  o.attempt = 5;
+  o.resume_step = 10;
+  auto fifth = Trainer::Create(o);
+  ASSERT_FALSE(fifth.ok());
+  EXPECT_EQ(fifth.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(fifth.status().message().find("step 10"), std::string::npos) << fifth.status();
+  // Without a record the newest that loads is taken, as for a standalone run: step 2.
+  o.attempt = 6;
+  o.resume_step = 0;
+  auto sixth = Trainer::Create(o);
+  ASSERT_TRUE(sixth.ok()) << sixth.status();
+  EXPECT_EQ((*sixth)->state().step, 2);
 }
 
 // Ranks of one attempt whose checkpoint directories differ (a volume not shared by the job's

@@ -123,7 +123,9 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
       "echo '{\"event\":\"done\",\"step\":2,\"loss\":4.25}'\n"
       "echo 'finished fine' >&2\n");
   RankRunner runner(Options(trainer), metrics_.get(), &sink_);
-  ASSERT_TRUE(runner.Start(MakeAssignment("j-1", 1, 1, 2)).ok());
+  v1::Assignment assignment = MakeAssignment("j-1", 1, 1, 2);
+  assignment.set_resume_step(40);  // the coordinator's record of the job's last checkpoint
+  ASSERT_TRUE(runner.Start(assignment).ok());
   ASSERT_TRUE(WaitFor([&] { return !sink_.Of(v1::WorkerMessage::kRankExit).empty(); }));
 
   const std::vector<v1::WorkerMessage> all = sink_.Messages();
@@ -165,12 +167,12 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   const std::string attempt_dir = dir_.File("work/j-1/1");
   const std::vector<std::string> args =
       absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n', absl::SkipEmpty());
-  EXPECT_THAT(
-      args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
-                        "--lightning-mode", "allgather", "--mla-mode", "all2all", "--rendezvous",
-                        "127.0.0.1:7071", "--job-id", "j-1", "--attempt", "1", "--recompute-layers",
-                        "3", "--checkpoint-dir", "/tmp/ckpt-dir", "--token-file",
-                        "/etc/spindle/token", "--gloo-host", "10.1.2.3", "--pulse-ms", "1000"));
+  EXPECT_THAT(args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
+                                "--lightning-mode", "allgather", "--mla-mode", "all2all",
+                                "--rendezvous", "127.0.0.1:7071", "--job-id", "j-1", "--attempt",
+                                "1", "--recompute-layers", "3", "--checkpoint-dir", "/tmp/ckpt-dir",
+                                "--resume-step", "40", "--token-file", "/etc/spindle/token",
+                                "--gloo-host", "10.1.2.3", "--pulse-ms", "1000"));
   EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
   EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
   EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");

@@ -461,6 +461,15 @@ std::vector<std::string> CompleteCheckpoints(const std::string& root) {
   return out;
 }
 
+int64_t CheckpointStepOf(const std::string& dir) {
+  const size_t slash = dir.find_last_of('/');
+  const std::string name = slash == std::string::npos ? dir : dir.substr(slash + 1);
+  int64_t step = -1;
+  if (name.rfind("step_", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step) || step < 0)
+    return -1;
+  return step;
+}
+
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
   auto latest = ReadWholeFile(root + "/latest");
   if (latest.ok()) {

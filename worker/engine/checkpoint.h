@@ -63,6 +63,9 @@ absl::StatusOr<int64_t> ReadFence(const std::string& root);
 // The complete checkpoint directories under root (those with a state.json), newest first.
 std::vector<std::string> CompleteCheckpoints(const std::string& root);
 
+// The step a checkpoint directory's name (".../step_NNNNNNNN") says; -1 for any other name.
+int64_t CheckpointStepOf(const std::string& dir);
+
 // Creates `root` when missing and checks that files can be written in it, so that a job learns
 // at its start, not at its first checkpoint, that it could not keep one.
 absl::Status CheckCheckpointRoot(const std::string& root);

@@ -164,7 +164,9 @@ absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
 absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
   std::string skipped;  // the newer checkpoints that did not load, for the note
   absl::Status newest;  // why the newest did not
+  const int64_t floor = opt_.resume_step;
   for (const std::string& dir : CompleteCheckpoints(ckpt_dir_)) {
+    if (floor > 0 && CheckpointStepOf(dir) < floor) break;  // older than the coordinator's record
     absl::Status s = LoadStep(params, dir);
     if (s.ok()) {
       if (!skipped.empty())
@@ -182,6 +184,14 @@ absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
     state_ = TrainState{};
     state_.seed = opt_.spec.train.seed;
   }
+  // The coordinator recorded a checkpoint that no longer loads: resuming from an older one or
+  // from scratch would throw away what the job is known to have done; the job fails, naming it.
+  if (floor > 0)
+    return absl::NotFoundError(
+        absl::StrCat("trainer: the job's last checkpoint, step ", floor,
+                     " (every rank completed it, as the coordinator recorded), is not in \"",
+                     ckpt_dir_, "\" and no newer complete one loads",
+                     skipped.empty() ? std::string() : absl::StrCat(" (", skipped, ")")));
   // Damaged checkpoints and none that loads: starting over would throw away the job's progress
   // (and prune what is left); the job fails, naming the newest.
   if (!newest.ok()) return newest;
