@@ -52,6 +52,13 @@ std::vector<std::string> Lines(const std::string& path) {
   return out;
 }
 
+// Flips a byte inside a checkpoint's weights (its checksum then fails).
+void CorruptWeights(const std::string& dir) {
+  std::fstream f(dir + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(300);
+  f.put('\x7f');
+}
+
 TEST(CheckpointFenceTest, AnOlderAttemptCanNeitherCommitNorPruneOnceFenced) {
   const JobSpec spec = Tiny(4, 1);
   auto model = Model::Create(spec.model, 1);
@@ -96,12 +103,7 @@ TEST(CheckpointFenceTest, ACorruptNewestCheckpointResumesFromThePreviousOne) {
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE((*first)->Run().ok());
   ASSERT_EQ(CompleteCheckpoints(root).size(), 2u);  // steps 2 and 4 (keep 2)
-  {
-    std::fstream f(root + "/step_00000004/model.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(300);
-    f.put('\x7f');
-  }
+  CorruptWeights(root + "/step_00000004");
   std::vector<nlohmann::json> notes;
   o.spec.train.steps = 6;
   o.attempt = 2;
@@ -160,24 +162,14 @@ TEST(CheckpointFenceTest, TheCoordinatorsRecordedStepIsTheOldestResumedFrom) {
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ((*second)->state().step, 6);
   // Step 6 damaged: step 4, the recorded one, with the note naming step 6.
-  {
-    std::fstream f(root + "/step_00000006/model.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(300);
-    f.put('\x7f');
-  }
+  CorruptWeights(root + "/step_00000006");
   o.attempt = 3;
   auto third = Trainer::Create(o);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_EQ((*third)->state().step, 4);
   // Step 4 damaged too: step 2 still loads, but it is older than the record, so the attempt
   // fails naming the recorded step and what did not load, rather than redo steps 3 to 6.
-  {
-    std::fstream f(root + "/step_00000004/model.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(300);
-    f.put('\x7f');
-  }
+  CorruptWeights(root + "/step_00000004");
   o.attempt = 4;
   auto fourth = Trainer::Create(o);
   ASSERT_FALSE(fourth.ok());

@@ -58,99 +58,101 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
     return b;
   }
 
-  absl::Status Forward(const void* block, int64_t owner, bool) override {
+  // The pieces of the local queries against `block` (rank `owner`'s): for each local chunk qs,
+  // diag(qs, rows) against itself (its own block, on the diagonal step), before cross(qs, k, q0,
+  // n, k0, k1) for every key block [k0, k1) and query block [q0, q0 + n) of its first segment
+  // against an earlier chunk of the block it sees (rows k: the chunk's latent rows). The keys of
+  // each are built (W.ag_K, W.ag_kvb) before the call.
+  template <typename Diag, typename Cross>
+  absl::Status ForEachPiece(const void* block, int64_t owner, const Diag& diag,
+                            const Cross& cross) {
     const CpLayout& lay = *V.layout;
     for (int qs = 0; qs < 2; ++qs) {
       const int64_t qc = lay.ChunkOf(lay.rank, qs);
-      const void* q = At(a.Q, qs * ch * H * qk);
-      void* o = At(a.O, qs * ch * H * vd);
-      float* stats = a.stats + qs * SS;
-      float* acc = Acc(qs);
-      // The diagonal first: it starts the chunk's output, which the earlier chunks merge into.
       for (int ks : {qs, 1 - qs}) {
         const int64_t kc = lay.ChunkOf(owner, ks);
         if (!RingChunkSees(lay, qc, kc)) continue;
-        const void* rows = At(block, ks * ch * w);
+        const int64_t k = ks * ch;  // the chunk's first row in the block
         if (kc == qc) {
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch, a.h0, H));
-          KC(m.sdpa->Forward(q, m.W.ag_K.get(), At(m.W.ag_kvb.get(), nope), o, stats,
-                             V.piece_cu_host[qs].data(),
-                             static_cast<int64_t>(V.piece_cu_host[qs].size()) - 1, scale,
-                             MlaDims(m.c, ch, H), kAct, m.stream));
-          if (V.continues[qs])
-            KC(kc::CastRows(acc, KDType::kFloat32, H * vd, o, kAct, H * vd, V.first_segment[qs],
-                            H * vd, m.stream));
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(block, k * w), ch, a.h0, H));
+          RETURN_IF_ERROR(diag(qs, k));
           continue;
         }
         const int64_t nq = V.first_segment[qs];
         for (int64_t k0 = KeyStart(qs, kc); k0 < ch; k0 += kCudaMlaKeyBlock) {
           const int64_t k1 = std::min(ch, k0 + kCudaMlaKeyBlock);
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, k0 * w), k1 - k0, a.h0, H));
-          for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock) {
-            const int64_t n = std::min(kCudaMlaKeyBlock, nq - q0);
-            kc::SdpaDims full = MlaDims(m.c, n, H);
-            full.Tkv = k1 - k0;
-            KC(m.sdpa->ForwardFull(At(q, q0 * H * qk), m.W.ag_K.get(), At(m.W.ag_kvb.get(), nope),
-                                   m.W.ag_o.get(), m.W.ag_stats.f32(), scale, full, kAct,
-                                   m.stream));
-            KC(kc::AttentionMerge(acc + q0 * H * vd, KDType::kFloat32, H * vd, stats + q0, ch,
-                                  m.W.ag_o.get(), kAct, H * vd, m.W.ag_stats.f32(), n, n, H, vd,
-                                  m.stream));
-          }
+          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(block, (k + k0) * w), k1 - k0, a.h0, H));
+          for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock)
+            RETURN_IF_ERROR(cross(qs, k, q0, std::min(kCudaMlaKeyBlock, nq - q0), k0, k1));
         }
       }
     }
     return absl::OkStatus();
   }
 
+  absl::Status Forward(const void* block, int64_t owner, bool) override {
+    Work& W = m.W;
+    auto q = [&](int qs) { return At(a.Q, qs * ch * H * qk); };
+    auto o = [&](int qs) { return At(a.O, qs * ch * H * vd); };
+    auto stats = [&](int qs) { return a.stats + qs * SS; };
+    return ForEachPiece(
+        block, owner,
+        [&](int qs, int64_t) -> absl::Status {
+          // The diagonal starts the chunk's output, which the earlier chunks merge into.
+          KC(m.sdpa->Forward(q(qs), W.ag_K.get(), At(W.ag_kvb.get(), nope), o(qs), stats(qs),
+                             V.piece_cu_host[qs].data(),
+                             static_cast<int64_t>(V.piece_cu_host[qs].size()) - 1, scale,
+                             MlaDims(m.c, ch, H), kAct, m.stream));
+          if (V.continues[qs])
+            KC(kc::CastRows(Acc(qs), KDType::kFloat32, H * vd, o(qs), kAct, H * vd,
+                            V.first_segment[qs], H * vd, m.stream));
+          return absl::OkStatus();
+        },
+        [&](int qs, int64_t, int64_t q0, int64_t n, int64_t k0, int64_t k1) -> absl::Status {
+          kc::SdpaDims full = MlaDims(m.c, n, H);
+          full.Tkv = k1 - k0;
+          KC(m.sdpa->ForwardFull(At(q(qs), q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                                 W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, m.stream));
+          KC(kc::AttentionMerge(Acc(qs) + q0 * H * vd, KDType::kFloat32, H * vd, stats(qs) + q0, ch,
+                                W.ag_o.get(), kAct, H * vd, W.ag_stats.f32(), n, n, H, vd,
+                                m.stream));
+          return absl::OkStatus();
+        });
+  }
+
   absl::Status Backward(const void* block, int64_t owner, bool, void* d_block) override {
-    const CpLayout& lay = *V.layout;
     Work& W = m.W;
     float* dlat = static_cast<float*>(d_block);
     CUDA(cudaMemsetAsync(dlat, 0, grad_bytes(), m.stream));
-    for (int qs = 0; qs < 2; ++qs) {
-      const int64_t qc = lay.ChunkOf(lay.rank, qs);
-      const void* q = At(a.Q, qs * ch * H * qk);
-      const void* o = At(a.O, qs * ch * H * vd);
-      const void* dout = At(a.dO, qs * ch * H * vd);
-      void* dq = At(a.dQ, qs * ch * H * qk);
-      const float* stats = a.stats + qs * SS;
-      for (int ks : {qs, 1 - qs}) {
-        const int64_t kc = lay.ChunkOf(owner, ks);
-        if (!RingChunkSees(lay, qc, kc)) continue;
-        const void* rows = At(block, ks * ch * w);
-        float* drows = dlat + ks * ch * w;
-        if (kc == qc) {  // the diagonal writes the chunk's dq; the other pairs add theirs
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, rows, ch, a.h0, H));
-          RETURN_IF_ERROR(m.AttentionBackward(q, W.ag_K.get(), At(W.ag_kvb.get(), nope), o, stats,
-                                              dout, dq, W.ag_dK.get(), At(W.ag_dkvb.get(), nope),
-                                              V.piece_cu_host[qs], scale, MlaDims(m.c, ch, H)));
-          RETURN_IF_ERROR(KeyGradsToLatent(rows, ch, drows));
-          continue;
-        }
-        const int64_t nq = V.first_segment[qs];
-        for (int64_t k0 = KeyStart(qs, kc); k0 < ch; k0 += kCudaMlaKeyBlock) {
-          const int64_t k1 = std::min(ch, k0 + kCudaMlaKeyBlock);
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(rows, k0 * w), k1 - k0, a.h0, H));
-          for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock) {
-            const int64_t n = std::min(kCudaMlaKeyBlock, nq - q0);
-            // The merged statistics of these queries, dense [H, n] as the n-query graph reads them.
-            CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, stats + q0, ch * 4, n * 4, H,
-                                   cudaMemcpyDeviceToDevice, m.stream));
-            kc::SdpaDims full = MlaDims(m.c, n, H);
-            full.Tkv = k1 - k0;
-            KC(m.sdpa->BackwardFull(At(q, q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
-                                    At(o, q0 * H * vd), W.ag_stats.f32(), At(dout, q0 * H * vd),
-                                    W.ag_dq.get(), W.ag_dK.get(), At(W.ag_dkvb.get(), nope), scale,
-                                    full, kAct, m.stream));
-            KC(kc::AddRows(At(dq, q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
-                           m.stream));
-            RETURN_IF_ERROR(KeyGradsToLatent(At(rows, k0 * w), k1 - k0, drows + k0 * w));
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
+    auto q = [&](int qs) { return At(a.Q, qs * ch * H * qk); };
+    auto o = [&](int qs) { return At(a.O, qs * ch * H * vd); };
+    auto dout = [&](int qs) { return At(a.dO, qs * ch * H * vd); };
+    auto dq = [&](int qs) { return At(a.dQ, qs * ch * H * qk); };
+    auto stats = [&](int qs) { return a.stats + qs * SS; };
+    return ForEachPiece(
+        block, owner,
+        [&](int qs, int64_t k) -> absl::Status {
+          // The diagonal writes the chunk's dq; the other pieces add theirs.
+          RETURN_IF_ERROR(m.AttentionBackward(q(qs), W.ag_K.get(), At(W.ag_kvb.get(), nope), o(qs),
+                                              stats(qs), dout(qs), dq(qs), W.ag_dK.get(),
+                                              At(W.ag_dkvb.get(), nope), V.piece_cu_host[qs], scale,
+                                              MlaDims(m.c, ch, H)));
+          return KeyGradsToLatent(At(block, k * w), ch, dlat + k * w);
+        },
+        [&](int qs, int64_t k, int64_t q0, int64_t n, int64_t k0, int64_t k1) -> absl::Status {
+          // The merged statistics of these queries, dense [H, n] as the n-query graph reads them.
+          CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, stats(qs) + q0, ch * 4, n * 4, H,
+                                 cudaMemcpyDeviceToDevice, m.stream));
+          kc::SdpaDims full = MlaDims(m.c, n, H);
+          full.Tkv = k1 - k0;
+          KC(m.sdpa->BackwardFull(At(q(qs), q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
+                                  At(o(qs), q0 * H * vd), W.ag_stats.f32(),
+                                  At(dout(qs), q0 * H * vd), W.ag_dq.get(), W.ag_dK.get(),
+                                  At(W.ag_dkvb.get(), nope), scale, full, kAct, m.stream));
+          KC(kc::AddRows(At(dq(qs), q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
+                         m.stream));
+          return KeyGradsToLatent(At(block, (k + k0) * w), k1 - k0, dlat + (k + k0) * w);
+        });
   }
 
   absl::Status ZeroGrad(void* g) override {
