@@ -524,6 +524,10 @@ TEST(CudaCp, BadContextsAreRefused) {
   hybrid = m.SetCp({&two, CpMode::kAllGather, CpMode::kHybrid});
   EXPECT_EQ(hybrid.code(), absl::StatusCode::kFailedPrecondition) << hybrid;
   EXPECT_NE(hybrid.message().find("Ulysses group"), std::string::npos) << hybrid;
+  // MLA's ring passes the latent here.
+  hybrid =
+      m.SetCp({&two, CpMode::kAllGather, CpMode::kRing, nullptr, nullptr, MlaRingPayload::kKv});
+  EXPECT_EQ(hybrid.code(), absl::StatusCode::kInvalidArgument) << hybrid;
 
   absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

@@ -37,19 +37,19 @@
 // with the CPU engine, passes each rank's latent rows around the CP group while every rank
 // attends its chunks to the pieces of the block it holds (the same causal and cross pieces as
 // AllGather, merged the same way); the backward passes fp32 latent gradients along with them.
-// The CUDA engine always sends the latent (the CPU engine may send K and V where they are
-// smaller: tiny models). The hybrid modes (the context's ulysses and ring groups, the batch's
-// Ulysses groups: ShardForCp with ulysses): the All2All exchange inside each Ulysses group of u
-// ranks puts the group's tokens and this rank's H/u heads together, then Lightning's AllGather
-// core or MLA's ring runs across the cp / u groups on them, and the outputs come back the
-// inverse way.
-// Everything else (projections, norms, RoPE with the batch's positions, FFN, head, loss) stays
-// token-local. Collectives take device buffers: NCCL's directly, a host backend's (Gloo) through
-// a StagedCommunicator (comm/staged_communicator.h) that SetCp wraps around it; each one waits
-// for the compute stream first. Losses and gradients are this rank's part:
-// the caller sums them over the group (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks sharing one GPU
-// over Gloo against one rank; bench_cp_cuda: NCCL ranks on separate GPUs).
-// Not thread-safe (several models, one per thread, may share a device).
+// The CUDA engine always passes the latent (MlaRingPayloadFor with device; the CPU engine may pass
+// K and V where they are narrower: tiny models), and refuses a context asking for K and V. The
+// hybrid modes (the context's ulysses and ring groups, the batch's Ulysses groups: ShardForCp with
+// ulysses): the All2All exchange inside each Ulysses group of u ranks puts the group's tokens and
+// this rank's H/u heads together, then Lightning's AllGather core or MLA's ring runs across the cp
+// / u groups on them, and the outputs come back the inverse way. Everything else (projections,
+// norms, RoPE with the batch's positions, FFN, head, loss) stays token-local. Collectives take
+// device buffers: NCCL's directly, a host backend's (Gloo) through a StagedCommunicator
+// (comm/staged_communicator.h) that SetCp wraps around it; each one waits for the compute stream
+// first. Losses and gradients are this rank's part: the caller sums them over the group
+// (tests/cuda/test_cuda_cp.cc: 2 and 4 ranks sharing one GPU over Gloo against one rank;
+// bench_cp_cuda: NCCL ranks on separate GPUs). Not thread-safe (several models, one per thread, may
+// share a device).
 #pragma once
 
 #include <cuda_runtime.h>

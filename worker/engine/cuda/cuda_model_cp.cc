@@ -34,6 +34,11 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     return absl::FailedPreconditionError(absl::StrCat(
         "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
         n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
+  const bool ring = cp.mla_mode == CpMode::kRing || cp.mla_mode == CpMode::kHybrid;
+  if (ring && c.NumLayersOfKind('M') > 0 && cp.mla_payload != MlaRingPayload::kLatent)
+    return absl::InvalidArgumentError(
+        "cuda model: MLA's ring passes the latent on the CUDA engine, but the context asks for K "
+        "and V (MlaRingPayloadFor with device = true)");
   if (hybrid) {
     // The Ulysses group and the ring across the groups (cp_groups.h).
     if (cp.ulysses == nullptr || cp.ring == nullptr || cp.ulysses->size() * cp.ring->size() != n ||
