@@ -92,7 +92,9 @@ def mla(W, p, x, cfg, pos, doc):
     return o @ W[p + 'mla.out.weight'].T
 
 
-def sequence_loss(W, cfg, tokens, eos):
+def sequence_nll(W, cfg, tokens, eos):
+    """The summed negative log-likelihood of the sequence's valid targets (a float64 tensor that
+    autograd can differentiate with respect to W) and their count."""
     T = len(tokens)
     ids = torch.tensor(tokens)
     starts, pos, doc, targets = [], [], [], []
@@ -123,7 +125,12 @@ def sequence_loss(W, cfg, tokens, eos):
     valid = targets >= 0
     lp = torch.log_softmax(logits, -1)
     nll = -lp[torch.arange(T)[valid], targets[valid]]
-    return float(nll.sum()), int(valid.sum())
+    return nll.sum(), int(valid.sum())
+
+
+def sequence_loss(W, cfg, tokens, eos):
+    nll, count = sequence_nll(W, cfg, tokens, eos)
+    return float(nll), count
 
 
 def main():

@@ -1,0 +1,121 @@
+#!/usr/bin/python3
+"""Spindle's one-step updates, tensor by tensor, against the float64 reference
+(torch_reference.py, differentiated by autograd).
+
+A small model (3 layers LLM, d_model 32, 2 heads of 16, MLA qk 8 + 8 / v 8 / kv rank 12, ffn 40,
+vocab 61) from the seed's random initial weights takes one SGD step without clipping on one
+96-token sequence of documents of 5 to 40 tokens (EOS 60). spindle-train runs once on the CPU at
+lr 1e-30 (the job spec refuses 0; its checkpoint holds the initial weights to within 1e-30 of a
+gradient) and once per engine at lr 1e4; an engine's update is the difference. The ratio below
+does not depend on the lr; a large one keeps the fp32 difference of the weights exact, where at
+lr 0.1 the updates of norm weights (~1e-5, next to weights of 1) would be resolved to ~1%. Per tensor the error is max |ours - reference| / max |reference update|.
+
+Engines: "fp32" (the CPU), "bf16" (the CPU's emulation of the GPU's bf16 roundings,
+train.precision "bf16"), "cuda" (the CUDA engine; needs a GPU and spindle-train built with it).
+
+    grad_vs_fp64.py --train PATH/spindle-train [--seeds 1,4 | --fresh K] [--eps 1e-6]
+                    [--engines fp32,bf16] [--check ENGINE:TOL]
+
+Prints a table (a row per tensor, a column per engine and seed). --check fp32:1e-4 exits 1 when
+any tensor of that engine errs by more than the tolerance (the test's use); the other engines
+are printed, never checked.
+"""
+import argparse, json, os, random, struct, subprocess, sys, tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_reference as ref  # noqa: E402
+
+SEQ, EOS, LR = 96, 60, 1e4
+
+
+def model(eps):
+    return {"vocab": 61, "d_model": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 40,
+            "layer_pattern": "LLM", "norm_eps": eps,
+            "mla": {"q_lora_rank": 0, "kv_lora_rank": 12, "qk_nope_dim": 8, "qk_rope_dim": 8,
+                    "v_head_dim": 8}}
+
+
+def tokens(seed):
+    r = random.Random(seed)
+    out = []
+    while len(out) < 2 * SEQ:
+        out += [r.randint(0, EOS - 1) for _ in range(r.randint(4, 39))] + [EOS]
+    return out
+
+
+def run(train, work, name, seed, eps, engine, lr, tokens_path):
+    ckpt = os.path.join(work, name)
+    job = {"name": name, "model": model(eps),
+           "data": {"source": "tokens:" + tokens_path, "token_bytes": 2, "eos_id": EOS},
+           "seq_len": SEQ,
+           "train": {"steps": 1, "lr": lr, "optimizer": "sgd", "momentum": 0.0,
+                     "grad_clip": 0.0, "schedule": "constant", "warmup_steps": 0,
+                     "seed": seed, "precision": "fp32" if engine == "fp32" else "bf16"},
+           "checkpoint": {"dir": ckpt, "every": 1},
+           "resources": "cuda" if engine == "cuda" else "cpu"}
+    path = os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(job, f)
+    p = subprocess.run([train, "--job", path, "--threads", "1"], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{name}: spindle-train exited {p.returncode}: {p.stderr.strip()}")
+    step = os.path.join(ckpt, "step_00000001")
+    return ref.load_safetensors(os.path.join(step, "model.safetensors")), \
+        json.load(open(os.path.join(step, "state.json")))["model"]
+
+
+def main():
+    a = argparse.ArgumentParser()
+    a.add_argument("--train", required=True)
+    a.add_argument("--seeds", default="1,4")
+    a.add_argument("--fresh", type=int, default=0, help="K fresh random seeds instead of --seeds")
+    a.add_argument("--eps", type=float, default=1e-6)
+    a.add_argument("--engines", default="fp32,bf16")
+    a.add_argument("--check", default="")
+    args = a.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.fresh > 0:
+        seeds = [random.SystemRandom().randint(1, 1 << 30) for _ in range(args.fresh)]
+    engines = args.engines.split(",")
+    errors = {}  # (engine, seed) -> {tensor: error}
+    names = None
+    with tempfile.TemporaryDirectory() as work:
+        for seed in seeds:
+            toks = tokens(seed)
+            tokens_path = os.path.join(work, f"tokens{seed}.bin")
+            with open(tokens_path, "wb") as f:
+                f.write(struct.pack("<%dH" % len(toks), *toks))
+            w0, cfg = run(args.train, work, f"init{seed}", seed, args.eps, "fp32", 1e-30,
+                          tokens_path)
+            W = {k: v.clone().requires_grad_(True) for k, v in w0.items()}
+            nll, count = ref.sequence_nll(W, cfg, toks[:SEQ], EOS)
+            (nll / count).backward()
+            want = {k: LR * W[k].grad for k in W}
+            names = names or list(w0.keys())
+            for engine in engines:
+                w1, _ = run(args.train, work, f"{engine}{seed}", seed, args.eps, engine, LR,
+                            tokens_path)
+                errors[(engine, seed)] = {
+                    k: float((w0[k] - w1[k] - want[k]).abs().max() / want[k].abs().max())
+                    for k in names}
+    cols = [(e, s) for e in engines for s in seeds]
+    print(f"one SGD step, norm eps {args.eps:g}: max |ours - ref| / max |ref update| per tensor")
+    print("| tensor | " + " | ".join(f"{e} seed {s}" for e, s in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for k in names:
+        print(f"| {k} | " + " | ".join(f"{errors[c][k]:.2e}" for c in cols) + " |")
+    print("| worst | " + " | ".join(f"{max(errors[c].values()):.2e}" for c in cols) + " |")
+    if args.check:
+        engine, tol = args.check.split(":")
+        bad = [(k, s, errors[(engine, s)][k]) for s in seeds for k in names
+               if not errors[(engine, s)][k] <= float(tol)]
+        for k, s, e in bad:
+            print(f"FAIL {engine} seed {s} {k}: {e:.3e} > {tol}")
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
