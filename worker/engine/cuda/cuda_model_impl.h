@@ -378,8 +378,6 @@ struct BatchDev {
   // also the level across the Ulysses groups and the exchange inside this rank's group.
   CpLevel lv, group_lv;
   UlyssesDev whole, ulysses;
-  // The batch's layout during a pass (cp > 1; the caller's, valid while Run runs).
-  const CpLayout* layout = nullptr;
 };
 
 // One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP

@@ -77,7 +77,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
       return absl::InvalidArgumentError(
           absl::StrCat("cuda model: token id ", id, " outside the vocabulary [0, ", c.vocab, ")"));
   B.T = b.T;
-  B.layout = split ? layout : nullptr;
   B.cp = split ? layout->cp : 1;
   B.rank = split ? layout->rank : 0;
   B.T_full = split ? layout->T_full : b.T;
