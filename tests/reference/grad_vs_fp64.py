@@ -14,9 +14,12 @@ Engines: "fp32" (the CPU), "bf16" (the CPU's emulation of the GPU's bf16 roundin
 train.precision "bf16"), "cuda" (the CUDA engine; needs a GPU and spindle-train built with it).
 
     grad_vs_fp64.py --train PATH/spindle-train [--seeds 1,4 | --fresh K] [--eps 1e-6]
-                    [--engines fp32,bf16] [--check ENGINE:TOL]
+                    [--engines fp32,bf16] [--pair A,B] [--check ENGINE:TOL]
 
-Prints a table (a row per tensor, a column per engine and seed). --check fp32:1e-4 exits 1 when
+Prints a table (a row per tensor, a column per engine and seed). --pair cuda,bf16 adds, per seed,
+engine A against engine B element by element: max |A - B| / max |reference update| per tensor
+and where it is (the element's row and column: for the embedding, the token id's row), which is
+how a GPU defect shows apart from bf16 conditioning (the emulation rounds at the GPU's points). --check fp32:1e-4 exits 1 when
 any tensor of that engine errs by more than the tolerance (the test's use); the other engines
 are printed, never checked.
 """
@@ -73,6 +76,7 @@ def main():
     a.add_argument("--fresh", type=int, default=0, help="K fresh random seeds instead of --seeds")
     a.add_argument("--eps", type=float, default=1e-6)
     a.add_argument("--engines", default="fp32,bf16")
+    a.add_argument("--pair", default="")
     a.add_argument("--check", default="")
     args = a.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -80,6 +84,8 @@ def main():
         seeds = [random.SystemRandom().randint(1, 1 << 30) for _ in range(args.fresh)]
     engines = args.engines.split(",")
     errors = {}  # (engine, seed) -> {tensor: error}
+    pair = args.pair.split(",") if args.pair else []
+    pairs = {}  # seed -> {tensor: (error, row, column)}
     names = None
     with tempfile.TemporaryDirectory() as work:
         for seed in seeds:
@@ -94,12 +100,22 @@ def main():
             (nll / count).backward()
             want = {k: LR * W[k].grad for k in W}
             names = names or list(w0.keys())
+            updates = {}
             for engine in engines:
                 w1, _ = run(args.train, work, f"{engine}{seed}", seed, args.eps, engine, LR,
                             tokens_path)
+                updates[engine] = {k: w0[k] - w1[k] for k in names}
                 errors[(engine, seed)] = {
-                    k: float((w0[k] - w1[k] - want[k]).abs().max() / want[k].abs().max())
+                    k: float((updates[engine][k] - want[k]).abs().max() / want[k].abs().max())
                     for k in names}
+            if pair:
+                pairs[seed] = {}
+                for k in names:
+                    diff = (updates[pair[0]][k] - updates[pair[1]][k]).abs()
+                    at = int(diff.argmax())
+                    cols = diff.shape[-1] if diff.dim() > 1 else 1
+                    pairs[seed][k] = (float(diff.max() / want[k].abs().max()), at // cols,
+                                      at % cols)
     cols = [(e, s) for e in engines for s in seeds]
     print(f"one SGD step, norm eps {args.eps:g}: max |ours - ref| / max |ref update| per tensor")
     print("| tensor | " + " | ".join(f"{e} seed {s}" for e, s in cols) + " |")
@@ -107,6 +123,13 @@ def main():
     for k in names:
         print(f"| {k} | " + " | ".join(f"{errors[c][k]:.2e}" for c in cols) + " |")
     print("| worst | " + " | ".join(f"{max(errors[c].values()):.2e}" for c in cols) + " |")
+    for seed, rows in pairs.items():
+        print(f"\n{pair[0]} against {pair[1]}, seed {seed}: max |A - B| / max |ref update| and where")
+        print("| tensor | error | row | column |")
+        print("|---|---|---|---|")
+        for k in names:
+            e, r, c = rows[k]
+            print(f"| {k} | {e:.2e} | {r} | {c} |")
     if args.check:
         engine, tol = args.check.split(":")
         bad = [(k, s, errors[(engine, s)][k]) for s in seeds for k in names
