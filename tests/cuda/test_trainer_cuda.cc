@@ -289,6 +289,15 @@ void ContextParallelJobs(JobSpec* spec, JobSpec* one) {
   one->parallel.cp = 1;
 }
 
+// The same with norm eps 1e-2 and the given modes at cp = 2 (as in test_cuda_cp.cc: the modes that
+// round a continuing document's first outputs twice need the better-conditioned norms).
+void ContextParallelJobsInModes(CpMode lightning, CpMode mla, JobSpec* spec, JobSpec* one) {
+  ContextParallelJobs(spec, one);
+  for (JobSpec* j : {spec, one}) j->model.norm_eps = 1e-2;
+  spec->parallel.lightning_mode = lightning;
+  spec->parallel.mla_mode = mla;
+}
+
 TEST(CudaTrainerTest, DataParallelTracksOneRankWithTwoMicroBatches) {
   SPINDLE_REQUIRE_GPU();
   if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
@@ -318,10 +327,7 @@ TEST(CudaTrainerTest, ContextParallelAllGatherTracksOneRank) {
   SPINDLE_REQUIRE_GPU();
   if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
   JobSpec spec, one;
-  ContextParallelJobs(&spec, &one);
-  for (JobSpec* j : {&spec, &one}) j->model.norm_eps = 1e-2;
-  spec.parallel.lightning_mode = CpMode::kAllGather;
-  spec.parallel.mla_mode = CpMode::kAllGather;
+  ContextParallelJobsInModes(CpMode::kAllGather, CpMode::kAllGather, &spec, &one);
   std::string out;
   ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_EQ(out.find("\"all_to_all\""), std::string::npos)
@@ -334,10 +340,7 @@ TEST(CudaTrainerTest, ContextParallelRingAndHybridTrackOneRank) {
   SPINDLE_REQUIRE_GPU();
   if (TrainBinary().empty()) GTEST_SKIP() << "spindle-train is not built";
   JobSpec spec, one;
-  ContextParallelJobs(&spec, &one);
-  for (JobSpec* j : {&spec, &one}) j->model.norm_eps = 1e-2;
-  spec.parallel.lightning_mode = CpMode::kAllGather;
-  spec.parallel.mla_mode = CpMode::kRing;
+  ContextParallelJobsInModes(CpMode::kAllGather, CpMode::kRing, &spec, &one);
   std::string out;
   ExpectRanksTrackOneRank(spec, one, /*own_gpus=*/false, 2e-3, &out);
   EXPECT_NE(out.find("\"send_recv\""), std::string::npos) << "no ring in the step events: " << out;
