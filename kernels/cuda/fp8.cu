@@ -30,6 +30,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8.h"
+#include "kernels/cuda/vec.cuh"
 
 namespace spindle::kernels::cuda {
 namespace {
@@ -39,6 +40,9 @@ using internal::FromFloat;
 using internal::Sigmoid;
 using internal::ToFloat;
 using internal::WarpSum;
+using internal::Aligned16;
+using internal::Load16;
+using internal::Unpack;
 
 constexpr int kTile = 64;  // pass 2: a block quantizes a kTile x kTile tile
 constexpr int kTileThreads = 256;
@@ -47,6 +51,9 @@ constexpr int64_t kAmaxChunk = kAmaxThreads * 16;  // values per block
 constexpr int kRowWarps = 8;                       // the norms' pass 1: one warp per row
 constexpr int64_t kMaxRowWidth = 12288;
 constexpr int kMaxCastTensors = 32;
+// The vector paths: a thread loads kSeg consecutive values of a row (one 16-byte bf16 vector, two
+// fp32 ones) and stores their kSeg codes as one 8-byte word, in both layouts.
+constexpr int kSeg = 8;
 
 // The device side of an Fp8Output.
 struct Fp8Dev {
@@ -71,6 +78,30 @@ __device__ __forceinline__ float ScaleFrom(float amax, float fmax) {
 
 // |v| as bits: ordered as unsigned integers for non-negative floats, NaN above infinity.
 __device__ __forceinline__ uint32_t AbsBits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// kSeg values of T from p (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void Load8(const T* p, float (&v)[kSeg]) {
+  if constexpr (sizeof(T) == 2) {
+    Unpack<T>(Load16(p), v);
+  } else {
+    float a[4], b[4];
+    Unpack<T>(Load16(p), a);
+    Unpack<T>(Load16(p + 4), b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = a[k], v[k + 4] = b[k];
+  }
+}
+
+// The kSeg codes of v * scale packed little-endian: code k in byte k.
+__device__ __forceinline__ uint2 ToFp8x8(const float (&v)[kSeg], float scale, int e5m2) {
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < kSeg; ++k) w[k / 4] |= uint32_t{ToFp8(__fmul_rn(v[k], scale), e5m2)} << (8 * (k % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+inline bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 __device__ __forceinline__ uint32_t WarpMaxBits(uint32_t v) {
 #pragma unroll
@@ -108,11 +139,15 @@ __device__ __forceinline__ float GroupGateValue(float o, float rstd, float w, fl
 // ---- Pass 2: the tiled quantize -----------------------------------------------------------------
 
 // Sources of pass 2: the value at (r, c) of a [rows, cols] tensor.
+// Each also loads kSeg values (r, c .. c + kSeg - 1) at once where Vec() holds (checked on the
+// host: cols a multiple of kSeg, every pointer 16-byte aligned), with the same fp32 operations.
 template <typename T>
 struct StoredSource {
   const T* x;
   int64_t cols;
   __device__ float operator()(int64_t r, int64_t c) const { return ToFloat(x[r * cols + c]); }
+  __device__ void Load(int64_t r, int64_t c, float (&v)[kSeg]) const { Load8(x + r * cols + c, v); }
+  bool Vec() const { return cols % kSeg == 0 && Aligned16(x); }
 };
 template <typename T>
 struct RmsSource {
@@ -123,6 +158,15 @@ struct RmsSource {
   __device__ float operator()(int64_t r, int64_t c) const {
     return RmsValue(ToFloat(x[r * D + c]), rstd[r], ToFloat(w[c]));
   }
+  __device__ void Load(int64_t r, int64_t c, float (&v)[kSeg]) const {
+    float wv[kSeg];
+    Load8(x + r * D + c, v);
+    Load8(w + c, wv);
+    const float rs = rstd[r];
+#pragma unroll
+    for (int k = 0; k < kSeg; ++k) v[k] = RmsValue(v[k], rs, wv[k]);
+  }
+  bool Vec() const { return D % kSeg == 0 && Aligned16(x) && Aligned16(w); }
 };
 template <typename T>
 struct SwiGluSource {
@@ -132,6 +176,14 @@ struct SwiGluSource {
   __device__ float operator()(int64_t r, int64_t c) const {
     return SwiGluValue(ToFloat(g[r * cols + c]), ToFloat(u[r * cols + c]));
   }
+  __device__ void Load(int64_t r, int64_t c, float (&v)[kSeg]) const {
+    float uv[kSeg];
+    Load8(g + r * cols + c, v);
+    Load8(u + r * cols + c, uv);
+#pragma unroll
+    for (int k = 0; k < kSeg; ++k) v[k] = SwiGluValue(v[k], uv[k]);
+  }
+  bool Vec() const { return cols % kSeg == 0 && Aligned16(g) && Aligned16(u); }
 };
 template <typename T>
 struct GroupGateSource {
@@ -144,30 +196,89 @@ struct GroupGateSource {
     const int64_t i = t * H * Dh + c;
     return GroupGateValue(ToFloat(o[i]), rstd[t * H + c / Dh], ToFloat(w[c]), ToFloat(gate[i]));
   }
+  __device__ void Load(int64_t t, int64_t c, float (&v)[kSeg]) const {
+    const int64_t i = t * H * Dh + c;
+    float wv[kSeg], gv[kSeg];
+    Load8(o + i, v);
+    Load8(w + c, wv);
+    Load8(gate + i, gv);
+    int64_t h = c / Dh, j = c - h * Dh;  // a segment may cross heads (Dh need not divide by kSeg)
+#pragma unroll
+    for (int k = 0; k < kSeg; ++k) {
+      if (j == Dh) ++h, j = 0;
+      v[k] = GroupGateValue(v[k], rstd[t * H + h], wv[k], gv[k]);
+      ++j;
+    }
+  }
+  bool Vec() const { return H * Dh % kSeg == 0 && Aligned16(o) && Aligned16(w) && Aligned16(gate); }
 };
 
-// Quantizes tile `tile` (row-major over the tiles of [rows, cols]) with `scale`.
+// How a tile moves its values: kSeg at a time in the loads and the row-major stores (Source::Vec()
+// and 8-byte aligned codes), and in the transposed stores (rows a multiple of kSeg and 8-byte
+// aligned codes_t); one at a time otherwise.
+struct TilePaths {
+  bool vec, vec_t;
+};
+
+template <class Source>
+TilePaths PathsOf(const Source& src, int64_t rows, const Fp8Dev& out) {
+  const bool vec = src.Vec() && (out.codes == nullptr || Aligned8(out.codes));
+  return {vec, vec && rows % kSeg == 0 && (out.codes_t == nullptr || Aligned8(out.codes_t))};
+}
+
+// Quantizes tile `tile` (row-major over the tiles of [rows, cols]) with `scale`. The row-major
+// codes go straight out; the transposed ones through shared memory (rows of kTile + 4 bytes: the
+// column reads of the transposed pass meet at most two to a bank).
 template <class Source>
 __device__ void QuantizeTile(const Source& src, int64_t rows, int64_t cols, int64_t tile,
-                             float scale, const Fp8Dev& out) {
-  __shared__ uint8_t codes[kTile][kTile + 4];
+                             float scale, const Fp8Dev& out, TilePaths paths) {
+  __shared__ __align__(16) uint8_t codes[kTile][kTile + 4];
   const int64_t tiles_c = cols > 0 ? (cols + kTile - 1) / kTile : 1;
   const int64_t r0 = tile / tiles_c * kTile, c0 = tile % tiles_c * kTile;
-  for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
-    const int r = i / kTile, c = i % kTile;
-    const int64_t R = r0 + r, C = c0 + c;
-    if (R < rows && C < cols) {
-      const uint8_t q = ToFp8(__fmul_rn(src(R, C), scale), out.e5m2);
-      if (out.codes != nullptr) out.codes[R * cols + C] = q;
-      codes[r][c] = q;
+  constexpr int kSegs = kTile / kSeg;  // segments per tile row
+  if (paths.vec) {  // uniform over the block; a segment lies wholly inside or outside the tensor
+    for (int i = threadIdx.x; i < kTile * kSegs; i += blockDim.x) {
+      const int r = i / kSegs, c = i % kSegs * kSeg;
+      const int64_t R = r0 + r, C = c0 + c;
+      if (R < rows && C < cols) {
+        float v[kSeg];
+        src.Load(R, C, v);
+        const uint2 q = ToFp8x8(v, scale, out.e5m2);
+        if (out.codes != nullptr) *reinterpret_cast<uint2*>(out.codes + R * cols + C) = q;
+        *reinterpret_cast<uint32_t*>(&codes[r][c]) = q.x;
+        *reinterpret_cast<uint32_t*>(&codes[r][c + 4]) = q.y;
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
+      const int r = i / kTile, c = i % kTile;
+      const int64_t R = r0 + r, C = c0 + c;
+      if (R < rows && C < cols) {
+        const uint8_t q = ToFp8(__fmul_rn(src(R, C), scale), out.e5m2);
+        if (out.codes != nullptr) out.codes[R * cols + C] = q;
+        codes[r][c] = q;
+      }
     }
   }
   if (out.codes_t == nullptr) return;  // uniform over the block
   __syncthreads();
-  for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
-    const int c = i / kTile, r = i % kTile;
-    const int64_t R = r0 + r, C = c0 + c;
-    if (R < rows && C < cols) out.codes_t[C * rows + R] = codes[r][c];
+  if (paths.vec_t) {
+    for (int i = threadIdx.x; i < kTile * kSegs; i += blockDim.x) {
+      const int c = i / kSegs, r = i % kSegs * kSeg;
+      const int64_t R = r0 + r, C = c0 + c;
+      if (R < rows && C < cols) {
+        uint32_t w[2] = {0u, 0u};
+#pragma unroll
+        for (int k = 0; k < kSeg; ++k) w[k / 4] |= uint32_t{codes[r + k][c]} << (8 * (k % 4));
+        *reinterpret_cast<uint2*>(out.codes_t + C * rows + R) = make_uint2(w[0], w[1]);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
+      const int c = i / kTile, r = i % kTile;
+      const int64_t R = r0 + r, C = c0 + c;
+      if (R < rows && C < cols) out.codes_t[C * rows + R] = codes[r][c];
+    }
   }
 }
 
@@ -183,9 +294,9 @@ __device__ float ReadScale(const Fp8Dev& out, bool publish) {
 
 template <class Source>
 __global__ void __launch_bounds__(kTileThreads)
-    QuantizeKernel(Source src, int64_t rows, int64_t cols, Fp8Dev out) {
+    QuantizeKernel(Source src, int64_t rows, int64_t cols, Fp8Dev out, TilePaths paths) {
   const float scale = ReadScale(out, blockIdx.x == 0);
-  QuantizeTile(src, rows, cols, blockIdx.x, scale, out);
+  QuantizeTile(src, rows, cols, blockIdx.x, scale, out, paths);
 }
 
 int64_t TilesOf(int64_t rows, int64_t cols) {
@@ -214,20 +325,32 @@ Status CheckOutput(const Fp8Output& o, const char* op) {
 template <class Source>
 Status LaunchQuantize(const Source& src, int64_t rows, int64_t cols, const Fp8Output& out,
                       cudaStream_t stream) {
-  QuantizeKernel<Source>
-      <<<TilesOf(rows, cols), kTileThreads, 0, stream>>>(src, rows, cols, DevOf(out));
+  const Fp8Dev dev = DevOf(out);
+  QuantizeKernel<Source><<<TilesOf(rows, cols), kTileThreads, 0, stream>>>(
+      src, rows, cols, dev, PathsOf(src, rows, dev));
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 // ---- Pass 1 of a stored tensor ------------------------------------------------------------------
 
-template <typename T>
+// A block reduces kAmaxChunk values; kVecLoad (n a multiple of kSeg, x 16-byte aligned): kSeg at a
+// time.
+template <typename T, bool kVecLoad>
 __global__ void __launch_bounds__(kAmaxThreads) AbsMaxKernel(const T* x, int64_t n, float* amax) {
   const int64_t begin = blockIdx.x * kAmaxChunk, end = std::min(begin + kAmaxChunk, n);
   uint32_t m = 0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kAmaxThreads) {
-    m = max(m, AbsBits(ToFloat(x[i])));
+  if constexpr (kVecLoad) {
+    for (int64_t i = begin + threadIdx.x * kSeg; i < end; i += kAmaxThreads * kSeg) {
+      float v[kSeg];
+      Load8(x + i, v);
+#pragma unroll
+      for (int k = 0; k < kSeg; ++k) m = max(m, AbsBits(v[k]));
+    }
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kAmaxThreads) {
+      m = max(m, AbsBits(ToFloat(x[i])));
+    }
   }
   BlockMaxToGlobal(m, amax);
 }
@@ -239,6 +362,7 @@ struct CastTable {
     const float* x;
     int64_t rows, cols;
     Fp8Dev out;
+    TilePaths paths;
   } t[kMaxCastTensors];
   int32_t first_block[kMaxCastTensors + 1];  // amax pass: tensor i's blocks
   int32_t first_tile[kMaxCastTensors + 1];   // quantize pass: tensor i's tiles
@@ -283,7 +407,7 @@ __global__ void __launch_bounds__(kTileThreads) CastQuantizeKernel(CastTable tab
   const auto& e = table.t[i];
   const int64_t tile = b - table.first_tile[i];
   const float scale = ReadScale(e.out, tile == 0);
-  QuantizeTile(StoredSource<float>{e.x, e.cols}, e.rows, e.cols, tile, scale, e.out);
+  QuantizeTile(StoredSource<float>{e.x, e.cols}, e.rows, e.cols, tile, scale, e.out, e.paths);
 }
 
 // ---- Pass 1 of the fused producers --------------------------------------------------------------
@@ -311,15 +435,28 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   BlockMaxToGlobal(m, amax);
 }
 
-template <typename T>
+template <typename T, bool kVecLoad>
 __global__ void __launch_bounds__(kAmaxThreads)
     SwiGluStatsKernel(const T* g, const T* u, T* y, int64_t n, float* amax) {
   const int64_t begin = blockIdx.x * kAmaxChunk, end = std::min(begin + kAmaxChunk, n);
+  const SwiGluSource<T> src{g, u, n};  // one row of n
   uint32_t m = 0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kAmaxThreads) {
-    const float v = SwiGluValue(ToFloat(g[i]), ToFloat(u[i]));
-    m = max(m, AbsBits(v));
-    if (y != nullptr) y[i] = FromFloat<T>(v);
+  if constexpr (kVecLoad) {
+    for (int64_t i = begin + threadIdx.x * kSeg; i < end; i += kAmaxThreads * kSeg) {
+      float v[kSeg];
+      src.Load(0, i, v);
+#pragma unroll
+      for (int k = 0; k < kSeg; ++k) {
+        m = max(m, AbsBits(v[k]));
+        if (y != nullptr) y[i + k] = FromFloat<T>(v[k]);
+      }
+    }
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kAmaxThreads) {
+      const float v = src(0, i);
+      m = max(m, AbsBits(v));
+      if (y != nullptr) y[i] = FromFloat<T>(v);
+    }
   }
   BlockMaxToGlobal(m, amax);
 }
@@ -387,8 +524,13 @@ Status Fp8AbsMax(const void* x, int64_t n, DType dtype, float* amax, cudaStream_
   SPINDLE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (n == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "Fp8AbsMax", {
-    AbsMaxKernel<scalar_t><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(
-        static_cast<const scalar_t*>(x), n, amax);
+    const auto* xt = static_cast<const scalar_t*>(x);
+    if (n % kSeg == 0 && Aligned16(x)) {
+      AbsMaxKernel<scalar_t, true><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(xt, n, amax);
+    } else {
+      AbsMaxKernel<scalar_t, false><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(xt, n,
+                                                                                          amax);
+    }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -425,7 +567,9 @@ Status Fp8CastWeights(const Fp8WeightCast* tensors, int64_t n_tensors, cudaStrea
       SPINDLE_CHECK_ARG(w.rows >= 0 && w.cols >= 0 && w.master != nullptr,
                         "Fp8CastWeights: bad tensor " + std::to_string(start + i));
       SPINDLE_RETURN_IF_ERROR(CheckOutput(w.out, "Fp8CastWeights"));
-      table.t[i] = {w.master, w.rows, w.cols, DevOf(w.out)};
+      const Fp8Dev dev = DevOf(w.out);
+      table.t[i] = {w.master, w.rows, w.cols, dev,
+                    PathsOf(StoredSource<float>{w.master, w.cols}, w.rows, dev)};
       table.first_block[i] = static_cast<int32_t>(blocks);
       table.first_tile[i] = static_cast<int32_t>(tiles);
       // Every tensor gets at least one block and one tile (an empty one publishes its scale).
@@ -485,9 +629,14 @@ Status SwiGluForwardFp8(const void* g, const void* u, void* y, int64_t rows, int
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluForwardFp8", {
     const auto* gt = static_cast<const scalar_t*>(g);
     const auto* ut = static_cast<const scalar_t*>(u);
-    if (n > 0) {
-      SwiGluStatsKernel<scalar_t><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(
-          gt, ut, static_cast<scalar_t*>(y), n, q.amax);
+    auto* yt = static_cast<scalar_t*>(y);
+    if (n > 0 && SwiGluSource<scalar_t>{gt, ut, n}.Vec()) {
+      SwiGluStatsKernel<scalar_t, true><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(
+          gt, ut, yt, n, q.amax);
+      SPINDLE_CUDA_CHECK_LAUNCH();
+    } else if (n > 0) {
+      SwiGluStatsKernel<scalar_t, false><<<CeilDiv(n, kAmaxChunk), kAmaxThreads, 0, stream>>>(
+          gt, ut, yt, n, q.amax);
       SPINDLE_CUDA_CHECK_LAUNCH();
     }
     return LaunchQuantize(SwiGluSource<scalar_t>{gt, ut, cols}, rows, cols, q, stream);

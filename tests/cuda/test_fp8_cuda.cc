@@ -216,8 +216,10 @@ class Fp8Cuda : public ::testing::TestWithParam<DType> {
 
 TEST_P(Fp8Cuda, QuantizeMatchesCpuBitForBit) {
   for (DType f : {kE4M3, kE5M2}) {
+    // Both vector paths (rows and cols multiples of 8), the row-major one alone (rows not), and
+    // the scalar one (cols not).
     for (const Shape s : {Shape{37, 72}, Shape{1000, 200}, Shape{5, 1376}, Shape{1, 1},
-                          Shape{64, 64}, Shape{130, 33}}) {
+                          Shape{64, 64}, Shape{130, 33}, Shape{136, 264}, Shape{24, 1376}}) {
       SCOPED_TRACE(std::string(DTypeName(f)) + " " + std::to_string(s.rows) + " x " +
                    std::to_string(s.cols));
       const int64_t n = s.rows * s.cols;
@@ -239,6 +241,17 @@ TEST_P(Fp8Cuda, QuantizeMatchesCpuBitForBit) {
       ExpectTransposed(only_t.codes_t(), codes, s.rows, s.cols, "codes_t alone");
       ExpectSameCodes(only_codes.codes(), codes, f, "codes alone");
     }
+    // An input that is not 16-byte aligned takes the scalar path: the same codes.
+    const int64_t rows = 16, cols = 64, n = rows * cols;
+    const auto x = Wide(n + 1);
+    const auto d_x = Upload(x, dt());
+    const HostQuant want = QuantizeOnHost(std::vector<float>(x.begin() + 1, x.end()), f);
+    Fp8Buffers q(n, f);
+    const size_t elem = dt() == DType::kFloat32 ? sizeof(float) : sizeof(uint16_t);
+    ASSERT_OK(
+        Fp8Quantize(static_cast<const char*>(d_x.get()) + elem, rows, cols, dt(), q.out(), 0));
+    ExpectSameCodes(q.codes(), want.codes, f, "codes of a misaligned input");
+    ExpectTransposed(q.codes_t(), want.codes, rows, cols, "codes_t of a misaligned input");
   }
 }
 
