@@ -136,14 +136,17 @@ struct CpPlan {
 //               v, dk, dv, L = one zigzag chunk rounded up to a power of two
 //               + with world > 1, NCCL: 1.3 GiB, and 0.85 GiB more when dp > 1 and cp > 1
 //   precision   train.precision "fp8" on "cuda": the FP8 GEMM inputs of the blocks' linear layers,
-//               1 byte an element and each with the transposed copy the backward's GEMMs take
-//               (cuBLASLt's FP8 GEMMs read both operands K-major): the weights, 2 L (L = the
-//               blocks' linear weight elements: ModelConfig minus embedding, norms and LM head);
-//               the activations the backward keeps, 2 T per element of each kept layer's inputs
-//               (Lightning: normed input, gated output; MLA: normed input, normed q_a output and
+//               1 byte an element: the weights with the transposed copy the backward's GEMMs take
+//               (cuBLASLt's FP8 GEMMs read both operands K-major), 2 L (L = the blocks' linear
+//               weight elements: ModelConfig minus embedding, norms and LM head); the activations
+//               the backward keeps, T per element of each kept layer's inputs (their transposes;
+//               Lightning: normed input, gated output; MLA: normed input, normed q_a output and
 //               latent, attention output; FFN: normed input, SwiGLU output), the recomputing
-//               layers one shared layer's (the larger kind); and one output gradient, 2 T times
-//               the widest projection output. Counted on top of the bf16 activations.
+//               layers one shared layer's (the larger kind); their row-major codes in one scratch,
+//               T times the widest input (d, f or H v_head); and one output gradient in both
+//               layouts, 2 T times the widest projection output. Less the bf16 activations FP8
+//               leaves unwritten in the kept layers, 2 T (3 d + f) a Lightning layer (h, y, h2,
+//               a) and 2 T (d + f) an MLA layer (h2, a): negative where those outweigh the codes.
 //               "cpu": the emulation (worker/engine/numerics.h) holds its copies in fp32: bf16
 //               and fp8 a 4 P working copy; fp8 also 4 L of FP8 weights, 4 T per kept activation
 //               input element (no transposed copy) and 4 T (2 * widest + 3 d) of gradient copies.

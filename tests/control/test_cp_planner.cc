@@ -554,9 +554,10 @@ TEST(CpPlannerTest, LongestSeqLenFitsTheDeviceAndOneStepMoreDoesNot) {
 }
 
 // train.precision: "fp8" on "cuda" adds its FP8 copies to the estimate (weights with their
-// transposed copies, each kept layer's linear-layer inputs with theirs, one output gradient);
+// transposed copies, each kept layer's linear-layer inputs' transposes and one scratch of their
+// row-major codes, one output gradient) less the bf16 activations it leaves unwritten;
 // "auto" and "bf16" add nothing on the GPU; on the CPU the emulation's fp32-held copies count.
-// A GPU job that fits in bf16 can be refused (or recompute more) in fp8.
+// Without recompute FP8 leaves bf16 activations unwritten and holds less than bf16.
 TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   JobSpec s;
   s.model = *ModelPreset("1b");
@@ -579,7 +580,11 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   const int64_t widest = 3 * d;
   ASSERT_GT(widest,
             std::max({f, H * (a.qk_nope_dim + a.qk_rope_dim), H * (a.qk_nope_dim + a.v_head_dim)}));
-  const int64_t want = 2 * linear + 2 * T * inputs + 2 * T * widest;
+  // The inputs' row-major codes share one scratch of the widest input, f; kept layers leave
+  // Lightning's bf16 h, y, h2 and a and MLA's h2 and a unwritten.
+  const int64_t scratch = T * f;
+  const int64_t unwritten = nl * (3 * d + f) + nm * (d + f);
+  const int64_t want = 2 * linear + T * inputs + scratch + 2 * T * widest - 2 * T * unwritten;
 
   const CpPlan bf16 = CpPlanner().Plan(s, 0);
   EXPECT_EQ(bf16.memory.precision_bytes, 0);
@@ -590,22 +595,30 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   const CpPlan fp8 = CpPlanner().Plan(s, 0);
   EXPECT_EQ(fp8.memory.precision_bytes, want);
   EXPECT_EQ(fp8.memory.total_bytes, bf16.memory.total_bytes + want);
-  EXPECT_GT(want, int64_t{4} << 30);  // 1b at 32K: gigabytes, not a rounding error
+  // 1b at 32K without recompute: FP8 holds gigabytes less than bf16, not a rounding error.
+  EXPECT_LT(want, -(int64_t{2} << 30));
 
-  // Planned with: a device between the two estimates fits bf16 and refuses fp8, naming memory.
+  // Planned with: a device between the two estimates fits fp8 and refuses bf16, naming memory.
   const int64_t device = bf16.memory.total_bytes + want / 2;
-  s.train.precision = TrainPrecision::kAuto;
   EXPECT_TRUE(CpPlanner().Plan(s, device).ok());
-  s.train.precision = TrainPrecision::kFp8;
+  s.train.precision = TrainPrecision::kAuto;
   const CpPlan refused = CpPlanner().Plan(s, device);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.problems[0].rfind("memory: estimated ", 0), 0u) << refused.problems[0];
-  // With train.recompute "auto" fp8 recomputes at least as many layers as bf16.
+  // With train.recompute "auto" fp8 recomputes no more layers than bf16.
   s.train.recompute_layers = TrainSpec::kRecomputeAuto;
-  const int64_t r8 = CpPlanner().Plan(s, device).memory.recompute_layers;
-  s.train.precision = TrainPrecision::kAuto;
-  EXPECT_GE(r8, CpPlanner().Plan(s, device).memory.recompute_layers);
-  EXPECT_GT(r8, 0);
+  const int64_t r16 = CpPlanner().Plan(s, device).memory.recompute_layers;
+  s.train.precision = TrainPrecision::kFp8;
+  EXPECT_LE(CpPlanner().Plan(s, device).memory.recompute_layers, r16);
+  EXPECT_GT(r16, 0);
+  // Every layer recomputing keeps no layer's bf16 activations to leave unwritten: fp8 then adds.
+  s.train.recompute_layers = m.n_layers;
+  const int64_t all16 = [&] {
+    JobSpec b = s;
+    b.train.precision = TrainPrecision::kAuto;
+    return CpPlanner().Plan(b, 0).memory.total_bytes;
+  }();
+  EXPECT_GT(CpPlanner().Plan(s, 0).memory.total_bytes, all16);
 
   // The CPU emulation: a 4 P working copy for bf16; fp8 more.
   JobSpec c;

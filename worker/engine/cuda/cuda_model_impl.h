@@ -123,17 +123,25 @@ class DevBuf {
 // One FP8 GEMM input [rows, cols] (train.precision fp8) in a block of Bytes(rows * cols) at base:
 // its scalars (the inverse scale, which the GEMM reads, 16-byte aligned at the start; the amax;
 // the scale), its codes, and their transpose [cols, rows] (the backward's K-contiguous layout).
-// A linear weight's copy (in the model's fixed memory) and an activation's (Fp8Act) alike.
+// A linear weight's copy (in the model's fixed memory) and an activation's (Fp8Act) alike. An
+// activation whose row-major codes only its forward GEMMs read keeps just the transpose in its
+// block (TransposeBytes) and has its codes in shared scratch (`rows_at`).
 struct Fp8Block {
   static constexpr int64_t kHeader = 256;
   static int64_t Padded(int64_t n) { return (n + 255) / 256 * 256; }
   static int64_t Bytes(int64_t n) { return kHeader + 2 * Padded(n); }
+  static int64_t TransposeBytes(int64_t n) { return kHeader + Padded(n); }
   void* base = nullptr;  // null: none (a weight that is not an FP8 linear)
   int64_t rows = 0, cols = 0;
   KDType format = KDType::kFp8E4M3;
+  void* rows_at = nullptr;  // the row-major codes when not in the block
 
-  void* codes() const { return static_cast<uint8_t*>(base) + kHeader; }
-  void* codes_t() const { return static_cast<uint8_t*>(base) + kHeader + Padded(rows * cols); }
+  void* codes() const {
+    return rows_at != nullptr ? rows_at : static_cast<uint8_t*>(base) + kHeader;
+  }
+  void* codes_t() const {
+    return static_cast<uint8_t*>(base) + kHeader + (rows_at != nullptr ? 0 : Padded(rows * cols));
+  }
   const float* inverse_scale() const { return static_cast<float*>(base); }
   kc::Fp8Output Output() const {
     float* s = static_cast<float*>(base);
@@ -141,12 +149,14 @@ struct Fp8Block {
   }
 };
 
-// An activation's Fp8Block in a block of the caching allocator (grown on demand).
+// An activation's Fp8Block in a block of the caching allocator (grown on demand); with
+// `row_scratch`, its row-major codes go there (the block holds the transpose only).
 struct Fp8Act : Fp8Block {
   DevBuf mem;
-  absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f) {
-    rows = r, cols = c, format = f;
-    RETURN_IF_ERROR(mem.Ensure(a, Bytes(r * c)));
+  absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f,
+                      void* row_scratch = nullptr) {
+    rows = r, cols = c, format = f, rows_at = row_scratch;
+    RETURN_IF_ERROR(mem.Ensure(a, row_scratch != nullptr ? TransposeBytes(r * c) : Bytes(r * c)));
     base = mem.get();
     return absl::OkStatus();
   }
@@ -335,8 +345,12 @@ struct Work {
   // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
   // time (KindArena).
   KindArena arena;
-  // FP8: an output gradient's E5M2 codes, for the two GEMMs of one linear's backward.
+  // FP8: an output gradient's E5M2 codes, for the two GEMMs of one linear's backward; and the
+  // row-major codes of the activation being produced (Cache's q_* keep only their transposes):
+  // read by the forward GEMMs right after their producer, and by nothing later but a recomputing
+  // layer's FFN, whose backward runs first after the recomputed forward wrote them.
   Fp8Act q_dy;
+  DevBuf fp8_rows;
 };
 
 // One level of a CP split on the device: the zigzag of `cp` ranks (this one `rank`) over which
@@ -561,6 +575,14 @@ struct CudaModel::Impl {
     b.A = dy, b.lda = out, b.B = x, b.ldb = ldx, b.C = dW, b.ldc = in;
     b.c_type = KDType::kFloat32;
     return FromKernel(blas->Gemm(b, stream));
+  }
+  // A cached FP8 activation [rows, cols] (E4M3) about to be produced: its transpose in q's own
+  // block, its row-major codes in W.fp8_rows. W.fp8_rows is sized once for the widest such input
+  // (so it never moves within a step).
+  absl::Status QAct(Fp8Act& q, int64_t rows, int64_t cols) {
+    const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
+    RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
+    return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get());
   }
   // The same on FP8 codes (fp8): y[T, out] (+)= x W^T from x's codes and weight w's copy.
   absl::Status FwdQ(const Fp8Block& x, int w, void* y, int64_t T, int64_t in, int64_t out, bool acc,

@@ -41,7 +41,7 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(FwdQ(C.q_h, L.gate, C.gate.get(), T, d, d, false));
-  RETURN_IF_ERROR(C.q_y.Ensure(&alloc, T, d, KDType::kFp8E4M3));
+  RETURN_IF_ERROR(QAct(C.q_y, T, d));
   KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
                                  T, H, Dh, eps, kAct, C.q_y.Output(), stream));
   return absl::OkStatus();
@@ -290,12 +290,15 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
                                            void* x_out, bool ffn_kept, bool attention_kept) {
   const int64_t T = B.T, d = c.d_model;
   const float eps = static_cast<float>(c.norm_eps);
-  RETURN_IF_ERROR(Act(C.h, T, d));
+  // Under FP8 only MLA reads the bf16 h (its q projection stays bf16); Lightning's GEMMs take
+  // the codes.
+  const bool bf16_h = !fp8 || L.kind != 'L';
+  if (bf16_h) RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
   if (fp8) {
-    RETURN_IF_ERROR(C.q_h.Ensure(&alloc, T, d, KDType::kFp8E4M3));
-    KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
-                             C.q_h.Output(), stream));
+    RETURN_IF_ERROR(QAct(C.q_h, T, d));
+    KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), bf16_h ? C.h.get() : nullptr, C.rstd1.f32(), T,
+                             d, eps, kAct, C.q_h.Output(), stream));
   } else {
     KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
                           stream));
@@ -309,7 +312,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     RETURN_IF_ERROR(MlaForward(L, C, attention_kept));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
     if (fp8) {  // the attention's output has no producer of ours to fuse the cast into
-      RETURN_IF_ERROR(C.q_O.Ensure(&alloc, T, hv, KDType::kFp8E4M3));
+      RETURN_IF_ERROR(QAct(C.q_O, T, hv));
       KC(kc::Fp8Quantize(C.O.get(), T, hv, kAct, C.q_O.Output(), stream));
       RETURN_IF_ERROR(FwdQ(C.q_O, L.mo, C.x_mid.get(), T, hv, d, true, x_in));
     } else {
@@ -318,7 +321,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   }
   RETURN_IF_ERROR(F32(C.rstd2, T));
   if (fp8) {
-    RETURN_IF_ERROR(C.q_h2.Ensure(&alloc, T, d, KDType::kFp8E4M3));
+    RETURN_IF_ERROR(QAct(C.q_h2, T, d));
     KC(kc::RmsNormForwardFp8(C.x_mid.get(), Wb(L.ffn_norm), nullptr, C.rstd2.f32(), T, d, eps, kAct,
                              C.q_h2.Output(), stream));
   } else {
@@ -337,7 +340,7 @@ absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, const void*
   if (fp8) {
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w1, g, n, d, F, false));
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w3, u, n, d, F, false));
-    RETURN_IF_ERROR(C.q_a.Ensure(&alloc, n, F, KDType::kFp8E4M3));
+    RETURN_IF_ERROR(QAct(C.q_a, n, F));
     KC(kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, C.q_a.Output(), stream));
     return absl::OkStatus();
   }
