@@ -25,7 +25,7 @@ if [ "$what" = fp8 ]; then
   echo "== peer"
   for args in "--T 32768 --compile" "--T 32768 --fp8 --compile"; do
     echo "ref_model.py $args"
-    timeout 150 python3 .peer/ref_model.py $args 2>&1 | tail -1 | tee -a "$out/peer_step.txt"
+    timeout 240 python3 .peer/ref_model.py $args 2>&1 | tail -1 | tee -a "$out/peer_step.txt"
   done
   exit 0
 fi

@@ -485,6 +485,41 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   BlockMaxToGlobal(m, amax);
 }
 
+// The same with Dh / kSeg = G lanes per (token, head) row (G a power of two <= 32, pointers
+// 16-byte aligned): each lane loads kSeg values of o, gate and w at once.
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowWarps)
+    GroupGateStatsVecKernel(const T* o, const T* w, const T* gate, T* y, float* rstd, int64_t T_,
+                            int64_t H, int64_t Dh, int G, float eps, float* amax) {
+  const int sub = static_cast<int>(threadIdx.x) % G;
+  const int64_t r = (blockIdx.x * int64_t{32 * kRowWarps} + threadIdx.x) / G;
+  const bool active = r < T_ * H;
+  const int64_t off = r * Dh + sub * kSeg, hd = r % H * Dh + sub * kSeg;
+  float ov[kSeg];
+  float ss = 0.0f;
+  if (active) {
+    Load8(o + off, ov);
+#pragma unroll
+    for (int k = 0; k < kSeg; ++k) ss += ov[k] * ov[k];
+  }
+  ss = internal::GroupSum(ss, G);  // every lane of the warp
+  uint32_t m = 0;
+  if (active) {
+    const float rs = rsqrtf(ss / static_cast<float>(Dh) + eps);
+    float gv[kSeg], wv[kSeg];
+    Load8(gate + off, gv);
+    Load8(w + hd, wv);
+#pragma unroll
+    for (int k = 0; k < kSeg; ++k) {
+      const float v = GroupGateValue(ov[k], rs, wv[k], gv[k]);
+      m = max(m, AbsBits(v));
+      if (y != nullptr) y[off + k] = FromFloat<T>(v);
+    }
+    if (sub == 0) rstd[r] = rs;
+  }
+  BlockMaxToGlobal(m, amax);
+}
+
 template <typename T>
 Status LaunchRmsNormFp8(const void* x, const void* residual, void* h, const void* w, void* y,
                         float* rstd, int64_t rows, int64_t D, float eps, const Fp8Output& q,
@@ -657,9 +692,18 @@ Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, v
     const auto* ot = static_cast<const scalar_t*>(o);
     const auto* wt = static_cast<const scalar_t*>(w);
     const auto* gt = static_cast<const scalar_t*>(gate);
-    const int64_t blocks = std::max<int64_t>(CeilDiv(T * H, kRowWarps), 1);
-    GroupGateStatsKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
-        ot, wt, gt, static_cast<scalar_t*>(y), rstd, T, H, Dh, eps, q.amax);
+    const int64_t G = Dh / kSeg;
+    if (Dh % kSeg == 0 && G <= 32 && internal::IsPow2(G) &&
+        GroupGateSource<scalar_t>{ot, wt, gt, rstd, H, Dh}.Vec()) {
+      const int64_t blocks = std::max<int64_t>(CeilDiv(T * H * G, 32 * kRowWarps), 1);
+      GroupGateStatsVecKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
+          ot, wt, gt, static_cast<scalar_t*>(y), rstd, T, H, Dh, static_cast<int>(G), eps,
+          q.amax);
+    } else {
+      const int64_t blocks = std::max<int64_t>(CeilDiv(T * H, kRowWarps), 1);
+      GroupGateStatsKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
+          ot, wt, gt, static_cast<scalar_t*>(y), rstd, T, H, Dh, eps, q.amax);
+    }
     SPINDLE_CUDA_CHECK_LAUNCH();
     return LaunchQuantize(GroupGateSource<scalar_t>{ot, wt, gt, rstd, H, Dh}, T, H * Dh, q, stream);
   });

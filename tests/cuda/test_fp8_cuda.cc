@@ -468,7 +468,9 @@ TEST_P(Fp8Cuda, GroupNormGateFp8MatchesEmulation) {
     int64_t T, H, Dh;
   };
   for (bool with_y : {false, true}) {
-    for (const GShape s : {GShape{37, 3, 24}, GShape{100, 2, 100}, GShape{5, 8, 172}}) {
+    // Rows of 8, 16 and 32 vectors of 8 (the vector path), and widths it does not take.
+    for (const GShape s : {GShape{37, 3, 24}, GShape{100, 2, 100}, GShape{5, 8, 172},
+                           GShape{37, 4, 64}, GShape{50, 2, 128}, GShape{3, 2, 256}}) {
       SCOPED_TRACE(std::string(with_y ? "y " : "") + std::to_string(s.T) + " x " +
                    std::to_string(s.H) + " x " + std::to_string(s.Dh));
       const int64_t C = s.H * s.Dh, n = s.T * C;

@@ -61,12 +61,12 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   // The optimizer state (m, v) comes with the first optimizer step or state upload: AdamW needs
   // both, SGD with momentum m only, plain SGD neither.
   for (float** b : {&impl->p, &impl->g}) CUDA(cudaMalloc(b, n * 4));
-  CUDA(cudaMalloc(&impl->w, n * kAb));
   CUDA(cudaMalloc(&impl->scalar, 2 * sizeof(double)));
   CUDA(cudaMallocHost(&impl->loss_host, sizeof(double)));
   CUDA(cudaMalloc(&impl->log_decays, std::max<int64_t>(1, config.n_layers * H) * 4));
-  impl->fixed_bytes = n * (8 + kAb);
+  impl->fixed_bytes = n * 8;
   CUDA(cudaMemsetAsync(impl->g, 0, n * 4, impl->stream));
+  RETURN_IF_ERROR(impl->LayOutWorkingCopy({}));
 
   auto idx = [&](const std::string& name) { return P.Find(name); };
   impl->embed = idx("embed.weight");
@@ -129,9 +129,36 @@ absl::Status CudaModel::Impl::CopyFlat(std::initializer_list<std::pair<float*, c
 absl::Status CudaModel::UploadParams() {
   Impl& I = *impl_;
   RETURN_IF_ERROR(I.CopyFlat({{I.p, I.P().flat_data().f32()}}, cudaMemcpyHostToDevice));
-  KC(kc::ConvertFromFloat(I.p, I.w, I.P().numel(), kAct, I.stream));
+  RETURN_IF_ERROR(I.FillWorkingCopy());
   RETURN_IF_ERROR(I.CastFp8Weights());
   CUDA(cudaStreamSynchronize(I.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::LayOutWorkingCopy(const std::vector<int>& none) {
+  w_at.assign(static_cast<size_t>(P().size()), 0);
+  for (int i : none) w_at[i] = -1;
+  int64_t n = 0;
+  for (int i = 0; i < P().size(); ++i) {
+    if (w_at[i] < 0) continue;
+    w_at[i] = n;
+    n += (P().info(i).numel + 63) / 64 * 64;
+  }
+  CUDA(cudaStreamSynchronize(stream));  // the old copy may still be read
+  if (w) cudaFree(w);
+  w = nullptr;
+  fixed_bytes -= w_numel * kAb;
+  CUDA(cudaMalloc(&w, std::max<int64_t>(n, 1) * kAb));
+  w_numel = n;
+  fixed_bytes += n * kAb;
+  return FillWorkingCopy();
+}
+
+absl::Status CudaModel::Impl::FillWorkingCopy() {
+  for (int i = 0; i < P().size(); ++i)
+    if (w_at[i] >= 0)
+      KC(kc::ConvertFromFloat(p + P().info(i).offset, At(w, w_at[i]), P().info(i).numel, kAct,
+                              stream));
   return absl::OkStatus();
 }
 
@@ -158,7 +185,7 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
     I.fixed_bytes -= I.fp8_fixed_bytes;
     I.fp8_w_mem = nullptr, I.fp8_fixed_bytes = 0, I.fp8 = false;
     I.fp8_w.clear();
-    return absl::OkStatus();
+    return I.LayOutWorkingCopy({});
   }
   ParamSet& P = I.P();
   const std::vector<int> linear = I.host->Fp8LinearWeights();
@@ -185,6 +212,7 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
   I.fp8_fixed_bytes = bytes;
   I.fixed_bytes += bytes;
   I.fp8 = true;
+  RETURN_IF_ERROR(I.LayOutWorkingCopy(linear));
   RETURN_IF_ERROR(I.CastFp8Weights());
   CUDA(cudaStreamSynchronize(I.stream));
   return absl::OkStatus();
@@ -273,7 +301,8 @@ absl::Status CudaModel::OptimizerStep(const TrainSpec& spec, double lr, float gr
     const float wd = info.weight_decay ? static_cast<float>(spec.weight_decay) : 0.0f;
     // State the rule does not keep stays null (plain SGD: no m; SGD: no v).
     t.push_back({I.p + info.offset, I.g + info.offset, I.m ? I.m + info.offset : nullptr,
-                 I.v ? I.v + info.offset : nullptr, At(I.w, info.offset), info.numel, wd});
+                 I.v ? I.v + info.offset : nullptr, I.w_at[i] >= 0 ? At(I.w, I.w_at[i]) : nullptr,
+                 info.numel, wd});
   }
   ++I.steps;
   const auto n_t = static_cast<int64_t>(t.size());

@@ -431,9 +431,13 @@ struct CudaModel::Impl {
   std::unique_ptr<kc::Blas> blas;
   std::unique_ptr<kc::Sdpa> sdpa;
   kc::CachingAllocator alloc;
-  // Fixed device buffers (cudaMalloc): fp32 master, gradients, moments; bf16 working copy.
+  // Fixed device buffers (cudaMalloc): fp32 master, gradients, moments; bf16 working copy `w`,
+  // parameter i at element w_at[i] (-1: none; under fp8 the FP8 linears, whose GEMMs read fp8_w,
+  // have no bf16 copy), w_numel elements (LayOutWorkingCopy).
   float *p = nullptr, *g = nullptr, *m = nullptr, *v = nullptr;
   void* w = nullptr;
+  std::vector<int64_t> w_at;
+  int64_t w_numel = 0;
   double* scalar = nullptr;     // [2] device results (loss sum, norms)
   double* loss_host = nullptr;  // pinned host copy of the loss sum
   float* log_decays = nullptr;
@@ -517,7 +521,8 @@ struct CudaModel::Impl {
                       &W.ring_share,
                       &W.ring_own,
                       &W.arena.mem,
-                      &W.q_dy.mem})
+                      &W.q_dy.mem,
+                      &W.fp8_rows})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -536,7 +541,12 @@ struct CudaModel::Impl {
   }
 
   ParamSet& P() { return host->params(); }
-  const void* Wb(int i) { return At(w, P().info(i).offset); }
+  // Parameter i's bf16 copy; null for an FP8 linear under fp8 (a kernel handed it faults loudly).
+  const void* Wb(int i) { return w_at[i] >= 0 ? At(w, w_at[i]) : nullptr; }
+  // (Re)allocates w with a copy of every parameter but those in `none`, 128-byte aligned, and
+  // fills it from the fp32 masters.
+  absl::Status LayOutWorkingCopy(const std::vector<int>& none);
+  absl::Status FillWorkingCopy();  // w's copies from the fp32 masters
   float* G(int i) { return g + P().info(i).offset; }
 
   // ---- GEMMs (row-major; bf16 in, fp32 accumulate) --------------------------------------------
