@@ -334,6 +334,8 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
                          FormatBytes(m.workspace_bytes()));
   if (m.runtime_bytes() > 0) out << ", CUDA runtime " << FormatBytes(m.runtime_bytes());
   if (m.precision_bytes() > 0) out << ", precision copies " << FormatBytes(m.precision_bytes());
+  if (m.precision_bytes() < 0)  // fp8's codes take less than the bf16 activations they replace
+    out << ", precision copies -" << FormatBytes(-m.precision_bytes());
   out << "\n";
   if (m.host_bytes() > 0)
     out << "  offloaded layer inputs: " << FormatBytes(m.host_bytes())

@@ -143,13 +143,14 @@ int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64
   const int64_t widest = std::max(
       {3 * d, f, H * qk, H * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank + a.qk_rope_dim});
   if (cuda) {
-    // The kept inputs' transposed codes (their row-major codes live in one scratch of the widest
-    // input, read only by the forward's GEMMs), both layouts of one output gradient; less the
-    // bf16 buffers no kernel writes under FP8 in a kept layer: Lightning's h, y, h2 and a, MLA's
-    // h2 and a.
+    // The weights' codes in both layouts (2 L) replace their bf16 working copies (2 L). The kept
+    // inputs' transposed codes (their row-major codes live in one scratch of the widest input,
+    // read only by the forward's GEMMs), both layouts of one output gradient; less the bf16
+    // buffers no kernel writes under FP8 in a kept layer: Lightning's h, y, h2 and a, MLA's h2
+    // and a.
     const int64_t widest_in = std::max({d, f, H * a.v_head_dim});
     const int64_t unwritten = (nl - rl) * (3 * d + f) + (nm - rm) * (d + f);
-    return 2 * L + T * inputs + T * widest_in + 2 * T * widest - 2 * T * unwritten;
+    return T * inputs + T * widest_in + 2 * T * widest - 2 * T * unwritten;
   }
   return 4 * P + 4 * L + 4 * T * inputs + 4 * T * (2 * widest + 3 * d);
 }

@@ -138,7 +138,8 @@ struct CpPlan {
 //   precision   train.precision "fp8" on "cuda": the FP8 GEMM inputs of the blocks' linear layers,
 //               1 byte an element: the weights with the transposed copy the backward's GEMMs take
 //               (cuBLASLt's FP8 GEMMs read both operands K-major), 2 L (L = the blocks' linear
-//               weight elements: ModelConfig minus embedding, norms and LM head); the activations
+//               weight elements: ModelConfig minus embedding, norms and LM head), in place of
+//               their 2 L of bf16 working copy (so 0 net); the activations
 //               the backward keeps, T per element of each kept layer's inputs (their transposes;
 //               Lightning: normed input, gated output; MLA: normed input, normed q_a output and
 //               latent, attention output; FFN: normed input, SwiGLU output), the recomputing

@@ -554,7 +554,7 @@ TEST(CpPlannerTest, LongestSeqLenFitsTheDeviceAndOneStepMoreDoesNot) {
 }
 
 // train.precision: "fp8" on "cuda" adds its FP8 copies to the estimate (weights with their
-// transposed copies, each kept layer's linear-layer inputs' transposes and one scratch of their
+// transposed copies in place of their bf16 ones, each kept layer's linear-layer inputs' transposes and one scratch of their
 // row-major codes, one output gradient) less the bf16 activations it leaves unwritten;
 // "auto" and "bf16" add nothing on the GPU; on the CPU the emulation's fp32-held copies count.
 // Without recompute FP8 leaves bf16 activations unwritten and holds less than bf16.
@@ -584,7 +584,9 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   // Lightning's bf16 h, y, h2 and a and MLA's h2 and a unwritten.
   const int64_t scratch = T * f;
   const int64_t unwritten = nl * (3 * d + f) + nm * (d + f);
-  const int64_t want = 2 * linear + T * inputs + scratch + 2 * T * widest - 2 * T * unwritten;
+  // The weights' FP8 codes (2 linear) replace their bf16 working copy (2 linear).
+  ASSERT_GT(linear, 0);
+  const int64_t want = T * inputs + scratch + 2 * T * widest - 2 * T * unwritten;
 
   const CpPlan bf16 = CpPlanner().Plan(s, 0);
   EXPECT_EQ(bf16.memory.precision_bytes, 0);
