@@ -3,6 +3,7 @@
 // otherwise the scalar grid-stride kernels.
 #include <algorithm>
 
+#include "kernels/cuda/amax.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/vec.cuh"
@@ -10,7 +11,9 @@
 namespace spindle::kernels::cuda {
 namespace {
 
+using internal::AbsBits;
 using internal::Aligned16;
+using internal::BlockMaxToGlobal;
 using internal::FromFloat;
 using internal::kVec;
 using internal::Load16;
@@ -43,12 +46,15 @@ __global__ void __launch_bounds__(kVecThreads)
   }
 }
 
-template <typename T>
+// kAmax: also max |dg| and max |du| as stored (rounded to T) into amax[0] and amax[1] (the FP8
+// recipe's output-gradient amax, saving the quantization a pass over each).
+template <typename T, bool kAmax>
 __global__ void __launch_bounds__(kVecThreads)
     SwiGluBwdVecKernel(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n_vec,
-                       int64_t n) {
+                       int64_t n, float* amax) {
   constexpr int V = kVec<T>;
   const int64_t i = blockIdx.x * static_cast<int64_t>(kVecThreads) + threadIdx.x;
+  uint32_t mg = 0, mu = 0;
   if (i < n_vec) {
     float gv[V], uv[V], dv[V], dgv[V], duv[V];
     Unpack<T>(Load16(g + i * V), gv);
@@ -59,6 +65,10 @@ __global__ void __launch_bounds__(kVecThreads)
       const float sig = Sigmoid(gv[e]);
       dgv[e] = dv[e] * uv[e] * sig * (1.0f + gv[e] * (1.0f - sig));
       duv[e] = dv[e] * gv[e] * sig;
+      if constexpr (kAmax) {
+        mg = max(mg, AbsBits(ToFloat(FromFloat<T>(dgv[e]))));
+        mu = max(mu, AbsBits(ToFloat(FromFloat<T>(duv[e]))));
+      }
     }
     Store16(dg + i * V, Pack<T>(dgv));  // every load above precedes both stores (aliasing)
     Store16(du + i * V, Pack<T>(duv));
@@ -67,8 +77,19 @@ __global__ void __launch_bounds__(kVecThreads)
     const int64_t j = n_vec * V + i;
     const float gv = ToFloat(g[j]), uv = ToFloat(u[j]), d = ToFloat(dy[j]);
     const float sig = Sigmoid(gv);
-    dg[j] = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
-    du[j] = FromFloat<T>(d * gv * sig);
+    const T a = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
+    const T b = FromFloat<T>(d * gv * sig);
+    dg[j] = a;
+    du[j] = b;
+    if constexpr (kAmax) {
+      mg = max(mg, AbsBits(ToFloat(a)));
+      mu = max(mu, AbsBits(ToFloat(b)));
+    }
+  }
+  if constexpr (kAmax) {
+    BlockMaxToGlobal(mg, amax);
+    __syncthreads();
+    BlockMaxToGlobal(mu, amax + 1);
   }
 }
 
@@ -86,15 +107,28 @@ __global__ void SwiGluFwdKernel(const T* g, const T* u, T* y, int64_t n) {
   }
 }
 
-// d silu(g)/dg = sig * (1 + g * (1 - sig)).
-template <typename T>
-__global__ void SwiGluBwdKernel(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n) {
+// d silu(g)/dg = sig * (1 + g * (1 - sig)). kAmax: as SwiGluBwdVecKernel.
+template <typename T, bool kAmax>
+__global__ void SwiGluBwdKernel(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n,
+                                float* amax) {
+  uint32_t mg = 0, mu = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float gv = ToFloat(g[i]), uv = ToFloat(u[i]), d = ToFloat(dy[i]);
     const float sig = Sigmoid(gv);
-    dg[i] = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
-    du[i] = FromFloat<T>(d * gv * sig);
+    const T a = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
+    const T b = FromFloat<T>(d * gv * sig);
+    dg[i] = a;
+    du[i] = b;
+    if constexpr (kAmax) {
+      mg = max(mg, AbsBits(ToFloat(a)));
+      mu = max(mu, AbsBits(ToFloat(b)));
+    }
+  }
+  if constexpr (kAmax) {
+    BlockMaxToGlobal(mg, amax);
+    __syncthreads();
+    BlockMaxToGlobal(mu, amax + 1);
   }
 }
 
@@ -125,8 +159,9 @@ Status SwiGluForward(const void* g, const void* u, void* y, int64_t n, DType dty
 }
 
 Status SwiGluBackward(const void* g, const void* u, const void* dy, void* dg, void* du, int64_t n,
-                      DType dtype, cudaStream_t stream) {
+                      DType dtype, cudaStream_t stream, float* amax) {
   SPINDLE_CHECK_ARG(n >= 0, "SwiGluBackward: negative size");
+  if (amax != nullptr) SPINDLE_CUDA_CHECK(cudaMemsetAsync(amax, 0, 2 * sizeof(float), stream));
   if (n == 0) return Status::Ok();
   const bool aligned =
       Aligned16(g) && Aligned16(u) && Aligned16(dy) && Aligned16(dg) && Aligned16(du);
@@ -137,12 +172,19 @@ Status SwiGluBackward(const void* g, const void* u, const void* dy, void* dg, vo
     auto* dgt = static_cast<scalar_t*>(dg);
     auto* dut = static_cast<scalar_t*>(du);
     constexpr int V = kVec<scalar_t>;
-    if (aligned) {
-      const int64_t n_vec = n / V;
-      SwiGluBwdVecKernel<scalar_t><<<VecBlocks(n_vec, V), kVecThreads, 0, stream>>>(
-          gt, ut, dyt, dgt, dut, n_vec, n);
+    const int64_t n_vec = n / V;
+    if (aligned && amax != nullptr) {
+      SwiGluBwdVecKernel<scalar_t, true><<<VecBlocks(n_vec, V), kVecThreads, 0, stream>>>(
+          gt, ut, dyt, dgt, dut, n_vec, n, amax);
+    } else if (aligned) {
+      SwiGluBwdVecKernel<scalar_t, false><<<VecBlocks(n_vec, V), kVecThreads, 0, stream>>>(
+          gt, ut, dyt, dgt, dut, n_vec, n, nullptr);
+    } else if (amax != nullptr) {
+      SwiGluBwdKernel<scalar_t, true><<<Blocks(n), 256, 0, stream>>>(gt, ut, dyt, dgt, dut, n,
+                                                                      amax);
     } else {
-      SwiGluBwdKernel<scalar_t><<<Blocks(n), 256, 0, stream>>>(gt, ut, dyt, dgt, dut, n);
+      SwiGluBwdKernel<scalar_t, false><<<Blocks(n), 256, 0, stream>>>(gt, ut, dyt, dgt, dut, n,
+                                                                       nullptr);
     }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();

@@ -28,6 +28,7 @@
 #include <limits>
 #include <string>
 
+#include "kernels/cuda/amax.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/vec.cuh"
@@ -40,7 +41,9 @@ using internal::FromFloat;
 using internal::Sigmoid;
 using internal::ToFloat;
 using internal::WarpSum;
+using internal::AbsBits;
 using internal::Aligned16;
+using internal::BlockMaxToGlobal;
 using internal::Load16;
 using internal::Unpack;
 
@@ -76,9 +79,6 @@ __device__ __forceinline__ float ScaleFrom(float amax, float fmax) {
   return __fdiv_rn(fmax, isnan(amax) ? amax : fmaxf(amax, 1e-12f));
 }
 
-// |v| as bits: ordered as unsigned integers for non-negative floats, NaN above infinity.
-__device__ __forceinline__ uint32_t AbsBits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-
 // kSeg values of T from p (16-byte aligned) as floats.
 template <typename T>
 __device__ __forceinline__ void Load8(const T* p, float (&v)[kSeg]) {
@@ -102,28 +102,6 @@ __device__ __forceinline__ uint2 ToFp8x8(const float (&v)[kSeg], float scale, in
 }
 
 inline bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-
-__device__ __forceinline__ uint32_t WarpMaxBits(uint32_t v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// *amax = max(*amax, max of v over the block). Every thread of the block calls it (blockDim.x a
-// multiple of 32).
-__device__ void BlockMaxToGlobal(uint32_t v, float* amax) {
-  __shared__ uint32_t part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = WarpMaxBits(v);
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = static_cast<int>(blockDim.x >> 5);
-    uint32_t m = lane < warps ? part[lane] : 0u;
-    m = WarpMaxBits(m);
-    if (lane == 0 && m != 0u) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
-  }
-}
 
 // The fused producers' fp32 results, written once and used by both passes.
 __device__ __forceinline__ float RmsValue(float x, float rstd, float w) {

@@ -80,9 +80,11 @@ Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
 // ---- SwiGLU: y = silu(g) * u over n values ---------------------------------------------------------
 Status SwiGluForward(const void* g, const void* u, void* y, int64_t n, DType dtype,
                      cudaStream_t stream);
-// dg, du overwritten; each may alias an input element for element.
+// dg, du overwritten; each may alias an input element for element. amax (nullable, 2 device
+// floats): max |dg| and max |du| as stored, for the FP8 quantization of both (fp8.h's
+// Fp8QuantizeFromAmax), reduced on the way instead of in a pass of their own.
 Status SwiGluBackward(const void* g, const void* u, const void* dy, void* dg, void* du, int64_t n,
-                      DType dtype, cudaStream_t stream);
+                      DType dtype, cudaStream_t stream, float* amax = nullptr);
 
 // ---- Group RMSNorm + sigmoid gate (Lightning output), see cpu::GroupNormGateForward -------------
 // o, gate, y [T, H*Dh], w [H*Dh] share dtype; rstd [T*H] fp32. H*Dh <= 12288.

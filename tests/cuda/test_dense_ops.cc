@@ -4,6 +4,8 @@
 // vector paths of the memory-bound kernels and their scalar fallbacks (misaligned pointers).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
@@ -450,10 +452,22 @@ TEST_P(DenseOps, SwiGluTailsAndMisaligned) {
       std::vector<float> y(n), dg(n), du(n);
       cpu::SwiGluForward(g.data(), u.data(), y.data(), n);
       ExpectClose(Download(d_y.ptr, n, dt()), y, dt(), "y");
-      ASSERT_OK(SwiGluBackward(d_g.ptr, d_u.ptr, d_dy.ptr, d_g.ptr, d_u.ptr, n, dt(), 0));
+      // With the amaxes of dg and du (the FP8 recipe's): exactly max |stored value| of each.
+      DeviceBuffer amax(2 * sizeof(float));
+      ASSERT_OK(SwiGluBackward(d_g.ptr, d_u.ptr, d_dy.ptr, d_g.ptr, d_u.ptr, n, dt(), 0,
+                               amax.as<float>()));
       cpu::SwiGluBackward(g.data(), u.data(), dy.data(), dg.data(), du.data(), n);
-      ExpectClose(Download(d_g.ptr, n, dt()), dg, dt(), "dg");
-      ExpectClose(Download(d_u.ptr, n, dt()), du, dt(), "du");
+      const auto got_dg = Download(d_g.ptr, n, dt()), got_du = Download(d_u.ptr, n, dt());
+      ExpectClose(got_dg, dg, dt(), "dg");
+      ExpectClose(got_du, du, dt(), "du");
+      const auto amaxes = Download(amax.get(), 2, DType::kFloat32);
+      float want_g = 0.0f, want_u = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        want_g = std::max(want_g, std::fabs(got_dg[i]));
+        want_u = std::max(want_u, std::fabs(got_du[i]));
+      }
+      EXPECT_EQ(amaxes[0], want_g);
+      EXPECT_EQ(amaxes[1], want_u);
     }
   }
 }

@@ -351,6 +351,7 @@ struct Work {
   // layer's FFN, whose backward runs first after the recomputed forward wrote them.
   Fp8Act q_dy;
   DevBuf fp8_rows;
+  DevBuf dy_amax;  // FP8: [2] fp32, the amaxes of the FFN's dg and du (SwiGluBackward's)
 };
 
 // One level of a CP split on the device: the zigzag of `cp` ranks (this one `rank`) over which
@@ -522,7 +523,8 @@ struct CudaModel::Impl {
                       &W.ring_own,
                       &W.arena.mem,
                       &W.q_dy.mem,
-                      &W.fp8_rows})
+                      &W.fp8_rows,
+                      &W.dy_amax})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -608,11 +610,19 @@ struct CudaModel::Impl {
   }
   // dy (bf16 [T, out]) quantized to E5M2 with its transpose (W.q_dy), then dx (+)= dy W (dx
   // nullable) from the weight's transposed codes and dW += dy^T x from both transposes.
+  // dy_amax (nullable): max |dy| already reduced by dy's producer (a device float), which spares
+  // the quantization its own pass over dy.
   absl::Status BwdQ(const Fp8Block& x, int w, const void* dy, void* dx, float* dW, int64_t T,
-                    int64_t in, int64_t out, bool acc_dx) {
+                    int64_t in, int64_t out, bool acc_dx, float* dy_amax = nullptr) {
     Fp8Act& q = W.q_dy;
     RETURN_IF_ERROR(q.Ensure(&alloc, T, out, KDType::kFp8E5M2));
-    KC(kc::Fp8Quantize(dy, T, out, kAct, q.Output(), stream));
+    if (dy_amax != nullptr) {
+      kc::Fp8Output o = q.Output();
+      o.amax = dy_amax;
+      KC(kc::Fp8QuantizeFromAmax(dy, T, out, kAct, o, stream));
+    } else {
+      KC(kc::Fp8Quantize(dy, T, out, kAct, q.Output(), stream));
+    }
     kc::GemmArgs a;
     a.trans_b = true;
     a.ab_type = KDType::kFp8E5M2, a.b_type = KDType::kFp8E4M3, a.a_scale = q.inverse_scale();

@@ -390,11 +390,13 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
     void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
     if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, C, h, g, u, a, n));
     void* dh = At(W.dh.get(), t0 * d);
-    if (fp8) {  // one block
+    if (fp8) {  // one block; SwiGLU's backward reduces the amaxes of dg and du on the way
       RETURN_IF_ERROR(BwdQ(C.q_a, L.w2, dx, W.da.get(), G(L.w2), n, F, d, false));
-      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream));
-      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false));
-      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true));
+      RETURN_IF_ERROR(F32(W.dy_amax, 2));
+      float* amax = W.dy_amax.f32();
+      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream, amax));
+      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false, amax));
+      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true, amax + 1));
       continue;
     }
     RETURN_IF_ERROR(Bwd(a, F, Wb(L.w2), At(dx, t0 * d), W.da.get(), G(L.w2), n, F, d, false));
