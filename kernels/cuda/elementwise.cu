@@ -46,6 +46,30 @@ __global__ void __launch_bounds__(kVecThreads)
   }
 }
 
+// d silu(g)/dg = sig * (1 + g * (1 - sig)). One element of SwiGLU's backward, stored; with kAmax
+// the stored magnitudes are folded into mg and mu.
+template <typename T, bool kAmax>
+__device__ __forceinline__ void SwiGluBwdOne(const T* g, const T* u, const T* dy, T* dg, T* du,
+                                             int64_t i, uint32_t& mg, uint32_t& mu) {
+  const float gv = ToFloat(g[i]), uv = ToFloat(u[i]), d = ToFloat(dy[i]);
+  const float sig = Sigmoid(gv);
+  const T a = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
+  const T b = FromFloat<T>(d * gv * sig);
+  dg[i] = a;
+  du[i] = b;
+  if constexpr (kAmax) {
+    mg = max(mg, AbsBits(ToFloat(a)));
+    mu = max(mu, AbsBits(ToFloat(b)));
+  }
+}
+
+// The block's amaxes of dg and du into amax[0] and amax[1] (every thread calls it).
+__device__ __forceinline__ void SwiGluBwdAmaxes(uint32_t mg, uint32_t mu, float* amax) {
+  BlockMaxToGlobal(mg, amax);
+  __syncthreads();
+  BlockMaxToGlobal(mu, amax + 1);
+}
+
 // kAmax: also max |dg| and max |du| as stored (rounded to T) into amax[0] and amax[1] (the FP8
 // recipe's output-gradient amax, saving the quantization a pass over each).
 template <typename T, bool kAmax>
@@ -73,24 +97,8 @@ __global__ void __launch_bounds__(kVecThreads)
     Store16(dg + i * V, Pack<T>(dgv));  // every load above precedes both stores (aliasing)
     Store16(du + i * V, Pack<T>(duv));
   }
-  if (i < n - n_vec * V) {
-    const int64_t j = n_vec * V + i;
-    const float gv = ToFloat(g[j]), uv = ToFloat(u[j]), d = ToFloat(dy[j]);
-    const float sig = Sigmoid(gv);
-    const T a = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
-    const T b = FromFloat<T>(d * gv * sig);
-    dg[j] = a;
-    du[j] = b;
-    if constexpr (kAmax) {
-      mg = max(mg, AbsBits(ToFloat(a)));
-      mu = max(mu, AbsBits(ToFloat(b)));
-    }
-  }
-  if constexpr (kAmax) {
-    BlockMaxToGlobal(mg, amax);
-    __syncthreads();
-    BlockMaxToGlobal(mu, amax + 1);
-  }
+  if (i < n - n_vec * V) SwiGluBwdOne<T, kAmax>(g, u, dy, dg, du, n_vec * V + i, mg, mu);
+  if constexpr (kAmax) SwiGluBwdAmaxes(mg, mu, amax);
 }
 
 // Blocks of the vector kernels: enough threads for the vectors and for the tail.
@@ -107,29 +115,15 @@ __global__ void SwiGluFwdKernel(const T* g, const T* u, T* y, int64_t n) {
   }
 }
 
-// d silu(g)/dg = sig * (1 + g * (1 - sig)). kAmax: as SwiGluBwdVecKernel.
+// kAmax: as SwiGluBwdVecKernel.
 template <typename T, bool kAmax>
 __global__ void SwiGluBwdKernel(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n,
                                 float* amax) {
   uint32_t mg = 0, mu = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = ToFloat(g[i]), uv = ToFloat(u[i]), d = ToFloat(dy[i]);
-    const float sig = Sigmoid(gv);
-    const T a = FromFloat<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
-    const T b = FromFloat<T>(d * gv * sig);
-    dg[i] = a;
-    du[i] = b;
-    if constexpr (kAmax) {
-      mg = max(mg, AbsBits(ToFloat(a)));
-      mu = max(mu, AbsBits(ToFloat(b)));
-    }
-  }
-  if constexpr (kAmax) {
-    BlockMaxToGlobal(mg, amax);
-    __syncthreads();
-    BlockMaxToGlobal(mu, amax + 1);
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    SwiGluBwdOne<T, kAmax>(g, u, dy, dg, du, i, mg, mu);
+  if constexpr (kAmax) SwiGluBwdAmaxes(mg, mu, amax);
 }
 
 int64_t Blocks(int64_t n) { return std::min<int64_t>(internal::CeilDiv(n, 256), 132 * 16); }
