@@ -161,43 +161,12 @@ absl::Status Trainer::LoadStep(ParamSet& params, const std::string& dir) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> Trainer::LoadResumeCheckpoint(ParamSet& params) {
-  const int64_t recorded = opt_.resume_step;
-  if (recorded > 0) {
-    // The coordinator's record decides: exactly that checkpoint. Newer complete ones (written by
-    // every rank after the record's last update reached the coordinator) are passed over, and
-    // overwritten as the job reaches their steps again.
-    std::string newer;
-    for (const std::string& dir : CompleteCheckpoints(ckpt_dir_)) {
-      const int64_t step = CheckpointStepOf(dir);
-      if (step > recorded) absl::StrAppend(&newer, newer.empty() ? "" : ", ", step);
-      if (step != recorded) continue;
-      absl::Status s = LoadStep(params, dir);
-      if (s.ok()) {
-        if (!newer.empty())
-          Emit({{"event", "note"},
-                {"message", absl::StrCat("resumed from step ", recorded,
-                                         ", the job's last checkpoint as the coordinator recorded "
-                                         "it; newer complete checkpoints (steps ",
-                                         newer, ") are passed over and will be rewritten")}});
-        return state_.step;
-      }
-      if (s.code() != absl::StatusCode::kDataLoss) return s;
-      // The recorded checkpoint is damaged: resuming from another would silently redo or skip
-      // what the job is known to have done; the job fails, naming it.
-      return absl::NotFoundError(absl::StrCat(
-          "trainer: the job's last checkpoint, step ", recorded,
-          " (every rank completed it, as the coordinator recorded), does not load: ", s.message()));
-    }
-    return absl::NotFoundError(absl::StrCat(
-        "trainer: the job's last checkpoint, step ", recorded,
-        " (every rank completed it, as the coordinator recorded), is not in \"", ckpt_dir_, "\""));
-  }
-  // No record (a standalone run, or a job submitted onto an earlier one's directory): the newest
-  // checkpoint that loads.
+absl::StatusOr<int64_t> Trainer::LoadNewestValid(ParamSet& params) {
   std::string skipped;  // the newer checkpoints that did not load, for the note
   absl::Status newest;  // why the newest did not
+  const int64_t floor = opt_.resume_step;
   for (const std::string& dir : CompleteCheckpoints(ckpt_dir_)) {
+    if (floor > 0 && CheckpointStepOf(dir) < floor) break;  // older than the coordinator's record
     absl::Status s = LoadStep(params, dir);
     if (s.ok()) {
       if (!skipped.empty())
@@ -215,6 +184,14 @@ absl::StatusOr<int64_t> Trainer::LoadResumeCheckpoint(ParamSet& params) {
     state_ = TrainState{};
     state_.seed = opt_.spec.train.seed;
   }
+  // The coordinator recorded a checkpoint that no longer loads: resuming from an older one or
+  // from scratch would throw away what the job is known to have done; the job fails, naming it.
+  if (floor > 0)
+    return absl::NotFoundError(
+        absl::StrCat("trainer: the job's last checkpoint, step ", floor,
+                     " (every rank completed it, as the coordinator recorded), is not in \"",
+                     ckpt_dir_, "\" and no newer complete one loads",
+                     skipped.empty() ? std::string() : absl::StrCat(" (", skipped, ")")));
   // Damaged checkpoints and none that loads: starting over would throw away the job's progress
   // (and prune what is left); the job fails, naming the newest.
   if (!newest.ok()) return newest;
@@ -232,7 +209,7 @@ absl::Status Trainer::Resume(ParamSet& params) {
   }
   int64_t step = 0;
   if (ready.ok() && opt_.rank == 0) {
-    absl::StatusOr<int64_t> chosen = LoadResumeCheckpoint(params);
+    absl::StatusOr<int64_t> chosen = LoadNewestValid(params);
     if (chosen.ok()) step = *chosen;
     ready = chosen.status();
   }

@@ -85,8 +85,8 @@ struct TrainerOptions {
   int64_t attempt = 0;
   // The step of the last checkpoint the coordinator recorded every rank of the job completing
   // (the assignment's resume_step; 0: none known, as for a standalone run or a job submitted onto
-  // a directory of an earlier one). The job resumes from exactly that checkpoint; when it is
-  // missing or does not load, the attempt ends with an error naming it.
+  // a directory of an earlier one). The job resumes from it or a newer complete checkpoint, never
+  // from an older one: none of those that loads ends the attempt with an error naming it.
   int64_t resume_step = 0;
   std::function<void(const nlohmann::json&)> on_event;
   // Stop (as if killed) once this many steps are completed; -1 = run to spec.train.steps.
@@ -138,14 +138,14 @@ class Trainer {
   absl::Status Checkpoint();
   void Emit(nlohmann::json event);
 
-  // Fences the checkpoint directory (attempt > 0), then rank 0 loads the checkpoint to resume
-  // from (LoadResumeCheckpoint) and every other rank loads that same one.
+  // Fences the checkpoint directory (attempt > 0), then rank 0 picks the newest checkpoint that
+  // loads at or after resume_step (a corrupt newest one is skipped, in a "note" event naming
+  // both) and every other rank loads that same one.
   absl::Status Resume(ParamSet& params);
-  // Rank 0's choice, loaded into params: with opt_.resume_step, exactly that checkpoint
-  // (NotFound naming it when it is missing or does not load); without, the newest that loads (a
-  // corrupt newest one is skipped, in a "note" event naming both; DataLoss, the newest's error,
-  // when there are some and none loads). Returns the step (0: there is no checkpoint).
-  absl::StatusOr<int64_t> LoadResumeCheckpoint(ParamSet& params);
+  // Rank 0's choice: the step loaded into params (0: there is no checkpoint); DataLoss, the
+  // newest's error, when there are some and none loads; NotFound when none at or after
+  // opt_.resume_step loads.
+  absl::StatusOr<int64_t> LoadNewestValid(ParamSet& params);
   absl::Status LoadStep(ParamSet& params, const std::string& dir);
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
   // build communicators on (DeviceIds gathered over the Gloo world).
