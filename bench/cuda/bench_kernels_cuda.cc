@@ -5,17 +5,20 @@
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
 // Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--lightning-row N]
 //                           [--cp-pieces] [--causal-vs-full] [--step-gemms] [--gemm-candidates]
+//                           [--fp8-gemms]
 //   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
 //   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
 //   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
 //   attention each rank runs under cp = 2 at 64K tokens, All2All against AllGather's causal and
 //   full pieces; --causal-vs-full: cuDNN's causal graph against the unmasked (non-causal) one,
 //   forward and backward apart, at H=16, Dqk=192, Dv=128 and T = 4K to 32K, per useful FLOP (a
-//   Ring's diagonal block against its off-diagonal ones); --step-gemms: every GEMM shape of the 1b training step at T = 32K in each of its
-//   three roles (forward, input gradient, fp32 weight gradient), with the step's count of each and
-//   the alternatives that would change it (merged projections, the weight gradient without beta);
+//   Ring's diagonal block against its off-diagonal ones); --step-gemms: every GEMM shape of the 1b
+//   training step at T = 32K in each of its three roles (forward, input gradient, fp32 weight
+//   gradient), with the step's count of each and the alternatives that would change it (merged
+//   projections, the weight gradient without beta);
 //   --gemm-candidates: the step's large GEMMs with each algorithm cuBLASLt offers, timed under
-//   sustained load (the power cap's clock).
+//   sustained load (the power cap's clock); --fp8-gemms: the step's linears in each role as FP8
+//   GEMMs, cuBLASLt's accurate against its fast accumulation, beside bf16.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -33,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
@@ -291,11 +295,102 @@ int StepGemms(bool candidates) {
   return 0;
 }
 
+// ---- The 1b step's linears in FP8 (--fp8-gemms)
+// -------------------------------------------------- Each linear of the step at T = 32K in its
+// three roles as CudaModel issues them under fp8: the forward (E4M3 x E4M3 -> bf16), the input
+// gradient (E5M2 x E4M3 -> bf16) and the weight gradient (E5M2 x E4M3 -> fp32, beta 1), each on
+// cuBLASLt's one FP8 layout, beside the bf16 GEMM of the same role, FP8 with cuBLASLt's accurate
+// accumulation and with its fast accumulation; sustained (SustainedMs), the step's totals weighted
+// by each linear's count.
+int Fp8Gemms() {
+  const int64_t T = 32768, d = 2048, F = 5632;
+  std::unique_ptr<cu::Blas> blas;
+  Check(cu::Blas::Create(&blas), "blas");
+  const size_t max_elems = static_cast<size_t>(T) * std::max(3 * d, F);  // the widest operand
+  Buf A(max_elems, kBf16), B(max_elems, kBf16), C(max_elems, cu::DType::kFloat32);
+  // Codes of N(0, 1) values at scale 1 (about 2^-3 .. 2^2 for E4M3): any valid codes do for a
+  // timing; the scales are device floats of 1.
+  auto codes = [&](cu::DType format) {
+    Buf src(max_elems, kBf16);
+    auto q = std::make_unique<Buf>(max_elems / 2 + 64, kBf16);  // max_elems bytes of codes
+    cu::Fp8Output o;
+    Buf amax(64, cu::DType::kFloat32), scale(64, cu::DType::kFloat32), inv(64, cu::DType::kFloat32);
+    o.format = format, o.codes = q->p, o.amax = amax.as<float>(), o.scale = scale.as<float>();
+    o.inverse_scale = inv.as<float>();
+    Check(cu::Fp8Quantize(src.p, static_cast<int64_t>(max_elems) / 64, 64, kBf16, o, 0),
+          "quantize");
+    CheckCuda(cudaDeviceSynchronize(), "quantize");
+    return q;
+  };
+  const auto e4 = codes(cu::DType::kFp8E4M3), e4b = codes(cu::DType::kFp8E4M3),
+             e5 = codes(cu::DType::kFp8E5M2);
+  Buf one(64, cu::DType::kFloat32);
+  const std::vector<float> ones(64, 1.0f);
+  CheckCuda(cudaMemcpy(one.p, ones.data(), 64 * 4, cudaMemcpyHostToDevice), "scales");
+  const float* s = one.as<float>();
+  struct Linear {
+    const char* name;
+    int64_t in, out, count;
+  };
+  const std::vector<Linear> step = {{"L qkv", d, 3 * d, 14},   {"L gate", d, d, 14},
+                                    {"L out", d, d, 14},       {"M q_a", d, 768, 2},
+                                    {"M kv_a", d, 576, 2},     {"M out", 16 * 128, d, 2},
+                                    {"ffn w1 / w3", d, F, 32}, {"ffn w2", F, d, 16}};
+  const char* roles[] = {"fwd", "dgrad", "wgrad fp32 b1"};
+  // mode 0: bf16, 1: FP8 accurate, 2: FP8 fast accumulation.
+  auto args = [&](const Linear& l, int role, int mode) {
+    cu::GemmArgs a;
+    a.C = C.p;
+    a.trans_b = true;
+    if (role == 0) a.M = T, a.N = l.out, a.K = l.in;
+    if (role == 1) a.M = T, a.N = l.in, a.K = l.out;
+    if (role == 2) a.M = l.out, a.N = l.in, a.K = T, a.beta = 1.0f;
+    a.lda = a.K, a.ldb = a.K, a.ldc = a.N;
+    a.c_type = role == 2 ? cu::DType::kFloat32 : kBf16;
+    if (mode == 0) {  // the bf16 engine's layouts: dgrad B untransposed, wgrad A transposed
+      a.A = A.p, a.B = B.p;
+      if (role == 1) a.trans_b = false, a.ldb = a.N;
+      if (role == 2) a.trans_a = true, a.trans_b = false, a.lda = a.M, a.ldb = a.N;
+      return a;
+    }
+    a.A = role == 0 ? e4->p : e5->p, a.B = e4b->p;
+    a.ab_type = role == 0 ? cu::DType::kFp8E4M3 : cu::DType::kFp8E5M2;
+    a.b_type = cu::DType::kFp8E4M3;
+    a.a_scale = s, a.b_scale = s;
+    a.fast_accum = mode == 2;
+    return a;
+  };
+  std::printf("| %-12s | %-13s | %5s | %9s | %9s | %9s | %8s | %8s |\n", "linear", "role", "count",
+              "bf16 ms", "fp8 ms", "fast ms", "fp8 TF/s", "fast TF/s");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  double total[3][3] = {};
+  for (const Linear& l : step)
+    for (int role = 0; role < 3; ++role) {
+      double ms[3];
+      for (int mode = 0; mode < 3; ++mode) {
+        const cu::GemmArgs a = args(l, role, mode);
+        ms[mode] = SustainedMs([&] { Check(blas->Gemm(a, 0), "gemm"); });
+        total[role][mode] += ms[mode] * l.count;
+      }
+      const double flops = 2.0 * T * l.in * l.out;
+      std::printf("| %-12s | %-13s | %5lld | %9.3f | %9.3f | %9.3f | %8.0f | %8.0f |\n", l.name,
+                  roles[role], static_cast<long long>(l.count), ms[0], ms[1], ms[2],
+                  flops / ms[1] / 1e9, flops / ms[2] / 1e9);
+      std::fflush(stdout);
+    }
+  std::printf("\nthese GEMMs in one step, ms (bf16 / fp8 / fp8 fast):");
+  for (int role = 0; role < 3; ++role)
+    std::printf(" %s %.1f / %.1f / %.1f;", roles[role], total[role][0], total[role][1],
+                total[role][2]);
+  std::printf("\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false,
-       causal_vs_full = false, step_gemms = false, gemm_candidates = false;
+       causal_vs_full = false, step_gemms = false, gemm_candidates = false, fp8_gemms = false;
   int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
@@ -308,6 +403,7 @@ int main(int argc, char** argv) {
     causal_vs_full |= std::strcmp(argv[i], "--causal-vs-full") == 0;
     step_gemms |= std::strcmp(argv[i], "--step-gemms") == 0;
     gemm_candidates |= std::strcmp(argv[i], "--gemm-candidates") == 0;
+    fp8_gemms |= std::strcmp(argv[i], "--fp8-gemms") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
@@ -330,6 +426,7 @@ int main(int argc, char** argv) {
   }
   std::printf("device copy: %.2f TB/s (read + write)\n\n", g_copy_tbps);
   if (step_gemms || gemm_candidates) return StepGemms(gemm_candidates);
+  if (fp8_gemms) return Fp8Gemms();
 
   std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),

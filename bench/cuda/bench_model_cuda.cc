@@ -24,13 +24,15 @@
 // between the forward and the backward (CudaModel::SetOffloadInputs); "host GiB" is that memory.
 // --mla_grad_heads N: MLA's backward in groups of N heads (CudaModel::SetMlaGradHeadsPerGroup; 0,
 // the default, is the model's rule; n_heads: one group).
-// --precision bf16 (default) or fp8 (CudaModel::SetPrecision).
+// --precision bf16 (default) or fp8 (CudaModel::SetPrecision); --fp8_fast_forward 0: the FP8
+// forward GEMMs accumulate accurately too (CudaModel::SetFp8FastForward).
 // --forward 0: skip the forward-only timing and the held-out loss (their columns print -1), which
 // at the longest sequences take as long as half a step.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
 //                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
 //                         [--mla_grad_heads 0] [--forward 1] [--precision bf16|fp8]
+//                         [--fp8_fast_forward 1]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -61,7 +63,7 @@ void CUDART_CB HoldStream(void* ms) {
 constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
         const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows,
-        int64_t mla_grad_heads, bool forward, TrainPrecision precision) {
+        int64_t mla_grad_heads, bool forward, TrainPrecision precision, bool fast_forward) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -76,6 +78,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   absl::Status set = m.SetHeadBlockRows(head_rows);
   if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
   if (set.ok()) set = m.SetPrecision(precision);
+  m.SetFp8FastForward(fast_forward);
   if (!set.ok()) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", set.ToString().c_str());
     return 2;
@@ -87,7 +90,9 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       "master + AdamW\n",
       prop.name, preset.c_str(), config->NumParams() / 1e6,
       std::string(TrainPrecisionName(precision)).c_str(),
-      precision == TrainPrecision::kFp8 ? ", FP8 linears" : "");
+      precision != TrainPrecision::kFp8 ? ""
+      : fast_forward                    ? ", FP8 linears, fast-accumulating forward"
+                                        : ", FP8 linears, accurate accumulation");
   std::printf(
       "| T | recompute | offload | step ms | host enqueue ms | forward-only ms | optimizer ms | "
       "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | host GiB | loss | "
@@ -211,7 +216,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> Ts = {8192, 32768};
   int steps = 6, head_start_ms = 0;
   int64_t head_rows = 0, mla_grad_heads = 0;
-  bool forward = true;
+  bool forward = true, fast_forward = true;
   spindle::TrainPrecision precision = spindle::TrainPrecision::kBf16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -235,6 +240,8 @@ int main(int argc, char** argv) {
       mla_grad_heads = std::atoll(v.c_str());
     } else if (k == "--forward") {
       forward = v != "0";
+    } else if (k == "--fp8_fast_forward") {
+      fast_forward = v != "0";
     } else if (k == "--precision") {
       if (v != "bf16" && v != "fp8") {
         std::fprintf(stderr, "bench_model_cuda: --precision takes bf16 or fp8, got %s\n",
@@ -268,5 +275,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows, mla_grad_heads,
-                      forward, precision);
+                      forward, precision, fast_forward);
 }

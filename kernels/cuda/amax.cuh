@@ -9,15 +9,45 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/vec.cuh"
+
 namespace spindle::kernels::cuda::internal {
 
 // |v| as bits: ordered as unsigned integers for non-negative floats, NaN above infinity.
 __device__ __forceinline__ uint32_t AbsBits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
+// |v| as stored in T (rounded to it), as bits.
+template <typename T>
+__device__ __forceinline__ uint32_t StoredAbsBits(float v) {
+  return AbsBits(ToFloat(FromFloat<T>(v)));
+}
+
+// The largest |value| of a packed vector of T values (vec.cuh), as the bits of that float: on the
+// packed words, without unpacking (a bf16's bits are the top half of its float's).
+template <typename T>
+__device__ __forceinline__ uint32_t PackedAbsBits(const uint4& p);
+template <>
+__device__ __forceinline__ uint32_t PackedAbsBits<float>(const uint4& p) {
+  return max(max(p.x & 0x7fffffffu, p.y & 0x7fffffffu), max(p.z & 0x7fffffffu, p.w & 0x7fffffffu));
+}
+template <>
+__device__ __forceinline__ uint32_t PackedAbsBits<__nv_bfloat16>(const uint4& p) {
+  auto two = [](uint32_t u) { return max((u & 0x7fffu) << 16, u & 0x7fff0000u); };
+  return max(max(two(p.x), two(p.y)), max(two(p.z), two(p.w)));
+}
+
 __device__ __forceinline__ uint32_t WarpMaxBits(uint32_t v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// *amax = max(*amax, max of v over the warp): no shared memory (for kernels whose dynamic shared
+// memory may take the whole allowance). Every lane of the warp calls it.
+__device__ __forceinline__ void WarpMaxToGlobal(uint32_t v, float* amax) {
+  v = WarpMaxBits(v);
+  if ((threadIdx.x & 31) == 0 && v != 0u) atomicMax(reinterpret_cast<unsigned int*>(amax), v);
 }
 
 // *amax = max(*amax, max of v over the block). Every thread of the block calls it (blockDim.x a

@@ -10,6 +10,7 @@
 // order. The grid depends on the sizes only, so results are bitwise reproducible.
 #include <algorithm>
 
+#include "kernels/cuda/amax.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/rope.cuh"
@@ -18,7 +19,12 @@
 namespace spindle::kernels::cuda {
 namespace {
 
+using internal::AbsBits;
 using internal::Aligned16;
+using internal::BlockMaxToGlobal;
+using internal::WarpMaxToGlobal;
+using internal::PackedAbsBits;
+using internal::StoredAbsBits;
 using internal::bf16;
 using internal::CeilDiv;
 using internal::FromFloat;
@@ -124,10 +130,13 @@ __global__ void RmsNormFwdKernel(const T* x, const T* res, T* h, const T* w, T* 
   if (lane == 0) rstd[row] = r;
 }
 
+// amax (nullable): max |dx| as stored, reduced into *amax (zeroed before).
 template <typename T>
 __global__ void RmsNormBwdKernel(const T* x, const T* w, const float* rstd, const T* dy,
-                                 const T* dres, T* dx, int64_t rows, int64_t D, float* ws) {
+                                 const T* dres, T* dx, int64_t rows, int64_t D, float* ws,
+                                 float* amax) {
   extern __shared__ float part[];  // [warps, D]
+  uint32_t m = 0;
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* my = part + warp * D;
   for (int64_t j = lane; j < D; j += 32) my[j] = 0.0f;
@@ -146,9 +155,11 @@ __global__ void RmsNormBwdKernel(const T* x, const T* w, const float* rstd, cons
       if (dres != nullptr) d += ToFloat(dres[row * D + j]);
       my[j] += g * xv * r;
       dx[row * D + j] = FromFloat<T>(d);
+      if (amax != nullptr) m = max(m, StoredAbsBits<T>(d));
     }
   }
   StoreBlockPartial(part, warps, D, ws);
+  if (amax != nullptr) WarpMaxToGlobal(m, amax);
 }
 
 // ---- Fused q/k RMSNorm + RoPE on the split qkv ------------------------------------------------------
@@ -211,13 +222,15 @@ __global__ void QkNormRopeFwdKernel(const T* in, const T* wq, const T* wk, const
   if (lane == 0) (q.which == 0 ? rstd_q : rstd_k)[q.t * H + q.h] = rs;
 }
 
-// Partial weight gradients: part row [2 * Dh], q's columns then k's.
+// Partial weight gradients: part row [2 * Dh], q's columns then k's. amax (nullable): max |din|
+// as stored (the v block's copy included) into *amax (zeroed before).
 template <typename T>
 __global__ void QkNormRopeBwdKernel(const T* in, const T* wq, const T* wk, const float* rstd_q,
                                     const float* rstd_k, const int32_t* pos, const T* dout,
                                     T* din, int64_t T_, int64_t H, int64_t Dh, float theta,
-                                    int n_blocks, float* ws) {
+                                    int n_blocks, float* ws, float* amax) {
   extern __shared__ float part[];  // [warps, 2 * Dh]
+  uint32_t m = 0;
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t D2 = 2 * Dh;
   float* my = part + warp * D2;
@@ -229,7 +242,11 @@ __global__ void QkNormRopeBwdKernel(const T* in, const T* wq, const T* wk, const
     const QkvRow q = SplitRow(r, H, n_blocks);
     const int64_t off = q.t * 3 * H * Dh + (q.which * H + q.h) * Dh;
     if (q.which == 2) {
-      for (int64_t j = lane; j < Dh; j += 32) din[off + j] = dout[off + j];
+      for (int64_t j = lane; j < Dh; j += 32) {
+        const T v = dout[off + j];
+        din[off + j] = v;
+        m = max(m, AbsBits(ToFloat(v)));
+      }
       continue;
     }
     const T* w = q.which == 0 ? wq : wk;
@@ -260,14 +277,18 @@ __global__ void QkNormRopeBwdKernel(const T* in, const T* wq, const T* wk, const
     for (int i = 0; i < kMaxPairsPerLane; ++i) {
       const int j = lane + 32 * i;
       if (j < half) {
-        din[off + j] = FromFloat<T>(rs * (ToFloat(w[j]) * ulo[i] - xlo[i] * c));
-        din[off + j + half] = FromFloat<T>(rs * (ToFloat(w[j + half]) * uhi[i] - xhi[i] * c));
+        const float a = rs * (ToFloat(w[j]) * ulo[i] - xlo[i] * c);
+        const float b = rs * (ToFloat(w[j + half]) * uhi[i] - xhi[i] * c);
+        din[off + j] = FromFloat<T>(a);
+        din[off + j + half] = FromFloat<T>(b);
+        m = max(m, max(StoredAbsBits<T>(a), StoredAbsBits<T>(b)));
         pw[j] += ulo[i] * xlo[i] * rs;
         pw[j + half] += uhi[i] * xhi[i] * rs;
       }
     }
   }
   StoreBlockPartial(part, warps, D2, ws);
+  if (amax != nullptr) WarpMaxToGlobal(m, amax);
 }
 
 // ---- Group RMSNorm + sigmoid gate ---------------------------------------------------------------------
@@ -290,12 +311,14 @@ __global__ void GroupNormGateFwdKernel(const T* o, const T* w, const T* gate, T*
   if (lane == 0) rstd[r] = rs;
 }
 
-// One warp per token (all heads), so a warp's partial row covers all H * Dh weights.
+// One warp per token (all heads), so a warp's partial row covers all H * Dh weights. amax
+// (nullable): max |dgate| as stored into *amax (zeroed before).
 template <typename T>
 __global__ void GroupNormGateBwdKernel(const T* o, const T* w, const T* gate, const float* rstd,
                                        const T* dy, T* do_, T* dgate, int64_t T_, int64_t H,
-                                       int64_t Dh, float* ws) {
+                                       int64_t Dh, float* ws, float* amax) {
   extern __shared__ float part[];  // [warps, H * Dh]
+  uint32_t m = 0;
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t C = H * Dh;
   float* my = part + warp * C;
@@ -318,12 +341,15 @@ __global__ void GroupNormGateBwdKernel(const T* o, const T* w, const T* gate, co
         const float n = ov * rs;
         const float dn = dyv * ToFloat(w[h * Dh + j]) * sig;
         my[h * Dh + j] += dyv * n * sig;
-        dgate[off + j] = FromFloat<T>(dn * n * (1.0f - sig));
+        const float dg = dn * n * (1.0f - sig);
+        dgate[off + j] = FromFloat<T>(dg);
         do_[off + j] = FromFloat<T>(rs * dn - c * ov);
+        m = max(m, StoredAbsBits<T>(dg));
       }
     }
   }
   StoreBlockPartial(part, warps, C, ws);
+  if (amax != nullptr) WarpMaxToGlobal(m, amax);
 }
 
 // ---- Vector paths -------------------------------------------------------------------------------
@@ -390,11 +416,12 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
 // RMSNorm backward: thread i owns the vectors i + blockDim k (k < kNV) of every row, so its share
 // of dw accumulates in registers. Blocks take kR rows at a time (rows r0 + gridDim kR ...); a
 // row's dot product is summed over the block (warp sums to shared memory, warps added in order;
-// double-buffered, one barrier per kR rows). Block b writes ws[b, :].
-template <typename T, int kNV, int kR>
+// double-buffered, one barrier per kR rows). Block b writes ws[b, :]. kAmax: also max |dx| as
+// stored into *amax (zeroed before).
+template <typename T, int kNV, int kR, bool kAmax>
 __global__ void __launch_bounds__(256, 4)
     RmsNormBwdVecKernel(const T* x, const T* w, const float* rstd, const T* dy, const T* dres,
-                        T* dx, int64_t rows, int D, float* ws) {
+                        T* dx, int64_t rows, int D, float* ws, float* amax) {
   constexpr int V = kVec<T>;
   __shared__ float red[2][kR][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -410,6 +437,7 @@ __global__ void __launch_bounds__(256, 4)
     for (int e = 0; e < V; ++e) acc[k][e] = 0.0f;
   }
   int buf = 0;
+  uint32_t m = 0;
   for (int64_t r0 = blockIdx.x * static_cast<int64_t>(kR); r0 < rows;
        r0 += static_cast<int64_t>(gridDim.x) * kR, buf ^= 1) {
     uint4 xr[kR][kNV], gr[kR][kNV];
@@ -480,7 +508,9 @@ __global__ void __launch_bounds__(256, 4)
 #pragma unroll
             for (int e = 0; e < V; ++e) d[e] += dr[e];
           }
-          Store16(dx + row * D + c * V, Pack<T>(d));
+          const uint4 packed = Pack<T>(d);
+          Store16(dx + row * D + c * V, packed);
+          if constexpr (kAmax) m = max(m, PackedAbsBits<T>(packed));
         }
       }
     }
@@ -493,6 +523,7 @@ __global__ void __launch_bounds__(256, 4)
       for (int e = 0; e < V; ++e) ws[blockIdx.x * static_cast<int64_t>(D) + c * V + e] = acc[k][e];
     }
   }
+  if constexpr (kAmax) BlockMaxToGlobal(m, amax);
 }
 
 // Fused q/k norm + RoPE. Thread i < items = 2 H G owns row i / G of every token (q heads, then k
@@ -578,13 +609,14 @@ __global__ void __launch_bounds__(512, 2)
 // Backward of the above, same thread layout. dw accumulates in shared memory, one private slot per
 // thread and column (acc[e][tid], e < 2V: this thread's columns of w_q or w_k, summed over the
 // block's tokens in order; registers would spill), then the block adds its threads' sums over
-// heads in order and writes ws[b, 0:2Dh] (q then k).
-template <typename T>
+// heads in order and writes ws[b, 0:2Dh] (q then k). kAmax: also max |din| as stored (the v
+// block's copy included) into *amax (zeroed before).
+template <typename T, bool kAmax>
 __global__ void __launch_bounds__(512, 2)
     QkNormRopeBwdVecKernel(const T* in, const T* wq, const T* wk, const float* rstd_q,
                            const float* rstd_k, const int32_t* pos, const T* dout, T* din,
                            int64_t T_, int H, int Dh, int G, float theta, bool copy_v,
-                           float* ws) {
+                           float* ws, float* amax) {
   constexpr int V = kVec<T>;
   extern __shared__ float2 qk_tab[];  // [2][half] float2, [half] double, [2V][items] float
   const int half = Dh / 2, tid = threadIdx.x;
@@ -616,6 +648,7 @@ __global__ void __launch_bounds__(512, 2)
   const int64_t C = 3 * static_cast<int64_t>(H) * Dh;
   const int v_off = 2 * H * Dh, n_v = H * Dh / V;
   int buf = 0;
+  uint32_t m = 0;
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x, buf ^= 1) {
     const int p = pos[t];
     const int64_t off = t * C + row * Dh + c0;
@@ -630,7 +663,9 @@ __global__ void __launch_bounds__(512, 2)
     }
     if (copy_v) {
       for (int i = tid; i < n_v; i += blockDim.x) {
-        Store16(din + t * C + v_off + i * V, Load16(dout + t * C + v_off + i * V));
+        const uint4 v = Load16(dout + t * C + v_off + i * V);
+        Store16(din + t * C + v_off + i * V, v);
+        if constexpr (kAmax) m = max(m, PackedAbsBits<T>(v));
       }
     }
     float2* tb = qk_tab + buf * half;
@@ -684,10 +719,13 @@ __global__ void __launch_bounds__(512, 2)
         acc[e * items + tid] += ua * xa[e] * rs;
         acc[(V + e) * items + tid] += ub * xb[e] * rs;
       }
-      Store16(din + off, Pack<T>(da));
-      Store16(din + off + half, Pack<T>(db));
+      const uint4 pa = Pack<T>(da), pb = Pack<T>(db);
+      Store16(din + off, pa);
+      Store16(din + off + half, pb);
+      if constexpr (kAmax) m = max(m, max(PackedAbsBits<T>(pa), PackedAbsBits<T>(pb)));
     }
   }
+  if constexpr (kAmax) BlockMaxToGlobal(m, amax);
   __syncthreads();
   for (int col = tid; col < 2 * Dh; col += blockDim.x) {
     const int blk = col / Dh, jj = col - blk * Dh;  // blk: 0 q, 1 k
@@ -733,12 +771,12 @@ __global__ void __launch_bounds__(256)
 // Group norm + gate backward: thread i owns vector i of every token row (head i / G, G = Dh / V a
 // power of two <= 32: a head's threads are aligned lanes), so its share of dw accumulates in
 // registers and a head's dot product is a shuffle sum: no barrier. Blocks take kTok tokens at a
-// time; block b writes ws[b, :].
-template <typename T, int kTok>
+// time; block b writes ws[b, :]. kAmax: also max |dgate| as stored into *amax (zeroed before).
+template <typename T, int kTok, bool kAmax>
 __global__ void __launch_bounds__(512, 2)
     GroupNormGateBwdVecKernel(const T* o, const T* w, const T* gate, const float* rstd,
                               const T* dy, T* do_, T* dgate, int64_t T_, int H, int Dh, int G,
-                              float* ws) {
+                              float* ws, float* amax) {
   constexpr int V = kVec<T>;
   const int tid = threadIdx.x;
   const int C = H * Dh;
@@ -748,6 +786,7 @@ __global__ void __launch_bounds__(512, 2)
   float acc[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+  uint32_t m = 0;
   for (int64_t t0 = blockIdx.x * static_cast<int64_t>(kTok); t0 < T_;
        t0 += static_cast<int64_t>(gridDim.x) * kTok) {
     uint4 oraw[kTok], graw[kTok], draw[kTok];
@@ -802,11 +841,14 @@ __global__ void __launch_bounds__(512, 2)
           dgv[e] = dn * n * (1.0f - sig[e]);
           dov[e] = r * dn - c * ov[e];
         }
-        Store16(dgate + t * C + col, Pack<T>(dgv));
+        const uint4 pg = Pack<T>(dgv);
+        Store16(dgate + t * C + col, pg);
         Store16(do_ + t * C + col, Pack<T>(dov));
+        if constexpr (kAmax) m = max(m, PackedAbsBits<T>(pg));
       }
     }
   }
+  if constexpr (kAmax) BlockMaxToGlobal(m, amax);
   if (active) {
 #pragma unroll
     for (int e = 0; e < V; ++e) ws[blockIdx.x * static_cast<int64_t>(C) + col + e] = acc[e];
@@ -975,8 +1017,9 @@ size_t RmsNormBackwardWorkspaceBytes(int64_t rows, int64_t D) {
 
 Status RmsNormBackward(const void* x, const void* w, const float* rstd, const void* dy,
                        const void* dresidual, void* dx, float* dw, int64_t rows, int64_t D,
-                       DType dtype, Workspace ws, cudaStream_t stream) {
+                       DType dtype, Workspace ws, cudaStream_t stream, float* dx_amax) {
   SPINDLE_CHECK_ARG(rows >= 0 && D > 0 && D <= kMaxRowWidth, "RmsNormBackward: bad sizes");
+  if (dx_amax != nullptr) SPINDLE_CUDA_CHECK(cudaMemsetAsync(dx_amax, 0, sizeof(float), stream));
   if (rows == 0) return Status::Ok();
   SPINDLE_CHECK_ARG(ws.bytes >= RmsNormBackwardWorkspaceBytes(rows, D) && ws.data != nullptr,
                     "RmsNormBackward: workspace too small");
@@ -993,20 +1036,20 @@ Status RmsNormBackward(const void* x, const void* w, const float* rstd, const vo
     const RmsBwdVecPlan vp = PlanRmsBwdVec<scalar_t>(rows, D);
     if (vp.nv > 0 && aligned) {
       blocks = RmsBwdVecBlocks(vp, rows, D);
-      if (vp.nv == 1) {
-        RmsNormBwdVecKernel<scalar_t, 1, RmsBwdRowsPerIter<scalar_t>(1)>
-            <<<blocks, vp.threads, 0, stream>>>(
-            xt, wt, rstd, gt, rt, dxt, rows, static_cast<int>(D), part);
-      } else {
-        RmsNormBwdVecKernel<scalar_t, 2, RmsBwdRowsPerIter<scalar_t>(2)>
-            <<<blocks, vp.threads, 0, stream>>>(
-            xt, wt, rstd, gt, rt, dxt, rows, static_cast<int>(D), part);
-      }
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, vp.threads, 0, stream>>>(xt, wt, rstd, gt, rt, dxt, rows,
+                                                   static_cast<int>(D), part, dx_amax);
+      };
+      constexpr int kR1 = RmsBwdRowsPerIter<scalar_t>(1), kR2 = RmsBwdRowsPerIter<scalar_t>(2);
+      if (vp.nv == 1 && dx_amax == nullptr) launch(RmsNormBwdVecKernel<scalar_t, 1, kR1, false>);
+      if (vp.nv == 1 && dx_amax != nullptr) launch(RmsNormBwdVecKernel<scalar_t, 1, kR1, true>);
+      if (vp.nv == 2 && dx_amax == nullptr) launch(RmsNormBwdVecKernel<scalar_t, 2, kR2, false>);
+      if (vp.nv == 2 && dx_amax != nullptr) launch(RmsNormBwdVecKernel<scalar_t, 2, kR2, true>);
     } else {
       const BwdPlan plan = PlanBwd(rows, D);
       blocks = plan.blocks;
       RmsNormBwdKernel<scalar_t><<<plan.blocks, 32 * plan.warps, plan.warps * D * 4, stream>>>(
-          xt, wt, rstd, gt, rt, dxt, rows, D, part);
+          xt, wt, rstd, gt, rt, dxt, rows, D, part, dx_amax);
     }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
@@ -1051,9 +1094,10 @@ Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
                           const float* rstd_q, const float* rstd_k, const int32_t* pos,
                           const void* dqkv_out, void* dqkv_in, float* dw_q, float* dw_k,
                           int64_t T, int64_t H, int64_t Dh, float theta, bool copy_v, DType dtype,
-                          Workspace ws, cudaStream_t stream) {
+                          Workspace ws, cudaStream_t stream, float* din_amax) {
   SPINDLE_CHECK_ARG(T >= 0 && H > 0 && Dh > 0 && Dh % 2 == 0 && Dh <= 64 * kMaxPairsPerLane,
                     "QkNormRopeBackward: Dh must be even and <= 512");
+  if (din_amax != nullptr) SPINDLE_CUDA_CHECK(cudaMemsetAsync(din_amax, 0, sizeof(float), stream));
   if (T == 0) return Status::Ok();
   const int n_blocks = copy_v ? 3 : 2;
   SPINDLE_CHECK_ARG(ws.bytes >= QkNormRopeBackwardWorkspaceBytes(T, H, Dh) && ws.data != nullptr,
@@ -1070,16 +1114,23 @@ Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
     const QkVecPlan vp = PlanQkVec<scalar_t>(H, Dh);
     if (vp.G > 0 && aligned) {
       blocks = QkBwdVecBlocks(vp.threads, T, H, Dh);
-      QkNormRopeBwdVecKernel<scalar_t><<<blocks, vp.threads, vp.smem_bwd, stream>>>(
-          in, wq, wk, rstd_q, rstd_k, pos, dout, din, T, static_cast<int>(H),
-          static_cast<int>(Dh), vp.G, theta, copy_v, part);
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, vp.threads, vp.smem_bwd, stream>>>(
+            in, wq, wk, rstd_q, rstd_k, pos, dout, din, T, static_cast<int>(H),
+            static_cast<int>(Dh), vp.G, theta, copy_v, part, din_amax);
+      };
+      if (din_amax != nullptr) {
+        launch(QkNormRopeBwdVecKernel<scalar_t, true>);
+      } else {
+        launch(QkNormRopeBwdVecKernel<scalar_t, false>);
+      }
     } else {
       // The plan uses 3 blocks per token either way (workspace size independent of copy_v).
       const BwdPlan plan = PlanBwd(T * H * 3, 2 * Dh);
       blocks = plan.blocks;
       QkNormRopeBwdKernel<scalar_t><<<plan.blocks, 32 * plan.warps, plan.warps * 2 * Dh * 4,
                                       stream>>>(in, wq, wk, rstd_q, rstd_k, pos, dout, din, T, H,
-                                                Dh, theta, n_blocks, part);
+                                                Dh, theta, n_blocks, part, din_amax);
     }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
@@ -1119,9 +1170,11 @@ size_t GroupNormGateBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh) {
 Status GroupNormGateBackward(const void* o, const void* w, const void* gate, const float* rstd,
                              const void* dy, void* do_, float* dw, void* dgate, int64_t T,
                              int64_t H, int64_t Dh, DType dtype, Workspace ws,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, float* dgate_amax) {
   SPINDLE_CHECK_ARG(T >= 0 && H > 0 && Dh > 0 && H * Dh <= kMaxRowWidth,
                     "GroupNormGateBackward: bad sizes");
+  if (dgate_amax != nullptr)
+    SPINDLE_CUDA_CHECK(cudaMemsetAsync(dgate_amax, 0, sizeof(float), stream));
   if (T == 0) return Status::Ok();
   SPINDLE_CHECK_ARG(ws.bytes >= GroupNormGateBackwardWorkspaceBytes(T, H, Dh) && ws.data != nullptr,
                     "GroupNormGateBackward: workspace too small");
@@ -1140,14 +1193,22 @@ Status GroupNormGateBackward(const void* o, const void* w, const void* gate, con
     if (G > 0 && aligned) {
       blocks = GroupBwdVecBlocksCapped(T, H, Dh, G);
       const int threads = static_cast<int>(RoundUp(H * G, 32));
-      GroupNormGateBwdVecKernel<scalar_t, kGroupBwdTokens><<<blocks, threads, 0, stream>>>(
-          ot, wt, gt, rstd, dyt, dot, dgt, T, static_cast<int>(H), static_cast<int>(Dh), G, part);
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, threads, 0, stream>>>(ot, wt, gt, rstd, dyt, dot, dgt, T,
+                                               static_cast<int>(H), static_cast<int>(Dh), G, part,
+                                               dgate_amax);
+      };
+      if (dgate_amax != nullptr) {
+        launch(GroupNormGateBwdVecKernel<scalar_t, kGroupBwdTokens, true>);
+      } else {
+        launch(GroupNormGateBwdVecKernel<scalar_t, kGroupBwdTokens, false>);
+      }
     } else {
       const BwdPlan plan = PlanBwd(T, H * Dh);
       blocks = plan.blocks;
       GroupNormGateBwdKernel<scalar_t><<<plan.blocks, 32 * plan.warps, plan.warps * H * Dh * 4,
                                          stream>>>(ot, wt, gt, rstd, dyt, dot, dgt, T, H, Dh,
-                                                   part);
+                                                   part, dgate_amax);
     }
   });
   SPINDLE_CUDA_CHECK_LAUNCH();

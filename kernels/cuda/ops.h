@@ -48,11 +48,13 @@ Status RmsNormResidualForward(const void* x, const void* residual, void* h, cons
                               float* rstd, int64_t rows, int64_t D, float eps, DType dtype,
                               cudaStream_t stream);
 // dx overwritten (may alias dy); dw (fp32) accumulated. When `dresidual` is non-null its value is
-// added to dx (the gradient flowing past a fused residual add), and may alias dx.
+// added to dx (the gradient flowing past a fused residual add), and may alias dx. dx_amax
+// (nullable, a device float): max |dx| as stored (the FP8 recipe's output-gradient amax, sparing
+// the quantization a pass over dx).
 size_t RmsNormBackwardWorkspaceBytes(int64_t rows, int64_t D);
 Status RmsNormBackward(const void* x, const void* w, const float* rstd, const void* dy,
                        const void* dresidual, void* dx, float* dw, int64_t rows, int64_t D,
-                       DType dtype, Workspace ws, cudaStream_t stream);
+                       DType dtype, Workspace ws, cudaStream_t stream, float* dx_amax = nullptr);
 
 // ---- Rotate-half RoPE on a strided [T, H, d] view, in place (see cpu::RopeApply) -----------------
 Status RopeApply(void* x, const int32_t* pos, int64_t T, int64_t H, int64_t d,
@@ -69,13 +71,14 @@ Status QkNormRopeForward(const void* qkv_in, const void* w_q, const void* w_k,
                          int64_t T, int64_t H, int64_t Dh, float eps, float theta, bool copy_v,
                          DType dtype, cudaStream_t stream);
 // Backward: dqkv_out holds the gradients w.r.t. qkv_out; dqkv_in receives those w.r.t. qkv_in
-// (q, k blocks; the v block is copied when copy_v). May alias. dw_q, dw_k accumulated.
+// (q, k blocks; the v block is copied when copy_v). May alias. dw_q, dw_k accumulated. din_amax
+// (nullable, a device float): max |dqkv_in| as stored, the v block's copy included (FP8).
 size_t QkNormRopeBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh);
-Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k,
-                          const float* rstd_q, const float* rstd_k, const int32_t* pos,
-                          const void* dqkv_out, void* dqkv_in, float* dw_q, float* dw_k,
-                          int64_t T, int64_t H, int64_t Dh, float theta, bool copy_v, DType dtype,
-                          Workspace ws, cudaStream_t stream);
+Status QkNormRopeBackward(const void* qkv_in, const void* w_q, const void* w_k, const float* rstd_q,
+                          const float* rstd_k, const int32_t* pos, const void* dqkv_out,
+                          void* dqkv_in, float* dw_q, float* dw_k, int64_t T, int64_t H, int64_t Dh,
+                          float theta, bool copy_v, DType dtype, Workspace ws, cudaStream_t stream,
+                          float* din_amax = nullptr);
 
 // ---- SwiGLU: y = silu(g) * u over n values ---------------------------------------------------------
 Status SwiGluForward(const void* g, const void* u, void* y, int64_t n, DType dtype,
@@ -92,11 +95,12 @@ Status GroupNormGateForward(const void* o, const void* w, const void* gate, void
                             int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
                             cudaStream_t stream);
 // do_ and dgate overwritten (do_ may alias dy, dgate may alias gate); dw (fp32) accumulated.
+// dgate_amax (nullable, a device float): max |dgate| as stored (FP8).
 size_t GroupNormGateBackwardWorkspaceBytes(int64_t T, int64_t H, int64_t Dh);
 Status GroupNormGateBackward(const void* o, const void* w, const void* gate, const float* rstd,
                              const void* dy, void* do_, float* dw, void* dgate, int64_t T,
-                             int64_t H, int64_t Dh, DType dtype, Workspace ws,
-                             cudaStream_t stream);
+                             int64_t H, int64_t Dh, DType dtype, Workspace ws, cudaStream_t stream,
+                             float* dgate_amax = nullptr);
 
 // ---- Cross-entropy over rows of logits, fused with its gradient ------------------------------------
 // One row block of the linear + cross-entropy: logits [T, V] (dtype) for T rows (a block of the

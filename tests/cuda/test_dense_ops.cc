@@ -113,11 +113,18 @@ class DenseOps : public ::testing::TestWithParam<DType> {
       auto d_din = UploadAt(std::vector<float>(T * C, 0.0f), dt(), offset);
       void* din = run == 0 ? d_g.ptr : d_din.ptr;
       auto d_dw = Upload(dw0, DType::kFloat32);
+      DeviceBuffer amax(sizeof(float));
       ASSERT_OK(QkNormRopeBackward(d_qkv.ptr, d_wq.get(), d_wk.get(), d_rq.as<float>(),
                                    d_rk.as<float>(), d_pos.as<int32_t>(), d_g.ptr, din,
-                                   d_dw.as<float>(), d_dw.as<float>() + Dh, T, H, Dh, theta,
-                                   copy_v, dt(), Ws(ws), 0));
+                                   d_dw.as<float>(), d_dw.as<float>() + Dh, T, H, Dh, theta, copy_v,
+                                   dt(), Ws(ws), 0, amax.as<float>()));
       auto got = Download(din, T * C, dt());
+      // The amax (FP8's): exactly max |stored value| over the blocks written.
+      float want_amax = 0.0f;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < (copy_v ? 3 : 2) * H * Dh; ++j)
+          want_amax = std::max(want_amax, std::fabs(got[t * C + j]));
+      EXPECT_EQ(Download(amax.get(), 1, DType::kFloat32)[0], want_amax) << "run " << run;
       if (!copy_v && run == 1) {  // the v block of dqkv_in was not written
         for (int64_t t = 0; t < T; ++t) {
           std::copy_n(&dout[t * C + 2 * H * Dh], H * Dh, &got[t * C + 2 * H * Dh]);
@@ -379,8 +386,15 @@ TEST_P(DenseOps, RmsNormVectorPathsResidualAndMisaligned) {
       for (int run = 0; run < 2; ++run) {
         auto d_dx = UploadAt(dres, dt(), offset);
         auto d_dw = Upload(dw0, DType::kFloat32);
+        DeviceBuffer amax(sizeof(float));  // run 1 with the amax (FP8's), run 0 without
         ASSERT_OK(RmsNormBackward(d_h.ptr, d_w.get(), d_rstd.as<float>(), d_dy.ptr, d_dx.ptr,
-                                  d_dx.ptr, d_dw.as<float>(), rows, D, dt(), Ws(ws), 0));
+                                  d_dx.ptr, d_dw.as<float>(), rows, D, dt(), Ws(ws), 0,
+                                  run == 1 ? amax.as<float>() : nullptr));
+        if (run == 1) {  // exactly max |stored dx|
+          float want = 0.0f;
+          for (float v : Download(d_dx.ptr, rows * D, dt())) want = std::max(want, std::fabs(v));
+          EXPECT_EQ(Download(amax.get(), 1, DType::kFloat32)[0], want);
+        }
         if (run == 0) {
           std::vector<float> dx(rows * D);
           auto dw = dw0;
@@ -429,11 +443,18 @@ TEST_P(DenseOps, GroupNormGateVectorShapesAndMisaligned) {
       // do_ over dy, dgate over a copy of gate.
       auto d_dy = UploadAt(dy, dt(), c.offset), d_g2 = UploadAt(gate, dt(), c.offset);
       auto d_dw = Upload(std::vector<float>(C, 0.5f), DType::kFloat32);
+      DeviceBuffer amax(sizeof(float));  // run 1 with the amax of dgate (FP8's), run 0 without
       ASSERT_OK(GroupNormGateBackward(d_o.ptr, d_w.get(), d_g2.ptr, d_rstd.as<float>(), d_dy.ptr,
                                       d_dy.ptr, d_dw.as<float>(), d_g2.ptr, T, H, Dh, dt(), Ws(ws),
-                                      0));
+                                      0, run == 1 ? amax.as<float>() : nullptr));
       ExpectClose(Download(d_dy.ptr, T * C, dt()), do_, dt(), "do");
-      ExpectClose(Download(d_g2.ptr, T * C, dt()), dgate, dt(), "dgate");
+      const auto got_dgate = Download(d_g2.ptr, T * C, dt());
+      ExpectClose(got_dgate, dgate, dt(), "dgate");
+      if (run == 1) {  // exactly max |stored dgate|
+        float want = 0.0f;
+        for (float v : got_dgate) want = std::max(want, std::fabs(v));
+        EXPECT_EQ(Download(amax.get(), 1, DType::kFloat32)[0], want);
+      }
       dws.push_back(Download(d_dw.get(), C, DType::kFloat32));
     }
     ExpectClose(dws[0], dw, dt(), "dw");

@@ -505,6 +505,8 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
   return absl::OkStatus();
 }
 
+void CudaModel::SetFp8FastForward(bool on) { impl_->fp8_fast_forward = on; }
+
 namespace {
 // A head-count override of the tests: >= 0 (0: the engine's rule).
 absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {

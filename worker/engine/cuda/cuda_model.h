@@ -168,6 +168,10 @@ class CudaModel {
   // InvalidArgument: "fp32", or under fp8 an FP8 linear's width that is not a multiple of 16
   // (cuBLASLt's FP8 GEMMs); a step under fp8 refuses a local token count that is not one.
   absl::Status SetPrecision(TrainPrecision precision);
+  // Under fp8, the forward's GEMMs accumulate with cuBLASLt's fast accumulation (on by default,
+  // as torchao's recipe and the peer's; the tensor cores' partial sums are not promoted to fp32
+  // at intervals). The gradients' GEMMs always take the accurate mode. Off: every GEMM accurate.
+  void SetFp8FastForward(bool on);
   // MLA attention's backward runs its heads in groups (CudaAttentionHeadsPerCall in
   // common/model_config.h, which bounds cuDNN's fp32 dQ accumulator). heads > 0: groups of the
   // largest divisor of a call's heads not above `heads` instead (tests); 0 restores the rule.

@@ -351,7 +351,11 @@ struct Work {
   // layer's FFN, whose backward runs first after the recomputed forward wrote them.
   Fp8Act q_dy;
   DevBuf fp8_rows;
-  DevBuf dy_amax;  // FP8: [2] fp32, the amaxes of the FFN's dg and du (SwiGluBackward's)
+  // FP8: the output gradients' amaxes (fp32, by GradAmax), each reduced by the kernel that writes
+  // the gradient and read by its quantization (BwdQ); allocated for the whole backward.
+  enum GradAmax { kAmaxDg, kAmaxDu, kAmaxDx, kAmaxDgate, kAmaxDqkv, kGradAmaxes };
+  DevBuf grad_amax;
+  float* Amax(GradAmax which) { return grad_amax.f32() + which; }
 };
 
 // One level of a CP split on the device: the zigzag of `cp` ranks (this one `rank`) over which
@@ -469,6 +473,7 @@ struct CudaModel::Impl {
   // kv_b; worker/engine/numerics.h) multiply FP8 codes; fp8_w holds each one's weight copy (by
   // parameter index), all in fp8_w_mem.
   bool fp8 = false;
+  bool fp8_fast_forward = true;  // see SetFp8FastForward
   std::vector<Fp8Block> fp8_w;
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
@@ -524,7 +529,7 @@ struct CudaModel::Impl {
                       &W.arena.mem,
                       &W.q_dy.mem,
                       &W.fp8_rows,
-                      &W.dy_amax})
+                      &W.grad_amax})
       b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -591,6 +596,14 @@ struct CudaModel::Impl {
   // A cached FP8 activation [rows, cols] (E4M3) about to be produced: its transpose in q's own
   // block, its row-major codes in W.fp8_rows. W.fp8_rows is sized once for the widest such input
   // (so it never moves within a step).
+  // Where a producer writes q's codes: both layouts, or (transposes false: a forward that no
+  // backward reads, that of a recomputing layer or a forward-only pass) the row-major codes the
+  // forward's GEMMs read alone.
+  static kc::Fp8Output QOut(const Fp8Act& q, bool transposes) {
+    kc::Fp8Output o = q.Output();
+    if (!transposes) o.codes_t = nullptr;
+    return o;
+  }
   absl::Status QAct(Fp8Act& q, int64_t rows, int64_t cols) {
     const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
     RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
@@ -606,6 +619,7 @@ struct CudaModel::Impl {
     a.C_in = residual;
     a.ab_type = x.format, a.b_type = KDType::kFp8E4M3;
     a.a_scale = x.inverse_scale(), a.b_scale = fp8_w[w].inverse_scale();
+    a.fast_accum = fp8_fast_forward;
     return FromKernel(blas->Gemm(a, stream));
   }
   // dy (bf16 [T, out]) quantized to E5M2 with its transpose (W.q_dy), then dx (+)= dy W (dx
@@ -637,6 +651,10 @@ struct CudaModel::Impl {
     a.c_type = KDType::kFloat32, a.b_type = x.format, a.b_scale = x.inverse_scale();
     return FromKernel(blas->Gemm(a, stream));
   }
+  // FP8: the amax of the residual stream's gradient dx, reduced by each RMSNorm backward that
+  // writes dx and read by the quantization of the next linear's output gradient (w2's, then the
+  // attention's output projection's); null without FP8.
+  float* DxAmax() { return fp8 ? W.Amax(Work::kAmaxDx) : nullptr; }
   // Casts every FP8 linear's master into its copy (fp8; after each update of the masters).
   absl::Status CastFp8Weights();
   // dst[rows, width] <- src[rows, width] with row strides (elements).
@@ -681,11 +699,11 @@ struct CudaModel::Impl {
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  absl::Status FfnHidden(const LayerIdx& L, Cache& C, const void* h, void* g, void* u, void* a,
-                         int64_t n);
+  absl::Status FfnHidden(const LayerIdx& L, Cache& C, bool transposes, const void* h, void* g,
+                         void* u, void* a, int64_t n);
   absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
   absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
-  absl::Status LightningForward(const LayerIdx& L, Cache& C);
+  absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);

@@ -6,7 +6,8 @@ namespace spindle {
 
 // ---- Lightning -----------------------------------------------------------------------------------
 
-absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
+// transposes: see QOut.
+absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C, bool transposes) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&C.qkv_raw, &C.qkv_n}) RETURN_IF_ERROR(Act(*b, T, 3 * d));
@@ -43,7 +44,7 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C) {
   RETURN_IF_ERROR(FwdQ(C.q_h, L.gate, C.gate.get(), T, d, d, false));
   RETURN_IF_ERROR(QAct(C.q_y, T, d));
   KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
-                                 T, H, Dh, eps, kAct, C.q_y.Output(), stream));
+                                 T, H, Dh, eps, kAct, QOut(C.q_y, transposes), stream));
   return absl::OkStatus();
 }
 
@@ -53,12 +54,12 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   const float theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&W.dy, &W.dgate}) RETURN_IF_ERROR(Act(*b, T, d));
   RETURN_IF_ERROR(Act(W.dqkv, T, 3 * d));
-  RETURN_IF_ERROR(fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false)
+  RETURN_IF_ERROR(fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false, DxAmax())
                       : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
   // dy -> d o (in place) and d gate.
-  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(),
-                               W.dy.get(), W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh,
-                               kAct, Ws(), stream));
+  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), W.dy.get(),
+                               W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh, kAct, Ws(),
+                               stream, fp8 ? W.Amax(Work::kAmaxDgate) : nullptr));
   void* dq = W.dqkv.get();
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
@@ -77,10 +78,13 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
                             C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H, Dh,
-                            theta, /*copy_v=*/true, kAct, Ws(), stream));
+                            theta, /*copy_v=*/true, kAct, Ws(), stream,
+                            fp8 ? W.Amax(Work::kAmaxDqkv) : nullptr));
   if (fp8) {
-    RETURN_IF_ERROR(BwdQ(C.q_h, L.qkv, dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
-    return BwdQ(C.q_h, L.gate, W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
+    RETURN_IF_ERROR(
+        BwdQ(C.q_h, L.qkv, dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false, W.Amax(Work::kAmaxDqkv)));
+    return BwdQ(C.q_h, L.gate, W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true,
+                W.Amax(Work::kAmaxDgate));
   }
   RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.qkv), dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
   return Bwd(C.h.get(), d, Wb(L.gate), W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
@@ -217,7 +221,7 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   // gradient then adds to).
   Rows dq_in{qr > 0 ? W.dqa_n.get() : W.dh.get(), dqw};
   RETURN_IF_ERROR(
-      fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false)
+      fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false, DxAmax())
           : Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d, false));
   if (MlaLatentKeys()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
@@ -293,19 +297,22 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   // Under FP8 only MLA reads the bf16 h (its q projection stays bf16); Lightning's GEMMs take
   // the codes.
   const bool bf16_h = !fp8 || L.kind != 'L';
+  // Under FP8 the first forward of a recomputing layer (and a forward-only pass) writes no
+  // transposed codes: no backward reads them (the recomputed forward writes its own).
+  const bool transposes = ffn_kept || x_out == nullptr;
   if (bf16_h) RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
   if (fp8) {
     RETURN_IF_ERROR(QAct(C.q_h, T, d));
     KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), bf16_h ? C.h.get() : nullptr, C.rstd1.f32(), T,
-                             d, eps, kAct, C.q_h.Output(), stream));
+                             d, eps, kAct, QOut(C.q_h, transposes), stream));
   } else {
     KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
                           stream));
   }
   RETURN_IF_ERROR(Act(C.x_mid, T, d));
   if (L.kind == 'L') {
-    RETURN_IF_ERROR(LightningForward(L, C));
+    RETURN_IF_ERROR(LightningForward(L, C, transposes));
     RETURN_IF_ERROR(fp8 ? FwdQ(C.q_y, L.out, C.x_mid.get(), T, d, d, true, x_in)
                         : Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
   } else {
@@ -313,7 +320,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
     if (fp8) {  // the attention's output has no producer of ours to fuse the cast into
       RETURN_IF_ERROR(QAct(C.q_O, T, hv));
-      KC(kc::Fp8Quantize(C.O.get(), T, hv, kAct, C.q_O.Output(), stream));
+      KC(kc::Fp8Quantize(C.O.get(), T, hv, kAct, QOut(C.q_O, transposes), stream));
       RETURN_IF_ERROR(FwdQ(C.q_O, L.mo, C.x_mid.get(), T, hv, d, true, x_in));
     } else {
       RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
@@ -323,7 +330,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   if (fp8) {
     RETURN_IF_ERROR(QAct(C.q_h2, T, d));
     KC(kc::RmsNormForwardFp8(C.x_mid.get(), Wb(L.ffn_norm), nullptr, C.rstd2.f32(), T, d, eps, kAct,
-                             C.q_h2.Output(), stream));
+                             QOut(C.q_h2, transposes), stream));
   } else {
     RETURN_IF_ERROR(Act(C.h2, T, d));
     KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
@@ -334,14 +341,14 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
 
 // n rows of the FFN's hidden layer: g = h W1^T, u = h W3^T, a = SwiGLU(g, u).
 // Under FP8 (one block of the whole sequence) from the codes of C.h2 into those of C.a instead.
-absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, const void* h, void* g,
-                                        void* u, void* a, int64_t n) {
+absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, bool transposes, const void* h,
+                                        void* g, void* u, void* a, int64_t n) {
   const int64_t d = c.d_model, F = c.ffn_dim;
   if (fp8) {
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w1, g, n, d, F, false));
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w3, u, n, d, F, false));
     RETURN_IF_ERROR(QAct(C.q_a, n, F));
-    KC(kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, C.q_a.Output(), stream));
+    KC(kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, QOut(C.q_a, transposes), stream));
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(Fwd(h, d, Wb(L.w1), g, n, d, F, false));
@@ -362,7 +369,8 @@ absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_ou
   if (!fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t n = std::min(rows, T - t0);
-    RETURN_IF_ERROR(FfnHidden(L, C, At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
+    RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/ffn_kept, At(C.h2.get(), t0 * d), C.g.get(),
+                              C.u.get(), C.a.get(), n));
     if (x_out == nullptr) continue;
     RETURN_IF_ERROR(fp8 ? FwdQ(C.q_a, L.w2, x_out, n, F, d, true, C.x_mid.get())
                         : Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true,
@@ -388,15 +396,17 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
     const void* h = At(C.h2.get(), t0 * d);
     const int64_t off = ffn_kept ? t0 * F : 0;
     void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
-    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, C, h, g, u, a, n));
+    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/true, h, g, u, a, n));
     void* dh = At(W.dh.get(), t0 * d);
     if (fp8) {  // one block; SwiGLU's backward reduces the amaxes of dg and du on the way
-      RETURN_IF_ERROR(BwdQ(C.q_a, L.w2, dx, W.da.get(), G(L.w2), n, F, d, false));
-      RETURN_IF_ERROR(F32(W.dy_amax, 2));
-      float* amax = W.dy_amax.f32();
-      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream, amax));
-      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false, amax));
-      RETURN_IF_ERROR(BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true, amax + 1));
+      RETURN_IF_ERROR(
+          BwdQ(C.q_a, L.w2, dx, W.da.get(), G(L.w2), n, F, d, false, W.Amax(Work::kAmaxDx)));
+      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream,
+                            W.Amax(Work::kAmaxDg)));  // and kAmaxDu
+      RETURN_IF_ERROR(
+          BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false, W.Amax(Work::kAmaxDg)));
+      RETURN_IF_ERROR(
+          BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true, W.Amax(Work::kAmaxDu)));
       continue;
     }
     RETURN_IF_ERROR(Bwd(a, F, Wb(L.w2), At(dx, t0 * d), W.da.get(), G(L.w2), n, F, d, false));
@@ -404,9 +414,10 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
     RETURN_IF_ERROR(Bwd(h, d, Wb(L.w1), W.dg.get(), dh, G(L.w1), n, d, F, false));
     RETURN_IF_ERROR(Bwd(h, d, Wb(L.w3), W.du.get(), dh, G(L.w3), n, d, F, true));
   }
-  // dx = d x_mid = dx + RMSNorm backward of dh.
+  // dx = d x_mid = dx + RMSNorm backward of dh (under FP8 with its amax, for the attention's
+  // output projection).
   KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
-                         G(L.ffn_norm), T, d, kAct, Ws(), stream));
+                         G(L.ffn_norm), T, d, kAct, Ws(), stream, DxAmax()));
   return absl::OkStatus();
 }
 
@@ -422,8 +433,8 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
   } else {
     RETURN_IF_ERROR(MlaBackward(L, C, dx));
   }
-  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx,
-                         G(L.attn_norm), T, d, kAct, Ws(), stream));
+  KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx, G(L.attn_norm),
+                         T, d, kAct, Ws(), stream, DxAmax()));
   return absl::OkStatus();
 }
 
