@@ -109,13 +109,13 @@ absl::Status UlyssesUnpackToTokens(CpCopies& cc, const void* recv, int64_t T, in
   for (const UlyssesView& v : local) {
     const void* src = At(recv, j0 * T * row + off, eb);
     if (v.head_stride == v.width) {
-      RETURN_IF_ERROR(cc.CopyRows(At(v.p, j0 * Hl * v.width, eb), v.token_stride, Hl * v.width, src,
-                                  row, T * row, T, j1 - j0, Hl * v.width));
+      RETURN_IF_ERROR(cc.CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, j1 - j0,
+                                  Hl * v.width));
     } else {
-      for (int64_t j = j0; j < j1; ++j)
+      for (int64_t j = 0; j < j1 - j0; ++j)
         RETURN_IF_ERROR(cc.CopyRows(At(v.p, j * Hl * v.head_stride, eb), v.token_stride,
-                                    v.head_stride, At(src, (j - j0) * T * row, eb), row, v.width, T,
-                                    Hl, v.width));
+                                    v.head_stride, At(src, j * T * row, eb), row, v.width, T, Hl,
+                                    v.width));
     }
     off += Hl * v.width;
   }

@@ -76,7 +76,8 @@ int64_t UlyssesRowWidth(int64_t heads_per_member, const std::vector<UlyssesView>
 absl::Status UlyssesPackByHeads(CpCopies& cc, int64_t T, int64_t H, int64_t n,
                                 const std::vector<UlyssesView>& local, void* send);
 // Member blocks j0 .. j1 - 1 of `recv` (this member's tokens, member j's heads) -> the local
-// views' heads j H/n ... (j1 < 0: every member).
+// views, block j0's first head at the views' head 0 (j1 < 0: every member; with j0 = 0, block j's
+// heads land at j H/n).
 absl::Status UlyssesUnpackToTokens(CpCopies& cc, const void* recv, int64_t T, int64_t H, int64_t n,
                                    const std::vector<UlyssesView>& local, int64_t j0 = 0,
                                    int64_t j1 = -1);

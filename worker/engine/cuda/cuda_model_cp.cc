@@ -1,5 +1,6 @@
-// CudaModel's context parallelism (see cuda_model.h): the Ulysses exchanges by heads and their
-// packing (over the CP group for All2All, inside the Ulysses groups for the hybrid modes),
+// CudaModel's context parallelism (see cuda_model.h): the device's copies for the Ulysses
+// exchanges (written once in cp/cp_ulysses.h; over the CP group for All2All, inside the Ulysses
+// groups for the hybrid modes), Lightning's All2All core,
 // Lightning's chunk-state AllGather (and its hybrid), MLA's All2All core and its latent AllGather
 // with the cross pieces, as DESIGN.md section 3 describes them. MLA's Ring and hybrid modes are
 // cuda_model_ring.cc's.
@@ -76,91 +77,21 @@ absl::Status CudaModel::Impl::CheckCpBatch(const CpBatch& b) const {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::PackByHeads(const UlyssesDev& g, const std::vector<HeadView>& views) {
-  const int64_t T = B.T, cp_n = g.members, Hl = c.n_heads / cp_n;
-  int64_t row = 0;  // one token's row in a block
-  for (const HeadView& v : views) row += Hl * v.width;
-  int64_t off = 0;
-  for (const HeadView& v : views) {
-    void* dst = At(W.cp_block.get(), off);
-    if (v.head_stride == v.width) {
-      // Every rank's heads are one run of the token's row: one copy for all ranks, with the rank
-      // as the "head" index (the source's head stride is Hl heads, the block's T rows).
-      KC(kc::CopyRows(dst, row, T * row, v.p, v.token_stride, Hl * v.width, T, cp_n,
-                      Hl * v.width, kAct, stream));
-    } else {
-      for (int64_t j = 0; j < cp_n; ++j)
-        KC(kc::CopyRows(At(dst, j * T * row), row, v.width, At(v.p, j * Hl * v.head_stride),
-                        v.token_stride, v.head_stride, T, Hl, v.width, kAct, stream));
-    }
-    off += Hl * v.width;
-  }
+absl::Status DeviceCopies::CopyRows(void* dst, int64_t dst_token, int64_t dst_head, const void* src,
+                                    int64_t src_token, int64_t src_head, int64_t T, int64_t heads,
+                                    int64_t width) {
+  return FromKernel(kc::CopyRows(dst, dst_token, dst_head, src, src_token, src_head, T, heads,
+                                 width, kAct, *stream_));
+}
+
+absl::Status DeviceCopies::Copy(void* dst, const void* src, int64_t bytes) {
+  CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, *stream_));
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::UnpackToTokens(const UlyssesDev& g, const void* recv,
-                                             const std::vector<HeadView>& views, int64_t j0,
-                                             int64_t j1) {
-  const int64_t T = B.T, Hl = c.n_heads / g.members;
-  if (j1 < 0) j1 = g.members;
-  int64_t row = 0;
-  for (const HeadView& v : views) row += Hl * v.width;
-  int64_t off = 0;
-  for (const HeadView& v : views) {
-    const void* src = At(recv, j0 * T * row + off);
-    if (v.head_stride == v.width) {
-      KC(kc::CopyRows(v.p, v.token_stride, Hl * v.width, src, row, T * row, T, j1 - j0,
-                      Hl * v.width, kAct, stream));
-    } else {
-      for (int64_t j = 0; j < j1 - j0; ++j)
-        KC(kc::CopyRows(At(v.p, j * Hl * v.head_stride), v.token_stride, v.head_stride,
-                        At(src, j * T * row), row, v.width, T, Hl, v.width, kAct, stream));
-    }
-    off += Hl * v.width;
-  }
+absl::Status DeviceCopies::Fence() {
+  CUDA(cudaStreamSynchronize(*stream_));
   return absl::OkStatus();
-}
-
-// A run's first row among the member blocks (block i = member i's T local rows) or in the group's
-// row order.
-static int64_t RunRow(const UlyssesRun& r, int64_t T, bool grouped) {
-  return grouped ? r.group_row : r.member * T + r.local_row;
-}
-
-absl::Status CudaModel::Impl::CopyRuns(const UlyssesDev& g, const void* src, bool src_grouped,
-                                       void* dst, bool dst_grouped, int64_t width, int64_t elem) {
-  const int64_t row = width * elem;
-  for (const UlyssesRun& r : g.runs)
-    CUDA(cudaMemcpyAsync(static_cast<char*>(dst) + RunRow(r, B.T, dst_grouped) * row,
-                         static_cast<const char*>(src) + RunRow(r, B.T, src_grouped) * row,
-                         r.rows * row, cudaMemcpyDefault, stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaModel::Impl::ExchangeRuns(const UlyssesDev& g, const void* send, bool send_grouped,
-                                           void* recv, bool recv_grouped, int64_t width,
-                                           CommLayer layer) {
-  std::vector<CommSendPiece> out;
-  std::vector<CommRecvPiece> in;
-  for (const UlyssesRun& r : g.runs) {
-    const int peer = static_cast<int>(r.member);
-    out.push_back({peer, At(send, RunRow(r, B.T, send_grouped) * width), r.rows * width * kAb});
-    in.push_back({peer, At(recv, RunRow(r, B.T, recv_grouped) * width), r.rows * width * kAb});
-  }
-  // The communicator runs on its own stream: what it sends must be complete before it starts;
-  // its Wait() returns once everything is received.
-  CUDA(cudaStreamSynchronize(stream));
-  return g.comm->AllToAllPieces(std::move(out), std::move(in), layer);
-}
-
-absl::Status CudaModel::Impl::ExchangeToGroup(const UlyssesDev& g, const void* send, void* full,
-                                              int64_t width, CommLayer layer) {
-  return ExchangeRuns(g, send, false, full, true, width, layer);
-}
-
-absl::Status CudaModel::Impl::ExchangeFromGroup(const UlyssesDev& g, const void* full, void* recv,
-                                                int64_t width, CommLayer layer) {
-  return ExchangeRuns(g, full, true, recv, false, width, layer);
 }
 
 // q, k, v of this rank's tokens (all heads, in C.qkv_n) -> the whole sequence for H/cp heads ->

@@ -375,13 +375,20 @@ struct CpLevel {
   bool continues[2] = {false, false};
 };
 
-// A Ulysses exchange's group on the device: its communicator and members, and where each
-// member's zigzag chunks go among the group's gathered rows (UlyssesRuns: the whole sequence's
-// stream order for the All2All modes, the Ulysses group's zigzag share for the hybrid modes).
-struct UlyssesDev {
-  Communicator* comm = nullptr;
-  int64_t members = 1;
-  std::vector<UlyssesRun> runs;
+// The CP exchanges' copies on the device (cp/cp_copies.h): CopyRows launches and async copies on
+// the engine's stream (the one `stream` points to when they run); Fence synchronises it.
+class DeviceCopies final : public CpCopies {
+ public:
+  explicit DeviceCopies(const cudaStream_t* stream) : stream_(stream) {}
+  int64_t elem_bytes() const override { return kAb; }
+  absl::Status CopyRows(void* dst, int64_t dst_token, int64_t dst_head, const void* src,
+                        int64_t src_token, int64_t src_head, int64_t T, int64_t heads,
+                        int64_t width) override;
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override;
+  absl::Status Fence() override;
+
+ private:
+  const cudaStream_t* stream_;
 };
 
 // The batch on the device.
@@ -396,14 +403,7 @@ struct BatchDev {
   // Under CP: the CP group's level and its all-to-all over every rank; under the hybrid modes
   // also the level across the Ulysses groups and the exchange inside this rank's group.
   CpLevel lv, group_lv;
-  UlyssesDev whole, ulysses;
-};
-
-// One tensor of the local tokens seen as [T, H, width] (strides in elements), for the CP
-// all-to-all packing.
-struct HeadView {
-  void* p;
-  int64_t token_stride, head_stride, width;
+  UlyssesComm whole, ulysses;  // the groups' exchanges (cp/cp_ulysses.h)
 };
 
 // MLA's attention views over T tokens and H heads (all of them by default): Q and K [T, H, qk], V
@@ -433,6 +433,7 @@ struct CudaModel::Impl {
   std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
   int device = 0;
   cudaStream_t stream = nullptr;
+  DeviceCopies copies{&stream};  // the CP exchanges' copies on `stream`
   std::unique_ptr<kc::Blas> blas;
   std::unique_ptr<kc::Sdpa> sdpa;
   kc::CachingAllocator alloc;
@@ -723,26 +724,32 @@ struct CudaModel::Impl {
   absl::Status CheckCpBatch(const CpBatch& b) const;
   // A level's host and device description from its local tokens and layout (Upload).
   absl::Status SetLevel(CpLevel& V, const Batch& local, const CpLayout& L);
-  // Local tokens -> W.cp_block: block j = [T][the views' heads of member j, view after view].
-  absl::Status PackByHeads(const UlyssesDev& g, const std::vector<HeadView>& views);
-  // recv (block j = [T][the views' heads of member j]) -> the local views: blocks [j0, j1), block
-  // j0's first head at the views' head 0 (j1 = -1: every block).
-  absl::Status UnpackToTokens(const UlyssesDev& g, const void* recv,
-                              const std::vector<HeadView>& views, int64_t j0 = 0, int64_t j1 = -1);
-  // Every run's rows of `width` elements of `elem` bytes from src to dst, each side in the group's
-  // row order ([members T, width]) or in member-block order (block i = member i's T local rows).
-  absl::Status CopyRuns(const UlyssesDev& g, const void* src, bool src_grouped, void* dst,
-                        bool dst_grouped, int64_t width, int64_t elem = kAb);
-  // The group's all-to-all (distinct send and receive memory): from the local tokens' blocks
-  // (send: block j = [T, width] for member j) into `full` [members T, width] in the group's row
-  // order, each member's two zigzag chunks received where they belong; or from `full` into
-  // blocks (recv: block i from member i); each piece straight to its place (ExchangeRuns).
-  absl::Status ExchangeToGroup(const UlyssesDev& g, const void* send, void* full, int64_t width,
-                               CommLayer layer);
-  absl::Status ExchangeFromGroup(const UlyssesDev& g, const void* full, void* recv, int64_t width,
-                                 CommLayer layer);
-  absl::Status ExchangeRuns(const UlyssesDev& g, const void* send, bool send_grouped, void* recv,
-                            bool recv_grouped, int64_t width, CommLayer layer);
+  // The Ulysses steps (cp/cp_ulysses.h) on this engine's buffers and T local tokens:
+  // local views -> W.cp_block (block j: [T][the views' heads of member j side by side]);
+  absl::Status PackByHeads(const UlyssesComm& g, const std::vector<UlyssesView>& views) {
+    return UlyssesPackByHeads(copies, B.T, c.n_heads, g.members, views, W.cp_block.get());
+  }
+  // recv's blocks [j0, j1) -> the local views, block j0's first head at the views' head 0;
+  absl::Status UnpackToTokens(const UlyssesComm& g, const void* recv,
+                              const std::vector<UlyssesView>& views, int64_t j0 = 0,
+                              int64_t j1 = -1) {
+    return UlyssesUnpackToTokens(copies, recv, B.T, c.n_heads, g.members, views, j0, j1);
+  }
+  // rows of `width` elements of `elem` bytes, run by run, between member blocks and group rows;
+  absl::Status CopyRuns(const UlyssesComm& g, const void* src, bool src_grouped, void* dst,
+                        bool dst_grouped, int64_t width, int64_t elem = kAb) {
+    return UlyssesCopyRuns(copies, g, B.T, src, src_grouped, dst, dst_grouped, width * elem);
+  }
+  // the group's all-to-all from the member blocks `send` into `full` [members T, width] in the
+  // group's row order, or back (distinct send and receive memory).
+  absl::Status ExchangeToGroup(const UlyssesComm& g, const void* send, void* full, int64_t width,
+                               CommLayer layer) {
+    return UlyssesExchange(copies, g, B.T, send, false, full, true, width * kAb, layer);
+  }
+  absl::Status ExchangeFromGroup(const UlyssesComm& g, const void* full, void* recv, int64_t width,
+                                 CommLayer layer) {
+    return UlyssesExchange(copies, g, B.T, full, true, recv, false, width * kAb, layer);
+  }
   absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
   absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
   // ---- Context parallelism (Lightning AllGather and hybrid: DESIGN.md section 3) ----
