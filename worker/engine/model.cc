@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
+#include "worker/engine/layer_passes.h"
 
 namespace spindle {
 
@@ -775,51 +777,83 @@ absl::StatusOr<LossStats> Model::Forward(const CpBatch& b) {
   return RunForward(b.local, &b);
 }
 
+// The step's passes (layer_passes.h) on this model: a training step keeps every layer input
+// (n + 1 of them, the last the head's), a forward-only pass two in turn and one cache.
+class Model::Passes final : public LayerPasses {
+ public:
+  Passes(Model& m, const Batch& b, const CpBatch* cpb, float grad_scale, bool backward,
+         GradReadyFn on_grad_ready)
+      : m_(m),
+        b_(b),
+        ctx_(MakeCtx(m.config_, m.params_, m.numerics_, b, cpb, &m.cp_, &m.cp_scratch_)),
+        grad_scale_(grad_scale),
+        backward_(backward),
+        on_grad_ready_(std::move(on_grad_ready)) {}
+
+  absl::Status Embed() override {
+    k::EmbeddingForward(b_.ids.data(), ctx_.Wt(m_.embed_), In(0), b_.T, m_.config_.d_model);
+    return absl::OkStatus();
+  }
+  absl::Status Forward(int64_t i, int64_t cache, bool) override {
+    return LayerForward(ctx_, *m_.layers_[i], *m_.caches_[cache], In(i), In(i + 1));
+  }
+  absl::StatusOr<LossStats> Head() override {
+    const int64_t n = m_.config_.n_layers;
+    if (!backward_) return m_.HeadAndLoss(b_, In(n), 0.0f, nullptr);
+    Ensure(m_.dx_, b_.T, m_.config_.d_model);
+    LossStats s = m_.HeadAndLoss(b_, In(n), grad_scale_, m_.dx_.f32());
+    Ready(m_.params_.info(m_.final_norm_).offset);
+    return s;
+  }
+  absl::Status Backward(int64_t i, int64_t cache, bool recomputes) override {
+    Cache& C = *m_.caches_[cache];
+    // A recomputing layer refills the shared cache; its output is the next layer's input.
+    if (recomputes) RETURN_IF_ERROR(LayerForward(ctx_, *m_.layers_[i], C, In(i), nullptr));
+    RETURN_IF_ERROR(LayerBackward(ctx_, *m_.layers_[i], C, *m_.work_, In(i), m_.dx_.f32()));
+    Ready(m_.params_.info(m_.layers_[i]->attn_norm).offset);
+    return absl::OkStatus();
+  }
+  absl::Status EmbedBackward() override {
+    k::EmbeddingBackward(b_.ids.data(), m_.dx_.f32(), m_.params_.grad(m_.embed_), b_.T,
+                         m_.config_.d_model, m_.config_.vocab);
+    Ready(0);
+    return absl::OkStatus();
+  }
+
+ private:
+  float* In(int64_t i) { return m_.layer_inputs_[backward_ ? i : i % 2].f32(); }
+  void Ready(int64_t offset) {
+    if (on_grad_ready_) on_grad_ready_(offset);
+  }
+
+  Model& m_;
+  const Batch& b_;
+  const LayerCtx ctx_;
+  const float grad_scale_;
+  const bool backward_;
+  const GradReadyFn on_grad_ready_;
+};
+
 absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                      Recompute recompute, const GradReadyFn& on_grad_ready) {
-  const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
+  const int64_t n = config_.n_layers;
   const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
   while (caches_.size() < n_caches) caches_.push_back(std::make_unique<Cache>());
   if (caches_.size() > n_caches) caches_.resize(n_caches);
   layer_inputs_.resize(n + 1);
-  for (Tensor& t : layer_inputs_) Ensure(t, T, d);
+  for (Tensor& t : layer_inputs_) Ensure(t, b.T, config_.d_model);
   numerics_.RefreshWeights(params_);
-  const LayerCtx ctx = MakeCtx(config_, params_, numerics_, b, cpb, &cp_, &cp_scratch_);
-  k::EmbeddingForward(b.ids.data(), ctx.Wt(embed_), layer_inputs_[0].f32(), T, d);
-  for (int64_t i = 0; i < n; ++i) {
-    Cache& C = *caches_[recompute.CacheOf(i, n)];
-    RETURN_IF_ERROR(
-        LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), layer_inputs_[i + 1].f32()));
-  }
-  Ensure(dx_, T, d);
-  LossStats s = HeadAndLoss(b, layer_inputs_[n].f32(), grad_scale, dx_.f32());
-  if (on_grad_ready) on_grad_ready(params_.info(final_norm_).offset);
-  for (int64_t i = n - 1; i >= 0; --i) {
-    Cache& C = *caches_[recompute.CacheOf(i, n)];
-    if (recompute.Layer(i)) {  // refill the shared cache; the output is the next layer's input
-      RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], C, layer_inputs_[i].f32(), nullptr));
-    }
-    RETURN_IF_ERROR(LayerBackward(ctx, *layers_[i], C, *work_, layer_inputs_[i].f32(), dx_.f32()));
-    if (on_grad_ready) on_grad_ready(params_.info(layers_[i]->attn_norm).offset);
-  }
-  k::EmbeddingBackward(b.ids.data(), dx_.f32(), params_.grad(embed_), T, d, config_.vocab);
-  if (on_grad_ready) on_grad_ready(0);
-  return s;
+  Passes passes(*this, b, cpb, grad_scale, /*backward=*/true, on_grad_ready);
+  return RunLayerPasses(passes, n, recompute, /*backward=*/true);
 }
 
 absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) {
-  const int64_t T = b.T, d = config_.d_model, n = config_.n_layers;
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
-  for (Tensor& t : layer_inputs_) Ensure(t, T, d);
+  for (Tensor& t : layer_inputs_) Ensure(t, b.T, config_.d_model);
   numerics_.RefreshWeights(params_);
-  const LayerCtx ctx = MakeCtx(config_, params_, numerics_, b, cpb, &cp_, &cp_scratch_);
-  k::EmbeddingForward(b.ids.data(), ctx.Wt(embed_), layer_inputs_[0].f32(), T, d);
-  for (int64_t i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(LayerForward(ctx, *layers_[i], *caches_[0], layer_inputs_[i % 2].f32(),
-                                 layer_inputs_[(i + 1) % 2].f32()));
-  }
-  return HeadAndLoss(b, layer_inputs_[n % 2].f32(), 0.0f, nullptr);
+  Passes passes(*this, b, cpb, 0.0f, /*backward=*/false, nullptr);
+  return RunLayerPasses(passes, config_.n_layers, Recompute::All(), /*backward=*/false);
 }
 
 }  // namespace spindle

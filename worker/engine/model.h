@@ -97,6 +97,7 @@ class Model {
   struct Layer;  // per-layer parameter indices and decays (model.cc)
   struct Cache;  // one layer's saved activations (model.cc)
   struct Work;   // gradient scratch shared by all layers (model.cc)
+  class Passes;  // a step's LayerPasses on this model (model.cc)
 
  private:
   explicit Model(const ModelConfig& config);
