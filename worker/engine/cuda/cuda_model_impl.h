@@ -25,6 +25,7 @@
 #include "kernels/cuda/sdpa.h"
 #include "worker/engine/cp/cp_ulysses.h"
 #include "worker/engine/cuda/cuda_model.h"
+#include "worker/engine/layer_passes.h"
 
 namespace spindle {
 

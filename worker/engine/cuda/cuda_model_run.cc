@@ -233,122 +233,156 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   return s;
 }
 
+namespace {
+
+// The step's passes (worker/engine/layer_passes.h) on the device: the layer inputs (a training
+// step's n + 1, or offloading the ring's slots and one buffer for the head's input; a forward-only
+// pass's two in turn), the offload's copies around them (see Offload), each cache's layer kind
+// (the shared cache holds one kind at a time) and each recomputing MLA layer's kept attention.
+class DevicePasses final : public LayerPasses {
+ public:
+  DevicePasses(CudaModel::Impl& m, Recompute recompute, float grad_scale, bool backward)
+      : m_(m),
+        T_(m.B.T),
+        n_(m.c.n_layers),
+        recompute_(recompute),
+        grad_scale_(grad_scale),
+        backward_(backward),
+        offload_(backward && m.offload_inputs && m.c.n_layers > Offload::kSlots) {}
+
+  // The caches, layer inputs, offload slots and kept attention outputs for this step.
+  absl::Status Prepare() {
+    CudaModel::Impl& m = m_;
+    // Forward only (called with Recompute::All): one cache. Training: one cache per layer that
+    // keeps its activations and one, refilled per layer, for those that recompute.
+    const size_t n_caches = static_cast<size_t>(recompute_.NumCaches(n_));
+    while (m.caches.size() < n_caches) m.caches.push_back(std::make_unique<Cache>());
+    m.caches.resize(n_caches);
+    // The cache the recomputing layers share holds one layer kind's buffers at a time.
+    for (size_t k = 0; k < m.caches.size(); ++k) {
+      Cache& C = *m.caches[k];
+      const bool shared = m.kind_union && k == 0 && (!backward_ || recompute_.layers > 0);
+      if (C.kind_union && !shared)
+        m.DropArena(C.arena, m.CacheKindFields(C, 'L'), m.CacheKindFields(C, 'M'));
+      C.kind_union = shared;
+    }
+    const int64_t n_inputs = !backward_ ? 2 : offload_ ? 1 : n_ + 1;
+    if (static_cast<int64_t>(m.layer_in.size()) != n_inputs)
+      m.layer_in = std::vector<DevBuf>(n_inputs);
+    for (DevBuf& t : m.layer_in) RETURN_IF_ERROR(m.Act(t, T_, m.c.d_model));
+    if (offload_) {
+      RETURN_IF_ERROR(m.off.EnsureHost((n_ - K) * T_ * m.c.d_model * kAb));
+      for (DevBuf& t : m.off.slot) RETURN_IF_ERROR(m.Act(t, T_, m.c.d_model));
+    } else {
+      m.off.ReleaseSlots();
+    }
+    if (!backward_ || recompute_.layers <= 0) {
+      m.kept.clear();
+    } else if (static_cast<int64_t>(m.kept.size()) != n_) {
+      m.kept = std::vector<KeptAttention>(n_);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Embed() override {
+    KC(kc::EmbeddingForward(m_.B.ids.i32(), m_.Wb(m_.embed), In(0), T_, m_.c.d_model, kAct,
+                            m_.stream));
+    return AfterInput(0);
+  }
+  absl::Status Forward(int64_t i, int64_t cache, bool keep) override {
+    Cache& C = *m_.caches[cache];
+    RETURN_IF_ERROR(UseKind(C, i));
+    const bool swap = Keeps(i);
+    if (swap) m_.kept[i].SwapInto(C);
+    if (!swap && !m_.kept.empty()) m_.kept[i].Release();  // held by a step that recomputed i
+    absl::Status st = BeforeInput(i + 1);
+    if (st.ok()) st = m_.LayerForward(m_.layers[i], C, In(i), In(i + 1), /*ffn_kept=*/keep);
+    if (swap) m_.kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
+    RETURN_IF_ERROR(st);
+    return AfterInput(i + 1);
+  }
+  absl::StatusOr<LossStats> Head() override {
+    if (!backward_) return m_.HeadAndLoss(In(n_), 0.0f, nullptr);
+    RETURN_IF_ERROR(m_.Act(m_.dx, T_, m_.c.d_model));
+    return m_.HeadAndLoss(In(n_), grad_scale_, m_.dx.get());
+  }
+  absl::Status Backward(int64_t i, int64_t cache, bool recomputes) override {
+    Cache& C = *m_.caches[cache];
+    RETURN_IF_ERROR(UseKind(C, i));
+    const bool swap = Keeps(i);
+    if (swap) m_.kept[i].SwapInto(C);
+    absl::Status st;
+    // Offloading: input i is back in its slot (see Offload).
+    if (offload_ && i < n_ - K) st = m_.off.WaitCopied(m_.stream, SlotOf(i));
+    // The recomputed forward needs no output: it is the next layer's input, kept.
+    if (st.ok() && recomputes)
+      st = m_.LayerForward(m_.layers[i], C, In(i), nullptr, /*ffn_kept=*/false, swap);
+    if (st.ok()) st = m_.LayerBackward(m_.layers[i], C, In(i), m_.dx.get(), !recomputes);
+    if (swap) m_.kept[i].SwapInto(C);
+    RETURN_IF_ERROR(st);
+    // Offloading: layer i was the last user of its slot; input i - K comes back into it.
+    if (offload_ && i >= K)
+      return m_.off.CopyAfter(m_.stream, SlotOf(i), In(i - K), HostIn(i - K),
+                              T_ * m_.c.d_model * kAb, cudaMemcpyHostToDevice);
+    return absl::OkStatus();
+  }
+  absl::Status EmbedBackward() override {
+    KC(kc::EmbeddingBackward(m_.B.ids.i32(), m_.dx.get(), m_.G(m_.embed), T_, m_.c.d_model,
+                             m_.c.vocab, kAct, m_.Ws(), m_.stream));
+    return absl::OkStatus();
+  }
+
+ private:
+  static constexpr int64_t K = Offload::kSlots;
+  void* In(int64_t i) {
+    if (!backward_) return m_.layer_in[i % 2].get();
+    if (!offload_) return m_.layer_in[i].get();
+    return i < n_ ? m_.off.slot[i % K].get() : m_.layer_in[0].get();
+  }
+  void* HostIn(int64_t i) { return At(m_.off.host, i * T_ * m_.c.d_model); }
+  int SlotOf(int64_t i) const { return static_cast<int>(i % K); }
+  // Offloading: before input j is written, the copy of input j - K out of its slot is done; once
+  // it is written, it goes to the host unless the backward finds it in its slot.
+  absl::Status BeforeInput(int64_t j) {
+    if (offload_ && j >= K && j < n_) return m_.off.WaitCopied(m_.stream, SlotOf(j));
+    return absl::OkStatus();
+  }
+  absl::Status AfterInput(int64_t j) {
+    if (!offload_ || j >= n_ - K) return absl::OkStatus();
+    return m_.off.CopyAfter(m_.stream, SlotOf(j), HostIn(j), In(j), T_ * m_.c.d_model * kAb,
+                            cudaMemcpyDeviceToHost);
+  }
+  absl::Status UseKind(Cache& C, int64_t i) {
+    return C.kind_union ? m_.UseKind(C.arena, m_.layers[i].kind, m_.CacheKindFields(C, 'L'),
+                                     m_.CacheKindFields(C, 'M'))
+                        : absl::OkStatus();
+  }
+  // Each recomputing MLA layer keeps its attention output from the first forward (KeptAttention).
+  bool Keeps(int64_t i) const {
+    return backward_ && recompute_.Layer(i) && m_.layers[i].kind == 'M';
+  }
+
+  CudaModel::Impl& m_;
+  const int64_t T_, n_;
+  const Recompute recompute_;
+  const float grad_scale_;
+  const bool backward_, offload_;
+};
+
+}  // namespace
+
 absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                                Recompute recompute, bool backward) {
   const auto start = std::chrono::steady_clock::now();
-  auto queued = [&] {
-    enqueue_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
   RETURN_IF_ERROR(Upload(b, cpb));
-  const int64_t T = B.T, d = c.d_model, n = c.n_layers;
-  if (fp8 && T % 16 != 0)
+  if (fp8 && B.T % 16 != 0)
     return absl::InvalidArgumentError(absl::StrCat(
-        "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank, got ", T,
+        "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank, got ", B.T,
         " (cuBLASLt's FP8 GEMMs)"));
-  // Forward only (called with Recompute::All): two residual buffers and one cache. Training:
-  // every layer input, one cache per layer that keeps its activations and one, refilled per
-  // layer, for those that recompute.
-  const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
-  while (caches.size() < n_caches) caches.push_back(std::make_unique<Cache>());
-  caches.resize(n_caches);
-  // The cache the recomputing layers share holds one layer kind's buffers at a time.
-  for (size_t k = 0; k < caches.size(); ++k) {
-    Cache& C = *caches[k];
-    const bool shared = kind_union && k == 0 && (!backward || recompute.layers > 0);
-    if (C.kind_union && !shared)
-      DropArena(C.arena, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'));
-    C.kind_union = shared;
-  }
-  auto use_kind = [&](Cache& C, int64_t i) {
-    return C.kind_union
-               ? UseKind(C.arena, layers[i].kind, CacheKindFields(C, 'L'), CacheKindFields(C, 'M'))
-               : absl::OkStatus();
-  };
-  // Layer inputs: forward only, two buffers in turn; training, all n + 1 or, offloading (see
-  // Offload), the ring's slots for layers 0 .. n-1 and one buffer for the head's input.
-  constexpr int64_t K = Offload::kSlots;
-  const bool offload = backward && offload_inputs && n > K;
-  const int64_t n_inputs = !backward ? 2 : offload ? 1 : n + 1;
-  if (static_cast<int64_t>(layer_in.size()) != n_inputs) layer_in = std::vector<DevBuf>(n_inputs);
-  for (DevBuf& t : layer_in) RETURN_IF_ERROR(Act(t, T, d));
-  if (offload) {
-    RETURN_IF_ERROR(off.EnsureHost((n - K) * T * d * kAb));
-    for (DevBuf& t : off.slot) RETURN_IF_ERROR(Act(t, T, d));
-  } else {
-    off.ReleaseSlots();
-  }
-  auto in = [&](int64_t i) {
-    if (!backward) return layer_in[i % 2].get();
-    if (!offload) return layer_in[i].get();
-    return i < n ? off.slot[i % K].get() : layer_in[0].get();
-  };
-  auto host_in = [&](int64_t i) { return At(off.host, i * T * d); };
-  // Offloading: before input j is written, the copy of input j - K out of its slot is done;
-  // once it is written, it goes to the host unless the backward finds it in its slot.
-  auto slot_of = [&](int64_t i) { return static_cast<int>(i % K); };
-  auto before_input = [&](int64_t j) -> absl::Status {
-    if (offload && j >= K && j < n) return off.WaitCopied(stream, slot_of(j));
-    return absl::OkStatus();
-  };
-  auto after_input = [&](int64_t j) -> absl::Status {
-    if (!offload || j >= n - K) return absl::OkStatus();
-    return off.CopyAfter(stream, slot_of(j), host_in(j), in(j), T * d * kAb,
-                         cudaMemcpyDeviceToHost);
-  };
-  KC(kc::EmbeddingForward(B.ids.i32(), Wb(embed), in(0), T, d, kAct, stream));
-  RETURN_IF_ERROR(after_input(0));
-  // Each recomputing MLA layer keeps its attention output from this forward (KeptAttention).
-  auto keeps = [&](int64_t i) { return backward && recompute.Layer(i) && layers[i].kind == 'M'; };
-  if (!backward || recompute.layers <= 0) {
-    kept.clear();
-  } else if (static_cast<int64_t>(kept.size()) != n) {
-    kept = std::vector<KeptAttention>(n);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    Cache& C = *caches[recompute.CacheOf(i, n)];
-    RETURN_IF_ERROR(use_kind(C, i));
-    const bool swap = keeps(i);
-    if (swap) kept[i].SwapInto(C);
-    if (!swap && !kept.empty()) kept[i].Release();  // held by a step that recomputed layer i
-    const bool ffn_kept = backward && !recompute.Layer(i);
-    absl::Status st = before_input(i + 1);
-    if (st.ok()) st = LayerForward(layers[i], C, in(i), in(i + 1), ffn_kept);
-    if (swap) kept[i].SwapInto(C);  // back: kept[i] holds this layer's output
-    RETURN_IF_ERROR(st);
-    RETURN_IF_ERROR(after_input(i + 1));
-  }
-  if (!backward) {
-    ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), 0.0f, nullptr));
-    queued();
-    CUDA(cudaStreamSynchronize(stream));
-    s.loss_sum = *loss_host;
-    return s;
-  }
-  RETURN_IF_ERROR(Act(dx, T, d));
-  ASSIGN_OR_RETURN(LossStats s, HeadAndLoss(in(n), grad_scale, dx.get()));
-  for (int64_t i = n - 1; i >= 0; --i) {
-    Cache& C = *caches[recompute.CacheOf(i, n)];
-    RETURN_IF_ERROR(use_kind(C, i));
-    const bool swap = keeps(i);
-    if (swap) kept[i].SwapInto(C);
-    absl::Status st;
-    // Offloading: input i is back in its slot (see Offload).
-    if (offload && i < n - K) st = off.WaitCopied(stream, slot_of(i));
-    // The recomputed forward needs no output: it is the next layer's input, kept.
-    const bool ffn_kept = !recompute.Layer(i);
-    if (st.ok() && !ffn_kept)
-      st = LayerForward(layers[i], C, in(i), nullptr, /*ffn_kept=*/false, swap);
-    if (st.ok()) st = LayerBackward(layers[i], C, in(i), dx.get(), ffn_kept);
-    if (swap) kept[i].SwapInto(C);
-    RETURN_IF_ERROR(st);
-    // Offloading: layer i was the last user of its slot; input i - K comes back into it.
-    if (offload && i >= K)
-      RETURN_IF_ERROR(off.CopyAfter(stream, slot_of(i), in(i - K), host_in(i - K), T * d * kAb,
-                                    cudaMemcpyHostToDevice));
-  }
-  KC(kc::EmbeddingBackward(B.ids.i32(), dx.get(), G(embed), T, d, c.vocab, kAct, Ws(), stream));
-  queued();
+  DevicePasses passes(*this, recompute, grad_scale, backward);
+  RETURN_IF_ERROR(passes.Prepare());
+  ASSIGN_OR_RETURN(LossStats s, RunLayerPasses(passes, c.n_layers, recompute, backward));
+  enqueue_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   CUDA(cudaStreamSynchronize(stream));
   s.loss_sum = *loss_host;
   return s;
