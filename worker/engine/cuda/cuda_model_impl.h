@@ -598,7 +598,11 @@ struct CudaModel::Impl {
   // A cached FP8 activation [rows, cols] (E4M3) about to be produced: its transpose in q's own
   // block, its row-major codes in W.fp8_rows. W.fp8_rows is sized once for the widest such input
   // (so it never moves within a step).
-  // Where a producer writes q's codes: both layouts, or (transposes false: a forward that no
+  absl::Status QAct(Fp8Act& q, int64_t rows, int64_t cols) {
+    const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
+    RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
+    return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get());
+  }  // Where a producer writes q's codes: both layouts, or (transposes false: a forward that no
   // backward reads, that of a recomputing layer or a forward-only pass) the row-major codes the
   // forward's GEMMs read alone.
   static kc::Fp8Output QOut(const Fp8Act& q, bool transposes) {
@@ -606,11 +610,7 @@ struct CudaModel::Impl {
     if (!transposes) o.codes_t = nullptr;
     return o;
   }
-  absl::Status QAct(Fp8Act& q, int64_t rows, int64_t cols) {
-    const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
-    RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
-    return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get());
-  }
+
   // The same on FP8 codes (fp8): y[T, out] (+)= x W^T from x's codes and weight w's copy.
   absl::Status FwdQ(const Fp8Block& x, int w, void* y, int64_t T, int64_t in, int64_t out, bool acc,
                     const void* residual = nullptr) {
@@ -653,10 +653,10 @@ struct CudaModel::Impl {
     a.c_type = KDType::kFloat32, a.b_type = x.format, a.b_scale = x.inverse_scale();
     return FromKernel(blas->Gemm(a, stream));
   }
-  // FP8: the amax of the residual stream's gradient dx, reduced by each RMSNorm backward that
-  // writes dx and read by the quantization of the next linear's output gradient (w2's, then the
-  // attention's output projection's); null without FP8.
-  float* DxAmax() { return fp8 ? W.Amax(Work::kAmaxDx) : nullptr; }
+  // FP8: where the kernel writing an output gradient reduces its amax for the quantization that
+  // reads it (Work::GradAmax; kAmaxDx: the residual stream's dx, written by each RMSNorm backward,
+  // read by w2's and then the attention output projection's); null without FP8.
+  float* GradAmax(Work::GradAmax which) { return fp8 ? W.Amax(which) : nullptr; }
   // Casts every FP8 linear's master into its copy (fp8; after each update of the masters).
   absl::Status CastFp8Weights();
   // dst[rows, width] <- src[rows, width] with row strides (elements).

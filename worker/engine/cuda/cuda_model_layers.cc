@@ -54,12 +54,13 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   const float theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&W.dy, &W.dgate}) RETURN_IF_ERROR(Act(*b, T, d));
   RETURN_IF_ERROR(Act(W.dqkv, T, 3 * d));
-  RETURN_IF_ERROR(fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false, DxAmax())
-                      : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
+  RETURN_IF_ERROR(
+      fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false, GradAmax(Work::kAmaxDx))
+          : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
   // dy -> d o (in place) and d gate.
   KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), W.dy.get(),
                                W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh, kAct, Ws(),
-                               stream, fp8 ? W.Amax(Work::kAmaxDgate) : nullptr));
+                               stream, GradAmax(Work::kAmaxDgate)));
   void* dq = W.dqkv.get();
   if (LightningAllGather()) {
     RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
@@ -78,8 +79,7 @@ absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, con
   }
   KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
                             C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H, Dh,
-                            theta, /*copy_v=*/true, kAct, Ws(), stream,
-                            fp8 ? W.Amax(Work::kAmaxDqkv) : nullptr));
+                            theta, /*copy_v=*/true, kAct, Ws(), stream, GradAmax(Work::kAmaxDqkv)));
   if (fp8) {
     RETURN_IF_ERROR(
         BwdQ(C.q_h, L.qkv, dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false, W.Amax(Work::kAmaxDqkv)));
@@ -221,7 +221,8 @@ absl::Status CudaModel::Impl::MlaBackward(const LayerIdx& L, Cache& C, const voi
   // gradient then adds to).
   Rows dq_in{qr > 0 ? W.dqa_n.get() : W.dh.get(), dqw};
   RETURN_IF_ERROR(
-      fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false, DxAmax())
+      fp8 ? BwdQ(C.q_O, L.mo, dout, W.dO.get(), G(L.mo), T, H * vd, d, false,
+                 GradAmax(Work::kAmaxDx))
           : Bwd(C.O.get(), H * vd, Wb(L.mo), dout, W.dO.get(), G(L.mo), T, H * vd, d, false));
   if (MlaLatentKeys()) {
     // The latent gradients [d c_n | d k_r (rotated)] of this rank's tokens into W.dkva, dQ into
@@ -417,7 +418,7 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
   // dx = d x_mid = dx + RMSNorm backward of dh (under FP8 with its amax, for the attention's
   // output projection).
   KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
-                         G(L.ffn_norm), T, d, kAct, Ws(), stream, DxAmax()));
+                         G(L.ffn_norm), T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
   return absl::OkStatus();
 }
 
@@ -434,7 +435,7 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
     RETURN_IF_ERROR(MlaBackward(L, C, dx));
   }
   KC(kc::RmsNormBackward(x_in, Wb(L.attn_norm), C.rstd1.f32(), W.dh.get(), dx, dx, G(L.attn_norm),
-                         T, d, kAct, Ws(), stream, DxAmax()));
+                         T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
   return absl::OkStatus();
 }
 

@@ -225,7 +225,7 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
   if (dx && fp8) RETURN_IF_ERROR(F32(W.grad_amax, Work::kGradAmaxes));
   if (dx)
     KC(kc::RmsNormBackward(x, Wb(final_norm), rstd_f.f32(), dhf.get(), nullptr, dx, G(final_norm),
-                           T, d, kAct, Ws(), stream, DxAmax()));
+                           T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
   // Read by the host after the step's final synchronisation (pinned: no implicit sync here).
   CUDA(cudaMemcpyAsync(loss_host, scalar, sizeof(double), cudaMemcpyDeviceToHost, stream));
   LossStats s;
