@@ -368,8 +368,14 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
     per_token += R * d + layer - 3 * f;
     ffn_block_bytes = ffn_rows * B * 3 * f;
     // The CUDA engine: each recomputed MLA layer keeps its attention output and statistics (and
-    // under All2All its head-split output) for the backward, so the recompute skips the attention.
-    if (cuda) per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H);
+    // under All2All its head-split output) for the backward, so the recompute skips the attention,
+    // and its norms' statistics (two fp32 a token); under FP8 each recomputing Lightning layer
+    // keeps its norms' and its group norm's (H fp32 a token), so that the recompute quantizes in
+    // one pass.
+    if (cuda) {
+      per_token += rm * (H * a.v_head_dim * (m_all2all ? 2 : 1) + 2 * H + 4);
+      if (spec.train.precision == TrainPrecision::kFp8) per_token += rl * (4 + 2 * H);
+    }
   }
   // train.offload: the layers' inputs but kCudaOffloadSlots wait in pinned host memory.
   if (cuda && spec.train.offload && m.n_layers > kCudaOffloadSlots) {

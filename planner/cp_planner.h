@@ -104,7 +104,10 @@ struct CpPlan {
 //                                                    time), both kinds' together on "cpu"; on
 //                                                    "cuda" their FFN runs in token blocks
 //                                                    (kCudaFfnBlockRows) and each recomputing MLA
-//                                                    layer keeps its attention output
+//                                                    layer keeps its attention output and its
+//                                                    norms' statistics (and under fp8 each
+//                                                    recomputing Lightning layer its norms' and
+//                                                    group norm's: T (2 + H) fp32)
 //     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product)
 //     Lightning        += 9 d (qkv, normed q/k, output, normed output, gate, gated output)
 //     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2

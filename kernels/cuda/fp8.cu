@@ -688,4 +688,43 @@ Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, v
   return Status::Ok();
 }
 
+Status RmsNormQuantizeFp8(const void* x, const void* w, const float* rstd, int64_t rows, int64_t D,
+                          DType dtype, const Fp8Output& q, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && D > 0 && rstd != nullptr, "RmsNormQuantizeFp8: bad sizes");
+  SPINDLE_RETURN_IF_ERROR(CheckOutput(q, "RmsNormQuantizeFp8"));
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "RmsNormQuantizeFp8", {
+    return LaunchQuantize(RmsSource<scalar_t>{static_cast<const scalar_t*>(x),
+                                              static_cast<const scalar_t*>(w), rstd, D},
+                          rows, D, q, stream);
+  });
+  return Status::Ok();
+}
+
+Status SwiGluQuantizeFp8(const void* g, const void* u, int64_t rows, int64_t cols, DType dtype,
+                         const Fp8Output& q, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && cols >= 0, "SwiGluQuantizeFp8: negative size");
+  SPINDLE_RETURN_IF_ERROR(CheckOutput(q, "SwiGluQuantizeFp8"));
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluQuantizeFp8", {
+    return LaunchQuantize(SwiGluSource<scalar_t>{static_cast<const scalar_t*>(g),
+                                                 static_cast<const scalar_t*>(u), cols},
+                          rows, cols, q, stream);
+  });
+  return Status::Ok();
+}
+
+Status GroupNormGateQuantizeFp8(const void* o, const void* w, const void* gate, const float* rstd,
+                                int64_t T, int64_t H, int64_t Dh, DType dtype, const Fp8Output& q,
+                                cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(T >= 0 && H > 0 && Dh > 0 && rstd != nullptr,
+                    "GroupNormGateQuantizeFp8: bad sizes");
+  SPINDLE_RETURN_IF_ERROR(CheckOutput(q, "GroupNormGateQuantizeFp8"));
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "GroupNormGateQuantizeFp8", {
+    return LaunchQuantize(
+        GroupGateSource<scalar_t>{static_cast<const scalar_t*>(o), static_cast<const scalar_t*>(w),
+                                  static_cast<const scalar_t*>(gate), rstd, H, Dh},
+        T, H * Dh, q, stream);
+  });
+  return Status::Ok();
+}
+
 }  // namespace spindle::kernels::cuda

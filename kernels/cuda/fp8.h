@@ -91,4 +91,17 @@ Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, v
                                int64_t T, int64_t H, int64_t Dh, float eps, DType dtype,
                                const Fp8Output& q, cudaStream_t stream);
 
+// ---- The second pass alone ----------------------------------------------------------------------
+// A recomputed forward's quantization: the producer's first pass ran on the same inputs in the
+// layer's first forward, and the caller kept its statistics (rstd) and its amax (in *q.amax).
+// These quantize from them in one pass over the inputs: the same codes, scale and inverse scale as
+// the full producer's.
+Status RmsNormQuantizeFp8(const void* x, const void* w, const float* rstd, int64_t rows, int64_t D,
+                          DType dtype, const Fp8Output& q, cudaStream_t stream);
+Status SwiGluQuantizeFp8(const void* g, const void* u, int64_t rows, int64_t cols, DType dtype,
+                         const Fp8Output& q, cudaStream_t stream);
+Status GroupNormGateQuantizeFp8(const void* o, const void* w, const void* gate, const float* rstd,
+                                int64_t T, int64_t H, int64_t Dh, DType dtype, const Fp8Output& q,
+                                cudaStream_t stream);
+
 }  // namespace spindle::kernels::cuda

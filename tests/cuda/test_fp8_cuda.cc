@@ -497,6 +497,63 @@ TEST_P(Fp8Cuda, GroupNormGateFp8MatchesEmulation) {
   }
 }
 
+// A recomputed forward's quantization: the second pass alone, from the statistics and amax the
+// full producer wrote, gives the full producer's codes, transposed codes, scale and inverse scale,
+// bit for bit (odd shapes, the vector paths and the scalar ones).
+TEST_P(Fp8Cuda, SecondPassAloneMatchesTheFullProducer) {
+  auto expect_same = [](const Fp8Buffers& full, const Fp8Buffers& alone) {
+    ExpectSameFloat(alone.scale(), full.scale(), "scale");
+    ExpectSameFloat(alone.inverse(), full.inverse(), "inverse scale");
+    EXPECT_TRUE(alone.codes() == full.codes()) << "codes";
+    EXPECT_TRUE(alone.codes_t() == full.codes_t()) << "codes_t";
+  };
+  const float eps = 1e-6f;
+  for (const Shape s : {Shape{37, 72}, Shape{1000, 200}, Shape{5, 1376}, Shape{13, 35}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols));
+    const int64_t R = s.rows, D = s.cols, n = R * D;
+    auto x = Rand(n), w = Rand(D, 0.3f, 1.0f), g = Rand(n, 2.0f), u = Rand(n);
+    auto d_x = Upload(x, dt()), d_w = Upload(w, dt()), d_g = Upload(g, dt()), d_u = Upload(u, dt());
+    DeviceBuffer d_rstd(R * 4 + 16);
+    {
+      SCOPED_TRACE("RMSNorm");
+      Fp8Buffers full(n, kE4M3), alone(n, kE4M3);
+      ASSERT_OK(RmsNormForwardFp8(d_x.get(), d_w.get(), nullptr, d_rstd.as<float>(), R, D, eps,
+                                  dt(), full.out(), 0));
+      alone.SetAmax(full.amax());
+      ASSERT_OK(
+          RmsNormQuantizeFp8(d_x.get(), d_w.get(), d_rstd.as<float>(), R, D, dt(), alone.out(), 0));
+      expect_same(full, alone);
+    }
+    {
+      SCOPED_TRACE("SwiGLU");
+      Fp8Buffers full(n, kE4M3), alone(n, kE4M3);
+      ASSERT_OK(SwiGluForwardFp8(d_g.get(), d_u.get(), nullptr, R, D, dt(), full.out(), 0));
+      alone.SetAmax(full.amax());
+      ASSERT_OK(SwiGluQuantizeFp8(d_g.get(), d_u.get(), R, D, dt(), alone.out(), 0));
+      expect_same(full, alone);
+    }
+  }
+  struct GShape {
+    int64_t T, H, Dh;
+  };
+  for (const GShape s : {GShape{37, 3, 24}, GShape{37, 4, 64}, GShape{50, 2, 128}}) {
+    SCOPED_TRACE("group norm + gate " + std::to_string(s.T) + " x " + std::to_string(s.H) + " x " +
+                 std::to_string(s.Dh));
+    const int64_t C = s.H * s.Dh, n = s.T * C;
+    auto o = Rand(n), gate = Rand(n, 2.0f), w = Rand(C, 0.3f, 1.0f);
+    auto d_o = Upload(o, dt()), d_gate = Upload(gate, dt()), d_w = Upload(w, dt());
+    DeviceBuffer d_rstd(s.T * s.H * 4 + 16);
+    Fp8Buffers full(n, kE4M3), alone(n, kE4M3);
+    ASSERT_OK(GroupNormGateForwardFp8(d_o.get(), d_w.get(), d_gate.get(), nullptr,
+                                      d_rstd.as<float>(), s.T, s.H, s.Dh, eps, dt(), full.out(),
+                                      0));
+    alone.SetAmax(full.amax());
+    ASSERT_OK(GroupNormGateQuantizeFp8(d_o.get(), d_w.get(), d_gate.get(), d_rstd.as<float>(), s.T,
+                                       s.H, s.Dh, dt(), alone.out(), 0));
+    expect_same(full, alone);
+  }
+}
+
 TEST_P(Fp8Cuda, FusedProducersRefuseBadArguments) {
   DeviceBuffer buf(1024);
   Fp8Buffers q(64, kE4M3);

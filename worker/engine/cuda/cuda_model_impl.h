@@ -207,26 +207,40 @@ struct Cache {
   // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
   // their GEMMs reads them); h still is (MLA's bf16 q reads it), and O is (cuDNN's backward).
   Fp8Act q_h, q_y, q_h2, q_a, q_O;
+  // A recomputing layer's FP8 amaxes by Fp8Site while its kept buffers are swapped in (else none).
+  DevBuf fp8_amax;
   // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
   KindArena arena;
 };
 
-// Recompute: what an MLA layer keeps from the forward for its backward, so that the recomputed
-// forward skips the quadratic attention: its output and statistics, and under CP All2All the
-// head-split output (swapped into the layer's Cache as O, stats and cp_out while it runs).
-struct KeptAttention {
-  DevBuf O, stats, cp_out;
+// Recompute: what a recomputing layer keeps from its first forward for its backward, swapped into
+// the layer's Cache while either pass runs. An MLA layer keeps its attention's output and
+// statistics (and under CP All2All the head-split output), so that the recomputed forward skips
+// the quadratic attention. Under FP8 every recomputing layer keeps its FP8 producers' row
+// statistics (rstd1, rstd2 and Lightning's rstd_o) and amaxes (fp8_amax, one per Fp8Site), so that
+// its recomputed forward quantizes in one pass: the same inputs give the same values.
+struct KeptForRecompute {
+  DevBuf O, stats, cp_out, rstd1, rstd2, rstd_o, fp8_amax;
   void SwapInto(Cache& C) {
     O.Swap(C.O);
     stats.Swap(C.stats);
     cp_out.Swap(C.cp_out);
+    rstd1.Swap(C.rstd1);
+    rstd2.Swap(C.rstd2);
+    rstd_o.Swap(C.rstd_o);
+    fp8_amax.Swap(C.fp8_amax);
   }
   void Release() {
-    for (DevBuf* b : {&O, &stats, &cp_out}) b->Release();
+    for (DevBuf* b : {&O, &stats, &cp_out, &rstd1, &rstd2, &rstd_o, &fp8_amax}) b->Release();
   }
 };
+
+// The FP8 producers of a layer, whose amaxes a recomputing layer keeps (KeptForRecompute): the
+// attention norm (q_h), the group norm + gate (q_y), the FFN norm (q_h2), SwiGLU (q_a) and MLA's
+// attention output (q_O).
+enum Fp8Site { kSiteH, kSiteY, kSiteH2, kSiteA, kSiteO, kFp8Sites };
 
 // Layer-input offload (CudaModel::SetOffloadInputs). Input i of layers 0 .. n-1 lives in device
 // slot i % kSlots; the forward copies each input that the backward will not find still in its
@@ -462,7 +476,7 @@ struct CudaModel::Impl {
   int embed = -1, final_norm = -1, lm_head = -1;
   std::vector<LayerIdx> layers;
   std::vector<std::unique_ptr<Cache>> caches;
-  std::vector<KeptAttention> kept;  // per layer; each recomputing MLA layer fills its own
+  std::vector<KeptForRecompute> kept;  // per layer; each recomputing layer fills its own
   std::vector<DevBuf> layer_in;  // [n + 1][T, d] bf16 residual stream
   DevBuf hf, rstd_f, dhf, logits, row_loss, dx;
   Work W;
@@ -602,13 +616,20 @@ struct CudaModel::Impl {
     const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
     RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
     return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get());
-  }  // Where a producer writes q's codes: both layouts, or (transposes false: a forward that no
+  }
+  // Where producer `site` writes q's codes: both layouts, or (transposes false: a forward that no
   // backward reads, that of a recomputing layer or a forward-only pass) the row-major codes the
-  // forward's GEMMs read alone.
-  static kc::Fp8Output QOut(const Fp8Act& q, bool transposes) {
+  // forward's GEMMs read alone; its amax in a recomputing layer's kept slot (C.fp8_amax) if any.
+  static kc::Fp8Output QOut(const Fp8Act& q, bool transposes, const Cache& C, Fp8Site site) {
     kc::Fp8Output o = q.Output();
     if (!transposes) o.codes_t = nullptr;
+    if (C.fp8_amax.get() != nullptr) o.amax = C.fp8_amax.f32() + site;
     return o;
+  }
+  // Under FP8, a recomputing layer's recomputed forward (x_out null) with its first forward's
+  // statistics and amaxes in C: the producers run their second pass alone.
+  bool Requantizes(const Cache& C, const void* x_out) const {
+    return fp8 && x_out == nullptr && C.fp8_amax.get() != nullptr;
   }
 
   // The same on FP8 codes (fp8): y[T, out] (+)= x W^T from x's codes and weight w's copy.
@@ -676,7 +697,7 @@ struct CudaModel::Impl {
   // with the bytes the layer code asks for at the current batch and CP mode (a buffer asked for
   // larger than its view gets a block of its own, so a mismatch costs memory, not correctness).
   // The MLA attention's output and statistics are not among them: a recomputing MLA layer keeps
-  // its own (KeptAttention).
+  // its own (KeptForRecompute).
   KindFields CacheKindFields(Cache& C, char kind);
   KindFields WorkKindFields(char kind);
   // Makes `kind`'s buffers views of `a`, sized for the larger of the model's kinds, after
@@ -695,17 +716,18 @@ struct CudaModel::Impl {
   // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
   // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
   // (FfnForward) and the backward recomputes them. attention_kept: the MLA attention's output and
-  // statistics are already in C (see KeptAttention); only what its backward reads besides them
+  // statistics are already in C (see KeptForRecompute); only what its backward reads besides them
   // is computed.
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  absl::Status FfnHidden(const LayerIdx& L, Cache& C, bool transposes, const void* h, void* g,
-                         void* u, void* a, int64_t n);
+  // transposes: see QOut; requantize: see Requantizes.
+  absl::Status FfnHidden(const LayerIdx& L, Cache& C, bool transposes, bool requantize,
+                         const void* h, void* g, void* u, void* a, int64_t n);
   absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
   absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
-  absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes);
+  absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes, bool requantize);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);

@@ -6,8 +6,9 @@ namespace spindle {
 
 // ---- Lightning -----------------------------------------------------------------------------------
 
-// transposes: see QOut.
-absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C, bool transposes) {
+// transposes: see QOut; requantize: see Requantizes.
+absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C, bool transposes,
+                                               bool requantize) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
   for (DevBuf* b : {&C.qkv_raw, &C.qkv_n}) RETURN_IF_ERROR(Act(*b, T, 3 * d));
@@ -43,8 +44,14 @@ absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C, bool
   }
   RETURN_IF_ERROR(FwdQ(C.q_h, L.gate, C.gate.get(), T, d, d, false));
   RETURN_IF_ERROR(QAct(C.q_y, T, d));
-  KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
-                                 T, H, Dh, eps, kAct, QOut(C.q_y, transposes), stream));
+  const kc::Fp8Output q = QOut(C.q_y, transposes, C, kSiteY);
+  if (requantize) {
+    KC(kc::GroupNormGateQuantizeFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), T, H,
+                                    Dh, kAct, q, stream));
+  } else {
+    KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
+                                   T, H, Dh, eps, kAct, q, stream));
+  }
   return absl::OkStatus();
 }
 
@@ -301,19 +308,27 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   // Under FP8 the first forward of a recomputing layer (and a forward-only pass) writes no
   // transposed codes: no backward reads them (the recomputed forward writes its own).
   const bool transposes = ffn_kept || x_out == nullptr;
+  // A recomputed forward with the first forward's statistics and amaxes at hand quantizes in one
+  // pass (MLA's attention norm still runs both: its second writes the bf16 h).
+  const bool requantize = Requantizes(C, x_out);
   if (bf16_h) RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
   if (fp8) {
     RETURN_IF_ERROR(QAct(C.q_h, T, d));
-    KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), bf16_h ? C.h.get() : nullptr, C.rstd1.f32(), T,
-                             d, eps, kAct, QOut(C.q_h, transposes), stream));
+    const kc::Fp8Output q = QOut(C.q_h, transposes, C, kSiteH);
+    if (requantize && !bf16_h) {
+      KC(kc::RmsNormQuantizeFp8(x_in, Wb(L.attn_norm), C.rstd1.f32(), T, d, kAct, q, stream));
+    } else {
+      KC(kc::RmsNormForwardFp8(x_in, Wb(L.attn_norm), bf16_h ? C.h.get() : nullptr, C.rstd1.f32(),
+                               T, d, eps, kAct, q, stream));
+    }
   } else {
     KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), C.h.get(), C.rstd1.f32(), T, d, eps, kAct,
                           stream));
   }
   RETURN_IF_ERROR(Act(C.x_mid, T, d));
   if (L.kind == 'L') {
-    RETURN_IF_ERROR(LightningForward(L, C, transposes));
+    RETURN_IF_ERROR(LightningForward(L, C, transposes, requantize));
     RETURN_IF_ERROR(fp8 ? FwdQ(C.q_y, L.out, C.x_mid.get(), T, d, d, true, x_in)
                         : Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
   } else {
@@ -321,7 +336,9 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
     if (fp8) {  // the attention's output has no producer of ours to fuse the cast into
       RETURN_IF_ERROR(QAct(C.q_O, T, hv));
-      KC(kc::Fp8Quantize(C.O.get(), T, hv, kAct, QOut(C.q_O, transposes), stream));
+      const kc::Fp8Output q = QOut(C.q_O, transposes, C, kSiteO);
+      KC(requantize ? kc::Fp8QuantizeFromAmax(C.O.get(), T, hv, kAct, q, stream)
+                    : kc::Fp8Quantize(C.O.get(), T, hv, kAct, q, stream));
       RETURN_IF_ERROR(FwdQ(C.q_O, L.mo, C.x_mid.get(), T, hv, d, true, x_in));
     } else {
       RETURN_IF_ERROR(Fwd(C.O.get(), hv, Wb(L.mo), C.x_mid.get(), T, hv, d, true, x_in));
@@ -330,8 +347,14 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   RETURN_IF_ERROR(F32(C.rstd2, T));
   if (fp8) {
     RETURN_IF_ERROR(QAct(C.q_h2, T, d));
-    KC(kc::RmsNormForwardFp8(C.x_mid.get(), Wb(L.ffn_norm), nullptr, C.rstd2.f32(), T, d, eps, kAct,
-                             QOut(C.q_h2, transposes), stream));
+    const kc::Fp8Output q = QOut(C.q_h2, transposes, C, kSiteH2);
+    if (requantize) {
+      KC(kc::RmsNormQuantizeFp8(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), T, d, kAct, q,
+                                stream));
+    } else {
+      KC(kc::RmsNormForwardFp8(C.x_mid.get(), Wb(L.ffn_norm), nullptr, C.rstd2.f32(), T, d, eps,
+                               kAct, q, stream));
+    }
   } else {
     RETURN_IF_ERROR(Act(C.h2, T, d));
     KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
@@ -342,14 +365,17 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
 
 // n rows of the FFN's hidden layer: g = h W1^T, u = h W3^T, a = SwiGLU(g, u).
 // Under FP8 (one block of the whole sequence) from the codes of C.h2 into those of C.a instead.
-absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, bool transposes, const void* h,
-                                        void* g, void* u, void* a, int64_t n) {
+absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, bool transposes,
+                                        bool requantize, const void* h, void* g, void* u, void* a,
+                                        int64_t n) {
   const int64_t d = c.d_model, F = c.ffn_dim;
   if (fp8) {
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w1, g, n, d, F, false));
     RETURN_IF_ERROR(FwdQ(C.q_h2, L.w3, u, n, d, F, false));
     RETURN_IF_ERROR(QAct(C.q_a, n, F));
-    KC(kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, QOut(C.q_a, transposes), stream));
+    const kc::Fp8Output q = QOut(C.q_a, transposes, C, kSiteA);
+    KC(requantize ? kc::SwiGluQuantizeFp8(g, u, n, F, kAct, q, stream)
+                  : kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, q, stream));
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(Fwd(h, d, Wb(L.w1), g, n, d, F, false));
@@ -370,8 +396,8 @@ absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_ou
   if (!fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t n = std::min(rows, T - t0);
-    RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/ffn_kept, At(C.h2.get(), t0 * d), C.g.get(),
-                              C.u.get(), C.a.get(), n));
+    RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/ffn_kept, /*requantize=*/false,
+                              At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
     if (x_out == nullptr) continue;
     RETURN_IF_ERROR(fp8 ? FwdQ(C.q_a, L.w2, x_out, n, F, d, true, C.x_mid.get())
                         : Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true,
@@ -397,7 +423,9 @@ absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx,
     const void* h = At(C.h2.get(), t0 * d);
     const int64_t off = ffn_kept ? t0 * F : 0;
     void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
-    if (!ffn_kept) RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/true, h, g, u, a, n));
+    // A recomputing layer's hidden layer, recomputed (SwiGLU's second pass alone under FP8).
+    if (!ffn_kept)
+      RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/true, Requantizes(C, nullptr), h, g, u, a, n));
     void* dh = At(W.dh.get(), t0 * d);
     if (fp8) {  // one block; SwiGLU's backward reduces the amaxes of dg and du on the way
       RETURN_IF_ERROR(

@@ -279,7 +279,7 @@ class DevicePasses final : public LayerPasses {
     if (!backward_ || recompute_.layers <= 0) {
       m.kept.clear();
     } else if (static_cast<int64_t>(m.kept.size()) != n_) {
-      m.kept = std::vector<KeptAttention>(n_);
+      m.kept = std::vector<KeptForRecompute>(n_);
     }
     return absl::OkStatus();
   }
@@ -293,6 +293,7 @@ class DevicePasses final : public LayerPasses {
     Cache& C = *m_.caches[cache];
     RETURN_IF_ERROR(UseKind(C, i));
     const bool swap = Keeps(i);
+    if (swap && m_.fp8) RETURN_IF_ERROR(m_.F32(m_.kept[i].fp8_amax, kFp8Sites));
     if (swap) m_.kept[i].SwapInto(C);
     if (!swap && !m_.kept.empty()) m_.kept[i].Release();  // held by a step that recomputed i
     absl::Status st = BeforeInput(i + 1);
@@ -357,9 +358,10 @@ class DevicePasses final : public LayerPasses {
                                      m_.CacheKindFields(C, 'M'))
                         : absl::OkStatus();
   }
-  // Each recomputing MLA layer keeps its attention output from the first forward (KeptAttention).
+  // Each recomputing MLA layer keeps its attention output from the first forward, and under FP8
+  // every recomputing layer its producers' statistics and amaxes (KeptForRecompute).
   bool Keeps(int64_t i) const {
-    return backward_ && recompute_.Layer(i) && m_.layers[i].kind == 'M';
+    return backward_ && recompute_.Layer(i) && (m_.layers[i].kind == 'M' || m_.fp8);
   }
 
   CudaModel::Impl& m_;
