@@ -6,7 +6,8 @@
 # machine with .cuda-run (bench/cuda/pack_for_device.sh build-gpu) and .peer carried. Writes the
 # outputs under $OUT when set.
 # fp8: the FP8 comparison instead (train.precision fp8 against bf16, ours at 32K without recompute
-# and at 128K with every layer recomputing; the peer compiled, with and without --fp8, at 32K).
+# and at 128K with every layer recomputing, twice each; the peer compiled, with and without --fp8,
+# at 32K).
 # Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer | fp8]
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -19,7 +20,8 @@ if [ "$what" = fp8 ]; then
   for p in bf16 fp8; do
     timeout 120 .cuda-run/bench_model_cuda --preset 1b --T 32768 --recompute 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
   done
-  for p in bf16 fp8; do
+  # 128K twice each, alternating: the two precisions' ratio within the call, with its spread.
+  for p in bf16 fp8 bf16 fp8; do
     timeout 120 .cuda-run/bench_model_cuda --preset 1b --T 131072 --recompute all --steps 4 --forward 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
   done
   echo "== peer"

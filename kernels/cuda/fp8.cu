@@ -180,11 +180,16 @@ struct GroupGateSource {
     Load8(o + i, v);
     Load8(w + c, wv);
     Load8(gate + i, gv);
-    int64_t h = c / Dh, j = c - h * Dh;  // a segment may cross heads (Dh need not divide by kSeg)
+    // A segment may cross heads (Dh need not divide by kSeg). c < H Dh <= kMaxRowWidth: the head
+    // in 32-bit arithmetic, and its statistic loaded once per head.
+    const int dh = static_cast<int>(Dh);
+    int h = static_cast<int>(c) / dh, j = static_cast<int>(c) - h * dh;
+    const float* rs = rstd + t * H;
+    float r = rs[h];
 #pragma unroll
     for (int k = 0; k < kSeg; ++k) {
-      if (j == Dh) ++h, j = 0;
-      v[k] = GroupGateValue(v[k], rstd[t * H + h], wv[k], gv[k]);
+      if (j == dh) r = rs[++h], j = 0;
+      v[k] = GroupGateValue(v[k], r, wv[k], gv[k]);
       ++j;
     }
   }
@@ -413,6 +418,52 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   BlockMaxToGlobal(m, amax);
 }
 
+// The same without the residual add for bf16 rows of D = 256 k values (k <= kRmsVecs, the row
+// 16-byte aligned): lane l loads vectors l, l + 32, ... of kSeg values, all of them before the
+// warp's sum, and keeps them in registers for the results (one read of the row, 16 bytes a load).
+constexpr int kRmsVecs = 8;
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowWarps)
+    RmsNormStatsVecKernel(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t D,
+                          float eps, float* amax) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kRowWarps) + (threadIdx.x >> 5);
+  const int vecs = static_cast<int>(D / (32 * kSeg));
+  uint32_t m = 0;
+  if (row < rows) {  // uniform over the warp
+    const T* xr = x + row * D;
+    float v[kRmsVecs][kSeg];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRmsVecs; ++k)
+      if (k < vecs) Load8(xr + (k * 32 + lane) * kSeg, v[k]);
+#pragma unroll
+    for (int k = 0; k < kRmsVecs; ++k) {
+      if (k < vecs) {
+#pragma unroll
+        for (int e = 0; e < kSeg; ++e) ss += v[k][e] * v[k][e];
+      }
+    }
+    const float r = rsqrtf(WarpSum(ss) / static_cast<float>(D) + eps);
+#pragma unroll
+    for (int k = 0; k < kRmsVecs; ++k) {
+      if (k < vecs) {
+        const int64_t c = (k * 32 + lane) * kSeg;
+        float wv[kSeg];
+        Load8(w + c, wv);
+#pragma unroll
+        for (int e = 0; e < kSeg; ++e) {
+          const float value = RmsValue(v[k][e], r, wv[e]);
+          m = max(m, AbsBits(value));
+          if (y != nullptr) y[row * D + c + e] = FromFloat<T>(value);
+        }
+      }
+    }
+    if (lane == 0) rstd[row] = r;
+  }
+  BlockMaxToGlobal(m, amax);
+}
+
 template <typename T, bool kVecLoad>
 __global__ void __launch_bounds__(kAmaxThreads)
     SwiGluStatsKernel(const T* g, const T* u, T* y, int64_t n, float* amax) {
@@ -463,16 +514,18 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   BlockMaxToGlobal(m, amax);
 }
 
-// The same with Dh / kSeg = G lanes per (token, head) row (G a power of two <= 32, pointers
-// 16-byte aligned): each lane loads kSeg values of o, gate and w at once.
+// The same with Dh / kSeg = G = 2^log2G lanes per (token, head) row (G <= 32, pointers 16-byte
+// aligned, T H G < 2^31: row and head in 32-bit arithmetic): each lane loads kSeg values of o,
+// gate and w at once.
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowWarps)
-    GroupGateStatsVecKernel(const T* o, const T* w, const T* gate, T* y, float* rstd, int64_t T_,
-                            int64_t H, int64_t Dh, int G, float eps, float* amax) {
-  const int sub = static_cast<int>(threadIdx.x) % G;
-  const int64_t r = (blockIdx.x * int64_t{32 * kRowWarps} + threadIdx.x) / G;
-  const bool active = r < T_ * H;
-  const int64_t off = r * Dh + sub * kSeg, hd = r % H * Dh + sub * kSeg;
+    GroupGateStatsVecKernel(const T* o, const T* w, const T* gate, T* y, float* rstd, int T_H,
+                            int H, int64_t Dh, int log2G, float eps, float* amax) {
+  const int G = 1 << log2G;
+  const int sub = static_cast<int>(threadIdx.x) & (G - 1);
+  const int r = static_cast<int>((blockIdx.x * (32 * kRowWarps) + threadIdx.x) >> log2G);
+  const bool active = r < T_H;
+  const int64_t off = r * Dh + sub * kSeg, hd = (r % H) * Dh + sub * kSeg;
   float ov[kSeg];
   float ss = 0.0f;
   if (active) {
@@ -510,6 +563,10 @@ Status LaunchRmsNormFp8(const void* x, const void* residual, void* h, const void
   if (residual != nullptr) {
     RmsNormStatsKernel<T, true><<<blocks, 32 * kRowWarps, 0, stream>>>(
         xt, static_cast<const T*>(residual), ht, wt, yt, rstd, rows, D, eps, q.amax);
+  } else if (sizeof(T) == 2 && D % (32 * kSeg) == 0 && D <= 32 * kSeg * kRmsVecs &&
+             Aligned16(x) && Aligned16(w)) {
+    RmsNormStatsVecKernel<T><<<blocks, 32 * kRowWarps, 0, stream>>>(xt, wt, yt, rstd, rows, D,
+                                                                     eps, q.amax);
   } else {
     RmsNormStatsKernel<T, false><<<blocks, 32 * kRowWarps, 0, stream>>>(
         xt, nullptr, nullptr, wt, yt, rstd, rows, D, eps, q.amax);
@@ -671,12 +728,14 @@ Status GroupNormGateForwardFp8(const void* o, const void* w, const void* gate, v
     const auto* wt = static_cast<const scalar_t*>(w);
     const auto* gt = static_cast<const scalar_t*>(gate);
     const int64_t G = Dh / kSeg;
-    if (Dh % kSeg == 0 && G <= 32 && internal::IsPow2(G) &&
+    if (Dh % kSeg == 0 && G <= 32 && internal::IsPow2(G) && T * H * G < (int64_t{1} << 31) &&
         GroupGateSource<scalar_t>{ot, wt, gt, rstd, H, Dh}.Vec()) {
+      int log2G = 0;
+      while ((int64_t{1} << log2G) < G) ++log2G;
       const int64_t blocks = std::max<int64_t>(CeilDiv(T * H * G, 32 * kRowWarps), 1);
       GroupGateStatsVecKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
-          ot, wt, gt, static_cast<scalar_t*>(y), rstd, T, H, Dh, static_cast<int>(G), eps,
-          q.amax);
+          ot, wt, gt, static_cast<scalar_t*>(y), rstd, static_cast<int>(T * H),
+          static_cast<int>(H), Dh, log2G, eps, q.amax);
     } else {
       const int64_t blocks = std::max<int64_t>(CeilDiv(T * H, kRowWarps), 1);
       GroupGateStatsKernel<scalar_t><<<blocks, 32 * kRowWarps, 0, stream>>>(
