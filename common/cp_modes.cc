@@ -52,8 +52,7 @@ int64_t MlaRingPayloadWidth(const MlaConfig& m, MlaRingPayload p, int64_t heads)
   return m.kv_lora_rank + m.qk_rope_dim;
 }
 
-MlaRingPayload MlaRingPayloadFor(const MlaConfig& m, int64_t heads, bool device) {
-  if (device) return MlaRingPayload::kLatent;
+MlaRingPayload MlaRingPayloadFor(const MlaConfig& m, int64_t heads) {
   return MlaRingPayloadWidth(m, MlaRingPayload::kKv, heads) <
                  MlaRingPayloadWidth(m, MlaRingPayload::kLatent, heads)
              ? MlaRingPayload::kKv
@@ -75,7 +74,7 @@ int64_t AllGather(int64_t n, int64_t in) { return (n - 1) * in * 4; }
 }  // namespace
 
 CpCommBytes CpLayerCommBytes(const ModelConfig& m, char kind, CpMode mode, const ParallelSpec& p,
-                             int64_t seq_len, bool device) {
+                             int64_t seq_len) {
   CpCommBytes b;
   const int64_t cp = p.cp;
   if (cp <= 1) return b;
@@ -116,7 +115,7 @@ CpCommBytes CpLayerCommBytes(const ModelConfig& m, char kind, CpMode mode, const
       // The ring: r - 1 sends of a block forward; backward the blocks again and their gradient
       // accumulators (each rank keeps its own block's share, so r - 1 sends of each).
       const int64_t heads = u == 1 ? H : Hl;
-      const MlaRingPayload pl = MlaRingPayloadFor(a, heads, device);
+      const MlaRingPayload pl = MlaRingPayloadFor(a, heads);
       const int64_t block = u * T * MlaRingPayloadWidth(a, pl, heads);
       b.forward = AllGather(r, block);
       b.backward = 2 * AllGather(r, block);

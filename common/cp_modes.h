@@ -33,21 +33,21 @@ std::string_view MlaRingPayloadName(MlaRingPayload p);  // "kv", "latent"
 // fp32 values a token of the payload: heads * (qk_nope + qk_rope + v_head) for kKv,
 // kv_lora_rank + qk_rope for kLatent.
 int64_t MlaRingPayloadWidth(const MlaConfig& m, MlaRingPayload p, int64_t heads);
-// The payload that moves fewer bytes a token (the latent on a tie). `heads` are the heads one rank
-// computes: n_heads under "ring", n_heads / ulysses under "hybrid" (MlaRingHeads). The CUDA
-// engine (device) always passes the latent.
-MlaRingPayload MlaRingPayloadFor(const MlaConfig& m, int64_t heads, bool device = false);
+// The payload that moves fewer bytes a token (the latent on a tie), on both engines. `heads` are
+// the heads one rank computes: n_heads under "ring", n_heads / ulysses under "hybrid"
+// (MlaRingHeads).
+MlaRingPayload MlaRingPayloadFor(const MlaConfig& m, int64_t heads);
 int64_t MlaRingHeads(int64_t n_heads, CpMode mla_mode, int64_t ulysses);
 
 // Bytes one rank sends for one layer of `kind` ('L' or 'M') over one sequence of `seq_len` tokens,
 // in the Communicator's accounting (comm/communicator.h), forward and backward apart (a layer that
 // recomputes runs its forward twice). `mode` is decided (never kAuto); 0 at cp = 1 and for a
-// combination CheckCpModes refuses. device: the CUDA engine's ring payload (MlaRingPayloadFor).
+// combination CheckCpModes refuses. MLA's ring moves MlaRingPayloadFor's payload.
 struct CpCommBytes {
   int64_t forward = 0;
   int64_t backward = 0;
 };
 CpCommBytes CpLayerCommBytes(const ModelConfig& m, char kind, CpMode mode, const ParallelSpec& p,
-                             int64_t seq_len, bool device = false);
+                             int64_t seq_len);
 
 }  // namespace spindle

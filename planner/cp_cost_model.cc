@@ -163,8 +163,8 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
   // values); a GPU moves bf16 activations, and Lightning's states stay fp32.
   ParallelSpec par = spec.parallel;
   par.ulysses = choice.ulysses;
-  const CpCommBytes sent = CpLayerCommBytes(spec.model, lightning ? 'L' : 'M', choice.mode, par,
-                                            spec.seq_len, spec.resources == "cuda");
+  const CpCommBytes sent =
+      CpLayerCommBytes(spec.model, lightning ? 'L' : 'M', choice.mode, par, spec.seq_len);
   const double act = s.B / 4.0;
   double fwd = static_cast<double>(sent.forward), bwd = static_cast<double>(sent.backward);
   double exposed = 0, messages = 0, memory = 0;
@@ -222,8 +222,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
         // third of its attention forward, two thirds backward); the backward moves the block and
         // its gradient accumulator. A 2-D mode's Ulysses transposition around it is exposed.
         const int64_t heads = MlaRingHeads(spec.model.n_heads, choice.mode, choice.ulysses);
-        const MlaRingPayload payload =
-            MlaRingPayloadFor(spec.model.mla, heads, spec.resources == "cuda");
+        const MlaRingPayload payload = MlaRingPayloadFor(spec.model.mla, heads);
         const double block = u * s.T_loc *
                              static_cast<double>(MlaRingPayloadWidth(spec.model.mla, payload,
                                                                      heads)) *

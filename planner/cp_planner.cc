@@ -21,7 +21,7 @@ std::string RingDetail(const JobSpec& spec, CpMode mode) {
                      spec.parallel.cp / std::max<int64_t>(1, par.ulysses), " groups");
   const MlaConfig& m = spec.model.mla;
   const int64_t heads = MlaRingHeads(spec.model.n_heads, mode, par.ulysses);
-  const MlaRingPayload pl = MlaRingPayloadFor(m, heads, spec.resources == "cuda");
+  const MlaRingPayload pl = MlaRingPayloadFor(m, heads);
   const MlaRingPayload other =
       pl == MlaRingPayload::kKv ? MlaRingPayload::kLatent : MlaRingPayload::kKv;
   auto what = [](MlaRingPayload p) {
@@ -62,9 +62,8 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
       p.reason =
           absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")", detail);
       if (layer_type == "mla" && cp > 1)
-        p.ring_payload = std::string(MlaRingPayloadName(
-            MlaRingPayloadFor(spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses),
-                              spec.resources == "cuda")));
+        p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
+            spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
     } else if (requested == CpMode::kAll2All && heads % cp != 0) {
       problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
                                        heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
@@ -323,9 +322,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   const int64_t mla_u = mla_mode == CpMode::kHybrid ? u : 1;
   const int64_t mla_heads = H / mla_u;
   const int64_t ring_w =
-      mla_ring ? MlaRingPayloadWidth(a, MlaRingPayloadFor(a, mla_heads, spec.resources == "cuda"),
-                                     mla_heads)
-               : 0;
+      mla_ring ? MlaRingPayloadWidth(a, MlaRingPayloadFor(a, mla_heads), mla_heads) : 0;
   const int64_t common = 4 * d + 3 * f;
   int64_t per_l = common + 9 * d;
   int64_t per_m = common + H * qk * 2 + (a.kv_lora_rank + a.qk_rope_dim) * 2 +
@@ -338,9 +335,13 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   // All2All's, below).
   if (lightning_mode == CpMode::kHybrid && !cuda) per_l += 3 * d;
   const bool cuda_mla_allgather = mla_allgather && cuda;
-  // The CUDA engine's MLA Ring and hybrid keep only their level's latent block (bf16; hybrid: the
-  // Ulysses group's) and rebuild keys per key block as AllGather does.
+  // The CUDA engine's MLA Ring and hybrid keep only their level's block (bf16; hybrid: the Ulysses
+  // group's) and rebuild keys per key block from a latent block as AllGather does; a hybrid layer
+  // passing keys and values keeps the group's latent rows beside them (its backward's kv_b input).
   const bool cuda_mla_ring = cuda && cp > 1 && mla_ring;
+  if (cuda_mla_ring && mla_mode == CpMode::kHybrid &&
+      MlaRingPayloadFor(a, mla_heads) == MlaRingPayload::kKv)
+    per_m += u * (a.kv_lora_rank + a.qk_rope_dim);
   // CUDA All2All (cp > 1): each layer keeps its core's head-split inputs over the whole sequence
   // (T_full x width / cp = T x width: Lightning q|k|v; MLA Q|K|V and its output).
   const int64_t mla_core_in = H * (2 * qk + a.v_head_dim);
@@ -630,8 +631,7 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
   if (spec.seq_len % chunks == 0) {
     for (LayerModePlan& l : plan.layers) {
       const char kind = l.layer_type == "mla" ? 'M' : 'L';
-      const CpCommBytes b =
-          CpLayerCommBytes(m, kind, l.mode, spec.parallel, spec.seq_len, spec.resources == "cuda");
+      const CpCommBytes b = CpLayerCommBytes(m, kind, l.mode, spec.parallel, spec.seq_len);
       int64_t bytes = 0;
       for (int64_t i = 0; i < m.n_layers; ++i)
         if (m.LayerKind(i) == kind)

@@ -116,7 +116,8 @@ struct CpPlan {
 //                         cp * T * (kv_lora + qk_rope); in Ring mode its own block, W values
 //                         (W = the payload's width, MlaRingPayloadWidth); in hybrid mode the
 //                         head-split Q, block, output and statistics of its group's u T tokens:
-//                         H (qk + v_head + 1) + u W
+//                         H (qk + v_head + 1) + u W (on "cuda" with W the keys' and values', also
+//                         the group's latent rows: + u (kv_lora + qk_rope))
 //     Lightning hybrid += 3 d (the head-split q, k, v of the group's tokens)
 //     CUDA All2All     += each layer's head-split core inputs (and MLA's output) over the sequence
 //   workspace   min(T, 4096) * vocab * 4 (cross-entropy block, fp32) + 64 MiB

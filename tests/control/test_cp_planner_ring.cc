@@ -56,16 +56,22 @@ TEST(CpPlannerRingTest, RingMovesKeysAndValuesWhenTheyAreNarrower) {
             "forced by the spec (parallel.mla_mode = ring): the ring moves K and V (96 values a "
             "token; the latent: 144)");
   EXPECT_EQ(p.layers[1].comm_bytes_per_step, 3 * 256 * 96 * 4);
-  // The CUDA engine passes the latent whatever the widths, and the plan says so.
-  EXPECT_EQ(MlaRingPayloadFor(s.model.mla, 2, /*device=*/true), MlaRingPayload::kLatent);
+  // The CUDA engine passes the same payload, and the plan says so.
   s.resources = "cuda";
+  p = CpPlanner().Plan(s, 0);
+  ASSERT_TRUE(p.ok()) << p.problems[0];
+  EXPECT_EQ(p.layers[1].ring_payload, "kv");
+  EXPECT_EQ(p.layers[1].comm_bytes_per_step, 3 * 256 * 96 * 4);
+  // Wider heads: the latent is narrower on either engine.
+  s.model.mla.kv_lora_rank = 64;  // the latent: 80
+  EXPECT_EQ(MlaRingPayloadFor(s.model.mla, 2), MlaRingPayload::kLatent);
   p = CpPlanner().Plan(s, 0);
   ASSERT_TRUE(p.ok()) << p.problems[0];
   EXPECT_EQ(p.layers[1].ring_payload, "latent");
   EXPECT_EQ(p.layers[1].reason,
-            "forced by the spec (parallel.mla_mode = ring): the ring moves the latent (144 values "
+            "forced by the spec (parallel.mla_mode = ring): the ring moves the latent (80 values "
             "a token; K and V: 96)");
-  EXPECT_EQ(p.layers[1].comm_bytes_per_step, 3 * 256 * 144 * 4);
+  EXPECT_EQ(p.layers[1].comm_bytes_per_step, 3 * 256 * 80 * 4);
 }
 
 TEST(CpPlannerRingTest, HybridModesOverUlyssesGroups) {

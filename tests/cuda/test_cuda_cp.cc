@@ -13,8 +13,9 @@
 // AllGather, its cross pieces over several key and query blocks; Lightning's AllGather at head size
 // 16 (the token path) and both AllGather modes at cp = 3; MLA's All2All gradients taken back by the
 // ranks' blocks of heads and all at once, on poisoned activation memory. MLA's Ring at cp = 2, 3,
-// 4 and 8, with one document and many, over several key and query blocks; the hybrid modes of both
-// layer types at (u, r) = (2, 2), (2, 4) and (4, 2). Also: undecided modes, n_heads % cp != 0
+// 4 and 8, with one document and many, over several key and query blocks, passing the latent or
+// keys and values; the hybrid modes of both layer types at (u, r) = (2, 2), (2, 4) and (4, 2), both
+// payloads. Also: undecided modes, n_heads % cp != 0
 // under All2All and hybrid modes without their groups are refused with their messages, and a
 // CpBatch without a matching SetCp is refused. Skips without a GPU.
 //
@@ -109,6 +110,7 @@ struct CpRunOptions {
   int64_t mla_grad_heads = 0;  // SetMlaGradHeadsPerGroup
   bool poison = false;         // SetPoisonActivations: unwritten activation memory reads NaN
   int64_t ulysses = 1;         // the hybrid modes' Ulysses groups (parallel.ulysses)
+  MlaRingPayload payload = MlaRingPayload::kLatent;  // what MLA's ring passes (CpContext)
 };
 
 // cp ranks as threads on device 0; losses and gradients summed in rank order.
@@ -136,7 +138,8 @@ absl::StatusOr<StepResult> RunCp(const ModelConfig& c, uint64_t seed, const Batc
     }
     auto m = CudaModel::Create(c, seed);
     if (!m.ok()) return m.status();
-    if (absl::Status s = (*m)->SetCp({comm->get(), lightning, mla, ulysses.get(), ring.get()});
+    if (absl::Status s =
+            (*m)->SetCp({comm->get(), lightning, mla, ulysses.get(), ring.get(), opt.payload});
         !s.ok())
       return s;
     if (absl::Status s = (*m)->SetAttentionHeadsPerCall(opt.heads_per_call); !s.ok()) return s;
@@ -193,7 +196,8 @@ void ExpectCpMatchesOneRank(ModelConfig c, const Batch& full, uint32_t seed, int
                << std::min(recompute.layers, c.n_layers) << " layers, lightning "
                << CpModeName(lightning) << " mla " << CpModeName(mla) << " attention heads a call "
                << opt.heads_per_call << " MLA gradient heads " << opt.mla_grad_heads << " poison "
-               << opt.poison << " ulysses " << opt.ulysses);
+               << opt.poison << " ulysses " << opt.ulysses << " ring payload "
+               << MlaRingPayloadName(opt.payload));
   const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
   const StepResult want = OneRank(c, seed, full, scale);
   ASSERT_FALSE(want.grad.empty());
@@ -335,6 +339,18 @@ TEST(CudaCp, Head64MlaRingCp2RecomputeOneDocument) {
                          CpMode::kRing);
 }
 
+// The kv payload (where keys and values are narrower than the latent: a rank computing few
+// heads): each rank's keys and values travel the ring and their gradients come back to the owner,
+// which takes them through kv_b. Forced here, on models whose latent is the narrower.
+TEST(CudaCp, Head64MlaRingPassingKeysAndValuesMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  const CpRunOptions kv{.payload = MlaRingPayload::kKv};
+  ExpectCpMatchesOneRank(Head64(), 384, 70, 2, Recompute::None(), CpMode::kAll2All, CpMode::kRing,
+                         kv);
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::All(), CpMode::kAllGather, CpMode::kRing,
+                         kv);
+}
+
 TEST(CudaCp, TinyMlaRingCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Chunks of 40 tokens, documents of up to ~100 that span whole chunks; blocks no query sees
@@ -456,6 +472,17 @@ TEST(CudaCp, Head64EightHeadsHybridMatchesOneRank) {
                          {.ulysses = 2});
 }
 
+// The hybrid modes passing keys and values around the ring of groups: (u, r) = (4, 2) on tiny's 4
+// heads (one head a rank, where keys and values are the narrower for wide latents) and (2, 2),
+// recomputing.
+TEST(CudaCp, HybridPassingKeysAndValuesMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 8, Recompute::None(), CpMode::kHybrid, CpMode::kHybrid,
+                         {.ulysses = 4, .payload = MlaRingPayload::kKv});
+  ExpectCpMatchesOneRank(Tiny(), 320, 50, 4, Recompute::All(), CpMode::kHybrid, CpMode::kHybrid,
+                         {.ulysses = 2, .payload = MlaRingPayload::kKv});
+}
+
 TEST(CudaCp, TinyHybridCp4MatchesOneRank) {
   SPINDLE_REQUIRE_GPU();
   // Head size 16 (the token path), chunks of 40: one document longer than a rank's share too.
@@ -524,10 +551,10 @@ TEST(CudaCp, BadContextsAreRefused) {
   hybrid = m.SetCp({&two, CpMode::kAllGather, CpMode::kHybrid});
   EXPECT_EQ(hybrid.code(), absl::StatusCode::kFailedPrecondition) << hybrid;
   EXPECT_NE(hybrid.message().find("Ulysses group"), std::string::npos) << hybrid;
-  // MLA's ring passes the latent here.
-  hybrid =
-      m.SetCp({&two, CpMode::kAllGather, CpMode::kRing, nullptr, nullptr, MlaRingPayload::kKv});
-  EXPECT_EQ(hybrid.code(), absl::StatusCode::kInvalidArgument) << hybrid;
+  // MLA's ring may pass keys and values.
+  EXPECT_TRUE(
+      m.SetCp({&two, CpMode::kAllGather, CpMode::kRing, nullptr, nullptr, MlaRingPayload::kKv})
+          .ok());
 
   absl::Status s = m.SetCp({&two, CpMode::kAuto, CpMode::kAll2All});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

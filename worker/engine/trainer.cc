@@ -125,7 +125,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
                        : t->device_world_comm_ ? t->device_world_comm_.get()
                                                : t->cp_comm_.get();
     const MlaRingPayload payload = MlaRingPayloadFor(
-        spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_), on_device);
+        spec.model.mla, MlaRingHeads(spec.model.n_heads, t->modes_.mla, t->ulysses_));
     RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla,
                                         t->ulysses_comm_.get(), t->ring_comm_.get(), payload}));
   }

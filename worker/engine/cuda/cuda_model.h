@@ -37,8 +37,9 @@
 // with the CPU engine, passes each rank's latent rows around the CP group while every rank
 // attends its chunks to the pieces of the block it holds (the same causal and cross pieces as
 // AllGather, merged the same way); the backward passes fp32 latent gradients along with them.
-// The CUDA engine always passes the latent (MlaRingPayloadFor with device; the CPU engine may pass
-// K and V where they are narrower: tiny models), and refuses a context asking for K and V. The
+// The context's payload (MlaRingPayloadFor: the narrower of the two, as on the CPU engine) may be
+// K and V instead: each rank builds its block's keys and values once, the ring passes them and
+// their fp32 gradients, and the owner takes the gradients back through kv_b. The
 // hybrid modes (the context's ulysses and ring groups, the batch's Ulysses groups: ShardForCp with
 // ulysses): the All2All exchange inside each Ulysses group of u ranks puts the group's tokens and
 // this rank's H/u heads together, then Lightning's AllGather core or MLA's ring runs across the cp

@@ -32,14 +32,9 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     hybrid |= k.mode == CpMode::kHybrid;
   }
   if (all2all && c.n_heads % n != 0)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads, " and cp=",
-        n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
-  const bool ring = cp.mla_mode == CpMode::kRing || cp.mla_mode == CpMode::kHybrid;
-  if (ring && c.NumLayersOfKind('M') > 0 && cp.mla_payload != MlaRingPayload::kLatent)
-    return absl::InvalidArgumentError(
-        "cuda model: MLA's ring passes the latent on the CUDA engine, but the context asks for K "
-        "and V (MlaRingPayloadFor with device = true)");
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads,
+                     " and cp=", n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
   if (hybrid) {
     // The Ulysses group and the ring across the groups (cp_groups.h).
     if (cp.ulysses == nullptr || cp.ring == nullptr || cp.ulysses->size() * cp.ring->size() != n ||
@@ -393,13 +388,61 @@ absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* la
 
 absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n,
                                                int64_t h0, int64_t Hh) {
+  const int64_t kv = c.mla.kv_lora_rank, w = kv + c.mla.qk_rope_dim;
+  return MlaBuildKeysFrom(L, lat, w, At(lat, kv), w, n, h0, Hh);
+}
+
+absl::Status CudaModel::Impl::MlaBuildKeysFrom(const LayerIdx& L, const void* c_n, int64_t ldc,
+                                               const void* k_r, int64_t ldk, int64_t n, int64_t h0,
+                                               int64_t Hh) {
   const MlaConfig& m = c.mla;
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, qk = nope + rd;
-  const int64_t kv = m.kv_lora_rank, w = kv + rd, kvw = nope + m.v_head_dim;
+  const int64_t kv = m.kv_lora_rank, kvw = nope + m.v_head_dim;
   RETURN_IF_ERROR(
-      Fwd(lat, w, At(Wb(L.kv_b), h0 * kvw * kv), W.ag_kvb.get(), n, kv, Hh * kvw, false));
+      Fwd(c_n, ldc, At(Wb(L.kv_b), h0 * kvw * kv), W.ag_kvb.get(), n, kv, Hh * kvw, false));
   RETURN_IF_ERROR(Copy2D(W.ag_K.get(), qk, W.ag_kvb.get(), kvw, nope, n * Hh));
-  KC(kc::CopyRows(At(W.ag_K.get(), nope), Hh * qk, qk, At(lat, kv), w, 0, n, Hh, rd, kAct, stream));
+  KC(kc::CopyRows(At(W.ag_K.get(), nope), Hh * qk, qk, k_r, ldk, 0, n, Hh, rd, kAct, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaKvBlock(const LayerIdx& L, const void* c_n, int64_t ldc,
+                                         const void* k_r, int64_t ldk, int64_t n, int64_t h0,
+                                         int64_t Hh, void* block) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t kvw = nope + vd;
+  void* V = At(block, n * Hh * qk);
+  for (int64_t r0 = 0; r0 < n; r0 += kCudaMlaKeyBlock) {
+    const int64_t rows = std::min(kCudaMlaKeyBlock, n - r0);
+    RETURN_IF_ERROR(
+        MlaBuildKeysFrom(L, At(c_n, r0 * ldc), ldc, At(k_r, r0 * ldk), ldk, rows, h0, Hh));
+    RETURN_IF_ERROR(Copy2D(At(block, r0 * Hh * qk), qk, W.ag_K.get(), qk, qk, rows * Hh));
+    RETURN_IF_ERROR(Copy2D(At(V, r0 * Hh * vd), vd, At(W.ag_kvb.get(), nope), kvw, vd, rows * Hh));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MlaKvGradsToLatent(const LayerIdx& L, const float* d_block,
+                                                 const void* c_n, int64_t ldc, int64_t n,
+                                                 int64_t h0, int64_t Hh, int64_t rows, void* lat,
+                                                 KDType lat_type) {
+  const MlaConfig& m = c.mla;
+  const int64_t nope = m.qk_nope_dim, qk = nope + m.qk_rope_dim, vd = m.v_head_dim;
+  const int64_t kvw = nope + vd, w = m.kv_lora_rank + m.qk_rope_dim;
+  const int64_t lat_bytes = lat_type == KDType::kFloat32 ? 4 : kAb;
+  const float* dV = d_block + n * Hh * qk;
+  for (int64_t r0 = 0; r0 < n; r0 += rows) {
+    const int64_t k = std::min(rows, n - r0);
+    // dK rows as the key gradients' buffer holds them; dV into kv_b's output gradient's V columns.
+    KC(kc::CastRows(W.ag_dK.get(), kAct, Hh * qk, d_block + r0 * Hh * qk, KDType::kFloat32, Hh * qk,
+                    k, Hh * qk, stream));
+    KC(kc::CastRows(At(W.ag_dkvb.get(), nope), kAct, kvw, dV + r0 * Hh * vd, KDType::kFloat32, vd,
+                    k * Hh, vd, stream));
+    RETURN_IF_ERROR(MlaKeyGradsToLatentRows(L, At(c_n, r0 * ldc), ldc, W.ag_dK.get(),
+                                            W.ag_dkvb.get(), k, h0, Hh, {W.ag_dlat.get(), w}));
+    KC(kc::CastRows(static_cast<char*>(lat) + r0 * w * lat_bytes, lat_type, w, W.ag_dlat.get(),
+                    kAct, w, k, w, stream));
+  }
   return absl::OkStatus();
 }
 

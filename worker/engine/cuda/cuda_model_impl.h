@@ -199,9 +199,14 @@ struct Cache {
   DevBuf cp_full, cp_out;
   // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
   DevBuf cp_P;
-  // CP (MLA AllGather): the gathered latent [c_n | rotated k_r] of the whole sequence, in stream
-  // order ([T_full, kv + rd]).
+  // CP (MLA AllGather, Ring and hybrid): latent rows [c_n | rotated k_r], [rows, kv + rd]: the
+  // whole sequence's in stream order (AllGather), this rank's (Ring, the latent payload's own
+  // block) or its Ulysses group's (hybrid).
   DevBuf ag_lat;
+  // CP (MLA Ring and hybrid, the kv payload): the ring's own block, the keys and values of this
+  // rank's tokens (Ring) or its group's (hybrid) for the heads it computes: [rows, Hh qk], then
+  // [rows, Hh v_head].
+  DevBuf ring_kv;
   // FP8 (train.precision fp8): the codes of every FP8 GEMM input, written by its producer: the
   // attention norm's output h, the Lightning group norm + gate's y, the FFN norm's h2, SwiGLU's a
   // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
@@ -813,6 +818,9 @@ struct CudaModel::Impl {
   // The same for heads [h0, h0 + Hh) (keys and kv_b's output Hh heads wide).
   absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n, int64_t h0,
                                 int64_t Hh);
+  // The same from c_n and the rotated k_r in rows of their own (`ldc`, `ldk` apart).
+  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* c_n, int64_t ldc, const void* k_r,
+                                int64_t ldk, int64_t n, int64_t h0, int64_t Hh);
   // The same from stream rows [a, b) of the gathered latent (C.ag_lat).
   absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
   absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
@@ -840,10 +848,25 @@ struct CudaModel::Impl {
   // Whether MLA rebuilds its keys and values from latent rows per key block (AllGather, Ring,
   // hybrid) rather than keeping them for the whole local sequence.
   bool MlaLatentKeys() const { return MlaAllGather() || MlaRing() || MlaHybrid(); }
-  // Ring: this rank's latent rows (kept in C.ag_lat for the backward) around the ring; O and the
-  // statistics of both local chunks merged over every visible block. Reads C.Q. Hybrid: Q to
-  // this rank's Ulysses group's tokens for its H/u heads (C.cp_full) and the group's latent rows
-  // (C.ag_lat), the ring across the groups into the group's output (C.cp_out), O back.
+  // Whether MLA's ring passes keys and values (else the latent rows): CpContext::mla_payload.
+  bool MlaRingKv() const { return cp.mla_payload == MlaRingPayload::kKv; }
+  // The kv payload's block: the keys and values of n tokens for heads [h0, h0 + Hh), rebuilt from
+  // their c_n and rotated k_r (rows `ldc`, `ldk` apart) key block by key block into `block`
+  // ([n, Hh qk] then [n, Hh v_head]).
+  absl::Status MlaKvBlock(const LayerIdx& L, const void* c_n, int64_t ldc, const void* k_r,
+                          int64_t ldk, int64_t n, int64_t h0, int64_t Hh, void* block);
+  // The gradient of such a block (fp32, the same layout) back through kv_b: dW_kv_b's rows of
+  // those heads (accumulated) and the tokens' latent gradients into `lat` ([n, kv + rd] of
+  // `lat_type`, overwritten); `rows` tokens at a time (the key buffers' capacity).
+  absl::Status MlaKvGradsToLatent(const LayerIdx& L, const float* d_block, const void* c_n,
+                                  int64_t ldc, int64_t n, int64_t h0, int64_t Hh, int64_t rows,
+                                  void* lat, KDType lat_type);
+  // Ring: this rank's block (its latent rows in C.ag_lat, or under the kv payload its keys and
+  // values in C.ring_kv, kept for the backward) around the ring; O and the statistics of both
+  // local chunks merged over every visible block. Reads C.Q. Hybrid: Q to this rank's Ulysses
+  // group's tokens for its H/u heads (C.cp_full) and the group's latent rows (C.ag_lat; under the
+  // kv payload also their keys and values for those heads, C.ring_kv), the ring across the groups
+  // into the group's output (C.cp_out), O back.
   absl::Status MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaHybridForward(const LayerIdx& L, Cache& C, bool attention_kept);
   // Read W.dO; write W.dQ and the latent gradients of this rank's tokens into W.dkva.

@@ -2,8 +2,11 @@
 // written once for both engines, over block operations on the GPU.
 //
 // A block is one rank's latent rows [c_n | rotated k_r] (bf16 [T, kv + rd], its two zigzag chunks
-// in local order); each key block's keys and values are rebuilt from it with kv_b, as under MLA
-// AllGather, and its gradient travels in fp32. The ring visits, for each local query chunk, the
+// in local order), each key block's keys and values rebuilt from it with kv_b as under MLA
+// AllGather; or, under the kv payload (CpContext::mla_payload, where keys and values are the
+// narrower), those keys and values themselves ([T, H qk] then [T, H v_head], built once by their
+// owner). Its gradient travels in fp32, in the block's layout; a kv block's gradient goes back
+// through kv_b at its owner. The ring visits, for each local query chunk, the
 // chunks of the block it holds that the chunk's queries may see (RingChunkSees): a chunk with
 // itself (the diagonal, on step 0) is causal attention with the chunk's documents
 // (Sdpa::Forward), which writes the chunk's output and statistics; an earlier chunk is full
@@ -42,7 +45,8 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   MlaRingOps(Impl& m, const LayerIdx& L, const MlaRingArgs& a) : m(m), L(L), a(a), V(*a.V) {
     const MlaConfig& c = m.c.mla;
     H = a.Hh, nope = c.qk_nope_dim, qk = nope + c.qk_rope_dim, vd = c.v_head_dim;
-    w = c.kv_lora_rank + c.qk_rope_dim;
+    kv = m.MlaRingKv();
+    w = kv ? H * (qk + vd) : c.kv_lora_rank + c.qk_rope_dim;
     T = V.T, ch = V.chunk, SS = StatsSlot(H, ch);
     scale = 1.0f / std::sqrt(static_cast<float>(qk));
   }
@@ -61,8 +65,8 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   // The pieces of the local queries against `block` (rank `owner`'s): for each local chunk qs,
   // diag(qs, rows) against itself (its own block, on the diagonal step), before cross(qs, k, q0,
   // n, k0, k1) for every key block [k0, k1) and query block [q0, q0 + n) of its first segment
-  // against an earlier chunk of the block it sees (rows k: the chunk's latent rows). The keys of
-  // each are built (W.ag_K, W.ag_kvb) before the call.
+  // against an earlier chunk of the block it sees (rows k: the chunk's rows). The keys and values
+  // of each are set up (Keys) before the call.
   template <typename Diag, typename Cross>
   absl::Status ForEachPiece(const void* block, int64_t owner, const Diag& diag,
                             const Cross& cross) {
@@ -74,14 +78,14 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
         if (!RingChunkSees(lay, qc, kc)) continue;
         const int64_t k = ks * ch;  // the chunk's first row in the block
         if (kc == qc) {
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(block, k * w), ch, a.h0, H));
+          RETURN_IF_ERROR(Keys(block, k, ch));
           RETURN_IF_ERROR(diag(qs, k));
           continue;
         }
         const int64_t nq = V.first_segment[qs];
         for (int64_t k0 = KeyStart(qs, kc); k0 < ch; k0 += kCudaMlaKeyBlock) {
           const int64_t k1 = std::min(ch, k0 + kCudaMlaKeyBlock);
-          RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(block, (k + k0) * w), k1 - k0, a.h0, H));
+          RETURN_IF_ERROR(Keys(block, k + k0, k1 - k0));
           for (int64_t q0 = 0; q0 < nq; q0 += kCudaMlaKeyBlock)
             RETURN_IF_ERROR(cross(qs, k, q0, std::min(kCudaMlaKeyBlock, nq - q0), k0, k1));
         }
@@ -99,20 +103,19 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
         block, owner,
         [&](int qs, int64_t) -> absl::Status {
           // The diagonal starts the chunk's output, which the earlier chunks merge into.
-          KC(m.sdpa->Forward(q(qs), W.ag_K.get(), At(W.ag_kvb.get(), nope), o(qs), stats(qs),
-                             V.piece_cu_host[qs].data(),
-                             static_cast<int64_t>(V.piece_cu_host[qs].size()) - 1, scale,
-                             MlaDims(m.c, ch, H), kAct, m.stream));
+          KC(m.sdpa->Forward(q(qs), K_, V_, o(qs), stats(qs), V.piece_cu_host[qs].data(),
+                             static_cast<int64_t>(V.piece_cu_host[qs].size()) - 1, scale, Dims(ch),
+                             kAct, m.stream));
           if (V.continues[qs])
             KC(kc::CastRows(Acc(qs), KDType::kFloat32, H * vd, o(qs), kAct, H * vd,
                             V.first_segment[qs], H * vd, m.stream));
           return absl::OkStatus();
         },
         [&](int qs, int64_t, int64_t q0, int64_t n, int64_t k0, int64_t k1) -> absl::Status {
-          kc::SdpaDims full = MlaDims(m.c, n, H);
+          kc::SdpaDims full = Dims(n);
           full.Tkv = k1 - k0;
-          KC(m.sdpa->ForwardFull(At(q(qs), q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
-                                 W.ag_o.get(), W.ag_stats.f32(), scale, full, kAct, m.stream));
+          KC(m.sdpa->ForwardFull(At(q(qs), q0 * H * qk), K_, V_, W.ag_o.get(), W.ag_stats.f32(),
+                                 scale, full, kAct, m.stream));
           KC(kc::AttentionMerge(Acc(qs) + q0 * H * vd, KDType::kFloat32, H * vd, stats(qs) + q0, ch,
                                 W.ag_o.get(), kAct, H * vd, W.ag_stats.f32(), n, n, H, vd,
                                 m.stream));
@@ -122,8 +125,8 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
 
   absl::Status Backward(const void* block, int64_t owner, bool, void* d_block) override {
     Work& W = m.W;
-    float* dlat = static_cast<float*>(d_block);
-    CUDA(cudaMemsetAsync(dlat, 0, grad_bytes(), m.stream));
+    float* dblk = static_cast<float*>(d_block);
+    CUDA(cudaMemsetAsync(dblk, 0, grad_bytes(), m.stream));
     auto q = [&](int qs) { return At(a.Q, qs * ch * H * qk); };
     auto o = [&](int qs) { return At(a.O, qs * ch * H * vd); };
     auto dout = [&](int qs) { return At(a.dO, qs * ch * H * vd); };
@@ -133,25 +136,23 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
         block, owner,
         [&](int qs, int64_t k) -> absl::Status {
           // The diagonal writes the chunk's dq; the other pieces add theirs.
-          RETURN_IF_ERROR(m.AttentionBackward(q(qs), W.ag_K.get(), At(W.ag_kvb.get(), nope), o(qs),
-                                              stats(qs), dout(qs), dq(qs), W.ag_dK.get(),
-                                              At(W.ag_dkvb.get(), nope), V.piece_cu_host[qs], scale,
-                                              MlaDims(m.c, ch, H)));
-          return KeyGradsToLatent(At(block, k * w), ch, dlat + k * w);
+          RETURN_IF_ERROR(m.AttentionBackward(q(qs), K_, V_, o(qs), stats(qs), dout(qs), dq(qs),
+                                              W.ag_dK.get(), DV(), V.piece_cu_host[qs], scale,
+                                              Dims(ch)));
+          return KeyGrads(block, k, ch, dblk);
         },
         [&](int qs, int64_t k, int64_t q0, int64_t n, int64_t k0, int64_t k1) -> absl::Status {
           // The merged statistics of these queries, dense [H, n] as the n-query graph reads them.
           CUDA(cudaMemcpy2DAsync(W.ag_stats.f32(), n * 4, stats(qs) + q0, ch * 4, n * 4, H,
                                  cudaMemcpyDeviceToDevice, m.stream));
-          kc::SdpaDims full = MlaDims(m.c, n, H);
+          kc::SdpaDims full = Dims(n);
           full.Tkv = k1 - k0;
-          KC(m.sdpa->BackwardFull(At(q(qs), q0 * H * qk), W.ag_K.get(), At(W.ag_kvb.get(), nope),
-                                  At(o(qs), q0 * H * vd), W.ag_stats.f32(),
-                                  At(dout(qs), q0 * H * vd), W.ag_dq.get(), W.ag_dK.get(),
-                                  At(W.ag_dkvb.get(), nope), scale, full, kAct, m.stream));
+          KC(m.sdpa->BackwardFull(At(q(qs), q0 * H * qk), K_, V_, At(o(qs), q0 * H * vd),
+                                  W.ag_stats.f32(), At(dout(qs), q0 * H * vd), W.ag_dq.get(),
+                                  W.ag_dK.get(), DV(), scale, full, kAct, m.stream));
           KC(kc::AddRows(At(dq(qs), q0 * H * qk), H * qk, W.ag_dq.get(), H * qk, n, H * qk, kAct,
                          m.stream));
-          return KeyGradsToLatent(At(block, (k + k0) * w), k1 - k0, dlat + (k + k0) * w);
+          return KeyGrads(block, k + k0, k1 - k0, dblk);
         });
   }
 
@@ -168,6 +169,37 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
     return absl::OkStatus();
   }
 
+  // Block rows [r0, r0 + n)'s keys and values where the attention reads them (K_, V_): rebuilt
+  // into W.ag_K and W.ag_kvb from latent rows, or the kv block's own rows.
+  absl::Status Keys(const void* block, int64_t r0, int64_t n) {
+    if (kv) {
+      K_ = At(block, r0 * H * qk);
+      V_ = At(block, T * H * qk + r0 * H * vd);
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(m.MlaBuildKeysFrom(L, At(block, r0 * w), n, a.h0, H));
+    K_ = m.W.ag_K.get();
+    V_ = At(m.W.ag_kvb.get(), nope);
+    return absl::OkStatus();
+  }
+  // The attention's dimensions for n queries: V and its gradient are kv_b's output's V columns,
+  // or under the kv payload dense rows of H v_head.
+  kc::SdpaDims Dims(int64_t n) const {
+    kc::SdpaDims d = MlaDims(m.c, n, H);
+    if (kv) d.v = {H * vd, vd};
+    return d;
+  }
+  void* DV() const { return kv ? m.W.ag_dkvb.get() : At(m.W.ag_dkvb.get(), nope); }
+  // The key gradients of block rows [r0, r0 + n) (W.ag_dK, and dV at DV()) added into the block's
+  // fp32 gradient: through kv_b into the latent rows' (KeyGradsToLatent), or as they are.
+  absl::Status KeyGrads(const void* block, int64_t r0, int64_t n, float* dblk) {
+    if (!kv) return KeyGradsToLatent(At(block, r0 * w), n, dblk + r0 * w);
+    KC(kc::CastRows(dblk + r0 * H * qk, KDType::kFloat32, H * qk, m.W.ag_dK.get(), kAct, H * qk, n,
+                    H * qk, m.stream, /*accumulate=*/true));
+    KC(kc::CastRows(dblk + T * H * qk + r0 * H * vd, KDType::kFloat32, H * vd, m.W.ag_dkvb.get(),
+                    kAct, H * vd, n, H * vd, m.stream, /*accumulate=*/true));
+    return absl::OkStatus();
+  }
   // Local chunk qs's fp32 running output of its first segment.
   float* Acc(int qs) const { return m.W.ag_acc.f32() + qs * ch * H * vd; }
   // The first row of chunk kc that local chunk qs's first segment sees (its document's start).
@@ -197,8 +229,12 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
   const LayerIdx& L;
   const MlaRingArgs a;
   const CpLevel& V;
+  bool kv = false;  // the kv payload (else the latent)
+  // w: a block's values a token (the payload's width).
   int64_t H = 0, nope = 0, qk = 0, vd = 0, w = 0, T = 0, ch = 0, SS = 0;
   float scale = 1.0f;
+  const void* K_ = nullptr;  // the current rows' keys and values (Keys)
+  const void* V_ = nullptr;
 };
 
 // ---- Ring
@@ -207,21 +243,34 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
 absl::Status CudaModel::Impl::MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept) {
   const MlaConfig& m = c.mla;
   const int64_t T = B.T, H = c.n_heads, kv = m.kv_lora_rank, w = kv + m.qk_rope_dim;
+  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
   // This rank's block, kept for the backward.
-  RETURN_IF_ERROR(Act(C.ag_lat, T, w));
-  RETURN_IF_ERROR(Copy2D(C.ag_lat.get(), w, C.c_n.get(), kv, kv, T));
-  RETURN_IF_ERROR(Copy2D(At(C.ag_lat.get(), kv), w, At(C.kva.get(), kv), w, m.qk_rope_dim, T));
+  if (MlaRingKv()) {
+    RETURN_IF_ERROR(Act(C.ring_kv, T, H * (qk + m.v_head_dim)));
+    RETURN_IF_ERROR(
+        MlaKvBlock(L, C.c_n.get(), kv, At(C.kva.get(), kv), w, T, 0, H, C.ring_kv.get()));
+  } else {
+    RETURN_IF_ERROR(Act(C.ag_lat, T, w));
+    RETURN_IF_ERROR(Copy2D(C.ag_lat.get(), w, C.c_n.get(), kv, kv, T));
+    RETURN_IF_ERROR(Copy2D(At(C.ag_lat.get(), kv), w, At(C.kva.get(), kv), w, m.qk_rope_dim, T));
+  }
   RETURN_IF_ERROR(F32(C.stats, 2 * StatsSlot(H, B.chunk)));
   if (attention_kept) return absl::OkStatus();
   MlaRingOps ops(*this, L, {&B.lv, 0, H, C.Q.get(), C.O.get(), C.stats.f32()});
-  RETURN_IF_ERROR(RingForward(*B.lv.layout, *cp.comm, ops, C.ag_lat.get()));
+  RETURN_IF_ERROR(
+      RingForward(*B.lv.layout, *cp.comm, ops, MlaRingKv() ? C.ring_kv.get() : C.ag_lat.get()));
   return ops.FinishForward();
 }
 
 absl::Status CudaModel::Impl::MlaRingBackward(const LayerIdx& L, Cache& C) {
-  const int64_t T = B.T, w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
+  const int64_t T = B.T, kv = c.mla.kv_lora_rank, w = kv + c.mla.qk_rope_dim;
   MlaRingOps ops(
       *this, L, {&B.lv, 0, c.n_heads, C.Q.get(), C.O.get(), C.stats.f32(), W.dO.get(), W.dQ.get()});
+  if (MlaRingKv()) {
+    RETURN_IF_ERROR(RingBackward(*B.lv.layout, *cp.comm, ops, C.ring_kv.get(), W.ring_own.get()));
+    return MlaKvGradsToLatent(L, W.ring_own.f32(), C.c_n.get(), kv, T, 0, c.n_heads,
+                              std::max(B.lv.chunk, kCudaMlaKeyBlock), W.dkva.get(), kAct);
+  }
   RETURN_IF_ERROR(RingBackward(*B.lv.layout, *cp.comm, ops, C.ag_lat.get(), W.ring_own.get()));
   KC(kc::CastRows(W.dkva.get(), kAct, w, W.ring_own.get(), KDType::kFloat32, w, T, w, stream));
   return absl::OkStatus();
@@ -249,11 +298,18 @@ absl::Status CudaModel::Impl::MlaHybridForward(const LayerIdx& L, Cache& C, bool
       cp.ulysses->AllGather(send, T * w * kAb, CommType::kByte, W.ag_recv.get(), CommLayer::kMla));
   RETURN_IF_ERROR(Act(C.ag_lat, Tg, w));
   RETURN_IF_ERROR(CopyRuns(B.ulysses, W.ag_recv.get(), false, C.ag_lat.get(), true, w));
+  // Under the kv payload the group's keys and values for this member's heads are the block.
+  if (MlaRingKv()) {
+    RETURN_IF_ERROR(Act(C.ring_kv, Tg, Hl * (qk + vd)));
+    RETURN_IF_ERROR(
+        MlaKvBlock(L, C.ag_lat.get(), w, At(C.ag_lat.get(), kv), w, Tg, h0, Hl, C.ring_kv.get()));
+  }
   RETURN_IF_ERROR(Act(C.cp_out, Tg, Hl * vd));
   RETURN_IF_ERROR(F32(C.stats, 2 * StatsSlot(Hl, B.group_lv.chunk)));
   if (attention_kept) return absl::OkStatus();
   MlaRingOps ops(*this, L, {&B.group_lv, h0, Hl, C.cp_full.get(), C.cp_out.get(), C.stats.f32()});
-  RETURN_IF_ERROR(RingForward(*B.group_lv.layout, *cp.ring, ops, C.ag_lat.get()));
+  RETURN_IF_ERROR(RingForward(*B.group_lv.layout, *cp.ring, ops,
+                              MlaRingKv() ? C.ring_kv.get() : C.ag_lat.get()));
   RETURN_IF_ERROR(ops.FinishForward());
   RETURN_IF_ERROR(
       ExchangeFromGroup(B.ulysses, C.cp_out.get(), W.cp_tmp.get(), Hl * vd, CommLayer::kMla));
@@ -275,13 +331,24 @@ absl::Status CudaModel::Impl::MlaHybridBackward(const LayerIdx& L, Cache& C) {
   MlaRingOps ops(*this, L,
                  {&B.group_lv, h0, Hl, C.cp_full.get(), C.cp_out.get(), C.stats.f32(),
                   W.cp_tmp.get(), W.cp_block.get()});
-  RETURN_IF_ERROR(
-      RingBackward(*B.group_lv.layout, *cp.ring, ops, C.ag_lat.get(), W.ring_own.get()));
+  const bool kv_payload = MlaRingKv();
+  RETURN_IF_ERROR(RingBackward(*B.group_lv.layout, *cp.ring, ops,
+                               kv_payload ? C.ring_kv.get() : C.ag_lat.get(), W.ring_own.get()));
   RETURN_IF_ERROR(
       ExchangeFromGroup(B.ulysses, W.cp_block.get(), C.cp_full.get(), Hl * qk, CommLayer::kMla));
   RETURN_IF_ERROR(UnpackToTokens(B.ulysses, C.cp_full.get(), {{W.dQ.get(), H * qk, qk, qk}}));
+  // The group's latent gradient (fp32 [Tg, w]): the ring's own, or under the kv payload its keys'
+  // and values' taken back through kv_b (into W.ag_recv, free until the reduce-scatter).
+  const float* group_dlat = W.ring_own.f32();
+  if (kv_payload) {
+    const int64_t Tg = B.group_lv.T;
+    RETURN_IF_ERROR(MlaKvGradsToLatent(L, W.ring_own.f32(), C.ag_lat.get(), w, Tg, h0, Hl,
+                                       std::max(B.group_lv.chunk, kCudaMlaKeyBlock),
+                                       W.ag_recv.get(), KDType::kFloat32));
+    group_dlat = W.ag_recv.f32();
+  }
   float* blocks = W.ag_send.f32();
-  RETURN_IF_ERROR(CopyRuns(B.ulysses, W.ring_own.get(), true, blocks, false, w, 4));
+  RETURN_IF_ERROR(CopyRuns(B.ulysses, group_dlat, true, blocks, false, w, 4));
   CUDA(cudaStreamSynchronize(stream));
   RETURN_IF_ERROR(cp.ulysses->ReduceScatterSum(blocks, T * w, W.ag_recv.f32(), CommLayer::kMla));
   KC(kc::CastRows(W.dkva.get(), kAct, w, W.ag_recv.get(), KDType::kFloat32, w, T, w, stream));
