@@ -15,7 +15,7 @@
 // ranks' blocks of heads and all at once, on poisoned activation memory. MLA's Ring at cp = 2, 3,
 // 4 and 8, with one document and many, over several key and query blocks, passing the latent or
 // keys and values; the hybrid modes of both layer types at (u, r) = (2, 2), (2, 4) and (4, 2), both
-// payloads. Also: undecided modes, n_heads % cp != 0
+// payloads; and every mode against the CPU engine. Also: undecided modes, n_heads % cp != 0
 // under All2All and hybrid modes without their groups are refused with their messages, and a
 // CpBatch without a matching SetCp is refused. Skips without a GPU.
 //
@@ -217,6 +217,52 @@ void ExpectCpMatchesOneRank(const ModelConfig& c, int64_t T, int64_t doc, int cp
                             CpMode mla = CpMode::kAll2All, const CpRunOptions& opt = {}) {
   const uint32_t seed = FreshSeed();
   ExpectCpMatchesOneRank(c, RandomBatch(c, T, doc, seed), seed, cp, recompute, lightning, mla, opt);
+}
+
+// The CUDA ranks (sharing the GPU over Gloo) against the CPU engine: one fp32 rank on the whole
+// sequence, within what separates the two engines at cp = 1 (test_cuda_model.cc: loss within 1%,
+// 6% relative L2 per tensor, norm weights counted at 1/kNormFactor as above, cosine 0.995).
+void ExpectCpMatchesCpuEngine(ModelConfig c, int64_t T, int64_t doc, int cp, CpMode lightning,
+                              CpMode mla, const CpRunOptions& opt = {}) {
+  c.norm_eps = 1e-2;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message()
+               << "seed " << seed << " T " << T << " cp " << cp << " lightning "
+               << CpModeName(lightning) << " mla " << CpModeName(mla) << " ulysses " << opt.ulysses
+               << " ring payload " << MlaRingPayloadName(opt.payload));
+  const Batch full = RandomBatch(c, T, doc, seed);
+  const float scale = 1.0f / static_cast<float>(full.NumValidTargets());
+  auto cpu = Model::Create(c, seed);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const LossStats want = (*cpu)->ForwardBackward(full, scale, Recompute::None());
+  auto got = RunCp(c, seed, full, cp, scale, Recompute::None(), lightning, mla, opt);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->n_valid, want.n_valid);
+  EXPECT_NEAR(got->loss_sum / want.loss_sum, 1.0, 1e-2);
+  ParamSet& P = (*cpu)->params();
+  double worst_rel = 0.0, worst_cos = 1.0;
+  for (const testing::GradAgreement& g :
+       testing::CompareGradients(P, P.flat_grad().f32(), got->grad.data())) {
+    const double rel = g.rel / (g.norm ? kNormFactor : 1.0);
+    EXPECT_LT(rel, 0.06) << g.name;
+    EXPECT_GT(g.cos, kMinCos) << g.name;
+    worst_rel = std::max(worst_rel, rel), worst_cos = std::min(worst_cos, g.cos);
+  }
+  std::printf("[ cuda cp ] against the CPU engine: worst relative L2 %.4f, worst cosine %.6f\n",
+              worst_rel, worst_cos);
+}
+
+TEST(CudaCp, EveryModeMatchesTheCpuEngine) {
+  SPINDLE_REQUIRE_GPU();
+  const ModelConfig c = Tiny();
+  ExpectCpMatchesCpuEngine(c, 256, 60, 2, CpMode::kAll2All, CpMode::kAll2All);
+  ExpectCpMatchesCpuEngine(c, 256, 60, 2, CpMode::kAllGather, CpMode::kAllGather);
+  ExpectCpMatchesCpuEngine(c, 320, 50, 4, CpMode::kAllGather, CpMode::kRing);
+  ExpectCpMatchesCpuEngine(c, 320, 50, 4, CpMode::kAllGather, CpMode::kRing,
+                           {.payload = MlaRingPayload::kKv});
+  ExpectCpMatchesCpuEngine(c, 320, 50, 4, CpMode::kHybrid, CpMode::kHybrid, {.ulysses = 2});
+  ExpectCpMatchesCpuEngine(c, 320, 50, 8, CpMode::kHybrid, CpMode::kHybrid,
+                           {.ulysses = 4, .payload = MlaRingPayload::kKv});
 }
 
 // MLA's attention backward one head a call (SetAttentionHeadsPerCall, what long sequences get):
