@@ -15,6 +15,8 @@
 //    block writes the scale and the inverse that the GEMM reads. A block owns a 64 x 64 tile: it
 //    writes the row-major codes directly and the transposed codes through shared memory, so both
 //    layouts come from one read of the inputs.
+//  - A recomputed forward runs pass 2 alone (the *QuantizeFp8 functions): its inputs are the first
+//    forward's, so the caller keeps that forward's statistics and amax instead of a second pass 1.
 // Recomputing instead of quantizing a stored bf16 y costs nothing extra where y is not needed (no
 // backward reads a norm's or SwiGLU's output once its GEMMs take FP8 codes: the backward's weight
 // gradient multiplies the transposed codes) and matches the CPU emulation, which quantizes the
