@@ -621,6 +621,13 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
     return CpPlanner().Plan(b, 0).memory.total_bytes;
   }();
   EXPECT_GT(CpPlanner().Plan(s, 0).memory.total_bytes, all16);
+  // Under fp8 each recomputing Lightning layer also keeps its norms' and group norm's statistics
+  // for its recomputed forward's one-pass quantization: T (2 + H) fp32.
+  JobSpec auto_all = s;
+  auto_all.train.precision = TrainPrecision::kAuto;
+  EXPECT_EQ(CpPlanner().Plan(s, 0).memory.activations_bytes -
+                CpPlanner().Plan(auto_all, 0).memory.activations_bytes,
+            4 * T * nl * (2 + H));
 
   // The CPU emulation: a 4 P working copy for bf16; fp8 more.
   JobSpec c;
