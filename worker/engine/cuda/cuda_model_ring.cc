@@ -46,7 +46,7 @@ struct CudaModel::Impl::MlaRingOps : RingBlockOps {
     const MlaConfig& c = m.c.mla;
     H = a.Hh, nope = c.qk_nope_dim, qk = nope + c.qk_rope_dim, vd = c.v_head_dim;
     kv = m.MlaRingKv();
-    w = kv ? H * (qk + vd) : c.kv_lora_rank + c.qk_rope_dim;
+    w = MlaRingPayloadWidth(c, m.cp.mla_payload, H);
     T = V.T, ch = V.chunk, SS = StatsSlot(H, ch);
     scale = 1.0f / std::sqrt(static_cast<float>(qk));
   }
@@ -246,7 +246,7 @@ absl::Status CudaModel::Impl::MlaRingForward(const LayerIdx& L, Cache& C, bool a
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim;
   // This rank's block, kept for the backward.
   if (MlaRingKv()) {
-    RETURN_IF_ERROR(Act(C.ring_kv, T, H * (qk + m.v_head_dim)));
+    RETURN_IF_ERROR(Act(C.ring_kv, T, MlaRingPayloadWidth(m, MlaRingPayload::kKv, H)));
     RETURN_IF_ERROR(
         MlaKvBlock(L, C.c_n.get(), kv, At(C.kva.get(), kv), w, T, 0, H, C.ring_kv.get()));
   } else {
@@ -300,7 +300,7 @@ absl::Status CudaModel::Impl::MlaHybridForward(const LayerIdx& L, Cache& C, bool
   RETURN_IF_ERROR(CopyRuns(B.ulysses, W.ag_recv.get(), false, C.ag_lat.get(), true, w));
   // Under the kv payload the group's keys and values for this member's heads are the block.
   if (MlaRingKv()) {
-    RETURN_IF_ERROR(Act(C.ring_kv, Tg, Hl * (qk + vd)));
+    RETURN_IF_ERROR(Act(C.ring_kv, Tg, MlaRingPayloadWidth(m, MlaRingPayload::kKv, Hl)));
     RETURN_IF_ERROR(
         MlaKvBlock(L, C.ag_lat.get(), w, At(C.ag_lat.get(), kv), w, Tg, h0, Hl, C.ring_kv.get()));
   }

@@ -169,8 +169,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
     const CpLevel& mla_level = has_m_hy ? B.group_lv : B.lv;
     if (has_m && (MlaRing() || has_m_hy)) {
       // The payload's width: the latent's, or the keys' and values' of the heads a rank computes.
-      const int64_t ring_heads = has_m_hy ? H / L.ulysses : H;
-      const int64_t ring_w = MlaRingKv() ? ring_heads * (qk + vd) : lat_w;
+      const int64_t ring_w =
+          MlaRingPayloadWidth(c.mla, cp.mla_payload, has_m_hy ? H / L.ulysses : H);
       for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, mla_level.T, ring_w));
       for (DevBuf* x : {&W.ring_acc[0], &W.ring_acc[1], &W.ring_share, &W.ring_own})
         RETURN_IF_ERROR(F32(*x, mla_level.T * ring_w));
