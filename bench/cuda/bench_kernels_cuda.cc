@@ -5,7 +5,7 @@
 // attention (sdpa.h) at T=32K, H=16, Dqk=192, Dv=128, one document.
 // Usage: bench_kernels_cuda [--quick] [--sdpa-only] [--lightning-only] [--lightning-row N]
 //                           [--cp-pieces] [--causal-vs-full] [--step-gemms] [--gemm-candidates]
-//                           [--fp8-gemms]
+//                           [--fp8-gemms] [--moe]
 //   --quick: the first two Lightning configurations only; --lightning-only: every Lightning
 //   configuration at T=32K, nothing else; --lightning-row N: only the N-th (from 0) of those
 //   configurations (one kernel of each kind per call, for a profiler); --cp-pieces: only the MLA
@@ -18,7 +18,10 @@
 //   projections, the weight gradient without beta);
 //   --gemm-candidates: the step's large GEMMs with each algorithm cuBLASLt offers, timed under
 //   sustained load (the power cap's clock); --fp8-gemms: the step's linears in each role as FP8
-//   GEMMs, cuBLASLt's accurate against its fast accumulation, beside bf16.
+//   GEMMs, cuBLASLt's accurate against its fast accumulation, beside bf16; --moe: the MoE FFN's
+//   kernels at the `moe` preset's shapes (moe.h): the experts' grouped GEMMs by each method beside
+//   a dense GEMM of the same FLOPs (bf16 and FP8), the router, the grouping, the gathers and the
+//   combine.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -39,6 +42,7 @@
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sdpa.h"
 
@@ -386,11 +390,291 @@ int Fp8Gemms() {
   return 0;
 }
 
+// ---- The MoE FFN at the `moe` preset's shapes (--moe) -------------------------------------------
+// d_model 2048, 64 experts of width 256 (W1 and W3 stacked per expert as [512, 2048], W2
+// [2048, 256]), top 8, at 16K and 32K tokens: 131,072 and 262,144 rows in 64 groups padded to
+// multiples of 16, with a uniform load (each row's expert drawn at random) and a skewed one
+// (expert loads from 0.7x to 1.3x the mean: max / mean 1.3). Each expert GEMM role runs grouped
+// by each GroupedGemmMethod and as one dense GEMM of the same FLOPs (the rows of all groups as
+// one matrix against one expert's weights), medians of 10 after warm-up; then the six roles' sum
+// (the experts' GEMMs of one layer's forward and backward).
+std::vector<int64_t> MoeOffsets(int64_t rows, int64_t E, bool skewed, std::mt19937& rng) {
+  std::vector<int64_t> counts(E, 0);
+  if (skewed) {
+    double sum = 0;
+    std::vector<double> w(E);
+    for (int64_t e = 0; e < E; ++e) sum += w[e] = 0.7 + 0.6 * e / (E - 1);
+    int64_t given = 0;
+    for (int64_t e = 0; e < E; ++e) given += counts[e] = static_cast<int64_t>(rows * w[e] / sum);
+    counts[E - 1] += rows - given;
+    std::shuffle(counts.begin(), counts.end(), rng);
+  } else {
+    std::uniform_int_distribution<int64_t> pick(0, E - 1);
+    for (int64_t i = 0; i < rows; ++i) ++counts[pick(rng)];
+  }
+  std::vector<int64_t> off(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + (counts[e] + 15) / 16 * 16;
+  return off;
+}
+
+int MoeBench() {
+  const int64_t d = 2048, F = 256, E = 64, topk = 8;
+  const int64_t max_rows = 32768 * topk + E * 16;
+  std::mt19937 rng(7);
+  // Activations (the widest: [rows, 2048]), stacked weights, fp32 weight gradients.
+  Buf X(max_rows * d, kBf16), Y(max_rows * d, kBf16), W(E * 2 * F * d, kBf16, 0.02f),
+      dW(E * 2 * F * d, cu::DType::kFloat32);
+  // FP8 codes: valid codes of N(0, 1) values, as a quantization makes them; scales of 1.
+  auto codes = [&](int64_t n, cu::DType format) {
+    auto q = std::make_unique<Buf>(n / 2 + 64, kBf16);
+    Buf src(n, kBf16), scal(64, cu::DType::kFloat32);
+    cu::Fp8Output o;
+    o.format = format, o.codes = q->p, o.amax = scal.as<float>();
+    o.inverse_scale = scal.as<float>() + 8;
+    Check(cu::Fp8Quantize(src.p, n / 64, 64, kBf16, o, 0), "quantize");
+    CheckCuda(cudaDeviceSynchronize(), "quantize");
+    return q;
+  };
+  const auto X8 = codes(max_rows * d, cu::DType::kFp8E4M3),
+             Y8 = codes(max_rows * d, cu::DType::kFp8E5M2),
+             W8 = codes(E * 2 * F * d, cu::DType::kFp8E4M3);
+  Buf ones(E * 4 + 64, cu::DType::kFloat32);
+  const std::vector<float> one(E * 4 + 64, 1.0f);
+  CheckCuda(cudaMemcpy(ones.p, one.data(), one.size() * 4, cudaMemcpyHostToDevice), "ones");
+  const float* s1 = ones.as<float>();
+
+  struct Variant {
+    cu::GroupedGemmMethod method;
+    int streams;
+    const char* name;
+  };
+  const std::vector<Variant> variants = {{cu::GroupedGemmMethod::kLoop, 1, "loop"},
+                                         {cu::GroupedGemmMethod::kStreams, 2, "2 streams"},
+                                         {cu::GroupedGemmMethod::kStreams, 4, "4 streams"},
+                                         {cu::GroupedGemmMethod::kStreams, 8, "8 streams"},
+                                         {cu::GroupedGemmMethod::kGroupedBatched, 1, "grouped"}};
+  std::vector<std::unique_ptr<cu::GroupedGemm>> gg(variants.size());
+  for (size_t v = 0; v < variants.size(); ++v) {
+    Check(cu::GroupedGemm::Create({variants[v].method, variants[v].streams}, &gg[v]), "grouped");
+  }
+  std::unique_ptr<cu::Blas> blas;
+  Check(cu::Blas::Create(&blas), "blas");
+
+  struct Role {
+    const char* name;
+    int64_t N, K;  // the expert weight [N, K]
+    int kind;      // 0 forward, 1 input gradient, 2 weight gradient
+  };
+  const std::vector<Role> roles = {{"w13 fwd", 2 * F, d, 0}, {"w2 fwd", d, F, 0},
+                                   {"w2 dgrad", d, F, 1},    {"w13 dgrad", 2 * F, d, 1},
+                                   {"w2 wgrad", d, F, 2},    {"w13 wgrad", 2 * F, d, 2}};
+  std::printf(
+      "Experts' GEMMs, TFLOP/s (grouped by each method; dense: one GEMM of the same "
+      "FLOPs):\n\n");
+  std::printf("| tokens | load | dtype | GEMM | ");
+  for (const Variant& v : variants) std::printf("%s | ", v.name);
+  std::printf("dense | best / dense |\n|---|---|---|---|");
+  for (size_t v = 0; v <= variants.size() + 1; ++v) std::printf("---|");
+  std::printf("\n");
+  std::vector<std::string> summary;
+  for (int64_t tokens : {int64_t{16384}, int64_t{32768}}) {
+    for (bool skewed : {false, true}) {
+      const auto off = MoeOffsets(tokens * topk, E, skewed, rng);
+      const int64_t rows = off[E];
+      int64_t max_m = 0;
+      for (int64_t e = 0; e < E; ++e) max_m = std::max(max_m, off[e + 1] - off[e]);
+      for (bool fp8 : {false, true}) {
+        std::vector<double> total(variants.size(), 0.0);
+        double dense_total = 0, flops_total = 0;
+        for (const Role& r : roles) {
+          const double flops = 2.0 * rows * r.N * r.K;
+          flops_total += flops;
+          std::printf("| %lldK | %s | %s | %s | ", static_cast<long long>(tokens / 1024),
+                      skewed ? "skewed 1.3" : "uniform", fp8 ? "fp8" : "bf16", r.name);
+          double best = 1e30;
+          for (size_t v = 0; v < variants.size(); ++v) {
+            if (fp8 && variants[v].method == cu::GroupedGemmMethod::kGroupedBatched) {
+              std::printf("- | ");
+              continue;
+            }
+            cu::GroupedGemm& g = *gg[v];
+            std::function<void()> fn;
+            if (!fp8) {
+              if (r.kind == 0)
+                fn = [&] {
+                  Check(g.Forward(X.p, W.p, Y.p, off.data(), E, r.N, r.K, kBf16, 0), "f");
+                };
+              if (r.kind == 1)
+                fn = [&] {
+                  Check(g.BackwardData(X.p, W.p, Y.p, off.data(), E, r.N, r.K, kBf16, 0), "d");
+                };
+              if (r.kind == 2)
+                fn = [&] {
+                  Check(
+                      g.BackwardWeight(X.p, Y.p, dW.as<float>(), off.data(), E, r.N, r.K, kBf16, 0),
+                      "w");
+                };
+            } else {
+              const cu::Fp8Experts w8{W8->p, cu::DType::kFp8E4M3, s1, 4};
+              if (r.kind == 0)
+                fn = [&, w8] {
+                  Check(g.ForwardFp8({X8->p, cu::DType::kFp8E4M3, s1}, w8, Y.p, kBf16, off.data(),
+                                     E, r.N, r.K, 0),
+                        "f8");
+                };
+              if (r.kind == 1)
+                fn = [&, w8] {
+                  Check(g.BackwardDataFp8({Y8->p, cu::DType::kFp8E5M2, s1}, w8, X.p, kBf16,
+                                          off.data(), E, r.N, r.K, 0),
+                        "d8");
+                };
+              if (r.kind == 2)
+                fn = [&] {
+                  Check(g.BackwardWeightFp8({Y8->p, cu::DType::kFp8E5M2, s1},
+                                            {X8->p, cu::DType::kFp8E4M3, s1}, dW.as<float>(),
+                                            off.data(), E, r.N, r.K, 0),
+                        "w8");
+                };
+            }
+            const double ms = TimeMs(fn, 10, 3);
+            total[v] += ms;
+            best = std::min(best, ms);
+            std::printf("%.0f | ", flops / ms / 1e9);
+          }
+          // The dense GEMM of the same FLOPs, in the role's layout.
+          cu::GemmArgs a;
+          a.C = r.kind == 2 ? dW.p : Y.p;
+          a.c_type = r.kind == 2 ? cu::DType::kFloat32 : kBf16;
+          a.beta = r.kind == 2 ? 1.0f : 0.0f;
+          if (!fp8) {
+            a.A = X.p, a.B = r.kind == 2 ? Y.p : W.p;  // wgrad: dC^T [N, rows] A [rows, K]
+            if (r.kind == 0) a.trans_b = true, a.M = rows, a.N = r.N, a.K = r.K;
+            if (r.kind == 1) a.M = rows, a.N = r.K, a.K = r.N;
+            if (r.kind == 2) a.trans_a = true, a.M = r.N, a.N = r.K, a.K = rows;
+            a.lda = a.trans_a ? a.M : a.K, a.ldb = a.trans_b ? a.K : a.N;
+          } else {
+            a.trans_b = true;
+            a.a_scale = s1, a.b_scale = s1;
+            a.ab_type = r.kind == 0 ? cu::DType::kFp8E4M3 : cu::DType::kFp8E5M2;
+            a.b_type = cu::DType::kFp8E4M3;
+            a.A = r.kind == 0 ? X8->p : Y8->p;
+            a.B = r.kind == 2 ? X8->p : W8->p;
+            if (r.kind == 0) a.M = rows, a.N = r.N, a.K = r.K;
+            if (r.kind == 1) a.M = rows, a.N = r.K, a.K = r.N;
+            if (r.kind == 2) a.M = r.N, a.N = r.K, a.K = rows;
+            a.lda = a.K, a.ldb = a.K;
+          }
+          a.ldc = a.N;
+          const double dense = TimeMs([&] { Check(blas->Gemm(a, 0), "dense"); }, 10, 3);
+          dense_total += dense;
+          std::printf("%.0f | %.0f%% |\n", flops / dense / 1e9, 100.0 * dense / best);
+          std::fflush(stdout);
+        }
+        char line[512];
+        int n =
+            std::snprintf(line, sizeof(line), "| %lldK | %s (max group %lld rows) | %s | ",
+                          static_cast<long long>(tokens / 1024), skewed ? "skewed 1.3" : "uniform",
+                          static_cast<long long>(max_m), fp8 ? "fp8" : "bf16");
+        double best = 1e30;
+        for (size_t v = 0; v < variants.size(); ++v) {
+          if (total[v] > 0) best = std::min(best, total[v]);
+          n += std::snprintf(line + n, sizeof(line) - n, total[v] > 0 ? "%.3f | " : "- | ",
+                             total[v]);
+        }
+        std::snprintf(line + n, sizeof(line) - n, "%.3f | %.0f / %.0f | %.0f%% |", dense_total,
+                      flops_total / best / 1e9, flops_total / dense_total / 1e9,
+                      100.0 * dense_total / best);
+        summary.push_back(line);
+      }
+    }
+  }
+  std::printf("\nThe six GEMMs of one MoE layer's experts (forward and backward), ms:\n\n");
+  std::printf("| tokens | load | dtype | ");
+  for (const Variant& v : variants) std::printf("%s | ", v.name);
+  std::printf("dense | best / dense TFLOP/s | best / dense |\n|---|---|---|");
+  for (size_t v = 0; v < variants.size() + 3; ++v) std::printf("---|");
+  std::printf("\n");
+  for (const auto& l : summary) std::printf("%s\n", l.c_str());
+
+  // ---- Routing and data movement at 32K tokens (262,144 rows) ----
+  std::printf("\nRouting, gathers and combine at 32K tokens, top 8 of 64, d 2048:\n\n");
+  std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
+  std::printf("|---|---|---|---|---|\n");
+  const int64_t T = 32768, n = T * topk, cap = n + E * 15;
+  Buf logits(T * E, cu::DType::kFloat32), bias(E, cu::DType::kFloat32, 0.01f),
+      weights(n, cu::DType::kFloat32, 0.1f, 0.125f), lse(T, cu::DType::kFloat32),
+      dlogits(T * E, cu::DType::kFloat32), dwts(n, cu::DType::kFloat32);
+  int32_t *idx = nullptr, *item_row = nullptr, *row_source = nullptr;
+  int64_t *counts = nullptr, *offsets = nullptr, *counts_host = nullptr;
+  CheckCuda(cudaMalloc(&idx, n * 4), "idx");
+  CheckCuda(cudaMalloc(&item_row, n * 4), "item_row");
+  CheckCuda(cudaMalloc(&row_source, cap * 4), "row_source");
+  CheckCuda(cudaMalloc(&counts, E * 8), "counts");
+  CheckCuda(cudaMalloc(&offsets, (E + 1) * 8), "offsets");
+  CheckCuda(cudaMallocHost(&counts_host, E * 8), "counts_host");
+  Buf ws(cu::MoeGroupRowsWorkspaceBytes(n, E), cu::DType::kFloat32);
+  Row("router fwd (T 32K, E 64, K 8)", TimeMs([&] {
+        Check(cu::MoeRouterForward(logits.as<float>(), bias.as<float>(), idx, weights.as<float>(),
+                                   lse.as<float>(), T, E, topk, 0),
+              "router");
+      }),
+      T * E * 4.0 + n * 8.0);
+  Row("router bwd (+ z-loss)", TimeMs([&] {
+        Check(cu::MoeRouterBackward(logits.as<float>(), idx, weights.as<float>(), lse.as<float>(),
+                                    1e-3f, dlogits.as<float>(), T, E, topk, 0),
+              "router bwd");
+      }),
+      T * E * 8.0 + n * 8.0);
+  Row("group rows (262,144 pairs, align 16, counts to host)", TimeMs([&] {
+        Check(cu::MoeGroupRows(idx, n, topk, E, 16, counts, offsets, item_row, row_source, cap,
+                               counts_host, {ws.p, ws.bytes}, 0),
+              "group");
+      }),
+      n * 12.0 + cap * 4.0);
+  CheckCuda(cudaDeviceSynchronize(), "group");
+  int64_t rows = 0;
+  for (int64_t e = 0; e < E; ++e) rows += (counts_host[e] + 15) / 16 * 16;
+  const double row_bytes = static_cast<double>(rows) * d;
+  Row("gather rows bf16",
+      TimeMs([&] { Check(cu::GatherRows(X.p, row_source, Y.p, rows, d, kBf16, 0), "gather"); }),
+      4.0 * row_bytes);
+  Buf scal(64, cu::DType::kFloat32, 0.0f, 4.0f);
+  cu::Fp8Output q;
+  q.codes = X8->p, q.codes_t = Y8->p, q.amax = scal.as<float>(), q.scale = scal.as<float>() + 4;
+  q.inverse_scale = scal.as<float>() + 8;
+  Row("gather + fp8 quantize, codes and codes_t (bf16 in)", TimeMs([&] {
+        Check(cu::GatherRowsFp8(X.p, row_source, rows, d, kBf16, q, 0), "gather fp8");
+      }),
+      4.0 * row_bytes);
+  q.codes_t = nullptr;
+  Row("gather + fp8 quantize, codes only", TimeMs([&] {
+        Check(cu::GatherRowsFp8(X.p, row_source, rows, d, kBf16, q, 0), "gather fp8");
+      }),
+      3.0 * row_bytes);
+  Row("combine bf16, weighted, accumulate", TimeMs([&] {
+        Check(cu::MoeCombine(Y.p, kBf16, item_row, weights.as<float>(), X.p, kBf16, T, topk, d,
+                             true, 0),
+              "combine");
+      }),
+      2.0 * row_bytes + 4.0 * T * d);
+  Buf dy(rows * d, kBf16);
+  Row("combine backward bf16 (dy, dw, dy amax)", TimeMs([&] {
+        Check(cu::MoeCombineBackward(X.p, Y.p, item_row, weights.as<float>(), dy.p,
+                                     dwts.as<float>(), T, topk, d, kBf16, 0, scal.as<float>()),
+              "combine bwd");
+      }),
+      4.0 * row_bytes + 2.0 * T * d);
+  cudaFree(idx), cudaFree(item_row), cudaFree(row_source), cudaFree(counts), cudaFree(offsets);
+  cudaFreeHost(counts_host);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false, sdpa_only = false, lightning_only = false, cp_pieces = false,
-       causal_vs_full = false, step_gemms = false, gemm_candidates = false, fp8_gemms = false;
+       causal_vs_full = false, step_gemms = false, gemm_candidates = false, fp8_gemms = false,
+       moe = false;
   int lightning_row = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--lightning-row") == 0 && i + 1 < argc) {
@@ -404,6 +688,7 @@ int main(int argc, char** argv) {
     step_gemms |= std::strcmp(argv[i], "--step-gemms") == 0;
     gemm_candidates |= std::strcmp(argv[i], "--gemm-candidates") == 0;
     fp8_gemms |= std::strcmp(argv[i], "--fp8-gemms") == 0;
+    moe |= std::strcmp(argv[i], "--moe") == 0;
     lightning_only |= std::strcmp(argv[i], "--lightning-only") == 0;
   }
   int n_dev = 0;
@@ -427,6 +712,7 @@ int main(int argc, char** argv) {
   std::printf("device copy: %.2f TB/s (read + write)\n\n", g_copy_tbps);
   if (step_gemms || gemm_candidates) return StepGemms(gemm_candidates);
   if (fp8_gemms) return Fp8Gemms();
+  if (moe) return MoeBench();
 
   std::printf("| %-52s | %9s | %8s | %7s | %8s |\n", "kernel", "ms", "MB", "copy bw", "TFLOP/s");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(54, '-').c_str(), std::string(11, '-').c_str(),
