@@ -316,6 +316,15 @@ void PrintPlan(const v1::Plan& p, std::ostream& out) {
           l.ring_payload().empty() ? "" : absl::StrCat(" (the ring moves ", l.ring_payload(), ")"));
   }
   PrintEstimates(p, out);
+  if (p.ep() > 0) {
+    out << absl::StrFormat("  experts:   parallel.ep = %d (%s)\n", p.ep(), p.ep_reason());
+    out << absl::StrFormat("  %-10s %4s %10s %12s %12s  %s\n", "", "ep", "memory", "dispatch",
+                           "dispatch s", "");
+    for (const v1::ExpertParallelEstimate& e : p.ep_estimates())
+      out << absl::StrFormat("  %-10s %4d %10s %12s %12.4g %s%s\n", "", e.ep(),
+                             FormatBytes(e.memory_bytes()), FormatBytes(e.dispatch_bytes()),
+                             e.dispatch_s(), e.fits() ? " fits" : "", e.chosen() ? " chosen" : "");
+  }
   const v1::MemoryEstimate& m = p.memory();
   int64_t n_layers = 0;
   for (const v1::LayerPlan& l : p.layers()) n_layers += l.num_layers();

@@ -196,11 +196,14 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     ASSIGN_OR_RETURN(s.parallel.lightning_mode, ParseCpMode(pf, "lightning_mode"));
     ASSIGN_OR_RETURN(s.parallel.mla_mode, ParseCpMode(pf, "mla_mode"));
     RETURN_IF_ERROR(pf.ReadInt("ulysses", &s.parallel.ulysses));
+    RETURN_IF_ERROR(pf.ReadInt("ep", &s.parallel.ep));
     RETURN_IF_ERROR(pf.Finish());
     if (s.parallel.cp < 1 || s.parallel.cp > 1024)
       return pf.Error("cp", absl::StrCat("must be in [1, 1024], got ", s.parallel.cp));
     if (s.parallel.dp < 1 || s.parallel.dp > 4096)
       return pf.Error("dp", absl::StrCat("must be in [1, 4096], got ", s.parallel.dp));
+    if (pf.Has("ep") && (s.parallel.ep < 1 || s.parallel.ep > kMaxExperts))
+      return pf.Error("ep", absl::StrCat("must be in [1, ", kMaxExperts, "], got ", s.parallel.ep));
   }
 
   if (const nlohmann::json* t = f.Sub("train")) {
@@ -275,6 +278,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   // Cross-field rules that need no cluster knowledge.
   if (absl::Status st = CheckCpModes(s.parallel, s.model.n_heads); !st.ok())
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", st.message()));
+  RETURN_IF_ERROR(CheckExpertParallel(s.parallel, s.model));
   if (s.train.offload && s.resources != "cuda")
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
@@ -294,6 +298,22 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
         absl::StrCat("job spec: data.eos_id: ", s.data.eos_id,
                      " is outside the vocabulary (model.vocab = ", s.model.vocab, ")"));
   return s;
+}
+
+absl::Status CheckExpertParallel(const ParallelSpec& p, const ModelConfig& m) {
+  if (p.ep == 0 || p.ep == 1) return absl::OkStatus();
+  auto err = [&p](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: parallel.ep: ", p.ep, " ", why));
+  };
+  if (m.moe.experts == 0)
+    return err("needs a mixture-of-experts model (model.moe.experts > 0); a dense model runs "
+               "with ep 1");
+  if (m.moe.experts % p.ep != 0)
+    return err(absl::StrCat("must divide model.moe.experts = ", m.moe.experts));
+  if (p.world() % p.ep != 0)
+    return err(absl::StrCat("must divide the world dp x cp = ", p.dp, " x ", p.cp, " = ",
+                            p.world(), " (the experts are sharded over ranks of the job)"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text) {
@@ -364,6 +384,7 @@ nlohmann::json JobSpec::ToJson() const {
   if (train.offload) j["train"]["offload"] = true;
   // Only the 2-D modes use it: the canonical form of every other job stays as it was.
   if (parallel.ulysses != 1) j["parallel"]["ulysses"] = parallel.ulysses;
+  if (parallel.ep > 0) j["parallel"]["ep"] = parallel.ep;
   if (train.precision != TrainPrecision::kAuto)
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
   return j;

@@ -70,6 +70,7 @@ struct ParallelSpec {
   CpMode lightning_mode = CpMode::kAuto;
   CpMode mla_mode = CpMode::kAuto;
   int64_t ulysses = 1;
+  int64_t ep = 0;
   int64_t world() const { return cp * dp; }
 };
 
@@ -132,6 +133,10 @@ struct JobSpec {
 
   nlohmann::json ToJson() const;  // canonical form; ParseJobSpec(ToJson()) round-trips
 };
+
+// The rules of parallel.ep against the model and the world (ParallelSpec); ep = 0, not decided
+// yet, passes. InvalidArgument naming parallel.ep otherwise.
+absl::Status CheckExpertParallel(const ParallelSpec& p, const ModelConfig& m);
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text);
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j);

@@ -16,10 +16,32 @@ int64_t ModelConfig::NumLayersOfKind(char kind) const {
   return n;
 }
 
+int64_t ModelConfig::NumMoeLayers() const {
+  return moe.experts > 0 ? std::max<int64_t>(0, n_layers - moe.first_dense) : 0;
+}
+
+namespace {
+
+// The parameters of one MoE FFN with `experts` of its experts counted: the router and its bias,
+// those experts and the shared expert.
+int64_t MoeFfnParams(const ModelConfig& c, int64_t experts) {
+  const int64_t d = c.d_model;
+  return c.moe.experts * d + c.moe.experts + experts * 3 * d * c.moe.expert_ffn +
+         3 * d * c.moe.shared_ffn;
+}
+
+}  // namespace
+
+int64_t ModelConfig::NumActiveParams() const {
+  const int64_t moe_layers = NumMoeLayers();
+  return NumParams() -
+         moe_layers * (MoeFfnParams(*this, moe.experts) - MoeFfnParams(*this, moe.top_k));
+}
+
 int64_t ModelConfig::NumParams() const {
   const int64_t d = d_model, H = n_heads, Dh = head_dim();
   int64_t n = 2 * vocab * d + d;  // embedding, LM head, final norm
-  const int64_t common = 2 * d + 3 * d * ffn_dim;
+  const int64_t common = 2 * d;  // the two norms
   const int64_t la = 3 * d * d + d * d + d * d + 2 * Dh + d;
   const int64_t qk = mla.qk_nope_dim + mla.qk_rope_dim;
   int64_t ml = d * (mla.kv_lora_rank + mla.qk_rope_dim) + mla.kv_lora_rank +
@@ -27,6 +49,8 @@ int64_t ModelConfig::NumParams() const {
   ml += mla.q_lora_rank > 0 ? d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * H * qk
                             : d * H * qk;
   n += n_layers * common + NumLayersOfKind('L') * la + NumLayersOfKind('M') * ml;
+  const int64_t moe_layers = NumMoeLayers();
+  n += (n_layers - moe_layers) * 3 * d * ffn_dim + moe_layers * MoeFfnParams(*this, moe.experts);
   return n;
 }
 
@@ -48,7 +72,7 @@ double ModelConfig::AttentionFlopsPerPair() const {
 }
 
 double ModelConfig::TrainFlops(int64_t tokens, double attention_pairs) const {
-  const double non_embed = static_cast<double>(NumParams() - vocab * d_model);
+  const double non_embed = static_cast<double>(NumActiveParams() - vocab * d_model);
   return static_cast<double>(tokens) *
              (6.0 * non_embed + NumLayersOfKind('L') * LightningFlopsPerToken()) +
          NumLayersOfKind('M') * AttentionFlopsPerPair() * attention_pairs;
@@ -96,6 +120,27 @@ absl::Status ModelConfig::Validate() const {
       return err("mla.qk_rope_dim", absl::StrCat("must be even, got ", mla.qk_rope_dim));
     RETURN_IF_ERROR(in("mla.v_head_dim", mla.v_head_dim, 1, kMaxModelWidth));
   }
+  if (moe.experts == 0) {
+    for (const auto& [field, v] : {std::pair<const char*, int64_t>{"moe.top_k", moe.top_k},
+                                   {"moe.expert_ffn", moe.expert_ffn},
+                                   {"moe.shared_ffn", moe.shared_ffn},
+                                   {"moe.first_dense", moe.first_dense}})
+      if (v != 0)
+        return err(field, absl::StrCat("is ", v, " but model.moe.experts is 0 (a dense model); ",
+                                       "give model.moe.experts to use experts"));
+  } else {
+    RETURN_IF_ERROR(in("moe.experts", moe.experts, 1, kMaxExperts));
+    if (moe.top_k < 1 || moe.top_k > moe.experts)
+      return err("moe.top_k", absl::StrCat("must be in [1, moe.experts = ", moe.experts,
+                                           "], got ", moe.top_k));
+    RETURN_IF_ERROR(in("moe.expert_ffn", moe.expert_ffn, 1, kMaxModelWidth * 8));
+    RETURN_IF_ERROR(in("moe.shared_ffn", moe.shared_ffn, 0, kMaxModelWidth * 8));
+    RETURN_IF_ERROR(in("moe.first_dense", moe.first_dense, 0, n_layers - 1));
+    if (!(moe.bias_rate >= 0.0 && moe.bias_rate <= 1.0))
+      return err("moe.bias_rate", absl::StrCat("must be in [0, 1], got ", moe.bias_rate));
+    if (!(moe.z_loss >= 0.0 && moe.z_loss <= 1.0))
+      return err("moe.z_loss", absl::StrCat("must be in [0, 1], got ", moe.z_loss));
+  }
   if (!(rope_theta > 1.0)) return err("rope_theta", "must be > 1");
   if (!(norm_eps > 0.0)) return err("norm_eps", "must be > 0");
   return absl::OkStatus();
@@ -116,11 +161,22 @@ nlohmann::json ModelConfig::ToJson() const {
                         {"qk_nope_dim", mla.qk_nope_dim},
                         {"qk_rope_dim", mla.qk_rope_dim},
                         {"v_head_dim", mla.v_head_dim}}}};
+  if (moe.experts > 0)
+    j["moe"] = {{"experts", moe.experts},       {"top_k", moe.top_k},
+                {"expert_ffn", moe.expert_ffn}, {"shared_ffn", moe.shared_ffn},
+                {"bias_rate", moe.bias_rate},   {"z_loss", moe.z_loss},
+                {"first_dense", moe.first_dense}};
   if (!preset.empty()) j["preset"] = preset;
   return j;
 }
 
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
+  if (name == "tiny-moe" || name == "moe") {
+    ASSIGN_OR_RETURN(ModelConfig c, ModelPreset(name == "moe" ? "1b" : "tiny"));
+    c.preset = std::string(name);
+    c.moe = name == "moe" ? MoeConfig{64, 8, 256, 1024} : MoeConfig{8, 2, 32, 32};
+    return c;
+  }
   ModelConfig c;
   c.preset = std::string(name);
   if (name == "tiny") {
@@ -137,7 +193,7 @@ absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
     c.mla = {768, 512, 128, 64, 128};
   } else {
     return absl::InvalidArgumentError(absl::StrCat("job spec: model.preset: unknown preset \"",
-                                                   ShortText(name), "\" (known: tiny, small, 1b)"));
+                                                   ShortText(name), "\" (known: tiny, small, 1b, tiny-moe, moe)"));
   }
   return c;
 }
@@ -219,6 +275,18 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(mf.ReadInt("qk_nope_dim", &c.mla.qk_nope_dim));
     RETURN_IF_ERROR(mf.ReadInt("qk_rope_dim", &c.mla.qk_rope_dim));
     RETURN_IF_ERROR(mf.ReadInt("v_head_dim", &c.mla.v_head_dim));
+    RETURN_IF_ERROR(mf.Finish());
+  }
+  if (const nlohmann::json* m = f.Sub("moe")) {
+    JsonFields mf(*m, "job spec", "model.moe");
+    RETURN_IF_ERROR(mf.CheckObject());
+    RETURN_IF_ERROR(mf.ReadInt("experts", &c.moe.experts));
+    RETURN_IF_ERROR(mf.ReadInt("top_k", &c.moe.top_k));
+    RETURN_IF_ERROR(mf.ReadInt("expert_ffn", &c.moe.expert_ffn));
+    RETURN_IF_ERROR(mf.ReadInt("shared_ffn", &c.moe.shared_ffn));
+    RETURN_IF_ERROR(mf.ReadDouble("bias_rate", &c.moe.bias_rate));
+    RETURN_IF_ERROR(mf.ReadDouble("z_loss", &c.moe.z_loss));
+    RETURN_IF_ERROR(mf.ReadInt("first_dense", &c.moe.first_dense));
     RETURN_IF_ERROR(mf.Finish());
   }
   RETURN_IF_ERROR(f.Finish());

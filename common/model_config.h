@@ -20,6 +20,23 @@ struct MlaConfig {
   int64_t v_head_dim = 16;
 };
 
+// The mixture-of-experts FFN (DESIGN.md section 2): with experts > 0 every layer from index
+// first_dense on runs a sigmoid-routed MoE of `experts` SwiGLU experts of width expert_ffn, top_k
+// of them a token, plus a shared SwiGLU of width shared_ffn (0: none), in place of the dense FFN.
+// bias_rate is the aux-loss-free balancing bias's step, z_loss the router z-loss coefficient.
+struct MoeConfig {
+  int64_t experts = 0;  // 0: a dense model
+  int64_t top_k = 0;
+  int64_t expert_ffn = 0;
+  int64_t shared_ffn = 0;
+  double bias_rate = 1e-3;
+  double z_loss = 0.0;
+  int64_t first_dense = 0;
+};
+
+// The most experts a layer may have.
+inline constexpr int64_t kMaxExperts = 4096;
+
 // The largest layer count and head count a model may have, and the bound on its widths (d_model,
 // the MLA ranks and head sizes; ffn_dim up to 8 times it).
 inline constexpr int64_t kMaxLayers = 1024;
@@ -35,6 +52,7 @@ struct ModelConfig {
   int64_t ffn_dim = 176;
   std::string layer_pattern = "LLLLLLLM";  // repeats over n_layers: L = Lightning, M = MLA
   MlaConfig mla;
+  MoeConfig moe;
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;
 
@@ -42,10 +60,15 @@ struct ModelConfig {
   // 'L' or 'M' for layer i.
   char LayerKind(int64_t i) const { return layer_pattern[i % layer_pattern.size()]; }
   int64_t NumLayersOfKind(char kind) const;
-  // Total parameter count (embedding and LM head included).
+  // Whether layer i runs the MoE FFN (else the dense one), and how many layers do.
+  bool IsMoeLayer(int64_t i) const { return moe.experts > 0 && i >= moe.first_dense; }
+  int64_t NumMoeLayers() const;
+  // Total parameter count (embedding and LM head included; every expert).
   int64_t NumParams() const;
-  // Forward+backward FLOPs per token for a sequence of seq_len tokens that is one document (6N
-  // for the matmuls plus the attention terms).
+  // The parameters one token runs through: NumParams with top_k of each MoE layer's experts.
+  int64_t NumActiveParams() const;
+  // Forward+backward FLOPs per token for a sequence of seq_len tokens that is one document (6N,
+  // N the active parameters, for the matmuls plus the attention terms).
   double TrainFlopsPerToken(int64_t seq_len) const;
   // Forward+backward FLOPs of `tokens` tokens whose causal softmax attention spans
   // `attention_pairs` query-key pairs (sum over documents of L^2 / 2, AttentionPairs in
@@ -110,7 +133,10 @@ int64_t CudaMlaGradHeadsPerGroup(const ModelConfig& c, int64_t T, int64_t all2al
 // planner counts the same.
 inline constexpr int64_t kCudaOffloadSlots = 3;
 
-// `tiny` (CI-sized), `small` (the CPU peer's default size) and `1b` (the GPU peer's size).
+// `tiny` (CI-sized), `small` (the CPU peer's default size), `1b` (the GPU peer's size), and their
+// mixture-of-experts forms `tiny-moe` (tiny with 8 experts of width 32, top 2, a shared expert of
+// 32) and `moe` (1b with 64 experts of width 256, top 8, a shared expert of 1024: the peer's
+// --moe 64,8,256,1024).
 absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 
 // Parses the job spec's "model" object: {"preset": "tiny", ...overrides} or every size given

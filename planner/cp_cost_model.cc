@@ -266,9 +266,10 @@ StepCost CpCostModel::Estimate(const JobSpec& spec, const Topology& topo,
   out.lightning = EstimateLayers(spec, topo, "lightning", lightning);
   out.mla = EstimateLayers(spec, topo, "mla", mla);
   const double sh = topo.sharing;
-  // Dense GEMMs: 6 per parameter and token (the embedding is a lookup), and a forward more (2)
-  // for each recomputed layer's own weights; a recomputed layer's core runs its forward again.
-  const double P = static_cast<double>(c.NumParams());
+  // Dense GEMMs: 6 per active parameter and token (the embedding is a lookup; a MoE layer's
+  // top_k experts), and a forward more (2) for each recomputed layer's own weights; a recomputed
+  // layer's core runs its forward again.
+  const double P = static_cast<double>(c.NumActiveParams());
   const double non_embed = P - s.vocab * s.d;
   const double per_layer = (non_embed - s.vocab * s.d) / std::max(1.0, s.L_L + s.L_M);
   const double R = static_cast<double>(std::clamp<int64_t>(recompute_layers, 0, c.n_layers));

@@ -271,6 +271,7 @@ JobSpec PlannedSpec(const JobSpec& spec, const CpPlan& plan) {
   run.parallel.lightning_mode = plan.ModeOf("lightning");
   run.parallel.mla_mode = plan.ModeOf("mla");
   run.parallel.ulysses = plan.ulysses;
+  if (spec.model.moe.experts > 0) run.parallel.ep = plan.ep;
   run.train.recompute_layers = plan.memory.recompute_layers;
   return run;
 }
@@ -280,14 +281,18 @@ bool IsPlanned(const JobSpec& spec) {
     return m != CpMode::kFastest && (m != CpMode::kAuto || spec.parallel.cp == 1);
   };
   return decided(spec.parallel.lightning_mode) && decided(spec.parallel.mla_mode) &&
-         spec.train.recompute_layers != TrainSpec::kRecomputeAuto;
+         spec.train.recompute_layers != TrainSpec::kRecomputeAuto &&
+         (spec.model.moe.experts == 0 || spec.parallel.ep > 0);
 }
 
 MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePlan>& layers,
                               int64_t recompute_layers) {
   const ModelConfig& m = spec.model;
   const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);
-  const int64_t P = m.NumParams();
+  const int64_t ep = std::max<int64_t>(1, spec.parallel.ep);
+  // This rank's parameters: its 1 / ep of the experts.
+  const int64_t expert_params = m.NumMoeLayers() * m.moe.experts * 3 * m.d_model * m.moe.expert_ffn;
+  const int64_t P = m.NumParams() - expert_params + expert_params / ep;
   const int64_t T = std::max<int64_t>(1, spec.seq_len / cp);
   const int64_t B = spec.resources == "cuda" ? 2 : 4;
   const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, Dh = m.head_dim();
@@ -359,6 +364,19 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   int64_t rl = 0, rm = 0;
   for (int64_t i = 0; i < R; ++i) (m.LayerKind(i) == 'M' ? rm : rl) += 1;
   int64_t per_token = 4 * d + (nl - rl) * per_l + (nm - rm) * per_m;
+  // MoE layers: their FFN's activations in place of the dense FFN's 3 f (elements of B bytes a
+  // token), at the worst load the router allows.
+  const MoeConfig& moe = m.moe;
+  int64_t moe_rows = 0, moe_delta = 0;  // rows a token brings a rank; elements a token over 3 f
+  if (moe.experts > 0) {
+    moe_rows = ep > 1 ? ep * std::min(moe.top_k, moe.experts / ep) : moe.top_k;
+    moe_delta = (4 * (moe.experts + 2 * moe.top_k + 1) + B - 1) / B + 3 * moe.shared_ffn +
+                moe_rows * (2 * d + 3 * moe.expert_ffn) + (ep > 1 ? moe.top_k * d : 0) - 3 * f;
+    int64_t kept_moe = 0, recomputed_moe = 0;
+    for (int64_t i = 0; i < m.n_layers; ++i)
+      if (m.IsMoeLayer(i)) (i < R ? recomputed_moe : kept_moe) += 1;
+    per_token += kept_moe * moe_delta + (recomputed_moe > 0 ? std::max<int64_t>(0, moe_delta) : 0);
+  }
   int64_t ffn_block_bytes = 0;
   if (R > 0) {
     // One cache, refilled layer by layer, holds the recomputed kinds' buffers: the CUDA engine
@@ -396,6 +414,10 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
   const int64_t work_kinds = cuda ? std::max(work_l, work_m) : B * 11 * d;
   e.workspace_bytes = std::min<int64_t>(T, 4096) * m.vocab * 4 + (int64_t{64} << 20) +
                       T * (B * d + work_kinds) + ffn_rows * B * 3 * f;
+  if (moe.experts > 0)
+    e.workspace_bytes += T * (B * (moe_rows * (2 * d + 3 * moe.expert_ffn) +
+                                   (ep > 1 ? moe.top_k * d + moe_rows * d : 0) + 3 * moe.shared_ffn) +
+                              4 * (moe.experts + moe.top_k));
   if (lightning_allgather) e.workspace_bytes += 2 * 2 * cp * H * Dh * Dh * 4;
   if (lightning_mode == CpMode::kHybrid)
     e.workspace_bytes += 2 * 2 * (cp / u) * (H / u) * Dh * Dh * 4 + T * 4 * 4 * d;
@@ -559,6 +581,31 @@ void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_
 
 }  // namespace
 
+namespace {
+
+// The MoE token exchange of one step at `c.ep`: each MoE layer's forward sends T K rows of d
+// (dispatch) and receives as many back (return), the backward the same for the gradients, a
+// recomputed layer's forward again; (ep - 1) / ep of them leave the rank at the router's balanced
+// load, over the link that joins the ranks (two all-to-alls a pass, each a message per peer).
+void MoeDispatchEstimate(const JobSpec& spec, const Topology& topo, int64_t recompute_layers,
+                         ExpertParallelEstimate* c) {
+  const ModelConfig& m = spec.model;
+  if (c->ep <= 1) return;
+  const int64_t T = spec.seq_len / std::max<int64_t>(1, spec.parallel.cp);
+  const int64_t B = spec.resources == "cuda" ? 2 : 4;
+  const int64_t row_bytes = m.moe.top_k * m.d_model * B;
+  int64_t passes = 0;  // row exchanges a step
+  for (int64_t i = 0; i < m.n_layers; ++i)
+    if (m.IsMoeLayer(i)) passes += (i < recompute_layers ? 2 : 1) * 2 + 2;
+  passes *= spec.train.micro_batches;
+  c->dispatch_bytes = passes * T * row_bytes * (c->ep - 1) / c->ep;
+  const LinkRates& l = topo.link_rates;
+  c->dispatch_s = (l.bytes_per_s > 0 ? static_cast<double>(c->dispatch_bytes) / l.bytes_per_s : 0.0) +
+                  static_cast<double>(passes * (c->ep - 1)) * l.latency_s;
+}
+
+}  // namespace
+
 CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
                        const Topology* topology) const {
   const Topology fallback = DefaultTopology(spec.resources);
@@ -586,6 +633,69 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
     }
     return plan;
   }
+  if (spec.model.moe.experts > 0) {
+    // Expert parallelism: every degree dividing the experts and the world, estimated; the spec's,
+    // or the smallest that fits the device.
+    const int64_t world = spec.parallel.world();
+    std::vector<ExpertParallelEstimate> cands;
+    for (int64_t ep = 1; ep <= std::min(world, spec.model.moe.experts); ++ep) {
+      if (world % ep != 0 || spec.model.moe.experts % ep != 0) continue;
+      JobSpec s = spec;
+      s.parallel.ep = ep;
+      ExpertParallelEstimate c;
+      c.ep = ep;
+      std::vector<std::string> ignored;  // the plan below reports them
+      const std::vector<LayerModePlan> layers = {
+          DecideMode(s, "lightning", s.model.NumLayersOfKind('L'), s.parallel.lightning_mode,
+                     &ignored),
+          DecideMode(s, "mla", s.model.NumLayersOfKind('M'), s.parallel.mla_mode, &ignored)};
+      const int64_t r = s.train.recompute_layers == TrainSpec::kRecomputeAuto
+                            ? RecomputeLayersFor(s, layers, device_memory_bytes)
+                            : s.train.recompute_layers;
+      c.memory_bytes = EstimateMemory(s, layers, r).total_bytes;
+      c.fits = device_memory_bytes > 0 && c.memory_bytes <= device_memory_bytes;
+      MoeDispatchEstimate(s, topo, r, &c);
+      cands.push_back(c);
+    }
+    if (spec.parallel.ep == 0) {
+      int64_t pick = 1;
+      std::string why = "no device known: the smallest (memory not checked)";
+      if (device_memory_bytes > 0) {
+        pick = cands.empty() ? 1 : cands.back().ep;
+        why = "none fits the device: the largest";
+        for (const ExpertParallelEstimate& c : cands)
+          if (c.fits) {
+            pick = c.ep;
+            why = "the smallest whose estimate fits the device";
+            break;
+          }
+      }
+      JobSpec resolved = spec;
+      resolved.parallel.ep = pick;
+      CpPlan plan = Plan(resolved, device_memory_bytes, &topo);
+      plan.ep_reason = why;
+      plan.ep_estimates = std::move(cands);
+      for (ExpertParallelEstimate& c : plan.ep_estimates) c.chosen = c.ep == pick;
+      return plan;
+    }
+    CpPlan plan = PlanDense(spec, device_memory_bytes, topo);
+    plan.ep = spec.parallel.ep;
+    plan.ep_reason = "parallel.ep as the spec gives it";
+    plan.ep_estimates = std::move(cands);
+    for (ExpertParallelEstimate& c : plan.ep_estimates) c.chosen = c.ep == plan.ep;
+    if (absl::Status st = CheckExpertParallel(spec.parallel, spec.model); !st.ok())
+      plan.problems.push_back(std::string(st.message()));
+    if (spec.resources == "cuda")
+      plan.problems.push_back(
+          "model.moe: the CUDA engine does not run mixture-of-experts models yet; use resources "
+          "\"cpu\"");
+    return plan;
+  }
+  return PlanDense(spec, device_memory_bytes, topo);
+}
+
+CpPlan CpPlanner::PlanDense(const JobSpec& spec, int64_t device_memory_bytes,
+                            const Topology& topo) const {
   CpPlan plan;
   const ModelConfig& m = spec.model;
   plan.cp = spec.parallel.cp;

@@ -64,11 +64,28 @@ struct MemoryEstimate {
   int64_t recompute_layers = 0;     // the first this many layers recompute (never auto)
 };
 
+// One candidate expert-parallel degree of a MoE job (parallel.ep left to the planner, or given):
+// the per-rank memory with it, and the token exchange's bytes and link time per step (forward and
+// backward, dispatch and return, at the router's balanced load).
+struct ExpertParallelEstimate {
+  int64_t ep = 1;
+  int64_t memory_bytes = 0;
+  int64_t dispatch_bytes = 0;
+  double dispatch_s = 0;
+  bool fits = false;  // within the device (false when no device is known)
+  bool chosen = false;
+};
+
 struct CpPlan {
   int64_t cp = 1;
   int64_t dp = 1;
   int64_t world = 1;
   int64_t ulysses = 1;  // parallel.ulysses, or the Ulysses degree "fastest" chose
+  // MoE models: parallel.ep, or the planner's choice (the smallest degree dividing the experts and
+  // the world whose estimate fits the device; 1 when no device is known), with every candidate.
+  int64_t ep = 1;
+  std::string ep_reason;
+  std::vector<ExpertParallelEstimate> ep_estimates;
   int64_t tokens_per_rank = 0;
   std::vector<LayerModePlan> layers;  // "lightning" then "mla"
   MemoryEstimate memory;              // memory.recompute_layers: train.recompute resolved
@@ -93,6 +110,7 @@ struct CpPlan {
 // Per-rank memory, in bytes, of training `spec` (B = 4 bytes per activation element on "cpu",
 // 2 on "cuda"; P = ModelConfig::NumParams(); T = seq_len / cp tokens per rank; d = d_model,
 // H = n_heads, f = ffn_dim):
+//   (P: the parameters a rank holds, its 1 / parallel.ep of the MoE layers' experts)
 //   params      4 P (fp32 master weights); 6 P on "cuda" (and the bf16 working copy)
 //   grads       4 P  (fp32)
 //   optimizer   8 P for AdamW (m, v fp32); 4 P for SGD with momentum; 0 for plain SGD
@@ -108,7 +126,12 @@ struct CpPlan {
 //                                                    norms' statistics (and under fp8 each
 //                                                    recomputing Lightning layer its norms' and
 //                                                    group norm's: T (2 + H) fp32)
-//     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product)
+//     a_layer (common) = 4 d (norm inputs/outputs) + 3 f (W1 x, W3 x, SwiGLU product); a MoE
+//                        layer's FFN instead: router logits, weights and choices (E + 2K + 1,
+//                        fp32), the shared expert's 3 S, and its experts' rows at the worst load
+//                        the router allows (dropless: rows = T K at ep 1; at ep > 1 every token of
+//                        the EP group may choose this rank, ep T min(K, E / ep) rows) of
+//                        2 d + 3 F each, with the K d outputs returned (ep > 1)
 //     Lightning        += 9 d (qkv, normed q/k, output, normed output, gate, gated output)
 //     MLA              += H (qk_nope + qk_rope) * 2 + (kv_lora + qk_rope) * 2
 //                         + H (qk_nope + v_head) + H v_head + 2 H (softmax stats, fp32)
@@ -155,6 +178,9 @@ struct CpPlan {
 //               "cpu": the emulation (worker/engine/numerics.h) holds its copies in fp32: bf16
 //               and fp8 a 4 P working copy; fp8 also 4 L of FP8 weights, 4 T per kept activation
 //               input element (no transposed copy) and 4 T (2 * widest + 3 d) of gradient copies.
+//   MoE workspace: the backward's scratch of those rows (2 d + 3 F each, and the exchange's
+//               send and receive rows, K d + rows d), the router's logits gradient and the
+//               shared expert's 3 S a token
 // train.offload ("cuda", n_layers > kCudaOffloadSlots = S): the activations hold S layer inputs
 // instead of n_layers, T * B * (n_layers - S) * d less; host_bytes is that much pinned memory.
 // `recompute_layers` is the number of leading layers that recompute (spec.train.recompute_layers
@@ -182,17 +208,25 @@ class CpPlanner {
   // Modes: "auto" is the design card's rule; "fastest" the candidate the cost model estimates
   // fastest (both layer types together, one Ulysses degree for both 2-D modes); a forced mode is
   // kept. With cp > 1 a warning names a rule pick estimated 20% or more slower than the fastest.
+  //
+  // MoE models: parallel.ep as given, or (absent) the smallest degree whose estimate fits the
+  // device, every candidate in CpPlan::ep_estimates.
   CpPlan Plan(const JobSpec& spec, int64_t device_memory_bytes,
               const Topology* topology = nullptr) const;
+
+ private:
+  // Plan() once the modes' "fastest" and the experts' parallelism are resolved.
+  CpPlan PlanDense(const JobSpec& spec, int64_t device_memory_bytes, const Topology& topo) const;
 };
 
 // The spec with `plan`'s decisions in place of what the spec left open: each layer type's mode
-// (never "auto" or "fastest"), parallel.ulysses and train.recompute as a number of layers. The
+// (never "auto" or "fastest"), parallel.ulysses, parallel.ep (MoE models) and train.recompute as
+// a number of layers. The
 // job is planned once (by the coordinator, or by spindle-train run standalone) and its ranks run
 // this spec as given: the trainer decides nothing again.
 JobSpec PlannedSpec(const JobSpec& spec, const CpPlan& plan);
 // Whether `spec` leaves nothing to decide: no "fastest" mode, no "auto" mode with cp > 1 (cp = 1
-// splits nothing), and a number of recomputing layers.
+// splits nothing), a number of recomputing layers, and for a MoE model parallel.ep.
 bool IsPlanned(const JobSpec& spec);
 
 // "1.50 GiB", "12.0 MiB", "512 B".

@@ -1,6 +1,8 @@
 // CpPlan <-> spindle.v1.Plan (see plan_proto.h).
 #include "planner/plan_proto.h"
 
+#include <algorithm>
+
 #include "spindle/v1/job.pb.h"
 
 namespace spindle {
@@ -89,6 +91,19 @@ void PlanToProto(const CpPlan& plan, v1::Plan* out) {
   out->set_max_seq_len(plan.max_seq_len);
   out->set_max_seq_len_offload(plan.max_seq_len_offload);
   out->set_ulysses(plan.ulysses);
+  if (!plan.ep_estimates.empty()) {
+    out->set_ep(plan.ep);
+    out->set_ep_reason(plan.ep_reason);
+  }
+  for (const ExpertParallelEstimate& c : plan.ep_estimates) {
+    v1::ExpertParallelEstimate* e = out->add_ep_estimates();
+    e->set_ep(c.ep);
+    e->set_memory_bytes(c.memory_bytes);
+    e->set_dispatch_bytes(c.dispatch_bytes);
+    e->set_dispatch_s(c.dispatch_s);
+    e->set_fits(c.fits);
+    e->set_chosen(c.chosen);
+  }
 }
 
 void PlanFromProto(const v1::Plan& p, CpPlan* out) {
@@ -108,6 +123,11 @@ void PlanFromProto(const v1::Plan& p, CpPlan* out) {
     lp.ring_payload = l.ring_payload();
   }
   out->ulysses = p.ulysses();
+  out->ep = std::max<int64_t>(1, p.ep());
+  out->ep_reason = p.ep_reason();
+  for (const v1::ExpertParallelEstimate& e : p.ep_estimates())
+    out->ep_estimates.push_back(
+        {e.ep(), e.memory_bytes(), e.dispatch_bytes(), e.dispatch_s(), e.fits(), e.chosen()});
   for (const v1::ModeEstimate& e : p.estimates()) {
     ModeEstimate m;
     m.layer_type = e.layer_type();

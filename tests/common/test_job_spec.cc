@@ -214,7 +214,7 @@ TEST(JobSpecTest, MalformedSpecsNameTheField) {
             "job spec: seq_len: must be an integer, got \"long\"");
   EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "model": {"preset": "huge"},
                       "data": {"source": "synthetic:recall"}})"),
-            "job spec: model.preset: unknown preset \"huge\" (known: tiny, small, 1b)");
+            "job spec: model.preset: unknown preset \"huge\" (known: tiny, small, 1b, tiny-moe, moe)");
   EXPECT_EQ(Error(R"({"name": "x", "seq_len": 64, "model": {"preset": "tiny", "n_heads": 5},
                       "data": {"source": "synthetic:recall"}})"),
             "job spec: model.n_heads: must divide d_model (64), got 5");
@@ -260,6 +260,43 @@ TEST(JobSpecTest, MalformedSpecsNameTheField) {
 }
 
 // A seed takes all of uint64's range.
+// The MoE fields and parallel.ep: the presets' sizes, a round trip, and one error naming the field
+// for each impossible value.
+TEST(JobSpecTest, MixtureOfExpertsFieldsAndExpertParallelism) {
+  auto moe = ParseJobSpec(R"({"name": "m", "seq_len": 64, "model": {"preset": "moe"},
+                              "data": {"source": "synthetic:recall"}, "parallel": {"dp": 4, "ep": 2}})");
+  ASSERT_TRUE(moe.ok()) << moe.status();
+  EXPECT_EQ(moe->model.moe.experts, 64);
+  EXPECT_EQ(moe->model.moe.top_k, 8);
+  // 2.16B parameters, 0.75B active (the peer's --moe 64,8,256,1024 on the 1b stack).
+  EXPECT_NEAR(static_cast<double>(moe->model.NumParams()), 2.16e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(moe->model.NumActiveParams()), 0.75e9, 0.01e9);
+  auto again = ParseJobSpecJson(moe->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->ToJson(), moe->ToJson());
+  EXPECT_EQ(again->parallel.ep, 2);
+  const std::string head = R"({"name": "x", "seq_len": 64, "data": {"source": "synthetic:recall"}, )";
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe", "moe": {"top_k": 9}}})"),
+            "job spec: model.moe.top_k: must be in [1, moe.experts = 8], got 9");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny", "moe": {"top_k": 2}}})"),
+            "job spec: model.moe.top_k: is 2 but model.moe.experts is 0 (a dense model); give "
+            "model.moe.experts to use experts");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe", "moe": {"first_dense": 4}}})"),
+            "job spec: model.moe.first_dense: must be in [0, 3], got 4");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe", "moe": {"expert": 3}}})"),
+            "job spec: model.moe.expert: unknown field");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe"}, "parallel": {"dp": 3, "ep": 3}})"),
+            "job spec: parallel.ep: 3 must divide model.moe.experts = 8");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe"}, "parallel": {"dp": 2, "ep": 4}})"),
+            "job spec: parallel.ep: 4 must divide the world dp x cp = 2 x 1 = 2 (the experts are "
+            "sharded over ranks of the job)");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny"}, "parallel": {"dp": 2, "ep": 2}})"),
+            "job spec: parallel.ep: 2 needs a mixture-of-experts model (model.moe.experts > 0); a "
+            "dense model runs with ep 1");
+  EXPECT_EQ(Error(head + R"("model": {"preset": "tiny-moe"}, "parallel": {"ep": 0}})"),
+            "job spec: parallel.ep: must be in [1, 4096], got 0");
+}
+
 TEST(JobSpecTest, SeedsTakeAllOfUint64) {
   auto spec = ParseJobSpec(R"({"name": "x", "seq_len": 64, "model": {"preset": "tiny"},
       "data": {"source": "synthetic:recall"}, "train": {"seed": 18446744073709551615}})");

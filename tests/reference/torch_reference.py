@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """An independent PyTorch (float64) implementation of DESIGN.md section 2, written from the text
-of the design only. It loads a Spindle checkpoint (safetensors, DESIGN.md tensor names) and
+of the design only (the dense and the mixture-of-experts FFN). It loads a Spindle checkpoint (safetensors, DESIGN.md tensor names) and
 computes the mean cross-entropy of token sequences, so Spindle's loss can be checked against it.
 
     torch_reference.py CHECKPOINT_DIR TOKENS.bin SEQ_LEN N_SEQUENCES EOS_ID
@@ -92,6 +92,32 @@ def mla(W, p, x, cfg, pos, doc):
     return o @ W[p + 'mla.out.weight'].T
 
 
+def swiglu(h, w1, w3, w2):
+    return (torch.nn.functional.silu(h @ w1.T) * (h @ w3.T)) @ w2.T
+
+
+def moe_ffn(W, p, h, cfg):
+    """DESIGN.md section 2's MoE FFN: sigmoid scores, the top-k of score + bias chosen, weights
+    renormalised over the chosen, each expert a SwiGLU, plus the shared expert. Also returns the
+    mean over tokens of logsumexp(z)^2, the router z-loss's term."""
+    m = cfg['moe']
+    z = h @ W[p + 'moe.router.weight'].T
+    s = torch.sigmoid(z)
+    chosen = torch.topk(s + W[p + 'moe.router.bias'], m['top_k'], dim=-1).indices
+    g = torch.gather(s, -1, chosen)
+    g = g / g.sum(-1, keepdim=True)
+    w1, w2, w3 = (W[p + f'moe.experts.{n}.weight'] for n in ('w1', 'w2', 'w3'))
+    y = torch.zeros_like(h)
+    for e in range(m['experts']):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        if len(rows):
+            y = y.index_add(0, rows, g[rows, slot][:, None] * swiglu(h[rows], w1[e], w3[e], w2[e]))
+    if m.get('shared_ffn', 0) > 0:
+        y = y + swiglu(h, W[p + 'moe.shared.w1.weight'], W[p + 'moe.shared.w3.weight'],
+                       W[p + 'moe.shared.w2.weight'])
+    return y, (torch.logsumexp(z, -1) ** 2).mean()
+
+
 def sequence_nll(W, cfg, tokens, eos):
     """The summed negative log-likelihood of the sequence's valid targets (a float64 tensor that
     autograd can differentiate with respect to W) and their count."""
@@ -120,7 +146,12 @@ def sequence_nll(W, cfg, tokens, eos):
         else:
             x = x + mla(W, p, h, cfg, pos, doc)
         h = rms(x, W[p + 'ffn_norm.weight'], eps)
-        x = x + (torch.nn.functional.silu(h @ W[p + 'ffn.w1.weight'].T) * (h @ W[p + 'ffn.w3.weight'].T)) @ W[p + 'ffn.w2.weight'].T
+        moe = cfg.get('moe', {})
+        if moe.get('experts', 0) > 0 and li >= moe.get('first_dense', 0):
+            y, _ = moe_ffn(W, p, h, cfg)
+            x = x + y
+        else:
+            x = x + swiglu(h, W[p + 'ffn.w1.weight'], W[p + 'ffn.w3.weight'], W[p + 'ffn.w2.weight'])
     logits = rms(x, W['final_norm.weight'], eps) @ W['lm_head.weight'].T
     valid = targets >= 0
     lp = torch.log_softmax(logits, -1)

@@ -371,7 +371,8 @@ absl::Status AppendCommitLog(const std::string& root, nlohmann::json entry) {
 
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
-                                           const TrainState& state, int64_t keep, int64_t attempt) {
+                                           const TrainState& state, int64_t keep, int64_t attempt,
+                                           const GatheredShards* gathered) {
   RETURN_IF_ERROR(MakeDirs(root));
   ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
   if (attempt > 0) {
@@ -397,14 +398,31 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   std::map<std::string, SafetensorsEntry> model, opt;
   for (int i = 0; i < params.size(); ++i) {
     const ParamInfo& p = params.info(i);
-    model[p.name] = {p.shape, params.data(i), p.numel};
+    const float* values[3] = {params.data(i), nullptr, nullptr};
     if (optimizer && !optimizer->state0().empty()) {
-      opt[OptimizerName(*optimizer, 0, p.name)] = {p.shape, optimizer->state0().f32() + p.offset,
-                                                   p.numel};
-      if (optimizer->is_adamw())
-        opt[OptimizerName(*optimizer, 1, p.name)] = {p.shape, optimizer->state1().f32() + p.offset,
-                                                     p.numel};
+      values[1] = optimizer->state0().f32() + p.offset;
+      if (optimizer->is_adamw()) values[2] = optimizer->state1().f32() + p.offset;
     }
+    int64_t numel = p.numel;
+    if (p.sharded()) {
+      numel = 1;
+      for (int64_t n : p.full_shape) numel *= n;
+      if (!gathered || gathered->tensors.count(i) == 0)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint: \"", p.name, "\" is a shard and its whole tensor was not gathered"));
+      const auto it = gathered->tensors.find(i);
+      for (int k = 0; k < 3; ++k) {
+        if (values[k] == nullptr) continue;
+        if (static_cast<int64_t>(it->second[k].size()) != numel)
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint: the gathered \"", p.name, "\" holds ", it->second[k].size(),
+              " values, its whole tensor ", numel));
+        values[k] = it->second[k].data();
+      }
+    }
+    model[p.name] = {p.full_shape, values[0], numel};
+    if (values[1]) opt[OptimizerName(*optimizer, 0, p.name)] = {p.full_shape, values[1], numel};
+    if (values[2]) opt[OptimizerName(*optimizer, 1, p.name)] = {p.full_shape, values[2], numel};
   }
   // The tensor files stream from the parameter and optimizer buffers (no copy of the state).
   ASSIGN_OR_RETURN(const FileDigest model_file,
@@ -535,6 +553,18 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
                        " is ", DescribeJson(st["model"].value(key, nlohmann::json())),
                        ", the job has ", DescribeJson(want[key])));
   }
+  // The experts' shapes and routing (their bias_rate and z_loss are training settings).
+  for (const char* key : {"experts", "top_k", "expert_ffn", "shared_ffn", "first_dense"}) {
+    const nlohmann::json have = st["model"].contains("moe") && st["model"]["moe"].is_object()
+                                    ? st["model"]["moe"].value(key, nlohmann::json(0))
+                                    : nlohmann::json(0);
+    const nlohmann::json job =
+        want.contains("moe") ? want["moe"].value(key, nlohmann::json(0)) : nlohmann::json(0);
+    if (have != job)
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint: \"", dir, "\" was written for a different model: model.moe.",
+                       key, " is ", DescribeJson(have), ", the job has ", DescribeJson(job)));
+  }
   // Each tensor file is checked whole (size and CRC-32, streamed) and its header parsed; the
   // values are read into place only once everything has been validated.
   std::vector<InputFile> inputs;
@@ -567,11 +597,11 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
     if (it == f.tensors.end())
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint: \"", dir, "/", file, "\" has no tensor \"", name, "\""));
-    if (it->second.shape != p.shape)
+    if (it->second.shape != p.full_shape)
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint: \"", dir, "/", file, "\": tensor \"", name, "\" has shape [",
                        nlohmann::json(it->second.shape).dump(), "], the model expects ",
-                       nlohmann::json(p.shape).dump()));
+                       nlohmann::json(p.full_shape).dump()));
     return absl::OkStatus();
   };
   const bool want_opt = optimizer && !optimizer->state0().empty();
@@ -596,17 +626,19 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
         absl::StrCat("checkpoint: \"", dir, "/model.safetensors\" holds ", model.tensors.size(),
                      " tensors, the model has ", params.size()));
   // Everything checked: read the values into place.
-  auto read = [](const InputFile& in, const SafetensorsEntry& e, float* dst) {
-    return in.ReadAt(e.offset, reinterpret_cast<char*>(dst), static_cast<size_t>(e.numel) * 4);
+  // A shard reads its own range of the whole tensor.
+  auto read = [](const InputFile& in, const SafetensorsEntry& e, const ParamInfo& p, float* dst) {
+    return in.ReadAt(e.offset + static_cast<uint64_t>(p.full_offset) * 4,
+                     reinterpret_cast<char*>(dst), static_cast<size_t>(p.numel) * 4);
   };
   for (int i = 0; i < params.size(); ++i) {
     const ParamInfo& p = params.info(i);
-    RETURN_IF_ERROR(read(model_in, model.tensors.at(p.name), params.data(i)));
+    RETURN_IF_ERROR(read(model_in, model.tensors.at(p.name), p, params.data(i)));
     if (want_opt) {
-      RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 0, p.name)),
+      RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 0, p.name)), p,
                            optimizer->state0().f32() + p.offset));
       if (optimizer->is_adamw())
-        RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 1, p.name)),
+        RETURN_IF_ERROR(read(opt_in, opt.tensors.at(OptimizerName(*optimizer, 1, p.name)), p,
                              optimizer->state1().f32() + p.offset));
     }
   }

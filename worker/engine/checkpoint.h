@@ -21,7 +21,9 @@
 // thread-compatible.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,13 +44,23 @@ struct TrainState {
   double loss = 0;           // the loss of step `step` (0: not recorded)
 };
 
+// The whole tensors of a ParamSet's sharded parameters (ParamInfo::sharded, expert parallelism),
+// gathered from the ranks that hold their shards, by parameter index: the values, then the
+// optimizer's state0 and state1 (empty where the optimizer keeps none), each full_shape's size.
+struct GatheredShards {
+  std::map<int, std::array<std::vector<float>, 3>> tensors;
+};
+
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
 // Returns the checkpoint directory. `attempt` > 0 (a cluster job's attempt) fences the commit:
-// Aborted, with nothing written, when a newer attempt has fenced the root.
+// Aborted, with nothing written, when a newer attempt has fenced the root. Sharded parameters are
+// written whole from `gathered` (FailedPrecondition when it lacks one), so a checkpoint never
+// depends on the layout that wrote it.
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
                                            const TrainState& state, int64_t keep,
-                                           int64_t attempt = 0);
+                                           int64_t attempt = 0,
+                                           const GatheredShards* gathered = nullptr);
 
 // Fencing: attempt N of a cluster job takes the root over before it loads anything, under the
 // writer lock that every commit holds. From then on a rank 0 of an older attempt still running
@@ -78,7 +90,8 @@ absl::Status CheckpointIoError(const std::string& what, const std::string& path,
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
 // Loads a checkpoint directory into params (and optimizer when non-null, with its state
-// allocated) after validating all of it; on a validation error nothing was modified.
+// allocated) after validating all of it; on a validation error nothing was modified. A sharded
+// parameter reads its shard of the whole tensor.
 absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& params,
                                           Optimizer* optimizer, const ModelConfig& config);
 

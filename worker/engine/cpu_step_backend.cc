@@ -22,8 +22,11 @@ void CopyState(const Tensor& from, Tensor* to) {
 
 absl::StatusOr<std::unique_ptr<CpuStepBackend>> CpuStepBackend::Create(const ModelConfig& config,
                                                                         uint64_t seed,
-                                                                        const TrainSpec& train) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::Create(config, seed));
+                                                                        const TrainSpec& train,
+                                                                        int64_t ep,
+                                                                        int64_t ep_rank) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
+                   Model::Create(config, seed, /*host_grads=*/true, ep, ep_rank));
   return std::unique_ptr<CpuStepBackend>(new CpuStepBackend(std::move(model), train));
 }
 
@@ -70,6 +73,13 @@ absl::Status CpuStepBackend::SetPrecision(TrainPrecision precision) {
 absl::StatusOr<double> CpuStepBackend::GradSquaredNorm() {
   Tensor& g = model_->params().flat_grad();
   return kernels::cpu::SumSquares(g.f32(), g.numel());
+}
+
+absl::StatusOr<double> CpuStepBackend::GradSquaredNorm(int64_t begin, int64_t end) {
+  Tensor& g = model_->params().flat_grad();
+  if (begin < 0 || end < begin || end > g.numel())
+    return absl::InvalidArgumentError("cpu backend: a gradient range outside the flat buffer");
+  return kernels::cpu::SumSquares(g.f32() + begin, end - begin);
 }
 
 absl::Status CpuStepBackend::OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) {

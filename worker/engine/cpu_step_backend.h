@@ -18,10 +18,13 @@ namespace spindle {
 
 class CpuStepBackend : public StepBackend {
  public:
-  // The model initialised from `seed` (Model::Create) with `train`'s optimizer.
+  // The model initialised from `seed` (Model::Create, with the experts of EP rank ep_rank of ep)
+  // with `train`'s optimizer.
   static absl::StatusOr<std::unique_ptr<CpuStepBackend>> Create(const ModelConfig& config,
                                                                 uint64_t seed,
-                                                                const TrainSpec& train);
+                                                                const TrainSpec& train,
+                                                                int64_t ep = 1,
+                                                                int64_t ep_rank = 0);
 
   const ModelConfig& config() const override { return model_->config(); }
   ParamSet& host_params() override { return model_->params(); }
@@ -42,7 +45,16 @@ class CpuStepBackend : public StepBackend {
                                             const GradReadyFn& on_grad_ready) override;
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override;
   absl::Status SetPrecision(TrainPrecision precision) override;
+  absl::Status SetExpertParallel(Communicator* ep) override {
+    return model_->SetExpertParallel(ep);
+  }
+  int64_t ExpertGradEnd() const override { return model_->ExpertGradEnd(); }
+  void BeginStep(double tokens) override { model_->BeginStep(tokens); }
+  absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world) override {
+    return model_->FinishMoeStep(world);
+  }
   absl::StatusOr<double> GradSquaredNorm() override;
+  absl::StatusOr<double> GradSquaredNorm(int64_t begin, int64_t end) override;
   absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override;
   int64_t steps_taken() const override { return optimizer_->steps_taken(); }
 

@@ -27,6 +27,9 @@ struct Model::Layer {
   std::vector<float> log_decay;  // [H]
   // MLA
   int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
+  // MoE FFN (in place of w1, w2, w3)
+  bool moe = false;
+  MoeLayerParams moe_p;
 };
 
 // An activation as the input of its GEMMs: the operand, which points into the FP8 copy under
@@ -49,6 +52,8 @@ struct Model::Cache {
   // The linear layers' activation inputs: the normed inputs, SwiGLU's output, Lightning's gated
   // output, MLA's normed q_a output, normed latent and attention output.
   SavedInput in_h, in_h2, in_a, in_y, in_qa_n, in_c_n, in_O;
+  MoeCache moe;
+  Tensor moe_y;  // a recomputed MoE FFN's output, not needed
 };
 
 // Gradient scratch, sized for the largest layer and reused by every layer's backward.
@@ -58,6 +63,7 @@ struct Model::Work {
   // FP8 copies of output gradients, each used by the GEMMs right after its quantization (the
   // Lightning gate's apart: it may run while a CP collective is in flight).
   Fp8Copy f_dy, f_dgate, f_dqkv;
+  MoeWork moe;
 };
 
 std::vector<float> LightningLogDecays(const ModelConfig& c, int64_t layer) {
@@ -107,9 +113,16 @@ Model::Model(const ModelConfig& config) : config_(config), work_(std::make_uniqu
 Model::~Model() = default;
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, uint64_t seed,
-                                                     bool host_grads) {
+                                                     bool host_grads, int64_t ep,
+                                                     int64_t ep_rank) {
   RETURN_IF_ERROR(config.Validate());
+  if (ep < 1 || ep_rank < 0 || ep_rank >= ep || (ep > 1 && config.moe.experts % ep != 0))
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: expert parallelism ", ep, " (rank ", ep_rank, ") does not shard ",
+                     config.moe.experts, " experts"));
   std::unique_ptr<Model> m(new Model(config));
+  m->ep_ = ep;
+  m->ep_rank_ = ep_rank;
   m->Build();
   m->params_.Allocate(seed, host_grads);
   return m;
@@ -130,6 +143,11 @@ void Model::Build() {
   const int64_t d = c.d_model, H = c.n_heads, Dh = c.head_dim(), F = c.ffn_dim;
   const float out_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layers));
   ParamSet& P = params_;
+  // The experts first: their gradients are one range, reduced over the expert-data-parallel group.
+  std::vector<MoeLayerParams> moe(c.n_layers);
+  for (int64_t i = 0; i < c.n_layers; ++i)
+    if (c.IsMoeLayer(i)) DeclareMoeParams(c, i, ep_, ep_rank_, /*experts=*/true, P, &moe[i]);
+  if (P.size() > 0) expert_end_ = P.info(P.size() - 1).offset + P.info(P.size() - 1).numel;
   embed_ = P.Add("embed.weight", {c.vocab, d}, ParamInit::kNormal, 0.02f);
   for (int64_t i = 0; i < c.n_layers; ++i) {
     auto L = std::make_unique<Layer>();
@@ -162,9 +180,15 @@ void Model::Build() {
       L->mo = P.Add(p + "mla.out.weight", {d, H * m.v_head_dim}, ParamInit::kNormal, out_std);
     }
     L->ffn_norm = P.Add(p + "ffn_norm.weight", {d}, ParamInit::kOnes);
-    L->w1 = P.Add(p + "ffn.w1.weight", {F, d}, ParamInit::kNormal);
-    L->w2 = P.Add(p + "ffn.w2.weight", {d, F}, ParamInit::kNormal, out_std);
-    L->w3 = P.Add(p + "ffn.w3.weight", {F, d}, ParamInit::kNormal);
+    if (c.IsMoeLayer(i)) {
+      L->moe = true;
+      L->moe_p = moe[i];
+      DeclareMoeParams(c, i, ep_, ep_rank_, /*experts=*/false, P, &L->moe_p);
+    } else {
+      L->w1 = P.Add(p + "ffn.w1.weight", {F, d}, ParamInit::kNormal);
+      L->w2 = P.Add(p + "ffn.w2.weight", {d, F}, ParamInit::kNormal, out_std);
+      L->w3 = P.Add(p + "ffn.w3.weight", {F, d}, ParamInit::kNormal);
+    }
     layers_.push_back(std::move(L));
   }
   final_norm_ = P.Add("final_norm.weight", {d}, ParamInit::kOnes);
@@ -184,6 +208,11 @@ struct LayerCtx {
   const CpContext* cp = nullptr;
   CpScratch* scratch = nullptr;
   const CpBatch* group = nullptr;  // the hybrid modes' CpBatch::group
+  MoeRows* moe_rows = nullptr;
+  Communicator* ep = nullptr;                     // the EP group (null: ep = 1)
+  float zloss_scale = 0.0f;
+  std::vector<MoeLayerStats>* moe_stats = nullptr;  // a training pass's, by layer
+  MoeContext Moe() const { return {c, P, nx, *moe_rows, ep, zloss_scale}; }
   bool split() const { return layout && layout->cp > 1; }
   CpMode lightning() const { return split() ? cp->lightning_mode : CpMode::kAuto; }
   CpMode mla() const { return split() ? cp->mla_mode : CpMode::kAuto; }
@@ -638,8 +667,23 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
   ctx.Store(C.x_mid);
   Ensure(C.h2, T, d);
   Ensure(C.rstd2, T, 1);
-  for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
   k::RmsNormForward(C.x_mid.f32(), ctx.Wt(L.ffn_norm), C.h2.f32(), C.rstd2.f32(), T, d, eps);
+  if (L.moe) {
+    ctx.Store(C.h2);
+    // A recomputed forward needs the FFN's saved activations, not its output.
+    float* y = x_out;
+    if (y == nullptr) {
+      Ensure(C.moe_y, T, d);
+      y = C.moe_y.f32();
+    }
+    MoeLayerStats* stats = x_out && ctx.moe_stats ? &(*ctx.moe_stats)[L.index] : nullptr;
+    RETURN_IF_ERROR(MoeFfnForward(ctx.Moe(), L.moe_p, C.moe, C.h2.f32(), T, y, stats));
+    if (x_out == nullptr) return absl::OkStatus();
+    AddInto(x_out, C.x_mid.f32(), T * d);
+    ctx.Store(x_out, T * d);
+    return absl::OkStatus();
+  }
+  for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
   ctx.Input(C.in_h2, C.h2.f32(), T * d);
   ctx.Store(C.h2);
   Linear(C.in_h2.op, ctx.Lin(L.w1), C.g.f32(), T, d, F);
@@ -662,22 +706,26 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
   const ModelConfig& c = ctx.c;
   ParamSet& P = ctx.P;
   const int64_t T = ctx.b.T, d = c.d_model, F = c.ffn_dim;
-  for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, T, F);
   Ensure(W.dh, T, d);
-  // FFN (each output gradient quantized, under FP8, from its stored value)
-  const NumericsEmulator& nx = ctx.nx;
-  LinearBwdAcc(C.in_a.op, ctx.Lin(L.w2), nx.Gradient(dx, T * d, W.f_dy), W.da.f32(), P.grad(L.w2),
-               T, F, d, false);
-  ctx.Store(W.da);
-  k::SwiGluBackward(C.g.f32(), C.u.f32(), W.da.f32(), W.dg.f32(), W.du.f32(), T * F);
-  ctx.Store(W.dg);
-  ctx.Store(W.du);
-  LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w1), nx.Gradient(W.dg.f32(), T * F, W.f_dy), W.dh.f32(),
-               P.grad(L.w1), T, d, F, false);
-  ctx.Store(W.dh);  // the GPU stores the first GEMM's output before the second adds to it
-  LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T * F, W.f_dy), W.dh.f32(),
-               P.grad(L.w3), T, d, F, true);
-  ctx.Store(W.dh);
+  if (L.moe) {
+    RETURN_IF_ERROR(MoeFfnBackward(ctx.Moe(), L.moe_p, C.moe, W.moe, C.h2.f32(), dx, T, W.dh.f32()));
+  } else {
+    // FFN (each output gradient quantized, under FP8, from its stored value)
+    for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, T, F);
+    const NumericsEmulator& nx = ctx.nx;
+    LinearBwdAcc(C.in_a.op, ctx.Lin(L.w2), nx.Gradient(dx, T * d, W.f_dy), W.da.f32(),
+                 P.grad(L.w2), T, F, d, false);
+    ctx.Store(W.da);
+    k::SwiGluBackward(C.g.f32(), C.u.f32(), W.da.f32(), W.dg.f32(), W.du.f32(), T * F);
+    ctx.Store(W.dg);
+    ctx.Store(W.du);
+    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w1), nx.Gradient(W.dg.f32(), T * F, W.f_dy), W.dh.f32(),
+                 P.grad(L.w1), T, d, F, false);
+    ctx.Store(W.dh);  // the GPU stores the first GEMM's output before the second adds to it
+    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T * F, W.f_dy), W.dh.f32(),
+                 P.grad(L.w3), T, d, F, true);
+    ctx.Store(W.dh);
+  }
   Ensure(W.dtmp, T, d);
   k::RmsNormBackward(C.x_mid.f32(), ctx.Wt(L.ffn_norm), C.rstd2.f32(), W.dh.f32(), W.dtmp.f32(),
                      P.grad(L.ffn_norm), T, d);
@@ -785,7 +833,8 @@ class Model::Passes final : public LayerPasses {
          GradReadyFn on_grad_ready)
       : m_(m),
         b_(b),
-        ctx_(MakeCtx(m.config_, m.params_, m.numerics_, b, cpb, &m.cp_, &m.cp_scratch_)),
+        ctx_(WithMoe(m, MakeCtx(m.config_, m.params_, m.numerics_, b, cpb, &m.cp_, &m.cp_scratch_),
+                     backward)),
         grad_scale_(grad_scale),
         backward_(backward),
         on_grad_ready_(std::move(on_grad_ready)) {}
@@ -822,6 +871,14 @@ class Model::Passes final : public LayerPasses {
 
  private:
   float* In(int64_t i) { return m_.layer_inputs_[backward_ ? i : i % 2].f32(); }
+  // The MoE layers' exchange and, for a training pass, their statistics.
+  static LayerCtx WithMoe(Model& m, LayerCtx ctx, bool training) {
+    ctx.moe_rows = &m.moe_rows_;
+    ctx.ep = m.ep_comm_;
+    ctx.zloss_scale = m.zloss_scale_;
+    if (training) ctx.moe_stats = &m.moe_stats_;
+    return ctx;
+  }
   void Ready(int64_t offset) {
     if (on_grad_ready_) on_grad_ready_(offset);
   }
@@ -834,8 +891,76 @@ class Model::Passes final : public LayerPasses {
   const GradReadyFn on_grad_ready_;
 };
 
+absl::Status Model::SetExpertParallel(Communicator* ep) {
+  const int64_t size = ep ? ep->size() : 1, rank = ep ? ep->rank() : 0;
+  if (size != ep_ || rank != ep_rank_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: built for EP rank ", ep_rank_, " of ", ep_, ", given a group of ", size,
+                     " at rank ", rank));
+  ep_comm_ = size > 1 ? ep : nullptr;
+  return absl::OkStatus();
+}
+
+void Model::BeginStep(double tokens) {
+  moe_stats_.assign(config_.n_layers, MoeLayerStats{});
+  zloss_scale_ =
+      tokens > 0 ? static_cast<float>(config_.moe.z_loss / tokens) : 0.0f;
+}
+
+absl::StatusOr<nlohmann::json> Model::FinishMoeStep(Communicator* world) {
+  const ModelConfig& c = config_;
+  if (c.moe.experts == 0) return nlohmann::json::object();
+  const int64_t E = c.moe.experts;
+  // Every MoE layer's loads, lse^2 sum and token count, summed over the world in one collective.
+  std::vector<double> sums;
+  if (moe_stats_.size() < static_cast<size_t>(c.n_layers)) moe_stats_.resize(c.n_layers);
+  for (const auto& L : layers_) {
+    if (!L->moe) continue;
+    MoeLayerStats& s = moe_stats_[L->index];
+    s.load.resize(E, 0.0);
+    sums.insert(sums.end(), s.load.begin(), s.load.end());
+    sums.push_back(s.zloss_sum);
+    sums.push_back(static_cast<double>(s.tokens));
+  }
+  if (world && world->size() > 1)
+    RETURN_IF_ERROR(
+        world->AllReduceSum(sums.data(), static_cast<int64_t>(sums.size()), CommType::kF64,
+                            CommLayer::kOther));
+  nlohmann::json load_ratio = nlohmann::json::array(), bias_min = nlohmann::json::array(),
+                 bias_max = nlohmann::json::array(), lse_sq = nlohmann::json::array();
+  const float rate = static_cast<float>(c.moe.bias_rate);
+  size_t at = 0;
+  for (const auto& L : layers_) {
+    if (!L->moe) continue;
+    const double* load = sums.data() + at;
+    const double zsum = sums[at + E], tokens = sums[at + E + 1];
+    at += E + 2;
+    double total = 0.0, most = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      total += load[e];
+      most = std::max(most, load[e]);
+    }
+    const double mean = total / static_cast<double>(E);
+    // b_e += rate * sign(mean - load_e): every rank applies the same sums, so the biases agree.
+    float* b = params_.data(L->moe_p.bias);
+    if (total > 0)
+      for (int64_t e = 0; e < E; ++e)
+        b[e] += load[e] < mean ? rate : load[e] > mean ? -rate : 0.0f;
+    load_ratio.push_back(mean > 0 ? most / mean : 0.0);
+    bias_min.push_back(*std::min_element(b, b + E));
+    bias_max.push_back(*std::max_element(b, b + E));
+    lse_sq.push_back(tokens > 0 ? zsum / tokens : 0.0);
+  }
+  return nlohmann::json{{"moe",
+                         {{"load_max_over_mean", load_ratio},
+                          {"bias_min", bias_min},
+                          {"bias_max", bias_max},
+                          {"router_lse_sq", lse_sq}}}};
+}
+
 absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                      Recompute recompute, const GradReadyFn& on_grad_ready) {
+  RETURN_IF_ERROR(CheckExpertParallel());
   const int64_t n = config_.n_layers;
   const size_t n_caches = static_cast<size_t>(recompute.NumCaches(n));
   while (caches_.size() < n_caches) caches_.push_back(std::make_unique<Cache>());
@@ -847,7 +972,15 @@ absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float g
   return RunLayerPasses(passes, n, recompute, /*backward=*/true);
 }
 
+absl::Status Model::CheckExpertParallel() const {
+  if (ep_ > 1 && ep_comm_ == nullptr)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model: the experts are sharded over ", ep_, " ranks; SetExpertParallel gives their group"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LossStats> Model::RunForward(const Batch& b, const CpBatch* cpb) {
+  RETURN_IF_ERROR(CheckExpertParallel());
   if (caches_.empty()) caches_.push_back(std::make_unique<Cache>());
   layer_inputs_.resize(2);
   for (Tensor& t : layer_inputs_) Ensure(t, b.T, config_.d_model);

@@ -15,6 +15,13 @@
 // all-reduce). Without SetCp (or cp = 1) the model never communicates.
 // Numerics (numerics.h): exact fp32 by default; SetNumerics() makes the model emulate the CUDA
 // engine's bf16 storage and, with an FP8 recipe, FP8 inputs to the blocks' linear layers.
+// Mixture of experts (config.moe.experts > 0): the MoE layers' FFN is moe/moe_ffn.h's. With
+// expert parallelism (Create's ep > 1) this rank holds the experts of EP rank ep_rank as shards
+// of the stacked expert tensors, declared ahead of every other parameter so that their gradients
+// are the flat range [0, ExpertGradEnd()), which the trainer reduces over the expert-data-parallel
+// group only; SetExpertParallel() gives the EP group the tokens travel over. BeginStep() and
+// FinishMoeStep() bracket a training step: the loads the router's choices put on each expert,
+// summed over the world, move the balancing biases after the optimizer's update.
 // Not thread-safe (kernels parallelise internally with OpenMP).
 #pragma once
 
@@ -26,10 +33,13 @@
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "nlohmann/json.hpp"
 #include "worker/engine/batch.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cp/cp_attention.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/moe/moe_exchange.h"
+#include "worker/engine/moe/moe_ffn.h"
 #include "worker/engine/numerics.h"
 #include "worker/engine/params.h"
 #include "worker/engine/recompute.h"
@@ -68,8 +78,10 @@ class Model {
  public:
   // host_grads false: the gradient buffer comes with its first use (see ParamSet::Allocate), for
   // the host copy of a device model.
+  // ep > 1 (MoE models): this rank holds the experts of EP rank ep_rank of ep.
   static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config, uint64_t seed,
-                                                       bool host_grads = true);
+                                                       bool host_grads = true, int64_t ep = 1,
+                                                       int64_t ep_rank = 0);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
@@ -85,6 +97,21 @@ class Model {
   // projections but MLA's per-head ones (q or q_b, kv_b). The CUDA engine's fp8 uses the same.
   std::vector<int> Fp8LinearWeights() const;
   const Numerics& numerics() const { return numerics_.numerics(); }
+
+  // MoE: the EP group (size ep of Create, this rank's position ep_rank; not owned). Needed before
+  // any pass when ep > 1.
+  absl::Status SetExpertParallel(Communicator* ep);
+  int64_t ep() const { return ep_; }
+  // The end of the expert shards' range of the flat buffers: 0 for a dense model.
+  int64_t ExpertGradEnd() const { return expert_end_; }
+  // A training step begins: the MoE statistics restart, and the z-loss is spread over the step's
+  // `tokens` (over the world).
+  void BeginStep(double tokens);
+  // After the optimizer's update: the loads summed over `world` (null: this rank's alone) move the
+  // balancing biases (DESIGN.md section 2); returns the step's MoE fields for the step event
+  // ("moe": per layer the max/mean load, the bias range and the mean lse(z)^2). Empty for a dense
+  // model. Errors are the communicator's.
+  absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world);
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).
   void SetCp(const CpContext& cp) { cp_ = cp; }
@@ -107,6 +134,8 @@ class Model {
   absl::StatusOr<LossStats> RunForward(const Batch& b, const CpBatch* cp);
   // FailedPrecondition when the communicators of SetCp do not fit the batch's layout and modes.
   absl::Status CheckCp(const CpBatch& b) const;
+  // FailedPrecondition when the experts are sharded and SetExpertParallel gave no group.
+  absl::Status CheckExpertParallel() const;
   LossStats HeadAndLoss(const Batch& b, const float* x, float grad_scale, float* dx);
 
   ModelConfig config_;
@@ -121,6 +150,12 @@ class Model {
   Tensor hf_, rstd_f_, dhf_, logits_, dx_;
   CpContext cp_;
   CpScratch cp_scratch_;
+  // Mixture of experts.
+  int64_t ep_ = 1, ep_rank_ = 0, expert_end_ = 0;
+  Communicator* ep_comm_ = nullptr;
+  HostMoeRows moe_rows_;
+  std::vector<MoeLayerStats> moe_stats_;  // by layer index
+  float zloss_scale_ = 0.0f;
   NumericsEmulator numerics_;
 };
 

@@ -1,6 +1,8 @@
 // ParamSet: flat parameter and gradient buffers with named views (see params.h).
 #include "worker/engine/params.h"
 
+#include <algorithm>
+
 #include "worker/engine/rng.h"
 
 namespace spindle {
@@ -16,10 +18,22 @@ int ParamSet::Add(std::string name, std::vector<int64_t> shape, ParamInit init, 
   total_ += (p.numel + 15) / 16 * 16;
   p.init = init;
   p.init_std = init_std;
-  p.weight_decay = init == ParamInit::kNormal && p.shape.size() == 2;
+  p.weight_decay = init == ParamInit::kNormal && p.shape.size() >= 2;
+  p.full_shape = p.shape;
   by_name_[p.name] = static_cast<int>(params_.size());
   params_.push_back(std::move(p));
   return static_cast<int>(params_.size()) - 1;
+}
+
+int ParamSet::AddShard(std::string name, std::vector<int64_t> full_shape, int64_t row_begin,
+                       int64_t rows, ParamInit init, float init_std) {
+  std::vector<int64_t> shape = full_shape;
+  shape[0] = rows;
+  const int i = Add(std::move(name), std::move(shape), init, init_std);
+  ParamInfo& p = params_[i];
+  p.full_offset = row_begin * (p.numel / std::max<int64_t>(1, rows));
+  p.full_shape = std::move(full_shape);
+  return i;
 }
 
 namespace {
@@ -57,7 +71,9 @@ void ParamSet::Allocate(uint64_t seed, bool grads) {
         const float scale = p.init_std;
 #pragma omp parallel for schedule(static) if (p.numel > (int64_t{1} << 14))
         for (int64_t j = 0; j < p.numel; ++j)
-          d[j] = static_cast<float>(Rng(key, 2 * static_cast<uint64_t>(j)).Normal()) * scale;
+          d[j] = static_cast<float>(
+                     Rng(key, 2 * static_cast<uint64_t>(p.full_offset + j)).Normal()) *
+                 scale;
         break;
       }
     }

@@ -1,7 +1,9 @@
 // ParamSet: every model parameter lives in one flat fp32 buffer, with its gradient in a second
 // flat buffer of the same layout. Each parameter is a named view (DESIGN.md checkpoint name,
 // shape, offset). One flat buffer makes the optimizer, gradient clipping, bucketed all-reduce and
-// checkpointing single loops. Not thread-safe.
+// checkpointing single loops. A parameter may be a shard of a larger tensor (expert parallelism:
+// a rank holds a range of a layer's stacked experts): its view is the shard, its full_shape and
+// full_offset say where it lies in the tensor the checkpoint names. Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -24,12 +26,21 @@ struct ParamInfo {
   ParamInit init = ParamInit::kNormal;
   float init_std = 0.02f;
   bool weight_decay = true;  // matrices decay; norm weights do not
+  // The whole tensor this parameter is a shard of (shape itself when it is whole), and the
+  // shard's first element in it: initial values and checkpoints are those of the whole tensor.
+  std::vector<int64_t> full_shape;
+  int64_t full_offset = 0;
+  bool sharded() const { return full_shape != shape; }
 };
 
 class ParamSet {
  public:
   // Declares a parameter; returns its index. Only before Allocate().
   int Add(std::string name, std::vector<int64_t> shape, ParamInit init, float init_std = 0.02f);
+  // Declares rows [row_begin, row_begin + rows) of the tensor `full_shape` (split along its first
+  // dimension) as this rank's parameter.
+  int AddShard(std::string name, std::vector<int64_t> full_shape, int64_t row_begin, int64_t rows,
+               ParamInit init, float init_std = 0.02f);
   // Allocates the flat buffers (gradients zeroed) and initialises from `seed`: every
   // parameter draws from its own stream, so the result does not depend on declaration order.
   // With `grads` false the gradient buffer comes, zeroed, with its first use (flat_grad() or

@@ -87,8 +87,32 @@ class StepBackend {
         "trainer: train.precision \"fp8\": this device backend has no FP8 GEMMs yet; use "
         "\"auto\" or \"bf16\" on the device, or resources \"cpu\", which emulates FP8");
   }
-  // Sum of squared device gradients.
+  // Mixture of experts (ModelConfig::moe): the EP group of this rank's experts (a backend built
+  // for ep > 1 needs it before any pass; null or a group of one: ep = 1). A backend without
+  // expert parallelism refuses a group of more than one rank.
+  virtual absl::Status SetExpertParallel(Communicator* ep) {
+    if (ep == nullptr || ep->size() == 1) return absl::OkStatus();
+    return absl::UnimplementedError(
+        "trainer: this backend does not shard experts (parallel.ep must be 1)");
+  }
+  // The end of the expert shards' range of the flat gradients ([0, end), reduced over the
+  // expert-data-parallel group), 0 without sharded experts.
+  virtual int64_t ExpertGradEnd() const { return 0; }
+  // A training step begins over `tokens` tokens of the world (the z-loss's mean), and ends after
+  // the optimizer's update: the balancing biases move by the loads summed over `world` (null:
+  // this rank alone), and the step event gets the returned fields. Nothing for dense models.
+  virtual void BeginStep(double tokens) { (void)tokens; }
+  virtual absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world) {
+    (void)world;
+    return nlohmann::json::object();
+  }
+
+  // Sum of squared device gradients; with `end` >= 0, of the flat range [begin, end) only.
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
+  virtual absl::StatusOr<double> GradSquaredNorm(int64_t begin, int64_t end) {
+    (void)begin, (void)end;
+    return absl::UnimplementedError("trainer: this backend has no ranged gradient norm");
+  }
   // The job's optimizer (spec.optimizer, as the CPU Optimizer: AdamW with decay on matrices only,
   // or SGD with or without momentum) with the device gradients multiplied by grad_scale first.
   // Increments steps_taken().

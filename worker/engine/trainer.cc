@@ -2,6 +2,7 @@
 #include "worker/engine/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -53,6 +54,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     return absl::InvalidArgumentError(absl::StrCat("trainer: recompute_layers must be in [0, ",
                                                    spec.model.n_layers, "], got ", rc));
   t->recompute_ = Recompute::First(rc);
+  // Expert parallelism: groups of ep consecutive ranks share each MoE layer's experts.
+  if (spec.model.moe.experts > 0 && spec.parallel.ep == 0)
+    return absl::FailedPreconditionError(
+        "trainer: parallel.ep is not decided; the trainer runs planned specs (PlannedSpec in "
+        "planner/cp_planner.h)");
+  RETURN_IF_ERROR(CheckExpertParallel(spec.parallel, spec.model));
+  t->ep_ = std::max<int64_t>(1, spec.parallel.ep);
+  if (on_device && spec.model.moe.experts > 0)
+    return absl::UnimplementedError(
+        "trainer: the CUDA engine does not run mixture-of-experts models yet (model.moe.experts > "
+        "0); run the job with resources \"cpu\"");
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
@@ -61,7 +73,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   if (on_device) {
     ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
   } else {
-    ASSIGN_OR_RETURN(t->backend_, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train));
+    ASSIGN_OR_RETURN(t->backend_, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train,
+                                                         t->ep_, o.rank % t->ep_));
   }
   RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
   RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
@@ -91,6 +104,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
       }
     } else if (t->cp_ > 1) {
       ASSIGN_OR_RETURN(t->cp_comm_, CreateGlooCommunicator(*o.store, cp_group, cp_rank, cp, o.gloo));
+    }
+    if (t->ep_ > 1) {
+      // The EP group (ranks [g * ep, (g + 1) * ep)) and, across the groups, the
+      // expert-data-parallel group of the ranks holding the same experts.
+      const int ep = static_cast<int>(t->ep_);
+      ASSIGN_OR_RETURN(t->ep_comm_, CreateGlooCommunicator(*o.store, absl::StrCat("ep", rank / ep),
+                                                           rank % ep, ep, o.gloo));
+      if (world > ep) {
+        ASSIGN_OR_RETURN(t->expert_dp_comm_,
+                         CreateGlooCommunicator(*o.store, absl::StrCat("edp", rank % ep), rank / ep,
+                                                world / ep, o.gloo));
+      }
     }
     if (t->cp_ > 1 &&
         (t->modes_.lightning == CpMode::kHybrid || t->modes_.mla == CpMode::kHybrid)) {
@@ -129,6 +154,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     RETURN_IF_ERROR(t->backend_->SetCp({cp, t->modes_.lightning, t->modes_.mla,
                                         t->ulysses_comm_.get(), t->ring_comm_.get(), payload}));
   }
+  RETURN_IF_ERROR(t->backend_->SetExpertParallel(t->ep_comm_.get()));
   ParamSet& params = t->backend_->host_params();
   t->optimizer_ = t->backend_->HostOptimizer();
   if (t->optimizer_ == nullptr) {
@@ -378,15 +404,20 @@ absl::Status Trainer::Step() {
   if (world_comm_)
     RETURN_IF_ERROR(world_comm_->AllReduceSum(&n_valid, 1, CommType::kF64, CommLayer::kOther));
   RETURN_IF_ERROR(backend_->ZeroGrads());
+  backend_->BeginStep(static_cast<double>(spec.seq_len * mb * dp_));
   const float grad_scale = n_valid > 0 ? 1.0f / static_cast<float>(n_valid) : 0.0f;
   const bool overlap = world_comm_ && !device_world_comm_ && backend_->HostGradients();
   Tensor& g = backend_->host_params().flat_grad();
   std::vector<CommHandle> pending;
   const int64_t B = std::max<int64_t>(1, opt_.grad_bucket_floats);
+  // Sharded experts' gradients, [0, expert_end), are summed over the expert-data-parallel group
+  // instead of the world.
+  const int64_t expert_end = ep_ > 1 ? backend_->ExpertGradEnd() : 0;
   int64_t launched_to = g.numel();  // [launched_to, numel) is in flight
   auto on_ready = [&](int64_t flat_begin) {
-    while (launched_to > 0 && std::max<int64_t>(0, launched_to - B) >= flat_begin) {
-      const int64_t begin = std::max<int64_t>(0, launched_to - B);
+    while (launched_to > expert_end &&
+           std::max<int64_t>(expert_end, launched_to - B) >= flat_begin) {
+      const int64_t begin = std::max<int64_t>(expert_end, launched_to - B);
       pending.push_back(world_comm_->AllReduceSumAsync(g.f32() + begin, launched_to - begin,
                                                        CommType::kF32, CommLayer::kGrad));
       launched_to = begin;
@@ -400,6 +431,9 @@ absl::Status Trainer::Step() {
     loss_sum += s.loss_sum;
   }
   if (overlap) {
+    if (expert_dp_comm_)
+      pending.push_back(expert_dp_comm_->AllReduceSumAsync(g.f32(), expert_end, CommType::kF32,
+                                                           CommLayer::kGrad));
     absl::Status comm_status;
     for (CommHandle& h : pending) comm_status.Update(h.Wait());
     RETURN_IF_ERROR(comm_status);
@@ -407,7 +441,11 @@ absl::Status Trainer::Step() {
     RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_));
   } else if (world_comm_) {
     RETURN_IF_ERROR(backend_->DownloadGrads());
-    RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad));
+    RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32() + expert_end, g.numel() - expert_end,
+                                              CommType::kF32, CommLayer::kGrad));
+    if (expert_dp_comm_)
+      RETURN_IF_ERROR(
+          expert_dp_comm_->AllReduceSum(g.f32(), expert_end, CommType::kF32, CommLayer::kGrad));
     RETURN_IF_ERROR(backend_->UploadGrads());
   }
   if (world_comm_)
@@ -415,16 +453,26 @@ absl::Status Trainer::Step() {
   const double loss = n_valid > 0 ? loss_sum / n_valid : 0.0;
   if (!std::isfinite(loss))
     return absl::InternalError(absl::StrCat("trainer: loss is not finite at step ", state_.step + 1));
-  ASSIGN_OR_RETURN(const double sum_squares, backend_->GradSquaredNorm());
+  double sum_squares = 0.0;
+  if (expert_end > 0) {
+    // The EP group's ranks hold different experts: their parts of the norm add up.
+    ASSIGN_OR_RETURN(double experts, backend_->GradSquaredNorm(0, expert_end));
+    ASSIGN_OR_RETURN(const double rest, backend_->GradSquaredNorm(expert_end, g.numel()));
+    RETURN_IF_ERROR(ep_comm_->AllReduceSum(&experts, 1, CommType::kF64, CommLayer::kOther));
+    sum_squares = experts + rest;
+  } else {
+    ASSIGN_OR_RETURN(sum_squares, backend_->GradSquaredNorm());
+  }
   const double grad_norm = std::sqrt(sum_squares);
   const double lr = ScheduledLr(spec.train, state_.step);
   RETURN_IF_ERROR(backend_->OptimizerStep(spec.train, lr, ClipScale(spec.train, grad_norm)));
-  FinishStep(t0, loss, lr, grad_norm, sb.flops);
+  ASSIGN_OR_RETURN(nlohmann::json moe_fields, backend_->FinishMoeStep(world_comm_.get()));
+  FinishStep(t0, loss, lr, grad_norm, sb.flops, std::move(moe_fields));
   return absl::OkStatus();
 }
 
 void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
-                         double grad_norm, double flops) {
+                         double grad_norm, double flops, nlohmann::json extra) {
   const JobSpec& spec = opt_.spec;
   const int64_t mb = spec.train.micro_batches;
   state_.step += 1;
@@ -437,8 +485,9 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   // is the sum over ranks, as the coordinator and the dashboards add it up).
   const double tokens = static_cast<double>(spec.seq_len * mb) / static_cast<double>(cp_);
   nlohmann::json comm = nlohmann::json::array();
-  for (Communicator* c : {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
-                          device_world_comm_.get(), device_cp_comm_.get()}) {
+  for (Communicator* c :
+       {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
+        device_world_comm_.get(), device_cp_comm_.get(), ep_comm_.get(), expert_dp_comm_.get()}) {
     if (!c) continue;
     for (const auto& [key, amount] : c->TakeStats())
       comm.push_back({{"collective", CollectiveName(key.first)},
@@ -458,14 +507,37 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
                       {"tflops", flops / dt / 1e12}};
   if (!comm.empty()) e["comm"] = std::move(comm);
   e.update(backend_->StepEventFields());
+  if (extra.is_object()) e.update(extra);
   if (const double peak = backend_->PeakFlops(); peak > 0) e["mfu"] = flops / dt / peak;
   Emit(std::move(e));
 }
 
 // Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as
 // complete when all ranks did), the others only once rank 0 says it is on disk.
+absl::Status Trainer::GatherExpertShards(GatheredShards* out) {
+  ParamSet& params = backend_->host_params();
+  for (int i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    if (!p.sharded()) continue;
+    std::array<std::vector<float>, 3>& whole = out->tensors[i];
+    const float* parts[3] = {params.data(i), nullptr, nullptr};
+    if (!optimizer_->state0().empty()) parts[1] = optimizer_->state0().f32() + p.offset;
+    if (!optimizer_->state1().empty()) parts[2] = optimizer_->state1().f32() + p.offset;
+    for (int k = 0; k < 3; ++k) {
+      if (parts[k] == nullptr) continue;
+      whole[k].resize(static_cast<size_t>(p.numel * ep_));
+      RETURN_IF_ERROR(ep_comm_->AllGather(parts[k], p.numel, CommType::kF32, whole[k].data(),
+                                          CommLayer::kOther));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
+  // Sharded experts: rank 0's EP group gathers the whole tensors for rank 0 to write.
+  GatheredShards gathered;
+  if (ep_ > 1 && opt_.rank < ep_) RETURN_IF_ERROR(GatherExpertShards(&gathered));
   if (opt_.rank == 0) {
     // The device's parameters and optimizer state into the host copies the checkpoint code
     // writes (zeros for state the device does not keep, as the CPU optimizer has them); a host
@@ -480,7 +552,7 @@ absl::Status Trainer::Checkpoint() {
   }
   if (opt_.rank == 0 && dir.ok())
     dir = SaveCheckpoint(ckpt_dir_, backend_->host_params(), optimizer_, opt_.spec.model, state_,
-                         opt_.spec.checkpoint.keep, opt_.attempt);
+                         opt_.spec.checkpoint.keep, opt_.attempt, &gathered);
   if (staging_optimizer_) optimizer_->ReleaseState();
   if (world_comm_) {
     int32_t written = dir.ok() ? 1 : 0;

@@ -7,6 +7,12 @@
 // one per line). Not thread-safe; one trainer per process (or per thread in tests).
 //
 // Multi-rank (world = dp * cp > 1): rank r is CP rank r % cp of data-parallel replica r / cp.
+// With expert parallelism (parallel.ep > 1, MoE models) rank r is also EP rank r % ep of EP group
+// r / ep: it holds those experts, its MoE layers exchange tokens over the EP group, and the
+// experts' gradients are summed over the ranks holding the same experts (the expert-data-parallel
+// group) while every other gradient is summed over the world; the norm adds the EP group's expert
+// parts. The balancing biases move after each update by the loads summed over the world; rank 0's
+// EP group gathers the expert shards for its checkpoints, which stay whole tensors.
 // Each replica takes its own micro-batches of the step's sequences; each CP rank its zigzag share
 // of them (cp/cp_layout.h). Communicators are Gloo groups bootstrapped from `store`: the world
 // (gradients, loss) and the replica's CP group (the model's CP collectives); with a "hybrid" mode
@@ -134,8 +140,11 @@ class Trainer {
   // After the update: counters, the loss history and the step event ("tflops": this rank's model
   // FLOPs, `flops`, over the step's time; "mfu": the same over the device's peak, when known).
   void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
-                  double grad_norm, double flops);
+                  double grad_norm, double flops, nlohmann::json extra);
   absl::Status Checkpoint();
+  // The whole tensors of this rank's expert shards and their optimizer state, gathered over its
+  // EP group (every member calls it).
+  absl::Status GatherExpertShards(GatheredShards* out);
   void Emit(nlohmann::json event);
 
   // Fences the checkpoint directory (attempt > 0), then rank 0 picks the newest checkpoint that
@@ -163,6 +172,10 @@ class Trainer {
   // communicators where the ranks have devices of their own, else Gloo).
   std::unique_ptr<Communicator> ulysses_comm_, ring_comm_;
   int64_t ulysses_ = 1;
+  // Expert parallelism (ep > 1): the EP group the tokens travel over, and the group of the ranks
+  // that hold the same experts (null when that is this rank alone).
+  int64_t ep_ = 1;
+  std::unique_ptr<Communicator> ep_comm_, expert_dp_comm_;
   bool HybridModes() const {
     return cp_ > 1 && (modes_.lightning == CpMode::kHybrid || modes_.mla == CpMode::kHybrid);
   }

@@ -1,6 +1,7 @@
 // The communicator thread, handles and per-collective accounting (see communicator.h).
 #include "worker/engine/comm/communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -27,6 +28,7 @@ const char* CommLayerName(CommLayer l) {
   switch (l) {
     case CommLayer::kLightning: return "lightning";
     case CommLayer::kMla: return "mla";
+    case CommLayer::kMoe: return "moe";
     case CommLayer::kGrad: return "grad";
     case CommLayer::kOther: return "other";
   }
@@ -194,6 +196,62 @@ absl::Status Communicator::DoAllToAllPieces(const std::vector<CommSendPiece>& se
   for (const CommRecvPiece& p : recv) {
     if (p.bytes) std::memcpy(p.p, out.data() + p.peer * block + at[p.peer], p.bytes);
     at[p.peer] += p.bytes;
+  }
+  return absl::OkStatus();
+}
+
+CommHandle Communicator::AllToAllVAsync(const void* in, std::vector<int64_t> send_bytes, void* out,
+                                        std::vector<int64_t> recv_bytes, CommLayer layer) {
+  int64_t out_bytes = 0;
+  for (size_t r = 0; r < send_bytes.size(); ++r)
+    if (static_cast<int>(r) != rank_) out_bytes += send_bytes[r];
+  return Enqueue(Collective::kAllToAll, layer, out_bytes,
+                 [this, in, out, send = std::move(send_bytes),
+                  recv = std::move(recv_bytes)]() -> absl::Status {
+                   if (static_cast<int>(send.size()) != size_ ||
+                       static_cast<int>(recv.size()) != size_)
+                     return absl::InvalidArgumentError(absl::StrCat(
+                         "all-to-all of sized blocks: ", send.size(), " send and ", recv.size(),
+                         " receive sizes in a group of ", size_));
+                   for (int r = 0; r < size_; ++r)
+                     if (send[r] < 0 || recv[r] < 0)
+                       return absl::InvalidArgumentError(
+                           absl::StrCat("all-to-all of sized blocks: a negative size for rank ", r));
+                   if (size_ == 1 && LocalWhenAlone()) {
+                     if (send[0] != recv[0])
+                       return absl::InvalidArgumentError(absl::StrCat(
+                           "all-to-all of sized blocks: a group of one sends ", send[0],
+                           " bytes and receives ", recv[0]));
+                     if (send[0]) std::memmove(out, in, send[0]);
+                     return absl::OkStatus();
+                   }
+                   return DoAllToAllV(in, send, out, recv);
+                 });
+}
+
+absl::Status Communicator::DoAllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
+                                       void* out, const std::vector<int64_t>& recv_bytes) {
+  int64_t mine = 0;
+  for (int64_t b : send_bytes) mine = std::max(mine, b);
+  std::vector<int64_t> largest(size_);
+  if (absl::Status s = DoAllGather(&mine, 1, CommType::kF64 /*8 bytes*/, largest.data()); !s.ok())
+    return s;
+  int64_t block = 0;
+  for (int64_t b : largest) block = std::max(block, b);
+  std::vector<char> packed(static_cast<size_t>(block * size_)), received(packed.size());
+  const char* src = static_cast<const char*>(in);
+  for (int r = 0; r < size_; ++r) {
+    if (send_bytes[r]) std::memcpy(packed.data() + r * block, src, send_bytes[r]);
+    src += send_bytes[r];
+  }
+  if (block > 0) {
+    absl::Status s = DoAllToAll(packed.data(), block, CommType::kByte, received.data());
+    if (!s.ok()) return s;
+  }
+  char* dst = static_cast<char*>(out);
+  for (int r = 0; r < size_; ++r) {
+    if (recv_bytes[r]) std::memcpy(dst, received.data() + r * block, recv_bytes[r]);
+    dst += recv_bytes[r];
   }
   return absl::OkStatus();
 }

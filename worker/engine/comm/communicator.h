@@ -6,8 +6,8 @@
 //
 // Accounting: every collective is recorded under (collective, layer type) with the seconds it ran
 // on the communicator thread (queueing excluded) and the bytes this rank sends under the standard
-// algorithms: all-gather (n-1)*in, all-to-all (n-1)/n*in (by pieces: the pieces for the other
-// ranks), all-reduce 2(n-1)/n*buf (ring), reduce-scatter (n-1)/n*in, broadcast buf at the root,
+// algorithms: all-gather (n-1)*in, all-to-all (n-1)/n*in (by pieces or blocks of their own
+// sizes: those for the other ranks), all-reduce 2(n-1)/n*buf (ring), reduce-scatter (n-1)/n*in, broadcast buf at the root,
 // send-recv the bytes sent (0 to itself), barrier 0. TakeStats() returns and resets them (the
 // trainer emits them per step).
 //
@@ -47,7 +47,7 @@ enum class Collective {
 const char* CollectiveName(Collective c);
 
 // What a collective serves, for the metrics' layer_type label.
-enum class CommLayer { kLightning, kMla, kGrad, kOther };
+enum class CommLayer { kLightning, kMla, kMoe, kGrad, kOther };
 const char* CommLayerName(CommLayer l);
 
 enum class CommType { kF32, kF64, kI32, kByte };
@@ -107,6 +107,13 @@ class Communicator {
   // for a peer out of range); send and receive pieces must not overlap.
   CommHandle AllToAllPiecesAsync(std::vector<CommSendPiece> send, std::vector<CommRecvPiece> recv,
                                  CommLayer layer);
+  // An all-to-all whose blocks have sizes of their own: send_bytes[j] bytes of `in` (the blocks
+  // back to back in rank order) go to rank j, and recv_bytes[i] bytes from rank i land in `out`
+  // (back to back in rank order). Rank i's recv_bytes[j] must be rank j's send_bytes[i] (callers
+  // exchange the sizes first, as the MoE dispatch does). InvalidArgument for vectors that are not
+  // size() long or a negative size.
+  CommHandle AllToAllVAsync(const void* in, std::vector<int64_t> send_bytes, void* out,
+                            std::vector<int64_t> recv_bytes, CommLayer layer);
   // Elementwise sum over ranks, in place. Every rank receives bitwise the same result.
   CommHandle AllReduceSumAsync(void* buf, int64_t n, CommType type, CommLayer layer);
   // out[i] = sum over ranks of in_r[rank * n + i]: `in` holds size() blocks of n floats.
@@ -131,6 +138,10 @@ class Communicator {
   absl::Status AllToAllPieces(std::vector<CommSendPiece> send, std::vector<CommRecvPiece> recv,
                               CommLayer layer) {
     return AllToAllPiecesAsync(std::move(send), std::move(recv), layer).Wait();
+  }
+  absl::Status AllToAllV(const void* in, std::vector<int64_t> send_bytes, void* out,
+                         std::vector<int64_t> recv_bytes, CommLayer layer) {
+    return AllToAllVAsync(in, std::move(send_bytes), out, std::move(recv_bytes), layer).Wait();
   }
   absl::Status AllReduceSum(void* buf, int64_t n, CommType type, CommLayer layer) {
     return AllReduceSumAsync(buf, n, type, layer).Wait();
@@ -164,6 +175,10 @@ class Communicator {
   // unpacked after (host-memory backends); `block` is each rank's total in bytes.
   virtual absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,
                                         const std::vector<CommRecvPiece>& recv, int64_t block);
+  // By default through DoAllGather of each rank's largest block and DoAllToAll of blocks padded
+  // to the largest of all, in host memory (host-memory backends may do better: Gloo does).
+  virtual absl::Status DoAllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
+                                   void* out, const std::vector<int64_t>& recv_bytes);
   virtual absl::Status DoAllReduceSum(void* buf, int64_t n, CommType type) = 0;
   virtual absl::Status DoReduceScatterSum(const float* in, int64_t n, float* out) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t n, CommType type, int root) = 0;

@@ -13,6 +13,7 @@
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
+#include "gloo/alltoallv.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
 #include "gloo/math.h"
@@ -113,6 +114,16 @@ class GlooCommunicator : public Communicator {
       o.setOutput(Bytes(out), nb);
       o.setTimeout(timeout_);
       gloo::alltoall(o);
+    });
+  }
+  absl::Status DoAllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                           const std::vector<int64_t>& recv_bytes) override {
+    return Guard("all-to-all", [&] {
+      gloo::AlltoallvOptions o(ctx_);
+      o.setInput<uint8_t>(Bytes(in), send_bytes);
+      o.setOutput<uint8_t>(Bytes(out), recv_bytes);
+      o.setTimeout(timeout_);
+      gloo::alltoallv(o);
     });
   }
   absl::Status DoAllReduceSum(void* buf, int64_t n, CommType type) override {

@@ -1,0 +1,221 @@
+// The mixture-of-experts model under expert parallelism: ep = 2 and 4 with cp = 2 and 4 (dp
+// filling the world where ep > cp), ranks as threads with their own Gloo communicators over
+// 127.0.0.1, equal the ep = 1, cp = 1 model run over the same sequences: the summed losses, every
+// dense parameter's gradient summed over the world, every expert tensor's gradient assembled from
+// the ranks' shards, and the balancing biases after FinishMoeStep (the loads summed over the
+// world). The model has a dense first layer, a shared expert, random balancing biases (so that
+// they steer the choices) and the router z-loss; the sequences pack documents that cross chunk and
+// rank boundaries. One case recomputes every layer (the exchanges run again in the recompute).
+//
+// Tolerance (fp32): loss sum relative 1e-5; per tensor max |g_ep - g_1| <= 1e-4 max |g_1|;
+// biases exactly equal (the same integer loads move them by the same steps).
+#include <omp.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/engine/cp_test_util.h"
+#include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/model.h"
+
+namespace spindle {
+namespace {
+
+ModelConfig MoeTestConfig() {
+  ModelConfig c = *ModelPreset("tiny-moe");
+  c.d_model = 32;
+  c.n_heads = 4;
+  c.n_layers = 3;
+  c.ffn_dim = 40;
+  c.layer_pattern = "LLM";
+  c.mla = {0, 12, 8, 6, 10};
+  c.moe = {8, 2, 16, 12, /*bias_rate=*/0.01, /*z_loss=*/0.05, /*first_dense=*/1};
+  return c;
+}
+
+// 96 tokens, EOS 256: documents [0, 4), [4, 71), [71, 80), [80, 96) (see test_cp_model.cc).
+std::vector<int32_t> PackedTokens(uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(96);
+  for (auto& x : t) x = tok(gen);
+  for (int i : {3, 70, 79}) t[i] = 256;
+  return t;
+}
+
+// The same random biases on every model, so that they take part in the choices.
+void SetBiases(Model& m, uint32_t seed) {
+  ParamSet& P = m.params();
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, 0.05f);
+  for (int i = 0; i < P.size(); ++i)
+    if (P.info(i).name.find("router.bias") != std::string::npos)
+      for (int64_t j = 0; j < P.info(i).numel; ++j) P.data(i)[j] = d(gen);
+}
+
+struct Result {
+  double loss_sum = 0.0;
+  std::map<std::string, std::vector<double>> grads;   // whole tensors, by name
+  std::map<std::string, std::vector<float>> biases;   // after FinishMoeStep
+};
+
+// Adds rank `m`'s gradients into `out` (its shards at their place in the whole tensors).
+void AddGrads(Model& m, Result* out) {
+  ParamSet& P = m.params();
+  for (int i = 0; i < P.size(); ++i) {
+    const ParamInfo& p = P.info(i);
+    int64_t whole = 1;
+    for (int64_t n : p.full_shape) whole *= n;
+    std::vector<double>& g = out->grads[p.name];
+    g.resize(whole, 0.0);
+    for (int64_t j = 0; j < p.numel; ++j) g[p.full_offset + j] += P.grad(i)[j];
+  }
+}
+
+void TakeBiases(Model& m, Result* out) {
+  ParamSet& P = m.params();
+  for (int i = 0; i < P.size(); ++i)
+    if (P.info(i).name.find("router.bias") != std::string::npos)
+      out->biases[P.info(i).name].assign(P.data(i), P.data(i) + P.info(i).numel);
+}
+
+Result Reference(const ModelConfig& cfg, const std::vector<Batch>& seqs, Recompute recompute,
+                 uint32_t bias_seed) {
+  auto m = Model::Create(cfg, 7);
+  EXPECT_TRUE(m.ok()) << m.status();
+  SetBiases(**m, bias_seed);
+  (*m)->params().ZeroGrad();
+  (*m)->BeginStep(static_cast<double>(seqs.size() * seqs[0].T));
+  Result r;
+  for (const Batch& b : seqs) r.loss_sum += (*m)->ForwardBackward(b, 1.0f, recompute).loss_sum;
+  AddGrads(**m, &r);
+  EXPECT_TRUE((*m)->FinishMoeStep(nullptr).ok());
+  TakeBiases(**m, &r);
+  return r;
+}
+
+absl::StatusOr<Result> RunExpertParallel(const ModelConfig& cfg, const std::vector<Batch>& seqs,
+                                         int cp, int ep, Recompute recompute, uint32_t bias_seed) {
+  const int dp = static_cast<int>(seqs.size()), world = cp * dp;
+  MemoryKvStore store;
+  std::vector<Result> per(world);
+  absl::Status st = testing::RunRanks(world, [&](int rank) -> absl::Status {
+    omp_set_num_threads(1);
+    const int cp_rank = rank % cp, dp_rank = rank / cp;
+    auto wc = CreateGlooCommunicator(store, "world", rank, world, testing::TestGloo());
+    if (!wc.ok()) return wc.status();
+    auto cc = CreateGlooCommunicator(store, absl::StrCat("cp", dp_rank), cp_rank, cp,
+                                     testing::TestGloo());
+    if (!cc.ok()) return cc.status();
+    auto ec = CreateGlooCommunicator(store, absl::StrCat("ep", rank / ep), rank % ep, ep,
+                                     testing::TestGloo());
+    if (!ec.ok()) return ec.status();
+    auto m = Model::Create(cfg, 7, true, ep, rank % ep);
+    if (!m.ok()) return m.status();
+    SetBiases(**m, bias_seed);
+    (*m)->SetCp({cc->get(), CpMode::kAll2All, CpMode::kAll2All});
+    if (absl::Status s = (*m)->SetExpertParallel(ec->get()); !s.ok()) return s;
+    auto b = ShardForCp(seqs[dp_rank], cp, cp_rank);
+    if (!b.ok()) return b.status();
+    (*m)->params().ZeroGrad();
+    (*m)->BeginStep(static_cast<double>(seqs.size() * seqs[0].T));
+    auto s = (*m)->ForwardBackward(*b, 1.0f, recompute);
+    if (!s.ok()) return s.status();
+    per[rank].loss_sum = s->loss_sum;
+    AddGrads(**m, &per[rank]);
+    auto fields = (*m)->FinishMoeStep(wc->get());
+    if (!fields.ok()) return fields.status();
+    TakeBiases(**m, &per[rank]);
+    // Dispatch and return moved bytes over the EP group (an all-to-all of counts and of rows).
+    int64_t moe_calls = 0;
+    for (const auto& [key, amount] : (*ec)->TakeStats())
+      if (key.second == CommLayer::kMoe) moe_calls += amount.calls;
+    EXPECT_GT(moe_calls, 0) << "rank " << rank;
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  Result sum;
+  for (int r = 0; r < world; ++r) {
+    sum.loss_sum += per[r].loss_sum;
+    for (const auto& [name, g] : per[r].grads) {
+      std::vector<double>& s = sum.grads[name];
+      s.resize(g.size(), 0.0);
+      for (size_t j = 0; j < g.size(); ++j) s[j] += g[j];
+    }
+    for (const auto& [name, b] : per[r].biases)
+      EXPECT_EQ(b, per[0].biases.at(name)) << name << ": rank " << r << " moved its biases apart";
+  }
+  sum.biases = per[0].biases;
+  return sum;
+}
+
+struct Case {
+  int cp, ep;
+  bool recompute;
+};
+
+class MoeExpertParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeExpertParallel, MatchesOneRank) {
+  const auto [cp, ep, recompute_all] = GetParam();
+  const ModelConfig cfg = MoeTestConfig();
+  const uint32_t seed = std::random_device{}();
+  const int dp = std::max(1, ep / cp);
+  std::vector<Batch> seqs;
+  for (int i = 0; i < dp; ++i) seqs.push_back(MakeSequenceBatch(PackedTokens(seed + i), 256));
+  const Recompute rc = recompute_all ? Recompute::All() : Recompute::None();
+  const Result ref = Reference(cfg, seqs, rc, seed);
+  auto got = RunExpertParallel(cfg, seqs, cp, ep, rc, seed);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_NEAR(got->loss_sum, ref.loss_sum, 1e-5 * std::abs(ref.loss_sum)) << "seed " << seed;
+  ASSERT_EQ(got->grads.size(), ref.grads.size());
+  for (const auto& [name, g] : ref.grads) {
+    const std::vector<double>& h = got->grads.at(name);
+    ASSERT_EQ(h.size(), g.size()) << name;
+    double most = 0.0, diff = 0.0;
+    for (size_t j = 0; j < g.size(); ++j) {
+      most = std::max(most, std::abs(g[j]));
+      diff = std::max(diff, std::abs(h[j] - g[j]));
+    }
+    if (name.find("router.bias") != std::string::npos) {
+      EXPECT_EQ(most, 0.0) << name << " is moved by the loads, not by gradients";
+      continue;
+    }
+    EXPECT_GT(most, 0.0) << name;
+    EXPECT_LE(diff, 1e-4 * most) << name << ": max diff " << diff << ", max " << most << ", seed "
+                                 << seed;
+  }
+  ASSERT_EQ(got->biases.size(), 2u);
+  for (const auto& [name, b] : ref.biases) EXPECT_EQ(got->biases.at(name), b) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MoeExpertParallel,
+                         ::testing::Values(Case{2, 2, false}, Case{4, 2, false}, Case{2, 4, false},
+                                           Case{4, 4, false}, Case{2, 2, true}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return absl::StrCat("Cp", i.param.cp, "Ep", i.param.ep,
+                                               i.param.recompute ? "Recompute" : "");
+                         });
+
+// A sharded model refuses to run without its EP group, and a group of the wrong size.
+TEST(MoeExpertParallel, RefusesAMissingOrWrongGroup) {
+  auto m = Model::Create(MoeTestConfig(), 7, true, 2, 1);
+  ASSERT_TRUE(m.ok());
+  Batch b = MakeSequenceBatch(PackedTokens(1), 256);
+  auto cpb = ShardForCp(b, 1, 0);
+  ASSERT_TRUE(cpb.ok());
+  auto s = (*m)->ForwardBackward(*cpb, 1.0f, Recompute::None());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("sharded over 2 ranks"), std::string::npos) << s.status();
+  EXPECT_EQ((*m)->SetExpertParallel(nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Model::Create(MoeTestConfig(), 7, true, 3, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace spindle

@@ -1,0 +1,82 @@
+// The CPU model's mixture-of-experts FFN (DESIGN.md section 2), forward and backward:
+//   z = Wr h (fp32), s = sigmoid(z), the top-k of s + b chosen, g = s / sum over the chosen,
+//   y = sum_k g_k Expert_{e_k}(h) + Shared(h), each expert and the shared one a SwiGLU.
+// Dropless: every (token, choice) pair is computed. Under expert parallelism (ep > 1) this rank
+// holds experts [ep_rank * E / ep, ...) as the shards of the stacked expert tensors, and the
+// pairs travel to their experts' ranks and back through moe_exchange.h (the same plan in the
+// backward). The router z-loss adds zloss_scale * lse(z)^2 per token to what is differentiated.
+//
+// Numerics: the router runs in fp32 on the fp32 master weights; with bf16 storage the experts'
+// and the shared expert's activations are rounded where the dense FFN's are. The FP8 recipe does
+// not cover the MoE FFN's GEMMs on the CPU model.
+// Not thread-safe; the caches belong to one model.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/model_config.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/moe/moe_exchange.h"
+#include "worker/engine/numerics.h"
+#include "worker/engine/params.h"
+#include "worker/engine/tensor.h"
+
+namespace spindle {
+
+// A MoE layer's parameter indices: the router weight [E, d] and balancing bias [E] (whole on
+// every rank), this rank's experts w1, w3 [El, F, d] and w2 [El, d, F], the shared expert's s1,
+// s3 [S, d] and s2 [d, S] (-1 without one).
+struct MoeLayerParams {
+  int router = -1, bias = -1, w1 = -1, w2 = -1, w3 = -1, s1 = -1, s2 = -1, s3 = -1;
+};
+
+// Declares a MoE layer's parameters (layer index i) in `P`, with the experts of EP rank ep_rank
+// of ep; the expert tensors first when `experts` is true, the rest when it is false (the model
+// declares every layer's experts ahead of its other parameters, so that the expert gradients,
+// reduced over another group, form one range of the flat buffer).
+void DeclareMoeParams(const ModelConfig& c, int64_t i, int64_t ep, int64_t ep_rank, bool experts,
+                      ParamSet& P, MoeLayerParams* L);
+
+// One layer's saved activations (the forward's, for the backward).
+struct MoeCache {
+  Tensor logits, weights, lse;  // [T, E], [T, K], [T]
+  std::vector<int32_t> idx;     // [T * K]
+  MoeDispatchPlan plan;
+  Tensor send, recv;             // the exchange's scratch (ep > 1)
+  Tensor xe, g, u, a, ye;        // the experts' rows: inputs, SwiGLU parts, outputs
+  Tensor returned;               // ep > 1: the outputs back in send order [T * K, d]
+  Tensor sg, su, sa;             // the shared expert [T, S]
+};
+
+// Gradient scratch shared by the layers.
+struct MoeWork {
+  Tensor dsend, drecv, dye, da, dg, du, dxe, dw, dlogits, sda, sdg, sdu;
+};
+
+// What a step's MoE layers did, for the balancing bias and the metrics: the (token, choice) pairs
+// each expert received from this rank (E entries) and the sum of lse(z)^2 over its tokens.
+struct MoeLayerStats {
+  std::vector<double> load;
+  double zloss_sum = 0.0;
+  int64_t tokens = 0;
+};
+
+struct MoeContext {
+  const ModelConfig& c;
+  ParamSet& P;
+  const NumericsEmulator& nx;
+  MoeRows& rows;
+  Communicator* ep = nullptr;  // the EP group; null: ep = 1
+  float zloss_scale = 0.0f;    // moe.z_loss / the step's tokens over the world
+};
+
+// y [T, d] = MoE(h) for h [T, d]; adds this pass's choices to `stats` (nullable).
+absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
+                           const float* h, int64_t T, float* y, MoeLayerStats* stats);
+// dh [T, d] (overwritten) from dy [T, d]; the parameter gradients accumulated.
+absl::Status MoeFfnBackward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
+                            MoeWork& W, const float* h, const float* dy, int64_t T, float* dh);
+
+}  // namespace spindle
