@@ -683,6 +683,14 @@ class Cli {
       out_ << "  " << l.layer_type() << ": " << ModeName(l.mode(), j.plan().ulysses()) << " ("
            << l.reason() << ")\n";
     out_ << "  " << ProgressLine(j, false) << "\n";
+    if (j.has_moe()) {
+      const v1::MoeStatus& m = j.moe();
+      out_ << absl::StrFormat(
+          "  experts: ep=%d, load max/mean %.2f (worst layer), bias [%.4f, %.4f], router z %.3f, "
+          "dispatch %s in %.3g s a step a rank\n",
+          std::max<int64_t>(1, j.plan().ep()), m.load_max_over_mean(), m.bias_min(), m.bias_max(),
+          m.router_z_loss(), FormatBytes(static_cast<int64_t>(m.dispatch_bytes())), m.dispatch_s());
+    }
     if (j.last_checkpoint_step() > 0)
       out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "
            << j.last_checkpoint_path() << "\n";

@@ -33,6 +33,7 @@ struct JobManager::RankRuntime {
   int64_t total_steps = 0;
   double loss = 0, tokens_per_s = 0, lr = 0, grad_norm = 0, elapsed_s = 0, mfu = 0;
   double memory_bytes = 0;  // the largest memory this attempt reported
+  MoeSummary moe;
   int32_t exit_code = 0;
   int64_t last_report_ms = 0;  // wall clock (shown)
   // Timers below are on the steady clock (Clock::SteadyMs).
@@ -442,7 +443,7 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out) co
   for (const RankRuntime& rr : j.ranks) {
     out->ranks.push_back({rr.placement, rr.state, rr.step, rr.loss, rr.tokens_per_s, rr.lr,
                           rr.grad_norm, rr.elapsed_s, rr.mfu, rr.memory_bytes, rr.exit_code,
-                          rr.last_report_ms});
+                          rr.last_report_ms, rr.moe});
     min_step = min_step < 0 ? rr.step : std::min(min_step, rr.step);
     if (rr.state == "running") {
       tps += rr.tokens_per_s;
@@ -455,6 +456,7 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out) co
   for (const RankRuntime& rr : j.ranks) {
     if (rr.step == min_step) {
       out->loss = rr.loss;
+      out->moe = rr.moe;
       break;
     }
   }
@@ -1007,6 +1009,7 @@ void JobManager::OnReport(ReportContext& c, const RankProgressReport& p) {
   r->grad_norm = p.grad_norm;
   r->elapsed_s = p.elapsed_s;
   r->mfu = p.mfu;
+  r->moe = p.moe;
   r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes);
   r->last_report_ms = c.wall;
   if (j->rate_ref_step < 0) {

@@ -13,6 +13,19 @@ void EventToProto(const EventRecord& e, v1::JobEvent* out) {
   out->set_message(e.message);
 }
 
+namespace {
+
+void MoeToProto(const MoeSummary& m, v1::MoeStatus* out) {
+  out->set_load_max_over_mean(m.load_max_over_mean);
+  out->set_bias_min(m.bias_min);
+  out->set_bias_max(m.bias_max);
+  out->set_router_z_loss(m.router_z_loss);
+  out->set_dispatch_bytes(m.dispatch_bytes);
+  out->set_dispatch_s(m.dispatch_s);
+}
+
+}  // namespace
+
 void JobViewToProto(const JobView& v, v1::Job* out) {
   out->Clear();
   const JobRecord& r = v.record;
@@ -44,6 +57,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
     s->set_elapsed_s(rv.elapsed_s);
     s->set_mfu(rv.mfu);
     s->set_memory_bytes(rv.memory_bytes);
+    if (rv.moe.present) MoeToProto(rv.moe, s->mutable_moe());
     s->set_state(rv.state);
     s->set_exit_code(rv.exit_code);
     s->set_last_report_unix_ms(rv.last_report_unix_ms);
@@ -52,6 +66,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
   out->set_loss(v.loss);
   out->set_tokens_per_s(v.tokens_per_s);
   out->set_mfu(v.mfu);
+  if (v.moe.present) MoeToProto(v.moe, out->mutable_moe());
   out->set_eta_s(v.eta_s);
   for (const EventRecord& e : v.events) EventToProto(e, out->add_events());
 }

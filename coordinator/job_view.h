@@ -10,6 +10,7 @@
 
 #include "planner/cp_planner.h"
 #include "coordinator/job_store.h"
+#include "coordinator/moe_summary.h"
 
 namespace spindle {
 
@@ -22,6 +23,7 @@ struct RankView {
   double memory_bytes = 0;
   int32_t exit_code = 0;
   int64_t last_report_unix_ms = 0;
+  MoeSummary moe;
 };
 
 struct JobView {
@@ -33,6 +35,7 @@ struct JobView {
   double tokens_per_s = 0;   // summed over running ranks
   double mfu = 0;            // averaged over running ranks that report it
   double eta_s = -1;         // -1: unknown
+  MoeSummary moe;            // of the step shown (the lowest rank's)
   std::vector<RankView> ranks;
   std::vector<EventRecord> events;  // empty unless asked for
 };

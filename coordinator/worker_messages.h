@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/job_spec.h"
+#include "coordinator/moe_summary.h"
 
 namespace spindle {
 
@@ -59,6 +60,7 @@ struct RankProgressReport {
   double elapsed_s = 0;
   double mfu = 0;
   double memory_bytes = 0;
+  MoeSummary moe;
 };
 
 struct CheckpointDoneReport {

@@ -101,10 +101,16 @@ std::optional<WorkerReport> ReportFromProto(const v1::WorkerMessage& msg) {
       return RankStartedReport{KeyFromProto(msg.rank_started().ref()), msg.rank_started().pid()};
     case v1::WorkerMessage::kRankProgress: {
       const v1::RankProgress& p = msg.rank_progress();
-      return RankProgressReport{KeyFromProto(p.ref()), p.step(),      p.total_steps(),
-                                p.loss(),              p.tokens_per_s(), p.lr(),
-                                p.grad_norm(),         p.elapsed_s(),  p.mfu(),
-                                p.memory_bytes()};
+      RankProgressReport r{KeyFromProto(p.ref()), p.step(),      p.total_steps(),
+                           p.loss(),              p.tokens_per_s(), p.lr(),
+                           p.grad_norm(),         p.elapsed_s(),  p.mfu(),
+                           p.memory_bytes()};
+      if (p.has_moe()) {
+        const v1::MoeStatus& m = p.moe();
+        r.moe = {true,          m.load_max_over_mean(), m.bias_min(),  m.bias_max(),
+                 m.router_z_loss(), m.dispatch_bytes(),  m.dispatch_s()};
+      }
+      return r;
     }
     case v1::WorkerMessage::kCheckpointDone: {
       const v1::CheckpointDone& c = msg.checkpoint_done();

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -363,6 +364,24 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
         if (absl::StatusOr<int64_t> rss = ReadRssBytes(pid); rss.ok()) memory = *rss;
       }
       p->set_memory_bytes(memory);
+      if (!event->moe.empty()) {
+        v1::MoeStatus* m = p->mutable_moe();
+        m->set_bias_min(event->moe[0].bias_min);
+        m->set_bias_max(event->moe[0].bias_max);
+        double lse_sq = 0.0;
+        for (const MoeLayerStat& l : event->moe) {
+          m->set_load_max_over_mean(std::max(m->load_max_over_mean(), l.load_max_over_mean));
+          m->set_bias_min(std::min(m->bias_min(), l.bias_min));
+          m->set_bias_max(std::max(m->bias_max(), l.bias_max));
+          lse_sq += l.router_lse_sq / static_cast<double>(event->moe.size());
+        }
+        m->set_router_z_loss(lse_sq);
+        for (const CommStat& c : event->comm)
+          if (c.layer_type == "moe") {
+            m->set_dispatch_bytes(m->dispatch_bytes() + c.bytes);
+            m->set_dispatch_s(m->dispatch_s() + c.seconds);
+          }
+      }
       break;
     }
     case TrainerEventKind::kCheckpoint: {

@@ -123,6 +123,29 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
       event.comm.push_back(std::move(stat));
     }
   }
+  auto moe = obj.find("moe");
+  if (moe != obj.end() && !moe->is_null()) {
+    if (!moe->is_object()) return absl::InvalidArgumentError("trainer event: moe: not an object");
+    const char* keys[] = {"layers", "load_max_over_mean", "bias_min", "bias_max", "router_lse_sq"};
+    size_t n = 0;
+    for (const char* k : keys) {
+      auto a = moe->find(k);
+      if (a == moe->end() || !a->is_array())
+        return absl::InvalidArgumentError(absl::StrCat("trainer event: moe.", k, ": not an array"));
+      if (k == keys[0]) n = a->size();
+      if (a->size() != n)
+        return absl::InvalidArgumentError(
+            absl::StrCat("trainer event: moe.", k, ": ", a->size(), " entries, not ", n));
+      for (const Json& v : *a)
+        if (!v.is_number())
+          return absl::InvalidArgumentError(absl::StrCat("trainer event: moe.", k, ": not numbers"));
+    }
+    for (size_t i = 0; i < n; ++i)
+      event.moe.push_back({(*moe)["layers"][i].get<int64_t>(),
+                           (*moe)["load_max_over_mean"][i].get<double>(),
+                           (*moe)["bias_min"][i].get<double>(), (*moe)["bias_max"][i].get<double>(),
+                           (*moe)["router_lse_sq"][i].get<double>()});
+  }
   return event;
 }
 

@@ -25,6 +25,9 @@
 //                       step (increments, not running totals), one entry per (collective,
 //                       layer_type); layer_type is e.g. "lightning", "mla", "grad" (gradient
 //                       all-reduce), "other"
+//   "moe":              {"layers": [int], "load_max_over_mean": [float], "bias_min": [float],
+//                        "bias_max": [float], "router_lse_sq": [float]}: a MoE job's layers
+//                       after the step, one entry each (Model::FinishMoeStep)
 //   "path":             string, checkpoint directory (checkpoint events)
 //   "message":          string, free text
 //
@@ -50,6 +53,13 @@ struct CommStat {
   double bytes = 0.0;
 };
 
+// One MoE layer after a step: its max/mean expert load, its balancing biases' range and the mean
+// logsumexp(router logits)^2 over its tokens.
+struct MoeLayerStat {
+  int64_t layer = 0;
+  double load_max_over_mean = 0, bias_min = 0, bias_max = 0, router_lse_sq = 0;
+};
+
 struct TrainerEvent {
   TrainerEventKind kind = TrainerEventKind::kOther;
   std::string name;  // the "event" string as printed
@@ -68,6 +78,7 @@ struct TrainerEvent {
   std::optional<double> host_rss_bytes;
   std::optional<double> host_pinned_bytes;
   std::vector<CommStat> comm;
+  std::vector<MoeLayerStat> moe;
   std::string path;
   std::string message;
 };

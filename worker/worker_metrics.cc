@@ -43,6 +43,22 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
   ASSIGN_OR_RETURN(
       m->mfu_, registry->GaugeFamily(
                    "spindle_mfu", "Model FLOP utilisation (0..1) of the last step.", rank_labels));
+  const std::vector<std::string> layer_labels = {"job_id", "rank", "layer"};
+  ASSIGN_OR_RETURN(m->moe_load_,
+                   registry->GaugeFamily("spindle_moe_expert_load_ratio",
+                                         "A MoE layer's max over mean tokens per expert in the last "
+                                         "step (1: even).",
+                                         layer_labels));
+  ASSIGN_OR_RETURN(m->moe_bias_, registry->GaugeFamily(
+                                     "spindle_moe_router_bias",
+                                     "The range (bound min or max) of a MoE layer's balancing "
+                                     "biases after the last step.",
+                                     {"job_id", "rank", "layer", "bound"}));
+  ASSIGN_OR_RETURN(m->moe_z_, registry->GaugeFamily(
+                                  "spindle_moe_router_z_loss",
+                                  "A MoE layer's mean logsumexp(router logits)^2 in the last step "
+                                  "(what the router z-loss penalises).",
+                                  layer_labels));
   ASSIGN_OR_RETURN(m->step_, registry->GaugeFamily("spindle_training_step",
                                                    "Last completed optimizer step.", rank_labels));
   ASSIGN_OR_RETURN(m->device_memory_,
@@ -152,6 +168,19 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank, const T
     if (rss.ok() && *rss > 0) SetGauge(host_rss_, labels, static_cast<double>(*rss));
   }
   if (event.host_pinned_bytes) SetGauge(host_pinned_, labels, event.host_pinned_bytes);
+  for (const MoeLayerStat& l : event.moe) {
+    const std::string layer = absl::StrCat(l.layer);
+    const MetricLabels ll = {{"job_id", job}, {"rank", absl::StrCat(rank)}, {"layer", layer}};
+    SetGauge(moe_load_, ll, l.load_max_over_mean);
+    SetGauge(moe_z_, ll, l.router_lse_sq);
+    for (const auto& [bound, v] : {std::pair<const char*, double>{"min", l.bias_min},
+                                   {"max", l.bias_max}}) {
+      MetricLabels bl = ll;
+      bl["bound"] = bound;
+      SetGauge(moe_bias_, bl, v);
+    }
+    state.moe_layers.insert(l.layer);
+  }
   for (const CommStat& c : event.comm) {
     const MetricLabels comm_labels = {{"job_id", job},
                                       {"rank", absl::StrCat(rank)},
@@ -219,6 +248,16 @@ void WorkerMetrics::DropJob(const std::string& job) {
           {"job_id", job}, {"rank", rank}, {"collective", collective}, {"layer_type", layer_type}};
       comm_seconds_->Remove(comm_labels).IgnoreError();
       comm_bytes_->Remove(comm_labels).IgnoreError();
+    }
+    for (int64_t l : it->second.moe_layers) {
+      const MetricLabels ll = {{"job_id", job}, {"rank", rank}, {"layer", absl::StrCat(l)}};
+      moe_load_->Remove(ll).IgnoreError();
+      moe_z_->Remove(ll).IgnoreError();
+      for (const char* bound : {"min", "max"}) {
+        MetricLabels bl = ll;
+        bl["bound"] = bound;
+        moe_bias_->Remove(bl).IgnoreError();
+      }
     }
     ranks_.erase(it++);
   }

@@ -13,6 +13,11 @@
 //   spindle_comm_seconds_total{collective, layer_type}  counter
 //   spindle_comm_bytes_total{collective, layer_type}    counter
 //   spindle_restarts_total                counter (attempts after the first started here)
+// Mixture-of-experts jobs, per MoE layer ({job_id, rank, layer}):
+//   spindle_moe_expert_load_ratio         gauge (max over mean tokens per expert in the last step)
+//   spindle_moe_router_bias{bound}        gauge, bound = min | max (the balancing biases' range)
+//   spindle_moe_router_z_loss             gauge (mean logsumexp(router logits)^2 of the step)
+// (the token exchange's bytes and seconds are spindle_comm_*{layer_type="moe"})
 // Worker-level:
 //   spindle_worker_running_ranks          gauge
 //   spindle_worker_slots                  gauge (GPUs or CPU slots offered)
@@ -76,6 +81,7 @@ class WorkerMetrics {
     std::optional<int64_t> last_step;
     std::optional<double> last_elapsed_s;
     absl::flat_hash_set<std::pair<std::string, std::string>> comm_labels;
+    absl::flat_hash_set<int64_t> moe_layers;
   };
 
   WorkerMetrics() = default;
@@ -87,6 +93,9 @@ class WorkerMetrics {
   Family<Histogram>* step_seconds_ = nullptr;
   Family<Gauge>* loss_ = nullptr;
   Family<Gauge>* mfu_ = nullptr;
+  Family<Gauge>* moe_load_ = nullptr;
+  Family<Gauge>* moe_bias_ = nullptr;
+  Family<Gauge>* moe_z_ = nullptr;
   Family<Gauge>* step_ = nullptr;
   Family<Gauge>* device_memory_ = nullptr;
   Family<Gauge>* host_rss_ = nullptr;

@@ -118,7 +118,10 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
       "\"elapsed_s\":1.75,\"host_rss_bytes\":3000,\"host_pinned_bytes\":4096,\"comm\":[{"
       "\"collective\":\"all_gather\",\"layer_"
       "type\":\"lightning\","
-      "\"seconds\":0.25,\"bytes\":4096}]}'\n"
+      "\"seconds\":0.25,\"bytes\":4096},{\"collective\":\"all_to_all\",\"layer_type\":\"moe\","
+      "\"seconds\":0.125,\"bytes\":2048}],\"moe\":{\"layers\":[1,3],"
+      "\"load_max_over_mean\":[1.5,1.25],\"bias_min\":[-0.25,-0.5],\"bias_max\":[0.75,0.5],"
+      "\"router_lse_sq\":[4,6]}}'\n"
       "echo '{\"event\":\"checkpoint\",\"step\":2,\"path\":\"/tmp/ckpt-dir/step-2\"}'\n"
       "echo '{\"event\":\"done\",\"step\":2,\"loss\":4.25}'\n"
       "echo 'finished fine' >&2\n");
@@ -151,6 +154,16 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_DOUBLE_EQ(p1.memory_bytes(), 1500);  // the device peak
   EXPECT_EQ(progress[1].rank_progress().step(), 2);
   EXPECT_DOUBLE_EQ(progress[1].rank_progress().memory_bytes(), 3000);  // else the host's
+  EXPECT_FALSE(p1.has_moe());  // a dense step
+  // A MoE step: the worst layer's load, the biases' range over the layers, the layers' mean
+  // lse^2, and the token exchange of the step.
+  const v1::MoeStatus& moe = progress[1].rank_progress().moe();
+  EXPECT_DOUBLE_EQ(moe.load_max_over_mean(), 1.5);
+  EXPECT_DOUBLE_EQ(moe.bias_min(), -0.5);
+  EXPECT_DOUBLE_EQ(moe.bias_max(), 0.75);
+  EXPECT_DOUBLE_EQ(moe.router_z_loss(), 5.0);
+  EXPECT_DOUBLE_EQ(moe.dispatch_bytes(), 2048);
+  EXPECT_DOUBLE_EQ(moe.dispatch_s(), 0.125);
 
   auto ckpt = sink_.Of(v1::WorkerMessage::kCheckpointDone);
   ASSERT_EQ(ckpt.size(), 1u);
@@ -191,6 +204,12 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
                               "collective=\"all_gather\",layer_type=\"lightning\"} 0.75\n"));
   EXPECT_THAT(text, HasSubstr("spindle_comm_bytes_total{job_id=\"j-1\",rank=\"1\","
                               "collective=\"all_gather\",layer_type=\"lightning\"} 8192\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_moe_expert_load_ratio{job_id=\"j-1\",rank=\"1\","
+                              "layer=\"3\"} 1.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_moe_router_bias{job_id=\"j-1\",rank=\"1\",layer=\"1\","
+                              "bound=\"min\"} -0.25\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_moe_router_z_loss{job_id=\"j-1\",rank=\"1\","
+                              "layer=\"3\"} 6\n"));
   // Step times derived from elapsed_s: 1.0 and 0.75 seconds.
   EXPECT_THAT(text, HasSubstr("spindle_step_seconds_count{job_id=\"j-1\",rank=\"1\"} 2\n"));
   EXPECT_THAT(text, HasSubstr("spindle_step_seconds_sum{job_id=\"j-1\",rank=\"1\"} 1.75\n"));

@@ -926,6 +926,7 @@ absl::StatusOr<nlohmann::json> Model::FinishMoeStep(Communicator* world) {
     RETURN_IF_ERROR(
         world->AllReduceSum(sums.data(), static_cast<int64_t>(sums.size()), CommType::kF64,
                             CommLayer::kOther));
+  nlohmann::json layer_index = nlohmann::json::array();
   nlohmann::json load_ratio = nlohmann::json::array(), bias_min = nlohmann::json::array(),
                  bias_max = nlohmann::json::array(), lse_sq = nlohmann::json::array();
   const float rate = static_cast<float>(c.moe.bias_rate);
@@ -946,13 +947,15 @@ absl::StatusOr<nlohmann::json> Model::FinishMoeStep(Communicator* world) {
     if (total > 0)
       for (int64_t e = 0; e < E; ++e)
         b[e] += load[e] < mean ? rate : load[e] > mean ? -rate : 0.0f;
+    layer_index.push_back(L->index);
     load_ratio.push_back(mean > 0 ? most / mean : 0.0);
     bias_min.push_back(*std::min_element(b, b + E));
     bias_max.push_back(*std::max_element(b, b + E));
     lse_sq.push_back(tokens > 0 ? zsum / tokens : 0.0);
   }
   return nlohmann::json{{"moe",
-                         {{"load_max_over_mean", load_ratio},
+                         {{"layers", layer_index},
+                          {"load_max_over_mean", load_ratio},
                           {"bias_min", bias_min},
                           {"bias_max", bias_max},
                           {"router_lse_sq", lse_sq}}}};

@@ -109,7 +109,7 @@ class Model {
   void BeginStep(double tokens);
   // After the optimizer's update: the loads summed over `world` (null: this rank's alone) move the
   // balancing biases (DESIGN.md section 2); returns the step's MoE fields for the step event
-  // ("moe": per layer the max/mean load, the bias range and the mean lse(z)^2). Empty for a dense
+  // ("moe": per MoE layer its index, max/mean load, bias range and mean lse(z)^2). Empty for a dense
   // model. Errors are the communicator's.
   absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world);
 
