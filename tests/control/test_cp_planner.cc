@@ -641,5 +641,59 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   EXPECT_EQ(CpPlanner().Plan(c, 0).memory.precision_bytes, 0);
 }
 
+// Mixture of experts: every ep dividing the experts and the world is estimated; with ep left out
+// the plan takes the smallest whose estimate fits the device (1 without a device), writes it into
+// the planned spec, and an impossible ep is a problem naming the field. The token exchange grows
+// with ep ((ep - 1) / ep of the rows); a rank's memory holds 1 / ep of the experts but plans for
+// the worst load the router allows (ep T min(K, E / ep) rows), so it does not shrink forever.
+TEST(CpPlannerTest, MoeExpertParallelismIsChosenToFit) {
+  JobSpec s = Spec(1, 16, 8192);
+  s.model = *ModelPreset("moe");
+  s.parallel.dp = 8;
+  s.train.recompute_layers = s.model.n_layers;
+  EXPECT_FALSE(IsPlanned(s));  // ep undecided
+  const CpPlan free = CpPlanner().Plan(s, 0);
+  ASSERT_TRUE(free.ok()) << free.problems[0];
+  EXPECT_EQ(free.ep, 1);
+  EXPECT_EQ(free.ep_reason, "no device known: the smallest (memory not checked)");
+  ASSERT_EQ(free.ep_estimates.size(), 4u);  // 1, 2, 4, 8
+  for (size_t i = 1; i < free.ep_estimates.size(); ++i)
+    EXPECT_GT(free.ep_estimates[i].dispatch_bytes, free.ep_estimates[i - 1].dispatch_bytes);
+  EXPECT_EQ(free.ep_estimates[0].dispatch_bytes, 0);
+  // A device between the ep 2 and ep 1 estimates: ep 2, the smallest that fits.
+  const int64_t device =
+      (free.ep_estimates[0].memory_bytes + free.ep_estimates[1].memory_bytes) / 2;
+  const CpPlan fit = CpPlanner().Plan(s, device);
+  ASSERT_TRUE(fit.ok()) << fit.problems[0];
+  EXPECT_EQ(fit.ep, 2);
+  EXPECT_EQ(fit.ep_reason, "the smallest whose estimate fits the device");
+  EXPECT_FALSE(fit.ep_estimates[0].fits);
+  EXPECT_TRUE(fit.ep_estimates[1].chosen);
+  EXPECT_LE(fit.memory.total_bytes, device);
+  const JobSpec run = PlannedSpec(s, fit);
+  EXPECT_EQ(run.parallel.ep, 2);
+  EXPECT_TRUE(IsPlanned(run));
+  // ep 2 holds half the experts' weights, gradients and AdamW moments (16 bytes each) of ep 1,
+  // less the larger worst-case dispatch.
+  const int64_t experts = s.model.NumMoeLayers() * 64 * 3 * 2048 * 256;
+  EXPECT_GT(free.ep_estimates[0].memory_bytes - free.ep_estimates[1].memory_bytes,
+            16 * experts / 4);
+  // Given: kept, and checked.
+  s.parallel.ep = 4;
+  EXPECT_EQ(CpPlanner().Plan(s, device).ep, 4);
+  s.parallel.ep = 3;
+  const CpPlan bad = CpPlanner().Plan(s, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.problems.back(), "job spec: parallel.ep: 3 must divide model.moe.experts = 64");
+  // The CUDA engine does not run the MoE FFN: said before anything is placed.
+  s.parallel.ep = 1;
+  s.resources = "cuda";
+  const CpPlan gpu = CpPlanner().Plan(s, 0);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.problems.back(),
+            "model.moe: the CUDA engine does not run mixture-of-experts models yet; use resources "
+            "\"cpu\"");
+}
+
 }  // namespace
 }  // namespace spindle

@@ -212,6 +212,7 @@ struct LayerCtx {
   Communicator* ep = nullptr;                     // the EP group (null: ep = 1)
   float zloss_scale = 0.0f;
   std::vector<MoeLayerStats>* moe_stats = nullptr;  // a training pass's, by layer
+  MoeWork* moe_work = nullptr;
   MoeContext Moe() const { return {c, P, nx, *moe_rows, ep, zloss_scale}; }
   bool split() const { return layout && layout->cp > 1; }
   CpMode lightning() const { return split() ? cp->lightning_mode : CpMode::kAuto; }
@@ -677,7 +678,8 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
       y = C.moe_y.f32();
     }
     MoeLayerStats* stats = x_out && ctx.moe_stats ? &(*ctx.moe_stats)[L.index] : nullptr;
-    RETURN_IF_ERROR(MoeFfnForward(ctx.Moe(), L.moe_p, C.moe, C.h2.f32(), T, y, stats));
+    RETURN_IF_ERROR(
+        MoeFfnForward(ctx.Moe(), L.moe_p, C.moe, *ctx.moe_work, C.h2.f32(), T, y, stats));
     if (x_out == nullptr) return absl::OkStatus();
     AddInto(x_out, C.x_mid.f32(), T * d);
     ctx.Store(x_out, T * d);
@@ -876,6 +878,7 @@ class Model::Passes final : public LayerPasses {
     ctx.moe_rows = &m.moe_rows_;
     ctx.ep = m.ep_comm_;
     ctx.zloss_scale = m.zloss_scale_;
+    ctx.moe_work = &m.work_->moe;
     if (training) ctx.moe_stats = &m.moe_stats_;
     return ctx;
   }

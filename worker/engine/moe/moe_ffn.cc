@@ -87,7 +87,7 @@ void SwiGluFfnBwd(const MoeContext& ctx, const float* x, const float* g, const f
 }  // namespace
 
 absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
-                           const float* h, int64_t T, float* y, MoeLayerStats* stats) {
+                           MoeWork& W, const float* h, int64_t T, float* y, MoeLayerStats* stats) {
   const ModelConfig& c = ctx.c;
   const MoeConfig& m = c.moe;
   ParamSet& P = ctx.P;
@@ -113,8 +113,8 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   const int64_t R = plan.expert_rows();
   Ensure(C.xe, R, d);
   if (plan.ep > 1) {
-    Ensure(C.send, T * K, d);
-    Ensure(C.recv, plan.recv_total(), d);
+    Ensure(W.dsend, T * K, d);
+    Ensure(W.drecv, plan.recv_total(), d);
   }
   for (Tensor* t : {&C.sg, &C.su, &C.sa}) Ensure(*t, T, std::max<int64_t>(S, 1));
   const NumericsEmulator& nx = ctx.nx;
@@ -126,7 +126,7 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
     SwiGluFfn(ctx, h, nx.Weight(P, L.s1), nx.Weight(P, L.s3), nx.Weight(P, L.s2), C.sg.f32(),
               C.su.f32(), C.sa.f32(), y, T, S);
   };
-  RETURN_IF_ERROR(MoeDispatch(plan, ctx.rows, ctx.ep, h, d, C.send.f32(), C.recv.f32(),
+  RETURN_IF_ERROR(MoeDispatch(plan, ctx.rows, ctx.ep, h, d, W.dsend.f32(), W.drecv.f32(),
                               C.xe.f32(), shared));
   // The experts, each over its rows.
   Ensure(C.ye, R, d);
@@ -143,7 +143,7 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   const float* Y = C.ye.f32();
   if (plan.ep > 1) {
     Ensure(C.returned, T * K, d);
-    RETURN_IF_ERROR(MoeFromExperts(plan, ctx.rows, ctx.ep, C.ye.f32(), d, C.recv.f32(),
+    RETURN_IF_ERROR(MoeFromExperts(plan, ctx.rows, ctx.ep, C.ye.f32(), d, W.drecv.f32(),
                                    C.returned.f32()));
     Y = C.returned.f32();
   }

@@ -44,13 +44,13 @@ struct MoeCache {
   Tensor logits, weights, lse;  // [T, E], [T, K], [T]
   std::vector<int32_t> idx;     // [T * K]
   MoeDispatchPlan plan;
-  Tensor send, recv;             // the exchange's scratch (ep > 1)
   Tensor xe, g, u, a, ye;        // the experts' rows: inputs, SwiGLU parts, outputs
   Tensor returned;               // ep > 1: the outputs back in send order [T * K, d]
   Tensor sg, su, sa;             // the shared expert [T, S]
 };
 
-// Gradient scratch shared by the layers.
+// Scratch shared by the layers: the exchange's send and receive rows (forward and backward) and
+// the gradients.
 struct MoeWork {
   Tensor dsend, drecv, dye, da, dg, du, dxe, dw, dlogits, sda, sdg, sdu;
 };
@@ -74,7 +74,7 @@ struct MoeContext {
 
 // y [T, d] = MoE(h) for h [T, d]; adds this pass's choices to `stats` (nullable).
 absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
-                           const float* h, int64_t T, float* y, MoeLayerStats* stats);
+                           MoeWork& W, const float* h, int64_t T, float* y, MoeLayerStats* stats);
 // dh [T, d] (overwritten) from dy [T, d]; the parameter gradients accumulated.
 absl::Status MoeFfnBackward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
                             MoeWork& W, const float* h, const float* dy, int64_t T, float* dh);
