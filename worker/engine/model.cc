@@ -911,57 +911,12 @@ void Model::BeginStep(double tokens) {
 }
 
 absl::StatusOr<nlohmann::json> Model::FinishMoeStep(Communicator* world) {
-  const ModelConfig& c = config_;
-  if (c.moe.experts == 0) return nlohmann::json::object();
-  const int64_t E = c.moe.experts;
-  // Every MoE layer's loads, lse^2 sum and token count, summed over the world in one collective.
-  std::vector<double> sums;
-  if (moe_stats_.size() < static_cast<size_t>(c.n_layers)) moe_stats_.resize(c.n_layers);
-  for (const auto& L : layers_) {
-    if (!L->moe) continue;
-    MoeLayerStats& s = moe_stats_[L->index];
-    s.load.resize(E, 0.0);
-    sums.insert(sums.end(), s.load.begin(), s.load.end());
-    sums.push_back(s.zloss_sum);
-    sums.push_back(static_cast<double>(s.tokens));
-  }
-  if (world && world->size() > 1)
-    RETURN_IF_ERROR(
-        world->AllReduceSum(sums.data(), static_cast<int64_t>(sums.size()), CommType::kF64,
-                            CommLayer::kOther));
-  nlohmann::json layer_index = nlohmann::json::array();
-  nlohmann::json load_ratio = nlohmann::json::array(), bias_min = nlohmann::json::array(),
-                 bias_max = nlohmann::json::array(), lse_sq = nlohmann::json::array();
-  const float rate = static_cast<float>(c.moe.bias_rate);
-  size_t at = 0;
-  for (const auto& L : layers_) {
-    if (!L->moe) continue;
-    const double* load = sums.data() + at;
-    const double zsum = sums[at + E], tokens = sums[at + E + 1];
-    at += E + 2;
-    double total = 0.0, most = 0.0;
-    for (int64_t e = 0; e < E; ++e) {
-      total += load[e];
-      most = std::max(most, load[e]);
-    }
-    const double mean = total / static_cast<double>(E);
-    // b_e += rate * sign(mean - load_e): every rank applies the same sums, so the biases agree.
-    float* b = params_.data(L->moe_p.bias);
-    if (total > 0)
-      for (int64_t e = 0; e < E; ++e)
-        b[e] += load[e] < mean ? rate : load[e] > mean ? -rate : 0.0f;
-    layer_index.push_back(L->index);
-    load_ratio.push_back(mean > 0 ? most / mean : 0.0);
-    bias_min.push_back(*std::min_element(b, b + E));
-    bias_max.push_back(*std::max_element(b, b + E));
-    lse_sq.push_back(tokens > 0 ? zsum / tokens : 0.0);
-  }
-  return nlohmann::json{{"moe",
-                         {{"layers", layer_index},
-                          {"load_max_over_mean", load_ratio},
-                          {"bias_min", bias_min},
-                          {"bias_max", bias_max},
-                          {"router_lse_sq", lse_sq}}}};
+  if (config_.moe.experts == 0) return nlohmann::json::object();
+  if (moe_stats_.size() < static_cast<size_t>(config_.n_layers))
+    moe_stats_.resize(config_.n_layers);
+  return BalanceMoeBiases(config_, moe_stats_, world, [this](int64_t i) {
+    return params_.data(layers_[i]->moe_p.bias);
+  });
 }
 
 absl::StatusOr<LossStats> Model::Run(const Batch& b, const CpBatch* cpb, float grad_scale,

@@ -105,6 +105,35 @@ class NcclCommunicator : public Communicator {
     SPINDLE_RETURN_IF_ERROR(end);
     return Sync("all-to-all");
   }
+  // One group: a send and a receive per peer with a block (empty blocks are skipped on both sides).
+  absl::Status DoAllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                           const std::vector<int64_t>& recv_bytes) override {
+    int64_t sent = 0, received = 0;
+    for (int64_t b : send_bytes) sent += b;
+    for (int64_t b : recv_bytes) received += b;
+    SPINDLE_RETURN_IF_ERROR(CheckBuffer("all-to-all input", in, sent));
+    SPINDLE_RETURN_IF_ERROR(CheckBuffer("all-to-all output", out, received));
+    if (sent == 0 && received == 0) return absl::OkStatus();
+    SPINDLE_NCCL_RETURN(ncclGroupStart(), comm_);
+    absl::Status s;
+    int64_t at_send = 0, at_recv = 0;
+    for (int r = 0; r < size() && s.ok(); ++r) {
+      if (send_bytes[r] > 0)
+        s = NcclStatus(ncclSend(static_cast<const char*>(in) + at_send, send_bytes[r], ncclUint8, r,
+                                comm_, stream_),
+                       "ncclSend", comm_);
+      if (s.ok() && recv_bytes[r] > 0)
+        s = NcclStatus(ncclRecv(static_cast<char*>(out) + at_recv, recv_bytes[r], ncclUint8, r,
+                                comm_, stream_),
+                       "ncclRecv", comm_);
+      at_send += send_bytes[r];
+      at_recv += recv_bytes[r];
+    }
+    absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd", comm_);
+    SPINDLE_RETURN_IF_ERROR(s);
+    SPINDLE_RETURN_IF_ERROR(end);
+    return Sync("all-to-all");
+  }
   // One group of sends and receives, each peer's in the listed order (NCCL matches a pair's
   // operations in order).
   absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,

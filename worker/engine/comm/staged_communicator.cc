@@ -47,6 +47,17 @@ class StagedCommunicator : public Communicator {
     RETURN_IF_ERROR(host_->AllToAll(send_, n, type, recv_, running_layer()));
     return ToDevice(out, recv_, bytes);
   }
+  // The blocks back to back on both sides: one copy each way.
+  absl::Status DoAllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                           const std::vector<int64_t>& recv_bytes) override {
+    int64_t sent = 0, received = 0;
+    for (int64_t b : send_bytes) sent += b;
+    for (int64_t b : recv_bytes) received += b;
+    RETURN_IF_ERROR(Stage(sent, received));
+    RETURN_IF_ERROR(ToHost(send_, in, sent));
+    RETURN_IF_ERROR(host_->AllToAllV(send_, send_bytes, recv_, recv_bytes, running_layer()));
+    return ToDevice(out, recv_, received);
+  }
   // Each piece straight into (or out of) its place in the host blocks: one copy a piece.
   absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,
                                 const std::vector<CommRecvPiece>& recv, int64_t block) override {

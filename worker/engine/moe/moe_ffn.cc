@@ -35,6 +35,57 @@ void DeclareMoeParams(const ModelConfig& c, int64_t i, int64_t ep, int64_t ep_ra
   }
 }
 
+absl::StatusOr<nlohmann::json> BalanceMoeBiases(const ModelConfig& c,
+                                                std::vector<MoeLayerStats>& stats,
+                                                Communicator* world,
+                                                const std::function<float*(int64_t)>& bias) {
+  const int64_t E = c.moe.experts;
+  // Every MoE layer's loads, lse^2 sum and token count, summed over the world in one collective.
+  std::vector<double> sums;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    if (!c.IsMoeLayer(i)) continue;
+    MoeLayerStats& s = stats[i];
+    s.load.resize(E, 0.0);
+    sums.insert(sums.end(), s.load.begin(), s.load.end());
+    sums.push_back(s.zloss_sum);
+    sums.push_back(static_cast<double>(s.tokens));
+  }
+  if (world && world->size() > 1)
+    RETURN_IF_ERROR(world->AllReduceSum(sums.data(), static_cast<int64_t>(sums.size()),
+                                        CommType::kF64, CommLayer::kOther));
+  nlohmann::json layer_index = nlohmann::json::array(), load_ratio = nlohmann::json::array(),
+                 bias_min = nlohmann::json::array(), bias_max = nlohmann::json::array(),
+                 lse_sq = nlohmann::json::array();
+  const float rate = static_cast<float>(c.moe.bias_rate);
+  size_t at = 0;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    if (!c.IsMoeLayer(i)) continue;
+    const double* load = sums.data() + at;
+    const double zsum = sums[at + E], tokens = sums[at + E + 1];
+    at += E + 2;
+    double total = 0.0, most = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      total += load[e];
+      most = std::max(most, load[e]);
+    }
+    const double mean = total / static_cast<double>(E);
+    float* b = bias(i);
+    if (total > 0)
+      for (int64_t e = 0; e < E; ++e) b[e] += load[e] < mean ? rate : load[e] > mean ? -rate : 0.0f;
+    layer_index.push_back(i);
+    load_ratio.push_back(mean > 0 ? most / mean : 0.0);
+    bias_min.push_back(*std::min_element(b, b + E));
+    bias_max.push_back(*std::max_element(b, b + E));
+    lse_sq.push_back(tokens > 0 ? zsum / tokens : 0.0);
+  }
+  return nlohmann::json{{"moe",
+                         {{"layers", layer_index},
+                          {"load_max_over_mean", load_ratio},
+                          {"bias_min", bias_min},
+                          {"bias_max", bias_max},
+                          {"router_lse_sq", lse_sq}}}};
+}
+
 namespace {
 
 void Ensure(Tensor& t, int64_t rows, int64_t cols) {
@@ -81,6 +132,7 @@ void SwiGluFfnBwd(const MoeContext& ctx, const float* x, const float* g, const f
   ctx.nx.Store(dg, n * F);
   ctx.nx.Store(du, n * F);
   LinBwd(x, W1, dg, dx, dW1, n, d, F, accumulate_dx);
+  ctx.nx.Store(dx, n * d);  // the GPU stores the first GEMM's output before the second adds to it
   LinBwd(x, W3, du, dx, dW3, n, d, F, true);
 }
 

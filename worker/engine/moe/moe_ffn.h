@@ -13,10 +13,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/model_config.h"
+#include "nlohmann/json.hpp"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/moe/moe_exchange.h"
 #include "worker/engine/numerics.h"
@@ -62,6 +64,17 @@ struct MoeLayerStats {
   double zloss_sum = 0.0;
   int64_t tokens = 0;
 };
+
+// After a step's update, the aux-loss-free balancing (DESIGN.md section 2) of every MoE layer of
+// `c`: the step's loads (stats, by layer index, this rank's) summed over `world` (null: alone),
+// then b_e += bias_rate * sign(mean - load_e) on `bias(layer)` (E host floats, the master), so that
+// every rank moves its biases alike. Returns the step event's fields ({"moe": {"layers",
+// "load_max_over_mean", "bias_min", "bias_max", "router_lse_sq"}}, one entry per MoE layer).
+// Errors are the communicator's.
+absl::StatusOr<nlohmann::json> BalanceMoeBiases(const ModelConfig& c,
+                                                std::vector<MoeLayerStats>& stats,
+                                                Communicator* world,
+                                                const std::function<float*(int64_t)>& bias);
 
 struct MoeContext {
   const ModelConfig& c;
