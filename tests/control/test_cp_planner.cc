@@ -685,14 +685,24 @@ TEST(CpPlannerTest, MoeExpertParallelismIsChosenToFit) {
   const CpPlan bad = CpPlanner().Plan(s, 0);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.problems.back(), "job spec: parallel.ep: 3 must divide model.moe.experts = 64");
-  // The CUDA engine does not run the MoE FFN: said before anything is placed.
-  s.parallel.ep = 1;
+  // The CUDA engine holds every expert on each rank, in bf16: ep 1 chosen, another refused, and
+  // fp8 refused, before anything is placed.
   s.resources = "cuda";
+  s.parallel.ep = 0;
+  EXPECT_EQ(CpPlanner().Plan(s, device).ep, 1);
+  s.parallel.ep = 2;
   const CpPlan gpu = CpPlanner().Plan(s, 0);
   ASSERT_FALSE(gpu.ok());
   EXPECT_EQ(gpu.problems.back(),
-            "model.moe: the CUDA engine does not run mixture-of-experts models yet; use resources "
-            "\"cpu\"");
+            "parallel.ep: the CUDA engine does not shard experts yet; use parallel.ep 1 (every rank "
+            "holds every expert), or resources \"cpu\"");
+  s.parallel.ep = 1;
+  s.train.precision = TrainPrecision::kFp8;
+  const CpPlan fp8 = CpPlanner().Plan(s, 0);
+  ASSERT_FALSE(fp8.ok());
+  EXPECT_EQ(fp8.problems.back(),
+            "train.precision: \"fp8\" does not run the mixture-of-experts FFN on the GPU yet; use "
+            "\"auto\" or \"bf16\"");
 }
 
 }  // namespace

@@ -61,10 +61,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         "planner/cp_planner.h)");
   RETURN_IF_ERROR(CheckExpertParallel(spec.parallel, spec.model));
   t->ep_ = std::max<int64_t>(1, spec.parallel.ep);
-  if (on_device && spec.model.moe.experts > 0)
+  if (on_device && t->ep_ > 1)
     return absl::UnimplementedError(
-        "trainer: the CUDA engine does not run mixture-of-experts models yet (model.moe.experts > "
-        "0); run the job with resources \"cpu\"");
+        "trainer: the CUDA engine does not shard experts yet (parallel.ep > 1); run the job with "
+        "parallel.ep 1, or with resources \"cpu\"");
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));

@@ -81,6 +81,19 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
     L.w1 = idx(p + "ffn.w1.weight");
     L.w2 = idx(p + "ffn.w2.weight");
     L.w3 = idx(p + "ffn.w3.weight");
+    L.index = static_cast<int>(i);
+    if (config.IsMoeLayer(i)) {
+      L.moe = true;
+      MoeLayerParams& m = L.moe_p;
+      m.router = idx(p + "moe.router.weight");
+      m.bias = idx(p + "moe.router.bias");
+      m.w1 = idx(p + "moe.experts.w1.weight");
+      m.w2 = idx(p + "moe.experts.w2.weight");
+      m.w3 = idx(p + "moe.experts.w3.weight");
+      m.s1 = idx(p + "moe.shared.w1.weight");
+      m.s2 = idx(p + "moe.shared.w2.weight");
+      m.s3 = idx(p + "moe.shared.w3.weight");
+    }
     if (L.kind == 'L') {
       L.qkv = idx(p + "la.qkv.weight");
       L.gate = idx(p + "la.gate.weight");
@@ -187,6 +200,10 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
     I.fp8_w.clear();
     return I.LayOutWorkingCopy({});
   }
+  if (I.c.moe.experts > 0)
+    return absl::UnimplementedError(
+        "cuda model: train.precision \"fp8\" does not run the mixture-of-experts FFN yet; use "
+        "\"auto\" or \"bf16\" for a MoE model on the GPU");
   ParamSet& P = I.P();
   const std::vector<int> linear = I.host->Fp8LinearWeights();
   for (int i : linear) {

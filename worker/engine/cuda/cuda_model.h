@@ -195,6 +195,13 @@ class CudaModel {
   double last_enqueue_seconds() const;
   // The device's dense bf16 peak in FLOP/s (kernels/cuda/device_support.h DenseBf16PeakFlops).
   double peak_flops() const;
+  // Mixture of experts (ModelConfig::moe; the experts of every rank, ep = 1): a training step
+  // begins over `tokens` tokens of the world (the router z-loss's mean), and after its update
+  // the balancing biases move by the step's loads summed over `world` (null: alone), as
+  // Model::BeginStep and Model::FinishMoeStep do; returns the step event's "moe" fields. Not under
+  // train.precision "fp8" (SetPrecision refuses it).
+  void BeginStep(double tokens);
+  absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world);
   // Fills activation memory with NaN whenever the allocator hands a block out (see
   // kernels::cuda::CachingAllocator::SetPoison): a read of memory no kernel wrote then shows in
   // the loss or the gradients. Slow; for tests.

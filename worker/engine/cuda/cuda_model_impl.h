@@ -1,7 +1,8 @@
 // CudaModel's internals, shared by the files that implement it (cuda_model.cc: setup, the
 // parameters, optimizer and memory; cuda_model_run.cc: the batch upload and the whole model's
 // passes; cuda_model_layers.cc: one layer of each kind; cuda_model_cp.cc: context parallelism's
-// All2All and AllGather modes; cuda_model_ring.cc: MLA's Ring mode).
+// All2All and AllGather modes; cuda_model_ring.cc: MLA's Ring mode; cuda_moe_ffn.cc: the
+// mixture-of-experts FFN).
 // Nothing outside those files includes it; the design notes are cuda_model.cc's.
 #pragma once
 
@@ -21,11 +22,14 @@
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sdpa.h"
 #include "worker/engine/cp/cp_ulysses.h"
 #include "worker/engine/cuda/cuda_model.h"
 #include "worker/engine/layer_passes.h"
+#include "worker/engine/moe/moe_exchange.h"
+#include "worker/engine/moe/moe_ffn.h"
 
 namespace spindle {
 
@@ -170,6 +174,28 @@ struct LayerIdx {
   int qkv = -1, gate = -1, out = -1, q_norm = -1, k_norm = -1, out_norm = -1;
   int q = -1, q_a = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_norm = -1, kv_b = -1, mo = -1;
   float* log_decay = nullptr;  // [H] fp32, device (Lightning)
+  int index = 0;
+  bool moe = false;  // the MoE FFN (moe_p) in place of w1, w2, w3
+  MoeLayerParams moe_p;
+};
+
+// The MoE FFN's forward state of one layer (cuda_moe_ffn.cc), kept for its backward: the router's
+// input in fp32, logits, choices, weights and lse; the exchange's plan (host) and its row maps on
+// the device; the experts' rows (inputs, SwiGLU parts, outputs), the outputs back in send order
+// (ep > 1), and the shared expert's hidden layer.
+struct MoeDevCache {
+  DevBuf h32, logits, idx, weights, lse;
+  std::vector<int32_t> idx_host;
+  MoeDispatchPlan plan;
+  DevBuf expert_src, pair_row, send_token, recv_expert_row;  // the plan's maps, int32
+  DevBuf xe, g, u, a, ye, returned, sg, su, sa;
+};
+
+// The MoE FFN's scratch, shared by the layers: the exchange's send and receive rows, the gradients
+// of the experts' rows and of the shared expert, the weights' and logits' gradients, and an fp32
+// accumulator of the input gradient.
+struct MoeDevWork {
+  DevBuf send, recv, y, dye, da, dg, du, dxe, dw, dlogits, acc, sda, sdg, sdu;
 };
 
 // Memory shared by the buffers of the two layer kinds, of which a layer uses one: the buffers of
@@ -218,6 +244,7 @@ struct Cache {
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
   KindArena arena;
+  MoeDevCache moe;
 };
 
 // Recompute: what a recomputing layer keeps from its first forward for its backward, swapped into
@@ -376,6 +403,7 @@ struct Work {
   enum GradAmax { kAmaxDg, kAmaxDu, kAmaxDx, kAmaxDgate, kAmaxDqkv, kGradAmaxes };
   DevBuf grad_amax;
   float* Amax(GradAmax which) { return grad_amax.f32() + which; }
+  MoeDevWork moe;
 };
 
 // One level of a CP split on the device: the zigzag of `cp` ranks (this one `rank`) over which
@@ -498,6 +526,15 @@ struct CudaModel::Impl {
   std::vector<Fp8Block> fp8_w;
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
+  // Mixture of experts (cuda_moe_ffn.cc): the experts' grouped GEMMs, the row gathers of the
+  // token exchange (moe/moe_exchange.h) on this stream, the EP group (null: ep = 1; a host
+  // communicator's through `staged`), a training step's statistics by layer and its z-loss scale.
+  std::unique_ptr<kc::GroupedGemm> moe_gemm;
+  std::unique_ptr<MoeRows> moe_rows;
+  Communicator* ep = nullptr;
+  std::vector<MoeLayerStats> moe_stats;
+  float zloss_scale = 0.0f;
+  bool moe_counting = false;  // a training pass: the first forwards count the choices
 
   // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
   void ReleaseActivations() {
@@ -552,6 +589,10 @@ struct CudaModel::Impl {
                       &W.fp8_rows,
                       &W.grad_amax})
       b->Release();
+    MoeDevWork& mw = W.moe;
+    for (DevBuf* b : {&mw.send, &mw.recv, &mw.y, &mw.dye, &mw.da, &mw.dg, &mw.du, &mw.dxe, &mw.dw,
+                      &mw.dlogits, &mw.acc, &mw.sda, &mw.sdg, &mw.sdu})
+      b->Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
   }
@@ -576,6 +617,7 @@ struct CudaModel::Impl {
   absl::Status LayOutWorkingCopy(const std::vector<int>& none);
   absl::Status FillWorkingCopy();  // w's copies from the fp32 masters
   float* G(int i) { return g + P().info(i).offset; }
+  float* Master(int i) { return p + P().info(i).offset; }
 
   // ---- GEMMs (row-major; bf16 in, fp32 accumulate) --------------------------------------------
   // y[T, out] (+)= x[T, in] W[out, in]^T; x rows `ldx` apart.
@@ -732,6 +774,11 @@ struct CudaModel::Impl {
                          const void* h, void* g, void* u, void* a, int64_t n);
   absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
   absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
+  // The MoE FFN (DESIGN.md section 2; the CPU model's moe/moe_ffn.h, with the same roundings):
+  // from C.h2, y (nullable) = MoE(h2), its state in C.moe; `stats` (nullable) takes the choices.
+  absl::Status MoeForward(const LayerIdx& L, Cache& C, void* y, MoeLayerStats* stats);
+  // From dy, the gradient of y: W.dh (overwritten) and the parameter gradients.
+  absl::Status MoeBackward(const LayerIdx& L, Cache& C, const void* dy);
   absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes, bool requantize);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);

@@ -360,6 +360,13 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), C.h2.get(), C.rstd2.f32(), T, d, eps, kAct,
                           stream));
   }
+  if (L.moe) {
+    // A recomputed forward leaves the MoE FFN to the backward, which runs its forward first.
+    if (x_out == nullptr) return absl::OkStatus();
+    RETURN_IF_ERROR(MoeForward(L, C, x_out, moe_counting ? &moe_stats[L.index] : nullptr));
+    KC(kc::AddRows(x_out, d, C.x_mid.get(), d, T, d, kAct, stream));
+    return absl::OkStatus();
+  }
   return FfnForward(L, C, x_out, ffn_kept);
 }
 
@@ -456,7 +463,15 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
   const int64_t T = B.T, d = c.d_model;
   if (kind_union)
     RETURN_IF_ERROR(UseKind(W.arena, L.kind, WorkKindFields('L'), WorkKindFields('M')));
-  RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
+  if (L.moe) {
+    // A layer that recomputes runs its MoE forward again (its exchanges too) before the backward.
+    if (!ffn_kept) RETURN_IF_ERROR(MoeForward(L, C, nullptr, nullptr));
+    RETURN_IF_ERROR(MoeBackward(L, C, dx));
+    KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
+                           G(L.ffn_norm), B.T, c.d_model, kAct, Ws(), stream));
+  } else {
+    RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
+  }
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningBackward(L, C, dx));
   } else {

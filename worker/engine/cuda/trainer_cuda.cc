@@ -39,6 +39,10 @@ class CudaStepBackend final : public StepBackend {
     return m_->SetPrecision(precision);
   }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
+  void BeginStep(double tokens) override { m_->BeginStep(tokens); }
+  absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world) override {
+    return m_->FinishMoeStep(world);
+  }
   absl::Status OptimizerStep(const TrainSpec& spec, double lr, float grad_scale) override {
     return m_->OptimizerStep(spec, lr, grad_scale);
   }

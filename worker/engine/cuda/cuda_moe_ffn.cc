@@ -1,0 +1,279 @@
+// CudaModel's mixture-of-experts FFN (see cuda_model.h and the CPU model's moe/moe_ffn.h, whose
+// arithmetic and bf16 roundings this follows): the router in fp32 on the masters, the exchange
+// planned on the host from the router's choices (moe/moe_exchange.h, the same code as the CPU's,
+// its row maps uploaded once a pass), the experts as grouped GEMMs (kernels/cuda/moe.h), the
+// shared expert, and the weighted combine. The plan's row counts are the GEMMs' group sizes, so
+// each MoE layer's forward waits once for the router's choices to reach the host.
+#include <numeric>
+
+#include "worker/engine/cuda/cuda_model_impl.h"
+
+namespace spindle {
+
+namespace {
+
+// The exchange's row gathers on the device: the plan's maps are uploaded once (Upload) and a
+// gather with a map's host pointer uses its device copy; another host pointer is uploaded first.
+class DeviceMoeRows final : public MoeRows {
+ public:
+  DeviceMoeRows(kc::CachingAllocator* alloc, cudaStream_t* stream) : alloc_(alloc), stream_(stream) {}
+  int64_t elem_bytes() const override { return kAb; }
+
+  // The maps of `p` into `C`'s device buffers, known by their host pointers from now on.
+  absl::Status Upload(const MoeDispatchPlan& p, MoeDevCache& C) {
+    known_.clear();
+    const std::pair<const std::vector<int32_t>*, DevBuf*> maps[] = {
+        {&p.expert_src, &C.expert_src},
+        {&p.pair_row, &C.pair_row},
+        {&p.send_token, &C.send_token},
+        {&p.recv_expert_row, &C.recv_expert_row}};
+    for (const auto& [host, dev] : maps) {
+      RETURN_IF_ERROR(dev->Ensure(alloc_, static_cast<int64_t>(host->size()) * 4));
+      if (!host->empty())
+        CUDA(cudaMemcpyAsync(dev->get(), host->data(), host->size() * 4, cudaMemcpyHostToDevice,
+                             *stream_));
+      known_.push_back({host->data(), dev->i32()});
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Gather(void* out, const void* in, const int32_t* src, int64_t rows,
+                      int64_t D) override {
+    if (rows == 0) return absl::OkStatus();
+    const int32_t* dev = nullptr;
+    for (const auto& [h, d] : known_)
+      if (h == src) dev = d;
+    if (dev == nullptr) {
+      RETURN_IF_ERROR(scratch_.Ensure(alloc_, rows * 4));
+      CUDA(cudaMemcpyAsync(scratch_.get(), src, rows * 4, cudaMemcpyHostToDevice, *stream_));
+      dev = scratch_.i32();
+    }
+    return FromKernel(kc::GatherRows(in, dev, out, rows, D, kAct, *stream_));
+  }
+  absl::Status Fence() override {
+    CUDA(cudaStreamSynchronize(*stream_));
+    return absl::OkStatus();
+  }
+
+ private:
+  kc::CachingAllocator* alloc_;
+  cudaStream_t* stream_;
+  std::vector<std::pair<const int32_t*, const int32_t*>> known_;
+  DevBuf scratch_;
+};
+
+}  // namespace
+
+absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
+                                         MoeLayerStats* stats) {
+  const MoeConfig& m = c.moe;
+  const MoeLayerParams& p = L.moe_p;
+  MoeDevCache& M = C.moe;
+  MoeDevWork& X = W.moe;
+  const int64_t T = B.T, d = c.d_model, E = m.experts, K = m.top_k, F = m.expert_ffn,
+                S = m.shared_ffn;
+  if (!moe_rows) moe_rows = std::make_unique<DeviceMoeRows>(&alloc, &stream);
+  if (!moe_gemm) KC(kc::GroupedGemm::Create(kc::GroupedGemmOptions{}, &moe_gemm));
+  // Router: z = h2 Wr^T in fp32 on the master weights, then the choices.
+  RETURN_IF_ERROR(F32(M.h32, T * d));
+  RETURN_IF_ERROR(F32(M.logits, T * E));
+  RETURN_IF_ERROR(F32(M.weights, T * K));
+  RETURN_IF_ERROR(F32(M.lse, T));
+  RETURN_IF_ERROR(M.idx.Ensure(&alloc, T * K * 4));
+  KC(kc::CastRows(M.h32.get(), KDType::kFloat32, d, C.h2.get(), kAct, d, T, d, stream));
+  {
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.M = T, a.N = E, a.K = d;
+    a.A = M.h32.get(), a.lda = d, a.B = Master(p.router), a.ldb = d, a.C = M.logits.get(), a.ldc = E;
+    a.ab_type = KDType::kFloat32, a.c_type = KDType::kFloat32;
+    KC(blas->Gemm(a, stream));
+  }
+  KC(kc::MoeRouterForward(M.logits.f32(), Master(p.bias), M.idx.i32(), M.weights.f32(),
+                          M.lse.f32(), T, E, K, stream));
+  // The plan, on the host: the choices come back once.
+  M.idx_host.resize(T * K);
+  CUDA(cudaMemcpyAsync(M.idx_host.data(), M.idx.get(), T * K * 4, cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, &M.plan));
+  const MoeDispatchPlan& plan = M.plan;
+  DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
+  RETURN_IF_ERROR(rows.Upload(plan, M));
+  if (stats) {
+    if (stats->load.size() != static_cast<size_t>(E)) stats->load.assign(E, 0.0);
+    for (int64_t e = 0; e < E; ++e) stats->load[e] += static_cast<double>(plan.counts[e]);
+    std::vector<float> lse(T);
+    CUDA(cudaMemcpy(lse.data(), M.lse.get(), T * 4, cudaMemcpyDeviceToHost));
+    for (float v : lse) stats->zloss_sum += static_cast<double>(v) * v;
+    stats->tokens += T;
+  }
+  // The tokens to their experts; the shared expert runs while they travel.
+  const int64_t R = plan.expert_rows();
+  RETURN_IF_ERROR(Act(M.xe, R, d));
+  if (plan.ep > 1) {
+    RETURN_IF_ERROR(Act(X.send, T * K, d));
+    RETURN_IF_ERROR(Act(X.recv, plan.recv_total(), d));
+  }
+  RETURN_IF_ERROR(Act(X.y, T, d));
+  for (DevBuf* b : {&M.sg, &M.su, &M.sa}) RETURN_IF_ERROR(Act(*b, T, std::max<int64_t>(S, 1)));
+  absl::Status shared_status;
+  auto shared = [&] {
+    if (S == 0) {
+      shared_status = FromCuda(cudaMemsetAsync(X.y.get(), 0, T * d * kAb, stream), "memset");
+      return;
+    }
+    absl::Status s = Fwd(C.h2.get(), d, Wb(p.s1), M.sg.get(), T, d, S, false);
+    if (s.ok()) s = Fwd(C.h2.get(), d, Wb(p.s3), M.su.get(), T, d, S, false);
+    if (s.ok()) s = FromKernel(kc::SwiGluForward(M.sg.get(), M.su.get(), M.sa.get(), T * S, kAct,
+                                                 stream));
+    if (s.ok()) s = Fwd(M.sa.get(), S, Wb(p.s2), X.y.get(), T, S, d, false);
+    shared_status = s;
+  };
+  RETURN_IF_ERROR(MoeDispatch(plan, rows, ep, C.h2.get(), d, X.send.get(), X.recv.get(),
+                              M.xe.get(), shared));
+  RETURN_IF_ERROR(shared_status);
+  // The experts over their rows.
+  const int64_t El = plan.local_experts;
+  for (DevBuf* b : {&M.g, &M.u, &M.a}) RETURN_IF_ERROR(Act(*b, R, F));
+  RETURN_IF_ERROR(Act(M.ye, R, d));
+  const int64_t* off = plan.expert_offsets.data();
+  KC(moe_gemm->Forward(M.xe.get(), Wb(p.w1), M.g.get(), off, El, F, d, kAct, stream));
+  KC(moe_gemm->Forward(M.xe.get(), Wb(p.w3), M.u.get(), off, El, F, d, kAct, stream));
+  KC(kc::SwiGluForward(M.g.get(), M.u.get(), M.a.get(), R * F, kAct, stream));
+  KC(moe_gemm->Forward(M.a.get(), Wb(p.w2), M.ye.get(), off, El, d, F, kAct, stream));
+  // Back to the tokens, weighted, onto the shared expert's output (one rounding), then y.
+  const void* Y = M.ye.get();
+  if (plan.ep > 1) {
+    RETURN_IF_ERROR(Act(M.returned, T * K, d));
+    RETURN_IF_ERROR(
+        MoeFromExperts(plan, rows, ep, M.ye.get(), d, X.recv.get(), M.returned.get()));
+    Y = M.returned.get();
+  }
+  KC(kc::MoeCombine(Y, kAct, M.pair_row.i32(), M.weights.f32(), X.y.get(), kAct, T, K, d,
+                    /*accumulate=*/true, stream));
+  if (y != nullptr) CUDA(cudaMemcpyAsync(y, X.y.get(), T * d * kAb, cudaMemcpyDeviceToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const void* dy) {
+  const MoeConfig& m = c.moe;
+  const MoeLayerParams& p = L.moe_p;
+  MoeDevCache& M = C.moe;
+  MoeDevWork& X = W.moe;
+  const int64_t T = B.T, d = c.d_model, E = m.experts, K = m.top_k, F = m.expert_ffn,
+                S = m.shared_ffn;
+  const MoeDispatchPlan& plan = M.plan;
+  DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
+  RETURN_IF_ERROR(rows.Upload(plan, M));
+  const int64_t R = plan.expert_rows(), El = plan.local_experts;
+  // The combine's backward: each pair's output gradient (weighted) and its weight's gradient.
+  RETURN_IF_ERROR(F32(X.dw, T * K));
+  RETURN_IF_ERROR(Act(X.dye, R, d));
+  if (plan.ep > 1) {
+    RETURN_IF_ERROR(Act(X.send, T * K, d));
+    RETURN_IF_ERROR(Act(X.recv, plan.recv_total(), d));
+    KC(kc::MoeCombineBackward(dy, M.returned.get(), M.pair_row.i32(), M.weights.f32(),
+                              X.send.get(), X.dw.f32(), T, K, d, kAct, stream));
+  } else {
+    CUDA(cudaMemsetAsync(X.dye.get(), 0, std::max<int64_t>(R, 1) * d * kAb, stream));
+    KC(kc::MoeCombineBackward(dy, M.ye.get(), M.pair_row.i32(), M.weights.f32(), X.dye.get(),
+                              X.dw.f32(), T, K, d, kAct, stream));
+  }
+  // The shared expert's backward while the gradients travel to the experts: W.dh.
+  RETURN_IF_ERROR(Act(W.dh, T, d));
+  for (DevBuf* b : {&X.sda, &X.sdg, &X.sdu}) RETURN_IF_ERROR(Act(*b, T, std::max<int64_t>(S, 1)));
+  absl::Status shared_status;
+  auto shared = [&] {
+    if (S == 0) {
+      shared_status = FromCuda(cudaMemsetAsync(W.dh.get(), 0, T * d * kAb, stream), "memset");
+      return;
+    }
+    absl::Status s = Bwd(M.sa.get(), S, Wb(p.s2), dy, X.sda.get(), G(p.s2), T, S, d, false);
+    if (s.ok())
+      s = FromKernel(kc::SwiGluBackward(M.sg.get(), M.su.get(), X.sda.get(), X.sdg.get(),
+                                        X.sdu.get(), T * S, kAct, stream));
+    if (s.ok()) s = Bwd(C.h2.get(), d, Wb(p.s1), X.sdg.get(), W.dh.get(), G(p.s1), T, d, S, false);
+    if (s.ok()) s = Bwd(C.h2.get(), d, Wb(p.s3), X.sdu.get(), W.dh.get(), G(p.s3), T, d, S, true);
+    shared_status = s;
+  };
+  if (plan.ep > 1) {
+    RETURN_IF_ERROR(MoeToExperts(plan, rows, ep, X.send.get(), d, X.recv.get(), X.dye.get(), shared));
+  } else {
+    shared();
+  }
+  RETURN_IF_ERROR(shared_status);
+  // The experts' backward.
+  for (DevBuf* b : {&X.da, &X.dg, &X.du}) RETURN_IF_ERROR(Act(*b, R, F));
+  RETURN_IF_ERROR(Act(X.dxe, R, d));
+  const int64_t* off = plan.expert_offsets.data();
+  KC(moe_gemm->BackwardData(X.dye.get(), Wb(p.w2), X.da.get(), off, El, d, F, kAct, stream));
+  KC(moe_gemm->BackwardWeight(X.dye.get(), M.a.get(), G(p.w2), off, El, d, F, kAct, stream));
+  KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
+                        stream));
+  KC(moe_gemm->BackwardData(X.dg.get(), Wb(p.w1), X.dxe.get(), off, El, F, d, kAct, stream));
+  KC(moe_gemm->BackwardData(X.du.get(), Wb(p.w3), X.dxe.get(), off, El, F, d, kAct, stream,
+                            /*accumulate=*/true));
+  KC(moe_gemm->BackwardWeight(X.dg.get(), M.xe.get(), G(p.w1), off, El, F, d, kAct, stream));
+  KC(moe_gemm->BackwardWeight(X.du.get(), M.xe.get(), G(p.w3), off, El, F, d, kAct, stream));
+  // The input gradient in fp32: the shared expert's, each token's K rows, the router's; rounded
+  // once into W.dh.
+  RETURN_IF_ERROR(F32(X.acc, T * d));
+  KC(kc::CastRows(X.acc.get(), KDType::kFloat32, d, W.dh.get(), kAct, d, T, d, stream));
+  const void* dX = X.dxe.get();
+  if (plan.ep > 1) {
+    RETURN_IF_ERROR(MoeFromExperts(plan, rows, ep, X.dxe.get(), d, X.recv.get(), X.send.get()));
+    dX = X.send.get();
+  }
+  KC(kc::MoeCombine(dX, kAct, M.pair_row.i32(), nullptr, X.acc.get(), KDType::kFloat32, T, K, d,
+                    /*accumulate=*/true, stream));
+  RETURN_IF_ERROR(F32(X.dlogits, T * E));
+  KC(kc::MoeRouterBackward(M.logits.f32(), M.idx.i32(), X.dw.f32(), M.lse.f32(), zloss_scale,
+                           X.dlogits.f32(), T, E, K, stream));
+  {
+    kc::GemmArgs a;  // acc += dlogits Wr
+    a.M = T, a.N = d, a.K = E, a.beta = 1.0f;
+    a.A = X.dlogits.get(), a.lda = E, a.B = Master(p.router), a.ldb = d, a.C = X.acc.get(), a.ldc = d;
+    a.ab_type = KDType::kFloat32, a.c_type = KDType::kFloat32;
+    KC(blas->Gemm(a, stream));
+    kc::GemmArgs b;  // dWr += dlogits^T h32
+    b.trans_a = true;
+    b.M = E, b.N = d, b.K = T, b.beta = 1.0f;
+    b.A = X.dlogits.get(), b.lda = E, b.B = M.h32.get(), b.ldb = d, b.C = G(p.router), b.ldc = d;
+    b.ab_type = KDType::kFloat32, b.c_type = KDType::kFloat32;
+    KC(blas->Gemm(b, stream));
+  }
+  KC(kc::CastRows(W.dh.get(), kAct, d, X.acc.get(), KDType::kFloat32, d, T, d, stream));
+  return absl::OkStatus();
+}
+
+void CudaModel::BeginStep(double tokens) {
+  Impl& I = *impl_;
+  I.moe_stats.assign(I.c.n_layers, MoeLayerStats{});
+  I.zloss_scale = tokens > 0 ? static_cast<float>(I.c.moe.z_loss / tokens) : 0.0f;
+}
+
+absl::StatusOr<nlohmann::json> CudaModel::FinishMoeStep(Communicator* world) {
+  Impl& I = *impl_;
+  if (I.c.moe.experts == 0) return nlohmann::json::object();
+  if (I.moe_stats.size() < static_cast<size_t>(I.c.n_layers)) I.moe_stats.resize(I.c.n_layers);
+  // The biases live in the fp32 masters on the device: moved on the host copy, then back.
+  const int64_t E = I.c.moe.experts;
+  std::vector<std::vector<float>> bias(I.c.n_layers);
+  CUDA(cudaStreamSynchronize(I.stream));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    bias[L.index].resize(E);
+    CUDA(cudaMemcpy(bias[L.index].data(), I.Master(L.moe_p.bias), E * 4, cudaMemcpyDeviceToHost));
+  }
+  ASSIGN_OR_RETURN(nlohmann::json fields,
+                   BalanceMoeBiases(I.c, I.moe_stats, world,
+                                    [&](int64_t i) { return bias[i].data(); }));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    CUDA(cudaMemcpy(I.Master(L.moe_p.bias), bias[L.index].data(), E * 4, cudaMemcpyHostToDevice));
+    std::copy(bias[L.index].begin(), bias[L.index].end(), I.P().data(L.moe_p.bias));
+  }
+  return fields;
+}
+
+}  // namespace spindle
