@@ -8,10 +8,16 @@
 // rank boundaries. One case recomputes every layer (the exchanges run again in the recompute).
 //
 // Tolerance (fp32): loss sum relative 1e-5; per tensor max |g_ep - g_1| <= 1e-4 max |g_1|;
-// biases exactly equal (the same integer loads move them by the same steps).
+// biases exactly equal (the same integer loads move them by the same steps). Top-k routing is
+// discontinuous: where a token's k-th and (k+1)-th expert score within the summation-order
+// differences of the layouts (~1e-7), the two runs may choose differently, and that token's
+// gradients then differ by far more than 1e-4 (seen about once in 40 runs). Such a run shows as
+// different loads (the experts' pairs, summed over the ranks), and the case is drawn again with a
+// fresh seed, up to 4 times.
 #include <omp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 #include <string>
@@ -35,6 +41,11 @@ ModelConfig MoeTestConfig() {
   c.layer_pattern = "LLM";
   c.mla = {0, 12, 8, 6, 10};
   c.moe = {8, 2, 16, 12, /*bias_rate=*/0.01, /*z_loss=*/0.05, /*first_dense=*/1};
+  // The experts' GEMMs run over other row counts in each layout (a rank's rows of an expert), and
+  // OpenBLAS's blocking follows the rows: their outputs differ in the last bits, and a q/k norm
+  // over 8 values near zero amplifies that at the default eps (one seed in ~40 reached 1.4e-4 of
+  // the embedding's largest gradient). An eps of 1e-2 bounds the gain, as in test_cp_model.cc.
+  c.norm_eps = 1e-2;
   return c;
 }
 
@@ -59,6 +70,7 @@ void SetBiases(Model& m, uint32_t seed) {
 }
 
 struct Result {
+  std::vector<double> loads;  // every MoE layer's pairs per expert, summed over the ranks
   double loss_sum = 0.0;
   std::map<std::string, std::vector<double>> grads;   // whole tensors, by name
   std::map<std::string, std::vector<float>> biases;   // after FinishMoeStep
@@ -75,6 +87,13 @@ void AddGrads(Model& m, Result* out) {
     g.resize(whole, 0.0);
     for (int64_t j = 0; j < p.numel; ++j) g[p.full_offset + j] += P.grad(i)[j];
   }
+}
+
+void AddLoads(const Model& m, Result* out) {
+  std::vector<double> l;
+  for (const MoeLayerStats& s : m.moe_stats()) l.insert(l.end(), s.load.begin(), s.load.end());
+  out->loads.resize(l.size(), 0.0);
+  for (size_t i = 0; i < l.size(); ++i) out->loads[i] += l[i];
 }
 
 void TakeBiases(Model& m, Result* out) {
@@ -94,6 +113,7 @@ Result Reference(const ModelConfig& cfg, const std::vector<Batch>& seqs, Recompu
   Result r;
   for (const Batch& b : seqs) r.loss_sum += (*m)->ForwardBackward(b, 1.0f, recompute).loss_sum;
   AddGrads(**m, &r);
+  AddLoads(**m, &r);
   EXPECT_TRUE((*m)->FinishMoeStep(nullptr).ok());
   TakeBiases(**m, &r);
   return r;
@@ -128,6 +148,7 @@ absl::StatusOr<Result> RunExpertParallel(const ModelConfig& cfg, const std::vect
     if (!s.ok()) return s.status();
     per[rank].loss_sum = s->loss_sum;
     AddGrads(**m, &per[rank]);
+    AddLoads(**m, &per[rank]);
     auto fields = (*m)->FinishMoeStep(wc->get());
     if (!fields.ok()) return fields.status();
     TakeBiases(**m, &per[rank]);
@@ -142,6 +163,8 @@ absl::StatusOr<Result> RunExpertParallel(const ModelConfig& cfg, const std::vect
   Result sum;
   for (int r = 0; r < world; ++r) {
     sum.loss_sum += per[r].loss_sum;
+    sum.loads.resize(per[r].loads.size(), 0.0);
+    for (size_t i = 0; i < per[r].loads.size(); ++i) sum.loads[i] += per[r].loads[i];
     for (const auto& [name, g] : per[r].grads) {
       std::vector<double>& s = sum.grads[name];
       s.resize(g.size(), 0.0);
@@ -164,14 +187,22 @@ class MoeExpertParallel : public ::testing::TestWithParam<Case> {};
 TEST_P(MoeExpertParallel, MatchesOneRank) {
   const auto [cp, ep, recompute_all] = GetParam();
   const ModelConfig cfg = MoeTestConfig();
-  const uint32_t seed = std::random_device{}();
   const int dp = std::max(1, ep / cp);
-  std::vector<Batch> seqs;
-  for (int i = 0; i < dp; ++i) seqs.push_back(MakeSequenceBatch(PackedTokens(seed + i), 256));
   const Recompute rc = recompute_all ? Recompute::All() : Recompute::None();
-  const Result ref = Reference(cfg, seqs, rc, seed);
-  auto got = RunExpertParallel(cfg, seqs, cp, ep, rc, seed);
-  ASSERT_TRUE(got.ok()) << got.status();
+  uint32_t seed = 0;
+  Result ref;
+  absl::StatusOr<Result> got;
+  for (int draw = 0; draw < 4; ++draw) {
+    seed = std::random_device{}();
+    std::vector<Batch> seqs;
+    for (int i = 0; i < dp; ++i) seqs.push_back(MakeSequenceBatch(PackedTokens(seed + i), 256));
+    ref = Reference(cfg, seqs, rc, seed);
+    got = RunExpertParallel(cfg, seqs, cp, ep, rc, seed);
+    ASSERT_TRUE(got.ok()) << got.status();
+    if (got->loads == ref.loads) break;
+    std::printf("seed %u: a near tie was routed differently; drawing again\n", seed);
+  }
+  ASSERT_EQ(got->loads, ref.loads) << "four draws routed differently, last seed " << seed;
   EXPECT_NEAR(got->loss_sum, ref.loss_sum, 1e-5 * std::abs(ref.loss_sum)) << "seed " << seed;
   ASSERT_EQ(got->grads.size(), ref.grads.size());
   for (const auto& [name, g] : ref.grads) {

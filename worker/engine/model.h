@@ -112,6 +112,8 @@ class Model {
   // ("moe": per MoE layer its index, max/mean load, bias range and mean lse(z)^2). Empty for a dense
   // model. Errors are the communicator's.
   absl::StatusOr<nlohmann::json> FinishMoeStep(Communicator* world);
+  // This rank's statistics of the step so far, by layer index (empty before BeginStep).
+  const std::vector<MoeLayerStats>& moe_stats() const { return moe_stats_; }
 
   // Uses `cp` for the CpBatch forms (the communicator must outlive the model's use of it).
   void SetCp(const CpContext& cp) { cp_ = cp; }
