@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,18 @@ inline absl::Status RunRanks(int world, const std::function<absl::Status(int)>& 
   for (int r = 0; r < world; ++r)
     if (!st[r].ok()) return absl::Status(st[r].code(), absl::StrCat("rank ", r, ": ", st[r].message()));
   return absl::OkStatus();
+}
+
+// 96 tokens, EOS = 256: documents [0, 4) (shorter than any chunk at cp <= 4), [4, 71) (longer
+// than a rank's share), [71, 80), [80, 96) (cut by the sequence end). At cp = 8 the chunks are 6
+// tokens, so [71, 80) and [80, 96) cross chunk boundaries too.
+inline std::vector<int32_t> PackedTokens(uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(96);
+  for (auto& x : t) x = tok(gen);
+  for (int i : {3, 70, 79}) t[i] = 256;
+  return t;
 }
 
 inline GlooOptions TestGloo() {

@@ -59,18 +59,6 @@ ModelConfig WideLatentConfig() {
   return c;
 }
 
-// 96 tokens, EOS = 256: documents [0, 4) (shorter than any chunk at cp <= 4), [4, 71) (longer
-// than a rank's share), [71, 80), [80, 96) (cut by the sequence end). At cp = 8 the chunks are 6
-// tokens, so [71, 80) and [80, 96) cross chunk boundaries too.
-std::vector<int32_t> PackedTokens(uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<int32_t> tok(0, 255);
-  std::vector<int32_t> t(96);
-  for (auto& x : t) x = tok(gen);
-  for (int i : {3, 70, 79}) t[i] = 256;
-  return t;
-}
-
 // 96 tokens: short odd documents [0, 3), [3, 10), [10, 17), [17, 30), then [30, 91) (longer than a
 // rank's share; at cp = 8 it begins with chunk 5, so rank 5's chunks (5 and 10) see nothing of
 // ranks 0-4: whole ring blocks are masked), [91, 96).
@@ -223,7 +211,7 @@ TEST_P(CpModelParityTest, LossAndEveryGradientMatchCp1) {
   const uint32_t seed = 11 + 97 * c.cp + 13 * c.ulysses + static_cast<uint32_t>(c.mla) * 7 +
                         static_cast<uint32_t>(c.lightning) * 3 + (c.wide_latent ? 5 : 0);
   const Batch full =
-      MakeSequenceBatch(c.short_docs ? ShortDocTokens(seed) : PackedTokens(seed), 256);
+      MakeSequenceBatch(c.short_docs ? ShortDocTokens(seed) : testing::PackedTokens(seed), 256);
   const RunResult ref = Reference(cfg, full, Recompute::None());
   auto got =
       RunCp(cfg, full, c.cp, c.lightning, c.mla, Recompute::First(c.recompute_layers), c.ulysses);
@@ -291,7 +279,7 @@ INSTANTIATE_TEST_SUITE_P(
     CaseName);
 
 TEST(CpLayoutTest, ChunkFlagsOfThePackedSequence) {
-  const Batch full = MakeSequenceBatch(PackedTokens(11), 256);
+  const Batch full = MakeSequenceBatch(testing::PackedTokens(11), 256);
   auto b = ShardForCp(full, 4, 1);
   ASSERT_TRUE(b.ok());
   const CpLayout& L = b->layout;

@@ -49,16 +49,6 @@ ModelConfig MoeTestConfig() {
   return c;
 }
 
-// 96 tokens, EOS 256: documents [0, 4), [4, 71), [71, 80), [80, 96) (see test_cp_model.cc).
-std::vector<int32_t> PackedTokens(uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<int32_t> tok(0, 255);
-  std::vector<int32_t> t(96);
-  for (auto& x : t) x = tok(gen);
-  for (int i : {3, 70, 79}) t[i] = 256;
-  return t;
-}
-
 // The same random biases on every model, so that they take part in the choices.
 void SetBiases(Model& m, uint32_t seed) {
   ParamSet& P = m.params();
@@ -195,7 +185,7 @@ TEST_P(MoeExpertParallel, MatchesOneRank) {
   for (int draw = 0; draw < 4; ++draw) {
     seed = std::random_device{}();
     std::vector<Batch> seqs;
-    for (int i = 0; i < dp; ++i) seqs.push_back(MakeSequenceBatch(PackedTokens(seed + i), 256));
+    for (int i = 0; i < dp; ++i) seqs.push_back(MakeSequenceBatch(testing::PackedTokens(seed + i), 256));
     ref = Reference(cfg, seqs, rc, seed);
     got = RunExpertParallel(cfg, seqs, cp, ep, rc, seed);
     ASSERT_TRUE(got.ok()) << got.status();
@@ -237,7 +227,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeExpertParallel,
 TEST(MoeExpertParallel, RefusesAMissingOrWrongGroup) {
   auto m = Model::Create(MoeTestConfig(), 7, true, 2, 1);
   ASSERT_TRUE(m.ok());
-  Batch b = MakeSequenceBatch(PackedTokens(1), 256);
+  Batch b = MakeSequenceBatch(testing::PackedTokens(1), 256);
   auto cpb = ShardForCp(b, 1, 0);
   ASSERT_TRUE(cpb.ok());
   auto s = (*m)->ForwardBackward(*cpb, 1.0f, Recompute::None());
