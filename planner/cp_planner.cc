@@ -670,10 +670,6 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
             break;
           }
       }
-      if (spec.resources == "cuda") {
-        pick = 1;
-        why = "the CUDA engine holds every expert on each rank";
-      }
       JobSpec resolved = spec;
       resolved.parallel.ep = pick;
       CpPlan plan = Plan(resolved, device_memory_bytes, &topo);
@@ -689,10 +685,6 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
     for (ExpertParallelEstimate& c : plan.ep_estimates) c.chosen = c.ep == plan.ep;
     if (absl::Status st = CheckExpertParallel(spec.parallel, spec.model); !st.ok())
       plan.problems.push_back(std::string(st.message()));
-    if (spec.resources == "cuda" && plan.ep > 1)
-      plan.problems.push_back(
-          "parallel.ep: the CUDA engine does not shard experts yet; use parallel.ep 1 (every "
-          "rank holds every expert), or resources \"cpu\"");
     if (spec.resources == "cuda" && spec.train.precision == TrainPrecision::kFp8)
       plan.problems.push_back(
           "train.precision: \"fp8\" does not run the mixture-of-experts FFN on the GPU yet; use "

@@ -3,8 +3,9 @@
 // dense first layer, a shared expert, random balancing biases and the router z-loss, on fresh
 // random tokens with documents: one training step's loss and every parameter's gradient, the
 // loads the router's choices put on the experts and the biases they move; recomputing every layer
-// gives the step of keeping every cache; a second fresh model repeats the step. Skips without a
-// GPU.
+// gives the step of keeping every cache; a second fresh model repeats the step; expert
+// parallelism (ep 2 with cp 2, and ep 4 with cp 2 x dp 2; ranks as threads sharing the GPU, Gloo
+// between them through pinned staging) gives the one-rank step. Skips without a GPU.
 //
 // Tolerances: as test_cuda_model.cc's (loss 1%, each matrix's gradient 6% in relative L2, norm
 // weights 18%), but against the emulation, so the router sees the same bf16 inputs on both and
@@ -16,8 +17,13 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cuda_test_util.h"
 #include "model_test_util.h"
+#include "tests/engine/cp_test_util.h"
+#include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/comm/kv_stores.h"
+#include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/cuda/cuda_model.h"
 #include "worker/engine/model.h"
@@ -128,6 +134,94 @@ TEST(CudaMoe, RecomputeAndASecondRunRepeatTheStep) {
         testing::GradientsAbove(first->host_params(), grads[0].data(), grads[run].data(), 1e-3);
     EXPECT_TRUE(report.empty()) << "run " << run << ":" << report;
   }
+}
+
+// ep ranks of `ep` (with cp 2, dp = ep / cp sequences) against one rank over every sequence: the
+// summed losses, and every tensor's gradient assembled from the ranks (the experts from their
+// shards, the rest summed), compared as test_cuda_cp.cc compares CP (relative L2 3%, norm weights
+// 9%; the layouts round differently in bf16). The loads must agree (a near tie decided
+// differently would move a token to another expert: see test_moe_model.cc).
+void ExpectExpertParallelMatchesOneRank(int ep) {
+  const ModelConfig c = TinyMoe();
+  const int cp = 2, dp = std::max(1, ep / cp), world = cp * dp;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " ep " << ep);
+  std::vector<Batch> seqs;
+  int64_t valid = 0;
+  for (int i = 0; i < dp; ++i) {
+    seqs.push_back(RandomBatch(c, 128, 40, seed + i));
+    valid += seqs.back().NumValidTargets();
+  }
+  const float scale = 1.0f / static_cast<float>(valid);
+  // One rank.
+  auto one = CudaModel::Create(c, seed);
+  ASSERT_TRUE(one.ok()) << one.status();
+  (*one)->BeginStep(static_cast<double>(dp * 128));
+  double want_loss = 0.0;
+  for (const Batch& b : seqs) {
+    auto s = (*one)->ForwardBackward(b, scale, Recompute::None());
+    ASSERT_TRUE(s.ok()) << s.status();
+    want_loss += s->loss_sum;
+  }
+  ASSERT_TRUE((*one)->DownloadGrads().ok());
+  ParamSet& W = (*one)->host_params();
+  // The world.
+  MemoryKvStore store;
+  std::vector<double> losses(world);
+  std::vector<std::vector<float>> whole(world, std::vector<float>(W.numel(), 0.0f));
+  absl::Status st = testing::RunRanks(world, [&](int rank) -> absl::Status {
+    const int cp_rank = rank % cp, dp_rank = rank / cp;
+    auto cc = CreateGlooCommunicator(store, absl::StrCat("cp", dp_rank), cp_rank, cp,
+                                     testing::TestGloo());
+    if (!cc.ok()) return cc.status();
+    auto ec = CreateGlooCommunicator(store, absl::StrCat("ep", rank / ep), rank % ep, ep,
+                                     testing::TestGloo());
+    if (!ec.ok()) return ec.status();
+    auto m = CudaModel::Create(c, seed, 0, ep, rank % ep);
+    if (!m.ok()) return m.status();
+    if (absl::Status s = (*m)->SetCp({cc->get(), CpMode::kAll2All, CpMode::kAll2All}); !s.ok())
+      return s;
+    if (absl::Status s = (*m)->SetExpertParallel(ec->get()); !s.ok()) return s;
+    (*m)->BeginStep(static_cast<double>(dp * 128));
+    auto b = ShardForCp(seqs[dp_rank], cp, cp_rank);
+    if (!b.ok()) return b.status();
+    auto s = (*m)->ForwardBackward(*b, scale, Recompute::None());
+    if (!s.ok()) return s.status();
+    losses[rank] = s->loss_sum;
+    if (!(*m)->DownloadGrads().ok()) return absl::InternalError("gradient download failed");
+    ParamSet& P = (*m)->host_params();
+    for (int i = 0; i < P.size(); ++i) {
+      const ParamInfo& p = P.info(i);
+      const int w = W.Find(p.name);
+      if (w < 0) return absl::InternalError(p.name);
+      for (int64_t j = 0; j < p.numel; ++j)
+        whole[rank][W.info(w).offset + p.full_offset + j] = P.grad(i)[j];
+    }
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  double got_loss = 0.0;
+  std::vector<float> sum(W.numel(), 0.0f);
+  for (int r = 0; r < world; ++r) {
+    got_loss += losses[r];
+    for (int64_t j = 0; j < W.numel(); ++j) sum[j] += whole[r][j];
+  }
+  EXPECT_NEAR(got_loss / want_loss, 1.0, 1e-2);
+  std::string report;
+  for (const testing::GradAgreement& g :
+       testing::CompareGradients(W, W.flat_grad().f32(), sum.data())) {
+    if (g.name.find("router.bias") != std::string::npos) continue;
+    const double rel = g.rel / (g.norm ? 3.0 : 1.0);
+    if (rel > 0.03 || g.cos < 0.999)
+      report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
+  }
+  EXPECT_TRUE(report.empty()) << report;
+}
+
+TEST(CudaMoe, ExpertParallelOverGlooMatchesOneRank) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectExpertParallelMatchesOneRank(2);
+  ExpectExpertParallelMatchesOneRank(4);
 }
 
 TEST(CudaMoe, Fp8IsRefusedByName) {

@@ -48,7 +48,8 @@ class CpuDeviceBackend final : public StepBackend {
   static std::atomic<int64_t> device_comms_created, device_grad_sums;
 
   static absl::StatusOr<std::unique_ptr<StepBackend>> Create(const ModelConfig& config,
-                                                             uint64_t seed, int64_t /*cp*/) {
+                                                             uint64_t seed, int64_t /*cp*/,
+                                                             int64_t /*ep*/, int64_t /*ep_rank*/) {
     auto dev = Model::Create(config, seed);
     if (!dev.ok()) return dev.status();
     auto host = Model::Create(config, seed);
@@ -164,10 +165,11 @@ class CpuDeviceBackend final : public StepBackend {
     o.timeout = timeout;
     return CreateGlooCommunicator(store, prefix, rank, size, o);
   }
-  absl::Status AllReduceGrads(Communicator& comm) override {
+  absl::Status AllReduceGrads(Communicator& comm, int64_t begin, int64_t end) override {
     ++device_grad_sums;
     Tensor& g = dev_->params().flat_grad();
-    return comm.AllReduceSum(g.f32(), g.numel(), CommType::kF32, CommLayer::kGrad);
+    if (end < 0) end = g.numel();
+    return comm.AllReduceSum(g.f32() + begin, end - begin, CommType::kF32, CommLayer::kGrad);
   }
   nlohmann::json StepEventFields() override {
     return {{"mem_allocated_bytes", 1}, {"mem_reserved_bytes", 2}, {"mem_peak_bytes", 3}};

@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CpuStepBackend::CreateDeviceCommun
       "groups");
 }
 
-absl::Status CpuStepBackend::AllReduceGrads(Communicator&) {
+absl::Status CpuStepBackend::AllReduceGrads(Communicator&, int64_t, int64_t) {
   return absl::FailedPreconditionError(
       "cpu backend: the host has no device communicators; the trainer sums host gradients over "
       "its Gloo world");

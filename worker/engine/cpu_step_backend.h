@@ -72,7 +72,7 @@ class CpuStepBackend : public StepBackend {
   absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
       KvStore& store, const std::string& prefix, int rank, int size,
       absl::Duration timeout) override;
-  absl::Status AllReduceGrads(Communicator& comm) override;
+  absl::Status AllReduceGrads(Communicator& comm, int64_t begin, int64_t end) override;
 
  private:
   CpuStepBackend(std::unique_ptr<Model> model, const TrainSpec& train);

@@ -148,14 +148,15 @@ class StepBackend {
   // this backend's device buffers; `timeout` bounds the rendezvous and each collective.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> CreateDeviceCommunicator(
       KvStore& store, const std::string& prefix, int rank, int size, absl::Duration timeout) = 0;
-  // Sums the device gradients over `comm` (from CreateDeviceCommunicator) in place.
-  virtual absl::Status AllReduceGrads(Communicator& comm) = 0;
+  // Sums the device gradients of the flat range [begin, end) (end < 0: to the end) over `comm`
+  // (from CreateDeviceCommunicator) in place.
+  virtual absl::Status AllReduceGrads(Communicator& comm, int64_t begin = 0, int64_t end = -1) = 0;
 };
 
-// Builds a backend holding a model initialised from `seed` exactly as Model::Create does, for a
-// job whose CP group has `cp` ranks (1: whole sequences); a factory refuses a cp its backend does
-// not run here, before any device work.
+// Builds a backend holding a model initialised from `seed` exactly as Model::Create does (with the
+// experts of EP rank ep_rank of ep), for a job whose CP group has `cp` ranks (1: whole
+// sequences); a factory refuses a cp its backend does not run here, before any device work.
 using StepBackendFactory = absl::StatusOr<std::unique_ptr<StepBackend>> (*)(
-    const ModelConfig& config, uint64_t seed, int64_t cp);
+    const ModelConfig& config, uint64_t seed, int64_t cp, int64_t ep, int64_t ep_rank);
 
 }  // namespace spindle

@@ -61,17 +61,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
         "planner/cp_planner.h)");
   RETURN_IF_ERROR(CheckExpertParallel(spec.parallel, spec.model));
   t->ep_ = std::max<int64_t>(1, spec.parallel.ep);
-  if (on_device && t->ep_ > 1)
-    return absl::UnimplementedError(
-        "trainer: the CUDA engine does not shard experts yet (parallel.ep > 1); run the job with "
-        "parallel.ep 1, or with resources \"cpu\"");
   if (spec.seq_len % (2 * t->cp_) != 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "trainer: seq_len ", spec.seq_len, " is not divisible by 2 * cp = ", 2 * t->cp_));
   // The model first: a device factory refuses what its backend does not run (and fails where no
   // device is usable) before any peer is waited for.
   if (on_device) {
-    ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_));
+    ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_, t->ep_,
+                                                 o.rank % t->ep_));
   } else {
     ASSIGN_OR_RETURN(t->backend_, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train,
                                                          t->ep_, o.rank % t->ep_));
@@ -107,14 +104,27 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     }
     if (t->ep_ > 1) {
       // The EP group (ranks [g * ep, (g + 1) * ep)) and, across the groups, the
-      // expert-data-parallel group of the ranks holding the same experts.
+      // expert-data-parallel group of the ranks holding the same experts: device communicators
+      // where every rank has a device of its own, else Gloo.
       const int ep = static_cast<int>(t->ep_);
-      ASSIGN_OR_RETURN(t->ep_comm_, CreateGlooCommunicator(*o.store, absl::StrCat("ep", rank / ep),
-                                                           rank % ep, ep, o.gloo));
+      const std::string ep_name = absl::StrCat("ep", rank / ep);
+      const std::string edp_name = absl::StrCat("edp", rank % ep);
+      if (own_devices) {
+        ASSIGN_OR_RETURN(t->ep_comm_, t->backend_->CreateDeviceCommunicator(
+                                          *o.store, ep_name + "/device", rank % ep, ep,
+                                          o.gloo.timeout));
+      } else {
+        ASSIGN_OR_RETURN(t->ep_comm_, CreateGlooCommunicator(*o.store, ep_name, rank % ep, ep, o.gloo));
+      }
       if (world > ep) {
-        ASSIGN_OR_RETURN(t->expert_dp_comm_,
-                         CreateGlooCommunicator(*o.store, absl::StrCat("edp", rank % ep), rank / ep,
-                                                world / ep, o.gloo));
+        if (own_devices) {
+          ASSIGN_OR_RETURN(t->expert_dp_comm_, t->backend_->CreateDeviceCommunicator(
+                                                   *o.store, edp_name + "/device", rank / ep,
+                                                   world / ep, o.gloo.timeout));
+        } else {
+          ASSIGN_OR_RETURN(t->expert_dp_comm_, CreateGlooCommunicator(*o.store, edp_name, rank / ep,
+                                                                      world / ep, o.gloo));
+        }
       }
     }
     if (t->cp_ > 1 &&
@@ -438,7 +448,8 @@ absl::Status Trainer::Step() {
     for (CommHandle& h : pending) comm_status.Update(h.Wait());
     RETURN_IF_ERROR(comm_status);
   } else if (device_world_comm_) {
-    RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_));
+    RETURN_IF_ERROR(backend_->AllReduceGrads(*device_world_comm_, expert_end, g.numel()));
+    if (expert_dp_comm_) RETURN_IF_ERROR(backend_->AllReduceGrads(*expert_dp_comm_, 0, expert_end));
   } else if (world_comm_) {
     RETURN_IF_ERROR(backend_->DownloadGrads());
     RETURN_IF_ERROR(world_comm_->AllReduceSum(g.f32() + expert_end, g.numel() - expert_end,
@@ -573,7 +584,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
   std::unique_ptr<Model> model;
   std::unique_ptr<StepBackend> backend;
   if (device) {
-    ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed, /*cp=*/1));
+    ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed, /*cp=*/1, /*ep=*/1, 0));
     RETURN_IF_ERROR(backend->SetPrecision(spec.train.precision));
     RETURN_IF_ERROR(
         LoadCheckpoint(checkpoint, backend->host_params(), nullptr, spec.model).status());

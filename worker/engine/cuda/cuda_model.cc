@@ -32,7 +32,8 @@ CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaModel::~CudaModel() = default;
 
 absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
-                                                             uint64_t seed, int device) {
+                                                             uint64_t seed, int device,
+                                                             int64_t ep, int64_t ep_rank) {
   RETURN_IF_ERROR(config.Validate());
   if (const std::string shape = CudaShapeProblem(config); !shape.empty())
     return absl::InvalidArgumentError(
@@ -51,7 +52,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   impl->peak_flops = kc::DenseBf16PeakFlops(prop.name, prop.multiProcessorCount, clock_khz);
   // The host copy: weights for checkpoints and evaluation; its gradient buffer only if a host
   // all-reduce asks for it (DownloadGrads).
-  ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false));
+  ASSIGN_OR_RETURN(impl->host, Model::Create(config, seed, /*host_grads=*/false, ep, ep_rank));
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   KC(kc::Blas::Create(&impl->blas));
@@ -293,10 +294,16 @@ absl::Status CudaModel::ZeroGrads() {
 }
 
 absl::StatusOr<double> CudaModel::GradSquaredNorm() {
+  return GradSquaredNorm(0, impl_->P().numel());
+}
+
+absl::StatusOr<double> CudaModel::GradSquaredNorm(int64_t begin, int64_t end) {
   Impl& I = *impl_;
+  if (begin < 0 || end < begin || end > I.P().numel())
+    return absl::InvalidArgumentError("cuda model: a gradient range outside the flat buffer");
   DevBuf ws;
   RETURN_IF_ERROR(ws.Ensure(&I.alloc, kc::SquaredNormWorkspaceBytes()));
-  KC(kc::SquaredNorm(I.g, I.P().numel(), I.scalar,
+  KC(kc::SquaredNorm(I.g + begin, end - begin, I.scalar,
                      {ws.get(), kc::SquaredNormWorkspaceBytes()}, I.stream));
   double out = 0.0;
   CUDA(cudaMemcpyAsync(&out, I.scalar, sizeof(double), cudaMemcpyDeviceToHost, I.stream));
@@ -542,6 +549,24 @@ absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
   return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
 }
+
+absl::Status CudaModel::SetExpertParallel(Communicator* ep) {
+  Impl& I = *impl_;
+  const int64_t size = ep ? ep->size() : 1;
+  RETURN_IF_ERROR(I.host->SetExpertParallel(ep));  // the group's size and this rank's place
+  I.ep_staged.reset();
+  I.ep = nullptr;
+  if (size <= 1) return absl::OkStatus();
+  if (ep->backend() == "nccl") {
+    I.ep = ep;
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(I.ep_staged, CreateStagedCommunicator(ep, I.device));
+  I.ep = I.ep_staged.get();
+  return absl::OkStatus();
+}
+
+int64_t CudaModel::ExpertGradEnd() const { return impl_->host->ExpertGradEnd(); }
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {
   Impl& I = *impl_;

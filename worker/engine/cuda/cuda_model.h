@@ -85,8 +85,10 @@ class CudaModel {
   // InvalidArgument, before any device work, for an invalid config or a shape the CUDA kernels
   // cannot run (CudaShapeProblem in common/model_config.h); fails with the CUDA or cuDNN error
   // when no GPU is usable.
+  // ep > 1 (MoE models): the experts of EP rank ep_rank of ep, as Model::Create shards them.
   static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
-                                                           uint64_t seed, int device = 0);
+                                                           uint64_t seed, int device = 0,
+                                                           int64_t ep = 1, int64_t ep_rank = 0);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -195,7 +197,13 @@ class CudaModel {
   double last_enqueue_seconds() const;
   // The device's dense bf16 peak in FLOP/s (kernels/cuda/device_support.h DenseBf16PeakFlops).
   double peak_flops() const;
-  // Mixture of experts (ModelConfig::moe; the experts of every rank, ep = 1): a training step
+  // The EP group of a model built with ep > 1 (Model::SetExpertParallel's contract); a host
+  // communicator takes device buffers through pinned staging.
+  absl::Status SetExpertParallel(Communicator* ep);
+  int64_t ExpertGradEnd() const;
+  // Sum of squared device gradients of the flat range [begin, end).
+  absl::StatusOr<double> GradSquaredNorm(int64_t begin, int64_t end);
+  // Mixture of experts (ModelConfig::moe): a training step
   // begins over `tokens` tokens of the world (the router z-loss's mean), and after its update
   // the balancing biases move by the step's loads summed over `world` (null: alone), as
   // Model::BeginStep and Model::FinishMoeStep do; returns the step event's "moe" fields. Not under

@@ -532,6 +532,7 @@ struct CudaModel::Impl {
   std::unique_ptr<kc::GroupedGemm> moe_gemm;
   std::unique_ptr<MoeRows> moe_rows;
   Communicator* ep = nullptr;
+  std::unique_ptr<Communicator> ep_staged;
   std::vector<MoeLayerStats> moe_stats;
   float zloss_scale = 0.0f;
   bool moe_counting = false;  // a training pass: the first forwards count the choices

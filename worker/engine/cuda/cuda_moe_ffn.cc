@@ -72,6 +72,10 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   MoeDevWork& X = W.moe;
   const int64_t T = B.T, d = c.d_model, E = m.experts, K = m.top_k, F = m.expert_ffn,
                 S = m.shared_ffn;
+  if (host->ep() > 1 && ep == nullptr)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda model: the experts are sharded over ", host->ep(),
+        " ranks; SetExpertParallel gives their group"));
   if (!moe_rows) moe_rows = std::make_unique<DeviceMoeRows>(&alloc, &stream);
   if (!moe_gemm) KC(kc::GroupedGemm::Create(kc::GroupedGemmOptions{}, &moe_gemm));
   // Router: z = h2 Wr^T in fp32 on the master weights, then the choices.

@@ -87,13 +87,22 @@ class CudaStepBackend final : public StepBackend {
         "trainer: device communicators need NCCL, which this build was made without");
 #endif
   }
-  absl::Status AllReduceGrads(Communicator& comm) override {
+  absl::Status AllReduceGrads(Communicator& comm, int64_t begin, int64_t end) override {
     // The communicator runs on its own stream: the backward must be done first.
     if (const cudaError_t e = cudaStreamSynchronize(m_->stream()); e != cudaSuccess)
       return absl::InternalError(
           absl::StrCat("trainer: cudaStreamSynchronize: ", cudaGetErrorString(e)));
-    return comm.AllReduceSum(m_->device_grads(), m_->host_params().numel(), CommType::kF32,
+    const int64_t n = m_->host_params().numel();
+    if (end < 0) end = n;
+    if (begin < 0 || end < begin || end > n)
+      return absl::InvalidArgumentError("trainer: a gradient range outside the flat buffer");
+    return comm.AllReduceSum(m_->device_grads() + begin, end - begin, CommType::kF32,
                              CommLayer::kGrad);
+  }
+  absl::Status SetExpertParallel(Communicator* ep) override { return m_->SetExpertParallel(ep); }
+  int64_t ExpertGradEnd() const override { return m_->ExpertGradEnd(); }
+  absl::StatusOr<double> GradSquaredNorm(int64_t begin, int64_t end) override {
+    return m_->GradSquaredNorm(begin, end);
   }
 
   nlohmann::json StepEventFields() override {
@@ -113,7 +122,8 @@ class CudaStepBackend final : public StepBackend {
 
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
                                                                    uint64_t seed,
-                                                                   int64_t /*cp: every one runs*/) {
+                                                                   int64_t /*cp: every one runs*/,
+                                                                   int64_t ep, int64_t ep_rank) {
   // A shape the kernels cannot run is refused before any device work and before the ranks meet.
   if (const std::string shape = CudaShapeProblem(config); !shape.empty())
     return absl::FailedPreconditionError(
@@ -126,7 +136,7 @@ absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelCo
         "trainer: the job asks for resources \"cuda\" but no CUDA device is usable here (",
         err != cudaSuccess ? cudaGetErrorString(err) : "no device", ")"));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, seed, 0));
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, seed, 0, ep, ep_rank));
   return std::unique_ptr<StepBackend>(new CudaStepBackend(std::move(model)));
 }
 

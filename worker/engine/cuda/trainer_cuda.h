@@ -17,6 +17,7 @@ namespace spindle {
 // the message), before any device work; Unavailable when no CUDA device is usable (no GPU, no
 // driver); otherwise CudaModel::Create's errors.
 absl::StatusOr<std::unique_ptr<StepBackend>> CreateCudaStepBackend(const ModelConfig& config,
-                                                                   uint64_t seed, int64_t cp);
+                                                                   uint64_t seed, int64_t cp,
+                                                                   int64_t ep, int64_t ep_rank);
 
 }  // namespace spindle
