@@ -191,6 +191,13 @@ TEST(WireConversions, EveryReportKindIsTakenIn) {
   EXPECT_EQ(p.elapsed_s, wp.elapsed_s());
   EXPECT_EQ(p.mfu, wp.mfu());
   EXPECT_EQ(p.memory_bytes, wp.memory_bytes());
+  EXPECT_TRUE(p.moe.present);
+  EXPECT_EQ(p.moe.load_max_over_mean, wp.moe().load_max_over_mean());
+  EXPECT_EQ(p.moe.bias_min, wp.moe().bias_min());
+  EXPECT_EQ(p.moe.bias_max, wp.moe().bias_max());
+  EXPECT_EQ(p.moe.router_z_loss, wp.moe().router_z_loss());
+  EXPECT_EQ(p.moe.dispatch_bytes, wp.moe().dispatch_bytes());
+  EXPECT_EQ(p.moe.dispatch_s, wp.moe().dispatch_s());
 
   FillEveryField(m.mutable_rank_exit(), &counter);
   r = ReportFromProto(m);
@@ -260,6 +267,8 @@ TEST(WireConversions, AJobViewFillsEveryFieldOfAJob) {
   v.mfu = 0.4;
   v.eta_s = 33;
   v.ranks.push_back({{1, "w1", 2}, "running", 7, 2.5, 450, 1e-3, 0.7, 12.5, 0.4, 1e9, 3, 99});
+  v.ranks.back().moe = {true, 1.25, -0.5, 0.75, 3.5, 4096, 0.125};
+  v.moe = v.ranks.back().moe;
   v.events.push_back({"j-000002", 2, 15, JobState::kPlaced, "placed"});
   v1::Job job;
   JobViewToProto(v, &job);

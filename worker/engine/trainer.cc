@@ -546,10 +546,9 @@ absl::Status Trainer::GatherExpertShards(GatheredShards* out) {
 
 absl::Status Trainer::Checkpoint() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
-  // Sharded experts: rank 0's EP group gathers the whole tensors for rank 0 to write.
-  GatheredShards gathered;
-  if (ep_ > 1 && opt_.rank < ep_) RETURN_IF_ERROR(GatherExpertShards(&gathered));
-  if (opt_.rank == 0) {
+  // Rank 0 writes; with sharded experts the rest of its EP group gives it their shards.
+  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
+  if (contributes) {
     // The device's parameters and optimizer state into the host copies the checkpoint code
     // writes (zeros for state the device does not keep, as the CPU optimizer has them); a host
     // optimizer is written as it is.
@@ -560,6 +559,16 @@ absl::Status Trainer::Checkpoint() {
       optimizer_->set_steps_taken(backend_->steps_taken());
     }
     if (!s.ok()) dir = s;
+  }
+  // Every member of the group takes part in the gather, whatever its download gave, so that none
+  // waits for another; a failed download still fails the write.
+  GatheredShards gathered;
+  if (ep_ > 1 && opt_.rank < ep_) {
+    absl::Status s = GatherExpertShards(&gathered);
+    if (!s.ok()) {
+      if (staging_optimizer_) optimizer_->ReleaseState();
+      return s;
+    }
   }
   if (opt_.rank == 0 && dir.ok())
     dir = SaveCheckpoint(ckpt_dir_, backend_->host_params(), optimizer_, opt_.spec.model, state_,
