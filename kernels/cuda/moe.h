@@ -136,7 +136,7 @@ const char* GroupedGemmMethodName(GroupedGemmMethod m);
 
 struct GroupedGemmOptions {
   GroupedGemmMethod method = GroupedGemmMethod::kStreams;
-  int streams = 4;  // kStreams: streams in all (the caller's among them), 1..16
+  int streams = 2;  // kStreams: streams in all (the caller's among them), 1..16
 };
 
 // Owns its cuBLASLt plans and workspaces (one Blas per stream it issues on), the side streams and
