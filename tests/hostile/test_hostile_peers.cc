@@ -250,7 +250,8 @@ TEST_F(HostilePeersTest, HeartbeatsWithRanksNeverGivenAreIgnoredAndCounted) {
 TEST_F(HostilePeersTest, HelloAndRegisterCannotTakeOverALiveWorker) {
   Start();
   ASSERT_TRUE(Register("w1", "i1").ok());
-  RawSession w1(cluster_.get(), "w1", "i1");
+  auto w1_first = std::make_unique<RawSession>(cluster_.get(), "w1", "i1");
+  RawSession& w1 = *w1_first;
   ASSERT_TRUE(w1.Heartbeat(1));
   ASSERT_TRUE(WaitFor([&] { return w1.Acked(1); }));
 
@@ -268,6 +269,16 @@ TEST_F(HostilePeersTest, HelloAndRegisterCannotTakeOverALiveWorker) {
   ASSERT_TRUE(w1.Heartbeat(2));
   EXPECT_TRUE(WaitFor([&] { return w1.Acked(2); }));
   EXPECT_FALSE(w1.Ended());
+
+  // Disconnected, w1 may be registered without an instance id, which still does not clear the
+  // stored one: only the daemon that registered it opens its sessions.
+  w1_first.reset();
+  ASSERT_TRUE(WaitFor([&] { return Register("w1", "").ok(); }));
+  RawSession empty_again(cluster_.get(), "w1", "");
+  EXPECT_EQ(empty_again.Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  RawSession back(cluster_.get(), "w1", "i1");
+  ASSERT_TRUE(back.Heartbeat(1));
+  EXPECT_TRUE(WaitFor([&] { return back.Acked(1); }));
 }
 
 TEST_F(HostilePeersTest, FourMegabyteStringsInEveryUserAndWorkerField) {
