@@ -138,6 +138,9 @@ struct JobSpec {
 // yet, passes. InvalidArgument naming parallel.ep otherwise.
 absl::Status CheckExpertParallel(const ParallelSpec& p, const ModelConfig& m);
 
+// The largest job spec text accepted (InvalidArgument beyond it).
+inline constexpr size_t kMaxJobSpecBytes = 1 << 20;
+
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text);
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j);
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);

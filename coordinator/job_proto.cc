@@ -69,6 +69,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
   if (v.moe.present) MoeToProto(v.moe, out->mutable_moe());
   out->set_eta_s(v.eta_s);
   for (const EventRecord& e : v.events) EventToProto(e, out->add_events());
+  out->set_next_events_page_token(v.next_events_page_token);
 }
 
 }  // namespace spindle

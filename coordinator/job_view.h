@@ -37,7 +37,8 @@ struct JobView {
   double eta_s = -1;         // -1: unknown
   MoeSummary moe;            // of the step shown (the lowest rank's)
   std::vector<RankView> ranks;
-  std::vector<EventRecord> events;  // empty unless asked for
+  std::vector<EventRecord> events;     // empty unless asked for; one page (JobManager::GetJob)
+  std::string next_events_page_token;  // "" after the last page
 };
 
 }  // namespace spindle

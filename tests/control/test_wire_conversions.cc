@@ -270,6 +270,7 @@ TEST(WireConversions, AJobViewFillsEveryFieldOfAJob) {
   v.ranks.back().moe = {true, 1.25, -0.5, 0.75, 3.5, 4096, 0.125};
   v.moe = v.ranks.back().moe;
   v.events.push_back({"j-000002", 2, 15, JobState::kPlaced, "placed"});
+  v.next_events_page_token = "events-1";
   v1::Job job;
   JobViewToProto(v, &job);
   ExpectEveryFieldSet(job);
