@@ -54,12 +54,26 @@ class DeviceMoeRows final : public MoeRows {
     CUDA(cudaStreamSynchronize(*stream_));
     return absl::OkStatus();
   }
+  // The counts through device memory: the EP group's communicator takes device buffers.
+  absl::Status AllToAllCounts(Communicator& comm, const int32_t* mine, int32_t* got,
+                              int64_t n) override {
+    const int64_t bytes = n * comm.size() * 4;
+    RETURN_IF_ERROR(counts_.Ensure(alloc_, 2 * bytes));
+    int32_t* send = counts_.i32();
+    int32_t* recv = send + n * comm.size();
+    CUDA(cudaMemcpyAsync(send, mine, bytes, cudaMemcpyHostToDevice, *stream_));
+    CUDA(cudaStreamSynchronize(*stream_));
+    RETURN_IF_ERROR(comm.AllToAll(send, n, CommType::kI32, recv, CommLayer::kMoe));
+    CUDA(cudaMemcpyAsync(got, recv, bytes, cudaMemcpyDeviceToHost, *stream_));
+    CUDA(cudaStreamSynchronize(*stream_));
+    return absl::OkStatus();
+  }
 
  private:
   kc::CachingAllocator* alloc_;
   cudaStream_t* stream_;
   std::vector<std::pair<const int32_t*, const int32_t*>> known_;
-  DevBuf scratch_;
+  DevBuf scratch_, counts_;
 };
 
 }  // namespace
@@ -99,9 +113,9 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   M.idx_host.resize(T * K);
   CUDA(cudaMemcpyAsync(M.idx_host.data(), M.idx.get(), T * K * 4, cudaMemcpyDeviceToHost, stream));
   CUDA(cudaStreamSynchronize(stream));
-  RETURN_IF_ERROR(PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, &M.plan));
-  const MoeDispatchPlan& plan = M.plan;
   DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
+  RETURN_IF_ERROR(PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, rows, &M.plan));
+  const MoeDispatchPlan& plan = M.plan;
   RETURN_IF_ERROR(rows.Upload(plan, M));
   if (stats) {
     if (stats->load.size() != static_cast<size_t>(E)) stats->load.assign(E, 0.0);

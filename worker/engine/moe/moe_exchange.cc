@@ -20,7 +20,7 @@ int64_t MoeDispatchPlan::recv_total() const {
 }
 
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,
-                             Communicator* ep_comm, MoeDispatchPlan* plan) {
+                             Communicator* ep_comm, MoeRows& rows, MoeDispatchPlan* plan) {
   const int64_t ep = ep_comm ? ep_comm->size() : 1;
   if (E % ep != 0)
     return absl::InvalidArgumentError(
@@ -36,10 +36,10 @@ absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E
     // The experts read the tokens directly: one grouping, padded.
     p.expert_counts.assign(E, 0);
     p.expert_offsets.assign(E + 1, 0);
-    int64_t rows = 0;
+    int64_t total = 0;
     for (int64_t i = 0; i < n; ++i) ++p.expert_counts[idx[i]];
-    for (int64_t e = 0; e < E; ++e) rows += (p.expert_counts[e] + align - 1) / align * align;
-    p.expert_src.resize(rows);
+    for (int64_t e = 0; e < E; ++e) total += (p.expert_counts[e] + align - 1) / align * align;
+    p.expert_src.resize(total);
     kernels::cpu::MoeGroupRows(idx, n, K, E, align, p.counts.data(), p.expert_offsets.data(),
                                p.pair_row.data(), p.expert_src.data());
     p.send_token.clear();
@@ -57,7 +57,7 @@ absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E
   // What each rank sends this one, per local expert: block q of `got` from rank q.
   std::vector<int32_t> mine(E), got(E);
   for (int64_t e = 0; e < E; ++e) mine[e] = static_cast<int32_t>(p.counts[e]);
-  RETURN_IF_ERROR(ep_comm->AllToAll(mine.data(), El, CommType::kI32, got.data(), CommLayer::kMoe));
+  RETURN_IF_ERROR(rows.AllToAllCounts(*ep_comm, mine.data(), got.data(), El));
   p.recv_rows.assign(ep, 0);
   std::vector<int32_t> key;  // each received row's local expert, in arrival order
   for (int64_t q = 0; q < ep; ++q)
@@ -68,10 +68,10 @@ absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E
   const int64_t R = static_cast<int64_t>(key.size());
   p.expert_counts.assign(El, 0);
   p.expert_offsets.assign(El + 1, 0);
-  int64_t rows = 0;
+  int64_t total = 0;
   for (int64_t i = 0; i < R; ++i) ++p.expert_counts[key[i]];
-  for (int64_t j = 0; j < El; ++j) rows += (p.expert_counts[j] + align - 1) / align * align;
-  p.expert_src.resize(rows);
+  for (int64_t j = 0; j < El; ++j) total += (p.expert_counts[j] + align - 1) / align * align;
+  p.expert_src.resize(total);
   p.recv_expert_row.resize(R);
   kernels::cpu::MoeGroupRows(key.data(), R, 1, El, align, p.expert_counts.data(),
                              p.expert_offsets.data(), p.recv_expert_row.data(),

@@ -37,6 +37,12 @@ class MoeRows {
                               int64_t D) = 0;
   // Returns once the gathers queued so far are done (a device backend syncs its stream).
   virtual absl::Status Fence() = 0;
+  // The plan's exchange of counts (host int32, n a rank) over `comm`, whose buffers are this
+  // backend's memory: a device backend stages them through device memory.
+  virtual absl::Status AllToAllCounts(Communicator& comm, const int32_t* mine, int32_t* got,
+                                      int64_t n) {
+    return comm.AllToAll(mine, n, CommType::kI32, got, CommLayer::kMoe);
+  }
 };
 
 // The CPU's: fp32 host rows.
@@ -69,9 +75,9 @@ struct MoeDispatchPlan {
 };
 
 // Plans a layer's exchange from the router's choices idx [T * K] (host) over `ep_comm` (null or a
-// group of one: ep = 1). Errors are the communicator's.
+// group of one: ep = 1; its counts exchange through `rows`). Errors are the communicator's.
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,
-                             Communicator* ep_comm, MoeDispatchPlan* plan);
+                             Communicator* ep_comm, MoeRows& rows, MoeDispatchPlan* plan);
 
 // The tokens x [T, D] -> expert_in [plan.expert_rows(), D] (padding rows zero): at ep = 1 one
 // gather; at ep > 1 the pairs' rows gathered into `send` (T * K rows) in send order, then

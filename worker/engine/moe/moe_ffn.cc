@@ -152,7 +152,7 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   Lin(h, P.data(L.router), C.logits.f32(), T, d, E);
   k::MoeRouterForward(C.logits.f32(), P.data(L.bias), C.idx.data(), C.weights.f32(), C.lse.f32(), T,
                       E, K);
-  RETURN_IF_ERROR(PlanMoeDispatch(C.idx.data(), T, K, E, /*align=*/1, ctx.ep, &C.plan));
+  RETURN_IF_ERROR(PlanMoeDispatch(C.idx.data(), T, K, E, /*align=*/1, ctx.ep, ctx.rows, &C.plan));
   const MoeDispatchPlan& plan = C.plan;
   if (stats) {
     if (stats->load.size() != static_cast<size_t>(E)) stats->load.assign(E, 0.0);
