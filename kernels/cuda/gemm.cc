@@ -22,9 +22,8 @@
 #include <tuple>
 
 namespace spindle::kernels::cuda {
-namespace {
 
-cudaDataType_t CudaType(DType t) {
+cudaDataType_t CudaDataType(DType t) {
   switch (t) {
     case DType::kFloat32:
       return CUDA_R_32F;
@@ -39,6 +38,8 @@ cudaDataType_t CudaType(DType t) {
   }
   return CUDA_R_32F;
 }
+
+namespace {
 
 DType BTypeOf(const GemmArgs& g) { return g.b_type.value_or(g.ab_type); }
 
@@ -179,8 +180,8 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
       SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
           plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
     }
-    const cudaDataType_t at = CudaType(g.ab_type), bt = CudaType(BTypeOf(g)),
-                         ct = CudaType(g.c_type);
+    const cudaDataType_t at = CudaDataType(g.ab_type), bt = CudaDataType(BTypeOf(g)),
+                         ct = CudaDataType(g.c_type);
     // Our B in column-major: untransposed row-major [K, N] is col-major [N x K] with ld ldb.
     SPINDLE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, bt, g.trans_b ? g.K : g.N,
                                                     g.trans_b ? g.N : g.K, g.ldb));

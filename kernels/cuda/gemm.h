@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <library_types.h>
 
 #include <cstdint>
 #include <map>
@@ -65,6 +66,9 @@ struct Fp8Operand {
   DType format = DType::kFp8E4M3;
   const float* inverse_scale = nullptr;
 };
+
+// The cuBLAS type of a DType.
+cudaDataType_t CudaDataType(DType t);
 
 class Blas {
  public:

@@ -47,19 +47,6 @@ __global__ void WritePointersKernel(PtrChunk chunk, int64_t first, int64_t max_g
   table[2 * max_groups + first + i] = chunk.c[i];
 }
 
-cudaDataType_t CudaTypeOf(DType t) {
-  switch (t) {
-    case DType::kFloat32:
-      return CUDA_R_32F;
-    case DType::kBFloat16:
-      return CUDA_R_16BF;
-    case DType::kFloat16:
-      return CUDA_R_16F;
-    default:
-      return CUDA_R_32F;
-  }
-}
-
 const char* At(const void* p, int64_t bytes) { return static_cast<const char*>(p) + bytes; }
 char* At(void* p, int64_t bytes) { return static_cast<char*>(p) + bytes; }
 
@@ -194,9 +181,9 @@ struct GroupedGemm::Impl {
     void** t = table;
     SPINDLE_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
         cublas, ta.data(), tb.data(), m.data(), nn.data(), k.data(), alpha.data(),
-        const_cast<const void* const*>(t), CudaTypeOf(f.ab_type), lda.data(),
-        const_cast<const void* const*>(t + GroupedGemm::kMaxGroups), CudaTypeOf(f.ab_type),
-        ldb.data(), beta.data(), t + 2 * GroupedGemm::kMaxGroups, CudaTypeOf(f.c_type), ldc.data(),
+        const_cast<const void* const*>(t), CudaDataType(f.ab_type), lda.data(),
+        const_cast<const void* const*>(t + GroupedGemm::kMaxGroups), CudaDataType(f.ab_type),
+        ldb.data(), beta.data(), t + 2 * GroupedGemm::kMaxGroups, CudaDataType(f.c_type), ldc.data(),
         static_cast<int>(n), size.data(), CUBLAS_COMPUTE_32F));
     return Status::Ok();
   }
