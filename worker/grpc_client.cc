@@ -37,6 +37,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeCoordinatorChannel(
     if (!pem.ok()) return pem.status();
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = *std::move(pem);
+    ssl.pem_private_key = options.client_key_pem;
+    ssl.pem_cert_chain = options.client_cert_pem;
     creds = grpc::SslCredentials(ssl);
   }
   grpc::ChannelArguments args;

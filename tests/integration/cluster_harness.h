@@ -1,8 +1,11 @@
 // ClusterHarness: a real Spindle cluster on 127.0.0.1 for integration tests: the
 // spindle-coordinator binary (SQLite file in a scratch directory), any number of spindle-worker
-// daemons, and a JobService client. Optionally with bearer-token auth, TLS, a separate worker port
-// and /metrics ports (set these before StartCoordinator). Processes are killed when the harness
-// is destroyed.
+// daemons, and a JobService client. By default the way a cluster runs: TLS on every port, the
+// coordinator's CA generated at its first start beside its database, and workers that join with
+// a bootstrap token and then call with the client certificate the CA signed (mutual TLS).
+// Optionally plaintext with bearer tokens instead (UsePlaintext), users' tokens, TLS with a given
+// server certificate, a separate worker port and /metrics ports (set these before
+// StartCoordinator). Processes are killed when the harness is destroyed.
 // Thread-safety: owned and used by one test thread.
 #pragma once
 
@@ -24,6 +27,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/subprocess.h"
 #include "grpcpp/grpcpp.h"
 #include "spindle/v1/cluster.grpc.pb.h"
@@ -123,8 +128,17 @@ class ClusterHarness {
     return absl::StrCat("127.0.0.1:", worker_port_ != 0 ? worker_port_ : port_);
   }
 
+  // No CA: plaintext (unless UseTls) and workers with bearer tokens (--plaintext).
+  void UsePlaintext() { plaintext_ = true; }
+  bool plaintext() const { return plaintext_; }
+  // The coordinator's CA certificate (written at its first start), which workers and clients
+  // trust; "" with UsePlaintext.
+  std::string ca_file() const { return plaintext_ ? "" : dir_->File("spindle.db.ca.pem"); }
+  // The bootstrap token workers join with (in bootstrap_token_file(), valid for a day).
+  std::string bootstrap_token_file() const { return dir_->File("bootstrap-token"); }
+
   // Every daemon and the harness's own client use `token` (written to a file under the scratch
-  // directory and passed with --token_file).
+  // directory and passed with --token_file; workers get it only with UsePlaintext).
   void UseToken(const std::string& token) {
     token_ = token;
     std::ofstream(dir_->File("token")) << token << "\n";
@@ -152,11 +166,13 @@ class ClusterHarness {
   // /metrics of the coordinator on 127.0.0.1:`port` (default: off).
   void UseCoordinatorMetricsPort(int port) { coordinator_metrics_port_ = port; }
 
-  // Credentials for a client of this cluster (TLS with the CA when UseTls was called).
+  // The CA file clients trust: UseTls's, else the coordinator's own; "" for plaintext.
+  std::string client_ca_file() const { return !tls_ca_file_.empty() ? tls_ca_file_ : ca_file(); }
+  // Credentials for a client of this cluster (TLS with client_ca_file() unless plaintext).
   std::shared_ptr<grpc::ChannelCredentials> ClientCredentials() const {
-    if (tls_ca_file_.empty()) return grpc::InsecureChannelCredentials();
+    if (client_ca_file().empty()) return grpc::InsecureChannelCredentials();
     grpc::SslCredentialsOptions opts;
-    opts.pem_root_certs = ReadFile(tls_ca_file_);
+    opts.pem_root_certs = ReadFile(client_ca_file());
     return grpc::SslCredentials(opts);
   }
   // Adds the bearer token (if any) to a call of the harness's client.
@@ -175,6 +191,16 @@ class ClusterHarness {
         "--db=" + dir_->File("spindle.db"),
         absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
     if (separate_worker_port_) argv.push_back("--worker_listen=" + worker_address());
+    if (plaintext_) {
+      argv.push_back("--plaintext");
+    } else {
+      const std::string expires =
+          absl::FormatTime(absl::RFC3339_sec, absl::Now() + absl::Hours(24), absl::UTCTimeZone());
+      std::ofstream(bootstrap_token_file()) << "harness-bootstrap-token-0123456789\n";
+      std::ofstream(dir_->File("bootstrap-tokens"))
+          << "harness-bootstrap-token-0123456789 " << expires << "\n";
+      argv.push_back("--bootstrap_token_file=" + dir_->File("bootstrap-tokens"));
+    }
     if (!token_.empty()) argv.push_back("--token_file=" + token_file());
     if (!worker_token_.empty()) argv.push_back("--worker_token_file=" + worker_token_file());
     if (!tls_cert_file_.empty()) {
@@ -188,6 +214,15 @@ class ClusterHarness {
     auto p = Subprocess::Spawn(argv, options);
     if (!p.ok()) return false;
     coordinator_ = *std::move(p);
+    // The coordinator writes its CA at the first start, before it listens.
+    if (!plaintext_ && !WaitFor(
+                           [&] {
+                             return ReadFile(ca_file()).find("END CERTIFICATE") !=
+                                        std::string::npos ||
+                                    !coordinator_->Poll().ok() || coordinator_->Poll()->has_value();
+                           },
+                           std::chrono::seconds(30)))
+      return false;
     channel_ = grpc::CreateChannel(address(), ClientCredentials());
     worker_channel_ = grpc::CreateChannel(worker_address(), ClientCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
@@ -228,12 +263,15 @@ class ClusterHarness {
                                      "--trainer_binary=" + trainer,
                                      "--checkpoint_root=" + dir_->path(),
                                      "--data_root=" + dir_->path()};
-    if (!worker_token_.empty()) {
+    if (!plaintext_) {
+      argv.push_back("--tls_ca_file=" + ca_file());
+      argv.push_back("--bootstrap_token_file=" + bootstrap_token_file());
+    } else if (!worker_token_.empty()) {
       argv.push_back("--token_file=" + worker_token_file());
     } else if (!token_.empty()) {
       argv.push_back("--token_file=" + token_file());
     }
-    if (!tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
+    if (plaintext_ && !tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
     argv.insert(argv.end(), extra.begin(), extra.end());
     SubprocessOptions options;
     options.stderr_path = dir_->File("worker-" + id + ".log");
@@ -376,6 +414,7 @@ class ClusterHarness {
   int worker_port_ = 0;
   bool separate_worker_port_ = false;
   int coordinator_metrics_port_ = -1;
+  bool plaintext_ = false;
   std::string token_;
   std::string worker_token_;
   std::string tls_ca_file_, tls_cert_file_, tls_key_file_;
