@@ -134,9 +134,9 @@ export SPINDLE_TLS_CA=$RUNTIME/spindle.db.ca.pem
     --metrics_port=0 --heartbeat_interval=1 --heartbeat_timeout=10 --hang_timeout=300 \
     >"$LOGS/coordinator.log" 2>&1 &
 echo $! >"$PIDS/coordinator.pid"
-# The CA is written (at the first start) before the coordinator listens; workers need it first.
+# Workers start once the coordinator serves (it writes its CA, at the first start, before).
 for _ in $(seq 100); do
-  grep -q "END CERTIFICATE" "$SPINDLE_TLS_CA" 2>/dev/null && break
+  grep -q "serving clients" "$LOGS/coordinator.log" 2>/dev/null && break
   kill -0 "$(cat "$PIDS/coordinator.pid")" 2>/dev/null || break
   sleep 0.1
 done

@@ -50,8 +50,9 @@ ABSL_FLAG(std::string, gloo_host, "",
 ABSL_FLAG(std::string, token_file, "",
           "File holding the worker's bearer token, for a coordinator without a CA (--plaintext).");
 ABSL_FLAG(std::string, tls_ca_file, "",
-          "PEM certificate of the coordinator's CA: talk TLS to the coordinator and, without "
-          "--token-file, be who this worker's client certificate says (mutual TLS).");
+          "PEM certificate of the coordinator's CA: talk TLS to the coordinator and, with a "
+          "certificate in --identity-dir or --bootstrap-token-file, be who this worker's client "
+          "certificate says (mutual TLS).");
 ABSL_FLAG(std::string, bootstrap_token_file, "",
           "File holding a bootstrap token: without a usable certificate in --identity-dir the "
           "worker joins with it (a new key and a certificate request for its id, signed by the "
@@ -210,12 +211,18 @@ int Main() {
     WorkerLog("metrics on %s:%d/metrics", absl::GetFlag(FLAGS_metrics_host), *port);
   }
 
-  // With the CA and no token the worker is who its certificate says; its trainers then get only
-  // their attempt's rendezvous token (and the CA to check the coordinator with).
+  // With the CA and a certificate (or a bootstrap token to get one) the worker is who its
+  // certificate says; its trainers then get only their attempt's rendezvous token (and the CA to
+  // check the coordinator with). Without either it talks TLS without a client certificate (a
+  // coordinator without a CA, --plaintext with --tls-cert) and authenticates by --token-file.
   const std::string tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  std::string identity_dir = absl::GetFlag(FLAGS_identity_dir);
+  if (identity_dir.empty()) identity_dir = (std::filesystem::path(work_dir) / "identity").string();
+  std::error_code exists_ec;
   const bool certified =
-      !tls_ca_file.empty() && (!absl::GetFlag(FLAGS_bootstrap_token_file).empty() ||
-                               absl::GetFlag(FLAGS_token_file).empty());
+      !tls_ca_file.empty() &&
+      (!absl::GetFlag(FLAGS_bootstrap_token_file).empty() ||
+       std::filesystem::exists(std::filesystem::path(identity_dir) / "cert.pem", exists_ec));
   if (!absl::GetFlag(FLAGS_bootstrap_token_file).empty() && tls_ca_file.empty()) {
     std::fprintf(stderr,
                  "spindle-worker: --bootstrap-token-file needs --tls-ca-file (the "
@@ -228,9 +235,7 @@ int Main() {
     id_options.coordinator_address = coordinator;
     id_options.tls_ca_file = tls_ca_file;
     id_options.worker_id = worker_id;
-    id_options.identity_dir = absl::GetFlag(FLAGS_identity_dir);
-    if (id_options.identity_dir.empty())
-      id_options.identity_dir = (std::filesystem::path(work_dir) / "identity").string();
+    id_options.identity_dir = identity_dir;
     id_options.bootstrap_token_file = absl::GetFlag(FLAGS_bootstrap_token_file);
     absl::StatusOr<WorkerIdentity> obtained = ObtainWorkerIdentity(id_options);
     if (!obtained.ok()) {

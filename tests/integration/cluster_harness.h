@@ -133,7 +133,15 @@ class ClusterHarness {
   bool plaintext() const { return plaintext_; }
   // The coordinator's CA certificate (written at its first start), which workers and clients
   // trust; "" with UsePlaintext.
-  std::string ca_file() const { return plaintext_ ? "" : dir_->File("spindle.db.ca.pem"); }
+  std::string ca_file() const {
+    if (plaintext_) return "";
+    return !ca_cert_file_.empty() ? ca_cert_file_ : dir_->File("spindle.db.ca.pem");
+  }
+  // The coordinator's CA from these files (--ca_cert, --ca_key) instead of one it generates.
+  void UseCaFiles(const std::string& cert_file, const std::string& key_file) {
+    ca_cert_file_ = cert_file;
+    ca_key_file_ = key_file;
+  }
   // The bootstrap token workers join with (in bootstrap_token_file(), valid for a day).
   std::string bootstrap_token_file() const { return dir_->File("bootstrap-token"); }
 
@@ -200,6 +208,10 @@ class ClusterHarness {
       std::ofstream(dir_->File("bootstrap-tokens"))
           << "harness-bootstrap-token-0123456789 " << expires << "\n";
       argv.push_back("--bootstrap_token_file=" + dir_->File("bootstrap-tokens"));
+      if (!ca_cert_file_.empty()) {
+        argv.push_back("--ca_cert=" + ca_cert_file_);
+        argv.push_back("--ca_key=" + ca_key_file_);
+      }
     }
     if (!token_.empty()) argv.push_back("--token_file=" + token_file());
     if (!worker_token_.empty()) argv.push_back("--worker_token_file=" + worker_token_file());
@@ -214,17 +226,26 @@ class ClusterHarness {
     auto p = Subprocess::Spawn(argv, options);
     if (!p.ok()) return false;
     coordinator_ = *std::move(p);
-    // The coordinator writes its CA at the first start, before it listens.
-    if (!plaintext_ && !WaitFor(
-                           [&] {
-                             return ReadFile(ca_file()).find("END CERTIFICATE") !=
-                                        std::string::npos ||
-                                    !coordinator_->Poll().ok() || coordinator_->Poll()->has_value();
-                           },
-                           std::chrono::seconds(30)))
+    // Dialled once the coordinator says it serves (it writes its CA before): a connection the
+    // gRPC server accepts while it is still starting may wait seconds for its TLS handshake.
+    const std::string log = options.stderr_path;
+    if (!WaitFor(
+            [&] {
+              absl::StatusOr<std::optional<int>> status = coordinator_->Poll();
+              return !status.ok() || status->has_value() ||
+                     ReadFile(log).find("spindle-coordinator: serving clients") !=
+                         std::string::npos;
+            },
+            std::chrono::seconds(30)))
       return false;
-    channel_ = grpc::CreateChannel(address(), ClientCredentials());
-    worker_channel_ = grpc::CreateChannel(worker_address(), ClientCredentials());
+    // Retry a failed connection soon, not after gRPC's default backoff (which grows past 10 s).
+    // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: gRPC also takes it as the time a
+    // connection attempt, TLS handshake included, may last.)
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    channel_ = grpc::CreateCustomChannel(address(), ClientCredentials(), args);
+    worker_channel_ = grpc::CreateCustomChannel(worker_address(), ClientCredentials(), args);
     jobs_ = v1::JobService::NewStub(channel_);
     bool exited = false;
     const bool answered = WaitFor(
@@ -415,6 +436,7 @@ class ClusterHarness {
   bool separate_worker_port_ = false;
   int coordinator_metrics_port_ = -1;
   bool plaintext_ = false;
+  std::string ca_cert_file_, ca_key_file_;
   std::string token_;
   std::string worker_token_;
   std::string tls_ca_file_, tls_cert_file_, tls_key_file_;

@@ -130,10 +130,13 @@ class MultihostTest : public ::testing::Test {
                                      "--bootstrap_token_file=" + dir_.File("bootstrap-tokens")};
     argv.insert(argv.end(), extra.begin(), extra.end());
     Spawn("coordinator", net_->On(0, argv));
-    // The CA is written before the coordinator listens; workers read it when they start.
-    ASSERT_TRUE(
-        WaitFor([&] { return ReadFile(CaFile()).find("END CERTIFICATE") != std::string::npos; },
-                std::chrono::seconds(30)))
+    // Workers start once it serves (it writes its CA, which they read, before).
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return ReadFile(dir_.File("coordinator.log")).find("serving clients") !=
+                 std::string::npos;
+        },
+        std::chrono::seconds(30)))
         << Logs();
   }
   // How a worker reaches the coordinator: TLS with its CA, joining with the bootstrap token.
