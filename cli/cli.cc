@@ -19,12 +19,14 @@
 #include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
+#include "common/message_limits.h"
 #include "common/pem.h"
-#include "planner/cp_planner.h"
-#include "planner/plan_proto.h"
+#include "common/text_bounds.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "planner/cp_planner.h"
+#include "planner/plan_proto.h"
 #include "spindle/v1/cluster.grpc.pb.h"
 #include "spindle/v1/job.grpc.pb.h"
 
@@ -253,6 +255,33 @@ std::string WithAbsolutePaths(const std::string& text) {
   return changed ? j.dump() : text;
 }
 
+// Every string of `m` (nested messages included) as PrintableText: what the coordinator relays from
+// users, workers and trainers (names, reasons, notes, stderr lines) reaches the terminal without
+// the control characters and escape sequences it may hold.
+void MakePrintable(google::protobuf::Message* m) {
+  const google::protobuf::Reflection* r = m->GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  r->ListFields(*m, &fields);
+  for (const google::protobuf::FieldDescriptor* f : fields) {
+    using FD = google::protobuf::FieldDescriptor;
+    if (f->cpp_type() == FD::CPPTYPE_STRING) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(*m, f); ++i)
+          r->SetRepeatedString(m, f, i, PrintableText(r->GetRepeatedString(*m, f, i)));
+      } else {
+        r->SetString(m, f, PrintableText(r->GetString(*m, f)));
+      }
+    } else if (f->cpp_type() == FD::CPPTYPE_MESSAGE) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(*m, f); ++i)
+          MakePrintable(r->MutableRepeatedMessage(m, f, i));
+      } else {
+        MakePrintable(r->MutableMessage(m, f));
+      }
+    }
+  }
+}
+
 std::string ToJsonLine(const google::protobuf::Message& m) {
   std::string s;
   google::protobuf::util::JsonPrintOptions opts;
@@ -405,6 +434,10 @@ constexpr int kSubmitAttempts = 4;
 constexpr std::chrono::milliseconds kSubmitFirstBackoff{250};
 // Jobs per List call.
 constexpr int kListPageSize = 500;
+// `spindle status` reads a job's events in pages of this many, at most kMaxEventPages of them
+// (the coordinator keeps a job's newest 1000 events).
+constexpr int kEventPageSize = 500;
+constexpr int kMaxEventPages = 4;
 
 std::string FormatTime(int64_t unix_ms) {
   return absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(unix_ms), absl::LocalTimeZone());
@@ -454,8 +487,12 @@ class Cli {
 
  private:
   int Fail(int code, const std::string& msg) {
-    err_ << "spindle: " << msg << "\n";
+    err_ << "spindle: " << PrintableText(msg) << "\n";
     return code;
+  }
+  // Strings of a reply about to be printed for a person (JSON output escapes them instead).
+  void ForPrinting(google::protobuf::Message* m) const {
+    if (!Json()) MakePrintable(m);
   }
   int RpcFail(const grpc::Status& st) {
     std::string msg = st.error_message();
@@ -488,7 +525,10 @@ class Cli {
       } else {
         creds = grpc::InsecureChannelCredentials();
       }
-      channel_ = grpc::CreateChannel(o_.coordinator, creds);
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+      args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
+      channel_ = grpc::CreateCustomChannel(o_.coordinator, creds, args);
     }
     return channel_;
   }
@@ -527,7 +567,8 @@ class Cli {
     return true;
   }
 
-  int EmitPlan(const v1::Plan& p) {
+  int EmitPlan(v1::Plan p) {
+    ForPrinting(&p);
     if (Json()) {
       out_ << ToJsonLine(p) << "\n";
     } else {
@@ -600,6 +641,7 @@ class Cli {
       backoff *= 2;
     }
     if (!st.ok()) return RpcFail(st);
+    ForPrinting(&resp);
     if (Json()) {
       out_ << ToJsonLine(resp) << "\n";
     } else {
@@ -631,6 +673,7 @@ class Cli {
       Prepare(&ctx);
       grpc::Status st = v1::JobService::NewStub(Channel())->List(&ctx, req, &page);
       if (!st.ok()) return RpcFail(st);
+      ForPrinting(&page);
       for (v1::Job& j : *page.mutable_jobs()) resp.add_jobs()->Swap(&j);
       req.set_page_token(page.next_page_token());
     } while (!req.page_token().empty() && (o_.limit <= 0 || resp.jobs_size() < o_.limit));
@@ -654,16 +697,32 @@ class Cli {
     return kExitOk;
   }
 
+  // The job with every event it keeps (page by page: a job keeps up to 1000).
   bool GetJob(const std::string& id, v1::Job* job, int* code) {
     v1::GetJobRequest req;
     req.set_job_id(id);
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    grpc::Status st = v1::JobService::NewStub(Channel())->Get(&ctx, req, job);
-    if (!st.ok()) {
-      *code = RpcFail(st);
-      return false;
+    req.set_events_page_size(kEventPageSize);
+    for (int page = 0;; ++page) {
+      v1::Job part;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      grpc::Status st = v1::JobService::NewStub(Channel())->Get(&ctx, req, &part);
+      if (!st.ok()) {
+        *code = RpcFail(st);
+        return false;
+      }
+      ForPrinting(&part);
+      if (page == 0) {
+        job->Swap(&part);
+      } else {
+        for (v1::JobEvent& e : *part.mutable_events()) job->add_events()->Swap(&e);
+        job->set_next_events_page_token(part.next_events_page_token());
+      }
+      // Bounded: the coordinator keeps at most kMaxEventPages pages of events.
+      if (job->next_events_page_token().empty() || page + 1 >= kMaxEventPages) break;
+      req.set_events_page_token(job->next_events_page_token());
     }
+    job->clear_next_events_page_token();
     return true;
   }
 
@@ -726,6 +785,7 @@ class Cli {
       v1::JobUpdate u;
       bool first = true;
       while (reader->Read(&u)) {
+        ForPrinting(&u);
         retries_left = 30;
         if (reconnecting) {
           err_ << "spindle: watch: reconnected to " << o_.coordinator << "\n";
@@ -809,6 +869,7 @@ class Cli {
     Prepare(&ctx);
     grpc::Status st = v1::JobService::NewStub(Channel())->Cancel(&ctx, req, &resp);
     if (!st.ok()) return RpcFail(st);
+    ForPrinting(&resp);
     if (Json()) {
       out_ << ToJsonLine(resp.job()) << "\n";
     } else if (resp.job().state() != v1::JOB_STATE_CANCELLED) {
@@ -848,6 +909,7 @@ class Cli {
     Prepare(&ctx);
     grpc::Status st = v1::ClusterService::NewStub(Channel())->ListWorkers(&ctx, req, &resp);
     if (!st.ok()) return RpcFail(st);
+    ForPrinting(&resp);
     if (Json()) {
       out_ << ToJsonLine(resp) << "\n";
       return kExitOk;

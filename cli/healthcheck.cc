@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/message_limits.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
@@ -96,7 +97,10 @@ absl::StatusOr<ServingStatus> CheckGrpcHealth(const GrpcHealthOptions& options) 
     ssl.pem_root_certs = options.tls_ca_pem;
     creds = grpc::SslCredentials(ssl);
   }
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options.address, creds);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+  args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.address, creds, args);
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options.timeout));

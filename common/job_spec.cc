@@ -10,7 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/cp_modes.h"
 #include "common/json_fields.h"
+#include "common/size_checks.h"
 #include "common/status.h"
+#include "common/text_bounds.h"
 
 namespace spindle {
 namespace {
@@ -58,6 +60,21 @@ absl::StatusOr<int64_t> ParseRecompute(const JsonFields& f, const nlohmann::json
                               n_layers, "], got ", DescribeJson(v)));
 }
 
+// A path a trainer opens: at most kMaxPathBytes, no control characters (a NUL byte would end the
+// path early where the system reads it, naming another place than the one checked).
+absl::Status CheckPathText(const JsonFields& f, const std::string& key, const std::string& path) {
+  if (path.size() > kMaxPathBytes)
+    return f.Error(key,
+                   absl::StrCat("must be at most ", kMaxPathBytes, " bytes, got ", path.size()));
+  for (size_t i = 0; i < path.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(path[i]);
+    if (c < 0x20 || c == 0x7F)
+      return f.Error(key, absl::StrCat("must not contain control characters, got byte 0x",
+                                       absl::Hex(c, absl::kZeroPad2), " at offset ", i));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
   JsonFields f(j, "job spec", "data");
   RETURN_IF_ERROR(f.CheckObject());
@@ -67,6 +84,7 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
   RETURN_IF_ERROR(f.ReadInt("recall_pairs", &d->recall_pairs));
   RETURN_IF_ERROR(f.ReadInt("recall_gap", &d->recall_gap));
   RETURN_IF_ERROR(f.Finish());
+  RETURN_IF_ERROR(CheckPathText(f, "source", d->source));
   const std::string& s = d->source;
   if (absl::StartsWith(s, "synthetic:")) {
     d->kind = DataKind::kSynthetic;
@@ -256,6 +274,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(cf.ReadInt("every", &s.checkpoint.every));
     RETURN_IF_ERROR(cf.ReadInt("keep", &s.checkpoint.keep));
     RETURN_IF_ERROR(cf.Finish());
+    RETURN_IF_ERROR(CheckPathText(cf, "dir", s.checkpoint.dir));
     if (s.checkpoint.every < 0)
       return cf.Error("every", absl::StrCat("must be >= 0, got ", s.checkpoint.every));
     if (s.checkpoint.keep < 1)
@@ -293,10 +312,15 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: data.eos_id: ", s.data.eos_id,
                      " is outside the vocabulary (model.vocab = ", s.model.vocab, ")"));
+  // Every size the planner and the trainer derive from the spec fits in 64 bits.
+  RETURN_IF_ERROR(CheckSpecSizes(s));
   return s;
 }
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text) {
+  if (json_text.size() > kMaxJobSpecBytes)
+    return absl::InvalidArgumentError(absl::StrCat("job spec: must be at most ", kMaxJobSpecBytes,
+                                                   " bytes, got ", json_text.size()));
   ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(json_text, "job spec"));
   return ParseJobSpecJson(j);
 }

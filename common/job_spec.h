@@ -133,6 +133,9 @@ struct JobSpec {
   nlohmann::json ToJson() const;  // canonical form; ParseJobSpec(ToJson()) round-trips
 };
 
+// The largest job spec text accepted (InvalidArgument beyond it).
+inline constexpr size_t kMaxJobSpecBytes = 1 << 20;
+
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text);
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j);
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);

@@ -18,12 +18,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/message_limits.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "common/status.h"
 #include "coordinator/certificate_authority.h"
 #include "coordinator/exposure.h"
 #include "coordinator/grpc_services.h"
+#include "coordinator/monitored_job_store.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/sqlite_job_store.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -72,7 +74,11 @@ struct CoordinatorServer::Impl {
   CoordinatorConfig config;
   RealClock real_clock;
   const Clock* clock = nullptr;
-  std::unique_ptr<JobStore> store;
+  std::unique_ptr<JobStore> sqlite_store;
+  std::unique_ptr<JobStore> test_store;      // config.wrap_store's, over sqlite_store
+  std::unique_ptr<MonitoredJobStore> store;  // what the manager writes through
+  Counter* store_errors = nullptr;
+  std::thread health_watch;  // serving status from the store's health
   std::unique_ptr<RendezvousStore> rendezvous;
   SessionRegistry sessions;
   MetricsRegistry registry;
@@ -136,6 +142,16 @@ struct CoordinatorServer::Impl {
     ASSIGN_OR_RETURN(auto* submitted, registry.CounterFamily("spindle_jobs_submitted_total",
                                                              "Jobs accepted by Submit."));
     ASSIGN_OR_RETURN(m->jobs_submitted, submitted->Add({}));
+    ASSIGN_OR_RETURN(auto* store_errors_family,
+                     registry.CounterFamily("spindle_store_errors_total",
+                                            "Writes of the job store (SQLite) that failed."));
+    ASSIGN_OR_RETURN(store_errors, store_errors_family->Add({}));
+    ASSIGN_OR_RETURN(
+        auto* ignored,
+        registry.CounterFamily("spindle_ignored_rank_reports_total",
+                               "Ranks that workers listed or reported on but were never given "
+                               "(ignored)."));
+    ASSIGN_OR_RETURN(m->ignored_rank_reports, ignored->Add({}));
     return absl::OkStatus();
   }
 
@@ -200,14 +216,21 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     SqliteJobStore::RemoveFiles(db_path);
   };
   ASSIGN_OR_RETURN(std::unique_ptr<SqliteJobStore> sqlite, SqliteJobStore::Open(s.config.db_path));
-  IdentityStore* identities = sqlite.get();
-  s.store = std::move(sqlite);
+  IdentityStore* identities = sqlite.get();  // the same file; its writes are not the manager's
+  s.sqlite_store = std::move(sqlite);
   JobManagerMetrics metrics;
   RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
+  JobStore* base = s.sqlite_store.get();
+  if (s.config.wrap_store) {
+    s.test_store = s.config.wrap_store(base);
+    base = s.test_store.get();
+  }
+  s.store = std::make_unique<MonitoredJobStore>(base, s.store_errors,
+                                                absl::Milliseconds(s.config.store_stall_ms));
   if (ca) {
-    s.certificates =
-        std::make_unique<WorkerCertificates>(*std::move(ca), s.config.bootstrap_tokens, identities,
-                                             s.clock, s.config.worker_certificate_validity);
+    s.certificates = std::make_unique<WorkerCertificates>(
+        *std::move(ca), s.config.bootstrap_tokens, identities, s.clock,
+        s.config.worker_certificate_validity);
     RETURN_IF_ERROR(s.certificates->Load());
   }
   s.auth = std::make_unique<Credentials>(s.config.token, s.config.worker_tokens, s.config.users,
@@ -224,8 +247,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s.manager = std::make_unique<JobManager>(s.store.get(), s.clock, &s.sessions, s.rendezvous.get(),
                                            s.config.manager, metrics);
   s.job_service = std::make_unique<JobServiceImpl>(s.manager.get(), s.auth.get(), s.config.limits);
-  s.cluster_service =
-      std::make_unique<ClusterServiceImpl>(s.manager.get(), &s.sessions, s.auth.get());
+  s.cluster_service = std::make_unique<ClusterServiceImpl>(
+      s.manager.get(), &s.sessions, s.auth.get(), /*accepts_workers=*/true, s.config.limits);
   s.rendezvous_service =
       std::make_unique<RendezvousServiceImpl>(s.rendezvous.get(), s.auth.get(), s.config.limits);
 
@@ -234,6 +257,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     // gRPC binds with SO_REUSEPORT by default, so a second coordinator on a taken port would
     // start and take half of its connections; without it the bind fails.
     b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    b.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+    b.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
     b.AddListeningPort(s.config.listen, s.ListenCredentials(), &s.client_port);
     b.RegisterService(s.job_service.get());
     if (shared) {
@@ -255,6 +280,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   } else {
     grpc::ServerBuilder b;
     b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    b.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+    b.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
     b.AddListeningPort(s.config.worker_listen, s.ListenCredentials(), &s.worker_port);
     b.RegisterService(s.cluster_service.get());
     b.RegisterService(s.rendezvous_service.get());
@@ -283,6 +310,23 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
 
   Impl* self = &s;
+  // Health from the store's own state, every 200 ms: never behind the manager's mutex.
+  s.health_watch = std::thread([self]() {
+    bool serving = true;
+    absl::MutexLock l(&self->mu);
+    while (!self->stopping) {
+      auto stop = [self]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->stopping; };
+      if (self->mu.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(200))) break;
+      const std::string problem = self->store->Problem();
+      if (problem.empty() == serving) continue;
+      serving = problem.empty();
+      for (grpc::Server* server : {self->client_server.get(), self->worker_server.get()})
+        if (server != nullptr && server->GetHealthCheckService() != nullptr)
+          server->GetHealthCheckService()->SetServingStatus(serving);
+      std::fprintf(stderr, "coordinator: health %s%s\n",
+                   serving ? "SERVING" : "NOT_SERVING: ", problem.c_str());
+    }
+  });
   s.ticker = std::thread([self]() {
     absl::Time next_prune = absl::Now() + absl::Milliseconds(self->config.prune_interval_ms);
     absl::MutexLock l(&self->mu);
@@ -316,6 +360,7 @@ void CoordinatorServer::Shutdown() {
     s.stopping = true;
   }
   if (s.ticker.joinable()) s.ticker.join();
+  if (s.health_watch.joinable()) s.health_watch.join();
   s.sessions.CloseAll();
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
   if (s.worker_server) s.worker_server->Shutdown(deadline);

@@ -1,13 +1,16 @@
 // CoordinatorServer: assembles the coordinator daemon: opens the JobStore, recovers the
 // JobManager, serves JobService (client port) and ClusterService + RendezvousService (worker
 // port; the same port unless a separate one is configured, in which case the client port still
-// answers ClusterService.ListWorkers for `spindle workers`), grpc.health.v1 on both, optional
-// credentials (credentials.h: users' tokens; workers' certificates from the coordinator's CA, or
-// their tokens) and TLS, Prometheus /metrics, and the periodic Tick thread.
+// answers ClusterService.ListWorkers for `spindle workers`), grpc.health.v1 on both (NOT_SERVING
+// while the store's writes fail or stall: a thread of its own watches the store, never waiting
+// behind a write), optional credentials (credentials.h: users' tokens; workers' certificates
+// from the coordinator's CA, or their tokens) and TLS, Prometheus /metrics, and the periodic
+// Tick thread.
 // Used by main.cc and by in-process tests.
 // Thread-safety: Start/Shutdown from one owner thread; accessors are safe afterwards.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +60,11 @@ struct CoordinatorConfig {
   int64_t prune_interval_ms = 60000;
   JobManagerOptions manager;
   ServiceLimits limits;
+  // Health reports NOT_SERVING while a store write has run longer than this (or the last failed).
+  int64_t store_stall_ms = 5000;
+  // Tests: a store put between the SQLite store (`base`, which it must use) and the rest, e.g. to
+  // inject faults. Empty: none.
+  std::function<std::unique_ptr<JobStore>(JobStore* base)> wrap_store;
 };
 
 class CoordinatorServer {

@@ -10,10 +10,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/host_port.h"
+#include "common/text_bounds.h"
 #include "coordinator/job_pages.h"
 #include "coordinator/job_proto.h"
-#include "planner/plan_proto.h"
 #include "coordinator/worker_proto.h"
+#include "planner/plan_proto.h"
 
 namespace spindle {
 
@@ -32,25 +33,43 @@ grpc::Status WrongPortStatus() {
 
 }  // namespace
 
-// Outbound queue of one Session stream.
+// Outbound queue of one Session stream, bounded in length and in how long its oldest message
+// waits: a worker that does not read is disconnected, not buffered without end.
 class SessionRegistry::Session {
  public:
-  explicit Session(grpc::ServerContext* ctx) : ctx_(ctx) {}
+  Session(grpc::ServerContext* ctx, const ServiceLimits& limits)
+      : ctx_(ctx),
+        max_queued_(static_cast<size_t>(std::max<int64_t>(1, limits.max_session_outbound))),
+        max_wait_(absl::Milliseconds(limits.stream_write_timeout_ms)) {}
 
   bool Push(const v1::CoordinatorMessage& m) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock l(&mu_);
-    if (closed_) return false;
-    queue_.push_back(m);
-    return true;
+    {
+      absl::MutexLock l(&mu_);
+      if (closed_) return false;
+      const absl::Time now = absl::Now();
+      const bool stuck = (!queue_.empty() && now - queue_.front().second > max_wait_) ||
+                         (writing_ && now - write_started_ > max_wait_);
+      if (queue_.size() < max_queued_ && !stuck) {
+        queue_.emplace_back(m, now);
+        return true;
+      }
+      closed_ = true;
+    }
+    // The worker does not read: the stream ends (the worker reconnects with a fresh one).
+    ctx_->TryCancel();
+    return false;
   }
-  // Blocks until a message is queued or the session closes; false when closed.
+  // Blocks until a message is queued or the session closes; false when closed and drained.
   bool Pop(v1::CoordinatorMessage* m) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock l(&mu_);
+    writing_ = false;
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_ || !queue_.empty(); };
     mu_.Await(absl::Condition(&ready));
     if (queue_.empty()) return false;
-    *m = std::move(queue_.front());
+    *m = std::move(queue_.front().first);
     queue_.pop_front();
+    writing_ = true;
+    write_started_ = absl::Now();
     return true;
   }
   void Close() ABSL_LOCKS_EXCLUDED(mu_) {
@@ -65,10 +84,71 @@ class SessionRegistry::Session {
 
  private:
   grpc::ServerContext* const ctx_;
+  const size_t max_queued_;
+  const absl::Duration max_wait_;
   absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  // Each message with the time it was queued.
+  std::deque<std::pair<v1::CoordinatorMessage, absl::Time>> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the writer holds a popped message
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);
 };
+
+namespace {
+
+// Reports one session read, waiting for the job manager (whose mutex a slow store write may hold):
+// the reading thread never waits on the manager, so heartbeats keep being read and acknowledged.
+// Bounded: a heartbeat replaces a queued heartbeat at the tail, a rank's progress its queued
+// progress at the tail; past the limit Push fails.
+class InboundReports {
+ public:
+  explicit InboundReports(int64_t limit)
+      : limit_(static_cast<size_t>(std::max<int64_t>(1, limit))) {}
+
+  bool Push(WorkerReport r) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    if (!queue_.empty()) {
+      WorkerReport& last = queue_.back();
+      if (std::holds_alternative<HeartbeatReport>(r) &&
+          std::holds_alternative<HeartbeatReport>(last)) {
+        last = std::move(r);
+        return true;
+      }
+      const auto* p = std::get_if<RankProgressReport>(&r);
+      const auto* q = std::get_if<RankProgressReport>(&last);
+      if (p != nullptr && q != nullptr && p->ref.job_id == q->ref.job_id &&
+          p->ref.attempt == q->ref.attempt && p->ref.rank == q->ref.rank) {
+        last = std::move(r);
+        return true;
+      }
+    }
+    if (queue_.size() >= limit_) return false;
+    queue_.push_back(std::move(r));
+    return true;
+  }
+  // Blocks until a report is queued or the queue closes; false once closed and drained.
+  bool Pop(WorkerReport* r) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_ || !queue_.empty(); };
+    mu_.Await(absl::Condition(&ready));
+    if (queue_.empty()) return false;
+    *r = std::move(queue_.front());
+    queue_.pop_front();
+    return true;
+  }
+  void Close() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    closed_ = true;
+  }
+
+ private:
+  const size_t limit_;
+  absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<WorkerReport> queue_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
 
 bool SessionRegistry::Send(const std::string& worker_id, const WorkerCommand& command) {
   std::shared_ptr<Session> s;
@@ -120,6 +200,40 @@ void SessionRegistry::CloseAll() {
   for (auto& [id, s] : all) s->Cancel();
 }
 
+StreamReaper::StreamReaper(absl::Duration timeout) : timeout_(timeout) {
+  thread_ = std::thread([this] {
+    absl::MutexLock l(&mu_);
+    while (!stop_) {
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(100));
+      const absl::Time now = absl::Now();
+      for (auto& [ctx, deadline] : writing_) {
+        if (now < deadline) continue;
+        ctx->TryCancel();
+        deadline = absl::InfiniteFuture();  // once
+      }
+    }
+  });
+}
+
+StreamReaper::~StreamReaper() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+bool StreamReaper::Write(grpc::ServerContext* ctx, absl::FunctionRef<bool()> write) {
+  {
+    absl::MutexLock l(&mu_);
+    writing_[ctx] = absl::Now() + timeout_;
+  }
+  const bool ok = write();
+  absl::MutexLock l(&mu_);
+  writing_.erase(ctx);
+  return ok;
+}
+
 // --- JobService ------------------------------------------------------------------------------
 
 grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
@@ -156,7 +270,8 @@ grpc::Status JobServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetJobReque
                                  v1::Job* resp) {
   if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
   JobView job;
-  absl::Status st = manager_->GetJob(req->job_id(), true, &job);
+  absl::Status st = manager_->GetJob(req->job_id(), true, &job,
+                                     {req->events_page_size(), req->events_page_token()});
   if (st.ok()) JobViewToProto(job, resp);
   return ToGrpc(st);
 }
@@ -240,7 +355,10 @@ grpc::Status JobServiceImpl::WatchStream(grpc::ServerContext* ctx, const v1::Wat
     JobViewToProto(job, update.mutable_job());
     for (const EventRecord& e : events) EventToProto(e, update.add_new_events());
     const v1::JobState state = update.job().state();
-    if (!writer->Write(update)) return grpc::Status::OK;  // client went away
+    // A client that does not read holds this thread in Write: past the write timeout the
+    // stream is cancelled (Write then returns false).
+    if (!reaper_.Write(ctx, [&] { return writer->Write(update); }))
+      return grpc::Status::OK;  // client went away, or did not read within the write timeout
     if (state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
         state == v1::JOB_STATE_CANCELLED)
       return grpc::Status::OK;
@@ -281,15 +399,37 @@ grpc::Status ClusterServiceImpl::Session(
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         "session: the first message must be a hello");
   const std::string worker_id = first.hello().worker_id();
+  if (worker_id.size() > kMaxIdBytes)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("session: worker_id must be at most ", kMaxIdBytes,
+                                     " bytes, got ", worker_id.size()));
   if (grpc::Status a = auth_->CheckWorker(*ctx, worker_id); !a.ok()) return a;
+  {
+    absl::MutexLock l(&mu_);
+    if (open_sessions_ >= limits_.max_sessions)
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("session: the coordinator already serves ", limits_.max_sessions,
+                       " worker sessions, its limit (--max-sessions)"));
+    ++open_sessions_;
+  }
+  absl::Cleanup release = [this] {
+    absl::MutexLock l(&mu_);
+    --open_sessions_;
+  };
+  const WorkerHello hello = HelloFromProto(first.hello());
+  // Checked before this stream replaces the worker's live one: a hello that names another
+  // daemon's worker is refused without disturbing it.
+  if (absl::Status ok = manager_->CheckHello(hello); !ok.ok()) return ToGrpc(ok);
   uint64_t session_id;
   {
     absl::MutexLock l(&mu_);
     session_id = next_session_id_++;
   }
-  auto session = std::make_shared<SessionRegistry::Session>(ctx);
+  auto session = std::make_shared<SessionRegistry::Session>(ctx, limits_);
   sessions_->Attach(worker_id, session);
-  absl::Status opened = manager_->SessionOpened(HelloFromProto(first.hello()), session_id);
+  manager_->HeardFrom(worker_id);
+  absl::Status opened = manager_->SessionOpened(hello, session_id);
   if (!opened.ok()) {
     sessions_->Detach(worker_id, session.get());
     return ToGrpc(opened);
@@ -300,23 +440,44 @@ grpc::Status ClusterServiceImpl::Session(
       if (!stream->Write(m)) break;
     }
   });
+  InboundReports inbound(limits_.max_session_inbound);
+  std::thread processor([this, &inbound, &worker_id]() {
+    WorkerReport r;
+    while (inbound.Pop(&r)) manager_->HandleWorkerMessage(worker_id, r);
+  });
+  grpc::Status result = grpc::Status::OK;
   v1::WorkerMessage m;
   while (stream->Read(&m)) {
-    if (std::optional<WorkerReport> report = ReportFromProto(m))
-      manager_->HandleWorkerMessage(worker_id, *report);
-    // The worker's fencing counts from its last acknowledged heartbeat: acknowledged only once
-    // the manager has taken it in.
+    // The worker's fencing counts from its last acknowledged heartbeat: acknowledged once the
+    // manager has recorded the sign of life, without waiting for it to take in the rest.
+    manager_->HeardFrom(worker_id);
     if (m.has_heartbeat()) {
       v1::CoordinatorMessage ack;
       ack.mutable_heartbeat_ack()->set_seq(m.heartbeat().seq());
       session->Push(ack);
     }
+    if (std::optional<WorkerReport> report = ReportFromProto(m)) {
+      if (!inbound.Push(*std::move(report))) {
+        result =
+            grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                         absl::StrCat("session: worker ", worker_id, " sent more than ",
+                                      limits_.max_session_inbound,
+                                      " reports the coordinator had not yet taken in; reconnect"));
+        break;
+      }
+    }
   }
-  session->Close();
+  // What was read is still taken in (a rank's exit sent just before a graceful end).
+  inbound.Close();
+  processor.join();
+  if (result.ok())
+    session->Close();  // the writer sends what is queued, then ends
+  else
+    session->Cancel();
   writer.join();
   sessions_->Detach(worker_id, session.get());
   manager_->SessionClosed(worker_id, session_id);
-  return grpc::Status::OK;
+  return result;
 }
 
 grpc::Status ClusterServiceImpl::Join(grpc::ServerContext* ctx, const v1::JoinRequest* req,
@@ -375,6 +536,21 @@ grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetR
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("rendezvous: wait_timeout_ms must not be negative, got ",
                                      req->wait_timeout_ms()));
+  const bool waits = req->wait_timeout_ms() > 0;
+  if (waits) {
+    absl::MutexLock l(&mu_);
+    if (waiting_gets_ >= limits_.max_rendezvous_waits)
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("rendezvous: the coordinator already holds ", limits_.max_rendezvous_waits,
+                       " waiting Gets, its limit (--max-rendezvous-waits); retry"));
+    ++waiting_gets_;
+  }
+  absl::Cleanup release = [this, waits] {
+    if (!waits) return;
+    absl::MutexLock l(&mu_);
+    --waiting_gets_;
+  };
   absl::Duration timeout =
       absl::Milliseconds(std::min<int64_t>(req->wait_timeout_ms(), limits_.max_rendezvous_wait_ms));
   // Never wait past the client's own deadline.

@@ -3,8 +3,11 @@
 // translate between the wire and JobManager / RendezvousStore; all state lives there.
 //
 // Sessions: each open Session stream has an outbound queue drained by its own writer thread, so
-// JobManager's Send never blocks; the handler thread reads. A new session of the same worker
-// cancels the previous one.
+// JobManager's Send never blocks, and an inbound queue of reports drained by its own thread into
+// the JobManager, so the handler thread that reads never waits for the manager (whose mutex store
+// writes hold): it records each message as a sign of life (JobManager::HeardFrom) and acknowledges
+// each heartbeat at once. Both queues are bounded (ServiceLimits). A new session of the same
+// worker cancels the previous one, once its hello has been checked.
 // Thread-safety: all classes are thread-safe.
 #pragma once
 
@@ -12,9 +15,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "coordinator/credentials.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/rendezvous_store.h"
@@ -47,10 +53,33 @@ class SessionRegistry : public WorkerChannel {
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
 };
 
+// Cancels a server stream whose Write has not completed within `timeout` (a client that does not
+// read holds the writing thread otherwise); one thread watches every stream in Write.
+class StreamReaper {
+ public:
+  explicit StreamReaper(absl::Duration timeout);
+  ~StreamReaper();
+  StreamReaper(const StreamReaper&) = delete;
+  StreamReaper& operator=(const StreamReaper&) = delete;
+  // Runs `write` (a Write on ctx's stream) and returns its result; cancels ctx once it has run
+  // longer than the timeout, which makes the Write return false.
+  bool Write(grpc::ServerContext* ctx, absl::FunctionRef<bool()> write) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<grpc::ServerContext*, absl::Time> writing_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
 class JobServiceImpl final : public v1::JobService::Service {
  public:
   JobServiceImpl(JobManager* manager, const Credentials* auth, ServiceLimits limits = {})
-      : manager_(manager), auth_(auth), limits_(limits) {}
+      : manager_(manager),
+        auth_(auth),
+        limits_(limits),
+        reaper_(absl::Milliseconds(limits.stream_write_timeout_ms)) {}
   grpc::Status Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                       v1::SubmitJobResponse* resp) override;
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanJobRequest* req,
@@ -70,6 +99,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   JobManager* const manager_;
   const Credentials* const auth_;
   const ServiceLimits limits_;
+  StreamReaper reaper_;
   absl::Mutex mu_;
   int open_watches_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -80,8 +110,12 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   // separate worker port); it answers ListWorkers (for `spindle workers`) and refuses Register
   // and Session with FAILED_PRECONDITION naming the worker port.
   ClusterServiceImpl(JobManager* manager, SessionRegistry* sessions, const Credentials* auth,
-                     bool accepts_workers = true)
-      : manager_(manager), sessions_(sessions), auth_(auth), accepts_workers_(accepts_workers) {}
+                     bool accepts_workers = true, ServiceLimits limits = {})
+      : manager_(manager),
+        sessions_(sessions),
+        auth_(auth),
+        accepts_workers_(accepts_workers),
+        limits_(limits) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override;
   grpc::Status Session(
@@ -100,8 +134,10 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   SessionRegistry* const sessions_;
   const Credentials* const auth_;
   const bool accepts_workers_;
+  const ServiceLimits limits_;
   absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int open_sessions_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
@@ -117,6 +153,8 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   RendezvousStore* const store_;
   const Credentials* const auth_;
   const ServiceLimits limits_;
+  absl::Mutex mu_;
+  int waiting_gets_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // absl::Status -> grpc::Status with the same code and message.

@@ -12,6 +12,8 @@
 #include <variant>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -20,9 +22,10 @@
 #include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/status.h"
+#include "common/text_bounds.h"
 #include "coordinator/job_pages.h"
-#include "planner/plan_proto.h"
 #include "coordinator/scheduler.h"
+#include "planner/plan_proto.h"
 
 namespace spindle {
 
@@ -66,13 +69,23 @@ struct JobManager::JobRuntime {
   int64_t restart_not_before_ms = 0;
   // A new plan (more layers recomputing) that the next transition saves and then adopts.
   std::optional<CpPlan> pending_plan;
-  std::map<int64_t, std::pair<int64_t, std::string>> checkpoints;  // step -> (ranks, path)
-  std::vector<EventRecord> events;
+  // step -> (the distinct ranks that reported it, its path)
+  std::map<int64_t, std::pair<std::set<int64_t>, std::string>> checkpoints;
+  std::vector<EventRecord> events;  // the newest kMaxEventsPerJob
+  int64_t events_dropped = 0;       // older events no longer kept (positions of page tokens)
+  // A transition the store refused, tried again at each Tick (TransitionOrRetry).
+  std::unique_ptr<PendingTransition> retry;
   // spec.checkpoint.dir as a comparable path (SamePlace), resolved once at submit or recovery;
   // "" for none. Its key in the JobIndex.
   std::string checkpoint_place;
   uint64_t version = 0;
   int64_t rate_ref_ms = 0, rate_ref_step = -1;  // for the ETA
+};
+
+struct JobManager::PendingTransition {
+  JobState to;
+  std::string message;
+  int64_t add_restarts = 0;
 };
 
 struct JobManager::Outbox {
@@ -121,6 +134,24 @@ absl::Status CheckRequestId(const std::string& id) {
 
 bool IsActive(JobState s) { return s == JobState::kPlaced || s == JobState::kRunning; }
 
+absl::Status JobNotFound(const std::string& job_id) {
+  return absl::NotFoundError(absl::StrCat("job ", BoundedUtf8(job_id, kMaxIdBytes), " not found"));
+}
+
+// Event page tokens: "events-N", N the position of the page's first event among every event the
+// job ever had.
+constexpr char kEventTokenPrefix[] = "events-";
+
+absl::StatusOr<int64_t> ParseEventPageToken(const std::string& token) {
+  if (token.empty()) return 0;
+  int64_t at = -1;
+  if (token.size() > 64 || !absl::StartsWith(token, kEventTokenPrefix) ||
+      !absl::SimpleAtoi(token.substr(sizeof(kEventTokenPrefix) - 1), &at) || at < 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "get: events_page_token \"", BoundedUtf8(token, 64), "\" is not one that Get returned"));
+  return at;
+}
+
 // A checkpoint directory as a comparable path ("/a/b/" and "/a//b" are "/a/b"; the symbolic
 // links among its existing parts, as the coordinator's host sees them, resolved).
 std::string SamePlace(const std::string& dir) {
@@ -146,7 +177,7 @@ JobManager::JobManager(JobStore* store, const Clock* clock, WorkerChannel* chann
       health_(HealthOptions{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms,
                             options_.hang_timeout_ms, options_.start_timeout_ms,
                             options_.silence_timeout_ms, options_.stop_grace_ms}),
-      registry_(store, clock),
+      registry_(store, clock, options_.registry),
       rendezvous_address_(options_.rendezvous_address) {}
 
 void JobManager::SetRendezvousAddress(const std::string& address) {
@@ -162,6 +193,60 @@ JobManager::JobRuntime* JobManager::FindJob(const std::string& job_id) {
 }
 
 void JobManager::Bump(JobRuntime& j) { j.version = next_version_++; }
+
+void JobManager::AddEvent(JobRuntime& j, EventRecord ev) {
+  j.events.push_back(std::move(ev));
+  if (static_cast<int64_t>(j.events.size()) > kMaxEventsPerJob) {
+    const int64_t drop = static_cast<int64_t>(j.events.size()) - kMaxEventsPerJob;
+    j.events.erase(j.events.begin(), j.events.begin() + drop);
+    j.events_dropped += drop;
+  }
+}
+
+void JobManager::IgnoredRankReport() const {
+  if (metrics_.ignored_rank_reports) metrics_.ignored_rank_reports->Increment();
+}
+
+void JobManager::HeardFrom(const std::string& worker_id) {
+  const int64_t steady = clock_->SteadyMs(), wall = clock_->NowMs();
+  absl::MutexLock l(&heard_mu_);
+  // Only registered workers have an entry worth keeping: the session checked its hello.
+  heard_[worker_id] = {steady, wall};
+}
+
+void JobManager::SyncHeardLocked() {
+  std::map<std::string, std::pair<int64_t, int64_t>> heard;
+  {
+    absl::MutexLock l(&heard_mu_);
+    heard.swap(heard_);
+  }
+  for (const auto& [id, t] : heard) {
+    Worker* w = registry_.Find(id);
+    if (w == nullptr || t.first <= w->last_seen_ms) continue;
+    w->last_seen_ms = t.first;
+    w->last_seen_unix_ms = t.second;
+  }
+}
+
+absl::Status JobManager::CheckHello(const WorkerHello& hello) {
+  absl::MutexLock l(&mu_);
+  return registry_.CheckOpen(hello.worker_id, hello.instance_id);
+}
+
+int64_t JobManager::PendingTransitions() const {
+  absl::MutexLock l(&mu_);
+  int64_t n = 0;
+  for (const auto& [id, j] : jobs_) n += j->retry != nullptr;
+  return n;
+}
+
+void JobManager::TransitionOrRetry(JobRuntime& j, JobState to, const std::string& message,
+                                   int64_t add_restarts) {
+  JobRecord next = j.rec;
+  next.restarts += add_restarts;
+  if (Transition(j, to, message, nullptr, std::move(next)).ok()) return;
+  j.retry = std::make_unique<PendingTransition>(PendingTransition{to, message, add_restarts});
+}
 
 void JobManager::Flush(Outbox& out) {
   for (auto& [worker, msg] : out.messages) channel_->Send(worker, msg);
@@ -194,6 +279,8 @@ absl::Status JobManager::Recover() {
       AdoptPlan(*j, planner_.Plan(planned, 0));
     }
     ASSIGN_OR_RETURN(j->events, store_->LoadEvents(rec.job_id));
+    if (static_cast<int64_t>(j->events.size()) > kMaxEventsPerJob)  // a store of older releases
+      j->events.erase(j->events.begin(), j->events.end() - kMaxEventsPerJob);
     j->rec = std::move(rec);
     j->queued_since_ms = now;
     // A restart the previous coordinator process began: ranks of the stopped attempt may still
@@ -383,7 +470,7 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, CpP
                    owner.empty() ? "submitted" : absl::StrCat("submitted by ", owner)};
     RETURN_IF_ERROR(store_->CreateJob(&rec, ev));
     ev.job_id = rec.job_id;
-    j->events.push_back(ev);
+    AddEvent(*j, ev);
     j->queued_since_ms = clock_->SteadyMs();
     Bump(*j);
     job_id = rec.job_id;
@@ -427,12 +514,14 @@ absl::Status JobManager::Transition(JobRuntime& j, JobState to, const std::strin
     AdoptPlan(j, *plan);
     j.recompute_at_placement = false;
   }
-  j.events.push_back(std::move(ev));
+  AddEvent(j, std::move(ev));
+  j.retry.reset();  // whatever was pending, this transition supersedes it
   Bump(j);
   return absl::OkStatus();
 }
 
-void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out) const {
+void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out, int64_t events_from,
+                         int events_page) const {
   const JobRecord& r = j.rec;
   *out = JobView{};
   out->record = r;
@@ -474,14 +563,28 @@ void JobManager::FillJob(const JobRuntime& j, bool with_events, JobView* out) co
     const double rate = (min_step - j.rate_ref_step) / std::max(dt, 1e-3);
     out->eta_s = (j.spec.train.steps - min_step) / rate;
   }
-  if (with_events) out->events = j.events;
+  if (with_events) {
+    const int64_t first = std::max<int64_t>(0, events_from - j.events_dropped);
+    const int64_t end =
+        std::min<int64_t>(static_cast<int64_t>(j.events.size()), first + events_page);
+    if (first < end) out->events.assign(j.events.begin() + first, j.events.begin() + end);
+    if (end < static_cast<int64_t>(j.events.size()))
+      out->next_events_page_token = absl::StrCat(kEventTokenPrefix, j.events_dropped + end);
+  }
 }
 
-absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, JobView* out) {
+absl::Status JobManager::GetJob(const std::string& job_id, bool with_events, JobView* out,
+                                const EventPageRequest& page) {
+  if (page.page_size < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("get: events_page_size must not be negative, got ", page.page_size));
+  ASSIGN_OR_RETURN(const int64_t from, ParseEventPageToken(page.page_token));
+  const int size =
+      page.page_size == 0 ? kDefaultEventPageSize : std::min(page.page_size, kMaxEventPageSize);
   absl::MutexLock l(&mu_);
   JobRuntime* j = FindJob(job_id);
-  if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  FillJob(*j, with_events, out);
+  if (!j) return JobNotFound(job_id);
+  FillJob(*j, with_events, out, from, size);
   return absl::OkStatus();
 }
 
@@ -520,7 +623,7 @@ absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, s
                                  std::vector<EventRecord>* new_events) {
   absl::MutexLock l(&mu_);
   JobRuntime* j = FindJob(job_id);
-  if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  if (!j) return JobNotFound(job_id);
   // Looked up again after the wait: a finished job may be pruned meanwhile.
   auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const JobRuntime* now = FindJob(job_id);
@@ -529,12 +632,15 @@ absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, s
   if (j->version == *version) {
     mu_.AwaitWithTimeout(absl::Condition(&changed), max_wait);
     j = FindJob(job_id);
-    if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+    if (!j) return JobNotFound(job_id);
   }
   FillJob(*j, false, out);
   *version = j->version;
-  for (size_t i = *events_seen; i < j->events.size(); ++i) new_events->push_back(j->events[i]);
-  *events_seen = j->events.size();
+  // `events_seen` counts every event the job ever had; those no longer kept are skipped.
+  const size_t dropped = static_cast<size_t>(j->events_dropped);
+  for (size_t i = std::max(*events_seen, dropped) - dropped; i < j->events.size(); ++i)
+    new_events->push_back(j->events[i]);
+  *events_seen = dropped + j->events.size();
   return absl::OkStatus();
 }
 
@@ -543,20 +649,22 @@ absl::Status JobManager::Cancel(const std::string& job_id, const std::string& re
   Outbox box;
   {
     absl::MutexLock l(&mu_);
+    SyncHeardLocked();
     JobRuntime* j = FindJob(job_id);
-    if (!j) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+    if (!j) return JobNotFound(job_id);
     if (by != nullptr && !by->admin && by->name != j->rec.owner)
       return absl::PermissionDeniedError(absl::StrCat(
           "job ", job_id, " belongs to ", j->rec.owner.empty() ? "no named user" : j->rec.owner,
           "; only its owner or an admin may cancel it"));
     if (!IsTerminal(j->rec.state)) {
       const std::string who = by != nullptr && !by->name.empty() ? by->name : "";
+      const std::string why = BoundedUtf8(reason, kMaxReasonBytes);
       std::string msg;
       if (who.empty()) {
-        msg = reason.empty() ? "cancelled by user" : absl::StrCat("cancelled: ", reason);
+        msg = reason.empty() ? "cancelled by user" : absl::StrCat("cancelled: ", why);
       } else {
         msg = reason.empty() ? absl::StrCat("cancelled by ", who)
-                             : absl::StrCat("cancelled by ", who, ": ", reason);
+                             : absl::StrCat("cancelled by ", who, ": ", why);
       }
       const bool running = !j->ranks.empty() && j->rec.state != JobState::kQueued &&
                            j->rec.state != JobState::kRestarting;
@@ -564,7 +672,7 @@ absl::Status JobManager::Cancel(const std::string& job_id, const std::string& re
       if (running) StopAttempt(*j, msg, &box);
       Schedule(&box);
     }
-    FillJob(*j, true, out);
+    FillJob(*j, true, out, 0, kDefaultEventPageSize);
   }
   Flush(box);
   return absl::OkStatus();
@@ -637,25 +745,22 @@ void JobManager::FailAttempt(JobRuntime& j, const std::string& reason, bool fata
                              Outbox* out) {
   StopAttempt(j, reason, out);
   if (fatal) {
-    Transition(j, JobState::kFailed, absl::StrCat(reason, " (invalid input; not restarted)"))
-        .IgnoreError();
+    TransitionOrRetry(j, JobState::kFailed,
+                      absl::StrCat(reason, " (invalid input; not restarted)"));
   } else if (j.rec.restarts >= j.rec.max_restarts) {
-    Transition(j, JobState::kFailed,
-               absl::StrCat(reason, "; out of restarts (", j.rec.restarts, "/",
-                            j.rec.max_restarts, ")"))
-        .IgnoreError();
+    TransitionOrRetry(
+        j, JobState::kFailed,
+        absl::StrCat(reason, "; out of restarts (", j.rec.restarts, "/", j.rec.max_restarts, ")"));
   } else {
-    JobRecord next = j.rec;
-    ++next.restarts;
     j.queued_since_ms = clock_->SteadyMs();
     if (kind) kind->Increment();
-    Transition(j, JobState::kRestarting,
-               absl::StrCat(reason, "; restart ", next.restarts, "/", next.max_restarts,
-                            next.last_checkpoint_step > 0
-                                ? absl::StrCat(" from checkpoint step ", next.last_checkpoint_step)
-                                : std::string(" from scratch")),
-               nullptr, std::move(next))
-        .IgnoreError();
+    TransitionOrRetry(
+        j, JobState::kRestarting,
+        absl::StrCat(reason, "; restart ", j.rec.restarts + 1, "/", j.rec.max_restarts,
+                     j.rec.last_checkpoint_step > 0
+                         ? absl::StrCat(" from checkpoint step ", j.rec.last_checkpoint_step)
+                         : std::string(" from scratch")),
+        /*add_restarts=*/1);
   }
 }
 
@@ -709,7 +814,7 @@ void JobManager::Schedule(Outbox* out) {
 void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks, Outbox* out) {
   const int64_t now = clock_->SteadyMs();
   if (absl::Status reach = CheckReachable(ranks); !reach.ok()) {
-    Transition(j, JobState::kFailed, std::string(reach.message())).IgnoreError();
+    TransitionOrRetry(j, JobState::kFailed, std::string(reach.message()));
     return;
   }
   if (j.recompute_at_placement) DecideRecomputeAtPlacement(j, ranks);
@@ -824,10 +929,16 @@ absl::Status JobManager::SessionOpened(const WorkerHello& hello, uint64_t sessio
                      registry_.Open(hello.worker_id, hello.instance_id, session_id));
     Worker& w = *opened;
     const int64_t now = clock_->SteadyMs();
+    SyncHeardLocked();
     std::set<std::pair<std::string, int64_t>> stops;
     std::set<std::tuple<std::string, int64_t, int64_t>> listed;
+    int unknown_stops = 0;
     for (const RunningRankReport& rr : hello.running) {
       const RankKey& ref = rr.ref;
+      if (!MayHaveGiven(w.rec.worker_id, ref)) {
+        IgnoredRankReport();
+        continue;
+      }
       listed.insert({ref.job_id, ref.attempt, ref.rank});
       JobRuntime* j = FindJob(ref.job_id);
       bool expected = j && IsActive(j->rec.state) && j->rec.attempt == ref.attempt &&
@@ -836,6 +947,11 @@ absl::Status JobManager::SessionOpened(const WorkerHello& hello, uint64_t sessio
                       j->ranks[ref.rank].state != "exited" &&
                       j->ranks[ref.rank].state != "stopped";
       if (!expected) {
+        if (j == nullptr && !stops.count({ref.job_id, ref.attempt}) &&
+            ++unknown_stops > kMaxUnknownJobStopsPerReport) {
+          IgnoredRankReport();
+          continue;
+        }
         stops.insert({ref.job_id, ref.attempt});
         continue;
       }
@@ -864,7 +980,7 @@ absl::Status JobManager::SessionOpened(const WorkerHello& hello, uint64_t sessio
             !listed.count({j.rec.job_id, j.rec.attempt, r.placement.rank}))
           r.gone = true;
       }
-      if (!IsActive(j.rec.state)) continue;
+      if (!IsActive(j.rec.state) || j.retry != nullptr) continue;
       std::string missing;
       std::vector<int32_t> gone;  // devices of ranks the worker no longer runs
       for (RankRuntime& r : j.ranks) {
@@ -937,6 +1053,7 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const WorkerR
   Outbox out;
   {
     absl::MutexLock l(&mu_);
+    SyncHeardLocked();
     Worker* found = registry_.Find(worker_id);
     if (found == nullptr) return;
     Worker& w = *found;
@@ -948,11 +1065,24 @@ void JobManager::HandleWorkerMessage(const std::string& worker_id, const WorkerR
   Flush(out);
 }
 
+bool JobManager::MayHaveGiven(const std::string& worker_id, const RankKey& ref) const {
+  auto it = jobs_.find(ref.job_id);
+  if (it == jobs_.end()) return true;
+  const JobRuntime& j = *it->second;
+  if (ref.attempt < 1 || ref.attempt > j.rec.attempt || ref.rank < 0 ||
+      ref.rank >= j.spec.parallel.world())
+    return false;
+  if (ref.attempt == j.rec.attempt && ref.rank < static_cast<int64_t>(j.ranks.size()))
+    return j.ranks[ref.rank].placement.worker_id == worker_id;
+  return true;
+}
+
 std::pair<JobManager::JobRuntime*, JobManager::RankRuntime*> JobManager::CurrentRank(
     const std::string& worker_id, const RankKey& ref) {
   JobRuntime* j = FindJob(ref.job_id);
-  if (!j || !IsActive(j->rec.state) || j->rec.attempt != ref.attempt || ref.rank < 0 ||
-      ref.rank >= static_cast<int64_t>(j->ranks.size()))
+  // A job whose ranks were stopped and whose transition waits for the store has no current rank.
+  if (!j || j->retry != nullptr || !IsActive(j->rec.state) || j->rec.attempt != ref.attempt ||
+      ref.rank < 0 || ref.rank >= static_cast<int64_t>(j->ranks.size()))
     return {nullptr, nullptr};
   RankRuntime& r = j->ranks[ref.rank];
   if (r.placement.worker_id != worker_id) return {nullptr, nullptr};
@@ -965,7 +1095,12 @@ void JobManager::OnReport(ReportContext& c, const HeartbeatReport& h) {
   // silence timeout is stopped (a frozen process, a hung host), while its peers wait for it in a
   // collective: found in seconds, whatever the job's step time.
   std::map<JobRuntime*, std::string> silent;
+  int unknown_stops = 0;
   for (const RunningRankReport& rr : h.running) {
+    if (!MayHaveGiven(c.worker_id, rr.ref)) {
+      IgnoredRankReport();
+      continue;
+    }
     auto [j, r] = CurrentRank(c.worker_id, rr.ref);
     if (j && r->state != "stopped" && r->state != "exited") {
       if (std::string why =
@@ -982,7 +1117,13 @@ void JobManager::OnReport(ReportContext& c, const HeartbeatReport& h) {
                     s.drain_deadline_ms > c.now;
       if (draining) continue;
     }
-    if (stopped.insert({rr.ref.job_id, rr.ref.attempt}).second) c.StopStale(*this, rr.ref);
+    if (stopped.count({rr.ref.job_id, rr.ref.attempt})) continue;
+    if (FindJob(rr.ref.job_id) == nullptr && ++unknown_stops > kMaxUnknownJobStopsPerReport) {
+      IgnoredRankReport();
+      continue;
+    }
+    stopped.insert({rr.ref.job_id, rr.ref.attempt});
+    c.StopStale(*this, rr.ref);
   }
   for (auto& [j, why] : silent) FailAttempt(*j, why, false, metrics_.restarts_hang, c.out);
   if (!silent.empty()) Schedule(c.out);
@@ -1001,7 +1142,10 @@ void JobManager::OnReport(ReportContext& c, const RankStartedReport& s) {
 void JobManager::OnReport(ReportContext& c, const RankProgressReport& p) {
   auto [j, r] = CurrentRank(c.worker_id, p.ref);
   if (!j) {
-    c.StopStale(*this, p.ref);
+    if (MayHaveGiven(c.worker_id, p.ref))
+      c.StopStale(*this, p.ref);
+    else
+      IgnoredRankReport();
     return;
   }
   if (r->state == "assigned") r->state = "running";
@@ -1038,10 +1182,11 @@ void JobManager::OnReport(ReportContext& c, const CheckpointDoneReport& d) {
   auto [j, r] = CurrentRank(c.worker_id, d.ref);
   if (!j) return;
   r->last_progress_ms = c.now;
-  auto& [count, path] = j->checkpoints[d.step];
-  ++count;
+  // Counted by distinct rank: a rank that reports one step twice does not stand in for another.
+  auto& [reported, path] = j->checkpoints[d.step];
+  reported.insert(d.ref.rank);
   if (path.empty() || d.ref.rank == 0) path = d.path;
-  if (count == static_cast<int64_t>(j->ranks.size()) && d.step > j->rec.last_checkpoint_step) {
+  if (reported.size() == j->ranks.size() && d.step > j->rec.last_checkpoint_step) {
     JobRecord next = j->rec;  // applied once stored
     next.last_checkpoint_step = d.step;
     next.last_checkpoint_path = path;
@@ -1053,7 +1198,7 @@ void JobManager::OnReport(ReportContext& c, const CheckpointDoneReport& d) {
       return;
     }
     j->rec = std::move(next);
-    j->events.push_back(ev);
+    AddEvent(*j, ev);
     for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
       it = it->first <= d.step ? j->checkpoints.erase(it) : std::next(it);
   }
@@ -1095,8 +1240,8 @@ void JobManager::OnReport(ReportContext& c, const RankExitReport& e) {
     for (const RankRuntime& o : j->ranks) all = all && o.state == "exited";
     if (all) {
       rendezvous_->Close(j->rec.job_id, j->rec.attempt);
-      Transition(*j, JobState::kSucceeded, absl::StrCat("all ", j->ranks.size(), " ranks finished"))
-          .IgnoreError();
+      TransitionOrRetry(*j, JobState::kSucceeded,
+                        absl::StrCat("all ", j->ranks.size(), " ranks finished"));
     } else {
       Bump(*j);
     }
@@ -1123,7 +1268,7 @@ void JobManager::OnReport(ReportContext& c, const LeavingReport& l) {
   LogLine(why);
   for (auto& [id, jp] : jobs_) {
     JobRuntime& j = *jp;
-    if (!IsActive(j.rec.state)) continue;
+    if (!IsActive(j.rec.state) || j.retry != nullptr) continue;
     for (const RankRuntime& r : j.ranks) {
       if (r.placement.worker_id != c.worker_id || r.state == "exited") continue;
       FailAttempt(j, absl::StrCat(why, " with rank ", r.placement.rank), false,
@@ -1137,14 +1282,15 @@ void JobManager::OnReport(ReportContext& c, const LeavingReport& l) {
 void JobManager::OnReport(ReportContext& c, const RankNoteReport& n) {
   auto [j, r] = CurrentRank(c.worker_id, n.ref);
   if (!j) return;
-  // A note is one line of the job's events, bounded like every field a worker sends.
+  // A note is one line of the job's events, bounded like every field a worker sends (cut on a
+  // character boundary where the session took it in).
   EventRecord ev{j->rec.job_id, j->rec.attempt, c.wall, j->rec.state,
-                 absl::StrCat("rank ", n.ref.rank, ": ", n.text.substr(0, 2000))};
+                 absl::StrCat("rank ", n.ref.rank, ": ", BoundedUtf8(n.text, kMaxNoteBytes))};
   if (absl::Status st = store_->SaveJob(j->rec, &ev); !st.ok()) {
     LogLine(std::string(st.message()));
     return;
   }
-  j->events.push_back(std::move(ev));
+  AddEvent(*j, std::move(ev));
   Bump(*j);
 }
 
@@ -1167,7 +1313,7 @@ void JobManager::MarkWorkerLost(Worker& w, const std::string& why, Outbox* out) 
   LogLine(absl::StrCat("worker ", w.rec.worker_id, " lost: ", why));
   for (auto& [id, jp] : jobs_) {
     JobRuntime& j = *jp;
-    if (!IsActive(j.rec.state)) continue;
+    if (!IsActive(j.rec.state) || j.retry != nullptr) continue;
     for (const RankRuntime& r : j.ranks) {
       if (r.placement.worker_id == w.rec.worker_id && r.state != "exited") {
         FailAttempt(j,
@@ -1214,10 +1360,17 @@ void JobManager::Tick() {
   Outbox out;
   {
     absl::MutexLock l(&mu_);
+    SyncHeardLocked();
     const int64_t now = clock_->SteadyMs();
     for (auto& [id, jp] : jobs_) {
       JobRuntime& j = *jp;
-      if (!IsActive(j.rec.state)) continue;
+      if (j.retry != nullptr) {
+        // The store refused this job's last transition: try again (its ranks are stopped).
+        const PendingTransition p = *j.retry;
+        TransitionOrRetry(j, p.to, p.message, p.add_restarts);
+        continue;
+      }
+      if (!IsActive(j.rec.state) || j.retry != nullptr) continue;
       if (j.adopt_deadline_ms > 0) {
         if (now < j.adopt_deadline_ms) continue;
         for (const RankRuntime& r : j.ranks) {

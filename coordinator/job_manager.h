@@ -79,6 +79,8 @@ struct JobManagerOptions {
   std::string rendezvous_address;
   // Which finished jobs PruneFinishedJobs deletes.
   RetentionPolicy retention;
+  // How many workers, and slots of one, the registry holds.
+  RegistryLimits registry;
 };
 
 // Optional metric children the manager updates (not owned; any may be null).
@@ -90,7 +92,19 @@ struct JobManagerMetrics {
   Counter* restarts_hang = nullptr;
   Counter* restarts_recovery = nullptr;
   Counter* jobs_submitted = nullptr;
+  // Ranks a worker listed (hello, heartbeat) or reported on that it was never given: ignored.
+  Counter* ignored_rank_reports = nullptr;
 };
+
+// Which of a job's events a Get returns: kept events (the newest kMaxEventsPerJob) oldest first,
+// from the position `page_token` names ("": the oldest kept), at most `page_size` (0: 100; more
+// than 1000: 1000).
+struct EventPageRequest {
+  int page_size = 0;
+  std::string page_token;
+};
+inline constexpr int kDefaultEventPageSize = 100;
+inline constexpr int kMaxEventPageSize = 1000;
 
 // What a registered worker is told (cluster.proto's RegisterResponse).
 struct RegistrationReply {
@@ -130,9 +144,10 @@ class JobManager {
   // Plans against the registered workers. InvalidArgument for a bad spec; why the job could
   // never be placed on them (what Submit would refuse) is one of the plan's problems.
   absl::Status PlanSpec(const std::string& spec_json, CpPlan* plan_out) ABSL_LOCKS_EXCLUDED(mu_);
-  // NotFound "job j-000009 not found".
-  absl::Status GetJob(const std::string& job_id, bool with_events, JobView* out)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // NotFound "job j-000009 not found". With events: one page of them (`page`), and
+  // out->next_events_page_token. InvalidArgument for a page token this manager did not make.
+  absl::Status GetJob(const std::string& job_id, bool with_events, JobView* out,
+                      const EventPageRequest& page = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Most recently submitted first; `states` empty = all; limit 0 = all.
   std::vector<JobView> ListJobs(const std::set<JobState>& states, int limit)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -148,6 +163,7 @@ class JobManager {
   // PermissionDenied when `by` is neither the job's owner nor an admin ("job J belongs to O;
   // only its owner or an admin may cancel it"). The event names the user: "cancelled by U" or
   // "cancelled by U: <reason>" ("cancelled by user" / "cancelled: <reason>" without a name).
+  // `reason` is cut to kMaxReasonBytes. `out` gets the first page of events.
   absl::Status Cancel(const std::string& job_id, const std::string& reason, JobView* out,
                       const User* by = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until the job's version differs from `*version` or `max_wait` (real time) passes;
@@ -159,6 +175,14 @@ class JobManager {
   std::vector<WorkerView> ListWorkers() ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Worker API -------------------------------------------------------------------------
+  // The worker's session delivered a message (any message: a sign of life), recorded without
+  // waiting for the manager's mutex, which store writes hold: a worker whose heartbeats arrive is
+  // never taken for lost because the store was slow. The session acknowledges a heartbeat once
+  // this returns; the fencing arithmetic (HealthMonitor::DeadBy) counts from these times.
+  void HeardFrom(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(heard_mu_);
+  // What SessionOpened would refuse for `hello` (unregistered worker, another daemon instance),
+  // changing nothing: checked before the new stream replaces the worker's current one.
+  absl::Status CheckHello(const WorkerHello& hello) ABSL_LOCKS_EXCLUDED(mu_);
   // Registers (or re-registers) a worker (WorkerRegistry::Register's errors).
   absl::StatusOr<RegistrationReply> RegisterWorker(const WorkerRegistration& reg)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -185,6 +209,9 @@ class JobManager {
   // memory; returns how many. The daemon calls it after Recover and then periodically.
   absl::StatusOr<int64_t> PruneFinishedJobs() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Jobs whose last transition could not be stored and waits for the next Tick to try again.
+  int64_t PendingTransitions() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // For metrics: jobs per state, workers by WorkerInfo.state, devices "used"/"free".
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -195,6 +222,7 @@ class JobManager {
   struct JobRuntime;
   struct Outbox;
   struct ReportContext;  // the worker a report came from, the clocks, the outbox
+  struct PendingTransition;
 
   JobRuntime* FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The plan against the largest registered device of the job's kind.
@@ -202,8 +230,10 @@ class JobManager {
   // What the cost model estimates with: the rates of the worker plans are sized to (built-in
   // ones when it measured none), its link when the gang fits on it, else the network.
   Topology TopologyLocked(const JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FillJob(const JobRuntime& j, bool with_events, JobView* out) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With events: those from position `events_from` (among all the job ever had), at most
+  // `events_page`.
+  void FillJob(const JobRuntime& j, bool with_events, JobView* out, int64_t events_from = 0,
+               int events_page = kDefaultEventPageSize) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists `next` (default: j.rec) in state `to`, with the job's pending plan, plus an event;
   // only once the store has it does the job in memory take it (and bump its version): a failed
   // write changes nothing.
@@ -278,6 +308,27 @@ class JobManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Flush(Outbox& out) ABSL_LOCKS_EXCLUDED(mu_);
   void Bump(JobRuntime& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a rank `worker_id` lists (in a hello or heartbeat) or reports on may be one the
+  // coordinator gave it: false for a job it knows whose attempt or rank never existed, or whose
+  // current attempt placed that rank elsewhere (older attempts' placements are not kept, and a
+  // job it does not know may be one a previous database held: both may be). A report about a rank
+  // never given is ignored and counted, never answered.
+  bool MayHaveGiven(const std::string& worker_id, const RankKey& ref) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops answered to one hello or heartbeat for ranks of jobs the coordinator does not know;
+  // further ones are ignored (and counted).
+  static constexpr int kMaxUnknownJobStopsPerReport = 8;
+  // Appends an event to the job's kept events (the newest kMaxEventsPerJob).
+  static void AddEvent(JobRuntime& j, EventRecord ev);
+  // Transition, and when the store refuses it, kept to be tried again by Tick: a job whose ranks
+  // were stopped never stays RUNNING because one write failed. `add_restarts` is added to the
+  // record's restarts when the write is made.
+  void TransitionOrRetry(JobRuntime& j, JobState to, const std::string& message,
+                         int64_t add_restarts = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the times HeardFrom recorded into the registry's workers.
+  void SyncHeardLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(heard_mu_);
+  // Counts a rank report the worker had no business making.
+  void IgnoredRankReport() const;
 
   JobStore* const store_;
   const Clock* const clock_;
@@ -294,6 +345,11 @@ class JobManager {
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   JobIndex index_ ABSL_GUARDED_BY(mu_);
   std::string rendezvous_address_ ABSL_GUARDED_BY(mu_);
+
+  // HeardFrom's record: worker id -> (steady, wall) time of its session's last message. Taken
+  // after mu_ when both are held, never before.
+  mutable absl::Mutex heard_mu_;
+  std::map<std::string, std::pair<int64_t, int64_t>> heard_ ABSL_GUARDED_BY(heard_mu_);
 };
 
 }  // namespace spindle

@@ -55,6 +55,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
   out->set_mfu(v.mfu);
   out->set_eta_s(v.eta_s);
   for (const EventRecord& e : v.events) EventToProto(e, out->add_events());
+  out->set_next_events_page_token(v.next_events_page_token);
 }
 
 }  // namespace spindle

@@ -57,6 +57,10 @@ struct AttemptRecord {
   std::string outcome;   // "" while live; then the reason it ended
 };
 
+// A job keeps its newest events only: the store (SaveJob and CreateJob delete older ones) and the
+// job manager's memory hold at most this many per job.
+inline constexpr int64_t kMaxEventsPerJob = 1000;
+
 struct EventRecord {
   std::string job_id;
   int64_t attempt = 0;

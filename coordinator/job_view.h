@@ -34,7 +34,8 @@ struct JobView {
   double mfu = 0;            // averaged over running ranks that report it
   double eta_s = -1;         // -1: unknown
   std::vector<RankView> ranks;
-  std::vector<EventRecord> events;  // empty unless asked for
+  std::vector<EventRecord> events;     // empty unless asked for; one page (JobManager::GetJob)
+  std::string next_events_page_token;  // "" after the last page
 };
 
 }  // namespace spindle

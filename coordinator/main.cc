@@ -92,6 +92,23 @@ ABSL_FLAG(int, max_watch_streams, 256,
 ABSL_FLAG(int, max_rendezvous_keys, 4096,
           "keys one job attempt may set in the rendezvous service; one more is refused with "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_rendezvous_waits, 4096,
+          "concurrent rendezvous Gets that wait for a key; one more is refused with "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_sessions, 2048,
+          "concurrent worker sessions (ClusterService.Session); one more is refused with "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_workers, 1024,
+          "workers the coordinator holds; a new worker id beyond it replaces the longest-silent "
+          "lost worker that holds no rank, or is refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_worker_slots, 1024,
+          "devices (GPUs or CPU slots) one worker may offer; a registration offering more is "
+          "refused");
+ABSL_FLAG(double, stream_write_timeout, 30.0,
+          "seconds a watch update or a message to a worker may wait for a client that does not "
+          "read before its stream is ended");
+ABSL_FLAG(double, store_stall, 5.0,
+          "seconds a store write may run before health reports NOT_SERVING");
 
 namespace {
 
@@ -294,10 +311,25 @@ int main(int argc, char** argv) {
   cfg.manager.retention.max_finished_jobs = absl::GetFlag(FLAGS_keep_finished_jobs);
   cfg.limits.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   cfg.limits.max_rendezvous_keys = absl::GetFlag(FLAGS_max_rendezvous_keys);
-  if (cfg.limits.max_watch_streams < 1 || cfg.limits.max_rendezvous_keys < 1) {
+  cfg.limits.max_rendezvous_waits = absl::GetFlag(FLAGS_max_rendezvous_waits);
+  cfg.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  cfg.manager.registry.max_workers = absl::GetFlag(FLAGS_max_workers);
+  cfg.manager.registry.max_slots_per_worker = absl::GetFlag(FLAGS_max_worker_slots);
+  cfg.limits.stream_write_timeout_ms = Ms(absl::GetFlag(FLAGS_stream_write_timeout));
+  cfg.store_stall_ms = Ms(absl::GetFlag(FLAGS_store_stall));
+  if (cfg.limits.max_watch_streams < 1 || cfg.limits.max_rendezvous_keys < 1 ||
+      cfg.limits.max_rendezvous_waits < 1 || cfg.limits.max_sessions < 1 ||
+      cfg.manager.registry.max_workers < 1 || cfg.manager.registry.max_slots_per_worker < 1) {
     std::fprintf(stderr,
-                 "spindle-coordinator: --max-watch-streams and --max-rendezvous-keys must be at "
-                 "least 1\n");
+                 "spindle-coordinator: --max-watch-streams, --max-rendezvous-keys, "
+                 "--max-rendezvous-waits, --max-sessions, --max-workers and --max-worker-slots "
+                 "must be at least 1\n");
+    return 2;
+  }
+  if (cfg.limits.stream_write_timeout_ms < 100 || cfg.store_stall_ms < 100) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --stream-write-timeout and --store-stall must be at least "
+                 "0.1 s\n");
     return 2;
   }
   if (cfg.manager.heartbeat_timeout_ms <= cfg.manager.heartbeat_interval_ms) {

@@ -4,6 +4,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/text_bounds.h"
 
 namespace spindle {
 namespace {
@@ -18,6 +19,9 @@ bool SecretEquals(const std::string& a, const std::string& b) {
   }
   return diff == 0;
 }
+
+// A client's string in an error message: bounded, so an error is never as large as a request.
+std::string Short(const std::string& s) { return BoundedUtf8(s, kMaxIdBytes); }
 
 }  // namespace
 
@@ -45,10 +49,10 @@ absl::Status RendezvousStore::CheckScope(const Key& k, const std::string& token)
   auto it = spaces_.find(k);
   if (it == spaces_.end())
     return absl::FailedPreconditionError(
-        absl::StrCat("rendezvous: job ", k.first, " attempt ", k.second, " is not running"));
+        absl::StrCat("rendezvous: job ", Short(k.first), " attempt ", k.second, " is not running"));
   if (!SecretEquals(it->second.token, token))
-    return absl::PermissionDeniedError(absl::StrCat("rendezvous: wrong token for job ", k.first,
-                                                    " attempt ", k.second));
+    return absl::PermissionDeniedError(
+        absl::StrCat("rendezvous: wrong token for job ", Short(k.first), " attempt ", k.second));
   return absl::OkStatus();
 }
 
@@ -56,6 +60,9 @@ absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
                                   const std::string& token, const std::string& key,
                                   std::string value) {
   if (key.empty()) return absl::InvalidArgumentError("rendezvous: key must not be empty");
+  if (key.size() > kMaxKeyBytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous: key must be at most ", kMaxKeyBytes, " bytes, got ", key.size()));
   if (value.size() > kMaxValueBytes)
     return absl::InvalidArgumentError(absl::StrCat("rendezvous: value of key \"", key, "\" has ",
                                                    value.size(), " bytes; at most ",
@@ -63,7 +70,8 @@ absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
   absl::MutexLock l(&mu_);
   Key k{job_id, attempt};
   RETURN_IF_ERROR(CheckScope(k, token));
-  auto& kv = spaces_[k].kv;
+  Space& space = spaces_[k];
+  auto& kv = space.kv;
   // Written once: a rank cannot replace what another published (say, the NCCL id or a peer's
   // Gloo address) to pull the gang elsewhere. The same value again is a client's retry of a Set
   // whose reply it lost, and succeeds.
@@ -77,6 +85,11 @@ absl::Status RendezvousStore::Set(const std::string& job_id, int64_t attempt,
     return absl::ResourceExhaustedError(absl::StrCat(
         "rendezvous: job ", job_id, " attempt ", attempt, " already holds ", max_keys_per_attempt_,
         " keys, the coordinator's limit per attempt (--max-rendezvous-keys)"));
+  if (space.bytes + key.size() + value.size() > kMaxBytesPerAttempt)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rendezvous: job ", job_id, " attempt ", attempt, " would hold more than ",
+        kMaxBytesPerAttempt >> 20, " MiB of keys and values, the coordinator's limit per attempt"));
+  space.bytes += key.size() + value.size();
   kv[key] = std::move(value);
   return absl::OkStatus();
 }
@@ -86,6 +99,9 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& job_id, int6
                                                  absl::Duration timeout,
                                                  const std::function<bool()>& cancelled) {
   if (key.empty()) return absl::InvalidArgumentError("rendezvous: key must not be empty");
+  if (key.size() > kMaxKeyBytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous: key must be at most ", kMaxKeyBytes, " bytes, got ", key.size()));
   const absl::Time deadline = absl::Now() + timeout;
   Key k{job_id, attempt};
   absl::MutexLock l(&mu_);

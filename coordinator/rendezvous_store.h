@@ -4,7 +4,8 @@
 // Not persisted: ranks re-adopted after a coordinator restart have already bootstrapped.
 //
 // Bounded: an attempt holds at most max_keys_per_attempt keys (a new key past it is
-// ResourceExhausted naming the limit), values at most kMaxValueBytes. Keys are written once per
+// ResourceExhausted naming the limit) and kMaxBytesPerAttempt bytes of keys and values, keys at
+// most kMaxKeyBytes, values at most kMaxValueBytes. Keys are written once per
 // attempt: a second Set of a key with another value is AlreadyExists (with the same value it is
 // a retry and succeeds). Only holders of the attempt's token (its ranks) set or read its keys.
 //
@@ -28,6 +29,8 @@ namespace spindle {
 class RendezvousStore {
  public:
   static constexpr size_t kMaxValueBytes = 4 << 20;
+  static constexpr size_t kMaxKeyBytes = 1024;
+  static constexpr size_t kMaxBytesPerAttempt = 64 << 20;
   static constexpr size_t kDefaultMaxKeysPerAttempt = 4096;
 
   explicit RendezvousStore(size_t max_keys_per_attempt = kDefaultMaxKeysPerAttempt)
@@ -38,9 +41,9 @@ class RendezvousStore {
   void Close(const std::string& job_id, int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
 
   // FailedPrecondition when the attempt is not open; PermissionDenied for a wrong token;
-  // InvalidArgument for an empty key or a value over kMaxValueBytes; AlreadyExists for a key
-  // already set to another value; ResourceExhausted for a new key when the attempt holds
-  // max_keys_per_attempt keys.
+  // InvalidArgument for an empty key, a key over kMaxKeyBytes or a value over kMaxValueBytes;
+  // AlreadyExists for a key already set to another value; ResourceExhausted for a new key when
+  // the attempt holds max_keys_per_attempt keys or would pass kMaxBytesPerAttempt.
   absl::Status Set(const std::string& job_id, int64_t attempt, const std::string& token,
                    const std::string& key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // As Set; NotFound when absent and timeout is zero; DeadlineExceeded naming the key when it
@@ -60,6 +63,7 @@ class RendezvousStore {
   struct Space {
     std::string token;
     std::map<std::string, std::string> kv;
+    size_t bytes = 0;  // of every key and value in kv
   };
   using Key = std::pair<std::string, int64_t>;
   absl::Status CheckScope(const Key& k, const std::string& token) const

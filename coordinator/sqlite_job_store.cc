@@ -328,9 +328,17 @@ absl::Status SqliteJobStore::WriteJobRow(const JobRecord& j) {
 }
 
 absl::Status SqliteJobStore::WriteEvent(const EventRecord& e) {
-  Stmt s(db_, "INSERT INTO events (job_id, attempt, unix_ms, state, message) VALUES (?,?,?,?,?)");
-  s.Bind(1, e.job_id).Bind(2, e.attempt).Bind(3, e.unix_ms);
-  s.Bind(4, static_cast<int64_t>(e.state)).Bind(5, e.message);
+  {
+    Stmt s(db_, "INSERT INTO events (job_id, attempt, unix_ms, state, message) VALUES (?,?,?,?,?)");
+    s.Bind(1, e.job_id).Bind(2, e.attempt).Bind(3, e.unix_ms);
+    s.Bind(4, static_cast<int64_t>(e.state)).Bind(5, e.message);
+    RETURN_IF_ERROR(s.Run());
+  }
+  // The job keeps its newest kMaxEventsPerJob events (through the (job_id, id) index).
+  Stmt s(db_,
+         "DELETE FROM events WHERE job_id = ?1 AND id < (SELECT id FROM events WHERE job_id = ?1 "
+         "ORDER BY id DESC LIMIT 1 OFFSET ?2)");
+  s.Bind(1, e.job_id).Bind(2, kMaxEventsPerJob - 1);
   return s.Run();
 }
 

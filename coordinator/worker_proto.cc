@@ -1,12 +1,19 @@
 // Worker types to and from cluster.proto (see worker_proto.h).
 #include "coordinator/worker_proto.h"
 
+#include <algorithm>
+
+#include "common/text_bounds.h"
 #include "planner/plan_proto.h"
 
 namespace spindle {
 namespace {
 
-RankKey KeyFromProto(const v1::RankRef& r) { return {r.job_id(), r.attempt(), r.rank()}; }
+// Every string a worker sends is cut to its bound (text_bounds.h) where it enters: a job id too
+// long to be one names no job.
+RankKey KeyFromProto(const v1::RankRef& r) {
+  return {BoundedUtf8(r.job_id(), kMaxIdBytes), r.attempt(), r.rank()};
+}
 
 void KeyToProto(const RankKey& k, v1::RankRef* r) {
   r->set_job_id(k.job_id);
@@ -26,10 +33,11 @@ std::vector<RunningRankReport> RunningFromProto(
 }  // namespace
 
 DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
-  DeviceOffer d{g.kind(), g.name(), g.count(), g.memory_bytes(), g.host_memory_bytes()};
+  DeviceOffer d{BoundedUtf8(g.kind(), kMaxIdBytes), BoundedUtf8(g.name(), kMaxDeviceNameBytes),
+                g.count(), g.memory_bytes(), g.host_memory_bytes()};
   const v1::DeviceRates& r = g.rates();
   d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes()};
-  d.link = g.link();
+  d.link = BoundedUtf8(g.link(), kMaxIdBytes);
   d.cores = g.cores();
   d.threads_per_rank = g.threads_per_rank();
   return d;
@@ -54,12 +62,13 @@ void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
 WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
                                          const std::string& observed_host) {
   WorkerRegistration reg;
+  // Ids are checked, not cut (WorkerRegistry refuses one too long); the rest is cut.
   reg.worker_id = req.worker_id();
-  reg.hostname = req.hostname();
+  reg.hostname = BoundedUtf8(req.hostname(), kMaxHostBytes);
   reg.instance_id = req.instance_id();
   reg.advertise_host = req.advertise_host();
   reg.observed_host = observed_host;
-  reg.metrics_address = req.metrics_address();
+  reg.metrics_address = BoundedUtf8(req.metrics_address(), kMaxHostBytes);
   for (const v1::DeviceGroup& g : req.devices()) reg.devices.push_back(OfferFromProto(g));
   return reg;
 }
@@ -108,21 +117,24 @@ std::optional<WorkerReport> ReportFromProto(const v1::WorkerMessage& msg) {
     }
     case v1::WorkerMessage::kCheckpointDone: {
       const v1::CheckpointDone& c = msg.checkpoint_done();
-      return CheckpointDoneReport{KeyFromProto(c.ref()), c.step(), c.path()};
+      return CheckpointDoneReport{KeyFromProto(c.ref()), c.step(),
+                                  BoundedUtf8(c.path(), kMaxPathBytes)};
     }
     case v1::WorkerMessage::kRankExit: {
       const v1::RankExit& e = msg.rank_exit();
-      return RankExitReport{KeyFromProto(e.ref()),
-                            e.exit_code(),
-                            e.signal(),
-                            {e.stderr_tail().begin(), e.stderr_tail().end()},
-                            e.stopped(),
-                            e.last_loss()};
+      // The last lines of the tail, each cut.
+      std::vector<std::string> tail;
+      const int first = std::max(0, e.stderr_tail_size() - static_cast<int>(kMaxStderrTailLines));
+      for (int i = first; i < e.stderr_tail_size(); ++i)
+        tail.push_back(BoundedUtf8(e.stderr_tail(i), kMaxNoteBytes));
+      return RankExitReport{KeyFromProto(e.ref()), e.exit_code(), e.signal(),
+                            std::move(tail),       e.stopped(),   e.last_loss()};
     }
     case v1::WorkerMessage::kLeaving:
-      return LeavingReport{msg.leaving().reason()};
+      return LeavingReport{BoundedUtf8(msg.leaving().reason(), kMaxReasonBytes)};
     case v1::WorkerMessage::kNote:
-      return RankNoteReport{KeyFromProto(msg.note().ref()), msg.note().text()};
+      return RankNoteReport{KeyFromProto(msg.note().ref()),
+                            BoundedUtf8(msg.note().text(), kMaxNoteBytes)};
     case v1::WorkerMessage::kHello:
     case v1::WorkerMessage::KIND_NOT_SET:
       break;

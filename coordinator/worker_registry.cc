@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/text_bounds.h"
 #include "coordinator/worker_proto.h"
 #include "spindle/v1/cluster.pb.h"
 
@@ -25,9 +26,17 @@ DeviceOffer DecodeDevices(const std::string& bytes) {
   return OfferFromProto(r.devices(0));
 }
 
-absl::Status CheckRegistration(const WorkerRegistration& reg) {
+absl::Status CheckRegistration(const WorkerRegistration& reg, const RegistryLimits& limits) {
   if (reg.worker_id.empty())
     return absl::InvalidArgumentError("register: worker_id must not be empty");
+  if (reg.worker_id.size() > kMaxIdBytes || !IsValidUtf8(reg.worker_id))
+    return absl::InvalidArgumentError(absl::StrCat("register: worker_id must be UTF-8 of at most ",
+                                                   kMaxIdBytes, " bytes, got ",
+                                                   reg.worker_id.size(), " bytes"));
+  if (reg.instance_id.size() > kMaxIdBytes)
+    return absl::InvalidArgumentError(absl::StrCat("register: instance_id must be at most ",
+                                                   kMaxIdBytes, " bytes, got ",
+                                                   reg.instance_id.size()));
   if (reg.devices.size() != 1)
     return absl::InvalidArgumentError(
         absl::StrCat("register: worker ", reg.worker_id,
@@ -40,9 +49,10 @@ absl::Status CheckRegistration(const WorkerRegistration& reg) {
                                                    ": device kind must be \"cuda\" or \"cpu\", "
                                                    "got \"",
                                                    g.kind, "\""));
-  if (g.count < 1 || g.count > 4096)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "register: worker ", reg.worker_id, ": device count must be in [1, 4096], got ", g.count));
+  if (g.count < 1 || g.count > limits.max_slots_per_worker)
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker ", reg.worker_id, ": device count must be in [1, ",
+                     limits.max_slots_per_worker, "] (--max-worker-slots), got ", g.count));
   for (auto [name, rate] : {std::pair<const char*, double>{"gemm_flops", g.rates.gemm_flops},
                              {"attention_flops", g.rates.attention_flops},
                              {"lightning_flops", g.rates.lightning_flops},
@@ -106,7 +116,7 @@ absl::Status WorkerRegistry::Load(int64_t grace_ms) {
 }
 
 absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) {
-  RETURN_IF_ERROR(CheckRegistration(reg));
+  RETURN_IF_ERROR(CheckRegistration(reg, limits_));
   const DeviceOffer& g = reg.devices[0];
   const std::string address = reg.advertise_host.empty() ? reg.observed_host : reg.advertise_host;
   // Two daemons given one --worker-id would take each other's slots and ranks: while one is
@@ -114,8 +124,8 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
   // may.
   if (auto it = workers_.find(reg.worker_id); it != workers_.end()) {
     const Worker& w = *it->second;
-    const bool other_process =
-        !w.instance_id.empty() && !reg.instance_id.empty() && w.instance_id != reg.instance_id;
+    // A registration without an instance id is not the daemon that registered with one.
+    const bool other_process = !w.instance_id.empty() && w.instance_id != reg.instance_id;
     if (w.connected && !w.lost && (w.rec.hostname != reg.hostname || other_process))
       return absl::AlreadyExistsError(
           absl::StrCat("worker id ", reg.worker_id, " is in use by ",
@@ -123,6 +133,7 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
                                                       : "the connected worker on host ",
                        w.rec.hostname, "; give each worker daemon its own --worker-id"));
   }
+  if (!workers_.count(reg.worker_id)) RETURN_IF_ERROR(MakeRoom(reg.worker_id));
   WorkerRecord rec;
   rec.worker_id = reg.worker_id;
   rec.hostname = reg.hostname;
@@ -138,7 +149,9 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
   auto& w = workers_[rec.worker_id];
   if (!w) w = std::make_unique<Worker>();
   w->rec = rec;
-  w->instance_id = reg.instance_id;
+  // A registration without an instance id (an older daemon, or anyone holding a worker token)
+  // does not unbind the id from the daemon that registered it.
+  if (!reg.instance_id.empty()) w->instance_id = reg.instance_id;
   w->address = address;
   w->devices = g;
   if (static_cast<int32_t>(w->slots.size()) < g.count) w->slots.resize(g.count);
@@ -149,12 +162,33 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
   return w.get();
 }
 
-absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id,
-                                             const std::string& instance_id, uint64_t session_id) {
-  Worker* w = Find(worker_id);
+absl::Status WorkerRegistry::MakeRoom(const std::string& worker_id) {
+  if (static_cast<int64_t>(workers_.size()) < limits_.max_workers) return absl::OkStatus();
+  // Forget the worker silent the longest of those that are gone and hold nothing (its row stays
+  // in the store; it registers again like a new one).
+  Map::iterator oldest = workers_.end();
+  for (auto it = workers_.begin(); it != workers_.end(); ++it) {
+    const Worker& w = *it->second;
+    if (!w.lost && !w.left) continue;
+    bool holds = false;
+    for (const WorkerSlot& s : w.slots) holds |= !s.job_id.empty();
+    if (holds) continue;
+    if (oldest == workers_.end() || w.last_seen_ms < oldest->second->last_seen_ms) oldest = it;
+  }
+  if (oldest == workers_.end())
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: worker ", worker_id, ": the coordinator already holds ", workers_.size(),
+        " workers, its limit (--max-workers), and none of them is gone"));
+  workers_.erase(oldest);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRegistry::CheckOpen(const std::string& worker_id,
+                                       const std::string& instance_id) const {
+  const Worker* w = Find(worker_id);
   if (w == nullptr)
-    return absl::NotFoundError(
-        absl::StrCat("worker ", worker_id, " is not registered; call Register first"));
+    return absl::NotFoundError(absl::StrCat("worker ", BoundedUtf8(worker_id, kMaxIdBytes),
+                                            " is not registered; call Register first"));
   // A session speaks for the daemon that registered the id: no other process (which may hold a
   // worker token too) takes over its session, its assignments and their rendezvous tokens.
   if (!w->instance_id.empty() && instance_id != w->instance_id)
@@ -162,6 +196,13 @@ absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id,
         "worker ", worker_id,
         " was registered by another daemon instance; a session must come from the daemon that "
         "registered it"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Worker*> WorkerRegistry::Open(const std::string& worker_id,
+                                             const std::string& instance_id, uint64_t session_id) {
+  RETURN_IF_ERROR(CheckOpen(worker_id, instance_id));
+  Worker* w = Find(worker_id);
   w->connected = true;
   w->lost = w->leaving = w->left = false;
   w->session_id = session_id;

@@ -81,19 +81,35 @@ struct WorkerView {
   int64_t last_heartbeat_unix_ms = 0, registered_unix_ms = 0;
 };
 
+// What one peer can make the registry hold (coordinator flags --max-workers, --max-worker-slots).
+struct RegistryLimits {
+  // Workers held at once. A registration of a new id beyond it first forgets the worker silent the
+  // longest among those lost or left that hold no rank; when there is none it is
+  // ResourceExhausted.
+  int64_t max_workers = 1024;
+  // Devices (slots) one worker may offer.
+  int32_t max_slots_per_worker = 1024;
+};
+
 class WorkerRegistry {
  public:
   using Map = std::map<std::string, std::unique_ptr<Worker>>;
 
   // `store` and `clock` are not owned.
-  WorkerRegistry(JobStore* store, const Clock* clock) : store_(store), clock_(clock) {}
+  WorkerRegistry(JobStore* store, const Clock* clock, RegistryLimits limits = {})
+      : store_(store), clock_(clock), limits_(limits) {}
 
   // Reloads the stored workers, each lost unless heard from within `grace_ms`.
   absl::Status Load(int64_t grace_ms);
 
   // Validates and stores a registration (InvalidArgument naming the field; AlreadyExists when
-  // another daemon holds the id with a connected session) and returns the worker, its slots kept.
+  // another daemon holds the id with a connected session; ResourceExhausted past
+  // limits.max_workers) and returns the worker, its slots kept. An empty instance id keeps the one
+  // stored (it never clears it).
   absl::StatusOr<Worker*> Register(const WorkerRegistration& reg);
+  // What Open would refuse, changing nothing (a new session checks it before it replaces the
+  // worker's current one).
+  absl::Status CheckOpen(const std::string& worker_id, const std::string& instance_id) const;
   // A session opened by daemon `instance_id` (NotFound for an unregistered id; PermissionDenied
   // when another daemon instance registered it); the worker is alive.
   absl::StatusOr<Worker*> Open(const std::string& worker_id, const std::string& instance_id,
@@ -125,8 +141,12 @@ class WorkerRegistry {
   std::map<std::string, int64_t> DeviceCounts() const;
 
  private:
+  // Makes room for one more worker (RegistryLimits::max_workers).
+  absl::Status MakeRoom(const std::string& worker_id);
+
   JobStore* const store_;
   const Clock* const clock_;
+  const RegistryLimits limits_;
   Map workers_;
 };
 

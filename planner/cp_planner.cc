@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/cp_modes.h"
+#include "common/size_checks.h"
 
 namespace spindle {
 namespace {
@@ -628,6 +629,18 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
                                        : spec.train.recompute_layers;
   plan.memory = EstimateMemory(spec, plan.layers, recompute_layers);
   plan.memory.device_memory_bytes = device_memory_bytes;
+  // ParseJobSpec bounds every size (common/size_checks.h) so that no term above can wrap; a spec
+  // built without it that still does is a problem, never a negative size that looks like room.
+  if (const MemoryEstimate& e = plan.memory;
+      std::min({e.params_bytes, e.grads_bytes, e.optimizer_bytes, e.activations_bytes,
+                e.workspace_bytes, e.runtime_bytes, e.host_bytes, e.total_bytes}) < 0 ||
+      e.total_bytes > kMaxSpecBytes) {
+    plan.problems.push_back(
+        absl::StrCat("memory: the estimate for this model at seq_len ", spec.seq_len,
+                     " does not fit in 64 bits (more than ", kMaxSpecBytes >> 50,
+                     " PiB per rank); reduce seq_len, n_layers or the model's widths"));
+    return plan;
+  }
   if (spec.seq_len % chunks == 0) {
     for (LayerModePlan& l : plan.layers) {
       const char kind = l.layer_type == "mla" ? 'M' : 'L';

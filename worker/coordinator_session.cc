@@ -121,10 +121,15 @@ absl::StatusOr<absl::Duration> CoordinatorSession::Register() {
   const grpc::Status status = stub_->Register(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status, "register");
   {
-    // The coordinator heard from this worker after `sent`: the fence counts from there.
     absl::MutexLock lock(&mu_);
-    acked_sent_ = sent;
-    fenced_ = false;
+    // Only the first registration starts the fence's clock. Later ones do not move it: only an
+    // acknowledged heartbeat does, so a worker whose sessions keep breaking before any
+    // acknowledgement (a coordinator that accepts registrations but drops every stream) still
+    // stops its trainers a heartbeat timeout after its last acknowledged heartbeat.
+    if (fence_timeout_ == absl::InfiniteDuration()) {
+      acked_sent_ = sent;
+      fenced_ = false;
+    }
     fence_timeout_ = options_.loss_timeout;
     if (response.heartbeat_timeout_ms() > 0)
       fence_timeout_ =

@@ -116,9 +116,9 @@ class CoordinatorSession : public MessageSink {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);  // of the open stream
-  // Fencing state (steady clock). `acked_sent_`: when the newest acknowledged heartbeat (or the
-  // last successful registration request) was sent; `unacked_`: sequence numbers and send times
-  // of this stream's heartbeats not yet acknowledged.
+  // Fencing state (steady clock). `acked_sent_`: when the newest acknowledged heartbeat (or,
+  // before any, the first successful registration request) was sent; `unacked_`: sequence numbers
+  // and send times of this stream's heartbeats not yet acknowledged.
   using SteadyTime = std::chrono::steady_clock::time_point;
   SteadyTime acked_sent_ ABSL_GUARDED_BY(mu_);
   bool fenced_ ABSL_GUARDED_BY(mu_) = false;  // fired since the last acknowledgement

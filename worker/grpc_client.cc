@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/message_limits.h"
 #include "common/pem.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -52,6 +53,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeCoordinatorChannel(
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+  args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   return grpc::CreateCustomChannel(options.address, creds, args);
 }
 

@@ -17,6 +17,7 @@
 #include "common/exit_codes.h"
 #include "common/metrics.h"
 #include "common/status.h"
+#include "common/text_bounds.h"
 #include "worker/trainer_event.h"
 
 namespace spindle {
@@ -169,7 +170,8 @@ void RankRunner::ReportLaunchFailure(const v1::RankRef& ref, const absl::Status&
   *exit->mutable_ref() = ref;
   exit->set_exit_code(exit_code);
   exit->set_signal(0);
-  exit->add_stderr_tail(absl::StrCat("worker: cannot start trainer: ", status.message()));
+  exit->add_stderr_tail(
+      BoundedUtf8(absl::StrCat("worker: cannot start trainer: ", status.message()), kMaxNoteBytes));
   sink_->Send(std::move(msg));
 }
 
@@ -369,13 +371,13 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       v1::CheckpointDone* c = msg.mutable_checkpoint_done();
       *c->mutable_ref() = ref;
       c->set_step(event->step.value_or(0));
-      c->set_path(event->path);
+      c->set_path(BoundedUtf8(event->path, kMaxPathBytes));
       break;
     }
     case TrainerEventKind::kNote: {
       v1::RankNote* n = msg.mutable_note();
       *n->mutable_ref() = ref;
-      n->set_text(event->message);
+      n->set_text(BoundedUtf8(event->message, kMaxNoteBytes));
       break;
     }
     default:
@@ -402,7 +404,10 @@ void RankRunner::OnExit(ProcessId id, const ProcessExit& exit) {
   *e->mutable_ref() = ref;
   e->set_exit_code(exit.term_signal > 0 ? -1 : exit.exit_code);
   e->set_signal(exit.term_signal);
-  for (const std::string& line : exit.stderr_tail) e->add_stderr_tail(line);
+  // A trainer's stderr may hold any bytes: each line goes out as bounded, valid UTF-8 (a proto3
+  // string that is not UTF-8 would make the coordinator refuse the whole message).
+  for (const std::string& line : exit.stderr_tail)
+    e->add_stderr_tail(BoundedUtf8(line, kMaxNoteBytes));
   e->set_stopped(exit.stop_requested);
   e->set_last_loss(loss);
   sink_->Send(std::move(msg));

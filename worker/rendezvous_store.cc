@@ -114,17 +114,21 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key, absl::D
     const grpc::StatusCode code = status.error_code();
     const bool waited_out = code == grpc::StatusCode::DEADLINE_EXCEEDED ||
                             (code == grpc::StatusCode::NOT_FOUND && wait > absl::ZeroDuration());
-    const bool transient = code == grpc::StatusCode::UNAVAILABLE || waited_out;
+    // RESOURCE_EXHAUSTED: the coordinator holds its maximum of waiting Gets
+    // (--max-rendezvous-waits); a later call finds room.
+    const bool busy = code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+    const bool transient = code == grpc::StatusCode::UNAVAILABLE || busy || waited_out;
     if (!transient) return FromGrpcStatus(status, what);
     if (absl::Now() >= deadline) {
       if (code == grpc::StatusCode::NOT_FOUND) return FromGrpcStatus(status, what);
       return absl::DeadlineExceededError(absl::StrCat(
           what, ": key \"", key, "\" not set within ", absl::FormatDuration(timeout),
-          code == grpc::StatusCode::UNAVAILABLE
-              ? absl::StrCat(" (coordinator unavailable: ", status.error_message(), ")")
+          code == grpc::StatusCode::UNAVAILABLE || busy
+              ? absl::StrCat(" (coordinator ", busy ? "busy" : "unavailable", ": ",
+                             status.error_message(), ")")
               : ""));
     }
-    if (code == grpc::StatusCode::UNAVAILABLE) SleepBackoff(&backoff, deadline);
+    if (code == grpc::StatusCode::UNAVAILABLE || busy) SleepBackoff(&backoff, deadline);
   }
 }
 

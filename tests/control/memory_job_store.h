@@ -38,7 +38,11 @@ class MemoryJobStore : public JobStore {
     if (!jobs_.count(job.job_id))
       return absl::NotFoundError(absl::StrCat("job ", job.job_id, " not stored"));
     jobs_[job.job_id] = job;
-    if (event) events_[job.job_id].push_back(*event);
+    if (event) {
+      std::vector<EventRecord>& ev = events_[job.job_id];
+      ev.push_back(*event);
+      if (static_cast<int64_t>(ev.size()) > kMaxEventsPerJob) ev.erase(ev.begin());
+    }
     if (attempt) attempts_[{attempt->job_id, attempt->attempt}] = *attempt;
     return absl::OkStatus();
   }

@@ -4,6 +4,7 @@
 // paging and retention helpers, and the rendezvous store's key cap and cancellable waits.
 #include <atomic>
 #include <limits>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -13,10 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/text_bounds.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/job_pages.h"
 #include "coordinator/retention.h"
 #include "coordinator/sqlite_job_store.h"
+#include "coordinator/worker_proto.h"
 #include "gtest/gtest.h"
 #include "spindle/v1/job.pb.h"
 #include "tests/control/test_util.h"
@@ -270,6 +273,81 @@ TEST(RendezvousBoundsTest, ACancelledGetStopsWaiting) {
   EXPECT_EQ(v.status().message(), "rendezvous: the wait for key \"never\" was cancelled");
   EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
   EXPECT_EQ(store.NumWaiting(), 0u);
+}
+
+// Two workers of one slot each run a cp = 2 job: a rank that reports its checkpoint twice does
+// not stand in for the other.
+TEST_F(JobBoundsTest, CheckpointDoneCountsDistinctRanks) {
+  for (const char* w : {"w1", "w2"}) {
+    v1::RegisterRequest reg;
+    reg.set_worker_id(w);
+    reg.set_hostname(w);
+    v1::DeviceGroup* d = reg.add_devices();
+    d->set_kind("cpu");
+    d->set_count(1);
+    d->set_memory_bytes(int64_t{8} << 30);
+    ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(reg, "10.0.0.1")).ok());
+    v1::SessionHello hello;
+    hello.set_worker_id(w);
+    ASSERT_TRUE(testing::OpenSession(*manager_, hello, 1).ok());
+  }
+  auto id = manager_->Submit(SpecJson(/*cp=*/2), nullptr);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::map<int64_t, std::string> worker_of;
+  for (auto& [w, msg] : channel_.Take())
+    if (msg.has_assignment()) worker_of[msg.assignment().ref().rank()] = w;
+  ASSERT_EQ(worker_of.size(), 2u);
+  auto done = [&](int64_t rank) {
+    v1::WorkerMessage m;
+    v1::CheckpointDone* c = m.mutable_checkpoint_done();
+    c->mutable_ref()->set_job_id(*id);
+    c->mutable_ref()->set_attempt(1);
+    c->mutable_ref()->set_rank(rank);
+    c->set_step(5);
+    c->set_path("/tmp/ck/step_00000005");
+    testing::Deliver(*manager_, worker_of[rank], m);
+  };
+  // Rank 0 twice is not both ranks.
+  done(0);
+  done(0);
+  v1::Job job;
+  ASSERT_TRUE(testing::GetJobProto(*manager_, *id, false, &job).ok());
+  EXPECT_EQ(job.last_checkpoint_step(), 0);
+  done(1);
+  ASSERT_TRUE(testing::GetJobProto(*manager_, *id, false, &job).ok());
+  EXPECT_EQ(job.last_checkpoint_step(), 5);
+}
+
+TEST_F(JobBoundsTest, EventsAreBoundedInStoreAndMemoryAndPaged) {
+  const std::string id = Submit(1);
+  // A cancel reason is cut to its bound.
+  JobView view;
+  ASSERT_TRUE(manager_->Cancel(id, std::string(5000, 'r'), &view).ok());
+  EXPECT_EQ(view.record.message.size(), std::string("cancelled: ").size() + kMaxReasonBytes);
+  EXPECT_EQ(view.events.size(), 2u);
+  // Page tokens walk the kept events; a token that is not one is refused by name.
+  JobView page;
+  ASSERT_TRUE(manager_->GetJob(id, true, &page, {1, ""}).ok());
+  ASSERT_EQ(page.events.size(), 1u);
+  EXPECT_EQ(page.events[0].message, "submitted");
+  ASSERT_EQ(page.next_events_page_token, "events-1");
+  ASSERT_TRUE(manager_->GetJob(id, true, &page, {1, page.next_events_page_token}).ok());
+  ASSERT_EQ(page.events.size(), 1u);
+  EXPECT_EQ(page.next_events_page_token, "");
+  const absl::Status bad = manager_->GetJob(id, true, &page, {1, "before-3"});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(), "get: events_page_token \"before-3\" is not one that Get returned");
+  // The store keeps the newest kMaxEventsPerJob of a job's events.
+  JobRecord rec = (*store_->LoadJobs())[0];
+  for (int i = 0; i < 1200; ++i) {
+    EventRecord ev{rec.job_id, 0, i, JobState::kCancelled, absl::StrCat("e", i)};
+    ASSERT_TRUE(store_->SaveJob(rec, &ev).ok());
+  }
+  absl::StatusOr<std::vector<EventRecord>> events = store_->LoadEvents(rec.job_id);
+  ASSERT_TRUE(events.ok());
+  ASSERT_EQ(events->size(), static_cast<size_t>(kMaxEventsPerJob));
+  EXPECT_EQ(events->back().message, "e1199");
+  EXPECT_EQ(events->front().message, "e200");
 }
 
 }  // namespace

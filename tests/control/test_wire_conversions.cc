@@ -262,6 +262,7 @@ TEST(WireConversions, AJobViewFillsEveryFieldOfAJob) {
   v.eta_s = 33;
   v.ranks.push_back({{1, "w1", 2}, "running", 7, 2.5, 450, 1e-3, 0.7, 12.5, 0.4, 1e9, 3, 99});
   v.events.push_back({"j-000002", 2, 15, JobState::kPlaced, "placed"});
+  v.next_events_page_token = "events-1";
   v1::Job job;
   JobViewToProto(v, &job);
   ExpectEveryFieldSet(job);

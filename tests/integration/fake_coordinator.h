@@ -45,8 +45,10 @@ class FakeCoordinator : public v1::ClusterService::Service {
     {
       absl::MutexLock lock(&mu_);
       messages_.push_back(message);
-      stream_ = stream;
       ++sessions_;
+      // A coordinator that takes registrations but breaks every stream before acknowledging.
+      if (drop_sessions_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "dropped");
+      stream_ = stream;
     }
     while (stream->Read(&message)) {
       absl::MutexLock lock(&mu_);
@@ -74,6 +76,12 @@ class FakeCoordinator : public v1::ClusterService::Service {
   void AckHeartbeats(bool ack) {
     absl::MutexLock lock(&mu_);
     ack_heartbeats_ = ack;
+  }
+
+  // Ends every new session right after its hello (or stops doing so).
+  void DropSessions(bool drop) {
+    absl::MutexLock lock(&mu_);
+    drop_sessions_ = drop;
   }
 
   std::vector<v1::WorkerMessage> Messages() {
@@ -112,6 +120,7 @@ class FakeCoordinator : public v1::ClusterService::Service {
   absl::Mutex mu_;
   std::vector<v1::RegisterRequest> registers_ ABSL_GUARDED_BY(mu_);
   bool ack_heartbeats_ ABSL_GUARDED_BY(mu_) = true;
+  bool drop_sessions_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
   std::string last_authorization_ ABSL_GUARDED_BY(mu_);
   grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_

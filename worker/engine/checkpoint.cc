@@ -427,6 +427,13 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
         {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
   RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
   RETURN_IF_ERROR(SyncDir(tmp));
+  if (attempt > 0) {
+    // Checked again at the last moment, right before anything visible changes: on storage where
+    // the writer lock does not hold across hosts, a newer attempt may have fenced the root while
+    // this one wrote its files.
+    ASSIGN_OR_RETURN(const int64_t fence, ReadFenceFile(root));
+    if (fence > attempt) return Superseded(root, attempt, fence);
+  }
   RemoveTree(final_dir);  // an earlier attempt's checkpoint of the same step
   if (::rename(tmp.c_str(), final_dir.c_str()) != 0) return Errno("cannot rename", tmp);
   cleanup.renamed = true;
