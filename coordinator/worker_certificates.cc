@@ -81,6 +81,10 @@ absl::Status WorkerCertificates::Load() {
 
 absl::StatusOr<std::string> WorkerCertificates::Join(const std::string& token,
                                                      const std::string& csr_pem) {
+  if (csr_pem.size() > kMaxCertificateRequestBytes)
+    return absl::InvalidArgumentError(absl::StrCat("join: the certificate request has ",
+                                                   csr_pem.size(), " bytes; at most ",
+                                                   kMaxCertificateRequestBytes));
   const BootstrapToken* match = nullptr;
   for (const BootstrapToken& t : tokens_)  // every token compared, in constant time each
     if (ConstantTimeEquals(token, t.token)) match = &t;

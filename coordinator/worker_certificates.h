@@ -50,10 +50,13 @@ class WorkerCertificates {
 
   const CertificateAuthority& ca() const { return ca_; }
 
+  // A worker's certificate request is a few hundred bytes; a larger one is refused unread.
+  static constexpr size_t kMaxCertificateRequestBytes = 16 * 1024;
+
   // Signs `csr_pem` for the worker id it names, with `token`. Unauthenticated for an unknown
   // token ("unknown bootstrap token") or an expired one ("the bootstrap token expired at T");
   // PermissionDenied for one that has made all its joins; InvalidArgument for a bad request or
-  // worker id. Returns the certificate (PEM).
+  // worker id, or a request over kMaxCertificateRequestBytes. Returns the certificate (PEM).
   absl::StatusOr<std::string> Join(const std::string& token, const std::string& csr_pem)
       ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -261,6 +261,18 @@ TEST_F(HostileCertificatesTest, BootstrapTokensThatExpiredOrRanOutAreRefused) {
   EXPECT_EQ(second.error_code(), grpc::StatusCode::PERMISSION_DENIED);
 }
 
+TEST_F(HostileCertificatesTest, AHugeCertificateRequestIsRefusedUnread) {
+  v1::JoinRequest req;
+  req.set_bootstrap_token(kToken);
+  req.set_csr_pem(std::string(1 << 20, 'A'));
+  v1::JoinResponse resp;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  grpc::Status st = v1::ClusterService::NewStub(Channel())->Join(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message(), "join: the certificate request has 1048576 bytes; at most 16384");
+}
+
 TEST_F(HostileCertificatesTest, PlaintextClientsCannotTalkToTheTlsPort) {
   auto plain = grpc::CreateChannel(Address(), grpc::InsecureChannelCredentials());
   grpc::ClientContext ctx;
