@@ -17,9 +17,6 @@ std::string Magnitude(double bytes) {
 
 }  // namespace
 
-bool CheckedMul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
-bool CheckedAdd(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }
-
 absl::Status CheckSpecSizes(const JobSpec& spec) {
   const ModelConfig& m = spec.model;
   const MlaConfig& a = m.mla;

@@ -23,9 +23,4 @@ inline constexpr int64_t kMaxSpecBytes = int64_t{1} << 56;
 // optimizer moments) or one sequence's activations would pass kMaxSpecBytes.
 absl::Status CheckSpecSizes(const JobSpec& spec);
 
-// a * b, or false when it does not fit in int64 (both >= 0).
-bool CheckedMul(int64_t a, int64_t b, int64_t* out);
-// a + b, or false when it does not fit in int64 (both >= 0).
-bool CheckedAdd(int64_t a, int64_t b, int64_t* out);
-
 }  // namespace spindle

@@ -233,13 +233,6 @@ absl::Status JobManager::CheckHello(const WorkerHello& hello) {
   return registry_.CheckOpen(hello.worker_id, hello.instance_id);
 }
 
-int64_t JobManager::PendingTransitions() const {
-  absl::MutexLock l(&mu_);
-  int64_t n = 0;
-  for (const auto& [id, j] : jobs_) n += j->retry != nullptr;
-  return n;
-}
-
 void JobManager::TransitionOrRetry(JobRuntime& j, JobState to, const std::string& message,
                                    int64_t add_restarts) {
   JobRecord next = j.rec;

@@ -209,9 +209,6 @@ class JobManager {
   // memory; returns how many. The daemon calls it after Recover and then periodically.
   absl::StatusOr<int64_t> PruneFinishedJobs() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Jobs whose last transition could not be stored and waits for the next Tick to try again.
-  int64_t PendingTransitions() const ABSL_LOCKS_EXCLUDED(mu_);
-
   // For metrics: jobs per state, workers by WorkerInfo.state, devices "used"/"free".
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(mu_);
