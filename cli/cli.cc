@@ -46,19 +46,22 @@ commands:
                                   of GIB GiB (e.g. 139.8 for an H200), which also sizes recompute
                                   "auto"
   list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
-                                  failed, cancelled, restarting; repeatable); every job, page
-                                  by page, or the newest N
+       [--mine]                   failed, cancelled, restarting; repeatable); every job, page
+                                  by page, or the newest N; --mine: only the jobs you submitted
   status JOB_ID                   one job: state, progress per rank, history
   watch JOB_ID                    live progress (step, loss, tokens/s, ETA) until the job ends
-  cancel JOB_ID [--reason TEXT]   stop every rank of a job
+  cancel JOB_ID [--reason TEXT]   stop every rank of a job (yours, or any as an admin)
   workers                         registered workers, their devices and ranks
+  workers revoke WORKER_ID        (admins) revoke the worker's certificates and end its
+                                  sessions at once; it needs a new bootstrap token to rejoin
 
 global flags:
   --coordinator HOST:PORT   coordinator address (env SPINDLE_COORDINATOR, default 127.0.0.1:7070)
   --token-file FILE         file holding the bearer token (env SPINDLE_TOKEN holds the token
                             itself); --token TOKEN works too but shows the token to every user
                             of this host (process list, shell history), so it warns
-  --tls-ca FILE             PEM root certificate: connect with TLS (env SPINDLE_TLS_CA)
+  --tls-ca FILE             PEM root certificate: connect with TLS (env SPINDLE_TLS_CA; the
+                            coordinator's CA is <db>.ca.pem beside its database)
   --output text|json        output format (default text; json: one JSON object per line)
   --timeout SECONDS         deadline of each call (default 10)
   -h, --help                this help
@@ -87,6 +90,7 @@ struct Options {
   std::string reason;
   bool wait = false;
   bool offline = false;
+  bool mine = false;
   double device_memory_gib = 0;  // plan: > 0 plans offline against a device of this size
   bool help = false;
 };
@@ -112,6 +116,10 @@ std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
     }
     if (a == "--offline") {
       o->offline = true;
+      continue;
+    }
+    if (a == "--mine") {
+      o->mine = true;
       continue;
     }
     if (a.size() > 1 && a[0] == '-') {
@@ -470,6 +478,8 @@ class Cli {
       tls_ca_pem_ = *std::move(pem);
     }
     const std::string& c = o_.command;
+    if (c == "workers" && !o_.positional.empty() && o_.positional[0] == "revoke")
+      return RevokeWorker();
     if ((c == "list" || c == "workers") && !o_.positional.empty())
       return Fail(kExitUsage, absl::StrCat(c, ": takes no arguments, got \"", o_.positional[0],
                                            "\" (run spindle --help)"));
@@ -653,6 +663,7 @@ class Cli {
 
   int List() {
     v1::ListJobsRequest req;
+    req.set_mine(o_.mine);
     for (const std::string& s : o_.states) {
       v1::JobState st;
       if (!ParseStateName(s, &st))
@@ -735,6 +746,7 @@ class Cli {
     }
     out_ << j.job_id() << "  " << j.name() << "  " << StateName(j.state()) << "\n";
     if (!j.message().empty()) out_ << "  " << j.message() << "\n";
+    if (!j.owner().empty()) out_ << "  owner " << j.owner() << "\n";
     out_ << absl::StrFormat("  priority %d, attempt %d, restarts %d/%d, world %d (cp=%d dp=%d)\n",
                             j.priority(), j.attempt(), j.restarts(), j.max_restarts(),
                             j.plan().world(), j.plan().cp(), j.plan().dp());
@@ -884,6 +896,26 @@ class Cli {
     } else {
       out_ << resp.job().job_id() << " " << StateName(resp.job().state()) << "\n";
     }
+    return kExitOk;
+  }
+
+  int RevokeWorker() {
+    if (o_.positional.size() != 2)
+      return Fail(kExitUsage, "workers revoke: expected exactly one WORKER_ID");
+    v1::RevokeWorkerRequest req;
+    req.set_worker_id(o_.positional[1]);
+    v1::RevokeWorkerResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status st = v1::ClusterService::NewStub(Channel())->RevokeWorker(&ctx, req, &resp);
+    if (!st.ok()) return RpcFail(st);
+    if (Json()) {
+      out_ << ToJsonLine(resp) << "\n";
+      return kExitOk;
+    }
+    out_ << "revoked " << resp.certificates_revoked() << " certificate"
+         << (resp.certificates_revoked() == 1 ? "" : "s") << " of worker " << req.worker_id()
+         << "; its sessions are ended\n";
     return kExitOk;
   }
 

@@ -1,12 +1,17 @@
 // Coordinator daemon assembly (see coordinator_server.h).
 #include "coordinator/coordinator_server.h"
 
+#include <ifaddrs.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -17,6 +22,7 @@
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "common/status.h"
+#include "coordinator/certificate_authority.h"
 #include "coordinator/exposure.h"
 #include "coordinator/grpc_services.h"
 #include "coordinator/monitored_job_store.h"
@@ -28,6 +34,41 @@
 #include "grpcpp/server_builder.h"
 
 namespace spindle {
+namespace {
+
+// What the server certificate the CA issues at start names: the names clients on this host and
+// in a cluster use, this host's name and every address of its interfaces, and `extra`.
+std::vector<std::string> ServerNames(const CoordinatorConfig& c) {
+  std::vector<std::string> names = {"localhost", "127.0.0.1", "::1", "spindle-coordinator"};
+  char host[HOST_NAME_MAX + 1] = {};
+  if (gethostname(host, sizeof(host) - 1) == 0 && host[0] != '\0') names.push_back(host);
+  ifaddrs* addrs = nullptr;
+  if (getifaddrs(&addrs) == 0) {
+    for (ifaddrs* a = addrs; a != nullptr; a = a->ifa_next) {
+      if (a->ifa_addr == nullptr) continue;
+      const int family = a->ifa_addr->sa_family;
+      if (family != AF_INET && family != AF_INET6) continue;
+      char buf[NI_MAXHOST];
+      const socklen_t len = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+      if (getnameinfo(a->ifa_addr, len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) != 0)
+        continue;
+      std::string ip = buf;
+      if (ip.find('%') != std::string::npos) continue;  // link-local with a scope
+      names.push_back(ip);
+    }
+    freeifaddrs(addrs);
+  }
+  for (const std::string& address : {c.listen, c.worker_listen, c.advertise_address}) {
+    const std::string h = ListenHost(address);
+    if (!address.empty() && !h.empty() && h != "0.0.0.0" && h != "::") names.push_back(h);
+  }
+  names.insert(names.end(), c.tls_names.begin(), c.tls_names.end());
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
+}  // namespace
 
 struct CoordinatorServer::Impl {
   CoordinatorConfig config;
@@ -42,6 +83,8 @@ struct CoordinatorServer::Impl {
   SessionRegistry sessions;
   MetricsRegistry registry;
   std::unique_ptr<MetricsServer> metrics_server;
+  std::unique_ptr<WorkerCertificates> certificates;  // null without a CA
+  std::string server_cert_pem, server_key_pem;       // empty: plaintext
   std::unique_ptr<Credentials> auth;
   std::unique_ptr<JobManager> manager;
   std::unique_ptr<JobServiceImpl> job_service;
@@ -63,10 +106,15 @@ struct CoordinatorServer::Impl {
   Family<Gauge>* workers_gauge = nullptr;
   Family<Gauge>* devices_gauge = nullptr;
 
+  // With a CA, a client may present a certificate (workers do; users and trainers need not), and
+  // one it presents must verify against the CA.
   std::shared_ptr<grpc::ServerCredentials> ListenCredentials() const {
-    if (config.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
-    grpc::SslServerCredentialsOptions opts;
-    opts.pem_key_cert_pairs.push_back({config.tls_key_pem, config.tls_cert_pem});
+    if (server_cert_pem.empty()) return grpc::InsecureServerCredentials();
+    grpc::SslServerCredentialsOptions opts(certificates
+                                               ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                                               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    opts.pem_key_cert_pairs.push_back({server_key_pem, server_cert_pem});
+    if (certificates) opts.pem_root_certs = config.ca_cert_pem;
     return grpc::SslServerCredentials(opts);
   }
 
@@ -135,12 +183,29 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s.clock = clock ? clock : &s.real_clock;
   if (s.config.tls_cert_pem.empty() != s.config.tls_key_pem.empty())
     return absl::InvalidArgumentError("TLS needs both a certificate and a key");
-  RETURN_IF_ERROR(CheckListenExposure({s.config.listen, s.config.worker_listen},
-                                      !s.config.token.empty() || !s.config.tls_cert_pem.empty(),
-                                      s.config.insecure));
-  RETURN_IF_ERROR(CheckWorkerCredentials({s.config.listen, s.config.worker_listen},
-                                         !s.config.token.empty(), !s.config.worker_tokens.empty(),
-                                         s.config.insecure));
+  if (s.config.ca_cert_pem.empty() != s.config.ca_key_pem.empty())
+    return absl::InvalidArgumentError("the CA needs both its certificate and its key");
+  const bool with_ca = !s.config.ca_cert_pem.empty();
+  if (with_ca && !s.config.worker_tokens.empty())
+    return absl::InvalidArgumentError(
+        "workers hold certificates of the coordinator's CA or worker tokens, not both: drop "
+        "--worker_token_file, or run without a CA (--plaintext)");
+  RETURN_IF_ERROR(CheckCoordinatorExposure(
+      s.config.listen, s.config.worker_listen, !s.config.token.empty() || !s.config.users.empty(),
+      with_ca || !s.config.worker_tokens.empty(), s.config.insecure));
+  std::optional<CertificateAuthority> ca;
+  if (with_ca) {
+    ASSIGN_OR_RETURN(ca, CertificateAuthority::FromPem(s.config.ca_cert_pem, s.config.ca_key_pem));
+  }
+  if (!s.config.tls_cert_pem.empty()) {
+    s.server_cert_pem = s.config.tls_cert_pem;
+    s.server_key_pem = s.config.tls_key_pem;
+  } else if (ca) {
+    ASSIGN_OR_RETURN(KeyAndCertificate server,
+                     ca->IssueServerCertificate(ServerNames(s.config), absl::Hours(24 * 365)));
+    s.server_cert_pem = server.cert_pem;
+    s.server_key_pem = server.key_pem;
+  }
   // A coordinator that cannot start leaves no store behind that it created.
   const std::string db_path = s.config.db_path;
   std::error_code ec;
@@ -150,7 +215,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     impl.reset();  // closes the store
     SqliteJobStore::RemoveFiles(db_path);
   };
-  ASSIGN_OR_RETURN(s.sqlite_store, SqliteJobStore::Open(s.config.db_path));
+  ASSIGN_OR_RETURN(std::unique_ptr<SqliteJobStore> sqlite, SqliteJobStore::Open(s.config.db_path));
+  IdentityStore* identities = sqlite.get();  // the same file; its writes are not the manager's
+  s.sqlite_store = std::move(sqlite);
   JobManagerMetrics metrics;
   RETURN_IF_ERROR(s.SetUpMetrics(&metrics));
   JobStore* base = s.sqlite_store.get();
@@ -160,7 +227,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   s.store = std::make_unique<MonitoredJobStore>(base, s.store_errors,
                                                 absl::Milliseconds(s.config.store_stall_ms));
-  s.auth = std::make_unique<Credentials>(s.config.token, s.config.worker_tokens);
+  if (ca) {
+    s.certificates = std::make_unique<WorkerCertificates>(
+        *std::move(ca), s.config.bootstrap_tokens, identities, s.clock,
+        s.config.worker_certificate_validity);
+    RETURN_IF_ERROR(s.certificates->Load());
+  }
+  s.auth = std::make_unique<Credentials>(s.config.token, s.config.worker_tokens, s.config.users,
+                                         s.certificates.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   // The same address means one port, unless it asks for an ephemeral one (two then).
@@ -301,6 +375,7 @@ void CoordinatorServer::Wait() {
 }
 
 int CoordinatorServer::client_port() const { return impl_->client_port; }
+std::string CoordinatorServer::server_certificate_pem() const { return impl_->server_cert_pem; }
 int CoordinatorServer::worker_port() const { return impl_->worker_port; }
 int CoordinatorServer::metrics_port() const {
   return impl_->metrics_server ? impl_->metrics_server->port() : 0;

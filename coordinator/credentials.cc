@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/auth.h"
+#include "grpc/grpc_security_constants.h"
 
 namespace spindle {
 
@@ -35,8 +36,28 @@ absl::StatusOr<std::vector<WorkerToken>> ParseWorkerTokens(const std::string& te
   return out;
 }
 
-Credentials::Credentials(std::string user_token, std::vector<WorkerToken> worker_tokens)
-    : user_token_(std::move(user_token)), worker_tokens_(std::move(worker_tokens)) {}
+Credentials::Credentials(std::string user_token, std::vector<WorkerToken> worker_tokens,
+                         std::vector<UserToken> users, WorkerCertificates* certificates)
+    : user_token_(std::move(user_token)),
+      worker_tokens_(std::move(worker_tokens)),
+      users_(std::move(users)),
+      certificates_(certificates) {}
+
+namespace {
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// The PEM of the client certificate the peer's TLS handshake presented; "" when none.
+std::string PeerCertificate(const grpc::ServerContext& ctx) {
+  std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  if (auth == nullptr) return "";
+  std::vector<grpc::string_ref> pem = auth->FindPropertyValues(GRPC_X509_PEM_CERT_PROPERTY_NAME);
+  return pem.empty() ? "" : std::string(pem[0].data(), pem[0].size());
+}
+
+}  // namespace
 
 grpc::Status Credentials::Identify(const grpc::ServerContext& ctx, Caller* caller) const {
   const auto& md = ctx.client_metadata();
@@ -47,12 +68,19 @@ grpc::Status Credentials::Identify(const grpc::ServerContext& ctx, Caller* calle
   const std::string value(it->second.data(), it->second.size());
   static constexpr char kPrefix[] = "Bearer ";
   // Every token is compared (in constant time each), whichever matches.
-  bool user = !user_token_.empty() && ConstantTimeEquals(value, kPrefix + user_token_);
+  const UserToken* user = nullptr;
+  const bool shared = !user_token_.empty() && ConstantTimeEquals(value, kPrefix + user_token_);
+  for (const UserToken& u : users_)
+    if (ConstantTimeEquals(value, kPrefix + u.token)) user = &u;
   const WorkerToken* worker = nullptr;
   for (const WorkerToken& t : worker_tokens_)
     if (ConstantTimeEquals(value, kPrefix + t.token)) worker = &t;
-  if (user) {
+  if (user != nullptr) {
     caller->kind = Kind::kUser;
+    caller->user = user->user;
+  } else if (shared) {
+    caller->kind = Kind::kUser;
+    caller->user = User{kSharedTokenUser, true};
   } else if (worker != nullptr) {
     caller->kind = Kind::kWorker;
     caller->worker = worker;
@@ -62,19 +90,44 @@ grpc::Status Credentials::Identify(const grpc::ServerContext& ctx, Caller* calle
   return grpc::Status::OK;
 }
 
-grpc::Status Credentials::CheckUser(const grpc::ServerContext& ctx) const {
-  if (user_token_.empty()) return grpc::Status::OK;  // users are not authenticated
+grpc::Status Credentials::CheckUser(const grpc::ServerContext& ctx, User* user) const {
+  if (!users_authenticated()) {  // users are not authenticated: everyone may do everything
+    if (user != nullptr) *user = User{"", true};
+    return grpc::Status::OK;
+  }
   Caller c;
   if (grpc::Status s = Identify(ctx, &c); !s.ok()) return s;
   if (c.kind == Kind::kWorker)
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                         "a worker token cannot call JobService (submit, cancel, list jobs); use "
-                        "the users' token");
+                        "a user's token");
+  if (user != nullptr) *user = c.user;
   return grpc::Status::OK;
 }
 
-grpc::Status Credentials::CheckWorker(const grpc::ServerContext& ctx,
-                                      const std::string& worker_id) const {
+grpc::Status Credentials::CheckAdmin(const grpc::ServerContext& ctx, const std::string& what,
+                                     User* user) const {
+  User u;
+  if (grpc::Status s = CheckUser(ctx, &u); !s.ok()) return s;
+  if (!u.admin)
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat(what, ": user ", u.name, " is not an admin"));
+  if (user != nullptr) *user = u;
+  return grpc::Status::OK;
+}
+
+grpc::Status Credentials::CheckWorker(const grpc::ServerContext& ctx, const std::string& worker_id,
+                                      std::string* certified) const {
+  if (certificates_ != nullptr) {
+    absl::StatusOr<std::string> id = certificates_->WorkerOf(PeerCertificate(ctx));
+    if (!id.ok()) return ToGrpcStatus(id.status());
+    if (!worker_id.empty() && *id != worker_id)
+      return grpc::Status(
+          grpc::StatusCode::PERMISSION_DENIED,
+          absl::StrCat("this certificate belongs to worker ", *id, ", not to worker ", worker_id));
+    if (certified != nullptr) *certified = *id;
+    return grpc::Status::OK;
+  }
   if (!enabled()) return grpc::Status::OK;
   Caller c;
   if (grpc::Status s = Identify(ctx, &c); !s.ok()) return s;
@@ -90,8 +143,15 @@ grpc::Status Credentials::CheckWorker(const grpc::ServerContext& ctx,
   return grpc::Status::OK;
 }
 
+grpc::Status Credentials::CheckRendezvous(const grpc::ServerContext& ctx) const {
+  if (certificates_ != nullptr) return grpc::Status::OK;  // the attempt's token decides
+  return CheckWorker(ctx, "");
+}
+
 grpc::Status Credentials::CheckAny(const grpc::ServerContext& ctx) const {
-  if (!enabled()) return grpc::Status::OK;
+  if (certificates_ != nullptr && !PeerCertificate(ctx).empty()) return CheckWorker(ctx, "");
+  if (!enabled() || (certificates_ != nullptr && !users_authenticated() && worker_tokens_.empty()))
+    return grpc::Status::OK;
   Caller c;
   return Identify(ctx, &c);
 }

@@ -31,8 +31,8 @@ absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool
   if (has_credentials || insecure || exposed.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "refusing to serve ", exposed,
-      " (not a loopback address) without credentials: set --token_file or --tls_cert, or "
-      "pass --insecure to let anyone who reaches it run jobs"));
+      " (not a loopback address) without credentials: set --users_file or --token_file (TLS "
+      "alone names no one), or pass --insecure to let anyone who reaches it run jobs"));
 }
 
 absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, bool user_token,
@@ -44,6 +44,19 @@ absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, b
       " with one token for users and workers (any user could register as a worker and take "
       "its assignments): give the workers their own with --worker_token_file, or pass "
       "--insecure"));
+}
+
+absl::Status CheckCoordinatorExposure(const std::string& listen, const std::string& worker_listen,
+                                      bool user_credentials, bool worker_credentials,
+                                      bool insecure) {
+  if (absl::Status st = CheckListenExposure({listen}, user_credentials, insecure); !st.ok())
+    return st;
+  if (absl::Status st =
+          CheckListenExposure({worker_listen}, user_credentials || worker_credentials, insecure);
+      !st.ok())
+    return st;
+  return CheckWorkerCredentials({listen, worker_listen}, user_credentials, worker_credentials,
+                                insecure);
 }
 
 }  // namespace spindle

@@ -1,6 +1,8 @@
 // The coordinator's safe default: it serves its gRPC ports without credentials only on loopback
-// addresses, which no other host can reach. A listen address on any other interface needs a
-// bearer token, worker credentials or TLS, or the operator's explicit --insecure.
+// addresses, which no other host can reach. A listen address on any other interface needs
+// credentials that name who calls (users' tokens; workers' certificates or tokens), or the
+// operator's explicit --insecure. TLS alone names no one: a server certificate is not a
+// credential.
 #pragma once
 
 #include <string>
@@ -14,7 +16,7 @@ namespace spindle {
 std::string ListenHost(const std::string& address);
 
 // OK when every address in `addresses` (listen addresses; empty ones are skipped) is loopback,
-// when `has_credentials` (a token or TLS is configured), or when `insecure`. Otherwise
+// when `has_credentials` (users' tokens are configured), or when `insecure`. Otherwise
 // FailedPrecondition naming the first exposed address and the --insecure flag: an operator
 // must fix the configuration, a retry would not help.
 absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool has_credentials,
@@ -26,5 +28,13 @@ absl::Status CheckListenExposure(const std::vector<std::string>& addresses, bool
 // and receive its assignments and their rendezvous tokens.
 absl::Status CheckWorkerCredentials(const std::vector<std::string>& addresses, bool user_token,
                                     bool worker_tokens, bool insecure);
+
+// Both checks for a coordinator: the client port `listen` needs users' credentials
+// (`user_credentials`: --users-file or --token-file); a separate `worker_listen` needs either
+// kind; and users' tokens alone are not the workers' (`worker_credentials`: the CA's
+// certificates or --worker-token-file).
+absl::Status CheckCoordinatorExposure(const std::string& listen, const std::string& worker_listen,
+                                      bool user_credentials, bool worker_credentials,
+                                      bool insecure);
 
 }  // namespace spindle

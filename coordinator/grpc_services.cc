@@ -179,6 +179,18 @@ void SessionRegistry::Detach(const std::string& worker_id, const Session* s) {
   if (it != sessions_.end() && it->second.get() == s) sessions_.erase(it);
 }
 
+void SessionRegistry::End(const std::string& worker_id) {
+  std::shared_ptr<Session> s;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = sessions_.find(worker_id);
+    if (it == sessions_.end()) return;
+    s = std::move(it->second);
+    sessions_.erase(it);
+  }
+  s->Cancel();
+}
+
 void SessionRegistry::CloseAll() {
   std::map<std::string, std::shared_ptr<Session>> all;
   {
@@ -226,14 +238,16 @@ bool StreamReaper::Write(grpc::ServerContext* ctx, absl::FunctionRef<bool()> wri
 
 grpc::Status JobServiceImpl::Submit(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                     v1::SubmitJobResponse* resp) {
-  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
+  User user;
+  if (grpc::Status a = auth_->CheckUser(*ctx, &user); !a.ok()) return a;
   CpPlan plan;
   if (req->dry_run()) {
     absl::Status st = manager_->PlanSpec(req->spec_json(), &plan);
     if (st.ok()) PlanToProto(plan, resp->mutable_plan());
     return ToGrpc(st);
   }
-  absl::StatusOr<std::string> id = manager_->Submit(req->spec_json(), &plan, req->request_id());
+  absl::StatusOr<std::string> id =
+      manager_->Submit(req->spec_json(), &plan, req->request_id(), user.name);
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_job_id(*id);
   PlanToProto(plan, resp->mutable_plan());
@@ -264,7 +278,8 @@ grpc::Status JobServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetJobReque
 
 grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                                   v1::ListJobsResponse* resp) {
-  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
+  User user;
+  if (grpc::Status a = auth_->CheckUser(*ctx, &user); !a.ok()) return a;
   std::set<JobState> states;
   for (int s : req->states()) {
     if (s < static_cast<int>(JobState::kQueued) || s > static_cast<int>(JobState::kRestarting))
@@ -276,8 +291,9 @@ grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRe
       ListPageSize(req->page_size() != 0 ? req->page_size() : req->limit());
   if (!page_size.ok()) return ToGrpc(page_size.status());
   std::vector<JobView> jobs;
-  absl::Status st = manager_->ListJobPage(states, *page_size, req->page_token(), &jobs,
-                                          resp->mutable_next_page_token());
+  absl::Status st =
+      manager_->ListJobPage(states, *page_size, req->page_token(), &jobs,
+                            resp->mutable_next_page_token(), req->mine() ? &user.name : nullptr);
   if (!st.ok()) return ToGrpc(st);
   for (const JobView& j : jobs) JobViewToProto(j, resp->add_jobs());
   return grpc::Status::OK;
@@ -285,9 +301,10 @@ grpc::Status JobServiceImpl::List(grpc::ServerContext* ctx, const v1::ListJobsRe
 
 grpc::Status JobServiceImpl::Cancel(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                     v1::CancelJobResponse* resp) {
-  if (grpc::Status a = auth_->CheckUser(*ctx); !a.ok()) return a;
+  User user;
+  if (grpc::Status a = auth_->CheckUser(*ctx, &user); !a.ok()) return a;
   JobView job;
-  absl::Status st = manager_->Cancel(req->job_id(), req->reason(), &job);
+  absl::Status st = manager_->Cancel(req->job_id(), req->reason(), &job, &user);
   if (st.ok()) JobViewToProto(job, resp->mutable_job());
   return ToGrpc(st);
 }
@@ -463,6 +480,37 @@ grpc::Status ClusterServiceImpl::Session(
   return result;
 }
 
+grpc::Status ClusterServiceImpl::Join(grpc::ServerContext* ctx, const v1::JoinRequest* req,
+                                      v1::JoinResponse* resp) {
+  WorkerCertificates* certs = auth_->certificates();
+  if (certs == nullptr)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "join: this coordinator has no CA (it serves plaintext); workers "
+                        "authenticate with --token-file");
+  if (!accepts_workers_) return WrongPortStatus();
+  absl::StatusOr<std::string> cert = certs->Join(req->bootstrap_token(), req->csr_pem());
+  if (!cert.ok()) return ToGrpc(cert.status());
+  resp->set_certificate_pem(*std::move(cert));
+  resp->set_ca_pem(certs->ca().cert_pem());
+  return grpc::Status::OK;
+}
+
+grpc::Status ClusterServiceImpl::RevokeWorker(grpc::ServerContext* ctx,
+                                              const v1::RevokeWorkerRequest* req,
+                                              v1::RevokeWorkerResponse* resp) {
+  if (grpc::Status a = auth_->CheckAdmin(*ctx, "revoke"); !a.ok()) return a;
+  WorkerCertificates* certs = auth_->certificates();
+  if (certs == nullptr)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "revoke: this coordinator has no CA, so workers hold no certificates; "
+                        "take the worker's token out of --worker-token-file instead");
+  absl::StatusOr<int64_t> n = certs->Revoke(req->worker_id());
+  if (!n.ok()) return ToGrpc(n.status());
+  sessions_->End(req->worker_id());
+  resp->set_certificates_revoked(*n);
+  return grpc::Status::OK;
+}
+
 grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                              const v1::ListWorkersRequest* req,
                                              v1::ListWorkersResponse* resp) {
@@ -475,14 +523,14 @@ grpc::Status ClusterServiceImpl::ListWorkers(grpc::ServerContext* ctx,
 
 grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext* ctx, const v1::SetRequest* req,
                                         v1::SetResponse* resp) {
-  if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckRendezvous(*ctx); !a.ok()) return a;
   const v1::RendezvousScope& s = req->scope();
   return ToGrpc(store_->Set(s.job_id(), s.attempt(), s.token(), req->key(), req->value()));
 }
 
 grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
                                         v1::GetResponse* resp) {
-  if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
+  if (grpc::Status a = auth_->CheckRendezvous(*ctx); !a.ok()) return a;
   const v1::RendezvousScope& s = req->scope();
   if (req->wait_timeout_ms() < 0)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

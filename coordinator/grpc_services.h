@@ -43,6 +43,8 @@ class SessionRegistry : public WorkerChannel {
   void Attach(const std::string& worker_id, std::shared_ptr<Session> s) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets `s` if it is still the worker's session.
   void Detach(const std::string& worker_id, const Session* s) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the worker's session, if it has one (its certificate was revoked).
+  void End(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Closes every session (daemon shutdown).
   void CloseAll() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -121,6 +123,11 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
   grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
                            v1::ListWorkersResponse* resp) override;
+  // Join answers on the worker port only; RevokeWorker on either.
+  grpc::Status Join(grpc::ServerContext* ctx, const v1::JoinRequest* req,
+                    v1::JoinResponse* resp) override;
+  grpc::Status RevokeWorker(grpc::ServerContext* ctx, const v1::RevokeWorkerRequest* req,
+                            v1::RevokeWorkerResponse* resp) override;
 
  private:
   JobManager* const manager_;

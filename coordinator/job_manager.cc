@@ -404,7 +404,8 @@ absl::Status JobManager::PlanSpec(const std::string& spec_json, CpPlan* plan_out
 }
 
 absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, CpPlan* plan_out,
-                                               const std::string& request_id) {
+                                               const std::string& request_id,
+                                               const std::string& owner) {
   RETURN_IF_ERROR(CheckRequestId(request_id));
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpec(spec_json));
   RETURN_IF_ERROR(CheckAbsolutePaths(spec));
@@ -452,13 +453,15 @@ absl::StatusOr<std::string> JobManager::Submit(const std::string& spec_json, CpP
     rec.priority = spec.priority;
     rec.spec_json = canonical_spec;
     rec.request_id = request_id;
+    rec.owner = owner;
     rec.plan = EncodePlan(plan);
     rec.submitted_ms = rec.updated_ms = now;
     rec.max_restarts = spec.max_restarts;
     const int64_t world = spec.parallel.world();
     rec.message = absl::StrCat("waiting for ", world, " free ", spec.resources, " device",
                                world == 1 ? "" : "s");
-    EventRecord ev{"", 0, now, JobState::kQueued, "submitted"};
+    EventRecord ev{"", 0, now, JobState::kQueued,
+                   owner.empty() ? "submitted" : absl::StrCat("submitted by ", owner)};
     RETURN_IF_ERROR(store_->CreateJob(&rec, ev));
     ev.job_id = rec.job_id;
     AddEvent(*j, ev);
@@ -589,9 +592,8 @@ std::vector<JobView> JobManager::ListJobs(const std::set<JobState>& states, int 
 }
 
 absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_size,
-                                     const std::string& page_token,
-                                     std::vector<JobView>* jobs,
-                                     std::string* next_page_token) {
+                                     const std::string& page_token, std::vector<JobView>* jobs,
+                                     std::string* next_page_token, const std::string* owner) {
   ASSIGN_OR_RETURN(const int64_t before, ParsePageToken(page_token));
   next_page_token->clear();
   absl::MutexLock l(&mu_);
@@ -599,6 +601,7 @@ absl::Status JobManager::ListJobPage(const std::set<JobState>& states, int page_
   index_.VisitNewestFirst(before, [&](int64_t seq, const std::string& id) {
     const JobRuntime* j = FindJob(id);
     if (j == nullptr || (!states.empty() && !states.count(j->rec.state))) return true;
+    if (owner != nullptr && j->rec.owner != *owner) return true;
     if (static_cast<int64_t>(jobs->size()) >= page_size) {  // one more: there is a next page
       *next_page_token = MakePageToken(last_seq);
       return false;
@@ -636,18 +639,28 @@ absl::Status JobManager::WaitJob(const std::string& job_id, uint64_t* version, s
   return absl::OkStatus();
 }
 
-absl::Status JobManager::Cancel(const std::string& job_id, const std::string& reason,
-                                JobView* out) {
+absl::Status JobManager::Cancel(const std::string& job_id, const std::string& reason, JobView* out,
+                                const User* by) {
   Outbox box;
   {
     absl::MutexLock l(&mu_);
     SyncHeardLocked();
     JobRuntime* j = FindJob(job_id);
     if (!j) return JobNotFound(job_id);
+    if (by != nullptr && !by->admin && by->name != j->rec.owner)
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", job_id, " belongs to ", j->rec.owner.empty() ? "no named user" : j->rec.owner,
+          "; only its owner or an admin may cancel it"));
     if (!IsTerminal(j->rec.state)) {
-      const std::string msg =
-          reason.empty() ? "cancelled by user"
-                         : absl::StrCat("cancelled: ", BoundedUtf8(reason, kMaxReasonBytes));
+      const std::string who = by != nullptr && !by->name.empty() ? by->name : "";
+      const std::string why = BoundedUtf8(reason, kMaxReasonBytes);
+      std::string msg;
+      if (who.empty()) {
+        msg = reason.empty() ? "cancelled by user" : absl::StrCat("cancelled: ", why);
+      } else {
+        msg = reason.empty() ? absl::StrCat("cancelled by ", who)
+                             : absl::StrCat("cancelled by ", who, ": ", why);
+      }
       const bool running = !j->ranks.empty() && j->rec.state != JobState::kQueued &&
                            j->rec.state != JobState::kRestarting;
       RETURN_IF_ERROR(Transition(*j, JobState::kCancelled, msg));

@@ -45,16 +45,17 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/clock.h"
-#include "planner/cp_planner.h"
 #include "coordinator/health_monitor.h"
 #include "coordinator/job_index.h"
 #include "coordinator/job_store.h"
 #include "coordinator/job_view.h"
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/retention.h"
+#include "coordinator/users.h"
 #include "coordinator/worker_channel.h"
 #include "coordinator/worker_messages.h"
 #include "coordinator/worker_registry.h"
+#include "planner/cp_planner.h"
 
 namespace spindle {
 
@@ -133,9 +134,12 @@ class JobManager {
   // A non-empty `request_id` (see kMaxRequestIdLength) makes the submit idempotent: an id that
   // created a job still kept returns that job (and its stored plan) without checking anything
   // again; the same id with a different spec is AlreadyExists naming the job.
-  // `plan_out` (may be null) receives the plan, also when the plan refuses the job.
+  // `plan_out` (may be null) receives the plan, also when the plan refuses the job. `owner` is
+  // the submitting user ("": users are not named); the job records it and its first event says
+  // "submitted by <owner>".
   absl::StatusOr<std::string> Submit(const std::string& spec_json, CpPlan* plan_out,
-                                     const std::string& request_id = "") ABSL_LOCKS_EXCLUDED(mu_);
+                                     const std::string& request_id = "",
+                                     const std::string& owner = "") ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr size_t kMaxRequestIdLength = 128;
   // Plans against the registered workers. InvalidArgument for a bad spec; why the job could
   // never be placed on them (what Submit would refuse) is one of the plan's problems.
@@ -149,14 +153,19 @@ class JobManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // One page of ListJobs: at most `page_size` (> 0) jobs in `states`, submitted before the
   // position `page_token` names ("": the newest). `next_page_token` is "" after the last page.
-  // InvalidArgument for a token job_pages.h did not make. Costs O(page), not O(jobs stored).
+  // InvalidArgument for a token job_pages.h did not make. Costs O(page), not O(jobs stored),
+  // unless `owner` (non-null: only the jobs of that owner) skips jobs.
   absl::Status ListJobPage(const std::set<JobState>& states, int page_size,
-                           const std::string& page_token,
-                           std::vector<JobView>* jobs,
-                           std::string* next_page_token) ABSL_LOCKS_EXCLUDED(mu_);
-  // `reason` is cut to kMaxReasonBytes. `out` gets the first page of events.
-  absl::Status Cancel(const std::string& job_id, const std::string& reason, JobView* out)
+                           const std::string& page_token, std::vector<JobView>* jobs,
+                           std::string* next_page_token, const std::string* owner = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels the job for user `by` (null: the coordinator itself, or a caller that checked).
+  // PermissionDenied when `by` is neither the job's owner nor an admin ("job J belongs to O;
+  // only its owner or an admin may cancel it"). The event names the user: "cancelled by U" or
+  // "cancelled by U: <reason>" ("cancelled by user" / "cancelled: <reason>" without a name).
+  // `reason` is cut to kMaxReasonBytes. `out` gets the first page of events.
+  absl::Status Cancel(const std::string& job_id, const std::string& reason, JobView* out,
+                      const User* by = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until the job's version differs from `*version` or `max_wait` (real time) passes;
   // then fills `out` (events after `*events_seen` in new_events) and updates both cursors.
   // Returns NotFound for an unknown job (also one pruned while waiting).

@@ -40,6 +40,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
   out->set_restarts(r.restarts);
   out->set_max_restarts(r.max_restarts);
   out->set_message(r.message);
+  out->set_owner(r.owner);
   PlanToProto(v.plan, out->mutable_plan());
   out->set_last_checkpoint_step(r.last_checkpoint_step);
   out->set_last_checkpoint_path(r.last_checkpoint_path);

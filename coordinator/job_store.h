@@ -38,6 +38,7 @@ struct JobRecord {
   // restarted after it finished.
   int64_t final_step = 0;
   double final_loss = 0;
+  std::string owner;  // the user who submitted it ("" when users are not named)
 };
 
 struct RankPlacement {

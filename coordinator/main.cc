@@ -1,5 +1,7 @@
 // spindle-coordinator: the control-plane daemon. Serves the job API to `spindle` clients and the
 // cluster + rendezvous APIs to worker daemons; state lives in one SQLite file.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -7,13 +9,16 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/marshalling.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon_flags.h"
 #include "common/host_port.h"
 #include "common/pem.h"
+#include "coordinator/certificate_authority.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/exposure.h"
 
@@ -29,17 +34,39 @@ ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
           "bind address of the /metrics endpoint (default loopback only; 0.0.0.0 or the pod IP to "
           "let Prometheus on another host scrape it)");
 ABSL_FLAG(bool, insecure, false,
-          "serve a non-loopback --listen/--worker-listen without --token-file or --tls-cert "
-          "(without it the coordinator refuses to start)");
+          "serve a non-loopback --listen/--worker-listen without users' credentials "
+          "(--users-file or --token-file; TLS alone names no one): without it the coordinator "
+          "refuses to start");
+ABSL_FLAG(std::string, users_file, "",
+          "file of the users' bearer tokens, one a line: TOKEN NAME, or TOKEN NAME admin; a job "
+          "belongs to the user who submitted it, and only its owner or an admin cancels it");
 ABSL_FLAG(std::string, token_file, "",
-          "file holding the bearer token every RPC must carry; empty: no authentication");
+          "file holding one users' bearer token (its holder is the admin user \"admin\"); with "
+          "neither this nor --users-file users are not authenticated");
+ABSL_FLAG(bool, plaintext, false,
+          "no CA: plaintext gRPC (unless --tls-cert) and workers with bearer tokens; by default "
+          "every port speaks TLS and workers are who their client certificates say (mutual TLS)");
+ABSL_FLAG(std::string, ca_cert, "",
+          "PEM certificate of the coordinator's CA, which signs the workers' certificates and the "
+          "server's (default: <db>.ca.pem, created with its key at the first start)");
+ABSL_FLAG(std::string, ca_key, "", "PEM private key of the CA (default: <db>.ca-key.pem)");
+ABSL_FLAG(std::string, bootstrap_token_file, "",
+          "file of bootstrap tokens new workers join with (they send one with a certificate "
+          "request for their id), one a line: TOKEN EXPIRES [MAX_JOINS], EXPIRES an RFC 3339 "
+          "time, MAX_JOINS how many workers may join with it (absent or 0: no limit)");
+ABSL_FLAG(int, worker_cert_days, 365, "days a worker certificate signed at join is valid");
+ABSL_FLAG(std::vector<std::string>, tls_names, {},
+          "extra DNS names or IP addresses of the server certificate the CA issues at start "
+          "(beside localhost, this host's names and addresses and spindle-coordinator)");
 ABSL_FLAG(std::string, worker_token_file, "",
           "file of the workers' bearer tokens, one a line: TOKEN (any worker) or WORKER_ID TOKEN "
           "(that worker only); workers and their trainers then need one of them for "
           "ClusterService and RendezvousService, and the --token-file token no longer opens "
           "those (nor a worker token JobService); empty: workers use the --token-file token");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls-key enables TLS");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM server certificate chain with --tls-key: TLS with it instead of the certificate "
+          "the CA issues (with --plaintext: TLS on every port)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(double, heartbeat_interval, 1.0, "seconds between worker heartbeats");
 ABSL_FLAG(double, heartbeat_timeout, 10.0, "seconds without a worker message before it is lost");
 ABSL_FLAG(double, hang_timeout, 120.0,
@@ -109,6 +136,7 @@ int main(int argc, char** argv) {
                             "coordinator/main.cc");
 
   spindle::CoordinatorConfig cfg;
+  std::string ca_path;  // the CA certificate's file, for the start line
   cfg.listen = absl::GetFlag(FLAGS_listen);
   cfg.worker_listen = absl::GetFlag(FLAGS_worker_listen);
   cfg.advertise_address = absl::GetFlag(FLAGS_advertise);
@@ -150,11 +178,71 @@ int main(int argc, char** argv) {
       }
     }
     cfg.worker_tokens = *std::move(tokens);
-  } else if (!cfg.token.empty()) {
+  } else if (!cfg.token.empty() && absl::GetFlag(FLAGS_plaintext)) {
     std::fprintf(stderr,
                  "spindle-coordinator: warning: users and workers share the --token-file token, "
                  "so any user can act as a worker; give workers their own with "
                  "--worker-token-file\n");
+  }
+  if (!absl::GetFlag(FLAGS_users_file).empty()) {
+    const std::string file = absl::GetFlag(FLAGS_users_file);
+    auto text = ReadFile(file, "users");
+    absl::StatusOr<std::vector<spindle::UserToken>> users =
+        text.ok() ? spindle::ParseUsersFile(*text) : text.status();
+    if (!users.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: --users-file %s: %s\n", file.c_str(),
+                   std::string(users.status().message()).c_str());
+      return 2;
+    }
+    for (const spindle::UserToken& u : *users) {
+      if (!cfg.token.empty() && u.token == cfg.token) {
+        std::fprintf(stderr,
+                     "spindle-coordinator: --users-file %s gives user %s the --token-file token\n",
+                     file.c_str(), u.user.name.c_str());
+        return 2;
+      }
+      for (const spindle::WorkerToken& w : cfg.worker_tokens) {
+        if (w.token == u.token) {
+          std::fprintf(stderr,
+                       "spindle-coordinator: --users-file %s gives user %s a worker's token\n",
+                       file.c_str(), u.user.name.c_str());
+          return 2;
+        }
+      }
+    }
+    cfg.users = *std::move(users);
+  }
+  if (!absl::GetFlag(FLAGS_plaintext)) {
+    if (!cfg.worker_tokens.empty()) {
+      std::fprintf(stderr,
+                   "spindle-coordinator: --worker-token-file goes with --plaintext: by default "
+                   "workers are who their certificates say (they join with "
+                   "--bootstrap-token-file)\n");
+      return 2;
+    }
+    if (absl::GetFlag(FLAGS_worker_cert_days) < 1) {
+      std::fprintf(stderr, "spindle-coordinator: --worker-cert-days must be at least 1, got %d\n",
+                   absl::GetFlag(FLAGS_worker_cert_days));
+      return 2;
+    }
+    cfg.worker_certificate_validity = absl::Hours(24) * absl::GetFlag(FLAGS_worker_cert_days);
+    cfg.tls_names = absl::GetFlag(FLAGS_tls_names);
+    if (!absl::GetFlag(FLAGS_bootstrap_token_file).empty()) {
+      const std::string file = absl::GetFlag(FLAGS_bootstrap_token_file);
+      auto text = ReadFile(file, "bootstrap token");
+      absl::StatusOr<std::vector<spindle::BootstrapToken>> tokens =
+          text.ok() ? spindle::ParseBootstrapTokens(*text) : text.status();
+      if (!tokens.ok()) {
+        std::fprintf(stderr, "spindle-coordinator: --bootstrap-token-file %s: %s\n", file.c_str(),
+                     std::string(tokens.status().message()).c_str());
+        return 2;
+      }
+      cfg.bootstrap_tokens = *std::move(tokens);
+    }
+  } else if (!absl::GetFlag(FLAGS_bootstrap_token_file).empty()) {
+    std::fprintf(stderr,
+                 "spindle-coordinator: --bootstrap-token-file needs the CA: drop --plaintext\n");
+    return 2;
   }
   if (absl::GetFlag(FLAGS_tls_cert).empty() != absl::GetFlag(FLAGS_tls_key).empty()) {
     std::fprintf(stderr, "spindle-coordinator: --tls-cert and --tls-key go together\n");
@@ -251,15 +339,34 @@ int main(int argc, char** argv) {
   }
 
   // Checked here too (Start checks it as well) so that the refusal is a configuration error.
-  if (absl::Status exposed = spindle::CheckListenExposure(
-          {cfg.listen, cfg.worker_listen}, !cfg.token.empty() || !cfg.tls_cert_pem.empty(),
-          cfg.insecure);
-      !exposed.ok() || !(exposed = spindle::CheckWorkerCredentials(
-                             {cfg.listen, cfg.worker_listen}, !cfg.token.empty(),
-                             !cfg.worker_tokens.empty(), cfg.insecure))
-                            .ok()) {
+  if (absl::Status exposed = spindle::CheckCoordinatorExposure(
+          cfg.listen, cfg.worker_listen, !cfg.token.empty() || !cfg.users.empty(),
+          !absl::GetFlag(FLAGS_plaintext) || !cfg.worker_tokens.empty(), cfg.insecure);
+      !exposed.ok()) {
     std::fprintf(stderr, "spindle-coordinator: %s\n", std::string(exposed.message()).c_str());
     return 2;
+  }
+
+  // The CA: generated at the first start beside the database (or given as files). One made now
+  // is removed again when the coordinator cannot start, with the store it would have created.
+  std::vector<std::string> new_ca_files;
+  if (!absl::GetFlag(FLAGS_plaintext)) {
+    const std::string db = absl::GetFlag(FLAGS_db);
+    std::string ca_cert = absl::GetFlag(FLAGS_ca_cert), ca_key = absl::GetFlag(FLAGS_ca_key);
+    if (ca_cert.empty()) ca_cert = db + ".ca.pem";
+    if (ca_key.empty()) ca_key = db + ".ca-key.pem";
+    if (::access(ca_cert.c_str(), F_OK) != 0 && ::access(ca_key.c_str(), F_OK) != 0)
+      new_ca_files = {ca_cert, ca_key};
+    absl::StatusOr<spindle::CertificateAuthority> ca =
+        spindle::CertificateAuthority::LoadOrCreate(ca_cert, ca_key);
+    if (!ca.ok()) {
+      std::fprintf(stderr, "spindle-coordinator: CA: %s\n",
+                   std::string(ca.status().message()).c_str());
+      return 2;
+    }
+    cfg.ca_cert_pem = ca->cert_pem();
+    cfg.ca_key_pem = ca->key_pem();
+    ca_path = ca_cert;
   }
 
   // Block SIGINT/SIGTERM in every thread; a dedicated thread waits for them.
@@ -271,17 +378,21 @@ int main(int argc, char** argv) {
 
   auto server = spindle::CoordinatorServer::Start(cfg);
   if (!server.ok()) {
+    for (const std::string& f : new_ca_files) ::unlink(f.c_str());
     std::fprintf(stderr, "spindle-coordinator: %s\n",
                  std::string(server.status().message()).c_str());
     return 1;
   }
-  std::fprintf(stderr,
-               "spindle-coordinator: serving clients on port %d, workers on port %d, metrics on "
-               "port %d%s%s%s\n",
-               (*server)->client_port(), (*server)->worker_port(), (*server)->metrics_port(),
-               cfg.token.empty() ? "" : ", token auth",
-               cfg.worker_tokens.empty() ? "" : ", worker tokens",
-               cfg.tls_cert_pem.empty() ? "" : ", TLS");
+  std::fprintf(
+      stderr,
+      "spindle-coordinator: serving clients on port %d, workers on port %d, metrics on "
+      "port %d%s%s%s%s%s\n",
+      (*server)->client_port(), (*server)->worker_port(), (*server)->metrics_port(),
+      cfg.token.empty() ? "" : ", token auth",
+      cfg.users.empty() ? "" : absl::StrCat(", ", cfg.users.size(), " users").c_str(),
+      cfg.worker_tokens.empty() ? "" : ", worker tokens",
+      (*server)->server_certificate_pem().empty() ? "" : ", TLS",
+      ca_path.empty() ? "" : absl::StrCat(", worker certificates (CA ", ca_path, ")").c_str());
   int sig = 0;
   sigwait(&signals, &sig);
   std::fprintf(stderr, "spindle-coordinator: signal %d, shutting down\n", sig);

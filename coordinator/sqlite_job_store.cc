@@ -116,6 +116,19 @@ CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 ALTER TABLE jobs ADD COLUMN final_step INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN final_loss REAL NOT NULL DEFAULT 0;
 )sql",
+    // 4: jobs have owners; the workers' certificates and the bootstrap tokens' joins.
+    R"sql(
+ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+CREATE TABLE worker_certificates (
+  serial TEXT PRIMARY KEY,
+  worker_id TEXT NOT NULL,
+  recorded_ms INTEGER NOT NULL,
+  not_after_ms INTEGER NOT NULL,
+  revoked_ms INTEGER NOT NULL
+);
+CREATE INDEX worker_certificates_by_worker ON worker_certificates (worker_id);
+CREATE TABLE bootstrap_joins (token_sha256 TEXT PRIMARY KEY, joins INTEGER NOT NULL);
+)sql",
 };
 static_assert(std::size(kMigrations) == SqliteJobStore::kSchemaVersion);
 
@@ -180,7 +193,7 @@ class Stmt {
 constexpr char kJobColumns[] =
     "job_id, seq, name, state, priority, spec_json, plan, submitted_ms, updated_ms, attempt, "
     "restarts, max_restarts, message, last_checkpoint_step, last_checkpoint_path, request_id, "
-    "final_step, final_loss";
+    "final_step, final_loss, owner";
 
 // The next job sequence number: past every stored job and every deleted one.
 constexpr char kNextSeq[] =
@@ -207,6 +220,7 @@ JobRecord ReadJob(Stmt& s) {
   j.request_id = s.Text(15);
   j.final_step = s.Int(16);
   j.final_loss = s.Real(17);
+  j.owner = s.Text(18);
   return j;
 }
 
@@ -303,13 +317,13 @@ absl::StatusOr<int> SqliteJobStore::SchemaVersion() {
 
 absl::Status SqliteJobStore::WriteJobRow(const JobRecord& j) {
   Stmt s(db_, absl::StrCat("INSERT OR REPLACE INTO jobs (", kJobColumns,
-                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+                           ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
                   .c_str());
   s.Bind(1, j.job_id).Bind(2, j.seq).Bind(3, j.name).Bind(4, static_cast<int64_t>(j.state));
   s.Bind(5, j.priority).Bind(6, j.spec_json).BindBlob(7, j.plan).Bind(8, j.submitted_ms);
   s.Bind(9, j.updated_ms).Bind(10, j.attempt).Bind(11, j.restarts).Bind(12, j.max_restarts);
   s.Bind(13, j.message).Bind(14, j.last_checkpoint_step).Bind(15, j.last_checkpoint_path);
-  s.Bind(16, j.request_id).Bind(17, j.final_step).Bind(18, j.final_loss);
+  s.Bind(16, j.request_id).Bind(17, j.final_step).Bind(18, j.final_loss).Bind(19, j.owner);
   return s.Run();
 }
 
@@ -490,6 +504,68 @@ absl::StatusOr<std::vector<WorkerRecord>> SqliteJobStore::LoadWorkers() {
     out.push_back({s.Text(0), s.Text(1), s.Text(2), s.Text(3), s.Int(4)});
   if (rc != SQLITE_DONE) return s.StepError();
   return out;
+}
+
+// --- IdentityStore ---------------------------------------------------------------------------
+
+absl::Status SqliteJobStore::SaveCertificate(const CertificateRecord& c) {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "INSERT OR IGNORE INTO worker_certificates (serial, worker_id, recorded_ms, "
+         "not_after_ms, revoked_ms) VALUES (?,?,?,?,?)");
+  s.Bind(1, c.serial_hex).Bind(2, c.worker_id).Bind(3, c.recorded_ms).Bind(4, c.not_after_ms);
+  s.Bind(5, c.revoked_ms);
+  return s.Run();
+}
+
+absl::StatusOr<std::vector<CertificateRecord>> SqliteJobStore::LoadCertificates() {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "SELECT serial, worker_id, recorded_ms, not_after_ms, revoked_ms FROM "
+         "worker_certificates ORDER BY recorded_ms");
+  RETURN_IF_ERROR(s.status());
+  std::vector<CertificateRecord> out;
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW)
+    out.push_back({s.Text(0), s.Text(1), s.Int(2), s.Int(3), s.Int(4)});
+  if (rc != SQLITE_DONE) return s.StepError();
+  return out;
+}
+
+absl::StatusOr<int64_t> SqliteJobStore::RevokeCertificates(const std::string& worker_id,
+                                                           int64_t now_ms) {
+  absl::MutexLock l(&mu_);
+  Stmt s(db_,
+         "UPDATE worker_certificates SET revoked_ms = ? WHERE worker_id = ? AND revoked_ms = 0");
+  s.Bind(1, now_ms).Bind(2, worker_id);
+  RETURN_IF_ERROR(s.Run());
+  return static_cast<int64_t>(sqlite3_changes(db_));
+}
+
+absl::StatusOr<int64_t> SqliteJobStore::CountBootstrapJoin(const std::string& token_sha256,
+                                                           int64_t max_joins) {
+  absl::MutexLock l(&mu_);
+  int64_t joins = 0;
+  absl::Status st = InTransaction([&]() -> absl::Status {
+    {
+      Stmt s(db_, "SELECT joins FROM bootstrap_joins WHERE token_sha256 = ?");
+      RETURN_IF_ERROR(s.status());
+      s.Bind(1, token_sha256);
+      const int rc = s.Step();
+      if (rc == SQLITE_ROW) {
+        joins = s.Int(0);
+      } else if (rc != SQLITE_DONE) {
+        return s.StepError();
+      }
+    }
+    if (max_joins > 0 && joins >= max_joins) return absl::ResourceExhaustedError("used up");
+    ++joins;
+    Stmt s(db_, "INSERT OR REPLACE INTO bootstrap_joins (token_sha256, joins) VALUES (?,?)");
+    s.Bind(1, token_sha256).Bind(2, joins);
+    return s.Run();
+  });
+  if (!st.ok()) return st;
+  return joins;
 }
 
 }  // namespace spindle

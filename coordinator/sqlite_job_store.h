@@ -1,9 +1,9 @@
-// SqliteJobStore: the JobStore (job_store.h) in one SQLite file (WAL, synchronous=FULL). Every
-// write is one transaction that is on disk when the call returns. The schema is versioned in
-// `schema_migrations`; Open() applies the missing migrations in order. One store has one writer:
-// Open() holds an exclusive lock on `<path>.lock` (flock, released when the store closes or the
-// process dies), so a second coordinator started on the same file is refused before it reads or
-// writes anything.
+// SqliteJobStore: the JobStore (job_store.h) and IdentityStore (identity_store.h) in one SQLite
+// file (WAL, synchronous=FULL). Every write is one transaction that is on disk when the call
+// returns. The schema is versioned in `schema_migrations`; Open() applies the missing migrations in
+// order. One store has one writer: Open() holds an exclusive lock on `<path>.lock` (flock, released
+// when the store closes or the process dies), so a second coordinator started on the same file is
+// refused before it reads or writes anything.
 //
 // Thread-safety: thread-safe; one connection serialised by an internal mutex.
 #pragma once
@@ -16,16 +16,17 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/identity_store.h"
 #include "coordinator/job_store.h"
 
 struct sqlite3;
 
 namespace spindle {
 
-class SqliteJobStore : public JobStore {
+class SqliteJobStore : public JobStore, public IdentityStore {
  public:
   // The schema version Open() migrates to.
-  static constexpr int kSchemaVersion = 3;
+  static constexpr int kSchemaVersion = 4;
 
   // Opens (creating if needed) the database at `path` and migrates it. Unavailable when the file
   // cannot be opened; FailedPrecondition when another process holds the store (its pid named);
@@ -61,6 +62,15 @@ class SqliteJobStore : public JobStore {
 
   absl::Status SaveWorker(const WorkerRecord& worker) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<WorkerRecord>> LoadWorkers() override ABSL_LOCKS_EXCLUDED(mu_);
+
+  // IdentityStore (identity_store.h).
+  absl::Status SaveCertificate(const CertificateRecord& cert) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<CertificateRecord>> LoadCertificates() override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<int64_t> RevokeCertificates(const std::string& worker_id, int64_t now_ms) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<int64_t> CountBootstrapJoin(const std::string& token_sha256,
+                                             int64_t max_joins) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // The schema version recorded in the file.
   absl::StatusOr<int> SchemaVersion() ABSL_LOCKS_EXCLUDED(mu_);

@@ -3,6 +3,9 @@
 # cluster (spindle-coordinator and two spindle-worker daemons; the GPUs when there are any, else
 # CPU slots), submits examples/recall-tiny.json with `spindle submit`, shows it live with
 # `spindle watch` to the end, prints the final state and stops the daemons on exit.
+# Every port speaks TLS: the coordinator's CA (made at its first start, .runtime/spindle.db.ca.pem)
+# signs each worker's certificate when it joins with a bootstrap token (one hour, two joins), and
+# the CLI holds the token of a user named after you, an admin (.runtime/users).
 # State lives in .runtime/ (database, logs, worker directories, checkpoints). A re-run stops any
 # daemons a previous run left behind, starts a fresh database and resubmits; the job resumes from
 # its last checkpoint, or starts over when that is its final step. --fresh deletes the checkpoints
@@ -111,15 +114,38 @@ fi
 CHECKPOINT_ROOT=${CHECKPOINT_ROOT:-$RUNTIME/checkpoints}
 DATA_ROOT=${DATA_ROOT:-$PWD}
 mkdir -p "$CHECKPOINT_ROOT"
+
+# Credentials: a user token (kept across runs), and a fresh bootstrap token for the two workers.
+random_token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+umask 077
+if [ ! -s "$RUNTIME/users" ]; then
+  echo "$(random_token) $(id -un | tr -c 'A-Za-z0-9._@\n-' _) admin" >"$RUNTIME/users"
+fi
+SPINDLE_TOKEN=$(cut -d' ' -f1 "$RUNTIME/users")
+export SPINDLE_TOKEN
+BOOTSTRAP=$(random_token)
+echo "$BOOTSTRAP" >"$RUNTIME/bootstrap-token"
+echo "$BOOTSTRAP $(date -u -d '+1 hour' +%Y-%m-%dT%H:%M:%SZ) 2" >"$RUNTIME/bootstrap-tokens"
+umask 022
+export SPINDLE_TLS_CA=$RUNTIME/spindle.db.ca.pem
+
 "$BUILD/coordinator/spindle-coordinator" --listen="127.0.0.1:$PORT" --db="$RUNTIME/spindle.db" \
+    --users_file="$RUNTIME/users" --bootstrap_token_file="$RUNTIME/bootstrap-tokens" \
     --metrics_port=0 --heartbeat_interval=1 --heartbeat_timeout=10 --hang_timeout=300 \
     >"$LOGS/coordinator.log" 2>&1 &
 echo $! >"$PIDS/coordinator.pid"
+# Workers start once the coordinator serves (it writes its CA, at the first start, before).
+for _ in $(seq 100); do
+  grep -q "serving clients" "$LOGS/coordinator.log" 2>/dev/null && break
+  kill -0 "$(cat "$PIDS/coordinator.pid")" 2>/dev/null || break
+  sleep 0.1
+done
 for i in 0 1; do
   env ${WORKER_ENV[$i]} "$BUILD/worker/spindle-worker" --coordinator="127.0.0.1:$PORT" \
       --worker_id="local-$i" --work_dir="$RUNTIME/workers/local-$i" --metrics_port=0 \
       --metrics_host=127.0.0.1 --advertise_host=127.0.0.1 --probe_rates=true "${WORKER_FLAGS[@]}" \
       --checkpoint_root="$CHECKPOINT_ROOT" --data_root="$DATA_ROOT" \
+      --tls_ca_file="$SPINDLE_TLS_CA" --bootstrap_token_file="$RUNTIME/bootstrap-token" \
       >"$LOGS/worker-$i.log" 2>&1 &
   echo $! >"$PIDS/worker-$i.pid"
 done

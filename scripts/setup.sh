@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(build-essential cmake ninja-build ccache pkg-config git
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
           libgloo-dev libsqlite3-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
-          zlib1g-dev libgtest-dev libgmock-dev prometheus openssl python3 python3-torch
+          zlib1g-dev libssl-dev libgtest-dev libgmock-dev prometheus openssl python3 python3-torch
           iproute2 clang libclang-rt-14-dev)
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -23,6 +23,8 @@ CoordinatorSession::CoordinatorSession(SessionOptions options, WorkerMetrics* me
   ChannelOptions channel_options;
   channel_options.address = options_.coordinator_address;
   channel_options.tls_ca_file = options_.tls_ca_file;
+  channel_options.client_cert_pem = options_.tls_client_cert_pem;
+  channel_options.client_key_pem = options_.tls_client_key_pem;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeCoordinatorChannel(channel_options);
   if (channel.ok()) {
     stub_ = v1::ClusterService::NewStub(*channel);

@@ -44,6 +44,9 @@ namespace spindle {
 struct SessionOptions {
   std::string coordinator_address;  // host:port
   std::string tls_ca_file;          // empty: plaintext
+  // The worker's client certificate and key (PEM; worker_identity.h); empty: none.
+  std::string tls_client_cert_pem;
+  std::string tls_client_key_pem;
   std::string bearer_token;         // empty: no authorization metadata
   std::string worker_id;
   std::string hostname;

@@ -38,6 +38,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeCoordinatorChannel(
     if (!pem.ok()) return pem.status();
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = *std::move(pem);
+    ssl.pem_private_key = options.client_key_pem;
+    ssl.pem_cert_chain = options.client_cert_pem;
     creds = grpc::SslCredentials(ssl);
   }
   grpc::ChannelArguments args;
@@ -45,9 +47,11 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeCoordinatorChannel(
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, options.keepalive_timeout_ms);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // Reconnect quickly after a coordinator restart; the daemon has its own backoff on top.
+  // Reconnect quickly after a coordinator restart; the daemon has its own backoff on top. gRPC
+  // also takes the minimum backoff as the time one connection attempt may last: long enough for
+  // a TLS handshake with a busy coordinator.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);

@@ -1,5 +1,6 @@
 // Client-side gRPC plumbing shared by the worker daemon and the trainer's rendezvous client:
-// channels to the coordinator (plaintext or TLS with a CA file, with keepalive so a vanished
+// channels to the coordinator (plaintext or TLS with a CA file, optionally with a client
+// certificate, with keepalive so a vanished
 // coordinator is noticed), the bearer token read from a token file, and grpc::Status ->
 // absl::Status conversion.
 //
@@ -20,6 +21,9 @@ namespace spindle {
 struct ChannelOptions {
   std::string address;      // host:port
   std::string tls_ca_file;  // PEM roots; empty: plaintext
+  // The client certificate (mutual TLS) and its key, PEM; empty: none. Only with tls_ca_file.
+  std::string client_cert_pem;
+  std::string client_key_pem;
   int keepalive_ms = 10000;
   int keepalive_timeout_ms = 5000;
 };

@@ -27,6 +27,7 @@
 #include "worker/rank_runner.h"
 #include "worker/rate_report.h"
 #include "worker/shutdown_signal.h"
+#include "worker/worker_identity.h"
 #include "worker/worker_log.h"
 #include "worker/worker_metrics.h"
 
@@ -46,8 +47,19 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(std::string, gloo_host, "",
           "Address this worker's trainers bind for Gloo and give their peers (default: "
           "--advertise_host when set, else the address the coordinator sees this worker at).");
-ABSL_FLAG(std::string, token_file, "", "File holding the cluster's bearer token.");
-ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle: talk TLS to the coordinator.");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the worker's bearer token, for a coordinator without a CA (--plaintext).");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM certificate of the coordinator's CA: talk TLS to the coordinator and, with a "
+          "certificate in --identity-dir or --bootstrap-token-file, be who this worker's client "
+          "certificate says (mutual TLS).");
+ABSL_FLAG(std::string, bootstrap_token_file, "",
+          "File holding a bootstrap token: without a usable certificate in --identity-dir the "
+          "worker joins with it (a new key and a certificate request for its id, signed by the "
+          "coordinator's CA).");
+ABSL_FLAG(std::string, identity_dir, "",
+          "Directory of the worker's key (key.pem) and certificate (cert.pem) (default: "
+          "<work dir>/identity).");
 ABSL_FLAG(absl::Duration, coordinator_loss_timeout, absl::Seconds(60),
           "Kill every trainer once no heartbeat was acknowledged by the coordinator for this "
           "long, or for the coordinator's heartbeat timeout when that is shorter (fencing).");
@@ -199,14 +211,53 @@ int Main() {
     WorkerLog("metrics on %s:%d/metrics", absl::GetFlag(FLAGS_metrics_host), *port);
   }
 
+  // With the CA and a certificate (or a bootstrap token to get one) the worker is who its
+  // certificate says; its trainers then get only their attempt's rendezvous token (and the CA to
+  // check the coordinator with). Without either it talks TLS without a client certificate (a
+  // coordinator without a CA, --plaintext with --tls-cert) and authenticates by --token-file.
+  const std::string tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  std::string identity_dir = absl::GetFlag(FLAGS_identity_dir);
+  if (identity_dir.empty()) identity_dir = (std::filesystem::path(work_dir) / "identity").string();
+  std::error_code exists_ec;
+  const bool certified =
+      !tls_ca_file.empty() &&
+      (!absl::GetFlag(FLAGS_bootstrap_token_file).empty() ||
+       std::filesystem::exists(std::filesystem::path(identity_dir) / "cert.pem", exists_ec));
+  if (!absl::GetFlag(FLAGS_bootstrap_token_file).empty() && tls_ca_file.empty()) {
+    std::fprintf(stderr,
+                 "spindle-worker: --bootstrap-token-file needs --tls-ca-file (the "
+                 "coordinator's CA certificate)\n");
+    return 2;
+  }
+  WorkerIdentity identity;
+  if (certified) {
+    WorkerIdentityOptions id_options;
+    id_options.coordinator_address = coordinator;
+    id_options.tls_ca_file = tls_ca_file;
+    id_options.worker_id = worker_id;
+    id_options.identity_dir = identity_dir;
+    id_options.bootstrap_token_file = absl::GetFlag(FLAGS_bootstrap_token_file);
+    absl::StatusOr<WorkerIdentity> obtained = ObtainWorkerIdentity(id_options);
+    if (!obtained.ok()) {
+      std::fprintf(stderr, "spindle-worker: worker certificate: %s\n",
+                   std::string(obtained.status().message()).c_str());
+      return absl::IsUnavailable(obtained.status()) ? 1 : 2;
+    }
+    identity = *std::move(obtained);
+    WorkerLog("worker certificate for %s %s %s", worker_id,
+              identity.joined ? "signed at join, kept in" : "from", id_options.identity_dir);
+  }
+
   int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
   if (threads <= 0 && devices->kind() == "cpu") {
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
   }
   SessionOptions session_options;
   session_options.coordinator_address = coordinator;
-  session_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
-  session_options.bearer_token = *token;
+  session_options.tls_ca_file = tls_ca_file;
+  session_options.tls_client_cert_pem = identity.cert_pem;
+  session_options.tls_client_key_pem = identity.key_pem;
+  session_options.bearer_token = certified ? "" : *token;
   session_options.worker_id = worker_id;
   session_options.hostname = hostname;
   session_options.metrics_address = metrics_address;
@@ -227,7 +278,7 @@ int Main() {
   RankRunnerOptions runner_options;
   runner_options.work_dir = work_dir;
   runner_options.trainer_binary = trainer;
-  runner_options.token_file = absl::GetFlag(FLAGS_token_file);
+  runner_options.token_file = certified ? "" : absl::GetFlag(FLAGS_token_file);
   runner_options.gloo_host = absl::GetFlag(FLAGS_gloo_host);
   if (runner_options.gloo_host.empty()) runner_options.gloo_host = absl::GetFlag(FLAGS_advertise_host);
   runner_options.coordinator_address = coordinator;

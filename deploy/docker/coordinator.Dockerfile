@@ -12,7 +12,7 @@ RUN apt-get update \
       build-essential cmake ninja-build pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev \
       libgloo-dev libsqlite3-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev \
-      zlib1g-dev libgtest-dev libgmock-dev \
+      zlib1g-dev libssl-dev libgtest-dev libgmock-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -37,7 +37,8 @@ USER 10001:10001
 WORKDIR /var/lib/spindle
 VOLUME /var/lib/spindle
 EXPOSE 7070 9400
+# TLS with the coordinator's CA, kept beside the database (given there, or made at the first start).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-  CMD ["spindle-healthcheck", "--grpc", "127.0.0.1:7070", "--timeout", "3"]
+  CMD ["spindle-healthcheck", "--grpc", "127.0.0.1:7070", "--tls_ca_file", "/var/lib/spindle/spindle.db.ca.pem", "--timeout", "3"]
 ENTRYPOINT ["spindle-coordinator"]
-CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400", "--metrics_host=0.0.0.0", "--token_file=/etc/spindle/token/token"]
+CMD ["--listen=0.0.0.0:7070", "--db=/var/lib/spindle/spindle.db", "--metrics_port=9400", "--metrics_host=0.0.0.0", "--users_file=/etc/spindle/users"]

@@ -12,7 +12,7 @@ RUN apt-get update \
       build-essential cmake ninja-build pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev \
       libgloo-dev libsqlite3-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev \
-      zlib1g-dev libgtest-dev libgmock-dev \
+      zlib1g-dev libssl-dev libgtest-dev libgmock-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

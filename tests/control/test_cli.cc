@@ -216,7 +216,7 @@ TEST_F(CliTest, EndToEndAgainstCoordinator) {
   EXPECT_EQ(r.out, "j-000001 cancelled\n");
   r = RunSpindle({"watch", "j-000001"}, env);
   EXPECT_EQ(r.code, kExitJobFailed);
-  EXPECT_NE(r.out.find("j-000001 cancelled: cancelled by user"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("j-000001 cancelled: cancelled by admin"), std::string::npos) << r.out;
   env["SPINDLE_TOKEN"] = "nope";
   r = RunSpindle({"list"}, env);
   EXPECT_EQ(r.code, kExitNotFound);

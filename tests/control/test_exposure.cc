@@ -1,5 +1,7 @@
-// The coordinator's safe default (coordinator/exposure.h): without a token or TLS it serves only
-// loopback addresses unless told --insecure, and /metrics binds loopback by default.
+// The coordinator's safe default (coordinator/exposure.h): without users' credentials it serves
+// only loopback addresses unless told --insecure (a TLS certificate alone is no credential), and
+// /metrics binds loopback by default.
+#include "coordinator/certificate_authority.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/exposure.h"
 #include "gtest/gtest.h"
@@ -23,8 +25,8 @@ TEST(ExposureTest, LoopbackCredentialsOrInsecure) {
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(st.message(),
             "refusing to serve [::]:7071 (not a loopback address) without credentials: set "
-            "--token_file or --tls_cert, or pass --insecure to let anyone who reaches it run "
-            "jobs");
+            "--users_file or --token_file (TLS alone names no one), or pass --insecure to let "
+            "anyone who reaches it run jobs");
 }
 
 TEST(ExposureTest, CoordinatorRefusesAnExposedPortWithoutCredentials) {
@@ -37,8 +39,8 @@ TEST(ExposureTest, CoordinatorRefusesAnExposedPortWithoutCredentials) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(refused.status().message(),
             "refusing to serve 0.0.0.0:0 (not a loopback address) without credentials: set "
-            "--token_file or --tls_cert, or pass --insecure to let anyone who reaches it run "
-            "jobs");
+            "--users_file or --token_file (TLS alone names no one), or pass --insecure to let "
+            "anyone who reaches it run jobs");
   cfg.insecure = true;
   auto insecure = CoordinatorServer::Start(cfg);
   ASSERT_TRUE(insecure.ok()) << insecure.status();
@@ -52,6 +54,39 @@ TEST(ExposureTest, CoordinatorRefusesAnExposedPortWithoutCredentials) {
   cfg.worker_tokens.push_back(WorkerToken{"", "w"});
   auto with_tokens = CoordinatorServer::Start(cfg);
   ASSERT_TRUE(with_tokens.ok()) << with_tokens.status();
+}
+
+// A server certificate authenticates the coordinator, not its callers: TLS alone (with or without
+// the workers' CA) does not open an exposed client port.
+TEST(ExposureTest, TlsAloneIsNoCredential) {
+  testing::TempDir dir;
+  CoordinatorConfig cfg;
+  cfg.listen = "0.0.0.0:0";
+  cfg.db_path = dir.File("tls.db");
+  absl::StatusOr<CertificateAuthority> ca = CertificateAuthority::Create("ca", absl::Hours(1));
+  ASSERT_TRUE(ca.ok());
+  absl::StatusOr<KeyAndCertificate> server =
+      ca->IssueServerCertificate({"127.0.0.1"}, absl::Hours(1));
+  ASSERT_TRUE(server.ok());
+  cfg.tls_cert_pem = server->cert_pem;
+  cfg.tls_key_pem = server->key_pem;
+  const std::string refusal =
+      "refusing to serve 0.0.0.0:0 (not a loopback address) without credentials: set "
+      "--users_file or --token_file (TLS alone names no one), or pass --insecure to let anyone "
+      "who reaches it run jobs";
+  auto tls_only = CoordinatorServer::Start(cfg);
+  ASSERT_FALSE(tls_only.ok());
+  EXPECT_EQ(tls_only.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(tls_only.status().message(), refusal);
+  cfg.ca_cert_pem = ca->cert_pem();
+  cfg.ca_key_pem = ca->key_pem();
+  auto with_ca = CoordinatorServer::Start(cfg);
+  ASSERT_FALSE(with_ca.ok());
+  EXPECT_EQ(with_ca.status().message(), refusal);
+  // Users with tokens, workers with certificates: served.
+  cfg.users = {{"t-alice", {"alice", false}}};
+  auto served = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(served.ok()) << served.status();
 }
 
 TEST(ExposureTest, MetricsBindLoopbackByDefault) {

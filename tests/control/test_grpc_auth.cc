@@ -234,7 +234,7 @@ TEST_F(WorkerTokenTest, UserTokenCannotSpeakForWorkers) {
 TEST_F(WorkerTokenTest, WorkerTokenCannotSubmitOrCancel) {
   auto jobs = v1::JobService::NewStub(channel_);
   const std::string refused =
-      "a worker token cannot call JobService (submit, cancel, list jobs); use the users' token";
+      "a worker token cannot call JobService (submit, cancel, list jobs); use a user's token";
   for (const std::string token : {"cluster-token", "w1-token"}) {
     {
       grpc::ClientContext ctx;

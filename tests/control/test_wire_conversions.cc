@@ -255,6 +255,7 @@ TEST(WireConversions, AJobViewFillsEveryFieldOfAJob) {
   v.record.message = "m";
   v.record.last_checkpoint_step = 5;
   v.record.last_checkpoint_path = "/ck/5";
+  v.record.owner = "alice";
   v1::Plan wire_plan;
   int counter = 0;
   FillEveryField(&wire_plan, &counter);

@@ -448,9 +448,10 @@ TEST_F(DeployMetricsTest, PrometheusWithTheShippedConfigScrapesBothAndRunsEveryQ
 TEST_F(DeployMetricsTest, HealthcheckReportsBothDaemonsHealthy) {
   ASSERT_FALSE(std::string(SPINDLE_HEALTHCHECK_BINARY).empty());
   std::string out;
-  EXPECT_EQ(
-      RunCommand(absl::StrCat(SPINDLE_HEALTHCHECK_BINARY, " --grpc ", cluster_->address()), &out),
-      0)
+  EXPECT_EQ(RunCommand(absl::StrCat(SPINDLE_HEALTHCHECK_BINARY, " --grpc ", cluster_->address(),
+                                    " --tls_ca_file ", cluster_->ca_file()),
+                       &out),
+            0)
       << out;
   EXPECT_EQ(out, absl::StrCat(cluster_->address(), ": SERVING\n"));
   EXPECT_EQ(RunCommand(absl::StrCat(SPINDLE_HEALTHCHECK_BINARY,
@@ -458,10 +459,11 @@ TEST_F(DeployMetricsTest, HealthcheckReportsBothDaemonsHealthy) {
                        &out),
             0)
       << out;
-  EXPECT_EQ(RunCommand(absl::StrCat(SPINDLE_HEALTHCHECK_BINARY, " --grpc ", cluster_->address(),
-                                    " --service no.such.Service"),
-                       &out),
-            1)
+  EXPECT_EQ(
+      RunCommand(absl::StrCat(SPINDLE_HEALTHCHECK_BINARY, " --grpc ", cluster_->address(),
+                              " --tls_ca_file ", cluster_->ca_file(), " --service no.such.Service"),
+                 &out),
+      1)
       << out;
   EXPECT_EQ(RunCommand(SPINDLE_HEALTHCHECK_BINARY, &out), 2) << out;
 }

@@ -7,8 +7,10 @@
 //     (and name ports that exist); volumes name Secrets/PVCs; the PrometheusRule's groups equal
 //     deploy/prometheus/alerts.yml.
 //  3. Policy (deploy issue): non-root pods, startup/readiness/liveness probes, CPU and memory
-//     requests and limits on every container, the users' token from the spindle-token Secret
-//     and the workers' from spindle-worker-token, /metrics bound to an address Prometheus reaches
+//     requests and limits on every container, who holds which credential (users' tokens and the
+//     CA for the coordinator, the CA's certificate and a bootstrap token for workers, each from
+//     its Secret), the worker and rank ports open to worker pods only, /metrics bound to an
+//     address Prometheus reaches
 //     (--metrics_host; the default is loopback), the workers' --checkpoint_root on the checkpoint
 //     volume, scrape annotations, workers requesting nvidia.com/gpu when --expect-gpu is given.
 // Usage: node validate_manifests.mjs [--expect-gpu] --alerts deploy/prometheus/alerts.yml FILE...
@@ -111,29 +113,14 @@ for (const w of workloads) {
     }
     if (/:latest$/.test(c.image) || !c.image.includes(":")) problem(cw, `image ${c.image} has no pinned tag`);
     if (c.securityContext?.allowPrivilegeEscalation !== false) problem(cw, "allowPrivilegeEscalation not false");
-    const tokenFlag = (c.args ?? []).find((a) => a.startsWith("--token_file="));
-    if (!tokenFlag) problem(cw, "no --token_file");
     const mounts = c.volumeMounts ?? [];
     for (const m of mounts) {
       const inPod = (pod.volumes ?? []).some((v) => v.name === m.name) ||
         (w.obj.spec.volumeClaimTemplates ?? []).some((t) => t.metadata.name === m.name);
       if (!inPod) problem(cw, `volumeMount ${m.name} names no volume`);
     }
-    // Users and workers hold different tokens: the coordinator reads the users' token and the
-    // workers' tokens from two Secrets; a worker holds only a worker token.
-    const secretOf = (flag) => {
-      const path = flag.split("=")[1];
-      const mount = mounts.find((m) => path.startsWith(`${m.mountPath}/`));
-      const vol = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
-      return [path, vol?.secret?.secretName];
-    };
-    const isWorker = w.obj.kind === "DaemonSet";
-    if (tokenFlag) {
-      const [path, secret] = secretOf(tokenFlag);
-      const want = isWorker ? "spindle-worker-token" : "spindle-token";
-      if (secret !== want) problem(cw, `--token_file ${path} is not mounted from the ${want} Secret`);
-    }
     const cargs = c.args ?? [];
+    const isWorker = w.obj.kind === "DaemonSet";
     if (cargs.some((a) => a.startsWith("--metrics_port=")) &&
         !cargs.some((a) => a.startsWith("--metrics_host=") && !/=127\.|=localhost/.test(a))) {
       problem(cw, "no --metrics_host: /metrics binds loopback by default, out of Prometheus' reach");
@@ -144,11 +131,46 @@ for (const w of workloads) {
       const vol = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
       if (!vol?.persistentVolumeClaim) problem(cw, `--checkpoint_root ${root} is not on the checkpoint volume`);
     }
-    if (!isWorker) {
-      const workerFlag = (c.args ?? []).find((a) => a.startsWith("--worker_token_file="));
-      if (!workerFlag) problem(cw, "no --worker_token_file (workers would share the users' token)");
-      else if (secretOf(workerFlag)[1] !== "spindle-worker-token") {
-        problem(cw, `--worker_token_file ${secretOf(workerFlag)[0]} is not mounted from the spindle-worker-token Secret`);
+    // Who holds what (docs/security.md): the coordinator reads the users' tokens (--users_file
+    // from the spindle-users Secret, or --token_file from spindle-token), its CA (--ca_cert and
+    // --ca_key from spindle-ca) and the bootstrap tokens (spindle-bootstrap); a worker holds the
+    // CA's certificate (never its key) and a bootstrap token, and no users' token.
+    const secretOf = (flag) => {
+      const path = flag.slice(flag.indexOf("=") + 1);
+      const mount = mounts.find((m) => path.startsWith(`${m.mountPath}/`));
+      const vol = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
+      return [path, vol?.secret?.secretName];
+    };
+    const fromSecret = (flag, secret) => {
+      const f = cargs.find((a) => a.startsWith(`${flag}=`));
+      if (!f) problem(cw, `no ${flag}`);
+      else if (secretOf(f)[1] !== secret) problem(cw, `${flag} ${secretOf(f)[0]} is not mounted from the ${secret} Secret`);
+    };
+    if (cargs.includes("--plaintext")) problem(cw, "--plaintext: workers would not be who their certificates say");
+    if (cargs.some((a) => a.startsWith("--worker_token_file="))) {
+      problem(cw, "--worker_token_file: workers hold certificates, not tokens");
+    }
+    if (isWorker) {
+      fromSecret("--tls_ca_file", "spindle-ca");
+      fromSecret("--bootstrap_token_file", "spindle-bootstrap");
+      if (cargs.some((a) => a.startsWith("--token_file="))) problem(cw, "a worker holds a --token_file");
+      for (const v of pod.volumes ?? []) {
+        if (v.secret?.secretName === "spindle-ca" &&
+            !(v.secret.items?.length && v.secret.items.every((i) => i.key === "ca.pem"))) {
+          problem(cw, `volume ${v.name} gives the worker the CA's key (project only ca.pem)`);
+        }
+      }
+    } else {
+      const users = cargs.find((a) => a.startsWith("--users_file=")) ?? cargs.find((a) => a.startsWith("--token_file="));
+      if (!users) problem(cw, "no --users_file or --token_file");
+      else if (!["spindle-users", "spindle-token"].includes(secretOf(users)[1])) {
+        problem(cw, `${users.split("=")[0]} ${secretOf(users)[0]} is not mounted from the spindle-users or spindle-token Secret`);
+      }
+      fromSecret("--ca_cert", "spindle-ca");
+      fromSecret("--ca_key", "spindle-ca");
+      fromSecret("--bootstrap_token_file", "spindle-bootstrap");
+      if (!cargs.some((a) => a.startsWith("--worker_listen="))) {
+        problem(cw, "no --worker_listen: the worker port must be one a NetworkPolicy can keep to worker pods");
       }
     }
     for (const probe of [c.startupProbe, c.readinessProbe, c.livenessProbe].filter(Boolean)) {
@@ -224,6 +246,35 @@ for (const w of workloads) {
     problem(w.where, "no NetworkPolicy selects these pods");
   }
 }
+// The coordinator's worker port, and every port of the workers but /metrics (the trainers' NCCL
+// and Gloo ports), admit worker pods only.
+const fromWorkersOnly = (rule) =>
+  (rule.from ?? []).length > 0 &&
+  rule.from.every((f) => !f.namespaceSelector && !f.ipBlock && worker &&
+                         matches(f.podSelector?.matchLabels, podLabels(worker)));
+if (coordinator) {
+  const args = coordinator.obj.spec.template.spec.containers[0].args ?? [];
+  const workerPort = Number(args.find((a) => a.startsWith("--worker_listen="))?.split(":").pop());
+  for (const n of byKind("NetworkPolicy").filter((n) => matches(n.obj.spec.podSelector?.matchLabels, podLabels(coordinator)))) {
+    for (const rule of n.obj.spec.ingress ?? []) {
+      const ports = (rule.ports ?? []).map((p) => p.port);
+      if ((!rule.ports || ports.includes(workerPort)) && !fromWorkersOnly(rule)) {
+        problem(n.where, `admits the worker port ${workerPort} from more than worker pods`);
+      }
+    }
+  }
+}
+if (worker) {
+  for (const n of byKind("NetworkPolicy").filter((n) => matches(n.obj.spec.podSelector?.matchLabels, podLabels(worker)))) {
+    for (const rule of n.obj.spec.ingress ?? []) {
+      const ports = (rule.ports ?? []).map((p) => p.port);
+      if ((!rule.ports || ports.some((p) => p !== 9401)) && !fromWorkersOnly(rule)) {
+        problem(n.where, "admits the workers' rank ports from more than worker pods");
+      }
+    }
+  }
+}
+
 const monitors = byKind("ServiceMonitor");
 if (!monitors.length) problem("manifests", "no ServiceMonitor");
 for (const m of monitors) {

@@ -1,8 +1,11 @@
 // ClusterHarness: a real Spindle cluster on 127.0.0.1 for integration tests: the
 // spindle-coordinator binary (SQLite file in a scratch directory), any number of spindle-worker
-// daemons, and a JobService client. Optionally with bearer-token auth, TLS, a separate worker port
-// and /metrics ports (set these before StartCoordinator). Processes are killed when the harness
-// is destroyed.
+// daemons, and a JobService client. By default the way a cluster runs: TLS on every port, the
+// coordinator's CA generated at its first start beside its database, and workers that join with
+// a bootstrap token and then call with the client certificate the CA signed (mutual TLS).
+// Optionally plaintext with bearer tokens instead (UsePlaintext), users' tokens, TLS with a given
+// server certificate, a separate worker port and /metrics ports (set these before
+// StartCoordinator). Processes are killed when the harness is destroyed.
 // Thread-safety: owned and used by one test thread.
 #pragma once
 
@@ -24,6 +27,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/subprocess.h"
 #include "grpcpp/grpcpp.h"
 #include "spindle/v1/cluster.grpc.pb.h"
@@ -123,8 +128,25 @@ class ClusterHarness {
     return absl::StrCat("127.0.0.1:", worker_port_ != 0 ? worker_port_ : port_);
   }
 
+  // No CA: plaintext (unless UseTls) and workers with bearer tokens (--plaintext).
+  void UsePlaintext() { plaintext_ = true; }
+  bool plaintext() const { return plaintext_; }
+  // The coordinator's CA certificate (written at its first start), which workers and clients
+  // trust; "" with UsePlaintext.
+  std::string ca_file() const {
+    if (plaintext_) return "";
+    return !ca_cert_file_.empty() ? ca_cert_file_ : dir_->File("spindle.db.ca.pem");
+  }
+  // The coordinator's CA from these files (--ca_cert, --ca_key) instead of one it generates.
+  void UseCaFiles(const std::string& cert_file, const std::string& key_file) {
+    ca_cert_file_ = cert_file;
+    ca_key_file_ = key_file;
+  }
+  // The bootstrap token workers join with (in bootstrap_token_file(), valid for a day).
+  std::string bootstrap_token_file() const { return dir_->File("bootstrap-token"); }
+
   // Every daemon and the harness's own client use `token` (written to a file under the scratch
-  // directory and passed with --token_file).
+  // directory and passed with --token_file; workers get it only with UsePlaintext).
   void UseToken(const std::string& token) {
     token_ = token;
     std::ofstream(dir_->File("token")) << token << "\n";
@@ -152,11 +174,13 @@ class ClusterHarness {
   // /metrics of the coordinator on 127.0.0.1:`port` (default: off).
   void UseCoordinatorMetricsPort(int port) { coordinator_metrics_port_ = port; }
 
-  // Credentials for a client of this cluster (TLS with the CA when UseTls was called).
+  // The CA file clients trust: UseTls's, else the coordinator's own; "" for plaintext.
+  std::string client_ca_file() const { return !tls_ca_file_.empty() ? tls_ca_file_ : ca_file(); }
+  // Credentials for a client of this cluster (TLS with client_ca_file() unless plaintext).
   std::shared_ptr<grpc::ChannelCredentials> ClientCredentials() const {
-    if (tls_ca_file_.empty()) return grpc::InsecureChannelCredentials();
+    if (client_ca_file().empty()) return grpc::InsecureChannelCredentials();
     grpc::SslCredentialsOptions opts;
-    opts.pem_root_certs = ReadFile(tls_ca_file_);
+    opts.pem_root_certs = ReadFile(client_ca_file());
     return grpc::SslCredentials(opts);
   }
   // Adds the bearer token (if any) to a call of the harness's client.
@@ -175,6 +199,20 @@ class ClusterHarness {
         "--db=" + dir_->File("spindle.db"),
         absl::StrCat("--metrics_port=", coordinator_metrics_port_)};
     if (separate_worker_port_) argv.push_back("--worker_listen=" + worker_address());
+    if (plaintext_) {
+      argv.push_back("--plaintext");
+    } else {
+      const std::string expires =
+          absl::FormatTime(absl::RFC3339_sec, absl::Now() + absl::Hours(24), absl::UTCTimeZone());
+      std::ofstream(bootstrap_token_file()) << "harness-bootstrap-token-0123456789\n";
+      std::ofstream(dir_->File("bootstrap-tokens"))
+          << "harness-bootstrap-token-0123456789 " << expires << "\n";
+      argv.push_back("--bootstrap_token_file=" + dir_->File("bootstrap-tokens"));
+      if (!ca_cert_file_.empty()) {
+        argv.push_back("--ca_cert=" + ca_cert_file_);
+        argv.push_back("--ca_key=" + ca_key_file_);
+      }
+    }
     if (!token_.empty()) argv.push_back("--token_file=" + token_file());
     if (!worker_token_.empty()) argv.push_back("--worker_token_file=" + worker_token_file());
     if (!tls_cert_file_.empty()) {
@@ -188,8 +226,26 @@ class ClusterHarness {
     auto p = Subprocess::Spawn(argv, options);
     if (!p.ok()) return false;
     coordinator_ = *std::move(p);
-    channel_ = grpc::CreateChannel(address(), ClientCredentials());
-    worker_channel_ = grpc::CreateChannel(worker_address(), ClientCredentials());
+    // Dialled once the coordinator says it serves (it writes its CA before): a connection the
+    // gRPC server accepts while it is still starting may wait seconds for its TLS handshake.
+    const std::string log = options.stderr_path;
+    if (!WaitFor(
+            [&] {
+              absl::StatusOr<std::optional<int>> status = coordinator_->Poll();
+              return !status.ok() || status->has_value() ||
+                     ReadFile(log).find("spindle-coordinator: serving clients") !=
+                         std::string::npos;
+            },
+            std::chrono::seconds(30)))
+      return false;
+    // Retry a failed connection soon, not after gRPC's default backoff (which grows past 10 s).
+    // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: gRPC also takes it as the time a
+    // connection attempt, TLS handshake included, may last.)
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    channel_ = grpc::CreateCustomChannel(address(), ClientCredentials(), args);
+    worker_channel_ = grpc::CreateCustomChannel(worker_address(), ClientCredentials(), args);
     jobs_ = v1::JobService::NewStub(channel_);
     bool exited = false;
     const bool answered = WaitFor(
@@ -228,12 +284,15 @@ class ClusterHarness {
                                      "--trainer_binary=" + trainer,
                                      "--checkpoint_root=" + dir_->path(),
                                      "--data_root=" + dir_->path()};
-    if (!worker_token_.empty()) {
+    if (!plaintext_) {
+      argv.push_back("--tls_ca_file=" + ca_file());
+      argv.push_back("--bootstrap_token_file=" + bootstrap_token_file());
+    } else if (!worker_token_.empty()) {
       argv.push_back("--token_file=" + worker_token_file());
     } else if (!token_.empty()) {
       argv.push_back("--token_file=" + token_file());
     }
-    if (!tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
+    if (plaintext_ && !tls_ca_file_.empty()) argv.push_back("--tls_ca_file=" + tls_ca_file_);
     argv.insert(argv.end(), extra.begin(), extra.end());
     SubprocessOptions options;
     options.stderr_path = dir_->File("worker-" + id + ".log");
@@ -376,6 +435,8 @@ class ClusterHarness {
   int worker_port_ = 0;
   bool separate_worker_port_ = false;
   int coordinator_metrics_port_ = -1;
+  bool plaintext_ = false;
+  std::string ca_cert_file_, ca_key_file_;
   std::string token_;
   std::string worker_token_;
   std::string tls_ca_file_, tls_cert_file_, tls_key_file_;

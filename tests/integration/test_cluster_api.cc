@@ -104,6 +104,7 @@ class ClusterApiTest : public ::testing::Test {
 };
 
 TEST_F(ClusterApiTest, EveryMistakeIsOneClearErrorAndQueuesNothing) {
+  cluster_.UsePlaintext();
   cluster_.UseToken("api-token");
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2"}))
       << cluster_.Logs();
@@ -222,6 +223,7 @@ TEST_F(ClusterApiTest, EveryMistakeIsOneClearErrorAndQueuesNothing) {
 }
 
 TEST_F(ClusterApiTest, RequestsWithoutTheTokenAreRefused) {
+  cluster_.UsePlaintext();
   cluster_.UseToken("api-token");
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2"}))
       << cluster_.Logs();
@@ -274,6 +276,7 @@ TEST_F(ClusterApiTest, RequestsWithoutTheTokenAreRefused) {
 // service with the worker token, and the worker token cannot submit.
 TEST_F(ClusterApiTest, WorkersAndUsersHoldDifferentTokens) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  cluster_.UsePlaintext();
   cluster_.UseToken("user-token");
   cluster_.UseWorkerToken("worker-token");
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2"}))
@@ -292,7 +295,7 @@ TEST_F(ClusterApiTest, WorkersAndUsersHoldDifferentTokens) {
   EXPECT_EQ(r.exit_code, 4);
   EXPECT_EQ(r.stderr_text,
             "spindle: submit: a worker token cannot call JobService (submit, cancel, list jobs); "
-            "use the users' token\n");
+            "use a user's token\n");
   r = Cli({"submit", spec, "--wait", "--coordinator", cluster_.address(), "--token-file",
            cluster_.token_file()});
   EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text << cluster_.Logs();
@@ -305,6 +308,7 @@ TEST_F(ClusterApiTest, WorkersAndUsersHoldDifferentTokens) {
 TEST_F(ClusterApiTest, TlsOnBothPortsWithTheCaOnly) {
   MakeCertificates("");
   MakeCertificates("other-");
+  cluster_.UsePlaintext();  // workers with tokens; TLS with the given certificate
   cluster_.UseTls(dir_.File("ca.pem"), dir_.File("server.pem"), dir_.File("server.key"));
   cluster_.UseSeparateWorkerPort();
   ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2"}))

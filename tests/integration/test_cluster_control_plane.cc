@@ -261,8 +261,9 @@ TEST_F(ClusterControlPlaneTest, CoordinatorKilledAndRestartedLosesNoJob) {
   SubprocessOptions watch_io;
   watch_io.stdout_path = dir_.File("watch.out");
   watch_io.stderr_path = dir_.File("watch.err");
-  auto watch = Subprocess::Spawn(
-      {SPINDLE_CLI_BINARY, "watch", *id, "--coordinator", cluster_.address()}, watch_io);
+  auto watch = Subprocess::Spawn({SPINDLE_CLI_BINARY, "watch", *id, "--coordinator",
+                                  cluster_.address(), "--tls-ca", cluster_.client_ca_file()},
+                                 watch_io);
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_TRUE(WaitFor([&] { return absl::StrContains(ReadFile(dir_.File("watch.out")), "step"); },
                       std::chrono::seconds(10)));

@@ -76,7 +76,7 @@ class ClusterQueueTest : public ::testing::Test {
 
   std::vector<v1::Job> ListJobs(const std::vector<v1::JobState>& states) {
     auto stub = v1::JobService::NewStub(
-        grpc::CreateChannel(cluster_.address(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(cluster_.address(), cluster_.ClientCredentials()));
     v1::ListJobsRequest req;
     for (v1::JobState s : states) req.add_states(s);
     std::vector<v1::Job> jobs;

@@ -41,7 +41,7 @@ pid_t StartCoordinator(const std::string& db, int port) {
     const std::string listen = absl::StrCat("127.0.0.1:", port);
     execl(SPINDLE_COORDINATOR_BINARY, SPINDLE_COORDINATOR_BINARY, "--listen", listen.c_str(),
           "--db", db.c_str(), "--metrics-port", "-1", "--heartbeat-timeout", "3",
-          "--heartbeat-interval", "0.5", "--recovery-grace", "5", nullptr);
+          "--heartbeat-interval", "0.5", "--recovery-grace", "5", "--plaintext", nullptr);
     _exit(127);
   }
   return pid;

@@ -205,7 +205,7 @@ TEST(DaemonFlagsTest, ATakenPortIsOneLineAndLeavesNoStore) {
   std::filesystem::remove_all(dir);
 }
 
-// A coordinator on a non-loopback address without a token or TLS refuses to start, in one line
+// A coordinator on a non-loopback address without users' credentials refuses to start, in one line
 // naming --insecure, and leaves no store behind.
 TEST(DaemonFlagsTest, AnExposedCoordinatorNeedsCredentialsOrInsecure) {
   if (std::string(SPINDLE_COORDINATOR_BINARY).empty()) GTEST_SKIP() << "no coordinator built";
@@ -216,8 +216,8 @@ TEST(DaemonFlagsTest, AnExposedCoordinatorNeedsCredentialsOrInsecure) {
   EXPECT_EQ(r.exit_code, 2) << r.stderr_text;
   EXPECT_EQ(r.stderr_text,
             "spindle-coordinator: refusing to serve 0.0.0.0:0 (not a loopback address) without "
-            "credentials: set --token_file or --tls_cert, or pass --insecure to let anyone who "
-            "reaches it run jobs\n");
+            "credentials: set --users_file or --token_file (TLS alone names no one), or pass "
+            "--insecure to let anyone who reaches it run jobs\n");
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the coordinator left files in " << dir;
   std::filesystem::remove_all(dir);
 }

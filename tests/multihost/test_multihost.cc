@@ -112,31 +112,59 @@ class MultihostTest : public ::testing::Test {
 
   std::string CoordinatorAddress() const { return absl::StrCat(net_->Address(0), ":", kPort); }
 
+  // The coordinator's CA (made at its first start), which workers and the CLI trust.
+  std::string CaFile() const { return dir_.File("spindle.db.ca.pem"); }
+  // The bootstrap token workers join with.
+  std::string BootstrapTokenFile() const { return dir_.File("bootstrap-token"); }
+
+  // TLS on its port (the default): workers join with a bootstrap token and then call with their
+  // certificates; users are not authenticated (--insecure), as no test here is about them.
   void StartCoordinator(const std::vector<std::string>& extra = {}) {
+    std::ofstream(BootstrapTokenFile()) << "multihost-bootstrap-0123456789\n";
+    std::ofstream(dir_.File("bootstrap-tokens"))
+        << "multihost-bootstrap-0123456789 "
+        << absl::FormatTime(absl::RFC3339_sec, absl::Now() + absl::Hours(24), absl::UTCTimeZone())
+        << "\n";
     std::vector<std::string> argv = {SPINDLE_COORDINATOR_BINARY, "--listen=" + CoordinatorAddress(),
-                                     "--db=" + dir_.File("spindle.db"), "--insecure"};
+                                     "--db=" + dir_.File("spindle.db"), "--insecure",
+                                     "--bootstrap_token_file=" + dir_.File("bootstrap-tokens")};
     argv.insert(argv.end(), extra.begin(), extra.end());
     Spawn("coordinator", net_->On(0, argv));
+    // Workers start once it serves (it writes its CA, which they read, before).
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return ReadFile(dir_.File("coordinator.log")).find("serving clients") !=
+                 std::string::npos;
+        },
+        std::chrono::seconds(30)))
+        << Logs();
+  }
+  // How a worker reaches the coordinator: TLS with its CA, joining with the bootstrap token.
+  std::vector<std::string> WorkerTls() const {
+    return {"--tls_ca_file=" + CaFile(), "--bootstrap_token_file=" + BootstrapTokenFile()};
   }
   // Worker w<host> on host `host` (1..3), one CPU slot, one thread per rank (so that its losses
   // are those of the single-threaded reference run).
   void StartWorker(int host) {
     const std::string id = absl::StrCat("w", host);
-    Spawn(id, net_->On(host, {SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
-                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
-                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
-                              "--data_root=" + dir_.path()}));
+    std::vector<std::string> argv = {
+        SPINDLE_WORKER_BINARY,       "--coordinator=" + CoordinatorAddress(),
+        "--worker_id=" + id,         "--work_dir=" + dir_.File("work-" + id),
+        "--cpu_threads_per_slot=1",  "--checkpoint_root=" + dir_.path(),
+        "--data_root=" + dir_.path()};
+    for (const std::string& f : WorkerTls()) argv.push_back(f);
+    Spawn(id, net_->On(host, argv));
   }
   // Worker w<host> seeing its own empty `dir` (a tmpfs mounted over it in a mount namespace of its
   // own): a host that does not share the checkpoint volume.
   void StartWorkerWithPrivateDir(int host, const std::string& dir) {
     const std::string id = absl::StrCat("w", host);
-    Spawn(id,
-          net_->On(host, {"unshare", "--mount", "--propagation", "private", "sh", "-c",
-                          "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", dir, SPINDLE_WORKER_BINARY,
-                          "--coordinator=" + CoordinatorAddress(), "--worker_id=" + id,
-                          "--work_dir=" + dir_.File("work-" + id), "--cpu_threads_per_slot=1",
-                          "--checkpoint_root=" + dir_.path(), "--data_root=" + dir_.path()}));
+    Spawn(id, net_->On(host, {"unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", dir,
+                              SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
+                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
+                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
+                              "--data_root=" + dir_.path(), WorkerTls()[0], WorkerTls()[1]}));
   }
   void Spawn(const std::string& name, const std::vector<std::string>& argv) {
     SubprocessOptions options;
@@ -153,6 +181,7 @@ class MultihostTest : public ::testing::Test {
   // The CLI on the coordinator's host with --output json; the parsed last line, or null.
   nlohmann::json Cli(const std::vector<std::string>& args) {
     std::vector<std::string> argv = {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(),
+                                     "--tls-ca",         CaFile(),
                                      "--output",         "json",
                                      "--timeout",        "5"};
     argv.insert(argv.end(), args.begin(), args.end());
