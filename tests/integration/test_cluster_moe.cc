@@ -46,11 +46,20 @@ class ClusterMoeTest : public ::testing::Test {
     ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
   }
 
-  // Runs `spindle args... --coordinator ADDRESS`: its standard output.
+  // Runs `spindle args... --coordinator ADDRESS` with the cluster's client credentials: its
+  // standard output.
   std::string Cli(std::vector<std::string> args) {
     args.insert(args.begin(), SPINDLE_CLI_BINARY);
     args.push_back("--coordinator");
     args.push_back(cluster_.address());
+    if (!cluster_.client_ca_file().empty()) {
+      args.push_back("--tls-ca");
+      args.push_back(cluster_.client_ca_file());
+    }
+    if (!cluster_.token().empty()) {
+      args.push_back("--token-file");
+      args.push_back(cluster_.token_file());
+    }
     absl::StatusOr<CommandResult> r = RunCommand(args, "", absl::Seconds(60));
     EXPECT_TRUE(r.ok()) << r.status();
     if (!r.ok()) return "";
