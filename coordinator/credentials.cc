@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/auth.h"
+#include "coordinator/credential_lines.h"
 #include "grpc/grpc_security_constants.h"
 
 namespace spindle {
@@ -14,13 +15,9 @@ namespace spindle {
 absl::StatusOr<std::vector<WorkerToken>> ParseWorkerTokens(const std::string& text) {
   std::vector<WorkerToken> out;
   std::set<std::string> seen;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line[0] == '#') continue;
-    std::vector<std::string> fields =
-        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+  for (const CredentialLine& l : CredentialLines(text)) {
+    const int line_no = l.number;
+    const std::vector<std::string>& fields = l.fields;
     if (fields.size() > 2)
       return absl::InvalidArgumentError(absl::StrCat("line ", line_no, " has ", fields.size(),
                                                      " fields; expected TOKEN or WORKER_ID TOKEN"));

@@ -6,19 +6,16 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "coordinator/credential_lines.h"
 
 namespace spindle {
 
 absl::StatusOr<std::vector<UserToken>> ParseUsersFile(const std::string& text) {
   std::vector<UserToken> out;
   std::set<std::string> tokens, names;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line[0] == '#') continue;
-    std::vector<std::string> fields =
-        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+  for (const CredentialLine& l : CredentialLines(text)) {
+    const int line_no = l.number;
+    const std::vector<std::string>& fields = l.fields;
     if (fields.size() < 2 || fields.size() > 3 || (fields.size() == 3 && fields[2] != "admin"))
       return absl::InvalidArgumentError(
           absl::StrCat("line ", line_no, ": expected TOKEN NAME or TOKEN NAME admin"));

@@ -12,19 +12,16 @@
 #include "common/status.h"
 #include "common/x509.h"
 #include "coordinator/auth.h"
+#include "coordinator/credential_lines.h"
 
 namespace spindle {
 
 absl::StatusOr<std::vector<BootstrapToken>> ParseBootstrapTokens(const std::string& text) {
   std::vector<BootstrapToken> out;
   std::set<std::string> seen;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line[0] == '#') continue;
-    std::vector<std::string> fields =
-        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+  for (const CredentialLine& l : CredentialLines(text)) {
+    const int line_no = l.number;
+    const std::vector<std::string>& fields = l.fields;
     if (fields.size() < 2 || fields.size() > 3)
       return absl::InvalidArgumentError(absl::StrCat(
           "line ", line_no, " has ", fields.size(), " fields; expected TOKEN EXPIRES [MAX_JOINS]"));
