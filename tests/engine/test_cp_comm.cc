@@ -2,6 +2,7 @@
 // patterns so that every received element proves which rank sent it and from where; sums,
 // broadcasts, concurrent communicators, async overlap, accounting and error conversion.
 #include <cstdint>
+#include <filesystem>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -188,6 +189,7 @@ TEST(CommTest, APeerThatGoesAwayIsNamedAsTheCause) {
 
 TEST(CommTest, FileStoreRoundTripAndTimeout) {
   const std::string dir = ::testing::TempDir() + "/spindle_file_store_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);  // no keys left from an earlier run of this process id
   FileKvStore store(dir);
   ASSERT_TRUE(store.Set("a/b c", "value\0x").ok());
   auto v = store.Get("a/b c", absl::Seconds(1));
