@@ -57,6 +57,7 @@ struct JobManager::JobRuntime {
   CpMode mla_mode = CpMode::kAllGather;
   int64_t recompute_layers = 0;  // train.recompute as planned (never auto)
   std::string run_spec_json;     // the spec with the plan's modes (AdoptPlan): what ranks run
+  std::shared_ptr<const PlannedJob> planned;  // what assignments carry (AdoptPlan)
   // "auto" planned with no device registered (every layer): decided at the first placement.
   bool recompute_at_placement = false;
   int64_t memory_per_rank = 0;
@@ -705,6 +706,8 @@ void JobManager::AdoptPlan(JobRuntime& j, const CpPlan& plan) {
   // The spec the ranks run: the plan's decisions (modes, ulysses, recompute) in place of "auto"
   // and "fastest", so that the trainer applies the plan as sent.
   j.run_spec_json = PlannedSpec(j.spec, plan).ToJson().dump();
+  j.planned = std::make_shared<const PlannedJob>(
+      PlannedJob{j.spec.ToJson().dump(), PlannedSpec(j.spec, plan), plan});
 }
 
 void JobManager::RecomputeMoreAfterOutOfMemory(JobRuntime& j, std::string* reason) {
@@ -854,20 +857,12 @@ void JobManager::PlaceJob(JobRuntime& j, const std::vector<RankPlacement>& ranks
 AssignmentCommand JobManager::MakeAssignment(const JobRuntime& j, const RankPlacement& p) const {
   AssignmentCommand a;
   a.ref = {j.rec.job_id, j.rec.attempt, p.rank};
-  a.world = j.spec.parallel.world();
-  a.cp = j.spec.parallel.cp;
-  a.dp = j.spec.parallel.dp;
-  a.lightning_mode = j.lightning_mode;
-  a.mla_mode = j.mla_mode;
-  a.recompute_layers = j.recompute_layers;
-  a.spec_json = j.run_spec_json.empty() ? j.rec.spec_json : j.run_spec_json;
+  a.job = j.planned;
   a.rendezvous_address = rendezvous_address_;
   a.rendezvous_token = j.token;
-  a.checkpoint_dir = j.spec.checkpoint.dir;
   a.resume_step = j.rec.last_checkpoint_step;
   a.resume_path = j.rec.last_checkpoint_path;
   a.device_index = p.device_index;
-  a.device_kind = j.spec.resources;
   if (const Worker* w = registry_.Find(p.worker_id)) a.host_address = w->address;
   return a;
 }

@@ -23,6 +23,7 @@
 namespace spindle {
 namespace {
 
+using testing::RunSpecOf;
 using testing::FakeWorkerChannel;
 using testing::SpecJson;
 using testing::TempDir;
@@ -210,12 +211,14 @@ TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
   EXPECT_EQ(a.ref().job_id(), id);
   EXPECT_EQ(a.ref().attempt(), 1);
   EXPECT_EQ(a.ref().rank(), 1);
-  EXPECT_EQ(a.world(), 2);
-  EXPECT_EQ(a.cp(), 2);
-  EXPECT_EQ(a.lightning_mode(), v1::CP_MODE_ALL2ALL);
+  const JobSpec run = RunSpecOf(a);
+  EXPECT_EQ(run.parallel.world(), 2);
+  EXPECT_EQ(run.parallel.cp, 2);
+  EXPECT_EQ(run.parallel.lightning_mode, CpMode::kAll2All);
   EXPECT_EQ(a.rendezvous_address(), "127.0.0.1:1");
-  EXPECT_EQ(a.checkpoint_dir(), "/tmp/ck");
-  EXPECT_EQ(a.device_kind(), "cpu");
+  EXPECT_EQ(run.checkpoint.dir, "/tmp/ck");
+  EXPECT_EQ(run.resources, "cpu");
+  EXPECT_EQ(a.job().plan().cp(), 2);
   EXPECT_EQ(rendezvous_.NumOpen(), 1u);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 
@@ -847,13 +850,13 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   const std::string id = Submit(spec);
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), want);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want);
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), want);
 
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
-  EXPECT_EQ(as[0].second.recompute_layers(), want);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want);
 }
 
 // "auto" submitted before any worker registered is planned with every layer recomputing, then
@@ -867,14 +870,14 @@ TEST_F(JobManagerTest, AutoRecomputeWithoutDevicesIsDecidedAtPlacement) {
   AddWorker("w1", 1);  // 8 GiB: 1024 tokens of tiny need no recompute
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), 0);
   EXPECT_EQ(Get(id).plan().memory().device_memory_bytes(), int64_t{8} << 30);
 
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);
 }
 
 // A rank that runs out of device memory (exit code 3): a job with recompute "auto" restarts with
@@ -890,7 +893,7 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
   const std::string id = Submit(spec("\"auto\""));
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);  // 1024 tokens of tiny fit 8 GiB
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);  // 1024 tokens of tiny fit 8 GiB
   const int64_t want[] = {2, 4, 4};               // tiny has 4 layers
   for (int64_t attempt = 1; attempt <= 3; ++attempt) {
     Exit("w1", Ref(id, attempt, 0), 3, false,
@@ -908,11 +911,11 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
     as = Assignments();
     ASSERT_EQ(as.size(), 1u) << j.message();
     EXPECT_EQ(as[0].second.ref().attempt(), attempt + 1);
-    EXPECT_EQ(as[0].second.recompute_layers(), want[attempt - 1]);
+    EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want[attempt - 1]);
   }
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
-  EXPECT_EQ(as[0].second.recompute_layers(), 4);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 4);
 
   const std::string fixed = Submit(spec("1"));
   Exit("w1", Ref(id, 5, 0), 0);
@@ -923,7 +926,7 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
   Exit("w1", Ref(fixed, 1, 0), 3, false, "out of device memory");
   as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 1);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 1);
   EXPECT_EQ(Get(fixed).plan().memory().recompute_layers(), 1);
 }
 
