@@ -1,6 +1,6 @@
 // What workers and the coordinator say to each other on a session, as the coordinator's own
 // types: a worker's hello and reports (cluster.proto's SessionHello and WorkerMessage) and the
-// coordinator's commands (Assignment, Stop). worker_proto.h converts them to and from the wire;
+// coordinator's commands (Assignment, Stop); and what a registered worker is told. worker_proto.h converts them to and from the wire;
 // the job manager and its parts speak only these. Plain data.
 #pragma once
 
@@ -117,5 +117,13 @@ struct StopCommand {
 };
 
 using WorkerCommand = std::variant<AssignmentCommand, StopCommand>;
+
+// What a registered worker is told (cluster.proto's RegisterResponse).
+struct RegistrationReply {
+  int64_t heartbeat_interval_ms = 0;
+  int64_t heartbeat_timeout_ms = 0;
+  int64_t stop_grace_ms = 0;
+  std::string observed_host;
+};
 
 }  // namespace spindle

@@ -69,6 +69,8 @@ WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
   reg.advertise_host = req.advertise_host();
   reg.observed_host = observed_host;
   reg.metrics_address = BoundedUtf8(req.metrics_address(), kMaxHostBytes);
+  reg.checkpoint_root = BoundedUtf8(req.checkpoint_root(), kMaxPathBytes);
+  reg.data_root = BoundedUtf8(req.data_root(), kMaxPathBytes);
   for (const v1::DeviceGroup& g : req.devices()) reg.devices.push_back(OfferFromProto(g));
   return reg;
 }

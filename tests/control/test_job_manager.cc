@@ -859,6 +859,36 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want);
 }
 
+// A job is planned once, at submit; a restarted coordinator reads the planned job back instead of
+// planning again. The stored decision is changed here to the mode the planner did not pick, so
+// that any re-decision (by the planner, on a cluster that may differ) would show.
+TEST_F(JobManagerTest, AFastestJobKeepsItsModesAcrossACoordinatorRestart) {
+  const std::string id = Submit(R"({"name": "t", "model": {"preset": "tiny"}, "seq_len": 1024,
+      "data": {"source": "synthetic:recall"}, "parallel": {"cp": 2, "mla_mode": "fastest"},
+      "train": {"steps": 10}, "resources": "cpu"})");
+  absl::StatusOr<std::vector<JobRecord>> recs = store_->LoadJobs();
+  ASSERT_TRUE(recs.ok() && recs->size() == 1u);
+  JobRecord rec = recs->at(0);
+  absl::StatusOr<PlannedJob> planned = DecodePlannedJob(rec.plan);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  const CpMode picked = planned->spec.parallel.mla_mode;
+  ASSERT_NE(picked, CpMode::kFastest);
+  const CpMode other = picked == CpMode::kRing ? CpMode::kAllGather : CpMode::kRing;
+  planned->spec.parallel.mla_mode = other;
+  rec.plan = EncodePlannedJob(*planned);
+  ASSERT_TRUE(store_->SaveJob(rec).ok());
+
+  Reopen();
+  AddWorker("w1", 2);
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u) << Get(id).message();
+  for (const auto& [worker, a] : as) {
+    const JobSpec run = RunSpecOf(a);
+    EXPECT_EQ(run.parallel.mla_mode, other) << "re-decided after the restart";
+    EXPECT_EQ(run.parallel.lightning_mode, planned->spec.parallel.lightning_mode);
+  }
+}
+
 // "auto" submitted before any worker registered is planned with every layer recomputing, then
 // sized to the device the job is placed on; that decision stays across a coordinator restart.
 TEST_F(JobManagerTest, AutoRecomputeWithoutDevicesIsDecidedAtPlacement) {
