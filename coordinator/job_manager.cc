@@ -1296,7 +1296,7 @@ std::string JobManager::DisconnectedPeer(const JobRuntime& j, const RankRuntime&
     // its way back, not gone.
     if (&o == &failed || o.state == "exited" || !o.adopted) continue;
     const Worker* w = registry_.Find(o.placement.worker_id);
-    if (w == nullptr || w->connected) continue;
+    if (w == nullptr || (w->connected && !w->lost)) continue;
     return absl::StrCat("worker ", o.placement.worker_id, " disconnected with rank ",
                         o.placement.rank);
   }
@@ -1304,8 +1304,10 @@ std::string JobManager::DisconnectedPeer(const JobRuntime& j, const RankRuntime&
 }
 
 void JobManager::MarkWorkerLost(Worker& w, const std::string& why, Outbox* out) {
+  // Its session, if still open, stays its session (`connected` is only ever what SessionOpened
+  // and SessionClosed say): a registration that clears `lost` while that stream is open leaves a
+  // worker that is alive on it, not one taken for disconnected while it heartbeats.
   w.lost = true;
-  w.connected = false;
   LogLine(absl::StrCat("worker ", w.rec.worker_id, " lost: ", why));
   for (auto& [id, jp] : jobs_) {
     JobRuntime& j = *jp;
@@ -1324,7 +1326,6 @@ void JobManager::MarkWorkerLost(Worker& w, const std::string& why, Outbox* out) 
 
 void JobManager::WorkerBack(Worker& w, int64_t now, Outbox* out) {
   w.lost = false;
-  w.connected = true;
   LogLine(absl::StrCat("worker ", w.rec.worker_id, " is back (a message after ",
                        Seconds(now - w.last_seen_ms), " of silence)"));
   // Its gangs restarted when it was lost; whatever it still runs of them stops, and their slots
