@@ -434,10 +434,12 @@ grpc::Status ClusterServiceImpl::Session(
     sessions_->Detach(worker_id, session.get());
     return ToGrpc(opened);
   }
-  std::thread writer([session, stream]() {
+  std::thread writer([this, ctx, session, stream]() {
     v1::CoordinatorMessage m;
     while (session->Pop(&m)) {
-      if (!stream->Write(m)) break;
+      // Past the write timeout the stream is cancelled (Write then returns false), whether or not
+      // more messages are queued behind this one: the handler, which joins this thread, ends.
+      if (!reaper_.Write(ctx, [&] { return stream->Write(m); })) break;
     }
   });
   InboundReports inbound(limits_.max_session_inbound);

@@ -209,7 +209,7 @@ class Daemon {
     limits.max_sessions = 5;
     limits.max_session_outbound = 16;
     limits.max_session_inbound = 16;
-    limits.stream_write_timeout_ms = 1000;
+    limits.stream_write_timeout_ms = 250;
     jobs_ = std::make_unique<JobServiceImpl>(manager_.get(), auth_.get(), limits);
     cluster_ = std::make_unique<ClusterServiceImpl>(manager_.get(), &sessions_, auth_.get(),
                                                     /*accepts_workers=*/true, limits);
