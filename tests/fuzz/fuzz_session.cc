@@ -32,6 +32,10 @@
 //  - once every stream of the input is closed, no worker stays alive: every session handler
 //    ended and told the job manager.
 //
+// libFuzzer's own leak check after each input is off unless asked for (LLVMFuzzerInitialize says
+// why). An input whose failure depends on what earlier inputs left in the coordinator may not
+// fail again alone; the target's checks name what broke either way.
+//
 // Input: bytes read front to back by Input (a byte or a little-endian integer; 0 past the end);
 // the first byte of each operation picks it (modulo kNumOps), its arguments follow.
 // Seeds: corpus/fuzz_session/, written by tests/fuzz/make_seeds.py.
@@ -79,11 +83,11 @@
 namespace spindle {
 namespace {
 
-constexpr int kWorkerIds = 4;      // w0..w3
-constexpr int kStreamSlots = 6;    // streams one input holds at once
-constexpr int kMaxOps = 48;        // operations per input
-constexpr int kResetEvery = 256;   // inputs between fresh coordinators
-constexpr int kMaxSubmits = 2;     // jobs one input may submit
+constexpr int kWorkerIds = 4;     // w0..w3
+constexpr int kStreamSlots = 6;   // streams one input holds at once
+constexpr int kMaxOps = 48;       // operations per input
+constexpr int kResetEvery = 256;  // inputs between fresh coordinators
+constexpr int kMaxSubmits = 2;    // jobs one input may submit
 constexpr int kKeptAssignments = 16;
 // Every wait on the coordinator: a reply, an ack, the end of a stream.
 constexpr absl::Duration kBound = absl::Seconds(5);
@@ -93,9 +97,9 @@ constexpr absl::Duration kBound = absl::Seconds(5);
   std::fflush(stderr);
   std::abort();
 }
-#define EXPECT_OR_ABORT(cond, ...)                                              \
-  do {                                                                          \
-    if (!(cond)) Broken(absl::StrCat(#cond, ": ", __VA_ARGS__));               \
+#define EXPECT_OR_ABORT(cond, ...)                               \
+  do {                                                           \
+    if (!(cond)) Broken(absl::StrCat(#cond, ": ", __VA_ARGS__)); \
   } while (0)
 
 std::string WorkerId(int i) { return absl::StrCat("w", i); }
@@ -109,9 +113,19 @@ class Input {
   Input(const uint8_t* data, size_t size) : data_(data), size_(size) {}
   bool done() const { return at_ >= size_; }
   uint8_t U8() { return at_ < size_ ? data_[at_++] : 0; }
-  uint16_t U16() { return static_cast<uint16_t>(U8() | (U8() << 8)); }
-  uint32_t U32() { return static_cast<uint32_t>(U16()) | (static_cast<uint32_t>(U16()) << 16); }
-  uint64_t U64() { return static_cast<uint64_t>(U32()) | (static_cast<uint64_t>(U32()) << 32); }
+  // Little-endian; the bytes are read in order (one statement each).
+  uint16_t U16() {
+    const uint16_t low = U8();
+    return static_cast<uint16_t>(low | (U8() << 8));
+  }
+  uint32_t U32() {
+    const uint32_t low = U16();
+    return low | (static_cast<uint32_t>(U16()) << 16);
+  }
+  uint64_t U64() {
+    const uint64_t low = U32();
+    return low | (static_cast<uint64_t>(U32()) << 32);
+  }
   std::string Bytes(size_t n) {
     n = std::min(n, size_ - std::min(at_, size_));
     std::string s(reinterpret_cast<const char*>(data_) + at_, n);
@@ -129,47 +143,76 @@ class Input {
 // characters, or bytes from the input.
 std::string FuzzString(Input& in) {
   switch (in.U8() % 12) {
-    case 0: return "";
-    case 1: return "x";
-    case 2: return "/tmp/fuzz-session/step_00000005";
-    case 3: return "\xff\xfe not UTF-8 \xc3";
-    case 4: return std::string(kMaxNoteBytes - 1, 'a') + "\xc3\xa9";  // a character cut by the bound
-    case 5: return std::string(70000, 'b');
-    case 6: return std::string(1 << 20, 'c');
+    case 0:
+      return "";
+    case 1:
+      return "x";
+    case 2:
+      return "/tmp/fuzz-session/step_00000005";
+    case 3:
+      return "\xff\xfe not UTF-8 \xc3";
+    case 4:
+      return std::string(kMaxNoteBytes - 1, 'a') + "\xc3\xa9";  // a character cut by the bound
+    case 5:
+      return std::string(70000, 'b');
+    case 6:
+      return std::string(1 << 20, 'c');
     case 7:  // past the gRPC message limit: the coordinator refuses the message, and no more
       return (in.U8() == 0xff) ? std::string((8 << 20) + 16, 'd') : std::string(300, 'd');
-    case 8: return "\x1b[2J\r\n\t\x7f\xc2\x9b escape";
-    case 9: return std::string("nul\0inside", 10);
-    default: return in.Bytes(in.U8());
+    case 8:
+      return "\x1b[2J\r\n\t\x7f\xc2\x9b escape";
+    case 9:
+      return std::string("nul\0inside", 10);
+    default:
+      return in.Bytes(in.U8());
   }
 }
 
 int64_t FuzzInt(Input& in, int64_t real = 1) {
   switch (in.U8() % 10) {
-    case 0: return 0;
-    case 1: return 1;
-    case 2: return -1;
-    case 3: return std::numeric_limits<int64_t>::max();
-    case 4: return std::numeric_limits<int64_t>::min();
-    case 5: return in.U8();
-    case 6: return static_cast<int64_t>(in.U32());
-    case 7: return static_cast<int64_t>(in.U64());
-    case 8: return real + 1;
-    default: return real;
+    case 0:
+      return 0;
+    case 1:
+      return 1;
+    case 2:
+      return -1;
+    case 3:
+      return std::numeric_limits<int64_t>::max();
+    case 4:
+      return std::numeric_limits<int64_t>::min();
+    case 5:
+      return in.U8();
+    case 6:
+      return static_cast<int64_t>(in.U32());
+    case 7:
+      return static_cast<int64_t>(in.U64());
+    case 8:
+      return real + 1;
+    default:
+      return real;
   }
 }
 
 double FuzzDouble(Input& in) {
   switch (in.U8() % 9) {
-    case 0: return 0;
-    case 1: return std::nan("");
-    case 2: return std::numeric_limits<double>::infinity();
-    case 3: return -std::numeric_limits<double>::infinity();
-    case 4: return 1e308;
-    case 5: return -0.0;
-    case 6: return std::numeric_limits<double>::denorm_min();
-    case 7: return -1.5;
-    default: return in.U8() / 16.0;
+    case 0:
+      return 0;
+    case 1:
+      return std::nan("");
+    case 2:
+      return std::numeric_limits<double>::infinity();
+    case 3:
+      return -std::numeric_limits<double>::infinity();
+    case 4:
+      return 1e308;
+    case 5:
+      return -0.0;
+    case 6:
+      return std::numeric_limits<double>::denorm_min();
+    case 7:
+      return -1.5;
+    default:
+      return in.U8() / 16.0;
   }
 }
 
@@ -203,8 +246,10 @@ class Daemon {
     o.rendezvous_address = "127.0.0.1:1";
     manager_ = std::make_unique<JobManager>(store_.get(), &clock_, &sessions_, &rendezvous_, o);
     if (!manager_->Recover().ok()) Broken("recover");
-    // Small queues and few sessions, so that an input reaches every limit: a reader that pauses
-    // fills the outbound queue, a seventh stream exceeds the sessions.
+    // Small queues, few sessions and a short write timeout, so that an input reaches every limit:
+    // a reader that pauses fills the outbound queue (through the in-process transport a server's
+    // Write completes only once the client reads) and is cut off after 250 ms, a sixth open
+    // stream exceeds the sessions.
     ServiceLimits limits;
     limits.max_sessions = 5;
     limits.max_session_outbound = 16;
@@ -277,13 +322,13 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d = kBound) {
 
 // What a client expects of a stream from how it opened it.
 enum class Opening {
-  kGoodHello,        // the worker's credential and a hello naming it
-  kBadCredential,    // no token, a user's token, or another worker's
-  kNoHello,          // the first message is not a hello
-  kNothing,          // the stream half-closes before its first message
-  kUnregistered,     // a hello naming a worker that never registered (or no worker)
-  kOversizedId,      // a worker id past kMaxIdBytes
-  kWrongInstance,    // an instance id other than the one the worker registered with
+  kGoodHello,      // the worker's credential and a hello naming it
+  kBadCredential,  // no token, a user's token, or another worker's
+  kNoHello,        // the first message is not a hello
+  kNothing,        // the stream half-closes before its first message
+  kUnregistered,   // a hello naming a worker that never registered (or no worker)
+  kOversizedId,    // a worker id past kMaxIdBytes
+  kWrongInstance,  // an instance id other than the one the worker registered with
 };
 
 // One Session stream from the worker side, read by a thread of its own.
@@ -435,10 +480,10 @@ class Stream {
 
 // What the target knows of the coordinator, across inputs (until a reset).
 struct Knowledge {
-  std::set<std::string> registered;     // ids whose Register succeeded
-  std::map<std::string, int32_t> slots;  // the most slots each registered with
+  std::set<std::string> registered;             // ids whose Register succeeded
+  std::map<std::string, int32_t> slots;         // the most slots each registered with
   std::map<std::string, std::string> instance;  // the instance id each last registered with
-  std::deque<Assigned> assigned;         // the latest assignments received
+  std::deque<Assigned> assigned;                // the latest assignments received
   int64_t jobs_submitted = 0;
   int64_t seq = 0;  // heartbeat seqs
 };
@@ -478,11 +523,21 @@ class Session {
   void Do(Input& in) {
     const uint8_t op = in.U8() % kNumOps;
     switch (op) {
-      case kRegister: Register(in); break;
-      case kOpen: Open(in); break;
-      case kSubmit: Submit(in); break;
-      case kTick: Tick(in); break;
-      case kCancelJob: CancelJob(in); break;
+      case kRegister:
+        Register(in);
+        break;
+      case kOpen:
+        Open(in);
+        break;
+      case kSubmit:
+        Submit(in);
+        break;
+      case kTick:
+        Tick(in);
+        break;
+      case kCancelJob:
+        CancelJob(in);
+        break;
       default: {
         std::unique_ptr<Stream>& s = streams_[in.U8() % kStreamSlots];
         if (s == nullptr) break;
@@ -539,16 +594,28 @@ class Session {
     std::string instance = k_.instance.count(id) ? k_.instance[id] : "i-a";
     bool hello = true;
     switch ((variant >> 3) % 10) {
-      case 0: hello = false; Demote(&opening, Opening::kNoHello); break;
-      case 1: Demote(&opening, Opening::kNothing); break;
+      case 0:
+        hello = false;
+        Demote(&opening, Opening::kNoHello);
+        break;
+      case 1:
+        Demote(&opening, Opening::kNothing);
+        break;
       case 2:
         instance = "i-wrong";
         // Refused only when the worker registered with an instance id (one without binds none).
         if (k_.instance.count(id)) Demote(&opening, Opening::kWrongInstance);
         break;
-      case 3: id = std::string(kMaxIdBytes + 1, 'w'); Demote(&opening, Opening::kOversizedId); break;
-      case 4: id = ""; Demote(&opening, Opening::kUnregistered); break;
-      default: break;
+      case 3:
+        id = std::string(kMaxIdBytes + 1, 'w');
+        Demote(&opening, Opening::kOversizedId);
+        break;
+      case 4:
+        id = "";
+        Demote(&opening, Opening::kUnregistered);
+        break;
+      default:
+        break;
     }
     if (opening == Opening::kGoodHello && !k_.registered.count(id))
       opening = Opening::kUnregistered;
@@ -721,10 +788,14 @@ class Session {
   // user's or none (3).
   static std::string WorkerToken(int w, uint8_t choice) {
     switch (choice & 3) {
-      case 0: return TokenOf(w);
-      case 1: return kClusterToken;
-      case 2: return TokenOf((w + 1) % kWorkerIds);
-      default: return (w & 1) ? kUserToken : "";
+      case 0:
+        return TokenOf(w);
+      case 1:
+        return kClusterToken;
+      case 2:
+        return TokenOf((w + 1) % kWorkerIds);
+      default:
+        return (w & 1) ? kUserToken : "";
     }
   }
   static bool GoodToken(int, uint8_t choice) { return (choice & 3) <= 1; }
@@ -746,18 +817,33 @@ class Session {
       r->set_attempt(a.attempt);
       r->set_rank(a.rank);
       switch (sel & 3) {
-        case 0: break;
-        case 1: r->set_attempt(FuzzInt(in, a.attempt)); break;
-        case 2: r->set_rank(FuzzInt(in, a.rank)); break;
-        case 3: r->set_rank(a.world); break;
+        case 0:
+          break;
+        case 1:
+          r->set_attempt(FuzzInt(in, a.attempt));
+          break;
+        case 2:
+          r->set_rank(FuzzInt(in, a.rank));
+          break;
+        case 3:
+          r->set_rank(a.world);
+          break;
       }
       return;
     }
     switch (sel % 4) {
-      case 0: r->set_job_id("j-999999"); break;
-      case 1: r->set_job_id(touched_.empty() ? "j-000001" : *touched_.rbegin()); break;
-      case 2: r->set_job_id(FuzzString(in)); break;
-      default: r->set_job_id(in.Bytes(in.U8() % 160)); break;
+      case 0:
+        r->set_job_id("j-999999");
+        break;
+      case 1:
+        r->set_job_id(touched_.empty() ? "j-000001" : *touched_.rbegin());
+        break;
+      case 2:
+        r->set_job_id(FuzzString(in));
+        break;
+      default:
+        r->set_job_id(in.Bytes(in.U8() % 160));
+        break;
     }
     r->set_attempt(FuzzInt(in));
     r->set_rank(FuzzInt(in, 0));
@@ -842,13 +928,13 @@ class Session {
     using C = grpc::StatusCode;
     const C code = st.error_code();
     auto refused_with = [&](std::initializer_list<C> codes) {
-      EXPECT_OR_ABORT(!s.ever_acked() && s.received() == 0,
-                      "a refused stream of ", s.worker_id(), " was served");
+      EXPECT_OR_ABORT(!s.ever_acked() && s.received() == 0, "a refused stream of ", s.worker_id(),
+                      " was served");
       for (C c : codes)
         if (code == c) return;
       // A first message the server could not read: no hello came.
-      if (s.first_unreadable() && (code == C::CANCELLED || code == C::RESOURCE_EXHAUSTED ||
-                                   code == C::INTERNAL))
+      if (s.first_unreadable() &&
+          (code == C::CANCELLED || code == C::RESOURCE_EXHAUSTED || code == C::INTERNAL))
         return;
       Broken(absl::StrCat("stream of ", s.worker_id().substr(0, 16), " (opening ",
                           static_cast<int>(s.opening()), ") ended with ", code, ": ",
@@ -897,8 +983,7 @@ class Session {
       bool one_each = true;
       for (auto& [id, v] : live) one_each &= v.size() == 1;
       if (one_each) break;
-      if (absl::Now() > until)
-        Broken("two acknowledged streams of one worker are both still open");
+      if (absl::Now() > until) Broken("two acknowledged streams of one worker are both still open");
       absl::SleepFor(absl::Milliseconds(1));
     }
     CheckCluster();
@@ -906,15 +991,15 @@ class Session {
       Sync(*v[0]);
       if (!v[0]->ever_acked() || v[0]->ended()) continue;
       // The heartbeat brought a lost worker back; its processing follows its ack.
-      WaitWorker(id, [](const std::string& state) {
-        return state == "alive" || state == "leaving";
-      }, "its session is open and acknowledged its heartbeat");
+      WaitWorker(
+          id, [](const std::string& state) { return state == "alive" || state == "leaving"; },
+          "its session is open and acknowledged its heartbeat");
     }
     for (auto& p : streams_) Close(&p);
     for (const std::string& id : k_.registered)
-      WaitWorker(id, [](const std::string& state) {
-        return state != "alive" && state != "leaving";
-      }, "every stream of the input has ended");
+      WaitWorker(
+          id, [](const std::string& state) { return state != "alive" && state != "leaving"; },
+          "every stream of the input has ended");
     CheckJobs();
   }
 
@@ -952,8 +1037,8 @@ class Session {
       static const std::set<std::string> kStates = {"alive", "leaving", "disconnected", "left",
                                                     "lost"};
       EXPECT_OR_ABORT(kStates.count(w.state()), "worker state ", w.state());
-      EXPECT_OR_ABORT(w.used_slots() >= 0 && w.used_slots() <= w.slots(), "worker ",
-                      w.worker_id(), " uses ", w.used_slots(), " of ", w.slots(), " slots");
+      EXPECT_OR_ABORT(w.used_slots() >= 0 && w.used_slots() <= w.slots(), "worker ", w.worker_id(),
+                      " uses ", w.used_slots(), " of ", w.slots(), " slots");
     }
   }
 
