@@ -61,10 +61,10 @@ struct Worker {
   std::string address;
   // Where it lets jobs write checkpoints and read data, as it last registered ("": not known).
   std::string checkpoint_root, data_root;
-  bool connected = false;
-  bool lost = false;     // unusable: silent past the heartbeat timeout, or left
-  bool leaving = false;  // said it is shutting down; placed on no more
-  bool left = false;     // shut down on purpose: its stream closed after it said so
+  bool connected = false;  // its session `session_id` is open (set and cleared by the session)
+  bool lost = false;       // unusable: silent past the heartbeat timeout, or left
+  bool leaving = false;    // said it is shutting down; placed on no more
+  bool left = false;       // shut down on purpose: its stream closed after it said so
   uint64_t session_id = 0;
   int64_t last_seen_ms = 0;       // steady clock
   int64_t last_seen_unix_ms = 0;  // the same moment on the wall clock (shown)

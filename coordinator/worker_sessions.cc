@@ -196,8 +196,10 @@ void WorkerSessions::MarkLostWorkers(JobTable& t, int64_t now, Outbox* out) {
 }
 
 void WorkerSessions::MarkWorkerLost(JobTable& t, Worker& w, const std::string& why, Outbox* out) {
+  // Its session, if still open, stays its session (`connected` is only ever what SessionOpened
+  // and SessionClosed say): a registration that clears `lost` while that stream is open leaves a
+  // worker that is alive on it, not one taken for disconnected while it heartbeats.
   w.lost = true;
-  w.connected = false;
   LogCoordinatorLine(absl::StrCat("worker ", w.rec.worker_id, " lost: ", why));
   for (auto& [id, jp] : t.jobs) {
     JobRuntime& j = *jp;
@@ -216,7 +218,6 @@ void WorkerSessions::MarkWorkerLost(JobTable& t, Worker& w, const std::string& w
 
 void WorkerSessions::WorkerBack(JobTable& t, Worker& w, int64_t now, Outbox* out) {
   w.lost = false;
-  w.connected = true;
   LogCoordinatorLine(absl::StrCat("worker ", w.rec.worker_id, " is back (a message after ",
                                   Seconds(now - w.last_seen_ms), " of silence)"));
   // Its gangs restarted when it was lost; whatever it still runs of them stops, and their slots
@@ -484,7 +485,7 @@ std::string WorkerSessions::DisconnectedPeer(const JobTable& t, const JobRuntime
     // its way back, not gone.
     if (&o == &failed || o.state == "exited" || !o.adopted) continue;
     const Worker* w = t.registry.Find(o.placement.worker_id);
-    if (w == nullptr || w->connected) continue;
+    if (w == nullptr || (w->connected && !w->lost)) continue;
     return absl::StrCat("worker ", o.placement.worker_id, " disconnected with rank ",
                         o.placement.rank);
   }

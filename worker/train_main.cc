@@ -34,7 +34,8 @@
 // worker daemon: the last checkpoint the coordinator recorded every rank completing) bounds that
 // choice from below: a checkpoint older than S is never resumed from, and when none at or after S
 // loads the run fails (exit code 2) naming S, rather than redo the job's recorded progress.
-// --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
+// --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
+// tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
 // rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
@@ -163,11 +164,15 @@ void PrintEvent(const nlohmann::json& e) {
 
 // --pulse-ms N: a {"event": "pulse"} line every N ms from a thread of its own, from the start
 // (rendezvous and resume included) to the end, so the worker can tell a rank that stopped (a
-// frozen process, a host that hangs) from one in a long step or a collective.
+// frozen process, a host that hangs) from one in a long step or a collective. The first line is
+// written before the constructor returns: the worker counts a rank's silence only once it has
+// seen it pulse, and a rank stopped in its first N ms (a fast job is steps in by then) would
+// otherwise never count as silent.
 class Pulse {
  public:
   explicit Pulse(int64_t every_ms) {
     if (every_ms <= 0) return;
+    PrintEvent({{"event", "pulse"}, {"pulse_ms", every_ms}});
     thread_ = std::thread([this, every_ms] {
       std::unique_lock<std::mutex> lock(mu_);
       while (!cv_.wait_for(lock, std::chrono::milliseconds(every_ms), [this] { return stop_; }))

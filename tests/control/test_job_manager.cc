@@ -383,6 +383,30 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 }
 
+// A worker lost while its session stays open registers again (a registration clears the loss)
+// and goes on heartbeating on that session: it is alive there and jobs are placed on it, not
+// taken for disconnected for as long as it heartbeats.
+TEST_F(JobManagerTest, ALostWorkerThatRegistersAgainOnItsOpenSessionIsAlive) {
+  AddWorker("w1", 1);
+  clock_.AdvanceMs(3500);
+  manager_->Tick();
+  ASSERT_EQ(manager_->WorkerCounts()["lost"], 1);
+  AddWorker("w1", 1, /*open_session=*/false);
+  v1::WorkerMessage hb;
+  hb.mutable_heartbeat()->set_seq(1);
+  testing::Deliver(*manager_, "w1", hb);
+  EXPECT_EQ(manager_->WorkerCounts()["alive"], 1);
+  EXPECT_EQ(manager_->WorkerCounts()["disconnected"], 0);
+  const std::string id = Submit(SpecJson());
+  const auto placed = Assignments();
+  ASSERT_EQ(placed.size(), 1u);
+  EXPECT_EQ(placed[0].first, "w1");
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  // Its session closing is what disconnects it.
+  manager_->SessionClosed("w1", session_);
+  EXPECT_EQ(manager_->WorkerCounts()["disconnected"], 1);
+}
+
 // A second daemon on another host given the same worker id is refused while the first is
 // connected; once the first is lost, the id is free to take.
 TEST_F(JobManagerTest, AWorkerIdInUseOnAnotherHostIsRefused) {

@@ -1,10 +1,12 @@
 // RankRunner with fake trainers (/bin/sh scripts): the trainer command line and environment, the
 // job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
 // with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines;
-// the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES.
+// the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES; the real trainer's
+// first pulse.
 #include <signal.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -263,6 +265,38 @@ TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {
   EXPECT_EQ(sink_.Of(v1::WorkerMessage::kRankExit)[2].rank_exit().ref().attempt(), 3);
   ASSERT_EQ(runner.Running().size(), 1u);
   EXPECT_EQ(runner.Running()[0].ref().attempt(), 4);
+  EXPECT_EQ(runner.StopAll(absl::Seconds(1)), 1);
+  ASSERT_TRUE(WaitFor([&] { return runner.running_count() == 0; }));
+}
+
+// The real trainer pulses as soon as it starts, not one pulse period later: a rank stopped within
+// its first period (a fast job is several steps in by then) is reported pulsing, with a silence
+// that grows, so that the coordinator finds it in seconds.
+TEST_F(RankRunnerTest, ARealTrainerStoppedWithinItsFirstPulsePeriodIsPulsingAndSilent) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  RankRunnerOptions o = Options(SPINDLE_TRAIN_BINARY);
+  o.token_file = "";
+  o.pulse_ms = 60000;  // a period the test never waits for
+  RankRunner runner(o, metrics_.get(), &sink_);
+  // Rank 1 of 2 waits for a rendezvous that nobody serves: alive, and printing nothing but pulses.
+  v1::Assignment a = MakeAssignment("j-p", 1, 1, 2);
+  *a.mutable_job() = PlannedJobFor(R"({"name": "p", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall"}, "seq_len": 256, "parallel": {"cp": 2},
+      "train": {"steps": 10}, "resources": "cpu"})");
+  a.set_rendezvous_address("127.0.0.1:1");
+  ASSERT_TRUE(runner.Start(a).ok());
+  auto running = [&](const std::function<bool(const v1::RunningRank&)>& pred) {
+    const std::vector<v1::RunningRank> r = runner.Running();
+    return r.size() == 1 && pred(r[0]);
+  };
+  ASSERT_TRUE(WaitFor([&] { return running([](const auto& r) { return r.pulsing(); }); },
+                      std::chrono::seconds(20)))
+      << "no pulse from the trainer";
+  const pid_t pid = static_cast<pid_t>(runner.Running()[0].pid());
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  EXPECT_TRUE(WaitFor([&] { return running([](const auto& r) { return r.silent_ms() >= 1500; }); },
+                      std::chrono::seconds(10)));
+  ::kill(pid, SIGCONT);
   EXPECT_EQ(runner.StopAll(absl::Seconds(1)), 1);
   ASSERT_TRUE(WaitFor([&] { return runner.running_count() == 0; }));
 }
