@@ -71,6 +71,7 @@
 #include "coordinator/rendezvous_store.h"
 #include "coordinator/service_limits.h"
 #include "coordinator/sqlite_job_store.h"
+#include "planner/plan_proto.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/server.h"
@@ -886,19 +887,22 @@ class Session {
                       "a stream opened without a good hello received ", m.ShortDebugString());
       if (m.has_assignment()) {
         const v1::Assignment& a = m.assignment();
-        EXPECT_OR_ABORT(a.ref().attempt() >= 1 && a.world() >= 1 && a.ref().rank() >= 0 &&
-                            a.ref().rank() < a.world() && a.world() == a.cp() * a.dp(),
-                        "assignment ", a.ref().ShortDebugString(), " world ", a.world());
-        EXPECT_OR_ABORT(a.device_kind() == "cpu" && a.device_index() >= 0 &&
+        // The job as planned, whole: its spec parses, leaves nothing to decide and names the
+        // gang the rank belongs to.
+        const absl::StatusOr<PlannedJob> job = PlannedJobFromProto(a.job());
+        EXPECT_OR_ABORT(job.ok(), "assignment's planned job: ", job.status().ToString());
+        const int64_t world = job->spec.parallel.world();
+        EXPECT_OR_ABORT(a.ref().attempt() >= 1 && world >= 1 && a.ref().rank() >= 0 &&
+                            a.ref().rank() < world && world == a.job().plan().world(),
+                        "assignment ", a.ref().ShortDebugString(), " world ", world);
+        EXPECT_OR_ABORT(job->spec.resources == "cpu" && a.device_index() >= 0 &&
                             a.device_index() < k_.slots[s.worker_id()],
-                        "assignment to ", s.worker_id(), " on device ", a.device_kind(), " ",
+                        "assignment to ", s.worker_id(), " on device ", job->spec.resources, " ",
                         a.device_index(), " (it registered at most ", k_.slots[s.worker_id()],
                         " slots)");
-        EXPECT_OR_ABORT(!nlohmann::json::parse(a.spec_json(), nullptr, false).is_discarded(),
-                        "assignment spec is not JSON");
         EXPECT_OR_ABORT(k_.registered.count(s.worker_id()), "assignment to unregistered worker ",
                         s.worker_id());
-        k_.assigned.push_back({a.ref().job_id(), a.ref().attempt(), a.ref().rank(), a.world()});
+        k_.assigned.push_back({a.ref().job_id(), a.ref().attempt(), a.ref().rank(), world});
         if (k_.assigned.size() > kKeptAssignments) k_.assigned.pop_front();
         touched_.insert(a.ref().job_id());
       } else if (m.has_stop()) {
