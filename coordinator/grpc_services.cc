@@ -443,12 +443,18 @@ grpc::Status ClusterServiceImpl::Session(
   auto session = std::make_shared<SessionRegistry::Session>(ctx, limits_);
   // On every return from here (the registry, or a newer session, may still hold it).
   absl::Cleanup ended = [&session] { session->Ended(); };
-  sessions_->Attach(worker_id, session);
-  manager_->HeardFrom(worker_id);
-  absl::Status opened = manager_->SessionOpened(hello, session_id);
-  if (!opened.ok()) {
-    sessions_->Detach(worker_id, session.get());
-    return ToGrpc(opened);
+  {
+    // One opening at a time, so that the session the registry keeps (the last attached) is the
+    // one the manager opened last: two streams of a worker opening at once would otherwise leave
+    // the manager with the replaced one, which closes while the other goes on.
+    absl::MutexLock l(&open_mu_);
+    sessions_->Attach(worker_id, session);
+    manager_->HeardFrom(worker_id);
+    absl::Status opened = manager_->SessionOpened(hello, session_id);
+    if (!opened.ok()) {
+      sessions_->Detach(worker_id, session.get());
+      return ToGrpc(opened);
+    }
   }
   std::thread writer([this, ctx, session, stream]() {
     v1::CoordinatorMessage m;

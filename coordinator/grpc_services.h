@@ -9,7 +9,7 @@
 // each heartbeat at once. Both queues are bounded (ServiceLimits), and so is each write: a worker
 // that does not take a message within the stream write timeout is cut off, also while what was
 // queued drains after its side of the stream ended. A new session of the same worker cancels the
-// previous one, once its hello has been checked.
+// previous one, once its hello has been checked; sessions open one at a time.
 // Thread-safety: all classes are thread-safe.
 #pragma once
 
@@ -139,6 +139,9 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   const bool accepts_workers_;
   const ServiceLimits limits_;
   StreamReaper reaper_;  // the sessions' writes
+  // Held while a session is attached to the registry and opened in the manager, so that both take
+  // a worker's sessions in the same order.
+  absl::Mutex open_mu_;
   absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   int open_sessions_ ABSL_GUARDED_BY(mu_) = 0;

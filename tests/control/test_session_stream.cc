@@ -2,7 +2,7 @@
 // only once the client reads: a worker that half-closes its stream and never reads what is queued
 // for it is cut off within the stream write timeout, and the worker is then disconnected, not
 // holding the handler and its session for as long as its connection lives; sessions of one worker
-// replacing each other while they end.
+// replacing each other while they end, or opened at once.
 #include <chrono>
 #include <memory>
 #include <string>
@@ -127,6 +127,45 @@ TEST_F(SessionStreamTest, SessionsReplacingEachOtherWhileTheyEnd) {
        State() != "disconnected" && absl::Now() < until;)
     absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(State(), "disconnected");
+}
+
+// Two sessions of one worker open at once, again and again: whichever the coordinator takes last
+// replaces the other, and is the worker's session for the job manager too (alive while it is
+// open), not disconnected when the replaced one's handler ends after it.
+TEST_F(SessionStreamTest, OfTwoSessionsOpenedAtOnceTheOneThatStaysIsTheWorkersSession) {
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> rw;
+  };
+  for (int i = 0; i < 100; ++i) {
+    Stream a, b;
+    for (Stream* s : {&a, &b}) {
+      s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      s->rw = stub_->Session(&s->ctx);
+    }
+    std::thread open_a([&] { a.rw->Write(Hello()); });
+    b.rw->Write(Hello());
+    open_a.join();
+    auto beat = [](Stream* s, int64_t seq) {
+      v1::WorkerMessage heartbeat;
+      heartbeat.mutable_heartbeat()->set_seq(seq);
+      v1::CoordinatorMessage ack;
+      return s->rw->Write(heartbeat) && s->rw->Read(&ack) && ack.has_heartbeat_ack();
+    };
+    // Once each has answered a heartbeat or ended, both were taken in (and one replaced);
+    // then only one answers.
+    for (Stream* s : {&a, &b}) beat(s, 1);
+    int open = 0;
+    for (Stream* s : {&a, &b}) open += beat(s, 2);
+    ASSERT_EQ(open, 1) << "iteration " << i;
+    // Give the replaced session's handler time to end, then the worker is alive on the other.
+    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_EQ(State(), "alive") << "iteration " << i;
+    for (Stream* s : {&a, &b}) {
+      s->ctx.TryCancel();
+      s->rw->Finish().IgnoreError();
+    }
+  }
 }
 
 }  // namespace
