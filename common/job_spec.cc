@@ -55,6 +55,8 @@ absl::StatusOr<int64_t> ParseVerify(const JsonFields& f, const nlohmann::json& v
     const uint64_t n = v.get<uint64_t>();
     if (n >= 1 && n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
       return static_cast<int64_t>(n);
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 1) {
+    return v.get<int64_t>();
   }
   return f.Error("verify", absl::StrCat("must be \"off\", \"first\" or a positive number of "
                                         "steps, got ",
