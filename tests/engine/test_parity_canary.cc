@@ -11,6 +11,8 @@
 //  - the canary leaves the job's state as it was, bit for bit: parameters (balancing biases
 //    included), AdamW moments, step counts and data position after a Verify() mid-run, and a run
 //    verifying every step against one that never verifies (same losses, same parameters).
+//  - on one rank over StepBackend directly: a reference that does not fit in memory skips the
+//    check with the reason; another failure of the reference is the canary's error.
 //  - when it runs: the first step at an unverified layout, every N steps with an integer N, never
 //    with "off"; a restart at the verified layout does not verify again, a resume at another
 //    layout does; cp = 1 with ep = 1 is skipped with a reason.
@@ -26,6 +28,8 @@
 #include "tests/engine/parity_test_util.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/kv_stores.h"
+#include "worker/engine/cpu_step_backend.h"
+#include "worker/engine/data.h"
 #include "worker/engine/parity_local.h"
 #include "worker/engine/trainer.h"
 
@@ -118,6 +122,46 @@ TEST(ParityCanaryTest, Cp1Ep1IsSkippedWithAReason) {
   EXPECT_EQ(events[0].dump(),
             R"({"event":"parity","layout":"cp=1 dp=2 ep=1","reason":"cp = 1 and ep = 1: the )"
             R"(layout is the reference; nothing to verify","skipped":true,"step":1})");
+}
+
+// The canary on one rank, straight over the StepBackend interface: a layout that is the reference
+// matches it exactly; a reference that runs out of memory skips the check with the reason; any
+// other failure of the reference is the canary's error.
+TEST(ParityCanaryTest, OneRankAndAReferenceThatDoesNotFit) {
+  omp_set_num_threads(1);
+  const JobSpec spec = ParityJob({"tiny", 1, 1, 0, AG, AG}, 7);
+  auto job = CpuStepBackend::Create(spec.model, spec.train.seed, spec.train);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ParityGang gang;
+  gang.layout = "cp=1 dp=1 ep=1";
+  auto data = OpenDataSource(spec.data, spec.seq_len, spec.model.vocab, spec.train.seed);
+  ASSERT_TRUE(data.ok()) << data.status();
+  const std::vector<int32_t> sequence = (*data)->Sequence(0);
+  ReferenceBackendFactory cpu = [&]() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    return CpuStepBackend::Create(spec.model, 99, spec.train);  // other initial values: replaced
+  };
+  absl::StatusOr<ParityResult> r =
+      RunParityCanary(**job, gang, sequence, (*data)->eos_id(), cpu, ParityOptions{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+  EXPECT_EQ(r->max_rel_error, 0.0);
+  EXPECT_EQ(r->tokens, 128);
+  ReferenceBackendFactory full = []() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    return absl::ResourceExhaustedError("out of device memory: 2.00 GiB more");
+  };
+  r = RunParityCanary(**job, gang, sequence, (*data)->eos_id(), full, ParityOptions{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->skipped);
+  EXPECT_EQ(r->reason,
+            "the cp=1 ep=1 reference does not fit beside the job on rank 0 (out of device memory: "
+            "2.00 GiB more); the layout was not verified");
+  ReferenceBackendFactory broken = []() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    return absl::InternalError("no such device");
+  };
+  EXPECT_EQ(RunParityCanary(**job, gang, sequence, (*data)->eos_id(), broken, ParityOptions{})
+                .status()
+                .message(),
+            "no such device");
 }
 
 TEST(ParityCanaryTest, SliceAndTolerances) {

@@ -173,20 +173,31 @@ absl::StatusOr<std::map<int, std::vector<float>>> GatherWholeShards(ParamSet& pa
   return whole;
 }
 
-// Every rank's verdict on a local piece of work, gathered: OK when all succeeded; else this rank's
-// own error, or Aborted naming the first rank that failed.
-absl::Status AgreeAcrossWorld(const ParityGang& gang, const absl::Status& own, const char* what) {
-  if (!gang.world_comm) return own;
-  int32_t failed = own.ok() ? 0 : 1;
-  std::vector<int32_t> all(static_cast<size_t>(gang.world), 0);
-  RETURN_IF_ERROR(
-      gang.world_comm->AllGather(&failed, 1, CommType::kI32, all.data(), CommLayer::kOther));
-  if (!own.ok()) return own;
+// Every rank's reference, gathered: true when all ran; false when some ran out of (device) memory
+// and none failed otherwise (the reference is a second model beside the job's, which a job sized
+// to its device may leave no room for: that is no fault of the layout); else this rank's own
+// error, or Aborted naming the first rank that failed.
+absl::StatusOr<bool> ReferenceRanEverywhere(const ParityGang& gang, const absl::Status& own,
+                                            int64_t* out_of_memory_rank) {
+  constexpr int32_t kRan = 0, kOutOfMemory = 1, kFailed = 2;
+  const int32_t mine = own.ok() ? kRan
+                       : own.code() == absl::StatusCode::kResourceExhausted ? kOutOfMemory
+                                                                            : kFailed;
+  std::vector<int32_t> all(static_cast<size_t>(gang.world), mine);
+  if (gang.world_comm)
+    RETURN_IF_ERROR(
+        gang.world_comm->AllGather(&mine, 1, CommType::kI32, all.data(), CommLayer::kOther));
+  if (mine == kFailed) return own;
   for (int64_t r = 0; r < gang.world; ++r)
-    if (all[r] != 0)
-      return absl::AbortedError(
-          absl::StrCat("parity: rank ", r, " could not run ", what, " (its error ends the run)"));
-  return absl::OkStatus();
+    if (all[r] == kFailed)
+      return absl::AbortedError(absl::StrCat(
+          "parity: rank ", r, " could not run the reference (its error ends the run)"));
+  for (int64_t r = 0; r < gang.world; ++r)
+    if (all[r] == kOutOfMemory) {
+      *out_of_memory_rank = r;
+      return false;
+    }
+  return true;
 }
 
 // The layout pass: the job's own backend on this rank's share of `full`, the gradients summed as
@@ -349,7 +360,17 @@ absl::StatusOr<ParityResult> RunParityCanary(StepBackend& job, const ParityGang&
   ASSIGN_OR_RETURN(const auto whole, GatherWholeShards(jp, gang));
   absl::StatusOr<ReferenceRun> ref = RunReference(
       reference, jp, whole, full, n_valid > 0 ? static_cast<float>(1.0 / n_valid) : 0.0f);
-  RETURN_IF_ERROR(AgreeAcrossWorld(gang, ref.status(), "the reference"));
+  int64_t oom_rank = -1;
+  ASSIGN_OR_RETURN(const bool ran, ReferenceRanEverywhere(gang, ref.status(), &oom_rank));
+  if (!ran) {
+    r.skipped = true;
+    r.reason = absl::StrCat(
+        "the cp=1 ep=1 reference does not fit beside the job on rank ", oom_rank,
+        oom_rank == gang.rank ? absl::StrCat(" (", ref.status().message(), ")") : "",
+        "; the layout was not verified");
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  }
 
   // The planned layout on the job's backend.
   ASSIGN_OR_RETURN(const double loss_sum,

@@ -126,6 +126,8 @@ inline constexpr double kParityPerturbation = 1.0 / 131072.0;
 inline constexpr int kParityPerturbedReferences = 2;
 
 struct ParityResult {
+  // Nothing was compared: the layout is the reference (SkippedParity), or the reference did not
+  // fit in the device's memory beside the job (ResourceExhausted on some rank).
   bool skipped = false;
   std::string reason;  // why it was skipped
   bool passed = true;
@@ -154,8 +156,9 @@ ParityResult SkippedParity(const ParallelSpec& parallel, const CpModes& modes);
 
 // Runs the canary on `sequence` (the step's first sequence, whole; its leading slice is used) with
 // `eos_id`. Every rank of the gang calls it with the same sequence. Errors: a backend's or a
-// collective's (a rank that fails names itself to the others, which end with Aborted); the
-// verdict is the result's `passed`, the same on every rank.
+// collective's (a rank that fails names itself to the others, which end with Aborted); a
+// reference that runs out of memory on any rank skips the check on every rank (a skipped result
+// naming it). The verdict is the result's `passed` (when not skipped), the same on every rank.
 absl::StatusOr<ParityResult> RunParityCanary(StepBackend& job, const ParityGang& gang,
                                              const std::vector<int32_t>& sequence, int32_t eos_id,
                                              const ReferenceBackendFactory& reference,

@@ -356,12 +356,15 @@ absl::Status Trainer::Run() {
           {"total_steps", spec.train.steps},
           {"loss", state_.loss},
           {"resumed", true}});
+  // Set once the parity canary could not run here (its reference did not fit): not retried.
+  bool parity_unavailable = false;
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
-    if (ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
-                  ParityLayoutKey(spec, modes_))) {
+    if (!parity_unavailable && ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
+                                         ParityLayoutKey(spec, modes_))) {
       ASSIGN_OR_RETURN(const ParityResult parity, Verify());
       if (!parity.passed) return absl::FailedPreconditionError(parity.FailureMessage());
+      parity_unavailable = parity.skipped && ParityApplies(spec.parallel);
     }
     RETURN_IF_ERROR(Step());
     const bool last = state_.step == spec.train.steps;
@@ -581,7 +584,7 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
   for (const nlohmann::json& c : TakeCommStats()) bytes += c["bytes"].get<int64_t>();
   nlohmann::json e = r.ToEvent(next_step);
   e["comm_bytes"] = bytes;
-  if (r.passed) state_.verified_layout = key;
+  if (r.passed && !r.skipped) state_.verified_layout = key;
   Emit(std::move(e));
   return r;
 }
