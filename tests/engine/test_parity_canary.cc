@@ -2,7 +2,8 @@
 //  - correct layouts pass: every CP mode at cp = 2 (Lightning AllGather and All2All, MLA
 //    AllGather, All2All and Ring), dp = 2 x cp = 2, the hybrid modes at cp = 4 (Ulysses groups of
 //    2), and ep = 2 on the tiny-moe preset (with and without CP), each in fp32 and in the bf16
-//    emulation, on fresh random parameters and data (the seed is printed; SPINDLE_PARITY_SEED
+//    emulation (and an fp8 job, whose layout is checked at bf16), on fresh random parameters and
+//    data (the seed is printed; SPINDLE_PARITY_SEED
 //    replays one). The verdict is the canary's own (every tensor within 1e-3 (fp32) or 1e-1 (bf16)
 //    of its largest reference gradient plus 4 times the reference's rounding noise); fp32 runs
 //    also stay within 1e-3 without the allowance. Measured and printed: fp32 errors at rounding
@@ -58,6 +59,8 @@ TEST_P(ParityPassTest, CorrectLayoutPasses) {
   absl::StatusOr<ParityResult> r = Verify(spec, &events);
   ASSERT_TRUE(r.ok()) << r.status();
   const double bound = std::string(l.precision) == "fp32" ? 1e-3 : 1e-1;
+  // An fp8 job's layout is checked at bf16 (ParityPrecision).
+  const std::string checked_at = std::string(l.precision) == "fp8" ? "bf16" : l.precision;
   std::printf("max relative error %.3g (tolerance %.3g), max excess %.3g, %.3f s; worst:",
               r->max_rel_error, bound, r->max_excess, r->seconds);
   for (const ParityTensorError& e : r->worst)
@@ -88,6 +91,7 @@ TEST_P(ParityPassTest, CorrectLayoutPasses) {
   EXPECT_EQ(e["layout"], r->layout);
   EXPECT_EQ(e["worst"].size(), 5u);
   EXPECT_GT(e["comm_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(e["precision"], checked_at);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -101,7 +105,8 @@ INSTANTIATE_TEST_SUITE_P(
         ParityLayout{"tiny-moe", 1, 2, 2, AG, AG},
         ParityLayout{"tiny-moe", 1, 2, 2, AG, AG, 1, "bf16"},
         ParityLayout{"tiny-moe", 2, 1, 2, A2A, A2A},
-        ParityLayout{"tiny-moe", 2, 1, 2, A2A, A2A, 1, "bf16"}),
+        ParityLayout{"tiny-moe", 2, 1, 2, A2A, A2A, 1, "bf16"},
+        ParityLayout{"tiny", 2, 1, 0, AG, RING, 1, "fp8"}),
     [](const ::testing::TestParamInfo<ParityLayout>& i) {
       auto w = [](CpMode m) {
         return m == A2A ? "A2A" : m == AG ? "AG" : m == RING ? "Ring" : "Hybrid";
@@ -258,8 +263,10 @@ int CountParity(const std::vector<nlohmann::json>& events) {
   return n;
 }
 
+// MoE (balancing biases, expert shards), dp x cp, and fp8 (checked at bf16, then back to fp8).
 const ParityLayout kStateLayouts[] = {ParityLayout{"tiny-moe", 2, 1, 2, A2A, A2A},
-                                      ParityLayout{"tiny", 2, 2, 0, AG, RING}};
+                                      ParityLayout{"tiny", 2, 2, 0, AG, RING},
+                                      ParityLayout{"tiny", 2, 1, 0, AG, A2A, 1, "fp8"}};
 
 // Mid-run (after two AdamW steps have moved the parameters, the moments and the balancing
 // biases), a Verify() on every rank leaves each rank's state exactly as it found it.

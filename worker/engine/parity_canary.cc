@@ -244,6 +244,10 @@ int64_t ParitySliceTokens(int64_t seq_len, int64_t cp, int64_t chunk_tokens) {
   return 2 * cp * std::max<int64_t>(1, std::min(job_chunk, chunk_tokens));
 }
 
+TrainPrecision ParityPrecision(TrainPrecision job) {
+  return job == TrainPrecision::kFp8 ? TrainPrecision::kBf16 : job;
+}
+
 double ParityTolerance(TrainPrecision precision, const std::string& resources) {
   switch (precision) {
     case TrainPrecision::kFp32:

@@ -560,30 +560,37 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
   gang.world_comm = world_comm_.get();
   gang.device_world = device_world_comm_.get();
   gang.expert_dp = expert_dp_comm_.get();
+  // The numbers the check runs at (ParityPrecision: an fp8 job's layout at bf16), on both sides.
+  const TrainPrecision precision = ParityPrecision(spec.train.precision);
   // The reference: the job's engine and model at cp = 1, ep = 1.
   const StepBackendFactory device = spec.resources == "cuda" ? opt_.cuda_backend : nullptr;
-  ReferenceBackendFactory reference = [&spec, device]()
-      -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+  ReferenceBackendFactory reference = [&spec, device,
+                                       precision]() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
     std::unique_ptr<StepBackend> b;
     if (device) {
       ASSIGN_OR_RETURN(b, device(spec.model, spec.train.seed, /*cp=*/1, /*ep=*/1, 0));
     } else {
       ASSIGN_OR_RETURN(b, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train, 1, 0));
     }
-    RETURN_IF_ERROR(b->SetPrecision(spec.train.precision));
+    RETURN_IF_ERROR(b->SetPrecision(precision));
     return b;
   };
   ParityOptions options;
-  options.precision = spec.train.precision;
+  options.precision = precision;
   options.resources = spec.resources;
-  ASSIGN_OR_RETURN(ParityResult r,
-                   RunParityCanary(*backend_, gang, data_->Sequence(state_.data_position),
-                                   data_->eos_id(), reference, options));
+  if (precision != spec.train.precision) RETURN_IF_ERROR(backend_->SetPrecision(precision));
+  absl::StatusOr<ParityResult> checked =
+      RunParityCanary(*backend_, gang, data_->Sequence(state_.data_position), data_->eos_id(),
+                      reference, options);
+  if (precision != spec.train.precision)
+    RETURN_IF_ERROR(backend_->SetPrecision(spec.train.precision));
+  ASSIGN_OR_RETURN(ParityResult r, std::move(checked));
   // The canary's traffic is its own, not the next step's.
   int64_t bytes = 0;
   for (const nlohmann::json& c : TakeCommStats()) bytes += c["bytes"].get<int64_t>();
   nlohmann::json e = r.ToEvent(next_step);
   e["comm_bytes"] = bytes;
+  e["precision"] = std::string(TrainPrecisionName(precision));
   if (r.passed && !r.skipped) state_.verified_layout = key;
   Emit(std::move(e));
   return r;
