@@ -630,9 +630,7 @@ class Cli {
     } else {
       PrintParity(*check->event, out_);
     }
-    if (check->event->value("skipped", false) || check->event->value("passed", false))
-      return kExitOk;
-    return kExitUsage;
+    return ParityOk(*check->event) ? kExitOk : kExitUsage;
   }
 
   int PlanOffline(const std::string& text) {

@@ -32,6 +32,11 @@ double Number(const nlohmann::json& e, const char* key) {
   return it != e.end() && it->is_number() ? it->get<double>() : 0.0;
 }
 
+bool Flag(const nlohmann::json& e, const char* key) {
+  auto it = e.find(key);
+  return it != e.end() && it->is_boolean() && it->get<bool>();
+}
+
 std::string Text(const nlohmann::json& e, const char* key) {
   auto it = e.find(key);
   return it != e.end() && it->is_string() ? PrintableText(it->get<std::string>()) : "";
@@ -63,14 +68,13 @@ absl::StatusOr<ParityCheck> RunParityCheck(const std::string& trainer,
   const int fd = ::mkstemps(path.data(), 5);
   if (fd < 0)
     return absl::InternalError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
-  const bool written =
-      ::write(fd, planned_spec_json.data(), planned_spec_json.size()) ==
-      static_cast<ssize_t>(planned_spec_json.size());
+  const bool written = ::write(fd, planned_spec_json.data(), planned_spec_json.size()) ==
+                       static_cast<ssize_t>(planned_spec_json.size());
   ::close(fd);
   absl::StatusOr<CommandResult> r =
-      written ? RunCommand({trainer, "--verify-only", "--job", path}, "", timeout)
-              : absl::StatusOr<CommandResult>(
-                    absl::InternalError(absl::StrCat("cannot write ", path)));
+      written
+          ? RunCommand({trainer, "--verify-only", "--job", path}, "", timeout)
+          : absl::StatusOr<CommandResult>(absl::InternalError(absl::StrCat("cannot write ", path)));
   std::filesystem::remove(path, ec);
   if (!r.ok()) {
     if (r.status().code() == absl::StatusCode::kNotFound)
@@ -84,18 +88,22 @@ absl::StatusOr<ParityCheck> RunParityCheck(const std::string& trainer,
   check.trainer_error = std::string(absl::StripAsciiWhitespace(r->stderr_text));
   for (absl::string_view line : absl::StrSplit(r->stdout_text, '\n')) {
     nlohmann::json e = nlohmann::json::parse(line.begin(), line.end(), nullptr, false);
-    if (e.is_object() && e.value("event", "") == "parity") check.event = std::move(e);
+    if (!e.is_object()) continue;
+    auto event = e.find("event");
+    if (event != e.end() && event->is_string() && event->get<std::string>() == "parity")
+      check.event = std::move(e);
   }
   return check;
 }
 
+bool ParityOk(const nlohmann::json& e) { return Flag(e, "skipped") || Flag(e, "passed"); }
+
 void PrintParity(const nlohmann::json& e, std::ostream& out) {
-  if (e.value("skipped", false)) {
-    out << "parity: nothing to verify (" << Text(e, "layout") << ": " << Text(e, "reason")
-        << ")\n";
+  if (Flag(e, "skipped")) {
+    out << "parity: nothing to verify (" << Text(e, "layout") << ": " << Text(e, "reason") << ")\n";
     return;
   }
-  const bool passed = e.value("passed", false);
+  const bool passed = Flag(e, "passed");
   out << absl::StrFormat(
       "parity: %s: %s against %s on a %d-token slice of the job's data (checked here on the CPU "
       "engine)\n",

@@ -36,5 +36,7 @@ absl::StatusOr<ParityCheck> RunParityCheck(const std::string& trainer,
 // The human form of a parity line: the verdict, the layout against its reference, and the table
 // of the worst tensors (relative error, the reference's rounding noise, the share of the bound).
 void PrintParity(const nlohmann::json& event, std::ostream& out);
+// Whether a parity line says the layout passed or had nothing to verify.
+bool ParityOk(const nlohmann::json& event);
 
 }  // namespace spindle

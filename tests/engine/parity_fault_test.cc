@@ -95,7 +95,8 @@ TEST(ParityFaultTest, TheRunFailsBeforeItsFirstStep) {
 }
 
 TEST(ParityFaultTest, LayoutsAroundTheFaultStillPass) {
-  absl::StatusOr<ParityResult> r = Verify(ParityJob({"tiny", 2, 1, 0, A2A, AG}, testing::FreshSeed()));
+  absl::StatusOr<ParityResult> r =
+      Verify(ParityJob({"tiny", 2, 1, 0, A2A, AG}, testing::FreshSeed()));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->passed) << r->FailureMessage();
 }

@@ -46,12 +46,11 @@ inline JobSpec ParityJob(const ParityLayout& l, uint64_t seed, int64_t steps = 1
   auto spec = ParseJobSpec(absl::StrCat(
       R"({"name": "parity", "model": {"preset": ")", l.preset,
       R"("}, "data": {"source": "synthetic:copy", "recall_gap": 40}, "seq_len": 128,
-          "parallel": {"cp": )", l.cp, R"(, "dp": )", l.dp, R"(, "lightning_mode": ")",
-      std::string(CpModeName(l.lightning)), R"(", "mla_mode": ")",
-      std::string(CpModeName(l.mla)), R"(")", ep, ulysses,
-      R"(, "verify": )", verify, R"(}, "train": {"steps": )", steps,
-      R"(, "lr": 3e-3, "seed": )", seed, R"(, "recompute": false, "precision": ")", l.precision,
-      R"("}})"));
+          "parallel": {"cp": )",
+      l.cp, R"(, "dp": )", l.dp, R"(, "lightning_mode": ")", std::string(CpModeName(l.lightning)),
+      R"(", "mla_mode": ")", std::string(CpModeName(l.mla)), R"(")", ep, ulysses, R"(, "verify": )",
+      verify, R"(}, "train": {"steps": )", steps, R"(, "lr": 3e-3, "seed": )", seed,
+      R"(, "recompute": false, "precision": ")", l.precision, R"("}})"));
   EXPECT_TRUE(spec.ok()) << spec.status();
   return *spec;
 }

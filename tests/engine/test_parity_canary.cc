@@ -170,8 +170,8 @@ TEST(ParityCanaryTest, OneRankAndAReferenceThatDoesNotFit) {
 }
 
 TEST(ParityCanaryTest, SliceAndTolerances) {
-  EXPECT_EQ(ParitySliceTokens(128, 2), 128);       // the job's chunk (32) is shorter
-  EXPECT_EQ(ParitySliceTokens(262144, 8), 1024);   // 2 x 8 chunks of 64
+  EXPECT_EQ(ParitySliceTokens(128, 2), 128);      // the job's chunk (32) is shorter
+  EXPECT_EQ(ParitySliceTokens(262144, 8), 1024);  // 2 x 8 chunks of 64
   EXPECT_EQ(ParitySliceTokens(4096, 1), 128);
   EXPECT_EQ(ParityTolerance(TrainPrecision::kAuto, "cpu"), 1e-3);
   EXPECT_EQ(ParityTolerance(TrainPrecision::kFp32, "cpu"), 1e-3);
@@ -185,9 +185,9 @@ TEST(ParityCanaryTest, WhenItRuns) {
   p.cp = 2;
   const std::string key = "k", other = "other";
   p.verify = ParallelSpec::kVerifyFirst;
-  EXPECT_TRUE(ParityDue(p, 1, "", key));      // a fresh start
-  EXPECT_TRUE(ParityDue(p, 7, other, key));   // a resume at another layout
-  EXPECT_FALSE(ParityDue(p, 7, key, key));    // a restart at the verified one
+  EXPECT_TRUE(ParityDue(p, 1, "", key));     // a fresh start
+  EXPECT_TRUE(ParityDue(p, 7, other, key));  // a resume at another layout
+  EXPECT_FALSE(ParityDue(p, 7, key, key));   // a restart at the verified one
   p.verify = ParallelSpec::kVerifyOff;
   EXPECT_FALSE(ParityDue(p, 1, "", key));
   p.verify = 3;
@@ -302,7 +302,8 @@ TEST(ParityStateTest, VerifyingEveryStepChangesNoBit) {
     std::vector<Snapshot> off_end, on_end;
     std::vector<std::vector<double>> off_losses, on_losses;
     std::vector<std::vector<nlohmann::json>> off_events, on_events;
-    ASSERT_TRUE(RunWorld(ParityJob(l, seed, 3, "\"off\""), &off_end, &off_losses, &off_events).ok());
+    ASSERT_TRUE(
+        RunWorld(ParityJob(l, seed, 3, "\"off\""), &off_end, &off_losses, &off_events).ok());
     ASSERT_TRUE(RunWorld(ParityJob(l, seed, 3, "1"), &on_end, &on_losses, &on_events).ok());
     for (size_t r = 0; r < on_end.size(); ++r) {
       EXPECT_EQ(CountParity(off_events[r]), 0);

@@ -154,7 +154,7 @@ absl::StatusOr<ReferenceRun> RunReference(const ReferenceBackendFactory& factory
 // The whole tensors of this rank's expert shards, from the shards of ranks 0..ep-1 (EP group 0,
 // whose EP ranks are 0..ep-1; every EP group holds the same experts), over the host world.
 absl::StatusOr<std::map<int, std::vector<float>>> GatherWholeShards(ParamSet& params,
-                                                                   const ParityGang& gang) {
+                                                                    const ParityGang& gang) {
   std::map<int, std::vector<float>> whole;
   if (gang.ep <= 1) return whole;
   std::vector<float> all;
@@ -180,7 +180,7 @@ absl::StatusOr<std::map<int, std::vector<float>>> GatherWholeShards(ParamSet& pa
 absl::StatusOr<bool> ReferenceRanEverywhere(const ParityGang& gang, const absl::Status& own,
                                             int64_t* out_of_memory_rank) {
   constexpr int32_t kRan = 0, kOutOfMemory = 1, kFailed = 2;
-  const int32_t mine = own.ok() ? kRan
+  const int32_t mine = own.ok()                                             ? kRan
                        : own.code() == absl::StatusCode::kResourceExhausted ? kOutOfMemory
                                                                             : kFailed;
   std::vector<int32_t> all(static_cast<size_t>(gang.world), mine);
@@ -232,8 +232,7 @@ absl::StatusOr<double> RunLayout(StepBackend& job, const ParityGang& gang, const
   }
   double loss_sum = s.loss_sum;
   if (gang.world_comm)
-    RETURN_IF_ERROR(
-        gang.world_comm->AllReduceSum(&loss_sum, 1, CommType::kF64, CommLayer::kOther));
+    RETURN_IF_ERROR(gang.world_comm->AllReduceSum(&loss_sum, 1, CommType::kF64, CommLayer::kOther));
   return loss_sum;
 }
 
@@ -262,11 +261,11 @@ double ParityTolerance(TrainPrecision precision, const std::string& resources) {
 }
 
 std::string DescribeParityLayout(const ParallelSpec& parallel, const CpModes& modes) {
-  std::string s = absl::StrCat("cp=", parallel.cp, " dp=", parallel.dp, " ep=",
-                               std::max<int64_t>(1, parallel.ep));
+  std::string s = absl::StrCat("cp=", parallel.cp, " dp=", parallel.dp,
+                               " ep=", std::max<int64_t>(1, parallel.ep));
   if (parallel.cp > 1) {
-    absl::StrAppend(&s, " lightning=", std::string(CpModeName(modes.lightning)), " mla=",
-                    std::string(CpModeName(modes.mla)));
+    absl::StrAppend(&s, " lightning=", std::string(CpModeName(modes.lightning)),
+                    " mla=", std::string(CpModeName(modes.mla)));
     if (modes.lightning == CpMode::kHybrid || modes.mla == CpMode::kHybrid)
       absl::StrAppend(&s, " ulysses=", parallel.ulysses);
   }
@@ -345,9 +344,9 @@ absl::StatusOr<ParityResult> RunParityCanary(StepBackend& job, const ParityGang&
     return absl::InvalidArgumentError("parity: a gang of more than one rank needs its world");
   const int64_t T = static_cast<int64_t>(sequence.size());
   if (T % (2 * gang.cp) != 0)
-    return absl::InvalidArgumentError(absl::StrCat("parity: a sequence of ", T,
-                                                   " tokens does not split into 2 cp = ",
-                                                   2 * gang.cp, " chunks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parity: a sequence of ", T,
+                     " tokens does not split into 2 cp = ", 2 * gang.cp, " chunks"));
   ParityResult r;
   r.layout = gang.layout;
   r.reference = "cp=1 ep=1 on one rank";
@@ -368,18 +367,18 @@ absl::StatusOr<ParityResult> RunParityCanary(StepBackend& job, const ParityGang&
   ASSIGN_OR_RETURN(const bool ran, ReferenceRanEverywhere(gang, ref.status(), &oom_rank));
   if (!ran) {
     r.skipped = true;
-    r.reason = absl::StrCat(
-        "the cp=1 ep=1 reference does not fit beside the job on rank ", oom_rank,
-        oom_rank == gang.rank ? absl::StrCat(" (", ref.status().message(), ")") : "",
-        "; the layout was not verified");
+    r.reason =
+        absl::StrCat("the cp=1 ep=1 reference does not fit beside the job on rank ", oom_rank,
+                     oom_rank == gang.rank ? absl::StrCat(" (", ref.status().message(), ")") : "",
+                     "; the layout was not verified");
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   }
 
   // The planned layout on the job's backend.
-  ASSIGN_OR_RETURN(const double loss_sum,
-                   RunLayout(job, gang, full,
-                             world_valid > 0 ? static_cast<float>(1.0 / world_valid) : 0.0f));
+  ASSIGN_OR_RETURN(
+      const double loss_sum,
+      RunLayout(job, gang, full, world_valid > 0 ? static_cast<float>(1.0 / world_valid) : 0.0f));
   r.loss = world_valid > 0 ? loss_sum / world_valid : 0.0;
   r.reference_loss = n_valid > 0 ? ref->loss_sum / n_valid : 0.0;
 
@@ -425,10 +424,9 @@ absl::StatusOr<ParityResult> RunParityCanary(StepBackend& job, const ParityGang&
     r.max_rel_error = std::max(r.max_rel_error, e.rel_error);
     rows.push_back(std::move(e));
   }
-  std::stable_sort(rows.begin(), rows.end(),
-                   [](const ParityTensorError& a, const ParityTensorError& b) {
-                     return a.excess > b.excess;
-                   });
+  std::stable_sort(
+      rows.begin(), rows.end(),
+      [](const ParityTensorError& a, const ParityTensorError& b) { return a.excess > b.excess; });
   r.tensors = n;
   r.max_excess = rows.empty() ? 0.0 : rows.front().excess;
   r.passed = r.max_excess <= 1.0;

@@ -28,9 +28,9 @@ absl::StatusOr<ParityResult> VerifyLayoutInProcess(const JobSpec& planned,
   const JobSpec spec = LocalParitySpec(planned);
   const int64_t world = spec.parallel.world();
   if (world > kMaxLocalParityRanks)
-    return absl::InvalidArgumentError(
-        absl::StrCat("parity: the job's world of ", world, " ranks is more than the ",
-                     kMaxLocalParityRanks, " a local check runs as threads"));
+    return absl::InvalidArgumentError(absl::StrCat("parity: the job's world of ", world,
+                                                   " ranks is more than the ", kMaxLocalParityRanks,
+                                                   " a local check runs as threads"));
   const int64_t threads = options.threads > 0
                               ? options.threads
                               : std::max<int64_t>(1, std::thread::hardware_concurrency());
