@@ -16,13 +16,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "cli/plan_verify.h"
 #include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
 #include "common/message_limits.h"
 #include "common/pem.h"
 #include "common/text_bounds.h"
-#include "cli/plan_verify.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -95,8 +95,8 @@ struct Options {
   bool wait = false;
   bool offline = false;
   bool mine = false;
-  bool verify = false;  // plan: then run the parity canary of the plan here
-  std::string trainer_binary;  // plan --verify: spindle-train (VerifyTrainerBinary)
+  bool verify = false;           // plan: then run the parity canary of the plan here
+  std::string trainer_binary;    // plan --verify: spindle-train (VerifyTrainerBinary)
   double device_memory_gib = 0;  // plan: > 0 plans offline against a device of this size
   bool help = false;
 };
@@ -613,8 +613,7 @@ class Cli {
     CpPlan decided;
     PlanFromProto(plan, &decided);
     const std::string planned = PlannedSpec(*spec, decided).ToJson().dump();
-    absl::StatusOr<ParityCheck> check =
-        RunParityCheck(o_.trainer_binary, planned, kVerifyTimeout);
+    absl::StatusOr<ParityCheck> check = RunParityCheck(o_.trainer_binary, planned, kVerifyTimeout);
     if (!check.ok())
       return Fail(kExitUsage, absl::StrCat("plan --verify: ", check.status().message()));
     if (!check->event) {
@@ -625,8 +624,7 @@ class Cli {
                                                                   : check->trainer_error));
     }
     if (Json()) {
-      out_ << check->event->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
-           << "\n";
+      out_ << check->event->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     } else {
       PrintParity(*check->event, out_);
     }

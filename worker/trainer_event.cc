@@ -59,10 +59,10 @@ absl::Status ParityFields(const Json& obj, TrainerEvent* event) {
   if (!(s = BoolField(obj, "passed", &event->passed)).ok()) return s;
   if (!(s = BoolField(obj, "skipped", &skipped)).ok()) return s;
   event->skipped = skipped.value_or(false);
-  for (const auto& [name, out] : {std::pair<const char*, std::optional<double>*>{
-                                      "max_rel_error", &event->max_rel_error},
-                                  {"max_excess", &event->max_excess},
-                                  {"tolerance", &event->tolerance}}) {
+  for (const auto& [name, out] :
+       {std::pair<const char*, std::optional<double>*>{"max_rel_error", &event->max_rel_error},
+        {"max_excess", &event->max_excess},
+        {"tolerance", &event->tolerance}}) {
     if (!(s = NumberField(obj, name, out)).ok()) return s;
   }
   for (const auto& [name, out] : {std::pair<const char*, std::string*>{"layout", &event->layout},

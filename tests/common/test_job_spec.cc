@@ -78,9 +78,9 @@ TEST(JobSpecTest, VerifyIsOffFirstOrEveryNSteps) {
     std::string json;
     int64_t verify;
   };
-  for (const Case& c : {Case{"\"first\"", ParallelSpec::kVerifyFirst},
-                        Case{"\"off\"", ParallelSpec::kVerifyOff}, Case{"1", 1}, Case{"50", 50},
-                        Case{"9223372036854775807", INT64_MAX}}) {
+  for (const Case& c :
+       {Case{"\"first\"", ParallelSpec::kVerifyFirst}, Case{"\"off\"", ParallelSpec::kVerifyOff},
+        Case{"1", 1}, Case{"50", 50}, Case{"9223372036854775807", INT64_MAX}}) {
     auto s = with(c.json);
     ASSERT_TRUE(s.ok()) << c.json << ": " << s.status();
     EXPECT_EQ(s->parallel.verify, c.verify) << c.json;
@@ -92,8 +92,8 @@ TEST(JobSpecTest, VerifyIsOffFirstOrEveryNSteps) {
   EXPECT_FALSE(with("\"first\"")->ToJson()["parallel"].contains("verify"));
   EXPECT_EQ(with("\"off\"")->ToJson()["parallel"]["verify"], "off");
   EXPECT_EQ(with("50")->ToJson()["parallel"]["verify"], 50);
-  for (const std::string bad : {"0", "-3", "1.5", "\"every\"", "\"First\"", "true", "null",
-                                "[1]", "9223372036854775808"}) {
+  for (const std::string bad :
+       {"0", "-3", "1.5", "\"every\"", "\"First\"", "true", "null", "[1]", "9223372036854775808"}) {
     auto s = with(bad);
     ASSERT_FALSE(s.ok()) << bad;
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << bad;

@@ -142,8 +142,9 @@ TEST_F(CliTest, PlanVerifyChecksThePlannedLayoutThroughTheTrainer) {
                        "job's data (checked here on the CPU engine)\n"),
             std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("  tensor                                 rel error       noise     / bound\n"),
-            std::string::npos)
+  EXPECT_NE(
+      r.out.find("  tensor                                 rel error       noise     / bound\n"),
+      std::string::npos)
       << r.out;
   EXPECT_EQ(r.out.find("<- over"), std::string::npos) << r.out;
   // JSON: the plan's line, then the trainer's parity line.
@@ -174,8 +175,8 @@ TEST_F(CliTest, PlanVerifyChecksThePlannedLayoutThroughTheTrainer) {
   EXPECT_NE(r.err.find("set SPINDLE_TRAIN_BINARY to the spindle-train binary"), std::string::npos)
       << r.err;
   // A plan with problems is not verified.
-  const std::string bad = WriteSpec(
-      "bad.json", testing::SpecJson(8, 1, 0, 3, R"(, "mla_mode": "all2all")"));
+  const std::string bad =
+      WriteSpec("bad.json", testing::SpecJson(8, 1, 0, 3, R"(, "mla_mode": "all2all")"));
   r = RunSpindle({"plan", bad, "--offline", "--verify"}, env);
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.out.find("parity:"), std::string::npos) << r.out;

@@ -236,8 +236,10 @@ std::string VerifyJob(TrainBinaryTest* t, const std::string& parallel,
   (void)t;
   return absl::StrCat(R"({"name": "v", "model": {"preset": "tiny"},
       "data": {"source": "synthetic:copy", "recall_gap": 40}, "seq_len": 256,
-      "parallel": )", parallel, R"(, "train": {"steps": 5, "seed": 11},
-      "checkpoint": {"dir": "CKPT", "every": 1}, "resources": ")", resources, R"("})");
+      "parallel": )",
+                      parallel, R"(, "train": {"steps": 5, "seed": 11},
+      "checkpoint": {"dir": "CKPT", "every": 1}, "resources": ")",
+                      resources, R"("})");
 }
 
 nlohmann::json OneEventLine(const CommandResult& r) {
@@ -251,8 +253,8 @@ TEST_F(TrainBinaryTest, VerifyOnlyChecksTheLayoutAndTrainsNothing) {
     text.replace(text.find("CKPT"), 4, dir_ + "/ckpt");
     return Write("verify.json", text);
   };
-  CommandResult ok = Run({"--verify-only", "--job",
-                          job(R"({"cp": 4, "dp": 2, "ulysses": 2, "lightning_mode": "hybrid",
+  CommandResult ok = Run(
+      {"--verify-only", "--job", job(R"({"cp": 4, "dp": 2, "ulysses": 2, "lightning_mode": "hybrid",
                                   "mla_mode": "hybrid"})")});
   EXPECT_EQ(ok.exit_code, 0) << ok.stderr_text;
   nlohmann::json e = OneEventLine(ok);
@@ -286,8 +288,8 @@ TEST_F(TrainBinaryTest, VerifyOnlyFailsABrokenLayoutWithExitCode2) {
     GTEST_SKIP() << "the broken-layout spindle-train is not built";
   std::string text = VerifyJob(this, R"({"cp": 2, "lightning_mode": "allgather"})");
   text.replace(text.find("CKPT"), 4, dir_ + "/ckpt");
-  CommandResult bad = Run({"--verify-only", "--job", Write("bad.json", text)},
-                          SPINDLE_TRAIN_FAULT_BINARY);
+  CommandResult bad =
+      Run({"--verify-only", "--job", Write("bad.json", text)}, SPINDLE_TRAIN_FAULT_BINARY);
   EXPECT_EQ(bad.exit_code, 2) << bad.stderr_text;
   nlohmann::json e = OneEventLine(bad);
   EXPECT_EQ(e["passed"], false) << e.dump();

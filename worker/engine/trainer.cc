@@ -564,8 +564,8 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
   const TrainPrecision precision = ParityPrecision(spec.train.precision);
   // The reference: the job's engine and model at cp = 1, ep = 1.
   const StepBackendFactory device = spec.resources == "cuda" ? opt_.cuda_backend : nullptr;
-  ReferenceBackendFactory reference = [&spec, device,
-                                       precision]() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+  ReferenceBackendFactory reference =
+      [&spec, device, precision]() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
     std::unique_ptr<StepBackend> b;
     if (device) {
       ASSIGN_OR_RETURN(b, device(spec.model, spec.train.seed, /*cp=*/1, /*ep=*/1, 0));
@@ -579,9 +579,8 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
   options.precision = precision;
   options.resources = spec.resources;
   if (precision != spec.train.precision) RETURN_IF_ERROR(backend_->SetPrecision(precision));
-  absl::StatusOr<ParityResult> checked =
-      RunParityCanary(*backend_, gang, data_->Sequence(state_.data_position), data_->eos_id(),
-                      reference, options);
+  absl::StatusOr<ParityResult> checked = RunParityCanary(
+      *backend_, gang, data_->Sequence(state_.data_position), data_->eos_id(), reference, options);
   if (precision != spec.train.precision)
     RETURN_IF_ERROR(backend_->SetPrecision(spec.train.precision));
   ASSIGN_OR_RETURN(ParityResult r, std::move(checked));
