@@ -315,17 +315,12 @@ std::string Rate(double tps) {
   return absl::StrFormat("%.0f", tps);
 }
 
+// A decided mode as the spec names it (CpModeName), a hybrid with its Ulysses degree.
 std::string ModeName(v1::CpMode m, int64_t ulysses = 1) {
-  switch (m) {
-    case v1::CP_MODE_ALL2ALL:
-      return "all2all";
-    case v1::CP_MODE_RING:
-      return "ring";
-    case v1::CP_MODE_HYBRID:
-      return absl::StrCat("hybrid u=", ulysses);
-    default:
-      return "allgather";
-  }
+  const CpMode mode = m == v1::CP_MODE_UNSPECIFIED ? CpMode::kAllGather : CpModeFromProto(m);
+  std::string name(CpModeName(mode));
+  if (mode == CpMode::kHybrid) absl::StrAppend(&name, " u=", ulysses);
+  return name;
 }
 
 // The cost model's candidates, one row each: time, memory and bytes per step.

@@ -8,6 +8,16 @@
 
 namespace spindle {
 
+bool All2AllSplits(int64_t n_heads, int64_t cp) { return cp >= 1 && n_heads % cp == 0; }
+
+absl::Status CheckAll2All(std::string_view field, int64_t n_heads, int64_t cp) {
+  if (All2AllSplits(n_heads, cp)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      std::string(field), ": all2all needs n_heads divisible by cp, but n_heads=", n_heads,
+      " and cp=", cp, " (", n_heads, " % ", cp, " = ", n_heads % std::max<int64_t>(1, cp),
+      "); use allgather or a cp that divides ", n_heads));
+}
+
 absl::Status CheckCpModes(const ParallelSpec& p, int64_t n_heads) {
   if (p.lightning_mode == CpMode::kRing)
     return absl::InvalidArgumentError(

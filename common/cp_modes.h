@@ -13,8 +13,17 @@
 
 namespace spindle {
 
+// All2All (Ulysses) gives each of the cp ranks n_heads / cp whole heads: it needs n_heads % cp
+// == 0 (so cp <= n_heads). The rule, written once for the spec checks, the planner's default
+// ("auto": All2All where it splits, else AllGather), its cost model's candidates and both engines.
+bool All2AllSplits(int64_t n_heads, int64_t cp);
+// OK when All2All splits; else FailedPrecondition naming `field` (e.g. "parallel.mla_mode"):
+// "<field>: all2all needs n_heads divisible by cp, but n_heads=4 and cp=3 (4 % 3 = 1); use
+// allgather or a cp that divides 4".
+absl::Status CheckAll2All(std::string_view field, int64_t n_heads, int64_t cp);
+
 // The rules of the modes that need more than cp and the head count's divisibility by cp
-// (All2All's rule stays with the planner, and the engine's PlannedCpModes checks it):
+// (All2All's rule is CheckAll2All above; the planner and the engine's PlannedCpModes apply it):
 //   - lightning_mode is never "ring" (Lightning has no Ring mode);
 //   - ulysses in [1, cp]; ulysses > 1 only with a "hybrid" mode (it has no other use);
 //   - a "hybrid" mode needs ulysses >= 2, cp % ulysses == 0, cp / ulysses >= 2 (with one group

@@ -247,6 +247,38 @@ std::string CudaShapeProblem(const ModelConfig& c) {
   return "";
 }
 
+std::vector<LinearWeight> Fp8LinearWeights(const ModelConfig& c) {
+  std::vector<LinearWeight> out;
+  const int64_t d = c.d_model, H = c.n_heads;
+  const MlaConfig& m = c.mla;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    if (c.LayerKind(i) == 'L') {
+      out.push_back({p + "la.qkv.weight", 3 * d, d});
+      out.push_back({p + "la.gate.weight", d, d});
+      out.push_back({p + "la.out.weight", d, d});
+    } else {
+      if (m.q_lora_rank > 0) out.push_back({p + "mla.q_a.weight", m.q_lora_rank, d});
+      out.push_back({p + "mla.kv_a.weight", m.kv_lora_rank + m.qk_rope_dim, d});
+      out.push_back({p + "mla.out.weight", d, H * m.v_head_dim});
+    }
+    if (!c.IsMoeLayer(i)) {
+      out.push_back({p + "ffn.w1.weight", c.ffn_dim, d});
+      out.push_back({p + "ffn.w2.weight", d, c.ffn_dim});
+      out.push_back({p + "ffn.w3.weight", c.ffn_dim, d});
+    }
+  }
+  return out;
+}
+
+std::string CudaFp8ShapeProblem(const ModelConfig& c) {
+  for (const LinearWeight& w : Fp8LinearWeights(c))
+    if (w.out % 16 != 0 || w.in % 16 != 0)
+      return absl::StrCat(w.name, " is ", w.out, " x ", w.in,
+                          ", and cuBLASLt's FP8 GEMMs need widths that are multiples of 16");
+  return "";
+}
+
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
   JsonFields f(j, "job spec", "model");
   RETURN_IF_ERROR(f.CheckObject());

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
@@ -88,6 +89,23 @@ struct ModelConfig {
 // are multiples of 8, at most 256. The planner refuses other shapes for resources "cuda" before
 // a job is submitted, and the CUDA engine before any device work.
 std::string CudaShapeProblem(const ModelConfig& c);
+
+// The linear weights train.precision "fp8" runs as FP8 GEMMs, by tensor name (DESIGN.md's
+// checkpoint names) with their [out, in] shape: each Lightning layer's qkv, gate and out
+// projections, each MLA layer's q_a and kv_a down-projections and output projection, and each
+// dense FFN's w1, w2 and w3 (MLA's q / q_b and kv_b up-projections, the MoE FFNs, the embedding,
+// the norms and the LM head stay in bf16). The one list the planner's memory estimate, the
+// engines' FP8 weight copies and the shape check below all take.
+struct LinearWeight {
+  std::string name;
+  int64_t out = 0, in = 0;
+};
+std::vector<LinearWeight> Fp8LinearWeights(const ModelConfig& c);
+
+// Why train.precision "fp8" cannot run this config on "cuda" (empty when it can): cuBLASLt's FP8
+// GEMMs need both dimensions of every Fp8LinearWeights weight to be multiples of 16. Checked by
+// the planner (so `spindle plan` and Submit refuse it) and by the CUDA engine.
+std::string CudaFp8ShapeProblem(const ModelConfig& c);
 
 // The CUDA engine's MLA AllGather walks the gathered keys of a cross piece in blocks of this many
 // rows (rebuilt per block from the latent), so its scratch follows this, not the sequence; the

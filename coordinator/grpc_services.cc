@@ -34,29 +34,31 @@ grpc::Status WrongPortStatus() {
 }  // namespace
 
 // Outbound queue of one Session stream, bounded in length and in how long its oldest message
-// waits: a worker that does not read is disconnected, not buffered without end.
+// waits: a worker that does not read is disconnected, not buffered without end. Other threads hold
+// it (the registry, a newer session replacing it, a send) and may cancel the stream at any time,
+// also while its handler returns: the handler calls Ended() before it does, and the stream's
+// context is touched only under the mutex and only before then (gRPC destroys the context once
+// the handler has returned).
 class SessionRegistry::Session {
  public:
   Session(grpc::ServerContext* ctx, const ServiceLimits& limits)
-      : ctx_(ctx),
-        max_queued_(static_cast<size_t>(std::max<int64_t>(1, limits.max_session_outbound))),
-        max_wait_(absl::Milliseconds(limits.stream_write_timeout_ms)) {}
+      : max_queued_(static_cast<size_t>(std::max<int64_t>(1, limits.max_session_outbound))),
+        max_wait_(absl::Milliseconds(limits.stream_write_timeout_ms)),
+        ctx_(ctx) {}
 
   bool Push(const v1::CoordinatorMessage& m) ABSL_LOCKS_EXCLUDED(mu_) {
-    {
-      absl::MutexLock l(&mu_);
-      if (closed_) return false;
-      const absl::Time now = absl::Now();
-      const bool stuck = (!queue_.empty() && now - queue_.front().second > max_wait_) ||
-                         (writing_ && now - write_started_ > max_wait_);
-      if (queue_.size() < max_queued_ && !stuck) {
-        queue_.emplace_back(m, now);
-        return true;
-      }
-      closed_ = true;
+    absl::MutexLock l(&mu_);
+    if (closed_) return false;
+    const absl::Time now = absl::Now();
+    const bool stuck = (!queue_.empty() && now - queue_.front().second > max_wait_) ||
+                       (writing_ && now - write_started_ > max_wait_);
+    if (queue_.size() < max_queued_ && !stuck) {
+      queue_.emplace_back(m, now);
+      return true;
     }
     // The worker does not read: the stream ends (the worker reconnects with a fresh one).
-    ctx_->TryCancel();
+    closed_ = true;
+    CancelStreamLocked();
     return false;
   }
   // Blocks until a message is queued or the session closes; false when closed and drained.
@@ -76,17 +78,29 @@ class SessionRegistry::Session {
     absl::MutexLock l(&mu_);
     closed_ = true;
   }
-  // Closes the queue and cancels the stream (a newer session replaced this one).
-  void Cancel() {
-    Close();
-    ctx_->TryCancel();
+  // Closes the queue and cancels the stream (a newer session replaced this one), unless its
+  // handler has ended.
+  void Cancel() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    closed_ = true;
+    CancelStreamLocked();
+  }
+  // The handler is returning: the stream's context is not touched from now on.
+  void Ended() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    closed_ = true;
+    ctx_ = nullptr;
   }
 
  private:
-  grpc::ServerContext* const ctx_;
+  void CancelStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ctx_ != nullptr) ctx_->TryCancel();
+  }
+
   const size_t max_queued_;
   const absl::Duration max_wait_;
   absl::Mutex mu_;
+  grpc::ServerContext* ctx_ ABSL_GUARDED_BY(mu_);  // null once the handler has ended
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Each message with the time it was queued.
   std::deque<std::pair<v1::CoordinatorMessage, absl::Time>> queue_ ABSL_GUARDED_BY(mu_);
@@ -427,6 +441,8 @@ grpc::Status ClusterServiceImpl::Session(
     session_id = next_session_id_++;
   }
   auto session = std::make_shared<SessionRegistry::Session>(ctx, limits_);
+  // On every return from here (the registry, or a newer session, may still hold it).
+  absl::Cleanup ended = [&session] { session->Ended(); };
   sessions_->Attach(worker_id, session);
   manager_->HeardFrom(worker_id);
   absl::Status opened = manager_->SessionOpened(hello, session_id);
@@ -434,10 +450,12 @@ grpc::Status ClusterServiceImpl::Session(
     sessions_->Detach(worker_id, session.get());
     return ToGrpc(opened);
   }
-  std::thread writer([session, stream]() {
+  std::thread writer([this, ctx, session, stream]() {
     v1::CoordinatorMessage m;
     while (session->Pop(&m)) {
-      if (!stream->Write(m)) break;
+      // Past the write timeout the stream is cancelled (Write then returns false), whether or not
+      // more messages are queued behind this one: the handler, which joins this thread, ends.
+      if (!reaper_.Write(ctx, [&] { return stream->Write(m); })) break;
     }
   });
   InboundReports inbound(limits_.max_session_inbound);

@@ -6,8 +6,10 @@
 // JobManager's Send never blocks, and an inbound queue of reports drained by its own thread into
 // the JobManager, so the handler thread that reads never waits for the manager (whose mutex store
 // writes hold): it records each message as a sign of life (JobManager::HeardFrom) and acknowledges
-// each heartbeat at once. Both queues are bounded (ServiceLimits). A new session of the same
-// worker cancels the previous one, once its hello has been checked.
+// each heartbeat at once. Both queues are bounded (ServiceLimits), and so is each write: a worker
+// that does not take a message within the stream write timeout is cut off, also while what was
+// queued drains after its side of the stream ended. A new session of the same worker cancels the
+// previous one, once its hello has been checked.
 // Thread-safety: all classes are thread-safe.
 #pragma once
 
@@ -115,7 +117,8 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
         sessions_(sessions),
         auth_(auth),
         accepts_workers_(accepts_workers),
-        limits_(limits) {}
+        limits_(limits),
+        reaper_(absl::Milliseconds(limits.stream_write_timeout_ms)) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override;
   grpc::Status Session(
@@ -135,6 +138,7 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
   const Credentials* const auth_;
   const bool accepts_workers_;
   const ServiceLimits limits_;
+  StreamReaper reaper_;  // the sessions' writes
   absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   int open_sessions_ ABSL_GUARDED_BY(mu_) = 0;

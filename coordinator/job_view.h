@@ -1,7 +1,7 @@
 // JobView: what the job manager tells a client about one job (the client API's answer to Get,
 // List, Watch and Cancel): its stored record, decoded plan, each rank's last report, the job's
-// progress summarised over its ranks, and optionally its events. job_proto.h converts it to
-// spindle.v1.Job. Plain data.
+// progress summarised over its ranks, and optionally one page of its events (EventPageRequest).
+// job_proto.h converts it to spindle.v1.Job. Plain data.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,16 @@ struct RankView {
   int64_t last_report_unix_ms = 0;
   MoeSummary moe;
 };
+
+// Which of a job's events a Get returns: kept events (the newest kMaxEventsPerJob) oldest first,
+// from the position `page_token` names ("": the oldest kept), at most `page_size` (0: 100; more
+// than 1000: 1000).
+struct EventPageRequest {
+  int page_size = 0;
+  std::string page_token;
+};
+inline constexpr int kDefaultEventPageSize = 100;
+inline constexpr int kMaxEventPageSize = 1000;
 
 struct JobView {
   JobRecord record;  // record.plan: the stored encoding; `plan` is it decoded

@@ -1,16 +1,18 @@
 // What workers and the coordinator say to each other on a session, as the coordinator's own
 // types: a worker's hello and reports (cluster.proto's SessionHello and WorkerMessage) and the
-// coordinator's commands (Assignment, Stop). worker_proto.h converts them to and from the wire;
+// coordinator's commands (Assignment, Stop); and what a registered worker is told. worker_proto.h converts them to and from the wire;
 // the job manager and its parts speak only these. Plain data.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <variant>
 #include <vector>
 
 #include "common/job_spec.h"
 #include "coordinator/moe_summary.h"
+#include "planner/planned_job.h"
 
 namespace spindle {
 
@@ -96,18 +98,13 @@ using WorkerReport = std::variant<HeartbeatReport, RankStartedReport, RankProgre
 // Start one rank of an attempt.
 struct AssignmentCommand {
   RankKey ref;
-  int64_t world = 1, cp = 1, dp = 1;
-  CpMode lightning_mode = CpMode::kAllGather;  // decided: never kAuto
-  CpMode mla_mode = CpMode::kAllGather;
-  int64_t recompute_layers = 0;
-  std::string spec_json;
+  // The job as planned, shared by its ranks' assignments (never null).
+  std::shared_ptr<const PlannedJob> job;
   std::string rendezvous_address;  // "" : the coordinator address the worker dials
   std::string rendezvous_token;
-  std::string checkpoint_dir;
   int64_t resume_step = 0;
   std::string resume_path;
   int32_t device_index = 0;
-  std::string device_kind;
   std::string host_address;  // the ranks' Gloo address: the worker's own
 };
 
@@ -120,5 +117,13 @@ struct StopCommand {
 };
 
 using WorkerCommand = std::variant<AssignmentCommand, StopCommand>;
+
+// What a registered worker is told (cluster.proto's RegisterResponse).
+struct RegistrationReply {
+  int64_t heartbeat_interval_ms = 0;
+  int64_t heartbeat_timeout_ms = 0;
+  int64_t stop_grace_ms = 0;
+  std::string observed_host;
+};
 
 }  // namespace spindle

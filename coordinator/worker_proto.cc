@@ -69,6 +69,8 @@ WorkerRegistration RegistrationFromProto(const v1::RegisterRequest& req,
   reg.advertise_host = req.advertise_host();
   reg.observed_host = observed_host;
   reg.metrics_address = BoundedUtf8(req.metrics_address(), kMaxHostBytes);
+  reg.checkpoint_root = BoundedUtf8(req.checkpoint_root(), kMaxPathBytes);
+  reg.data_root = BoundedUtf8(req.data_root(), kMaxPathBytes);
   for (const v1::DeviceGroup& g : req.devices()) reg.devices.push_back(OfferFromProto(g));
   return reg;
 }
@@ -152,20 +154,12 @@ namespace {
 
 void AssignmentToProto(const AssignmentCommand& a, v1::Assignment* as) {
   KeyToProto(a.ref, as->mutable_ref());
-  as->set_world(a.world);
-  as->set_cp(a.cp);
-  as->set_dp(a.dp);
-  as->set_lightning_mode(static_cast<v1::CpMode>(CpModeToProto(a.lightning_mode)));
-  as->set_mla_mode(static_cast<v1::CpMode>(CpModeToProto(a.mla_mode)));
-  as->set_recompute_layers(a.recompute_layers);
-  as->set_spec_json(a.spec_json);
+  if (a.job) PlannedJobToProto(*a.job, as->mutable_job());
   as->set_rendezvous_address(a.rendezvous_address);
   as->set_rendezvous_token(a.rendezvous_token);
-  as->set_checkpoint_dir(a.checkpoint_dir);
   as->set_resume_step(a.resume_step);
   as->set_resume_path(a.resume_path);
   as->set_device_index(a.device_index);
-  as->set_device_kind(a.device_kind);
   as->set_host_address(a.host_address);
 }
 

@@ -153,6 +153,8 @@ absl::StatusOr<Worker*> WorkerRegistry::Register(const WorkerRegistration& reg) 
   // does not unbind the id from the daemon that registered it.
   if (!reg.instance_id.empty()) w->instance_id = reg.instance_id;
   w->address = address;
+  w->checkpoint_root = reg.checkpoint_root;
+  w->data_root = reg.data_root;
   w->devices = g;
   if (static_cast<int32_t>(w->slots.size()) < g.count) w->slots.resize(g.count);
   while (static_cast<int32_t>(w->slots.size()) > g.count && w->slots.back().job_id.empty())

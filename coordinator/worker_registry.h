@@ -42,6 +42,8 @@ struct WorkerRegistration {
   std::string observed_host;    // the address the registration came from
   std::string metrics_address;  // host:port, or ":port" for the worker's address
   std::vector<DeviceOffer> devices;
+  // Its --checkpoint_root and --data_root ("": not reported, by an older daemon).
+  std::string checkpoint_root, data_root;
 };
 
 struct WorkerSlot {
@@ -57,10 +59,12 @@ struct Worker {
   std::string instance_id;
   // The address other hosts reach its ranks at: advertised, or the one it connected from.
   std::string address;
-  bool connected = false;
-  bool lost = false;     // unusable: silent past the heartbeat timeout, or left
-  bool leaving = false;  // said it is shutting down; placed on no more
-  bool left = false;     // shut down on purpose: its stream closed after it said so
+  // Where it lets jobs write checkpoints and read data, as it last registered ("": not known).
+  std::string checkpoint_root, data_root;
+  bool connected = false;  // its session `session_id` is open (set and cleared by the session)
+  bool lost = false;       // unusable: silent past the heartbeat timeout, or left
+  bool leaving = false;    // said it is shutting down; placed on no more
+  bool left = false;       // shut down on purpose: its stream closed after it said so
   uint64_t session_id = 0;
   int64_t last_seen_ms = 0;       // steady clock
   int64_t last_seen_unix_ms = 0;  // the same moment on the wall clock (shown)

@@ -137,7 +137,7 @@ std::vector<ModeChoice> CandidateModes(const std::string& layer_type, int64_t cp
   std::vector<ModeChoice> out;
   if (cp <= 1) return {{CpMode::kAllGather, 1}};
   out.push_back({CpMode::kAllGather, 1});
-  if (n_heads % cp == 0) out.push_back({CpMode::kAll2All, 1});
+  if (All2AllSplits(n_heads, cp)) out.push_back({CpMode::kAll2All, 1});
   if (layer_type == "mla") out.push_back({CpMode::kRing, 1});
   for (int64_t u = 2; u < cp; ++u)
     if (cp % u == 0 && n_heads % u == 0) out.push_back({CpMode::kHybrid, u});

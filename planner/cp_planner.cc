@@ -37,7 +37,7 @@ std::string RingDetail(const JobSpec& spec, CpMode mode) {
 // The design card's rule ("auto"): All2All when cp <= n_heads and n_heads % cp == 0, else
 // AllGather (also at cp = 1, where no mode communicates).
 ModeChoice RuleMode(int64_t cp, int64_t heads) {
-  if (cp > 1 && cp <= heads && heads % cp == 0) return {CpMode::kAll2All, 1};
+  if (cp > 1 && All2AllSplits(heads, cp)) return {CpMode::kAll2All, 1};
   return {CpMode::kAllGather, 1};
 }
 
@@ -65,11 +65,9 @@ LayerModePlan DecideMode(const JobSpec& spec, const std::string& layer_type, int
       if (layer_type == "mla" && cp > 1)
         p.ring_payload = std::string(MlaRingPayloadName(MlaRingPayloadFor(
             spec.model.mla, MlaRingHeads(heads, requested, spec.parallel.ulysses))));
-    } else if (requested == CpMode::kAll2All && heads % cp != 0) {
-      problems->push_back(absl::StrCat(field, ": all2all needs n_heads divisible by cp, but n_heads=",
-                                       heads, " and cp=", cp, " (", heads, " % ", cp, " = ",
-                                       heads % cp, "); use allgather or a cp that divides ",
-                                       heads));
+    } else if (absl::Status a2a = CheckAll2All(field, heads, cp);
+               requested == CpMode::kAll2All && !a2a.ok()) {
+      problems->push_back(std::string(a2a.message()));
       p.reason = absl::StrCat("forced by the spec, but n_heads=", heads, " % cp=", cp, " != 0");
     } else {
       p.reason = absl::StrCat("forced by the spec (", field, " = ", ModeWord(requested), ")");
@@ -105,18 +103,12 @@ constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
 constexpr int64_t kNcclFirstCommBytes = int64_t{1331} << 20;  // 1.3 GiB
 constexpr int64_t kNcclMoreCommBytes = int64_t{870} << 20;    // 0.85 GiB
 
-// The elements of the blocks' linear layers' weights (the FP8 recipe's weights): every layer's
-// projections, not the embedding, the norms or the LM head.
+// The elements of the weights the FP8 recipe quantizes (Fp8LinearWeights in
+// common/model_config.h).
 int64_t LinearWeightElements(const ModelConfig& m) {
-  const int64_t d = m.d_model, H = m.n_heads;
-  const MlaConfig& a = m.mla;
-  const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;
-  const int64_t lightning = 5 * d * d;  // qkv, gate, out
-  const int64_t q = a.q_lora_rank > 0 ? a.q_lora_rank * (d + H * qk) : H * qk * d;
-  const int64_t mla = q + (a.kv_lora_rank + a.qk_rope_dim) * d +
-                      H * (a.qk_nope_dim + a.v_head_dim) * a.kv_lora_rank + d * H * a.v_head_dim;
-  return m.NumLayersOfKind('L') * lightning + m.NumLayersOfKind('M') * mla +
-         m.n_layers * 3 * d * m.ffn_dim;
+  int64_t n = 0;
+  for (const LinearWeight& w : Fp8LinearWeights(m)) n += w.out * w.in;
+  return n;
 }
 
 // train.precision's copies of a plan (EstimateMemory's "precision" term). rl, rm: the recomputing
@@ -721,6 +713,16 @@ CpPlan CpPlanner::PlanDense(const JobSpec& spec, int64_t device_memory_bytes,
     if (!shape.empty())
       plan.problems.push_back(absl::StrCat("model: resources \"cuda\" cannot run ", shape,
                                            "; use resources \"cpu\" or another shape"));
+    const std::string fp8 =
+        spec.train.precision == TrainPrecision::kFp8 ? CudaFp8ShapeProblem(m) : "";
+    if (!fp8.empty())
+      plan.problems.push_back(absl::StrCat("train.precision: \"fp8\" on resources \"cuda\": ",
+                                           fp8, "; use \"bf16\" or another shape"));
+    if (spec.train.precision == TrainPrecision::kFp8 && (spec.seq_len / cp) % 16 != 0)
+      plan.problems.push_back(absl::StrCat(
+          "train.precision: \"fp8\" on resources \"cuda\" needs a multiple of 16 tokens per "
+          "rank (cuBLASLt's FP8 GEMMs), but seq_len / cp = ",
+          spec.seq_len / cp, "; use \"bf16\" or a seq_len divisible by 16 cp"));
   }
   // Every sequence is laid out as 2 cp zigzag chunks, also at cp = 1.
   const int64_t chunks = 2 * cp;

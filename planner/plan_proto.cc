@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "spindle/v1/job.pb.h"
 
 namespace spindle {
@@ -176,6 +177,42 @@ absl::StatusOr<CpPlan> DecodePlan(const std::string& bytes) {
   CpPlan plan;
   PlanFromProto(p, &plan);
   return plan;
+}
+
+void PlannedJobToProto(const PlannedJob& job, v1::PlannedJob* out) {
+  out->set_requested_spec_json(job.requested_json);
+  out->set_spec_json(job.spec.ToJson().dump());
+  PlanToProto(job.plan, out->mutable_plan());
+}
+
+absl::StatusOr<PlannedJob> PlannedJobFromProto(const v1::PlannedJob& p) {
+  absl::StatusOr<JobSpec> spec = ParseJobSpec(p.spec_json());
+  if (!spec.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("planned job: its spec does not parse: ", spec.status().message()));
+  if (!IsPlanned(*spec))
+    return absl::InvalidArgumentError(
+        "planned job: its spec leaves a decision open (an \"auto\" or \"fastest\" mode at "
+        "cp > 1, an \"auto\" recompute, or an undecided parallel.ep); a planned spec is run as "
+        "given");
+  PlannedJob job;
+  job.requested_json = p.requested_spec_json();
+  job.spec = *std::move(spec);
+  PlanFromProto(p.plan(), &job.plan);
+  return job;
+}
+
+std::string EncodePlannedJob(const PlannedJob& job) {
+  v1::PlannedJob p;
+  PlannedJobToProto(job, &p);
+  return p.SerializeAsString();
+}
+
+absl::StatusOr<PlannedJob> DecodePlannedJob(const std::string& bytes) {
+  v1::PlannedJob p;
+  if (!p.ParseFromString(bytes) || p.spec_json().empty())
+    return absl::DataLossError("stored planned job does not parse");
+  return PlannedJobFromProto(p);
 }
 
 }  // namespace spindle

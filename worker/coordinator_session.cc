@@ -110,6 +110,8 @@ absl::StatusOr<absl::Duration> CoordinatorSession::Register() {
   request.set_version(options_.version);
   request.set_instance_id(options_.instance_id);
   request.set_advertise_host(options_.advertise_host);
+  request.set_checkpoint_root(options_.roots.checkpoint_root);
+  request.set_data_root(options_.roots.data_root);
   grpc::ClientContext context;
   AddBearerToken(&context, options_.bearer_token);
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.register_timeout));
@@ -181,8 +183,8 @@ void CoordinatorSession::Handle(const v1::CoordinatorMessage& message) {
   }
   if (message.has_assignment()) {
     const v1::Assignment& a = message.assignment();
-    WorkerLog("assignment: job %s attempt %d rank %d of %d", a.ref().job_id(), a.ref().attempt(),
-              a.ref().rank(), a.world());
+    WorkerLog("assignment: job %s attempt %d rank %d", a.ref().job_id(), a.ref().attempt(),
+              a.ref().rank());
     if (absl::Status s = runner_->Start(a); !s.ok()) {
       WorkerLog("cannot start rank %d of job %s: %s", a.ref().rank(), a.ref().job_id(),
                 s.ToString());

@@ -52,6 +52,7 @@ struct SessionOptions {
   std::string hostname;
   std::string metrics_address;  // host:port of /metrics (":port": the coordinator names the host)
   std::string advertise_host;   // RegisterRequest.advertise_host ("": as the coordinator sees us)
+  PathRoots roots;              // reported at registration (the rank runner enforces them)
   std::string version;
   std::string instance_id;  // random per daemon process: tells its reconnects from a namesake
   std::vector<v1::DeviceGroup> devices;

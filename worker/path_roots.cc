@@ -6,15 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
+#include "common/path_rules.h"
 
 namespace spindle {
 namespace {
-
-bool HasDotDot(const std::filesystem::path& p) {
-  for (const auto& part : p)
-    if (part == "..") return true;
-  return false;
-}
 
 // The realpath of the longest existing prefix of `p`, with the rest appended (p has no "..").
 // A dangling symbolic link on the way resolves to nothing (false): a trainer creating the
@@ -44,20 +39,11 @@ bool Resolve(const std::filesystem::path& p, std::filesystem::path* out) {
   return true;
 }
 
-bool Within(const std::filesystem::path& path, const std::filesystem::path& root) {
-  auto r = root.begin(), q = path.begin();
-  for (; r != root.end(); ++r, ++q) {
-    if (r->empty()) continue;  // a trailing separator of the root
-    if (q == path.end() || *q != *r) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 absl::Status CheckRootFlag(const std::string& flag, const std::string& root) {
   const std::filesystem::path p(root);
-  if (root.empty() || !p.is_absolute() || HasDotDot(p))
+  if (root.empty() || !p.is_absolute() || HasDotDotComponent(root))
     return absl::InvalidArgumentError(absl::StrCat(
         flag, " must be an absolute directory without \"..\" components, got \"", root, "\""));
   return absl::OkStatus();
@@ -70,7 +56,7 @@ absl::Status CheckPathUnderRoot(const std::string& what, const std::string& path
   if (!p.is_absolute())
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", path, " is not an absolute path under ", where));
-  if (HasDotDot(p))
+  if (HasDotDotComponent(path))
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", path, " has a \"..\" component; it must lie under ", where));
   std::filesystem::path resolved, resolved_root;
@@ -78,32 +64,21 @@ absl::Status CheckPathUnderRoot(const std::string& what, const std::string& path
     return absl::InvalidArgumentError(absl::StrCat(
         what, " ", path, " leads through a dangling symbolic link; it must lie under ", where));
   if (!Resolve(std::filesystem::path(root), &resolved_root)) resolved_root = root;
-  if (Within(resolved, resolved_root)) return absl::OkStatus();
+  if (LexicallyWithin(resolved.string(), resolved_root.string())) return absl::OkStatus();
   if (resolved.lexically_normal() != p.lexically_normal())
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", path, " resolves to ", resolved.string(), ", outside ", where));
   return absl::InvalidArgumentError(absl::StrCat(what, " ", path, " is outside ", where));
 }
 
-absl::Status CheckJobPaths(const std::string& spec_json, const std::string& checkpoint_dir,
-                           const PathRoots& roots) {
-  if (!checkpoint_dir.empty()) {
-    absl::Status s = CheckPathUnderRoot("checkpoint.dir", checkpoint_dir, "--checkpoint_root",
+absl::Status CheckJobPaths(const JobSpec& spec, const PathRoots& roots) {
+  if (!spec.checkpoint.dir.empty()) {
+    absl::Status s = CheckPathUnderRoot("checkpoint.dir", spec.checkpoint.dir, "--checkpoint_root",
                                         roots.checkpoint_root);
     if (!s.ok()) return s;
   }
-  absl::StatusOr<JobSpec> spec = ParseJobSpec(spec_json);
-  if (!spec.ok()) return absl::OkStatus();
-  if (spec->checkpoint.dir != checkpoint_dir && !spec->checkpoint.dir.empty()) {
-    absl::Status s = CheckPathUnderRoot("checkpoint.dir", spec->checkpoint.dir, "--checkpoint_root",
-                                        roots.checkpoint_root);
-    if (!s.ok()) return s;
-  }
-  for (const std::string prefix : {"tokens:", "text:"}) {
-    if (spec->data.source.rfind(prefix, 0) == 0)
-      return CheckPathUnderRoot("data.source file", spec->data.source.substr(prefix.size()),
-                                "--data_root", roots.data_root);
-  }
+  if (const std::string file = DataSourceFile(spec.data); !file.empty())
+    return CheckPathUnderRoot("data.source file", file, "--data_root", roots.data_root);
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/job_spec.h"
 
 namespace spindle {
 
@@ -26,11 +27,9 @@ struct PathRoots {
 absl::Status CheckPathUnderRoot(const std::string& what, const std::string& path,
                                 const std::string& root_flag, const std::string& root);
 
-// The checks of one job on this worker: `checkpoint_dir` (empty: none) and the file of the
-// spec's data source (none for synthetic data; a spec that does not parse is left to the
-// trainer, which refuses it by field).
-absl::Status CheckJobPaths(const std::string& spec_json, const std::string& checkpoint_dir,
-                           const PathRoots& roots);
+// The checks of one job on this worker: its checkpoint.dir (none when empty) and the file of its
+// data source (none for synthetic data).
+absl::Status CheckJobPaths(const JobSpec& spec, const PathRoots& roots);
 
 // OK when `root` is an absolute path without ".." components; otherwise InvalidArgument naming
 // `flag` (the daemon refuses to start with it).

@@ -19,6 +19,7 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "common/text_bounds.h"
+#include "planner/plan_proto.h"
 #include "worker/parity_note.h"
 #include "worker/trainer_event.h"
 
@@ -63,21 +64,6 @@ std::string ExitReason(const ProcessExit& exit) {
 
 }  // namespace
 
-std::string CpModeFlag(v1::CpMode mode) {
-  switch (mode) {
-    case v1::CP_MODE_ALL2ALL:
-      return "all2all";
-    case v1::CP_MODE_ALLGATHER:
-      return "allgather";
-    case v1::CP_MODE_RING:
-      return "ring";
-    case v1::CP_MODE_HYBRID:
-      return "hybrid";
-    default:
-      return "auto";
-  }
-}
-
 absl::Status ValidateJobIdForPath(const std::string& job_id) {
   if (job_id.empty() || job_id.size() > 200 || job_id == "." || job_id == "..") {
     return absl::InvalidArgumentError(absl::StrCat("assignment: job_id: unusable: \"", job_id, "\""));
@@ -115,35 +101,23 @@ std::string TrainerVisibleDevice(int64_t device_index, const char* daemon_visibl
 }
 
 absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
-    const v1::Assignment& a, const std::string& spec_path) const {
+    const v1::Assignment& a, const std::string& job_path) const {
   std::vector<std::string> argv = {
       options_.trainer_binary,
-      "--job",
-      spec_path,
+      "--planned-job",
+      job_path,
       "--rank",
       absl::StrCat(a.ref().rank()),
-      "--world",
-      absl::StrCat(a.world()),
-      "--lightning-mode",
-      CpModeFlag(a.lightning_mode()),
-      "--mla-mode",
-      CpModeFlag(a.mla_mode()),
       "--rendezvous",
       a.rendezvous_address().empty() ? options_.coordinator_address : a.rendezvous_address(),
       "--job-id",
       a.ref().job_id(),
       "--attempt",
-      absl::StrCat(a.ref().attempt()),
-      "--recompute-layers",
-      absl::StrCat(a.recompute_layers())};
-  if (!a.checkpoint_dir().empty()) {
-    argv.push_back("--checkpoint-dir");
-    argv.push_back(a.checkpoint_dir());
-    // The coordinator's record of the job's last checkpoint: the ranks resume from it or newer.
-    if (a.resume_step() > 0) {
-      argv.push_back("--resume-step");
-      argv.push_back(absl::StrCat(a.resume_step()));
-    }
+      absl::StrCat(a.ref().attempt())};
+  // The coordinator's record of the job's last checkpoint: the ranks resume from it or newer.
+  if (a.resume_step() > 0) {
+    argv.push_back("--resume-step");
+    argv.push_back(absl::StrCat(a.resume_step()));
   }
   if (!options_.token_file.empty()) {
     argv.push_back("--token-file");
@@ -181,14 +155,22 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
   absl::MutexLock start_lock(&start_mu_);
   const v1::RankRef& ref = a.ref();
   RETURN_IF_ERROR(ValidateJobIdForPath(ref.job_id()));
-  if (ref.attempt() < 1 || ref.rank() < 0 || a.world() < 1 || ref.rank() >= a.world()) {
+  // The job as the coordinator planned it, read once here (the trainer reads its own copy).
+  absl::StatusOr<PlannedJob> job = PlannedJobFromProto(a.job());
+  if (!job.ok()) {
+    const absl::Status status = absl::InvalidArgumentError(
+        absl::StrCat("assignment ", RankName(ref), ": ", job.status().message()));
+    ReportLaunchFailure(ref, status, kExitInvalidInput);
+    return status;
+  }
+  const int64_t world = job->spec.parallel.world();
+  if (ref.attempt() < 1 || ref.rank() < 0 || ref.rank() >= world) {
     absl::Status status = absl::InvalidArgumentError(absl::StrCat(
-        "assignment ", RankName(ref), ": bad attempt, rank or world (world ", a.world(), ")"));
+        "assignment ", RankName(ref), ": bad attempt, rank or world (world ", world, ")"));
     ReportLaunchFailure(ref, status);
     return status;
   }
-  if (absl::Status paths = CheckJobPaths(a.spec_json(), a.checkpoint_dir(), options_.roots);
-      !paths.ok()) {
+  if (absl::Status paths = CheckJobPaths(job->spec, options_.roots); !paths.ok()) {
     ReportLaunchFailure(ref, paths, kExitInvalidInput);
     return paths;
   }
@@ -222,12 +204,12 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
     ReportLaunchFailure(ref, status);
     return status;
   }
-  const std::filesystem::path spec_path = dir / "job.json";
-  if (absl::Status s = WriteFileAtomically(spec_path, a.spec_json()); !s.ok()) {
+  const std::filesystem::path job_path = dir / "planned_job.pb";
+  if (absl::Status s = WriteFileAtomically(job_path, a.job().SerializeAsString()); !s.ok()) {
     ReportLaunchFailure(ref, s);
     return s;
   }
-  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, spec_path.string());
+  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, job_path.string());
   if (!argv.ok()) {
     ReportLaunchFailure(ref, argv.status());
     return argv.status();
@@ -240,7 +222,7 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
   if (!options_.tls_ca_file.empty()) {
     spec.extra_env.push_back(absl::StrCat("SPINDLE_TLS_CA_FILE=", options_.tls_ca_file));
   }
-  if (a.device_kind() == "cuda") {
+  if (job->spec.resources == "cuda") {
     spec.extra_env.push_back(absl::StrCat(
         "CUDA_VISIBLE_DEVICES=",
         TrainerVisibleDevice(a.device_index(), std::getenv("CUDA_VISIBLE_DEVICES"))));

@@ -1,10 +1,10 @@
 // RankRunner: turns the coordinator's orders into trainer processes and the trainers' output into
-// messages for the coordinator. For each Assignment it writes the job spec to
-// <work_dir>/<job_id>/<attempt>/job.json and starts one `spindle-train` process:
+// messages for the coordinator. For each Assignment it writes the job as planned (the
+// Assignment's PlannedJob, a spindle.v1.PlannedJob) to <work_dir>/<job_id>/<attempt>/planned_job.pb
+// and starts one `spindle-train` process, which runs it as given:
 //
-//   spindle-train --job <work_dir>/<job>/<attempt>/job.json --rank R --world W
-//     --lightning-mode allgather|all2all --mla-mode allgather|all2all --rendezvous HOST:PORT
-//     --job-id ID --attempt N [--checkpoint-dir DIR] [--token-file FILE]
+//   spindle-train --planned-job <work_dir>/<job>/<attempt>/planned_job.pb --rank R
+//     --rendezvous HOST:PORT --job-id ID --attempt N [--resume-step S] [--token-file FILE]
 //
 // with, in its environment: SPINDLE_RENDEZVOUS_TOKEN (the attempt's rendezvous secret, kept off
 // the command line), SPINDLE_TLS_CA_FILE (when the daemon talks TLS to the coordinator),
@@ -14,7 +14,7 @@
 // configured and not already set). The trainer's stderr is also appended to
 // <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
 //
-// Before anything is written, the assignment's checkpoint directory and data file are checked
+// Before anything is written, the planned spec's checkpoint directory and data file are checked
 // against the worker's roots (path_roots.h); a refused path ends the rank at once with a RankExit
 // of exit code 2 (kExitInvalidInput: the job fails without restarts) whose stderr tail names the
 // path and the root.
@@ -122,7 +122,7 @@ class RankRunner : public ProcessObserver {
   void OnStdoutLine(ProcessId id, std::string_view line) override ABSL_LOCKS_EXCLUDED(mu_);
   void OnExit(ProcessId id, const ProcessExit& exit) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<std::string>> TrainerArgv(const v1::Assignment& a,
-                                                       const std::string& spec_path) const;
+                                                       const std::string& job_path) const;
   void ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status, int exit_code = 127);
   void UpdateRunningGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -138,9 +138,6 @@ class RankRunner : public ProcessObserver {
   // Declared last: destroyed first, so its callbacks never see a half-destroyed runner.
   std::unique_ptr<ProcessSupervisor> supervisor_;
 };
-
-// "allgather" / "all2all" (the trainer's --lightning-mode / --mla-mode values).
-std::string CpModeFlag(v1::CpMode mode);
 
 // Rejects job ids that are not safe as one path component.
 absl::Status ValidateJobIdForPath(const std::string& job_id);

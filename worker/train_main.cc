@@ -1,12 +1,11 @@
 // spindle-train: runs one rank of a training job, or evaluates a checkpoint.
 //
-//   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
-//                 [--lightning-mode allgather|all2all|hybrid]
-//                 [--mla-mode allgather|all2all|ring|hybrid]
+//   spindle-train --planned-job FILE --rank R
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
-//                 [--resume-step S]
+//                 [--resume-step S] [--gloo-host H] [--threads N] [--stop-at-step K]
+//                 [--pulse-ms N]
+//   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
-//                 [--recompute-layers N] [--pulse-ms N]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //   spindle-train --probe-rates [--job JOB.json] [--threads N]
 //   spindle-train --verify-only --job JOB.json [--threads N]
@@ -19,13 +18,15 @@
 // Multi-rank runs (world = dp x cp of the job > 1): the ranks rendezvous through the
 // coordinator's rendezvous service (--rendezvous, under the worker daemon) or, standalone, through
 // a directory every rank of one run shares (--file-store DIR; use a fresh one per run).
-// The job runs as planned once (planner/cp_planner.h, PlannedSpec): under the worker daemon the
-// coordinator's plan arrives as the spec (its modes, ulysses) and --lightning-mode / --mla-mode /
-// --recompute-layers; standalone, whatever the spec and those flags leave open ("auto" and
-// "fastest" modes, "auto" recompute) is planned here, against this machine's device (the GPU's
-// memory, or host memory shared by the world's ranks) with the cost model's built-in rates. A
-// plan that cannot run (a forced all2all with n_heads % cp != 0, ...) is refused before any rank
-// connects. Gloo listens on --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
+// The job runs as planned once (planner/planned_job.h). Under the worker daemon the
+// coordinator's PlannedJob arrives whole (--planned-job: a spindle.v1.PlannedJob file): its spec
+// has every decision in place (world, modes, ulysses, ep, recompute, checkpoint directory) and is
+// run as given. Standalone (--job), the spec is planned here first, against this machine's device
+// (the GPU's memory, or host memory shared by the world's ranks) with the cost model's built-in
+// rates, and then takes the same path; --checkpoint-dir sets the spec's checkpoint.dir before it
+// is planned, and --world, when given, must be the spec's dp x cp. A plan that cannot run (a
+// forced all2all with n_heads % cp != 0, ...) is refused before any rank connects. Gloo listens on
+// --gloo-host (default $SPINDLE_GLOO_HOST, else 127.0.0.1).
 // --attempt N (under the worker daemon): the job's attempt; rank 0 fences the checkpoint directory
 // for it before resuming and every rank checks the fence (checkpoint.h), so an older attempt
 // still running somewhere can no longer commit, and a directory the ranks do not share is named at
@@ -34,7 +35,8 @@
 // worker daemon: the last checkpoint the coordinator recorded every rank completing) bounds that
 // choice from below: a checkpoint older than S is never resumed from, and when none at or after S
 // loads the run fails (exit code 2) naming S, rather than redo the job's recorded progress.
-// --pulse-ms N: a {"event": "pulse"} line every N ms, so that the worker can tell a stopped rank.
+// --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
+// tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
 // rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
@@ -56,6 +58,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -70,6 +73,9 @@
 #include "common/exit_codes.h"
 #include "common/job_spec.h"
 #include "planner/cp_planner.h"
+#include "planner/plan_proto.h"
+#include "planner/planned_job.h"
+#include "spindle/v1/job.pb.h"
 #include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
@@ -84,36 +90,47 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
-    "                     [--lightning-mode M --mla-mode M] [--rendezvous HOST:PORT --job-id ID\n"
-    "                     --attempt N --token-file F [--resume-step S]] [--file-store DIR]\n"
-    "                     [--gloo-host H] [--threads N] [--stop-at-step K] [--recompute-layers N]\n"
-    "                     [--pulse-ms N]\n"
+    "usage: spindle-train --planned-job FILE --rank R [--rendezvous HOST:PORT --job-id ID\n"
+    "                     --attempt N --token-file F [--resume-step S]] [--gloo-host H]\n"
+    "                     [--threads N] [--stop-at-step K] [--pulse-ms N]\n"
+    "       spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
+    "                     [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n"
     "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n"
     "       spindle-train --verify-only --job JOB.json [--threads N]\n";
 
-// A spec run standalone that leaves something open ("auto" or "fastest" modes, "auto"
-// recompute) is planned here, once, as the coordinator plans the jobs it runs: against this
-// machine's device (the GPU's memory, or host memory shared by the world's ranks) when recompute
-// is "auto", with the cost model's built-in rates. A plan that cannot run is refused.
-absl::StatusOr<spindle::JobSpec> PlanStandalone(const spindle::JobSpec& spec, int64_t world) {
+// A spec run standalone is planned here, once, as the coordinator plans the jobs it runs:
+// against this machine's device (the GPU's memory, or host memory shared by the world's ranks)
+// when recompute is "auto", with the cost model's built-in rates. A plan that cannot run is
+// refused.
+absl::StatusOr<spindle::PlannedJob> PlanStandalone(const spindle::JobSpec& spec) {
   int64_t memory = 0;
   if (spec.train.recompute_layers == spindle::TrainSpec::kRecomputeAuto) {
     if (spec.resources == "cuda") {
       if (auto g = spindle::DiscoverCudaDevices(); g.ok()) memory = g->memory_bytes();
-    } else if (auto g =
-                   spindle::DiscoverDevices(static_cast<int>(std::max<int64_t>(1, world)));
+    } else if (auto g = spindle::DiscoverDevices(
+                   static_cast<int>(std::max<int64_t>(1, spec.parallel.world())));
                g.ok()) {
       memory = g->memory_bytes();
     }
   }
-  const spindle::CpPlan plan = spindle::CpPlanner().Plan(spec, memory);
-  if (!plan.ok())
+  spindle::PlannedJob job = spindle::PlanJob(spec, memory);
+  if (!job.ok())
     return absl::FailedPreconditionError(
-        absl::StrCat("the job cannot run: ", absl::StrJoin(plan.problems, "; ")));
-  return spindle::PlannedSpec(spec, plan);
+        absl::StrCat("the job cannot run: ", absl::StrJoin(job.plan.problems, "; ")));
+  return job;
+}
+
+// --planned-job FILE: the coordinator's PlannedJob as the worker daemon wrote it.
+absl::StatusOr<spindle::PlannedJob> ReadPlannedJob(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--planned-job: cannot read ", path));
+  spindle::v1::PlannedJob p;
+  if (!p.ParseFromIstream(&in))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--planned-job: ", path, " is not a spindle.v1.PlannedJob"));
+  return spindle::PlannedJobFromProto(p);
 }
 
 int ExitCodeFor(const absl::Status& s) {
@@ -155,11 +172,15 @@ void PrintEvent(const nlohmann::json& e) {
 
 // --pulse-ms N: a {"event": "pulse"} line every N ms from a thread of its own, from the start
 // (rendezvous and resume included) to the end, so the worker can tell a rank that stopped (a
-// frozen process, a host that hangs) from one in a long step or a collective.
+// frozen process, a host that hangs) from one in a long step or a collective. The first line is
+// written before the constructor returns: the worker counts a rank's silence only once it has
+// seen it pulse, and a rank stopped in its first N ms (a fast job is steps in by then) would
+// otherwise never count as silent.
 class Pulse {
  public:
   explicit Pulse(int64_t every_ms) {
     if (every_ms <= 0) return;
+    PrintEvent({{"event", "pulse"}, {"pulse_ms", every_ms}});
     thread_ = std::thread([this, every_ms] {
       std::unique_lock<std::mutex> lock(mu_);
       while (!cv_.wait_for(lock, std::chrono::milliseconds(every_ms), [this] { return stop_; }))
@@ -210,8 +231,7 @@ int main(int argc, char** argv) {
                                     "--rank",
                                     "--world",
                                     "--checkpoint-dir",
-                                    "--lightning-mode",
-                                    "--mla-mode",
+                                    "--planned-job",
                                     "--rendezvous",
                                     "--job-id",
                                     "--attempt",
@@ -224,7 +244,6 @@ int main(int argc, char** argv) {
                                     "--eval-sequences",
                                     "--file-store",
                                     "--gloo-host",
-                                    "--recompute-layers",
                                     "--pulse-ms"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
@@ -273,27 +292,34 @@ int main(int argc, char** argv) {
     std::cout << e.dump() << std::endl;
     return 0;
   }
-  if (!flags.count("job")) {
-    std::fprintf(stderr, "spindle-train: --job is required\n%s", kUsage);
+  const bool planned_input = flags.count("planned-job") > 0;
+  if (planned_input == (flags.count("job") > 0) && !eval) {
+    std::fprintf(stderr, "spindle-train: give one of --planned-job and --job\n%s", kUsage);
+    return 2;
+  }
+  if (eval && !flags.count("job")) {
+    std::fprintf(stderr, "spindle-train: --eval needs --job\n%s", kUsage);
+    return 2;
+  }
+  if (planned_input && (flags.count("world") || flags.count("checkpoint-dir"))) {
+    std::fprintf(stderr,
+                 "spindle-train: --planned-job carries the whole job; --world and "
+                 "--checkpoint-dir are for standalone runs (--job)\n");
     return 2;
   }
   int64_t pulse_ms = 0;
   if (!int_flag("pulse-ms", 0, 0, &pulse_ms)) return 2;
   Pulse pulse(pulse_ms);
-  int64_t threads = 0, rank = 0, world = 1, stop_at = -1, eval_sequences = 4;
-  int64_t recompute_layers = spindle::TrainSpec::kRecomputeAuto;
+  int64_t threads = 0, rank = 0, world = 0, stop_at = -1, eval_sequences = 4;
   if (!int_flag("threads", 0, 0, &threads) || !int_flag("rank", 0, 0, &rank) ||
-      !int_flag("world", 1, 1, &world) || !int_flag("stop-at-step", -1, 1, &stop_at) ||
-      !int_flag("eval-sequences", 4, 1, &eval_sequences) ||
-      !int_flag("recompute-layers", spindle::TrainSpec::kRecomputeAuto, 0, &recompute_layers))
+      !int_flag("world", 0, 1, &world) || !int_flag("stop-at-step", -1, 1, &stop_at) ||
+      !int_flag("eval-sequences", 4, 1, &eval_sequences))
     return 2;
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
 
-  auto spec = spindle::LoadJobSpec(flags["job"]);
-  if (!spec.ok()) return Fail(spec.status());
-  // --verify-only plans for the job's whole world, which runs in this process.
-  if (verify_only) world = spec->parallel.world();
   if (eval) {
+    auto spec = spindle::LoadJobSpec(flags["job"]);
+    if (!spec.ok()) return Fail(spec.status());
     if (!flags.count("checkpoint")) {
       std::fprintf(stderr, "spindle-train: --eval needs --checkpoint DIR\n");
       return 2;
@@ -325,44 +351,30 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  spindle::CpMode modes[2] = {spindle::CpMode::kAuto, spindle::CpMode::kAuto};
-  const char* mode_flags[2] = {"lightning-mode", "mla-mode"};
-  for (int i = 0; i < 2; ++i) {
-    auto it = flags.find(mode_flags[i]);
-    if (it == flags.end() || it->second == "auto") continue;
-    const std::optional<spindle::CpMode> m = spindle::CpModeFromName(it->second);
-    if (!m || (i == 0 && *m == spindle::CpMode::kRing)) {
-      std::fprintf(stderr, "spindle-train: --%s must be %s, got \"%s\"\n", mode_flags[i],
-                   i == 0 ? "allgather, all2all, hybrid or auto"
-                          : "allgather, all2all, ring, hybrid or auto",
-                   it->second.c_str());
-      return 2;
-    }
-    modes[i] = *m;
+  // The job as planned: the coordinator's, or planned here first (standalone). Either way its
+  // spec is run as given; the plan check comes first, so a refused plan never waits for peers.
+  absl::StatusOr<spindle::PlannedJob> job;
+  if (planned_input) {
+    job = ReadPlannedJob(flags["planned-job"]);
+  } else {
+    auto spec = spindle::LoadJobSpec(flags["job"]);
+    if (!spec.ok()) return Fail(spec.status());
+    if (flags.count("checkpoint-dir")) spec->checkpoint.dir = flags["checkpoint-dir"];
+    job = PlanStandalone(*spec);
   }
-  // The flags' decisions (the coordinator's plan, under the worker daemon) replace the spec's;
-  // what is still open is planned here, once. The plan check comes first: a refused mode never
-  // waits for peers.
-  if (modes[0] != spindle::CpMode::kAuto) spec->parallel.lightning_mode = modes[0];
-  if (modes[1] != spindle::CpMode::kAuto) spec->parallel.mla_mode = modes[1];
-  if (recompute_layers != spindle::TrainSpec::kRecomputeAuto)
-    spec->train.recompute_layers = recompute_layers;
-  if (!spindle::IsPlanned(*spec)) {
-    auto planned = PlanStandalone(*spec, world);
-    if (!planned.ok()) return Fail(planned.status());
-    *spec = *std::move(planned);
-  }
-  if (auto m = spindle::PlannedCpModes(spec->parallel, spec->model.n_heads); !m.ok())
+  if (!job.ok()) return Fail(job.status());
+  if (auto m = spindle::PlannedCpModes(job->spec.parallel, job->spec.model.n_heads); !m.ok())
     return Fail(m.status());
   if (verify_only) {
     spindle::LocalParityOptions verify;
     verify.threads = threads;
     verify.on_event = PrintEvent;
-    auto parity = spindle::VerifyLayoutInProcess(*spec, verify);
+    auto parity = spindle::VerifyLayoutInProcess(job->spec, verify);
     if (!parity.ok()) return Fail(parity.status());
     if (!parity->passed) return Fail(absl::FailedPreconditionError(parity->FailureMessage()));
     return 0;
   }
+  if (world == 0) world = job->spec.parallel.world();
   int64_t attempt = 0, resume_step = 0;
   if (flags.count("attempt") && !int_flag("attempt", 0, 0, &attempt)) return 2;
   if (flags.count("resume-step") && !int_flag("resume-step", 0, 0, &resume_step)) return 2;
@@ -388,7 +400,7 @@ int main(int argc, char** argv) {
   }
 
   spindle::TrainerOptions options;
-  options.spec = *spec;
+  options.spec = job->spec;
   options.store = store.get();
   if (flags.count("gloo-host")) {
     options.gloo.hostname = flags["gloo-host"];
@@ -397,7 +409,6 @@ int main(int argc, char** argv) {
   }
   options.rank = rank;
   options.world = world;
-  options.checkpoint_dir = flags.count("checkpoint-dir") ? flags["checkpoint-dir"] : "";
   options.attempt = attempt;
   options.resume_step = resume_step;
   options.stop_at_step = stop_at;

@@ -263,6 +263,7 @@ int Main() {
   session_options.metrics_address = metrics_address;
   session_options.version = "spindle-worker 0.1";
   session_options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  session_options.roots = {absl::GetFlag(FLAGS_checkpoint_root), absl::GetFlag(FLAGS_data_root)};
   session_options.instance_id = absl::StrCat(absl::Hex(std::random_device{}(), absl::kZeroPad8),
                                              absl::Hex(::getpid(), absl::kZeroPad8));
   if (absl::GetFlag(FLAGS_probe_rates)) {
@@ -284,8 +285,7 @@ int Main() {
   runner_options.coordinator_address = coordinator;
   runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   runner_options.cpu_threads_per_rank = threads;
-  runner_options.roots.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
-  runner_options.roots.data_root = absl::GetFlag(FLAGS_data_root);
+  runner_options.roots = session_options.roots;
   runner_options.supervisor.kill_grace = absl::GetFlag(FLAGS_kill_grace);
   RankRunner runner(runner_options, worker_metrics, &session);
 

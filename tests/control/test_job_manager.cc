@@ -23,6 +23,7 @@
 namespace spindle {
 namespace {
 
+using testing::RunSpecOf;
 using testing::FakeWorkerChannel;
 using testing::SpecJson;
 using testing::TempDir;
@@ -210,12 +211,14 @@ TEST_F(JobManagerTest, PlacesRunsAndSucceeds) {
   EXPECT_EQ(a.ref().job_id(), id);
   EXPECT_EQ(a.ref().attempt(), 1);
   EXPECT_EQ(a.ref().rank(), 1);
-  EXPECT_EQ(a.world(), 2);
-  EXPECT_EQ(a.cp(), 2);
-  EXPECT_EQ(a.lightning_mode(), v1::CP_MODE_ALL2ALL);
+  const JobSpec run = RunSpecOf(a);
+  EXPECT_EQ(run.parallel.world(), 2);
+  EXPECT_EQ(run.parallel.cp, 2);
+  EXPECT_EQ(run.parallel.lightning_mode, CpMode::kAll2All);
   EXPECT_EQ(a.rendezvous_address(), "127.0.0.1:1");
-  EXPECT_EQ(a.checkpoint_dir(), "/tmp/ck");
-  EXPECT_EQ(a.device_kind(), "cpu");
+  EXPECT_EQ(run.checkpoint.dir, "/tmp/ck");
+  EXPECT_EQ(run.resources, "cpu");
+  EXPECT_EQ(a.job().plan().cp(), 2);
   EXPECT_EQ(rendezvous_.NumOpen(), 1u);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
 
@@ -378,6 +381,30 @@ TEST_F(JobManagerTest, ALostWorkerThatSpeaksAgainIsBack) {
   EXPECT_EQ(placed[0].first, "w1");
   EXPECT_EQ(placed[0].second.ref().attempt(), 2);
   EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+}
+
+// A worker lost while its session stays open registers again (a registration clears the loss)
+// and goes on heartbeating on that session: it is alive there and jobs are placed on it, not
+// taken for disconnected for as long as it heartbeats.
+TEST_F(JobManagerTest, ALostWorkerThatRegistersAgainOnItsOpenSessionIsAlive) {
+  AddWorker("w1", 1);
+  clock_.AdvanceMs(3500);
+  manager_->Tick();
+  ASSERT_EQ(manager_->WorkerCounts()["lost"], 1);
+  AddWorker("w1", 1, /*open_session=*/false);
+  v1::WorkerMessage hb;
+  hb.mutable_heartbeat()->set_seq(1);
+  testing::Deliver(*manager_, "w1", hb);
+  EXPECT_EQ(manager_->WorkerCounts()["alive"], 1);
+  EXPECT_EQ(manager_->WorkerCounts()["disconnected"], 0);
+  const std::string id = Submit(SpecJson());
+  const auto placed = Assignments();
+  ASSERT_EQ(placed.size(), 1u);
+  EXPECT_EQ(placed[0].first, "w1");
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_PLACED);
+  // Its session closing is what disconnects it.
+  manager_->SessionClosed("w1", session_);
+  EXPECT_EQ(manager_->WorkerCounts()["disconnected"], 1);
 }
 
 // A second daemon on another host given the same worker id is refused while the first is
@@ -847,13 +874,43 @@ TEST_F(JobManagerTest, AutoRecomputeIsDecidedAtSubmitAndKeptAcrossARestart) {
   const std::string id = Submit(spec);
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), want);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want);
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), want);
 
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
-  EXPECT_EQ(as[0].second.recompute_layers(), want);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want);
+}
+
+// A job is planned once, at submit; a restarted coordinator reads the planned job back instead of
+// planning again. The stored decision is changed here to the mode the planner did not pick, so
+// that any re-decision (by the planner, on a cluster that may differ) would show.
+TEST_F(JobManagerTest, AFastestJobKeepsItsModesAcrossACoordinatorRestart) {
+  const std::string id = Submit(R"({"name": "t", "model": {"preset": "tiny"}, "seq_len": 1024,
+      "data": {"source": "synthetic:recall"}, "parallel": {"cp": 2, "mla_mode": "fastest"},
+      "train": {"steps": 10}, "resources": "cpu"})");
+  absl::StatusOr<std::vector<JobRecord>> recs = store_->LoadJobs();
+  ASSERT_TRUE(recs.ok() && recs->size() == 1u);
+  JobRecord rec = recs->at(0);
+  absl::StatusOr<PlannedJob> planned = DecodePlannedJob(rec.plan);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  const CpMode picked = planned->spec.parallel.mla_mode;
+  ASSERT_NE(picked, CpMode::kFastest);
+  const CpMode other = picked == CpMode::kRing ? CpMode::kAllGather : CpMode::kRing;
+  planned->spec.parallel.mla_mode = other;
+  rec.plan = EncodePlannedJob(*planned);
+  ASSERT_TRUE(store_->SaveJob(rec).ok());
+
+  Reopen();
+  AddWorker("w1", 2);
+  auto as = Assignments();
+  ASSERT_EQ(as.size(), 2u) << Get(id).message();
+  for (const auto& [worker, a] : as) {
+    const JobSpec run = RunSpecOf(a);
+    EXPECT_EQ(run.parallel.mla_mode, other) << "re-decided after the restart";
+    EXPECT_EQ(run.parallel.lightning_mode, planned->spec.parallel.lightning_mode);
+  }
 }
 
 // "auto" submitted before any worker registered is planned with every layer recomputing, then
@@ -867,14 +924,14 @@ TEST_F(JobManagerTest, AutoRecomputeWithoutDevicesIsDecidedAtPlacement) {
   AddWorker("w1", 1);  // 8 GiB: 1024 tokens of tiny need no recompute
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);
   EXPECT_EQ(Get(id).plan().memory().recompute_layers(), 0);
   EXPECT_EQ(Get(id).plan().memory().device_memory_bytes(), int64_t{8} << 30);
 
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
   EXPECT_EQ(as[0].second.ref().attempt(), 2);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);
 }
 
 // A rank that runs out of device memory (exit code 3): a job with recompute "auto" restarts with
@@ -890,7 +947,7 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
   const std::string id = Submit(spec("\"auto\""));
   auto as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 0);  // 1024 tokens of tiny fit 8 GiB
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 0);  // 1024 tokens of tiny fit 8 GiB
   const int64_t want[] = {2, 4, 4};               // tiny has 4 layers
   for (int64_t attempt = 1; attempt <= 3; ++attempt) {
     Exit("w1", Ref(id, attempt, 0), 3, false,
@@ -908,11 +965,11 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
     as = Assignments();
     ASSERT_EQ(as.size(), 1u) << j.message();
     EXPECT_EQ(as[0].second.ref().attempt(), attempt + 1);
-    EXPECT_EQ(as[0].second.recompute_layers(), want[attempt - 1]);
+    EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, want[attempt - 1]);
   }
   as = RestartCoordinatorWithoutTheRank();
   ASSERT_EQ(as.size(), 1u) << Get(id).message();
-  EXPECT_EQ(as[0].second.recompute_layers(), 4);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 4);
 
   const std::string fixed = Submit(spec("1"));
   Exit("w1", Ref(id, 5, 0), 0);
@@ -923,7 +980,7 @@ TEST_F(JobManagerTest, OutOfMemoryRestartsAnAutoRecomputeJobWithMoreLayersRecomp
   Exit("w1", Ref(fixed, 1, 0), 3, false, "out of device memory");
   as = Assignments();
   ASSERT_EQ(as.size(), 1u);
-  EXPECT_EQ(as[0].second.recompute_layers(), 1);
+  EXPECT_EQ(RunSpecOf(as[0].second).train.recompute_layers, 1);
   EXPECT_EQ(Get(fixed).plan().memory().recompute_layers(), 1);
 }
 

@@ -18,6 +18,7 @@
 #include "coordinator/job_proto.h"
 #include "coordinator/worker_channel.h"
 #include "coordinator/worker_proto.h"
+#include "planner/plan_proto.h"
 #include "spindle/v1/cluster.pb.h"
 #include "spindle/v1/job.pb.h"
 
@@ -40,6 +41,12 @@ class TempDir {
 // A spec for the planner alone: d_model 64, 8 layers (7 Lightning, 1 MLA: "LLLLLLLM"), MLA's
 // default sizes (kv_lora 32, qk_nope = qk_rope = v_head = 16: the latent is 48 values a token,
 // K and V of one head 48), `heads` heads, cp and seq_len as given.
+// The spec an assignment's ranks run (its PlannedJob's); an empty spec when it carries none.
+inline JobSpec RunSpecOf(const v1::Assignment& a) {
+  absl::StatusOr<PlannedJob> job = PlannedJobFromProto(a.job());
+  return job.ok() ? job->spec : JobSpec{};
+}
+
 inline JobSpec PlannerSpec(int64_t cp, int64_t heads, int64_t seq_len) {
   JobSpec s;
   s.model.d_model = 64;

@@ -123,18 +123,29 @@ TEST(WireConversions, ModesMapBothWays) {
 TEST(WireConversions, AnAssignmentCarriesEveryField) {
   AssignmentCommand a;
   a.ref = {"j-000007", 3, 1};
-  a.world = 4, a.cp = 2, a.dp = 2;
-  a.lightning_mode = CpMode::kAll2All;
-  a.mla_mode = CpMode::kAllGather;
-  a.recompute_layers = 5;
-  a.spec_json = "{}";
+  // The job as planned: a cp 2 x dp 2 spec with its decisions in place, and a plan with every
+  // field set.
+  absl::StatusOr<JobSpec> requested = ParseJobSpec(absl::StrCat(
+      R"({"name": "w", "model": {"preset": "tiny"}, "seq_len": 1024, "resources": "cpu",
+          "data": {"source": "synthetic:recall"}, "checkpoint": {"dir": "/ck", "every": 5},
+          "parallel": {"cp": 2, "dp": 2, "lightning_mode": "all2all"}})"));
+  ASSERT_TRUE(requested.ok()) << requested.status();
+  v1::Plan wire_plan;
+  int counter = 0;
+  FillEveryField(&wire_plan, &counter);
+  for (v1::LayerPlan& l : *wire_plan.mutable_layers()) l.set_mode(v1::CP_MODE_ALL2ALL);
+  wire_plan.mutable_memory()->set_recompute_layers(2);  // of tiny's 4
+  wire_plan.set_ulysses(1);
+  PlannedJob planned;
+  planned.requested_json = requested->ToJson().dump();
+  PlanFromProto(wire_plan, &planned.plan);
+  planned.spec = PlannedSpec(*requested, planned.plan);
+  a.job = std::make_shared<const PlannedJob>(planned);
   a.rendezvous_address = "10.0.0.1:7071";
   a.rendezvous_token = "tok";
-  a.checkpoint_dir = "/ck";
   a.resume_step = 50;
   a.resume_path = "/ck/step-50";
   a.device_index = 1;
-  a.device_kind = "cpu";
   a.host_address = "10.0.0.2";
   v1::CoordinatorMessage m;
   CommandToProto(a, &m);
@@ -144,11 +155,16 @@ TEST(WireConversions, AnAssignmentCarriesEveryField) {
   EXPECT_EQ(w.ref().job_id(), "j-000007");
   EXPECT_EQ(w.ref().attempt(), 3);
   EXPECT_EQ(w.ref().rank(), 1);
-  EXPECT_EQ(w.world(), 4);
-  EXPECT_EQ(w.lightning_mode(), v1::CP_MODE_ALL2ALL);
-  EXPECT_EQ(w.mla_mode(), v1::CP_MODE_ALLGATHER);
   EXPECT_EQ(w.resume_path(), "/ck/step-50");
   EXPECT_EQ(w.host_address(), "10.0.0.2");
+  // The rank reads back the same job: the planned spec as given, the request, the plan.
+  absl::StatusOr<PlannedJob> back = PlannedJobFromProto(w.job());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->spec.ToJson(), planned.spec.ToJson());
+  EXPECT_EQ(back->spec.parallel.world(), 4);
+  EXPECT_EQ(back->spec.checkpoint.dir, "/ck");
+  EXPECT_EQ(back->requested_json, planned.requested_json);
+  EXPECT_EQ(EncodePlan(back->plan), EncodePlan(planned.plan));
 
   CommandToProto(StopCommand{"j-000007", 3, "restart", 1500}, &m);
   ASSERT_TRUE(m.has_stop());

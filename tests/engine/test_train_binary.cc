@@ -91,7 +91,6 @@ TEST_F(TrainBinaryTest, BadInputsAreRejectedWithOneLineAndWriteNothing) {
            {{"--stop-at-step", "0"}, "--stop-at-step must be >= 1, got 0"},
            {{"--world", "0"}, "--world must be >= 1, got 0"},
            {{"--rank", "-2"}, "--rank must be >= 0, got -2"},
-           {{"--recompute-layers", "-1"}, "--recompute-layers must be >= 0, got -1"},
            {{"--threads", "two"}, "--threads must be an integer, got \"two\""}}) {
     std::vector<std::string> argv = {"--job", recall};
     argv.insert(argv.end(), args.begin(), args.end());
@@ -196,16 +195,11 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
   // 2 heads of 48: a Lightning head size the CUDA kernels do not run.
   CommandResult dh48 = Run({"--job", cuda_job(1, R"({"preset": "tiny", "d_model": 96,
                             "n_heads": 2})")});
-#ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE
+  // Refused by the plan, before any engine is asked, with or without the CUDA engine.
   ExpectRejected(dh48,
-                 "spindle-train: trainer: resources \"cuda\" cannot run Lightning head "
-                 "size d_model/n_heads = 48 (the CUDA kernels take 64, 128, or an even size "
-                 "up to 32); use resources \"cpu\"");
-#else
-  ExpectRejected(dh48,
-                 "spindle-train: trainer: the job asks for resources \"cuda\" but this "
-                 "build has no CUDA engine");
-#endif
+                 "spindle-train: the job cannot run: model: resources \"cuda\" cannot run "
+                 "Lightning head size d_model/n_heads = 48 (the CUDA kernels take 64, 128, or an "
+                 "even size up to 32); use resources \"cpu\"");
   EXPECT_FALSE(CheckpointDirExists());
   CommandResult one = Run({"--job", cuda_job(1, R"({"preset": "tiny"})")});
 #ifdef SPINDLE_TRAIN_HAS_CUDA_ENGINE

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of tests/fuzz/corpus/ that are not copied from examples/ or written by
 a target itself (fuzz_checkpoint: see its opening comment): small job spec variations, safetensors
-files, token and text files, and call sequences for fuzz_coordinator (protos encoded with protoc,
-the record format of fuzz_coordinator.cc). Run from anywhere; rewrites the files it owns."""
+files, token and text files, call sequences for fuzz_coordinator (protos encoded with protoc,
+the record format of fuzz_coordinator.cc) and operation sequences for fuzz_session (the byte
+format of fuzz_session.cc). Run from anywhere; rewrites the files it owns."""
 import json
 import os
 import struct
@@ -128,8 +129,80 @@ def coordinator():
           record(12, encode("GetRequest", 'scope { job_id: "j-000001" attempt: 1 token: "t" } key: "k" wait_timeout_ms: 1')))
 
 
+# fuzz_session: one byte per choice, in the order fuzz_session.cc reads them.
+REGISTER, OPEN, HEARTBEAT, STARTED, PROGRESS, EXIT, CHECKPOINT, NOTE, LEAVING, RAW, SYNC, PAUSE, \
+    RESUME, HALF_CLOSE, CANCEL, SUBMIT, TICK, CANCEL_JOB = range(18)
+# Session openings ((variant >> 3) % 10) and tokens (variant & 7: 0 own, 5 the cluster's, 6 another
+# worker's, 7 a user's or none); the top bit synchronises (a heartbeat, then its ack or the end).
+NO_HELLO, NOTHING, WRONG_INSTANCE, LONG_ID, EMPTY_ID, HELLO = 0, 1, 2, 3, 4, 5
+OWN, CLUSTER, OTHERS, NONE = 0, 5, 6, 7
+REF = 0  # the oldest assignment kept, as assigned; 4: the next one
+TICK_MS = {0: 0, 100: 1, 600: 2, 2100: 3, 3100: 4, 5100: 5, 9000: 6, 60000: 7}
+
+
+def variant(opening=HELLO, token=OWN, sync=True):
+    return (128 + (((opening - 6) % 10) << 3) if sync else opening << 3) | token
+
+
+def running(ref=REF, pulse=0, silent=9):
+    # A RunningRank: reference, step (the real one), pid 0, the pulse byte (odd: pulsing; from 128
+    # on a silence follows: 9 is 2.5 s), loss 0.
+    return [ref, 9, 0, pulse] + ([silent] if pulse >= 128 else []) + [0]
+
+
+def open_(slot, worker, v=None, ranks=()):
+    v = variant() if v is None else v
+    hello = [len(ranks)] + [b for r in ranks for b in r] if (v >> 3) % 10 != NO_HELLO else []
+    return [OPEN, slot, worker, v] + hello
+
+
+def session():
+    def tick(ms):
+        return [TICK, TICK_MS[ms]]
+
+    def ops(*records):
+        return b"".join(bytes(r) for r in records)
+
+    register = lambda worker, slots, v=0: [REGISTER, worker, v, slots]
+    submit = [SUBMIT, 0, 0, 1, 2]  # cp 1, dp 1, 2 steps, 2 restarts
+    heartbeat = lambda slot, ranks=(): [HEARTBEAT, slot, 0, 0, len(ranks)] + [
+        b for r in ranks for b in r]
+    progress = [PROGRESS, 0, REF, 9, 9] + [0] * 7 + [0]  # the real step, 7 numbers, no MoE
+    write("fuzz_session", "job-runs-to-success",
+          ops(register(0, 4), open_(0, 0), submit, tick(0), [SYNC, 0], [STARTED, 0, REF, 0],
+              progress, [CHECKPOINT, 0, REF, 9, 2], [NOTE, 0, REF, 8],
+              [EXIT, 0, REF, 0, 0, 0, 0], [SYNC, 0]))
+    write("fuzz_session", "gang-of-two-rank-fails",
+          ops(register(0, 1), register(1, 1), open_(0, 0), open_(1, 1), [SUBMIT, 1, 0, 3, 1],
+              tick(0), [SYNC, 0], [SYNC, 1], [STARTED, 0, REF, 0], [STARTED, 1, 4, 0],
+              [EXIT, 1, 4, 1, 0, 2, 3, 5], tick(2100), [SYNC, 0], [SYNC, 1]))
+    write("fuzz_session", "silent-rank-lost-worker",
+          ops(register(0, 2), open_(0, 0), submit, tick(0), [SYNC, 0],
+              heartbeat(0, [running(REF, 201)]), tick(5100), heartbeat(0, [running()]),
+              tick(9000), [SYNC, 0]))
+    write("fuzz_session", "hostile-openings",
+          ops(register(0, 2), register(1, 2, 3), open_(0, 0, variant(NO_HELLO)),
+              open_(1, 0, variant(NOTHING)), open_(2, 0, variant(WRONG_INSTANCE)),
+              open_(3, 0, variant(LONG_ID)), open_(4, 0, variant(EMPTY_ID)),
+              open_(5, 1, variant(token=NONE)), open_(0, 3), open_(1, 1, variant(token=OTHERS)),
+              [SYNC, 0]))
+    write("fuzz_session", "replaced-session-leaves",
+          ops(register(2, 3), open_(0, 2), submit, tick(0),
+              open_(1, 2, variant(token=CLUSTER), [running()]), [SYNC, 0], [LEAVING, 1, 3],
+              [SYNC, 1], [HALF_CLOSE, 1], tick(600), open_(2, 2), [CANCEL, 2],
+              open_(3, 2, variant(sync=False))))
+    write("fuzz_session", "reader-paused",
+          ops(register(1, 1), open_(0, 1), [PAUSE, 0], *[heartbeat(0)] * 20, [RESUME, 0],
+              [SYNC, 0]))
+    write("fuzz_session", "cancel-job-and-extremes",
+          ops(register(0, 2), open_(0, 0), submit, tick(0), [SYNC, 0], [CANCEL_JOB, 0, 3],
+              [PROGRESS, 0, REF, 3, 4, 1, 2, 3, 4, 5, 6, 7, 0], [CHECKPOINT, 0, REF, 4, 6],
+              [EXIT, 0, REF, 128, 3, 0, 2, 24, 10, 255], [SYNC, 0]))
+
+
 if __name__ == "__main__":
     job_spec()
     safetensors()
     data()
     coordinator()
+    session()

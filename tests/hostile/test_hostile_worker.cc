@@ -14,6 +14,7 @@
 #include "common/text_bounds.h"
 #include "gtest/gtest.h"
 #include "tests/integration/fake_coordinator.h"
+#include "tests/integration/planned_job_util.h"
 #include "tests/integration/worker_test_util.h"
 
 namespace spindle {
@@ -27,9 +28,9 @@ using ::spindle::testing::ScratchDir;
 using ::spindle::testing::WaitFor;
 using ::spindle::testing::WriteScript;
 
-// The fake trainer's behaviour is the job spec it is given: "hang" or "garbage".
+// The fake trainer's behaviour is the name of the job it is given: "hang" or "garbage".
 constexpr char kTrainer[] =
-    "mode=$(cat \"$2\")\n"
+    "mode=$(grep -ao '\"name\":\"[a-z0-9]*\"' \"$2\" | head -n 1 | cut -d '\"' -f 4)\n"
     "echo '{\"event\":\"start\",\"step\":0}'\n"
     "case $mode in\n"
     "  hang) exec sleep 1000 ;;\n"
@@ -81,15 +82,10 @@ class HostileWorkerTest : public ::testing::Test {
     v1::Assignment* a = m.mutable_assignment();
     a->mutable_ref()->set_job_id(job);
     a->mutable_ref()->set_attempt(1);
-    a->set_world(1);
-    a->set_cp(1);
-    a->set_dp(1);
-    a->set_lightning_mode(v1::CP_MODE_ALLGATHER);
-    a->set_mla_mode(v1::CP_MODE_ALLGATHER);
-    a->set_spec_json(mode);
+    *a->mutable_job() = testing::PlannedJobFor(absl::StrCat(
+        R"({"name":")", mode, R"(","model":{"preset":"tiny"},"seq_len":1024,"resources":"cpu","data":{"source":"synthetic:recall"}})"));
     a->set_rendezvous_address(server_->address());
     a->set_rendezvous_token("tok");
-    a->set_device_kind("cpu");
     return coordinator_.Send(m);
   }
   pid_t StartedPid(FakeCoordinator& c, const std::string& job) {

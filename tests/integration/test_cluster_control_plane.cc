@@ -35,16 +35,20 @@ constexpr int kSteps = 20;
 // that file exists, rank 1 of attempt 1 hangs after step 8 (and the other ranks wait for it at
 // the next step's barrier, as they would in a collective).
 constexpr char kScriptedTrainer[] = R"(
-ckpt=""; rank=0; attempt=0; world=1
+job=""; rank=0; attempt=0
 while [ $# -gt 0 ]; do
   case $1 in
-    --checkpoint-dir) ckpt=$2; shift ;;
+    --planned-job) job=$2; shift ;;
     --rank) rank=$2; shift ;;
-    --world) world=$2; shift ;;
     --attempt) attempt=$2; shift ;;
   esac
   shift
 done
+# The planned spec's checkpoint.dir and dp x cp (its canonical JSON inside the PlannedJob).
+ckpt=$(grep -ao '"checkpoint":{"dir":"[^"]*"' "$job" | head -n 1 | sed 's/.*"dir":"//; s/"$//')
+cp=$(grep -ao '"cp":[0-9]*' "$job" | head -n 1 | cut -d : -f 2)
+dp=$(grep -ao '"dp":[0-9]*' "$job" | head -n 1 | cut -d : -f 2)
+world=$((cp * dp))
 mkdir -p "$ckpt"
 step=0
 if [ -f "$ckpt/latest" ]; then step=$(cat "$ckpt/latest"); fi

@@ -1,6 +1,6 @@
 // Context parallelism with real processes: two spindle-train processes (cp=2) rendezvous through a
 // file store and track the single-rank run of the same job step by step; a standalone
-// spindle-train decides train.recompute "auto" itself (or takes --recompute-layers); the cluster
+// spindle-train plans what its spec leaves open (train.recompute "auto") itself; the cluster
 // path: jobs with cp=2 and cp=4 submitted to spindle-coordinator run on CPU spindle-worker slots
 // (rendezvous through the coordinator) to SUCCEEDED with progress, like any job.
 #include <cmath>
@@ -56,16 +56,21 @@ TEST(StandaloneCpTest, TwoProcessesThroughAFileStoreTrackTheSingleRankRun) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
   ScratchDir dir("spindle-cp-standalone");
   const std::string cp2 = dir.File("cp2.json"), cp1 = dir.File("cp1.json");
-  std::ofstream(cp2) << CpSpec(2, 6, dir.File("ckpt2"));
+  {
+    std::string spec = CpSpec(2, 6, dir.File("ckpt2"));
+    const std::string from = R"("dp":1})";
+    spec.replace(spec.find(from), from.size(),
+                 R"("dp":1,"lightning_mode":"allgather","mla_mode":"allgather"})");
+    std::ofstream(cp2) << spec;
+  }
   std::ofstream(cp1) << CpSpec(1, 6, dir.File("ckpt1"));
   const std::string bin = SPINDLE_TRAIN_BINARY;
   const std::string cmd = absl::StrCat(
       bin, " --job ", cp1, " --threads 1 > ", dir.File("cp1.out"), " 2>&1 & ",  //
-      bin, " --job ", cp2, " --rank 0 --world 2 --threads 1 --lightning-mode allgather",
-      " --mla-mode allgather --file-store ", dir.File("store"), " > ", dir.File("r0.out"),
-      " 2>&1 & ",  //
-      bin, " --job ", cp2, " --rank 1 --world 2 --threads 1 --lightning-mode allgather",
-      " --mla-mode allgather --file-store ", dir.File("store"), " > ", dir.File("r1.out"),
+      bin, " --job ", cp2, " --rank 0 --world 2 --threads 1 --file-store ", dir.File("store"),
+      " > ", dir.File("r0.out"), " 2>&1 & ",  //
+      bin, " --job ", cp2, " --rank 1 --threads 1 --file-store ", dir.File("store"), " > ",
+      dir.File("r1.out"),
       " 2>&1 & wait");
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   const auto ref = StepLosses(dir.File("cp1.out")), r0 = StepLosses(dir.File("r0.out")),
@@ -82,10 +87,14 @@ TEST(StandaloneCpTest, TwoProcessesThroughAFileStoreTrackTheSingleRankRun) {
 TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
   ScratchDir dir("spindle-cp-refuse");
-  const std::string job =
-      WriteEditedCpSpec(dir, "cp3.json", 3, 1, "\"seq_len\":256", "\"seq_len\":192");
-  const std::string cmd = absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job,
-                                       " --rank 0 --world 3 --lightning-mode all2all --file-store ",
+  std::string spec = CpSpec(3, 1, dir.File("ckpt"));
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{R"("seq_len":256)",
+                                                                     R"("seq_len":192)"},
+                                 {R"("dp":1})", R"("dp":1,"lightning_mode":"all2all"})"}})
+    spec.replace(spec.find(from), from.size(), to);
+  const std::string job = dir.File("cp3.json");
+  std::ofstream(job) << spec;
+  const std::string cmd = absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job, " --rank 0 --file-store ",
                                        dir.File("store"), " 2> ", dir.File("err"));
   const int rc = std::system(cmd.c_str());
   EXPECT_EQ(WEXITSTATUS(rc), 2);
@@ -98,17 +107,19 @@ TEST(StandaloneCpTest, All2AllWithIndivisibleHeadsIsRefusedBeforeConnecting) {
 }
 
 // Standalone, "auto" is sized to this machine (host memory for CPU jobs): the tiny model at 256
-// tokens keeps every activation; --recompute-layers overrides it, and an impossible count exits 2.
+// tokens keeps every activation; a number in the spec is taken as it is, and an impossible one
+// is refused (exit code 2) before anything runs.
 TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
   if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
   ScratchDir dir("spindle-recompute-auto");
-  const std::string job =
-      WriteEditedCpSpec(dir, "job.json", 1, 2, "\"seed\":5", "\"seed\":5,\"recompute\":\"auto\"");
-  auto start_layers = [&](const std::string& flags, const std::string& out) {
+  auto start_layers = [&](const std::string& recompute, const std::string& out) {
+    const std::string name = std::filesystem::path(out).filename().string() + ".json";
+    const std::string job = WriteEditedCpSpec(dir, name, 1, 2, "\"seed\":5",
+                                              "\"seed\":5,\"recompute\":" + recompute);
     // A checkpoint directory per run, so that no run resumes from another's end.
     const std::string cmd =
-        absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job, " --threads 1 ", flags,
-                     " --checkpoint-dir ", out, ".ckpt > ", out, " 2>&1");
+        absl::StrCat(SPINDLE_TRAIN_BINARY, " --job ", job, " --threads 1 --checkpoint-dir ", out,
+                     ".ckpt > ", out, " 2>&1");
     const int rc = std::system(cmd.c_str());
     std::ifstream f(out);
     for (std::string line; std::getline(f, line);) {
@@ -118,17 +129,13 @@ TEST(StandaloneCpTest, RecomputeAutoIsDecidedByTheTrainerBinary) {
     }
     return int64_t{-100} - WEXITSTATUS(rc);
   };
-  EXPECT_EQ(start_layers("", dir.File("auto.out")), 0);
-  EXPECT_EQ(start_layers("--recompute-layers 3", dir.File("three.out")), 3);
+  EXPECT_EQ(start_layers("\"auto\"", dir.File("auto.out")), 0);
+  EXPECT_EQ(start_layers("3", dir.File("three.out")), 3);
   EXPECT_EQ(StepLosses(dir.File("auto.out")), StepLosses(dir.File("three.out")));
-  EXPECT_EQ(start_layers("--recompute-layers 7", dir.File("bad.out")), -102);
-  std::string err = ReadFile(dir.File("bad.out"));
-  EXPECT_NE(err.find("trainer: recompute_layers must be in [0, 4], got 7"), std::string::npos)
-      << err;
-  EXPECT_EQ(start_layers("--recompute-layers -1", dir.File("negative.out")), -102);
-  err = ReadFile(dir.File("negative.out"));
-  EXPECT_NE(err.find("spindle-train: --recompute-layers must be >= 0, got -1"), std::string::npos)
-      << err;
+  EXPECT_EQ(start_layers("7", dir.File("bad.out")), -102);
+  const std::string err = ReadFile(dir.File("bad.out"));
+  EXPECT_NE(err.find("train.recompute"), std::string::npos) << err;
+  EXPECT_NE(err.find("7"), std::string::npos) << err;
 }
 
 class ClusterCpTest : public ::testing::TestWithParam<int> {

@@ -38,7 +38,7 @@ constexpr char kQueueTrainer[] = R"sh(
 spec=""; id=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --job) spec=$2; shift ;;
+    --planned-job) spec=$2; shift ;;
     --job-id) id=$2; shift ;;
   esac
   shift

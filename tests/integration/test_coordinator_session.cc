@@ -207,7 +207,7 @@ TEST(CoordinatorSessionTest, RunsJobAndReadoptsRanksAfterSigkill) {
   std::vector<v1::RankRef> refs;
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(w.WaitFor([](const auto& x) { return x.has_assignment(); }, &m));
-    EXPECT_EQ(m.assignment().world(), 2);
+    EXPECT_EQ(m.assignment().job().plan().world(), 2);
     // No --advertise: the worker reaches the rendezvous at the address it dials.
     EXPECT_EQ(m.assignment().rendezvous_address(), "");
     EXPECT_EQ(m.assignment().host_address(), "127.0.0.1");

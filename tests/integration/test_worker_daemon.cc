@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "tests/integration/fake_coordinator.h"
+#include "tests/integration/planned_job_util.h"
 #include "tests/integration/worker_test_util.h"
 
 namespace spindle {
@@ -32,9 +33,9 @@ using ::spindle::testing::WriteScript;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// The fake trainer's behaviour is the job spec it is given: "exit3", "hang", "steps".
+// The fake trainer's behaviour is the name of the job it is given: "exit3", "hang", "steps".
 constexpr char kTrainer[] =
-    "mode=$(cat \"$2\")\n"
+    "mode=$(grep -ao '\"name\":\"[a-z0-9]*\"' \"$2\" | head -n 1 | cut -d '\"' -f 4)\n"
     "echo \"{\\\"event\\\":\\\"start\\\",\\\"step\\\":0}\"\n"
     "echo \"{\\\"event\\\":\\\"step\\\",\\\"step\\\":5,\\\"total_steps\\\":10,\\\"loss\\\":3.5,"
     "\\\"tokens_per_s\\\":100}\"\n"
@@ -96,15 +97,11 @@ class WorkerDaemonTest : public ::testing::Test {
     a->mutable_ref()->set_job_id(job);
     a->mutable_ref()->set_attempt(attempt);
     a->mutable_ref()->set_rank(rank);
-    a->set_world(2);
-    a->set_cp(2);
-    a->set_dp(1);
-    a->set_lightning_mode(v1::CP_MODE_ALLGATHER);
-    a->set_mla_mode(v1::CP_MODE_ALLGATHER);
-    a->set_spec_json(mode);
+    *a->mutable_job() = testing::PlannedJobFor(absl::StrCat(
+        R"({"name":")", mode,
+        R"(","model":{"preset":"tiny"},"seq_len":1024,"resources":"cpu","data":{"source":"synthetic:recall"},"parallel":{"cp":2}})"));
     a->set_rendezvous_address(server_->address());
     a->set_rendezvous_token("tok");
-    a->set_device_kind("cpu");
     return coordinator_.Send(m);
   }
 

@@ -1,11 +1,13 @@
 // RankRunner with fake trainers (/bin/sh scripts): the trainer command line and environment, the
 // job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
 // with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines;
-// the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES; parity lines
-// become rank 0's job event (a RankNote) and every rank's spindle_parity_max_rel_error.
+// the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES; the real trainer's
+// first pulse; parity lines become rank 0's job event (a RankNote) and every rank's
+// spindle_parity_max_rel_error.
 #include <signal.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "common/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/planned_job_util.h"
 #include "tests/integration/worker_test_util.h"
 #include "worker/parity_note.h"
 #include "worker/path_roots.h"
@@ -25,6 +28,7 @@
 namespace spindle {
 namespace {
 
+using ::spindle::testing::PlannedJobFor;
 using ::spindle::testing::ProcessAlive;
 using ::spindle::testing::ReadFile;
 using ::spindle::testing::ScratchDir;
@@ -62,17 +66,14 @@ v1::Assignment MakeAssignment(const std::string& job, int64_t attempt, int64_t r
   a.mutable_ref()->set_job_id(job);
   a.mutable_ref()->set_attempt(attempt);
   a.mutable_ref()->set_rank(rank);
-  a.set_world(world);
-  a.set_cp(world);
-  a.set_dp(1);
-  a.set_lightning_mode(v1::CP_MODE_ALLGATHER);
-  a.set_mla_mode(v1::CP_MODE_ALL2ALL);
-  a.set_recompute_layers(3);
-  a.set_spec_json(R"({"name":"t","model":{"preset":"tiny"}})");
+  *a.mutable_job() = PlannedJobFor(absl::StrCat(
+      R"({"name":"t","model":{"preset":"tiny"},"seq_len":1024,"resources":"cpu","data":{"source":"synthetic:recall"},
+          "parallel":{"cp":)",
+      world,
+      R"(,"lightning_mode":"allgather","mla_mode":"all2all"},"train":{"recompute":3},
+          "checkpoint":{"dir":"/tmp/ckpt-dir"}})"));
   a.set_rendezvous_address("127.0.0.1:7071");
   a.set_rendezvous_token("secret-token");
-  a.set_checkpoint_dir("/tmp/ckpt-dir");
-  a.set_device_kind("cpu");
   a.set_device_index(0);
   return a;
 }
@@ -182,13 +183,13 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   const std::string attempt_dir = dir_.File("work/j-1/1");
   const std::vector<std::string> args =
       absl::StrSplit(ReadFile(attempt_dir + "/args.txt"), '\n', absl::SkipEmpty());
-  EXPECT_THAT(args, ElementsAre("--job", attempt_dir + "/job.json", "--rank", "1", "--world", "2",
-                                "--lightning-mode", "allgather", "--mla-mode", "all2all",
+  EXPECT_THAT(args, ElementsAre("--planned-job", attempt_dir + "/planned_job.pb", "--rank", "1",
                                 "--rendezvous", "127.0.0.1:7071", "--job-id", "j-1", "--attempt",
-                                "1", "--recompute-layers", "3", "--checkpoint-dir", "/tmp/ckpt-dir",
-                                "--resume-step", "40", "--token-file", "/etc/spindle/token",
+                                "1", "--resume-step", "40", "--token-file", "/etc/spindle/token",
                                 "--gloo-host", "10.1.2.3", "--pulse-ms", "1000"));
-  EXPECT_EQ(ReadFile(attempt_dir + "/job.json"), R"({"name":"t","model":{"preset":"tiny"}})");
+  // The job as planned, byte for byte the assignment's: nothing is copied out of it into flags.
+  const v1::Assignment sent = MakeAssignment("j-1", 1, 1, 2);
+  EXPECT_EQ(ReadFile(attempt_dir + "/planned_job.pb"), sent.job().SerializeAsString());
   EXPECT_EQ(ReadFile(attempt_dir + "/env.txt"), "secret-token 1\n");
   EXPECT_EQ(ReadFile(attempt_dir + "/rank-1.stderr.log"), "finished fine\n");
 
@@ -266,6 +267,38 @@ TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {
   EXPECT_EQ(sink_.Of(v1::WorkerMessage::kRankExit)[2].rank_exit().ref().attempt(), 3);
   ASSERT_EQ(runner.Running().size(), 1u);
   EXPECT_EQ(runner.Running()[0].ref().attempt(), 4);
+  EXPECT_EQ(runner.StopAll(absl::Seconds(1)), 1);
+  ASSERT_TRUE(WaitFor([&] { return runner.running_count() == 0; }));
+}
+
+// The real trainer pulses as soon as it starts, not one pulse period later: a rank stopped within
+// its first period (a fast job is several steps in by then) is reported pulsing, with a silence
+// that grows, so that the coordinator finds it in seconds.
+TEST_F(RankRunnerTest, ARealTrainerStoppedWithinItsFirstPulsePeriodIsPulsingAndSilent) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train not built";
+  RankRunnerOptions o = Options(SPINDLE_TRAIN_BINARY);
+  o.token_file = "";
+  o.pulse_ms = 60000;  // a period the test never waits for
+  RankRunner runner(o, metrics_.get(), &sink_);
+  // Rank 1 of 2 waits for a rendezvous that nobody serves: alive, and printing nothing but pulses.
+  v1::Assignment a = MakeAssignment("j-p", 1, 1, 2);
+  *a.mutable_job() = PlannedJobFor(R"({"name": "p", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall"}, "seq_len": 256, "parallel": {"cp": 2},
+      "train": {"steps": 10}, "resources": "cpu"})");
+  a.set_rendezvous_address("127.0.0.1:1");
+  ASSERT_TRUE(runner.Start(a).ok());
+  auto running = [&](const std::function<bool(const v1::RunningRank&)>& pred) {
+    const std::vector<v1::RunningRank> r = runner.Running();
+    return r.size() == 1 && pred(r[0]);
+  };
+  ASSERT_TRUE(WaitFor([&] { return running([](const auto& r) { return r.pulsing(); }); },
+                      std::chrono::seconds(20)))
+      << "no pulse from the trainer";
+  const pid_t pid = static_cast<pid_t>(runner.Running()[0].pid());
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  EXPECT_TRUE(WaitFor([&] { return running([](const auto& r) { return r.silent_ms() >= 1500; }); },
+                      std::chrono::seconds(10)));
+  ::kill(pid, SIGCONT);
   EXPECT_EQ(runner.StopAll(absl::Seconds(1)), 1);
   ASSERT_TRUE(WaitFor([&] { return runner.running_count() == 0; }));
 }
@@ -427,9 +460,9 @@ TEST_F(RankRunnerTest, PathOutsideTheRootsIsExit2BeforeTheTrainerStarts) {
   EXPECT_TRUE(sink_.Of(v1::WorkerMessage::kRankStarted).empty());
   EXPECT_FALSE(std::filesystem::exists(dir_.File("work/j-p")));
 
-  a.set_checkpoint_dir(dir_.File("ck/run"));
-  a.set_spec_json(R"({"name":"t","model":{"preset":"tiny"},"data":{"source":"text:/etc/passwd"},)"
-                  R"("seq_len":64})");
+  *a.mutable_job() = testing::PlannedJobFor(absl::StrCat(
+      R"({"name":"t","model":{"preset":"tiny"},"data":{"source":"text:/etc/passwd"},)",
+      R"("seq_len":64,"checkpoint":{"dir":")", dir_.File("ck/run"), R"("}})"));
   s = runner.Start(a);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(),
@@ -467,12 +500,15 @@ TEST(PathRootsTest, DotDotRelativeAndSymbolicLinksOut) {
   EXPECT_EQ(check(root + "/out/ck").code(), absl::StatusCode::kInvalidArgument);
 
   PathRoots roots{root, root};
-  EXPECT_TRUE(CheckJobPaths(R"({"data":{"source":"synthetic:recall"}})", "", roots).ok());
-  EXPECT_EQ(CheckJobPaths(R"({"name":"t","model":{"preset":"tiny"},"seq_len":64,)"
-                          R"("data":{"source":"tokens:/etc/shadow","eos_id":0}})",
-                          "", roots)
-                .message(),
+  JobSpec spec;
+  spec.data.source = "synthetic:recall";
+  EXPECT_TRUE(CheckJobPaths(spec, roots).ok());
+  spec.data.source = "tokens:/etc/shadow";
+  EXPECT_EQ(CheckJobPaths(spec, roots).message(),
             "data.source file /etc/shadow is outside the worker's --data_root " + root);
+  spec.data.source = "synthetic:recall";
+  spec.checkpoint.dir = root + "/../ck";
+  EXPECT_EQ(CheckJobPaths(spec, roots).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CheckRootFlag("--data-root", "rel").message(),
             "--data-root must be an absolute directory without \"..\" components, got \"rel\"");
 }

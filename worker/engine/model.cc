@@ -130,9 +130,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, 
 
 std::vector<int> Model::Fp8LinearWeights() const {
   std::vector<int> linear;
-  for (const auto& L : layers_)
-    for (int i : {L->qkv, L->gate, L->out, L->q_a, L->kv_a, L->mo, L->w1, L->w2, L->w3})
-      if (i >= 0) linear.push_back(i);
+  for (const LinearWeight& w : spindle::Fp8LinearWeights(config_))
+    if (const int i = params_.Find(w.name); i >= 0) linear.push_back(i);
   return linear;
 }
 

@@ -65,11 +65,7 @@ absl::StatusOr<CpMode> Planned(const char* field, int64_t cp, int64_t heads, CpM
         "trainer: ", field, " is \"", std::string(CpModeName(mode)),
         "\" at cp=", cp, "; the trainer runs planned specs (the coordinator's, or spindle-train's "
         "own plan when run standalone: PlannedSpec in planner/cp_planner.h)"));
-  if (mode == CpMode::kAll2All && heads % cp != 0)
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, ": all2all needs n_heads divisible by cp, but n_heads=", heads, " and cp=", cp,
-        " (", heads, " % ", cp, " = ", heads % cp, "); use allgather or a cp that divides ",
-        heads));
+  if (mode == CpMode::kAll2All) RETURN_IF_ERROR(CheckAll2All(field, heads, cp));
   return mode;
 }
 

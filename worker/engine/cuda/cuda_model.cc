@@ -206,17 +206,10 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
         "cuda model: train.precision \"fp8\" does not run the mixture-of-experts FFN yet; use "
         "\"auto\" or \"bf16\" for a MoE model on the GPU");
   ParamSet& P = I.P();
+  if (const std::string shape = CudaFp8ShapeProblem(I.c); !shape.empty())
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: train.precision \"fp8\": ", shape));
   const std::vector<int> linear = I.host->Fp8LinearWeights();
-  for (int i : linear) {
-    const ParamInfo& info = P.info(i);
-    for (const int64_t n : {info.shape[0], info.numel / info.shape[0]})
-      if (n % 16 != 0)
-        return absl::InvalidArgumentError(
-            absl::StrCat("cuda model: train.precision \"fp8\": ", info.name, " is ", info.shape[0],
-                         " x ", info.numel / info.shape[0],
-                         ", and cuBLASLt's FP8 GEMMs need widths that are multiples "
-                         "of 16"));
-  }
   int64_t bytes = 0;
   for (int i : linear) bytes += Fp8Block::Bytes(P.info(i).numel);
   CUDA(cudaMalloc(&I.fp8_w_mem, bytes));

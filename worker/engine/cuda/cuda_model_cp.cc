@@ -31,10 +31,7 @@ absl::Status CudaModel::Impl::CheckCpContext() const {
     all2all |= k.mode == CpMode::kAll2All;
     hybrid |= k.mode == CpMode::kHybrid;
   }
-  if (all2all && c.n_heads % n != 0)
-    return absl::FailedPreconditionError(
-        absl::StrCat("cuda model: all2all needs n_heads divisible by cp, but n_heads=", c.n_heads,
-                     " and cp=", n, " (", c.n_heads, " % ", n, " = ", c.n_heads % n, ")"));
+  if (all2all) RETURN_IF_ERROR(CheckAll2All("cuda model", c.n_heads, n));
   if (hybrid) {
     // The Ulysses group and the ring across the groups (cp_groups.h).
     if (cp.ulysses == nullptr || cp.ring == nullptr || cp.ulysses->size() * cp.ring->size() != n ||

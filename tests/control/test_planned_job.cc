@@ -1,0 +1,153 @@
+// The PlannedJob (planner/planned_job.h): a job planned once with every decision in its spec,
+// carried whole through its wire form, and taken again only by Replan, which keeps what still runs
+// and says what it changed. Also the plan's checks of what the CUDA engine would refuse at start
+// (the FP8 shape limits).
+#include <cstdint>
+#include <string>
+
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+#include "planner/plan_proto.h"
+#include "planner/planned_job.h"
+#include "spindle/v1/job.pb.h"
+
+namespace spindle {
+namespace {
+
+JobSpec Spec(const std::string& extra_train = "", const std::string& parallel = R"({"cp": 2})",
+             const std::string& resources = "cpu", const std::string& model = R"({"preset": "tiny"})",
+             int64_t seq_len = 1024) {
+  absl::StatusOr<JobSpec> s = ParseJobSpec(
+      std::string(R"({"name": "p", "model": )") + model + R"(, "seq_len": )" +
+      std::to_string(seq_len) + R"(, "data": {"source": "synthetic:recall"}, "parallel": )" +
+      parallel + R"(, "train": {"steps": 3)" + extra_train + R"(}, "resources": ")" + resources +
+      R"("})");
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : JobSpec{};
+}
+
+TEST(PlannedJobTest, EveryDecisionIsInTheSpecAndTheWireFormCarriesItWhole) {
+  const JobSpec requested = Spec(R"(, "recompute": "auto")", R"({"cp": 2, "mla_mode": "fastest"})");
+  ASSERT_FALSE(IsPlanned(requested));
+  const PlannedJob job = PlanJob(requested, int64_t{8} << 30);
+  ASSERT_TRUE(job.ok());
+  EXPECT_TRUE(IsPlanned(job.spec));
+  EXPECT_EQ(job.spec.parallel.lightning_mode, CpMode::kAll2All);  // the rule: 4 heads, cp 2
+  EXPECT_EQ(job.spec.parallel.mla_mode, job.plan.ModeOf("mla"));
+  EXPECT_NE(job.spec.parallel.mla_mode, CpMode::kFastest);
+  EXPECT_EQ(job.spec.train.recompute_layers, job.plan.memory.recompute_layers);
+  EXPECT_EQ(job.requested_json, requested.ToJson().dump());
+
+  const absl::StatusOr<PlannedJob> back = DecodePlannedJob(EncodePlannedJob(job));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->spec.ToJson(), job.spec.ToJson());
+  EXPECT_EQ(back->requested_json, job.requested_json);
+  EXPECT_EQ(EncodePlan(back->plan), EncodePlan(job.plan));
+  EXPECT_EQ(back->plan.layers[1].reason, job.plan.layers[1].reason);  // "fastest by the cost model"
+
+  // What a record of an older release stored (only its plan) is not a planned job.
+  EXPECT_EQ(DecodePlannedJob(EncodePlan(job.plan)).status().code(), absl::StatusCode::kDataLoss);
+  // A planned job whose spec leaves a decision open is refused: nothing downstream decides.
+  v1::PlannedJob open;
+  PlannedJobToProto(job, &open);
+  open.set_spec_json(requested.ToJson().dump());
+  const absl::Status refused = PlannedJobFromProto(open).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("leaves a decision open"), std::string::npos) << refused;
+  open.set_spec_json("{not json");
+  EXPECT_EQ(PlannedJobFromProto(open).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Planned before any device was known: "auto" recompute (every layer) is decided for the devices
+// the gang got, the modes stay, and the change is one line.
+TEST(PlannedJobTest, PlacementDecidesWhatWasDecidedForLackOfADevice) {
+  const PlannedJob job = PlanJob(Spec(R"(, "recompute": "auto")"), 0);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job.spec.train.recompute_layers, 4);  // tiny's 4 layers, no device known
+  std::string change;
+  const PlannedJob placed =
+      Replan(job, ReplanCause::kPlacement, int64_t{8} << 30, nullptr, &change);
+  EXPECT_EQ(placed.spec.train.recompute_layers, 0);  // 1024 tokens of tiny fit 8 GiB
+  EXPECT_EQ(placed.spec.parallel.lightning_mode, job.spec.parallel.lightning_mode);
+  EXPECT_EQ(placed.spec.parallel.mla_mode, job.spec.parallel.mla_mode);
+  EXPECT_EQ(placed.plan.memory.device_memory_bytes, int64_t{8} << 30);
+  EXPECT_EQ(change,
+            "re-planned for the placement's devices (8.00 GiB each): train.recompute 4 -> 0 of 4 "
+            "layers");
+  // Planned against a device, it keeps every decision where its plan still runs.
+  const PlannedJob again =
+      Replan(placed, ReplanCause::kPlacement, int64_t{4} << 30, nullptr, &change);
+  EXPECT_EQ(change, "");
+  EXPECT_EQ(again.spec.ToJson(), placed.spec.ToJson());
+  // A fixed recompute is not the planner's to change.
+  const PlannedJob fixed = PlanJob(Spec(R"(, "recompute": 3)"), 0);
+  Replan(fixed, ReplanCause::kPlacement, int64_t{8} << 30, nullptr, &change);
+  EXPECT_EQ(change, "");
+}
+
+// Out of device memory: "auto" recomputes more layers (half of those keeping theirs, at least
+// two) until every layer does; a fixed recompute stays.
+TEST(PlannedJobTest, OutOfMemoryRecomputesMoreOnlyWhereTheSpecSaidAuto) {
+  PlannedJob job = PlanJob(Spec(R"(, "recompute": "auto")"), int64_t{8} << 30);
+  ASSERT_EQ(job.spec.train.recompute_layers, 0);
+  std::string change;
+  for (const int64_t want : {2, 4}) {
+    job = Replan(job, ReplanCause::kOutOfMemory, int64_t{8} << 30, nullptr, &change);
+    EXPECT_EQ(job.spec.train.recompute_layers, want);
+    EXPECT_EQ(job.plan.memory.recompute_layers, want);
+    EXPECT_EQ(change, "train.recompute \"auto\": " + std::to_string(want) +
+                          " of 4 layers recompute from now on");
+  }
+  job = Replan(job, ReplanCause::kOutOfMemory, int64_t{8} << 30, nullptr, &change);
+  EXPECT_EQ(change, "");
+  const PlannedJob fixed = PlanJob(Spec(R"(, "recompute": 1)"), int64_t{8} << 30);
+  EXPECT_EQ(Replan(fixed, ReplanCause::kOutOfMemory, int64_t{8} << 30, nullptr, &change)
+                .spec.train.recompute_layers,
+            1);
+  EXPECT_EQ(change, "");
+}
+
+TEST(PlannedJobTest, DecisionChangesAreNamed) {
+  JobSpec a = Spec("", R"({"cp": 4, "lightning_mode": "all2all", "mla_mode": "ring"})");
+  JobSpec b = a;
+  EXPECT_EQ(DescribeDecisionChange(a, b), "");
+  b.parallel.lightning_mode = CpMode::kAllGather;
+  b.parallel.mla_mode = CpMode::kHybrid;
+  b.parallel.ulysses = 2;
+  EXPECT_EQ(DescribeDecisionChange(a, b),
+            "lightning mode all2all -> allgather, mla mode ring -> hybrid, parallel.ulysses 1 -> 2");
+}
+
+// What the CUDA engine refuses at start under FP8 the plan refuses first, naming the width.
+TEST(PlannedJobTest, Fp8ShapeLimitsAreThePlansProblems) {
+  const JobSpec narrow = Spec(R"(, "precision": "fp8")", R"({"cp": 1})", "cuda",
+                              R"({"preset": "tiny", "d_model": 72})");
+  const PlannedJob job = PlanJob(narrow, 0);
+  ASSERT_FALSE(job.ok());
+  ASSERT_EQ(job.plan.problems.size(), 1u);
+  EXPECT_EQ(job.plan.problems[0],
+            "train.precision: \"fp8\" on resources \"cuda\": layers.0.la.qkv.weight is 216 x 72, "
+            "and cuBLASLt's FP8 GEMMs need widths that are multiples of 16; use \"bf16\" or "
+            "another shape");
+  EXPECT_TRUE(PlanJob(Spec(R"(, "precision": "bf16")", R"({"cp": 1})", "cuda",
+                           R"({"preset": "tiny", "d_model": 72})"),
+                      0)
+                  .ok());
+  EXPECT_TRUE(PlanJob(Spec(R"(, "precision": "fp8")", R"({"cp": 1})", "cpu",
+                           R"({"preset": "tiny", "d_model": 72})"),
+                      0)
+                  .ok());  // the CPU emulation has no such limit
+  // Tokens per rank: 1000 / 2 = 500, not a multiple of 16.
+  const PlannedJob tokens =
+      PlanJob(Spec(R"(, "precision": "fp8")", R"({"cp": 2})", "cuda", R"({"preset": "tiny"})", 1000),
+              0);
+  ASSERT_FALSE(tokens.ok());
+  EXPECT_NE(tokens.plan.problems.back().find("seq_len / cp = 500"), std::string::npos)
+      << tokens.plan.problems.back();
+  // The one list of FP8 weights: tiny's 3 Lightning layers' 3 projections, its MLA layer's q_a
+  // (none: q_lora_rank 0), kv_a and out, and 4 dense FFNs of 3.
+  EXPECT_EQ(Fp8LinearWeights(*ModelPreset("tiny")).size(), 3u * 3 + 2 + 4 * 3);
+}
+
+}  // namespace
+}  // namespace spindle
