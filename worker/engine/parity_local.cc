@@ -38,6 +38,9 @@ absl::StatusOr<ParityResult> VerifyLayoutInProcess(const JobSpec& planned,
   MemoryKvStore store;
   std::vector<absl::StatusOr<ParityResult>> results(
       static_cast<size_t>(world), absl::UnknownError("parity: the rank did not run"));
+  // Every rank's trainer lives until all ranks are done: one whose check needs no collective (a
+  // layout with nothing to verify) must not close its connections while a peer still joins them.
+  std::vector<std::unique_ptr<Trainer>> trainers(static_cast<size_t>(world));
   std::vector<std::thread> ranks;
   for (int64_t r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
@@ -55,10 +58,12 @@ absl::StatusOr<ParityResult> VerifyLayoutInProcess(const JobSpec& planned,
         results[r] = trainer.status();
         return;
       }
-      results[r] = (*trainer)->Verify();
+      trainers[r] = *std::move(trainer);
+      results[r] = trainers[r]->Verify();
     });
   }
   for (std::thread& t : ranks) t.join();
+  trainers.clear();
   // The cause first: a rank's own error before the Aborted its peers answer it with.
   for (bool aborted : {false, true})
     for (int64_t r = 0; r < world; ++r) {
