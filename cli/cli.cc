@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "cli/plan_verify.h"
 #include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
@@ -41,10 +42,13 @@ commands:
                                   coordinator is unreachable or slow, never queued twice
   plan JOB.json [--offline]       print the CP plan: modes per layer type and why, the memory
        [--device-memory GIB]      estimate per rank (and how many layers recompute) and every
-                                  problem; plans offline when the coordinator is unreachable or
+       [--verify]                 problem; plans offline when the coordinator is unreachable or
                                   with --offline; --device-memory plans offline against a device
                                   of GIB GiB (e.g. 139.8 for an H200), which also sizes recompute
-                                  "auto"
+                                  "auto"; --verify then checks the plan's layout against cp = 1
+                                  on this machine (spindle-train --verify-only, found through
+                                  SPINDLE_TRAIN_BINARY or beside spindle) and prints the parity
+                                  table; exit code 2 when the layout does not match
   list [--state S] [--limit N]    jobs, newest first (S: queued, placed, running, succeeded,
        [--mine]                   failed, cancelled, restarting; repeatable); every job, page
                                   by page, or the newest N; --mine: only the jobs you submitted
@@ -91,6 +95,8 @@ struct Options {
   bool wait = false;
   bool offline = false;
   bool mine = false;
+  bool verify = false;           // plan: then run the parity canary of the plan here
+  std::string trainer_binary;    // plan --verify: spindle-train (VerifyTrainerBinary)
   double device_memory_gib = 0;  // plan: > 0 plans offline against a device of this size
   bool help = false;
 };
@@ -120,6 +126,10 @@ std::string ParseArgs(const std::vector<std::string>& args, Options* o) {
     }
     if (a == "--mine") {
       o->mine = true;
+      continue;
+    }
+    if (a == "--verify") {
+      o->verify = true;
       continue;
     }
     if (a.size() > 1 && a[0] == '-') {
@@ -442,6 +452,8 @@ constexpr int kListPageSize = 500;
 // (the coordinator keeps a job's newest 1000 events).
 constexpr int kEventPageSize = 500;
 constexpr int kMaxEventPages = 4;
+// `plan --verify`: how long the check of a job's world on this machine may take.
+constexpr absl::Duration kVerifyTimeout = absl::Minutes(10);
 
 std::string FormatTime(int64_t unix_ms) {
   return absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(unix_ms), absl::LocalTimeZone());
@@ -478,6 +490,8 @@ class Cli {
     if ((c == "list" || c == "workers") && !o_.positional.empty())
       return Fail(kExitUsage, absl::StrCat(c, ": takes no arguments, got \"", o_.positional[0],
                                            "\" (run spindle --help)"));
+    if (o_.verify && c != "plan")
+      return Fail(kExitUsage, absl::StrCat(c, ": --verify applies to plan only"));
     if (c == "plan") return Plan();
     if (c == "submit") return Submit();
     if (c == "list") return List();
@@ -571,14 +585,45 @@ class Cli {
     return true;
   }
 
-  int EmitPlan(v1::Plan p) {
+  // Prints the plan of the spec `text`; with --verify, then the parity canary of a plan that can
+  // run.
+  int EmitPlan(v1::Plan p, const std::string& text) {
+    const v1::Plan plan = p;
     ForPrinting(&p);
     if (Json()) {
       out_ << ToJsonLine(p) << "\n";
     } else {
       PrintPlan(p, out_);
     }
-    return p.ok() ? kExitOk : kExitUsage;
+    if (!p.ok()) return kExitUsage;
+    return o_.verify ? VerifyPlan(text, plan) : kExitOk;
+  }
+
+  // plan --verify: the spec with `plan`'s decisions written in, checked by spindle-train
+  // --verify-only (cli/plan_verify.h). 0 when the layout passes (or has nothing to verify), 2
+  // when it does not or the trainer refuses the job, 1 when the trainer fails otherwise.
+  int VerifyPlan(const std::string& text, const v1::Plan& plan) {
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
+    CpPlan decided;
+    PlanFromProto(plan, &decided);
+    const std::string planned = PlannedSpec(*spec, decided).ToJson().dump();
+    absl::StatusOr<ParityCheck> check = RunParityCheck(o_.trainer_binary, planned, kVerifyTimeout);
+    if (!check.ok())
+      return Fail(kExitUsage, absl::StrCat("plan --verify: ", check.status().message()));
+    if (!check->event) {
+      const int code = check->trainer_exit_code == kExitUsage ? kExitUsage : kExitJobFailed;
+      return Fail(code, absl::StrCat("plan --verify: ", o_.trainer_binary, " exited with code ",
+                                     check->trainer_exit_code, ": ",
+                                     check->trainer_error.empty() ? "no parity line"
+                                                                  : check->trainer_error));
+    }
+    if (Json()) {
+      out_ << check->event->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    } else {
+      PrintParity(*check->event, out_);
+    }
+    return ParityOk(*check->event) ? kExitOk : kExitUsage;
   }
 
   int PlanOffline(const std::string& text) {
@@ -588,7 +633,7 @@ class Cli {
     CpPlan plan = CpPlanner().Plan(*spec, device);
     v1::Plan p;
     PlanToProto(plan, &p);
-    return EmitPlan(p);
+    return EmitPlan(p, text);
   }
 
   int Plan() {
@@ -609,7 +654,7 @@ class Cli {
       return PlanOffline(text);
     }
     if (!st.ok()) return RpcFail(st);
-    return EmitPlan(resp.plan());
+    return EmitPlan(resp.plan(), text);
   }
 
   int Submit() {
@@ -955,6 +1000,7 @@ int RunCli(const std::vector<std::string>& args, const std::map<std::string, std
     o.coordinator = it->second;
   if (auto it = env.find("SPINDLE_TOKEN"); it != env.end()) o.token = it->second;
   if (auto it = env.find("SPINDLE_TLS_CA"); it != env.end()) o.tls_ca = it->second;
+  o.trainer_binary = VerifyTrainerBinary(env);
   std::string error = ParseArgs(args, &o);
   if (error.empty()) {
     if (absl::Status a = CheckHostPort("--coordinator", o.coordinator); !a.ok())

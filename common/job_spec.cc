@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -42,6 +43,30 @@ absl::StatusOr<TrainPrecision> ParsePrecision(JsonFields& f) {
   return f.Error("precision", absl::StrCat("must be \"auto\", \"fp32\", \"bf16\" or \"fp8\", "
                                            "got \"",
                                            ShortText(s), "\""));
+}
+
+// parallel.verify: "off", "first" or a positive number of steps (at most the int64 range JSON
+// integers are read in).
+absl::StatusOr<int64_t> ParseVerify(const JsonFields& f, const nlohmann::json& v) {
+  if (v.is_string()) {
+    if (v.get<std::string>() == "off") return ParallelSpec::kVerifyOff;
+    if (v.get<std::string>() == "first") return ParallelSpec::kVerifyFirst;
+  } else if (v.is_number_unsigned()) {
+    const uint64_t n = v.get<uint64_t>();
+    if (n >= 1 && n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return static_cast<int64_t>(n);
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 1) {
+    return v.get<int64_t>();
+  }
+  return f.Error("verify", absl::StrCat("must be \"off\", \"first\" or a positive number of "
+                                        "steps, got ",
+                                        DescribeJson(v)));
+}
+
+nlohmann::json VerifyJson(int64_t verify) {
+  if (verify == ParallelSpec::kVerifyOff) return "off";
+  if (verify == ParallelSpec::kVerifyFirst) return "first";
+  return verify;
 }
 
 // train.recompute: false, true, a number of layers in [0, n_layers], or "auto".
@@ -215,6 +240,9 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     ASSIGN_OR_RETURN(s.parallel.mla_mode, ParseCpMode(pf, "mla_mode"));
     RETURN_IF_ERROR(pf.ReadInt("ulysses", &s.parallel.ulysses));
     RETURN_IF_ERROR(pf.ReadInt("ep", &s.parallel.ep));
+    if (const nlohmann::json* v = pf.Sub("verify")) {
+      ASSIGN_OR_RETURN(s.parallel.verify, ParseVerify(pf, *v));
+    }
     RETURN_IF_ERROR(pf.Finish());
     if (s.parallel.cp < 1 || s.parallel.cp > 1024)
       return pf.Error("cp", absl::StrCat("must be in [1, 1024], got ", s.parallel.cp));
@@ -409,6 +437,9 @@ nlohmann::json JobSpec::ToJson() const {
   // Only the 2-D modes use it: the canonical form of every other job stays as it was.
   if (parallel.ulysses != 1) j["parallel"]["ulysses"] = parallel.ulysses;
   if (parallel.ep > 0) j["parallel"]["ep"] = parallel.ep;
+  // Written only when not the default, as the fields above.
+  if (parallel.verify != ParallelSpec::kVerifyFirst)
+    j["parallel"]["verify"] = VerifyJson(parallel.verify);
   if (train.precision != TrainPrecision::kAuto)
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
   return j;

@@ -7,7 +7,8 @@
 // Example:
 //   {"name": "recall", "model": {"preset": "tiny"},
 //    "data": {"source": "synthetic:recall"}, "seq_len": 4096,
-//    "parallel": {"cp": 1, "dp": 1, "lightning_mode": "auto", "mla_mode": "auto"},
+//    "parallel": {"cp": 1, "dp": 1, "lightning_mode": "auto", "mla_mode": "auto",
+//                 "verify": "first"},
 //    (2-D modes: "parallel": {"cp": 8, "ulysses": 2, "lightning_mode": "hybrid",
 //                             "mla_mode": "hybrid"}; see ParallelSpec)
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
@@ -64,13 +65,22 @@ std::optional<CpMode> CpModeFromName(std::string_view name);
 // u consecutive CP ranks (cp/cp_groups.h). Valid (CheckCpModes in common/cp_modes.h, applied
 // when the spec is parsed): u = 1 unless a mode is "hybrid"; a "hybrid" mode needs u >= 2,
 // u dividing cp with r = cp / u >= 2, and u dividing model.n_heads. "ring" is MLA's only.
+//
+// `verify` (JSON "parallel.verify") says when the parity canary (worker/engine/parity_canary.h)
+// checks the layout against a cp = 1, ep = 1 reference before a step: kVerifyOff ("off") never;
+// kVerifyFirst ("first", the default) before the first step the job runs at a layout it has not
+// verified yet (a fresh start, or a resume from a checkpoint verified at another layout); a
+// positive N before those steps and before every step whose number is a multiple of N.
 struct ParallelSpec {
+  static constexpr int64_t kVerifyOff = 0;
+  static constexpr int64_t kVerifyFirst = -1;
   int64_t cp = 1;
   int64_t dp = 1;
   CpMode lightning_mode = CpMode::kAuto;
   CpMode mla_mode = CpMode::kAuto;
   int64_t ulysses = 1;
   int64_t ep = 0;
+  int64_t verify = kVerifyFirst;
   int64_t world() const { return cp * dp; }
 };
 

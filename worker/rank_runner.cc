@@ -20,6 +20,7 @@
 #include "common/status.h"
 #include "common/text_bounds.h"
 #include "planner/plan_proto.h"
+#include "worker/parity_note.h"
 #include "worker/trainer_event.h"
 
 namespace spindle {
@@ -379,6 +380,15 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       v1::RankNote* n = msg.mutable_note();
       *n->mutable_ref() = ref;
       n->set_text(BoundedUtf8(event->message, kMaxNoteBytes));
+      break;
+    }
+    case TrainerEventKind::kParity: {
+      // The parity canary's verdict, rank 0's, among the job's events (parity_note.h).
+      std::optional<std::string> text = ParityNoteText(*event, ref.rank());
+      if (!text) return;
+      v1::RankNote* n = msg.mutable_note();
+      *n->mutable_ref() = ref;
+      n->set_text(BoundedUtf8(*text, kMaxNoteBytes));
       break;
     }
     default:

@@ -8,6 +8,7 @@
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //   spindle-train --probe-rates [--job JOB.json] [--threads N]
+//   spindle-train --verify-only --job JOB.json [--threads N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
 // "eval", ...}) and one line "spindle-train: <error>" on stderr when it fails. Exit codes:
@@ -39,6 +40,11 @@
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
 // rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
+// --verify-only: the parity canary of the job's plan (parallel.verify, worker/engine/
+// parity_local.h) without a cluster: the spec planned as standalone runs plan it, the job's world
+// as threads of this process on the CPU engine, one forward and backward of a slice of its first
+// sequence at the planned layout against cp = 1, ep = 1; prints the {"event": "parity"} line and
+// exits 0 when the layout passes (or has nothing to verify), 2 when it does not.
 //
 // Jobs with "resources": "cuda" train on the first visible GPU (the worker daemon sets
 // CUDA_VISIBLE_DEVICES per rank) when this binary is built with the CUDA engine; otherwise, and
@@ -73,6 +79,7 @@
 #include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/parity_local.h"
 #include "worker/engine/rate_probe.h"
 #include "worker/engine/trainer.h"
 #include "worker/rendezvous_store.h"
@@ -90,7 +97,8 @@ constexpr char kUsage[] =
     "                     [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n"
-    "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n";
+    "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n"
+    "       spindle-train --verify-only --job JOB.json [--threads N]\n";
 
 // A spec run standalone is planned here, once, as the coordinator plans the jobs it runs:
 // against this machine's device (the GPU's memory, or host memory shared by the world's ranks)
@@ -200,7 +208,7 @@ class Pulse {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> flags;
-  bool eval = false, probe = false;
+  bool eval = false, probe = false, verify_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -213,6 +221,10 @@ int main(int argc, char** argv) {
     }
     if (a == "--probe-rates") {
       probe = true;
+      continue;
+    }
+    if (a == "--verify-only") {
+      verify_only = true;
       continue;
     }
     static const char* kValued[] = {"--job",
@@ -353,6 +365,15 @@ int main(int argc, char** argv) {
   if (!job.ok()) return Fail(job.status());
   if (auto m = spindle::PlannedCpModes(job->spec.parallel, job->spec.model.n_heads); !m.ok())
     return Fail(m.status());
+  if (verify_only) {
+    spindle::LocalParityOptions verify;
+    verify.threads = threads;
+    verify.on_event = PrintEvent;
+    auto parity = spindle::VerifyLayoutInProcess(job->spec, verify);
+    if (!parity.ok()) return Fail(parity.status());
+    if (!parity->passed) return Fail(absl::FailedPreconditionError(parity->FailureMessage()));
+    return 0;
+  }
   if (world == 0) world = job->spec.parallel.world();
   int64_t attempt = 0, resume_step = 0;
   if (flags.count("attempt") && !int_flag("attempt", 0, 0, &attempt)) return 2;

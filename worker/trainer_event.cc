@@ -30,6 +30,19 @@ absl::Status IntField(const Json& obj, const char* name, std::optional<int64_t>*
   return absl::OkStatus();
 }
 
+absl::Status BoolField(const Json& obj, const char* name, std::optional<bool>* out) {
+  auto it = obj.find(name);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(absl::StrCat("trainer event: ", name, ": not a boolean"));
+  }
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
+// A parity event's fields (trainer_event.h).
+absl::Status ParityFields(const Json& obj, TrainerEvent* event);
+
 absl::Status StringField(const Json& obj, const char* name, std::string* out) {
   auto it = obj.find(name);
   if (it == obj.end() || it->is_null()) return absl::OkStatus();
@@ -37,6 +50,43 @@ absl::Status StringField(const Json& obj, const char* name, std::string* out) {
     return absl::InvalidArgumentError(absl::StrCat("trainer event: ", name, ": not a string"));
   }
   *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status ParityFields(const Json& obj, TrainerEvent* event) {
+  absl::Status s;
+  std::optional<bool> skipped;
+  if (!(s = BoolField(obj, "passed", &event->passed)).ok()) return s;
+  if (!(s = BoolField(obj, "skipped", &skipped)).ok()) return s;
+  event->skipped = skipped.value_or(false);
+  for (const auto& [name, out] :
+       {std::pair<const char*, std::optional<double>*>{"max_rel_error", &event->max_rel_error},
+        {"max_excess", &event->max_excess},
+        {"tolerance", &event->tolerance}}) {
+    if (!(s = NumberField(obj, name, out)).ok()) return s;
+  }
+  for (const auto& [name, out] : {std::pair<const char*, std::string*>{"layout", &event->layout},
+                                  {"reference", &event->reference},
+                                  {"reason", &event->reason}}) {
+    if (!(s = StringField(obj, name, out)).ok()) return s;
+  }
+  auto worst = obj.find("worst");
+  if (worst == obj.end() || worst->is_null()) return absl::OkStatus();
+  if (!worst->is_array()) return absl::InvalidArgumentError("trainer event: worst: not an array");
+  for (size_t i = 0; i < worst->size(); ++i) {
+    const Json& row = (*worst)[i];
+    const std::string where = absl::StrCat("trainer event: worst[", i, "]");
+    if (!row.is_object()) return absl::InvalidArgumentError(where + ": not an object");
+    ParityTensorStat stat;
+    std::optional<double> rel, excess;
+    if (!StringField(row, "tensor", &stat.tensor).ok() ||
+        !NumberField(row, "rel_error", &rel).ok() || !NumberField(row, "excess", &excess).ok()) {
+      return absl::InvalidArgumentError(where + ": bad field type");
+    }
+    stat.rel_error = rel.value_or(0.0);
+    stat.excess = excess.value_or(0.0);
+    event->worst.push_back(std::move(stat));
+  }
   return absl::OkStatus();
 }
 
@@ -74,6 +124,8 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
     event.kind = TrainerEventKind::kNote;
   } else if (event.name == "pulse") {
     event.kind = TrainerEventKind::kPulse;
+  } else if (event.name == "parity") {
+    event.kind = TrainerEventKind::kParity;
   }
   absl::Status s;
   if (!(s = IntField(obj, "step", &event.step)).ok()) return s;
@@ -99,6 +151,7 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
   if (!event.step_time_s && !(s = NumberField(obj, "step_s", &event.step_time_s)).ok()) return s;
   if (!(s = StringField(obj, "path", &event.path)).ok()) return s;
   if (!(s = StringField(obj, "message", &event.message)).ok()) return s;
+  if (event.kind == TrainerEventKind::kParity && !(s = ParityFields(obj, &event)).ok()) return s;
   auto comm = obj.find("comm");
   if (comm != obj.end() && !comm->is_null()) {
     if (!comm->is_array()) return absl::InvalidArgumentError("trainer event: comm: not an array");

@@ -3,9 +3,10 @@
 // ignored by the daemon, so the trainer may print other text too).
 //
 // Fields the daemon reads (every one optional except "event"; unknown fields are ignored):
-//   "event":            "start" | "step" | "checkpoint" | "done" | "note" | "pulse"
+//   "event":            "start" | "step" | "checkpoint" | "done" | "note" | "pulse" | "parity"
 //                       (other names: kOther); "note": "message" belongs in the job's events;
-//                       "pulse": the trainer is alive (--pulse-ms)
+//                       "pulse": the trainer is alive (--pulse-ms); "parity": the parity
+//                       canary's verdict (worker/engine/parity_canary.h), fields below
 //   "step":             int, the step just completed (checkpoint: the step saved; start: the
 //                       step training starts from, 0 or the resumed checkpoint's step)
 //   "total_steps":      int
@@ -29,6 +30,9 @@
 //                        "bias_max": [float], "router_lse_sq": [float]}: a MoE job's layers
 //                       after the step, one entry each (Model::FinishMoeStep)
 //   "path":             string, checkpoint directory (checkpoint events)
+//   parity events:      "passed" (bool), "skipped" (bool), "max_rel_error", "max_excess",
+//                       "tolerance" (numbers), "layout", "reference", "reason" (strings),
+//                       "worst": [{"tensor": string, "rel_error": number, "excess": number}]
 //   "message":          string, free text
 //
 // Plain data; no thread-safety concerns.
@@ -44,7 +48,7 @@
 
 namespace spindle {
 
-enum class TrainerEventKind { kStart, kStep, kCheckpoint, kDone, kNote, kPulse, kOther };
+enum class TrainerEventKind { kStart, kStep, kCheckpoint, kDone, kNote, kPulse, kParity, kOther };
 
 struct CommStat {
   std::string collective;
@@ -58,6 +62,12 @@ struct CommStat {
 struct MoeLayerStat {
   int64_t layer = 0;
   double load_max_over_mean = 0, bias_min = 0, bias_max = 0, router_lse_sq = 0;
+};
+
+// One row of a parity event's table of worst tensors.
+struct ParityTensorStat {
+  std::string tensor;
+  double rel_error = 0, excess = 0;
 };
 
 struct TrainerEvent {
@@ -81,6 +91,12 @@ struct TrainerEvent {
   std::vector<MoeLayerStat> moe;
   std::string path;
   std::string message;
+  // Parity events.
+  std::optional<bool> passed;
+  bool skipped = false;
+  std::optional<double> max_rel_error, max_excess, tolerance;
+  std::string layout, reference, reason;
+  std::vector<ParityTensorStat> worst;
 };
 
 // Parses one stdout line. InvalidArgument when the line is not a JSON object with a string

@@ -86,6 +86,12 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(MetricsRegi
                    registry->CounterFamily("spindle_restarts_total",
                                            "Restarted attempts of the rank started on this worker.",
                                            rank_labels));
+  ASSIGN_OR_RETURN(m->parity_,
+                   registry->GaugeFamily("spindle_parity_max_rel_error",
+                                         "The parity canary's largest relative gradient error "
+                                         "(max |g - g_ref| / max |g_ref| over tensors) of the "
+                                         "job's layout against cp = 1, ep = 1, last check.",
+                                         rank_labels));
   ASSIGN_OR_RETURN(m->exits_,
                    registry->CounterFamily("spindle_worker_trainer_exits_total",
                                            "Trainer process exits by reason.", {"reason"}));
@@ -136,6 +142,10 @@ void WorkerMetrics::OnTrainerEvent(const std::string& job, int64_t rank, const T
   if (event.kind == TrainerEventKind::kStart) {
     state.last_step = event.step;
     state.last_elapsed_s = event.elapsed_s;
+  }
+  if (event.kind == TrainerEventKind::kParity && !event.skipped) {
+    SetGauge(parity_, labels, event.max_rel_error);
+    return;
   }
   if (event.kind != TrainerEventKind::kStep) return;
   SetGauge(tokens_per_second_, labels, event.tokens_per_s);
@@ -235,7 +245,7 @@ void WorkerMetrics::DropJob(const std::string& job) {
     }
     const MetricLabels labels = RankLabels(job, it->first.second);
     const std::string rank = absl::StrCat(it->first.second);
-    for (Family<Gauge>* g : {tokens_per_second_, loss_, mfu_, step_, host_rss_}) {
+    for (Family<Gauge>* g : {tokens_per_second_, loss_, mfu_, step_, host_rss_, parity_}) {
       g->Remove(labels).IgnoreError();
     }
     step_seconds_->Remove(labels).IgnoreError();

@@ -13,6 +13,8 @@
 //   spindle_comm_seconds_total{collective, layer_type}  counter
 //   spindle_comm_bytes_total{collective, layer_type}    counter
 //   spindle_restarts_total                counter (attempts after the first started here)
+//   spindle_parity_max_rel_error          gauge (the parity canary's largest relative gradient
+//                                         error against cp = 1, ep = 1, of its last check)
 // Mixture-of-experts jobs, per MoE layer ({job_id, rank, layer}):
 //   spindle_moe_expert_load_ratio         gauge (max over mean tokens per expert in the last step)
 //   spindle_moe_router_bias{bound}        gauge, bound = min | max (the balancing biases' range)
@@ -103,6 +105,7 @@ class WorkerMetrics {
   Family<Counter>* comm_seconds_ = nullptr;
   Family<Counter>* comm_bytes_ = nullptr;
   Family<Counter>* restarts_ = nullptr;
+  Family<Gauge>* parity_ = nullptr;
   Family<Counter>* exits_ = nullptr;
   Gauge* running_ranks_ = nullptr;
   Gauge* slots_ = nullptr;

@@ -3,6 +3,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
@@ -58,6 +60,46 @@ TEST(JobSpecTest, RecomputeTakesABoolACountOrAuto) {
     EXPECT_EQ(s.status().message(),
               "job spec: train.recompute: must be false, true, \"auto\" or a number of layers in "
               "[0, 4], got " +
+                  bad);
+  }
+}
+
+// parallel.verify: "first" by default (left out of the canonical JSON), "off" or a positive number
+// of steps; each round-trips; anything else is refused with one error naming the field.
+TEST(JobSpecTest, VerifyIsOffFirstOrEveryNSteps) {
+  auto with = [](const std::string& v) {
+    return ParseJobSpec(R"({"name": "v", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "parallel": {"cp": 2, "verify": )" +
+                        v + "}}");
+  };
+  EXPECT_EQ(ParseJobSpec(kValid)->parallel.verify, ParallelSpec::kVerifyFirst);
+  EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["parallel"].contains("verify"));
+  struct Case {
+    std::string json;
+    int64_t verify;
+  };
+  for (const Case& c :
+       {Case{"\"first\"", ParallelSpec::kVerifyFirst}, Case{"\"off\"", ParallelSpec::kVerifyOff},
+        Case{"1", 1}, Case{"50", 50}, Case{"9223372036854775807", INT64_MAX}}) {
+    auto s = with(c.json);
+    ASSERT_TRUE(s.ok()) << c.json << ": " << s.status();
+    EXPECT_EQ(s->parallel.verify, c.verify) << c.json;
+    auto again = ParseJobSpecJson(s->ToJson());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->parallel.verify, c.verify) << c.json;
+    EXPECT_EQ(again->ToJson(), s->ToJson());
+  }
+  EXPECT_FALSE(with("\"first\"")->ToJson()["parallel"].contains("verify"));
+  EXPECT_EQ(with("\"off\"")->ToJson()["parallel"]["verify"], "off");
+  EXPECT_EQ(with("50")->ToJson()["parallel"]["verify"], 50);
+  for (const std::string bad :
+       {"0", "-3", "1.5", "\"every\"", "\"First\"", "true", "null", "[1]", "9223372036854775808"}) {
+    auto s = with(bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(s.status().message(),
+              "job spec: parallel.verify: must be \"off\", \"first\" or a positive number of "
+              "steps, got " +
                   bad);
   }
 }

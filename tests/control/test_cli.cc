@@ -6,8 +6,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_split.h"
 #include "coordinator/coordinator_server.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/control/test_util.h"
 
 namespace spindle {
@@ -115,6 +117,72 @@ TEST_F(CliTest, PlanOfflineListsProblemsAndExitsTwo) {
       << r.out;
   r = RunSpindle({"plan", bad, "--offline", "--output", "json"});
   EXPECT_NE(r.out.find("\"ok\":false"), std::string::npos) << r.out;
+}
+
+#ifndef SPINDLE_TRAIN_BINARY
+#define SPINDLE_TRAIN_BINARY ""
+#endif
+#ifndef SPINDLE_TRAIN_FAULT_BINARY
+#define SPINDLE_TRAIN_FAULT_BINARY ""
+#endif
+
+// plan --verify: after the plan, the plan's layout is checked on this machine by spindle-train
+// --verify-only (SPINDLE_TRAIN_BINARY), which prints the parity table (exit code 0), or, with a
+// trainer built with a broken Lightning AllGather, the failing tensors (exit code 2). A trainer
+// that cannot be run, a plan with problems and --verify on another command are named.
+TEST_F(CliTest, PlanVerifyChecksThePlannedLayoutThroughTheTrainer) {
+  if (std::string(SPINDLE_TRAIN_BINARY).empty()) GTEST_SKIP() << "spindle-train is not built";
+  const std::string spec =
+      WriteSpec("verify.json", testing::SpecJson(2, 1, 0, 3, R"(, "lightning_mode": "allgather")"));
+  const std::map<std::string, std::string> env = {{"SPINDLE_TRAIN_BINARY", SPINDLE_TRAIN_BINARY}};
+  Result r = RunSpindle({"plan", spec, "--offline", "--verify"}, env);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("ok: the job can run\nparity: passed: cp=2 dp=1 ep=1 lightning=allgather "
+                       "mla=all2all against cp=1 ep=1 on one rank on a 256-token slice of the "
+                       "job's data (checked here on the CPU engine)\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(
+      r.out.find("  tensor                                 rel error       noise     / bound\n"),
+      std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("<- over"), std::string::npos) << r.out;
+  // JSON: the plan's line, then the trainer's parity line.
+  r = RunSpindle({"plan", spec, "--offline", "--verify", "--output", "json"}, env);
+  EXPECT_EQ(r.code, 0) << r.err;
+  const std::vector<std::string> lines = absl::StrSplit(r.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  const nlohmann::json parity = nlohmann::json::parse(lines[1]);
+  EXPECT_EQ(parity["event"], "parity");
+  EXPECT_EQ(parity["passed"], true);
+  // A layout that does not compute the model.
+  if (!std::string(SPINDLE_TRAIN_FAULT_BINARY).empty()) {
+    r = RunSpindle({"plan", spec, "--offline", "--verify"},
+                   {{"SPINDLE_TRAIN_BINARY", SPINDLE_TRAIN_FAULT_BINARY}});
+    EXPECT_EQ(r.code, kExitUsage) << r.err;
+    EXPECT_NE(r.out.find("parity: FAILED: cp=2 dp=1 ep=1 lightning=allgather mla=all2all"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find(".la."), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("<- over"), std::string::npos) << r.out;
+  }
+  r = RunSpindle({"plan", spec, "--offline", "--verify"},
+                 {{"SPINDLE_TRAIN_BINARY", dir_.File("no-such-trainer")}});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err.rfind("spindle: plan --verify: cannot run " + dir_.File("no-such-trainer"), 0),
+            0u)
+      << r.err;
+  EXPECT_NE(r.err.find("set SPINDLE_TRAIN_BINARY to the spindle-train binary"), std::string::npos)
+      << r.err;
+  // A plan with problems is not verified.
+  const std::string bad =
+      WriteSpec("bad.json", testing::SpecJson(8, 1, 0, 3, R"(, "mla_mode": "all2all")"));
+  r = RunSpindle({"plan", bad, "--offline", "--verify"}, env);
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.out.find("parity:"), std::string::npos) << r.out;
+  r = RunSpindle({"list", "--verify"}, env);
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, "spindle: list: --verify applies to plan only\n");
 }
 
 // The Ring and hybrid modes: their groups, reasons and bytes per step in the plan.

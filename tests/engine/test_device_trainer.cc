@@ -412,7 +412,9 @@ TEST(DeviceTrainerTest, ContextParallelMatchesTheCpuContextParallelRun) {
     CpuDeviceBackend::cp_groups_set = 0;
     CpuDeviceBackend::cp_passes = 0;
     CpuDeviceBackend::cp_share_targets = 0;
-    const JobSpec spec = Job(steps, "cuda", dp, micro, /*cp=*/2);
+    // The steps' passes alone (no parity canary before the first).
+    JobSpec spec = Job(steps, "cuda", dp, micro, /*cp=*/2);
+    spec.parallel.verify = ParallelSpec::kVerifyOff;
     auto dev = WorldTrain(spec);
     ASSERT_TRUE(dev.ok()) << dev.status();
     ASSERT_EQ(dev->losses.size(), static_cast<size_t>(steps));
@@ -445,16 +447,19 @@ TEST(DeviceTrainerTest, ContextParallelMatchesTheCpuContextParallelRun) {
 }
 
 // A device per rank: the gradient sums and the CP group go through the backend's device
-// communicators, with the CPU run's results; a shared device keeps the host path.
+// communicators, with the CPU run's results; a shared device keeps the host path. The parity
+// canary before the first step sums its gradients the same way (one more sum per rank) and leaves
+// the results as they were.
 TEST(DeviceTrainerTest, RanksWithDevicesOfTheirOwnUseDeviceCollectives) {
   const int64_t steps = 3, micro = 2, dp = 2, world = 4;
   auto cpu = WorldTrain(Job(steps, "cpu", dp, micro, /*cp=*/2));
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   struct Case {
     CpuDeviceBackend::Devices devices;
-    int64_t comms, grad_sums;  // expected: world + CP groups' ranks; a sum per rank and step
+    int64_t comms, grad_sums;  // expected: world + CP groups' ranks; a sum per rank and step,
+                               // and the canary's
   };
-  for (const Case& c : {Case{CpuDeviceBackend::Devices::kOwn, 2 * world, steps * world},
+  for (const Case& c : {Case{CpuDeviceBackend::Devices::kOwn, 2 * world, (steps + 1) * world},
                         Case{CpuDeviceBackend::Devices::kShared, 0, 0}}) {
     SCOPED_TRACE(c.devices == CpuDeviceBackend::Devices::kOwn ? "own devices" : "shared device");
     CpuDeviceBackend::devices = c.devices;

@@ -3,7 +3,11 @@
 // exactly one line on stderr naming the problem, and nothing written to the checkpoint directory.
 // Jobs with resources "cuda" run only where they can: without the CUDA engine, or at a cp > 1 that
 // does not divide n_heads (MLA has no allgather mode on CUDA), they are rejected the same way; on
-// a CUDA build without a GPU they fail with one line (exit 1).
+// a CUDA build without a GPU they fail with one line (exit 1). --verify-only checks a job's layout
+// in one process and prints one passing parity line (exit 0), or the skipped line where there is
+// nothing to verify, writing no checkpoint; the same binary built with a broken Lightning
+// AllGather (SPINDLE_TRAIN_FAULT_BINARY, tests/CMakeLists.txt) prints a failing line and exits 2
+// with one line naming the worst tensors.
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,9 +19,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 #ifndef SPINDLE_TRAIN_BINARY
 #define SPINDLE_TRAIN_BINARY ""
+#endif
+#ifndef SPINDLE_TRAIN_FAULT_BINARY
+#define SPINDLE_TRAIN_FAULT_BINARY ""
 #endif
 
 namespace spindle {
@@ -40,8 +48,8 @@ class TrainBinaryTest : public ::testing::Test {
                                  R"(, "seq_len": 64, "train": {"steps": 2},
                                  "checkpoint": {"dir": ")" + dir_ + R"(/ckpt", "every": 1}})");
   }
-  CommandResult Run(std::vector<std::string> args) {
-    args.insert(args.begin(), SPINDLE_TRAIN_BINARY);
+  CommandResult Run(std::vector<std::string> args, const char* binary = SPINDLE_TRAIN_BINARY) {
+    args.insert(args.begin(), binary);
     auto r = RunCommand(args, "", absl::Seconds(120));
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : CommandResult{};
@@ -213,6 +221,82 @@ TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {
                       "build has no CUDA engine");
   EXPECT_FALSE(CheckpointDirExists());
 #endif
+}
+
+// A tiny job at cp = 4 in the hybrid modes (Ulysses groups of 2) and dp = 2 (eight ranks as
+// threads), with a checkpoint directory that the check must leave alone.
+std::string VerifyJob(TrainBinaryTest* t, const std::string& parallel,
+                      const std::string& resources = "cpu") {
+  (void)t;
+  return absl::StrCat(R"({"name": "v", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:copy", "recall_gap": 40}, "seq_len": 256,
+      "parallel": )",
+                      parallel, R"(, "train": {"steps": 5, "seed": 11},
+      "checkpoint": {"dir": "CKPT", "every": 1}, "resources": ")",
+                      resources, R"("})");
+}
+
+nlohmann::json OneEventLine(const CommandResult& r) {
+  EXPECT_EQ(std::count(r.stdout_text.begin(), r.stdout_text.end(), '\n'), 1) << r.stdout_text;
+  return nlohmann::json::parse(r.stdout_text, nullptr, false);
+}
+
+TEST_F(TrainBinaryTest, VerifyOnlyChecksTheLayoutAndTrainsNothing) {
+  auto job = [&](const std::string& parallel, const std::string& resources = "cpu") {
+    std::string text = VerifyJob(this, parallel, resources);
+    text.replace(text.find("CKPT"), 4, dir_ + "/ckpt");
+    return Write("verify.json", text);
+  };
+  CommandResult ok = Run(
+      {"--verify-only", "--job", job(R"({"cp": 4, "dp": 2, "ulysses": 2, "lightning_mode": "hybrid",
+                                  "mla_mode": "hybrid"})")});
+  EXPECT_EQ(ok.exit_code, 0) << ok.stderr_text;
+  nlohmann::json e = OneEventLine(ok);
+  EXPECT_EQ(e["event"], "parity");
+  EXPECT_EQ(e["passed"], true) << e.dump();
+  EXPECT_EQ(e["layout"], "cp=4 dp=2 ep=1 lightning=hybrid mla=hybrid ulysses=2");
+  EXPECT_EQ(e["tolerance"], 1e-3);
+  EXPECT_LE(e["max_excess"].get<double>(), 1.0);
+  EXPECT_EQ(e["tokens"], 256);  // 2 x 4 chunks of the job's 32 tokens
+  EXPECT_FALSE(CheckpointDirExists());
+  // A GPU job's layout, checked on the CPU engine with its bf16 storage emulated.
+  CommandResult gpu = Run({"--verify-only", "--job", job(R"({"cp": 2})", "cuda")});
+  EXPECT_EQ(gpu.exit_code, 0) << gpu.stderr_text;
+  e = OneEventLine(gpu);
+  EXPECT_EQ(e["passed"], true) << e.dump();
+  EXPECT_EQ(e["layout"], "cp=2 dp=1 ep=1 lightning=all2all mla=all2all");
+  EXPECT_EQ(e["tolerance"], 0.1);
+  // cp = 1, ep = 1: nothing to verify.
+  CommandResult one = Run({"--verify-only", "--job", job(R"({"cp": 1, "dp": 2})")});
+  EXPECT_EQ(one.exit_code, 0) << one.stderr_text;
+  e = OneEventLine(one);
+  EXPECT_EQ(e["skipped"], true) << e.dump();
+  // A plan that cannot run is refused as a training run would be.
+  ExpectRejected(Run({"--verify-only", "--job", job(R"({"cp": 3, "mla_mode": "all2all"})")}),
+                 "all2all needs n_heads divisible by cp");
+  EXPECT_FALSE(CheckpointDirExists());
+}
+
+TEST_F(TrainBinaryTest, VerifyOnlyFailsABrokenLayoutWithExitCode2) {
+  if (std::string(SPINDLE_TRAIN_FAULT_BINARY).empty())
+    GTEST_SKIP() << "the broken-layout spindle-train is not built";
+  std::string text = VerifyJob(this, R"({"cp": 2, "lightning_mode": "allgather"})");
+  text.replace(text.find("CKPT"), 4, dir_ + "/ckpt");
+  CommandResult bad =
+      Run({"--verify-only", "--job", Write("bad.json", text)}, SPINDLE_TRAIN_FAULT_BINARY);
+  EXPECT_EQ(bad.exit_code, 2) << bad.stderr_text;
+  nlohmann::json e = OneEventLine(bad);
+  EXPECT_EQ(e["passed"], false) << e.dump();
+  EXPECT_GT(e["max_excess"].get<double>(), 1.0);
+  EXPECT_EQ(std::count(bad.stderr_text.begin(), bad.stderr_text.end(), '\n'), 1) << bad.stderr_text;
+  EXPECT_EQ(bad.stderr_text.rfind("spindle-train: parity: the layout cp=2 dp=1 ep=1 "
+                                  "lightning=allgather mla=all2all does not compute what cp=1 "
+                                  "ep=1 on one rank computes",
+                                  0),
+            0u)
+      << bad.stderr_text;
+  EXPECT_NE(bad.stderr_text.find(".la."), std::string::npos) << bad.stderr_text;
+  EXPECT_FALSE(CheckpointDirExists());
 }
 
 }  // namespace

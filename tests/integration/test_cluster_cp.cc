@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -169,6 +170,13 @@ TEST_P(ClusterCpTest, CpJobRunsOnCpuWorkersToSuccessWithProgress) {
   EXPECT_GT(job->loss(), 0.0);
   EXPECT_LT(job->loss(), 6.0);
   EXPECT_EQ(job->last_checkpoint_step(), 8);
+  // The parity canary (parallel.verify "first") checked the layout before the first step: rank
+  // 0's verdict is one of the job's events.
+  int parity = 0;
+  for (const v1::JobEvent& e : job->events())
+    parity += absl::StartsWith(e.message(), "rank 0: parity: passed before step 1: cp=" +
+                                                std::to_string(cp) + " dp=1 ep=1 ");
+  EXPECT_EQ(parity, 1) << ClusterHarness::Events(*job);
 }
 
 // A worker started with --probe_rates measures its CPU kernels through the real trainer binary

@@ -2,7 +2,8 @@
 // job spec file, progress and checkpoint lines relayed as coordinator messages, exits reported
 // with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines;
 // the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES; the real trainer's
-// first pulse.
+// first pulse; parity lines become rank 0's job event (a RankNote) and every rank's
+// spindle_parity_max_rel_error.
 #include <signal.h>
 
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "tests/integration/planned_job_util.h"
 #include "tests/integration/worker_test_util.h"
+#include "worker/parity_note.h"
 #include "worker/path_roots.h"
 #include "worker/rank_runner.h"
 #include "worker/trainer_event.h"
@@ -370,6 +372,69 @@ TEST(TrainerEventTest, ParsesKnownFieldsAndRejectsBadTypes) {
   // A line nesting 100,000 arrays is refused before it is parsed.
   EXPECT_EQ(ParseTrainerEvent("{\"a\":" + std::string(100000, '[')).status().message(),
             "trainer event: nesting deeper than 64 levels");
+}
+
+// The parity canary's lines: every rank's largest error becomes its gauge; rank 0's verdict
+// becomes a note (a job event), a failing one naming the tensors above their bound; the trainer's
+// exit code 2 is relayed as is.
+TEST_F(RankRunnerTest, ParityLinesBecomeRankZerosJobEventAndEveryRanksGauge) {
+  const std::string trainer = WriteScript(
+      dir_, "trainer.sh",
+      "echo '{\"event\":\"parity\",\"step\":1,\"passed\":false,\"max_rel_error\":2.5,"
+      "\"max_excess\":25,\"tolerance\":0.001,\"layout\":\"cp=2 dp=1 ep=1 lightning=allgather "
+      "mla=all2all\",\"reference\":\"cp=1 ep=1 on one rank\",\"tokens\":128,\"worst\":["
+      "{\"tensor\":\"layers.0.la.qkv.weight\",\"rel_error\":2.5,\"noise\":0.01,\"excess\":25},"
+      "{\"tensor\":\"layers.1.la.out.weight\",\"rel_error\":0.4,\"noise\":0.01,\"excess\":4},"
+      "{\"tensor\":\"layers.3.mla.q.weight\",\"rel_error\":1e-4,\"noise\":0.01,\"excess\":0.1}]}'\n"
+      "echo 'spindle-train: parity: the layout does not compute what cp=1 computes' >&2\n"
+      "exit 2\n");
+  RankRunner runner(Options(trainer), metrics_.get(), &sink_);
+  for (int rank : {0, 1}) ASSERT_TRUE(runner.Start(MakeAssignment("j-p", 1, rank, 2)).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == 2; }));
+  auto notes = sink_.Of(v1::WorkerMessage::kNote);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].note().ref().rank(), 0);
+  EXPECT_EQ(notes[0].note().text(),
+            "parity: FAILED before step 1: cp=2 dp=1 ep=1 lightning=allgather mla=all2all does "
+            "not compute what cp=1 ep=1 on one rank computes (max relative gradient error 2.5, "
+            "25 times its bound); worst tensors: layers.0.la.qkv.weight 2.5, "
+            "layers.1.la.out.weight 0.4");
+  for (const v1::WorkerMessage& m : sink_.Of(v1::WorkerMessage::kRankExit))
+    EXPECT_EQ(m.rank_exit().exit_code(), 2);
+  const std::string text = registry_.Serialize();
+  EXPECT_THAT(text, HasSubstr("spindle_parity_max_rel_error{job_id=\"j-p\",rank=\"0\"} 2.5\n"));
+  EXPECT_THAT(text, HasSubstr("spindle_parity_max_rel_error{job_id=\"j-p\",rank=\"1\"} 2.5\n"));
+}
+
+TEST(TrainerEventTest, ParsesParityLines) {
+  absl::StatusOr<TrainerEvent> e = ParseTrainerEvent(
+      R"({"event":"parity","step":4,"passed":true,"max_rel_error":3e-7,"max_excess":2e-4,)"
+      R"("tolerance":0.001,"layout":"cp=2 dp=1 ep=1 lightning=all2all mla=all2all",)"
+      R"("reference":"cp=1 ep=1 on one rank","worst":[{"tensor":"final_norm.weight",)"
+      R"("rel_error":3e-7,"noise":1e-4,"excess":2e-4}]})");
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->kind, TrainerEventKind::kParity);
+  EXPECT_TRUE(*e->passed);
+  EXPECT_FALSE(e->skipped);
+  EXPECT_DOUBLE_EQ(*e->max_rel_error, 3e-7);
+  ASSERT_EQ(e->worst.size(), 1u);
+  EXPECT_EQ(e->worst[0].tensor, "final_norm.weight");
+  EXPECT_EQ(*ParityNoteText(*e, 0),
+            "parity: passed before step 4: cp=2 dp=1 ep=1 lightning=all2all mla=all2all computes "
+            "what cp=1 ep=1 on one rank computes (max relative gradient error 3e-07, 0.0002 of its "
+            "bound)");
+  EXPECT_FALSE(ParityNoteText(*e, 1).has_value());
+  absl::StatusOr<TrainerEvent> skipped = ParseTrainerEvent(
+      R"({"event":"parity","step":1,"skipped":true,"layout":"cp=1 dp=2 ep=1",)"
+      R"("reason":"cp = 1 and ep = 1: the layout is the reference; nothing to verify"})");
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_EQ(*ParityNoteText(*skipped, 0),
+            "parity: skipped before step 1: cp=1 dp=2 ep=1: cp = 1 and ep = 1: the layout is the "
+            "reference; nothing to verify");
+  EXPECT_EQ(ParseTrainerEvent(R"({"event":"parity","passed":"yes"})").status().message(),
+            "trainer event: passed: not a boolean");
+  EXPECT_EQ(ParseTrainerEvent(R"({"event":"parity","worst":[{"tensor":1}]})").status().message(),
+            "trainer event: worst[0]: bad field type");
 }
 
 // A checkpoint directory or data file outside the worker's roots ends the rank with exit code 2

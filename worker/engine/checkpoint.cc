@@ -443,6 +443,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
       {"files",
        {{"model.safetensors", {{"bytes", model_file.bytes}, {"crc32", model_file.crc32}}},
         {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
+  if (!state.verified_layout.empty()) st["verified_layout"] = state.verified_layout;
   RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
   RETURN_IF_ERROR(SyncDir(tmp));
   if (attempt > 0) {
@@ -656,6 +657,8 @@ absl::StatusOr<TrainState> LoadCheckpoint(const std::string& dir, ParamSet& para
   s.seed = st.value("seed", uint64_t{0});
   s.rng_counter = st.value("rng_counter", uint64_t{0});
   s.loss = st.contains("loss") && st["loss"].is_number() ? st["loss"].get<double>() : 0.0;
+  if (st.contains("verified_layout") && st["verified_layout"].is_string())
+    s.verified_layout = st["verified_layout"].get<std::string>();
   return s;
 }
 

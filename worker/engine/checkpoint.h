@@ -42,6 +42,9 @@ struct TrainState {
   uint64_t seed = 0;
   uint64_t rng_counter = 0;  // draws taken from the trainer's generator
   double loss = 0;           // the loss of step `step` (0: not recorded)
+  // The layout (ParityLayoutKey, parity_canary.h) the parity canary last passed at, so that a
+  // restart at that layout does not verify it again; empty: none (or written before the field).
+  std::string verified_layout;
 };
 
 // The whole tensors of a ParamSet's sharded parameters (ParamInfo::sharded, expert parallelism),

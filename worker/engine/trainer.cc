@@ -356,8 +356,16 @@ absl::Status Trainer::Run() {
           {"total_steps", spec.train.steps},
           {"loss", state_.loss},
           {"resumed", true}});
+  // Set once the parity canary could not run here (its reference did not fit): not retried.
+  bool parity_unavailable = false;
   while (state_.step < spec.train.steps) {
     if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
+    if (!parity_unavailable && ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
+                                         ParityLayoutKey(spec, modes_))) {
+      ASSIGN_OR_RETURN(const ParityResult parity, Verify());
+      if (!parity.passed) return absl::FailedPreconditionError(parity.FailureMessage());
+      parity_unavailable = parity.skipped && ParityApplies(spec.parallel);
+    }
     RETURN_IF_ERROR(Step());
     const bool last = state_.step == spec.train.steps;
     const bool due = spec.checkpoint.every > 0 && state_.step % spec.checkpoint.every == 0;
@@ -495,17 +503,7 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   // This rank's tokens: its 1/cp share of each of its replica's sequences (the job's throughput
   // is the sum over ranks, as the coordinator and the dashboards add it up).
   const double tokens = static_cast<double>(spec.seq_len * mb) / static_cast<double>(cp_);
-  nlohmann::json comm = nlohmann::json::array();
-  for (Communicator* c :
-       {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
-        device_world_comm_.get(), device_cp_comm_.get(), ep_comm_.get(), expert_dp_comm_.get()}) {
-    if (!c) continue;
-    for (const auto& [key, amount] : c->TakeStats())
-      comm.push_back({{"collective", CollectiveName(key.first)},
-                      {"layer_type", CommLayerName(key.second)},
-                      {"seconds", amount.seconds},
-                      {"bytes", amount.bytes}});
-  }
+  nlohmann::json comm = TakeCommStats();
   nlohmann::json e = {{"event", "step"},
                       {"step", state_.step},
                       {"total_steps", spec.train.steps},
@@ -521,6 +519,80 @@ void Trainer::FinishStep(std::chrono::steady_clock::time_point t0, double loss, 
   if (extra.is_object()) e.update(extra);
   if (const double peak = backend_->PeakFlops(); peak > 0) e["mfu"] = flops / dt / peak;
   Emit(std::move(e));
+}
+
+nlohmann::json Trainer::TakeCommStats() {
+  nlohmann::json comm = nlohmann::json::array();
+  for (Communicator* c :
+       {world_comm_.get(), cp_comm_.get(), ulysses_comm_.get(), ring_comm_.get(),
+        device_world_comm_.get(), device_cp_comm_.get(), ep_comm_.get(), expert_dp_comm_.get()}) {
+    if (!c) continue;
+    for (const auto& [key, amount] : c->TakeStats())
+      comm.push_back({{"collective", CollectiveName(key.first)},
+                      {"layer_type", CommLayerName(key.second)},
+                      {"seconds", amount.seconds},
+                      {"bytes", amount.bytes}});
+  }
+  return comm;
+}
+
+absl::StatusOr<ParityResult> Trainer::Verify() {
+  const JobSpec& spec = opt_.spec;
+  const std::string key = ParityLayoutKey(spec, modes_);
+  const int64_t next_step = state_.step + 1;
+  if (!ParityApplies(spec.parallel)) {
+    const ParityResult r = SkippedParity(spec.parallel, modes_);
+    state_.verified_layout = key;
+    Emit(r.ToEvent(next_step));
+    return r;
+  }
+  ParityGang gang;
+  gang.layout = DescribeParityLayout(spec.parallel, modes_);
+  gang.rank = opt_.rank;
+  gang.world = opt_.world;
+  gang.cp = cp_;
+  gang.cp_rank = cp_rank_;
+  gang.dp = dp_;
+  gang.ep = ep_;
+  gang.shard_ulysses = HybridModes() ? ulysses_ : 1;
+  gang.modes = modes_;
+  gang.recompute = recompute_;
+  gang.world_comm = world_comm_.get();
+  gang.device_world = device_world_comm_.get();
+  gang.expert_dp = expert_dp_comm_.get();
+  // The numbers the check runs at (ParityPrecision: an fp8 job's layout at bf16), on both sides.
+  const TrainPrecision precision = ParityPrecision(spec.train.precision);
+  // The reference: the job's engine and model at cp = 1, ep = 1.
+  const StepBackendFactory device = spec.resources == "cuda" ? opt_.cuda_backend : nullptr;
+  ReferenceBackendFactory reference =
+      [&spec, device, precision]() -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    std::unique_ptr<StepBackend> b;
+    if (device) {
+      ASSIGN_OR_RETURN(b, device(spec.model, spec.train.seed, /*cp=*/1, /*ep=*/1, 0));
+    } else {
+      ASSIGN_OR_RETURN(b, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train, 1, 0));
+    }
+    RETURN_IF_ERROR(b->SetPrecision(precision));
+    return b;
+  };
+  ParityOptions options;
+  options.precision = precision;
+  options.resources = spec.resources;
+  if (precision != spec.train.precision) RETURN_IF_ERROR(backend_->SetPrecision(precision));
+  absl::StatusOr<ParityResult> checked = RunParityCanary(
+      *backend_, gang, data_->Sequence(state_.data_position), data_->eos_id(), reference, options);
+  if (precision != spec.train.precision)
+    RETURN_IF_ERROR(backend_->SetPrecision(spec.train.precision));
+  ASSIGN_OR_RETURN(ParityResult r, std::move(checked));
+  // The canary's traffic is its own, not the next step's.
+  int64_t bytes = 0;
+  for (const nlohmann::json& c : TakeCommStats()) bytes += c["bytes"].get<int64_t>();
+  nlohmann::json e = r.ToEvent(next_step);
+  e["comm_bytes"] = bytes;
+  e["precision"] = std::string(TrainPrecisionName(precision));
+  if (r.passed && !r.skipped) state_.verified_layout = key;
+  Emit(std::move(e));
+  return r;
 }
 
 // Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as

@@ -29,6 +29,13 @@
 // The spec is planned (planner/cp_planner.h, PlannedSpec): its CP modes and recompute are applied
 // as given; "auto" or "fastest" modes at cp > 1 and an "auto" recompute are refused at Create().
 //
+// parallel.verify (parity_canary.h): before the steps ParityDue names (by default the first step
+// at a layout the job has not verified: a fresh start, or a resume from a checkpoint verified at
+// another layout) every rank runs the parity canary, emits {"event": "parity", ...} and records
+// the verified layout in its state (and so in its checkpoints); a mismatch ends Run() with
+// FailedPrecondition naming the worst tensors. The canary's collectives are left out of the step
+// events' "comm" (the parity event carries their bytes).
+//
 // train.precision: the backend is handed it (SetPrecision): the CPU model runs the numerics
 // CpuNumerics() gives (fp32, or the emulated bf16 storage and FP8 inputs of numerics.h); a device
 // backend refuses what it does not run. The start event names it ("precision").
@@ -74,6 +81,7 @@
 #include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/parity_canary.h"
 #include "worker/engine/recompute.h"
 #include "worker/engine/step_backend.h"
 
@@ -112,6 +120,10 @@ class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options);
   absl::Status Run();
+  // Runs the parity canary now, before the next step (whatever parallel.verify says), emits its
+  // event and, when it passed, records the layout as verified. A mismatch is a result with
+  // passed == false, not an error. Every rank of the gang calls it.
+  absl::StatusOr<ParityResult> Verify();
 
   // The engine: the CPU model (CpuStepBackend, resources "cpu") or the device's.
   StepBackend& backend() { return *backend_; }
@@ -146,6 +158,8 @@ class Trainer {
   // EP group (every member calls it).
   absl::Status GatherExpertShards(GatheredShards* out);
   void Emit(nlohmann::json event);
+  // The amounts every communicator recorded since the last call, as a step event's "comm".
+  nlohmann::json TakeCommStats();
 
   // Fences the checkpoint directory (attempt > 0), then rank 0 picks the newest checkpoint that
   // loads at or after resume_step (a corrupt newest one is skipped, in a "note" event naming

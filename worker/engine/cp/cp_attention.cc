@@ -79,7 +79,14 @@ absl::Status LightningAllGatherForward(const LightningCpArgs& a, CpScratch& s,
     for (int64_t c = 0; c < 2 * cp; ++c) {
       if (c == c_mine0) P[e] = run;
       if (c == c_mine1) P[SZ + e] = run;
+#ifdef SPINDLE_TEST_FAULT_DROP_LIGHTNING_STATE
+      // A broken layout for the parity canary's test (tests/CMakeLists.txt, parity_fault_test
+      // only; never in a shipped binary): rank 1's chunk states are lost.
+      const float S =
+          L.RankOfChunk(c) == 1 ? 0.0f : recv[(L.RankOfChunk(c) * 2 + L.SlotOfChunk(c)) * SZ + e];
+#else
       const float S = recv[(L.RankOfChunk(c) * 2 + L.SlotOfChunk(c)) * SZ + e];
+#endif
       run = S + (L.chunks[c].has_start ? 0.0f : aL * run);
     }
   }
