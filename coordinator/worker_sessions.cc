@@ -365,6 +365,17 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const CheckpointDon
   auto [j, r] = CurrentRank(t, c.worker_id, d.ref);
   if (!j) return;
   r->last_progress_ms = c.now;
+  if (d.step <= j->rec.last_checkpoint_step) {
+    t.Bump(*j);
+    return;  // complete already
+  }
+  // Steps the ranks have not all reported are kept up to a bound, the oldest given up first: a
+  // rank reporting steps that never complete cannot grow the job's record without end.
+  if (!j->checkpoints.count(d.step) &&
+      static_cast<int64_t>(j->checkpoints.size()) >= kMaxPendingCheckpoints) {
+    if (d.step < j->checkpoints.begin()->first) return;
+    j->checkpoints.erase(j->checkpoints.begin());
+  }
   // Counted by distinct rank: a rank that reports one step twice does not stand in for another.
   auto& [reported, path] = j->checkpoints[d.step];
   reported.insert(d.ref.rank);

@@ -40,6 +40,9 @@ class WorkerSessions {
   // Stops answered to one hello or heartbeat for ranks of jobs the coordinator does not know;
   // further ones are ignored (and counted).
   static constexpr int kMaxUnknownJobStopsPerReport = 8;
+  // Checkpoint steps of a job's attempt that some but not all of its ranks reported, kept at most
+  // (the oldest given up first); reports of steps at or before the last complete one are ignored.
+  static constexpr int64_t kMaxPendingCheckpoints = 64;
 
   // Every pointer is not owned and must outlive it.
   WorkerSessions(JobStore* store, const Clock* clock, RendezvousStore* rendezvous,

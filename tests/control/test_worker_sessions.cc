@@ -189,6 +189,27 @@ TEST_F(WorkerSessionsTest, ReportsCarryAnAttemptToRunningCheckpointsAndSuccess) 
   EXPECT_EQ(table.registry.DeviceCounts()["free"], 2);
 }
 
+// One rank reporting checkpoint steps that never complete keeps at most kMaxPendingCheckpoints
+// of them, the newest; a step its peer then completes still counts, and an old one is ignored.
+TEST_F(WorkerSessionsTest, CheckpointStepsThatNeverCompleteAreBounded) {
+  AddWorker("w1", 2);
+  JobRuntime& j = SubmitAndPlace(TinyJob(2));
+  Take<AssignmentCommand>();
+  const int64_t bound = WorkerSessions::kMaxPendingCheckpoints;
+  for (int64_t step = 1; step <= 3 * bound; ++step)
+    Report("w1", CheckpointDoneReport{Key(j, 1), step, "/tmp/ck/r1"});
+  EXPECT_EQ(static_cast<int64_t>(j.checkpoints.size()), bound);
+  EXPECT_EQ(j.checkpoints.begin()->first, 2 * bound + 1);
+  Report("w1", CheckpointDoneReport{Key(j, 0), 1, "/tmp/ck/r0"});  // given up: older than all
+  EXPECT_EQ(j.rec.last_checkpoint_step, 0);
+  EXPECT_EQ(static_cast<int64_t>(j.checkpoints.size()), bound);
+  Report("w1", CheckpointDoneReport{Key(j, 0), 3 * bound, "/tmp/ck/r0"});
+  EXPECT_EQ(j.rec.last_checkpoint_step, 3 * bound);
+  EXPECT_TRUE(j.checkpoints.empty());
+  Report("w1", CheckpointDoneReport{Key(j, 1), 3 * bound, "/tmp/ck/r1"});  // complete already
+  EXPECT_TRUE(j.checkpoints.empty());
+}
+
 TEST_F(WorkerSessionsTest, ARankExitRestartsTheGangOrFailsItWhenTheInputIsBad) {
   AddWorker("w1", 1, "198.18.0.11");
   AddWorker("w2", 1, "198.18.0.12");
