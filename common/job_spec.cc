@@ -269,6 +269,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(tf.ReadDouble("eps", &tr.eps));
     RETURN_IF_ERROR(tf.ReadDouble("momentum", &tr.momentum));
     RETURN_IF_ERROR(tf.ReadDouble("grad_clip", &tr.grad_clip));
+    RETURN_IF_ERROR(tf.ReadDouble("z_loss", &tr.z_loss));
     RETURN_IF_ERROR(tf.ReadUint("seed", &tr.seed));
     if (const nlohmann::json* rc = tf.Sub("recompute")) {
       ASSIGN_OR_RETURN(tr.recompute_layers, ParseRecompute(tf, *rc, s.model.n_layers));
@@ -296,6 +297,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     if (!(tr.eps > 0)) return tf.Error("eps", "must be > 0");
     if (!(tr.momentum >= 0 && tr.momentum < 1)) return tf.Error("momentum", "must be in [0, 1)");
     if (tr.grad_clip < 0) return tf.Error("grad_clip", "must be >= 0 (0 disables clipping)");
+    if (!(tr.z_loss >= 0.0 && tr.z_loss <= 1.0))
+      return tf.Error("z_loss", absl::StrCat("must be in [0, 1] (0 disables it), got ", tr.z_loss));
   }
 
   if (const nlohmann::json* c = f.Sub("checkpoint")) {
@@ -434,6 +437,7 @@ nlohmann::json JobSpec::ToJson() const {
   // Written only when set, so a spec that does not offload stays readable by trainers that
   // predate the field (a cluster upgraded one daemon at a time).
   if (train.offload) j["train"]["offload"] = true;
+  if (train.z_loss != 0.0) j["train"]["z_loss"] = train.z_loss;
   // Only the 2-D modes use it: the canonical form of every other job stays as it was.
   if (parallel.ulysses != 1) j["parallel"]["ulysses"] = parallel.ulysses;
   if (parallel.ep > 0) j["parallel"]["ep"] = parallel.ep;

@@ -107,6 +107,10 @@ struct TrainSpec {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double momentum = 0.0;  // sgd
   double grad_clip = 1.0; // 0 disables clipping
+  // z-loss of the LM head (PaLM): each valid token's objective adds z_loss * logsumexp(logits)^2,
+  // which keeps the logits' normaliser near 1 (bf16 and FP8 logits lose less). The reported
+  // loss stays the cross-entropy. 0 disables it; at most 1.
+  double z_loss = 0.0;
   uint64_t seed = 1;
   // Activation recompute: the first `recompute_layers` layers keep only their input (on the GPU
   // also each MLA layer's attention output) through the forward and re-run the rest of the layer

@@ -71,8 +71,13 @@ void GroupNormGateBackward(const float* o, const float* w, const float* gate, co
 // When dlogits is non-null it receives grad_scale * (softmax(logits[t]) - onehot(target)) for
 // valid rows and zeros for ignored rows; dlogits may alias logits (computed in place).
 // Targets must be < V (validated by callers).
+// z-loss (PaLM's, train.z_loss): each valid row's objective adds z_loss * lse_t^2 (lse_t its
+// logsumexp), so dlogits receive grad_scale * (softmax (1 + 2 z_loss lse_t) - onehot); the
+// returned sum stays the cross-entropy's, and the rows' sum of lse_t^2 is added to *lse_squared
+// (nullable).
 double CrossEntropy(const float* logits, const int32_t* targets, int64_t T, int64_t V,
-                    float grad_scale, float* dlogits, int64_t* n_valid);
+                    float grad_scale, float* dlogits, int64_t* n_valid, float z_loss = 0.0f,
+                    double* lse_squared = nullptr);
 
 // ---- Optimizers (one flat parameter buffer at a time) --------------------------------------------
 struct AdamWParams {

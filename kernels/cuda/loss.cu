@@ -1,4 +1,5 @@
-// Cross-entropy over rows of logits fused with its gradient, and a fixed-order sum, on CUDA.
+// Cross-entropy (with the optional z-loss) over rows of logits fused with its gradient, and a
+// fixed-order sum, on CUDA.
 // The fused linear + cross-entropy of the LM head runs one GEMM per block of rows into a
 // [rows, V] logits buffer, then this kernel over the block: fp32 logits never exist for the whole
 // sequence. One block per row. Rows of whole 16-byte vectors (V a multiple of 8 bf16 or 4 fp32
@@ -29,11 +30,12 @@ __device__ __forceinline__ void Merge(float& m, float& s, float m2, float s2) {
 }
 
 // The row's (max, sum of exp(x - max)) from every thread's pair; also writes the row's loss.
-// Returns (max, 1 / sum) to every thread.
+// Returns (max, (1 + 2 z_loss lse) / sum) to every thread: the factor of exp(x - max) in the
+// gradient (1 / sum without z-loss).
 __device__ __forceinline__ float2 RowSoftmaxStats(float m, float s, float target_logit,
-                                                  float* loss) {
+                                                  float z_loss, float* loss) {
   __shared__ float sm[kThreads / 32], ss[kThreads / 32];
-  __shared__ float row_max, row_sum;
+  __shared__ float row_max, row_factor;
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
     Merge(m, s, m2, s2);
@@ -44,17 +46,19 @@ __device__ __forceinline__ float2 RowSoftmaxStats(float m, float s, float target
   if (threadIdx.x == 0) {
     float bm = sm[0], bs = ss[0];
     for (int w = 1; w < kThreads / 32; ++w) Merge(bm, bs, sm[w], ss[w]);
-    row_max = bm, row_sum = bs;
-    *loss = bm + logf(bs) - target_logit;
+    const float lse = bm + logf(bs);
+    row_max = bm, row_factor = z_loss > 0.0f ? (1.0f + 2.0f * z_loss * lse) / bs : 1.0f / bs;
+    *loss = lse - target_logit;
   }
   __syncthreads();
-  return make_float2(row_max, 1.0f / row_sum);
+  return make_float2(row_max, row_factor);
 }
 
 // kVector: the row as 16-byte vectors (V % kVec<T> == 0, aligned); otherwise value by value.
 template <typename T, bool kVector>
 __global__ void CrossEntropyKernel(const T* logits, const int32_t* targets, int64_t V,
-                                   float grad_scale, float* row_loss, T* dlogits) {
+                                   float grad_scale, float z_loss, float* row_loss,
+                                   T* dlogits) {
   constexpr int kN = kVec<T>;
   const int64_t t = blockIdx.x;
   const T* x = logits + t * V;
@@ -85,7 +89,7 @@ __global__ void CrossEntropyKernel(const T* logits, const int32_t* targets, int6
   } else {
     for (int64_t j = threadIdx.x; j < V; j += kThreads) Merge(m, s, ToFloat(x[j]), 1.0f);
   }
-  const float2 stats = RowSoftmaxStats(m, s, target_logit, row_loss + t);
+  const float2 stats = RowSoftmaxStats(m, s, target_logit, z_loss, row_loss + t);
   if (dx == nullptr) return;
   const float mx = stats.x, inv = stats.y;
   if constexpr (kVector) {
@@ -123,7 +127,7 @@ __global__ void SumRowsKernel(const float* x, int64_t n, double* out) {
 
 Status CrossEntropy(const void* logits, const int32_t* targets, int64_t T, int64_t V,
                     float grad_scale, float* row_loss, void* dlogits, DType dtype,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, float z_loss) {
   SPINDLE_CHECK_ARG(T >= 0 && V > 0, "CrossEntropy: bad sizes");
   if (T == 0) return Status::Ok();
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "CrossEntropy", {
@@ -132,7 +136,7 @@ Status CrossEntropy(const void* logits, const int32_t* targets, int64_t T, int64
     auto* kernel =
         vector ? CrossEntropyKernel<scalar_t, true> : CrossEntropyKernel<scalar_t, false>;
     kernel<<<T, kThreads, 0, stream>>>(static_cast<const scalar_t*>(logits), targets, V, grad_scale,
-                                       row_loss, static_cast<scalar_t*>(dlogits));
+                                       z_loss, row_loss, static_cast<scalar_t*>(dlogits));
   });
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();

@@ -106,10 +106,12 @@ Status GroupNormGateBackward(const void* o, const void* w, const void* gate, con
 // One row block of the linear + cross-entropy: logits [T, V] (dtype) for T rows (a block of the
 // sequence, produced by one GEMM). row_loss[t] (fp32) = logsumexp(logits[t]) - logits[t, target]
 // for targets[t] >= 0, 0 for ignored rows. When dlogits is non-null it receives
-// grad_scale * (softmax - onehot) (0 for ignored rows), and may alias logits.
+// grad_scale * (softmax - onehot) (0 for ignored rows), and may alias logits. With z_loss > 0
+// (train.z_loss) each valid row's objective adds z_loss * lse^2: dlogits then receive
+// grad_scale * (softmax (1 + 2 z_loss lse) - onehot); row_loss stays the cross-entropy.
 Status CrossEntropy(const void* logits, const int32_t* targets, int64_t T, int64_t V,
                     float grad_scale, float* row_loss, void* dlogits, DType dtype,
-                    cudaStream_t stream);
+                    cudaStream_t stream, float z_loss = 0.0f);
 // *sum = sum of x[0..n) (double, fixed order; one block). For losses and squared norms.
 Status SumRows(const float* x, int64_t n, double* sum, cudaStream_t stream);
 

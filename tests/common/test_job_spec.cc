@@ -104,6 +104,34 @@ TEST(JobSpecTest, VerifyIsOffFirstOrEveryNSteps) {
   }
 }
 
+// train.z_loss: 0 by default and then left out of the canonical form; a value in [0, 1]
+// round-trips; anything else is refused naming the field.
+TEST(JobSpecTest, ZLossIsACoefficientInZeroOne) {
+  auto with = [](const std::string& v) {
+    return ParseJobSpec(R"({"name": "z", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "train": {"z_loss": )" + v + "}}");
+  };
+  EXPECT_EQ(ParseJobSpec(kValid)->train.z_loss, 0.0);
+  EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["train"].contains("z_loss"));
+  auto on = with("1e-4");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->train.z_loss, 1e-4);
+  auto again = ParseJobSpecJson(on->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->train.z_loss, 1e-4);
+  EXPECT_TRUE(with("1").ok());
+  EXPECT_TRUE(with("0").ok());
+  auto neg = with("-0.5");
+  ASSERT_FALSE(neg.ok());
+  EXPECT_EQ(neg.status().message(),
+            "job spec: train.z_loss: must be in [0, 1] (0 disables it), got -0.5");
+  for (const std::string bad : {"2", "\"big\"", "null", "true"}) {
+    auto s = with(bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.status().message().find("train.z_loss"), std::string::npos) << s.status();
+  }
+}
+
 // train.offload: false by default, true on a cuda job (round-trips); a cpu job, or anything but a
 // boolean, is refused naming the field.
 TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {

@@ -540,10 +540,13 @@ TEST_P(DenseOps, GroupNormGateForwardBackward) {
 TEST_P(DenseOps, CrossEntropyRowBlockWithIgnoredTargets) {
   // V = 1031: value by value; 1032 and 32000: whole 16-byte vectors (either dtype); 1032 with the
   // buffer one value off alignment: value by value again. The gradient overwrites the logits.
+  // Without and with the z-loss (train.z_loss), against the CPU kernel.
   const int64_t T = 37;
+  for (const float z : {0.0f, 0.2f})
   for (const auto& [V, offset] :
        {std::pair<int64_t, int64_t>{1031, 0}, {1032, 0}, {32000, 0}, {1032, 1}}) {
-    SCOPED_TRACE("V " + std::to_string(V) + " offset " + std::to_string(offset));
+    SCOPED_TRACE("V " + std::to_string(V) + " offset " + std::to_string(offset) + " z " +
+                 std::to_string(z));
     auto logits = Rand(T * V, 3.0f);
     logits[5 * V + 3] = 40.0f;  // one row with a dominant value
     std::vector<int32_t> targets(T);
@@ -559,14 +562,14 @@ TEST_P(DenseOps, CrossEntropyRowBlockWithIgnoredTargets) {
     const float scale = 1.0f / 29.0f;
     // Loss only first (the logits stay), then loss and gradient in place.
     ASSERT_OK(CrossEntropy(d_logits, d_targets.as<int32_t>(), T, V, scale, d_loss_only.as<float>(),
-                           nullptr, dt(), 0));
+                           nullptr, dt(), 0, z));
     ASSERT_OK(CrossEntropy(d_logits, d_targets.as<int32_t>(), T, V, scale, d_loss.as<float>(),
-                           d_logits, dt(), 0));
+                           d_logits, dt(), 0, z));
     ASSERT_OK(SumRows(d_loss.as<float>(), T, d_sum.as<double>(), 0));
     std::vector<float> dlogits(T * V);
     int64_t n_valid = 0;
-    const double want =
-        cpu::CrossEntropy(logits.data(), targets.data(), T, V, scale, dlogits.data(), &n_valid);
+    const double want = cpu::CrossEntropy(logits.data(), targets.data(), T, V, scale,
+                                          dlogits.data(), &n_valid, z);
     double got = 0.0;
     ASSERT_CUDA(cudaMemcpy(&got, d_sum.get(), 8, cudaMemcpyDeviceToHost));
     EXPECT_NEAR(got, want, 1e-4 * std::abs(want) + 1e-4);

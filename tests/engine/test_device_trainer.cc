@@ -68,6 +68,10 @@ class CpuDeviceBackend final : public StepBackend {
     return dev_->ForwardBackward(b, grad_scale, recompute);
   }
   absl::StatusOr<LossStats> Forward(const Batch& b) override { return dev_->Forward(b); }
+  absl::Status SetZLoss(float z_loss) override {
+    dev_->SetZLoss(z_loss);
+    return absl::OkStatus();
+  }
   absl::Status SetCp(const CpContext& cp) override {
     if (cp.comm != nullptr && cp.comm->size() > 1) ++cp_groups_set;
     dev_->SetCp(cp);

@@ -693,6 +693,52 @@ TEST_F(DenseOpsTest, CrossEntropyLossAndGradient) {
   ExpectBitwiseEqual(inplace, dlogits, "in-place dlogits");
 }
 
+// z-loss: the objective adds z * lse^2 per valid row; the returned loss stays the cross-entropy,
+// the rows' lse^2 sum is accumulated apart, and the gradient is the whole objective's.
+TEST_F(DenseOpsTest, CrossEntropyWithZLossMatchesTheObjectivesGradient) {
+  SCOPED_TRACE(SeedTrace());
+  const int64_t T = 13, V = 97;
+  const float grad_scale = 1.0f / 11.0f, z = 0.3f;
+  const Vec logits = Normal(T * V, 3.0f);
+  auto targets = Ints(T, 0, V - 1);
+  targets[5] = -1;
+  const DVec ld = ToDouble(logits);
+  auto lse_rows = [&](const DVec& v) {
+    DVec out(T, 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      if (targets[t] < 0) continue;
+      out[t] = RefCrossEntropyRows(v, targets, T, V)[t] + v[t * V + targets[t]];
+    }
+    return out;
+  };
+  auto objective = [&](const DVec& v) {
+    double o = Sum(RefCrossEntropyRows(v, targets, T, V));
+    for (double l : lse_rows(v)) o += z * l * l;
+    return grad_scale * o;
+  };
+  int64_t n_valid = 0;
+  double lse_squared = 1.5;  // accumulates
+  Vec dlogits(T * V);
+  const double loss = CrossEntropy(logits.data(), targets.data(), T, V, grad_scale,
+                                   dlogits.data(), &n_valid, z, &lse_squared);
+  const double ce_ref = Sum(RefCrossEntropyRows(ld, targets, T, V));
+  EXPECT_LE(std::abs(loss - ce_ref), 1e-5 * ce_ref) << loss << " vs " << ce_ref;
+  double lse2_ref = 0.0;
+  for (double l : lse_rows(ld)) lse2_ref += l * l;
+  EXPECT_LE(std::abs(lse_squared - 1.5 - lse2_ref), 1e-5 * lse2_ref);
+  EXPECT_EQ(n_valid, T - 1);
+  ExpectClose(dlogits, NumericGrad(objective, ld), 1e-6, kBwdRtol, "dlogits with z-loss");
+  for (int64_t j = 0; j < V; ++j) ASSERT_EQ(dlogits[5 * V + j], 0.0f);
+
+  // z = 0 is the plain cross-entropy, bit for bit.
+  Vec plain(T * V), zero(T * V);
+  int64_t n = 0;
+  EXPECT_EQ(CrossEntropy(logits.data(), targets.data(), T, V, grad_scale, plain.data(), &n),
+            CrossEntropy(logits.data(), targets.data(), T, V, grad_scale, zero.data(), &n, 0.0f,
+                         &lse_squared));
+  ExpectBitwiseEqual(zero, plain, "z = 0 dlogits");
+}
+
 TEST_F(DenseOpsTest, CrossEntropyIsStableForLargeLogits) {
   SCOPED_TRACE(SeedTrace());
   const int64_t T = 9, V = 4099;

@@ -14,7 +14,7 @@ Engines: "fp32" (the CPU), "bf16" (the CPU's emulation of the GPU's bf16 roundin
 train.precision "bf16"), "cuda" (the CUDA engine; needs a GPU and spindle-train built with it).
 
     grad_vs_fp64.py --train PATH/spindle-train [--seeds 1,4 | --fresh K] [--eps 1e-6]
-                    [--engines fp32,bf16] [--pair A,B] [--lr 1e4] [--check ENGINE:TOL]
+                    [--engines fp32,bf16] [--pair A,B] [--lr 1e4] [--z-loss Z] [--check ENGINE:TOL]
                     [--check-pair TOL]
 
 Prints a table (a row per tensor, a column per engine and seed). --pair cuda,bf16 adds, per seed,
@@ -50,14 +50,15 @@ def tokens(seed):
     return out
 
 
-def run(train, work, name, seed, eps, engine, lr, tokens_path):
+def run(train, work, name, seed, eps, engine, lr, tokens_path, z_loss):
     ckpt = os.path.join(work, name)
     job = {"name": name, "model": model(eps),
            "data": {"source": "tokens:" + tokens_path, "token_bytes": 2, "eos_id": EOS},
            "seq_len": SEQ,
            "train": {"steps": 1, "lr": lr, "optimizer": "sgd", "momentum": 0.0,
                      "grad_clip": 0.0, "schedule": "constant", "warmup_steps": 0,
-                     "seed": seed, "precision": "fp32" if engine == "fp32" else "bf16"},
+                     "seed": seed, "precision": "fp32" if engine == "fp32" else "bf16",
+                     "z_loss": z_loss},
            "checkpoint": {"dir": ckpt, "every": 1},
            "resources": "cuda" if engine == "cuda" else "cpu"}
     path = os.path.join(work, name + ".json")
@@ -81,6 +82,8 @@ def main():
     a.add_argument("--pair", default="")
     a.add_argument("--lr", type=float, default=1e4,
                    help="the engines' step (the issue's harness stepped at 0.1)")
+    a.add_argument("--z-loss", type=float, default=0.0,
+                   help="train.z_loss of the runs, and the reference's z-loss")
     a.add_argument("--check", default="")
     a.add_argument("--check-pair", type=float, default=0.0,
                    help="exit 1 when --pair's A errs from B by more than this on any tensor")
@@ -104,16 +107,16 @@ def main():
             with open(tokens_path, "wb") as f:
                 f.write(struct.pack("<%dH" % len(toks), *toks))
             w0, cfg = run(args.train, work, f"init{seed}", seed, args.eps, "fp32", 1e-30,
-                          tokens_path)
+                          tokens_path, args.z_loss)
             W = {k: v.clone().requires_grad_(True) for k, v in w0.items()}
-            nll, count = ref.sequence_nll(W, cfg, toks[:SEQ], EOS)
+            nll, count = ref.sequence_nll(W, cfg, toks[:SEQ], EOS, args.z_loss)
             (nll / count).backward()
             want = {k: args.lr * W[k].grad for k in W}
             names = names or list(w0.keys())
             updates = {}
             for engine in engines:
                 w1, _ = run(args.train, work, f"{engine}{seed}", seed, args.eps, engine, args.lr,
-                            tokens_path)
+                            tokens_path, args.z_loss)
                 updates[engine] = {k: w0[k] - w1[k] for k in names}
                 errors[(engine, seed)] = {
                     k: float((updates[engine][k] - want[k]).abs().max() / want[k].abs().max())
@@ -127,7 +130,8 @@ def main():
                     pairs[seed][k] = (float(diff.max() / want[k].abs().max()), at // cols,
                                       at % cols)
     cols = [(e, s) for e in engines for s in seeds]
-    print(f"one SGD step at lr {args.lr:g}, norm eps {args.eps:g}: max |ours - ref| / max |ref update| per tensor")
+    z = f", z-loss {args.z_loss:g}" if args.z_loss > 0 else ""
+    print(f"one SGD step at lr {args.lr:g}, norm eps {args.eps:g}{z}: max |ours - ref| / max |ref update| per tensor")
     print("| tensor | " + " | ".join(f"{e} seed {s}" for e, s in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for k in names:

@@ -118,9 +118,10 @@ def moe_ffn(W, p, h, cfg):
     return y, (torch.logsumexp(z, -1) ** 2).mean()
 
 
-def sequence_nll(W, cfg, tokens, eos):
+def sequence_nll(W, cfg, tokens, eos, z_loss=0.0):
     """The summed negative log-likelihood of the sequence's valid targets (a float64 tensor that
-    autograd can differentiate with respect to W) and their count."""
+    autograd can differentiate with respect to W) and their count. z_loss > 0 adds the LM head's
+    z-loss, z_loss * logsumexp(logits)^2 summed over the same tokens (train.z_loss)."""
     T = len(tokens)
     ids = torch.tensor(tokens)
     starts, pos, doc, targets = [], [], [], []
@@ -156,7 +157,10 @@ def sequence_nll(W, cfg, tokens, eos):
     valid = targets >= 0
     lp = torch.log_softmax(logits, -1)
     nll = -lp[torch.arange(T)[valid], targets[valid]]
-    return nll.sum(), int(valid.sum())
+    objective = nll.sum()
+    if z_loss > 0:
+        objective = objective + z_loss * (torch.logsumexp(logits[valid], -1) ** 2).sum()
+    return objective, int(valid.sum())
 
 
 def sequence_loss(W, cfg, tokens, eos):

@@ -45,6 +45,10 @@ class CpuStepBackend : public StepBackend {
                                             const GradReadyFn& on_grad_ready) override;
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override;
   absl::Status SetPrecision(TrainPrecision precision) override;
+  absl::Status SetZLoss(float z_loss) override {
+    model_->SetZLoss(z_loss);
+    return absl::OkStatus();
+  }
   absl::Status SetExpertParallel(Communicator* ep) override {
     return model_->SetExpertParallel(ep);
   }

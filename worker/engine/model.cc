@@ -769,7 +769,7 @@ LossStats Model::HeadAndLoss(const Batch& b, const float* x, float grad_scale, f
     Linear(Plain(h), Plain(head), logits_.f32(), rows, d, V);
     nx.Store(logits_.f32(), rows * V);
     s.loss_sum += k::CrossEntropy(logits_.f32(), b.targets.data() + r0, rows, V, grad_scale,
-                                  dx ? logits_.f32() : nullptr, &s.n_valid);
+                                  dx ? logits_.f32() : nullptr, &s.n_valid, z_loss_);
     if (dx) {
       nx.Store(logits_.f32(), rows * V);
       LinearBwdAcc(Plain(h), Plain(head), Plain(logits_.f32()), dhf_.f32() + r0 * d,

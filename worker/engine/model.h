@@ -97,6 +97,9 @@ class Model {
   // projections but MLA's per-head ones (q or q_b, kv_b). The CUDA engine's fp8 uses the same.
   std::vector<int> Fp8LinearWeights() const;
   const Numerics& numerics() const { return numerics_.numerics(); }
+  // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token
+  // (kernels/cpu/ops.h CrossEntropy); 0 (the default) leaves the cross-entropy alone.
+  void SetZLoss(float z_loss) { z_loss_ = z_loss; }
 
   // MoE: the EP group (size ep of Create, this rank's position ep_rank; not owned). Needed before
   // any pass when ep > 1.
@@ -159,6 +162,7 @@ class Model {
   std::vector<MoeLayerStats> moe_stats_;  // by layer index
   float zloss_scale_ = 0.0f;
   NumericsEmulator numerics_;
+  float z_loss_ = 0.0f;
 };
 
 }  // namespace spindle

@@ -87,6 +87,12 @@ class StepBackend {
         "trainer: train.precision \"fp8\": this device backend has no FP8 GEMMs yet; use "
         "\"auto\" or \"bf16\" on the device, or resources \"cpu\", which emulates FP8");
   }
+  // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token (the
+  // loss reported stays the cross-entropy).
+  virtual absl::Status SetZLoss(float z_loss) {
+    if (z_loss == 0.0f) return absl::OkStatus();
+    return absl::UnimplementedError("trainer: this backend has no z-loss (train.z_loss must be 0)");
+  }
   // Mixture of experts (ModelConfig::moe): the EP group of this rank's experts (a backend built
   // for ep > 1 needs it before any pass; null or a group of one: ep = 1). A backend without
   // expert parallelism refuses a group of more than one rank.

@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   }
   RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
   RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
+  RETURN_IF_ERROR(t->backend_->SetZLoss(static_cast<float>(spec.train.z_loss)));
   if (o.world > 1) {
     if (!o.store)
       return absl::InvalidArgumentError("trainer: world > 1 needs a rendezvous store");
@@ -573,6 +574,7 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
       ASSIGN_OR_RETURN(b, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train, 1, 0));
     }
     RETURN_IF_ERROR(b->SetPrecision(precision));
+    RETURN_IF_ERROR(b->SetZLoss(static_cast<float>(spec.train.z_loss)));
     return b;
   };
   ParityOptions options;

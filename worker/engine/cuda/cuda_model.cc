@@ -186,6 +186,8 @@ absl::Status CudaModel::Impl::CastFp8Weights() {
   return absl::OkStatus();
 }
 
+void CudaModel::SetZLoss(float z_loss) { impl_->z_loss = z_loss; }
+
 absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
   Impl& I = *impl_;
   if (precision == TrainPrecision::kFp32)

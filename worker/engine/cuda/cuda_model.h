@@ -171,6 +171,9 @@ class CudaModel {
   // InvalidArgument: "fp32", or under fp8 an FP8 linear's width that is not a multiple of 16
   // (cuBLASLt's FP8 GEMMs); a step under fp8 refuses a local token count that is not one.
   absl::Status SetPrecision(TrainPrecision precision);
+  // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token
+  // (kernels/cuda/ops.h CrossEntropy); the reported loss stays the cross-entropy.
+  void SetZLoss(float z_loss);
   // Under fp8, the forward's GEMMs accumulate with cuBLASLt's fast accumulation (on by default,
   // as torchao's recipe and the peer's; the tensor cores' partial sums are not promoted to fp32
   // at intervals). The gradients' GEMMs always take the accurate mode. Off: every GEMM accurate.

@@ -523,6 +523,7 @@ struct CudaModel::Impl {
   // parameter index), all in fp8_w_mem.
   bool fp8 = false;
   bool fp8_fast_forward = true;  // see SetFp8FastForward
+  float z_loss = 0.0f;           // train.z_loss (SetZLoss)
   std::vector<Fp8Block> fp8_w;
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;

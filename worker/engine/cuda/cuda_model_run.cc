@@ -219,7 +219,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::HeadAndLoss(const void* x, float grad
     const void* h = At(hf.get(), r0 * d);
     RETURN_IF_ERROR(Fwd(h, d, Wb(lm_head), logits.get(), rows, d, V, false));
     KC(kc::CrossEntropy(logits.get(), B.targets.i32() + r0, rows, V, grad_scale,
-                        row_loss.f32() + r0, dx ? logits.get() : nullptr, kAct, stream));
+                        row_loss.f32() + r0, dx ? logits.get() : nullptr, kAct, stream,
+                        z_loss));
     if (dx)
       RETURN_IF_ERROR(Bwd(h, d, Wb(lm_head), logits.get(), At(dhf.get(), r0 * d), G(lm_head),
                           rows, d, V, false));

@@ -35,6 +35,10 @@ class CudaStepBackend final : public StepBackend {
   }
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override { return m_->Forward(batch); }
   absl::Status SetOffloadInputs(bool on) override { return m_->SetOffloadInputs(on); }
+  absl::Status SetZLoss(float z_loss) override {
+    m_->SetZLoss(z_loss);
+    return absl::OkStatus();
+  }
   absl::Status SetPrecision(TrainPrecision precision) override {
     return m_->SetPrecision(precision);
   }
