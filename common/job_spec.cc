@@ -45,6 +45,15 @@ absl::StatusOr<TrainPrecision> ParsePrecision(JsonFields& f) {
                                            ShortText(s), "\""));
 }
 
+absl::StatusOr<TrainFp8Recipe> ParseFp8Recipe(JsonFields& f) {
+  std::string s = "tensorwise";
+  RETURN_IF_ERROR(f.ReadString("fp8_recipe", &s));
+  if (s == "tensorwise") return TrainFp8Recipe::kTensorwise;
+  if (s == "blockwise") return TrainFp8Recipe::kBlockwise;
+  return f.Error("fp8_recipe", absl::StrCat("must be \"tensorwise\" or \"blockwise\", got \"",
+                                            ShortText(s), "\""));
+}
+
 // parallel.verify: "off", "first" or a positive number of steps (at most the int64 range JSON
 // integers are read in).
 absl::StatusOr<int64_t> ParseVerify(const JsonFields& f, const nlohmann::json& v) {
@@ -168,6 +177,10 @@ double SyntheticAttentionSpan(const DataSpec& d) {
   return sum_sq / sum;
 }
 
+std::string_view TrainFp8RecipeName(TrainFp8Recipe r) {
+  return r == TrainFp8Recipe::kBlockwise ? "blockwise" : "tensorwise";
+}
+
 std::string_view TrainPrecisionName(TrainPrecision p) {
   switch (p) {
     case TrainPrecision::kAuto:
@@ -276,6 +289,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     }
     RETURN_IF_ERROR(tf.ReadBool("offload", &tr.offload));
     ASSIGN_OR_RETURN(tr.precision, ParsePrecision(tf));
+    ASSIGN_OR_RETURN(tr.fp8_recipe, ParseFp8Recipe(tf));
     RETURN_IF_ERROR(tf.Finish());
     if (tr.steps < 1) return tf.Error("steps", absl::StrCat("must be >= 1, got ", tr.steps));
     if (tr.micro_batches < 1)
@@ -334,6 +348,17 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
         "(resources is \"",
         s.resources, "\"); remove it or set it to false"));
+  if (s.train.fp8_recipe != TrainFp8Recipe::kTensorwise &&
+      s.train.precision != TrainPrecision::kFp8)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: train.fp8_recipe: \"", std::string(TrainFp8RecipeName(s.train.fp8_recipe)),
+        "\" scales FP8 inputs, and train.precision is \"",
+        std::string(TrainPrecisionName(s.train.precision)),
+        "\"; set precision \"fp8\" or drop fp8_recipe"));
+  if (s.train.fp8_recipe == TrainFp8Recipe::kBlockwise && s.resources == "cuda")
+    return absl::InvalidArgumentError(
+        "job spec: train.fp8_recipe: \"blockwise\" runs on resources \"cpu\" only so far (the "
+        "CUDA engine's FP8 GEMMs scale tensorwise); use \"tensorwise\" on \"cuda\"");
   if (s.train.precision == TrainPrecision::kFp32 && s.resources == "cuda")
     return absl::InvalidArgumentError(
         "job spec: train.precision: \"fp32\" runs on resources \"cpu\" only (the CUDA engine "
@@ -446,6 +471,8 @@ nlohmann::json JobSpec::ToJson() const {
     j["parallel"]["verify"] = VerifyJson(parallel.verify);
   if (train.precision != TrainPrecision::kAuto)
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
+  if (train.fp8_recipe != TrainFp8Recipe::kTensorwise)
+    j["train"]["fp8_recipe"] = std::string(TrainFp8RecipeName(train.fp8_recipe));
   return j;
 }
 

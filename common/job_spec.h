@@ -95,6 +95,15 @@ struct ParallelSpec {
 enum class TrainPrecision { kAuto, kFp32, kBf16, kFp8 };
 std::string_view TrainPrecisionName(TrainPrecision p);
 
+// train.fp8_recipe, how an "fp8" job's GEMM inputs are scaled (kernels/cpu/fp8.h):
+//   "tensorwise" (default): one scale per tensor from its current amax.
+//   "blockwise": DeepSeek-V3's: power-of-two scales per 1 x 128 block of activations and output
+//                gradients (128 x 1 for the weight gradient's copies) and per 128 x 128 block of
+//                weights. Resources "cpu" only so far (the CPU engine's emulation); the CUDA
+//                engine's FP8 GEMMs are tensorwise.
+enum class TrainFp8Recipe { kTensorwise, kBlockwise };
+std::string_view TrainFp8RecipeName(TrainFp8Recipe r);
+
 struct TrainSpec {
   int64_t steps = 100;
   int64_t micro_batches = 1;  // sequences per rank per step (gradient accumulation)
@@ -125,6 +134,7 @@ struct TrainSpec {
   // for the same pinned host memory. JSON "offload": false (default) or true.
   bool offload = false;
   TrainPrecision precision = TrainPrecision::kAuto;  // JSON "precision"; see TrainPrecision
+  TrainFp8Recipe fp8_recipe = TrainFp8Recipe::kTensorwise;  // JSON "fp8_recipe" (fp8 jobs)
 };
 
 struct CheckpointSpec {

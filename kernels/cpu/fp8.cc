@@ -1,4 +1,5 @@
-// FP8 conversions on the bits of fp32 values, and tensorwise scaled quantization (see fp8.h).
+// FP8 conversions on the bits of fp32 values, and tensorwise and blockwise scaled quantization
+// (see fp8.h).
 #include "kernels/cpu/fp8.h"
 
 #include <algorithm>
@@ -116,6 +117,84 @@ Fp8Scale QuantizeTensorwise(const float* x, int64_t n, Fp8Format f, float* q) {
   const Fp8Scale s = TensorwiseScale(AbsMax(x, n), f);
   QuantizeScaled(x, n, s.scale, f, q);
   return s;
+}
+
+const char* Fp8ScalingName(Fp8Scaling s) {
+  return s == Fp8Scaling::kBlockwise ? "blockwise" : "tensorwise";
+}
+
+Fp8Scale Pow2Scale(float amax, Fp8Format f) {
+  if (std::isnan(amax)) return {amax, amax};
+  int e = 126;
+  if (amax > 0.0f) {
+    // amax * 2^e <= max: e = floor(log2(max / amax)), found exactly with frexp (max / amax
+    // rounded could cross a power of two).
+    int ea = 0, em = 0;
+    const float ma = std::frexp(amax, &ea), mm = std::frexp(Fp8Max(f), &em);
+    e = std::clamp(em - ea - (ma > mm ? 1 : 0), -126, 126);
+  }
+  return {std::ldexp(1.0f, e), std::ldexp(1.0f, -e)};
+}
+
+namespace {
+
+// out[i] for the values of one block (its amax known): the block-scaled FP8 value.
+inline float BlockValue(float x, const Fp8Scale& s, Fp8Format f) {
+  return RoundToFp8(x * s.scale, f) * s.inverse;
+}
+
+}  // namespace
+
+void QuantizeRowBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kFp8Block) {
+      const int64_t n = std::min(kFp8Block, cols - c0);
+      const float* in = x + r * cols + c0;
+      const Fp8Scale s = Pow2Scale(AbsMax(in, n), f);
+      for (int64_t j = 0; j < n; ++j) out[r * cols + c0 + j] = BlockValue(in[j], s, f);
+    }
+  }
+}
+
+void QuantizeColumnBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kFp8Block) {
+      const int64_t n = std::min(kFp8Block, rows - r0);
+      float amax = 0.0f;
+      bool nan = false;
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = std::fabs(x[(r0 + i) * cols + c]);
+        nan |= std::isnan(a);
+        amax = std::max(amax, a);
+      }
+      const Fp8Scale s = Pow2Scale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, f);
+      for (int64_t i = 0; i < n; ++i)
+        out[(r0 + i) * cols + c] = BlockValue(x[(r0 + i) * cols + c], s, f);
+    }
+  }
+}
+
+void QuantizeSquareBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out) {
+  const int64_t row_blocks = (rows + kFp8Block - 1) / kFp8Block;
+  const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t b = 0; b < row_blocks * col_blocks; ++b) {
+    const int64_t r0 = (b / col_blocks) * kFp8Block, c0 = (b % col_blocks) * kFp8Block;
+    const int64_t nr = std::min(kFp8Block, rows - r0), nc = std::min(kFp8Block, cols - c0);
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t i = 0; i < nr; ++i) {
+      const float a = AbsMax(x + (r0 + i) * cols + c0, nc);
+      nan |= std::isnan(a);
+      amax = std::max(amax, a);
+    }
+    const Fp8Scale s = Pow2Scale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, f);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j < nc; ++j)
+        out[(r0 + i) * cols + c0 + j] = BlockValue(x[(r0 + i) * cols + c0 + j], s, f);
+  }
 }
 
 }  // namespace spindle::kernels::cpu

@@ -15,11 +15,17 @@
 // and -0, which stays -0).
 //
 // Scaling: an FP8 GEMM multiplies codes and applies each operand's inverse scale to the fp32
-// accumulator (cuBLASLt's scale_a * scale_b). Fp8Recipe says how the scales are chosen; the one
-// recipe implemented is tensorwise current scaling (torchao's default "tensorwise" recipe, as the
-// PyTorch peer's --fp8 runs it): scale = fp8_max / max(amax(|x|), 1e-12) in fp32, computed per
-// GEMM input from the tensor about to be multiplied, and q = fp8(x * scale). Blockwise recipes
-// (1x128 activations, 128x128 weights) add a Fp8Scaling value and scales per block.
+// accumulator (cuBLASLt's scale_a * scale_b). Fp8Recipe says how the scales are chosen:
+// - tensorwise current scaling (torchao's default "tensorwise" recipe, as the PyTorch peer's
+//   --fp8 runs it): scale = fp8_max / max(amax(|x|), 1e-12) in fp32, computed per GEMM input from
+//   the tensor about to be multiplied, and q = fp8(x * scale);
+// - blockwise (DeepSeek-V3's recipe, train.fp8_recipe "blockwise"): one scale per block of
+//   kFp8Block values, 1 x 128 along the reduced dimension for activations and output gradients,
+//   128 x 1 (along the tokens) for the copies the weight gradient's GEMM reads, 128 x 128 for
+//   weights; one outlier then flattens its block's values only, not the tensor's. The scales are
+//   powers of two (Pow2Scale), so a block-scaled value q / scale is exactly representable and
+//   a GEMM over such values differs from one applying the scales to per-block partial sums only
+//   in the order of its additions. Blocks at a matrix's edge are partial.
 // Stateless; every function may be called from any thread.
 #pragma once
 
@@ -40,7 +46,12 @@ float RoundToFp8(float x, Fp8Format f);
 
 enum class Fp8Scaling {
   kTensorwise,  // one scale per tensor, from the tensor's current amax
+  kBlockwise,   // one power-of-two scale per block (kFp8Block), from the block's amax
 };
+const char* Fp8ScalingName(Fp8Scaling s);  // "tensorwise", "blockwise"
+
+// The side of a block of blockwise scaling.
+inline constexpr int64_t kFp8Block = 128;
 
 // Which formats the GEMM inputs of an FP8 linear layer y = x W^T take, and how they are scaled.
 // The forward multiplies x and W; the backward dy W (input gradient) and dy^T x (weight
@@ -71,5 +82,19 @@ void QuantizeScaled(const float* x, int64_t n, float scale, Fp8Format f, float* 
 // The whole tensorwise quantization of x [n] into q [n] (may alias x): amax, scale, values.
 // Returns the scale.
 Fp8Scale QuantizeTensorwise(const float* x, int64_t n, Fp8Format f, float* q);
+
+// Blockwise scaling's scale for a block of absolute maximum amax: the largest power of two s
+// with amax * s <= Fp8Max(f), within [2^-126, 2^126] (2^126 for an all-zero block); NaN for a
+// NaN amax.
+Fp8Scale Pow2Scale(float amax, Fp8Format f);
+
+// Blockwise quantization of the row-major matrix x [rows, cols] into out [rows, cols] (may not
+// alias x), as the values a block-scaled GEMM multiplies: out = RoundToFp8(x * s) / s with s the
+// Pow2Scale of x's block. Blocks of 1 x kFp8Block along a row (activations and output gradients
+// as the forward and the input gradient read them), of kFp8Block x 1 down a column (as the
+// weight gradient reads them), or kFp8Block x kFp8Block (weights).
+void QuantizeRowBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out);
+void QuantizeColumnBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out);
+void QuantizeSquareBlocks(const float* x, int64_t rows, int64_t cols, Fp8Format f, float* out);
 
 }  // namespace spindle::kernels::cpu

@@ -132,6 +132,46 @@ TEST(JobSpecTest, ZLossIsACoefficientInZeroOne) {
   }
 }
 
+// train.fp8_recipe: "tensorwise" by default (left out of the canonical form), "blockwise" on an
+// fp8 cpu job round-trips; on a job that is not fp8, on a cuda job, or any other word, refused
+// naming the field.
+TEST(JobSpecTest, Fp8RecipeIsTensorwiseOrBlockwiseOnFp8Jobs) {
+  auto with = [](const std::string& train, const std::string& resources = "cpu") {
+    return ParseJobSpec(R"({"name": "f", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "resources": ")" +
+                        resources + R"(", "train": )" + train + "}");
+  };
+  EXPECT_EQ(ParseJobSpec(kValid)->train.fp8_recipe, TrainFp8Recipe::kTensorwise);
+  auto on = with(R"({"precision": "fp8", "fp8_recipe": "blockwise"})");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->train.fp8_recipe, TrainFp8Recipe::kBlockwise);
+  EXPECT_EQ(on->ToJson()["train"]["fp8_recipe"], "blockwise");
+  auto again = ParseJobSpecJson(on->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->train.fp8_recipe, TrainFp8Recipe::kBlockwise);
+  auto tensorwise = with(R"({"precision": "fp8", "fp8_recipe": "tensorwise"})");
+  ASSERT_TRUE(tensorwise.ok()) << tensorwise.status();
+  EXPECT_FALSE(tensorwise->ToJson()["train"].contains("fp8_recipe"));
+
+  auto bf16 = with(R"({"precision": "bf16", "fp8_recipe": "blockwise"})");
+  ASSERT_FALSE(bf16.ok());
+  EXPECT_EQ(bf16.status().message(),
+            "job spec: train.fp8_recipe: \"blockwise\" scales FP8 inputs, and train.precision is "
+            "\"bf16\"; set precision \"fp8\" or drop fp8_recipe");
+  auto cuda = with(R"({"precision": "fp8", "fp8_recipe": "blockwise"})", "cuda");
+  ASSERT_FALSE(cuda.ok());
+  EXPECT_NE(cuda.status().message().find("train.fp8_recipe: \"blockwise\" runs on resources "
+                                         "\"cpu\" only"),
+            std::string::npos)
+      << cuda.status();
+  auto word = with(R"({"precision": "fp8", "fp8_recipe": "rowwise"})");
+  ASSERT_FALSE(word.ok());
+  EXPECT_NE(word.status().message().find("train.fp8_recipe: must be \"tensorwise\" or "
+                                         "\"blockwise\", got \"rowwise\""),
+            std::string::npos)
+      << word.status();
+}
+
 // train.offload: false by default, true on a cuda job (round-trips); a cpu job, or anything but a
 // boolean, is refused naming the field.
 TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {

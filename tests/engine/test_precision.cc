@@ -48,7 +48,7 @@ TEST(NumericsEmulatorTest, OperandsAreTheRecipesValues) {
   for (float& v : x) v = nd(gen);
   for (float& v : y) v = 0.01f * nd(gen);
   Fp8Copy slot;
-  EXPECT_EQ(nx.Activation(x.data(), 101, slot).values, x.data());
+  EXPECT_EQ(nx.Activation(x.data(), 1, 101, slot).values, x.data());
 
   nx.Set(CpuNumerics(TrainPrecision::kFp8), {w});
   nx.RefreshWeights(P);
@@ -61,20 +61,20 @@ TEST(NumericsEmulatorTest, OperandsAreTheRecipesValues) {
   EXPECT_EQ(nx.LinearWeight(P, g).values, nx.Weight(P, g));  // a norm weight: bf16, not FP8
   EXPECT_EQ(nx.LinearWeight(P, w, /*fp8=*/false).values, nx.Weight(P, w));
 
-  const GemmOperand a = nx.Activation(x.data(), 101, slot);
+  const GemmOperand a = nx.Activation(x.data(), 1, 101, slot);
   const k::Fp8Scale as = k::TensorwiseScale(k::AbsMax(x.data(), 101), k::Fp8Format::kE4M3);
   EXPECT_EQ(a.inverse_scale, as.inverse);
   for (int64_t j = 0; j < 101; ++j)
     ASSERT_EQ(a.values[j], k::RoundToFp8(x[j] * as.scale, k::Fp8Format::kE4M3));
   Fp8Copy gslot;
-  const GemmOperand dy = nx.Gradient(y.data(), 101, gslot);
+  const GemmOperand dy = nx.Gradient(y.data(), 1, 101, gslot);
   const k::Fp8Scale ys = k::TensorwiseScale(k::AbsMax(y.data(), 101), k::Fp8Format::kE5M2);
   EXPECT_EQ(dy.inverse_scale, ys.inverse);
   for (int64_t j = 0; j < 101; ++j)
     ASSERT_EQ(dy.values[j], k::RoundToFp8(y[j] * ys.scale, k::Fp8Format::kE5M2));
   // Jointly: the scale of the larger part, for both.
   std::vector<GemmOperand> both;
-  nx.JointGradients({y.data(), x.data()}, 101, gslot, &both);
+  nx.JointGradients({y.data(), x.data()}, 1, 101, gslot, &both);
   ASSERT_EQ(both.size(), 2u);
   const k::Fp8Scale js = k::TensorwiseScale(k::AbsMax(x.data(), 101), k::Fp8Format::kE5M2);
   EXPECT_EQ(both[0].inverse_scale, js.inverse);
@@ -88,13 +88,75 @@ TEST(NumericsEmulatorTest, OperandsAreTheRecipesValues) {
   for (int64_t j = 0; j < 101; ++j) EXPECT_EQ(stored[j], k::RoundToBf16(x[j]));
 }
 
+// precision "fp8-blockwise": "fp8" with train.fp8_recipe "blockwise".
+// Blockwise FP8: activations and output gradients in 1 x 128 row blocks with a 128 x 1 copy for
+// the weight gradient's GEMM, weights in 128 x 128 blocks of each matrix, joint gradients in row
+// blocks along their joint row, every operand's inverse scale 1 (the values carry their scales).
+TEST(NumericsEmulatorTest, BlockwiseOperandsAreTheBlocksValues) {
+  ParamSet P;
+  const int w = P.Add("layers.0.ffn.w1.weight", {131, 133}, ParamInit::kNormal, 0.3f);
+  P.Allocate(5);
+  NumericsEmulator nx;
+  nx.Set(CpuNumerics(TrainPrecision::kFp8, TrainFp8Recipe::kBlockwise), {w});
+  nx.RefreshWeights(P);
+  const k::Fp8Format e4m3 = k::Fp8Format::kE4M3, e5m2 = k::Fp8Format::kE5M2;
+  std::vector<float> want(131 * 133);
+  k::QuantizeSquareBlocks(P.data(w), 131, 133, e4m3, want.data());
+  const GemmOperand W = nx.LinearWeight(P, w);
+  EXPECT_EQ(W.inverse_scale, 1.0f);
+  EXPECT_EQ(std::vector<float>(W.values, W.values + want.size()), want);
+
+  const int64_t T = 130, C = 101;
+  std::mt19937 gen(4);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<float> x(T * C), y(T * C);
+  // Rows of other magnitudes, so that row and column blocks scale differently.
+  for (int64_t i = 0; i < T * C; ++i) x[i] = std::ldexp(nd(gen), static_cast<int>((i / C) % 9));
+  for (float& v : y) v = 1e-3f * nd(gen);
+  Fp8Copy slot;
+  const GemmOperand a = nx.Activation(x.data(), T, C, slot);
+  std::vector<float> rows(T * C), cols(T * C);
+  k::QuantizeRowBlocks(x.data(), T, C, e4m3, rows.data());
+  k::QuantizeColumnBlocks(x.data(), T, C, e4m3, cols.data());
+  EXPECT_EQ(a.inverse_scale, 1.0f);
+  EXPECT_EQ(std::vector<float>(a.values, a.values + T * C), rows);
+  ASSERT_NE(a.wgrad_values, nullptr);
+  EXPECT_EQ(std::vector<float>(a.wgrad_values, a.wgrad_values + T * C), cols);
+  EXPECT_EQ(a.ForWeightGradient().values, a.wgrad_values);
+  EXPECT_EQ(a.At(C).wgrad_values, a.wgrad_values + C);
+  EXPECT_NE(rows, cols);
+
+  // Two parts [T, C] as one [T, 2C] row: the first row block holds part 0's 101 values and part
+  // 1's first 27.
+  std::vector<GemmOperand> both;
+  Fp8Copy gslot;
+  nx.JointGradients({y.data(), x.data()}, T, C, gslot, &both);
+  std::vector<float> joint(T * 2 * C), joint_q(T * 2 * C);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      joint[t * 2 * C + c] = y[t * C + c];
+      joint[t * 2 * C + C + c] = x[t * C + c];
+    }
+  k::QuantizeRowBlocks(joint.data(), T, 2 * C, e5m2, joint_q.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      ASSERT_EQ(both[0].values[t * C + c], joint_q[t * 2 * C + c]) << t << ", " << c;
+      ASSERT_EQ(both[1].values[t * C + c], joint_q[t * 2 * C + C + c]) << t << ", " << c;
+    }
+  std::vector<float> ycols(T * C);
+  k::QuantizeColumnBlocks(y.data(), T, C, e5m2, ycols.data());
+  EXPECT_EQ(std::vector<float>(both[0].wgrad_values, both[0].wgrad_values + T * C), ycols);
+}
+
 JobSpec TinyJob(const std::string& precision, int64_t steps) {
+  const bool blockwise = precision == "fp8-blockwise";
   auto spec = ParseJobSpec(R"({"name": "p", "model": {"preset": "tiny"},
       "data": {"source": "synthetic:recall", "recall_pairs": 6, "recall_gap": 64},
       "seq_len": 256, "train": {"steps": )" +
                            std::to_string(steps) +
                            R"(, "lr": 3e-3, "warmup_steps": 5, "seed": 7, "precision": ")" +
-                           precision + R"("}})");
+                           (blockwise ? std::string("fp8") : precision) + "\"" +
+                           (blockwise ? R"(, "fp8_recipe": "blockwise")" : "") + "}}");
   EXPECT_TRUE(spec.ok()) << spec.status();
   return *spec;
 }
@@ -171,7 +233,11 @@ TEST(PrecisionTrainingTest, Bf16AndFp8EmulationsTrackFp32OnTiny) {
   ASSERT_EQ(fp32.size(), static_cast<size_t>(kSteps));
   EXPECT_LT(MeanOfLast(fp32, 10), 0.8 * fp32[0]) << "the run must learn for the comparison to mean";
   ExpectTracks(TrainLosses("bf16", kSteps), fp32, kBf16, "bf16");
-  ExpectTracks(TrainLosses("fp8", kSteps), fp32, kFp8, "fp8");
+  const std::vector<double> fp8 = TrainLosses("fp8", kSteps);
+  ExpectTracks(fp8, fp32, kFp8, "fp8");
+  const std::vector<double> blockwise = TrainLosses("fp8-blockwise", kSteps);
+  ExpectTracks(blockwise, fp32, kFp8, "fp8 blockwise");
+  EXPECT_NE(blockwise, fp8) << "the blockwise recipe scales otherwise";
 }
 
 ModelConfig SmallConfig(const std::string& pattern, int64_t q_lora) {
@@ -242,7 +308,10 @@ TEST_P(PrecisionModelTest, EmulationsAreLiveCloseAndReplayUnderRecompute) {
   };
   const std::vector<Case> cases = {{"bf16", CpuNumerics(TrainPrecision::kBf16), 0.05},
                                    {"fp8", CpuNumerics(TrainPrecision::kFp8), 0.35},
-                                   {"fp8 without bf16 storage", Fp8Only(), 0.35}};
+                                   {"fp8 without bf16 storage", Fp8Only(), 0.35},
+                                   {"fp8 blockwise",
+                                    CpuNumerics(TrainPrecision::kFp8, TrainFp8Recipe::kBlockwise),
+                                    0.35}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
     m.SetNumerics(k.numerics);

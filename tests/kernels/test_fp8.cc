@@ -246,6 +246,115 @@ TEST_P(Fp8Test, TensorwiseScaleOfZerosAndNans) {
   EXPECT_EQ(AbsMax(x.data(), 0), 0.0f);
 }
 
+// Blockwise scaling's power of two, by brute force over the exponents: the largest 2^e in
+// [-126, 126] with amax * 2^e <= max (in double: exact for these values).
+double ReferencePow2Scale(double amax, double max) {
+  int best = -126;
+  for (int e = -126; e <= 126; ++e)
+    if (amax * std::ldexp(1.0, e) <= max) best = e;
+  return std::ldexp(1.0, best);
+}
+
+TEST_P(Fp8Test, Pow2ScaleIsTheLargestPowerOfTwoThatFits) {
+  const FormatDef& d = GetParam();
+  const double max = Fp8Max(d.format);
+  std::uniform_real_distribution<double> spread(-40.0, 40.0);
+  std::vector<float> amaxes = {1.0f, 0.5f, Fp8Max(d.format), Fp8Max(d.format) * 0.5f,
+                               std::nextafter(Fp8Max(d.format), 0.0f),
+                               std::nextafter(Fp8Max(d.format), 1e30f), 3.0f, 1e-30f, 1e30f};
+  for (int i = 0; i < 200; ++i) amaxes.push_back(static_cast<float>(std::exp2(spread(rng_))));
+  for (const float a : amaxes) {
+    const Fp8Scale s = Pow2Scale(a, d.format);
+    ASSERT_EQ(static_cast<double>(s.scale), ReferencePow2Scale(a, max)) << a << "; " << Trace();
+    ASSERT_EQ(static_cast<double>(s.inverse), 1.0 / ReferencePow2Scale(a, max)) << a;
+  }
+  EXPECT_EQ(Pow2Scale(0.0f, d.format).scale, std::ldexp(1.0f, 126));
+  EXPECT_TRUE(std::isnan(Pow2Scale(std::numeric_limits<float>::quiet_NaN(), d.format).scale));
+}
+
+// The three block shapes on odd sizes (partial blocks at both edges), against a reference that
+// finds each element's block by its indices: every value is RoundToFp8(x * s) / s with s the
+// block's Pow2Scale, so at most max / s in magnitude and exact in fp32.
+TEST_P(Fp8Test, BlockwiseQuantizeMatchesReference) {
+  const FormatDef& d = GetParam();
+  const Grid g = FiniteGrid(d);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<double> spread(-10.0, 10.0);
+  for (const auto& [rows, cols] :
+       {std::pair<int64_t, int64_t>{1, 1}, {3, 131}, {131, 3}, {259, 133}, {128, 256}}) {
+    std::vector<float> x(rows * cols);
+    // Each row its own magnitude, so that row blocks, column blocks and squares differ.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float m = static_cast<float>(std::exp2(spread(rng_)));
+      for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = normal(rng_) * m;
+    }
+    x[rows * cols / 2] = 0.0f;
+    struct Shape {
+      const char* name;
+      int64_t block_rows, block_cols;
+      void (*run)(const float*, int64_t, int64_t, Fp8Format, float*);
+    };
+    for (const Shape& sh : {Shape{"rows", 1, kFp8Block, QuantizeRowBlocks},
+                            Shape{"columns", kFp8Block, 1, QuantizeColumnBlocks},
+                            Shape{"squares", kFp8Block, kFp8Block, QuantizeSquareBlocks}}) {
+      SCOPED_TRACE(std::string(sh.name) + " " + std::to_string(rows) + " x " +
+                   std::to_string(cols) + "; " + Trace());
+      std::vector<float> out(rows * cols, -1.0f);
+      sh.run(x.data(), rows, cols, d.format, out.data());
+      // Each block's amax, by the block's indices.
+      const int64_t bc = (cols + sh.block_cols - 1) / sh.block_cols;
+      std::vector<double> amax(((rows + sh.block_rows - 1) / sh.block_rows) * bc, 0.0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          double& a = amax[r / sh.block_rows * bc + c / sh.block_cols];
+          a = std::max(a, std::fabs(static_cast<double>(x[r * cols + c])));
+        }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const double scale = ReferencePow2Scale(amax[r / sh.block_rows * bc + c / sh.block_cols],
+                                                  Fp8Max(d.format));
+          const double want =
+              ReferenceRound(g, static_cast<float>(x[r * cols + c] * scale)) / scale;
+          ASSERT_EQ(static_cast<double>(out[r * cols + c]), want) << r << ", " << c;
+        }
+      }
+    }
+  }
+}
+
+// One outlier flattens its block's values only: a value past the format's range of the others
+// (1e5 x for E4M3, whose range is 2^18; 1e11 x for E5M2's 2^32) in one row leaves every other
+// row's 1 x 128 blocks as fine as before, where the tensorwise scale pushes their values into the
+// subnormals. Relative error of the rows without the outlier, blockwise against tensorwise.
+TEST_P(Fp8Test, AnOutlierCostsBlockwiseItsBlockOnly) {
+  const FormatDef& d = GetParam();
+  const int64_t rows = 64, cols = 256;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = normal(rng_);
+  x[5 * cols + 17] = d.mantissa_bits == 3 ? 1e5f : 1e11f;
+  std::vector<float> tensorwise(rows * cols), blockwise(rows * cols);
+  const Fp8Scale s = QuantizeTensorwise(x.data(), rows * cols, d.format, tensorwise.data());
+  for (float& v : tensorwise) v *= s.inverse;
+  QuantizeRowBlocks(x.data(), rows, cols, d.format, blockwise.data());
+  auto error = [&](const std::vector<float>& q) {
+    double num = 0, den = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r == 5) continue;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double e = static_cast<double>(q[r * cols + c]) - x[r * cols + c];
+        num += e * e;
+        den += static_cast<double>(x[r * cols + c]) * x[r * cols + c];
+      }
+    }
+    return std::sqrt(num / den);
+  };
+  const double eb = error(blockwise), et = error(tensorwise);
+  // FP8's own rounding: about 2^-(mantissa + 1) relative (4% E4M3, 8% E5M2 at most per value).
+  EXPECT_LT(eb, d.mantissa_bits == 3 ? 0.05 : 0.1) << Trace();
+  EXPECT_GT(et, 4 * eb) << "tensorwise " << et << " blockwise " << eb << "; " << Trace();
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, Fp8Test, ::testing::ValuesIn(kFormats), [](const auto& info) {
   return std::string(Fp8FormatName(info.param.format));
 });

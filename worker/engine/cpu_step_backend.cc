@@ -32,7 +32,8 @@ absl::StatusOr<std::unique_ptr<CpuStepBackend>> CpuStepBackend::Create(const Mod
 
 CpuStepBackend::CpuStepBackend(std::unique_ptr<Model> model, const TrainSpec& train)
     : model_(std::move(model)),
-      optimizer_(std::make_unique<Optimizer>(train, model_->params())) {}
+      optimizer_(std::make_unique<Optimizer>(train, model_->params())),
+      fp8_recipe_(train.fp8_recipe) {}
 
 absl::Status CpuStepBackend::ZeroGrads() {
   model_->params().ZeroGrad();
@@ -66,7 +67,7 @@ absl::StatusOr<LossStats> CpuStepBackend::Forward(const CpBatch& batch) {
 }
 
 absl::Status CpuStepBackend::SetPrecision(TrainPrecision precision) {
-  model_->SetNumerics(CpuNumerics(precision));
+  model_->SetNumerics(CpuNumerics(precision, fp8_recipe_));
   return absl::OkStatus();
 }
 

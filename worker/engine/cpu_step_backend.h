@@ -83,6 +83,7 @@ class CpuStepBackend : public StepBackend {
 
   std::unique_ptr<Model> model_;
   std::unique_ptr<Optimizer> optimizer_;
+  TrainFp8Recipe fp8_recipe_;  // how SetPrecision's "fp8" scales (train.fp8_recipe)
 };
 
 }  // namespace spindle

@@ -95,8 +95,11 @@ void LinearBwdAcc(GemmOperand x, GemmOperand W, GemmOperand dy, float* dx, float
   if (dx)
     k::Gemm(false, false, T, in, out, dy.inverse_scale * W.inverse_scale, dy.values, out, W.values,
             in, accumulate_dx ? 1.0f : 0.0f, dx, in);
-  k::Gemm(true, false, out, in, T, dy.inverse_scale * x.inverse_scale, dy.values, out, x.values, in,
-          1.0f, dW, in);
+  // Blockwise FP8: this GEMM contracts over the tokens, so it reads the copies in blocks down
+  // the columns.
+  const GemmOperand dyw = dy.ForWeightGradient(), xw = x.ForWeightGradient();
+  k::Gemm(true, false, out, in, T, dyw.inverse_scale * xw.inverse_scale, dyw.values, out,
+          xw.values, in, 1.0f, dW, in);
 }
 
 // A plain fp32 operand (the LM head's, outside the FP8 recipe).
@@ -219,9 +222,9 @@ struct LayerCtx {
   // Parameter i's working copy, and as the weight of a linear layer.
   const float* Wt(int i) const { return nx.Weight(P, i); }
   GemmOperand Lin(int i, bool fp8 = true) const { return nx.LinearWeight(P, i, fp8); }
-  // Activation x [n] as the input of its GEMMs, into `in`.
-  void Input(SavedInput& in, const float* x, int64_t n) const {
-    in.op = nx.Activation(x, n, in.fp8);
+  // Activation x [rows, cols] as the input of its GEMMs, into `in`.
+  void Input(SavedInput& in, const float* x, int64_t rows, int64_t cols) const {
+    in.op = nx.Activation(x, rows, cols, in.fp8);
   }
   void Store(Tensor& t) const { nx.Store(t.f32(), t.numel()); }
   void Store(float* x, int64_t n) const { nx.Store(x, n); }
@@ -336,7 +339,7 @@ absl::Status LightningAttnForward(const LayerCtx& ctx, const Model::Layer& L, Mo
   ctx.Store(C.o);
   k::GroupNormGateForward(C.o.f32(), ctx.Wt(L.out_norm), C.gate.f32(), C.y.f32(), C.rstd_o.f32(), T,
                           H, Dh, eps);
-  ctx.Input(C.in_y, C.y.f32(), T * d);  // from the fused kernel's fp32 result
+  ctx.Input(C.in_y, C.y.f32(), T, d);  // from the fused kernel's fp32 result
   ctx.Store(C.y);
   return absl::OkStatus();
 }
@@ -351,7 +354,7 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
   const float theta = static_cast<float>(c.rope_theta);
   for (Tensor* t : {&W.dy, &W.dq, &W.dk, &W.dv, &W.dgate, &W.dtmp}) Ensure(*t, T, d);
   // y -> Wo
-  LinearBwdAcc(C.in_y.op, ctx.Lin(L.out), ctx.nx.Gradient(dout, T * d, W.f_dy), W.dy.f32(),
+  LinearBwdAcc(C.in_y.op, ctx.Lin(L.out), ctx.nx.Gradient(dout, T, d, W.f_dy), W.dy.f32(),
                P.grad(L.out), T, d, d, false);
   ctx.Store(W.dy);
   // group norm + gate: dy -> d_o (into dtmp), dgate
@@ -362,7 +365,7 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
   RETURN_IF_ERROR(LightningBackwardMix(
       ctx, L, C, W.dtmp.f32(),
       [&] {
-        LinearBwdAcc(C.in_h.op, ctx.Lin(L.gate), ctx.nx.Gradient(W.dgate.f32(), T * d, W.f_dgate),
+        LinearBwdAcc(C.in_h.op, ctx.Lin(L.gate), ctx.nx.Gradient(W.dgate.f32(), T, d, W.f_dgate),
                      W.dh.f32(), P.grad(L.gate), T, d, d, false);
       },
       W.dq.f32(), W.dk.f32(), W.dv.f32()));
@@ -379,7 +382,7 @@ absl::Status LightningAttnBackward(const LayerCtx& ctx, const Model::Layer& L, M
   ctx.Store(W.dq);
   // The q, k and v gradients are one [T, 3d] tensor on the GPU: one FP8 scale for the three.
   std::vector<GemmOperand> dqkv;
-  ctx.nx.JointGradients({W.dy.f32(), W.dq.f32(), W.dv.f32()}, T * d, W.f_dqkv, &dqkv);
+  ctx.nx.JointGradients({W.dy.f32(), W.dq.f32(), W.dv.f32()}, T, d, W.f_dqkv, &dqkv);
   const GemmOperand Wqkv = ctx.Lin(L.qkv);
   float* dWqkv = P.grad(L.qkv);
   for (int64_t part = 0; part < 3; ++part)
@@ -515,7 +518,7 @@ absl::Status MlaAttnBackward(const LayerCtx& ctx, const Model::Layer& L, Model::
   const int64_t nope = m.qk_nope_dim, rd = m.qk_rope_dim, vd = m.v_head_dim, qk = nope + rd;
   const int64_t kv = m.kv_lora_rank;
   Ensure(W.dO, T, H * vd);
-  LinearBwdAcc(C.in_O.op, ctx.Lin(L.mo), ctx.nx.Gradient(dout, T * d, W.f_dy), W.dO.f32(),
+  LinearBwdAcc(C.in_O.op, ctx.Lin(L.mo), ctx.nx.Gradient(dout, T, d, W.f_dy), W.dO.f32(),
                P.grad(L.mo), T, H * vd, d, false);
   ctx.Store(W.dO);
   Ensure(W.dQ, T, H * qk);
@@ -613,7 +616,7 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
   for (int64_t t = 0; t < T; ++t)
     std::memcpy(W.dkva.f32() + t * (kv + rd), W.dtmp.f32() + t * kv, kv * sizeof(float));
   ctx.Store(W.dkva);
-  LinearBwdAcc(C.in_h.op, ctx.Lin(L.kv_a), ctx.nx.Gradient(W.dkva.f32(), T * (kv + rd), W.f_dy),
+  LinearBwdAcc(C.in_h.op, ctx.Lin(L.kv_a), ctx.nx.Gradient(W.dkva.f32(), T, kv + rd, W.f_dy),
                W.dh.f32(), P.grad(L.kv_a), T, d, kv + rd, false);
   // Q -> q projection(s).
   k::RopeApply(W.dQ.f32() + nope, ctx.b.pos.data(), T, H, rd, H * qk, qk, theta, true);
@@ -629,7 +632,7 @@ void MlaLatentBackward(const LayerCtx& ctx, const Model::Layer& L, Model::Cache&
     k::RmsNormBackward(C.qa.f32(), ctx.Wt(L.q_a_norm), C.rstd_qa.f32(), W.dqa_n.f32(), W.dqa.f32(),
                        P.grad(L.q_a_norm), T, qr);
     ctx.Store(W.dqa);
-    LinearBwdAcc(C.in_h.op, ctx.Lin(L.q_a), ctx.nx.Gradient(W.dqa.f32(), T * qr, W.f_dy),
+    LinearBwdAcc(C.in_h.op, ctx.Lin(L.q_a), ctx.nx.Gradient(W.dqa.f32(), T, qr, W.f_dy),
                  W.dh.f32(), P.grad(L.q_a), T, d, qr, true);
   } else {
     LinearBwdAcc({C.h.f32(), 1.0f}, ctx.Lin(L.q), dQ, W.dh.f32(), P.grad(L.q), T, d, H * qk, true);
@@ -650,7 +653,7 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
   // Each GEMM input is taken (FP8: quantized) from its producer's fp32 result, as the GPU's fused
   // kernels do, before the result is stored.
   k::RmsNormForward(x_in, ctx.Wt(L.attn_norm), C.h.f32(), C.rstd1.f32(), T, d, eps);
-  ctx.Input(C.in_h, C.h.f32(), T * d);
+  ctx.Input(C.in_h, C.h.f32(), T, d);
   ctx.Store(C.h);
   Ensure(C.x_mid, T, d);
   if (L.kind == 'L') {
@@ -660,7 +663,7 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
     RETURN_IF_ERROR(MlaAttnForward(ctx, L, C));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
     ctx.Store(C.O);
-    ctx.Input(C.in_O, C.O.f32(), T * hv);  // the attention's stored output: no fused producer
+    ctx.Input(C.in_O, C.O.f32(), T, hv);  // the attention's stored output: no fused producer
     Linear(C.in_O.op, ctx.Lin(L.mo), C.x_mid.f32(), T, hv, d);
   }
   AddInto(C.x_mid.f32(), x_in, T * d);
@@ -685,14 +688,14 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
     return absl::OkStatus();
   }
   for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
-  ctx.Input(C.in_h2, C.h2.f32(), T * d);
+  ctx.Input(C.in_h2, C.h2.f32(), T, d);
   ctx.Store(C.h2);
   Linear(C.in_h2.op, ctx.Lin(L.w1), C.g.f32(), T, d, F);
   Linear(C.in_h2.op, ctx.Lin(L.w3), C.u.f32(), T, d, F);
   ctx.Store(C.g);
   ctx.Store(C.u);
   k::SwiGluForward(C.g.f32(), C.u.f32(), C.a.f32(), T * F);
-  ctx.Input(C.in_a, C.a.f32(), T * F);
+  ctx.Input(C.in_a, C.a.f32(), T, F);
   ctx.Store(C.a);
   if (x_out == nullptr) return absl::OkStatus();
   Linear(C.in_a.op, ctx.Lin(L.w2), x_out, T, F, d);
@@ -714,16 +717,16 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
     // FFN (each output gradient quantized, under FP8, from its stored value)
     for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, T, F);
     const NumericsEmulator& nx = ctx.nx;
-    LinearBwdAcc(C.in_a.op, ctx.Lin(L.w2), nx.Gradient(dx, T * d, W.f_dy), W.da.f32(),
+    LinearBwdAcc(C.in_a.op, ctx.Lin(L.w2), nx.Gradient(dx, T, d, W.f_dy), W.da.f32(),
                  P.grad(L.w2), T, F, d, false);
     ctx.Store(W.da);
     k::SwiGluBackward(C.g.f32(), C.u.f32(), W.da.f32(), W.dg.f32(), W.du.f32(), T * F);
     ctx.Store(W.dg);
     ctx.Store(W.du);
-    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w1), nx.Gradient(W.dg.f32(), T * F, W.f_dy), W.dh.f32(),
+    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w1), nx.Gradient(W.dg.f32(), T, F, W.f_dy), W.dh.f32(),
                  P.grad(L.w1), T, d, F, false);
     ctx.Store(W.dh);  // the GPU stores the first GEMM's output before the second adds to it
-    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T * F, W.f_dy), W.dh.f32(),
+    LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T, F, W.f_dy), W.dh.f32(),
                  P.grad(L.w3), T, d, F, true);
     ctx.Store(W.dh);
   }

@@ -13,7 +13,7 @@ namespace spindle {
 
 namespace k = kernels::cpu;
 
-Numerics CpuNumerics(TrainPrecision precision) {
+Numerics CpuNumerics(TrainPrecision precision, TrainFp8Recipe recipe) {
   Numerics n;
   switch (precision) {
     case TrainPrecision::kAuto:
@@ -25,6 +25,7 @@ Numerics CpuNumerics(TrainPrecision precision) {
     case TrainPrecision::kFp8:
       n.bf16_storage = true;
       n.fp8 = k::Fp8Recipe{};
+      if (recipe == TrainFp8Recipe::kBlockwise) n.fp8->scaling = k::Fp8Scaling::kBlockwise;
       break;
   }
   return n;
@@ -53,9 +54,17 @@ void NumericsEmulator::RefreshWeights(ParamSet& params) {
     weight_inverse_scale_.assign(static_cast<size_t>(params.size()), 1.0f);
     for (int i : linear_) {
       const ParamInfo& p = params.info(i);
+      is_linear_[i] = 1;
+      if (blockwise()) {  // each [out, in] matrix (of a stack) in 128 x 128 blocks
+        const int64_t cols = p.shape.empty() ? p.numel : p.shape.back();
+        const int64_t rows = p.shape.size() >= 2 ? p.shape[p.shape.size() - 2] : 1;
+        for (int64_t m = 0; m < p.numel; m += rows * cols)
+          k::QuantizeSquareBlocks(master + p.offset + m, rows, cols, n_.fp8->weights,
+                                  fp8_.f32() + p.offset + m);
+        continue;
+      }
       const k::Fp8Scale s =
           k::QuantizeTensorwise(master + p.offset, p.numel, n_.fp8->weights, fp8_.f32() + p.offset);
-      is_linear_[i] = 1;
       weight_inverse_scale_[i] = s.inverse;
     }
   }
@@ -72,9 +81,39 @@ GemmOperand NumericsEmulator::LinearWeight(ParamSet& params, int i, bool fp8) co
   return {Weight(params, i), 1.0f};
 }
 
-GemmOperand NumericsEmulator::Quantize(const float* const* parts, int count, int64_t n,
-                                       k::Fp8Format f, Fp8Copy& slot, GemmOperand* out) const {
+GemmOperand NumericsEmulator::Quantize(const float* const* parts, int count, int64_t rows,
+                                       int64_t cols, k::Fp8Format f, Fp8Copy& slot,
+                                       GemmOperand* out) const {
+  const int64_t n = rows * cols;
   if (slot.values.numel() < count * n) slot.values = Tensor({count * n});
+  if (blockwise()) {
+    if (slot.columns.numel() < count * n) slot.columns = Tensor({count * n});
+    // Down the columns the parts are apart (a column is one part's); along the rows they are
+    // one joint row of count x cols values.
+    for (int i = 0; i < count; ++i)
+      k::QuantizeColumnBlocks(parts[i], rows, cols, f, slot.columns.f32() + i * n);
+    if (count == 1) {
+      k::QuantizeRowBlocks(parts[0], rows, cols, f, slot.values.f32());
+    } else {
+      if (slot.joint.numel() < 2 * count * n) slot.joint = Tensor({2 * count * n});
+      float* joint = slot.joint.f32();
+      float* quantized = joint + count * n;
+      const int64_t width = count * cols;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int i = 0; i < count; ++i)
+          std::memcpy(joint + r * width + i * cols, parts[i] + r * cols,
+                      static_cast<size_t>(cols) * sizeof(float));
+      k::QuantizeRowBlocks(joint, rows, width, f, quantized);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int i = 0; i < count; ++i)
+          std::memcpy(slot.values.f32() + i * n + r * cols, quantized + r * width + i * cols,
+                      static_cast<size_t>(cols) * sizeof(float));
+    }
+    slot.inverse_scale = 1.0f;
+    for (int i = 0; i < count; ++i)
+      out[i] = {slot.values.f32() + i * n, 1.0f, slot.columns.f32() + i * n};
+    return out[0];
+  }
   float amax = 0.0f;
   for (int i = 0; i < count; ++i) {
     const float a = k::AbsMax(parts[i], n);
@@ -89,26 +128,30 @@ GemmOperand NumericsEmulator::Quantize(const float* const* parts, int count, int
   return out[0];
 }
 
-GemmOperand NumericsEmulator::Activation(const float* x, int64_t n, Fp8Copy& slot) const {
+GemmOperand NumericsEmulator::Activation(const float* x, int64_t rows, int64_t cols,
+                                         Fp8Copy& slot) const {
   if (!n_.fp8) return {x, 1.0f};
   GemmOperand op;
-  return Quantize(&x, 1, n, n_.fp8->activations, slot, &op);
+  return Quantize(&x, 1, rows, cols, n_.fp8->activations, slot, &op);
 }
 
-GemmOperand NumericsEmulator::Gradient(const float* dy, int64_t n, Fp8Copy& slot) const {
+GemmOperand NumericsEmulator::Gradient(const float* dy, int64_t rows, int64_t cols,
+                                       Fp8Copy& slot) const {
   if (!n_.fp8) return {dy, 1.0f};
   GemmOperand op;
-  return Quantize(&dy, 1, n, n_.fp8->gradients, slot, &op);
+  return Quantize(&dy, 1, rows, cols, n_.fp8->gradients, slot, &op);
 }
 
-void NumericsEmulator::JointGradients(const std::vector<const float*>& parts, int64_t n,
-                                      Fp8Copy& slot, std::vector<GemmOperand>* out) const {
+void NumericsEmulator::JointGradients(const std::vector<const float*>& parts, int64_t rows,
+                                      int64_t cols, Fp8Copy& slot,
+                                      std::vector<GemmOperand>* out) const {
   out->resize(parts.size());
   if (!n_.fp8) {
     for (size_t i = 0; i < parts.size(); ++i) (*out)[i] = {parts[i], 1.0f};
     return;
   }
-  Quantize(parts.data(), static_cast<int>(parts.size()), n, n_.fp8->gradients, slot, out->data());
+  Quantize(parts.data(), static_cast<int>(parts.size()), rows, cols, n_.fp8->gradients, slot,
+           out->data());
 }
 
 void NumericsEmulator::Store(float* x, int64_t n) const {

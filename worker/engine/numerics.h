@@ -23,7 +23,15 @@
 // and the Lightning group norm + gate output; MLA's attention output, which no kernel of ours
 // produces, from its stored bf16. Output gradients are quantized from their stored bf16 values;
 // weights from the fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each
-// optimizer step produces). Not thread-safe; one per model.
+// optimizer step produces).
+//
+// Under the blockwise recipe (train.fp8_recipe "blockwise", kernels/cpu/fp8.h) each operand holds
+// its block-scaled values (power-of-two scales, so exactly the products a block-scaled GEMM sums;
+// the operand's inverse_scale is 1): activations and output gradients in 1 x 128 blocks along their
+// rows, plus a second copy in 128 x 1 blocks down their columns that the weight gradient's GEMM
+// reads (GemmOperand::wgrad_values; the contraction there runs over the tokens), weights in
+// 128 x 128 blocks. Jointly quantized gradients (Lightning's q, k, v) form their row blocks along
+// the joint row, as the GPU's [T, 3d] buffer holds them. Not thread-safe; one per model.
 #pragma once
 
 #include <cstdint>
@@ -44,22 +52,35 @@ struct Numerics {
 };
 
 // The CPU model's numerics for a job's train.precision: "auto" and "fp32": exact fp32; "bf16":
-// bf16 storage; "fp8": bf16 storage and the default Fp8Recipe, as the GPU's fp8 job stores bf16
-// around its FP8 GEMMs.
-Numerics CpuNumerics(TrainPrecision precision);
+// bf16 storage; "fp8": bf16 storage and the Fp8Recipe of train.fp8_recipe (tensorwise or
+// blockwise scaling), as the GPU's fp8 job stores bf16 around its FP8 GEMMs.
+Numerics CpuNumerics(TrainPrecision precision,
+                     TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise);
 
 // One input of a GEMM: the values it multiplies and the factor its products carry (an FP8
 // tensor's inverse scale, its values then being FP8 codes held as fp32; 1 otherwise).
 struct GemmOperand {
   const float* values = nullptr;
   float inverse_scale = 1.0f;
+  // Blockwise FP8: the same tensor in blocks down its columns, which the weight gradient's GEMM
+  // reads instead of `values` (same layout); null: that GEMM reads `values`.
+  const float* wgrad_values = nullptr;
   // The operand starting `elements` further into the same tensor (same scale).
-  GemmOperand At(int64_t elements) const { return {values + elements, inverse_scale}; }
+  GemmOperand At(int64_t elements) const {
+    return {values + elements, inverse_scale,
+            wgrad_values == nullptr ? nullptr : wgrad_values + elements};
+  }
+  // As the weight gradient's GEMM reads it.
+  GemmOperand ForWeightGradient() const {
+    return wgrad_values == nullptr ? *this : GemmOperand{wgrad_values, inverse_scale};
+  }
 };
 
 // The FP8 values of a tensor, kept while its GEMMs need them.
 struct Fp8Copy {
   Tensor values;
+  Tensor columns;  // blockwise: the weight gradient's copy (blocks down the columns)
+  Tensor joint;    // blockwise joint gradients: the parts side by side in one row, scratch
   float inverse_scale = 1.0f;
 };
 
@@ -78,22 +99,26 @@ class NumericsEmulator {
   // false: the working copy even under FP8 (a GEMM the recipe does not cover).
   GemmOperand LinearWeight(ParamSet& params, int i, bool fp8 = true) const;
 
-  // x [n] as an activation GEMM input: quantized into `slot` under FP8, else x itself.
-  GemmOperand Activation(const float* x, int64_t n, Fp8Copy& slot) const;
-  // dy [n] as an output-gradient GEMM input: quantized into `slot` under FP8, else dy itself.
-  GemmOperand Gradient(const float* dy, int64_t n, Fp8Copy& slot) const;
-  // Several output gradients [n each] quantized as one tensor (one scale), as the GPU holds the
-  // Lightning q, k and v gradients in one [T, 3d] buffer: out[i] is parts[i]'s operand.
-  void JointGradients(const std::vector<const float*>& parts, int64_t n, Fp8Copy& slot,
-                      std::vector<GemmOperand>* out) const;
+  // x [rows, cols] as an activation GEMM input: quantized into `slot` under FP8, else x itself.
+  GemmOperand Activation(const float* x, int64_t rows, int64_t cols, Fp8Copy& slot) const;
+  // dy [rows, cols] as an output-gradient GEMM input: quantized into `slot` under FP8, else dy.
+  GemmOperand Gradient(const float* dy, int64_t rows, int64_t cols, Fp8Copy& slot) const;
+  // Several output gradients [rows, cols each] quantized as one tensor [rows, parts x cols] (one
+  // scale; blockwise, row blocks along the joint row), as the GPU holds the Lightning q, k and v
+  // gradients in one [T, 3d] buffer: out[i] is parts[i]'s operand.
+  void JointGradients(const std::vector<const float*>& parts, int64_t rows, int64_t cols,
+                      Fp8Copy& slot, std::vector<GemmOperand>* out) const;
 
   // A tensor [n] just produced, as the CUDA engine stores it: bf16-rounded in place with bf16
   // storage, else left as is.
   void Store(float* x, int64_t n) const;
 
  private:
-  GemmOperand Quantize(const float* const* parts, int count, int64_t n, kernels::cpu::Fp8Format f,
-                       Fp8Copy& slot, GemmOperand* out) const;
+  GemmOperand Quantize(const float* const* parts, int count, int64_t rows, int64_t cols,
+                       kernels::cpu::Fp8Format f, Fp8Copy& slot, GemmOperand* out) const;
+  bool blockwise() const {
+    return n_.fp8 && n_.fp8->scaling == kernels::cpu::Fp8Scaling::kBlockwise;
+  }
 
   Numerics n_;
   std::vector<int> linear_;

@@ -674,7 +674,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
     RETURN_IF_ERROR(backend->UploadParams());
   } else {
     ASSIGN_OR_RETURN(model, Model::Create(spec.model, spec.train.seed));
-    model->SetNumerics(CpuNumerics(spec.train.precision));
+    model->SetNumerics(CpuNumerics(spec.train.precision, spec.train.fp8_recipe));
     RETURN_IF_ERROR(LoadCheckpoint(checkpoint, model->params(), nullptr, spec.model).status());
   }
   auto forward = [&](const Batch& b) -> absl::StatusOr<LossStats> {
