@@ -174,6 +174,9 @@ class JobManager {
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> DeviceCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
+  // The world (dp x cp ranks) each unfinished job is planned at now: an elastic job's changes
+  // with each resize (spindle_job_world).
+  std::map<std::string, int64_t> JobWorlds() const ABSL_LOCKS_EXCLUDED(table_.mu);
 
  private:
   // Sends what the parts queued, once the mutex is released.
