@@ -1,6 +1,7 @@
 #include "planner/planned_job.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -151,9 +152,15 @@ PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_m
     }
     const int64_t mb = keep ? sequences / dp : requested->train.micro_batches;
     std::vector<std::string> released;
-    // The present decisions where they still run, else the submitted spec planned afresh.
+    // The present decisions where they still run, else the submitted spec planned afresh. A mode
+    // the submitted spec left to the rule or the cost model ("auto", "fastest") is a function of
+    // the layout: decided for this one, so that back at a world the job ran at it runs as there.
     JobSpec kept = AtLayout(job.spec, cp, dp, &released);
     kept.train.micro_batches = mb;
+    for (auto [now_mode, asked] :
+         {std::pair<CpMode*, CpMode>{&kept.parallel.lightning_mode, sub.lightning_mode},
+          std::pair<CpMode*, CpMode>{&kept.parallel.mla_mode, sub.mla_mode}})
+      if (asked == CpMode::kAuto || asked == CpMode::kFastest) *now_mode = asked;
     CpPlan plan;
     JobSpec s = kept;
     if (released.empty()) plan = planner.Plan(s, device_memory_bytes, topology);

@@ -62,9 +62,11 @@ PlannedJob Replan(const PlannedJob& job, ReplanCause cause, int64_t device_memor
 // from the largest cp down (a longer CP group holds less of a sequence a rank). Under
 // parallel.elastic.batch "keep" micro_batches is set to keep the submitted tokens of a step
 // (candidates whose dp does not divide dp x micro_batches as submitted are skipped); under
-// "scale" it stays. Each candidate first keeps the present decisions (modes, ulysses, ep,
-// recompute) and otherwise plans the submitted spec at that layout, where a forced mode, ulysses
-// or ep that cannot run at it is left to the planner (the change says so). The first candidate
+// "scale" it stays. Each candidate first keeps the present decisions that run there (forced
+// modes, ulysses, ep, recompute; a mode the submitted spec left "auto" or "fastest" is decided
+// for the layout, so a job back at a world runs as it ran there) and otherwise plans the submitted
+// spec at that layout, where a forced mode, ulysses or ep that cannot run at it is left to the
+// planner (the change says so). The first candidate
 // that plans without problems is the result, `*change` its event line ("world 4 -> 2: cp x dp
 // 4 x 1 -> 2 x 1; tokens per step kept at 2048 (parallel.elastic.batch \"keep\")").
 // `world` equal to the present one gives `job` and "". None that runs: a result that is not

@@ -177,6 +177,18 @@ TEST(PlannedJobTest, ReplanForWorldKeepsWhatRunsAndSaysWhatChanged) {
             "world 4 -> 3: cp x dp 4 x 1 -> 3 x 1, lightning mode all2all -> allgather, mla mode "
             "all2all -> allgather; tokens per step kept at 1536 (parallel.elastic.batch "
             "\"keep\")");
+  // Back at cp 4 the rule picks all2all again: the job runs as it ran there.
+  const PlannedJob back4 = ReplanForWorld(cp3, 4, 0, nullptr, &change);
+  EXPECT_EQ(back4.spec.ToJson(), job1536.spec.ToJson());
+  EXPECT_EQ(change,
+            "world 3 -> 4: cp x dp 3 x 1 -> 4 x 1, lightning mode allgather -> all2all, mla mode "
+            "allgather -> all2all; tokens per step kept at 1536 (parallel.elastic.batch "
+            "\"keep\")");
+  // A forced mode that runs at the new layout stays.
+  const PlannedJob forced = PlanJob(
+      Elastic(R"({"cp": 4, "lightning_mode": "allgather", "elastic": {"min_world": 2}})"), 0);
+  EXPECT_EQ(ReplanForWorld(forced, 2, 0, nullptr, &change).spec.parallel.lightning_mode,
+            CpMode::kAllGather);
 }
 
 // Data parallelism: "keep" holds a step's sequences with more micro-batches, "scale" lets them
