@@ -656,6 +656,15 @@ TEST_F(ElasticMultihostTest, ACp4JobShrinksWhenAHostIsLostAndGrowsBackWhenItRetu
   };
   const std::string id = Submit(spec(4, R"(, "elastic": {"min_world": 2, "wait_s": 3})"));
   ASSERT_FALSE(id.empty()) << Logs();
+  // What a user following the job sees.
+  SubprocessOptions watch_options;
+  watch_options.stdout_path = dir_.File("watch.out");
+  watch_options.stderr_path = dir_.File("watch.log");
+  absl::StatusOr<std::unique_ptr<Subprocess>> watch = Subprocess::Spawn(
+      net_->On(0, {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(), "--tls-ca",
+                   CaFile(), "watch", id}),
+      watch_options);
+  ASSERT_TRUE(watch.ok()) << watch.status();
   nlohmann::json s = WaitJob(
       id, [](const nlohmann::json& j) { return Int(j, "last_checkpoint_step") >= 10; },
       std::chrono::seconds(120));
@@ -722,6 +731,12 @@ TEST_F(ElasticMultihostTest, ACp4JobShrinksWhenAHostIsLostAndGrowsBackWhenItRetu
   EXPECT_EQ(Int(s, "step"), steps);
   EXPECT_EQ(Int(s, "attempt"), 3) << Events(s);
   CheckCommitLog(ckpt);
+  ASSERT_TRUE((*watch)->Wait().ok());  // watch ends with the job
+  const std::string watched = ReadFile(dir_.File("watch.out"));
+  EXPECT_NE(watched.find("restarting: " + shrink), std::string::npos) << watched;
+  EXPECT_NE(watched.find("restarting: growing at checkpoint step "), std::string::npos)
+      << watched;
+  std::printf("spindle watch:\n%s", watched.c_str());
   std::printf("shrunk to cp = 3 from checkpoint step %lld, grown to cp = 4 at step %lld\n",
               static_cast<long long>(shrunk_from), static_cast<long long>(grown_at));
 
