@@ -627,7 +627,8 @@ class Cli {
       }
     }
     if (e.max_world - e.min_world + 1 > kMaxWorldsShown)
-      out_ << "  (" << e.max_world - e.min_world + 1 - kMaxWorldsShown << " smaller worlds not shown)\n";
+      out_ << "  (" << e.max_world - e.min_world + 1 - kMaxWorldsShown
+           << " smaller worlds not shown)\n";
   }
 
   // plan --verify: the spec with `plan`'s decisions written in, checked by spindle-train
@@ -825,8 +826,8 @@ class Cli {
     if (absl::StatusOr<JobSpec> spec = ParseJobSpec(j.spec_json());
         spec.ok() && spec->parallel.elastic.enabled()) {
       const ElasticSpec& e = spec->parallel.elastic;
-      out_ << absl::StrFormat(", elastic %d..%d (submitted at %d, batch \"%s\")",
-                              e.min_world, e.max_world, spec->parallel.world(),
+      out_ << absl::StrFormat(", elastic %d..%d (submitted at %d, batch \"%s\")", e.min_world,
+                              e.max_world, spec->parallel.world(),
                               std::string(ElasticBatchName(e.batch)));
     }
     out_ << "\n";

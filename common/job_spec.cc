@@ -83,8 +83,8 @@ absl::Status ParseElastic(const nlohmann::json& v, int64_t world, ElasticSpec* e
                                               kMaxWorld, "], got ", e->max_world));
   if (world < e->min_world || world > e->max_world)
     return ef.Error("", absl::StrCat("the job's world dp x cp = ", world,
-                                     " must lie in [min_world, max_world] = [", e->min_world,
-                                     ", ", e->max_world, "] (it starts there)"));
+                                     " must lie in [min_world, max_world] = [", e->min_world, ", ",
+                                     e->max_world, "] (it starts there)"));
   if (!(e->wait_s >= 0 && e->wait_s <= 86400))
     return ef.Error("wait_s", absl::StrCat("must be in [0, 86400] seconds, got ", e->wait_s));
   if (batch == "keep") {
@@ -92,8 +92,8 @@ absl::Status ParseElastic(const nlohmann::json& v, int64_t world, ElasticSpec* e
   } else if (batch == "scale") {
     e->batch = ElasticSpec::Batch::kScale;
   } else {
-    return ef.Error("batch", absl::StrCat("must be \"keep\" or \"scale\", got \"",
-                                          ShortText(batch), "\""));
+    return ef.Error("batch",
+                    absl::StrCat("must be \"keep\" or \"scale\", got \"", ShortText(batch), "\""));
   }
   return absl::OkStatus();
 }

@@ -197,8 +197,7 @@ namespace {
 
 // The fewest ranks the job can run on: an elastic job's min_world, else its world.
 int64_t FewestRanks(const JobSpec& spec) {
-  return spec.parallel.elastic.enabled() ? spec.parallel.elastic.min_world
-                                         : spec.parallel.world();
+  return spec.parallel.elastic.enabled() ? spec.parallel.elastic.min_world : spec.parallel.world();
 }
 
 }  // namespace

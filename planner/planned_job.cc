@@ -96,8 +96,9 @@ JobSpec AtLayout(JobSpec s, int64_t cp, int64_t dp, std::vector<std::string>* re
   const int64_t heads = s.model.n_heads;
   const bool hybrid = p.lightning_mode == CpMode::kHybrid || p.mla_mode == CpMode::kHybrid;
   if (hybrid && !CheckCpModes(p, heads).ok()) {
-    released->push_back(absl::StrCat("parallel.ulysses ", p.ulysses, " with the \"hybrid\" "
-                                     "modes does not split cp ", cp, ": modes left to the planner"));
+    released->push_back(absl::StrCat("parallel.ulysses ", p.ulysses,
+                                     " with the \"hybrid\" modes does not split cp ", cp,
+                                     ": modes left to the planner"));
     if (p.lightning_mode == CpMode::kHybrid) p.lightning_mode = CpMode::kAuto;
     if (p.mla_mode == CpMode::kHybrid) p.mla_mode = CpMode::kAuto;
     p.ulysses = 1;
@@ -105,13 +106,13 @@ JobSpec AtLayout(JobSpec s, int64_t cp, int64_t dp, std::vector<std::string>* re
   for (CpMode* m : {&p.lightning_mode, &p.mla_mode}) {
     if (*m == CpMode::kAll2All && !All2AllSplits(heads, cp)) {
       released->push_back(absl::StrCat("all2all does not split ", heads, " heads over cp ", cp,
-                                        ": that mode left to the planner"));
+                                       ": that mode left to the planner"));
       *m = CpMode::kAuto;
     }
   }
   if (p.ep > 0 && ((p.world() % p.ep) != 0)) {
     released->push_back(absl::StrCat("parallel.ep ", p.ep, " does not divide world ", p.world(),
-                                      ": left to the planner"));
+                                     ": left to the planner"));
     p.ep = 0;
   }
   return s;
@@ -128,8 +129,8 @@ PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_m
   none.plan.problems.clear();
   absl::StatusOr<JobSpec> requested = ParseJobSpec(job.requested_json);
   if (!requested.ok()) {
-    none.plan.problems.push_back(absl::StrCat("cannot re-plan at world ", world, ": ",
-                                              requested.status().message()));
+    none.plan.problems.push_back(
+        absl::StrCat("cannot re-plan at world ", world, ": ", requested.status().message()));
     return none;
   }
   const ParallelSpec& sub = requested->parallel;
@@ -186,8 +187,8 @@ PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_m
         " (parallel.elastic.batch \"", std::string(ElasticBatchName(sub.elastic.batch)), "\")");
     return next;
   }
-  none.plan.problems.push_back(absl::StrCat("no layout of world ", world, " runs: ",
-                                            absl::StrJoin(why_not, "; ")));
+  none.plan.problems.push_back(
+      absl::StrCat("no layout of world ", world, " runs: ", absl::StrJoin(why_not, "; ")));
   return none;
 }
 

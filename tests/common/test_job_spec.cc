@@ -107,8 +107,8 @@ TEST(JobSpecTest, VerifyIsOffFirstOrEveryNSteps) {
 // parallel.elastic: absent is a fixed job; the range holds the spec's world, wait_s and batch
 // have defaults, everything round-trips, and every bad value is one error naming the field.
 TEST(JobSpecTest, ElasticIsARangeHoldingTheWorld) {
-  auto with = [](const std::string& parallel, const std::string& checkpoint =
-                                                   R"(, "checkpoint": {"dir": "/tmp/e"})") {
+  auto with = [](const std::string& parallel,
+                 const std::string& checkpoint = R"(, "checkpoint": {"dir": "/tmp/e"})") {
     return ParseJobSpec(R"({"name": "e", "model": {"preset": "tiny"}, "seq_len": 64,
       "data": {"source": "synthetic:recall"}, "parallel": )" +
                         parallel + checkpoint + "}");

@@ -317,13 +317,14 @@ TEST_F(CliTest, PlanAndStatusShowTheElasticRange) {
       "checkpoint": {"dir": "/tmp/el-cli"}})");
   Result r = RunSpindle({"plan", spec, "--offline"});
   EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find("elastic: world 2..4; after a lost worker it waits 30 s for a replacement, "
-                       "then resumes at the largest world it can place; grows at a checkpoint "
-                       "(batch \"keep\")\n"
-                       "  world 4: as planned above\n"
-                       "  world 3: does not run (no layout of world 3 runs: cp x dp 3 x 1: seq_len: "
-                       "1024 is not divisible by 2*cp = 6"),
-            std::string::npos)
+  EXPECT_NE(
+      r.out.find("elastic: world 2..4; after a lost worker it waits 30 s for a replacement, "
+                 "then resumes at the largest world it can place; grows at a checkpoint "
+                 "(batch \"keep\")\n"
+                 "  world 4: as planned above\n"
+                 "  world 3: does not run (no layout of world 3 runs: cp x dp 3 x 1: seq_len: "
+                 "1024 is not divisible by 2*cp = 6"),
+      std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("  world 2: world 4 -> 2: cp x dp 4 x 1 -> 2 x 1; tokens per step kept at "
                        "1024 (parallel.elastic.batch \"keep\")\n"),

@@ -167,8 +167,7 @@ TEST(PlannedJobTest, ReplanForWorldKeepsWhatRunsAndSaysWhatChanged) {
       << three.plan.problems[0];
   // At 1536 tokens cp 3 runs, but all2all does not split 4 heads over 3 ranks: the planner's rule
   // takes that mode again.
-  const PlannedJob job1536 =
-      PlanJob(Elastic(R"({"cp": 4, "elastic": {"min_world": 2}})", 1536), 0);
+  const PlannedJob job1536 = PlanJob(Elastic(R"({"cp": 4, "elastic": {"min_world": 2}})", 1536), 0);
   const PlannedJob cp3 = ReplanForWorld(job1536, 3, 0, nullptr, &change);
   ASSERT_TRUE(cp3.ok()) << cp3.plan.problems.front();
   EXPECT_EQ(cp3.spec.parallel.cp, 3);
@@ -196,8 +195,7 @@ TEST(PlannedJobTest, ReplanForWorldKeepsWhatRunsAndSaysWhatChanged) {
 // the world, are left to the planner and named.
 TEST(PlannedJobTest, ReplanForWorldStatesTheStepsTokensAndReleasesWhatCannotRun) {
   std::string change;
-  const PlannedJob keep =
-      PlanJob(Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1}})"), 0);
+  const PlannedJob keep = PlanJob(Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1}})"), 0);
   const PlannedJob kept = ReplanForWorld(keep, 2, 0, nullptr, &change);
   ASSERT_TRUE(kept.ok());
   EXPECT_EQ(kept.spec.parallel.cp, 2);
@@ -206,18 +204,18 @@ TEST(PlannedJobTest, ReplanForWorldStatesTheStepsTokensAndReleasesWhatCannotRun)
   EXPECT_EQ(change,
             "world 4 -> 2: cp x dp 2 x 2 -> 2 x 1, train.micro_batches 1 -> 2; tokens per step "
             "kept at 2048 (parallel.elastic.batch \"keep\")");
-  const PlannedJob scale = PlanJob(
-      Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1, "batch": "scale"}})"), 0);
+  const PlannedJob scale =
+      PlanJob(Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1, "batch": "scale"}})"), 0);
   const PlannedJob scaled = ReplanForWorld(scale, 2, 0, nullptr, &change);
   EXPECT_EQ(scaled.spec.train.micro_batches, 1);
   EXPECT_EQ(change,
             "world 4 -> 2: cp x dp 2 x 2 -> 2 x 1; tokens per step 2048 -> 1024 "
             "(parallel.elastic.batch \"scale\")");
 
-  const PlannedJob hybrid = PlanJob(
-      Elastic(R"({"cp": 4, "ulysses": 2, "lightning_mode": "hybrid", "mla_mode": "hybrid",
+  const PlannedJob hybrid =
+      PlanJob(Elastic(R"({"cp": 4, "ulysses": 2, "lightning_mode": "hybrid", "mla_mode": "hybrid",
                   "elastic": {"min_world": 2}})"),
-      0);
+              0);
   ASSERT_TRUE(hybrid.ok());
   const PlannedJob unsplit = ReplanForWorld(hybrid, 2, 0, nullptr, &change);
   ASSERT_TRUE(unsplit.ok());
@@ -229,10 +227,9 @@ TEST(PlannedJobTest, ReplanForWorldStatesTheStepsTokensAndReleasesWhatCannotRun)
             std::string::npos)
       << change;
 
-  const PlannedJob moe = PlanJob(
-      Elastic(R"({"cp": 4, "ep": 4, "elastic": {"min_world": 2}})", 1024,
-              R"({"preset": "tiny-moe"})"),
-      0);
+  const PlannedJob moe = PlanJob(Elastic(R"({"cp": 4, "ep": 4, "elastic": {"min_world": 2}})", 1024,
+                                         R"({"preset": "tiny-moe"})"),
+                                 0);
   ASSERT_TRUE(moe.ok()) << moe.plan.problems.front();
   const PlannedJob moe2 = ReplanForWorld(moe, 2, 0, nullptr, &change);
   ASSERT_TRUE(moe2.ok()) << moe2.plan.problems.front();

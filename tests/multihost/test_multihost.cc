@@ -1,12 +1,12 @@
-// Multi-host tests: the coordinator and three workers (four for elastic jobs), each on a host of its own (a network
-// namespace, TestNetwork), real processes talking real gRPC and Gloo over the hosts' addresses,
-// one checkpoint directory shared by all hosts (as a shared volume would be). The daemons run with
-// their default flags but for what a test names (the worker ids: the namespaces share one
-// hostname). Links are cut and restored under the running jobs; every test ends with the job
-// SUCCEEDED at its final step with the loss of an uninterrupted run (resume is exact), no trainer
-// of a stopped attempt running past the fence deadline after the cut, and no checkpoint of an old
-// attempt committed after the next attempt fenced the directory (its commits.log). Skips, naming
-// why, where network namespaces cannot be created.
+// Multi-host tests: the coordinator and three workers (four for elastic jobs), each on a host of
+// its own (a network namespace, TestNetwork), real processes talking real gRPC and Gloo over the
+// hosts' addresses, one checkpoint directory shared by all hosts (as a shared volume would be). The
+// daemons run with their default flags but for what a test names (the worker ids: the namespaces
+// share one hostname). Links are cut and restored under the running jobs; every test ends with the
+// job SUCCEEDED at its final step with the loss of an uninterrupted run (resume is exact), no
+// trainer of a stopped attempt running past the fence deadline after the cut, and no checkpoint of
+// an old attempt committed after the next attempt fenced the directory (its commits.log). Skips,
+// naming why, where network namespaces cannot be created.
 #include <signal.h>
 
 #include <atomic>
@@ -16,8 +16,8 @@
 #include <random>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "gtest/gtest.h"
@@ -155,8 +155,8 @@ class MultihostTest : public ::testing::Test {
   std::vector<std::string> WorkerTls() const {
     return {"--tls_ca_file=" + CaFile(), "--bootstrap_token_file=" + BootstrapTokenFile()};
   }
-  // Worker w<host> on host `host` (1..Hosts() - 1), one CPU slot, one thread per rank (so that its losses
-  // are those of the single-threaded reference run).
+  // Worker w<host> on host `host` (1..Hosts() - 1), one CPU slot, one thread per rank (so that its
+  // losses are those of the single-threaded reference run).
   void StartWorker(int host) {
     const std::string id = absl::StrCat("w", host);
     std::vector<std::string> argv = {
@@ -294,8 +294,18 @@ class MultihostTest : public ::testing::Test {
       o.stdout_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".out"));
       o.stderr_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".log"));
       std::vector<std::string> argv = {
-          SPINDLE_TRAIN_BINARY, "--job",     file,  "--rank", absl::StrCat(r), "--world",
-          absl::StrCat(cp),     "--file-store", store, "--threads", "1", "--checkpoint-dir",
+          SPINDLE_TRAIN_BINARY,
+          "--job",
+          file,
+          "--rank",
+          absl::StrCat(r),
+          "--world",
+          absl::StrCat(cp),
+          "--file-store",
+          store,
+          "--threads",
+          "1",
+          "--checkpoint-dir",
           ckpt.empty() ? dir_.File(absl::StrCat("reference-ckpt-", jobs_)) : ckpt};
       argv.insert(argv.end(), extra.begin(), extra.end());
       auto p = Subprocess::Spawn(argv, o);
@@ -660,10 +670,10 @@ TEST_F(ElasticMultihostTest, ACp4JobShrinksWhenAHostIsLostAndGrowsBackWhenItRetu
   SubprocessOptions watch_options;
   watch_options.stdout_path = dir_.File("watch.out");
   watch_options.stderr_path = dir_.File("watch.log");
-  absl::StatusOr<std::unique_ptr<Subprocess>> watch = Subprocess::Spawn(
-      net_->On(0, {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(), "--tls-ca",
-                   CaFile(), "watch", id}),
-      watch_options);
+  absl::StatusOr<std::unique_ptr<Subprocess>> watch =
+      Subprocess::Spawn(net_->On(0, {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(),
+                                     "--tls-ca", CaFile(), "watch", id}),
+                        watch_options);
   ASSERT_TRUE(watch.ok()) << watch.status();
   nlohmann::json s = WaitJob(
       id, [](const nlohmann::json& j) { return Int(j, "last_checkpoint_step") >= 10; },
@@ -734,16 +744,15 @@ TEST_F(ElasticMultihostTest, ACp4JobShrinksWhenAHostIsLostAndGrowsBackWhenItRetu
   ASSERT_TRUE((*watch)->Wait().ok());  // watch ends with the job
   const std::string watched = ReadFile(dir_.File("watch.out"));
   EXPECT_NE(watched.find("restarting: " + shrink), std::string::npos) << watched;
-  EXPECT_NE(watched.find("restarting: growing at checkpoint step "), std::string::npos)
-      << watched;
+  EXPECT_NE(watched.find("restarting: growing at checkpoint step "), std::string::npos) << watched;
   std::printf("spindle watch:\n%s", watched.c_str());
   std::printf("shrunk to cp = 3 from checkpoint step %lld, grown to cp = 4 at step %lld\n",
               static_cast<long long>(shrunk_from), static_cast<long long>(grown_at));
 
   // Token-exact: the same layouts from the same checkpoint steps, by standalone trainers.
   const std::string replay = dir_.File("ckpt-replay");
-  ASSERT_FALSE(ReferenceLoss(spec(4, ""), 4, replay, {"--stop-at-step", absl::StrCat(shrunk_from)})
-                   .empty());
+  ASSERT_FALSE(
+      ReferenceLoss(spec(4, ""), 4, replay, {"--stop-at-step", absl::StrCat(shrunk_from)}).empty());
   ASSERT_FALSE(
       ReferenceLoss(spec(3, ""), 3, replay, {"--stop-at-step", absl::StrCat(grown_at)}).empty());
   EXPECT_EQ(s["loss"].dump(), ReferenceLoss(spec(4, ""), 4, replay))
