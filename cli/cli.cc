@@ -28,6 +28,7 @@
 #include "grpcpp/security/credentials.h"
 #include "planner/cp_planner.h"
 #include "planner/plan_proto.h"
+#include "planner/planned_job.h"
 #include "spindle/v1/cluster.grpc.pb.h"
 #include "spindle/v1/job.grpc.pb.h"
 
@@ -594,9 +595,40 @@ class Cli {
       out_ << ToJsonLine(p) << "\n";
     } else {
       PrintPlan(p, out_);
+      if (p.ok()) PrintElasticWorlds(text, plan.memory().device_memory_bytes());
     }
     if (!p.ok()) return kExitUsage;
     return o_.verify ? VerifyPlan(text, plan) : kExitOk;
+  }
+
+  // An elastic spec: the layout each world of its range would take (ReplanForWorld, against
+  // `device_memory_bytes`, 0: none), largest first; at most kMaxWorldsShown of them.
+  void PrintElasticWorlds(const std::string& text, int64_t device_memory_bytes) {
+    constexpr int64_t kMaxWorldsShown = 16;
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    if (!spec.ok() || !spec->parallel.elastic.enabled()) return;
+    const ElasticSpec& e = spec->parallel.elastic;
+    const PlannedJob job = PlanJob(*spec, device_memory_bytes);
+    if (!job.ok()) return;
+    out_ << absl::StrFormat(
+        "elastic: world %d..%d; after a lost worker it waits %g s for a replacement, then "
+        "resumes at the largest world it can place; grows at a checkpoint (batch \"%s\")\n",
+        e.min_world, e.max_world, e.wait_s, std::string(ElasticBatchName(e.batch)));
+    int64_t shown = 0;
+    for (int64_t w = e.max_world; w >= e.min_world && shown < kMaxWorldsShown; --w, ++shown) {
+      std::string change;
+      const PlannedJob at = ReplanForWorld(job, w, device_memory_bytes, nullptr, &change);
+      if (w == spec->parallel.world()) {
+        out_ << "  world " << w << ": as planned above\n";
+      } else if (!at.ok()) {
+        out_ << "  world " << w << ": does not run (" << at.plan.problems.front() << ")\n";
+      } else {
+        out_ << "  world " << w << ": " << change << "\n";
+      }
+    }
+    if (e.max_world - e.min_world + 1 > kMaxWorldsShown)
+      out_ << "  (" << e.max_world - e.min_world + 1 - kMaxWorldsShown
+           << " smaller worlds not shown)\n";
   }
 
   // plan --verify: the spec with `plan`'s decisions written in, checked by spindle-train
@@ -787,9 +819,18 @@ class Cli {
     out_ << j.job_id() << "  " << j.name() << "  " << StateName(j.state()) << "\n";
     if (!j.message().empty()) out_ << "  " << j.message() << "\n";
     if (!j.owner().empty()) out_ << "  owner " << j.owner() << "\n";
-    out_ << absl::StrFormat("  priority %d, attempt %d, restarts %d/%d, world %d (cp=%d dp=%d)\n",
+    out_ << absl::StrFormat("  priority %d, attempt %d, restarts %d/%d, world %d (cp=%d dp=%d)",
                             j.priority(), j.attempt(), j.restarts(), j.max_restarts(),
                             j.plan().world(), j.plan().cp(), j.plan().dp());
+    // An elastic job: the range its world moves in, and what it was submitted at.
+    if (absl::StatusOr<JobSpec> spec = ParseJobSpec(j.spec_json());
+        spec.ok() && spec->parallel.elastic.enabled()) {
+      const ElasticSpec& e = spec->parallel.elastic;
+      out_ << absl::StrFormat(", elastic %d..%d (submitted at %d, batch \"%s\")", e.min_world,
+                              e.max_world, spec->parallel.world(),
+                              std::string(ElasticBatchName(e.batch)));
+    }
+    out_ << "\n";
     for (const v1::LayerPlan& l : j.plan().layers())
       out_ << "  " << l.layer_type() << ": " << ModeName(l.mode(), j.plan().ulysses()) << " ("
            << l.reason() << ")\n";

@@ -72,6 +72,41 @@ absl::StatusOr<int64_t> ParseVerify(const JsonFields& f, const nlohmann::json& v
                                         DescribeJson(v)));
 }
 
+// parallel.elastic (see ElasticSpec); `world` is the spec's dp x cp.
+absl::Status ParseElastic(const nlohmann::json& v, int64_t world, ElasticSpec* e) {
+  JsonFields ef(v, "job spec", "parallel.elastic");
+  RETURN_IF_ERROR(ef.CheckObject());
+  e->max_world = world;
+  RETURN_IF_ERROR(ef.ReadInt("min_world", &e->min_world, /*required=*/true));
+  RETURN_IF_ERROR(ef.ReadInt("max_world", &e->max_world));
+  RETURN_IF_ERROR(ef.ReadDouble("wait_s", &e->wait_s));
+  std::string batch = "keep";
+  RETURN_IF_ERROR(ef.ReadString("batch", &batch));
+  RETURN_IF_ERROR(ef.Finish());
+  constexpr int64_t kMaxWorld = 1024 * 4096;  // parallel.cp x parallel.dp at most
+  if (e->min_world < 1 || e->min_world > kMaxWorld)
+    return ef.Error("min_world",
+                    absl::StrCat("must be in [1, ", kMaxWorld, "], got ", e->min_world));
+  if (e->max_world < e->min_world || e->max_world > kMaxWorld)
+    return ef.Error("max_world", absl::StrCat("must be in [min_world = ", e->min_world, ", ",
+                                              kMaxWorld, "], got ", e->max_world));
+  if (world < e->min_world || world > e->max_world)
+    return ef.Error("", absl::StrCat("the job's world dp x cp = ", world,
+                                     " must lie in [min_world, max_world] = [", e->min_world, ", ",
+                                     e->max_world, "] (it starts there)"));
+  if (!(e->wait_s >= 0 && e->wait_s <= 86400))
+    return ef.Error("wait_s", absl::StrCat("must be in [0, 86400] seconds, got ", e->wait_s));
+  if (batch == "keep") {
+    e->batch = ElasticSpec::Batch::kKeep;
+  } else if (batch == "scale") {
+    e->batch = ElasticSpec::Batch::kScale;
+  } else {
+    return ef.Error("batch",
+                    absl::StrCat("must be \"keep\" or \"scale\", got \"", ShortText(batch), "\""));
+  }
+  return absl::OkStatus();
+}
+
 nlohmann::json VerifyJson(int64_t verify) {
   if (verify == ParallelSpec::kVerifyOff) return "off";
   if (verify == ParallelSpec::kVerifyFirst) return "first";
@@ -256,11 +291,14 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     if (const nlohmann::json* v = pf.Sub("verify")) {
       ASSIGN_OR_RETURN(s.parallel.verify, ParseVerify(pf, *v));
     }
+    const nlohmann::json* elastic = pf.Sub("elastic");  // read below, once cp and dp are
     RETURN_IF_ERROR(pf.Finish());
     if (s.parallel.cp < 1 || s.parallel.cp > 1024)
       return pf.Error("cp", absl::StrCat("must be in [1, 1024], got ", s.parallel.cp));
     if (s.parallel.dp < 1 || s.parallel.dp > 4096)
       return pf.Error("dp", absl::StrCat("must be in [1, 4096], got ", s.parallel.dp));
+    if (elastic != nullptr)
+      RETURN_IF_ERROR(ParseElastic(*elastic, s.parallel.world(), &s.parallel.elastic));
     if (pf.Has("ep") && (s.parallel.ep < 1 || s.parallel.ep > kMaxExperts))
       return pf.Error("ep", absl::StrCat("must be in [1, ", kMaxExperts, "], got ", s.parallel.ep));
   }
@@ -343,6 +381,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   if (absl::Status st = CheckCpModes(s.parallel, s.model.n_heads); !st.ok())
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", st.message()));
   RETURN_IF_ERROR(CheckExpertParallel(s.parallel, s.model));
+  if (s.parallel.elastic.enabled() && s.checkpoint.dir.empty())
+    return absl::InvalidArgumentError(
+        "job spec: parallel.elastic: needs checkpoint.dir (a resize resumes from the job's last "
+        "checkpoint)");
   if (s.train.offload && s.resources != "cuda")
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
@@ -375,6 +417,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
   // Every size the planner and the trainer derive from the spec fits in 64 bits.
   RETURN_IF_ERROR(CheckSpecSizes(s));
   return s;
+}
+
+std::string_view ElasticBatchName(ElasticSpec::Batch b) {
+  return b == ElasticSpec::Batch::kScale ? "scale" : "keep";
 }
 
 absl::Status CheckExpertParallel(const ParallelSpec& p, const ModelConfig& m) {
@@ -469,6 +515,11 @@ nlohmann::json JobSpec::ToJson() const {
   // Written only when not the default, as the fields above.
   if (parallel.verify != ParallelSpec::kVerifyFirst)
     j["parallel"]["verify"] = VerifyJson(parallel.verify);
+  if (parallel.elastic.enabled())
+    j["parallel"]["elastic"] = {{"min_world", parallel.elastic.min_world},
+                                {"max_world", parallel.elastic.max_world},
+                                {"wait_s", parallel.elastic.wait_s},
+                                {"batch", std::string(ElasticBatchName(parallel.elastic.batch))}};
   if (train.precision != TrainPrecision::kAuto)
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
   if (train.fp8_recipe != TrainFp8Recipe::kTensorwise)

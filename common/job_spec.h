@@ -71,6 +71,30 @@ std::optional<CpMode> CpModeFromName(std::string_view name);
 // kVerifyFirst ("first", the default) before the first step the job runs at a layout it has not
 // verified yet (a fresh start, or a resume from a checkpoint verified at another layout); a
 // positive N before those steps and before every step whose number is a multiple of N.
+// parallel.elastic: the job may run at any world (dp x cp ranks) in [min_world, max_world]
+// instead of only the one its cp x dp names (which must lie in that range and is where it starts).
+// When a rank's worker is lost and no replacement can be placed within `wait_s` seconds, the
+// coordinator re-plans the job at the largest world it can place now (planner/planned_job.h's
+// ReplanForWorld: cp, dp, modes, ulysses, ep) and resumes from the last checkpoint; once devices
+// are free for a larger world (up to max_world), it grows at the job's next checkpoint.
+// `batch` says what a resize does to the tokens of a step (dp x micro_batches x seq_len; cp never
+// changes them):
+//   kKeep ("keep", the default): kept as submitted; a world whose dp differs runs
+//         micro_batches = dp x micro_batches (submitted) / dp', and worlds whose dp' does not
+//         divide that product are not used. The loss curve is the fixed-layout run's.
+//   kScale ("scale"): micro_batches stays; the step's tokens follow dp'.
+// An elastic job needs checkpoint.dir (a resize resumes from the last checkpoint).
+struct ElasticSpec {
+  enum class Batch { kKeep, kScale };
+  int64_t min_world = 0;  // 0: not elastic (the JSON object absent)
+  int64_t max_world = 0;
+  double wait_s = 60;
+  Batch batch = Batch::kKeep;
+  bool enabled() const { return min_world > 0; }
+};
+// "keep" / "scale".
+std::string_view ElasticBatchName(ElasticSpec::Batch b);
+
 struct ParallelSpec {
   static constexpr int64_t kVerifyOff = 0;
   static constexpr int64_t kVerifyFirst = -1;
@@ -81,6 +105,7 @@ struct ParallelSpec {
   int64_t ulysses = 1;
   int64_t ep = 0;
   int64_t verify = kVerifyFirst;
+  ElasticSpec elastic;
   int64_t world() const { return cp * dp; }
 };
 

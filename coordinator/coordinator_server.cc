@@ -11,7 +11,9 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -105,6 +107,10 @@ struct CoordinatorServer::Impl {
   Family<Gauge>* jobs_gauge = nullptr;
   Family<Gauge>* workers_gauge = nullptr;
   Family<Gauge>* devices_gauge = nullptr;
+  Family<Gauge>* job_world_gauge = nullptr;
+  // The jobs spindle_job_world has a series for (a finished job's is removed).
+  absl::Mutex worlds_mu;
+  std::set<std::string> world_jobs ABSL_GUARDED_BY(worlds_mu);
 
   // With a CA, a client may present a certificate (workers do; users and trainers need not), and
   // one it presents must verify against the CA.
@@ -125,6 +131,11 @@ struct CoordinatorServer::Impl {
     ASSIGN_OR_RETURN(devices_gauge, registry.GaugeFamily(
                                         "spindle_devices",
                                         "Devices (GPUs or CPU slots) of live workers.", {"state"}));
+    ASSIGN_OR_RETURN(job_world_gauge,
+                     registry.GaugeFamily("spindle_job_world",
+                                          "Ranks (dp x cp) an unfinished job is planned at now; "
+                                          "an elastic job's changes with each resize.",
+                                          {"job_id"}));
     ASSIGN_OR_RETURN(auto* latency,
                      registry.HistogramFamily(
                          "spindle_scheduling_latency_seconds",
@@ -168,6 +179,15 @@ struct CoordinatorServer::Impl {
     for (const auto& [state, n] : manager->DeviceCounts()) {
       auto g = devices_gauge->Add({{"state", state}});
       if (g.ok()) (*g)->Set(static_cast<double>(n));
+    }
+    const std::map<std::string, int64_t> worlds = manager->JobWorlds();
+    absl::MutexLock l(&worlds_mu);
+    for (const std::string& id : world_jobs)
+      if (!worlds.count(id)) job_world_gauge->Remove({{"job_id", id}}).IgnoreError();
+    world_jobs.clear();
+    for (const auto& [id, n] : worlds) {
+      auto g = job_world_gauge->Add({{"job_id", id}});
+      if (g.ok()) (*g)->Set(static_cast<double>(n)), world_jobs.insert(id);
     }
   }
 };

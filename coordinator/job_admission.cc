@@ -193,11 +193,20 @@ absl::Status JobAdmission::CheckCheckpointDirFreeLocked(const JobTable& t,
   return absl::OkStatus();
 }
 
+namespace {
+
+// The fewest ranks the job can run on: an elastic job's min_world, else its world.
+int64_t FewestRanks(const JobSpec& spec) {
+  return spec.parallel.elastic.enabled() ? spec.parallel.elastic.min_world : spec.parallel.world();
+}
+
+}  // namespace
+
 void JobAdmission::PlanSpec(const JobTable& t, const JobSpec& spec, CpPlan* plan_out) const {
   CpPlan plan = PlanLocked(t, spec);
   // What submit would refuse besides an impossible plan.
   if (plan.ok()) {
-    if (absl::Status fit = CheckCanEverFitLocked(t, spec.resources, spec.parallel.world(), plan);
+    if (absl::Status fit = CheckCanEverFitLocked(t, spec.resources, FewestRanks(spec), plan);
         !fit.ok())
       plan.problems.emplace_back(fit.message());
   }
@@ -232,7 +241,7 @@ absl::StatusOr<SubmitResult> JobAdmission::Submit(JobTable& t, const SubmitReque
   if (!plan.ok())
     return absl::FailedPreconditionError(
         absl::StrCat("job cannot run: ", absl::StrJoin(plan.problems, "; ")));
-  RETURN_IF_ERROR(CheckCanEverFitLocked(t, spec.resources, spec.parallel.world(), plan));
+  RETURN_IF_ERROR(CheckCanEverFitLocked(t, spec.resources, FewestRanks(spec), plan));
   RETURN_IF_ERROR(CheckPathsAcceptedLocked(t, spec));
   RETURN_IF_ERROR(CheckCheckpointDirFreeLocked(t, spec));
 

@@ -189,6 +189,14 @@ std::map<JobState, int64_t> JobManager::JobCounts() const {
   return out;
 }
 
+std::map<std::string, int64_t> JobManager::JobWorlds() const {
+  absl::MutexLock l(&table_.mu);
+  std::map<std::string, int64_t> out;
+  for (const auto& [id, j] : table_.jobs)
+    if (!IsTerminal(j->rec.state)) out[id] = j->spec.parallel.world();
+  return out;
+}
+
 std::map<std::string, int64_t> JobManager::WorkerCounts() const {
   absl::MutexLock l(&table_.mu);
   return table_.registry.StateCounts();

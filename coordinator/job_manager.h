@@ -29,7 +29,9 @@
 //   - coordinator restart: jobs are reloaded; placed ranks are re-adopted when their worker
 //     reconnects and lists them in its hello within recovery_grace, otherwise the gang restarts.
 // A restart stops every rank of the attempt (Stop to each worker), marks the job RESTARTING
-// and re-places it as attempt+1, resuming from the last checkpoint every rank completed.
+// and re-places it as attempt+1, resuming from the last checkpoint every rank completed. An
+// elastic job (parallel.elastic) that cannot be placed within its wait_s is re-planned at the
+// largest world that can, and grows back at a checkpoint once devices are free (elastic_resize.h).
 // Fencing: a restart's next attempt is placed only once every rank of the stopped attempt is
 // gone (its exit reported, or its worker back without it) or must be (HealthMonitor::DeadBy: the
 // worker's last word plus heartbeat_timeout + stop_grace + heartbeat_interval, by when a worker
@@ -174,6 +176,9 @@ class JobManager {
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> DeviceCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
+  // The world (dp x cp ranks) each unfinished job is planned at now: an elastic job's changes
+  // with each resize (spindle_job_world).
+  std::map<std::string, int64_t> JobWorlds() const ABSL_LOCKS_EXCLUDED(table_.mu);
 
  private:
   // Sends what the parts queued, once the mutex is released.

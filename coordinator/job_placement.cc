@@ -36,14 +36,20 @@ void JobPlacement::Schedule(JobTable& t, Outbox* out) {
     if (any_free) break;
   }
   if (!any_free) return;
-  std::vector<SchedulableJob> cands;
   const int64_t now = clock_->SteadyMs();
+  std::vector<JobRuntime*> waiting;
   for (const auto& [id, j] : t.jobs) {
     if (j->rec.state != JobState::kQueued && j->rec.state != JobState::kRestarting) continue;
     // No rank of the stopped attempt may still train when the next one starts.
     if (j->rec.state == JobState::kRestarting && !PreviousAttemptGone(*j, now)) continue;
+    waiting.push_back(j.get());
+  }
+  if (waiting.empty()) return;
+  elastic_.ResizeWaiting(t, waiting, now);
+  std::vector<SchedulableJob> cands;
+  for (const JobRuntime* j : waiting) {
     SchedulableJob sj;
-    sj.job_id = id;
+    sj.job_id = j->rec.job_id;
     sj.priority = j->rec.priority;
     sj.seq = j->rec.seq;
     sj.world = j->spec.parallel.world();
@@ -52,22 +58,7 @@ void JobPlacement::Schedule(JobTable& t, Outbox* out) {
     sj.host_bytes_per_rank = j->host_bytes_per_rank;
     cands.push_back(sj);
   }
-  if (cands.empty()) return;
-  std::vector<SchedulableWorker> ws;
-  for (const auto& [id, w] : t.registry.workers()) {
-    if (!w->connected || w->lost || w->leaving) continue;
-    SchedulableWorker sw = w->Schedulable();
-    sw.total_devices = static_cast<int32_t>(w->slots.size());
-    for (size_t d = 0; d < w->slots.size(); ++d) {
-      const std::string& job_id = w->slots[d].job_id;
-      if (job_id.empty()) {
-        sw.free_devices.push_back(static_cast<int32_t>(d));
-      } else if (const JobRuntime* holder = t.Find(job_id)) {
-        sw.host_pinned_bytes += holder->host_bytes_per_rank;
-      }
-    }
-    ws.push_back(std::move(sw));
-  }
+  std::vector<SchedulableWorker> ws = SchedulableWorkers(t);
   for (const GangPlacement& p : ScheduleGangs(std::move(cands), std::move(ws))) {
     PlaceJob(t, *t.jobs[p.job_id], p.ranks, out);
   }

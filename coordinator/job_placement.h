@@ -7,7 +7,9 @@
 // assignment per rank (MakeAssignment). Also the recompute decisions a placement takes:
 // train.recompute "auto" planned with no device registered is sized to the smallest device of the
 // gang (ReplanForPlacement), and a rank out of device memory makes the next attempt recompute
-// more layers (RecomputeMoreAfterOutOfMemory); both through the planner's one Replan.
+// more layers (RecomputeMoreAfterOutOfMemory); both through the planner's one Replan. Elastic
+// jobs change their world through its ElasticResize (elastic_resize.h): before each pass for the
+// jobs it may place, and after a running job's checkpoint (GrowAtCheckpoint).
 //
 // Thread-safety: thread-compatible; functions taking a JobTable require its mutex (job_table.h).
 #pragma once
@@ -19,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "coordinator/clock.h"
+#include "coordinator/elastic_resize.h"
 #include "coordinator/job_admission.h"
 #include "coordinator/job_lifecycle.h"
 #include "coordinator/job_store.h"
@@ -42,7 +45,8 @@ class JobPlacement {
         planner_(planner),
         admission_(admission),
         lifecycle_(lifecycle),
-        scheduling_latency_seconds_(scheduling_latency_seconds) {}
+        scheduling_latency_seconds_(scheduling_latency_seconds),
+        elastic_(clock, admission, lifecycle) {}
 
   // Places every gang the scheduler can place now; their assignments go to `out`.
   void Schedule(JobTable& t, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
@@ -69,6 +73,12 @@ class JobPlacement {
   std::string ReplanForPlacement(const JobTable& t, JobRuntime& j,
                                  const std::vector<RankPlacement>& ranks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
+  // ElasticResize::GrowAtCheckpoint: the job's checkpoint committed; true when it was stopped to
+  // be re-placed at a larger world.
+  bool GrowAtCheckpoint(JobTable& t, JobRuntime& j, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu) {
+    return elastic_.GrowAtCheckpoint(t, j, out);
+  }
   // A rank ran out of device memory: a job with train.recompute "auto" recomputes more layers
   // from its next attempt on (the plan is updated and saved with the restart), and `reason` says
   // so. Other jobs are left as they are.
@@ -82,6 +92,7 @@ class JobPlacement {
   const JobAdmission* const admission_;
   JobLifecycle* const lifecycle_;
   Histogram* const scheduling_latency_seconds_;
+  ElasticResize elastic_;
 };
 
 }  // namespace spindle

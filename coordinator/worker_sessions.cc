@@ -395,6 +395,8 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const CheckpointDon
     AddEvent(*j, ev);
     for (auto it = j->checkpoints.begin(); it != j->checkpoints.end();)
       it = it->first <= d.step ? j->checkpoints.erase(it) : std::next(it);
+    // An elastic job below its largest world grows here when devices for more ranks are free.
+    placement_->GrowAtCheckpoint(t, *j, c.out);
   }
   t.Bump(*j);
 }

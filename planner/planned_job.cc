@@ -1,10 +1,12 @@
 #include "planner/planned_job.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/cp_modes.h"
 
 namespace spindle {
 namespace {
@@ -83,6 +85,113 @@ PlannedJob Replan(const PlannedJob& job, ReplanCause cause, int64_t device_memor
   return next;
 }
 
+namespace {
+
+// `s` at cp x dp = `cp` x `dp` with what the submitted spec forced but cannot run there left to
+// the planner; each such release is appended to `released`.
+JobSpec AtLayout(JobSpec s, int64_t cp, int64_t dp, std::vector<std::string>* released) {
+  ParallelSpec& p = s.parallel;
+  p.cp = cp;
+  p.dp = dp;
+  const int64_t heads = s.model.n_heads;
+  const bool hybrid = p.lightning_mode == CpMode::kHybrid || p.mla_mode == CpMode::kHybrid;
+  if (hybrid && !CheckCpModes(p, heads).ok()) {
+    released->push_back(absl::StrCat("parallel.ulysses ", p.ulysses,
+                                     " with the \"hybrid\" modes does not split cp ", cp,
+                                     ": modes left to the planner"));
+    if (p.lightning_mode == CpMode::kHybrid) p.lightning_mode = CpMode::kAuto;
+    if (p.mla_mode == CpMode::kHybrid) p.mla_mode = CpMode::kAuto;
+    p.ulysses = 1;
+  }
+  for (CpMode* m : {&p.lightning_mode, &p.mla_mode}) {
+    if (*m == CpMode::kAll2All && !All2AllSplits(heads, cp)) {
+      released->push_back(absl::StrCat("all2all does not split ", heads, " heads over cp ", cp,
+                                       ": that mode left to the planner"));
+      *m = CpMode::kAuto;
+    }
+  }
+  if (p.ep > 0 && ((p.world() % p.ep) != 0)) {
+    released->push_back(absl::StrCat("parallel.ep ", p.ep, " does not divide world ", p.world(),
+                                     ": left to the planner"));
+    p.ep = 0;
+  }
+  return s;
+}
+
+}  // namespace
+
+PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_memory_bytes,
+                          const Topology* topology, std::string* change) {
+  change->clear();
+  const ParallelSpec& now = job.spec.parallel;
+  if (world == now.world()) return job;
+  PlannedJob none = job;
+  none.plan.problems.clear();
+  absl::StatusOr<JobSpec> requested = ParseJobSpec(job.requested_json);
+  if (!requested.ok()) {
+    none.plan.problems.push_back(
+        absl::StrCat("cannot re-plan at world ", world, ": ", requested.status().message()));
+    return none;
+  }
+  const ParallelSpec& sub = requested->parallel;
+  const bool keep = sub.elastic.batch == ElasticSpec::Batch::kKeep;
+  const int64_t sequences = sub.dp * requested->train.micro_batches;  // a step's, as submitted
+  std::vector<int64_t> cps = {now.cp, sub.cp};
+  for (int64_t cp = world; cp >= 1; --cp) cps.push_back(cp);
+  std::vector<int64_t> tried;
+  std::vector<std::string> why_not;
+  const CpPlanner planner;
+  for (const int64_t cp : cps) {
+    if (world % cp != 0 || std::find(tried.begin(), tried.end(), cp) != tried.end()) continue;
+    tried.push_back(cp);
+    const int64_t dp = world / cp;
+    if (keep && sequences % dp != 0) {
+      why_not.push_back(absl::StrCat("cp x dp ", cp, " x ", dp, ": dp ", dp,
+                                     " does not divide the ", sequences,
+                                     " sequences of a step (parallel.elastic.batch \"keep\")"));
+      continue;
+    }
+    const int64_t mb = keep ? sequences / dp : requested->train.micro_batches;
+    std::vector<std::string> released;
+    // The present decisions where they still run, else the submitted spec planned afresh. A mode
+    // the submitted spec left to the rule or the cost model ("auto", "fastest") is a function of
+    // the layout: decided for this one, so that back at a world the job ran at it runs as there.
+    JobSpec kept = AtLayout(job.spec, cp, dp, &released);
+    kept.train.micro_batches = mb;
+    for (auto [now_mode, asked] :
+         {std::pair<CpMode*, CpMode>{&kept.parallel.lightning_mode, sub.lightning_mode},
+          std::pair<CpMode*, CpMode>{&kept.parallel.mla_mode, sub.mla_mode}})
+      if (asked == CpMode::kAuto || asked == CpMode::kFastest) *now_mode = asked;
+    CpPlan plan;
+    JobSpec s = kept;
+    if (released.empty()) plan = planner.Plan(s, device_memory_bytes, topology);
+    if (!released.empty() || !plan.ok()) {
+      released.clear();
+      s = AtLayout(*requested, cp, dp, &released);
+      s.train.micro_batches = mb;
+      plan = planner.Plan(s, device_memory_bytes, topology);
+    }
+    if (!plan.ok()) {
+      why_not.push_back(absl::StrCat("cp x dp ", cp, " x ", dp, ": ", plan.problems.front()));
+      continue;
+    }
+    PlannedJob next = Decided(job, s, std::move(plan));
+    const int64_t tokens_before = now.dp * job.spec.train.micro_batches * job.spec.seq_len;
+    const int64_t tokens_after = dp * mb * next.spec.seq_len;
+    *change = absl::StrCat(
+        "world ", now.world(), " -> ", world, ": ", DescribeDecisionChange(job.spec, next.spec),
+        released.empty() ? "" : absl::StrCat(" (", absl::StrJoin(released, "; "), ")"), "; ",
+        tokens_before == tokens_after
+            ? absl::StrCat("tokens per step kept at ", tokens_after)
+            : absl::StrCat("tokens per step ", tokens_before, " -> ", tokens_after),
+        " (parallel.elastic.batch \"", std::string(ElasticBatchName(sub.elastic.batch)), "\")");
+    return next;
+  }
+  none.plan.problems.push_back(
+      absl::StrCat("no layout of world ", world, " runs: ", absl::StrJoin(why_not, "; ")));
+  return none;
+}
+
 std::string DescribeDecisionChange(const JobSpec& before, const JobSpec& after) {
   std::vector<std::string> parts;
   const ParallelSpec &a = before.parallel, &b = after.parallel;
@@ -97,6 +206,9 @@ std::string DescribeDecisionChange(const JobSpec& before, const JobSpec& after) 
   if (a.ulysses != b.ulysses)
     parts.push_back(absl::StrCat("parallel.ulysses ", a.ulysses, " -> ", b.ulysses));
   if (a.ep != b.ep) parts.push_back(absl::StrCat("parallel.ep ", a.ep, " -> ", b.ep));
+  if (before.train.micro_batches != after.train.micro_batches)
+    parts.push_back(absl::StrCat("train.micro_batches ", before.train.micro_batches, " -> ",
+                                 after.train.micro_batches));
   if (before.train.recompute_layers != after.train.recompute_layers)
     parts.push_back(absl::StrCat("train.recompute ", before.train.recompute_layers, " -> ",
                                  after.train.recompute_layers, " of ", after.model.n_layers,

@@ -18,6 +18,9 @@
 //    least two); any other job is kept as it is.
 // Each says what changed in one line for the job's events ("" when nothing did).
 //
+// ReplanForWorld lays an elastic job (parallel.elastic) out at another world: the coordinator's
+// resize when workers are lost or come back.
+//
 // Thread-safety: free functions without state.
 #pragma once
 
@@ -52,6 +55,24 @@ enum class ReplanCause { kPlacement, kOutOfMemory };
 // job of an older release) keeps `job`.
 PlannedJob Replan(const PlannedJob& job, ReplanCause cause, int64_t device_memory_bytes,
                   const Topology* topology, std::string* change);
+
+// `job` (ok(), its spec elastic) laid out at `world` ranks, planned against a device of
+// `device_memory_bytes` (0: none known) and `topology`. The candidates are the (cp, dp) with
+// cp x dp = world; the job's present cp is tried first, then the submitted cp, then the others
+// from the largest cp down (a longer CP group holds less of a sequence a rank). Under
+// parallel.elastic.batch "keep" micro_batches is set to keep the submitted tokens of a step
+// (candidates whose dp does not divide dp x micro_batches as submitted are skipped); under
+// "scale" it stays. Each candidate first keeps the present decisions that run there (forced
+// modes, ulysses, ep, recompute; a mode the submitted spec left "auto" or "fastest" is decided
+// for the layout, so a job back at a world runs as it ran there) and otherwise plans the submitted
+// spec at that layout, where a forced mode, ulysses or ep that cannot run at it is left to the
+// planner (the change says so). The first candidate
+// that plans without problems is the result, `*change` its event line ("world 4 -> 2: cp x dp
+// 4 x 1 -> 2 x 1; tokens per step kept at 2048 (parallel.elastic.batch \"keep\")").
+// `world` equal to the present one gives `job` and "". None that runs: a result that is not
+// ok(), its plan's problems naming the world and every candidate's first problem.
+PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_memory_bytes,
+                          const Topology* topology, std::string* change);
 
 // The decisions that differ between two planned specs of one job, e.g. "lightning mode
 // all2all -> allgather, train.recompute 8 -> 3 of 8 layers"; "" when none does.

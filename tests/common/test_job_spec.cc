@@ -172,6 +172,74 @@ TEST(JobSpecTest, Fp8RecipeIsTensorwiseOrBlockwiseOnFp8Jobs) {
       << word.status();
 }
 
+// parallel.elastic: absent is a fixed job; the range holds the spec's world, wait_s and batch
+// have defaults, everything round-trips, and every bad value is one error naming the field.
+TEST(JobSpecTest, ElasticIsARangeHoldingTheWorld) {
+  auto with = [](const std::string& parallel,
+                 const std::string& checkpoint = R"(, "checkpoint": {"dir": "/tmp/e"})") {
+    return ParseJobSpec(R"({"name": "e", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "parallel": )" +
+                        parallel + checkpoint + "}");
+  };
+  auto fixed = ParseJobSpec(kValid);
+  EXPECT_FALSE(fixed->parallel.elastic.enabled());
+  EXPECT_FALSE(fixed->ToJson()["parallel"].contains("elastic"));
+
+  auto s = with(R"({"cp": 4, "elastic": {"min_world": 2}})");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->parallel.elastic.enabled());
+  EXPECT_EQ(s->parallel.elastic.min_world, 2);
+  EXPECT_EQ(s->parallel.elastic.max_world, 4);  // the spec's world
+  EXPECT_EQ(s->parallel.elastic.wait_s, 60);
+  EXPECT_EQ(s->parallel.elastic.batch, ElasticSpec::Batch::kKeep);
+  auto full = with(
+      R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1, "max_world": 8, "wait_s": 2.5, "batch": "scale"}})");
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(full->parallel.elastic.max_world, 8);
+  EXPECT_EQ(full->parallel.elastic.wait_s, 2.5);
+  EXPECT_EQ(full->parallel.elastic.batch, ElasticSpec::Batch::kScale);
+  for (const auto* spec : {&*s, &*full}) {
+    auto again = ParseJobSpecJson(spec->ToJson());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->ToJson(), spec->ToJson());
+  }
+
+  struct Bad {
+    std::string parallel;
+    std::string error;
+  };
+  for (const Bad& b : {
+           Bad{R"({"cp": 4, "elastic": {}})", "job spec: parallel.elastic.min_world: is required"},
+           Bad{R"({"cp": 4, "elastic": 2})", "job spec: parallel.elastic: must be a JSON object"},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 0}})",
+               "job spec: parallel.elastic.min_world: must be in [1, 4194304], got 0"},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 3, "max_world": 2}})",
+               "job spec: parallel.elastic.max_world: must be in [min_world = 3, 4194304], got 2"},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 1, "max_world": 2}})",
+               "job spec: parallel.elastic: the job's world dp x cp = 4 must lie in [min_world, "
+               "max_world] = [1, 2] (it starts there)"},
+           Bad{R"({"cp": 2, "elastic": {"min_world": 3, "max_world": 4}})",
+               "job spec: parallel.elastic: the job's world dp x cp = 2 must lie in [min_world, "
+               "max_world] = [3, 4] (it starts there)"},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 2, "wait_s": -1}})",
+               "job spec: parallel.elastic.wait_s: must be in [0, 86400] seconds, got -1"},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 2, "batch": "grow"}})",
+               "job spec: parallel.elastic.batch: must be \"keep\" or \"scale\", got \"grow\""},
+           Bad{R"({"cp": 4, "elastic": {"min_world": 2, "spare": 1}})",
+               "job spec: parallel.elastic.spare: unknown field"},
+       }) {
+    auto r = with(b.parallel);
+    ASSERT_FALSE(r.ok()) << b.parallel;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.parallel;
+    EXPECT_EQ(r.status().message(), b.error) << b.parallel;
+  }
+  auto no_dir = with(R"({"cp": 4, "elastic": {"min_world": 2}})", "");
+  ASSERT_FALSE(no_dir.ok());
+  EXPECT_EQ(no_dir.status().message(),
+            "job spec: parallel.elastic: needs checkpoint.dir (a resize resumes from the job's "
+            "last checkpoint)");
+}
+
 // train.offload: false by default, true on a cuda job (round-trips); a cpu job, or anything but a
 // boolean, is refused naming the field.
 TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {

@@ -308,6 +308,47 @@ TEST_F(CliTest, EndToEndAgainstCoordinator) {
   EXPECT_EQ(r.err, "spindle: --token-file: cannot read " + dir_.File("missing") + "\n");
 }
 
+// An elastic spec: `spindle plan` lists the layout each world of its range would take, and
+// `spindle status` the range beside the world the job runs at.
+TEST_F(CliTest, PlanAndStatusShowTheElasticRange) {
+  const std::string spec = WriteSpec("elastic.json", R"({"name": "el", "model": {"preset": "tiny"},
+      "data": {"source": "synthetic:recall"}, "seq_len": 1024,
+      "parallel": {"cp": 4, "elastic": {"min_world": 2, "wait_s": 30}},
+      "checkpoint": {"dir": "/tmp/el-cli"}})");
+  Result r = RunSpindle({"plan", spec, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(
+      r.out.find("elastic: world 2..4; after a lost worker it waits 30 s for a replacement, "
+                 "then resumes at the largest world it can place; grows at a checkpoint "
+                 "(batch \"keep\")\n"
+                 "  world 4: as planned above\n"
+                 "  world 3: does not run (no layout of world 3 runs: cp x dp 3 x 1: seq_len: "
+                 "1024 is not divisible by 2*cp = 6"),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  world 2: world 4 -> 2: cp x dp 4 x 1 -> 2 x 1; tokens per step kept at "
+                       "1024 (parallel.elastic.batch \"keep\")\n"),
+            std::string::npos)
+      << r.out;
+
+  CoordinatorConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.db_path = dir_.File("el.db");
+  cfg.token = "tok";
+  auto server = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::map<std::string, std::string> env = {
+      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())},
+      {"SPINDLE_TOKEN", "tok"}};
+  r = RunSpindle({"submit", spec}, env);
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = RunSpindle({"status", "j-000001"}, env);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(", world 4 (cp=4 dp=1), elastic 2..4 (submitted at 4, batch \"keep\")\n"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST_F(CliTest, SubmitMakesRelativePathsAbsolute) {
   CoordinatorConfig cfg;
   cfg.listen = "127.0.0.1:0";

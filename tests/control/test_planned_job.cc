@@ -118,6 +118,127 @@ TEST(PlannedJobTest, DecisionChangesAreNamed) {
             "lightning mode all2all -> allgather, mla mode ring -> hybrid, parallel.ulysses 1 -> 2");
 }
 
+JobSpec Elastic(const std::string& parallel, int64_t seq_len = 1024,
+                const std::string& model = R"({"preset": "tiny"})") {
+  absl::StatusOr<JobSpec> s = ParseJobSpec(
+      std::string(R"({"name": "e", "model": )") + model + R"(, "seq_len": )" +
+      std::to_string(seq_len) + R"(, "data": {"source": "synthetic:recall"}, "parallel": )" +
+      parallel + R"(, "train": {"steps": 3}, "checkpoint": {"dir": "/tmp/e"}})");
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : JobSpec{};
+}
+
+// A world change lays the job out again: the present cp where it divides the world, the modes
+// kept where they run, the step's tokens as parallel.elastic.batch says; back at the submitted
+// world it is the submitted layout.
+TEST(PlannedJobTest, ReplanForWorldKeepsWhatRunsAndSaysWhatChanged) {
+  const PlannedJob job = PlanJob(Elastic(R"({"cp": 4, "elastic": {"min_world": 2}})"), 0);
+  ASSERT_TRUE(job.ok());
+  ASSERT_EQ(job.spec.parallel.lightning_mode, CpMode::kAll2All);  // 4 heads over cp 4
+  std::string change;
+  EXPECT_EQ(ReplanForWorld(job, 4, 0, nullptr, &change).spec.ToJson(), job.spec.ToJson());
+  EXPECT_EQ(change, "");
+  const PlannedJob two = ReplanForWorld(job, 2, 0, nullptr, &change);
+  ASSERT_TRUE(two.ok()) << two.plan.problems.front();
+  EXPECT_EQ(two.spec.parallel.cp, 2);
+  EXPECT_EQ(two.spec.parallel.dp, 1);
+  EXPECT_EQ(two.plan.world, 2);
+  EXPECT_EQ(two.spec.parallel.lightning_mode, CpMode::kAll2All);
+  EXPECT_EQ(two.requested_json, job.requested_json);
+  EXPECT_EQ(change,
+            "world 4 -> 2: cp x dp 4 x 1 -> 2 x 1; tokens per step kept at 1024 "
+            "(parallel.elastic.batch \"keep\")");
+  const PlannedJob back = ReplanForWorld(two, 4, 0, nullptr, &change);
+  EXPECT_EQ(back.spec.ToJson(), job.spec.ToJson());
+  EXPECT_EQ(change,
+            "world 2 -> 4: cp x dp 2 x 1 -> 4 x 1; tokens per step kept at 1024 "
+            "(parallel.elastic.batch \"keep\")");
+
+  // World 3: 1024 tokens do not cut into 6 chunks, and dp 3 would change the step's one sequence.
+  const PlannedJob three = ReplanForWorld(job, 3, 0, nullptr, &change);
+  EXPECT_FALSE(three.ok());
+  EXPECT_EQ(change, "");
+  ASSERT_EQ(three.plan.problems.size(), 1u);
+  EXPECT_EQ(three.plan.problems[0],
+            "no layout of world 3 runs: cp x dp 3 x 1: seq_len: 1024 is not divisible by 2*cp = "
+            "6 (zigzag chunks need equal sizes)" +
+                std::string("; cp x dp 1 x 3: dp 3 does not divide the 1 sequences of a step "
+                            "(parallel.elastic.batch \"keep\")"))
+      << three.plan.problems[0];
+  // At 1536 tokens cp 3 runs, but all2all does not split 4 heads over 3 ranks: the planner's rule
+  // takes that mode again.
+  const PlannedJob job1536 = PlanJob(Elastic(R"({"cp": 4, "elastic": {"min_world": 2}})", 1536), 0);
+  const PlannedJob cp3 = ReplanForWorld(job1536, 3, 0, nullptr, &change);
+  ASSERT_TRUE(cp3.ok()) << cp3.plan.problems.front();
+  EXPECT_EQ(cp3.spec.parallel.cp, 3);
+  EXPECT_EQ(cp3.spec.parallel.lightning_mode, CpMode::kAllGather);
+  EXPECT_EQ(change,
+            "world 4 -> 3: cp x dp 4 x 1 -> 3 x 1, lightning mode all2all -> allgather, mla mode "
+            "all2all -> allgather; tokens per step kept at 1536 (parallel.elastic.batch "
+            "\"keep\")");
+  // Back at cp 4 the rule picks all2all again: the job runs as it ran there.
+  const PlannedJob back4 = ReplanForWorld(cp3, 4, 0, nullptr, &change);
+  EXPECT_EQ(back4.spec.ToJson(), job1536.spec.ToJson());
+  EXPECT_EQ(change,
+            "world 3 -> 4: cp x dp 3 x 1 -> 4 x 1, lightning mode allgather -> all2all, mla mode "
+            "allgather -> all2all; tokens per step kept at 1536 (parallel.elastic.batch "
+            "\"keep\")");
+  // A forced mode that runs at the new layout stays.
+  const PlannedJob forced = PlanJob(
+      Elastic(R"({"cp": 4, "lightning_mode": "allgather", "elastic": {"min_world": 2}})"), 0);
+  EXPECT_EQ(ReplanForWorld(forced, 2, 0, nullptr, &change).spec.parallel.lightning_mode,
+            CpMode::kAllGather);
+}
+
+// Data parallelism: "keep" holds a step's sequences with more micro-batches, "scale" lets them
+// follow dp; 2-D modes whose Ulysses groups no longer split cp, and an ep that no longer divides
+// the world, are left to the planner and named.
+TEST(PlannedJobTest, ReplanForWorldStatesTheStepsTokensAndReleasesWhatCannotRun) {
+  std::string change;
+  const PlannedJob keep = PlanJob(Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1}})"), 0);
+  const PlannedJob kept = ReplanForWorld(keep, 2, 0, nullptr, &change);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept.spec.parallel.cp, 2);
+  EXPECT_EQ(kept.spec.parallel.dp, 1);
+  EXPECT_EQ(kept.spec.train.micro_batches, 2);
+  EXPECT_EQ(change,
+            "world 4 -> 2: cp x dp 2 x 2 -> 2 x 1, train.micro_batches 1 -> 2; tokens per step "
+            "kept at 2048 (parallel.elastic.batch \"keep\")");
+  const PlannedJob scale =
+      PlanJob(Elastic(R"({"cp": 2, "dp": 2, "elastic": {"min_world": 1, "batch": "scale"}})"), 0);
+  const PlannedJob scaled = ReplanForWorld(scale, 2, 0, nullptr, &change);
+  EXPECT_EQ(scaled.spec.train.micro_batches, 1);
+  EXPECT_EQ(change,
+            "world 4 -> 2: cp x dp 2 x 2 -> 2 x 1; tokens per step 2048 -> 1024 "
+            "(parallel.elastic.batch \"scale\")");
+
+  const PlannedJob hybrid =
+      PlanJob(Elastic(R"({"cp": 4, "ulysses": 2, "lightning_mode": "hybrid", "mla_mode": "hybrid",
+                  "elastic": {"min_world": 2}})"),
+              0);
+  ASSERT_TRUE(hybrid.ok());
+  const PlannedJob unsplit = ReplanForWorld(hybrid, 2, 0, nullptr, &change);
+  ASSERT_TRUE(unsplit.ok());
+  EXPECT_EQ(unsplit.spec.parallel.ulysses, 1);
+  EXPECT_EQ(unsplit.spec.parallel.mla_mode, CpMode::kAll2All);
+  EXPECT_NE(change.find("parallel.ulysses 2 -> 1"), std::string::npos) << change;
+  EXPECT_NE(change.find("(parallel.ulysses 2 with the \"hybrid\" modes does not split cp 2: "
+                        "modes left to the planner)"),
+            std::string::npos)
+      << change;
+
+  const PlannedJob moe = PlanJob(Elastic(R"({"cp": 4, "ep": 4, "elastic": {"min_world": 2}})", 1024,
+                                         R"({"preset": "tiny-moe"})"),
+                                 0);
+  ASSERT_TRUE(moe.ok()) << moe.plan.problems.front();
+  const PlannedJob moe2 = ReplanForWorld(moe, 2, 0, nullptr, &change);
+  ASSERT_TRUE(moe2.ok()) << moe2.plan.problems.front();
+  EXPECT_EQ(2 % moe2.spec.parallel.ep, 0);
+  EXPECT_NE(change.find("parallel.ep 4 does not divide world 2: left to the planner"),
+            std::string::npos)
+      << change;
+}
+
 // What the CUDA engine refuses at start under FP8 the plan refuses first, naming the width.
 TEST(PlannedJobTest, Fp8ShapeLimitsAreThePlansProblems) {
   const JobSpec narrow = Spec(R"(, "precision": "fp8")", R"({"cp": 1})", "cuda",

@@ -7,10 +7,12 @@
 // data packs documents of random lengths, so they cross chunk and rank boundaries. Also: the step
 // event's "comm" entries, and All2All refused at plan time when n_heads % cp != 0. MLA Ring and the
 // hybrid modes (Ulysses groups of 2, so each rank also joins its group and ring) train the same
-// way.
+// way. A checkpoint resumes at another world on the same tokens (an elastic job's resize).
 #include <omp.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -37,7 +39,11 @@ struct WorldRun {
   std::vector<nlohmann::json> events;           // rank 0's
 };
 
-absl::StatusOr<WorldRun> RunWorld(const JobSpec& spec, CpMode lm, CpMode mm) {
+// With `checkpoint_dir`, the ranks checkpoint there (and resume from it); `stop_at_step` > 0 stops
+// them after that step.
+absl::StatusOr<WorldRun> RunWorld(const JobSpec& spec, CpMode lm, CpMode mm,
+                                  const std::string& checkpoint_dir = "",
+                                  int64_t stop_at_step = -1) {
   const int world = static_cast<int>(spec.parallel.world());
   MemoryKvStore store;
   WorldRun out;
@@ -53,6 +59,8 @@ absl::StatusOr<WorldRun> RunWorld(const JobSpec& spec, CpMode lm, CpMode mm) {
     o.store = &store;
     o.gloo = testing::TestGloo();
     o.grad_bucket_floats = 20000;  // several buckets for the tiny model
+    o.checkpoint_dir = checkpoint_dir;
+    o.stop_at_step = stop_at_step;
     if (rank == 0) o.on_event = [&](const nlohmann::json& e) { out.events.push_back(e); };
     auto t = Trainer::Create(std::move(o));
     if (!t.ok()) return t.status();
@@ -159,6 +167,38 @@ INSTANTIATE_TEST_SUITE_P(
                           i.param.ulysses > 1 ? absl::StrCat("_u", i.param.ulysses) : "", "_L",
                           w(i.param.lightning), "_M", w(i.param.mla));
     });
+
+// An elastic job's resize (parallel.elastic.batch "keep"): a dp = 2 x cp = 2 run checkpointed at
+// step 3 resumes at dp = 1 x cp = 2 with 2 micro-batches, the step's sequences kept. Its step 4
+// is the uninterrupted run's: the same tokens (the data position), parameters and optimizer state
+// (the checkpoint) and learning rate (the step), the loss differing only by how the f64 sum of the
+// four sequence shares associates; later steps track it as any other layout does.
+TEST(CpTrainerResumeTest, AResumeAtAnotherWorldContinuesOnTheSameTokens) {
+  omp_set_num_threads(1);
+  auto whole = RunWorld(CopyJob(6, 2, 2, 1), CpMode::kAll2All, CpMode::kAll2All);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_EQ(whole->losses.size(), 6u);
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / absl::StrCat("spindle-cp-resume-", getpid()))
+          .string();
+  std::filesystem::remove_all(dir);
+  JobSpec before = CopyJob(6, 2, 2, 1);
+  before.checkpoint.every = 3;
+  auto first = RunWorld(before, CpMode::kAll2All, CpMode::kAll2All, dir, 3);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->losses.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(first->losses[i], whole->losses[i]) << "step " << i + 1;
+  JobSpec after = CopyJob(6, 1, 2, 2);
+  after.checkpoint.every = 3;
+  auto rest = RunWorld(after, CpMode::kAll2All, CpMode::kAll2All, dir);
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  ASSERT_EQ(rest->losses.size(), 3u) << "resumed from step 3";
+  EXPECT_NEAR(rest->losses[0], whole->losses[3], 1e-12 * whole->losses[3]);
+  for (int i = 1; i < 3; ++i)
+    EXPECT_NEAR(rest->losses[i], whole->losses[3 + i], 2e-3 * whole->losses[3 + i])
+        << "step " << i + 4;
+}
 
 TEST(CpTrainerPlanTest, All2AllWithHeadsNotDivisibleByCpIsRefusedBeforeRunning) {
   JobSpec spec = CopyJob(1, 1, 3, 1);

@@ -1,12 +1,12 @@
-// Multi-host tests: the coordinator and three workers, each on a host of its own (a network
-// namespace, TestNetwork), real processes talking real gRPC and Gloo over the hosts' addresses,
-// one checkpoint directory shared by all hosts (as a shared volume would be). The daemons run with
-// their default flags but for what a test names (the worker ids: the namespaces share one
-// hostname). Links are cut and restored under the running jobs; every test ends with the job
-// SUCCEEDED at its final step with the loss of an uninterrupted run (resume is exact), no trainer
-// of a stopped attempt running past the fence deadline after the cut, and no checkpoint of an old
-// attempt committed after the next attempt fenced the directory (its commits.log). Skips, naming
-// why, where network namespaces cannot be created.
+// Multi-host tests: the coordinator and three workers (four for elastic jobs), each on a host of
+// its own (a network namespace, TestNetwork), real processes talking real gRPC and Gloo over the
+// hosts' addresses, one checkpoint directory shared by all hosts (as a shared volume would be). The
+// daemons run with their default flags but for what a test names (the worker ids: the namespaces
+// share one hostname). Links are cut and restored under the running jobs; every test ends with the
+// job SUCCEEDED at its final step with the loss of an uninterrupted run (resume is exact), no
+// trainer of a stopped attempt running past the fence deadline after the cut, and no checkpoint of
+// an old attempt committed after the next attempt fenced the directory (its commits.log). Skips,
+// naming why, where network namespaces cannot be created.
 #include <signal.h>
 
 #include <atomic>
@@ -16,8 +16,10 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/cluster_harness.h"
@@ -91,6 +93,13 @@ const std::vector<std::string> kFastFailure = {"--heartbeat_timeout=4", "--stop_
 constexpr double kFenceSeconds = 4 + 2;
 // Sampling (50 ms), process exit and reaping after SIGKILL.
 constexpr double kSlackSeconds = 1.5;
+// The elastic job's steps, and how far its final loss may be from a fixed-layout run's
+// (relative). Measured on this job (standalone, 100 steps): fixed cp = 2, 3 and 4 runs agree to
+// 3e-6 through step 11, then the training amplifies the fp32 noise of their summation orders to
+// up to 2.9% apart at some step and 1.0% at the last. The exact check is the replay of the same
+// layouts (ElasticMultihostTest).
+constexpr int kElasticSteps = 100;
+constexpr double kElasticLossTolerance = 0.03;
 
 class MultihostTest : public ::testing::Test {
  protected:
@@ -98,7 +107,7 @@ class MultihostTest : public ::testing::Test {
     if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
         std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_CLI_BINARY).empty())
       GTEST_SKIP() << "the daemons are not part of this build";
-    absl::StatusOr<std::unique_ptr<TestNetwork>> net = TestNetwork::Create(4);
+    absl::StatusOr<std::unique_ptr<TestNetwork>> net = TestNetwork::Create(Hosts());
     if (!net.ok()) GTEST_SKIP() << net.status().message();
     net_ = *std::move(net);
   }
@@ -109,6 +118,9 @@ class MultihostTest : public ::testing::Test {
     if (HasFailure() && net_) std::fprintf(stderr, "%s\n", Logs().c_str());
     net_.reset();  // deletes the namespaces, also after a failure
   }
+
+  // The coordinator's host and the worker hosts (1..Hosts() - 1).
+  virtual int Hosts() const { return 4; }
 
   std::string CoordinatorAddress() const { return absl::StrCat(net_->Address(0), ":", kPort); }
 
@@ -143,8 +155,8 @@ class MultihostTest : public ::testing::Test {
   std::vector<std::string> WorkerTls() const {
     return {"--tls_ca_file=" + CaFile(), "--bootstrap_token_file=" + BootstrapTokenFile()};
   }
-  // Worker w<host> on host `host` (1..3), one CPU slot, one thread per rank (so that its losses
-  // are those of the single-threaded reference run).
+  // Worker w<host> on host `host` (1..Hosts() - 1), one CPU slot, one thread per rank (so that its
+  // losses are those of the single-threaded reference run).
   void StartWorker(int host) {
     const std::string id = absl::StrCat("w", host);
     std::vector<std::string> argv = {
@@ -268,7 +280,10 @@ class MultihostTest : public ::testing::Test {
 
   // The final loss of the same job run uninterrupted: spindle-train standalone, one process per
   // rank through a file store, one thread each, into a checkpoint directory of its own.
-  std::string ReferenceLoss(const std::string& spec, int cp) {
+  // With `ckpt`, into that directory (resuming from its latest checkpoint), and `extra` arguments
+  // for every rank.
+  std::string ReferenceLoss(const std::string& spec, int cp, const std::string& ckpt = "",
+                            const std::vector<std::string>& extra = {}) {
     const std::string file = dir_.File(absl::StrCat("reference-", ++jobs_, ".json"));
     std::ofstream(file) << spec;
     const std::string store = dir_.File(absl::StrCat("store-", jobs_));
@@ -278,11 +293,22 @@ class MultihostTest : public ::testing::Test {
       SubprocessOptions o;
       o.stdout_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".out"));
       o.stderr_path = dir_.File(absl::StrCat("reference-", jobs_, "-rank", r, ".log"));
-      auto p =
-          Subprocess::Spawn({SPINDLE_TRAIN_BINARY, "--job", file, "--rank", absl::StrCat(r),
-                             "--world", absl::StrCat(cp), "--file-store", store, "--threads", "1",
-                             "--checkpoint-dir", dir_.File(absl::StrCat("reference-ckpt-", jobs_))},
-                            o);
+      std::vector<std::string> argv = {
+          SPINDLE_TRAIN_BINARY,
+          "--job",
+          file,
+          "--rank",
+          absl::StrCat(r),
+          "--world",
+          absl::StrCat(cp),
+          "--file-store",
+          store,
+          "--threads",
+          "1",
+          "--checkpoint-dir",
+          ckpt.empty() ? dir_.File(absl::StrCat("reference-ckpt-", jobs_)) : ckpt};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      auto p = Subprocess::Spawn(argv, o);
       if (!p.ok()) return "";
       ranks.push_back(*std::move(p));
     }
@@ -587,6 +613,157 @@ TEST_F(MultihostTest, StoppedRankFoundInSecondsWithDefaultFlags) {
   EXPECT_NE(Events(s).find("stopped responding"), std::string::npos) << Events(s);
   s = WaitJob(id, Ended, std::chrono::seconds(300));
   ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
+}
+
+// Four worker hosts, for elastic jobs.
+class ElasticMultihostTest : public MultihostTest {
+ protected:
+  int Hosts() const override { return 5; }
+  // The coordinator's spindle_job_world{job_id="<id>"}; -1 when not exported.
+  int64_t JobWorldGauge(const std::string& id) {
+    absl::StatusOr<CommandResult> r = RunCommand(
+        net_->On(0, {"curl", "-sf", "http://127.0.0.1:9400/metrics"}), "", absl::Seconds(10));
+    if (!r.ok() || r->exit_code != 0) return -1;
+    const std::string series = absl::StrCat("spindle_job_world{job_id=\"", id, "\"} ");
+    for (absl::string_view line : absl::StrSplit(r->stdout_text, '\n')) {
+      double v = 0;
+      if (absl::ConsumePrefix(&line, series) && absl::SimpleAtod(line, &v))
+        return static_cast<int64_t>(v);
+    }
+    return -1;
+  }
+  static int64_t World(const nlohmann::json& s) {
+    return s.contains("plan") ? Int(s["plan"], "world") : 0;
+  }
+};
+
+// A cp = 4 elastic job (min_world 2, wait_s 3) loses one of its four hosts for good (its worker
+// killed): no replacement comes, so it resumes from its last checkpoint at the largest world the
+// planner can place on the three left. 768 tokens cut into 6 chunks, so that is cp = 3, where
+// All2All does not split the 4 heads: both layer types re-planned to AllGather. When a worker
+// comes back on the host, the job grows back to cp = 4 (All2All again) at its next checkpoint.
+// Each resize is an event and the coordinator's spindle_job_world follows it. The resumes are
+// token-exact: the same layouts replayed by standalone trainers from the same checkpoint steps
+// end with the same loss, bit for bit. Against a fixed cp = 4 run over the same tokens the final
+// loss differs by the fp32 noise of other summation orders, which this training amplifies: fixed
+// cp = 2, 3 and 4 runs of this job end up to kElasticLossTolerance apart (see its comment).
+TEST_F(ElasticMultihostTest, ACp4JobShrinksWhenAHostIsLostAndGrowsBackWhenItReturns) {
+  StartCoordinator(kFastFailure);
+  for (int h = 1; h <= 4; ++h) StartWorker(h);
+  ASSERT_TRUE(WaitForWorkers(4)) << Logs();
+  const int steps = kElasticSteps;
+  const std::string ckpt = dir_.File("ckpt-elastic");
+  auto spec = [&](int cp, const std::string& elastic) {
+    return absl::StrCat(R"({"name": "elastic", "model": {"preset": "tiny"},
+        "data": {"source": "synthetic:recall", "recall_pairs": 4, "recall_gap": 128},
+        "seq_len": 768, "parallel": {"cp": )",
+                        cp, elastic, R"(},
+        "train": {"steps": )",
+                        steps, R"(, "lr": 3e-3, "warmup_steps": 10, "seed": 5},
+        "checkpoint": {"dir": ")",
+                        ckpt, R"(", "every": 10},
+        "resources": "cpu", "max_restarts": 5})");
+  };
+  const std::string id = Submit(spec(4, R"(, "elastic": {"min_world": 2, "wait_s": 3})"));
+  ASSERT_FALSE(id.empty()) << Logs();
+  // What a user following the job sees.
+  SubprocessOptions watch_options;
+  watch_options.stdout_path = dir_.File("watch.out");
+  watch_options.stderr_path = dir_.File("watch.log");
+  absl::StatusOr<std::unique_ptr<Subprocess>> watch =
+      Subprocess::Spawn(net_->On(0, {SPINDLE_CLI_BINARY, "--coordinator=" + CoordinatorAddress(),
+                                     "--tls-ca", CaFile(), "watch", id}),
+                        watch_options);
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  nlohmann::json s = WaitJob(
+      id, [](const nlohmann::json& j) { return Int(j, "last_checkpoint_step") >= 10; },
+      std::chrono::seconds(120));
+  ASSERT_GE(Int(s, "last_checkpoint_step"), 10) << Events(s) << Logs();
+  ASSERT_EQ(World(s), 4);
+  EXPECT_EQ(JobWorldGauge(id), 4);
+
+  const std::string victim = WorkerOf(s, 3);
+  const int host = std::stoi(victim.substr(1));
+  const auto lost = Clock::now();
+  Kill(victim);  // SIGKILL: its trainer goes with it
+  s = WaitJob(
+      id,
+      [](const nlohmann::json& j) {
+        return Ended(j) || (World(j) == 3 && j.value("state", "") == "JOB_STATE_RUNNING");
+      },
+      std::chrono::seconds(60));
+  const double shrunk_after = Seconds(Clock::now() - lost);
+  ASSERT_EQ(World(s), 3) << Events(s) << Logs();
+  ASSERT_EQ(s.value("state", ""), "JOB_STATE_RUNNING") << Events(s);
+  EXPECT_EQ(Int(s["plan"], "cp"), 3);
+  // Lost within the heartbeat timeout, fenced, resized and started: kFenceSeconds after the
+  // timeout bounds the wait (wait_s is shorter), plus starting three trainers.
+  EXPECT_LE(shrunk_after, 4 + kFenceSeconds + 15) << Events(s);
+  std::printf("lost worker %s: running at world 3 after %.1f s\n", victim.c_str(), shrunk_after);
+  const std::string shrink =
+      "resized (no gang of world 4 could be placed within parallel.elastic.wait_s = 3 s); world "
+      "4 -> 3: cp x dp 4 x 1 -> 3 x 1, lightning mode all2all -> allgather, mla mode all2all -> "
+      "allgather; tokens per step kept at 768 (parallel.elastic.batch \"keep\"); resumes from "
+      "checkpoint step ";
+  const std::string events = Events(s);
+  const size_t shrink_at = events.find(shrink);
+  ASSERT_NE(shrink_at, std::string::npos) << events;
+  const int64_t shrunk_from = std::atoll(events.c_str() + shrink_at + shrink.size());
+  EXPECT_GE(shrunk_from, 10);
+  EXPECT_EQ(JobWorldGauge(id), 3);
+  for (int r = 0; r < 3; ++r) EXPECT_NE(WorkerOf(s, r), victim);
+
+  // The host's worker returns; the job grows at its next checkpoint.
+  StartWorker(host);
+  s = WaitJob(
+      id,
+      [](const nlohmann::json& j) {
+        return Ended(j) || (World(j) == 4 && j.value("state", "") == "JOB_STATE_RUNNING");
+      },
+      std::chrono::seconds(90));
+  ASSERT_EQ(World(s), 4) << Events(s) << Logs();
+  const std::string grow = "growing at checkpoint step ";
+  const size_t grow_at = Events(s).find(grow);
+  ASSERT_NE(grow_at, std::string::npos) << Events(s);
+  const int64_t grown_at = std::atoll(Events(s).c_str() + grow_at + grow.size());
+  EXPECT_GT(grown_at, shrunk_from);
+  EXPECT_NE(Events(s).find(absl::StrCat(
+                grown_at,
+                ": world 3 -> 4: cp x dp 3 x 1 -> 4 x 1, lightning mode allgather -> all2all, mla "
+                "mode allgather -> all2all; tokens per step kept at 768")),
+            std::string::npos)
+      << Events(s);
+  EXPECT_EQ(JobWorldGauge(id), 4);
+  EXPECT_EQ(Int(s, "restarts"), 1) << "growing spends no restart\n" << Events(s);
+
+  s = WaitJob(id, Ended, std::chrono::seconds(120));
+  ASSERT_EQ(s.value("state", ""), "JOB_STATE_SUCCEEDED") << Events(s) << Logs();
+  EXPECT_EQ(Int(s, "step"), steps);
+  EXPECT_EQ(Int(s, "attempt"), 3) << Events(s);
+  CheckCommitLog(ckpt);
+  ASSERT_TRUE((*watch)->Wait().ok());  // watch ends with the job
+  const std::string watched = ReadFile(dir_.File("watch.out"));
+  EXPECT_NE(watched.find("restarting: " + shrink), std::string::npos) << watched;
+  EXPECT_NE(watched.find("restarting: growing at checkpoint step "), std::string::npos) << watched;
+  std::printf("spindle watch:\n%s", watched.c_str());
+  std::printf("shrunk to cp = 3 from checkpoint step %lld, grown to cp = 4 at step %lld\n",
+              static_cast<long long>(shrunk_from), static_cast<long long>(grown_at));
+
+  // Token-exact: the same layouts from the same checkpoint steps, by standalone trainers.
+  const std::string replay = dir_.File("ckpt-replay");
+  ASSERT_FALSE(
+      ReferenceLoss(spec(4, ""), 4, replay, {"--stop-at-step", absl::StrCat(shrunk_from)}).empty());
+  ASSERT_FALSE(
+      ReferenceLoss(spec(3, ""), 3, replay, {"--stop-at-step", absl::StrCat(grown_at)}).empty());
+  EXPECT_EQ(s["loss"].dump(), ReferenceLoss(spec(4, ""), 4, replay))
+      << "the resized run's final loss differs from the same layouts replayed";
+  // A fixed cp = 4 run over the same tokens.
+  const std::string reference = ReferenceLoss(spec(4, ""), 4);
+  ASSERT_FALSE(reference.empty());
+  const double want = std::stod(reference), got = s["loss"].get<double>();
+  std::printf("elastic final loss %.9g, fixed cp = 4 %.9g (relative difference %.3g)\n", got, want,
+              std::abs(got - want) / want);
+  EXPECT_NEAR(got, want, kElasticLossTolerance * want) << Events(s);
 }
 
 }  // namespace
