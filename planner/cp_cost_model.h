@@ -1,9 +1,10 @@
 // CpCostModel: estimates one training step of a job per rank, for each candidate CP mode of each
 // layer type (DESIGN.md section 3, "The plan"), from
 //   - the work: FLOPs of the dense GEMMs (6 N per token, plus a forward per recomputed layer),
-//     of causal softmax attention (MLA; the pairs within documents of a synthetic source's
-//     known length, SyntheticAttentionSpan, or of one document as long as the sequence for
-//     files, the worst case: the planner does not read them), of the chunked Lightning kernel,
+//     of causal softmax attention (MLA; the pairs within documents, AttentionSpan: a synthetic
+//     source's known lengths, a file's data.doc_span as measured from a sample of it
+//     (common/document_span.h), or one document as long as the sequence where a file's are
+//     unknown, the worst case), of the chunked Lightning kernel,
 //     and the bytes of the memory-bound kernels (norms, SwiGLU, residuals, the optimizer);
 //   - the device's measured rates (DeviceRates: GEMM, attention and Lightning FLOP/s and memory
 //     bandwidth, for one rank alone on it), shared by the ranks that share the device's
