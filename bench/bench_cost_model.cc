@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
         topo.link_rates = {j.value("bytes_per_s", 0.0), j.value("latency_s", 0.0)};
     }
     topo.sharing = resources == "cuda" ? static_cast<double>(c.cp)
-                                       : spindle::CoreSharing(c.cp, threads, cores);
+                                       : spindle::CoreSharing(c.cp, threads, cores, c.cp);
     auto mode = [&](const std::string& m) {
       return spindle::ModeChoice{spindle::CpModeFromName(m).value_or(CpMode::kAllGather),
                                  c.ulysses};

@@ -157,7 +157,7 @@ Topology JobAdmission::TopologyLocked(const JobTable& t, const JobSpec& spec) co
   // CPU ranks of one host share its cores.
   const int64_t on_host = std::min<int64_t>(world, d.count);
   if (d.kind == "cpu" && d.cores > 0 && d.threads_per_rank > 0)
-    topo.sharing = CoreSharing(on_host, d.threads_per_rank, d.cores);
+    topo.sharing = CoreSharing(on_host, d.threads_per_rank, d.cores, world);
   absl::StrAppend(
       &topo.basis, ", link ", LinkClassName(link),
       measured ? absl::StrFormat(" measured by worker %s (%.3g GB/s, %.0f us a message)",

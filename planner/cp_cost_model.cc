@@ -111,9 +111,11 @@ DeviceRates DefaultRates(const std::string& resources) {
   return {CpuDefaultGemm, CpuDefaultAttention, CpuDefaultLightning, CpuDefaultMemory};
 }
 
-double CoreSharing(int64_t ranks, int64_t threads, int64_t cores) {
+double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world) {
   if (ranks < 1 || threads < 1 || cores < 1 || ranks * threads < cores) return 1.0;
-  return std::max(1.0, static_cast<double>(ranks * (threads + 1)) / static_cast<double>(cores));
+  const int64_t communicator = world > 1 ? 1 : 0;
+  return std::max(1.0, static_cast<double>(ranks * (threads + communicator)) /
+                           static_cast<double>(cores));
 }
 
 Topology DefaultTopology(const std::string& resources) {

@@ -62,11 +62,12 @@ struct Topology {
 };
 
 // The `sharing` of `ranks` CPU ranks on one host of `cores` cores, each running `threads` compute
-// threads and a communicator thread (worker/engine/comm: Gloo's sends, receives and reductions),
-// which needs a core of its own once the compute threads fill the host: max(1, ranks (threads +
-// 1) / cores) once ranks x threads reaches the cores, else 1 (bench/CP_NOTES.md: eight ranks of
-// two threads on 16 cores ran 27% slower than the compute threads alone predict).
-double CoreSharing(int64_t ranks, int64_t threads, int64_t cores);
+// threads and, in a job of `world` > 1 ranks, a communicator thread (worker/engine/comm: Gloo's
+// sends, receives and reductions), which needs a core of its own once the compute threads fill
+// the host: max(1, ranks (threads + 1) / cores) once ranks x threads reaches the cores, else 1
+// (bench/CP_NOTES.md: eight ranks of two threads on 16 cores ran 27% slower than the compute
+// threads alone predict). A job of one rank has no communicator: max(1, threads / cores).
+double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world);
 
 // Built-in rates where no worker measured any: a CPU core of the reference machine, or an H200
 // (bench/CP_NOTES.md, "Cost model"); the link class a worker's own devices share (CPU: loopback,

@@ -107,15 +107,19 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
 // Ranks share a host's cores once their compute threads fill it, each communicator thread then
 // taking a core of its own.
 TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
-  EXPECT_EQ(CoreSharing(1, 2, 16), 1.0);
-  EXPECT_EQ(CoreSharing(4, 2, 16), 1.0);   // 8 compute threads: the communicators fit beside
-  EXPECT_EQ(CoreSharing(4, 3, 16), 1.0);   // 12 + 4 = 16
-  EXPECT_EQ(CoreSharing(8, 2, 16), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
-  EXPECT_EQ(CoreSharing(4, 4, 16), 1.25);  // (16 + 4) / 16
-  EXPECT_EQ(CoreSharing(8, 4, 16), 2.5);   // (32 + 8) / 16
-  EXPECT_EQ(CoreSharing(2, 1, 2), 2.0);    // two single-threaded ranks on two cores
-  EXPECT_EQ(CoreSharing(0, 2, 16), 1.0);   // nothing known: no sharing
-  EXPECT_EQ(CoreSharing(8, 2, 0), 1.0);
+  EXPECT_EQ(CoreSharing(1, 2, 16, 2), 1.0);
+  EXPECT_EQ(CoreSharing(4, 2, 16, 4), 1.0);   // 8 compute threads: the communicators fit beside
+  EXPECT_EQ(CoreSharing(4, 3, 16, 4), 1.0);   // 12 + 4 = 16
+  EXPECT_EQ(CoreSharing(8, 2, 16, 8), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
+  EXPECT_EQ(CoreSharing(4, 4, 16, 4), 1.25);  // (16 + 4) / 16
+  EXPECT_EQ(CoreSharing(8, 4, 16, 8), 2.5);   // (32 + 8) / 16
+  EXPECT_EQ(CoreSharing(2, 1, 2, 2), 2.0);    // two single-threaded ranks on two cores
+  EXPECT_EQ(CoreSharing(0, 2, 16, 2), 1.0);   // nothing known: no sharing
+  EXPECT_EQ(CoreSharing(8, 2, 0, 8), 1.0);
+  // One rank alone runs no communicator: its threads are all it needs of the cores.
+  EXPECT_EQ(CoreSharing(1, 2, 2, 1), 1.0);
+  EXPECT_EQ(CoreSharing(1, 4, 2, 1), 2.0);
+  EXPECT_EQ(CoreSharing(1, 2, 2, 2), 1.5);  // one rank of a larger job does
 }
 
 // Attention counts the pairs within the source's documents: a synthetic source's known span, or
