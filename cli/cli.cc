@@ -600,9 +600,9 @@ class Cli {
     return true;
   }
 
-  // Prints the plan of the spec `text`; with --verify, then the parity canary of a plan that can
-  // run.
-  int EmitPlan(v1::Plan p, const std::string& text) {
+  // Prints the plan of `spec` (the spec text as parsed, or why it did not parse); with --verify,
+  // then the parity canary of a plan that can run.
+  int EmitPlan(v1::Plan p, const absl::StatusOr<JobSpec>& spec) {
     const v1::Plan plan = p;
     ForPrinting(&p);
     if (Json()) {
@@ -611,14 +611,13 @@ class Cli {
       PrintPlan(p, out_);
     }
     if (!p.ok()) return kExitUsage;
-    return o_.verify ? VerifyPlan(text, plan) : kExitOk;
+    return o_.verify ? VerifyPlan(spec, plan) : kExitOk;
   }
 
   // plan --verify: the spec with `plan`'s decisions written in, checked by spindle-train
   // --verify-only (cli/plan_verify.h). 0 when the layout passes (or has nothing to verify), 2
   // when it does not or the trainer refuses the job, 1 when the trainer fails otherwise.
-  int VerifyPlan(const std::string& text, const v1::Plan& plan) {
-    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+  int VerifyPlan(const absl::StatusOr<JobSpec>& spec, const v1::Plan& plan) {
     if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
     CpPlan decided;
     PlanFromProto(plan, &decided);
@@ -648,7 +647,7 @@ class Cli {
     CpPlan plan = CpPlanner().Plan(*spec, device);
     v1::Plan p;
     PlanToProto(plan, &p);
-    return EmitPlan(p, text);
+    return EmitPlan(p, spec);
   }
 
   int Plan() {
@@ -678,7 +677,7 @@ class Cli {
       return PlanOffline(text, spec);
     }
     if (!st.ok()) return RpcFail(st);
-    return EmitPlan(resp.plan(), text);
+    return EmitPlan(resp.plan(), spec);
   }
 
   int Submit() {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_split.h"
+#include "common/job_spec.h"
 #include "coordinator/coordinator_server.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -362,6 +363,20 @@ TEST_F(CliTest, Fp8ShapeJobIsRefusedByPlanAndSubmitNamingTheWidth) {
   EXPECT_NE(r.err.find("job cannot run: " + width), std::string::npos) << r.err;
   JobView job;
   EXPECT_FALSE((*server)->manager()->GetJob("j-000001", false, &job).ok()) << "nothing stored";
+}
+
+// `spindle plan` and `spindle submit` parse the spec once in the CLI's process (the plan, its
+// documents, --verify's planned spec and the request all come from that one parse).
+TEST_F(CliTest, PlanAndSubmitParseTheSpecOnce) {
+  const std::string path = WriteSpec("once.json", testing::SpecJson(2, 1));
+  int64_t before = JobSpecParsesForTesting();
+  Result r = RunSpindle({"plan", path, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 1);
+  before = JobSpecParsesForTesting();
+  r = RunSpindle({"submit", path, "--coordinator", "127.0.0.1:1"});
+  EXPECT_NE(r.code, 0);  // nobody listens; the spec was parsed before trying
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 1);
 }
 
 // The CLI measures the documents of a data file it can read (data.doc_span, a sample of the
