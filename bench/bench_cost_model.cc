@@ -3,10 +3,13 @@
 // processes over Gloo on 127.0.0.1 (a file store), takes the median step time of the steps after
 // the first two, and prints it beside the estimate:
 //   - CPU jobs: the kernel rates measured at the job's shapes (spindle-train --probe-rates, one
-//     rank alone on its threads), link loopback, ranks sharing the cores (CoreSharing) when
-//     ranks x threads fill them;
+//     rank alone on its threads), link loopback at the rates that probe measured (its link line,
+//     as a worker reports them), ranks sharing the cores (CoreSharing) when ranks x threads fill
+//     them;
 //   - CUDA jobs: every rank on the one GPU (sharing = cp), the planner's built-in rates of an
-//     H200, link same-device (Gloo through host staging).
+//     H200, link same-device (Gloo through host staging) at the rates spindle-train --probe-link
+//     measured.
+// The link column shows the rate used (GB/s per rank and direction).
 // Prints a table; asserts nothing.
 //
 //   bench_cost_model --train build/worker/spindle-train [--steps 8]
@@ -94,10 +97,12 @@ int main(int argc, char** argv) {
                               .string();
   std::filesystem::create_directories(dir);
   const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  std::printf("%lld cores; links at their built-in rates\n\n", static_cast<long long>(cores));
-  std::printf("| preset | seq | cp | res. | threads | lightning | mla | sharing | estimated s | "
-              "measured s | error |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("%lld cores; links at the rates spindle-train measured\n\n",
+              static_cast<long long>(cores));
+  std::printf(
+      "| preset | seq | cp | res. | threads | lightning | mla | sharing | link GB/s | "
+      "estimated s | measured s | error |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (absl::string_view item : absl::StrSplit(configs, ',')) {
     std::vector<std::string> f = absl::StrSplit(item, ':');
     if (f.size() < 5) continue;
@@ -117,26 +122,29 @@ int main(int argc, char** argv) {
       continue;
     }
     spindle::Topology topo = spindle::DefaultTopology(resources);
-    if (resources == "cuda") {
-      topo.link = spindle::LinkClass::kSameDevice;
-      topo.sharing = static_cast<double>(c.cp);
-    } else {
-      auto probe = spindle::RunCommand(
-          {train, "--probe-rates", "--job", job, "--threads", absl::StrCat(threads)}, "");
-      if (!probe.ok() || probe->exit_code != 0) {
-        std::fprintf(stderr, "probe failed\n");
-        continue;
-      }
-      for (absl::string_view line : absl::StrSplit(probe->stdout_text, '\n')) {
-        auto j = nlohmann::json::parse(line, nullptr, false);
-        if (!j.is_object() || j.value("event", "") != "rates") continue;
+    topo.link =
+        resources == "cuda" ? spindle::LinkClass::kSameDevice : spindle::LinkClass::kLoopback;
+    topo.link_rates = spindle::DefaultLinkRates(topo.link);
+    auto probe =
+        resources == "cuda"
+            ? spindle::RunCommand({train, "--probe-link"}, "")
+            : spindle::RunCommand(
+                  {train, "--probe-rates", "--job", job, "--threads", absl::StrCat(threads)}, "");
+    if (!probe.ok() || probe->exit_code != 0) {
+      std::fprintf(stderr, "probe failed\n");
+      continue;
+    }
+    for (absl::string_view line : absl::StrSplit(probe->stdout_text, '\n')) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_object()) continue;
+      if (j.value("event", "") == "rates")
         topo.rates = {j.value("gemm_flops", 0.0), j.value("attention_flops", 0.0),
                       j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0)};
-      }
-      topo.link = spindle::LinkClass::kLoopback;
-      topo.sharing = spindle::CoreSharing(c.cp, threads, cores);
+      if (j.value("event", "") == "link" && j.value("bytes_per_s", 0.0) > 0)
+        topo.link_rates = {j.value("bytes_per_s", 0.0), j.value("latency_s", 0.0)};
     }
-    topo.link_rates = spindle::DefaultLinkRates(topo.link);
+    topo.sharing = resources == "cuda" ? static_cast<double>(c.cp)
+                                       : spindle::CoreSharing(c.cp, threads, cores, c.cp);
     auto mode = [&](const std::string& m) {
       return spindle::ModeChoice{spindle::CpModeFromName(m).value_or(CpMode::kAllGather),
                                  c.ulysses};
@@ -165,11 +173,12 @@ int main(int argc, char** argv) {
     std::ifstream in(out0);
     const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const double measured = MedianStep(out);
-    std::printf("| %s | %lld | %lld | %s | %lld | %s | %s | %.1f | %.3f | %.3f | %+.0f%% |\n",
-                c.preset.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.cp),
-                resources.c_str(), static_cast<long long>(threads), c.lmode.c_str(),
-                c.mmode.c_str(), topo.sharing, est, measured,
-                measured > 0 ? 100.0 * (est / measured - 1.0) : 0.0);
+    std::printf(
+        "| %s | %lld | %lld | %s | %lld | %s | %s | %.1f | %.2f | %.3f | %.3f | %+.0f%% |\n",
+        c.preset.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.cp),
+        resources.c_str(), static_cast<long long>(threads), c.lmode.c_str(), c.mmode.c_str(),
+        topo.sharing, topo.link_rates.bytes_per_s / 1e9, est, measured,
+        measured > 0 ? 100.0 * (est / measured - 1.0) : 0.0);
     std::fflush(stdout);
   }
   std::filesystem::remove_all(dir);

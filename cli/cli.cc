@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "cli/plan_verify.h"
+#include "common/document_span.h"
 #include "common/host_port.h"
 #include "common/job_spec.h"
 #include "common/json_fields.h"
@@ -264,6 +265,20 @@ std::string WithAbsolutePaths(const std::string& text) {
     }
   }
   return changed ? j.dump() : text;
+}
+
+// The spec text with data.doc_span set to `doc_span` (> 0), as WithDocumentSpan (document_span.h)
+// measured it from the data file where this host can read it: the planner, here or in the
+// coordinator, then counts attention over the documents as they are. Anything unexpected leaves
+// the text.
+std::string WithDocumentSpanText(const std::string& text, double doc_span) {
+  if (doc_span <= 0 || !JsonDepthWithin(text)) return text;
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return text;
+  auto d = j.find("data");
+  if (d == j.end() || !d->is_object() || d->contains("doc_span")) return text;
+  (*d)["doc_span"] = doc_span;
+  return j.dump();
 }
 
 // Every string of `m` (nested messages included) as PrintableText: what the coordinator relays from
@@ -586,9 +601,9 @@ class Cli {
     return true;
   }
 
-  // Prints the plan of the spec `text`; with --verify, then the parity canary of a plan that can
-  // run.
-  int EmitPlan(v1::Plan p, const std::string& text) {
+  // Prints the plan of `spec` (the spec text as parsed, or why it did not parse); with --verify,
+  // then the parity canary of a plan that can run.
+  int EmitPlan(v1::Plan p, const absl::StatusOr<JobSpec>& spec) {
     const v1::Plan plan = p;
     ForPrinting(&p);
     if (Json()) {
@@ -598,7 +613,7 @@ class Cli {
       if (p.ok()) PrintElasticWorlds(text, plan.memory().device_memory_bytes());
     }
     if (!p.ok()) return kExitUsage;
-    return o_.verify ? VerifyPlan(text, plan) : kExitOk;
+    return o_.verify ? VerifyPlan(spec, plan) : kExitOk;
   }
 
   // An elastic spec: the layout each world of its range would take (ReplanForWorld, against
@@ -634,8 +649,7 @@ class Cli {
   // plan --verify: the spec with `plan`'s decisions written in, checked by spindle-train
   // --verify-only (cli/plan_verify.h). 0 when the layout passes (or has nothing to verify), 2
   // when it does not or the trainer refuses the job, 1 when the trainer fails otherwise.
-  int VerifyPlan(const std::string& text, const v1::Plan& plan) {
-    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+  int VerifyPlan(const absl::StatusOr<JobSpec>& spec, const v1::Plan& plan) {
     if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
     CpPlan decided;
     PlanFromProto(plan, &decided);
@@ -658,14 +672,14 @@ class Cli {
     return ParityOk(*check->event) ? kExitOk : kExitUsage;
   }
 
-  int PlanOffline(const std::string& text) {
-    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+  // `spec` is `text` parsed (or why it does not parse).
+  int PlanOffline(const std::string& text, const absl::StatusOr<JobSpec>& spec) {
     if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("plan: ", spec.status().message()));
     const auto device = static_cast<int64_t>(o_.device_memory_gib * double(int64_t{1} << 30));
     CpPlan plan = CpPlanner().Plan(*spec, device);
     v1::Plan p;
     PlanToProto(plan, &p);
-    return EmitPlan(p, text);
+    return EmitPlan(p, spec);
   }
 
   int Plan() {
@@ -673,7 +687,16 @@ class Cli {
     if (!OnePositional("JOB.json", &code)) return code;
     std::string text;
     if (!ReadSpec(o_.positional[0], &text, &code)) return code;
-    if (o_.offline || o_.device_memory_gib > 0) return PlanOffline(text);
+    // Parsed once here: the data file's documents are measured where the CLI can read it (a
+    // spec that does not parse goes on as it is, for the planner to name its problem).
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    if (spec.ok()) {
+      std::string note;
+      *spec = WithDocumentSpan(*std::move(spec), &note);
+      text = WithDocumentSpanText(text, spec->data.doc_span);
+      if (!note.empty()) err_ << "spindle: plan: " << PrintableText(note) << "\n";
+    }
+    if (o_.offline || o_.device_memory_gib > 0) return PlanOffline(text, spec);
     v1::PlanJobRequest req;
     req.set_spec_json(text);
     v1::PlanJobResponse resp;
@@ -683,10 +706,10 @@ class Cli {
     if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
       err_ << "spindle: plan: coordinator at " << o_.coordinator
            << " unreachable; planning offline (memory not checked against a device)\n";
-      return PlanOffline(text);
+      return PlanOffline(text, spec);
     }
     if (!st.ok()) return RpcFail(st);
-    return EmitPlan(resp.plan(), text);
+    return EmitPlan(resp.plan(), spec);
   }
 
   int Submit() {
@@ -695,9 +718,12 @@ class Cli {
     std::string text;
     if (!ReadSpec(o_.positional[0], &text, &code)) return code;
     // Reject a bad spec before contacting anyone: the message names the field.
-    if (absl::StatusOr<JobSpec> spec = ParseJobSpec(text); !spec.ok())
-      return Fail(kExitUsage, absl::StrCat("submit: ", spec.status().message()));
-    text = WithAbsolutePaths(text);
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    if (!spec.ok()) return Fail(kExitUsage, absl::StrCat("submit: ", spec.status().message()));
+    std::string note;
+    const JobSpec measured = WithDocumentSpan(*spec, &note);
+    text = WithAbsolutePaths(WithDocumentSpanText(text, measured.data.doc_span));
+    if (!note.empty()) err_ << "spindle: submit: " << PrintableText(note) << "\n";
     v1::SubmitJobRequest req;
     req.set_spec_json(text);
     req.set_request_id(RandomRequestId());

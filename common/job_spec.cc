@@ -2,6 +2,7 @@
 #include "common/job_spec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -152,6 +153,7 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
   RETURN_IF_ERROR(f.ReadInt("eos_id", &d->eos_id));
   RETURN_IF_ERROR(f.ReadInt("recall_pairs", &d->recall_pairs));
   RETURN_IF_ERROR(f.ReadInt("recall_gap", &d->recall_gap));
+  RETURN_IF_ERROR(f.ReadDouble("doc_span", &d->doc_span));
   RETURN_IF_ERROR(f.Finish());
   RETURN_IF_ERROR(CheckPathText(f, "source", d->source));
   const std::string& s = d->source;
@@ -182,6 +184,15 @@ absl::Status ParseData(const nlohmann::json& j, DataSpec* d) {
     return f.Error("recall_pairs", absl::StrCat("must be in [1, 64], got ", d->recall_pairs));
   if (d->recall_gap < 0)
     return f.Error("recall_gap", absl::StrCat("must be >= 0, got ", d->recall_gap));
+  if (f.Has("doc_span")) {
+    if (d->kind == DataKind::kSynthetic)
+      return f.Error("doc_span",
+                     "is for tokens: and text: sources (a synthetic source's "
+                     "documents are known)");
+    if (!(d->doc_span >= 1 && d->doc_span <= 1e15))
+      return f.Error("doc_span", absl::StrCat("must be a document length in [1, 1e15] tokens, got ",
+                                              d->doc_span));
+  }
   return absl::OkStatus();
 }
 
@@ -210,6 +221,10 @@ double SyntheticAttentionSpan(const DataSpec& d) {
   const double sum = 2 * sm + 2 * n + 18 * eights;
   const double sum_sq = 4 * sm2 + 8 * sm + 4 * n + 324 * eights;
   return sum_sq / sum;
+}
+
+double AttentionSpan(const DataSpec& d) {
+  return d.kind == DataKind::kSynthetic ? SyntheticAttentionSpan(d) : d.doc_span;
 }
 
 std::string_view TrainFp8RecipeName(TrainFp8Recipe r) {
@@ -256,7 +271,19 @@ std::optional<CpMode> CpModeFromName(std::string_view name) {
   return std::nullopt;
 }
 
+namespace {
+// JobSpecParsesForTesting's count: the one process-wide value of this file, a monotone counter
+// that nothing but tests reads.
+std::atomic<int64_t>& SpecParses() {
+  static std::atomic<int64_t> parses{0};
+  return parses;
+}
+}  // namespace
+
+int64_t JobSpecParsesForTesting() { return SpecParses().load(std::memory_order_relaxed); }
+
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
+  SpecParses().fetch_add(1, std::memory_order_relaxed);
   JsonFields f(j, "job spec", "");
   RETURN_IF_ERROR(f.CheckObject());
   JobSpec s;
@@ -473,6 +500,7 @@ nlohmann::json JobSpec::ToJson() const {
     data_j["recall_pairs"] = data.recall_pairs;
     data_j["recall_gap"] = data.recall_gap;
   }
+  if (data.doc_span > 0) data_j["doc_span"] = data.doc_span;
   nlohmann::json model_j = model.ToJson();
   nlohmann::json j = {
       {"name", name},

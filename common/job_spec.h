@@ -41,14 +41,24 @@ struct DataSpec {
   // Synthetic recall: pairs per document and the distance (tokens) between the pairs and queries.
   int64_t recall_pairs = 8;
   int64_t recall_gap = 1024;
+  // Files: the document length that counts their attention work, sum(L^2) / sum(L) over the
+  // documents L as the job's sequences cut them (a token sees doc_span / 2 earlier keys of its
+  // document on average); 0: unknown (the planner then counts one document a sequence, the worst
+  // case). `spindle submit`, `spindle plan` and a standalone `spindle-train` measure it from a
+  // bounded sample of the file when the spec leaves it out (common/document_span.h); a spec may
+  // give it for a file the submitting host cannot read. JSON "data.doc_span", tokens, >= 1; only
+  // for tokens: and text: sources (a synthetic source's documents are known).
+  double doc_span = 0;
 };
 
 // The document length that counts a synthetic source's attention work, E[D^2] / E[D] over its
 // documents D (a token sees span / 2 earlier keys of its document on average), from the
 // generator's formats (worker/engine/data.cc): recall documents are 4 pairs + gap + 3 tokens, copy
-// documents 2 m + 2 with m uniform in [gap / 2, gap] (at least 8). 0 for files (the planner does
-// not read them).
+// documents 2 m + 2 with m uniform in [gap / 2, gap] (at least 8). 0 for files.
 double SyntheticAttentionSpan(const DataSpec& d);
+// The document length the planner counts attention with: SyntheticAttentionSpan for synthetic
+// sources, data.doc_span for files (0: unknown).
+double AttentionSpan(const DataSpec& d);
 
 // How a layer type runs under context parallelism (DESIGN.md section 3). kRing is MLA's only;
 // kHybrid is Ulysses over groups of parallel.ulysses ranks combined with Ring (MLA) or with the
@@ -193,5 +203,9 @@ inline constexpr size_t kMaxJobSpecBytes = 1 << 20;
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view json_text);
 absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j);
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);
+
+// How many specs this process has parsed (each ParseJobSpecJson call, ParseJobSpec's and
+// LoadJobSpec's included), for tests that show a path parses its spec once. Thread-safe.
+int64_t JobSpecParsesForTesting();
 
 }  // namespace spindle

@@ -140,21 +140,30 @@ Topology JobAdmission::TopologyLocked(const JobTable& t, const JobSpec& spec) co
     topo.basis = absl::StrCat(topo.basis.substr(0, topo.basis.find(',')), " (worker ",
                               w->rec.worker_id, " reported none)");
   }
-  // The gang fits on that worker: its own link; otherwise the ranks meet over the network.
+  // The gang fits on that worker: its own link (at the rates it measured, where it measured
+  // them); otherwise the ranks meet over the network.
   const int64_t world = spec.parallel.world();
+  const bool own_link = world <= d.count;
   LinkClass link = topo.link;
-  if (world > d.count)
+  if (!own_link)
     link = LinkClass::kNetwork;
   else if (!d.link.empty())
     ParseLinkClass(d.link, &link);
   topo.link = link;
   topo.link_rates = DefaultLinkRates(link);
+  const bool measured = own_link && d.link_rates.bytes_per_s > 0 &&
+                        (link == LinkClass::kLoopback || link == LinkClass::kSameDevice);
+  if (measured) topo.link_rates = d.link_rates;
   // CPU ranks of one host share its cores.
   const int64_t on_host = std::min<int64_t>(world, d.count);
   if (d.kind == "cpu" && d.cores > 0 && d.threads_per_rank > 0)
-    topo.sharing = CoreSharing(on_host, d.threads_per_rank, d.cores);
+    topo.sharing = CoreSharing(on_host, d.threads_per_rank, d.cores, world);
   absl::StrAppend(
       &topo.basis, ", link ", LinkClassName(link),
+      measured ? absl::StrFormat(" measured by worker %s (%.3g GB/s, %.0f us a message)",
+                                 w->rec.worker_id, topo.link_rates.bytes_per_s / 1e9,
+                                 topo.link_rates.latency_s * 1e6)
+               : std::string(),
       topo.sharing > 1 ? absl::StrFormat(", %d ranks sharing %d cores", on_host, d.cores) : "");
   return topo;
 }

@@ -83,7 +83,9 @@ class JobAdmission {
   static int64_t SmallestDeviceMemory(const JobTable& t, const std::vector<RankPlacement>& ranks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
   // What the cost model estimates with: the rates of the worker plans are sized to (built-in
-  // ones when it measured none), its link when the gang fits on it, else the network.
+  // ones when it measured none), its link when the gang fits on it (at the rates the worker
+  // measured for a "loopback" or "same-device" link, the basis then saying "measured"; nominal
+  // ones otherwise), else the network.
   Topology TopologyLocked(const JobTable& t, const JobSpec& spec) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
   // Takes a planned job: the spec the ranks run, the memory per rank the scheduler places by.

@@ -55,13 +55,8 @@ absl::Status JobLifecycle::Recover(JobTable& t, std::vector<JobRecord> jobs) {
     if (absl::StatusOr<PlannedJob> stored = DecodePlannedJob(rec.plan); stored.ok()) {
       JobAdmission::AdoptPlan(*j, std::make_shared<const PlannedJob>(*std::move(stored)));
     } else if (absl::StatusOr<JobSpec> spec = ParseJobSpec(rec.spec_json); spec.ok()) {
-      // A record of an older release (it stored only the plan): planned once more, its "auto"
-      // recompute as that plan decided it.
-      JobSpec s = *spec;
-      if (absl::StatusOr<CpPlan> old = DecodePlan(rec.plan);
-          old.ok() && s.train.recompute_layers == TrainSpec::kRecomputeAuto)
-        s.train.recompute_layers = old->memory.recompute_layers;
-      PlannedJob p = PlanJob(s, 0);
+      // A record of an older release (it stored only the plan): that plan's decisions kept.
+      PlannedJob p = PlannedJobOfOlderRecord(*spec, DecodePlan(rec.plan));
       p.requested_json = rec.spec_json;
       JobAdmission::AdoptPlan(*j, std::make_shared<const PlannedJob>(std::move(p)));
     } else {

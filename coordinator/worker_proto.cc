@@ -38,6 +38,7 @@ DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
   const v1::DeviceRates& r = g.rates();
   d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes()};
   d.link = BoundedUtf8(g.link(), kMaxIdBytes);
+  d.link_rates = {g.link_bytes_per_s(), g.link_latency_s()};
   d.cores = g.cores();
   d.threads_per_rank = g.threads_per_rank();
   return d;
@@ -55,6 +56,8 @@ void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
   r->set_lightning_flops(d.rates.lightning_flops);
   r->set_memory_bytes(d.rates.memory_bytes);
   g->set_link(d.link);
+  g->set_link_bytes_per_s(d.link_rates.bytes_per_s);
+  g->set_link_latency_s(d.link_rates.latency_s);
   g->set_cores(d.cores);
   g->set_threads_per_rank(d.threads_per_rank);
 }

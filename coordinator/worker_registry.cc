@@ -62,6 +62,13 @@ absl::Status CheckRegistration(const WorkerRegistration& reg, const RegistryLimi
           absl::StrCat("register: worker ", reg.worker_id, ": rates.", name,
                        " must be a non-negative rate below 1e18, got ", rate));
   }
+  if (!(g.link_rates.bytes_per_s >= 0 && g.link_rates.bytes_per_s < 1e18) ||
+      !(g.link_rates.latency_s >= 0 && g.link_rates.latency_s <= 10))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: worker ", reg.worker_id,
+        ": link_bytes_per_s must be a non-negative rate below 1e18 and link_latency_s in [0, 10] "
+        "seconds, got ",
+        g.link_rates.bytes_per_s, " and ", g.link_rates.latency_s));
   LinkClass link;
   if (!g.link.empty() && !ParseLinkClass(g.link, &link))
     return absl::InvalidArgumentError(absl::StrCat(

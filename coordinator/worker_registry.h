@@ -30,6 +30,7 @@ struct DeviceOffer {
   int64_t host_memory_bytes = 0;  // the worker's host memory; 0: unknown
   DeviceRates rates;              // one rank alone on one device, as the worker measured them
   std::string link;               // between two of its devices (cp_cost_model.h's LinkClass)
+  LinkRates link_rates;           // of `link` ("loopback", "same-device") as measured; 0: not
   int32_t cores = 0;              // of the host; 0: unknown
   int32_t threads_per_rank = 0;   // CPU ranks' OpenMP threads; 0: unknown
 };

@@ -15,7 +15,7 @@ struct Shape {
   double T, n, T_loc, B, m;          // tokens, cp, tokens per rank, activation bytes, sequences
   double d, H, Dh, f, vocab;         // model widths
   double qk, nope, rd, v, kv;        // MLA head and latent sizes
-  double span;                       // attention's document span (SyntheticAttentionSpan)
+  double span;                       // attention's document span (AttentionSpan)
   double L_L, L_M;                   // layers of each kind
   const ModelConfig& c;
   explicit Shape(const JobSpec& s) : c(s.model) {
@@ -36,8 +36,8 @@ struct Shape {
     kv = static_cast<double>(c.mla.kv_lora_rank);
     L_L = static_cast<double>(c.NumLayersOfKind('L'));
     L_M = static_cast<double>(c.NumLayersOfKind('M'));
-    const double synthetic = SyntheticAttentionSpan(s.data);
-    span = synthetic > 0 ? std::min(T, synthetic) : T;
+    const double known = AttentionSpan(s.data);
+    span = known > 0 ? std::min(T, known) : T;
   }
   double LightningFlopsPerToken() const { return c.LightningFlopsPerToken(); }
   // Causal softmax attention forward + backward over one sequence: T span / 2 pairs (span = T
@@ -111,9 +111,11 @@ DeviceRates DefaultRates(const std::string& resources) {
   return {CpuDefaultGemm, CpuDefaultAttention, CpuDefaultLightning, CpuDefaultMemory};
 }
 
-double CoreSharing(int64_t ranks, int64_t threads, int64_t cores) {
+double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world) {
   if (ranks < 1 || threads < 1 || cores < 1 || ranks * threads < cores) return 1.0;
-  return std::max(1.0, static_cast<double>(ranks * (threads + 1)) / static_cast<double>(cores));
+  const int64_t communicator = world > 1 ? 1 : 0;
+  return std::max(1.0, static_cast<double>(ranks * (threads + communicator)) /
+                           static_cast<double>(cores));
 }
 
 Topology DefaultTopology(const std::string& resources) {

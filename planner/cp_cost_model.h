@@ -1,9 +1,10 @@
 // CpCostModel: estimates one training step of a job per rank, for each candidate CP mode of each
 // layer type (DESIGN.md section 3, "The plan"), from
 //   - the work: FLOPs of the dense GEMMs (6 N per token, plus a forward per recomputed layer),
-//     of causal softmax attention (MLA; the pairs within documents of a synthetic source's
-//     known length, SyntheticAttentionSpan, or of one document as long as the sequence for
-//     files, the worst case: the planner does not read them), of the chunked Lightning kernel,
+//     of causal softmax attention (MLA; the pairs within documents, AttentionSpan: a synthetic
+//     source's known lengths, a file's data.doc_span as measured from a sample of it
+//     (common/document_span.h), or one document as long as the sequence where a file's are
+//     unknown, the worst case), of the chunked Lightning kernel,
 //     and the bytes of the memory-bound kernels (norms, SwiGLU, residuals, the optimizer);
 //   - the device's measured rates (DeviceRates: GEMM, attention and Lightning FLOP/s and memory
 //     bandwidth, for one rank alone on it), shared by the ranks that share the device's
@@ -61,11 +62,12 @@ struct Topology {
 };
 
 // The `sharing` of `ranks` CPU ranks on one host of `cores` cores, each running `threads` compute
-// threads and a communicator thread (worker/engine/comm: Gloo's sends, receives and reductions),
-// which needs a core of its own once the compute threads fill the host: max(1, ranks (threads +
-// 1) / cores) once ranks x threads reaches the cores, else 1 (bench/CP_NOTES.md: eight ranks of
-// two threads on 16 cores ran 27% slower than the compute threads alone predict).
-double CoreSharing(int64_t ranks, int64_t threads, int64_t cores);
+// threads and, in a job of `world` > 1 ranks, a communicator thread (worker/engine/comm: Gloo's
+// sends, receives and reductions), which needs a core of its own once the compute threads fill
+// the host: max(1, ranks (threads + 1) / cores) once ranks x threads reaches the cores, else 1
+// (bench/CP_NOTES.md: eight ranks of two threads on 16 cores ran 27% slower than the compute
+// threads alone predict). A job of one rank has no communicator: max(1, threads / cores).
+double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world);
 
 // Built-in rates where no worker measured any: a CPU core of the reference machine, or an H200
 // (bench/CP_NOTES.md, "Cost model"); the link class a worker's own devices share (CPU: loopback,

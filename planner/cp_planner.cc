@@ -517,13 +517,24 @@ std::pair<ModeChoice, ModeChoice> ChooseFastest(const JobSpec& spec, const Topol
   return best;
 }
 
+// What attention's work counts documents as, for the cost basis (cp_cost_model.h, AttentionSpan).
+std::string DocumentsBasis(const JobSpec& spec) {
+  const double span = AttentionSpan(spec.data);
+  if (span <= 0)
+    return "; documents unknown (no data.doc_span): attention counted as one a sequence";
+  const double counted = std::min(span, static_cast<double>(spec.seq_len));
+  return absl::StrFormat(
+      "; attention over documents of span %.0f tokens (%s)", counted,
+      spec.data.kind == DataKind::kSynthetic ? spec.data.source : std::string("data.doc_span"));
+}
+
 // Every candidate of each layer type, estimated with the other type as the plan chose it; marks
 // the rule's pick, the fastest and the chosen, and warns when the rule's pick is estimated 20% or
 // more slower on its layers than the fastest.
 void EstimateModes(const JobSpec& spec, const Topology& topo, int64_t recompute_layers,
                    CpPlan* plan) {
   const CpCostModel model;
-  plan->cost_basis = topo.basis;
+  plan->cost_basis = absl::StrCat(topo.basis, DocumentsBasis(spec));
   const LayerModePlan* layer[2] = {&plan->layers[0], &plan->layers[1]};
   const std::string types[2] = {"lightning", "mla"};
   const int64_t cp = std::max<int64_t>(1, spec.parallel.cp);

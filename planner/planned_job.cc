@@ -42,6 +42,26 @@ PlannedJob PlanJob(const JobSpec& requested, int64_t device_memory_bytes,
   return job;
 }
 
+PlannedJob PlannedJobOfOlderRecord(const JobSpec& requested, const absl::StatusOr<CpPlan>& stored) {
+  if (stored.ok() && stored->ok() && !stored->layers.empty()) {
+    PlannedJob kept;
+    kept.requested_json = requested.ToJson().dump();
+    kept.spec = PlannedSpec(requested, *stored);
+    // The stored decisions, checked as the planner checks a spec that forces them.
+    CpPlan again = CpPlanner().Plan(kept.spec, stored->memory.device_memory_bytes);
+    if (IsPlanned(kept.spec) && again.ok()) {
+      kept.plan = *stored;
+      return kept;
+    }
+  }
+  JobSpec s = requested;
+  if (stored.ok() && s.train.recompute_layers == TrainSpec::kRecomputeAuto)
+    s.train.recompute_layers = stored->memory.recompute_layers;
+  PlannedJob p = PlanJob(s, 0);
+  p.requested_json = requested.ToJson().dump();
+  return p;
+}
+
 PlannedJob Replan(const PlannedJob& job, ReplanCause cause, int64_t device_memory_bytes,
                   const Topology* topology, std::string* change) {
   change->clear();

@@ -74,6 +74,13 @@ PlannedJob Replan(const PlannedJob& job, ReplanCause cause, int64_t device_memor
 PlannedJob ReplanForWorld(const PlannedJob& job, int64_t world, int64_t device_memory_bytes,
                           const Topology* topology, std::string* change);
 
+// A job an older release stored with only its plan (`stored`, the CpPlan made at its submit;
+// `requested` the spec as submitted): that plan's decisions written into the spec when they make
+// a planned spec that still plans, so that a restarted coordinator does not decide a "fastest"
+// mode again on whatever cluster it now sees; otherwise the spec planned once more without a
+// device, its "auto" recompute as the stored plan decided it.
+PlannedJob PlannedJobOfOlderRecord(const JobSpec& requested, const absl::StatusOr<CpPlan>& stored);
+
 // The decisions that differ between two planned specs of one job, e.g. "lightning mode
 // all2all -> allgather, train.recompute 8 -> 3 of 8 layers"; "" when none does.
 std::string DescribeDecisionChange(const JobSpec& before, const JobSpec& after);

@@ -8,6 +8,7 @@
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //   spindle-train --probe-rates [--job JOB.json] [--threads N]
+//   spindle-train --probe-link
 //   spindle-train --verify-only --job JOB.json [--threads N]
 //
 // Prints one JSON object per line on stdout ({"event": "start" | "step" | "checkpoint" | "done" |
@@ -39,7 +40,11 @@
 // tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
 // (worker/engine/rate_probe.h) for the planner's cost model, at the job's shapes (its model, one
-// rank's tokens up to 4096) when --job is given, else at the probe's default shapes.
+// rank's tokens up to 4096) when --job is given, else at the probe's default shapes; then the
+// --probe-link line.
+// --probe-link: one {"event": "link", "bytes_per_s", "latency_s"} line: what two ranks of this
+// host exchange over Gloo on 127.0.0.1 (worker/engine/link_probe.h), the link the planner rates
+// CPU slots ("loopback") and ranks sharing one GPU ("same-device") by.
 // --verify-only: the parity canary of the job's plan (parallel.verify, worker/engine/
 // parity_local.h) without a cluster: the spec planned as standalone runs plan it, the job's world
 // as threads of this process on the CPU engine, one forward and backward of a slice of its first
@@ -76,13 +81,14 @@
 #include "planner/plan_proto.h"
 #include "planner/planned_job.h"
 #include "spindle/v1/job.pb.h"
-#include "worker/device_discovery.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
+#include "worker/engine/link_probe.h"
 #include "worker/engine/parity_local.h"
 #include "worker/engine/rate_probe.h"
 #include "worker/engine/trainer.h"
 #include "worker/rendezvous_store.h"
+#include "worker/trainer_job.h"
 #ifdef SPINDLE_HAVE_CUDA_ENGINE
 #include "worker/engine/cuda/trainer_cuda.h"
 #endif
@@ -98,39 +104,22 @@ constexpr char kUsage[] =
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n"
     "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n"
+    "       spindle-train --probe-link\n"
     "       spindle-train --verify-only --job JOB.json [--threads N]\n";
 
-// A spec run standalone is planned here, once, as the coordinator plans the jobs it runs:
-// against this machine's device (the GPU's memory, or host memory shared by the world's ranks)
-// when recompute is "auto", with the cost model's built-in rates. A plan that cannot run is
-// refused.
-absl::StatusOr<spindle::PlannedJob> PlanStandalone(const spindle::JobSpec& spec) {
-  int64_t memory = 0;
-  if (spec.train.recompute_layers == spindle::TrainSpec::kRecomputeAuto) {
-    if (spec.resources == "cuda") {
-      if (auto g = spindle::DiscoverCudaDevices(); g.ok()) memory = g->memory_bytes();
-    } else if (auto g = spindle::DiscoverDevices(
-                   static_cast<int>(std::max<int64_t>(1, spec.parallel.world())));
-               g.ok()) {
-      memory = g->memory_bytes();
-    }
+// --probe-link (and after --probe-rates' line): one {"event": "link", "bytes_per_s",
+// "latency_s"} line with what two ranks of this host exchange over Gloo on 127.0.0.1
+// (worker/engine/link_probe.h); 1 with the error on stderr when the probe fails.
+int PrintLink() {
+  absl::StatusOr<spindle::MeasuredLink> link = spindle::MeasureLoopbackLink();
+  if (!link.ok()) {
+    std::fprintf(stderr, "spindle-train: %s\n", std::string(link.status().message()).c_str());
+    return 1;
   }
-  spindle::PlannedJob job = spindle::PlanJob(spec, memory);
-  if (!job.ok())
-    return absl::FailedPreconditionError(
-        absl::StrCat("the job cannot run: ", absl::StrJoin(job.plan.problems, "; ")));
-  return job;
-}
-
-// --planned-job FILE: the coordinator's PlannedJob as the worker daemon wrote it.
-absl::StatusOr<spindle::PlannedJob> ReadPlannedJob(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--planned-job: cannot read ", path));
-  spindle::v1::PlannedJob p;
-  if (!p.ParseFromIstream(&in))
-    return absl::InvalidArgumentError(
-        absl::StrCat("--planned-job: ", path, " is not a spindle.v1.PlannedJob"));
-  return spindle::PlannedJobFromProto(p);
+  nlohmann::json e = link->ToJson();
+  e["event"] = "link";
+  std::cout << e.dump() << std::endl;
+  return 0;
 }
 
 int ExitCodeFor(const absl::Status& s) {
@@ -208,7 +197,7 @@ class Pulse {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> flags;
-  bool eval = false, probe = false, verify_only = false;
+  bool eval = false, probe = false, probe_link = false, verify_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -221,6 +210,10 @@ int main(int argc, char** argv) {
     }
     if (a == "--probe-rates") {
       probe = true;
+      continue;
+    }
+    if (a == "--probe-link") {
+      probe_link = true;
       continue;
     }
     if (a == "--verify-only") {
@@ -290,8 +283,10 @@ int main(int argc, char** argv) {
     e["device"] = "cpu";
     e["threads"] = omp_get_max_threads();
     std::cout << e.dump() << std::endl;
+    PrintLink();  // a link that cannot be measured leaves the kernel rates measured
     return 0;
   }
+  if (probe_link) return PrintLink();
   const bool planned_input = flags.count("planned-job") > 0;
   if (planned_input == (flags.count("job") > 0) && !eval) {
     std::fprintf(stderr, "spindle-train: give one of --planned-job and --job\n%s", kUsage);
@@ -355,12 +350,12 @@ int main(int argc, char** argv) {
   // spec is run as given; the plan check comes first, so a refused plan never waits for peers.
   absl::StatusOr<spindle::PlannedJob> job;
   if (planned_input) {
-    job = ReadPlannedJob(flags["planned-job"]);
+    job = spindle::ReadPlannedJob(flags["planned-job"]);
   } else {
     auto spec = spindle::LoadJobSpec(flags["job"]);
     if (!spec.ok()) return Fail(spec.status());
     if (flags.count("checkpoint-dir")) spec->checkpoint.dir = flags["checkpoint-dir"];
-    job = PlanStandalone(*spec);
+    job = spindle::PlanStandalone(*spec);
   }
   if (!job.ok()) return Fail(job.status());
   if (auto m = spindle::PlannedCpModes(job->spec.parallel, job->spec.model.n_heads); !m.ok())

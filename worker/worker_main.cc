@@ -77,8 +77,9 @@ ABSL_FLAG(std::string, data_root, spindle::kDefaultDataRoot,
 ABSL_FLAG(int, cpu_threads_per_slot, 0,
           "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
 ABSL_FLAG(bool, probe_rates, false,
-          "Measure the CPU kernel rates at start (about a second, every core busy) and report "
-          "them for the planner's cost model; false: the planner uses its built-in rates. "
+          "Measure the CPU kernel rates and the local link (loopback, or ranks sharing one GPU) "
+          "at start (about a second, every core busy) and report them for the planner's cost "
+          "model; false: the planner uses its built-in rates. "
           "scripts/run.sh and the Kubernetes manifests turn it on; off by default so that a "
           "daemon restarted in a loop starts at once.");
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_split.h"
+#include "common/job_spec.h"
 #include "coordinator/coordinator_server.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -368,6 +369,98 @@ TEST_F(CliTest, SubmitMakesRelativePathsAbsolute) {
   auto stored = nlohmann::json::parse(job.record.spec_json);
   EXPECT_EQ(stored["checkpoint"]["dir"], cwd + "/ck");
   EXPECT_EQ(stored["data"]["source"], "text:" + cwd + "/corpus.txt");
+}
+
+// An FP8 job on "cuda" whose widths cuBLASLt's FP8 GEMMs cannot take is refused by `spindle plan`
+// (exit 2) and by the coordinator at submit, each naming the width: before placement, never at
+// the trainer's start.
+TEST_F(CliTest, Fp8ShapeJobIsRefusedByPlanAndSubmitNamingTheWidth) {
+  std::string spec = testing::SpecJson(1, 1);
+  spec.replace(spec.find(R"({"preset": "tiny"})"), 18, R"({"preset": "tiny", "d_model": 72})");
+  spec.replace(spec.find(R"("resources": "cpu")"), 18, R"("resources": "cuda")");
+  spec.replace(spec.find(R"("train": {"steps": 10})"), 22,
+               R"("train": {"steps": 10, "precision": "fp8"})");
+  const std::string path = WriteSpec("fp8.json", spec);
+  const std::string width =
+      "train.precision: \"fp8\" on resources \"cuda\": layers.0.la.qkv.weight is 216 x 72, and "
+      "cuBLASLt's FP8 GEMMs need widths that are multiples of 16";
+  Result r = RunSpindle({"plan", path, "--offline"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.out.find(width), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("ok: the job can run"), std::string::npos) << r.out;
+
+  CoordinatorConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.db_path = dir_.File("fp8.db");
+  auto server = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::map<std::string, std::string> env = {
+      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())}};
+  r = RunSpindle({"plan", path}, env);
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.out.find(width), std::string::npos) << r.out;
+  r = RunSpindle({"submit", path}, env);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("job cannot run: " + width), std::string::npos) << r.err;
+  JobView job;
+  EXPECT_FALSE((*server)->manager()->GetJob("j-000001", false, &job).ok()) << "nothing stored";
+}
+
+// `spindle plan` and `spindle submit` parse the spec once in the CLI's process (the plan, its
+// documents, --verify's planned spec and the request all come from that one parse).
+TEST_F(CliTest, PlanAndSubmitParseTheSpecOnce) {
+  const std::string path = WriteSpec("once.json", testing::SpecJson(2, 1));
+  int64_t before = JobSpecParsesForTesting();
+  Result r = RunSpindle({"plan", path, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 1);
+  before = JobSpecParsesForTesting();
+  r = RunSpindle({"submit", path, "--coordinator", "127.0.0.1:1"});
+  EXPECT_NE(r.code, 0);  // nobody listens; the spec was parsed before trying
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 1);
+}
+
+// The CLI measures the documents of a data file it can read (data.doc_span, a sample of the
+// file) and sends them with the spec, so that the coordinator's plan counts attention over them;
+// a file it cannot read is named and left to the planner's worst case.
+TEST_F(CliTest, SubmitAndPlanMeasureTheDataFilesDocuments) {
+  CoordinatorConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.db_path = dir_.File("docs.db");
+  auto server = CoordinatorServer::Start(cfg);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::map<std::string, std::string> env = {
+      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())}};
+  // Paragraphs of 30 letters: 30 + '\n' + EOS = 32 tokens, 8 to a sequence of 256.
+  std::string text;
+  for (int i = 0; i < 64; ++i) text += std::string(30, 'a' + i % 26) + "\n\n";
+  std::ofstream(dir_.File("corpus.txt")) << text;
+  std::string spec = testing::SpecJson(2, 1);
+  spec.replace(spec.find("synthetic:recall"), 16, "text:" + dir_.File("corpus.txt"));
+  const std::string path = WriteSpec("docs.json", spec);
+  Result r = RunSpindle({"plan", path, "--offline"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("attention over documents of span 32 tokens (data.doc_span)"),
+            std::string::npos)
+      << r.out;
+  r = RunSpindle({"submit", path}, env);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  JobView job;
+  ASSERT_TRUE((*server)->manager()->GetJob("j-000001", false, &job).ok());
+  EXPECT_EQ(nlohmann::json::parse(job.record.spec_json)["data"]["doc_span"], 32.0);
+
+  std::string unreadable = testing::SpecJson(2, 1);
+  unreadable.replace(unreadable.find("synthetic:recall"), 16, "text:" + dir_.File("none.txt"));
+  unreadable = testing::WithCheckpointDir(unreadable, "/tmp/ck-other");
+  r = RunSpindle({"submit", WriteSpec("none.json", unreadable)}, env);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("spindle: submit: documents not measured (data: cannot open \"" +
+                       dir_.File("none.txt") + "\""),
+            std::string::npos)
+      << r.err;
+  ASSERT_TRUE((*server)->manager()->GetJob("j-000002", false, &job).ok());
+  EXPECT_FALSE(nlohmann::json::parse(job.record.spec_json)["data"].contains("doc_span"));
 }
 
 }  // namespace

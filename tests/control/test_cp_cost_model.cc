@@ -107,15 +107,19 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
 // Ranks share a host's cores once their compute threads fill it, each communicator thread then
 // taking a core of its own.
 TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
-  EXPECT_EQ(CoreSharing(1, 2, 16), 1.0);
-  EXPECT_EQ(CoreSharing(4, 2, 16), 1.0);   // 8 compute threads: the communicators fit beside
-  EXPECT_EQ(CoreSharing(4, 3, 16), 1.0);   // 12 + 4 = 16
-  EXPECT_EQ(CoreSharing(8, 2, 16), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
-  EXPECT_EQ(CoreSharing(4, 4, 16), 1.25);  // (16 + 4) / 16
-  EXPECT_EQ(CoreSharing(8, 4, 16), 2.5);   // (32 + 8) / 16
-  EXPECT_EQ(CoreSharing(2, 1, 2), 2.0);    // two single-threaded ranks on two cores
-  EXPECT_EQ(CoreSharing(0, 2, 16), 1.0);   // nothing known: no sharing
-  EXPECT_EQ(CoreSharing(8, 2, 0), 1.0);
+  EXPECT_EQ(CoreSharing(1, 2, 16, 2), 1.0);
+  EXPECT_EQ(CoreSharing(4, 2, 16, 4), 1.0);   // 8 compute threads: the communicators fit beside
+  EXPECT_EQ(CoreSharing(4, 3, 16, 4), 1.0);   // 12 + 4 = 16
+  EXPECT_EQ(CoreSharing(8, 2, 16, 8), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
+  EXPECT_EQ(CoreSharing(4, 4, 16, 4), 1.25);  // (16 + 4) / 16
+  EXPECT_EQ(CoreSharing(8, 4, 16, 8), 2.5);   // (32 + 8) / 16
+  EXPECT_EQ(CoreSharing(2, 1, 2, 2), 2.0);    // two single-threaded ranks on two cores
+  EXPECT_EQ(CoreSharing(0, 2, 16, 2), 1.0);   // nothing known: no sharing
+  EXPECT_EQ(CoreSharing(8, 2, 0, 8), 1.0);
+  // One rank alone runs no communicator: its threads are all it needs of the cores.
+  EXPECT_EQ(CoreSharing(1, 2, 2, 1), 1.0);
+  EXPECT_EQ(CoreSharing(1, 4, 2, 1), 2.0);
+  EXPECT_EQ(CoreSharing(1, 2, 2, 2), 1.5);  // one rank of a larger job does
 }
 
 // Attention counts the pairs within the source's documents: a synthetic source's known span, or
@@ -141,7 +145,35 @@ TEST(CpCostModel, AttentionCountsTheDocumentsOfTheSource) {
     EXPECT_NEAR(mla(32768, true) / mla(32768, false), 32768.0 / span, 1e-6) << cp;
     // A sequence shorter than the documents is one document either way.
     EXPECT_DOUBLE_EQ(mla(512, true), mla(512, false)) << cp;
+    // A file whose documents were measured (data.doc_span) counts them like a synthetic source's.
+    JobSpec measured = Spec("small", 32768, cp, "cpu");
+    measured.data.kind = DataKind::kTokens;
+    measured.data.source = "tokens:/data/corpus.bin";
+    measured.data.doc_span = span;
+    EXPECT_DOUBLE_EQ(model.EstimateLayers(measured, t, "mla", {mode, 1}).compute_s,
+                     mla(32768, false))
+        << cp;
+    measured.data.doc_span = 1e9;  // longer than the sequence: one document a sequence
+    EXPECT_DOUBLE_EQ(model.EstimateLayers(measured, t, "mla", {mode, 1}).compute_s,
+                     mla(32768, true))
+        << cp;
   }
+}
+
+// The plan's cost basis says what attention counted the documents as.
+TEST(CpCostModel, TheBasisNamesTheDocuments) {
+  JobSpec s = Spec("small", 4096, 2, "cpu");
+  EXPECT_NE(CpPlanner().Plan(s, 0).cost_basis.find("; attention over documents of span "),
+            std::string::npos);
+  s.data.kind = DataKind::kTokens;
+  s.data.source = "tokens:/data/corpus.bin";
+  EXPECT_NE(CpPlanner().Plan(s, 0).cost_basis.find(
+                "; documents unknown (no data.doc_span): attention counted as one a sequence"),
+            std::string::npos);
+  s.data.doc_span = 812.4;
+  EXPECT_NE(CpPlanner().Plan(s, 0).cost_basis.find(
+                "; attention over documents of span 812 tokens (data.doc_span)"),
+            std::string::npos);
 }
 
 TEST(CpCostModel, OverlapHidesTheLightningStatesButNotAnAll2All) {
@@ -231,7 +263,8 @@ TEST(CpPlannerCost, ATopologyChangesTheEstimateAndIsNamed) {
   const CpPlan fast = CpPlanner().Plan(s, 0, &t);
   const CpPlan slow = CpPlanner().Plan(s, 0);
   EXPECT_LT(fast.step_s, slow.step_s);
-  EXPECT_EQ(fast.cost_basis, "rates measured by worker w1");
+  EXPECT_EQ(fast.cost_basis.rfind("rates measured by worker w1; attention over documents", 0), 0u)
+      << fast.cost_basis;
   EXPECT_TRUE(CpPlanner().Plan(Spec("small", 4096, 1, "cpu"), 0).estimates.empty());
 }
 

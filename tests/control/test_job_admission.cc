@@ -182,6 +182,37 @@ TEST_F(JobAdmissionTest, PlansAreSizedToTheLargestRegisteredWorker) {
   EXPECT_EQ(admission.PlanLocked(table, two).memory.device_memory_bytes, int64_t{16} << 30);
 }
 
+// A worker's measured link rates ("loopback" or "same-device", from its start-up probe) are what
+// plans of gangs on that worker cost their exchanges at, and the basis says so; a gang that spans
+// workers meets over the network at its nominal rates.
+TEST_F(JobAdmissionTest, AWorkersMeasuredLinkRatesItsOwnGangs) {
+  const JobSpec two = *ParseJobSpec(TinyJob(2));
+  const JobSpec four = *ParseJobSpec(TinyJob(2, 2));
+  Worker& w = AddWorker("w1", 2);
+  const Topology nominal = admission.TopologyLocked(table, two);
+  EXPECT_EQ(nominal.link, LinkClass::kLoopback);
+  EXPECT_EQ(nominal.link_rates.bytes_per_s, DefaultLinkRates(LinkClass::kLoopback).bytes_per_s);
+  EXPECT_EQ(nominal.basis.find("measured by worker w1 ("), std::string::npos) << nominal.basis;
+
+  w.devices.link = "loopback";
+  w.devices.link_rates = {0.5e9, 200e-6};
+  const Topology measured = admission.TopologyLocked(table, two);
+  EXPECT_EQ(measured.link_rates.bytes_per_s, 0.5e9);
+  EXPECT_EQ(measured.link_rates.latency_s, 200e-6);
+  EXPECT_NE(measured.basis.find(", link loopback measured by worker w1 (0.5 GB/s, 200 us a "
+                                "message)"),
+            std::string::npos)
+      << measured.basis;
+  // A slower link makes the same job's exchanges, and so its plan, slower.
+  EXPECT_GT(admission.PlanLocked(table, two).step_s,
+            planner.Plan(two, int64_t{8} << 30, &nominal).step_s);
+
+  const Topology spanning = admission.TopologyLocked(table, four);
+  EXPECT_EQ(spanning.link, LinkClass::kNetwork);
+  EXPECT_EQ(spanning.link_rates.bytes_per_s, DefaultLinkRates(LinkClass::kNetwork).bytes_per_s);
+  EXPECT_EQ(spanning.basis.find("measured by worker w1 ("), std::string::npos) << spanning.basis;
+}
+
 TEST_F(JobAdmissionTest, TheJobTakesThePlansDecisions) {
   absl::StatusOr<SubmitRequest> req = JobAdmission::ParseSubmit(TinyJob(2), "", "");
   ASSERT_TRUE(req.ok());

@@ -107,6 +107,33 @@ TEST(PlannedJobTest, OutOfMemoryRecomputesMoreOnlyWhereTheSpecSaidAuto) {
   EXPECT_EQ(change, "");
 }
 
+// A record of an older release kept only its plan: a restart takes that plan's decisions (the
+// stored mode is changed here to the one the planner does not pick, so that a re-decision would
+// show), and plans again only what has no stored plan, "auto" recompute as that plan decided it.
+TEST(PlannedJobTest, AnOlderRecordKeepsItsStoredDecisions) {
+  const JobSpec requested = Spec(R"(, "recompute": "auto")", R"({"cp": 2, "mla_mode": "fastest"})");
+  const PlannedJob job = PlanJob(requested, int64_t{8} << 30);
+  ASSERT_TRUE(job.ok());
+  CpPlan stored = job.plan;
+  const CpMode other = stored.layers[1].mode == CpMode::kRing ? CpMode::kAllGather : CpMode::kRing;
+  stored.layers[1].mode = other;
+  const PlannedJob kept = PlannedJobOfOlderRecord(requested, DecodePlan(EncodePlan(stored)));
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept.spec.parallel.mla_mode, other) << "re-decided";
+  EXPECT_EQ(kept.spec.parallel.lightning_mode, job.spec.parallel.lightning_mode);
+  EXPECT_EQ(kept.spec.train.recompute_layers, job.plan.memory.recompute_layers);
+  EXPECT_TRUE(IsPlanned(kept.spec));
+
+  CpPlan three = job.plan;
+  three.memory.recompute_layers = 3;
+  three.layers.clear();  // no decisions to keep: planned again, the recompute kept
+  const PlannedJob again = PlannedJobOfOlderRecord(requested, DecodePlan(EncodePlan(three)));
+  EXPECT_EQ(again.spec.train.recompute_layers, 3);
+  EXPECT_TRUE(IsPlanned(again.spec));
+  EXPECT_TRUE(IsPlanned(
+      PlannedJobOfOlderRecord(requested, absl::DataLossError("stored plan does not parse")).spec));
+}
+
 TEST(PlannedJobTest, DecisionChangesAreNamed) {
   JobSpec a = Spec("", R"({"cp": 4, "lightning_mode": "all2all", "mla_mode": "ring"})");
   JobSpec b = a;

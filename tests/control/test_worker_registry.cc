@@ -1,6 +1,7 @@
 // WorkerRegistry against the in-memory store and a FakeClock: registration checks and the one
 // daemon per worker id rule, addresses (advertised or observed) and the /metrics host, sessions,
 // slots released and drained, the scheduler's and `spindle workers`' views, and reload.
+#include <cmath>
 #include <string>
 
 #include "coordinator/worker_registry.h"
@@ -42,6 +43,16 @@ TEST_F(WorkerRegistryTest, RefusesBadRegistrationsByField) {
             "register: worker w1: device kind must be \"cuda\" or \"cpu\", got \"tpu\"");
   r = Reg("w1", "h", 0);
   EXPECT_EQ(registry_.Register(r).status().code(), absl::StatusCode::kInvalidArgument);
+  for (const LinkRates& bad : {LinkRates{-1, 0}, LinkRates{1e9, 11}, LinkRates{std::nan(""), 0}}) {
+    r = Reg("w1", "h");
+    r.devices[0].link_rates = bad;
+    EXPECT_EQ(registry_.Register(r).status().message().rfind(
+                  "register: worker w1: link_bytes_per_s must be a non-negative rate below 1e18 "
+                  "and link_latency_s in [0, 10] seconds, got ",
+                  0),
+              0u)
+        << registry_.Register(r).status();
+  }
   r = Reg("w1", "h");
   r.advertise_host = "a b";
   EXPECT_EQ(registry_.Register(r).status().message(),
@@ -103,12 +114,17 @@ TEST_F(WorkerRegistryTest, SlotsReleaseDrainAndCount) {
 }
 
 TEST_F(WorkerRegistryTest, ReloadedWorkersAreLostUnlessHeardFromInTheGrace) {
-  ASSERT_TRUE(registry_.Register(Reg("w1", "h1", 2)).ok());
+  WorkerRegistration reg = Reg("w1", "h1", 2);
+  reg.devices[0].link = "loopback";
+  reg.devices[0].link_rates = {1.25e9, 40e-6};
+  ASSERT_TRUE(registry_.Register(reg).ok());
   WorkerRegistry again(&store_, &clock_);
   ASSERT_TRUE(again.Load(/*grace_ms=*/4000).ok());
   const Worker* w = again.Find("w1");
   ASSERT_NE(w, nullptr);
   EXPECT_EQ(w->devices.count, 2);
+  EXPECT_EQ(w->devices.link_rates.bytes_per_s, 1.25e9);  // the measured link is stored with it
+  EXPECT_EQ(w->devices.link_rates.latency_s, 40e-6);
   EXPECT_EQ(w->slots.size(), 2u);
   EXPECT_EQ(w->last_seen_ms, clock_.SteadyMs() + 4000);
   EXPECT_EQ(w->State(), "disconnected");

@@ -1,7 +1,16 @@
 // Sequence batches: targets, RoPE positions, document ids and segments of DESIGN.md section 2,
 // the attention pairs model FLOPs count, the zigzag share of each CP rank, and synthetic data
 // that is a pure function of (seed, index) and whose documents are as long as the planner's cost
-// model assumes.
+// model assumes, and a data file's sampled document span (common/document_span.h) that is the
+// engine's own count of its attention.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "common/document_span.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "gtest/gtest.h"
@@ -116,6 +125,52 @@ TEST(BatchTest, SyntheticDocumentsSpanWhatThePlannerCounts) {
   DataSpec file;
   file.kind = DataKind::kTokens;
   EXPECT_EQ(SyntheticAttentionSpan(file), 0.0);
+}
+
+// A file's data.doc_span, as the sample measures it over every sequence a job reads, is what the
+// engine's attention spans over those sequences: T doc_span / 2 pairs each, for token files
+// (documents of random lengths, some longer than a sequence) and text files.
+TEST(BatchTest, SampledFileDocumentsSpanWhatTheEngineAttends) {
+  char tmpl[] = "/tmp/spindle-batch-docs-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  std::mt19937 rng(3);
+  std::vector<uint16_t> tokens;
+  std::string text;
+  while (tokens.size() < 4096) {
+    const int len = 1 + static_cast<int>(rng() % 400);
+    for (int i = 0; i + 1 < len; ++i) tokens.push_back(static_cast<uint16_t>(5 + rng() % 50));
+    tokens.push_back(2);  // EOS
+    text += std::string(static_cast<size_t>(len), 'x') + "\n\n";
+  }
+  tokens.resize(4096);
+  std::ofstream(dir + "/t.bin", std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()), 4096 * 2);
+  std::ofstream(dir + "/t.txt", std::ios::binary) << text;
+  const int64_t T = 256, n = 12;  // fewer sequences than the files hold
+  for (const std::string& source : {"tokens:" + dir + "/t.bin", "text:" + dir + "/t.txt"}) {
+    SCOPED_TRACE(source);
+    JobSpec spec;
+    spec.data.source = source;
+    spec.data.kind = source[0] == 't' && source[1] == 'o' ? DataKind::kTokens : DataKind::kText;
+    spec.data.path = source.substr(source.find(':') + 1);
+    spec.data.eos_id = 2;
+    spec.seq_len = T;
+    spec.train.steps = n;
+    absl::StatusOr<double> span = SampleDocumentSpan(spec);
+    ASSERT_TRUE(span.ok()) << span.status();
+    auto src = OpenDataSource(spec.data, T, 300, 1);
+    ASSERT_TRUE(src.ok()) << src.status();
+    double pairs = 0;
+    for (int64_t i = 0; i < n; ++i)
+      pairs += AttentionPairs(MakeSequenceBatch((*src)->Sequence(i), (*src)->eos_id()));
+    if (spec.data.kind == DataKind::kTokens) {
+      EXPECT_DOUBLE_EQ(pairs, n * T * *span / 2.0);
+    } else {  // a text sequence is sampled at byte n T, its tokens a little later in the stream
+      EXPECT_NEAR(pairs / (n * T * *span / 2.0), 1.0, 0.1);
+    }
+    EXPECT_LT(*span, static_cast<double>(T));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -123,6 +123,22 @@ TEST(TrainerTest, CheckpointPastTheJobsStepsIsRefused) {
   EXPECT_TRUE((*done)->losses().empty());
 }
 
+// The trainer takes its spec parsed (spindle-train's ReadPlannedJob or LoadJobSpec parsed it, the
+// one time in that process): creating and running it parses no spec again.
+TEST(TrainerTest, TheEngineNeverParsesTheSpecAgain) {
+  JobSpec spec = TinyJob(/*steps=*/1, /*seq_len=*/128, /*gap=*/32);
+  const int64_t before = JobSpecParsesForTesting();
+  TrainerOptions o;
+  o.spec = spec;
+  int64_t steps = 0;
+  o.on_event = [&](const nlohmann::json& e) { steps += e["event"] == "step"; };
+  auto t = Trainer::Create(std::move(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Run().ok());
+  EXPECT_EQ(steps, 1);
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 0);
+}
+
 // How many layers recompute: the planned spec's count, reported in the start event; the CPU
 // engine's losses and weights do not depend on it; an undecided "auto" (the planner's to decide)
 // and an impossible count are refused at Create.

@@ -179,9 +179,10 @@ TEST_P(ClusterCpTest, CpJobRunsOnCpuWorkersToSuccessWithProgress) {
   EXPECT_EQ(parity, 1) << ClusterHarness::Events(*job);
 }
 
-// A worker started with --probe_rates measures its CPU kernels through the real trainer binary
-// and reports them with its cores and threads; the coordinator's cost model then plans with them
-// (the plan names the worker), and a worker without the probe leaves the built-in rates.
+// A worker started with --probe_rates measures its CPU kernels and its loopback link through the
+// real trainer binary and reports them with its cores and threads; the coordinator's cost model
+// then plans with them (the plan names the worker and the measured link), and a worker without the
+// probe leaves the built-in rates.
 TEST(ClusterRatesTest, MeasuredRatesReachThePlannersCostModel) {
   if (std::string(SPINDLE_COORDINATOR_BINARY).empty() ||
       std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_TRAIN_BINARY).empty()) {
@@ -207,6 +208,8 @@ TEST(ClusterRatesTest, MeasuredRatesReachThePlannersCostModel) {
     EXPECT_EQ(d.rates().attention_flops() > 0, probe);
     EXPECT_EQ(d.rates().lightning_flops() > 0, probe);
     EXPECT_EQ(d.rates().memory_bytes() > 0, probe);
+    EXPECT_EQ(d.link_bytes_per_s() > 0, probe);  // the loopback link, measured over Gloo
+    EXPECT_EQ(d.link_latency_s() > 0, probe);
     absl::StatusOr<v1::Plan> plan = cluster.Plan(spec);
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_GT(plan->estimates_size(), 0);
@@ -214,9 +217,13 @@ TEST(ClusterRatesTest, MeasuredRatesReachThePlannersCostModel) {
     if (probe) {
       EXPECT_EQ(plan->cost_basis().rfind("rates measured by worker w0 (cpu ", 0), 0u)
           << plan->cost_basis();
+      EXPECT_NE(plan->cost_basis().find(", link loopback measured by worker w0 ("),
+                std::string::npos)
+          << plan->cost_basis();
     } else {
       EXPECT_NE(plan->cost_basis().find("(worker w0 reported none)"), std::string::npos)
           << plan->cost_basis();
+      EXPECT_EQ(plan->cost_basis().find("measured"), std::string::npos) << plan->cost_basis();
     }
   }
 }

@@ -1,11 +1,12 @@
 // The whole system with the real trainer: spindle-coordinator, spindle-worker and spindle-train
-// on 127.0.0.1 training the tiny preset on synthetic recall data: a job runs to success, and a
-// trainer killed with SIGKILL mid-job is restarted from its checkpoint and ends at the same
-// final step.
+// on 127.0.0.1 training the tiny preset on synthetic recall data: a job runs to success (its
+// parity canary's skip, cp = 1, among its events), and a trainer killed with SIGKILL mid-job is
+// restarted from its checkpoint and ends at the same final step.
 #include <signal.h>
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -59,6 +60,14 @@ TEST_F(ClusterTrainingTest, TinyJobTrainsToSuccess) {
   ASSERT_EQ(job->ranks_size(), 1);
   EXPECT_GT(job->ranks(0).memory_bytes(), 4 << 20);
   EXPECT_LT(job->ranks(0).memory_bytes(), double(int64_t{64} << 30));
+  // parallel.verify "first" on a layout with nothing to verify (cp = 1, no EP): the canary says it
+  // skipped and why, among the job's events, rather than nothing.
+  int skipped = 0;
+  for (const v1::JobEvent& e : job->events())
+    skipped +=
+        absl::StartsWith(e.message(), "rank 0: parity: skipped before step 1: cp=1 dp=1 ep=1") &&
+        absl::StrContains(e.message(), "the layout is the reference; nothing to verify");
+  EXPECT_EQ(skipped, 1) << ClusterHarness::Events(*job);
 }
 
 TEST_F(ClusterTrainingTest, KilledTrainerResumesFromCheckpointToTheSameFinalStep) {

@@ -3,7 +3,8 @@
 // with their stderr tail, stops, launch failures, and the per-rank metrics taken from step lines;
 // the GPU a "cuda" rank is given, through the daemon's own CUDA_VISIBLE_DEVICES; the real trainer's
 // first pulse; parity lines become rank 0's job event (a RankNote) and every rank's
-// spindle_parity_max_rel_error.
+// spindle_parity_max_rel_error; the job's spec parsed once in the worker's assignment path and
+// once in the trainer's (the PlannedJob file it reads).
 #include <signal.h>
 
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/job_spec.h"
 #include "common/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -23,6 +25,7 @@
 #include "worker/path_roots.h"
 #include "worker/rank_runner.h"
 #include "worker/trainer_event.h"
+#include "worker/trainer_job.h"
 #include "worker/worker_metrics.h"
 
 namespace spindle {
@@ -220,6 +223,32 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_THAT(text, HasSubstr("spindle_worker_running_ranks 0\n"));
   EXPECT_THAT(text, HasSubstr("spindle_restarts_total{job_id=\"j-1\",rank=\"1\"} 0\n"));
   EXPECT_EQ(runner.running_count(), 0u);
+}
+
+// Each process parses the job's spec once: the worker when an assignment arrives (its PlannedJob,
+// for the paths and the world), the trainer when it reads the PlannedJob file the worker wrote
+// (spindle-train --planned-job: ReadPlannedJob, then the engine takes the parsed spec). A second
+// parse anywhere on either path moves a count.
+TEST_F(RankRunnerTest, TheSpecIsParsedOnceInTheWorkerAndOnceInTheTrainer) {
+  const std::string trainer =
+      WriteScript(dir_, "trainer.sh", "echo '{\"event\":\"done\",\"step\":0,\"loss\":1.0}'\n");
+  RankRunner runner(Options(trainer), metrics_.get(), &sink_);
+  const v1::Assignment assignment = MakeAssignment("j-1", 1, 0, 2);
+  const int64_t before = JobSpecParsesForTesting();
+  ASSERT_TRUE(runner.Start(assignment).ok());
+  ASSERT_TRUE(WaitFor([&] { return !sink_.Of(v1::WorkerMessage::kRankExit).empty(); }));
+  EXPECT_EQ(JobSpecParsesForTesting() - before, 1);
+
+  const int64_t trainer_before = JobSpecParsesForTesting();
+  absl::StatusOr<PlannedJob> job = ReadPlannedJob(dir_.File("work") + "/j-1/1/planned_job.pb");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(JobSpecParsesForTesting() - trainer_before, 1);
+  EXPECT_EQ(job->spec.ToJson().dump(), assignment.job().spec_json());
+  // A standalone run parses its file once (LoadJobSpec) and plans the parsed spec.
+  const int64_t standalone_before = JobSpecParsesForTesting();
+  absl::StatusOr<PlannedJob> planned = PlanStandalone(job->spec);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_EQ(JobSpecParsesForTesting() - standalone_before, 0);
 }
 
 TEST_F(RankRunnerTest, StopKillsOnlyTheNamedAttemptAndReportsStopped) {

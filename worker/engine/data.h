@@ -21,11 +21,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "common/text_tokens.h"
 
 namespace spindle {
-
-// Token ids of the synthetic and text sources (byte vocabulary).
-inline constexpr int32_t kByteEos = 256;
 
 class DataSource {
  public:
