@@ -610,7 +610,7 @@ class Cli {
       out_ << ToJsonLine(p) << "\n";
     } else {
       PrintPlan(p, out_);
-      if (p.ok()) PrintElasticWorlds(text, plan.memory().device_memory_bytes());
+      if (p.ok() && spec.ok()) PrintElasticWorlds(*spec, plan.memory().device_memory_bytes());
     }
     if (!p.ok()) return kExitUsage;
     return o_.verify ? VerifyPlan(spec, plan) : kExitOk;
@@ -618,12 +618,11 @@ class Cli {
 
   // An elastic spec: the layout each world of its range would take (ReplanForWorld, against
   // `device_memory_bytes`, 0: none), largest first; at most kMaxWorldsShown of them.
-  void PrintElasticWorlds(const std::string& text, int64_t device_memory_bytes) {
+  void PrintElasticWorlds(const JobSpec& spec, int64_t device_memory_bytes) {
     constexpr int64_t kMaxWorldsShown = 16;
-    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
-    if (!spec.ok() || !spec->parallel.elastic.enabled()) return;
-    const ElasticSpec& e = spec->parallel.elastic;
-    const PlannedJob job = PlanJob(*spec, device_memory_bytes);
+    if (!spec.parallel.elastic.enabled()) return;
+    const ElasticSpec& e = spec.parallel.elastic;
+    const PlannedJob job = PlanJob(spec, device_memory_bytes);
     if (!job.ok()) return;
     out_ << absl::StrFormat(
         "elastic: world %d..%d; after a lost worker it waits %g s for a replacement, then "
@@ -633,7 +632,7 @@ class Cli {
     for (int64_t w = e.max_world; w >= e.min_world && shown < kMaxWorldsShown; --w, ++shown) {
       std::string change;
       const PlannedJob at = ReplanForWorld(job, w, device_memory_bytes, nullptr, &change);
-      if (w == spec->parallel.world()) {
+      if (w == spec.parallel.world()) {
         out_ << "  world " << w << ": as planned above\n";
       } else if (!at.ok()) {
         out_ << "  world " << w << ": does not run (" << at.plan.problems.front() << ")\n";
