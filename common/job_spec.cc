@@ -304,6 +304,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(cf.ReadString("dir", &s.checkpoint.dir));
     RETURN_IF_ERROR(cf.ReadInt("every", &s.checkpoint.every));
     RETURN_IF_ERROR(cf.ReadInt("keep", &s.checkpoint.keep));
+    RETURN_IF_ERROR(cf.ReadBool("async", &s.checkpoint.async));
     RETURN_IF_ERROR(cf.Finish());
     RETURN_IF_ERROR(CheckPathText(cf, "dir", s.checkpoint.dir));
     if (s.checkpoint.every < 0)
@@ -442,6 +443,7 @@ nlohmann::json JobSpec::ToJson() const {
     j["parallel"]["verify"] = VerifyJson(parallel.verify);
   if (train.precision != TrainPrecision::kAuto)
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
+  if (!checkpoint.async) j["checkpoint"]["async"] = false;
   return j;
 }
 

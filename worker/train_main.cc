@@ -35,6 +35,9 @@
 // worker daemon: the last checkpoint the coordinator recorded every rank completing) bounds that
 // choice from below: a checkpoint older than S is never resumed from, and when none at or after S
 // loads the run fails (exit code 2) naming S, rather than redo the job's recorded progress.
+// Checkpoints are written in the background (checkpoint.async, worker/engine/checkpoint_writer.h);
+// $SPINDLE_CHECKPOINT_PAUSE_MS (a test hook) makes the writer sleep that many milliseconds after
+// each file of a checkpoint, so that a test can kill the process while one is being written.
 // --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
 // tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
@@ -170,6 +173,9 @@ void PrintEvent(const nlohmann::json& e) {
   std::fflush(stdout);
 }
 
+// Checkpoints are written in the background (checkpoint.async, worker/engine/checkpoint_writer.h);
+// $SPINDLE_CHECKPOINT_PAUSE_MS (a test hook) makes the writer sleep that many milliseconds after
+// each file of a checkpoint, so that a test can kill the process while one is being written.
 // --pulse-ms N: a {"event": "pulse"} line every N ms from a thread of its own, from the start
 // (rendezvous and resume included) to the end, so the worker can tell a rank that stopped (a
 // frozen process, a host that hangs) from one in a long step or a collective. The first line is
@@ -414,6 +420,16 @@ int main(int argc, char** argv) {
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
   options.cuda_backend = kCudaBackend;
+  // Test hook: the background checkpoint writer pauses this long after each file it writes.
+  if (const char* p = std::getenv("SPINDLE_CHECKPOINT_PAUSE_MS"); p && *p) {
+    int64_t ms = 0;
+    if (!absl::SimpleAtoi(p, &ms) || ms < 0 || ms > 600000) {
+      std::fprintf(stderr, "spindle-train: SPINDLE_CHECKPOINT_PAUSE_MS=\"%s\" is not a count of "
+                   "milliseconds in [0, 600000]\n", p);
+      return 2;
+    }
+    options.checkpoint_pause_ms = ms;
+  }
   auto trainer = spindle::Trainer::Create(std::move(options));
   if (!trainer.ok()) return Fail(trainer.status());
   absl::Status s = (*trainer)->Run();

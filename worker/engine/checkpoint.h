@@ -33,6 +33,7 @@
 #include "nlohmann/json.hpp"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/params.h"
+#include "worker/engine/safetensors.h"
 
 namespace spindle {
 
@@ -53,6 +54,42 @@ struct TrainState {
 struct GatheredShards {
   std::map<int, std::array<std::vector<float>, 3>> tensors;
 };
+
+// The tensors one checkpoint writes, by name (SafetensorsEntry::data: where each one's values
+// are read from), and what state.json says of the optimizer.
+struct CheckpointTensors {
+  std::map<std::string, SafetensorsEntry> model, optimizer;
+  std::string optimizer_name = "none";  // the optimizer.safetensors metadata
+  int64_t optimizer_steps = 0;
+};
+
+// What the optimizer's part of a checkpoint is: its spec().optimizer, is_adamw(), steps_taken().
+struct OptimizerKind {
+  std::string name;
+  bool adamw = false;
+  int64_t steps = 0;
+};
+
+// The checkpoint tensors of `params` with the values at `values` (the flat layout of params) and
+// the optimizer state at `state0` / `state1` (the same layout; null where the optimizer keeps
+// none; `optimizer` null: no optimizer). Sharded parameters are taken whole from `gathered`
+// (FailedPrecondition when it lacks one or holds the wrong size).
+absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& params,
+                                                           const float* values,
+                                                           const float* state0,
+                                                           const float* state1,
+                                                           const OptimizerKind* optimizer,
+                                                           const GatheredShards* gathered);
+
+// Commits `tensors` as <root>/step_<state.step>/ with the crash-safe protocol SaveCheckpoint
+// describes (writer lock, fence, temporary directory, fsync, rename, latest, pruning to `keep`,
+// commits.log). `pause_between_files_ms` > 0 is a test hook: the writer sleeps that long after
+// each file it writes into the temporary directory (so that a test can kill it mid-write).
+absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
+                                             const CheckpointTensors& tensors,
+                                             const ModelConfig& config, const TrainState& state,
+                                             int64_t keep, int64_t attempt,
+                                             int64_t pause_between_files_ms = 0);
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
 // Returns the checkpoint directory. `attempt` > 0 (a cluster job's attempt) fences the commit:
