@@ -11,7 +11,9 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -105,6 +107,8 @@ struct CoordinatorServer::Impl {
   Family<Gauge>* jobs_gauge = nullptr;
   Family<Gauge>* workers_gauge = nullptr;
   Family<Gauge>* devices_gauge = nullptr;
+  Family<Gauge>* goodput_gauge = nullptr;
+  std::set<std::string> goodput_jobs;  // the jobs goodput_gauge has a child for
 
   // With a CA, a client may present a certificate (workers do; users and trainers need not), and
   // one it presents must verify against the CA.
@@ -125,6 +129,11 @@ struct CoordinatorServer::Impl {
     ASSIGN_OR_RETURN(devices_gauge, registry.GaugeFamily(
                                         "spindle_devices",
                                         "Devices (GPUs or CPU slots) of live workers.", {"state"}));
+    ASSIGN_OR_RETURN(goodput_gauge,
+                     registry.GaugeFamily("spindle_job_goodput",
+                                          "Fraction of the job's wall time spent on steps that "
+                                          "count (coordinator/goodput.h).",
+                                          {"job_id"}));
     ASSIGN_OR_RETURN(auto* latency,
                      registry.HistogramFamily(
                          "spindle_scheduling_latency_seconds",
@@ -168,6 +177,22 @@ struct CoordinatorServer::Impl {
     for (const auto& [state, n] : manager->DeviceCounts()) {
       auto g = devices_gauge->Add({{"state", state}});
       if (g.ok()) (*g)->Set(static_cast<double>(n));
+    }
+    // One child per job the manager holds with a goodput; those of jobs it let go are removed.
+    const std::map<std::string, double> goodputs = manager->JobGoodputs();
+    for (auto it = goodput_jobs.begin(); it != goodput_jobs.end();) {
+      if (goodputs.count(*it)) {
+        ++it;
+        continue;
+      }
+      (void)goodput_gauge->Remove({{"job_id", *it}});
+      it = goodput_jobs.erase(it);
+    }
+    for (const auto& [job, goodput] : goodputs) {
+      auto g = goodput_gauge->Add({{"job_id", job}});
+      if (!g.ok()) continue;
+      (*g)->Set(goodput);
+      goodput_jobs.insert(job);
     }
   }
 };

@@ -3,6 +3,7 @@
 // (see job_manager.h).
 #include "coordinator/job_manager.h"
 
+#include <optional>
 #include <limits>
 #include <utility>
 
@@ -186,6 +187,15 @@ std::map<JobState, int64_t> JobManager::JobCounts() const {
   std::map<JobState, int64_t> out;
   for (JobState s : kAllJobStates) out[s] = 0;
   for (const auto& [id, j] : table_.jobs) ++out[j->rec.state];
+  return out;
+}
+
+std::map<std::string, double> JobManager::JobGoodputs() const {
+  absl::MutexLock l(&table_.mu);
+  std::map<std::string, double> out;
+  const int64_t now = clock_->SteadyMs();
+  for (const auto& [id, j] : table_.jobs)
+    if (const std::optional<double> g = j->goodput.Goodput(now)) out[id] = *g;
   return out;
 }
 

@@ -174,6 +174,8 @@ class JobManager {
   std::map<JobState, int64_t> JobCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> WorkerCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
   std::map<std::string, int64_t> DeviceCounts() const ABSL_LOCKS_EXCLUDED(table_.mu);
+  // The goodput (coordinator/goodput.h) of every job that has one.
+  std::map<std::string, double> JobGoodputs() const ABSL_LOCKS_EXCLUDED(table_.mu);
 
  private:
   // Sends what the parts queued, once the mutex is released.
