@@ -14,7 +14,9 @@
 // A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
 // crash leaves either the old or the new checkpoint, never half of one. A failed write removes
 // its temporary directory; the writer holding the lock removes any a killed writer left. The tensor
-// files stream from and into the parameter and optimizer buffers (no second copy in memory).
+// files stream from and into the parameter and optimizer buffers (SaveCheckpoint: no second copy
+// in memory), or from a host snapshot of them (CommitCheckpoint, as the background writer of
+// checkpoint_writer.h calls it).
 // Loading verifies sizes, checksums (a streamed pass over each file), headers, names and shapes
 // before it reads any value into place, so a bad checkpoint changes nothing; only a read failure
 // after all that (the disk failing mid-load) can leave the buffers partly written. Stateless;
