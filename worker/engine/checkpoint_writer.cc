@@ -98,6 +98,15 @@ std::optional<CheckpointWriteResult> CheckpointWriter::Wait(double* waited_s) {
   return out;
 }
 
+void CheckpointWriter::Drain() const {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](const CheckpointWriter* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return !w->busy_ && !w->job_tensors_.has_value();
+      },
+      this));
+}
+
 void CheckpointWriter::Loop() {
   absl::MutexLock lock(&mu_);
   while (true) {
@@ -110,6 +119,7 @@ void CheckpointWriter::Loop() {
     const CheckpointTensors tensors = std::move(*job_tensors_);
     job_tensors_.reset();
     const TrainState state = job_state_;
+    busy_ = true;
     // The write runs unlocked: the owner may poll meanwhile.
     mu_.Unlock();
     const auto t0 = std::chrono::steady_clock::now();
@@ -119,6 +129,7 @@ void CheckpointWriter::Loop() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     mu_.Lock();
     result_ = CheckpointWriteResult{state.step, std::move(dir), write_s};
+    busy_ = false;
   }
 }
 

@@ -9,7 +9,7 @@
 // memory stays one copy of the state however slow the volume is. The buffers are allocated by
 // the first snapshot and reused by every later one (they reallocate only if the sizes change).
 //
-// Thread-safety: one owning thread calls every method; the writer's thread touches the snapshot
+// Thread-safety: one owning thread calls every method but Drain(); the writer's thread touches the snapshot
 // only between Start() and the end of that write, during which the owner does not touch it.
 // Destruction waits for the write in flight (its result is then dropped).
 #pragma once
@@ -94,6 +94,9 @@ class CheckpointWriter {
   // Waits for the pending write to finish and takes its result (nullopt when none is pending);
   // `waited_s` (optional) gets the seconds spent waiting.
   std::optional<CheckpointWriteResult> Wait(double* waited_s = nullptr);
+  // Returns once no write is in flight (the result stays for Wait). Unlike the other methods it
+  // may be called from any thread: a process being stopped lets the write in flight finish.
+  void Drain() const;
 
  private:
   void Loop();
@@ -107,6 +110,7 @@ class CheckpointWriter {
   std::optional<CheckpointTensors> job_tensors_ ABSL_GUARDED_BY(mu_);
   TrainState job_state_ ABSL_GUARDED_BY(mu_);
   std::optional<CheckpointWriteResult> result_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the thread is writing
   bool quit_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

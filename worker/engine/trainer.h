@@ -132,6 +132,11 @@ class Trainer {
   // event and, when it passed, records the layout as verified. A mismatch is a result with
   // passed == false, not an error. Every rank of the gang calls it.
   absl::StatusOr<ParityResult> Verify();
+  // Returns once no background checkpoint write is in flight. Callable from any thread (while
+  // Run() goes on): a process being stopped calls it so that the write it started finishes.
+  void DrainCheckpointWrite() const {
+    if (writer_) writer_->Drain();
+  }
 
   // The engine: the CPU model (CpuStepBackend, resources "cpu") or the device's.
   StepBackend& backend() { return *backend_; }
