@@ -26,8 +26,8 @@ double GoodputLedger::UsefulAt(int64_t step) const {
   return u0 + (u1 - u0) * static_cast<double>(step - s0) / static_cast<double>(s1 - s0);
 }
 
-void GoodputLedger::OnProgress(int64_t attempt, int64_t step, double elapsed_s,
-                               int64_t total_steps, int64_t now_ms) {
+void GoodputLedger::OnProgress(int64_t attempt, int64_t step, double elapsed_s, int64_t total_steps,
+                               int64_t now_ms) {
   if (attempt < attempt_ || step < 0 || !(elapsed_s >= 0)) return;
   // A ledger that first hears of a job from its progress (a coordinator that restarted adopts a
   // running gang) starts its wall time where this process's steps began.

@@ -56,9 +56,9 @@ class GoodputLedger {
   // The useful seconds of the surviving history up to `step` (interpolated between reports).
   double UsefulAt(int64_t step) const;
 
-  int64_t start_ms_ = -1;  // -1: not started
-  int64_t end_ms_ = -1;    // the report of the final step; -1: not yet
-  int64_t attempt_ = -1;   // the attempt of the newest progress report
+  int64_t start_ms_ = -1;   // -1: not started
+  int64_t end_ms_ = -1;     // the report of the final step; -1: not yet
+  int64_t attempt_ = -1;    // the attempt of the newest progress report
   double base_useful_ = 0;  // the useful seconds at the step the attempt resumed from
   // (step, cumulative useful seconds) of the surviving history, steps increasing; starts (0, 0).
   std::vector<std::pair<int64_t, double>> points_{{0, 0.0}};

@@ -3,10 +3,10 @@
 // reads (see job_lifecycle.h).
 #include "coordinator/job_lifecycle.h"
 
-#include <optional>
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"

@@ -3,8 +3,8 @@
 // (see job_manager.h).
 #include "coordinator/job_manager.h"
 
-#include <optional>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "common/job_spec.h"

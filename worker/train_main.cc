@@ -55,8 +55,8 @@
 // for model shapes the CUDA kernels do not take (CudaShapeProblem in common/model_config.h), they
 // fail at start with exit code 2, and with exit code 1 where no GPU is usable. --eval of such a
 // job runs on the GPU too when built with it, else on the CPU (checkpoints are shared).
-#include <omp.h>
 #include <fcntl.h>
+#include <omp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -483,8 +483,10 @@ int main(int argc, char** argv) {
   if (const char* p = std::getenv("SPINDLE_CHECKPOINT_PAUSE_MS"); p && *p) {
     int64_t ms = 0;
     if (!absl::SimpleAtoi(p, &ms) || ms < 0 || ms > 600000) {
-      std::fprintf(stderr, "spindle-train: SPINDLE_CHECKPOINT_PAUSE_MS=\"%s\" is not a count of "
-                   "milliseconds in [0, 600000]\n", p);
+      std::fprintf(stderr,
+                   "spindle-train: SPINDLE_CHECKPOINT_PAUSE_MS=\"%s\" is not a count of "
+                   "milliseconds in [0, 600000]\n",
+                   p);
       return 2;
     }
     options.checkpoint_pause_ms = ms;

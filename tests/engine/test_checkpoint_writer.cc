@@ -33,8 +33,8 @@ JobSpec Tiny(int64_t steps, int64_t every, bool async) {
   auto spec = ParseJobSpec(absl::StrCat(
       R"({"name": "w", "model": {"preset": "tiny"}, "data": {"source": "synthetic:copy"},
           "seq_len": 64, "train": {"steps": )",
-      steps, R"(, "seed": 5}, "checkpoint": {"every": )", every,
-      R"(, "async": )", async ? "true" : "false", "}}"));
+      steps, R"(, "seed": 5}, "checkpoint": {"every": )", every, R"(, "async": )",
+      async ? "true" : "false", "}}"));
   EXPECT_TRUE(spec.ok()) << spec.status();
   return *spec;
 }
@@ -107,7 +107,8 @@ TEST(CheckpointWriterTest, RandomStateRoundTripsWhileTheLiveBuffersChange) {
     EXPECT_FALSE(writer.Wait().has_value());  // taken once
   }
   RandomState loaded(rng, spec);
-  auto st = LoadCheckpoint(root + "/step_00000009", loaded.model->params(), &loaded.opt, spec.model);
+  auto st =
+      LoadCheckpoint(root + "/step_00000009", loaded.model->params(), &loaded.opt, spec.model);
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(Values(loaded.model->params().flat_data()), values);
   EXPECT_EQ(Values(loaded.opt.state0()), m);

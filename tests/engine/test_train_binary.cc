@@ -15,9 +15,9 @@
 #include <chrono>
 #include <csignal>
 #include <fstream>
-#include <thread>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
@@ -189,11 +189,10 @@ TEST_F(TrainBinaryTest, AFailedCheckpointWriteLeavesNoPartialFiles) {
 // SIGTERM (a worker stopping the rank) while a background checkpoint write is in flight: the
 // write finishes (its checkpoint is complete and `latest`), then the process ends by SIGTERM.
 TEST_F(TrainBinaryTest, SigtermLetsTheCheckpointWriteInFlightFinish) {
-  const std::string job = Write(
-      "job.json", R"({"name": "j", "model": {"preset": "tiny"},
+  const std::string job = Write("job.json", R"({"name": "j", "model": {"preset": "tiny"},
                       "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 64,
                       "train": {"steps": 100000}, "checkpoint": {"dir": ")" +
-                      dir_ + R"(/ckpt", "every": 5}})");
+                                                dir_ + R"(/ckpt", "every": 5}})");
   SubprocessOptions o;
   o.stdout_path = dir_ + "/out";
   o.stderr_path = dir_ + "/err";

@@ -372,8 +372,7 @@ absl::Status AppendCommitLog(const std::string& root, nlohmann::json entry) {
 }  // namespace
 
 absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& params,
-                                                           const float* values,
-                                                           const float* state0,
+                                                           const float* values, const float* state0,
                                                            const float* state1,
                                                            const OptimizerKind* optimizer,
                                                            const GatheredShards* gathered) {
@@ -404,9 +403,9 @@ absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& param
       for (int k = 0; k < 3; ++k) {
         if (v[k] == nullptr) continue;
         if (static_cast<int64_t>(it->second[k].size()) != numel)
-          return absl::FailedPreconditionError(absl::StrCat(
-              "checkpoint: the gathered \"", p.name, "\" holds ", it->second[k].size(),
-              " values, its whole tensor ", numel));
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint: the gathered \"", p.name,
+                                                            "\" holds ", it->second[k].size(),
+                                                            " values, its whole tensor ", numel));
         v[k] = it->second[k].data();
       }
     }
@@ -424,8 +423,8 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   std::optional<OptimizerKind> kind;
   const float *state0 = nullptr, *state1 = nullptr;
   if (optimizer) {
-    kind = OptimizerKind{optimizer->spec().optimizer, optimizer->is_adamw(),
-                         optimizer->steps_taken()};
+    kind =
+        OptimizerKind{optimizer->spec().optimizer, optimizer->is_adamw(), optimizer->steps_taken()};
     if (!optimizer->state0().empty()) state0 = optimizer->state0().f32();
     if (!optimizer->state1().empty()) state1 = optimizer->state1().f32();
   }
@@ -467,9 +466,9 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
     }
   } cleanup{tmp};
 
-  ASSIGN_OR_RETURN(const FileDigest model_file,
-                   WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model,
-                                          {{"format", "pt"}}));
+  ASSIGN_OR_RETURN(
+      const FileDigest model_file,
+      WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
   pause();
   ASSIGN_OR_RETURN(const FileDigest opt_file,
                    WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,

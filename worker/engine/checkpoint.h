@@ -77,8 +77,7 @@ struct OptimizerKind {
 // none; `optimizer` null: no optimizer). Sharded parameters are taken whole from `gathered`
 // (FailedPrecondition when it lacks one or holds the wrong size).
 absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& params,
-                                                           const float* values,
-                                                           const float* state0,
+                                                           const float* values, const float* state0,
                                                            const float* state1,
                                                            const OptimizerKind* optimizer,
                                                            const GatheredShards* gathered);

@@ -39,9 +39,8 @@ void CheckpointSnapshot::PrepareOptimizerState(int64_t numel, OptimizerKind kind
 
 absl::StatusOr<CheckpointTensors> CheckpointSnapshot::Tensors(const ParamSet& params) const {
   if (values_.numel() != params.numel())
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint: the snapshot holds ",
-                                                      values_.numel(), " values, the model ",
-                                                      params.numel()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint: the snapshot holds ", values_.numel(), " values, the model ", params.numel()));
   for (const Tensor* t : {&state0_, &state1_})
     if (!t->empty() && t->numel() != params.numel())
       return absl::FailedPreconditionError(
@@ -101,9 +100,8 @@ std::optional<CheckpointWriteResult> CheckpointWriter::Wait(double* waited_s) {
 void CheckpointWriter::Drain() const {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
-      +[](const CheckpointWriter* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return !w->busy_ && !w->job_tensors_.has_value();
-      },
+      +[](const CheckpointWriter* w)
+           ABSL_NO_THREAD_SAFETY_ANALYSIS { return !w->busy_ && !w->job_tensors_.has_value(); },
       this));
 }
 
@@ -111,9 +109,8 @@ void CheckpointWriter::Loop() {
   absl::MutexLock lock(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
-        +[](CheckpointWriter* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return w->quit_ || w->job_tensors_.has_value();
-        },
+        +[](CheckpointWriter* w)
+             ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->quit_ || w->job_tensors_.has_value(); },
         this));
     if (!job_tensors_) return;  // quit with nothing to write
     const CheckpointTensors tensors = std::move(*job_tensors_);
@@ -123,8 +120,9 @@ void CheckpointWriter::Loop() {
     // The write runs unlocked: the owner may poll meanwhile.
     mu_.Unlock();
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<std::string> dir = CommitCheckpoint(
-        opt_.root, tensors, opt_.config, state, opt_.keep, opt_.attempt, opt_.pause_between_files_ms);
+    absl::StatusOr<std::string> dir =
+        CommitCheckpoint(opt_.root, tensors, opt_.config, state, opt_.keep, opt_.attempt,
+                         opt_.pause_between_files_ms);
     const double write_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     mu_.Lock();

@@ -9,9 +9,9 @@
 // memory stays one copy of the state however slow the volume is. The buffers are allocated by
 // the first snapshot and reused by every later one (they reallocate only if the sizes change).
 //
-// Thread-safety: one owning thread calls every method but Drain(); the writer's thread touches the snapshot
-// only between Start() and the end of that write, during which the owner does not touch it.
-// Destruction waits for the write in flight (its result is then dropped).
+// Thread-safety: one owning thread calls every method but Drain(); the writer's thread touches the
+// snapshot only between Start() and the end of that write, during which the owner does not touch
+// it. Destruction waits for the write in flight (its result is then dropped).
 #pragma once
 
 #include <cstdint>

@@ -661,10 +661,9 @@ absl::Status Trainer::CheckpointSync() {
   // waits for another; a failed download still fails the write.
   GatheredShards gathered;
   if (ep_ > 1 && opt_.rank < ep_) {
-    absl::Status s =
-        GatherExpertShards(backend_->host_params().flat_data().f32(),
-                           DataOrNull(optimizer_->state0()), DataOrNull(optimizer_->state1()),
-                           &gathered);
+    absl::Status s = GatherExpertShards(backend_->host_params().flat_data().f32(),
+                                        DataOrNull(optimizer_->state0()),
+                                        DataOrNull(optimizer_->state1()), &gathered);
     if (!s.ok()) {
       if (staging_optimizer_) optimizer_->ReleaseState();
       return s;
@@ -701,16 +700,17 @@ absl::Status Trainer::SnapshotCheckpoint() {
   if (contributes) {
     s = backend_->DownloadParams();
     if (staging_optimizer_ && snap) {
-      snap->PrepareOptimizerState(params.numel(),
-                                  {optimizer_->spec().optimizer, optimizer_->is_adamw(),
-                                   backend_->steps_taken()});
+      snap->PrepareOptimizerState(
+          params.numel(),
+          {optimizer_->spec().optimizer, optimizer_->is_adamw(), backend_->steps_taken()});
       if (s.ok()) s = backend_->DownloadOptimizerState(&snap->state0(), &snap->state1());
       state0 = DataOrNull(snap->state0());
       state1 = DataOrNull(snap->state1());
     } else if (staging_optimizer_) {  // an EP peer of rank 0: its state only for the gather
       optimizer_->AllocateState();
       staged = true;
-      if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
+      if (s.ok())
+        s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
       state0 = DataOrNull(optimizer_->state0());
       state1 = DataOrNull(optimizer_->state1());
     } else {
