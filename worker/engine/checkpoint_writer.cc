@@ -1,6 +1,10 @@
 // The host snapshot of a checkpoint and its background writer (see checkpoint_writer.h).
 #include "worker/engine/checkpoint_writer.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -8,6 +12,9 @@
 namespace spindle {
 
 namespace {
+
+// The writer thread's nice value (0: the process's own; 19: the lowest priority).
+constexpr int kWriterNice = 10;
 
 // `dst` sized to n values (reallocated only when its size differs) and zeroed when it was.
 void SizeTo(Tensor& dst, int64_t n) {
@@ -106,6 +113,10 @@ void CheckpointWriter::Drain() const {
 }
 
 void CheckpointWriter::Loop() {
+  // The write yields the cores to the steps: a nicer thread (Linux schedules threads one by one)
+  // takes the time the compute threads leave, where the checksums and copies into the page cache
+  // would otherwise slow the steps beside them. Best effort: the write is the same without it.
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kWriterNice);
   absl::MutexLock lock(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
