@@ -667,11 +667,10 @@ TEST_F(MultihostTest, AKillDuringABackgroundCheckpointWriteLeavesThePreviousChec
 // (SIGKILL) every kKillPeriod seconds while the job runs, with every flag at its default and
 // checkpoints every 10 steps written in the background. The coordinator's goodput (time on steps
 // that count over the wall time, coordinator/goodput.h) stays at or above 90% (measured on the
-// 2-core development machine with 600 steps: 93.8% and 95.3% with 3 kills, 96.3% with 2;
-// with 800: 96.4% with 3; each kill
-// costs the restart, about a second, and on average 5 steps of 0.1-0.15 s), and the job succeeds.
-// The scenario kills every 60 s; 25 s keeps this test near two minutes with three or four
-// kills.
+// 2-core development machine with 600 steps: 93.8% and 95.3% with 3 kills, 96.3% with 2; with
+// 800: 96.4% with 3; each kill costs the restart, about a second, and on average 5 steps of
+// 0.1-0.15 s), and the job succeeds. The scenario kills every 60 s; 25 s keeps this test
+// near two minutes with three or four kills.
 TEST_F(MultihostTest, GoodputStaysAbove90PercentWithARankKilledPeriodically) {
   constexpr int kKillPeriodS = 25;
   StartCoordinator();
