@@ -871,6 +871,10 @@ class Cli {
     if (j.last_checkpoint_step() > 0)
       out_ << "  last checkpoint: step " << j.last_checkpoint_step() << " "
            << j.last_checkpoint_path() << "\n";
+    // The fraction of the job's wall time spent on steps that count (coordinator/goodput.h).
+    if (j.goodput() >= 0)
+      out_ << absl::StrFormat("  goodput %.1f%% (time on steps that count, of the wall time)\n",
+                              j.goodput() * 100);
     if (j.ranks_size() > 0) {
       out_ << absl::StrFormat("  %4s %-16s %3s %-9s %8s %9s %10s %6s %11s\n", "RANK", "WORKER",
                               "DEV", "STATE", "STEP", "LOSS", "TOK/S", "MFU", "PEAK MEM");

@@ -386,6 +386,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(cf.ReadString("dir", &s.checkpoint.dir));
     RETURN_IF_ERROR(cf.ReadInt("every", &s.checkpoint.every));
     RETURN_IF_ERROR(cf.ReadInt("keep", &s.checkpoint.keep));
+    RETURN_IF_ERROR(cf.ReadBool("async", &s.checkpoint.async));
     RETURN_IF_ERROR(cf.Finish());
     RETURN_IF_ERROR(CheckPathText(cf, "dir", s.checkpoint.dir));
     if (s.checkpoint.every < 0)
@@ -552,6 +553,7 @@ nlohmann::json JobSpec::ToJson() const {
     j["train"]["precision"] = std::string(TrainPrecisionName(train.precision));
   if (train.fp8_recipe != TrainFp8Recipe::kTensorwise)
     j["train"]["fp8_recipe"] = std::string(TrainFp8RecipeName(train.fp8_recipe));
+  if (!checkpoint.async) j["checkpoint"]["async"] = false;
   return j;
 }
 

@@ -14,7 +14,7 @@
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
 //              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto",
 //              "precision": "auto"},
-//    "checkpoint": {"dir": "/tmp/ckpt", "every": 50},
+//    "checkpoint": {"dir": "/tmp/ckpt", "every": 50, "async": true},
 //    "resources": "cpu", "max_restarts": 3, "priority": 0}
 #pragma once
 
@@ -176,6 +176,9 @@ struct CheckpointSpec {
   std::string dir;     // empty: no checkpoints
   int64_t every = 0;   // steps between checkpoints; 0: only at the end
   int64_t keep = 2;    // complete checkpoints kept
+  // true: the step snapshots the state into host memory and a background thread writes it
+  // (worker/engine/checkpoint_writer.h); false: the step writes it itself (the synchronous path).
+  bool async = true;
 };
 
 struct JobSpec {

@@ -108,9 +108,12 @@ struct CoordinatorServer::Impl {
   Family<Gauge>* workers_gauge = nullptr;
   Family<Gauge>* devices_gauge = nullptr;
   Family<Gauge>* job_world_gauge = nullptr;
-  // The jobs spindle_job_world has a series for (a finished job's is removed).
-  absl::Mutex worlds_mu;
-  std::set<std::string> world_jobs ABSL_GUARDED_BY(worlds_mu);
+  Family<Gauge>* goodput_gauge = nullptr;
+  // The jobs spindle_job_world and spindle_job_goodput have a series for (a finished job's, or
+  // one the manager let go, is removed).
+  absl::Mutex gauges_mu;
+  std::set<std::string> world_jobs ABSL_GUARDED_BY(gauges_mu);
+  std::set<std::string> goodput_jobs ABSL_GUARDED_BY(gauges_mu);
 
   // With a CA, a client may present a certificate (workers do; users and trainers need not), and
   // one it presents must verify against the CA.
@@ -135,6 +138,11 @@ struct CoordinatorServer::Impl {
                      registry.GaugeFamily("spindle_job_world",
                                           "Ranks (dp x cp) an unfinished job is planned at now; "
                                           "an elastic job's changes with each resize.",
+                                          {"job_id"}));
+    ASSIGN_OR_RETURN(goodput_gauge,
+                     registry.GaugeFamily("spindle_job_goodput",
+                                          "Fraction of the job's wall time spent on steps that "
+                                          "count (coordinator/goodput.h).",
                                           {"job_id"}));
     ASSIGN_OR_RETURN(auto* latency,
                      registry.HistogramFamily(
@@ -181,13 +189,29 @@ struct CoordinatorServer::Impl {
       if (g.ok()) (*g)->Set(static_cast<double>(n));
     }
     const std::map<std::string, int64_t> worlds = manager->JobWorlds();
-    absl::MutexLock l(&worlds_mu);
+    const std::map<std::string, double> goodputs = manager->JobGoodputs();
+    absl::MutexLock l(&gauges_mu);
     for (const std::string& id : world_jobs)
       if (!worlds.count(id)) job_world_gauge->Remove({{"job_id", id}}).IgnoreError();
     world_jobs.clear();
     for (const auto& [id, n] : worlds) {
       auto g = job_world_gauge->Add({{"job_id", id}});
       if (g.ok()) (*g)->Set(static_cast<double>(n)), world_jobs.insert(id);
+    }
+    // One child per job the manager holds with a goodput; those of jobs it let go are removed.
+    for (auto it = goodput_jobs.begin(); it != goodput_jobs.end();) {
+      if (goodputs.count(*it)) {
+        ++it;
+        continue;
+      }
+      (void)goodput_gauge->Remove({{"job_id", *it}});
+      it = goodput_jobs.erase(it);
+    }
+    for (const auto& [job, goodput] : goodputs) {
+      auto g = goodput_gauge->Add({{"job_id", job}});
+      if (!g.ok()) continue;
+      (*g)->Set(goodput);
+      goodput_jobs.insert(job);
     }
   }
 };

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -406,6 +407,7 @@ void JobLifecycle::FillJob(const JobRuntime& j, bool with_events, JobView* out, 
     const double rate = (min_step - j.rate_ref_step) / std::max(dt, 1e-3);
     out->eta_s = (j.spec.train.steps - min_step) / rate;
   }
+  if (const std::optional<double> g = j.goodput.Goodput(clock_->SteadyMs())) out->goodput = *g;
   if (with_events) {
     const int64_t first = std::max<int64_t>(0, events_from - j.events_dropped);
     const int64_t end =

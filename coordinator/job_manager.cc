@@ -4,6 +4,7 @@
 #include "coordinator/job_manager.h"
 
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "common/job_spec.h"
@@ -194,6 +195,15 @@ std::map<std::string, int64_t> JobManager::JobWorlds() const {
   std::map<std::string, int64_t> out;
   for (const auto& [id, j] : table_.jobs)
     if (!IsTerminal(j->rec.state)) out[id] = j->spec.parallel.world();
+  return out;
+}
+
+std::map<std::string, double> JobManager::JobGoodputs() const {
+  absl::MutexLock l(&table_.mu);
+  std::map<std::string, double> out;
+  const int64_t now = clock_->SteadyMs();
+  for (const auto& [id, j] : table_.jobs)
+    if (const std::optional<double> g = j->goodput.Goodput(now)) out[id] = *g;
   return out;
 }
 

@@ -179,6 +179,8 @@ class JobManager {
   // The world (dp x cp ranks) each unfinished job is planned at now: an elastic job's changes
   // with each resize (spindle_job_world).
   std::map<std::string, int64_t> JobWorlds() const ABSL_LOCKS_EXCLUDED(table_.mu);
+  // The goodput (coordinator/goodput.h) of every job that has one.
+  std::map<std::string, double> JobGoodputs() const ABSL_LOCKS_EXCLUDED(table_.mu);
 
  private:
   // Sends what the parts queued, once the mutex is released.

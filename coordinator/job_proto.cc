@@ -69,6 +69,7 @@ void JobViewToProto(const JobView& v, v1::Job* out) {
   out->set_mfu(v.mfu);
   if (v.moe.present) MoeToProto(v.moe, out->mutable_moe());
   out->set_eta_s(v.eta_s);
+  out->set_goodput(v.goodput);
   for (const EventRecord& e : v.events) EventToProto(e, out->add_events());
   out->set_next_events_page_token(v.next_events_page_token);
 }

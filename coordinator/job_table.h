@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
 #include "coordinator/clock.h"
+#include "coordinator/goodput.h"
 #include "coordinator/job_index.h"
 #include "coordinator/job_store.h"
 #include "coordinator/moe_summary.h"
@@ -92,6 +93,7 @@ struct JobRuntime {
   std::string checkpoint_place;
   uint64_t version = 0;
   int64_t rate_ref_ms = 0, rate_ref_step = -1;  // for the ETA
+  GoodputLedger goodput;                        // from rank 0's reports (worker_sessions.cc)
 };
 
 // Messages to workers, collected under the table's lock and sent once it is released.

@@ -45,6 +45,7 @@ struct JobView {
   double tokens_per_s = 0;   // summed over running ranks
   double mfu = 0;            // averaged over running ranks that report it
   double eta_s = -1;         // -1: unknown
+  double goodput = -1;       // coordinator/goodput.h; -1: unknown (no step reported yet)
   MoeSummary moe;            // of the step shown (the lowest rank's)
   std::vector<RankView> ranks;
   std::vector<EventRecord> events;     // empty unless asked for; one page (JobManager::GetJob)

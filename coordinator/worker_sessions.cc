@@ -317,6 +317,7 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const RankStartedRe
   if (r->state == "assigned") r->state = "running";
   r->last_progress_ms = c.now;
   r->last_report_ms = c.wall;
+  j->goodput.OnStart(s.ref.attempt, c.now);
   t.Bump(*j);
   lifecycle_->CheckRunning(t, *j);
 }
@@ -349,6 +350,10 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const RankProgressR
   r->moe = p.moe;
   r->memory_bytes = std::max(r->memory_bytes, p.memory_bytes);
   r->last_report_ms = c.wall;
+  if (p.ref.rank == 0) {
+    j->goodput.OnCheckpoint(j->rec.last_checkpoint_step);
+    j->goodput.OnProgress(p.ref.attempt, p.step, p.elapsed_s, p.total_steps, c.now);
+  }
   if (j->rate_ref_step < 0) {
     int64_t min_step = r->step;
     for (const RankRuntime& o : j->ranks) min_step = std::min(min_step, o.step);
@@ -365,6 +370,7 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const CheckpointDon
   auto [j, r] = CurrentRank(t, c.worker_id, d.ref);
   if (!j) return;
   r->last_progress_ms = c.now;
+  if (d.ref.rank == 0) j->goodput.OnCheckpoint(d.step);  // rank 0 reports it once committed
   if (d.step <= j->rec.last_checkpoint_step) {
     t.Bump(*j);
     return;  // complete already

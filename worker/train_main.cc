@@ -36,6 +36,10 @@
 // worker daemon: the last checkpoint the coordinator recorded every rank completing) bounds that
 // choice from below: a checkpoint older than S is never resumed from, and when none at or after S
 // loads the run fails (exit code 2) naming S, rather than redo the job's recorded progress.
+// Checkpoints are written in the background (checkpoint.async, worker/engine/checkpoint_writer.h);
+// SIGTERM (the worker stopping a rank) lets a write in flight finish before the process ends by
+// it. $SPINDLE_CHECKPOINT_PAUSE_MS (a test hook) makes the writer sleep that many milliseconds
+// after each file of a checkpoint, so that a test can kill the process while one is being written.
 // --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
 // tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
@@ -56,11 +60,17 @@
 // for model shapes the CUDA kernels do not take (CudaShapeProblem in common/model_config.h), they
 // fail at start with exit code 2, and with exit code 1 where no GPU is usable. --eval of such a
 // job runs on the GPU too when built with it, else on the CPU (checkpoints are shared).
+#include <fcntl.h>
 #include <omp.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -159,6 +169,9 @@ void PrintEvent(const nlohmann::json& e) {
   std::fflush(stdout);
 }
 
+// Checkpoints are written in the background (checkpoint.async, worker/engine/checkpoint_writer.h);
+// $SPINDLE_CHECKPOINT_PAUSE_MS (a test hook) makes the writer sleep that many milliseconds after
+// each file of a checkpoint, so that a test can kill the process while one is being written.
 // --pulse-ms N: a {"event": "pulse"} line every N ms from a thread of its own, from the start
 // (rendezvous and resume included) to the end, so the worker can tell a rank that stopped (a
 // frozen process, a host that hangs) from one in a long step or a collective. The first line is
@@ -193,9 +206,61 @@ class Pulse {
   std::thread thread_;
 };
 
+// SIGTERM, which the worker sends to stop a rank: a handler wakes a thread of its own, which lets
+// the background checkpoint write in flight (of the trainer it follows) finish, then ends the
+// process by SIGTERM as before. A handler rather than a blocked signal: threads that libraries
+// start before main (OpenBLAS's) would not have it blocked and would take the default action.
+// The handler's one piece of state, the pipe it writes to, is a function-local static because a
+// signal handler cannot be given any; it is set before the handler is installed. The thread's
+// state is shared with it, as the thread outlives main's locals.
+class StopOnTerm {
+ public:
+  StopOnTerm() : state_(std::make_shared<State>()) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return;  // SIGTERM then ends the process at once
+    WakeFd().store(fds[1]);
+    struct sigaction sa = {};
+    sa.sa_handler = [](int) {
+      const char b = 1;
+      (void)!::write(WakeFd().load(), &b, 1);  // async-signal-safe
+    };
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    std::thread([state = state_, read_fd = fds[0]] {
+      char b;
+      while (::read(read_fd, &b, 1) < 0 && errno == EINTR) {
+      }
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (state->trainer) state->trainer->DrainCheckpointWrite();
+      }
+      std::signal(SIGTERM, SIG_DFL);
+      std::raise(SIGTERM);
+    }).detach();
+    ::sigaction(SIGTERM, &sa, nullptr);
+  }
+  // The trainer whose writes a stop waits for (null: none, before it goes).
+  void Follow(const spindle::Trainer* trainer) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->trainer = trainer;
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    const spindle::Trainer* trainer = nullptr;
+  };
+  static std::atomic<int>& WakeFd() {
+    static std::atomic<int> fd{-1};
+    return fd;
+  }
+  std::shared_ptr<State> state_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  StopOnTerm stop;  // a stop lets the background checkpoint write finish
   std::map<std::string, std::string> flags;
   bool eval = false, probe = false, probe_link = false, verify_only = false;
   for (int i = 1; i < argc; ++i) {
@@ -409,9 +474,23 @@ int main(int argc, char** argv) {
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
   options.cuda_backend = kCudaBackend;
+  // Test hook: the background checkpoint writer pauses this long after each file it writes.
+  if (const char* p = std::getenv("SPINDLE_CHECKPOINT_PAUSE_MS"); p && *p) {
+    int64_t ms = 0;
+    if (!absl::SimpleAtoi(p, &ms) || ms < 0 || ms > 600000) {
+      std::fprintf(stderr,
+                   "spindle-train: SPINDLE_CHECKPOINT_PAUSE_MS=\"%s\" is not a count of "
+                   "milliseconds in [0, 600000]\n",
+                   p);
+      return 2;
+    }
+    options.checkpoint_pause_ms = ms;
+  }
   auto trainer = spindle::Trainer::Create(std::move(options));
   if (!trainer.ok()) return Fail(trainer.status());
+  stop.Follow(trainer->get());
   absl::Status s = (*trainer)->Run();
+  stop.Follow(nullptr);
   if (!s.ok()) return Fail(s);
   return 0;
 }

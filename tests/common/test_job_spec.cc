@@ -271,6 +271,31 @@ TEST(JobSpecTest, OffloadIsABooleanForCudaJobs) {
   }
 }
 
+// checkpoint.async: true by default (left out of the canonical form), false round-trips (the
+// synchronous path); anything but a boolean is refused naming the field.
+TEST(JobSpecTest, CheckpointAsyncIsABoolean) {
+  auto with = [](const std::string& v) {
+    return ParseJobSpec(R"({"name": "a", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "checkpoint": {"dir": "/tmp/a", "async": )" +
+                        v + "}}");
+  };
+  EXPECT_TRUE(ParseJobSpec(kValid)->checkpoint.async);
+  EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["checkpoint"].contains("async"));
+  EXPECT_TRUE(with("true")->checkpoint.async);
+  auto off = with("false");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->checkpoint.async);
+  EXPECT_EQ(off->ToJson()["checkpoint"]["async"], false);
+  auto again = ParseJobSpecJson(off->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->checkpoint.async);
+  for (const std::string bad : {"1", "\"no\"", "null"}) {
+    auto s = with(bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.status().message().find("checkpoint.async"), std::string::npos) << s.status();
+  }
+}
+
 // train.precision: "auto" by default (left out of the canonical form), "fp32" on cpu jobs only,
 // "bf16" and "fp8" on both; each round-trips; every other value, a non-string, and "fp32" on a
 // cuda job are refused with one error naming the field.

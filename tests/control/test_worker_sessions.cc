@@ -189,6 +189,51 @@ TEST_F(WorkerSessionsTest, ReportsCarryAnAttemptToRunningCheckpointsAndSuccess) 
   EXPECT_EQ(table.registry.DeviceCounts()["free"], 2);
 }
 
+// The job's goodput (coordinator/goodput.h) comes from rank 0's reports: its start, its step
+// times and the checkpoints it committed; a restart's lost steps and downtime lower it.
+TEST_F(WorkerSessionsTest, GoodputFollowsRankZerosReports) {
+  AddWorker("w1", 1);
+  JobRuntime& j = SubmitAndPlace(TinyJob(1));
+  Take<AssignmentCommand>();
+  auto goodput = [&] {
+    JobView v;
+    lifecycle.FillJob(j, false, &v);
+    return v.goodput;
+  };
+  Report("w1", RankStartedReport{Key(j, 0), 100});
+  EXPECT_EQ(goodput(), -1);  // no step yet
+  RankProgressReport p;
+  p.ref = Key(j, 0);
+  p.total_steps = 10;
+  for (int64_t step = 1; step <= 6; ++step) {
+    clock.AdvanceMs(1000);  // 1 s a step, 0.5 s of it inside the step
+    p.step = step;
+    p.elapsed_s = 0.5 * static_cast<double>(step);
+    Report("w1", p);
+    if (step == 5) Report("w1", CheckpointDoneReport{Key(j, 0), 5, "/tmp/ck/step_00000005"});
+  }
+  EXPECT_DOUBLE_EQ(goodput(), 3.0 / 6.0);
+  // A report of an attempt never given changes nothing.
+  RankProgressReport stray = p;
+  stray.ref.attempt = 9;
+  stray.step = 9;
+  Report("w1", stray);
+  EXPECT_DOUBLE_EQ(goodput(), 3.0 / 6.0);
+  // Rank 0 dies; attempt 2 starts 4 s later and resumes from step 5: step 6 of attempt 1 is lost.
+  Report("w1", RankExitReport{Key(j, 0), 1, 9, {"killed"}});
+  placement.Schedule(table, &out);  // the gang is placed again at once: its worker is free
+  ASSERT_EQ(j.rec.attempt, 2) << j.rec.message;
+  clock.AdvanceMs(4000);
+  Report("w1", RankStartedReport{Key(j, 0), 101});
+  clock.AdvanceMs(1000);
+  p.ref = Key(j, 0);
+  p.step = 6;
+  p.elapsed_s = 0.5;
+  Report("w1", p);
+  // Useful: steps 1..5 of attempt 1 and step 6 of attempt 2, 0.5 s each, over 11 s.
+  EXPECT_DOUBLE_EQ(goodput(), 3.0 / 11.0);
+}
+
 // One rank reporting checkpoint steps that never complete keeps at most kMaxPendingCheckpoints
 // of them, the newest; a step its peer then completes still counts, and an old one is ignored.
 TEST_F(WorkerSessionsTest, CheckpointStepsThatNeverCompleteAreBounded) {

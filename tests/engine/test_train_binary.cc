@@ -12,9 +12,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
@@ -181,6 +184,48 @@ TEST_F(TrainBinaryTest, AFailedCheckpointWriteLeavesNoPartialFiles) {
   EXPECT_EQ(entries(),
             std::set<std::string>(
                 {".writer.lock", "commits.log", "latest", "step_00000001", "step_00000002"}));
+}
+
+// SIGTERM (a worker stopping the rank) while a background checkpoint write is in flight: the
+// write finishes (its checkpoint is complete and `latest`), then the process ends by SIGTERM.
+TEST_F(TrainBinaryTest, SigtermLetsTheCheckpointWriteInFlightFinish) {
+  const std::string job = Write("job.json", R"({"name": "j", "model": {"preset": "tiny"},
+                      "data": {"source": "synthetic:recall", "recall_gap": 16}, "seq_len": 64,
+                      "train": {"steps": 100000}, "checkpoint": {"dir": ")" +
+                                                dir_ + R"(/ckpt", "every": 5}})");
+  SubprocessOptions o;
+  o.stdout_path = dir_ + "/out";
+  o.stderr_path = dir_ + "/err";
+  // Each file of a checkpoint takes 700 ms to write: 2.1 s in flight.
+  o.env = {{"SPINDLE_CHECKPOINT_PAUSE_MS", "700"}};
+  auto p = Subprocess::Spawn({SPINDLE_TRAIN_BINARY, "--job", job}, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto in_flight = [&] {
+    if (DIR* d = opendir((dir_ + "/ckpt").c_str())) {
+      while (dirent* e = readdir(d)) {
+        if (std::string(e->d_name).rfind(".tmp.step_00000005.", 0) == 0) {
+          closedir(d);
+          return true;
+        }
+      }
+      closedir(d);
+    }
+    return false;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!in_flight() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(in_flight());
+  ASSERT_TRUE((*p)->Signal(SIGTERM).ok());
+  absl::StatusOr<int> code = (*p)->Wait();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 128 + SIGTERM);
+  std::ifstream latest(dir_ + "/ckpt/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step_00000005");
+  struct stat st;
+  EXPECT_EQ(stat((dir_ + "/ckpt/step_00000005/state.json").c_str(), &st), 0);
 }
 
 TEST_F(TrainBinaryTest, CudaJobsRunOnlyWhereTheyCan) {

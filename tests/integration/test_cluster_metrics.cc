@@ -138,6 +138,8 @@ TEST_F(ClusterMetricsTest, PrometheusScrapesTheCoordinatorAndTheWorkers) {
                          ",collective=\"all_gather\",layer_type=\"lightning\"} >= 8192)"),
             "2"},
            {absl::StrCat("count(spindle_restarts_total{", job, "})"), "2"},
+           // The coordinator's goodput of the job (coordinator/goodput.h), a fraction.
+           {absl::StrCat("count(spindle_job_goodput{", job, "} >= 0 <= 1)"), "1"},
            {"sum(spindle_worker_running_ranks)", "2"},
            {"sum(spindle_worker_slots)", "2"},
            {"sum(spindle_worker_coordinator_connected)", "2"},

@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -369,10 +371,79 @@ absl::Status AppendCommitLog(const std::string& root, nlohmann::json entry) {
 
 }  // namespace
 
+absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& params,
+                                                           const float* values, const float* state0,
+                                                           const float* state1,
+                                                           const OptimizerKind* optimizer,
+                                                           const GatheredShards* gathered) {
+  CheckpointTensors out;
+  if (optimizer) {
+    out.optimizer_name = optimizer->name;
+    out.optimizer_steps = optimizer->steps;
+  }
+  auto opt_name = [optimizer](int which, const std::string& param) {
+    if (optimizer->adamw) return (which == 0 ? "exp_avg." : "exp_avg_sq.") + param;
+    return "momentum_buffer." + param;
+  };
+  for (int i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    const float* v[3] = {values + p.offset, nullptr, nullptr};
+    if (optimizer && state0) {
+      v[1] = state0 + p.offset;
+      if (optimizer->adamw && state1) v[2] = state1 + p.offset;
+    }
+    int64_t numel = p.numel;
+    if (p.sharded()) {
+      numel = 1;
+      for (int64_t n : p.full_shape) numel *= n;
+      if (!gathered || gathered->tensors.count(i) == 0)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint: \"", p.name, "\" is a shard and its whole tensor was not gathered"));
+      const auto it = gathered->tensors.find(i);
+      for (int k = 0; k < 3; ++k) {
+        if (v[k] == nullptr) continue;
+        if (static_cast<int64_t>(it->second[k].size()) != numel)
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint: the gathered \"", p.name,
+                                                            "\" holds ", it->second[k].size(),
+                                                            " values, its whole tensor ", numel));
+        v[k] = it->second[k].data();
+      }
+    }
+    out.model[p.name] = {p.full_shape, v[0], numel};
+    if (v[1]) out.optimizer[opt_name(0, p.name)] = {p.full_shape, v[1], numel};
+    if (v[2]) out.optimizer[opt_name(1, p.name)] = {p.full_shape, v[2], numel};
+  }
+  return out;
+}
+
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& params,
                                            Optimizer* optimizer, const ModelConfig& config,
                                            const TrainState& state, int64_t keep, int64_t attempt,
                                            const GatheredShards* gathered) {
+  std::optional<OptimizerKind> kind;
+  const float *state0 = nullptr, *state1 = nullptr;
+  if (optimizer) {
+    kind =
+        OptimizerKind{optimizer->spec().optimizer, optimizer->is_adamw(), optimizer->steps_taken()};
+    if (!optimizer->state0().empty()) state0 = optimizer->state0().f32();
+    if (!optimizer->state1().empty()) state1 = optimizer->state1().f32();
+  }
+  // The tensor files stream from the parameter and optimizer buffers (no copy of the state).
+  ASSIGN_OR_RETURN(const CheckpointTensors tensors,
+                   CollectCheckpointTensors(params, params.flat_data().f32(), state0, state1,
+                                            kind ? &*kind : nullptr, gathered));
+  return CommitCheckpoint(root, tensors, config, state, keep, attempt);
+}
+
+absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
+                                             const CheckpointTensors& tensors,
+                                             const ModelConfig& config, const TrainState& state,
+                                             int64_t keep, int64_t attempt,
+                                             int64_t pause_between_files_ms) {
+  auto pause = [pause_between_files_ms] {
+    if (pause_between_files_ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_between_files_ms));
+  };
   RETURN_IF_ERROR(MakeDirs(root));
   ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
   if (attempt > 0) {
@@ -395,42 +466,14 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
     }
   } cleanup{tmp};
 
-  std::map<std::string, SafetensorsEntry> model, opt;
-  for (int i = 0; i < params.size(); ++i) {
-    const ParamInfo& p = params.info(i);
-    const float* values[3] = {params.data(i), nullptr, nullptr};
-    if (optimizer && !optimizer->state0().empty()) {
-      values[1] = optimizer->state0().f32() + p.offset;
-      if (optimizer->is_adamw()) values[2] = optimizer->state1().f32() + p.offset;
-    }
-    int64_t numel = p.numel;
-    if (p.sharded()) {
-      numel = 1;
-      for (int64_t n : p.full_shape) numel *= n;
-      if (!gathered || gathered->tensors.count(i) == 0)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint: \"", p.name, "\" is a shard and its whole tensor was not gathered"));
-      const auto it = gathered->tensors.find(i);
-      for (int k = 0; k < 3; ++k) {
-        if (values[k] == nullptr) continue;
-        if (static_cast<int64_t>(it->second[k].size()) != numel)
-          return absl::FailedPreconditionError(absl::StrCat(
-              "checkpoint: the gathered \"", p.name, "\" holds ", it->second[k].size(),
-              " values, its whole tensor ", numel));
-        values[k] = it->second[k].data();
-      }
-    }
-    model[p.name] = {p.full_shape, values[0], numel};
-    if (values[1]) opt[OptimizerName(*optimizer, 0, p.name)] = {p.full_shape, values[1], numel};
-    if (values[2]) opt[OptimizerName(*optimizer, 1, p.name)] = {p.full_shape, values[2], numel};
-  }
-  // The tensor files stream from the parameter and optimizer buffers (no copy of the state).
-  ASSIGN_OR_RETURN(const FileDigest model_file,
-                   WriteSafetensorsSynced(tmp + "/model.safetensors", model, {{"format", "pt"}}));
   ASSIGN_OR_RETURN(
-      const FileDigest opt_file,
-      WriteSafetensorsSynced(tmp + "/optimizer.safetensors", opt,
-                             {{"optimizer", optimizer ? optimizer->spec().optimizer : "none"}}));
+      const FileDigest model_file,
+      WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
+  pause();
+  ASSIGN_OR_RETURN(const FileDigest opt_file,
+                   WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,
+                                          {{"optimizer", tensors.optimizer_name}}));
+  pause();
   nlohmann::json st = {
       {"format", 1},
       {"step", state.step},
@@ -438,13 +481,14 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
       {"seed", state.seed},
       {"rng_counter", state.rng_counter},
       {"loss", state.loss},
-      {"optimizer_steps", optimizer ? optimizer->steps_taken() : 0},
+      {"optimizer_steps", tensors.optimizer_steps},
       {"model", config.ToJson()},
       {"files",
        {{"model.safetensors", {{"bytes", model_file.bytes}, {"crc32", model_file.crc32}}},
         {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
   if (!state.verified_layout.empty()) st["verified_layout"] = state.verified_layout;
   RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
+  pause();
   RETURN_IF_ERROR(SyncDir(tmp));
   if (attempt > 0) {
     // Checked again at the last moment, right before anything visible changes: on storage where

@@ -14,7 +14,9 @@
 // A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a
 // crash leaves either the old or the new checkpoint, never half of one. A failed write removes
 // its temporary directory; the writer holding the lock removes any a killed writer left. The tensor
-// files stream from and into the parameter and optimizer buffers (no second copy in memory).
+// files stream from and into the parameter and optimizer buffers (SaveCheckpoint: no second copy
+// in memory), or from a host snapshot of them (CommitCheckpoint, as the background writer of
+// checkpoint_writer.h calls it).
 // Loading verifies sizes, checksums (a streamed pass over each file), headers, names and shapes
 // before it reads any value into place, so a bad checkpoint changes nothing; only a read failure
 // after all that (the disk failing mid-load) can leave the buffers partly written. Stateless;
@@ -33,6 +35,7 @@
 #include "nlohmann/json.hpp"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/params.h"
+#include "worker/engine/safetensors.h"
 
 namespace spindle {
 
@@ -53,6 +56,41 @@ struct TrainState {
 struct GatheredShards {
   std::map<int, std::array<std::vector<float>, 3>> tensors;
 };
+
+// The tensors one checkpoint writes, by name (SafetensorsEntry::data: where each one's values
+// are read from), and what state.json says of the optimizer.
+struct CheckpointTensors {
+  std::map<std::string, SafetensorsEntry> model, optimizer;
+  std::string optimizer_name = "none";  // the optimizer.safetensors metadata
+  int64_t optimizer_steps = 0;
+};
+
+// What the optimizer's part of a checkpoint is: its spec().optimizer, is_adamw(), steps_taken().
+struct OptimizerKind {
+  std::string name;
+  bool adamw = false;
+  int64_t steps = 0;
+};
+
+// The checkpoint tensors of `params` with the values at `values` (the flat layout of params) and
+// the optimizer state at `state0` / `state1` (the same layout; null where the optimizer keeps
+// none; `optimizer` null: no optimizer). Sharded parameters are taken whole from `gathered`
+// (FailedPrecondition when it lacks one or holds the wrong size).
+absl::StatusOr<CheckpointTensors> CollectCheckpointTensors(const ParamSet& params,
+                                                           const float* values, const float* state0,
+                                                           const float* state1,
+                                                           const OptimizerKind* optimizer,
+                                                           const GatheredShards* gathered);
+
+// Commits `tensors` as <root>/step_<state.step>/ with the crash-safe protocol SaveCheckpoint
+// describes (writer lock, fence, temporary directory, fsync, rename, latest, pruning to `keep`,
+// commits.log). `pause_between_files_ms` > 0 is a test hook: the writer sleeps that long after
+// each file it writes into the temporary directory (so that a test can kill it mid-write).
+absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
+                                             const CheckpointTensors& tensors,
+                                             const ModelConfig& config, const TrainState& state,
+                                             int64_t keep, int64_t attempt,
+                                             int64_t pause_between_files_ms = 0);
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
 // Returns the checkpoint directory. `attempt` > 0 (a cluster job's attempt) fences the commit:

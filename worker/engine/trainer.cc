@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -176,6 +178,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   RETURN_IF_ERROR(t->Resume(params));
   // A device's optimizer state lives there: the host copy comes back for each checkpoint.
   if (t->staging_optimizer_) t->optimizer_->ReleaseState();
+  if (!t->ckpt_dir_.empty() && spec.checkpoint.async && t->opt_.rank == 0)
+    t->writer_ = std::make_unique<CheckpointWriter>(
+        CheckpointWriter::Options{t->ckpt_dir_, spec.model, spec.checkpoint.keep, t->opt_.attempt,
+                                  t->opt_.checkpoint_pause_ms});
   return t;
 }
 
@@ -360,7 +366,9 @@ absl::Status Trainer::Run() {
   // Set once the parity canary could not run here (its reference did not fit): not retried.
   bool parity_unavailable = false;
   while (state_.step < spec.train.steps) {
-    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return absl::OkStatus();
+    // A stop waits for the checkpoint being written.
+    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return ReportCheckpoint(true);
+    RETURN_IF_ERROR(ReportCheckpoint(false));
     if (!parity_unavailable && ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
                                          ParityLayoutKey(spec, modes_))) {
       ASSIGN_OR_RETURN(const ParityResult parity, Verify());
@@ -372,6 +380,7 @@ absl::Status Trainer::Run() {
     const bool due = spec.checkpoint.every > 0 && state_.step % spec.checkpoint.every == 0;
     if (!ckpt_dir_.empty() && (last || due)) RETURN_IF_ERROR(Checkpoint());
   }
+  RETURN_IF_ERROR(ReportCheckpoint(true));  // the final checkpoint is on disk before "done"
   Emit({{"event", "done"},
         {"step", state_.step},
         {"final_loss", losses_.empty() ? std::numeric_limits<double>::quiet_NaN() : losses_.back()}});
@@ -597,17 +606,15 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
   return r;
 }
 
-// Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as
-// complete when all ranks did), the others only once rank 0 says it is on disk.
-absl::Status Trainer::GatherExpertShards(GatheredShards* out) {
+absl::Status Trainer::GatherExpertShards(const float* values, const float* state0,
+                                         const float* state1, GatheredShards* out) {
   ParamSet& params = backend_->host_params();
   for (int i = 0; i < params.size(); ++i) {
     const ParamInfo& p = params.info(i);
     if (!p.sharded()) continue;
     std::array<std::vector<float>, 3>& whole = out->tensors[i];
-    const float* parts[3] = {params.data(i), nullptr, nullptr};
-    if (!optimizer_->state0().empty()) parts[1] = optimizer_->state0().f32() + p.offset;
-    if (!optimizer_->state1().empty()) parts[2] = optimizer_->state1().f32() + p.offset;
+    const float* parts[3] = {values + p.offset, state0 ? state0 + p.offset : nullptr,
+                             state1 ? state1 + p.offset : nullptr};
     for (int k = 0; k < 3; ++k) {
       if (parts[k] == nullptr) continue;
       whole[k].resize(static_cast<size_t>(p.numel * ep_));
@@ -618,7 +625,25 @@ absl::Status Trainer::GatherExpertShards(GatheredShards* out) {
   return absl::OkStatus();
 }
 
+namespace {
+// A wait for a background write at least this long is named in a note.
+constexpr double kCheckpointBlockedNoteS = 0.5;
+}  // namespace
+
 absl::Status Trainer::Checkpoint() {
+  if (!opt_.spec.checkpoint.async) return CheckpointSync();
+  // At most one write in flight: the previous one is reported first, the step waiting for it.
+  RETURN_IF_ERROR(ReportCheckpoint(true));
+  return SnapshotCheckpoint();
+}
+
+namespace {
+const float* DataOrNull(Tensor& t) { return t.empty() ? nullptr : t.f32(); }
+}  // namespace
+
+// Rank 0 writes; then every rank reports the checkpoint (the coordinator counts a checkpoint as
+// complete when all ranks did), the others only once rank 0 says it is on disk.
+absl::Status Trainer::CheckpointSync() {
   absl::StatusOr<std::string> dir = ckpt_dir_;
   // Rank 0 writes; with sharded experts the rest of its EP group gives it their shards.
   const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
@@ -638,7 +663,9 @@ absl::Status Trainer::Checkpoint() {
   // waits for another; a failed download still fails the write.
   GatheredShards gathered;
   if (ep_ > 1 && opt_.rank < ep_) {
-    absl::Status s = GatherExpertShards(&gathered);
+    absl::Status s = GatherExpertShards(backend_->host_params().flat_data().f32(),
+                                        DataOrNull(optimizer_->state0()),
+                                        DataOrNull(optimizer_->state1()), &gathered);
     if (!s.ok()) {
       if (staging_optimizer_) optimizer_->ReleaseState();
       return s;
@@ -657,6 +684,108 @@ absl::Status Trainer::Checkpoint() {
   }
   if (!dir.ok()) return dir.status();
   Emit({{"event", "checkpoint"}, {"step", state_.step}, {"path", *dir}});
+  return absl::OkStatus();
+}
+
+// The state into host memory, as CheckpointSync takes it, but rank 0 copies it into its writer's
+// snapshot (the device's optimizer state straight into it) and starts the write. A failed
+// snapshot is told to every rank at once (one broadcast per checkpoint) and fails as a failed
+// write does.
+absl::Status Trainer::SnapshotCheckpoint() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
+  CheckpointSnapshot* snap = writer_ ? &writer_->snapshot() : nullptr;
+  ParamSet& params = backend_->host_params();
+  absl::Status s;
+  const float *state0 = nullptr, *state1 = nullptr;
+  bool staged = false;  // the staging optimizer holds state to release
+  if (contributes) {
+    s = backend_->DownloadParams();
+    if (staging_optimizer_ && snap) {
+      snap->PrepareOptimizerState(
+          params.numel(),
+          {optimizer_->spec().optimizer, optimizer_->is_adamw(), backend_->steps_taken()});
+      if (s.ok()) s = backend_->DownloadOptimizerState(&snap->state0(), &snap->state1());
+      state0 = DataOrNull(snap->state0());
+      state1 = DataOrNull(snap->state1());
+    } else if (staging_optimizer_) {  // an EP peer of rank 0: its state only for the gather
+      optimizer_->AllocateState();
+      staged = true;
+      if (s.ok())
+        s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
+      state0 = DataOrNull(optimizer_->state0());
+      state1 = DataOrNull(optimizer_->state1());
+    } else {
+      state0 = DataOrNull(optimizer_->state0());
+      state1 = DataOrNull(optimizer_->state1());
+    }
+  }
+  if (ep_ > 1 && opt_.rank < ep_) {
+    GatheredShards local;
+    absl::Status g = GatherExpertShards(params.flat_data().f32(), state0, state1,
+                                        snap ? &snap->gathered() : &local);
+    if (!g.ok()) {
+      if (staged) optimizer_->ReleaseState();
+      return g;
+    }
+  }
+  if (staged) optimizer_->ReleaseState();
+  if (snap && s.ok()) {
+    snap->CopyParams(params);
+    if (!staging_optimizer_) snap->CopyOptimizer(*optimizer_);
+    absl::StatusOr<CheckpointTensors> tensors = snap->Tensors(params);
+    if (tensors.ok())
+      writer_->Start(*std::move(tensors), state_);
+    else
+      s = tensors.status();
+  }
+  if (world_comm_) {
+    int32_t taken = s.ok() ? 1 : 0;
+    RETURN_IF_ERROR(world_comm_->Broadcast(&taken, 1, CommType::kI32, 0, CommLayer::kOther));
+    if (!taken && opt_.rank != 0)
+      return absl::InternalError(
+          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
+  }
+  if (!s.ok()) return s;
+  ckpt_in_flight_ = state_.step;
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::ReportCheckpoint(bool wait) {
+  if (ckpt_in_flight_ < 0) return absl::OkStatus();
+  int32_t code = 0;  // 0: still being written, 1: committed, 2: failed
+  std::optional<CheckpointWriteResult> result;
+  double blocked_s = 0;
+  if (writer_ && (wait || writer_->Finished())) {
+    result = writer_->Wait(&blocked_s);
+    code = result && result->dir.ok() ? 1 : 2;
+  }
+  if (world_comm_) {
+    RETURN_IF_ERROR(world_comm_->Broadcast(&code, 1, CommType::kI32, 0, CommLayer::kOther));
+    world_comm_->TakeStats();  // the poll's traffic is not the next step's
+  }
+  if (code == 0) return absl::OkStatus();
+  const int64_t step = std::exchange(ckpt_in_flight_, -1);
+  if (code != 1) {
+    if (result && !result->dir.ok()) return result->dir.status();
+    return absl::InternalError(
+        absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", step));
+  }
+  nlohmann::json e = {{"event", "checkpoint"},
+                      {"step", step},
+                      {"path", result ? *result->dir : ckpt_dir_},
+                      {"snapshot_s", snapshot_s_},
+                      {"blocked_s", blocked_s}};
+  if (result) e["write_s"] = result->write_s;
+  Emit(std::move(e));
+  // The steps waited for the write (the next snapshot came first, or the job's end): the volume
+  // is slower than checkpoint.every allows for.
+  if (blocked_s >= kCheckpointBlockedNoteS)
+    Emit({{"event", "note"},
+          {"message", absl::StrFormat("training waited %.1f s for the background write of the "
+                                      "checkpoint of step %d (the write took %.1f s)",
+                                      blocked_s, step, result->write_s)}});
   return absl::OkStatus();
 }
 

@@ -3,8 +3,12 @@
 // resumes from the newest complete checkpoint under the checkpoint directory (if any), then per
 // step: micro-batches forward+backward, global gradient norm and clipping, the optimizer update
 // at the scheduled learning rate, a progress event, and checkpoints every `checkpoint.every`
-// steps and at the end. Events are JSON objects handed to a callback (spindle-train prints them
-// one per line). Not thread-safe; one trainer per process (or per thread in tests).
+// steps and at the end (checkpoint.async, the default: the step snapshots the state into host
+// memory and a background thread writes it, checkpoint_writer.h; the write is reported, as a
+// "checkpoint" event with "write_s" and "blocked_s", the time the steps waited for it, at the
+// first step boundary after it finished, and the final one is waited for). Events are JSON objects
+// handed to a callback (spindle-train prints them one per line). Not thread-safe (but for
+// DrainCheckpointWrite); one trainer per process (or per thread in tests).
 //
 // Multi-rank (world = dp * cp > 1): rank r is CP rank r % cp of data-parallel replica r / cp.
 // With expert parallelism (parallel.ep > 1, MoE models) rank r is also EP rank r % ep of EP group
@@ -74,6 +78,7 @@
 #include "nlohmann/json.hpp"
 #include "worker/engine/batch.h"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/checkpoint_writer.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/cp/cp_layout.h"
@@ -114,6 +119,10 @@ struct TrainerOptions {
   // (worker/engine/cuda/trainer_cuda.h) in binaries linked with the CUDA engine. Null: such jobs
   // fail at Create() ("this build has no CUDA engine").
   StepBackendFactory cuda_backend = nullptr;
+  // Test hook (checkpoint.async): the background writer sleeps this long after each file of a
+  // checkpoint (CommitCheckpoint), so that a test can kill the process mid-write. spindle-train
+  // takes it from SPINDLE_CHECKPOINT_PAUSE_MS.
+  int64_t checkpoint_pause_ms = 0;
 };
 
 class Trainer {
@@ -124,6 +133,11 @@ class Trainer {
   // event and, when it passed, records the layout as verified. A mismatch is a result with
   // passed == false, not an error. Every rank of the gang calls it.
   absl::StatusOr<ParityResult> Verify();
+  // Returns once no background checkpoint write is in flight. Callable from any thread (while
+  // Run() goes on): a process being stopped calls it so that the write it started finishes.
+  void DrainCheckpointWrite() const {
+    if (writer_) writer_->Drain();
+  }
 
   // The engine: the CPU model (CpuStepBackend, resources "cpu") or the device's.
   StepBackend& backend() { return *backend_; }
@@ -153,10 +167,20 @@ class Trainer {
   // FLOPs, `flops`, over the step's time; "mfu": the same over the device's peak, when known).
   void FinishStep(std::chrono::steady_clock::time_point t0, double loss, double lr,
                   double grad_norm, double flops, nlohmann::json extra);
+  // A checkpoint of the current state: with checkpoint.async, reports the previous background
+  // write (waiting for it), snapshots the state and starts its write; otherwise writes it here.
   absl::Status Checkpoint();
+  absl::Status CheckpointSync();
+  absl::Status SnapshotCheckpoint();
+  // Every rank: when a background write is in flight and has finished (or `wait`: once it has),
+  // rank 0 tells the others how it ended (a collective), and each rank emits the checkpoint event
+  // or returns the write's error as CheckpointSync would have. A no-op when none is in flight.
+  absl::Status ReportCheckpoint(bool wait);
   // The whole tensors of this rank's expert shards and their optimizer state, gathered over its
-  // EP group (every member calls it).
-  absl::Status GatherExpertShards(GatheredShards* out);
+  // EP group (every member calls it): the values and state at `values`, `state0` and `state1`
+  // (the flat layout; null: none).
+  absl::Status GatherExpertShards(const float* values, const float* state0, const float* state1,
+                                  GatheredShards* out);
   void Emit(nlohmann::json event);
   // The amounts every communicator recorded since the last call, as a step event's "comm".
   nlohmann::json TakeCommStats();
@@ -203,6 +227,11 @@ class Trainer {
   Optimizer* optimizer_ = nullptr;
   std::unique_ptr<Optimizer> staging_optimizer_;
   TrainState state_;
+  // checkpoint.async: rank 0's writer (its snapshot buffers and thread), and on every rank the
+  // step whose background write is not yet reported (-1: none).
+  std::unique_ptr<CheckpointWriter> writer_;
+  int64_t ckpt_in_flight_ = -1;
+  double snapshot_s_ = 0;  // how long the step took to snapshot it
   std::vector<double> losses_;
   double elapsed_s_ = 0.0;
 };
