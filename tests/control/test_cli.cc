@@ -34,6 +34,21 @@ class CliTest : public ::testing::Test {
     std::ofstream(path) << text;
     return path;
   }
+  // A coordinator with token "tok" over the SQLite file `db` in the test's directory, and the
+  // environment that points the CLI at it.
+  std::unique_ptr<CoordinatorServer> StartCoordinator(const std::string& db,
+                                                      std::map<std::string, std::string>* env) {
+    CoordinatorConfig cfg;
+    cfg.listen = "127.0.0.1:0";
+    cfg.db_path = dir_.File(db);
+    cfg.token = "tok";
+    auto server = CoordinatorServer::Start(cfg);
+    EXPECT_TRUE(server.ok()) << server.status();
+    if (!server.ok()) return nullptr;
+    *env = {{"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())},
+            {"SPINDLE_TOKEN", "tok"}};
+    return *std::move(server);
+  }
   testing::TempDir dir_;
 };
 
@@ -258,15 +273,9 @@ TEST_F(CliTest, EveryExampleJobPlansOnItsDevice) {
 }
 
 TEST_F(CliTest, EndToEndAgainstCoordinator) {
-  CoordinatorConfig cfg;
-  cfg.listen = "127.0.0.1:0";
-  cfg.db_path = dir_.File("cli.db");
-  cfg.token = "tok";
-  auto server = CoordinatorServer::Start(cfg);
-  ASSERT_TRUE(server.ok()) << server.status();
-  std::map<std::string, std::string> env = {
-      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())},
-      {"SPINDLE_TOKEN", "tok"}};
+  std::map<std::string, std::string> env;
+  auto server = StartCoordinator("cli.db", &env);
+  ASSERT_NE(server, nullptr);
   std::string spec = WriteSpec("job.json", testing::SpecJson(2, 1));
   Result r = RunSpindle({"submit", spec}, env);
   ASSERT_EQ(r.code, 0) << r.err;
@@ -332,15 +341,9 @@ TEST_F(CliTest, PlanAndStatusShowTheElasticRange) {
             std::string::npos)
       << r.out;
 
-  CoordinatorConfig cfg;
-  cfg.listen = "127.0.0.1:0";
-  cfg.db_path = dir_.File("el.db");
-  cfg.token = "tok";
-  auto server = CoordinatorServer::Start(cfg);
-  ASSERT_TRUE(server.ok()) << server.status();
-  std::map<std::string, std::string> env = {
-      {"SPINDLE_COORDINATOR", absl::StrCat("127.0.0.1:", (*server)->client_port())},
-      {"SPINDLE_TOKEN", "tok"}};
+  std::map<std::string, std::string> env;
+  auto server = StartCoordinator("el.db", &env);
+  ASSERT_NE(server, nullptr);
   r = RunSpindle({"submit", spec}, env);
   ASSERT_EQ(r.code, 0) << r.err;
   r = RunSpindle({"status", "j-000001"}, env);
