@@ -28,7 +28,8 @@ double GoodputLedger::UsefulAt(int64_t step) const {
 
 void GoodputLedger::OnProgress(int64_t attempt, int64_t step, double elapsed_s, int64_t total_steps,
                                int64_t now_ms) {
-  if (attempt < attempt_ || step < 0 || !(elapsed_s >= 0)) return;
+  // A time no trainer reports (negative, NaN, infinite, or longer than kMaxElapsedS) is ignored.
+  if (attempt < attempt_ || step < 0 || !(elapsed_s >= 0 && elapsed_s <= kMaxElapsedS)) return;
   // A ledger that first hears of a job from its progress (a coordinator that restarted adopts a
   // running gang) starts its wall time where this process's steps began.
   if (start_ms_ < 0) start_ms_ = now_ms - static_cast<int64_t>(elapsed_s * 1000.0);

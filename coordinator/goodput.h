@@ -40,7 +40,8 @@ class GoodputLedger {
   // A rank of `attempt` started at now_ms.
   void OnStart(int64_t attempt, int64_t now_ms);
   // Rank 0 of `attempt` reported `step` (of total_steps) after `elapsed_s` seconds of steps in
-  // this attempt. Reports of an older attempt than the newest seen are ignored.
+  // this attempt. Reports of an older attempt than the newest seen are ignored, and so are
+  // reports whose elapsed_s no trainer sends (negative, NaN, infinite or above kMaxElapsedS).
   void OnProgress(int64_t attempt, int64_t step, double elapsed_s, int64_t total_steps,
                   int64_t now_ms);
   // The checkpoint of `step` is committed (on disk).
@@ -64,6 +65,7 @@ class GoodputLedger {
   std::vector<std::pair<int64_t, double>> points_{{0, 0.0}};
   std::set<int64_t> checkpoints_;  // committed steps (the newest kMaxCheckpoints)
   static constexpr size_t kMaxCheckpoints = 64;
+  static constexpr double kMaxElapsedS = 1e9;  // about 32 years of steps
   static constexpr size_t kMaxPoints = 4096;
 };
 

@@ -4,6 +4,8 @@
 // final step.
 #include "coordinator/goodput.h"
 
+#include <limits>
+
 #include "gtest/gtest.h"
 
 namespace spindle {
@@ -89,8 +91,15 @@ TEST(GoodputTest, StaleAndBadReportsAreIgnored) {
   g.OnProgress(1, 50, 50.0, 100, 11000);  // an older attempt
   g.OnProgress(2, 5, 5.0, 100, 12000);    // a step already counted
   g.OnProgress(2, 11, -1.0, 100, 13000);  // a negative time
+  g.OnProgress(2, 12, std::numeric_limits<double>::infinity(), 100, 13000);
+  g.OnProgress(2, 12, std::numeric_limits<double>::quiet_NaN(), 100, 13000);
+  g.OnProgress(2, 12, 1e300, 100, 13000);
   EXPECT_DOUBLE_EQ(g.UsefulSeconds(), 10.0);
   EXPECT_LE(*g.Goodput(13000), 1.0);
+  // Nor can such a report be the first a ledger hears (its wall time would start at -inf).
+  GoodputLedger fresh;
+  fresh.OnProgress(1, 3, std::numeric_limits<double>::infinity(), 100, 5000);
+  EXPECT_FALSE(fresh.Goodput(6000).has_value());
 }
 
 TEST(GoodputTest, ALedgerStartedMidJobCountsFromThatProcesssSteps) {
