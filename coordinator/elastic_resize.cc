@@ -30,6 +30,17 @@ int64_t FreeDevices(const std::vector<SchedulableWorker>& workers, const std::st
   return n;
 }
 
+// Whether a job other than `j`, of its resources, waits for devices (QUEUED, or RESTARTING): a
+// job does not grow into devices one of those waits for.
+bool OthersWait(const JobTable& t, const JobRuntime& j) {
+  for (const auto& [id, other] : t.jobs) {
+    if (other.get() == &j || other->spec.resources != j.spec.resources) continue;
+    if (other->rec.state == JobState::kQueued || other->rec.state == JobState::kRestarting)
+      return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 std::vector<SchedulableWorker> SchedulableWorkers(const JobTable& t,
@@ -84,6 +95,7 @@ void ElasticResize::ResizeWaiting(JobTable& t, const std::vector<JobRuntime*>& w
     const bool fits = Fits(j, present, j.planned->plan, workers);
     const bool waited = now - j.queued_since_ms >= static_cast<int64_t>(e.wait_s * 1000);
     if (!fits && !waited) continue;
+    if (fits && OthersWait(t, j)) continue;  // placeable as it is; no growing past a waiting job
     // Placeable as it is: only a larger world is worth a change. Not placeable after wait_s: the
     // largest that is.
     const int64_t lo = fits ? present + 1 : e.min_world;
@@ -118,6 +130,7 @@ bool ElasticResize::GrowAtCheckpoint(JobTable& t, JobRuntime& j, Outbox* out) {
     return false;
   const int64_t present = j.spec.parallel.world();
   if (present >= e.max_world || j.rec.last_checkpoint_step >= j.spec.train.steps) return false;
+  if (OthersWait(t, j)) return false;
   std::shared_ptr<const PlannedJob> next;
   std::string change;
   const std::vector<SchedulableWorker> workers = SchedulableWorkers(t, j.rec.job_id);

@@ -5,7 +5,10 @@
 // and one that waits while devices for a larger world are free takes it at once (ResizeWaiting).
 // A running elastic job below max_world whose checkpoint just committed, with devices free for a
 // larger world (its own counted free), is stopped and re-placed there from that checkpoint
-// (GrowAtCheckpoint; no restart is counted). Each resize is saved with its event through the
+// (GrowAtCheckpoint; no restart is counted). Growing yields to waiting jobs: a job takes a larger
+// world than it has (at a checkpoint, or while it waits) only while no other job of its resources
+// waits for devices, so that free devices go to a queued job before an elastic one grows into
+// them. Shrinking does not yield. Each resize is saved with its event through the
 // lifecycle's transition ("resized ...", "growing ..."), so a coordinator restart keeps the
 // resized plan. JobPlacement owns one and calls it; WorkerSessions through the placement.
 //

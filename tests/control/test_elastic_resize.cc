@@ -189,6 +189,41 @@ TEST_F(ElasticResizeTest, TheWorldStaysInItsRangeAndTakesTheLargestThatFits) {
             "tokens per step kept at 256 (parallel.elastic.batch \"keep\")");
 }
 
+// Growing yields to waiting jobs: while a job of the same resources waits for devices, an elastic
+// job does not grow at its checkpoint into devices that are free; once none waits, it grows at its
+// next checkpoint.
+TEST_F(ElasticResizeTest, GrowingYieldsToAJobThatWaits) {
+  AddWorker("w1", 1);
+  AddWorker("w2", 1);
+  JobRuntime& j = SubmitAndPlace(absl::StrCat(
+      R"({"name": "up", "model": {"preset": "tiny"}, "seq_len": 256,
+          "data": {"source": "synthetic:recall"},
+          "parallel": {"cp": 2, "elastic": {"min_world": 2, "max_world": 4}},
+          "train": {"steps": 20}, "checkpoint": {"dir": "/tmp/el-y", "every": 5}})"));
+  ASSERT_EQ(j.spec.parallel.world(), 2);
+  Take<AssignmentCommand>();
+  Start(j);
+  ASSERT_EQ(j.rec.state, JobState::kRunning);
+  // Two devices come free; a fixed job of 3 ranks waits, as they are not enough for it.
+  AddWorker("w3", 1);
+  AddWorker("w4", 1);
+  JobRuntime& waiting = Job(Submit(TinyJob(1, 3, "/tmp/el-w")));
+  placement.Schedule(table, &out);
+  ASSERT_EQ(waiting.rec.state, JobState::kQueued);
+  Checkpoint(j, 5);
+  EXPECT_EQ(j.rec.state, JobState::kRunning) << "grew past a waiting job: " << j.rec.message;
+  EXPECT_EQ(j.spec.parallel.world(), 2);
+  EXPECT_TRUE(Take<StopCommand>().empty());
+  // Once the waiting job is cancelled, j grows to 4 at its next checkpoint.
+  JobView view;
+  ASSERT_TRUE(lifecycle.Cancel(table, waiting.rec.job_id, "test", nullptr, &view, &out).ok());
+  Checkpoint(j, 10);
+  ASSERT_EQ(j.rec.state, JobState::kRestarting) << j.rec.message;
+  EXPECT_EQ(j.rec.message,
+            "growing at checkpoint step 10: world 2 -> 4: cp x dp 2 x 1 -> 4 x 1; tokens per "
+            "step kept at 256 (parallel.elastic.batch \"keep\")");
+}
+
 // A resize the store refuses changes nothing; the next pass makes it.
 TEST_F(ElasticResizeTest, ARefusedResizeChangesNothing) {
   AddWorker("w1", 1);
