@@ -279,14 +279,10 @@ TEST(RendezvousBoundsTest, ACancelledGetStopsWaiting) {
 // not stand in for the other.
 TEST_F(JobBoundsTest, CheckpointDoneCountsDistinctRanks) {
   for (const char* w : {"w1", "w2"}) {
-    v1::RegisterRequest reg;
-    reg.set_worker_id(w);
-    reg.set_hostname(w);
-    v1::DeviceGroup* d = reg.add_devices();
-    d->set_kind("cpu");
-    d->set_count(1);
-    d->set_memory_bytes(int64_t{8} << 30);
-    ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(reg, "10.0.0.1")).ok());
+    ASSERT_TRUE(manager_
+                    ->RegisterWorker(
+                        RegistrationFromProto(testing::OneCpuSlotWorker(w, w), "10.0.0.1"))
+                    .ok());
     v1::SessionHello hello;
     hello.set_worker_id(w);
     ASSERT_TRUE(testing::OpenSession(*manager_, hello, 1).ok());

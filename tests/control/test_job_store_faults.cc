@@ -74,14 +74,11 @@ class Coordinator {
   }
 
   void Worker(const std::string& id) {
-    v1::RegisterRequest req;
-    req.set_worker_id(id);
-    req.set_hostname(id);
-    v1::DeviceGroup* d = req.add_devices();
-    d->set_kind("cpu");
-    d->set_count(1);
-    d->set_memory_bytes(int64_t{8} << 30);
-    if (!manager_->RegisterWorker(RegistrationFromProto(req, "127.0.0.1")).ok()) return;
+    if (!manager_
+             ->RegisterWorker(
+                 RegistrationFromProto(testing::OneCpuSlotWorker(id, id), "127.0.0.1"))
+             .ok())
+      return;
     v1::SessionHello h;
     h.set_worker_id(id);
     testing::OpenSession(*manager_, h, ++session_).IgnoreError();

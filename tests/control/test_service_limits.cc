@@ -49,14 +49,9 @@ class ServiceLimitsTest : public ::testing::Test {
   // A job running on a one-slot worker "w1" that reports progress every `every` from now on.
   std::string RunningJob(std::chrono::milliseconds every) {
     JobManager* m = server_->manager();
-    v1::RegisterRequest reg;
-    reg.set_worker_id("w1");
-    reg.set_hostname("w1.local");
-    v1::DeviceGroup* d = reg.add_devices();
-    d->set_kind("cpu");
-    d->set_count(1);
-    d->set_memory_bytes(int64_t{8} << 30);
-    EXPECT_TRUE(m->RegisterWorker(RegistrationFromProto(reg, "127.0.0.1")).ok());
+    EXPECT_TRUE(m->RegisterWorker(RegistrationFromProto(
+                                      testing::OneCpuSlotWorker("w1", "w1.local"), "127.0.0.1"))
+                    .ok());
     v1::SessionHello hello;
     hello.set_worker_id("w1");
     EXPECT_TRUE(testing::OpenSession(*m, hello, 1).ok());

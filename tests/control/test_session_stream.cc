@@ -47,14 +47,10 @@ class SessionStreamTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     stub_ = v1::ClusterService::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
-    v1::RegisterRequest reg;
-    reg.set_worker_id("w1");
-    reg.set_hostname("w1.local");
-    v1::DeviceGroup* d = reg.add_devices();
-    d->set_kind("cpu");
-    d->set_count(1);
-    d->set_memory_bytes(int64_t{8} << 30);
-    ASSERT_TRUE(manager_->RegisterWorker(RegistrationFromProto(reg, "127.0.0.1")).ok());
+    ASSERT_TRUE(manager_
+                    ->RegisterWorker(RegistrationFromProto(
+                        testing::OneCpuSlotWorker("w1", "w1.local"), "127.0.0.1"))
+                    .ok());
   }
   void TearDown() override {
     if (server_) server_->Shutdown();

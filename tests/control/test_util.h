@@ -95,6 +95,19 @@ class FakeWorkerChannel : public WorkerChannel {
 };
 
 // A session's messages, as the Session handler passes them on.
+// A worker's registration with one CPU slot of 8 GiB.
+inline v1::RegisterRequest OneCpuSlotWorker(const std::string& worker_id,
+                                            const std::string& hostname) {
+  v1::RegisterRequest reg;
+  reg.set_worker_id(worker_id);
+  reg.set_hostname(hostname);
+  v1::DeviceGroup* d = reg.add_devices();
+  d->set_kind("cpu");
+  d->set_count(1);
+  d->set_memory_bytes(int64_t{8} << 30);
+  return reg;
+}
+
 inline absl::Status OpenSession(JobManager& m, const v1::SessionHello& hello, uint64_t session) {
   return m.SessionOpened(HelloFromProto(hello), session);
 }
