@@ -99,6 +99,14 @@ TEST(CudaMoe, StepMatchesTheCpuBf16Emulation) {
   const double pair = 8.0 / (203.0 * 2.0);  // one pair of an expert, over the mean load
   for (size_t i = 0; i < wl.size(); ++i)
     EXPECT_NEAR(gl[i].get<double>(), wl[i].get<double>(), pair + 1e-9) << "layer " << i + 1;
+  // The router's mean lse^2 (the z-loss it reports), reduced on the device.
+  const auto& wz = (*want_moe)["moe"]["router_lse_sq"];
+  const auto& gz = (*got_moe)["moe"]["router_lse_sq"];
+  ASSERT_EQ(gz.size(), wz.size());
+  for (size_t i = 0; i < wz.size(); ++i) {
+    EXPECT_GT(wz[i].get<double>(), 0.0) << "layer " << i + 1;
+    EXPECT_NEAR(gz[i].get<double>() / wz[i].get<double>(), 1.0, 1e-3) << "layer " << i + 1;
+  }
   const auto& wb = (*want_moe)["moe"]["bias_max"];
   const auto& gb = (*got_moe)["moe"]["bias_max"];
   for (size_t i = 0; i < wb.size(); ++i)

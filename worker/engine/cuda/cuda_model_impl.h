@@ -196,6 +196,8 @@ struct MoeDevCache {
 // accumulator of the input gradient.
 struct MoeDevWork {
   DevBuf send, recv, y, dye, da, dg, du, dxe, dw, dlogits, acc, sda, sdg, sdu;
+  DevBuf group_counts, group_offsets, group_ws;  // MoeGroupRows's (ep = 1: grouped on the device)
+  DevBuf lse_sq_ws;                              // SquaredNorm's workspace
 };
 
 // Memory shared by the buffers of the two layer kinds, of which a layer uses one: the buffers of
@@ -537,6 +539,14 @@ struct CudaModel::Impl {
   std::vector<MoeLayerStats> moe_stats;
   float zloss_scale = 0.0f;
   bool moe_counting = false;  // a training pass: the first forwards count the choices
+  // ep = 1: the group sizes of MoeGroupRows (pinned, kMoeMaxExperts entries) and the event after
+  // their copy, which the host waits on while the shared expert runs.
+  int64_t* moe_counts_host = nullptr;
+  cudaEvent_t moe_counts_ready = nullptr;
+  // The step's router statistics on the device: each counting forward's sum of lse^2 in a slot
+  // of moe_lse_sq (doubles), its layer in moe_lse_sq_layer; read by FinishMoeStep.
+  DevBuf moe_lse_sq;
+  std::vector<int> moe_lse_sq_layer;
 
   // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
   void ReleaseActivations() {
@@ -608,6 +618,8 @@ struct CudaModel::Impl {
                     static_cast<void*>(log_decays), fp8_w_mem})
       if (q) cudaFree(q);
     if (loss_host) cudaFreeHost(loss_host);
+    if (moe_counts_host) cudaFreeHost(moe_counts_host);
+    if (moe_counts_ready) cudaEventDestroy(moe_counts_ready);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -781,6 +793,14 @@ struct CudaModel::Impl {
   absl::Status MoeForward(const LayerIdx& L, Cache& C, void* y, MoeLayerStats* stats);
   // From dy, the gradient of y: W.dh (overwritten) and the parameter gradients.
   absl::Status MoeBackward(const LayerIdx& L, Cache& C, const void* dy);
+  // ep = 1: groups the router's choices C.moe.idx by expert on the device (C.moe.pair_row,
+  // expert_src), enqueues `overlap` (the shared expert), then waits only for the group sizes and
+  // fills C.moe.plan's counts and offsets (its row maps stay on the device).
+  absl::Status MoeGroupOnDevice(Cache& C, int64_t align, const std::function<void()>& overlap);
+  // A counting forward's sum of lse^2 into the step's next slot (moe_lse_sq).
+  absl::Status MoeCountLseSq(const LayerIdx& L, const float* lse, int64_t T);
+  // The slots so far into moe_stats (syncs the stream) and none left.
+  absl::Status MoeDrainLseSq();
   absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes, bool requantize);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);

@@ -3,7 +3,10 @@
 // planned on the host from the router's choices (moe/moe_exchange.h, the same code as the CPU's,
 // its row maps uploaded once a pass), the experts as grouped GEMMs (kernels/cuda/moe.h), the
 // shared expert, and the weighted combine. The plan's row counts are the GEMMs' group sizes, so
-// each MoE layer's forward waits once for the router's choices to reach the host.
+// each MoE layer's forward waits once for the host: at ep = 1 the choices are grouped on the
+// device (kc::MoeGroupRows) and only the E group sizes come back, while the shared expert runs;
+// at ep > 1 the choices come back and the host plans the exchange (the counts cross the EP group
+// there anyway). The router's statistics stay on the device until the step's end.
 #include <numeric>
 
 #include "worker/engine/cuda/cuda_model_impl.h"
@@ -109,29 +112,8 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   }
   KC(kc::MoeRouterForward(M.logits.f32(), Master(p.bias), M.idx.i32(), M.weights.f32(),
                           M.lse.f32(), T, E, K, stream));
-  // The plan, on the host: the choices come back once.
-  M.idx_host.resize(T * K);
-  CUDA(cudaMemcpyAsync(M.idx_host.data(), M.idx.get(), T * K * 4, cudaMemcpyDeviceToHost, stream));
-  CUDA(cudaStreamSynchronize(stream));
-  DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
-  RETURN_IF_ERROR(PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, rows, &M.plan));
-  const MoeDispatchPlan& plan = M.plan;
-  RETURN_IF_ERROR(rows.Upload(plan, M));
-  if (stats) {
-    if (stats->load.size() != static_cast<size_t>(E)) stats->load.assign(E, 0.0);
-    for (int64_t e = 0; e < E; ++e) stats->load[e] += static_cast<double>(plan.counts[e]);
-    std::vector<float> lse(T);
-    CUDA(cudaMemcpy(lse.data(), M.lse.get(), T * 4, cudaMemcpyDeviceToHost));
-    for (float v : lse) stats->zloss_sum += static_cast<double>(v) * v;
-    stats->tokens += T;
-  }
-  // The tokens to their experts; the shared expert runs while they travel.
-  const int64_t R = plan.expert_rows();
-  RETURN_IF_ERROR(Act(M.xe, R, d));
-  if (plan.ep > 1) {
-    RETURN_IF_ERROR(Act(X.send, T * K, d));
-    RETURN_IF_ERROR(Act(X.recv, plan.recv_total(), d));
-  }
+  // The tokens to their experts; the shared expert runs meanwhile (while the group sizes reach
+  // the host at ep = 1, while the rows travel at ep > 1).
   RETURN_IF_ERROR(Act(X.y, T, d));
   for (DevBuf* b : {&M.sg, &M.su, &M.sa}) RETURN_IF_ERROR(Act(*b, T, std::max<int64_t>(S, 1)));
   absl::Status shared_status;
@@ -147,9 +129,38 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
     if (s.ok()) s = Fwd(M.sa.get(), S, Wb(p.s2), X.y.get(), T, S, d, false);
     shared_status = s;
   };
-  RETURN_IF_ERROR(MoeDispatch(plan, rows, ep, C.h2.get(), d, X.send.get(), X.recv.get(),
-                              M.xe.get(), shared));
-  RETURN_IF_ERROR(shared_status);
+  if (stats) RETURN_IF_ERROR(MoeCountLseSq(L, M.lse.f32(), T));
+  DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
+  if (host->ep() == 1) {
+    // Grouped on the device: the host waits only for the E group sizes.
+    RETURN_IF_ERROR(MoeGroupOnDevice(C, /*align=*/1, shared));
+    RETURN_IF_ERROR(shared_status);
+    RETURN_IF_ERROR(Act(M.xe, M.plan.expert_rows(), d));
+    KC(kc::GatherRows(C.h2.get(), M.expert_src.i32(), M.xe.get(), M.plan.expert_rows(), d, kAct,
+                      stream));
+  } else {
+    // Planned on the host: the choices come back once, the counts cross the EP group.
+    M.idx_host.resize(T * K);
+    CUDA(cudaMemcpyAsync(M.idx_host.data(), M.idx.get(), T * K * 4, cudaMemcpyDeviceToHost,
+                         stream));
+    CUDA(cudaStreamSynchronize(stream));
+    RETURN_IF_ERROR(
+        PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, rows, &M.plan));
+    RETURN_IF_ERROR(rows.Upload(M.plan, M));
+    RETURN_IF_ERROR(Act(M.xe, M.plan.expert_rows(), d));
+    RETURN_IF_ERROR(Act(X.send, T * K, d));
+    RETURN_IF_ERROR(Act(X.recv, M.plan.recv_total(), d));
+    RETURN_IF_ERROR(MoeDispatch(M.plan, rows, ep, C.h2.get(), d, X.send.get(), X.recv.get(),
+                                M.xe.get(), shared));
+    RETURN_IF_ERROR(shared_status);
+  }
+  const MoeDispatchPlan& plan = M.plan;
+  const int64_t R = plan.expert_rows();
+  if (stats) {
+    if (stats->load.size() != static_cast<size_t>(E)) stats->load.assign(E, 0.0);
+    for (int64_t e = 0; e < E; ++e) stats->load[e] += static_cast<double>(plan.counts[e]);
+    stats->tokens += T;
+  }
   // The experts over their rows.
   const int64_t El = plan.local_experts;
   for (DevBuf* b : {&M.g, &M.u, &M.a}) RETURN_IF_ERROR(Act(*b, R, F));
@@ -173,6 +184,71 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   return absl::OkStatus();
 }
 
+absl::Status CudaModel::Impl::MoeGroupOnDevice(Cache& C, int64_t align,
+                                               const std::function<void()>& overlap) {
+  const MoeConfig& m = c.moe;
+  MoeDevCache& M = C.moe;
+  MoeDevWork& X = W.moe;
+  const int64_t T = B.T, E = m.experts, K = m.top_k, n = T * K;
+  const int64_t capacity = n + E * (align - 1);
+  if (moe_counts_host == nullptr)
+    CUDA(cudaMallocHost(&moe_counts_host, kc::kMoeMaxExperts * sizeof(int64_t)));
+  if (moe_counts_ready == nullptr)
+    CUDA(cudaEventCreateWithFlags(&moe_counts_ready, cudaEventDisableTiming));
+  RETURN_IF_ERROR(X.group_counts.Ensure(&alloc, E * 8));
+  RETURN_IF_ERROR(X.group_offsets.Ensure(&alloc, (E + 1) * 8));
+  const size_t ws = kc::MoeGroupRowsWorkspaceBytes(n, E);
+  RETURN_IF_ERROR(X.group_ws.Ensure(&alloc, static_cast<int64_t>(ws)));
+  RETURN_IF_ERROR(M.pair_row.Ensure(&alloc, n * 4));
+  RETURN_IF_ERROR(M.expert_src.Ensure(&alloc, capacity * 4));
+  KC(kc::MoeGroupRows(M.idx.i32(), n, K, E, align, static_cast<int64_t*>(X.group_counts.get()),
+                      static_cast<int64_t*>(X.group_offsets.get()), M.pair_row.i32(),
+                      M.expert_src.i32(), capacity, moe_counts_host,
+                      kc::Workspace{X.group_ws.get(), ws}, stream));
+  CUDA(cudaEventRecord(moe_counts_ready, stream));
+  if (overlap) overlap();
+  CUDA(cudaEventSynchronize(moe_counts_ready));
+  // The plan's host part, as PlanMoeDispatch lays it out at ep = 1 (the kernel's offsets).
+  MoeDispatchPlan& plan = M.plan;
+  plan = MoeDispatchPlan{};
+  plan.T = T, plan.K = K, plan.E = E, plan.ep = 1, plan.local_experts = E, plan.align = align;
+  plan.counts.assign(moe_counts_host, moe_counts_host + E);
+  plan.expert_counts = plan.counts;
+  plan.expert_offsets.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e)
+    plan.expert_offsets[e + 1] =
+        plan.expert_offsets[e] + (plan.counts[e] + align - 1) / align * align;
+  if (plan.expert_offsets[E] > capacity)
+    return absl::InternalError(absl::StrCat("cuda model: the experts' group sizes add up to ",
+                                            plan.expert_offsets[E], " rows, past the ", capacity,
+                                            " that ", n, " choices can fill"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MoeCountLseSq(const LayerIdx& L, const float* lse, int64_t T) {
+  constexpr int64_t kSlots = 256;
+  if (moe_lse_sq_layer.size() >= static_cast<size_t>(kSlots)) RETURN_IF_ERROR(MoeDrainLseSq());
+  RETURN_IF_ERROR(moe_lse_sq.Ensure(&alloc, kSlots * sizeof(double)));
+  const size_t ws = kc::SquaredNormWorkspaceBytes();
+  RETURN_IF_ERROR(W.moe.lse_sq_ws.Ensure(&alloc, static_cast<int64_t>(ws)));
+  double* slot = static_cast<double*>(moe_lse_sq.get()) + moe_lse_sq_layer.size();
+  KC(kc::SquaredNorm(lse, T, slot, kc::Workspace{W.moe.lse_sq_ws.get(), ws}, stream));
+  moe_lse_sq_layer.push_back(L.index);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MoeDrainLseSq() {
+  if (moe_lse_sq_layer.empty()) return absl::OkStatus();
+  std::vector<double> sums(moe_lse_sq_layer.size());
+  CUDA(cudaMemcpyAsync(sums.data(), moe_lse_sq.get(), sums.size() * sizeof(double),
+                       cudaMemcpyDeviceToHost, stream));
+  CUDA(cudaStreamSynchronize(stream));
+  if (moe_stats.size() < static_cast<size_t>(c.n_layers)) moe_stats.resize(c.n_layers);
+  for (size_t i = 0; i < sums.size(); ++i) moe_stats[moe_lse_sq_layer[i]].zloss_sum += sums[i];
+  moe_lse_sq_layer.clear();
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const void* dy) {
   const MoeConfig& m = c.moe;
   const MoeLayerParams& p = L.moe_p;
@@ -182,7 +258,7 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
                 S = m.shared_ffn;
   const MoeDispatchPlan& plan = M.plan;
   DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
-  RETURN_IF_ERROR(rows.Upload(plan, M));
+  if (plan.ep > 1) RETURN_IF_ERROR(rows.Upload(plan, M));  // at ep = 1 the maps are on the device
   const int64_t R = plan.expert_rows(), El = plan.local_experts;
   // The combine's backward: each pair's output gradient (weighted) and its weight's gradient.
   RETURN_IF_ERROR(F32(X.dw, T * K));
@@ -267,13 +343,14 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
 void CudaModel::BeginStep(double tokens) {
   Impl& I = *impl_;
   I.moe_stats.assign(I.c.n_layers, MoeLayerStats{});
+  I.moe_lse_sq_layer.clear();
   I.zloss_scale = tokens > 0 ? static_cast<float>(I.c.moe.z_loss / tokens) : 0.0f;
 }
 
 absl::StatusOr<nlohmann::json> CudaModel::FinishMoeStep(Communicator* world) {
   Impl& I = *impl_;
   if (I.c.moe.experts == 0) return nlohmann::json::object();
-  if (I.moe_stats.size() < static_cast<size_t>(I.c.n_layers)) I.moe_stats.resize(I.c.n_layers);
+  RETURN_IF_ERROR(I.MoeDrainLseSq());
   // The biases live in the fp32 masters on the device: moved on the host copy, then back.
   const int64_t E = I.c.moe.experts;
   std::vector<std::vector<float>> bias(I.c.n_layers);
