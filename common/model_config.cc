@@ -276,6 +276,11 @@ std::string CudaFp8ShapeProblem(const ModelConfig& c) {
     if (w.out % 16 != 0 || w.in % 16 != 0)
       return absl::StrCat(w.name, " is ", w.out, " x ", w.in,
                           ", and cuBLASLt's FP8 GEMMs need widths that are multiples of 16");
+  // The experts' grouped GEMMs (each expert [expert_ffn, d_model] and its transpose).
+  if (c.moe.experts > 0 && (c.moe.expert_ffn % 16 != 0 || c.d_model % 16 != 0))
+    return absl::StrCat("the experts are ", c.moe.expert_ffn, " x ", c.d_model,
+                        " (moe.expert_ffn x d_model), and cuBLASLt's FP8 GEMMs need widths that "
+                        "are multiples of 16");
   return "";
 }
 

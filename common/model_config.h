@@ -103,7 +103,9 @@ struct LinearWeight {
 std::vector<LinearWeight> Fp8LinearWeights(const ModelConfig& c);
 
 // Why train.precision "fp8" cannot run this config on "cuda" (empty when it can): cuBLASLt's FP8
-// GEMMs need both dimensions of every Fp8LinearWeights weight to be multiples of 16. Checked by
+// GEMMs need both dimensions of every Fp8LinearWeights weight, and of every expert of a MoE layer
+// (whose stacked weights the CUDA engine quantizes with a scale per expert), to be multiples of
+// 16. Checked by
 // the planner (so `spindle plan` and Submit refuse it) and by the CUDA engine.
 std::string CudaFp8ShapeProblem(const ModelConfig& c);
 

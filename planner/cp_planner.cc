@@ -689,10 +689,6 @@ CpPlan CpPlanner::Plan(const JobSpec& spec, int64_t device_memory_bytes,
     for (ExpertParallelEstimate& c : plan.ep_estimates) c.chosen = c.ep == plan.ep;
     if (absl::Status st = CheckExpertParallel(spec.parallel, spec.model); !st.ok())
       plan.problems.push_back(std::string(st.message()));
-    if (spec.resources == "cuda" && spec.train.precision == TrainPrecision::kFp8)
-      plan.problems.push_back(
-          "train.precision: \"fp8\" does not run the mixture-of-experts FFN on the GPU yet; use "
-          "\"auto\" or \"bf16\"");
     return plan;
   }
   return PlanDense(spec, device_memory_bytes, topo);

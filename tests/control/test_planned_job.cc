@@ -292,6 +292,17 @@ TEST(PlannedJobTest, Fp8ShapeLimitsAreThePlansProblems) {
   ASSERT_FALSE(tokens.ok());
   EXPECT_NE(tokens.plan.problems.back().find("seq_len / cp = 500"), std::string::npos)
       << tokens.plan.problems.back();
+  // A MoE model's experts (quantized a scale per expert) are held to the same widths.
+  const PlannedJob experts = PlanJob(Spec(R"(, "precision": "fp8")", R"({"cp": 1})", "cuda",
+                                          R"({"preset": "tiny-moe", "moe": {"expert_ffn": 40}})"),
+                                     0);
+  ASSERT_FALSE(experts.ok());
+  EXPECT_NE(experts.plan.problems[0].find("the experts are 40 x 64 (moe.expert_ffn x d_model)"),
+            std::string::npos)
+      << experts.plan.problems[0];
+  const PlannedJob moe = PlanJob(
+      Spec(R"(, "precision": "fp8")", R"({"cp": 1})", "cuda", R"({"preset": "tiny-moe"})"), 0);
+  EXPECT_TRUE(moe.ok()) << moe.plan.problems.front();
   // The one list of FP8 weights: tiny's 3 Lightning layers' 3 projections, its MLA layer's q_a
   // (none: q_lora_rank 0), kv_a and out, and 4 dense FFNs of 3.
   EXPECT_EQ(Fp8LinearWeights(*ModelPreset("tiny")).size(), 3u * 3 + 2 + 4 * 3);

@@ -182,6 +182,8 @@ absl::Status CudaModel::Impl::CastFp8Weights() {
   for (int i = 0; i < P().size(); ++i)
     if (const Fp8Block& q = fp8_w[i]; q.base != nullptr)
       t.push_back({p + P().info(i).offset, q.rows, q.cols, q.Output()});
+  for (int i = 0; i < static_cast<int>(fp8_e.size()); ++i)
+    if (fp8_e[i].base != nullptr) fp8_e[i].AddCasts(p + P().info(i).offset, &t);
   KC(kc::Fp8CastWeights(t.data(), static_cast<int64_t>(t.size()), stream));
   return absl::OkStatus();
 }
@@ -201,30 +203,42 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
     I.fixed_bytes -= I.fp8_fixed_bytes;
     I.fp8_w_mem = nullptr, I.fp8_fixed_bytes = 0, I.fp8 = false;
     I.fp8_w.clear();
+    I.fp8_e.clear();
     return I.LayOutWorkingCopy({});
   }
-  if (I.c.moe.experts > 0)
-    return absl::UnimplementedError(
-        "cuda model: train.precision \"fp8\" does not run the mixture-of-experts FFN yet; use "
-        "\"auto\" or \"bf16\" for a MoE model on the GPU");
   ParamSet& P = I.P();
   if (const std::string shape = CudaFp8ShapeProblem(I.c); !shape.empty())
     return absl::InvalidArgumentError(
         absl::StrCat("cuda model: train.precision \"fp8\": ", shape));
-  const std::vector<int> linear = I.host->Fp8LinearWeights();
+  std::vector<int> linear = I.host->Fp8LinearWeights();
+  // The MoE layers' experts [El, out, in]: one scale per expert (Fp8ExpertBlock).
+  std::vector<int> experts;
+  for (const LayerIdx& L : I.layers)
+    if (L.moe)
+      for (int i : {L.moe_p.w1, L.moe_p.w2, L.moe_p.w3})
+        if (i >= 0) experts.push_back(i);
+  auto expert_count = [&](int i) { return P.info(i).numel / (P.info(i).shape[1] * P.info(i).shape[2]); };
   int64_t bytes = 0;
   for (int i : linear) bytes += Fp8Block::Bytes(P.info(i).numel);
+  for (int i : experts) bytes += Fp8ExpertBlock::Bytes(expert_count(i), P.info(i).numel);
   CUDA(cudaMalloc(&I.fp8_w_mem, bytes));
   I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Block{});
+  I.fp8_e.assign(static_cast<size_t>(P.size()), Fp8ExpertBlock{});
   auto* at = static_cast<uint8_t*>(I.fp8_w_mem);
   for (int i : linear) {
     const ParamInfo& info = P.info(i);
     I.fp8_w[i] = {at, info.shape[0], info.numel / info.shape[0], KDType::kFp8E4M3};
     at += Fp8Block::Bytes(info.numel);
   }
+  for (int i : experts) {
+    const ParamInfo& info = P.info(i);
+    I.fp8_e[i] = {at, expert_count(i), info.shape[1], info.shape[2]};
+    at += Fp8ExpertBlock::Bytes(expert_count(i), info.numel);
+  }
   I.fp8_fixed_bytes = bytes;
   I.fixed_bytes += bytes;
   I.fp8 = true;
+  linear.insert(linear.end(), experts.begin(), experts.end());  // no bf16 copies of these
   RETURN_IF_ERROR(I.LayOutWorkingCopy(linear));
   RETURN_IF_ERROR(I.CastFp8Weights());
   CUDA(cudaStreamSynchronize(I.stream));

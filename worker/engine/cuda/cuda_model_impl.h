@@ -154,6 +154,33 @@ struct Fp8Block {
   }
 };
 
+// The FP8 copies of one MoE layer's stacked expert weights [experts, rows, cols]
+// (train.precision fp8), in the model's fixed memory: one scale per expert (expert g's inverse
+// scale, amax and scale at scalars() + 4 g, 16-byte aligned), the codes [experts, rows, cols] for
+// the forward and each expert's transpose [experts, cols, rows] for the input gradient.
+struct Fp8ExpertBlock {
+  void* base = nullptr;  // null: none
+  int64_t experts = 0, rows = 0, cols = 0;
+
+  static int64_t Bytes(int64_t experts, int64_t numel) {
+    return Fp8Block::Padded(experts * 16) + 2 * Fp8Block::Padded(numel);
+  }
+  float* scalars() const { return static_cast<float*>(base); }
+  uint8_t* codes() const { return static_cast<uint8_t*>(base) + Fp8Block::Padded(experts * 16); }
+  uint8_t* codes_t() const { return codes() + Fp8Block::Padded(experts * rows * cols); }
+  kc::Fp8Experts Forward() const { return {codes(), KDType::kFp8E4M3, scalars(), 4}; }
+  kc::Fp8Experts Transposed() const { return {codes_t(), KDType::kFp8E4M3, scalars(), 4}; }
+  // One cast per expert, from the master [experts, rows, cols].
+  void AddCasts(const float* master, std::vector<kc::Fp8WeightCast>* t) const {
+    const int64_t n = rows * cols;
+    for (int64_t g = 0; g < experts; ++g)
+      t->push_back({master + g * n, rows, cols,
+                    kc::Fp8Output{KDType::kFp8E4M3, codes() + g * n, codes_t() + g * n,
+                                  scalars() + 4 * g + 1, scalars() + 4 * g + 2,
+                                  scalars() + 4 * g}});
+  }
+};
+
 // An activation's Fp8Block in a block of the caching allocator (grown on demand); with
 // `row_scratch`, its row-major codes go there (the block holds the transpose only).
 struct Fp8Act : Fp8Block {
@@ -189,6 +216,9 @@ struct MoeDevCache {
   MoeDispatchPlan plan;
   DevBuf expert_src, pair_row, send_token, recv_expert_row;  // the plan's maps, int32
   DevBuf xe, g, u, a, ye, returned, sg, su, sa;
+  // fp8: the experts' inputs and SwiGLU outputs as FP8 codes, both layouts (the forward's GEMMs
+  // read the codes, the weight gradients their transposes); no bf16 xe (at ep = 1) nor a.
+  Fp8Act q_xe, q_a;
 };
 
 // The MoE FFN's scratch, shared by the layers: the exchange's send and receive rows, the gradients
@@ -198,6 +228,7 @@ struct MoeDevWork {
   DevBuf send, recv, y, dye, da, dg, du, dxe, dw, dlogits, acc, sda, sdg, sdu;
   DevBuf group_counts, group_offsets, group_ws;  // MoeGroupRows's (ep = 1: grouped on the device)
   DevBuf lse_sq_ws;                              // SquaredNorm's workspace
+  Fp8Act q_dye, q_dg, q_du;                      // fp8: the experts' output gradients (E5M2)
 };
 
 // Memory shared by the buffers of the two layer kinds, of which a layer uses one: the buffers of
@@ -527,6 +558,7 @@ struct CudaModel::Impl {
   bool fp8_fast_forward = true;  // see SetFp8FastForward
   float z_loss = 0.0f;           // train.z_loss (SetZLoss)
   std::vector<Fp8Block> fp8_w;
+  std::vector<Fp8ExpertBlock> fp8_e;  // by parameter index: the MoE layers' expert weights
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
   // Mixture of experts (cuda_moe_ffn.cc): the experts' grouped GEMMs, the row gathers of the
@@ -793,6 +825,9 @@ struct CudaModel::Impl {
   absl::Status MoeForward(const LayerIdx& L, Cache& C, void* y, MoeLayerStats* stats);
   // From dy, the gradient of y: W.dh (overwritten) and the parameter gradients.
   absl::Status MoeBackward(const LayerIdx& L, Cache& C, const void* dy);
+  // fp8: the experts' backward from X.dye (the combine's backward, its amax in X.q_dye at ep = 1)
+  // to X.dxe and the experts' weight gradients, on their FP8 codes.
+  absl::Status MoeExpertsBackwardFp8(const LayerIdx& L, Cache& C);
   // ep = 1: groups the router's choices C.moe.idx by expert on the device (C.moe.pair_row,
   // expert_src), enqueues `overlap` (the shared expert), then waits only for the group sizes and
   // fills C.moe.plan's counts and offsets (its row maps stay on the device).

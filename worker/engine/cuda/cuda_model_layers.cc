@@ -345,7 +345,8 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     }
   }
   RETURN_IF_ERROR(F32(C.rstd2, T));
-  if (fp8) {
+  // A MoE layer's router and gathers read h2 in bf16 (the gathers quantize the experts' rows).
+  if (fp8 && !L.moe) {
     RETURN_IF_ERROR(QAct(C.q_h2, T, d));
     const kc::Fp8Output q = QOut(C.q_h2, transposes, C, kSiteH2);
     if (requantize) {
@@ -468,7 +469,8 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
     if (!ffn_kept) RETURN_IF_ERROR(MoeForward(L, C, nullptr, nullptr));
     RETURN_IF_ERROR(MoeBackward(L, C, dx));
     KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
-                           G(L.ffn_norm), B.T, c.d_model, kAct, Ws(), stream));
+                           G(L.ffn_norm), B.T, c.d_model, kAct, Ws(), stream,
+                           GradAmax(Work::kAmaxDx)));
   } else {
     RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
   }

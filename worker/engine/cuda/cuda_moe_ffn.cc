@@ -131,13 +131,24 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   };
   if (stats) RETURN_IF_ERROR(MoeCountLseSq(L, M.lse.f32(), T));
   DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
+  // Under fp8 every expert's rows are padded to a multiple of 16 (the FP8 GEMMs' and the
+  // transposed codes' alignment) by the grouping itself.
+  const int64_t align = fp8 ? 16 : 1;
   if (host->ep() == 1) {
     // Grouped on the device: the host waits only for the E group sizes.
-    RETURN_IF_ERROR(MoeGroupOnDevice(C, /*align=*/1, shared));
+    RETURN_IF_ERROR(MoeGroupOnDevice(C, align, shared));
     RETURN_IF_ERROR(shared_status);
-    RETURN_IF_ERROR(Act(M.xe, M.plan.expert_rows(), d));
-    KC(kc::GatherRows(C.h2.get(), M.expert_src.i32(), M.xe.get(), M.plan.expert_rows(), d, kAct,
-                      stream));
+    const int64_t R = M.plan.expert_rows();
+    if (fp8) {
+      // The gather quantizes (both layouts) at h2's amax: every token's row is among them.
+      RETURN_IF_ERROR(M.q_xe.Ensure(&alloc, R, d, KDType::kFp8E4M3));
+      const kc::Fp8Output q = M.q_xe.Output();
+      KC(kc::Fp8AbsMax(C.h2.get(), T * d, kAct, q.amax, stream));
+      KC(kc::GatherRowsFp8(C.h2.get(), M.expert_src.i32(), R, d, kAct, q, stream));
+    } else {
+      RETURN_IF_ERROR(Act(M.xe, R, d));
+      KC(kc::GatherRows(C.h2.get(), M.expert_src.i32(), M.xe.get(), R, d, kAct, stream));
+    }
   } else {
     // Planned on the host: the choices come back once, the counts cross the EP group.
     M.idx_host.resize(T * K);
@@ -145,7 +156,7 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
                          stream));
     CUDA(cudaStreamSynchronize(stream));
     RETURN_IF_ERROR(
-        PlanMoeDispatch(M.idx_host.data(), T, K, E, /*align=*/1, ep, rows, &M.plan));
+        PlanMoeDispatch(M.idx_host.data(), T, K, E, align, ep, rows, &M.plan));
     RETURN_IF_ERROR(rows.Upload(M.plan, M));
     RETURN_IF_ERROR(Act(M.xe, M.plan.expert_rows(), d));
     RETURN_IF_ERROR(Act(X.send, T * K, d));
@@ -153,6 +164,10 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
     RETURN_IF_ERROR(MoeDispatch(M.plan, rows, ep, C.h2.get(), d, X.send.get(), X.recv.get(),
                                 M.xe.get(), shared));
     RETURN_IF_ERROR(shared_status);
+    if (fp8) {  // rows from other ranks: their own amax
+      RETURN_IF_ERROR(M.q_xe.Ensure(&alloc, M.plan.expert_rows(), d, KDType::kFp8E4M3));
+      KC(kc::Fp8Quantize(M.xe.get(), M.plan.expert_rows(), d, kAct, M.q_xe.Output(), stream));
+    }
   }
   const MoeDispatchPlan& plan = M.plan;
   const int64_t R = plan.expert_rows();
@@ -163,13 +178,24 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   }
   // The experts over their rows.
   const int64_t El = plan.local_experts;
-  for (DevBuf* b : {&M.g, &M.u, &M.a}) RETURN_IF_ERROR(Act(*b, R, F));
+  for (DevBuf* b : {&M.g, &M.u}) RETURN_IF_ERROR(Act(*b, R, F));
   RETURN_IF_ERROR(Act(M.ye, R, d));
   const int64_t* off = plan.expert_offsets.data();
-  KC(moe_gemm->Forward(M.xe.get(), Wb(p.w1), M.g.get(), off, El, F, d, kAct, stream));
-  KC(moe_gemm->Forward(M.xe.get(), Wb(p.w3), M.u.get(), off, El, F, d, kAct, stream));
-  KC(kc::SwiGluForward(M.g.get(), M.u.get(), M.a.get(), R * F, kAct, stream));
-  KC(moe_gemm->Forward(M.a.get(), Wb(p.w2), M.ye.get(), off, El, d, F, kAct, stream));
+  if (fp8) {
+    const kc::Fp8Operand xq{M.q_xe.codes(), KDType::kFp8E4M3, M.q_xe.inverse_scale()};
+    KC(moe_gemm->ForwardFp8(xq, fp8_e[p.w1].Forward(), M.g.get(), kAct, off, El, F, d, stream));
+    KC(moe_gemm->ForwardFp8(xq, fp8_e[p.w3].Forward(), M.u.get(), kAct, off, El, F, d, stream));
+    RETURN_IF_ERROR(M.q_a.Ensure(&alloc, R, F, KDType::kFp8E4M3));
+    KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(), stream));
+    KC(moe_gemm->ForwardFp8({M.q_a.codes(), KDType::kFp8E4M3, M.q_a.inverse_scale()},
+                            fp8_e[p.w2].Forward(), M.ye.get(), kAct, off, El, d, F, stream));
+  } else {
+    RETURN_IF_ERROR(Act(M.a, R, F));
+    KC(moe_gemm->Forward(M.xe.get(), Wb(p.w1), M.g.get(), off, El, F, d, kAct, stream));
+    KC(moe_gemm->Forward(M.xe.get(), Wb(p.w3), M.u.get(), off, El, F, d, kAct, stream));
+    KC(kc::SwiGluForward(M.g.get(), M.u.get(), M.a.get(), R * F, kAct, stream));
+    KC(moe_gemm->Forward(M.a.get(), Wb(p.w2), M.ye.get(), off, El, d, F, kAct, stream));
+  }
   // Back to the tokens, weighted, onto the shared expert's output (one rounding), then y.
   const void* Y = M.ye.get();
   if (plan.ep > 1) {
@@ -181,6 +207,43 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   KC(kc::MoeCombine(Y, kAct, M.pair_row.i32(), M.weights.f32(), X.y.get(), kAct, T, K, d,
                     /*accumulate=*/true, stream));
   if (y != nullptr) CUDA(cudaMemcpyAsync(y, X.y.get(), T * d * kAb, cudaMemcpyDeviceToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::MoeExpertsBackwardFp8(const LayerIdx& L, Cache& C) {
+  const MoeLayerParams& p = L.moe_p;
+  MoeDevCache& M = C.moe;
+  MoeDevWork& X = W.moe;
+  const int64_t d = c.d_model, F = c.moe.expert_ffn;
+  const MoeDispatchPlan& plan = M.plan;
+  const int64_t R = plan.expert_rows(), El = plan.local_experts;
+  const int64_t* off = plan.expert_offsets.data();
+  constexpr KDType kE5 = KDType::kFp8E5M2, kE4 = KDType::kFp8E4M3;
+  // The output gradients' codes (E5M2): at ep = 1 the combine's backward took their amax; rows
+  // that came from other ranks take their own.
+  KC(plan.ep > 1 ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), stream)
+                 : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), stream));
+  KC(moe_gemm->BackwardDataFp8({X.q_dye.codes(), kE5, X.q_dye.inverse_scale()},
+                               fp8_e[p.w2].Transposed(), X.da.get(), kAct, off, El, d, F, stream));
+  KC(moe_gemm->BackwardWeightFp8({X.q_dye.codes_t(), kE5, X.q_dye.inverse_scale()},
+                                 {M.q_a.codes_t(), kE4, M.q_a.inverse_scale()}, G(p.w2), off, El,
+                                 d, F, stream));
+  KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
+                        stream));
+  const kc::Fp8Operand xt{M.q_xe.codes_t(), kE4, M.q_xe.inverse_scale()};
+  const std::pair<Fp8Act*, int> parts[] = {{&X.q_dg, p.w1}, {&X.q_du, p.w3}};
+  const DevBuf* grads[] = {&X.dg, &X.du};
+  for (int i = 0; i < 2; ++i) {
+    Fp8Act& q = *parts[i].first;
+    const int w = parts[i].second;
+    RETURN_IF_ERROR(q.Ensure(&alloc, R, F, kE5));
+    KC(kc::Fp8Quantize(grads[i]->get(), R, F, kAct, q.Output(), stream));
+    KC(moe_gemm->BackwardDataFp8({q.codes(), kE5, q.inverse_scale()}, fp8_e[w].Transposed(),
+                                 X.dxe.get(), kAct, off, El, F, d, stream,
+                                 /*accumulate=*/i == 1));
+    KC(moe_gemm->BackwardWeightFp8({q.codes_t(), kE5, q.inverse_scale()}, xt, G(w), off, El, F,
+                                   d, stream));
+  }
   return absl::OkStatus();
 }
 
@@ -263,6 +326,7 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
   // The combine's backward: each pair's output gradient (weighted) and its weight's gradient.
   RETURN_IF_ERROR(F32(X.dw, T * K));
   RETURN_IF_ERROR(Act(X.dye, R, d));
+  if (fp8) RETURN_IF_ERROR(X.q_dye.Ensure(&alloc, R, d, KDType::kFp8E5M2));
   if (plan.ep > 1) {
     RETURN_IF_ERROR(Act(X.send, T * K, d));
     RETURN_IF_ERROR(Act(X.recv, plan.recv_total(), d));
@@ -271,7 +335,8 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
   } else {
     CUDA(cudaMemsetAsync(X.dye.get(), 0, std::max<int64_t>(R, 1) * d * kAb, stream));
     KC(kc::MoeCombineBackward(dy, M.ye.get(), M.pair_row.i32(), M.weights.f32(), X.dye.get(),
-                              X.dw.f32(), T, K, d, kAct, stream));
+                              X.dw.f32(), T, K, d, kAct, stream,
+                              fp8 ? X.q_dye.Output().amax : nullptr));
   }
   // The shared expert's backward while the gradients travel to the experts: W.dh.
   RETURN_IF_ERROR(Act(W.dh, T, d));
@@ -300,15 +365,19 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
   for (DevBuf* b : {&X.da, &X.dg, &X.du}) RETURN_IF_ERROR(Act(*b, R, F));
   RETURN_IF_ERROR(Act(X.dxe, R, d));
   const int64_t* off = plan.expert_offsets.data();
-  KC(moe_gemm->BackwardData(X.dye.get(), Wb(p.w2), X.da.get(), off, El, d, F, kAct, stream));
-  KC(moe_gemm->BackwardWeight(X.dye.get(), M.a.get(), G(p.w2), off, El, d, F, kAct, stream));
-  KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
-                        stream));
-  KC(moe_gemm->BackwardData(X.dg.get(), Wb(p.w1), X.dxe.get(), off, El, F, d, kAct, stream));
-  KC(moe_gemm->BackwardData(X.du.get(), Wb(p.w3), X.dxe.get(), off, El, F, d, kAct, stream,
-                            /*accumulate=*/true));
-  KC(moe_gemm->BackwardWeight(X.dg.get(), M.xe.get(), G(p.w1), off, El, F, d, kAct, stream));
-  KC(moe_gemm->BackwardWeight(X.du.get(), M.xe.get(), G(p.w3), off, El, F, d, kAct, stream));
+  if (fp8) {
+    RETURN_IF_ERROR(MoeExpertsBackwardFp8(L, C));
+  } else {
+    KC(moe_gemm->BackwardData(X.dye.get(), Wb(p.w2), X.da.get(), off, El, d, F, kAct, stream));
+    KC(moe_gemm->BackwardWeight(X.dye.get(), M.a.get(), G(p.w2), off, El, d, F, kAct, stream));
+    KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
+                          stream));
+    KC(moe_gemm->BackwardData(X.dg.get(), Wb(p.w1), X.dxe.get(), off, El, F, d, kAct, stream));
+    KC(moe_gemm->BackwardData(X.du.get(), Wb(p.w3), X.dxe.get(), off, El, F, d, kAct, stream,
+                              /*accumulate=*/true));
+    KC(moe_gemm->BackwardWeight(X.dg.get(), M.xe.get(), G(p.w1), off, El, F, d, kAct, stream));
+    KC(moe_gemm->BackwardWeight(X.du.get(), M.xe.get(), G(p.w3), off, El, F, d, kAct, stream));
+  }
   // The input gradient in fp32: the shared expert's, each token's K rows, the router's; rounded
   // once into W.dh.
   RETURN_IF_ERROR(F32(X.acc, T * d));
