@@ -8,8 +8,8 @@
 # fp8: the FP8 comparison instead (train.precision fp8 against bf16, ours at 32K without recompute
 # and at 128K with every layer recomputing, twice each; the peer compiled, with and without --fp8,
 # at 32K).
-# moe: the mixture-of-experts preset (moe: 64 experts of 256, top 8, a shared expert of 1024) at
-# 16K without recompute and at 32K with "auto" and every layer recomputing, against the peer's
+# moe: the mixture-of-experts preset (moe: 64 experts of 256, top 8, a shared expert of 1024) in
+# bf16 and fp8, at 16K without recompute and at 32K with "auto" recompute, against the peer's
 # --moe 64,8,256,1024 compiled (with --ckpt, without which it runs out of memory at 16K on an H100).
 # Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer | fp8 | moe]
 set -uo pipefail
@@ -36,8 +36,10 @@ if [ "$what" = fp8 ]; then
 fi
 if [ "$what" = moe ]; then
   echo "== spindle"
-  timeout 150 .cuda-run/bench_model_cuda --preset moe --T 16384 --recompute 0 --steps 4 2>&1 | tee -a "$out/spindle_step.txt"
-  timeout 200 .cuda-run/bench_model_cuda --preset moe --T 32768 --recompute auto,all --steps 4 --forward 0 2>&1 | tee -a "$out/spindle_step.txt"
+  for p in bf16 fp8; do
+    timeout 100 .cuda-run/bench_model_cuda --preset moe --T 16384 --recompute 0 --steps 4 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
+    timeout 120 .cuda-run/bench_model_cuda --preset moe --T 32768 --recompute auto --steps 4 --forward 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
+  done
   echo "== peer"
   for args in "--T 16384 --compile --ckpt" "--T 32768 --compile --ckpt"; do
     echo "ref_model.py --moe 64,8,256,1024 $args"
