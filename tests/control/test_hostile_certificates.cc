@@ -1,10 +1,11 @@
 // Workers are who their certificates say, over real TLS handshakes on 127.0.0.1: a coordinator
 // with its CA (the daemon's default) signs a joining worker's request for a bootstrap token, and
 // from then on only that certificate opens Register and Session for that worker id. The attacks:
-// a certificate of another CA, an expired one, one naming another worker, no certificate, a
-// revoked one (refused again after a restart), bootstrap tokens that expired or ran out of
-// joins, a user who is not an admin revoking. Certificates are made here with OpenSSL
-// (common/x509.h). ctest labels: control, hostile.
+// a certificate of another CA, an expired one, one naming another worker (on Register, and on a
+// Session whose hello would replace that worker's live one), no certificate, a revoked one
+// (refused again after a restart), bootstrap tokens that expired or ran out of joins, a user who
+// is not an admin revoking. Certificates are made here with OpenSSL (common/x509.h). ctest
+// labels: control, hostile.
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -168,6 +169,51 @@ TEST_F(HostileCertificatesTest, AJoinedWorkerRegistersAsItselfOnly) {
   Deadline(&rctx);
   EXPECT_EQ(v1::RendezvousService::NewStub(Channel())->Set(&rctx, set, &set_resp).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// A session speaks for the worker its certificate names: another worker's certificate can
+// neither open a session for it nor, by trying, end the one it has.
+TEST_F(HostileCertificatesTest, ACertificateCannotOpenOrKickAnotherWorkersSession) {
+  Identity w1, w2;
+  ASSERT_TRUE(Join(kToken, "w1", &w1).ok());
+  ASSERT_TRUE(Join(kToken, "w2", &w2).ok());
+  ASSERT_TRUE(Register(&w2, "w2").ok());
+  auto hello = [](const std::string& id) {
+    v1::WorkerMessage m;
+    m.mutable_hello()->set_worker_id(id);
+    return m;
+  };
+  auto beat = [](int64_t seq) {
+    v1::WorkerMessage m;
+    m.mutable_heartbeat()->set_seq(seq);
+    return m;
+  };
+  grpc::ClientContext live_ctx;
+  Deadline(&live_ctx, 30);
+  auto live = v1::ClusterService::NewStub(Channel(&w2))->Session(&live_ctx);
+  ASSERT_TRUE(live->Write(hello("w2")));
+  ASSERT_TRUE(live->Write(beat(1)));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(live->Read(&ack));
+  EXPECT_EQ(ack.heartbeat_ack().seq(), 1);
+
+  grpc::ClientContext thief_ctx;
+  Deadline(&thief_ctx, 10);
+  auto thief = v1::ClusterService::NewStub(Channel(&w1))->Session(&thief_ctx);
+  thief->Write(hello("w2"));
+  thief->Write(beat(1));
+  v1::CoordinatorMessage m;
+  EXPECT_FALSE(thief->Read(&m));
+  const grpc::Status st = thief->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(st.error_message(), "this certificate belongs to worker w1, not to worker w2");
+
+  // w2's session goes on.
+  ASSERT_TRUE(live->Write(beat(2)));
+  ASSERT_TRUE(live->Read(&ack));
+  EXPECT_EQ(ack.heartbeat_ack().seq(), 2);
+  live_ctx.TryCancel();
+  live->Finish().IgnoreError();
 }
 
 TEST_F(HostileCertificatesTest, AnotherCasCertificateFailsTheHandshake) {
