@@ -94,7 +94,8 @@ class JobManager {
   // every plan problem ("job cannot run: <p1>; <p2>") or why it can never fit.
   // A non-empty `request_id` (see kMaxRequestIdLength) makes the submit idempotent: an id that
   // created a job still kept returns that job (and its stored plan) without checking anything
-  // again; the same id with a different spec is AlreadyExists naming the job.
+  // again; the same id with a different spec is AlreadyExists naming the job, and an id of
+  // another owner's job AlreadyExists without naming it.
   // `plan_out` (may be null) receives the plan, also when the plan refuses the job. `owner` is
   // the submitting user ("": users are not named); the job records it and its first event says
   // "submitted by <owner>".
