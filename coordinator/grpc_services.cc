@@ -526,7 +526,8 @@ grpc::Status ClusterServiceImpl::Join(grpc::ServerContext* ctx, const v1::JoinRe
 grpc::Status ClusterServiceImpl::RevokeWorker(grpc::ServerContext* ctx,
                                               const v1::RevokeWorkerRequest* req,
                                               v1::RevokeWorkerResponse* resp) {
-  if (grpc::Status a = auth_->CheckAdmin(*ctx, "revoke"); !a.ok()) return a;
+  User user;
+  if (grpc::Status a = auth_->CheckAdmin(*ctx, "revoke", &user); !a.ok()) return a;
   WorkerCertificates* certs = auth_->certificates();
   if (certs == nullptr)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -535,6 +536,7 @@ grpc::Status ClusterServiceImpl::RevokeWorker(grpc::ServerContext* ctx,
   absl::StatusOr<int64_t> n = certs->Revoke(req->worker_id());
   if (!n.ok()) return ToGrpc(n.status());
   sessions_->End(req->worker_id());
+  manager_->WorkerRevoked(req->worker_id(), user.name);
   resp->set_certificates_revoked(*n);
   return grpc::Status::OK;
 }

@@ -156,6 +156,10 @@ class JobManager {
   // The session ended (the worker is not lost until heartbeat_timeout passes).
   void SessionClosed(const std::string& worker_id, uint64_t session_id)
       ABSL_LOCKS_EXCLUDED(table_.mu);
+  // An admin (`by`, "" when users are not named) revoked the worker's certificates (its session
+  // was ended): each job with a rank on it says so in its events (WorkerSessions::WorkerRevoked).
+  void WorkerRevoked(const std::string& worker_id, const std::string& by)
+      ABSL_LOCKS_EXCLUDED(table_.mu);
   // A report on the worker's session (any report also counts as a sign of life).
   void HandleWorkerMessage(const std::string& worker_id, const WorkerReport& report)
       ABSL_LOCKS_EXCLUDED(table_.mu);
