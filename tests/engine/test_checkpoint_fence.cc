@@ -1,10 +1,10 @@
 // Checkpoint fencing and resume: a fenced root refuses the commits of an older attempt (nothing
 // written, `latest` unmoved, commits.log in lock order), also when the fence appears while the
-// commit writes its files (it is read again right before the rename); a corrupt newest checkpoint is passed over
-// for the previous complete one, in a note naming both, but never one older than the step the
-// coordinator recorded; the ranks of an attempt that do not share
-// the checkpoint directory are told so at the start; transient I/O errors are Unavailable (the
-// gang restarts), not invalid input.
+// commit writes its files (it is read again right before the rename); a corrupt newest checkpoint
+// is passed over for the previous complete one, in a note naming both, but never one older than the
+// step the coordinator recorded; the ranks of an attempt that do not share the checkpoint directory
+// are told so at the start; transient I/O errors are Unavailable (the gang restarts), not invalid
+// input.
 #include <sys/stat.h>
 #include <unistd.h>
 
