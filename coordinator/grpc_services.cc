@@ -406,18 +406,8 @@ grpc::Status ClusterServiceImpl::Session(
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
   if (grpc::Status a = auth_->CheckWorker(*ctx, ""); !a.ok()) return a;
   if (!accepts_workers_) return WrongPortStatus();
-  v1::WorkerMessage first;
-  if (!stream->Read(&first))
-    return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its hello");
-  if (!first.has_hello())
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "session: the first message must be a hello");
-  const std::string worker_id = first.hello().worker_id();
-  if (worker_id.size() > kMaxIdBytes)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("session: worker_id must be at most ", kMaxIdBytes,
-                                     " bytes, got ", worker_id.size()));
-  if (grpc::Status a = auth_->CheckWorker(*ctx, worker_id); !a.ok()) return a;
+  // Every open stream counts, also one still waiting for its hello: a holder of a worker
+  // credential that opens streams and never says hello holds no more than the limit of threads.
   {
     absl::MutexLock l(&mu_);
     if (open_sessions_ >= limits_.max_sessions)
@@ -431,6 +421,20 @@ grpc::Status ClusterServiceImpl::Session(
     absl::MutexLock l(&mu_);
     --open_sessions_;
   };
+  v1::WorkerMessage first;
+  // A hello that does not come within the stream write timeout ends the stream (the reaper
+  // cancels it, which ends the Read), so that no silent stream holds its place for ever.
+  if (!reaper_.Write(ctx, [&] { return stream->Read(&first); }))
+    return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its hello");
+  if (!first.has_hello())
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "session: the first message must be a hello");
+  const std::string worker_id = first.hello().worker_id();
+  if (worker_id.size() > kMaxIdBytes)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("session: worker_id must be at most ", kMaxIdBytes,
+                                     " bytes, got ", worker_id.size()));
+  if (grpc::Status a = auth_->CheckWorker(*ctx, worker_id); !a.ok()) return a;
   const WorkerHello hello = HelloFromProto(first.hello());
   // Checked before this stream replaces the worker's live one: a hello that names another
   // daemon's worker is refused without disturbing it.
@@ -522,7 +526,8 @@ grpc::Status ClusterServiceImpl::Join(grpc::ServerContext* ctx, const v1::JoinRe
 grpc::Status ClusterServiceImpl::RevokeWorker(grpc::ServerContext* ctx,
                                               const v1::RevokeWorkerRequest* req,
                                               v1::RevokeWorkerResponse* resp) {
-  if (grpc::Status a = auth_->CheckAdmin(*ctx, "revoke"); !a.ok()) return a;
+  User user;
+  if (grpc::Status a = auth_->CheckAdmin(*ctx, "revoke", &user); !a.ok()) return a;
   WorkerCertificates* certs = auth_->certificates();
   if (certs == nullptr)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -531,6 +536,7 @@ grpc::Status ClusterServiceImpl::RevokeWorker(grpc::ServerContext* ctx,
   absl::StatusOr<int64_t> n = certs->Revoke(req->worker_id());
   if (!n.ok()) return ToGrpc(n.status());
   sessions_->End(req->worker_id());
+  manager_->WorkerRevoked(req->worker_id(), user.name);
   resp->set_certificates_revoked(*n);
   return grpc::Status::OK;
 }

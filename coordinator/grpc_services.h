@@ -56,15 +56,16 @@ class SessionRegistry : public WorkerChannel {
 };
 
 // Cancels a server stream whose Write has not completed within `timeout` (a client that does not
-// read holds the writing thread otherwise); one thread watches every stream in Write.
+// read holds the writing thread otherwise); one thread watches every stream in Write. A Session's
+// wait for its first message (Read) is bounded the same way.
 class StreamReaper {
  public:
   explicit StreamReaper(absl::Duration timeout);
   ~StreamReaper();
   StreamReaper(const StreamReaper&) = delete;
   StreamReaper& operator=(const StreamReaper&) = delete;
-  // Runs `write` (a Write on ctx's stream) and returns its result; cancels ctx once it has run
-  // longer than the timeout, which makes the Write return false.
+  // Runs `write` (a Write, or a Read, on ctx's stream) and returns its result; cancels ctx once
+  // it has run longer than the timeout, which makes the Write (or Read) return false.
   bool Write(grpc::ServerContext* ctx, absl::FunctionRef<bool()> write) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -236,6 +236,11 @@ absl::StatusOr<SubmitResult> JobAdmission::Submit(JobTable& t, const SubmitReque
       !request_id.empty() && !seen.empty()) {
     const JobRuntime* j = t.Find(seen);
     if (j != nullptr) {
+      // Another user's job is not the retry's: it is neither returned nor reported as theirs.
+      if (j->rec.owner != owner)
+        return absl::AlreadyExistsError(
+            absl::StrCat("submit: request id \"", request_id,
+                         "\" was already used by another user; a new job needs a new request id"));
       if (j->rec.spec_json != req.canonical_spec)
         return absl::AlreadyExistsError(
             absl::StrCat("submit: request id \"", request_id, "\" was already used for job ", seen,

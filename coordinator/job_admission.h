@@ -65,8 +65,9 @@ class JobAdmission {
                                                    const std::string& owner);
   // Plans and stores the job, QUEUED (JobManager::Submit's contract). A request id seen before
   // returns its job (created false, `plan_out` its stored plan) without checking anything again,
-  // or AlreadyExists when the spec differs. FailedPrecondition "job cannot run: ..." for plan
-  // problems, a job that can never fit, or a checkpoint directory in use. `plan_out` may be null.
+  // or AlreadyExists when the spec differs or the job has another owner. FailedPrecondition "job
+  // cannot run: ..." for plan problems, a job that can never fit, or a checkpoint directory in use.
+  // `plan_out` may be null.
   absl::StatusOr<SubmitResult> Submit(JobTable& t, const SubmitRequest& req, CpPlan* plan_out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
   // The plan Submit would make, with what else Submit would refuse among its problems.

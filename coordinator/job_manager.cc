@@ -152,6 +152,11 @@ void JobManager::SessionClosed(const std::string& worker_id, uint64_t session_id
   sessions_.SessionClosed(table_, worker_id, session_id);
 }
 
+void JobManager::WorkerRevoked(const std::string& worker_id, const std::string& by) {
+  absl::MutexLock l(&table_.mu);
+  sessions_.WorkerRevoked(table_, worker_id, by);
+}
+
 void JobManager::HandleWorkerMessage(const std::string& worker_id, const WorkerReport& report) {
   Outbox out;
   {

@@ -94,7 +94,8 @@ class JobManager {
   // every plan problem ("job cannot run: <p1>; <p2>") or why it can never fit.
   // A non-empty `request_id` (see kMaxRequestIdLength) makes the submit idempotent: an id that
   // created a job still kept returns that job (and its stored plan) without checking anything
-  // again; the same id with a different spec is AlreadyExists naming the job.
+  // again; the same id with a different spec is AlreadyExists naming the job, and an id of
+  // another owner's job AlreadyExists without naming it.
   // `plan_out` (may be null) receives the plan, also when the plan refuses the job. `owner` is
   // the submitting user ("": users are not named); the job records it and its first event says
   // "submitted by <owner>".
@@ -154,6 +155,10 @@ class JobManager {
       ABSL_LOCKS_EXCLUDED(table_.mu);
   // The session ended (the worker is not lost until heartbeat_timeout passes).
   void SessionClosed(const std::string& worker_id, uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(table_.mu);
+  // An admin (`by`, "" when users are not named) revoked the worker's certificates (its session
+  // was ended): each job with a rank on it says so in its events (WorkerSessions::WorkerRevoked).
+  void WorkerRevoked(const std::string& worker_id, const std::string& by)
       ABSL_LOCKS_EXCLUDED(table_.mu);
   // A report on the worker's session (any report also counts as a sign of life).
   void HandleWorkerMessage(const std::string& worker_id, const WorkerReport& report)

@@ -23,10 +23,12 @@ struct ServiceLimits {
   // Concurrent rendezvous Gets that wait (wait_timeout_ms > 0); one more is RESOURCE_EXHAUSTED.
   // --max-rendezvous-waits.
   int max_rendezvous_waits = 4096;
-  // Concurrent ClusterService.Session streams; one more is RESOURCE_EXHAUSTED. --max-sessions.
+  // Concurrent ClusterService.Session streams, counted from their start (before the hello); one
+  // more is RESOURCE_EXHAUSTED. --max-sessions.
   int max_sessions = 2048;
   // A Watch update, or a message to a worker, not taken by the client for this long ends the
-  // stream (a client that does not read holds a thread and memory otherwise).
+  // stream (a client that does not read holds a thread and memory otherwise); so does a Session
+  // whose hello has not come this long after it opened.
   int64_t stream_write_timeout_ms = 30000;
   // Messages queued for one worker's session; one more ends the session (the worker reconnects
   // and lists what it runs).

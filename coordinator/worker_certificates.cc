@@ -148,6 +148,9 @@ absl::StatusOr<std::string> WorkerCertificates::WorkerOf(const std::string& peer
 }
 
 absl::StatusOr<int64_t> WorkerCertificates::Revoke(const std::string& worker_id) {
+  // No certificate names anything else (Join refuses it), and the id is not echoed unbounded.
+  if (absl::Status id = CheckWorkerIdForCertificate(worker_id); !id.ok())
+    return absl::InvalidArgumentError(absl::StrCat("revoke: ", id.message()));
   absl::MutexLock l(&mu_);
   bool any = false;
   for (const auto& [serial, id] : known_) any |= id == worker_id;

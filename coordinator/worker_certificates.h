@@ -68,7 +68,7 @@ class WorkerCertificates {
   absl::StatusOr<std::string> WorkerOf(const std::string& peer_cert_pem) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Revokes every certificate of `worker_id` recorded so far; returns how many. NotFound when it
-  // has none.
+  // has none; InvalidArgument for an id no certificate may hold (CheckWorkerIdForCertificate).
   absl::StatusOr<int64_t> Revoke(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -190,6 +190,27 @@ void WorkerSessions::SessionClosed(JobTable& t, const std::string& worker_id, ui
   }
 }
 
+void WorkerSessions::WorkerRevoked(JobTable& t, const std::string& worker_id,
+                                   const std::string& by) {
+  const int64_t wall = clock_->NowMs();
+  for (auto& [id, jp] : t.jobs) {
+    JobRuntime& j = *jp;
+    if (!IsActive(j.rec.state)) continue;
+    bool on = false;
+    for (const RankRuntime& r : j.ranks)
+      on |= r.placement.worker_id == worker_id && r.state != "exited" && r.state != "stopped";
+    if (!on) continue;
+    EventRecord ev{j.rec.job_id, j.rec.attempt, wall, j.rec.state,
+                   absl::StrCat("worker ", worker_id, " revoked", by.empty() ? "" : " by ", by)};
+    if (absl::Status st = store_->SaveJob(j.rec, &ev); !st.ok()) {
+      LogCoordinatorLine(std::string(st.message()));
+      continue;
+    }
+    AddEvent(j, std::move(ev));
+    t.Bump(j);
+  }
+}
+
 void WorkerSessions::MarkLostWorkers(JobTable& t, int64_t now, Outbox* out) {
   for (auto& [id, w] : t.registry.workers())
     if (std::string why = health_->Lost(*w, now); !why.empty()) MarkWorkerLost(t, *w, why, out);

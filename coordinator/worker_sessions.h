@@ -72,6 +72,12 @@ class WorkerSessions {
   // id changes nothing.
   void SessionClosed(JobTable& t, const std::string& worker_id, uint64_t session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
+  // The worker's certificates were revoked by `by` ("" when users are not named): each placed or
+  // running job with a rank on it records "worker W revoked by U" in its events, so that the
+  // restart that follows once the worker is lost is traced to the user who caused it. A job
+  // whose event cannot be stored is skipped (the store's error is logged).
+  void WorkerRevoked(JobTable& t, const std::string& worker_id, const std::string& by)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu);
   // A report on the worker's session; a lost worker speaking again is back first.
   void HandleWorkerMessage(JobTable& t, const std::string& worker_id, const WorkerReport& report,
                            Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t.mu)

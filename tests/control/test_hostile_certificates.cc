@@ -1,10 +1,11 @@
 // Workers are who their certificates say, over real TLS handshakes on 127.0.0.1: a coordinator
 // with its CA (the daemon's default) signs a joining worker's request for a bootstrap token, and
 // from then on only that certificate opens Register and Session for that worker id. The attacks:
-// a certificate of another CA, an expired one, one naming another worker, no certificate, a
-// revoked one (refused again after a restart), bootstrap tokens that expired or ran out of
-// joins, a user who is not an admin revoking. Certificates are made here with OpenSSL
-// (common/x509.h). ctest labels: control, hostile.
+// a certificate of another CA, an expired one, one naming another worker (on Register, and on a
+// Session whose hello would replace that worker's live one), no certificate, a revoked one
+// (refused again after a restart; the jobs placed on it name the admin who revoked it), bootstrap
+// tokens that expired or ran out of joins, a user who is not an admin revoking. Certificates are
+// made here with OpenSSL (common/x509.h). ctest labels: control, hostile.
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -96,7 +97,7 @@ class HostileCertificatesTest : public ::testing::Test {
     v1::DeviceGroup* d = req.add_devices();
     d->set_kind("cpu");
     d->set_count(1);
-    d->set_memory_bytes(int64_t{1} << 30);
+    d->set_memory_bytes(int64_t{8} << 30);
     v1::RegisterResponse resp;
     grpc::ClientContext ctx;
     Deadline(&ctx);
@@ -170,6 +171,51 @@ TEST_F(HostileCertificatesTest, AJoinedWorkerRegistersAsItselfOnly) {
             grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+// A session speaks for the worker its certificate names: another worker's certificate can
+// neither open a session for it nor, by trying, end the one it has.
+TEST_F(HostileCertificatesTest, ACertificateCannotOpenOrKickAnotherWorkersSession) {
+  Identity w1, w2;
+  ASSERT_TRUE(Join(kToken, "w1", &w1).ok());
+  ASSERT_TRUE(Join(kToken, "w2", &w2).ok());
+  ASSERT_TRUE(Register(&w2, "w2").ok());
+  auto hello = [](const std::string& id) {
+    v1::WorkerMessage m;
+    m.mutable_hello()->set_worker_id(id);
+    return m;
+  };
+  auto beat = [](int64_t seq) {
+    v1::WorkerMessage m;
+    m.mutable_heartbeat()->set_seq(seq);
+    return m;
+  };
+  grpc::ClientContext live_ctx;
+  Deadline(&live_ctx, 30);
+  auto live = v1::ClusterService::NewStub(Channel(&w2))->Session(&live_ctx);
+  ASSERT_TRUE(live->Write(hello("w2")));
+  ASSERT_TRUE(live->Write(beat(1)));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(live->Read(&ack));
+  EXPECT_EQ(ack.heartbeat_ack().seq(), 1);
+
+  grpc::ClientContext thief_ctx;
+  Deadline(&thief_ctx, 10);
+  auto thief = v1::ClusterService::NewStub(Channel(&w1))->Session(&thief_ctx);
+  thief->Write(hello("w2"));
+  thief->Write(beat(1));
+  v1::CoordinatorMessage m;
+  EXPECT_FALSE(thief->Read(&m));
+  const grpc::Status st = thief->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(st.error_message(), "this certificate belongs to worker w1, not to worker w2");
+
+  // w2's session goes on.
+  ASSERT_TRUE(live->Write(beat(2)));
+  ASSERT_TRUE(live->Read(&ack));
+  EXPECT_EQ(ack.heartbeat_ack().seq(), 2);
+  live_ctx.TryCancel();
+  live->Finish().IgnoreError();
+}
+
 TEST_F(HostileCertificatesTest, AnotherCasCertificateFailsTheHandshake) {
   absl::StatusOr<CertificateAuthority> other =
       CertificateAuthority::Create("rogue", absl::Hours(1));
@@ -209,6 +255,24 @@ TEST_F(HostileCertificatesTest, ARevokedWorkerLosesItsSessionAtOnceAndStaysOut) 
   v1::CoordinatorMessage ack;
   ASSERT_TRUE(stream->Read(&ack));  // the session is live
   EXPECT_TRUE(ack.has_heartbeat_ack());
+  // A job placed on it.
+  std::string job_id;
+  {
+    v1::SubmitJobRequest req;
+    req.set_spec_json(testing::WithCheckpointDir(testing::SpecJson(), dir_.File("ck")));
+    v1::SubmitJobResponse resp;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    ctx.AddMetadata("authorization", "Bearer bob-token");
+    grpc::Status st = v1::JobService::NewStub(Channel())->Submit(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    job_id = resp.job_id();
+  }
+  v1::CoordinatorMessage placed;
+  while (stream->Read(&placed) && !placed.has_assignment()) {
+  }
+  ASSERT_TRUE(placed.has_assignment());
+  EXPECT_EQ(placed.assignment().ref().job_id(), job_id);
 
   grpc::Status bob = Revoke("bob-token", "w1");
   EXPECT_EQ(bob.error_code(), grpc::StatusCode::PERMISSION_DENIED);
@@ -224,6 +288,19 @@ TEST_F(HostileCertificatesTest, ARevokedWorkerLosesItsSessionAtOnceAndStaysOut) 
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   stream->Finish().IgnoreError();
+  // The job on it names the admin who revoked it (its restart follows once w1 is lost).
+  {
+    v1::GetJobRequest req;
+    req.set_job_id(job_id);
+    v1::Job job;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    ctx.AddMetadata("authorization", "Bearer bob-token");
+    ASSERT_TRUE(v1::JobService::NewStub(Channel())->Get(&ctx, req, &job).ok());
+    bool named = false;
+    for (const v1::JobEvent& e : job.events()) named |= e.message() == "worker w1 revoked by root";
+    EXPECT_TRUE(named) << job.DebugString();
+  }
 
   const std::string serial = ParseCertificate(w1.cert_pem)->serial_hex;
   const std::string message = "the certificate of worker w1 (serial " + serial + ") was revoked";

@@ -1,6 +1,7 @@
 // Users own their jobs: --users-file parsing, the owner a job records (in SQLite, with the
-// migration of a database from before owners), who may cancel, `list --mine`, and the user's name
-// in the events of every change they caused; over real gRPC on 127.0.0.1 and in the CLI.
+// migration of a database from before owners), who may cancel, `list --mine`, the user's name
+// in the events of every change they caused, and request ids that answer only their own user;
+// over real gRPC on 127.0.0.1 and in the CLI.
 #include <sqlite3.h>
 
 #include <memory>
@@ -182,6 +183,35 @@ TEST_F(JobOwnersTest, OnlyTheOwnerOrAnAdminCancelsAndEveryEventNamesTheUser) {
   EXPECT_EQ(Cli({"status", a2}, "t-alice", &out, &err), 0) << err;
   EXPECT_NE(out.find("  owner alice\n"), std::string::npos) << out;
   EXPECT_NE(out.find(" queued: submitted by alice\n"), std::string::npos) << out;
+}
+
+// A request id makes a submit idempotent for the user who sent it only: the same id from another
+// user gets neither that job nor a new one.
+TEST_F(JobOwnersTest, ARequestIdOfAnotherUsersJobIsRefused) {
+  const std::string spec = WithCheckpointDir(SpecJson(), dir_.File("ck-request"));
+  auto submit = [&](const std::string& token, std::string* id) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    v1::SubmitJobRequest req;
+    req.set_spec_json(spec);
+    req.set_request_id("req-1");
+    v1::SubmitJobResponse resp;
+    grpc::Status st = stub_->Submit(&ctx, req, &resp);
+    *id = resp.job_id();
+    return st;
+  };
+  std::string first, again, bob;
+  ASSERT_TRUE(submit("t-alice", &first).ok());
+  ASSERT_TRUE(submit("t-alice", &again).ok());
+  EXPECT_EQ(again, first);
+  const grpc::Status st = submit("t-bob", &bob);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(st.error_message(),
+            "submit: request id \"req-1\" was already used by another user; a new job needs a new "
+            "request id");
+  EXPECT_EQ(bob, "");
+  EXPECT_EQ(List("t-bob", true), std::vector<std::string>{});
+  EXPECT_EQ(List("t-alice", true), std::vector<std::string>{first + ":alice"});
 }
 
 }  // namespace

@@ -197,6 +197,13 @@ TEST_F(WorkerCertificatesTest, RevocationEndsEveryCertificateOfTheWorkerAndIsKep
   EXPECT_EQ(*certs_->WorkerOf(*other), "w2");
   EXPECT_EQ(certs_->Revoke("w9").status().message(),
             "worker w9 has no certificate this coordinator issued or saw");
+  // An id no certificate can hold (4 MB, say) is refused without being echoed.
+  absl::StatusOr<int64_t> huge = certs_->Revoke(std::string(4 << 20, 'w'));
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(huge.status().message(),
+            "revoke: a worker id in a certificate is 1 to 253 characters of A-Z, a-z, 0-9, '.', "
+            "'_' and '-'");
+  EXPECT_EQ(certs_->Revoke("").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(WorkerCertificatesTest, OnlyWorkerCertificatesNameAWorker) {

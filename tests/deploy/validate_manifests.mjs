@@ -248,10 +248,17 @@ for (const w of workloads) {
 }
 // The coordinator's worker port, and every port of the workers but /metrics (the trainers' NCCL
 // and Gloo ports), admit worker pods only.
+// A peer's podSelector admits worker pods only when it names labels the worker pods carry and no
+// other workload's pods do: an empty one (or one without labels) admits every pod of the namespace.
+const workerPodsOnly = (selector) => {
+  const labels = selector?.matchLabels ?? {};
+  return Object.keys(labels).length > 0 && !selector.matchExpressions && worker !== undefined &&
+    matches(labels, podLabels(worker)) &&
+    workloads.every((w) => w === worker || !matches(labels, podLabels(w)));
+};
 const fromWorkersOnly = (rule) =>
   (rule.from ?? []).length > 0 &&
-  rule.from.every((f) => !f.namespaceSelector && !f.ipBlock && worker &&
-                         matches(f.podSelector?.matchLabels, podLabels(worker)));
+  rule.from.every((f) => !f.namespaceSelector && !f.ipBlock && workerPodsOnly(f.podSelector));
 if (coordinator) {
   const args = coordinator.obj.spec.template.spec.containers[0].args ?? [];
   const workerPort = Number(args.find((a) => a.startsWith("--worker_listen="))?.split(":").pop());

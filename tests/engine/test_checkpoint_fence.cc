@@ -1,16 +1,21 @@
 // Checkpoint fencing and resume: a fenced root refuses the commits of an older attempt (nothing
-// written, `latest` unmoved, commits.log in lock order); a corrupt newest checkpoint is passed over
-// for the previous complete one, in a note naming both, but never one older than the step the
-// coordinator recorded; the ranks of an attempt that do not share
-// the checkpoint directory are told so at the start; transient I/O errors are Unavailable (the
-// gang restarts), not invalid input.
+// written, `latest` unmoved, commits.log in lock order), also when the fence appears while the
+// commit writes its files (it is read again right before the rename); a corrupt newest checkpoint
+// is passed over for the previous complete one, in a note naming both, but never one older than the
+// step the coordinator recorded; the ranks of an attempt that do not share the checkpoint directory
+// are told so at the start; transient I/O errors are Unavailable (the gang restarts), not invalid
+// input.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "tests/engine/cp_test_util.h"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/checkpoint_writer.h"
 #include "worker/engine/kv_store.h"
 #include "worker/engine/model.h"
 #include "worker/engine/trainer.h"
@@ -89,6 +95,56 @@ TEST(CheckpointFenceTest, AnOlderAttemptCanNeitherCommitNorPruneOnceFenced) {
   EXPECT_EQ(Lines(root + "/commits.log"),
             (std::vector<std::string>{R"({"attempt":1,"commit":1})", R"({"fence":2})",
                                       R"({"attempt":2,"commit":2})"}));
+}
+
+// Where the writer lock does not hold across hosts (some shared file systems), a newer attempt's
+// fence can land while an older attempt's commit is writing its files, after the commit's first
+// look at the fence: the fence is read again right before the rename, so the commit is refused
+// then and leaves nothing behind. The fence is written here as the other host would, without
+// this host's lock, once the commit's temporary directory exists (its first check is past).
+TEST(CheckpointFenceTest, AFenceWrittenDuringTheCommitIsSeenAtTheRename) {
+  const JobSpec spec = Tiny(4, 1);
+  auto model = Model::Create(spec.model, 1);
+  ASSERT_TRUE(model.ok());
+  ParamSet& p = (*model)->params();
+  const std::string root = FreshDir("late");
+  TrainState st;
+  st.seed = 3;
+  st.step = 1;
+  ASSERT_TRUE(SaveCheckpoint(root, p, nullptr, spec.model, st, /*keep=*/1, /*attempt=*/1).ok());
+
+  // Pauses after each file long enough that the fence lands before the rename whatever the load.
+  CheckpointWriter writer({root, spec.model, /*keep=*/1, /*attempt=*/1,
+                           /*pause_between_files_ms=*/700});
+  writer.snapshot().CopyParams(p);
+  absl::StatusOr<CheckpointTensors> tensors = writer.snapshot().Tensors(p);
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  st.step = 2;
+  writer.Start(*std::move(tensors), st);
+  const std::string tmp = absl::StrCat(root, "/.tmp.step_00000002.", ::getpid());
+  struct stat info;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (::stat(tmp.c_str(), &info) != 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(::stat(tmp.c_str(), &info), 0) << "the commit never started writing";
+  ASSERT_FALSE(writer.Finished()) << "the commit outran the test; its pauses are too short";
+  {
+    std::ofstream fence(root + "/fence");
+    fence << "2\n";
+  }
+
+  std::optional<CheckpointWriteResult> r = writer.Wait();
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->dir.status().code(), absl::StatusCode::kAborted) << r->dir.status();
+  EXPECT_EQ(r->dir.status().message(),
+            absl::StrCat("checkpoint: attempt 1 of the job may not write under \"", root,
+                         "\": attempt 2 has taken it over"));
+  // Nothing of it: no step_2, `latest` still step 1, step 1 not pruned (keep = 1), no temporary.
+  EXPECT_EQ(CompleteCheckpoints(root), std::vector<std::string>{root + "/step_00000001"});
+  EXPECT_EQ(*LatestCheckpoint(root), root + "/step_00000001");
+  EXPECT_NE(::stat(tmp.c_str(), &info), 0);
+  EXPECT_EQ(Lines(root + "/commits.log"),
+            (std::vector<std::string>{R"({"attempt":1,"commit":1})"}));
 }
 
 // Rank 0 of an attempt resumes from the newest checkpoint that loads; a corrupt one is passed

@@ -944,8 +944,9 @@ class Session {
                           static_cast<int>(s.opening()), ") ended with ", code, ": ",
                           st.error_message()));
     };
-    // The handler's order: the credential, the first message, the id's size, the credential for
-    // that id, the sessions limit (RESOURCE_EXHAUSTED), the registration.
+    // The handler's order: the credential, the sessions limit (RESOURCE_EXHAUSTED; a stream
+    // counts from its start), the first message, the id's size, the credential for that id, the
+    // registration.
     switch (s.opening()) {
       case Opening::kBadCredential:
         // Another worker's token passes until a hello names a worker (an empty id names none).
@@ -953,16 +954,16 @@ class Session {
                       C::INVALID_ARGUMENT, C::CANCELLED, C::NOT_FOUND, C::RESOURCE_EXHAUSTED});
         break;
       case Opening::kNoHello:
-        refused_with({C::FAILED_PRECONDITION});
+        refused_with({C::FAILED_PRECONDITION, C::RESOURCE_EXHAUSTED});
         break;
       case Opening::kNothing:
-        refused_with({C::CANCELLED});
+        refused_with({C::CANCELLED, C::RESOURCE_EXHAUSTED});
         break;
       case Opening::kUnregistered:
         refused_with({C::NOT_FOUND, C::RESOURCE_EXHAUSTED});
         break;
       case Opening::kOversizedId:
-        refused_with({C::INVALID_ARGUMENT});
+        refused_with({C::INVALID_ARGUMENT, C::RESOURCE_EXHAUSTED});
         break;
       case Opening::kWrongInstance:
         refused_with({C::PERMISSION_DENIED, C::RESOURCE_EXHAUSTED});

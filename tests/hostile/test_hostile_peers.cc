@@ -2,8 +2,9 @@
 // (raw gRPC stubs against an in-process coordinator on 127.0.0.1, not the CLI or the worker
 // library): heartbeats listing ranks the worker was never given; a hello and a registration that
 // try to take over a live worker; 4 MB strings in every field users and workers send; workers
-// and streams that never read; more sessions, waiting rendezvous Gets, workers and slots than the
-// limits; an absurd but well-formed model; a NUL byte in checkpoint.dir.
+// and streams that never read; streams that never say hello; more sessions, waiting rendezvous
+// Gets, workers and slots than the limits; an absurd but well-formed model; a NUL byte in
+// checkpoint.dir.
 #include <httplib.h>
 
 #include <atomic>
@@ -645,6 +646,51 @@ TEST_F(HostilePeersTest, SessionsRendezvousWaitsWorkersAndSlotsAreCapped) {
   for (auto& c : ctxs) c->TryCancel();
   for (auto& t : waiting) t.join();
   EXPECT_EQ(waited, 2);
+}
+
+// Streams that open and never send their hello count against the sessions' limit from their
+// start, and each is ended once it has waited the stream write timeout: a holder of a worker
+// credential cannot hold more of the coordinator's threads than the limit, nor hold them for ever.
+TEST_F(HostilePeersTest, StreamsThatNeverSayHelloAreCountedAndCutOff) {
+  Start([](CoordinatorConfig& c) {
+    c.limits.max_sessions = 2;
+    c.limits.stream_write_timeout_ms = 8000;
+  });
+  ASSERT_TRUE(Register("w1", "i1").ok());
+  struct Silent {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream;
+  };
+  std::vector<std::unique_ptr<Silent>> silent;
+  for (int i = 0; i < 2; ++i) {
+    auto s = std::make_unique<Silent>();
+    s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    s->stream = cluster_->Session(&s->ctx);
+    silent.push_back(std::move(s));
+  }
+  // While they are open, a worker's session with its hello is refused. (The coordinator may take
+  // the silent streams in after a first probe: a probe it serves is closed and another tried.)
+  grpc::Status refused;
+  for (int i = 0; i < 50 && refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED; ++i) {
+    RawSession probe(cluster_.get(), "w1", "i1");
+    probe.Heartbeat(1);  // fails when the stream was refused already
+    ASSERT_TRUE(WaitFor([&] { return probe.Ended() || probe.Acked(1); }));
+    if (probe.Ended()) refused = probe.Finish();
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_EQ(refused.error_message(),
+            "session: the coordinator already serves 2 worker sessions, its limit "
+            "(--max-sessions)");
+  // Past the write timeout both are ended by the coordinator (not by their own deadline)...
+  for (auto& s : silent) {
+    v1::CoordinatorMessage m;
+    EXPECT_FALSE(s->stream->Read(&m));
+    EXPECT_EQ(s->stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // ... and the worker's session opens.
+  RawSession w1(cluster_.get(), "w1", "i1");
+  ASSERT_TRUE(w1.Heartbeat(1));
+  EXPECT_TRUE(WaitFor([&] { return w1.Acked(1); }));
 }
 
 TEST_F(HostilePeersTest, AbsurdModelIsInvalidArgumentNamingTheQuantity) {
