@@ -453,6 +453,12 @@ grpc::Status ClusterServiceImpl::Session(
     // the manager with the replaced one, which closes while the other goes on.
     absl::MutexLock l(&open_mu_);
     sessions_->Attach(worker_id, session);
+    // Again once attached: a revocation between the first check and the attach ended no stream
+    // of this one (RevokeWorker revokes, then ends the attached one), so it is caught here.
+    if (grpc::Status a = auth_->CheckWorker(*ctx, worker_id); !a.ok()) {
+      sessions_->Detach(worker_id, session.get());
+      return a;
+    }
     manager_->HeardFrom(worker_id);
     absl::Status opened = manager_->SessionOpened(hello, session_id);
     if (!opened.ok()) {
