@@ -175,6 +175,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     t->optimizer_ = t->staging_optimizer_.get();
   }
   t->state_.seed = spec.train.seed;
+  if (spec.checkpoint.replicas_every > 0 && !t->ckpt_dir_.empty())
+    RETURN_IF_ERROR(t->SetUpReplicas());
   RETURN_IF_ERROR(t->Resume(params));
   // A device's optimizer state lives there: the host copy comes back for each checkpoint.
   if (t->staging_optimizer_) t->optimizer_->ReleaseState();
@@ -250,6 +252,10 @@ absl::Status Trainer::Resume(ParamSet& params) {
     ready = CheckCheckpointRoot(ckpt_dir_);
     if (ready.ok() && attempt > 0) ready = FenceCheckpointRoot(ckpt_dir_, attempt);
   }
+  if (replicas_on_) {
+    ASSIGN_OR_RETURN(const bool from_replica, ResumeFromReplicas(params, ready.ok()));
+    if (from_replica) return absl::OkStatus();
+  }
   int64_t step = 0;
   if (ready.ok() && opt_.rank == 0) {
     absl::StatusOr<int64_t> chosen = LoadNewestValid(params);
@@ -314,6 +320,9 @@ absl::Status Trainer::Resume(ParamSet& params) {
             absl::StrCat("trainer: rank ", r, " could not resume (its error ends the attempt)"));
     }
   }
+  // With replicas the job's events say which a restart used (ResumeFromReplicas names its own).
+  if (replicas_on_ && opt_.rank == 0 && step > 0)
+    Emit({{"event", "note"}, {"message", absl::StrCat("resumed from checkpoint step ", step)}});
   return absl::OkStatus();
 }
 
@@ -379,6 +388,9 @@ absl::Status Trainer::Run() {
     const bool last = state_.step == spec.train.steps;
     const bool due = spec.checkpoint.every > 0 && state_.step % spec.checkpoint.every == 0;
     if (!ckpt_dir_.empty() && (last || due)) RETURN_IF_ERROR(Checkpoint());
+    const int64_t every = spec.checkpoint.replicas_every;
+    if (replicas_on_ && !last && every > 0 && state_.step % every == 0)
+      RETURN_IF_ERROR(ReplicaSnapshot());
   }
   RETURN_IF_ERROR(ReportCheckpoint(true));  // the final checkpoint is on disk before "done"
   Emit({{"event", "done"},

@@ -88,6 +88,7 @@
 #include "worker/engine/optimizer.h"
 #include "worker/engine/parity_canary.h"
 #include "worker/engine/recompute.h"
+#include "worker/engine/replica_store.h"
 #include "worker/engine/step_backend.h"
 
 namespace spindle {
@@ -123,6 +124,13 @@ struct TrainerOptions {
   // checkpoint (CommitCheckpoint), so that a test can kill the process mid-write. spindle-train
   // takes it from SPINDLE_CHECKPOINT_PAUSE_MS.
   int64_t checkpoint_pause_ms = 0;
+  // checkpoint.replicas (replica_store.h): this rank's replica root, the job's directory in its
+  // worker's replica directory (empty: this rank keeps no replicas, as a standalone trainer), the
+  // worker it runs on (ranks of different workers hold each other's copies), and the job's id,
+  // which every replica records. Replicas are taken only when every rank has a root.
+  std::string replica_root;
+  std::string replica_host;
+  std::string job_id;
 };
 
 class Trainer {
@@ -194,6 +202,19 @@ class Trainer {
   // opt_.resume_step loads.
   absl::StatusOr<int64_t> LoadNewestValid(ParamSet& params);
   absl::Status LoadStep(ParamSet& params, const std::string& dir);
+  // checkpoint.replicas. SetUpReplicas (Create, every rank): whether every rank has a replica
+  // root, rank 0's peer (the lowest rank on another worker) and their two-rank communicator.
+  absl::Status SetUpReplicas();
+  // Resume, every rank: when some rank's worker holds a valid replica newer than the newest file
+  // checkpoint (and not older than resume_step), the holder sends it to every rank and all load
+  // it (true). false: the file path as without replicas (none newer, or the chosen one was
+  // refused by a rank: the notes say why). `rank0_ready`: rank 0's checkpoint root is usable.
+  absl::StatusOr<bool> ResumeFromReplicas(ParamSet& params, bool rank0_ready);
+  // After a step of a multiple of checkpoint.replicas.every: rank 0 serialises the state (as a
+  // checkpoint of this step), keeps it in its replica root and sends it to its peer, which keeps
+  // it in its own. A copy that cannot be kept is a note, not an error (the file checkpoints
+  // remain); a peer that sends more than a replica of the model can be ends the attempt.
+  absl::Status ReplicaSnapshot();
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
   // build communicators on (DeviceIds gathered over the Gloo world).
   absl::StatusOr<bool> RanksHaveOwnDevices();
@@ -234,6 +255,15 @@ class Trainer {
   double snapshot_s_ = 0;  // how long the step took to snapshot it
   std::vector<double> losses_;
   double elapsed_s_ = 0.0;
+  // checkpoint.replicas: on when every rank has a replica root; rank 0's peer (-1: every rank is
+  // on rank 0's worker) and the communicator of the two; the serialised snapshot (rank 0's, or
+  // the one the peer received; the buffers are reused) and the most a received one may hold.
+  bool replicas_on_ = false;
+  int64_t replica_peer_ = -1;
+  std::unique_ptr<Communicator> replica_comm_;
+  CheckpointFiles replica_files_;
+  ReplicaBound replica_bound_;
+  bool replica_note_sent_ = false;  // one note for copies that cannot be kept
 };
 
 // Loss of a checkpoint on `n_sequences` sequences of `data` (sequences 0..n-1), without
