@@ -50,11 +50,11 @@ class ClusterReplicasTest : public ::testing::Test {
                                            "--stop_grace=1"}))
         << cluster_.Logs();
     for (const char* id : {"w0", "w1"})
-      ASSERT_TRUE(cluster_.StartWorker(id, 1, SPINDLE_TRAIN_BINARY, {},
-                                       {"--replica_dir=" + Replicas(id)}));
+      ASSERT_TRUE(cluster_.StartWorker(id, 1, SPINDLE_TRAIN_BINARY));
     ASSERT_TRUE(cluster_.WaitForWorkers(2)) << cluster_.Logs();
   }
 
+  // The worker's --replica_dir (the harness's).
   std::string Replicas(const std::string& worker) { return dir_.File("replicas-" + worker); }
 
   // The final loss of the job run uninterrupted: spindle-train standalone, one process per rank
