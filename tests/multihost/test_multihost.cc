@@ -875,6 +875,8 @@ TEST_F(MultihostTest, ALostHostsRankResumesFromThePeerCopyOfItsReplica) {
       &step));
   EXPECT_GE(step, 12) << events;
   EXPECT_EQ(step % 4, 0) << events;
+  EXPECT_NE(events.find("restart 1/5 from scratch or a newer in-memory replica"), std::string::npos)
+      << events;
   EXPECT_NE(events.find(absl::StrCat("(the copy on worker \"", peer, "\"")), std::string::npos)
       << "the peer copy, on rank 1's worker " << peer << ", should be the one used\n"
       << events;
