@@ -228,8 +228,7 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
     running.erase(ref.job_id());
     replica_root = ReplicaJobRoot(options_.replica_dir, ref.job_id(), running);
   }
-  absl::StatusOr<std::vector<std::string>> argv =
-      TrainerArgv(a, job_path.string(), replica_root);
+  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, job_path.string(), replica_root);
   if (!argv.ok()) {
     ReportLaunchFailure(ref, argv.status());
     return argv.status();

@@ -138,7 +138,8 @@ TEST(JobSpecTest, ZLossIsACoefficientInZeroOne) {
 TEST(JobSpecTest, ReplicasTakeAnIntervalAndNeedACheckpointDirectory) {
   auto with = [](const std::string& checkpoint) {
     return ParseJobSpec(R"({"name": "r", "model": {"preset": "tiny"}, "seq_len": 64,
-      "data": {"source": "synthetic:recall"}, "checkpoint": )" + checkpoint + "}");
+      "data": {"source": "synthetic:recall"}, "checkpoint": )" +
+                        checkpoint + "}");
   };
   EXPECT_EQ(ParseJobSpec(kValid)->checkpoint.replicas_every, 0);
   EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["checkpoint"].contains("replicas"));

@@ -193,7 +193,8 @@ TEST(TrainerReplicasTest, ALostWorkersRankResumesFromThePeerCopyWithTheUninterru
   ASSERT_TRUE(RunAttempt(Tiny(12, 0, 0, FreshDir("ref")), 1, -1, {}, {}, &ref).ok());
   ASSERT_EQ(ref[0].losses.size(), 12u);
   ASSERT_EQ(second[0].losses.size(), 4u);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(second[0].losses[i], ref[0].losses[8 + i]) << "step " << 9 + i;
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(second[0].losses[i], ref[0].losses[8 + i]) << "step " << 9 + i;
   for (int i = 0; i < 10; ++i) EXPECT_EQ(first[0].losses[i], ref[0].losses[i]) << "step " << i + 1;
 }
 

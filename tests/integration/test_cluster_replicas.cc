@@ -46,8 +46,8 @@ class ClusterReplicasTest : public ::testing::Test {
         std::string(SPINDLE_WORKER_BINARY).empty() || std::string(SPINDLE_TRAIN_BINARY).empty()) {
       GTEST_SKIP() << "spindle-coordinator, spindle-worker or spindle-train not built";
     }
-    ASSERT_TRUE(cluster_.StartCoordinator({"--heartbeat_interval=0.2", "--heartbeat_timeout=2",
-                                           "--stop_grace=1"}))
+    ASSERT_TRUE(cluster_.StartCoordinator(
+        {"--heartbeat_interval=0.2", "--heartbeat_timeout=2", "--stop_grace=1"}))
         << cluster_.Logs();
     for (const char* id : {"w0", "w1"})
       ASSERT_TRUE(cluster_.StartWorker(id, 1, SPINDLE_TRAIN_BINARY));
@@ -78,7 +78,8 @@ class ClusterReplicasTest : public ::testing::Test {
     for (auto& p : ranks)
       if (!p->Wait().ok()) return -1;
     double loss = -1;
-    for (absl::string_view line : absl::StrSplit(ReadFile(dir_.File("reference-rank0.out")), '\n')) {
+    for (absl::string_view line :
+         absl::StrSplit(ReadFile(dir_.File("reference-rank0.out")), '\n')) {
       nlohmann::json e = nlohmann::json::parse(line, nullptr, false);
       if (!e.is_discarded() && e.value("event", "") == "step") loss = e["loss"].get<double>();
     }
@@ -92,8 +93,8 @@ class ClusterReplicasTest : public ::testing::Test {
 TEST_F(ClusterReplicasTest, AKilledRankResumesFromTheNewestReplicaWithTheUninterruptedLoss) {
   absl::StatusOr<std::string> id = cluster_.Submit(Spec(dir_.File("ckpt")));
   ASSERT_TRUE(id.ok()) << id.status();
-  auto mid = cluster_.WaitJob(*id, [](const v1::Job& j) { return j.step() >= 14; },
-                              std::chrono::seconds(120));
+  auto mid = cluster_.WaitJob(
+      *id, [](const v1::Job& j) { return j.step() >= 14; }, std::chrono::seconds(120));
   ASSERT_TRUE(mid.has_value());
   ASSERT_GE(mid->step(), 14) << ClusterHarness::Events(*mid) << cluster_.Logs();
   if (mid->state() == v1::JOB_STATE_SUCCEEDED) GTEST_SKIP() << "job finished before the kill";

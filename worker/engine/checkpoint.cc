@@ -521,21 +521,22 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
     if (pause_between_files_ms > 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(pause_between_files_ms));
   };
-  return CommitStepDir(root, state.step, keep, attempt, [&](const std::string& tmp) -> absl::Status {
-    ASSIGN_OR_RETURN(
-        const FileDigest model_file,
-        WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
-    pause();
-    ASSIGN_OR_RETURN(const FileDigest opt_file,
-                     WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,
-                                            {{"optimizer", tensors.optimizer_name}}));
-    pause();
-    RETURN_IF_ERROR(WriteFileSynced(
-        tmp + "/state.json",
-        StateJson(config, state, tensors.optimizer_steps, model_file, opt_file)));
-    pause();
-    return absl::OkStatus();
-  });
+  return CommitStepDir(
+      root, state.step, keep, attempt, [&](const std::string& tmp) -> absl::Status {
+        ASSIGN_OR_RETURN(
+            const FileDigest model_file,
+            WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
+        pause();
+        ASSIGN_OR_RETURN(const FileDigest opt_file,
+                         WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,
+                                                {{"optimizer", tensors.optimizer_name}}));
+        pause();
+        RETURN_IF_ERROR(WriteFileSynced(
+            tmp + "/state.json",
+            StateJson(config, state, tensors.optimizer_steps, model_file, opt_file)));
+        pause();
+        return absl::OkStatus();
+      });
 }
 
 CheckpointFiles SerializeCheckpoint(const CheckpointTensors& tensors, const ModelConfig& config,

@@ -78,8 +78,7 @@ absl::StatusOr<std::string> CommitReplica(const std::string& root, int64_t step,
                                           const CheckpointFiles& files,
                                           const ReplicaOrigin& origin) {
   const std::string who =
-      nlohmann::json{{"job_id", origin.job_id}, {"attempt", origin.attempt}, {"step", step}}
-          .dump();
+      nlohmann::json{{"job_id", origin.job_id}, {"attempt", origin.attempt}, {"step", step}}.dump();
   return CommitCheckpointFiles(root, step,
                                {{"model.safetensors", files.model},
                                 {"optimizer.safetensors", files.optimizer},
@@ -103,8 +102,8 @@ ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, 
     }
     const nlohmann::json who = nlohmann::json::parse(*text, nullptr, false);
     if (!who.is_object() || !who.contains("job_id") || !who["job_id"].is_string() ||
-        !who.contains("attempt") || !who["attempt"].is_number_integer() ||
-        !who.contains("step") || !who["step"].is_number_integer()) {
+        !who.contains("attempt") || !who["attempt"].is_number_integer() || !who.contains("step") ||
+        !who["step"].is_number_integer()) {
       refuse(absl::StrCat(kOriginFile, " is corrupt"));
       continue;
     }
@@ -115,8 +114,8 @@ ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, 
     }
     const int64_t by = who["attempt"].get<int64_t>();
     if (by >= attempt) {
-      refuse(absl::StrCat("it was taken by attempt ", by, ", not an earlier attempt than ",
-                          attempt));
+      refuse(
+          absl::StrCat("it was taken by attempt ", by, ", not an earlier attempt than ", attempt));
       continue;
     }
     if (who["step"].get<int64_t>() != step) {

@@ -24,8 +24,8 @@ constexpr int64_t kChunkBytes = int64_t{256} << 20;
 absl::Status BroadcastBytes(Communicator& comm, std::string* bytes, int root) {
   for (int64_t off = 0; off < static_cast<int64_t>(bytes->size()); off += kChunkBytes) {
     const int64_t n = std::min<int64_t>(kChunkBytes, static_cast<int64_t>(bytes->size()) - off);
-    RETURN_IF_ERROR(comm.Broadcast(bytes->data() + off, n, CommType::kByte, root,
-                                   CommLayer::kOther));
+    RETURN_IF_ERROR(
+        comm.Broadcast(bytes->data() + off, n, CommType::kByte, root, CommLayer::kOther));
   }
   return absl::OkStatus();
 }
@@ -82,15 +82,13 @@ absl::Status Trainer::SetUpReplicas() {
   if (replica_peer_ < 0) {
     if (opt_.rank == 0)
       Emit({{"event", "note"},
-            {"message", absl::StrCat("checkpoint.replicas: every rank runs on worker \"",
-                                     hosts[0],
+            {"message", absl::StrCat("checkpoint.replicas: every rank runs on worker \"", hosts[0],
                                      "\": the in-memory replicas have no copy on another host")}});
     return absl::OkStatus();
   }
   if (opt_.rank == 0 || opt_.rank == replica_peer_) {
-    ASSIGN_OR_RETURN(replica_comm_,
-                     CreateGlooCommunicator(*opt_.store, "replicas", opt_.rank == 0 ? 0 : 1, 2,
-                                            opt_.gloo));
+    ASSIGN_OR_RETURN(replica_comm_, CreateGlooCommunicator(*opt_.store, "replicas",
+                                                           opt_.rank == 0 ? 0 : 1, 2, opt_.gloo));
   }
   return absl::OkStatus();
 }
@@ -117,8 +115,8 @@ absl::StatusOr<bool> Trainer::ResumeFromReplicas(ParamSet& params, bool rank0_re
   std::array<int64_t, 3> me{mine.step, file_step, rank0_ready ? 1 : 0};
   std::vector<int64_t> all(3 * world, 0);
   if (world_comm_) {
-    RETURN_IF_ERROR(world_comm_->AllGather(me.data(), 3 * 8, CommType::kByte, all.data(),
-                                           CommLayer::kOther));
+    RETURN_IF_ERROR(
+        world_comm_->AllGather(me.data(), 3 * 8, CommType::kByte, all.data(), CommLayer::kOther));
     world_comm_->TakeStats();
   } else {
     std::copy(me.begin(), me.end(), all.begin());
@@ -150,9 +148,10 @@ absl::StatusOr<bool> Trainer::ResumeFromReplicas(ParamSet& params, bool rank0_re
     own = CheckReplicaSizes(sizes[0], sizes[1], sizes[2], replica_bound_,
                             absl::StrCat("rank ", holder));
   auto refused = [&](int64_t r, const absl::Status& s) -> bool {
-    if (rank == r) note(absl::StrCat("in-memory replica of step ", best, " from rank ", holder,
-                                     " refused on rank ", r, ": ", s.message(),
-                                     "; resuming from the checkpoint"));
+    if (rank == r)
+      note(absl::StrCat("in-memory replica of step ", best, " from rank ", holder,
+                        " refused on rank ", r, ": ", s.message(),
+                        "; resuming from the checkpoint"));
     return false;
   };
   ASSIGN_OR_RETURN(int64_t failing, FirstFailing(world_comm_.get(), own.ok(), world));
@@ -207,7 +206,8 @@ absl::Status Trainer::ReplicaSnapshot() {
     s = backend_->DownloadParams();
     if (staging_optimizer_) {
       optimizer_->AllocateState();
-      if (s.ok()) s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
+      if (s.ok())
+        s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
       optimizer_->set_steps_taken(backend_->steps_taken());
     }
   }
@@ -223,9 +223,9 @@ absl::Status Trainer::ReplicaSnapshot() {
   if (rank == 0 && s.ok()) {
     const OptimizerKind kind{optimizer_->spec().optimizer, optimizer_->is_adamw(),
                              optimizer_->steps_taken()};
-    absl::StatusOr<CheckpointTensors> tensors = CollectCheckpointTensors(
-        params, params.flat_data().f32(), DataOrNull(optimizer_->state0()),
-        DataOrNull(optimizer_->state1()), &kind, &gathered);
+    absl::StatusOr<CheckpointTensors> tensors =
+        CollectCheckpointTensors(params, params.flat_data().f32(), DataOrNull(optimizer_->state0()),
+                                 DataOrNull(optimizer_->state1()), &kind, &gathered);
     if (tensors.ok())
       replica_files_ =
           SerializeCheckpoint(*tensors, opt_.spec.model, state_, std::move(replica_files_));
@@ -252,14 +252,13 @@ absl::Status Trainer::ReplicaSnapshot() {
         replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0, CommLayer::kOther));
     if (sizes[0] > 0) {
       if (rank != 0) {
-        RETURN_IF_ERROR(
-            CheckReplicaSizes(sizes[0], sizes[1], sizes[2], replica_bound_, "rank 0"));
+        RETURN_IF_ERROR(CheckReplicaSizes(sizes[0], sizes[1], sizes[2], replica_bound_, "rank 0"));
         replica_files_.model.resize(sizes[0]);
         replica_files_.optimizer.resize(sizes[1]);
         replica_files_.state.resize(sizes[2]);
       }
-      for (std::string* b : {&replica_files_.model, &replica_files_.optimizer,
-                             &replica_files_.state})
+      for (std::string* b :
+           {&replica_files_.model, &replica_files_.optimizer, &replica_files_.state})
         RETURN_IF_ERROR(BroadcastBytes(*replica_comm_, b, 0));
       if (rank != 0) {
         absl::Status kept = VerifyCheckpointFiles(replica_files_, "the replica rank 0 sent");
@@ -267,15 +266,16 @@ absl::Status Trainer::ReplicaSnapshot() {
           kept = CommitReplica(opt_.replica_root, state_.step, replica_files_, origin).status();
         if (!kept.ok())
           note_once(absl::StrCat("in-memory replica of step ", state_.step,
-                                 " not kept on worker \"", opt_.replica_host, "\": ",
-                                 kept.message()));
+                                 " not kept on worker \"", opt_.replica_host,
+                                 "\": ", kept.message()));
       }
     }
     replica_comm_->TakeStats();
   }
   if (rank != 0) return absl::OkStatus();
   if (!s.ok()) return s;
-  absl::Status kept = CommitReplica(opt_.replica_root, state_.step, replica_files_, origin).status();
+  absl::Status kept =
+      CommitReplica(opt_.replica_root, state_.step, replica_files_, origin).status();
   if (!kept.ok())
     note_once(absl::StrCat("in-memory replica of step ", state_.step, " not kept on worker \"",
                            opt_.replica_host, "\": ", kept.message()));
@@ -285,8 +285,7 @@ absl::Status Trainer::ReplicaSnapshot() {
                       replica_files_.state.size()},
         {"peer_rank", replica_peer_},
         {"snapshot_s", snapshot_s},
-        {"total_s",
-         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}});
+        {"total_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}});
   return absl::OkStatus();
 }
 
