@@ -376,7 +376,10 @@ absl::Status Trainer::Run() {
   bool parity_unavailable = false;
   while (state_.step < spec.train.steps) {
     // A stop waits for the checkpoint being written.
-    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return ReportCheckpoint(true);
+    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) {
+      RETURN_IF_ERROR(FinishReplica());
+      return ReportCheckpoint(true);
+    }
     RETURN_IF_ERROR(ReportCheckpoint(false));
     if (!parity_unavailable && ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
                                          ParityLayoutKey(spec, modes_))) {
@@ -392,6 +395,7 @@ absl::Status Trainer::Run() {
     if (replicas_on_ && !last && every > 0 && state_.step % every == 0)
       RETURN_IF_ERROR(ReplicaSnapshot());
   }
+  RETURN_IF_ERROR(FinishReplica());
   RETURN_IF_ERROR(ReportCheckpoint(true));  // the final checkpoint is on disk before "done"
   Emit({{"event", "done"},
         {"step", state_.step},
@@ -705,10 +709,34 @@ absl::Status Trainer::CheckpointSync() {
 // write does.
 absl::Status Trainer::SnapshotCheckpoint() {
   const auto t0 = std::chrono::steady_clock::now();
-  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
   CheckpointSnapshot* snap = writer_ ? &writer_->snapshot() : nullptr;
   ParamSet& params = backend_->host_params();
   absl::Status s;
+  RETURN_IF_ERROR(SnapshotInto(snap, &s));
+  if (snap && s.ok()) {
+    absl::StatusOr<CheckpointTensors> tensors = snap->Tensors(params);
+    if (tensors.ok())
+      writer_->Start(*std::move(tensors), state_);
+    else
+      s = tensors.status();
+  }
+  if (world_comm_) {
+    int32_t taken = s.ok() ? 1 : 0;
+    RETURN_IF_ERROR(world_comm_->Broadcast(&taken, 1, CommType::kI32, 0, CommLayer::kOther));
+    if (!taken && opt_.rank != 0)
+      return absl::InternalError(
+          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
+  }
+  if (!s.ok()) return s;
+  ckpt_in_flight_ = state_.step;
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SnapshotInto(CheckpointSnapshot* snap, absl::Status* taken) {
+  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
+  ParamSet& params = backend_->host_params();
+  absl::Status& s = *taken;
   const float *state0 = nullptr, *state1 = nullptr;
   bool staged = false;  // the staging optimizer holds state to release
   if (contributes) {
@@ -745,22 +773,7 @@ absl::Status Trainer::SnapshotCheckpoint() {
   if (snap && s.ok()) {
     snap->CopyParams(params);
     if (!staging_optimizer_) snap->CopyOptimizer(*optimizer_);
-    absl::StatusOr<CheckpointTensors> tensors = snap->Tensors(params);
-    if (tensors.ok())
-      writer_->Start(*std::move(tensors), state_);
-    else
-      s = tensors.status();
   }
-  if (world_comm_) {
-    int32_t taken = s.ok() ? 1 : 0;
-    RETURN_IF_ERROR(world_comm_->Broadcast(&taken, 1, CommType::kI32, 0, CommLayer::kOther));
-    if (!taken && opt_.rank != 0)
-      return absl::InternalError(
-          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
-  }
-  if (!s.ok()) return s;
-  ckpt_in_flight_ = state_.step;
-  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 

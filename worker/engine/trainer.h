@@ -71,6 +71,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -136,6 +137,8 @@ struct TrainerOptions {
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options);
+  // Waits for a replica in flight (checkpoint.replicas).
+  ~Trainer();
   absl::Status Run();
   // Runs the parity canary now, before the next step (whatever parallel.verify says), emits its
   // event and, when it passed, records the layout as verified. A mismatch is a result with
@@ -180,6 +183,12 @@ class Trainer {
   absl::Status Checkpoint();
   absl::Status CheckpointSync();
   absl::Status SnapshotCheckpoint();
+  // The state into `snap` as a checkpoint takes it (rank 0; null on the other members of rank 0's
+  // EP group, which take part in the gather of its expert shards; a no-op on every other rank):
+  // the device's parameters and optimizer state downloaded, the shards gathered, the values
+  // copied. Returns the gather's error; `*taken` gets a failed download's (the caller tells the
+  // other ranks).
+  absl::Status SnapshotInto(CheckpointSnapshot* snap, absl::Status* taken);
   // Every rank: when a background write is in flight and has finished (or `wait`: once it has),
   // rank 0 tells the others how it ended (a collective), and each rank emits the checkpoint event
   // or returns the write's error as CheckpointSync would have. A no-op when none is in flight.
@@ -210,11 +219,16 @@ class Trainer {
   // it (true). false: the file path as without replicas (none newer, or the chosen one was
   // refused by a rank: the notes say why). `rank0_ready`: rank 0's checkpoint root is usable.
   absl::StatusOr<bool> ResumeFromReplicas(ParamSet& params, bool rank0_ready);
-  // After a step of a multiple of checkpoint.replicas.every: rank 0 serialises the state (as a
-  // checkpoint of this step), keeps it in its replica root and sends it to its peer, which keeps
-  // it in its own. A copy that cannot be kept is a note, not an error (the file checkpoints
-  // remain); a peer that sends more than a replica of the model can be ends the attempt.
+  // After a step of a multiple of checkpoint.replicas.every: rank 0 snapshots the state into host
+  // memory (as a background checkpoint does) and a thread of its own serialises it (as a
+  // checkpoint of this step), sends it to the peer and keeps it in rank 0's replica root; the
+  // peer's own thread receives it and keeps it in its root. The previous replica is finished
+  // first (FinishReplica), so at most one is in flight.
   absl::Status ReplicaSnapshot();
+  // Waits for the replica in flight (rank 0 and its peer) and reports it: rank 0's "replica"
+  // event; a copy that could not be kept is a note, not an error (the file checkpoints remain);
+  // a peer that sent more than a replica of the model can be ends the attempt.
+  absl::Status FinishReplica();
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
   // build communicators on (DeviceIds gathered over the Gloo world).
   absl::StatusOr<bool> RanksHaveOwnDevices();
@@ -264,6 +278,19 @@ class Trainer {
   CheckpointFiles replica_files_;
   ReplicaBound replica_bound_;
   bool replica_note_sent_ = false;  // one note for copies that cannot be kept
+  // The replica in flight: rank 0's snapshot (its thread reads it), the thread (sending on rank 0,
+  // receiving on the peer; it alone touches replica_comm_ and replica_files_ while it runs) and
+  // what it ended with.
+  CheckpointSnapshot replica_snapshot_;
+  struct ReplicaResult {
+    int64_t step = 0;
+    absl::Status kept;   // the copy could not be kept: a note
+    absl::Status fatal;  // the peer sent what no replica of the model is: ends the attempt
+    double snapshot_s = 0, write_s = 0;
+    int64_t bytes = 0;
+  };
+  ReplicaResult replica_result_;
+  std::thread replica_thread_;
 };
 
 // Loss of a checkpoint on `n_sequences` sequences of `data` (sequences 0..n-1), without

@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -43,8 +44,6 @@ absl::StatusOr<int64_t> FirstFailing(Communicator* world, bool ok, int64_t world
     if (!all[r]) return r;
   return -1;
 }
-
-const float* DataOrNull(Tensor& t) { return t.empty() ? nullptr : t.f32(); }
 
 }  // namespace
 
@@ -195,97 +194,102 @@ absl::StatusOr<bool> Trainer::ResumeFromReplicas(ParamSet& params, bool rank0_re
   return true;
 }
 
+Trainer::~Trainer() {
+  if (replica_thread_.joinable()) replica_thread_.join();
+}
+
 absl::Status Trainer::ReplicaSnapshot() {
+  RETURN_IF_ERROR(FinishReplica());
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t rank = opt_.rank;
-  const bool contributes = rank == 0 || (ep_ > 1 && rank < ep_);
-  ParamSet& params = backend_->host_params();
-  absl::Status s;
-  // The state into the host copies, as a synchronous checkpoint takes it.
-  if (contributes) {
-    s = backend_->DownloadParams();
-    if (staging_optimizer_) {
-      optimizer_->AllocateState();
-      if (s.ok())
-        s = backend_->DownloadOptimizerState(&optimizer_->state0(), &optimizer_->state1());
-      optimizer_->set_steps_taken(backend_->steps_taken());
-    }
-  }
-  GatheredShards gathered;
-  if (ep_ > 1 && rank < ep_) {
-    absl::Status g = GatherExpertShards(params.flat_data().f32(), DataOrNull(optimizer_->state0()),
-                                        DataOrNull(optimizer_->state1()), &gathered);
-    if (!g.ok()) {
-      if (staging_optimizer_) optimizer_->ReleaseState();
-      return g;
-    }
-  }
-  if (rank == 0 && s.ok()) {
-    const OptimizerKind kind{optimizer_->spec().optimizer, optimizer_->is_adamw(),
-                             optimizer_->steps_taken()};
-    absl::StatusOr<CheckpointTensors> tensors =
-        CollectCheckpointTensors(params, params.flat_data().f32(), DataOrNull(optimizer_->state0()),
-                                 DataOrNull(optimizer_->state1()), &kind, &gathered);
-    if (tensors.ok())
-      replica_files_ =
-          SerializeCheckpoint(*tensors, opt_.spec.model, state_, std::move(replica_files_));
-    else
-      s = tensors.status();
-  }
-  if (staging_optimizer_ && contributes) optimizer_->ReleaseState();
-  const double snapshot_s =
+  // The state into rank 0's replica snapshot (the other members of its EP group gather with it).
+  absl::Status taken;
+  RETURN_IF_ERROR(SnapshotInto(rank == 0 ? &replica_snapshot_ : nullptr, &taken));
+  if (rank != 0 && rank != replica_peer_) return absl::OkStatus();
+  replica_result_ = ReplicaResult{};
+  replica_result_.step = state_.step;
+  replica_result_.snapshot_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  auto note_once = [this](const std::string& text) {
-    if (replica_note_sent_) return;
-    replica_note_sent_ = true;
-    Emit({{"event", "note"}, {"message", text}});
-  };
   const ReplicaOrigin origin{opt_.job_id, opt_.attempt};
-  // The peer copy: the sizes (0 for the model: rank 0 has none to send), bounded, then the bytes.
-  if (replica_comm_) {
-    std::array<int64_t, 3> sizes{0, 0, 0};
-    if (rank == 0 && s.ok())
-      sizes = {static_cast<int64_t>(replica_files_.model.size()),
-               static_cast<int64_t>(replica_files_.optimizer.size()),
-               static_cast<int64_t>(replica_files_.state.size())};
-    RETURN_IF_ERROR(
-        replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0, CommLayer::kOther));
-    if (sizes[0] > 0) {
-      if (rank != 0) {
-        RETURN_IF_ERROR(CheckReplicaSizes(sizes[0], sizes[1], sizes[2], replica_bound_, "rank 0"));
-        replica_files_.model.resize(sizes[0]);
-        replica_files_.optimizer.resize(sizes[1]);
-        replica_files_.state.resize(sizes[2]);
+  if (rank == 0) {
+    // A failed download ends the attempt as a failed checkpoint does; the peer, waiting for the
+    // replica, then sees the connection go.
+    RETURN_IF_ERROR(taken);
+    ASSIGN_OR_RETURN(CheckpointTensors tensors,
+                     replica_snapshot_.Tensors(backend_->host_params()));
+    replica_thread_ = std::thread([this, tensors = std::move(tensors), state = state_, origin] {
+      const auto t1 = std::chrono::steady_clock::now();
+      ReplicaResult& r = replica_result_;
+      replica_files_ =
+          SerializeCheckpoint(tensors, opt_.spec.model, state, std::move(replica_files_));
+      r.bytes = static_cast<int64_t>(replica_files_.model.size() +
+                                     replica_files_.optimizer.size() + replica_files_.state.size());
+      if (replica_comm_) {
+        std::array<int64_t, 3> sizes{static_cast<int64_t>(replica_files_.model.size()),
+                                     static_cast<int64_t>(replica_files_.optimizer.size()),
+                                     static_cast<int64_t>(replica_files_.state.size())};
+        absl::Status sent = replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0,
+                                                     CommLayer::kOther);
+        for (std::string* b :
+             {&replica_files_.model, &replica_files_.optimizer, &replica_files_.state})
+          if (sent.ok()) sent = BroadcastBytes(*replica_comm_, b, 0);
+        replica_comm_->TakeStats();
+        if (!sent.ok())
+          r.kept = absl::UnavailableError(
+              absl::StrCat("the copy for rank ", replica_peer_, " was not sent: ", sent.message()));
       }
+      absl::Status own = CommitReplica(opt_.replica_root, state.step, replica_files_, origin).status();
+      if (!own.ok() && r.kept.ok()) r.kept = own;
+      r.write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    });
+    return absl::OkStatus();
+  }
+  // The peer: receives rank 0's replica of this step, its sizes bounded before any byte is held.
+  replica_thread_ = std::thread([this, origin] {
+    const auto t1 = std::chrono::steady_clock::now();
+    ReplicaResult& r = replica_result_;
+    std::array<int64_t, 3> sizes{0, 0, 0};
+    absl::Status got =
+        replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0, CommLayer::kOther);
+    if (got.ok()) {
+      r.fatal = CheckReplicaSizes(sizes[0], sizes[1], sizes[2], replica_bound_, "rank 0");
+      if (!r.fatal.ok()) return;
+      replica_files_.model.resize(sizes[0]);
+      replica_files_.optimizer.resize(sizes[1]);
+      replica_files_.state.resize(sizes[2]);
       for (std::string* b :
            {&replica_files_.model, &replica_files_.optimizer, &replica_files_.state})
-        RETURN_IF_ERROR(BroadcastBytes(*replica_comm_, b, 0));
-      if (rank != 0) {
-        absl::Status kept = VerifyCheckpointFiles(replica_files_, "the replica rank 0 sent");
-        if (kept.ok())
-          kept = CommitReplica(opt_.replica_root, state_.step, replica_files_, origin).status();
-        if (!kept.ok())
-          note_once(absl::StrCat("in-memory replica of step ", state_.step,
-                                 " not kept on worker \"", opt_.replica_host,
-                                 "\": ", kept.message()));
-      }
+        if (got.ok()) got = BroadcastBytes(*replica_comm_, b, 0);
     }
     replica_comm_->TakeStats();
+    if (got.ok()) got = VerifyCheckpointFiles(replica_files_, "the replica rank 0 sent");
+    if (got.ok()) got = CommitReplica(opt_.replica_root, r.step, replica_files_, origin).status();
+    r.kept = got;
+    r.bytes = sizes[0] + sizes[1] + sizes[2];
+    r.write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::FinishReplica() {
+  if (!replica_thread_.joinable()) return absl::OkStatus();
+  replica_thread_.join();
+  const ReplicaResult& r = replica_result_;
+  RETURN_IF_ERROR(r.fatal);
+  if (!r.kept.ok() && !replica_note_sent_) {
+    replica_note_sent_ = true;
+    Emit({{"event", "note"},
+          {"message", absl::StrCat("in-memory replica of step ", r.step, " not kept on worker \"",
+                                   opt_.replica_host, "\": ", r.kept.message())}});
   }
-  if (rank != 0) return absl::OkStatus();
-  if (!s.ok()) return s;
-  absl::Status kept =
-      CommitReplica(opt_.replica_root, state_.step, replica_files_, origin).status();
-  if (!kept.ok())
-    note_once(absl::StrCat("in-memory replica of step ", state_.step, " not kept on worker \"",
-                           opt_.replica_host, "\": ", kept.message()));
-  Emit({{"event", "replica"},
-        {"step", state_.step},
-        {"bytes", replica_files_.model.size() + replica_files_.optimizer.size() +
-                      replica_files_.state.size()},
-        {"peer_rank", replica_peer_},
-        {"snapshot_s", snapshot_s},
-        {"total_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}});
+  if (opt_.rank == 0)
+    Emit({{"event", "replica"},
+          {"step", r.step},
+          {"bytes", r.bytes},
+          {"peer_rank", replica_peer_},
+          {"kept", r.kept.ok()},
+          {"snapshot_s", r.snapshot_s},
+          {"write_s", r.write_s}});
   return absl::OkStatus();
 }
 
