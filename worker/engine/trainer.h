@@ -6,7 +6,9 @@
 // steps and at the end (checkpoint.async, the default: the step snapshots the state into host
 // memory and a background thread writes it, checkpoint_writer.h; the write is reported, as a
 // "checkpoint" event with "write_s" and "blocked_s", the time the steps waited for it, at the
-// first step boundary after it finished, and the final one is waited for). Events are JSON objects
+// first step boundary after it finished, and the final one is waited for; checkpoint.replicas:
+// in-memory replicas on the rank's worker and a peer's, resumed from when newer than the file,
+// trainer_replicas.cc and replica_store.h). Events are JSON objects
 // handed to a callback (spindle-train prints them one per line). Not thread-safe (but for
 // DrainCheckpointWrite); one trainer per process (or per thread in tests).
 //

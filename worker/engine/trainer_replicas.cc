@@ -215,21 +215,20 @@ absl::Status Trainer::ReplicaSnapshot() {
     // A failed download ends the attempt as a failed checkpoint does; the peer, waiting for the
     // replica, then sees the connection go.
     RETURN_IF_ERROR(taken);
-    ASSIGN_OR_RETURN(CheckpointTensors tensors,
-                     replica_snapshot_.Tensors(backend_->host_params()));
+    ASSIGN_OR_RETURN(CheckpointTensors tensors, replica_snapshot_.Tensors(backend_->host_params()));
     replica_thread_ = std::thread([this, tensors = std::move(tensors), state = state_, origin] {
       const auto t1 = std::chrono::steady_clock::now();
       ReplicaResult& r = replica_result_;
       replica_files_ =
           SerializeCheckpoint(tensors, opt_.spec.model, state, std::move(replica_files_));
-      r.bytes = static_cast<int64_t>(replica_files_.model.size() +
-                                     replica_files_.optimizer.size() + replica_files_.state.size());
+      r.bytes = static_cast<int64_t>(replica_files_.model.size() + replica_files_.optimizer.size() +
+                                     replica_files_.state.size());
       if (replica_comm_) {
         std::array<int64_t, 3> sizes{static_cast<int64_t>(replica_files_.model.size()),
                                      static_cast<int64_t>(replica_files_.optimizer.size()),
                                      static_cast<int64_t>(replica_files_.state.size())};
-        absl::Status sent = replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0,
-                                                     CommLayer::kOther);
+        absl::Status sent =
+            replica_comm_->Broadcast(sizes.data(), 3 * 8, CommType::kByte, 0, CommLayer::kOther);
         for (std::string* b :
              {&replica_files_.model, &replica_files_.optimizer, &replica_files_.state})
           if (sent.ok()) sent = BroadcastBytes(*replica_comm_, b, 0);
@@ -238,7 +237,8 @@ absl::Status Trainer::ReplicaSnapshot() {
           r.kept = absl::UnavailableError(
               absl::StrCat("the copy for rank ", replica_peer_, " was not sent: ", sent.message()));
       }
-      absl::Status own = CommitReplica(opt_.replica_root, state.step, replica_files_, origin).status();
+      absl::Status own =
+          CommitReplica(opt_.replica_root, state.step, replica_files_, origin).status();
       if (!own.ok() && r.kept.ok()) r.kept = own;
       r.write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     });
