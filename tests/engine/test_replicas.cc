@@ -60,6 +60,9 @@ void FlipByte(const std::string& path, std::streamoff at) {
   f.put('\x7f');
 }
 
+// Large enough for the test's replicas.
+const ReplicaBound kBound{1 << 20, 1 << 20, 1 << 20};
+
 TEST(ReplicaStoreTest, TheNewestCompleteReplicaWinsAndTheBadOnesAreRefused) {
   const std::string root = FreshDir("root");
   std::vector<float> v4, v8;
@@ -70,26 +73,35 @@ TEST(ReplicaStoreTest, TheNewestCompleteReplicaWinsAndTheBadOnesAreRefused) {
   // An incomplete one (no state.json: a writer that died) is no candidate.
   std::filesystem::create_directories(root + "/step_00000012");
   std::ofstream(root + "/step_00000012/model.safetensors") << "partial";
-  ReplicaChoice c = NewestReplica(root, "job", 2);
+  ReplicaChoice c = NewestReplica(root, "job", 2, kBound);
   EXPECT_EQ(c.step, 8);
   EXPECT_EQ(c.dir, root + "/step_00000008");
   EXPECT_TRUE(c.refused.empty());
   EXPECT_EQ(c.files.model, Files(8, &v8).model);
   // Another job's, or one the resuming attempt took itself (or a later one), is refused.
-  c = NewestReplica(root, "other", 2);
+  c = NewestReplica(root, "other", 2, kBound);
   EXPECT_EQ(c.step, 0);
   ASSERT_EQ(c.refused.size(), 1u);
   EXPECT_EQ(c.refused[0], absl::StrCat("in-memory replica of step 8 (\"", root,
                                        "/step_00000008\") refused: it belongs to job \"job\", "
                                        "not \"other\""));
-  c = NewestReplica(root, "job", 1);
+  c = NewestReplica(root, "job", 1, kBound);
   EXPECT_EQ(c.step, 0);
   ASSERT_EQ(c.refused.size(), 1u);
   EXPECT_TRUE(absl::StrContains(c.refused[0], "taken by attempt 1, not an earlier attempt than 1"))
       << c.refused[0];
+  // One larger than a replica of the model can be is refused before it is read.
+  const ReplicaBound small{64, 1 << 20, 1 << 20};
+  c = NewestReplica(root, "job", 2, small);
+  EXPECT_EQ(c.step, 0);
+  ASSERT_EQ(c.refused.size(), 1u);
+  EXPECT_EQ(c.refused[0], absl::StrCat("in-memory replica of step 8 (\"", root,
+                                       "/step_00000008\") refused: model.safetensors holds ",
+                                       Files(8, &v8).model.size(),
+                                       " bytes; a replica of this model has at most 64"));
   // A corrupt one (a flipped byte in its weights) is refused by its checksum.
   FlipByte(root + "/step_00000008/model.safetensors", 100);
-  c = NewestReplica(root, "job", 2);
+  c = NewestReplica(root, "job", 2, kBound);
   EXPECT_EQ(c.step, 0);
   ASSERT_EQ(c.refused.size(), 1u);
   EXPECT_EQ(c.refused[0], absl::StrCat("in-memory replica of step 8 (\"", root,

@@ -107,8 +107,9 @@ TEST_F(ClusterReplicasTest, AKilledRankResumesFromTheNewestReplicaWithTheUninter
   ASSERT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << events << cluster_.Logs();
   EXPECT_EQ(job->step(), kSteps);
   EXPECT_EQ(job->attempt(), 2);
-  // The replica of a step of at least 12 (the kill came after step 14; replicas every 4), with no
-  // file checkpoint before the last step.
+  // A replica of a step of at least 8, with no file checkpoint before the last step: the kill came
+  // after step 14, and a replica is complete at the latest when the next one starts (that of step
+  // 12 may still have been in flight).
   std::smatch m;
   ASSERT_TRUE(std::regex_search(events, m,
                                 std::regex("resumed from in-memory replicas at step ([0-9]+) "
@@ -116,7 +117,7 @@ TEST_F(ClusterReplicasTest, AKilledRankResumesFromTheNewestReplicaWithTheUninter
                                            "newest checkpoint is step 0\\)")))
       << events;
   const int resumed = std::stoi(m[1]);
-  EXPECT_GE(resumed, 12);
+  EXPECT_GE(resumed, 8);
   EXPECT_EQ(resumed % 4, 0);
   // Token-exact: the final loss of the uninterrupted run, bitwise.
   EXPECT_EQ(job->loss(), ReferenceLoss()) << events;

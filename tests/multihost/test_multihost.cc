@@ -873,7 +873,9 @@ TEST_F(MultihostTest, ALostHostsRankResumesFromThePeerCopyOfItsReplica) {
   ASSERT_TRUE(absl::SimpleAtoi(
       events.substr(at + used.size(), events.find(' ', at + used.size()) - at - used.size()),
       &step));
-  EXPECT_GE(step, 12) << events;
+  // Cut after step 12: the replica of step 8 was complete (each is, at the latest, when the next
+  // one starts).
+  EXPECT_GE(step, 8) << events;
   EXPECT_EQ(step % 4, 0) << events;
   EXPECT_NE(events.find("restart 1/5 from scratch or a newer in-memory replica"), std::string::npos)
       << events;

@@ -458,9 +458,10 @@ std::string StateJson(const ModelConfig& config, const TrainState& state, int64_
 }
 
 // The crash-safe commit of checkpoint `step` under root (the protocol SaveCheckpoint describes):
-// `write` creates the files in the temporary directory it is given.
+// `write` creates the files in the temporary directory it is given; `log_commit`: the commit is a
+// line of commits.log.
 absl::StatusOr<std::string> CommitStepDir(
-    const std::string& root, int64_t step, int64_t keep, int64_t attempt,
+    const std::string& root, int64_t step, int64_t keep, int64_t attempt, bool log_commit,
     const std::function<absl::Status(const std::string& tmp)>& write) {
   RETURN_IF_ERROR(MakeDirs(root));
   ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
@@ -499,7 +500,7 @@ absl::StatusOr<std::string> CommitStepDir(
   std::vector<std::string> dirs = StepDirs(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)
     if (dirs[i] != name) RemoveTree(root + "/" + dirs[i]);
-  RETURN_IF_ERROR(AppendCommitLog(root, {{"commit", step}, {"attempt", attempt}}));
+  if (log_commit) RETURN_IF_ERROR(AppendCommitLog(root, {{"commit", step}, {"attempt", attempt}}));
   return final_dir;
 }
 
@@ -522,7 +523,8 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
       std::this_thread::sleep_for(std::chrono::milliseconds(pause_between_files_ms));
   };
   return CommitStepDir(
-      root, state.step, keep, attempt, [&](const std::string& tmp) -> absl::Status {
+      root, state.step, keep, attempt, /*log_commit=*/true,
+      [&](const std::string& tmp) -> absl::Status {
         ASSIGN_OR_RETURN(
             const FileDigest model_file,
             WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
@@ -591,19 +593,20 @@ absl::StatusOr<std::string> CommitCheckpointFiles(
     const std::vector<std::pair<std::string, std::string_view>>& files, int64_t keep,
     int64_t attempt) {
   // state.json last: a directory is complete once it has one.
-  return CommitStepDir(root, step, keep, attempt, [&](const std::string& tmp) -> absl::Status {
-    for (const auto& [name, bytes] : files)
-      if (name != "state.json")
-        RETURN_IF_ERROR(
-            WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
-                .status());
-    for (const auto& [name, bytes] : files)
-      if (name == "state.json")
-        RETURN_IF_ERROR(
-            WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
-                .status());
-    return absl::OkStatus();
-  });
+  return CommitStepDir(
+      root, step, keep, attempt, /*log_commit=*/false, [&](const std::string& tmp) -> absl::Status {
+        for (const auto& [name, bytes] : files)
+          if (name != "state.json")
+            RETURN_IF_ERROR(
+                WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
+                    .status());
+        for (const auto& [name, bytes] : files)
+          if (name == "state.json")
+            RETURN_IF_ERROR(
+                WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
+                    .status());
+        return absl::OkStatus();
+      });
 }
 
 absl::Status FenceCheckpointRoot(const std::string& root, int64_t attempt) {

@@ -113,7 +113,8 @@ absl::StatusOr<CheckpointFiles> ReadCheckpointFiles(const std::string& dir);
 
 // Commits the given files (name, bytes) as <root>/step_<step>/ with CommitCheckpoint's
 // crash-safe protocol (writer lock, fence, temporary directory, fsync, rename, latest, pruning
-// to `keep`, commits.log); state.json is written last.
+// to `keep`); state.json is written last. Unlike CommitCheckpoint it adds no commits.log line
+// (in-memory replicas commit often, and their root would grow by a line each time).
 absl::StatusOr<std::string> CommitCheckpointFiles(
     const std::string& root, int64_t step,
     const std::vector<std::pair<std::string, std::string_view>>& files, int64_t keep,

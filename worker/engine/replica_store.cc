@@ -87,7 +87,8 @@ absl::StatusOr<std::string> CommitReplica(const std::string& root, int64_t step,
                                /*keep=*/1, origin.attempt);
 }
 
-ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, int64_t attempt) {
+ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, int64_t attempt,
+                            const ReplicaBound& bound) {
   ReplicaChoice choice;
   for (const std::string& dir : CompleteCheckpoints(root)) {
     const int64_t step = CheckpointStepOf(dir);
@@ -120,6 +121,21 @@ ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, 
     }
     if (who["step"].get<int64_t>() != step) {
       refuse(absl::StrCat(kOriginFile, " names step ", who["step"].get<int64_t>()));
+      continue;
+    }
+    // Bounded before anything is read: no file larger than a replica of the model can be.
+    std::string oversized;
+    for (const auto& [name, limit] :
+         {std::pair<const char*, int64_t>{"model.safetensors", bound.model},
+          {"optimizer.safetensors", bound.optimizer},
+          {"state.json", bound.state}}) {
+      struct stat st;
+      if (oversized.empty() && ::stat((dir + "/" + name).c_str(), &st) == 0 && st.st_size > limit)
+        oversized = absl::StrCat(name, " holds ", st.st_size,
+                                 " bytes; a replica of this model has at most ", limit);
+    }
+    if (!oversized.empty()) {
+      refuse(oversized);
       continue;
     }
     absl::StatusOr<CheckpointFiles> files = ReadCheckpointFiles(dir);

@@ -63,7 +63,9 @@ struct ReplicaChoice {
   CheckpointFiles files;
   std::vector<std::string> refused;
 };
-ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, int64_t attempt);
+// A replica whose files are larger than `bound` is refused before it is read.
+ReplicaChoice NewestReplica(const std::string& root, const std::string& job_id, int64_t attempt,
+                            const ReplicaBound& bound);
 
 // The temporary directory a rank writes a replica it received into before loading it; the
 // checkpoint writer's stale-temporary cleanup removes one a killed rank left.

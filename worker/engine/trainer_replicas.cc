@@ -99,7 +99,7 @@ absl::StatusOr<bool> Trainer::ResumeFromReplicas(ParamSet& params, bool rank0_re
   // This rank's candidate: its worker's newest valid replica, once the root is this attempt's.
   ReplicaChoice mine;
   if (absl::Status fenced = FenceCheckpointRoot(root, opt_.attempt); fenced.ok()) {
-    mine = NewestReplica(root, opt_.job_id, opt_.attempt);
+    mine = NewestReplica(root, opt_.job_id, opt_.attempt, replica_bound_);
   } else {
     note(absl::StrCat("in-memory replicas on worker \"", opt_.replica_host,
                       "\" not used: ", fenced.message()));
