@@ -68,8 +68,9 @@ absl::Status Trainer::SetUpReplicas() {
       if (opt_.rank == 0)
         Emit({{"event", "note"},
               {"message", absl::StrCat("checkpoint.replicas: rank ", r,
-                                       " has no replica directory (a trainer not run by a worker "
-                                       "daemon); the job keeps no in-memory replicas")}});
+                                       " has no replica directory (its worker keeps none, "
+                                       "--replica_dir=off, or a trainer run standalone); the "
+                                       "job keeps no in-memory replicas")}});
       return absl::OkStatus();
     }
     hosts.emplace_back(p + 1, std::find(p + 1, p + kHostIdBytes, '\0'));
