@@ -387,6 +387,15 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     RETURN_IF_ERROR(cf.ReadInt("every", &s.checkpoint.every));
     RETURN_IF_ERROR(cf.ReadInt("keep", &s.checkpoint.keep));
     RETURN_IF_ERROR(cf.ReadBool("async", &s.checkpoint.async));
+    if (const nlohmann::json* r = cf.Sub("replicas")) {
+      JsonFields rf(*r, "job spec", "checkpoint.replicas");
+      RETURN_IF_ERROR(rf.CheckObject());
+      RETURN_IF_ERROR(rf.ReadInt("every", &s.checkpoint.replicas_every, /*required=*/true));
+      RETURN_IF_ERROR(rf.Finish());
+      if (s.checkpoint.replicas_every < 0)
+        return rf.Error("every", absl::StrCat("must be >= 0 (0: no replicas), got ",
+                                              s.checkpoint.replicas_every));
+    }
     RETURN_IF_ERROR(cf.Finish());
     RETURN_IF_ERROR(CheckPathText(cf, "dir", s.checkpoint.dir));
     if (s.checkpoint.every < 0)
@@ -413,6 +422,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
     return absl::InvalidArgumentError(
         "job spec: parallel.elastic: needs checkpoint.dir (a resize resumes from the job's last "
         "checkpoint)");
+  if (s.checkpoint.replicas_every > 0 && s.checkpoint.dir.empty())
+    return absl::InvalidArgumentError(
+        "job spec: checkpoint.replicas: needs checkpoint.dir (a restart falls back to the job's "
+        "file checkpoints when no replica survives)");
   if (s.train.offload && s.resources != "cuda")
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: train.offload: only resources \"cuda\" offload layer inputs to host memory "
@@ -554,6 +567,8 @@ nlohmann::json JobSpec::ToJson() const {
   if (train.fp8_recipe != TrainFp8Recipe::kTensorwise)
     j["train"]["fp8_recipe"] = std::string(TrainFp8RecipeName(train.fp8_recipe));
   if (!checkpoint.async) j["checkpoint"]["async"] = false;
+  if (checkpoint.replicas_every > 0)
+    j["checkpoint"]["replicas"] = {{"every", checkpoint.replicas_every}};
   return j;
 }
 

@@ -14,7 +14,7 @@
 //    "train": {"steps": 200, "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine",
 //              "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "recompute": "auto",
 //              "precision": "auto"},
-//    "checkpoint": {"dir": "/tmp/ckpt", "every": 50, "async": true},
+//    "checkpoint": {"dir": "/tmp/ckpt", "every": 50, "async": true, "replicas": {"every": 5}},
 //    "resources": "cpu", "max_restarts": 3, "priority": 0}
 #pragma once
 
@@ -179,6 +179,17 @@ struct CheckpointSpec {
   // true: the step snapshots the state into host memory and a background thread writes it
   // (worker/engine/checkpoint_writer.h); false: the step writes it itself (the synchronous path).
   bool async = true;
+  // "replicas": {"every": n}: in-memory snapshots every n steps (0, or no "replicas": none), so
+  // that a gang restarting after a rank death resumes from the newest snapshot instead of the
+  // last file checkpoint (worker/engine/replica_store.h). Each snapshot is the state a file
+  // checkpoint of that step holds, in the same format (every rank holds the same parameters and
+  // optimizer state; expert shards are gathered as for a file): rank 0 keeps one copy in its
+  // worker's replica directory (RAM: tmpfs) and sends one to the first rank on another worker,
+  // which keeps it in its worker's; each newer complete snapshot replaces the older one, so a
+  // worker holds at most two per job (the newest complete one and the one being written). A
+  // restart resumes from the newest snapshot any rank's worker still holds when it is newer than
+  // the newest file checkpoint, else from the file as without replicas. Needs checkpoint.dir.
+  int64_t replicas_every = 0;
 };
 
 struct JobSpec {

@@ -27,7 +27,7 @@ double GoodputLedger::UsefulAt(int64_t step) const {
 }
 
 void GoodputLedger::OnProgress(int64_t attempt, int64_t step, double elapsed_s, int64_t total_steps,
-                               int64_t now_ms) {
+                               int64_t now_ms, int64_t resumed_from) {
   // A time no trainer reports (negative, NaN, infinite, or longer than kMaxElapsedS) is ignored.
   if (attempt < attempt_ || step < 0 || !(elapsed_s >= 0 && elapsed_s <= kMaxElapsedS)) return;
   // A ledger that first hears of a job from its progress (a coordinator that restarted adopts a
@@ -45,6 +45,10 @@ void GoodputLedger::OnProgress(int64_t attempt, int64_t step, double elapsed_s, 
         break;
       }
     }
+    // A step the attempt names (an in-memory replica's) beats the inference, up to the newest
+    // step the job reached (and never past the attempt's own first report).
+    if (resumed_from > 0)
+      resume = std::min({resumed_from, points_.back().first, std::max<int64_t>(step, 0)});
     const double useful = UsefulAt(resume);
     while (points_.size() > 1 && points_.back().first > resume) points_.pop_back();
     if (points_.back().first < resume) points_.push_back({resume, useful});

@@ -19,9 +19,11 @@
 // Inputs, all from rank 0's reports (the ranks step in lockstep, so rank 0's step times are the
 // gang's): its start, its progress (step, elapsed_s of its attempt) and the checkpoints it reported
 // committed (rank 0 reports a checkpoint only once it is on disk). The step an attempt resumed
-// from is not reported: it is taken as the newest committed checkpoint before the attempt's first
-// reported step (the trainer resumes from the newest complete checkpoint; one that was committed
-// but never reported is missed, which only undercounts). Reports may be coalesced: between two
+// from is the one its progress reports name (a trainer that resumed from an in-memory replica,
+// checkpoint.replicas, resumed from no committed checkpoint); when they name none it is taken as
+// the newest committed checkpoint before the attempt's first reported step (the trainer resumes
+// from the newest complete checkpoint; one that was committed but never reported is missed, which
+// only undercounts). Reports may be coalesced: between two
 // reported steps the useful time is taken as evenly spread. A coordinator that restarts starts
 // a job's ledger afresh from the first report it gets: its wall time then starts where that
 // process's steps began, and the steps of earlier attempts are not known.
@@ -42,8 +44,11 @@ class GoodputLedger {
   // Rank 0 of `attempt` reported `step` (of total_steps) after `elapsed_s` seconds of steps in
   // this attempt. Reports of an older attempt than the newest seen are ignored, and so are
   // reports whose elapsed_s no trainer sends (negative, NaN, infinite or above kMaxElapsedS).
+  // `resumed_from` > 0: the step the attempt says it resumed from (an in-memory replica's, which
+  // is no committed checkpoint), taken instead of the inferred one for a new attempt; a step the
+  // job never reached counts as the newest it did.
   void OnProgress(int64_t attempt, int64_t step, double elapsed_s, int64_t total_steps,
-                  int64_t now_ms);
+                  int64_t now_ms, int64_t resumed_from = 0);
   // The checkpoint of `step` is committed (on disk).
   void OnCheckpoint(int64_t step);
 

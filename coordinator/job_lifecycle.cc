@@ -202,7 +202,9 @@ void JobLifecycle::FailAttempt(JobTable& t, JobRuntime& j, const std::string& re
         absl::StrCat(reason, "; restart ", j.rec.restarts + 1, "/", j.rec.max_restarts,
                      j.rec.last_checkpoint_step > 0
                          ? absl::StrCat(" from checkpoint step ", j.rec.last_checkpoint_step)
-                         : std::string(" from scratch")),
+                         : std::string(" from scratch"),
+                     // The ranks' workers may hold a newer replica; the attempt's event says.
+                     j.spec.checkpoint.replicas_every > 0 ? " or a newer in-memory replica" : ""),
         /*add_restarts=*/1);
   }
 }

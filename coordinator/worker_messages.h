@@ -63,6 +63,7 @@ struct RankProgressReport {
   double mfu = 0;
   double memory_bytes = 0;
   MoeSummary moe;
+  int64_t resumed_from_step = 0;  // 0: from scratch or not reported
 };
 
 struct CheckpointDoneReport {

@@ -119,6 +119,7 @@ std::optional<WorkerReport> ReportFromProto(const v1::WorkerMessage& msg) {
                            p.loss(),              p.tokens_per_s(), p.lr(),
                            p.grad_norm(),         p.elapsed_s(),  p.mfu(),
                            p.memory_bytes()};
+      r.resumed_from_step = p.resumed_from_step();
       if (p.has_moe()) {
         const v1::MoeStatus& m = p.moe();
         r.moe = {true,          m.load_max_over_mean(), m.bias_min(),  m.bias_max(),

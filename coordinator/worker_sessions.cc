@@ -373,7 +373,8 @@ void WorkerSessions::OnReport(JobTable& t, ReportContext& c, const RankProgressR
   r->last_report_ms = c.wall;
   if (p.ref.rank == 0) {
     j->goodput.OnCheckpoint(j->rec.last_checkpoint_step);
-    j->goodput.OnProgress(p.ref.attempt, p.step, p.elapsed_s, p.total_steps, c.now);
+    j->goodput.OnProgress(p.ref.attempt, p.step, p.elapsed_s, p.total_steps, c.now,
+                          p.resumed_from_step);
   }
   if (j->rate_ref_step < 0) {
     int64_t min_step = r->step;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -21,6 +22,7 @@
 #include "common/text_bounds.h"
 #include "planner/plan_proto.h"
 #include "worker/parity_note.h"
+#include "worker/replica_dirs.h"
 #include "worker/trainer_event.h"
 
 namespace spindle {
@@ -101,7 +103,7 @@ std::string TrainerVisibleDevice(int64_t device_index, const char* daemon_visibl
 }
 
 absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
-    const v1::Assignment& a, const std::string& job_path) const {
+    const v1::Assignment& a, const std::string& job_path, const std::string& replica_root) const {
   std::vector<std::string> argv = {
       options_.trainer_binary,
       "--planned-job",
@@ -133,6 +135,12 @@ absl::StatusOr<std::vector<std::string>> RankRunner::TrainerArgv(
   if (options_.pulse_ms > 0) {
     argv.push_back("--pulse-ms");
     argv.push_back(absl::StrCat(options_.pulse_ms));
+  }
+  if (!replica_root.empty()) {
+    argv.push_back("--replica-dir");
+    argv.push_back(replica_root);
+    argv.push_back("--replica-host");
+    argv.push_back(options_.worker_id);
   }
   for (const std::string& extra : options_.extra_trainer_args) argv.push_back(extra);
   return argv;
@@ -209,7 +217,18 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
     ReportLaunchFailure(ref, s);
     return s;
   }
-  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, job_path.string());
+  // checkpoint.replicas: the job's directory in this worker's replica directory.
+  std::string replica_root;
+  if (!options_.replica_dir.empty() && job->spec.checkpoint.replicas_every > 0) {
+    std::set<std::string> running;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, rank] : ranks_) running.insert(rank.ref.job_id());
+    }
+    running.erase(ref.job_id());
+    replica_root = ReplicaJobRoot(options_.replica_dir, ref.job_id(), running);
+  }
+  absl::StatusOr<std::vector<std::string>> argv = TrainerArgv(a, job_path.string(), replica_root);
   if (!argv.ok()) {
     ReportLaunchFailure(ref, argv.status());
     return argv.status();
@@ -311,6 +330,7 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
   if (!event.ok()) return;  // not a progress line: the trainer may print other text
   v1::RankRef ref;
   pid_t pid = 0;
+  int64_t resumed_from = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = ranks_.find(id);
@@ -321,6 +341,9 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       return;
     }
     if (event->kind == TrainerEventKind::kStep && event->loss) it->second.loss = *event->loss;
+    if (event->kind == TrainerEventKind::kStart && event->resumed_from_step)
+      it->second.resumed_from = std::max<int64_t>(0, *event->resumed_from_step);
+    resumed_from = it->second.resumed_from;
     if (event->step && (event->kind == TrainerEventKind::kStep ||
                         event->kind == TrainerEventKind::kStart ||
                         event->kind == TrainerEventKind::kDone)) {
@@ -343,6 +366,7 @@ void RankRunner::OnStdoutLine(ProcessId id, std::string_view line) {
       p->set_grad_norm(event->grad_norm.value_or(0.0));
       p->set_elapsed_s(event->elapsed_s.value_or(0.0));
       p->set_mfu(event->mfu.value_or(0.0));
+      p->set_resumed_from_step(resumed_from);
       // The device peak of a GPU rank, else the trainer's resident host memory.
       double memory = event->mem_peak_bytes.value_or(event->host_rss_bytes.value_or(0.0));
       if (memory <= 0 && pid > 0) {
@@ -410,6 +434,10 @@ void RankRunner::OnExit(ProcessId id, const ProcessExit& exit) {
     UpdateRunningGauge();
   }
   if (metrics_ != nullptr) metrics_->OnTrainerExit(ExitReason(exit));
+  // The job is done (its final checkpoint is on the volume): its replicas here are not needed.
+  if (!options_.replica_dir.empty() && exit.term_signal == 0 && exit.exit_code == 0 &&
+      !exit.stop_requested)
+    RemoveReplicaJob(options_.replica_dir, ref.job_id());
   v1::WorkerMessage msg;
   v1::RankExit* e = msg.mutable_rank_exit();
   *e->mutable_ref() = ref;

@@ -5,7 +5,10 @@
 //
 //   spindle-train --planned-job <work_dir>/<job>/<attempt>/planned_job.pb --rank R
 //     --rendezvous HOST:PORT --job-id ID --attempt N [--resume-step S] [--token-file FILE]
+//     [--replica-dir <replica_dir>/<job> --replica-host <worker id>]
 //
+// (the replica flags for jobs with checkpoint.replicas when the daemon has a replica directory:
+// replica_dirs.h; a job's replicas there are removed once one of its ranks here exits 0)
 // with, in its environment: SPINDLE_RENDEZVOUS_TOKEN (the attempt's rendezvous secret, kept off
 // the command line), SPINDLE_TLS_CA_FILE (when the daemon talks TLS to the coordinator),
 // CUDA_VISIBLE_DEVICES=<the device_index-th GPU this daemon sees> for "cuda" ranks (the index
@@ -68,6 +71,10 @@ struct RankRunnerOptions {
   std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
   int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
   PathRoots roots;               // where checkpoints and data files may be
+  // The daemon's replica directory (replica_dirs.h; empty: its jobs keep no in-memory replicas)
+  // and its worker id, which trainers use to tell ranks of different workers apart.
+  std::string replica_dir;
+  std::string worker_id;
   // Extra arguments appended to every trainer command line (tests use them for fake trainers).
   std::vector<std::string> extra_trainer_args;
   ProcessSupervisorOptions supervisor;
@@ -115,6 +122,7 @@ class RankRunner : public ProcessObserver {
     int64_t step = 0;
     bool pulsing = false;  // printed a pulse line
     double loss = 0;       // of its last step line
+    int64_t resumed_from = 0;  // its start line's resumed_from_step
     std::chrono::steady_clock::time_point last_line = std::chrono::steady_clock::now();
   };
 
@@ -122,7 +130,8 @@ class RankRunner : public ProcessObserver {
   void OnStdoutLine(ProcessId id, std::string_view line) override ABSL_LOCKS_EXCLUDED(mu_);
   void OnExit(ProcessId id, const ProcessExit& exit) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<std::string>> TrainerArgv(const v1::Assignment& a,
-                                                       const std::string& job_path) const;
+                                                       const std::string& job_path,
+                                                       const std::string& replica_root) const;
   void ReportLaunchFailure(const v1::RankRef& ref, const absl::Status& status, int exit_code = 127);
   void UpdateRunningGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -3,7 +3,7 @@
 //   spindle-train --planned-job FILE --rank R
 //                 [--rendezvous HOST:PORT --job-id ID --attempt N --token-file F]
 //                 [--resume-step S] [--gloo-host H] [--threads N] [--stop-at-step K]
-//                 [--pulse-ms N]
+//                 [--pulse-ms N] [--replica-dir DIR --replica-host ID]
 //   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
@@ -40,6 +40,9 @@
 // SIGTERM (the worker stopping a rank) lets a write in flight finish before the process ends by
 // it. $SPINDLE_CHECKPOINT_PAUSE_MS (a test hook) makes the writer sleep that many milliseconds
 // after each file of a checkpoint, so that a test can kill the process while one is being written.
+// --replica-dir DIR --replica-host ID (under the worker daemon, for checkpoint.replicas): the
+// job's directory in the worker's replica directory (tmpfs) and the worker's id; the ranks keep
+// their in-memory replicas there (worker/engine/replica_store.h). Without them the job keeps none.
 // --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
 // tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
@@ -109,6 +112,7 @@ constexpr char kUsage[] =
     "usage: spindle-train --planned-job FILE --rank R [--rendezvous HOST:PORT --job-id ID\n"
     "                     --attempt N --token-file F [--resume-step S]] [--gloo-host H]\n"
     "                     [--threads N] [--stop-at-step K] [--pulse-ms N]\n"
+    "                     [--replica-dir DIR --replica-host ID]\n"
     "       spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
     "                     [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
@@ -302,7 +306,9 @@ int main(int argc, char** argv) {
                                     "--eval-sequences",
                                     "--file-store",
                                     "--gloo-host",
-                                    "--pulse-ms"};
+                                    "--pulse-ms",
+                                    "--replica-dir",
+                                    "--replica-host"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
     if (!known || i + 1 >= argc) {
@@ -474,6 +480,11 @@ int main(int argc, char** argv) {
   options.stop_at_step = stop_at;
   options.on_event = PrintEvent;
   options.cuda_backend = kCudaBackend;
+  if (flags.count("replica-dir")) {
+    options.replica_root = flags["replica-dir"];
+    options.replica_host = flags.count("replica-host") ? flags["replica-host"] : "";
+    options.job_id = flags.count("job-id") ? flags["job-id"] : job->spec.name;
+  }
   // Test hook: the background checkpoint writer pauses this long after each file it writes.
   if (const char* p = std::getenv("SPINDLE_CHECKPOINT_PAUSE_MS"); p && *p) {
     int64_t ms = 0;

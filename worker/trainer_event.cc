@@ -130,6 +130,7 @@ absl::StatusOr<TrainerEvent> ParseTrainerEvent(std::string_view line) {
   absl::Status s;
   if (!(s = IntField(obj, "step", &event.step)).ok()) return s;
   if (!(s = IntField(obj, "total_steps", &event.total_steps)).ok()) return s;
+  if (!(s = IntField(obj, "resumed_from_step", &event.resumed_from_step)).ok()) return s;
   const std::pair<const char*, std::optional<double>*> numbers[] = {
       {"loss", &event.loss},
       {"tokens_per_s", &event.tokens_per_s},

@@ -10,6 +10,8 @@
 //   "step":             int, the step just completed (checkpoint: the step saved; start: the
 //                       step training starts from, 0 or the resumed checkpoint's step)
 //   "total_steps":      int
+//   "resumed_from_step": int, start events: the checkpoint's or in-memory replica's step the
+//                       rank resumed from (0: none); sent with each progress report
 //   "loss":             float
 //   "tokens_per_s":     float, this rank's throughput (the job's is the sum over its ranks)
 //   "lr", "grad_norm":  float
@@ -75,6 +77,7 @@ struct TrainerEvent {
   std::string name;  // the "event" string as printed
   std::optional<int64_t> step;
   std::optional<int64_t> total_steps;
+  std::optional<int64_t> resumed_from_step;  // start events
   std::optional<double> loss;
   std::optional<double> tokens_per_s;
   std::optional<double> lr;

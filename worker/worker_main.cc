@@ -26,6 +26,7 @@
 #include "worker/path_roots.h"
 #include "worker/rank_runner.h"
 #include "worker/rate_report.h"
+#include "worker/replica_dirs.h"
 #include "worker/shutdown_signal.h"
 #include "worker/worker_identity.h"
 #include "worker/worker_log.h"
@@ -74,6 +75,10 @@ ABSL_FLAG(std::string, checkpoint_root, spindle::kDefaultCheckpointRoot,
 ABSL_FLAG(std::string, data_root, spindle::kDefaultDataRoot,
           "Directory every job's data file (data.source tokens:<path> or text:<path>) must lie "
           "in, checked like --checkpoint-root.");
+ABSL_FLAG(std::string, replica_dir, "",
+          "Directory (on tmpfs: RAM) where the ranks of jobs with checkpoint.replicas keep their "
+          "in-memory replicas, emptied at start (default: /dev/shm/spindle-replicas-<worker id>, "
+          "or <work dir>/replicas without /dev/shm; \"off\": this worker's ranks keep none).");
 ABSL_FLAG(int, cpu_threads_per_slot, 0,
           "OMP_NUM_THREADS for CPU ranks (0: hardware threads / slots).");
 ABSL_FLAG(bool, probe_rates, false,
@@ -288,13 +293,25 @@ int Main() {
   runner_options.cpu_threads_per_rank = threads;
   runner_options.roots = session_options.roots;
   runner_options.supervisor.kill_grace = absl::GetFlag(FLAGS_kill_grace);
+  runner_options.worker_id = worker_id;
+  runner_options.replica_dir = absl::GetFlag(FLAGS_replica_dir);
+  if (runner_options.replica_dir.empty())
+    runner_options.replica_dir = DefaultReplicaDir(worker_id, work_dir);
+  if (runner_options.replica_dir == "off") runner_options.replica_dir.clear();
+  if (!runner_options.replica_dir.empty()) {
+    if (absl::Status reset = ResetReplicaDir(runner_options.replica_dir); !reset.ok()) {
+      std::fprintf(stderr, "spindle-worker: %s\n", std::string(reset.message()).c_str());
+      return 2;
+    }
+  }
   RankRunner runner(runner_options, worker_metrics, &session);
 
   WorkerLog(
       "worker %s: %d %s device(s) (%s), work dir %s, trainer %s, checkpoints under %s, "
-      "data under %s",
+      "data under %s, in-memory replicas in %s",
       worker_id, devices->count(), devices->kind(), devices->name(), work_dir, trainer,
-      runner_options.roots.checkpoint_root, runner_options.roots.data_root);
+      runner_options.roots.checkpoint_root, runner_options.roots.data_root,
+      runner_options.replica_dir.empty() ? "none" : runner_options.replica_dir);
   session.Start(&runner);
 
   const int sig = shutdown->Wait();

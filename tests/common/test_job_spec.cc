@@ -132,6 +132,40 @@ TEST(JobSpecTest, ZLossIsACoefficientInZeroOne) {
   }
 }
 
+// checkpoint.replicas: {"every": n}; absent (or 0) by default and then left out of the canonical
+// form; a positive count round-trips; without checkpoint.dir, with a negative count, without
+// "every" or with another field, refused naming the field.
+TEST(JobSpecTest, ReplicasTakeAnIntervalAndNeedACheckpointDirectory) {
+  auto with = [](const std::string& checkpoint) {
+    return ParseJobSpec(R"({"name": "r", "model": {"preset": "tiny"}, "seq_len": 64,
+      "data": {"source": "synthetic:recall"}, "checkpoint": )" +
+                        checkpoint + "}");
+  };
+  EXPECT_EQ(ParseJobSpec(kValid)->checkpoint.replicas_every, 0);
+  EXPECT_FALSE(ParseJobSpec(kValid)->ToJson()["checkpoint"].contains("replicas"));
+  auto on = with(R"({"dir": "/tmp/c", "every": 100, "replicas": {"every": 5}})");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->checkpoint.replicas_every, 5);
+  auto again = ParseJobSpecJson(on->ToJson());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->checkpoint.replicas_every, 5);
+  EXPECT_EQ(with(R"({"dir": "/tmp/c", "replicas": {"every": 0}})")->checkpoint.replicas_every, 0);
+  const std::pair<std::string, std::string> bad[] = {
+      {R"({"replicas": {"every": 5}})",
+       "job spec: checkpoint.replicas: needs checkpoint.dir (a restart falls back to the job's "
+       "file checkpoints when no replica survives)"},
+      {R"({"dir": "/tmp/c", "replicas": {"every": -1}})",
+       "job spec: checkpoint.replicas.every: must be >= 0 (0: no replicas), got -1"},
+      {R"({"dir": "/tmp/c", "replicas": {}})", "checkpoint.replicas.every"},
+      {R"({"dir": "/tmp/c", "replicas": {"every": 2, "copies": 3}})", "checkpoint.replicas"},
+      {R"({"dir": "/tmp/c", "replicas": 5})", "checkpoint.replicas"}};
+  for (const auto& [spec, message] : bad) {
+    auto s = with(spec);
+    ASSERT_FALSE(s.ok()) << spec;
+    EXPECT_NE(s.status().message().find(message), std::string::npos) << s.status();
+  }
+}
+
 // train.fp8_recipe: "tensorwise" by default (left out of the canonical form), "blockwise" on an
 // fp8 cpu job round-trips; on a job that is not fp8, on a cuda job, or any other word, refused
 // naming the field.

@@ -45,6 +45,23 @@ TEST(GoodputTest, ARestartLosesTheStepsAfterItsCheckpointAndItsDowntime) {
   EXPECT_DOUBLE_EQ(*g.Goodput(60000), 40.0 / 60.0);
 }
 
+// An attempt that says it resumed from an in-memory replica (step 28, no committed checkpoint)
+// loses only the steps after it; a step the job never reached counts as the newest it did.
+TEST(GoodputTest, AResumeFromAReplicaLosesOnlyTheStepsAfterIt) {
+  GoodputLedger g;
+  g.OnStart(1, 0);
+  g.OnProgress(1, 10, 10.0, 100, 10000);
+  g.OnProgress(1, 20, 20.0, 100, 20000);
+  g.OnCheckpoint(20);
+  g.OnProgress(1, 30, 30.0, 100, 30000);
+  g.OnProgress(2, 29, 1.0, 100, 40000, /*resumed_from=*/28);
+  EXPECT_DOUBLE_EQ(g.UsefulSeconds(), 29.0);  // 28 steps of attempt 1, one of attempt 2
+  GoodputLedger h;
+  h.OnProgress(1, 10, 10.0, 100, 10000);
+  h.OnProgress(2, 11, 1.0, 100, 20000, /*resumed_from=*/1000);
+  EXPECT_DOUBLE_EQ(h.UsefulSeconds(), 11.0);
+}
+
 TEST(GoodputTest, AResumeBetweenCoalescedReportsIsInterpolated) {
   GoodputLedger g;
   g.OnStart(1, 0);

@@ -207,6 +207,8 @@ TEST(WireConversions, EveryReportKindIsTakenIn) {
   EXPECT_EQ(p.elapsed_s, wp.elapsed_s());
   EXPECT_EQ(p.mfu, wp.mfu());
   EXPECT_EQ(p.memory_bytes, wp.memory_bytes());
+  EXPECT_NE(wp.resumed_from_step(), 0);
+  EXPECT_EQ(p.resumed_from_step, wp.resumed_from_step());
   EXPECT_TRUE(p.moe.present);
   EXPECT_EQ(p.moe.load_max_over_mean, wp.moe().load_max_over_mean());
   EXPECT_EQ(p.moe.bias_min, wp.moe().bias_min());

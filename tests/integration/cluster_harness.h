@@ -282,6 +282,8 @@ class ClusterHarness {
                                      "--coordinator_loss_timeout=60s",
                                      "--cpu_threads_per_slot=1",
                                      "--trainer_binary=" + trainer,
+                                     // In-memory replicas in the scratch directory, not /dev/shm.
+                                     "--replica_dir=" + dir_->File("replicas-" + id),
                                      "--checkpoint_root=" + dir_->path(),
                                      "--data_root=" + dir_->path()};
     if (!plaintext_) {

@@ -7,7 +7,10 @@
 // once in the trainer's (the PlannedJob file it reads).
 #include <signal.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -24,6 +27,7 @@
 #include "worker/parity_note.h"
 #include "worker/path_roots.h"
 #include "worker/rank_runner.h"
+#include "worker/replica_dirs.h"
 #include "worker/trainer_event.h"
 #include "worker/trainer_job.h"
 #include "worker/worker_metrics.h"
@@ -223,6 +227,66 @@ TEST_F(RankRunnerTest, RunsTheTrainerAndRelaysProgressCheckpointsAndExit) {
   EXPECT_THAT(text, HasSubstr("spindle_worker_running_ranks 0\n"));
   EXPECT_THAT(text, HasSubstr("spindle_restarts_total{job_id=\"j-1\",rank=\"1\"} 0\n"));
   EXPECT_EQ(runner.running_count(), 0u);
+}
+
+// checkpoint.replicas: the trainer gets the job's directory in the daemon's replica directory and
+// the worker's id; the daemon keeps the replicas of a bounded number of jobs (the oldest other
+// jobs' go), keeps a job's through a failed attempt and drops them once a rank exits 0; the start
+// line's resumed step travels with the progress reports.
+TEST_F(RankRunnerTest, ReplicaJobsGetADirectoryThatGoesOnceTheJobSucceeds) {
+  const std::string replicas = dir_.File("replicas");
+  for (int i = 0; i < kMaxReplicaJobs + 1; ++i) {
+    std::filesystem::create_directories(absl::StrCat(replicas, "/old-", i));
+    std::filesystem::last_write_time(
+        absl::StrCat(replicas, "/old-", i),
+        std::filesystem::file_time_type::clock::now() - std::chrono::hours(10 - i));
+  }
+  // Records its argv, fills its replica directory, resumes from step 12, and exits with the code
+  // in code.txt (1 when it is missing).
+  const std::string trainer = WriteScript(
+      dir_, "trainer.sh",
+      "for a in \"$@\"; do echo \"$a\"; done > args.txt\n"
+      "while [ \"$1\" != --replica-dir ]; do shift; done; mkdir -p \"$2/step_00000012\"\n"
+      "echo '{\"event\":\"start\",\"resumed_from_step\":12,\"total_steps\":20}'\n"
+      "echo '{\"event\":\"step\",\"step\":13,\"total_steps\":20,\"elapsed_s\":1.0}'\n"
+      "exit $(cat " + dir_.File("code.txt") + " 2>/dev/null || echo 1)\n");
+  RankRunnerOptions o = Options(trainer);
+  o.replica_dir = replicas;
+  o.worker_id = "w7";
+  RankRunner runner(o, metrics_.get(), &sink_);
+  auto assignment = [](int64_t attempt) {
+    v1::Assignment a = MakeAssignment("j-r", attempt, 0, 1);
+    *a.mutable_job() = PlannedJobFor(
+        R"({"name":"t","model":{"preset":"tiny"},"seq_len":256,"resources":"cpu",
+            "data":{"source":"synthetic:recall"},"train":{"steps":20},
+            "checkpoint":{"dir":"/tmp/ckpt-dir","replicas":{"every":4}}})");
+    return a;
+  };
+  ASSERT_TRUE(runner.Start(assignment(1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == 1; }));
+  const std::vector<std::string> args =
+      absl::StrSplit(ReadFile(dir_.File("work/j-r/1/args.txt")), '\n', absl::SkipEmpty());
+  ASSERT_GE(args.size(), 4u);
+  EXPECT_THAT(std::vector<std::string>(args.end() - 4, args.end()),
+              ElementsAre("--replica-dir", replicas + "/j-r", "--replica-host", "w7"));
+  auto progress = sink_.Of(v1::WorkerMessage::kRankProgress);
+  ASSERT_EQ(progress.size(), 1u);
+  EXPECT_EQ(progress[0].rank_progress().resumed_from_step(), 12);
+  // The failed attempt's replicas stay (the next attempt resumes from them); of the other jobs'
+  // only the newest kMaxReplicaJobs - 1 are kept.
+  EXPECT_TRUE(std::filesystem::exists(replicas + "/j-r/step_00000012"));
+  std::vector<std::string> kept;
+  for (const auto& e : std::filesystem::directory_iterator(replicas))
+    kept.push_back(e.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_THAT(kept, ElementsAre("j-r", "old-2", "old-3", "old-4"));
+  // The job's next attempt succeeds: its replicas go.
+  std::ofstream(dir_.File("code.txt")) << "0\n";
+  ASSERT_TRUE(runner.Start(assignment(2)).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == 2; }));
+  EXPECT_EQ(sink_.Of(v1::WorkerMessage::kRankExit)[1].rank_exit().exit_code(), 0);
+  EXPECT_FALSE(std::filesystem::exists(replicas + "/j-r"));
+  EXPECT_TRUE(std::filesystem::exists(replicas + "/old-4"));
 }
 
 // Each process parses the job's spec once: the worker when an assignment arrives (its PlannedJob,

@@ -172,7 +172,8 @@ class MultihostTest : public ::testing::Test {
     argv.insert(argv.end(), {SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
                              "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
                              "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
-                             "--data_root=" + dir_.path()});
+                             "--data_root=" + dir_.path(),
+                             "--replica_dir=" + dir_.File("replicas-" + id)});
     for (const std::string& f : WorkerTls()) argv.push_back(f);
     Spawn(id, net_->On(host, argv));
   }
@@ -185,7 +186,9 @@ class MultihostTest : public ::testing::Test {
                               SPINDLE_WORKER_BINARY, "--coordinator=" + CoordinatorAddress(),
                               "--worker_id=" + id, "--work_dir=" + dir_.File("work-" + id),
                               "--cpu_threads_per_slot=1", "--checkpoint_root=" + dir_.path(),
-                              "--data_root=" + dir_.path(), WorkerTls()[0], WorkerTls()[1]}));
+                              "--data_root=" + dir_.path(),
+                              "--replica_dir=" + dir_.File("replicas-" + id), WorkerTls()[0],
+                              WorkerTls()[1]}));
   }
   void Spawn(const std::string& name, const std::vector<std::string>& argv) {
     SubprocessOptions options;
@@ -838,6 +841,47 @@ TEST_F(MultihostTest, AKillDuringABackgroundCheckpointWriteLeavesThePreviousChec
   ExpectExactFinish(s, steps, ReferenceLoss(spec, 2));
   EXPECT_GE(CheckCommitLog(ckpt), 2);
   EXPECT_TRUE(TemporaryCheckpoints(ckpt).empty());
+}
+
+// checkpoint.replicas across hosts: a cp = 2 job whose only file checkpoint is its last takes an
+// in-memory replica every 4 steps; rank 0's host is cut off for 25 s. Its own copy is on the lost
+// host, so the gang, restarted on the other two, resumes from the peer copy that rank 1's worker
+// holds (the job's events name it and its step) and ends with the uninterrupted run's loss.
+TEST_F(MultihostTest, ALostHostsRankResumesFromThePeerCopyOfItsReplica) {
+  const std::string ckpt = dir_.File("ckpt-replicas");
+  std::string spec = Spec("replicas", 2, 100, ckpt);
+  const std::string every = R"("every": 10})";
+  ASSERT_NE(spec.find(every), std::string::npos);
+  spec.replace(spec.find(every), every.size(), R"("every": 0, "replicas": {"every": 4}})");
+  std::string id;
+  nlohmann::json s = StartAndRun(kFastFailure, 3, spec, &id);
+  ASSERT_GE(Int(s, "step"), 12) << Events(s) << Logs();
+  const std::string lost = WorkerOf(s, 0), peer = WorkerOf(s, 1);
+  ASSERT_NE(lost, peer);
+  TrainerWatch watch(id, dir_.path());
+  const auto cut = Clock::now();
+  ASSERT_TRUE(net_->Cut(std::stoi(lost.substr(1))).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(25));
+  ASSERT_TRUE(net_->Restore(std::stoi(lost.substr(1))).ok());
+  ExpectFencedFinish(id, spec, 2, 100, ckpt, watch, cut);
+  const nlohmann::json end = Status(id);
+  const std::string events = Events(end);
+  const std::string used = absl::StrCat("resumed from in-memory replicas at step ");
+  const size_t at = events.find(used);
+  ASSERT_NE(at, std::string::npos) << events;
+  int64_t step = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(
+      events.substr(at + used.size(), events.find(' ', at + used.size()) - at - used.size()),
+      &step));
+  // Cut after step 12: the replica of step 8 was complete (each is, at the latest, when the next
+  // one starts).
+  EXPECT_GE(step, 8) << events;
+  EXPECT_EQ(step % 4, 0) << events;
+  EXPECT_NE(events.find("restart 1/5 from scratch or a newer in-memory replica"), std::string::npos)
+      << events;
+  EXPECT_NE(events.find(absl::StrCat("(the copy on worker \"", peer, "\"")), std::string::npos)
+      << "the peer copy, on rank 1's worker " << peer << ", should be the one used\n"
+      << events;
 }
 
 // Goodput under failures: rank 0 or 1 of a cp = 2 job (alternately) has its trainer killed

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <thread>
@@ -435,15 +436,33 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, ParamSet& pa
   return CommitCheckpoint(root, tensors, config, state, keep, attempt);
 }
 
-absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
-                                             const CheckpointTensors& tensors,
-                                             const ModelConfig& config, const TrainState& state,
-                                             int64_t keep, int64_t attempt,
-                                             int64_t pause_between_files_ms) {
-  auto pause = [pause_between_files_ms] {
-    if (pause_between_files_ms > 0)
-      std::this_thread::sleep_for(std::chrono::milliseconds(pause_between_files_ms));
-  };
+namespace {
+
+// state.json of a checkpoint whose tensor files have the digests given.
+std::string StateJson(const ModelConfig& config, const TrainState& state, int64_t optimizer_steps,
+                      const FileDigest& model_file, const FileDigest& opt_file) {
+  nlohmann::json st = {
+      {"format", 1},
+      {"step", state.step},
+      {"data_position", state.data_position},
+      {"seed", state.seed},
+      {"rng_counter", state.rng_counter},
+      {"loss", state.loss},
+      {"optimizer_steps", optimizer_steps},
+      {"model", config.ToJson()},
+      {"files",
+       {{"model.safetensors", {{"bytes", model_file.bytes}, {"crc32", model_file.crc32}}},
+        {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
+  if (!state.verified_layout.empty()) st["verified_layout"] = state.verified_layout;
+  return st.dump(2);
+}
+
+// The crash-safe commit of checkpoint `step` under root (the protocol SaveCheckpoint describes):
+// `write` creates the files in the temporary directory it is given; `log_commit`: the commit is a
+// line of commits.log.
+absl::StatusOr<std::string> CommitStepDir(
+    const std::string& root, int64_t step, int64_t keep, int64_t attempt, bool log_commit,
+    const std::function<absl::Status(const std::string& tmp)>& write) {
   RETURN_IF_ERROR(MakeDirs(root));
   ASSIGN_OR_RETURN(WriterLock lock, WriterLock::Acquire(root));
   if (attempt > 0) {
@@ -453,7 +472,7 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
     if (fence > attempt) return Superseded(root, attempt, fence);
   }
   RemoveStaleTemporaries(root);
-  const std::string name = absl::StrFormat("step_%08d", state.step);
+  const std::string name = absl::StrFormat("step_%08d", step);
   const std::string tmp = absl::StrCat(root, "/.tmp.", name, ".", ::getpid());
   const std::string final_dir = root + "/" + name;
   if (::mkdir(tmp.c_str(), 0755) != 0) return Errno("cannot create directory", tmp);
@@ -465,30 +484,7 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
       if (!renamed) RemoveTree(dir);
     }
   } cleanup{tmp};
-
-  ASSIGN_OR_RETURN(
-      const FileDigest model_file,
-      WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
-  pause();
-  ASSIGN_OR_RETURN(const FileDigest opt_file,
-                   WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,
-                                          {{"optimizer", tensors.optimizer_name}}));
-  pause();
-  nlohmann::json st = {
-      {"format", 1},
-      {"step", state.step},
-      {"data_position", state.data_position},
-      {"seed", state.seed},
-      {"rng_counter", state.rng_counter},
-      {"loss", state.loss},
-      {"optimizer_steps", tensors.optimizer_steps},
-      {"model", config.ToJson()},
-      {"files",
-       {{"model.safetensors", {{"bytes", model_file.bytes}, {"crc32", model_file.crc32}}},
-        {"optimizer.safetensors", {{"bytes", opt_file.bytes}, {"crc32", opt_file.crc32}}}}}};
-  if (!state.verified_layout.empty()) st["verified_layout"] = state.verified_layout;
-  RETURN_IF_ERROR(WriteFileSynced(tmp + "/state.json", st.dump(2)));
-  pause();
+  RETURN_IF_ERROR(write(tmp));
   RETURN_IF_ERROR(SyncDir(tmp));
   if (attempt > 0) {
     // Checked again at the last moment, right before anything visible changes: on storage where
@@ -504,8 +500,113 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
   std::vector<std::string> dirs = StepDirs(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i)
     if (dirs[i] != name) RemoveTree(root + "/" + dirs[i]);
-  RETURN_IF_ERROR(AppendCommitLog(root, {{"commit", state.step}, {"attempt", attempt}}));
+  if (log_commit) RETURN_IF_ERROR(AppendCommitLog(root, {{"commit", step}, {"attempt", attempt}}));
   return final_dir;
+}
+
+// The size and CRC-32 of `bytes`.
+FileDigest DigestOf(std::string_view bytes) {
+  FileDigest d;
+  AddToDigest(d, bytes.data(), bytes.size());
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
+                                             const CheckpointTensors& tensors,
+                                             const ModelConfig& config, const TrainState& state,
+                                             int64_t keep, int64_t attempt,
+                                             int64_t pause_between_files_ms) {
+  auto pause = [pause_between_files_ms] {
+    if (pause_between_files_ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_between_files_ms));
+  };
+  return CommitStepDir(
+      root, state.step, keep, attempt, /*log_commit=*/true,
+      [&](const std::string& tmp) -> absl::Status {
+        ASSIGN_OR_RETURN(
+            const FileDigest model_file,
+            WriteSafetensorsSynced(tmp + "/model.safetensors", tensors.model, {{"format", "pt"}}));
+        pause();
+        ASSIGN_OR_RETURN(const FileDigest opt_file,
+                         WriteSafetensorsSynced(tmp + "/optimizer.safetensors", tensors.optimizer,
+                                                {{"optimizer", tensors.optimizer_name}}));
+        pause();
+        RETURN_IF_ERROR(WriteFileSynced(
+            tmp + "/state.json",
+            StateJson(config, state, tensors.optimizer_steps, model_file, opt_file)));
+        pause();
+        return absl::OkStatus();
+      });
+}
+
+CheckpointFiles SerializeCheckpoint(const CheckpointTensors& tensors, const ModelConfig& config,
+                                    const TrainState& state, CheckpointFiles reuse) {
+  CheckpointFiles out = std::move(reuse);
+  auto serialize = [](const std::map<std::string, SafetensorsEntry>& t,
+                      const std::map<std::string, std::string>& metadata, std::string* dst) {
+    const std::string header = SafetensorsHeader(t, metadata);
+    size_t total = header.size();
+    for (const auto& [name, e] : t) total += static_cast<size_t>(e.numel) * 4;
+    dst->clear();
+    dst->reserve(total);
+    dst->append(header);
+    for (const auto& [name, e] : t)
+      dst->append(reinterpret_cast<const char*>(e.data), static_cast<size_t>(e.numel) * 4);
+  };
+  serialize(tensors.model, {{"format", "pt"}}, &out.model);
+  serialize(tensors.optimizer, {{"optimizer", tensors.optimizer_name}}, &out.optimizer);
+  out.state = StateJson(config, state, tensors.optimizer_steps, DigestOf(out.model),
+                        DigestOf(out.optimizer));
+  return out;
+}
+
+absl::Status VerifyCheckpointFiles(const CheckpointFiles& files, const std::string& what) {
+  ASSIGN_OR_RETURN(const nlohmann::json st, ParseCheckpointState(files.state, what));
+  for (const auto& [fname, bytes] :
+       {std::pair<const char*, const std::string*>{"model.safetensors", &files.model},
+        {"optimizer.safetensors", &files.optimizer}}) {
+    const nlohmann::json& rec = st["files"].value(fname, nlohmann::json());
+    const FileDigest d = DigestOf(*bytes);
+    if (!rec.is_object() || rec.value("bytes", uint64_t{0}) != d.bytes)
+      return absl::DataLossError(absl::StrCat("checkpoint: ", what, ": ", fname,
+                                              " is truncated or has the wrong size (", d.bytes,
+                                              " bytes)"));
+    if (rec.value("crc32", uint32_t{0}) != d.crc32)
+      return absl::DataLossError(
+          absl::StrCat("checkpoint: ", what, ": ", fname, " is corrupt: checksum mismatch"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointFiles> ReadCheckpointFiles(const std::string& dir) {
+  CheckpointFiles out;
+  ASSIGN_OR_RETURN(out.model, ReadWholeFile(dir + "/model.safetensors"));
+  ASSIGN_OR_RETURN(out.optimizer, ReadWholeFile(dir + "/optimizer.safetensors"));
+  ASSIGN_OR_RETURN(out.state, ReadWholeFile(dir + "/state.json"));
+  return out;
+}
+
+absl::StatusOr<std::string> CommitCheckpointFiles(
+    const std::string& root, int64_t step,
+    const std::vector<std::pair<std::string, std::string_view>>& files, int64_t keep,
+    int64_t attempt) {
+  // state.json last: a directory is complete once it has one.
+  return CommitStepDir(
+      root, step, keep, attempt, /*log_commit=*/false, [&](const std::string& tmp) -> absl::Status {
+        for (const auto& [name, bytes] : files)
+          if (name != "state.json")
+            RETURN_IF_ERROR(
+                WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
+                    .status());
+        for (const auto& [name, bytes] : files)
+          if (name == "state.json")
+            RETURN_IF_ERROR(
+                WriteFileSynced(tmp + "/" + name, std::vector<Piece>{{bytes.data(), bytes.size()}})
+                    .status());
+        return absl::OkStatus();
+      });
 }
 
 absl::Status FenceCheckpointRoot(const std::string& root, int64_t attempt) {

@@ -28,6 +28,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -91,6 +92,33 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root,
                                              const ModelConfig& config, const TrainState& state,
                                              int64_t keep, int64_t attempt,
                                              int64_t pause_between_files_ms = 0);
+
+// A checkpoint's files as bytes in memory (the in-memory replicas of replica_store.h): the same
+// model.safetensors, optimizer.safetensors and state.json that CommitCheckpoint writes.
+struct CheckpointFiles {
+  std::string model, optimizer, state;
+};
+
+// The files CommitCheckpoint would write for `tensors`, in memory (the strings of `reuse` keep
+// their capacity: a trainer serialises into the same buffers every time).
+CheckpointFiles SerializeCheckpoint(const CheckpointTensors& tensors, const ModelConfig& config,
+                                    const TrainState& state, CheckpointFiles reuse = {});
+
+// DataLoss (naming `what`) unless files.state is a valid state.json whose sizes and CRC-32s are
+// those of files.model and files.optimizer.
+absl::Status VerifyCheckpointFiles(const CheckpointFiles& files, const std::string& what);
+
+// The three files of a checkpoint directory, read whole (NotFound when one is missing).
+absl::StatusOr<CheckpointFiles> ReadCheckpointFiles(const std::string& dir);
+
+// Commits the given files (name, bytes) as <root>/step_<step>/ with CommitCheckpoint's
+// crash-safe protocol (writer lock, fence, temporary directory, fsync, rename, latest, pruning
+// to `keep`); state.json is written last. Unlike CommitCheckpoint it adds no commits.log line
+// (in-memory replicas commit often, and their root would grow by a line each time).
+absl::StatusOr<std::string> CommitCheckpointFiles(
+    const std::string& root, int64_t step,
+    const std::vector<std::pair<std::string, std::string_view>>& files, int64_t keep,
+    int64_t attempt);
 
 // Writes <root>/step_<step>/ atomically and points <root>/latest at it; keeps the newest `keep`.
 // Returns the checkpoint directory. `attempt` > 0 (a cluster job's attempt) fences the commit:

@@ -175,6 +175,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     t->optimizer_ = t->staging_optimizer_.get();
   }
   t->state_.seed = spec.train.seed;
+  if (spec.checkpoint.replicas_every > 0 && !t->ckpt_dir_.empty())
+    RETURN_IF_ERROR(t->SetUpReplicas());
   RETURN_IF_ERROR(t->Resume(params));
   // A device's optimizer state lives there: the host copy comes back for each checkpoint.
   if (t->staging_optimizer_) t->optimizer_->ReleaseState();
@@ -250,6 +252,10 @@ absl::Status Trainer::Resume(ParamSet& params) {
     ready = CheckCheckpointRoot(ckpt_dir_);
     if (ready.ok() && attempt > 0) ready = FenceCheckpointRoot(ckpt_dir_, attempt);
   }
+  if (replicas_on_) {
+    ASSIGN_OR_RETURN(const bool from_replica, ResumeFromReplicas(params, ready.ok()));
+    if (from_replica) return absl::OkStatus();
+  }
   int64_t step = 0;
   if (ready.ok() && opt_.rank == 0) {
     absl::StatusOr<int64_t> chosen = LoadNewestValid(params);
@@ -314,6 +320,9 @@ absl::Status Trainer::Resume(ParamSet& params) {
             absl::StrCat("trainer: rank ", r, " could not resume (its error ends the attempt)"));
     }
   }
+  // With replicas the job's events say which a restart used (ResumeFromReplicas names its own).
+  if (replicas_on_ && opt_.rank == 0 && step > 0)
+    Emit({{"event", "note"}, {"message", absl::StrCat("resumed from checkpoint step ", step)}});
   return absl::OkStatus();
 }
 
@@ -367,7 +376,10 @@ absl::Status Trainer::Run() {
   bool parity_unavailable = false;
   while (state_.step < spec.train.steps) {
     // A stop waits for the checkpoint being written.
-    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) return ReportCheckpoint(true);
+    if (opt_.stop_at_step >= 0 && state_.step >= opt_.stop_at_step) {
+      RETURN_IF_ERROR(FinishReplica());
+      return ReportCheckpoint(true);
+    }
     RETURN_IF_ERROR(ReportCheckpoint(false));
     if (!parity_unavailable && ParityDue(spec.parallel, state_.step + 1, state_.verified_layout,
                                          ParityLayoutKey(spec, modes_))) {
@@ -379,7 +391,11 @@ absl::Status Trainer::Run() {
     const bool last = state_.step == spec.train.steps;
     const bool due = spec.checkpoint.every > 0 && state_.step % spec.checkpoint.every == 0;
     if (!ckpt_dir_.empty() && (last || due)) RETURN_IF_ERROR(Checkpoint());
+    const int64_t every = spec.checkpoint.replicas_every;
+    if (replicas_on_ && !last && every > 0 && state_.step % every == 0)
+      RETURN_IF_ERROR(ReplicaSnapshot());
   }
+  RETURN_IF_ERROR(FinishReplica());
   RETURN_IF_ERROR(ReportCheckpoint(true));  // the final checkpoint is on disk before "done"
   Emit({{"event", "done"},
         {"step", state_.step},
@@ -693,10 +709,34 @@ absl::Status Trainer::CheckpointSync() {
 // write does.
 absl::Status Trainer::SnapshotCheckpoint() {
   const auto t0 = std::chrono::steady_clock::now();
-  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
   CheckpointSnapshot* snap = writer_ ? &writer_->snapshot() : nullptr;
   ParamSet& params = backend_->host_params();
   absl::Status s;
+  RETURN_IF_ERROR(SnapshotInto(snap, &s));
+  if (snap && s.ok()) {
+    absl::StatusOr<CheckpointTensors> tensors = snap->Tensors(params);
+    if (tensors.ok())
+      writer_->Start(*std::move(tensors), state_);
+    else
+      s = tensors.status();
+  }
+  if (world_comm_) {
+    int32_t taken = s.ok() ? 1 : 0;
+    RETURN_IF_ERROR(world_comm_->Broadcast(&taken, 1, CommType::kI32, 0, CommLayer::kOther));
+    if (!taken && opt_.rank != 0)
+      return absl::InternalError(
+          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
+  }
+  if (!s.ok()) return s;
+  ckpt_in_flight_ = state_.step;
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SnapshotInto(CheckpointSnapshot* snap, absl::Status* taken) {
+  const bool contributes = opt_.rank == 0 || (ep_ > 1 && opt_.rank < ep_);
+  ParamSet& params = backend_->host_params();
+  absl::Status& s = *taken;
   const float *state0 = nullptr, *state1 = nullptr;
   bool staged = false;  // the staging optimizer holds state to release
   if (contributes) {
@@ -733,22 +773,7 @@ absl::Status Trainer::SnapshotCheckpoint() {
   if (snap && s.ok()) {
     snap->CopyParams(params);
     if (!staging_optimizer_) snap->CopyOptimizer(*optimizer_);
-    absl::StatusOr<CheckpointTensors> tensors = snap->Tensors(params);
-    if (tensors.ok())
-      writer_->Start(*std::move(tensors), state_);
-    else
-      s = tensors.status();
   }
-  if (world_comm_) {
-    int32_t taken = s.ok() ? 1 : 0;
-    RETURN_IF_ERROR(world_comm_->Broadcast(&taken, 1, CommType::kI32, 0, CommLayer::kOther));
-    if (!taken && opt_.rank != 0)
-      return absl::InternalError(
-          absl::StrCat("trainer: rank 0 failed to write the checkpoint of step ", state_.step));
-  }
-  if (!s.ok()) return s;
-  ckpt_in_flight_ = state_.step;
-  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 

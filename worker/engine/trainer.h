@@ -6,7 +6,9 @@
 // steps and at the end (checkpoint.async, the default: the step snapshots the state into host
 // memory and a background thread writes it, checkpoint_writer.h; the write is reported, as a
 // "checkpoint" event with "write_s" and "blocked_s", the time the steps waited for it, at the
-// first step boundary after it finished, and the final one is waited for). Events are JSON objects
+// first step boundary after it finished, and the final one is waited for; checkpoint.replicas:
+// in-memory replicas on the rank's worker and a peer's, resumed from when newer than the file,
+// trainer_replicas.cc and replica_store.h). Events are JSON objects
 // handed to a callback (spindle-train prints them one per line). Not thread-safe (but for
 // DrainCheckpointWrite); one trainer per process (or per thread in tests).
 //
@@ -71,6 +73,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -88,6 +91,7 @@
 #include "worker/engine/optimizer.h"
 #include "worker/engine/parity_canary.h"
 #include "worker/engine/recompute.h"
+#include "worker/engine/replica_store.h"
 #include "worker/engine/step_backend.h"
 
 namespace spindle {
@@ -123,11 +127,20 @@ struct TrainerOptions {
   // checkpoint (CommitCheckpoint), so that a test can kill the process mid-write. spindle-train
   // takes it from SPINDLE_CHECKPOINT_PAUSE_MS.
   int64_t checkpoint_pause_ms = 0;
+  // checkpoint.replicas (replica_store.h): this rank's replica root, the job's directory in its
+  // worker's replica directory (empty: this rank keeps no replicas, as a standalone trainer), the
+  // worker it runs on (ranks of different workers hold each other's copies), and the job's id,
+  // which every replica records. Replicas are taken only when every rank has a root.
+  std::string replica_root;
+  std::string replica_host;
+  std::string job_id;
 };
 
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options);
+  // Waits for a replica in flight (checkpoint.replicas).
+  ~Trainer();
   absl::Status Run();
   // Runs the parity canary now, before the next step (whatever parallel.verify says), emits its
   // event and, when it passed, records the layout as verified. A mismatch is a result with
@@ -172,6 +185,12 @@ class Trainer {
   absl::Status Checkpoint();
   absl::Status CheckpointSync();
   absl::Status SnapshotCheckpoint();
+  // The state into `snap` as a checkpoint takes it (rank 0; null on the other members of rank 0's
+  // EP group, which take part in the gather of its expert shards; a no-op on every other rank):
+  // the device's parameters and optimizer state downloaded, the shards gathered, the values
+  // copied. Returns the gather's error; `*taken` gets a failed download's (the caller tells the
+  // other ranks).
+  absl::Status SnapshotInto(CheckpointSnapshot* snap, absl::Status* taken);
   // Every rank: when a background write is in flight and has finished (or `wait`: once it has),
   // rank 0 tells the others how it ended (a collective), and each rank emits the checkpoint event
   // or returns the write's error as CheckpointSync would have. A no-op when none is in flight.
@@ -194,6 +213,24 @@ class Trainer {
   // opt_.resume_step loads.
   absl::StatusOr<int64_t> LoadNewestValid(ParamSet& params);
   absl::Status LoadStep(ParamSet& params, const std::string& dir);
+  // checkpoint.replicas. SetUpReplicas (Create, every rank): whether every rank has a replica
+  // root, rank 0's peer (the lowest rank on another worker) and their two-rank communicator.
+  absl::Status SetUpReplicas();
+  // Resume, every rank: when some rank's worker holds a valid replica newer than the newest file
+  // checkpoint (and not older than resume_step), the holder sends it to every rank and all load
+  // it (true). false: the file path as without replicas (none newer, or the chosen one was
+  // refused by a rank: the notes say why). `rank0_ready`: rank 0's checkpoint root is usable.
+  absl::StatusOr<bool> ResumeFromReplicas(ParamSet& params, bool rank0_ready);
+  // After a step of a multiple of checkpoint.replicas.every: rank 0 snapshots the state into host
+  // memory (as a background checkpoint does) and a thread of its own serialises it (as a
+  // checkpoint of this step), sends it to the peer and keeps it in rank 0's replica root; the
+  // peer's own thread receives it and keeps it in its root. The previous replica is finished
+  // first (FinishReplica), so at most one is in flight.
+  absl::Status ReplicaSnapshot();
+  // Waits for the replica in flight (rank 0 and its peer) and reports it: rank 0's "replica"
+  // event; a copy that could not be kept is a note, not an error (the file checkpoints remain);
+  // a peer that sent more than a replica of the model can be ends the attempt.
+  absl::Status FinishReplica();
   // Device jobs with world > 1: whether every rank has a device of its own that the backend can
   // build communicators on (DeviceIds gathered over the Gloo world).
   absl::StatusOr<bool> RanksHaveOwnDevices();
@@ -234,6 +271,28 @@ class Trainer {
   double snapshot_s_ = 0;  // how long the step took to snapshot it
   std::vector<double> losses_;
   double elapsed_s_ = 0.0;
+  // checkpoint.replicas: on when every rank has a replica root; rank 0's peer (-1: every rank is
+  // on rank 0's worker) and the communicator of the two; the serialised snapshot (rank 0's, or
+  // the one the peer received; the buffers are reused) and the most a received one may hold.
+  bool replicas_on_ = false;
+  int64_t replica_peer_ = -1;
+  std::unique_ptr<Communicator> replica_comm_;
+  CheckpointFiles replica_files_;
+  ReplicaBound replica_bound_;
+  bool replica_note_sent_ = false;  // one note for copies that cannot be kept
+  // The replica in flight: rank 0's snapshot (its thread reads it), the thread (sending on rank 0,
+  // receiving on the peer; it alone touches replica_comm_ and replica_files_ while it runs) and
+  // what it ended with.
+  CheckpointSnapshot replica_snapshot_;
+  struct ReplicaResult {
+    int64_t step = 0;
+    absl::Status kept;   // the copy could not be kept: a note
+    absl::Status fatal;  // the peer sent what no replica of the model is: ends the attempt
+    double snapshot_s = 0, write_s = 0;
+    int64_t bytes = 0;
+  };
+  ReplicaResult replica_result_;
+  std::thread replica_thread_;
 };
 
 // Loss of a checkpoint on `n_sequences` sequences of `data` (sequences 0..n-1), without
