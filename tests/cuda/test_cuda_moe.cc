@@ -22,10 +22,10 @@
 #include "cuda_test_util.h"
 #include "model_test_util.h"
 #include "tests/engine/cp_test_util.h"
+#include "worker/engine/batch.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/cp/cp_layout.h"
-#include "worker/engine/batch.h"
 #include "worker/engine/cuda/cuda_model.h"
 #include "worker/engine/model.h"
 #include "worker/engine/numerics.h"
@@ -86,7 +86,8 @@ TEST(CudaMoe, StepMatchesTheCpuBf16Emulation) {
     worst = std::max(worst, rel);
     worst_cos = std::min(worst_cos, g.cos);
     if (rel > 0.006 || g.cos < 0.9995)
-      report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
+      report +=
+          "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
   }
   EXPECT_LT(worst, 0.06) << report;
   EXPECT_GT(worst_cos, 0.995) << report;
@@ -96,7 +97,7 @@ TEST(CudaMoe, StepMatchesTheCpuBf16Emulation) {
   ASSERT_TRUE(want_moe.ok() && got_moe.ok());
   const auto& wl = (*want_moe)["moe"]["load_max_over_mean"];
   const auto& gl = (*got_moe)["moe"]["load_max_over_mean"];
-  ASSERT_EQ(gl.size(), 3u);  // layers 1-3
+  ASSERT_EQ(gl.size(), 3u);                 // layers 1-3
   const double pair = 8.0 / (203.0 * 2.0);  // one pair of an expert, over the mean load
   for (size_t i = 0; i < wl.size(); ++i)
     EXPECT_NEAR(gl[i].get<double>(), wl[i].get<double>(), pair + 1e-9) << "layer " << i + 1;
@@ -222,7 +223,8 @@ void ExpectExpertParallelMatchesOneRank(int ep) {
     if (g.name.find("router.bias") != std::string::npos) continue;
     const double rel = g.rel / (g.norm ? 3.0 : 1.0);
     if (rel > 0.03 || g.cos < 0.999)
-      report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
+      report +=
+          "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
   }
   EXPECT_TRUE(report.empty()) << report;
 }
@@ -277,7 +279,8 @@ TEST(CudaMoe, Fp8StepFollowsTheBf16Step) {
        testing::CompareGradients(first->host_params(), grads[0].data(), grads[1].data())) {
     if (g.name.find("router.bias") != std::string::npos) continue;  // no gradient
     if (g.rel > (g.norm ? 0.30 : 0.15) || g.cos < 0.99)
-      report += "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
+      report +=
+          "\n  " + g.name + ": rel " + std::to_string(g.rel) + " cos " + std::to_string(g.cos);
     if (g.name.find("experts.") != std::string::npos) experts_rel = std::max(experts_rel, g.rel);
   }
   EXPECT_TRUE(report.empty()) << report;
