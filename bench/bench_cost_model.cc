@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
     const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const double measured = MedianStep(out);
     std::printf(
-        "| %s | %lld | %lld | %s | %lld | %s | %s | %.1f | %.2f | %.3f | %.3f | %+.0f%% |\n",
+        "| %s | %lld | %lld | %s | %lld | %s | %s | %.3g | %.2f | %.3f | %.3f | %+.0f%% |\n",
         c.preset.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.cp),
         resources.c_str(), static_cast<long long>(threads), c.lmode.c_str(), c.mmode.c_str(),
         topo.sharing, topo.link_rates.bytes_per_s / 1e9, est, measured,
