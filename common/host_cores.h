@@ -17,7 +17,7 @@ int64_t HostCores();
 // OMP_WAIT_POLICY=passive: when their compute threads alone are more than the cores. A thread
 // that spins for the next parallel region (libgomp's default, for a while after each) then holds
 // a core that another rank's compute or communicator thread needs, and every exposed exchange
-// waits for it (bench/CP_NOTES.md, "Spinning threads on full cores": cp = 2 All2All steps 3-5x
+// waits for it (bench/CP_NOTES.md, "The two 2-core misses": cp = 2 All2All steps 2-4x
 // longer on 2 cores). False where any count is unknown (< 1).
 bool PassiveWaitForRanks(int64_t ranks, int64_t threads, int64_t cores);
 

@@ -73,8 +73,8 @@ struct Topology {
 // threads on 16 cores 1.5, 4 x 4 1.25), and less where they already time-slice the cores, for the
 // scheduler gives a communicator only 1 / c of a core while it runs, and its exchanges, whose
 // work does not grow with c, are a c times smaller part of the stretched step (2 ranks x 2
-// threads on 2 cores ran as 2.0: this gives 2.25; bench/CP_NOTES.md, "Communicators on full
-// cores"). So c + 1 / (threads c). A job of one rank has no communicator: max(1, threads /
+// threads on 2 cores ran as 2.0: this gives 2.25; bench/CP_NOTES.md, "The two 2-core misses").
+// So c + 1 / (threads c). A job of one rank has no communicator: max(1, threads /
 // cores). Nondecreasing in ranks and in threads.
 double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world);
 

@@ -106,7 +106,7 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
 
 // Ranks share a host's cores once their compute threads fill it; each communicator thread then
 // costs a core where they fill it exactly, less where they fill it several times over
-// (bench/CP_NOTES.md, "Communicators on full cores").
+// (bench/CP_NOTES.md, "The two 2-core misses").
 TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
   EXPECT_EQ(CoreSharing(1, 2, 16, 2), 1.0);
   EXPECT_EQ(CoreSharing(4, 2, 16, 4), 1.0);   // 8 compute threads: the communicators fit beside
