@@ -5,7 +5,9 @@
 //   - CPU jobs: the kernel rates measured at the job's shapes (spindle-train --probe-rates, one
 //     rank alone on its threads), link loopback at the rates that probe measured (its link line,
 //     as a worker reports them), ranks sharing the cores (CoreSharing) when ranks x threads fill
-//     them;
+//     them; the cores are those this process may run on (its CPU affinity: under taskset, the
+//     ones it names), and ranks whose threads are more than them wait passively
+//     (OMP_WAIT_POLICY=passive unless set, as a worker starts them: common/host_cores.h);
 //   - CUDA jobs: every rank on the one GPU (sharing = cp), the planner's built-in rates of an
 //     H200, link same-device (Gloo through host staging) at the rates spindle-train --probe-link
 //     measured.
@@ -18,20 +20,21 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/host_cores.h"
 #include "common/job_spec.h"
 #include "common/subprocess.h"
-#include "planner/cp_cost_model.h"
 #include "nlohmann/json.hpp"
+#include "planner/cp_cost_model.h"
 
 namespace {
 
@@ -96,9 +99,12 @@ int main(int argc, char** argv) {
                            absl::StrCat("bench-cost-model-", ::getpid()))
                               .string();
   std::filesystem::create_directories(dir);
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  std::printf("%lld cores; links at the rates spindle-train measured\n\n",
-              static_cast<long long>(cores));
+  const int64_t cores = spindle::HostCores();
+  const bool own_policy = std::getenv("OMP_WAIT_POLICY") != nullptr;
+  std::printf("%lld cores; links at the rates spindle-train measured; OMP_WAIT_POLICY %s\n\n",
+              static_cast<long long>(cores),
+              own_policy ? std::getenv("OMP_WAIT_POLICY")
+                         : "passive where the ranks' threads exceed the cores, else unset");
   std::printf(
       "| preset | seq | cp | res. | threads | lightning | mla | sharing | link GB/s | "
       "estimated s | measured s | error |\n");
@@ -139,7 +145,8 @@ int main(int argc, char** argv) {
       if (!j.is_object()) continue;
       if (j.value("event", "") == "rates")
         topo.rates = {j.value("gemm_flops", 0.0), j.value("attention_flops", 0.0),
-                      j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0)};
+                      j.value("lightning_flops", 0.0), j.value("memory_bytes", 0.0),
+                      j.value("copy_bytes", 0.0)};
       if (j.value("event", "") == "link" && j.value("bytes_per_s", 0.0) > 0)
         topo.link_rates = {j.value("bytes_per_s", 0.0), j.value("latency_s", 0.0)};
     }
@@ -159,8 +166,11 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(store);
     std::vector<std::unique_ptr<spindle::Subprocess>> ranks;
     const std::string out0 = absl::StrCat(dir, "/rank0.out");
+    const bool passive =
+        resources != "cuda" && !own_policy && spindle::PassiveWaitForRanks(c.cp, threads, cores);
     for (int64_t r = 0; r < c.cp; ++r) {
       spindle::SubprocessOptions o;
+      if (passive) o.env.push_back({"OMP_WAIT_POLICY", "passive"});
       o.stdout_path = r == 0 ? out0 : "/dev/null";
       o.stderr_path = absl::StrCat(dir, "/rank", r, ".err");
       auto p = spindle::Subprocess::Spawn(
@@ -174,7 +184,7 @@ int main(int argc, char** argv) {
     const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const double measured = MedianStep(out);
     std::printf(
-        "| %s | %lld | %lld | %s | %lld | %s | %s | %.1f | %.2f | %.3f | %.3f | %+.0f%% |\n",
+        "| %s | %lld | %lld | %s | %lld | %s | %s | %.3g | %.2f | %.3f | %.3f | %+.0f%% |\n",
         c.preset.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.cp),
         resources.c_str(), static_cast<long long>(threads), c.lmode.c_str(), c.mmode.c_str(),
         topo.sharing, topo.link_rates.bytes_per_s / 1e9, est, measured,

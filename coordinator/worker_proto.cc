@@ -36,7 +36,8 @@ DeviceOffer OfferFromProto(const v1::DeviceGroup& g) {
   DeviceOffer d{BoundedUtf8(g.kind(), kMaxIdBytes), BoundedUtf8(g.name(), kMaxDeviceNameBytes),
                 g.count(), g.memory_bytes(), g.host_memory_bytes()};
   const v1::DeviceRates& r = g.rates();
-  d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes()};
+  d.rates = {r.gemm_flops(), r.attention_flops(), r.lightning_flops(), r.memory_bytes(),
+             r.copy_bytes()};
   d.link = BoundedUtf8(g.link(), kMaxIdBytes);
   d.link_rates = {g.link_bytes_per_s(), g.link_latency_s()};
   d.cores = g.cores();
@@ -55,6 +56,7 @@ void OfferToProto(const DeviceOffer& d, v1::DeviceGroup* g) {
   r->set_attention_flops(d.rates.attention_flops);
   r->set_lightning_flops(d.rates.lightning_flops);
   r->set_memory_bytes(d.rates.memory_bytes);
+  r->set_copy_bytes(d.rates.copy_bytes);
   g->set_link(d.link);
   g->set_link_bytes_per_s(d.link_rates.bytes_per_s);
   g->set_link_latency_s(d.link_rates.latency_s);

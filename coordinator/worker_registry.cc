@@ -54,9 +54,10 @@ absl::Status CheckRegistration(const WorkerRegistration& reg, const RegistryLimi
         absl::StrCat("register: worker ", reg.worker_id, ": device count must be in [1, ",
                      limits.max_slots_per_worker, "] (--max-worker-slots), got ", g.count));
   for (auto [name, rate] : {std::pair<const char*, double>{"gemm_flops", g.rates.gemm_flops},
-                             {"attention_flops", g.rates.attention_flops},
-                             {"lightning_flops", g.rates.lightning_flops},
-                             {"memory_bytes", g.rates.memory_bytes}}) {
+                            {"attention_flops", g.rates.attention_flops},
+                            {"lightning_flops", g.rates.lightning_flops},
+                            {"memory_bytes", g.rates.memory_bytes},
+                            {"copy_bytes", g.rates.copy_bytes}}) {
     if (!(rate >= 0 && rate < 1e18))  // NaN fails too
       return absl::InvalidArgumentError(
           absl::StrCat("register: worker ", reg.worker_id, ": rates.", name,

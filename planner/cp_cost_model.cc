@@ -48,9 +48,10 @@ struct Shape {
 };
 
 // One core of the reference machine (2-core shared VM, spindle-train --probe-rates at the small
-// preset's shapes; bench/CP_NOTES.md).
+// preset's shapes; bench/CP_NOTES.md). Its memcpy measured 14 GB/s at the probe's 8 MiB and 6 at
+// 64 MiB, out of the caches: the built-in copy rate is below both.
 constexpr double CpuDefaultGemm = 40e9, CpuDefaultAttention = 10e9, CpuDefaultLightning = 10e9,
-                 CpuDefaultMemory = 4e9;
+                 CpuDefaultMemory = 4e9, CpuDefaultCopy = 5e9;
 
 double Rate(double r, double sharing) { return r > 0 ? r / std::max(1.0, sharing) : 0.0; }
 double Time(double work, double rate) { return rate > 0 ? work / rate : 0.0; }
@@ -60,7 +61,23 @@ double LinkTime(const LinkRates& l, double bytes, double messages) {
   return (l.bytes_per_s > 0 ? bytes / l.bytes_per_s : 0.0) + messages * l.latency_s;
 }
 
+// The host copies of an all-to-all by pieces over a host-memory communicator (Gloo: the CPU
+// engine's): the base communicator packs every piece into one block a rank and unpacks the
+// received blocks (worker/engine/comm/communicator.cc, DoAllToAllPieces), two copies of the whole
+// exchanged buffer, `sent` (the bytes sent to the others, (n-1)/n of it) x n / (n-1), on the
+// communicator's one thread, at one thread's memcpy rate (HostCopyRate). GPU ranks make none: NCCL
+// sends the pieces where they lie, and a staged communicator copies each piece straight into its
+// staging, as it does for every collective (what the same-device link's rate stands for).
+double PackingCopies(const JobSpec& spec, const Topology& topo, double sent, double group) {
+  if (spec.resources == "cuda" || group <= 1 || sent <= 0) return 0.0;
+  return Time(2.0 * sent * group / (group - 1.0), Rate(HostCopyRate(topo.rates), topo.sharing));
+}
+
 }  // namespace
+
+double HostCopyRate(const DeviceRates& r) {
+  return r.copy_bytes > 0 ? r.copy_bytes : CpuDefaultCopy;
+}
 
 const char* LinkClassName(LinkClass l) {
   switch (l) {
@@ -108,14 +125,18 @@ LinkRates DefaultLinkRates(LinkClass l) {
 DeviceRates DefaultRates(const std::string& resources) {
   if (resources == "cuda")  // H200: bench/cuda/NOTES.md (GEMMs, cuDNN attention, Lightning)
     return {770e12, 450e12, 130e12, 3.0e12};
-  return {CpuDefaultGemm, CpuDefaultAttention, CpuDefaultLightning, CpuDefaultMemory};
+  return {CpuDefaultGemm, CpuDefaultAttention, CpuDefaultLightning, CpuDefaultMemory,
+          CpuDefaultCopy};
 }
 
 double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world) {
   if (ranks < 1 || threads < 1 || cores < 1 || ranks * threads < cores) return 1.0;
-  const int64_t communicator = world > 1 ? 1 : 0;
-  return std::max(1.0, static_cast<double>(ranks * (threads + communicator)) /
-                           static_cast<double>(cores));
+  // c: how many times the compute threads fill the cores (>= 1 here).
+  const double c = static_cast<double>(ranks * threads) / static_cast<double>(cores);
+  // ranks / cores communicators a core, each taking 1 / c^2 of one.
+  const double communicators =
+      world > 1 ? static_cast<double>(ranks) / static_cast<double>(cores) / (c * c) : 0.0;
+  return std::max(1.0, c + communicators);
 }
 
 Topology DefaultTopology(const std::string& resources) {
@@ -170,6 +191,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
   const double act = s.B / 4.0;
   double fwd = static_cast<double>(sent.forward), bwd = static_cast<double>(sent.backward);
   double exposed = 0, messages = 0, memory = 0;
+  double copies = 0;  // the communicator's packing, exposed with its exchange
   if (lightning) {
     const double rate = Rate(topo.rates.lightning_flops, sh);
     const double core = Time(s.LightningFlopsPerToken() * s.T_loc, rate);  // fwd + bwd
@@ -190,6 +212,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
       const double ulysses = (fwd - gather) * act;
       fwd = gather + ulysses, bwd = gather + ulysses;
       if (hybrid) {
+        copies = PackingCopies(spec, topo, 2.0 * ulysses, u);
         exposed += LinkTime(link, 2.0 * ulysses, 4.0 * (u - 1.0));
         messages += 4.0 * (u - 1.0);
         memory += 3.0 * s.T_loc * s.d * s.B;
@@ -197,6 +220,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
     } else if (n > 1) {  // All2All: q, k, v out and o back; the backward the reverse
       fwd *= act, bwd *= act;
       messages = 4.0 * (n - 1.0);
+      copies = PackingCopies(spec, topo, fwd + bwd, n);
       exposed = LinkTime(link, fwd + bwd, messages);
       memory = 3.0 * s.T_loc * s.d * s.B;  // head-split q, k, v kept for the backward
     }
@@ -215,6 +239,7 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
     switch (choice.mode) {
       case CpMode::kAll2All:
         messages = 4.0 * (n - 1.0);
+        copies = PackingCopies(spec, topo, fwd + bwd, n);
         exposed = LinkTime(link, fwd + bwd, messages);
         memory = s.T_loc * s.H * (2.0 * s.qk + 2.0 * s.v) * s.B;
         break;
@@ -235,6 +260,10 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
         messages += 3.0 * steps;
         const double ulysses = std::max(0.0, fwd - steps * block);
         if (hybrid) {
+          // Of it, the latent's all-gather (a plain collective) is not packed by pieces.
+          const double latent =
+              payload == MlaRingPayload::kLatent ? (u - 1.0) * s.T_loc * (s.kv + s.rd) * s.B : 0.0;
+          copies = PackingCopies(spec, topo, 2.0 * std::max(0.0, ulysses - latent), u);
           exposed += LinkTime(link, 2.0 * ulysses, 4.0 * (u - 1.0));
           messages += 4.0 * (u - 1.0);
         }
@@ -252,8 +281,9 @@ ModeCost CpCostModel::EstimateLayers(const JobSpec& spec, const Topology& topo,
     }
   }
   c.compute_s *= layers * s.m;
-  c.comm_s = LinkTime(link, fwd + bwd, messages) * layers * s.m;
-  c.exposed_s = exposed * layers * s.m;
+  c.copy_s = copies * layers * s.m;
+  c.comm_s = LinkTime(link, fwd + bwd, messages) * layers * s.m + c.copy_s;
+  c.exposed_s = exposed * layers * s.m + c.copy_s;
   c.bytes = static_cast<int64_t>((fwd + bwd) * layers * s.m);
   c.memory_bytes = static_cast<int64_t>(memory * layers);
   return c;

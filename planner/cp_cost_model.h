@@ -14,7 +14,9 @@
 //     on one host, the network), at that link's bandwidth and per-message latency;
 //   - overlap: Lightning AllGather's state exchange hides behind the local outputs, a Ring step's
 //     block exchange behind the previous block's attention, the gradient all-reduce behind the
-//     backward; All2All and MLA AllGather exchanges are exposed.
+//     backward; All2All and MLA AllGather exchanges are exposed;
+//   - on the CPU, the two host copies with which the communicator packs an all-to-all by pieces
+//     (the All2All modes and the 2-D modes' Ulysses exchanges), exposed with them.
 // Pure functions; thread-safe.
 #pragma once
 
@@ -32,6 +34,7 @@ struct DeviceRates {
   double attention_flops = 0;  // causal softmax attention forward + backward
   double lightning_flops = 0;  // the chunked Lightning kernel forward + backward
   double memory_bytes = 0;     // streaming elementwise kernels
+  double copy_bytes = 0;       // a host memcpy on one thread, bytes copied (0: the built-in rate)
   bool known() const {
     return gemm_flops > 0 && attention_flops > 0 && lightning_flops > 0 && memory_bytes > 0;
   }
@@ -63,11 +66,22 @@ struct Topology {
 
 // The `sharing` of `ranks` CPU ranks on one host of `cores` cores, each running `threads` compute
 // threads and, in a job of `world` > 1 ranks, a communicator thread (worker/engine/comm: Gloo's
-// sends, receives and reductions), which needs a core of its own once the compute threads fill
-// the host: max(1, ranks (threads + 1) / cores) once ranks x threads reaches the cores, else 1
-// (bench/CP_NOTES.md: eight ranks of two threads on 16 cores ran 27% slower than the compute
-// threads alone predict). A job of one rank has no communicator: max(1, threads / cores).
+// sends, receives, reductions and packing). While the compute threads leave a core spare, the
+// communicators run there: 1. Once the compute threads fill the cores c = ranks x threads /
+// cores >= 1 times, each core also carries ranks / cores communicators, each costing 1 / c^2 of a
+// core: a whole core where the compute threads exactly fill the host (measured: 8 ranks x 2
+// threads on 16 cores 1.5, 4 x 4 1.25), and less where they already time-slice the cores, for the
+// scheduler gives a communicator only 1 / c of a core while it runs, and its exchanges, whose
+// work does not grow with c, are a c times smaller part of the stretched step (2 ranks x 2
+// threads on 2 cores ran as 2.0: this gives 2.25; bench/CP_NOTES.md, "The two 2-core misses").
+// So c + 1 / (threads c). A job of one rank has no communicator: max(1, threads /
+// cores). Nondecreasing in ranks and in threads.
 double CoreSharing(int64_t ranks, int64_t threads, int64_t cores, int64_t world);
+
+// Bytes one thread copies per second on a host of rates `r` (memcpy between warm buffers): its
+// measured `copy_bytes`, else the reference machine's (bench/CP_NOTES.md). The CPU engine's
+// communicator packs its all-to-alls by pieces at this rate (CpCostModel).
+double HostCopyRate(const DeviceRates& r);
 
 // Built-in rates where no worker measured any: a CPU core of the reference machine, or an H200
 // (bench/CP_NOTES.md, "Cost model"); the link class a worker's own devices share (CPU: loopback,
@@ -86,8 +100,9 @@ std::string ModeChoiceName(const ModeChoice& m);
 struct ModeCost {
   ModeChoice choice;
   double compute_s = 0;   // the layers' own compute (cores, extra rebuilds included)
-  double comm_s = 0;      // link time of its collectives
+  double comm_s = 0;      // link time of its collectives, with copy_s
   double exposed_s = 0;   // of comm_s, what overlap does not hide
+  double copy_s = 0;      // of exposed_s, the host copies of the communicator's packing
   int64_t bytes = 0;      // sent per rank per step (forward + backward)
   int64_t memory_bytes = 0;  // extra activation and exchange memory the mode needs per rank
   double total_s() const { return compute_s + exposed_s; }

@@ -245,8 +245,11 @@ absl::Status RankRunner::Start(const v1::Assignment& a) {
     spec.extra_env.push_back(absl::StrCat(
         "CUDA_VISIBLE_DEVICES=",
         TrainerVisibleDevice(a.device_index(), std::getenv("CUDA_VISIBLE_DEVICES"))));
-  } else if (options_.cpu_threads_per_rank > 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
-    spec.extra_env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.cpu_threads_per_rank));
+  } else {
+    if (options_.cpu_threads_per_rank > 0 && std::getenv("OMP_NUM_THREADS") == nullptr)
+      spec.extra_env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.cpu_threads_per_rank));
+    if (options_.cpu_passive_wait && std::getenv("OMP_WAIT_POLICY") == nullptr)
+      spec.extra_env.push_back("OMP_WAIT_POLICY=passive");
   }
 
   // The rank is registered (and RankStarted sent) on the supervisor thread before any output or

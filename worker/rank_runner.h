@@ -14,8 +14,9 @@
 // CUDA_VISIBLE_DEVICES=<the device_index-th GPU this daemon sees> for "cuda" ranks (the index
 // itself, or the entry at that position of the daemon's own CUDA_VISIBLE_DEVICES when that is
 // set: the daemon discovered its GPUs through it), OMP_NUM_THREADS for "cpu" ranks (when
-// configured and not already set). The trainer's stderr is also appended to
-// <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
+// configured and not already set), and OMP_WAIT_POLICY=passive for them where the options say
+// the cores are over-subscribed (and it is not already set). The trainer's stderr is also appended
+// to <work_dir>/<job>/<attempt>/rank-<R>.stderr.log.
 //
 // Before anything is written, the planned spec's checkpoint directory and data file are checked
 // against the worker's roots (path_roots.h); a refused path ends the rank at once with a RankExit
@@ -70,6 +71,9 @@ struct RankRunnerOptions {
   int64_t pulse_ms = 1000;
   std::string tls_ca_file;     // exported as SPINDLE_TLS_CA_FILE when non-empty
   int cpu_threads_per_rank = 0;  // OMP_NUM_THREADS for cpu ranks (0: leave unset)
+  // OMP_WAIT_POLICY=passive for cpu ranks (when not already set): the slots' threads are more
+  // than the host's cores (PassiveWaitForRanks, common/host_cores.h).
+  bool cpu_passive_wait = false;
   PathRoots roots;               // where checkpoints and data files may be
   // The daemon's replica directory (replica_dirs.h; empty: its jobs keep no in-memory replicas)
   // and its worker id, which trainers use to tell ranks of different workers apart.

@@ -2,11 +2,11 @@
 #include "worker/rate_report.h"
 
 #include <functional>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/host_cores.h"
 #include "common/status.h"
 #include "common/subprocess.h"
 #include "nlohmann/json.hpp"
@@ -46,7 +46,7 @@ void TakeLink(const nlohmann::json& j, v1::DeviceGroup* devices) {
 
 absl::Status ReportRates(const std::string& trainer_binary, int threads_per_rank,
                          v1::DeviceGroup* devices) {
-  devices->set_cores(static_cast<int32_t>(std::thread::hardware_concurrency()));
+  devices->set_cores(static_cast<int32_t>(HostCores()));
   if (devices->kind() != "cpu") {
     // Ranks sharing one GPU exchange over Gloo on this host: their link is measured; GPUs that
     // reach each other directly keep the planner's nominal rates.
@@ -70,6 +70,7 @@ absl::Status ReportRates(const std::string& trainer_binary, int threads_per_rank
                  r->set_attention_flops(Number(j, "attention_flops"));
                  r->set_lightning_flops(Number(j, "lightning_flops"));
                  r->set_memory_bytes(Number(j, "memory_bytes"));
+                 r->set_copy_bytes(Number(j, "copy_bytes"));
                  rates = true;
                }));
   if (!rates) return absl::InternalError("rate probe printed no rates line");

@@ -10,12 +10,12 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/daemon_flags.h"
+#include "common/host_cores.h"
 #include "common/host_port.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
@@ -256,7 +256,7 @@ int Main() {
 
   int threads = absl::GetFlag(FLAGS_cpu_threads_per_slot);
   if (threads <= 0 && devices->kind() == "cpu") {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / devices->count());
+    threads = std::max(1, static_cast<int>(HostCores()) / devices->count());
   }
   SessionOptions session_options;
   session_options.coordinator_address = coordinator;
@@ -291,6 +291,8 @@ int Main() {
   runner_options.coordinator_address = coordinator;
   runner_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   runner_options.cpu_threads_per_rank = threads;
+  runner_options.cpu_passive_wait =
+      devices->kind() == "cpu" && PassiveWaitForRanks(devices->count(), threads, HostCores());
   runner_options.roots = session_options.roots;
   runner_options.supervisor.kill_grace = absl::GetFlag(FLAGS_kill_grace);
   runner_options.worker_id = worker_id;

@@ -104,15 +104,17 @@ TEST(CpCostModel, ComputeFollowsTheRatesAndTheSharing) {
   EXPECT_GT(one.step_s(), 0);
 }
 
-// Ranks share a host's cores once their compute threads fill it, each communicator thread then
-// taking a core of its own.
+// Ranks share a host's cores once their compute threads fill it; each communicator thread then
+// costs a core where they fill it exactly, less where they fill it several times over
+// (bench/CP_NOTES.md, "The two 2-core misses").
 TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
   EXPECT_EQ(CoreSharing(1, 2, 16, 2), 1.0);
   EXPECT_EQ(CoreSharing(4, 2, 16, 4), 1.0);   // 8 compute threads: the communicators fit beside
   EXPECT_EQ(CoreSharing(4, 3, 16, 4), 1.0);   // 12 + 4 = 16
-  EXPECT_EQ(CoreSharing(8, 2, 16, 8), 1.5);   // 16 compute threads fill the cores: (16 + 8) / 16
-  EXPECT_EQ(CoreSharing(4, 4, 16, 4), 1.25);  // (16 + 4) / 16
-  EXPECT_EQ(CoreSharing(8, 4, 16, 8), 2.5);   // (32 + 8) / 16
+  EXPECT_EQ(CoreSharing(8, 2, 16, 8), 1.5);   // 16 compute threads fill the cores: 1 + 8/16
+  EXPECT_EQ(CoreSharing(4, 4, 16, 4), 1.25);  // 1 + 4/16
+  EXPECT_EQ(CoreSharing(8, 4, 16, 8), 2.125);  // twice over: 2 + 8/16 communicators at 1/4
+  EXPECT_EQ(CoreSharing(2, 2, 2, 2), 2.25);    // the same on 2 cores: 2 + 2/2 at 1/4
   EXPECT_EQ(CoreSharing(2, 1, 2, 2), 2.0);    // two single-threaded ranks on two cores
   EXPECT_EQ(CoreSharing(0, 2, 16, 2), 1.0);   // nothing known: no sharing
   EXPECT_EQ(CoreSharing(8, 2, 0, 8), 1.0);
@@ -120,6 +122,94 @@ TEST(CpCostModel, CoreSharingCountsTheCommunicatorThreads) {
   EXPECT_EQ(CoreSharing(1, 2, 2, 1), 1.0);
   EXPECT_EQ(CoreSharing(1, 4, 2, 1), 2.0);
   EXPECT_EQ(CoreSharing(1, 2, 2, 2), 1.5);  // one rank of a larger job does
+}
+
+// More ranks or more threads on the same cores never share them less, and a communicator never
+// costs more than a whole core of its own (the old rule's ranks (threads + 1) / cores).
+TEST(CpCostModel, CoreSharingGrowsWithRanksAndThreads) {
+  for (int64_t cores : {1, 2, 3, 8, 16, 64}) {
+    for (int64_t threads = 1; threads <= 9; ++threads) {
+      double last = 0;
+      for (int64_t ranks = 1; ranks <= 40; ++ranks) {
+        const double s = CoreSharing(ranks, threads, cores, ranks);
+        EXPECT_GE(s, last) << ranks << " x " << threads << " on " << cores;
+        EXPECT_GE(s, std::max(1.0, static_cast<double>(ranks * threads) / cores));
+        EXPECT_LE(s, std::max(1.0, static_cast<double>(ranks * (threads + 1)) / cores));
+        EXPECT_LE(CoreSharing(ranks, threads, cores, ranks),
+                  CoreSharing(ranks, threads + 1, cores, ranks))
+            << ranks << " x " << threads << " on " << cores;
+        last = s;
+      }
+    }
+  }
+}
+
+// The CPU engine's all-to-alls by pieces pass through the communicator's packing: two host
+// copies of the exchanged buffer, exposed with the exchange; GPU ranks make none.
+TEST(CpCostModel, HostPackingCopiesOfTheCpuAllToAlls) {
+  const CpCostModel model;
+  Topology t = DefaultTopology("cpu");
+  t.rates = {30e9, 7e9, 9e9, 5e9, 3e9};
+  EXPECT_EQ(HostCopyRate(t.rates), 3e9);  // as measured; the reference machine's where not
+  EXPECT_EQ(HostCopyRate({30e9, 7e9, 9e9, 5e9}), DefaultRates("cpu").copy_bytes);
+  const JobSpec s = Spec("small", 4096, 2, "cpu");
+  const ModeCost a2a = model.EstimateLayers(s, t, "lightning", {CpMode::kAll2All, 1});
+  ASSERT_GT(a2a.bytes, 0);
+  // Two copies of what is sent x cp / (cp - 1) (the rank's own block is packed too).
+  EXPECT_NEAR(a2a.copy_s, 2.0 * a2a.bytes * 2.0 / HostCopyRate(t.rates), a2a.copy_s * 1e-9);
+  EXPECT_GT(a2a.exposed_s, a2a.copy_s);  // the link time besides, all of it exposed
+  EXPECT_NEAR(a2a.comm_s, a2a.exposed_s, a2a.comm_s * 1e-9);
+  // Proportional to the bytes: twice the sequence sends twice as much and copies twice as long.
+  const ModeCost longer =
+      model.EstimateLayers(Spec("small", 8192, 2, "cpu"), t, "lightning", {CpMode::kAll2All, 1});
+  EXPECT_EQ(longer.bytes, 2 * a2a.bytes);
+  EXPECT_NEAR(longer.copy_s, 2.0 * a2a.copy_s, a2a.copy_s * 1e-9);
+  // At cp = 4 a rank's own block is a quarter of the buffer: copies of bytes x 4/3.
+  const ModeCost four =
+      model.EstimateLayers(Spec("small", 8192, 4, "cpu"), t, "mla", {CpMode::kAll2All, 1});
+  EXPECT_NEAR(four.copy_s, 2.0 * four.bytes * 4.0 / 3.0 / HostCopyRate(t.rates),
+              four.copy_s * 1e-9);
+  // The copies run on the shared cores: at the copy rate, divided by the sharing.
+  Topology shared = t;
+  shared.sharing = 2.5;
+  EXPECT_NEAR(model.EstimateLayers(s, shared, "lightning", {CpMode::kAll2All, 1}).copy_s,
+              2.5 * a2a.copy_s, a2a.copy_s * 1e-9);
+  Topology faster = t;
+  faster.rates.copy_bytes *= 4;
+  EXPECT_NEAR(model.EstimateLayers(s, faster, "lightning", {CpMode::kAll2All, 1}).copy_s,
+              a2a.copy_s / 4, a2a.copy_s * 1e-9);
+  // A 2-D mode's Ulysses exchange is packed too: Lightning's carries the rank's whole q, k, v and
+  // o as All2All does (over 2 ranks instead of 4: the same buffers); MLA's with the latent as the
+  // ring's payload carries Q and O only, the latent's all-gather being a plain collective.
+  const JobSpec four_ranks = Spec("small", 8192, 4, "cpu");
+  const auto copies = [&](const std::string& type, const ModeChoice& m) {
+    return model.EstimateLayers(four_ranks, t, type, m).copy_s;
+  };
+  EXPECT_GT(copies("lightning", {CpMode::kHybrid, 2}), 0);
+  EXPECT_NEAR(copies("lightning", {CpMode::kHybrid, 2}), copies("lightning", {CpMode::kAll2All, 1}),
+              copies("lightning", {CpMode::kAll2All, 1}) * 1e-9);
+  ASSERT_EQ(MlaRingPayloadFor(four_ranks.model.mla, four_ranks.model.n_heads / 2),
+            MlaRingPayload::kLatent);
+  const double qk = four_ranks.model.mla.qk_nope_dim + four_ranks.model.mla.qk_rope_dim;
+  const double v = four_ranks.model.mla.v_head_dim;
+  EXPECT_NEAR(copies("mla", {CpMode::kHybrid, 2}),
+              copies("mla", {CpMode::kAll2All, 1}) * (qk + v) / (2 * qk + 2 * v),
+              copies("mla", {CpMode::kAll2All, 1}) * 1e-9);
+  // No pieces, no packing: AllGather and Ring.
+  EXPECT_EQ(model.EstimateLayers(s, t, "lightning", {CpMode::kAllGather, 1}).copy_s, 0);
+  EXPECT_EQ(model.EstimateLayers(s, t, "mla", {CpMode::kAllGather, 1}).copy_s, 0);
+  EXPECT_EQ(model.EstimateLayers(s, t, "mla", {CpMode::kRing, 1}).copy_s, 0);
+  // GPU ranks: NCCL sends the pieces where they lie; a staged communicator stages each piece as
+  // it stages every collective, which the same-device link's rate stands for.
+  const JobSpec gpu = Spec("1b", 16384, 2, "cuda");
+  for (LinkClass link : {LinkClass::kNvlink, LinkClass::kSameDevice}) {
+    Topology g = DefaultTopology("cuda");
+    g.link = link;
+    g.link_rates = DefaultLinkRates(link);
+    const ModeCost m = model.EstimateLayers(gpu, g, "mla", {CpMode::kAll2All, 1});
+    EXPECT_GT(m.bytes, 0);
+    EXPECT_EQ(m.copy_s, 0) << LinkClassName(link);
+  }
 }
 
 // Attention counts the pairs within the source's documents: a synthetic source's known span, or

@@ -123,6 +123,33 @@ TEST_P(CommPatternTest, PiecesLandWhereTheReceiverListsThem) {
   ASSERT_TRUE(s.ok()) << s;
 }
 
+// The packing's blocks are kept from one exchange to the next: exchanges that shrink and grow on
+// one communicator each deliver their own round's values, none of an earlier, larger one.
+TEST_P(CommPatternTest, PiecesOfSuccessiveExchangesOfOtherSizes) {
+  const int P = GetParam();
+  MemoryKvStore store;
+  absl::Status s = RunRanks(P, [&](int rank) -> absl::Status {
+    auto comm = CreateGlooCommunicator(store, "rounds", rank, P, TestGloo());
+    if (!comm.ok()) return comm.status();
+    Communicator& c = **comm;
+    int round = 0;
+    for (int n : {37, 5, 101, 37}) {
+      ++round;
+      std::vector<int32_t> in(n * P), out(n * P, -1);
+      for (int j = 0; j < P; ++j)
+        for (int i = 0; i < n; ++i) in[j * n + i] = Tag(rank, j, i) + round * 100000;
+      const testing::PieceLists l = testing::BlockPieces(in.data(), out.data(), n, n / 3, P);
+      if (auto st = c.AllToAllPieces(l.send, l.recv, CommLayer::kMla); !st.ok()) return st;
+      for (int src = 0; src < P; ++src)
+        for (int i = 0; i < n; ++i)
+          EXPECT_EQ(out[src * n + i], Tag(src, rank, i) + round * 100000)
+              << "round " << round << " from " << src << " element " << i;
+    }
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, CommPatternTest, ::testing::Values(1, 2, 3, 4));
 
 // Two communicators over one store (world and a sub-group) run collectives at the same time, and

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_cores.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/cluster_harness.h"
@@ -208,6 +209,9 @@ TEST(ClusterRatesTest, MeasuredRatesReachThePlannersCostModel) {
     EXPECT_EQ(d.rates().attention_flops() > 0, probe);
     EXPECT_EQ(d.rates().lightning_flops() > 0, probe);
     EXPECT_EQ(d.rates().memory_bytes() > 0, probe);
+    EXPECT_EQ(d.rates().copy_bytes() > 0, probe);  // one thread's memcpy, for the packing copies
+    // The cores of the worker's affinity mask, which it inherits from this test.
+    if (probe) EXPECT_EQ(d.cores(), HostCores());
     EXPECT_EQ(d.link_bytes_per_s() > 0, probe);  // the loopback link, measured over Gloo
     EXPECT_EQ(d.link_latency_s() > 0, probe);
     absl::StatusOr<v1::Plan> plan = cluster.Plan(spec);

@@ -293,6 +293,27 @@ TEST_F(RankRunnerTest, ReplicaJobsGetADirectoryThatGoesOnceTheJobSucceeds) {
 // for the paths and the world), the trainer when it reads the PlannedJob file the worker wrote
 // (spindle-train --planned-job: ReadPlannedJob, then the engine takes the parsed spec). A second
 // parse anywhere on either path moves a count.
+// CPU ranks whose threads are more than the cores wait passively (common/host_cores.h); others
+// keep the OpenMP default; a policy the daemon itself was given is left as it is.
+TEST_F(RankRunnerTest, OverSubscribedCpuRanksWaitPassively) {
+  const std::string trainer =
+      WriteScript(dir_, "trainer.sh", "echo \"[$OMP_WAIT_POLICY]\" > wait.txt\n");
+  const char* own = std::getenv("OMP_WAIT_POLICY");
+  for (bool passive : {false, true}) {
+    RankRunnerOptions o = Options(trainer);
+    o.cpu_passive_wait = passive;
+    RankRunner runner(o, metrics_.get(), &sink_);
+    const std::string job = passive ? "j-p" : "j-a";
+    ASSERT_TRUE(runner.Start(MakeAssignment(job, 1, 0, 1)).ok());
+    ASSERT_TRUE(WaitFor(
+        [&] { return sink_.Of(v1::WorkerMessage::kRankExit).size() == (passive ? 2u : 1u); }));
+    const std::string expected = own != nullptr ? own : (passive ? "passive" : "");
+    EXPECT_EQ(ReadFile(dir_.File(absl::StrCat("work/", job, "/1/wait.txt"))),
+              absl::StrCat("[", expected, "]\n"))
+        << passive;
+  }
+}
+
 TEST_F(RankRunnerTest, TheSpecIsParsedOnceInTheWorkerAndOnceInTheTrainer) {
   const std::string trainer =
       WriteScript(dir_, "trainer.sh", "echo '{\"event\":\"done\",\"step\":0,\"loss\":1.0}'\n");

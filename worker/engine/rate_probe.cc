@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -49,7 +50,8 @@ nlohmann::json MeasuredRates::ToJson() const {
   return {{"gemm_flops", gemm_flops},
           {"attention_flops", attention_flops},
           {"lightning_flops", lightning_flops},
-          {"memory_bytes", memory_bytes}};
+          {"memory_bytes", memory_bytes},
+          {"copy_bytes", copy_bytes}};
 }
 
 MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
@@ -121,6 +123,13 @@ MeasuredRates MeasureCpuRates(const ProbeShape& s, double seconds_each) {
         },
         seconds_each);
     r.memory_bytes = 8.0 * static_cast<double>(T * f) * sizeof(float) / t;
+  }
+  {  // One thread's memcpy of an exchange's q, k, v and o ([T, 4 d] fp32) between warm buffers.
+    const std::vector<float> src = Random(T * 4 * d, 13);
+    std::vector<float> dst(src.size());
+    const double t = Fastest(
+        [&] { std::memcpy(dst.data(), src.data(), src.size() * sizeof(float)); }, seconds_each);
+    r.copy_bytes = static_cast<double>(src.size() * sizeof(float)) / t;
   }
   return r;
 }

@@ -2,7 +2,9 @@
 // (planner/cp_cost_model.h): dense GEMM, causal softmax attention and chunked Lightning FLOP/s
 // (forward + backward, counted as ModelConfig::TrainFlops counts them) and the bandwidth of a
 // streaming elementwise kernel, at the shapes of `ProbeShape` on the OpenMP threads this process
-// runs with. Each kernel runs until `seconds_each` has passed (at least twice) after a warm-up;
+// runs with; and what one thread copies (memcpy), as the communicator packs an all-to-all by
+// pieces on its own thread, of a buffer the size of one exchange of q, k, v and o at those
+// shapes. Each kernel runs until `seconds_each` has passed (at least twice) after a warm-up;
 // the fastest run counts. Not thread-safe (it uses every OpenMP thread).
 #pragma once
 
@@ -26,6 +28,7 @@ struct MeasuredRates {
   double attention_flops = 0;
   double lightning_flops = 0;
   double memory_bytes = 0;
+  double copy_bytes = 0;  // bytes copied per second
   nlohmann::json ToJson() const;
 };
 

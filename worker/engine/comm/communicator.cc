@@ -185,16 +185,22 @@ CommHandle Communicator::AllToAllPiecesAsync(std::vector<CommSendPiece> send,
 
 absl::Status Communicator::DoAllToAllPieces(const std::vector<CommSendPiece>& send,
                                             const std::vector<CommRecvPiece>& recv, int64_t block) {
-  std::vector<char> in(static_cast<size_t>(block * size_)), out(in.size());
+  // The blocks are kept from call to call: a fresh buffer would be zeroed and page-faulted in
+  // every exchange, several times the cost of the copies themselves.
+  const size_t bytes = static_cast<size_t>(block * size_);
+  if (pack_in_.size() < bytes) pack_in_.resize(bytes);
+  if (pack_out_.size() < bytes) pack_out_.resize(bytes);
+  char* in = pack_in_.data();
+  char* out = pack_out_.data();
   std::vector<int64_t> at(size_, 0);
   for (const CommSendPiece& p : send) {
-    if (p.bytes) std::memcpy(in.data() + p.peer * block + at[p.peer], p.p, p.bytes);
+    if (p.bytes) std::memcpy(in + p.peer * block + at[p.peer], p.p, p.bytes);
     at[p.peer] += p.bytes;
   }
-  if (absl::Status s = DoAllToAll(in.data(), block, CommType::kByte, out.data()); !s.ok()) return s;
+  if (absl::Status s = DoAllToAll(in, block, CommType::kByte, out); !s.ok()) return s;
   std::fill(at.begin(), at.end(), 0);
   for (const CommRecvPiece& p : recv) {
-    if (p.bytes) std::memcpy(p.p, out.data() + p.peer * block + at[p.peer], p.bytes);
+    if (p.bytes) std::memcpy(p.p, out + p.peer * block + at[p.peer], p.bytes);
     at[p.peer] += p.bytes;
   }
   return absl::OkStatus();

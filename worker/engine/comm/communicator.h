@@ -172,7 +172,8 @@ class Communicator {
   virtual absl::Status DoAllGather(const void* in, int64_t n, CommType type, void* out) = 0;
   virtual absl::Status DoAllToAll(const void* in, int64_t n, CommType type, void* out) = 0;
   // By default through DoAllToAll: the pieces packed into one block a rank in host memory and
-  // unpacked after (host-memory backends); `block` is each rank's total in bytes.
+  // unpacked after (host-memory backends; the blocks are kept for the next call, up to the
+  // largest exchange's size); `block` is each rank's total in bytes.
   virtual absl::Status DoAllToAllPieces(const std::vector<CommSendPiece>& send,
                                         const std::vector<CommRecvPiece>& recv, int64_t block);
   // By default through DoAllGather of each rank's largest block and DoAllToAll of blocks padded
@@ -211,6 +212,7 @@ class Communicator {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   CommStats stats_ ABSL_GUARDED_BY(mu_);
   CommLayer running_layer_ = CommLayer::kOther;  // the communicator thread's
+  std::vector<char> pack_in_, pack_out_;  // DoAllToAllPieces' blocks (the communicator thread's)
   std::thread thread_;
 };
 
