@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,11 @@ struct TrainerOptions {
   // checkpoint (CommitCheckpoint), so that a test can kill the process mid-write. spindle-train
   // takes it from SPINDLE_CHECKPOINT_PAUSE_MS.
   int64_t checkpoint_pause_ms = 0;
+  // Experiments only (bench/fp8_outlier_run.sh; spindle-train's developer flag
+  // --inject-outliers): one outlier injected into each dense layer's FFN input
+  // (Numerics::outliers, numerics.h), the same under every train.precision. CPU engine and
+  // world 1 only: a "cuda" job or a larger world with it is refused.
+  std::optional<OutlierInjection> inject_outliers;
 };
 
 class Trainer {
