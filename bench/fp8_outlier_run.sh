@@ -13,7 +13,8 @@
 # Environment: SEQ_LEN (default 2048), THREADS per run (default 1), JOBS runs at once (default
 # 9), FACTORS the outlier multipliers (default "1000 100000": each adds three runs), TRAIN the
 # spindle-train binary (default build/worker/spindle-train), OUT where the job files and JSON logs
-# go (default a fresh temporary directory). The defaults run the nine at once on a 16-core host;
+# go (default a fresh temporary directory; a run that finished in an earlier call on the same OUT
+# is kept, not rerun). The defaults run the nine at once on a 16-core host;
 # on a 2-core machine use a shorter sequence, JOBS=1 and THREADS=2 (bench/FP8_NOTES.md says what
 # ran where).
 set -uo pipefail
@@ -57,6 +58,10 @@ for r in "${runs[@]}"; do
            "optimizer": "adamw", "grad_clip": 1.0, "seed": 1, "precision": "$precision",
            "fp8_recipe": "$recipe"}}
 JOB
+  if grep -qs "exit 0 " "$out/$name.rc"; then  # finished in an earlier call on this OUT
+    echo "$name: kept from $out"
+    continue
+  fi
   flags=()
   [ "$factor" != 0 ] && flags=(--inject-outliers "$factor")
   (
