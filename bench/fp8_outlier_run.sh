@@ -10,17 +10,17 @@
 # GEMMs (bench/FP8_NOTES.md).
 #
 # Usage: bench/fp8_outlier_run.sh [steps, default 300]
-# Environment: SEQ_LEN (default 2048), THREADS per run (default 1), JOBS runs at once (default
+# Environment: SEQ_LEN (default 1024), THREADS per run (default 1), JOBS runs at once (default
 # 9), FACTORS the outlier multipliers (default "1000 100000": each adds three runs), TRAIN the
 # spindle-train binary (default build/worker/spindle-train), OUT where the job files and JSON logs
 # go (default a fresh temporary directory; a run that finished in an earlier call on the same OUT
-# is kept, not rerun). The defaults run the nine at once on a 16-core host;
-# on a 2-core machine use a shorter sequence, JOBS=1 and THREADS=2 (bench/FP8_NOTES.md says what
-# ran where).
+# is kept, not rerun). The defaults run the nine at once, one thread each, on a 16-core host;
+# on the 2-core development machine SEQ_LEN=256 JOBS=2 THREADS=1 (two single-threaded runs fare
+# better than one of two threads on a loaded machine). bench/FP8_NOTES.md says what ran where.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-300}
-seq_len=${SEQ_LEN:-2048}
+seq_len=${SEQ_LEN:-1024}
 threads=${THREADS:-1}
 jobs=${JOBS:-9}
 factors=${FACTORS:-1000 100000}

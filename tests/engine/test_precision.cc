@@ -404,13 +404,15 @@ TEST(PrecisionTrainingTest, Bf16AndFp8EmulationsTrackFp32OnTiny) {
 // ~1e5 sigmas of the FFN norm's output, where tensorwise E4M3 loses the rest of the tensor:
 // NumericsEmulatorTest.AnOutlierFlattensTheTensorwiseScaleButOnlyItsBlock). Blockwise FP8 keeps
 // the tail of the tiny run near bf16 with the same outliers, tensorwise falls visibly behind.
-// Measured (2 threads, OpenBLAS 0.3.21), last-10 mean against bf16's: see kOutlier*.
+// Measured (2 threads, OpenBLAS 0.3.21), last-10 mean against bf16's over 100 steps: blockwise
+// -0.49%, tensorwise +25.2% (over 60 steps +3.0% and +29.7%, over 150 +2.1% and +40.1%: the
+// blockwise figure is the trajectories' drift, a few percent either way; bench/FP8_NOTES.md).
 constexpr double kOutlierFactor = 1e5;
-constexpr double kOutlierBlockwiseRel = 0.05;   // |blockwise / bf16 - 1| at most
-constexpr double kOutlierTensorwiseRel = 0.08;  // tensorwise / bf16 - 1 at least
+constexpr double kOutlierBlockwiseRel = 0.04;   // |blockwise / bf16 - 1| at most
+constexpr double kOutlierTensorwiseRel = 0.10;  // tensorwise / bf16 - 1 at least
 
 TEST(PrecisionTrainingTest, WithAnOutlierPerLayerBlockwiseTracksBf16AndTensorwiseFallsBehind) {
-  constexpr int64_t kSteps = 60;
+  constexpr int64_t kSteps = 100;
   const OutlierInjection o{static_cast<float>(kOutlierFactor), 7};
   const std::vector<double> bf16 = TrainLosses("bf16", kSteps, o);
   ASSERT_EQ(bf16.size(), static_cast<size_t>(kSteps));
