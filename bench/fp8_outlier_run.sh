@@ -10,7 +10,7 @@
 # GEMMs (bench/FP8_NOTES.md).
 #
 # Usage: bench/fp8_outlier_run.sh [steps, default 300]
-# Environment: SEQ_LEN (default 512), THREADS per run (default 1), JOBS runs at once (default
+# Environment: SEQ_LEN (default 1024), THREADS per run (default 1), JOBS runs at once (default
 # 9), FACTORS the outlier multipliers (default "1000 100000": each adds three runs), TRAIN the
 # spindle-train binary (default build/worker/spindle-train), OUT where the job files and JSON logs
 # go (default a fresh temporary directory; a run that finished in an earlier call on the same OUT
@@ -20,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-300}
-seq_len=${SEQ_LEN:-512}
+seq_len=${SEQ_LEN:-1024}
 threads=${THREADS:-1}
 jobs=${JOBS:-9}
 factors=${FACTORS:-1000 100000}
