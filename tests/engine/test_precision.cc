@@ -528,6 +528,29 @@ INSTANTIATE_TEST_SUITE_P(Patterns, PrecisionModelTest,
                          ::testing::Values(std::make_pair(std::string("LLM"), int64_t{0}),
                                            std::make_pair(std::string("ML"), int64_t{10})));
 
+// With injected outliers a recomputed forward injects them again at the same sites: the same loss
+// and gradients, under each recipe; and the outliers move the loss (they are live).
+TEST(PrecisionModelTest, InjectedOutliersReplayUnderRecompute) {
+  const ModelConfig c = SmallConfig("LLM", 0);
+  std::mt19937 gen(13);
+  const Batch b = RandomBatch(gen, 67);
+  auto model = Model::Create(c, 3);
+  ASSERT_TRUE(model.ok()) << model.status();
+  Model& m = **model;
+  for (TrainFp8Recipe r : {TrainFp8Recipe::kTensorwise, TrainFp8Recipe::kBlockwise}) {
+    Numerics n = CpuNumerics(TrainPrecision::kFp8, r);
+    m.SetNumerics(n);
+    const Pass plain = RunPass(m, b, Recompute::None());
+    n.outliers = OutlierInjection{1000.0f, 2};
+    m.SetNumerics(n);
+    const Pass kept = RunPass(m, b, Recompute::None());
+    const Pass again = RunPass(m, b, Recompute::All());
+    EXPECT_NE(kept.loss, plain.loss);
+    EXPECT_EQ(again.loss, kept.loss);
+    EXPECT_EQ(again.grad, kept.grad);
+  }
+}
+
 // cp = 2 in every mode pair: each rank's emulated share runs (the CP paths store and quantize
 // what they produce), and the summed loss and gradients stay near the cp = 1 run with the same
 // numerics. They are not equal: each rank scales its own FP8 tensors (tensorwise current scaling
