@@ -432,6 +432,39 @@ TEST(PrecisionTrainingTest, WithAnOutlierPerLayerBlockwiseTracksBf16AndTensorwis
   EXPECT_GE(tw / ref - 1, kOutlierTensorwiseRel);
 }
 
+// Where an injected outlier cannot mean what it says, the trainer refuses it with one error naming
+// why, before any model is built: on the CUDA engine (its factory never runs) and in a world of
+// several ranks (sites are drawn in each rank's local tensors).
+TEST(PrecisionTrainingTest, OutlierInjectionIsRefusedOnTheGpuAndAcrossRanks) {
+  TrainerOptions gpu;
+  gpu.spec = TinyJob("bf16", 1);
+  gpu.spec.resources = "cuda";
+  gpu.cuda_backend = [](const ModelConfig&, uint64_t, int64_t, int64_t,
+                        int64_t) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    return absl::InternalError("the CUDA engine's factory ran");
+  };
+  gpu.inject_outliers = OutlierInjection{};
+  auto t = Trainer::Create(std::move(gpu));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("outlier injection is an experiment of the CPU engine"),
+            std::string::npos)
+      << t.status();
+
+  MemoryKvStore store;
+  TrainerOptions two;
+  two.spec = TinyJob("bf16", 1);
+  two.spec.parallel.dp = 2;
+  two.world = 2;
+  two.store = &store;
+  two.gloo = testing::TestGloo();  // bounded, should a regression reach the rendezvous
+  two.inject_outliers = OutlierInjection{};
+  t = Trainer::Create(std::move(two));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().message(),
+            "trainer: outlier injection runs on one rank; this run's world is 2");
+}
+
 ModelConfig SmallConfig(const std::string& pattern, int64_t q_lora) {
   ModelConfig c = *ModelPreset("tiny");
   c.d_model = 32;
