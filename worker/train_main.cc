@@ -6,6 +6,7 @@
 //                 [--pulse-ms N] [--replica-dir DIR --replica-host ID]
 //   spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]
 //                 [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]
+//                 [--inject-outliers FACTOR]
 //   spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE] [--eval-sequences N]
 //   spindle-train --probe-rates [--job JOB.json] [--threads N]
 //   spindle-train --probe-link
@@ -43,6 +44,11 @@
 // --replica-dir DIR --replica-host ID (under the worker daemon, for checkpoint.replicas): the
 // job's directory in the worker's replica directory (tmpfs) and the worker's id; the ranks keep
 // their in-memory replicas there (worker/engine/replica_store.h). Without them the job keeps none.
+// --inject-outliers FACTOR (a developer flag, for FP8 experiments: bench/fp8_outlier_run.sh): on
+// the CPU engine, one value of each dense layer's FFN input, at a token and a channel fixed per
+// layer by the job's train.seed, is multiplied by FACTOR (in [1, 1e6]) in the forward and its
+// gradient likewise in the backward, under every train.precision (Numerics::outliers in
+// worker/engine/numerics.h). It changes the model being trained; a "cuda" job refuses it.
 // --pulse-ms N: a {"event": "pulse"} line at the start and then every N ms, so that the worker can
 // tell a stopped rank.
 // --probe-rates: one {"event": "rates", ...} line with this process's CPU kernel rates
@@ -115,6 +121,7 @@ constexpr char kUsage[] =
     "                     [--replica-dir DIR --replica-host ID]\n"
     "       spindle-train --job JOB.json [--rank R --world W] [--checkpoint-dir DIR]\n"
     "                     [--file-store DIR] [--gloo-host H] [--threads N] [--stop-at-step K]\n"
+    "                     [--inject-outliers FACTOR]  (developer: FP8 outlier experiments)\n"
     "       spindle-train --eval --job JOB.json --checkpoint DIR [--data SOURCE]\n"
     "                     [--eval-sequences N]\n"
     "       spindle-train --probe-rates [--job JOB.json] [--threads N]\n"
@@ -308,7 +315,8 @@ int main(int argc, char** argv) {
                                     "--gloo-host",
                                     "--pulse-ms",
                                     "--replica-dir",
-                                    "--replica-host"};
+                                    "--replica-host",
+                                    "--inject-outliers"};
     bool known = false;
     for (const char* k : kValued) known |= a == k;
     if (!known || i + 1 >= argc) {
@@ -366,6 +374,23 @@ int main(int argc, char** argv) {
   if (eval && !flags.count("job")) {
     std::fprintf(stderr, "spindle-train: --eval needs --job\n%s", kUsage);
     return 2;
+  }
+  std::optional<spindle::OutlierInjection> outliers;
+  if (flags.count("inject-outliers")) {
+    float factor = 0;
+    if (!absl::SimpleAtof(flags["inject-outliers"], &factor) || !(factor >= 1.0f) ||
+        !(factor <= 1e6f)) {
+      std::fprintf(stderr,
+                   "spindle-train: --inject-outliers must be a number in [1, 1e6], got \"%s\"\n",
+                   flags["inject-outliers"].c_str());
+      return 2;
+    }
+    if (planned_input || eval) {
+      std::fprintf(stderr,
+                   "spindle-train: --inject-outliers is for standalone training runs (--job)\n");
+      return 2;
+    }
+    outliers = spindle::OutlierInjection{factor, 0};
   }
   if (planned_input && (flags.count("world") || flags.count("checkpoint-dir"))) {
     std::fprintf(stderr,
@@ -484,6 +509,10 @@ int main(int argc, char** argv) {
     options.replica_root = flags["replica-dir"];
     options.replica_host = flags.count("replica-host") ? flags["replica-host"] : "";
     options.job_id = flags.count("job-id") ? flags["job-id"] : job->spec.name;
+  }
+  if (outliers) {
+    outliers->seed = job->spec.train.seed;
+    options.inject_outliers = outliers;
   }
   // Test hook: the background checkpoint writer pauses this long after each file it writes.
   if (const char* p = std::getenv("SPINDLE_CHECKPOINT_PAUSE_MS"); p && *p) {

@@ -42,16 +42,17 @@ std::vector<int32_t> RandomTokens(std::mt19937& gen, int64_t T) {
 
 double LossSum(Model& m, const Batch& b) { return m.Forward(b).loss_sum; }
 
-class ModelGradTest : public ::testing::TestWithParam<std::pair<std::string, int64_t>> {};
-
-TEST_P(ModelGradTest, EveryTensorMatchesFiniteDifferences) {
+// Every tensor's analytic gradient of the model `pattern` under `numerics` (exact ones: fp32, with
+// or without injected outliers) against finite differences.
+void ExpectFiniteDifferenceGradients(const std::string& pattern, int64_t q_lora,
+                                     const Numerics& numerics) {
   const uint32_t seed = getenv("SPINDLE_TEST_SEED") ? static_cast<uint32_t>(std::stoul(getenv("SPINDLE_TEST_SEED"))) : std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 gen(seed);
-  auto [pattern, q_lora] = GetParam();
   auto model = Model::Create(TinyConfig(pattern, q_lora), seed);
   ASSERT_TRUE(model.ok()) << model.status();
   Model& m = **model;
+  m.SetNumerics(numerics);
   // Larger init than training uses, so every path carries a clearly non-zero gradient.
   ParamSet& P = m.params();
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -117,11 +118,25 @@ TEST_P(ModelGradTest, EveryTensorMatchesFiniteDifferences) {
   }
 }
 
+class ModelGradTest : public ::testing::TestWithParam<std::pair<std::string, int64_t>> {};
+
+TEST_P(ModelGradTest, EveryTensorMatchesFiniteDifferences) {
+  ExpectFiniteDifferenceGradients(GetParam().first, GetParam().second, Numerics{});
+}
+
 INSTANTIATE_TEST_SUITE_P(Patterns, ModelGradTest,
                          ::testing::Values(std::make_pair(std::string("LM"), int64_t{0}),
                                            std::make_pair(std::string("ML"), int64_t{10}),
                                            std::make_pair(std::string("LLM"), int64_t{0}),
                                            std::make_pair(std::string("MM"), int64_t{10})));
+
+// An injected outlier per layer (Numerics::outliers, the FP8 experiments' model): the backward
+// carries the multiplication through its element, so the gradients stay the loss's.
+TEST(ModelTest, GradientsWithInjectedOutliersMatchFiniteDifferences) {
+  Numerics n;
+  n.outliers = OutlierInjection{20.0f, 5};
+  ExpectFiniteDifferenceGradients("LM", 0, n);
+}
 
 TEST(ModelTest, RecomputeGivesTheSameGradients) {
   const uint32_t seed = getenv("SPINDLE_TEST_SEED") ? static_cast<uint32_t>(std::stoul(getenv("SPINDLE_TEST_SEED"))) : std::random_device{}();

@@ -94,7 +94,11 @@ TEST_F(TrainBinaryTest, BadInputsAreRejectedWithOneLineAndWriteNothing) {
            {{"--stop-at-step", "0"}, "--stop-at-step must be >= 1, got 0"},
            {{"--world", "0"}, "--world must be >= 1, got 0"},
            {{"--rank", "-2"}, "--rank must be >= 0, got -2"},
-           {{"--threads", "two"}, "--threads must be an integer, got \"two\""}}) {
+           {{"--threads", "two"}, "--threads must be an integer, got \"two\""},
+           {{"--inject-outliers", "0.5"},
+            "--inject-outliers must be a number in [1, 1e6], got \"0.5\""},
+           {{"--inject-outliers", "nan"},
+            "--inject-outliers must be a number in [1, 1e6], got \"nan\""}}) {
     std::vector<std::string> argv = {"--job", recall};
     argv.insert(argv.end(), args.begin(), args.end());
     CommandResult r = Run(argv);

@@ -67,7 +67,9 @@ absl::StatusOr<LossStats> CpuStepBackend::Forward(const CpBatch& batch) {
 }
 
 absl::Status CpuStepBackend::SetPrecision(TrainPrecision precision) {
-  model_->SetNumerics(CpuNumerics(precision, fp8_recipe_));
+  Numerics n = CpuNumerics(precision, fp8_recipe_);
+  n.outliers = outliers_;
+  model_->SetNumerics(n);
   return absl::OkStatus();
 }
 

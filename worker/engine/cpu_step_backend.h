@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -45,6 +46,8 @@ class CpuStepBackend : public StepBackend {
                                             const GradReadyFn& on_grad_ready) override;
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override;
   absl::Status SetPrecision(TrainPrecision precision) override;
+  // Experiments only (Numerics::outliers): the outliers every later SetPrecision injects.
+  void SetOutlierInjection(std::optional<OutlierInjection> outliers) { outliers_ = outliers; }
   absl::Status SetZLoss(float z_loss) override {
     model_->SetZLoss(z_loss);
     return absl::OkStatus();
@@ -84,6 +87,7 @@ class CpuStepBackend : public StepBackend {
   std::unique_ptr<Model> model_;
   std::unique_ptr<Optimizer> optimizer_;
   TrainFp8Recipe fp8_recipe_;  // how SetPrecision's "fp8" scales (train.fp8_recipe)
+  std::optional<OutlierInjection> outliers_;
 };
 
 }  // namespace spindle

@@ -688,7 +688,7 @@ static absl::Status LayerForward(const LayerCtx& ctx, const Model::Layer& L, Mod
     return absl::OkStatus();
   }
   for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, T, F);
-  ctx.Input(C.in_h2, C.h2.f32(), T, d);
+  C.in_h2.op = ctx.nx.FfnInput(L.index, C.h2.f32(), T, d, C.in_h2.fp8);  // (its outlier)
   ctx.Store(C.h2);
   Linear(C.in_h2.op, ctx.Lin(L.w1), C.g.f32(), T, d, F);
   Linear(C.in_h2.op, ctx.Lin(L.w3), C.u.f32(), T, d, F);
@@ -728,6 +728,7 @@ static absl::Status LayerBackward(const LayerCtx& ctx, const Model::Layer& L, Mo
     ctx.Store(W.dh);  // the GPU stores the first GEMM's output before the second adds to it
     LinearBwdAcc(C.in_h2.op, ctx.Lin(L.w3), nx.Gradient(W.du.f32(), T, F, W.f_dy), W.dh.f32(),
                  P.grad(L.w3), T, d, F, true);
+    nx.FfnInputGradient(L.index, W.dh.f32(), T, d);  // through the injected outlier, if any
     ctx.Store(W.dh);
   }
   Ensure(W.dtmp, T, d);

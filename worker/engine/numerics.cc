@@ -31,6 +31,18 @@ Numerics CpuNumerics(TrainPrecision precision, TrainFp8Recipe recipe) {
   return n;
 }
 
+OutlierSite OutlierPosition(const OutlierInjection& o, int64_t layer, int64_t rows, int64_t cols) {
+  // splitmix64 of (seed, layer)
+  uint64_t z = o.seed + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(layer) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  OutlierSite s;
+  if (rows > 0) s.row = static_cast<int64_t>((z & 0xFFFFFFFFull) % static_cast<uint64_t>(rows));
+  if (cols > 0) s.col = static_cast<int64_t>((z >> 32) % static_cast<uint64_t>(cols));
+  return s;
+}
+
 void NumericsEmulator::Set(const Numerics& n, std::vector<int> linear_weights) {
   n_ = n;
   linear_ = std::move(linear_weights);
@@ -133,6 +145,26 @@ GemmOperand NumericsEmulator::Activation(const float* x, int64_t rows, int64_t c
   if (!n_.fp8) return {x, 1.0f};
   GemmOperand op;
   return Quantize(&x, 1, rows, cols, n_.fp8->activations, slot, &op);
+}
+
+GemmOperand NumericsEmulator::FfnInput(int64_t layer, const float* x, int64_t rows, int64_t cols,
+                                       Fp8Copy& slot) const {
+  if (!n_.outliers || rows <= 0 || cols <= 0) return Activation(x, rows, cols, slot);
+  const int64_t n = rows * cols;
+  if (slot.injected.numel() < n) slot.injected = Tensor({n});
+  float* y = slot.injected.f32();
+  std::memcpy(y, x, static_cast<size_t>(n) * sizeof(float));
+  const OutlierSite s = OutlierPosition(*n_.outliers, layer, rows, cols);
+  y[s.row * cols + s.col] *= n_.outliers->factor;
+  if (!n_.fp8) Store(y, n);  // the GEMM reads the stored input
+  return Activation(y, rows, cols, slot);
+}
+
+void NumericsEmulator::FfnInputGradient(int64_t layer, float* dx, int64_t rows,
+                                        int64_t cols) const {
+  if (!n_.outliers || rows <= 0 || cols <= 0) return;
+  const OutlierSite s = OutlierPosition(*n_.outliers, layer, rows, cols);
+  dx[s.row * cols + s.col] *= n_.outliers->factor;
 }
 
 GemmOperand NumericsEmulator::Gradient(const float* dy, int64_t rows, int64_t cols,

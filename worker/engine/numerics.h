@@ -31,7 +31,17 @@
 // rows, plus a second copy in 128 x 1 blocks down their columns that the weight gradient's GEMM
 // reads (GemmOperand::wgrad_values; the contraction there runs over the tokens), weights in
 // 128 x 128 blocks. Jointly quantized gradients (Lightning's q, k, v) form their row blocks along
-// the joint row, as the GPU's [T, 3d] buffer holds them. Not thread-safe; one per model.
+// the joint row, as the GPU's [T, 3d] buffer holds them.
+//
+// Outlier injection (Numerics::outliers, experiments only: bench/fp8_outlier_run.sh and
+// spindle-train's developer flag --inject-outliers, no job-spec field): in each dense layer one
+// value of the FFN's input (the FFN norm's output h2 [T, d], which w1 and w3 read and FP8
+// quantizes) is multiplied by a factor, at a token and a channel fixed per layer by a seed, as an
+// LLM's massive activations sit at one channel of one token (FfnInput). The forward multiplies it
+// before any rounding, and the backward multiplies that element's gradient by the same factor
+// (FfnInputGradient), under every precision alike: the multiplication is part of the model, so
+// bf16 and both FP8 recipes train the same model and differ only in their roundings. Not
+// thread-safe; one per model.
 #pragma once
 
 #include <cstdint>
@@ -45,11 +55,25 @@
 
 namespace spindle {
 
+// One injected outlier per dense layer (see the header comment; experiments only).
+struct OutlierInjection {
+  float factor = 1000.0f;  // the value at the layer's site is multiplied by it
+  uint64_t seed = 0;       // picks each layer's site
+};
+
 struct Numerics {
   bool bf16_storage = false;                   // round to bf16 where the CUDA engine stores bf16
   std::optional<kernels::cpu::Fp8Recipe> fp8;  // the blocks' linear layers on FP8 inputs
+  std::optional<OutlierInjection> outliers;    // experiments: not a rounding (exact() ignores it)
   bool exact() const { return !bf16_storage && !fp8.has_value(); }
 };
+
+// Where layer `layer`'s injected outlier sits in its FFN input [rows, cols]: a row (token) and a
+// column (channel) from a hash of (seed, layer), the same for every pass over the same shape.
+struct OutlierSite {
+  int64_t row = 0, col = 0;
+};
+OutlierSite OutlierPosition(const OutlierInjection& o, int64_t layer, int64_t rows, int64_t cols);
 
 // The CPU model's numerics for a job's train.precision: "auto" and "fp32": exact fp32; "bf16":
 // bf16 storage; "fp8": bf16 storage and the Fp8Recipe of train.fp8_recipe (tensorwise or
@@ -78,6 +102,7 @@ struct GemmOperand {
 
 // The FP8 values of a tensor, kept while its GEMMs need them.
 struct Fp8Copy {
+  Tensor injected;  // the input with its injected outlier (Numerics::outliers), before rounding
   Tensor values;
   Tensor columns;  // blockwise: the weight gradient's copy (blocks down the columns)
   Tensor joint;    // blockwise joint gradients: the parts side by side in one row, scratch
@@ -101,6 +126,15 @@ class NumericsEmulator {
 
   // x [rows, cols] as an activation GEMM input: quantized into `slot` under FP8, else x itself.
   GemmOperand Activation(const float* x, int64_t rows, int64_t cols, Fp8Copy& slot) const;
+  // Layer `layer`'s FFN input x [rows, cols] as a GEMM input: with Numerics::outliers, x with the
+  // layer's outlier multiplied in (a copy, slot.injected), then as Activation() takes it (rounded
+  // to bf16 under bf16 storage without FP8, as the stored input the GEMM then reads); without,
+  // Activation(x).
+  GemmOperand FfnInput(int64_t layer, const float* x, int64_t rows, int64_t cols,
+                       Fp8Copy& slot) const;
+  // The gradient dx [rows, cols] of that input, in place: the outlier's element times the factor
+  // (the chain rule through the multiplication); nothing without Numerics::outliers.
+  void FfnInputGradient(int64_t layer, float* dx, int64_t rows, int64_t cols) const;
   // dy [rows, cols] as an output-gradient GEMM input: quantized into `slot` under FP8, else dy.
   GemmOperand Gradient(const float* dy, int64_t rows, int64_t cols, Fp8Copy& slot) const;
   // Several output gradients [rows, cols each] quantized as one tensor [rows, parts x cols] (one

@@ -69,11 +69,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
   // The model first: a device factory refuses what its backend does not run (and fails where no
   // device is usable) before any peer is waited for.
   if (on_device) {
+    if (o.inject_outliers)
+      return absl::InvalidArgumentError(
+          "trainer: outlier injection is an experiment of the CPU engine; this job's resources "
+          "are \"cuda\"");
     ASSIGN_OR_RETURN(t->backend_, o.cuda_backend(spec.model, spec.train.seed, t->cp_, t->ep_,
                                                  o.rank % t->ep_));
   } else {
-    ASSIGN_OR_RETURN(t->backend_, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train,
-                                                         t->ep_, o.rank % t->ep_));
+    // Sites are drawn in each rank's local tensors, and the parity canary's reference has none.
+    if (o.inject_outliers && o.world > 1)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainer: outlier injection runs on one rank; this run's world is ", o.world));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<CpuStepBackend> cpu,
+        CpuStepBackend::Create(spec.model, spec.train.seed, spec.train, t->ep_, o.rank % t->ep_));
+    cpu->SetOutlierInjection(o.inject_outliers);
+    t->backend_ = std::move(cpu);
   }
   RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
   RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));

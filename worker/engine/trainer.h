@@ -72,6 +72,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -134,6 +135,11 @@ struct TrainerOptions {
   std::string replica_root;
   std::string replica_host;
   std::string job_id;
+  // Experiments only (bench/fp8_outlier_run.sh; spindle-train's developer flag
+  // --inject-outliers): one outlier injected into each dense layer's FFN input
+  // (Numerics::outliers, numerics.h), the same under every train.precision. CPU engine and
+  // world 1 only: a "cuda" job or a larger world with it is refused.
+  std::optional<OutlierInjection> inject_outliers;
 };
 
 class Trainer {
