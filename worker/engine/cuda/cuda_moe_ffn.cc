@@ -271,16 +271,11 @@ absl::Status CudaModel::Impl::MoeGroupOnDevice(Cache& C, int64_t align,
   CUDA(cudaEventRecord(moe_counts_ready, stream));
   if (overlap) overlap();
   CUDA(cudaEventSynchronize(moe_counts_ready));
-  // The plan's host part, as PlanMoeDispatch lays it out at ep = 1 (the kernel's offsets).
+  // The plan's host part (its row maps are the device's, above).
   MoeDispatchPlan& plan = M.plan;
-  plan = MoeDispatchPlan{};
-  plan.T = T, plan.K = K, plan.E = E, plan.ep = 1, plan.local_experts = E, plan.align = align;
-  plan.counts.assign(moe_counts_host, moe_counts_host + E);
-  plan.expert_counts = plan.counts;
-  plan.expert_offsets.assign(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e)
-    plan.expert_offsets[e + 1] =
-        plan.expert_offsets[e] + (plan.counts[e] + align - 1) / align * align;
+  PlanMoeGroupsAtEp1(moe_counts_host, T, K, E, align, &plan);
+  plan.pair_row.clear();
+  plan.expert_src.clear();
   if (plan.expert_offsets[E] > capacity)
     return absl::InternalError(absl::StrCat("cuda model: the experts' group sizes add up to ",
                                             plan.expert_offsets[E], " rows, past the ", capacity,

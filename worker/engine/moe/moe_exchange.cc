@@ -19,6 +19,21 @@ int64_t MoeDispatchPlan::recv_total() const {
   return std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
 }
 
+void PlanMoeGroupsAtEp1(const int64_t* counts, int64_t T, int64_t K, int64_t E, int64_t align,
+                        MoeDispatchPlan* plan) {
+  MoeDispatchPlan& p = *plan;
+  p.T = T, p.K = K, p.E = E, p.ep = 1, p.local_experts = E, p.align = align;
+  p.counts.assign(counts, counts + E);
+  p.expert_counts = p.counts;
+  p.expert_offsets.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e)
+    p.expert_offsets[e + 1] = p.expert_offsets[e] + (counts[e] + align - 1) / align * align;
+  p.send_token.clear();
+  p.send_rows.assign(1, 0);
+  p.recv_rows.assign(1, 0);
+  p.recv_expert_row.clear();
+}
+
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,
                              Communicator* ep_comm, MoeRows& rows, MoeDispatchPlan* plan) {
   const int64_t ep = ep_comm ? ep_comm->size() : 1;
@@ -34,18 +49,12 @@ absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E
   std::vector<int32_t> row_source(n);
   if (ep == 1) {
     // The experts read the tokens directly: one grouping, padded.
-    p.expert_counts.assign(E, 0);
-    p.expert_offsets.assign(E + 1, 0);
-    int64_t total = 0;
-    for (int64_t i = 0; i < n; ++i) ++p.expert_counts[idx[i]];
-    for (int64_t e = 0; e < E; ++e) total += (p.expert_counts[e] + align - 1) / align * align;
-    p.expert_src.resize(total);
+    std::vector<int64_t> counts(E, 0);
+    for (int64_t i = 0; i < n; ++i) ++counts[idx[i]];
+    PlanMoeGroupsAtEp1(counts.data(), T, K, E, align, &p);
+    p.expert_src.resize(p.expert_rows());
     kernels::cpu::MoeGroupRows(idx, n, K, E, align, p.counts.data(), p.expert_offsets.data(),
                                p.pair_row.data(), p.expert_src.data());
-    p.send_token.clear();
-    p.send_rows.assign(1, 0);
-    p.recv_rows.assign(1, 0);
-    p.recv_expert_row.clear();
     return absl::OkStatus();
   }
   // Send order: by expert, hence by owner.

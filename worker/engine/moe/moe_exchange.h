@@ -74,6 +74,13 @@ struct MoeDispatchPlan {
   int64_t recv_total() const;
 };
 
+// The plan at ep = 1 from the experts' group sizes counts [E] (the grouping's): counts, the
+// groups' offsets padded to multiples of `align`, and nothing exchanged; its row maps (pair_row,
+// expert_src) are left to the caller's grouping (PlanMoeDispatch's on the host, a device
+// backend's on the device).
+void PlanMoeGroupsAtEp1(const int64_t* counts, int64_t T, int64_t K, int64_t E, int64_t align,
+                        MoeDispatchPlan* plan);
+
 // Plans a layer's exchange from the router's choices idx [T * K] (host) over `ep_comm` (null or a
 // group of one: ep = 1; its counts exchange through `rows`). Errors are the communicator's.
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,
