@@ -284,8 +284,13 @@ TEST(NumericsEmulatorTest, AnOutlierFlattensTheTensorwiseScaleButOnlyItsBlock) {
     const double bw_plain_err = OtherValuesError(bw_plain, x, at, &row_block);
     const double bw_out_err = OtherValuesError(bw_out, x, at, &row_block);
     EXPECT_EQ(bw_out_err, bw_plain_err);
-    EXPECT_GT(row_diff, 0) << "the outlier's own block is flattened";
-    EXPECT_GT(col_diff, 0);
+    // The outlier's own blocks lose the values its scale pushes below E4M3's normal range: at
+    // 1e3 a few a block, on some seeds none (the block scales are powers of two, which leave
+    // normal values' roundings as they were); from 1e4 on always some (34 of 127 measured).
+    if (factor >= 1e4f) {
+      EXPECT_GT(row_diff, 0) << "the outlier's own block is flattened";
+      EXPECT_GT(col_diff, 0);
+    }
     std::printf(
         "outlier x%g: tensorwise error of the other values %.4f -> %.4f (x%.1f); blockwise %.4f "
         "-> %.4f outside the block, %lld of its block's other values and %lld of its column "
