@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_cores.h"
 #include "worker/engine/comm/kv_stores.h"
 #include "worker/engine/trainer.h"
 
@@ -33,7 +34,7 @@ absl::StatusOr<ParityResult> VerifyLayoutInProcess(const JobSpec& planned,
                                                    " a local check runs as threads"));
   const int64_t threads = options.threads > 0
                               ? options.threads
-                              : std::max<int64_t>(1, std::thread::hardware_concurrency());
+                              : HostCores();
   const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / world));
   MemoryKvStore store;
   std::vector<absl::StatusOr<ParityResult>> results(

@@ -23,7 +23,7 @@ inline constexpr int64_t kMaxLocalParityRanks = 64;
 
 struct LocalParityOptions {
   // OpenMP threads for all ranks together (each rank gets threads / world, at least 1); 0: the
-  // hardware's.
+  // cores this process may run on (HostCores: its affinity mask).
   int64_t threads = 0;
   // Rendezvous and per-collective bound.
   absl::Duration timeout = absl::Seconds(120);
