@@ -882,7 +882,12 @@ class Model::Passes final : public LayerPasses {
     ctx.ep = m.ep_comm_;
     ctx.zloss_scale = m.zloss_scale_;
     ctx.moe_work = &m.work_->moe;
-    if (training) ctx.moe_stats = &m.moe_stats_;
+    if (training) {
+      // A training pass before any BeginStep counts into fresh statistics.
+      if (m.moe_stats_.size() < static_cast<size_t>(m.config_.n_layers))
+        m.moe_stats_.resize(m.config_.n_layers);
+      ctx.moe_stats = &m.moe_stats_;
+    }
     return ctx;
   }
   void Ready(int64_t offset) {
