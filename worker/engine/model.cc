@@ -138,7 +138,13 @@ std::vector<int> Model::Fp8LinearWeights() const {
   return linear;
 }
 
-void Model::SetNumerics(const Numerics& numerics) { numerics_.Set(numerics, Fp8LinearWeights()); }
+void Model::SetNumerics(const Numerics& numerics) {
+  std::vector<int> experts;  // the MoE layers' stacked expert weights, quantized per expert
+  for (const auto& L : layers_)
+    if (L->moe)
+      for (int i : {L->moe_p.w1, L->moe_p.w2, L->moe_p.w3}) experts.push_back(i);
+  numerics_.Set(numerics, Fp8LinearWeights(), std::move(experts));
+}
 
 void Model::Build() {
   const ModelConfig& c = config_;
