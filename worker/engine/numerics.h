@@ -11,20 +11,19 @@
 // are not emulated.
 //
 // FP8 (an Fp8Recipe): the blocks' linear layers (every projection of a layer but MLA's per-head
-// ones; not the embedding, the LM head or the attention cores) and the MoE experts (below)
-// multiply FP8 inputs: the
-// activation x and weight W in the forward, the output gradient dy with the same W and x in the
-// backward, each quantized with its own tensorwise scale and multiplied as codes, the inverse
-// scales applied to the fp32 accumulator (GemmOperand) as cuBLASLt does. That is the FFN's w1,
-// w3 and w2, Lightning's qkv, gate and out, and MLA's q_a, kv_a and out; MLA's q (or q_b) and
+// ones; not the embedding, the LM head or the attention cores) and the MoE experts (below) multiply
+// FP8 inputs: the activation x and weight W in the forward, the output gradient dy with the same W
+// and x in the backward, each quantized with its own tensorwise scale and multiplied as codes, the
+// inverse scales applied to the fp32 accumulator (GemmOperand) as cuBLASLt does. That is the FFN's
+// w1, w3 and w2, Lightning's qkv, gate and out, and MLA's q_a, kv_a and out; MLA's q (or q_b) and
 // kv_b stay bf16, because the GPU runs their backward by groups of heads (and kv_b, under
-// AllGather, over gathered latent rows), which one tensorwise scale per GEMM input does not
-// follow. Activations are quantized where the GPU fuses the cast into the producing kernel, from
-// its fp32 result before any bf16 store: the attention and FFN RMSNorm outputs, SwiGLU's output
-// and the Lightning group norm + gate output; MLA's attention output, which no kernel of ours
-// produces, from its stored bf16. Output gradients are quantized from their stored bf16 values;
-// weights from the fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each
-// optimizer step produces).
+// AllGather, over gathered latent rows), which one tensorwise scale per GEMM input does not follow.
+// Activations are quantized where the GPU fuses the cast into the producing kernel, from its fp32
+// result before any bf16 store: the attention and FFN RMSNorm outputs, SwiGLU's output and the
+// Lightning group norm + gate output; MLA's attention output, which no kernel of ours produces,
+// from its stored bf16. Output gradients are quantized from their stored bf16 values; weights from
+// the fp32 masters once per pass (RefreshWeights: the values the GPU's cast after each optimizer
+// step produces).
 //
 // Under the blockwise recipe (train.fp8_recipe "blockwise", kernels/cpu/fp8.h) each operand holds
 // its block-scaled values (power-of-two scales, so exactly the products a block-scaled GEMM sums;
@@ -43,12 +42,13 @@
 // matrix. The activations and gradients are the rows the rank's experts hold, [R, cols] for all
 // its local experts together (GroupedActivation, GroupedGradient):
 // - Tensorwise: one scale over all R rows, as the CUDA engine (cuda/cuda_moe_ffn.cc) quantizes
-//   them: the gathered inputs at the stored bf16 h2's amax at ep = 1 (every token is among the
-//   rows, so it is the rows' amax), the received rows' own amax at ep > 1; SwiGLU's output from
-//   its fp32 result before the bf16 store (SwiGluForwardFp8); the output gradients (the
-//   combine's, w1's and w3's, each on its own) from their stored bf16. The scale then depends on
-//   ep: a rank knows the amax of the rows it holds, which are its own tokens' at ep = 1 and the
-//   rows every EP rank routes to its experts at ep > 1 (one scale per grouped GEMM input).
+//   them: the gathered inputs from the stored bf16 h2 (the dense FFN's norm quantizes its fp32
+//   output instead), at h2's amax at ep = 1 (every token is among the rows, so it is the rows'
+//   amax) and at the received rows' own amax at ep > 1; SwiGLU's output from its fp32 result
+//   before the bf16 store (SwiGluForwardFp8); the output gradients (the combine's, w1's and
+//   w3's, each on its own) from their stored bf16. The scale then depends on ep: a rank knows
+//   the amax of the rows it holds, which are its own tokens' at ep = 1 and the rows every EP
+//   rank routes to its experts at ep > 1 (one scale per grouped GEMM input).
 // - Blockwise: rows in 1 x 128 blocks, each row's own and so the same at every ep; the weight
 //   gradient's 128 x 1 copies in blocks that start afresh at each boundary of `bounds`: the
 //   caller's segments of rows, one per (expert, source rank), the rows one rank sends to one
@@ -59,7 +59,8 @@
 //   blockwise MoE yet, so this defines the recipe.)
 // What the emulation cannot match: the CUDA engine pads each expert's rows to a multiple of 16
 // (zero rows, which change no amax and no product); cuBLASLt's fast-accumulation FP8 forward and
-// the grouped GEMMs' summation order are not emulated.
+// the grouped GEMMs' summation order are not emulated. Without bf16 storage one expert that every
+// token chooses is the dense FFN bit for bit (tests/engine/test_moe_fp8.cc).
 //
 // Outlier injection (Numerics::outliers, experiments only: bench/fp8_outlier_run.sh and
 // spindle-train's developer flag --inject-outliers, no job-spec field): in each dense layer one
