@@ -3,8 +3,12 @@
 // within each expert; the grouped rows at one scale, or in row blocks with column blocks that
 // restart at every (expert, source rank) segment, where an outlier moves only its own blocks);
 // one expert that every token chooses is the dense FFN, bit for bit, under both recipes; FP8 acts
-// on the experts and leaves the shared expert in bf16; and a model step in FP8 follows the bf16
-// step and replays under recompute. (ep = 2 against ep = 1 under FP8: test_moe_model.cc.)
+// on the experts and leaves the shared expert in bf16; under blockwise scaling a layer at ep = 2
+// quantizes each expert's rows exactly as its ranks do at ep = 1; and a model step in FP8 follows
+// the bf16 step and replays under recompute. (The model at ep = 2 against ep = 1 under FP8:
+// test_moe_model.cc.)
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/fp8.h"
@@ -333,6 +338,132 @@ TEST(MoeFp8LayerTest, Fp8ActsOnTheExpertsAndLeavesTheSharedExpertInBf16) {
     EXPECT_LT(RelativeL2(fp8.y, bf16.y), 0.1);
     EXPECT_LT(RelativeL2(fp8.dh, bf16.dh), 0.1);
   }
+}
+
+// The blockwise recipe's rule for expert parallelism, value by value: one MoE layer at ep = 2 (two
+// ranks as threads, Gloo over 127.0.0.1, each with its own tokens) quantizes each expert's input
+// rows and output gradients exactly as the same ranks do at ep = 1. An expert's rows at ep = 2 are
+// the rows rank 0 sends it, then rank 1's, and both the row-block values and the weight
+// gradient's column-block copy of each source's rows are that rank's rows of the expert at ep = 1:
+// the column blocks restart where the source changes (they would otherwise straddle both ranks'
+// rows). The inputs and output gradients are compared because they reach the experts unchanged
+// by any GEMM; SwiGLU's output and the inner gradients come out of GEMMs over other row counts.
+TEST(MoeFp8LayerTest, BlockwiseExpertRowsAtEp2AreTheRanksRowsAtEp1) {
+  ModelConfig c = *ModelPreset("tiny-moe");
+  c.d_model = 32;
+  c.moe = {/*experts=*/4,     /*top_k=*/2,    /*expert_ffn=*/32, /*shared_ffn=*/16,
+           /*bias_rate=*/0.0, /*z_loss=*/0.0, /*first_dense=*/0};
+  constexpr int kRanks = 2;
+  const int64_t T = 80, d = c.d_model, E = c.moe.experts, El = E / kRanks;
+  ParamSet whole;
+  MoeLayerParams WL;
+  DeclareMoeParams(c, 0, 1, 0, /*experts=*/true, whole, &WL);
+  DeclareMoeParams(c, 0, 1, 0, /*experts=*/false, whole, &WL);
+  whole.Allocate(31);
+  // Each rank's tokens and output gradient (bf16 values, as stored).
+  std::mt19937 gen(31);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<std::vector<float>> h(kRanks, std::vector<float>(T * d)), dy = h;
+  for (int q = 0; q < kRanks; ++q) {
+    // Rank 1's rows a hundred times rank 0's: blocks over both would take rank 1's scales.
+    for (float& v : h[q]) v = k::RoundToBf16((q == 0 ? 1.0f : 100.0f) * nd(gen));
+    for (float& v : dy[q]) v = k::RoundToBf16(1e-3f * (q + 1) * nd(gen));
+  }
+  const Numerics n = CpuNumerics(TrainPrecision::kFp8, TrainFp8Recipe::kBlockwise);
+  // The FP8 copies of one run's expert rows: by expert, the rows from each source rank.
+  struct Rows {
+    std::vector<float> x, x_cols, dy, dy_cols;
+  };
+  using ByExpertAndSource = std::vector<std::vector<Rows>>;  // [E][source]
+  auto take = [&](const MoeCache& C, const MoeWork& W, int64_t at, int64_t rows, Rows* r) {
+    auto cut = [&](const Tensor& t) { return Values(t.f32() + at * d, rows * d); };
+    r->x = cut(C.q_xe.values);
+    r->x_cols = cut(C.q_xe.columns);
+    r->dy = cut(W.q_dye.values);
+    r->dy_cols = cut(W.q_dye.columns);
+  };
+  // Runs the layer on rank q's tokens with its parameters P and EP group (null: ep = 1).
+  auto run = [&](ParamSet& P, const MoeLayerParams& L, Communicator* ep, int q, MoeCache& C,
+                 MoeWork& W) -> absl::Status {
+    NumericsEmulator nx;
+    nx.Set(n, {}, {L.w1, L.w2, L.w3});
+    nx.RefreshWeights(P);
+    HostMoeRows rows;
+    const MoeContext ctx{c, P, nx, rows, ep, 0.0f};
+    std::vector<float> y(T * d), dh(T * d);
+    P.ZeroGrad();
+    if (absl::Status s = MoeFfnForward(ctx, L, C, W, h[q].data(), T, y.data(), nullptr); !s.ok())
+      return s;
+    return MoeFfnBackward(ctx, L, C, W, h[q].data(), dy[q].data(), T, dh.data());
+  };
+
+  ByExpertAndSource want(E, std::vector<Rows>(kRanks));
+  for (int q = 0; q < kRanks; ++q) {
+    MoeCache C;
+    MoeWork W;
+    ASSERT_TRUE(run(whole, WL, nullptr, q, C, W).ok());
+    for (int64_t e = 0; e < E; ++e)
+      take(C, W, C.plan.expert_offsets[e], C.plan.expert_counts[e], &want[e][q]);
+  }
+
+  MemoryKvStore store;
+  ByExpertAndSource got(E, std::vector<Rows>(kRanks));
+  const absl::Status st = testing::RunRanks(kRanks, [&](int rank) -> absl::Status {
+    omp_set_num_threads(1);
+    auto comm = CreateGlooCommunicator(store, "ep", rank, kRanks, testing::TestGloo());
+    if (!comm.ok()) return comm.status();
+    ParamSet P;
+    MoeLayerParams L;
+    DeclareMoeParams(c, 0, kRanks, rank, /*experts=*/true, P, &L);
+    DeclareMoeParams(c, 0, kRanks, rank, /*experts=*/false, P, &L);
+    P.Allocate(1);
+    for (int i = 0; i < P.size(); ++i) {  // the whole model's values, this rank's shard of them
+      const int w = whole.Find(P.info(i).name);
+      if (w < 0) return absl::InternalError(P.info(i).name);
+      const float* from = whole.data(w) + P.info(i).full_offset;
+      std::copy(from, from + P.info(i).numel, P.data(i));
+    }
+    MoeCache C;
+    MoeWork W;
+    if (absl::Status s = run(P, L, comm->get(), rank, C, W); !s.ok()) return s;
+    // Local expert j's rows: rank 0's, then rank 1's, as many as each had for it at ep = 1.
+    for (int64_t j = 0; j < El; ++j) {
+      const int64_t e = rank * El + j;
+      int64_t at = C.plan.expert_offsets[j];
+      for (int source = 0; source < kRanks; ++source) {
+        const int64_t rows = static_cast<int64_t>(want[e][source].x.size()) / d;
+        take(C, W, at, rows, &got[e][source]);
+        at += rows;
+      }
+      if (at != C.plan.expert_offsets[j] + C.plan.expert_counts[j])
+        return absl::InternalError(absl::StrCat("expert ", e, " has other rows at ep = 2"));
+    }
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  int straddled = 0;  // experts whose column blocks over both sources would have differed
+  for (int64_t e = 0; e < E; ++e)
+    for (int q = 0; q < kRanks; ++q) {
+      SCOPED_TRACE(::testing::Message() << "expert " << e << ", rows from rank " << q);
+      const Rows &g = got[e][q], &w = want[e][q];
+      ASSERT_FALSE(w.x.empty());
+      EXPECT_EQ(g.x, w.x);
+      EXPECT_EQ(g.x_cols, w.x_cols);
+      EXPECT_EQ(g.dy, w.dy);
+      EXPECT_EQ(g.dy_cols, w.dy_cols);
+      if (q == 1) {
+        // The same expert's rows of both sources in one column block, as a check that the restart
+        // matters here: rank 1's larger values would rescale rank 0's (those that then fall into
+        // E4M3's subnormals round otherwise).
+        std::vector<float> joint = want[e][0].x;
+        joint.insert(joint.end(), w.x.begin(), w.x.end());
+        std::vector<float> cols(joint.size());
+        const int64_t rows = static_cast<int64_t>(joint.size()) / d;
+        k::QuantizeColumnBlocks(joint.data(), rows, d, kE4M3, cols.data());
+        straddled += !std::equal(want[e][0].x_cols.begin(), want[e][0].x_cols.end(), cols.begin());
+      }
+    }
+  EXPECT_GT(straddled, 0);
 }
 
 // A training pass of a tiny-moe-like model (a dense first layer, then two MoE layers with a
