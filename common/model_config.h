@@ -93,9 +93,11 @@ std::string CudaShapeProblem(const ModelConfig& c);
 // The linear weights train.precision "fp8" runs as FP8 GEMMs, by tensor name (DESIGN.md's
 // checkpoint names) with their [out, in] shape: each Lightning layer's qkv, gate and out
 // projections, each MLA layer's q_a and kv_a down-projections and output projection, and each
-// dense FFN's w1, w2 and w3 (MLA's q / q_b and kv_b up-projections, the MoE FFNs, the embedding,
-// the norms and the LM head stay in bf16). The one list the planner's memory estimate, the
-// engines' FP8 weight copies and the shape check below all take.
+// dense FFN's w1, w2 and w3 (MLA's q / q_b and kv_b up-projections, the MoE shared experts, the
+// embedding, the norms and the LM head stay in bf16, the MoE routers in fp32; the MoE experts'
+// stacked weights run in FP8 too, but each expert with its own scale, so both engines quantize
+// them apart from this list). The one list the planner's memory estimate, the engines' FP8 weight copies and
+// the shape check below all take.
 struct LinearWeight {
   std::string name;
   int64_t out = 0, in = 0;

@@ -138,7 +138,13 @@ std::vector<int> Model::Fp8LinearWeights() const {
   return linear;
 }
 
-void Model::SetNumerics(const Numerics& numerics) { numerics_.Set(numerics, Fp8LinearWeights()); }
+void Model::SetNumerics(const Numerics& numerics) {
+  std::vector<int> experts;  // the MoE layers' stacked expert weights, quantized per expert
+  for (const auto& L : layers_)
+    if (L->moe)
+      for (int i : {L->moe_p.w1, L->moe_p.w2, L->moe_p.w3}) experts.push_back(i);
+  numerics_.Set(numerics, Fp8LinearWeights(), std::move(experts));
+}
 
 void Model::Build() {
   const ModelConfig& c = config_;
@@ -882,7 +888,12 @@ class Model::Passes final : public LayerPasses {
     ctx.ep = m.ep_comm_;
     ctx.zloss_scale = m.zloss_scale_;
     ctx.moe_work = &m.work_->moe;
-    if (training) ctx.moe_stats = &m.moe_stats_;
+    if (training) {
+      // A training pass before any BeginStep counts into fresh statistics.
+      if (m.moe_stats_.size() < static_cast<size_t>(m.config_.n_layers))
+        m.moe_stats_.resize(m.config_.n_layers);
+      ctx.moe_stats = &m.moe_stats_;
+    }
     return ctx;
   }
   void Ready(int64_t offset) {

@@ -91,7 +91,8 @@ class Model {
   // Loss only (evaluation); no gradients, no saved activations beyond one layer.
   LossStats Forward(const Batch& batch);
 
-  // The number formats of every later pass (the default: exact fp32).
+  // The number formats of every later pass (the default: exact fp32); under FP8 the
+  // Fp8LinearWeights and, per expert, the MoE layers' expert weights run as FP8 GEMM weights.
   void SetNumerics(const Numerics& numerics);
   // The parameters the FP8 recipe runs as FP8 GEMM weights (numerics.h): every layer's
   // projections but MLA's per-head ones (q or q_b, kv_b). The CUDA engine's fp8 uses the same.

@@ -43,10 +43,13 @@ OutlierSite OutlierPosition(const OutlierInjection& o, int64_t layer, int64_t ro
   return s;
 }
 
-void NumericsEmulator::Set(const Numerics& n, std::vector<int> linear_weights) {
+void NumericsEmulator::Set(const Numerics& n, std::vector<int> linear_weights,
+                           std::vector<int> expert_weights) {
   n_ = n;
   linear_ = std::move(linear_weights);
+  experts_ = std::move(expert_weights);
   is_linear_.clear();
+  is_expert_.clear();
   working_ = Tensor();
   fp8_ = Tensor();
 }
@@ -79,6 +82,26 @@ void NumericsEmulator::RefreshWeights(ParamSet& params) {
           k::QuantizeTensorwise(master + p.offset, p.numel, n_.fp8->weights, fp8_.f32() + p.offset);
       weight_inverse_scale_[i] = s.inverse;
     }
+    // Each expert's [out, in] matrix on its own: one scale per expert, or its 128 x 128 blocks.
+    is_expert_.assign(static_cast<size_t>(params.size()), 0);
+    expert_inverse_scale_.assign(static_cast<size_t>(params.size()), {});
+    for (int i : experts_) {
+      const ParamInfo& p = params.info(i);
+      is_expert_[i] = 1;
+      const int64_t rows = p.shape.size() == 3 ? p.shape[1] : 1;
+      const int64_t cols = p.shape.empty() ? p.numel : p.shape.back();
+      std::vector<float>& inverse = expert_inverse_scale_[i];
+      for (int64_t m = 0; m < p.numel; m += rows * cols) {
+        const float* w = master + p.offset + m;
+        float* q = fp8_.f32() + p.offset + m;
+        if (blockwise()) {
+          k::QuantizeSquareBlocks(w, rows, cols, n_.fp8->weights, q);
+          inverse.push_back(1.0f);
+        } else {
+          inverse.push_back(k::QuantizeTensorwise(w, rows * cols, n_.fp8->weights, q).inverse);
+        }
+      }
+    }
   }
 }
 
@@ -93,17 +116,39 @@ GemmOperand NumericsEmulator::LinearWeight(ParamSet& params, int i, bool fp8) co
   return {Weight(params, i), 1.0f};
 }
 
+GemmOperand NumericsEmulator::ExpertWeight(ParamSet& params, int i, int64_t expert) const {
+  const ParamInfo& p = params.info(i);
+  const int64_t matrix = p.shape.size() == 3 ? p.shape[1] * p.shape[2] : p.numel;
+  if (n_.fp8 && static_cast<size_t>(i) < is_expert_.size() && is_expert_[i])
+    return {fp8_.f32() + p.offset + expert * matrix, expert_inverse_scale_[i][expert]};
+  return {Weight(params, i) + expert * matrix, 1.0f};
+}
+
 GemmOperand NumericsEmulator::Quantize(const float* const* parts, int count, int64_t rows,
                                        int64_t cols, k::Fp8Format f, Fp8Copy& slot,
-                                       GemmOperand* out) const {
+                                       GemmOperand* out, const std::vector<int64_t>* bounds) const {
   const int64_t n = rows * cols;
   if (slot.values.numel() < count * n) slot.values = Tensor({count * n});
   if (blockwise()) {
     if (slot.columns.numel() < count * n) slot.columns = Tensor({count * n});
-    // Down the columns the parts are apart (a column is one part's); along the rows they are
-    // one joint row of count x cols values.
-    for (int i = 0; i < count; ++i)
-      k::QuantizeColumnBlocks(parts[i], rows, cols, f, slot.columns.f32() + i * n);
+    // Down the columns the parts are apart (a column is one part's), and so are the segments of
+    // `bounds`; along the rows the parts are one joint row of count x cols values.
+    for (int i = 0; i < count; ++i) {
+      if (bounds == nullptr) {
+        k::QuantizeColumnBlocks(parts[i], rows, cols, f, slot.columns.f32() + i * n);
+        continue;
+      }
+      // Segment s is [bounds[s], bounds[s + 1]), the first from row 0 and the last to `rows`
+      // whatever the bounds say, each clamped to the rows.
+      int64_t r0 = 0;
+      for (size_t s = 0; s <= bounds->size(); ++s) {
+        const int64_t r1 = s < bounds->size() ? std::clamp<int64_t>((*bounds)[s], r0, rows) : rows;
+        if (r1 > r0)
+          k::QuantizeColumnBlocks(parts[i] + r0 * cols, r1 - r0, cols, f,
+                                  slot.columns.f32() + i * n + r0 * cols);
+        r0 = r1;
+      }
+    }
     if (count == 1) {
       k::QuantizeRowBlocks(parts[0], rows, cols, f, slot.values.f32());
     } else {
@@ -158,6 +203,22 @@ GemmOperand NumericsEmulator::FfnInput(int64_t layer, const float* x, int64_t ro
   y[s.row * cols + s.col] *= n_.outliers->factor;
   if (!n_.fp8) Store(y, n);  // the GEMM reads the stored input
   return Activation(y, rows, cols, slot);
+}
+
+GemmOperand NumericsEmulator::GroupedActivation(const float* x, int64_t rows, int64_t cols,
+                                                const std::vector<int64_t>& bounds,
+                                                Fp8Copy& slot) const {
+  if (!n_.fp8) return {x, 1.0f};
+  GemmOperand op;
+  return Quantize(&x, 1, rows, cols, n_.fp8->activations, slot, &op, &bounds);
+}
+
+GemmOperand NumericsEmulator::GroupedGradient(const float* dy, int64_t rows, int64_t cols,
+                                              const std::vector<int64_t>& bounds,
+                                              Fp8Copy& slot) const {
+  if (!n_.fp8) return {dy, 1.0f};
+  GemmOperand op;
+  return Quantize(&dy, 1, rows, cols, n_.fp8->gradients, slot, &op, &bounds);
 }
 
 void NumericsEmulator::FfnInputGradient(int64_t layer, float* dx, int64_t rows,

@@ -93,30 +93,40 @@ void Ensure(Tensor& t, int64_t rows, int64_t cols) {
   if (t.numel() < rows * cols) t = Tensor({rows, cols});
 }
 
-// y[n, out] = x[n, in] W[out, in]^T.
-void Lin(const float* x, const float* W, float* y, int64_t n, int64_t in, int64_t out) {
-  if (n > 0) k::Gemm(false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, out);
+// y[n, out] = x[n, in] W[out, in]^T, each operand's inverse scale applied to the accumulator.
+void Lin(GemmOperand x, GemmOperand W, float* y, int64_t n, int64_t in, int64_t out) {
+  if (n > 0)
+    k::Gemm(false, true, n, out, in, x.inverse_scale * W.inverse_scale, x.values, in, W.values, in,
+            0.0f, y, out);
 }
 
-// dx[n, in] (+)= dy W; dW[out, in] += dy^T x.
-void LinBwd(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t n,
+// dx[n, in] (+)= dy W; dW[out, in] += dy^T x, on the operands' copies for the weight gradient
+// (blockwise FP8: the contraction runs over the rows, in column blocks).
+void LinBwd(GemmOperand x, GemmOperand W, GemmOperand dy, float* dx, float* dW, int64_t n,
             int64_t in, int64_t out, bool accumulate_dx) {
   if (n == 0) return;
-  k::Gemm(false, false, n, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
-  k::Gemm(true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dW, in);
+  k::Gemm(false, false, n, in, out, dy.inverse_scale * W.inverse_scale, dy.values, out, W.values,
+          in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+  const GemmOperand dyw = dy.ForWeightGradient(), xw = x.ForWeightGradient();
+  k::Gemm(true, false, out, in, n, dyw.inverse_scale * xw.inverse_scale, dyw.values, out, xw.values,
+          in, 1.0f, dW, in);
 }
 
-// A SwiGLU FFN over n rows: g = x W1^T, u = x W3^T, a = silu(g) u, y = a W2^T.
+// A plain operand (the router's fp32 and the shared expert's bf16, outside the FP8 recipe).
+GemmOperand Plain(const float* p) { return {p, 1.0f}; }
+
+// The shared expert, a SwiGLU FFN over n rows: g = x W1^T, u = x W3^T, a = silu(g) u,
+// y = a W2^T.
 void SwiGluFfn(const MoeContext& ctx, const float* x, const float* W1, const float* W3,
                const float* W2, float* g, float* u, float* a, float* y, int64_t n, int64_t F) {
   const int64_t d = ctx.c.d_model;
-  Lin(x, W1, g, n, d, F);
-  Lin(x, W3, u, n, d, F);
+  Lin(Plain(x), Plain(W1), g, n, d, F);
+  Lin(Plain(x), Plain(W3), u, n, d, F);
   ctx.nx.Store(g, n * F);
   ctx.nx.Store(u, n * F);
   k::SwiGluForward(g, u, a, n * F);
   ctx.nx.Store(a, n * F);
-  Lin(a, W2, y, n, F, d);
+  Lin(Plain(a), Plain(W2), y, n, F, d);
   ctx.nx.Store(y, n * d);
 }
 
@@ -126,14 +136,36 @@ void SwiGluFfnBwd(const MoeContext& ctx, const float* x, const float* g, const f
                   const float* dy, float* dW1, float* dW3, float* dW2, float* da, float* dg,
                   float* du, float* dx, int64_t n, int64_t F, bool accumulate_dx) {
   const int64_t d = ctx.c.d_model;
-  LinBwd(a, W2, dy, da, dW2, n, F, d, false);
+  LinBwd(Plain(a), Plain(W2), Plain(dy), da, dW2, n, F, d, false);
   ctx.nx.Store(da, n * F);
   k::SwiGluBackward(g, u, da, dg, du, n * F);
   ctx.nx.Store(dg, n * F);
   ctx.nx.Store(du, n * F);
-  LinBwd(x, W1, dg, dx, dW1, n, d, F, accumulate_dx);
+  LinBwd(Plain(x), Plain(W1), Plain(dg), dx, dW1, n, d, F, accumulate_dx);
   ctx.nx.Store(dx, n * d);  // the GPU stores the first GEMM's output before the second adds to it
-  LinBwd(x, W3, du, dx, dW3, n, d, F, true);
+  LinBwd(Plain(x), Plain(W3), Plain(du), dx, dW3, n, d, F, true);
+}
+
+// The experts' rows of `p` by (local expert, source rank) as row offsets (MoeCache::segments):
+// at ep > 1 an expert's rows arrive from the EP ranks in rank order (each rank's in its token
+// order), and a segment ends where the source rank changes; at ep = 1 each expert's rows are one
+// segment.
+void ExpertSegments(const MoeDispatchPlan& p, std::vector<int64_t>* out) {
+  out->assign(1, 0);
+  std::vector<int64_t> recv_end;  // ep > 1: source rank q's received rows end at recv_end[q]
+  int64_t at = 0;
+  for (int64_t r : p.recv_rows) recv_end.push_back(at += r);
+  for (int64_t j = 0; j < p.local_experts; ++j) {
+    const int64_t o = p.expert_offsets[j], n = p.expert_counts[j];
+    size_t q = 0;
+    for (int64_t r = o; p.ep > 1 && r < o + n; ++r) {
+      size_t source = q;
+      while (source < recv_end.size() && p.expert_src[r] >= recv_end[source]) ++source;
+      if (r > o && source != q) out->push_back(r);
+      q = source;
+    }
+    out->push_back(p.expert_offsets[j + 1]);
+  }
 }
 
 }  // namespace
@@ -149,7 +181,7 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   Ensure(C.weights, T, K);
   Ensure(C.lse, T, 1);
   C.idx.resize(T * K);
-  Lin(h, P.data(L.router), C.logits.f32(), T, d, E);
+  Lin(Plain(h), Plain(P.data(L.router)), C.logits.f32(), T, d, E);
   k::MoeRouterForward(C.logits.f32(), P.data(L.bias), C.idx.data(), C.weights.f32(), C.lse.f32(), T,
                       E, K);
   RETURN_IF_ERROR(PlanMoeDispatch(C.idx.data(), T, K, E, /*align=*/1, ctx.ep, ctx.rows, &C.plan));
@@ -180,17 +212,29 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   };
   RETURN_IF_ERROR(MoeDispatch(plan, ctx.rows, ctx.ep, h, d, W.dsend.f32(), W.drecv.f32(),
                               C.xe.f32(), shared));
-  // The experts, each over its rows.
+  // The experts, each over its rows; under FP8 each GEMM input is quantized once for all the
+  // rank's experts (numerics.h), as the GPU's grouped GEMMs read it.
   Ensure(C.ye, R, d);
   for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, R, F);
-  const float* W1 = nx.Weight(P, L.w1);
-  const float* W2 = nx.Weight(P, L.w2);
-  const float* W3 = nx.Weight(P, L.w3);
-  for (int64_t j = 0; j < plan.local_experts; ++j) {
-    const int64_t o = plan.expert_offsets[j], n = plan.expert_counts[j];
-    SwiGluFfn(ctx, C.xe.f32() + o * d, W1 + j * F * d, W3 + j * F * d, W2 + j * d * F,
-              C.g.f32() + o * F, C.u.f32() + o * F, C.a.f32() + o * F, C.ye.f32() + o * d, n, F);
+  ExpertSegments(plan, &C.segments);
+  const int64_t El = plan.local_experts;
+  const int64_t* off = plan.expert_offsets.data();
+  const int64_t* count = plan.expert_counts.data();
+  float *g = C.g.f32(), *u = C.u.f32(), *a = C.a.f32();
+  C.xe_op = nx.GroupedActivation(C.xe.f32(), R, d, C.segments, C.q_xe);
+  for (int64_t j = 0; j < El; ++j) {
+    Lin(C.xe_op.At(off[j] * d), nx.ExpertWeight(P, L.w1, j), g + off[j] * F, count[j], d, F);
+    Lin(C.xe_op.At(off[j] * d), nx.ExpertWeight(P, L.w3, j), u + off[j] * F, count[j], d, F);
   }
+  nx.Store(g, R * F);
+  nx.Store(u, R * F);
+  k::SwiGluForward(g, u, a, R * F);
+  C.a_op = nx.GroupedActivation(a, R, F, C.segments, C.q_a);  // from the fp32 result
+  nx.Store(a, R * F);
+  for (int64_t j = 0; j < El; ++j)
+    Lin(C.a_op.At(off[j] * F), nx.ExpertWeight(P, L.w2, j), C.ye.f32() + off[j] * d, count[j], F,
+        d);
+  nx.Store(C.ye.f32(), R * d);
   // Back to the tokens, weighted, onto the shared expert's output.
   const float* Y = C.ye.f32();
   if (plan.ep > 1) {
@@ -246,21 +290,32 @@ absl::Status MoeFfnBackward(const MoeContext& ctx, const MoeLayerParams& L, MoeC
   } else {
     shared();
   }
-  // The experts' backward.
+  // The experts' backward, each output gradient quantized (under FP8) from its stored values
+  // for all the rank's experts at once.
   Ensure(W.dxe, R, d);
   for (Tensor* t : {&W.da, &W.dg, &W.du}) Ensure(*t, R, F);
-  const float* W1 = nx.Weight(P, L.w1);
-  const float* W2 = nx.Weight(P, L.w2);
-  const float* W3 = nx.Weight(P, L.w3);
-  for (int64_t j = 0; j < plan.local_experts; ++j) {
-    const int64_t o = plan.expert_offsets[j], n = plan.expert_counts[j];
-    SwiGluFfnBwd(ctx, C.xe.f32() + o * d, C.g.f32() + o * F, C.u.f32() + o * F, C.a.f32() + o * F,
-                 W1 + j * F * d, W3 + j * F * d, W2 + j * d * F, W.dye.f32() + o * d,
-                 P.grad(L.w1) + j * F * d, P.grad(L.w3) + j * F * d, P.grad(L.w2) + j * d * F,
-                 W.da.f32() + o * F, W.dg.f32() + o * F, W.du.f32() + o * F, W.dxe.f32() + o * d, n,
-                 F, false);
-  }
-  nx.Store(W.dxe.f32(), R * d);
+  const int64_t El = plan.local_experts;
+  const int64_t* off = plan.expert_offsets.data();
+  const int64_t* count = plan.expert_counts.data();
+  float *da = W.da.f32(), *dg = W.dg.f32(), *du = W.du.f32(), *dxe = W.dxe.f32();
+  const GemmOperand dY = nx.GroupedGradient(W.dye.f32(), R, d, C.segments, W.q_dye);
+  for (int64_t j = 0; j < El; ++j)
+    LinBwd(C.a_op.At(off[j] * F), nx.ExpertWeight(P, L.w2, j), dY.At(off[j] * d), da + off[j] * F,
+           P.grad(L.w2) + j * d * F, count[j], F, d, false);
+  nx.Store(da, R * F);
+  k::SwiGluBackward(C.g.f32(), C.u.f32(), da, dg, du, R * F);
+  nx.Store(dg, R * F);
+  nx.Store(du, R * F);
+  const GemmOperand dG = nx.GroupedGradient(dg, R, F, C.segments, W.q_dg);
+  const GemmOperand dU = nx.GroupedGradient(du, R, F, C.segments, W.q_du);
+  for (int64_t j = 0; j < El; ++j)
+    LinBwd(C.xe_op.At(off[j] * d), nx.ExpertWeight(P, L.w1, j), dG.At(off[j] * F),
+           dxe + off[j] * d, P.grad(L.w1) + j * F * d, count[j], d, F, false);
+  nx.Store(dxe, R * d);  // the GPU stores the first GEMM's output before the second adds to it
+  for (int64_t j = 0; j < El; ++j)
+    LinBwd(C.xe_op.At(off[j] * d), nx.ExpertWeight(P, L.w3, j), dU.At(off[j] * F),
+           dxe + off[j] * d, P.grad(L.w3) + j * F * d, count[j], d, F, true);
+  nx.Store(dxe, R * d);
   // The input gradients back to the tokens (each token's K rows summed).
   const float* dX = W.dxe.f32();
   if (plan.ep > 1) {
@@ -273,7 +328,8 @@ absl::Status MoeFfnBackward(const MoeContext& ctx, const MoeLayerParams& L, MoeC
   Ensure(W.dlogits, T, E);
   k::MoeRouterBackward(C.logits.f32(), C.idx.data(), W.dw.f32(), C.lse.f32(), ctx.zloss_scale,
                        W.dlogits.f32(), T, E, K);
-  LinBwd(h, P.data(L.router), W.dlogits.f32(), dh, P.grad(L.router), T, d, E, true);
+  LinBwd(Plain(h), Plain(P.data(L.router)), Plain(W.dlogits.f32()), dh, P.grad(L.router), T, d, E,
+         true);
   nx.Store(dh, T * d);
   return absl::OkStatus();
 }

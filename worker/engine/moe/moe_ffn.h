@@ -7,8 +7,10 @@
 // backward). The router z-loss adds zloss_scale * lse(z)^2 per token to what is differentiated.
 //
 // Numerics: the router runs in fp32 on the fp32 master weights; with bf16 storage the experts'
-// and the shared expert's activations are rounded where the dense FFN's are. The FP8 recipe does
-// not cover the MoE FFN's GEMMs on the CPU model.
+// and the shared expert's activations are rounded where the dense FFN's are. Under FP8 the
+// experts' GEMMs multiply FP8 inputs (numerics.h: one scale per expert for the weights, one over
+// the rank's expert rows or 1 x 128 blocks for the activations and gradients), as the CUDA
+// engine's grouped FP8 GEMMs do; the shared expert stays bf16, as on the GPU.
 // Not thread-safe; the caches belong to one model.
 #pragma once
 
@@ -46,15 +48,21 @@ struct MoeCache {
   Tensor logits, weights, lse;  // [T, E], [T, K], [T]
   std::vector<int32_t> idx;     // [T * K]
   MoeDispatchPlan plan;
-  Tensor xe, g, u, a, ye;        // the experts' rows: inputs, SwiGLU parts, outputs
-  Tensor returned;               // ep > 1: the outputs back in send order [T * K, d]
-  Tensor sg, su, sa;             // the shared expert [T, S]
+  Tensor xe, g, u, a, ye;  // the experts' rows: inputs, SwiGLU parts, outputs
+  // The experts' rows by (local expert, source rank): row offsets, first 0, last R; the segments
+  // within which the blockwise recipe forms its column blocks (numerics.h).
+  std::vector<int64_t> segments;
+  Fp8Copy q_xe, q_a;        // FP8: the inputs' and SwiGLU output's values
+  GemmOperand xe_op, a_op;  // the GEMMs' operands for xe and a (into q_xe / q_a under FP8)
+  Tensor returned;          // ep > 1: the outputs back in send order [T * K, d]
+  Tensor sg, su, sa;        // the shared expert [T, S]
 };
 
 // Scratch shared by the layers: the exchange's send and receive rows (forward and backward) and
 // the gradients.
 struct MoeWork {
   Tensor dsend, drecv, dye, da, dg, du, dxe, dw, dlogits, sda, sdg, sdu;
+  Fp8Copy q_dye, q_dg, q_du;  // FP8: the experts' output gradients
 };
 
 // What a step's MoE layers did, for the balancing bias and the metrics: the (token, choice) pairs
