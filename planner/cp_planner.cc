@@ -103,48 +103,70 @@ constexpr int64_t kCudaRuntimeBytes = int64_t{600} << 20;
 constexpr int64_t kNcclFirstCommBytes = int64_t{1331} << 20;  // 1.3 GiB
 constexpr int64_t kNcclMoreCommBytes = int64_t{870} << 20;    // 0.85 GiB
 
-// The elements of the weights the FP8 recipe quantizes (Fp8LinearWeights in
-// common/model_config.h).
-int64_t LinearWeightElements(const ModelConfig& m) {
-  int64_t n = 0;
-  for (const LinearWeight& w : Fp8LinearWeights(m)) n += w.out * w.in;
-  return n;
-}
-
-// train.precision's copies of a plan (EstimateMemory's "precision" term). rl, rm: the recomputing
-// layers by kind.
-int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64_t rl, int64_t rm) {
+// train.precision's copies of a plan (EstimateMemory's "precision" term). R: the recomputing
+// layers (the first R); P: this rank's parameters; moe_rows: the expert rows a token brings a rank
+// at the worst load (0 for a dense model).
+int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64_t R, int64_t P,
+                       int64_t moe_rows) {
   const TrainPrecision p = spec.train.precision;
   const bool cuda = spec.resources == "cuda";
   if (p == TrainPrecision::kAuto || p == TrainPrecision::kFp32) return 0;
   if (cuda && p == TrainPrecision::kBf16) return 0;  // the engine's own storage
   const ModelConfig& m = spec.model;
-  const int64_t P = m.NumParams(), L = LinearWeightElements(m);
   if (!cuda && p == TrainPrecision::kBf16) return 4 * P;
-  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim;
+  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, fe = m.moe.expert_ffn;
+  const int64_t ep = std::max<int64_t>(1, spec.parallel.ep);
   const MlaConfig& a = m.mla;
   const int64_t qk = a.qk_nope_dim + a.qk_rope_dim;
-  // Per token: each layer kind's activation inputs to its linear layers.
-  const int64_t in_l = 2 * d + d + f;  // normed input, gated output; FFN: normed input, SwiGLU
-  const int64_t in_m =
-      d + a.q_lora_rank + (mla_allgather ? 0 : a.kv_lora_rank) + H * a.v_head_dim + d + f;
-  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
-  int64_t inputs = (nl - rl) * in_l + (nm - rm) * in_m;
-  if (rl + rm > 0) inputs += rm > 0 ? std::max(rl > 0 ? in_l : 0, in_m) : in_l;
+  // Per token, each layer's activation inputs to its FP8 GEMMs, without its FFN's: Lightning's
+  // normed input and gated output, MLA's normed input, q_a's and kv_a's outputs and its attention
+  // output; and the FFN's: the dense FFN's normed input and SwiGLU output, or the MoE experts'
+  // rows and their SwiGLU output.
+  const int64_t attn_l = 2 * d;
+  const int64_t attn_m = d + a.q_lora_rank + (mla_allgather ? 0 : a.kv_lora_rank) + H * a.v_head_dim;
+  const int64_t ffn_dense = d + f, ffn_moe = moe_rows * (d + fe);
+  // The kept layers' inputs, and the largest recomputing layer's (one at a time); the CUDA engine
+  // counts the MoE experts' FFN apart (below), the CPU emulation like the dense FFN's.
+  int64_t inputs = 0, recomputing = 0, moe_kept = 0;
+  for (int64_t i = 0; i < m.n_layers; ++i) {
+    const bool moe = m.IsMoeLayer(i);
+    const int64_t n = (m.LayerKind(i) == 'M' ? attn_m : attn_l) +
+                      (moe ? (cuda ? 0 : ffn_moe) : ffn_dense);
+    if (i < R) {
+      recomputing = std::max(recomputing, n);
+    } else {
+      inputs += n;
+      moe_kept += moe ? 1 : 0;
+    }
+  }
+  inputs += recomputing;
   // The widest output gradient a projection quantizes.
   const int64_t widest = std::max(
       {3 * d, f, H * qk, H * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank + a.qk_rope_dim});
+  // The MoE experts' output gradients (the combine's and SwiGLU's two): the shared scratch.
+  const int64_t moe_grads = m.NumMoeLayers() > 0 ? moe_rows * (d + 2 * fe) : 0;
   if (cuda) {
-    // The weights' codes in both layouts (2 L) replace their bf16 working copies (2 L). The kept
-    // inputs' transposed codes (their row-major codes live in one scratch of the widest input,
-    // read only by the forward's GEMMs), both layouts of one output gradient; less the bf16
-    // buffers no kernel writes under FP8 in a kept layer: Lightning's h, y, h2 and a, MLA's h2
-    // and a.
+    // The weights' codes in both layouts (2 L) replace their bf16 working copies (2 L), and so do
+    // the experts' (Fp8ExpertBlock). The kept inputs' transposed codes (their row-major codes
+    // live in one scratch of the widest input, read only by the forward's GEMMs), both layouts of
+    // one output gradient and of the experts' output gradients; less the bf16 buffers no kernel
+    // writes under FP8 in a kept layer: Lightning's h, y, h2 and a, MLA's h2 and a (a MoE
+    // layer's h2 stays bf16). The experts' rows and SwiGLU output are codes in both layouts in
+    // place of their bf16 copies, but under ep > 1 the received bf16 rows stay beside theirs.
     const int64_t widest_in = std::max({d, f, H * a.v_head_dim});
-    const int64_t unwritten = (nl - rl) * (3 * d + f) + (nm - rm) * (d + f);
-    return T * inputs + T * widest_in + 2 * T * widest - 2 * T * unwritten;
+    int64_t unwritten = 0;
+    for (int64_t i = R; i < m.n_layers; ++i)
+      unwritten += (m.LayerKind(i) == 'L' ? 3 * d : d) + (m.IsMoeLayer(i) ? 0 : f);
+    const int64_t moe_inputs = ep > 1 ? 2 * moe_rows * d * moe_kept : 0;
+    return T * inputs + T * widest_in + 2 * T * widest + 2 * T * moe_grads +
+           T * moe_inputs - 2 * T * unwritten;
   }
-  return 4 * P + 4 * L + 4 * T * inputs + 4 * T * (2 * widest + 3 * d);
+  // The CPU emulation holds fp32 values: a bf16-rounded working copy and an FP8-rounded copy of
+  // every parameter, the quantized inputs, and the output gradients' (the widest twice, Lightning's
+  // joint q | k | v, the experts'); the blockwise recipe keeps a second copy of each activation and
+  // gradient in column blocks for the weight gradients.
+  const int64_t copies = spec.train.fp8_recipe == TrainFp8Recipe::kBlockwise ? 2 : 1;
+  return 8 * P + copies * 4 * T * (inputs + 2 * widest + 3 * d + moe_grads);
 }
 
 // The smallest power of two >= n (n >= 1).
@@ -480,7 +502,7 @@ MemoryEstimate EstimateMemory(const JobSpec& spec, const std::vector<LayerModePl
         e.runtime_bytes += 2 * kNcclMoreCommBytes;
     }
   }
-  e.precision_bytes = PrecisionBytes(spec, mla_allgather || cuda_mla_ring, T, rl, rm);
+  e.precision_bytes = PrecisionBytes(spec, mla_allgather || cuda_mla_ring, T, R, P, moe_rows);
   e.total_bytes = e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes +
                   e.workspace_bytes + e.runtime_bytes + e.precision_bytes;
   return e;

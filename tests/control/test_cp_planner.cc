@@ -641,6 +641,47 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   EXPECT_EQ(CpPlanner().Plan(c, 0).memory.precision_bytes, 0);
 }
 
+// FP8 with MoE experts: the engines quantize the experts' rows, SwiGLU outputs and output
+// gradients (top_k rows a token), so the precision term grows with top_k on both engines; the CPU
+// emulation copies every parameter (the experts too), and its blockwise recipe keeps column-block
+// copies of the activations and gradients; under ep > 1 the GPU keeps the received bf16 rows
+// beside their codes.
+TEST(CpPlannerTest, Fp8CountsTheExpertsCopies) {
+  auto precision = [](JobSpec s) { return CpPlanner().Plan(s, 0).memory.precision_bytes; };
+  JobSpec c = Spec(1, 1, 1024);
+  c.model = *ModelPreset("tiny-moe");
+  c.train.precision = TrainPrecision::kFp8;
+  const int64_t k2 = precision(c);
+  EXPECT_GE(k2, 8 * c.model.NumParams());  // a working copy and an FP8 copy, experts included
+  JobSpec more = c;
+  more.model.moe.top_k = 2 * c.model.moe.top_k;
+  EXPECT_GT(precision(more), k2);
+  JobSpec blockwise = c;
+  blockwise.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
+  EXPECT_GT(precision(blockwise), k2);
+
+  JobSpec g = Spec(1, 1, 16384);
+  g.model = *ModelPreset("moe");
+  g.resources = "cuda";
+  g.train.precision = TrainPrecision::kFp8;
+  const int64_t gpu = precision(g);
+  JobSpec wider = g;
+  wider.model.moe.top_k = 2 * g.model.moe.top_k;
+  // Each extra row a token brings: the experts' three output gradients in both layouts.
+  const MoeConfig& moe = g.model.moe;
+  EXPECT_EQ(precision(wider) - gpu,
+            2 * g.seq_len * moe.top_k * (g.model.d_model + 2 * moe.expert_ffn));
+  JobSpec ep2 = g;
+  ep2.parallel.dp = 2;
+  ep2.parallel.ep = 2;
+  JobSpec ep2_bf16 = ep2;
+  ep2_bf16.train.precision = TrainPrecision::kBf16;
+  EXPECT_EQ(precision(ep2_bf16), 0);
+  // The worst load's rows (ep min(top_k, E / ep) a token), and their codes beside the received
+  // bf16 rows.
+  EXPECT_GT(precision(ep2), gpu);
+}
+
 // Mixture of experts: every ep dividing the experts and the world is estimated; with ep left out
 // the plan takes the smallest whose estimate fits the device (1 without a device), writes it into
 // the planned spec, and an impossible ep is a problem naming the field. The token exchange grows
