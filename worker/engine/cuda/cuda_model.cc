@@ -563,19 +563,45 @@ absl::Status CudaModel::SetExpertParallel(Communicator* ep) {
   Impl& I = *impl_;
   const int64_t size = ep ? ep->size() : 1;
   RETURN_IF_ERROR(I.host->SetExpertParallel(ep));  // the group's size and this rank's place
-  I.ep_staged.reset();
-  I.ep = nullptr;
+  I.moe.ep_staged.reset();
+  I.moe.ep = nullptr;
   if (size <= 1) return absl::OkStatus();
   if (ep->backend() == "nccl") {
-    I.ep = ep;
+    I.moe.ep = ep;
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(I.ep_staged, CreateStagedCommunicator(ep, I.device));
-  I.ep = I.ep_staged.get();
+  ASSIGN_OR_RETURN(I.moe.ep_staged, CreateStagedCommunicator(ep, I.device));
+  I.moe.ep = I.moe.ep_staged.get();
   return absl::OkStatus();
 }
 
 int64_t CudaModel::ExpertGradEnd() const { return impl_->host->ExpertGradEnd(); }
+
+void CudaModel::BeginStep(double tokens) { impl_->moe.BeginStep(tokens); }
+
+absl::StatusOr<nlohmann::json> CudaModel::FinishMoeStep(Communicator* world) {
+  Impl& I = *impl_;
+  if (I.c.moe.experts == 0) return nlohmann::json::object();
+  RETURN_IF_ERROR(I.moe.DrainLseSq());
+  // The biases live in the fp32 masters on the device: moved on the host copy, then back.
+  const int64_t E = I.c.moe.experts;
+  std::vector<std::vector<float>> bias(I.c.n_layers);
+  CUDA(cudaStreamSynchronize(I.stream));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    bias[L.index].resize(E);
+    CUDA(cudaMemcpy(bias[L.index].data(), I.Master(L.moe_p.bias), E * 4, cudaMemcpyDeviceToHost));
+  }
+  ASSIGN_OR_RETURN(nlohmann::json fields,
+                   BalanceMoeBiases(I.c, I.moe.moe_stats, world,
+                                    [&](int64_t i) { return bias[i].data(); }));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    CUDA(cudaMemcpy(I.Master(L.moe_p.bias), bias[L.index].data(), E * 4, cudaMemcpyHostToDevice));
+    std::copy(bias[L.index].begin(), bias[L.index].end(), I.P().data(L.moe_p.bias));
+  }
+  return fields;
+}
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {
   Impl& I = *impl_;

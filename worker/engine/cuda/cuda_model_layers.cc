@@ -364,7 +364,8 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   if (L.moe) {
     // A recomputed forward leaves the MoE FFN to the backward, which runs its forward first.
     if (x_out == nullptr) return absl::OkStatus();
-    RETURN_IF_ERROR(MoeForward(L, C, x_out, moe_counting ? &moe_stats[L.index] : nullptr));
+    RETURN_IF_ERROR(
+        moe.Forward(L, C, C.moe, x_out, moe.moe_counting ? &moe.moe_stats[L.index] : nullptr));
     KC(kc::AddRows(x_out, d, C.x_mid.get(), d, T, d, kAct, stream));
     return absl::OkStatus();
   }
@@ -466,8 +467,8 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
     RETURN_IF_ERROR(UseKind(W.arena, L.kind, WorkKindFields('L'), WorkKindFields('M')));
   if (L.moe) {
     // A layer that recomputes runs its MoE forward again (its exchanges too) before the backward.
-    if (!ffn_kept) RETURN_IF_ERROR(MoeForward(L, C, nullptr, nullptr));
-    RETURN_IF_ERROR(MoeBackward(L, C, dx));
+    if (!ffn_kept) RETURN_IF_ERROR(moe.Forward(L, C, C.moe, nullptr, nullptr));
+    RETURN_IF_ERROR(moe.Backward(L, C, C.moe, dx));
     KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
                            G(L.ffn_norm), B.T, c.d_model, kAct, Ws(), stream,
                            GradAmax(Work::kAmaxDx)));

@@ -385,8 +385,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpBatch* cp
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank, got ", B.T,
         " (cuBLASLt's FP8 GEMMs)"));
-  moe_counting = backward;
-  if (moe_stats.size() < static_cast<size_t>(c.n_layers)) moe_stats.resize(c.n_layers);
+  moe.moe_counting = backward;
+  if (moe.moe_stats.size() < static_cast<size_t>(c.n_layers)) moe.moe_stats.resize(c.n_layers);
   DevicePasses passes(*this, recompute, grad_scale, backward);
   RETURN_IF_ERROR(passes.Prepare());
   ASSIGN_OR_RETURN(LossStats s, RunLayerPasses(passes, c.n_layers, recompute, backward));
