@@ -17,7 +17,7 @@ namespace cuda_model_detail {
 
 // Gradient scratch shared by every layer's backward.
 struct Work {
-  DevBuf dh, da, dg, du, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
+  DevBuf dh, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
   int64_t ws_bytes = 0;
   // MLA's backward in head groups (CudaMlaGradHeadsPerGroup): at cp = 1 a group's copies of Q, K
   // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients; under

@@ -509,7 +509,7 @@ absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
 
 absl::Status CudaModel::SetFfnBlockRows(int64_t rows) {
   RETURN_IF_ERROR(CheckBlockRows("FFN", "the default", rows));
-  impl_->ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
+  impl_->ffn.ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
   return absl::OkStatus();
 }
 

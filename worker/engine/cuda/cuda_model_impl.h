@@ -13,6 +13,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/sdpa.h"
+#include "worker/engine/cuda/cuda_dense_ffn.h"
 #include "worker/engine/cuda/cuda_layer_context.h"
 #include "worker/engine/cuda/cuda_moe_ffn.h"
 #include "worker/engine/layer_passes.h"
@@ -23,9 +24,6 @@ namespace cuda_model_detail {
 // Saved activations of one layer (names as in model.cc): the layer's own (LayerActs) and those of
 // its families.
 struct Cache : LayerActs {
-  // g, u, a: the FFN's w1 and w3 outputs and SwiGLU, [T, F] in a cache kept for the backward, a
-  // block of ffn_block_rows rows otherwise (FfnForward).
-  DevBuf g, u, a;
   DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
   DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
@@ -45,11 +43,12 @@ struct Cache : LayerActs {
   // attention norm's output h, the Lightning group norm + gate's y, the FFN norm's h2, SwiGLU's a
   // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
   // their GEMMs reads them); h still is (MLA's bf16 q reads it), and O is (cuDNN's backward).
-  Fp8Act q_y, q_a, q_O;
+  Fp8Act q_y, q_O;
   // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
   KindArena arena;
+  DenseFfnCache ffn;
   MoeDevCache moe;
 };
 
@@ -179,7 +178,6 @@ struct CudaModel::Impl : LayerContext {
   int64_t fixed_bytes = 0;
   int64_t steps = 0;
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
-  int64_t ffn_block_rows = kCudaFfnBlockRows;  // see SetFfnBlockRows
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
   int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
@@ -200,6 +198,7 @@ struct CudaModel::Impl : LayerContext {
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
   // The layer families.
+  CudaDenseFfn ffn{*this};
   CudaMoeFfn moe{*this};
 
   // Every activation and scratch buffer back to the allocator (the next step allocates afresh).
@@ -210,9 +209,6 @@ struct CudaModel::Impl : LayerContext {
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b : {&W.dh,
-                      &W.da,
-                      &W.dg,
-                      &W.du,
                       &W.dy,
                       &W.dgate,
                       &W.dqkv,
@@ -255,6 +251,7 @@ struct CudaModel::Impl : LayerContext {
                       &W.fp8_rows,
                       &W.grad_amax})
       b->Release();
+    ffn.Release();
     moe.Release();
     W.ws_bytes = 0;
     W.arena.kind = 0;
@@ -302,18 +299,13 @@ struct CudaModel::Impl : LayerContext {
   absl::Status Upload(const Batch& b, const CpBatch* cpb);
   // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
   // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
-  // (FfnForward) and the backward recomputes them. attention_kept: the MLA attention's output and
+  // (CudaDenseFfn::Forward) and the backward recomputes them. attention_kept: the MLA attention's output and
   // statistics are already in C (see KeptForRecompute); only what its backward reads besides them
   // is computed.
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  // transposes: see QOut; requantize: see Requantizes.
-  absl::Status FfnHidden(const LayerIdx& L, Cache& C, bool transposes, bool requantize,
-                         const void* h, void* g, void* u, void* a, int64_t n);
-  absl::Status FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept);
-  absl::Status FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept);
   absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes, bool requantize);
   absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);

@@ -369,94 +369,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
     KC(kc::AddRows(x_out, d, C.x_mid.get(), d, T, d, kAct, stream));
     return absl::OkStatus();
   }
-  return FfnForward(L, C, x_out, ffn_kept);
-}
-
-// n rows of the FFN's hidden layer: g = h W1^T, u = h W3^T, a = SwiGLU(g, u).
-// Under FP8 (one block of the whole sequence) from the codes of C.h2 into those of C.a instead.
-absl::Status CudaModel::Impl::FfnHidden(const LayerIdx& L, Cache& C, bool transposes,
-                                        bool requantize, const void* h, void* g, void* u, void* a,
-                                        int64_t n) {
-  const int64_t d = c.d_model, F = c.ffn_dim;
-  if (fp8) {
-    RETURN_IF_ERROR(FwdQ(C.q_h2, L.w1, g, n, d, F, false));
-    RETURN_IF_ERROR(FwdQ(C.q_h2, L.w3, u, n, d, F, false));
-    RETURN_IF_ERROR(QAct(C.q_a, n, F));
-    const kc::Fp8Output q = QOut(C.q_a, transposes, C, kSiteA);
-    KC(requantize ? kc::SwiGluQuantizeFp8(g, u, n, F, kAct, q, stream)
-                  : kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, q, stream));
-    return absl::OkStatus();
-  }
-  RETURN_IF_ERROR(Fwd(h, d, Wb(L.w1), g, n, d, F, false));
-  RETURN_IF_ERROR(Fwd(h, d, Wb(L.w3), u, n, d, F, false));
-  KC(kc::SwiGluForward(g, u, a, n * F, kAct, stream));
-  return absl::OkStatus();
-}
-
-// x_out = x_mid + SwiGLU(h2 W1^T, h2 W3^T) W2^T, with h2 = norm(x_mid) in C. With ffn_kept the
-// whole sequence's g, u and a stay in C for the backward; otherwise they pass through
-// [ffn_block_rows, F] buffers block by block, and without x_out nothing runs at all (the
-// backward recomputes each block).
-absl::Status CudaModel::Impl::FfnForward(const LayerIdx& L, Cache& C, void* x_out, bool ffn_kept) {
-  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
-  if (!ffn_kept && x_out == nullptr) return absl::OkStatus();
-  const int64_t rows = ffn_kept || fp8 ? T : std::min(T, ffn_block_rows);
-  for (DevBuf* b : {&C.g, &C.u}) RETURN_IF_ERROR(Act(*b, rows, F));
-  if (!fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
-  for (int64_t t0 = 0; t0 < T; t0 += rows) {
-    const int64_t n = std::min(rows, T - t0);
-    RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/ffn_kept, /*requantize=*/false,
-                              At(C.h2.get(), t0 * d), C.g.get(), C.u.get(), C.a.get(), n));
-    if (x_out == nullptr) continue;
-    RETURN_IF_ERROR(fp8 ? FwdQ(C.q_a, L.w2, x_out, n, F, d, true, C.x_mid.get())
-                        : Fwd(C.a.get(), F, Wb(L.w2), At(x_out, t0 * d), n, F, d, true,
-                              At(C.x_mid.get(), t0 * d)));
-  }
-  return absl::OkStatus();
-}
-
-// dx: in, the gradient of x_out; out, that of x_mid (dx plus the norm's backward of the FFN's
-// input gradient). Block by block over [ffn_block_rows, F] gradient buffers, the weight
-// gradients accumulated over the blocks; without ffn_kept each block's g, u, a are recomputed
-// first.
-absl::Status CudaModel::Impl::FfnBackward(const LayerIdx& L, Cache& C, void* dx, bool ffn_kept) {
-  const int64_t T = B.T, d = c.d_model, F = c.ffn_dim;
-  const int64_t rows = fp8 ? T : std::min(T, ffn_block_rows);
-  for (DevBuf* b : {&W.da, &W.dg, &W.du}) RETURN_IF_ERROR(Act(*b, rows, F));
-  if (!ffn_kept)
-    for (DevBuf* b : {&C.g, &C.u}) RETURN_IF_ERROR(Act(*b, rows, F));
-  if (!ffn_kept && !fp8) RETURN_IF_ERROR(Act(C.a, rows, F));
-  RETURN_IF_ERROR(Act(W.dh, T, d));
-  for (int64_t t0 = 0; t0 < T; t0 += rows) {
-    const int64_t n = std::min(rows, T - t0);
-    const void* h = At(C.h2.get(), t0 * d);
-    const int64_t off = ffn_kept ? t0 * F : 0;
-    void *g = At(C.g.get(), off), *u = At(C.u.get(), off), *a = At(C.a.get(), off);
-    // A recomputing layer's hidden layer, recomputed (SwiGLU's second pass alone under FP8).
-    if (!ffn_kept)
-      RETURN_IF_ERROR(FfnHidden(L, C, /*transposes=*/true, Requantizes(C, nullptr), h, g, u, a, n));
-    void* dh = At(W.dh.get(), t0 * d);
-    if (fp8) {  // one block; SwiGLU's backward reduces the amaxes of dg and du on the way
-      RETURN_IF_ERROR(
-          BwdQ(C.q_a, L.w2, dx, W.da.get(), G(L.w2), n, F, d, false, W.Amax(Work::kAmaxDx)));
-      KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream,
-                            W.Amax(Work::kAmaxDg)));  // and kAmaxDu
-      RETURN_IF_ERROR(
-          BwdQ(C.q_h2, L.w1, W.dg.get(), dh, G(L.w1), n, d, F, false, W.Amax(Work::kAmaxDg)));
-      RETURN_IF_ERROR(
-          BwdQ(C.q_h2, L.w3, W.du.get(), dh, G(L.w3), n, d, F, true, W.Amax(Work::kAmaxDu)));
-      continue;
-    }
-    RETURN_IF_ERROR(Bwd(a, F, Wb(L.w2), At(dx, t0 * d), W.da.get(), G(L.w2), n, F, d, false));
-    KC(kc::SwiGluBackward(g, u, W.da.get(), W.dg.get(), W.du.get(), n * F, kAct, stream));
-    RETURN_IF_ERROR(Bwd(h, d, Wb(L.w1), W.dg.get(), dh, G(L.w1), n, d, F, false));
-    RETURN_IF_ERROR(Bwd(h, d, Wb(L.w3), W.du.get(), dh, G(L.w3), n, d, F, true));
-  }
-  // dx = d x_mid = dx + RMSNorm backward of dh (under FP8 with its amax, for the attention's
-  // output projection).
-  KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
-                         G(L.ffn_norm), T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
-  return absl::OkStatus();
+  return ffn.Forward(L, C, C.ffn, x_out, ffn_kept);
 }
 
 // dx: in = gradient of x_out, out = gradient of x_in.
@@ -469,12 +382,13 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
     // A layer that recomputes runs its MoE forward again (its exchanges too) before the backward.
     if (!ffn_kept) RETURN_IF_ERROR(moe.Forward(L, C, C.moe, nullptr, nullptr));
     RETURN_IF_ERROR(moe.Backward(L, C, C.moe, dx));
-    KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
-                           G(L.ffn_norm), B.T, c.d_model, kAct, Ws(), stream,
-                           GradAmax(Work::kAmaxDx)));
   } else {
-    RETURN_IF_ERROR(FfnBackward(L, C, dx, ffn_kept));
+    RETURN_IF_ERROR(ffn.Backward(L, C, C.ffn, dx, ffn_kept));
   }
+  // dx = d x_mid = dx + RMSNorm backward of the FFN's input gradient W.dh (under FP8 with its
+  // amax, for the attention's output projection).
+  KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
+                         G(L.ffn_norm), T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
   if (L.kind == 'L') {
     RETURN_IF_ERROR(LightningBackward(L, C, dx));
   } else {
