@@ -17,7 +17,7 @@ namespace cuda_model_detail {
 
 // Gradient scratch shared by every layer's backward.
 struct Work {
-  DevBuf dh, dy, dgate, dqkv, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
+  DevBuf dh, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
   int64_t ws_bytes = 0;
   // MLA's backward in head groups (CudaMlaGradHeadsPerGroup): at cp = 1 a group's copies of Q, K
   // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients; under
@@ -30,9 +30,6 @@ struct Work {
   // core's input gradients over the whole sequence; cp_tmp, a whole-sequence [T_full, H/cp *
   // width] output or output gradient.
   DevBuf cp_block, cp_tmp;
-  // CP (Lightning AllGather) scratch: this rank's two chunk states (or their carry-in
-  // gradients), every rank's as gathered, the 2cp of them in stream order, and their scan.
-  DevBuf cp_state_send, cp_state_recv, cp_state_stream, cp_state_scan;
   // CP (MLA AllGather) scratch, sized by Upload: the latent gather's send and receive blocks (also
   // the fp32 reduce-scatter's); one key block's keys and kv_b output (ag_K, ag_kvb) and their
   // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and

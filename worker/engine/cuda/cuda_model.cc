@@ -386,22 +386,7 @@ KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
   // (as a field of both kinds it is one kind's at a time, like the rest; outside the arena it
   // grew from one width to the other and the allocator kept the first block unused).
   const int64_t full_rows = B.cp > 1 ? B.T_full : 0;
-  if (kind == 'L') {
-    // The forward's kept block states: cp = 1 only.
-    const int64_t kept =
-        B.cp == 1 ? static_cast<int64_t>(kc::LightningSavedBytes({T, H, c.head_dim(), 3 * d})) : 0;
-    const int64_t full = LightningAllGather() ? 0 : full_rows * 3 * Hl * c.head_dim() * kAb;
-    return {{&C.qkv_raw, T * 3 * d * kAb},
-            {&C.qkv_n, T * 3 * d * kAb},
-            {&C.gate, T * d * kAb},
-            {&C.o, T * d * kAb},
-            {&C.y, fp8 ? 0 : T * d * kAb},
-            {&C.rstd_q, T * H * 4},
-            {&C.rstd_k, T * H * 4},
-            {&C.rstd_o, T * H * 4},
-            {&C.lstates, kept},
-            {&C.cp_full, full}};
-  }
+  if (kind == 'L') return lightning.CacheFields(C, C.lt);
   const MlaConfig& m = c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
   // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
@@ -426,8 +411,7 @@ KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
 
 KindFields CudaModel::Impl::WorkKindFields(char kind) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads;
-  if (kind == 'L')
-    return {{&W.dy, T * d * kAb}, {&W.dgate, T * d * kAb}, {&W.dqkv, T * 3 * d * kAb}};
+  if (kind == 'L') return lightning.WorkFields();
   const MlaConfig& m = c.mla;
   const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
   const int64_t kvw = m.qk_nope_dim + m.v_head_dim, w = kv + m.qk_rope_dim;

@@ -15,6 +15,7 @@
 #include "kernels/cuda/sdpa.h"
 #include "worker/engine/cuda/cuda_dense_ffn.h"
 #include "worker/engine/cuda/cuda_layer_context.h"
+#include "worker/engine/cuda/cuda_lightning.h"
 #include "worker/engine/cuda/cuda_moe_ffn.h"
 #include "worker/engine/layer_passes.h"
 
@@ -24,13 +25,9 @@ namespace cuda_model_detail {
 // Saved activations of one layer (names as in model.cc): the layer's own (LayerActs) and those of
 // its families.
 struct Cache : LayerActs {
-  DevBuf qkv_raw, qkv_n, rstd_q, rstd_k, gate, o, y, rstd_o;      // Lightning
-  DevBuf lstates;  // Lightning (cp = 1): the forward's block states, kept for the backward
   DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
   // CP (All2All): MLA's head-split output [T_full, H/cp * vd] (its backward reads it).
   DevBuf cp_out;
-  // CP (Lightning AllGather): the carry-ins P of this rank's two chunks, [2, H, Dh, Dh] fp32.
-  DevBuf cp_P;
   // CP (MLA AllGather, Ring and hybrid): latent rows [c_n | rotated k_r], [rows, kv + rd]: the
   // whole sequence's in stream order (AllGather), this rank's (Ring, the latent payload's own
   // block) or its Ulysses group's (hybrid).
@@ -43,11 +40,12 @@ struct Cache : LayerActs {
   // attention norm's output h, the Lightning group norm + gate's y, the FFN norm's h2, SwiGLU's a
   // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
   // their GEMMs reads them); h still is (MLA's bf16 q reads it), and O is (cuDNN's backward).
-  Fp8Act q_y, q_O;
+  Fp8Act q_O;
   // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
   KindArena arena;
+  LightningCache lt;
   DenseFfnCache ffn;
   MoeDevCache moe;
 };
@@ -66,7 +64,7 @@ struct KeptForRecompute {
     cp_out.Swap(C.cp_out);
     rstd1.Swap(C.rstd1);
     rstd2.Swap(C.rstd2);
-    rstd_o.Swap(C.rstd_o);
+    rstd_o.Swap(C.lt.rstd_o);
     fp8_amax.Swap(C.fp8_amax);
   }
   void Release() {
@@ -198,6 +196,7 @@ struct CudaModel::Impl : LayerContext {
   void* fp8_w_mem = nullptr;
   int64_t fp8_fixed_bytes = 0;
   // The layer families.
+  CudaLightning lightning{*this};
   CudaDenseFfn ffn{*this};
   CudaMoeFfn moe{*this};
 
@@ -209,9 +208,6 @@ struct CudaModel::Impl : LayerContext {
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
     for (DevBuf* b : {&W.dh,
-                      &W.dy,
-                      &W.dgate,
-                      &W.dqkv,
                       &W.dO,
                       &W.dQ,
                       &W.dK,
@@ -251,6 +247,7 @@ struct CudaModel::Impl : LayerContext {
                       &W.fp8_rows,
                       &W.grad_amax})
       b->Release();
+    lightning.Release();
     ffn.Release();
     moe.Release();
     W.ws_bytes = 0;
@@ -306,8 +303,6 @@ struct CudaModel::Impl : LayerContext {
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  absl::Status LightningForward(const LayerIdx& L, Cache& C, bool transposes, bool requantize);
-  absl::Status LightningBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
   absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
@@ -321,31 +316,12 @@ struct CudaModel::Impl : LayerContext {
   absl::StatusOr<LossStats> Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                 Recompute recompute, bool backward);
 
-  // ---- Context parallelism: the Ulysses exchanges (All2All, and the hybrid modes' groups) ----
+  // ---- Context parallelism: the checks and levels ----
   absl::Status CheckCpContext() const;
   absl::Status CheckCpBatch(const CpBatch& b) const;
   // A level's host and device description from its local tokens and layout (Upload).
   absl::Status SetLevel(CpLevel& V, const Batch& local, const CpLayout& L);
-  absl::Status LightningCoreForward(const LayerIdx& L, Cache& C);
-  absl::Status LightningCoreBackward(const LayerIdx& L, Cache& C);
-  // ---- Context parallelism (Lightning AllGather and hybrid: DESIGN.md section 3) ----
-  // send: this rank's two [H, Dh, Dh] fp32 blocks -> W.cp_state_stream: the level's 2cp in stream
-  // order, gathered over `comm` (the level's).
-  absl::Status GatherStates(const CpLevel& V, Communicator& comm, const float* send, int64_t H);
-  // The AllGather core on level V: q | k | v rows [V.T, 3 H Dh] at qkv for H heads of decays
-  // log_decay; out [V.T, H Dh] overwritten; P [2, H, Dh, Dh] receives the local chunks' carry-ins.
-  absl::Status LightningStatesForward(const CpLevel& V, Communicator& comm, const void* qkv,
-                                      int64_t H, const float* log_decay, void* out, float* P);
-  // Its backward from dout [V.T, H Dh]: dqkv [V.T, 3 H Dh] overwritten.
-  absl::Status LightningStatesBackward(const CpLevel& V, Communicator& comm, const void* qkv,
-                                       int64_t H, const float* log_decay, const float* P,
-                                       const void* dout, void* dqkv);
-  absl::Status LightningAllGatherForward(const LayerIdx& L, Cache& C);
-  absl::Status LightningAllGatherBackward(const LayerIdx& L, Cache& C);
-  // Hybrid: q, k, v to this rank's Ulysses group's tokens for its H/u heads (C.cp_full), the
-  // AllGather core across the groups, outputs back (C.o); the backward mirrors it into W.dqkv.
-  absl::Status LightningHybridForward(const LayerIdx& L, Cache& C);
-  absl::Status LightningHybridBackward(const LayerIdx& L, Cache& C);
+  // ---- Context parallelism (MLA: All2All, AllGather) ----
   absl::Status MlaCoreForward(Cache& C, bool attention_kept);
   // The gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
   absl::Status MlaCoreBackward(Cache& C);

@@ -4,99 +4,6 @@
 
 namespace spindle {
 
-// ---- Lightning -----------------------------------------------------------------------------------
-
-// transposes: see QOut; requantize: see Requantizes.
-absl::Status CudaModel::Impl::LightningForward(const LayerIdx& L, Cache& C, bool transposes,
-                                               bool requantize) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
-  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
-  for (DevBuf* b : {&C.qkv_raw, &C.qkv_n}) RETURN_IF_ERROR(Act(*b, T, 3 * d));
-  for (DevBuf* b : {&C.gate, &C.o}) RETURN_IF_ERROR(Act(*b, T, d));
-  if (!fp8) RETURN_IF_ERROR(Act(C.y, T, d));
-  for (DevBuf* b : {&C.rstd_q, &C.rstd_k, &C.rstd_o}) RETURN_IF_ERROR(F32(*b, T * H));
-  RETURN_IF_ERROR(fp8 ? FwdQ(C.q_h, L.qkv, C.qkv_raw.get(), T, d, 3 * d, false)
-                      : Fwd(C.h.get(), d, Wb(L.qkv), C.qkv_raw.get(), T, d, 3 * d, false));
-  KC(kc::QkNormRopeForward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), B.pos.i32(), C.qkv_n.get(),
-                           C.rstd_q.f32(), C.rstd_k.f32(), T, H, Dh, eps, theta,
-                           /*copy_v=*/true, kAct, stream));
-  if (LightningAllGather()) {
-    RETURN_IF_ERROR(LightningAllGatherForward(L, C));
-  } else if (LightningHybrid()) {
-    RETURN_IF_ERROR(LightningHybridForward(L, C));
-  } else if (B.cp > 1) {
-    RETURN_IF_ERROR(LightningCoreForward(L, C));
-  } else {
-    const void* q = C.qkv_n.get();
-    const int64_t kept = static_cast<int64_t>(kc::LightningSavedBytes({T, H, Dh, 3 * d}));
-    if (kept > 0) RETURN_IF_ERROR(C.lstates.Ensure(&alloc, kept));
-    KC(kc::LightningForward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
-                            static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                            1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                            C.o.get(), nullptr, kAct, Ws(), stream, {},
-                            kept > 0 ? C.lstates.f32() : nullptr));
-  }
-  if (!fp8) {
-    RETURN_IF_ERROR(Fwd(C.h.get(), d, Wb(L.gate), C.gate.get(), T, d, d, false));
-    KC(kc::GroupNormGateForward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.y.get(), C.rstd_o.f32(),
-                                T, H, Dh, eps, kAct, stream));
-    return absl::OkStatus();
-  }
-  RETURN_IF_ERROR(FwdQ(C.q_h, L.gate, C.gate.get(), T, d, d, false));
-  RETURN_IF_ERROR(QAct(C.q_y, T, d));
-  const kc::Fp8Output q = QOut(C.q_y, transposes, C, kSiteY);
-  if (requantize) {
-    KC(kc::GroupNormGateQuantizeFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), T, H,
-                                    Dh, kAct, q, stream));
-  } else {
-    KC(kc::GroupNormGateForwardFp8(C.o.get(), Wb(L.out_norm), C.gate.get(), nullptr, C.rstd_o.f32(),
-                                   T, H, Dh, eps, kAct, q, stream));
-  }
-  return absl::OkStatus();
-}
-
-// dout: gradient of the block output [T, d]; writes W.dh (gradient of the normed input).
-absl::Status CudaModel::Impl::LightningBackward(const LayerIdx& L, Cache& C, const void* dout) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Dh = c.head_dim();
-  const float theta = static_cast<float>(c.rope_theta);
-  for (DevBuf* b : {&W.dy, &W.dgate}) RETURN_IF_ERROR(Act(*b, T, d));
-  RETURN_IF_ERROR(Act(W.dqkv, T, 3 * d));
-  RETURN_IF_ERROR(
-      fp8 ? BwdQ(C.q_y, L.out, dout, W.dy.get(), G(L.out), T, d, d, false, GradAmax(Work::kAmaxDx))
-          : Bwd(C.y.get(), d, Wb(L.out), dout, W.dy.get(), G(L.out), T, d, d, false));
-  // dy -> d o (in place) and d gate.
-  KC(kc::GroupNormGateBackward(C.o.get(), Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), W.dy.get(),
-                               W.dy.get(), G(L.out_norm), W.dgate.get(), T, H, Dh, kAct, Ws(),
-                               stream, GradAmax(Work::kAmaxDgate)));
-  void* dq = W.dqkv.get();
-  if (LightningAllGather()) {
-    RETURN_IF_ERROR(LightningAllGatherBackward(L, C));
-  } else if (LightningHybrid()) {
-    RETURN_IF_ERROR(LightningHybridBackward(L, C));
-  } else if (B.cp > 1) {
-    RETURN_IF_ERROR(LightningCoreBackward(L, C));
-  } else {
-    const void* q = C.qkv_n.get();
-    const bool kept = kc::LightningSavedBytes({T, H, Dh, 3 * d}) > 0;
-    KC(kc::LightningBackward(q, At(q, d), At(q, 2 * d), L.log_decay, B.cu.i32(),
-                             static_cast<int64_t>(B.cu_host.size()) - 1, nullptr,
-                             1.0f / std::sqrt(static_cast<float>(Dh)), {T, H, Dh, 3 * d},
-                             W.dy.get(), nullptr, dq, At(dq, d), At(dq, 2 * d), nullptr, kAct,
-                             Ws(), stream, {}, kept ? C.lstates.f32() : nullptr));
-  }
-  KC(kc::QkNormRopeBackward(C.qkv_raw.get(), Wb(L.q_norm), Wb(L.k_norm), C.rstd_q.f32(),
-                            C.rstd_k.f32(), B.pos.i32(), dq, dq, G(L.q_norm), G(L.k_norm), T, H, Dh,
-                            theta, /*copy_v=*/true, kAct, Ws(), stream, GradAmax(Work::kAmaxDqkv)));
-  if (fp8) {
-    RETURN_IF_ERROR(
-        BwdQ(C.q_h, L.qkv, dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false, W.Amax(Work::kAmaxDqkv)));
-    return BwdQ(C.q_h, L.gate, W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true,
-                W.Amax(Work::kAmaxDgate));
-  }
-  RETURN_IF_ERROR(Bwd(C.h.get(), d, Wb(L.qkv), dq, W.dh.get(), G(L.qkv), T, d, 3 * d, false));
-  return Bwd(C.h.get(), d, Wb(L.gate), W.dgate.get(), W.dh.get(), G(L.gate), T, d, d, true);
-}
-
 // ---- MLA -----------------------------------------------------------------------------------------
 
 absl::Status CudaModel::Impl::MlaForward(const LayerIdx& L, Cache& C, bool attention_kept) {
@@ -328,9 +235,7 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   }
   RETURN_IF_ERROR(Act(C.x_mid, T, d));
   if (L.kind == 'L') {
-    RETURN_IF_ERROR(LightningForward(L, C, transposes, requantize));
-    RETURN_IF_ERROR(fp8 ? FwdQ(C.q_y, L.out, C.x_mid.get(), T, d, d, true, x_in)
-                        : Fwd(C.y.get(), d, Wb(L.out), C.x_mid.get(), T, d, d, true, x_in));
+    RETURN_IF_ERROR(lightning.Forward(L, C, C.lt, x_in, transposes, requantize));
   } else {
     RETURN_IF_ERROR(MlaForward(L, C, attention_kept));
     const int64_t hv = c.n_heads * c.mla.v_head_dim;
@@ -390,7 +295,7 @@ absl::Status CudaModel::Impl::LayerBackward(const LayerIdx& L, Cache& C, const v
   KC(kc::RmsNormBackward(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), W.dh.get(), dx, dx,
                          G(L.ffn_norm), T, d, kAct, Ws(), stream, GradAmax(Work::kAmaxDx)));
   if (L.kind == 'L') {
-    RETURN_IF_ERROR(LightningBackward(L, C, dx));
+    RETURN_IF_ERROR(lightning.Backward(L, C, C.lt, dx));
   } else {
     RETURN_IF_ERROR(MlaBackward(L, C, dx));
   }

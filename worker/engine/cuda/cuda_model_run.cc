@@ -102,9 +102,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
        kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
        kc::SquaredNormWorkspaceBytes()});
   if (split) {
-    // The whole-sequence Lightning core over H/cp heads, and the CP buffers. Per rank the widest
-    // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
-    const int64_t Hl = H / B.cp, Tf = B.T_full;
+    // The CP buffers. Per rank the widest exchange is the core's inputs (or their gradients):
+    // T * H * (one head's input width).
     const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
     const bool has_lt = c.NumLayersOfKind('L') > 0, has_m = c.NumLayersOfKind('M') > 0;
     // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only):
@@ -112,8 +111,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
     const bool has_l = has_lt && (cp.lightning_mode == CpMode::kAll2All || LightningHybrid());
     const bool has_m_a2a = has_m && cp.mla_mode == CpMode::kAll2All;
     const bool has_m_hy = has_m && MlaHybrid();
-    if (has_lt && cp.lightning_mode == CpMode::kAll2All)
-      need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
     const int64_t in_elems =
         std::max({has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0},
                   has_m_hy ? T * H * qk : int64_t{0}});
@@ -134,26 +131,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
       RETURN_IF_ERROR(SetLevel(B.group_lv, cpb->group->local, cpb->group->layout));
       B.ulysses = {cp.ulysses, L.ulysses, UlyssesRuns(HybridUlyssesGroup(L))};
     }
-    // The Lightning AllGather core runs on each local chunk of its level and the carry
-    // correction's backward on each continuing chunk's first segment; a shorter sequence can need
-    // more workspace than a longer one (its blocks of chunks are shorter), so each size counts.
-    const CpLevel* lightning_level = LightningAllGather() ? &B.lv
-                                     : LightningHybrid()  ? &B.group_lv
-                                                          : nullptr;
-    const int64_t lh = LightningHybrid() ? H / L.ulysses : H;  // its heads
-    if (has_lt && lightning_level) {
-      const CpLevel& V = *lightning_level;
-      const int64_t stride = 3 * lh * Dh;
-      need = std::max(need, kc::LightningWorkspaceBytes({V.chunk, lh, Dh, stride}));
-      for (int slot = 0; slot < 2; ++slot)
-        if (V.continues[slot])
-          need =
-              std::max(need, kc::LightningWorkspaceBytes({V.first_segment[slot], lh, Dh, stride}));
-    }
-    const int64_t SZ = H * Dh * Dh;
-    RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
-    for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
-      RETURN_IF_ERROR(F32(*x, 2 * B.cp * SZ));
+    // The Lightning cores' workspace and chunk states.
+    RETURN_IF_ERROR(lightning.SizeCpScratch(L, &need));
     // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
     // ([cp, T, w] in, [T, w] out) share two device blocks; MLA hybrid the same over its Ulysses
     // group. MLA Ring and hybrid: the ring's blocks in flight and gradient accumulators, at the
