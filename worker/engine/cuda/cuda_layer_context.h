@@ -15,38 +15,24 @@
 namespace spindle {
 namespace cuda_model_detail {
 
-// Gradient scratch shared by every layer's backward.
+// Gradient scratch shared by every layer's backward (each family keeps its own besides).
 struct Work {
-  DevBuf dh, dO, dQ, dK, dkvb, dc_n, dc, dkva, dqa_n, dqa, ws;
+  // dh: the gradient of a layer's normed input (the FFN's, then the attention's); ws: the one
+  // workspace of every kernel that needs scratch (they run one after another), sized by Upload.
+  DevBuf dh, ws;
   int64_t ws_bytes = 0;
-  // MLA's backward in head groups (CudaMlaGradHeadsPerGroup): at cp = 1 a group's copies of Q, K
-  // and kv_b's output at the group's width (dQ, dK and dkvb then hold the group's gradients; under
-  // All2All they are the received block of a rank's heads), and the fp32 sums over the groups of
-  // the latent's gradients [d c_n | d k_r] and of q_a's output gradient (without a q LoRA: of the
-  // normed input's).
-  DevBuf gQ, gK, gkvb, sum_lat, sum_q;
-  // CP (All2All) scratch, sized by Upload: cp_block, the local tokens' side of an exchange (the
-  // packed send blocks, or the received rows of the local tokens) and, while it is free, the
-  // core's input gradients over the whole sequence; cp_tmp, a whole-sequence [T_full, H/cp *
-  // width] output or output gradient.
+  // CP (All2All, and the hybrid modes' Ulysses exchanges) scratch, sized by Upload: cp_block, the
+  // local tokens' side of an exchange (the packed send blocks, or the received rows of the local
+  // tokens) and, while it is free, the core's input gradients over the whole sequence; cp_tmp, a
+  // whole-sequence [T_full, H/cp * width] output or output gradient.
   DevBuf cp_block, cp_tmp;
-  // CP (MLA AllGather) scratch, sized by Upload: the latent gather's send and receive blocks (also
-  // the fp32 reduce-scatter's); one key block's keys and kv_b output (ag_K, ag_kvb) and their
-  // gradients (ag_dK, ag_dkvb) and latent gradients (ag_dlat), rows for the larger of a chunk and
-  // a key block; the cross piece's output, stats, fp32 running output and dq.
-  DevBuf ag_send, ag_recv, ag_K, ag_kvb, ag_dK, ag_dkvb, ag_dlat, ag_o, ag_stats, ag_acc, ag_dq;
-  // CP (MLA Ring) scratch, sized by Upload: the two latent blocks in flight (bf16 [T, kv + rd]),
-  // the gradient accumulators sent and received and a step's share (fp32), and the gradient of
-  // this rank's own block (fp32). The key blocks' buffers are MLA AllGather's (ag_K ...), and
-  // ag_acc holds both local chunks' fp32 running outputs.
-  DevBuf ring_block[2], ring_acc[2], ring_share, ring_own;
-  // The layer-kind gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one kind at a
-  // time (KindArena).
+  // The attention families' gradients (Lightning: dy, dgate, dqkv; MLA: dO through dqa) hold one
+  // family's at a time (KindArena).
   KindArena arena;
   // FP8: an output gradient's E5M2 codes, for the two GEMMs of one linear's backward; and the
-  // row-major codes of the activation being produced (Cache's q_* keep only their transposes):
-  // read by the forward GEMMs right after their producer, and by nothing later but a recomputing
-  // layer's FFN, whose backward runs first after the recomputed forward wrote them.
+  // row-major codes of the activation being produced (the caches' q_* keep only their
+  // transposes): read by the forward GEMMs right after their producer, and by nothing later but a
+  // recomputing layer's FFN, whose backward runs first after the recomputed forward wrote them.
   Fp8Act q_dy;
   DevBuf fp8_rows;
   // FP8: the output gradients' amaxes (fp32, by GradAmax), each reduced by the kernel that writes
@@ -54,6 +40,13 @@ struct Work {
   enum GradAmax { kAmaxDg, kAmaxDu, kAmaxDx, kAmaxDgate, kAmaxDqkv, kGradAmaxes };
   DevBuf grad_amax;
   float* Amax(GradAmax which) { return grad_amax.f32() + which; }
+  // Every buffer back to the allocator.
+  void Release() {
+    for (DevBuf* b : {&dh, &ws, &cp_block, &cp_tmp, &arena.mem, &q_dy.mem, &fp8_rows, &grad_amax})
+      b->Release();
+    ws_bytes = 0;
+    arena.kind = 0;
+  }
 };
 
 // Where a GEMM's rows go: `ld` elements of `type` apart, overwritten or (add) added to.

@@ -281,7 +281,6 @@ absl::Status CudaLightning::HybridBackward(const LayerIdx& L, LayerActs& A, Ligh
 }
 
 // ---- Memory
-// --------------------------------------------------------------------------------------
 
 KindFields CudaLightning::CacheFields(LayerActs& A, LightningCache& C) {
   const int64_t T = B.T, d = c.d_model, H = c.n_heads, Hl = H / B.cp;

@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   KC(kc::Blas::Create(&impl->blas));
-  if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->sdpa));
+  if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->mla.sdpa));
   ParamSet& P = impl->P();
   const int64_t n = P.numel(), H = config.n_heads;
   // The optimizer state (m, v) comes with the first optimizer step or state upload: AdamW needs
@@ -358,7 +358,7 @@ DeviceMemory CudaModel::memory() const {
   m.reserved = static_cast<int64_t>(s.reserved);
   m.peak_allocated = static_cast<int64_t>(s.peak_allocated);
   m.fixed = impl_->fixed_bytes;
-  if (impl_->sdpa) m.attention_workspace = impl_->sdpa->WorkspaceBytes();
+  if (impl_->mla.sdpa) m.attention_workspace = impl_->mla.sdpa->WorkspaceBytes();
   m.offload_host = impl_->off.host_bytes;
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
@@ -381,58 +381,11 @@ void CudaModel::SetPoisonActivations(bool on) { impl_->alloc.SetPoison(on); }
 // ---- One layer kind's buffers at a time --------------------------------------------------------
 
 KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Hl = H / B.cp;
-  // Under All2All both kinds hold their core's head-split inputs in cp_full, at their own width
-  // (as a field of both kinds it is one kind's at a time, like the rest; outside the arena it
-  // grew from one width to the other and the allocator kept the first block unused).
-  const int64_t full_rows = B.cp > 1 ? B.T_full : 0;
-  if (kind == 'L') return lightning.CacheFields(C, C.lt);
-  const MlaConfig& m = c.mla;
-  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
-  // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
-  // MLA AllGather and Ring (Work's ag_kvb, ag_K).
-  const int64_t q_lora = qr > 0 ? T : 0, keys = MlaLatentKeys() ? 0 : T;
-  // Under MLA hybrid cp_full holds the group's queries for this member's heads (T H qk a rank).
-  const int64_t full = MlaHybrid()       ? T * H * qk * kAb
-                       : MlaLatentKeys() ? 0
-                                         : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
-  return {{&C.cp_full, full},
-          {&C.Q, T * H * qk * kAb},
-          {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
-          {&C.c, T * kv * kAb},
-          {&C.c_n, T * kv * kAb},
-          {&C.rstd_c, T * 4},
-          {&C.qa, q_lora * qr * kAb},
-          {&C.qa_n, q_lora * qr * kAb},
-          {&C.rstd_qa, q_lora * 4},
-          {&C.kvb, keys * H * (m.qk_nope_dim + m.v_head_dim) * kAb},
-          {&C.K, keys * H * qk * kAb}};
+  return kind == 'L' ? lightning.CacheFields(C, C.lt) : mla.CacheFields(C, C.mla);
 }
 
 KindFields CudaModel::Impl::WorkKindFields(char kind) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
-  if (kind == 'L') return lightning.WorkFields();
-  const MlaConfig& m = c.mla;
-  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
-  const int64_t kvw = m.qk_nope_dim + m.v_head_dim, w = kv + m.qk_rope_dim;
-  // In head groups: a group's gradients, the copies of its inputs and the fp32 sums.
-  // (Under All2All the groups read the received blocks: no copies.)
-  const int64_t Hg = MlaGradHeadsPerGroup(), groups = Hg < H ? T : 0;
-  const int64_t copies = B.cp == 1 ? groups : 0;
-  return {{&W.dO, T * H * m.v_head_dim * kAb},
-          {&W.dQ, T * Hg * qk * kAb},
-          {&W.dK, T * Hg * qk * kAb},
-          {&W.dkvb, T * Hg * kvw * kAb},
-          {&W.gQ, copies * Hg * qk * kAb},
-          {&W.gK, copies * Hg * qk * kAb},
-          {&W.gkvb, copies * Hg * kvw * kAb},
-          {&W.sum_lat, groups * w * 4},
-          {&W.sum_q, groups * (qr > 0 ? qr : d) * 4},
-          {&W.dkva, T * w * kAb},
-          {&W.dc_n, T * kv * kAb},
-          {&W.dc, T * kv * kAb},
-          {&W.dqa_n, T * qr * kAb},
-          {&W.dqa, T * qr * kAb}};
+  return kind == 'L' ? lightning.WorkFields() : mla.WorkFields();
 }
 
 namespace {
@@ -536,11 +489,11 @@ absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {
 }  // namespace
 
 absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
-  return SetHeadCount(heads, "attention heads per call", &impl_->attention_heads_per_call);
+  return SetHeadCount(heads, "attention heads per call", &impl_->mla.attention_heads_per_call);
 }
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
-  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
+  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla.mla_grad_heads_per_group);
 }
 
 absl::Status CudaModel::SetExpertParallel(Communicator* ep) {

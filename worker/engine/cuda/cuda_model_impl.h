@@ -16,6 +16,7 @@
 #include "worker/engine/cuda/cuda_dense_ffn.h"
 #include "worker/engine/cuda/cuda_layer_context.h"
 #include "worker/engine/cuda/cuda_lightning.h"
+#include "worker/engine/cuda/cuda_mla.h"
 #include "worker/engine/cuda/cuda_moe_ffn.h"
 #include "worker/engine/layer_passes.h"
 
@@ -23,29 +24,15 @@ namespace spindle {
 namespace cuda_model_detail {
 
 // Saved activations of one layer (names as in model.cc): the layer's own (LayerActs) and those of
-// its families.
+// its families. Under FP8 each producer of an FP8 GEMM input writes its codes (the attention norm's
+// q_h, the FFN norm's q_h2, Lightning's q_y, MLA's q_O, the dense FFN's q_a).
 struct Cache : LayerActs {
-  DevBuf qa, qa_n, rstd_qa, Q, kva, c, c_n, rstd_c, kvb, K, O, stats;  // MLA
-  // CP (All2All): MLA's head-split output [T_full, H/cp * vd] (its backward reads it).
-  DevBuf cp_out;
-  // CP (MLA AllGather, Ring and hybrid): latent rows [c_n | rotated k_r], [rows, kv + rd]: the
-  // whole sequence's in stream order (AllGather), this rank's (Ring, the latent payload's own
-  // block) or its Ulysses group's (hybrid).
-  DevBuf ag_lat;
-  // CP (MLA Ring and hybrid, the kv payload): the ring's own block, the keys and values of this
-  // rank's tokens (Ring) or its group's (hybrid) for the heads it computes: [rows, Hh qk], then
-  // [rows, Hh v_head].
-  DevBuf ring_kv;
-  // FP8 (train.precision fp8): the codes of every FP8 GEMM input, written by its producer: the
-  // attention norm's output h, the Lightning group norm + gate's y, the FFN norm's h2, SwiGLU's a
-  // and MLA's attention output O. Under FP8 the bf16 y, h2 and a are not written (no kernel but
-  // their GEMMs reads them); h still is (MLA's bf16 q reads it), and O is (cuDNN's backward).
-  Fp8Act q_O;
   // The cache the recomputing layers share (kind_union) holds one layer kind's own buffers at a
   // time, as views of one arena (KindArena); the others own theirs.
   bool kind_union = false;
   KindArena arena;
   LightningCache lt;
+  MlaCache mla;
   DenseFfnCache ffn;
   MoeDevCache moe;
 };
@@ -59,9 +46,9 @@ struct Cache : LayerActs {
 struct KeptForRecompute {
   DevBuf O, stats, cp_out, rstd1, rstd2, rstd_o, fp8_amax;
   void SwapInto(Cache& C) {
-    O.Swap(C.O);
-    stats.Swap(C.stats);
-    cp_out.Swap(C.cp_out);
+    O.Swap(C.mla.O);
+    stats.Swap(C.mla.stats);
+    cp_out.Swap(C.mla.cp_out);
     rstd1.Swap(C.rstd1);
     rstd2.Swap(C.rstd2);
     rstd_o.Swap(C.lt.rstd_o);
@@ -165,7 +152,6 @@ struct Offload {
 // LM head and loss, memory; the context its layer families share is its base (LayerContext).
 struct CudaModel::Impl : LayerContext {
   int device = 0;
-  std::unique_ptr<kc::Sdpa> sdpa;
   // Fixed device buffers (cudaMalloc): the context's fp32 masters p, gradients g and bf16 working
   // copy w (w_numel elements: LayOutWorkingCopy), and the moments.
   float *m = nullptr, *v = nullptr;
@@ -178,8 +164,6 @@ struct CudaModel::Impl : LayerContext {
   int64_t head_block_rows = 0;  // see SetHeadBlockRows
   bool kind_union = true;                      // see SetKindUnion
   bool offload_inputs = false;                 // see SetOffloadInputs
-  int64_t attention_heads_per_call = 0;        // see SetAttentionHeadsPerCall
-  int64_t mla_grad_heads_per_group = 0;        // see SetMlaGradHeadsPerGroup
   Offload off;
   double enqueue_seconds = 0;  // see last_enqueue_seconds()
   double peak_flops = 0;       // see peak_flops()
@@ -197,6 +181,7 @@ struct CudaModel::Impl : LayerContext {
   int64_t fp8_fixed_bytes = 0;
   // The layer families.
   CudaLightning lightning{*this};
+  CudaMla mla{*this};
   CudaDenseFfn ffn{*this};
   CudaMoeFfn moe{*this};
 
@@ -207,51 +192,11 @@ struct CudaModel::Impl : LayerContext {
     layer_in.clear();
     off.ReleaseSlots();
     for (DevBuf* b : {&hf, &rstd_f, &dhf, &logits, &row_loss, &dx}) b->Release();
-    for (DevBuf* b : {&W.dh,
-                      &W.dO,
-                      &W.dQ,
-                      &W.dK,
-                      &W.dkvb,
-                      &W.dc_n,
-                      &W.dc,
-                      &W.dkva,
-                      &W.dqa_n,
-                      &W.dqa,
-                      &W.ws,
-                      &W.cp_block,
-                      &W.cp_tmp,
-                      &W.gQ,
-                      &W.gK,
-                      &W.gkvb,
-                      &W.sum_lat,
-                      &W.sum_q,
-                      &W.ag_send,
-                      &W.ag_recv,
-                      &W.ag_K,
-                      &W.ag_kvb,
-                      &W.ag_dK,
-                      &W.ag_dkvb,
-                      &W.ag_dlat,
-                      &W.ag_o,
-                      &W.ag_stats,
-                      &W.ag_acc,
-                      &W.ag_dq,
-                      &W.ring_block[0],
-                      &W.ring_block[1],
-                      &W.ring_acc[0],
-                      &W.ring_acc[1],
-                      &W.ring_share,
-                      &W.ring_own,
-                      &W.arena.mem,
-                      &W.q_dy.mem,
-                      &W.fp8_rows,
-                      &W.grad_amax})
-      b->Release();
+    W.Release();
     lightning.Release();
+    mla.Release();
     ffn.Release();
     moe.Release();
-    W.ws_bytes = 0;
-    W.arena.kind = 0;
   }
 
   ~Impl() {
@@ -303,16 +248,7 @@ struct CudaModel::Impl : LayerContext {
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
                              bool ffn_kept);
-  absl::Status MlaForward(const LayerIdx& L, Cache& C, bool attention_kept);
-  absl::Status MlaBackward(const LayerIdx& L, Cache& C, const void* dout);
   absl::StatusOr<LossStats> HeadAndLoss(const void* x, float grad_scale, void* dx);
-  // Sdpa::Backward with the documents of cu_host, its dims.H heads in groups (see
-  // SetAttentionHeadsPerCall): each group's views start at its first head, its statistics at
-  // row h0 of stats [H, T].
-  absl::Status AttentionBackward(const void* q, const void* k, const void* v, const void* o,
-                                 const float* stats, const void* dout, void* dq, void* dk, void* dv,
-                                 const std::vector<int32_t>& cu_host, float scale,
-                                 kc::SdpaDims dims);
   absl::StatusOr<LossStats> Run(const Batch& b, const CpBatch* cpb, float grad_scale,
                                 Recompute recompute, bool backward);
 
@@ -321,72 +257,6 @@ struct CudaModel::Impl : LayerContext {
   absl::Status CheckCpBatch(const CpBatch& b) const;
   // A level's host and device description from its local tokens and layout (Upload).
   absl::Status SetLevel(CpLevel& V, const Batch& local, const CpLayout& L);
-  // ---- Context parallelism (MLA: All2All, AllGather) ----
-  absl::Status MlaCoreForward(Cache& C, bool attention_kept);
-  // The gradients stay in C.cp_full, rank block by rank block (MlaUnpackGrads).
-  absl::Status MlaCoreBackward(Cache& C);
-  // Rank blocks [j0, j1) of the received MLA core gradients -> W.dQ, W.dK and dkvb's V columns,
-  // `Hg` heads wide.
-  absl::Status MlaUnpackGrads(const void* recv, int64_t Hg, int64_t j0, int64_t j1);
-  // ---- Context parallelism (MLA AllGather: DESIGN.md section 3) ----
-  // Collectives of the CP group on device buffers, once the stream's work is done.
-  absl::Status GatherDevice(const void* send, int64_t n, CommType type, void* recv,
-                            CommLayer layer);
-  absl::Status ReduceScatterDevice(const float* send, int64_t n, float* recv, CommLayer layer);
-  // n latent rows [c_n | rotated k_r] (`lat`, kv + rd apart) -> W.ag_K (keys [k_nope | k_r] of
-  // every head) and W.ag_kvb (kv_b's output: k_nope and V of every head), from their first row.
-  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n);
-  // The same for heads [h0, h0 + Hh) (keys and kv_b's output Hh heads wide).
-  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* lat, int64_t n, int64_t h0,
-                                int64_t Hh);
-  // The same from c_n and the rotated k_r in rows of their own (`ldc`, `ldk` apart).
-  absl::Status MlaBuildKeysFrom(const LayerIdx& L, const void* c_n, int64_t ldc, const void* k_r,
-                                int64_t ldk, int64_t n, int64_t h0, int64_t Hh);
-  // The same from stream rows [a, b) of the gathered latent (C.ag_lat).
-  absl::Status MlaBuildKeys(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
-  absl::Status MlaKeyGradsToLatent(const LayerIdx& L, Cache& C, int64_t a, int64_t b);
-  // MLA's backward by groups of heads (see CudaMlaGradHeadsPerGroup): the heads in a group,
-  // n_heads for one group (always under MLA AllGather); under All2All n_heads / cp or n_heads.
-  int64_t MlaGradHeadsPerGroup() const;
-  // The attention backward of heads [h0, h0 + Hg) (cp = 1) into W.dQ, W.dK and dkvb's V columns at
-  // the group's width, from copies of the group's Q, K and kv_b output when Hg < n_heads.
-  absl::Status MlaGroupAttentionBackward(Cache& C, int64_t h0, int64_t Hg);
-  // The key gradients of n rows for heads [h0, h0 + Hg) (dK [n, Hg, qk], dV in dkvb's V columns,
-  // [n, Hg, nope + vd]) -> dW_kv_b's rows of those heads (accumulated; c_n: the normed latent rows,
-  // `ldc` apart) and the rows' latent gradients [d c_n | d k_r, unrotated] into `lat`.
-  absl::Status MlaKeyGradsToLatentRows(const LayerIdx& L, const void* c_n, int64_t ldc, void* dK,
-                                       void* dkvb, int64_t n, int64_t h0, int64_t Hg, Rows lat);
-  // dQ of heads [h0, h0 + Hg) (W.dQ at the group's width) -> RoPE's inverse, dW of q_b's (or q's)
-  // rows of those heads (accumulated) and the input gradient into `dx` (q_a's normed output, or
-  // without a q LoRA the normed layer input).
-  absl::Status MlaQueryGrads(const LayerIdx& L, Cache& C, int64_t h0, int64_t Hg, Rows dx);
-  absl::Status MlaAllGatherForward(const LayerIdx& L, Cache& C, bool attention_kept);
-  absl::Status MlaAllGatherBackward(const LayerIdx& L, Cache& C);
-  // ---- Context parallelism (MLA Ring and hybrid: DESIGN.md section 3; the loop is
-  // cp/cp_ring.h's) ----
-  // The kv payload's block: the keys and values of n tokens for heads [h0, h0 + Hh), rebuilt from
-  // their c_n and rotated k_r (rows `ldc`, `ldk` apart) key block by key block into `block`
-  // ([n, Hh qk] then [n, Hh v_head]).
-  absl::Status MlaKvBlock(const LayerIdx& L, const void* c_n, int64_t ldc, const void* k_r,
-                          int64_t ldk, int64_t n, int64_t h0, int64_t Hh, void* block);
-  // The gradient of such a block (fp32, the same layout) back through kv_b: dW_kv_b's rows of
-  // those heads (accumulated) and the tokens' latent gradients into `lat` ([n, kv + rd] of
-  // `lat_type`, overwritten); `rows` tokens at a time (the key buffers' capacity).
-  absl::Status MlaKvGradsToLatent(const LayerIdx& L, const float* d_block, const void* c_n,
-                                  int64_t ldc, int64_t n, int64_t h0, int64_t Hh, int64_t rows,
-                                  void* lat, KDType lat_type);
-  // Ring: this rank's block (its latent rows in C.ag_lat, or under the kv payload its keys and
-  // values in C.ring_kv, kept for the backward) around the ring; O and the statistics of both
-  // local chunks merged over every visible block. Reads C.Q. Hybrid: Q to this rank's Ulysses
-  // group's tokens for its H/u heads (C.cp_full) and the group's latent rows (C.ag_lat; under the
-  // kv payload also their keys and values for those heads, C.ring_kv), the ring across the groups
-  // into the group's output (C.cp_out), O back.
-  absl::Status MlaRingForward(const LayerIdx& L, Cache& C, bool attention_kept);
-  absl::Status MlaHybridForward(const LayerIdx& L, Cache& C, bool attention_kept);
-  // Read W.dO; write W.dQ and the latent gradients of this rank's tokens into W.dkva.
-  absl::Status MlaRingBackward(const LayerIdx& L, Cache& C);
-  absl::Status MlaHybridBackward(const LayerIdx& L, Cache& C);
-  struct MlaRingOps;  // the ring's block operations (cuda_model_ring.cc)
 };
 
 }  // namespace spindle

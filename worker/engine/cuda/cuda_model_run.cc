@@ -133,41 +133,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
     }
     // The Lightning cores' workspace and chunk states.
     RETURN_IF_ERROR(lightning.SizeCpScratch(L, &need));
-    // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
-    // ([cp, T, w] in, [T, w] out) share two device blocks; MLA hybrid the same over its Ulysses
-    // group. MLA Ring and hybrid: the ring's blocks in flight and gradient accumulators, at the
-    // ring level's tokens. All rebuild keys per key block of their level.
-    const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-    const int64_t gather_ranks = cp.mla_mode == CpMode::kAllGather ? B.cp
-                                 : has_m_hy                        ? L.ulysses
-                                                                   : 0;
-    if (has_m && gather_ranks > 0) {
-      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, gather_ranks * T * lat_w * 4));
-      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, gather_ranks * T * lat_w * 4));
-    }
-    const CpLevel& mla_level = has_m_hy ? B.group_lv : B.lv;
-    if (has_m && (MlaRing() || has_m_hy)) {
-      // The payload's width: the latent's, or the keys' and values' of the heads a rank computes.
-      const int64_t ring_w =
-          MlaRingPayloadWidth(c.mla, cp.mla_payload, has_m_hy ? H / L.ulysses : H);
-      for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, mla_level.T, ring_w));
-      for (DevBuf* x : {&W.ring_acc[0], &W.ring_acc[1], &W.ring_share, &W.ring_own})
-        RETURN_IF_ERROR(F32(*x, mla_level.T * ring_w));
-    }
-    if (has_m && MlaLatentKeys()) {
-      const int64_t ch = mla_level.chunk;
-      const int64_t rows = std::max(ch, kCudaMlaKeyBlock);
-      const int64_t kvw = c.mla.qk_nope_dim + vd;
-      for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
-      for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
-      RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
-      // The cross piece's per-block output, dq and statistics: one query block's.
-      const int64_t qrows = std::min(ch, kCudaMlaKeyBlock);
-      RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
-      RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
-      RETURN_IF_ERROR(F32(W.ag_acc, (MlaAllGather() ? 1 : 2) * ch * H * vd));
-      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
-    }
+    // MLA's gathers, ring and key blocks.
+    RETURN_IF_ERROR(mla.SizeCpScratch(L));
   }
   RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
   W.ws_bytes = static_cast<int64_t>(need);
