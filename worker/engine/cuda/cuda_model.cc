@@ -11,16 +11,26 @@
 // exactly the kernel's strided layout (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's
 // strided views.
 //
+// The layers are split by family, each owning its saved activations (its part of a layer's Cache),
+// its gradient scratch shared by the layers, and its passes: Lightning (cuda_lightning.h), MLA
+// (cuda_mla.h), the dense FFN (cuda_dense_ffn.h) and the MoE FFN (cuda_moe_ffn.h). What they share,
+// the configuration, stream, allocator, GEMMs, parameters, the batch and CP levels on the device,
+// the FP8 helpers and the gradient scratch every family uses, is their context
+// (cuda_layer_context.h), the base of CudaModel::Impl; the layer's own activations (its norms'
+// outputs and the residual sum) are LayerActs. Impl keeps what is the whole model's: parameters and
+// optimizer, batch upload, the layer loop with recompute and offload, the LM head and loss, memory.
+//
 // Memory: every buffer comes from one caching allocator (kernels/cuda/allocator.h) through DevBuf.
 // Each layer that keeps its activations has a Cache of its own; the layers that recompute share
-// one, and every layer's backward shares the gradient scratch (Work). In the shared Cache and in
-// Work the buffers only one layer kind uses are views of one KindArena, holding one kind's at a
-// time.
+// one, and every layer's backward shares the gradient scratch (the context's Work and the
+// families'). In the shared Cache and in the scratch the buffers only one attention family uses
+// (CudaLightning's and CudaMla's CacheFields and WorkFields) are views of one KindArena, holding
+// one family's at a time.
 //
-// This file: setup, the parameters, gradients and optimizer on the device, memory, the layer
-// kinds' shared buffers, the tuning knobs and the CP entry points; the passes are in
-// cuda_model_run.cc, the layers in cuda_model_layers.cc, context parallelism in cuda_model_cp.cc
-// and cuda_model_ring.cc (their internals: cuda_model_impl.h).
+// This file: setup, the parameters, gradients and optimizer on the device, memory, the attention
+// families' shared buffers, the tuning knobs and the CP entry points; the passes are in
+// cuda_model_run.cc, one layer in cuda_model_layers.cc, the CP checks in cuda_model_cp.cc (their
+// internals: cuda_model_impl.h).
 #include "worker/engine/comm/staged_communicator.h"
 #include "worker/engine/cuda/cuda_model_impl.h"
 

@@ -1,9 +1,7 @@
-// CudaModel's context parallelism (see cuda_model.h): the device's copies for the Ulysses
-// exchanges (written once in cp/cp_ulysses.h; over the CP group for All2All, inside the Ulysses
-// groups for the hybrid modes), Lightning's All2All core,
-// Lightning's chunk-state AllGather (and its hybrid), MLA's All2All core and its latent AllGather
-// with the cross pieces, as DESIGN.md section 3 describes them. MLA's Ring and hybrid modes are
-// cuda_model_ring.cc's.
+// CudaModel's context parallelism (see cuda_model.h): the checks of the CP context and of a
+// CpBatch, and the device's copies for the Ulysses exchanges (written once in cp/cp_ulysses.h; over
+// the CP group for All2All, inside the Ulysses groups for the hybrid modes). The attention
+// families run their cores under CP: cuda_lightning.cc, cuda_mla_cp.cc and cuda_mla_ring.cc.
 #include "worker/engine/cuda/cuda_model_impl.h"
 
 namespace spindle {

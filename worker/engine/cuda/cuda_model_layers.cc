@@ -1,5 +1,6 @@
-// CudaModel's layers (see cuda_model.h): Lightning and MLA forward and backward, the FFN and one
-// layer's residual structure, following worker/engine/model.cc step for step.
+// CudaModel's layers (see cuda_model.h): one layer's residual structure, its norms and residual
+// sums, around the families of its attention (Lightning or MLA) and its FFN (dense or MoE),
+// following worker/engine/model.cc step for step.
 #include "worker/engine/cuda/cuda_model_impl.h"
 
 namespace spindle {
