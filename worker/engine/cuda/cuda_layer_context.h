@@ -57,6 +57,9 @@ struct Rows {
   bool add = false;
 };
 
+// What the layer families share, with the helpers over it. The families read the parameters and
+// the batch and write the gradients and scratch; CudaModel::Impl sets the rest (Create, SetCp,
+// SetPrecision, Upload).
 struct LayerContext {
   ModelConfig c;
   std::unique_ptr<Model> host;  // the CPU model: parameter layout, initial values, host mirror
