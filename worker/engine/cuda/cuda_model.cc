@@ -401,26 +401,26 @@ KindFields CudaModel::Impl::WorkKindFields(char kind) {
 namespace {
 // A buffer's place in a KindArena: its bytes rounded up to 256.
 int64_t ArenaBytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
-void ReleaseKinds(const KindFields& lightning, const KindFields& mla) {
-  for (const KindFields* f : {&lightning, &mla})
+void ReleaseKinds(const KindFields& lt_fields, const KindFields& mla_fields) {
+  for (const KindFields* f : {&lt_fields, &mla_fields})
     for (const auto& [buf, bytes] : *f) buf->Release();
 }
 }  // namespace
 
-absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lightning,
-                                      const KindFields& mla) {
+absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lt_fields,
+                                      const KindFields& mla_fields) {
   auto layout_bytes = [](const KindFields& f) {
     int64_t total = 0;
     for (const auto& [buf, bytes] : f) total += ArenaBytes(bytes);
     return total;
   };
-  const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lightning) : 0,
-                                c.NumLayersOfKind('M') > 0 ? layout_bytes(mla) : 0);
-  const KindFields& mine = kind == 'L' ? lightning : mla;
+  const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lt_fields) : 0,
+                                c.NumLayersOfKind('M') > 0 ? layout_bytes(mla_fields) : 0);
+  const KindFields& mine = kind == 'L' ? lt_fields : mla_fields;
   uint64_t key = static_cast<uint64_t>(need);
   for (const auto& [buf, bytes] : mine) key = key * 1000003u + static_cast<uint64_t>(bytes);
   if (a.kind == kind && a.key == key) return absl::OkStatus();
-  ReleaseKinds(lightning, mla);
+  ReleaseKinds(lt_fields, mla_fields);
   RETURN_IF_ERROR(a.mem.Ensure(&alloc, need));
   int64_t off = 0;
   for (const auto& [buf, bytes] : mine) {
@@ -432,8 +432,9 @@ absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields&
   return absl::OkStatus();
 }
 
-void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla) {
-  ReleaseKinds(lightning, mla);
+void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lt_fields,
+                                const KindFields& mla_fields) {
+  ReleaseKinds(lt_fields, mla_fields);
   a.mem.Release();
   a.kind = 0;
 }
