@@ -228,7 +228,8 @@ struct CudaModel::Impl : LayerContext {
   KindFields WorkKindFields(char kind);
   // Makes `kind`'s buffers views of `a`, sized for the larger of the model's kinds, after
   // releasing both kinds' buffers, unless `a` already holds this layout.
-  absl::Status UseKind(KindArena& a, char kind, const KindFields& lt_fields, const KindFields& mla_fields);
+  absl::Status UseKind(KindArena& a, char kind, const KindFields& lt_fields,
+                       const KindFields& mla_fields);
   // Releases both kinds' buffers and the arena.
   static void DropArena(KindArena& a, const KindFields& lt_fields, const KindFields& mla_fields);
 
