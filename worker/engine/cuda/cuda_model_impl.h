@@ -242,9 +242,9 @@ struct CudaModel::Impl : LayerContext {
   absl::Status Upload(const Batch& b, const CpBatch* cpb);
   // x_out null: no output, only what the backward reads. ffn_kept: the FFN's [T, F] activations
   // stay in C for the backward (a layer that keeps its cache); otherwise the FFN runs in blocks
-  // (CudaDenseFfn::Forward) and the backward recomputes them. attention_kept: the MLA attention's output and
-  // statistics are already in C (see KeptForRecompute); only what its backward reads besides them
-  // is computed.
+  // (CudaDenseFfn::Forward) and the backward recomputes them. attention_kept: the MLA attention's
+  // output and statistics are already in C (see KeptForRecompute); only what its backward reads
+  // besides them is computed.
   absl::Status LayerForward(const LayerIdx& L, Cache& C, const void* x_in, void* x_out,
                             bool ffn_kept, bool attention_kept = false);
   absl::Status LayerBackward(const LayerIdx& L, Cache& C, const void* x_in, void* dx,
