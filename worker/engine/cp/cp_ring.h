@@ -1,6 +1,6 @@
 // The Ring level of MLA's "ring" and "hybrid" modes (DESIGN.md section 3): the ring loop, written
 // once for every backend over a small interface of block operations (RingBlockOps) that the CPU
-// (cp_ring_cpu.h) and CUDA (worker/engine/cuda/cuda_model_ring.cc) engines implement.
+// (cp_ring_cpu.h) and CUDA (worker/engine/cuda/cuda_mla_ring.cc) engines implement.
 //
 // R ranks hold a zigzag of 2R chunks (rank j: chunks j and 2R-1-j); each rank's block (what its
 // tokens' keys and values are rebuilt from) travels the ring while every rank attends its queries

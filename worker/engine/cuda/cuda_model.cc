@@ -11,16 +11,26 @@
 // exactly the kernel's strided layout (qkv_stride 3 * H/cp * Dh), MLA's [Q | K | V] rows cuDNN's
 // strided views.
 //
+// The layers are split by family, each owning its saved activations (its part of a layer's Cache),
+// its gradient scratch shared by the layers, and its passes: Lightning (cuda_lightning.h), MLA
+// (cuda_mla.h), the dense FFN (cuda_dense_ffn.h) and the MoE FFN (cuda_moe_ffn.h). What they share,
+// the configuration, stream, allocator, GEMMs, parameters, the batch and CP levels on the device,
+// the FP8 helpers and the gradient scratch every family uses, is their context
+// (cuda_layer_context.h), the base of CudaModel::Impl; the layer's own activations (its norms'
+// outputs and the residual sum) are LayerActs. Impl keeps what is the whole model's: parameters and
+// optimizer, batch upload, the layer loop with recompute and offload, the LM head and loss, memory.
+//
 // Memory: every buffer comes from one caching allocator (kernels/cuda/allocator.h) through DevBuf.
 // Each layer that keeps its activations has a Cache of its own; the layers that recompute share
-// one, and every layer's backward shares the gradient scratch (Work). In the shared Cache and in
-// Work the buffers only one layer kind uses are views of one KindArena, holding one kind's at a
-// time.
+// one, and every layer's backward shares the gradient scratch (the context's Work and the
+// families'). In the shared Cache and in the scratch the buffers only one attention family uses
+// (CudaLightning's and CudaMla's CacheFields and WorkFields) are views of one KindArena, holding
+// one family's at a time.
 //
-// This file: setup, the parameters, gradients and optimizer on the device, memory, the layer
-// kinds' shared buffers, the tuning knobs and the CP entry points; the passes are in
-// cuda_model_run.cc, the layers in cuda_model_layers.cc, context parallelism in cuda_model_cp.cc
-// and cuda_model_ring.cc (their internals: cuda_model_impl.h).
+// This file: setup, the parameters, gradients and optimizer on the device, memory, the attention
+// families' shared buffers, the tuning knobs and the CP entry points; the passes are in
+// cuda_model_run.cc, one layer in cuda_model_layers.cc, the CP checks in cuda_model_cp.cc (their
+// internals: cuda_model_impl.h).
 #include "worker/engine/comm/staged_communicator.h"
 #include "worker/engine/cuda/cuda_model_impl.h"
 
@@ -56,7 +66,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   CUDA(cudaSetDevice(device));
   CUDA(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   KC(kc::Blas::Create(&impl->blas));
-  if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->sdpa));
+  if (config.NumLayersOfKind('M') > 0) KC(kc::Sdpa::Create(&impl->mla.sdpa));
   ParamSet& P = impl->P();
   const int64_t n = P.numel(), H = config.n_heads;
   // The optimizer state (m, v) comes with the first optimizer step or state upload: AdamW needs
@@ -358,7 +368,7 @@ DeviceMemory CudaModel::memory() const {
   m.reserved = static_cast<int64_t>(s.reserved);
   m.peak_allocated = static_cast<int64_t>(s.peak_allocated);
   m.fixed = impl_->fixed_bytes;
-  if (impl_->sdpa) m.attention_workspace = impl_->sdpa->WorkspaceBytes();
+  if (impl_->mla.sdpa) m.attention_workspace = impl_->mla.sdpa->WorkspaceBytes();
   m.offload_host = impl_->off.host_bytes;
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
@@ -381,99 +391,36 @@ void CudaModel::SetPoisonActivations(bool on) { impl_->alloc.SetPoison(on); }
 // ---- One layer kind's buffers at a time --------------------------------------------------------
 
 KindFields CudaModel::Impl::CacheKindFields(Cache& C, char kind) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads, Hl = H / B.cp;
-  // Under All2All both kinds hold their core's head-split inputs in cp_full, at their own width
-  // (as a field of both kinds it is one kind's at a time, like the rest; outside the arena it
-  // grew from one width to the other and the allocator kept the first block unused).
-  const int64_t full_rows = B.cp > 1 ? B.T_full : 0;
-  if (kind == 'L') {
-    // The forward's kept block states: cp = 1 only.
-    const int64_t kept =
-        B.cp == 1 ? static_cast<int64_t>(kc::LightningSavedBytes({T, H, c.head_dim(), 3 * d})) : 0;
-    const int64_t full = LightningAllGather() ? 0 : full_rows * 3 * Hl * c.head_dim() * kAb;
-    return {{&C.qkv_raw, T * 3 * d * kAb},
-            {&C.qkv_n, T * 3 * d * kAb},
-            {&C.gate, T * d * kAb},
-            {&C.o, T * d * kAb},
-            {&C.y, fp8 ? 0 : T * d * kAb},
-            {&C.rstd_q, T * H * 4},
-            {&C.rstd_k, T * H * 4},
-            {&C.rstd_o, T * H * 4},
-            {&C.lstates, kept},
-            {&C.cp_full, full}};
-  }
-  const MlaConfig& m = c.mla;
-  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
-  // q_a and its norm only with a q LoRA; kv_b's output and K are rebuilt per key block under
-  // MLA AllGather and Ring (Work's ag_kvb, ag_K).
-  const int64_t q_lora = qr > 0 ? T : 0, keys = MlaLatentKeys() ? 0 : T;
-  // Under MLA hybrid cp_full holds the group's queries for this member's heads (T H qk a rank).
-  const int64_t full = MlaHybrid()       ? T * H * qk * kAb
-                       : MlaLatentKeys() ? 0
-                                         : full_rows * Hl * (2 * qk + m.v_head_dim) * kAb;
-  return {{&C.cp_full, full},
-          {&C.Q, T * H * qk * kAb},
-          {&C.kva, T * (kv + m.qk_rope_dim) * kAb},
-          {&C.c, T * kv * kAb},
-          {&C.c_n, T * kv * kAb},
-          {&C.rstd_c, T * 4},
-          {&C.qa, q_lora * qr * kAb},
-          {&C.qa_n, q_lora * qr * kAb},
-          {&C.rstd_qa, q_lora * 4},
-          {&C.kvb, keys * H * (m.qk_nope_dim + m.v_head_dim) * kAb},
-          {&C.K, keys * H * qk * kAb}};
+  return kind == 'L' ? lightning.CacheFields(C, C.lt) : mla.CacheFields(C, C.mla);
 }
 
 KindFields CudaModel::Impl::WorkKindFields(char kind) {
-  const int64_t T = B.T, d = c.d_model, H = c.n_heads;
-  if (kind == 'L')
-    return {{&W.dy, T * d * kAb}, {&W.dgate, T * d * kAb}, {&W.dqkv, T * 3 * d * kAb}};
-  const MlaConfig& m = c.mla;
-  const int64_t qk = m.qk_nope_dim + m.qk_rope_dim, kv = m.kv_lora_rank, qr = m.q_lora_rank;
-  const int64_t kvw = m.qk_nope_dim + m.v_head_dim, w = kv + m.qk_rope_dim;
-  // In head groups: a group's gradients, the copies of its inputs and the fp32 sums.
-  // (Under All2All the groups read the received blocks: no copies.)
-  const int64_t Hg = MlaGradHeadsPerGroup(), groups = Hg < H ? T : 0;
-  const int64_t copies = B.cp == 1 ? groups : 0;
-  return {{&W.dO, T * H * m.v_head_dim * kAb},
-          {&W.dQ, T * Hg * qk * kAb},
-          {&W.dK, T * Hg * qk * kAb},
-          {&W.dkvb, T * Hg * kvw * kAb},
-          {&W.gQ, copies * Hg * qk * kAb},
-          {&W.gK, copies * Hg * qk * kAb},
-          {&W.gkvb, copies * Hg * kvw * kAb},
-          {&W.sum_lat, groups * w * 4},
-          {&W.sum_q, groups * (qr > 0 ? qr : d) * 4},
-          {&W.dkva, T * w * kAb},
-          {&W.dc_n, T * kv * kAb},
-          {&W.dc, T * kv * kAb},
-          {&W.dqa_n, T * qr * kAb},
-          {&W.dqa, T * qr * kAb}};
+  return kind == 'L' ? lightning.WorkFields() : mla.WorkFields();
 }
 
 namespace {
 // A buffer's place in a KindArena: its bytes rounded up to 256.
 int64_t ArenaBytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
-void ReleaseKinds(const KindFields& lightning, const KindFields& mla) {
-  for (const KindFields* f : {&lightning, &mla})
+void ReleaseKinds(const KindFields& lt_fields, const KindFields& mla_fields) {
+  for (const KindFields* f : {&lt_fields, &mla_fields})
     for (const auto& [buf, bytes] : *f) buf->Release();
 }
 }  // namespace
 
-absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lightning,
-                                      const KindFields& mla) {
+absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields& lt_fields,
+                                      const KindFields& mla_fields) {
   auto layout_bytes = [](const KindFields& f) {
     int64_t total = 0;
     for (const auto& [buf, bytes] : f) total += ArenaBytes(bytes);
     return total;
   };
-  const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lightning) : 0,
-                                c.NumLayersOfKind('M') > 0 ? layout_bytes(mla) : 0);
-  const KindFields& mine = kind == 'L' ? lightning : mla;
+  const int64_t need = std::max(c.NumLayersOfKind('L') > 0 ? layout_bytes(lt_fields) : 0,
+                                c.NumLayersOfKind('M') > 0 ? layout_bytes(mla_fields) : 0);
+  const KindFields& mine = kind == 'L' ? lt_fields : mla_fields;
   uint64_t key = static_cast<uint64_t>(need);
   for (const auto& [buf, bytes] : mine) key = key * 1000003u + static_cast<uint64_t>(bytes);
   if (a.kind == kind && a.key == key) return absl::OkStatus();
-  ReleaseKinds(lightning, mla);
+  ReleaseKinds(lt_fields, mla_fields);
   RETURN_IF_ERROR(a.mem.Ensure(&alloc, need));
   int64_t off = 0;
   for (const auto& [buf, bytes] : mine) {
@@ -485,8 +432,9 @@ absl::Status CudaModel::Impl::UseKind(KindArena& a, char kind, const KindFields&
   return absl::OkStatus();
 }
 
-void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lightning, const KindFields& mla) {
-  ReleaseKinds(lightning, mla);
+void CudaModel::Impl::DropArena(KindArena& a, const KindFields& lt_fields,
+                                const KindFields& mla_fields) {
+  ReleaseKinds(lt_fields, mla_fields);
   a.mem.Release();
   a.kind = 0;
 }
@@ -509,7 +457,7 @@ absl::Status CudaModel::SetHeadBlockRows(int64_t rows) {
 
 absl::Status CudaModel::SetFfnBlockRows(int64_t rows) {
   RETURN_IF_ERROR(CheckBlockRows("FFN", "the default", rows));
-  impl_->ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
+  impl_->ffn.ffn_block_rows = rows > 0 ? rows : kCudaFfnBlockRows;
   return absl::OkStatus();
 }
 
@@ -552,30 +500,56 @@ absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {
 }  // namespace
 
 absl::Status CudaModel::SetAttentionHeadsPerCall(int64_t heads) {
-  return SetHeadCount(heads, "attention heads per call", &impl_->attention_heads_per_call);
+  return SetHeadCount(heads, "attention heads per call", &impl_->mla.attention_heads_per_call);
 }
 
 absl::Status CudaModel::SetMlaGradHeadsPerGroup(int64_t heads) {
-  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla_grad_heads_per_group);
+  return SetHeadCount(heads, "MLA gradient heads per group", &impl_->mla.mla_grad_heads_per_group);
 }
 
 absl::Status CudaModel::SetExpertParallel(Communicator* ep) {
   Impl& I = *impl_;
   const int64_t size = ep ? ep->size() : 1;
   RETURN_IF_ERROR(I.host->SetExpertParallel(ep));  // the group's size and this rank's place
-  I.ep_staged.reset();
-  I.ep = nullptr;
+  I.moe.ep_staged.reset();
+  I.moe.ep = nullptr;
   if (size <= 1) return absl::OkStatus();
   if (ep->backend() == "nccl") {
-    I.ep = ep;
+    I.moe.ep = ep;
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(I.ep_staged, CreateStagedCommunicator(ep, I.device));
-  I.ep = I.ep_staged.get();
+  ASSIGN_OR_RETURN(I.moe.ep_staged, CreateStagedCommunicator(ep, I.device));
+  I.moe.ep = I.moe.ep_staged.get();
   return absl::OkStatus();
 }
 
 int64_t CudaModel::ExpertGradEnd() const { return impl_->host->ExpertGradEnd(); }
+
+void CudaModel::BeginStep(double tokens) { impl_->moe.BeginStep(tokens); }
+
+absl::StatusOr<nlohmann::json> CudaModel::FinishMoeStep(Communicator* world) {
+  Impl& I = *impl_;
+  if (I.c.moe.experts == 0) return nlohmann::json::object();
+  RETURN_IF_ERROR(I.moe.DrainLseSq());
+  // The biases live in the fp32 masters on the device: moved on the host copy, then back.
+  const int64_t E = I.c.moe.experts;
+  std::vector<std::vector<float>> bias(I.c.n_layers);
+  CUDA(cudaStreamSynchronize(I.stream));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    bias[L.index].resize(E);
+    CUDA(cudaMemcpy(bias[L.index].data(), I.Master(L.moe_p.bias), E * 4, cudaMemcpyDeviceToHost));
+  }
+  ASSIGN_OR_RETURN(nlohmann::json fields,
+                   BalanceMoeBiases(I.c, I.moe.moe_stats, world,
+                                    [&](int64_t i) { return bias[i].data(); }));
+  for (const LayerIdx& L : I.layers) {
+    if (!L.moe) continue;
+    CUDA(cudaMemcpy(I.Master(L.moe_p.bias), bias[L.index].data(), E * 4, cudaMemcpyHostToDevice));
+    std::copy(bias[L.index].begin(), bias[L.index].end(), I.P().data(L.moe_p.bias));
+  }
+  return fields;
+}
 
 absl::Status CudaModel::SetCp(const CpContext& cp) {
   Impl& I = *impl_;

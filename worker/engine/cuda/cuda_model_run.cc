@@ -102,9 +102,8 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
        kc::GroupNormGateBackwardWorkspaceBytes(T, H, Dh), kc::EmbeddingBackwardWorkspaceBytes(T),
        kc::SquaredNormWorkspaceBytes()});
   if (split) {
-    // The whole-sequence Lightning core over H/cp heads, and the CP buffers. Per rank the widest
-    // exchange is the core's inputs (or their gradients): T * H * (one head's input width).
-    const int64_t Hl = H / B.cp, Tf = B.T_full;
+    // The CP buffers. Per rank the widest exchange is the core's inputs (or their gradients):
+    // T * H * (one head's input width).
     const int64_t qk = c.mla.qk_nope_dim + c.mla.qk_rope_dim, vd = c.mla.v_head_dim;
     const bool has_lt = c.NumLayersOfKind('L') > 0, has_m = c.NumLayersOfKind('M') > 0;
     // The layer types that exchange by all-to-all (Lightning's AllGather gathers states only):
@@ -112,8 +111,6 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
     const bool has_l = has_lt && (cp.lightning_mode == CpMode::kAll2All || LightningHybrid());
     const bool has_m_a2a = has_m && cp.mla_mode == CpMode::kAll2All;
     const bool has_m_hy = has_m && MlaHybrid();
-    if (has_lt && cp.lightning_mode == CpMode::kAll2All)
-      need = std::max(need, kc::LightningWorkspaceBytes({Tf, Hl, Dh, 3 * Hl * Dh}));
     const int64_t in_elems =
         std::max({has_l ? T * 3 * d : int64_t{0}, has_m_a2a ? T * H * (2 * qk + vd) : int64_t{0},
                   has_m_hy ? T * H * qk : int64_t{0}});
@@ -134,61 +131,10 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
       RETURN_IF_ERROR(SetLevel(B.group_lv, cpb->group->local, cpb->group->layout));
       B.ulysses = {cp.ulysses, L.ulysses, UlyssesRuns(HybridUlyssesGroup(L))};
     }
-    // The Lightning AllGather core runs on each local chunk of its level and the carry
-    // correction's backward on each continuing chunk's first segment; a shorter sequence can need
-    // more workspace than a longer one (its blocks of chunks are shorter), so each size counts.
-    const CpLevel* lightning_level = LightningAllGather() ? &B.lv
-                                     : LightningHybrid()  ? &B.group_lv
-                                                          : nullptr;
-    const int64_t lh = LightningHybrid() ? H / L.ulysses : H;  // its heads
-    if (has_lt && lightning_level) {
-      const CpLevel& V = *lightning_level;
-      const int64_t stride = 3 * lh * Dh;
-      need = std::max(need, kc::LightningWorkspaceBytes({V.chunk, lh, Dh, stride}));
-      for (int slot = 0; slot < 2; ++slot)
-        if (V.continues[slot])
-          need =
-              std::max(need, kc::LightningWorkspaceBytes({V.first_segment[slot], lh, Dh, stride}));
-    }
-    const int64_t SZ = H * Dh * Dh;
-    RETURN_IF_ERROR(F32(W.cp_state_send, 2 * SZ));
-    for (DevBuf* x : {&W.cp_state_recv, &W.cp_state_stream, &W.cp_state_scan})
-      RETURN_IF_ERROR(F32(*x, 2 * B.cp * SZ));
-    // MLA AllGather: the latent gather (bf16 [cp, T, w]) and the gradients' fp32 reduce-scatter
-    // ([cp, T, w] in, [T, w] out) share two device blocks; MLA hybrid the same over its Ulysses
-    // group. MLA Ring and hybrid: the ring's blocks in flight and gradient accumulators, at the
-    // ring level's tokens. All rebuild keys per key block of their level.
-    const int64_t lat_w = c.mla.kv_lora_rank + c.mla.qk_rope_dim;
-    const int64_t gather_ranks = cp.mla_mode == CpMode::kAllGather ? B.cp
-                                 : has_m_hy                        ? L.ulysses
-                                                                   : 0;
-    if (has_m && gather_ranks > 0) {
-      RETURN_IF_ERROR(W.ag_send.Ensure(&alloc, gather_ranks * T * lat_w * 4));
-      RETURN_IF_ERROR(W.ag_recv.Ensure(&alloc, gather_ranks * T * lat_w * 4));
-    }
-    const CpLevel& mla_level = has_m_hy ? B.group_lv : B.lv;
-    if (has_m && (MlaRing() || has_m_hy)) {
-      // The payload's width: the latent's, or the keys' and values' of the heads a rank computes.
-      const int64_t ring_w =
-          MlaRingPayloadWidth(c.mla, cp.mla_payload, has_m_hy ? H / L.ulysses : H);
-      for (DevBuf& x : W.ring_block) RETURN_IF_ERROR(Act(x, mla_level.T, ring_w));
-      for (DevBuf* x : {&W.ring_acc[0], &W.ring_acc[1], &W.ring_share, &W.ring_own})
-        RETURN_IF_ERROR(F32(*x, mla_level.T * ring_w));
-    }
-    if (has_m && MlaLatentKeys()) {
-      const int64_t ch = mla_level.chunk;
-      const int64_t rows = std::max(ch, kCudaMlaKeyBlock);
-      const int64_t kvw = c.mla.qk_nope_dim + vd;
-      for (DevBuf* x : {&W.ag_K, &W.ag_dK}) RETURN_IF_ERROR(Act(*x, rows, H * qk));
-      for (DevBuf* x : {&W.ag_kvb, &W.ag_dkvb}) RETURN_IF_ERROR(Act(*x, rows, H * kvw));
-      RETURN_IF_ERROR(Act(W.ag_dlat, rows, lat_w));
-      // The cross piece's per-block output, dq and statistics: one query block's.
-      const int64_t qrows = std::min(ch, kCudaMlaKeyBlock);
-      RETURN_IF_ERROR(Act(W.ag_o, qrows, H * vd));
-      RETURN_IF_ERROR(Act(W.ag_dq, qrows, H * qk));
-      RETURN_IF_ERROR(F32(W.ag_acc, (MlaAllGather() ? 1 : 2) * ch * H * vd));
-      RETURN_IF_ERROR(F32(W.ag_stats, StatsSlot(H, qrows)));
-    }
+    // The Lightning cores' workspace and chunk states.
+    RETURN_IF_ERROR(lightning.SizeCpScratch(L, &need));
+    // MLA's gathers, ring and key blocks.
+    RETURN_IF_ERROR(mla.SizeCpScratch(L));
   }
   RETURN_IF_ERROR(W.ws.Ensure(&alloc, static_cast<int64_t>(need)));
   W.ws_bytes = static_cast<int64_t>(need);
@@ -385,8 +331,8 @@ absl::StatusOr<LossStats> CudaModel::Impl::Run(const Batch& b, const CpBatch* cp
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda model: train.precision \"fp8\" needs a multiple of 16 tokens per rank, got ", B.T,
         " (cuBLASLt's FP8 GEMMs)"));
-  moe_counting = backward;
-  if (moe_stats.size() < static_cast<size_t>(c.n_layers)) moe_stats.resize(c.n_layers);
+  moe.moe_counting = backward;
+  if (moe.moe_stats.size() < static_cast<size_t>(c.n_layers)) moe.moe_stats.resize(c.n_layers);
   DevicePasses passes(*this, recompute, grad_scale, backward);
   RETURN_IF_ERROR(passes.Prepare());
   ASSIGN_OR_RETURN(LossStats s, RunLayerPasses(passes, c.n_layers, recompute, backward));

@@ -1,17 +1,18 @@
-// CudaModel's mixture-of-experts FFN (see cuda_model.h and the CPU model's moe/moe_ffn.h, whose
-// arithmetic and bf16 roundings this follows): the router in fp32 on the masters, the exchange
-// planned on the host from the router's choices (moe/moe_exchange.h, the same code as the CPU's,
-// its row maps uploaded once a pass), the experts as grouped GEMMs (kernels/cuda/moe.h), the
+// The CUDA model's mixture-of-experts FFN family (cuda_moe_ffn.h; the CPU model's moe/moe_ffn.h,
+// whose arithmetic and bf16 roundings this follows): the router in fp32 on the masters, the
+// exchange planned on the host from the router's choices (moe/moe_exchange.h, the same code as the
+// CPU's, its row maps uploaded once a pass), the experts as grouped GEMMs (kernels/cuda/moe.h), the
 // shared expert, and the weighted combine. The plan's row counts are the GEMMs' group sizes, so
 // each MoE layer's forward waits once for the host: at ep = 1 the choices are grouped on the
 // device (kc::MoeGroupRows) and only the E group sizes come back, while the shared expert runs;
 // at ep > 1 the choices come back and the host plans the exchange (the counts cross the EP group
 // there anyway). The router's statistics stay on the device until the step's end.
+#include "worker/engine/cuda/cuda_moe_ffn.h"
+
 #include <numeric>
 
-#include "worker/engine/cuda/cuda_model_impl.h"
-
 namespace spindle {
+namespace cuda_model_detail {
 
 namespace {
 
@@ -19,7 +20,8 @@ namespace {
 // gather with a map's host pointer uses its device copy; another host pointer is uploaded first.
 class DeviceMoeRows final : public MoeRows {
  public:
-  DeviceMoeRows(kc::CachingAllocator* alloc, cudaStream_t* stream) : alloc_(alloc), stream_(stream) {}
+  DeviceMoeRows(kc::CachingAllocator* alloc, cudaStream_t* stream)
+      : alloc_(alloc), stream_(stream) {}
   int64_t elem_bytes() const override { return kAb; }
 
   // The maps of `p` into `C`'s device buffers, known by their host pointers from now on.
@@ -81,92 +83,109 @@ class DeviceMoeRows final : public MoeRows {
 
 }  // namespace
 
-absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
-                                         MoeLayerStats* stats) {
+CudaMoeFfn::~CudaMoeFfn() {
+  if (moe_counts_host) cudaFreeHost(moe_counts_host);
+  if (moe_counts_ready) cudaEventDestroy(moe_counts_ready);
+}
+
+void CudaMoeFfn::BeginStep(double tokens) {
+  moe_stats.assign(c.n_layers, MoeLayerStats{});
+  moe_lse_sq_layer.clear();
+  zloss_scale = tokens > 0 ? static_cast<float>(c.moe.z_loss / tokens) : 0.0f;
+}
+
+void CudaMoeFfn::Release() {
+  MoeDevWork& mw = W;
+  for (DevBuf* b : {&mw.send, &mw.recv, &mw.y, &mw.dye, &mw.da, &mw.dg, &mw.du, &mw.dxe, &mw.dw,
+                    &mw.dlogits, &mw.acc, &mw.sda, &mw.sdg, &mw.sdu})
+    b->Release();
+}
+
+absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M, void* y,
+                                 MoeLayerStats* stats) {
   const MoeConfig& m = c.moe;
   const MoeLayerParams& p = L.moe_p;
-  MoeDevCache& M = C.moe;
-  MoeDevWork& X = W.moe;
+  MoeDevWork& X = W;
   const int64_t T = B.T, d = c.d_model, E = m.experts, K = m.top_k, F = m.expert_ffn,
                 S = m.shared_ffn;
-  if (host->ep() > 1 && ep == nullptr)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda model: the experts are sharded over ", host->ep(),
-        " ranks; SetExpertParallel gives their group"));
-  if (!moe_rows) moe_rows = std::make_unique<DeviceMoeRows>(&alloc, &stream);
+  if (cx.host->ep() > 1 && ep == nullptr)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda model: the experts are sharded over ", cx.host->ep(),
+                     " ranks; SetExpertParallel gives their group"));
+  if (!moe_rows) moe_rows = std::make_unique<DeviceMoeRows>(&cx.alloc, &cx.stream);
   if (!moe_gemm) KC(kc::GroupedGemm::Create(kc::GroupedGemmOptions{}, &moe_gemm));
   // Router: z = h2 Wr^T in fp32 on the master weights, then the choices.
-  RETURN_IF_ERROR(F32(M.h32, T * d));
-  RETURN_IF_ERROR(F32(M.logits, T * E));
-  RETURN_IF_ERROR(F32(M.weights, T * K));
-  RETURN_IF_ERROR(F32(M.lse, T));
-  RETURN_IF_ERROR(M.idx.Ensure(&alloc, T * K * 4));
-  KC(kc::CastRows(M.h32.get(), KDType::kFloat32, d, C.h2.get(), kAct, d, T, d, stream));
+  RETURN_IF_ERROR(cx.F32(M.h32, T * d));
+  RETURN_IF_ERROR(cx.F32(M.logits, T * E));
+  RETURN_IF_ERROR(cx.F32(M.weights, T * K));
+  RETURN_IF_ERROR(cx.F32(M.lse, T));
+  RETURN_IF_ERROR(M.idx.Ensure(&cx.alloc, T * K * 4));
+  KC(kc::CastRows(M.h32.get(), KDType::kFloat32, d, A.h2.get(), kAct, d, T, d, cx.stream));
   {
     kc::GemmArgs a;
     a.trans_b = true;
     a.M = T, a.N = E, a.K = d;
-    a.A = M.h32.get(), a.lda = d, a.B = Master(p.router), a.ldb = d, a.C = M.logits.get(), a.ldc = E;
+    a.A = M.h32.get(), a.lda = d, a.B = cx.Master(p.router), a.ldb = d, a.C = M.logits.get(),
+    a.ldc = E;
     a.ab_type = KDType::kFloat32, a.c_type = KDType::kFloat32;
-    KC(blas->Gemm(a, stream));
+    KC(cx.blas->Gemm(a, cx.stream));
   }
-  KC(kc::MoeRouterForward(M.logits.f32(), Master(p.bias), M.idx.i32(), M.weights.f32(),
-                          M.lse.f32(), T, E, K, stream));
+  KC(kc::MoeRouterForward(M.logits.f32(), cx.Master(p.bias), M.idx.i32(), M.weights.f32(),
+                          M.lse.f32(), T, E, K, cx.stream));
   // The tokens to their experts; the shared expert runs meanwhile (while the group sizes reach
   // the host at ep = 1, while the rows travel at ep > 1).
-  RETURN_IF_ERROR(Act(X.y, T, d));
-  for (DevBuf* b : {&M.sg, &M.su, &M.sa}) RETURN_IF_ERROR(Act(*b, T, std::max<int64_t>(S, 1)));
+  RETURN_IF_ERROR(cx.Act(X.y, T, d));
+  for (DevBuf* b : {&M.sg, &M.su, &M.sa}) RETURN_IF_ERROR(cx.Act(*b, T, std::max<int64_t>(S, 1)));
   absl::Status shared_status;
   auto shared = [&] {
     if (S == 0) {
-      shared_status = FromCuda(cudaMemsetAsync(X.y.get(), 0, T * d * kAb, stream), "memset");
+      shared_status = FromCuda(cudaMemsetAsync(X.y.get(), 0, T * d * kAb, cx.stream), "memset");
       return;
     }
-    absl::Status s = Fwd(C.h2.get(), d, Wb(p.s1), M.sg.get(), T, d, S, false);
-    if (s.ok()) s = Fwd(C.h2.get(), d, Wb(p.s3), M.su.get(), T, d, S, false);
-    if (s.ok()) s = FromKernel(kc::SwiGluForward(M.sg.get(), M.su.get(), M.sa.get(), T * S, kAct,
-                                                 stream));
-    if (s.ok()) s = Fwd(M.sa.get(), S, Wb(p.s2), X.y.get(), T, S, d, false);
+    absl::Status s = cx.Fwd(A.h2.get(), d, cx.Wb(p.s1), M.sg.get(), T, d, S, false);
+    if (s.ok()) s = cx.Fwd(A.h2.get(), d, cx.Wb(p.s3), M.su.get(), T, d, S, false);
+    if (s.ok())
+      s = FromKernel(kc::SwiGluForward(M.sg.get(), M.su.get(), M.sa.get(), T * S, kAct, cx.stream));
+    if (s.ok()) s = cx.Fwd(M.sa.get(), S, cx.Wb(p.s2), X.y.get(), T, S, d, false);
     shared_status = s;
   };
-  if (stats) RETURN_IF_ERROR(MoeCountLseSq(L, M.lse.f32(), T));
+  if (stats) RETURN_IF_ERROR(CountLseSq(L, M.lse.f32(), T));
   DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
   // Under fp8 every expert's rows are padded to a multiple of 16 (the FP8 GEMMs' and the
   // transposed codes' alignment) by the grouping itself.
-  const int64_t align = fp8 ? 16 : 1;
-  if (host->ep() == 1) {
+  const int64_t align = cx.fp8 ? 16 : 1;
+  if (cx.host->ep() == 1) {
     // Grouped on the device: the host waits only for the E group sizes.
-    RETURN_IF_ERROR(MoeGroupOnDevice(C, align, shared));
+    RETURN_IF_ERROR(GroupOnDevice(M, align, shared));
     RETURN_IF_ERROR(shared_status);
     const int64_t R = M.plan.expert_rows();
-    if (fp8) {
+    if (cx.fp8) {
       // The gather quantizes (both layouts) at h2's amax: every token's row is among them.
-      RETURN_IF_ERROR(M.q_xe.Ensure(&alloc, R, d, KDType::kFp8E4M3));
+      RETURN_IF_ERROR(M.q_xe.Ensure(&cx.alloc, R, d, KDType::kFp8E4M3));
       const kc::Fp8Output q = M.q_xe.Output();
-      KC(kc::Fp8AbsMax(C.h2.get(), T * d, kAct, q.amax, stream));
-      KC(kc::GatherRowsFp8(C.h2.get(), M.expert_src.i32(), R, d, kAct, q, stream));
+      KC(kc::Fp8AbsMax(A.h2.get(), T * d, kAct, q.amax, cx.stream));
+      KC(kc::GatherRowsFp8(A.h2.get(), M.expert_src.i32(), R, d, kAct, q, cx.stream));
     } else {
-      RETURN_IF_ERROR(Act(M.xe, R, d));
-      KC(kc::GatherRows(C.h2.get(), M.expert_src.i32(), M.xe.get(), R, d, kAct, stream));
+      RETURN_IF_ERROR(cx.Act(M.xe, R, d));
+      KC(kc::GatherRows(A.h2.get(), M.expert_src.i32(), M.xe.get(), R, d, kAct, cx.stream));
     }
   } else {
     // Planned on the host: the choices come back once, the counts cross the EP group.
     M.idx_host.resize(T * K);
     CUDA(cudaMemcpyAsync(M.idx_host.data(), M.idx.get(), T * K * 4, cudaMemcpyDeviceToHost,
-                         stream));
-    CUDA(cudaStreamSynchronize(stream));
-    RETURN_IF_ERROR(
-        PlanMoeDispatch(M.idx_host.data(), T, K, E, align, ep, rows, &M.plan));
+                         cx.stream));
+    CUDA(cudaStreamSynchronize(cx.stream));
+    RETURN_IF_ERROR(PlanMoeDispatch(M.idx_host.data(), T, K, E, align, ep, rows, &M.plan));
     RETURN_IF_ERROR(rows.Upload(M.plan, M));
-    RETURN_IF_ERROR(Act(M.xe, M.plan.expert_rows(), d));
-    RETURN_IF_ERROR(Act(X.send, T * K, d));
-    RETURN_IF_ERROR(Act(X.recv, M.plan.recv_total(), d));
-    RETURN_IF_ERROR(MoeDispatch(M.plan, rows, ep, C.h2.get(), d, X.send.get(), X.recv.get(),
+    RETURN_IF_ERROR(cx.Act(M.xe, M.plan.expert_rows(), d));
+    RETURN_IF_ERROR(cx.Act(X.send, T * K, d));
+    RETURN_IF_ERROR(cx.Act(X.recv, M.plan.recv_total(), d));
+    RETURN_IF_ERROR(MoeDispatch(M.plan, rows, ep, A.h2.get(), d, X.send.get(), X.recv.get(),
                                 M.xe.get(), shared));
     RETURN_IF_ERROR(shared_status);
-    if (fp8) {  // rows from other ranks: their own amax
-      RETURN_IF_ERROR(M.q_xe.Ensure(&alloc, M.plan.expert_rows(), d, KDType::kFp8E4M3));
-      KC(kc::Fp8Quantize(M.xe.get(), M.plan.expert_rows(), d, kAct, M.q_xe.Output(), stream));
+    if (cx.fp8) {  // rows from other ranks: their own amax
+      RETURN_IF_ERROR(M.q_xe.Ensure(&cx.alloc, M.plan.expert_rows(), d, KDType::kFp8E4M3));
+      KC(kc::Fp8Quantize(M.xe.get(), M.plan.expert_rows(), d, kAct, M.q_xe.Output(), cx.stream));
     }
   }
   const MoeDispatchPlan& plan = M.plan;
@@ -178,42 +197,43 @@ absl::Status CudaModel::Impl::MoeForward(const LayerIdx& L, Cache& C, void* y,
   }
   // The experts over their rows.
   const int64_t El = plan.local_experts;
-  for (DevBuf* b : {&M.g, &M.u}) RETURN_IF_ERROR(Act(*b, R, F));
-  RETURN_IF_ERROR(Act(M.ye, R, d));
+  for (DevBuf* b : {&M.g, &M.u}) RETURN_IF_ERROR(cx.Act(*b, R, F));
+  RETURN_IF_ERROR(cx.Act(M.ye, R, d));
   const int64_t* off = plan.expert_offsets.data();
-  if (fp8) {
+  if (cx.fp8) {
     const kc::Fp8Operand xq{M.q_xe.codes(), KDType::kFp8E4M3, M.q_xe.inverse_scale()};
-    KC(moe_gemm->ForwardFp8(xq, fp8_e[p.w1].Forward(), M.g.get(), kAct, off, El, F, d, stream));
-    KC(moe_gemm->ForwardFp8(xq, fp8_e[p.w3].Forward(), M.u.get(), kAct, off, El, F, d, stream));
-    RETURN_IF_ERROR(M.q_a.Ensure(&alloc, R, F, KDType::kFp8E4M3));
-    KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(), stream));
+    KC(moe_gemm->ForwardFp8(xq, cx.fp8_e[p.w1].Forward(), M.g.get(), kAct, off, El, F, d,
+                            cx.stream));
+    KC(moe_gemm->ForwardFp8(xq, cx.fp8_e[p.w3].Forward(), M.u.get(), kAct, off, El, F, d,
+                            cx.stream));
+    RETURN_IF_ERROR(M.q_a.Ensure(&cx.alloc, R, F, KDType::kFp8E4M3));
+    KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(), cx.stream));
     KC(moe_gemm->ForwardFp8({M.q_a.codes(), KDType::kFp8E4M3, M.q_a.inverse_scale()},
-                            fp8_e[p.w2].Forward(), M.ye.get(), kAct, off, El, d, F, stream));
+                            cx.fp8_e[p.w2].Forward(), M.ye.get(), kAct, off, El, d, F, cx.stream));
   } else {
-    RETURN_IF_ERROR(Act(M.a, R, F));
-    KC(moe_gemm->Forward(M.xe.get(), Wb(p.w1), M.g.get(), off, El, F, d, kAct, stream));
-    KC(moe_gemm->Forward(M.xe.get(), Wb(p.w3), M.u.get(), off, El, F, d, kAct, stream));
-    KC(kc::SwiGluForward(M.g.get(), M.u.get(), M.a.get(), R * F, kAct, stream));
-    KC(moe_gemm->Forward(M.a.get(), Wb(p.w2), M.ye.get(), off, El, d, F, kAct, stream));
+    RETURN_IF_ERROR(cx.Act(M.a, R, F));
+    KC(moe_gemm->Forward(M.xe.get(), cx.Wb(p.w1), M.g.get(), off, El, F, d, kAct, cx.stream));
+    KC(moe_gemm->Forward(M.xe.get(), cx.Wb(p.w3), M.u.get(), off, El, F, d, kAct, cx.stream));
+    KC(kc::SwiGluForward(M.g.get(), M.u.get(), M.a.get(), R * F, kAct, cx.stream));
+    KC(moe_gemm->Forward(M.a.get(), cx.Wb(p.w2), M.ye.get(), off, El, d, F, kAct, cx.stream));
   }
   // Back to the tokens, weighted, onto the shared expert's output (one rounding), then y.
   const void* Y = M.ye.get();
   if (plan.ep > 1) {
-    RETURN_IF_ERROR(Act(M.returned, T * K, d));
-    RETURN_IF_ERROR(
-        MoeFromExperts(plan, rows, ep, M.ye.get(), d, X.recv.get(), M.returned.get()));
+    RETURN_IF_ERROR(cx.Act(M.returned, T * K, d));
+    RETURN_IF_ERROR(MoeFromExperts(plan, rows, ep, M.ye.get(), d, X.recv.get(), M.returned.get()));
     Y = M.returned.get();
   }
   KC(kc::MoeCombine(Y, kAct, M.pair_row.i32(), M.weights.f32(), X.y.get(), kAct, T, K, d,
-                    /*accumulate=*/true, stream));
-  if (y != nullptr) CUDA(cudaMemcpyAsync(y, X.y.get(), T * d * kAb, cudaMemcpyDeviceToDevice, stream));
+                    /*accumulate=*/true, cx.stream));
+  if (y != nullptr)
+    CUDA(cudaMemcpyAsync(y, X.y.get(), T * d * kAb, cudaMemcpyDeviceToDevice, cx.stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MoeExpertsBackwardFp8(const LayerIdx& L, Cache& C) {
+absl::Status CudaMoeFfn::ExpertsBackwardFp8(const LayerIdx& L, MoeDevCache& M) {
   const MoeLayerParams& p = L.moe_p;
-  MoeDevCache& M = C.moe;
-  MoeDevWork& X = W.moe;
+  MoeDevWork& X = W;
   const int64_t d = c.d_model, F = c.moe.expert_ffn;
   const MoeDispatchPlan& plan = M.plan;
   const int64_t R = plan.expert_rows(), El = plan.local_experts;
@@ -221,54 +241,54 @@ absl::Status CudaModel::Impl::MoeExpertsBackwardFp8(const LayerIdx& L, Cache& C)
   constexpr KDType kE5 = KDType::kFp8E5M2, kE4 = KDType::kFp8E4M3;
   // The output gradients' codes (E5M2): at ep = 1 the combine's backward took their amax; rows
   // that came from other ranks take their own.
-  KC(plan.ep > 1 ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), stream)
-                 : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), stream));
+  KC(plan.ep > 1 ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream)
+                 : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream));
   KC(moe_gemm->BackwardDataFp8({X.q_dye.codes(), kE5, X.q_dye.inverse_scale()},
-                               fp8_e[p.w2].Transposed(), X.da.get(), kAct, off, El, d, F, stream));
+                               cx.fp8_e[p.w2].Transposed(), X.da.get(), kAct, off, El, d, F,
+                               cx.stream));
   KC(moe_gemm->BackwardWeightFp8({X.q_dye.codes_t(), kE5, X.q_dye.inverse_scale()},
-                                 {M.q_a.codes_t(), kE4, M.q_a.inverse_scale()}, G(p.w2), off, El,
-                                 d, F, stream));
+                                 {M.q_a.codes_t(), kE4, M.q_a.inverse_scale()}, cx.G(p.w2), off, El,
+                                 d, F, cx.stream));
   KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
-                        stream));
+                        cx.stream));
   const kc::Fp8Operand xt{M.q_xe.codes_t(), kE4, M.q_xe.inverse_scale()};
   const std::pair<Fp8Act*, int> parts[] = {{&X.q_dg, p.w1}, {&X.q_du, p.w3}};
   const DevBuf* grads[] = {&X.dg, &X.du};
   for (int i = 0; i < 2; ++i) {
     Fp8Act& q = *parts[i].first;
     const int w = parts[i].second;
-    RETURN_IF_ERROR(q.Ensure(&alloc, R, F, kE5));
-    KC(kc::Fp8Quantize(grads[i]->get(), R, F, kAct, q.Output(), stream));
-    KC(moe_gemm->BackwardDataFp8({q.codes(), kE5, q.inverse_scale()}, fp8_e[w].Transposed(),
-                                 X.dxe.get(), kAct, off, El, F, d, stream,
+    RETURN_IF_ERROR(q.Ensure(&cx.alloc, R, F, kE5));
+    KC(kc::Fp8Quantize(grads[i]->get(), R, F, kAct, q.Output(), cx.stream));
+    KC(moe_gemm->BackwardDataFp8({q.codes(), kE5, q.inverse_scale()}, cx.fp8_e[w].Transposed(),
+                                 X.dxe.get(), kAct, off, El, F, d, cx.stream,
                                  /*accumulate=*/i == 1));
-    KC(moe_gemm->BackwardWeightFp8({q.codes_t(), kE5, q.inverse_scale()}, xt, G(w), off, El, F,
-                                   d, stream));
+    KC(moe_gemm->BackwardWeightFp8({q.codes_t(), kE5, q.inverse_scale()}, xt, cx.G(w), off, El, F,
+                                   d, cx.stream));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MoeGroupOnDevice(Cache& C, int64_t align,
-                                               const std::function<void()>& overlap) {
+absl::Status CudaMoeFfn::GroupOnDevice(MoeDevCache& M, int64_t align,
+                                       const std::function<void()>& overlap) {
   const MoeConfig& m = c.moe;
-  MoeDevCache& M = C.moe;
-  MoeDevWork& X = W.moe;
+  MoeDevWork& X = W;
   const int64_t T = B.T, E = m.experts, K = m.top_k, n = T * K;
   const int64_t capacity = n + E * (align - 1);
   if (moe_counts_host == nullptr)
     CUDA(cudaMallocHost(&moe_counts_host, kc::kMoeMaxExperts * sizeof(int64_t)));
   if (moe_counts_ready == nullptr)
     CUDA(cudaEventCreateWithFlags(&moe_counts_ready, cudaEventDisableTiming));
-  RETURN_IF_ERROR(X.group_counts.Ensure(&alloc, E * 8));
-  RETURN_IF_ERROR(X.group_offsets.Ensure(&alloc, (E + 1) * 8));
+  RETURN_IF_ERROR(X.group_counts.Ensure(&cx.alloc, E * 8));
+  RETURN_IF_ERROR(X.group_offsets.Ensure(&cx.alloc, (E + 1) * 8));
   const size_t ws = kc::MoeGroupRowsWorkspaceBytes(n, E);
-  RETURN_IF_ERROR(X.group_ws.Ensure(&alloc, static_cast<int64_t>(ws)));
-  RETURN_IF_ERROR(M.pair_row.Ensure(&alloc, n * 4));
-  RETURN_IF_ERROR(M.expert_src.Ensure(&alloc, capacity * 4));
+  RETURN_IF_ERROR(X.group_ws.Ensure(&cx.alloc, static_cast<int64_t>(ws)));
+  RETURN_IF_ERROR(M.pair_row.Ensure(&cx.alloc, n * 4));
+  RETURN_IF_ERROR(M.expert_src.Ensure(&cx.alloc, capacity * 4));
   KC(kc::MoeGroupRows(M.idx.i32(), n, K, E, align, static_cast<int64_t*>(X.group_counts.get()),
                       static_cast<int64_t*>(X.group_offsets.get()), M.pair_row.i32(),
                       M.expert_src.i32(), capacity, moe_counts_host,
-                      kc::Workspace{X.group_ws.get(), ws}, stream));
-  CUDA(cudaEventRecord(moe_counts_ready, stream));
+                      kc::Workspace{X.group_ws.get(), ws}, cx.stream));
+  CUDA(cudaEventRecord(moe_counts_ready, cx.stream));
   if (overlap) overlap();
   CUDA(cudaEventSynchronize(moe_counts_ready));
   // The plan's host part (its row maps are the device's, above).
@@ -283,35 +303,34 @@ absl::Status CudaModel::Impl::MoeGroupOnDevice(Cache& C, int64_t align,
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MoeCountLseSq(const LayerIdx& L, const float* lse, int64_t T) {
+absl::Status CudaMoeFfn::CountLseSq(const LayerIdx& L, const float* lse, int64_t T) {
   constexpr int64_t kSlots = 256;
-  if (moe_lse_sq_layer.size() >= static_cast<size_t>(kSlots)) RETURN_IF_ERROR(MoeDrainLseSq());
-  RETURN_IF_ERROR(moe_lse_sq.Ensure(&alloc, kSlots * sizeof(double)));
+  if (moe_lse_sq_layer.size() >= static_cast<size_t>(kSlots)) RETURN_IF_ERROR(DrainLseSq());
+  RETURN_IF_ERROR(moe_lse_sq.Ensure(&cx.alloc, kSlots * sizeof(double)));
   const size_t ws = kc::SquaredNormWorkspaceBytes();
-  RETURN_IF_ERROR(W.moe.lse_sq_ws.Ensure(&alloc, static_cast<int64_t>(ws)));
+  RETURN_IF_ERROR(W.lse_sq_ws.Ensure(&cx.alloc, static_cast<int64_t>(ws)));
   double* slot = static_cast<double*>(moe_lse_sq.get()) + moe_lse_sq_layer.size();
-  KC(kc::SquaredNorm(lse, T, slot, kc::Workspace{W.moe.lse_sq_ws.get(), ws}, stream));
+  KC(kc::SquaredNorm(lse, T, slot, kc::Workspace{W.lse_sq_ws.get(), ws}, cx.stream));
   moe_lse_sq_layer.push_back(L.index);
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MoeDrainLseSq() {
+absl::Status CudaMoeFfn::DrainLseSq() {
   if (moe_lse_sq_layer.empty()) return absl::OkStatus();
   std::vector<double> sums(moe_lse_sq_layer.size());
   CUDA(cudaMemcpyAsync(sums.data(), moe_lse_sq.get(), sums.size() * sizeof(double),
-                       cudaMemcpyDeviceToHost, stream));
-  CUDA(cudaStreamSynchronize(stream));
+                       cudaMemcpyDeviceToHost, cx.stream));
+  CUDA(cudaStreamSynchronize(cx.stream));
   if (moe_stats.size() < static_cast<size_t>(c.n_layers)) moe_stats.resize(c.n_layers);
   for (size_t i = 0; i < sums.size(); ++i) moe_stats[moe_lse_sq_layer[i]].zloss_sum += sums[i];
   moe_lse_sq_layer.clear();
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const void* dy) {
+absl::Status CudaMoeFfn::Backward(const LayerIdx& L, LayerActs& A, MoeDevCache& M, const void* dy) {
   const MoeConfig& m = c.moe;
   const MoeLayerParams& p = L.moe_p;
-  MoeDevCache& M = C.moe;
-  MoeDevWork& X = W.moe;
+  MoeDevWork& X = W;
   const int64_t T = B.T, d = c.d_model, E = m.experts, K = m.top_k, F = m.expert_ffn,
                 S = m.shared_ffn;
   const MoeDispatchPlan& plan = M.plan;
@@ -319,120 +338,102 @@ absl::Status CudaModel::Impl::MoeBackward(const LayerIdx& L, Cache& C, const voi
   if (plan.ep > 1) RETURN_IF_ERROR(rows.Upload(plan, M));  // at ep = 1 the maps are on the device
   const int64_t R = plan.expert_rows(), El = plan.local_experts;
   // The combine's backward: each pair's output gradient (weighted) and its weight's gradient.
-  RETURN_IF_ERROR(F32(X.dw, T * K));
-  RETURN_IF_ERROR(Act(X.dye, R, d));
-  if (fp8) RETURN_IF_ERROR(X.q_dye.Ensure(&alloc, R, d, KDType::kFp8E5M2));
+  RETURN_IF_ERROR(cx.F32(X.dw, T * K));
+  RETURN_IF_ERROR(cx.Act(X.dye, R, d));
+  if (cx.fp8) RETURN_IF_ERROR(X.q_dye.Ensure(&cx.alloc, R, d, KDType::kFp8E5M2));
   if (plan.ep > 1) {
-    RETURN_IF_ERROR(Act(X.send, T * K, d));
-    RETURN_IF_ERROR(Act(X.recv, plan.recv_total(), d));
-    KC(kc::MoeCombineBackward(dy, M.returned.get(), M.pair_row.i32(), M.weights.f32(),
-                              X.send.get(), X.dw.f32(), T, K, d, kAct, stream));
+    RETURN_IF_ERROR(cx.Act(X.send, T * K, d));
+    RETURN_IF_ERROR(cx.Act(X.recv, plan.recv_total(), d));
+    KC(kc::MoeCombineBackward(dy, M.returned.get(), M.pair_row.i32(), M.weights.f32(), X.send.get(),
+                              X.dw.f32(), T, K, d, kAct, cx.stream));
   } else {
-    CUDA(cudaMemsetAsync(X.dye.get(), 0, std::max<int64_t>(R, 1) * d * kAb, stream));
+    CUDA(cudaMemsetAsync(X.dye.get(), 0, std::max<int64_t>(R, 1) * d * kAb, cx.stream));
     KC(kc::MoeCombineBackward(dy, M.ye.get(), M.pair_row.i32(), M.weights.f32(), X.dye.get(),
-                              X.dw.f32(), T, K, d, kAct, stream,
-                              fp8 ? X.q_dye.Output().amax : nullptr));
+                              X.dw.f32(), T, K, d, kAct, cx.stream,
+                              cx.fp8 ? X.q_dye.Output().amax : nullptr));
   }
   // The shared expert's backward while the gradients travel to the experts: W.dh.
-  RETURN_IF_ERROR(Act(W.dh, T, d));
-  for (DevBuf* b : {&X.sda, &X.sdg, &X.sdu}) RETURN_IF_ERROR(Act(*b, T, std::max<int64_t>(S, 1)));
+  RETURN_IF_ERROR(cx.Act(cx.W.dh, T, d));
+  for (DevBuf* b : {&X.sda, &X.sdg, &X.sdu})
+    RETURN_IF_ERROR(cx.Act(*b, T, std::max<int64_t>(S, 1)));
   absl::Status shared_status;
   auto shared = [&] {
     if (S == 0) {
-      shared_status = FromCuda(cudaMemsetAsync(W.dh.get(), 0, T * d * kAb, stream), "memset");
+      shared_status = FromCuda(cudaMemsetAsync(cx.W.dh.get(), 0, T * d * kAb, cx.stream), "memset");
       return;
     }
-    absl::Status s = Bwd(M.sa.get(), S, Wb(p.s2), dy, X.sda.get(), G(p.s2), T, S, d, false);
+    absl::Status s =
+        cx.Bwd(M.sa.get(), S, cx.Wb(p.s2), dy, X.sda.get(), cx.G(p.s2), T, S, d, false);
     if (s.ok())
       s = FromKernel(kc::SwiGluBackward(M.sg.get(), M.su.get(), X.sda.get(), X.sdg.get(),
-                                        X.sdu.get(), T * S, kAct, stream));
-    if (s.ok()) s = Bwd(C.h2.get(), d, Wb(p.s1), X.sdg.get(), W.dh.get(), G(p.s1), T, d, S, false);
-    if (s.ok()) s = Bwd(C.h2.get(), d, Wb(p.s3), X.sdu.get(), W.dh.get(), G(p.s3), T, d, S, true);
+                                        X.sdu.get(), T * S, kAct, cx.stream));
+    if (s.ok())
+      s = cx.Bwd(A.h2.get(), d, cx.Wb(p.s1), X.sdg.get(), cx.W.dh.get(), cx.G(p.s1), T, d, S,
+                 false);
+    if (s.ok())
+      s = cx.Bwd(A.h2.get(), d, cx.Wb(p.s3), X.sdu.get(), cx.W.dh.get(), cx.G(p.s3), T, d, S, true);
     shared_status = s;
   };
   if (plan.ep > 1) {
-    RETURN_IF_ERROR(MoeToExperts(plan, rows, ep, X.send.get(), d, X.recv.get(), X.dye.get(), shared));
+    RETURN_IF_ERROR(
+        MoeToExperts(plan, rows, ep, X.send.get(), d, X.recv.get(), X.dye.get(), shared));
   } else {
     shared();
   }
   RETURN_IF_ERROR(shared_status);
   // The experts' backward.
-  for (DevBuf* b : {&X.da, &X.dg, &X.du}) RETURN_IF_ERROR(Act(*b, R, F));
-  RETURN_IF_ERROR(Act(X.dxe, R, d));
+  for (DevBuf* b : {&X.da, &X.dg, &X.du}) RETURN_IF_ERROR(cx.Act(*b, R, F));
+  RETURN_IF_ERROR(cx.Act(X.dxe, R, d));
   const int64_t* off = plan.expert_offsets.data();
-  if (fp8) {
-    RETURN_IF_ERROR(MoeExpertsBackwardFp8(L, C));
+  if (cx.fp8) {
+    RETURN_IF_ERROR(ExpertsBackwardFp8(L, M));
   } else {
-    KC(moe_gemm->BackwardData(X.dye.get(), Wb(p.w2), X.da.get(), off, El, d, F, kAct, stream));
-    KC(moe_gemm->BackwardWeight(X.dye.get(), M.a.get(), G(p.w2), off, El, d, F, kAct, stream));
+    KC(moe_gemm->BackwardData(X.dye.get(), cx.Wb(p.w2), X.da.get(), off, El, d, F, kAct,
+                              cx.stream));
+    KC(moe_gemm->BackwardWeight(X.dye.get(), M.a.get(), cx.G(p.w2), off, El, d, F, kAct,
+                                cx.stream));
     KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
-                          stream));
-    KC(moe_gemm->BackwardData(X.dg.get(), Wb(p.w1), X.dxe.get(), off, El, F, d, kAct, stream));
-    KC(moe_gemm->BackwardData(X.du.get(), Wb(p.w3), X.dxe.get(), off, El, F, d, kAct, stream,
+                          cx.stream));
+    KC(moe_gemm->BackwardData(X.dg.get(), cx.Wb(p.w1), X.dxe.get(), off, El, F, d, kAct,
+                              cx.stream));
+    KC(moe_gemm->BackwardData(X.du.get(), cx.Wb(p.w3), X.dxe.get(), off, El, F, d, kAct, cx.stream,
                               /*accumulate=*/true));
-    KC(moe_gemm->BackwardWeight(X.dg.get(), M.xe.get(), G(p.w1), off, El, F, d, kAct, stream));
-    KC(moe_gemm->BackwardWeight(X.du.get(), M.xe.get(), G(p.w3), off, El, F, d, kAct, stream));
+    KC(moe_gemm->BackwardWeight(X.dg.get(), M.xe.get(), cx.G(p.w1), off, El, F, d, kAct,
+                                cx.stream));
+    KC(moe_gemm->BackwardWeight(X.du.get(), M.xe.get(), cx.G(p.w3), off, El, F, d, kAct,
+                                cx.stream));
   }
   // The input gradient in fp32: the shared expert's, each token's K rows, the router's; rounded
   // once into W.dh.
-  RETURN_IF_ERROR(F32(X.acc, T * d));
-  KC(kc::CastRows(X.acc.get(), KDType::kFloat32, d, W.dh.get(), kAct, d, T, d, stream));
+  RETURN_IF_ERROR(cx.F32(X.acc, T * d));
+  KC(kc::CastRows(X.acc.get(), KDType::kFloat32, d, cx.W.dh.get(), kAct, d, T, d, cx.stream));
   const void* dX = X.dxe.get();
   if (plan.ep > 1) {
     RETURN_IF_ERROR(MoeFromExperts(plan, rows, ep, X.dxe.get(), d, X.recv.get(), X.send.get()));
     dX = X.send.get();
   }
   KC(kc::MoeCombine(dX, kAct, M.pair_row.i32(), nullptr, X.acc.get(), KDType::kFloat32, T, K, d,
-                    /*accumulate=*/true, stream));
-  RETURN_IF_ERROR(F32(X.dlogits, T * E));
+                    /*accumulate=*/true, cx.stream));
+  RETURN_IF_ERROR(cx.F32(X.dlogits, T * E));
   KC(kc::MoeRouterBackward(M.logits.f32(), M.idx.i32(), X.dw.f32(), M.lse.f32(), zloss_scale,
-                           X.dlogits.f32(), T, E, K, stream));
+                           X.dlogits.f32(), T, E, K, cx.stream));
   {
     kc::GemmArgs a;  // acc += dlogits Wr
     a.M = T, a.N = d, a.K = E, a.beta = 1.0f;
-    a.A = X.dlogits.get(), a.lda = E, a.B = Master(p.router), a.ldb = d, a.C = X.acc.get(), a.ldc = d;
+    a.A = X.dlogits.get(), a.lda = E, a.B = cx.Master(p.router), a.ldb = d, a.C = X.acc.get(),
+    a.ldc = d;
     a.ab_type = KDType::kFloat32, a.c_type = KDType::kFloat32;
-    KC(blas->Gemm(a, stream));
+    KC(cx.blas->Gemm(a, cx.stream));
     kc::GemmArgs b;  // dWr += dlogits^T h32
     b.trans_a = true;
     b.M = E, b.N = d, b.K = T, b.beta = 1.0f;
-    b.A = X.dlogits.get(), b.lda = E, b.B = M.h32.get(), b.ldb = d, b.C = G(p.router), b.ldc = d;
+    b.A = X.dlogits.get(), b.lda = E, b.B = M.h32.get(), b.ldb = d, b.C = cx.G(p.router), b.ldc = d;
     b.ab_type = KDType::kFloat32, b.c_type = KDType::kFloat32;
-    KC(blas->Gemm(b, stream));
+    KC(cx.blas->Gemm(b, cx.stream));
   }
-  KC(kc::CastRows(W.dh.get(), kAct, d, X.acc.get(), KDType::kFloat32, d, T, d, stream));
+  KC(kc::CastRows(cx.W.dh.get(), kAct, d, X.acc.get(), KDType::kFloat32, d, T, d, cx.stream));
   return absl::OkStatus();
 }
 
-void CudaModel::BeginStep(double tokens) {
-  Impl& I = *impl_;
-  I.moe_stats.assign(I.c.n_layers, MoeLayerStats{});
-  I.moe_lse_sq_layer.clear();
-  I.zloss_scale = tokens > 0 ? static_cast<float>(I.c.moe.z_loss / tokens) : 0.0f;
-}
-
-absl::StatusOr<nlohmann::json> CudaModel::FinishMoeStep(Communicator* world) {
-  Impl& I = *impl_;
-  if (I.c.moe.experts == 0) return nlohmann::json::object();
-  RETURN_IF_ERROR(I.MoeDrainLseSq());
-  // The biases live in the fp32 masters on the device: moved on the host copy, then back.
-  const int64_t E = I.c.moe.experts;
-  std::vector<std::vector<float>> bias(I.c.n_layers);
-  CUDA(cudaStreamSynchronize(I.stream));
-  for (const LayerIdx& L : I.layers) {
-    if (!L.moe) continue;
-    bias[L.index].resize(E);
-    CUDA(cudaMemcpy(bias[L.index].data(), I.Master(L.moe_p.bias), E * 4, cudaMemcpyDeviceToHost));
-  }
-  ASSIGN_OR_RETURN(nlohmann::json fields,
-                   BalanceMoeBiases(I.c, I.moe_stats, world,
-                                    [&](int64_t i) { return bias[i].data(); }));
-  for (const LayerIdx& L : I.layers) {
-    if (!L.moe) continue;
-    CUDA(cudaMemcpy(I.Master(L.moe_p.bias), bias[L.index].data(), E * 4, cudaMemcpyHostToDevice));
-    std::copy(bias[L.index].begin(), bias[L.index].end(), I.P().data(L.moe_p.bias));
-  }
-  return fields;
-}
-
+}  // namespace cuda_model_detail
 }  // namespace spindle
