@@ -146,6 +146,20 @@ struct Fp8BlockOutput {
 Status Fp8QuantizeBlockwise(const void* x, int64_t rows, int64_t cols, DType dtype,
                             const Fp8BlockOutput& out, cudaStream_t stream);
 
+// The producers' fp32 results quantized blockwise from their inputs and the statistics their
+// forward kept (rstd: ops.h's RmsNormForward / GroupNormGateForward or the FP8 producers' first
+// pass), with the same fp32 operations as the tensorwise producers (so the same values: the CPU
+// emulation's, see "Values quantized" above); one pass, no amax pass. Shapes and limits as their
+// *QuantizeFp8 namesakes; out as Fp8QuantizeBlockwise's ([rows, D], [rows, cols], [T, H * Dh]).
+Status RmsNormQuantizeBlockwise(const void* x, const void* w, const float* rstd, int64_t rows,
+                                int64_t D, DType dtype, const Fp8BlockOutput& out,
+                                cudaStream_t stream);
+Status SwiGluQuantizeBlockwise(const void* g, const void* u, int64_t rows, int64_t cols,
+                               DType dtype, const Fp8BlockOutput& out, cudaStream_t stream);
+Status GroupNormGateQuantizeBlockwise(const void* o, const void* w, const void* gate,
+                                      const float* rstd, int64_t T, int64_t H, int64_t Dh,
+                                      DType dtype, const Fp8BlockOutput& out, cudaStream_t stream);
+
 // One fp32 master weight [rows, cols] (W [out, in]) and its blockwise FP8 copies, 128 x 128 blocks:
 // codes [rows, cols] with kBlock128 scales [ceil(rows / 128), Fp8SquareScalesLd(cols)] (the
 // forward x W^T reads them), codes_t [cols, rows] with kBlock128 scales [ceil(cols / 128),

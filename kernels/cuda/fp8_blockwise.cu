@@ -1,6 +1,7 @@
 // Blockwise FP8 quantization on CUDA (fp8.h, "Blockwise scaling"): activations and output
-// gradients with 1 x 128 blocks along their rows and 128 x 1 blocks for their transposed copy, and
-// the fp32 master weights with 128 x 128 blocks, in both layouts.
+// gradients with 1 x 128 blocks along their rows and 128 x 1 blocks for their transposed copy (a
+// stored tensor, or a producer's fp32 result recomputed from its inputs and kept statistics, the
+// sources of fp8_sources.cuh), and the fp32 master weights with 128 x 128 blocks, in both layouts.
 //
 // Scheme. A CUDA block owns one 128 x 128 tile of the input, which is exactly one block of the
 // square grid, 128 row blocks and 128 column blocks: every amax it needs lies inside the tile, so
@@ -25,6 +26,7 @@
 #include "kernels/cuda/amax.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8.h"
+#include "kernels/cuda/fp8_sources.cuh"
 #include "kernels/cuda/vec.cuh"
 
 namespace spindle::kernels::cuda {
@@ -35,6 +37,10 @@ using internal::Aligned16;
 using internal::CeilDiv;
 using internal::ToFloat;
 using internal::WarpMaxBits;
+using internal::fp8::GroupGateSource;
+using internal::fp8::RmsSource;
+using internal::fp8::StoredSource;
+using internal::fp8::SwiGluSource;
 
 constexpr int kB = static_cast<int>(kFp8BlockSize);  // the tile's side: one block of the grid
 constexpr int kWarps = 8;
@@ -44,7 +50,8 @@ constexpr int kColsPerLane = kB / 32;      // 4
 constexpr int kMaxCastTensors = 32;
 static_assert(kRowsPerWarp == 16 && kColsPerLane == 4, "the tile's thread layout");
 
-// One tensor's quantization: its input, sizes and outputs (null pointers: not written).
+// One tensor's quantization: its sizes and outputs (null pointers: not written), and its input
+// where it is a stored tensor (the weights' cast).
 struct Job {
   const void* x;
   int64_t rows, cols;
@@ -55,7 +62,7 @@ struct Job {
   int64_t scales_ld, scales_t_ld;  // square blocks: the row strides of the two scale tensors
   int e5m2;                        // 0: E4M3, 1: E5M2
   float fmax;                      // the format's largest finite value
-  bool vec_load;                   // cols % 4 == 0 and x 16-byte aligned
+  bool vec_load;                   // a stored source, cols % 4 == 0 and x 16-byte aligned
   bool vec_codes;                  // cols % 4 == 0 and codes 4-byte aligned
   bool vec_codes_t;                // rows % 16 == 0 and codes_t 16-byte aligned
 };
@@ -82,9 +89,17 @@ __device__ __forceinline__ void Pow2Scale(uint32_t bits, float fmax, float* scal
   *inverse = __int_as_float((127 - e) << 23);
 }
 
-// 4 values of T at p (16-byte aligned fp32, 8-byte aligned bf16) as floats.
+// Values (r, c .. c + 3) of a source, all inside the tensor: one at a time, or for a stored tensor
+// (Job::vec_load: 16-byte aligned fp32, 8-byte aligned bf16) as one load.
+template <class Source>
+__device__ __forceinline__ void Load4(const Source& src, int64_t r, int64_t c, float (&v)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = src(r, c + j);
+}
 template <typename T>
-__device__ __forceinline__ void Load4(const T* p, float (&v)[4]) {
+__device__ __forceinline__ void Load4(const StoredSource<T>& src, int64_t r, int64_t c,
+                                      float (&v)[4]) {
+  const T* p = src.x + r * src.cols + c;
   if constexpr (sizeof(T) == 4) {
     const float4 f = *reinterpret_cast<const float4*>(p);
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
@@ -97,8 +112,8 @@ __device__ __forceinline__ void Load4(const T* p, float (&v)[4]) {
 
 // Quantizes tile `tile` (row-major over the tiles of the job's [rows, cols]). kSquare: one scale
 // for the tile (weights); otherwise one per row for codes and one per column for codes_t.
-template <typename T, bool kSquare>
-__device__ void QuantizeTile(const Job& job, int64_t tile) {
+template <class Source, bool kSquare>
+__device__ void QuantizeTile(const Source& src, const Job& job, int64_t tile) {
   __shared__ uint32_t col_bits[kWarps][kB];
   __shared__ float col_scale[kB];
   __shared__ uint32_t warp_bits[kWarps];
@@ -109,7 +124,6 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
   const int64_t r0 = tile / tiles_c * kB, c0 = tile % tiles_c * kB;
   const int64_t rb = r0 / kB, cb = c0 / kB;
   const int64_t R0 = r0 + warp * kRowsPerWarp, C0 = c0 + lane * kColsPerLane;
-  const T* x = static_cast<const T*>(job.x);
 
   // Load: values outside the tensor are 0 (they change no amax and are not stored).
   float v[kRowsPerWarp][kColsPerLane];
@@ -118,11 +132,11 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = R0 + i;
     if (r < rows && full_cols && job.vec_load) {
-      Load4(x + r * cols + C0, v[i]);
+      Load4(src, r, C0, v[i]);
     } else {
 #pragma unroll
       for (int j = 0; j < kColsPerLane; ++j)
-        v[i][j] = r < rows && C0 + j < cols ? ToFloat(x[r * cols + C0 + j]) : 0.0f;
+        v[i][j] = r < rows && C0 + j < cols ? src(r, C0 + j) : 0.0f;
     }
   }
 
@@ -159,7 +173,8 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
         Pow2Scale(m, job.fmax, &row_scale[i], &inverse);
         if (lane == i) my_row_inverse = inverse;
       }
-      if (lane < kRowsPerWarp && R0 + lane < rows) job.scales[cb * rows + R0 + lane] = my_row_inverse;
+      if (lane < kRowsPerWarp && R0 + lane < rows)
+        job.scales[cb * rows + R0 + lane] = my_row_inverse;
     }
     if (job.codes_t != nullptr) {
 #pragma unroll
@@ -195,8 +210,8 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
       for (int j = 0; j < kColsPerLane; ++j) q[j] = ToFp8(__fmul_rn(v[i][j], s), job.e5m2);
       uint8_t* dst = job.codes + r * cols + C0;
       if (full_cols && job.vec_codes) {
-        *reinterpret_cast<uint32_t*>(dst) = uint32_t{q[0]} | uint32_t{q[1]} << 8 |
-                                            uint32_t{q[2]} << 16 | uint32_t{q[3]} << 24;
+        *reinterpret_cast<uint32_t*>(dst) =
+            uint32_t{q[0]} | uint32_t{q[1]} << 8 | uint32_t{q[2]} << 16 | uint32_t{q[3]} << 24;
       } else {
 #pragma unroll
         for (int j = 0; j < kColsPerLane; ++j)
@@ -206,8 +221,8 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
   }
   if (job.codes_t == nullptr) return;  // uniform over the block
 
-  // The transposed codes: column j's 16 codes of this warp's rows as one 16-byte word in shared
-  // memory, then the tile's 128 transposed rows out, 16 bytes a thread at a time.
+    // The transposed codes: column j's 16 codes of this warp's rows as one 16-byte word in shared
+    // memory, then the tile's 128 transposed rows out, 16 bytes a thread at a time.
 #pragma unroll
   for (int j = 0; j < kColsPerLane; ++j) {
     const float s = kSquare ? tile_scale : col_scale[lane * kColsPerLane + j];
@@ -233,9 +248,9 @@ __device__ void QuantizeTile(const Job& job, int64_t tile) {
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) RowBlocksKernel(Job job) {
-  QuantizeTile<T, false>(job, blockIdx.x);
+template <class Source>
+__global__ void __launch_bounds__(kThreads) RowBlocksKernel(Source src, Job job) {
+  QuantizeTile<Source, false>(src, job, blockIdx.x);
 }
 
 struct CastTable {
@@ -259,10 +274,14 @@ __device__ int FindTensor(const int32_t* first, int n, int b) {
   return lo;
 }
 
-__global__ void __launch_bounds__(kThreads) SquareBlocksKernel(const __grid_constant__ CastTable table) {
+__global__ void __launch_bounds__(kThreads)
+    SquareBlocksKernel(const __grid_constant__ CastTable table) {
   const int b = static_cast<int>(blockIdx.x);
   const int i = FindTensor(table.first_tile, table.n, b);
-  QuantizeTile<float, true>(table.t[i], b - table.first_tile[i]);
+  const Job& job = table.t[i];
+  QuantizeTile<StoredSource<float>, true>(
+      StoredSource<float>{static_cast<const float*>(job.x), job.cols}, job,
+      b - table.first_tile[i]);
 }
 
 inline bool AlignedTo(const void* p, uintptr_t a) {
@@ -287,9 +306,29 @@ Job JobOf(const void* x, int64_t rows, int64_t cols, DType format, void* codes, 
 Status CheckOutputs(DType format, const void* codes, const float* scales, const void* codes_t,
                     const float* scales_t, const std::string& op) {
   if (!IsFp8(format)) return internal::UnsupportedDType(format, op.c_str());
-  SPINDLE_CHECK_ARG(codes != nullptr || codes_t != nullptr, op + ": neither codes nor codes_t given");
+  SPINDLE_CHECK_ARG(codes != nullptr || codes_t != nullptr,
+                    op + ": neither codes nor codes_t given");
   SPINDLE_CHECK_ARG(codes == nullptr || scales != nullptr, op + ": codes without scales");
   SPINDLE_CHECK_ARG(codes_t == nullptr || scales_t != nullptr, op + ": codes_t without scales_t");
+  return Status::Ok();
+}
+
+// Checks the outputs and launches the 1 x 128 quantization of src's [rows, cols].
+template <class Source>
+Status LaunchRowBlocks(const Source& src, int64_t rows, int64_t cols, bool vec_load,
+                       const Fp8BlockOutput& out, const char* op, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && cols >= 0, std::string(op) + ": negative size");
+  SPINDLE_RETURN_IF_ERROR(
+      CheckOutputs(out.format, out.codes, out.scales, out.codes_t, out.scales_t, op));
+  const int64_t tiles = CeilDiv(rows, kB) * CeilDiv(cols, kB);
+  SPINDLE_CHECK_ARG(tiles < std::numeric_limits<int32_t>::max(),
+                    std::string(op) + ": tensor too large for one launch");
+  if (tiles == 0) return Status::Ok();
+  Job job =
+      JobOf(nullptr, rows, cols, out.format, out.codes, out.scales, out.codes_t, out.scales_t);
+  job.vec_load = vec_load;
+  RowBlocksKernel<Source><<<tiles, kThreads, 0, stream>>>(src, job);
+  SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
@@ -297,19 +336,55 @@ Status CheckOutputs(DType format, const void* codes, const float* scales, const 
 
 Status Fp8QuantizeBlockwise(const void* x, int64_t rows, int64_t cols, DType dtype,
                             const Fp8BlockOutput& out, cudaStream_t stream) {
-  SPINDLE_CHECK_ARG(rows >= 0 && cols >= 0, "Fp8QuantizeBlockwise: negative size");
   SPINDLE_CHECK_ARG(rows * cols == 0 || x != nullptr, "Fp8QuantizeBlockwise: x is null");
-  SPINDLE_RETURN_IF_ERROR(CheckOutputs(out.format, out.codes, out.scales, out.codes_t,
-                                       out.scales_t, "Fp8QuantizeBlockwise"));
-  const int64_t tiles = CeilDiv(rows, kB) * CeilDiv(cols, kB);
-  SPINDLE_CHECK_ARG(tiles < std::numeric_limits<int32_t>::max(),
-                    "Fp8QuantizeBlockwise: tensor too large for one launch");
-  if (tiles == 0) return Status::Ok();
-  const Job job = JobOf(x, rows, cols, out.format, out.codes, out.scales, out.codes_t, out.scales_t);
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "Fp8QuantizeBlockwise", {
-    RowBlocksKernel<scalar_t><<<tiles, kThreads, 0, stream>>>(job);
+    const StoredSource<scalar_t> src{static_cast<const scalar_t*>(x), cols};
+    return LaunchRowBlocks(src, rows, cols, cols % 4 == 0 && Aligned16(x), out,
+                           "Fp8QuantizeBlockwise", stream);
   });
-  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status RmsNormQuantizeBlockwise(const void* x, const void* w, const float* rstd, int64_t rows,
+                                int64_t D, DType dtype, const Fp8BlockOutput& out,
+                                cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && D > 0 && rstd != nullptr && x != nullptr && w != nullptr,
+                    "RmsNormQuantizeBlockwise: bad arguments");
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "RmsNormQuantizeBlockwise", {
+    const RmsSource<scalar_t> src{static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(w),
+                                  rstd, D};
+    return LaunchRowBlocks(src, rows, D, false, out, "RmsNormQuantizeBlockwise", stream);
+  });
+  return Status::Ok();
+}
+
+Status SwiGluQuantizeBlockwise(const void* g, const void* u, int64_t rows, int64_t cols,
+                               DType dtype, const Fp8BlockOutput& out, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows * cols == 0 || (g != nullptr && u != nullptr),
+                    "SwiGluQuantizeBlockwise: bad arguments");
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluQuantizeBlockwise", {
+    const SwiGluSource<scalar_t> src{static_cast<const scalar_t*>(g),
+                                     static_cast<const scalar_t*>(u), cols};
+    return LaunchRowBlocks(src, rows, cols, false, out, "SwiGluQuantizeBlockwise", stream);
+  });
+  return Status::Ok();
+}
+
+Status GroupNormGateQuantizeBlockwise(const void* o, const void* w, const void* gate,
+                                      const float* rstd, int64_t T, int64_t H, int64_t Dh,
+                                      DType dtype, const Fp8BlockOutput& out, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(T >= 0 && H > 0 && Dh > 0 && rstd != nullptr && o != nullptr && w != nullptr &&
+                        gate != nullptr,
+                    "GroupNormGateQuantizeBlockwise: bad arguments");
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "GroupNormGateQuantizeBlockwise", {
+    const GroupGateSource<scalar_t> src{static_cast<const scalar_t*>(o),
+                                        static_cast<const scalar_t*>(w),
+                                        static_cast<const scalar_t*>(gate),
+                                        rstd,
+                                        H,
+                                        Dh};
+    return LaunchRowBlocks(src, T, H * Dh, false, out, "GroupNormGateQuantizeBlockwise", stream);
+  });
   return Status::Ok();
 }
 
@@ -333,8 +408,8 @@ Status Fp8CastWeightsBlockwise(const Fp8BlockWeightCast* tensors, int64_t n_tens
       const Fp8BlockWeightCast& w = tensors[i];
       const int64_t t = CeilDiv(w.rows, kB) * CeilDiv(w.cols, kB);
       if (t == 0) continue;  // an empty tensor has no block and no scale
-      table.t[n] = JobOf(w.master, w.rows, w.cols, w.format, w.codes, w.scales, w.codes_t,
-                         w.scales_t);
+      table.t[n] =
+          JobOf(w.master, w.rows, w.cols, w.format, w.codes, w.scales, w.codes_t, w.scales_t);
       table.first_tile[n] = static_cast<int32_t>(tiles);
       tiles += t;
       ++n;

@@ -64,7 +64,7 @@ __device__ __forceinline__ void LoadChunk(const Operand& op, int64_t r0, int64_t
 }
 
 template <typename TC>
-__global__ void __launch_bounds__(kSide * kSide)
+__global__ void __launch_bounds__(kSide* kSide)
     BlockScaledGemmKernel(Operand a, Operand b, int64_t K, float alpha, float beta, TC* C,
                           const TC* C_in, int64_t ldc) {
   __shared__ float As[kChunk][kTileMN + 1];
@@ -146,9 +146,9 @@ Status Fp8BlockScaledGemmOwn(const GemmArgs& g, cudaStream_t stream) {
                     "Fp8BlockScaledGemmOwn: M too large for one launch");
   const void* c_in = g.C_in != nullptr ? g.C_in : g.C;
   if (g.c_type == DType::kFloat32) {
-    BlockScaledGemmKernel<float><<<grid, kSide * kSide, 0, stream>>>(
-        a, b, g.K, g.alpha, g.beta, static_cast<float*>(g.C), static_cast<const float*>(c_in),
-        g.ldc);
+    BlockScaledGemmKernel<float>
+        <<<grid, kSide * kSide, 0, stream>>>(a, b, g.K, g.alpha, g.beta, static_cast<float*>(g.C),
+                                             static_cast<const float*>(c_in), g.ldc);
   } else if (g.c_type == DType::kBFloat16) {
     BlockScaledGemmKernel<__nv_bfloat16><<<grid, kSide * kSide, 0, stream>>>(
         a, b, g.K, g.alpha, g.beta, static_cast<__nv_bfloat16*>(g.C),

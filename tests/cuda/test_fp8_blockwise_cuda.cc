@@ -69,7 +69,8 @@ void ExpectSameFloats(const std::vector<float>& got, const std::vector<float>& w
   int64_t bad = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     if (SameFloat(got[i], want[i])) continue;
-    if (++bad <= 5) ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+    if (++bad <= 5)
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " values differ";
 }
@@ -104,7 +105,8 @@ class Fp8BlockwiseCuda : public ::testing::Test {
     for (int& v : ec) v = e(rng_);
     auto x = testing::Normal(rng_, rows * cols);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = std::ldexp(x[r * cols + c], er[r] + ec[c / 37]);
+      for (int64_t c = 0; c < cols; ++c)
+        x[r * cols + c] = std::ldexp(x[r * cols + c], er[r] + ec[c / 37]);
     if (cols > kBlk && rows > 3)  // row 3's second 1 x 128 block (partial if cols < 256)
       for (int64_t c = kBlk; c < std::min(cols, 2 * kBlk); ++c) x[3 * cols + c] = 0.0f;
     if (rows > 1 && cols > 5)  // column 5's first 128 x 1 block
@@ -120,7 +122,8 @@ class Fp8BlockwiseCuda : public ::testing::Test {
   std::mt19937 rng_;
 };
 
-// ---- Quantization ---------------------------------------------------------------------------------
+// ---- Quantization
+// ---------------------------------------------------------------------------------
 
 struct Shape {
   int64_t rows, cols;
@@ -129,8 +132,12 @@ struct Shape {
 // The device side of one Fp8BlockOutput of [rows, cols], filled with bytes no test expects.
 struct RowBlockBuffers {
   RowBlockBuffers(int64_t rows, int64_t cols, DType format, bool want_codes, bool want_codes_t)
-      : rows(rows), cols(cols), codes(rows * cols + 16), codes_t(rows * cols + 16),
-        scales(Fp8Blocks(cols) * rows * 4 + 16), scales_t(Fp8Blocks(rows) * cols * 4 + 16) {
+      : rows(rows),
+        cols(cols),
+        codes(rows * cols + 16),
+        codes_t(rows * cols + 16),
+        scales(Fp8Blocks(cols) * rows * 4 + 16),
+        scales_t(Fp8Blocks(rows) * cols * 4 + 16) {
     cudaMemset(codes.get(), 0x5A, rows * cols + 16);
     cudaMemset(codes_t.get(), 0x5A, rows * cols + 16);
     cudaMemset(scales.get(), 0xFF, scales.bytes());
@@ -146,8 +153,8 @@ struct RowBlockBuffers {
     std::vector<float> v(rows * cols);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c)
-        v[r * cols + c] = cpu::Fp8ToFloat(q[r * cols + c], CpuFormat(out.format)) *
-                          s[(c / kBlk) * rows + r];
+        v[r * cols + c] =
+            cpu::Fp8ToFloat(q[r * cols + c], CpuFormat(out.format)) * s[(c / kBlk) * rows + r];
     return v;
   }
   // The transposed codes' dequantized values, transposed back to [rows, cols].
@@ -157,8 +164,8 @@ struct RowBlockBuffers {
     std::vector<float> v(rows * cols);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c)
-        v[r * cols + c] = cpu::Fp8ToFloat(q[c * rows + r], CpuFormat(out.format)) *
-                          s[(r / kBlk) * cols + c];
+        v[r * cols + c] =
+            cpu::Fp8ToFloat(q[c * rows + r], CpuFormat(out.format)) * s[(r / kBlk) * cols + c];
     return v;
   }
   int64_t rows, cols;
@@ -191,27 +198,77 @@ TEST_F(Fp8BlockwiseCuda, RowBlocksMatchCpuBitForBit) {
         std::vector<float> want_sc(sc.size()), want_sc_t(sc_t.size());
         for (int64_t r = 0; r < s.rows; ++r)
           for (int64_t cb = 0; cb < Fp8Blocks(s.cols); ++cb)
-            want_sc[cb * s.rows + r] =
-                cpu::Pow2Scale(BlockAmax(x, s.cols, r, 1, cb * kBlk,
-                                         std::min(kBlk, s.cols - cb * kBlk)),
-                               CpuFormat(f))
-                    .inverse;
+            want_sc[cb * s.rows + r] = cpu::Pow2Scale(BlockAmax(x, s.cols, r, 1, cb * kBlk,
+                                                                std::min(kBlk, s.cols - cb * kBlk)),
+                                                      CpuFormat(f))
+                                           .inverse;
         for (int64_t rb = 0; rb < Fp8Blocks(s.rows); ++rb)
           for (int64_t c = 0; c < s.cols; ++c)
             want_sc_t[rb * s.cols + c] =
-                cpu::Pow2Scale(BlockAmax(x, s.cols, rb * kBlk, std::min(kBlk, s.rows - rb * kBlk),
-                                         c, 1),
-                               CpuFormat(f))
+                cpu::Pow2Scale(
+                    BlockAmax(x, s.cols, rb * kBlk, std::min(kBlk, s.rows - rb * kBlk), c, 1),
+                    CpuFormat(f))
                     .inverse;
         ExpectSameFloats(sc, want_sc, "scales");
         ExpectSameFloats(sc_t, want_sc_t, "scales_t");
         // Each layout alone: the same values.
-        RowBlockBuffers only(s.rows, s.cols, f, true, false), only_t(s.rows, s.cols, f, false, true);
+        RowBlockBuffers only(s.rows, s.cols, f, true, false),
+            only_t(s.rows, s.cols, f, false, true);
         ASSERT_OK(Fp8QuantizeBlockwise(d_x.get(), s.rows, s.cols, dtype, only.out, 0));
         ASSERT_OK(Fp8QuantizeBlockwise(d_x.get(), s.rows, s.cols, dtype, only_t.out, 0));
         ExpectSameFloats(only.Values(), want, "codes alone");
         ExpectSameFloats(only_t.ValuesT(), want_t, "codes_t alone");
       }
+}
+
+// The producers' results quantized blockwise from their inputs and kept statistics: the values the
+// tensorwise producers write as their fp32 output y (with the rstd they keep), so the same blocks
+// as quantizing that y, bit for bit, in both layouts.
+TEST_F(Fp8BlockwiseCuda, ProducersQuantizeTheirFp32Results) {
+  const DType f32 = DType::kFloat32;
+  const int64_t T = 200, D = 333, H = 3, Dh = 100;
+  DeviceBuffer scalars(64), codes(T * D + 16);
+  Fp8Output tw;  // the tensorwise producers' own codes (not checked here)
+  tw.codes = codes.get(), tw.amax = scalars.as<float>(), tw.inverse_scale = scalars.as<float>() + 4;
+  auto expect_same = [&](const void* y, int64_t cols, const RowBlockBuffers& fused,
+                         const std::string& what) {
+    RowBlockBuffers want(T, cols, fused.out.format, true, true);
+    ASSERT_OK(Fp8QuantizeBlockwise(y, T, cols, f32, want.out, 0));
+    ExpectSameFloats(fused.Values(), want.Values(), what + " codes x scales");
+    ExpectSameFloats(fused.ValuesT(), want.ValuesT(), what + " codes_t x scales_t");
+  };
+  {  // RMSNorm
+    const auto x = Input(T, D, f32), w = testing::Normal(rng_, D);
+    auto d_x = Upload(x, f32), d_w = Upload(w, f32);
+    DeviceBuffer y(T * D * 4), rstd(T * 4);
+    ASSERT_OK(RmsNormForwardFp8(d_x.get(), d_w.get(), y.get(), rstd.as<float>(), T, D, 1e-6f, f32,
+                                tw, 0));
+    RowBlockBuffers q(T, D, kE4M3, true, true);
+    ASSERT_OK(
+        RmsNormQuantizeBlockwise(d_x.get(), d_w.get(), rstd.as<float>(), T, D, f32, q.out, 0));
+    expect_same(y.get(), D, q, "RMSNorm");
+  }
+  {  // SwiGLU
+    const auto g = Input(T, D, f32), u = Input(T, D, f32);
+    auto d_g = Upload(g, f32), d_u = Upload(u, f32);
+    DeviceBuffer y(T * D * 4);
+    ASSERT_OK(SwiGluForwardFp8(d_g.get(), d_u.get(), y.get(), T, D, f32, tw, 0));
+    RowBlockBuffers q(T, D, kE4M3, true, true);
+    ASSERT_OK(SwiGluQuantizeBlockwise(d_g.get(), d_u.get(), T, D, f32, q.out, 0));
+    expect_same(y.get(), D, q, "SwiGLU");
+  }
+  {  // the group RMSNorm + gate
+    const auto o = Input(T, H * Dh, f32), gate = Input(T, H * Dh, f32);
+    const auto w = testing::Normal(rng_, H * Dh);
+    auto d_o = Upload(o, f32), d_gate = Upload(gate, f32), d_w = Upload(w, f32);
+    DeviceBuffer y(T * H * Dh * 4), rstd(T * H * 4);
+    ASSERT_OK(GroupNormGateForwardFp8(d_o.get(), d_w.get(), d_gate.get(), y.get(), rstd.as<float>(),
+                                      T, H, Dh, 1e-6f, f32, tw, 0));
+    RowBlockBuffers q(T, H * Dh, kE4M3, true, true);
+    ASSERT_OK(GroupNormGateQuantizeBlockwise(d_o.get(), d_w.get(), d_gate.get(), rstd.as<float>(),
+                                             T, H, Dh, f32, q.out, 0));
+    expect_same(y.get(), H * Dh, q, "group norm + gate");
+  }
 }
 
 // An input that is not 16-byte aligned takes the scalar loads: the same values.
@@ -268,20 +325,20 @@ TEST_F(Fp8BlockwiseCuda, SquareBlocksMatchCpuBitForBit) {
       std::vector<float> got(x.size()), got_t(x.size());
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) {
-          got[r * cols + c] = cpu::Fp8ToFloat(q[r * cols + c], CpuFormat(f)) *
-                              s[(r / kBlk) * ld + c / kBlk];
-          got_t[r * cols + c] = cpu::Fp8ToFloat(q_t[c * rows + r], CpuFormat(f)) *
-                                s_t[(c / kBlk) * ld_t + r / kBlk];
+          got[r * cols + c] =
+              cpu::Fp8ToFloat(q[r * cols + c], CpuFormat(f)) * s[(r / kBlk) * ld + c / kBlk];
+          got_t[r * cols + c] =
+              cpu::Fp8ToFloat(q_t[c * rows + r], CpuFormat(f)) * s_t[(c / kBlk) * ld_t + r / kBlk];
         }
       ExpectSameFloats(got, want, "codes x scales");
       ExpectSameFloats(got_t, want, "codes_t x scales_t");
       for (int64_t rb = 0; rb < Fp8Blocks(rows); ++rb)
         for (int64_t cb = 0; cb < Fp8Blocks(cols); ++cb) {
-          const float w = cpu::Pow2Scale(BlockAmax(x, cols, rb * kBlk,
-                                                   std::min(kBlk, rows - rb * kBlk), cb * kBlk,
-                                                   std::min(kBlk, cols - cb * kBlk)),
-                                         CpuFormat(f))
-                              .inverse;
+          const float w =
+              cpu::Pow2Scale(BlockAmax(x, cols, rb * kBlk, std::min(kBlk, rows - rb * kBlk),
+                                       cb * kBlk, std::min(kBlk, cols - cb * kBlk)),
+                             CpuFormat(f))
+                  .inverse;
           EXPECT_TRUE(SameFloat(s[rb * ld + cb], w)) << "block " << rb << ", " << cb;
           EXPECT_TRUE(SameFloat(s_t[cb * ld_t + rb], w)) << "block " << rb << ", " << cb << " (t)";
         }
@@ -296,7 +353,8 @@ TEST_F(Fp8BlockwiseCuda, QuantizersRefuseBadArguments) {
     EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
   };
   Fp8BlockOutput none;
-  expect(Fp8QuantizeBlockwise(x.get(), 8, 8, DType::kFloat32, none, 0), "neither codes nor codes_t");
+  expect(Fp8QuantizeBlockwise(x.get(), 8, 8, DType::kFloat32, none, 0),
+         "neither codes nor codes_t");
   Fp8BlockOutput no_scales;
   no_scales.codes = codes.get();
   expect(Fp8QuantizeBlockwise(x.get(), 8, 8, DType::kFloat32, no_scales, 0),
@@ -314,7 +372,8 @@ TEST_F(Fp8BlockwiseCuda, QuantizersRefuseBadArguments) {
   expect(Fp8CastWeightsBlockwise(&w, 1, 0), "codes_t without scales_t");
 }
 
-// ---- The block-scaled GEMM ------------------------------------------------------------------------
+// ---- The block-scaled GEMM
+// ------------------------------------------------------------------------
 
 // A linear layer's operands quantized blockwise on the device, and the CPU emulation's
 // dequantized values of each.
@@ -358,8 +417,8 @@ class Fp8BlockwiseGemm : public Fp8BlockwiseCuda {
   // C [M, N] against base + sum_k a[m, k] b[n, k] in fp64 (a [M, K], b [N, K] via accessors),
   // each within 2^-10 sum_k |a b| + out_rel |reference|. Returns the worst error / allowance.
   template <class A, class B>
-  double Check(const std::vector<float>& got, const std::vector<float>& base, int64_t M,
-               int64_t N, int64_t K, A a, B b, double out_rel, const std::string& what) {
+  double Check(const std::vector<float>& got, const std::vector<float>& base, int64_t M, int64_t N,
+               int64_t K, A a, B b, double out_rel, const std::string& what) {
     int64_t bad = 0;
     double worst = 0.0;
     for (int64_t m = 0; m < M; ++m)
@@ -399,8 +458,8 @@ TEST_F(Fp8BlockwiseGemm, ThreeRolesOfALinearLayer) {
     int64_t T, in, out;
   };
   for (const LShape s : {LShape{208, 336, 272}, LShape{256, 384, 128}, LShape{200, 333, 90}}) {
-    const std::string shape = "T " + std::to_string(s.T) + " in " + std::to_string(s.in) +
-                              " out " + std::to_string(s.out);
+    const std::string shape = "T " + std::to_string(s.T) + " in " + std::to_string(s.in) + " out " +
+                              std::to_string(s.out);
     SCOPED_TRACE(shape);
     LinearOperands L;
     L.T = s.T, L.in = s.in, L.out = s.out;
@@ -454,18 +513,16 @@ TEST_F(Fp8BlockwiseGemm, ThreeRolesOfALinearLayer) {
       const double wdw = Check(
           dW, dW0, out, in, T, [&](int64_t o, int64_t t) { return L.dyq_t[t * out + o]; },
           [&](int64_t i, int64_t t) { return L.xq_t[t * in + i]; }, fp32, "dW");
-      std::printf(
-          "%s, %s: worst error / allowance y %.3f (%s), dx %.3f (%s), dW %.3f (%s)\n",
-          shape.c_str(), path.c_str(), wy, blas->AlgorithmName(fwd).c_str(), wdx,
-          blas->AlgorithmName(dgrad).c_str(), wdw, blas->AlgorithmName(wgrad).c_str());
+      std::printf("%s, %s: worst error / allowance y %.3f (%s), dx %.3f (%s), dW %.3f (%s)\n",
+                  shape.c_str(), path.c_str(), wy, blas->AlgorithmName(fwd).c_str(), wdx,
+                  blas->AlgorithmName(dgrad).c_str(), wdw, blas->AlgorithmName(wgrad).c_str());
       if (own) {
         EXPECT_EQ(blas->AlgorithmName(fwd), "own block-scaled kernel");
       }
     }
     // The Linear wrappers with blockwise operands: the chosen path's results again.
     const Fp8Operand x_op{L.x->codes.get(), kE4M3, L.x->scales.as<float>(), Fp8ScaleMode::kRow128};
-    const Fp8Operand w_op{L.w_codes.get(), kE4M3, L.w_scales.as<float>(),
-                          Fp8ScaleMode::kBlock128};
+    const Fp8Operand w_op{L.w_codes.get(), kE4M3, L.w_scales.as<float>(), Fp8ScaleMode::kBlock128};
     DeviceBuffer d_y(T * out * 2);
     ASSERT_OK(blas->LinearForwardFp8(x_op, w_op, d_y.get(), DType::kBFloat16, T, in, out, 0));
     Check(
@@ -483,8 +540,8 @@ TEST_F(Fp8BlockwiseGemm, ThreeRolesOfALinearLayer) {
                             Fp8ScaleMode::kRow128};
     DeviceBuffer d_dx(T * in * 2);
     auto d_dW = Upload(dW0, DType::kFloat32);
-    ASSERT_OK(blas->LinearBackwardFp8(dy_op, dy_t_op, w_t_op, x_t_op, d_dx.get(),
-                                      DType::kBFloat16, d_dW.as<float>(), T, in, out, 0));
+    ASSERT_OK(blas->LinearBackwardFp8(dy_op, dy_t_op, w_t_op, x_t_op, d_dx.get(), DType::kBFloat16,
+                                      d_dW.as<float>(), T, in, out, 0));
     Check(
         Download(d_dx.get(), T * in, DType::kBFloat16), {}, T, in, out,
         [&](int64_t t, int64_t k) { return L.dyq[t * out + k]; },
