@@ -311,7 +311,9 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     it = impl_->plans.emplace(key, std::move(plan)).first;
   }
   const Plan& p = *it->second;
-  if (p.own) return Fp8BlockScaledGemmOwn(g, stream);
+  // A plan's key holds the operands' alignments but not the scales': a call whose scale tensors
+  // are less aligned than its plan's first runs on our kernel.
+  if (p.own || (blocks && !CublasLtTakesBlockScaled(g))) return Fp8BlockScaledGemmOwn(g, stream);
   // The scales move from call to call (one plan serves every tensor of a shape).
   if (fp8) SPINDLE_RETURN_IF_ERROR(SetScales(p.op, g));
   SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
