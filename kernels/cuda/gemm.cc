@@ -310,16 +310,23 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     plan->algo = results[g.candidate].algo;
     it = impl_->plans.emplace(key, std::move(plan)).first;
   }
-  const Plan& p = *it->second;
+  Plan& p = *it->second;
   // A plan's key holds the operands' alignments but not the scales': a call whose scale tensors
   // are less aligned than its plan's first runs on our kernel.
   if (p.own || (blocks && !CublasLtTakesBlockScaled(g))) return Fp8BlockScaledGemmOwn(g, stream);
   // The scales move from call to call (one plan serves every tensor of a shape).
   if (fp8) SPINDLE_RETURN_IF_ERROR(SetScales(p.op, g));
-  SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
-                                      g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo,
-                                      impl_->workspace,
-                                      kWorkspaceBytes, stream));
+  const cublasStatus_t st =
+      cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
+                     g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo, impl_->workspace,
+                     kWorkspaceBytes, stream);
+  if (blocks && st == CUBLAS_STATUS_NOT_SUPPORTED) {
+    // The heuristic offered an algorithm that the call then refused (nothing was enqueued): this
+    // shape runs on our kernel from now on.
+    p.own = true;
+    return Fp8BlockScaledGemmOwn(g, stream);
+  }
+  SPINDLE_CUBLAS_CHECK(st);
   return Status::Ok();
 }
 
