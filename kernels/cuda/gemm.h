@@ -81,13 +81,15 @@ struct GemmArgs {
   // problem (cuBLAS 13 documents, for A_SCALE_MODE x B_SCALE_MODE in cuBLASLt's terms, i.e. our
   // B x A: 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128, not 128x128 x 128x128; M and N
   // multiples of 4 besides FP8's K, N, lda and ldb multiples of 16 and 16-byte pointers; no fast
-  // accumulation; output bf16, fp16 or fp32) and its heuristic finds an algorithm; otherwise, or
-  // with own_kernel, our own tiled kernel (gemm_blockwise.cu: fp32 accumulation, any M, N, K and
-  // alignment, any mix of modes; correct, not fast). The three roles of a linear layer all fit
+  // accumulation; output bf16, fp16 or fp32) and its heuristic finds an algorithm that the call
+  // then takes; otherwise, or with own_kernel, our own tiled kernel (gemm_blockwise.cu: fp32
+  // accumulation, any M, N, K and alignment, any mix of modes; correct, not fast; E5M2 x E5M2
+  // too). The three roles of a linear layer all fit
   // cuBLASLt's combinations: the forward x (1x128) W^T (128x128), the input gradient dy (1x128)
   // (W^T)^T (128x128, W's transposed codes), the weight gradient dy^T (1x128 along the tokens)
-  // x^T (1x128 along the tokens), from the transposed codes. Kernels of cuBLASLt's fast
-  // accumulation do not exist for block scales: fast_accum is refused with them.
+  // x^T (1x128 along the tokens), from the transposed codes. fast_accum is refused with block
+  // scales (PyTorch's _scaled_mm refuses it too: cuBLASLt's block-scaled kernels promote each
+  // block's partial sum to fp32 to scale it).
   Fp8ScaleMode a_scale_mode = Fp8ScaleMode::kTensor;
   Fp8ScaleMode b_scale_mode = Fp8ScaleMode::kTensor;
   bool own_kernel = false;
