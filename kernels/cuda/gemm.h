@@ -88,8 +88,7 @@ struct GemmArgs {
   // cuBLASLt's combinations: the forward x (1x128) W^T (128x128), the input gradient dy (1x128)
   // (W^T)^T (128x128, W's transposed codes), the weight gradient dy^T (1x128 along the tokens)
   // x^T (1x128 along the tokens), from the transposed codes. fast_accum is refused with block
-  // scales (PyTorch's _scaled_mm refuses it too: cuBLASLt's block-scaled kernels promote each
-  // block's partial sum to fp32 to scale it).
+  // scales (as PyTorch's _scaled_mm refuses it with cuBLASLt's block modes).
   Fp8ScaleMode a_scale_mode = Fp8ScaleMode::kTensor;
   Fp8ScaleMode b_scale_mode = Fp8ScaleMode::kTensor;
   bool own_kernel = false;
