@@ -460,6 +460,13 @@ int Fp8Gemms() {
     std::printf(" %s %.1f / %.1f / %.1f / %.1f;", roles[role], total[role][0], total[role][1],
                 total[role][2], total[role][3]);
   std::printf("\n");
+  {  // our own block-scaled kernel (the fallback) on one shape, for scale
+    cu::GemmArgs a = args(step[1], 0, 3);
+    a.own_kernel = true;
+    const double ms = TimeMs([&] { Check(blas->Gemm(a, 0), "own gemm"); }, 5, 1);
+    std::printf("own block-scaled kernel, %s fwd: %.3f ms, %.0f TF/s\n", step[1].name, ms,
+                2.0 * T * step[1].in * step[1].out / ms / 1e9);
+  }
   Fp8Quantizers(T, d, F);
   return 0;
 }
