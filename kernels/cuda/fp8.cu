@@ -99,6 +99,8 @@ __device__ __forceinline__ uint2 ToFp8x8(const float (&v)[kSeg], float scale, in
 inline bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 // ---- Pass 2: the tiled quantize -----------------------------------------------------------------
+// Its sources (the stored tensor and the producers' recomputed results) are fp8_sources.cuh's,
+// shared with the blockwise quantizers.
 
 // How a tile moves its values: kSeg at a time in the loads and the row-major stores (Source::Vec()
 // and 8-byte aligned codes), and in the transposed stores (rows a multiple of kSeg and 8-byte
