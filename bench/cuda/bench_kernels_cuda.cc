@@ -347,8 +347,9 @@ void Fp8Quantizers(int64_t T, int64_t d, int64_t F) {
     b.codes_t = codes_t.p, b.scales_t = scales_t.as<float>();
     const double tms = TimeMs([&] { Check(cu::Fp8CastWeights(&w, 1, 0), "cast"); });
     const double bms = TimeMs([&] { Check(cu::Fp8CastWeightsBlockwise(&b, 1, 0), "cast b"); });
-    row("fp32 master [" + std::to_string(F) + ", " + std::to_string(d) + "] -> codes + codes_t", tms,
-        bms, n * 4.0 + n * 2.0);
+    row("fp32 master [" + std::to_string(F) + ", " + std::to_string(d) +
+            "] -> codes + codes_t",
+        tms, bms, n * 4.0 + n * 2.0);
   }
 }
 
@@ -449,7 +450,8 @@ int Fp8Gemms() {
       }
       const double flops = 2.0 * T * l.in * l.out;
       std::printf(
-          "| %-12s | %-13s | %5lld | %9.3f | %9.3f | %9.3f | %9.3f | %8.0f | %8.0f | %8.0f | %s |\n",
+          "| %-12s | %-13s | %5lld | %9.3f | %9.3f | %9.3f | %9.3f | %8.0f | %8.0f | %8.0f | %s "
+          "|\n",
           l.name, roles[role], static_cast<long long>(l.count), ms[0], ms[1], ms[2], ms[3],
           flops / ms[1] / 1e9, flops / ms[2] / 1e9, flops / ms[3] / 1e9,
           blas->AlgorithmName(args(l, role, 3)).c_str());

@@ -140,7 +140,7 @@ struct Fp8BlockOutput {
   void* codes = nullptr;           // [rows, cols]
   float* scales = nullptr;         // with codes: kRow128 of [rows, cols]: [ceil(cols / 128), rows]
   void* codes_t = nullptr;         // [cols, rows]
-  float* scales_t = nullptr;       // with codes_t: kRow128 of [cols, rows]: [ceil(rows / 128), cols]
+  float* scales_t = nullptr;       // with codes_t: kRow128 of [cols, rows]: [ceil(rows/128), cols]
 };
 // x [rows, cols] in `dtype` (kBFloat16 or kFloat32; row stride cols) -> out.
 Status Fp8QuantizeBlockwise(const void* x, int64_t rows, int64_t cols, DType dtype,
