@@ -299,13 +299,70 @@ int StepGemms(bool candidates) {
   return 0;
 }
 
+// The FP8 quantizers' bandwidth at the step's shapes: an activation [T, d] and [T, F] in bf16 to
+// codes and transposed codes (tensorwise: Fp8Quantize's amax pass and quantize pass; blockwise:
+// Fp8QuantizeBlockwise's one pass, with the scale tensors), the same without the transposed codes
+// (a forward that will be recomputed), and the weights' cast from fp32 masters [F, d] (one tensor
+// per call). GB/s counts the bytes each must move at least: the input once, every code once.
+void Fp8Quantizers(int64_t T, int64_t d, int64_t F) {
+  std::printf("\n| %-44s | %9s | %9s | %8s | %8s |\n", "quantizer", "tensor ms", "block ms",
+              "tensor GB/s", "block GB/s");
+  std::printf("|---|---|---|---|---|\n");
+  const size_t max_n = static_cast<size_t>(T) * std::max(d, F);
+  Buf x(max_n, kBf16), master(static_cast<size_t>(F) * d, cu::DType::kFloat32);
+  Buf codes(max_n / 2 + 64, kBf16), codes_t(max_n / 2 + 64, kBf16);
+  Buf scales(max_n / 64 + 64, cu::DType::kFloat32), scales_t(max_n / 64 + 64, cu::DType::kFloat32);
+  Buf scalars(64, cu::DType::kFloat32);
+  auto row = [](const std::string& name, double tensor_ms, double block_ms, double bytes) {
+    std::printf("| %-44s | %9.4f | %9.4f | %8.0f | %8.0f |\n", name.c_str(), tensor_ms, block_ms,
+                bytes / tensor_ms / 1e6, bytes / block_ms / 1e6);
+    std::fflush(stdout);
+  };
+  for (const int64_t cols : {d, F})
+    for (const bool both : {true, false}) {
+      const int64_t n = T * cols;
+      cu::Fp8Output o;
+      o.format = cu::DType::kFp8E4M3, o.codes = codes.p, o.codes_t = both ? codes_t.p : nullptr;
+      o.amax = scalars.as<float>(), o.scale = scalars.as<float>() + 4;
+      o.inverse_scale = scalars.as<float>() + 8;
+      cu::Fp8BlockOutput b;
+      b.format = cu::DType::kFp8E4M3, b.codes = codes.p, b.scales = scales.as<float>();
+      if (both) b.codes_t = codes_t.p, b.scales_t = scales_t.as<float>();
+      const double tms = TimeMs([&] { Check(cu::Fp8Quantize(x.p, T, cols, kBf16, o, 0), "q"); });
+      const double bms =
+          TimeMs([&] { Check(cu::Fp8QuantizeBlockwise(x.p, T, cols, kBf16, b, 0), "qb"); });
+      row("bf16 [" + std::to_string(T) + ", " + std::to_string(cols) + "] -> " +
+              (both ? "codes + codes_t" : "codes"),
+          tms, bms, n * 2.0 + n * (both ? 2.0 : 1.0));
+    }
+  {
+    const int64_t n = F * d;
+    cu::Fp8WeightCast w{master.as<float>(), F, d, {}};
+    w.out.format = cu::DType::kFp8E4M3, w.out.codes = codes.p, w.out.codes_t = codes_t.p;
+    w.out.amax = scalars.as<float>(), w.out.scale = scalars.as<float>() + 4;
+    w.out.inverse_scale = scalars.as<float>() + 8;
+    cu::Fp8BlockWeightCast b;
+    b.master = master.as<float>(), b.rows = F, b.cols = d, b.format = cu::DType::kFp8E4M3;
+    b.codes = codes.p, b.scales = scales.as<float>();
+    b.codes_t = codes_t.p, b.scales_t = scales_t.as<float>();
+    const double tms = TimeMs([&] { Check(cu::Fp8CastWeights(&w, 1, 0), "cast"); });
+    const double bms = TimeMs([&] { Check(cu::Fp8CastWeightsBlockwise(&b, 1, 0), "cast b"); });
+    row("fp32 master [" + std::to_string(F) + ", " + std::to_string(d) +
+            "] -> codes + codes_t",
+        tms, bms, n * 4.0 + n * 2.0);
+  }
+}
+
 // ---- The 1b step's linears in FP8 (--fp8-gemms)
 // -------------------------------------------------- Each linear of the step at T = 32K in its
 // three roles as CudaModel issues them under fp8: the forward (E4M3 x E4M3 -> bf16), the input
 // gradient (E5M2 x E4M3 -> bf16) and the weight gradient (E5M2 x E4M3 -> fp32, beta 1), each on
 // cuBLASLt's one FP8 layout, beside the bf16 GEMM of the same role, FP8 with cuBLASLt's accurate
-// accumulation and with its fast accumulation; sustained (SustainedMs), the step's totals weighted
-// by each linear's count.
+// accumulation and with its fast accumulation, and FP8 with the blockwise recipe's block scales
+// (forward and input gradient 1x128 x 128x128, weight gradient 1x128 x 1x128; the path Blas::Gemm
+// takes is printed); sustained (SustainedMs), the step's totals weighted by each linear's count.
+// Then the quantizers' bandwidth, tensorwise (amax pass + quantize pass) against blockwise (one
+// pass), on the step's activation and weight shapes.
 int Fp8Gemms() {
   const int64_t T = 32768, d = 2048, F = 5632;
   std::unique_ptr<cu::Blas> blas;
@@ -332,6 +389,15 @@ int Fp8Gemms() {
   const std::vector<float> ones(64, 1.0f);
   CheckCuda(cudaMemcpy(one.p, ones.data(), 64 * 4, cudaMemcpyHostToDevice), "scales");
   const float* s = one.as<float>();
+  // Block scales of 1 for every operand: the largest is a 1x128 tensor of [T, F] or of the weight
+  // gradient's [out, T] (ceil(K / 128) * rows floats).
+  const size_t max_scales = static_cast<size_t>(T) * 64;
+  Buf block_ones(max_scales, cu::DType::kFloat32);
+  {
+    const std::vector<float> h(max_scales, 1.0f);
+    CheckCuda(cudaMemcpy(block_ones.p, h.data(), max_scales * 4, cudaMemcpyHostToDevice), "ones");
+  }
+  const float* bs = block_ones.as<float>();
   struct Linear {
     const char* name;
     int64_t in, out, count;
@@ -341,7 +407,7 @@ int Fp8Gemms() {
                                     {"M kv_a", d, 576, 2},     {"M out", 16 * 128, d, 2},
                                     {"ffn w1 / w3", d, F, 32}, {"ffn w2", F, d, 16}};
   const char* roles[] = {"fwd", "dgrad", "wgrad fp32 b1"};
-  // mode 0: bf16, 1: FP8 accurate, 2: FP8 fast accumulation.
+  // mode 0: bf16, 1: FP8 accurate, 2: FP8 fast accumulation, 3: FP8 blockwise.
   auto args = [&](const Linear& l, int role, int mode) {
     cu::GemmArgs a;
     a.C = C.p;
@@ -362,31 +428,48 @@ int Fp8Gemms() {
     a.b_type = cu::DType::kFp8E4M3;
     a.a_scale = s, a.b_scale = s;
     a.fast_accum = mode == 2;
+    if (mode == 3) {
+      a.a_scale = bs, a.b_scale = bs;
+      a.a_scale_mode = cu::Fp8ScaleMode::kRow128;
+      a.b_scale_mode = role == 2 ? cu::Fp8ScaleMode::kRow128 : cu::Fp8ScaleMode::kBlock128;
+    }
     return a;
   };
-  std::printf("| %-12s | %-13s | %5s | %9s | %9s | %9s | %8s | %8s |\n", "linear", "role", "count",
-              "bf16 ms", "fp8 ms", "fast ms", "fp8 TF/s", "fast TF/s");
-  std::printf("|---|---|---|---|---|---|---|---|\n");
-  double total[3][3] = {};
+  std::printf("| %-12s | %-13s | %5s | %9s | %9s | %9s | %9s | %8s | %8s | %8s | %s |\n", "linear",
+              "role", "count", "bf16 ms", "fp8 ms", "fast ms", "block ms", "fp8 TF/s",
+              "fast TF/s", "blk TF/s", "blockwise path");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  double total[3][4] = {};
   for (const Linear& l : step)
     for (int role = 0; role < 3; ++role) {
-      double ms[3];
-      for (int mode = 0; mode < 3; ++mode) {
+      double ms[4];
+      for (int mode = 0; mode < 4; ++mode) {
         const cu::GemmArgs a = args(l, role, mode);
         ms[mode] = SustainedMs([&] { Check(blas->Gemm(a, 0), "gemm"); });
         total[role][mode] += ms[mode] * l.count;
       }
       const double flops = 2.0 * T * l.in * l.out;
-      std::printf("| %-12s | %-13s | %5lld | %9.3f | %9.3f | %9.3f | %8.0f | %8.0f |\n", l.name,
-                  roles[role], static_cast<long long>(l.count), ms[0], ms[1], ms[2],
-                  flops / ms[1] / 1e9, flops / ms[2] / 1e9);
+      std::printf(
+          "| %-12s | %-13s | %5lld | %9.3f | %9.3f | %9.3f | %9.3f | %8.0f | %8.0f | %8.0f | %s "
+          "|\n",
+          l.name, roles[role], static_cast<long long>(l.count), ms[0], ms[1], ms[2], ms[3],
+          flops / ms[1] / 1e9, flops / ms[2] / 1e9, flops / ms[3] / 1e9,
+          blas->AlgorithmName(args(l, role, 3)).c_str());
       std::fflush(stdout);
     }
-  std::printf("\nthese GEMMs in one step, ms (bf16 / fp8 / fp8 fast):");
+  std::printf("\nthese GEMMs in one step, ms (bf16 / fp8 / fp8 fast / fp8 blockwise):");
   for (int role = 0; role < 3; ++role)
-    std::printf(" %s %.1f / %.1f / %.1f;", roles[role], total[role][0], total[role][1],
-                total[role][2]);
+    std::printf(" %s %.1f / %.1f / %.1f / %.1f;", roles[role], total[role][0], total[role][1],
+                total[role][2], total[role][3]);
   std::printf("\n");
+  {  // our own block-scaled kernel (the fallback) on one shape, for scale
+    cu::GemmArgs a = args(step[1], 0, 3);
+    a.own_kernel = true;
+    const double ms = TimeMs([&] { Check(blas->Gemm(a, 0), "own gemm"); }, 5, 1);
+    std::printf("own block-scaled kernel, %s fwd: %.3f ms, %.0f TF/s\n", step[1].name, ms,
+                2.0 * T * step[1].in * step[1].out / ms / 1e9);
+  }
+  Fp8Quantizers(T, d, F);
   return 0;
 }
 

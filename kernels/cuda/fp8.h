@@ -104,4 +104,79 @@ Status GroupNormGateQuantizeFp8(const void* o, const void* w, const void* gate, 
                                 int64_t T, int64_t H, int64_t Dh, DType dtype, const Fp8Output& q,
                                 cudaStream_t stream);
 
+// ---- Blockwise scaling (cpu::Fp8Scaling::kBlockwise, DeepSeek-V3's recipe) --------------------
+// One power-of-two scale per block of kFp8BlockSize values, exactly cpu::Pow2Scale of the block's
+// amax (the largest 2^e with amax * 2^e <= fp8_max, e in [-126, 126]; 2^126 for an all-zero block,
+// NaN for a block holding a NaN), codes = fp8_satfinite(value * 2^e) rounded to nearest even: the
+// dequantized values code * 2^-e are bit for bit cpu::QuantizeRowBlocks / QuantizeColumnBlocks /
+// QuantizeSquareBlocks'. Blocks at a matrix's right or bottom edge are partial (their amax over the
+// values present), as on the CPU. One pass: no amax crosses a block of the grid, so nothing waits
+// for the whole tensor.
+//
+// The scales stored are the inverse scales 2^-e, the factors the GEMM applies to each block's
+// partial sum, laid out as gemm.h's Fp8ScaleMode says (cuBLASLt's VEC128_32F and BLK128x128_32F on
+// Hopper), for an operand [R, K] whose K (the reduced dimension) is contiguous:
+//  - 1 x 128 blocks along K (kRow128): float [ceil(K / 128), R] row-major, scale of row r's block
+//    kb at [kb * R + r] (R-major: the rows of one K block are adjacent).
+//  - 128 x 128 blocks (kBlock128): float [ceil(R / 128), L4] row-major, L4 = ceil(K / 128) rounded
+//    up to a multiple of 4 (Fp8SquareScalesLd), scale of block (r / 128, kb) at
+//    [(r / 128) * L4 + kb]; the padding columns are not written and not read.
+// Every scale tensor starts 16-byte aligned where a GEMM reads it (cuBLASLt refuses others).
+inline constexpr int64_t kFp8BlockSize = 128;
+
+// Number of blocks of kFp8BlockSize covering n values.
+inline int64_t Fp8Blocks(int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
+// The row stride (floats) of a kBlock128 scale tensor of an operand with K columns.
+inline int64_t Fp8SquareScalesLd(int64_t K) { return (Fp8Blocks(K) + 3) / 4 * 4; }
+
+// Where the blockwise quantization of an activation or output gradient x [rows, cols] goes: the
+// codes in x's layout with 1 x 128 blocks along each row (the forward's and the input gradient's
+// operand, reduced over cols), and the transposed codes [cols, rows] with 1 x 128 blocks along
+// each of their rows, i.e. 128 x 1 blocks down x's columns (the weight gradient's operand, reduced
+// over the tokens). Either layout may be null (not written; a forward that will be recomputed
+// skips codes_t), not both. Codes: one byte each, any alignment.
+struct Fp8BlockOutput {
+  DType format = DType::kFp8E4M3;  // kFp8E4M3 or kFp8E5M2
+  void* codes = nullptr;           // [rows, cols]
+  float* scales = nullptr;         // with codes: kRow128 of [rows, cols]: [ceil(cols / 128), rows]
+  void* codes_t = nullptr;         // [cols, rows]
+  float* scales_t = nullptr;       // with codes_t: kRow128 of [cols, rows]: [ceil(rows/128), cols]
+};
+// x [rows, cols] in `dtype` (kBFloat16 or kFloat32; row stride cols) -> out.
+Status Fp8QuantizeBlockwise(const void* x, int64_t rows, int64_t cols, DType dtype,
+                            const Fp8BlockOutput& out, cudaStream_t stream);
+
+// The producers' fp32 results quantized blockwise from their inputs and the statistics their
+// forward kept (rstd: ops.h's RmsNormForward / GroupNormGateForward or the FP8 producers' first
+// pass), with the same fp32 operations as the tensorwise producers (so the same values: the CPU
+// emulation's, see "Values quantized" above); one pass, no amax pass. Shapes and limits as their
+// *QuantizeFp8 namesakes; out as Fp8QuantizeBlockwise's ([rows, D], [rows, cols], [T, H * Dh]).
+Status RmsNormQuantizeBlockwise(const void* x, const void* w, const float* rstd, int64_t rows,
+                                int64_t D, DType dtype, const Fp8BlockOutput& out,
+                                cudaStream_t stream);
+Status SwiGluQuantizeBlockwise(const void* g, const void* u, int64_t rows, int64_t cols,
+                               DType dtype, const Fp8BlockOutput& out, cudaStream_t stream);
+Status GroupNormGateQuantizeBlockwise(const void* o, const void* w, const void* gate,
+                                      const float* rstd, int64_t T, int64_t H, int64_t Dh,
+                                      DType dtype, const Fp8BlockOutput& out, cudaStream_t stream);
+
+// One fp32 master weight [rows, cols] (W [out, in]) and its blockwise FP8 copies, 128 x 128 blocks:
+// codes [rows, cols] with kBlock128 scales [ceil(rows / 128), Fp8SquareScalesLd(cols)] (the
+// forward x W^T reads them), codes_t [cols, rows] with kBlock128 scales [ceil(cols / 128),
+// Fp8SquareScalesLd(rows)] (the input gradient dy W reads them); a block's scale is the same in
+// both, its two positions transposed. Either layout may be null, not both.
+struct Fp8BlockWeightCast {
+  const float* master = nullptr;
+  int64_t rows = 0, cols = 0;
+  DType format = DType::kFp8E4M3;
+  void* codes = nullptr;
+  float* scales = nullptr;
+  void* codes_t = nullptr;
+  float* scales_t = nullptr;
+};
+// Every tensor's blocks, in one launch per 32 tensors whatever their sizes (call after the
+// optimizer step). Tensors must not overlap their outputs.
+Status Fp8CastWeightsBlockwise(const Fp8BlockWeightCast* tensors, int64_t n_tensors,
+                               cudaStream_t stream);
+
 }  // namespace spindle::kernels::cuda

@@ -39,12 +39,24 @@ cudaDataType_t CudaDataType(DType t) {
   return CUDA_R_32F;
 }
 
+const char* Fp8ScaleModeName(Fp8ScaleMode m) {
+  switch (m) {
+    case Fp8ScaleMode::kTensor:
+      return "tensor";
+    case Fp8ScaleMode::kRow128:
+      return "1x128";
+    case Fp8ScaleMode::kBlock128:
+      return "128x128";
+  }
+  return "unknown";
+}
+
 namespace {
 
 DType BTypeOf(const GemmArgs& g) { return g.b_type.value_or(g.ab_type); }
 
 using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                       bool, int, int, int, int, int, bool>;
+                       bool, int, int, int, int, int, bool, int, int, bool>;
 
 // The largest power of two up to 256 that divides the address.
 int Alignment(const void* p) {
@@ -73,7 +85,63 @@ Key KeyOf(const GemmArgs& g) {
   return std::make_tuple(g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
                          static_cast<int>(g.ab_type), static_cast<int>(g.c_type), g.beta == 0.0f,
                          al.a, al.b, al.c, g.candidate, static_cast<int>(BTypeOf(g)),
-                         g.fast_accum);
+                         g.fast_accum, static_cast<int>(g.a_scale_mode),
+                         static_cast<int>(g.b_scale_mode), g.own_kernel);
+}
+
+bool BlockScaled(const GemmArgs& g) {
+  return g.a_scale_mode != Fp8ScaleMode::kTensor || g.b_scale_mode != Fp8ScaleMode::kTensor;
+}
+
+// What a block-scaled FP8 GEMM needs on any path (see gemm.h); Ok otherwise.
+Status CheckBlockScaled(const GemmArgs& g) {
+  const DType a = g.ab_type, b = BTypeOf(g);
+  SPINDLE_CHECK_ARG(IsFp8(a) && IsFp8(b), "Gemm: block scales need FP8 operands");
+  auto known = [](Fp8ScaleMode m) {
+    return m == Fp8ScaleMode::kTensor || m == Fp8ScaleMode::kRow128 ||
+           m == Fp8ScaleMode::kBlock128;
+  };
+  SPINDLE_CHECK_ARG(known(g.a_scale_mode) && known(g.b_scale_mode), "Gemm: unknown scale mode");
+  if (g.trans_a || !g.trans_b) {
+    return {StatusCode::kUnsupported,
+            "Gemm: FP8 operands take only trans_a = false, trans_b = true (C = A B^T, both "
+            "K-contiguous); pass the transposed codes (Fp8BlockOutput::codes_t)"};
+  }
+  SPINDLE_CHECK_ARG(g.a_scale != nullptr && g.b_scale != nullptr,
+                    "Gemm: FP8 operands need a_scale and b_scale");
+  SPINDLE_CHECK_ARG(!g.fast_accum, "Gemm: no fast accumulation with block scales");
+  SPINDLE_CHECK_ARG(g.lda >= g.K && g.ldb >= g.K && g.ldc >= g.N,
+                    "Gemm: leading dimensions below the rows' lengths");
+  SPINDLE_CHECK_ARG(g.A != nullptr && g.B != nullptr && g.C != nullptr,
+                    "Gemm: null operand or output");
+  SPINDLE_CHECK_ARG(g.c_type == DType::kBFloat16 || g.c_type == DType::kFloat32,
+                    "Gemm: FP8 output must be bf16 or fp32");
+  return Status::Ok();
+}
+
+// Whether cuBLASLt's block-scaled kernels may take the problem, by the documented limits.
+bool CublasLtTakesBlockScaled(const GemmArgs& g) {
+  if (g.own_kernel) return false;
+  const Fp8ScaleMode a = g.a_scale_mode, b = g.b_scale_mode;
+  if (a == Fp8ScaleMode::kTensor || b == Fp8ScaleMode::kTensor) return false;  // no mixing
+  if (a == Fp8ScaleMode::kBlock128 && b == Fp8ScaleMode::kBlock128) return false;
+  if (g.ab_type == DType::kFp8E5M2 && BTypeOf(g) == DType::kFp8E5M2) return false;
+  return g.M % 4 == 0 && g.N % 16 == 0 && g.K % 16 == 0 && g.lda % 16 == 0 && g.ldb % 16 == 0 &&
+         Alignment(g.A) >= 16 && Alignment(g.B) >= 16 && Alignment(g.a_scale) >= 16 &&
+         Alignment(g.b_scale) >= 16;
+}
+
+// cuBLASLt's scale mode of ours.
+int32_t LtScaleMode(Fp8ScaleMode m) {
+  switch (m) {
+    case Fp8ScaleMode::kRow128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8ScaleMode::kBlock128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case Fp8ScaleMode::kTensor:
+      break;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
 }
 
 // What cuBLASLt's FP8 kernels accept (see gemm.h); Ok for non-FP8 arguments.
@@ -118,6 +186,7 @@ Status SetScales(cublasLtMatmulDesc_t op, const GemmArgs& g) {
 
 // One cached plan: descriptors and the chosen algorithm.
 struct Plan {
+  bool own = false;  // a block-scaled problem that runs on our own kernel
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
@@ -160,10 +229,16 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                     "Gemm: fp32 inputs need an fp32 output");
   SPINDLE_CHECK_ARG(g.candidate >= 0 && g.candidate < kMaxCandidates,
                     "Gemm: candidate out of range");
-  SPINDLE_RETURN_IF_ERROR(CheckFp8(g));
+  const bool blocks = BlockScaled(g);
+  SPINDLE_RETURN_IF_ERROR(blocks ? CheckBlockScaled(g) : CheckFp8(g));
   const bool fp8 = IsFp8(g.ab_type);
   const Key key = KeyOf(g);
   auto it = impl_->plans.find(key);
+  if (it == impl_->plans.end() && blocks && !CublasLtTakesBlockScaled(g)) {
+    auto plan = std::make_unique<Plan>();
+    plan->own = true;
+    it = impl_->plans.emplace(key, std::move(plan)).first;
+  }
   if (it == impl_->plans.end()) {
     auto plan = std::make_unique<Plan>();
     SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -174,6 +249,13 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
                                                         sizeof(ta)));
     SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
                                                         sizeof(tb)));
+    if (blocks) {  // cuBLASLt's A is our B
+      const int32_t lt_a = LtScaleMode(g.b_scale_mode), lt_b = LtScaleMode(g.a_scale_mode);
+      SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a, sizeof(lt_a)));
+      SPINDLE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &lt_b, sizeof(lt_b)));
+    }
     if (fp8) {
       SPINDLE_RETURN_IF_ERROR(SetScales(plan->op, g));
       const int8_t fast = g.fast_accum ? 1 : 0;
@@ -210,6 +292,14 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
         cublasLtMatmulAlgoGetHeuristic(impl_->handle, plan->op, plan->a, plan->b, plan->c, plan->c,
                                        pref, g.candidate + 1, results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
+    if (blocks && (st != CUBLAS_STATUS_SUCCESS || found <= g.candidate)) {
+      // cuBLASLt has no kernel for this block-scaled problem: ours runs it.
+      auto own = std::make_unique<Plan>();
+      own->own = true;
+      plan = std::move(own);
+      it = impl_->plans.emplace(key, std::move(plan)).first;
+      return Fp8BlockScaledGemmOwn(g, stream);
+    }
     SPINDLE_CUBLAS_CHECK(st);
     if (found <= g.candidate) {
       return {StatusCode::kCublasError,
@@ -220,19 +310,30 @@ Status Blas::Gemm(const GemmArgs& g, cudaStream_t stream) {
     plan->algo = results[g.candidate].algo;
     it = impl_->plans.emplace(key, std::move(plan)).first;
   }
-  const Plan& p = *it->second;
+  Plan& p = *it->second;
+  // A plan's key holds the operands' alignments but not the scales': a call whose scale tensors
+  // are less aligned than its plan's first runs on our kernel.
+  if (p.own || (blocks && !CublasLtTakesBlockScaled(g))) return Fp8BlockScaledGemmOwn(g, stream);
   // The scales move from call to call (one plan serves every tensor of a shape).
   if (fp8) SPINDLE_RETURN_IF_ERROR(SetScales(p.op, g));
-  SPINDLE_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
-                                      g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo,
-                                      impl_->workspace,
-                                      kWorkspaceBytes, stream));
+  const cublasStatus_t st =
+      cublasLtMatmul(impl_->handle, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta,
+                     g.C_in != nullptr ? g.C_in : g.C, p.c, g.C, p.c, &p.algo, impl_->workspace,
+                     kWorkspaceBytes, stream);
+  if (blocks && st == CUBLAS_STATUS_NOT_SUPPORTED) {
+    // The heuristic offered an algorithm that the call then refused (nothing was enqueued): this
+    // shape runs on our kernel from now on.
+    p.own = true;
+    return Fp8BlockScaledGemmOwn(g, stream);
+  }
+  SPINDLE_CUBLAS_CHECK(st);
   return Status::Ok();
 }
 
 std::string Blas::AlgorithmName(const GemmArgs& args) const {
   const auto it = impl_->plans.find(KeyOf(args));
   if (it == impl_->plans.end()) return "";
+  if (it->second->own) return "own block-scaled kernel";
   const cublasLtMatmulAlgo_t& algo = it->second->algo;
   std::string name;
   // Each attribute this cuBLASLt reports, as "name value".
@@ -287,6 +388,7 @@ namespace {
 void SetFp8Operands(GemmArgs& g, const Fp8Operand& a, const Fp8Operand& b) {
   g.A = a.codes, g.ab_type = a.format, g.a_scale = a.inverse_scale;
   g.B = b.codes, g.b_type = b.format, g.b_scale = b.inverse_scale;
+  g.a_scale_mode = a.scale_mode, g.b_scale_mode = b.scale_mode;
 }
 }  // namespace
 

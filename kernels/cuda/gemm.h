@@ -1,7 +1,7 @@
 // GEMMs on cuBLASLt: bf16 (or fp32) inputs, fp32 accumulation, bf16 or fp32 output, row-major
 // semantics matching cpu::Gemm, and the Linear forward/backward built on them; FP8 inputs (E4M3 /
-// E5M2 codes with a device inverse scale each, fp8.h) on the one layout cuBLASLt's FP8 kernels
-// take.
+// E5M2 codes with a device inverse scale each, or block scales under the blockwise recipe, fp8.h)
+// on the one layout cuBLASLt's FP8 kernels take.
 //
 // A Blas owns the cuBLASLt handle, a workspace and a cache of chosen algorithms, created once and
 // reused for every call. Not thread-safe: use one Blas per thread (or per stream).
@@ -21,6 +21,20 @@
 #include "kernels/cuda/status.h"
 
 namespace spindle::kernels::cuda {
+
+// How an FP8 operand's scale pointer is read, for an operand [R, K] stored K-contiguous (A [M, K],
+// B [N, K]: the one FP8 layout), as cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_* on Hopper. Block
+// scales multiply each block's partial sum over its K range; fp8.h's blockwise quantizers write
+// them (the inverse scales, powers of two).
+enum class Fp8ScaleMode : int32_t {
+  kTensor = 0,    // SCALAR_32F: one float for the operand
+  kRow128 = 1,    // VEC128_32F: 1 x 128 blocks along K; float [ceil(K / 128), R] row-major,
+                  // row r's block kb at [kb * R + r]
+  kBlock128 = 2,  // BLK128x128_32F: 128 x 128 blocks; float [ceil(R / 128), L4] row-major,
+                  // L4 = ceil(K / 128) rounded up to a multiple of 4, block (r / 128, kb) at
+                  // [(r / 128) * L4 + kb]
+};
+const char* Fp8ScaleModeName(Fp8ScaleMode m);  // "tensor", "1x128", "128x128"
 
 struct GemmArgs {
   bool trans_a = false, trans_b = false;
@@ -58,14 +72,42 @@ struct GemmArgs {
   // FP8: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' reduced precision
   // instead of promoted to fp32 at intervals). Off: the accurate mode.
   bool fast_accum = false;
+
+  // FP8 block scaling (blockwise recipe): how a_scale and b_scale are read (Fp8ScaleMode).
+  // C = alpha sum_kb a_scale(m, kb) b_scale(n, kb) sum_{k in block kb} A_code B_code + beta C_in,
+  // fp32 accumulation, ceil(K / 128) blocks (the last one partial where K is not a multiple of
+  // 128). The layout stays C = A B^T with both operands K-contiguous (lda, ldb >= K).
+  // Where it runs (AlgorithmName tells): cuBLASLt when its Hopper block-scaled kernels take the
+  // problem (cuBLAS 13 documents, for A_SCALE_MODE x B_SCALE_MODE in cuBLASLt's terms, i.e. our
+  // B x A: 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128, not 128x128 x 128x128; M and N
+  // multiples of 4 besides FP8's K, N, lda and ldb multiples of 16 and 16-byte pointers; no fast
+  // accumulation; output bf16, fp16 or fp32) and its heuristic finds an algorithm that the call
+  // then takes; otherwise, or with own_kernel, our own tiled kernel (gemm_blockwise.cu: fp32
+  // accumulation, any M, N, K and alignment, any mix of modes; correct, not fast; E5M2 x E5M2
+  // too). The three roles of a linear layer all fit
+  // cuBLASLt's combinations: the forward x (1x128) W^T (128x128), the input gradient dy (1x128)
+  // (W^T)^T (128x128, W's transposed codes), the weight gradient dy^T (1x128 along the tokens)
+  // x^T (1x128 along the tokens), from the transposed codes. fast_accum is refused with block
+  // scales (as PyTorch's _scaled_mm refuses it with cuBLASLt's block modes).
+  Fp8ScaleMode a_scale_mode = Fp8ScaleMode::kTensor;
+  Fp8ScaleMode b_scale_mode = Fp8ScaleMode::kTensor;
+  bool own_kernel = false;
 };
 
-// One FP8 GEMM operand: its codes, their format and the device inverse scale.
+// One FP8 GEMM operand: its codes, their format and the device inverse scale (a scalar, or the
+// block scale tensor that scale_mode describes).
 struct Fp8Operand {
   const void* codes = nullptr;
   DType format = DType::kFp8E4M3;
   const float* inverse_scale = nullptr;
+  Fp8ScaleMode scale_mode = Fp8ScaleMode::kTensor;
 };
+
+// The block-scaled FP8 GEMM on our own kernel (GemmArgs::own_kernel), whatever cuBLASLt takes:
+// FP8 codes of A [M, K] and B [N, K] (trans_a false, trans_b true, lda, ldb >= K), their scales as
+// a_scale_mode / b_scale_mode say, C bf16 or fp32. Blas::Gemm calls it where cuBLASLt does not run
+// the problem.
+Status Fp8BlockScaledGemmOwn(const GemmArgs& args, cudaStream_t stream);
 
 // The cuBLAS type of a DType.
 cudaDataType_t CudaDataType(DType t);
@@ -94,7 +136,9 @@ class Blas {
   Status LinearBackward(const void* x, const void* W, const void* dy, void* dx, float* dW,
                         int64_t T, int64_t in, int64_t out, DType dtype, cudaStream_t stream);
 
-  // The same on FP8 operands (each in the layout the one FP8 GEMM layout needs):
+  // The same on FP8 operands (each in the layout the one FP8 GEMM layout needs; tensorwise or
+  // block scales as each operand's scale_mode says: blockwise, x, dy and their transposed codes
+  // kRow128, W and W_t kBlock128):
   // y[T, out] (y_type bf16 or fp32) = x[T, in] W[out, in]^T.
   Status LinearForwardFp8(const Fp8Operand& x, const Fp8Operand& W, void* y, DType y_type,
                           int64_t T, int64_t in, int64_t out, cudaStream_t stream);
