@@ -9,7 +9,9 @@ cd "$(dirname "$0")/../.."
 build=${1:-build-cuda}
 out=.cuda-run
 rm -rf "$out" && mkdir -p "$out/lib"
-grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qx "/$out/" "$exclude" 2>/dev/null || echo "/$out/" >> "$exclude"
 bins=()
 for bin in tests/cuda/kernels_cuda_test tests/cuda/nccl_comm_test tests/cuda/engine_cuda_test \
            tests/cuda/cluster_cuda_test \
