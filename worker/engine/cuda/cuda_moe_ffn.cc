@@ -97,7 +97,9 @@ void CudaMoeFfn::BeginStep(double tokens) {
 void CudaMoeFfn::Release() {
   MoeDevWork& mw = W;
   for (DevBuf* b : {&mw.send, &mw.recv, &mw.y, &mw.dye, &mw.da, &mw.dg, &mw.du, &mw.dxe, &mw.dw,
-                    &mw.dlogits, &mw.acc, &mw.sda, &mw.sdg, &mw.sdu})
+                    &mw.dlogits, &mw.acc, &mw.sda, &mw.sdg, &mw.sdu, &mw.group_counts,
+                    &mw.group_offsets, &mw.group_ws, &mw.lse_sq_ws, &mw.q_dye.mem, &mw.q_dg.mem,
+                    &mw.q_du.mem})
     b->Release();
 }
 
