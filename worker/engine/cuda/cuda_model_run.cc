@@ -71,6 +71,10 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
           "cuda model: the batch (", b.T, " tokens, ", b.pieces.size(), " pieces) is not rank ",
           L.rank, "'s zigzag share of its cp=", L.cp, " layout (", L.T_full,
           " tokens in chunks of ", ch, "); build both with ShardForCp"));
+    if ((cp.lightning_mode == CpMode::kHybrid || cp.mla_mode == CpMode::kHybrid) &&
+        (cpb->group == nullptr || L.ulysses < 1 || cpb->group->layout.cp != L.cp / L.ulysses))
+      return absl::InvalidArgumentError(
+          "cuda model: a hybrid mode needs the batch's Ulysses group (ShardForCp with ulysses)");
   }
   for (int32_t id : b.ids)
     if (id < 0 || id >= c.vocab)
@@ -124,10 +128,7 @@ absl::Status CudaModel::Impl::Upload(const Batch& b, const CpBatch* cpb) {
     RETURN_IF_ERROR(SetLevel(B.lv, b, L));
     B.whole = {cp.comm, B.cp, UlyssesRuns(WholeCpGroup(L))};
     const bool hybrid = LightningHybrid() || MlaHybrid();
-    if (hybrid) {
-      if (cpb->group == nullptr || cpb->group->layout.cp != L.cp / L.ulysses)
-        return absl::InvalidArgumentError(
-            "cuda model: a hybrid mode needs the batch's Ulysses group (ShardForCp with ulysses)");
+    if (hybrid) {  // the group was checked above, before anything changed
       RETURN_IF_ERROR(SetLevel(B.group_lv, cpb->group->local, cpb->group->layout));
       B.ulysses = {cp.ulysses, L.ulysses, UlyssesRuns(HybridUlyssesGroup(L))};
     }
