@@ -18,19 +18,7 @@ namespace spindle::kernels::cuda::internal::fp8 {
 // fp32 ones) and stores their kSeg codes as one 8-byte word, in both layouts.
 constexpr int kSeg = 8;
 
-// kSeg values of T from p (16-byte aligned) as floats.
-template <typename T>
-__device__ __forceinline__ void Load8(const T* p, float (&v)[kSeg]) {
-  if constexpr (sizeof(T) == 2) {
-    Unpack<T>(Load16(p), v);
-  } else {
-    float a[4], b[4];
-    Unpack<T>(Load16(p), a);
-    Unpack<T>(Load16(p + 4), b);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = a[k], v[k + 4] = b[k];
-  }
-}
+using internal::Load8;  // kSeg values of T from p (16-byte aligned) as floats
 
 // The fused producers' fp32 results, written once and used by both passes.
 __device__ __forceinline__ float RmsValue(float x, float rstd, float w) {

@@ -28,6 +28,7 @@ using internal::CeilDiv;
 using internal::FromFloat;
 using internal::kVec;
 using internal::Load16;
+using internal::Load8;
 using internal::Pack;
 using internal::Store16;
 using internal::ToFloat;
@@ -250,18 +251,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // One warp per token. kVecPath: 16-byte vectors of 8 values (D a multiple of 8, pointers
 // aligned; an fp32 tensor moves 8 values as two vectors).
-template <typename T>
-__device__ __forceinline__ void Load8(const T* p, float (&v)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    Unpack<T>(Load16(p), v);
-  } else {
-    float a[4], b[4];
-    Unpack<T>(Load16(p), a);
-    Unpack<T>(Load16(p + 4), b);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = a[k], v[k + 4] = b[k];
-  }
-}
 template <typename T>
 __device__ __forceinline__ void Store8(T* p, const float (&v)[8]) {
   if constexpr (sizeof(T) == 2) {

@@ -23,6 +23,7 @@ namespace {
 using internal::Aligned16;
 using internal::CeilDiv;
 using internal::Load16;
+using internal::Load8;
 using internal::Unpack;
 
 constexpr int kTile = 64;
@@ -32,19 +33,6 @@ constexpr int kSeg = 8;
 __device__ __forceinline__ uint8_t ToFp8(float v, int e5m2) {
   return static_cast<uint8_t>(
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
-}
-
-template <typename T>
-__device__ __forceinline__ void Load8(const T* p, float (&v)[kSeg]) {
-  if constexpr (sizeof(T) == 2) {
-    Unpack<T>(Load16(p), v);
-  } else {
-    float a[4], b[4];
-    Unpack<T>(Load16(p), a);
-    Unpack<T>(Load16(p + 4), b);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = a[k], v[k + 4] = b[k];
-  }
 }
 
 struct QuantOut {

@@ -56,6 +56,21 @@ __device__ __forceinline__ uint4 Pack<__nv_bfloat16>(const float (&f)[8]) {
                     PackBf16x2(f[6], f[7]));
 }
 
+// Eight consecutive values of T from p (16-byte aligned) as floats: one bf16 vector or two fp32
+// ones.
+template <typename T>
+__device__ __forceinline__ void Load8(const T* p, float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    Unpack<T>(Load16(p), v);
+  } else {
+    float a[4], b[4];
+    Unpack<T>(Load16(p), a);
+    Unpack<T>(Load16(p + 4), b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = a[k], v[k + 4] = b[k];
+  }
+}
+
 // Makes the compiler treat v as changed: values unpacked from it before this point are not reused
 // after it (recomputed from the packed registers instead of being kept live: fewer registers).
 __device__ __forceinline__ void Opaque(uint4& v) {
