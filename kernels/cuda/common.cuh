@@ -37,6 +37,21 @@ __device__ __forceinline__ bf16 FromFloat<bf16>(float x) {
   return __float2bfloat16(x);
 }
 
+// The last of n ascending firsts (first[0] <= b) that is <= b: which tensor of a batched launch
+// (its first block or tile at first[i]) block b belongs to.
+__device__ __forceinline__ int FindTensor(const int32_t* first, int n, int b) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first[mid] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

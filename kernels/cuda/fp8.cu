@@ -47,6 +47,7 @@ using internal::WarpSum;
 using internal::AbsBits;
 using internal::Aligned16;
 using internal::BlockMaxToGlobal;
+using internal::FindTensor;
 using internal::Load16;
 using internal::Unpack;
 using internal::fp8::GroupGateSource;
@@ -258,20 +259,6 @@ struct CastTable {
   int32_t n;
 };
 static_assert(sizeof(CastTable) + 64 < 4096, "kernel argument space");
-
-// The last tensor whose first block (or tile) is <= b.
-__device__ int FindTensor(const int32_t* first, int n, int b) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (first[mid] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 __global__ void CastZeroAmaxKernel(CastTable table) {
   const int i = static_cast<int>(threadIdx.x);

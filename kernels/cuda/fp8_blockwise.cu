@@ -35,6 +35,7 @@ namespace {
 using internal::AbsBits;
 using internal::Aligned16;
 using internal::CeilDiv;
+using internal::FindTensor;
 using internal::ToFloat;
 using internal::WarpMaxBits;
 using internal::fp8::GroupGateSource;
@@ -259,20 +260,6 @@ struct CastTable {
   int32_t n;
 };
 static_assert(sizeof(CastTable) + 64 < 4096, "kernel argument space");
-
-// The last tensor whose first tile is <= b.
-__device__ int FindTensor(const int32_t* first, int n, int b) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (first[mid] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 __global__ void __launch_bounds__(kThreads)
     SquareBlocksKernel(const __grid_constant__ CastTable table) {
