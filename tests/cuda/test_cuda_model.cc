@@ -141,12 +141,13 @@ TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
 // forward against the plain step on the same model.
 void ExpectRecomputeAndForwardAgree(const ModelConfig& c,
                                     TrainPrecision precision = TrainPrecision::kAuto,
-                                    int64_t T = 150) {
+                                    int64_t T = 150,
+                                    TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise) {
   const uint32_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " layers " << c.layer_pattern);
   const Batch b = RandomBatch(c, T, 50, seed);
   auto m = *CudaModel::Create(c, seed);
-  ASSERT_TRUE(m->SetPrecision(precision).ok());
+  ASSERT_TRUE(m->SetPrecision(precision, recipe).ok());
   auto plain = m->ForwardBackward(b, 0.01f, Recompute::None());
   ASSERT_TRUE(plain.ok()) << plain.status();
   ASSERT_TRUE(m->DownloadGrads().ok());
@@ -302,6 +303,15 @@ TEST(CudaModel, Fp8RecomputeAndForwardAgreeWithThePlainStep) {
   ModelConfig c = Tiny();
   c.layer_pattern = "MLLM";
   ExpectRecomputeAndForwardAgree(c, TrainPrecision::kFp8, 160);
+}
+
+// Blockwise: the recomputed forward (quantizing from the kept statistics) gives the plain step's
+// loss exactly and its gradients but for the attention backward's reduction order.
+TEST(CudaModel, Fp8BlockwiseRecomputeAndForwardAgreeWithThePlainStep) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  ExpectRecomputeAndForwardAgree(c, TrainPrecision::kFp8, 160, TrainFp8Recipe::kBlockwise);
 }
 
 // What FP8 cannot run is refused with one error, and the model still trains in bf16 after.
