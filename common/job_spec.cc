@@ -438,10 +438,6 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(const nlohmann::json& j) {
         "\" scales FP8 inputs, and train.precision is \"",
         std::string(TrainPrecisionName(s.train.precision)),
         "\"; set precision \"fp8\" or drop fp8_recipe"));
-  if (s.train.fp8_recipe == TrainFp8Recipe::kBlockwise && s.resources == "cuda")
-    return absl::InvalidArgumentError(
-        "job spec: train.fp8_recipe: \"blockwise\" runs on resources \"cpu\" only so far (the "
-        "CUDA engine's FP8 GEMMs scale tensorwise); use \"tensorwise\" on \"cuda\"");
   if (s.train.precision == TrainPrecision::kFp32 && s.resources == "cuda")
     return absl::InvalidArgumentError(
         "job spec: train.precision: \"fp32\" runs on resources \"cpu\" only (the CUDA engine "

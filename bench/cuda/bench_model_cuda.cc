@@ -25,14 +25,16 @@
 // --mla_grad_heads N: MLA's backward in groups of N heads (CudaModel::SetMlaGradHeadsPerGroup; 0,
 // the default, is the model's rule; n_heads: one group).
 // --precision bf16 (default) or fp8 (CudaModel::SetPrecision); --fp8_fast_forward 0: the FP8
-// forward GEMMs accumulate accurately too (CudaModel::SetFp8FastForward).
+// forward GEMMs accumulate accurately too (CudaModel::SetFp8FastForward); --fp8_recipe
+// tensorwise (default) or blockwise (train.fp8_recipe; also spelled --fp8-recipe): blockwise
+// scaling, whose GEMMs never fast-accumulate (the header line says which ran).
 // --forward 0: skip the forward-only timing and the held-out loss (their columns print -1), which
 // at the longest sequences take as long as half a step.
 //
 // Usage: bench_model_cuda [--preset 1b] [--T 8192,32768] [--recompute 0|1|both|N,all,auto,...]
 //                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
 //                         [--mla_grad_heads 0] [--forward 1] [--precision bf16|fp8]
-//                         [--fp8_fast_forward 1]
+//                         [--fp8_fast_forward 1] [--fp8_recipe tensorwise|blockwise]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -63,7 +65,8 @@ void CUDART_CB HoldStream(void* ms) {
 constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
         const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows,
-        int64_t mla_grad_heads, bool forward, TrainPrecision precision, bool fast_forward) {
+        int64_t mla_grad_heads, bool forward, TrainPrecision precision, bool fast_forward,
+        TrainFp8Recipe recipe) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -77,7 +80,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   CudaModel& m = **model_or;
   absl::Status set = m.SetHeadBlockRows(head_rows);
   if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
-  if (set.ok()) set = m.SetPrecision(precision);
+  if (set.ok()) set = m.SetPrecision(precision, recipe);
   m.SetFp8FastForward(fast_forward);
   if (!set.ok()) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", set.ToString().c_str());
@@ -90,9 +93,10 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
       "master + AdamW\n",
       prop.name, preset.c_str(), config->NumParams() / 1e6,
       std::string(TrainPrecisionName(precision)).c_str(),
-      precision != TrainPrecision::kFp8 ? ""
-      : fast_forward                    ? ", FP8 linears, fast-accumulating forward"
-                                        : ", FP8 linears, accurate accumulation");
+      precision != TrainPrecision::kFp8             ? ""
+      : recipe == TrainFp8Recipe::kBlockwise         ? ", FP8 linears, blockwise scaling"
+      : fast_forward ? ", FP8 linears, tensorwise, fast-accumulating forward"
+                     : ", FP8 linears, tensorwise, accurate accumulation");
   std::printf(
       "| T | recompute | offload | step ms | host enqueue ms | forward-only ms | optimizer ms | "
       "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | host GiB | loss | "
@@ -121,6 +125,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
           job.train.recompute_layers = TrainSpec::kRecomputeAuto;
           job.train.offload = offload;
           job.train.precision = precision;
+          if (precision == TrainPrecision::kFp8) job.train.fp8_recipe = recipe;
           const CpPlan plan = CpPlanner().Plan(job, static_cast<int64_t>(prop.totalGlobalMem));
           rec = plan.memory.recompute_layers;
           std::printf("# T %lld, recompute auto: %lld layers, estimate %s of %s\n",
@@ -218,6 +223,7 @@ int main(int argc, char** argv) {
   int64_t head_rows = 0, mla_grad_heads = 0;
   bool forward = true, fast_forward = true;
   spindle::TrainPrecision precision = spindle::TrainPrecision::kBf16;
+  spindle::TrainFp8Recipe recipe = spindle::TrainFp8Recipe::kTensorwise;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset") {
@@ -242,6 +248,15 @@ int main(int argc, char** argv) {
       forward = v != "0";
     } else if (k == "--fp8_fast_forward") {
       fast_forward = v != "0";
+    } else if (k == "--fp8_recipe" || k == "--fp8-recipe") {
+      if (v != "tensorwise" && v != "blockwise") {
+        std::fprintf(stderr,
+                     "bench_model_cuda: --fp8_recipe takes tensorwise or blockwise, got %s\n",
+                     v.c_str());
+        return 2;
+      }
+      recipe = v == "blockwise" ? spindle::TrainFp8Recipe::kBlockwise
+                                : spindle::TrainFp8Recipe::kTensorwise;
     } else if (k == "--precision") {
       if (v != "bf16" && v != "fp8") {
         std::fprintf(stderr, "bench_model_cuda: --precision takes bf16 or fp8, got %s\n",
@@ -275,5 +290,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows, mla_grad_heads,
-                      forward, precision, fast_forward);
+                      forward, precision, fast_forward, recipe);
 }

@@ -641,6 +641,60 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
   EXPECT_EQ(CpPlanner().Plan(c, 0).memory.precision_bytes, 0);
 }
 
+// train.fp8_recipe "blockwise" on "cuda": a dense model plans, its estimate the tensorwise one
+// plus the block scales (a 4-byte scale per 128 codes of each layout of every kept activation and
+// of the output gradient, the weights' 128 x 128 block scales in both layouts) and the bf16 [T, d]
+// scratch of the norms that only feed FP8 GEMMs; a MoE model is refused with one problem naming
+// the field (the CUDA engine's experts are tensorwise only).
+TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseModelsAndRefusesMoe) {
+  JobSpec s;
+  s.model = *ModelPreset("1b");
+  s.seq_len = 32768;
+  s.resources = "cuda";
+  s.train.recompute_layers = 0;
+  s.train.precision = TrainPrecision::kFp8;
+  const ModelConfig& m = s.model;
+  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, T = s.seq_len;
+  const MlaConfig& a = m.mla;
+  const CpPlan tensorwise = CpPlanner().Plan(s, 0);
+  ASSERT_TRUE(tensorwise.ok()) << tensorwise.problems.front();
+  s.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
+  const CpPlan blockwise = CpPlanner().Plan(s, 0);
+  ASSERT_TRUE(blockwise.ok()) << blockwise.problems.front();
+  // The kept inputs as Fp8CopiesAreCountedAndPlannedWith counts them, and the widest output
+  // gradient (1b's qkv, 3 d): both layouts' scales, 8 bytes per 128 values.
+  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
+  const int64_t inputs =
+      nl * (3 * d + f) + nm * (2 * d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim + f);
+  int64_t weights = 0;  // scales of [out, in] and of [in, out], rows of blocks padded to 4
+  for (const LinearWeight& w : Fp8LinearWeights(m)) {
+    const int64_t bo = (w.out + 127) / 128, bi = (w.in + 127) / 128;
+    weights += (4 * bo * ((bi + 3) / 4 * 4) + 255) / 256 * 256 +
+               (4 * bi * ((bo + 3) / 4 * 4) + 255) / 256 * 256;
+  }
+  const int64_t extra = (T * inputs + T * 3 * d) / 16 + weights + 2 * T * d;
+  EXPECT_EQ(blockwise.memory.precision_bytes - tensorwise.memory.precision_bytes, extra);
+  EXPECT_EQ(blockwise.memory.total_bytes - tensorwise.memory.total_bytes, extra);
+  // Small beside the codes: under a tenth of the kept inputs' bytes.
+  EXPECT_LT(extra, T * inputs / 10);
+
+  JobSpec moe = Spec(1, 1, 16384);
+  moe.model = *ModelPreset("moe");
+  moe.resources = "cuda";
+  moe.train.precision = TrainPrecision::kFp8;
+  EXPECT_TRUE(CpPlanner().Plan(moe, 0).ok());
+  moe.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
+  const CpPlan refused = CpPlanner().Plan(moe, 0);
+  ASSERT_EQ(refused.problems.size(), 1u);
+  EXPECT_EQ(refused.problems[0].rfind("train.fp8_recipe: \"blockwise\" on resources \"cuda\"", 0),
+            0u)
+      << refused.problems[0];
+  EXPECT_NE(refused.problems[0].find("MoE"), std::string::npos);
+  // The CPU emulation runs it.
+  moe.resources = "cpu";
+  EXPECT_TRUE(CpPlanner().Plan(moe, 0).ok());
+}
+
 // FP8 with MoE experts: the engines quantize the experts' rows, SwiGLU outputs and output
 // gradients (top_k rows a token), so the precision term grows with top_k on both engines; the CPU
 // emulation copies every parameter (the experts too), and its blockwise recipe keeps column-block

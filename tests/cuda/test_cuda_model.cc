@@ -141,12 +141,13 @@ TEST(CudaModel, HeadSize128StepMatchesCpuEngine) {
 // forward against the plain step on the same model.
 void ExpectRecomputeAndForwardAgree(const ModelConfig& c,
                                     TrainPrecision precision = TrainPrecision::kAuto,
-                                    int64_t T = 150) {
+                                    int64_t T = 150,
+                                    TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise) {
   const uint32_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " layers " << c.layer_pattern);
   const Batch b = RandomBatch(c, T, 50, seed);
   auto m = *CudaModel::Create(c, seed);
-  ASSERT_TRUE(m->SetPrecision(precision).ok());
+  ASSERT_TRUE(m->SetPrecision(precision, recipe).ok());
   auto plain = m->ForwardBackward(b, 0.01f, Recompute::None());
   ASSERT_TRUE(plain.ok()) << plain.status();
   ASSERT_TRUE(m->DownloadGrads().ok());
@@ -206,21 +207,26 @@ TEST(CudaModel, RecomputeWithTwoMlaLayersAgreesWithThePlainStep) {
 // Against fp32 FP8's own error adds (about 4% per GEMM input, 6% per GEMM product in
 // tests/cuda/test_fp8_cuda.cc); the emulation must be the closer of the two references for the
 // tensors in the recipe, or it would not be emulating this recipe.
-void ExpectFp8StepMatchesEmulation(ModelConfig c, int64_t T, int64_t doc) {
+// `recipe`: blockwise compares with the CPU's blockwise emulation (the same blocks); `rc`: the
+// GPU's step recomputes those layers (the CPU's does not: recompute changes no value it computes).
+void ExpectFp8StepMatchesEmulation(ModelConfig c, int64_t T, int64_t doc,
+                                   TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise,
+                                   Recompute rc = Recompute::None()) {
   c.norm_eps = 1e-2;  // see ExpectStepMatchesCpu
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T << " " << c.layer_pattern);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T << " " << c.layer_pattern
+                                    << " " << TrainFp8RecipeName(recipe));
   const Batch b = RandomBatch(c, T, doc, seed);
   const float scale = 1.0f / static_cast<float>(b.NumValidTargets());
   auto emulated = *Model::Create(c, seed);
-  emulated->SetNumerics(CpuNumerics(TrainPrecision::kFp8));
+  emulated->SetNumerics(CpuNumerics(TrainPrecision::kFp8, recipe));
   const LossStats want = emulated->ForwardBackward(b, scale, Recompute::None());
   auto exact = *Model::Create(c, seed);
   const LossStats exact_loss = exact->ForwardBackward(b, scale, Recompute::None());
   auto gpu = *CudaModel::Create(c, seed);
-  ASSERT_TRUE(gpu->SetPrecision(TrainPrecision::kFp8).ok());
+  ASSERT_TRUE(gpu->SetPrecision(TrainPrecision::kFp8, recipe).ok());
   gpu->SetPoisonActivations(true);
-  auto got = gpu->ForwardBackward(b, scale, Recompute::None());
+  auto got = gpu->ForwardBackward(b, scale, rc);
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_TRUE(gpu->DownloadGrads().ok());
   ParamSet& G = gpu->host_params();
@@ -249,6 +255,41 @@ TEST(CudaModel, Fp8StepMatchesTheCpuFp8Emulation) {
   ExpectFp8StepMatchesEmulation(Tiny(), 256, 60);
 }
 
+// The blockwise recipe (train.fp8_recipe "blockwise") against the CPU's blockwise emulation, with
+// the bounds of the tensorwise test and for the same reasons: both sides quantize the same fp32
+// (or stored bf16) values in the same blocks with power-of-two scales, so they differ by bf16
+// roundings and, where one moves a value across an FP8 rounding boundary (or a block's amax across
+// a power of two, which halves or doubles that block's scale: the dequantized values still agree
+// to one FP8 step), by one FP8 step of the values concerned: 15% relative L2 per matrix gradient
+// (norms 30%), cosine above 0.99, and the emulation closer than fp32. Tiny's widths (d 64, the
+// FFN's and the joint q | k | v gradient's 192) and 256 tokens give partial and whole 1 x 128
+// blocks along the rows and two 128-token blocks for the weight gradients. With every layer
+// recomputing (the first forward writes no transposed codes; the recomputed one quantizes from
+// the kept statistics) and with the first two, on an MLA + Lightning pattern.
+TEST(CudaModel, Fp8BlockwiseStepMatchesTheCpuEmulation) {
+  SPINDLE_REQUIRE_GPU();
+  ExpectFp8StepMatchesEmulation(Tiny(), 256, 60, TrainFp8Recipe::kBlockwise);
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  ExpectFp8StepMatchesEmulation(c, 256, 90, TrainFp8Recipe::kBlockwise);
+  ExpectFp8StepMatchesEmulation(c, 256, 90, TrainFp8Recipe::kBlockwise, Recompute::All());
+  ExpectFp8StepMatchesEmulation(c, 256, 90, TrainFp8Recipe::kBlockwise, Recompute::First(2));
+}
+
+// A MoE model under blockwise is refused by the engine with one error naming the field (its
+// experts are tensorwise only), and the model still runs tensorwise after.
+TEST(CudaModel, Fp8BlockwiseRefusesMoe) {
+  SPINDLE_REQUIRE_GPU();
+  auto c = ModelPreset("tiny-moe");
+  ASSERT_TRUE(c.ok());
+  auto m = *CudaModel::Create(*c, 1);
+  const absl::Status s = m->SetPrecision(TrainPrecision::kFp8, TrainFp8Recipe::kBlockwise);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("train.fp8_recipe \"blockwise\""), std::string::npos) << s;
+  ASSERT_TRUE(m->SetPrecision(TrainPrecision::kFp8).ok());
+  EXPECT_TRUE(m->ForwardBackward(RandomBatch(*c, 128, 30, 1), 0.01f, Recompute::None()).ok());
+}
+
 TEST(CudaModel, Fp8QLoraMlaStepMatchesTheCpuFp8Emulation) {
   SPINDLE_REQUIRE_GPU();
   ModelConfig c = Tiny();
@@ -262,6 +303,15 @@ TEST(CudaModel, Fp8RecomputeAndForwardAgreeWithThePlainStep) {
   ModelConfig c = Tiny();
   c.layer_pattern = "MLLM";
   ExpectRecomputeAndForwardAgree(c, TrainPrecision::kFp8, 160);
+}
+
+// Blockwise: the recomputed forward (quantizing from the kept statistics) gives the plain step's
+// loss exactly and its gradients but for the attention backward's reduction order.
+TEST(CudaModel, Fp8BlockwiseRecomputeAndForwardAgreeWithThePlainStep) {
+  SPINDLE_REQUIRE_GPU();
+  ModelConfig c = Tiny();
+  c.layer_pattern = "MLLM";
+  ExpectRecomputeAndForwardAgree(c, TrainPrecision::kFp8, 160, TrainFp8Recipe::kBlockwise);
 }
 
 // What FP8 cannot run is refused with one error, and the model still trains in bf16 after.

@@ -136,6 +136,27 @@ TEST(CudaTrainerTest, TinyRecallLearnsOnTheGpu) {
   }
 }
 
+// train.fp8_recipe reaches the CUDA engine through the trainer: a blockwise fp8 job learns, and
+// its losses are not the tensorwise job's (the recipe changes every FP8 operand from the first
+// forward on).
+TEST(CudaTrainerTest, Fp8BlockwiseJobRunsTheBlockwiseRecipe) {
+  SPINDLE_REQUIRE_GPU();
+  JobSpec spec = TinyJob(/*steps=*/30, /*seq_len=*/512, /*gap=*/128);
+  spec.train.precision = TrainPrecision::kFp8;
+  auto tensorwise = Train(spec);
+  ASSERT_TRUE(tensorwise.ok()) << tensorwise.status();
+  spec.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
+  auto blockwise = Train(spec);
+  ASSERT_TRUE(blockwise.ok()) << blockwise.status();
+  const auto& l = blockwise->losses;
+  ASSERT_EQ(l.size(), 30u);
+  for (double x : l) ASSERT_TRUE(std::isfinite(x));
+  double last = 0;
+  for (int i = 25; i < 30; ++i) last += l[i] / 5;
+  EXPECT_LT(last, 0.8 * l[0]) << "first loss " << l[0];
+  EXPECT_NE(l, tensorwise->losses) << "the blockwise job ran the tensorwise recipe";
+}
+
 TEST(CudaTrainerTest, ResumedRunTracksTheUninterruptedRun) {
   SPINDLE_REQUIRE_GPU();
   JobSpec spec = TinyJob(/*steps=*/8, /*seq_len=*/512, /*gap=*/128);

@@ -46,6 +46,10 @@ class CpuStepBackend : public StepBackend {
                                             const GradReadyFn& on_grad_ready) override;
   absl::StatusOr<LossStats> Forward(const CpBatch& batch) override;
   absl::Status SetPrecision(TrainPrecision precision) override;
+  absl::Status SetFp8Recipe(TrainFp8Recipe recipe) override {
+    fp8_recipe_ = recipe;
+    return absl::OkStatus();
+  }
   // Experiments only (Numerics::outliers): the outliers every later SetPrecision injects.
   void SetOutlierInjection(std::optional<OutlierInjection> outliers) { outliers_ = outliers; }
   absl::Status SetZLoss(float z_loss) override {

@@ -87,6 +87,14 @@ class StepBackend {
         "trainer: train.precision \"fp8\": this device backend has no FP8 GEMMs yet; use "
         "\"auto\" or \"bf16\" on the device, or resources \"cpu\", which emulates FP8");
   }
+  // train.fp8_recipe: how a later SetPrecision's "fp8" scales (call before it). A backend
+  // without blockwise FP8 refuses "blockwise".
+  virtual absl::Status SetFp8Recipe(TrainFp8Recipe recipe) {
+    if (recipe == TrainFp8Recipe::kTensorwise) return absl::OkStatus();
+    return absl::UnimplementedError(
+        "trainer: train.fp8_recipe \"blockwise\": this device backend has no blockwise FP8 "
+        "GEMMs; use \"tensorwise\" or resources \"cpu\"");
+  }
   // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token (the
   // loss reported stays the cross-entropy).
   virtual absl::Status SetZLoss(float z_loss) {

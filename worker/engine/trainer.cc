@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options)
     t->backend_ = std::move(cpu);
   }
   RETURN_IF_ERROR(t->backend_->SetOffloadInputs(spec.train.offload));
+  RETURN_IF_ERROR(t->backend_->SetFp8Recipe(spec.train.fp8_recipe));
   RETURN_IF_ERROR(t->backend_->SetPrecision(spec.train.precision));
   RETURN_IF_ERROR(t->backend_->SetZLoss(static_cast<float>(spec.train.z_loss)));
   if (o.world > 1) {
@@ -609,6 +610,7 @@ absl::StatusOr<ParityResult> Trainer::Verify() {
     } else {
       ASSIGN_OR_RETURN(b, CpuStepBackend::Create(spec.model, spec.train.seed, spec.train, 1, 0));
     }
+    RETURN_IF_ERROR(b->SetFp8Recipe(spec.train.fp8_recipe));
     RETURN_IF_ERROR(b->SetPrecision(precision));
     RETURN_IF_ERROR(b->SetZLoss(static_cast<float>(spec.train.z_loss)));
     return b;
@@ -833,6 +835,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const JobSpec& spec, const std::st
   std::unique_ptr<StepBackend> backend;
   if (device) {
     ASSIGN_OR_RETURN(backend, device(spec.model, spec.train.seed, /*cp=*/1, /*ep=*/1, 0));
+    RETURN_IF_ERROR(backend->SetFp8Recipe(spec.train.fp8_recipe));
     RETURN_IF_ERROR(backend->SetPrecision(spec.train.precision));
     RETURN_IF_ERROR(
         LoadCheckpoint(checkpoint, backend->host_params(), nullptr, spec.model).status());

@@ -13,6 +13,11 @@ absl::Status CudaDenseFfn::Hidden(const LayerIdx& L, LayerActs& A, DenseFfnCache
     RETURN_IF_ERROR(cx.FwdQ(A.q_h2, L.w1, g, n, d, F, false));
     RETURN_IF_ERROR(cx.FwdQ(A.q_h2, L.w3, u, n, d, F, false));
     RETURN_IF_ERROR(cx.QAct(C.q_a, n, F));
+    if (cx.fp8_blockwise) {  // from g and u in one pass, recomputed or not (no statistics)
+      KC(kc::SwiGluQuantizeBlockwise(g, u, n, F, kAct, cx.QBlockOut(C.q_a, transposes),
+                                     cx.stream));
+      return absl::OkStatus();
+    }
     const kc::Fp8Output q = cx.QOut(C.q_a, transposes, A, kSiteA);
     KC(requantize ? kc::SwiGluQuantizeFp8(g, u, n, F, kAct, q, cx.stream)
                   : kc::SwiGluForwardFp8(g, u, nullptr, n, F, kAct, q, cx.stream));

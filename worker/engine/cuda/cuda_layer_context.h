@@ -35,6 +35,10 @@ struct Work {
   // recomputing layer's FFN, whose backward runs first after the recomputed forward wrote them.
   Fp8Act q_dy;
   DevBuf fp8_rows;
+  // Blockwise FP8: the bf16 output of a norm whose only readers are FP8 GEMMs ([T, d], written
+  // and not read): the norm's forward runs for its statistics, the blockwise quantizer then reads
+  // them with its inputs (kernels/cuda/fp8.h).
+  DevBuf norm_y;
   // FP8: the output gradients' amaxes (fp32, by GradAmax), each reduced by the kernel that writes
   // the gradient and read by its quantization (BwdQ); allocated for the whole backward.
   enum GradAmax { kAmaxDg, kAmaxDu, kAmaxDx, kAmaxDgate, kAmaxDqkv, kGradAmaxes };
@@ -42,7 +46,8 @@ struct Work {
   float* Amax(GradAmax which) { return grad_amax.f32() + which; }
   // Every buffer back to the allocator.
   void Release() {
-    for (DevBuf* b : {&dh, &ws, &cp_block, &cp_tmp, &arena.mem, &q_dy.mem, &fp8_rows, &grad_amax})
+    for (DevBuf* b :
+         {&dh, &ws, &cp_block, &cp_tmp, &arena.mem, &q_dy.mem, &fp8_rows, &norm_y, &grad_amax})
       b->Release();
     ws_bytes = 0;
     arena.kind = 0;
@@ -77,6 +82,8 @@ struct LayerContext {
   // kv_b; worker/engine/numerics.h) multiply FP8 codes; fp8_w holds each one's weight copy (by
   // parameter index), fp8_e the MoE layers' expert weights.
   bool fp8 = false;
+  // train.fp8_recipe "blockwise" (with fp8): every FP8 operand in block scales (Fp8Block::scales).
+  bool fp8_blockwise = false;
   bool fp8_fast_forward = true;  // see SetFp8FastForward
   std::vector<Fp8Block> fp8_w;
   std::vector<Fp8ExpertBlock> fp8_e;
@@ -128,7 +135,20 @@ struct LayerContext {
   absl::Status QAct(Fp8Act& q, int64_t rows, int64_t cols) {
     const int64_t widest = std::max({c.d_model, c.ffn_dim, c.n_heads * c.mla.v_head_dim});
     RETURN_IF_ERROR(W.fp8_rows.Ensure(&alloc, std::max(rows * cols, B.T * widest)));
-    return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get());
+    return q.Ensure(&alloc, rows, cols, KDType::kFp8E4M3, W.fp8_rows.get(), fp8_blockwise);
+  }
+  // Blockwise: where a producer writes q's codes and block scales, both layouts or (transposes
+  // false, as QOut) the row-major ones alone.
+  static kc::Fp8BlockOutput QBlockOut(const Fp8Act& q, bool transposes) {
+    kc::Fp8BlockOutput o = q.BlockOutput();
+    if (!transposes) o.codes_t = nullptr, o.scales_t = nullptr;
+    return o;
+  }
+  // Blockwise: the bf16 scratch a norm's forward writes its unread output to (Work::norm_y).
+  absl::Status NormScratch(void** y) {
+    RETURN_IF_ERROR(Act(W.norm_y, B.T, c.d_model));
+    *y = W.norm_y.get();
+    return absl::OkStatus();
   }
   // Where producer `site` writes q's codes: both layouts, or (transposes false: a forward that no
   // backward reads, that of a recomputing layer or a forward-only pass) the row-major codes the
@@ -156,6 +176,11 @@ struct LayerContext {
     a.ab_type = x.format, a.b_type = KDType::kFp8E4M3;
     a.a_scale = x.inverse_scale(), a.b_scale = fp8_w[w].inverse_scale();
     a.fast_accum = fp8_fast_forward;
+    if (fp8_blockwise) {  // x in 1 x 128 blocks, W in 128 x 128 (no fast accumulation)
+      a.a_scale = x.scales, a.a_scale_mode = kc::Fp8ScaleMode::kRow128;
+      a.b_scale = fp8_w[w].scales, a.b_scale_mode = kc::Fp8ScaleMode::kBlock128;
+      a.fast_accum = false;
+    }
     return FromKernel(blas->Gemm(a, stream));
   }
   // dy (bf16 [T, out]) quantized to E5M2 with its transpose (W.q_dy), then dx (+)= dy W (dx
@@ -165,7 +190,8 @@ struct LayerContext {
   absl::Status BwdQ(const Fp8Block& x, int w, const void* dy, void* dx, float* dW, int64_t T,
                     int64_t in, int64_t out, bool acc_dx, float* dy_amax = nullptr) {
     Fp8Act& q = W.q_dy;
-    RETURN_IF_ERROR(q.Ensure(&alloc, T, out, KDType::kFp8E5M2));
+    RETURN_IF_ERROR(q.Ensure(&alloc, T, out, KDType::kFp8E5M2, nullptr, fp8_blockwise));
+    if (fp8_blockwise) return BwdBlockwise(x, w, dy, dx, dW, T, in, out, acc_dx);
     if (dy_amax != nullptr) {
       kc::Fp8Output o = q.Output();
       o.amax = dy_amax;
@@ -185,6 +211,32 @@ struct LayerContext {
     a.M = out, a.N = in, a.K = T, a.beta = 1.0f;
     a.A = q.codes_t(), a.lda = T, a.B = x.codes_t(), a.ldb = T, a.C = dW, a.ldc = in;
     a.c_type = KDType::kFloat32, a.b_type = x.format, a.b_scale = x.inverse_scale();
+    return FromKernel(blas->Gemm(a, stream));
+  }
+  // BwdQ under the blockwise recipe: dy's E5M2 codes in 1 x 128 blocks along its rows and along
+  // its transpose's (the tokens), from its stored bf16 (no amax: a block's scale is its own);
+  // dx (+)= dy (1x128) times W^T's codes (128x128), dW += dy^T (1x128 along the tokens) times
+  // x^T (1x128 along the tokens).
+  absl::Status BwdBlockwise(const Fp8Block& x, int w, const void* dy, void* dx, float* dW,
+                            int64_t T, int64_t in, int64_t out, bool acc_dx) {
+    Fp8Act& q = W.q_dy;
+    KC(kc::Fp8QuantizeBlockwise(dy, T, out, kAct, q.BlockOutput(), stream));
+    kc::GemmArgs a;
+    a.trans_b = true;
+    a.ab_type = KDType::kFp8E5M2, a.b_type = KDType::kFp8E4M3;
+    a.a_scale_mode = kc::Fp8ScaleMode::kRow128;
+    if (dx) {
+      a.M = T, a.N = in, a.K = out, a.beta = acc_dx ? 1.0f : 0.0f;
+      a.A = q.codes(), a.lda = out, a.B = fp8_w[w].codes_t(), a.ldb = out, a.C = dx, a.ldc = in;
+      a.a_scale = q.scales;
+      a.b_scale = fp8_w[w].scales_t, a.b_scale_mode = kc::Fp8ScaleMode::kBlock128;
+      KC(blas->Gemm(a, stream));
+    }
+    a.M = out, a.N = in, a.K = T, a.beta = 1.0f;
+    a.A = q.codes_t(), a.lda = T, a.B = x.codes_t(), a.ldb = T, a.C = dW, a.ldc = in;
+    a.c_type = KDType::kFloat32, a.b_type = x.format;
+    a.a_scale = q.scales_t;
+    a.b_scale = x.scales_t, a.b_scale_mode = kc::Fp8ScaleMode::kRow128;
     return FromKernel(blas->Gemm(a, stream));
   }
   // FP8: where the kernel writing an output gradient reduces its amax for the quantization that

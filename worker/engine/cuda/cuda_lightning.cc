@@ -44,6 +44,18 @@ absl::Status CudaLightning::Forward(const LayerIdx& L, LayerActs& A, LightningCa
   }
   RETURN_IF_ERROR(cx.FwdQ(A.q_h, L.gate, C.gate.get(), T, d, d, false));
   RETURN_IF_ERROR(cx.QAct(C.q_y, T, d));
+  if (cx.fp8_blockwise) {  // the group norm for rstd_o (a recomputed forward kept it), then blocks
+    if (!requantize) {
+      void* y = nullptr;
+      RETURN_IF_ERROR(cx.NormScratch(&y));
+      KC(kc::GroupNormGateForward(C.o.get(), cx.Wb(L.out_norm), C.gate.get(), y, C.rstd_o.f32(), T,
+                                  H, Dh, eps, kAct, cx.stream));
+    }
+    KC(kc::GroupNormGateQuantizeBlockwise(C.o.get(), cx.Wb(L.out_norm), C.gate.get(),
+                                          C.rstd_o.f32(), T, H, Dh, kAct,
+                                          cx.QBlockOut(C.q_y, transposes), cx.stream));
+    return cx.FwdQ(C.q_y, L.out, A.x_mid.get(), T, d, d, true, x_in);
+  }
   const kc::Fp8Output q = cx.QOut(C.q_y, transposes, A, kSiteY);
   if (requantize) {
     KC(kc::GroupNormGateQuantizeFp8(C.o.get(), cx.Wb(L.out_norm), C.gate.get(), C.rstd_o.f32(), T,

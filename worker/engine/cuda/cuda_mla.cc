@@ -13,9 +13,14 @@ absl::Status CudaMla::Forward(const LayerIdx& L, LayerActs& A, MlaCache& C, cons
   const int64_t hv = c.n_heads * c.mla.v_head_dim;
   if (cx.fp8) {  // the attention's output has no producer of ours to fuse the cast into
     RETURN_IF_ERROR(cx.QAct(C.q_O, T, hv));
-    const kc::Fp8Output q = cx.QOut(C.q_O, transposes, A, kSiteO);
-    KC(requantize ? kc::Fp8QuantizeFromAmax(C.O.get(), T, hv, kAct, q, cx.stream)
-                  : kc::Fp8Quantize(C.O.get(), T, hv, kAct, q, cx.stream));
+    if (cx.fp8_blockwise) {  // from the stored bf16, in one pass (recomputed or not)
+      KC(kc::Fp8QuantizeBlockwise(C.O.get(), T, hv, kAct, cx.QBlockOut(C.q_O, transposes),
+                                  cx.stream));
+    } else {
+      const kc::Fp8Output q = cx.QOut(C.q_O, transposes, A, kSiteO);
+      KC(requantize ? kc::Fp8QuantizeFromAmax(C.O.get(), T, hv, kAct, q, cx.stream)
+                    : kc::Fp8Quantize(C.O.get(), T, hv, kAct, q, cx.stream));
+    }
     RETURN_IF_ERROR(cx.FwdQ(C.q_O, L.mo, A.x_mid.get(), T, hv, d, true, x_in));
   } else {
     RETURN_IF_ERROR(cx.Fwd(C.O.get(), hv, cx.Wb(L.mo), A.x_mid.get(), T, hv, d, true, x_in));

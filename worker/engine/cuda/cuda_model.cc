@@ -188,6 +188,15 @@ absl::Status CudaModel::Impl::FillWorkingCopy() {
 
 absl::Status CudaModel::Impl::CastFp8Weights() {
   if (!fp8) return absl::OkStatus();
+  if (fp8_blockwise) {  // 128 x 128 blocks, both layouts (no MoE experts under blockwise)
+    std::vector<kc::Fp8BlockWeightCast> b;
+    for (int i = 0; i < P().size(); ++i)
+      if (const Fp8Block& q = fp8_w[i]; q.base != nullptr)
+        b.push_back({p + P().info(i).offset, q.rows, q.cols, KDType::kFp8E4M3, q.codes(),
+                     q.scales, q.codes_t(), q.scales_t});
+    KC(kc::Fp8CastWeightsBlockwise(b.data(), static_cast<int64_t>(b.size()), stream));
+    return absl::OkStatus();
+  }
   std::vector<kc::Fp8WeightCast> t;
   for (int i = 0; i < P().size(); ++i)
     if (const Fp8Block& q = fp8_w[i]; q.base != nullptr)
@@ -200,18 +209,24 @@ absl::Status CudaModel::Impl::CastFp8Weights() {
 
 void CudaModel::SetZLoss(float z_loss) { impl_->z_loss = z_loss; }
 
-absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
+absl::Status CudaModel::SetPrecision(TrainPrecision precision, TrainFp8Recipe recipe) {
   Impl& I = *impl_;
   if (precision == TrainPrecision::kFp32)
     return absl::InvalidArgumentError(
         "cuda model: train.precision \"fp32\" runs on the CPU only (a GPU job: auto, bf16 or fp8)");
   const bool want = precision == TrainPrecision::kFp8;
-  if (want == I.fp8) return absl::OkStatus();
+  const bool blockwise = want && recipe == TrainFp8Recipe::kBlockwise;
+  if (blockwise && I.c.NumMoeLayers() > 0)
+    return absl::InvalidArgumentError(
+        "cuda model: train.fp8_recipe \"blockwise\": the CUDA engine's MoE experts are "
+        "tensorwise only so far; use \"tensorwise\" for a MoE model on \"cuda\"");
+  if (want == I.fp8 && blockwise == I.fp8_blockwise) return absl::OkStatus();
+  if (want && I.fp8) RETURN_IF_ERROR(SetPrecision(TrainPrecision::kBf16));  // another recipe
   if (!want) {
     CUDA(cudaStreamSynchronize(I.stream));
     if (I.fp8_w_mem) cudaFree(I.fp8_w_mem);
     I.fixed_bytes -= I.fp8_fixed_bytes;
-    I.fp8_w_mem = nullptr, I.fp8_fixed_bytes = 0, I.fp8 = false;
+    I.fp8_w_mem = nullptr, I.fp8_fixed_bytes = 0, I.fp8 = false, I.fp8_blockwise = false;
     I.fp8_w.clear();
     I.fp8_e.clear();
     return I.LayOutWorkingCopy({});
@@ -228,8 +243,14 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
       for (int i : {L.moe_p.w1, L.moe_p.w2, L.moe_p.w3})
         if (i >= 0) experts.push_back(i);
   auto expert_count = [&](int i) { return P.info(i).numel / (P.info(i).shape[1] * P.info(i).shape[2]); };
+  // Blockwise: each weight's 128 x 128 block scales of both layouts after its codes.
+  auto weight_bytes = [&](int i) {
+    const ParamInfo& info = P.info(i);
+    const int64_t rows = info.shape[0], cols = info.numel / rows;
+    return Fp8Block::Bytes(info.numel) + (blockwise ? Fp8Block::SquareScaleBytes(rows, cols) : 0);
+  };
   int64_t bytes = 0;
-  for (int i : linear) bytes += Fp8Block::Bytes(P.info(i).numel);
+  for (int i : linear) bytes += weight_bytes(i);
   for (int i : experts) bytes += Fp8ExpertBlock::Bytes(expert_count(i), P.info(i).numel);
   CUDA(cudaMalloc(&I.fp8_w_mem, bytes));
   I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Block{});
@@ -237,8 +258,10 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
   auto* at = static_cast<uint8_t*>(I.fp8_w_mem);
   for (int i : linear) {
     const ParamInfo& info = P.info(i);
-    I.fp8_w[i] = {at, info.shape[0], info.numel / info.shape[0], KDType::kFp8E4M3};
-    at += Fp8Block::Bytes(info.numel);
+    Fp8Block& q = I.fp8_w[i];
+    q = {at, info.shape[0], info.numel / info.shape[0], KDType::kFp8E4M3};
+    if (blockwise) q.SetScales(at + Fp8Block::Bytes(info.numel), /*weight=*/true);
+    at += weight_bytes(i);
   }
   for (int i : experts) {
     const ParamInfo& info = P.info(i);
@@ -248,6 +271,7 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision) {
   I.fp8_fixed_bytes = bytes;
   I.fixed_bytes += bytes;
   I.fp8 = true;
+  I.fp8_blockwise = blockwise;
   linear.insert(linear.end(), experts.begin(), experts.end());  // no bf16 copies of these
   RETURN_IF_ERROR(I.LayOutWorkingCopy(linear));
   RETURN_IF_ERROR(I.CastFp8Weights());

@@ -170,7 +170,16 @@ class CudaModel {
   // sequence's). The CPU model's fp8 numerics (worker/engine/numerics.h) emulate this recipe.
   // InvalidArgument: "fp32", or under fp8 an FP8 linear's width that is not a multiple of 16
   // (cuBLASLt's FP8 GEMMs); a step under fp8 refuses a local token count that is not one.
-  absl::Status SetPrecision(TrainPrecision precision);
+  // `recipe` (train.fp8_recipe, with fp8): "blockwise" scales the same tensors in blocks as the CPU
+  // emulation does (numerics.h: activations and output gradients in 1 x 128 blocks along their
+  // rows, their transposed codes in 128-token blocks for the weight gradients, weights in 128 x
+  // 128), each producer quantizing its fp32 result from its inputs and statistics, and every FP8
+  // GEMM taking block scales (kernels/cuda/gemm.h) without fast accumulation. A recomputed
+  // forward quantizes as the first one did, in one pass from the kept statistics (no amax: a
+  // block's scale is its own). InvalidArgument: blockwise for a model with MoE layers (the
+  // experts are tensorwise only so far).
+  absl::Status SetPrecision(TrainPrecision precision,
+                            TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise);
   // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token
   // (kernels/cuda/ops.h CrossEntropy); the reported loss stays the cross-entropy.
   void SetZLoss(float z_loss);

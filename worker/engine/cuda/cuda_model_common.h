@@ -128,10 +128,32 @@ struct Fp8Block {
   static int64_t Padded(int64_t n) { return (n + 255) / 256 * 256; }
   static int64_t Bytes(int64_t n) { return kHeader + 2 * Padded(n); }
   static int64_t TransposeBytes(int64_t n) { return kHeader + Padded(n); }
+  // Blockwise recipe (kernels/cuda/fp8.h): the block scales of the codes and of their transpose,
+  // after the codes (BlockScaleBytes); an activation's or gradient's in 1 x 128 blocks along each
+  // layout's rows (kRow128), a weight's in 128 x 128 blocks (kBlock128). Null: tensorwise.
+  static int64_t RowScaleBytes(int64_t r, int64_t c) {
+    return Padded(4 * kc::Fp8Blocks(c) * r) + Padded(4 * kc::Fp8Blocks(r) * c);
+  }
+  static int64_t SquareScaleBytes(int64_t r, int64_t c) {
+    return Padded(4 * kc::Fp8Blocks(r) * kc::Fp8SquareScalesLd(c)) +
+           Padded(4 * kc::Fp8Blocks(c) * kc::Fp8SquareScalesLd(r));
+  }
   void* base = nullptr;  // null: none (a weight that is not an FP8 linear)
   int64_t rows = 0, cols = 0;
   KDType format = KDType::kFp8E4M3;
   void* rows_at = nullptr;  // the row-major codes when not in the block
+  float* scales = nullptr;    // blockwise: the codes' block scales
+  float* scales_t = nullptr;  // blockwise: the transpose's block scales
+
+  bool blockwise() const { return scales != nullptr; }
+  // Points scales and scales_t at `at` (16-byte aligned), the codes' first: kRow128 (weight
+  // false) or kBlock128 (weight true) of [rows, cols] and of [cols, rows].
+  void SetScales(void* at, bool weight) {
+    scales = static_cast<float*>(at);
+    const int64_t first = weight ? 4 * kc::Fp8Blocks(rows) * kc::Fp8SquareScalesLd(cols)
+                                 : 4 * kc::Fp8Blocks(cols) * rows;
+    scales_t = reinterpret_cast<float*>(static_cast<uint8_t*>(at) + Padded(first));
+  }
 
   void* codes() const {
     return rows_at != nullptr ? rows_at : static_cast<uint8_t*>(base) + kHeader;
@@ -143,6 +165,10 @@ struct Fp8Block {
   kc::Fp8Output Output() const {
     float* s = static_cast<float*>(base);
     return {format, codes(), codes_t(), s + 1, s + 2, s};
+  }
+  // Blockwise: both layouts with their block scales (an activation's or gradient's).
+  kc::Fp8BlockOutput BlockOutput() const {
+    return {format, codes(), scales, codes_t(), scales_t};
   }
 };
 
@@ -175,13 +201,17 @@ struct Fp8ExpertBlock {
 
 // An activation's Fp8Block in a block of the caching allocator (grown on demand); with
 // `row_scratch`, its row-major codes go there (the block holds the transpose only).
+// `blockwise`: with its block scales after the codes (Fp8Block::SetScales), in both layouts.
 struct Fp8Act : Fp8Block {
   DevBuf mem;
   absl::Status Ensure(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f,
-                      void* row_scratch = nullptr) {
+                      void* row_scratch = nullptr, bool blockwise = false) {
     rows = r, cols = c, format = f, rows_at = row_scratch;
-    RETURN_IF_ERROR(mem.Ensure(a, row_scratch != nullptr ? TransposeBytes(r * c) : Bytes(r * c)));
+    const int64_t codes = row_scratch != nullptr ? TransposeBytes(r * c) : Bytes(r * c);
+    RETURN_IF_ERROR(mem.Ensure(a, codes + (blockwise ? RowScaleBytes(r, c) : 0)));
     base = mem.get();
+    scales = scales_t = nullptr;
+    if (blockwise) SetScales(static_cast<uint8_t*>(base) + codes, /*weight=*/false);
     return absl::OkStatus();
   }
 };

@@ -42,7 +42,10 @@ struct Cache : LayerActs {
 // statistics (and under CP All2All the head-split output), so that the recomputed forward skips
 // the quadratic attention. Under FP8 every recomputing layer keeps its FP8 producers' row
 // statistics (rstd1, rstd2 and Lightning's rstd_o) and amaxes (fp8_amax, one per Fp8Site), so that
-// its recomputed forward quantizes in one pass: the same inputs give the same values.
+// its recomputed forward quantizes in one pass: the same inputs give the same values. Under the
+// blockwise recipe the amaxes go unused (a block's scale comes from the block itself): the
+// recomputed forward's quantizers read the kept statistics alone, skipping the norms' forward,
+// and its codes are the first forward's (which wrote the row-major layout only).
 struct KeptForRecompute {
   DevBuf O, stats, cp_out, rstd1, rstd2, rstd_o, fp8_amax;
   void SwapInto(Cache& C) {

@@ -25,7 +25,20 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   const bool requantize = Requantizes(C, x_out);
   if (bf16_h) RETURN_IF_ERROR(Act(C.h, T, d));
   RETURN_IF_ERROR(F32(C.rstd1, T));
-  if (fp8) {
+  if (fp8 && fp8_blockwise) {
+    // Blockwise: the norm for its statistics (and the bf16 h MLA reads; else into scratch), then
+    // its fp32 output quantized from x and rstd in 1 x 128 blocks. A recomputed forward without
+    // the bf16 h quantizes from the kept rstd alone: a block's scale is its own, so that pass is
+    // the first forward's quantization (no amax is kept or needed).
+    RETURN_IF_ERROR(QAct(C.q_h, T, d));
+    if (!(requantize && !bf16_h)) {
+      void* y = C.h.get();
+      if (!bf16_h) RETURN_IF_ERROR(NormScratch(&y));
+      KC(kc::RmsNormForward(x_in, Wb(L.attn_norm), y, C.rstd1.f32(), T, d, eps, kAct, stream));
+    }
+    KC(kc::RmsNormQuantizeBlockwise(x_in, Wb(L.attn_norm), C.rstd1.f32(), T, d, kAct,
+                                    QBlockOut(C.q_h, transposes), stream));
+  } else if (fp8) {
     RETURN_IF_ERROR(QAct(C.q_h, T, d));
     const kc::Fp8Output q = QOut(C.q_h, transposes, C, kSiteH);
     if (requantize && !bf16_h) {
@@ -46,7 +59,17 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
   }
   RETURN_IF_ERROR(F32(C.rstd2, T));
   // A MoE layer's router and gathers read h2 in bf16 (the gathers quantize the experts' rows).
-  if (fp8 && !L.moe) {
+  if (fp8 && fp8_blockwise && !L.moe) {  // as the attention norm's above
+    RETURN_IF_ERROR(QAct(C.q_h2, T, d));
+    if (!requantize) {
+      void* y = nullptr;
+      RETURN_IF_ERROR(NormScratch(&y));
+      KC(kc::RmsNormForward(C.x_mid.get(), Wb(L.ffn_norm), y, C.rstd2.f32(), T, d, eps, kAct,
+                            stream));
+    }
+    KC(kc::RmsNormQuantizeBlockwise(C.x_mid.get(), Wb(L.ffn_norm), C.rstd2.f32(), T, d, kAct,
+                                    QBlockOut(C.q_h2, transposes), stream));
+  } else if (fp8 && !L.moe) {
     RETURN_IF_ERROR(QAct(C.q_h2, T, d));
     const kc::Fp8Output q = QOut(C.q_h2, transposes, C, kSiteH2);
     if (requantize) {

@@ -40,7 +40,11 @@ class CudaStepBackend final : public StepBackend {
     return absl::OkStatus();
   }
   absl::Status SetPrecision(TrainPrecision precision) override {
-    return m_->SetPrecision(precision);
+    return m_->SetPrecision(precision, fp8_recipe_);
+  }
+  absl::Status SetFp8Recipe(TrainFp8Recipe recipe) override {
+    fp8_recipe_ = recipe;
+    return absl::OkStatus();
   }
   absl::StatusOr<double> GradSquaredNorm() override { return m_->GradSquaredNorm(); }
   void BeginStep(double tokens) override { m_->BeginStep(tokens); }
@@ -120,6 +124,7 @@ class CudaStepBackend final : public StepBackend {
 
  private:
   std::unique_ptr<CudaModel> m_;
+  TrainFp8Recipe fp8_recipe_ = TrainFp8Recipe::kTensorwise;  // SetPrecision's "fp8" recipe
 };
 
 }  // namespace
