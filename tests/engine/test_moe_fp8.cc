@@ -22,6 +22,7 @@
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/fp8.h"
 #include "tests/engine/cp_test_util.h"
+#include "tests/engine/moe_test_util.h"
 #include "worker/engine/batch.h"
 #include "worker/engine/model.h"
 #include "worker/engine/moe/moe_ffn.h"
@@ -474,19 +475,7 @@ TEST(MoeFp8LayerTest, BlockwiseExpertRowsAtEp2AreTheRanksRowsAtEp1) {
 // layer 1's k_norm) and 0.195 (blockwise, layer 1's router), the experts' 0.07-0.12: one FP8
 // quantization of this 32-wide model is itself ~0.1 from bf16.
 TEST(MoeFp8ModelTest, Fp8StepFollowsBf16AndReplaysUnderRecompute) {
-  ModelConfig c = *ModelPreset("tiny-moe");
-  c.d_model = 32;
-  c.n_heads = 4;
-  c.n_layers = 3;
-  c.ffn_dim = 40;
-  c.layer_pattern = "LLM";
-  c.mla = {0, 12, 8, 6, 10};
-  c.moe = {8, 2, 16, 12, /*bias_rate=*/0.01, /*z_loss=*/0.05, /*first_dense=*/1};
-  // Lightning's per-head q/k norms over 8 values amplify whatever a near-zero row holds: at the
-  // default eps the blockwise recipe (which keeps such rows' small values that one tensorwise
-  // scale flushes to zero) moved the first layer's gradients 3-4x their size from fp32's on this
-  // 32-wide model, the dense model alike. An eps of 1e-2 bounds the gain (as test_moe_model.cc).
-  c.norm_eps = 1e-2;
+  const ModelConfig c = testing::MoeTestConfig();  // norm_eps 1e-2: see moe_test_util.h
   auto m = Model::Create(c, 7);
   ASSERT_TRUE(m.ok()) << m.status();
   const Batch b = MakeSequenceBatch(testing::PackedTokens(5), 256);

@@ -27,28 +27,14 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/engine/cp_test_util.h"
+#include "tests/engine/moe_test_util.h"
 #include "worker/engine/cp/cp_layout.h"
 #include "worker/engine/model.h"
 
 namespace spindle {
 namespace {
 
-ModelConfig MoeTestConfig() {
-  ModelConfig c = *ModelPreset("tiny-moe");
-  c.d_model = 32;
-  c.n_heads = 4;
-  c.n_layers = 3;
-  c.ffn_dim = 40;
-  c.layer_pattern = "LLM";
-  c.mla = {0, 12, 8, 6, 10};
-  c.moe = {8, 2, 16, 12, /*bias_rate=*/0.01, /*z_loss=*/0.05, /*first_dense=*/1};
-  // The experts' GEMMs run over other row counts in each layout (a rank's rows of an expert), and
-  // OpenBLAS's blocking follows the rows: their outputs differ in the last bits, and a q/k norm
-  // over 8 values near zero amplifies that at the default eps (one seed in ~40 reached 1.4e-4 of
-  // the embedding's largest gradient). An eps of 1e-2 bounds the gain, as in test_cp_model.cc.
-  c.norm_eps = 1e-2;
-  return c;
-}
+using testing::MoeTestConfig;
 
 // The same random biases on every model, so that they take part in the choices.
 void SetBiases(Model& m, uint32_t seed) {
