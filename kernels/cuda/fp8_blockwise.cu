@@ -1,7 +1,9 @@
 // Blockwise FP8 quantization on CUDA (fp8.h, "Blockwise scaling"): activations and output
 // gradients with 1 x 128 blocks along their rows and 128 x 1 blocks for their transposed copy (a
 // stored tensor, or a producer's fp32 result recomputed from its inputs and kept statistics, the
-// sources of fp8_sources.cuh), and the fp32 master weights with 128 x 128 blocks, in both layouts.
+// sources of fp8_sources.cuh), and the fp32 master weights with 128 x 128 blocks, in both layouts;
+// and the MoE experts' rows in moe.h's grouped layout (GatherRowsBlockwise and its SwiGLU
+// namesake: each CUDA block one 128-column tile of one band of a segment, the same tile code).
 //
 // Scheme. A CUDA block owns one 128 x 128 tile of the input, which is exactly one block of the
 // square grid, 128 row blocks and 128 column blocks: every amax it needs lies inside the tile, so
@@ -27,6 +29,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/fp8_sources.cuh"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/vec.cuh"
 
 namespace spindle::kernels::cuda {
@@ -61,6 +64,10 @@ struct Job {
   uint8_t* codes_t;
   float* scales_t;
   int64_t scales_ld, scales_t_ld;  // square blocks: the row strides of the two scale tensors
+  // Row blocks: the rows of the kRow128 tensor `scales` ([ceil(cols / 128), scales_rows], rows
+  // unless a grouped band's group holds more), and the row stride of codes_t (rows unless a band's
+  // columns lie inside a wider transposed tensor).
+  int64_t scales_rows, codes_t_ld;
   int e5m2;                        // 0: E4M3, 1: E5M2
   float fmax;                      // the format's largest finite value
   bool vec_load;                   // a stored source, cols % 4 == 0 and x 16-byte aligned
@@ -175,7 +182,7 @@ __device__ void QuantizeTile(const Source& src, const Job& job, int64_t tile) {
         if (lane == i) my_row_inverse = inverse;
       }
       if (lane < kRowsPerWarp && R0 + lane < rows)
-        job.scales[cb * rows + R0 + lane] = my_row_inverse;
+        job.scales[cb * job.scales_rows + R0 + lane] = my_row_inverse;
     }
     if (job.codes_t != nullptr) {
 #pragma unroll
@@ -240,7 +247,7 @@ __device__ void QuantizeTile(const Source& src, const Job& job, int64_t tile) {
     const int c = k / kChunks, r = k % kChunks * 16;
     const int64_t C = c0 + c, R = r0 + r;
     if (C >= cols || R >= rows) continue;
-    uint8_t* dst = job.codes_t + C * rows + R;
+    uint8_t* dst = job.codes_t + C * job.codes_t_ld + R;
     if (job.vec_codes_t && R + 16 <= rows) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tcodes[c][r]);
     } else {
@@ -252,6 +259,51 @@ __device__ void QuantizeTile(const Source& src, const Job& job, int64_t tile) {
 template <class Source>
 __global__ void __launch_bounds__(kThreads) RowBlocksKernel(Source src, Job job) {
   QuantizeTile<Source, false>(src, job, blockIdx.x);
+}
+
+// A band's rows of a source over the whole grouped tensor: local row r is row row0 + r.
+template <class Source>
+struct BandSource {
+  Source inner;
+  int64_t row0;
+  __device__ float operator()(int64_t r, int64_t c) const { return inner(row0 + r, c); }
+};
+// The gathered rows in[src[r], :] (zeros where src[r] < 0).
+template <typename T>
+struct GatherSource {
+  const T* x;
+  const int32_t* src;
+  int64_t cols;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    const int32_t s = src[r];
+    return s < 0 ? 0.0f : ToFloat(x[static_cast<int64_t>(s) * cols + c]);
+  }
+};
+
+// Grouped row blocks (moe.h): block b quantizes column tile b % tiles_c of band b / tiles_c, as a
+// tensor of the band's rows whose outputs sit inside the grouped ones: its row codes at its rows,
+// its row scales in its group's kRow128 tensor, its transposed codes at its columns of codes_t
+// (row stride job.rows, the whole tensor's), its column scales as one block row of the segment's.
+template <class Source>
+__global__ void __launch_bounds__(kThreads)
+    GroupedRowBlocksKernel(Source src, Job job, const Fp8RowBand* bands, int64_t tiles_c) {
+  const int64_t b = blockIdx.x / tiles_c, tile = blockIdx.x % tiles_c;
+  const Fp8RowBand band = bands[b];
+  Job j = job;
+  j.rows = band.rows;
+  j.vec_load = false;
+  if (job.codes != nullptr) {
+    j.codes = job.codes + band.row0 * job.cols;
+    j.scales = job.scales + band.group_row0 * tiles_c + (band.row0 - band.group_row0);
+    j.scales_rows = band.group_rows;
+  }
+  if (job.codes_t != nullptr) {
+    j.codes_t = job.codes_t + band.row0;
+    j.codes_t_ld = job.rows;
+    j.scales_t = job.scales_t + band.col_block * job.cols;
+    j.vec_codes_t = job.vec_codes_t && band.row0 % 16 == 0;
+  }
+  QuantizeTile<BandSource<Source>, false>(BandSource<Source>{src, band.row0}, j, tile);
 }
 
 struct CastTable {
@@ -282,6 +334,7 @@ Job JobOf(const void* x, int64_t rows, int64_t cols, DType format, void* codes, 
   j.codes = static_cast<uint8_t*>(codes), j.scales = scales;
   j.codes_t = static_cast<uint8_t*>(codes_t), j.scales_t = scales_t;
   j.scales_ld = Fp8SquareScalesLd(cols), j.scales_t_ld = Fp8SquareScalesLd(rows);
+  j.scales_rows = rows, j.codes_t_ld = rows;
   j.e5m2 = format == DType::kFp8E5M2 ? 1 : 0;
   j.fmax = Fp8MaxOf(format);
   j.vec_load = cols % 4 == 0 && Aligned16(x);
@@ -315,6 +368,27 @@ Status LaunchRowBlocks(const Source& src, int64_t rows, int64_t cols, bool vec_l
       JobOf(nullptr, rows, cols, out.format, out.codes, out.scales, out.codes_t, out.scales_t);
   job.vec_load = vec_load;
   RowBlocksKernel<Source><<<tiles, kThreads, 0, stream>>>(src, job);
+  SPINDLE_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+// Checks and launches the grouped 1 x 128 quantization of src's [rows, cols] over n_bands bands.
+template <class Source>
+Status LaunchGroupedRowBlocks(const Source& src, const Fp8RowBand* bands, int64_t n_bands,
+                              int64_t rows, int64_t cols, const Fp8BlockOutput& out,
+                              const char* op, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows >= 0 && cols > 0 && n_bands >= 0 && rows % 16 == 0,
+                    std::string(op) + ": rows must be a multiple of 16, cols positive");
+  SPINDLE_CHECK_ARG(n_bands == 0 || bands != nullptr, std::string(op) + ": bands is null");
+  SPINDLE_RETURN_IF_ERROR(
+      CheckOutputs(out.format, out.codes, out.scales, out.codes_t, out.scales_t, op));
+  const int64_t tiles_c = CeilDiv(cols, kB), blocks = n_bands * tiles_c;
+  SPINDLE_CHECK_ARG(blocks < std::numeric_limits<int32_t>::max(),
+                    std::string(op) + ": tensor too large for one launch");
+  if (blocks == 0) return Status::Ok();
+  const Job job =
+      JobOf(nullptr, rows, cols, out.format, out.codes, out.scales, out.codes_t, out.scales_t);
+  GroupedRowBlocksKernel<Source><<<blocks, kThreads, 0, stream>>>(src, job, bands, tiles_c);
   SPINDLE_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -409,6 +483,65 @@ Status Fp8CastWeightsBlockwise(const Fp8BlockWeightCast* tensors, int64_t n_tens
     SquareBlocksKernel<<<tiles, kThreads, 0, stream>>>(table);
     SPINDLE_CUDA_CHECK_LAUNCH();
   }
+  return Status::Ok();
+}
+
+Status Fp8GroupedRowBands(const int64_t* offsets, int64_t G, const int64_t* segments,
+                          int64_t n_segments, Fp8RowBands* out) {
+  SPINDLE_CHECK_ARG(offsets != nullptr && segments != nullptr && G >= 0 && n_segments >= 0 &&
+                        out != nullptr,
+                    "Fp8GroupedRowBands: bad arguments");
+  SPINDLE_CHECK_ARG(segments[0] == 0 && offsets[0] == 0 && segments[n_segments] == offsets[G],
+                    "Fp8GroupedRowBands: the segments must run from row 0 to the groups' end");
+  out->bands.clear();
+  out->col_blocks = 0;
+  int64_t g = 0;
+  for (int64_t s = 0; s < n_segments; ++s) {
+    const int64_t s0 = segments[s], s1 = segments[s + 1];
+    SPINDLE_CHECK_ARG(s1 >= s0, "Fp8GroupedRowBands: segment bounds decrease at segment " +
+                                    std::to_string(s));
+    if (s1 == s0) continue;
+    while (g < G && offsets[g + 1] <= s0) ++g;  // the group holding row s0
+    SPINDLE_CHECK_ARG(g < G && s1 <= offsets[g + 1],
+                      "Fp8GroupedRowBands: segment " + std::to_string(s) +
+                          " crosses a group boundary");
+    for (int64_t r = s0; r < s1; r += kFp8BlockSize) {
+      Fp8RowBand b;
+      b.row0 = r, b.rows = std::min<int64_t>(kFp8BlockSize, s1 - r);
+      b.group_row0 = offsets[g], b.group_rows = offsets[g + 1] - offsets[g];
+      b.col_block = out->col_blocks++;
+      out->bands.push_back(b);
+    }
+  }
+  return Status::Ok();
+}
+
+Status GatherRowsBlockwise(const void* in, const int32_t* src, const Fp8RowBand* bands,
+                           int64_t n_bands, int64_t rows, int64_t D, DType dtype,
+                           const Fp8BlockOutput& out, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows == 0 || in != nullptr, "GatherRowsBlockwise: in is null");
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "GatherRowsBlockwise", {
+    const auto* x = static_cast<const scalar_t*>(in);
+    if (src != nullptr)
+      return LaunchGroupedRowBlocks(GatherSource<scalar_t>{x, src, D}, bands, n_bands, rows, D,
+                                    out, "GatherRowsBlockwise", stream);
+    return LaunchGroupedRowBlocks(StoredSource<scalar_t>{x, D}, bands, n_bands, rows, D, out,
+                                  "GatherRowsBlockwise", stream);
+  });
+  return Status::Ok();
+}
+
+Status SwiGluQuantizeGroupedBlockwise(const void* g, const void* u, const Fp8RowBand* bands,
+                                      int64_t n_bands, int64_t rows, int64_t cols, DType dtype,
+                                      const Fp8BlockOutput& out, cudaStream_t stream) {
+  SPINDLE_CHECK_ARG(rows == 0 || (g != nullptr && u != nullptr),
+                    "SwiGluQuantizeGroupedBlockwise: bad arguments");
+  SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluQuantizeGroupedBlockwise", {
+    const SwiGluSource<scalar_t> s{static_cast<const scalar_t*>(g),
+                                   static_cast<const scalar_t*>(u), cols};
+    return LaunchGroupedRowBlocks(s, bands, n_bands, rows, cols, out,
+                                  "SwiGluQuantizeGroupedBlockwise", stream);
+  });
   return Status::Ok();
 }
 

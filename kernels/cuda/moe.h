@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "kernels/cuda/dtype.h"
 #include "kernels/cuda/fp8.h"
@@ -80,6 +81,53 @@ Status GatherRows(const void* in, const int32_t* src, void* out, int64_t rows, i
 Status GatherRowsFp8(const void* in, const int32_t* src, int64_t rows, int64_t D, DType dtype,
                      const Fp8Output& q, cudaStream_t stream);
 
+// ---- Blockwise FP8 of the experts' rows (fp8.h's blockwise recipe, grouped)
+// ---------------------------------------------------------------- The experts' rows [rows, D]
+// lie in groups (offsets [G + 1], one group per local expert, each padded to a multiple of 16)
+// and, within them, segments (ascending row bounds, the first 0 and the last rows, every group
+// offset among them: one segment per (expert, source rank), worker/engine/moe/moe_exchange.h's
+// MoeExpertSegments; at ep = 1 the groups themselves). The blockwise quantization of such rows
+// writes, as the grouped GEMMs read them:
+//  - codes [rows, D] row-major in 1 x 128 blocks along each row (a row's own scales, as
+//    Fp8QuantizeBlockwise's), their scales per group: group g's kRow128 tensor [ceil(D / 128), m_g]
+//    (m_g = offsets[g + 1] - offsets[g]) at scales + offsets[g] * ceil(D / 128), so each group's
+//    GEMM reads a tensor of its own rows (16-byte aligned: offsets are multiples of 16);
+//  - codes_t [D, rows] (the transpose of the whole tensor, as GatherRowsFp8's) in 128 x 1 blocks
+//    down each column that start afresh at each segment's first row (the last block of a segment
+//    partial), their scales per segment: segment s's kRow128 tensor [ceil(n_s / 128), D] (n_s
+//    its rows, the weight gradient's K) at scales_t + first_block(s) * D, first_block(s) the
+//    blocks of the segments before it (Fp8RowBands::col_blocks in all).
+// A band is one segment's run of at most 128 rows starting at its first row or 128 k past it:
+// the kernels' unit of work (its row scales in its group's tensor, its column scales one block).
+struct Fp8RowBand {
+  int64_t row0 = 0, rows = 0;              // the band's rows [row0, row0 + rows), rows <= 128
+  int64_t group_row0 = 0, group_rows = 0;  // its group's first row and row count
+  int64_t col_block = 0;                   // its column block among every segment's blocks
+};
+struct Fp8RowBands {
+  std::vector<Fp8RowBand> bands;
+  int64_t col_blocks = 0;  // the column blocks of every segment: scales_t holds col_blocks * D
+};
+// The bands of `segments` (n_segments + 1 ascending bounds) in groups `offsets` (G + 1, host).
+// InvalidArgument where the segments do not start at 0, end at offsets[G], ascend, and hold every
+// group offset.
+Status Fp8GroupedRowBands(const int64_t* offsets, int64_t G, const int64_t* segments,
+                          int64_t n_segments, Fp8RowBands* out);
+// The blockwise quantization of the experts' rows into out (codes with the group layout's scales,
+// codes_t with the segment layout's; either may be null, not both), from the device copy `bands`
+// of Fp8GroupedRowBands's n_bands bands (their rows cover [0, rows)):
+//  - GatherRowsBlockwise: rows in[src[r], :] (zeros where src[r] < 0; src null: in is [rows, D]
+//    itself, e.g. received rows or a stored output gradient) in `dtype`;
+//  - SwiGluQuantizeGroupedBlockwise: silu(g) * u in fp32 from g and u [rows, cols] (the same fp32
+//    operations as SwiGluQuantizeBlockwise).
+// rows a multiple of 16 (the groups' padding); the codes and values as Fp8QuantizeBlockwise's.
+Status GatherRowsBlockwise(const void* in, const int32_t* src, const Fp8RowBand* bands,
+                           int64_t n_bands, int64_t rows, int64_t D, DType dtype,
+                           const Fp8BlockOutput& out, cudaStream_t stream);
+Status SwiGluQuantizeGroupedBlockwise(const void* g, const void* u, const Fp8RowBand* bands,
+                                      int64_t n_bands, int64_t rows, int64_t cols, DType dtype,
+                                      const Fp8BlockOutput& out, cudaStream_t stream);
+
 // ---- Combine
 // --------------------------------------------------------------------------------------- out[t, :]
 // (+)= sum_k w[t, k] * y[row[t * K + k], :] in fp32, the terms added in choice order to out's value
@@ -116,13 +164,22 @@ Status MoeCombineBackward(const void* dout, const void* y, const int32_t* row, c
 //                      of the whole tensor: group g's block is its columns, leading dim `rows`)
 // with one inverse scale per activation tensor and one per expert (Fp8CastWeights with a tensor
 // per expert). N, K and every group's row count multiples of 16 (MoeGroupRows with align 16).
+// Blockwise (the operands' scale_mode): activations and gradients kRow128 in the grouped layout
+// above ("Blockwise FP8 of the experts' rows": the forward's and the input gradient's operand
+// group g reads its group's row scales, the weight gradient runs one GEMM per segment on its
+// column scales, a group's segments in order on one stream), each expert's weight kBlock128 in
+// its own [ceil(rows / 128), Fp8SquareScalesLd(cols)] tensor, scale_stride floats apart. Blas::Gemm
+// picks cuBLASLt or our own kernel per call (gemm.h), e.g. ours for a segment whose rows are not
+// a multiple of 16 or do not start 16-byte aligned.
 struct Fp8Experts {
   const void* codes = nullptr;  // [G, rows, cols] codes, one byte each
   DType format = DType::kFp8E4M3;
-  // Expert g's inverse scale at inverse_scales[g * scale_stride] (16-byte aligned: scale_stride a
-  // multiple of 4, the pointer 16-byte aligned).
+  // Expert g's inverse scale (kTensor) or block scales (kBlock128) at
+  // inverse_scales[g * scale_stride] (16-byte aligned: scale_stride a multiple of 4, the pointer
+  // 16-byte aligned).
   const float* inverse_scales = nullptr;
   int64_t scale_stride = 4;
+  Fp8ScaleMode scale_mode = Fp8ScaleMode::kTensor;
 };
 
 // How the groups' GEMMs are issued (bench_kernels_cuda --moe measures each, bench/cuda/NOTES.md).
@@ -171,9 +228,12 @@ class GroupedGemm {
                          const int64_t* offsets, int64_t G, int64_t N, int64_t K,
                          cudaStream_t stream, bool accumulate = false);
   // dB [G, N, K] += dC^T A per group, from dC_t [N, rows] and A_t [K, rows] (rows = offsets[G]).
+  // Block-scaled operands (kRow128 along the tokens) need the segments (n_segments + 1 host
+  // bounds, as Fp8GroupedRowBands's): one GEMM per non-empty segment into its group's dB_g.
   Status BackwardWeightFp8(const Fp8Operand& dC_t, const Fp8Operand& A_t, float* dB,
                            const int64_t* offsets, int64_t G, int64_t N, int64_t K,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const int64_t* segments = nullptr,
+                           int64_t n_segments = 0);
 
   struct Impl;
 

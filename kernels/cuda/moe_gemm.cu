@@ -8,7 +8,8 @@
 // stream with the fewest FLOPs so far (the caller's first), each stream with its own Blas (its own
 // cuBLASLt workspace: split-K algorithms write theirs); the caller's stream then waits on an event
 // of every side stream. Results do not depend on the stream a group runs on (each group's GEMM
-// writes its own rows or its own expert's gradient).
+// writes its own rows or its own expert's gradient; the blockwise weight gradient's segments of
+// one expert run in order on one stream).
 //
 // Grouped batched: cuBLAS takes host arrays of sizes and device arrays of pointers; the pointers
 // travel as a kernel argument (kPtrChunk groups a launch) into a device table owned here, in
@@ -72,6 +73,13 @@ Status CheckFp8Groups(const int64_t* offsets, int64_t G, const char* op) {
   return Status::Ok();
 }
 
+// An activation's or gradient's scale pointer for group g's GEMM (rows from `row0`, K values a
+// row): the tensor's one scale, or its group's kRow128 tensor in the grouped layout.
+const float* GroupRowScales(const Fp8Operand& x, int64_t row0, int64_t K) {
+  return x.scale_mode == Fp8ScaleMode::kRow128 ? x.inverse_scale + row0 * Fp8Blocks(K)
+                                               : x.inverse_scale;
+}
+
 }  // namespace
 
 const char* GroupedGemmMethodName(GroupedGemmMethod m) {
@@ -105,8 +113,11 @@ struct GroupedGemm::Impl {
     if (table != nullptr) cudaFree(table);
   }
 
-  // Runs every GEMM of `gs` (one per non-empty group).
-  Status Run(const std::vector<GemmArgs>& gs, cudaStream_t stream) {
+  // Runs every GEMM of `gs` (one per non-empty group; or per segment, `lane_key` then naming
+  // each GEMM's group: consecutive GEMMs of one key accumulate into one output and run in order
+  // on one stream).
+  Status Run(const std::vector<GemmArgs>& gs, cudaStream_t stream,
+             const std::vector<int64_t>* lane_key = nullptr) {
     if (gs.empty()) return Status::Ok();
     bool fp8 = false;
     for (const GemmArgs& g : gs) fp8 |= IsFp8(g.ab_type);
@@ -120,12 +131,13 @@ struct GroupedGemm::Impl {
         if (!fp8 && gs[0].ab_type == gs[0].c_type) return RunGroupedBatched(gs, stream);
         [[fallthrough]];
       case GroupedGemmMethod::kStreams:
-        return RunStreams(gs, stream);
+        return RunStreams(gs, stream, lane_key);
     }
     return Status::Ok();
   }
 
-  Status RunStreams(const std::vector<GemmArgs>& gs, cudaStream_t stream) {
+  Status RunStreams(const std::vector<GemmArgs>& gs, cudaStream_t stream,
+                    const std::vector<int64_t>* lane_key = nullptr) {
     const int lanes = static_cast<int>(std::min<size_t>(blas.size(), gs.size()));
     if (lanes <= 1) {
       for (const GemmArgs& g : gs) SPINDLE_RETURN_IF_ERROR(blas[0]->Gemm(g, stream));
@@ -134,8 +146,12 @@ struct GroupedGemm::Impl {
     SPINDLE_CUDA_CHECK(cudaEventRecord(fork, stream));
     for (int l = 1; l < lanes; ++l) SPINDLE_CUDA_CHECK(cudaStreamWaitEvent(side[l - 1], fork, 0));
     std::vector<double> load(lanes, 0.0);
-    for (const GemmArgs& g : gs) {
-      const int l = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    int l = 0;
+    for (size_t i = 0; i < gs.size(); ++i) {
+      const GemmArgs& g = gs[i];
+      const bool same_output = lane_key != nullptr && i > 0 && (*lane_key)[i] == (*lane_key)[i - 1];
+      if (!same_output)
+        l = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
       load[l] += static_cast<double>(g.M) * g.N * g.K + 1.0;
       SPINDLE_RETURN_IF_ERROR(blas[l]->Gemm(g, l == 0 ? stream : side[l - 1]));
     }
@@ -300,9 +316,10 @@ Status GroupedGemm::ForwardFp8(const Fp8Operand& A, const Fp8Experts& B, void* C
     a.trans_b = true;
     a.M = m, a.N = N, a.K = K;
     a.A = At(A.codes, offsets[g] * K), a.lda = K;
-    a.ab_type = A.format, a.a_scale = A.inverse_scale;
+    a.ab_type = A.format, a.a_scale = GroupRowScales(A, offsets[g], K);
     a.B = At(B.codes, g * N * K), a.ldb = K;
     a.b_type = B.format, a.b_scale = B.inverse_scales + g * B.scale_stride;
+    a.a_scale_mode = A.scale_mode, a.b_scale_mode = B.scale_mode;
     a.C = At(C, offsets[g] * N * es), a.ldc = N;
     a.c_type = c_type;
     gs.push_back(a);
@@ -325,9 +342,10 @@ Status GroupedGemm::BackwardDataFp8(const Fp8Operand& dC, const Fp8Experts& B_t,
     a.M = m, a.N = K, a.K = N;
     a.beta = accumulate ? 1.0f : 0.0f;
     a.A = At(dC.codes, offsets[g] * N), a.lda = N;
-    a.ab_type = dC.format, a.a_scale = dC.inverse_scale;
+    a.ab_type = dC.format, a.a_scale = GroupRowScales(dC, offsets[g], N);
     a.B = At(B_t.codes, g * N * K), a.ldb = N;
     a.b_type = B_t.format, a.b_scale = B_t.inverse_scales + g * B_t.scale_stride;
+    a.a_scale_mode = dC.scale_mode, a.b_scale_mode = B_t.scale_mode;
     a.C = At(dA, offsets[g] * K * es), a.ldc = K;
     a.c_type = da_type;
     gs.push_back(a);
@@ -337,10 +355,43 @@ Status GroupedGemm::BackwardDataFp8(const Fp8Operand& dC, const Fp8Experts& B_t,
 
 Status GroupedGemm::BackwardWeightFp8(const Fp8Operand& dC_t, const Fp8Operand& A_t, float* dB,
                                       const int64_t* offsets, int64_t G, int64_t N, int64_t K,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, const int64_t* segments,
+                                      int64_t n_segments) {
   SPINDLE_RETURN_IF_ERROR(CheckGroups(offsets, G, N, K, "GroupedGemm::BackwardWeightFp8"));
   SPINDLE_RETURN_IF_ERROR(CheckFp8Groups(offsets, G, "GroupedGemm::BackwardWeightFp8"));
   const int64_t rows = offsets[G];
+  if (dC_t.scale_mode != Fp8ScaleMode::kTensor || A_t.scale_mode != Fp8ScaleMode::kTensor) {
+    // Block scales along the tokens: one GEMM per segment, on its column blocks.
+    SPINDLE_CHECK_ARG(dC_t.scale_mode == Fp8ScaleMode::kRow128 &&
+                          A_t.scale_mode == Fp8ScaleMode::kRow128 && segments != nullptr,
+                      "GroupedGemm::BackwardWeightFp8: block scales need both operands in 1 x "
+                      "128 blocks along the tokens and the segments");
+    Fp8RowBands bands;
+    SPINDLE_RETURN_IF_ERROR(Fp8GroupedRowBands(offsets, G, segments, n_segments, &bands));
+    std::vector<GemmArgs> gs;
+    std::vector<int64_t> key;
+    int64_t g = 0, block = 0;
+    for (int64_t s = 0; s < n_segments; ++s) {
+      const int64_t s0 = segments[s], m = segments[s + 1] - s0;
+      if (m == 0) continue;
+      while (offsets[g + 1] <= s0) ++g;  // Fp8GroupedRowBands checked that a group holds it
+      GemmArgs a;  // dB_g [N, K] += (dC_t [N, s0 : s0 + m]) (A_t [K, s0 : s0 + m])^T
+      a.trans_b = true;
+      a.M = N, a.N = K, a.K = m;
+      a.beta = 1.0f;
+      a.A = At(dC_t.codes, s0), a.lda = rows;
+      a.ab_type = dC_t.format, a.a_scale = dC_t.inverse_scale + block * N;
+      a.B = At(A_t.codes, s0), a.ldb = rows;
+      a.b_type = A_t.format, a.b_scale = A_t.inverse_scale + block * K;
+      a.a_scale_mode = a.b_scale_mode = Fp8ScaleMode::kRow128;
+      a.C = dB + g * N * K, a.ldc = K;
+      a.c_type = DType::kFloat32;
+      gs.push_back(a);
+      key.push_back(g);
+      block += (m + kFp8BlockSize - 1) / kFp8BlockSize;
+    }
+    return impl_->Run(gs, stream, &key);
+  }
   std::vector<GemmArgs> gs;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t m = offsets[g + 1] - offsets[g];
