@@ -55,8 +55,8 @@
 //   expert in its token order. These are the same rows in the same order at every ep (at ep = 1
 //   the rank's rows of the expert), so under blockwise scaling every FP8 value of the MoE FFN is
 //   the same at any ep for the same tokens per rank; only the GEMMs' summation order differs.
-//   (The plan's per-source counts give a GPU the same segments; the CUDA engine has no
-//   blockwise MoE yet, so this defines the recipe.)
+//   (MoeExpertSegments, moe/moe_exchange.h, gives the CPU and the CUDA engine the same
+//   segments from their plans; cuda/cuda_moe_ffn.cc quantizes in them.)
 // What the emulation cannot match: the CUDA engine pads each expert's rows to a multiple of 16
 // (zero rows, which change no amax and no product); cuBLASLt's fast-accumulation FP8 forward and
 // the grouped GEMMs' summation order are not emulated. Without bf16 storage one expert that every

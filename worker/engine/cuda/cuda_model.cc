@@ -188,12 +188,14 @@ absl::Status CudaModel::Impl::FillWorkingCopy() {
 
 absl::Status CudaModel::Impl::CastFp8Weights() {
   if (!fp8) return absl::OkStatus();
-  if (fp8_blockwise) {  // 128 x 128 blocks, both layouts (no MoE experts under blockwise)
+  if (fp8_blockwise) {  // 128 x 128 blocks, both layouts (each expert's matrix on its own)
     std::vector<kc::Fp8BlockWeightCast> b;
     for (int i = 0; i < P().size(); ++i)
       if (const Fp8Block& q = fp8_w[i]; q.base != nullptr)
         b.push_back({p + P().info(i).offset, q.rows, q.cols, KDType::kFp8E4M3, q.codes(),
                      q.scales, q.codes_t(), q.scales_t});
+    for (int i = 0; i < static_cast<int>(fp8_e.size()); ++i)
+      if (fp8_e[i].base != nullptr) fp8_e[i].AddBlockCasts(p + P().info(i).offset, &b);
     KC(kc::Fp8CastWeightsBlockwise(b.data(), static_cast<int64_t>(b.size()), stream));
     return absl::OkStatus();
   }
@@ -216,10 +218,6 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision, TrainFp8Recipe re
         "cuda model: train.precision \"fp32\" runs on the CPU only (a GPU job: auto, bf16 or fp8)");
   const bool want = precision == TrainPrecision::kFp8;
   const bool blockwise = want && recipe == TrainFp8Recipe::kBlockwise;
-  if (blockwise && I.c.NumMoeLayers() > 0)
-    return absl::InvalidArgumentError(
-        "cuda model: train.fp8_recipe \"blockwise\": the CUDA engine's MoE experts are "
-        "tensorwise only so far; use \"tensorwise\" for a MoE model on \"cuda\"");
   if (want == I.fp8 && blockwise == I.fp8_blockwise) return absl::OkStatus();
   if (want && I.fp8) RETURN_IF_ERROR(SetPrecision(TrainPrecision::kBf16));  // another recipe
   if (!want) {
@@ -236,7 +234,8 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision, TrainFp8Recipe re
     return absl::InvalidArgumentError(
         absl::StrCat("cuda model: train.precision \"fp8\": ", shape));
   std::vector<int> linear = I.host->Fp8LinearWeights();
-  // The MoE layers' experts [El, out, in]: one scale per expert (Fp8ExpertBlock).
+  // The MoE layers' experts [El, out, in]: one scale per expert (Fp8ExpertBlock), or blockwise
+  // each expert's 128 x 128 block scales of both layouts after the codes.
   std::vector<int> experts;
   for (const LayerIdx& L : I.layers)
     if (L.moe)
@@ -251,7 +250,16 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision, TrainFp8Recipe re
   };
   int64_t bytes = 0;
   for (int i : linear) bytes += weight_bytes(i);
-  for (int i : experts) bytes += Fp8ExpertBlock::Bytes(expert_count(i), P.info(i).numel);
+  auto expert_block = [&](int i, void* at) {
+    const ParamInfo& info = P.info(i);
+    return Fp8ExpertBlock{at, expert_count(i), info.shape[1], info.shape[2], blockwise};
+  };
+  auto expert_bytes = [&](int i) {
+    const Fp8ExpertBlock e = expert_block(i, nullptr);
+    return Fp8ExpertBlock::Bytes(e.experts, P.info(i).numel) +
+           (blockwise ? e.BlockScaleBytes() : 0);
+  };
+  for (int i : experts) bytes += expert_bytes(i);
   CUDA(cudaMalloc(&I.fp8_w_mem, bytes));
   I.fp8_w.assign(static_cast<size_t>(P.size()), Fp8Block{});
   I.fp8_e.assign(static_cast<size_t>(P.size()), Fp8ExpertBlock{});
@@ -264,9 +272,8 @@ absl::Status CudaModel::SetPrecision(TrainPrecision precision, TrainFp8Recipe re
     at += weight_bytes(i);
   }
   for (int i : experts) {
-    const ParamInfo& info = P.info(i);
-    I.fp8_e[i] = {at, expert_count(i), info.shape[1], info.shape[2]};
-    at += Fp8ExpertBlock::Bytes(expert_count(i), info.numel);
+    I.fp8_e[i] = expert_block(i, at);
+    at += expert_bytes(i);
   }
   I.fp8_fixed_bytes = bytes;
   I.fixed_bytes += bytes;

@@ -176,8 +176,11 @@ class CudaModel {
   // 128), each producer quantizing its fp32 result from its inputs and statistics, and every FP8
   // GEMM taking block scales (kernels/cuda/gemm.h) without fast accumulation. A recomputed
   // forward quantizes as the first one did, in one pass from the kept statistics (no amax: a
-  // block's scale is its own). InvalidArgument: blockwise for a model with MoE layers (the
-  // experts are tensorwise only so far).
+  // block's scale is its own). The MoE experts likewise (numerics.h): each expert's weights in
+  // 128 x 128 blocks, the gathered rows, SwiGLU's output and the output gradients in 1 x 128 row
+  // blocks with their transposed codes in 128-token blocks restarting at each (expert, source
+  // rank) segment (kernels/cuda/moe.h's grouped layout; a first forward that will be recomputed
+  // writes no transposed codes).
   absl::Status SetPrecision(TrainPrecision precision,
                             TrainFp8Recipe recipe = TrainFp8Recipe::kTensorwise);
   // train.z_loss: the LM head's objective adds z_loss * logsumexp(logits)^2 per valid token

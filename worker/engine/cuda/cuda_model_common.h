@@ -175,19 +175,47 @@ struct Fp8Block {
 // The FP8 copies of one MoE layer's stacked expert weights [experts, rows, cols]
 // (train.precision fp8), in the model's fixed memory: one scale per expert (expert g's inverse
 // scale, amax and scale at scalars() + 4 g, 16-byte aligned), the codes [experts, rows, cols] for
-// the forward and each expert's transpose [experts, cols, rows] for the input gradient.
+// the forward and each expert's transpose [experts, cols, rows] for the input gradient. Blockwise
+// (blockwise true): after them each expert's 128 x 128 block scales of both layouts (kBlock128 of
+// [rows, cols] at scales + g * ScaleStride(), of [cols, rows] at scales_t + g * ScaleStrideT()),
+// and the scalars go unused.
 struct Fp8ExpertBlock {
   void* base = nullptr;  // null: none
   int64_t experts = 0, rows = 0, cols = 0;
+  bool blockwise = false;
 
   static int64_t Bytes(int64_t experts, int64_t numel) {
     return Fp8Block::Padded(experts * 16) + 2 * Fp8Block::Padded(numel);
   }
+  // Floats between two experts' block scales (multiples of 4: each expert's 16-byte aligned).
+  int64_t ScaleStride() const { return kc::Fp8Blocks(rows) * kc::Fp8SquareScalesLd(cols); }
+  int64_t ScaleStrideT() const { return kc::Fp8Blocks(cols) * kc::Fp8SquareScalesLd(rows); }
+  // The blockwise scales' bytes, after Bytes().
+  int64_t BlockScaleBytes() const {
+    return Fp8Block::Padded(4 * experts * ScaleStride()) +
+           Fp8Block::Padded(4 * experts * ScaleStrideT());
+  }
   float* scalars() const { return static_cast<float*>(base); }
   uint8_t* codes() const { return static_cast<uint8_t*>(base) + Fp8Block::Padded(experts * 16); }
   uint8_t* codes_t() const { return codes() + Fp8Block::Padded(experts * rows * cols); }
-  kc::Fp8Experts Forward() const { return {codes(), KDType::kFp8E4M3, scalars(), 4}; }
-  kc::Fp8Experts Transposed() const { return {codes_t(), KDType::kFp8E4M3, scalars(), 4}; }
+  float* scales() const {
+    return reinterpret_cast<float*>(codes_t() + Fp8Block::Padded(experts * rows * cols));
+  }
+  float* scales_t() const {
+    return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(scales()) +
+                                    Fp8Block::Padded(4 * experts * ScaleStride()));
+  }
+  kc::Fp8Experts Forward() const {
+    if (blockwise)
+      return {codes(), KDType::kFp8E4M3, scales(), ScaleStride(), kc::Fp8ScaleMode::kBlock128};
+    return {codes(), KDType::kFp8E4M3, scalars(), 4};
+  }
+  kc::Fp8Experts Transposed() const {
+    if (blockwise)
+      return {codes_t(), KDType::kFp8E4M3, scales_t(), ScaleStrideT(),
+              kc::Fp8ScaleMode::kBlock128};
+    return {codes_t(), KDType::kFp8E4M3, scalars(), 4};
+  }
   // One cast per expert, from the master [experts, rows, cols].
   void AddCasts(const float* master, std::vector<kc::Fp8WeightCast>* t) const {
     const int64_t n = rows * cols;
@@ -196,6 +224,14 @@ struct Fp8ExpertBlock {
           {master + g * n, rows, cols,
            kc::Fp8Output{KDType::kFp8E4M3, codes() + g * n, codes_t() + g * n,
                          scalars() + 4 * g + 1, scalars() + 4 * g + 2, scalars() + 4 * g}});
+  }
+  // Blockwise: one 128 x 128 cast per expert, both layouts.
+  void AddBlockCasts(const float* master, std::vector<kc::Fp8BlockWeightCast>* t) const {
+    const int64_t n = rows * cols;
+    for (int64_t g = 0; g < experts; ++g)
+      t->push_back({master + g * n, rows, cols, KDType::kFp8E4M3, codes() + g * n,
+                    scales() + g * ScaleStride(), codes_t() + g * n,
+                    scales_t() + g * ScaleStrideT()});
   }
 };
 
@@ -212,6 +248,19 @@ struct Fp8Act : Fp8Block {
     base = mem.get();
     scales = scales_t = nullptr;
     if (blockwise) SetScales(static_cast<uint8_t*>(base) + codes, /*weight=*/false);
+    return absl::OkStatus();
+  }
+  // Blockwise, the MoE experts' rows [r, c] in kernels/cuda/moe.h's grouped layout: both layouts
+  // of codes in the block, the groups' row scales (r * ceil(c / 128) floats) at `scales`, the
+  // segments' column scales (col_blocks * c floats) at `scales_t`.
+  absl::Status EnsureGrouped(kc::CachingAllocator* a, int64_t r, int64_t c, KDType f,
+                             int64_t col_blocks) {
+    rows = r, cols = c, format = f, rows_at = nullptr;
+    const int64_t codes = Bytes(r * c), row_scales = Padded(4 * kc::Fp8Blocks(c) * r);
+    RETURN_IF_ERROR(mem.Ensure(a, codes + row_scales + Padded(4 * col_blocks * c)));
+    base = mem.get();
+    scales = reinterpret_cast<float*>(static_cast<uint8_t*>(base) + codes);
+    scales_t = reinterpret_cast<float*>(static_cast<uint8_t*>(base) + codes + row_scales);
     return absl::OkStatus();
   }
 };

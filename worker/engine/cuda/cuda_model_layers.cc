@@ -85,10 +85,12 @@ absl::Status CudaModel::Impl::LayerForward(const LayerIdx& L, Cache& C, const vo
                           stream));
   }
   if (L.moe) {
-    // A recomputed forward leaves the MoE FFN to the backward, which runs its forward first.
+    // A recomputed forward leaves the MoE FFN to the backward, which runs its forward first
+    // (so a first forward whose FFN is not kept writes no transposed codes under blockwise).
     if (x_out == nullptr) return absl::OkStatus();
-    RETURN_IF_ERROR(
-        moe.Forward(L, C, C.moe, x_out, moe.moe_counting ? &moe.moe_stats[L.index] : nullptr));
+    RETURN_IF_ERROR(moe.Forward(L, C, C.moe, x_out,
+                                moe.moe_counting ? &moe.moe_stats[L.index] : nullptr,
+                                /*transposes=*/ffn_kept));
     KC(kc::AddRows(x_out, d, C.x_mid.get(), d, T, d, kAct, stream));
     return absl::OkStatus();
   }

@@ -104,7 +104,7 @@ void CudaMoeFfn::Release() {
 }
 
 absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M, void* y,
-                                 MoeLayerStats* stats) {
+                                 MoeLayerStats* stats, bool transposes) {
   const MoeConfig& m = c.moe;
   const MoeLayerParams& p = L.moe_p;
   MoeDevWork& X = W;
@@ -161,7 +161,13 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
     RETURN_IF_ERROR(GroupOnDevice(M, align, shared));
     RETURN_IF_ERROR(shared_status);
     const int64_t R = M.plan.expert_rows();
-    if (cx.fp8) {
+    if (cx.fp8_blockwise) {
+      // The gather quantizes in 1 x 128 row blocks and 128-token column blocks per segment:
+      // every scale is its block's own, so no amax pass.
+      RETURN_IF_ERROR(PlanBlocks(M));
+      RETURN_IF_ERROR(QuantizeRows(M, M.q_xe, KDType::kFp8E4M3, A.h2.get(), M.expert_src.i32(), d,
+                                   transposes));
+    } else if (cx.fp8) {
       // The gather quantizes (both layouts) at h2's amax: every token's row is among them.
       RETURN_IF_ERROR(M.q_xe.Ensure(&cx.alloc, R, d, KDType::kFp8E4M3));
       const kc::Fp8Output q = M.q_xe.Output();
@@ -185,7 +191,11 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
     RETURN_IF_ERROR(MoeDispatch(M.plan, rows, ep, A.h2.get(), d, X.send.get(), X.recv.get(),
                                 M.xe.get(), shared));
     RETURN_IF_ERROR(shared_status);
-    if (cx.fp8) {  // rows from other ranks: their own amax
+    if (cx.fp8_blockwise) {  // the received rows, in the blocks of their segments
+      RETURN_IF_ERROR(PlanBlocks(M));
+      RETURN_IF_ERROR(
+          QuantizeRows(M, M.q_xe, KDType::kFp8E4M3, M.xe.get(), nullptr, d, transposes));
+    } else if (cx.fp8) {  // rows from other ranks: their own amax
       RETURN_IF_ERROR(M.q_xe.Ensure(&cx.alloc, M.plan.expert_rows(), d, KDType::kFp8E4M3));
       KC(kc::Fp8Quantize(M.xe.get(), M.plan.expert_rows(), d, kAct, M.q_xe.Output(), cx.stream));
     }
@@ -203,15 +213,25 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
   RETURN_IF_ERROR(cx.Act(M.ye, R, d));
   const int64_t* off = plan.expert_offsets.data();
   if (cx.fp8) {
-    const kc::Fp8Operand xq{M.q_xe.codes(), KDType::kFp8E4M3, M.q_xe.inverse_scale()};
+    const kc::Fp8Operand xq = RowsOperand(M.q_xe);
     KC(moe_gemm->ForwardFp8(xq, cx.fp8_e[p.w1].Forward(), M.g.get(), kAct, off, El, F, d,
                             cx.stream));
     KC(moe_gemm->ForwardFp8(xq, cx.fp8_e[p.w3].Forward(), M.u.get(), kAct, off, El, F, d,
                             cx.stream));
-    RETURN_IF_ERROR(M.q_a.Ensure(&cx.alloc, R, F, KDType::kFp8E4M3));
-    KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(), cx.stream));
-    KC(moe_gemm->ForwardFp8({M.q_a.codes(), KDType::kFp8E4M3, M.q_a.inverse_scale()},
-                            cx.fp8_e[p.w2].Forward(), M.ye.get(), kAct, off, El, d, F, cx.stream));
+    if (cx.fp8_blockwise) {  // from g and u in one pass, in the bands of the experts' rows
+      RETURN_IF_ERROR(
+          M.q_a.EnsureGrouped(&cx.alloc, R, F, KDType::kFp8E4M3, M.row_bands.col_blocks));
+      KC(kc::SwiGluQuantizeGroupedBlockwise(
+          M.g.get(), M.u.get(), static_cast<const kc::Fp8RowBand*>(M.bands.get()),
+          static_cast<int64_t>(M.row_bands.bands.size()), R, F, kAct,
+          LayerContext::QBlockOut(M.q_a, transposes), cx.stream));
+    } else {
+      RETURN_IF_ERROR(M.q_a.Ensure(&cx.alloc, R, F, KDType::kFp8E4M3));
+      KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(),
+                              cx.stream));
+    }
+    KC(moe_gemm->ForwardFp8(RowsOperand(M.q_a), cx.fp8_e[p.w2].Forward(), M.ye.get(), kAct, off,
+                            El, d, F, cx.stream));
   } else {
     RETURN_IF_ERROR(cx.Act(M.a, R, F));
     KC(moe_gemm->Forward(M.xe.get(), cx.Wb(p.w1), M.g.get(), off, El, F, d, kAct, cx.stream));
@@ -240,33 +260,81 @@ absl::Status CudaMoeFfn::ExpertsBackwardFp8(const LayerIdx& L, MoeDevCache& M) {
   const MoeDispatchPlan& plan = M.plan;
   const int64_t R = plan.expert_rows(), El = plan.local_experts;
   const int64_t* off = plan.expert_offsets.data();
-  constexpr KDType kE5 = KDType::kFp8E5M2, kE4 = KDType::kFp8E4M3;
+  constexpr KDType kE5 = KDType::kFp8E5M2;
   // The output gradients' codes (E5M2): at ep = 1 the combine's backward took their amax; rows
-  // that came from other ranks take their own.
-  KC(plan.ep > 1 ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream)
-                 : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream));
-  KC(moe_gemm->BackwardDataFp8({X.q_dye.codes(), kE5, X.q_dye.inverse_scale()},
-                               cx.fp8_e[p.w2].Transposed(), X.da.get(), kAct, off, El, d, F,
-                               cx.stream));
-  KC(moe_gemm->BackwardWeightFp8({X.q_dye.codes_t(), kE5, X.q_dye.inverse_scale()},
-                                 {M.q_a.codes_t(), kE4, M.q_a.inverse_scale()}, cx.G(p.w2), off, El,
-                                 d, F, cx.stream));
+  // that came from other ranks take their own. Blockwise: each block its own scale, in the bands
+  // of the forward's rows (the padding rows are zeros).
+  if (cx.fp8_blockwise) {
+    RETURN_IF_ERROR(QuantizeRows(M, X.q_dye, kE5, X.dye.get(), nullptr, d, true));
+  } else {
+    KC(plan.ep > 1
+           ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream)
+           : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream));
+  }
+  KC(moe_gemm->BackwardDataFp8(RowsOperand(X.q_dye), cx.fp8_e[p.w2].Transposed(), X.da.get(),
+                               kAct, off, El, d, F, cx.stream));
+  RETURN_IF_ERROR(WeightGrad(M, X.q_dye, M.q_a, cx.G(p.w2), d, F));
   KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
                         cx.stream));
-  const kc::Fp8Operand xt{M.q_xe.codes_t(), kE4, M.q_xe.inverse_scale()};
   const std::pair<Fp8Act*, int> parts[] = {{&X.q_dg, p.w1}, {&X.q_du, p.w3}};
   const DevBuf* grads[] = {&X.dg, &X.du};
   for (int i = 0; i < 2; ++i) {
     Fp8Act& q = *parts[i].first;
     const int w = parts[i].second;
-    RETURN_IF_ERROR(q.Ensure(&cx.alloc, R, F, kE5));
-    KC(kc::Fp8Quantize(grads[i]->get(), R, F, kAct, q.Output(), cx.stream));
-    KC(moe_gemm->BackwardDataFp8({q.codes(), kE5, q.inverse_scale()}, cx.fp8_e[w].Transposed(),
-                                 X.dxe.get(), kAct, off, El, F, d, cx.stream,
-                                 /*accumulate=*/i == 1));
-    KC(moe_gemm->BackwardWeightFp8({q.codes_t(), kE5, q.inverse_scale()}, xt, cx.G(w), off, El, F,
-                                   d, cx.stream));
+    if (cx.fp8_blockwise) {
+      RETURN_IF_ERROR(QuantizeRows(M, q, kE5, grads[i]->get(), nullptr, F, true));
+    } else {
+      RETURN_IF_ERROR(q.Ensure(&cx.alloc, R, F, kE5));
+      KC(kc::Fp8Quantize(grads[i]->get(), R, F, kAct, q.Output(), cx.stream));
+    }
+    KC(moe_gemm->BackwardDataFp8(RowsOperand(q), cx.fp8_e[w].Transposed(), X.dxe.get(), kAct, off,
+                                 El, F, d, cx.stream, /*accumulate=*/i == 1));
+    RETURN_IF_ERROR(WeightGrad(M, q, M.q_xe, cx.G(w), F, d));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaMoeFfn::PlanBlocks(MoeDevCache& M) {
+  const MoeDispatchPlan& plan = M.plan;
+  MoeExpertSegments(plan, &M.segments);
+  KC(kc::Fp8GroupedRowBands(plan.expert_offsets.data(), plan.local_experts, M.segments.data(),
+                            static_cast<int64_t>(M.segments.size()) - 1, &M.row_bands));
+  const std::vector<kc::Fp8RowBand>& b = M.row_bands.bands;
+  const int64_t bytes = static_cast<int64_t>(b.size() * sizeof(kc::Fp8RowBand));
+  RETURN_IF_ERROR(M.bands.Ensure(&cx.alloc, std::max<int64_t>(bytes, 1)));
+  if (bytes > 0)
+    CUDA(cudaMemcpyAsync(M.bands.get(), b.data(), bytes, cudaMemcpyHostToDevice, cx.stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaMoeFfn::QuantizeRows(MoeDevCache& M, Fp8Act& q, KDType f, const void* x,
+                                      const int32_t* src, int64_t cols, bool transposes) {
+  const int64_t R = M.plan.expert_rows();
+  RETURN_IF_ERROR(q.EnsureGrouped(&cx.alloc, R, cols, f, M.row_bands.col_blocks));
+  KC(kc::GatherRowsBlockwise(x, src, static_cast<const kc::Fp8RowBand*>(M.bands.get()),
+                             static_cast<int64_t>(M.row_bands.bands.size()), R, cols, kAct,
+                             LayerContext::QBlockOut(q, transposes), cx.stream));
+  return absl::OkStatus();
+}
+
+kc::Fp8Operand CudaMoeFfn::RowsOperand(const Fp8Act& q) const {
+  if (cx.fp8_blockwise) return {q.codes(), q.format, q.scales, kc::Fp8ScaleMode::kRow128};
+  return {q.codes(), q.format, q.inverse_scale()};
+}
+
+kc::Fp8Operand CudaMoeFfn::ColumnsOperand(const Fp8Act& q) const {
+  if (cx.fp8_blockwise) return {q.codes_t(), q.format, q.scales_t, kc::Fp8ScaleMode::kRow128};
+  return {q.codes_t(), q.format, q.inverse_scale()};
+}
+
+absl::Status CudaMoeFfn::WeightGrad(const MoeDevCache& M, const Fp8Act& dC, const Fp8Act& A,
+                                    float* dB, int64_t N, int64_t K) {
+  const MoeDispatchPlan& plan = M.plan;
+  const bool blocks = cx.fp8_blockwise;
+  KC(moe_gemm->BackwardWeightFp8(ColumnsOperand(dC), ColumnsOperand(A), dB,
+                                 plan.expert_offsets.data(), plan.local_experts, N, K, cx.stream,
+                                 blocks ? M.segments.data() : nullptr,
+                                 blocks ? static_cast<int64_t>(M.segments.size()) - 1 : 0));
   return absl::OkStatus();
 }
 
@@ -342,7 +410,9 @@ absl::Status CudaMoeFfn::Backward(const LayerIdx& L, LayerActs& A, MoeDevCache& 
   // The combine's backward: each pair's output gradient (weighted) and its weight's gradient.
   RETURN_IF_ERROR(cx.F32(X.dw, T * K));
   RETURN_IF_ERROR(cx.Act(X.dye, R, d));
-  if (cx.fp8) RETURN_IF_ERROR(X.q_dye.Ensure(&cx.alloc, R, d, KDType::kFp8E5M2));
+  // Tensorwise fp8: the combine's backward reduces dye's amax into q_dye (blockwise needs none).
+  const bool dye_amax = cx.fp8 && !cx.fp8_blockwise;
+  if (dye_amax) RETURN_IF_ERROR(X.q_dye.Ensure(&cx.alloc, R, d, KDType::kFp8E5M2));
   if (plan.ep > 1) {
     RETURN_IF_ERROR(cx.Act(X.send, T * K, d));
     RETURN_IF_ERROR(cx.Act(X.recv, plan.recv_total(), d));
@@ -352,7 +422,7 @@ absl::Status CudaMoeFfn::Backward(const LayerIdx& L, LayerActs& A, MoeDevCache& 
     CUDA(cudaMemsetAsync(X.dye.get(), 0, std::max<int64_t>(R, 1) * d * kAb, cx.stream));
     KC(kc::MoeCombineBackward(dy, M.ye.get(), M.pair_row.i32(), M.weights.f32(), X.dye.get(),
                               X.dw.f32(), T, K, d, kAct, cx.stream,
-                              cx.fp8 ? X.q_dye.Output().amax : nullptr));
+                              dye_amax ? X.q_dye.Output().amax : nullptr));
   }
   // The shared expert's backward while the gradients travel to the experts: W.dh.
   RETURN_IF_ERROR(cx.Act(cx.W.dh, T, d));

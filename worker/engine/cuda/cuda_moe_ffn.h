@@ -28,6 +28,12 @@ struct MoeDevCache {
   // fp8: the experts' inputs and SwiGLU outputs as FP8 codes, both layouts (the forward's GEMMs
   // read the codes, the weight gradients their transposes); no bf16 xe (at ep = 1) nor a.
   Fp8Act q_xe, q_a;
+  // Blockwise fp8: the experts' rows by (expert, source rank) (MoeExpertSegments), their bands
+  // (kernels/cuda/moe.h's grouped layout, which every FP8 rows tensor of the layer shares) on the
+  // host and on the device.
+  std::vector<int64_t> segments;
+  kc::Fp8RowBands row_bands;
+  DevBuf bands;
 };
 
 // The MoE FFN's scratch, shared by the layers: the exchange's send and receive rows, the gradients
@@ -50,8 +56,10 @@ struct CudaMoeFfn {
   CudaMoeFfn& operator=(const CudaMoeFfn&) = delete;
 
   // From A.h2, y (nullable) = MoE(h2), its state in M; `stats` (nullable) takes the choices.
+  // transposes false (blockwise fp8: the first forward of a layer that recomputes, whose backward
+  // runs the forward again): no transposed codes, which only the backward reads.
   absl::Status Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M, void* y,
-                       MoeLayerStats* stats);
+                       MoeLayerStats* stats, bool transposes = true);
   // From dy, the gradient of y: the context's W.dh (overwritten) and the parameter gradients.
   absl::Status Backward(const LayerIdx& L, LayerActs& A, MoeDevCache& M, const void* dy);
   // The step's statistics reset, with its z-loss scale (CudaModel::BeginStep).
@@ -73,6 +81,19 @@ struct CudaMoeFfn {
   // fp8: the experts' backward from W.dye (the combine's backward, its amax in W.q_dye at ep = 1)
   // to W.dxe and the experts' weight gradients, on their FP8 codes.
   absl::Status ExpertsBackwardFp8(const LayerIdx& L, MoeDevCache& M);
+  // Blockwise fp8: M's segments and bands from M.plan, the bands uploaded.
+  absl::Status PlanBlocks(MoeDevCache& M);
+  // Blockwise fp8: the experts' rows `x` [R, cols] (gathered through src, or src null: x itself)
+  // quantized into q (format f) in the grouped layout of M's bands; codes_t too if `transposes`.
+  absl::Status QuantizeRows(MoeDevCache& M, Fp8Act& q, KDType f, const void* x,
+                            const int32_t* src, int64_t cols, bool transposes);
+  // The grouped GEMMs' operands of q: its row codes (forward, input gradient) and its transposed
+  // codes (weight gradient), tensorwise or (blockwise) with their block scales.
+  kc::Fp8Operand RowsOperand(const Fp8Act& q) const;
+  kc::Fp8Operand ColumnsOperand(const Fp8Act& q) const;
+  // The experts' weight gradient dB += dC^T A on transposed codes (blockwise: per segment of M).
+  absl::Status WeightGrad(const MoeDevCache& M, const Fp8Act& dC, const Fp8Act& A, float* dB,
+                          int64_t N, int64_t K);
   // ep = 1: groups the router's choices M.idx by expert on the device (M.pair_row, expert_src),
   // enqueues `overlap` (the shared expert), then waits only for the group sizes and fills
   // M.plan's counts and offsets (its row maps stay on the device).

@@ -34,6 +34,24 @@ void PlanMoeGroupsAtEp1(const int64_t* counts, int64_t T, int64_t K, int64_t E, 
   p.recv_expert_row.clear();
 }
 
+void MoeExpertSegments(const MoeDispatchPlan& p, std::vector<int64_t>* out) {
+  out->assign(1, 0);
+  std::vector<int64_t> recv_end;  // ep > 1: source rank q's received rows end at recv_end[q]
+  int64_t at = 0;
+  for (int64_t r : p.recv_rows) recv_end.push_back(at += r);
+  for (int64_t j = 0; j < p.local_experts; ++j) {
+    const int64_t o = p.expert_offsets[j], n = p.expert_counts[j];
+    size_t q = 0;
+    for (int64_t r = o; p.ep > 1 && r < o + n; ++r) {
+      size_t source = q;
+      while (source < recv_end.size() && p.expert_src[r] >= recv_end[source]) ++source;
+      if (r > o && source != q) out->push_back(r);
+      q = source;
+    }
+    out->push_back(p.expert_offsets[j + 1]);
+  }
+}
+
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,
                              Communicator* ep_comm, MoeRows& rows, MoeDispatchPlan* plan) {
   const int64_t ep = ep_comm ? ep_comm->size() : 1;

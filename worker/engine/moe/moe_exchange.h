@@ -81,6 +81,14 @@ struct MoeDispatchPlan {
 void PlanMoeGroupsAtEp1(const int64_t* counts, int64_t T, int64_t K, int64_t E, int64_t align,
                         MoeDispatchPlan* plan);
 
+// The experts' rows of `p` by (local expert, source rank) as ascending row bounds, first 0, last
+// p.expert_rows(): at ep > 1 an expert's rows arrive from the EP ranks in rank order (each rank's
+// in its token order), and a segment ends where the source rank changes; at ep = 1 each expert's
+// rows are one segment. An expert's padding rows end its last segment; an expert without rows
+// gives an empty segment. The blockwise FP8 recipe forms the weight gradients' column blocks
+// within these (worker/engine/numerics.h), on the CPU and on a GPU alike.
+void MoeExpertSegments(const MoeDispatchPlan& p, std::vector<int64_t>* out);
+
 // Plans a layer's exchange from the router's choices idx [T * K] (host) over `ep_comm` (null or a
 // group of one: ep = 1; its counts exchange through `rows`). Errors are the communicator's.
 absl::Status PlanMoeDispatch(const int32_t* idx, int64_t T, int64_t K, int64_t E, int64_t align,

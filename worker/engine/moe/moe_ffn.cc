@@ -146,28 +146,6 @@ void SwiGluFfnBwd(const MoeContext& ctx, const float* x, const float* g, const f
   LinBwd(Plain(x), Plain(W3), Plain(du), dx, dW3, n, d, F, true);
 }
 
-// The experts' rows of `p` by (local expert, source rank) as row offsets (MoeCache::segments):
-// at ep > 1 an expert's rows arrive from the EP ranks in rank order (each rank's in its token
-// order), and a segment ends where the source rank changes; at ep = 1 each expert's rows are one
-// segment.
-void ExpertSegments(const MoeDispatchPlan& p, std::vector<int64_t>* out) {
-  out->assign(1, 0);
-  std::vector<int64_t> recv_end;  // ep > 1: source rank q's received rows end at recv_end[q]
-  int64_t at = 0;
-  for (int64_t r : p.recv_rows) recv_end.push_back(at += r);
-  for (int64_t j = 0; j < p.local_experts; ++j) {
-    const int64_t o = p.expert_offsets[j], n = p.expert_counts[j];
-    size_t q = 0;
-    for (int64_t r = o; p.ep > 1 && r < o + n; ++r) {
-      size_t source = q;
-      while (source < recv_end.size() && p.expert_src[r] >= recv_end[source]) ++source;
-      if (r > o && source != q) out->push_back(r);
-      q = source;
-    }
-    out->push_back(p.expert_offsets[j + 1]);
-  }
-}
-
 }  // namespace
 
 absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCache& C,
@@ -216,7 +194,7 @@ absl::Status MoeFfnForward(const MoeContext& ctx, const MoeLayerParams& L, MoeCa
   // rank's experts (numerics.h), as the GPU's grouped GEMMs read it.
   Ensure(C.ye, R, d);
   for (Tensor* t : {&C.g, &C.u, &C.a}) Ensure(*t, R, F);
-  ExpertSegments(plan, &C.segments);
+  MoeExpertSegments(plan, &C.segments);
   const int64_t El = plan.local_experts;
   const int64_t* off = plan.expert_offsets.data();
   const int64_t* count = plan.expert_counts.data();
