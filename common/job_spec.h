@@ -134,9 +134,8 @@ std::string_view TrainPrecisionName(TrainPrecision p);
 //   "tensorwise" (default): one scale per tensor from its current amax.
 //   "blockwise": DeepSeek-V3's: power-of-two scales per 1 x 128 block of activations and output
 //                gradients (128 x 1 for the weight gradient's copies) and per 128 x 128 block of
-//                weights. "cpu" emulates it; "cuda" runs it for the dense linears, and the planner
-//                refuses it on "cuda" for a model with MoE layers (the CUDA engine's experts are
-//                tensorwise only so far).
+//                weights. "cpu" emulates it; "cuda" runs it for the dense linears and the MoE
+//                experts alike.
 enum class TrainFp8Recipe { kTensorwise, kBlockwise };
 std::string_view TrainFp8RecipeName(TrainFp8Recipe r);
 

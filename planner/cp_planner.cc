@@ -158,20 +158,40 @@ int64_t PrecisionBytes(const JobSpec& spec, bool mla_allgather, int64_t T, int64
     for (int64_t i = R; i < m.n_layers; ++i)
       unwritten += (m.LayerKind(i) == 'L' ? 3 * d : d) + (m.IsMoeLayer(i) ? 0 : f);
     const int64_t moe_inputs = ep > 1 ? 2 * moe_rows * d * moe_kept : 0;
-    // Blockwise (dense models only on "cuda"): a 4-byte scale per 128 values of each layout of
-    // every activation and output gradient kept above (both layouts' scales of each kept input,
-    // whose row-major codes share the scratch, and of the one output gradient: 8 / 128 bytes a
-    // value), the weights' 128 x 128 block scales (both layouts, a row of blocks padded to 4, as
-    // the engine lays them out), and the bf16 [T, d] output of the norms whose only reader is an
-    // FP8 GEMM (their statistics feed the quantizer, Work::norm_y).
+    // Blockwise: a 4-byte scale per 128 values of each layout of every activation and output
+    // gradient kept above (both layouts' scales of each kept input, whose row-major codes share
+    // the scratch, and of the one output gradient: 8 / 128 bytes a value), the weights' 128 x 128
+    // block scales (both layouts, a row of blocks padded to 4, as the engine lays them out), and
+    // the bf16 [T, d] output of the norms whose only reader is an FP8 GEMM (their statistics feed
+    // the quantizer, Work::norm_y). MoE layers (cuda/cuda_moe_ffn.cc, kernels/cuda/moe.h's grouped
+    // layout): each local expert's 128 x 128 block scales of w1, w2 and w3 in both layouts; the
+    // scales of the experts' rows and SwiGLU output of every MoE layer holding them (the kept
+    // ones, and the one recomputing at a time) and of the three output gradients (the scratch):
+    // 4 bytes per 1 x 128 row block, and per 128-token column block, the column blocks restarting
+    // at each (expert, source rank) segment (at most rows / 128 + segments of them).
     int64_t blockwise = 0;
     if (spec.train.fp8_recipe == TrainFp8Recipe::kBlockwise) {
       auto blocks = [](int64_t n) { return (n + 127) / 128; };
       auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+      auto square = [&](int64_t rows, int64_t cols) {  // kBlock128 floats of [rows, cols]
+        return blocks(rows) * ((blocks(cols) + 3) / 4 * 4);
+      };
       for (const LinearWeight& w : Fp8LinearWeights(m))
-        blockwise += padded(4 * blocks(w.out) * ((blocks(w.in) + 3) / 4 * 4)) +
-                     padded(4 * blocks(w.in) * ((blocks(w.out) + 3) / 4 * 4));
+        blockwise += padded(4 * square(w.out, w.in)) + padded(4 * square(w.in, w.out));
       blockwise += (T * inputs + T * widest) / 16 + 2 * T * d;
+      if (m.NumMoeLayers() > 0) {
+        const int64_t local = m.moe.experts / ep, rows = T * moe_rows, segments = local * ep;
+        auto rows_scales = [&](int64_t cols) {
+          return 4 * rows * blocks(cols) + 4 * cols * (blocks(rows) + segments);
+        };
+        blockwise += m.NumMoeLayers() * 3 *
+                     (padded(4 * local * square(fe, d)) + padded(4 * local * square(d, fe)));
+        int64_t moe_recomputing = 0;  // 1 if a recomputing layer is a MoE layer
+        for (int64_t i = 0; i < std::min(R, m.n_layers); ++i)
+          moe_recomputing = std::max<int64_t>(moe_recomputing, m.IsMoeLayer(i) ? 1 : 0);
+        blockwise += (moe_kept + moe_recomputing) * (rows_scales(d) + rows_scales(fe)) +
+                     rows_scales(d) + 2 * rows_scales(fe);
+      }
     }
     return T * inputs + T * widest_in + 2 * T * widest + 2 * T * moe_grads +
            T * moe_inputs - 2 * T * unwritten + blockwise;
@@ -762,12 +782,6 @@ CpPlan CpPlanner::PlanDense(const JobSpec& spec, int64_t device_memory_bytes,
     if (!fp8.empty())
       plan.problems.push_back(absl::StrCat("train.precision: \"fp8\" on resources \"cuda\": ",
                                            fp8, "; use \"bf16\" or another shape"));
-    if (spec.train.precision == TrainPrecision::kFp8 &&
-        spec.train.fp8_recipe == TrainFp8Recipe::kBlockwise && m.NumMoeLayers() > 0)
-      plan.problems.push_back(
-          "train.fp8_recipe: \"blockwise\" on resources \"cuda\" runs the dense linears only: "
-          "the CUDA engine's MoE experts are tensorwise so far, and this model has MoE layers; "
-          "use \"tensorwise\" or resources \"cpu\"");
     if (spec.train.precision == TrainPrecision::kFp8 && (spec.seq_len / cp) % 16 != 0)
       plan.problems.push_back(absl::StrCat(
           "train.precision: \"fp8\" on resources \"cuda\" needs a multiple of 16 tokens per "

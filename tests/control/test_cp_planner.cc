@@ -644,54 +644,79 @@ TEST(CpPlannerTest, Fp8CopiesAreCountedAndPlannedWith) {
 // train.fp8_recipe "blockwise" on "cuda": a dense model plans, its estimate the tensorwise one
 // plus the block scales (a 4-byte scale per 128 codes of each layout of every kept activation and
 // of the output gradient, the weights' 128 x 128 block scales in both layouts) and the bf16 [T, d]
-// scratch of the norms that only feed FP8 GEMMs; a MoE model is refused with one problem naming
-// the field (the CUDA engine's experts are tensorwise only).
-TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseModelsAndRefusesMoe) {
+// scratch of the norms that only feed FP8 GEMMs. A MoE model plans too, the experts' block scales
+// added: each expert's w1, w2, w3 in 128 x 128 blocks (both layouts), the experts' rows and SwiGLU
+// output of each kept MoE layer and the three output gradients in 1 x 128 row blocks and
+// 128-token column blocks that restart at each expert's segment.
+TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseAndMoeModels) {
+  auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  // Floats of a kBlock128 scale tensor of [rows, cols]: rows of blocks padded to 4.
+  auto square = [&](int64_t rows, int64_t cols) { return blocks(rows) * ((blocks(cols) + 3) / 4 * 4); };
+  // What the dense linears add (as the engine lays it out): the kept inputs as
+  // Fp8CopiesAreCountedAndPlannedWith counts them (a MoE layer's FFN apart), the widest output
+  // gradient (1b's qkv, 3 d): both layouts' scales, 8 bytes per 128 values; the weights' scales;
+  // the norms' bf16 scratch.
+  auto dense_extra = [&](const JobSpec& s) {
+    const ModelConfig& m = s.model;
+    const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, T = s.seq_len;
+    const MlaConfig& a = m.mla;
+    int64_t inputs = 0;
+    for (int64_t i = 0; i < m.n_layers; ++i)
+      inputs += (m.LayerKind(i) == 'L'
+                     ? 2 * d
+                     : d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim) +
+                (m.IsMoeLayer(i) ? 0 : d + f);
+    int64_t weights = 0;
+    for (const LinearWeight& w : Fp8LinearWeights(m))
+      weights += padded(4 * square(w.out, w.in)) + padded(4 * square(w.in, w.out));
+    return (T * inputs + T * 3 * d) / 16 + weights + 2 * T * d;
+  };
+  auto extra = [](JobSpec s) {
+    s.train.fp8_recipe = TrainFp8Recipe::kTensorwise;
+    const CpPlan tensorwise = CpPlanner().Plan(s, 0);
+    s.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
+    const CpPlan blockwise = CpPlanner().Plan(s, 0);
+    EXPECT_TRUE(tensorwise.ok()) << tensorwise.problems.front();
+    EXPECT_TRUE(blockwise.ok()) << blockwise.problems.front();
+    EXPECT_EQ(blockwise.memory.total_bytes - tensorwise.memory.total_bytes,
+              blockwise.memory.precision_bytes - tensorwise.memory.precision_bytes);
+    return blockwise.memory.precision_bytes - tensorwise.memory.precision_bytes;
+  };
+
   JobSpec s;
   s.model = *ModelPreset("1b");
   s.seq_len = 32768;
   s.resources = "cuda";
   s.train.recompute_layers = 0;
   s.train.precision = TrainPrecision::kFp8;
-  const ModelConfig& m = s.model;
-  const int64_t d = m.d_model, H = m.n_heads, f = m.ffn_dim, T = s.seq_len;
-  const MlaConfig& a = m.mla;
-  const CpPlan tensorwise = CpPlanner().Plan(s, 0);
-  ASSERT_TRUE(tensorwise.ok()) << tensorwise.problems.front();
-  s.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
-  const CpPlan blockwise = CpPlanner().Plan(s, 0);
-  ASSERT_TRUE(blockwise.ok()) << blockwise.problems.front();
-  // The kept inputs as Fp8CopiesAreCountedAndPlannedWith counts them, and the widest output
-  // gradient (1b's qkv, 3 d): both layouts' scales, 8 bytes per 128 values.
-  const int64_t nl = m.NumLayersOfKind('L'), nm = m.NumLayersOfKind('M');
-  const int64_t inputs =
-      nl * (3 * d + f) + nm * (2 * d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim + f);
-  int64_t weights = 0;  // scales of [out, in] and of [in, out], rows of blocks padded to 4
-  for (const LinearWeight& w : Fp8LinearWeights(m)) {
-    const int64_t bo = (w.out + 127) / 128, bi = (w.in + 127) / 128;
-    weights += (4 * bo * ((bi + 3) / 4 * 4) + 255) / 256 * 256 +
-               (4 * bi * ((bo + 3) / 4 * 4) + 255) / 256 * 256;
-  }
-  const int64_t extra = (T * inputs + T * 3 * d) / 16 + weights + 2 * T * d;
-  EXPECT_EQ(blockwise.memory.precision_bytes - tensorwise.memory.precision_bytes, extra);
-  EXPECT_EQ(blockwise.memory.total_bytes - tensorwise.memory.total_bytes, extra);
+  const int64_t dense = extra(s);
+  EXPECT_EQ(dense, dense_extra(s));
   // Small beside the codes: under a tenth of the kept inputs' bytes.
-  EXPECT_LT(extra, T * inputs / 10);
+  EXPECT_LT(dense, s.seq_len * 16 * (3 * s.model.d_model + s.model.ffn_dim) / 10);
 
   JobSpec moe = Spec(1, 1, 16384);
   moe.model = *ModelPreset("moe");
   moe.resources = "cuda";
   moe.train.precision = TrainPrecision::kFp8;
-  EXPECT_TRUE(CpPlanner().Plan(moe, 0).ok());
-  moe.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
-  const CpPlan refused = CpPlanner().Plan(moe, 0);
-  ASSERT_EQ(refused.problems.size(), 1u);
-  EXPECT_EQ(refused.problems[0].rfind("train.fp8_recipe: \"blockwise\" on resources \"cuda\"", 0),
-            0u)
-      << refused.problems[0];
-  EXPECT_NE(refused.problems[0].find("MoE"), std::string::npos);
-  // The CPU emulation runs it.
+  moe.train.recompute_layers = 0;
+  const ModelConfig& m = moe.model;
+  const int64_t d = m.d_model, E = m.moe.experts, fe = m.moe.expert_ffn, T = moe.seq_len;
+  const int64_t rows = T * m.moe.top_k;  // ep = 1: top_k rows a token
+  // One [rows, cols] rows tensor's scales: a row block per 128 columns of each row, and per
+  // column a block per 128 rows of each expert's segment (at most rows / 128 + E of them).
+  auto rows_scales = [&](int64_t cols) {
+    return 4 * rows * blocks(cols) + 4 * cols * (blocks(rows) + E);
+  };
+  const int64_t layers = m.NumMoeLayers();
+  ASSERT_GT(layers, 0);
+  const int64_t experts = layers * 3 * (padded(4 * E * square(fe, d)) + padded(4 * E * square(d, fe)));
+  const int64_t kept_rows = layers * (rows_scales(d) + rows_scales(fe));
+  const int64_t grads = rows_scales(d) + 2 * rows_scales(fe);
+  EXPECT_EQ(extra(moe), dense_extra(moe) + experts + kept_rows + grads);
+  // The CPU emulation runs it too.
   moe.resources = "cpu";
+  moe.train.fp8_recipe = TrainFp8Recipe::kBlockwise;
   EXPECT_TRUE(CpPlanner().Plan(moe, 0).ok());
 }
 
