@@ -6,7 +6,10 @@
 // each MoE layer's forward waits once for the host: at ep = 1 the choices are grouped on the
 // device (kc::MoeGroupRows) and only the E group sizes come back, while the shared expert runs;
 // at ep > 1 the choices come back and the host plans the exchange (the counts cross the EP group
-// there anyway). The router's statistics stay on the device until the step's end.
+// there anyway). The router's statistics stay on the device until the step's end. Under fp8 the
+// experts' GEMMs read FP8 codes: tensorwise with one scale per expert and per rows tensor;
+// blockwise (train.fp8_recipe) in kernels/cuda/moe.h's grouped layout, whose column blocks
+// restart at each (expert, source rank) segment of the plan (MoeExpertSegments, the CPU's).
 #include "worker/engine/cuda/cuda_moe_ffn.h"
 
 #include <numeric>
