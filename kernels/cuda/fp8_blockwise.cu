@@ -375,8 +375,8 @@ Status LaunchRowBlocks(const Source& src, int64_t rows, int64_t cols, bool vec_l
 // Checks and launches the grouped 1 x 128 quantization of src's [rows, cols] over n_bands bands.
 template <class Source>
 Status LaunchGroupedRowBlocks(const Source& src, const Fp8RowBand* bands, int64_t n_bands,
-                              int64_t rows, int64_t cols, const Fp8BlockOutput& out,
-                              const char* op, cudaStream_t stream) {
+                              int64_t rows, int64_t cols, const Fp8BlockOutput& out, const char* op,
+                              cudaStream_t stream) {
   SPINDLE_CHECK_ARG(rows >= 0 && cols > 0 && n_bands >= 0 && rows % 16 == 0,
                     std::string(op) + ": rows must be a multiple of 16, cols positive");
   SPINDLE_CHECK_ARG(n_bands == 0 || bands != nullptr, std::string(op) + ": bands is null");
@@ -488,9 +488,9 @@ Status Fp8CastWeightsBlockwise(const Fp8BlockWeightCast* tensors, int64_t n_tens
 
 Status Fp8GroupedRowBands(const int64_t* offsets, int64_t G, const int64_t* segments,
                           int64_t n_segments, Fp8RowBands* out) {
-  SPINDLE_CHECK_ARG(offsets != nullptr && segments != nullptr && G >= 0 && n_segments >= 0 &&
-                        out != nullptr,
-                    "Fp8GroupedRowBands: bad arguments");
+  SPINDLE_CHECK_ARG(
+      offsets != nullptr && segments != nullptr && G >= 0 && n_segments >= 0 && out != nullptr,
+      "Fp8GroupedRowBands: bad arguments");
   SPINDLE_CHECK_ARG(segments[0] == 0 && offsets[0] == 0 && segments[n_segments] == offsets[G],
                     "Fp8GroupedRowBands: the segments must run from row 0 to the groups' end");
   out->bands.clear();
@@ -498,13 +498,13 @@ Status Fp8GroupedRowBands(const int64_t* offsets, int64_t G, const int64_t* segm
   int64_t g = 0;
   for (int64_t s = 0; s < n_segments; ++s) {
     const int64_t s0 = segments[s], s1 = segments[s + 1];
-    SPINDLE_CHECK_ARG(s1 >= s0, "Fp8GroupedRowBands: segment bounds decrease at segment " +
-                                    std::to_string(s));
+    SPINDLE_CHECK_ARG(
+        s1 >= s0, "Fp8GroupedRowBands: segment bounds decrease at segment " + std::to_string(s));
     if (s1 == s0) continue;
     while (g < G && offsets[g + 1] <= s0) ++g;  // the group holding row s0
-    SPINDLE_CHECK_ARG(g < G && s1 <= offsets[g + 1],
-                      "Fp8GroupedRowBands: segment " + std::to_string(s) +
-                          " crosses a group boundary");
+    SPINDLE_CHECK_ARG(
+        g < G && s1 <= offsets[g + 1],
+        "Fp8GroupedRowBands: segment " + std::to_string(s) + " crosses a group boundary");
     for (int64_t r = s0; r < s1; r += kFp8BlockSize) {
       Fp8RowBand b;
       b.row0 = r, b.rows = std::min<int64_t>(kFp8BlockSize, s1 - r);
@@ -523,8 +523,8 @@ Status GatherRowsBlockwise(const void* in, const int32_t* src, const Fp8RowBand*
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "GatherRowsBlockwise", {
     const auto* x = static_cast<const scalar_t*>(in);
     if (src != nullptr)
-      return LaunchGroupedRowBlocks(GatherSource<scalar_t>{x, src, D}, bands, n_bands, rows, D,
-                                    out, "GatherRowsBlockwise", stream);
+      return LaunchGroupedRowBlocks(GatherSource<scalar_t>{x, src, D}, bands, n_bands, rows, D, out,
+                                    "GatherRowsBlockwise", stream);
     return LaunchGroupedRowBlocks(StoredSource<scalar_t>{x, D}, bands, n_bands, rows, D, out,
                                   "GatherRowsBlockwise", stream);
   });
@@ -537,8 +537,8 @@ Status SwiGluQuantizeGroupedBlockwise(const void* g, const void* u, const Fp8Row
   SPINDLE_CHECK_ARG(rows == 0 || (g != nullptr && u != nullptr),
                     "SwiGluQuantizeGroupedBlockwise: bad arguments");
   SPINDLE_DISPATCH_FLOAT_BF16(dtype, "SwiGluQuantizeGroupedBlockwise", {
-    const SwiGluSource<scalar_t> s{static_cast<const scalar_t*>(g),
-                                   static_cast<const scalar_t*>(u), cols};
+    const SwiGluSource<scalar_t> s{static_cast<const scalar_t*>(g), static_cast<const scalar_t*>(u),
+                                   cols};
     return LaunchGroupedRowBlocks(s, bands, n_bands, rows, cols, out,
                                   "SwiGluQuantizeGroupedBlockwise", stream);
   });

@@ -652,7 +652,9 @@ TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseAndMoeModels) {
   auto blocks = [](int64_t n) { return (n + 127) / 128; };
   auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   // Floats of a kBlock128 scale tensor of [rows, cols]: rows of blocks padded to 4.
-  auto square = [&](int64_t rows, int64_t cols) { return blocks(rows) * ((blocks(cols) + 3) / 4 * 4); };
+  auto square = [&](int64_t rows, int64_t cols) {
+    return blocks(rows) * ((blocks(cols) + 3) / 4 * 4);
+  };
   // What the dense linears add (as the engine lays it out): the kept inputs as
   // Fp8CopiesAreCountedAndPlannedWith counts them (a MoE layer's FFN apart), the widest output
   // gradient (1b's qkv, 3 d): both layouts' scales, 8 bytes per 128 values; the weights' scales;
@@ -663,10 +665,9 @@ TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseAndMoeModels) {
     const MlaConfig& a = m.mla;
     int64_t inputs = 0;
     for (int64_t i = 0; i < m.n_layers; ++i)
-      inputs += (m.LayerKind(i) == 'L'
-                     ? 2 * d
-                     : d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim) +
-                (m.IsMoeLayer(i) ? 0 : d + f);
+      inputs +=
+          (m.LayerKind(i) == 'L' ? 2 * d : d + a.q_lora_rank + a.kv_lora_rank + H * a.v_head_dim) +
+          (m.IsMoeLayer(i) ? 0 : d + f);
     int64_t weights = 0;
     for (const LinearWeight& w : Fp8LinearWeights(m))
       weights += padded(4 * square(w.out, w.in)) + padded(4 * square(w.in, w.out));
@@ -710,7 +711,8 @@ TEST(CpPlannerTest, Fp8BlockwiseOnCudaPlansDenseAndMoeModels) {
   };
   const int64_t layers = m.NumMoeLayers();
   ASSERT_GT(layers, 0);
-  const int64_t experts = layers * 3 * (padded(4 * E * square(fe, d)) + padded(4 * E * square(d, fe)));
+  const int64_t experts =
+      layers * 3 * (padded(4 * E * square(fe, d)) + padded(4 * E * square(d, fe)));
   const int64_t kept_rows = layers * (rows_scales(d) + rows_scales(fe));
   const int64_t grads = rows_scales(d) + 2 * rows_scales(fe);
   EXPECT_EQ(extra(moe), dense_extra(moe) + experts + kept_rows + grads);

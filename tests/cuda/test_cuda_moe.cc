@@ -164,8 +164,8 @@ void ExpectExpertParallelMatchesOneRank(int ep, bool blockwise = false) {
   const ModelConfig c = TinyMoe();
   const int cp = 2, dp = std::max(1, ep / cp), world = cp * dp;
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed << " ep " << ep
-                                    << (blockwise ? " blockwise" : ""));
+  SCOPED_TRACE(::testing::Message()
+               << "seed " << seed << " ep " << ep << (blockwise ? " blockwise" : ""));
   auto set_precision = [&](CudaModel& m) {
     return blockwise ? m.SetPrecision(TrainPrecision::kFp8, TrainFp8Recipe::kBlockwise)
                      : absl::OkStatus();

@@ -48,8 +48,8 @@ TEST(MoeFp8RowBands, FollowSegmentsWithinGroups) {
   struct Want {
     int64_t row0, rows, group_row0, group_rows;
   };
-  const std::vector<Want> want = {{0, 48, 0, 48},       {48, 52, 48, 272},  {100, 128, 48, 272},
-                                  {228, 9, 48, 272},    {237, 83, 48, 272}, {320, 16, 320, 16}};
+  const std::vector<Want> want = {{0, 48, 0, 48},    {48, 52, 48, 272},  {100, 128, 48, 272},
+                                  {228, 9, 48, 272}, {237, 83, 48, 272}, {320, 16, 320, 16}};
   ASSERT_EQ(b.bands.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
     SCOPED_TRACE(i);
@@ -93,7 +93,8 @@ void ExpectSameFloats(const std::vector<float>& got, const std::vector<float>& w
     const bool same = (std::isnan(got[i]) && std::isnan(want[i])) ||
                       std::memcmp(&got[i], &want[i], sizeof(float)) == 0;
     if (same) continue;
-    if (++bad <= 5) ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+    if (++bad <= 5)
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " values differ";
 }
@@ -269,14 +270,15 @@ TEST_F(MoeFp8BlockwiseCuda, SwiGluQuantizesItsFp32Result) {
   const auto d_g = Upload(g, bf16), d_u = Upload(u, bf16);
   DeviceBuffer y(R * F * 4), scalars(64), tw_codes(R * F + 16);
   Fp8Output tw;  // the tensorwise producer, for its fp32 output y
-  tw.codes = tw_codes.get(), tw.amax = scalars.as<float>(), tw.inverse_scale = scalars.as<float>() + 4;
+  tw.codes = tw_codes.get(), tw.amax = scalars.as<float>(),
+  tw.inverse_scale = scalars.as<float>() + 4;
   // The producer's fp32 y needs fp32 inputs: the same (bf16-rounded) values widened.
   const auto d_g32 = Upload(g, f32), d_u32 = Upload(u, f32);
   ASSERT_OK(SwiGluForwardFp8(d_g32.get(), d_u32.get(), y.get(), R, F, f32, tw, 0));
   GroupedBuffers want(L_, F, DType::kFp8E4M3, true), got(L_, F, DType::kFp8E4M3, true);
   ASSERT_OK(GatherRowsBlockwise(y.get(), nullptr, L_.dev(), L_.n_bands(), R, F, f32, want.out, 0));
-  ASSERT_OK(SwiGluQuantizeGroupedBlockwise(d_g.get(), d_u.get(), L_.dev(), L_.n_bands(), R, F,
-                                           bf16, got.out, 0));
+  ASSERT_OK(SwiGluQuantizeGroupedBlockwise(d_g.get(), d_u.get(), L_.dev(), L_.n_bands(), R, F, bf16,
+                                           got.out, 0));
   ExpectSameFloats(got.Values(), want.Values(), "codes x group row scales");
   ExpectSameFloats(got.ValuesT(), want.ValuesT(), "codes_t x segment scales");
 }
@@ -334,8 +336,8 @@ TEST_F(MoeFp8BlockwiseCuda, GroupedGemmsTakeBlockScales) {
     }
     EXPECT_EQ(bad, 0) << what;
   };
-  for (const GroupedGemmMethod method :
-       {GroupedGemmMethod::kLoop, GroupedGemmMethod::kStreams, GroupedGemmMethod::kGroupedBatched}) {
+  for (const GroupedGemmMethod method : {GroupedGemmMethod::kLoop, GroupedGemmMethod::kStreams,
+                                         GroupedGemmMethod::kGroupedBatched}) {
     SCOPED_TRACE(GroupedGemmMethodName(method));
     std::unique_ptr<GroupedGemm> gg;
     GroupedGemmOptions o;
@@ -351,25 +353,27 @@ TEST_F(MoeFp8BlockwiseCuda, GroupedGemmsTakeBlockScales) {
                                     L_.S()));
     const double b16 = std::ldexp(1.0, -8);
     // y [R, N]: row r of group g times expert g's W.
-    check(Download(y.get(), R * N, bf16), {}, R * N, K,
-          [&](int64_t i, int64_t k) { return xv[(i / N) * K + k]; },
-          [&](int64_t i, int64_t k) { return wq[L_.GroupOf(i / N) * N * K + (i % N) * K + k]; },
-          b16, "y");
+    check(
+        Download(y.get(), R * N, bf16), {}, R * N, K,
+        [&](int64_t i, int64_t k) { return xv[(i / N) * K + k]; },
+        [&](int64_t i, int64_t k) { return wq[L_.GroupOf(i / N) * N * K + (i % N) * K + k]; }, b16,
+        "y");
     // dx [R, K] = dy [R, N] W_g [N, K].
-    check(Download(dx.get(), R * K, bf16), {}, R * K, N,
-          [&](int64_t i, int64_t n) { return dyv[(i / K) * N + n]; },
-          [&](int64_t i, int64_t n) { return wq[L_.GroupOf(i / K) * N * K + n * K + i % K]; },
-          b16, "dx");
+    check(
+        Download(dx.get(), R * K, bf16), {}, R * K, N,
+        [&](int64_t i, int64_t n) { return dyv[(i / K) * N + n]; },
+        [&](int64_t i, int64_t n) { return wq[L_.GroupOf(i / K) * N * K + n * K + i % K]; }, b16,
+        "dx");
     // dW_g [N, K] += sum over the group's rows of dy^T x, each segment's values its own blocks'.
     const auto got_dw = Download(dW.get(), G * N * K, DType::kFloat32);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t o0 = L_.offsets[g], m = L_.offsets[g + 1] - o0;
       const std::vector<float> got_g(got_dw.begin() + g * N * K, got_dw.begin() + (g + 1) * N * K);
       const std::vector<float> base(dW0.begin() + g * N * K, dW0.begin() + (g + 1) * N * K);
-      check(got_g, base, N * K, m,
-            [&](int64_t i, int64_t t) { return dytv[(o0 + t) * N + i / K]; },
-            [&](int64_t i, int64_t t) { return xtv[(o0 + t) * K + i % K]; }, std::ldexp(1.0, -22),
-            "dW expert " + std::to_string(g));
+      check(
+          got_g, base, N * K, m, [&](int64_t i, int64_t t) { return dytv[(o0 + t) * N + i / K]; },
+          [&](int64_t i, int64_t t) { return xtv[(o0 + t) * K + i % K]; }, std::ldexp(1.0, -22),
+          "dW expert " + std::to_string(g));
     }
   }
 }

@@ -212,8 +212,7 @@ struct Fp8ExpertBlock {
   }
   kc::Fp8Experts Transposed() const {
     if (blockwise)
-      return {codes_t(), KDType::kFp8E4M3, scales_t(), ScaleStrideT(),
-              kc::Fp8ScaleMode::kBlock128};
+      return {codes_t(), KDType::kFp8E4M3, scales_t(), ScaleStrideT(), kc::Fp8ScaleMode::kBlock128};
     return {codes_t(), KDType::kFp8E4M3, scalars(), 4};
   }
   // One cast per expert, from the master [experts, rows, cols].

@@ -168,8 +168,8 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
       // The gather quantizes in 1 x 128 row blocks and 128-token column blocks per segment:
       // every scale is its block's own, so no amax pass.
       RETURN_IF_ERROR(PlanBlocks(M));
-      RETURN_IF_ERROR(QuantizeRows(M, M.q_xe, KDType::kFp8E4M3, A.h2.get(), M.expert_src.i32(), d,
-                                   transposes));
+      RETURN_IF_ERROR(
+          QuantizeRows(M, M.q_xe, KDType::kFp8E4M3, A.h2.get(), M.expert_src.i32(), d, transposes));
     } else if (cx.fp8) {
       // The gather quantizes (both layouts) at h2's amax: every token's row is among them.
       RETURN_IF_ERROR(M.q_xe.Ensure(&cx.alloc, R, d, KDType::kFp8E4M3));
@@ -233,8 +233,8 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
       KC(kc::SwiGluForwardFp8(M.g.get(), M.u.get(), nullptr, R, F, kAct, M.q_a.Output(),
                               cx.stream));
     }
-    KC(moe_gemm->ForwardFp8(RowsOperand(M.q_a), cx.fp8_e[p.w2].Forward(), M.ye.get(), kAct, off,
-                            El, d, F, cx.stream));
+    KC(moe_gemm->ForwardFp8(RowsOperand(M.q_a), cx.fp8_e[p.w2].Forward(), M.ye.get(), kAct, off, El,
+                            d, F, cx.stream));
   } else {
     RETURN_IF_ERROR(cx.Act(M.a, R, F));
     KC(moe_gemm->Forward(M.xe.get(), cx.Wb(p.w1), M.g.get(), off, El, F, d, kAct, cx.stream));
@@ -270,12 +270,11 @@ absl::Status CudaMoeFfn::ExpertsBackwardFp8(const LayerIdx& L, MoeDevCache& M) {
   if (cx.fp8_blockwise) {
     RETURN_IF_ERROR(QuantizeRows(M, X.q_dye, kE5, X.dye.get(), nullptr, d, true));
   } else {
-    KC(plan.ep > 1
-           ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream)
-           : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream));
+    KC(plan.ep > 1 ? kc::Fp8Quantize(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream)
+                   : kc::Fp8QuantizeFromAmax(X.dye.get(), R, d, kAct, X.q_dye.Output(), cx.stream));
   }
-  KC(moe_gemm->BackwardDataFp8(RowsOperand(X.q_dye), cx.fp8_e[p.w2].Transposed(), X.da.get(),
-                               kAct, off, El, d, F, cx.stream));
+  KC(moe_gemm->BackwardDataFp8(RowsOperand(X.q_dye), cx.fp8_e[p.w2].Transposed(), X.da.get(), kAct,
+                               off, El, d, F, cx.stream));
   RETURN_IF_ERROR(WeightGrad(M, X.q_dye, M.q_a, cx.G(p.w2), d, F));
   KC(kc::SwiGluBackward(M.g.get(), M.u.get(), X.da.get(), X.dg.get(), X.du.get(), R * F, kAct,
                         cx.stream));

@@ -85,8 +85,8 @@ struct CudaMoeFfn {
   absl::Status PlanBlocks(MoeDevCache& M);
   // Blockwise fp8: the experts' rows `x` [R, cols] (gathered through src, or src null: x itself)
   // quantized into q (format f) in the grouped layout of M's bands; codes_t too if `transposes`.
-  absl::Status QuantizeRows(MoeDevCache& M, Fp8Act& q, KDType f, const void* x,
-                            const int32_t* src, int64_t cols, bool transposes);
+  absl::Status QuantizeRows(MoeDevCache& M, Fp8Act& q, KDType f, const void* x, const int32_t* src,
+                            int64_t cols, bool transposes);
   // The grouped GEMMs' operands of q: its row codes (forward, input gradient) and its transposed
   // codes (weight gradient), tensorwise or (blockwise) with their block scales.
   kc::Fp8Operand RowsOperand(const Fp8Act& q) const;
