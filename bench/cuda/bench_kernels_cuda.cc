@@ -20,8 +20,9 @@
 //   sustained load (the power cap's clock); --fp8-gemms: the step's linears in each role as FP8
 //   GEMMs, cuBLASLt's accurate against its fast accumulation, beside bf16; --moe: the MoE FFN's
 //   kernels at the `moe` preset's shapes (moe.h): the experts' grouped GEMMs by each method beside
-//   a dense GEMM of the same FLOPs (bf16 and FP8), the router, the grouping, the gathers and the
-//   combine.
+//   a dense GEMM of the same FLOPs (bf16, FP8 and FP8 with the blockwise recipe's block scales:
+//   the experts' rows in moe.h's grouped layout, one segment per expert as at ep = 1), the
+//   router, the grouping, the gathers and the combine.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -525,6 +526,16 @@ int MoeBench() {
   const std::vector<float> one(E * 4 + 64, 1.0f);
   CheckCuda(cudaMemcpy(ones.p, one.data(), one.size() * 4, cudaMemcpyHostToDevice), "ones");
   const float* s1 = ones.as<float>();
+  // Blockwise: every block scale 1 (a power of two, as the quantizers write), enough of them for
+  // the widest operand's row scales (max_rows x 16 blocks) and column scales (max_rows / 128 + E
+  // blocks of 2048 columns).
+  const int64_t n_block_scales = max_rows * 16 + (max_rows / 128 + E + 1) * d;
+  Buf block_ones(n_block_scales, cu::DType::kFloat32);
+  {
+    const std::vector<float> v(n_block_scales, 1.0f);
+    CheckCuda(cudaMemcpy(block_ones.p, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "ones");
+  }
+  const float* b1 = block_ones.as<float>();
 
   struct Variant {
     cu::GroupedGemmMethod method;
@@ -566,14 +577,16 @@ int MoeBench() {
       const int64_t rows = off[E];
       int64_t max_m = 0;
       for (int64_t e = 0; e < E; ++e) max_m = std::max(max_m, off[e + 1] - off[e]);
-      for (bool fp8 : {false, true}) {
+      for (int mode : {0, 1, 2}) {  // bf16, fp8, fp8 blockwise
+        const bool fp8 = mode > 0, blockwise = mode == 2;
+        const char* dtype_name = blockwise ? "fp8 blockwise" : fp8 ? "fp8" : "bf16";
         std::vector<double> total(variants.size(), 0.0);
         double dense_total = 0, flops_total = 0;
         for (const Role& r : roles) {
           const double flops = 2.0 * rows * r.N * r.K;
           flops_total += flops;
           std::printf("| %lldK | %s | %s | %s | ", static_cast<long long>(tokens / 1024),
-                      skewed ? "skewed 1.3" : "uniform", fp8 ? "fp8" : "bf16", r.name);
+                      skewed ? "skewed 1.3" : "uniform", dtype_name, r.name);
           double best = 1e30;
           for (size_t v = 0; v < variants.size(); ++v) {
             if (fp8 && variants[v].method == cu::GroupedGemmMethod::kGroupedBatched) {
@@ -596,6 +609,33 @@ int MoeBench() {
                   Check(
                       g.BackwardWeight(X.p, Y.p, dW.as<float>(), off.data(), E, r.N, r.K, kBf16, 0),
                       "w");
+                };
+            } else if (blockwise) {
+              constexpr auto kRow = cu::Fp8ScaleMode::kRow128;
+              const cu::Fp8Experts w8{W8->p, cu::DType::kFp8E4M3, b1,
+                                      cu::Fp8Blocks(r.N) * cu::Fp8SquareScalesLd(r.K),
+                                      cu::Fp8ScaleMode::kBlock128};
+              const cu::Fp8Experts w8t{W8->p, cu::DType::kFp8E4M3, b1,
+                                       cu::Fp8Blocks(r.K) * cu::Fp8SquareScalesLd(r.N),
+                                       cu::Fp8ScaleMode::kBlock128};
+              if (r.kind == 0)
+                fn = [&, w8] {
+                  Check(g.ForwardFp8({X8->p, cu::DType::kFp8E4M3, b1, kRow}, w8, Y.p, kBf16,
+                                     off.data(), E, r.N, r.K, 0),
+                        "f8b");
+                };
+              if (r.kind == 1)
+                fn = [&, w8t] {
+                  Check(g.BackwardDataFp8({Y8->p, cu::DType::kFp8E5M2, b1, kRow}, w8t, X.p, kBf16,
+                                          off.data(), E, r.N, r.K, 0),
+                        "d8b");
+                };
+              if (r.kind == 2)  // at ep = 1 the segments are the groups
+                fn = [&] {
+                  Check(g.BackwardWeightFp8({Y8->p, cu::DType::kFp8E5M2, b1, kRow},
+                                            {X8->p, cu::DType::kFp8E4M3, b1, kRow}, dW.as<float>(),
+                                            off.data(), E, r.N, r.K, 0, off.data(), E),
+                        "w8b");
                 };
             } else {
               const cu::Fp8Experts w8{W8->p, cu::DType::kFp8E4M3, s1, 4};
@@ -646,6 +686,12 @@ int MoeBench() {
             if (r.kind == 1) a.M = rows, a.N = r.K, a.K = r.N;
             if (r.kind == 2) a.M = r.N, a.N = r.K, a.K = rows;
             a.lda = a.K, a.ldb = a.K;
+            if (blockwise) {  // activations 1 x 128, weights 128 x 128 (wgrad: both 1 x 128)
+              a.a_scale = b1, a.b_scale = b1;
+              a.a_scale_mode = cu::Fp8ScaleMode::kRow128;
+              a.b_scale_mode =
+                  r.kind == 2 ? cu::Fp8ScaleMode::kRow128 : cu::Fp8ScaleMode::kBlock128;
+            }
           }
           a.ldc = a.N;
           const double dense = TimeMs([&] { Check(blas->Gemm(a, 0), "dense"); }, 10, 3);
@@ -657,7 +703,7 @@ int MoeBench() {
         int n =
             std::snprintf(line, sizeof(line), "| %lldK | %s (max group %lld rows) | %s | ",
                           static_cast<long long>(tokens / 1024), skewed ? "skewed 1.3" : "uniform",
-                          static_cast<long long>(max_m), fp8 ? "fp8" : "bf16");
+                          static_cast<long long>(max_m), dtype_name);
         double best = 1e30;
         for (size_t v = 0; v < variants.size(); ++v) {
           if (total[v] > 0) best = std::min(best, total[v]);
