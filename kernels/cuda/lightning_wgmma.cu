@@ -26,14 +26,11 @@
 // K-major layout (leading offset 128, stride offset 2048); read with K = r it is the MN-major
 // layout (leading 2048, stride 128). The masked scores P [64 t, 64 s] use the same layout with
 // 64 columns (row groups 1024 bytes apart).
+#include "kernels/cuda/hopper.cuh"
 #include "kernels/cuda/lightning_common.cuh"
 
 namespace spindle::kernels::cuda::internal::lightning {
 namespace {
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define SPINDLE_WGMMA_DEVICE 1
-#endif
 
 constexpr int kDh = 128;
 constexpr int kTileBytes = kChunk * kDh * 2;  // 16 KB
@@ -64,26 +61,6 @@ __device__ __forceinline__ uint64_t DescK(uint32_t addr) { return Desc(addr, 128
 __device__ __forceinline__ uint64_t DescMN(uint32_t addr) { return Desc(addr, 2048, 128); }
 
 #ifdef SPINDLE_WGMMA_DEVICE
-__device__ __forceinline__ void WgFence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void WgCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void WgWait() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to wgmma's reads.
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Keeps the compiler from moving accumulator reads and writes across wgmma's issue and wait.
-template <int N>
-__device__ __forceinline__ void FenceRegs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // D (64 x 64, fp32) = A B (+ D when accumulate), A and B from shared memory, each K-major (0) or
 // MN-major (1).
 template <int kTransA, int kTransB>
@@ -493,24 +470,6 @@ struct WsLayout {
 };
 
 #ifdef SPINDLE_WGMMA_DEVICE
-__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra.uni WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-template <int N>
-__device__ __forceinline__ void WgWaitN() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ void WgBarrier(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }

@@ -188,16 +188,22 @@ enum class GroupedGemmMethod {
   kStreams = 1,         // the same calls spread over `streams` streams forked from the caller's
   kGroupedBatched = 2,  // cuBLAS's cublasGemmGroupedBatchedEx, one call where A, B and C share
                         // one type (FP8 and the weight gradient run as kStreams)
+  kPersistent = 3,      // our persistent bf16 kernel on Hopper (TMA + wgmma, sm_90 only): one
+                        // launch for all groups (moe_gemm_sm90.h); FP8, fp32, other GPUs and
+                        // shapes it refuses run as kStreams, per call. Its weight gradient needs
+                        // every group offset at a multiple of 64 (MoeGroupRows with align 64)
 };
 const char* GroupedGemmMethodName(GroupedGemmMethod m);
 
 struct GroupedGemmOptions {
   GroupedGemmMethod method = GroupedGemmMethod::kStreams;
-  int streams = 2;  // kStreams: streams in all (the caller's among them), 1..16
+  int streams = 2;  // kStreams (and kPersistent's fallback): streams in all (the caller's
+                    // among them), 1..16
 };
 
 // Owns its cuBLASLt plans and workspaces (one Blas per stream it issues on), the side streams and
-// their events, and (kGroupedBatched) a cuBLAS handle and device pointer tables. Not thread-safe,
+// their events, (kGroupedBatched) a cuBLAS handle and device pointer tables, and (kPersistent) the
+// persistent kernel's tile table. Not thread-safe,
 // and calls on different streams must not overlap: use one GroupedGemm per stream.
 class GroupedGemm {
  public:

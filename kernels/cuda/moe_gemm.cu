@@ -11,6 +11,10 @@
 // writes its own rows or its own expert's gradient; the blockwise weight gradient's segments of
 // one expert run in order on one stream).
 //
+// Persistent (kPersistent): bf16 Forward, BackwardData and BackwardWeight go to our one-launch
+// Hopper kernel (moe_gemm_sm90.h) when it takes the call (device, sizes, alignment, and the weight
+// gradient's 64-row group offsets); everything else runs as kStreams.
+//
 // Grouped batched: cuBLAS takes host arrays of sizes and device arrays of pointers; the pointers
 // travel as a kernel argument (kPtrChunk groups a launch) into a device table owned here, in
 // stream order, so nothing synchronises the host.
@@ -23,6 +27,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_gemm_sm90.h"
 
 namespace spindle::kernels::cuda {
 namespace {
@@ -90,6 +95,8 @@ const char* GroupedGemmMethodName(GroupedGemmMethod m) {
       return "cuBLASLt on streams";
     case GroupedGemmMethod::kGroupedBatched:
       return "cuBLAS grouped batched";
+    case GroupedGemmMethod::kPersistent:
+      return "persistent wgmma";
   }
   return "unknown";
 }
@@ -103,6 +110,8 @@ struct GroupedGemm::Impl {
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
   void** table = nullptr;  // [3][kMaxGroups] device pointers
+  // kPersistent on a device that runs it; null elsewhere (every call then runs as kStreams).
+  std::unique_ptr<internal::PersistentGroupedGemm> persistent;
 
   ~Impl() {
     for (cudaStream_t s : side) cudaStreamDestroy(s);
@@ -131,9 +140,23 @@ struct GroupedGemm::Impl {
         if (!fp8 && gs[0].ab_type == gs[0].c_type) return RunGroupedBatched(gs, stream);
         [[fallthrough]];
       case GroupedGemmMethod::kStreams:
+      case GroupedGemmMethod::kPersistent:  // the calls the persistent kernel did not take
         return RunStreams(gs, stream, lane_key);
     }
     return Status::Ok();
+  }
+
+  // Runs `a` on the persistent kernel when the method asks for it and the kernel takes the call
+  // (*done true); otherwise leaves *done false for the cuBLASLt path.
+  Status TryPersistent(const internal::PersistentGemmArgs& a, DType dtype, cudaStream_t stream,
+                       bool* done) {
+    *done = false;
+    if (options.method != GroupedGemmMethod::kPersistent || persistent == nullptr ||
+        dtype != DType::kBFloat16 || !persistent->Supports(a).ok()) {
+      return Status::Ok();
+    }
+    *done = true;
+    return persistent->Run(a, stream);
   }
 
   Status RunStreams(const std::vector<GemmArgs>& gs, cudaStream_t stream,
@@ -230,6 +253,10 @@ Status GroupedGemm::Create(const GroupedGemmOptions& options, std::unique_ptr<Gr
     impl->done.push_back(e);
   }
   SPINDLE_CUDA_CHECK(cudaEventCreateWithFlags(&impl->fork, cudaEventDisableTiming));
+  if (options.method == GroupedGemmMethod::kPersistent) {
+    const Status s = internal::PersistentGroupedGemm::Create(&impl->persistent);
+    if (!s.ok() && s.code() != StatusCode::kUnsupported) return s;  // unsupported: kStreams
+  }
   if (options.method == GroupedGemmMethod::kGroupedBatched) {
     SPINDLE_CUBLAS_CHECK(cublasCreate(&impl->cublas));
     SPINDLE_CUDA_CHECK(cudaMalloc(&impl->cublas_workspace, kCublasWorkspaceBytes));
@@ -242,6 +269,10 @@ Status GroupedGemm::Create(const GroupedGemmOptions& options, std::unique_ptr<Gr
 Status GroupedGemm::Forward(const void* A, const void* B, void* C, const int64_t* offsets,
                             int64_t G, int64_t N, int64_t K, DType dtype, cudaStream_t stream) {
   SPINDLE_RETURN_IF_ERROR(CheckGroups(offsets, G, N, K, "GroupedGemm::Forward"));
+  bool done = false;
+  SPINDLE_RETURN_IF_ERROR(impl_->TryPersistent(
+      {internal::PersistentRole::kForward, A, B, C, offsets, G, N, K}, dtype, stream, &done));
+  if (done) return Status::Ok();
   const int64_t es = DTypeSize(dtype);
   std::vector<GemmArgs> gs;
   for (int64_t g = 0; g < G; ++g) {
@@ -263,6 +294,11 @@ Status GroupedGemm::BackwardData(const void* dC, const void* B, void* dA, const 
                                  int64_t G, int64_t N, int64_t K, DType dtype, cudaStream_t stream,
                                  bool accumulate) {
   SPINDLE_RETURN_IF_ERROR(CheckGroups(offsets, G, N, K, "GroupedGemm::BackwardData"));
+  bool done = false;
+  SPINDLE_RETURN_IF_ERROR(impl_->TryPersistent(
+      {internal::PersistentRole::kBackwardData, dC, B, dA, offsets, G, N, K, accumulate}, dtype,
+      stream, &done));
+  if (done) return Status::Ok();
   const int64_t es = DTypeSize(dtype);
   std::vector<GemmArgs> gs;
   for (int64_t g = 0; g < G; ++g) {
@@ -284,6 +320,11 @@ Status GroupedGemm::BackwardWeight(const void* dC, const void* A, float* dB, con
                                    int64_t G, int64_t N, int64_t K, DType dtype,
                                    cudaStream_t stream) {
   SPINDLE_RETURN_IF_ERROR(CheckGroups(offsets, G, N, K, "GroupedGemm::BackwardWeight"));
+  bool done = false;
+  SPINDLE_RETURN_IF_ERROR(impl_->TryPersistent(
+      {internal::PersistentRole::kBackwardWeight, dC, A, dB, offsets, G, N, K}, dtype, stream,
+      &done));
+  if (done) return Status::Ok();
   const int64_t es = DTypeSize(dtype);
   std::vector<GemmArgs> gs;
   for (int64_t g = 0; g < G; ++g) {
