@@ -214,6 +214,9 @@ class GroupedGemm {
   GroupedGemm& operator=(const GroupedGemm&) = delete;
 
   const GroupedGemmOptions& options() const;
+  // Whether kPersistent's kernel runs here (method kPersistent, an sm_90 device, a build with
+  // sm_90a code); false: every call runs as kStreams.
+  bool persistent_kernel() const;
 
   // A, B, C in `dtype`; C overwritten.
   Status Forward(const void* A, const void* B, void* C, const int64_t* offsets, int64_t G,

@@ -233,6 +233,8 @@ GroupedGemm::~GroupedGemm() = default;
 
 const GroupedGemmOptions& GroupedGemm::options() const { return impl_->options; }
 
+bool GroupedGemm::persistent_kernel() const { return impl_->persistent != nullptr; }
+
 Status GroupedGemm::Create(const GroupedGemmOptions& options, std::unique_ptr<GroupedGemm>* out) {
   SPINDLE_CHECK_ARG(options.streams >= 1 && options.streams <= kMaxStreams,
                     "GroupedGemm: streams must be in 1..16");
