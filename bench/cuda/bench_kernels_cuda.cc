@@ -477,12 +477,13 @@ int Fp8Gemms() {
 // ---- The MoE FFN at the `moe` preset's shapes (--moe) -------------------------------------------
 // d_model 2048, 64 experts of width 256 (W1 and W3 stacked per expert as [512, 2048], W2
 // [2048, 256]), top 8, at 16K and 32K tokens: 131,072 and 262,144 rows in 64 groups padded to
-// multiples of 16, with a uniform load (each row's expert drawn at random) and a skewed one
+// multiples of 16 (of 64 for the persistent kernel, whose weight gradient needs them: its
+// TFLOP/s count the same useful FLOPs, the extra padding rows its cost), with a uniform load (each row's expert drawn at random) and a skewed one
 // (expert loads from 0.7x to 1.3x the mean: max / mean 1.3). Each expert GEMM role runs grouped
 // by each GroupedGemmMethod and as one dense GEMM of the same FLOPs (the rows of all groups as
 // one matrix against one expert's weights), medians of 10 after warm-up; then the six roles' sum
 // (the experts' GEMMs of one layer's forward and backward).
-std::vector<int64_t> MoeOffsets(int64_t rows, int64_t E, bool skewed, std::mt19937& rng) {
+std::vector<int64_t> MoeCounts(int64_t rows, int64_t E, bool skewed, std::mt19937& rng) {
   std::vector<int64_t> counts(E, 0);
   if (skewed) {
     double sum = 0;
@@ -496,14 +497,20 @@ std::vector<int64_t> MoeOffsets(int64_t rows, int64_t E, bool skewed, std::mt199
     std::uniform_int_distribution<int64_t> pick(0, E - 1);
     for (int64_t i = 0; i < rows; ++i) ++counts[pick(rng)];
   }
-  std::vector<int64_t> off(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + (counts[e] + 15) / 16 * 16;
+  return counts;
+}
+
+// Group offsets of `counts`, each group padded to a multiple of `align`.
+std::vector<int64_t> PaddedOffsets(const std::vector<int64_t>& counts, int64_t align) {
+  std::vector<int64_t> off(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e)
+    off[e + 1] = off[e] + (counts[e] + align - 1) / align * align;
   return off;
 }
 
 int MoeBench() {
   const int64_t d = 2048, F = 256, E = 64, topk = 8;
-  const int64_t max_rows = 32768 * topk + E * 16;
+  const int64_t max_rows = 32768 * topk + E * 64;
   std::mt19937 rng(7);
   // Activations (the widest: [rows, 2048]), stacked weights, fp32 weight gradients.
   Buf X(max_rows * d, kBf16), Y(max_rows * d, kBf16), W(E * 2 * F * d, kBf16, 0.02f),
@@ -541,15 +548,20 @@ int MoeBench() {
     cu::GroupedGemmMethod method;
     int streams;
     const char* name;
+    bool persistent = false;  // bf16 only (FP8 would run as 2 streams), groups padded to 64
   };
   const std::vector<Variant> variants = {{cu::GroupedGemmMethod::kLoop, 1, "loop"},
                                          {cu::GroupedGemmMethod::kStreams, 2, "2 streams"},
                                          {cu::GroupedGemmMethod::kStreams, 4, "4 streams"},
                                          {cu::GroupedGemmMethod::kStreams, 8, "8 streams"},
-                                         {cu::GroupedGemmMethod::kGroupedBatched, 1, "grouped"}};
+                                         {cu::GroupedGemmMethod::kGroupedBatched, 1, "grouped"},
+                                         {cu::GroupedGemmMethod::kPersistent, 2, "persistent",
+                                          true}};
   std::vector<std::unique_ptr<cu::GroupedGemm>> gg(variants.size());
   for (size_t v = 0; v < variants.size(); ++v) {
     Check(cu::GroupedGemm::Create({variants[v].method, variants[v].streams}, &gg[v]), "grouped");
+    if (variants[v].persistent && !gg[v]->persistent_kernel())
+      std::printf("(the persistent kernel does not run on this device: its column is 2 streams)\n");
   }
   std::unique_ptr<cu::Blas> blas;
   Check(cu::Blas::Create(&blas), "blas");
@@ -567,20 +579,22 @@ int MoeBench() {
       "FLOPs):\n\n");
   std::printf("| tokens | load | dtype | GEMM | ");
   for (const Variant& v : variants) std::printf("%s | ", v.name);
-  std::printf("dense | best / dense |\n|---|---|---|---|");
-  for (size_t v = 0; v <= variants.size() + 1; ++v) std::printf("---|");
+  std::printf("dense | best / dense | persistent / dense |\n|---|---|---|---|");
+  for (size_t v = 0; v <= variants.size() + 2; ++v) std::printf("---|");
   std::printf("\n");
   std::vector<std::string> summary;
   for (int64_t tokens : {int64_t{16384}, int64_t{32768}}) {
     for (bool skewed : {false, true}) {
-      const auto off = MoeOffsets(tokens * topk, E, skewed, rng);
+      const auto counts = MoeCounts(tokens * topk, E, skewed, rng);
+      const auto off16 = PaddedOffsets(counts, 16), off64 = PaddedOffsets(counts, 64);
+      const auto& off = off16;
       const int64_t rows = off[E];
       int64_t max_m = 0;
       for (int64_t e = 0; e < E; ++e) max_m = std::max(max_m, off[e + 1] - off[e]);
       for (int mode : {0, 1, 2}) {  // bf16, fp8, fp8 blockwise
         const bool fp8 = mode > 0, blockwise = mode == 2;
         const char* dtype_name = blockwise ? "fp8 blockwise" : fp8 ? "fp8" : "bf16";
-        std::vector<double> total(variants.size(), 0.0);
+        std::vector<double> total(variants.size(), 0.0), role_ms(variants.size(), 0.0);
         double dense_total = 0, flops_total = 0;
         for (const Role& r : roles) {
           const double flops = 2.0 * rows * r.N * r.K;
@@ -589,25 +603,28 @@ int MoeBench() {
                       skewed ? "skewed 1.3" : "uniform", dtype_name, r.name);
           double best = 1e30;
           for (size_t v = 0; v < variants.size(); ++v) {
-            if (fp8 && variants[v].method == cu::GroupedGemmMethod::kGroupedBatched) {
+            if (fp8 && (variants[v].method == cu::GroupedGemmMethod::kGroupedBatched ||
+                        variants[v].persistent)) {
               std::printf("- | ");
+              role_ms[v] = 0;
               continue;
             }
             cu::GroupedGemm& g = *gg[v];
+            const std::vector<int64_t>& o = variants[v].persistent ? off64 : off16;
             std::function<void()> fn;
             if (!fp8) {
               if (r.kind == 0)
                 fn = [&] {
-                  Check(g.Forward(X.p, W.p, Y.p, off.data(), E, r.N, r.K, kBf16, 0), "f");
+                  Check(g.Forward(X.p, W.p, Y.p, o.data(), E, r.N, r.K, kBf16, 0), "f");
                 };
               if (r.kind == 1)
                 fn = [&] {
-                  Check(g.BackwardData(X.p, W.p, Y.p, off.data(), E, r.N, r.K, kBf16, 0), "d");
+                  Check(g.BackwardData(X.p, W.p, Y.p, o.data(), E, r.N, r.K, kBf16, 0), "d");
                 };
               if (r.kind == 2)
                 fn = [&] {
                   Check(
-                      g.BackwardWeight(X.p, Y.p, dW.as<float>(), off.data(), E, r.N, r.K, kBf16, 0),
+                      g.BackwardWeight(X.p, Y.p, dW.as<float>(), o.data(), E, r.N, r.K, kBf16, 0),
                       "w");
                 };
             } else if (blockwise) {
@@ -661,6 +678,7 @@ int MoeBench() {
             }
             const double ms = TimeMs(fn, 10, 3);
             total[v] += ms;
+            role_ms[v] = ms;
             best = std::min(best, ms);
             std::printf("%.0f | ", flops / ms / 1e9);
           }
@@ -696,7 +714,9 @@ int MoeBench() {
           a.ldc = a.N;
           const double dense = TimeMs([&] { Check(blas->Gemm(a, 0), "dense"); }, 10, 3);
           dense_total += dense;
-          std::printf("%.0f | %.0f%% |\n", flops / dense / 1e9, 100.0 * dense / best);
+          const double pers = role_ms.back();  // the persistent variant is the last
+          std::printf("%.0f | %.0f%% | ", flops / dense / 1e9, 100.0 * dense / best);
+          std::printf(pers > 0 ? "%.0f%% |\n" : "- |\n", 100.0 * dense / pers);
           std::fflush(stdout);
         }
         char line[512];
@@ -710,9 +730,11 @@ int MoeBench() {
           n += std::snprintf(line + n, sizeof(line) - n, total[v] > 0 ? "%.3f | " : "- | ",
                              total[v]);
         }
-        std::snprintf(line + n, sizeof(line) - n, "%.3f | %.0f / %.0f | %.0f%% |", dense_total,
-                      flops_total / best / 1e9, flops_total / dense_total / 1e9,
-                      100.0 * dense_total / best);
+        n += std::snprintf(line + n, sizeof(line) - n, "%.3f | %.0f / %.0f | %.0f%% | ",
+                           dense_total, flops_total / best / 1e9, flops_total / dense_total / 1e9,
+                           100.0 * dense_total / best);
+        std::snprintf(line + n, sizeof(line) - n, total.back() > 0 ? "%.0f%% |" : "- |",
+                      100.0 * dense_total / total.back());
         summary.push_back(line);
       }
     }
@@ -720,8 +742,8 @@ int MoeBench() {
   std::printf("\nThe six GEMMs of one MoE layer's experts (forward and backward), ms:\n\n");
   std::printf("| tokens | load | dtype | ");
   for (const Variant& v : variants) std::printf("%s | ", v.name);
-  std::printf("dense | best / dense TFLOP/s | best / dense |\n|---|---|---|");
-  for (size_t v = 0; v < variants.size() + 3; ++v) std::printf("---|");
+  std::printf("dense | best / dense TFLOP/s | best / dense | persistent / dense |\n|---|---|---|");
+  for (size_t v = 0; v < variants.size() + 4; ++v) std::printf("---|");
   std::printf("\n");
   for (const auto& l : summary) std::printf("%s\n", l.c_str());
 
