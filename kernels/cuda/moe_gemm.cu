@@ -147,7 +147,7 @@ struct GroupedGemm::Impl {
   }
 
   // Runs `a` on the persistent kernel when the method asks for it and the kernel takes the call
-  // (*done true); otherwise leaves *done false for the cuBLASLt path.
+  // (*done true); otherwise leaves *done false for the cuBLASLt path (a refusal enqueues nothing).
   Status TryPersistent(const internal::PersistentGemmArgs& a, DType dtype, cudaStream_t stream,
                        bool* done) {
     *done = false;
@@ -155,8 +155,10 @@ struct GroupedGemm::Impl {
         dtype != DType::kBFloat16 || !persistent->Supports(a).ok()) {
       return Status::Ok();
     }
+    const Status s = persistent->Run(a, stream);
+    if (s.code() == StatusCode::kUnsupported) return Status::Ok();  // e.g. a tensor map refused
     *done = true;
-    return persistent->Run(a, stream);
+    return s;
   }
 
   Status RunStreams(const std::vector<GemmArgs>& gs, cudaStream_t stream,

@@ -157,8 +157,12 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
   if (stats) RETURN_IF_ERROR(CountLseSq(L, M.lse.f32(), T));
   DeviceMoeRows& rows = static_cast<DeviceMoeRows&>(*moe_rows);
   // Under fp8 every expert's rows are padded to a multiple of 16 (the FP8 GEMMs' and the
-  // transposed codes' alignment) by the grouping itself.
-  const int64_t align = cx.fp8 ? 16 : 1;
+  // transposed codes' alignment) by the grouping itself; in bf16 under the persistent grouped
+  // GEMM to a multiple of 64 (its weight gradient's 64-row K-blocks stay within a group). The
+  // padding rows are zeros in every buffer the GEMMs read: the gathers write zeros for them (xe,
+  // and dye at ep > 1), dye is cleared before the combine's backward at ep = 1, and g, u, a, da,
+  // dg, du follow from those zeros.
+  const int64_t align = cx.fp8 ? 16 : moe_gemm->persistent_kernel() ? 64 : 1;
   if (cx.host->ep() == 1) {
     // Grouped on the device: the host waits only for the E group sizes.
     RETURN_IF_ERROR(GroupOnDevice(M, align, shared));
