@@ -13,9 +13,9 @@
 // while the consumers run their epilogue (stores straight from registers, no staging).
 //
 // Operands: every tile comes by TMA with the 128-byte swizzle into 1024-byte aligned buffers:
-//  - K-major (the reduction contiguous: A and W of the forward, dC of the backward-data): one box of
-//    64 (K) x 128 rows, 128-byte rows; wgmma descriptor leading offset unused (16), stride offset
-//    1024 (8 rows), +32 bytes a k16 step. A consumer's 64 rows start 8 KB in.
+//  - K-major (the reduction contiguous: A and W of the forward, dC of the backward-data): one
+//    box of 64 (K) x 128 rows, 128-byte rows; wgmma descriptor leading offset unused (16), stride
+//    offset 1024 (8 rows), +32 bytes a k16 step. A consumer's 64 rows start 8 KB in.
 //  - MN-major (the output index contiguous: W read as [N, K] by the backward-data, dC and A of
 //    the weight gradient): two boxes of 64 (MN) x 64 (K), 8 KB each, read with the transpose bit;
 //    descriptor leading offset 8192 (the next 64 MN values), stride offset 1024 (the next 8 K
@@ -32,25 +32,24 @@
 // Pipeline: full[s] (one arrival, the producer's expect_tx, plus 32 KB of TMA transactions) and
 // empty[s] (one arrival per consumer warpgroup, after the wgmma reading stage s completed: each
 // consumer keeps one K-block's wgmma group in flight and releases the stage before it).
-#include "kernels/cuda/moe_gemm_sm90.h"
-
 #include <cuda.h>
-#include <cuda_bf16.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/hopper.cuh"
+#include "kernels/cuda/moe_gemm_sm90.h"
 
 namespace spindle::kernels::cuda::internal {
 namespace {
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kStages = 6;
-constexpr int kThreads = 384;  // producer warpgroup, two consumer warpgroups
-constexpr int kBoxBytes = 64 * 64 * 2;  // a 64 x 64 bf16 box: 64 rows of 128 bytes
+constexpr int kThreads = 384;              // producer warpgroup, two consumer warpgroups
+constexpr int kBoxBytes = 64 * 64 * 2;     // a 64 x 64 bf16 box: 64 rows of 128 bytes
 constexpr int kTileBytes = kBM * kBK * 2;  // 16 KB
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kBarOffset = kStages * kStageBytes;
@@ -67,7 +66,7 @@ struct GemmParams {
   int n_tiles = 0;   // tiles along the output's columns: ceil(N / 128) forward, else ceil(K / 128)
   int k_blocks = 0;  // forward and backward-data: 64-wide blocks of the reduction (K, N)
   int accumulate = 0;
-  int total = 0;     // tiles of every group
+  int total = 0;  // tiles of every group
   void* c = nullptr;
   const int32_t* table = nullptr;  // offsets [G + 1], then tile starts at kTableStride
 };
@@ -84,8 +83,8 @@ __global__ void TileTableKernel(const OffsetsParam off, int G, int role, int n_t
   int count = 0;
   if (g < G) {
     const int m = off.v[g + 1] - off.v[g];
-    count = role == kBackwardWeight ? (m > 0 ? m_tiles_w * n_tiles : 0)
-                                    : (m + kBM - 1) / kBM * n_tiles;
+    count =
+        role == kBackwardWeight ? (m > 0 ? m_tiles_w * n_tiles : 0) : (m + kBM - 1) / kBM * n_tiles;
   }
   s[g] = count;
   __syncthreads();
@@ -134,15 +133,14 @@ __device__ __forceinline__ void Wgmma128(float (&d)[64], uint64_t da, uint64_t d
       "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
       : "l"(da), "l"(db), "r"(1), "n"(kTransA), "n"(kTransB));
 }
 
@@ -152,7 +150,7 @@ struct Tile {
   int n0 = 0;       // first output column
   int row_end = 0;  // rows at or past it are not stored
   int k_blocks = 0;
-  int r0 = 0;       // the weight gradient: the group's first row (its reduction)
+  int r0 = 0;  // the weight gradient: the group's first row (its reduction)
 };
 
 // Tile t, with g a cursor that only moves forward (a CTA's tiles ascend).
@@ -186,8 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const __grid_constant__ CUtensorMap map_b, const GemmParams p) {
 #ifdef SPINDLE_WGMMA_DEVICE
   extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base =
-      (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
   const uint32_t full0 = base + kBarOffset, empty0 = full0 + kStages * 8;
   const int wg = threadIdx.x >> 7;
   if (threadIdx.x == 0) {
@@ -214,11 +211,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t sa = base + stage * kStageBytes, sb = sa + kTileBytes;
         MbarArriveExpectTx(full, kStageBytes);
         if (kRole == kForward) {
-          TmaLoad2d(sa, &map_a, full, kb * kBK, x.m0);        // A [rows, K]: (k, row)
-          TmaLoad3d(sb, &map_b, full, kb * kBK, x.n0, x.g);   // W [G, N, K]: (k, n, g)
+          TmaLoad2d(sa, &map_a, full, kb * kBK, x.m0);       // A [rows, K]: (k, row)
+          TmaLoad3d(sb, &map_b, full, kb * kBK, x.n0, x.g);  // W [G, N, K]: (k, n, g)
         } else if (kRole == kBackwardData) {
-          TmaLoad2d(sa, &map_a, full, kb * kBK, x.m0);        // dC [rows, N]: (n, row)
-          for (int h = 0; h < 2; ++h)                         // W [G, N, K]: (k, n, g)
+          TmaLoad2d(sa, &map_a, full, kb * kBK, x.m0);  // dC [rows, N]: (n, row)
+          for (int h = 0; h < 2; ++h)                   // W [G, N, K]: (k, n, g)
             TmaLoad3d(sb + h * kBoxBytes, &map_b, full, x.n0 + 64 * h, kb * kBK, x.g);
         } else {
           const int r = x.r0 + kb * kBK;
@@ -288,8 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float2 old = *o;
           *o = make_float2(old.x + v0, old.y + v1);
         } else {
-          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.c) +
-                                                                static_cast<int64_t>(r) * cols + col);
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(
+              static_cast<bf16*>(p.c) + static_cast<int64_t>(r) * cols + col);
           if (kRole == kBackwardData && p.accumulate) {
             const float2 old = __bfloat1622float2(*o);
             *o = __floats2bfloat162_rn(old.x + v0, old.y + v1);
@@ -351,8 +348,7 @@ Status PersistentGroupedGemm::Supports(const PersistentGemmArgs& a) const {
   if (a.N <= 0 || a.K <= 0 || a.N % 8 != 0 || a.K % 8 != 0 || a.N > kMaxInt || a.K > kMaxInt)
     return Unsupported("needs N and K positive multiples of 8 (16-byte rows for TMA), got N " +
                        std::to_string(a.N) + ", K " + std::to_string(a.K));
-  if (a.offsets[0] < 0 || a.offsets[a.G] > kMaxInt)
-    return Unsupported("needs the rows below 2^31");
+  if (a.offsets[0] < 0 || a.offsets[a.G] > kMaxInt) return Unsupported("needs the rows below 2^31");
   if (a.G > 0 && a.N * a.K * a.G > (int64_t{1} << 38))
     return Unsupported("the weights are too large for one tensor map");
   if (!Aligned16(a.a) || !Aligned16(a.b) || !Aligned16(a.c))
@@ -360,9 +356,10 @@ Status PersistentGroupedGemm::Supports(const PersistentGemmArgs& a) const {
   if (a.role == PersistentRole::kBackwardWeight) {
     for (int64_t g = 0; g <= a.G; ++g) {
       if (a.offsets[g] % kBK != 0)
-        return Unsupported("the weight gradient needs every group offset at a multiple of 64 "
-                           "(MoeGroupRows with align 64); offset " +
-                           std::to_string(g) + " is " + std::to_string(a.offsets[g]));
+        return Unsupported(
+            "the weight gradient needs every group offset at a multiple of 64 "
+            "(MoeGroupRows with align 64); offset " +
+            std::to_string(g) + " is " + std::to_string(a.offsets[g]));
     }
   }
   return Status::Ok();

@@ -54,7 +54,7 @@ class PersistentGroupedGemm {
  private:
   PersistentGroupedGemm() = default;
   int sms_ = 0;
-  void* encode_ = nullptr;   // cuTensorMapEncodeTiled, from the runtime's driver entry point
+  void* encode_ = nullptr;    // cuTensorMapEncodeTiled, from the runtime's driver entry point
   int32_t* table_ = nullptr;  // device: offsets [kMaxGroups + 1], tile starts [kMaxGroups + 1]
 };
 

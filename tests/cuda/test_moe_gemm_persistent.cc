@@ -99,7 +99,8 @@ void ExpectNearLt(const std::vector<float>& got, const std::vector<float>& lt, D
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size()
                     << " outputs off cuBLASLt's, first at " << first << ": "
-                    << (first >= 0 ? got[first] : 0.0f) << " vs " << (first >= 0 ? lt[first] : 0.0f);
+                    << (first >= 0 ? got[first] : 0.0f) << " vs "
+                    << (first >= 0 ? lt[first] : 0.0f);
 }
 
 // The problem on the host (bf16-exact values in fp32) and its fp64 reference at an output.
@@ -287,8 +288,8 @@ TEST_F(PersistentGemm, RefusedShapesRunAsStreams) {
     const int64_t G = p.G, N = p.N, K = p.K, rows = p.rows;
     DeviceBuffer gA = Upload(p.A, c.dt), gW = Upload(p.W, c.dt), gdC = Upload(p.dC, c.dt);
     DeviceBuffer b1 = Upload(p.dB0, kF32), b2 = Upload(p.dB0, kF32);
-    ASSERT_OK(pers->BackwardWeight(gdC.get(), gA.get(), b1.as<float>(), p.off.data(), G, N, K,
-                                   c.dt, 0));
+    ASSERT_OK(
+        pers->BackwardWeight(gdC.get(), gA.get(), b1.as<float>(), p.off.data(), G, N, K, c.dt, 0));
     ASSERT_OK(streams->BackwardWeight(gdC.get(), gA.get(), b2.as<float>(), p.off.data(), G, N, K,
                                       c.dt, 0));
     ExpectSameBits(Download(b1.get(), G * N * K, kF32), Download(b2.get(), G * N * K, kF32),
