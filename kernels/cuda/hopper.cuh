@@ -66,6 +66,28 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// MbarWait that gives up after ~2^34 clocks (about 10 s; a pipeline's waits take microseconds)
+// with a trap, so a protocol fault ends the kernel with a launch error instead of hanging the
+// stream.
+__device__ __forceinline__ bool MbarTryWait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void MbarWaitBounded(uint32_t bar, uint32_t parity) {
+  if (MbarTryWait(bar, parity)) return;
+  const long long t0 = clock64();
+  while (!MbarTryWait(bar, parity)) {
+    if (clock64() - t0 > (1ll << 34)) __trap();
+  }
+}
+
 // ---- TMA tiled loads: the box at coordinates (c0 innermost, c1, c2) of the tensor map at
 // generic address `map` (a __grid_constant__ kernel parameter) into shared memory at `dst`,
 // completing `box bytes` transactions on mbarrier `bar`. Out-of-bounds elements are zeros.

@@ -31,7 +31,9 @@
 //
 // Pipeline: full[s] (one arrival, the producer's expect_tx, plus 32 KB of TMA transactions) and
 // empty[s] (one arrival per consumer warpgroup, after the wgmma reading stage s completed: each
-// consumer keeps one K-block's wgmma group in flight and releases the stage before it).
+// consumer keeps one K-block's wgmma group in flight and releases the stage before it). The waits
+// are bounded (MbarWaitBounded): a fault in the protocol traps (a launch error) after ~10 s
+// instead of hanging the stream.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < p.total; t += gridDim.x) {
       const Tile x = DecodeTile<kRole>(p, t, g);
       for (int kb = 0; kb < x.k_blocks; ++kb) {
-        MbarWait(empty0 + 8 * stage, phase ^ 1);
+        MbarWaitBounded(empty0 + 8 * stage, phase ^ 1);
         const uint32_t full = full0 + 8 * stage;
         const uint32_t sa = base + stage * kStageBytes, sb = sa + kTileBytes;
         MbarArriveExpectTx(full, kStageBytes);
@@ -246,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     int prev = 0;
     for (int kb = 0; kb < x.k_blocks; ++kb) {
-      MbarWait(full0 + 8 * stage, phase);
+      MbarWaitBounded(full0 + 8 * stage, phase);
       const uint32_t sa = base + stage * kStageBytes + cw * kBoxBytes;
       const uint32_t sb = base + stage * kStageBytes + kTileBytes;
       const uint64_t da = kTransA ? DescMNMajor(sa) : DescKMajor(sa);
