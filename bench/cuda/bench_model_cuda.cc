@@ -28,6 +28,8 @@
 // forward GEMMs accumulate accurately too (CudaModel::SetFp8FastForward); --fp8_recipe
 // tensorwise (default) or blockwise (train.fp8_recipe; also spelled --fp8-recipe): blockwise
 // scaling, whose GEMMs never fast-accumulate (the header line says which ran).
+// --expert_gemm streams (default), loop or persistent: how the MoE experts' grouped GEMMs run
+// (CudaModel::SetExpertGemm; persistent: our own sm_90 kernel in bf16).
 // --forward 0: skip the forward-only timing and the held-out loss (their columns print -1), which
 // at the longest sequences take as long as half a step.
 //
@@ -35,6 +37,7 @@
 //                         [--offload 0|1|both] [--steps 6] [--head_start_ms 0] [--head_rows 0]
 //                         [--mla_grad_heads 0] [--forward 1] [--precision bf16|fp8]
 //                         [--fp8_fast_forward 1] [--fp8_recipe tensorwise|blockwise]
+//                         [--expert_gemm streams|loop|persistent]
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -66,7 +69,7 @@ constexpr int64_t kAuto = -2;
 int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::vector<int64_t>& recs,
         const std::vector<bool>& offloads, int steps, int head_start_ms, int64_t head_rows,
         int64_t mla_grad_heads, bool forward, TrainPrecision precision, bool fast_forward,
-        TrainFp8Recipe recipe) {
+        TrainFp8Recipe recipe, const std::string& expert_gemm) {
   auto config = ModelPreset(preset);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
@@ -81,6 +84,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   absl::Status set = m.SetHeadBlockRows(head_rows);
   if (set.ok()) set = m.SetMlaGradHeadsPerGroup(mla_grad_heads);
   if (set.ok()) set = m.SetPrecision(precision, recipe);
+  if (set.ok()) set = m.SetExpertGemm(expert_gemm);
   m.SetFp8FastForward(fast_forward);
   if (!set.ok()) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", set.ToString().c_str());
@@ -90,13 +94,14 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
   cudaGetDeviceProperties(&prop, 0);
   std::printf(
       "# %s, preset %s (%.0fM parameters), precision %s (bf16 activations%s), fp32 "
-      "master + AdamW\n",
+      "master + AdamW%s\n",
       prop.name, preset.c_str(), config->NumParams() / 1e6,
       std::string(TrainPrecisionName(precision)).c_str(),
       precision != TrainPrecision::kFp8             ? ""
       : recipe == TrainFp8Recipe::kBlockwise         ? ", FP8 linears, blockwise scaling"
       : fast_forward ? ", FP8 linears, tensorwise, fast-accumulating forward"
-                     : ", FP8 linears, tensorwise, accurate accumulation");
+                     : ", FP8 linears, tensorwise, accurate accumulation",
+      config->moe.experts > 0 ? (", expert GEMMs " + expert_gemm).c_str() : "");
   std::printf(
       "| T | recompute | offload | step ms | host enqueue ms | forward-only ms | optimizer ms | "
       "tokens/s | TFLOP/s | peak act GiB | fixed GiB | device used GiB | host GiB | loss | "
@@ -217,7 +222,7 @@ int Run(const std::string& preset, const std::vector<int64_t>& Ts, const std::ve
 }  // namespace spindle
 
 int main(int argc, char** argv) {
-  std::string preset = "1b", rec = "0", offload = "0";
+  std::string preset = "1b", rec = "0", offload = "0", expert_gemm = "streams";
   std::vector<int64_t> Ts = {8192, 32768};
   int steps = 6, head_start_ms = 0;
   int64_t head_rows = 0, mla_grad_heads = 0;
@@ -246,6 +251,8 @@ int main(int argc, char** argv) {
       mla_grad_heads = std::atoll(v.c_str());
     } else if (k == "--forward") {
       forward = v != "0";
+    } else if (k == "--expert_gemm") {
+      expert_gemm = v;
     } else if (k == "--fp8_fast_forward") {
       fast_forward = v != "0";
     } else if (k == "--fp8_recipe" || k == "--fp8-recipe") {
@@ -290,5 +297,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   return spindle::Run(preset, Ts, recs, offloads, steps, head_start_ms, head_rows, mla_grad_heads,
-                      forward, precision, fast_forward, recipe);
+                      forward, precision, fast_forward, recipe, expert_gemm);
 }

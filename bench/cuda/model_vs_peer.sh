@@ -10,7 +10,8 @@
 # at 32K).
 # moe: the mixture-of-experts preset (moe: 64 experts of 256, top 8, a shared expert of 1024) in
 # bf16 and fp8, at 16K without recompute and at 32K with "auto" recompute, against the peer's
-# --moe 64,8,256,1024 compiled (with --ckpt, without which it runs out of memory at 16K on an H100).
+# --moe 64,8,256,1024 compiled (with --ckpt, without which it runs out of memory at 16K on an H100),
+# and bf16 again with the experts' GEMMs on the persistent grouped kernel (--expert_gemm).
 # Usage: bench/cuda/model_vs_peer.sh [what: all | ours | peer | fp8 | moe]
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -40,6 +41,9 @@ if [ "$what" = moe ]; then
     timeout 100 .cuda-run/bench_model_cuda --preset moe --T 16384 --recompute 0 --steps 4 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
     timeout 120 .cuda-run/bench_model_cuda --preset moe --T 32768 --recompute auto --steps 4 --forward 0 --precision $p 2>&1 | tee -a "$out/spindle_step.txt"
   done
+  # bf16 with the experts' GEMMs on our persistent grouped kernel (CudaModel::SetExpertGemm).
+  timeout 100 .cuda-run/bench_model_cuda --preset moe --T 16384 --recompute 0 --steps 4 --expert_gemm persistent 2>&1 | tee -a "$out/spindle_step.txt"
+  timeout 120 .cuda-run/bench_model_cuda --preset moe --T 32768 --recompute auto --steps 4 --forward 0 --expert_gemm persistent 2>&1 | tee -a "$out/spindle_step.txt"
   echo "== peer"
   for args in "--T 16384 --compile --ckpt" "--T 32768 --compile --ckpt"; do
     echo "ref_model.py --moe 64,8,256,1024 $args"

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
 #include "worker/engine/cuda/cuda_model_common.h"
 
 namespace spindle {
@@ -85,6 +86,7 @@ struct LayerContext {
   // train.fp8_recipe "blockwise" (with fp8): every FP8 operand in block scales (Fp8Block::scales).
   bool fp8_blockwise = false;
   bool fp8_fast_forward = true;  // see SetFp8FastForward
+  kc::GroupedGemmOptions expert_gemm;  // see SetExpertGemm
   std::vector<Fp8Block> fp8_w;
   std::vector<Fp8ExpertBlock> fp8_e;
   BatchDev B;

@@ -519,6 +519,22 @@ absl::Status CudaModel::SetOffloadInputs(bool on) {
 
 void CudaModel::SetFp8FastForward(bool on) { impl_->fp8_fast_forward = on; }
 
+absl::Status CudaModel::SetExpertGemm(std::string_view method) {
+  kc::GroupedGemmOptions o;
+  if (method == "loop") {
+    o.method = kc::GroupedGemmMethod::kLoop;
+  } else if (method == "persistent") {
+    o.method = kc::GroupedGemmMethod::kPersistent;
+  } else if (method != "streams") {
+    return absl::InvalidArgumentError("cuda model: expert GEMM method \"" + std::string(method) +
+                                      "\": expected streams, loop or persistent");
+  }
+  CUDA(cudaStreamSynchronize(impl_->stream));  // the current GroupedGemm may still be in use
+  impl_->expert_gemm = o;
+  impl_->moe.ResetGroupedGemm();
+  return absl::OkStatus();
+}
+
 namespace {
 // A head-count override of the tests: >= 0 (0: the engine's rule).
 absl::Status SetHeadCount(int64_t heads, const char* what, int64_t* out) {

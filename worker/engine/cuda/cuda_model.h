@@ -57,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -190,6 +191,12 @@ class CudaModel {
   // as torchao's recipe and the peer's; the tensor cores' partial sums are not promoted to fp32
   // at intervals). The gradients' GEMMs always take the accurate mode. Off: every GEMM accurate.
   void SetFp8FastForward(bool on);
+  // How the MoE experts' grouped GEMMs are issued (kernels/cuda/moe.h GroupedGemmMethod; benchmarks
+  // and tests): "streams" (the default: cuBLASLt calls over two streams), "loop" (one stream), or
+  // "persistent" (one launch of our own sm_90 kernel for every group, bf16; it falls back to
+  // streams per call where it cannot run). Takes effect at the next forward. InvalidArgument for
+  // another name.
+  absl::Status SetExpertGemm(std::string_view method);
   // MLA attention's backward runs its heads in groups (CudaAttentionHeadsPerCall in
   // common/model_config.h, which bounds cuDNN's fp32 dQ accumulator). heads > 0: groups of the
   // largest divisor of a call's heads not above `heads` instead (tests); 0 restores the rule.

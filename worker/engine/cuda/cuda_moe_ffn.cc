@@ -118,7 +118,7 @@ absl::Status CudaMoeFfn::Forward(const LayerIdx& L, LayerActs& A, MoeDevCache& M
         absl::StrCat("cuda model: the experts are sharded over ", cx.host->ep(),
                      " ranks; SetExpertParallel gives their group"));
   if (!moe_rows) moe_rows = std::make_unique<DeviceMoeRows>(&cx.alloc, &cx.stream);
-  if (!moe_gemm) KC(kc::GroupedGemm::Create(kc::GroupedGemmOptions{}, &moe_gemm));
+  if (!moe_gemm) KC(kc::GroupedGemm::Create(cx.expert_gemm, &moe_gemm));
   // Router: z = h2 Wr^T in fp32 on the master weights, then the choices.
   RETURN_IF_ERROR(cx.F32(M.h32, T * d));
   RETURN_IF_ERROR(cx.F32(M.logits, T * E));

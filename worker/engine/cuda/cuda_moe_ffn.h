@@ -68,6 +68,8 @@ struct CudaMoeFfn {
   absl::Status DrainLseSq();
   // The shared scratch back to the allocator.
   void Release();
+  // The grouped GEMMs go: the next forward creates them with cx.expert_gemm (the stream idle).
+  void ResetGroupedGemm() { moe_gemm.reset(); }
 
   // A training step's statistics by layer and its z-loss scale; moe_counting: a training pass,
   // whose first forwards count the choices.
