@@ -31,28 +31,20 @@
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/fp8_test_util.h"
 
 namespace spindle::kernels::cuda {
 namespace {
 
+using testing::CpuFormat;
 using testing::DeviceBuffer;
 using testing::Download;
+using testing::DownloadBytes;
 using testing::ExpectClose;
 using testing::Normal;
 using testing::RoundTo;
 using testing::Upload;
 using testing::UploadRaw;
-
-cpu::Fp8Format CpuFormat(DType f) {
-  return f == DType::kFp8E5M2 ? cpu::Fp8Format::kE5M2 : cpu::Fp8Format::kE4M3;
-}
-
-std::vector<uint8_t> DownloadBytes(const void* p, int64_t n) {
-  std::vector<uint8_t> out(n);
-  cudaDeviceSynchronize();
-  if (n > 0) cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost);
-  return out;
-}
 
 float DownloadScalar(const float* p) {
   float v = 0.0f;

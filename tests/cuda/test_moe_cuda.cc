@@ -25,10 +25,12 @@
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/moe.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/fp8_test_util.h"
 
 namespace spindle::kernels::cuda {
 namespace {
 
+using testing::CpuFormat;
 using testing::DeviceBuffer;
 using testing::Download;
 using testing::ExpectClose;
@@ -251,10 +253,6 @@ TEST_F(MoeCuda, GatherRowsMatchesCpu) {
       }
     }
   }
-}
-
-cpu::Fp8Format CpuFormat(DType f) {
-  return f == DType::kFp8E5M2 ? cpu::Fp8Format::kE5M2 : cpu::Fp8Format::kE4M3;
 }
 
 TEST_F(MoeCuda, GatherRowsFp8MatchesCpuEmulation) {

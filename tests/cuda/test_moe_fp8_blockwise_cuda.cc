@@ -24,12 +24,15 @@
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/moe.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/fp8_test_util.h"
 
 namespace spindle::kernels::cuda {
 namespace {
 
+using testing::CpuFormat;
 using testing::DeviceBuffer;
 using testing::Download;
+using testing::DownloadBytes;
 using testing::Upload;
 
 constexpr int64_t kBlk = kFp8BlockSize;
@@ -73,17 +76,6 @@ TEST(MoeFp8RowBands, FollowSegmentsWithinGroups) {
 }
 
 // ---- On the GPU ---------------------------------------------------------------------------------
-
-cpu::Fp8Format CpuFormat(DType f) {
-  return f == DType::kFp8E5M2 ? cpu::Fp8Format::kE5M2 : cpu::Fp8Format::kE4M3;
-}
-
-std::vector<uint8_t> DownloadBytes(const void* p, int64_t n) {
-  std::vector<uint8_t> out(n);
-  cudaDeviceSynchronize();
-  if (n > 0) cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost);
-  return out;
-}
 
 void ExpectSameFloats(const std::vector<float>& got, const std::vector<float>& want,
                       const std::string& what) {
