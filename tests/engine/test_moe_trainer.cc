@@ -9,6 +9,7 @@
 //  - A spec that leaves parallel.ep undecided is refused (the trainer runs planned specs).
 #include <omp.h>
 
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <fstream>
@@ -88,7 +89,7 @@ TEST(MoeTrainer, CheckpointAtEp4ResumesAtEp1AndEp2Exactly) {
                                        "/").c_str()),
               0);
     std::vector<std::vector<double>> resumed;
-    int64_t checked = 0;
+    std::atomic<int64_t> checked{0};  // the ranks run on threads of their own
     absl::Status s = RunWorld(MoeJob(6, ep, copy), &resumed, [&](int rank, Trainer& t) {
       EXPECT_EQ(t.state().step, 3);
       ParamSet& P = t.backend().host_params();
@@ -110,7 +111,7 @@ TEST(MoeTrainer, CheckpointAtEp4ResumesAtEp1AndEp2Exactly) {
       ++checked;
     });
     ASSERT_TRUE(s.ok()) << s;
-    EXPECT_EQ(checked, 4);
+    EXPECT_EQ(checked.load(), 4);
     ASSERT_EQ(resumed[0].size(), 3u) << "ep " << ep;
     for (int i = 0; i < 3; ++i)
       EXPECT_NEAR(resumed[0][i], full[0][3 + i], 1e-4 * full[0][3 + i])
